@@ -1,0 +1,45 @@
+# The Metal simulator (csrc/gpu/sim): every metal/*.metal is turned into C++ by
+# csrc/gpu/sim/msl2cpp.py at build time and compiled against the <metal_stdlib> shim.
+set(LILY_MSL_OUT "${CMAKE_BINARY_DIR}/msl")
+set(LILY_MSL2CPP "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl2cpp.py")
+file(GLOB LILY_SIM_METAL CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/metal/*.metal")
+file(GLOB LILY_SIM_METAL_H CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/metal/*.h")
+file(GLOB LILY_SIM_SHIM CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl/*"
+     "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/*.h")
+
+set(LILY_SIM_GEN_HEADERS "")
+foreach(h ${LILY_SIM_METAL_H})
+  get_filename_component(name "${h}" NAME)
+  add_custom_command(OUTPUT "${LILY_MSL_OUT}/${name}"
+    COMMAND "${Python_EXECUTABLE}" "${LILY_MSL2CPP}" "${LILY_MSL_OUT}" "${h}"
+    DEPENDS "${h}" "${LILY_MSL2CPP}"
+    COMMENT "msl2cpp ${name}")
+  list(APPEND LILY_SIM_GEN_HEADERS "${LILY_MSL_OUT}/${name}")
+endforeach()
+set(LILY_SIM_GEN_SOURCES "")
+foreach(src ${LILY_SIM_METAL})
+  get_filename_component(name "${src}" NAME_WE)
+  set(out "${LILY_MSL_OUT}/${name}.metal.cpp")
+  add_custom_command(OUTPUT "${out}"
+    COMMAND "${Python_EXECUTABLE}" "${LILY_MSL2CPP}" "${LILY_MSL_OUT}" "${src}"
+    DEPENDS "${src}" "${LILY_MSL2CPP}" ${LILY_SIM_GEN_HEADERS}
+    COMMENT "msl2cpp ${name}.metal")
+  list(APPEND LILY_SIM_GEN_SOURCES "${out}")
+endforeach()
+
+add_library(lily_sim_kernels OBJECT ${LILY_SIM_GEN_SOURCES} ${LILY_SIM_GEN_HEADERS})
+target_include_directories(lily_sim_kernels PRIVATE
+  "${CMAKE_SOURCE_DIR}/csrc" "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl" "${LILY_MSL_OUT}")
+# An MSL attribute the transform does not understand must not be silently ignored.
+if(CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+  target_compile_options(lily_sim_kernels PRIVATE -Werror=unknown-attributes -Wno-unknown-pragmas)
+else()
+  target_compile_options(lily_sim_kernels PRIVATE -Werror=attributes -Wno-unknown-pragmas)
+endif()
+set_source_files_properties(${LILY_SIM_GEN_SOURCES} PROPERTIES OBJECT_DEPENDS "${LILY_SIM_SHIM}")
+
+add_library(lily_sim OBJECT
+  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/executor.cpp"
+  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/sim_device.cpp")
+target_include_directories(lily_sim PRIVATE "${CMAKE_SOURCE_DIR}/csrc")
+list(APPEND LILY_DEVICES "sim")

@@ -1,0 +1,232 @@
+// The device interface: one API over the Metal backend (csrc/gpu/metal) and the Metal
+// simulator (csrc/gpu/sim). Plain C++17; no Objective-C types cross this header.
+//
+// Model (mirrors Metal):
+//   Device         owns buffers, pipelines (looked up by kernel host name) and one queue.
+//   Buffer         shared-storage memory visible to host and kernels; may wrap a
+//                  page-aligned mmapped file region without copying.
+//   CommandBuffer  a list of compute passes; commit() hands it to the queue (in order),
+//                  wait() blocks until it completed and rethrows its error, completion
+//                  callbacks run when it completes. At most kMaxInFlight are outstanding.
+//   ComputePass    a concurrent compute encoder. Every dispatch declares the buffer ranges
+//                  it reads and writes; the pass derives barriers from them (a dispatch
+//                  that conflicts RAW/WAR/WAW with one in the current stage starts a new
+//                  stage). With BarrierMode::manual the caller places barriers and a
+//                  conflict inside one stage is a HazardError naming both dispatches.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace lily::gpu {
+
+// Errors. Messages name the kernel, buffer, binding or geometry at fault.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Two dispatches in one barrier stage conflict (RAW/WAR/WAW), or a dispatch wrote
+// outside its declared ranges (simulator's verify_writes mode).
+struct HazardError : Error {
+  using Error::Error;
+};
+// Bad arguments from the caller (unknown kernel, bad geometry, missing binding...).
+struct UsageError : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+struct Size3 {
+  uint32_t x = 1, y = 1, z = 1;
+  uint64_t count() const { return uint64_t(x) * y * z; }
+};
+
+class Buffer {
+ public:
+  virtual ~Buffer() = default;
+  virtual size_t size() const = 0;
+  // Host pointer to the storage (shared storage mode). nullptr on a record-only device.
+  virtual void* contents() = 0;
+  // Process-unique id, stable for the buffer's lifetime (used in messages and counters).
+  virtual uint64_t id() const = 0;
+  virtual std::string label() const = 0;
+  virtual void set_label(const std::string& label) = 0;
+};
+using BufferPtr = std::shared_ptr<Buffer>;
+
+class Pipeline {
+ public:
+  virtual ~Pipeline() = default;
+  virtual const std::string& name() const = 0;
+  virtual uint32_t max_threads_per_threadgroup() const = 0;
+  virtual uint32_t thread_execution_width() const = 0;  // 32 on Apple GPUs
+};
+
+// A declared byte range of a buffer that a dispatch reads or writes.
+struct Range {
+  const Buffer* buffer = nullptr;
+  size_t offset = 0;
+  size_t size = 0;
+  bool overlaps(const Range& o) const {
+    return buffer == o.buffer && size && o.size && offset < o.offset + o.size &&
+           o.offset < offset + size;
+  }
+};
+
+// One argument-table entry: [[buffer(index)]] bound to a buffer+offset or to inline
+// constant bytes (setBytes), or [[threadgroup(index)]] given a dynamic memory length.
+struct Binding {
+  enum class Kind { buffer, bytes, threadgroup_memory };
+  Kind kind = Kind::buffer;
+  uint32_t index = 0;
+  const Buffer* buffer = nullptr;  // Kind::buffer
+  size_t offset = 0;               // Kind::buffer
+  std::vector<uint8_t> bytes;      // Kind::bytes (at most 4 KiB, as Metal)
+  size_t length = 0;               // Kind::threadgroup_memory
+
+  static Binding buf(uint32_t index, const Buffer& b, size_t offset = 0) {
+    Binding r; r.kind = Kind::buffer; r.index = index; r.buffer = &b; r.offset = offset;
+    return r;
+  }
+  static Binding constant_bytes(uint32_t index, const void* p, size_t n) {
+    Binding r; r.kind = Kind::bytes; r.index = index;
+    r.bytes.assign(static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+    return r;
+  }
+  static Binding threadgroup(uint32_t index, size_t length) {
+    Binding r; r.kind = Kind::threadgroup_memory; r.index = index; r.length = length;
+    return r;
+  }
+};
+
+struct Dispatch {
+  const Pipeline* pipeline = nullptr;
+  // grid counts threads (dispatchThreads: edge threadgroups may be partial) unless
+  // grid_is_threadgroups, then it counts threadgroups (dispatchThreadgroups).
+  Size3 grid;
+  Size3 threadgroup;
+  bool grid_is_threadgroups = false;
+  std::vector<Binding> bindings;
+  std::vector<Range> reads, writes;
+  std::string label;  // for messages; defaults to the kernel name
+};
+
+// One dispatch as counted: for per-dispatch performance counters.
+struct DispatchRecord {
+  std::string label;     // "<label or kernel> (#<index in pass>)"
+  uint32_t pass = 0;     // index of the pass in the command buffer
+  uint32_t stage = 0;    // barrier stage within the command buffer (0-based)
+  uint64_t bytes_read = 0, bytes_written = 0;
+};
+
+struct Counters {
+  uint64_t dispatches = 0;
+  uint64_t barrier_stages = 0;  // barrier-free stages (a pass with k barriers has k+1)
+  uint64_t bytes_read = 0;      // sum of declared read ranges
+  uint64_t bytes_written = 0;   // sum of declared write ranges
+  uint64_t passes = 0;
+  std::vector<DispatchRecord> log;  // one entry per dispatch, in encoding order
+  Counters& operator+=(const Counters& o) {
+    log.insert(log.end(), o.log.begin(), o.log.end());
+    dispatches += o.dispatches; barrier_stages += o.barrier_stages;
+    bytes_read += o.bytes_read; bytes_written += o.bytes_written; passes += o.passes;
+    return *this;
+  }
+};
+
+// Derives barriers from declared ranges. Shared by every backend.
+class StageTracker {
+ public:
+  struct Entry {
+    std::string label;
+    std::vector<Range> reads, writes;
+  };
+  // The entry in the current stage that d conflicts with (RAW, WAR or WAW), or nullptr.
+  // kind receives "read-after-write", "write-after-read" or "write-after-write".
+  const Entry* conflict(const Dispatch& d, const char** kind) const;
+  void add(const Dispatch& d);
+  void new_stage() { current_.clear(); }
+  bool empty() const { return current_.empty(); }
+
+ private:
+  std::vector<Entry> current_;
+};
+
+enum class BarrierMode {
+  automatic,  // barriers derived from the declared ranges
+  manual,     // caller calls barrier(); a conflict within one stage is a HazardError
+};
+
+class ComputePass {
+ public:
+  virtual ~ComputePass() = default;
+  // Validates, derives a barrier if needed, records counters, then encodes.
+  void dispatch(const Dispatch& d);
+  // Hand-placed barrier (only meaningful with BarrierMode::manual; harmless otherwise).
+  void barrier();
+  void end();
+  bool ended() const { return ended_; }
+  BarrierMode mode() const { return mode_; }
+  class Device& device() const { return *device_; }
+
+ protected:
+  ComputePass(class Device* device, BarrierMode mode, Counters* counters)
+      : device_(device), mode_(mode), counters_(counters) {}
+  virtual void encode_dispatch(const Dispatch& d) = 0;
+  virtual void encode_barrier() = 0;
+  virtual void encode_end() = 0;
+
+ private:
+  void start_stage();
+  class Device* device_;
+  BarrierMode mode_;
+  Counters* counters_;
+  StageTracker tracker_;
+  bool ended_ = false;
+  bool any_dispatch_ = false;
+  uint64_t dispatch_index_ = 0;
+};
+
+enum class Status { encoding, committed, completed, error };
+
+class CommandBuffer {
+ public:
+  virtual ~CommandBuffer() = default;
+  // Begins a concurrent compute pass; the previous pass, if any, is ended first.
+  virtual ComputePass& compute_pass(BarrierMode mode = BarrierMode::automatic) = 0;
+  virtual void commit() = 0;
+  // Blocks until completed; rethrows the execution error (as Error) if it failed.
+  virtual void wait() = 0;
+  // Runs fn(status, error_message) on completion (on the queue's thread). Register
+  // before commit. fn must not throw.
+  virtual void on_completed(std::function<void(Status, const std::string&)> fn) = 0;
+  virtual Status status() const = 0;
+  virtual const Counters& counters() const = 0;
+};
+
+class Device {
+ public:
+  static constexpr int kMaxInFlight = 2;  // command buffers outstanding at once
+
+  virtual ~Device() = default;
+  virtual std::string name() const = 0;
+  // New shared-storage buffer (contents undefined; the simulator poisons them with NaN).
+  virtual BufferPtr new_buffer(size_t bytes) = 0;
+  // Wraps page-aligned host memory without copying; release() runs when the buffer dies.
+  virtual BufferPtr new_buffer_no_copy(void* ptr, size_t bytes,
+                                       std::function<void()> release) = 0;
+  // Maps [offset, offset+length) of a file read-only and wraps it without copying.
+  // offset must be a multiple of the page size; length 0 means "to the end".
+  BufferPtr map_file(const std::string& path, size_t offset = 0, size_t length = 0);
+  // Looks a kernel up by host name; throws UsageError naming it when unknown.
+  virtual const Pipeline& pipeline(const std::string& name) = 0;
+  virtual std::vector<std::string> kernel_names() const = 0;
+  virtual std::unique_ptr<CommandBuffer> new_command_buffer() = 0;
+};
+
+size_t page_size();
+
+}  // namespace lily::gpu

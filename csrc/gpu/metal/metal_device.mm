@@ -1,0 +1,388 @@
+// The Metal backend: a thin Objective-C++ layer behind lily::gpu::Device. Everything that
+// can be plain C++ (barrier derivation, counters, hazard checks, file mapping) lives in
+// gpu/device.cpp and is shared with the simulator.
+//
+// Built only on Apple platforms with -fobjc-arc. Type-checked on Linux by
+// tools/check_objc.sh against the macOS 12 SDK headers; APIs newer than macOS 12 are
+// guarded with @available.
+#import <Foundation/Foundation.h>
+#import <Metal/Metal.h>
+
+#include "gpu/metal/metal_device.h"
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace lily::metal {
+namespace {
+
+using gpu::Binding;
+using gpu::BufferPtr;
+using gpu::Counters;
+using gpu::Dispatch;
+using gpu::Error;
+using gpu::Status;
+using gpu::UsageError;
+
+std::atomic<uint64_t> g_next_id{1};
+
+std::string to_string(NSString* s) { return s ? std::string([s UTF8String]) : std::string(); }
+
+// gpu::Buffer has a member function id(), which hides Objective-C's `id` inside classes
+// derived from it: name the type outside.
+typedef id<MTLBuffer> MTLBufferRef;
+
+class MetalBuffer : public gpu::Buffer, public std::enable_shared_from_this<MetalBuffer> {
+ public:
+  MetalBuffer(MTLBufferRef b, size_t size) : buf_(b), size_(size), id_(g_next_id++) {}
+  size_t size() const override { return size_; }
+  void* contents() override { return [buf_ contents]; }
+  uint64_t id() const override { return id_; }
+  std::string label() const override { return to_string([buf_ label]); }
+  void set_label(const std::string& l) override { [buf_ setLabel:@(l.c_str())]; }
+  MTLBufferRef mtl() const { return buf_; }
+
+ private:
+  MTLBufferRef buf_;
+  size_t size_;
+  uint64_t id_;
+};
+
+class MetalPipeline : public gpu::Pipeline {
+ public:
+  MetalPipeline(std::string name, id<MTLComputePipelineState> pso) : name_(std::move(name)), pso_(pso) {}
+  const std::string& name() const override { return name_; }
+  uint32_t max_threads_per_threadgroup() const override {
+    return static_cast<uint32_t>([pso_ maxTotalThreadsPerThreadgroup]);
+  }
+  uint32_t thread_execution_width() const override { return static_cast<uint32_t>([pso_ threadExecutionWidth]); }
+  id<MTLComputePipelineState> pso() const { return pso_; }
+
+ private:
+  std::string name_;
+  id<MTLComputePipelineState> pso_;
+};
+
+class MetalDevice;
+
+// Keeps every buffer a command buffer uses alive until it completes (the command buffer
+// is created with unretained references).
+struct Keepalive {
+  std::vector<std::shared_ptr<const MetalBuffer>> buffers;
+};
+
+class MetalPass : public gpu::ComputePass {
+ public:
+  MetalPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, id<MTLComputeCommandEncoder> enc,
+            Keepalive* keep)
+      : ComputePass(dev, mode, counters), enc_(enc), keep_(keep) {}
+
+ protected:
+  void encode_dispatch(const Dispatch& d) override {
+    const auto* p = dynamic_cast<const MetalPipeline*>(d.pipeline);
+    if (!p) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the Metal device");
+    const uint64_t tg = d.threadgroup.count();
+    if (!d.threadgroup.x || !d.threadgroup.y || !d.threadgroup.z || !d.grid.x || !d.grid.y || !d.grid.z)
+      throw UsageError("kernel '" + p->name() + "': grid and threadgroup sizes must be non-zero");
+    if (tg > p->max_threads_per_threadgroup())
+      throw UsageError("kernel '" + p->name() + "': threadgroup of " + std::to_string(tg) +
+                       " threads exceeds the pipeline's maximum of " +
+                       std::to_string(p->max_threads_per_threadgroup()));
+    [enc_ setComputePipelineState:p->pso()];
+    size_t tg_total = 0;
+    for (const Binding& b : d.bindings) {
+      if (b.index >= 31) throw UsageError("kernel '" + p->name() + "': binding index " + std::to_string(b.index) + " > 30");
+      switch (b.kind) {
+        case Binding::Kind::buffer: {
+          const auto* mb = dynamic_cast<const MetalBuffer*>(b.buffer);
+          if (!mb) throw UsageError("kernel '" + p->name() + "': buffer(" + std::to_string(b.index) + ") is not a Metal buffer");
+          if (b.offset > mb->size()) throw UsageError("kernel '" + p->name() + "': buffer offset past the end");
+          [enc_ setBuffer:mb->mtl() offset:b.offset atIndex:b.index];
+          keep_->buffers.push_back(mb->shared_from_this());  // const MetalBuffer
+          break;
+        }
+        case Binding::Kind::bytes:
+          if (b.bytes.size() > 4096) throw UsageError("kernel '" + p->name() + "': more than 4096 constant bytes");
+          [enc_ setBytes:b.bytes.data() length:b.bytes.size() atIndex:b.index];
+          break;
+        case Binding::Kind::threadgroup_memory:
+          if (b.length % 16) throw UsageError("kernel '" + p->name() + "': threadgroup memory length not a multiple of 16");
+          tg_total += b.length;
+          [enc_ setThreadgroupMemoryLength:b.length atIndex:b.index];
+          break;
+      }
+    }
+    if (tg_total + [p->pso() staticThreadgroupMemoryLength] > [[enc_ device] maxThreadgroupMemoryLength])
+      throw UsageError("kernel '" + p->name() + "': threadgroup memory exceeds the device limit");
+    MTLSize grid = MTLSizeMake(d.grid.x, d.grid.y, d.grid.z);
+    MTLSize group = MTLSizeMake(d.threadgroup.x, d.threadgroup.y, d.threadgroup.z);
+    if (d.grid_is_threadgroups)
+      [enc_ dispatchThreadgroups:grid threadsPerThreadgroup:group];
+    else
+      [enc_ dispatchThreads:grid threadsPerThreadgroup:group];
+  }
+  void encode_barrier() override { [enc_ memoryBarrierWithScope:MTLBarrierScopeBuffers]; }
+  void encode_end() override { [enc_ endEncoding]; }
+
+ private:
+  id<MTLComputeCommandEncoder> enc_;
+  Keepalive* keep_;
+};
+
+// Outstanding command buffers (created, not completed) are limited to kMaxInFlight.
+struct InFlight {
+  std::mutex mu;
+  std::condition_variable cv;
+  int outstanding = 0;
+  int committed = 0;
+};
+
+class MetalCommandBuffer : public gpu::CommandBuffer {
+ public:
+  MetalCommandBuffer(MetalDevice* dev, id<MTLCommandBuffer> cb, std::shared_ptr<InFlight> inflight)
+      : dev_(dev), cb_(cb), inflight_(std::move(inflight)), state_(std::make_shared<State>()) {}
+  ~MetalCommandBuffer() override {
+    if (!encoders_.empty() && !encoders_.back()->ended()) encoders_.back()->end();
+    if (committed_) {
+      [cb_ waitUntilCompleted];
+      std::unique_lock<std::mutex> g(state_->mu);
+      state_->cv.wait(g, [&] { return state_->done; });  // the handler has run
+    } else {
+      std::lock_guard<std::mutex> g(inflight_->mu);
+      inflight_->outstanding -= 1;
+      inflight_->cv.notify_all();
+    }
+  }
+  gpu::ComputePass& compute_pass(gpu::BarrierMode mode) override;
+  void commit() override {
+    if (committed_) throw UsageError("commit: the command buffer was already committed");
+    if (!encoders_.empty()) encoders_.back()->end();
+    committed_ = true;
+    std::shared_ptr<State> st = state_;
+    std::shared_ptr<InFlight> inf = inflight_;
+    std::shared_ptr<Keepalive> keep = keep_;
+    auto handlers = handlers_;
+    [cb_ addCompletedHandler:^(id<MTLCommandBuffer> done) {
+      // Never throw from here: store the error; wait() rethrows it on the caller's thread.
+      Status s = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
+      std::string msg;
+      if (s == Status::error) msg = "Metal command buffer failed: " + to_string([[done error] localizedDescription]);
+      for (auto& h : handlers) {
+        try {
+          h(s, msg);
+        } catch (...) {
+        }
+      }
+      keep->buffers.clear();
+      {
+        std::lock_guard<std::mutex> g(st->mu);
+        st->status = s;
+        st->message = msg;
+        st->done = true;
+      }
+      st->cv.notify_all();
+      {
+        std::lock_guard<std::mutex> g(inf->mu);
+        inf->outstanding -= 1;
+        inf->committed -= 1;
+      }
+      inf->cv.notify_all();
+    }];
+    {
+      std::lock_guard<std::mutex> g(inflight_->mu);
+      inflight_->committed += 1;
+    }
+    {
+      std::lock_guard<std::mutex> g(state_->mu);
+      state_->status = Status::committed;
+    }
+    [cb_ commit];
+  }
+  void wait() override {
+    if (!committed_) throw UsageError("wait: the command buffer was not committed");
+    [cb_ waitUntilCompleted];
+    std::unique_lock<std::mutex> g(state_->mu);
+    state_->cv.wait(g, [&] { return state_->done; });
+    if (state_->status == Status::error) throw Error(state_->message);
+  }
+  void on_completed(std::function<void(Status, const std::string&)> fn) override {
+    if (committed_) throw UsageError("on_completed: register handlers before commit");
+    handlers_.push_back(std::move(fn));
+  }
+  Status status() const override {
+    std::lock_guard<std::mutex> g(state_->mu);
+    return state_->status;
+  }
+  const Counters& counters() const override { return counters_; }
+
+ private:
+  struct State {
+    mutable std::mutex mu;
+    std::condition_variable cv;
+    Status status = Status::encoding;
+    std::string message;
+    bool done = false;
+  };
+  MetalDevice* dev_;
+  id<MTLCommandBuffer> cb_;
+  std::shared_ptr<InFlight> inflight_;
+  std::shared_ptr<State> state_;
+  std::shared_ptr<Keepalive> keep_ = std::make_shared<Keepalive>();
+  std::vector<std::unique_ptr<MetalPass>> encoders_;
+  std::vector<std::function<void(Status, const std::string&)>> handlers_;
+  Counters counters_;
+  bool committed_ = false;
+};
+
+std::string module_directory() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<const void*>(&module_directory), &info) && info.dli_fname) {
+    std::string p = info.dli_fname;
+    size_t slash = p.find_last_of('/');
+    if (slash != std::string::npos) return p.substr(0, slash);
+  }
+  return ".";
+}
+
+class MetalDevice : public gpu::Device {
+ public:
+  explicit MetalDevice(const std::string& metallib_path) {
+    @autoreleasepool {
+      dev_ = MTLCreateSystemDefaultDevice();
+      if (!dev_) throw Error("no Metal device is available on this machine");
+      family_ = detect_family();
+      if (family_ == "unknown" || family_ == "mac2")
+        throw Error("Lily needs an Apple-silicon GPU (MTLGPUFamilyApple7 or newer); found '" +
+                    to_string([dev_ name]) + "'");
+      queue_ = [dev_ newCommandQueue];
+      if (!queue_) throw Error("cannot create a Metal command queue");
+      std::string path = metallib_path;
+      if (path.empty()) {
+        const char* env = std::getenv("LILY_METALLIB");
+        path = env && *env ? env : module_directory() + "/lily.metallib";
+      }
+      NSError* err = nil;
+      NSURL* url = [NSURL fileURLWithPath:@(path.c_str())];
+      lib_ = [dev_ newLibraryWithURL:url error:&err];
+      if (!lib_)
+        throw Error("cannot load the kernel library '" + path + "': " + to_string([err localizedDescription]));
+      path_ = path;
+    }
+  }
+  std::string name() const override { return "metal"; }
+  std::string family() const { return family_; }
+
+  BufferPtr new_buffer(size_t bytes) override {
+    id<MTLBuffer> b = [dev_ newBufferWithLength:(bytes ? bytes : 1) options:MTLResourceStorageModeShared];
+    if (!b) throw Error("cannot allocate a Metal buffer of " + std::to_string(bytes) + " bytes");
+    return std::make_shared<MetalBuffer>(b, bytes);
+  }
+  BufferPtr new_buffer_no_copy(void* ptr, size_t bytes, std::function<void()> release) override {
+    if (!ptr || reinterpret_cast<uintptr_t>(ptr) % gpu::page_size() || bytes % gpu::page_size())
+      throw UsageError("new_buffer_no_copy: pointer and length must be page-aligned");
+    std::function<void()> rel = std::move(release);
+    id<MTLBuffer> b = [dev_ newBufferWithBytesNoCopy:ptr
+                                              length:bytes
+                                             options:MTLResourceStorageModeShared
+                                         deallocator:^(void*, NSUInteger) {
+                                           if (rel) rel();
+                                         }];
+    if (!b) throw Error("cannot wrap " + std::to_string(bytes) + " bytes as a no-copy Metal buffer");
+    return std::make_shared<MetalBuffer>(b, bytes);
+  }
+  const gpu::Pipeline& pipeline(const std::string& name) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = cache_.find(name);
+    if (it != cache_.end()) return *it->second;
+    @autoreleasepool {
+      id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
+      if (!fn) throw UsageError("unknown kernel '" + name + "': not in " + path_);
+      NSError* err = nil;
+      id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn error:&err];
+      if (!pso)
+        throw Error("cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]));
+      auto p = std::make_unique<MetalPipeline>(name, pso);
+      const gpu::Pipeline& ref = *p;
+      cache_.emplace(name, std::move(p));
+      return ref;
+    }
+  }
+  std::vector<std::string> kernel_names() const override {
+    std::vector<std::string> v;
+    for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
+    return v;
+  }
+  std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override {
+    {
+      std::unique_lock<std::mutex> g(inflight_->mu);
+      while (inflight_->outstanding >= kMaxInFlight) {
+        if (inflight_->committed == 0)
+          throw UsageError("new_command_buffer: " + std::to_string(kMaxInFlight) +
+                           " command buffers are already outstanding and none is committed");
+        inflight_->cv.wait(g);
+      }
+      inflight_->outstanding += 1;
+    }
+    id<MTLCommandBuffer> cb = [queue_ commandBufferWithUnretainedReferences];
+    if (!cb) {
+      std::lock_guard<std::mutex> g(inflight_->mu);
+      inflight_->outstanding -= 1;
+      throw Error("cannot create a Metal command buffer");
+    }
+    return std::make_unique<MetalCommandBuffer>(this, cb, inflight_);
+  }
+  id<MTLCommandQueue> queue() const { return queue_; }
+
+ private:
+  std::string detect_family() {
+    // MTLGPUFamilyApple8 (1008, macOS 13 SDK) and Apple9 (1009, macOS 14 SDK) are not
+    // named in the macOS 12 SDK: use their values.
+    if (@available(macOS 14.0, *)) {
+      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1009)]) return "apple9";
+    }
+    if (@available(macOS 13.0, *)) {
+      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1008)]) return "apple8";
+    }
+    if ([dev_ supportsFamily:MTLGPUFamilyApple7]) return "apple7";
+    if ([dev_ supportsFamily:MTLGPUFamilyMac2]) return "mac2";
+    return "unknown";
+  }
+
+  id<MTLDevice> dev_;
+  id<MTLCommandQueue> queue_;
+  id<MTLLibrary> lib_;
+  std::string path_;
+  std::string family_;
+  std::mutex mu_;
+  std::map<std::string, std::unique_ptr<MetalPipeline>> cache_;
+  std::shared_ptr<InFlight> inflight_ = std::make_shared<InFlight>();
+};
+
+gpu::ComputePass& MetalCommandBuffer::compute_pass(gpu::BarrierMode mode) {
+  if (committed_) throw UsageError("compute_pass: the command buffer was already committed");
+  if (!encoders_.empty()) encoders_.back()->end();
+  id<MTLComputeCommandEncoder> enc = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+  if (!enc) throw Error("cannot create a concurrent compute encoder");
+  encoders_.push_back(std::make_unique<MetalPass>(dev_, mode, &counters_, enc, keep_.get()));
+  return *encoders_.back();
+}
+
+}  // namespace
+
+std::unique_ptr<gpu::Device> make_metal_device(const std::string& metallib_path) {
+  return std::make_unique<MetalDevice>(metallib_path);
+}
+
+std::string gpu_family(const gpu::Device& device) {
+  const auto* d = dynamic_cast<const MetalDevice*>(&device);
+  return d ? d->family() : "unknown";
+}
+
+}  // namespace lily::metal

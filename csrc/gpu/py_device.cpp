@@ -1,0 +1,286 @@
+// Python access to the device layer (lily._core.Device, Buffer, CommandBuffer,
+// ComputePass). Bindings only: validation and logic live in gpu/device.* and gpu/sim/*.
+#include "gpu/py_device.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/function.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "gpu/device.h"
+#ifdef LILY_HAVE_SIM
+#include "gpu/sim/sim_device.h"
+#endif
+#ifdef LILY_HAVE_METAL
+#include "gpu/metal/metal_device.h"
+#endif
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::gpu {
+namespace {
+
+Size3 to_size3(nb::handle h, const char* what) {
+  std::vector<long long> v;
+  if (nb::isinstance<nb::int_>(h)) {
+    v.push_back(nb::cast<long long>(h));
+  } else {
+    for (nb::handle x : h) v.push_back(nb::cast<long long>(x));
+  }
+  if (v.empty() || v.size() > 3)
+    throw std::invalid_argument(std::string(what) + " must be an int or a sequence of 1 to 3 ints");
+  for (long long x : v)
+    if (x < 0 || x > 0xffffffffll)
+      throw std::invalid_argument(std::string(what) + " has a dimension out of range: " + std::to_string(x));
+  Size3 s;
+  s.x = uint32_t(v[0]);
+  if (v.size() > 1) s.y = uint32_t(v[1]);
+  if (v.size() > 2) s.z = uint32_t(v[2]);
+  return s;
+}
+
+// (buffer, offset, size) or buffer (whole buffer) -> Range
+Range to_range(nb::handle h) {
+  Range r;
+  if (nb::isinstance<Buffer>(h)) {
+    Buffer& b = nb::cast<Buffer&>(h);
+    r.buffer = &b;
+    r.size = b.size();
+    return r;
+  }
+  nb::tuple t = nb::cast<nb::tuple>(h);
+  if (t.size() != 3) throw std::invalid_argument("a declared range is a Buffer or a (Buffer, offset, size) tuple");
+  Buffer& b = nb::cast<Buffer&>(t[0]);
+  long long off = nb::cast<long long>(t[1]), size = nb::cast<long long>(t[2]);
+  if (off < 0 || size < 0) throw std::invalid_argument("declared range offset/size must be >= 0");
+  r.buffer = &b;
+  r.offset = size_t(off);
+  r.size = size_t(size);
+  return r;
+}
+
+const char* status_name(Status s) {
+  switch (s) {
+    case Status::encoding: return "encoding";
+    case Status::committed: return "committed";
+    case Status::completed: return "completed";
+    case Status::error: return "error";
+  }
+  return "?";
+}
+
+struct PendingCall {
+  PyObject* fn;
+  Status status;
+  std::string message;
+};
+
+int run_pending(void* arg) {
+  PendingCall* p = static_cast<PendingCall*>(arg);
+  PyObject* res = PyObject_CallFunction(p->fn, "ss", status_name(p->status), p->message.c_str());
+  if (!res) PyErr_WriteUnraisable(p->fn);
+  Py_XDECREF(res);
+  Py_DECREF(p->fn);
+  delete p;
+  return 0;
+}
+
+void do_dispatch(ComputePass& pass, const std::string& kernel, nb::handle grid,
+                 nb::handle threadgroup, nb::handle buffers, nb::handle constants,
+                 nb::handle threadgroup_memory, nb::handle reads, nb::handle writes,
+                 bool threadgroups, const std::string& label) {
+  Dispatch d;
+  d.pipeline = &pass.device().pipeline(kernel);
+  d.grid = to_size3(grid, "grid");
+  d.threadgroup = to_size3(threadgroup, "threadgroup");
+  d.grid_is_threadgroups = threadgroups;
+  d.label = label;
+  if (!buffers.is_none())
+    for (nb::handle item : buffers) {
+      nb::tuple t = nb::cast<nb::tuple>(item);
+      if (t.size() != 2 && t.size() != 3)
+        throw std::invalid_argument("buffers entries are (index, Buffer) or (index, Buffer, offset)");
+      long long idx = nb::cast<long long>(t[0]);
+      long long off = t.size() == 3 ? nb::cast<long long>(t[2]) : 0;
+      if (idx < 0 || off < 0) throw std::invalid_argument("buffer index and offset must be >= 0");
+      d.bindings.push_back(Binding::buf(uint32_t(idx), nb::cast<Buffer&>(t[1]), size_t(off)));
+    }
+  if (!constants.is_none())
+    for (nb::handle item : constants) {
+      nb::tuple t = nb::cast<nb::tuple>(item);
+      if (t.size() != 2) throw std::invalid_argument("constants entries are (index, bytes)");
+      long long idx = nb::cast<long long>(t[0]);
+      if (idx < 0) throw std::invalid_argument("constant index must be >= 0");
+      nb::bytes b = nb::cast<nb::bytes>(t[1]);
+      d.bindings.push_back(Binding::constant_bytes(uint32_t(idx), b.c_str(), b.size()));
+    }
+  if (!threadgroup_memory.is_none())
+    for (nb::handle item : threadgroup_memory) {
+      nb::tuple t = nb::cast<nb::tuple>(item);
+      if (t.size() != 2) throw std::invalid_argument("threadgroup_memory entries are (index, length)");
+      long long idx = nb::cast<long long>(t[0]), len = nb::cast<long long>(t[1]);
+      if (idx < 0 || len < 0) throw std::invalid_argument("threadgroup memory index/length must be >= 0");
+      d.bindings.push_back(Binding::threadgroup(uint32_t(idx), size_t(len)));
+    }
+  if (!reads.is_none())
+    for (nb::handle item : reads) d.reads.push_back(to_range(item));
+  if (!writes.is_none())
+    for (nb::handle item : writes) d.writes.push_back(to_range(item));
+  pass.dispatch(d);
+}
+
+}  // namespace
+
+void bind_device(nb::module_& m) {
+  nb::exception<HazardError>(m, "HazardError", PyExc_RuntimeError);
+
+  nb::class_<Buffer>(m, "Buffer", "Device memory (shared storage).")
+      .def_prop_ro("size", &Buffer::size)
+      .def_prop_ro("id", &Buffer::id)
+      .def_prop_rw("label", &Buffer::label, &Buffer::set_label)
+      .def("write",
+           [](Buffer& b, nb::ndarray<nb::ro, nb::c_contig, nb::device::cpu> a, size_t offset) {
+             size_t n = a.nbytes();
+             if (!b.contents()) throw std::invalid_argument("write: the buffer has no storage (record-only device)");
+             if (offset > b.size() || n > b.size() - offset)
+               throw std::invalid_argument("write: " + std::to_string(n) + " bytes at offset " + std::to_string(offset) +
+                                           " exceed the buffer's " + std::to_string(b.size()) + " bytes");
+             std::memcpy(static_cast<unsigned char*>(b.contents()) + offset, a.data(), n);
+           },
+           "array"_a, "offset"_a = 0, "Copies a C-contiguous array into the buffer at a byte offset.")
+      .def("read",
+           [](Buffer& b, size_t offset, long long size) {
+             if (!b.contents()) throw std::invalid_argument("read: the buffer has no storage (record-only device)");
+             size_t n = size < 0 ? (offset <= b.size() ? b.size() - offset : 0) : size_t(size);
+             if (offset > b.size() || n > b.size() - offset)
+               throw std::invalid_argument("read: range exceeds the buffer's " + std::to_string(b.size()) + " bytes");
+             return nb::bytes(static_cast<const char*>(b.contents()) + offset, n);
+           },
+           "offset"_a = 0, "size"_a = -1, "Copies bytes out of the buffer.");
+
+  nb::class_<ComputePass>(m, "ComputePass", "A concurrent compute pass; barriers come from declared ranges.")
+      .def("dispatch", &do_dispatch, "kernel"_a, "grid"_a, "threadgroup"_a, "buffers"_a = nb::none(),
+           "constants"_a = nb::none(), "threadgroup_memory"_a = nb::none(), "reads"_a = nb::none(),
+           "writes"_a = nb::none(), "threadgroups"_a = false, "label"_a = "",
+           "Encodes one dispatch of a kernel (by host name). grid counts threads, or threadgroups\n"
+           "when threadgroups=True. buffers: [(index, Buffer[, offset])]; constants: [(index, bytes)];\n"
+           "threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)].")
+      .def("barrier", &ComputePass::barrier)
+      .def("end", &ComputePass::end)
+      .def_prop_ro("manual_barriers", [](ComputePass& p) { return p.mode() == BarrierMode::manual; });
+
+  nb::class_<CommandBuffer>(m, "CommandBuffer")
+      .def("compute_pass",
+           [](CommandBuffer& cb, bool manual) {
+             return &cb.compute_pass(manual ? BarrierMode::manual : BarrierMode::automatic);
+           },
+           "manual_barriers"_a = false, nb::rv_policy::reference_internal)
+      .def("commit", &CommandBuffer::commit)
+      .def("wait", [](CommandBuffer& cb) {
+        {
+          nb::gil_scoped_release g;
+          try {
+            cb.wait();
+          } catch (...) {
+            nb::gil_scoped_acquire a;
+            Py_MakePendingCalls();
+            throw;
+          }
+        }
+        if (Py_MakePendingCalls() != 0) throw nb::python_error();
+      })
+      .def("on_completed",
+           [](CommandBuffer& cb, nb::callable fn) {
+             PyObject* f = fn.ptr();
+             Py_INCREF(f);
+             cb.on_completed([f](Status s, const std::string& msg) {
+               auto* p = new PendingCall{f, s, msg};
+               if (Py_AddPendingCall(&run_pending, p) != 0) delete p;  // queue full: drop
+             });
+           },
+           "fn"_a, "fn(status: str, error: str) runs on the main thread after completion (by the next wait()).")
+      .def_prop_ro("status", [](CommandBuffer& cb) { return status_name(cb.status()); })
+      .def_prop_ro("counters", [](CommandBuffer& cb) {
+        const Counters& c = cb.counters();
+        nb::dict d;
+        d["dispatches"] = c.dispatches;
+        d["barrier_stages"] = c.barrier_stages;
+        d["bytes_read"] = c.bytes_read;
+        d["bytes_written"] = c.bytes_written;
+        d["passes"] = c.passes;
+        return d;
+      })
+      .def_prop_ro("dispatch_log", [](CommandBuffer& cb) {
+        nb::list out;
+        for (const DispatchRecord& r : cb.counters().log) {
+          nb::dict d;
+          d["label"] = r.label;
+          d["pass"] = r.pass;
+          d["stage"] = r.stage;
+          d["bytes_read"] = r.bytes_read;
+          d["bytes_written"] = r.bytes_written;
+          out.append(d);
+        }
+        return out;
+      }, "Per-dispatch counters: label, pass, barrier stage, declared bytes read/written.");
+
+  nb::class_<Device>(m, "Device", "A Lily device: 'sim' (the Metal simulator) or 'metal'.")
+      .def_prop_ro("name", &Device::name)
+      .def("kernel_names", &Device::kernel_names)
+      .def("has_kernel",
+           [](Device& d, const std::string& n) {
+             try {
+               d.pipeline(n);
+               return true;
+             } catch (const UsageError&) {
+               return false;
+             }
+           })
+      .def("buffer",
+           [](Device& d, long long nbytes) {
+             if (nbytes < 0) throw std::invalid_argument("buffer size must be >= 0");
+             return d.new_buffer(size_t(nbytes));
+           },
+           "nbytes"_a)
+      .def("map_file", &Device::map_file, "path"_a, "offset"_a = 0, "length"_a = 0)
+      .def("command_buffer",
+           [](Device& d) {
+             nb::gil_scoped_release g;
+             return d.new_command_buffer();
+           },
+           nb::keep_alive<0, 1>())
+      ;
+
+#ifdef LILY_HAVE_SIM
+  m.def("sim_device",
+        [](bool record_only, const std::string& order, uint64_t seed, bool poison, bool verify_writes) {
+          sim::SimOptions o;
+          o.record_only = record_only;
+          if (order == "forward") o.order = sim::StageOrder::forward;
+          else if (order == "reverse") o.order = sim::StageOrder::reverse;
+          else if (order == "random") o.order = sim::StageOrder::random;
+          else throw std::invalid_argument("order must be 'forward', 'reverse' or 'random', not '" + order + "'");
+          o.seed = seed;
+          o.poison = poison;
+          o.verify_writes = verify_writes;
+          return std::shared_ptr<Device>(sim::make_sim_device(o));
+        },
+        "record_only"_a = false, "order"_a = "forward", "seed"_a = 0, "poison"_a = true,
+        "verify_writes"_a = false,
+        "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.");
+#endif
+#ifdef LILY_HAVE_METAL
+  m.def("metal_device",
+        [](const std::string& metallib) { return std::shared_ptr<Device>(metal::make_metal_device(metallib)); },
+        "metallib"_a = "", "The system's Metal GPU with lily.metallib (from beside this module by default).");
+  m.def("gpu_family", [](const Device& d) { return metal::gpu_family(d); }, "device"_a);
+#endif
+}
+
+}  // namespace lily::gpu

@@ -1,0 +1,584 @@
+// Fibers, the per-threadgroup scheduler, barriers, simd collectives and threadgroup
+// memory for the Metal simulator.
+#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
+#define _XOPEN_SOURCE 600  // ucontext (deprecated on macOS, but available)
+#define _DARWIN_C_SOURCE 1
+#endif
+#include "gpu/sim/executor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "gpu/device.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#define LILY_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LILY_ASAN 1
+#endif
+#endif
+#ifdef LILY_ASAN
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+#if defined(__x86_64__) && defined(__linux__)
+#define LILY_ASM_SWITCH 1
+#else
+#include <ucontext.h>
+#if defined(__clang__)
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // ucontext on macOS
+#endif
+#endif
+
+namespace lily::sim {
+
+// ------------------------------------------------------------------ registry
+namespace {
+std::vector<KernelInfo>& registry() {
+  static std::vector<KernelInfo> r;
+  return r;
+}
+}  // namespace
+void register_kernel(KernelInfo info) { registry().push_back(std::move(info)); }
+const std::vector<KernelInfo>& registered_kernels() { return registry(); }
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::none: return "none";
+    case Op::barrier: return "simdgroup_barrier";
+    case Op::sum: return "simd_sum";
+    case Op::product: return "simd_product";
+    case Op::min: return "simd_min";
+    case Op::max: return "simd_max";
+    case Op::band: return "simd_and";
+    case Op::bor: return "simd_or";
+    case Op::bxor: return "simd_xor";
+    case Op::prefix_incl_sum: return "simd_prefix_inclusive_sum";
+    case Op::prefix_excl_sum: return "simd_prefix_exclusive_sum";
+    case Op::prefix_incl_product: return "simd_prefix_inclusive_product";
+    case Op::prefix_excl_product: return "simd_prefix_exclusive_product";
+    case Op::shuffle: return "simd_shuffle";
+    case Op::shuffle_xor: return "simd_shuffle_xor";
+    case Op::shuffle_up: return "simd_shuffle_up";
+    case Op::shuffle_down: return "simd_shuffle_down";
+    case Op::broadcast: return "simd_broadcast";
+    case Op::ballot: return "simd_ballot";
+    case Op::any: return "simd_any";
+    case Op::all: return "simd_all";
+    case Op::shuffle_rotate_down: return "simd_shuffle_rotate_down";
+    case Op::shuffle_rotate_up: return "simd_shuffle_rotate_up";
+    case Op::broadcast_first: return "simd_broadcast_first";
+    case Op::is_first: return "simd_is_first";
+  }
+  return "?";
+}
+
+// ------------------------------------------------------------------ context switch
+#ifdef LILY_ASM_SWITCH
+extern "C" void lily_sim_switch(void** save_sp, void* new_sp);
+asm(R"(
+  .text
+  .globl lily_sim_switch
+  .hidden lily_sim_switch
+  .type lily_sim_switch,@function
+lily_sim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size lily_sim_switch,.-lily_sim_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
+namespace {
+
+#ifdef LILY_ASAN
+constexpr size_t kStackSize = 1024 * 1024;
+#else
+constexpr size_t kStackSize = 256 * 1024;
+#endif
+
+struct KernelFault : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct Stack {
+  unsigned char* base = nullptr;  // lowest usable address (above the guard page)
+  size_t size = 0;
+};
+
+struct Fiber {
+  enum class State { runnable, blocked, done };
+  State state = State::runnable;
+  bool started = false;
+  ThreadCoords c;
+  int simd = 0, lane = 0;
+  bool at_barrier = false;
+  Stack stack;
+#ifdef LILY_ASM_SWITCH
+  void* sp = nullptr;
+#else
+  ucontext_t ctx;
+#endif
+#ifdef LILY_ASAN
+  void* fake_stack = nullptr;
+#endif
+};
+
+struct SimdState {
+  int lanes = 0, live = 0, arrived = 0;
+  Op op = Op::none;
+  CollectiveFn fn = nullptr;
+  int first_lane_in = -1;
+  bool waiting[kSimdWidth] = {};
+  uint32_t arg[kSimdWidth] = {};
+  alignas(16) unsigned char in[kSimdWidth][kCollectiveSlot];
+  alignas(16) unsigned char out[kSimdWidth][kCollectiveSlot];
+};
+
+struct TgVar {
+  const void* key;
+  void* ptr;
+};
+
+struct Threadgroup {
+  std::vector<Fiber> fibers;
+  std::vector<SimdState> simds;
+  std::deque<int> runq;
+  int n = 0, done = 0, barrier_arrived = 0;
+  std::vector<TgVar> vars;
+  unsigned char* dyn[kMaxBindings] = {};
+  size_t bytes = 0;
+  bool failed = false;
+  std::string error;
+};
+
+struct Worker {
+  std::vector<Stack> pool;
+  const ExecDispatch* d = nullptr;
+  Threadgroup* tg = nullptr;
+  Fiber* cur = nullptr;
+#ifdef LILY_ASM_SWITCH
+  void* sched_sp = nullptr;
+#else
+  ucontext_t sched_ctx;
+#endif
+#ifdef LILY_ASAN
+  void* sched_fake = nullptr;
+  const void* sched_bottom = nullptr;
+  size_t sched_size = 0;
+#endif
+  ~Worker() {
+    for (Stack& s : pool) ::munmap(s.base - page_size_(), s.size + page_size_());
+  }
+  static size_t page_size_() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
+  Stack get_stack() {
+    if (!pool.empty()) {
+      Stack s = pool.back();
+      pool.pop_back();
+      return s;
+    }
+    size_t ps = page_size_();
+    void* p = ::mmap(nullptr, kStackSize + ps, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw gpu::Error("simulator: cannot allocate a fiber stack");
+    ::mprotect(p, ps, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
+    return Stack{static_cast<unsigned char*>(p) + ps, kStackSize};
+  }
+};
+
+thread_local Worker* t_worker = nullptr;
+
+Worker& worker() {
+  if (!t_worker) throw std::logic_error("lily simulator: no kernel is running on this thread");
+  return *t_worker;
+}
+
+// Switch from the scheduler into fiber f / from the running fiber back to the scheduler.
+void switch_to_fiber(Worker& w, Fiber& f) {
+  w.cur = &f;
+#ifdef LILY_ASAN
+  __sanitizer_start_switch_fiber(&w.sched_fake, f.stack.base, f.stack.size);
+#endif
+#ifdef LILY_ASM_SWITCH
+  lily_sim_switch(&w.sched_sp, f.sp);
+#else
+  swapcontext(&w.sched_ctx, &f.ctx);
+#endif
+#ifdef LILY_ASAN
+  __sanitizer_finish_switch_fiber(w.sched_fake, nullptr, nullptr);
+#endif
+  w.cur = nullptr;
+}
+
+void switch_to_scheduler(Worker& w, Fiber& f, bool exiting) {
+#ifdef LILY_ASAN
+  __sanitizer_start_switch_fiber(exiting ? nullptr : &f.fake_stack, w.sched_bottom, w.sched_size);
+#else
+  (void)exiting;
+#endif
+#ifdef LILY_ASM_SWITCH
+  lily_sim_switch(&f.sp, w.sched_sp);
+#else
+  swapcontext(&f.ctx, &w.sched_ctx);
+#endif
+#ifdef LILY_ASAN
+  __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
+#endif
+}
+
+std::string where(const Fiber& f) {
+  std::ostringstream s;
+  const ThreadCoords& c = f.c;
+  s << "threadgroup (" << c.threadgroup_position_in_grid.x << "," << c.threadgroup_position_in_grid.y
+    << "," << c.threadgroup_position_in_grid.z << ") thread (" << c.thread_position_in_threadgroup.x
+    << "," << c.thread_position_in_threadgroup.y << "," << c.thread_position_in_threadgroup.z << ")";
+  return s.str();
+}
+
+void fail_tg(Worker& w, const std::string& msg) {
+  if (!w.tg->failed) {
+    w.tg->failed = true;
+    w.tg->error = msg;
+  }
+}
+
+void complete_collective(Threadgroup& tg, SimdState& s, int base) {
+  CollectiveView v;
+  v.lanes = s.lanes;
+  for (int l = 0; l < kSimdWidth; ++l) {
+    v.active[l] = l < s.lanes && s.waiting[l];
+    v.arg[l] = s.arg[l];
+    v.in[l] = s.in[l];
+    v.out[l] = s.out[l];
+  }
+  s.fn(v);
+  Worker& w = worker();
+  for (int l = 0; l < s.lanes; ++l)
+    if (s.waiting[l]) {
+      s.waiting[l] = false;
+      Fiber& f = tg.fibers[base + l];
+      if (&f != w.cur && f.state == Fiber::State::blocked) {
+        f.state = Fiber::State::runnable;
+        tg.runq.push_back(base + l);
+      }
+    }
+  s.arrived = 0;
+  s.op = Op::none;
+  s.fn = nullptr;
+}
+
+void block(Worker& w) {
+  Fiber& f = *w.cur;
+  f.state = Fiber::State::blocked;
+  switch_to_scheduler(w, f, false);
+  if (w.tg->failed) throw KernelFault("aborted");  // unwinds this fiber's stack
+}
+
+void thread_exit(Worker& w, Fiber& f) {
+  Threadgroup& tg = *w.tg;
+  f.state = Fiber::State::done;
+  tg.done += 1;
+  SimdState& s = tg.simds[f.simd];
+  s.live -= 1;
+  if (tg.barrier_arrived > 0 && !tg.failed)
+    fail_tg(w, where(f) + " returned while " + std::to_string(tg.barrier_arrived) +
+                   " thread(s) of its threadgroup wait at threadgroup_barrier (every thread must reach it)");
+  if (s.arrived > 0 && s.arrived == s.live && !tg.failed) complete_collective(tg, s, f.simd * kSimdWidth);
+}
+
+[[noreturn]] void fiber_main() {
+  Worker& w = *t_worker;
+  Fiber& f = *w.cur;
+#ifdef LILY_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &w.sched_bottom, &w.sched_size);
+#endif
+  f.started = true;
+  try {
+    w.d->kernel->invoke(w.d->kernel->fn, *w.d->kernel);
+  } catch (const KernelFault& e) {
+    if (std::strcmp(e.what(), "aborted") != 0) fail_tg(w, where(f) + ": " + e.what());
+  } catch (const std::exception& e) {
+    fail_tg(w, where(f) + ": " + e.what());
+  } catch (...) {
+    fail_tg(w, where(f) + ": unknown exception");
+  }
+  thread_exit(w, f);
+  switch_to_scheduler(w, f, true);
+  std::abort();  // unreachable: a finished fiber is never resumed
+}
+
+#ifndef LILY_ASM_SWITCH
+void fiber_entry_ucontext() { fiber_main(); }
+#endif
+
+void prepare_fiber(Fiber& f) {
+#ifdef LILY_ASAN
+  // A reused stack still carries the redzones of the frames of the fiber that ran on it.
+  __asan_unpoison_memory_region(f.stack.base, f.stack.size);
+#endif
+#ifdef LILY_ASM_SWITCH
+  uintptr_t top = reinterpret_cast<uintptr_t>(f.stack.base + f.stack.size) & ~uintptr_t(15);
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = 0;                                                  // fake return address
+  *--sp = reinterpret_cast<uint64_t>(&fiber_main);            // popped by ret
+  for (int i = 0; i < 6; ++i) *--sp = 0;                      // rbp rbx r12 r13 r14 r15
+  *--sp = uint64_t(0x1F80) | (uint64_t(0x037F) << 32);        // mxcsr, x87 control word
+  f.sp = sp;
+#else
+  getcontext(&f.ctx);
+  f.ctx.uc_stack.ss_sp = f.stack.base;
+  f.ctx.uc_stack.ss_size = f.stack.size;
+  f.ctx.uc_link = nullptr;
+  makecontext(&f.ctx, &fiber_entry_ucontext, 0);
+#endif
+}
+
+std::string deadlock_report(const Threadgroup& tg) {
+  std::ostringstream s;
+  s << "deadlock: " << tg.n - tg.done << " of " << tg.n << " threads cannot proceed";
+  if (tg.barrier_arrived) s << "; " << tg.barrier_arrived << " wait at threadgroup_barrier";
+  for (size_t i = 0; i < tg.simds.size(); ++i) {
+    const SimdState& sg = tg.simds[i];
+    if (sg.arrived)
+      s << "; simdgroup " << i << ": " << sg.arrived << " of " << sg.live << " live lanes wait in "
+        << op_name(sg.op);
+  }
+  s << " (a barrier or simd collective in divergent control flow?)";
+  return s.str();
+}
+
+// Resumes every started, unfinished fiber of a failed threadgroup: each throws from its
+// blocking point and unwinds, so no stack is left half-used.
+void unwind_all(Worker& w, Threadgroup& tg) {
+  for (Fiber& f : tg.fibers)
+    if (f.started && f.state != Fiber::State::done) switch_to_fiber(w, f);
+}
+
+void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos) {
+  Threadgroup tg;
+  w.tg = &tg;
+  U3 size = d.threadgroup_size;
+  // dispatchThreads: the edge threadgroups are partial.
+  uint32_t dims[3] = {size.x, size.y, size.z};
+  uint32_t pos[3] = {tgpos.x, tgpos.y, tgpos.z};
+  uint32_t grid[3] = {d.threads_per_grid.x, d.threads_per_grid.y, d.threads_per_grid.z};
+  uint32_t full[3] = {size.x, size.y, size.z};
+  for (int i = 0; i < 3; ++i) {
+    uint64_t start = uint64_t(pos[i]) * full[i];
+    if (start + dims[i] > grid[i]) dims[i] = uint32_t(grid[i] - start);
+  }
+  U3 actual{dims[0], dims[1], dims[2]};
+  tg.n = int(uint64_t(actual.x) * actual.y * actual.z);
+  int nsimd = (tg.n + kSimdWidth - 1) / kSimdWidth;
+  tg.simds.resize(nsimd);
+  for (int s = 0; s < nsimd; ++s) {
+    tg.simds[s].lanes = std::min(kSimdWidth, tg.n - s * kSimdWidth);
+    tg.simds[s].live = tg.simds[s].lanes;
+  }
+  // dynamic threadgroup memory
+  struct Cleanup {
+    Worker& w;
+    Threadgroup& tg;
+    ~Cleanup() {
+      for (Fiber& f : tg.fibers)
+        if (f.stack.base) w.pool.push_back(f.stack);
+      for (unsigned char*& p : tg.dyn) std::free(p);
+      for (TgVar& v : tg.vars) std::free(v.ptr);
+      w.tg = nullptr;
+    }
+  } cleanup{w, tg};
+  for (uint32_t i = 0; i < kMaxBindings; ++i)
+    if (d.threadgroup_memory[i]) {
+      tg.dyn[i] = static_cast<unsigned char*>(std::malloc(d.threadgroup_memory[i]));
+      if (!tg.dyn[i]) throw gpu::Error("simulator: out of memory for threadgroup memory");
+      std::memset(tg.dyn[i], d.poison ? kPoison : 0, d.threadgroup_memory[i]);
+      tg.bytes += d.threadgroup_memory[i];
+    }
+
+  tg.fibers.resize(tg.n);
+  for (int t = 0; t < tg.n; ++t) {
+    Fiber& f = tg.fibers[t];
+    ThreadCoords& c = f.c;
+    c.thread_position_in_threadgroup = U3{uint32_t(t) % actual.x, (uint32_t(t) / actual.x) % actual.y,
+                                          uint32_t(t) / (actual.x * actual.y)};
+    c.threadgroup_position_in_grid = tgpos;
+    c.threads_per_threadgroup = actual;
+    c.dispatch_threads_per_threadgroup = size;
+    c.threads_per_grid = d.threads_per_grid;
+    c.threadgroups_per_grid = d.threadgroups;
+    c.thread_position_in_grid = U3{tgpos.x * size.x + c.thread_position_in_threadgroup.x,
+                                   tgpos.y * size.y + c.thread_position_in_threadgroup.y,
+                                   tgpos.z * size.z + c.thread_position_in_threadgroup.z};
+    c.thread_index_in_threadgroup = uint32_t(t);
+    c.simdgroup_index_in_threadgroup = uint32_t(t / kSimdWidth);
+    c.thread_index_in_simdgroup = uint32_t(t % kSimdWidth);
+    c.simdgroups_per_threadgroup = uint32_t(nsimd);
+    c.threads_per_simdgroup = kSimdWidth;
+    f.simd = t / kSimdWidth;
+    f.lane = t % kSimdWidth;
+    f.stack = w.get_stack();
+    prepare_fiber(f);
+    tg.runq.push_back(t);
+  }
+
+  while (!tg.runq.empty()) {
+    int t = tg.runq.front();
+    tg.runq.pop_front();
+    Fiber& f = tg.fibers[t];
+    if (f.state != Fiber::State::runnable) continue;
+    switch_to_fiber(w, f);
+    if (tg.failed) break;
+  }
+  if (tg.failed) {
+    unwind_all(w, tg);
+    throw gpu::Error("kernel '" + d.label + "': " + tg.error);
+  }
+  if (tg.done != tg.n) {
+    std::string msg = deadlock_report(tg);
+    tg.failed = true;
+    unwind_all(w, tg);
+    throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
+                     std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ runtime API
+const ThreadCoords& coords() {
+  Worker& w = worker();
+  if (!w.cur) throw std::logic_error("lily simulator: no current thread");
+  return w.cur->c;
+}
+
+unsigned char* buffer_arg(uint32_t index, size_t* available) {
+  Worker& w = worker();
+  if (index >= kMaxBindings || !w.d->buffers[index].bound) kernel_fail("buffer(" + std::to_string(index) + ") is not bound");
+  *available = w.d->buffers[index].available;
+  return w.d->buffers[index].ptr;
+}
+
+unsigned char* threadgroup_arg(uint32_t index) {
+  Worker& w = worker();
+  if (index >= kMaxBindings || !w.tg->dyn[index])
+    kernel_fail("threadgroup(" + std::to_string(index) + ") memory has no length set");
+  return w.tg->dyn[index];
+}
+
+void* threadgroup_var(const void* key, size_t size, size_t align) {
+  Worker& w = worker();
+  Threadgroup& tg = *w.tg;
+  for (const TgVar& v : tg.vars)
+    if (v.key == key) return v.ptr;
+  tg.bytes += size;
+  if (tg.bytes > kMaxThreadgroupMemory)
+    kernel_fail("threadgroup memory exceeds " + std::to_string(kMaxThreadgroupMemory) + " bytes (" +
+                std::to_string(tg.bytes) + " requested)");
+  if (align < alignof(std::max_align_t)) align = alignof(std::max_align_t);
+  void* p = std::aligned_alloc(align, (size + align - 1) / align * align);
+  if (!p) kernel_fail("out of memory for threadgroup variable");
+  std::memset(p, w.d->poison ? kPoison : 0, size);
+  tg.vars.push_back(TgVar{key, p});
+  return p;
+}
+
+void threadgroup_barrier() {
+  Worker& w = worker();
+  Threadgroup& tg = *w.tg;
+  Fiber& f = *w.cur;
+  if (tg.done > 0)
+    kernel_fail("threadgroup_barrier reached after " + std::to_string(tg.done) +
+                " thread(s) of the threadgroup returned (every thread must reach it)");
+  tg.barrier_arrived += 1;
+  if (tg.barrier_arrived == tg.n) {
+    tg.barrier_arrived = 0;
+    for (int t = 0; t < tg.n; ++t) {
+      Fiber& o = tg.fibers[t];
+      if (o.at_barrier) {
+        o.at_barrier = false;
+        o.state = Fiber::State::runnable;
+        tg.runq.push_back(t);
+      }
+    }
+    return;
+  }
+  f.at_barrier = true;
+  block(w);
+}
+
+const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg, CollectiveFn fn) {
+  Worker& w = worker();
+  Threadgroup& tg = *w.tg;
+  Fiber& f = *w.cur;
+  SimdState& s = tg.simds[f.simd];
+  if (s.arrived > 0 && (s.op != op || s.fn != fn))
+    kernel_fail(std::string("divergent simd collectives in simdgroup ") + std::to_string(f.simd) + ": lane " +
+                std::to_string(f.lane) + " calls " + op_name(op) + " while lane " + std::to_string(s.first_lane_in) +
+                " waits in " + op_name(s.op) + (s.op == op ? " with another operand type" : ""));
+  if (s.arrived == 0) {
+    s.op = op;
+    s.fn = fn;
+    s.first_lane_in = f.lane;
+  }
+  if (size) std::memcpy(s.in[f.lane], operand, size);
+  s.arg[f.lane] = arg;
+  s.waiting[f.lane] = true;
+  s.arrived += 1;
+  if (s.arrived == s.live) {
+    complete_collective(tg, s, f.simd * kSimdWidth);
+  } else {
+    block(w);
+  }
+  return s.out[f.lane];
+}
+
+void kernel_fail(const std::string& message) { throw KernelFault(message); }
+
+// ------------------------------------------------------------------ dispatch
+void execute(const ExecDispatch& d) {
+  Worker* prev = t_worker;
+  thread_local std::unique_ptr<Worker> own;
+  if (!own) own = std::make_unique<Worker>();
+  Worker& w = *own;
+  t_worker = &w;
+  w.d = &d;
+  struct Restore {
+    Worker* prev;
+    ~Restore() { t_worker = prev; }
+  } restore{prev};
+  for (uint32_t z = 0; z < d.threadgroups.z; ++z)
+    for (uint32_t y = 0; y < d.threadgroups.y; ++y)
+      for (uint32_t x = 0; x < d.threadgroups.x; ++x) run_threadgroup(w, d, U3{x, y, z});
+}
+
+}  // namespace lily::sim

@@ -1,0 +1,37 @@
+// The simulator's executor: runs one dispatch of a registered kernel, threadgroup by
+// threadgroup, each threadgroup's threads as cooperatively scheduled fibers.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gpu/sim/kernel_registry.h"
+
+namespace lily::sim {
+
+constexpr uint32_t kMaxBindings = 31;
+
+struct ExecBinding {
+  unsigned char* ptr = nullptr;  // buffer contents + offset, or inline bytes
+  size_t available = 0;          // bytes from ptr to the end of the binding
+  bool bound = false;
+};
+
+struct ExecDispatch {
+  const KernelInfo* kernel = nullptr;
+  std::string label;
+  U3 threadgroups;        // threadgroups per grid
+  U3 threadgroup_size;    // as dispatched
+  U3 threads_per_grid;    // total threads (for dispatchThreads, the exact grid)
+  ExecBinding buffers[kMaxBindings];
+  size_t threadgroup_memory[kMaxBindings] = {};
+  bool poison = true;
+};
+
+// Runs every threadgroup of d. Throws lily::gpu::Error naming the kernel, the threadgroup
+// and the thread on a kernel fault, deadlock or divergent collective.
+void execute(const ExecDispatch& d);
+
+}  // namespace lily::sim

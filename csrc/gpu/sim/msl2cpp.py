@@ -1,0 +1,514 @@
+#!/usr/bin/env python3
+"""Source transform: Metal Shading Language (metal/*.metal, metal/*.h) -> C++ for the simulator.
+
+Run by CMake at build time:  msl2cpp.py OUT_DIR FILE...
+
+What it rewrites (everything else passes through unchanged, so any MSL construct the
+<metal_stdlib> shim does not provide is a C++ compile error, never silent misbehaviour):
+
+* ``#include <metal_*>`` lines are dropped (the shim is included once up front);
+* address-space qualifiers ``device``/``constant``/``thread`` are dropped (``constant`` at
+  the start of a declaration becomes ``const``); ``threadgroup`` is dropped in types, and a
+  ``threadgroup T name[...];`` declaration becomes a reference to storage shared by the
+  threadgroup (``lily::sim::tg_var``);
+* ``kernel`` functions lose the keyword and their parameter attributes (``[[buffer(n)]]``,
+  ``[[thread_position_in_grid]]``, ...); the attributes are recorded in a table;
+* ``template [[host_name("x")]] [[kernel]] decltype(f<T>) f<T>;`` becomes a static
+  registration of ``f<T>`` under the name ``x``; non-template kernels register under their
+  own name;
+* swizzles ``v.xy``/``v.rgba`` become ``v.template swz<0,1>()``; half literals ``1.5h``
+  become ``half(1.5f)``.
+
+Line numbers are preserved and ``#line`` points compile errors at the .metal source.
+"""
+import os
+import re
+import sys
+
+TOKEN_RE = re.compile(
+    r"""
+    (?P<comment>/\*.*?\*/|//[^\n]*)
+  | (?P<pp>^[ \t]*\#(?:\\\n|[^\n])*)
+  | (?P<string>"(?:\\.|[^"\\\n])*"|'(?:\\.|[^'\\\n])*')
+  | (?P<number>\.?\d(?:[eEpP][+-]|[\w.])*)
+  | (?P<ident>[A-Za-z_]\w*)
+  | (?P<ws>\s+)
+  | (?P<punct>->|::|.)
+    """,
+    re.VERBOSE | re.DOTALL | re.MULTILINE,
+)
+
+POSITION_ATTRS = {
+    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+    "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
+    "threadgroups_per_grid", "thread_index_in_threadgroup", "simdgroup_index_in_threadgroup",
+    "thread_index_in_simdgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup",
+}
+SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
+SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
+
+
+class TransformError(Exception):
+    pass
+
+
+class Tok:
+    __slots__ = ("kind", "text", "line")
+
+    def __init__(self, kind, text, line):
+        self.kind, self.text, self.line = kind, text, line
+
+    def __repr__(self):
+        return f"Tok({self.kind},{self.text!r})"
+
+
+def lex(src):
+    toks, line, pos = [], 1, 0
+    while pos < len(src):
+        m = TOKEN_RE.match(src, pos)
+        kind = m.lastgroup
+        text = m.group(kind)
+        toks.append(Tok(kind, text, line))
+        line += text.count("\n")
+        pos = m.end()
+    return toks
+
+
+def significant(tok):
+    return tok.kind not in ("ws", "comment")
+
+
+class Transformer:
+    def __init__(self, path, is_header):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.is_header = is_header
+        self.toks = lex(open(path, encoding="utf-8").read())
+        self.counter = 0
+        self.kernels = {}  # name -> dict(template=bool, nparams=int)
+
+    def err(self, tok, msg):
+        raise TransformError(f"{self.path}:{tok.line}: error: {msg}")
+
+    # index helpers over self.toks
+    def next_sig(self, i):
+        i += 1
+        while i < len(self.toks) and not significant(self.toks[i]):
+            i += 1
+        return i
+
+    def prev_sig(self, i):
+        i -= 1
+        while i >= 0 and not significant(self.toks[i]):
+            i -= 1
+        return i
+
+    def tok(self, i):
+        return self.toks[i] if 0 <= i < len(self.toks) else Tok("eof", "", 0)
+
+    def match_close(self, i, open_="(", close=")"):
+        depth = 0
+        for j in range(i, len(self.toks)):
+            t = self.toks[j].text if self.toks[j].kind == "punct" else None
+            if t == open_:
+                depth += 1
+            elif t == close:
+                depth -= 1
+                if depth == 0:
+                    return j
+        self.err(self.toks[i], f"unbalanced '{open_}'")
+
+    def is_attr_start(self, i):
+        return self.tok(i).text == "[" and self.tok(self.next_sig(i)).text == "["
+
+    def parse_attr(self, i):
+        """At '[' '[' ... ']' ']': returns (list of (name, argtext), index of last ']')."""
+        j = self.next_sig(i)
+        k = j
+        depth = 0
+        while True:
+            k += 1
+            if k >= len(self.toks):
+                self.err(self.toks[i], "unterminated attribute")
+            t = self.toks[k]
+            if t.kind == "punct" and t.text in "([{":
+                depth += 1
+            elif t.kind == "punct" and t.text in ")}":
+                depth -= 1
+            elif t.kind == "punct" and t.text == "]" and depth == 0:
+                break
+        end = self.next_sig(k)
+        if self.tok(end).text != "]":
+            self.err(self.toks[i], "malformed attribute")
+        body = "".join(t.text for t in self.toks[j + 1:k] if t.kind != "comment").strip()
+        attrs = []
+        for part in split_top(body, ","):
+            part = part.strip()
+            m = re.match(r"^([A-Za-z_]\w*)\s*(?:\((.*)\))?$", part, re.DOTALL)
+            if not m:
+                self.err(self.toks[i], f"cannot parse attribute [[{body}]]")
+            attrs.append((m.group(1), (m.group(2) or "").strip()))
+        return attrs, end
+
+    def blank(self, a, b):
+        """Replace tokens a..b inclusive by their newlines only."""
+        for k in range(a, b + 1):
+            self.toks[k].text = "\n" * self.toks[k].text.count("\n")
+            self.toks[k].kind = "ws"
+
+    def decl_start(self, i):
+        """Index of the first token of the declaration containing token i."""
+        j = i
+        while True:
+            p = self.prev_sig(j)
+            if p < 0:
+                return j
+            t = self.toks[p]
+            if t.kind in ("pp", "gen") or (t.kind == "punct" and t.text in (";", "{", "}")):
+                return j
+            j = p
+
+    def run(self):
+        toks = self.toks
+        depth = 0
+        i = 0
+        while i < len(toks):
+            t = toks[i]
+            if t.kind == "pp":
+                if re.match(r"^\s*#\s*include\s*<metal_\w+>", t.text):
+                    t.text = ""
+                i += 1
+                continue
+            if t.kind == "number":
+                txt = t.text
+                if re.match(r"^(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?[hH]$", txt):
+                    core = txt[:-1]
+                    if not re.search(r"[.eE]", core):
+                        core += ".0"
+                    t.text = f"half({core}f)"
+                i += 1
+                continue
+            if t.kind == "punct":
+                if t.text == "{":
+                    depth += 1
+                elif t.text == "}":
+                    depth -= 1
+                elif t.text in (".", "->"):
+                    n = i + 1
+                    if n < len(toks) and toks[n].kind == "ident" and SWIZZLE_RE.match(toks[n].text):
+                        idx = ",".join(str(SWIZZLE_INDEX[c]) for c in toks[n].text)
+                        toks[n].text = f"template swz<{idx}>()"
+                        i = n + 1
+                        continue
+                elif t.text == "[" and self.is_attr_start(i):
+                    attrs, end = self.parse_attr(i)
+                    names = [a for a, _ in attrs]
+                    if "kernel" in names:
+                        self.kernel_def(i, end, attrs)
+                    i = end + 1
+                    continue
+                i += 1
+                continue
+            if t.kind == "ident":
+                if t.text in ("device", "thread"):
+                    t.text = ""
+                elif t.text == "constant":
+                    p = self.prev_sig(i)
+                    starts = p < 0 or toks[p].kind == "pp" or toks[p].text in (";", "{", "}")
+                    t.text = "const" if starts else ""
+                elif t.text == "threadgroup":
+                    self.threadgroup(i, depth)
+                elif t.text == "kernel":
+                    self.kernel_def(i, i, [])
+                elif t.text == "template" and self.is_attr_start(self.next_sig(i)):
+                    i = self.instantiation(i)
+                    continue
+            i += 1
+        out = "".join(t.text for t in toks)
+        if not self.is_header:
+            regs = []
+            for name, k in self.kernels.items():
+                if not k["template"]:
+                    regs.append(self.registration(name, name, k["line"]))
+            if regs:
+                out += "\n" + "\n".join(regs) + "\n"
+        return out
+
+    # threadgroup T name[N];  ->  shared storage
+    def threadgroup(self, i, depth):
+        toks = self.toks
+        p = self.prev_sig(i)
+        at_stmt = depth > 0 and (p >= 0 and toks[p].kind == "punct" and toks[p].text in (";", "{", "}"))
+        if not at_stmt:
+            toks[i].text = ""
+            return
+        # statement up to ';'
+        j, d, body = i, 0, []
+        while True:
+            j += 1
+            if j >= len(toks):
+                self.err(toks[i], "unterminated threadgroup declaration")
+            tj = toks[j]
+            if tj.kind == "punct" and tj.text in "([{":
+                d += 1
+            elif tj.kind == "punct" and tj.text in ")]}":
+                d -= 1
+            elif tj.kind == "punct" and tj.text == ";" and d == 0:
+                break
+            if significant(tj):
+                body.append((j, tj))
+        texts = [tj.text for _, tj in body]
+        if "*" in texts or "&" in texts:  # a pointer/reference into threadgroup memory
+            toks[i].text = ""
+            return
+        if "=" in texts:
+            self.err(toks[i], "threadgroup variables cannot have initializers")
+        if "," in texts:
+            self.err(toks[i], "declare one threadgroup variable per statement")
+        # declarator: identifier followed only by [..] groups
+        k = len(body) - 1
+        while k >= 0 and body[k][1].text == "]":
+            dd = 0
+            while k >= 0:
+                if body[k][1].text == "]":
+                    dd += 1
+                elif body[k][1].text == "[":
+                    dd -= 1
+                    if dd == 0:
+                        break
+                k -= 1
+            k -= 1
+        if k < 1 or body[k][1].kind != "ident":
+            self.err(toks[i], "cannot parse threadgroup declaration")
+        name = body[k][1].text
+        type_txt = " ".join(tj.text for _, tj in body[:k])
+        ext_txt = "".join(tj.text for _, tj in body[k + 1:])
+        n = self.counter
+        self.counter += 1
+        nl = sum(toks[m].text.count("\n") for m in range(i, j))
+        self.blank(i, j - 1)
+        toks[i].text = (f"static char __lily_tgk_{n}; auto& {name} = "
+                        f"::lily::sim::tg_var<{type_txt} {ext_txt}>(&__lily_tgk_{n})" + "\n" * nl)
+        toks[i].kind = "gen"
+
+    # kernel void f(params) / [[kernel]] void f(params)
+    def kernel_def(self, a, b, attrs):
+        toks = self.toks
+        start = self.decl_start(a)
+        is_template = any(toks[k].text == "template" for k in range(start, a) if significant(toks[k]))
+        max_threads = "1024"
+        for name, arg in attrs:
+            if name == "max_total_threads_per_threadgroup":
+                max_threads = arg
+            elif name != "kernel":
+                self.err(toks[a], f"unsupported kernel attribute '{name}'")
+        self.blank(a, b)
+        # find name and '('
+        k = self.next_sig(b)
+        # leading attributes after `kernel`, e.g. [[max_total_threads_per_threadgroup(N)]]
+        name_idx = None
+        while k < len(toks):
+            tk = toks[k]
+            if tk.kind == "punct" and tk.text == "[" and self.is_attr_start(k):
+                more, end = self.parse_attr(k)
+                for nm, arg in more:
+                    if nm == "max_total_threads_per_threadgroup":
+                        max_threads = arg
+                    else:
+                        self.err(tk, f"unsupported kernel attribute '{nm}'")
+                self.blank(k, end)
+                k = self.next_sig(end)
+                continue
+            if tk.kind == "punct" and tk.text == "(":
+                break
+            if tk.kind == "ident":
+                name_idx = k
+            k = self.next_sig(k)
+        if name_idx is None:
+            self.err(toks[a], "cannot find the kernel's name")
+        fname = toks[name_idx].text
+        close = self.match_close(k)
+        params = self.split_params(k, close)
+        table = []
+        for (pa, pb) in params:
+            attr = None
+            m = pa
+            while m <= pb:
+                if toks[m].kind == "punct" and toks[m].text == "[" and self.is_attr_start(m):
+                    found, end = self.parse_attr(m)
+                    for nm, arg in found:
+                        if nm in ("buffer", "threadgroup"):
+                            attr = (nm, arg)
+                        elif nm in POSITION_ATTRS:
+                            attr = (nm, "0")
+                        else:
+                            self.err(toks[m], f"unsupported kernel parameter attribute [[{nm}]] in kernel '{fname}'")
+                    self.blank(m, end)
+                    m = end + 1
+                    continue
+                m += 1
+            if attr is None:
+                self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
+            table.append(attr)
+        entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u}}" for nm, arg in table)
+        if fname in self.kernels:
+            self.err(toks[a], f"kernel '{fname}' defined twice")
+        self.kernels[fname] = {"template": is_template, "line": toks[a].line}
+        decl = (f"static const ::lily::sim::ParamAttr __lily_params_{fname}[] = {{{entries}}}; "
+                f"static constexpr unsigned __lily_nparams_{fname} = {len(table)}; "
+                f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
+        if not table:
+            decl = (f"static const ::lily::sim::ParamAttr* const __lily_params_{fname} = nullptr; "
+                    f"static constexpr unsigned __lily_nparams_{fname} = 0; "
+                    f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
+        toks[start].text = decl + toks[start].text
+
+    def split_params(self, open_idx, close_idx):
+        toks = self.toks
+        params, d, cur = [], 0, open_idx + 1
+        for m in range(open_idx + 1, close_idx):
+            tm = toks[m]
+            if tm.kind != "punct":
+                continue
+            if tm.text in "([{<":
+                d += 1
+            elif tm.text in ")]}>":
+                d -= 1
+            elif tm.text == "," and d == 0:
+                params.append((cur, m - 1))
+                cur = m + 1
+        if any(significant(toks[m]) for m in range(cur, close_idx)):
+            params.append((cur, close_idx - 1))
+        return params
+
+    def registration(self, host_name, fn_id, line):
+        base = re.sub(r"<.*", "", fn_id).split("::")[-1].strip()
+        if base not in self.kernels and not self.is_header:
+            pass  # defined in an included header: its table is visible there
+        n = self.counter
+        self.counter += 1
+        return (f"static const ::lily::sim::Registrar<decltype({fn_id})> __lily_reg_{n}("
+                f"\"{host_name}\", &{fn_id}, __lily_params_{base}, __lily_nparams_{base}, "
+                f"__lily_maxtg_{base}, \"{self.name}:{line}\");")
+
+    # template [[host_name("x")]] [[kernel]] decltype(f<T>) f<T>;
+    def instantiation(self, i):
+        toks = self.toks
+        k = self.next_sig(i)
+        host = None
+        while self.is_attr_start(k):
+            attrs, end = self.parse_attr(k)
+            for nm, arg in attrs:
+                if nm == "host_name":
+                    m = re.match(r'^"([^"]*)"$', arg)
+                    if not m:
+                        self.err(toks[k], "host_name needs a string literal")
+                    host = m.group(1)
+                elif nm != "kernel":
+                    self.err(toks[k], f"unsupported attribute [[{nm}]] on a kernel instantiation")
+            k = self.next_sig(end)
+        # end of statement
+        j, d = k, 0
+        while j < len(toks):
+            tj = toks[j]
+            if tj.kind == "punct" and tj.text in "([{":
+                d += 1
+            elif tj.kind == "punct" and tj.text in ")]}":
+                d -= 1
+            elif tj.kind == "punct" and tj.text == ";" and d == 0:
+                break
+            j += 1
+        if toks[k].text == "decltype":
+            po = self.next_sig(k)
+            pc = self.match_close(po)
+            fn_id = "".join(t.text for t in toks[po + 1:pc] if significant(t))
+        else:
+            # void f<T>(params...);
+            m = k
+            fn_parts = []
+            started = False
+            while m < j and toks[m].text != "(":
+                if significant(toks[m]):
+                    if toks[m].text == "void" and not started:
+                        started = True
+                    else:
+                        fn_parts.append(toks[m].text)
+                m += 1
+            fn_id = "".join(fn_parts)
+        if not host:
+            self.err(toks[i], "kernel instantiation without [[host_name(\"...\")]]")
+        nl = sum(toks[m].text.count("\n") for m in range(i, j + 1))
+        line = toks[i].line
+        self.blank(i, j)
+        toks[i].text = self.registration(host, fn_id, line) + "\n" * nl
+        toks[i].kind = "gen"
+        return j + 1
+
+
+def split_top(s, sep):
+    out, d, cur = [], 0, ""
+    in_str = False
+    for ch in s:
+        if ch == '"':
+            in_str = not in_str
+        if not in_str:
+            if ch in "([{":
+                d += 1
+            elif ch in ")]}":
+                d -= 1
+            elif ch == sep and d == 0:
+                out.append(cur)
+                cur = ""
+                continue
+        cur += ch
+    out.append(cur)
+    return out
+
+
+def namespace_for(path):
+    base = os.path.splitext(os.path.basename(path))[0]
+    return "lily_msl_" + re.sub(r"\W", "_", base)
+
+
+def transform(path, out_dir):
+    is_header = not path.endswith(".metal")
+    t = Transformer(path, is_header)
+    body = t.run()
+    src = os.path.abspath(path).replace("\\", "/")
+    if is_header:
+        out = (f"// Generated by msl2cpp.py from {os.path.basename(path)}. Do not edit.\n"
+               f"#line 1 \"{src}\"\n{body}")
+        dst = os.path.join(out_dir, os.path.basename(path))
+    else:
+        ns = namespace_for(path)
+        out = (f"// Generated by msl2cpp.py from {os.path.basename(path)}. Do not edit.\n"
+               f"#include <metal_stdlib>\n#include \"gpu/sim/kernel_registry.h\"\n"
+               f"namespace {ns} {{\nLILY_METAL_USING_DECLS\n#line 1 \"{src}\"\n{body}\n}}  // namespace {ns}\n")
+        dst = os.path.join(out_dir, os.path.splitext(os.path.basename(path))[0] + ".metal.cpp")
+    old = None
+    if os.path.exists(dst):
+        with open(dst, encoding="utf-8") as f:
+            old = f.read()
+    if old != out:  # keep timestamps when nothing changed
+        with open(dst, "w", encoding="utf-8") as f:
+            f.write(out)
+    return dst
+
+
+def main(argv):
+    if len(argv) < 3:
+        print("usage: msl2cpp.py OUT_DIR FILE.metal|FILE.h ...", file=sys.stderr)
+        return 2
+    out_dir = argv[1]
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        for p in argv[2:]:
+            transform(p, out_dir)
+    except TransformError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,75 @@
+// The simulator's execution model, as seen by the <metal_stdlib> shim and by the
+// generated kernel code: the current thread's coordinates, barriers, simd collectives
+// and threadgroup memory. Implemented in executor.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace lily::sim {
+
+constexpr int kSimdWidth = 32;
+constexpr size_t kCollectiveSlot = 64;  // bytes per lane for a collective's operand/result
+constexpr size_t kMaxThreadgroupMemory = 32768;
+
+struct U3 {
+  uint32_t x = 0, y = 0, z = 0;
+};
+
+// Coordinates of the running simulated thread (see MSL kernel attributes).
+struct ThreadCoords {
+  U3 thread_position_in_grid;
+  U3 thread_position_in_threadgroup;
+  U3 threadgroup_position_in_grid;
+  U3 threads_per_threadgroup;           // size of this (possibly partial) threadgroup
+  U3 dispatch_threads_per_threadgroup;  // size given at dispatch
+  U3 threads_per_grid;
+  U3 threadgroups_per_grid;
+  uint32_t thread_index_in_threadgroup = 0;
+  uint32_t simdgroup_index_in_threadgroup = 0;
+  uint32_t thread_index_in_simdgroup = 0;
+  uint32_t simdgroups_per_threadgroup = 0;
+  uint32_t threads_per_simdgroup = kSimdWidth;
+};
+
+// What a collective's compute function sees: the operands of the simdgroup's lanes that
+// are active (have not returned), their per-lane arguments, and the result slots.
+struct CollectiveView {
+  int lanes = 0;  // lanes in this simdgroup (< 32 for a partial last simdgroup)
+  bool active[kSimdWidth];
+  uint32_t arg[kSimdWidth];
+  const unsigned char* in[kSimdWidth];
+  unsigned char* out[kSimdWidth];
+};
+using CollectiveFn = void (*)(CollectiveView&);
+
+enum class Op : int {
+  none = 0, barrier, sum, product, min, max, band, bor, bxor, prefix_incl_sum,
+  prefix_excl_sum, prefix_incl_product, prefix_excl_product, shuffle, shuffle_xor,
+  shuffle_up, shuffle_down, broadcast, ballot, any, all, shuffle_rotate_down,
+  shuffle_rotate_up, broadcast_first, is_first,
+};
+const char* op_name(Op op);
+
+// Current thread (valid only while a kernel runs on the executor).
+const ThreadCoords& coords();
+// Pointer to binding [[buffer(index)]] of the running dispatch (after its offset), and
+// the bytes available from there; throws when unbound.
+unsigned char* buffer_arg(uint32_t index, size_t* available);
+// Pointer to dynamic [[threadgroup(index)]] memory of the running threadgroup.
+unsigned char* threadgroup_arg(uint32_t index);
+// Storage for a `threadgroup T x;` declaration (key identifies the declaration).
+void* threadgroup_var(const void* key, size_t size, size_t align);
+
+void threadgroup_barrier();
+// Deposits this lane's operand, waits for the simdgroup's active lanes, and returns this
+// lane's result slot (valid until this lane's next collective).
+const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg,
+                                     CollectiveFn fn);
+// Poison byte pattern for undefined results (NaN for every float type).
+constexpr unsigned char kPoison = 0xFF;
+
+[[noreturn]] void kernel_fail(const std::string& message);
+
+}  // namespace lily::sim

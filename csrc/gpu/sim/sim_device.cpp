@@ -1,0 +1,472 @@
+// The simulator device: buffers in host memory, pipelines from the kernel registry, a
+// serial queue executed by one worker thread, and the checks of VERIFY.md section 3.
+#include "gpu/sim/sim_device.h"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "gpu/sim/executor.h"
+
+namespace lily::sim {
+namespace {
+
+using gpu::Binding;
+using gpu::BufferPtr;
+using gpu::Counters;
+using gpu::Dispatch;
+using gpu::Error;
+using gpu::Status;
+using gpu::UsageError;
+
+std::atomic<uint64_t> g_next_buffer_id{1};
+
+class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuffer> {
+ public:
+  SimBuffer(size_t size, bool allocate, bool poison) : size_(size), id_(g_next_buffer_id++) {
+    if (allocate) {
+      owned_.reset(new unsigned char[size ? size : 1]);
+      std::memset(owned_.get(), poison ? kPoison : 0, size);
+      data_ = owned_.get();
+    }
+  }
+  SimBuffer(void* p, size_t size, std::function<void()> release)
+      : size_(size), id_(g_next_buffer_id++), data_(static_cast<unsigned char*>(p)),
+        release_(std::move(release)) {}
+  ~SimBuffer() override {
+    if (release_) release_();
+  }
+  size_t size() const override { return size_; }
+  void* contents() override { return data_; }
+  unsigned char* data() const { return data_; }
+  uint64_t id() const override { return id_; }
+  std::string label() const override {
+    std::lock_guard<std::mutex> g(mu_);
+    return label_;
+  }
+  void set_label(const std::string& l) override {
+    std::lock_guard<std::mutex> g(mu_);
+    label_ = l;
+  }
+
+ private:
+  size_t size_;
+  uint64_t id_;
+  std::unique_ptr<unsigned char[]> owned_;
+  unsigned char* data_ = nullptr;
+  std::function<void()> release_;
+  mutable std::mutex mu_;
+  std::string label_;
+};
+
+class SimPipeline : public gpu::Pipeline {
+ public:
+  explicit SimPipeline(const KernelInfo& k) : k_(k) {}
+  const std::string& name() const override { return k_.name; }
+  uint32_t max_threads_per_threadgroup() const override { return k_.max_threads; }
+  uint32_t thread_execution_width() const override { return kSimdWidth; }
+  const KernelInfo& kernel() const { return k_; }
+
+ private:
+  const KernelInfo& k_;
+};
+
+// A dispatch as recorded: everything it needs to run later, buffers kept alive.
+struct Recorded {
+  const KernelInfo* kernel;
+  std::string label;
+  U3 groups, tg_size, threads;
+  struct Buf {
+    bool bound = false;
+    std::shared_ptr<SimBuffer> buffer;  // or
+    std::vector<unsigned char> bytes;   // inline constant bytes
+    size_t offset = 0;
+  } bufs[kMaxBindings];
+  size_t tg_mem[kMaxBindings] = {};
+  std::vector<gpu::Range> writes;
+};
+
+struct PassRecord {
+  std::vector<std::vector<Recorded>> stages;
+};
+
+class SimDevice;
+
+class SimCommandBuffer;
+
+class SimPass : public gpu::ComputePass {
+ public:
+  SimPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, PassRecord* rec, bool record_only)
+      : ComputePass(dev, mode, counters), rec_(rec), record_only_(record_only) {}
+
+ protected:
+  void encode_dispatch(const Dispatch& d) override;
+  void encode_barrier() override { rec_->stages.emplace_back(); }
+  void encode_end() override {}
+
+ private:
+  PassRecord* rec_;
+  bool record_only_;
+};
+
+std::string kernel_where(const KernelInfo& k) { return "kernel '" + k.name + "' (" + k.where + ")"; }
+
+void SimPass::encode_dispatch(const Dispatch& d) {
+  const auto* pipe = dynamic_cast<const SimPipeline*>(d.pipeline);
+  if (!pipe) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the simulator");
+  const KernelInfo& k = pipe->kernel();
+  auto fail = [&](const std::string& m) { throw UsageError(kernel_where(k) + ": " + m); };
+  auto size3 = [](gpu::Size3 s) {
+    return "(" + std::to_string(s.x) + ", " + std::to_string(s.y) + ", " + std::to_string(s.z) + ")";
+  };
+  // geometry
+  if (!d.threadgroup.x || !d.threadgroup.y || !d.threadgroup.z)
+    fail("threadgroup size " + size3(d.threadgroup) + " has a zero dimension");
+  if (d.threadgroup.count() > k.max_threads)
+    fail("threadgroup size " + size3(d.threadgroup) + " = " + std::to_string(d.threadgroup.count()) +
+         " threads exceeds the pipeline's maximum of " + std::to_string(k.max_threads));
+  if (!d.grid.x || !d.grid.y || !d.grid.z) fail("grid " + size3(d.grid) + " has a zero dimension");
+  Recorded r;
+  r.kernel = &k;
+  r.label = d.label;
+  r.tg_size = U3{d.threadgroup.x, d.threadgroup.y, d.threadgroup.z};
+  uint64_t threads[3], groups[3];
+  uint32_t g[3] = {d.grid.x, d.grid.y, d.grid.z}, t[3] = {d.threadgroup.x, d.threadgroup.y, d.threadgroup.z};
+  for (int i = 0; i < 3; ++i) {
+    if (d.grid_is_threadgroups) {
+      groups[i] = g[i];
+      threads[i] = uint64_t(g[i]) * t[i];
+    } else {
+      threads[i] = g[i];
+      groups[i] = (uint64_t(g[i]) + t[i] - 1) / t[i];
+    }
+    if (threads[i] > 0xffffffffull) fail("grid " + size3(d.grid) + " overflows 32-bit thread positions");
+  }
+  r.groups = U3{uint32_t(groups[0]), uint32_t(groups[1]), uint32_t(groups[2])};
+  r.threads = U3{uint32_t(threads[0]), uint32_t(threads[1]), uint32_t(threads[2])};
+  // bindings
+  size_t tg_total = 0;
+  for (const Binding& b : d.bindings) {
+    if (b.index >= kMaxBindings) fail("binding index " + std::to_string(b.index) + " is out of range (max 30)");
+    switch (b.kind) {
+      case Binding::Kind::buffer: {
+        auto* sb = dynamic_cast<const SimBuffer*>(b.buffer);
+        if (!sb) fail("buffer(" + std::to_string(b.index) + ") is null or not a simulator buffer");
+        if (b.offset > sb->size())
+          fail("buffer(" + std::to_string(b.index) + ") offset " + std::to_string(b.offset) +
+               " is past the end of buffer #" + std::to_string(sb->id()) + " (" + std::to_string(sb->size()) + " bytes)");
+        auto& rb = r.bufs[b.index];
+        rb = Recorded::Buf{};
+        rb.bound = true;
+        rb.buffer = std::const_pointer_cast<SimBuffer>(sb->shared_from_this());
+        rb.offset = b.offset;
+        break;
+      }
+      case Binding::Kind::bytes: {
+        if (b.bytes.size() > 4096)
+          fail("constant bytes at buffer(" + std::to_string(b.index) + ") are " + std::to_string(b.bytes.size()) +
+               " bytes; Metal allows at most 4096 (use a buffer)");
+        auto& rb = r.bufs[b.index];
+        rb = Recorded::Buf{};
+        rb.bound = true;
+        rb.bytes.assign(b.bytes.begin(), b.bytes.end());
+        break;
+      }
+      case Binding::Kind::threadgroup_memory:
+        if (b.length % 16) fail("threadgroup(" + std::to_string(b.index) + ") length " + std::to_string(b.length) + " is not a multiple of 16");
+        r.tg_mem[b.index] = b.length;
+        break;
+    }
+  }
+  for (size_t i = 0; i < kMaxBindings; ++i) tg_total += r.tg_mem[i];
+  if (tg_total > kMaxThreadgroupMemory)
+    fail("dynamic threadgroup memory totals " + std::to_string(tg_total) + " bytes; the limit is " +
+         std::to_string(kMaxThreadgroupMemory));
+  if (!k.error.empty()) fail(k.error);
+  for (size_t i = 0; i < k.params.size(); ++i) {
+    const ParamInfo& p = k.params[i];
+    if (p.attr == Attr::buffer) {
+      const auto& rb = r.bufs[p.index];
+      if (!rb.bound) fail("[[buffer(" + std::to_string(p.index) + ")]] is not bound");
+      if (p.reference) {
+        size_t avail = rb.buffer ? rb.buffer->size() - rb.offset : rb.bytes.size();
+        if (avail < p.ref_size)
+          fail("[[buffer(" + std::to_string(p.index) + ")]] needs " + std::to_string(p.ref_size) +
+               " bytes but only " + std::to_string(avail) + " are bound");
+      }
+    } else if (p.attr == Attr::threadgroup) {
+      if (!r.tg_mem[p.index]) fail("[[threadgroup(" + std::to_string(p.index) + ")]] memory length is not set");
+    }
+  }
+  r.writes = d.writes;
+  if (rec_->stages.empty()) rec_->stages.emplace_back();
+  if (!record_only_) rec_->stages.back().push_back(std::move(r));
+}
+
+class SimDevice : public gpu::Device {
+ public:
+  explicit SimDevice(const SimOptions& o) : opt_(o), rng_(o.seed) {
+    if (!opt_.record_only) worker_ = std::thread([this] { run(); });
+  }
+  ~SimDevice() override {
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+  std::string name() const override { return "sim"; }
+  BufferPtr new_buffer(size_t bytes) override {
+    return std::make_shared<SimBuffer>(bytes, !opt_.record_only, opt_.poison);
+  }
+  BufferPtr new_buffer_no_copy(void* ptr, size_t bytes, std::function<void()> release) override {
+    if (!ptr) throw UsageError("new_buffer_no_copy: null pointer");
+    if (reinterpret_cast<uintptr_t>(ptr) % gpu::page_size() || bytes % gpu::page_size())
+      throw UsageError("new_buffer_no_copy: pointer and length must be page-aligned (" +
+                       std::to_string(gpu::page_size()) + " bytes), as Metal requires");
+    return std::make_shared<SimBuffer>(ptr, bytes, std::move(release));
+  }
+  const gpu::Pipeline& pipeline(const std::string& name) override {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = pipelines_.find(name);
+    if (it != pipelines_.end()) return *it->second;
+    for (const KernelInfo& k : registered_kernels())
+      if (k.name == name) {
+        if (!k.error.empty()) throw UsageError(kernel_where(k) + ": " + k.error);
+        auto p = std::make_unique<SimPipeline>(k);
+        const gpu::Pipeline& ref = *p;
+        pipelines_.emplace(name, std::move(p));
+        return ref;
+      }
+    throw UsageError("unknown kernel '" + name + "': no metal/*.metal source instantiates it with [[host_name(\"" +
+                     name + "\")]]");
+  }
+  std::vector<std::string> kernel_names() const override {
+    std::vector<std::string> v;
+    for (const KernelInfo& k : registered_kernels()) v.push_back(k.name);
+    std::sort(v.begin(), v.end());
+    return v;
+  }
+  std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override;
+
+  // queue
+  void enqueue(SimCommandBuffer* cb);
+  void wait_for(SimCommandBuffer* cb);
+  void released(SimCommandBuffer* cb);
+  const SimOptions& options() const { return opt_; }
+
+ private:
+  friend class SimCommandBuffer;
+  void run();
+  void execute(SimCommandBuffer* cb);
+
+  SimOptions opt_;
+  std::mt19937_64 rng_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<SimCommandBuffer*> queue_;
+  int outstanding_ = 0;  // created and not yet completed (or released)
+  bool stop_ = false;
+  std::thread worker_;
+  std::map<std::string, std::unique_ptr<SimPipeline>> pipelines_;
+};
+
+class SimCommandBuffer : public gpu::CommandBuffer {
+ public:
+  explicit SimCommandBuffer(SimDevice* dev) : dev_(dev) {}
+  ~SimCommandBuffer() override {
+    if (status_ == Status::committed) dev_->wait_for(this);
+    dev_->released(this);
+  }
+  gpu::ComputePass& compute_pass(gpu::BarrierMode mode) override {
+    if (status_ != Status::encoding) throw UsageError("compute_pass: the command buffer was already committed");
+    if (!encoders_.empty()) encoders_.back()->end();
+    passes_.emplace_back(std::make_unique<PassRecord>());
+    encoders_.push_back(std::make_unique<SimPass>(static_cast<gpu::Device*>(dev_), mode, &counters_, passes_.back().get(), dev_->options().record_only));
+    return *encoders_.back();
+  }
+  void commit() override {
+    if (status_ != Status::encoding) throw UsageError("commit: the command buffer was already committed");
+    if (!encoders_.empty()) encoders_.back()->end();
+    dev_->enqueue(this);
+  }
+  void wait() override {
+    if (status_ == Status::encoding) throw UsageError("wait: the command buffer was not committed");
+    dev_->wait_for(this);
+    if (error_) std::rethrow_exception(error_);
+  }
+  void on_completed(std::function<void(Status, const std::string&)> fn) override {
+    if (status_ != Status::encoding) throw UsageError("on_completed: register handlers before commit");
+    handlers_.push_back(std::move(fn));
+  }
+  Status status() const override { return status_.load(); }
+  const Counters& counters() const override { return counters_; }
+
+ private:
+  friend class SimDevice;
+  SimDevice* dev_;
+  std::vector<std::unique_ptr<PassRecord>> passes_;
+  std::vector<std::unique_ptr<SimPass>> encoders_;  // kept: callers may hold references
+  Counters counters_;
+  std::vector<std::function<void(Status, const std::string&)>> handlers_;
+  std::atomic<Status> status_{Status::encoding};
+  std::exception_ptr error_;
+  std::string error_message_;
+  bool counted_ = true;
+};
+
+std::unique_ptr<gpu::CommandBuffer> SimDevice::new_command_buffer() {
+  std::unique_lock<std::mutex> g(mu_);
+  while (outstanding_ >= kMaxInFlight) {
+    if (queue_.empty())
+      throw UsageError("new_command_buffer: " + std::to_string(kMaxInFlight) +
+                       " command buffers are already outstanding and none is committed; commit or release one first");
+    cv_.wait(g);
+  }
+  outstanding_ += 1;
+  return std::make_unique<SimCommandBuffer>(this);
+}
+
+void SimDevice::released(SimCommandBuffer* cb) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (cb->counted_) {
+    cb->counted_ = false;
+    outstanding_ -= 1;
+  }
+  cv_.notify_all();
+}
+
+void SimDevice::enqueue(SimCommandBuffer* cb) {
+  if (opt_.record_only) {
+    cb->status_ = Status::committed;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      cb->status_ = Status::completed;
+      if (cb->counted_) {
+        cb->counted_ = false;
+        outstanding_ -= 1;
+      }
+    }
+    for (auto& h : cb->handlers_) h(Status::completed, "");
+    cv_.notify_all();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    cb->status_ = Status::committed;
+    queue_.push_back(cb);
+  }
+  cv_.notify_all();
+}
+
+void SimDevice::wait_for(SimCommandBuffer* cb) {
+  std::unique_lock<std::mutex> g(mu_);
+  cv_.wait(g, [&] { return cb->status_ == Status::completed || cb->status_ == Status::error; });
+}
+
+void SimDevice::run() {
+  for (;;) {
+    SimCommandBuffer* cb = nullptr;
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      cv_.wait(g, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      cb = queue_.front();
+    }
+    execute(cb);
+    Status st = cb->error_ ? Status::error : Status::completed;
+    for (auto& h : cb->handlers_) h(st, cb->error_message_);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      queue_.pop_front();
+      cb->status_ = st;
+      if (cb->counted_) {
+        cb->counted_ = false;
+        outstanding_ -= 1;
+      }
+    }
+    cv_.notify_all();
+  }
+}
+
+void SimDevice::execute(SimCommandBuffer* cb) {
+  try {
+    for (auto& pass : cb->passes_) {
+      for (auto& stage : pass->stages) {
+        std::vector<Recorded*> order;
+        for (Recorded& r : stage) order.push_back(&r);
+        if (opt_.order == StageOrder::reverse) std::reverse(order.begin(), order.end());
+        if (opt_.order == StageOrder::random) std::shuffle(order.begin(), order.end(), rng_);
+        for (Recorded* r : order) {
+          ExecDispatch d;
+          d.kernel = r->kernel;
+          d.label = r->label;
+          d.threadgroups = r->groups;
+          d.threadgroup_size = r->tg_size;
+          d.threads_per_grid = r->threads;
+          d.poison = opt_.poison;
+          std::vector<std::pair<SimBuffer*, std::vector<unsigned char>>> snapshots;
+          for (uint32_t i = 0; i < kMaxBindings; ++i) {
+            auto& b = r->bufs[i];
+            if (!b.bound) continue;
+            d.buffers[i].bound = true;
+            if (b.buffer) {
+              d.buffers[i].ptr = b.buffer->data() + b.offset;
+              d.buffers[i].available = b.buffer->size() - b.offset;
+              if (opt_.verify_writes) {
+                bool seen = false;
+                for (auto& s : snapshots) seen |= s.first == b.buffer.get();
+                if (!seen)
+                  snapshots.emplace_back(b.buffer.get(),
+                                         std::vector<unsigned char>(b.buffer->data(), b.buffer->data() + b.buffer->size()));
+              }
+            } else {
+              d.buffers[i].ptr = b.bytes.data();
+              d.buffers[i].available = b.bytes.size();
+            }
+            d.threadgroup_memory[i] = r->tg_mem[i];
+          }
+          for (uint32_t i = 0; i < kMaxBindings; ++i) d.threadgroup_memory[i] = r->tg_mem[i];
+          sim::execute(d);
+          for (auto& [buf, before] : snapshots) {
+            const unsigned char* now = buf->data();
+            for (size_t i = 0; i < before.size(); ++i) {
+              if (now[i] == before[i]) continue;
+              bool declared = false;
+              for (const gpu::Range& w : r->writes)
+                if (w.buffer == buf && i >= w.offset && i < w.offset + w.size) declared = true;
+              if (declared) continue;
+              std::ostringstream s;
+              s << "dispatch '" << r->label << "' wrote byte " << i << " of buffer #" << buf->id();
+              if (!buf->label().empty()) s << " '" << buf->label() << "'";
+              s << " outside its declared write ranges";
+              throw gpu::HazardError(s.str());
+            }
+          }
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    cb->error_ = std::current_exception();
+    cb->error_message_ = e.what();
+  }
+  // Release recorded buffers now: the command buffer no longer needs them.
+  cb->passes_.clear();
+}
+
+}  // namespace
+
+std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options) {
+  return std::make_unique<SimDevice>(options);
+}
+
+}  // namespace lily::sim

@@ -1,0 +1,264 @@
+// Self-test kernels for the device layer: each exercises MSL constructs the simulator
+// supports and is compared with numpy in tests/test_sim_*.py. They are valid MSL and ship
+// in lily.metallib, so the same tests run on a Mac with device="metal".
+#include <metal_stdlib>
+using namespace metal;
+
+// ---- elementwise, templated over the element type ------------------------------------
+template <typename T>
+kernel void st_add(device const T* a [[buffer(0)]],
+                   device const T* b [[buffer(1)]],
+                   device T* out [[buffer(2)]],
+                   constant uint& n [[buffer(3)]],
+                   uint gid [[thread_position_in_grid]]) {
+  if (gid < n) {
+    out[gid] = T(float(a[gid]) + float(b[gid]));
+  }
+}
+template [[host_name("st_add_f32")]] [[kernel]] decltype(st_add<float>) st_add<float>;
+template [[host_name("st_add_f16")]] [[kernel]] decltype(st_add<half>) st_add<half>;
+template [[host_name("st_add_bf16")]] [[kernel]] decltype(st_add<bfloat>) st_add<bfloat>;
+
+// ---- float -> half / bfloat conversions (round to nearest even) ------------------------
+kernel void st_convert(device const float* x [[buffer(0)]],
+                       device half* h [[buffer(1)]],
+                       device bfloat* bf [[buffer(2)]],
+                       constant uint& n [[buffer(3)]],
+                       uint gid [[thread_position_in_grid]]) {
+  if (gid >= n) {
+    return;
+  }
+  h[gid] = half(x[gid]);
+  bf[gid] = bfloat(x[gid]);
+}
+
+// ---- every coordinate attribute, for geometry checks ---------------------------------
+struct CoordParams {
+  uint width;   // grid width in threads (row pitch of the output)
+  uint fields;  // values written per thread
+};
+
+kernel void st_coords(device uint* out [[buffer(0)]],
+                      constant CoordParams& p [[buffer(1)]],
+                      uint2 tpig [[thread_position_in_grid]],
+                      uint2 tptg [[thread_position_in_threadgroup]],
+                      uint2 tgpig [[threadgroup_position_in_grid]],
+                      uint2 tptgs [[threads_per_threadgroup]],
+                      uint2 tgpg [[threadgroups_per_grid]],
+                      uint tiitg [[thread_index_in_threadgroup]],
+                      ushort sgitg [[simdgroup_index_in_threadgroup]],
+                      ushort tiisg [[thread_index_in_simdgroup]]) {
+  device uint* o = out + (tpig.y * p.width + tpig.x) * p.fields;
+  o[0] = tpig.x;
+  o[1] = tpig.y;
+  o[2] = tptg.x;
+  o[3] = tptg.y;
+  o[4] = tgpig.x;
+  o[5] = tgpig.y;
+  o[6] = tptgs.x;
+  o[7] = tptgs.y;
+  o[8] = tgpg.x;
+  o[9] = tgpg.y;
+  o[10] = tiitg;
+  o[11] = sgitg;
+  o[12] = tiisg;
+}
+
+// ---- threadgroup reduction: static threadgroup memory + threadgroup_barrier ----------
+// One threadgroup per row; any threadgroup size up to 256.
+kernel void st_row_sum(device const float* x [[buffer(0)]],
+                       device float* out [[buffer(1)]],
+                       constant uint& cols [[buffer(2)]],
+                       uint row [[threadgroup_position_in_grid]],
+                       uint tid [[thread_position_in_threadgroup]],
+                       uint tcount [[threads_per_threadgroup]]) {
+  threadgroup float partial[256];
+  float s = 0.0f;
+  for (uint c = tid; c < cols; c += tcount) {
+    s += x[row * cols + c];
+  }
+  partial[tid] = s;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint stride = 128; stride > 0; stride >>= 1) {
+    if (tid < stride && tid + stride < tcount) {
+      partial[tid] += partial[tid + stride];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (tid == 0) {
+    out[row] = partial[0];
+  }
+}
+
+// ---- two-level reduction: simd_sum inside simdgroups, threadgroup memory across ------
+kernel void st_row_max_simd(device const float* x [[buffer(0)]],
+                            device float* out [[buffer(1)]],
+                            constant uint& cols [[buffer(2)]],
+                            uint row [[threadgroup_position_in_grid]],
+                            uint tid [[thread_position_in_threadgroup]],
+                            uint tcount [[threads_per_threadgroup]],
+                            uint sg [[simdgroup_index_in_threadgroup]],
+                            uint lane [[thread_index_in_simdgroup]],
+                            uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float partial[32];
+  float m = -INFINITY;
+  for (uint c = tid; c < cols; c += tcount) {
+    m = max(m, x[row * cols + c]);
+  }
+  m = simd_max(m);
+  if (lane == 0) {
+    partial[sg] = m;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) {
+    float v = lane < nsg ? partial[lane] : -INFINITY;
+    v = simd_max(v);
+    if (lane == 0) {
+      out[row] = v;
+    }
+  }
+}
+
+// ---- simd collectives, one output plane per operation ---------------------------------
+// out[k * n + gid] for k = operation index; the threadgroup size may leave the last
+// simdgroup partial (inactive lanes are not part of any collective).
+kernel void st_simd_ops(device const float* x [[buffer(0)]],
+                        device const uint* u [[buffer(1)]],
+                        device float* out [[buffer(2)]],
+                        constant uint& n [[buffer(3)]],
+                        uint gid [[thread_position_in_grid]],
+                        ushort lane [[thread_index_in_simdgroup]]) {
+  float v = x[gid];
+  uint w = u[gid];
+  out[0 * n + gid] = simd_sum(v);
+  out[1 * n + gid] = simd_max(v);
+  out[2 * n + gid] = simd_min(v);
+  out[3 * n + gid] = simd_prefix_inclusive_sum(v);
+  out[4 * n + gid] = simd_prefix_exclusive_sum(v);
+  out[5 * n + gid] = simd_shuffle(v, ushort(w % 32));
+  out[6 * n + gid] = simd_shuffle_xor(v, ushort(1));
+  out[7 * n + gid] = simd_shuffle_up(v, ushort(3));
+  out[8 * n + gid] = simd_shuffle_down(v, ushort(5));
+  out[9 * n + gid] = simd_broadcast(v, ushort(0));
+  bool big = v > 0.5f;
+  simd_vote vote = simd_ballot(big);
+  out[10 * n + gid] = float(popcount(uint(static_cast<simd_vote::vote_t>(vote))));
+  out[11 * n + gid] = simd_any(big) ? 1.0f : 0.0f;
+  out[12 * n + gid] = simd_all(v > -10.0f) ? 1.0f : 0.0f;
+  out[13 * n + gid] = float(simd_sum(w));
+  out[14 * n + gid] = float(lane);
+}
+
+// ---- dynamic threadgroup memory: reverse each threadgroup's block ---------------------
+kernel void st_tg_reverse(device const float4* x [[buffer(0)]],
+                          device float4* out [[buffer(1)]],
+                          threadgroup float4* scratch [[threadgroup(0)]],
+                          uint gid [[thread_position_in_grid]],
+                          uint tid [[thread_position_in_threadgroup]],
+                          uint tcount [[threads_per_threadgroup]]) {
+  scratch[tid] = x[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = scratch[tcount - 1 - tid];
+}
+
+// ---- reads threadgroup memory nobody wrote (poisoning must expose it) -----------------
+kernel void st_tg_uninit(device float* out [[buffer(0)]],
+                         uint tid [[thread_position_in_threadgroup]],
+                         uint gid [[thread_position_in_grid]]) {
+  threadgroup float scratch[64];
+  if (tid % 2 == 0) {
+    scratch[tid] = 1.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = scratch[tid];
+}
+
+// ---- a barrier after some threads returned: must be reported, never hang ---------------
+kernel void st_bad_barrier(device float* out [[buffer(0)]],
+                           uint tid [[thread_position_in_threadgroup]]) {
+  if (tid >= 16) {
+    return;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = 1.0f;
+}
+
+// ---- atomics: device histogram, float sum, threadgroup counter ------------------------
+kernel void st_atomics(device const uint* keys [[buffer(0)]],
+                       device const float* vals [[buffer(1)]],
+                       device atomic_uint* hist [[buffer(2)]],
+                       device atomic_float* total [[buffer(3)]],
+                       device atomic_uint* groups_seen [[buffer(4)]],
+                       constant uint& n [[buffer(5)]],
+                       uint gid [[thread_position_in_grid]],
+                       uint tid [[thread_position_in_threadgroup]]) {
+  threadgroup atomic_uint local;
+  if (tid == 0) {
+    atomic_store_explicit(&local, 0u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (gid < n) {
+    atomic_fetch_add_explicit(&hist[keys[gid]], 1u, memory_order_relaxed);
+    atomic_fetch_add_explicit(total, vals[gid], memory_order_relaxed);
+    atomic_fetch_add_explicit(&local, 1u, memory_order_relaxed);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0 && atomic_load_explicit(&local, memory_order_relaxed) > 0) {
+    atomic_fetch_add_explicit(groups_seen, 1u, memory_order_relaxed);
+  }
+}
+
+// ---- vectors, swizzles, as_type and math ------------------------------------------------
+kernel void st_vec_math(device const float4* a [[buffer(0)]],
+                        device const float4* b [[buffer(1)]],
+                        device float4* out [[buffer(2)]],
+                        device uint* bits [[buffer(3)]],
+                        device half4* hout [[buffer(4)]],
+                        constant uint& n [[buffer(5)]],
+                        uint gid [[thread_position_in_grid]]) {
+  if (gid >= n) {
+    return;
+  }
+  float4 x = a[gid];
+  float4 y = b[gid];
+  float4 r = x.wzyx * 2.0f + y;                    // swizzle, scalar broadcast
+  r.xy = r.yx;                                     // swizzle assignment
+  r.z = dot(x, y) + fma(x.x, y.y, 1.0f);
+  r.w = clamp(exp(-abs(x.w)) + rsqrt(y.w * y.w + 1.0f), 0.0f, 1.5f);
+  float3 c = float3(x.xy, 1.0f);
+  r += float4(c, 0.0f) * select(float4(1.0f), float4(-1.0f), x > y);
+  out[gid] = r;
+  bits[gid] = as_type<uint>(x.x);
+  hout[gid] = half4(x) + half4(1.0h);
+}
+
+// ---- simdgroup matrices: C = A x B, one simdgroup per 8x8 tile of C ---------------------
+template <typename T>
+kernel void st_matmul(device const T* A [[buffer(0)]],
+                      device const T* B [[buffer(1)]],
+                      device float* C [[buffer(2)]],
+                      constant uint3& mnk [[buffer(3)]],
+                      uint2 tile [[threadgroup_position_in_grid]]) {
+  const uint K = mnk.z;
+  const uint N = mnk.y;
+  simdgroup_matrix<float, 8, 8> acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  for (uint k = 0; k < K; k += 8) {
+    simdgroup_matrix<T, 8, 8> a;
+    simdgroup_matrix<T, 8, 8> b;
+    simdgroup_load(a, A, K, ulong2(k, tile.y * 8));
+    simdgroup_load(b, B, N, ulong2(tile.x * 8, k));
+    simdgroup_multiply_accumulate(acc, a, b, acc);
+  }
+  simdgroup_store(acc, C, N, ulong2(tile.x * 8, tile.y * 8));
+}
+template [[host_name("st_matmul_f32")]] [[kernel]] decltype(st_matmul<float>) st_matmul<float>;
+template [[host_name("st_matmul_f16")]] [[kernel]] decltype(st_matmul<half>) st_matmul<half>;
+
+// ---- token slots: step reads the previous slot and writes the next ---------------------
+kernel void st_token_step(device const uint* prev [[buffer(0)]],
+                          device uint* next [[buffer(1)]],
+                          uint gid [[thread_position_in_grid]]) {
+  if (gid == 0) {
+    next[0] = prev[0] * 3u + 1u;
+  }
+}

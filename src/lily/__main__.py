@@ -1,0 +1,3 @@
+from lily.cli import main
+import sys
+sys.exit(main())

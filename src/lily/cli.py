@@ -1,0 +1,209 @@
+"""The ``lily`` command: generate, chat, info, serve.
+
+Every subcommand runs on the embedded demo model when ``--model`` is not given, so
+``lily generate "ROMEO."`` works right after ``pip install``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lily.errors import LilyError
+
+_EPILOG = """examples:
+  lily generate "ROMEO."                      # the embedded demo model (Shakespeare)
+  lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
+  lily chat                                   # interactive chat, streaming
+  lily info                                   # config, tensors, memory, devices
+  lily serve --port 8000                      # OpenAI-compatible server (pip install 'lily[serve]')
+"""
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="MLX 4-bit qwen3_5_moe checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--device", default="reference", choices=["reference", "sim", "metal", "auto"],
+                   help="where to run the model (default: reference, the numpy engine)")
+    p.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context window in tokens (default: min(32768, the model's limit))")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (defaults come from the checkpoint's generation_config.json)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None, help="maximum tokens to generate (default 256)")
+    g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--min-p", type=float, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=None)
+    g.add_argument("--presence-penalty", type=float, default=None)
+    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeatable); it is not printed")
+
+
+def _overrides(args) -> dict:
+    keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+            "presence_penalty", "frequency_penalty", "seed", "stop")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+
+
+def _load(args):
+    from lily.engine import Engine
+    return Engine.load(args.model, device=args.device, max_context=args.max_context,
+                       progress=sys.stderr.isatty())
+
+
+def _print_stats(ev, file=sys.stderr) -> None:
+    t = ev.timings
+    print(f"\n[{ev.prompt_tokens} prompt tokens, {t.prefill_tokens_per_s:.1f} tok/s prefill; "
+          f"{ev.completion_tokens} generated, {t.decode_tokens_per_s:.1f} tok/s; "
+          f"finish: {ev.finish_reason}]", file=file)
+
+
+def cmd_generate(args) -> int:
+    engine = _load(args)
+    if args.chat:
+        kwargs = {"enable_thinking": False} if args.no_think else {}
+        events = engine.stream_chat([{"role": "user", "content": args.prompt}],
+                                    chat_template_kwargs=kwargs, **_overrides(args))
+    else:
+        events = engine.stream(args.prompt, **_overrides(args))
+    last = None
+    if not args.chat and args.echo:
+        sys.stdout.write(args.prompt)
+    for ev in events:
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        last = ev
+    sys.stdout.write("\n")
+    if args.verbose:
+        _print_stats(last)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    engine = _load(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    kwargs = {"enable_thinking": False} if args.no_think else {}
+    print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
+          "/reset to start over.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not user.strip():
+            return 0
+        if user.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": user})
+        reply, last = [], None
+        try:
+            for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **_overrides(args)):
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+                reply.append(ev.text)
+                last = ev
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.verbose and last is not None:
+            _print_stats(last)
+
+
+def cmd_info(args) -> int:
+    from lily import _core
+    from lily.engine import Engine
+    engine = Engine.load(args.model, device="reference", progress=sys.stderr.isatty())
+    info = engine.info()
+    info["native_build"] = _core.build_info()
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+        return 0
+    width = max(len(k) for k in info)
+    for k, v in info.items():
+        if k == "weight_bytes":
+            v = f"{v / 2**20:.1f} MiB ({v:,} bytes)"
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    try:
+        from lily.server import serve
+    except ImportError as e:
+        print(f"lily serve needs the server extra: pip install 'lily[serve]' ({e})", file=sys.stderr)
+        return 2
+    engine = _load(args)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="lily",
+        description="Lily runs Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit checkpoints) locally. "
+                    "Without --model it uses a small embedded demo model that writes Shakespeare.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    g = sub.add_parser("generate", help="continue a prompt (or answer it with --chat) and print the text",
+                       description="Generate text from PROMPT and stream it to stdout.")
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block")
+    g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
+    g.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat with the chat template, streaming",
+                       description="Chat interactively; each turn is rendered with the model's chat template.")
+    c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--no-think", action="store_true", help="disable the thinking block")
+    c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    i = sub.add_parser("info", help="show the model's config, tensor count, memory footprint and devices")
+    i.add_argument("--model", "-m", default=None, metavar="PATH", help="checkpoint directory (default: demo model)")
+    i.add_argument("--json", action="store_true", help="machine-readable output")
+    i.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args) or 0
+    except LilyError as e:
+        print(f"lily: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The numpy reference model: MODEL.md's forward pass, written for readability (the oracle).
+
+One function per block, no fusion, no tiling. Weights are dequantized from the checkpoint's
+packed 4/8-bit form to float32; activations are float32 throughout. With
+``activation_dtype="bfloat16"`` the values MLX-LM stores as bf16 (every linear's output,
+norms, residual stream, conv state, KV cache) are rounded to bf16 at the same points, which
+brings the oracle's numbers closer to the peer's; the arithmetic itself stays float32.
+
+The model is incremental: :meth:`ReferenceModel.forward` consumes any number of new tokens
+against a :class:`ReferenceState` (KV cache, conv state, recurrent state), so a prompt can
+be prefilled in one call or in pieces and then decoded token by token with identical math.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from lily.checkpoint import Checkpoint, ModelConfig, QuantizedTensor
+from lily.errors import ContextLengthError, InvalidParameterError
+
+
+def round_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 values to the nearest bf16 (round-to-nearest-even), kept as float32."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    u = x.view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))) & np.uint32(0xFFFF0000))
+    out = rounded.view(np.float32)
+    return np.where(np.isnan(x), x, out)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    return np.logaddexp(0.0, x).astype(np.float32)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
+    """``x * rsqrt(mean(x^2, -1) + eps) * w`` over the last axis, in float32."""
+    x = x.astype(np.float32)
+    y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+    return y * w if w is not None else y
+
+
+def l2_norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (eps on the sum, as MODEL.md)."""
+    return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rope(x: np.ndarray, positions: np.ndarray, rotary_dim: int, theta: float) -> np.ndarray:
+    """Non-traditional (rotate-halves) RoPE on the first ``rotary_dim`` dims of the last axis.
+
+    ``x`` is ``[T, heads, head_dim]``, ``positions`` ``[T]`` absolute positions. Dim ``i``
+    pairs with ``i + rotary_dim/2``; frequency ``theta ** (-2i / rotary_dim)``.
+    """
+    half = rotary_dim // 2
+    inv_freq = theta ** (-np.arange(half, dtype=np.float64) * 2.0 / rotary_dim)
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    cos = np.cos(ang).astype(np.float32)[:, None, :]
+    sin = np.sin(ang).astype(np.float32)[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    out = x.copy()
+    out[..., :half] = x1 * cos - x2 * sin
+    out[..., half:rotary_dim] = x2 * cos + x1 * sin
+    return out
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+@dataclass
+class ReferenceState:
+    """Session state of the reference model.
+
+    Attributes
+    ----------
+    position : int
+        Tokens consumed so far (the next token's absolute position).
+    keys, values : dict[int, np.ndarray]
+        Per full-attention layer, float32 ``[num_key_value_heads, capacity, head_dim]``;
+        rows ``[0, position)`` are valid.
+    conv : dict[int, np.ndarray]
+        Per Gated DeltaNet layer, the last ``kernel-1`` conv inputs ``[kernel-1, conv_dim]``.
+    recurrent : dict[int, np.ndarray]
+        Per Gated DeltaNet layer, float32 ``[Hv, Dv, Dk]``.
+    max_context : int
+        Capacity limit in tokens.
+    """
+
+    max_context: int
+    position: int = 0
+    keys: dict = field(default_factory=dict)
+    values: dict = field(default_factory=dict)
+    conv: dict = field(default_factory=dict)
+    recurrent: dict = field(default_factory=dict)
+
+    def copy(self) -> "ReferenceState":
+        """A deep snapshot (used for multi-turn reuse and tests)."""
+        return copy.deepcopy(self)
+
+
+class ReferenceModel:
+    """The numpy forward pass of ``qwen3_5_moe`` over a memory-mapped MLX checkpoint.
+
+    Parameters
+    ----------
+    checkpoint : Checkpoint
+        An opened, validated checkpoint (:func:`lily.checkpoint.open_checkpoint`).
+    activation_dtype : {"float32", "bfloat16"}
+        ``"bfloat16"`` rounds stored activations to bf16 where MLX-LM does (see module doc).
+    cache_bytes : int
+        Dequantized float32 weights are cached up to this many bytes; beyond it they are
+        dequantized on each use (only the selected experts' slices), so the full-size model
+        runs without a 140 GB float copy.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, *, activation_dtype: str = "float32",
+                 cache_bytes: int = 3 << 30):
+        if activation_dtype not in ("float32", "bfloat16"):
+            raise InvalidParameterError(f"activation_dtype must be 'float32' or 'bfloat16', got {activation_dtype!r}")
+        self.ck = checkpoint
+        self.cfg: ModelConfig = checkpoint.config
+        self._act = round_bf16 if activation_dtype == "bfloat16" else (lambda a: a.astype(np.float32, copy=False))
+        self.activation_dtype = activation_dtype
+        self._cache_budget = cache_bytes
+        self._cache_used = 0
+        self._dense: dict[str, np.ndarray] = {}
+        self._experts: dict[tuple[str, int], np.ndarray] = {}
+        self._qt: dict[str, QuantizedTensor] = {}
+        self._floats: dict[str, np.ndarray] = {}
+
+    # ------------------------------------------------------------------ weights
+
+    def _q(self, module: str) -> QuantizedTensor:
+        qt = self._qt.get(module)
+        if qt is None:
+            qt = self._qt[module] = self.ck.quantized(module)
+        return qt
+
+    def _remember(self, store: dict, key, value: np.ndarray) -> np.ndarray:
+        if self._cache_used + value.nbytes <= self._cache_budget:
+            store[key] = value
+            self._cache_used += value.nbytes
+        return value
+
+    def weight(self, module: str) -> np.ndarray:
+        """Dequantized float32 ``[out, in]`` weight of a (non-expert) linear module."""
+        w = self._dense.get(module)
+        if w is None:
+            w = self._remember(self._dense, module, self._q(module).dequantize())
+        return w
+
+    def expert_weight(self, module: str, expert: int) -> np.ndarray:
+        """Dequantized float32 ``[out, in]`` weight of one expert of a stacked module."""
+        w = self._experts.get((module, expert))
+        if w is None:
+            w = self._remember(self._experts, (module, expert), self._q(module).dequantize(expert))
+        return w
+
+    def param(self, name: str) -> np.ndarray:
+        """An unquantized tensor as float32 (norm weights, conv, A_log, dt_bias)."""
+        a = self._floats.get(name)
+        if a is None:
+            a = self._floats[name] = self.ck.float(name)
+        return a
+
+    def linear(self, x: np.ndarray, module: str) -> np.ndarray:
+        """``x @ W.T`` for ``x`` ``[T, in]``; output rounded like a stored activation."""
+        return self._act(x @ self.weight(module).T)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """Dequantize the embedding rows of ``tokens`` -> ``[T, hidden]``."""
+        qt = self._q("model.embed_tokens")
+        return self._act(qt.dequantize(np.asarray(tokens, dtype=np.int64)))
+
+    # ------------------------------------------------------------------ state
+
+    def new_state(self, max_context: int) -> ReferenceState:
+        """Zeroed session state for up to ``max_context`` tokens."""
+        c = self.cfg
+        st = ReferenceState(max_context=max_context)
+        for i in range(c.num_hidden_layers):
+            if c.is_full_attention(i):
+                shape = (c.num_key_value_heads, min(max_context, 256), c.head_dim)
+                st.keys[i] = np.zeros(shape, np.float32)
+                st.values[i] = np.zeros(shape, np.float32)
+            else:
+                st.conv[i] = np.zeros((c.linear_conv_kernel_dim - 1, c.conv_dim), np.float32)
+                st.recurrent[i] = np.zeros((c.linear_num_value_heads, c.linear_value_head_dim,
+                                            c.linear_key_head_dim), np.float32)
+        return st
+
+    # ------------------------------------------------------------------ blocks
+
+    def gated_deltanet(self, i: int, x: np.ndarray, st: ReferenceState) -> np.ndarray:
+        """Gated DeltaNet mixer of layer ``i`` on normalised input ``x`` ``[T, hidden]``."""
+        c, p = self.cfg, f"model.layers.{i}.linear_attn"
+        T = x.shape[0]
+        Hk, Hv, Dk, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        qkv = self.linear(x, f"{p}.in_proj_qkv")                       # [T, conv_dim]
+        z = self.linear(x, f"{p}.in_proj_z").reshape(T, Hv, Dv)
+        b = self.linear(x, f"{p}.in_proj_b")                           # [T, Hv]
+        a = self.linear(x, f"{p}.in_proj_a")
+
+        # Causal depthwise conv over [conv state | new inputs]; the state keeps the last K-1 inputs.
+        w = self.param(f"{p}.conv1d.weight")[:, :, 0]                  # [conv_dim, K]
+        K = w.shape[1]
+        seq = np.concatenate([st.conv[i], qkv], axis=0)                # [K-1+T, conv_dim]
+        st.conv[i] = seq[-(K - 1):].copy() if K > 1 else st.conv[i]
+        conv = np.zeros_like(qkv)
+        for k in range(K):
+            conv += seq[k:k + T] * w[:, k]
+        conv = self._act(silu(self._act(conv)))
+
+        q = conv[:, :Hk * Dk].reshape(T, Hk, Dk)
+        kk = conv[:, Hk * Dk:2 * Hk * Dk].reshape(T, Hk, Dk)
+        v = conv[:, 2 * Hk * Dk:].reshape(T, Hv, Dv)
+        q = self._act(l2_norm(q) / np.sqrt(Dk))
+        kk = self._act(l2_norm(kk))
+        rep = Hv // Hk                                                 # value head h uses key head h // rep
+        q = np.repeat(q, rep, axis=1)
+        kk = np.repeat(kk, rep, axis=1)
+
+        beta = sigmoid(b)                                              # [T, Hv]
+        g = np.exp(-np.exp(self.param(f"{p}.A_log")) * softplus(a + self.param(f"{p}.dt_bias")))
+
+        S = st.recurrent[i]                                            # [Hv, Dv, Dk] fp32
+        y = np.empty((T, Hv, Dv), np.float32)
+        for t in range(T):
+            S = S * g[t][:, None, None]
+            kv_mem = np.einsum("hvk,hk->hv", S, kk[t])
+            delta = (v[t] - kv_mem) * beta[t][:, None]
+            S = S + delta[:, :, None] * kk[t][:, None, :]
+            y[t] = np.einsum("hvk,hk->hv", S, q[t])
+        st.recurrent[i] = S.astype(np.float32)
+        y = self._act(y)
+
+        o = rms_norm(y, self.param(f"{p}.norm.weight"), c.rms_norm_eps) * silu(z)
+        o = self._act(o)
+        return self.linear(o.reshape(T, Hv * Dv), f"{p}.out_proj")
+
+    def attention(self, i: int, x: np.ndarray, st: ReferenceState) -> np.ndarray:
+        """Full-attention mixer of layer ``i`` (GQA, q/k norm, partial RoPE, sigmoid gate)."""
+        c, p = self.cfg, f"model.layers.{i}.self_attn"
+        T = x.shape[0]
+        Hq, Hkv, D = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        qg = self.linear(x, f"{p}.q_proj").reshape(T, Hq, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, Hq * D)
+        k = self.linear(x, f"{p}.k_proj").reshape(T, Hkv, D)
+        v = self.linear(x, f"{p}.v_proj").reshape(T, Hkv, D)
+        q = self._act(rms_norm(q, self.param(f"{p}.q_norm.weight"), c.rms_norm_eps))
+        k = self._act(rms_norm(k, self.param(f"{p}.k_norm.weight"), c.rms_norm_eps))
+        pos = np.arange(st.position, st.position + T)
+        q = self._act(rope(q, pos, c.rotary_dim, c.rope_theta))
+        k = self._act(rope(k, pos, c.rotary_dim, c.rope_theta))
+
+        end = st.position + T
+        if end > st.keys[i].shape[1]:
+            cap = min(st.max_context, max(end, 2 * st.keys[i].shape[1]))
+            for cache in (st.keys, st.values):
+                grown = np.zeros((Hkv, cap, D), np.float32)
+                grown[:, :st.position] = cache[i][:, :st.position]
+                cache[i] = grown
+        st.keys[i][:, st.position:end] = k.transpose(1, 0, 2)
+        st.values[i][:, st.position:end] = v.transpose(1, 0, 2)
+        K, V = st.keys[i][:, :end], st.values[i][:, :end]               # [Hkv, S, D]
+
+        group = Hq // Hkv
+        qh = q.transpose(1, 0, 2).reshape(Hkv, group * T, D)            # query heads of a KV head together
+        scores = (qh @ K.transpose(0, 2, 1)) * (D ** -0.5)              # [Hkv, group*T, S]
+        causal = pos[:, None] >= np.arange(end)[None, :]                # [T, S]
+        scores = np.where(np.tile(causal, (group, 1))[None], scores, -np.inf)
+        out = softmax(scores) @ V                                       # [Hkv, group*T, D]
+        out = out.reshape(Hq, T, D).transpose(1, 0, 2).reshape(T, Hq * D)
+        out = self._act(self._act(out) * sigmoid(gate))
+        return self.linear(out, f"{p}.o_proj")
+
+    def moe(self, i: int, x: np.ndarray) -> np.ndarray:
+        """Sparse MoE of layer ``i``: softmax router, top-k renormalised, SwiGLU experts,
+        plus the sigmoid-gated shared expert. ``x`` is ``[T, hidden]``."""
+        c, p = self.cfg, f"model.layers.{i}.mlp"
+        T = x.shape[0]
+        probs = softmax(x @ self.weight(f"{p}.gate").T)                # fp32 router
+        k = c.num_experts_per_tok
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]        # [T, k]
+        w = np.take_along_axis(probs, top, axis=-1)
+        if c.norm_topk_prob:
+            w = w / w.sum(axis=-1, keepdims=True)
+
+        y = np.zeros((T, c.hidden_size), np.float32)
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            xe = x[rows]
+            g_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.gate_proj", int(e)).T)
+            u_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.up_proj", int(e)).T)
+            h = self._act(silu(g_) * u_)
+            d = self._act(h @ self.expert_weight(f"{p}.switch_mlp.down_proj", int(e)).T)
+            np.add.at(y, rows, d * w[rows, slot][:, None])
+        y = self._act(y)
+
+        sg = self.linear(x, f"{p}.shared_expert.gate_proj")
+        su = self.linear(x, f"{p}.shared_expert.up_proj")
+        sh = self.linear(self._act(silu(sg) * su), f"{p}.shared_expert.down_proj")
+        gate = sigmoid(self.linear(x, f"{p}.shared_expert_gate"))
+        return self._act(y + self._act(gate * sh))
+
+    # ------------------------------------------------------------------ model
+
+    def forward(self, tokens, st: ReferenceState, *, all_logits: bool = False) -> np.ndarray:
+        """Consume ``tokens`` (ints, ``[T]``) at ``st.position`` and advance the state.
+
+        Returns float32 logits ``[vocab]`` for the last token, or ``[T, vocab]`` with
+        ``all_logits=True``.
+
+        Raises
+        ------
+        ContextLengthError
+            If ``st.position + T`` exceeds ``st.max_context``.
+        InvalidParameterError
+            If a token id is outside ``[0, vocab_size)`` or ``tokens`` is empty.
+        """
+        c = self.cfg
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        T = tokens.shape[0]
+        if T == 0:
+            raise InvalidParameterError("tokens must contain at least one token id")
+        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
+            bad = int(tokens[(tokens < 0) | (tokens >= c.vocab_size)][0])
+            raise InvalidParameterError(f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
+        if st.position + T > st.max_context:
+            raise ContextLengthError(f"{st.position} tokens in context + {T} new tokens exceed the "
+                                     f"context window of {st.max_context} tokens")
+        h = self.embed(tokens)
+        for i in range(c.num_hidden_layers):
+            xn = self._act(rms_norm(h, self.param(f"model.layers.{i}.input_layernorm.weight"), c.rms_norm_eps))
+            mixer = self.attention if c.is_full_attention(i) else self.gated_deltanet
+            h = self._act(h + mixer(i, xn, st))
+            xn = self._act(rms_norm(h, self.param(f"model.layers.{i}.post_attention_layernorm.weight"), c.rms_norm_eps))
+            h = self._act(h + self.moe(i, xn))
+        st.position += T
+        if not all_logits:
+            h = h[-1:]
+        hn = self._act(rms_norm(h, self.param("model.norm.weight"), c.rms_norm_eps))
+        logits = (hn @ self.weight("lm_head").T).astype(np.float32)
+        return logits if all_logits else logits[0]

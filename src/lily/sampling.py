@@ -1,0 +1,256 @@
+"""Sampling parameters, the CPU token sampler used by the reference device, and stop-string
+matching on streamed text.
+
+Order of logit processing (the usual one, as in Hugging Face / vLLM): repetition penalty,
+presence and frequency penalties, temperature, top-k, top-p, min-p, then a draw from a
+seeded ``numpy.random.Generator`` (PCG64). ``temperature == 0`` is greedy (argmax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from lily.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Parameters
+    ----------
+    max_tokens : int
+        Maximum number of generated tokens (>= 1).
+    temperature : float
+        0 for greedy decoding; otherwise logits are divided by it (>= 0, <= 100).
+    top_k : int
+        Keep the k most likely tokens; 0 disables.
+    top_p : float
+        Nucleus sampling: keep the smallest set with cumulative probability >= top_p (0 < p <= 1).
+    min_p : float
+        Drop tokens whose probability is below ``min_p * p_max`` (0 <= min_p <= 1).
+    seed : int | None
+        Seed of the per-request random generator; None draws a fresh seed.
+    stop : tuple[str, ...]
+        Stop strings: generation ends before the first occurrence, which is not returned.
+    presence_penalty, frequency_penalty : float
+        OpenAI-style penalties in [-2, 2] over the generated tokens so far.
+    repetition_penalty : float
+        Hugging Face-style multiplicative penalty (> 0, 1 disables) over prompt and output.
+    logprobs : bool
+        Return the log-probability of each chosen token.
+    top_logprobs : int
+        Also return this many most likely alternatives per position (0..20).
+    ignore_eos : bool
+        Keep generating past EOS tokens (benchmarks).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        stop = self.stop
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif stop is None:
+            stop = ()
+        object.__setattr__(self, "stop", tuple(stop))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`InvalidParameterError` naming the first invalid field."""
+        def bad(name, why):
+            raise InvalidParameterError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        def num(name, lo, hi, lo_open=False):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+            if (v <= lo if lo_open else v < lo) or v > hi:
+                bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
+
+        def integer(name, lo, hi):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                bad(name, "must be an integer")
+            if v < lo or v > hi:
+                bad(name, f"must be in [{lo}, {hi}]")
+
+        integer("max_tokens", 1, 1 << 31)
+        num("temperature", 0.0, 100.0)
+        integer("top_k", 0, 1 << 31)
+        num("top_p", 0.0, 1.0, lo_open=True)
+        num("min_p", 0.0, 1.0)
+        num("presence_penalty", -2.0, 2.0)
+        num("frequency_penalty", -2.0, 2.0)
+        num("repetition_penalty", 0.0, 100.0, lo_open=True)
+        integer("top_logprobs", 0, 20)
+        if self.seed is not None:
+            integer("seed", -(1 << 63), (1 << 64) - 1)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidParameterError(f"invalid sampling parameter stop={self.stop!r}: "
+                                            "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            bad("stop", "at most 16 stop strings")
+
+    def replace(self, **changes) -> "SamplingParams":
+        """A copy with ``changes`` applied (validated). Unknown names raise
+        :class:`InvalidParameterError`."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise InvalidParameterError(f"unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_generation_config(cls, gen: dict) -> "SamplingParams":
+        """Defaults from a checkpoint's ``generation_config.json``: its temperature, top_k,
+        top_p, min_p and repetition_penalty when ``do_sample`` is true (or unspecified with a
+        temperature given); greedy otherwise."""
+        kw = {}
+        sample = gen.get("do_sample", "temperature" in gen)
+        if sample and gen.get("temperature", 1.0) > 0:
+            kw["temperature"] = float(gen.get("temperature", 1.0))
+            for k, conv in (("top_k", int), ("top_p", float), ("min_p", float)):
+                if gen.get(k) is not None:
+                    kw[k] = conv(gen[k])
+        if gen.get("repetition_penalty") is not None:
+            kw["repetition_penalty"] = float(gen["repetition_penalty"])
+        if gen.get("max_new_tokens"):
+            kw["max_tokens"] = int(gen["max_new_tokens"])
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """Log-probability of one generated token under the model's distribution (raw logits,
+    before penalties and temperature), with the ``top`` alternatives as ``(id, logprob)``."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max()
+    return (x - m - np.log(np.exp(x - m).sum())).astype(np.float32)
+
+
+class Sampler:
+    """Picks tokens from float32 logits ``[vocab]`` according to :class:`SamplingParams`.
+
+    Keeps the per-request state the penalties need (token counts) and the seeded RNG.
+    """
+
+    def __init__(self, params: SamplingParams, prompt_tokens: Sequence[int] = ()):
+        self.params = params
+        seed = params.seed if params.seed is not None else np.random.SeedSequence().entropy
+        self.rng = np.random.Generator(np.random.PCG64(int(seed) % (1 << 128)))
+        self._seen = set(int(t) for t in prompt_tokens)
+        self._counts: dict[int, int] = {}
+
+    def process(self, logits: np.ndarray) -> np.ndarray:
+        """Penalties and temperature applied to a float64 copy of ``logits``."""
+        p = self.params
+        x = np.array(logits, dtype=np.float64)
+        if p.repetition_penalty != 1.0 and (self._seen or self._counts):
+            ids = np.fromiter(self._seen | set(self._counts), dtype=np.int64)
+            v = x[ids]
+            x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if self._counts and (p.presence_penalty or p.frequency_penalty):
+            ids = np.fromiter(self._counts, dtype=np.int64)
+            cnt = np.fromiter(self._counts.values(), dtype=np.float64)
+            x[ids] -= p.presence_penalty + p.frequency_penalty * cnt
+        return x
+
+    def sample(self, logits: np.ndarray) -> int:
+        """Choose the next token id and record it for the penalties."""
+        p = self.params
+        x = self.process(logits)
+        if p.temperature == 0.0:
+            tok = int(np.argmax(x))
+        else:
+            x = x / p.temperature
+            if 0 < p.top_k < x.size:
+                kth = np.partition(x, -p.top_k)[-p.top_k]
+                x = np.where(x >= kth, x, -np.inf)
+            probs = np.exp(x - x.max())
+            probs /= probs.sum()
+            if p.top_p < 1.0:
+                order = np.argsort(-probs, kind="stable")
+                csum = np.cumsum(probs[order])
+                keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
+                mask = np.zeros_like(probs, dtype=bool)
+                mask[keep] = True
+                probs = np.where(mask, probs, 0.0)
+            if p.min_p > 0.0:
+                probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+            probs /= probs.sum()
+            tok = int(self.rng.choice(probs.size, p=probs))
+        self._counts[tok] = self._counts.get(tok, 0) + 1
+        return tok
+
+    def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        lp = log_softmax(logits)
+        top = ()
+        if self.params.top_logprobs:
+            n = self.params.top_logprobs
+            idx = np.argpartition(-lp, n)[:n]
+            idx = idx[np.argsort(-lp[idx], kind="stable")]
+            top = tuple((int(i), float(lp[i])) for i in idx)
+        return TokenLogprob(int(token), float(lp[token]), top)
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text while releasing everything that cannot start one.
+
+    ``push(text)`` returns ``(safe_text, stopped)``: ``safe_text`` may be shown now; when
+    ``stopped`` is true the text before the first stop string has been returned and the
+    stop string itself is dropped. Only the longest tail that is a prefix of some stop
+    string is held back.
+    """
+
+    def __init__(self, stops: Iterable[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [(buf.find(s), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if hits:
+            i = min(i for i, _ in hits)
+            self._held = ""
+            return buf[:i], True
+        keep = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(buf)), 0, -1):
+                if buf.endswith(s[:n]):
+                    keep = max(keep, n)
+                    break
+        self._held = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep], False
+
+    def flush(self) -> str:
+        """Release held text at the end of generation (no stop string followed)."""
+        out, self._held = self._held, ""
+        return out

@@ -1,0 +1,10 @@
+"""Lily's OpenAI-compatible HTTP server (``lily serve``).
+
+:func:`create_app` builds the FastAPI app around a loaded :class:`~lily.engine.Engine`;
+:func:`serve` runs it with uvicorn. See ``docs/server.md``.
+"""
+
+from lily.server.app import create_app, serve
+from lily.server.parser import ChatAccumulator, ChatOutputParser, parse_complete
+
+__all__ = ["ChatAccumulator", "ChatOutputParser", "create_app", "parse_complete", "serve"]

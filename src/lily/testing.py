@@ -1,0 +1,807 @@
+"""Random-weight ``qwen3_5_moe`` checkpoints for tests.
+
+This module writes small checkpoints of the Qwen3.5/3.6-MoE architecture with random but
+numerically healthy weights, in the two layouts users meet:
+
+* the **Hugging Face original layout** of ``Qwen3_5MoeForConditionalGeneration``
+  (:func:`make_hf_checkpoint`): bf16 safetensors shards + ``model.safetensors.index.json``,
+  keys ``model.language_model.*`` / ``lm_head.weight`` / ``mtp.*``, fused experts, RMSNorm
+  weights stored as offsets, ``config.json`` with a nested ``text_config``;
+* the **MLX 4-bit layout** (:func:`make_mlx_checkpoint`), produced by running the peer's own
+  converter on the HF checkpoint in a subprocess::
+
+      python -m mlx_lm convert --hf-path HF --mlx-path OUT -q --q-bits 4 --q-group-size 64
+
+  MLX-LM's ``qwen3_5_moe`` model class carries a ``quant_predicate`` that quantizes every
+  ``mlp.gate`` (router) and ``mlp.shared_expert_gate`` to 8 bits (group 64), exactly like
+  the published MLX checkpoints; :func:`make_mlx_checkpoint` checks that the converted
+  ``config.json`` records those overrides and raises :class:`RuntimeError` otherwise.
+
+:func:`cached_checkpoint` memoises converted checkpoints on disk (safe under concurrent
+processes). The tokenizer files (``tokenizer.json`` or ``tokenizer.json.xz``,
+``tokenizer_config.json``, ``chat_template.jinja``) are copied from a caller-supplied
+``tokenizer_dir``; nothing here hard-codes a repository path.
+
+Weights are drawn from a NumPy generator seeded from ``(seed, tensor name)``, so a tensor's
+values do not depend on sharding or on the other tensors. Requires only NumPy for the HF
+layout; the MLX layout needs ``mlx-lm`` (and ``mlx``/``mlx-cpu``) in the running interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import lzma
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+
+__all__ = [
+    "PRESETS",
+    "Preset",
+    "TensorSpec",
+    "hf_tensor_specs",
+    "make_hf_checkpoint",
+    "make_mlx_checkpoint",
+    "cached_checkpoint",
+    "copy_tokenizer_files",
+    "EOS_TOKEN_IDS",
+    "REAL_VOCAB_SIZE",
+    "TOKENIZER_VOCAB_SIZE",
+]
+
+#: Bump when the weight generator or file layout changes (invalidates cached checkpoints).
+FACTORY_VERSION = 2
+
+#: Embedding / lm_head rows of the real model (the tokenizer has fewer ids).
+REAL_VOCAB_SIZE = 248320
+#: Number of ids of the real tokenizer (248044 BPE ranks + 33 special tokens).
+TOKENIZER_VOCAB_SIZE = 248077
+#: ``<|im_end|>`` and ``<|endoftext|>``.
+EOS_TOKEN_IDS = (248046, 248044)
+
+#: Default MLX quantization of the converted checkpoints.
+Q_BITS = 4
+Q_GROUP_SIZE = 64
+#: Bits of the router (``mlp.gate``) and ``mlp.shared_expert_gate`` in MLX checkpoints.
+ROUTER_BITS = 8
+
+_DEFAULT_SHARD_BYTES = 96 * 1024 * 1024
+
+
+# --------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Dimensions of a random test model (field names follow ``text_config``).
+
+    Every quantized matmul's input dimension (hidden_size, GDN value_dim, attention
+    ``num_attention_heads * head_dim``, ``moe_intermediate_size``,
+    ``shared_expert_intermediate_size``) must be a multiple of the quantization group size
+    64, otherwise MLX-LM would leave that linear unquantized; :meth:`validate` checks this.
+    """
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    full_attention_interval: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    linear_conv_kernel_dim: int = 4
+    vocab_size: int = REAL_VOCAB_SIZE
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    max_position_embeddings: int = 262144
+    mtp_num_hidden_layers: int = 1
+
+    # -- derived sizes -------------------------------------------------------------
+    @property
+    def layer_types(self) -> List[str]:
+        """``"linear_attention"`` / ``"full_attention"`` per layer (full iff (i+1) % interval == 0)."""
+        return [
+            "full_attention" if (i + 1) % self.full_attention_interval == 0 else "linear_attention"
+            for i in range(self.num_hidden_layers)
+        ]
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q | k | v = 2 * key_dim + value_dim."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def mrope_section(self) -> List[int]:
+        """Three mRoPE sections summing to rotary_dim / 2 ([11, 11, 10] for head_dim 256)."""
+        half = self.rotary_dim // 2
+        a = int(round(half * 11 / 32))
+        return [a, a, half - 2 * a]
+
+    def validate(self) -> None:
+        """Raise :class:`ValueError` if the dimensions are inconsistent."""
+        problems = []
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            problems.append("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.num_experts_per_tok > self.num_experts:
+            problems.append("num_experts_per_tok > num_experts")
+        for label, dim in (
+            ("hidden_size", self.hidden_size),
+            ("GDN value dim", self.gdn_value_dim),
+            ("attention output dim", self.num_attention_heads * self.head_dim),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+        ):
+            if dim % Q_GROUP_SIZE:
+                problems.append(f"{label} {dim} is not a multiple of {Q_GROUP_SIZE}")
+        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
+            problems.append("bad rotary dim")
+        if problems:
+            raise ValueError(f"preset {self.name!r}: " + "; ".join(problems))
+
+    # -- configs -------------------------------------------------------------------
+    def text_config(self) -> dict:
+        """The ``text_config`` dict of ``config.json`` (real-model keys, preset values)."""
+        return {
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "attn_output_gate": True,
+            "bos_token_id": None,
+            "dtype": "bfloat16",
+            "eos_token_id": EOS_TOKEN_IDS[1],
+            "full_attention_interval": self.full_attention_interval,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "layer_types": self.layer_types,
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "mlp_only_layers": [],
+            "model_type": "qwen3_5_moe_text",
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
+            "mtp_use_dedicated_embeddings": False,
+            "norm_topk_prob": True,
+            "num_attention_heads": self.num_attention_heads,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "output_router_logits": False,
+            "pad_token_id": None,
+            "partial_rotary_factor": self.partial_rotary_factor,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {
+                "mrope_interleaved": True,
+                "mrope_section": self.mrope_section,
+                "partial_rotary_factor": self.partial_rotary_factor,
+                "rope_theta": self.rope_theta,
+                "rope_type": "default",
+            },
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "vocab_size": self.vocab_size,
+        }
+
+    def config(self) -> dict:
+        """The full HF ``config.json`` dict (``Qwen3_5MoeForConditionalGeneration``).
+
+        ``vision_config`` mirrors the real model's vision tower settings; no vision
+        tensors are written (text inference ignores them).
+        """
+        return {
+            "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+            "image_token_id": 248056,
+            "model_type": "qwen3_5_moe",
+            "text_config": self.text_config(),
+            "tie_word_embeddings": False,
+            "transformers_version": "4.57.0.dev0",
+            "video_token_id": 248057,
+            "vision_config": {
+                "deepstack_visual_indexes": [],
+                "depth": 27,
+                "hidden_act": "gelu_pytorch_tanh",
+                "hidden_size": 1152,
+                "in_channels": 3,
+                "initializer_range": 0.02,
+                "intermediate_size": 4304,
+                "model_type": "qwen3_5_moe",
+                "num_heads": 16,
+                "num_position_embeddings": 2304,
+                "out_hidden_size": self.hidden_size,
+                "patch_size": 16,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+            },
+            "vision_end_token_id": 248054,
+            "vision_start_token_id": 248053,
+        }
+
+    def content_hash(self) -> str:
+        """Hex digest of every field plus :data:`FACTORY_VERSION` (a cache key part)."""
+        payload = json.dumps(
+            {"fields": dataclasses.asdict(self), "factory_version": FACTORY_VERSION},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+PRESETS: Dict[str, Preset] = {
+    # Fast: small everything, GDN head dims 32, attention head_dim 64.
+    "tiny": Preset(
+        name="tiny",
+        hidden_size=128,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=4,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    # The real per-head dims (GDN 128/128, attention 256, 8 q heads per kv head, top-8),
+    # with few heads, experts and layers.
+    "dims": Preset(
+        name="dims",
+        hidden_size=256,
+        num_hidden_layers=4,
+        full_attention_interval=4,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=32,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+    ),
+}
+for _p in PRESETS.values():
+    _p.validate()
+
+
+def _resolve_preset(preset: Union[str, Preset]) -> Preset:
+    if isinstance(preset, Preset):
+        preset.validate()
+        return preset
+    try:
+        return PRESETS[preset]
+    except KeyError:
+        raise ValueError(f"unknown preset {preset!r}; known: {sorted(PRESETS)}") from None
+
+
+# --------------------------------------------------------------------------------------
+# Tensor specs and random initialisation
+# --------------------------------------------------------------------------------------
+
+# A generator returns float32 values of the tensor's shape given a numpy Generator.
+_Init = Callable[[np.random.Generator, Tuple[int, ...]], np.ndarray]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the HF checkpoint: ``name``, ``shape``, safetensors ``dtype`` ("BF16"/"F32")."""
+
+    name: str
+    shape: Tuple[int, ...]
+    dtype: str
+    init: _Init = dataclasses.field(compare=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * (2 if self.dtype == "BF16" else 4)
+
+
+def _normal(std: float) -> _Init:
+    def f(rng: np.random.Generator, shape):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    return f
+
+
+def _fan_in(gain: float = 1.0) -> _Init:
+    """std = gain / sqrt(last dim): keeps activations O(1) through a matmul."""
+
+    def f(rng: np.random.Generator, shape):
+        std = gain / math.sqrt(shape[-1])
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    return f
+
+
+def _ones_plus(std: float) -> _Init:
+    def f(rng, shape):
+        return 1.0 + rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    return f
+
+
+def _uniform(lo: float, hi: float, log: bool = False) -> _Init:
+    def f(rng, shape):
+        u = rng.uniform(lo, hi, size=shape).astype(np.float32)
+        return np.log(u) if log else u
+
+    return f
+
+
+def _lm_head_init(gain: float) -> _Init:
+    """fan-in init; the padding rows past the tokenizer's ids get 1/100 of it so their
+    logits stay near 0 and never win a greedy pick (those ids cannot be decoded)."""
+    base = _fan_in(gain)
+
+    def f(rng, shape):
+        w = base(rng, shape)
+        if shape[0] > TOKENIZER_VOCAB_SIZE:
+            w[TOKENIZER_VOCAB_SIZE:] *= np.float32(0.01)
+        return w
+
+    return f
+
+
+# Offsets (multiplier 1 + w) of the Gemma-style RMSNorms.
+_NORM_OFFSET = _normal(0.1)
+
+
+def _decoder_layer_specs(p: Preset, prefix: str, full_attention: bool) -> List[TensorSpec]:
+    H = p.hidden_size
+    s: List[TensorSpec] = []
+
+    def add(name, shape, init, dtype="BF16"):
+        s.append(TensorSpec(f"{prefix}.{name}", tuple(int(x) for x in shape), dtype, init))
+
+    add("input_layernorm.weight", (H,), _NORM_OFFSET)
+    add("post_attention_layernorm.weight", (H,), _NORM_OFFSET)
+    if full_attention:
+        nq, nkv, hd = p.num_attention_heads, p.num_key_value_heads, p.head_dim
+        add("self_attn.q_proj.weight", (2 * nq * hd, H), _fan_in())  # per head: query | gate
+        add("self_attn.k_proj.weight", (nkv * hd, H), _fan_in())
+        add("self_attn.v_proj.weight", (nkv * hd, H), _fan_in())
+        add("self_attn.o_proj.weight", (H, nq * hd), _fan_in(0.7))
+        add("self_attn.q_norm.weight", (hd,), _NORM_OFFSET)
+        add("self_attn.k_norm.weight", (hd,), _NORM_OFFSET)
+    else:
+        hv = p.linear_num_value_heads
+        add("linear_attn.in_proj_qkv.weight", (p.conv_dim, H), _fan_in())
+        add("linear_attn.in_proj_z.weight", (p.gdn_value_dim, H), _fan_in())
+        add("linear_attn.in_proj_b.weight", (hv, H), _fan_in())
+        add("linear_attn.in_proj_a.weight", (hv, H), _fan_in(0.5))
+        add("linear_attn.conv1d.weight", (p.conv_dim, 1, p.linear_conv_kernel_dim), _normal(0.3))
+        # softplus(dt_bias) ~ 0.007..0.13 and A in [1, 16]: decays g from ~0.1 to ~0.99.
+        add("linear_attn.dt_bias", (hv,), _uniform(-5.0, -2.0))
+        add("linear_attn.A_log", (hv,), _uniform(1.0, 16.0, log=True), dtype="F32")
+        add("linear_attn.norm.weight", (p.linear_value_head_dim,), _ones_plus(0.1))
+        add("linear_attn.out_proj.weight", (H, p.gdn_value_dim), _fan_in(0.7))
+    E, I, Is = p.num_experts, p.moe_intermediate_size, p.shared_expert_intermediate_size
+    add("mlp.gate.weight", (E, H), _fan_in(1.5))
+    add("mlp.experts.gate_up_proj", (E, 2 * I, H), _fan_in())  # gate rows then up rows
+    add("mlp.experts.down_proj", (E, H, I), _fan_in())
+    add("mlp.shared_expert.gate_proj.weight", (Is, H), _fan_in())
+    add("mlp.shared_expert.up_proj.weight", (Is, H), _fan_in())
+    add("mlp.shared_expert.down_proj.weight", (H, Is), _fan_in())
+    add("mlp.shared_expert_gate.weight", (1, H), _fan_in())
+    return s
+
+
+def hf_tensor_specs(preset: Union[str, Preset]) -> List[TensorSpec]:
+    """Every tensor of the HF-layout checkpoint of ``preset``, in file order.
+
+    Shapes (H = hidden, E = experts, I = moe intermediate, Is = shared intermediate)::
+
+        model.language_model.embed_tokens.weight          [V, H]             BF16
+        model.language_model.layers.N.input_layernorm.weight / post_attention_layernorm.weight
+                                                          [H]   (offset)     BF16
+        ...linear_attn.in_proj_qkv.weight                 [2*Hk*Dk + Hv*Dv, H]
+        ...linear_attn.in_proj_z.weight                   [Hv*Dv, H]
+        ...linear_attn.in_proj_b.weight / in_proj_a.weight [Hv, H]
+        ...linear_attn.conv1d.weight                      [conv_dim, 1, 4]
+        ...linear_attn.dt_bias                            [Hv]               BF16
+        ...linear_attn.A_log                              [Hv]               F32
+        ...linear_attn.norm.weight                        [Dv]  (not offset) BF16
+        ...linear_attn.out_proj.weight                    [H, Hv*Dv]
+        ...self_attn.q_proj.weight                        [2*nq*hd, H]  (per head query|gate)
+        ...self_attn.k_proj.weight / v_proj.weight        [nkv*hd, H]
+        ...self_attn.o_proj.weight                        [H, nq*hd]
+        ...self_attn.q_norm.weight / k_norm.weight        [hd]  (offset)
+        ...mlp.gate.weight                                [E, H]
+        ...mlp.experts.gate_up_proj                       [E, 2*I, H]  (gate rows first)
+        ...mlp.experts.down_proj                          [E, H, I]
+        ...mlp.shared_expert.{gate,up}_proj.weight        [Is, H]
+        ...mlp.shared_expert.down_proj.weight             [H, Is]
+        ...mlp.shared_expert_gate.weight                  [1, H]
+        model.language_model.norm.weight                  [H]   (offset)
+        lm_head.weight                                    [V, H]  (rows >= 248077 ~0)
+        mtp.*  (multi-token-prediction head, ignored by text inference)
+
+    Raises :class:`ValueError` for an unknown preset name.
+    """
+    p = _resolve_preset(preset)
+    H, V = p.hidden_size, p.vocab_size
+    specs: List[TensorSpec] = [
+        TensorSpec("model.language_model.embed_tokens.weight", (V, H), "BF16", _normal(1.0))
+    ]
+    for i, kind in enumerate(p.layer_types):
+        specs += _decoder_layer_specs(
+            p, f"model.language_model.layers.{i}", kind == "full_attention"
+        )
+    specs.append(TensorSpec("model.language_model.norm.weight", (H,), "BF16", _NORM_OFFSET))
+    specs.append(TensorSpec("lm_head.weight", (V, H), "BF16", _lm_head_init(2.0)))
+    for j in range(p.mtp_num_hidden_layers):
+        specs += _decoder_layer_specs(p, f"mtp.layers.{j}", True)
+    if p.mtp_num_hidden_layers:
+        specs += [
+            TensorSpec("mtp.fc.weight", (H, 2 * H), "BF16", _fan_in()),
+            TensorSpec("mtp.norm.weight", (H,), "BF16", _NORM_OFFSET),
+            TensorSpec("mtp.pre_fc_norm_embedding.weight", (H,), "BF16", _NORM_OFFSET),
+            TensorSpec("mtp.pre_fc_norm_hidden.weight", (H,), "BF16", _NORM_OFFSET),
+        ]
+    return specs
+
+
+def _tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
+    """Deterministic float32 values of ``spec`` from (seed, name)."""
+    rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, zlib.crc32(spec.name.encode())])
+    return np.ascontiguousarray(spec.init(rng, spec.shape), dtype=np.float32)
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+    return (rounded >> np.uint32(16)).astype(np.uint16)
+
+
+def _tensor_bytes(spec: TensorSpec, seed: int) -> bytes:
+    v = _tensor_values(spec, seed)
+    if spec.dtype == "BF16":
+        return _to_bf16_bits(v).astype("<u2").tobytes()
+    return v.astype("<f4").tobytes()
+
+
+def _write_safetensors(path: Path, specs: List[TensorSpec], seed: int) -> None:
+    """Stream ``specs`` into one safetensors file (header first, then data in order)."""
+    header: Dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for sp in specs:
+        header[sp.name] = {
+            "dtype": sp.dtype,
+            "shape": list(sp.shape),
+            "data_offsets": [offset, offset + sp.nbytes],
+        }
+        offset += sp.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-len(hb) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(hb)))
+        f.write(hb)
+        for sp in specs:
+            data = _tensor_bytes(sp, seed)
+            assert len(data) == sp.nbytes
+            f.write(data)
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer files
+# --------------------------------------------------------------------------------------
+
+_TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja")
+
+
+def copy_tokenizer_files(tokenizer_dir: Union[str, os.PathLike, None], out_dir: Union[str, os.PathLike]) -> None:
+    """Copy ``tokenizer.json`` (or decompress ``tokenizer.json.xz``), ``tokenizer_config.json``
+    and ``chat_template.jinja`` from ``tokenizer_dir`` into ``out_dir``.
+
+    Raises :class:`ValueError` if ``tokenizer_dir`` is None and :class:`FileNotFoundError`
+    if a file is missing.
+    """
+    if tokenizer_dir is None:
+        raise ValueError(
+            "lily.testing needs tokenizer_dir=<folder with tokenizer.json[.xz], "
+            "tokenizer_config.json, chat_template.jinja> (e.g. the repository's "
+            "tests/data/qwen3.5-moe-tokenizer)"
+        )
+    src = Path(tokenizer_dir)
+    out = Path(out_dir)
+    if not src.is_dir():
+        raise FileNotFoundError(f"tokenizer_dir {src} is not a directory")
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", out / "tokenizer.json")
+    elif (src / "tokenizer.json.xz").is_file():
+        with lzma.open(src / "tokenizer.json.xz", "rb") as fin, open(out / "tokenizer.json", "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+    else:
+        raise FileNotFoundError(f"neither tokenizer.json nor tokenizer.json.xz in {src}")
+    for name in _TOKENIZER_FILES:
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{name} missing from tokenizer_dir {src}")
+        shutil.copyfile(src / name, out / name)
+
+
+def _tokenizer_fingerprint(tokenizer_dir: Union[str, os.PathLike, None]) -> str:
+    if tokenizer_dir is None:
+        copy_tokenizer_files(None, ".")  # raises the clear error
+    src = Path(tokenizer_dir)
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer.json.xz") + _TOKENIZER_FILES:
+        f = src / name
+        if f.is_file():
+            h.update(name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------
+# Checkpoint writers
+# --------------------------------------------------------------------------------------
+
+
+def _prepare_empty_dir(out_dir: Path) -> None:
+    if out_dir.exists():
+        if not out_dir.is_dir() or any(out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} exists and is not an empty directory")
+    else:
+        out_dir.mkdir(parents=True)
+
+
+def make_hf_checkpoint(
+    preset: Union[str, Preset],
+    out_dir: Union[str, os.PathLike],
+    *,
+    seed: int = 0,
+    tokenizer_dir: Union[str, os.PathLike, None] = None,
+    shard_bytes: int = _DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write a random-weight HF-layout checkpoint of ``preset`` into ``out_dir``.
+
+    Files: ``model-0000k-of-0000n.safetensors`` (bf16, ``A_log`` fp32; tensors listed by
+    :func:`hf_tensor_specs`), ``model.safetensors.index.json``, ``config.json``
+    (:meth:`Preset.config`), ``generation_config.json`` (eos ``[248046, 248044]``) and the
+    tokenizer files from ``tokenizer_dir``. ``out_dir`` must not exist or be empty.
+
+    Returns ``Path(out_dir)``. Raises :class:`ValueError` (unknown preset, no
+    ``tokenizer_dir``), :class:`FileExistsError` (non-empty ``out_dir``) or
+    :class:`FileNotFoundError` (tokenizer files missing).
+    """
+    p = _resolve_preset(preset)
+    if tokenizer_dir is None:
+        copy_tokenizer_files(None, ".")  # raises the clear error before touching out_dir
+    out = Path(out_dir)
+    _prepare_empty_dir(out)
+    specs = hf_tensor_specs(p)
+
+    shards: List[List[TensorSpec]] = [[]]
+    size = 0
+    for sp in specs:
+        if shards[-1] and size + sp.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(sp)
+        size += sp.nbytes
+    n = len(shards)
+    weight_map = {}
+    for k, group in enumerate(shards, start=1):
+        fname = f"model-{k:05d}-of-{n:05d}.safetensors"
+        _write_safetensors(out / fname, group, seed)
+        for sp in group:
+            weight_map[sp.name] = fname
+    index = {
+        "metadata": {"total_size": sum(sp.nbytes for sp in specs)},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(p.config(), indent=2) + "\n")
+    gen = {
+        "bos_token_id": EOS_TOKEN_IDS[1],
+        "do_sample": True,
+        "eos_token_id": list(EOS_TOKEN_IDS),
+        "pad_token_id": EOS_TOKEN_IDS[1],
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def _check_mlx_quantization(out: Path, p: Preset) -> None:
+    cfg = json.loads((out / "config.json").read_text())
+    q = cfg.get("quantization")
+    if not q or q.get("bits") != Q_BITS or q.get("group_size") != Q_GROUP_SIZE:
+        raise RuntimeError(f"converted {out} has unexpected quantization {q!r}")
+    for i in range(p.num_hidden_layers):
+        for m in ("mlp.gate", "mlp.shared_expert_gate"):
+            key = f"language_model.model.layers.{i}.{m}"
+            ov = q.get(key)
+            if not isinstance(ov, dict) or ov.get("bits") != ROUTER_BITS:
+                raise RuntimeError(
+                    f"converted {out}: {key} is not {ROUTER_BITS}-bit (got {ov!r}); "
+                    "the installed mlx_lm no longer applies the qwen3_5 router quant predicate"
+                )
+
+
+def make_mlx_checkpoint(
+    preset: Union[str, Preset],
+    out_dir: Union[str, os.PathLike],
+    *,
+    seed: int = 0,
+    tokenizer_dir: Union[str, os.PathLike, None] = None,
+    hf_dir: Union[str, os.PathLike, None] = None,
+    python: Optional[str] = None,
+) -> Path:
+    """Convert a random HF checkpoint of ``preset`` to MLX 4-bit in ``out_dir`` with MLX-LM.
+
+    If ``hf_dir`` is None the HF checkpoint is written to a temporary directory (then
+    deleted); otherwise ``hf_dir`` must already hold one (e.g. from
+    :func:`make_hf_checkpoint` with the same preset). Runs, with ``python`` (default
+    ``sys.executable``)::
+
+        python -m mlx_lm convert --hf-path HF --mlx-path OUT -q --q-bits 4 --q-group-size 64
+
+    MLX-LM's ``qwen3_5_moe`` quant predicate makes every ``mlp.gate`` and
+    ``mlp.shared_expert_gate`` 8-bit (group 64) and records them in ``config.json``'s
+    ``quantization``; all other linears, the stacked experts
+    (``mlp.switch_mlp.{gate,up,down}_proj``, uint32 ``[E, out, in/8]``), the embedding and
+    ``lm_head`` are 4-bit. The original ``tokenizer.json``, ``tokenizer_config.json`` and
+    ``chat_template.jinja`` are copied over the converter's re-saved ones, and
+    ``generation_config.json`` is kept (MLX-LM also copies its ``eos_token_id`` into
+    ``config.json``).
+
+    Returns ``Path(out_dir)``. Raises :class:`ValueError`/:class:`FileExistsError` as
+    :func:`make_hf_checkpoint`, and :class:`RuntimeError` if the converter fails (the
+    message holds its output) or the result lacks the 8-bit router overrides;
+    :class:`ValueError` if ``hf_dir``'s ``text_config`` is not the preset's.
+    """
+    p = _resolve_preset(preset)
+    if tokenizer_dir is None:
+        copy_tokenizer_files(None, ".")
+    out = Path(out_dir)
+    _prepare_empty_dir(out)
+    out.rmdir()  # mlx_lm refuses an existing --mlx-path
+    tmp_hf = None
+    try:
+        if hf_dir is None:
+            tmp_hf = Path(tempfile.mkdtemp(prefix="lily-hf-", dir=out.parent))
+            hf = make_hf_checkpoint(p, tmp_hf / "hf", seed=seed, tokenizer_dir=tokenizer_dir)
+        else:
+            hf = Path(hf_dir)
+            if not (hf / "config.json").is_file():
+                raise FileNotFoundError(f"hf_dir {hf} has no config.json")
+            got = json.loads((hf / "config.json").read_text()).get("text_config")
+            if got != p.text_config():
+                raise ValueError(f"hf_dir {hf} does not hold a checkpoint of preset {p.name!r}")
+        cmd = [
+            python or sys.executable, "-m", "mlx_lm", "convert",
+            "--hf-path", str(hf), "--mlx-path", str(out),
+            "-q", "--q-bits", str(Q_BITS), "--q-group-size", str(Q_GROUP_SIZE),
+        ]
+        env = dict(os.environ)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("TRANSFORMERS_OFFLINE", "1")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.returncode != 0:
+            shutil.rmtree(out, ignore_errors=True)
+            raise RuntimeError(
+                f"mlx_lm convert failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}"
+            )
+        # Keep the tokenizer files byte-identical to the source (the converter re-saves them
+        # through transformers, which reorders tokenizer.json and rewrites the config).
+        for name in ("tokenizer.json",) + _TOKENIZER_FILES:
+            if (hf / name).is_file():
+                shutil.copyfile(hf / name, out / name)
+        if not (out / "generation_config.json").is_file() and (hf / "generation_config.json").is_file():
+            shutil.copyfile(hf / "generation_config.json", out / "generation_config.json")
+        _check_mlx_quantization(out, p)
+    finally:
+        if tmp_hf is not None:
+            shutil.rmtree(tmp_hf, ignore_errors=True)
+    return out
+
+
+def _default_cache_dir() -> Path:
+    env = os.environ.get("LILY_TEST_CACHE")
+    if env:
+        return Path(env)
+    return Path.home() / ".cache" / "lily" / "test-checkpoints"
+
+
+def _mlx_lm_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mlx-lm")
+    except Exception:  # pragma: no cover - mlx_lm missing; conversion will fail anyway
+        return "unknown"
+
+
+def cached_checkpoint(
+    preset: Union[str, Preset],
+    *,
+    tokenizer_dir: Union[str, os.PathLike, None] = None,
+    cache_dir: Union[str, os.PathLike, None] = None,
+    seed: int = 0,
+) -> Path:
+    """Return the directory of an MLX 4-bit checkpoint of ``preset``, converting it once.
+
+    The cache directory (``cache_dir``, else ``$LILY_TEST_CACHE``, else
+    ``~/.cache/lily/test-checkpoints``) holds one subdirectory per
+    ``<name>-s<seed>-<hash>``, the hash covering the preset's fields, the factory
+    version, the tokenizer files and the mlx-lm version. A checkpoint is built in a
+    temporary sibling directory and renamed into place, so concurrent callers never see
+    a partial checkpoint; the loser of a race discards its copy. Errors as
+    :func:`make_mlx_checkpoint`.
+    """
+    p = _resolve_preset(preset)
+    tok_fp = _tokenizer_fingerprint(tokenizer_dir)
+    key = hashlib.sha256(
+        f"{p.content_hash()}|{tok_fp}|{_mlx_lm_version()}".encode()
+    ).hexdigest()[:16]
+    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    final = root / f"{p.name}-s{seed}-{key}"
+    if (final / "config.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".tmp-{p.name}-", dir=root))
+    try:
+        built = make_mlx_checkpoint(p, work / "mlx", seed=seed, tokenizer_dir=tokenizer_dir)
+        try:
+            os.rename(built, final)
+        except OSError:
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final

@@ -1,0 +1,32 @@
+"""Shared fixtures. Checkpoint fixtures live in fixtures_checkpoints.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fixtures_checkpoints import (  # noqa: E402,F401
+    checkpoint_cache_dir,
+    dims_checkpoint,
+    tiny_checkpoint,
+    tiny_hf_checkpoint,
+    tokenizer_dir,
+)
+
+from lily.engine import Engine, default_model_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def demo_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def demo_engine() -> Engine:
+    """One reference engine on the embedded demo model, shared by read-mostly tests.
+    Tests that use it must leave no assumptions about the session contents."""
+    return Engine.load()

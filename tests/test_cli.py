@@ -1,0 +1,66 @@
+"""The `lily` command as a user runs it (a subprocess on the installed package)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, input=None, timeout=300):
+    env = dict(os.environ, PYTHONIOENCODING="utf-8")
+    return subprocess.run([sys.executable, "-m", "lily", *args], capture_output=True, text=True,
+                          input=input, timeout=timeout, env=env)
+
+
+def test_help_lists_commands():
+    r = run("--help")
+    assert r.returncode == 0
+    for cmd in ("generate", "chat", "info", "serve"):
+        assert cmd in r.stdout
+    assert "demo model" in r.stdout
+    g = run("generate", "--help")
+    assert g.returncode == 0 and "--temperature" in g.stdout and "--model" in g.stdout
+
+
+def test_generate_default_model_prints_shakespeare():
+    r = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0", "-v")
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.strip()
+    assert len(text.split()) >= 5
+    assert "tok/s" in r.stderr and "finish: length" in r.stderr
+
+
+def test_generate_chat_mode_and_stop():
+    r = run("generate", "Speak.", "--chat", "--no-think", "--max-tokens", "8", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+
+
+def test_info_json():
+    r = run("info", "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["layers"] == 8 and info["tensors"] == 357
+    assert info["weight_bytes"] > 20_000_000
+    assert "reference" in info["devices_available"]
+    assert "devices" in info["native_build"]
+
+
+def test_chat_interactive_session():
+    r = run("chat", "--max-tokens", "6", "--temperature", "0", input="Hail, good sir.\n/reset\nAnd again.\n\n")
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.strip()) > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("generate", "x", "--temperature", "-1"), "temperature"),
+    (("generate", "x", "--model", "/nonexistent/model"), "not a directory"),
+    (("generate", "x", "--device", "metal"), "cannot run the model"),
+])
+def test_bad_input_is_a_clear_error(args, needle):
+    r = run(*args)
+    assert r.returncode == 1
+    assert needle in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,235 @@
+"""The public engine on the reference device: incremental state, generation, sampling,
+stop conditions and bad input."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from lily.engine import Engine
+from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.reference import ReferenceModel
+from lily.sampling import Sampler, SamplingParams, StopMatcher
+
+
+def _prompt(engine, n):
+    text = "ROMEO.\nBut soft, what light through yonder window breaks? It is the east. " * 20
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+@pytest.mark.parametrize("which", ["demo", "dims"])
+def test_prefill_then_decode_equals_one_shot(which, demo_path, request):
+    """Prefill in pieces, then token-by-token decode, gives the one-shot logits."""
+    path = demo_path if which == "demo" else request.getfixturevalue("dims_checkpoint")
+    engine = Engine.load(path)
+    ids = _prompt(engine, 40)
+    full = engine.prefill(ids, all_logits=True)
+    engine.reset()
+    engine.prefill(ids[:17])
+    engine.prefill(ids[17:30])
+    steps = [engine.decode(t) for t in ids[30:]]
+    np.testing.assert_allclose(np.stack(steps), full[30:], rtol=2e-4, atol=2e-4)
+    assert engine.position == 40
+
+
+def test_gdn_state_drift_over_many_steps(demo_path):
+    """512 recurrent steps one at a time match one 512-token prefill (no drift)."""
+    engine = Engine.load(demo_path)
+    ids = (_prompt(engine, 200) * 3)[:512]
+    model: ReferenceModel = engine.backend.model
+    a, b = model.new_state(1024), model.new_state(1024)
+    model.forward(ids, a)
+    for t in ids:
+        model.forward([t], b)
+    for i in a.recurrent:
+        np.testing.assert_allclose(b.recurrent[i], a.recurrent[i], rtol=1e-3, atol=1e-4)
+        np.testing.assert_allclose(b.conv[i], a.conv[i], rtol=1e-5, atol=1e-6)
+
+
+def test_generate_demo_greedy_is_shakespeare(demo_engine):
+    r = demo_engine.generate("ROMEO.\n", max_tokens=32, temperature=0.0)
+    assert r.finish_reason == "length" and r.completion_tokens == 32 == len(r.token_ids)
+    assert r.prompt_tokens == len(demo_engine.tokenizer.encode("ROMEO.\n"))
+    assert r.text == demo_engine.tokenizer.decode(r.token_ids)
+    words = r.text.split()
+    assert len(words) > 10 and sum(w.isalpha() for w in words) > len(words) // 2
+    assert r.timings.decode_tokens_per_s > 0
+
+
+def test_stream_equals_generate(demo_engine):
+    events = list(demo_engine.stream("KING.\n", max_tokens=20, temperature=0.8, seed=7))
+    r = demo_engine.generate("KING.\n", max_tokens=20, temperature=0.8, seed=7)
+    assert "".join(e.text for e in events) == r.text
+    assert [t for e in events for t in e.token_ids] == r.token_ids
+    assert events[-1].finish_reason == "length" and all(e.finish_reason is None for e in events[:-1])
+
+
+def test_seed_reproducible_and_varies(demo_engine):
+    a = demo_engine.generate("JULIET.\n", max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    b = demo_engine.generate("JULIET.\n", max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    c = demo_engine.generate("JULIET.\n", max_tokens=16, temperature=1.0, top_p=0.95, seed=99)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_stop_string_spanning_tokens(demo_engine):
+    full = demo_engine.generate("ROMEO.\n", max_tokens=24, temperature=0.0).text
+    # A stop string that starts inside one token and ends in a later one.
+    cut = len(full) // 2
+    stop = full[cut - 3: cut + 4]
+    r = demo_engine.generate("ROMEO.\n", max_tokens=24, temperature=0.0, stop=[stop])
+    assert r.finish_reason == "stop"
+    assert r.text == full[: full.index(stop)]
+    assert stop not in r.text
+
+
+def test_stop_matcher_holds_back_only_possible_prefixes():
+    m = StopMatcher(["</end>", "xyz"])
+    out = []
+    for piece in ["hello <", "/e", "nd", "> tail"]:
+        text, stopped = m.push(piece)
+        out.append(text)
+        if stopped:
+            break
+    assert "".join(out) == "hello " and stopped
+    m = StopMatcher(["abc"])
+    assert m.push("xxab") == ("xx", False)
+    assert m.push("d") == ("abd", False)
+    assert m.flush() == ""
+
+
+def test_eos_ends_generation_and_is_not_printed(demo_engine):
+    eos = min(demo_engine.eos_token_ids)
+    assert {8166, 8168} <= demo_engine.eos_token_ids  # generation_config + tokenizer config
+
+    class ForceEOS(Sampler):
+        calls = 0
+
+        def sample(self, logits):
+            ForceEOS.calls += 1
+            return eos if ForceEOS.calls > 3 else int(np.argmax(logits))
+
+    import lily.engine as eng
+    orig = eng.Sampler
+    eng.Sampler = ForceEOS
+    try:
+        r = demo_engine.generate("ROMEO.\n", max_tokens=50)
+    finally:
+        eng.Sampler = orig
+    assert r.finish_reason == "stop" and r.completion_tokens == 3
+    assert "<|im_end|>" not in r.text and "<|endoftext|>" not in r.text
+
+
+def test_chat_uses_template(demo_engine):
+    r = demo_engine.chat([{"role": "user", "content": "Speak, Romeo."}], max_tokens=8,
+                         chat_template_kwargs={"enable_thinking": False})
+    ids = demo_engine.tokenizer.encode_chat([{"role": "user", "content": "Speak, Romeo."}],
+                                            enable_thinking=False)
+    assert r.prompt_tokens == len(ids) and r.completion_tokens >= 1
+
+
+def test_session_reuse_when_prompt_extends(demo_engine):
+    demo_engine.reset()
+    ids = _prompt(demo_engine, 30)
+    demo_engine.generate(ids[:20], max_tokens=1, temperature=0.0)
+    assert demo_engine.tokens == ids[:20]
+    r = demo_engine.generate(ids, max_tokens=1, temperature=0.0)
+    assert r.timings.prefill_tokens == 10  # only the new suffix was prefilled
+    fresh = Engine.load(demo_engine.path)
+    assert fresh.generate(ids, max_tokens=4, temperature=0.0).token_ids == \
+        demo_engine.generate(ids, max_tokens=4, temperature=0.0).token_ids
+
+
+def test_snapshot_restore(demo_engine):
+    demo_engine.reset()
+    demo_engine.prefill(_prompt(demo_engine, 12))
+    snap = demo_engine.snapshot()
+    a = demo_engine.decode(5)
+    demo_engine.decode(6)
+    demo_engine.restore(snap)
+    np.testing.assert_array_equal(demo_engine.decode(5), a)
+
+
+def test_cancel_during_prefill_and_decode(demo_engine):
+    ev = threading.Event()
+    ev.set()
+    r = demo_engine.generate("ROMEO.\n", max_tokens=10, cancel=ev)
+    assert r.finish_reason == "cancelled" and r.completion_tokens == 0
+    ev = threading.Event()
+    gen = demo_engine.stream("ROMEO.\n", max_tokens=50, temperature=0.0, cancel=ev)
+    got = [next(gen), next(gen)]
+    ev.set()
+    rest = list(gen)
+    assert rest[-1].finish_reason == "cancelled" and len(got) + len(rest) < 10
+    # The engine is still usable and deterministic afterwards.
+    assert demo_engine.generate("ROMEO.\n", max_tokens=4, temperature=0.0).completion_tokens == 4
+
+
+def test_prompt_longer_than_context(demo_path):
+    engine = Engine.load(demo_path, max_context=16)
+    with pytest.raises(ContextLengthError, match="context window is 16"):
+        engine.generate(_prompt(engine, 17))
+    with pytest.raises(ContextLengthError):
+        engine.prefill(_prompt(engine, 17))
+    assert engine.position == 0
+    r = engine.generate(_prompt(engine, 10), max_tokens=100, temperature=0.0, ignore_eos=True)
+    assert r.finish_reason == "length" and r.prompt_tokens + r.completion_tokens <= 17
+
+
+@pytest.mark.parametrize("kw, field", [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"min_p": 2}, "min_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"top_logprobs": 50}, "top_logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"seed": "abc"}, "seed"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_invalid_sampling_parameters(demo_engine, kw, field):
+    with pytest.raises(InvalidParameterError, match=field):
+        demo_engine.generate("ROMEO.\n", **kw)
+
+
+def test_bad_tokens_and_device(demo_engine, demo_path):
+    with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
+        demo_engine.prefill([1, 2, 10**6])
+    with pytest.raises(InvalidParameterError):
+        demo_engine.prefill([])
+    with pytest.raises(InvalidParameterError):
+        demo_engine.prefill([[1, 2]])
+    with pytest.raises(DeviceError, match="unknown device"):
+        Engine.load(demo_path, device="cuda")
+    with pytest.raises(InvalidParameterError, match="max_context"):
+        Engine.load(demo_path, max_context=0)
+
+
+def test_sampler_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    for _ in range(50):
+        assert Sampler(SamplingParams(temperature=1.0, top_k=1)).sample(logits) == 0
+        assert Sampler(SamplingParams(temperature=1.0, top_p=0.7)).sample(logits) in (0, 1)
+        assert Sampler(SamplingParams(temperature=1.0, min_p=0.5)).sample(logits) in (0, 1)
+    s = Sampler(SamplingParams(temperature=0.0, presence_penalty=2.0))
+    assert s.sample(np.array([1.0, 0.5])) == 0
+    assert s.sample(np.array([1.0, 0.5])) == 1  # token 0 now penalised by 2
+    rep = Sampler(SamplingParams(temperature=0.0, repetition_penalty=3.0), prompt_tokens=[0])
+    assert rep.sample(np.array([1.0, 0.5])) == 1
+
+
+def test_logprobs(demo_engine):
+    r = demo_engine.generate("ROMEO.\n", max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    assert len(r.logprobs) == 4
+    for lp, tok in zip(r.logprobs, r.token_ids):
+        assert lp.token_id == tok and lp.logprob <= 0
+        assert lp.top[0][0] == tok and len(lp.top) == 3  # greedy: chosen token is the top one

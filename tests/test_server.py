@@ -1,0 +1,651 @@
+"""Tests for lily.server: the OpenAI-compatible HTTP API.
+
+Three layers:
+
+* parser unit tests - the incremental reasoning / tool-call parser fed text directly;
+* end-to-end tests against a real uvicorn server (background thread, free loopback port)
+  running the embedded demo model, driven with the official ``openai`` client;
+* end-to-end tests with ``ForcedEngine``, a test double of :class:`lily.engine.Engine` that
+  skips the model and forces a scripted token sequence through the engine's real generation
+  loop (detokenizer, stop strings, max_tokens, EOS), so reasoning and tool calls - which the
+  Shakespeare demo model never writes - go through the HTTP layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from lily.engine import Engine
+from lily.server import create_app
+from lily.server.parser import (ChatAccumulator, ChatOutputParser, convert_value, parse_complete,
+                                prompt_opens_reasoning)
+
+pytestmark = pytest.mark.timeout(120)
+
+MODEL = "lily-demo-shakespeare"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+# ----------------------------------------------------------------------------------------
+# fixtures
+# ----------------------------------------------------------------------------------------
+
+
+class ForcedEngine(Engine):
+    """The demo engine with the model replaced by a script: every step's logits make the next
+    scripted token the only choice (EOS after the script). Optional per-token delay."""
+
+    script_ids: list[int] = []
+    delay = 0.0
+    prefill_delay = 0.0
+    prefill_calls = 0
+
+    def set_script(self, text: str, delay: float = 0.0, prefill_delay: float = 0.0) -> None:
+        self.script_ids = self.tokenizer.encode(text)
+        self.delay = delay
+        self.prefill_delay = prefill_delay
+        self.prefill_calls = 0
+
+    def _forced(self) -> np.ndarray:
+        logits = np.full(self.config.vocab_size, -1e4, dtype=np.float32)
+        eos = min(self.eos_token_ids)
+        tok = self.script_ids[self._pos] if self._pos < len(self.script_ids) else eos
+        logits[tok] = 10.0
+        return logits
+
+    def reset(self) -> None:
+        self._tokens = []
+
+    def prefill(self, tokens, *, all_logits: bool = False):
+        self.prefill_calls += 1
+        if self.prefill_delay:
+            time.sleep(self.prefill_delay)
+        self.last_prompt = self.tokenizer.decode([int(t) for t in tokens])
+        self._pos = 0
+        return self._forced()
+
+    def decode(self, token: int):
+        if self.delay:
+            time.sleep(self.delay)
+        self._pos += 1
+        return self._forced()
+
+
+class Server:
+    def __init__(self, app):
+        self.app = app
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            assert time.time() - t0 < 20, "server did not start"
+            time.sleep(0.02)
+
+    def client(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=self.base + "/v1", max_retries=0, timeout=60, **kw)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def real():
+    srv = Server(create_app(Engine.load()))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def forced_engine():
+    return ForcedEngine.load(max_context=4096)
+
+
+@pytest.fixture(scope="module")
+def forced(forced_engine):
+    srv = Server(create_app(forced_engine, model_name="forced"))
+    yield srv
+    srv.stop()
+
+
+def wait_idle(srv: Server, timeout: float = 10.0) -> float:
+    t0 = time.time()
+    while True:
+        h = httpx.get(srv.base + "/health").json()
+        if not h["busy"] and h["pending"] == 0:
+            return time.time() - t0
+        assert time.time() - t0 < timeout, f"server still busy: {h}"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------------------
+# parser unit tests
+# ----------------------------------------------------------------------------------------
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "temp": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"},
+        "code": {"type": "string"}, "maybe": {"type": ["integer", "null"]}}}}}]
+
+
+def _norm(acc: ChatAccumulator):
+    return acc.reasoning, acc.content, [(c["function"]["name"], c["function"]["arguments"])
+                                        for c in acc.tool_calls]
+
+
+def _feed_pieces(pieces, **kw) -> ChatAccumulator:
+    p = ChatOutputParser(**kw)
+    acc = ChatAccumulator()
+    for piece in pieces:
+        acc.add(p.feed(piece))
+    acc.add(p.finish())
+    return acc
+
+
+REPLY = ("The user wants weather.\nCheck it.\n</think>\n\nSure, checking.\n\n<tool_call>\n"
+         "<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+         "</parameter>\n<parameter=temp>\n-2.5\n</parameter>\n<parameter=metric>\nFalse\n</parameter>\n"
+         "<parameter=opts>\n{\"a\": [1, 2], \"b\": null}\n</parameter>\n<parameter=tags>\n[\"x\", 1]\n"
+         "</parameter>\n<parameter=code>\nif a < b and c > d:\n    s = \"</parameter>\"\n<b>bold</b>\n"
+         "</parameter>\n<parameter=maybe>\nnull\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_parser_reasoning_content_and_typed_tool_call():
+    acc = parse_complete(REPLY, reasoning=True, tools=WEATHER_TOOLS)
+    assert acc.reasoning == "The user wants weather.\nCheck it."
+    assert acc.content == "Sure, checking."
+    assert len(acc.tool_calls) == 1 and acc.tool_calls[0]["id"].startswith("call_")
+    assert acc.tool_calls[0]["type"] == "function"
+    assert acc.tool_calls[0]["function"]["name"] == "get_weather"
+    args = json.loads(acc.tool_calls[0]["function"]["arguments"])
+    assert args == {"city": "New York", "days": 3, "temp": -2.5, "metric": False,
+                    "opts": {"a": [1, 2], "b": None}, "tags": ["x", 1],
+                    "code": 'if a < b and c > d:\n    s = "</parameter>"\n<b>bold</b>', "maybe": None}
+    assert isinstance(args["days"], int)
+
+
+def test_parser_every_split_point_and_random_chunks():
+    want = _norm(parse_complete(REPLY, reasoning=True, tools=WEATHER_TOOLS))
+    for i in range(len(REPLY) + 1):
+        got = _feed_pieces([REPLY[:i], REPLY[i:]], reasoning=True, tools=WEATHER_TOOLS)
+        assert _norm(got) == want, i
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(REPLY)), 25))
+        pieces = [REPLY[a:b] for a, b in zip([0] + cuts, cuts + [len(REPLY)])]
+        assert _norm(_feed_pieces(pieces, reasoning=True, tools=WEATHER_TOOLS)) == want
+    assert _norm(_feed_pieces(list(REPLY), reasoning=True, tools=WEATHER_TOOLS)) == want
+
+
+def test_parser_reasoning_split_across_tokens(forced_engine):
+    """Real token boundaries of the demo tokenizer, and the closing tag cut at every point."""
+    text = "Hmm, let me think.\n</think>\n\nHello there."
+    ids = forced_engine.tokenizer.encode(text)
+    detok = forced_engine.tokenizer.detokenizer()
+    pieces = [detok.add(t) for t in ids] + [detok.flush()]
+    acc = _feed_pieces(pieces, reasoning=True)
+    assert (acc.reasoning, acc.content) == ("Hmm, let me think.", "Hello there.")
+    tag_text = "Hmm.</think>Hi"
+    for i in range(len(tag_text) + 1):
+        for j in range(i, len(tag_text) + 1):
+            acc = _feed_pieces([tag_text[:i], tag_text[i:j], tag_text[j:]], reasoning=True)
+            assert (acc.reasoning, acc.content) == ("Hmm.", "Hi"), (i, j)
+
+
+def test_parser_model_opened_think_and_no_reasoning():
+    assert _norm(parse_complete("<think>\nplan\n</think>\n\nAnswer", reasoning=False)) == ("plan", "Answer", [])
+    assert _norm(parse_complete("Just text </b> <think", reasoning=False))[:2] == ("", "Just text </b> <think")
+    assert _norm(parse_complete("Plain answer.", reasoning=False)) == ("", "Plain answer.", [])
+
+
+def test_parser_truncated_reasoning():
+    acc = parse_complete("I am still thinking about </th", reasoning=True)
+    assert acc.reasoning == "I am still thinking about </th" and acc.content == "" and not acc.tool_calls
+
+
+def test_parser_tool_call_ends_reasoning():
+    text = "Need data.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    r, c, calls = _norm(parse_complete(text, reasoning=True, tools=WEATHER_TOOLS))
+    assert (r, c) == ("Need data.", "")
+    assert calls == [("get_weather", '{"city": "Oslo"}')]
+
+
+def test_parser_truncated_tool_call_every_prefix():
+    for i in range(len(REPLY) + 1):
+        acc = parse_complete(REPLY[:i], reasoning=True, tools=WEATHER_TOOLS)
+        for call in acc.tool_calls:
+            args = json.loads(call["function"]["arguments"])  # always valid JSON
+            assert isinstance(args, dict)
+        assert "<tool_call>" not in acc.content and "<parameter" not in acc.content
+    acc = parse_complete(REPLY[:REPLY.index("<parameter=temp>") + 20], reasoning=True, tools=WEATHER_TOOLS)
+    assert json.loads(acc.tool_calls[0]["function"]["arguments"]) == {"city": "New York", "days": 3}
+
+
+def test_parser_multiple_calls_json_form_and_without_tools():
+    text = ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n"
+            "<tool_call>\n{\"name\": \"b\", \"arguments\": {\"y\": \"z\"}}\n</tool_call>")
+    r, c, calls = _norm(parse_complete(text, reasoning=False))
+    assert (r, c) == ("", "")
+    assert calls == [("a", '{"x": 1}'), ("b", '{"y": "z"}')]
+    # tool parsing off: markup stays in the content
+    assert parse_complete(text, reasoning=False, parse_tools=False).content == text
+
+
+def test_parser_long_value_with_close_tag_text():
+    value = "s = '</parameter>'  # not the end\n" * 300 + "</parameter>x"
+    text = f"<tool_call>\n<function=write>\n<parameter=body>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "write", "parameters": {
+        "type": "object", "properties": {"body": {"type": "string"}}}}}]
+    for step in (1, 7):
+        acc = _feed_pieces([text[i:i + step] for i in range(0, len(text), step)], tools=tools)
+        assert json.loads(acc.tool_calls[0]["function"]["arguments"]) == {"body": value}
+
+
+def test_convert_value_by_schema():
+    assert convert_value("42", {"type": "string"}) == "42"
+    assert convert_value("42", {"type": "integer"}) == 42
+    assert convert_value("4.0", {"type": "integer"}) == 4
+    assert convert_value("1e3", {"type": "number"}) == 1000.0
+    assert convert_value("yes", {"type": "boolean"}) == "yes"  # not a boolean: kept verbatim
+    assert convert_value("[1, 2]", {"anyOf": [{"type": "array"}, {"type": "string"}]}) == [1, 2]
+    assert convert_value("{not json", {"type": "object"}) == "{not json"
+    assert convert_value("7", None) == 7 and convert_value("seven", None) == "seven"
+
+
+def test_prompt_opens_reasoning_with_template(forced_engine):
+    tok = forced_engine.tokenizer
+    assert prompt_opens_reasoning(tok.apply_chat_template(HI))
+    assert not prompt_opens_reasoning(tok.apply_chat_template(HI, enable_thinking=False))
+
+
+# ----------------------------------------------------------------------------------------
+# real engine through HTTP
+# ----------------------------------------------------------------------------------------
+
+
+def test_chat_nonstreaming_and_streaming_agree(real):
+    c = real.client()
+    r = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=4)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-") and r.model == MODEL
+    assert r.created > 0
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and ch.message.role == "assistant"
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 4
+    # the template opens <think>: the demo model's words land in the reasoning field
+    reasoning = ch.message.model_extra.get("reasoning_content")
+    assert reasoning and ch.message.model_extra.get("reasoning") == reasoning
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join((k.choices[0].delta.model_extra or {}).get("reasoning_content", "")
+                       for k in chunks if k.choices)
+    content = "".join(k.choices[0].delta.content or "" for k in chunks if k.choices)
+    assert streamed == reasoning and content == (ch.message.content or "")
+    finals = [k.choices[0].finish_reason for k in chunks if k.choices and k.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert all(k.usage is None for k in chunks[:-1])
+    assert len({k.id for k in chunks}) == 1
+
+
+def test_chat_without_thinking_gives_content(real):
+    r = real.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "Speak"},
+                                                            {"type": "text", "text": "now"}]}],
+        max_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    m = r.choices[0].message
+    assert m.content and not (m.model_extra or {}).get("reasoning_content")
+
+
+def test_completions_stream_and_logprobs(real, caplog):
+    caplog.set_level(logging.INFO, logger="lily.server")
+    c = real.client()
+    r = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, logprobs=2)
+    logged = [rec.getMessage() for rec in caplog.records if rec.name == "lily.server"]
+    assert any("prefill" in m and "decode" in m and "tok/s" in m for m in logged), logged
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    ch = r.choices[0]
+    assert ch.finish_reason == "length" and r.usage.completion_tokens == 5
+    assert len(ch.logprobs.tokens) == 5 and "".join(ch.logprobs.tokens) == ch.text
+    assert all(len(t) <= 2 for t in ch.logprobs.top_logprobs)
+    chunks = list(c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=5, stream=True,
+                                       stream_options={"include_usage": True}))
+    assert "".join(k.choices[0].text for k in chunks if k.choices) == ch.text
+    assert chunks[-1].usage.completion_tokens == 5
+
+
+def test_chat_logprobs(real):
+    r = real.client().chat.completions.create(model=MODEL, messages=HI, max_tokens=3, logprobs=True,
+                                              top_logprobs=2)
+    lp = r.choices[0].logprobs.content
+    assert len(lp) == 3 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in lp)
+
+
+def test_seed_reproducibility(real):
+    c = real.client()
+    kw = dict(model=MODEL, prompt="KING:", max_tokens=6, temperature=1.0, seed=1234)
+    a = c.completions.create(**kw).choices[0].text
+    b = c.completions.create(**kw).choices[0].text
+    assert a == b and a
+
+
+def test_stop_strings(real):
+    c = real.client()
+    base = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8).choices[0].text
+    stripped = base.strip()
+    assert len(stripped) >= 2
+    stop = stripped[len(stripped) // 2:][:3]
+    r = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=8, stop=[stop, "\u2603"])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == base[:base.index(stop)]
+
+
+def test_invalid_requests(real):
+    c = real.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=MODEL, messages=HI, n=2)
+    assert e.value.body["param"] == "n"
+    for bad in ({"temperature": -1}, {"temperature": 1000}, {"top_p": 0}, {"max_tokens": 0}):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=MODEL, messages=HI, **bad)
+        assert e.value.body["param"] == next(iter(bad)), bad
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-nope", messages=HI)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="gpt-nope", prompt="x")
+    with pytest.raises(openai.BadRequestError):  # image parts are not supported
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+    url = real.base + "/v1/chat/completions"
+    for body, headers in ((b'{"model": "x", "messages": [', {"content-type": "application/json"}),
+                          (b"not json at all", {}),
+                          (b"[1, 2]", {"content-type": "application/json"})):
+        r = httpx.post(url, content=body, headers=headers)
+        assert r.status_code == 400, body
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    for payload in ({"messages": []}, {"messages": [{"role": "wizard", "content": "x"}]},
+                    {"messages": HI, "max_tokens": "lots"}, {"messages": HI, "stop": 5},
+                    {"messages": HI, "top_logprobs": 3}, {"messages": HI, "tool_choice": "maybe"},
+                    {"messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}},
+                    {"messages": [{"role": "assistant", "content": "x"}]},
+                    {"messages": HI, "seed": 1 << 70}):
+        r = httpx.post(url, json=payload)
+        assert r.status_code == 400, (payload, r.text)
+        assert r.json()["error"]["message"]
+    r = httpx.post(real.base + "/v1/completions", json={"prompt": [99999999]})
+    assert r.status_code == 400
+    r = httpx.post(real.base + "/v1/completions", json={"prompt": ""})
+    assert r.status_code == 400
+    r = httpx.get(real.base + "/v1/nothing-here")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_models_and_health(real):
+    models = real.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert real.client().models.retrieve(MODEL).id == MODEL
+    assert httpx.get(real.base + "/health").json()["status"] == "ok"
+
+
+def test_disconnect_mid_stream_cancels(real):
+    c = real.client()
+    stream = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=400, stream=True)
+    got = 0
+    for chunk in stream:
+        if chunk.choices and (chunk.choices[0].delta.model_extra or {}).get("reasoning_content"):
+            got += 1
+            if got == 2:
+                break
+    stream.close()
+    assert wait_idle(real) < 5.0  # 400 tokens would take far longer: the generation was cancelled
+    r = c.chat.completions.create(model=MODEL, messages=HI, max_tokens=3)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+
+
+def test_disconnect_nonstreaming_cancels(real):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(real.base + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 400},
+                   timeout=1.5)
+    assert wait_idle(real) < 5.0
+
+
+# ----------------------------------------------------------------------------------------
+# scripted engine through HTTP: reasoning and tool calls
+# ----------------------------------------------------------------------------------------
+
+SCRIPT = ("I should look up the weather.\n</think>\n\nLet me check.\n\n<tool_call>\n<function=get_weather>\n"
+          "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=code>\n"
+          "x = \"<b>\" if a < b else '</parameter>'\n</parameter>\n</function>\n</tool_call>")
+
+
+def _collect_stream(chunks):
+    reasoning, content, calls, finish = "", "", {}, None
+    for k in chunks:
+        if not k.choices:
+            continue
+        d = k.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content", "") or ""
+        content += d.content or ""
+        for tc in d.tool_calls or []:
+            slot = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            if tc.id:
+                slot["id"] = tc.id
+            if tc.function and tc.function.name:
+                slot["name"] += tc.function.name
+            if tc.function and tc.function.arguments:
+                slot["arguments"] += tc.function.arguments
+        finish = k.choices[0].finish_reason or finish
+    return reasoning, content, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)], finish
+
+
+def _collect_message(r):
+    m = r.choices[0].message
+    return ((m.model_extra or {}).get("reasoning_content", ""), m.content or "",
+            [(t.function.name, t.function.arguments) for t in m.tool_calls or []], r.choices[0].finish_reason)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 40])
+def test_reasoning_and_tool_call_both_modes(forced, forced_engine, max_tokens):
+    forced_engine.set_script(SCRIPT)
+    c = forced.client()
+    kw = dict(model="forced", messages=[{"role": "user", "content": "Weather in Paris?"}],
+              tools=WEATHER_TOOLS)
+    if max_tokens:
+        kw["max_tokens"] = max_tokens
+    full = _collect_message(c.chat.completions.create(**kw))
+    streamed = _collect_stream(c.chat.completions.create(stream=True, **kw))
+    assert full == streamed
+    reasoning, content, calls, finish = full
+    assert reasoning == "I should look up the weather." and content == "Let me check."
+    if max_tokens is None:
+        assert finish == "tool_calls"
+        assert [n for n, _ in calls] == ["get_weather"]
+        assert json.loads(calls[0][1]) == {"city": "Paris", "days": 3,
+                                           "code": "x = \"<b>\" if a < b else '</parameter>'"}
+    else:  # cut inside the call: still well-formed, finish_reason length
+        assert finish == "length"
+        for _, args in calls:
+            assert isinstance(json.loads(args), dict)
+
+
+def test_truncated_reasoning_both_modes(forced, forced_engine):
+    forced_engine.set_script("A long chain of thought that never ends " * 4)
+    c = forced.client()
+    kw = dict(model="forced", messages=HI, max_tokens=12)
+    full = _collect_message(c.chat.completions.create(**kw))
+    assert full == _collect_stream(c.chat.completions.create(stream=True, **kw))
+    assert full[0].startswith("A long chain") and full[1] == "" and full[3] == "length"
+
+
+def test_history_with_tool_calls_and_reasoning(forced, forced_engine):
+    forced_engine.set_script("Done.")
+    c = forced.client()
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "reasoning": "Need the tool.",
+                 "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                     "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 2})}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS,
+                                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert r.choices[0].message.content == "Done." and r.choices[0].finish_reason == "stop"
+    prompt = forced_engine.last_prompt
+    assert "<think>\nNeed the tool.\n</think>" in prompt
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    messages[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS)
+
+
+def test_queue_overflow_429(forced_engine):
+    forced_engine.set_script("word " * 200, delay=0.05)
+    srv = Server(create_app(forced_engine, model_name="forced", max_queue=1))
+    try:
+        body = {"model": "forced", "messages": HI, "stream": True, "max_tokens": 100}
+        with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b:
+            with a.stream("POST", srv.base + "/v1/chat/completions", json=body) as ra:
+                assert ra.status_code == 200
+                with b.stream("POST", srv.base + "/v1/chat/completions", json=body) as rb:
+                    assert rb.status_code == 200  # waits in the queue
+                    r = httpx.post(srv.base + "/v1/chat/completions", json=body)
+                    assert r.status_code == 429
+                    assert r.json()["error"]["type"] == "rate_limit_error"
+        wait_idle(srv)
+        forced_engine.set_script("ok")
+        r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": HI})
+        assert r.status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_api_key(forced_engine):
+    forced_engine.set_script("fine")
+    srv = Server(create_app(forced_engine, model_name="forced", api_key="s3cret"))
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            srv.client(api_key="wrong").models.list()
+        r = httpx.post(srv.base + "/v1/chat/completions", json={"messages": HI})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(srv.base + "/v1/chat/completions", content=b"{broken",
+                       headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401  # the key is checked before the body is read
+        ok = srv.client(api_key="s3cret")
+        assert ok.models.list().data[0].id == "forced"
+        r = ok.chat.completions.create(model="forced", messages=HI)
+        assert r.choices[0].message.model_extra["reasoning_content"] == "fine"
+        assert httpx.get(srv.base + "/health").status_code == 200  # health needs no key
+    finally:
+        srv.stop()
+
+
+def test_disconnect_during_prefill(forced, forced_engine):
+    """The engine checks the cancel flag between 512-token prefill chunks."""
+    forced_engine.set_script("never sent", prefill_delay=0.6)
+    long_prompt = "To be or not to be, that is the question. " * 120  # about 1400 tokens: 3 chunks
+    body = {"model": "forced", "messages": [{"role": "user", "content": long_prompt}], "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", forced.base + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the role chunk is sent before the prefill
+            time.sleep(0.2)
+    assert wait_idle(forced) < 1.5
+    assert forced_engine.prefill_calls == 1
+    forced_engine.set_script("again", prefill_delay=0.0)
+    r = forced.client().chat.completions.create(model="forced", messages=HI)
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_context_length_and_echo(forced, forced_engine):
+    forced_engine.set_script("abc")
+    r = httpx.post(forced.base + "/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "word " * 5000}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    c = forced.client()
+    r = c.completions.create(model="forced", prompt="Hello", echo=True, max_tokens=5)
+    assert r.choices[0].text == "Helloabc" and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(forced_engine.script_ids)
+
+
+def test_keepalive_comments_while_waiting(forced, forced_engine, monkeypatch):
+    import lily.server.app as server_app
+    monkeypatch.setattr(server_app, "_KEEPALIVE_S", 0.1)
+    forced_engine.set_script("</think>late", prefill_delay=0.5)
+    body = {"model": "forced", "messages": HI, "stream": True}
+    with httpx.stream("POST", forced.base + "/v1/chat/completions", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert ": keep-alive" in lines and lines[-1] == "data: [DONE]"
+    forced_engine.set_script("</think>late", prefill_delay=0.5)
+    chunks = list(forced.client().chat.completions.create(model="forced", messages=HI, stream=True))
+    assert "".join(k.choices[0].delta.content or "" for k in chunks) == "late"
+
+
+def test_serve_entry_point(tmp_path):
+    """``lily.server.serve`` as the CLI calls it: loopback, given port, API key."""
+    import subprocess
+    import sys
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    code = ("from lily.engine import Engine\nfrom lily.server import serve\n"
+            f"serve(Engine.load(), port={port}, api_key='k', log_level='warning')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        t0 = time.time()
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() - t0 < 30, proc.stdout.read().decode() if proc.poll() is not None else "timeout"
+            time.sleep(0.1)
+        assert httpx.get(base + "/v1/models").status_code == 401
+        r = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer k"})
+        assert r.json()["data"][0]["id"] == MODEL
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_modes_agree_at_every_truncation_point(forced, forced_engine):
+    """max_tokens cuts the scripted reasoning + tool-call reply at every token: streaming and
+    non-streaming give the same message, arguments always parse, finish_reason is length."""
+    forced_engine.set_script(SCRIPT)
+    n = len(forced_engine.script_ids)
+    c = forced.client()
+    kw = dict(model="forced", messages=[{"role": "user", "content": "Weather?"}], tools=WEATHER_TOOLS)
+    for max_tokens in range(1, n + 1):
+        full = _collect_message(c.chat.completions.create(max_tokens=max_tokens, **kw))
+        assert full == _collect_stream(c.chat.completions.create(max_tokens=max_tokens, stream=True, **kw))
+        assert full[3] == "length"
+        assert "</think>" not in full[0] + full[1] and "<tool_call>" not in full[1]
+        for _, args in full[2]:
+            assert isinstance(json.loads(args), dict)

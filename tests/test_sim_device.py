@@ -1,0 +1,359 @@
+"""The device layer on the simulator: barriers derived from declared ranges, the hazard
+checker, stage-order shuffling, poisoning, bounds checks, record-only mode, command
+buffers in flight with token slots, and errors that surface as Python exceptions."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+
+N = 100
+
+
+def add(p, a, b, out, n=N, declare=True, label=""):
+    p.dispatch("st_add_f32", n, 32, buffers=[(0, a), (1, b), (2, out)], constants=[(3, constant(n))],
+               reads=[a, b] if declare else [], writes=[out] if declare else [], label=label)
+
+
+def vecs(dev, k, n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    xs = [rng.standard_normal(n).astype(np.float32) for _ in range(k)]
+    return xs, [upload(dev, x) for x in xs]
+
+
+def test_compiled_devices_reports_sim():
+    assert "sim" in _core.compiled_devices()
+    assert "sim" in _core.build_info()["devices"]
+
+
+def test_unknown_kernel_is_named():
+    dev = sim_device()
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    with pytest.raises(ValueError, match="no_such_kernel"):
+        p.dispatch("no_such_kernel", 1, 1)
+    assert dev.has_kernel("st_add_f32") and not dev.has_kernel("no_such_kernel")
+
+
+def test_barriers_derived_from_declared_ranges():
+    dev = sim_device()
+    (a, b), (A, B) = vecs(dev, 2)
+    C, D, E = dev.buffer(4 * N), dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, A, B, C)      # stage 1
+    add(p, A, B, D)      # independent of the first: same stage
+    add(p, C, D, E)      # reads C and D: new stage
+    add(p, A, A, B)      # writes B, which stage 2 does not touch but stage 1 read: already ordered
+    cb.commit()
+    cb.wait()
+    assert cb.counters == {"dispatches": 4, "barrier_stages": 2, "bytes_read": 8 * 4 * N,
+                           "bytes_written": 4 * 4 * N, "passes": 1}
+    np.testing.assert_allclose(download(E, np.float32), 2 * (a + b), rtol=1e-6)
+    np.testing.assert_allclose(download(B, np.float32), 2 * a, rtol=1e-6)
+    log = cb.dispatch_log
+    assert [r["stage"] for r in log] == [0, 0, 1, 1]
+    assert log[0]["label"] == "st_add_f32 (#0)" and log[3]["label"] == "st_add_f32 (#3)"
+    assert all(r["bytes_read"] == 8 * N and r["bytes_written"] == 4 * N for r in log)
+
+
+def test_write_after_read_starts_a_stage():
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    C = dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, A, B, C)
+    add(p, C, C, A)  # RAW on C
+    add(p, B, B, C)  # WAR on C (read by the previous dispatch) and WAW
+    assert cb.counters["barrier_stages"] == 3
+    cb.commit()
+    cb.wait()
+
+
+def test_disjoint_ranges_of_one_buffer_do_not_conflict():
+    dev = sim_device()
+    (a,), (A,) = vecs(dev, 1, n=2 * N)
+    O = dev.buffer(8 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    for half in range(2):
+        off = half * 4 * N
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A, off), (1, A, off), (2, O, off)],
+                   constants=[(3, constant(N))], reads=[(A, off, 4 * N)], writes=[(O, off, 4 * N)])
+    cb.commit()
+    cb.wait()
+    assert cb.counters["barrier_stages"] == 1
+    np.testing.assert_allclose(download(O, np.float32), 2 * a, rtol=1e-6)
+
+
+def test_hazard_checker_catches_missing_barrier():
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    C, D = dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    add(p, A, B, C, label="producer")
+    with pytest.raises(_core.HazardError, match=r"read-after-write.*consumer.*producer"):
+        add(p, C, B, D, label="consumer")
+
+
+@pytest.mark.parametrize("kind", ["write-after-read", "write-after-write"])
+def test_hazard_checker_war_waw(kind):
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    C = dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    add(p, A, B, C, label="first")
+    with pytest.raises(_core.HazardError, match=kind):
+        if kind == "write-after-read":
+            add(p, B, B, A, label="second")  # writes A, which "first" reads
+        else:
+            add(p, B, B, C, label="second")
+
+
+def test_hazard_checker_accepts_correct_barrier():
+    dev = sim_device()
+    (a, b), (A, B) = vecs(dev, 2)
+    C, D = dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    add(p, A, B, C)
+    p.barrier()
+    add(p, C, B, D)
+    cb.commit()
+    cb.wait()
+    assert cb.counters["barrier_stages"] == 2
+    np.testing.assert_allclose(download(D, np.float32), a + 2 * b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+def test_stage_order_does_not_change_a_correct_schedule(order):
+    dev = sim_device(order=order, seed=7)
+    xs, bufs = vecs(dev, 4)
+    outs = [dev.buffer(4 * N) for _ in range(3)]
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, bufs[0], bufs[1], outs[0])
+    add(p, bufs[2], bufs[3], outs[1])
+    add(p, outs[0], outs[1], outs[2])
+    cb.commit()
+    cb.wait()
+    np.testing.assert_allclose(download(outs[2], np.float32), sum(xs), rtol=1e-5)
+
+
+def test_reverse_order_exposes_a_wrong_declaration():
+    """The consumer forgets to declare its read of C: no barrier is derived, and executing
+    the stage in reverse order runs it before the producer (C still poisoned)."""
+    results = {}
+    for order in ("forward", "reverse"):
+        dev = sim_device(order=order)
+        _, (A, B) = vecs(dev, 2)
+        C, D = dev.buffer(4 * N), dev.buffer(4 * N)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        add(p, A, B, C)
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, C), (1, B), (2, D)], constants=[(3, constant(N))],
+                   reads=[B], writes=[D])  # missing: reads C
+        cb.commit()
+        cb.wait()
+        assert cb.counters["barrier_stages"] == 1
+        results[order] = download(D, np.float32)
+    assert np.isfinite(results["forward"]).all()
+    assert np.isnan(results["reverse"]).all()
+
+
+def test_verify_writes_catches_undeclared_write():
+    dev = sim_device(verify_writes=True)
+    _, (A, B) = vecs(dev, 2)
+    C = dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B), (2, C)], constants=[(3, constant(N))],
+               reads=[A, B], writes=[(C, 0, 4 * (N - 1))], label="short_declaration")
+    cb.commit()
+    with pytest.raises(_core.HazardError, match=r"short_declaration.*wrote byte 396"):
+        cb.wait()
+
+
+def test_poisoning_exposes_read_of_unwritten_buffer():
+    dev = sim_device()
+    A = dev.buffer(4 * N)
+    A.write(np.ones(N // 2, np.float32))  # only the first half is written
+    O = dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    add(cb.compute_pass(), A, A, O)
+    cb.commit()
+    cb.wait()
+    out = download(O, np.float32)
+    assert (out[: N // 2] == 2).all() and np.isnan(out[N // 2:]).all()
+
+
+@pytest.mark.parametrize("poison", [True, False])
+def test_poisoning_exposes_read_of_unwritten_threadgroup_memory(poison):
+    dev = sim_device(poison=poison)
+    O = dev.buffer(4 * 64)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_tg_uninit", 64, 64, buffers=[(0, O)])
+    cb.commit()
+    cb.wait()
+    out = download(O, np.float32)
+    assert (out[0::2] == 1).all()
+    assert np.isnan(out[1::2]).all() if poison else (out[1::2] == 0).all()
+
+
+@pytest.mark.parametrize("grid,tg,msg", [
+    (N, 0, "zero dimension"),
+    (0, 32, "zero dimension"),
+    (N, 1025, "exceeds the pipeline's maximum"),
+    (N, (32, 32, 2), "exceeds the pipeline's maximum"),
+    (N, (1, 2, 3, 4), "1 to 3 ints"),
+    (-1, 32, "out of range"),
+])
+def test_bad_geometry_is_a_value_error(grid, tg, msg):
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    with pytest.raises(ValueError, match=msg):
+        p.dispatch("st_add_f32", grid, tg, buffers=[(0, A), (1, B), (2, B)], constants=[(3, constant(N))])
+
+
+def test_bad_bindings_are_value_errors():
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    p = dev.command_buffer().compute_pass()
+    with pytest.raises(ValueError, match=r"\[\[buffer\(2\)\]\] is not bound"):
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B)], constants=[(3, constant(N))])
+    with pytest.raises(ValueError, match=r"needs 4 bytes but only 2"):
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B), (2, B)], constants=[(3, b"\0\0")])
+    with pytest.raises(ValueError, match="past the end"):
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A, 10**6), (1, B), (2, B)], constants=[(3, constant(N))])
+    with pytest.raises(ValueError, match="exceeds buffer"):
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B), (2, B)], constants=[(3, constant(N))],
+                   reads=[(A, 0, 10**6)])
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)], threadgroup_memory=[(0, 10)])
+    with pytest.raises(ValueError, match=r"\[\[threadgroup\(0\)\]\] memory length is not set"):
+        p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)])
+    with pytest.raises(ValueError, match="limit is 32768"):
+        p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)], threadgroup_memory=[(0, 65536)])
+
+
+def test_kernel_fault_is_an_exception_and_device_survives():
+    dev = sim_device()
+    O = dev.buffer(4 * 32)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_bad_barrier", 32, 32, buffers=[(0, O)])
+    cb.commit()
+    with pytest.raises(RuntimeError, match="st_bad_barrier.*threadgroup_barrier"):
+        cb.wait()
+    assert cb.status == "error"
+    # the device keeps working
+    (a, b), (A, B) = vecs(dev, 2)
+    C = dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    add(cb.compute_pass(), A, B, C)
+    cb.commit()
+    cb.wait()
+    np.testing.assert_allclose(download(C, np.float32), a + b, rtol=1e-6)
+
+
+def test_record_only_counts_without_executing():
+    dev = sim_device(record_only=True)
+    A, B, C = dev.buffer(4 * N), dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, A, B, C)
+    add(p, C, B, A)
+    add(p, A, C, B)
+    cb.commit()
+    cb.wait()
+    assert cb.status == "completed"
+    assert cb.counters == {"dispatches": 3, "barrier_stages": 3, "bytes_read": 6 * 4 * N,
+                           "bytes_written": 3 * 4 * N, "passes": 1}
+    with pytest.raises(ValueError, match="record-only"):
+        C.read()
+    big = dev.buffer(1 << 40)  # 1 TiB: nothing is allocated
+    assert big.size == 1 << 40
+
+
+def test_two_command_buffers_in_flight_with_token_slots():
+    """Decode-style double buffering: step i reads token slot i % 2 and writes slot
+    (i + 1) % 2; at most two command buffers are outstanding."""
+    dev = sim_device()
+    slots = [upload(dev, np.array([1], np.uint32)), dev.buffer(4)]
+    inflight, done = [], []
+    want = 1
+    for step in range(12):
+        if len(inflight) == 2:
+            inflight.pop(0).wait()
+        cb = dev.command_buffer()
+        cb.on_completed(lambda status, err, step=step: done.append((step, status)))
+        prev, nxt = slots[step % 2], slots[(step + 1) % 2]
+        cb.compute_pass().dispatch("st_token_step", 1, 1, buffers=[(0, prev), (1, nxt)],
+                                   reads=[prev], writes=[nxt])
+        cb.commit()
+        inflight.append(cb)
+        want = (want * 3 + 1) % 2**32
+    for cb in inflight:
+        cb.wait()
+    assert download(slots[12 % 2], np.uint32)[0] == want
+    assert [s for s, _ in sorted(done)] == list(range(12))
+    assert all(status == "completed" for _, status in done)
+
+
+def test_in_flight_limit():
+    dev = sim_device()
+    cb1, cb2 = dev.command_buffer(), dev.command_buffer()
+    with pytest.raises(ValueError, match="outstanding"):
+        dev.command_buffer()
+    cb1.commit()
+    cb3 = dev.command_buffer()  # waits for cb1 to complete
+    assert cb1.status == "completed"
+    del cb2, cb3
+
+
+def test_command_buffer_misuse():
+    dev = sim_device()
+    cb = dev.command_buffer()
+    with pytest.raises(ValueError, match="not committed"):
+        cb.wait()
+    p = cb.compute_pass()
+    cb.commit()
+    with pytest.raises(ValueError, match="already committed"):
+        cb.commit()
+    with pytest.raises(ValueError, match="ended"):
+        p.dispatch("st_token_step", 1, 1)
+    cb.wait()
+
+
+def test_map_file_no_copy(tmp_path):
+    page = os.sysconf("SC_PAGESIZE")
+    x = np.arange(3 * page // 4, dtype=np.float32)  # 3 pages of floats
+    path = tmp_path / "weights.bin"
+    x.tofile(path)
+    dev = sim_device()
+    W = dev.map_file(str(path), page, 0)  # skip the first page
+    assert W.size == 2 * page and W.label == str(path)
+    n = page // 4
+    O = dev.buffer(4 * n)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_add_f32", n, 64, buffers=[(0, W), (1, W, 4 * n), (2, O)],
+                               constants=[(3, constant(n))], reads=[W], writes=[O])
+    cb.commit()
+    cb.wait()
+    np.testing.assert_array_equal(download(O, np.float32), x[n:2 * n] + x[2 * n:3 * n])
+    with pytest.raises(ValueError, match="page size"):
+        dev.map_file(str(path), 1)
+    with pytest.raises(RuntimeError, match="No such file"):
+        dev.map_file(str(tmp_path / "missing.bin"))

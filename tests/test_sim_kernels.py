@@ -1,0 +1,265 @@
+"""The Metal simulator runs metal/selftest.metal; each kernel is compared with numpy.
+
+Covers every MSL construct the simulator supports (see docs/device-layer.md), with
+geometries that do not divide evenly into threadgroups or simdgroups.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return sim_device()
+
+
+def run(dev, kernel, grid, tg, buffers=(), constants=(), tgmem=(), reads=(), writes=(), threadgroups=False):
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
+               threadgroup_memory=list(tgmem), reads=list(reads), writes=list(writes),
+               threadgroups=threadgroups)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+def bf16_round(x):
+    """numpy reference: float32 -> bfloat16 (round to nearest even) -> float32."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16
+    return r.view(np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 65, 1000])
+@pytest.mark.parametrize("dtype,kernel", [(np.float32, "st_add_f32"), (np.float16, "st_add_f16")])
+def test_add(dev, n, dtype, kernel):
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal(n).astype(dtype)
+    b = rng.standard_normal(n).astype(dtype)
+    A, B, O = upload(dev, a), upload(dev, b), dev.buffer(a.nbytes)
+    run(dev, kernel, n, 32, buffers=[(0, A), (1, B), (2, O)], constants=[(3, constant(n))],
+        reads=[A, B], writes=[O])
+    want = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
+    np.testing.assert_array_equal(download(O, dtype), want)
+
+
+def test_add_bf16(dev):
+    n = 100
+    rng = np.random.default_rng(0)
+    a, b = bf16_round(rng.standard_normal(n)), bf16_round(rng.standard_normal(n))
+    to_bits = lambda x: (x.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    A, B, O = upload(dev, to_bits(a)), upload(dev, to_bits(b)), dev.buffer(2 * n)
+    run(dev, "st_add_bf16", n, 64, buffers=[(0, A), (1, B), (2, O)], constants=[(3, constant(n))])
+    got = (download(O, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got, bf16_round(a + b))
+
+
+def test_convert_round_to_nearest_even(dev):
+    rng = np.random.default_rng(1)
+    x = np.concatenate([
+        rng.standard_normal(500).astype(np.float32) * 10,
+        np.array([0.0, -0.0, 1e-8, 65504.0, 65520.0, 1e6, np.inf, -np.inf], np.float32),
+        # exact ties for half (1 + 2^-11) and bfloat (1 + 2^-8, 1 + 3 * 2^-8)
+        np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 1 + 2.0**-8, 1 + 3 * 2.0**-8], np.float32),
+    ])
+    n = x.size
+    X, H, BF = upload(dev, x), dev.buffer(2 * n), dev.buffer(2 * n)
+    run(dev, "st_convert", n, 64, buffers=[(0, X), (1, H), (2, BF)], constants=[(3, constant(n))])
+    with np.errstate(over="ignore"):
+        want_h = x.astype(np.float16)
+    np.testing.assert_array_equal(download(H, np.float16), want_h)
+    got_bf = (download(BF, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got_bf, bf16_round(x))
+
+
+@pytest.mark.parametrize("grid,tg", [((33, 5), (8, 4)), ((65, 3), (32, 2)), ((31, 1), (32, 1)),
+                                     ((100, 7), (16, 16))])
+def test_coords_dispatch_threads(dev, grid, tg):
+    """dispatchThreads: edge threadgroups are partial; every coordinate attribute."""
+    W, H = grid
+    fields = 13
+    out = dev.buffer(W * H * fields * 4)
+    run(dev, "st_coords", grid, tg, buffers=[(0, out)], constants=[(1, constant(W, fields))])
+    got = download(out, np.uint32, (H, W, fields))
+    y, x = np.mgrid[0:H, 0:W]
+    tx, ty = tg
+    gx, gy = -(-W // tx), -(-H // ty)
+    np.testing.assert_array_equal(got[..., 0], x)
+    np.testing.assert_array_equal(got[..., 1], y)
+    np.testing.assert_array_equal(got[..., 2], x % tx)
+    np.testing.assert_array_equal(got[..., 3], y % ty)
+    np.testing.assert_array_equal(got[..., 4], x // tx)
+    np.testing.assert_array_equal(got[..., 5], y // ty)
+    # threads_per_threadgroup: the actual (possibly partial) size of this threadgroup
+    aw = np.minimum(tx, W - (x // tx) * tx)
+    ah = np.minimum(ty, H - (y // ty) * ty)
+    np.testing.assert_array_equal(got[..., 6], aw)
+    np.testing.assert_array_equal(got[..., 7], ah)
+    np.testing.assert_array_equal(got[..., 8], gx)
+    np.testing.assert_array_equal(got[..., 9], gy)
+    lin = (y % ty) * aw + (x % tx)
+    np.testing.assert_array_equal(got[..., 10], lin)
+    np.testing.assert_array_equal(got[..., 11], lin // 32)
+    np.testing.assert_array_equal(got[..., 12], lin % 32)
+
+
+def test_coords_dispatch_threadgroups(dev):
+    W, H, fields = 3 * 8, 2 * 4, 13
+    out = dev.buffer(W * H * fields * 4)
+    run(dev, "st_coords", (3, 2), (8, 4), buffers=[(0, out)], constants=[(1, constant(W, fields))],
+        threadgroups=True)
+    got = download(out, np.uint32, (H, W, fields))
+    assert (got[..., 6] == 8).all() and (got[..., 7] == 4).all()
+    assert (got[..., 8] == 3).all() and (got[..., 9] == 2).all()
+
+
+@pytest.mark.parametrize("tg", [1, 31, 32, 33, 64, 96, 256])
+@pytest.mark.parametrize("cols", [1, 65, 300])
+def test_row_sum_threadgroup_memory(dev, tg, cols):
+    rows = 5
+    x = np.random.default_rng(tg + cols).standard_normal((rows, cols)).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(rows * 4)
+    run(dev, "st_row_sum", rows, tg, buffers=[(0, X), (1, O)], constants=[(2, constant(cols))],
+        threadgroups=True)
+    np.testing.assert_allclose(download(O, np.float32), x.sum(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tg", [32, 33, 65, 100, 1024])
+def test_row_max_simd(dev, tg):
+    rows, cols = 3, 777
+    x = np.random.default_rng(tg).standard_normal((rows, cols)).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(rows * 4)
+    run(dev, "st_row_max_simd", rows, tg, buffers=[(0, X), (1, O)], constants=[(2, constant(cols))],
+        threadgroups=True)
+    np.testing.assert_array_equal(download(O, np.float32), x.max(1))
+
+
+def simd_reference(x, u, tg):
+    """numpy model of st_simd_ops: simdgroups are 32 consecutive threads of a threadgroup;
+    a partial last simdgroup has fewer lanes. Returns expected planes and a mask of the
+    entries that are defined (shuffles from missing lanes are undefined)."""
+    n = x.size
+    planes = np.full((15, n), np.nan, np.float32)
+    defined = np.ones((15, n), bool)
+    for g0 in range(0, n, tg):
+        g1 = min(g0 + tg, n)
+        for s0 in range(g0, g1, 32):
+            s1 = min(s0 + 32, g1)
+            v, w = x[s0:s1], u[s0:s1]
+            L = s1 - s0
+            lanes = np.arange(L)
+            planes[0, s0:s1] = v.sum(dtype=np.float32)
+            planes[1, s0:s1] = v.max()
+            planes[2, s0:s1] = v.min()
+            planes[3, s0:s1] = np.cumsum(v, dtype=np.float32)
+            planes[4, s0:s1] = np.concatenate([[0], np.cumsum(v, dtype=np.float32)[:-1]])
+            src = w % 32
+            ok = src < L
+            planes[5, s0:s1][ok] = v[src[ok]]
+            defined[5, s0:s1] = ok
+            src = lanes ^ 1
+            ok = src < L
+            planes[6, s0:s1][ok] = v[src[ok]]
+            defined[6, s0:s1] = ok
+            src = np.where(lanes < 3, lanes, lanes - 3)
+            planes[7, s0:s1] = v[src]
+            src = np.where(lanes + 5 >= 32, lanes, lanes + 5)
+            ok = src < L
+            planes[8, s0:s1][ok] = v[src[ok]]
+            defined[8, s0:s1] = ok
+            planes[9, s0:s1] = v[0]
+            planes[10, s0:s1] = (v > 0.5).sum()
+            planes[11, s0:s1] = float((v > 0.5).any())
+            planes[12, s0:s1] = float((v > -10).all())
+            planes[13, s0:s1] = float(w.astype(np.uint64).sum() % 2**32)
+            planes[14, s0:s1] = lanes
+    return planes, defined
+
+
+@pytest.mark.parametrize("n,tg", [(32, 32), (64, 64), (33, 33), (65, 65), (100, 40), (31, 31), (130, 96)])
+def test_simd_collectives(dev, n, tg):
+    rng = np.random.default_rng(n * 1000 + tg)
+    x = rng.standard_normal(n).astype(np.float32)
+    u = rng.integers(0, 1000, n).astype(np.uint32)
+    X, U, O = upload(dev, x), upload(dev, u), dev.buffer(15 * n * 4)
+    run(dev, "st_simd_ops", n, tg, buffers=[(0, X), (1, U), (2, O)], constants=[(3, constant(n))])
+    got = download(O, np.float32, (15, n))
+    want, defined = simd_reference(x, u, tg)
+    for k in range(15):
+        d = defined[k]
+        np.testing.assert_allclose(got[k][d], want[k][d], rtol=1e-5, atol=1e-5, err_msg=f"plane {k}")
+        # reading a lane that does not exist is undefined: the simulator returns poison
+        assert np.isnan(got[k][~d]).all(), f"plane {k}: undefined lanes are not poisoned"
+
+
+@pytest.mark.parametrize("n,tg", [(64, 32), (99, 33), (40, 40)])
+def test_dynamic_threadgroup_memory(dev, n, tg):
+    x = np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(x.nbytes)
+    run(dev, "st_tg_reverse", n, tg, buffers=[(0, X), (1, O)], tgmem=[(0, tg * 16)])
+    got = download(O, np.float32, (n, 4))
+    want = np.empty_like(x)
+    for g0 in range(0, n, tg):
+        g1 = min(g0 + tg, n)
+        want[g0:g1] = x[g0:g1][::-1]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("n,tg", [(1000, 64), (33, 32), (1, 1)])
+def test_atomics(dev, n, tg):
+    rng = np.random.default_rng(n)
+    keys = rng.integers(0, 10, n).astype(np.uint32)
+    vals = rng.integers(-8, 8, n).astype(np.float32) / 4  # exact in any summation order
+    K, V = upload(dev, keys), upload(dev, vals)
+    hist = upload(dev, np.zeros(10, np.uint32))
+    total = upload(dev, np.zeros(1, np.float32))
+    seen = upload(dev, np.zeros(1, np.uint32))
+    run(dev, "st_atomics", n, tg, buffers=[(0, K), (1, V), (2, hist), (3, total), (4, seen)],
+        constants=[(5, constant(n))])
+    np.testing.assert_array_equal(download(hist, np.uint32), np.bincount(keys, minlength=10))
+    assert download(total, np.float32)[0] == vals.sum()
+    assert download(seen, np.uint32)[0] == -(-n // tg)
+
+
+@pytest.mark.parametrize("n", [1, 33, 100])
+def test_vector_math(dev, n):
+    rng = np.random.default_rng(n)
+    a = rng.standard_normal((n, 4)).astype(np.float32)
+    b = rng.standard_normal((n, 4)).astype(np.float32)
+    A, B = upload(dev, a), upload(dev, b)
+    O, BITS, H = dev.buffer(a.nbytes), dev.buffer(4 * n), dev.buffer(8 * n)
+    run(dev, "st_vec_math", n, 32, buffers=[(0, A), (1, B), (2, O), (3, BITS), (4, H)],
+        constants=[(5, constant(n))])
+    r = a[:, ::-1] * 2 + b
+    r[:, [0, 1]] = r[:, [1, 0]]
+    r[:, 2] = (a * b).sum(1) + (a[:, 0] * b[:, 1] + 1)
+    r[:, 3] = np.clip(np.exp(-np.abs(a[:, 3])) + 1 / np.sqrt(b[:, 3] ** 2 + 1), 0, 1.5)
+    c = np.concatenate([a[:, :2], np.ones((n, 1), np.float32), np.zeros((n, 1), np.float32)], 1)
+    r += c * np.where(a > b, -1.0, 1.0).astype(np.float32)
+    np.testing.assert_allclose(download(O, np.float32, (n, 4)), r, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(download(BITS, np.uint32), a[:, 0].view(np.uint32))
+    want_h = (a.astype(np.float16) + np.float16(1)).astype(np.float16)
+    np.testing.assert_allclose(download(H, np.float16, (n, 4)).astype(np.float32),
+                               want_h.astype(np.float32), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,kernel", [(np.float32, "st_matmul_f32"), (np.float16, "st_matmul_f16")])
+@pytest.mark.parametrize("m,n,k", [(8, 8, 8), (16, 24, 32), (40, 8, 16)])
+def test_simdgroup_matrix(dev, dtype, kernel, m, n, k):
+    rng = np.random.default_rng(m * n + k)
+    a = rng.standard_normal((m, k)).astype(dtype)
+    b = rng.standard_normal((k, n)).astype(dtype)
+    A, B, C = upload(dev, a), upload(dev, b), dev.buffer(m * n * 4)
+    run(dev, kernel, (n // 8, m // 8), 32, buffers=[(0, A), (1, B), (2, C)],
+        constants=[(3, constant(m, n, k, 0))], threadgroups=True)
+    want = a.astype(np.float32) @ b.astype(np.float32)
+    np.testing.assert_allclose(download(C, np.float32, (m, n)), want, rtol=1e-4, atol=1e-4)
