@@ -306,6 +306,8 @@ def test_chat_nonstreaming_and_streaming_agree(real):
     assert finals == ["length"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
     assert chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+    assert r.usage.completion_tokens_details.reasoning_tokens == 4  # all of it was thinking
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 4
     assert all(k.usage is None for k in chunks[:-1])
     assert len({k.id for k in chunks}) == 1
 

@@ -144,7 +144,8 @@ def cmd_serve(args) -> int:
         print(f"lily serve needs the server extra: pip install 'lily[serve]' ({e})", file=sys.stderr)
         return 2
     engine = _load(args)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+          model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
     return 0
 
 
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    s.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: directory name)")
+    s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait; more get HTTP 429")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(func=cmd_serve)
     return p
 

@@ -24,7 +24,7 @@ from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 512  # tokens per prefill call; cancellation is checked between chunks
+PREFILL_CHUNK = 128  # tokens per prefill call; cancellation is checked between chunks
 
 
 def default_model_path() -> Path:

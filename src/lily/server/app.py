@@ -199,9 +199,12 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -515,8 +518,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         acc = ChatAccumulator()
         lps: list = []
         last = None
+        n_reasoning = 0
         try:
             async for ev in _job_events(job, request):
+                if parser.mode == "reasoning":
+                    n_reasoning += len(ev.token_ids)
                 acc.add(parser.feed(ev.text))
                 if ev.logprobs:
                     lps.extend(ev.logprobs)
@@ -544,7 +550,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                   "finish_reason": finish_reason(last.finish_reason)}
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                 "system_fingerprint": None, "choices": [choice],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+                "usage": _usage(last.prompt_tokens, last.completion_tokens, n_reasoning)}
 
     def delta_of(events: list[Delta]) -> dict:
         d: dict[str, Any] = {}
@@ -577,12 +583,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             return _sse(obj)
 
         last = None
+        n_reasoning = 0
         try:
             yield chunk({"role": "assistant", "content": ""})
             async for ev in _job_events(job, None, _KEEPALIVE_S):
                 if ev is None:
                     yield ": keep-alive\n\n"
                     continue
+                if parser.mode == "reasoning":
+                    n_reasoning += len(ev.token_ids)
                 events = parser.feed(ev.text)
                 if ev.finish_reason is not None:
                     events = events + parser.finish()
@@ -597,7 +606,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if include_usage:
                 obj = dict(base)
                 obj["choices"] = []
-                obj["usage"] = _usage(last.prompt_tokens, last.completion_tokens)
+                obj["usage"] = _usage(last.prompt_tokens, last.completion_tokens, n_reasoning)
                 yield _sse(obj)
             yield "data: [DONE]\n\n"
             log_done("chat (stream)", job, last, t_start)
