@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gpu/py_device.h"
+#include "runtime/py_runtime.h"
 
 namespace nb = nanobind;
 
@@ -60,4 +61,5 @@ NB_MODULE(_core, m) {
     return d;
   }, "Build facts: version, compiler, platform, debug flag and compiled devices.");
   lily::gpu::bind_device(m);
+  lily::runtime::bind_runtime(m);
 }

@@ -262,3 +262,154 @@ kernel void st_token_step(device const uint* prev [[buffer(0)]],
     next[0] = prev[0] * 3u + 1u;
   }
 }
+
+// ---- 4-bit unpacking, integer ops, half math, vector collectives ------------------------
+// For each packed uint (8 nibbles): out[8 * i + j] = (nibble j - 8) * scale[i], plus
+// per-thread integer/half results.
+kernel void st_bits(device const uint* packed [[buffer(0)]],
+                    device const half* scale [[buffer(1)]],
+                    device float* deq [[buffer(2)]],
+                    device uint* ints [[buffer(3)]],
+                    device half* halves [[buffer(4)]],
+                    device float2* vsum [[buffer(5)]],
+                    constant uint& n [[buffer(6)]],
+                    uint gid [[thread_position_in_grid]]) {
+  uint w = gid < n ? packed[gid] : 0u;
+  uchar4 bytes = as_type<uchar4>(w);
+  float one = fast::exp(0.0f) * precise::sqrt(1.0f);  // exactly 1 in both namespaces
+  float s = gid < n ? float(scale[gid]) * one : 0.0f;
+  if (gid < n) {
+    for (uint j = 0; j < 4; ++j) {
+      uchar b = bytes[j];
+      deq[8 * gid + 2 * j] = float(int(b & 0xFu) - 8) * s;
+      deq[8 * gid + 2 * j + 1] = float(int(b >> 4) - 8) * s;
+    }
+    ushort2 hl = as_type<ushort2>(w);
+    ints[4 * gid + 0] = uint(hl.y) ^ uint(hl.x);
+    ints[4 * gid + 1] = min(w, 1000u) + uint(max(int(w % 7u) - 3, 0));
+    ints[4 * gid + 2] = clz(w) + 32u * ctz(w | 0x80000000u) + popcount(w);
+    half h = half(s);
+    halves[gid] = exp(h * 0.5h) + sqrt(abs(h));
+  }
+  // simdgroup collectives on vectors and integers (every thread participates)
+  float2 v = float2(s, float(w & 0xFFu));
+  vsum[gid] = simd_sum(v) + float2(0.0f, float(simd_prefix_exclusive_sum(w & 1u)));
+  if (gid < n) {
+    ints[4 * gid + 3] = simd_max(w >> 8);
+  }
+}
+
+// ---- collectives after some lanes returned: only live lanes take part (valid on GPU) ---
+kernel void st_partial_sum(device const float* x [[buffer(0)]],
+                           device float* out [[buffer(1)]],
+                           constant uint& live [[buffer(2)]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint gid [[thread_position_in_grid]]) {
+  if (lane >= live) {
+    return;
+  }
+  out[gid] = simd_sum(x[gid]);
+}
+
+// ---- divergent synchronisation: must be reported, never hang -----------------------------
+kernel void st_divergent(device float* out [[buffer(0)]],
+                         constant uint& mode [[buffer(1)]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint tid [[thread_position_in_threadgroup]]) {
+  float v = float(lane);
+  if (mode == 0) {
+    // lanes disagree on the collective
+    out[tid] = lane < 16 ? simd_sum(v) : simd_max(v);
+  } else {
+    // half the simdgroup waits in a collective, the other half at a threadgroup barrier
+    if (lane < 16) {
+      out[tid] = simd_sum(v);
+    } else {
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      out[tid] = v;
+    }
+  }
+}
+
+// ---- barriers in nested loops: a prefix sum over a threadgroup's block -------------------
+kernel void st_block_scan(device const uint* x [[buffer(0)]],
+                          device uint* out [[buffer(1)]],
+                          constant uint& n [[buffer(2)]],
+                          uint gid [[thread_position_in_grid]],
+                          uint tid [[thread_position_in_threadgroup]],
+                          uint tcount [[threads_per_threadgroup]]) {
+  threadgroup uint buf[2][256];
+  uint cur = 0;
+  buf[cur][tid] = gid < n ? x[gid] : 0u;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint offset = 1; offset < tcount; offset <<= 1) {
+    uint nxt = 1 - cur;
+    uint v = buf[cur][tid];
+    if (tid >= offset) {
+      v += buf[cur][tid - offset];
+    }
+    buf[nxt][tid] = v;
+    cur = nxt;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (gid < n) {
+    out[gid] = buf[cur][tid];
+  }
+}
+
+// ---- execution order made visible: each dispatch takes a ticket --------------------------
+kernel void st_ticket(device atomic_uint* counter [[buffer(0)]],
+                      device uint* tickets [[buffer(1)]],
+                      constant uint& slot [[buffer(2)]],
+                      uint gid [[thread_position_in_grid]]) {
+  if (gid == 0) {
+    tickets[slot] = atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed);
+  }
+}
+
+// ---- 3-component vectors: float3 has float4's size and alignment, packed_float3 has none -
+kernel void st_float3(device const float3* v [[buffer(0)]],
+                      device const packed_float3* pv [[buffer(1)]],
+                      device float* out [[buffer(2)]],
+                      constant uint& n [[buffer(3)]],
+                      uint gid [[thread_position_in_grid]]) {
+  if (gid >= n) {
+    return;
+  }
+  float3 a = v[gid];
+  float3 b = float3(pv[gid]);
+  out[2 * gid] = a.x + 10.0f * a.y + 100.0f * a.z;
+  out[2 * gid + 1] = b.x + 10.0f * b.y + 100.0f * b.z;
+}
+
+// ---- a data race when use_barrier == 0: each thread reads its neighbour's slot -----------
+kernel void st_neighbour(device const float* x [[buffer(0)]],
+                         device float* out [[buffer(1)]],
+                         constant uint& use_barrier [[buffer(2)]],
+                         uint gid [[thread_position_in_grid]],
+                         uint tid [[thread_position_in_threadgroup]],
+                         uint tcount [[threads_per_threadgroup]]) {
+  threadgroup float slots[1024];
+  slots[tid] = x[gid];
+  if (use_barrier != 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  out[gid] = slots[(tid + 1) % tcount];
+}
+
+// ---- quad collectives and simd_shuffle_and_fill ------------------------------------------
+kernel void st_quad(device const float* x [[buffer(0)]],
+                    device float* out [[buffer(1)]],
+                    constant uint& n [[buffer(2)]],
+                    uint gid [[thread_position_in_grid]]) {
+  float v = x[gid];
+  float f = -v;
+  out[0 * n + gid] = quad_sum(v);
+  out[1 * n + gid] = quad_max(v);
+  out[2 * n + gid] = quad_prefix_exclusive_sum(v);
+  out[3 * n + gid] = quad_shuffle(v, ushort(3));
+  out[4 * n + gid] = quad_shuffle_xor(v, ushort(1));
+  out[5 * n + gid] = quad_shuffle_down(v, ushort(1));
+  out[6 * n + gid] = simd_shuffle_and_fill_down(v, f, ushort(3));
+  out[7 * n + gid] = simd_shuffle_and_fill_up(v, f, ushort(2), ushort(8));
+}

@@ -58,7 +58,7 @@ def test_chat_interactive_session():
 @pytest.mark.parametrize("args, needle", [
     (("generate", "x", "--temperature", "-1"), "temperature"),
     (("generate", "x", "--model", "/nonexistent/model"), "not a directory"),
-    (("generate", "x", "--device", "metal"), "cannot run the model"),
+    (("generate", "x", "--device", "metal"), "not available in this build"),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)

@@ -50,12 +50,19 @@ class ForcedEngine(Engine):
     delay = 0.0
     prefill_delay = 0.0
     prefill_calls = 0
+    fail_at: int | None = None  # decode step at which to raise fail_exc
+    fail_exc: BaseException | None = None
 
     def set_script(self, text: str, delay: float = 0.0, prefill_delay: float = 0.0) -> None:
-        self.script_ids = self.tokenizer.encode(text)
+        self.set_ids(self.tokenizer.encode(text), delay, prefill_delay)
+
+    def set_ids(self, ids, delay: float = 0.0, prefill_delay: float = 0.0) -> None:
+        self.script_ids = [int(t) for t in ids]
         self.delay = delay
         self.prefill_delay = prefill_delay
         self.prefill_calls = 0
+        self.fail_at = None
+        self.fail_exc = None
 
     def _forced(self) -> np.ndarray:
         logits = np.full(self.config.vocab_size, -1e4, dtype=np.float32)
@@ -79,6 +86,8 @@ class ForcedEngine(Engine):
         if self.delay:
             time.sleep(self.delay)
         self._pos += 1
+        if self.fail_at is not None and self._pos >= self.fail_at:
+            raise self.fail_exc
         return self._forced()
 
 
@@ -566,9 +575,9 @@ def test_api_key(forced_engine):
 
 
 def test_disconnect_during_prefill(forced, forced_engine):
-    """The engine checks the cancel flag between 512-token prefill chunks."""
+    """The engine checks the cancel flag between prefill chunks (``PREFILL_CHUNK`` tokens)."""
     forced_engine.set_script("never sent", prefill_delay=0.6)
-    long_prompt = "To be or not to be, that is the question. " * 120  # about 1400 tokens: 3 chunks
+    long_prompt = "To be or not to be, that is the question. " * 120  # about 1400 tokens: 11 chunks
     body = {"model": "forced", "messages": [{"role": "user", "content": long_prompt}], "stream": True}
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", forced.base + "/v1/chat/completions", json=body) as r:
@@ -651,3 +660,302 @@ def test_modes_agree_at_every_truncation_point(forced, forced_engine):
         assert "</think>" not in full[0] + full[1] and "<tool_call>" not in full[1]
         for _, args in full[2]:
             assert isinstance(json.loads(args), dict)
+
+
+# ----------------------------------------------------------------------------------------
+# stop strings across token boundaries, multi-byte characters split across tokens
+# ----------------------------------------------------------------------------------------
+
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+STOP_TEXT = "Good morrow, sweet prince of Denmark; the rest is silence, and more words follow here."
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    """``ForcedEngine`` with the real Qwen3.5 tokenizer (byte-level BPE: rare CJK characters
+    and emoji are split across tokens) behind a loopback server: ``(engine, server)``."""
+    import dataclasses
+    import lzma
+    import shutil
+    from pathlib import Path
+
+    from lily.tokenizer import Tokenizer
+
+    src = Path(__file__).resolve().parent / "data" / "qwen3.5-moe-tokenizer"
+    if not (src / "tokenizer.json.xz").is_file():
+        pytest.skip(f"tokenizer fixture missing: {src}")
+    d = tmp_path_factory.mktemp("qwen-tokenizer")
+    with lzma.open(src / "tokenizer.json.xz") as fin, open(d / "tokenizer.json", "wb") as fout:
+        shutil.copyfileobj(fin, fout)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(src / name, d / name)
+    tok = Tokenizer.from_dir(d)
+    eng = ForcedEngine.load(max_context=4096)
+    eng.tokenizer = tok
+    eng.config = dataclasses.replace(eng.config, vocab_size=tok.vocab_size)
+    eng.eos_token_ids = frozenset(tok.eos_token_ids)
+    srv = Server(create_app(eng, model_name="qwen-forced"))
+    yield eng, srv
+    srv.stop()
+
+
+def _token_spans(tok, ids) -> list[tuple[int, int]]:
+    """Character span of each token in the decoded text (tokens of whole characters)."""
+    spans, pos = [], 0
+    for t in ids:
+        piece = tok.decode([t])
+        spans.append((pos, pos + len(piece)))
+        pos += len(piece)
+    assert pos == len(tok.decode(ids))
+    return spans
+
+
+def _spanning_stop(tok, text: str, n_tokens: int) -> tuple[str, int]:
+    """A stop string that starts strictly inside one token of ``text`` and ends strictly
+    inside the token ``n_tokens - 1`` later; returns it and where it starts."""
+    spans = _token_spans(tok, tok.encode(text))
+    for i in range(4, len(spans) - n_tokens):
+        (a0, a1), (b0, b1) = spans[i], spans[i + n_tokens - 1]
+        if a1 - a0 >= 3 and b1 - b0 >= 2 and not text[a0 + 1].isspace():
+            a, b = a0 + 2, b0 + min(2, b1 - b0 - 1)
+            stop = text[a:b]
+            if text.find(stop) == a and not text[a - 1].isspace():
+                return stop, a
+    raise AssertionError("no spanning stop string found")
+
+
+def _chat_deltas(chunks) -> tuple[list[str], list[str], str | None]:
+    """(reasoning deltas, content deltas, finish_reason) of a streamed chat reply."""
+    reasoning, content, finish = [], [], None
+    for k in chunks:
+        if not k.choices:
+            continue
+        d = k.choices[0].delta
+        r = (d.model_extra or {}).get("reasoning_content")
+        if r:
+            reasoning.append(r)
+        if d.content:
+            content.append(d.content)
+        finish = k.choices[0].finish_reason or finish
+    return reasoning, content, finish
+
+
+def _assert_clean(pieces, where: str) -> None:
+    """No replacement character and no surrogate in any piece."""
+    for p in pieces:
+        assert "\ufffd" not in p, (where, p, pieces)
+        assert not any(0xD800 <= ord(ch) <= 0xDFFF for ch in p), (where, p, pieces)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 3])
+def test_stop_string_spanning_tokens(forced, forced_engine, n_tokens):
+    """A stop string that starts inside one token and ends inside a later one: nothing of it
+    reaches any delta, in chat and completions, streaming and not; finish_reason is stop."""
+    tok = forced_engine.tokenizer
+    stop, at = _spanning_stop(tok, STOP_TEXT, n_tokens)
+    assert len(stop) >= 2
+    forced_engine.set_script(STOP_TEXT)
+    c = forced.client()
+    stops = ["\u2603 never", stop]
+    want = STOP_TEXT[:at]
+
+    r = c.completions.create(model="forced", prompt="Q", max_tokens=100, stop=stops)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(c.completions.create(model="forced", prompt="Q", max_tokens=100, stop=stops, stream=True))
+    texts = [k.choices[0].text for k in chunks]
+    assert all(stop not in t for t in texts) and "".join(texts) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    kw = dict(model="forced", messages=HI, max_tokens=100, stop=stops)
+    r = c.chat.completions.create(extra_body=NO_THINK, **kw)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (want, "stop")
+    _, content, finish = _chat_deltas(c.chat.completions.create(stream=True, extra_body=NO_THINK, **kw))
+    assert all(stop not in d for d in content) and "".join(content) == want and finish == "stop"
+    # inside the reasoning block too
+    reasoning, content, finish = _chat_deltas(c.chat.completions.create(stream=True, **kw))
+    assert all(stop not in d for d in reasoning) and "".join(reasoning) == want
+    assert content == [] and finish == "stop"
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].message.model_extra["reasoning_content"] == want
+
+
+def test_stop_prefix_not_completed_is_released(forced, forced_engine):
+    """Text held back because it could begin a stop string is released once it cannot (a
+    false start), at EOS, and at max_tokens."""
+    tok = forced_engine.tokenizer
+    forced_engine.set_script(STOP_TEXT)
+    c = forced.client()
+    # "sweet prince" is held until " of" shows it is not "sweet princess"; the reply ends in
+    # "here." - the start of the second stop string - and EOS releases it
+    stops = ["sweet princess", "here.!!"]
+    r = c.completions.create(model="forced", prompt="Q", max_tokens=100, stop=stops)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (STOP_TEXT, "stop")
+    texts = [k.choices[0].text for k in c.completions.create(model="forced", prompt="Q", max_tokens=100,
+                                                               stop=stops, stream=True)]
+    assert "".join(texts) == STOP_TEXT
+    _, content, finish = _chat_deltas(c.chat.completions.create(
+        model="forced", messages=HI, max_tokens=100, stop=stops, stream=True, extra_body=NO_THINK))
+    assert "".join(content) == STOP_TEXT and finish == "stop"
+    # cut by max_tokens while the tail is held back: released, finish_reason length
+    ids = forced_engine.script_ids
+    k = len(ids) // 2
+    partial = tok.decode(ids[:k])
+    stops = [partial[-4:] + "\u2603"]
+    r = c.completions.create(model="forced", prompt="Q", max_tokens=k, stop=stops)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (partial, "length")
+    chunks = list(c.completions.create(model="forced", prompt="Q", max_tokens=k, stop=stops, stream=True))
+    assert "".join(k_.choices[0].text for k_ in chunks) == partial
+    assert chunks[-1].choices[0].finish_reason == "length"
+    r = c.chat.completions.create(model="forced", messages=HI, max_tokens=k, stop=stops, extra_body=NO_THINK)
+    assert (r.choices[0].message.content, r.choices[0].finish_reason) == (partial.strip(), "length")
+
+
+MB_TEXT = "龘🦜 x🦜y 齉齾 𠜎 ☃︎ and 🫠 done"
+SAY_TOOLS = [{"type": "function", "function": {"name": "say", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}, "n": {"type": "integer"}}}}}]
+
+
+def _split_characters(tok, text: str) -> None:
+    """The test text really puts one character's bytes into several tokens."""
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    broken = []
+    for t in ids:
+        try:
+            tok.token_bytes(t).decode("utf-8")
+        except UnicodeDecodeError:
+            broken.append(t)
+    assert len(broken) >= 4, "the text does not split characters across tokens"
+
+
+@pytest.mark.parametrize("which", ["qwen", "demo"])
+def test_multibyte_characters_split_across_tokens(request, which):
+    """Emoji and CJK characters whose UTF-8 bytes span tokens never reach a delta broken: no
+    U+FFFD, no surrogate, and the deltas join to the full decode - in content, in
+    reasoning_content, in a tool call's arguments and in completions text."""
+    if which == "qwen":
+        eng, srv = request.getfixturevalue("qwen")
+    else:
+        eng, srv = request.getfixturevalue("forced_engine"), request.getfixturevalue("forced")
+    tok = eng.tokenizer
+    model = srv.client().models.list().data[0].id
+    _split_characters(tok, MB_TEXT)
+    c = srv.client()
+
+    eng.set_script(MB_TEXT)
+    texts = [k.choices[0].text for k in c.completions.create(model=model, prompt="Q", max_tokens=200,
+                                                               stream=True)]
+    _assert_clean(texts, "completions")
+    assert "".join(texts) == tok.decode(eng.script_ids) == MB_TEXT
+    _, content, finish = _chat_deltas(c.chat.completions.create(model=model, messages=HI, stream=True,
+                                                                extra_body=NO_THINK))
+    _assert_clean(content, "content")
+    assert "".join(content) == MB_TEXT and finish == "stop" and len(content) > 5
+    assert c.chat.completions.create(model=model, messages=HI, extra_body=NO_THINK).choices[0].message.content \
+        == MB_TEXT
+
+    eng.set_script(MB_TEXT + "\n</think>\n\n答案🦜")
+    reasoning, content, _ = _chat_deltas(c.chat.completions.create(model=model, messages=HI, stream=True))
+    _assert_clean(reasoning + content, "reasoning")
+    assert "".join(reasoning) == MB_TEXT and "".join(content) == "答案🦜"
+    m = c.chat.completions.create(model=model, messages=HI).choices[0].message
+    assert (m.model_extra["reasoning_content"], m.content) == (MB_TEXT, "答案🦜")
+
+    eng.set_script(f"<tool_call>\n<function=say>\n<parameter=text>\n{MB_TEXT}\n</parameter>\n"
+                   "<parameter=n>\n3\n</parameter>\n</function>\n</tool_call>")
+    kw = dict(model=model, messages=HI, tools=SAY_TOOLS, extra_body=NO_THINK)
+    fragments, finish = [], None
+    for k in c.chat.completions.create(stream=True, **kw):
+        if k.choices:
+            for tc in k.choices[0].delta.tool_calls or []:
+                if tc.function and tc.function.arguments:
+                    fragments.append(tc.function.arguments)
+            finish = k.choices[0].finish_reason or finish
+    _assert_clean(fragments, "tool arguments")
+    assert json.loads("".join(fragments)) == {"text": MB_TEXT, "n": 3} and finish == "tool_calls"
+    r = c.chat.completions.create(**kw)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"text": MB_TEXT, "n": 3}
+
+    # a stop string that begins with a character split across tokens
+    eng.set_script(MB_TEXT)
+    for stop, want in (("🦜y", "龘🦜 x"), ("齾", "龘🦜 x🦜y 齉")):
+        texts = [k.choices[0].text for k in c.completions.create(model=model, prompt="Q", max_tokens=200,
+                                                                   stop=[stop], stream=True)]
+        _assert_clean(texts, "completions with stop")
+        assert "".join(texts) == want
+        _, content, finish = _chat_deltas(c.chat.completions.create(
+            model=model, messages=HI, stop=[stop], stream=True, extra_body=NO_THINK))
+        _assert_clean(content, "content with stop")
+        assert "".join(content) == want and finish == "stop"
+
+
+# ----------------------------------------------------------------------------------------
+# failures and disconnects: nothing hangs, nothing keeps the worker
+# ----------------------------------------------------------------------------------------
+
+
+def test_disconnect_during_prefill_real_engine(real):
+    """The real (numpy) engine on a ~1400-token prompt (about 14 s of prefill here): a client
+    that goes away during the prefill frees the worker within one prefill chunk, streaming
+    and not, and the next request gives exactly the reply it gives on a fresh engine."""
+    c = real.client()
+    baseline = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=4).choices[0].text
+    long_prompt = "To be or not to be, that is the question. " * 120
+    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "stream": True,
+            "max_tokens": 4}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", real.base + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the role chunk is sent before the prefill
+            time.sleep(0.3)
+            assert httpx.get(real.base + "/health").json()["busy"]  # prefilling now
+    idle_stream = wait_idle(real, 12)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(real.base + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 4}, timeout=1.0)
+    idle_plain = wait_idle(real, 12)
+    print(f"worker idle {idle_stream:.2f}s / {idle_plain:.2f}s after the disconnects")
+    assert idle_stream < 6.0 and idle_plain < 6.0  # a whole prefill takes > 10 s
+    assert c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=4).choices[0].text == baseline
+
+
+class _Abort(BaseException):
+    """Not an Exception: what a misbehaving plug-in or a SystemExit would raise."""
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("device lost"), _Abort("boom")], ids=["exception", "base"])
+def test_engine_failure_mid_generation(forced, forced_engine, exc):
+    """An engine that fails after a few tokens: 500 (non-streaming) or an error event
+    (streaming), the worker survives and serves the next request."""
+    c = forced.client()
+    for stream in (False, True):
+        forced_engine.set_script("one two three four five six")
+        forced_engine.fail_at, forced_engine.fail_exc = 3, exc
+        if stream:
+            got = []
+            with pytest.raises(openai.APIError) as e:
+                for k in c.completions.create(model="forced", prompt="Q", stream=True, max_tokens=50):
+                    got.append(k.choices[0].text)
+            assert "".join(got) and e.value.body["type"] == "server_error"
+        else:
+            with pytest.raises(openai.InternalServerError) as e:
+                c.completions.create(model="forced", prompt="Q", max_tokens=50)
+            assert "generation failed" in e.value.body["message"]
+        wait_idle(forced)
+        forced_engine.set_script("fine again")
+        r = c.completions.create(model="forced", prompt="Q")
+        assert r.choices[0].text == "fine again"
+
+
+def test_unpaired_surrogates_are_400_not_500(forced, forced_engine):
+    """JSON may carry a lone surrogate (``"\\ud800"``); the server answers 400/404, never 500."""
+    forced_engine.set_script("ok")
+    url = forced.base + "/v1"
+    for path, raw, status in (
+            ("/chat/completions", '{"messages":[{"role":"user","content":"Hi \\ud83d"}]}', 400),
+            ("/chat/completions", '{"messages":[{"role":"user","content":[{"type":"\\ud800"}]}]}', 400),
+            ("/chat/completions", '{"model":"\\udc00","messages":[{"role":"user","content":"Hi"}]}', 404),
+            ("/completions", '{"prompt":"\\ud800x"}', 400),
+            ("/completions", '{"prompt":["\\ud800x"],"stream":true}', 400)):
+        r = httpx.post(url + path, content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == status, (raw, r.text)
+        assert r.json()["error"]["message"]

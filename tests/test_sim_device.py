@@ -101,8 +101,11 @@ def test_hazard_checker_catches_missing_barrier():
     C, D = dev.buffer(4 * N), dev.buffer(4 * N)
     cb = dev.command_buffer()
     p = cb.compute_pass(manual_barriers=True)
+    C.label = "activations"
     add(p, A, B, C, label="producer")
-    with pytest.raises(_core.HazardError, match=r"read-after-write.*consumer.*producer"):
+    with pytest.raises(_core.HazardError,
+                       match=r"read-after-write.*'consumer \(#1\)' buffer #\d+ 'activations' bytes \[0, 400\)"
+                             r".*'producer \(#0\)' buffer #\d+ 'activations'"):
         add(p, C, B, D, label="consumer")
 
 
@@ -151,6 +154,32 @@ def test_stage_order_does_not_change_a_correct_schedule(order):
     np.testing.assert_allclose(download(outs[2], np.float32), sum(xs), rtol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+def test_stage_order_modes(order):
+    """Eight dispatches in one stage (the shared counter is deliberately left undeclared);
+    the tickets they draw show the order the simulator ran them in."""
+    k = 8
+    dev = sim_device(order=order, seed=3)
+    counter = upload(dev, np.zeros(1, np.uint32))
+    tickets = upload(dev, np.zeros(k, np.uint32))
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    for slot in range(k):
+        p.dispatch("st_ticket", 1, 1, buffers=[(0, counter), (1, tickets)], constants=[(2, constant(slot))],
+                   writes=[(tickets, 4 * slot, 4)])
+    cb.commit()
+    cb.wait()
+    assert cb.counters["barrier_stages"] == 1
+    got = download(tickets, np.uint32)
+    assert sorted(got) == list(range(k))
+    if order == "forward":
+        assert list(got) == list(range(k))
+    elif order == "reverse":
+        assert list(got) == list(range(k))[::-1]
+    else:
+        assert list(got) != list(range(k))
+
+
 def test_reverse_order_exposes_a_wrong_declaration():
     """The consumer forgets to declare its read of C: no barrier is derived, and executing
     the stage in reverse order runs it before the producer (C still poisoned)."""
@@ -183,6 +212,42 @@ def test_verify_writes_catches_undeclared_write():
     cb.commit()
     with pytest.raises(_core.HazardError, match=r"short_declaration.*wrote byte 396"):
         cb.wait()
+
+
+def test_verify_reads_catches_undeclared_read():
+    dev = sim_device(verify_reads=True, verify_writes=True)
+    (a, b), (A, B) = vecs(dev, 2)
+    C, D = dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, A, B, C, label="declared")  # correct declarations pass
+    p.dispatch("st_add_f32", N, 32, buffers=[(0, C), (1, B), (2, D)], constants=[(3, constant(N))],
+               reads=[C, (B, 0, 4 * (N - 1))], writes=[D], label="short_read")
+    cb.commit()
+    with pytest.raises(_core.HazardError, match=r"short_read.*reads outside its declared read ranges.*byte 396"):
+        cb.wait()
+    # the state after the failing check is the real execution's, not the zeroed re-run's
+    np.testing.assert_allclose(download(C, np.float32), a + b, rtol=1e-6)
+
+
+def test_verify_reads_accepts_correct_declarations():
+    dev = sim_device(verify_reads=True, verify_writes=True, thread_order="random")
+    (a,), (A,) = vecs(dev, 1, n=2 * N)
+    O = dev.buffer(8 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    for half in range(2):
+        off = half * 4 * N
+        p.dispatch("st_add_f32", N, 32, buffers=[(0, A, off), (1, A, off), (2, O, off)],
+                   constants=[(3, constant(N))], reads=[(A, off, 4 * N)], writes=[(O, off, 4 * N)])
+    X = upload(dev, np.arange(64, dtype=np.float32))
+    R = dev.buffer(4)
+    p.dispatch("st_row_sum", 1, 64, buffers=[(0, X), (1, R)], constants=[(2, constant(64))],
+               reads=[X], writes=[R], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    np.testing.assert_allclose(download(O, np.float32), 2 * a, rtol=1e-6)
+    assert download(R, np.float32)[0] == 64 * 63 / 2
 
 
 def test_poisoning_exposes_read_of_unwritten_buffer():
@@ -231,7 +296,8 @@ def test_bad_geometry_is_a_value_error(grid, tg, msg):
 def test_bad_bindings_are_value_errors():
     dev = sim_device()
     _, (A, B) = vecs(dev, 2)
-    p = dev.command_buffer().compute_pass()
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
     with pytest.raises(ValueError, match=r"\[\[buffer\(2\)\]\] is not bound"):
         p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B)], constants=[(3, constant(N))])
     with pytest.raises(ValueError, match=r"needs 4 bytes but only 2"):
@@ -247,6 +313,8 @@ def test_bad_bindings_are_value_errors():
         p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)])
     with pytest.raises(ValueError, match="limit is 32768"):
         p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)], threadgroup_memory=[(0, 65536)])
+    # rejected dispatches leave no trace in the pass
+    assert cb.counters["dispatches"] == 0 and cb.counters["barrier_stages"] == 0
 
 
 def test_kernel_fault_is_an_exception_and_device_survives():
@@ -357,3 +425,26 @@ def test_map_file_no_copy(tmp_path):
         dev.map_file(str(path), 1)
     with pytest.raises(RuntimeError, match="No such file"):
         dev.map_file(str(tmp_path / "missing.bin"))
+
+
+@pytest.mark.parametrize("use_barrier", [1, 0])
+def test_thread_order_modes_expose_a_missing_barrier(use_barrier):
+    n, tg = 96, 48
+    x = np.arange(n, dtype=np.float32)
+    want = np.concatenate([np.roll(x[g:g + tg], -1) for g in range(0, n, tg)])
+    results = {}
+    for order in ("forward", "reverse", "random"):
+        dev = sim_device(thread_order=order, seed=1)
+        X, O = upload(dev, x), dev.buffer(4 * n)
+        cb = dev.command_buffer()
+        cb.compute_pass().dispatch("st_neighbour", n, tg, buffers=[(0, X), (1, O)],
+                                   constants=[(2, constant(use_barrier))])
+        cb.commit()
+        cb.wait()
+        results[order] = download(O, np.float32)
+    if use_barrier:
+        for got in results.values():
+            np.testing.assert_array_equal(got, want)
+    else:  # the race shows: poison (NaN) reads, and the orders disagree
+        assert any(np.isnan(r).any() for r in results.values())
+        assert not np.array_equal(results["forward"], results["reverse"], equal_nan=True)

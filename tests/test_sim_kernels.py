@@ -16,9 +16,11 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def dev():
-    return sim_device()
+@pytest.fixture(scope="module", params=["forward", "reverse", "random"])
+def dev(request):
+    """Every kernel must give the same result whatever order its threadgroups and threads
+    are scheduled in (a data race or missing barrier would show up as a failure)."""
+    return sim_device(thread_order=request.param, seed=11)
 
 
 def run(dev, kernel, grid, tg, buffers=(), constants=(), tgmem=(), reads=(), writes=(), threadgroups=False):
@@ -263,3 +265,113 @@ def test_simdgroup_matrix(dev, dtype, kernel, m, n, k):
         constants=[(3, constant(m, n, k, 0))], threadgroups=True)
     want = a.astype(np.float32) @ b.astype(np.float32)
     np.testing.assert_allclose(download(C, np.float32, (m, n)), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,tg", [(64, 32), (33, 33), (70, 64)])
+def test_bits_half_math_vector_collectives(dev, n, tg):
+    rng = np.random.default_rng(n + tg)
+    packed = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    scale = (rng.random(n) + 0.5).astype(np.float16)
+    grid = -(-n // tg) * tg  # whole threadgroups: threads past n still join the collectives
+    P, S = upload(dev, packed), upload(dev, scale)
+    DEQ, INTS = dev.buffer(8 * n * 4), dev.buffer(4 * n * 4)
+    H, V = dev.buffer(2 * n), dev.buffer(8 * grid)
+    run(dev, "st_bits", grid, tg, buffers=[(0, P), (1, S), (2, DEQ), (3, INTS), (4, H), (5, V)],
+        constants=[(6, constant(n))])
+    nib = (packed[:, None] >> (4 * np.arange(8, dtype=np.uint32))) & 0xF
+    want = (nib.astype(np.float32) - 8) * scale.astype(np.float32)[:, None]
+    np.testing.assert_array_equal(download(DEQ, np.float32, (n, 8)), want)
+    ints = download(INTS, np.uint32, (n, 4))
+    np.testing.assert_array_equal(ints[:, 0], (packed >> 16) ^ (packed & 0xFFFF))
+    np.testing.assert_array_equal(ints[:, 1], np.minimum(packed, 1000) + np.maximum((packed % 7).astype(np.int64) - 3, 0))
+    clz = np.array([32 - int(w).bit_length() for w in packed])
+    ctz = np.array([(int(w) | 0x80000000) & -(int(w) | 0x80000000) for w in packed]).astype(np.uint64)
+    ctz = np.log2(ctz).astype(np.int64)
+    pop = np.array([bin(int(w)).count("1") for w in packed])
+    np.testing.assert_array_equal(ints[:, 2], clz + 32 * ctz + pop)
+    h = scale.astype(np.float32)
+    want_h = (np.exp(h * 0.5).astype(np.float16).astype(np.float32) + np.sqrt(h).astype(np.float16)).astype(np.float16)
+    np.testing.assert_allclose(download(H, np.float16).astype(np.float32), want_h.astype(np.float32), rtol=2e-3)
+    v = download(V, np.float32, (grid, 2))
+    s = np.zeros(grid, np.float32)
+    s[:n] = scale.astype(np.float32)
+    w = np.zeros(grid, np.uint32)
+    w[:n] = packed
+    for g0 in range(0, grid, tg):
+        for s0 in range(g0, g0 + tg, 32):
+            s1 = min(s0 + 32, g0 + tg)
+            np.testing.assert_allclose(v[s0:s1, 0], s[s0:s1].sum(), rtol=1e-5)
+            excl = np.concatenate([[0], np.cumsum(w[s0:s1] & 1)[:-1]])
+            np.testing.assert_allclose(v[s0:s1, 1], (w[s0:s1] & 0xFF).sum() + excl, rtol=1e-6)
+            live = np.arange(s0, s1) < n
+            if live.any():
+                assert (ints[np.arange(s0, s1)[live], 3] == (w[s0:s1] >> 8).max()).all()
+
+
+@pytest.mark.parametrize("live", [1, 20, 32])
+def test_collectives_skip_returned_lanes(dev, live):
+    x = np.random.default_rng(live).standard_normal(64).astype(np.float32)
+    X, O = upload(dev, x), upload(dev, np.zeros(64, np.float32))
+    run(dev, "st_partial_sum", 64, 64, buffers=[(0, X), (1, O)], constants=[(2, constant(live))])
+    got = download(O, np.float32)
+    for s0 in (0, 32):
+        np.testing.assert_allclose(got[s0:s0 + live], x[s0:s0 + live].sum(), rtol=1e-5)
+        assert (got[s0 + live:s0 + 32] == 0).all()
+
+
+@pytest.mark.parametrize("mode,msg", [(0, "divergent simd collectives.*simd_max.*simd_sum|divergent simd collectives.*simd_sum.*simd_max"),
+                                      (1, "deadlock.*threadgroup_barrier.*simd_sum")])
+def test_divergent_synchronisation_is_reported(dev, mode, msg):
+    O = dev.buffer(4 * 32)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_divergent", 32, 32, buffers=[(0, O)], constants=[(1, constant(mode))])
+    cb.commit()
+    with pytest.raises(RuntimeError, match=msg):
+        cb.wait()
+
+
+@pytest.mark.parametrize("n,tg", [(256, 256), (1000, 256), (65, 33), (31, 32), (100, 1)])
+def test_block_scan_nested_barriers(dev, n, tg):
+    x = np.random.default_rng(n).integers(0, 100, n).astype(np.uint32)
+    X, O = upload(dev, x), dev.buffer(4 * n)
+    run(dev, "st_block_scan", n, tg, buffers=[(0, X), (1, O)], constants=[(2, constant(n))])
+    want = np.concatenate([np.cumsum(x[g:g + tg]) for g in range(0, n, tg)]).astype(np.uint32)
+    np.testing.assert_array_equal(download(O, np.uint32), want)
+
+
+def test_float3_layout(dev):
+    n = 37
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal((n, 4)).astype(np.float32)   # float3: 16-byte stride
+    pv = rng.standard_normal((n, 3)).astype(np.float32)  # packed_float3: 12-byte stride
+    V, PV, O = upload(dev, v), upload(dev, pv), dev.buffer(8 * n)
+    run(dev, "st_float3", n, 32, buffers=[(0, V), (1, PV), (2, O)], constants=[(3, constant(n))])
+    got = download(O, np.float32, (n, 2))
+    w = np.array([1, 10, 100], np.float32)
+    np.testing.assert_allclose(got[:, 0], v[:, :3] @ w, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[:, 1], pv @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_quad_and_shuffle_fill(dev):
+    n = 64  # two full simdgroups
+    x = np.random.default_rng(9).standard_normal(n).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(8 * n * 4)
+    run(dev, "st_quad", n, 64, buffers=[(0, X), (1, O)], constants=[(2, constant(n))])
+    got = download(O, np.float32, (8, n))
+    q = x.reshape(-1, 4)
+    np.testing.assert_allclose(got[0], np.repeat(q.sum(1), 4), rtol=1e-5)
+    np.testing.assert_array_equal(got[1], np.repeat(q.max(1), 4))
+    np.testing.assert_allclose(got[2], np.concatenate([np.cumsum(r) - r for r in q]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got[3], np.repeat(q[:, 3], 4))
+    np.testing.assert_array_equal(got[4], q[:, [1, 0, 3, 2]].reshape(-1))
+    np.testing.assert_array_equal(got[5], q[:, [1, 2, 3, 3]].reshape(-1))
+    want6, want7 = np.empty(n, np.float32), np.empty(n, np.float32)
+    for s0 in (0, 32):
+        for i in range(32):
+            j = i + 3
+            want6[s0 + i] = x[s0 + j] if j < 32 else -x[s0 + j - 32]
+            b, k = i - i % 8, i % 8
+            j = k - 2
+            want7[s0 + i] = x[s0 + b + j] if j >= 0 else -x[s0 + b + j + 8]
+    np.testing.assert_array_equal(got[6], want6)
+    np.testing.assert_array_equal(got[7], want7)

@@ -73,8 +73,8 @@ def test_transform_preserves_lines_and_registers(tmp_path):
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")
 @pytest.mark.parametrize("body,needle", [
-    ("  x[i] = quad_sum(x[i]);", "quad_sum"),                        # not in the shim
-    ("  x[i] = simd_shuffle_and_fill_down(x[i], 0.0f, ushort(1));", "simd_shuffle_and_fill_down"),
+    ("  x[i] = quad_all(x[i] > 0.0f) ? 1.0f : 0.0f;", "quad_all"),      # not in the shim
+    ("  float2x2 m = float2x2(1.0f);\n  x[i] = m[0][0];", "float2x2"),   # matrix types
     ("  simdgroup_float8x8 m;\n  x[i] = m.thread_elements()[0];", "thread_elements"),
 ])
 def test_unsupported_construct_is_a_compile_error(tmp_path, body, needle):
@@ -95,3 +95,21 @@ def test_unknown_attribute_is_a_compile_error(tmp_path):
     assert r.returncode == 0, r.stderr
     c = compile_cpp(out)
     assert c.returncode != 0 and "position" in c.stderr
+
+
+CHECK_OBJC = ROOT / "tools" / "check_objc.sh"
+
+
+def test_check_objc_skips_without_sdk():
+    r = subprocess.run(["bash", str(CHECK_OBJC)], capture_output=True, text=True,
+                       env={k: v for k, v in __import__("os").environ.items() if k != "LILY_MACOS_SDK"})
+    assert r.returncode == 0 and "SKIPPED" in r.stdout
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("LILY_MACOS_SDK") or not shutil.which("clang++"),
+                    reason="set LILY_MACOS_SDK to a macOS SDK (and install clang) to type-check the Metal backend")
+def test_check_objc_against_sdk():
+    r = subprocess.run(["bash", str(CHECK_OBJC), __import__("os").environ["LILY_MACOS_SDK"]],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "check_objc: OK" in r.stdout

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds lily._core with AddressSanitizer (CMake option LILY_SANITIZE=address) and runs the
-# simulator tests (tests/test_sim_*.py) against it.
+# simulator and kernel tests (tests/test_sim_*.py tests/test_kernels_*.py, or the files in
+# $LILY_ASAN_TESTS) against it.
 #
 #   tools/run_sim_asan.sh [BUILD_DIR] [-- extra pytest args]
 #
@@ -41,5 +42,11 @@ STDCXX="$("$CXX_BIN" -print-file-name=libstdc++.so 2>/dev/null || true)"
 [[ -f "$STDCXX" ]] && PRELOAD="$PRELOAD:$STDCXX"
 
 cd "$ROOT"
-LD_PRELOAD="$PRELOAD" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0" \
-  PYTHONPATH="$STAGE" "$PYTHON" -m pytest -q -p no:cacheprovider "$ROOT"/tests/test_sim_*.py "$@"
+shopt -s nullglob
+if [[ -n "${LILY_ASAN_TESTS:-}" ]]; then
+  read -r -a TESTS <<< "$LILY_ASAN_TESTS"
+else
+  TESTS=(tests/test_sim_*.py tests/test_kernels_*.py)
+fi
+LILY_IN_ASAN=1 LD_PRELOAD="$PRELOAD" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0" \
+  PYTHONPATH="$STAGE" "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" "$@"

@@ -15,23 +15,31 @@ namespace lily::gpu {
 
 namespace {
 
-std::string describe(const Range& r) {
+std::string describe(const StageTracker::Span& r) {
   std::ostringstream s;
-  s << "buffer #" << r.buffer->id();
-  if (!r.buffer->label().empty()) s << " '" << r.buffer->label() << "'";
+  s << "buffer #" << r.buffer_id;
+  if (!r.buffer_label.empty()) s << " '" << r.buffer_label << "'";
   s << " bytes [" << r.offset << ", " << r.offset + r.size << ")";
   return s.str();
 }
 
-const Range* first_overlap(const std::vector<Range>& a, const std::vector<Range>& b,
-                           const Range** other) {
-  for (const Range& x : a)
-    for (const Range& y : b)
+std::vector<StageTracker::Span> spans(const std::vector<Range>& rs) {
+  std::vector<StageTracker::Span> v;
+  v.reserve(rs.size());
+  for (const Range& r : rs) v.push_back(StageTracker::span(r));
+  return v;
+}
+
+bool first_overlap(const std::vector<StageTracker::Span>& a, const std::vector<StageTracker::Span>& b,
+                   StageTracker::Span* mine, StageTracker::Span* theirs) {
+  for (const auto& x : a)
+    for (const auto& y : b)
       if (x.overlaps(y)) {
-        *other = &y;
-        return &x;
+        *mine = x;
+        *theirs = y;
+        return true;
       }
-  return nullptr;
+  return false;
 }
 
 void check_range(const Dispatch& d, const Range& r, const char* what) {
@@ -48,18 +56,33 @@ void check_range(const Dispatch& d, const Range& r, const char* what) {
 
 }  // namespace
 
-const StageTracker::Entry* StageTracker::conflict(const Dispatch& d, const char** kind) const {
-  const Range* other = nullptr;
+StageTracker::Span StageTracker::span(const Range& r) {
+  Span s;
+  s.buffer_id = r.buffer->id();
+  s.offset = r.offset;
+  s.size = r.size;
+  s.buffer_label = r.buffer->label();
+  return s;
+}
+
+StageTracker::Conflict StageTracker::conflict(const Dispatch& d) const {
+  Conflict c;
+  if (current_.empty()) return c;
+  std::vector<Span> reads = spans(d.reads), writes = spans(d.writes);
   for (const Entry& e : current_) {
-    if (first_overlap(d.reads, e.writes, &other)) { *kind = "read-after-write"; return &e; }
-    if (first_overlap(d.writes, e.reads, &other)) { *kind = "write-after-read"; return &e; }
-    if (first_overlap(d.writes, e.writes, &other)) { *kind = "write-after-write"; return &e; }
+    if (first_overlap(reads, e.writes, &c.mine, &c.theirs)) c.kind = "read-after-write";
+    else if (first_overlap(writes, e.reads, &c.mine, &c.theirs)) c.kind = "write-after-read";
+    else if (first_overlap(writes, e.writes, &c.mine, &c.theirs)) c.kind = "write-after-write";
+    if (c.kind) {
+      c.entry = &e;
+      return c;
+    }
   }
-  return nullptr;
+  return c;
 }
 
 void StageTracker::add(const Dispatch& d) {
-  current_.push_back(Entry{d.label, d.reads, d.writes});
+  current_.push_back(Entry{d.label, spans(d.reads), spans(d.writes)});
 }
 
 void ComputePass::start_stage() {
@@ -79,27 +102,23 @@ void ComputePass::dispatch(const Dispatch& d_in) {
   }
   for (const Range& r : d.reads) check_range(d, r, "read");
   for (const Range& r : d.writes) check_range(d, r, "write");
+  validate(d);
 
   if (!any_dispatch_) {
     any_dispatch_ = true;
     start_stage();
   }
-  const char* kind = nullptr;
-  if (const StageTracker::Entry* e = tracker_.conflict(d, &kind)) {
+  StageTracker::Conflict c = tracker_.conflict(d);
+  if (c.entry) {
     if (mode_ == BarrierMode::automatic) {
       encode_barrier();
       start_stage();
     } else {
-      // Name both dispatches and the overlapping range.
-      const Range* other = nullptr;
-      const Range* mine = nullptr;
-      if (std::strcmp(kind, "read-after-write") == 0) mine = first_overlap(d.reads, e->writes, &other);
-      else if (std::strcmp(kind, "write-after-read") == 0) mine = first_overlap(d.writes, e->reads, &other);
-      else mine = first_overlap(d.writes, e->writes, &other);
+      // Name both dispatches and the overlapping ranges.
       std::ostringstream s;
-      s << "hazard (" << kind << ") without a barrier: dispatch '" << d.label << "' "
-        << describe(*mine) << " conflicts with dispatch '" << e->label << "' "
-        << describe(*other) << " in the same barrier stage";
+      s << "hazard (" << c.kind << ") without a barrier: dispatch '" << d.label << "' "
+        << describe(c.mine) << " conflicts with dispatch '" << c.entry->label << "' "
+        << describe(c.theirs) << " in the same barrier stage";
       throw HazardError(s.str());
     }
   }

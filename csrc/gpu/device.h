@@ -137,19 +137,34 @@ struct Counters {
   }
 };
 
-// Derives barriers from declared ranges. Shared by every backend.
+// Derives barriers from declared ranges. Shared by every backend. Entries hold buffer ids,
+// not pointers, so a buffer released mid-pass cannot alias a new one.
 class StageTracker {
  public:
+  struct Span {
+    uint64_t buffer_id = 0;
+    size_t offset = 0, size = 0;
+    std::string buffer_label;
+    bool overlaps(const Span& o) const {
+      return buffer_id == o.buffer_id && size && o.size && offset < o.offset + o.size &&
+             o.offset < offset + size;
+    }
+  };
   struct Entry {
     std::string label;
-    std::vector<Range> reads, writes;
+    std::vector<Span> reads, writes;
   };
-  // The entry in the current stage that d conflicts with (RAW, WAR or WAW), or nullptr.
-  // kind receives "read-after-write", "write-after-read" or "write-after-write".
-  const Entry* conflict(const Dispatch& d, const char** kind) const;
+  // The first conflict of d with an entry of the current stage: RAW, WAR or WAW.
+  struct Conflict {
+    const Entry* entry = nullptr;
+    const char* kind = nullptr;  // "read-after-write", "write-after-read", "write-after-write"
+    Span mine, theirs;
+  };
+  Conflict conflict(const Dispatch& d) const;
   void add(const Dispatch& d);
   void new_stage() { current_.clear(); }
   bool empty() const { return current_.empty(); }
+  static Span span(const Range& r);
 
  private:
   std::vector<Entry> current_;
@@ -175,7 +190,10 @@ class ComputePass {
  protected:
   ComputePass(class Device* device, BarrierMode mode, Counters* counters)
       : device_(device), mode_(mode), counters_(counters) {}
-  virtual void encode_dispatch(const Dispatch& d) = 0;
+  // Checks geometry and bindings; throws UsageError. Runs before anything is recorded,
+  // so a rejected dispatch leaves the pass and its counters unchanged.
+  virtual void validate(const Dispatch& d) = 0;
+  virtual void encode_dispatch(const Dispatch& d) = 0;  // after validate(d)
   virtual void encode_barrier() = 0;
   virtual void encode_end() = 0;
 

@@ -259,20 +259,26 @@ void bind_device(nb::module_& m) {
 
 #ifdef LILY_HAVE_SIM
   m.def("sim_device",
-        [](bool record_only, const std::string& order, uint64_t seed, bool poison, bool verify_writes) {
+        [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
+           bool verify_writes, bool verify_reads) {
           sim::SimOptions o;
           o.record_only = record_only;
-          if (order == "forward") o.order = sim::StageOrder::forward;
-          else if (order == "reverse") o.order = sim::StageOrder::reverse;
-          else if (order == "random") o.order = sim::StageOrder::random;
-          else throw std::invalid_argument("order must be 'forward', 'reverse' or 'random', not '" + order + "'");
+          auto parse = [](const std::string& v, const char* what) {
+            if (v == "forward") return sim::StageOrder::forward;
+            if (v == "reverse") return sim::StageOrder::reverse;
+            if (v == "random") return sim::StageOrder::random;
+            throw std::invalid_argument(std::string(what) + " must be 'forward', 'reverse' or 'random', not '" + v + "'");
+          };
+          o.order = parse(order, "order");
+          o.thread_order = parse(thread_order, "thread_order");
           o.seed = seed;
           o.poison = poison;
           o.verify_writes = verify_writes;
+          o.verify_reads = verify_reads;
           return std::shared_ptr<Device>(sim::make_sim_device(o));
         },
-        "record_only"_a = false, "order"_a = "forward", "seed"_a = 0, "poison"_a = true,
-        "verify_writes"_a = false,
+        "record_only"_a = false, "order"_a = "forward", "thread_order"_a = "forward", "seed"_a = 0, "poison"_a = true,
+        "verify_writes"_a = false, "verify_reads"_a = false,
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.");
 #endif
 #ifdef LILY_HAVE_METAL

@@ -73,21 +73,31 @@ class ReferenceBackend:
 
 
 def available_devices() -> list[str]:
-    """Devices that can run the model in this installation (``reference`` always)."""
-    return ["reference"]
+    """Devices that can run the model in this installation: ``reference`` always, plus the
+    native devices compiled into ``lily._core`` (``sim`` everywhere, ``metal`` on macOS)."""
+    try:
+        from lily import _core
+        native = [d for d in ("metal", "sim") if d in _core.compiled_devices()]
+    except ImportError:
+        native = []
+    return ["reference", *native]
 
 
-def _make_backend(device: str, ck: Checkpoint, max_context: int) -> Backend:
+def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    available = available_devices()
     if device == "auto":
-        print("lily: no native model runtime in this build yet; using device='reference' (numpy)",
-              file=sys.stderr)
-        device = "reference"
+        device = "metal" if "metal" in available else "sim" if "sim" in available else "reference"
+        if device != "metal":
+            print(f"lily: no Metal device here; using device={device!r}", file=sys.stderr)
     if device == "reference":
         return ReferenceBackend(ck, max_context)
-    raise DeviceError(f"device {device!r} cannot run the model yet: the native model runtime "
-                      "(decode and prefill kernels) is not part of this build; use device='reference'")
+    if device not in available:
+        raise DeviceError(f"device {device!r} is not available in this build "
+                          f"(available: {', '.join(available)})")
+    from lily.native import NativeBackend
+    return NativeBackend(ck, max_context, device, **options)
 
 
 @dataclass
@@ -171,7 +181,8 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "reference",
-             max_context: int | None = None, progress: bool = False) -> "Engine":
+             max_context: int | None = None, progress: bool = False,
+             device_options: dict | None = None) -> "Engine":
         """Load a checkpoint directory (default: the embedded demo model).
 
         Parameters
@@ -183,6 +194,10 @@ class Engine:
             Context window in tokens (default ``min(32768, max_position_embeddings)``).
         progress : bool
             Show a progress bar while validating and mapping the weights.
+        device_options : dict | None
+            Native devices only: ``split_threshold`` (context at which decode attention
+            switches to the split-KV path, default 32768), ``split_block``, and
+            ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
 
         Raises
         ------
@@ -209,7 +224,7 @@ class Engine:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 0 < max_context <= limit:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
-        backend = _make_backend(device, ck, max_context)
+        backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
             bar.update(1)
             bar.close()

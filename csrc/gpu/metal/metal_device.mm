@@ -85,7 +85,7 @@ class MetalPass : public gpu::ComputePass {
       : ComputePass(dev, mode, counters), enc_(enc), keep_(keep) {}
 
  protected:
-  void encode_dispatch(const Dispatch& d) override {
+  void validate(const Dispatch& d) override {
     const auto* p = dynamic_cast<const MetalPipeline*>(d.pipeline);
     if (!p) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the Metal device");
     const uint64_t tg = d.threadgroup.count();
@@ -95,7 +95,6 @@ class MetalPass : public gpu::ComputePass {
       throw UsageError("kernel '" + p->name() + "': threadgroup of " + std::to_string(tg) +
                        " threads exceeds the pipeline's maximum of " +
                        std::to_string(p->max_threads_per_threadgroup()));
-    [enc_ setComputePipelineState:p->pso()];
     size_t tg_total = 0;
     for (const Binding& b : d.bindings) {
       if (b.index >= 31) throw UsageError("kernel '" + p->name() + "': binding index " + std::to_string(b.index) + " > 30");
@@ -104,23 +103,39 @@ class MetalPass : public gpu::ComputePass {
           const auto* mb = dynamic_cast<const MetalBuffer*>(b.buffer);
           if (!mb) throw UsageError("kernel '" + p->name() + "': buffer(" + std::to_string(b.index) + ") is not a Metal buffer");
           if (b.offset > mb->size()) throw UsageError("kernel '" + p->name() + "': buffer offset past the end");
-          [enc_ setBuffer:mb->mtl() offset:b.offset atIndex:b.index];
-          keep_->buffers.push_back(mb->shared_from_this());  // const MetalBuffer
           break;
         }
         case Binding::Kind::bytes:
           if (b.bytes.size() > 4096) throw UsageError("kernel '" + p->name() + "': more than 4096 constant bytes");
-          [enc_ setBytes:b.bytes.data() length:b.bytes.size() atIndex:b.index];
           break;
         case Binding::Kind::threadgroup_memory:
           if (b.length % 16) throw UsageError("kernel '" + p->name() + "': threadgroup memory length not a multiple of 16");
           tg_total += b.length;
-          [enc_ setThreadgroupMemoryLength:b.length atIndex:b.index];
           break;
       }
     }
     if (tg_total + [p->pso() staticThreadgroupMemoryLength] > [[enc_ device] maxThreadgroupMemoryLength])
       throw UsageError("kernel '" + p->name() + "': threadgroup memory exceeds the device limit");
+  }
+  void encode_dispatch(const Dispatch& d) override {
+    const auto* p = static_cast<const MetalPipeline*>(d.pipeline);
+    [enc_ setComputePipelineState:p->pso()];
+    for (const Binding& b : d.bindings) {
+      switch (b.kind) {
+        case Binding::Kind::buffer: {
+          const auto* mb = static_cast<const MetalBuffer*>(b.buffer);
+          [enc_ setBuffer:mb->mtl() offset:b.offset atIndex:b.index];
+          keep_->buffers.push_back(mb->shared_from_this());
+          break;
+        }
+        case Binding::Kind::bytes:
+          [enc_ setBytes:b.bytes.data() length:b.bytes.size() atIndex:b.index];
+          break;
+        case Binding::Kind::threadgroup_memory:
+          [enc_ setThreadgroupMemoryLength:b.length atIndex:b.index];
+          break;
+      }
+    }
     MTLSize grid = MTLSizeMake(d.grid.x, d.grid.y, d.grid.z);
     MTLSize group = MTLSizeMake(d.threadgroup.x, d.threadgroup.y, d.threadgroup.z);
     if (d.grid_is_threadgroups)

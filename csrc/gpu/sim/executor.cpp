@@ -11,6 +11,8 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <random>
 #include <sstream>
 #include <stdexcept>
 
@@ -79,6 +81,19 @@ const char* op_name(Op op) {
     case Op::shuffle_rotate_up: return "simd_shuffle_rotate_up";
     case Op::broadcast_first: return "simd_broadcast_first";
     case Op::is_first: return "simd_is_first";
+    case Op::shuffle_and_fill_up: return "simd_shuffle_and_fill_up";
+    case Op::shuffle_and_fill_down: return "simd_shuffle_and_fill_down";
+    case Op::quad_sum: return "quad_sum";
+    case Op::quad_product: return "quad_product";
+    case Op::quad_min: return "quad_min";
+    case Op::quad_max: return "quad_max";
+    case Op::quad_prefix_incl_sum: return "quad_prefix_inclusive_sum";
+    case Op::quad_prefix_excl_sum: return "quad_prefix_exclusive_sum";
+    case Op::quad_shuffle: return "quad_shuffle";
+    case Op::quad_shuffle_xor: return "quad_shuffle_xor";
+    case Op::quad_shuffle_up: return "quad_shuffle_up";
+    case Op::quad_shuffle_down: return "quad_shuffle_down";
+    case Op::quad_broadcast: return "quad_broadcast";
   }
   return "?";
 }
@@ -180,6 +195,14 @@ struct Threadgroup {
   size_t bytes = 0;
   bool failed = false;
   std::string error;
+  int order_mode = 0;
+  std::mt19937_64* rng = nullptr;
+  // Pushes threads onto the run queue in the configured order.
+  void schedule(std::vector<int>& ts) {
+    if (order_mode == 1) std::reverse(ts.begin(), ts.end());
+    if (order_mode == 2) std::shuffle(ts.begin(), ts.end(), *rng);
+    for (int t : ts) runq.push_back(t);
+  }
 };
 
 struct Worker {
@@ -283,15 +306,17 @@ void complete_collective(Threadgroup& tg, SimdState& s, int base) {
   }
   s.fn(v);
   Worker& w = worker();
+  std::vector<int> woken;
   for (int l = 0; l < s.lanes; ++l)
     if (s.waiting[l]) {
       s.waiting[l] = false;
       Fiber& f = tg.fibers[base + l];
       if (&f != w.cur && f.state == Fiber::State::blocked) {
         f.state = Fiber::State::runnable;
-        tg.runq.push_back(base + l);
+        woken.push_back(base + l);
       }
     }
+  tg.schedule(woken);
   s.arrived = 0;
   s.op = Op::none;
   s.fn = nullptr;
@@ -384,8 +409,10 @@ void unwind_all(Worker& w, Threadgroup& tg) {
     if (f.started && f.state != Fiber::State::done) switch_to_fiber(w, f);
 }
 
-void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos) {
+void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64& rng) {
   Threadgroup tg;
+  tg.order_mode = d.thread_order;
+  tg.rng = &rng;
   w.tg = &tg;
   U3 size = d.threadgroup_size;
   // dispatchThreads: the edge threadgroups are partial.
@@ -448,7 +475,11 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos) {
     f.lane = t % kSimdWidth;
     f.stack = w.get_stack();
     prepare_fiber(f);
-    tg.runq.push_back(t);
+  }
+  {
+    std::vector<int> all(tg.n);
+    std::iota(all.begin(), all.end(), 0);
+    tg.schedule(all);
   }
 
   while (!tg.runq.empty()) {
@@ -522,14 +553,16 @@ void threadgroup_barrier() {
   tg.barrier_arrived += 1;
   if (tg.barrier_arrived == tg.n) {
     tg.barrier_arrived = 0;
+    std::vector<int> woken;
     for (int t = 0; t < tg.n; ++t) {
       Fiber& o = tg.fibers[t];
       if (o.at_barrier) {
         o.at_barrier = false;
         o.state = Fiber::State::runnable;
-        tg.runq.push_back(t);
+        woken.push_back(t);
       }
     }
+    tg.schedule(woken);
     return;
   }
   f.at_barrier = true;
@@ -576,9 +609,21 @@ void execute(const ExecDispatch& d) {
     Worker* prev;
     ~Restore() { t_worker = prev; }
   } restore{prev};
+  std::mt19937_64 rng(d.seed);
+  if (d.thread_order == 0) {
+    for (uint32_t z = 0; z < d.threadgroups.z; ++z)
+      for (uint32_t y = 0; y < d.threadgroups.y; ++y)
+        for (uint32_t x = 0; x < d.threadgroups.x; ++x) run_threadgroup(w, d, U3{x, y, z}, rng);
+    return;
+  }
+  std::vector<U3> groups;
+  groups.reserve(size_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z);
   for (uint32_t z = 0; z < d.threadgroups.z; ++z)
     for (uint32_t y = 0; y < d.threadgroups.y; ++y)
-      for (uint32_t x = 0; x < d.threadgroups.x; ++x) run_threadgroup(w, d, U3{x, y, z});
+      for (uint32_t x = 0; x < d.threadgroups.x; ++x) groups.push_back(U3{x, y, z});
+  if (d.thread_order == 1) std::reverse(groups.begin(), groups.end());
+  else std::shuffle(groups.begin(), groups.end(), rng);
+  for (const U3& g : groups) run_threadgroup(w, d, g, rng);
 }
 
 }  // namespace lily::sim

@@ -28,6 +28,12 @@ struct ExecDispatch {
   ExecBinding buffers[kMaxBindings];
   size_t threadgroup_memory[kMaxBindings] = {};
   bool poison = true;
+  // Order in which threadgroups start and in which the threads of a threadgroup are
+  // scheduled (initially and when a barrier or collective releases them):
+  // 0 forward, 1 reverse, 2 random (seeded). Code with a missing barrier gives different
+  // results under different orders.
+  int thread_order = 0;
+  uint64_t seed = 0;
 };
 
 // Runs every threadgroup of d. Throws lily::gpu::Error naming the kernel, the threadgroup

@@ -48,7 +48,9 @@ enum class Op : int {
   none = 0, barrier, sum, product, min, max, band, bor, bxor, prefix_incl_sum,
   prefix_excl_sum, prefix_incl_product, prefix_excl_product, shuffle, shuffle_xor,
   shuffle_up, shuffle_down, broadcast, ballot, any, all, shuffle_rotate_down,
-  shuffle_rotate_up, broadcast_first, is_first,
+  shuffle_rotate_up, broadcast_first, is_first, shuffle_and_fill_up, shuffle_and_fill_down,
+  quad_sum, quad_product, quad_min, quad_max, quad_prefix_incl_sum, quad_prefix_excl_sum,
+  quad_shuffle, quad_shuffle_xor, quad_shuffle_up, quad_shuffle_down, quad_broadcast,
 };
 const char* op_name(Op op);
 

@@ -47,6 +47,7 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
   size_t size() const override { return size_; }
   void* contents() override { return data_; }
   unsigned char* data() const { return data_; }
+  bool owned() const { return owned_ != nullptr; }  // no-copy buffers may be read-only maps
   uint64_t id() const override { return id_; }
   std::string label() const override {
     std::lock_guard<std::mutex> g(mu_);
@@ -91,7 +92,7 @@ struct Recorded {
     size_t offset = 0;
   } bufs[kMaxBindings];
   size_t tg_mem[kMaxBindings] = {};
-  std::vector<gpu::Range> writes;
+  std::vector<gpu::Range> reads, writes;
 };
 
 struct PassRecord {
@@ -108,6 +109,7 @@ class SimPass : public gpu::ComputePass {
       : ComputePass(dev, mode, counters), rec_(rec), record_only_(record_only) {}
 
  protected:
+  void validate(const Dispatch& d) override;
   void encode_dispatch(const Dispatch& d) override;
   void encode_barrier() override { rec_->stages.emplace_back(); }
   void encode_end() override {}
@@ -115,11 +117,13 @@ class SimPass : public gpu::ComputePass {
  private:
   PassRecord* rec_;
   bool record_only_;
+  std::unique_ptr<Recorded> pending_;  // built by validate(), stored by encode_dispatch()
 };
 
 std::string kernel_where(const KernelInfo& k) { return "kernel '" + k.name + "' (" + k.where + ")"; }
 
-void SimPass::encode_dispatch(const Dispatch& d) {
+void SimPass::validate(const Dispatch& d) {
+  pending_.reset();
   const auto* pipe = dynamic_cast<const SimPipeline*>(d.pipeline);
   if (!pipe) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the simulator");
   const KernelInfo& k = pipe->kernel();
@@ -134,7 +138,8 @@ void SimPass::encode_dispatch(const Dispatch& d) {
     fail("threadgroup size " + size3(d.threadgroup) + " = " + std::to_string(d.threadgroup.count()) +
          " threads exceeds the pipeline's maximum of " + std::to_string(k.max_threads));
   if (!d.grid.x || !d.grid.y || !d.grid.z) fail("grid " + size3(d.grid) + " has a zero dimension");
-  Recorded r;
+  auto rp = std::make_unique<Recorded>();
+  Recorded& r = *rp;
   r.kernel = &k;
   r.label = d.label;
   r.tg_size = U3{d.threadgroup.x, d.threadgroup.y, d.threadgroup.z};
@@ -206,9 +211,15 @@ void SimPass::encode_dispatch(const Dispatch& d) {
       if (!r.tg_mem[p.index]) fail("[[threadgroup(" + std::to_string(p.index) + ")]] memory length is not set");
     }
   }
+  r.reads = d.reads;
   r.writes = d.writes;
+  pending_ = std::move(rp);
+}
+
+void SimPass::encode_dispatch(const Dispatch&) {
   if (rec_->stages.empty()) rec_->stages.emplace_back();
-  if (!record_only_) rec_->stages.back().push_back(std::move(r));
+  if (!record_only_ && pending_) rec_->stages.back().push_back(std::move(*pending_));
+  pending_.reset();
 }
 
 class SimDevice : public gpu::Device {
@@ -268,6 +279,7 @@ class SimDevice : public gpu::Device {
   friend class SimCommandBuffer;
   void run();
   void execute(SimCommandBuffer* cb);
+  void run_verified(const Recorded& r, const ExecDispatch& d);
 
   SimOptions opt_;
   std::mt19937_64 rng_;
@@ -398,6 +410,72 @@ void SimDevice::run() {
   }
 }
 
+namespace {
+bool covered(const std::vector<gpu::Range>& rs, const SimBuffer* buf, size_t i) {
+  for (const gpu::Range& w : rs)
+    if (w.buffer == buf && i >= w.offset && i < w.offset + w.size) return true;
+  return false;
+}
+std::string buffer_name(const SimBuffer* buf) {
+  std::string s = "buffer #" + std::to_string(buf->id());
+  if (!buf->label().empty()) s += " '" + buf->label() + "'";
+  return s;
+}
+}  // namespace
+
+// Runs a dispatch and checks its declarations against what it did:
+//  * writes: no byte outside the declared write ranges of any bound buffer changed;
+//  * reads: re-running it with every undeclared byte of its (owned) buffers zeroed gives
+//    the same bytes in its declared write ranges.
+void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d) {
+  std::vector<SimBuffer*> bufs;
+  for (uint32_t i = 0; i < kMaxBindings; ++i) {
+    SimBuffer* b = r.bufs[i].buffer.get();
+    if (b && std::find(bufs.begin(), bufs.end(), b) == bufs.end()) bufs.push_back(b);
+  }
+  std::vector<std::vector<unsigned char>> before;
+  for (SimBuffer* b : bufs) before.emplace_back(b->data(), b->data() + b->size());
+  sim::execute(d);
+  if (opt_.verify_writes)
+    for (size_t k = 0; k < bufs.size(); ++k) {
+      const unsigned char* now = bufs[k]->data();
+      for (size_t i = 0; i < before[k].size(); ++i)
+        if (now[i] != before[k][i] && !covered(r.writes, bufs[k], i))
+          throw gpu::HazardError("dispatch '" + r.label + "' wrote byte " + std::to_string(i) + " of " +
+                                 buffer_name(bufs[k]) + " outside its declared write ranges");
+    }
+  if (!opt_.verify_reads) return;
+  std::vector<std::vector<unsigned char>> after;
+  for (SimBuffer* b : bufs) after.emplace_back(b->data(), b->data() + b->size());
+  for (size_t k = 0; k < bufs.size(); ++k) {
+    if (!bufs[k]->owned()) continue;  // a read-only file mapping cannot be rewritten
+    unsigned char* p = bufs[k]->data();
+    for (size_t i = 0; i < before[k].size(); ++i) p[i] = covered(r.reads, bufs[k], i) ? before[k][i] : 0;
+  }
+  std::string fault;
+  try {
+    sim::execute(d);
+  } catch (const std::exception& e) {
+    fault = e.what();
+  }
+  std::string msg;
+  for (size_t k = 0; k < bufs.size() && msg.empty() && fault.empty(); ++k) {
+    const unsigned char* now = bufs[k]->data();
+    for (size_t i = 0; i < after[k].size(); ++i)
+      if (now[i] != after[k][i] && covered(r.writes, bufs[k], i)) {
+        msg = "dispatch '" + r.label + "' reads outside its declared read ranges: with the undeclared bytes of its "
+              "buffers zeroed, byte " + std::to_string(i) + " of " + buffer_name(bufs[k]) + " came out different";
+        break;
+      }
+  }
+  if (!fault.empty())
+    msg = "dispatch '" + r.label + "' reads outside its declared read ranges: with the undeclared bytes of its "
+          "buffers zeroed it failed: " + fault;
+  for (size_t k = 0; k < bufs.size(); ++k)
+    if (bufs[k]->owned()) std::memcpy(bufs[k]->data(), after[k].data(), after[k].size());
+  if (!msg.empty()) throw gpu::HazardError(msg);
+}
+
 void SimDevice::execute(SimCommandBuffer* cb) {
   try {
     for (auto& pass : cb->passes_) {
@@ -414,44 +492,23 @@ void SimDevice::execute(SimCommandBuffer* cb) {
           d.threadgroup_size = r->tg_size;
           d.threads_per_grid = r->threads;
           d.poison = opt_.poison;
-          std::vector<std::pair<SimBuffer*, std::vector<unsigned char>>> snapshots;
+          d.thread_order = static_cast<int>(opt_.thread_order);
+          d.seed = rng_();
           for (uint32_t i = 0; i < kMaxBindings; ++i) {
             auto& b = r->bufs[i];
+            d.threadgroup_memory[i] = r->tg_mem[i];
             if (!b.bound) continue;
             d.buffers[i].bound = true;
             if (b.buffer) {
               d.buffers[i].ptr = b.buffer->data() + b.offset;
               d.buffers[i].available = b.buffer->size() - b.offset;
-              if (opt_.verify_writes) {
-                bool seen = false;
-                for (auto& s : snapshots) seen |= s.first == b.buffer.get();
-                if (!seen)
-                  snapshots.emplace_back(b.buffer.get(),
-                                         std::vector<unsigned char>(b.buffer->data(), b.buffer->data() + b.buffer->size()));
-              }
             } else {
               d.buffers[i].ptr = b.bytes.data();
               d.buffers[i].available = b.bytes.size();
             }
-            d.threadgroup_memory[i] = r->tg_mem[i];
           }
-          for (uint32_t i = 0; i < kMaxBindings; ++i) d.threadgroup_memory[i] = r->tg_mem[i];
-          sim::execute(d);
-          for (auto& [buf, before] : snapshots) {
-            const unsigned char* now = buf->data();
-            for (size_t i = 0; i < before.size(); ++i) {
-              if (now[i] == before[i]) continue;
-              bool declared = false;
-              for (const gpu::Range& w : r->writes)
-                if (w.buffer == buf && i >= w.offset && i < w.offset + w.size) declared = true;
-              if (declared) continue;
-              std::ostringstream s;
-              s << "dispatch '" << r->label << "' wrote byte " << i << " of buffer #" << buf->id();
-              if (!buf->label().empty()) s << " '" << buf->label() << "'";
-              s << " outside its declared write ranges";
-              throw gpu::HazardError(s.str());
-            }
-          }
+          if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d);
+          else sim::execute(d);
         }
       }
     }

@@ -17,12 +17,20 @@ struct SimOptions {
   // Order in which the dispatches of one barrier-free stage execute. A correct schedule
   // gives identical results in every order.
   StageOrder order = StageOrder::forward;
-  uint64_t seed = 0;  // for StageOrder::random
+  // Order of threadgroups within a dispatch and of threads within a threadgroup (at start
+  // and whenever a barrier or simd collective releases them). A kernel missing a barrier
+  // gives different results in different orders.
+  StageOrder thread_order = StageOrder::forward;
+  uint64_t seed = 0;  // for the random orders
   // Fill new buffers and threadgroup memory with 0xFF bytes (NaN in every float type).
   bool poison = true;
   // After each dispatch, check that no byte outside its declared write ranges changed
   // in any buffer it binds (HazardError otherwise).
   bool verify_writes = false;
+  // After each dispatch, run it again with every byte of its buffers outside the declared
+  // read ranges zeroed; a different result in its declared write ranges is a HazardError
+  // (an undeclared read). Doubles execution time. Read-only file mappings are not zeroed.
+  bool verify_reads = false;
 };
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options = {});

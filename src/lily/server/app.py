@@ -46,7 +46,19 @@ _KEEPALIVE_S = 10.0  # SSE comment while a stream waits (queue, long prefill)
 
 
 def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # an unpaired surrogate echoed from the request: escape it
+        text = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
+    return text
+
+
+class _JSON(JSONResponse):
+    """JSON responses that never fail to encode (see :func:`_dumps`)."""
+
+    def render(self, content: Any) -> bytes:
+        return _dumps(content).encode("utf-8")
 
 
 def _sse(obj: Any) -> str:
@@ -66,6 +78,17 @@ def _default_model_name(engine) -> str:
         pass
     path = getattr(engine, "path", None)
     return getattr(path, "name", None) or "lily"
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """400 for text with an unpaired surrogate (JSON allows ``"\\ud800"``; it is not Unicode
+    text and no tokenizer can encode it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"{param} contains an unpaired surrogate (U+{ord(text[exc.start]):04X} at "
+                            f"character {exc.start}): not valid Unicode text", param=param,
+                       code="invalid_value") from None
 
 
 def _param_of(message: str) -> str | None:
@@ -244,7 +267,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             state.worker.close()
 
     app = FastAPI(title="Lily", description="OpenAI-compatible API of the Lily inference engine",
-                  version="0.1.0", lifespan=lifespan)
+                  version="0.1.0", lifespan=lifespan, default_response_class=_JSON)
     app.state.lily = state
     app.add_middleware(_Gate, api_key=api_key)
 
@@ -253,7 +276,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _JSON(exc.body(), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -276,24 +299,24 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if len(errors) > 1:
                 msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
         log.info("%s %s -> 400 %s", request.method, request.url.path, msg)
-        return JSONResponse(error_body(msg, param=param, code="invalid_value" if param else None),
+        return _JSON(error_body(msg, param=param, code="invalid_value" if param else None),
                             status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(str(exc.detail), code=code), status_code=exc.status_code,
+        return _JSON(error_body(str(exc.detail), code=code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(LilyError)
     async def _lily_error(request: Request, exc: LilyError):
         err = _engine_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return _JSON(err.body(), status_code=err.status)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", type="server_error"),
+        return _JSON(error_body(f"internal error: {type(exc).__name__}", type="server_error"),
                             status_code=500)
 
     # -- auth and common checks ----------------------------------------------------------
@@ -487,6 +510,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
         def render():
             text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            _check_unicode(text, "messages")
             return text, tok.encode(text)
 
         try:
@@ -529,7 +553,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 last = ev
         except _ClientGone:
             log.info("chat: client disconnected, generation cancelled")
-            return JSONResponse(error_body("client disconnected"), status_code=499)
+            return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
         finally:
@@ -635,6 +659,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             prompt = prompt[0]
         tok = state.engine.tokenizer
         if isinstance(prompt, str):
+            _check_unicode(prompt, "prompt")
             ids = await asyncio.to_thread(tok.encode, prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -722,7 +747,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 last = ev
         except _ClientGone:
             log.info("completion: client disconnected, generation cancelled")
-            return JSONResponse(error_body("client disconnected"), status_code=499)
+            return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
         finally:

@@ -67,11 +67,16 @@ class Worker:
         return self._current is not None
 
     def start(self) -> None:
-        """Start the generation thread unless it is running (again after :meth:`close`)."""
+        """Start the generation thread unless it is running (again after :meth:`close`).
+
+        After :meth:`close` the new thread gets a new, empty line; if the thread died any
+        other way, the new one serves the jobs already waiting (so none is left hanging).
+        """
         with self._lock:
             if self._thread is not None and self._thread.is_alive():
                 return
-            self._queue = queue.Queue()
+            if self._thread is None:
+                self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._run, args=(self._queue,),
                                             name="lily-generation", daemon=True)
             self._thread.start()
@@ -117,9 +122,11 @@ class Worker:
                     for ev in job.start(job.cancel):
                         job.post("event", ev)
                     job.post("end")
-                except Exception as exc:  # reported to the request; the worker lives on
+                except BaseException as exc:  # reported to the request; the worker lives on
                     if not isinstance(exc, (ValueError, LookupError)):
                         log.exception("generation failed")
+                    if not isinstance(exc, Exception):  # e.g. SystemExit raised by a plug-in
+                        exc = RuntimeError(f"generation aborted: {type(exc).__name__}: {exc}")
                     job.post("error", exc)
             finally:
                 self._current = None

@@ -1,0 +1,451 @@
+// The decode step as a list of named stages (ARCHITECTURE.md "One plan, two phases").
+// Kernel geometry and bindings follow docs/kernels.md; every dispatch declares what it
+// reads and writes, and the compute pass derives the barriers from that.
+#include "runtime/decode.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+namespace lily::runtime {
+
+// Host mirrors of the kernels' argument structs (metal/common.h, metal/mixer_args.h):
+// 32-bit fields, no padding; the sizes are checked against the documented ones.
+namespace args {
+struct Gemv { uint32_t rows, cols; };
+struct Embed { uint32_t cols, vocab; };
+struct Norm { uint32_t n; float eps; };
+struct Route { uint32_t experts, top_k, hidden, norm_topk; };
+struct Moe { uint32_t hidden, inter, inter_shared, experts, top_k; };
+struct Gdn { uint32_t num_k_heads, num_v_heads, conv_kernel; float norm_eps, l2_eps; };
+struct AttnPrep { uint32_t num_q_heads, num_kv_heads, head_dim, rotary_dim, capacity; float norm_eps, log2_theta; };
+struct AttnDecode { uint32_t num_q_heads, num_kv_heads, capacity, gate_stride; float scale; uint32_t block_rows, max_blocks; };
+struct AttnCombine { uint32_t num_q_heads, gate_stride, block_rows, max_blocks; };
+struct Greedy { uint32_t vocab; };
+static_assert(sizeof(Gemv) == 8 && sizeof(Embed) == 8 && sizeof(Norm) == 8, "arg layout");
+static_assert(sizeof(Route) == 16 && sizeof(Moe) == 20 && sizeof(Gdn) == 20, "arg layout");
+static_assert(sizeof(AttnPrep) == 28 && sizeof(AttnDecode) == 28 && sizeof(AttnCombine) == 16, "arg layout");
+}  // namespace args
+
+namespace {
+
+constexpr uint32_t kGemvThreads = 64;        // 2 simdgroups x 8 rows = 16 rows per threadgroup
+constexpr uint32_t kGemvRowsPerGroup = 16;
+constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
+
+uint32_t ceil_div(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
+
+// Builds one dispatch: bindings together with the ranges they declare.
+class Op {
+ public:
+  Op(gpu::Device& dev, const std::string& kernel, std::string label) {
+    d_.pipeline = &dev.pipeline(kernel);
+    d_.label = std::move(label);
+  }
+  Op& groups(gpu::Size3 grid, gpu::Size3 tg) {
+    d_.grid = grid; d_.threadgroup = tg; d_.grid_is_threadgroups = true;
+    return *this;
+  }
+  Op& threads(gpu::Size3 grid, gpu::Size3 tg) {
+    d_.grid = grid; d_.threadgroup = tg; d_.grid_is_threadgroups = false;
+    return *this;
+  }
+  // Binds [[buffer(i)]] at t and declares the whole tensor read.
+  Op& in(uint32_t i, const TensorRef& t, uint64_t* traffic = nullptr) {
+    d_.bindings.push_back(gpu::Binding::buf(i, *t.buffer, t.offset));
+    d_.reads.push_back(t.range());
+    if (traffic) *traffic += t.nbytes;
+    return *this;
+  }
+  Op& in(uint32_t i, gpu::Buffer& b, size_t off, size_t n) { return in(i, TensorRef{&b, off, n}); }
+  Op& out(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
+    d_.bindings.push_back(gpu::Binding::buf(i, b, off));
+    d_.writes.push_back(gpu::Range{&b, off, n});
+    return *this;
+  }
+  Op& inout(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
+    out(i, b, off, n);
+    d_.reads.push_back(gpu::Range{&b, off, n});
+    return *this;
+  }
+  // Binds without declaring (the caller declares narrower ranges with read()/write()).
+  Op& bind(uint32_t i, gpu::Buffer& b, size_t off = 0) {
+    d_.bindings.push_back(gpu::Binding::buf(i, b, off));
+    return *this;
+  }
+  Op& read(gpu::Buffer& b, size_t off, size_t n) { d_.reads.push_back({&b, off, n}); return *this; }
+  Op& write(gpu::Buffer& b, size_t off, size_t n) { d_.writes.push_back({&b, off, n}); return *this; }
+  template <class T>
+  Op& args(uint32_t i, const T& a) {
+    d_.bindings.push_back(gpu::Binding::constant_bytes(i, &a, sizeof(T)));
+    return *this;
+  }
+  void run(gpu::ComputePass& pass) { pass.dispatch(d_); }
+
+ private:
+  gpu::Dispatch d_;
+};
+
+}  // namespace
+
+DecodeRuntime::DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims,
+                             const std::vector<TensorDesc>& tensors, RuntimeOptions options)
+    : device_(std::move(device)),
+      dims_(std::move(dims)),
+      opt_(options),
+      weights_(*device_, tensors, options.virtual_weights) {
+  dims_.validate();
+  if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
+  if (opt_.split_block == 0) throw std::invalid_argument("split_block must be positive");
+  const auto& d = dims_;
+  const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
+  if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
+  if (d.head_dim != 64 && d.head_dim != 256)
+    throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
+                                std::to_string(d.head_dim));
+  if (d.linear_key_head_dim != d.linear_value_head_dim ||
+      (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
+    throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
+
+  const size_t f = sizeof(float);
+  tokens_ = scratch(2 * sizeof(uint32_t), "token slots");
+  positions_ = scratch(2 * sizeof(uint32_t), "positions");
+  h_ = scratch(d.hidden_size * f, "h (residual)");
+  xn_ = scratch(d.hidden_size * f, "xn (normed)");
+  qkv_ = scratch(d.conv_dim() * f, "gdn qkv");
+  z_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn z");
+  b_ = scratch(d.linear_num_value_heads * f, "gdn b");
+  a_ = scratch(d.linear_num_value_heads * f, "gdn a");
+  o_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
+  qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
+  k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
+  v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
+  q_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn q");
+  gate_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn gate");
+  attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
+  router_ = scratch(d.num_experts * f, "router logits");
+  ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
+  route_w_ = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
+  hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
+                  "expert hidden");
+  logits_ = scratch(size_t(d.vocab_size) * f, "logits");
+  const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
+  part_ml_ = scratch(size_t(d.num_attention_heads) * max_blocks * 2 * f, "attn partial m,l");
+  part_acc_ = scratch(size_t(d.num_attention_heads) * max_blocks * d.head_dim * f, "attn partial acc");
+
+  const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
+  k_cache_.resize(d.num_hidden_layers);
+  v_cache_.resize(d.num_hidden_layers);
+  conv_[0].resize(d.num_hidden_layers);
+  conv_[1].resize(d.num_hidden_layers);
+  state_.resize(d.num_hidden_layers);
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    if (d.full_attention[l]) {
+      k_cache_[l] = scratch(kv_bytes, "k cache");
+      v_cache_[l] = scratch(kv_bytes, "v cache");
+    } else {
+      const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
+      conv_[0][l] = scratch(conv, "conv state A");
+      conv_[1][l] = scratch(conv, "conv state B");
+      state_[l] = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim *
+                              d.linear_key_head_dim * f, "recurrent state");
+    }
+  }
+  record_only_ = tokens_->contents() == nullptr;
+  reset();
+}
+
+gpu::BufferPtr DecodeRuntime::scratch(size_t bytes, const char* label) {
+  gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+  b->set_label(label);
+  owned_.push_back(b);
+  return b;
+}
+
+void DecodeRuntime::reset() {
+  position_ = 0;
+  if (record_only_) return;
+  // The recurrent and conv state start at zero; the KV cache needs no clearing (rows past
+  // the position are never read).
+  for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
+    if (dims_.full_attention[l]) continue;
+    for (auto* buf : {conv_[0][l].get(), conv_[1][l].get(), state_[l].get()})
+      std::memset(buf->contents(), 0, buf->size());
+  }
+}
+
+void DecodeRuntime::write_token(int slot, uint32_t token, uint32_t position) {
+  static_cast<uint32_t*>(tokens_->contents())[slot] = token;
+  static_cast<uint32_t*>(positions_->contents())[slot] = position;
+}
+
+void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* tr) {
+  const ModelDims& d = dims_;
+  gpu::Device& dev = *device_;
+  gpu::ComputePass& pass = cb.compute_pass();
+  Traffic local;
+  Traffic& t = tr ? *tr : local;
+  const size_t f = sizeof(float);
+  const uint32_t H = d.hidden_size;
+  const size_t u32 = sizeof(uint32_t);
+  auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
+  auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
+  // A quantized linear's three tensors, bound at i, i+1, i+2 (weight, scales, biases).
+  auto qlin = [&](Op& op, uint32_t i, const std::string& m, uint64_t* traffic) -> Op& {
+    return op.in(i, W(m + ".weight"), traffic).in(i + 1, W(m + ".scales"), traffic).in(i + 2, W(m + ".biases"), traffic);
+  };
+  auto gemv = [&](const std::string& module, uint32_t bits, bool add, gpu::Buffer& x, size_t cols,
+                  gpu::Buffer& y, size_t rows, const std::string& label) {
+    Op op(dev, std::string("gemv_q") + std::to_string(bits) + (add ? "_add" : ""), label);
+    op.groups(tg(ceil_div(rows, kGemvRowsPerGroup)), tg(kGemvThreads));
+    qlin(op, 0, module, &t.weight_bytes).in(3, x, 0, cols * f);
+    if (add) op.inout(4, y, 0, rows * f); else op.out(4, y, 0, rows * f);
+    op.args(5, args::Gemv{uint32_t(rows), uint32_t(cols)}).run(pass);
+    t.other_bytes += cols * f + rows * f * (add ? 2 : 1);
+  };
+  auto norm = [&](gpu::Buffer& x, const TensorRef& w, gpu::Buffer& out, uint32_t rows, uint32_t n,
+                  const std::string& label) {
+    Op op(dev, "rms_norm", label);
+    op.groups(tg(rows), tg(std::min<uint32_t>(256, ceil_div(n, 32) * 32)))
+        .in(0, x, 0, size_t(rows) * n * f).in(1, w, &t.weight_bytes).out(2, out, 0, size_t(rows) * n * f)
+        .args(3, args::Norm{n, d.rms_norm_eps}).run(pass);
+    t.other_bytes += 2 * size_t(rows) * n * f;
+  };
+
+  // embed: the token id comes from this step's token slot (written by the previous step).
+  {
+    const TensorRef& emb = W("model.embed_tokens.weight");
+    Op op(dev, "embed_q4", "embed");
+    op.threads(tg(H / 8), tg(64))
+        .in(0, emb).in(1, W("model.embed_tokens.scales")).in(2, W("model.embed_tokens.biases"))
+        .in(3, *tokens_, slot * u32, u32).out(4, *h_, 0, H * f)
+        .args(5, args::Embed{H, d.vocab_size}).run(pass);
+    t.weight_bytes += H / 2 + 2 * (H / 64) * 2;
+  }
+
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    const std::string L = "L" + std::to_string(l) + " ";
+    norm(*h_, W(p + ".input_layernorm.weight"), *xn_, 1, H, L + "input norm");
+    if (!d.full_attention[l]) {
+      // ---- Gated DeltaNet
+      const std::string g = p + ".linear_attn";
+      const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, Dk = d.linear_key_head_dim;
+      gemv(g + ".in_proj_qkv", 4, false, *xn_, H, *qkv_, d.conv_dim(), L + "in_proj_qkv");
+      gemv(g + ".in_proj_z", 4, false, *xn_, H, *z_, size_t(Hv) * Dv, L + "in_proj_z");
+      gemv(g + ".in_proj_b", 4, false, *xn_, H, *b_, Hv, L + "in_proj_b");
+      gemv(g + ".in_proj_a", 4, false, *xn_, H, *a_, Hv, L + "in_proj_a");
+      gpu::Buffer& conv_in = *conv_[position % 2][l];
+      gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
+      const size_t conv_bytes = conv_in.size();
+      const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
+      Op op(dev, "gdn_decode_step_k" + std::to_string(Dk) + "_v" + std::to_string(Dv), L + "gdn step");
+      op.groups(tg(Hv), tg(1024))
+          .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *z_, 0, size_t(Hv) * Dv * f)
+          .in(2, *b_, 0, Hv * f).in(3, *a_, 0, Hv * f)
+          .in(4, W(g + ".conv1d.weight"), &t.weight_bytes).in(5, W(g + ".A_log"), &t.weight_bytes)
+          .in(6, W(g + ".dt_bias"), &t.weight_bytes).in(7, W(g + ".norm.weight"), &t.weight_bytes)
+          .in(8, conv_in, 0, conv_bytes).out(9, conv_out, 0, conv_bytes)
+          .inout(10, *state_[l], 0, state_bytes).out(11, *o_, 0, size_t(Hv) * Dv * f)
+          .args(12, args::Gdn{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, d.rms_norm_eps, 1e-6f})
+          .run(pass);
+      t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
+      gemv(g + ".out_proj", 4, true, *o_, size_t(Hv) * Dv, *h_, H, L + "out_proj");
+    } else {
+      // ---- full attention
+      const std::string a = p + ".self_attn";
+      const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
+      gemv(a + ".q_proj", 4, false, *xn_, H, *qg_, size_t(Hq) * D * 2, L + "q_proj");
+      gemv(a + ".k_proj", 4, false, *xn_, H, *k_, size_t(Hkv) * D, L + "k_proj");
+      gemv(a + ".v_proj", 4, false, *xn_, H, *v_, size_t(Hkv) * D, L + "v_proj");
+      const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
+      {
+        Op op(dev, "attn_qk_prep", L + "qk prep + kv append");
+        op.groups(tg(Hq + Hkv), tg(D))
+            .in(0, *qg_, 0, size_t(Hq) * D * 2 * f).in(1, *k_, 0, size_t(Hkv) * D * f)
+            .in(2, *v_, 0, size_t(Hkv) * D * f)
+            .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
+            .in(5, *positions_, slot * u32, u32)
+            .bind(6, *k_cache_[l]).bind(7, *v_cache_[l])
+            .out(8, *q_, 0, size_t(Hq) * D * f).out(9, *gate_, 0, size_t(Hq) * D * f);
+        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
+          op.write(*k_cache_[l], kvh * head_rows + position * row, row);
+          op.write(*v_cache_[l], kvh * head_rows + position * row, row);
+        }
+        op.args(10, args::AttnPrep{Hq, Hkv, D, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
+                                   float(std::log2(double(d.rope_theta)))}).run(pass);
+        t.kv_bytes += 2 * size_t(Hkv) * row;
+      }
+      const uint32_t group = Hq / Hkv;
+      const uint32_t G = group % 4 == 0 ? 4 : 2;
+      const std::string suffix = "_d" + std::to_string(D) + "_g" + std::to_string(G);
+      const uint32_t n = position + 1;
+      const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
+      args::AttnDecode ad{Hq, Hkv, opt_.max_context, D, float(1.0 / std::sqrt(double(D))),
+                          opt_.split_block, max_blocks};
+      auto declare_kv = [&](Op& op) {
+        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
+          op.read(*k_cache_[l], kvh * head_rows, n * row);
+          op.read(*v_cache_[l], kvh * head_rows, n * row);
+        }
+        t.kv_bytes += 2 * size_t(Hkv) * n * row;
+      };
+      if (!uses_split_attention(position)) {
+        Op op(dev, "attn_decode" + suffix, L + "attention");
+        op.groups(tg(Hq / G), tg(256))
+            .in(0, *q_, 0, size_t(Hq) * D * f).in(1, *gate_, 0, size_t(Hq) * D * f)
+            .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]).in(4, *positions_, slot * u32, u32)
+            .out(5, *attn_, 0, size_t(Hq) * D * f).args(6, ad);
+        declare_kv(op);
+        op.run(pass);
+      } else {
+        const uint32_t nblocks = ceil_div(n, opt_.split_block);
+        Op op(dev, "attn_decode_split" + suffix, L + "attention split");
+        op.groups(tg(Hq / G, nblocks), tg(256))
+            .in(0, *q_, 0, size_t(Hq) * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l])
+            .in(3, *positions_, slot * u32, u32)
+            .out(4, *part_ml_, 0, part_ml_->size()).out(5, *part_acc_, 0, part_acc_->size()).args(6, ad);
+        declare_kv(op);
+        op.run(pass);
+        Op comb(dev, "attn_combine_d" + std::to_string(D), L + "attention combine");
+        comb.groups(tg(Hq), tg(D))
+            .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
+            .in(2, *gate_, 0, size_t(Hq) * D * f).in(3, *positions_, slot * u32, u32)
+            .out(4, *attn_, 0, size_t(Hq) * D * f)
+            .args(5, args::AttnCombine{Hq, D, opt_.split_block, max_blocks}).run(pass);
+      }
+      gemv(a + ".o_proj", 4, true, *attn_, size_t(Hq) * D, *h_, H, L + "o_proj");
+    }
+
+    // ---- MoE
+    const std::string m = p + ".mlp";
+    const uint32_t E = d.num_experts, k = d.num_experts_per_tok;
+    const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
+    norm(*h_, W(p + ".post_attention_layernorm.weight"), *xn_, 1, H, L + "post-attention norm");
+    gemv(m + ".gate", 8, false, *xn_, H, *router_, E, L + "router");
+    {
+      Op op(dev, "moe_route", L + "route top-k");
+      op.groups(tg(1), tg(std::max<uint32_t>(32, std::min<uint32_t>(1024, ceil_div(E, 32) * 32))))
+          .in(0, *router_, 0, E * f).in(1, *xn_, 0, H * f);
+      qlin(op, 2, m + ".shared_expert_gate", &t.weight_bytes)
+          .out(5, *ids_, 0, k * u32).out(6, *route_w_, 0, (k + 1) * f)
+          .args(7, args::Route{E, k, H, d.norm_topk_prob ? 1u : 0u}).run(pass);
+    }
+    const args::Moe ma{H, I, Is, E, k};
+    // Bytes the selected experts really move (the declared ranges cover whole stacks).
+    const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
+    const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
+    {
+      Op op(dev, "moe_gate_up_swiglu_q4", L + "experts gate+up");
+      op.groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
+          .in(0, *xn_, 0, H * f).in(1, *ids_, 0, k * u32);
+      qlin(op, 2, m + ".switch_mlp.gate_proj", nullptr);
+      qlin(op, 5, m + ".switch_mlp.up_proj", nullptr);
+      qlin(op, 8, m + ".shared_expert.gate_proj", nullptr);
+      qlin(op, 11, m + ".shared_expert.up_proj", nullptr);
+      op.out(14, *hbuf_, 0, hbuf_->size()).args(15, ma).run(pass);
+      t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
+    }
+    {
+      Op op(dev, "moe_down_q4", L + "experts down + shared");
+      op.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
+          .in(0, *hbuf_, 0, hbuf_->size()).in(1, *ids_, 0, k * u32).in(2, *route_w_, 0, (k + 1) * f);
+      qlin(op, 3, m + ".switch_mlp.down_proj", nullptr);
+      qlin(op, 6, m + ".shared_expert.down_proj", nullptr);
+      op.inout(9, *h_, 0, H * f).args(10, ma).run(pass);
+      t.weight_bytes += k * expert_q4 + shared_q4;
+    }
+  }
+
+  norm(*h_, W("model.norm.weight"), *xn_, 1, H, "final norm");
+  gemv("lm_head", 4, false, *xn_, H, *logits_, d.vocab_size, "lm_head");
+  Op op(dev, "sample_greedy", "greedy token -> next slot");
+  op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
+      .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::Greedy{d.vocab_size}).run(pass);
+  pass.end();
+}
+
+std::vector<float> DecodeRuntime::forward(const std::vector<uint32_t>& tokens, bool all_logits) {
+  if (record_only_) throw std::invalid_argument("forward: the device is record-only");
+  if (tokens.empty()) throw std::invalid_argument("forward: no tokens");
+  if (uint64_t(position_) + tokens.size() > opt_.max_context)
+    throw std::invalid_argument("forward: " + std::to_string(position_) + " tokens in context + " +
+                                std::to_string(tokens.size()) + " new exceed the context window of " +
+                                std::to_string(opt_.max_context));
+  for (uint32_t tok : tokens)
+    if (tok >= dims_.vocab_size)
+      throw std::invalid_argument("forward: token id " + std::to_string(tok) + " is outside the vocabulary");
+  const size_t V = dims_.vocab_size;
+  std::vector<float> out(all_logits ? tokens.size() * V : V);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    const int slot = position_ % 2;
+    write_token(slot, tokens[i], position_);
+    auto cb = device_->new_command_buffer();
+    encode_step(*cb, slot, position_, nullptr);
+    cb->commit();
+    cb->wait();
+    ++position_;
+    if (all_logits || i + 1 == tokens.size())
+      std::memcpy(out.data() + (all_logits ? i * V : 0), logits_->contents(), V * sizeof(float));
+  }
+  return out;
+}
+
+std::vector<uint32_t> DecodeRuntime::generate_greedy(uint32_t first, uint32_t max_tokens,
+                                                     const std::set<uint32_t>& stop_ids) {
+  if (record_only_) throw std::invalid_argument("generate: the device is record-only");
+  if (first >= dims_.vocab_size) throw std::invalid_argument("generate: token id out of range");
+  std::vector<uint32_t> out;
+  if (max_tokens == 0) return out;
+  if (position_ >= opt_.max_context)
+    throw std::invalid_argument("generate: the context window of " + std::to_string(opt_.max_context) +
+                                " tokens is full");
+  // Steps still to run: each consumes one input token at position_ + i.
+  const uint32_t steps = std::min<uint64_t>(max_tokens, uint64_t(opt_.max_context) - position_);
+  write_token(position_ % 2, first, position_);
+  std::unique_ptr<gpu::CommandBuffer> inflight[2];
+  uint32_t encoded = 0, done = 0;
+  auto submit = [&] {
+    const uint32_t pos = position_ + encoded;
+    const int slot = pos % 2;
+    static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token comes from the GPU
+    inflight[slot] = device_->new_command_buffer();
+    encode_step(*inflight[slot], slot, pos, nullptr);
+    inflight[slot]->commit();
+    ++encoded;
+  };
+  submit();
+  bool stopped = false;
+  while (done < encoded) {
+    // Encode the next step before waiting on the current one: the two overlap.
+    if (!stopped && encoded < steps && encoded - done < 2) submit();
+    const uint32_t pos = position_ + done;
+    const int slot = pos % 2;
+    inflight[slot]->wait();
+    const uint32_t next = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
+    ++done;
+    if (stopped) continue;  // the speculative step: its output is dropped below
+    out.push_back(next);
+    if (stop_ids.count(next) || out.size() >= steps) stopped = true;
+  }
+  // Every executed step consumed one token: `first`, then out[0], out[1], ... A step
+  // encoded ahead of a stop also ran and consumed the stop token; its output id is dropped
+  // (at most one such step), and the session keeps what it consumed.
+  position_ += done;
+  return out;
+}
+
+gpu::Counters DecodeRuntime::count_step(uint32_t position, Traffic* traffic) {
+  if (position >= opt_.max_context)
+    throw std::invalid_argument("count_step: position " + std::to_string(position) +
+                                " is outside the context window of " + std::to_string(opt_.max_context));
+  auto cb = device_->new_command_buffer();
+  encode_step(*cb, position % 2, position, traffic);
+  gpu::Counters c = cb->counters();
+  cb->commit();
+  cb->wait();
+  return c;
+}
+
+}  // namespace lily::runtime

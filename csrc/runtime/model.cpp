@@ -1,0 +1,81 @@
+#include "runtime/model.h"
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace lily::runtime {
+
+void ModelDims::validate() const {
+  auto need = [](bool ok, const char* what) {
+    if (!ok) throw std::invalid_argument(std::string("model dims: ") + what);
+  };
+  need(hidden_size > 0 && hidden_size % 64 == 0, "hidden_size must be a positive multiple of 64");
+  need(num_hidden_layers == full_attention.size(), "layer types must list every layer");
+  need(num_key_value_heads > 0 && num_attention_heads % num_key_value_heads == 0,
+       "num_attention_heads must be a multiple of num_key_value_heads");
+  need(linear_num_key_heads > 0 && linear_num_value_heads % linear_num_key_heads == 0,
+       "linear_num_value_heads must be a multiple of linear_num_key_heads");
+  need(num_experts_per_tok > 0 && num_experts_per_tok <= num_experts,
+       "num_experts_per_tok must be in 1..num_experts");
+  need(moe_intermediate_size % 64 == 0 && shared_expert_intermediate_size % 64 == 0,
+       "expert intermediate sizes must be multiples of 64");
+  need(rotary_dim % 2 == 0 && rotary_dim <= head_dim, "rotary_dim must be even and <= head_dim");
+  need(linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim must be >= 2");
+}
+
+WeightTable::WeightTable(gpu::Device& device, const std::vector<TensorDesc>& tensors,
+                         bool virtual_files) {
+  std::map<std::string, std::vector<const TensorDesc*>> by_file;
+  for (const auto& t : tensors) by_file[t.file].push_back(&t);
+  for (const auto& [file, list] : by_file) {
+    uint64_t end = 0;
+    bool aligned = true;
+    for (const TensorDesc* t : list) {
+      end = std::max<uint64_t>(end, t->offset + t->nbytes);
+      aligned = aligned && t->offset % kAlignment == 0;
+    }
+    if (virtual_files) {
+      files_[file] = device.new_buffer(end);
+      files_[file]->set_label(file);
+      for (const TensorDesc* t : list)
+        tensors_[t->name] = TensorRef{files_[file].get(), size_t(t->offset), size_t(t->nbytes)};
+      continue;
+    }
+    gpu::BufferPtr mapped = device.map_file(file);
+    if (mapped->size() < end)
+      throw std::invalid_argument("weights: " + file + " is shorter than its tensors need (" +
+                                  std::to_string(end) + " bytes)");
+    if (aligned) {
+      files_[file] = mapped;
+      for (const TensorDesc* t : list)
+        tensors_[t->name] = TensorRef{mapped.get(), size_t(t->offset), size_t(t->nbytes)};
+      continue;
+    }
+    // safetensors does not align tensor data (MLX's files put tensors at 2 mod 16), but
+    // the kernels load 16-byte words: repack this file's tensors at aligned offsets.
+    uint64_t size = 0;
+    for (const TensorDesc* t : list) size = (size + kAlignment - 1) / kAlignment * kAlignment + t->nbytes;
+    gpu::BufferPtr packed = device.new_buffer(std::max<uint64_t>(size, 1));
+    packed->set_label(file + " (aligned copy)");
+    uint64_t at = 0;
+    for (const TensorDesc* t : list) {
+      at = (at + kAlignment - 1) / kAlignment * kAlignment;
+      std::memcpy(static_cast<uint8_t*>(packed->contents()) + at,
+                  static_cast<const uint8_t*>(mapped->contents()) + t->offset, t->nbytes);
+      tensors_[t->name] = TensorRef{packed.get(), size_t(at), size_t(t->nbytes)};
+      at += t->nbytes;
+    }
+    files_[file] = packed;
+    repacked_bytes_ += size;
+  }
+  for (const auto& t : tensors) total_bytes_ += t.nbytes;
+}
+
+const TensorRef& WeightTable::at(const std::string& name) const {
+  auto it = tensors_.find(name);
+  if (it == tensors_.end()) throw std::invalid_argument("weights: missing tensor " + name);
+  return it->second;
+}
+
+}  // namespace lily::runtime

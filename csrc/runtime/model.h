@@ -1,0 +1,72 @@
+// The model's dimensions and the weights table: checkpoint tensors as (buffer, offset)
+// views of memory-mapped safetensors files (ARCHITECTURE.md: weights are mapped, not copied).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+
+namespace lily::runtime {
+
+// Text-model hyperparameters (lily.checkpoint.ModelConfig, same names).
+struct ModelDims {
+  uint32_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
+  uint32_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0, rotary_dim = 0;
+  uint32_t linear_num_key_heads = 0, linear_num_value_heads = 0;
+  uint32_t linear_key_head_dim = 0, linear_value_head_dim = 0, linear_conv_kernel_dim = 0;
+  uint32_t num_experts = 0, num_experts_per_tok = 0;
+  uint32_t moe_intermediate_size = 0, shared_expert_intermediate_size = 0;
+  float rms_norm_eps = 1e-6f, rope_theta = 1e7f;
+  bool norm_topk_prob = true;
+  std::vector<bool> full_attention;  // per layer
+
+  uint32_t conv_dim() const {
+    return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
+  }
+  // Throws std::invalid_argument naming the first inconsistent field.
+  void validate() const;
+};
+
+// One tensor as stored: `file` is a safetensors path, [offset, offset + nbytes) its bytes.
+struct TensorDesc {
+  std::string name;
+  std::string file;
+  uint64_t offset = 0;
+  uint64_t nbytes = 0;
+};
+
+// A tensor's bytes on the device.
+struct TensorRef {
+  gpu::Buffer* buffer = nullptr;
+  size_t offset = 0;
+  size_t nbytes = 0;
+  gpu::Range range() const { return gpu::Range{buffer, offset, nbytes}; }
+};
+
+class WeightTable {
+ public:
+  // Maps each distinct file once (a whole-file no-copy buffer; repacked into an aligned
+  // device buffer when its tensors are not 16-byte aligned). With `virtual_files`
+  // (record-only counting of models that are not on disk) every file becomes a buffer
+  // of its declared extent without storage.
+  WeightTable(gpu::Device& device, const std::vector<TensorDesc>& tensors, bool virtual_files);
+  // Throws std::invalid_argument naming the tensor when it is absent.
+  const TensorRef& at(const std::string& name) const;
+  bool has(const std::string& name) const { return tensors_.count(name) != 0; }
+  uint64_t total_bytes() const { return total_bytes_; }
+  // Bytes copied because a file's tensors were not 16-byte aligned (0 when mapped as is).
+  uint64_t repacked_bytes() const { return repacked_bytes_; }
+  static constexpr uint64_t kAlignment = 16;
+
+ private:
+  std::map<std::string, gpu::BufferPtr> files_;
+  std::map<std::string, TensorRef> tensors_;
+  uint64_t total_bytes_ = 0;
+  uint64_t repacked_bytes_ = 0;
+};
+
+}  // namespace lily::runtime

@@ -1,0 +1,119 @@
+#include "runtime/py_runtime.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/set.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "runtime/decode.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::runtime {
+namespace {
+
+template <class T>
+T get(nb::dict d, const char* key) {
+  if (!d.contains(key)) throw std::invalid_argument(std::string("model dims: missing '") + key + "'");
+  return nb::cast<T>(d[key]);
+}
+
+ModelDims dims_from(nb::dict d) {
+  ModelDims m;
+  m.vocab_size = get<uint32_t>(d, "vocab_size");
+  m.hidden_size = get<uint32_t>(d, "hidden_size");
+  m.num_hidden_layers = get<uint32_t>(d, "num_hidden_layers");
+  m.num_attention_heads = get<uint32_t>(d, "num_attention_heads");
+  m.num_key_value_heads = get<uint32_t>(d, "num_key_value_heads");
+  m.head_dim = get<uint32_t>(d, "head_dim");
+  m.rotary_dim = get<uint32_t>(d, "rotary_dim");
+  m.linear_num_key_heads = get<uint32_t>(d, "linear_num_key_heads");
+  m.linear_num_value_heads = get<uint32_t>(d, "linear_num_value_heads");
+  m.linear_key_head_dim = get<uint32_t>(d, "linear_key_head_dim");
+  m.linear_value_head_dim = get<uint32_t>(d, "linear_value_head_dim");
+  m.linear_conv_kernel_dim = get<uint32_t>(d, "linear_conv_kernel_dim");
+  m.num_experts = get<uint32_t>(d, "num_experts");
+  m.num_experts_per_tok = get<uint32_t>(d, "num_experts_per_tok");
+  m.moe_intermediate_size = get<uint32_t>(d, "moe_intermediate_size");
+  m.shared_expert_intermediate_size = get<uint32_t>(d, "shared_expert_intermediate_size");
+  m.rms_norm_eps = get<float>(d, "rms_norm_eps");
+  m.rope_theta = get<float>(d, "rope_theta");
+  m.norm_topk_prob = get<bool>(d, "norm_topk_prob");
+  m.full_attention = get<std::vector<bool>>(d, "full_attention");
+  return m;
+}
+
+nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
+  nb::dict d;
+  d["dispatches"] = c.dispatches;
+  d["barrier_stages"] = c.barrier_stages;
+  d["declared_bytes_read"] = c.bytes_read;
+  d["declared_bytes_written"] = c.bytes_written;
+  d["weight_bytes"] = t.weight_bytes;
+  d["kv_bytes"] = t.kv_bytes;
+  d["state_bytes"] = t.state_bytes;
+  d["activation_bytes"] = t.other_bytes;
+  nb::list log;
+  for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
+  d["log"] = log;
+  return d;
+}
+
+}  // namespace
+
+void bind_runtime(nb::module_& m) {
+  using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
+  nb::class_<DecodeRuntime>(m, "DecodeRuntime",
+                            "Batch-1 decode of the whole model on a device (see csrc/runtime/decode.h).")
+      .def("__init__",
+           [](DecodeRuntime* self, std::shared_ptr<gpu::Device> device, nb::dict dims,
+              const std::vector<Tensor>& tensors, uint32_t max_context, uint32_t split_threshold,
+              uint32_t split_block, bool virtual_weights) {
+             std::vector<TensorDesc> descs;
+             descs.reserve(tensors.size());
+             for (const auto& [name, file, offset, nbytes] : tensors) descs.push_back({name, file, offset, nbytes});
+             RuntimeOptions o;
+             o.max_context = max_context;
+             o.split_threshold = split_threshold;
+             o.split_block = split_block;
+             o.virtual_weights = virtual_weights;
+             new (self) DecodeRuntime(std::move(device), dims_from(dims), descs, o);
+           },
+           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 32768,
+           "split_block"_a = 1024, "virtual_weights"_a = false,
+           "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
+      .def("reset", &DecodeRuntime::reset)
+      .def_prop_ro("position", &DecodeRuntime::position)
+      .def_prop_ro("weight_bytes", &DecodeRuntime::weight_bytes)
+      .def_prop_ro("repacked_bytes", &DecodeRuntime::repacked_bytes)
+      .def("forward",
+           [](DecodeRuntime& rt, const std::vector<uint32_t>& tokens, bool all_logits) {
+             std::vector<float> out;
+             {
+               nb::gil_scoped_release g;
+               out = rt.forward(tokens, all_logits);
+             }
+             return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(float));
+           },
+           "tokens"_a, "all_logits"_a = false,
+           "One decode step per token; float32 logits bytes [n or 1, vocab].")
+      .def("generate_greedy",
+           [](DecodeRuntime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
+             nb::gil_scoped_release g;
+             return rt.generate_greedy(first, max_tokens, stop);
+           },
+           "first"_a, "max_tokens"_a, "stop_ids"_a,
+           "Pipelined greedy decode with the GPU token hand-off; returns the generated ids.")
+      .def("count_step",
+           [](DecodeRuntime& rt, uint32_t position) {
+             Traffic t;
+             gpu::Counters c = rt.count_step(position, &t);
+             return counters_dict(c, t);
+           },
+           "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.");
+}
+
+}  // namespace lily::runtime

@@ -1,0 +1,324 @@
+// Full-attention decode kernels (MODEL.md, "Full attention"; SPEC.md section 3, fusion (3),
+// coalesced KV reads, GQA packing, attention layout switch).
+//
+//   attn_qk_prep              q/k RMSNorm + partial RoPE at the position in a device buffer,
+//                             k/v appended to the bf16 KV cache, q and gate out (fp32).
+//   attn_decode_d<D>_g<G>     softmax attention of the new query over cache rows [0, pos]:
+//                             one threadgroup per G query heads sharing a KV head, each KV
+//                             row read once for all G; online softmax; output * sigmoid(gate).
+//   attn_decode_split_d<D>_g<G> + attn_combine_d<D>
+//                             long-context path: the row range is cut into fixed blocks of B
+//                             rows, one threadgroup per (head group, block) writes a partial
+//                             (max, sum, unnormalised accumulator); the combine kernel merges
+//                             them per head and applies the gate.
+//
+// KV cache layout per layer: K and V each bf16 [Hkv, capacity, D]. Reads are coalesced: lane l
+// of a simdgroup reads the bf16 pairs at c*64 + 2l (c < D/64) of a row, so each load
+// instruction of the simdgroup covers 128 contiguous bytes of the row.
+#include <metal_stdlib>
+#include "mixer_args.h"
+using namespace metal;
+
+namespace attn_detail {
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+
+}  // namespace attn_detail
+
+// ---- attn_qk_prep ---------------------------------------------------------------------------
+// Grid: Hq + Hkv threadgroups of D threads (threadgroup t < Hq: query head t; else KV head
+// t - Hq). D is a multiple of 32, at most 1024.
+kernel void attn_qk_prep(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
+                         device const float* k [[buffer(1)]],          // [Hkv, D] k_proj output
+                         device const float* v [[buffer(2)]],          // [Hkv, D] v_proj output
+                         device const bfloat* q_norm_w [[buffer(3)]],  // [D]
+                         device const bfloat* k_norm_w [[buffer(4)]],  // [D]
+                         device const uint* position [[buffer(5)]],    // [1] absolute position of the token
+                         device bfloat* k_cache [[buffer(6)]],         // [Hkv, capacity, D], row pos written
+                         device bfloat* v_cache [[buffer(7)]],         // [Hkv, capacity, D], row pos written
+                         device float* q_out [[buffer(8)]],            // [Hq, D] normed, rotated query
+                         device float* gate_out [[buffer(9)]],         // [Hq, D] gate (raw, sigmoid applied later)
+                         constant AttnPrepArgs& args [[buffer(10)]],
+                         uint head [[threadgroup_position_in_grid]],
+                         uint i [[thread_index_in_threadgroup]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]],
+                         uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float xs[1024];
+  threadgroup float partial[32];
+  const uint D = args.head_dim;
+  const bool is_q = head < args.num_q_heads;
+  const uint kvh = head - args.num_q_heads;
+  const uint pos = position[0];
+
+  const float x = is_q ? qg[head * 2 * D + i] : k[kvh * D + i];
+  const float ss = simd_sum(x * x);
+  if (lane == 0) {
+    partial[sg] = ss;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.0f;
+  for (uint s = 0; s < nsg; ++s) {
+    total += partial[s];
+  }
+  const float w = float(is_q ? q_norm_w[i] : k_norm_w[i]);
+  const float xn = x / sqrt(total / float(D) + args.norm_eps) * w;
+  xs[i] = xn;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  float y = xn;
+  const uint rot = args.rotary_dim;
+  const uint half_rot = rot / 2;
+  if (i < rot) {
+    const uint j = i < half_rot ? i : i - half_rot;
+    const float inv_freq = exp2(-(float(2 * j) / float(rot)) * args.log2_theta);
+    const float ang = float(pos) * inv_freq;
+    const float c = cos(ang);
+    const float s = sin(ang);
+    y = i < half_rot ? xn * c - xs[i + half_rot] * s : xn * c + xs[i - half_rot] * s;
+  }
+  if (is_q) {
+    q_out[head * D + i] = y;
+    gate_out[head * D + i] = qg[head * 2 * D + D + i];
+  } else if (pos < args.capacity) {
+    const ulong row = (ulong(kvh) * args.capacity + pos) * D;
+    k_cache[row + i] = bfloat(y);
+    v_cache[row + i] = bfloat(v[kvh * D + i]);
+  }
+}
+
+// ---- decode attention core -------------------------------------------------------------------
+constant constexpr uint kAttnSimdgroups = 8;  // threadgroup = 256 threads
+
+// Attends query heads h0..h0+G-1 (sharing KV head kvh) over rows [r0, r1) (r0 < r1) and leaves
+// per head g: m_out[g] = max score, l_out[g] = sum of exp(score - m), and the unnormalised
+// accumulator sum exp(score - m) * v in acc_out[g * D + d] (threadgroup memory).
+// Simdgroup s takes rows r0 + s, r0 + s + 8, ...; each keeps an online softmax per head.
+template <uint D, uint G>
+static inline void attend_rows(device const float* q, device const bfloat* k_cache,
+                               device const bfloat* v_cache, uint h0, uint kvh, uint capacity,
+                               float scale, uint r0, uint r1,
+                               threadgroup float* red_m,    // [kAttnSimdgroups * G]
+                               threadgroup float* red_l,    // [kAttnSimdgroups * G]
+                               threadgroup float* red_acc,  // [kAttnSimdgroups * D]
+                               threadgroup float* m_out,    // [G]
+                               threadgroup float* l_out,    // [G]
+                               threadgroup float* acc_out,  // [G * D]
+                               uint tid, uint sg, uint lane) {
+  constexpr uint NC = D / 64;  // bf16 pairs per lane per row
+  constexpr uint NT = kAttnSimdgroups * 32;
+  float2 qv[G][NC];
+  for (uint g = 0; g < G; ++g) {
+    for (uint c = 0; c < NC; ++c) {
+      const uint d = c * 64 + 2 * lane;
+      qv[g][c] = float2(q[(h0 + g) * D + d], q[(h0 + g) * D + d + 1]) * scale;
+    }
+  }
+  float m[G];
+  float l[G];
+  float2 acc[G][NC];
+  for (uint g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (uint c = 0; c < NC; ++c) {
+      acc[g][c] = float2(0.0f);
+    }
+  }
+  device const bfloat2* kbase = (device const bfloat2*)(k_cache + ulong(kvh) * capacity * D);
+  device const bfloat2* vbase = (device const bfloat2*)(v_cache + ulong(kvh) * capacity * D);
+  for (uint t = r0 + sg; t < r1; t += kAttnSimdgroups) {
+    device const bfloat2* krow = kbase + ulong(t) * (D / 2);
+    device const bfloat2* vrow = vbase + ulong(t) * (D / 2);
+    float2 kk[NC];
+    for (uint c = 0; c < NC; ++c) {
+      kk[c] = float2(krow[c * 32 + lane]);
+    }
+    float4 s4 = float4(0.0f);
+    for (uint g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (uint c = 0; c < NC; ++c) {
+        s += dot(qv[g][c], kk[c]);
+      }
+      s4[g] = s;
+    }
+    s4 = simd_sum(s4);  // scores of the G heads for row t, in every lane
+    float2 vv[NC];
+    for (uint c = 0; c < NC; ++c) {
+      vv[c] = float2(vrow[c * 32 + lane]);
+    }
+    for (uint g = 0; g < G; ++g) {
+      const float mn = max(m[g], s4[g]);
+      const float corr = exp(m[g] - mn);
+      const float p = exp(s4[g] - mn);
+      l[g] = l[g] * corr + p;
+      for (uint c = 0; c < NC; ++c) {
+        acc[g][c] = acc[g][c] * corr + p * vv[c];
+      }
+      m[g] = mn;
+    }
+  }
+
+  // merge the simdgroups: global max, rescaled sums
+  if (lane == 0) {
+    for (uint g = 0; g < G; ++g) {
+      red_m[sg * G + g] = m[g];
+      red_l[sg * G + g] = l[g];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint g = 0; g < G; ++g) {
+    float M = -INFINITY;
+    for (uint s = 0; s < kAttnSimdgroups; ++s) {
+      M = max(M, red_m[s * G + g]);
+    }
+    const float mine = exp(m[g] - M);  // 0 for a simdgroup that saw no rows
+    for (uint c = 0; c < NC; ++c) {
+      const uint d = c * 64 + 2 * lane;
+      red_acc[sg * D + d] = acc[g][c].x * mine;
+      red_acc[sg * D + d + 1] = acc[g][c].y * mine;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint d = tid; d < D; d += NT) {
+      float sum = 0.0f;
+      for (uint s = 0; s < kAttnSimdgroups; ++s) {
+        sum += red_acc[s * D + d];
+      }
+      acc_out[g * D + d] = sum;
+    }
+    if (tid == 0) {
+      float L = 0.0f;
+      for (uint s = 0; s < kAttnSimdgroups; ++s) {
+        L += red_l[s * G + g] * exp(red_m[s * G + g] - M);
+      }
+      m_out[g] = M;
+      l_out[g] = L;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// ---- attn_decode -------------------------------------------------------------------------------
+// Grid: Hq / G threadgroups of 256 threads; threadgroup j serves query heads j*G .. j*G+G-1.
+template <uint D, uint G>
+kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D] from attn_qk_prep
+                        device const float* gate [[buffer(1)]],       // gate of head h at h * gate_stride
+                        device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D]
+                        device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D]
+                        device const uint* position [[buffer(4)]],    // [1] pos: rows [0, pos] attended
+                        device float* out [[buffer(5)]],              // [Hq, D] attention * sigmoid(gate)
+                        constant AttnDecodeArgs& args [[buffer(6)]],
+                        uint grp [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint NRED = kAttnSimdgroups * G;
+  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NOUT = G * D;
+  threadgroup float red_m[NRED];
+  threadgroup float red_l[NRED];
+  threadgroup float red_acc[NACC];
+  threadgroup float m_out[G];
+  threadgroup float l_out[G];
+  threadgroup float acc_out[NOUT];
+  const uint h0 = grp * G;
+  const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
+  const uint n = position[0] + 1;
+  attend_rows<D, G>(q, k_cache, v_cache, h0, kvh, args.capacity, args.scale, 0, n, red_m, red_l,
+                    red_acc, m_out, l_out, acc_out, tid, sg, lane);
+  for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
+    const uint g = e / D;
+    const uint d = e % D;
+    const float o = acc_out[e] / l_out[g];
+    out[(h0 + g) * D + d] = o * attn_detail::sigmoid(gate[(h0 + g) * args.gate_stride + d]);
+  }
+}
+
+// ---- attn_decode_split -------------------------------------------------------------------------
+// Grid: (Hq / G, nblocks) threadgroups of 256 threads, nblocks >= ceil((pos + 1) / B) and
+// <= max_blocks; blocks past the last row return at once. Partials, per head h and block b
+// (slot h * max_blocks + b): part_ml[2*slot] = max score, part_ml[2*slot+1] = sum of exp,
+// part_acc[slot * D + d] = unnormalised accumulator.
+template <uint D, uint G>
+kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [Hq, D]
+                              device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
+                              device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
+                              device const uint* position [[buffer(3)]],   // [1]
+                              device float* part_ml [[buffer(4)]],         // [Hq, max_blocks, 2]
+                              device float* part_acc [[buffer(5)]],        // [Hq, max_blocks, D]
+                              constant AttnDecodeArgs& args [[buffer(6)]],
+                              uint2 tg [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint NRED = kAttnSimdgroups * G;
+  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NOUT = G * D;
+  threadgroup float red_m[NRED];
+  threadgroup float red_l[NRED];
+  threadgroup float red_acc[NACC];
+  threadgroup float m_out[G];
+  threadgroup float l_out[G];
+  threadgroup float acc_out[NOUT];
+  const uint n = position[0] + 1;
+  const uint blk = tg.y;
+  const uint r0 = blk * args.block_rows;
+  if (r0 >= n || blk >= args.max_blocks) {
+    return;  // uniform across the threadgroup
+  }
+  const uint r1 = min(n, r0 + args.block_rows);
+  const uint h0 = tg.x * G;
+  const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
+  attend_rows<D, G>(q, k_cache, v_cache, h0, kvh, args.capacity, args.scale, r0, r1, red_m, red_l,
+                    red_acc, m_out, l_out, acc_out, tid, sg, lane);
+  for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
+    const uint g = e / D;
+    const uint d = e % D;
+    const ulong slot = ulong(h0 + g) * args.max_blocks + blk;
+    part_acc[slot * D + d] = acc_out[e];
+    if (d == 0) {
+      part_ml[2 * slot] = m_out[g];
+      part_ml[2 * slot + 1] = l_out[g];
+    }
+  }
+}
+
+// ---- attn_combine ------------------------------------------------------------------------------
+// Grid: Hq threadgroups of D threads. Reads the ceil((pos+1)/B) partials of head h.
+template <uint D>
+kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
+                         device const float* part_acc [[buffer(1)]],  // [Hq, max_blocks, D]
+                         device const float* gate [[buffer(2)]],      // gate of head h at h * gate_stride
+                         device const uint* position [[buffer(3)]],   // [1]
+                         device float* out [[buffer(4)]],             // [Hq, D]
+                         constant AttnCombineArgs& args [[buffer(5)]],
+                         uint h [[threadgroup_position_in_grid]],
+                         uint d [[thread_index_in_threadgroup]]) {
+  const uint n = position[0] + 1;
+  const uint nb = min((n + args.block_rows - 1) / args.block_rows, args.max_blocks);
+  const ulong base = ulong(h) * args.max_blocks;
+  float M = -INFINITY;
+  for (uint b = 0; b < nb; ++b) {
+    M = max(M, part_ml[2 * (base + b)]);
+  }
+  float L = 0.0f;
+  float o = 0.0f;
+  for (uint b = 0; b < nb; ++b) {
+    const float w = exp(part_ml[2 * (base + b)] - M);
+    L += part_ml[2 * (base + b) + 1] * w;
+    o += part_acc[(base + b) * D + d] * w;
+  }
+  out[h * D + d] = o / L * attn_detail::sigmoid(gate[h * args.gate_stride + d]);
+}
+
+// Instantiations: D = 256 with 4 heads per threadgroup (the model: 8 query heads per KV head,
+// two threadgroups per KV head); D = 64 (the "tiny" preset) with 2 or 4.
+template [[host_name("attn_decode_d256_g4")]] [[kernel]] decltype(attn_decode<256, 4>) attn_decode<256, 4>;
+template [[host_name("attn_decode_d256_g2")]] [[kernel]] decltype(attn_decode<256, 2>) attn_decode<256, 2>;
+template [[host_name("attn_decode_d64_g4")]] [[kernel]] decltype(attn_decode<64, 4>) attn_decode<64, 4>;
+template [[host_name("attn_decode_d64_g2")]] [[kernel]] decltype(attn_decode<64, 2>) attn_decode<64, 2>;
+template [[host_name("attn_decode_split_d256_g4")]] [[kernel]] decltype(attn_decode_split<256, 4>) attn_decode_split<256, 4>;
+template [[host_name("attn_decode_split_d256_g2")]] [[kernel]] decltype(attn_decode_split<256, 2>) attn_decode_split<256, 2>;
+template [[host_name("attn_decode_split_d64_g4")]] [[kernel]] decltype(attn_decode_split<64, 4>) attn_decode_split<64, 4>;
+template [[host_name("attn_decode_split_d64_g2")]] [[kernel]] decltype(attn_decode_split<64, 2>) attn_decode_split<64, 2>;
+template [[host_name("attn_combine_d256")]] [[kernel]] decltype(attn_combine<256>) attn_combine<256>;
+template [[host_name("attn_combine_d64")]] [[kernel]] decltype(attn_combine<64>) attn_combine<64>;

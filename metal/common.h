@@ -1,0 +1,227 @@
+// Shared by Lily's decode kernels: argument structs (one per kernel family, every field
+// commented) and the dequantisation helpers of the MLX affine 4/8-bit layout.
+//
+// Data conventions of the decode step (batch 1):
+//   * activations between kernels: float32 vectors;
+//   * weights: the checkpoint's packed tensors as-is. A quantized linear X of logical shape
+//     [out, in] is three bindings: X.weight uint32 [out, in*bits/32] (codes low bits first),
+//     X.scales and X.biases bf16 [out, in/64]; w[o, i] = scale * q + bias. Experts are
+//     stacked with a leading [E] axis. Kernels read the weight as uint4 (16-byte chunks):
+//     a weight binding must start at a 16-byte aligned address;
+//   * KV cache bf16; recurrent state fp32.
+//
+// Host side: these structs are plain 32-bit fields (uint = uint32_t, float) with no
+// padding, so the host can mirror them field by field (static_assert the size).
+#pragma once
+
+#include <metal_stdlib>
+using namespace metal;
+
+// ---------------------------------------------------------------- constants
+
+// MLX affine quantization: 64 consecutive weights of a row share one scale and one bias.
+constant constexpr uint kQuantGroup = 64;
+// Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size).
+constant constexpr uint kGemvRowsPerSimdgroup = 8;
+// Rows handled by one simdgroup in moe_gate_up_swiglu_q4 (each row: a gate and an up dot).
+constant constexpr uint kGateUpRowsPerSimdgroup = 4;
+
+// ---------------------------------------------------------------- argument structs
+
+// gemv_q4, gemv_q8, gemv_q4_add, gemv_q8_add: y[rows] (=|+=) W[rows, cols] x[cols].
+struct GemvArgs {
+  uint rows;  // output rows (W's out dimension)
+  uint cols;  // input length (W's in dimension); a multiple of 64
+};
+
+// embed_q4: out[cols] = dequantized row token[0] of the embedding table [vocab, cols].
+struct EmbedArgs {
+  uint cols;   // hidden size; a multiple of 64
+  uint vocab;  // rows of the table; a token id >= vocab is clamped to vocab - 1
+};
+
+// rms_norm: out[r, :] = x[r, :] * rsqrt(mean(x[r, :]^2) + eps) * w, for r < rows.
+struct NormArgs {
+  uint n;     // row length (elements normalised together)
+  float eps;  // added to the mean of squares (rms_norm_eps, 1e-6)
+};
+
+// moe_route: router softmax + top-k + renormalisation, and the shared-expert gate.
+struct RouteArgs {
+  uint experts;    // router logits (num_experts, 256); at most kRouteMaxExperts
+  uint top_k;      // experts kept (num_experts_per_tok, 8); at most 32 and <= experts
+  uint hidden;     // length of x and of the 8-bit shared_expert_gate row; multiple of 64
+  uint norm_topk;  // 1: weights renormalised over the k kept experts (norm_topk_prob)
+};
+constant constexpr uint kRouteMaxExperts = 1024;
+
+// moe_gate_up_swiglu_q4 and moe_down_q4.
+struct MoeArgs {
+  uint hidden;        // model width (2048); a multiple of 64
+  uint inter;         // routed expert intermediate size (moe_intermediate_size, 512); multiple of 64
+  uint inter_shared;  // shared expert intermediate size (512); a multiple of 64
+  uint experts;       // experts stacked in the switch_mlp tensors (256); ids are clamped below it
+  uint top_k;         // routed experts per token (8)
+};
+
+// ---------------------------------------------------------------- small helpers
+
+inline float silu(float x) { return x / (1.0f + exp(-x)); }
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+
+// Sum over a whole threadgroup; every thread gets the same value (same summation order).
+// scratch holds >= 32 floats; it may be reused by the next call (the first barrier
+// protects it).
+inline float threadgroup_sum(float v, threadgroup float* scratch, uint sg, uint lane, uint nsg) {
+  v = simd_sum(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) {
+    scratch[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float t = 0.0f;
+  for (uint i = 0; i < nsg; ++i) {
+    t += scratch[i];
+  }
+  return t;
+}
+
+inline float threadgroup_max(float v, threadgroup float* scratch, uint sg, uint lane, uint nsg) {
+  v = simd_max(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) {
+    scratch[sg] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float t = scratch[0];
+  for (uint i = 1; i < nsg; ++i) {
+    t = max(t, scratch[i]);
+  }
+  return t;
+}
+
+// ---------------------------------------------------------------- quantized dot products
+//
+// A row of a BITS-bit matrix is read in 16-byte chunks (one uint4): 32 codes at 4 bits,
+// 16 at 8 bits. A chunk never straddles a quantization group, so one scale and one bias
+// apply to the whole chunk and the bias folds out:
+//     sum_i (s*q_i + b) x_i = s * (q . x) + b * sum(x).
+// The codes are not shifted down: the field is masked in place (float(w & (15 << 4j)) =
+// q * 16^j exactly) and the matching x values are pre-multiplied by 16^-j (powers of two:
+// the products q*x are exactly the same), so x is prepared once per chunk and reused for
+// every row that reads the chunk.
+
+// Values of one chunk and float4s needed to hold them.
+template <int BITS> struct QChunk {
+  static constant constexpr uint values = 128 / BITS;
+  static constant constexpr uint float4s = 32 / BITS;
+};
+
+// Loads chunk c of x (x4 points at float4 0 of the vector), multiplies it by mult and the
+// in-word position factors into xs, and returns mult * sum of the chunk.
+template <int BITS>
+inline float q_load_x(device const float4* x4, uint c, float mult, thread float4* xs) {
+  constexpr uint nf4 = QChunk<BITS>::float4s;
+  float s = 0.0f;
+  for (uint i = 0; i < nf4; ++i) {
+    float4 v = x4[c * nf4 + i] * mult;
+    s += (v.x + v.y) + (v.z + v.w);
+    if (BITS == 4) {
+      // word i/2 holds values 8*(i/2)..+7; float4 i covers nibbles 4*(i%2)..+3
+      xs[i] = (i % 2 == 0) ? v * float4(1.0f, 0.0625f, 0.00390625f, 0.000244140625f)
+                           : v * float4(1.52587890625e-05f, 9.5367431640625e-07f,
+                                          5.9604644775390625e-08f, 3.7252902984619140625e-09f);
+    } else {
+      xs[i] = v * float4(1.0f, 0.00390625f, 1.52587890625e-05f, 5.9604644775390625e-08f);
+    }
+  }
+  return s;
+}
+
+// q . x for one chunk of codes and a chunk of x prepared by q_load_x.
+template <int BITS>
+inline float q_dot_chunk(uint4 w, thread const float4* xs) {
+  float d = 0.0f;
+  for (uint k = 0; k < 4; ++k) {
+    uint4 wk = uint4(w[k]);
+    if (BITS == 4) {
+      float4 lo = float4(wk & uint4(0xFu, 0xF0u, 0xF00u, 0xF000u));
+      float4 hi = float4(wk & uint4(0xF0000u, 0xF00000u, 0xF000000u, 0xF0000000u));
+      d += dot(lo, xs[2 * k]) + dot(hi, xs[2 * k + 1]);
+    } else {
+      float4 b = float4(wk & uint4(0xFFu, 0xFF00u, 0xFF0000u, 0xFF000000u));
+      d += dot(b, xs[k]);
+    }
+  }
+  return d;
+}
+
+// One chunk c of x against up to 8 consecutive rows row0.. of a quantized matrix:
+// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows.
+//   w       the matrix as uint4 chunks, row-major [rows, chunks]
+//   scales  bf16 [rows, groups], biases likewise
+template <int BITS>
+inline void q_chunk_rows(device const uint4* w, device const bfloat* scales,
+                         device const bfloat* biases, uint chunks, uint groups, uint row0,
+                         uint nrows, uint c, thread const float4* xs, float xsum,
+                         thread float* acc) {
+  const uint g = c * QChunk<BITS>::values / kQuantGroup;
+  for (uint r = 0; r < 8; ++r) {
+    if (r < nrows) {
+      const uint row = row0 + r;
+      const uint4 q = w[row * chunks + c];
+      const float s = float(scales[row * groups + g]);
+      const float b = float(biases[row * groups + g]);
+      acc[r] += s * q_dot_chunk<BITS>(q, xs) + b * xsum;
+    }
+  }
+}
+
+// Team geometry: a simdgroup splits into teams of `size` lanes (a power of two, 4..32);
+// the lanes of a team share the rows of the team and stride over their chunks.
+struct QTeam {
+  uint size;  // lanes per team
+  uint lane;  // this lane's index within its team
+  uint team;  // this lane's team within the simdgroup
+  uint rows;  // rows per team (= rows_per_simdgroup * size / 32)
+};
+
+// The largest power of two <= chunks, clamped to [32 / rows_per_simdgroup, 32].
+inline QTeam q_team(uint chunks, uint rows_per_simdgroup, uint simd_lane) {
+  const uint min_size = 32 / rows_per_simdgroup;
+  uint size = 32;
+  while (size > min_size && size > chunks) {
+    size >>= 1;
+  }
+  QTeam t;
+  t.size = size;
+  t.lane = simd_lane & (size - 1);
+  t.team = simd_lane / size;
+  t.rows = rows_per_simdgroup * size / 32;
+  return t;
+}
+
+// Sum over the lanes of a team (xor butterfly: every lane of the team gets the sum).
+// All lanes of the simdgroup must call it (team sizes are uniform).
+inline float4 team_sum(float4 v, uint size) {
+  for (ushort m = 1; m < size; m <<= 1) {
+    v += simd_shuffle_xor(v, m);
+  }
+  return v;
+}
+
+// Reduces acc[0..8) over the team and returns the value of row `team lane` (lane r of a
+// team holds the total of the team's row r, for r < 8).
+inline float team_reduce_rows(thread const float* acc, QTeam t) {
+  const float4 lo = team_sum(float4(acc[0], acc[1], acc[2], acc[3]), t.size);
+  // t.rows is uniform over the simdgroup: every lane skips (or runs) the same collectives
+  const float4 hi = t.rows > 4 ? team_sum(float4(acc[4], acc[5], acc[6], acc[7]), t.size)
+                               : float4(0.0f);
+  const uint r = t.lane;
+  float v = 0.0f;
+  for (uint i = 0; i < 4; ++i) {
+    v = (r == i) ? lo[i] : v;
+    v = (r == i + 4) ? hi[i] : v;
+  }
+  return v;
+}

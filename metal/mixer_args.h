@@ -1,0 +1,72 @@
+// Argument structs of the mixer and sampling kernels (metal/attention.metal, metal/gdn.metal,
+// metal/sample.metal). Each is bound as `constant T& args [[buffer(n)]]` (setBytes); the
+// host fills the same layout (all fields 4 bytes: uint / float, no padding). Host-side facts
+// (grids, threadgroups, buffer ranges) are in docs/kernels.md, "Attention, Gated DeltaNet,
+// sampling".
+#ifndef LILY_MIXER_ARGS_H
+#define LILY_MIXER_ARGS_H
+
+// gdn_decode_step_k<Dk>_v<Dv>: one Gated DeltaNet decode step (conv, norms, gates,
+// delta-rule update, gated RMSNorm). Dk, Dv are template parameters of the kernel.
+struct GdnDecodeArgs {
+  uint num_k_heads;   // Hk: key heads (16)
+  uint num_v_heads;   // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)
+  uint conv_kernel;   // K: causal conv taps (4), >= 2; conv state holds the last K-1 inputs
+  float norm_eps;     // eps of the gated RMSNorm over Dv (1e-6)
+  float l2_eps;       // eps added to the sum of squares in the q/k L2 norm (1e-6)
+};
+
+// attn_qk_prep: q/k RMSNorm, partial RoPE, KV-cache append, q and gate out.
+struct AttnPrepArgs {
+  uint num_q_heads;   // Hq (16)
+  uint num_kv_heads;  // Hkv (2)
+  uint head_dim;      // D (256); the threadgroup has D threads
+  uint rotary_dim;    // leading dims that get RoPE (64); dim i pairs with i + rotary_dim / 2
+  uint capacity;      // rows per KV head in the cache ([Hkv, capacity, D]); rows >= capacity are not written
+  float norm_eps;     // q_norm / k_norm epsilon (1e-6)
+  float log2_theta;   // log2(rope_theta) (log2(1e7)); frequency of pair i: theta^(-2i/rotary_dim)
+};
+
+// attn_decode_d<D>_g<G> and attn_decode_split_d<D>_g<G>: softmax attention of one new query
+// per head over cache rows [0, pos], G query heads per threadgroup sharing one KV head.
+struct AttnDecodeArgs {
+  uint num_q_heads;   // Hq (16)
+  uint num_kv_heads;  // Hkv (2); Hq / Hkv query heads share a KV head, a multiple of G
+  uint capacity;      // rows per KV head in the cache
+  uint gate_stride;   // elements between the gate vectors of consecutive heads (D compact, 2*D in the q_proj output)
+  float scale;        // softmax scale, head_dim^-0.5
+  uint block_rows;    // split path only: rows per KV block (B); block b covers [b*B, min((b+1)*B, pos+1))
+  uint max_blocks;    // split path only: partial slots per head in the partials buffers (>= blocks dispatched)
+};
+
+// attn_combine_d<D>: merges the split path's per-block partials into the gated output.
+struct AttnCombineArgs {
+  uint num_q_heads;   // Hq
+  uint gate_stride;   // as AttnDecodeArgs::gate_stride
+  uint block_rows;    // B, as given to attn_decode_split
+  uint max_blocks;    // as given to attn_decode_split
+};
+
+// sample_greedy: argmax of fp32 logits.
+struct SampleGreedyArgs {
+  uint vocab;         // V: number of logits
+};
+
+// sample_token: penalties, temperature, top-k, top-p, min-p and a seeded draw.
+struct SampleArgs {
+  uint vocab;               // V: number of logits
+  float temperature;        // 0: greedy (argmax of the penalised logits); > 0 divides the logits
+  uint top_k;               // 0 disables; else keep the k largest
+  float top_p;              // (0, 1]; 1 disables
+  float min_p;              // [0, 1]; 0 disables; keep p >= min_p * p_max
+  float presence_penalty;   // subtracted once from tokens generated at least once
+  float frequency_penalty;  // subtracted per generated occurrence
+  float repetition_penalty; // 1 disables; logits of seen tokens (prompt or output): x > 0 ? x / r : x * r
+  uint seed_lo;             // low 32 bits of the 64-bit seed (Philox key word 0)
+  uint seed_hi;             // high 32 bits of the seed (Philox key word 1)
+  uint logprobs;            // 1: write the chosen token's log-probability (raw logits) to logprob_out[0]
+  uint top_logprobs;        // 0..20: also write the n most likely raw-logit alternatives (ids, logprobs)
+  uint update_counts;       // 1: counts[token] += 1 after the draw (the per-session count buffer)
+};
+
+#endif  // LILY_MIXER_ARGS_H

@@ -1,0 +1,233 @@
+// The sparse MoE block of the decode step (batch 1), in three dispatches after the router
+// GEMV (gemv_q8 on mlp.gate):
+//   moe_route              softmax -> top-k -> renormalise; plus the shared-expert gate
+//   moe_gate_up_swiglu_q4  h_j = silu(Wg_j x) * (Wu_j x) for the k experts and the shared one
+//   moe_down_q4            residual += sum_j w_j Wd_j h_j + sigmoid(g_s) Wd_s h_s
+// Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
+#include <metal_stdlib>
+using namespace metal;
+
+#include "common.h"
+
+// ---- moe_route ------------------------------------------------------------------------
+// One threadgroup of 32..1024 threads (>= top_k; round_up(experts, 32) recommended).
+//   p = softmax(logits) in fp32; the k largest p in descending order, ties to the lower
+//   index (numpy argsort(-p, kind="stable")); w_j = p_j / sum(p_top) when norm_topk.
+// The shared-expert gate (an 8-bit [1, hidden] row) is one dot product over x; it is
+// computed here, so the MoE block needs no extra dispatch for it:
+//   weights[top_k] = sigmoid(shared_expert_gate . x).
+kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] router output
+                      device const float4* x [[buffer(1)]],       // [hidden] normalised input
+                      device const uint* gate_w [[buffer(2)]],    // shared_expert_gate.weight [1, hidden/4] (8-bit)
+                      device const bfloat* gate_s [[buffer(3)]],  // shared_expert_gate.scales [1, hidden/64]
+                      device const bfloat* gate_b [[buffer(4)]],  // shared_expert_gate.biases [1, hidden/64]
+                      device uint* ids [[buffer(5)]],             // [top_k] selected experts
+                      device float* weights [[buffer(6)]],        // [top_k + 1] routing weights, shared gate
+                      constant RouteArgs& args [[buffer(7)]],
+                      uint tid [[thread_position_in_threadgroup]],
+                      uint tcount [[threads_per_threadgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint lane [[thread_index_in_simdgroup]],
+                      uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float probs[kRouteMaxExperts];
+  threadgroup float scratch[32];
+  threadgroup float best_p[32];
+  threadgroup uint best_i[32];
+  const uint n = min(args.experts, kRouteMaxExperts);
+  const uint k = args.top_k;
+
+  // softmax (fp32)
+  float m = -INFINITY;
+  for (uint i = tid; i < n; i += tcount) {
+    m = max(m, logits[i]);
+  }
+  m = threadgroup_max(m, scratch, sg, lane, nsg);
+  float s = 0.0f;
+  for (uint i = tid; i < n; i += tcount) {
+    const float e = exp(logits[i] - m);
+    probs[i] = e;
+    s += e;
+  }
+  s = threadgroup_sum(s, scratch, sg, lane, nsg);
+  for (uint i = tid; i < n; i += tcount) {
+    probs[i] = probs[i] / s;  // written by this thread above
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // top-k: k rounds of a threadgroup argmax; a chosen expert's p becomes -1
+  uint my_id = 0;
+  float my_p = 0.0f;
+  float top_sum = 0.0f;
+  for (uint j = 0; j < k; ++j) {
+    float bp = -1.0f;
+    uint bi = 0xFFFFFFFFu;
+    for (uint i = tid; i < n; i += tcount) {  // increasing i: keeps the lowest index on ties
+      const float p = probs[i];
+      if (p > bp) {
+        bp = p;
+        bi = i;
+      }
+    }
+    const float sp = simd_max(bp);
+    const uint si = simd_min(bp == sp ? bi : 0xFFFFFFFFu);
+    if (lane == 0) {
+      best_p[sg] = sp;
+      best_i[sg] = si;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float wp = best_p[0];
+    uint wi = best_i[0];
+    for (uint g = 1; g < nsg; ++g) {
+      if (best_p[g] > wp || (best_p[g] == wp && best_i[g] < wi)) {
+        wp = best_p[g];
+        wi = best_i[g];
+      }
+    }
+    if (tid == j) {
+      my_id = wi;
+      my_p = wp;
+    }
+    top_sum += wp;
+    if (tid == 0 && wi < n) {
+      probs[wi] = -1.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (tid < k) {
+    ids[tid] = my_id;
+    weights[tid] = args.norm_topk ? my_p / top_sum : my_p;
+  }
+
+  // shared-expert gate: 8-bit row . x (four codes per word, one float4 of x)
+  const uint words = args.hidden / 4;
+  float d = 0.0f;
+  for (uint i = tid; i < words; i += tcount) {
+    const uint q = gate_w[i];
+    const float4 xv = x[i];
+    const uint g = i * 4 / kQuantGroup;
+    const float4 qf = float4((uint4(q) >> uint4(0u, 8u, 16u, 24u)) & uint4(0xFFu));
+    d += float(gate_s[g]) * dot(qf, xv) + float(gate_b[g]) * ((xv.x + xv.y) + (xv.z + xv.w));
+  }
+  d = threadgroup_sum(d, scratch, sg, lane, nsg);
+  if (tid == 0) {
+    weights[k] = sigmoid(d);
+  }
+}
+
+// ---- moe_gate_up_swiglu_q4 ------------------------------------------------------------
+// Threadgroup grid (ceil(max(inter, inter_shared) / (4 * simdgroups)), top_k + 1): y = slot
+// j (expert ids[j] for j < top_k, the shared expert for j = top_k). Each simdgroup owns
+// kGateUpRowsPerSimdgroup (4) rows of the slot; its teams compute the gate and the up dot
+// of a row together from one load of x, and store h = silu(gate) * up. Nothing but h
+// leaves registers.
+kernel void moe_gate_up_swiglu_q4(
+    device const float4* x [[buffer(0)]],        // [hidden] normalised input
+    device const uint* ids [[buffer(1)]],        // [top_k] from moe_route
+    device const uint4* gate_w [[buffer(2)]],    // switch_mlp.gate_proj.weight [E, inter, hidden/8]
+    device const bfloat* gate_s [[buffer(3)]],   // switch_mlp.gate_proj.scales [E, inter, hidden/64]
+    device const bfloat* gate_b [[buffer(4)]],   // switch_mlp.gate_proj.biases
+    device const uint4* up_w [[buffer(5)]],      // switch_mlp.up_proj.weight [E, inter, hidden/8]
+    device const bfloat* up_s [[buffer(6)]],     // switch_mlp.up_proj.scales
+    device const bfloat* up_b [[buffer(7)]],     // switch_mlp.up_proj.biases
+    device const uint4* sgate_w [[buffer(8)]],   // shared_expert.gate_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sgate_s [[buffer(9)]],  // shared_expert.gate_proj.scales
+    device const bfloat* sgate_b [[buffer(10)]], // shared_expert.gate_proj.biases
+    device const uint4* sup_w [[buffer(11)]],    // shared_expert.up_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sup_s [[buffer(12)]],   // shared_expert.up_proj.scales
+    device const bfloat* sup_b [[buffer(13)]],   // shared_expert.up_proj.biases
+    device float* h [[buffer(14)]],              // [top_k * inter + inter_shared] fp32
+    constant MoeArgs& args [[buffer(15)]],
+    uint2 tg [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  const uint slot = tg.y;
+  const bool shared = slot >= args.top_k;
+  const uint rows = shared ? args.inter_shared : args.inter;
+  const uint chunks = args.hidden / 32;  // 4-bit: 32 codes per 16-byte chunk
+  const uint groups = args.hidden / kQuantGroup;
+  const uint e = shared ? 0u : min(ids[slot], args.experts - 1u);
+  const uint wo = e * rows * chunks;  // expert offset in chunks
+  const uint so = e * rows * groups;  // expert offset in groups
+  device const uint4* gw = shared ? sgate_w : gate_w + wo;
+  device const bfloat* gs = shared ? sgate_s : gate_s + so;
+  device const bfloat* gb = shared ? sgate_b : gate_b + so;
+  device const uint4* uw = shared ? sup_w : up_w + wo;
+  device const bfloat* us = shared ? sup_s : up_s + so;
+  device const bfloat* ub = shared ? sup_b : up_b + so;
+
+  const QTeam t = q_team(chunks, kGateUpRowsPerSimdgroup, lane);
+  const uint row0 = (tg.x * nsg + sg) * kGateUpRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
+
+  float ag[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float au[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (nrows > 0) {
+    for (uint c = t.lane; c < chunks; c += t.size) {
+      float4 xs[QChunk<4>::float4s];
+      const float xsum = q_load_x<4>(x, c, 1.0f, xs);
+      q_chunk_rows<4>(gw, gs, gb, chunks, groups, row0, nrows, c, xs, xsum, ag);
+      q_chunk_rows<4>(uw, us, ub, chunks, groups, row0, nrows, c, xs, xsum, au);
+    }
+  }
+  const float g = team_reduce_rows(ag, t);
+  const float u = team_reduce_rows(au, t);
+  if (t.lane < nrows) {
+    h[slot * args.inter + row0 + t.lane] = silu(g) * u;
+  }
+}
+
+// ---- moe_down_q4 ----------------------------------------------------------------------
+// residual[r] += sum_{j<k} w_j (Wd_{ids[j]} h_j)[r] + w_k (Wd_shared h_k)[r], w = weights
+// from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
+// form one index space that the lanes of a team stride over, so small intermediate sizes
+// still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
+// ceil(hidden / (8 * simdgroups)); each simdgroup owns 8 rows of the residual.
+kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
+                        device const uint* ids [[buffer(1)]],          // [top_k]
+                        device const float* weights [[buffer(2)]],     // [top_k + 1]
+                        device const uint4* down_w [[buffer(3)]],      // switch_mlp.down_proj.weight [E, hidden, inter/8]
+                        device const bfloat* down_s [[buffer(4)]],     // [E, hidden, inter/64]
+                        device const bfloat* down_b [[buffer(5)]],
+                        device const uint4* sdown_w [[buffer(6)]],     // shared_expert.down_proj.weight [hidden, inter_shared/8]
+                        device const bfloat* sdown_s [[buffer(7)]],    // [hidden, inter_shared/64]
+                        device const bfloat* sdown_b [[buffer(8)]],
+                        device float* residual [[buffer(9)]],          // [hidden] fp32, updated in place
+                        constant MoeArgs& args [[buffer(10)]],
+                        uint tg [[threadgroup_position_in_grid]],
+                        uint sg [[simdgroup_index_in_threadgroup]],
+                        uint nsg [[simdgroups_per_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  const uint k = args.top_k;
+  const uint chunks = args.inter / 32;
+  const uint groups = args.inter / kQuantGroup;
+  const uint schunks = args.inter_shared / 32;
+  const uint sgroups = args.inter_shared / kQuantGroup;
+  const uint routed = k * chunks;
+  const uint total = routed + schunks;
+
+  const QTeam t = q_team(total, kGemvRowsPerSimdgroup, lane);
+  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < args.hidden ? min(t.rows, args.hidden - row0) : 0u;
+
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (nrows > 0) {
+    for (uint f = t.lane; f < total; f += t.size) {
+      const bool shared = f >= routed;
+      const uint slot = shared ? k : f / chunks;
+      const uint c = shared ? f - routed : f - slot * chunks;
+      const uint e = shared ? 0u : min(ids[slot], args.experts - 1u);
+      device const uint4* w = shared ? sdown_w : down_w + e * args.hidden * chunks;
+      device const bfloat* s = shared ? sdown_s : down_s + e * args.hidden * groups;
+      device const bfloat* b = shared ? sdown_b : down_b + e * args.hidden * groups;
+      float4 xs[QChunk<4>::float4s];
+      const float xsum = q_load_x<4>(h + slot * args.inter / 4, c, weights[slot], xs);
+      q_chunk_rows<4>(w, s, b, shared ? schunks : chunks, shared ? sgroups : groups, row0,
+                      nrows, c, xs, xsum, acc);
+    }
+  }
+  const float v = team_reduce_rows(acc, t);
+  if (t.lane < nrows) {
+    residual[row0 + t.lane] += v;
+  }
+}

@@ -1,0 +1,35 @@
+// RMSNorm for the decode step: fp32 activations, bf16 weight, fp32 out.
+// Host-side facts: docs/kernels.md.
+#include <metal_stdlib>
+using namespace metal;
+
+#include "common.h"
+
+// out[r, i] = x[r, i] * rsqrt(mean_i(x[r, :]^2) + eps) * w[i]. One threadgroup per row r
+// (grid = rows threadgroups, e.g. 1 for the hidden state, heads for a per-head norm), any
+// threadgroup size up to 1024 (256 recommended). out may alias x (each element is read
+// and written by the same thread).
+kernel void rms_norm(device const float* x [[buffer(0)]],    // [rows, n] fp32
+                     device const bfloat* w [[buffer(1)]],   // [n] bf16, shared by all rows
+                     device float* out [[buffer(2)]],        // [rows, n] fp32
+                     constant NormArgs& args [[buffer(3)]],
+                     uint row [[threadgroup_position_in_grid]],
+                     uint tid [[thread_position_in_threadgroup]],
+                     uint tcount [[threads_per_threadgroup]],
+                     uint sg [[simdgroup_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]],
+                     uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float scratch[32];
+  device const float* xr = x + row * args.n;
+  device float* outr = out + row * args.n;
+  float ss = 0.0f;
+  for (uint i = tid; i < args.n; i += tcount) {
+    const float v = xr[i];
+    ss += v * v;
+  }
+  ss = threadgroup_sum(ss, scratch, sg, lane, nsg);
+  const float inv = rsqrt(ss / float(args.n) + args.eps);
+  for (uint i = tid; i < args.n; i += tcount) {
+    outr[i] = xr[i] * inv * float(w[i]);
+  }
+}

@@ -1,0 +1,123 @@
+"""Native devices (``sim``, ``metal``) as engine backends: the C++ decode runtime
+(``csrc/runtime``) over the device layer, fed from the memory-mapped checkpoint.
+
+Prompt tokens currently run as one decode step each; the chunked prefill kernels are a
+separate piece of work (docs/kernels.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lily.checkpoint import Checkpoint, ModelConfig
+from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+
+SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
+SPLIT_BLOCK = 1024       # KV rows per block on the split path
+
+
+def model_dims(c: ModelConfig) -> dict:
+    """The runtime's ``ModelDims`` from a :class:`ModelConfig`."""
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rotary_dim", "linear_num_key_heads",
+            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
+            "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps",
+            "rope_theta", "norm_topk_prob")
+    d = {k: getattr(c, k) for k in keys}
+    d["full_attention"] = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
+    return d
+
+
+def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
+    """``(name, file, byte offset, nbytes)`` of every text-model tensor."""
+    return [(name, str(t.file), t.start, t.nbytes) for name, t in ck.tensors.items()]
+
+
+def make_device(name: str, **options):
+    """A native device by name; raises :class:`DeviceError` if it is not in this build."""
+    from lily import _core
+    if name not in _core.compiled_devices():
+        raise DeviceError(f"device {name!r} is not compiled into this build of lily "
+                          f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
+    return _core.sim_device(**options) if name == "sim" else _core.metal_device()
+
+
+class NativeBackend:
+    """The engine backend over ``lily._core.DecodeRuntime``."""
+
+    def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
+                 split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
+                 device_options: dict | None = None):
+        self.name = device
+        self.config = ck.config
+        self.max_context = max_context
+        self.device = make_device(device, **(device_options or {}))
+        try:
+            self.runtime = _runtime(self.device, ck.config, tensor_table(ck), max_context,
+                                    split_threshold, split_block)
+        except ValueError as e:
+            raise DeviceError(f"{device}: {e}") from None
+
+    @property
+    def position(self) -> int:
+        return self.runtime.position
+
+    def reset(self) -> None:
+        self.runtime.reset()
+
+    def forward(self, tokens, *, all_logits: bool) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise InvalidParameterError("tokens must contain at least one token id")
+        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
+            raise InvalidParameterError(f"a token id is outside the vocabulary [0, {self.config.vocab_size})")
+        if self.position + tokens.size > self.max_context:
+            raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
+                                     f"the context window of {self.max_context} tokens")
+        raw = self.runtime.forward(tokens.tolist(), all_logits)
+        out = np.frombuffer(raw, dtype=np.float32).reshape(-1, self.config.vocab_size)
+        return out if all_logits else out[0]
+
+    def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
+        """Pipelined greedy decode on the device (GPU token hand-off); see DecodeRuntime."""
+        return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
+
+    def snapshot(self):
+        raise DeviceError(f"session snapshots are not implemented on device {self.name!r} yet")
+
+    def restore(self, snap) -> None:
+        raise DeviceError(f"session snapshots are not implemented on device {self.name!r} yet")
+
+
+def _runtime(device, config: ModelConfig, tensors, max_context: int, split_threshold: int,
+             split_block: int, virtual_weights: bool = False):
+    from lily import _core
+    return _core.DecodeRuntime(device, model_dims(config), tensors, max_context,
+                               split_threshold, split_block, virtual_weights)
+
+
+def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
+                      split_threshold: int = SPLIT_THRESHOLD) -> dict:
+    """Simulator counters of one decode step at ``context`` tokens for a model that need not
+    exist on disk (record-only device, virtual weights laid out as MLX writes them).
+
+    Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
+    (weights of the selected experts, KV rows, state)."""
+    from lily.checkpoint import expected_tensors
+    tensors, offset = [], 0
+    for kind, name, shape in expected_tensors(config):
+        if kind == "linear":
+            *lead, out_f, in_f = shape
+            b = router_bits if name.endswith((".mlp.gate", ".shared_expert_gate")) else bits
+            lead_n = int(np.prod(lead)) if lead else 1
+            parts = {".weight": lead_n * out_f * in_f * b // 8,
+                     ".scales": lead_n * out_f * (in_f // 64) * 2, ".biases": lead_n * out_f * (in_f // 64) * 2}
+        else:
+            parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
+        for suffix, nbytes in parts.items():
+            tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
+            offset += nbytes
+    dev = make_device("sim", record_only=True)
+    rt = _runtime(dev, config, tensors, context + 1, split_threshold, SPLIT_BLOCK, virtual_weights=True)
+    return rt.count_step(context)

@@ -1,0 +1,627 @@
+"""Decode kernels of metal/gemv.metal, metal/norm.metal and metal/moe.metal on the Metal
+simulator, each compared with numpy on fresh random inputs (random packed codes, random
+bf16 scales and biases, outputs pre-poisoned with NaN by the simulator), and the whole MoE
+block compared with ``lily.reference.ReferenceModel.moe``.
+
+Tolerances (fp32 accumulation order only). Every kernel output is a sum of products that
+the kernel accumulates in fp32 in a different order than numpy (per-chunk partial sums,
+lane strides, a butterfly over the team, the bias folded as ``b * sum(x)``). The first-order
+error bound of any such order is ``depth * u * M`` with ``u = 2**-24`` and ``M`` the sum of
+the magnitudes of the terms, here ``M = sum_i (|s| q_i + |b|) |x_i|``; the depth (longest
+chain of roundings) is at most 32 (inside a chunk) + 8 (chunks per lane) + 5 (butterfly) +
+the fold, < 64. We check ``|got - exact| <= 64 u M`` per output with ``exact`` computed in
+float64. One wrong code in a row of 2048 changes the output by ~M/2048 ~ 5e-4 M, far above
+64 u M ~ 4e-6 M, so the bound still catches every indexing error. Composite kernels
+propagate the bound to first order (see ``_swiglu_bound`` and ``test_moe_block_*``).
+"""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
+from lily.reference import ReferenceModel, silu, sigmoid, softmax  # noqa: E402
+
+U = 2.0**-24          # fp32 unit roundoff
+DEPTH = 64            # accumulation depth bound of the kernels (module docstring)
+GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
+GATE_UP_ROWS_PER_SG = 4
+TG = 64               # threads per threadgroup used for the GEMV-like kernels
+TIMES: dict[str, float] = {}
+
+
+@pytest.fixture(scope="module")
+def dev():
+    # verify_writes: every byte written outside a dispatch's declared write ranges is an error
+    return sim_device(verify_writes=True)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def to_bf16_bits(x) -> np.ndarray:
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
+    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, realistic bf16 scales
+    (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
+    shape = (*lead, rows)
+    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
+    g = (*shape, cols // 64)
+    s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
+    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
+    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
+
+
+def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
+    w, s, b = qt.weight, qt.scales, qt.biases
+    if index is not None:
+        w, s, b = w[index], s[index], b[index]
+    per = 32 // qt.bits
+    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
+    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
+    qg = q.reshape(*q.shape[:-1], -1, 64)
+    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
+    return m.reshape(q.shape)
+
+
+def upload_q(dev, qt: QuantizedTensor):
+    return upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)
+
+
+def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    idx = len(buffers)
+    p.dispatch(kernel, grid, tg, buffers=[(i, b) for i, b in enumerate(buffers)],
+               constants=[(idx, args)], reads=list(reads), writes=list(writes),
+               threadgroups=threadgroups, label=label)
+    t0 = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
+    return cb
+
+
+def gemv_grid(rows):
+    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
+
+
+def assert_within(got, want, tol, what):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs at {np.nonzero(~np.isfinite(got))[0][:10]}"
+    err = np.abs(got - want)
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} outputs out of tolerance; worst err/tol "
+                           f"{(err / tol).max():.3g} at {np.argmax(err / tol)}")
+    return float((err / tol).max())
+
+
+# ----------------------------------------------------------------------------- gemv
+
+GEMV_SHAPES = [
+    (2048, 2048), (512, 2048), (2048, 512), (2048, 4096), (4096, 2048), (3000, 2048),  # real model
+    (256, 2048), (1024, 2048),                                                        # router, shared gate_up
+    (128, 128), (256, 256), (64, 128), (128, 64), (32, 256),                           # small presets
+    (33, 128), (100, 256), (1, 64), (7, 192), (33, 320), (17, 2048),                   # ragged
+]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
+def test_gemv(dev, bits, rows, cols):
+    rng = np.random.default_rng(rows * 7919 + cols + bits)
+    qt = rand_quant(rng, (), rows, cols, bits)
+    x = rng.standard_normal(cols).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X = upload(dev, x)
+    pad = 8
+    Y = dev.buffer(4 * (rows + pad))  # poisoned (NaN); the pad must stay untouched
+    run(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+        reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=f"gemv_q{bits}")
+    out = download(Y, np.float32)
+    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
+    mag = magnitude(qt) @ np.abs(x.astype(np.float64))
+    assert_within(out[:rows], exact, DEPTH * U * mag, f"gemv_q{bits} {rows}x{cols}")
+    assert np.isnan(out[rows:]).all(), "wrote past the last row"
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,cols", [(2048, 4096), (2048, 2048), (256, 512), (33, 128), (100, 64)])
+def test_gemv_add_residual(dev, bits, rows, cols):
+    rng = np.random.default_rng(rows + cols * 3 + bits)
+    qt = rand_quant(rng, (), rows, cols, bits)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X, R = upload(dev, x), upload(dev, r0)
+    run(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], constant(rows, cols),
+        reads=[W, S, B, X, R], writes=[R], label=f"gemv_q{bits}_add")
+    exact = r0.astype(np.float64) + qt.dequantize().astype(np.float64) @ x.astype(np.float64)
+    mag = magnitude(qt) @ np.abs(x.astype(np.float64)) + np.abs(r0)
+    assert_within(download(R, np.float32), exact, DEPTH * U * mag, f"gemv_q{bits}_add {rows}x{cols}")
+
+
+@pytest.mark.parametrize("tg", [32, 128, 256])
+def test_gemv_threadgroup_sizes(dev, tg):
+    """Any multiple of 32 threads works; the grid is ceil(rows / (8 * tg / 32))."""
+    rows, cols = 300, 1024
+    rng = np.random.default_rng(tg)
+    qt = rand_quant(rng, (), rows, cols, 4)
+    x = rng.standard_normal(cols).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X, Y = upload(dev, x), dev.buffer(4 * rows)
+    run(dev, "gemv_q4", -(-rows // (8 * tg // 32)), tg, [W, S, B, X, Y], constant(rows, cols),
+        reads=[W, S, B, X], writes=[Y])
+    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
+    assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt) @ np.abs(x)), "gemv_q4 tg")
+
+
+def test_gemv_weight_offsets(dev):
+    """Weights bound at an offset into a larger buffer (one expert of a stack, or a tensor
+    inside a mapped file), as a runtime binds them."""
+    rng = np.random.default_rng(5)
+    E, rows, cols, e = 4, 64, 256, 2
+    qt = rand_quant(rng, (E,), rows, cols, 4)
+    x = rng.standard_normal(cols).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X, Y = upload(dev, x), dev.buffer(4 * rows)
+    wb, sb = rows * cols // 2, rows * cols // 64 * 2
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch(
+        "gemv_q4", gemv_grid(rows), TG, buffers=[(0, W, e * wb), (1, S, e * sb), (2, B, e * sb), (3, X), (4, Y)],
+        constants=[(5, constant(rows, cols))], reads=[(W, e * wb, wb), (S, e * sb, sb), (B, e * sb, sb), X],
+        writes=[Y], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    exact = qt.dequantize(e).astype(np.float64) @ x.astype(np.float64)
+    assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt, e) @ np.abs(x)), "gemv_q4 offset")
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+@pytest.mark.parametrize("vocab,cols", [(3000, 2048), (8192, 256), (100, 128), (37, 64)])
+def test_embed(dev, vocab, cols):
+    rng = np.random.default_rng(vocab + cols)
+    qt = rand_quant(rng, (), vocab, cols, 4)
+    W, S, B = upload_q(dev, qt)
+    for tok, want_row in [(0, 0), (vocab - 1, vocab - 1), (vocab // 3, vocab // 3), (vocab + 5, vocab - 1)]:
+        T = upload(dev, np.array([tok], np.uint32))
+        O = dev.buffer(4 * cols)
+        run(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], constant(cols, vocab),
+            reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_q4")
+        want = qt.dequantize(want_row).astype(np.float64)
+        mag = magnitude(qt, want_row)
+        assert_within(download(O, np.float32), want, 2 * U * mag, f"embed row {tok}")
+
+
+# ----------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("rows,n,tg", [(1, 2048, 256), (1, 2048, 1024), (1, 256, 256), (16, 256, 64),
+                                       (32, 128, 128), (2, 100, 96), (3, 33, 32), (1, 4096, 256)])
+def test_rms_norm(dev, rows, n, tg):
+    rng = np.random.default_rng(rows * n + tg)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
+    eps = 1e-6
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
+    args = constant(n) + np.float32(eps).tobytes()
+    run(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
+    # sum of n positive squares (depth <= n/tg + 5 + 32) feeds rsqrt (halves the relative
+    # error), then two products: 64 u relative is a safe first-order bound
+    assert_within(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm")
+
+
+def test_rms_norm_in_place(dev):
+    rng = np.random.default_rng(11)
+    n = 2048
+    x = rng.standard_normal(n).astype(np.float32)
+    w = to_bf16_bits(rng.standard_normal(n))
+    X, Wt = upload(dev, x), upload(dev, w)
+    run(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
+    assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
+
+
+# ----------------------------------------------------------------------------- moe_route
+
+
+def route_ref(logits, k, norm=True):
+    """lily.reference.ReferenceModel.moe's routing on float32 logits."""
+    p = softmax(logits.astype(np.float32)[None])[0]
+    top = np.argsort(-p, kind="stable")[:k]
+    w = p[top]
+    return top, (w / w.sum() if norm else w)
+
+
+def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
+    E, hidden = logits.size, x.size
+    L, X = upload(dev, logits.astype(np.float32)), upload(dev, x)
+    GW, GS, GB = upload_q(dev, gate)
+    ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+    tg = tg or min(1024, -(-E // 32) * 32)
+    run(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, int(norm)),
+        reads=[L, X, GW, GS, GB], writes=[ids, wts], label="moe_route")
+    return download(ids, np.uint32), download(wts, np.float32)
+
+
+@pytest.mark.parametrize("E,k,hidden,tg", [(256, 8, 2048, None), (256, 8, 2048, 64), (32, 8, 256, None),
+                                           (16, 4, 128, None), (100, 3, 64, 32), (1000, 32, 128, 1024),
+                                           (8, 8, 64, None), (256, 1, 2048, 256)])
+def test_moe_route(dev, E, k, hidden, tg):
+    rng = np.random.default_rng(E * 31 + k)
+    logits = (rng.standard_normal(E) * 2).astype(np.float32)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    gate = rand_quant(rng, (), 1, hidden, 8)
+    ids, wts = run_route(dev, logits, k, x, gate, tg=tg)
+    top, w = route_ref(logits, k)
+    np.testing.assert_array_equal(ids, top)
+    # softmax (sum of E exps, each with relative error ~2u) and one division: 16 u relative
+    np.testing.assert_allclose(wts[:k], w, rtol=16 * U * np.log2(E) + 8 * U, atol=0)
+    g = gate.dequantize()[0].astype(np.float64) @ x.astype(np.float64)
+    gmag = magnitude(gate)[0] @ np.abs(x.astype(np.float64))
+    # sigmoid' <= 1/4
+    assert abs(wts[k] - sigmoid(g)) <= 0.25 * DEPTH * U * gmag + 4 * U
+
+
+def test_moe_route_ties_and_no_renorm(dev):
+    """Equal probabilities: the lower expert index comes first (argsort(-p, stable))."""
+    E, k, hidden = 64, 8, 128
+    logits = np.zeros(E, np.float32)
+    logits[[5, 9, 40, 41, 63]] = 3.0        # five-way tie at the top
+    logits[[2, 3, 50]] = 1.0                # then a three-way tie: fills k = 8
+    logits[[60, 7]] = 0.5                   # tied runners-up, not selected
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    gate = rand_quant(rng, (), 1, hidden, 8)
+    for norm in (True, False):
+        ids, wts = run_route(dev, logits, k, x, gate, norm=norm)
+        top, w = route_ref(logits, k, norm=norm)
+        np.testing.assert_array_equal(ids, top)
+        np.testing.assert_array_equal(ids, [5, 9, 40, 41, 63, 2, 3, 50])
+        np.testing.assert_allclose(wts[:k], w, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------- MoE experts
+
+
+class MoeWeights:
+    """Random MoE weights of one layer in the checkpoint's layout."""
+
+    def __init__(self, rng, E, hidden, inter, inter_shared):
+        self.E, self.hidden, self.inter, self.inter_shared = E, hidden, inter, inter_shared
+        self.gate = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.gate_proj")
+        self.up = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.up_proj")
+        self.down = rand_quant(rng, (E,), hidden, inter, 4, "switch_mlp.down_proj")
+        self.sgate = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.gate_proj")
+        self.sup = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.up_proj")
+        self.sdown = rand_quant(rng, (), hidden, inter_shared, 4, "shared_expert.down_proj")
+        self.router = rand_quant(rng, (), E, hidden, 8, "gate")
+        self.shared_gate = rand_quant(rng, (), 1, hidden, 8, "shared_expert_gate")
+
+    @classmethod
+    def from_checkpoint(cls, ck, layer):
+        self = cls.__new__(cls)
+        p = f"model.layers.{layer}.mlp"
+        self.gate = ck.quantized(f"{p}.switch_mlp.gate_proj")
+        self.up = ck.quantized(f"{p}.switch_mlp.up_proj")
+        self.down = ck.quantized(f"{p}.switch_mlp.down_proj")
+        self.sgate = ck.quantized(f"{p}.shared_expert.gate_proj")
+        self.sup = ck.quantized(f"{p}.shared_expert.up_proj")
+        self.sdown = ck.quantized(f"{p}.shared_expert.down_proj")
+        self.router = ck.quantized(f"{p}.gate")
+        self.shared_gate = ck.quantized(f"{p}.shared_expert_gate")
+        self.E, self.inter, self.hidden = self.gate.weight.shape[0], self.gate.weight.shape[1], self.down.weight.shape[1]
+        self.inter_shared = self.sgate.weight.shape[0]
+        return self
+
+    def upload(self, dev):
+        self.bufs = {n: upload_q(dev, getattr(self, n)) for n in
+                     ("gate", "up", "down", "sgate", "sup", "sdown", "router", "shared_gate")}
+        return self.bufs
+
+    def args(self, k):
+        return constant(self.hidden, self.inter, self.inter_shared, self.E, k)
+
+    # float64 oracle pieces, with first-order error magnitudes
+    def swiglu(self, x, ids):
+        """h [k*inter + inter_shared] (float64) and its error bound."""
+        x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
+        hs, tols = [], []
+        mats = [(self.gate, self.up, int(e)) for e in ids] + [(self.sgate, self.sup, None)]
+        for g_q, u_q, e in mats:
+            g = g_q.dequantize(e).astype(np.float64) @ x64
+            u = u_q.dequantize(e).astype(np.float64) @ x64
+            dg, du = DEPTH * U * (magnitude(g_q, e) @ ax), DEPTH * U * (magnitude(u_q, e) @ ax)
+            h, tol = _swiglu_bound(g, u, dg, du)
+            hs.append(h)
+            tols.append(tol)
+        return np.concatenate(hs), np.concatenate(tols)
+
+    def down_sum(self, h, ids, w, dh=None):
+        """sum_j w_j Wd_j h_j (float64) and its error bound (plus dh propagated)."""
+        k = len(ids)
+        out = np.zeros(self.hidden)
+        tol = np.zeros(self.hidden)
+        dh = np.zeros_like(h) if dh is None else dh
+        for j in range(k + 1):
+            if j < k:
+                q, e, sl = self.down, int(ids[j]), slice(j * self.inter, (j + 1) * self.inter)
+            else:
+                q, e, sl = self.sdown, None, slice(k * self.inter, k * self.inter + self.inter_shared)
+            mag = magnitude(q, e)
+            out += w[j] * (q.dequantize(e).astype(np.float64) @ h[sl])
+            tol += abs(w[j]) * (DEPTH * U * (mag @ np.abs(h[sl])) + mag @ dh[sl])
+        return out, tol
+
+
+def _swiglu_bound(g, u, dg, du):
+    """h = silu(g) * u and a first-order bound of its error for |g err| <= dg, |u err| <= du:
+    |silu'| <= 1.1, plus a few roundings of the activation itself."""
+    h = silu(g) * u
+    return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
+
+
+def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
+    """Encodes moe_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md).
+    ids: known expert ids to declare exact expert slices, else whole stacks."""
+    b = bufs
+    rows = max(W.inter, W.inter_shared)
+    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * TG // 32)), k + 1)
+    reads = [X, ids_buf, *b["sgate"], *b["sup"]]
+    if ids is None:
+        reads += [*b["gate"], *b["up"]]
+    else:
+        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // 64 * 2
+        for e in ids:
+            for (w, s, bb) in (b["gate"], b["up"]):
+                reads += [(w, int(e) * wb, wb), (s, int(e) * sb, sb), (bb, int(e) * sb, sb)]
+    p.dispatch("moe_gate_up_swiglu_q4", grid, TG,
+               buffers=[(0, X), (1, ids_buf), *[(2 + i, t) for i, t in enumerate([*b["gate"], *b["up"], *b["sgate"], *b["sup"]])],
+                        (14, H)],
+               constants=[(15, W.args(k))], reads=reads,
+               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared))], threadgroups=True,
+               label="moe_gate_up_swiglu_q4")
+
+
+def enc_down(p, W, bufs, H, ids_buf, wts, R, k):
+    b = bufs
+    p.dispatch("moe_down_q4", gemv_grid(W.hidden), TG,
+               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
+                        (9, R)],
+               constants=[(10, W.args(k))],
+               reads=[(H, 0, 4 * (k * W.inter + W.inter_shared)), ids_buf, (wts, 0, 4 * (k + 1)),
+                      *b["down"], *b["sdown"], R],
+               writes=[R], threadgroups=True, label="moe_down_q4")
+
+
+def commit(cb, label):
+    t0 = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    TIMES[label] = TIMES.get(label, 0.0) + time.perf_counter() - t0
+
+
+MOE_SHAPES = [  # E, hidden, inter, inter_shared, k
+    pytest.param(256, 2048, 512, 512, 8, id="real"),
+    pytest.param(32, 256, 128, 128, 8, id="demo"),
+    pytest.param(16, 128, 64, 64, 4, id="tiny"),
+    pytest.param(16, 192, 64, 128, 3, id="ragged"),
+]
+
+
+@pytest.fixture(scope="module")
+def moe_cache():
+    return {}
+
+
+def moe_weights(cache, E, hidden, inter, inter_shared, k):
+    key = (E, hidden, inter, inter_shared)
+    if key not in cache:
+        cache.clear()  # keep one set of (possibly 450 MB) weights alive
+        cache[key] = MoeWeights(np.random.default_rng(E + hidden + inter), E, hidden, inter, inter_shared)
+    return cache[key]
+
+
+@pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
+def test_moe_gate_up_swiglu(dev, moe_cache, E, hidden, inter, inter_shared, k):
+    W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    ids = rng.choice(E, k, replace=False).astype(np.uint32)
+    ids[-1] = E - 1  # the last expert of the stack (offset arithmetic at the end)
+    bufs = W.upload(dev)
+    X, I = upload(dev, x), upload(dev, ids)
+    H = dev.buffer(4 * (k * inter + inter_shared + 16))  # poisoned; 16 floats of pad
+    cb = dev.command_buffer()
+    enc_gate_up(cb.compute_pass(), W, bufs, X, I, H, k, ids=ids)
+    commit(cb, f"moe_gate_up_swiglu_q4[{E}x{inter}x{hidden}]")
+    got = download(H, np.float32)
+    want, tol = W.swiglu(x, ids)
+    assert_within(got[:want.size], want, tol, "moe_gate_up_swiglu_q4")
+    assert np.isnan(got[want.size:]).all()
+
+
+@pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
+def test_moe_down(dev, moe_cache, E, hidden, inter, inter_shared, k):
+    W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
+    rng = np.random.default_rng(2)
+    h = (rng.standard_normal(k * inter + inter_shared) * 0.1).astype(np.float32)
+    ids = rng.choice(E, k, replace=False).astype(np.uint32)
+    ids[0] = E - 1
+    w = rng.random(k + 1).astype(np.float32)
+    r0 = rng.standard_normal(hidden).astype(np.float32)
+    bufs = W.upload(dev)
+    Hb, I, Wt, R = upload(dev, h), upload(dev, ids), upload(dev, w), upload(dev, r0)
+    cb = dev.command_buffer()
+    enc_down(cb.compute_pass(), W, bufs, Hb, I, Wt, R, k)
+    commit(cb, f"moe_down_q4[{E}x{hidden}x{inter}]")
+    d, tol = W.down_sum(h.astype(np.float64), ids, w.astype(np.float64))
+    assert_within(download(R, np.float32), r0 + d, tol + DEPTH * U * np.abs(r0), "moe_down_q4")
+
+
+# ----------------------------------------------------------------------------- the MoE block
+
+
+def encode_moe_block(dev, W, bufs, x, r0, k, norm_topk=True):
+    """The decode-step MoE block as a runtime encodes it: one concurrent pass, barriers
+    derived from the declared ranges. residual += moe(x). Returns (cb, R, ids, wts)."""
+    b = bufs
+    X, R = upload(dev, x), upload(dev, r0)
+    logits, ids, wts = dev.buffer(4 * W.E), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+    H = dev.buffer(4 * (k * W.inter + W.inter_shared))
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("gemv_q8", gemv_grid(W.E), TG, buffers=[(0, b["router"][0]), (1, b["router"][1]), (2, b["router"][2]),
+                                                       (3, X), (4, logits)],
+               constants=[(5, constant(W.E, W.hidden))], reads=[*b["router"], X], writes=[logits],
+               threadgroups=True, label="router gemv_q8")
+    tg = min(1024, -(-W.E // 32) * 32)
+    p.dispatch("moe_route", 1, tg, buffers=[(0, logits), (1, X), *[(2 + i, t) for i, t in enumerate(b["shared_gate"])],
+                                            (5, ids), (6, wts)],
+               constants=[(7, constant(W.E, k, W.hidden, int(norm_topk)))],
+               reads=[logits, X, *b["shared_gate"]], writes=[ids, wts], threadgroups=True, label="moe_route")
+    enc_gate_up(p, W, b, X, ids, H, k)
+    enc_down(p, W, b, H, ids, wts, R, k)
+    return cb, R, ids, wts
+
+
+def oracle_moe(W, x, k):
+    """float64 MoE block (router logits exact, then fp32 softmax as the reference) with a
+    first-order error bound of an fp32 evaluation in any accumulation order."""
+    x64 = x.astype(np.float64)
+    logits = W.router.dequantize().astype(np.float64) @ x64
+    dl = DEPTH * U * (magnitude(W.router) @ np.abs(x64))
+    ids, w = route_ref(logits.astype(np.float32), k)
+    # softmax weights: d(log w_j) <= 2 max|dl| after renormalisation, plus roundings
+    dw = np.abs(w) * (2 * dl.max() + 16 * U * np.log2(W.E))
+    g = W.shared_gate.dequantize()[0].astype(np.float64) @ x64
+    sg = sigmoid(g)
+    dsg = 0.25 * DEPTH * U * (magnitude(W.shared_gate)[0] @ np.abs(x64)) + 4 * U
+    h, dh = W.swiglu(x, ids)
+    wts = np.concatenate([w, [sg]])
+    y, tol = W.down_sum(h, ids, wts, dh)
+    # routing-weight errors times the magnitude of each slot's down projection
+    for j, dwj in enumerate(np.concatenate([dw, [dsg]])):
+        q, e = (W.down, int(ids[j])) if j < k else (W.sdown, None)
+        sl = slice(j * W.inter, (j + 1) * W.inter) if j < k else slice(k * W.inter, None)
+        tol += dwj * (magnitude(q, e) @ np.abs(h[sl]))
+    return ids, wts, y, tol
+
+
+class FakeCheckpoint:
+    """Duck-typed lily.checkpoint.Checkpoint holding random in-memory tensors, so
+    ReferenceModel.moe runs on real-model shapes."""
+
+    def __init__(self, W: MoeWeights, k):
+        self.config = SimpleNamespace(num_experts_per_tok=k, norm_topk_prob=True, hidden_size=W.hidden)
+        p = "model.layers.0.mlp"
+        self.t = {f"{p}.switch_mlp.gate_proj": W.gate, f"{p}.switch_mlp.up_proj": W.up,
+                  f"{p}.switch_mlp.down_proj": W.down, f"{p}.shared_expert.gate_proj": W.sgate,
+                  f"{p}.shared_expert.up_proj": W.sup, f"{p}.shared_expert.down_proj": W.sdown,
+                  f"{p}.gate": W.router, f"{p}.shared_expert_gate": W.shared_gate}
+
+    def quantized(self, module):
+        return self.t[module]
+
+
+# End-to-end tolerance of the MoE block, normwise: |got - exact| <= E2E_RTOL * max|exact|.
+# The per-element worst-case bound composed through router -> softmax -> experts -> down
+# is ~1e4x pessimistic (it multiplies worst cases of five stages) and would miss a wrong
+# low-weight expert. Rounding errors of fp32 sums of n terms of random sign grow like
+# sqrt(n) u; the deepest chain here is the 2048-term gate/up dot feeding the 4608-term down
+# sum (9 slots x 512), with the bias fold cancelling ~3x: sqrt(4608) * u * 3 ~ 1.2e-5 of the
+# term magnitudes, which are ~0.3x of max|y| for these weights -> ~4e-6. We allow 2e-5
+# (measured: 3e-7..8e-7, for this kernel chain and for ReferenceModel.moe alike). A wrong
+# expert, a dropped shared expert or one wrong 4-bit code moves the output by >= 1e-3 of
+# max|y| (test_moe_block_tolerance_is_sensitive).
+E2E_RTOL = 2e-5
+
+
+def check_block(dev, W, ref_model, layer, x, r0, k, what):
+    bufs = W.upload(dev)
+    cb, R, ids_b, wts_b = encode_moe_block(dev, W, bufs, x, r0, k)
+    commit(cb, f"moe block [{what}]")
+    assert cb.counters["dispatches"] == 4 and cb.counters["barrier_stages"] == 4, cb.counters
+    got = download(R, np.float32).astype(np.float64) - r0  # r0 + y - r0 is exact to u |r0|
+    ids, wts, y, _ = oracle_moe(W, x, k)
+    np.testing.assert_array_equal(download(ids_b, np.uint32), ids)
+    np.testing.assert_allclose(download(wts_b, np.float32), wts, rtol=E2E_RTOL)
+    ref = ref_model.moe(layer, x[None].astype(np.float32))[0].astype(np.float64)
+    scale = np.abs(y).max()
+    slack = 2 * U * np.abs(r0)
+    err_exact = assert_within(got, y, E2E_RTOL * scale + slack, f"{what}: MoE block vs float64")
+    err_ref = assert_within(got, ref, E2E_RTOL * scale + slack, f"{what}: MoE block vs ReferenceModel.moe")
+    return err_exact, err_ref
+
+
+def test_moe_block_demo_checkpoint(dev, demo_path):
+    """Every layer's MoE of the embedded demo checkpoint (real trained packed bytes)."""
+    from lily.checkpoint import open_checkpoint
+    ck = open_checkpoint(demo_path)
+    ref = ReferenceModel(ck)
+    c = ck.config
+    rng = np.random.default_rng(3)
+    for layer in range(c.num_hidden_layers):
+        W = MoeWeights.from_checkpoint(ck, layer)
+        assert (W.E, W.hidden, W.inter, W.inter_shared) == (c.num_experts, c.hidden_size, c.moe_intermediate_size,
+                                                            c.shared_expert_intermediate_size)
+        # a post-attention-norm-like input: unit RMS times a norm weight
+        x = (rng.standard_normal(c.hidden_size) * 0.8).astype(np.float32)
+        r0 = rng.standard_normal(c.hidden_size).astype(np.float32)
+        check_block(dev, W, ref, layer, x, r0, c.num_experts_per_tok, f"demo layer {layer}")
+
+
+@pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
+def test_moe_block_random(dev, moe_cache, E, hidden, inter, inter_shared, k):
+    W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
+    ref = ReferenceModel(FakeCheckpoint(W, k))
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    r0 = rng.standard_normal(hidden).astype(np.float32)
+    check_block(dev, W, ref, 0, x, r0, k, f"random E={E} hidden={hidden}")
+
+
+def test_moe_block_tolerance_is_sensitive(dev, moe_cache):
+    """The stated tolerance rejects realistic mistakes: a wrong expert, a dropped shared
+    expert, one wrong code."""
+    W = moe_weights(moe_cache, 32, 256, 128, 128, 8)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(256).astype(np.float32)
+    ids, wts, y, _ = oracle_moe(W, x, 8)
+    tol = E2E_RTOL * np.abs(y).max()
+    h, _ = W.swiglu(x, ids)
+    bad_ids = ids.copy()
+    bad_ids[7] = next(e for e in range(32) if e not in ids)  # the lowest-weight expert
+    wrong_expert, _ = W.down_sum(h, bad_ids, wts)
+    no_shared, _ = W.down_sum(h, ids, np.concatenate([wts[:-1], [0.0]]))
+    W.down.weight[ids[7], 0, 0] ^= np.uint32(0xF)  # one code of one row of the lowest-weight expert
+    try:
+        one_code, _ = W.down_sum(h, ids, wts)
+    finally:
+        W.down.weight[ids[7], 0, 0] ^= np.uint32(0xF)
+    for bad in (wrong_expert, no_shared, one_code):
+        assert np.abs(bad - y).max() > 10 * tol
+
+
+def test_report_sim_times():
+    """Prints the simulator wall time per kernel collected by the tests above (-s to see)."""
+    for name, t in sorted(TIMES.items()):
+        print(f"  {name:50s} {t * 1000:9.1f} ms")

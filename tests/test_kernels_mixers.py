@@ -1,0 +1,730 @@
+"""Mixer and sampling kernels on the Metal simulator against the numpy reference.
+
+metal/gdn.metal (Gated DeltaNet decode step), metal/attention.metal (q/k prep, decode
+attention, split + combine), metal/sample.metal (greedy and sampled token selection).
+Every output buffer starts poisoned (the simulator fills new buffers with NaN), so an
+element a kernel forgets to write fails the comparison.
+
+Tolerances (all float32 arithmetic on both sides unless noted):
+* GDN step: the kernel sums in a different order (simd_sum trees vs numpy einsum) over
+  Dk = 128 products of O(1) values: a few float32 ulps, so rtol 1e-4 / atol 1e-5 on one
+  step. The 512-step drift test allows 5e-5 absolute on the state (|S| <= ~0.7) and the
+  outputs (|o| <= ~4); measured 2.4e-7 and 5.7e-6. The delta rule with unit-norm k, beta in
+  (0, 1) and g <= 1 is a contraction, so rounding differences do not accumulate beyond a
+  small multiple of one step's.
+* attention: the cache holds bf16 values that both sides read exactly; the remaining
+  difference is float32 summation order over <= 256-element dot products and a softmax
+  over <= a few hundred rows: rtol/atol 2e-5 against a float64 evaluation. Cache rows
+  written by attn_qk_prep are compared with the bf16 rounding of the float32 reference,
+  allowing one bf16 ulp where a float32 difference of ~1e-7 can flip the rounding.
+* RoPE: the kernel computes frequencies and angles in float32 (as MLX does), the reference
+  in float64; at positions < 5000 the angle error is < 5000 * 2^-24 * few ~ 1e-3 rad at
+  most for the fastest pair, so q/k after RoPE are compared with atol 2e-3 (values are
+  O(1) after RMSNorm). Position 0..64 is tight (1e-5).
+* sampling: greedy exactly; the sampled path exactly where the draw is determined
+  (top_k = 1, temperature 0), otherwise by a chi-square test over many seeds.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import types
+
+import numpy as np
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.reference import (  # noqa: E402
+    ReferenceModel,
+    ReferenceState,
+    l2_norm,
+    rms_norm,
+    rope,
+    round_bf16,
+    sigmoid,
+    silu,
+    softplus,
+)
+
+
+@pytest.fixture(scope="module")
+def dev():
+    # verify_writes: a byte written outside a dispatch's declared write ranges is an error
+    return sim_device(verify_writes=True)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def bf16_bits(x) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
+    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32)
+
+
+def args_bytes(*fields) -> bytes:
+    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
+    out = b""
+    for v in fields:
+        if isinstance(v, float):
+            out += np.float32(v).tobytes()
+        else:
+            out += np.uint32(v).tobytes()
+    return out
+
+
+def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
+               reads=list(reads), writes=list(writes), threadgroups=threadgroups)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+class StubOracle(ReferenceModel):
+    """ReferenceModel whose linear layers return given projection outputs.
+
+    ``linear(x, "<prefix>.<name>")`` returns ``proj[name]`` (``out_proj`` / ``o_proj``
+    return their input, so a mixer returns what its output projection would consume);
+    ``param("...linear_attn.<name>")`` returns ``params[<name>]``. The mixer math itself is the
+    reference's own code (:meth:`ReferenceModel.gated_deltanet`, :meth:`.attention`).
+    """
+
+    def __init__(self, cfg, params):  # noqa: D401  (no checkpoint)
+        self.cfg = cfg
+        self._act = lambda a: a.astype(np.float32, copy=False)
+        self.params = params
+        self.proj = {}
+
+    def param(self, name):
+        return self.params[name.split("_attn.", 1)[1]]
+
+    def linear(self, x, module):
+        name = module.rsplit(".", 1)[-1]
+        if name in ("out_proj", "o_proj"):
+            return x.astype(np.float32)
+        return self.proj[name]
+
+
+def gdn_cfg(Hk, Hv, Dk, Dv, K=4):
+    return types.SimpleNamespace(linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+                                 linear_key_head_dim=Dk, linear_value_head_dim=Dv,
+                                 linear_conv_kernel_dim=K, rms_norm_eps=1e-6,
+                                 conv_dim=2 * Hk * Dk + Hv * Dv)
+
+
+# ------------------------------------------------------------------------------ Gated DeltaNet
+
+GDN_DIMS = {
+    "real": (16, 32, 128, 128),
+    "dims": (2, 4, 128, 128),
+    "tiny": (2, 4, 32, 32),
+}
+
+
+class GdnLayer:
+    """Device buffers of one GDN layer plus the oracle with the same weights."""
+
+    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0):
+        self.dev, self.Hk, self.Hv, self.Dk, self.Dv, self.K = dev, Hk, Hv, Dk, Dv, K
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        C = self.conv_dim = 2 * Hk * Dk + Hv * Dv
+        conv_w = bf16_bits(rng.normal(0, 0.3, (C, K)))
+        dt_bias = bf16_bits(rng.uniform(-5, -2, Hv))
+        A_log = np.log(np.exp(rng.uniform(np.log(1.0), np.log(16.0), Hv))).astype(np.float32)
+        norm_w = bf16_bits(1 + 0.1 * rng.standard_normal(Dv))
+        self.oracle = StubOracle(gdn_cfg(Hk, Hv, Dk, Dv, K), {
+            "conv1d.weight": from_bf16(conv_w)[:, :, None],
+            "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
+        self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
+        self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
+        self.state = upload(dev, np.zeros((Hv, Dv, Dk), np.float32))
+        self.st = ReferenceState(max_context=1 << 20)
+        self.st.conv[0] = np.zeros((K - 1, C), np.float32)
+        self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
+        self.parity = 0
+        self.kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
+        self.seconds = 0.0
+
+    def random_inputs(self, scale=1.0):
+        r = self.rng
+        return (f32(r.standard_normal(self.conv_dim) * scale), f32(r.standard_normal(self.Hv * self.Dv)),
+                f32(r.standard_normal(self.Hv)), f32(r.standard_normal(self.Hv)))
+
+    def set_state(self, conv, S):
+        self.conv[self.parity].write(f32(conv).view(np.uint8).reshape(-1))
+        self.state.write(f32(S).view(np.uint8).reshape(-1))
+        self.st.conv[0] = f32(conv).copy()
+        self.st.recurrent[0] = f32(S).copy()
+
+    def step_device(self, qkv, z, b, a):
+        dev = self.dev
+        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
+        out = dev.buffer(self.Hv * self.Dv * 4)
+        cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
+        args = args_bytes(self.Hk, self.Hv, self.K, 1e-6, 1e-6)
+        t = time.perf_counter()
+        run(dev, self.kernel, self.Hv, 1024,
+            buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.w[0]), (5, self.w[1]), (6, self.w[2]),
+                     (7, self.w[3]), (8, cin), (9, cout), (10, self.state), (11, out)],
+            constants=[(12, args)],
+            reads=[Q, Z, B, A, *self.w, cin, self.state], writes=[cout, self.state, out])
+        self.seconds += time.perf_counter() - t
+        self.parity ^= 1
+        return download(out, np.float32)
+
+    def step_reference(self, qkv, z, b, a):
+        o = self.oracle
+        o.proj = {"in_proj_qkv": qkv[None], "in_proj_z": z[None], "in_proj_b": b[None], "in_proj_a": a[None]}
+        return o.gated_deltanet(0, np.zeros((1, 1), np.float32), self.st)[0]
+
+    def device_state(self):
+        C, K = self.conv_dim, self.K
+        return (download(self.conv[self.parity], np.float32, (K - 1, C)),
+                download(self.state, np.float32, (self.Hv, self.Dv, self.Dk)))
+
+
+@pytest.mark.parametrize("dims", list(GDN_DIMS))
+def test_gdn_decode_step_matches_reference(dev, dims):
+    Hk, Hv, Dk, Dv = GDN_DIMS[dims]
+    L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=1)
+    r = L.rng
+    # a non-trivial starting point: random conv history and recurrent state
+    L.set_state(r.standard_normal((3, L.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)))
+    for _ in range(2):
+        inp = L.random_inputs()
+        got = L.step_device(*inp)
+        want = L.step_reference(*inp)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        conv, S = L.device_state()
+        np.testing.assert_array_equal(conv, L.st.conv[0])  # a copy: exact
+        np.testing.assert_allclose(S, L.st.recurrent[0], rtol=1e-4, atol=1e-5)
+
+
+def test_gdn_decode_drift_512_steps(dev):
+    """512 decode steps from a zero state (dims preset: Dk = Dv = 128) vs the reference."""
+    Hk, Hv, Dk, Dv = GDN_DIMS["dims"]
+    L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=7)
+    worst_out = worst_state = 0.0
+    for t in range(512):
+        inp = L.random_inputs()
+        got = L.step_device(*inp)
+        want = L.step_reference(*inp)
+        worst_out = max(worst_out, float(np.abs(got - want).max()))
+        if t % 64 == 63 or t == 511:
+            _, S = L.device_state()
+            worst_state = max(worst_state, float(np.abs(S - L.st.recurrent[0]).max()))
+    assert worst_out < 5e-5, worst_out
+    assert worst_state < 5e-5, worst_state
+
+
+# ------------------------------------------------------------------------------ attention
+
+ATTN_DIMS = {  # Hq, Hkv, D, rotary_dim
+    "real": (16, 2, 256, 64),
+    "dims": (8, 1, 256, 64),
+    "tiny": (4, 2, 64, 16),
+}
+THETA = 1e7
+
+
+def attn_cfg(Hq, Hkv, D, rot):
+    return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
+                                 rotary_dim=rot, rope_theta=THETA, rms_norm_eps=1e-6)
+
+
+def heads_per_group(Hq, Hkv):
+    """G: query heads per decode threadgroup (4, or the whole GQA group if smaller)."""
+    return min(4, Hq // Hkv)
+
+
+class AttnLayer:
+    """Device KV cache + weights of one attention layer, and host-side encoders that
+    mirror what the runtime does (docs/kernels.md)."""
+
+    def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0):
+        self.dev, self.Hq, self.Hkv, self.D, self.rot, self.cap = dev, Hq, Hkv, D, rot, capacity
+        self.rng = rng = np.random.default_rng(seed)
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        # cache: random bf16 history; rows are filled by tests as needed
+        self.k_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.v_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+        self.POS = upload(dev, np.zeros(1, np.uint32))
+        self.G = heads_per_group(Hq, Hkv)
+        self.seconds = {}
+
+    def _timed(self, name, fn):
+        t = time.perf_counter()
+        r = fn()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        return r
+
+    def set_position(self, pos):
+        self.POS.write(np.array([pos], np.uint32).view(np.uint8))
+
+    def cache_row_ranges(self, pos):
+        """The bytes attn_qk_prep writes: row pos of each KV head, in K and V."""
+        row = 2 * self.D
+        return [(C, (h * self.cap + pos) * row, row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def prep(self, qg, k, v, pos):
+        dev, D = self.dev, self.D
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        Q, GATE = dev.buffer(self.Hq * D * 4), dev.buffer(self.Hq * D * 4)
+        args = args_bytes(self.Hq, self.Hkv, D, self.rot, self.cap, 1e-6, float(np.log2(THETA)))
+        self._timed("attn_qk_prep", lambda: run(
+            dev, "attn_qk_prep", self.Hq + self.Hkv, D,
+            buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.POS),
+                     (6, self.KC), (7, self.VC), (8, Q), (9, GATE)],
+            constants=[(10, args)], reads=[QG, K, V, self.QN, self.KN, self.POS],
+            writes=[*self.cache_row_ranges(pos), Q, GATE]))
+        return Q, GATE
+
+    def decode(self, Q, GATE, n, *, split_threshold=32768, block_rows=1024, extra_blocks=0,
+               gate_stride=None):
+        """Attention over rows [0, n) (position n - 1 must be set); picks the split path
+        when n >= split_threshold. Returns the fp32 [Hq*D] output."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        gs = D if gate_stride is None else gate_stride
+        OUT = dev.buffer(Hq * D * 4)
+        scale = float(D) ** -0.5
+        if n < split_threshold:
+            args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, 0, 0)
+            self._timed("attn_decode", lambda: run(
+                dev, f"attn_decode_d{D}_g{G}", Hq // G, 256,
+                buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
+                constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
+            return download(OUT, np.float32)
+        nblocks = -(-n // block_rows) + extra_blocks
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
+        cargs = args_bytes(Hq, gs, block_rows, max_blocks)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
+                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=[ML, ACC],
+                   threadgroups=True)
+        p.dispatch(f"attn_combine_d{D}", Hq, D,
+                   buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
+                   constants=[(5, cargs)], reads=[ML, ACC, GATE, self.POS], writes=[OUT],
+                   threadgroups=True)
+        cb.commit()
+        cb.wait()
+        self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
+                                                      + time.perf_counter() - t)
+        assert cb.counters["barrier_stages"] == 2  # combine waits for the partials
+        return download(OUT, np.float32)
+
+
+def attention_reference(q, gate, K, V, n, D):
+    """float64 softmax attention of q [Hq, D] over K, V [Hkv, >=n, D]; output * sigmoid(gate)."""
+    Hq, Hkv = q.shape[0], K.shape[0]
+    group = Hq // Hkv
+    out = np.empty((Hq, D))
+    for h in range(Hq):
+        k = K[h // group, :n].astype(np.float64)
+        v = V[h // group, :n].astype(np.float64)
+        s = k @ q[h].astype(np.float64) * D ** -0.5
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v
+    return (out * (1 / (1 + np.exp(-gate.astype(np.float64))))).reshape(-1)
+
+
+@pytest.mark.parametrize("dims", list(ATTN_DIMS))
+@pytest.mark.parametrize("pos", [0, 7, 64, 4000])
+def test_attn_qk_prep(dev, dims, pos):
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=4100, seed=pos)
+    r = A.rng
+    qg, k, v = (f32(r.standard_normal((Hq, 2 * D))), f32(r.standard_normal((Hkv, D))),
+                f32(r.standard_normal((Hkv, D))))
+    A.set_position(pos)
+    Q, GATE = A.prep(qg, k, v, pos)
+    # reference: the oracle's helpers, in the order ReferenceModel.attention applies them
+    P = np.array([pos])
+    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, rot, THETA)[0]
+    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, rot, THETA)[0]
+    atol = 1e-5 if pos <= 64 else 2e-3
+    np.testing.assert_allclose(download(Q, np.float32, (Hq, D)), q_ref, rtol=1e-5, atol=atol)
+    np.testing.assert_array_equal(download(GATE, np.float32, (Hq, D)), qg[:, D:])
+    kc = download(A.KC, np.uint16, (Hkv, A.cap, D))
+    vc = download(A.VC, np.uint16, (Hkv, A.cap, D))
+    np.testing.assert_array_equal(vc[:, pos], bf16_bits(v))
+    # one bf16 ulp where a float32 difference can flip the rounding
+    np.testing.assert_allclose(from_bf16(kc[:, pos]), round_bf16(k_ref), rtol=2 ** -7, atol=atol)
+    others = np.ones(A.cap, bool)
+    others[pos] = False
+    np.testing.assert_array_equal(kc[:, others], A.k_hist[:, others])
+    np.testing.assert_array_equal(vc[:, others], A.v_hist[:, others])
+
+
+def _poison_rows(A, n):
+    """Rows >= n of the cache become NaN: reading past the context shows up."""
+    nan = np.uint16(0x7FC0)
+    k, v = A.k_hist.copy(), A.v_hist.copy()
+    k[:, n:], v[:, n:] = nan, nan
+    A.KC.write(k.view(np.uint8).reshape(-1))
+    A.VC.write(v.view(np.uint8).reshape(-1))
+    return from_bf16(k), from_bf16(v)
+
+
+@pytest.mark.parametrize("dims", list(ATTN_DIMS))
+@pytest.mark.parametrize("n", [1, 31, 33, 200])
+def test_attn_decode(dev, dims, n):
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=256, seed=n)
+    K, V = _poison_rows(A, n)
+    r = A.rng
+    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
+    A.set_position(n - 1)
+    got = A.decode(upload(dev, q), upload(dev, gate), n)
+    want = attention_reference(q, gate, K, V, n, D)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dims", list(ATTN_DIMS))
+@pytest.mark.parametrize("n,block_rows,extra", [(64, 16, 0), (200, 48, 1), (129, 64, 2), (1000, 96, 0)])
+def test_attn_decode_split(dev, dims, n, block_rows, extra):
+    """The long-context path (threshold 64 here): several blocks, a ragged last block,
+    surplus blocks in the grid that must return without writing."""
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=1024, seed=n)
+    K, V = _poison_rows(A, n)
+    r = A.rng
+    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
+    A.set_position(n - 1)
+    Q, GT = upload(dev, q), upload(dev, gate)
+    got = A.decode(Q, GT, n, split_threshold=64, block_rows=block_rows, extra_blocks=extra)
+    want = attention_reference(q, gate, K, V, n, D)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the general path on the same inputs agrees to float32 rounding
+    general = A.decode(Q, GT, n)
+    np.testing.assert_allclose(got, general, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dims", ["real", "tiny"])
+def test_attention_prep_and_decode_vs_oracle(dev, dims):
+    """attn_qk_prep + attn_decode (gate read straight from the q_proj output, stride 2*D)
+    over a bf16 history vs ReferenceModel.attention. The reference keeps the new token's k/v
+    in float32, the kernel in bf16 (relative rounding <= 2^-9): atol 1e-2 on O(1) outputs."""
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    n = 70
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=128, seed=3)
+    K, V = _poison_rows(A, n - 1)
+    r = A.rng
+    qg, k, v = (f32(r.standard_normal((Hq, 2 * D))), f32(r.standard_normal((Hkv, D))),
+                f32(r.standard_normal((Hkv, D))))
+    A.set_position(n - 1)
+    Q, _ = A.prep(qg, k, v, n - 1)
+    QG = upload(dev, qg)
+    # gate from the q_proj output itself: base offset D elements, stride 2*D
+    gate_view = dev.buffer(Hq * 2 * D * 4)
+    gate_view.write(np.concatenate([qg.reshape(-1)[D:], np.zeros(D, np.float32)]).view(np.uint8))
+    got = A.decode(Q, gate_view, n, gate_stride=2 * D)
+    del QG
+
+    oracle = StubOracle(attn_cfg(Hq, Hkv, D, rot), {"q_norm.weight": from_bf16(A.qn),
+                                                   "k_norm.weight": from_bf16(A.kn)})
+    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
+    st = ReferenceState(max_context=A.cap, position=n - 1)
+    st.keys[0], st.values[0] = K.copy(), V.copy()
+    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------ sampling
+
+from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
+
+
+def philox_u(seed: int, counter: int) -> float:
+    """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
+    counter = (position, 0, 0, 0); u = (first word >> 8) * 2^-24."""
+    M = 0xFFFFFFFF
+    c = [counter & M, 0, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M, (p0 >> 32) ^ c[3] ^ k1, p0 & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return (c[0] >> 8) * 2.0 ** -24
+
+
+def sampler_for(params: SamplingParams, prompt=(), generated=()):
+    s = Sampler(params, prompt)
+    for t in generated:
+        s._counts[int(t)] = s._counts.get(int(t), 0) + 1
+    return s
+
+
+def count_buffer(V, prompt=(), generated=()):
+    c = np.zeros(V, np.uint32)
+    for t in prompt:
+        c[t] |= 0x80000000
+    for t in generated:
+        c[t] += 1
+    return c
+
+
+def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
+    """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
+    s = sampler_for(params, prompt, generated)
+    p = params
+    x = s.process(logits) / p.temperature
+    if 0 < p.top_k < x.size:
+        kth = np.partition(x, -p.top_k)[-p.top_k]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        csum = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[keep] = True
+        probs = np.where(mask, probs, 0.0)
+    if p.min_p > 0.0:
+        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+    return probs / probs.sum()
+
+
+def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
+    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
+                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
+                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
+                      int(update_counts))
+
+
+def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
+    """One sample_token dispatch per (seed, position), all in one command buffer."""
+    V = logits.size
+    n = len(seeds)
+    L, C = upload(dev, f32(logits)), upload(dev, counts)
+    POS = upload(dev, np.asarray(positions, np.uint32))
+    TOK = dev.buffer(4 * n)
+    k = max(params.top_logprobs, 1)
+    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    for j, seed in enumerate(seeds):
+        lp_bytes = 4 * (1 + params.top_logprobs)
+        p.dispatch("sample_token", 1, tg,
+                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
+                            (5, IDS, 4 * k * j)],
+                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
+                   reads=[L, C, (POS, 4 * j, 4)],
+                   writes=[(TOK, 4 * j, 4), (LP, lp_bytes * j, lp_bytes), (IDS, 4 * k * j, 4 * k)]
+                   + ([C] if update_counts else []),
+                   threadgroups=True)
+    t = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    dt = time.perf_counter() - t
+    toks = download(TOK, np.uint32)
+    lps = download(LP, np.float32, (n, 1 + params.top_logprobs))
+    ids = download(IDS, np.uint32, (n, k))
+    return toks, lps, ids, C, dt
+
+
+@pytest.mark.parametrize("V", [1, 31, 1000, 248320])
+def test_sample_greedy(dev, V):
+    rng = np.random.default_rng(V)
+    logits = f32(rng.standard_normal(V) * 3)
+    if V > 10:
+        logits[[V // 3, V // 2, V - 1]] = logits.max() + 1  # ties -> lowest index
+        logits[V // 4] = np.nan                            # NaN never wins
+    L, TOK = upload(dev, logits), dev.buffer(4)
+    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, constant(V))],
+        reads=[L], writes=[TOK])
+    want = int(np.nanargmax(logits))
+    assert download(TOK, np.uint32)[0] == want
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
+
+
+def _penalty_case(V, seed):
+    rng = np.random.default_rng(seed)
+    logits = f32(rng.standard_normal(V) * 2)
+    prompt = rng.choice(V, 5, replace=False)
+    generated = rng.choice(V, 8)
+    return logits, prompt, generated
+
+
+def test_sample_token_temperature0_is_penalised_argmax(dev):
+    V = 3000
+    logits, prompt, generated = _penalty_case(V, 0)
+    top = np.argsort(-logits)[:6]
+    generated = np.concatenate([generated, top[:3], top[:3]])   # penalise the leaders
+    params = SamplingParams(temperature=0.0, **PENALTIES)
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, [1], [5])
+    want = int(np.argmax(sampler_for(params, prompt, generated).process(logits)))
+    assert toks[0] == want and want not in top[:3]
+
+
+def test_sample_token_top_k1_equals_greedy(dev):
+    V = 5000
+    logits = f32(np.random.default_rng(1).standard_normal(V))
+    params = SamplingParams(temperature=0.8, top_k=1)
+    toks, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(8)), list(range(8)))
+    assert (toks == np.argmax(logits)).all()
+
+
+def sorted_order(probs):
+    """The fast path's candidate order: probability descending, id ascending."""
+    return np.lexsort((np.arange(probs.size), -probs))
+
+
+def thread_order(V, tg):
+    """The slow path's order: thread t's elements t, t + tg, ... one thread after another."""
+    return np.concatenate([np.arange(t, V, tg) for t in range(tg)])
+
+
+def expected_draws(probs, order, seeds, positions):
+    """Tokens the numpy model of the kernel draws, and whether u is near a boundary."""
+    p = probs[order]
+    csum = np.cumsum(p)
+    last = int(np.nonzero(p)[0][-1])
+    out = []
+    for seed, pos in zip(seeds, positions):
+        u = philox_u(seed, pos)
+        j = min(int(np.searchsorted(csum, u, side="right")), last)
+        out.append((int(order[j]), np.min(np.abs(csum - u)) < 1e-5))
+    return out
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES),
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=1.3, top_p=0.6),
+    SamplingParams(temperature=0.9, min_p=0.1),
+])
+def test_sample_token_exact_draws_fast_path(dev, params):
+    """V = 50 (all tokens are candidates): the token is where the cumulative filtered mass,
+    in (probability desc, id asc) order, first exceeds u * Z; u from the numpy Philox model."""
+    V = 50
+    logits, prompt, generated = _penalty_case(V, 2)
+    probs = filtered_probs(params, logits, prompt, generated)
+    seeds = [int(s) for s in np.random.default_rng(3).integers(0, 2**63, 200)]
+    positions = list(range(100, 300))
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
+    assert (probs[toks] > 0).all()
+    for tok, (want, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions)):
+        assert tok == want or near  # float32 vs float64 mass can differ only next to a boundary
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=0.995),           # nucleus of ~2900 tokens > 1024
+    SamplingParams(temperature=1.0, top_k=2000, min_p=0.5),  # top_k > 1024, no top-p
+    SamplingParams(temperature=0.5),                         # no filter at all
+])
+def test_sample_token_exact_draws_slow_path(dev, params):
+    """Filtered sets wider than the 1024 candidates: draws in (thread, element) order."""
+    V, tg = 3000, 64
+    rng = np.random.default_rng(11)
+    logits = f32(rng.standard_normal(V) * 0.3)
+    probs = filtered_probs(params, logits)
+    assert (probs > 0).sum() > 1024 or params.min_p > 0
+    seeds = list(range(60))
+    positions = [5] * 60
+    toks, *_ = sample_many(dev, logits, count_buffer(V), params, seeds, positions, tg=tg)
+    assert (probs[toks] > 0).all()
+    for tok, (want, near) in zip(toks, expected_draws(probs, thread_order(V, tg), seeds, positions)):
+        assert tok == want or near
+
+
+def _chi2_critical(df, z=3.09):  # alpha = 0.001, Wilson-Hilferty
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("tg,N", [(1024, 400), (128, 3000)])
+def test_sample_token_distribution_chi_square(dev, tg, N):
+    """N seeds (1024 threads as in production; 128 threads for a larger sample at the
+    simulator's cost), several elements per thread (V = 3000): the empirical distribution matches
+    the filtered softmax of lily.sampling (chi-square, alpha 0.001); tokens outside the
+    filtered support never appear."""
+    V = 3000
+    logits, prompt, generated = _penalty_case(V, 4)
+    logits[:40] += 4.0  # a head of ~40 plausible tokens
+    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.92, min_p=0.01, **PENALTIES)
+    probs = filtered_probs(params, logits, prompt, generated)
+    seeds = list(range(1, N + 1))
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, [7] * N, tg=tg)
+    assert (probs[toks] > 0).all()
+    obs = np.bincount(toks, minlength=V).astype(np.float64)
+    exp_ = probs * N
+    big = exp_ >= 5
+    stat = ((obs[big] - exp_[big]) ** 2 / exp_[big]).sum()
+    rest_o, rest_e = obs[~big].sum(), exp_[~big].sum()
+    df = int(big.sum()) - 1
+    if rest_e >= 5:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        df += 1
+    assert stat < _chi2_critical(df), (stat, df)
+
+
+def test_sample_token_reproducible_and_counts(dev):
+    V = 2000
+    logits = f32(np.random.default_rng(5).standard_normal(V))
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    a, *_ = sample_many(dev, logits, count_buffer(V), params, [42, 42, 43, 42], [10, 10, 10, 11])
+    assert a[0] == a[1]
+    b, *_ = sample_many(dev, logits, count_buffer(V), params, [42], [10])
+    assert b[0] == a[0]
+    many, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(40)), [10] * 40)
+    assert len(set(many.tolist())) > 5
+    # the per-session count buffer gets +1 at the drawn token
+    counts = count_buffer(V, prompt=[3])
+    toks, _, _, C, _ = sample_many(dev, logits, counts, params, [9], [0], update_counts=True)
+    want = counts.copy()
+    want[toks[0]] += 1
+    np.testing.assert_array_equal(download(C, np.uint32), want)
+
+
+def test_sample_token_logprobs(dev):
+    V = 4000
+    logits = f32(np.random.default_rng(6).standard_normal(V) * 4)
+    params = SamplingParams(temperature=0.9, top_k=50, top_logprobs=5, logprobs=True)
+    toks, lps, ids, *_ = sample_many(dev, logits, count_buffer(V), params, [11, 12], [1, 2], logprobs=True)
+    for tok, lp, ii in zip(toks, lps, ids):
+        want = sampler_for(params).logprob(logits, int(tok))
+        assert abs(lp[0] - want.logprob) < 1e-4
+        np.testing.assert_array_equal(ii, [t for t, _ in want.top])
+        np.testing.assert_allclose(lp[1:], [v for _, v in want.top], atol=1e-4)
+
+
+def test_sample_token_real_vocab(dev):
+    """The real vocabulary (248320), Qwen-style settings: the token is in the nucleus and the
+    draw is the one the numpy model of the kernel's order predicts."""
+    V = 248320
+    rng = np.random.default_rng(8)
+    logits = f32(rng.standard_normal(V) * 2)
+    logits[rng.choice(V, 30, replace=False)] += 9
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, top_logprobs=3, logprobs=True)
+    probs = filtered_probs(params, logits)
+    toks, lps, ids, _, dt = sample_many(dev, logits, count_buffer(V), params, [1, 2, 3], [0, 0, 0],
+                                        logprobs=True)
+    assert (probs[toks] > 0).all()
+    np.testing.assert_array_equal(ids[0], np.argsort(-logits, kind="stable")[:3])
+    lsm = log_softmax(logits)
+    np.testing.assert_allclose(lps[:, 0], lsm[toks], atol=1e-4)
