@@ -11,6 +11,12 @@
 //                             rows, one threadgroup per (head group, block) writes a partial
 //                             (max, sum, unnormalised accumulator); the combine kernel merges
 //                             them per head and applies the gate.
+//   attn_decode_fused_d<D>_g<G>, attn_decode_split_fused_d<D>_g<G>
+//                             attn_qk_prep + attn_decode(_split) in one dispatch (one barrier
+//                             stage less per attention layer): each threadgroup prepares its own
+//                             G query heads and the new token's k/v of its KV head, attends rows
+//                             [0, pos) from the cache and row pos from threadgroup memory; one
+//                             threadgroup per KV head appends row pos.
 //
 // KV cache layout per layer: K and V each bf16 [Hkv, capacity, D]. Reads are coalesced: lane l
 // of a simdgroup reads the bf16 pairs at c*64 + 2l (c < D/64) of a row, so each load
@@ -310,6 +316,332 @@ kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, ma
   out[h * D + d] = o / L * attn_detail::sigmoid(gate[h * args.gate_stride + d]);
 }
 
+// ---- fused prep + decode -----------------------------------------------------------------------
+// attn_qk_prep and attn_decode in one dispatch (no barrier stage between them). Every
+// threadgroup recomputes what it needs of the prep: RMSNorm + RoPE of its own G query heads
+// (from the q_proj output) and, if it attends the new row, the new token's k (RMSNorm + RoPE)
+// and v of its KV head (duplicated across the threadgroups of that KV head: D elements). The
+// new row is used from threadgroup memory as bf16-rounded values (exactly what the cache will
+// hold), rows [0, pos) come from the cache, and one threadgroup per KV head appends row pos.
+// The arithmetic of the prep is that of attn_qk_prep term for term (same sums in the same
+// order), and the attention is attend_rows' with the new row substituted, so the results are
+// those of attn_qk_prep + attn_decode.
+namespace attn_detail {
+
+constant constexpr uint kFusedThreads = kAttnSimdgroups * 32;  // 256
+
+// Prep of vectors j = 0..G (j < G: query head h0 + j; j == G: the new k of head kvh, only
+// with_k) with kFusedThreads threads: thread t handles element t % D of vector t / D of each
+// pass (256 / D vectors per pass). Leaves qs[j * D + i] (fp32, as attn_qk_prep's q_out) and,
+// with_k, kcur[i] = float(bfloat(k rotated)), vcur[i] = float(bfloat(v)).
+template <uint D, uint G>
+static inline void fused_prep(device const float* qg, device const float* k, device const float* v,
+                              device const bfloat* q_norm_w, device const bfloat* k_norm_w,
+                              uint pos, uint h0, uint kvh, uint rot, float norm_eps,
+                              float log2_theta, bool with_k,
+                              threadgroup float* xs,       // [kFusedThreads] scratch
+                              threadgroup float* partial,  // [kAttnSimdgroups]
+                              threadgroup float* qs,       // [G * D]
+                              threadgroup float* kcur,     // [D]
+                              threadgroup float* vcur,     // [D]
+                              uint tid, uint sg, uint lane) {
+  constexpr uint NV = kFusedThreads / D;         // vectors per pass
+  constexpr uint SPV = D / 32;                   // simdgroups per vector
+  const uint nvec = with_k ? G + 1 : G;
+  const uint i = tid % D;
+  const uint half_rot = rot / 2;
+  for (uint base = 0; base < nvec; base += NV) {
+    const uint j = base + tid / D;
+    const bool active = j < nvec;
+    const bool is_q = j < G;
+    const float x = !active ? 0.0f : (is_q ? qg[(h0 + j) * 2 * D + i] : k[kvh * D + i]);
+    const float ss = simd_sum(x * x);
+    if (lane == 0) {
+      partial[sg] = ss;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    const uint s0 = (tid / D) * SPV;  // first simdgroup of this vector
+    float total = 0.0f;
+    for (uint s = 0; s < SPV; ++s) {
+      total += partial[s0 + s];
+    }
+    const float w = active ? float(is_q ? q_norm_w[i] : k_norm_w[i]) : 0.0f;
+    const float xn = x / sqrt(total / float(D) + norm_eps) * w;
+    xs[tid] = xn;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float y = xn;
+    if (i < rot) {
+      const uint jj = i < half_rot ? i : i - half_rot;
+      const float inv_freq = exp2(-(float(2 * jj) / float(rot)) * log2_theta);
+      const float ang = float(pos) * inv_freq;
+      const float c = cos(ang);
+      const float s = sin(ang);
+      y = i < half_rot ? xn * c - xs[tid + half_rot] * s : xn * c + xs[tid - half_rot] * s;
+    }
+    if (active) {
+      if (is_q) {
+        qs[j * D + i] = y;
+      } else {
+        kcur[i] = float(bfloat(y));
+        vcur[i] = float(bfloat(v[kvh * D + i]));
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // xs and partial are reused
+  }
+}
+
+// attend_rows with the query in threadgroup memory (qs[g * D + d]) and row pos taken from
+// kcur / vcur instead of the cache (rows [r0, r1) attended, r0 < r1 <= pos + 1; the cache
+// is read only for rows != pos). Same per-simdgroup row order and merge as attend_rows.
+template <uint D, uint G>
+static inline void attend_rows_fused(threadgroup const float* qs, device const bfloat* k_cache,
+                                     device const bfloat* v_cache, threadgroup const float* kcur,
+                                     threadgroup const float* vcur, uint kvh, uint capacity,
+                                     float scale, uint r0, uint r1, uint pos,
+                                     threadgroup float* red_m, threadgroup float* red_l,
+                                     threadgroup float* red_acc, threadgroup float* m_out,
+                                     threadgroup float* l_out, threadgroup float* acc_out,
+                                     uint tid, uint sg, uint lane) {
+  constexpr uint NC = D / 64;
+  constexpr uint NT = kAttnSimdgroups * 32;
+  float2 qv[G][NC];
+  for (uint g = 0; g < G; ++g) {
+    for (uint c = 0; c < NC; ++c) {
+      const uint d = c * 64 + 2 * lane;
+      qv[g][c] = float2(qs[g * D + d], qs[g * D + d + 1]) * scale;
+    }
+  }
+  float m[G];
+  float l[G];
+  float2 acc[G][NC];
+  for (uint g = 0; g < G; ++g) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+    for (uint c = 0; c < NC; ++c) {
+      acc[g][c] = float2(0.0f);
+    }
+  }
+  device const bfloat2* kbase = (device const bfloat2*)(k_cache + ulong(kvh) * capacity * D);
+  device const bfloat2* vbase = (device const bfloat2*)(v_cache + ulong(kvh) * capacity * D);
+  for (uint t = r0 + sg; t < r1; t += kAttnSimdgroups) {
+    float2 kk[NC];
+    float2 vv[NC];
+    if (t == pos) {  // uniform across the simdgroup
+      for (uint c = 0; c < NC; ++c) {
+        const uint d = c * 64 + 2 * lane;
+        kk[c] = float2(kcur[d], kcur[d + 1]);
+        vv[c] = float2(vcur[d], vcur[d + 1]);
+      }
+    } else {
+      device const bfloat2* krow = kbase + ulong(t) * (D / 2);
+      device const bfloat2* vrow = vbase + ulong(t) * (D / 2);
+      for (uint c = 0; c < NC; ++c) {
+        kk[c] = float2(krow[c * 32 + lane]);
+        vv[c] = float2(vrow[c * 32 + lane]);
+      }
+    }
+    float4 s4 = float4(0.0f);
+    for (uint g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (uint c = 0; c < NC; ++c) {
+        s += dot(qv[g][c], kk[c]);
+      }
+      s4[g] = s;
+    }
+    s4 = simd_sum(s4);
+    for (uint g = 0; g < G; ++g) {
+      const float mn = max(m[g], s4[g]);
+      const float corr = exp(m[g] - mn);
+      const float p = exp(s4[g] - mn);
+      l[g] = l[g] * corr + p;
+      for (uint c = 0; c < NC; ++c) {
+        acc[g][c] = acc[g][c] * corr + p * vv[c];
+      }
+      m[g] = mn;
+    }
+  }
+
+  if (lane == 0) {
+    for (uint g = 0; g < G; ++g) {
+      red_m[sg * G + g] = m[g];
+      red_l[sg * G + g] = l[g];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint g = 0; g < G; ++g) {
+    float M = -INFINITY;
+    for (uint s = 0; s < kAttnSimdgroups; ++s) {
+      M = max(M, red_m[s * G + g]);
+    }
+    const float mine = exp(m[g] - M);
+    for (uint c = 0; c < NC; ++c) {
+      const uint d = c * 64 + 2 * lane;
+      red_acc[sg * D + d] = acc[g][c].x * mine;
+      red_acc[sg * D + d + 1] = acc[g][c].y * mine;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint d = tid; d < D; d += NT) {
+      float sum = 0.0f;
+      for (uint s = 0; s < kAttnSimdgroups; ++s) {
+        sum += red_acc[s * D + d];
+      }
+      acc_out[g * D + d] = sum;
+    }
+    if (tid == 0) {
+      float L = 0.0f;
+      for (uint s = 0; s < kAttnSimdgroups; ++s) {
+        L += red_l[s * G + g] * exp(red_m[s * G + g] - M);
+      }
+      m_out[g] = M;
+      l_out[g] = L;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+
+// Row pos of KV head kvh into both caches (skipped when pos >= capacity, as attn_qk_prep).
+template <uint D>
+static inline void append_row(device bfloat* k_cache, device bfloat* v_cache,
+                              threadgroup const float* kcur, threadgroup const float* vcur,
+                              uint kvh, uint pos, uint capacity, uint tid) {
+  if (pos >= capacity) {
+    return;
+  }
+  const ulong row = (ulong(kvh) * capacity + pos) * D;
+  for (uint d = tid; d < D; d += kFusedThreads) {
+    k_cache[row + d] = bfloat(kcur[d]);
+    v_cache[row + d] = bfloat(vcur[d]);
+  }
+}
+
+}  // namespace attn_detail
+
+// ---- attn_decode_fused ---------------------------------------------------------------------
+// Grid: Hq / G threadgroups of 256 threads; threadgroup j serves query heads j*G .. j*G+G-1
+// (KV head kvh = j*G / (Hq/Hkv)); the first threadgroup of each KV head (j*G a multiple of
+// Hq/Hkv) appends row pos of that KV head to both caches.
+template <uint D, uint G>
+kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
+                              device const float* k [[buffer(1)]],          // [Hkv, D] k_proj output
+                              device const float* v [[buffer(2)]],          // [Hkv, D] v_proj output
+                              device const bfloat* q_norm_w [[buffer(3)]],  // [D]
+                              device const bfloat* k_norm_w [[buffer(4)]],  // [D]
+                              device const uint* position [[buffer(5)]],    // [1] pos: rows [0, pos) read, row pos written
+                              device bfloat* k_cache [[buffer(6)]],         // [Hkv, capacity, D]
+                              device bfloat* v_cache [[buffer(7)]],         // [Hkv, capacity, D]
+                              device float* out [[buffer(8)]],              // [Hq, D] attention * sigmoid(gate)
+                              constant AttnFusedArgs& args [[buffer(9)]],
+                              uint grp [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint NRED = kAttnSimdgroups * G;
+  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NOUT = G * D;
+  constexpr uint NXS = attn_detail::kFusedThreads;
+  threadgroup float red_m[NRED];
+  threadgroup float red_l[NRED];
+  threadgroup float red_acc[NACC];
+  threadgroup float m_out[G];
+  threadgroup float l_out[G];
+  threadgroup float acc_out[NOUT];
+  threadgroup float qs[NOUT];
+  threadgroup float kcur[D];
+  threadgroup float vcur[D];
+  threadgroup float xs[NXS];
+  threadgroup float partial[kAttnSimdgroups];
+  const uint group = args.num_q_heads / args.num_kv_heads;
+  const uint h0 = grp * G;
+  const uint kvh = h0 / group;
+  const uint pos = position[0];
+  attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
+                                args.norm_eps, args.log2_theta, true, xs, partial, qs, kcur,
+                                vcur, tid, sg, lane);
+  if (h0 % group == 0) {
+    attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
+  }
+  attn_detail::attend_rows_fused<D, G>(qs, k_cache, v_cache, kcur, vcur, kvh, args.capacity,
+                                       args.scale, 0, pos + 1, pos, red_m, red_l, red_acc,
+                                       m_out, l_out, acc_out, tid, sg, lane);
+  for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
+    const uint g = e / D;
+    const uint d = e % D;
+    const float o = acc_out[e] / l_out[g];
+    out[(h0 + g) * D + d] = o * attn_detail::sigmoid(qg[(h0 + g) * 2 * D + D + d]);
+  }
+}
+
+// ---- attn_decode_split_fused -------------------------------------------------------------------
+// Grid: (Hq / G, nblocks) threadgroups of 256 threads, nblocks >= ceil((pos + 1) / B) and
+// <= max_blocks; blocks past the last row return at once. Every block threadgroup prepares
+// its G query heads; only the block holding row pos computes the new k/v (and, for the first
+// head group of each KV head, appends row pos); the other blocks only read the cache.
+// Partials as attn_decode_split; merge with attn_combine (gate: the q_proj output at element
+// offset D, gate_stride 2*D).
+template <uint D, uint G>
+kernel void attn_decode_split_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D]
+                                    device const float* k [[buffer(1)]],          // [Hkv, D]
+                                    device const float* v [[buffer(2)]],          // [Hkv, D]
+                                    device const bfloat* q_norm_w [[buffer(3)]],  // [D]
+                                    device const bfloat* k_norm_w [[buffer(4)]],  // [D]
+                                    device const uint* position [[buffer(5)]],    // [1]
+                                    device bfloat* k_cache [[buffer(6)]],         // [Hkv, capacity, D]
+                                    device bfloat* v_cache [[buffer(7)]],         // [Hkv, capacity, D]
+                                    device float* part_ml [[buffer(8)]],          // [Hq, max_blocks, 2]
+                                    device float* part_acc [[buffer(9)]],         // [Hq, max_blocks, D]
+                                    constant AttnFusedArgs& args [[buffer(10)]],
+                                    uint2 tg [[threadgroup_position_in_grid]],
+                                    uint tid [[thread_index_in_threadgroup]],
+                                    uint sg [[simdgroup_index_in_threadgroup]],
+                                    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint NRED = kAttnSimdgroups * G;
+  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NOUT = G * D;
+  constexpr uint NXS = attn_detail::kFusedThreads;
+  threadgroup float red_m[NRED];
+  threadgroup float red_l[NRED];
+  threadgroup float red_acc[NACC];
+  threadgroup float m_out[G];
+  threadgroup float l_out[G];
+  threadgroup float acc_out[NOUT];
+  threadgroup float qs[NOUT];
+  threadgroup float kcur[D];
+  threadgroup float vcur[D];
+  threadgroup float xs[NXS];
+  threadgroup float partial[kAttnSimdgroups];
+  const uint pos = position[0];
+  const uint n = pos + 1;
+  const uint blk = tg.y;
+  const uint r0 = blk * args.block_rows;
+  if (r0 >= n || blk >= args.max_blocks) {
+    return;  // uniform across the threadgroup
+  }
+  const uint r1 = min(n, r0 + args.block_rows);
+  const bool has_new_row = r1 == n;  // this block holds row pos
+  const uint group = args.num_q_heads / args.num_kv_heads;
+  const uint h0 = tg.x * G;
+  const uint kvh = h0 / group;
+  attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
+                                args.norm_eps, args.log2_theta, has_new_row, xs, partial, qs,
+                                kcur, vcur, tid, sg, lane);
+  if (has_new_row && h0 % group == 0) {
+    attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
+  }
+  attn_detail::attend_rows_fused<D, G>(qs, k_cache, v_cache, kcur, vcur, kvh, args.capacity,
+                                       args.scale, r0, r1, pos, red_m, red_l, red_acc, m_out,
+                                       l_out, acc_out, tid, sg, lane);
+  for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
+    const uint g = e / D;
+    const uint d = e % D;
+    const ulong slot = ulong(h0 + g) * args.max_blocks + blk;
+    part_acc[slot * D + d] = acc_out[e];
+    if (d == 0) {
+      part_ml[2 * slot] = m_out[g];
+      part_ml[2 * slot + 1] = l_out[g];
+    }
+  }
+}
+
 // Instantiations: D = 256 with 4 heads per threadgroup (the model: 8 query heads per KV head,
 // two threadgroups per KV head); D = 64 (the "tiny" preset) with 2 or 4.
 template [[host_name("attn_decode_d256_g4")]] [[kernel]] decltype(attn_decode<256, 4>) attn_decode<256, 4>;
@@ -322,3 +654,11 @@ template [[host_name("attn_decode_split_d64_g4")]] [[kernel]] decltype(attn_deco
 template [[host_name("attn_decode_split_d64_g2")]] [[kernel]] decltype(attn_decode_split<64, 2>) attn_decode_split<64, 2>;
 template [[host_name("attn_combine_d256")]] [[kernel]] decltype(attn_combine<256>) attn_combine<256>;
 template [[host_name("attn_combine_d64")]] [[kernel]] decltype(attn_combine<64>) attn_combine<64>;
+template [[host_name("attn_decode_fused_d256_g4")]] [[kernel]] decltype(attn_decode_fused<256, 4>) attn_decode_fused<256, 4>;
+template [[host_name("attn_decode_fused_d256_g2")]] [[kernel]] decltype(attn_decode_fused<256, 2>) attn_decode_fused<256, 2>;
+template [[host_name("attn_decode_fused_d64_g4")]] [[kernel]] decltype(attn_decode_fused<64, 4>) attn_decode_fused<64, 4>;
+template [[host_name("attn_decode_fused_d64_g2")]] [[kernel]] decltype(attn_decode_fused<64, 2>) attn_decode_fused<64, 2>;
+template [[host_name("attn_decode_split_fused_d256_g4")]] [[kernel]] decltype(attn_decode_split_fused<256, 4>) attn_decode_split_fused<256, 4>;
+template [[host_name("attn_decode_split_fused_d256_g2")]] [[kernel]] decltype(attn_decode_split_fused<256, 2>) attn_decode_split_fused<256, 2>;
+template [[host_name("attn_decode_split_fused_d64_g4")]] [[kernel]] decltype(attn_decode_split_fused<64, 4>) attn_decode_split_fused<64, 4>;
+template [[host_name("attn_decode_split_fused_d64_g2")]] [[kernel]] decltype(attn_decode_split_fused<64, 2>) attn_decode_split_fused<64, 2>;

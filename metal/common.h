@@ -64,6 +64,28 @@ struct MoeArgs {
   uint top_k;         // routed experts per token (8)
 };
 
+// norm_gemv_q4 / norm_gemv_q8: RMSNorm fused into up to kNormGemvMaxMatrices GEMVs that
+// share the normalised input: y_m[rows[m]] = W_m (x * rsqrt(mean(x^2) + eps) * w), m < 4.
+// Matrix m owns the threadgroups [sum_{i<m} t_i, sum_{i<=m} t_i) of the grid, with
+// t_i = ceil(rows[i] / (kGemvRowsPerSimdgroup * simdgroups per threadgroup)).
+constant constexpr uint kNormGemvMaxMatrices = 4;
+struct NormGemvArgs {
+  uint rows[4];   // output rows of matrices 0..3 (their out dimensions); 0 = slot unused
+  uint cols;      // length of x, of the norm weight and of every matrix row (hidden, 2048); multiple of 64
+  float eps;      // added to the mean of squares (rms_norm_eps, 1e-6)
+  uint write_xn;  // 1: threadgroup 0 also stores the normalised vector to xn [cols]; 0: xn untouched
+};
+
+// moe_route_gate_up_swiglu_q4: moe_route fused into moe_gate_up_swiglu_q4.
+struct MoeRouteArgs {
+  uint hidden;        // model width (2048); a multiple of 64
+  uint inter;         // routed expert intermediate size (512); a multiple of 64
+  uint inter_shared;  // shared expert intermediate size (512); a multiple of 64
+  uint experts;       // router logits / experts stacked (256); at most kRouteMaxExperts
+  uint top_k;         // routed experts per token (8); at most 32 and <= experts
+  uint norm_topk;     // 1: weights renormalised over the k kept experts (norm_topk_prob)
+};
+
 // ---------------------------------------------------------------- small helpers
 
 inline float silu(float x) { return x / (1.0f + exp(-x)); }
@@ -117,6 +139,19 @@ template <int BITS> struct QChunk {
   static constant constexpr uint float4s = 32 / BITS;
 };
 
+// Float4 i of a chunk of x times the in-word position factors of its codes (powers of two).
+template <int BITS>
+inline float4 q_position_scale(float4 v, uint i) {
+  if (BITS == 4) {
+    // word i/2 holds values 8*(i/2)..+7; float4 i covers nibbles 4*(i%2)..+3
+    return (i % 2 == 0) ? v * float4(1.0f, 0.0625f, 0.00390625f, 0.000244140625f)
+                        : v * float4(1.52587890625e-05f, 9.5367431640625e-07f,
+                                       5.9604644775390625e-08f, 3.7252902984619140625e-09f);
+  } else {
+    return v * float4(1.0f, 0.00390625f, 1.52587890625e-05f, 5.9604644775390625e-08f);
+  }
+}
+
 // Loads chunk c of x (x4 points at float4 0 of the vector), multiplies it by mult and the
 // in-word position factors into xs, and returns mult * sum of the chunk.
 template <int BITS>
@@ -126,14 +161,30 @@ inline float q_load_x(device const float4* x4, uint c, float mult, thread float4
   for (uint i = 0; i < nf4; ++i) {
     float4 v = x4[c * nf4 + i] * mult;
     s += (v.x + v.y) + (v.z + v.w);
-    if (BITS == 4) {
-      // word i/2 holds values 8*(i/2)..+7; float4 i covers nibbles 4*(i%2)..+3
-      xs[i] = (i % 2 == 0) ? v * float4(1.0f, 0.0625f, 0.00390625f, 0.000244140625f)
-                           : v * float4(1.52587890625e-05f, 9.5367431640625e-07f,
-                                          5.9604644775390625e-08f, 3.7252902984619140625e-09f);
-    } else {
-      xs[i] = v * float4(1.0f, 0.00390625f, 1.52587890625e-05f, 5.9604644775390625e-08f);
-    }
+    xs[i] = q_position_scale<BITS>(v, i);
+  }
+  return s;
+}
+
+// RMS-normalised float4 j of x: (x * inv) * w with w the bf16 norm weight (the same
+// expression, in the same order, as rms_norm). nw points at element 0 of the weight.
+inline float4 rms_apply4(float4 x, float inv, device const bfloat* nw, uint j) {
+  const float4 w = float4(float(nw[4 * j]), float(nw[4 * j + 1]), float(nw[4 * j + 2]),
+                          float(nw[4 * j + 3]));
+  return (x * inv) * w;
+}
+
+// q_load_x for the normalised input: chunk c of rms_apply4(x, inv, nw) into xs; returns
+// the sum of the chunk's normalised values.
+template <int BITS>
+inline float q_load_x_norm(device const float4* x4, device const bfloat* nw, uint c, float inv,
+                           thread float4* xs) {
+  constexpr uint nf4 = QChunk<BITS>::float4s;
+  float s = 0.0f;
+  for (uint i = 0; i < nf4; ++i) {
+    const float4 v = rms_apply4(x4[c * nf4 + i], inv, nw, c * nf4 + i);
+    s += (v.x + v.y) + (v.z + v.w);
+    xs[i] = q_position_scale<BITS>(v, i);
   }
   return s;
 }

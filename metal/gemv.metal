@@ -50,6 +50,106 @@ template [[host_name("gemv_q8")]] [[kernel]] decltype(gemv_q<8, false>) gemv_q<8
 template [[host_name("gemv_q4_add")]] [[kernel]] decltype(gemv_q<4, true>) gemv_q<4, true>;
 template [[host_name("gemv_q8_add")]] [[kernel]] decltype(gemv_q<8, true>) gemv_q<8, true>;
 
+// ---- norm_gemv_q<BITS>: RMSNorm fused into up to four GEMVs ----------------------------
+// y_m = W_m xn for m < 4, xn = x * rsqrt(mean(x^2) + eps) * w, from the raw residual x.
+// The rows of the matrices are laid out one after another in the grid, each matrix padded
+// to whole threadgroups (a threadgroup's rows belong to one matrix): matrix m owns
+// t_m = ceil(rows[m] / (8 * simdgroups)) threadgroups, starting after those of matrices
+// < m. Every threadgroup computes sum(x^2) itself (one pass over x, then a threadgroup
+// sum: the same order in every threadgroup, so all of them use the same rsqrt) and applies
+// (x * inv) * w while loading each x chunk; the GEMV itself is gemv_q's (teams of lanes,
+// 8 rows per simdgroup). With write_xn, threadgroup 0 also stores the whole normalised
+// vector to xn (the values the dots used, bit for bit) for later kernels. Bindings of an
+// unused slot (rows = 0) are never accessed (bind any buffer; the simulator requires every
+// argument to be bound). xn must not overlap x.
+template <int BITS>
+kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp32 raw residual
+                        device const bfloat* nw [[buffer(1)]],      // [cols] bf16 norm weight
+                        device float4* xn [[buffer(2)]],            // [cols] fp32 normalised (write_xn)
+                        device const uint4* w0 [[buffer(3)]],       // matrix 0 weight [rows0, cols*BITS/32]
+                        device const bfloat* s0 [[buffer(4)]],      // matrix 0 scales [rows0, cols/64]
+                        device const bfloat* b0 [[buffer(5)]],      // matrix 0 biases [rows0, cols/64]
+                        device float* y0 [[buffer(6)]],             // [rows0] fp32
+                        device const uint4* w1 [[buffer(7)]],       // matrix 1 ...
+                        device const bfloat* s1 [[buffer(8)]],
+                        device const bfloat* b1 [[buffer(9)]],
+                        device float* y1 [[buffer(10)]],
+                        device const uint4* w2 [[buffer(11)]],      // matrix 2 ...
+                        device const bfloat* s2 [[buffer(12)]],
+                        device const bfloat* b2 [[buffer(13)]],
+                        device float* y2 [[buffer(14)]],
+                        device const uint4* w3 [[buffer(15)]],      // matrix 3 ...
+                        device const bfloat* s3 [[buffer(16)]],
+                        device const bfloat* b3 [[buffer(17)]],
+                        device float* y3 [[buffer(18)]],
+                        constant NormGemvArgs& args [[buffer(19)]],
+                        uint tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint tcount [[threads_per_threadgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]],
+                        uint nsg [[simdgroups_per_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scratch[32];
+  // the matrix this threadgroup works on (uniform over the threadgroup)
+  const uint tg_rows = kGemvRowsPerSimdgroup * nsg;
+  uint m = 0;
+  uint first = 0;  // first threadgroup of matrix m
+  uint tiles = (args.rows[0] + tg_rows - 1) / tg_rows;
+  while (m + 1 < kNormGemvMaxMatrices && tg >= first + tiles) {
+    first += tiles;
+    ++m;
+    tiles = (args.rows[m] + tg_rows - 1) / tg_rows;
+  }
+  const bool has_rows = tg < first + tiles;
+  if (!has_rows && !(tg == 0 && args.write_xn != 0)) {
+    return;  // the whole threadgroup: past the last matrix
+  }
+
+  // the norm: every threadgroup, same order
+  const uint n4 = args.cols / 4;
+  float4 sq = float4(0.0f);
+  for (uint i = tid; i < n4; i += tcount) {
+    const float4 v = x[i];
+    sq += v * v;
+  }
+  const float ss = threadgroup_sum((sq.x + sq.y) + (sq.z + sq.w), scratch, sg, lane, nsg);
+  const float inv = rsqrt(ss / float(args.cols) + args.eps);
+  if (tg == 0 && args.write_xn != 0) {
+    for (uint i = tid; i < n4; i += tcount) {
+      xn[i] = rms_apply4(x[i], inv, nw, i);
+    }
+  }
+  if (!has_rows) {
+    return;
+  }
+
+  device const uint4* w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
+  device const bfloat* scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
+  device const bfloat* biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
+  device float* y = m == 0 ? y0 : (m == 1 ? y1 : (m == 2 ? y2 : y3));
+  const uint rows = args.rows[m];
+  const uint chunks = args.cols * BITS / 128;
+  const uint groups = args.cols / kQuantGroup;
+  const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
+  const uint row0 = ((tg - first) * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
+
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (nrows > 0) {
+    for (uint c = t.lane; c < chunks; c += t.size) {
+      float4 xs[QChunk<BITS>::float4s];
+      const float xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
+      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
+    }
+  }
+  const float v = team_reduce_rows(acc, t);
+  if (t.lane < nrows) {
+    y[row0 + t.lane] = v;
+  }
+}
+template [[host_name("norm_gemv_q4")]] [[kernel]] decltype(norm_gemv_q<4>) norm_gemv_q<4>;
+template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_gemv_q<8>;
+
 // ---- embed_q<BITS>: dequantize one embedding row ------------------------------------
 // The token id is read from a device buffer (the token slot the previous step's sampler
 // wrote), so the step needs no CPU round trip. One thread per packed uint32 word:

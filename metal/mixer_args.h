@@ -39,6 +39,24 @@ struct AttnDecodeArgs {
   uint max_blocks;    // split path only: partial slots per head in the partials buffers (>= blocks dispatched)
 };
 
+// attn_decode_fused_d<D>_g<G> and attn_decode_split_fused_d<D>_g<G>: attn_qk_prep and the
+// decode attention in one dispatch. Each threadgroup normalises and rotates its own G query
+// heads from the q_proj output, computes the new token's k (RMSNorm + RoPE) and v of its KV
+// head, attends over cache rows [0, pos) plus the new row held in threadgroup memory (as the
+// bf16 values the cache will hold); one threadgroup per KV head appends row pos to the cache.
+// D (head_dim) is a template parameter; the gate is read from the q_proj output (stride 2*D).
+struct AttnFusedArgs {
+  uint num_q_heads;   // Hq (16)
+  uint num_kv_heads;  // Hkv (2); Hq / Hkv query heads share a KV head, a multiple of G
+  uint rotary_dim;    // leading dims that get RoPE (64), even, <= D; dim i pairs with i + rotary_dim / 2
+  uint capacity;      // rows per KV head in the cache ([Hkv, capacity, D]); row pos is written only if pos < capacity
+  float norm_eps;     // q_norm / k_norm epsilon (1e-6)
+  float log2_theta;   // log2(rope_theta) (log2(1e7))
+  float scale;        // softmax scale, head_dim^-0.5
+  uint block_rows;    // split path only: rows per KV block (B); block b covers [b*B, min((b+1)*B, pos+1))
+  uint max_blocks;    // split path only: partial slots per head in the partials buffers (>= blocks dispatched)
+};
+
 // attn_combine_d<D>: merges the split path's per-block partials into the gated output.
 struct AttnCombineArgs {
   uint num_q_heads;   // Hq

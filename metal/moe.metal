@@ -3,62 +3,73 @@
 //   moe_route              softmax -> top-k -> renormalise; plus the shared-expert gate
 //   moe_gate_up_swiglu_q4  h_j = silu(Wg_j x) * (Wu_j x) for the k experts and the shared one
 //   moe_down_q4            residual += sum_j w_j Wd_j h_j + sigmoid(g_s) Wd_s h_s
+// or in two after norm_gemv_q8 (router + shared gate rows, xn out):
+//   moe_route_gate_up_swiglu_q4  the routing recomputed per threadgroup, then gate/up
+//   moe_down_q4
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
 
 #include "common.h"
 
-// ---- moe_route ------------------------------------------------------------------------
-// One threadgroup of 32..1024 threads (>= top_k; round_up(experts, 32) recommended).
-//   p = softmax(logits) in fp32; the k largest p in descending order, ties to the lower
-//   index (numpy argsort(-p, kind="stable")); w_j = p_j / sum(p_top) when norm_topk.
-// The shared-expert gate (an 8-bit [1, hidden] row) is one dot product over x; it is
-// computed here, so the MoE block needs no extra dispatch for it:
-//   weights[top_k] = sigmoid(shared_expert_gate . x).
-kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] router output
-                      device const float4* x [[buffer(1)]],       // [hidden] normalised input
-                      device const uint* gate_w [[buffer(2)]],    // shared_expert_gate.weight [1, hidden/4] (8-bit)
-                      device const bfloat* gate_s [[buffer(3)]],  // shared_expert_gate.scales [1, hidden/64]
-                      device const bfloat* gate_b [[buffer(4)]],  // shared_expert_gate.biases [1, hidden/64]
-                      device uint* ids [[buffer(5)]],             // [top_k] selected experts
-                      device float* weights [[buffer(6)]],        // [top_k + 1] routing weights, shared gate
-                      constant RouteArgs& args [[buffer(7)]],
-                      uint tid [[thread_position_in_threadgroup]],
-                      uint tcount [[threads_per_threadgroup]],
-                      uint sg [[simdgroup_index_in_threadgroup]],
-                      uint lane [[thread_index_in_simdgroup]],
-                      uint nsg [[simdgroups_per_threadgroup]]) {
-  threadgroup float probs[kRouteMaxExperts];
-  threadgroup float scratch[32];
-  threadgroup float best_p[32];
-  threadgroup uint best_i[32];
-  const uint n = min(args.experts, kRouteMaxExperts);
-  const uint k = args.top_k;
+// ---- router softmax + top-k (shared by moe_route and moe_route_gate_up_swiglu_q4) ------
+// p = softmax(logits[0..n)) in fp32 into probs, then `rounds` rounds of a threadgroup
+// argmax (the largest p, ties to the lower index; a chosen expert's p becomes -1). The
+// softmax sum is taken in an order that does not depend on the threadgroup size (rows of
+// 32 consecutive experts summed by simd_sum, then the row sums in row order), so every
+// kernel and threadgroup size gets bit-identical probabilities, picks and weights.
+// Threadgroup arrays: probs [kRouteMaxExperts], rowsum, scratch, best_p, best_i [32].
+// `want` < rounds: the round whose pick every thread gets back in want_id.
+struct RoutePicks {
+  uint my_id;     // thread j < rounds: the expert of round j
+  float my_p;     // thread j < rounds: its probability
+  float top_sum;  // every thread: the sum of the picked probabilities
+  uint want_id;   // every thread: the expert of round `want` (0xFFFFFFFF if not run)
+};
 
+inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, uint want,
+                             threadgroup float* probs, threadgroup float* rowsum,
+                             threadgroup float* scratch, threadgroup float* best_p,
+                             threadgroup uint* best_i, uint tid, uint tcount, uint sg,
+                             uint lane, uint nsg) {
   // softmax (fp32)
   float m = -INFINITY;
   for (uint i = tid; i < n; i += tcount) {
     m = max(m, logits[i]);
   }
   m = threadgroup_max(m, scratch, sg, lane, nsg);
-  float s = 0.0f;
-  for (uint i = tid; i < n; i += tcount) {
-    const float e = exp(logits[i] - m);
-    probs[i] = e;
-    s += e;
+  const uint nrow = (n + 31) / 32;
+  for (uint r = sg; r < nrow; r += nsg) {  // uniform over the simdgroup
+    const uint i = r * 32 + lane;
+    const float e = i < n ? exp(logits[i] - m) : 0.0f;
+    if (i < n) {
+      probs[i] = e;
+    }
+    const float rs = simd_sum(e);
+    if (lane == 0) {
+      rowsum[r] = rs;
+    }
   }
-  s = threadgroup_sum(s, scratch, sg, lane, nsg);
-  for (uint i = tid; i < n; i += tcount) {
-    probs[i] = probs[i] / s;  // written by this thread above
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s = 0.0f;
+  for (uint r = 0; r < nrow; ++r) {
+    s += rowsum[r];
+  }
+  // each thread rescales the experts of its own rows (written by itself above)
+  for (uint r = sg; r < nrow; r += nsg) {
+    const uint i = r * 32 + lane;
+    if (i < n) {
+      probs[i] = probs[i] / s;
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // top-k: k rounds of a threadgroup argmax; a chosen expert's p becomes -1
-  uint my_id = 0;
-  float my_p = 0.0f;
-  float top_sum = 0.0f;
-  for (uint j = 0; j < k; ++j) {
+  RoutePicks out;
+  out.my_id = 0;
+  out.my_p = 0.0f;
+  out.top_sum = 0.0f;
+  out.want_id = 0xFFFFFFFFu;
+  for (uint j = 0; j < rounds; ++j) {
     float bp = -1.0f;
     uint bi = 0xFFFFFFFFu;
     for (uint i = tid; i < n; i += tcount) {  // increasing i: keeps the lowest index on ties
@@ -84,18 +95,52 @@ kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] r
       }
     }
     if (tid == j) {
-      my_id = wi;
-      my_p = wp;
+      out.my_id = wi;
+      out.my_p = wp;
     }
-    top_sum += wp;
+    out.top_sum += wp;
+    out.want_id = j == want ? wi : out.want_id;
     if (tid == 0 && wi < n) {
       probs[wi] = -1.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  return out;
+}
+
+// ---- moe_route ------------------------------------------------------------------------
+// One threadgroup of 32..1024 threads (>= top_k; round_up(experts, 32) recommended).
+//   p = softmax(logits) in fp32; the k largest p in descending order, ties to the lower
+//   index (numpy argsort(-p, kind="stable")); w_j = p_j / sum(p_top) when norm_topk.
+// The shared-expert gate (an 8-bit [1, hidden] row) is one dot product over x; it is
+// computed here, so the MoE block needs no extra dispatch for it:
+//   weights[top_k] = sigmoid(shared_expert_gate . x).
+kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] router output
+                      device const float4* x [[buffer(1)]],       // [hidden] normalised input
+                      device const uint* gate_w [[buffer(2)]],    // shared_expert_gate.weight [1, hidden/4] (8-bit)
+                      device const bfloat* gate_s [[buffer(3)]],  // shared_expert_gate.scales [1, hidden/64]
+                      device const bfloat* gate_b [[buffer(4)]],  // shared_expert_gate.biases [1, hidden/64]
+                      device uint* ids [[buffer(5)]],             // [top_k] selected experts
+                      device float* weights [[buffer(6)]],        // [top_k + 1] routing weights, shared gate
+                      constant RouteArgs& args [[buffer(7)]],
+                      uint tid [[thread_position_in_threadgroup]],
+                      uint tcount [[threads_per_threadgroup]],
+                      uint sg [[simdgroup_index_in_threadgroup]],
+                      uint lane [[thread_index_in_simdgroup]],
+                      uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float probs[kRouteMaxExperts];
+  threadgroup float rowsum[32];
+  threadgroup float scratch[32];
+  threadgroup float best_p[32];
+  threadgroup uint best_i[32];
+  const uint n = min(args.experts, kRouteMaxExperts);
+  const uint k = args.top_k;
+
+  const RoutePicks pk = route_topk(logits, n, k, 0u, probs, rowsum, scratch, best_p, best_i, tid,
+                                   tcount, sg, lane, nsg);
   if (tid < k) {
-    ids[tid] = my_id;
-    weights[tid] = args.norm_topk ? my_p / top_sum : my_p;
+    ids[tid] = pk.my_id;
+    weights[tid] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
   }
 
   // shared-expert gate: 8-bit row . x (four codes per word, one float4 of x)
@@ -111,6 +156,51 @@ kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] r
   d = threadgroup_sum(d, scratch, sg, lane, nsg);
   if (tid == 0) {
     weights[k] = sigmoid(d);
+  }
+}
+
+// ---- gate/up rows of one slot (shared by the two gate/up kernels) ----------------------
+// Rows of slot `slot` (expert e, or the shared expert when shared) owned by this simdgroup
+// of threadgroup column tgx: h[slot * inter + row] = silu(Wg x)[row] * (Wu x)[row].
+inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
+                         device const uint4* gate_w, device const bfloat* gate_s,
+                         device const bfloat* gate_b, device const uint4* up_w,
+                         device const bfloat* up_s, device const bfloat* up_b,
+                         device const uint4* sgate_w, device const bfloat* sgate_s,
+                         device const bfloat* sgate_b, device const uint4* sup_w,
+                         device const bfloat* sup_s, device const bfloat* sup_b, device float* h,
+                         uint hidden, uint inter, uint inter_shared, uint tgx, uint sg, uint nsg,
+                         uint lane) {
+  const uint rows = shared ? inter_shared : inter;
+  const uint chunks = hidden / 32;  // 4-bit: 32 codes per 16-byte chunk
+  const uint groups = hidden / kQuantGroup;
+  const uint wo = e * rows * chunks;  // expert offset in chunks
+  const uint so = e * rows * groups;  // expert offset in groups
+  device const uint4* gw = shared ? sgate_w : gate_w + wo;
+  device const bfloat* gs = shared ? sgate_s : gate_s + so;
+  device const bfloat* gb = shared ? sgate_b : gate_b + so;
+  device const uint4* uw = shared ? sup_w : up_w + wo;
+  device const bfloat* us = shared ? sup_s : up_s + so;
+  device const bfloat* ub = shared ? sup_b : up_b + so;
+
+  const QTeam t = q_team(chunks, kGateUpRowsPerSimdgroup, lane);
+  const uint row0 = (tgx * nsg + sg) * kGateUpRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
+
+  float ag[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  float au[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (nrows > 0) {
+    for (uint c = t.lane; c < chunks; c += t.size) {
+      float4 xs[QChunk<4>::float4s];
+      const float xsum = q_load_x<4>(x, c, 1.0f, xs);
+      q_chunk_rows<4>(gw, gs, gb, chunks, groups, row0, nrows, c, xs, xsum, ag);
+      q_chunk_rows<4>(uw, us, ub, chunks, groups, row0, nrows, c, xs, xsum, au);
+    }
+  }
+  const float g = team_reduce_rows(ag, t);
+  const float u = team_reduce_rows(au, t);
+  if (t.lane < nrows) {
+    h[slot * inter + row0 + t.lane] = silu(g) * u;
   }
 }
 
@@ -143,38 +233,76 @@ kernel void moe_gate_up_swiglu_q4(
     uint lane [[thread_index_in_simdgroup]]) {
   const uint slot = tg.y;
   const bool shared = slot >= args.top_k;
-  const uint rows = shared ? args.inter_shared : args.inter;
-  const uint chunks = args.hidden / 32;  // 4-bit: 32 codes per 16-byte chunk
-  const uint groups = args.hidden / kQuantGroup;
   const uint e = shared ? 0u : min(ids[slot], args.experts - 1u);
-  const uint wo = e * rows * chunks;  // expert offset in chunks
-  const uint so = e * rows * groups;  // expert offset in groups
-  device const uint4* gw = shared ? sgate_w : gate_w + wo;
-  device const bfloat* gs = shared ? sgate_s : gate_s + so;
-  device const bfloat* gb = shared ? sgate_b : gate_b + so;
-  device const uint4* uw = shared ? sup_w : up_w + wo;
-  device const bfloat* us = shared ? sup_s : up_s + so;
-  device const bfloat* ub = shared ? sup_b : up_b + so;
+  gate_up_slot(x, slot, shared, e, gate_w, gate_s, gate_b, up_w, up_s, up_b, sgate_w, sgate_s,
+               sgate_b, sup_w, sup_s, sup_b, h, args.hidden, args.inter, args.inter_shared, tg.x,
+               sg, nsg, lane);
+}
 
-  const QTeam t = q_team(chunks, kGateUpRowsPerSimdgroup, lane);
-  const uint row0 = (tg.x * nsg + sg) * kGateUpRowsPerSimdgroup + t.team * t.rows;
-  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
-
-  float ag[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  float au[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
-      float4 xs[QChunk<4>::float4s];
-      const float xsum = q_load_x<4>(x, c, 1.0f, xs);
-      q_chunk_rows<4>(gw, gs, gb, chunks, groups, row0, nrows, c, xs, xsum, ag);
-      q_chunk_rows<4>(uw, us, ub, chunks, groups, row0, nrows, c, xs, xsum, au);
+// ---- moe_route_gate_up_swiglu_q4 ------------------------------------------------------
+// moe_route fused into moe_gate_up_swiglu_q4 (one dispatch and one barrier stage fewer).
+// Same grid and hbuf as moe_gate_up_swiglu_q4. A threadgroup of routed slot j recomputes
+// the router softmax and the first j+1 top-k rounds from the logits (E <= 1024 floats, in
+// threadgroup memory) to find its expert; the shared-slot threadgroups skip the routing.
+// Threadgroup (0, 0) runs all k rounds and stores ids [k] and weights [k+1] for
+// moe_down_q4, with weights[k] = sigmoid(logits[experts]): the shared-expert gate logit is
+// row E of the router output (norm_gemv_q8 with mlp.gate and mlp.shared_expert_gate).
+// The picks and weights are bit-identical to moe_route's on the same logits.
+kernel void moe_route_gate_up_swiglu_q4(
+    device const float4* x [[buffer(0)]],        // [hidden] normalised input (xn)
+    device const float* logits [[buffer(1)]],    // [experts + 1] router logits, then the shared gate logit
+    device const uint4* gate_w [[buffer(2)]],    // switch_mlp.gate_proj.weight [E, inter, hidden/8]
+    device const bfloat* gate_s [[buffer(3)]],   // switch_mlp.gate_proj.scales [E, inter, hidden/64]
+    device const bfloat* gate_b [[buffer(4)]],   // switch_mlp.gate_proj.biases
+    device const uint4* up_w [[buffer(5)]],      // switch_mlp.up_proj.weight [E, inter, hidden/8]
+    device const bfloat* up_s [[buffer(6)]],     // switch_mlp.up_proj.scales
+    device const bfloat* up_b [[buffer(7)]],     // switch_mlp.up_proj.biases
+    device const uint4* sgate_w [[buffer(8)]],   // shared_expert.gate_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sgate_s [[buffer(9)]],  // shared_expert.gate_proj.scales
+    device const bfloat* sgate_b [[buffer(10)]], // shared_expert.gate_proj.biases
+    device const uint4* sup_w [[buffer(11)]],    // shared_expert.up_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sup_s [[buffer(12)]],   // shared_expert.up_proj.scales
+    device const bfloat* sup_b [[buffer(13)]],   // shared_expert.up_proj.biases
+    device float* h [[buffer(14)]],              // [top_k * inter + inter_shared] fp32
+    device uint* ids [[buffer(15)]],             // [top_k] selected experts (threadgroup (0, 0))
+    device float* weights [[buffer(16)]],        // [top_k + 1] routing weights, shared gate (threadgroup (0, 0))
+    constant MoeRouteArgs& args [[buffer(17)]],
+    uint2 tg [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint tcount [[threads_per_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float probs[kRouteMaxExperts];
+  threadgroup float rowsum[32];
+  threadgroup float scratch[32];
+  threadgroup float best_p[32];
+  threadgroup uint best_i[32];
+  const uint n = min(args.experts, kRouteMaxExperts);
+  const uint k = args.top_k;
+  const uint slot = tg.y;
+  const bool shared = slot >= k;
+  const bool leader = tg.x == 0 && tg.y == 0;
+  // rounds are uniform over the threadgroup (barriers inside)
+  const uint rounds = leader ? k : (shared ? 0u : slot + 1);
+  uint e = 0;
+  if (rounds > 0) {
+    const RoutePicks pk = route_topk(logits, n, rounds, slot, probs, rowsum, scratch, best_p,
+                                     best_i, tid, tcount, sg, lane, nsg);
+    if (leader) {
+      if (tid < k) {
+        ids[tid] = pk.my_id;
+        weights[tid] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
+      }
+      if (tid == 0) {
+        weights[k] = sigmoid(logits[args.experts]);
+      }
     }
+    e = min(pk.want_id, args.experts - 1u);  // the pick of round `slot`
   }
-  const float g = team_reduce_rows(ag, t);
-  const float u = team_reduce_rows(au, t);
-  if (t.lane < nrows) {
-    h[slot * args.inter + row0 + t.lane] = silu(g) * u;
-  }
+  gate_up_slot(x, slot, shared, e, gate_w, gate_s, gate_b, up_w, up_s, up_b, sgate_w, sgate_s,
+               sgate_b, sup_w, sup_s, sup_b, h, args.hidden, args.inter, args.inter_shared, tg.x,
+               sg, nsg, lane);
 }
 
 // ---- moe_down_q4 ----------------------------------------------------------------------

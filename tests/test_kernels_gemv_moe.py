@@ -1,7 +1,8 @@
 """Decode kernels of metal/gemv.metal, metal/norm.metal and metal/moe.metal on the Metal
 simulator, each compared with numpy on fresh random inputs (random packed codes, random
 bf16 scales and biases, outputs pre-poisoned with NaN by the simulator), and the whole MoE
-block compared with ``lily.reference.ReferenceModel.moe``.
+block (unfused: rms_norm, gemv_q8, moe_route, gate/up, down; fused: norm_gemv_q8,
+moe_route_gate_up_swiglu_q4, down) compared with ``lily.reference.ReferenceModel.moe``.
 
 Tolerances (fp32 accumulation order only). Every kernel output is a sum of products that
 the kernel accumulates in fp32 in a different order than numpy (per-chunk partial sums,
@@ -619,6 +620,422 @@ def test_moe_block_tolerance_is_sensitive(dev, moe_cache):
         W.down.weight[ids[7], 0, 0] ^= np.uint32(0xF)
     for bad in (wrong_expert, no_shared, one_code):
         assert np.abs(bad - y).max() > 10 * tol
+
+
+# ----------------------------------------------------------------------------- norm_gemv
+#
+# norm_gemv_q{4,8}: RMSNorm of the raw residual fused into up to four GEMVs. Tolerances:
+# the normalised vector xn (sum of n squares, rsqrt, two products) is within 64 u |xn| of
+# the exact one, like rms_norm. When the kernel writes xn, the outputs are checked against
+# W @ xn_written (the values every threadgroup used, bit for bit) with the GEMV bound
+# 64 u M; otherwise against W @ xn_exact with 128 u M (64 u M for the GEMV plus
+# sum |w| 64 u |xn| <= 64 u M for the norm).
+
+NORM_EPS = 1e-6
+
+
+def norm_gemv_grid(rows, tg=TG):
+    """Threadgroups of a norm_gemv dispatch: each matrix padded to whole threadgroups."""
+    per = GEMV_ROWS_PER_SG * tg // 32
+    return sum(-(-r // per) for r in rows)
+
+
+def norm_gemv_args(rows, cols, eps, write_xn):
+    """NormGemvArgs {rows[4], cols, eps, write_xn} (28 bytes)."""
+    rows = list(rows) + [0] * (4 - len(rows))
+    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn))
+
+
+def _bind(i, spec):
+    return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
+
+
+def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None):
+    """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
+    mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
+    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
+    rows = [m[0] for m in mats]
+    buffers = [(0, X), (1, NW), (2, XN)]
+    reads, writes = [X, NW], ([XN] if write_xn else [])
+    for i in range(4):
+        if i < len(mats):
+            r, wsb, Y = mats[i]
+            specs = [*wsb, Y]
+            if r:
+                reads += list(wsb)
+                y = Y if isinstance(Y, tuple) else (Y, 0)
+                writes.append((y[0], y[1], 4 * r))
+        else:
+            specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
+        buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg) + extra, tg, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn))], reads=reads, writes=writes,
+               threadgroups=True, label=label or f"norm_gemv_q{bits}")
+
+
+def rms_ref64(x, nw_bits, eps=NORM_EPS):
+    x64 = np.asarray(x, np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64) + eps) * bf16_to_f32(nw_bits).astype(np.float64)
+
+
+def check_norm_gemv(dev, bits, x, nw, qts, write_xn, tg=TG, extra=0, offsets=False, what=""):
+    """Runs norm_gemv on the matrices qts (None: an unused slot) and checks every output;
+    returns (xn written or None, outputs)."""
+    cols = x.size
+    X, NW = upload(dev, x), upload(dev, nw)
+    XN = dev.buffer(4 * cols + 64)  # poisoned; 16 floats of pad
+    pad = 8
+    mats, ys = [], []
+    for qt in qts:
+        if qt is None:
+            Y = dev.buffer(4 * pad)
+            mats.append((0, (X, X, X), Y))
+            ys.append(Y)
+            continue
+        rows = qt.weight.shape[0]
+        if offsets:  # bound at an offset into a larger buffer, as a runtime binds a tensor of a file
+            lead = 48
+            bound = []
+            for a in (qt.weight, qt.scales, qt.biases):
+                raw = np.concatenate([np.full(lead, 0xAB, np.uint8), a.reshape(-1).view(np.uint8)])
+                bound.append((upload(dev, raw), lead, a.nbytes))
+            wsb = tuple(bound)
+        else:
+            wsb = upload_q(dev, qt)
+        Y = dev.buffer(4 * (rows + 2 * pad))
+        mats.append((rows, wsb, (Y, 4 * pad)))  # output bound at an offset, pad on both sides
+        ys.append(Y)
+    cb = dev.command_buffer()
+    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=write_xn, tg=tg, extra=extra)
+    commit(cb, f"norm_gemv_q{bits}[{'+'.join(str(q.weight.shape[0]) if q is not None else '0' for q in qts)}x{cols}]")
+    assert cb.counters["dispatches"] == 1
+    xn_all = download(XN, np.float32)
+    want_xn = rms_ref64(x, nw)
+    if write_xn:
+        assert_within(xn_all[:cols], want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{what} xn")
+        assert np.isnan(xn_all[cols:]).all(), "xn: wrote past the vector"
+        xin, depth = xn_all[:cols].astype(np.float64), DEPTH
+    else:
+        assert np.isnan(xn_all).all(), "xn written with write_xn = 0"
+        xin, depth = want_xn, 2 * DEPTH
+    outs = []
+    for qt, Y in zip(qts, ys):
+        got = download(Y, np.float32)
+        if qt is None:
+            assert np.isnan(got).all(), "an unused slot's output was written"
+            outs.append(None)
+            continue
+        rows = qt.weight.shape[0]
+        exact = qt.dequantize().astype(np.float64) @ xin
+        mag = magnitude(qt) @ np.abs(xin)
+        assert_within(got[pad:pad + rows], exact, depth * U * mag, f"{what} norm_gemv_q{bits} {rows}x{cols}")
+        assert np.isnan(got[:pad]).all() and np.isnan(got[pad + rows:]).all(), "wrote outside the rows"
+        outs.append(got[pad:pad + rows])
+    return (xn_all[:cols] if write_xn else None), outs
+
+
+NORM_GEMV_CASES = [  # bits, rows per matrix (0 = unused slot), cols, write_xn
+    pytest.param(4, (8192, 4096, 32, 32), 2048, False, id="gdn-real"),        # in_proj_qkv, z, b, a
+    pytest.param(4, (8192, 512, 512), 2048, False, id="attn-real"),           # q_proj (with gate), k, v
+    pytest.param(8, (256, 1), 2048, True, id="router-real"),                  # mlp.gate, shared_expert_gate
+    pytest.param(4, (3000,), 2048, False, id="lm_head-slice"),                # final norm + lm_head rows
+    pytest.param(4, (1024, 512, 4, 4), 256, True, id="gdn-demo"),
+    pytest.param(4, (4096, 256, 256), 256, False, id="attn-demo"),
+    pytest.param(8, (32, 1), 256, True, id="router-demo"),
+    pytest.param(4, (128, 64, 8, 8), 128, True, id="tiny"),
+    pytest.param(4, (1, 7, 0, 33), 64, True, id="ragged-a"),
+    pytest.param(8, (17, 0, 0, 100), 192, True, id="ragged-b"),
+    pytest.param(4, (0, 5), 320, False, id="ragged-c"),
+    pytest.param(8, (33,), 320, True, id="ragged-d"),
+    pytest.param(4, (100, 1, 1, 1), 1024, True, id="ragged-e"),
+    pytest.param(8, (15, 16, 17, 3), 64, False, id="ragged-f"),
+]
+
+
+@pytest.mark.parametrize("bits,rows,cols,write_xn", NORM_GEMV_CASES)
+def test_norm_gemv(dev, bits, rows, cols, write_xn):
+    rng = np.random.default_rng(sum(rows) * 31 + cols + bits)
+    x = (rng.standard_normal(cols) * 3).astype(np.float32)  # a raw residual (RMS ~3)
+    nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) if r else None for r in rows]
+    check_norm_gemv(dev, bits, x, nw, qts, write_xn, what=str(rows))
+
+
+@pytest.mark.parametrize("tg", [32, 128, 256])
+def test_norm_gemv_threadgroup_sizes(dev, tg):
+    """Any multiple of 32 threads; the grid follows the threadgroup size (8 rows per simdgroup)."""
+    rng = np.random.default_rng(tg + 1)
+    cols = 1024
+    x = rng.standard_normal(cols).astype(np.float32)
+    nw = to_bf16_bits(rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, 4) for r in (300, 17)] + [None, rand_quant(rng, (), 40, cols, 4)]
+    check_norm_gemv(dev, 4, x, nw, qts, True, tg=tg, what=f"tg {tg}")
+
+
+def test_norm_gemv_extra_threadgroups_and_offsets(dev):
+    """Threadgroups past the last matrix do nothing; weights bound at (unaligned-to-file)
+    offsets of larger buffers, outputs at offsets."""
+    rng = np.random.default_rng(77)
+    cols = 512
+    x = rng.standard_normal(cols).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.1 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, 8) for r in (20, 3)]
+    check_norm_gemv(dev, 8, x, nw, qts, True, extra=5, offsets=True, what="extra+offsets")
+
+
+@pytest.mark.parametrize("bits,write_xn,tg", [(4, False, 64), (8, False, 128), (4, True, 32), (8, True, 256)])
+def test_norm_gemv_scale_is_exact(dev, bits, write_xn, tg):
+    """All-positive terms (positive x, norm weight, scales and biases): then |y| = M and the
+    bound 128 u M is 128 u |y|, so a norm scale off by more than ~1e-5 in any threadgroup
+    (a different rsqrt per threadgroup, a wrong mean or eps) fails, which random-sign data
+    with ~50x cancellation would not show."""
+    rng = np.random.default_rng(bits * 10 + tg)
+    cols = 1024
+    x = (np.abs(rng.standard_normal(cols)) + 0.1).astype(np.float32)
+    nw = to_bf16_bits(0.5 + rng.random(cols))
+    qts = []
+    for r in (70, 0, 9, 33):
+        if not r:
+            qts.append(None)
+            continue
+        qt = rand_quant(rng, (), r, cols, bits)
+        s = bf16_to_f32(qt.scales)
+        qts.append(QuantizedTensor("pos", qt.weight, qt.scales, to_bf16_bits(s * (0.5 + rng.random(s.shape))), bits, 64))
+    check_norm_gemv(dev, bits, x, nw, qts, write_xn, tg=tg, what="positive")
+
+
+def test_norm_gemv_xn_matches_rms_norm(dev):
+    """The xn norm_gemv writes is the rms_norm of the residual (to rounding: the sum of
+    squares is taken in another order)."""
+    rng = np.random.default_rng(12)
+    cols = 2048
+    x = (rng.standard_normal(cols) * 5).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
+    xn, _ = check_norm_gemv(dev, 8, x, nw, [rand_quant(rng, (), 16, cols, 8)], True)
+    X, Wt, O = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
+    run(dev, "rms_norm", 1, 256, [X, Wt, O], constant(cols) + np.float32(NORM_EPS).tobytes(), reads=[X, Wt],
+        writes=[O], label="rms_norm")
+    from lily.reference import rms_norm
+    ref = rms_norm(x[None], bf16_to_f32(nw), NORM_EPS)[0].astype(np.float64)
+    for other in (download(O, np.float32), ref):
+        assert_within(xn, other, 2 * DEPTH * U * np.abs(other) + 1e-30, "xn vs rms_norm")
+
+
+def test_norm_gemv_demo_checkpoint(dev, demo_path):
+    """The demo checkpoint's projections behind each norm (GDN layer 0, the first attention
+    layer, the router of layer 1, the final norm + lm_head) against lily.reference
+    (rms_norm then linear, float32) and float64."""
+    from lily.checkpoint import open_checkpoint
+    from lily.reference import rms_norm
+    ck = open_checkpoint(demo_path)
+    ref = ReferenceModel(ck)
+    c = ck.config
+    att = c.full_attention_layers[0]
+    groups = [
+        (4, "model.layers.0.input_layernorm.weight", [f"model.layers.0.linear_attn.in_proj_{n}" for n in ("qkv", "z", "b", "a")], False),
+        (4, f"model.layers.{att}.input_layernorm.weight", [f"model.layers.{att}.self_attn.{n}_proj" for n in "qkv"], False),
+        (8, "model.layers.1.post_attention_layernorm.weight", ["model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"], True),
+        (4, "model.norm.weight", ["lm_head"], False),
+    ]
+    rng = np.random.default_rng(8)
+    for bits, norm_name, modules, write_xn in groups:
+        x = (rng.standard_normal(c.hidden_size) * 2).astype(np.float32)
+        nw = np.ascontiguousarray(ck.raw(norm_name))
+        qts = [ck.quantized(m) for m in modules]
+        assert all(q.bits == bits for q in qts)
+        _, outs = check_norm_gemv(dev, bits, x, nw, qts, write_xn, what=norm_name)
+        xr = rms_norm(x[None], ref.param(norm_name), c.rms_norm_eps)
+        x64 = np.abs(rms_ref64(x, nw, c.rms_norm_eps))
+        for m, qt, got in zip(modules, qts, outs):
+            want = ref.linear(xr, m)[0].astype(np.float64)
+            # the reference's own float32 matmul (any order, <= cols terms deep) and norm
+            tol = (2 * DEPTH + c.hidden_size) * U * (magnitude(qt) @ x64)
+            assert_within(got, want, tol, f"{m} vs ReferenceModel")
+
+
+# ----------------------------------------------------------------------------- routing fused into gate/up
+
+
+def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=TG):
+    """Encodes moe_route_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md)."""
+    b = bufs
+    rows = max(W.inter, W.inter_shared)
+    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * tg // 32)), k + 1)
+    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
+    p.dispatch("moe_route_gate_up_swiglu_q4", grid, tg,
+               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
+               constants=[(17, constant(W.hidden, W.inter, W.inter_shared, W.E, k, int(norm_topk)))],
+               reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
+               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
+               threadgroups=True, label="moe_route_gate_up_swiglu_q4")
+
+
+def run_route_gate_up(dev, W, bufs, x, logits, k, norm_topk=True, tg=TG):
+    """logits: E + 1 floats (router logits, then the shared-expert gate logit)."""
+    X, L = upload(dev, x), upload(dev, logits.astype(np.float32))
+    n = k * W.inter + W.inter_shared
+    H, ids, wts = dev.buffer(4 * (n + 16)), dev.buffer(4 * (k + 4)), dev.buffer(4 * (k + 5))  # poisoned pads
+    cb = dev.command_buffer()
+    enc_route_gate_up(cb.compute_pass(), W, bufs, X, L, H, ids, wts, k, norm_topk, tg)
+    commit(cb, f"moe_route_gate_up_swiglu_q4[{W.E}x{W.inter}x{W.hidden}]")
+    h, i, w = download(H, np.float32), download(ids, np.uint32), download(wts, np.float32)
+    assert np.isnan(h[n:]).all() and (i[k:] == 0xFFFFFFFF).all() and np.isnan(w[k + 1:]).all(), "wrote past the outputs"
+    return h[:n], i[:k], w[:k + 1]
+
+
+def run_gate_up(dev, W, bufs, x, ids, k):
+    X, I = upload(dev, x), upload(dev, np.asarray(ids, np.uint32))
+    H = dev.buffer(4 * (k * W.inter + W.inter_shared))
+    cb = dev.command_buffer()
+    enc_gate_up(cb.compute_pass(), W, bufs, X, I, H, k)
+    commit(cb, "moe_gate_up_swiglu_q4")
+    return download(H, np.float32)
+
+
+ROUTE_FUSED_CASES = [  # E, k, hidden, inter, inter_shared, threadgroup
+    pytest.param(256, 8, 64, 64, 64, 64, id="real-router"),
+    pytest.param(256, 8, 128, 64, 128, 128, id="real-router-tg128"),
+    pytest.param(32, 8, 256, 128, 128, 64, id="demo"),
+    pytest.param(1000, 32, 64, 64, 64, 64, id="E1000-k32"),
+    pytest.param(1024, 8, 64, 64, 64, 256, id="E1024"),
+    pytest.param(8, 8, 64, 64, 64, 32, id="k=E"),
+    pytest.param(100, 3, 64, 128, 64, 32, id="ragged"),
+    pytest.param(256, 1, 64, 64, 64, 64, id="k1"),
+]
+
+
+@pytest.mark.parametrize("E,k,hidden,inter,inter_shared,tg", ROUTE_FUSED_CASES)
+def test_moe_route_gate_up_matches_route(dev, E, k, hidden, inter, inter_shared, tg):
+    """ids and routing weights bit-identical to moe_route on the same logits; hbuf
+    bit-identical to moe_gate_up_swiglu_q4 with those ids, and within the SwiGLU bound of
+    float64; weights[k] = sigmoid(logits[E])."""
+    rng = np.random.default_rng(E * 7 + k + tg)
+    W = MoeWeights(rng, E, hidden, inter, inter_shared)
+    bufs = W.upload(dev)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    logits = (rng.standard_normal(E + 1) * 2).astype(np.float32)
+    for norm in (True, False):
+        h, ids, wts = run_route_gate_up(dev, W, bufs, x, logits, k, norm, tg)
+        rids, rwts = run_route(dev, logits[:E], k, x, W.shared_gate, norm=norm)
+        np.testing.assert_array_equal(ids, rids)
+        np.testing.assert_array_equal(wts[:k].view(np.uint32), rwts[:k].view(np.uint32))
+        top, w = route_ref(logits[:E], k, norm)
+        np.testing.assert_array_equal(ids, top)
+        np.testing.assert_allclose(wts[:k], w, rtol=16 * U * np.log2(E) + 8 * U, atol=0)
+        assert abs(wts[k] - sigmoid(np.float64(logits[E]))) <= 8 * U
+        np.testing.assert_array_equal(h.view(np.uint32), run_gate_up(dev, W, bufs, x, ids, k).view(np.uint32))
+        want, tol = W.swiglu(x, ids)
+        assert_within(h, want, tol, "moe_route_gate_up_swiglu_q4")
+
+
+def test_moe_route_gate_up_ties(dev):
+    """Tied probabilities: lower expert index first, as moe_route and argsort(-p, stable)."""
+    E, k = 64, 8
+    rng = np.random.default_rng(0)
+    W = MoeWeights(rng, E, 64, 64, 64)
+    bufs = W.upload(dev)
+    logits = np.zeros(E + 1, np.float32)
+    logits[[5, 9, 40, 41, 63]] = 3.0
+    logits[[2, 3, 50]] = 1.0
+    logits[[60, 7]] = 0.5
+    logits[E] = -0.75
+    x = rng.standard_normal(64).astype(np.float32)
+    for norm in (True, False):
+        h, ids, wts = run_route_gate_up(dev, W, bufs, x, logits, k, norm)
+        np.testing.assert_array_equal(ids, [5, 9, 40, 41, 63, 2, 3, 50])
+        rids, rwts = run_route(dev, logits[:E], k, x, W.shared_gate, norm=norm)
+        np.testing.assert_array_equal(wts[:k].view(np.uint32), rwts[:k].view(np.uint32))
+        np.testing.assert_array_equal(h.view(np.uint32), run_gate_up(dev, W, bufs, x, ids, k).view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- the fused MoE block
+
+
+def encode_fused_moe_block(dev, W, bufs, h0, nw, k, eps=NORM_EPS, norm_topk=True):
+    """The MoE half of a decode layer with the fused kernels, as a runtime encodes it:
+    h += moe(rms_norm(h, post_attention_layernorm)) in three dispatches (three stages):
+    norm_gemv_q8 (router rows then the shared-gate row into one [E+1] buffer; xn out),
+    moe_route_gate_up_swiglu_q4, moe_down_q4."""
+    b = bufs
+    R, NW = upload(dev, h0), upload(dev, nw)
+    XN, L = dev.buffer(4 * W.hidden), dev.buffer(4 * (W.E + 1))
+    ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+    H = dev.buffer(4 * (k * W.inter + W.inter_shared))
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_norm_gemv(p, 8, R, NW, XN, [(W.E, b["router"], (L, 0)), (1, b["shared_gate"], (L, 4 * W.E))], W.hidden,
+                  eps=eps, write_xn=True, label="router norm_gemv_q8")
+    enc_route_gate_up(p, W, b, XN, L, H, ids, wts, k, norm_topk)
+    enc_down(p, W, b, H, ids, wts, R, k)
+    return cb, R, XN, ids, wts
+
+
+def check_fused_block(dev, W, ref_model, layer, h0, nw, k, what, eps=NORM_EPS):
+    """Fused block vs the float64 oracle on the xn it computed, and vs ReferenceModel.moe
+    on the reference's own float32 rms_norm (E2E_RTOL reasoning: see check_block; the xn
+    of the two differ by a few u relative, which moves y by ~1e-7 of max|y|)."""
+    from lily.reference import rms_norm
+    bufs = W.upload(dev)
+    cb, R, XN, ids_b, wts_b = encode_fused_moe_block(dev, W, bufs, h0, nw, k, eps)
+    commit(cb, f"fused moe block [{what}]")
+    assert cb.counters["dispatches"] == 3 and cb.counters["barrier_stages"] == 3, cb.counters
+    xn = download(XN, np.float32)
+    want_xn = rms_ref64(h0, nw, eps)
+    assert_within(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{what}: xn")
+    got = download(R, np.float32).astype(np.float64) - h0
+    ids, wts, y, _ = oracle_moe(W, xn, k)
+    np.testing.assert_array_equal(download(ids_b, np.uint32), ids)
+    np.testing.assert_allclose(download(wts_b, np.float32), wts, rtol=E2E_RTOL)
+    xr = rms_norm(h0[None], bf16_to_f32(nw), eps).astype(np.float32)
+    ref = ref_model.moe(layer, xr)[0].astype(np.float64)
+    scale = np.abs(y).max()
+    slack = 2 * U * np.abs(h0)
+    err_exact = assert_within(got, y, E2E_RTOL * scale + slack, f"{what}: fused MoE block vs float64")
+    err_ref = assert_within(got, ref, E2E_RTOL * scale + slack, f"{what}: fused MoE block vs ReferenceModel.moe")
+    return err_exact, err_ref, download(R, np.float32)
+
+
+def test_fused_moe_block_demo_checkpoint(dev, demo_path):
+    """norm_gemv_q8 -> moe_route_gate_up_swiglu_q4 -> moe_down_q4 on every layer of the
+    demo checkpoint (real trained bytes, the layer's post_attention_layernorm weight)."""
+    from lily.checkpoint import open_checkpoint
+    ck = open_checkpoint(demo_path)
+    ref = ReferenceModel(ck)
+    c = ck.config
+    rng = np.random.default_rng(13)
+    for layer in range(c.num_hidden_layers):
+        W = MoeWeights.from_checkpoint(ck, layer)
+        nw = np.ascontiguousarray(ck.raw(f"model.layers.{layer}.post_attention_layernorm.weight"))
+        h0 = (rng.standard_normal(c.hidden_size) * 2).astype(np.float32)  # a residual stream
+        check_fused_block(dev, W, ref, layer, h0, nw, c.num_experts_per_tok, f"demo layer {layer}", c.rms_norm_eps)
+
+
+@pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
+def test_fused_moe_block_random(dev, moe_cache, E, hidden, inter, inter_shared, k):
+    W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
+    ref = ReferenceModel(FakeCheckpoint(W, k))
+    rng = np.random.default_rng(14)
+    h0 = (rng.standard_normal(hidden) * 3).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(hidden))
+    check_fused_block(dev, W, ref, 0, h0, nw, k, f"random E={E} hidden={hidden}")
+
+
+@pytest.mark.parametrize("opts", [dict(thread_order="reverse"), dict(thread_order="random", seed=5),
+                                  dict(verify_reads=True)], ids=["reverse", "random", "verify_reads"])
+def test_fused_moe_block_orders(moe_cache, opts):
+    """The fused block gives bit-identical results whatever order threads and threadgroups
+    run in (no races, no order-dependent reductions), and reads nothing undeclared."""
+    W = moe_weights(moe_cache, 32, 256, 128, 128, 8)
+    rng = np.random.default_rng(15)
+    h0 = (rng.standard_normal(256) * 3).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(256))
+    outs = []
+    for dev in (sim_device(verify_writes=True), sim_device(verify_writes=True, **opts)):
+        cb, R, XN, ids, wts = encode_fused_moe_block(dev, W, W.upload(dev), h0, nw, 8)
+        commit(cb, "fused moe block [orders]")
+        outs.append([download(b, np.uint32) for b in (R, XN, ids, wts)])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_report_sim_times():

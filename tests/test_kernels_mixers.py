@@ -17,12 +17,25 @@ Tolerances (all float32 arithmetic on both sides unless noted):
   over <= a few hundred rows: rtol/atol 2e-5 against a float64 evaluation. Cache rows
   written by attn_qk_prep are compared with the bf16 rounding of the float32 reference,
   allowing one bf16 ulp where a float32 difference of ~1e-7 can flip the rounding.
+* fused prep + decode (attn_decode_fused, attn_decode_split_fused): the same float32
+  operations in the same order as attn_qk_prep + attn_decode(_split), so the outputs and
+  the written cache rows are compared for exact equality with that pair (on the
+  simulator; a GPU compiler may contract differently), and with the tolerances above
+  against float64 and ReferenceModel.attention.
 * RoPE: the kernel computes frequencies and angles in float32 (as MLX does), the reference
   in float64; at positions < 5000 the angle error is < 5000 * 2^-24 * few ~ 1e-3 rad at
   most for the fastest pair, so q/k after RoPE are compared with atol 2e-3 (values are
   O(1) after RMSNorm). Position 0..64 is tight (1e-5).
-* sampling: greedy exactly; the sampled path exactly where the draw is determined
-  (top_k = 1, temperature 0), otherwise by a chi-square test over many seeds.
+* sampling: greedy exactly. The sampled path: exactly where the draw is determined
+  (top_k = 1, temperature 0); draw by draw against a numpy model of the kernel (Philox u,
+  crossing of u * Z in the kernel's order), where float32 (kernel) and float64 (model)
+  cumulative masses may disagree only when u lies within 1e-5 of a boundary; and
+  statistically (chi-square, alpha 0.001) against lily.sampling's filtered softmax.
+  Log-probabilities: atol 1e-4 (float32 log-sum-exp over up to 4000 terms).
+
+Kernel correctness tests run in three simulator modes (fixture ``dev``): forward order,
+reverse thread/threadgroup order with undeclared-read detection, random order; all with
+out-of-range write detection.
 """
 
 from __future__ import annotations
@@ -39,22 +52,30 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.reference import (  # noqa: E402
-    ReferenceModel,
-    ReferenceState,
-    l2_norm,
-    rms_norm,
-    rope,
-    round_bf16,
-    sigmoid,
-    silu,
-    softplus,
-)
+from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
+from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
+
+
+THREAD_ORDERS = {
+    # verify_writes: a byte written outside a dispatch's declared write ranges is an error;
+    # verify_reads: undeclared bytes are zeroed and the dispatch re-run (an undeclared read
+    # changes the output); thread_order: threadgroups and threads run in another order, so a
+    # missing barrier or a race between threadgroups changes the result.
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    """The simulator in each thread order (kernel correctness tests run in all three)."""
+    return sim_device(**THREAD_ORDERS[request.param])
 
 
 @pytest.fixture(scope="module")
-def dev():
-    # verify_writes: a byte written outside a dispatch's declared write ranges is an error
+def fwd_dev():
+    """One order only, for the long statistical / drift runs."""
     return sim_device(verify_writes=True)
 
 
@@ -215,10 +236,10 @@ def test_gdn_decode_step_matches_reference(dev, dims):
         np.testing.assert_allclose(S, L.st.recurrent[0], rtol=1e-4, atol=1e-5)
 
 
-def test_gdn_decode_drift_512_steps(dev):
+def test_gdn_decode_drift_512_steps(fwd_dev):
     """512 decode steps from a zero state (dims preset: Dk = Dv = 128) vs the reference."""
     Hk, Hv, Dk, Dv = GDN_DIMS["dims"]
-    L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=7)
+    L = GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, seed=7)
     worst_out = worst_state = 0.0
     for t in range(512):
         inp = L.random_inputs()
@@ -312,9 +333,14 @@ class AttnLayer:
                 buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
                 constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
             return download(OUT, np.float32)
-        nblocks = -(-n // block_rows) + extra_blocks
+        used = -(-n // block_rows)                 # blocks holding rows
+        nblocks = used + extra_blocks              # dispatched (surplus ones must not write)
         max_blocks = nblocks
         ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        # exactly the partial slots of the used blocks: verify_writes proves surplus blocks
+        # write nothing (a runtime encoding ahead may declare all max_blocks slots instead)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
         args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
         cargs = args_bytes(Hq, gs, block_rows, max_blocks)
         cb = dev.command_buffer()
@@ -322,17 +348,80 @@ class AttnLayer:
         t = time.perf_counter()
         p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
-                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=[ML, ACC],
+                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
         p.dispatch(f"attn_combine_d{D}", Hq, D,
                    buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
-                   constants=[(5, cargs)], reads=[ML, ACC, GATE, self.POS], writes=[OUT],
+                   constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
                    threadgroups=True)
         cb.commit()
         cb.wait()
         self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
                                                       + time.perf_counter() - t)
         assert cb.counters["barrier_stages"] == 2  # combine waits for the partials
+        return download(OUT, np.float32)
+
+
+    # ---- fused prep + decode (attn_decode_fused / attn_decode_split_fused)
+
+    def fused_args(self, block_rows=0, max_blocks=0):
+        return args_bytes(self.Hq, self.Hkv, self.rot, self.cap, 1e-6, float(np.log2(THETA)),
+                          float(self.D) ** -0.5, block_rows, max_blocks)
+
+    def cache_prefix_ranges(self, pos):
+        """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
+        row = 2 * self.D
+        if pos == 0:
+            return []
+        return [(C, h * self.cap * row, pos * row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def encode_fused(self, p, QG, K, V, POS, pos, *, block_rows=None, extra_blocks=0, label=""):
+        """Encodes the fused step at position pos (POS holds it) into pass p, with the
+        declared ranges of docs/kernels.md; returns the output buffer [Hq*D] fp32."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        OUT = dev.buffer(Hq * D * 4)
+        common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
+        reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
+        if block_rows is None:
+            p.dispatch(f"attn_decode_fused_d{D}_g{G}", Hq // G, 256,
+                       buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
+                       reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
+                       label=label)
+            return OUT
+        n = pos + 1
+        used = -(-n // block_rows)
+        nblocks = used + extra_blocks
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
+        p.dispatch(f"attn_decode_split_fused_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
+                   reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
+                   label=label)
+        # gate straight from the q_proj output: byte offset 4*D, stride 2*D
+        p.dispatch(f"attn_combine_d{D}", Hq, D,
+                   buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
+                   constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
+                   reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
+                   threadgroups=True, label=label)
+        return OUT
+
+    def fused(self, qg, k, v, pos, **kw):
+        """One fused step at position pos in its own command buffer; fp32 [Hq*D] out."""
+        dev = self.dev
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        self.set_position(pos)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        OUT = self.encode_fused(p, QG, K, V, self.POS, pos, **kw)
+        cb.commit()
+        cb.wait()
+        name = "attn_decode_fused" if kw.get("block_rows") is None else "attn_decode_split_fused+combine"
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        # prep and attention in one stage (the split path: + the combine)
+        assert cb.counters["barrier_stages"] == (1 if kw.get("block_rows") is None else 2)
         return download(OUT, np.float32)
 
 
@@ -452,9 +541,119 @@ def test_attention_prep_and_decode_vs_oracle(dev, dims):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
 
 
-# ------------------------------------------------------------------------------ sampling
+# ------------------------------------------------------------------------------ fused prep + decode
 
-from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
+def _fused_case(dev, dims, n, capacity, seed):
+    """Two identical layers (same weights, same bf16 history, rows >= n-1 poisoned) and one
+    token's projections: one layer for the fused kernel, one for attn_qk_prep + decode."""
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=capacity, seed=seed)
+    B = AttnLayer(dev, Hq, Hkv, D, rot, capacity=capacity, seed=seed)
+    K, V = _poison_rows(A, n - 1)
+    _poison_rows(B, n - 1)
+    r = np.random.default_rng(1000 + seed)
+    qg, k, v = (f32(r.standard_normal((Hq, 2 * D))), f32(r.standard_normal((Hkv, D))),
+                f32(r.standard_normal((Hkv, D))))
+    return A, B, K, V, qg, k, v
+
+
+def _check_fused(A, B, got, want_pair, Q, qg, k, v, K, V, n):
+    """got (fused) == prep + decode on B, caches identical (row pos is what attn_qk_prep
+    writes, nothing else touched), and got vs float64 attention and ReferenceModel.attention."""
+    Hq, Hkv, D, rot = A.Hq, A.Hkv, A.D, A.rot
+    # the same float32 operations in the same order: equal bit for bit on the simulator
+    np.testing.assert_array_equal(got, want_pair)
+    kc_a, kc_b = download(A.KC, np.uint16, (Hkv, A.cap, D)), download(B.KC, np.uint16, (Hkv, A.cap, D))
+    vc_a, vc_b = download(A.VC, np.uint16, (Hkv, A.cap, D)), download(B.VC, np.uint16, (Hkv, A.cap, D))
+    np.testing.assert_array_equal(kc_a, kc_b)
+    np.testing.assert_array_equal(vc_a, vc_b)
+    np.testing.assert_array_equal(kc_a[:, : n - 1], A.k_hist[:, : n - 1])
+    np.testing.assert_array_equal(vc_a[:, : n - 1], A.v_hist[:, : n - 1])
+    np.testing.assert_array_equal(vc_a[:, n - 1], bf16_bits(v))
+    assert np.isnan(from_bf16(kc_a[:, n:])).all()  # rows past pos untouched (still poisoned)
+    # float64 attention over the cache as written (q from attn_qk_prep)
+    want64 = attention_reference(Q, qg[:, D:], from_bf16(kc_a), from_bf16(vc_a), n, D)
+    np.testing.assert_allclose(got, want64, rtol=2e-5, atol=2e-5)
+    # the oracle (new k/v in float32, not bf16): atol 1e-2 as for prep + decode
+    oracle = StubOracle(attn_cfg(Hq, Hkv, D, rot), {"q_norm.weight": from_bf16(A.qn),
+                                                   "k_norm.weight": from_bf16(A.kn)})
+    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
+    st = ReferenceState(max_context=A.cap, position=n - 1)
+    st.keys[0], st.values[0] = K.copy(), V.copy()
+    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("dims", list(ATTN_DIMS))
+@pytest.mark.parametrize("n", [1, 2, 33, 200])
+def test_attn_decode_fused(dev, dims, n):
+    """attn_decode_fused (one dispatch) vs attn_qk_prep + attn_decode (two) at context n."""
+    A, B, K, V, qg, k, v = _fused_case(dev, dims, n, capacity=256, seed=n)
+    got = A.fused(qg, k, v, n - 1)
+    B.set_position(n - 1)
+    Qb, GATE = B.prep(qg, k, v, n - 1)
+    want_pair = B.decode(Qb, GATE, n)
+    Q = download(Qb, np.float32, (B.Hq, B.D))
+    _check_fused(A, B, got, want_pair, Q, qg, k, v, K, V, n)
+
+
+@pytest.mark.parametrize("dims", list(ATTN_DIMS))
+@pytest.mark.parametrize("n,block_rows,extra", [(2, 1, 1), (64, 16, 0), (200, 48, 1), (129, 64, 2), (33, 8, 0)])
+def test_attn_decode_split_fused(dev, dims, n, block_rows, extra):
+    """attn_decode_split_fused + attn_combine vs attn_qk_prep + attn_decode_split +
+    attn_combine: ragged last blocks ((200, 48): 8 rows; (129, 64): only the new row; (33, 8):
+    only the new row), surplus blocks that must write nothing (verify_writes), and the
+    non-split fused kernel on the same inputs."""
+    A, B, K, V, qg, k, v = _fused_case(dev, dims, n, capacity=256, seed=n + 7)
+    got = A.fused(qg, k, v, n - 1, block_rows=block_rows, extra_blocks=extra)
+    B.set_position(n - 1)
+    Qb, GATE = B.prep(qg, k, v, n - 1)
+    want_pair = B.decode(Qb, GATE, n, split_threshold=1, block_rows=block_rows, extra_blocks=extra)
+    Q = download(Qb, np.float32, (B.Hq, B.D))
+    _check_fused(A, B, got, want_pair, Q, qg, k, v, K, V, n)
+    general = A.fused(qg, k, v, n - 1)  # rewrites row pos with the same values
+    np.testing.assert_allclose(got, general, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_attn_fused_steps_in_one_pass(dev, split):
+    """Three consecutive fused steps (positions p, p+1, p+2) in one concurrent pass: the
+    declared ranges (read rows [0, pos), write row pos) alone order them (step t+1 reads the
+    row step t appends), one barrier stage per step (split: + one for each combine), and the
+    outputs equal three prep + decode steps."""
+    dims = "tiny"
+    n0 = 30
+    A, B, K, V, _, _, _ = _fused_case(dev, dims, n0, capacity=64, seed=5)
+    Hq, Hkv, D = A.Hq, A.Hkv, A.D
+    r = np.random.default_rng(9)
+    steps = [(f32(r.standard_normal((Hq, 2 * D))), f32(r.standard_normal((Hkv, D))),
+              f32(r.standard_normal((Hkv, D)))) for _ in range(3)]
+    kw = dict(block_rows=16, extra_blocks=1) if split else {}
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    outs = []
+    for t, (qg, k, v) in enumerate(steps):
+        pos = n0 - 1 + t
+        POS = upload(dev, np.array([pos], np.uint32))
+        outs.append((POS, A.encode_fused(p, upload(dev, qg), upload(dev, k), upload(dev, v), POS, pos,
+                                         label=f"step {t}", **kw)))
+    cb.commit()
+    cb.wait()
+    stages = [rec["stage"] for rec in cb.dispatch_log]
+    # split: a step's split kernel shares the previous combine's stage (the row it reads was
+    # appended one stage earlier), its combine waits for it
+    assert stages == ([0, 1, 1, 2, 2, 3] if split else [0, 1, 2]), cb.dispatch_log
+    for t, (qg, k, v) in enumerate(steps):
+        pos = n0 - 1 + t
+        B.set_position(pos)
+        Qb, GATE = B.prep(qg, k, v, pos)
+        want = B.decode(Qb, GATE, pos + 1, **({"split_threshold": 1, "block_rows": 16} if split else {}))
+        np.testing.assert_array_equal(download(outs[t][1], np.float32), want)
+    for C1, C2 in ((A.KC, B.KC), (A.VC, B.VC)):
+        np.testing.assert_array_equal(download(C1, np.uint16), download(C2, np.uint16))
+
+
+# ------------------------------------------------------------------------------ sampling
 
 
 def philox_u(seed: int, counter: int) -> float:
@@ -533,7 +732,10 @@ def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs
                             (5, IDS, 4 * k * j)],
                    constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
                    reads=[L, C, (POS, 4 * j, 4)],
-                   writes=[(TOK, 4 * j, 4), (LP, lp_bytes * j, lp_bytes), (IDS, 4 * k * j, 4 * k)]
+                   writes=[(TOK, 4 * j, 4)]
+                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
+                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
+                      if params.top_logprobs else [])
                    + ([C] if update_counts else []),
                    threadgroups=True)
     t = time.perf_counter()
@@ -658,7 +860,7 @@ def _chi2_critical(df, z=3.09):  # alpha = 0.001, Wilson-Hilferty
 
 
 @pytest.mark.parametrize("tg,N", [(1024, 400), (128, 3000)])
-def test_sample_token_distribution_chi_square(dev, tg, N):
+def test_sample_token_distribution_chi_square(fwd_dev, tg, N):
     """N seeds (1024 threads as in production; 128 threads for a larger sample at the
     simulator's cost), several elements per thread (V = 3000): the empirical distribution matches
     the filtered softmax of lily.sampling (chi-square, alpha 0.001); tokens outside the
@@ -669,7 +871,7 @@ def test_sample_token_distribution_chi_square(dev, tg, N):
     params = SamplingParams(temperature=0.8, top_k=30, top_p=0.92, min_p=0.01, **PENALTIES)
     probs = filtered_probs(params, logits, prompt, generated)
     seeds = list(range(1, N + 1))
-    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, [7] * N, tg=tg)
+    toks, *_ = sample_many(fwd_dev, logits, count_buffer(V, prompt, generated), params, seeds, [7] * N, tg=tg)
     assert (probs[toks] > 0).all()
     obs = np.bincount(toks, minlength=V).astype(np.float64)
     exp_ = probs * N
@@ -683,19 +885,19 @@ def test_sample_token_distribution_chi_square(dev, tg, N):
     assert stat < _chi2_critical(df), (stat, df)
 
 
-def test_sample_token_reproducible_and_counts(dev):
+def test_sample_token_reproducible_and_counts(fwd_dev):
     V = 2000
     logits = f32(np.random.default_rng(5).standard_normal(V))
     params = SamplingParams(temperature=1.0, top_p=0.95)
-    a, *_ = sample_many(dev, logits, count_buffer(V), params, [42, 42, 43, 42], [10, 10, 10, 11])
+    a, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, [42, 42, 43, 42], [10, 10, 10, 11])
     assert a[0] == a[1]
-    b, *_ = sample_many(dev, logits, count_buffer(V), params, [42], [10])
+    b, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, [42], [10])
     assert b[0] == a[0]
-    many, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(40)), [10] * 40)
+    many, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, list(range(40)), [10] * 40)
     assert len(set(many.tolist())) > 5
     # the per-session count buffer gets +1 at the drawn token
     counts = count_buffer(V, prompt=[3])
-    toks, _, _, C, _ = sample_many(dev, logits, counts, params, [9], [0], update_counts=True)
+    toks, _, _, C, _ = sample_many(fwd_dev, logits, counts, params, [9], [0], update_counts=True)
     want = counts.copy()
     want[toks[0]] += 1
     np.testing.assert_array_equal(download(C, np.uint32), want)
@@ -713,7 +915,7 @@ def test_sample_token_logprobs(dev):
         np.testing.assert_allclose(lp[1:], [v for _, v in want.top], atol=1e-4)
 
 
-def test_sample_token_real_vocab(dev):
+def test_sample_token_real_vocab(fwd_dev):
     """The real vocabulary (248320), Qwen-style settings: the token is in the nucleus and the
     draw is the one the numpy model of the kernel's order predicts."""
     V = 248320
@@ -722,9 +924,77 @@ def test_sample_token_real_vocab(dev):
     logits[rng.choice(V, 30, replace=False)] += 9
     params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, top_logprobs=3, logprobs=True)
     probs = filtered_probs(params, logits)
-    toks, lps, ids, _, dt = sample_many(dev, logits, count_buffer(V), params, [1, 2, 3], [0, 0, 0],
+    toks, lps, ids, _, dt = sample_many(fwd_dev, logits, count_buffer(V), params, [1, 2, 3], [0, 0, 0],
                                         logprobs=True)
     assert (probs[toks] > 0).all()
     np.testing.assert_array_equal(ids[0], np.argsort(-logits, kind="stable")[:3])
     lsm = log_softmax(logits)
     np.testing.assert_allclose(lps[:, 0], lsm[toks], atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ composition
+
+def test_mixers_in_one_pass_with_derived_barriers(dev):
+    """Two GDN steps (conv state ping-pong) and attention prep -> decode -> greedy in one
+    concurrent pass: the declared ranges alone order the dependent dispatches (GDN step 2
+    after step 1 through the state and conv buffers; decode after prep through the appended
+    cache row; the greedy pick after decode), and the results equal the reference."""
+    Hk, Hv, Dk, Dv = GDN_DIMS["tiny"]
+    G = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=21)
+    Hq, Hkv, D, rot = ATTN_DIMS["tiny"]
+    n = 40
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=64, seed=22)
+    K, V = _poison_rows(A, n - 1)
+    A.set_position(n - 1)
+    r = A.rng
+    qg, k, v = (f32(r.standard_normal((Hq, 2 * D))), f32(r.standard_normal((Hkv, D))),
+                f32(r.standard_normal((Hkv, D))))
+    steps = [G.random_inputs() for _ in range(2)]
+
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    gdn_out = []
+    for t, (qkv, z, b, a) in enumerate(steps):
+        Q_, Z_, B_, A_ = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
+        O_ = dev.buffer(Hv * Dv * 4)
+        cin, cout = G.conv[t % 2], G.conv[1 - t % 2]
+        p.dispatch(G.kernel, Hv, 1024,
+                   buffers=[(0, Q_), (1, Z_), (2, B_), (3, A_), (4, G.w[0]), (5, G.w[1]), (6, G.w[2]),
+                            (7, G.w[3]), (8, cin), (9, cout), (10, G.state), (11, O_)],
+                   constants=[(12, args_bytes(Hk, Hv, 4, 1e-6, 1e-6))],
+                   reads=[Q_, Z_, B_, A_, *G.w, cin, G.state], writes=[cout, G.state, O_],
+                   threadgroups=True, label=f"gdn step {t}")
+        gdn_out.append((O_, Q_, Z_, B_, A_))
+    QG, Kb, Vb = upload(dev, qg), upload(dev, k), upload(dev, v)
+    Qo, GATE, OUT, TOK = dev.buffer(Hq * D * 4), dev.buffer(Hq * D * 4), dev.buffer(Hq * D * 4), dev.buffer(4)
+    p.dispatch("attn_qk_prep", Hq + Hkv, D,
+               buffers=[(0, QG), (1, Kb), (2, Vb), (3, A.QN), (4, A.KN), (5, A.POS), (6, A.KC), (7, A.VC),
+                        (8, Qo), (9, GATE)],
+               constants=[(10, args_bytes(Hq, Hkv, D, rot, A.cap, 1e-6, float(np.log2(THETA))))],
+               reads=[QG, Kb, Vb, A.QN, A.KN, A.POS], writes=[*A.cache_row_ranges(n - 1), Qo, GATE],
+               threadgroups=True)
+    rows = [(C, h * A.cap * 2 * D, n * 2 * D) for C in (A.KC, A.VC) for h in range(Hkv)]
+    p.dispatch(f"attn_decode_d{D}_g{A.G}", Hq // A.G, 256,
+               buffers=[(0, Qo), (1, GATE), (2, A.KC), (3, A.VC), (4, A.POS), (5, OUT)],
+               constants=[(6, args_bytes(Hq, Hkv, A.cap, D, float(D) ** -0.5, 0, 0))],
+               reads=[Qo, GATE, A.POS, *rows], writes=[OUT], threadgroups=True)
+    p.dispatch("sample_greedy", 1, 1024, buffers=[(0, OUT), (1, TOK)], constants=[(2, constant(Hq * D))],
+               reads=[OUT], writes=[TOK], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    # stages are derived in encoding order: gdn 0 | gdn 1 (state, conv) with prep beside it
+    # (independent) | decode (reads the appended row) | greedy (reads the output)
+    stages = [rec["stage"] for rec in cb.dispatch_log]
+    assert stages == [0, 1, 1, 2, 3], cb.dispatch_log
+
+    for (O_, *_), inp in zip(gdn_out, steps):
+        np.testing.assert_allclose(download(O_, np.float32), G.step_reference(*inp), rtol=1e-4, atol=1e-5)
+    oracle = StubOracle(attn_cfg(Hq, Hkv, D, rot), {"q_norm.weight": from_bf16(A.qn),
+                                                   "k_norm.weight": from_bf16(A.kn)})
+    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
+    st = ReferenceState(max_context=A.cap, position=n - 1)
+    st.keys[0], st.values[0] = K.copy(), V.copy()
+    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
+    got = download(OUT, np.float32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    assert download(TOK, np.uint32)[0] == int(np.argmax(got))

@@ -165,5 +165,64 @@ def test_full_size_decode_step_counters(context):
     assert abs(moved / minimum - 1) < 0.05
     assert abs(c["weight_bytes"] / weights - 1) < 0.01
     split = context >= 32768
-    assert c["dispatches"] == 484 + 10 * split
-    assert c["barrier_stages"] == 374 + 10 * split
+    assert c["dispatches"] == 253 + 10 * split
+    assert c["barrier_stages"] == 253 + 10 * split
+
+
+# ---- the engine's generation on the device (sampling on the GPU, pipelined) -------------
+
+
+@pytest.fixture(scope="module")
+def sim_engine(demo_path):
+    return Engine.load(demo_path, device="sim", max_context=128)
+
+
+def test_engine_greedy_text_and_session(sim_engine, demo_engine):
+    a = sim_engine.generate("ROMEO.\n", max_tokens=16, temperature=0.0)
+    b = demo_engine.generate("ROMEO.\n", max_tokens=16, temperature=0.0)
+    assert a.finish_reason == "length" and len(a.token_ids) == 16
+    assert a.token_ids == b.token_ids  # clear margins on this prompt (see the margin test above)
+    # The session holds the prompt and every token the device consumed.
+    prompt = sim_engine.tokenizer.encode("ROMEO.\n")
+    assert sim_engine.tokens == prompt + a.token_ids[:-1] == sim_engine.tokens[: sim_engine.position]
+
+
+def test_engine_sampling_on_device_is_seeded(sim_engine):
+    kw = dict(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, min_p=0.02)
+    a = sim_engine.generate("JULIET.\n", seed=11, **kw)
+    b = sim_engine.generate("JULIET.\n", seed=11, **kw)
+    c = sim_engine.generate("JULIET.\n", seed=12, **kw)
+    assert a.token_ids == b.token_ids and a.token_ids != c.token_ids
+
+
+def test_engine_logprobs_on_device(sim_engine, demo_engine):
+    a = sim_engine.generate("ROMEO.\n", max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    b = demo_engine.generate("ROMEO.\n", max_tokens=4, temperature=0.0, logprobs=True, top_logprobs=3)
+    for x, y in zip(a.logprobs, b.logprobs):
+        assert x.token_id == y.token_id
+        assert x.logprob == pytest.approx(y.logprob, abs=0.01)
+        assert [i for i, _ in x.top] == [i for i, _ in y.top]
+
+
+def test_engine_penalties_on_device_match_cpu_sampler(sim_engine, demo_engine):
+    kw = dict(max_tokens=20, temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5)
+    a = sim_engine.generate("ROMEO.\n", **kw)
+    b = demo_engine.generate("ROMEO.\n", **kw)
+    plain = sim_engine.generate("ROMEO.\n", max_tokens=20, temperature=0.0)
+    assert a.token_ids != plain.token_ids
+    assert a.token_ids[:8] == b.token_ids[:8]
+
+
+def test_engine_stop_string_and_cancel_on_device(sim_engine):
+    full = sim_engine.generate("ROMEO.\n", max_tokens=20, temperature=0.0).text
+    stop = full[8:13]
+    r = sim_engine.generate("ROMEO.\n", max_tokens=20, temperature=0.0, stop=[stop])
+    assert r.finish_reason == "stop" and r.text == full[: full.index(stop)]
+    import threading
+    ev = threading.Event()
+    gen = sim_engine.stream("ROMEO.\n", max_tokens=30, temperature=0.0, cancel=ev)
+    next(gen)
+    ev.set()
+    assert list(gen)[-1].finish_reason == "cancelled"
+    # Still usable, and the session continues consistently.
+    assert sim_engine.generate("ROMEO.\n", max_tokens=3, temperature=0.0).completion_tokens == 3

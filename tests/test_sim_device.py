@@ -250,6 +250,33 @@ def test_verify_reads_accepts_correct_declarations():
     assert download(R, np.float32)[0] == 64 * 63 / 2
 
 
+def test_verify_reads_accepts_declared_but_unwritten_output():
+    """A byte inside a declared write range that the dispatch leaves unwritten (an output
+    slot it skips) is not an undeclared read."""
+    dev = sim_device(verify_reads=True, verify_writes=True)
+    (a, b), (A, B) = vecs(dev, 2)
+    O = dev.buffer(8 * N)  # room for 2N outputs; the dispatch writes the first N
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    add(p, A, B, O, label="half_written")  # declares all of O as written
+    p.dispatch("st_add_f32", N // 2, 32, buffers=[(0, A), (1, B), (2, O, 4 * N)], constants=[(3, constant(N // 2))],
+               reads=[(A, 0, 2 * N), (B, 0, 2 * N)], writes=[(O, 4 * N, 4 * N)], label="quarter_written")
+    cb.commit()
+    cb.wait()
+    out = download(O, np.float32)
+    np.testing.assert_allclose(out[:N], a + b, rtol=1e-6)
+    np.testing.assert_allclose(out[N:N + N // 2], (a + b)[:N // 2], rtol=1e-6)
+    assert np.isnan(out[N + N // 2:]).all()  # never written: still the poison
+    # a read outside every declared range is still caught
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("st_add_f32", N, 32, buffers=[(0, A), (1, B), (2, O)], constants=[(3, constant(N))],
+               reads=[A, (B, 0, 4 * (N - 1))], writes=[O], label="short_read")
+    cb.commit()
+    with pytest.raises(_core.HazardError, match=r"short_read.*reads outside its declared read ranges.*byte 396"):
+        cb.wait()
+
+
 def test_poisoning_exposes_read_of_unwritten_buffer():
     dev = sim_device()
     A = dev.buffer(4 * N)
@@ -315,6 +342,39 @@ def test_bad_bindings_are_value_errors():
         p.dispatch("st_tg_reverse", 32, 32, buffers=[(0, A), (1, B)], threadgroup_memory=[(0, 65536)])
     # rejected dispatches leave no trace in the pass
     assert cb.counters["dispatches"] == 0 and cb.counters["barrier_stages"] == 0
+
+
+@pytest.mark.parametrize("record_only", [False, True])
+def test_misaligned_buffer_offset_is_a_value_error(record_only):
+    """A buffer bound at an offset that is not a multiple of the parameter's pointee
+    alignment (Metal requires it) is rejected at encode time instead of crashing the
+    process on a misaligned vector access."""
+    dev = sim_device(record_only=record_only)
+    n = 8
+    A, B = dev.buffer(16 * n + 64), dev.buffer(16 * n + 64)
+    O, BITS, H = dev.buffer(16 * n + 64), dev.buffer(4 * n + 64), dev.buffer(8 * n + 64)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+
+    def vec_math(a_off=0, o_off=0, bits_off=0, h_off=0):
+        p.dispatch("st_vec_math", n, 32, buffers=[(0, A, a_off), (1, B), (2, O, o_off), (3, BITS, bits_off), (4, H, h_off)],
+                   constants=[(5, constant(n))], label="vm")
+
+    with pytest.raises(ValueError, match=r"kernel 'st_vec_math'.*buffer\(0\) is bound at offset 8, which is not a "
+                                         r"multiple of 16.*'device const float4\* a'"):
+        vec_math(a_off=8)
+    with pytest.raises(ValueError, match=r"buffer\(2\) is bound at offset 4, which is not a multiple of 16"):
+        vec_math(o_off=4)
+    with pytest.raises(ValueError, match=r"buffer\(3\) is bound at offset 2, which is not a multiple of 4"):
+        vec_math(bits_off=2)
+    with pytest.raises(ValueError, match=r"buffer\(4\) is bound at offset 12, which is not a multiple of 8"):
+        vec_math(h_off=12)
+    assert cb.counters["dispatches"] == 0  # rejected dispatches leave no trace
+    vec_math(a_off=16, o_off=32, bits_off=4, h_off=8)  # aligned offsets are fine
+    p.dispatch("st_add_f16", 3, 32, buffers=[(0, A, 2), (1, B, 6), (2, O, 10)], constants=[(3, constant(3))])
+    cb.commit()
+    cb.wait()
+    assert cb.counters["dispatches"] == 2
 
 
 def test_kernel_fault_is_an_exception_and_device_survives():

@@ -66,9 +66,169 @@ def test_transform_preserves_lines_and_registers(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert 'Registrar<decltype(scale<float>)>' in text and '"scale_f32"' in text
-    assert "tg_var<T [32]>" in text
+    assert "using __lily_tgt_0 = T [ 32 ];" in text and "tg_var<__lily_tgt_0>" in text
     body = text.split("#line 1", 1)[1].split("\n", 1)[1]
     assert body.count("\n") >= (HEADER.count("\n") + 9)  # one output line per source line
+
+
+# ---- threadgroup declarations: storage, pointers, or a build error; never a silent guess
+
+TG_KERNEL = (
+    "constant constexpr uint DK = 8;\n"
+    "template <typename T, uint DV>\n"
+    "kernel void f(device float* x [[buffer(0)]], threadgroup float* dyn [[threadgroup(0)]],\n"
+    "              uint i [[thread_position_in_grid]]) {{\n"
+    "{body}\n"
+    "}}\n"
+    "template [[host_name(\"f\")]] [[kernel]] decltype(f<float, 16>) f<float, 16>;\n")
+
+
+@pytest.mark.parametrize("decl,name,type_", [
+    ("threadgroup float act[2 * DK + DV];", "act", "float [ 2 * DK + DV ]"),          # the regression
+    ("threadgroup T tile[(DK + 4) * 2][DV / 2];", "tile", "T [ ( DK + 4 ) * 2 ] [ DV / 2 ]"),
+    ("threadgroup float s[sizeof(float4) / sizeof(float)];", "s", "float [ sizeof ( float4 ) / sizeof ( float ) ]"),
+    ("threadgroup float m[DK > DV ? DK : DV];", "m", "float [ DK > DV ? DK : DV ]"),
+    ("threadgroup vec<float, 4> v[DK & 12];", "v", "vec < float , 4 > [ DK & 12 ]"),
+    ("threadgroup metal::atomic_uint counter;", "counter", "metal :: atomic_uint"),
+    ("threadgroup unsigned int u[DK*DV];", "u", "unsigned int [ DK * DV ]"),
+    ("threadgroup\n  float split[\n  DK * 2];", "split", "float [ DK * 2 ]"),
+])
+def test_threadgroup_storage_with_any_constant_size(tmp_path, decl, name, type_):
+    r, out = transform(tmp_path, TG_KERNEL.format(body="  " + decl + f"\n  (void){name};"))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert f"using __lily_tgt_0 = {type_};" in text, text
+    assert f"auto& {name} = ::lily::sim::tg_var<__lily_tgt_0>" in text
+    code = __import__("re").sub(r'"[^"\n]*"', '""', text.split("#line 1", 1)[1])  # not in messages
+    assert "threadgroup " not in code
+    if CXX:
+        c = compile_cpp(out)
+        assert c.returncode == 0, c.stderr[-3000:]
+
+
+@pytest.mark.parametrize("decl,kept", [
+    ("threadgroup float* p = dyn + 2 * DK;", "float* p = dyn + 2 * DK;"),
+    ("threadgroup float *p = dyn, *q = dyn + 1;", "float *p = dyn, *q = dyn + 1;"),
+    ("const threadgroup float* p = (const threadgroup float*)dyn;", "const  float* p = (const  float*)dyn;"),
+    ("threadgroup float (*rows)[4] = reinterpret_cast<threadgroup float (*)[4]>(dyn);",
+     "float (*rows)[4] = reinterpret_cast< float (*)[4]>(dyn);"),
+    ("threadgroup float& r = dyn[DK * 2];", "float& r = dyn[DK * 2];"),
+    ("x[i] = sizeof(threadgroup float) + static_cast<threadgroup float*>(dyn)[0];",
+     "x[i] = sizeof( float) + static_cast< float*>(dyn)[0];"),
+])
+def test_threadgroup_pointers_stay_pointers(tmp_path, decl, kept):
+    r, out = transform(tmp_path, TG_KERNEL.format(body="  " + decl))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert kept in text and "tg_var" not in text, text
+    if CXX:
+        c = compile_cpp(out)
+        assert c.returncode == 0, c.stderr[-3000:]
+
+
+def test_threadgroup_in_helper_functions_and_structs(tmp_path):
+    r, out = transform(tmp_path, (
+        "struct Tiles { threadgroup float* a; uint n; };\n"
+        "static inline void h(threadgroup float* a, threadgroup float b[4], const threadgroup float4* c) {}\n"
+        "threadgroup float* pick(threadgroup float* a, uint i) { uint q, w; return a + i; }\n"
+        "kernel void f(device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]) {\n"
+        "  threadgroup float t[4 * 8];\n"
+        "  if (i == 0) { threadgroup float inner[2 + 2]; inner[0] = 1.0f; }\n"
+        "  x[i] = pick(t, 1)[0];\n"
+        "}\n"))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert text.count("tg_var<") == 2 and "float* pick( float* a, uint i)" in text
+    if CXX:
+        c = compile_cpp(out)
+        assert c.returncode == 0, c.stderr[-3000:]
+
+
+@pytest.mark.parametrize("source,message", [
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  threadgroup float a[4], b[2 * 4];\n}",
+     r"k.metal:4: error: declare one threadgroup variable per statement"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  threadgroup float *a, b[2 * 4];\n}",
+     r"k.metal:4: error: declare one threadgroup variable per statement"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  const threadgroup float a[2 * 4];\n}",
+     r"k.metal:4: error: cannot classify the threadgroup declaration of 'a'"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  static threadgroup float a[4];\n}",
+     r"k.metal:4: error: cannot classify the threadgroup declaration of 'a'"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  threadgroup float a[4] b;\n}",
+     r"k.metal:4: error: cannot classify the threadgroup declaration of 'a'"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  threadgroup float a[];\n}",
+     r"k.metal:4: error: threadgroup variable 'a' needs an array size"),
+    ("kernel void f(device float* x [[buffer(0)]]) {\n  threadgroup 4;\n}",
+     r"k.metal:4: error: cannot parse the type after 'threadgroup'"),
+    ("threadgroup float g[2 * 4];", r"k.metal:3: error: threadgroup variable 'g' declared outside a function body"),
+    ("struct S { threadgroup float g[4]; };", r"k.metal:3: error: threadgroup variable 'g' declared outside"),
+    ("#define TILE threadgroup float tile[2 * 4]\n", r"k.metal:3: error: 'threadgroup' inside a macro"),
+])
+def test_unclassifiable_threadgroup_is_a_build_error(tmp_path, source, message):
+    r, _ = transform(tmp_path, source)
+    assert r.returncode == 1
+    assert __import__("re").search(message, r.stderr), r.stderr
+
+
+DRIVER = r"""
+#include <cstdio>
+#include <vector>
+#include "gpu/sim/executor.h"
+int main() {
+  using namespace lily::sim;
+  const KernelInfo* k = nullptr;
+  for (const KernelInfo& ki : registered_kernels()) if (ki.name == "tg_expr") k = &ki;
+  if (!k || !k->error.empty()) { std::puts("no kernel"); return 2; }
+  const uint32_t n = 32;
+  std::vector<float> out(n, -1.0f);
+  for (int order = 0; order < 3; ++order) {
+    ExecDispatch d;
+    d.kernel = k; d.label = "tg_expr"; d.thread_order = order; d.seed = 7;
+    d.threadgroups = U3{1, 1, 1}; d.threadgroup_size = U3{n, 1, 1}; d.threads_per_grid = U3{n, 1, 1};
+    d.buffers[0].ptr = reinterpret_cast<unsigned char*>(out.data());
+    d.buffers[0].available = out.size() * sizeof(float);
+    d.buffers[0].bound = true;
+    execute(d);
+    for (float v : out) std::printf("%g ", v);
+    std::printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.timeout(300)
+def test_threadgroup_size_expression_is_shared_when_run(tmp_path):
+    """The regression end to end: `threadgroup float act[2 * DK + DV];` used to become a
+    per-thread array (the '*' read as a pointer declarator) and every thread read garbage."""
+    r, out = transform(tmp_path, (
+        "constant constexpr uint DK = 8;\n"
+        "template <uint DV>\n"
+        "kernel void tg_expr(device float* out [[buffer(0)]], uint tid [[thread_index_in_threadgroup]],\n"
+        "                    uint n [[threads_per_threadgroup]]) {\n"
+        "  threadgroup float act[2 * DK + DV];\n"
+        "  threadgroup float scaled[(DK + DV) * sizeof(float) / 4];\n"
+        "  for (uint i = tid; i < 2 * DK + DV; i += n) act[i] = float(i);\n"
+        "  if (tid < DK + DV) scaled[tid] = 10.0f * float(tid);\n"
+        "  threadgroup_barrier(mem_flags::mem_threadgroup);\n"
+        "  out[tid] = act[(tid + 1) % (2 * DK + DV)] + scaled[(tid + 3) % (DK + DV)];\n"
+        "}\n"
+        "template [[host_name(\"tg_expr\")]] [[kernel]] decltype(tg_expr<16>) tg_expr<16>;\n"))
+    assert r.returncode == 0, r.stderr
+    main = tmp_path / "main.cpp"
+    main.write_text(DRIVER)
+    exe = tmp_path / "run"
+    c = subprocess.run([CXX, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"), "-I", str(ROOT / "csrc" / "gpu" / "sim" / "msl"),
+                        "-I", str(out.parent), str(out), str(ROOT / "csrc" / "gpu" / "sim" / "executor.cpp"), str(main),
+                        "-o", str(exe), "-pthread"], capture_output=True, text=True, timeout=280)
+    assert c.returncode == 0, c.stderr[-3000:]
+    env = {k: v for k, v in __import__("os").environ.items() if k != "LD_PRELOAD"}  # not instrumented
+    res = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60, env=env)
+    assert res.returncode == 0, res.stdout + res.stderr
+    t = __import__("numpy").arange(32)
+    want = ((t + 1) % 32) + 10 * ((t + 3) % 24)
+    for line in res.stdout.strip().splitlines():  # forward, reverse and random thread order
+        assert [float(v) for v in line.split()] == want.tolist()
 
 
 @pytest.mark.skipif(CXX is None, reason="no C++ compiler")

@@ -54,6 +54,21 @@ void check_range(const Dispatch& d, const Range& r, const char* what) {
   }
 }
 
+// Metal requires a buffer bound at [[buffer(n)]] to be aligned to the parameter's pointee
+// type at its offset; the simulator would fault on a misaligned vector access.
+void check_alignment(const Dispatch& d, const Binding& b) {
+  if (b.kind != Binding::Kind::buffer) return;
+  BufferParameter p = d.pipeline->buffer_parameter(b.index);
+  if (p.alignment <= 1 || b.offset % p.alignment == 0) return;
+  std::ostringstream s;
+  s << "kernel '" << d.pipeline->name() << "' (dispatch '" << d.label << "'): buffer(" << b.index
+    << ") is bound at offset " << b.offset << ", which is not a multiple of " << p.alignment
+    << ", the required alignment of parameter ";
+  if (!p.declaration.empty()) s << "'" << p.declaration << "'";
+  else s << b.index;
+  throw UsageError(s.str());
+}
+
 }  // namespace
 
 StageTracker::Span StageTracker::span(const Range& r) {
@@ -102,6 +117,7 @@ void ComputePass::dispatch(const Dispatch& d_in) {
   }
   for (const Range& r : d.reads) check_range(d, r, "read");
   for (const Range& r : d.writes) check_range(d, r, "write");
+  for (const Binding& b : d.bindings) check_alignment(d, b);
   validate(d);
 
   if (!any_dispatch_) {

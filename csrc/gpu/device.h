@@ -57,12 +57,23 @@ class Buffer {
 };
 using BufferPtr = std::shared_ptr<Buffer>;
 
+// What a backend knows about a kernel's [[buffer(n)]] parameter.
+struct BufferParameter {
+  // Required alignment of the bound offset in bytes: the alignment of the parameter's
+  // pointee type (Metal requires it; a misaligned vector access may fault). 0 = unknown.
+  size_t alignment = 0;
+  std::string declaration;  // e.g. "device const uint4* w" (for messages; may be empty)
+};
+
 class Pipeline {
  public:
   virtual ~Pipeline() = default;
   virtual const std::string& name() const = 0;
   virtual uint32_t max_threads_per_threadgroup() const = 0;
   virtual uint32_t thread_execution_width() const = 0;  // 32 on Apple GPUs
+  // The kernel's [[buffer(index)]] parameter; alignment 0 when the kernel has none there
+  // or the backend cannot tell.
+  virtual BufferParameter buffer_parameter(uint32_t index) const { return {}; }
 };
 
 // A declared byte range of a buffer that a dispatch reads or writes.
@@ -178,7 +189,9 @@ enum class BarrierMode {
 class ComputePass {
  public:
   virtual ~ComputePass() = default;
-  // Validates, derives a barrier if needed, records counters, then encodes.
+  // Validates (declared ranges inside their buffers; buffer offsets aligned to the
+  // kernel parameters' types; then the backend's validate()), derives a barrier if needed,
+  // records counters, then encodes.
   void dispatch(const Dispatch& d);
   // Hand-placed barrier (only meaningful with BarrierMode::manual; harmless otherwise).
   void barrier();

@@ -15,16 +15,22 @@ namespace lily::runtime {
 namespace args {
 struct Gemv { uint32_t rows, cols; };
 struct Embed { uint32_t cols, vocab; };
-struct Norm { uint32_t n; float eps; };
-struct Route { uint32_t experts, top_k, hidden, norm_topk; };
 struct Moe { uint32_t hidden, inter, inter_shared, experts, top_k; };
+struct MoeRoute { uint32_t hidden, inter, inter_shared, experts, top_k, norm_topk; };
+struct NormGemv { uint32_t rows[4]; uint32_t cols; float eps; uint32_t write_xn; };
 struct Gdn { uint32_t num_k_heads, num_v_heads, conv_kernel; float norm_eps, l2_eps; };
 struct AttnPrep { uint32_t num_q_heads, num_kv_heads, head_dim, rotary_dim, capacity; float norm_eps, log2_theta; };
 struct AttnDecode { uint32_t num_q_heads, num_kv_heads, capacity, gate_stride; float scale; uint32_t block_rows, max_blocks; };
 struct AttnCombine { uint32_t num_q_heads, gate_stride, block_rows, max_blocks; };
 struct Greedy { uint32_t vocab; };
-static_assert(sizeof(Gemv) == 8 && sizeof(Embed) == 8 && sizeof(Norm) == 8, "arg layout");
-static_assert(sizeof(Route) == 16 && sizeof(Moe) == 20 && sizeof(Gdn) == 20, "arg layout");
+struct Sample {
+  uint32_t vocab; float temperature; uint32_t top_k; float top_p, min_p, presence_penalty,
+      frequency_penalty, repetition_penalty; uint32_t seed_lo, seed_hi, logprobs, top_logprobs, update_counts;
+};
+static_assert(sizeof(Sample) == 52, "arg layout");
+static_assert(sizeof(Gemv) == 8 && sizeof(Embed) == 8, "arg layout");
+static_assert(sizeof(Moe) == 20 && sizeof(Gdn) == 20, "arg layout");
+static_assert(sizeof(MoeRoute) == 24 && sizeof(NormGemv) == 28, "arg layout");
 static_assert(sizeof(AttnPrep) == 28 && sizeof(AttnDecode) == 28 && sizeof(AttnCombine) == 16, "arg layout");
 }  // namespace args
 
@@ -32,7 +38,9 @@ namespace {
 
 constexpr uint32_t kGemvThreads = 64;        // 2 simdgroups x 8 rows = 16 rows per threadgroup
 constexpr uint32_t kGemvRowsPerGroup = 16;
+constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
 constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
+constexpr uint32_t kMaxTopLogprobs1 = 21;    // chosen token + up to 20 alternatives
 
 uint32_t ceil_div(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
 
@@ -124,7 +132,7 @@ DecodeRuntime::DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims
   q_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn q");
   gate_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn gate");
   attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
-  router_ = scratch(d.num_experts * f, "router logits");
+  router_ = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
   ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
   route_w_ = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
   hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
@@ -152,6 +160,9 @@ DecodeRuntime::DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims
                               d.linear_key_head_dim * f, "recurrent state");
     }
   }
+  counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
+  logprob_out_ = scratch(2 * kMaxTopLogprobs1 * f, "logprobs (per slot)");
+  top_ids_ = scratch(2 * kMaxTopLogprobs1 * sizeof(uint32_t), "top logprob ids (per slot)");
   record_only_ = tokens_->contents() == nullptr;
   reset();
 }
@@ -164,6 +175,7 @@ gpu::BufferPtr DecodeRuntime::scratch(size_t bytes, const char* label) {
 }
 
 void DecodeRuntime::reset() {
+  finish();
   position_ = 0;
   if (record_only_) return;
   // The recurrent and conv state start at zero; the KV cache needs no clearing (rows past
@@ -204,13 +216,31 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     op.args(5, args::Gemv{uint32_t(rows), uint32_t(cols)}).run(pass);
     t.other_bytes += cols * f + rows * f * (add ? 2 : 1);
   };
-  auto norm = [&](gpu::Buffer& x, const TensorRef& w, gpu::Buffer& out, uint32_t rows, uint32_t n,
-                  const std::string& label) {
-    Op op(dev, "rms_norm", label);
-    op.groups(tg(rows), tg(std::min<uint32_t>(256, ceil_div(n, 32) * 32)))
-        .in(0, x, 0, size_t(rows) * n * f).in(1, w, &t.weight_bytes).out(2, out, 0, size_t(rows) * n * f)
-        .args(3, args::Norm{n, d.rms_norm_eps}).run(pass);
-    t.other_bytes += 2 * size_t(rows) * n * f;
+  // RMSNorm of the residual fused into up to four GEMVs that read the normalised vector
+  // (norm_gemv_q*); `xn_out` also stores that vector for later kernels.
+  struct Proj { std::string module; gpu::Buffer* out; size_t offset; uint32_t rows; };
+  auto norm_gemv = [&](uint32_t bits, const TensorRef& norm_w, std::vector<Proj> projs, bool xn_out,
+                       uint32_t threads, const std::string& label) {
+    const uint32_t per_group = 8 * threads / 32;
+    args::NormGemv na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
+    uint32_t groups = 0;
+    Op op(dev, "norm_gemv_q" + std::to_string(bits), label);
+    op.in(0, *h_, 0, H * f).in(1, norm_w, &t.weight_bytes);
+    if (xn_out) op.out(2, *xn_, 0, H * f); else op.bind(2, *xn_);
+    for (uint32_t m = 0; m < 4; ++m) {
+      const uint32_t base = 3 + 4 * m;
+      if (m < projs.size()) {
+        const Proj& pr = projs[m];
+        na.rows[m] = pr.rows;
+        groups += ceil_div(pr.rows, per_group);
+        qlin(op, base, pr.module, &t.weight_bytes).out(base + 3, *pr.out, pr.offset, size_t(pr.rows) * f);
+        t.other_bytes += size_t(pr.rows) * f;
+      } else {  // unused slot: bound (every argument must be), nothing declared
+        op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
+      }
+    }
+    op.groups(tg(groups), tg(threads)).args(19, na).run(pass);
+    t.other_bytes += H * f * (xn_out ? 2 : 1);
   };
 
   // embed: the token id comes from this step's token slot (written by the previous step).
@@ -227,15 +257,16 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l);
     const std::string L = "L" + std::to_string(l) + " ";
-    norm(*h_, W(p + ".input_layernorm.weight"), *xn_, 1, H, L + "input norm");
+    const TensorRef& in_norm = W(p + ".input_layernorm.weight");
     if (!d.full_attention[l]) {
       // ---- Gated DeltaNet
       const std::string g = p + ".linear_attn";
       const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, Dk = d.linear_key_head_dim;
-      gemv(g + ".in_proj_qkv", 4, false, *xn_, H, *qkv_, d.conv_dim(), L + "in_proj_qkv");
-      gemv(g + ".in_proj_z", 4, false, *xn_, H, *z_, size_t(Hv) * Dv, L + "in_proj_z");
-      gemv(g + ".in_proj_b", 4, false, *xn_, H, *b_, Hv, L + "in_proj_b");
-      gemv(g + ".in_proj_a", 4, false, *xn_, H, *a_, Hv, L + "in_proj_a");
+      norm_gemv(4, in_norm, {{g + ".in_proj_qkv", qkv_.get(), 0, d.conv_dim()},
+                             {g + ".in_proj_z", z_.get(), 0, Hv * Dv},
+                             {g + ".in_proj_b", b_.get(), 0, Hv},
+                             {g + ".in_proj_a", a_.get(), 0, Hv}},
+                false, kGemvThreads, L + "input norm + in_proj qkv|z|b|a");
       gpu::Buffer& conv_in = *conv_[position % 2][l];
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
@@ -256,9 +287,10 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
       // ---- full attention
       const std::string a = p + ".self_attn";
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      gemv(a + ".q_proj", 4, false, *xn_, H, *qg_, size_t(Hq) * D * 2, L + "q_proj");
-      gemv(a + ".k_proj", 4, false, *xn_, H, *k_, size_t(Hkv) * D, L + "k_proj");
-      gemv(a + ".v_proj", 4, false, *xn_, H, *v_, size_t(Hkv) * D, L + "v_proj");
+      norm_gemv(4, in_norm, {{a + ".q_proj", qg_.get(), 0, Hq * D * 2},
+                             {a + ".k_proj", k_.get(), 0, Hkv * D},
+                             {a + ".v_proj", v_.get(), 0, Hkv * D}},
+                false, kGemvThreads, L + "input norm + q|k|v_proj");
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       {
         Op op(dev, "attn_qk_prep", L + "qk prep + kv append");
@@ -322,29 +354,23 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     const std::string m = p + ".mlp";
     const uint32_t E = d.num_experts, k = d.num_experts_per_tok;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
-    norm(*h_, W(p + ".post_attention_layernorm.weight"), *xn_, 1, H, L + "post-attention norm");
-    gemv(m + ".gate", 8, false, *xn_, H, *router_, E, L + "router");
-    {
-      Op op(dev, "moe_route", L + "route top-k");
-      op.groups(tg(1), tg(std::max<uint32_t>(32, std::min<uint32_t>(1024, ceil_div(E, 32) * 32))))
-          .in(0, *router_, 0, E * f).in(1, *xn_, 0, H * f);
-      qlin(op, 2, m + ".shared_expert_gate", &t.weight_bytes)
-          .out(5, *ids_, 0, k * u32).out(6, *route_w_, 0, (k + 1) * f)
-          .args(7, args::Route{E, k, H, d.norm_topk_prob ? 1u : 0u}).run(pass);
-    }
+    norm_gemv(8, W(p + ".post_attention_layernorm.weight"),
+              {{m + ".gate", router_.get(), 0, E}, {m + ".shared_expert_gate", router_.get(), E * f, 1}},
+              true, kGemvThreads, L + "post-attention norm + router|shared gate");
     const args::Moe ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
     const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
     {
-      Op op(dev, "moe_gate_up_swiglu_q4", L + "experts gate+up");
+      Op op(dev, "moe_route_gate_up_swiglu_q4", L + "route top-k + experts gate|up");
       op.groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
-          .in(0, *xn_, 0, H * f).in(1, *ids_, 0, k * u32);
+          .in(0, *xn_, 0, H * f).in(1, *router_, 0, (E + 1) * f);
       qlin(op, 2, m + ".switch_mlp.gate_proj", nullptr);
       qlin(op, 5, m + ".switch_mlp.up_proj", nullptr);
       qlin(op, 8, m + ".shared_expert.gate_proj", nullptr);
       qlin(op, 11, m + ".shared_expert.up_proj", nullptr);
-      op.out(14, *hbuf_, 0, hbuf_->size()).args(15, ma).run(pass);
+      op.out(14, *hbuf_, 0, hbuf_->size()).out(15, *ids_, 0, k * u32).out(16, *route_w_, 0, (k + 1) * f)
+          .args(17, args::MoeRoute{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u}).run(pass);
       t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
     }
     {
@@ -358,16 +384,32 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     }
   }
 
-  norm(*h_, W("model.norm.weight"), *xn_, 1, H, "final norm");
-  gemv("lm_head", 4, false, *xn_, H, *logits_, d.vocab_size, "lm_head");
-  Op op(dev, "sample_greedy", "greedy token -> next slot");
-  op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-      .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::Greedy{d.vocab_size}).run(pass);
+  norm_gemv(4, W("model.norm.weight"), {{"lm_head", logits_.get(), 0, d.vocab_size}}, false,
+            kLmHeadThreads, "final norm + lm_head");
+  const SamplingConfig& sc = sampling_;
+  if (sc.greedy_kernel()) {
+    Op op(dev, "sample_greedy", "greedy token -> next slot");
+    op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
+        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::Greedy{d.vocab_size}).run(pass);
+  } else {
+    const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
+                           sc.repetition_penalty != 1.0f;
+    args::Sample sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
+                    sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
+                    sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u};
+    const size_t lp = kMaxTopLogprobs1 * f, ti = kMaxTopLogprobs1 * u32;
+    Op op(dev, "sample_token", "sample token -> next slot");
+    op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
+        .inout(1, *counts_, 0, counts_->size()).in(2, *positions_, slot * u32, u32)
+        .out(3, *tokens_, (slot ^ 1) * u32, u32)
+        .out(4, *logprob_out_, slot * lp, lp).out(5, *top_ids_, slot * ti, ti).args(6, sa).run(pass);
+  }
   pass.end();
 }
 
 std::vector<float> DecodeRuntime::forward(const std::vector<uint32_t>& tokens, bool all_logits) {
   if (record_only_) throw std::invalid_argument("forward: the device is record-only");
+  finish();  // a generation left open ends here (its steps are part of the session)
   if (tokens.empty()) throw std::invalid_argument("forward: no tokens");
   if (uint64_t(position_) + tokens.size() > opt_.max_context)
     throw std::invalid_argument("forward: " + std::to_string(position_) + " tokens in context + " +
@@ -392,47 +434,82 @@ std::vector<float> DecodeRuntime::forward(const std::vector<uint32_t>& tokens, b
   return out;
 }
 
-std::vector<uint32_t> DecodeRuntime::generate_greedy(uint32_t first, uint32_t max_tokens,
-                                                     const std::set<uint32_t>& stop_ids) {
+void DecodeRuntime::start(uint32_t first, const SamplingConfig& cfg, uint32_t max_steps,
+                          const std::vector<uint32_t>& prompt) {
   if (record_only_) throw std::invalid_argument("generate: the device is record-only");
-  if (first >= dims_.vocab_size) throw std::invalid_argument("generate: token id out of range");
-  std::vector<uint32_t> out;
-  if (max_tokens == 0) return out;
+  if (generating_) throw std::logic_error("generate: a generation is already running");
+  if (first >= dims_.vocab_size) throw std::invalid_argument("generate: token id " + std::to_string(first) +
+                                                             " is outside the vocabulary");
   if (position_ >= opt_.max_context)
     throw std::invalid_argument("generate: the context window of " + std::to_string(opt_.max_context) +
                                 " tokens is full");
-  // Steps still to run: each consumes one input token at position_ + i.
-  const uint32_t steps = std::min<uint64_t>(max_tokens, uint64_t(opt_.max_context) - position_);
+  if (cfg.top_logprobs + 1 > kMaxTopLogprobs1) throw std::invalid_argument("generate: top_logprobs > 20");
+  sampling_ = cfg;
+  auto* counts = static_cast<uint32_t*>(counts_->contents());
+  std::memset(counts, 0, counts_->size());
+  for (uint32_t t : prompt)
+    if (t < dims_.vocab_size) counts[t] = 0x80000000u;
+  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - position_));
+  gen_encoded_ = gen_done_ = 0;
+  generating_ = true;
   write_token(position_ % 2, first, position_);
-  std::unique_ptr<gpu::CommandBuffer> inflight[2];
-  uint32_t encoded = 0, done = 0;
-  auto submit = [&] {
-    const uint32_t pos = position_ + encoded;
-    const int slot = pos % 2;
-    static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token comes from the GPU
-    inflight[slot] = device_->new_command_buffer();
-    encode_step(*inflight[slot], slot, pos, nullptr);
-    inflight[slot]->commit();
-    ++encoded;
-  };
-  submit();
-  bool stopped = false;
-  while (done < encoded) {
-    // Encode the next step before waiting on the current one: the two overlap.
-    if (!stopped && encoded < steps && encoded - done < 2) submit();
-    const uint32_t pos = position_ + done;
-    const int slot = pos % 2;
-    inflight[slot]->wait();
-    const uint32_t next = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
-    ++done;
-    if (stopped) continue;  // the speculative step: its output is dropped below
-    out.push_back(next);
-    if (stop_ids.count(next) || out.size() >= steps) stopped = true;
+  if (gen_steps_) submit_next();
+}
+
+void DecodeRuntime::submit_next() {
+  const uint32_t pos = position_ + gen_encoded_;
+  const int slot = pos % 2;
+  static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
+  inflight_[slot] = device_->new_command_buffer();
+  encode_step(*inflight_[slot], slot, pos, nullptr);
+  inflight_[slot]->commit();
+  ++gen_encoded_;
+}
+
+bool DecodeRuntime::next(StepOutput* out) {
+  if (!generating_) throw std::logic_error("generate: next() without start()");
+  if (gen_done_ == gen_encoded_) return false;
+  // Encode step n+1 before waiting on step n, so the device never idles on the host.
+  if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
+  const int slot = (position_ + gen_done_) % 2;
+  inflight_[slot]->wait();
+  inflight_[slot].reset();
+  ++gen_done_;
+  out->token = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
+  out->top.clear();
+  if (sampling_.logprobs) {
+    const float* lp = static_cast<const float*>(logprob_out_->contents()) + slot * kMaxTopLogprobs1;
+    const uint32_t* ids = static_cast<const uint32_t*>(top_ids_->contents()) + slot * kMaxTopLogprobs1;
+    out->logprob = lp[0];
+    for (uint32_t i = 0; i < sampling_.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
   }
-  // Every executed step consumed one token: `first`, then out[0], out[1], ... A step
-  // encoded ahead of a stop also ran and consumed the stop token; its output id is dropped
-  // (at most one such step), and the session keeps what it consumed.
-  position_ += done;
+  return true;
+}
+
+void DecodeRuntime::finish() {
+  if (!generating_) return;
+  for (auto& cb : inflight_) {
+    if (cb) {
+      cb->wait();
+      cb.reset();
+      ++gen_done_;
+    }
+  }
+  position_ += gen_done_;
+  generating_ = false;
+}
+
+std::vector<uint32_t> DecodeRuntime::generate_greedy(uint32_t first, uint32_t max_tokens,
+                                                     const std::set<uint32_t>& stop_ids) {
+  std::vector<uint32_t> out;
+  if (max_tokens == 0) return out;
+  start(first, SamplingConfig{}, max_tokens, {});
+  StepOutput o;
+  while (next(&o)) {
+    out.push_back(o.token);
+    if (stop_ids.count(o.token)) break;
+  }
+  finish();
   return out;
 }
 

@@ -32,6 +32,31 @@ struct Traffic {
   uint64_t other_bytes = 0;   // activations between kernels
 };
 
+// Token selection on the device (metal/sample.metal). Greedy without logprobs runs
+// sample_greedy; anything else runs sample_token (penalties from the per-session count
+// buffer, temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the
+// token's position as counter, optional log-probabilities of the raw logits).
+struct SamplingConfig {
+  float temperature = 0.0f;
+  uint32_t top_k = 0;
+  float top_p = 1.0f, min_p = 0.0f;
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
+  uint64_t seed = 0;
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;  // 0..20
+  bool greedy_kernel() const {
+    return temperature == 0.0f && !logprobs && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
+           repetition_penalty == 1.0f;
+  }
+};
+
+// One generated token as the host reads it (one step behind the device).
+struct StepOutput {
+  uint32_t token = 0;
+  float logprob = 0.0f;                                // when SamplingConfig::logprobs
+  std::vector<std::pair<uint32_t, float>> top;         // top_logprobs alternatives
+};
+
 class DecodeRuntime {
  public:
   DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims,
@@ -57,6 +82,18 @@ class DecodeRuntime {
   std::vector<uint32_t> generate_greedy(uint32_t first, uint32_t max_tokens,
                                         const std::set<uint32_t>& stop_ids);
 
+  // The same pipeline, one token at a time, for hosts that decide when to stop (stop
+  // strings): start() feeds `first` at the current position with `prompt` marking the
+  // tokens the repetition penalty sees; next() returns the next generated token (false
+  // when max_steps or the context is exhausted) while the following step already runs;
+  // finish() waits for the step in flight and commits the session position (every executed
+  // step consumed a token: `first`, then the outputs; a speculative step consumes the last
+  // returned token and its own output is dropped).
+  void start(uint32_t first, const SamplingConfig& cfg, uint32_t max_steps,
+             const std::vector<uint32_t>& prompt);
+  bool next(StepOutput* out);
+  void finish();
+
   // Encodes one step at `position` into a fresh command buffer and commits it; on a
   // record-only device nothing executes. Returns the device counters and the traffic.
   gpu::Counters count_step(uint32_t position, Traffic* traffic);
@@ -68,6 +105,7 @@ class DecodeRuntime {
  private:
   struct Layer;
   void encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* traffic);
+  void submit_next();
   void write_token(int slot, uint32_t token, uint32_t position);
   gpu::BufferPtr scratch(size_t bytes, const char* label);
 
@@ -86,6 +124,15 @@ class DecodeRuntime {
   // session state per layer
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
   std::vector<gpu::BufferPtr> owned_;
+
+  // sampling: per-session token counts [V] (bit 31: seen in the prompt) and per-slot
+  // log-probability outputs
+  gpu::BufferPtr counts_, logprob_out_, top_ids_;
+  SamplingConfig sampling_;
+  // the generation in progress (start/next/finish)
+  std::unique_ptr<gpu::CommandBuffer> inflight_[2];
+  uint32_t gen_steps_ = 0, gen_encoded_ = 0, gen_done_ = 0;
+  bool generating_ = false;
 };
 
 }  // namespace lily::runtime

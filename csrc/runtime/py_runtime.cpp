@@ -4,6 +4,7 @@
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
@@ -107,6 +108,41 @@ void bind_runtime(nb::module_& m) {
            },
            "first"_a, "max_tokens"_a, "stop_ids"_a,
            "Pipelined greedy decode with the GPU token hand-off; returns the generated ids.")
+      .def("start",
+           [](DecodeRuntime& rt, uint32_t first, uint32_t max_steps, const std::vector<uint32_t>& prompt,
+              float temperature, uint32_t top_k, float top_p, float min_p, float presence_penalty,
+              float frequency_penalty, float repetition_penalty, uint64_t seed, bool logprobs,
+              uint32_t top_logprobs) {
+             SamplingConfig c;
+             c.temperature = temperature; c.top_k = top_k; c.top_p = top_p; c.min_p = min_p;
+             c.presence_penalty = presence_penalty; c.frequency_penalty = frequency_penalty;
+             c.repetition_penalty = repetition_penalty; c.seed = seed; c.logprobs = logprobs;
+             c.top_logprobs = top_logprobs;
+             nb::gil_scoped_release g;
+             rt.start(first, c, max_steps, prompt);
+           },
+           "first"_a, "max_steps"_a, "prompt"_a, "temperature"_a = 0.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
+           "min_p"_a = 0.0f, "presence_penalty"_a = 0.0f, "frequency_penalty"_a = 0.0f,
+           "repetition_penalty"_a = 1.0f, "seed"_a = 0, "logprobs"_a = false, "top_logprobs"_a = 0,
+           "Starts pipelined generation: `first` is fed at the current position.")
+      .def("next",
+           [](DecodeRuntime& rt) -> nb::object {
+             StepOutput o;
+             bool more;
+             {
+               nb::gil_scoped_release g;
+               more = rt.next(&o);
+             }
+             if (!more) return nb::none();
+             return nb::make_tuple(o.token, o.logprob, o.top);
+           },
+           "The next generated (token, logprob, [(id, logprob)]), or None when the steps are used up.")
+      .def("finish",
+           [](DecodeRuntime& rt) {
+             nb::gil_scoped_release g;
+             rt.finish();
+           },
+           "Waits for the step in flight and commits the session position.")
       .def("count_step",
            [](DecodeRuntime& rt, uint32_t position) {
              Traffic t;

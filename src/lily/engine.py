@@ -350,6 +350,9 @@ class Engine:
         n_out = 0
         t0 = time.perf_counter()
         logits = None
+        if getattr(self.backend, "pipelined", False):
+            yield from self._generate_pipelined(prompt_ids, new, p, cancel, timings, detok, stops)
+            return
         try:
             for s in range(0, len(new), PREFILL_CHUNK):
                 if cancel is not None and cancel.is_set():
@@ -387,6 +390,70 @@ class Engine:
                 return
             yield StreamEvent(text, [tok], lp)
             logits = self.decode(tok)
+
+    def _generate_pipelined(self, prompt_ids, new, p: SamplingParams, cancel, timings: Timings,
+                            detok, stops: StopMatcher) -> Iterator[StreamEvent]:
+        """Native devices: the prompt but its last token is prefilled, then the device
+        generates with the GPU token hand-off (token selection on the device, the next step
+        encoded while the current one runs); the host reads ids one step behind and stops
+        on EOS, stop strings or max tokens, discarding at most one speculative step."""
+        backend = self.backend
+        n_out = 0
+
+        def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
+            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
+
+        t0 = time.perf_counter()
+        try:
+            for s in range(0, len(new) - 1, PREFILL_CHUNK):
+                if cancel is not None and cancel.is_set():
+                    self.reset()
+                    yield done("cancelled")
+                    return
+                self.prefill(new[s:min(s + PREFILL_CHUNK, len(new) - 1)])
+        except BaseException:
+            self.reset()
+            raise
+        timings.prefill_s = time.perf_counter() - t0
+        first = new[-1]
+        start_pos = backend.position
+        history = self._tokens + [first]
+        steps = min(p.max_tokens, self.max_context - start_pos)
+        backend.start(first, steps, history, p)
+        outs: list[int] = []
+        t1 = time.perf_counter()
+        try:
+            while True:
+                if cancel is not None and cancel.is_set():
+                    yield done("cancelled")
+                    return
+                step = backend.next()
+                if step is None:  # max tokens or the context window reached
+                    tail, _ = stops.push(detok.flush())
+                    yield done("length", tail + stops.flush())
+                    return
+                tok, lp = step
+                if tok in self.eos_token_ids and not p.ignore_eos:
+                    yield done("stop", stops.flush() + detok.flush())
+                    return
+                outs.append(tok)
+                n_out += 1
+                timings.decode_tokens = n_out
+                lps = [lp] if p.logprobs else None
+                text, stopped = stops.push(detok.add(tok))
+                if stopped:
+                    yield done("stop", text, [tok], lps)
+                    return
+                if n_out >= steps:
+                    tail, _ = stops.push(detok.flush())
+                    yield done("length", text + tail + stops.flush(), [tok], lps)
+                    return
+                yield StreamEvent(text, [tok], lps)
+        finally:
+            backend.finish()
+            timings.decode_s = time.perf_counter() - t1
+            consumed = backend.position - start_pos
+            self._tokens.extend(([first] + outs)[:consumed])
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  cancel: threading.Event | None = None, **overrides) -> GenerationResult:

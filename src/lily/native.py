@@ -11,6 +11,7 @@ import numpy as np
 
 from lily.checkpoint import Checkpoint, ModelConfig
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.sampling import TokenLogprob
 
 SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
 SPLIT_BLOCK = 1024       # KV rows per block on the split path
@@ -45,6 +46,8 @@ def make_device(name: str, **options):
 
 class NativeBackend:
     """The engine backend over ``lily._core.DecodeRuntime``."""
+
+    pipelined = True  # generation runs on the device (lily.engine.Engine._generate_pipelined)
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
@@ -82,6 +85,28 @@ class NativeBackend:
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
         """Pipelined greedy decode on the device (GPU token hand-off); see DecodeRuntime."""
         return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
+
+    def start(self, first: int, max_steps: int, history, params) -> None:
+        """Begin pipelined generation with ``params`` (:class:`lily.sampling.SamplingParams`);
+        ``history`` are the session's tokens (the repetition penalty's prompt set)."""
+        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
+        self.runtime.start(int(first), int(max_steps), [int(t) for t in history],
+                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                           min_p=params.min_p, presence_penalty=params.presence_penalty,
+                           frequency_penalty=params.frequency_penalty,
+                           repetition_penalty=params.repetition_penalty, seed=int(seed) % (1 << 64),
+                           logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+
+    def next(self):
+        """``(token id, TokenLogprob)`` of the next generated token, or None when done."""
+        step = self.runtime.next()
+        if step is None:
+            return None
+        tok, lp, top = step
+        return int(tok), TokenLogprob(int(tok), float(lp), tuple((int(i), float(v)) for i, v in top))
+
+    def finish(self) -> None:
+        self.runtime.finish()
 
     def snapshot(self):
         raise DeviceError(f"session snapshots are not implemented on device {self.name!r} yet")

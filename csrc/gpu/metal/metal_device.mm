@@ -57,8 +57,13 @@ class MetalBuffer : public gpu::Buffer, public std::enable_shared_from_this<Meta
 
 class MetalPipeline : public gpu::Pipeline {
  public:
-  MetalPipeline(std::string name, id<MTLComputePipelineState> pso) : name_(std::move(name)), pso_(pso) {}
+  MetalPipeline(std::string name, id<MTLComputePipelineState> pso, std::map<uint32_t, gpu::BufferParameter> params)
+      : name_(std::move(name)), pso_(pso), params_(std::move(params)) {}
   const std::string& name() const override { return name_; }
+  gpu::BufferParameter buffer_parameter(uint32_t index) const override {
+    auto it = params_.find(index);
+    return it == params_.end() ? gpu::BufferParameter{} : it->second;
+  }
   uint32_t max_threads_per_threadgroup() const override {
     return static_cast<uint32_t>([pso_ maxTotalThreadsPerThreadgroup]);
   }
@@ -68,7 +73,26 @@ class MetalPipeline : public gpu::Pipeline {
  private:
   std::string name_;
   id<MTLComputePipelineState> pso_;
+  std::map<uint32_t, gpu::BufferParameter> params_;  // [[buffer(n)]] alignment, from reflection
 };
+
+// The [[buffer(n)]] parameters' alignments from pipeline reflection, for the shared
+// dispatch validation. MTLArgument (macOS 10.11) is deprecated from macOS 13 in favour of
+// MTLBinding, which the macOS 12 SDK does not have; it still works.
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
+std::map<uint32_t, gpu::BufferParameter> buffer_parameters(MTLComputePipelineReflection* refl) {
+  std::map<uint32_t, gpu::BufferParameter> r;
+  for (MTLArgument* a in [refl arguments]) {
+    if ([a type] != MTLArgumentTypeBuffer) continue;
+    gpu::BufferParameter p;
+    p.alignment = static_cast<size_t>([a bufferAlignment]);
+    p.declaration = to_string([a name]);
+    r[static_cast<uint32_t>([a index])] = p;
+  }
+  return r;
+}
+#pragma clang diagnostic pop
 
 class MetalDevice;
 
@@ -320,10 +344,17 @@ class MetalDevice : public gpu::Device {
       id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
       if (!fn) throw UsageError("unknown kernel '" + name + "': not in " + path_);
       NSError* err = nil;
-      id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn error:&err];
+      MTLComputePipelineReflection* refl = nil;
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // MTLPipelineOptionArgumentInfo (macOS 13)
+      id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn
+                                                                         options:MTLPipelineOptionArgumentInfo
+                                                                      reflection:&refl
+                                                                           error:&err];
+#pragma clang diagnostic pop
       if (!pso)
         throw Error("cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]));
-      auto p = std::make_unique<MetalPipeline>(name, pso);
+      auto p = std::make_unique<MetalPipeline>(name, pso, buffer_parameters(refl));
       const gpu::Pipeline& ref = *p;
       cache_.emplace(name, std::move(p));
       return ref;

@@ -439,15 +439,18 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     ~Cleanup() {
       for (Fiber& f : tg.fibers)
         if (f.stack.base) w.pool.push_back(f.stack);
-      for (unsigned char*& p : tg.dyn) std::free(p);
+      for (unsigned char*& p : tg.dyn) std::free(p);  // posix_memalign
       for (TgVar& v : tg.vars) std::free(v.ptr);
       w.tg = nullptr;
     }
   } cleanup{w, tg};
   for (uint32_t i = 0; i < kMaxBindings; ++i)
     if (d.threadgroup_memory[i]) {
-      tg.dyn[i] = static_cast<unsigned char*>(std::malloc(d.threadgroup_memory[i]));
-      if (!tg.dyn[i]) throw gpu::Error("simulator: out of memory for threadgroup memory");
+      // Aligned for any MSL type (long4 needs 32); exact size, so ASan sees overruns.
+      void* mem = nullptr;
+      if (posix_memalign(&mem, kBindingAlignment, d.threadgroup_memory[i]) != 0)
+        throw gpu::Error("simulator: out of memory for threadgroup memory");
+      tg.dyn[i] = static_cast<unsigned char*>(mem);
       std::memset(tg.dyn[i], d.poison ? kPoison : 0, d.threadgroup_memory[i]);
       tg.bytes += d.threadgroup_memory[i];
     }
@@ -596,6 +599,11 @@ const unsigned char* simd_collective(Op op, const void* operand, size_t size, ui
 }
 
 void kernel_fail(const std::string& message) { throw KernelFault(message); }
+
+void misaligned_arg(const char* kind, uint32_t index, size_t align) {
+  kernel_fail(std::string(kind) + "(" + std::to_string(index) + ") memory is not aligned to " +
+              std::to_string(align) + " bytes, the alignment of the parameter's type");
+}
 
 // ------------------------------------------------------------------ dispatch
 void execute(const ExecDispatch& d) {

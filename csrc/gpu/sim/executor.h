@@ -12,6 +12,9 @@
 namespace lily::sim {
 
 constexpr uint32_t kMaxBindings = 31;
+// Alignment of buffer storage, inline constant bytes and dynamic threadgroup memory in
+// the simulator: at least the largest alignment of an MSL type (long4: 32).
+constexpr size_t kBindingAlignment = 64;
 
 struct ExecBinding {
   unsigned char* ptr = nullptr;  // buffer contents + offset, or inline bytes

@@ -34,7 +34,8 @@ enum class Attr : uint8_t {
 
 struct ParamAttr {
   Attr attr;
-  uint32_t index;  // [[buffer(index)]] / [[threadgroup(index)]]
+  uint32_t index;    // [[buffer(index)]] / [[threadgroup(index)]]
+  const char* decl;  // the parameter as written in the .metal source, e.g. "device const uint4* w"
 };
 
 struct ParamInfo {
@@ -43,6 +44,8 @@ struct ParamInfo {
   bool pointer;     // T* (bound to a buffer or threadgroup memory)
   bool reference;   // T& (bound to a buffer: needs ref_size bytes)
   size_t ref_size;  // sizeof(T) for references
+  size_t align;     // alignof(T) for T* and T& (1 for void*): the binding's offset must be a multiple
+  const char* decl; // as in ParamAttr
 };
 
 struct KernelInfo {
@@ -73,14 +76,34 @@ template <class A> A position_arg(const U3& u) {
   }
 }
 
+// Alignment of what a pointer/reference parameter points at (void: 1).
+template <class A> constexpr size_t pointee_align() {
+  using T = std::remove_cv_t<std::remove_pointer_t<std::remove_reference_t<A>>>;
+  if constexpr (std::is_void_v<T>) return 1;
+  else return alignof(T);
+}
+
+// Binding memory for a pointer/reference parameter. Dispatch validation rejects offsets
+// that are not a multiple of the pointee's alignment; this is the last line of defence
+// (a misaligned vector access would crash the process).
+inline unsigned char* checked_arg(const ParamInfo& p) {
+  unsigned char* ptr;
+  if (p.attr == Attr::threadgroup) {
+    ptr = threadgroup_arg(p.index);
+  } else {
+    size_t avail = 0;
+    ptr = buffer_arg(p.index, &avail);
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % p.align)
+    misaligned_arg(p.attr == Attr::threadgroup ? "threadgroup" : "buffer", p.index, p.align);
+  return ptr;
+}
+
 template <class A> A make_arg(const ParamInfo& p) {
   if constexpr (std::is_pointer_v<A>) {
-    if (p.attr == Attr::threadgroup) return reinterpret_cast<A>(threadgroup_arg(p.index));
-    size_t avail = 0;
-    return reinterpret_cast<A>(buffer_arg(p.index, &avail));
+    return reinterpret_cast<A>(checked_arg(p));
   } else if constexpr (std::is_reference_v<A>) {
-    size_t avail = 0;
-    return *reinterpret_cast<std::remove_reference_t<A>*>(buffer_arg(p.index, &avail));
+    return *reinterpret_cast<std::remove_reference_t<A>*>(checked_arg(p));
   } else {
     const ThreadCoords& c = coords();
     switch (p.attr) {
@@ -102,8 +125,9 @@ template <class A> A make_arg(const ParamInfo& p) {
 }
 
 template <class A> ParamInfo describe(const ParamAttr& a) {
-  ParamInfo p{a.attr, a.index, std::is_pointer_v<A>, std::is_reference_v<A>, 0};
+  ParamInfo p{a.attr, a.index, std::is_pointer_v<A>, std::is_reference_v<A>, 0, 1, a.decl};
   if constexpr (std::is_reference_v<A>) p.ref_size = sizeof(std::remove_reference_t<A>);
+  if constexpr (std::is_pointer_v<A> || std::is_reference_v<A>) p.align = pointee_align<A>();
   return p;
 }
 

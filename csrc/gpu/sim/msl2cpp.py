@@ -8,9 +8,11 @@ What it rewrites (everything else passes through unchanged, so any MSL construct
 
 * ``#include <metal_*>`` lines are dropped (the shim is included once up front);
 * address-space qualifiers ``device``/``constant``/``thread`` are dropped (``constant`` at
-  the start of a declaration becomes ``const``); ``threadgroup`` is dropped in types, and a
-  ``threadgroup T name[...];`` declaration becomes a reference to storage shared by the
-  threadgroup (``lily::sim::tg_var``);
+  the start of a declaration becomes ``const``); ``threadgroup`` is dropped in pointer and
+  reference types, casts and template arguments, and a ``threadgroup T name[...];``
+  statement in a function body (any constant expressions as array sizes) becomes a
+  reference to storage shared by the threadgroup (``lily::sim::tg_var``); any other use of
+  ``threadgroup`` is an error naming file:line, never a silent per-thread variable;
 * ``kernel`` functions lose the keyword and their parameter attributes (``[[buffer(n)]]``,
   ``[[thread_position_in_grid]]``, ...); the attributes are recorded in a table;
 * ``template [[host_name("x")]] [[kernel]] decltype(f<T>) f<T>;`` becomes a static
@@ -170,13 +172,16 @@ class Transformer:
 
     def run(self):
         toks = self.toks
-        depth = 0
+        scopes = ["ns"]  # kind of each enclosing brace: ns, type, code, init (see brace_kind)
         i = 0
         while i < len(toks):
             t = toks[i]
             if t.kind == "pp":
                 if re.match(r"^\s*#\s*include\s*<metal_\w+>", t.text):
                     t.text = ""
+                elif re.match(r"^\s*#\s*define\b", t.text) and re.search(r"\bthreadgroup\b", t.text):
+                    self.err(t, "'threadgroup' inside a macro: the transform cannot classify it; "
+                                "write the declaration out")
                 i += 1
                 continue
             if t.kind == "number":
@@ -190,9 +195,11 @@ class Transformer:
                 continue
             if t.kind == "punct":
                 if t.text == "{":
-                    depth += 1
+                    scopes.append(self.brace_kind(i, scopes[-1]))
                 elif t.text == "}":
-                    depth -= 1
+                    if len(scopes) == 1:
+                        self.err(t, "unbalanced '}'")
+                    scopes.pop()
                 elif t.text in (".", "->"):
                     n = i + 1
                     if n < len(toks) and toks[n].kind == "ident" and SWIZZLE_RE.match(toks[n].text):
@@ -217,7 +224,8 @@ class Transformer:
                     starts = p < 0 or toks[p].kind == "pp" or toks[p].text in (";", "{", "}")
                     t.text = "const" if starts else ""
                 elif t.text == "threadgroup":
-                    self.threadgroup(i, depth)
+                    i = self.threadgroup(i, scopes[-1])
+                    continue
                 elif t.text == "kernel":
                     self.kernel_def(i, i, [])
                 elif t.text == "template" and self.is_attr_start(self.next_sig(i)):
@@ -234,62 +242,250 @@ class Transformer:
                 out += "\n" + "\n".join(regs) + "\n"
         return out
 
-    # threadgroup T name[N];  ->  shared storage
-    def threadgroup(self, i, depth):
+    # --- scopes -------------------------------------------------------------------------
+    def brace_kind(self, i, outer):
+        """Kind of the block opened by the '{' at i: 'code' (a function body or a block in
+        one), 'type' (struct/class/union/enum body), 'ns' (namespace, extern "C") or 'init'
+        (a braced initializer)."""
         toks = self.toks
+        if outer == "init":
+            return "init"
         p = self.prev_sig(i)
-        at_stmt = depth > 0 and (p >= 0 and toks[p].kind == "punct" and toks[p].text in (";", "{", "}"))
-        if not at_stmt:
-            toks[i].text = ""
-            return
-        # statement up to ';'
-        j, d, body = i, 0, []
-        while True:
-            j += 1
-            if j >= len(toks):
-                self.err(toks[i], "unterminated threadgroup declaration")
-            tj = toks[j]
-            if tj.kind == "punct" and tj.text in "([{":
-                d += 1
-            elif tj.kind == "punct" and tj.text in ")]}":
-                d -= 1
-            elif tj.kind == "punct" and tj.text == ";" and d == 0:
+        pt = self.tok(p)
+        if (pt.kind == "punct" and pt.text in ("=", ",", "(", "[", "?")) or pt.text == "return":
+            return "init"
+        if outer == "code":
+            if pt.kind == "punct" and pt.text in (")", ";", "{", "}", ":"):
+                return "code"
+            if pt.kind == "ident" and pt.text in ("else", "do", "try", "mutable", "noexcept", "const"):
+                return "code"
+            return "init"  # T x{...}, T{...}, vec<float, 2>{...}
+        start = self.decl_start(i)
+        prefix = [t for t in toks[start:i] if significant(t)]
+        words = [t.text for t in prefix]
+        if "namespace" in words or (words and words[0] == "extern"):
+            return "ns"
+        angle = 0
+        for n, t in enumerate(prefix):  # struct/class/union/enum outside template parameter lists
+            if t.kind == "punct" and t.text == "<":
+                angle += 1
+            elif t.kind == "punct" and t.text == ">":
+                angle -= 1
+            elif (angle == 0 and t.kind == "ident" and t.text in ("struct", "class", "union", "enum")
+                  and "(" not in words[:n]):
+                return "type"
+        if "(" in words and (pt.text == ")" or pt.text in ("const", "noexcept", "override", "final", "volatile")
+                             or "->" in words):
+            return "code"
+        return "init"
+
+    # --- threadgroup ----------------------------------------------------------------------
+    #   threadgroup T name[N]...;     (a statement in a function body)  ->  shared storage
+    #   threadgroup T* p / T& r / (*p)[N], casts, template arguments     ->  keyword dropped
+    #   anything else                                                    ->  error, file:line
+    CV = ("const", "volatile")
+    ELABORATED = ("typename", "struct", "class", "union", "enum")
+    BUILTIN_WORDS = ("unsigned", "signed", "short", "long", "int", "char", "float", "double", "bool", "void")
+    NOT_TYPES = ("return", "case", "else", "do", "sizeof", "alignof", "static_cast", "reinterpret_cast",
+                 "const_cast", "static", "constexpr", "extern", "inline", "operator", "new", "delete",
+                 "threadgroup", "device", "constant", "thread")
+
+    def match_angle(self, i):
+        """Index of the '>' closing the template argument list opened at the '<' at i
+        (angle brackets inside (), [] and {} do not count)."""
+        toks = self.toks
+        angle = nest = 0
+        for j in range(i, len(toks)):
+            t = toks[j]
+            if t.kind != "punct":
+                continue
+            if t.text in "([{":
+                nest += 1
+            elif t.text in ")]}":
+                nest -= 1
+                if nest < 0:
+                    break
+            elif nest == 0 and t.text == "<":
+                angle += 1
+            elif nest == 0 and t.text == ">":
+                angle -= 1
+                if angle == 0:
+                    return j
+            elif nest == 0 and t.text == ";":
                 break
-            if significant(tj):
-                body.append((j, tj))
-        texts = [tj.text for _, tj in body]
-        if "*" in texts or "&" in texts:  # a pointer/reference into threadgroup memory
-            toks[i].text = ""
-            return
-        if "=" in texts:
-            self.err(toks[i], "threadgroup variables cannot have initializers")
-        if "," in texts:
-            self.err(toks[i], "declare one threadgroup variable per statement")
-        # declarator: identifier followed only by [..] groups
-        k = len(body) - 1
-        while k >= 0 and body[k][1].text == "]":
-            dd = 0
-            while k >= 0:
-                if body[k][1].text == "]":
-                    dd += 1
-                elif body[k][1].text == "[":
-                    dd -= 1
-                    if dd == 0:
-                        break
-                k -= 1
-            k -= 1
-        if k < 1 or body[k][1].kind != "ident":
-            self.err(toks[i], "cannot parse threadgroup declaration")
-        name = body[k][1].text
-        type_txt = " ".join(tj.text for _, tj in body[:k])
-        ext_txt = "".join(tj.text for _, tj in body[k + 1:])
+        self.err(toks[i], "unbalanced '<' in a threadgroup type")
+
+    def match_group(self, i):
+        """Index of the bracket closing the (, [ or { at i (other brackets nest inside)."""
+        toks = self.toks
+        depth = 0
+        for j in range(i, len(toks)):
+            t = toks[j]
+            if t.kind != "punct":
+                continue
+            if t.text in "([{":
+                depth += 1
+            elif t.text in ")]}":
+                depth -= 1
+                if depth == 0:
+                    return j
+        self.err(toks[i], f"unbalanced '{toks[i].text}'")
+
+    def parse_type(self, k, where):
+        """Parses a type specifier sequence (cv-qualifiers, possibly qualified names,
+        template-ids, decltype(...), multi-word builtins such as `unsigned int`) starting at
+        token k. Returns the index of the first token after it."""
+        seen = last_builtin = False
+        while True:
+            t = self.tok(k)
+            if t.kind == "ident" and (t.text in self.CV or t.text in self.ELABORATED):
+                k = self.next_sig(k)
+                continue
+            if t.kind == "ident" and t.text == "decltype":
+                if seen:
+                    break
+                po = self.next_sig(k)
+                if self.tok(po).text != "(":
+                    self.err(t, "cannot parse decltype in a threadgroup type")
+                k = self.next_sig(self.match_group(po))
+                seen, last_builtin = True, False
+                continue
+            if (t.kind == "ident" and t.text not in self.NOT_TYPES) or (t.kind == "punct" and t.text == "::"):
+                if seen and not (t.kind == "ident" and last_builtin and t.text in self.BUILTIN_WORDS):
+                    break  # the declarator's name
+                if t.text == "::":
+                    k = self.next_sig(k)
+                while True:
+                    tn = self.tok(k)
+                    if tn.kind != "ident":
+                        self.err(where, f"cannot parse the type after 'threadgroup' (at '{tn.text}')")
+                    name = tn.text
+                    k = self.next_sig(k)
+                    if self.tok(k).text == "<":
+                        k = self.next_sig(self.match_angle(k))
+                    if self.tok(k).text == "::":
+                        k = self.next_sig(k)
+                        if self.tok(k).text == "template":
+                            k = self.next_sig(k)
+                        continue
+                    break
+                seen, last_builtin = True, name in self.BUILTIN_WORDS
+                continue
+            break
+        if not seen:
+            self.err(where, f"cannot parse the type after 'threadgroup' (at '{self.tok(k).text}')")
+        return k
+
+    def skip_ptr_ops(self, k):
+        """Skips pointer/reference operators (with cv-qualifiers after '*'); returns
+        (index after them, whether there were any)."""
+        ptr = False
+        while True:
+            t = self.tok(k)
+            if t.kind == "punct" and t.text in ("*", "&"):
+                ptr = True
+            elif not (ptr and t.kind == "ident" and (t.text in self.CV or t.text == "__restrict")):
+                return k, ptr
+            k = self.next_sig(k)
+
+    def is_ptr_declarator(self, k):
+        """Is the declarator at k a pointer/reference (`*p`, `&r`, `(*p)[N]`)?"""
+        k, ptr = self.skip_ptr_ops(k)
+        if ptr:
+            return True
+        if self.tok(k).text == "(":
+            _, ptr = self.skip_ptr_ops(self.next_sig(k))
+            return ptr
+        return False
+
+    def threadgroup(self, i, scope):
+        """Classifies the `threadgroup` keyword at i; returns the index to continue at."""
+        toks = self.toks
+        tg = toks[i]
+        p = self.prev_sig(i)
+        at_stmt = p < 0 or toks[p].kind in ("pp", "gen") or (toks[p].kind == "punct" and toks[p].text in (";", "{", "}"))
+        q = p  # `const threadgroup T* p`: qualifiers before the keyword
+        while q >= 0 and toks[q].kind == "ident" and toks[q].text in self.CV:
+            q = self.prev_sig(q)
+        type_start = self.next_sig(i)
+        k = self.parse_type(type_start, tg)
+        nt = self.tok(k)
+        if self.is_ptr_declarator(k):
+            # a pointer or reference into threadgroup memory: a plain C++ pointer here
+            if at_stmt:
+                self.check_pointer_statement(i, k)
+            tg.text = ""
+            return i + 1
+        if not at_stmt:
+            if nt.kind == "punct" and nt.text in (")", ">", ","):
+                tg.text = ""  # an abstract type: a cast, sizeof, a template argument
+                return i + 1
+            if (nt.kind == "ident" and scope != "code" and self.tok(self.next_sig(k)).text == "["
+                    and self.tok(q).text in ("(", ",")):
+                tg.text = ""  # an array parameter `threadgroup T x[N]` is a pointer
+                return i + 1
+            what = f"'{nt.text}'" if nt.kind == "ident" else "this use"
+            self.err(tg, f"cannot classify the threadgroup declaration of {what}: threadgroup storage "
+                         f"is declared as its own statement `threadgroup T name[N];` in a function body "
+                         f"(pointers and references into threadgroup memory may appear anywhere)")
+        # a statement `threadgroup T name[N]...;`
+        if nt.kind != "ident":
+            self.err(tg, f"cannot classify the threadgroup declaration (unexpected '{nt.text}' after the type)")
+        name_idx = k
+        k = self.next_sig(k)
+        while self.tok(k).text == "[":
+            close = self.match_group(k)
+            if close == self.next_sig(k):
+                self.err(tg, f"threadgroup variable '{toks[name_idx].text}' needs an array size")
+            k = self.next_sig(close)
+        end = self.tok(k)
+        if end.text in ("=", "{", "("):
+            self.err(tg, "threadgroup variables cannot have initializers")
+        if end.text == ",":
+            self.err(tg, "declare one threadgroup variable per statement")
+        if end.text != ";":
+            self.err(tg, f"cannot classify the threadgroup declaration of '{toks[name_idx].text}' "
+                         f"(unexpected '{end.text}')")
+        if scope != "code":
+            self.err(tg, f"threadgroup variable '{toks[name_idx].text}' declared outside a function body")
+        name = toks[name_idx].text
+        type_txt = self.text(type_start, name_idx)
+        ext_txt = self.text(self.next_sig(name_idx), k)
         n = self.counter
         self.counter += 1
-        nl = sum(toks[m].text.count("\n") for m in range(i, j))
-        self.blank(i, j - 1)
-        toks[i].text = (f"static char __lily_tgk_{n}; auto& {name} = "
-                        f"::lily::sim::tg_var<{type_txt} {ext_txt}>(&__lily_tgk_{n})" + "\n" * nl)
-        toks[i].kind = "gen"
+        nl = sum(toks[m].text.count("\n") for m in range(i, k))
+        self.blank(i, k - 1)
+        # An alias, not tg_var<T[N]>: a '>' in the size would end a template argument list.
+        full = f"{type_txt} {ext_txt}" if ext_txt else type_txt
+        tg.text = (f"using __lily_tgt_{n} = {full}; static char __lily_tgk_{n}; "
+                   f"auto& {name} = ::lily::sim::tg_var<__lily_tgt_{n}>(&__lily_tgk_{n})" + "\n" * nl)
+        tg.kind = "gen"
+        return k
+
+    def check_pointer_statement(self, i, k):
+        """In `threadgroup T *a = ..., *b;` every declarator must be a pointer or reference:
+        `threadgroup T *a, b[4];` would silently make b per-thread storage."""
+        toks = self.toks
+        j = k
+        while True:
+            t = self.tok(j)
+            if t.kind == "eof":
+                self.err(toks[i], "unterminated threadgroup declaration")
+            if t.kind == "punct" and t.text == "{" and self.tok(self.prev_sig(j)).text in (")", "const"):
+                return  # a function returning a pointer: its body follows
+            if t.kind == "punct" and t.text in "([{":
+                j = self.next_sig(self.match_group(j))
+                continue
+            if t.kind == "punct" and t.text == ";":
+                return
+            if t.kind == "punct" and t.text == "," and not self.is_ptr_declarator(self.next_sig(j)):
+                self.err(toks[i], "declare one threadgroup variable per statement (a declaration that "
+                                  "mixes pointers and storage cannot be classified)")
+            j = self.next_sig(j)
+
+    def text(self, a, b):
+        """Source text of the significant tokens a..b-1, space separated."""
+        return " ".join(t.text for t in self.toks[a:b] if significant(t))
 
     # kernel void f(params) / [[kernel]] void f(params)
     def kernel_def(self, a, b, attrs):
@@ -332,6 +528,7 @@ class Transformer:
         table = []
         for (pa, pb) in params:
             attr = None
+            decl = []  # the parameter's source text without its attribute, for messages
             m = pa
             while m <= pb:
                 if toks[m].kind == "punct" and toks[m].text == "[" and self.is_attr_start(m):
@@ -346,11 +543,13 @@ class Transformer:
                     self.blank(m, end)
                     m = end + 1
                     continue
+                if significant(toks[m]):
+                    decl.append(toks[m].text)
                 m += 1
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
-            table.append(attr)
-        entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u}}" for nm, arg in table)
+            table.append(attr + (c_string(tidy(" ".join(decl))),))
+        entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)
         if fname in self.kernels:
             self.err(toks[a], f"kernel '{fname}' defined twice")
         self.kernels[fname] = {"template": is_template, "line": toks[a].line}
@@ -443,6 +642,16 @@ class Transformer:
         toks[i].text = self.registration(host, fn_id, line) + "\n" * nl
         toks[i].kind = "gen"
         return j + 1
+
+
+def tidy(s):
+    """`device const uint4 * w` -> `device const uint4* w` (for messages)."""
+    s = re.sub(r" ([*&,>)\]]|::)", r"\1", s)
+    return re.sub(r"([<(\[]|::) ", r"\1", s)
+
+
+def c_string(s):
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def split_top(s, sep):

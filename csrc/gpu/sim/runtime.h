@@ -73,5 +73,8 @@ const unsigned char* simd_collective(Op op, const void* operand, size_t size, ui
 constexpr unsigned char kPoison = 0xFF;
 
 [[noreturn]] void kernel_fail(const std::string& message);
+// Fails the dispatch: the memory of [[buffer(index)]]/[[threadgroup(index)]] is not aligned
+// to the parameter's pointee type.
+[[noreturn]] void misaligned_arg(const char* kind, uint32_t index, size_t align);
 
 }  // namespace lily::sim

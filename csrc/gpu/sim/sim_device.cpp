@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
 #include <map>
 #include <mutex>
+#include <new>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -33,7 +35,10 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
  public:
   SimBuffer(size_t size, bool allocate, bool poison) : size_(size), id_(g_next_buffer_id++) {
     if (allocate) {
-      owned_.reset(new unsigned char[size ? size : 1]);
+      // Aligned for every MSL type, as a Metal buffer is; exact size, so ASan sees overruns.
+      void* mem = nullptr;
+      if (posix_memalign(&mem, kBindingAlignment, size ? size : 1) != 0) throw std::bad_alloc();
+      owned_.reset(static_cast<unsigned char*>(mem));
       std::memset(owned_.get(), poison ? kPoison : 0, size);
       data_ = owned_.get();
     }
@@ -61,7 +66,10 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
  private:
   size_t size_;
   uint64_t id_;
-  std::unique_ptr<unsigned char[]> owned_;
+  struct Free {
+    void operator()(unsigned char* p) const { std::free(p); }
+  };
+  std::unique_ptr<unsigned char, Free> owned_;
   unsigned char* data_ = nullptr;
   std::function<void()> release_;
   mutable std::mutex mu_;
@@ -75,9 +83,34 @@ class SimPipeline : public gpu::Pipeline {
   uint32_t max_threads_per_threadgroup() const override { return k_.max_threads; }
   uint32_t thread_execution_width() const override { return kSimdWidth; }
   const KernelInfo& kernel() const { return k_; }
+  gpu::BufferParameter buffer_parameter(uint32_t index) const override {
+    gpu::BufferParameter r;
+    for (const ParamInfo& p : k_.params)
+      if (p.attr == Attr::buffer && p.index == index) {
+        r.alignment = p.align;
+        r.declaration = p.decl ? p.decl : "";
+      }
+    return r;
+  }
 
  private:
   const KernelInfo& k_;
+};
+
+// Inline constant bytes, stored aligned for every MSL type (std::vector's storage is only
+// aligned to alignof(max_align_t)).
+struct AlignedBytes {
+  struct alignas(kBindingAlignment) Block {
+    unsigned char b[kBindingAlignment];
+  };
+  std::vector<Block> blocks;
+  size_t size = 0;
+  void assign(const std::vector<uint8_t>& v) {
+    size = v.size();
+    blocks.assign((size + kBindingAlignment - 1) / kBindingAlignment, Block{});
+    if (size) std::memcpy(blocks.data(), v.data(), size);
+  }
+  unsigned char* data() { return blocks.empty() ? nullptr : blocks.data()->b; }
 };
 
 // A dispatch as recorded: everything it needs to run later, buffers kept alive.
@@ -88,7 +121,7 @@ struct Recorded {
   struct Buf {
     bool bound = false;
     std::shared_ptr<SimBuffer> buffer;  // or
-    std::vector<unsigned char> bytes;   // inline constant bytes
+    AlignedBytes bytes;                 // inline constant bytes
     size_t offset = 0;
   } bufs[kMaxBindings];
   size_t tg_mem[kMaxBindings] = {};
@@ -182,7 +215,7 @@ void SimPass::validate(const Dispatch& d) {
         auto& rb = r.bufs[b.index];
         rb = Recorded::Buf{};
         rb.bound = true;
-        rb.bytes.assign(b.bytes.begin(), b.bytes.end());
+        rb.bytes.assign(b.bytes);
         break;
       }
       case Binding::Kind::threadgroup_memory:
@@ -202,7 +235,7 @@ void SimPass::validate(const Dispatch& d) {
       const auto& rb = r.bufs[p.index];
       if (!rb.bound) fail("[[buffer(" + std::to_string(p.index) + ")]] is not bound");
       if (p.reference) {
-        size_t avail = rb.buffer ? rb.buffer->size() - rb.offset : rb.bytes.size();
+        size_t avail = rb.buffer ? rb.buffer->size() - rb.offset : rb.bytes.size;
         if (avail < p.ref_size)
           fail("[[buffer(" + std::to_string(p.index) + ")]] needs " + std::to_string(p.ref_size) +
                " bytes but only " + std::to_string(avail) + " are bound");
@@ -426,7 +459,11 @@ std::string buffer_name(const SimBuffer* buf) {
 // Runs a dispatch and checks its declarations against what it did:
 //  * writes: no byte outside the declared write ranges of any bound buffer changed;
 //  * reads: re-running it with every undeclared byte of its (owned) buffers zeroed gives
-//    the same bytes in its declared write ranges.
+//    the same bytes in its declared write ranges. A byte inside a declared read *or write*
+//    range is declared: it keeps its value from before the dispatch. (A write declaration
+//    orders the dispatch against every other access to those bytes, so reading them is
+//    covered too; and an output byte the dispatch legitimately leaves unwritten must not
+//    look like an undeclared read.)
 void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d) {
   std::vector<SimBuffer*> bufs;
   for (uint32_t i = 0; i < kMaxBindings; ++i) {
@@ -450,7 +487,8 @@ void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d) {
   for (size_t k = 0; k < bufs.size(); ++k) {
     if (!bufs[k]->owned()) continue;  // a read-only file mapping cannot be rewritten
     unsigned char* p = bufs[k]->data();
-    for (size_t i = 0; i < before[k].size(); ++i) p[i] = covered(r.reads, bufs[k], i) ? before[k][i] : 0;
+    for (size_t i = 0; i < before[k].size(); ++i)
+      p[i] = covered(r.reads, bufs[k], i) || covered(r.writes, bufs[k], i) ? before[k][i] : 0;
   }
   std::string fault;
   try {
@@ -504,7 +542,7 @@ void SimDevice::execute(SimCommandBuffer* cb) {
               d.buffers[i].available = b.buffer->size() - b.offset;
             } else {
               d.buffers[i].ptr = b.bytes.data();
-              d.buffers[i].available = b.bytes.size();
+              d.buffers[i].available = b.bytes.size;
             }
           }
           if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d);
