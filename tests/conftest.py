@@ -18,6 +18,11 @@ from fixtures_checkpoints import (  # noqa: E402,F401
 )
 
 from lily.engine import Engine, default_model_path  # noqa: E402
+from seeding import SESSION_SEED  # noqa: E402
+
+
+def pytest_report_header(config):
+    return f"random inputs: LILY_TEST_SEED={SESSION_SEED} (set it to replay this run)"
 
 
 @pytest.fixture(scope="session")

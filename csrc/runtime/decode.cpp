@@ -19,8 +19,10 @@ struct Moe { uint32_t hidden, inter, inter_shared, experts, top_k; };
 struct MoeRoute { uint32_t hidden, inter, inter_shared, experts, top_k, norm_topk; };
 struct NormGemv { uint32_t rows[4]; uint32_t cols; float eps; uint32_t write_xn; };
 struct Gdn { uint32_t num_k_heads, num_v_heads, conv_kernel; float norm_eps, l2_eps; };
-struct AttnPrep { uint32_t num_q_heads, num_kv_heads, head_dim, rotary_dim, capacity; float norm_eps, log2_theta; };
-struct AttnDecode { uint32_t num_q_heads, num_kv_heads, capacity, gate_stride; float scale; uint32_t block_rows, max_blocks; };
+struct AttnFused {
+  uint32_t num_q_heads, num_kv_heads, rotary_dim, capacity; float norm_eps, log2_theta, scale;
+  uint32_t block_rows, max_blocks;
+};
 struct AttnCombine { uint32_t num_q_heads, gate_stride, block_rows, max_blocks; };
 struct Greedy { uint32_t vocab; };
 struct Sample {
@@ -31,7 +33,7 @@ static_assert(sizeof(Sample) == 52, "arg layout");
 static_assert(sizeof(Gemv) == 8 && sizeof(Embed) == 8, "arg layout");
 static_assert(sizeof(Moe) == 20 && sizeof(Gdn) == 20, "arg layout");
 static_assert(sizeof(MoeRoute) == 24 && sizeof(NormGemv) == 28, "arg layout");
-static_assert(sizeof(AttnPrep) == 28 && sizeof(AttnDecode) == 28 && sizeof(AttnCombine) == 16, "arg layout");
+static_assert(sizeof(AttnFused) == 36 && sizeof(AttnCombine) == 16, "arg layout");
 }  // namespace args
 
 namespace {
@@ -129,8 +131,6 @@ DecodeRuntime::DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims
   qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
   k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
   v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
-  q_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn q");
-  gate_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn gate");
   attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
   router_ = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
   ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
@@ -291,61 +291,41 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
                              {a + ".k_proj", k_.get(), 0, Hkv * D},
                              {a + ".v_proj", v_.get(), 0, Hkv * D}},
                 false, kGemvThreads, L + "input norm + q|k|v_proj");
+      // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
+      // used from threadgroup memory and written to the cache once per KV head.
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
-      {
-        Op op(dev, "attn_qk_prep", L + "qk prep + kv append");
-        op.groups(tg(Hq + Hkv), tg(D))
-            .in(0, *qg_, 0, size_t(Hq) * D * 2 * f).in(1, *k_, 0, size_t(Hkv) * D * f)
-            .in(2, *v_, 0, size_t(Hkv) * D * f)
-            .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
-            .in(5, *positions_, slot * u32, u32)
-            .bind(6, *k_cache_[l]).bind(7, *v_cache_[l])
-            .out(8, *q_, 0, size_t(Hq) * D * f).out(9, *gate_, 0, size_t(Hq) * D * f);
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
-          op.write(*k_cache_[l], kvh * head_rows + position * row, row);
-          op.write(*v_cache_[l], kvh * head_rows + position * row, row);
-        }
-        op.args(10, args::AttnPrep{Hq, Hkv, D, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
-                                   float(std::log2(double(d.rope_theta)))}).run(pass);
-        t.kv_bytes += 2 * size_t(Hkv) * row;
-      }
       const uint32_t group = Hq / Hkv;
       const uint32_t G = group % 4 == 0 ? 4 : 2;
       const std::string suffix = "_d" + std::to_string(D) + "_g" + std::to_string(G);
-      const uint32_t n = position + 1;
       const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
-      args::AttnDecode ad{Hq, Hkv, opt_.max_context, D, float(1.0 / std::sqrt(double(D))),
-                          opt_.split_block, max_blocks};
-      auto declare_kv = [&](Op& op) {
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
-          op.read(*k_cache_[l], kvh * head_rows, n * row);
-          op.read(*v_cache_[l], kvh * head_rows, n * row);
+      const args::AttnFused af{Hq, Hkv, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
+                               float(std::log2(double(d.rope_theta))), float(1.0 / std::sqrt(double(D))),
+                               opt_.split_block, max_blocks};
+      const bool split = uses_split_attention(position);
+      Op op(dev, (split ? "attn_decode_split_fused" : "attn_decode_fused") + suffix,
+            L + (split ? "qk prep + kv append + attention split" : "qk prep + kv append + attention"));
+      op.groups(tg(Hq / G, split ? ceil_div(position + 1, opt_.split_block) : 1), tg(256))
+          .in(0, *qg_, 0, size_t(Hq) * D * 2 * f).in(1, *k_, 0, size_t(Hkv) * D * f)
+          .in(2, *v_, 0, size_t(Hkv) * D * f)
+          .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
+          .in(5, *positions_, slot * u32, u32).bind(6, *k_cache_[l]).bind(7, *v_cache_[l]);
+      for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
+        for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) {
+          if (position) op.read(*cache, kvh * head_rows, size_t(position) * row);
+          op.write(*cache, kvh * head_rows + size_t(position) * row, row);
         }
-        t.kv_bytes += 2 * size_t(Hkv) * n * row;
-      };
-      if (!uses_split_attention(position)) {
-        Op op(dev, "attn_decode" + suffix, L + "attention");
-        op.groups(tg(Hq / G), tg(256))
-            .in(0, *q_, 0, size_t(Hq) * D * f).in(1, *gate_, 0, size_t(Hq) * D * f)
-            .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]).in(4, *positions_, slot * u32, u32)
-            .out(5, *attn_, 0, size_t(Hq) * D * f).args(6, ad);
-        declare_kv(op);
-        op.run(pass);
+      }
+      t.kv_bytes += 2 * size_t(Hkv) * (size_t(position) + 1) * row;
+      if (!split) {
+        op.out(8, *attn_, 0, size_t(Hq) * D * f).args(9, af).run(pass);
       } else {
-        const uint32_t nblocks = ceil_div(n, opt_.split_block);
-        Op op(dev, "attn_decode_split" + suffix, L + "attention split");
-        op.groups(tg(Hq / G, nblocks), tg(256))
-            .in(0, *q_, 0, size_t(Hq) * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l])
-            .in(3, *positions_, slot * u32, u32)
-            .out(4, *part_ml_, 0, part_ml_->size()).out(5, *part_acc_, 0, part_acc_->size()).args(6, ad);
-        declare_kv(op);
-        op.run(pass);
+        op.out(8, *part_ml_, 0, part_ml_->size()).out(9, *part_acc_, 0, part_acc_->size()).args(10, af).run(pass);
         Op comb(dev, "attn_combine_d" + std::to_string(D), L + "attention combine");
         comb.groups(tg(Hq), tg(D))
             .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
-            .in(2, *gate_, 0, size_t(Hq) * D * f).in(3, *positions_, slot * u32, u32)
+            .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
             .out(4, *attn_, 0, size_t(Hq) * D * f)
-            .args(5, args::AttnCombine{Hq, D, opt_.split_block, max_blocks}).run(pass);
+            .args(5, args::AttnCombine{Hq, 2 * D, opt_.split_block, max_blocks}).run(pass);
       }
       gemv(a + ".o_proj", 4, true, *attn_, size_t(Hq) * D, *h_, H, L + "o_proj");
     }

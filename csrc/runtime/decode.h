@@ -119,7 +119,7 @@ class DecodeRuntime {
   // token slots [2] and positions [2] (one per command buffer in flight)
   gpu::BufferPtr tokens_, positions_;
   // activations (fp32)
-  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, qg_, k_, v_, q_, gate_, attn_, router_, ids_,
+  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, qg_, k_, v_, attn_, router_, ids_,
       route_w_, hbuf_, logits_, part_ml_, part_acc_;
   // session state per layer
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;

@@ -300,13 +300,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
         log.info("%s %s -> 400 %s", request.method, request.url.path, msg)
         return _JSON(error_body(msg, param=param, code="invalid_value" if param else None),
-                            status_code=400)
+                     status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return _JSON(error_body(str(exc.detail), code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+                     headers=getattr(exc, "headers", None))
 
     @app.exception_handler(LilyError)
     async def _lily_error(request: Request, exc: LilyError):
@@ -317,7 +317,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     async def _internal_error(request: Request, exc: Exception):
         log.exception("unhandled error in %s %s", request.method, request.url.path)
         return _JSON(error_body(f"internal error: {type(exc).__name__}", type="server_error"),
-                            status_code=500)
+                     status_code=500)
 
     # -- auth and common checks ----------------------------------------------------------
 
