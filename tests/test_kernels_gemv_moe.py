@@ -22,6 +22,7 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+from seeding import fresh_rng
 import pytest
 
 from lily import _core
@@ -123,7 +124,7 @@ GEMV_SHAPES = [
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,cols", GEMV_SHAPES)
 def test_gemv(dev, bits, rows, cols):
-    rng = np.random.default_rng(rows * 7919 + cols + bits)
+    rng = fresh_rng(rows * 7919 + cols + bits)
     qt = rand_quant(rng, (), rows, cols, bits)
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
@@ -142,7 +143,7 @@ def test_gemv(dev, bits, rows, cols):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,cols", [(2048, 4096), (2048, 2048), (256, 512), (33, 128), (100, 64)])
 def test_gemv_add_residual(dev, bits, rows, cols):
-    rng = np.random.default_rng(rows + cols * 3 + bits)
+    rng = fresh_rng(rows + cols * 3 + bits)
     qt = rand_quant(rng, (), rows, cols, bits)
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
@@ -159,7 +160,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 def test_gemv_threadgroup_sizes(dev, tg):
     """Any multiple of 32 threads works; the grid is ceil(rows / (8 * tg / 32))."""
     rows, cols = 300, 1024
-    rng = np.random.default_rng(tg)
+    rng = fresh_rng(tg)
     qt = rand_quant(rng, (), rows, cols, 4)
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
@@ -173,7 +174,7 @@ def test_gemv_threadgroup_sizes(dev, tg):
 def test_gemv_weight_offsets(dev):
     """Weights bound at an offset into a larger buffer (one expert of a stack, or a tensor
     inside a mapped file), as a runtime binds them."""
-    rng = np.random.default_rng(5)
+    rng = fresh_rng(5)
     E, rows, cols, e = 4, 64, 256, 2
     qt = rand_quant(rng, (E,), rows, cols, 4)
     x = rng.standard_normal(cols).astype(np.float32)
@@ -196,7 +197,7 @@ def test_gemv_weight_offsets(dev):
 
 @pytest.mark.parametrize("vocab,cols", [(3000, 2048), (8192, 256), (100, 128), (37, 64)])
 def test_embed(dev, vocab, cols):
-    rng = np.random.default_rng(vocab + cols)
+    rng = fresh_rng(vocab + cols)
     qt = rand_quant(rng, (), vocab, cols, 4)
     W, S, B = upload_q(dev, qt)
     for tok, want_row in [(0, 0), (vocab - 1, vocab - 1), (vocab // 3, vocab // 3), (vocab + 5, vocab - 1)]:
@@ -215,7 +216,7 @@ def test_embed(dev, vocab, cols):
 @pytest.mark.parametrize("rows,n,tg", [(1, 2048, 256), (1, 2048, 1024), (1, 256, 256), (16, 256, 64),
                                        (32, 128, 128), (2, 100, 96), (3, 33, 32), (1, 4096, 256)])
 def test_rms_norm(dev, rows, n, tg):
-    rng = np.random.default_rng(rows * n + tg)
+    rng = fresh_rng(rows * n + tg)
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     eps = 1e-6
@@ -230,7 +231,7 @@ def test_rms_norm(dev, rows, n, tg):
 
 
 def test_rms_norm_in_place(dev):
-    rng = np.random.default_rng(11)
+    rng = fresh_rng(11)
     n = 2048
     x = rng.standard_normal(n).astype(np.float32)
     w = to_bf16_bits(rng.standard_normal(n))
@@ -267,7 +268,7 @@ def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
                                            (16, 4, 128, None), (100, 3, 64, 32), (1000, 32, 128, 1024),
                                            (8, 8, 64, None), (256, 1, 2048, 256)])
 def test_moe_route(dev, E, k, hidden, tg):
-    rng = np.random.default_rng(E * 31 + k)
+    rng = fresh_rng(E * 31 + k)
     logits = (rng.standard_normal(E) * 2).astype(np.float32)
     x = rng.standard_normal(hidden).astype(np.float32)
     gate = rand_quant(rng, (), 1, hidden, 8)
@@ -289,7 +290,7 @@ def test_moe_route_ties_and_no_renorm(dev):
     logits[[5, 9, 40, 41, 63]] = 3.0        # five-way tie at the top
     logits[[2, 3, 50]] = 1.0                # then a three-way tie: fills k = 8
     logits[[60, 7]] = 0.5                   # tied runners-up, not selected
-    rng = np.random.default_rng(0)
+    rng = fresh_rng(0)
     x = rng.standard_normal(hidden).astype(np.float32)
     gate = rand_quant(rng, (), 1, hidden, 8)
     for norm in (True, False):
@@ -437,14 +438,14 @@ def moe_weights(cache, E, hidden, inter, inter_shared, k):
     key = (E, hidden, inter, inter_shared)
     if key not in cache:
         cache.clear()  # keep one set of (possibly 450 MB) weights alive
-        cache[key] = MoeWeights(np.random.default_rng(E + hidden + inter), E, hidden, inter, inter_shared)
+        cache[key] = MoeWeights(fresh_rng(E + hidden + inter), E, hidden, inter, inter_shared)
     return cache[key]
 
 
 @pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
 def test_moe_gate_up_swiglu(dev, moe_cache, E, hidden, inter, inter_shared, k):
     W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
-    rng = np.random.default_rng(1)
+    rng = fresh_rng(1)
     x = rng.standard_normal(hidden).astype(np.float32)
     ids = rng.choice(E, k, replace=False).astype(np.uint32)
     ids[-1] = E - 1  # the last expert of the stack (offset arithmetic at the end)
@@ -463,7 +464,7 @@ def test_moe_gate_up_swiglu(dev, moe_cache, E, hidden, inter, inter_shared, k):
 @pytest.mark.parametrize("E,hidden,inter,inter_shared,k", MOE_SHAPES)
 def test_moe_down(dev, moe_cache, E, hidden, inter, inter_shared, k):
     W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
-    rng = np.random.default_rng(2)
+    rng = fresh_rng(2)
     h = (rng.standard_normal(k * inter + inter_shared) * 0.1).astype(np.float32)
     ids = rng.choice(E, k, replace=False).astype(np.uint32)
     ids[0] = E - 1
@@ -579,7 +580,7 @@ def test_moe_block_demo_checkpoint(dev, demo_path):
     ck = open_checkpoint(demo_path)
     ref = ReferenceModel(ck)
     c = ck.config
-    rng = np.random.default_rng(3)
+    rng = fresh_rng(3)
     for layer in range(c.num_hidden_layers):
         W = MoeWeights.from_checkpoint(ck, layer)
         assert (W.E, W.hidden, W.inter, W.inter_shared) == (c.num_experts, c.hidden_size, c.moe_intermediate_size,
@@ -594,7 +595,7 @@ def test_moe_block_demo_checkpoint(dev, demo_path):
 def test_moe_block_random(dev, moe_cache, E, hidden, inter, inter_shared, k):
     W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
     ref = ReferenceModel(FakeCheckpoint(W, k))
-    rng = np.random.default_rng(4)
+    rng = fresh_rng(4)
     x = rng.standard_normal(hidden).astype(np.float32)
     r0 = rng.standard_normal(hidden).astype(np.float32)
     check_block(dev, W, ref, 0, x, r0, k, f"random E={E} hidden={hidden}")
@@ -603,7 +604,8 @@ def test_moe_block_random(dev, moe_cache, E, hidden, inter, inter_shared, k):
 def test_moe_block_tolerance_is_sensitive(dev, moe_cache):
     """The stated tolerance rejects realistic mistakes: a wrong expert, a dropped shared
     expert, one wrong code."""
-    W = moe_weights(moe_cache, 32, 256, 128, 128, 8)
+    # Fixed inputs: the mistakes below (e.g. one flipped code) are sized for these weights.
+    W = MoeWeights(np.random.default_rng(32 + 256 + 128), 32, 256, 128, 128)
     rng = np.random.default_rng(6)
     x = rng.standard_normal(256).astype(np.float32)
     ids, wts, y, _ = oracle_moe(W, x, 8)
@@ -754,7 +756,7 @@ NORM_GEMV_CASES = [  # bits, rows per matrix (0 = unused slot), cols, write_xn
 
 @pytest.mark.parametrize("bits,rows,cols,write_xn", NORM_GEMV_CASES)
 def test_norm_gemv(dev, bits, rows, cols, write_xn):
-    rng = np.random.default_rng(sum(rows) * 31 + cols + bits)
+    rng = fresh_rng(sum(rows) * 31 + cols + bits)
     x = (rng.standard_normal(cols) * 3).astype(np.float32)  # a raw residual (RMS ~3)
     nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
     qts = [rand_quant(rng, (), r, cols, bits) if r else None for r in rows]
@@ -764,7 +766,7 @@ def test_norm_gemv(dev, bits, rows, cols, write_xn):
 @pytest.mark.parametrize("tg", [32, 128, 256])
 def test_norm_gemv_threadgroup_sizes(dev, tg):
     """Any multiple of 32 threads; the grid follows the threadgroup size (8 rows per simdgroup)."""
-    rng = np.random.default_rng(tg + 1)
+    rng = fresh_rng(tg + 1)
     cols = 1024
     x = rng.standard_normal(cols).astype(np.float32)
     nw = to_bf16_bits(rng.standard_normal(cols))
@@ -775,7 +777,7 @@ def test_norm_gemv_threadgroup_sizes(dev, tg):
 def test_norm_gemv_extra_threadgroups_and_offsets(dev):
     """Threadgroups past the last matrix do nothing; weights bound at (unaligned-to-file)
     offsets of larger buffers, outputs at offsets."""
-    rng = np.random.default_rng(77)
+    rng = fresh_rng(77)
     cols = 512
     x = rng.standard_normal(cols).astype(np.float32)
     nw = to_bf16_bits(1 + 0.1 * rng.standard_normal(cols))
@@ -789,7 +791,7 @@ def test_norm_gemv_scale_is_exact(dev, bits, write_xn, tg):
     bound 128 u M is 128 u |y|, so a norm scale off by more than ~1e-5 in any threadgroup
     (a different rsqrt per threadgroup, a wrong mean or eps) fails, which random-sign data
     with ~50x cancellation would not show."""
-    rng = np.random.default_rng(bits * 10 + tg)
+    rng = fresh_rng(bits * 10 + tg)
     cols = 1024
     x = (np.abs(rng.standard_normal(cols)) + 0.1).astype(np.float32)
     nw = to_bf16_bits(0.5 + rng.random(cols))
@@ -807,7 +809,7 @@ def test_norm_gemv_scale_is_exact(dev, bits, write_xn, tg):
 def test_norm_gemv_xn_matches_rms_norm(dev):
     """The xn norm_gemv writes is the rms_norm of the residual (to rounding: the sum of
     squares is taken in another order)."""
-    rng = np.random.default_rng(12)
+    rng = fresh_rng(12)
     cols = 2048
     x = (rng.standard_normal(cols) * 5).astype(np.float32)
     nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
@@ -837,7 +839,7 @@ def test_norm_gemv_demo_checkpoint(dev, demo_path):
         (8, "model.layers.1.post_attention_layernorm.weight", ["model.layers.1.mlp.gate", "model.layers.1.mlp.shared_expert_gate"], True),
         (4, "model.norm.weight", ["lm_head"], False),
     ]
-    rng = np.random.default_rng(8)
+    rng = fresh_rng(8)
     for bits, norm_name, modules, write_xn in groups:
         x = (rng.standard_normal(c.hidden_size) * 2).astype(np.float32)
         nw = np.ascontiguousarray(ck.raw(norm_name))
@@ -909,7 +911,7 @@ def test_moe_route_gate_up_matches_route(dev, E, k, hidden, inter, inter_shared,
     """ids and routing weights bit-identical to moe_route on the same logits; hbuf
     bit-identical to moe_gate_up_swiglu_q4 with those ids, and within the SwiGLU bound of
     float64; weights[k] = sigmoid(logits[E])."""
-    rng = np.random.default_rng(E * 7 + k + tg)
+    rng = fresh_rng(E * 7 + k + tg)
     W = MoeWeights(rng, E, hidden, inter, inter_shared)
     bufs = W.upload(dev)
     x = rng.standard_normal(hidden).astype(np.float32)
@@ -931,7 +933,7 @@ def test_moe_route_gate_up_matches_route(dev, E, k, hidden, inter, inter_shared,
 def test_moe_route_gate_up_ties(dev):
     """Tied probabilities: lower expert index first, as moe_route and argsort(-p, stable)."""
     E, k = 64, 8
-    rng = np.random.default_rng(0)
+    rng = fresh_rng(0)
     W = MoeWeights(rng, E, 64, 64, 64)
     bufs = W.upload(dev)
     logits = np.zeros(E + 1, np.float32)
@@ -1002,7 +1004,7 @@ def test_fused_moe_block_demo_checkpoint(dev, demo_path):
     ck = open_checkpoint(demo_path)
     ref = ReferenceModel(ck)
     c = ck.config
-    rng = np.random.default_rng(13)
+    rng = fresh_rng(13)
     for layer in range(c.num_hidden_layers):
         W = MoeWeights.from_checkpoint(ck, layer)
         nw = np.ascontiguousarray(ck.raw(f"model.layers.{layer}.post_attention_layernorm.weight"))
@@ -1014,7 +1016,7 @@ def test_fused_moe_block_demo_checkpoint(dev, demo_path):
 def test_fused_moe_block_random(dev, moe_cache, E, hidden, inter, inter_shared, k):
     W = moe_weights(moe_cache, E, hidden, inter, inter_shared, k)
     ref = ReferenceModel(FakeCheckpoint(W, k))
-    rng = np.random.default_rng(14)
+    rng = fresh_rng(14)
     h0 = (rng.standard_normal(hidden) * 3).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(hidden))
     check_fused_block(dev, W, ref, 0, h0, nw, k, f"random E={E} hidden={hidden}")
@@ -1026,7 +1028,7 @@ def test_fused_moe_block_orders(moe_cache, opts):
     """The fused block gives bit-identical results whatever order threads and threadgroups
     run in (no races, no order-dependent reductions), and reads nothing undeclared."""
     W = moe_weights(moe_cache, 32, 256, 128, 128, 8)
-    rng = np.random.default_rng(15)
+    rng = fresh_rng(15)
     h0 = (rng.standard_normal(256) * 3).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(256))
     outs = []
