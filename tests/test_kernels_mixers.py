@@ -688,24 +688,7 @@ def count_buffer(V, prompt=(), generated=()):
 
 def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
     """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
-    s = sampler_for(params, prompt, generated)
-    p = params
-    x = s.process(logits) / p.temperature
-    if 0 < p.top_k < x.size:
-        kth = np.partition(x, -p.top_k)[-p.top_k]
-        x = np.where(x >= kth, x, -np.inf)
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
-    if p.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        csum = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[keep] = True
-        probs = np.where(mask, probs, 0.0)
-    if p.min_p > 0.0:
-        probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-    return probs / probs.sum()
+    return sampler_for(params, prompt, generated).probabilities(logits)
 
 
 def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):

@@ -180,29 +180,33 @@ class Sampler:
             x[ids] -= p.presence_penalty + p.frequency_penalty * cnt
         return x
 
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution a sampled (temperature > 0) draw uses: float64 ``[vocab]``
+        after penalties, temperature, top-k, top-p and min-p, renormalised."""
+        p = self.params
+        x = self.process(logits) / p.temperature
+        if 0 < p.top_k < x.size:
+            kth = np.partition(x, -p.top_k)[-p.top_k]
+            x = np.where(x >= kth, x, -np.inf)
+        probs = np.exp(x - x.max())
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            csum = np.cumsum(probs[order])
+            keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[keep] = True
+            probs = np.where(mask, probs, 0.0)
+        if p.min_p > 0.0:
+            probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        return probs / probs.sum()
+
     def sample(self, logits: np.ndarray) -> int:
         """Choose the next token id and record it for the penalties."""
-        p = self.params
-        x = self.process(logits)
-        if p.temperature == 0.0:
-            tok = int(np.argmax(x))
+        if self.params.temperature == 0.0:
+            tok = int(np.argmax(self.process(logits)))
         else:
-            x = x / p.temperature
-            if 0 < p.top_k < x.size:
-                kth = np.partition(x, -p.top_k)[-p.top_k]
-                x = np.where(x >= kth, x, -np.inf)
-            probs = np.exp(x - x.max())
-            probs /= probs.sum()
-            if p.top_p < 1.0:
-                order = np.argsort(-probs, kind="stable")
-                csum = np.cumsum(probs[order])
-                keep = order[: int(np.searchsorted(csum, p.top_p) + 1)]
-                mask = np.zeros_like(probs, dtype=bool)
-                mask[keep] = True
-                probs = np.where(mask, probs, 0.0)
-            if p.min_p > 0.0:
-                probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-            probs /= probs.sum()
+            probs = self.probabilities(logits)
             tok = int(self.rng.choice(probs.size, p=probs))
         self._counts[tok] = self._counts.get(tok, 0) + 1
         return tok
