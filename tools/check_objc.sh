@@ -39,8 +39,9 @@ for mm in "$ROOT"/csrc/gpu/metal/*.mm; do
   "$CLANG" "${COMMON[@]}" -fobjc-arc -x objective-c++ -Werror=unguarded-availability-new \
     -Werror=objc-method-access "$mm" || status=1
 done
-# Plain C++ that is also compiled on macOS: the device interface and the simulator.
-for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/sim_device.cpp; do
+# Plain C++ that is also compiled on macOS: the device interface, the simulator, the runtime.
+for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/sim_device.cpp \
+           "$ROOT"/csrc/runtime/model.cpp "$ROOT"/csrc/runtime/decode.cpp; do
   echo "check_objc: $cpp (C++, macOS target)"
   "$CLANG" "${COMMON[@]}" -x c++ "$cpp" || status=1
 done
