@@ -175,9 +175,9 @@ inline float4 rms_apply4(float4 x, float inv, device const bfloat* nw, uint j) {
 }
 
 // q_load_x for the normalised input: chunk c of rms_apply4(x, inv, nw) into xs; returns
-// the sum of the chunk's normalised values.
-template <int BITS>
-inline float q_load_x_norm(device const float4* x4, device const bfloat* nw, uint c, float inv,
+// the sum of the chunk's normalised values. XPtr: a device or threadgroup float4 pointer.
+template <int BITS, typename XPtr>
+inline float q_load_x_norm(XPtr x4, device const bfloat* nw, uint c, float inv,
                            thread float4* xs) {
   constexpr uint nf4 = QChunk<BITS>::float4s;
   float s = 0.0f;

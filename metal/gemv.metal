@@ -62,34 +62,17 @@ template [[host_name("gemv_q8_add")]] [[kernel]] decltype(gemv_q<8, true>) gemv_
 // vector to xn (the values the dots used, bit for bit) for later kernels. Bindings of an
 // unused slot (rows = 0) are never accessed (bind any buffer; the simulator requires every
 // argument to be bound). xn must not overlap x.
-template <int BITS>
-kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp32 raw residual
-                        device const bfloat* nw [[buffer(1)]],      // [cols] bf16 norm weight
-                        device float4* xn [[buffer(2)]],            // [cols] fp32 normalised (write_xn)
-                        device const uint4* w0 [[buffer(3)]],       // matrix 0 weight [rows0, cols*BITS/32]
-                        device const bfloat* s0 [[buffer(4)]],      // matrix 0 scales [rows0, cols/64]
-                        device const bfloat* b0 [[buffer(5)]],      // matrix 0 biases [rows0, cols/64]
-                        device float* y0 [[buffer(6)]],             // [rows0] fp32
-                        device const uint4* w1 [[buffer(7)]],       // matrix 1 ...
-                        device const bfloat* s1 [[buffer(8)]],
-                        device const bfloat* b1 [[buffer(9)]],
-                        device float* y1 [[buffer(10)]],
-                        device const uint4* w2 [[buffer(11)]],      // matrix 2 ...
-                        device const bfloat* s2 [[buffer(12)]],
-                        device const bfloat* b2 [[buffer(13)]],
-                        device float* y2 [[buffer(14)]],
-                        device const uint4* w3 [[buffer(15)]],      // matrix 3 ...
-                        device const bfloat* s3 [[buffer(16)]],
-                        device const bfloat* b3 [[buffer(17)]],
-                        device float* y3 [[buffer(18)]],
-                        constant NormGemvArgs& args [[buffer(19)]],
-                        uint tg [[threadgroup_position_in_grid]],
-                        uint tid [[thread_index_in_threadgroup]],
-                        uint tcount [[threads_per_threadgroup]],
-                        uint sg [[simdgroup_index_in_threadgroup]],
-                        uint nsg [[simdgroups_per_threadgroup]],
-                        uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float scratch[32];
+// The body shared by norm_gemv_q and embed_norm_gemv_q; x is the raw residual in device
+// memory or the embedding row in threadgroup memory (XPtr: a pointer to const float4).
+template <int BITS, typename XPtr>
+inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
+                           device const uint4* w0, device const bfloat* s0, device const bfloat* b0,
+                           device float* y0, device const uint4* w1, device const bfloat* s1,
+                           device const bfloat* b1, device float* y1, device const uint4* w2,
+                           device const bfloat* s2, device const bfloat* b2, device float* y2,
+                           device const uint4* w3, device const bfloat* s3, device const bfloat* b3,
+                           device float* y3, constant NormGemvArgs& args, threadgroup float* scratch,
+                           uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
   // the matrix this threadgroup works on (uniform over the threadgroup)
   const uint tg_rows = kGemvRowsPerSimdgroup * nsg;
   uint m = 0;
@@ -147,8 +130,107 @@ kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp
     y[row0 + t.lane] = v;
   }
 }
+
+template <int BITS>
+kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp32 raw residual
+                        device const bfloat* nw [[buffer(1)]],      // [cols] bf16 norm weight
+                        device float4* xn [[buffer(2)]],            // [cols] fp32 normalised (write_xn)
+                        device const uint4* w0 [[buffer(3)]],       // matrix 0 weight [rows0, cols*BITS/32]
+                        device const bfloat* s0 [[buffer(4)]],      // matrix 0 scales [rows0, cols/64]
+                        device const bfloat* b0 [[buffer(5)]],      // matrix 0 biases [rows0, cols/64]
+                        device float* y0 [[buffer(6)]],             // [rows0] fp32
+                        device const uint4* w1 [[buffer(7)]],       // matrix 1 ...
+                        device const bfloat* s1 [[buffer(8)]],
+                        device const bfloat* b1 [[buffer(9)]],
+                        device float* y1 [[buffer(10)]],
+                        device const uint4* w2 [[buffer(11)]],      // matrix 2 ...
+                        device const bfloat* s2 [[buffer(12)]],
+                        device const bfloat* b2 [[buffer(13)]],
+                        device float* y2 [[buffer(14)]],
+                        device const uint4* w3 [[buffer(15)]],      // matrix 3 ...
+                        device const bfloat* s3 [[buffer(16)]],
+                        device const bfloat* b3 [[buffer(17)]],
+                        device float* y3 [[buffer(18)]],
+                        constant NormGemvArgs& args [[buffer(19)]],
+                        uint tg [[threadgroup_position_in_grid]],
+                        uint tid [[thread_index_in_threadgroup]],
+                        uint tcount [[threads_per_threadgroup]],
+                        uint sg [[simdgroup_index_in_threadgroup]],
+                        uint nsg [[simdgroups_per_threadgroup]],
+                        uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scratch[32];
+  norm_gemv_body<BITS>(x, nw, xn, w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                       args, scratch, tg, tid, tcount, sg, nsg, lane);
+}
 template [[host_name("norm_gemv_q4")]] [[kernel]] decltype(norm_gemv_q<4>) norm_gemv_q<4>;
 template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_gemv_q<8>;
+
+// ---- embed_norm_gemv_q<BITS>: the embedding lookup fused into layer 0's first norm_gemv --
+// Every threadgroup dequantizes the embedding row of token[0] (the token slot) into
+// threadgroup memory with embed_q's arithmetic, threadgroup 0 stores it to h (the residual
+// the rest of the step updates), and the row is then used as norm_gemv_q's x. Saves the
+// embed dispatch and its barrier stage; each threadgroup re-reads one row (cols*BITS/8 bytes
+// plus cols/32 of scales and biases, from cache). cols <= kEmbedMaxCols.
+constant constexpr uint kEmbedMaxCols = 4096;
+
+template <int BITS>
+kernel void embed_norm_gemv_q(device float4* h [[buffer(0)]],             // [cols] fp32 out: the embedding row (threadgroup 0)
+                              device const bfloat* nw [[buffer(1)]],       // [cols] bf16 norm weight
+                              device float4* xn [[buffer(2)]],             // [cols] fp32 normalised (write_xn)
+                              device const uint4* w0 [[buffer(3)]],        // matrices 0..3 as in norm_gemv_q
+                              device const bfloat* s0 [[buffer(4)]],
+                              device const bfloat* b0 [[buffer(5)]],
+                              device float* y0 [[buffer(6)]],
+                              device const uint4* w1 [[buffer(7)]],
+                              device const bfloat* s1 [[buffer(8)]],
+                              device const bfloat* b1 [[buffer(9)]],
+                              device float* y1 [[buffer(10)]],
+                              device const uint4* w2 [[buffer(11)]],
+                              device const bfloat* s2 [[buffer(12)]],
+                              device const bfloat* b2 [[buffer(13)]],
+                              device float* y2 [[buffer(14)]],
+                              device const uint4* w3 [[buffer(15)]],
+                              device const bfloat* s3 [[buffer(16)]],
+                              device const bfloat* b3 [[buffer(17)]],
+                              device float* y3 [[buffer(18)]],
+                              constant NormGemvArgs& args [[buffer(19)]],
+                              device const uint* emb_w [[buffer(20)]],     // embedding table [vocab, cols*BITS/32] uint32
+                              device const bfloat* emb_s [[buffer(21)]],   // [vocab, cols/64]
+                              device const bfloat* emb_b [[buffer(22)]],   // [vocab, cols/64]
+                              device const uint* token [[buffer(23)]],     // token[0]: the id
+                              constant EmbedArgs& eargs [[buffer(24)]],
+                              uint tg [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint tcount [[threads_per_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint nsg [[simdgroups_per_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scratch[32];
+  threadgroup float4 row[kEmbedMaxCols / 4];
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  const uint words = eargs.cols / per_word;
+  const uint id = min(token[0], eargs.vocab - 1u);
+  threadgroup float* rowf = reinterpret_cast<threadgroup float*>(row);
+  for (uint i = tid; i < words; i += tcount) {
+    const uint word = emb_w[id * words + i];
+    const uint g = id * (eargs.cols / kQuantGroup) + i * per_word / kQuantGroup;
+    const float s = float(emb_s[g]);
+    const float b = float(emb_b[g]);
+    for (uint j = 0; j < per_word; ++j) {
+      rowf[i * per_word + j] = s * float((word >> (BITS * j)) & mask) + b;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tg == 0) {
+    for (uint i = tid; i < eargs.cols / 4; i += tcount) {
+      h[i] = row[i];
+    }
+  }
+  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, w0, s0, b0, y0, w1, s1, b1,
+                       y1, w2, s2, b2, y2, w3, s3, b3, y3, args, scratch, tg, tid, tcount, sg, nsg, lane);
+}
+template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv_q<4>) embed_norm_gemv_q<4>;
 
 // ---- embed_q<BITS>: dequantize one embedding row ------------------------------------
 // The token id is read from a device buffer (the token slot the previous step's sampler

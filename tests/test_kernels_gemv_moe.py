@@ -1044,3 +1044,60 @@ def test_report_sim_times():
     """Prints the simulator wall time per kernel collected by the tests above (-s to see)."""
     for name, t in sorted(TIMES.items()):
         print(f"  {name:50s} {t * 1000:9.1f} ms")
+
+
+# ----------------------------------------------------------------------------- embed + norm_gemv
+#
+# embed_norm_gemv_q4 (layer 0's first dispatch of the decode step): the embedding lookup
+# fused into norm_gemv_q4. It runs the same float32 operations in the same order as
+# embed_q4 followed by norm_gemv_q4, so h, xn and every output must be bit-identical.
+
+
+@pytest.mark.parametrize("vocab,cols,rows,write_xn", [
+    pytest.param(300, 2048, (512, 256, 32, 32), False, id="gdn-like"),
+    pytest.param(64, 256, (1024, 512, 4, 4), True, id="demo-like"),
+    pytest.param(33, 128, (17, 0, 5, 1), False, id="ragged"),
+])
+def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, write_xn):
+    rng = fresh_rng(vocab + cols)
+    emb = rand_quant(rng, (), vocab, cols, 4, "embed")
+    nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, 4) if r else None for r in rows]
+    tok = int(rng.integers(0, vocab))
+    EW, ES, EB = upload_q(dev, emb)
+    T, NW = upload(dev, np.array([tok], np.uint32)), upload(dev, nw)
+    mats_q = [upload_q(dev, q) if q is not None else None for q in qts]
+
+    def outputs(fused: bool):
+        H, XN = dev.buffer(4 * cols), dev.buffer(4 * cols)
+        ys = [dev.buffer(4 * max(r, 1)) for r in rows]
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        if not fused:
+            p.dispatch("embed_q4", cols // 8, 64, buffers=[(0, EW), (1, ES), (2, EB), (3, T), (4, H)],
+                       constants=[(5, constant(cols, vocab))], reads=[EW, ES, EB, T], writes=[H],
+                       threadgroups=False, label="embed_q4")
+            mats = [(r, m if m is not None else (H, H, H), Y) for r, m, Y in zip(rows, mats_q, ys)]
+            enc_norm_gemv(p, 4, H, NW, XN, mats, cols, write_xn=write_xn)
+        else:
+            buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
+            reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
+            for i, (r, m, Y) in enumerate(zip(rows, mats_q, ys)):
+                specs = [*(m if m is not None else (NW, NW, NW)), Y]
+                buffers += [(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+                if r:
+                    reads += list(m)
+                    writes.append(Y)
+            p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
+                       constants=[(19, norm_gemv_args(rows, cols, NORM_EPS, write_xn)),
+                                  (24, constant(cols, vocab))],
+                       reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
+        commit(cb, "embed_norm_gemv_q4" if fused else "embed_q4 + norm_gemv_q4")
+        assert cb.counters["dispatches"] == (1 if fused else 2)
+        return [download(H, np.float32), download(XN, np.float32)] + [
+            download(Y, np.float32)[:r] for r, Y in zip(rows, ys)]
+
+    want, got = outputs(False), outputs(True)
+    np.testing.assert_allclose(got[0], emb.dequantize()[tok], rtol=1e-6, atol=1e-7)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))

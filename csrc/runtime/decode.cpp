@@ -219,13 +219,23 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
   // RMSNorm of the residual fused into up to four GEMVs that read the normalised vector
   // (norm_gemv_q*); `xn_out` also stores that vector for later kernels.
   struct Proj { std::string module; gpu::Buffer* out; size_t offset; uint32_t rows; };
+  // With `embed`, the step's embedding lookup is fused in (embed_norm_gemv_q4): the row of
+  // the token in this step's slot becomes h (written) and the norm's input.
   auto norm_gemv = [&](uint32_t bits, const TensorRef& norm_w, std::vector<Proj> projs, bool xn_out,
-                       uint32_t threads, const std::string& label) {
+                       uint32_t threads, const std::string& label, bool embed = false) {
     const uint32_t per_group = 8 * threads / 32;
     args::NormGemv na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
     uint32_t groups = 0;
-    Op op(dev, "norm_gemv_q" + std::to_string(bits), label);
-    op.in(0, *h_, 0, H * f).in(1, norm_w, &t.weight_bytes);
+    Op op(dev, (embed ? "embed_norm_gemv_q" : "norm_gemv_q") + std::to_string(bits), label);
+    if (embed) {
+      op.in(20, W("model.embed_tokens.weight")).in(21, W("model.embed_tokens.scales"))
+          .in(22, W("model.embed_tokens.biases")).in(23, *tokens_, slot * u32, u32)
+          .args(24, args::Embed{H, d.vocab_size}).out(0, *h_, 0, H * f);
+      t.weight_bytes += H / 2 + 2 * (H / 64) * 2;  // the row it really reads
+    } else {
+      op.in(0, *h_, 0, H * f);
+    }
+    op.in(1, norm_w, &t.weight_bytes);
     if (xn_out) op.out(2, *xn_, 0, H * f); else op.bind(2, *xn_);
     for (uint32_t m = 0; m < 4; ++m) {
       const uint32_t base = 3 + 4 * m;
@@ -243,17 +253,8 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     t.other_bytes += H * f * (xn_out ? 2 : 1);
   };
 
-  // embed: the token id comes from this step's token slot (written by the previous step).
-  {
-    const TensorRef& emb = W("model.embed_tokens.weight");
-    Op op(dev, "embed_q4", "embed");
-    op.threads(tg(H / 8), tg(64))
-        .in(0, emb).in(1, W("model.embed_tokens.scales")).in(2, W("model.embed_tokens.biases"))
-        .in(3, *tokens_, slot * u32, u32).out(4, *h_, 0, H * f)
-        .args(5, args::Embed{H, d.vocab_size}).run(pass);
-    t.weight_bytes += H / 2 + 2 * (H / 64) * 2;
-  }
-
+  // The embedding of the token in this step's slot (written by the previous step's sampler)
+  // is looked up inside layer 0's first norm_gemv.
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l);
     const std::string L = "L" + std::to_string(l) + " ";
@@ -266,7 +267,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
                              {g + ".in_proj_z", z_.get(), 0, Hv * Dv},
                              {g + ".in_proj_b", b_.get(), 0, Hv},
                              {g + ".in_proj_a", a_.get(), 0, Hv}},
-                false, kGemvThreads, L + "input norm + in_proj qkv|z|b|a");
+                false, kGemvThreads, (l == 0 ? L + "embed + " : L) + "input norm + in_proj qkv|z|b|a", l == 0);
       gpu::Buffer& conv_in = *conv_[position % 2][l];
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
@@ -290,7 +291,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
       norm_gemv(4, in_norm, {{a + ".q_proj", qg_.get(), 0, Hq * D * 2},
                              {a + ".k_proj", k_.get(), 0, Hkv * D},
                              {a + ".v_proj", v_.get(), 0, Hkv * D}},
-                false, kGemvThreads, L + "input norm + q|k|v_proj");
+                false, kGemvThreads, (l == 0 ? L + "embed + " : L) + "input norm + q|k|v_proj", l == 0);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
