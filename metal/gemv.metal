@@ -260,3 +260,33 @@ kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab,
   }
 }
 template [[host_name("embed_q4")]] [[kernel]] decltype(embed_q<4>) embed_q<4>;
+
+// ---- embed_rows_q<BITS>: dequantize the embedding rows of a prefill chunk ---------------
+// out[r, :] = table[tokens[r]] for r < rows (the token ids are known when the chunk is
+// encoded; they sit in a device buffer the host filled). Same arithmetic as embed_q.
+// dispatchThreads grid (cols * BITS / 32, rows): one packed word per thread.
+template <int BITS>
+kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
+                         device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
+                         device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
+                         device const uint* tokens [[buffer(3)]],    // [rows] token ids
+                         device float* out [[buffer(4)]],            // [rows, cols] fp32
+                         constant EmbedArgs& args [[buffer(5)]],
+                         uint2 gid [[thread_position_in_grid]]) {
+  constexpr uint per_word = 32 / BITS;
+  constexpr uint mask = (1u << BITS) - 1u;
+  const uint words = args.cols / per_word;
+  if (gid.x >= words) {
+    return;
+  }
+  const uint id = min(tokens[gid.y], args.vocab - 1u);
+  const uint word = w[id * words + gid.x];
+  const uint g = id * (args.cols / kQuantGroup) + gid.x * per_word / kQuantGroup;
+  const float s = float(scales[g]);
+  const float b = float(biases[g]);
+  device float* o = out + gid.y * args.cols + gid.x * per_word;
+  for (uint j = 0; j < per_word; ++j) {
+    o[j] = s * float((word >> (BITS * j)) & mask) + b;
+  }
+}
+template [[host_name("embed_rows_q4")]] [[kernel]] decltype(embed_rows_q<4>) embed_rows_q<4>;

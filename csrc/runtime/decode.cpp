@@ -1,40 +1,19 @@
 // The decode step as a list of named stages (ARCHITECTURE.md "One plan, two phases").
 // Kernel geometry and bindings follow docs/kernels.md; every dispatch declares what it
 // reads and writes, and the compute pass derives the barriers from that.
-#include "runtime/decode.h"
+#include "runtime/runtime.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
+#include "runtime/encoder.h"
+#include "runtime/kernel_args.h"
+
 namespace lily::runtime {
 
-// Host mirrors of the kernels' argument structs (metal/common.h, metal/mixer_args.h):
-// 32-bit fields, no padding; the sizes are checked against the documented ones.
-namespace args {
-struct Gemv { uint32_t rows, cols; };
-struct Embed { uint32_t cols, vocab; };
-struct Moe { uint32_t hidden, inter, inter_shared, experts, top_k; };
-struct MoeRoute { uint32_t hidden, inter, inter_shared, experts, top_k, norm_topk; };
-struct NormGemv { uint32_t rows[4]; uint32_t cols; float eps; uint32_t write_xn; };
-struct Gdn { uint32_t num_k_heads, num_v_heads, conv_kernel; float norm_eps, l2_eps; };
-struct AttnFused {
-  uint32_t num_q_heads, num_kv_heads, rotary_dim, capacity; float norm_eps, log2_theta, scale;
-  uint32_t block_rows, max_blocks;
-};
-struct AttnCombine { uint32_t num_q_heads, gate_stride, block_rows, max_blocks; };
-struct Greedy { uint32_t vocab; };
-struct Sample {
-  uint32_t vocab; float temperature; uint32_t top_k; float top_p, min_p, presence_penalty,
-      frequency_penalty, repetition_penalty; uint32_t seed_lo, seed_hi, logprobs, top_logprobs, update_counts;
-};
-static_assert(sizeof(Sample) == 52, "arg layout");
-static_assert(sizeof(Gemv) == 8 && sizeof(Embed) == 8, "arg layout");
-static_assert(sizeof(Moe) == 20 && sizeof(Gdn) == 20, "arg layout");
-static_assert(sizeof(MoeRoute) == 24 && sizeof(NormGemv) == 28, "arg layout");
-static_assert(sizeof(AttnFused) == 36 && sizeof(AttnCombine) == 16, "arg layout");
-}  // namespace args
+namespace args = lily::kernels;
 
 namespace {
 
@@ -42,157 +21,10 @@ constexpr uint32_t kGemvThreads = 64;        // 2 simdgroups x 8 rows = 16 rows 
 constexpr uint32_t kGemvRowsPerGroup = 16;
 constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
 constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
-constexpr uint32_t kMaxTopLogprobs1 = 21;    // chosen token + up to 20 alternatives
-
-uint32_t ceil_div(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
-
-// Builds one dispatch: bindings together with the ranges they declare.
-class Op {
- public:
-  Op(gpu::Device& dev, const std::string& kernel, std::string label) {
-    d_.pipeline = &dev.pipeline(kernel);
-    d_.label = std::move(label);
-  }
-  Op& groups(gpu::Size3 grid, gpu::Size3 tg) {
-    d_.grid = grid; d_.threadgroup = tg; d_.grid_is_threadgroups = true;
-    return *this;
-  }
-  Op& threads(gpu::Size3 grid, gpu::Size3 tg) {
-    d_.grid = grid; d_.threadgroup = tg; d_.grid_is_threadgroups = false;
-    return *this;
-  }
-  // Binds [[buffer(i)]] at t and declares the whole tensor read.
-  Op& in(uint32_t i, const TensorRef& t, uint64_t* traffic = nullptr) {
-    d_.bindings.push_back(gpu::Binding::buf(i, *t.buffer, t.offset));
-    d_.reads.push_back(t.range());
-    if (traffic) *traffic += t.nbytes;
-    return *this;
-  }
-  Op& in(uint32_t i, gpu::Buffer& b, size_t off, size_t n) { return in(i, TensorRef{&b, off, n}); }
-  Op& out(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
-    d_.bindings.push_back(gpu::Binding::buf(i, b, off));
-    d_.writes.push_back(gpu::Range{&b, off, n});
-    return *this;
-  }
-  Op& inout(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
-    out(i, b, off, n);
-    d_.reads.push_back(gpu::Range{&b, off, n});
-    return *this;
-  }
-  // Binds without declaring (the caller declares narrower ranges with read()/write()).
-  Op& bind(uint32_t i, gpu::Buffer& b, size_t off = 0) {
-    d_.bindings.push_back(gpu::Binding::buf(i, b, off));
-    return *this;
-  }
-  Op& read(gpu::Buffer& b, size_t off, size_t n) { d_.reads.push_back({&b, off, n}); return *this; }
-  Op& write(gpu::Buffer& b, size_t off, size_t n) { d_.writes.push_back({&b, off, n}); return *this; }
-  template <class T>
-  Op& args(uint32_t i, const T& a) {
-    d_.bindings.push_back(gpu::Binding::constant_bytes(i, &a, sizeof(T)));
-    return *this;
-  }
-  void run(gpu::ComputePass& pass) { pass.dispatch(d_); }
-
- private:
-  gpu::Dispatch d_;
-};
 
 }  // namespace
 
-DecodeRuntime::DecodeRuntime(std::shared_ptr<gpu::Device> device, ModelDims dims,
-                             const std::vector<TensorDesc>& tensors, RuntimeOptions options)
-    : device_(std::move(device)),
-      dims_(std::move(dims)),
-      opt_(options),
-      weights_(*device_, tensors, options.virtual_weights) {
-  dims_.validate();
-  if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
-  if (opt_.split_block == 0) throw std::invalid_argument("split_block must be positive");
-  const auto& d = dims_;
-  const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
-  if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
-  if (d.head_dim != 64 && d.head_dim != 256)
-    throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
-                                std::to_string(d.head_dim));
-  if (d.linear_key_head_dim != d.linear_value_head_dim ||
-      (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
-    throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
-
-  const size_t f = sizeof(float);
-  tokens_ = scratch(2 * sizeof(uint32_t), "token slots");
-  positions_ = scratch(2 * sizeof(uint32_t), "positions");
-  h_ = scratch(d.hidden_size * f, "h (residual)");
-  xn_ = scratch(d.hidden_size * f, "xn (normed)");
-  qkv_ = scratch(d.conv_dim() * f, "gdn qkv");
-  z_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn z");
-  b_ = scratch(d.linear_num_value_heads * f, "gdn b");
-  a_ = scratch(d.linear_num_value_heads * f, "gdn a");
-  o_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
-  qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
-  k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
-  v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
-  attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
-  router_ = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
-  ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
-  route_w_ = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
-  hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
-                  "expert hidden");
-  logits_ = scratch(size_t(d.vocab_size) * f, "logits");
-  const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
-  part_ml_ = scratch(size_t(d.num_attention_heads) * max_blocks * 2 * f, "attn partial m,l");
-  part_acc_ = scratch(size_t(d.num_attention_heads) * max_blocks * d.head_dim * f, "attn partial acc");
-
-  const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
-  k_cache_.resize(d.num_hidden_layers);
-  v_cache_.resize(d.num_hidden_layers);
-  conv_[0].resize(d.num_hidden_layers);
-  conv_[1].resize(d.num_hidden_layers);
-  state_.resize(d.num_hidden_layers);
-  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
-    if (d.full_attention[l]) {
-      k_cache_[l] = scratch(kv_bytes, "k cache");
-      v_cache_[l] = scratch(kv_bytes, "v cache");
-    } else {
-      const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
-      conv_[0][l] = scratch(conv, "conv state A");
-      conv_[1][l] = scratch(conv, "conv state B");
-      state_[l] = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim *
-                              d.linear_key_head_dim * f, "recurrent state");
-    }
-  }
-  counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
-  logprob_out_ = scratch(2 * kMaxTopLogprobs1 * f, "logprobs (per slot)");
-  top_ids_ = scratch(2 * kMaxTopLogprobs1 * sizeof(uint32_t), "top logprob ids (per slot)");
-  record_only_ = tokens_->contents() == nullptr;
-  reset();
-}
-
-gpu::BufferPtr DecodeRuntime::scratch(size_t bytes, const char* label) {
-  gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
-  b->set_label(label);
-  owned_.push_back(b);
-  return b;
-}
-
-void DecodeRuntime::reset() {
-  finish();
-  position_ = 0;
-  if (record_only_) return;
-  // The recurrent and conv state start at zero; the KV cache needs no clearing (rows past
-  // the position are never read).
-  for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
-    if (dims_.full_attention[l]) continue;
-    for (auto* buf : {conv_[0][l].get(), conv_[1][l].get(), state_[l].get()})
-      std::memset(buf->contents(), 0, buf->size());
-  }
-}
-
-void DecodeRuntime::write_token(int slot, uint32_t token, uint32_t position) {
-  static_cast<uint32_t*>(tokens_->contents())[slot] = token;
-  static_cast<uint32_t*>(positions_->contents())[slot] = position;
-}
-
-void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* tr) {
+void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* tr) {
   const ModelDims& d = dims_;
   gpu::Device& dev = *device_;
   gpu::ComputePass& pass = cb.compute_pass();
@@ -213,7 +45,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     op.groups(tg(ceil_div(rows, kGemvRowsPerGroup)), tg(kGemvThreads));
     qlin(op, 0, module, &t.weight_bytes).in(3, x, 0, cols * f);
     if (add) op.inout(4, y, 0, rows * f); else op.out(4, y, 0, rows * f);
-    op.args(5, args::Gemv{uint32_t(rows), uint32_t(cols)}).run(pass);
+    op.args(5, args::GemvArgs{uint32_t(rows), uint32_t(cols)}).run(pass);
     t.other_bytes += cols * f + rows * f * (add ? 2 : 1);
   };
   // RMSNorm of the residual fused into up to four GEMVs that read the normalised vector
@@ -224,13 +56,13 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
   auto norm_gemv = [&](uint32_t bits, const TensorRef& norm_w, std::vector<Proj> projs, bool xn_out,
                        uint32_t threads, const std::string& label, bool embed = false) {
     const uint32_t per_group = 8 * threads / 32;
-    args::NormGemv na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
+    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
     uint32_t groups = 0;
     Op op(dev, (embed ? "embed_norm_gemv_q" : "norm_gemv_q") + std::to_string(bits), label);
     if (embed) {
       op.in(20, W("model.embed_tokens.weight")).in(21, W("model.embed_tokens.scales"))
           .in(22, W("model.embed_tokens.biases")).in(23, *tokens_, slot * u32, u32)
-          .args(24, args::Embed{H, d.vocab_size}).out(0, *h_, 0, H * f);
+          .args(24, args::EmbedArgs{H, d.vocab_size}).out(0, *h_, 0, H * f);
       t.weight_bytes += H / 2 + 2 * (H / 64) * 2;  // the row it really reads
     } else {
       op.in(0, *h_, 0, H * f);
@@ -280,7 +112,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
           .in(6, W(g + ".dt_bias"), &t.weight_bytes).in(7, W(g + ".norm.weight"), &t.weight_bytes)
           .in(8, conv_in, 0, conv_bytes).out(9, conv_out, 0, conv_bytes)
           .inout(10, *state_[l], 0, state_bytes).out(11, *o_, 0, size_t(Hv) * Dv * f)
-          .args(12, args::Gdn{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, d.rms_norm_eps, 1e-6f})
+          .args(12, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, d.rms_norm_eps, 1e-6f})
           .run(pass);
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
       gemv(g + ".out_proj", 4, true, *o_, size_t(Hv) * Dv, *h_, H, L + "out_proj");
@@ -299,7 +131,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
       const uint32_t G = group % 4 == 0 ? 4 : 2;
       const std::string suffix = "_d" + std::to_string(D) + "_g" + std::to_string(G);
       const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
-      const args::AttnFused af{Hq, Hkv, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
+      const args::AttnFusedArgs af{Hq, Hkv, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
                                float(std::log2(double(d.rope_theta))), float(1.0 / std::sqrt(double(D))),
                                opt_.split_block, max_blocks};
       const bool split = uses_split_attention(position);
@@ -326,7 +158,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
             .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
             .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
             .out(4, *attn_, 0, size_t(Hq) * D * f)
-            .args(5, args::AttnCombine{Hq, 2 * D, opt_.split_block, max_blocks}).run(pass);
+            .args(5, args::AttnCombineArgs{Hq, 2 * D, opt_.split_block, max_blocks}).run(pass);
       }
       gemv(a + ".o_proj", 4, true, *attn_, size_t(Hq) * D, *h_, H, L + "o_proj");
     }
@@ -338,7 +170,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     norm_gemv(8, W(p + ".post_attention_layernorm.weight"),
               {{m + ".gate", router_.get(), 0, E}, {m + ".shared_expert_gate", router_.get(), E * f, 1}},
               true, kGemvThreads, L + "post-attention norm + router|shared gate");
-    const args::Moe ma{H, I, Is, E, k};
+    const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
     const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
@@ -351,7 +183,7 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
       qlin(op, 8, m + ".shared_expert.gate_proj", nullptr);
       qlin(op, 11, m + ".shared_expert.up_proj", nullptr);
       op.out(14, *hbuf_, 0, hbuf_->size()).out(15, *ids_, 0, k * u32).out(16, *route_w_, 0, (k + 1) * f)
-          .args(17, args::MoeRoute{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u}).run(pass);
+          .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u}).run(pass);
       t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
     }
     {
@@ -365,145 +197,61 @@ void DecodeRuntime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t posit
     }
   }
 
-  norm_gemv(4, W("model.norm.weight"), {{"lm_head", logits_.get(), 0, d.vocab_size}}, false,
-            kLmHeadThreads, "final norm + lm_head");
+  encode_head(pass, *h_, 0, slot, true, t);
+  pass.end();
+}
+
+
+void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
+                          Traffic& t) {
+  const ModelDims& d = dims_;
+  gpu::Device& dev = *device_;
+  const size_t f = sizeof(float);
+  const uint32_t H = d.hidden_size;
+  auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
+  // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
+  {
+    const uint32_t per_group = 8 * kLmHeadThreads / 32;
+    Op op(dev, "norm_gemv_q4", "final norm + lm_head");
+    op.in(0, x, offset, H * f).in(1, W("model.norm.weight"), &t.weight_bytes).bind(2, *xn_)
+        .in(3, W("lm_head.weight"), &t.weight_bytes).in(4, W("lm_head.scales"), &t.weight_bytes)
+        .in(5, W("lm_head.biases"), &t.weight_bytes).out(6, *logits_, 0, size_t(d.vocab_size) * f);
+    for (uint32_t m = 1; m < 4; ++m) {
+      const uint32_t base = 3 + 4 * m;
+      op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
+    }
+    op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
+        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u}).run(pass);
+    t.other_bytes += H * f + size_t(d.vocab_size) * f;
+  }
+  if (sample) encode_sample(pass, slot);
+}
+
+// Token selection: reads logits_, writes the next token id into token slot slot ^ 1 (and the
+// log-probabilities of slot `slot`); the position of slot `slot` keys the Philox draw.
+void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
+  const ModelDims& d = dims_;
+  gpu::Device& dev = *device_;
+  const size_t f = sizeof(float), u32 = sizeof(uint32_t);
+  auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
   const SamplingConfig& sc = sampling_;
   if (sc.greedy_kernel()) {
     Op op(dev, "sample_greedy", "greedy token -> next slot");
     op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::Greedy{d.vocab_size}).run(pass);
+        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::SampleGreedyArgs{d.vocab_size}).run(pass);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
-    args::Sample sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
+    args::SampleArgs sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u};
-    const size_t lp = kMaxTopLogprobs1 * f, ti = kMaxTopLogprobs1 * u32;
+    const size_t lp = kMaxTopLogprobs * f, ti = kMaxTopLogprobs * u32;
     Op op(dev, "sample_token", "sample token -> next slot");
     op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
         .inout(1, *counts_, 0, counts_->size()).in(2, *positions_, slot * u32, u32)
         .out(3, *tokens_, (slot ^ 1) * u32, u32)
         .out(4, *logprob_out_, slot * lp, lp).out(5, *top_ids_, slot * ti, ti).args(6, sa).run(pass);
   }
-  pass.end();
-}
-
-std::vector<float> DecodeRuntime::forward(const std::vector<uint32_t>& tokens, bool all_logits) {
-  if (record_only_) throw std::invalid_argument("forward: the device is record-only");
-  finish();  // a generation left open ends here (its steps are part of the session)
-  if (tokens.empty()) throw std::invalid_argument("forward: no tokens");
-  if (uint64_t(position_) + tokens.size() > opt_.max_context)
-    throw std::invalid_argument("forward: " + std::to_string(position_) + " tokens in context + " +
-                                std::to_string(tokens.size()) + " new exceed the context window of " +
-                                std::to_string(opt_.max_context));
-  for (uint32_t tok : tokens)
-    if (tok >= dims_.vocab_size)
-      throw std::invalid_argument("forward: token id " + std::to_string(tok) + " is outside the vocabulary");
-  const size_t V = dims_.vocab_size;
-  std::vector<float> out(all_logits ? tokens.size() * V : V);
-  for (size_t i = 0; i < tokens.size(); ++i) {
-    const int slot = position_ % 2;
-    write_token(slot, tokens[i], position_);
-    auto cb = device_->new_command_buffer();
-    encode_step(*cb, slot, position_, nullptr);
-    cb->commit();
-    cb->wait();
-    ++position_;
-    if (all_logits || i + 1 == tokens.size())
-      std::memcpy(out.data() + (all_logits ? i * V : 0), logits_->contents(), V * sizeof(float));
-  }
-  return out;
-}
-
-void DecodeRuntime::start(uint32_t first, const SamplingConfig& cfg, uint32_t max_steps,
-                          const std::vector<uint32_t>& prompt) {
-  if (record_only_) throw std::invalid_argument("generate: the device is record-only");
-  if (generating_) throw std::logic_error("generate: a generation is already running");
-  if (first >= dims_.vocab_size) throw std::invalid_argument("generate: token id " + std::to_string(first) +
-                                                             " is outside the vocabulary");
-  if (position_ >= opt_.max_context)
-    throw std::invalid_argument("generate: the context window of " + std::to_string(opt_.max_context) +
-                                " tokens is full");
-  if (cfg.top_logprobs + 1 > kMaxTopLogprobs1) throw std::invalid_argument("generate: top_logprobs > 20");
-  sampling_ = cfg;
-  auto* counts = static_cast<uint32_t*>(counts_->contents());
-  std::memset(counts, 0, counts_->size());
-  for (uint32_t t : prompt)
-    if (t < dims_.vocab_size) counts[t] = 0x80000000u;
-  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - position_));
-  gen_encoded_ = gen_done_ = 0;
-  generating_ = true;
-  write_token(position_ % 2, first, position_);
-  if (gen_steps_) submit_next();
-}
-
-void DecodeRuntime::submit_next() {
-  const uint32_t pos = position_ + gen_encoded_;
-  const int slot = pos % 2;
-  static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
-  inflight_[slot] = device_->new_command_buffer();
-  encode_step(*inflight_[slot], slot, pos, nullptr);
-  inflight_[slot]->commit();
-  ++gen_encoded_;
-}
-
-bool DecodeRuntime::next(StepOutput* out) {
-  if (!generating_) throw std::logic_error("generate: next() without start()");
-  if (gen_done_ == gen_encoded_) return false;
-  // Encode step n+1 before waiting on step n, so the device never idles on the host.
-  if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
-  const int slot = (position_ + gen_done_) % 2;
-  inflight_[slot]->wait();
-  inflight_[slot].reset();
-  ++gen_done_;
-  out->token = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
-  out->top.clear();
-  if (sampling_.logprobs) {
-    const float* lp = static_cast<const float*>(logprob_out_->contents()) + slot * kMaxTopLogprobs1;
-    const uint32_t* ids = static_cast<const uint32_t*>(top_ids_->contents()) + slot * kMaxTopLogprobs1;
-    out->logprob = lp[0];
-    for (uint32_t i = 0; i < sampling_.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
-  }
-  return true;
-}
-
-void DecodeRuntime::finish() {
-  if (!generating_) return;
-  for (auto& cb : inflight_) {
-    if (cb) {
-      cb->wait();
-      cb.reset();
-      ++gen_done_;
-    }
-  }
-  position_ += gen_done_;
-  generating_ = false;
-}
-
-std::vector<uint32_t> DecodeRuntime::generate_greedy(uint32_t first, uint32_t max_tokens,
-                                                     const std::set<uint32_t>& stop_ids) {
-  std::vector<uint32_t> out;
-  if (max_tokens == 0) return out;
-  start(first, SamplingConfig{}, max_tokens, {});
-  StepOutput o;
-  while (next(&o)) {
-    out.push_back(o.token);
-    if (stop_ids.count(o.token)) break;
-  }
-  finish();
-  return out;
-}
-
-gpu::Counters DecodeRuntime::count_step(uint32_t position, Traffic* traffic) {
-  if (position >= opt_.max_context)
-    throw std::invalid_argument("count_step: position " + std::to_string(position) +
-                                " is outside the context window of " + std::to_string(opt_.max_context));
-  auto cb = device_->new_command_buffer();
-  encode_step(*cb, position % 2, position, traffic);
-  gpu::Counters c = cb->counters();
-  cb->commit();
-  cb->wait();
-  return c;
 }
 
 }  // namespace lily::runtime

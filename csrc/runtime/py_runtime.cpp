@@ -8,7 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include "runtime/decode.h"
+#include "runtime/runtime.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -67,12 +67,12 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
 
 void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
-  nb::class_<DecodeRuntime>(m, "DecodeRuntime",
-                            "Batch-1 decode of the whole model on a device (see csrc/runtime/decode.h).")
+  nb::class_<Runtime>(m, "Runtime",
+                            "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",
-           [](DecodeRuntime* self, std::shared_ptr<gpu::Device> device, nb::dict dims,
+           [](Runtime* self, std::shared_ptr<gpu::Device> device, nb::dict dims,
               const std::vector<Tensor>& tensors, uint32_t max_context, uint32_t split_threshold,
-              uint32_t split_block, bool virtual_weights) {
+              uint32_t split_block, bool virtual_weights, uint32_t prefill_chunk, const std::string& gemm_path) {
              std::vector<TensorDesc> descs;
              descs.reserve(tensors.size());
              for (const auto& [name, file, offset, nbytes] : tensors) descs.push_back({name, file, offset, nbytes});
@@ -81,35 +81,52 @@ void bind_runtime(nb::module_& m) {
              o.split_threshold = split_threshold;
              o.split_block = split_block;
              o.virtual_weights = virtual_weights;
-             new (self) DecodeRuntime(std::move(device), dims_from(dims), descs, o);
+             o.prefill_chunk = prefill_chunk;
+             if (gemm_path == "auto") o.gemm_path = GemmPath::automatic;
+             else if (gemm_path == "simdgroup") o.gemm_path = GemmPath::simdgroup;
+             else if (gemm_path == "tensor") o.gemm_path = GemmPath::tensor;
+             else throw std::invalid_argument("gemm_path must be 'auto', 'simdgroup' or 'tensor', got '" +
+                                              gemm_path + "'");
+             if (prefill_chunk == 0) throw std::invalid_argument("prefill_chunk must be positive");
+             new (self) Runtime(std::move(device), dims_from(dims), descs, o);
            },
            "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 32768,
-           "split_block"_a = 1024, "virtual_weights"_a = false,
+           "split_block"_a = 1024, "virtual_weights"_a = false, "prefill_chunk"_a = 512,
+           "gemm_path"_a = "auto",
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
-      .def("reset", &DecodeRuntime::reset)
-      .def_prop_ro("position", &DecodeRuntime::position)
-      .def_prop_ro("weight_bytes", &DecodeRuntime::weight_bytes)
-      .def_prop_ro("repacked_bytes", &DecodeRuntime::repacked_bytes)
+      .def("reset", &Runtime::reset)
+      .def_prop_ro("position", &Runtime::position)
+      .def_prop_ro("weight_bytes", &Runtime::weight_bytes)
+      .def_prop_ro("repacked_bytes", &Runtime::repacked_bytes)
+      .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
+      .def_prop_ro("prefill_scratch_bytes", &Runtime::prefill_scratch_bytes)
+      .def_prop_ro("uses_tensor_ops", &Runtime::uses_tensor_ops)
+      .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
+           "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",
-           [](DecodeRuntime& rt, const std::vector<uint32_t>& tokens, bool all_logits) {
+           [](Runtime& rt, const std::vector<uint32_t>& tokens, const std::string& logits, bool decode_steps) {
+             Logits which = logits == "all" ? Logits::all : logits == "last" ? Logits::last : Logits::none;
+             if (logits != "all" && logits != "last" && logits != "none")
+               throw std::invalid_argument("logits must be 'all', 'last' or 'none'");
              std::vector<float> out;
              {
                nb::gil_scoped_release g;
-               out = rt.forward(tokens, all_logits);
+               out = rt.forward(tokens, which, decode_steps);
              }
              return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(float));
            },
-           "tokens"_a, "all_logits"_a = false,
-           "One decode step per token; float32 logits bytes [n or 1, vocab].")
+           "tokens"_a, "logits"_a = "last", "decode_steps"_a = false,
+           "Runs tokens at the current position (prefill chunks; one token or decode_steps=True: "
+           "decode steps). float32 logits bytes [n, vocab] ('all'), [vocab] ('last') or empty ('none').")
       .def("generate_greedy",
-           [](DecodeRuntime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
+           [](Runtime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
              nb::gil_scoped_release g;
              return rt.generate_greedy(first, max_tokens, stop);
            },
            "first"_a, "max_tokens"_a, "stop_ids"_a,
            "Pipelined greedy decode with the GPU token hand-off; returns the generated ids.")
       .def("start",
-           [](DecodeRuntime& rt, uint32_t first, uint32_t max_steps, const std::vector<uint32_t>& prompt,
+           [](Runtime& rt, const std::vector<uint32_t>& feed, uint32_t max_steps, const std::vector<uint32_t>& prompt,
               float temperature, uint32_t top_k, float top_p, float min_p, float presence_penalty,
               float frequency_penalty, float repetition_penalty, uint64_t seed, bool logprobs,
               uint32_t top_logprobs) {
@@ -119,14 +136,15 @@ void bind_runtime(nb::module_& m) {
              c.repetition_penalty = repetition_penalty; c.seed = seed; c.logprobs = logprobs;
              c.top_logprobs = top_logprobs;
              nb::gil_scoped_release g;
-             rt.start(first, c, max_steps, prompt);
+             rt.start(feed, c, max_steps, prompt);
            },
-           "first"_a, "max_steps"_a, "prompt"_a, "temperature"_a = 0.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
+           "feed"_a, "max_steps"_a, "prompt"_a, "temperature"_a = 0.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
            "min_p"_a = 0.0f, "presence_penalty"_a = 0.0f, "frequency_penalty"_a = 0.0f,
            "repetition_penalty"_a = 1.0f, "seed"_a = 0, "logprobs"_a = false, "top_logprobs"_a = 0,
-           "Starts pipelined generation: `first` is fed at the current position.")
+           "Starts pipelined generation: `feed` (>= 1 tokens) is fed at the current position; several "
+           "tokens run as prefill chunks whose last one samples the first output on the device.")
       .def("next",
-           [](DecodeRuntime& rt) -> nb::object {
+           [](Runtime& rt) -> nb::object {
              StepOutput o;
              bool more;
              {
@@ -138,18 +156,25 @@ void bind_runtime(nb::module_& m) {
            },
            "The next generated (token, logprob, [(id, logprob)]), or None when the steps are used up.")
       .def("finish",
-           [](DecodeRuntime& rt) {
+           [](Runtime& rt) {
              nb::gil_scoped_release g;
              rt.finish();
            },
            "Waits for the step in flight and commits the session position.")
       .def("count_step",
-           [](DecodeRuntime& rt, uint32_t position) {
+           [](Runtime& rt, uint32_t position) {
              Traffic t;
              gpu::Counters c = rt.count_step(position, &t);
              return counters_dict(c, t);
            },
-           "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.");
+           "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.")
+      .def("count_chunk",
+           [](Runtime& rt, uint32_t position, uint32_t rows) {
+             Traffic t;
+             gpu::Counters c = rt.count_chunk(position, rows, &t);
+             return counters_dict(c, t);
+           },
+           "position"_a, "rows"_a, "Encodes (and on a real device runs) one prefill chunk; counters and traffic.");
 }
 
 }  // namespace lily::runtime

@@ -1,4 +1,4 @@
-// Registers lily._core.DecodeRuntime (bindings only; logic in runtime/decode.*).
+// Registers lily._core.Runtime (bindings only; logic in runtime/runtime.h).
 #pragma once
 #include <nanobind/nanobind.h>
 

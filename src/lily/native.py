@@ -45,7 +45,7 @@ def make_device(name: str, **options):
 
 
 class NativeBackend:
-    """The engine backend over ``lily._core.DecodeRuntime``."""
+    """The engine backend over ``lily._core.Runtime``."""
 
     pipelined = True  # generation runs on the device (lily.engine.Engine._generate_pipelined)
 
@@ -83,7 +83,7 @@ class NativeBackend:
         return out if all_logits else out[0]
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
-        """Pipelined greedy decode on the device (GPU token hand-off); see DecodeRuntime."""
+        """Pipelined greedy decode on the device (GPU token hand-off); see Runtime."""
         return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
 
     def start(self, first: int, max_steps: int, history, params) -> None:
@@ -118,7 +118,7 @@ class NativeBackend:
 def _runtime(device, config: ModelConfig, tensors, max_context: int, split_threshold: int,
              split_block: int, virtual_weights: bool = False):
     from lily import _core
-    return _core.DecodeRuntime(device, model_dims(config), tensors, max_context,
+    return _core.Runtime(device, model_dims(config), tensors, max_context,
                                split_threshold, split_block, virtual_weights)
 
 

@@ -1,0 +1,360 @@
+// One prefill chunk as a list of named stages (docs/prefill.md, "One chunk"). Kernel
+// geometry and bindings follow docs/prefill.md; every dispatch declares what it reads and
+// writes, and the compute pass derives the barriers from that.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "runtime/encoder.h"
+#include "runtime/kernel_args.h"
+#include "runtime/runtime.h"
+
+namespace lily::runtime {
+
+namespace args = lily::kernels;
+
+namespace {
+
+// GEMM blocks (metal/gemm.metal): dense 32 x 64 output blocks of 128 threads; grouped
+// expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
+constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
+constexpr uint32_t kMoeBN = 64;
+// Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
+// assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
+uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
+// gdn_conv_chunk: threads per threadgroup (channels) and rows per thread.
+constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
+// attention: 256 threads, 32 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
+// Split attention partials, at most this many bytes (the split count adapts).
+constexpr uint64_t kAttnPartialBudget = 64ull << 20;
+constexpr uint32_t kAttnMinSplitRows = 1024;
+// Rows of lm_head per command buffer when every position's logits are wanted.
+constexpr uint32_t kAllLogitsRows = 64;
+
+uint32_t max_tiles_for(uint32_t assignments, uint32_t experts, uint32_t T) {
+  return ceil_div(assignments, T) + std::min(experts, assignments);
+}
+
+// Query heads per attention threadgroup: the largest of 8, 4, 2 dividing the group.
+uint32_t attn_heads_per_group(uint32_t group) {
+  for (uint32_t g : {8u, 4u, 2u})
+    if (group % g == 0) return g;
+  return 0;
+}
+
+}  // namespace
+
+void Runtime::allocate_chunk_buffers() {
+  const ModelDims& d = dims_;
+  chunk_ = std::max<uint32_t>(1, std::min(opt_.prefill_chunk, opt_.max_context));
+  const size_t C = chunk_, f = sizeof(float), u32 = sizeof(uint32_t);
+  const size_t H = d.hidden_size, k = d.num_experts_per_tok, E = d.num_experts;
+  const uint64_t before = [&] {
+    uint64_t s = 0;
+    for (auto& b : owned_) s += b->size();
+    return s;
+  }();
+  ChunkBuffers& c = cb_;
+  c.tok[0] = scratch(C * u32, "chunk tokens A");
+  c.tok[1] = scratch(C * u32, "chunk tokens B");
+  c.h = scratch(C * H * f, "chunk h (residual)");
+  c.xn = scratch(C * H * f, "chunk xn (normed)");
+  const size_t vdim = size_t(d.linear_num_value_heads) * d.linear_value_head_dim;
+  c.qkv = scratch(C * d.conv_dim() * f, "chunk gdn qkv");
+  c.z = scratch(C * vdim * f, "chunk gdn z");
+  c.b = scratch(C * d.linear_num_value_heads * f, "chunk gdn b");
+  c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
+  c.conv = scratch(C * d.conv_dim() * f, "chunk gdn conv");
+  c.o = scratch(C * vdim * f, "chunk gdn out");
+  const size_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
+  c.qg = scratch(C * Hq * 2 * D * f, "chunk attn q|gate");
+  c.k = scratch(C * Hkv * D * f, "chunk attn k");
+  c.v = scratch(C * Hkv * D * f, "chunk attn v");
+  c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
+  c.attn = scratch(C * Hq * D * f, "chunk attn out");
+  c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
+  c.ids = scratch(C * k * u32, "chunk expert ids");
+  c.w = scratch(C * (k + 1) * f, "chunk routing weights");
+  c.block_counts = scratch(ceil_div(C, route_block_rows(uint32_t(k))) * E * u32, "chunk routing histogram blocks");
+  c.perm = scratch(C * k * u32, "chunk grouped order");
+  c.max_tiles = max_tiles_for(uint32_t(C * k), uint32_t(E), 16);
+  c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile map");
+  c.tile_count = scratch(u32, "chunk tile count");
+  c.hx = scratch(C * k * d.moe_intermediate_size * f, "chunk expert hidden");
+  c.yx = scratch(C * k * H * f, "chunk expert outputs");
+  c.hs = scratch(C * d.shared_expert_intermediate_size * f, "chunk shared hidden");
+  c.ys = scratch(C * H * f, "chunk shared output");
+  for (int p = 0; p < 2; ++p) {
+    c.hist[p].resize(d.num_hidden_layers);
+    for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
+  }
+  if (opt_.max_context > opt_.split_threshold) {
+    const uint64_t per_split = uint64_t(C) * Hq * (D + 2) * f;
+    c.attn_splits = uint32_t(std::max<uint64_t>(2, kAttnPartialBudget / per_split));
+    c.part_ml = scratch(size_t(c.attn_splits) * C * Hq * 2 * f, "chunk attn partial m,l");
+    c.part_o = scratch(size_t(c.attn_splits) * C * Hq * D * f, "chunk attn partial out");
+  }
+  c.logits_rows = uint32_t(std::min<size_t>(C, kAllLogitsRows));
+  c.logits = scratch(size_t(c.logits_rows) * d.vocab_size * f, "chunk logits (all-logits mode)");
+  uint64_t after = 0;
+  for (auto& b : owned_) after += b->size();
+  chunk_bytes_ = after - before;
+}
+
+// Tile height of the grouped expert GEMMs for `rows` tokens of layer `layer` (the one
+// place the choice is made). From the rows per active expert, measured on the last
+// completed chunk of the same layer when there is one, else expected from rows * k / E:
+// 32-row tiles (2 x 2 simdgroups) read each expert's weights half as often as 16-row tiles
+// and win once experts carry >= 24 rows on average (SPEC.md: +13.2% at 2K tokens, 64 rows
+// per expert); below that the padding of half-empty 32-row tiles costs more.
+uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
+  const ModelDims& d = dims_;
+  const uint64_t assignments = uint64_t(rows) * d.num_experts_per_tok;
+  double active = std::min<double>(d.num_experts, double(assignments));
+  if (!record_only_) {
+    // The newest chunk known to be complete: the previous one when nothing is pending, else
+    // the one before (creating this chunk's command buffer waited for it).
+    for (uint64_t back = 1; back <= 2 && back <= chunks_done_; ++back) {
+      if (back == 1 && !pending_.empty()) continue;
+      const auto* h = static_cast<const uint32_t*>(cb_.hist[(chunks_done_ - back) % 2][layer]->contents());
+      uint32_t n = 0;
+      for (uint32_t e = 0; e < d.num_experts; ++e) n += h[e] != 0;
+      if (n) active = std::min<double>(n, double(assignments));
+      break;
+    }
+  }
+  return assignments / std::max(1.0, active) >= 24.0 ? 32 : 16;
+}
+
+std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
+  if (layer >= dims_.num_hidden_layers) throw std::invalid_argument("expert_histogram: no such layer");
+  if (record_only_ || chunks_done_ == 0) return std::vector<uint32_t>(dims_.num_experts, 0);
+  const auto* h = static_cast<const uint32_t*>(cb_.hist[(chunks_done_ - 1) % 2][layer]->contents());
+  return std::vector<uint32_t>(h, h + dims_.num_experts);
+}
+
+void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t M, Logits logits,
+                           bool sample, Traffic* tr) {
+  const ModelDims& d = dims_;
+  gpu::Device& dev = *device_;
+  ChunkBuffers& c = cb_;
+  gpu::ComputePass& pass = cmd.compute_pass();
+  Traffic local;
+  Traffic& t = tr ? *tr : local;
+  const size_t f = sizeof(float), u32 = sizeof(uint32_t);
+  const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
+  const std::string sfx = tensor_ops_ ? "_tensor" : "";
+  auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
+  auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
+  auto qlin = [&](Op& op, uint32_t i, const std::string& m) -> Op& {
+    return op.in(i, W(m + ".weight"), &t.weight_bytes).in(i + 1, W(m + ".scales"), &t.weight_bytes)
+        .in(i + 2, W(m + ".biases"), &t.weight_bytes);
+  };
+  // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (floats).
+  auto gemm = [&](const std::string& module, uint32_t bits, bool add, gpu::Buffer& x, uint32_t cols,
+                  uint32_t lda, gpu::Buffer& y, uint32_t n, uint32_t ldy, uint32_t col0,
+                  const std::string& label) {
+    Op op(dev, "gemm_q" + std::to_string(bits) + (add ? "_add" : "") + sfx, label);
+    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
+    qlin(op, 0, module).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
+    const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
+    if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
+    op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
+  };
+  auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
+    Op op(dev, "rms_norm", label);
+    op.groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
+        .out(2, out, 0, size_t(M) * H * f).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
+  };
+
+  // embed: the chunk's token ids were written to tok[parity] by the host.
+  {
+    Op op(dev, "embed_rows_q4", "embed");
+    op.threads(tg(H / 8, M), tg(64))
+        .in(0, W("model.embed_tokens.weight")).in(1, W("model.embed_tokens.scales"))
+        .in(2, W("model.embed_tokens.biases")).in(3, *c.tok[parity], 0, M * u32)
+        .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
+    t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
+  }
+
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    const std::string L = "L" + std::to_string(l) + " ";
+    rms_rows(W(p + ".input_layernorm.weight"), *c.h, *c.xn, L + "input norm");
+    if (!d.full_attention[l]) {
+      // ---- Gated DeltaNet
+      const std::string g = p + ".linear_attn";
+      const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
+      const uint32_t Dk = d.linear_key_head_dim, Dv = d.linear_value_head_dim, C = d.conv_dim();
+      gemm(g + ".in_proj_qkv", 4, false, *c.xn, H, H, *c.qkv, C, C, 0, L + "in_proj_qkv");
+      gemm(g + ".in_proj_z", 4, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, L + "in_proj_z");
+      gemm(g + ".in_proj_b", 4, false, *c.xn, H, H, *c.b, Hv, Hv, 0, L + "in_proj_b");
+      gemm(g + ".in_proj_a", 4, false, *c.xn, H, H, *c.a, Hv, Hv, 0, L + "in_proj_a");
+      // The chunk reads the conv state of its start parity and leaves the one of its end
+      // parity (decode alternates the two buffers by position); they may be the same buffer.
+      gpu::Buffer& conv_in = *conv_[p0 % 2][l];
+      gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
+      const size_t conv_bytes = conv_in.size();
+      {
+        Op op(dev, "gdn_conv_chunk", L + "conv");
+        op.groups(tg(ceil_div(C, kConvThreads), ceil_div(M, kConvRowsPerThread)), tg(kConvThreads))
+            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, W(g + ".conv1d.weight"), &t.weight_bytes)
+            .in(2, conv_in, 0, conv_bytes);
+        if (&conv_in == &conv_out) op.inout(3, conv_out, 0, conv_bytes); else op.out(3, conv_out, 0, conv_bytes);
+        op.out(4, *c.conv, 0, size_t(M) * C * f)
+            .args(5, args::GdnConvChunkArgs{C, M, kConvRowsPerThread}).run(pass);
+      }
+      const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
+      {
+        Op op(dev, "gdn_scan_k" + std::to_string(Dk) + "_v" + std::to_string(Dv), L + "scan");
+        op.groups(tg(Hv), tg(1024))
+            .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.z, 0, size_t(M) * Hv * Dv * f)
+            .in(2, *c.b, 0, size_t(M) * Hv * f).in(3, *c.a, 0, size_t(M) * Hv * f)
+            .in(4, W(g + ".A_log"), &t.weight_bytes).in(5, W(g + ".dt_bias"), &t.weight_bytes)
+            .in(6, W(g + ".norm.weight"), &t.weight_bytes).inout(7, *state_[l], 0, state_bytes)
+            .out(8, *c.o, 0, size_t(M) * Hv * Dv * f)
+            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      }
+      t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
+      gemm(g + ".out_proj", 4, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, L + "out_proj");
+    } else {
+      // ---- full attention
+      const std::string a = p + ".self_attn";
+      const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
+      gemm(a + ".q_proj", 4, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, L + "q_proj");
+      gemm(a + ".k_proj", 4, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, L + "k_proj");
+      gemm(a + ".v_proj", 4, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, L + "v_proj");
+      const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
+      const std::string Ds = std::to_string(D);
+      {
+        Op op(dev, "attn_prefill_prep_d" + Ds, L + "qk prep + kv append");
+        op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
+            .in(0, *c.qg, 0, size_t(M) * Hq * 2 * D * f).in(1, *c.k, 0, size_t(M) * Hkv * D * f)
+            .in(2, *c.v, 0, size_t(M) * Hkv * D * f)
+            .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
+            .bind(5, *k_cache_[l]).bind(6, *v_cache_[l]);
+        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
+          for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()})
+            op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
+        op.out(7, *c.q, 0, size_t(M) * Hq * D * f)
+            .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M,
+                                               d.rms_norm_eps, float(std::log2(double(d.rope_theta)))})
+            .run(pass);
+      }
+      const uint32_t G = attn_heads_per_group(Hq / Hkv);
+      const uint32_t BQ = kAttnPairs / G;
+      const uint32_t end = p0 + M;  // cache rows [0, end) are read
+      const bool split = c.attn_splits > 0 && end > opt_.split_threshold;
+      const float scale = float(1.0 / std::sqrt(double(D)));
+      const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
+      auto declare_kv = [&](Op& op) {
+        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
+          for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) op.read(*cache, kvh * head_rows, size_t(end) * row);
+      };
+      t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
+      if (!split) {
+        Op op(dev, "attn_prefill" + suffix, L + "attention");
+        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
+            .in(0, *c.q, 0, size_t(M) * Hq * D * f).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
+            .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
+        declare_kv(op);
+        op.out(4, *c.attn, 0, size_t(M) * Hq * D * f)
+            .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
+      } else {
+        // Few query rows after a long prefix: cut the KV range into splits so the grid fills
+        // the GPU, then merge the partials (the split count is bounded by the partials buffer).
+        const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
+                                                                            (uint64_t(M) * Hq * (D + 2) * f)));
+        const uint32_t S = std::max(kAttnMinSplitRows, ceil_div(end, std::max(2u, cap)));
+        const uint32_t splits = ceil_div(end, S);
+        const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
+        const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
+        Op op(dev, "attn_prefill_split" + suffix, L + "attention split");
+        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
+            .in(0, *c.q, 0, size_t(M) * Hq * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
+        declare_kv(op);
+        op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
+        Op comb(dev, "attn_prefill_combine_d" + Ds, L + "attention combine");
+        comb.groups(tg(Hq, M), tg(D))
+            .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
+            .out(3, *c.attn, 0, size_t(M) * Hq * D * f).args(4, aa).run(pass);
+      }
+      gemm(a + ".o_proj", 4, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, L + "o_proj");
+    }
+
+    // ---- MoE
+    const std::string m = p + ".mlp";
+    const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
+    rms_rows(W(p + ".post_attention_layernorm.weight"), *c.h, *c.xn, L + "post-attention norm");
+    gemm(m + ".gate", 8, false, *c.xn, H, H, *c.router, E, E + 1, 0, L + "router");
+    gemm(m + ".shared_expert_gate", 8, false, *c.xn, H, H, *c.router, 1, E + 1, E, L + "shared gate");
+    const uint32_t T = moe_tile_rows(l, M);
+    const uint32_t block_rows = route_block_rows(k);
+    const uint32_t blocks = ceil_div(M, block_rows);
+    const args::MoeRoutePrefillArgs ra{M, E, k, d.norm_topk_prob ? 1u : 0u, block_rows, T};
+    const size_t bc_bytes = size_t(blocks) * E * u32;
+    Op(dev, "moe_route_clear", L + "route clear")
+        .threads(tg(blocks * E), tg(256)).out(0, *c.block_counts, 0, bc_bytes).args(1, ra).run(pass);
+    Op(dev, "moe_route_topk", L + "route top-k + histogram")
+        .groups(tg(M), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
+        .in(0, *c.router, 0, size_t(M) * (E + 1) * f).out(1, *c.ids, 0, size_t(M) * k * u32)
+        .out(2, *c.w, 0, size_t(M) * (k + 1) * f).inout(3, *c.block_counts, 0, bc_bytes).args(4, ra).run(pass);
+    const uint32_t max_tiles = max_tiles_for(M * k, E, T);
+    gpu::Buffer& hist = *c.hist[parity][l];
+    Op(dev, "moe_route_scatter", L + "route scan + scatter + tile map")
+        .groups(tg(blocks), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
+        .in(0, *c.ids, 0, size_t(M) * k * u32).in(1, *c.block_counts, 0, bc_bytes)
+        .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, max_tiles * sizeof(args::MoeTile))
+        .out(4, *c.tile_count, 0, u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
+    // shared expert (dense)
+    {
+      Op op(dev, "gemm_swiglu_q4" + sfx, L + "shared expert gate|up");
+      op.groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
+      qlin(op, 0, m + ".shared_expert.gate_proj");
+      qlin(op, 3, m + ".shared_expert.up_proj");
+      op.in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
+          .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
+    }
+    gemm(m + ".shared_expert.down_proj", 4, false, *c.hs, Is, Is, *c.ys, H, H, 0, L + "shared expert down");
+    // routed experts over the tile map; the stacks are declared whole (the experts are only
+    // known on the GPU), the traffic counts the experts' bytes
+    const std::string tsfx = "_t" + std::to_string(T);
+    const uint32_t moe_threads = T == 32 ? 128 : 64;
+    const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
+    {
+      Op op(dev, "moe_gemm_gate_up_q4" + tsfx + sfx, L + "experts gate|up");
+      op.groups(tg(max_tiles, ceil_div(I, kMoeBN)), tg(moe_threads))
+          .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
+          .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
+      qlin(op, 4, m + ".switch_mlp.gate_proj");
+      qlin(op, 7, m + ".switch_mlp.up_proj");
+      op.out(10, *c.hx, 0, size_t(M) * k * I * f)
+          .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I}).run(pass);
+    }
+    {
+      Op op(dev, "moe_gemm_down_q4" + tsfx + sfx, L + "experts down");
+      op.groups(tg(max_tiles, ceil_div(H, kMoeBN)), tg(moe_threads))
+          .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
+          .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
+      qlin(op, 4, m + ".switch_mlp.down_proj");
+      op.out(7, *c.yx, 0, size_t(M) * k * H * f)
+          .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H}).run(pass);
+    }
+    Op(dev, "moe_combine", L + "combine")
+        .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
+        .in(1, *c.yx, 0, size_t(M) * k * H * f).in(2, *c.ys, 0, size_t(M) * H * f)
+        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
+  }
+
+  if (logits == Logits::all) {
+    rms_rows(W("model.norm.weight"), *c.h, *c.xn, "final norm");  // lm_head runs per block later
+  } else if (logits == Logits::last || sample) {
+    const int slot = int((p0 + M - 1) % 2);
+    encode_head(pass, *c.h, size_t(M - 1) * H * f, slot, sample, t);
+  }
+  pass.end();
+}
+
+}  // namespace lily::runtime

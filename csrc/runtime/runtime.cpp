@@ -1,0 +1,334 @@
+// The session runtime: weights, session state, the decode pipeline (two command buffers
+// and two token slots in flight) and chunked prefill; the step and chunk encodings are in
+// decode.cpp and prefill.cpp.
+#include "runtime/runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "runtime/encoder.h"
+
+namespace lily::runtime {
+
+Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
+                             const std::vector<TensorDesc>& tensors, RuntimeOptions options)
+    : device_(std::move(device)),
+      dims_(std::move(dims)),
+      opt_(options),
+      weights_(*device_, tensors, options.virtual_weights) {
+  dims_.validate();
+  if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
+  if (opt_.split_block == 0) throw std::invalid_argument("split_block must be positive");
+  const auto& d = dims_;
+  const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
+  if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
+  if (d.head_dim != 64 && d.head_dim != 256)
+    throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
+                                std::to_string(d.head_dim));
+  if (d.linear_key_head_dim != d.linear_value_head_dim ||
+      (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
+    throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
+
+  const size_t f = sizeof(float);
+  tokens_ = scratch(2 * sizeof(uint32_t), "token slots");
+  positions_ = scratch(2 * sizeof(uint32_t), "positions");
+  h_ = scratch(d.hidden_size * f, "h (residual)");
+  xn_ = scratch(d.hidden_size * f, "xn (normed)");
+  qkv_ = scratch(d.conv_dim() * f, "gdn qkv");
+  z_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn z");
+  b_ = scratch(d.linear_num_value_heads * f, "gdn b");
+  a_ = scratch(d.linear_num_value_heads * f, "gdn a");
+  o_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
+  qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
+  k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
+  v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
+  attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
+  router_ = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
+  ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
+  route_w_ = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
+  hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
+                  "expert hidden");
+  logits_ = scratch(size_t(d.vocab_size) * f, "logits");
+  const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
+  part_ml_ = scratch(size_t(d.num_attention_heads) * max_blocks * 2 * f, "attn partial m,l");
+  part_acc_ = scratch(size_t(d.num_attention_heads) * max_blocks * d.head_dim * f, "attn partial acc");
+
+  const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
+  k_cache_.resize(d.num_hidden_layers);
+  v_cache_.resize(d.num_hidden_layers);
+  conv_[0].resize(d.num_hidden_layers);
+  conv_[1].resize(d.num_hidden_layers);
+  state_.resize(d.num_hidden_layers);
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    if (d.full_attention[l]) {
+      k_cache_[l] = scratch(kv_bytes, "k cache");
+      v_cache_[l] = scratch(kv_bytes, "v cache");
+    } else {
+      const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
+      conv_[0][l] = scratch(conv, "conv state A");
+      conv_[1][l] = scratch(conv, "conv state B");
+      state_[l] = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim *
+                              d.linear_key_head_dim * f, "recurrent state");
+    }
+  }
+  counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
+  logprob_out_ = scratch(2 * kMaxTopLogprobs * f, "logprobs (per slot)");
+  top_ids_ = scratch(2 * kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
+  record_only_ = tokens_->contents() == nullptr;
+  tensor_ops_ = opt_.gemm_path == GemmPath::tensor;
+  allocate_chunk_buffers();
+  reset();
+}
+
+gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label) {
+  gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+  b->set_label(label);
+  owned_.push_back(b);
+  return b;
+}
+
+void Runtime::reset() {
+  finish();
+  position_ = 0;
+  chunks_done_ = 0;
+  if (record_only_) return;
+  // The recurrent and conv state start at zero; the KV cache needs no clearing (rows past
+  // the position are never read).
+  for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
+    if (dims_.full_attention[l]) continue;
+    for (auto* buf : {conv_[0][l].get(), conv_[1][l].get(), state_[l].get()})
+      std::memset(buf->contents(), 0, buf->size());
+  }
+}
+
+void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
+  static_cast<uint32_t*>(tokens_->contents())[slot] = token;
+  static_cast<uint32_t*>(positions_->contents())[slot] = position;
+}
+
+void Runtime::check_feed(const std::vector<uint32_t>& tokens, const char* what) const {
+  if (record_only_) throw std::invalid_argument(std::string(what) + ": the device is record-only");
+  if (tokens.empty()) throw std::invalid_argument(std::string(what) + ": no tokens");
+  if (uint64_t(position_) + tokens.size() > opt_.max_context)
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(position_) + " tokens in context + " +
+                                std::to_string(tokens.size()) + " new exceed the context window of " +
+                                std::to_string(opt_.max_context));
+  for (uint32_t tok : tokens)
+    if (tok >= dims_.vocab_size)
+      throw std::invalid_argument(std::string(what) + ": token id " + std::to_string(tok) +
+                                  " is outside the vocabulary");
+}
+
+// Commits prefill chunks for tokens[begin, end) at the current position (the session
+// position advances as they are committed); the last chunk gets `last_logits` / `sample`.
+// Returns the last chunk's command buffer, not yet committed, when `keep_last` (the
+// generation pipeline owns it), else nullptr.
+std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32_t>& tokens, size_t begin,
+                                                        size_t end, Logits last_logits, bool sample,
+                                                        bool keep_last) {
+  std::unique_ptr<gpu::CommandBuffer> kept;
+  for (size_t s = begin; s < end; s += chunk_) {
+    const uint32_t M = uint32_t(std::min<size_t>(chunk_, end - s));
+    const bool last = s + M == end;
+    const int parity = int(chunks_done_ % 2);
+    // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
+    auto cmd = device_->new_command_buffer();
+    std::memcpy(cb_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
+    if (last && sample) static_cast<uint32_t*>(positions_->contents())[(position_ + M - 1) % 2] = position_ + M - 1;
+    encode_chunk(*cmd, parity, position_, M, last ? last_logits : Logits::none, last && sample, nullptr);
+    ++chunks_done_;
+    if (last && keep_last) {
+      kept = std::move(cmd);
+      break;
+    }
+    cmd->commit();
+    position_ += M;
+    pending_.push_back(std::move(cmd));
+    if (pending_.size() > 2) {  // completed (creating this one waited for it): surface a fault
+      pending_.front()->wait();
+      pending_.erase(pending_.begin());
+    }
+  }
+  return kept;
+}
+
+void Runtime::wait_pending() {
+  auto pending = std::move(pending_);
+  pending_.clear();
+  for (auto& cmd : pending) cmd->wait();  // in commit order; rethrows a kernel fault
+}
+
+std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits logits, bool decode_steps) {
+  finish();  // a generation left open ends here (its steps are part of the session)
+  check_feed(tokens, "forward");
+  const size_t V = dims_.vocab_size, n = tokens.size();
+  std::vector<float> out(logits == Logits::all ? n * V : logits == Logits::last ? V : 0);
+  if (decode_steps || n == 1) {
+    for (size_t i = 0; i < n; ++i) {
+      const int slot = position_ % 2;
+      write_token(slot, tokens[i], position_);
+      auto cmd = device_->new_command_buffer();
+      encode_step(*cmd, slot, position_, nullptr);
+      cmd->commit();
+      cmd->wait();
+      ++position_;
+      if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
+        std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), logits_->contents(), V * sizeof(float));
+    }
+    return out;
+  }
+  if (logits != Logits::all) {
+    run_chunks(tokens, 0, n, logits, false, false);
+    wait_pending();
+    if (logits == Logits::last) std::memcpy(out.data(), logits_->contents(), V * sizeof(float));
+    return out;
+  }
+  // Every position's logits: after each chunk, lm_head over its normed rows in blocks.
+  const ModelDims& d = dims_;
+  const size_t f = sizeof(float), H = d.hidden_size;
+  for (size_t s = 0; s < n; s += chunk_) {
+    const uint32_t M = uint32_t(std::min<size_t>(chunk_, n - s));
+    run_chunks(tokens, s, s + M, Logits::all, false, false);
+    for (uint32_t r0 = 0; r0 < M; r0 += cb_.logits_rows) {
+      const uint32_t R = std::min(cb_.logits_rows, M - r0);
+      auto cmd = device_->new_command_buffer();
+      gpu::ComputePass& pass = cmd->compute_pass();
+      const uint32_t Vn = d.vocab_size;
+      Op op(*device_, std::string("gemm_q4") + (tensor_ops_ ? "_tensor" : ""), "lm_head (all positions)");
+      op.groups({ceil_div(Vn, 64), ceil_div(R, 32), 1}, {128, 1, 1})
+          .in(0, weights_.at("lm_head.weight")).in(1, weights_.at("lm_head.scales"))
+          .in(2, weights_.at("lm_head.biases")).in(3, *cb_.xn, size_t(r0) * H * f, size_t(R) * H * f)
+          .out(4, *cb_.logits, 0, size_t(R) * V * f)
+          .args(5, kernels::GemmArgs{R, Vn, uint32_t(H), uint32_t(H), Vn}).run(pass);
+      pass.end();
+      cmd->commit();
+      cmd->wait();
+      std::memcpy(out.data() + (s + r0) * V, cb_.logits->contents(), size_t(R) * V * f);
+    }
+    wait_pending();
+  }
+  return out;
+}
+
+void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg, uint32_t max_steps,
+                    const std::vector<uint32_t>& prompt) {
+  if (generating_) throw std::logic_error("generate: a generation is already running");
+  check_feed(feed, "generate");
+  if (cfg.top_logprobs + 1 > kMaxTopLogprobs) throw std::invalid_argument("generate: top_logprobs > 20");
+  sampling_ = cfg;
+  auto* counts = static_cast<uint32_t*>(counts_->contents());
+  std::memset(counts, 0, counts_->size());
+  for (uint32_t t : prompt)
+    if (t < dims_.vocab_size) counts[t] = 0x80000000u;
+  // The feed's last token is the input of "step 0", which samples the first output: a
+  // decode step for a single token, else the last prefill chunk (ending with the sampler).
+  const size_t n = feed.size();
+  std::unique_ptr<gpu::CommandBuffer> step0;
+  if (n > 1 && max_steps > 0) {
+    const size_t tail = (n - 1) % chunk_ + 1;  // tokens of the last chunk
+    run_chunks(feed, 0, n - tail, Logits::none, false, false);
+    step0 = run_chunks(feed, n - tail, n, Logits::none, true, true);
+    position_ += uint32_t(tail) - 1;  // as if the last token were pending as a decode step
+  } else if (n > 1) {
+    run_chunks(feed, 0, n - 1, Logits::none, false, false);
+  }
+  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - position_));
+  gen_encoded_ = gen_done_ = 0;
+  generating_ = true;
+  if (step0) {
+    inflight_[position_ % 2] = std::move(step0);
+    inflight_[position_ % 2]->commit();
+    gen_encoded_ = 1;
+  } else {
+    write_token(position_ % 2, feed.back(), position_);
+    if (gen_steps_) submit_next();
+  }
+}
+
+void Runtime::submit_next() {
+  const uint32_t pos = position_ + gen_encoded_;
+  const int slot = pos % 2;
+  static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
+  inflight_[slot] = device_->new_command_buffer();
+  encode_step(*inflight_[slot], slot, pos, nullptr);
+  inflight_[slot]->commit();
+  ++gen_encoded_;
+}
+
+bool Runtime::next(StepOutput* out) {
+  if (!generating_) throw std::logic_error("generate: next() without start()");
+  if (gen_done_ == gen_encoded_) return false;
+  if (gen_done_ == 0) wait_pending();  // prefill chunks before step 0: surface their faults
+  // Encode step n+1 before waiting on step n, so the device never idles on the host.
+  if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
+  const int slot = (position_ + gen_done_) % 2;
+  inflight_[slot]->wait();
+  inflight_[slot].reset();
+  ++gen_done_;
+  out->token = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
+  out->top.clear();
+  if (sampling_.logprobs) {
+    const float* lp = static_cast<const float*>(logprob_out_->contents()) + slot * kMaxTopLogprobs;
+    const uint32_t* ids = static_cast<const uint32_t*>(top_ids_->contents()) + slot * kMaxTopLogprobs;
+    out->logprob = lp[0];
+    for (uint32_t i = 0; i < sampling_.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
+  }
+  return true;
+}
+
+void Runtime::finish() {
+  wait_pending();
+  if (!generating_) return;
+  for (auto& cb : inflight_) {
+    if (cb) {
+      cb->wait();
+      cb.reset();
+      ++gen_done_;
+    }
+  }
+  position_ += gen_done_;
+  generating_ = false;
+}
+
+std::vector<uint32_t> Runtime::generate_greedy(uint32_t first, uint32_t max_tokens,
+                                                     const std::set<uint32_t>& stop_ids) {
+  std::vector<uint32_t> out;
+  if (max_tokens == 0) return out;
+  start({first}, SamplingConfig{}, max_tokens, {});
+  StepOutput o;
+  while (next(&o)) {
+    out.push_back(o.token);
+    if (stop_ids.count(o.token)) break;
+  }
+  finish();
+  return out;
+}
+
+gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* traffic) {
+  if (rows == 0 || rows > chunk_ || uint64_t(position) + rows > opt_.max_context)
+    throw std::invalid_argument("count_chunk: " + std::to_string(rows) + " rows at position " +
+                                std::to_string(position) + " do not fit the chunk of " + std::to_string(chunk_) +
+                                " rows or the context window of " + std::to_string(opt_.max_context));
+  auto cmd = device_->new_command_buffer();
+  encode_chunk(*cmd, 0, position, rows, Logits::last, false, traffic);
+  gpu::Counters c = cmd->counters();
+  cmd->commit();
+  cmd->wait();
+  return c;
+}
+
+gpu::Counters Runtime::count_step(uint32_t position, Traffic* traffic) {
+  if (position >= opt_.max_context)
+    throw std::invalid_argument("count_step: position " + std::to_string(position) +
+                                " is outside the context window of " + std::to_string(opt_.max_context));
+  auto cb = device_->new_command_buffer();
+  encode_step(*cb, position % 2, position, traffic);
+  gpu::Counters c = cb->counters();
+  cb->commit();
+  cb->wait();
+  return c;
+}
+
+}  // namespace lily::runtime

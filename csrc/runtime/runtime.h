@@ -1,0 +1,199 @@
+// The native runtime of one session: weights mapped as device buffers, session state (KV
+// cache, conv and recurrent state) in device buffers, chunked prefill and batch-1 decode.
+//
+// Decode: the whole step (embedding -> 40 layers -> lm_head -> token selection) is one
+// concurrent compute pass with barriers derived from declared ranges; the step's sampler
+// writes the next token id into the other token slot, which the next step's embedding reads
+// (GPU-resident token hand-off; docs/decode.md).
+// Prefill: a prompt runs as chunks of at most `prefill_chunk` tokens, one command buffer
+// each, with GEMM kernels, GPU-resident expert routing and the chunk scan of the Gated
+// DeltaNet; the last chunk of a generation ends with the sampler writing the first
+// generated token into the decode token slot (docs/prefill.md).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gpu/device.h"
+#include "runtime/model.h"
+
+namespace lily::runtime {
+
+// Which GEMM kernels prefill uses: simdgroup_matrix (Apple7..9 GPUs, M1..M4) or Metal 4
+// tensor operations (Apple10, M5); automatic asks the device.
+enum class GemmPath { automatic, simdgroup, tensor };
+
+// What forward() returns.
+enum class Logits { none, last, all };
+
+struct RuntimeOptions {
+  uint32_t max_context = 4096;         // KV-cache rows per attention layer
+  uint32_t split_threshold = 32768;    // context at which attention switches to the split path
+  uint32_t split_block = 1024;         // KV rows per block on the split path
+  bool virtual_weights = false;        // record-only counting: weights need not exist on disk
+  uint32_t prefill_chunk = 512;        // tokens per prefill chunk (scratch is sized for one chunk)
+  GemmPath gemm_path = GemmPath::automatic;
+};
+
+// Bytes a step actually moves (the routed experts it selects, not the whole stacks that
+// are declared for hazard tracking because the ids are only known on the GPU).
+struct Traffic {
+  uint64_t weight_bytes = 0;  // quantized weights, scales, biases, norms, conv weights
+  uint64_t kv_bytes = 0;      // KV-cache rows read and written
+  uint64_t state_bytes = 0;   // recurrent + conv state read and written
+  uint64_t other_bytes = 0;   // activations between kernels
+};
+
+// Token selection on the device (metal/sample.metal). Greedy without logprobs runs
+// sample_greedy; anything else runs sample_token (penalties from the per-session count
+// buffer, temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the
+// token's position as counter, optional log-probabilities of the raw logits).
+struct SamplingConfig {
+  float temperature = 0.0f;
+  uint32_t top_k = 0;
+  float top_p = 1.0f, min_p = 0.0f;
+  float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
+  uint64_t seed = 0;
+  bool logprobs = false;
+  uint32_t top_logprobs = 0;  // 0..20
+  bool greedy_kernel() const {
+    return temperature == 0.0f && !logprobs && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
+           repetition_penalty == 1.0f;
+  }
+};
+
+// One generated token as the host reads it (one step behind the device).
+struct StepOutput {
+  uint32_t token = 0;
+  float logprob = 0.0f;                                // when SamplingConfig::logprobs
+  std::vector<std::pair<uint32_t, float>> top;         // top_logprobs alternatives
+};
+
+class Runtime {
+ public:
+  static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
+
+  Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
+                const std::vector<TensorDesc>& tensors, RuntimeOptions options);
+
+  // Empties the session: position 0, zero recurrent/conv state.
+  void reset();
+  uint32_t position() const { return position_; }
+  const ModelDims& dims() const { return dims_; }
+
+  // Runs `tokens` through the model at the current position: prefill chunks of at most
+  // prefill_chunk tokens (a single token, or every token with `decode_steps`, runs as
+  // decode steps instead). Returns float32 logits [n, vocab] (Logits::all), [1, vocab]
+  // (last) or nothing. Throws std::invalid_argument (context full, bad token id) before
+  // touching the state.
+  std::vector<float> forward(const std::vector<uint32_t>& tokens, Logits logits,
+                             bool decode_steps = false);
+
+  // Greedy generation with the GPU token hand-off: `first` is fed at the current position,
+  // each step's argmax becomes the next step's input on the device, two command buffers
+  // alternate so step n+1 is encoded while step n runs, and the host reads ids one step
+  // behind. Stops after `max_tokens`, at an id in `stop_ids` (included in the result), or
+  // when the context is full. The one step encoded ahead of a stop has run by then: its
+  // output id is discarded, and the token it consumed (the stop id) is part of the
+  // session, so position() advances by the number of steps executed (len or len + 1).
+  std::vector<uint32_t> generate_greedy(uint32_t first, uint32_t max_tokens,
+                                        const std::set<uint32_t>& stop_ids);
+
+  // The same pipeline, one token at a time, for hosts that decide when to stop (stop
+  // strings): start() feeds `feed` (>= 1 tokens not yet in the session) at the current
+  // position with `prompt` marking the tokens the repetition penalty sees; next() returns
+  // the next generated token (false when max_steps or the context is exhausted) while the
+  // following step already runs; finish() waits for the step in flight and commits the
+  // session position (every executed step consumed a token: the feed, then the outputs; a
+  // speculative step consumes the last returned token and its own output is dropped).
+  // A feed of several tokens runs as prefill chunks whose last one ends with the sampler
+  // writing the first generated token into the decode token slot: the first decode step is
+  // encoded before the host has seen that token (no CPU round trip between the phases).
+  void start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg, uint32_t max_steps,
+             const std::vector<uint32_t>& prompt);
+  bool next(StepOutput* out);
+  void finish();
+
+  // Encodes one step at `position` into a fresh command buffer and commits it; on a
+  // record-only device nothing executes. Returns the device counters and the traffic.
+  gpu::Counters count_step(uint32_t position, Traffic* traffic);
+  // The same for one prefill chunk of `rows` tokens starting at `position` (last-row logits).
+  gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
+
+  uint32_t prefill_chunk() const { return chunk_; }
+  bool uses_tensor_ops() const { return tensor_ops_; }
+  // Bytes of the prefill scratch buffers (sized for one chunk; independent of prompt length).
+  uint64_t prefill_scratch_bytes() const { return chunk_bytes_; }
+  // Assignments per expert of layer `layer` in the last completed prefill chunk [E].
+  std::vector<uint32_t> expert_histogram(uint32_t layer) const;
+
+  uint64_t weight_bytes() const { return weights_.total_bytes(); }
+  uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
+  bool uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
+
+ private:
+  struct Layer;
+  void encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* traffic);
+  // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
+  // `sample`) the sampler writing the next token into token slot slot ^ 1.
+  void encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
+                   Traffic& t);
+  void encode_sample(gpu::ComputePass& pass, int slot);
+  // One prefill chunk: rows tok[0, rows) of chunk buffer `parity` at position p0.
+  void encode_chunk(gpu::CommandBuffer& cb, int parity, uint32_t p0, uint32_t rows, Logits logits,
+                    bool sample, Traffic* traffic);
+  void allocate_chunk_buffers();
+  void check_feed(const std::vector<uint32_t>& tokens, const char* what) const;
+  std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
+                                                 Logits last_logits, bool sample, bool keep_last);
+  void wait_pending();
+  uint32_t moe_tile_rows(uint32_t layer, uint32_t rows) const;
+  void submit_next();
+  void write_token(int slot, uint32_t token, uint32_t position);
+  gpu::BufferPtr scratch(size_t bytes, const char* label);
+
+  std::shared_ptr<gpu::Device> device_;
+  ModelDims dims_;
+  RuntimeOptions opt_;
+  WeightTable weights_;
+  uint32_t position_ = 0;
+  bool record_only_ = false;
+
+  // token slots [2] and positions [2] (one per command buffer in flight)
+  gpu::BufferPtr tokens_, positions_;
+  // activations (fp32)
+  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, qg_, k_, v_, attn_, router_, ids_,
+      route_w_, hbuf_, logits_, part_ml_, part_acc_;
+  // session state per layer
+  std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
+  std::vector<gpu::BufferPtr> owned_;
+
+  // sampling: per-session token counts [V] (bit 31: seen in the prompt) and per-slot
+  // log-probability outputs
+  gpu::BufferPtr counts_, logprob_out_, top_ids_;
+  SamplingConfig sampling_;
+  // prefill chunk buffers (sized for chunk_ rows): token ids [2] (one per chunk in flight),
+  // activations, routing, and per layer the expert histograms [2][E] of the last chunks
+  uint32_t chunk_ = 0;
+  uint64_t chunk_bytes_ = 0;
+  bool tensor_ops_ = false;
+  struct ChunkBuffers {
+    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, conv, o, qg, k, v, q, attn, router, ids, w,
+        block_counts, perm, tiles, tile_count, hx, yx, hs, ys, part_ml, part_o, logits;
+    std::vector<gpu::BufferPtr> hist[2];
+    uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)
+    uint32_t max_tiles = 0;     // capacity of `tiles` (16-row tiles, the most)
+    uint32_t attn_splits = 0;   // capacity of the split-attention partials
+  } cb_;
+  uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)
+  std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
+  // the generation in progress (start/next/finish)
+  std::unique_ptr<gpu::CommandBuffer> inflight_[2];
+  uint32_t gen_steps_ = 0, gen_encoded_ = 0, gen_done_ = 0;
+  bool generating_ = false;
+};
+
+}  // namespace lily::runtime
