@@ -157,14 +157,14 @@ kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           //
         before += bb < b ? c : 0u;
       }
     }
-    const uint ntiles = (total + T - 1) / T;
+    const uint tiles_e = (total + T - 1) / T;
     uint round_n = 0;
     uint round_t = 0;
     const uint s = base + threadgroup_exclusive_sum(total, sums, sg, lane, nsg, round_n);
-    const uint t = tbase + threadgroup_exclusive_sum(ntiles, sums, sg, lane, nsg, round_t);
+    const uint t = tbase + threadgroup_exclusive_sum(tiles_e, sums, sg, lane, nsg, round_t);
     if (e < E) {
       start[e] = s;
-      tile_end[e] = t + ntiles;
+      tile_end[e] = t + tiles_e;
       cursor[e] = s + before;
       if (b == 0) {
         counts[e] = total;
@@ -173,21 +173,25 @@ kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           //
     base += round_n;
     tbase += round_t;
   }
+  // Bounds of perm and tiles: never exceeded by a histogram of these ids; they only keep
+  // the stores inside the buffers if the histogram was not cleared (a host error).
+  const uint n = args.rows * k;
+  const uint ntiles = min(tbase, (n + T - 1) / T + min(E, n));
   if (tid == 0) {
     start[E] = base;
     if (b == 0) {
-      tile_count[0] = tbase;
+      tile_count[0] = ntiles;
     }
   }
   const uint a0 = b * args.block_rows * k;
-  const uint na = min(args.block_rows * k, args.rows * k - a0);
+  const uint na = min(args.block_rows * k, n - a0);
   for (uint a = tid; a < na; a += tcount) {
     blk[a] = min(ids[a0 + a], E - 1u);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
   // tile map: tile i by threadgroup (i / tcount) % blocks, coalesced 16-byte stores
-  for (uint i = b * tcount + tid; i < tbase; i += nblocks * tcount) {
+  for (uint i = b * tcount + tid; i < ntiles; i += nblocks * tcount) {
     uint lo = 0;
     uint hi = E - 1;
     while (lo < hi) {  // the first expert with tile_end > i (never an empty one)
@@ -215,7 +219,10 @@ kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           //
     for (uint i = 0; i < a; ++i) {
       r += blk[i] == e ? 1u : 0u;
     }
-    perm[cursor[e] + r] = a0 + a;
+    const uint slot = cursor[e] + r;
+    if (slot < n) {
+      perm[slot] = a0 + a;
+    }
   }
 }
 
