@@ -24,8 +24,8 @@ using namespace metal;
 // gets v_0 + ... + v_{i-1}); `total` gets the sum over all threads. sums holds >= 32
 // uints; it may be reused by the next call (the first barrier protects it). The
 // threadgroup size must be a multiple of 32.
-inline uint threadgroup_exclusive_sum(uint v, threadgroup uint* sums, uint sg, uint lane, uint nsg,
-                                      thread uint& total) {
+inline uint route_exclusive_sum(uint v, threadgroup uint* sums, uint sg, uint lane, uint nsg,
+                                thread uint& total) {
   const uint before_lane = simd_prefix_exclusive_sum(v);
   const uint simd_total = simd_sum(v);
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -160,8 +160,8 @@ kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           //
     const uint tiles_e = (total + T - 1) / T;
     uint round_n = 0;
     uint round_t = 0;
-    const uint s = base + threadgroup_exclusive_sum(total, sums, sg, lane, nsg, round_n);
-    const uint t = tbase + threadgroup_exclusive_sum(tiles_e, sums, sg, lane, nsg, round_t);
+    const uint s = base + route_exclusive_sum(total, sums, sg, lane, nsg, round_n);
+    const uint t = tbase + route_exclusive_sum(tiles_e, sums, sg, lane, nsg, round_t);
     if (e < E) {
       start[e] = s;
       tile_end[e] = t + tiles_e;

@@ -102,9 +102,8 @@ def max_tiles(M, k, E, T):
 
 
 def out_buffer(dev, n, itemsize=4):
-    """A poisoned buffer of n elements + PAD; returns it and the declared range of n."""
-    b = dev.buffer(itemsize * (n + PAD))
-    return b, (b, 0, itemsize * n)
+    """A poisoned buffer of n elements + PAD (the dispatches declare only the n)."""
+    return dev.buffer(itemsize * (n + PAD))
 
 
 def grid_logits(rng, M, E, scale=2.0, step=1.0 / 16):
@@ -232,8 +231,8 @@ def run1(dev, enc, *a, **kw):
 def run_topk(dev, logits, k, norm=True, R=64, T=32, tg=None):
     M, E = logits.shape[0], logits.shape[1] - 1
     L = upload(dev, logits)
-    ids, ids_r = out_buffer(dev, M * k)
-    w, w_r = out_buffer(dev, M * (k + 1))
+    ids = out_buffer(dev, M * k)
+    w = out_buffer(dev, M * (k + 1))
     bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
     run1(dev, enc_topk, L, ids, w, bc, M, E, k, norm, R, T, tg)
     got_ids, got_w = download(ids, np.uint32), download(w, np.float32)
@@ -363,10 +362,10 @@ def run_scatter(dev, ids, E, R, T, tg=None):
     M, k = ids.shape
     I = upload(dev, ids)
     bc = upload(dev, block_hist(ids, E, R))
-    perm, _ = out_buffer(dev, M * k)
-    tiles, _ = out_buffer(dev, 4 * max_tiles(M, k, E, T))
-    tcount, _ = out_buffer(dev, 1)
-    counts, _ = out_buffer(dev, E)
+    perm = out_buffer(dev, M * k)
+    tiles = out_buffer(dev, 4 * max_tiles(M, k, E, T))
+    tcount = out_buffer(dev, 1)
+    counts = out_buffer(dev, E)
     run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg)
     np.testing.assert_array_equal(download(bc, np.uint32), block_hist(ids, E, R).ravel())  # read only
     return (download(perm, np.uint32), download(tiles, np.uint32), download(tcount, np.uint32),
