@@ -1,0 +1,253 @@
+// Expert routing of a prefill chunk on the GPU, and the MoE combine (docs/prefill.md,
+// "Expert routing on the GPU"). Per MoE layer, after the router GEMM wrote logits_r:
+//   moe_route_clear    zero the block histogram (any stage before moe_route_topk; it only
+//                      conflicts with the previous layer's moe_route_scatter)
+//   moe_route_topk     one row per threadgroup: softmax -> top-k -> weights (decode's
+//                      route_topk, bit-identical picks and weights), shared-expert gate,
+//                      and the row's k assignments counted into its block of the histogram
+//   moe_route_scatter  one block of rows per threadgroup: prefix scans of the histogram
+//                      (expert starts, tile starts), the block's assignments scattered into
+//                      the grouped order (stable: increasing row within an expert), the
+//                      tile map and its count, the per-expert counts for the host
+// and after the expert GEMMs:
+//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]
+// Nothing is left on the device between chunks but outputs: the only counters (the block
+// histogram) are zeroed by moe_route_clear inside the same command buffer.
+#include <metal_stdlib>
+using namespace metal;
+
+#include "common.h"
+#include "prefill_args.h"
+#include "route.h"  // route_topk: router softmax + top-k (shared with decode)
+
+// Exclusive prefix sum of v over the threads of a threadgroup in thread order (thread i
+// gets v_0 + ... + v_{i-1}); `total` gets the sum over all threads. sums holds >= 32
+// uints; it may be reused by the next call (the first barrier protects it). The
+// threadgroup size must be a multiple of 32.
+inline uint route_exclusive_sum(uint v, threadgroup uint* sums, uint sg, uint lane, uint nsg,
+                                thread uint& total) {
+  const uint before_lane = simd_prefix_exclusive_sum(v);
+  const uint simd_total = simd_sum(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (lane == 0) {
+    sums[sg] = simd_total;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  uint before = 0;
+  uint all = 0;
+  for (uint g = 0; g < nsg; ++g) {
+    const uint s = sums[g];
+    before += g < sg ? s : 0u;
+    all += s;
+  }
+  total = all;
+  return before + before_lane;
+}
+
+inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
+  return (args.rows + args.block_rows - 1) / args.block_rows;
+}
+
+// ---- moe_route_clear -------------------------------------------------------------------
+// block_counts[0 .. blocks * experts) = 0. dispatchThreads, one thread per counter.
+kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks, experts]
+                            constant MoeRoutePrefillArgs& args [[buffer(1)]],
+                            uint gid [[thread_position_in_grid]]) {
+  if (gid < route_blocks(args) * args.experts) {
+    block_counts[gid] = 0u;
+  }
+}
+
+// ---- moe_route_topk --------------------------------------------------------------------
+// Threadgroup `row` (32..1024 threads, >= top_k; round_up(experts, 32) recommended):
+//   p = softmax(logits_r[row, 0..E)) in fp32; the k largest p in descending order, ties to
+//   the lower index; w[row, j] = p_j / sum(p_top) (p_j without norm_topk);
+//   w[row, k] = sigmoid(logits_r[row, E]); block_counts[row / block_rows, ids[row, j]] += 1.
+// The same route_topk as decode's moe_route / moe_route_gate_up_swiglu_q4, so the picks and
+// weights are bit-identical to decode on the same logits row.
+kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // [rows, experts + 1] router logits, shared gate logit last
+                           device uint* ids [[buffer(1)]],                   // [rows, top_k] picked experts
+                           device float* w [[buffer(2)]],                    // [rows, top_k + 1] routing weights, shared gate
+                           device atomic_uint* block_counts [[buffer(3)]],   // [blocks, experts], zeroed by moe_route_clear
+                           constant MoeRoutePrefillArgs& args [[buffer(4)]],
+                           uint row [[threadgroup_position_in_grid]],
+                           uint tid [[thread_index_in_threadgroup]],
+                           uint tcount [[threads_per_threadgroup]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float probs[kRouteMaxExperts];
+  threadgroup float rowsum[32];
+  threadgroup float scratch[32];
+  threadgroup float best_p[32];
+  threadgroup uint best_i[32];
+  if (row >= args.rows) {  // uniform over the threadgroup
+    return;
+  }
+  const uint n = min(args.experts, kRouteMaxExperts);
+  const uint k = args.top_k;
+  device const float* lr = logits + row * (args.experts + 1);
+
+  const RoutePicks pk = route_topk(lr, n, k, 0u, probs, rowsum, scratch, best_p, best_i, tid,
+                                   tcount, sg, lane, nsg);
+  if (tid < k) {
+    // always a valid expert (only NaN logits leave a round without a pick)
+    const uint e = min(pk.my_id, n - 1u);
+    ids[row * k + tid] = e;
+    w[row * (k + 1) + tid] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
+    atomic_fetch_add_explicit(&block_counts[(row / args.block_rows) * args.experts + e], 1u,
+                              memory_order_relaxed);
+  }
+  if (tid == 0) {
+    w[row * (k + 1) + k] = sigmoid(lr[args.experts]);
+  }
+}
+
+// ---- moe_route_scatter -----------------------------------------------------------------
+// Threadgroup b (a multiple of 32 threads, <= 1024; round_up(experts, 32) recommended) of
+// blocks = ceil(rows / block_rows): the assignments a = row*k + j of rows
+// [b*block_rows, (b+1)*block_rows).
+//   * Every threadgroup sums the histogram columns itself (count[e] over all blocks, pre[e]
+//     over the blocks before b) and scans them: start[e] = sum_{e'<e} count[e'],
+//     tile_end[e] = sum_{e'<=e} ceil(count[e'] / T). No grid-wide step, so the scan costs no
+//     dispatch and no barrier stage (blocks * experts reads per threadgroup).
+//   * perm[start[e] + pre[e] + r] = a, r = the assignments of expert e before a in the block:
+//     slots of an expert hold increasing assignment indices (deterministic; perm equals
+//     numpy argsort(ids.ravel(), kind="stable")).
+//   * tiles[i] for i < tile_count, spread over the threadgroups: tile i belongs to the first
+//     expert with tile_end[e] > i, {e, start[e] + t*T, min(T, count[e] - t*T), 0} for its
+//     t-th tile; tile_count[0] = tile_end[E-1] and counts[e] = count[e] (threadgroup 0).
+kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
+                              device const uint* block_counts [[buffer(1)]],  // [blocks, experts] from moe_route_topk
+                              device uint* perm [[buffer(2)]],                // [rows * top_k] grouped order: slot -> assignment
+                              device MoeTile* tiles [[buffer(3)]],            // [max_tiles] tile map
+                              device uint* tile_count [[buffer(4)]],          // [1] tiles in the map
+                              device uint* counts [[buffer(5)]],              // [experts] assignments per expert
+                              constant MoeRoutePrefillArgs& args [[buffer(6)]],
+                              uint b [[threadgroup_position_in_grid]],
+                              uint tid [[thread_index_in_threadgroup]],
+                              uint tcount [[threads_per_threadgroup]],
+                              uint sg [[simdgroup_index_in_threadgroup]],
+                              uint lane [[thread_index_in_simdgroup]],
+                              uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup uint start[kRouteMaxExperts + 1];  // first slot of expert e; start[E] = rows * k
+  threadgroup uint tile_end[kRouteMaxExperts];   // tiles of experts 0..e
+  threadgroup uint cursor[kRouteMaxExperts];     // first slot of expert e in this block
+  threadgroup uint blk[kMoeRouteMaxBlockSlots];  // the block's expert ids
+  threadgroup uint sums[32];
+  const uint nblocks = route_blocks(args);
+  if (b >= nblocks) {  // uniform over the threadgroup
+    return;
+  }
+  const uint E = min(args.experts, kRouteMaxExperts);
+  const uint k = args.top_k;
+  const uint T = args.tile_rows;
+
+  // histogram columns and the two scans, tcount experts per round
+  uint base = 0;   // assignments of the experts before this round
+  uint tbase = 0;  // tiles of the experts before this round
+  for (uint e0 = 0; e0 < E; e0 += tcount) {  // uniform: barriers inside
+    const uint e = e0 + tid;
+    uint total = 0;
+    uint before = 0;
+    if (e < E) {
+      for (uint bb = 0; bb < nblocks; ++bb) {
+        const uint c = block_counts[bb * args.experts + e];
+        total += c;
+        before += bb < b ? c : 0u;
+      }
+    }
+    const uint tiles_e = (total + T - 1) / T;
+    uint round_n = 0;
+    uint round_t = 0;
+    const uint s = base + route_exclusive_sum(total, sums, sg, lane, nsg, round_n);
+    const uint t = tbase + route_exclusive_sum(tiles_e, sums, sg, lane, nsg, round_t);
+    if (e < E) {
+      start[e] = s;
+      tile_end[e] = t + tiles_e;
+      cursor[e] = s + before;
+      if (b == 0) {
+        counts[e] = total;
+      }
+    }
+    base += round_n;
+    tbase += round_t;
+  }
+  // Bounds of perm and tiles: never exceeded by a histogram of these ids; they only keep
+  // the stores inside the buffers if the histogram was not cleared (a host error).
+  const uint n = args.rows * k;
+  const uint ntiles = min(tbase, (n + T - 1) / T + min(E, n));
+  if (tid == 0) {
+    start[E] = base;
+    if (b == 0) {
+      tile_count[0] = ntiles;
+    }
+  }
+  const uint a0 = b * args.block_rows * k;
+  const uint na = min(args.block_rows * k, n - a0);
+  for (uint a = tid; a < na; a += tcount) {
+    blk[a] = min(ids[a0 + a], E - 1u);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // tile map: tile i by threadgroup (i / tcount) % blocks, coalesced 16-byte stores
+  for (uint i = b * tcount + tid; i < ntiles; i += nblocks * tcount) {
+    uint lo = 0;
+    uint hi = E - 1;
+    while (lo < hi) {  // the first expert with tile_end > i (never an empty one)
+      const uint mid = (lo + hi) / 2;
+      if (tile_end[mid] > i) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const uint first_tile = lo > 0 ? tile_end[lo - 1] : 0u;
+    const uint begin = start[lo] + (i - first_tile) * T;
+    MoeTile tile;
+    tile.expert = lo;
+    tile.begin = begin;
+    tile.rows = min(T, start[lo + 1] - begin);
+    tile.pad = 0u;
+    tiles[i] = tile;
+  }
+
+  // stable scatter: rank among the block's earlier assignments of the same expert
+  for (uint a = tid; a < na; a += tcount) {
+    const uint e = blk[a];
+    uint r = 0;
+    for (uint i = 0; i < a; ++i) {
+      r += blk[i] == e ? 1u : 0u;
+    }
+    const uint slot = cursor[e] + r;
+    if (slot < n) {
+      perm[slot] = a0 + a;
+    }
+  }
+}
+
+// ---- moe_combine -----------------------------------------------------------------------
+// dispatchThreads grid (hidden / 4, rows): thread (c, row) owns float4 c of the row.
+//   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
+// with w_j = w[row, j], summed in that order (j increasing, the shared expert last).
+kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
+                        device const float4* yx [[buffer(1)]],   // [rows * top_k, hidden] expert outputs, row*k + j
+                        device const float4* ys [[buffer(2)]],   // [rows, hidden] shared expert output
+                        device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
+                        constant MoeCombineArgs& args [[buffer(4)]],
+                        uint2 gid [[thread_position_in_grid]]) {
+  const uint c4 = args.hidden / 4;
+  if (gid.x >= c4 || gid.y >= args.rows) {
+    return;
+  }
+  const uint row = gid.y;
+  const uint k = args.top_k;
+  device const float* wr = w + row * (k + 1);
+  device const float4* y = yx + row * k * c4 + gid.x;
+  float4 acc = wr[0] * y[0];
+  for (uint j = 1; j < k; ++j) {
+    acc += wr[j] * y[j * c4];
+  }
+  acc += wr[k] * ys[row * c4 + gid.x];
+  h[row * c4 + gid.x] += acc;
+}

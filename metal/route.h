@@ -1,0 +1,105 @@
+// Router softmax + top-k of one row, shared by the decode MoE kernels (metal/moe.metal) and
+// the prefill routing kernels (metal/moe_prefill.metal), so decode and prefill pick the same
+// experts with bit-identical weights from the same logits.
+#pragma once
+
+#include <metal_stdlib>
+using namespace metal;
+
+#include "common.h"
+
+// ---- router softmax + top-k -----------------------------------------------------------
+// p = softmax(logits[0..n)) in fp32 into probs, then `rounds` rounds of a threadgroup
+// argmax (the largest p, ties to the lower index; a chosen expert's p becomes -1). The
+// softmax sum is taken in an order that does not depend on the threadgroup size (rows of
+// 32 consecutive experts summed by simd_sum, then the row sums in row order), so every
+// kernel and threadgroup size gets bit-identical probabilities, picks and weights.
+// Threadgroup arrays: probs [kRouteMaxExperts], rowsum, scratch, best_p, best_i [32].
+// `want` < rounds: the round whose pick every thread gets back in want_id.
+struct RoutePicks {
+  uint my_id;     // thread j < rounds: the expert of round j
+  float my_p;     // thread j < rounds: its probability
+  float top_sum;  // every thread: the sum of the picked probabilities
+  uint want_id;   // every thread: the expert of round `want` (0xFFFFFFFF if not run)
+};
+
+inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, uint want,
+                             threadgroup float* probs, threadgroup float* rowsum,
+                             threadgroup float* scratch, threadgroup float* best_p,
+                             threadgroup uint* best_i, uint tid, uint tcount, uint sg,
+                             uint lane, uint nsg) {
+  // softmax (fp32)
+  float m = -INFINITY;
+  for (uint i = tid; i < n; i += tcount) {
+    m = max(m, logits[i]);
+  }
+  m = threadgroup_max(m, scratch, sg, lane, nsg);
+  const uint nrow = (n + 31) / 32;
+  for (uint r = sg; r < nrow; r += nsg) {  // uniform over the simdgroup
+    const uint i = r * 32 + lane;
+    const float e = i < n ? exp(logits[i] - m) : 0.0f;
+    if (i < n) {
+      probs[i] = e;
+    }
+    const float rs = simd_sum(e);
+    if (lane == 0) {
+      rowsum[r] = rs;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float s = 0.0f;
+  for (uint r = 0; r < nrow; ++r) {
+    s += rowsum[r];
+  }
+  // each thread rescales the experts of its own rows (written by itself above)
+  for (uint r = sg; r < nrow; r += nsg) {
+    const uint i = r * 32 + lane;
+    if (i < n) {
+      probs[i] = probs[i] / s;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  RoutePicks out;
+  out.my_id = 0;
+  out.my_p = 0.0f;
+  out.top_sum = 0.0f;
+  out.want_id = 0xFFFFFFFFu;
+  for (uint j = 0; j < rounds; ++j) {
+    float bp = -1.0f;
+    uint bi = 0xFFFFFFFFu;
+    for (uint i = tid; i < n; i += tcount) {  // increasing i: keeps the lowest index on ties
+      const float p = probs[i];
+      if (p > bp) {
+        bp = p;
+        bi = i;
+      }
+    }
+    const float sp = simd_max(bp);
+    const uint si = simd_min(bp == sp ? bi : 0xFFFFFFFFu);
+    if (lane == 0) {
+      best_p[sg] = sp;
+      best_i[sg] = si;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float wp = best_p[0];
+    uint wi = best_i[0];
+    for (uint g = 1; g < nsg; ++g) {
+      if (best_p[g] > wp || (best_p[g] == wp && best_i[g] < wi)) {
+        wp = best_p[g];
+        wi = best_i[g];
+      }
+    }
+    if (tid == j) {
+      out.my_id = wi;
+      out.my_p = wp;
+    }
+    out.top_sum += wp;
+    out.want_id = j == want ? wi : out.want_id;
+    if (tid == 0 && wi < n) {
+      probs[wi] = -1.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return out;
+}

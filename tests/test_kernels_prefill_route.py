@@ -1,0 +1,546 @@
+"""Expert routing of a prefill chunk (metal/moe_prefill.metal) on the Metal simulator.
+
+``moe_route_clear``, ``moe_route_topk`` (softmax, top-k, weights, shared gate, block
+histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, tile map,
+per-expert counts) and ``moe_combine``, each against numpy on fresh random inputs, then the
+whole chain in one command buffer (one concurrent pass, barriers derived from the declared
+ranges), run as two chunks encoded ahead on the same buffers. Every output buffer starts
+poisoned (NaN / 0xFFFFFFFF), and has a poisoned tail that must stay untouched.
+
+Tolerances and exactness:
+* expert ids, the histogram, ``perm``, the tile map and ``tile_count`` are integers and are
+  compared exactly (``perm`` is deterministic: within an expert, increasing assignment
+  index, i.e. numpy ``argsort(ids.ravel(), kind="stable")``).
+* Top-k picks are compared exactly with ``lily.reference``'s routing (float32 softmax,
+  ``argsort(-p, kind="stable")``). To make that comparison well posed, the random logits lie
+  on a grid of 1/16: two distinct logits then differ by a factor >= e^(1/16) in p, far beyond
+  any float32 rounding, and equal logits give exactly equal p on both sides, so both sides
+  break the tie to the lower index (ties are frequent on the grid; dedicated tests add more).
+  Off-grid logits would give a ~1% chance per 16K picks that a near-tie within rounding
+  flips an order (not a bug).
+* Routing weights: the kernel's softmax sums E exps in another order than numpy; each exp
+  and the division add a few u (u = 2^-24) of relative error and the sum ~log2(E) u, so
+  rtol 16 u log2(E) + 8 u (the decode kernel test's bound). Against the decode kernel
+  ``moe_route`` the picks and weights are compared bit for bit (same route_topk code).
+* Shared gate ``w[:, k] = sigmoid(logit)``: float32 exp and division, |error| <= 8 u.
+* ``moe_combine``: k+1 products and k+2 terms summed in float32 in a fixed order; the
+  first-order bound of recursive summation is (k+2) u sum|terms|; we allow (k+3) u
+  sum|terms| per element against float64.
+
+Kernel tests run in the three simulator modes of the ``dev`` fixture (forward; reverse
+thread/threadgroup order with undeclared-read detection; random order), all with
+out-of-range write detection; the chain test also runs the dispatches of each barrier
+stage in reverse / random order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from seeding import fresh_rng
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.reference import sigmoid, softmax  # noqa: E402
+
+U = 2.0**-24
+POISON = np.uint32(0xFFFFFFFF)
+PAD = 8  # poisoned elements after every output, which must stay untouched
+MAX_BLOCK_SLOTS = 1024  # kMoeRouteMaxBlockSlots (metal/prefill_args.h)
+
+THREAD_ORDERS = {
+    # as tests/test_kernels_mixers.py: verify_writes everywhere; reverse also verify_reads
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    """The simulator in each thread order (kernel correctness tests run in all three)."""
+    return sim_device(**THREAD_ORDERS[request.param])
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def chain_dev(request):
+    """As ``dev``, and the dispatches of a barrier stage run in reverse / random order."""
+    opts = dict(THREAD_ORDERS[request.param])
+    if request.param != "forward":
+        opts["order"] = request.param
+    return sim_device(**opts)
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    """One order only, for the real-size top-k (2048 threadgroups)."""
+    return sim_device(verify_writes=True)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def route_tg(E):
+    """Recommended threadgroup of moe_route_topk / moe_route_scatter: round_up(E, 32)."""
+    return min(1024, -(-E // 32) * 32)
+
+
+def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
+    return constant(M, E, k, int(norm), block_rows, tile_rows)
+
+
+def nblocks(M, R):
+    return -(-M // R)
+
+
+def max_tiles(M, k, E, T):
+    return -(-(M * k) // T) + min(E, M * k)
+
+
+def out_buffer(dev, n, itemsize=4):
+    """A poisoned buffer of n elements + PAD (the dispatches declare only the n)."""
+    return dev.buffer(itemsize * (n + PAD))
+
+
+def grid_logits(rng, M, E, scale=2.0, step=1.0 / 16):
+    """Router logits [M, E+1] on a grid of `step` (see the module docstring)."""
+    return (np.round(rng.standard_normal((M, E + 1)) * scale / step) * step).astype(np.float32)
+
+
+def route_ref(logits, k, norm=True):
+    """lily.reference.ReferenceModel.moe's routing of float32 logits [M, E(+1)]."""
+    E = logits.shape[1] - 1
+    p = softmax(logits[:, :E].astype(np.float32))
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, top, axis=-1)
+    if norm:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top.astype(np.uint32), w
+
+
+def block_hist(ids, E, R):
+    """Histogram [blocks, E] of the assignments of each block of R rows."""
+    M = ids.shape[0]
+    out = np.zeros((nblocks(M, R), E), np.uint32)
+    for b in range(out.shape[0]):
+        out[b] = np.bincount(ids[b * R:(b + 1) * R].ravel(), minlength=E)
+    return out
+
+
+def tiles_ref(counts, T):
+    """The tile map [n, 4] of the grouped order (experts in order, T-row tiles)."""
+    start = np.concatenate([[0], np.cumsum(counts)])
+    rows = [(e, start[e] + t * T, min(T, c - t * T), 0)
+            for e, c in enumerate(counts) for t in range(-(-int(c) // T))]
+    return np.array(rows, np.uint32).reshape(-1, 4)
+
+
+def assert_untouched(arr, n, what):
+    tail = arr.reshape(-1)[n:]
+    assert (tail.view(np.uint32) == POISON).all(), f"{what}: wrote past its {n} elements"
+
+
+def check_grouping(ids, perm, tiles, tile_count, counts, E, T, tails=True):
+    """perm, the tile map and the histogram against numpy and their invariants. tails:
+    the poisoned elements past each output (and tiles past tile_count) are untouched."""
+    M, k = ids.shape
+    n = M * k
+    flat = ids.ravel()
+    if tails:
+        assert_untouched(perm, n, "perm")
+        assert_untouched(counts, E, "counts")
+        assert_untouched(tile_count, 1, "tile_count")
+    perm = perm[:n]
+    np.testing.assert_array_equal(counts[:E], np.bincount(flat, minlength=E), err_msg="counts")
+    # perm: a permutation; experts contiguous and increasing; increasing within an expert
+    assert np.array_equal(np.sort(perm), np.arange(n)), "perm is not a permutation"
+    pe = flat[perm]
+    assert (np.diff(pe.astype(np.int64)) >= 0).all(), "experts not contiguous / increasing"
+    same = pe[1:] == pe[:-1]
+    assert (perm[1:][same] > perm[:-1][same]).all(), "order within an expert not increasing"
+    np.testing.assert_array_equal(perm, np.argsort(flat, kind="stable"), err_msg="perm")
+    # tile map
+    nt = int(tile_count[0])
+    want = tiles_ref(np.bincount(flat, minlength=E), T)
+    assert nt == len(want), f"tile_count {nt}, want {len(want)}"
+    assert nt <= max_tiles(M, k, E, T)
+    got = tiles.reshape(-1, 4)
+    if tails:
+        assert (got[nt:].view(np.uint32) == POISON).all(), "tiles past tile_count written"
+    got = got[:nt]
+    assert ((got[:, 2] >= 1) & (got[:, 2] <= T)).all(), "tile rows outside [1, T]"
+    assert (got[:, 3] == 0).all(), "pad not 0"
+    assert (np.diff(got[:, 0].astype(np.int64)) >= 0).all(), "tiles not in expert order"
+    # every slot in exactly one tile, in order: tile i starts where tile i-1 ends
+    ends = np.cumsum(got[:, 2].astype(np.int64))
+    np.testing.assert_array_equal(got[:, 1], np.concatenate([[0], ends[:-1]]), err_msg="tile begins")
+    assert nt == 0 or ends[-1] == n, "tiles do not cover every slot"
+    slot_expert = np.repeat(got[:, 0], got[:, 2])
+    np.testing.assert_array_equal(slot_expert, pe, err_msg="a slot in another expert's tile")
+    np.testing.assert_array_equal(got, want, err_msg="tile map")
+
+
+# ------------------------------------------------------------------------------ encoders
+
+def enc_clear(p, bc, M, E, k, R, T):
+    n = nblocks(M, R) * E
+    p.dispatch("moe_route_clear", n, 256, buffers=[(0, bc)], constants=[(1, route_args(M, E, k, True, R, T))],
+               writes=[(bc, 0, 4 * n)], label="moe_route_clear")
+
+
+def enc_topk(p, L, ids, w, bc, M, E, k, norm, R, T, tg=None):
+    p.dispatch("moe_route_topk", M, tg or route_tg(E),
+               buffers=[(0, L), (1, ids), (2, w), (3, bc)],
+               constants=[(4, route_args(M, E, k, norm, R, T))],
+               reads=[(L, 0, 4 * M * (E + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(ids, 0, 4 * M * k), (w, 0, 4 * M * (k + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               threadgroups=True, label="moe_route_topk")
+
+
+def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None):
+    p.dispatch("moe_route_scatter", nblocks(M, R), tg or route_tg(E),
+               buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
+               constants=[(6, route_args(M, E, k, True, R, T))],
+               reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4),
+                       (counts, 0, 4 * E)],
+               threadgroups=True, label="moe_route_scatter")
+
+
+def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
+    p.dispatch("moe_combine", (H // 4, M), (tg, 1),
+               buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 4 * M * k * H), (ys, 0, 4 * M * H), (w, 0, 4 * M * (k + 1))],
+               writes=[(h, 0, 4 * M * H)], label="moe_combine")
+
+
+def run1(dev, enc, *a, **kw):
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a, **kw)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+# ------------------------------------------------------------------------------ top-k
+
+def run_topk(dev, logits, k, norm=True, R=64, T=32, tg=None):
+    M, E = logits.shape[0], logits.shape[1] - 1
+    L = upload(dev, logits)
+    ids = out_buffer(dev, M * k)
+    w = out_buffer(dev, M * (k + 1))
+    bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
+    run1(dev, enc_topk, L, ids, w, bc, M, E, k, norm, R, T, tg)
+    got_ids, got_w = download(ids, np.uint32), download(w, np.float32)
+    assert_untouched(got_ids, M * k, "ids")
+    assert_untouched(got_w, M * (k + 1), "w")
+    return (got_ids[:M * k].reshape(M, k), got_w[:M * (k + 1)].reshape(M, k + 1),
+            download(bc, np.uint32).reshape(-1, E))
+
+
+def check_topk(logits, k, norm, ids, w, bc, R):
+    E = logits.shape[1] - 1
+    top, wr = route_ref(logits, k, norm)
+    np.testing.assert_array_equal(ids, top, err_msg="top-k picks")
+    np.testing.assert_allclose(w[:, :k], wr, rtol=16 * U * math.log2(max(E, 2)) + 8 * U, atol=0)
+    sg = sigmoid(logits[:, E].astype(np.float64))
+    assert np.abs(w[:, k] - sg).max() <= 8 * U, "shared gate"
+    np.testing.assert_array_equal(bc, block_hist(ids, E, R), err_msg="block histogram")
+
+
+TOPK_CASES = [
+    # M, E, k, block_rows, tg
+    pytest.param(64, 256, 8, 16, None, id="real-E256-k8"),
+    pytest.param(19, 256, 8, 64, 64, id="real-tg64"),
+    pytest.param(37, 16, 4, 8, None, id="tiny"),
+    pytest.param(33, 32, 8, 5, None, id="demo"),
+    pytest.param(1, 256, 8, 64, None, id="M1"),
+    pytest.param(6, 1000, 32, 4, 1024, id="E1000-k32"),
+    pytest.param(5, 1024, 8, 2, 256, id="E1024"),
+    pytest.param(9, 8, 8, 3, None, id="k=E"),
+    pytest.param(11, 100, 1, 7, 32, id="k1-ragged"),
+]
+
+
+@pytest.mark.parametrize("M,E,k,R,tg", TOPK_CASES)
+def test_topk(dev, M, E, k, R, tg):
+    rng = fresh_rng(M * 1009 + E * 31 + k)
+    logits = grid_logits(rng, M, E)
+    for norm in (True, False):
+        ids, w, bc = run_topk(dev, logits, k, norm, R, tg=tg)
+        check_topk(logits, k, norm, ids, w, bc, R)
+
+
+def test_topk_ties(dev):
+    """Tied probabilities: the lower expert index first, as argsort(-p, kind="stable")."""
+    E, k = 64, 8
+    rng = fresh_rng(3)
+    rows = [np.zeros(E + 1)]                               # every expert tied: 0..7
+    r = np.zeros(E + 1)
+    r[[5, 9, 40, 41, 63]] = 3.0                            # five-way tie at the top
+    r[[2, 3, 50]] = 1.0                                    # then three more
+    r[[60, 7]] = 0.5                                       # tied runners-up, not picked
+    rows.append(r)
+    r = np.full(E + 1, -1.0)
+    r[[63, 62, 61, 60]] = 2.0                              # tie among the last experts
+    rows.append(r)
+    for _ in range(13):                                    # three levels: heavy ties
+        rows.append(rng.integers(0, 3, E + 1).astype(np.float64))
+    logits = np.array(rows, np.float32)
+    for norm in (True, False):
+        ids, w, bc = run_topk(dev, logits, k, norm, R=4)
+        check_topk(logits, k, norm, ids, w, bc, R=4)
+        np.testing.assert_array_equal(ids[0], np.arange(k))
+        np.testing.assert_array_equal(ids[1], [5, 9, 40, 41, 63, 2, 3, 50])
+        np.testing.assert_array_equal(ids[2][:4], [60, 61, 62, 63])
+        np.testing.assert_array_equal(ids[2][4:], [0, 1, 2, 3])
+
+
+def test_topk_matches_decode(dev):
+    """Picks and weights bit-identical to the decode kernel moe_route on each row."""
+    M, E, k, hidden = 7, 256, 8, 64
+    rng = fresh_rng(5)
+    logits = (rng.standard_normal((M, E + 1)) * 2).astype(np.float32)  # off-grid: any logits
+    logits[3, 100:110] = logits[3, 50]                                  # and a tie
+    gate_w = upload(dev, rng.integers(0, 2**32, hidden // 4, dtype=np.uint64).astype(np.uint32))
+    gate_s = upload(dev, np.full(1, 0x3C00, np.uint16))                # bf16 0.0078125
+    gate_b = upload(dev, np.zeros(1, np.uint16))
+    X = upload(dev, rng.standard_normal(hidden).astype(np.float32))
+    for norm in (True, False):
+        ids, w, _ = run_topk(dev, logits, k, norm, R=3, tg=64)
+        for row in range(M):
+            L = upload(dev, logits[row, :E].copy())
+            di, dw = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+            cb = dev.command_buffer()
+            cb.compute_pass().dispatch(
+                "moe_route", 1, route_tg(E),
+                buffers=[(0, L), (1, X), (2, gate_w), (3, gate_s), (4, gate_b), (5, di), (6, dw)],
+                constants=[(7, constant(E, k, hidden, int(norm)))],
+                reads=[L, X, gate_w, gate_s, gate_b], writes=[di, dw], threadgroups=True)
+            cb.commit()
+            cb.wait()
+            np.testing.assert_array_equal(ids[row], download(di, np.uint32))
+            np.testing.assert_array_equal(w[row, :k].view(np.uint32), download(dw, np.float32)[:k].view(np.uint32))
+
+
+def test_topk_real_size(fwd_dev):
+    """A whole 2K-token chunk at the model's routing shape (M = 2048, E = 256, k = 8)."""
+    M, E, k, R = 2048, 256, 8, 64
+    logits = grid_logits(fresh_rng(7), M, E)
+    ids, w, bc = run_topk(fwd_dev, logits, k, True, R)
+    check_topk(logits, k, True, ids, w, bc, R)
+
+
+# ------------------------------------------------------------------------------ scatter
+
+def ids_random(rng, M, E, k):
+    """k distinct experts per row, uniformly."""
+    return np.argsort(rng.random((M, E)), axis=1)[:, :k].astype(np.uint32)
+
+
+def ids_skewed(rng, M, E, k, alpha=1.2):
+    """k distinct experts per row drawn with Zipf-like popularity (Gumbel top-k)."""
+    logp = -alpha * np.log1p(rng.permutation(E))
+    g = logp + rng.gumbel(size=(M, E))
+    return np.argsort(-g, axis=1)[:, :k].astype(np.uint32)
+
+
+def ids_same(rng, M, E, k):
+    """Every row routed to the same k experts (in a random order per row)."""
+    e = rng.choice(E, k, replace=False)
+    return np.array([rng.permutation(e) for _ in range(M)], np.uint32).reshape(M, k)
+
+
+IDS = {"random": ids_random, "skewed": ids_skewed, "same": ids_same}
+
+
+def run_scatter(dev, ids, E, R, T, tg=None):
+    M, k = ids.shape
+    I = upload(dev, ids)
+    bc = upload(dev, block_hist(ids, E, R))
+    perm = out_buffer(dev, M * k)
+    tiles = out_buffer(dev, 4 * max_tiles(M, k, E, T))
+    tcount = out_buffer(dev, 1)
+    counts = out_buffer(dev, E)
+    run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg)
+    np.testing.assert_array_equal(download(bc, np.uint32), block_hist(ids, E, R).ravel())  # read only
+    return (download(perm, np.uint32), download(tiles, np.uint32), download(tcount, np.uint32),
+            download(counts, np.uint32))
+
+
+SCATTER_CASES = [
+    # M, E, k, block_rows, T, tg, ids
+    pytest.param(256, 256, 8, 64, 32, None, "random", id="E256-random"),
+    pytest.param(300, 256, 8, 64, 16, None, "skewed", id="E256-skewed-T16"),
+    pytest.param(100, 256, 8, 16, 32, None, "same", id="E256-same-experts"),
+    pytest.param(100, 256, 8, 16, 32, 64, "skewed", id="tg<E"),
+    pytest.param(1, 256, 8, 64, 32, None, "random", id="M1"),
+    pytest.param(1, 256, 8, 64, 16, 32, "same", id="M1-tg32"),
+    pytest.param(37, 16, 4, 8, 16, None, "skewed", id="tiny"),
+    pytest.param(33, 32, 8, 5, 32, None, "random", id="demo-ragged"),
+    pytest.param(45, 32, 8, 45, 16, 1024, "skewed", id="one-block-tg1024"),
+    pytest.param(50, 8, 8, 1, 32, None, "random", id="k=E-block1"),
+    pytest.param(70, 1024, 32, 32, 32, 256, "skewed", id="E1024-k32-full-block"),
+    pytest.param(29, 100, 3, 7, 16, 32, "skewed", id="ragged"),
+]
+
+
+@pytest.mark.parametrize("M,E,k,R,T,tg,kind", SCATTER_CASES)
+def test_scatter(dev, M, E, k, R, T, tg, kind):
+    assert R * k <= MAX_BLOCK_SLOTS
+    rng = fresh_rng(M * 13 + E * 7 + k + R + T)
+    ids = IDS[kind](rng, M, E, k)
+    perm, tiles, tcount, counts = run_scatter(dev, ids, E, R, T, tg)
+    check_grouping(ids, perm, tiles, tcount, counts, E, T)
+    if kind == "same":  # all but k experts empty
+        assert (counts[:E] > 0).sum() == k
+
+
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("kind", ["skewed", "same"])
+def test_scatter_real_size(dev, T, kind):
+    """A 2K-token chunk: M*k = 16K assignments over 256 experts, 32 blocks of 64 rows."""
+    M, E, k, R = 2048, 256, 8, 64
+    ids = IDS[kind](fresh_rng(T + len(kind)), M, E, k)
+    perm, tiles, tcount, counts = run_scatter(dev, ids, E, R, T)
+    check_grouping(ids, perm, tiles, tcount, counts, E, T)
+
+
+# ------------------------------------------------------------------------------ combine
+
+def combine_ref(h, yx, ys, w):
+    M, k = w.shape[0], w.shape[1] - 1
+    H = h.shape[1]
+    y3 = yx.astype(np.float64).reshape(M, k, H)
+    w64 = w.astype(np.float64)
+    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3)) + np.abs(w64[:, k:]) * np.abs(ys)
+    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3) + w64[:, k:] * ys
+    return want, (k + 3) * U * terms
+
+
+@pytest.mark.parametrize("M,H,k,tg", [(37, 128, 4, 32), (5, 2048, 8, 256), (1, 256, 8, 64),
+                                      (64, 256, 8, 64), (3, 192, 1, 32), (9, 2048, 32, 128)])
+def test_combine(dev, M, H, k, tg):
+    rng = fresh_rng(M * 3 + H + k)
+    h = rng.standard_normal((M, H)).astype(np.float32)
+    yx = rng.standard_normal((M * k, H)).astype(np.float32)
+    ys = rng.standard_normal((M, H)).astype(np.float32)
+    w = rng.random((M, k + 1)).astype(np.float32)
+    Hb = dev.buffer(4 * (M * H + PAD))
+    Hb.write(h.reshape(-1).view(np.uint8))
+    Y, S, Wt = upload(dev, yx), upload(dev, ys), upload(dev, w)
+    run1(dev, enc_combine, Hb, Y, S, Wt, M, H, k, tg)
+    got = download(Hb, np.float32)
+    assert_untouched(got, M * H, "h")
+    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    err = np.abs(got[:M * H].reshape(M, H) - want)
+    assert (err <= tol).all(), f"moe_combine: worst err/tol {(err / tol).max():.3g}"
+
+
+# ------------------------------------------------------------------------------ the chain
+
+class Chunk:
+    """Routing buffers of one chunk size (reused by every chunk) and the chain encoder."""
+
+    def __init__(self, dev, max_rows, E, k, H, R, T):
+        self.dev, self.E, self.k, self.H, self.R, self.T = dev, E, k, H, R, T
+        self.bc = dev.buffer(4 * nblocks(max_rows, R) * E)
+        self.ids = dev.buffer(4 * max_rows * k)
+        self.w = dev.buffer(4 * max_rows * (k + 1))
+        self.perm = dev.buffer(4 * max_rows * k)
+        self.tiles = dev.buffer(16 * max_tiles(max_rows, k, E, T))
+        self.tcount = dev.buffer(4)
+        self.counts = dev.buffer(4 * E)
+
+    def encode(self, cb, M, L, h, yx, ys):
+        """moe_route_clear, moe_route_topk, moe_route_scatter, moe_combine in one
+        concurrent pass; the barriers come from the declared ranges."""
+        E, k, R, T = self.E, self.k, self.R, self.T
+        p = cb.compute_pass()
+        enc_clear(p, self.bc, M, E, k, R, T)
+        enc_topk(p, L, self.ids, self.w, self.bc, M, E, k, True, R, T)
+        enc_scatter(p, self.ids, self.bc, self.perm, self.tiles, self.tcount, self.counts, M, E, k, R, T)
+        enc_combine(p, h, yx, ys, self.w, M, self.H, k)
+
+    def results(self, M):
+        k = self.k
+        return (download(self.ids, np.uint32)[:M * k].reshape(M, k),
+                download(self.w, np.float32)[:M * (k + 1)].reshape(M, k + 1),
+                download(self.perm, np.uint32), download(self.tiles, np.uint32),
+                download(self.tcount, np.uint32), download(self.counts, np.uint32))
+
+
+def chunk_inputs(dev, rng, M, E, k, H, hot=None):
+    logits = grid_logits(rng, M, E)
+    if hot is not None:  # skew: every row prefers the `hot` experts
+        logits[:, hot] += 16.0
+    h = rng.standard_normal((M, H)).astype(np.float32)
+    yx = rng.standard_normal((M * k, H)).astype(np.float32)
+    ys = rng.standard_normal((M, H)).astype(np.float32)
+    return logits, h, yx, ys, [upload(dev, a) for a in (logits, h, yx, ys)]
+
+
+def check_chunk(ch, M, logits, h, yx, ys, hbuf, fresh):
+    """All outputs of one chunk; fresh: the buffers were poisoned before this chunk (else
+    the elements past this chunk's outputs hold an earlier chunk's values)."""
+    E, k, T = ch.E, ch.k, ch.T
+    ids, w, perm, tiles, tcount, counts = ch.results(M)
+    top, wr = route_ref(logits, k)
+    np.testing.assert_array_equal(ids, top)
+    np.testing.assert_allclose(w[:, :k], wr, rtol=16 * U * math.log2(E) + 8 * U, atol=0)
+    assert np.abs(w[:, k] - sigmoid(logits[:, E].astype(np.float64))).max() <= 8 * U
+    if fresh:  # no tails in these buffers: check that the tiles past tile_count are poisoned
+        assert (tiles.reshape(-1, 4)[int(tcount[0]):] == POISON).all()
+    check_grouping(ids, perm, tiles, tcount, counts, E, T, tails=False)
+    nb = nblocks(M, ch.R)
+    np.testing.assert_array_equal(download(ch.bc, np.uint32)[:nb * E].reshape(nb, E),
+                                  block_hist(ids, E, ch.R), err_msg="block histogram")
+    hout = download(hbuf, np.float32).reshape(M, -1)
+    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    assert (np.abs(hout - want) <= tol).all(), "moe_combine in the chain"
+    return counts, hout
+
+
+def test_chain_two_chunks(chain_dev):
+    """Two chunks encoded ahead on the same routing buffers, committed back to back: the
+    second (fewer rows, other experts) sees no stale counter of the first; each command
+    buffer is one concurrent pass in three derived stages (clear | top-k | scatter+combine)."""
+    dev = chain_dev
+    E, k, H, R, T = 256, 8, 64, 16, 16
+    M1, M2 = 75, 37  # M*k not a multiple of T; last blocks partial
+    ch = Chunk(dev, max(M1, M2), E, k, H, R, T)
+    rng = fresh_rng(11)
+    first = chunk_inputs(dev, rng, M1, E, k, H)
+    second = chunk_inputs(dev, rng, M2, E, k, H, hot=[200, 3, 77, 150])
+
+    # chunk 1 alone: every output checked
+    cb = dev.command_buffer()
+    ch.encode(cb, M1, *first[4])
+    cb.commit()
+    cb.wait()
+    _, h_first = check_chunk(ch, M1, *first[:4], first[4][1], fresh=True)
+    log = cb.dispatch_log
+    assert cb.counters["barrier_stages"] == 3
+    assert [d["stage"] for d in log] == [0, 1, 2, 2], log
+
+    # chunk 1 again and chunk 2, both encoded before either is committed (no host work
+    # between them); fresh residual buffers so that both combines can be checked
+    h1 = upload(dev, first[1])
+    h2 = upload(dev, second[1])
+    cb1, cb2 = dev.command_buffer(), dev.command_buffer()
+    ch.encode(cb1, M1, first[4][0], h1, first[4][2], first[4][3])
+    ch.encode(cb2, M2, second[4][0], h2, second[4][2], second[4][3])
+    cb1.commit()
+    cb2.commit()
+    cb1.wait()
+    cb2.wait()
+    counts, _ = check_chunk(ch, M2, *second[:4], h2, fresh=False)
+    assert counts.sum() == M2 * k and (counts[[200, 3, 77, 150]] == M2).all()
+    # chunk 1's routing was overwritten by chunk 2; its residual update must equal the
+    # first run's bit for bit (same inputs, deterministic kernels)
+    np.testing.assert_array_equal(download(h1, np.float32).reshape(M1, H).view(np.uint32),
+                                  h_first.view(np.uint32))
