@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/kernel_args.h"
 
 namespace lily::runtime {
 
@@ -201,7 +202,7 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
           .in(0, weights_.at("lm_head.weight")).in(1, weights_.at("lm_head.scales"))
           .in(2, weights_.at("lm_head.biases")).in(3, *cb_.xn, size_t(r0) * H * f, size_t(R) * H * f)
           .out(4, *cb_.logits, 0, size_t(R) * V * f)
-          .args(5, kernels::GemmArgs{R, Vn, uint32_t(H), uint32_t(H), Vn}).run(pass);
+          .args(5, lily::kernels::GemmArgs{R, Vn, uint32_t(H), uint32_t(H), Vn}).run(pass);
       pass.end();
       cmd->commit();
       cmd->wait();
