@@ -195,9 +195,12 @@ class Engine:
         progress : bool
             Show a progress bar while validating and mapping the weights.
         device_options : dict | None
-            Native devices only: ``split_threshold`` (context at which decode attention
-            switches to the split-KV path, default 32768), ``split_block``, and
-            ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
+            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 512;
+            scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
+            ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
+            (context at which attention switches to the split-KV path, default 32768),
+            ``split_block``, and ``device_options`` for the simulator (e.g.
+            ``{"order": "random"}``).
 
         Raises
         ------
@@ -393,10 +396,12 @@ class Engine:
 
     def _generate_pipelined(self, prompt_ids, new, p: SamplingParams, cancel, timings: Timings,
                             detok, stops: StopMatcher) -> Iterator[StreamEvent]:
-        """Native devices: the prompt but its last token is prefilled, then the device
-        generates with the GPU token hand-off (token selection on the device, the next step
-        encoded while the current one runs); the host reads ids one step behind and stops
-        on EOS, stop strings or max tokens, discarding at most one speculative step."""
+        """Native devices: the prompt runs as prefill chunks, the last of which selects the
+        first token on the device; the device then generates with the GPU token hand-off
+        (token selection on the device, the next step encoded while the current one runs);
+        the host reads ids one step behind and stops on EOS, stop strings or max tokens,
+        discarding at most one speculative step. ``timings.prefill_s`` is the time to the
+        first token."""
         backend = self.backend
         n_out = 0
 
@@ -404,33 +409,42 @@ class Engine:
             return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
 
         t0 = time.perf_counter()
+        # All but the last chunk are prefilled here (cancellation is checked between chunks);
+        # the last one is the feed of the device pipeline, whose final chunk samples the
+        # first token on the device and hands it to the first decode step.
+        chunk = getattr(backend, "prefill_chunk", PREFILL_CHUNK)
+        tail = len(new) - ((len(new) - 1) % chunk + 1)
         try:
-            for s in range(0, len(new) - 1, PREFILL_CHUNK):
+            for s in range(0, tail, chunk):
                 if cancel is not None and cancel.is_set():
                     self.reset()
                     yield done("cancelled")
                     return
-                self.prefill(new[s:min(s + PREFILL_CHUNK, len(new) - 1)])
+                piece = new[s:s + chunk]
+                backend.prefill_only(piece)
+                self._tokens.extend(piece)
         except BaseException:
             self.reset()
             raise
-        timings.prefill_s = time.perf_counter() - t0
-        first = new[-1]
+        feed = new[tail:]
         start_pos = backend.position
-        history = self._tokens + [first]
-        steps = min(p.max_tokens, self.max_context - start_pos)
-        backend.start(first, steps, history, p)
+        history = self._tokens + feed
+        steps = min(p.max_tokens, self.max_context - start_pos - len(feed) + 1)
+        backend.start(feed, steps, history, p)
         outs: list[int] = []
-        t1 = time.perf_counter()
+        t1 = None
         try:
             while True:
                 if cancel is not None and cancel.is_set():
                     yield done("cancelled")
                     return
                 step = backend.next()
+                if t1 is None:  # the first token: the prompt is done
+                    t1 = time.perf_counter()
+                    timings.prefill_s = t1 - t0
                 if step is None:  # max tokens or the context window reached
-                    tail, _ = stops.push(detok.flush())
-                    yield done("length", tail + stops.flush())
+                    tail_text, _ = stops.push(detok.flush())
+                    yield done("length", tail_text + stops.flush())
                     return
                 tok, lp = step
                 if tok in self.eos_token_ids and not p.ignore_eos:
@@ -445,15 +459,19 @@ class Engine:
                     yield done("stop", text, [tok], lps)
                     return
                 if n_out >= steps:
-                    tail, _ = stops.push(detok.flush())
-                    yield done("length", text + tail + stops.flush(), [tok], lps)
+                    tail_text, _ = stops.push(detok.flush())
+                    yield done("length", text + tail_text + stops.flush(), [tok], lps)
                     return
                 yield StreamEvent(text, [tok], lps)
         finally:
             backend.finish()
-            timings.decode_s = time.perf_counter() - t1
+            now = time.perf_counter()
+            if t1 is None:
+                t1 = now
+                timings.prefill_s = now - t0
+            timings.decode_s = now - t1
             consumed = backend.position - start_pos
-            self._tokens.extend(([first] + outs)[:consumed])
+            self._tokens.extend((feed + outs)[:consumed])
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  cancel: threading.Event | None = None, **overrides) -> GenerationResult:

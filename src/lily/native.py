@@ -1,8 +1,6 @@
-"""Native devices (``sim``, ``metal``) as engine backends: the C++ decode runtime
-(``csrc/runtime``) over the device layer, fed from the memory-mapped checkpoint.
-
-Prompt tokens currently run as one decode step each; the chunked prefill kernels are a
-separate piece of work (docs/kernels.md).
+"""Native devices (``sim``, ``metal``) as engine backends: the C++ runtime
+(``csrc/runtime``: chunked prefill and pipelined decode) over the device layer, fed from
+the memory-mapped checkpoint. See docs/prefill.md and docs/decode.md.
 """
 
 from __future__ import annotations
@@ -15,6 +13,8 @@ from lily.sampling import TokenLogprob
 
 SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
 SPLIT_BLOCK = 1024       # KV rows per block on the split path
+PREFILL_CHUNK = 512      # tokens per prefill chunk (scratch memory is sized for one chunk)
+GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
 def model_dims(c: ModelConfig) -> dict:
@@ -51,16 +51,29 @@ class NativeBackend:
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
+                 prefill_chunk: int = PREFILL_CHUNK, gemm_path: str = "auto",
                  device_options: dict | None = None):
+        for name, v in (("split_threshold", split_threshold), ("split_block", split_block),
+                        ("prefill_chunk", prefill_chunk)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidParameterError(f"{name} must be a positive integer, got {v!r}")
+        if gemm_path not in GEMM_PATHS:
+            raise InvalidParameterError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
         self.name = device
         self.config = ck.config
         self.max_context = max_context
         self.device = make_device(device, **(device_options or {}))
         try:
             self.runtime = _runtime(self.device, ck.config, tensor_table(ck), max_context,
-                                    split_threshold, split_block)
+                                    split_threshold, split_block, prefill_chunk=prefill_chunk,
+                                    gemm_path=gemm_path)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill chunk."""
+        return self.runtime.prefill_chunk
 
     @property
     def position(self) -> int:
@@ -78,19 +91,25 @@ class NativeBackend:
         if self.position + tokens.size > self.max_context:
             raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
                                      f"the context window of {self.max_context} tokens")
-        raw = self.runtime.forward(tokens.tolist(), all_logits)
+        raw = self.runtime.forward(tokens.tolist(), "all" if all_logits else "last")
         out = np.frombuffer(raw, dtype=np.float32).reshape(-1, self.config.vocab_size)
         return out if all_logits else out[0]
+
+    def prefill_only(self, tokens) -> None:
+        """Runs ``tokens`` (validated by the engine) as prefill chunks without computing logits."""
+        self.runtime.forward([int(t) for t in tokens], "none")
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
         """Pipelined greedy decode on the device (GPU token hand-off); see Runtime."""
         return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
 
-    def start(self, first: int, max_steps: int, history, params) -> None:
-        """Begin pipelined generation with ``params`` (:class:`lily.sampling.SamplingParams`);
-        ``history`` are the session's tokens (the repetition penalty's prompt set)."""
+    def start(self, feed, max_steps: int, history, params) -> None:
+        """Begin pipelined generation with ``params`` (:class:`lily.sampling.SamplingParams`):
+        ``feed`` (>= 1 token ids not yet in the session) runs as prefill chunks whose last one
+        samples the first output on the device; ``history`` are the session's tokens
+        including the feed (the repetition penalty's prompt set)."""
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
-        self.runtime.start(int(first), int(max_steps), [int(t) for t in history],
+        self.runtime.start([int(t) for t in feed], int(max_steps), [int(t) for t in history],
                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                            min_p=params.min_p, presence_penalty=params.presence_penalty,
                            frequency_penalty=params.frequency_penalty,
@@ -116,19 +135,16 @@ class NativeBackend:
 
 
 def _runtime(device, config: ModelConfig, tensors, max_context: int, split_threshold: int,
-             split_block: int, virtual_weights: bool = False):
+             split_block: int, virtual_weights: bool = False, prefill_chunk: int = PREFILL_CHUNK,
+             gemm_path: str = "auto"):
     from lily import _core
-    return _core.Runtime(device, model_dims(config), tensors, max_context,
-                               split_threshold, split_block, virtual_weights)
+    return _core.Runtime(device, model_dims(config), tensors, max_context, split_threshold,
+                         split_block, virtual_weights, prefill_chunk, gemm_path)
 
 
-def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
-                      split_threshold: int = SPLIT_THRESHOLD) -> dict:
-    """Simulator counters of one decode step at ``context`` tokens for a model that need not
-    exist on disk (record-only device, virtual weights laid out as MLX writes them).
-
-    Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
-    (weights of the selected experts, KV rows, state)."""
+def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
+    """The tensor table of a checkpoint that need not exist on disk (record-only counting):
+    every tensor of ``config`` at the offsets MLX would write them."""
     from lily.checkpoint import expected_tensors
     tensors, offset = [], 0
     for kind, name, shape in expected_tensors(config):
@@ -143,6 +159,28 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
         for suffix, nbytes in parts.items():
             tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
             offset += nbytes
+    return tensors
+
+
+def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
+                      split_threshold: int = SPLIT_THRESHOLD) -> dict:
+    """Simulator counters of one decode step at ``context`` tokens for a model that need not
+    exist on disk (record-only device, virtual weights laid out as MLX writes them).
+
+    Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
+    (weights of the selected experts, KV rows, state)."""
     dev = make_device("sim", record_only=True)
-    rt = _runtime(dev, config, tensors, context + 1, split_threshold, SPLIT_BLOCK, virtual_weights=True)
+    rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), context + 1, split_threshold,
+                  SPLIT_BLOCK, virtual_weights=True, prefill_chunk=1)
     return rt.count_step(context)
+
+
+def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,
+                        router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
+                        gemm_path: str = "simdgroup") -> dict:
+    """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
+    (record-only device, virtual weights), as :func:`count_decode_step`."""
+    dev = make_device("sim", record_only=True)
+    rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
+                  SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
+    return rt.count_chunk(position, rows)
