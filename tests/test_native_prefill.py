@@ -1,0 +1,180 @@
+"""Native chunked prefill (csrc/runtime/prefill.cpp + the prefill kernels) on the Metal
+simulator against the numpy reference: logits of prompts shorter than, equal to and several
+times the chunk size on the demo model and both presets, decode continuing the session,
+the hand-off of the first generated token from the last chunk to the decode pipeline, both
+GEMM paths, hazard checking with shuffled stages, bounded scratch memory, and the
+record-only counters of one chunk of the full-size model (docs/prefill.md).
+
+Tolerance: like decode, prefill keeps activations in fp32 and stores the KV cache in bf16
+(as MLX-LM does), so logits differ from the fp32 reference by ~1e-3 relative: 5e-3 is the
+bound (measured ~2e-4 to 1e-3). Prefill and decode steps of the same tokens sum in different
+orders (GEMM tiles vs GEMV teams) but read the same bf16 cache rows: 2e-3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import _core
+from lily.checkpoint import parse_config
+from lily.engine import Engine
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+REL_TOL = 5e-3
+TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
+        "is the sun. Arise, fair sun, and kill the envious moon, who is already sick and pale. ") * 3
+PROMPT = 40  # tokens
+
+
+def _path(which, demo_path, request):
+    return demo_path if which == "demo" else request.getfixturevalue(f"{which}_checkpoint")
+
+
+def _rel(a, b):
+    return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+def _check(got, want, what):
+    err = _rel(got, want)
+    assert err.max() < REL_TOL, f"{what}: relative error {err.max():.2e}"
+    top2 = np.sort(want, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 0.05
+    assert (got.argmax(-1) == want.argmax(-1))[clear].all(), f"{what}: top-1 differs at a clear margin"
+    return float(err.max())
+
+
+@pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
+def model(request, demo_path):
+    path = _path(request.param, demo_path, request)
+    ref = Engine.load(path, max_context=96)
+    ids = ref.tokenizer.encode(TEXT)[:PROMPT]
+    assert len(ids) == PROMPT
+    logits = ref.prefill(ids, all_logits=True)
+    cont = [int(logits[-1].argmax()), 17, 101]
+    after = [ref.decode(t) for t in cont]
+    return request.param, path, ids, logits, cont, np.stack(after)
+
+
+@pytest.mark.parametrize("chunk", [64, PROMPT, 12], ids=["shorter", "equal", "several"])
+def test_prefill_matches_reference(model, chunk):
+    """Every position's logits of a 40-token prompt with chunks of 64 (one partial chunk),
+    40 (exactly one) and 12 (three whole chunks and a partial one: state carried across
+    chunk boundaries inside the prompt); then decode steps continue the same session."""
+    name, path, ids, want, cont, after = model
+    native = Engine.load(path, device="sim", max_context=96, device_options={"prefill_chunk": chunk})
+    assert native.backend.prefill_chunk == chunk
+    err = _check(native.prefill(ids, all_logits=True), want, f"{name} chunk {chunk}")
+    got = np.stack([native.decode(t) for t in cont])
+    err_d = _check(got, after, f"{name} decode after chunk {chunk}")
+    print(f"\n{name} chunk {chunk}: prefill rel err {err:.2e}, decode after {err_d:.2e}")
+
+
+def test_prefill_equals_decode_steps(demo_path):
+    """The same tokens through prefill chunks and through decode steps: same session."""
+    a = Engine.load(demo_path, device="sim", max_context=64, device_options={"prefill_chunk": 8})
+    b = Engine.load(demo_path, device="sim", max_context=64)
+    ids = a.tokenizer.encode(TEXT)[:21]
+    la = a.prefill(ids, all_logits=True)
+    lb = np.frombuffer(b.backend.runtime.forward(ids, "all", decode_steps=True), np.float32).reshape(la.shape)
+    assert _rel(la, lb).max() < 2e-3
+    assert a.position == b.backend.position == 21
+    np.testing.assert_allclose(a.decode(5), b.decode(5), rtol=0, atol=0.05)
+
+
+def test_last_logits_only(demo_path, demo_engine):
+    native = Engine.load(demo_path, device="sim", max_context=64, device_options={"prefill_chunk": 16})
+    ids = native.tokenizer.encode(TEXT)[:37]
+    demo_engine.reset()
+    want = demo_engine.prefill(ids)
+    demo_engine.reset()
+    _check(native.prefill(ids), want, "last position")
+
+
+@pytest.mark.parametrize("chunk", [5, 64])
+def test_generation_hands_first_token_from_prefill_to_decode(demo_path, demo_engine, chunk):
+    """A prompt of several chunks: its last chunk samples the first token on the device and
+    the decode pipeline continues from the token slot. Greedy text equals the reference's."""
+    sim = Engine.load(demo_path, device="sim", max_context=96, device_options={"prefill_chunk": chunk})
+    prompt = sim.tokenizer.encode("KING HENRY.\nWhat news from France? Speak, for I am")
+    a = sim.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    demo_engine.reset()
+    b = demo_engine.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
+    demo_engine.reset()
+    assert a.token_ids == b.token_ids
+    assert a.prompt_tokens == len(prompt) and a.timings.prefill_tokens == len(prompt)
+    # The session holds the prompt and every token the device consumed.
+    assert sim.tokens == (prompt + a.token_ids)[: sim.position]
+    assert sim.position in (len(prompt) + 11, len(prompt) + 12)
+    # A follow-up prompt extending the session prefills only the new suffix.
+    suffix = sim.tokenizer.encode(" and so")
+    c = sim.generate(sim.tokens + suffix, max_tokens=3, temperature=0.0, ignore_eos=True)
+    assert c.timings.prefill_tokens == len(suffix) and c.completion_tokens == 3
+
+
+def test_seeded_sampling_after_chunked_prompt(demo_path):
+    sim = Engine.load(demo_path, device="sim", max_context=96, device_options={"prefill_chunk": 6})
+    kw = dict(max_tokens=8, temperature=0.9, top_k=40, top_p=0.95, seed=3)
+    a = sim.generate(TEXT[:80], **kw)
+    b = sim.generate(TEXT[:80], **kw)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 8
+
+
+def test_prefill_hazards_with_shuffled_stages(demo_path):
+    """Random order of the dispatches within each barrier stage and of threadgroups and
+    threads, every dispatch's writes checked against its declared ranges: same logits."""
+    opts = {"prefill_chunk": 7,
+            "device_options": {"order": "random", "thread_order": "random", "seed": 5, "verify_writes": True}}
+    shuffled = Engine.load(demo_path, device="sim", max_context=32, device_options=opts)
+    plain = Engine.load(demo_path, device="sim", max_context=32, device_options={"prefill_chunk": 7})
+    ids = plain.tokenizer.encode(TEXT)[:16]
+    np.testing.assert_allclose(shuffled.prefill(ids, all_logits=True), plain.prefill(ids, all_logits=True),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_scratch_memory_is_independent_of_prompt_length(demo_path):
+    """Every buffer is allocated when the engine is created (weights, session state sized
+    by the context, chunk scratch sized by the chunk); prompts of 1, 3 and 10 chunks
+    allocate nothing more on the device."""
+    sim = Engine.load(demo_path, device="sim", max_context=128, device_options={"prefill_chunk": 8})
+    rt = sim.backend.runtime
+    dev = sim.backend.device
+    scratch = rt.prefill_scratch_bytes
+    live = dev.allocated_bytes
+    ids = sim.tokenizer.encode(TEXT * 2)
+    for n in (8, 24, 80):
+        sim.reset()
+        sim.prefill(ids[:n])
+        assert dev.allocated_bytes == live and rt.prefill_scratch_bytes == scratch, n
+    # Chunk scratch scales with the chunk, not with the prompt.
+    big = Engine.load(demo_path, device="sim", max_context=128, device_options={"prefill_chunk": 16})
+    assert big.backend.runtime.prefill_scratch_bytes > scratch
+
+
+REAL = {"model_type": "qwen3_5_moe", "text_config": {
+    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+
+
+@pytest.mark.parametrize("rows,position", [(512, 0), (2048, 0), (512, 32768)])
+def test_full_size_prefill_chunk_counters(rows, position):
+    """Record-only counting of one prefill chunk of the real 40-layer model (docs/prefill.md
+    reports these numbers): dispatches and barrier stages per chunk do not depend on the
+    chunk's length; per layer they are fixed by the stage list."""
+    from lily.native import count_prefill_chunk
+    cfg = parse_config(REAL)
+    c = count_prefill_chunk(cfg, rows, position)
+    split = position + rows > 32768
+    print(f"\nchunk {rows} at {position}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "
+          f"{c['weight_bytes'] / 1e9:.2f} GB weights declared-or-moved, {c['kv_bytes'] / 1e6:.1f} MB KV")
+    gdn, attn = 30, 10
+    per_gdn = 1 + 4 + 1 + 1 + 1        # norm, 4 projections, conv, scan, out_proj
+    per_attn = 1 + 3 + 1 + 1 + 1 + split  # norm, 3 projections, prep, attention (+ combine), o_proj
+    per_moe = 1 + 2 + 3 + 2 + 2 + 1    # norm, router + shared gate, clear/top-k/scatter, shared, experts, combine
+    assert c["dispatches"] == 1 + gdn * per_gdn + attn * per_attn + 40 * per_moe + 1
