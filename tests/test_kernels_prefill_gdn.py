@@ -22,8 +22,8 @@ Tolerances:
   within ``64 u kappa (|o| + |w silu(z)|)`` (u = 2^-24; measured <= 10 u kappa (...) over
   many seeds). The delta rule with unit-norm k, beta in (0, 1) and g <= 1 contracts the state
   error, so it does not grow over a chunk: the state within ``1e-5`` absolute (~170 u at
-  |S| ~ 1; measured <= 1e-6). The drift test (384 tokens in six chunks) checks the same
-  bounds after every chunk.
+  |S| ~ 1; measured <= 1e-6). The drift tests (384 tokens in six chunks at Dk = Dv = 128,
+  1004 tokens in three chunks at 32) check the same bounds after every chunk.
 * conv + scan vs ``ReferenceModel.gated_deltanet`` (the float32 oracle, which also sums the
   conv taps in another order): both sides round, so twice the float64 bounds (128 u kappa
   (...) and 2e-5); the conv state exactly.
@@ -432,16 +432,18 @@ def test_chunk_vs_oracle_real_dims(dev):
     check_vs_oracle(L, inp, conv0, S0, got, L.state(), L.conv_state(1))   # M even: in place
 
 
-def test_drift_several_chunks(fwd_dev):
-    """384 tokens from a zero state in chunks of varied length (dims preset, Dk = Dv = 128)
-    against the float64 references carried across the chunks."""
-    L = Layer(fwd_dev, "dims", seed=16)
+@pytest.mark.parametrize("dims,chunks", [("dims", (1, 100, 64, 5, 150, 64)), ("tiny", (700, 3, 301))])
+def test_drift_several_chunks(fwd_dev, dims, chunks):
+    """Hundreds of tokens from a zero state in chunks of varied length (Dk = Dv = 128: 384
+    tokens in six chunks; Dk = Dv = 32: a 700-token chunk and two more, 1004 tokens) against
+    the float64 references carried across the chunks."""
+    L = Layer(fwd_dev, dims, seed=16)
     conv_st = np.zeros((K - 1, L.C), np.float32)
     S = np.zeros((L.Hv, L.Dv, L.Dk))
     L.set_state(conv_st, S, parity=0)
     p0 = 0
     worst_o = worst_S = 0.0
-    for m in (1, 100, 64, 5, 150, 64):
+    for m in chunks:
         qkv, z, b, a = L.inputs(m)
         got, got_conv = L.chunk(qkv, z, b, a, p0=p0)
         want_conv, conv_st, _ = L.conv_reference(qkv, conv_st)
