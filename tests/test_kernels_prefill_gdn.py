@@ -364,10 +364,11 @@ def test_scan_matches_float64(dev, dims, M):
 
 
 @pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 5), ("tiny", 33),
-                                    ("dims", 1), ("dims", 5), ("dims", 13)])
+                                    ("dims", 1), ("dims", 5), ("dims", 13), ("dims", 24)])
 def test_chunk_equals_decode_steps(dev, dims, M):
     """conv + scan over M tokens == M gdn_decode_step dispatches, bit for bit (outputs,
-    recurrent state, conv state), from a random state; chunk at an odd start position."""
+    recurrent state, conv state), from a random state; chunk at an odd start position (an
+    even M updates the conv state in place; M = 24 is two whole blocks of TB = 12)."""
     L = Layer(dev, dims, seed=13)
     p0 = 7
     conv0, S0 = L.random_state(parity=p0 % 2)
