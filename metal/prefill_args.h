@@ -42,6 +42,25 @@ struct MoeCombineArgs {
 
 // ---- Gated DeltaNet --------------------------------------------------------------------
 
+// gdn_conv_chunk (metal/gdn_prefill.metal): causal depthwise conv (K = 4 taps) of one chunk
+// over [conv state | qkv rows], then SiLU; the conv state is carried in and out (the output
+// may be the input state's own bytes). Grid: ceil(C / tg) x ceil(M / RB) threadgroups.
+struct GdnConvChunkArgs {
+  uint conv_dim;         // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv and out
+  uint rows;             // M: tokens in the chunk, >= 1; M * C < 2^32
+  uint rows_per_thread;  // RB: consecutive rows one thread convolves (grid y = ceil(M / RB)); < K-1 acts as K-1
+};
+
+// gdn_scan_k<Dk>_v<Dv> (metal/gdn_prefill.metal): L2 norms, gates, delta rule over the chunk
+// with the recurrent state held in registers, gated RMSNorm. Grid: Hv threadgroups x 1024.
+struct GdnScanArgs {
+  uint num_k_heads;  // Hk: key heads (16)
+  uint num_v_heads;  // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)
+  uint rows;         // M: tokens in the chunk, >= 1
+  float norm_eps;    // eps of the gated RMSNorm over Dv (1e-6)
+  float l2_eps;      // eps added to the sum of squares in the q/k L2 norm (1e-6)
+};
+
 // ---- attention -------------------------------------------------------------------------
 
 #endif  // LILY_PREFILL_ARGS_H
