@@ -368,6 +368,9 @@ class Engine:
             raise
         timings.prefill_s = time.perf_counter() - t0
         t1 = time.perf_counter()
+        if len(prompt_ids) >= self.max_context:  # prompt + completion never exceed the context
+            yield done("length")
+            return
         while True:
             if cancel is not None and cancel.is_set():
                 timings.decode_s = time.perf_counter() - t1
@@ -386,7 +389,7 @@ class Engine:
                 timings.decode_s = time.perf_counter() - t1
                 yield done("stop", text, [tok], lp)
                 return
-            if n_out >= p.max_tokens or self.position >= self.max_context:
+            if n_out >= p.max_tokens or len(prompt_ids) + n_out >= self.max_context:
                 timings.decode_s = time.perf_counter() - t1
                 tail, _ = stops.push(detok.flush())
                 yield done("length", text + tail + stops.flush(), [tok], lp)
@@ -429,7 +432,7 @@ class Engine:
         feed = new[tail:]
         start_pos = backend.position
         history = self._tokens + feed
-        steps = min(p.max_tokens, self.max_context - start_pos - len(feed) + 1)
+        steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
         backend.start(feed, steps, history, p)
         outs: list[int] = []
         t1 = None
