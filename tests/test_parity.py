@@ -123,10 +123,11 @@ def test_demo_greedy_vs_bf16_peer_where_margin_is_clear(demo_path):
 @pytest.mark.skipif("sim" not in __import__("lily._core", fromlist=["x"]).compiled_devices(),
                     reason="simulator not built")
 def test_native_sim_teacher_forced(case):
-    """The native decode path on the simulator, same protocol: it must track the reference
+    """The native path on the simulator (chunked prefill: 201 tokens in chunks of 64, so
+    three chunk boundaries inside the prompt), same protocol: it must track the reference
     (bf16 KV cache: relative error < 5e-3) and agree with MLX-LM as well as the reference does."""
     name, path, engine, ids, ref = case
-    native = Engine.load(path, device="sim", max_context=len(ids) + 1)
+    native = Engine.load(path, device="sim", max_context=len(ids) + 1, device_options={"prefill_chunk": 64})
     nat = native.prefill(ids, all_logits=True)
     err = rel_err(nat, ref)
     assert err < 5e-3, f"{name}: native vs reference relative error {err:.2e}"
