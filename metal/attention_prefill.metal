@@ -56,7 +56,8 @@ static inline void load_tile(device const bfloat* head, uint t0, uint kend, thre
 }
 
 // Row r of the threadgroup's query matrix (r < kRows) is chunk row row0 + r % BQ of query head
-// h0 + r / BQ (BQ = kRows / G); slab s = rows 8s .. 8s+7 (one head, 8 consecutive chunk rows).
+// h0 + r / BQ (BQ = kRows / G); slab s = rows 8s .. 8s+7 (G <= 4: one head, 8 consecutive chunk
+// rows; G = 8: two heads, 4 rows each).
 template <uint G>
 struct QRows {
   static constant constexpr uint BQ = kRows / G;
