@@ -1,0 +1,495 @@
+"""Prefill attention kernels (metal/attention_prefill.metal) on the Metal simulator.
+
+attn_prefill_prep_d<D> (q/k RMSNorm, partial RoPE, bf16 K/V rows of the chunk appended to the
+cache), attn_prefill_d<D>_g<G> (causal flash attention of the chunk over the cache, gated) and
+the KV-split path attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>, against float64
+numpy attention, lily.reference's rms_norm / rope / ReferenceModel.attention, and the decode
+kernels (attn_qk_prep, attn_decode). Every output buffer starts poisoned (the simulator fills
+new buffers with NaN) and cache rows past the chunk are NaN, so an element a kernel forgets
+to write, or a row it reads past the causal range, fails the comparison. Shapes are chosen so
+that M is not a multiple of the query block (32/G rows) and p0 + M is not a multiple of the
+KV tile (16 rows).
+
+Tolerances:
+* prep vs attn_qk_prep (decode): the same float32 operations in the same order (same simd
+  sums over the same 32 elements, partial sums added in the same order, the same frequency
+  and angle expressions), so q and the cache rows are compared for exact equality on the
+  simulator (a GPU compiler may contract differently: at most float32 rounding and a 1-ulp
+  flip of a bf16 cache value).
+* prep vs lily.reference (rms_norm, rope with float64 angles): the kernel's angles are
+  float32 (as MLX): at position p the angle error is ~p * 2^-24 rad, so atol 1e-5 at
+  positions <= 64 and 2e-3 up to a few thousand (values are O(1) after RMSNorm), rtol 1e-5.
+  Cache rows: the bf16 rounding of the reference, with one bf16 ulp (rtol 2^-7) where a
+  float32 difference can flip the rounding.
+* attention vs float64 over the cache as written: both sides read the same bf16 K/V values
+  exactly; the kernel's q is float32, its dot products are float32 sums of <= 256 products,
+  the online softmax is float32 over <= a few hundred rows: rtol/atol 2e-5 (as decode).
+* split + combine vs the plain kernel: the same values merged in another order: rtol 1e-5,
+  atol 1e-6.
+* prep + attention vs ReferenceModel.attention: the oracle keeps the chunk's k/v in float32,
+  the cache holds them in bf16 (relative rounding <= 2^-9): atol 1e-2 on O(1) outputs (as
+  decode).
+* a chunk of M rows vs M one-row chunks: every (row, head) sees the same KV tiles in the same
+  order, extra fully masked tiles contribute exact zeros (and an exact identity rescale), and
+  rows of the query matrix are independent in the products, so the results agree to float32
+  rounding (asserted: rtol 1e-6, atol 1e-7; measured bit-identical on the simulator); the
+  caches are equal bit for bit.
+* one-row prefill chunk vs attn_decode at the same position: the same math with another
+  summation order (tiles of 16 rows vs 8 interleaved simdgroups): rtol/atol 2e-5.
+
+Kernel correctness tests run in three simulator modes (fixture ``dev``): forward order,
+reverse thread/threadgroup order with undeclared-read detection, random order; all with
+out-of-range write detection. The real-size case runs in forward order only (time budget).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+from seeding import fresh_rng
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import download, sim_device, upload  # noqa: E402
+from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
+
+
+THREAD_ORDERS = {
+    # as tests/test_kernels_mixers.py: verify_writes (no byte written outside the declared
+    # write ranges), verify_reads (undeclared bytes zeroed and the dispatch re-run), and
+    # threadgroups/threads run in another order (a missing barrier or a race shows up)
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    return sim_device(**THREAD_ORDERS[request.param])
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    return sim_device(verify_writes=True)
+
+
+# (Hq, Hkv, D, rotary_dim)
+DIMS = {
+    "real": (16, 2, 256, 64),
+    "dims": (8, 1, 256, 64),
+    "tiny": (4, 2, 64, 16),
+    "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
+}
+THETA = 1e7
+EPS = 1e-6
+TILE = 16  # KV rows per tile (kTile)
+QROWS = 32  # (row, head) pairs per threadgroup (kRows)
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def bf16_bits(x) -> np.ndarray:
+    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits) -> np.ndarray:
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32)
+
+
+def args_bytes(*fields) -> bytes:
+    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
+    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
+                    for v in fields)
+
+
+def attn_cfg(Hq, Hkv, D, rot):
+    return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
+                                 rotary_dim=rot, rope_theta=THETA, rms_norm_eps=EPS)
+
+
+class StubOracle(ReferenceModel):
+    """ReferenceModel.attention with given projection outputs (``proj``) and norm weights;
+    ``o_proj`` returns its input, so the mixer returns the gated attention output."""
+
+    def __init__(self, cfg, params, proj):  # noqa: D401  (no checkpoint)
+        self.cfg = cfg
+        self._act = lambda a: a.astype(np.float32, copy=False)
+        self.params, self.proj = params, proj
+
+    def param(self, name):
+        return self.params[name.rsplit(".", 2)[-2]]
+
+    def linear(self, x, module):
+        name = module.rsplit(".", 1)[-1]
+        return x.astype(np.float32) if name == "o_proj" else self.proj[name]
+
+
+def chunk_inputs(rng, M, Hq, Hkv, D):
+    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D]."""
+    return (f32(rng.standard_normal((M, Hq * 2 * D))), f32(rng.standard_normal((M, Hkv * D))),
+            f32(rng.standard_normal((M, Hkv * D))))
+
+
+class Layer:
+    """Device KV cache and norm weights of one attention layer, and encoders for the prefill
+    kernels with the declared ranges of docs/prefill.md."""
+
+    def __init__(self, dev, dims, capacity, seed, *, G=None, history=None):
+        self.dev = dev
+        self.Hq, self.Hkv, self.D, self.rot = DIMS[dims]
+        self.cap = capacity
+        self.G = G if G is not None else min(8, self.Hq // self.Hkv)
+        rng = fresh_rng(seed)
+        D = self.D
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        if history is None:
+            history = (bf16_bits(rng.standard_normal((self.Hkv, capacity, D))),
+                       bf16_bits(rng.standard_normal((self.Hkv, capacity, D))))
+        self.k_hist, self.v_hist = (h.copy() for h in history)
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+
+    def poison_from(self, n):
+        """Cache rows >= n become NaN (reading past the causal range shows up)."""
+        nan = np.uint16(0x7FC0)
+        self.k_hist[:, n:], self.v_hist[:, n:] = nan, nan
+        self.KC.write(self.k_hist.view(np.uint8).reshape(-1))
+        self.VC.write(self.v_hist.view(np.uint8).reshape(-1))
+
+    def cache(self):
+        shape = (self.Hkv, self.cap, self.D)
+        return download(self.KC, np.uint16, shape), download(self.VC, np.uint16, shape)
+
+    def rows(self, r0, r1):
+        """Byte ranges of cache rows [r0, r1) of every KV head, in K and V."""
+        row = 2 * self.D
+        if r1 <= r0:
+            return []
+        return [(C, (h * self.cap + r0) * row, (r1 - r0) * row) for C in (self.KC, self.VC)
+                for h in range(self.Hkv)]
+
+    # ---- encoders (into a compute pass p)
+
+    def encode_prep(self, p, QG, K, V, p0, M, label=""):
+        Hq, Hkv, D = self.Hq, self.Hkv, self.D
+        Q = self.dev.buffer(M * Hq * D * 4)
+        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, EPS, float(np.log2(THETA)))
+        p.dispatch(f"attn_prefill_prep_d{D}", (-(-M // 8), Hq + Hkv), 256,
+                   buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
+                            (6, self.VC), (7, Q)],
+                   constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
+                   writes=[Q, *self.rows(p0, p0 + M)], threadgroups=True, label=label)
+        return Q
+
+    def attn_args(self, p0, M, split_rows=0, num_splits=0):
+        return args_bytes(self.Hq, self.Hkv, self.cap, p0, M, float(self.D) ** -0.5,
+                          split_rows, num_splits)
+
+    def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
+        """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
+        Hq, D, G = self.Hq, self.D, self.G
+        OUT = self.dev.buffer(M * Hq * D * 4)
+        blocks = -(-M // (QROWS // G))
+        reads = [Q, *self.rows(0, p0 + M)]
+        if split is None:
+            p.dispatch(f"attn_prefill_d{D}_g{G}", (blocks, Hq // G), 256,
+                       buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
+                       constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
+                       threadgroups=True, label=label)
+            return OUT
+        S, ns = split
+        assert ns * S >= p0 + M
+        ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
+        args = self.attn_args(p0, M, S, ns)
+        p.dispatch(f"attn_prefill_split_d{D}_g{G}", (blocks, Hq // G, ns), 256,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
+                   constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
+                   label=label)
+        p.dispatch(f"attn_prefill_combine_d{D}", (Hq, M), D,
+                   buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
+                   reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
+        return OUT
+
+    # ---- one-shot helpers (own command buffer)
+
+    def run(self, fn):
+        cb = self.dev.command_buffer()
+        p = cb.compute_pass()
+        r = fn(p)
+        cb.commit()
+        cb.wait()
+        return cb, r
+
+    def prefill(self, qg, k, v, p0, split=None):
+        """prep + attention of one chunk in one pass; returns (out [M, Hq*D], q [M, Hq, D], cb)."""
+        M = qg.shape[0]
+        QG, K, V = upload(self.dev, qg), upload(self.dev, k), upload(self.dev, v)
+
+        def enc(p):
+            Q = self.encode_prep(p, QG, K, V, p0, M, label="prep")
+            return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
+
+        cb, (Q, OUT) = self.run(enc)
+        return (download(OUT, np.float32, (M, self.Hq * self.D)),
+                download(Q, np.float32, (M, self.Hq, self.D)), cb)
+
+    def attention_only(self, q, qg, p0, split=None):
+        M = q.shape[0]
+        Q, QG = upload(self.dev, q), upload(self.dev, qg)
+        _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
+        return download(OUT, np.float32, (M, self.Hq * self.D))
+
+
+def attention64(q, qg, K, V, p0):
+    """float64 causal attention: row i of q [M, Hq, D] over K, V [Hkv, >= p0+M, D] rows
+    [0, p0 + i]; output * sigmoid(gate) as [M, Hq*D]."""
+    M, Hq, D = q.shape
+    Hkv = K.shape[0]
+    group = Hq // Hkv
+    gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
+    out = np.empty((M, Hq, D))
+    for h in range(Hq):
+        k = K[h // group, : p0 + M].astype(np.float64)
+        v = V[h // group, : p0 + M].astype(np.float64)
+        s = q[:, h].astype(np.float64) @ k.T * D ** -0.5                       # [M, p0+M]
+        s = np.where(np.arange(p0 + M)[None, :] <= (p0 + np.arange(M))[:, None], s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (e / e.sum(axis=1, keepdims=True)) @ v
+    return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
+
+
+def prep_reference(L, qg, k, p0):
+    """q [M, Hq, D] and k [M, Hkv, D] after RMSNorm + RoPE (lily.reference helpers)."""
+    M, Hq, Hkv, D = qg.shape[0], L.Hq, L.Hkv, L.D
+    P = p0 + np.arange(M)
+    q = rope(rms_norm(qg.reshape(M, Hq, 2 * D)[:, :, :D], from_bf16(L.qn), EPS), P, L.rot, THETA)
+    kk = rope(rms_norm(k.reshape(M, Hkv, D), from_bf16(L.kn), EPS), P, L.rot, THETA)
+    return q, kk
+
+
+def decode_prep(L, qg, k, v, pos):
+    """attn_qk_prep (the decode kernel) for one row at position pos on layer L; q [Hq, D]."""
+    Hq, Hkv, D = L.Hq, L.Hkv, L.D
+    QG, K, V = upload(L.dev, qg.reshape(Hq, 2 * D)), upload(L.dev, k), upload(L.dev, v)
+    POS = upload(L.dev, np.array([pos], np.uint32))
+    Q, GATE = L.dev.buffer(Hq * D * 4), L.dev.buffer(Hq * D * 4)
+    args = args_bytes(Hq, Hkv, D, L.rot, L.cap, EPS, float(np.log2(THETA)))
+    L.run(lambda p: p.dispatch(
+        "attn_qk_prep", Hq + Hkv, D,
+        buffers=[(0, QG), (1, K), (2, V), (3, L.QN), (4, L.KN), (5, POS), (6, L.KC), (7, L.VC),
+                 (8, Q), (9, GATE)],
+        constants=[(10, args)], reads=[QG, K, V, L.QN, L.KN, POS],
+        writes=[*L.rows(pos, pos + 1), Q, GATE], threadgroups=True))
+    return download(Q, np.float32, (Hq, D))
+
+
+# ------------------------------------------------------------------------------ prep
+
+@pytest.mark.parametrize("dims", ["real", "tiny"])
+@pytest.mark.parametrize("p0,M", [(0, 1), (0, 13), (37, 9), (4000, 5)])
+def test_attn_prefill_prep(dev, dims, p0, M):
+    """q and cache rows p0 .. p0+M-1 vs lily.reference, and equal bit for bit to what the
+    decode kernel attn_qk_prep writes row by row; every other cache row untouched."""
+    cap = p0 + M + 7
+    A = Layer(dev, dims, cap, seed=p0 + M)
+    B = Layer(dev, dims, cap, seed=p0 + M)  # same weights and history
+    qg, k, v = chunk_inputs(fresh_rng(1, p0, M), M, A.Hq, A.Hkv, A.D)
+    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    _, Q = A.run(lambda p: A.encode_prep(p, QG, K, V, p0, M))
+    q = download(Q, np.float32, (M, A.Hq, A.D))
+    kc, vc = A.cache()
+
+    q_ref, k_ref = prep_reference(A, qg, k, p0)
+    atol = 1e-5 if p0 + M <= 65 else 2e-3
+    np.testing.assert_allclose(q, q_ref, rtol=1e-5, atol=atol)
+    chunk = slice(p0, p0 + M)
+    np.testing.assert_array_equal(vc[:, chunk], bf16_bits(v.reshape(M, A.Hkv, A.D)).transpose(1, 0, 2))
+    np.testing.assert_allclose(from_bf16(kc[:, chunk]), round_bf16(k_ref).transpose(1, 0, 2),
+                               rtol=2 ** -7, atol=atol)
+    others = np.ones(cap, bool)
+    others[chunk] = False
+    np.testing.assert_array_equal(kc[:, others], A.k_hist[:, others])
+    np.testing.assert_array_equal(vc[:, others], A.v_hist[:, others])
+
+    # the decode kernel, one row at a time, on the twin layer: identical q and caches
+    for i in range(M):
+        qd = decode_prep(B, qg[i], k[i], v[i], p0 + i)
+        np.testing.assert_array_equal(q[i], qd)
+    kb, vb = B.cache()
+    np.testing.assert_array_equal(kc, kb)
+    np.testing.assert_array_equal(vc, vb)
+
+
+# ------------------------------------------------------------------------------ attention
+
+def _attn_case(dev, dims, G, p0, M, seed):
+    """A layer with random bf16 cache rows [0, p0 + M) (NaN beyond) and random q, qg."""
+    L = Layer(dev, dims, p0 + M + 9, seed=seed, G=G)
+    L.poison_from(p0 + M)
+    r = fresh_rng(2, seed)
+    q = f32(r.standard_normal((M, L.Hq, L.D)))
+    qg = f32(r.standard_normal((M, L.Hq * 2 * L.D)))
+    kc, vc = L.cache()
+    return L, q, qg, from_bf16(kc), from_bf16(vc)
+
+
+# every (D, G) instantiation: D = 256 with G = 8 (the model), 4, 2; D = 64 with 8, 4, 2
+DG = [("real", 8), ("real", 4), ("real", 2), ("dims", 8), ("wide64", 8), ("wide64", 4),
+      ("wide64", 2), ("tiny", 2)]
+
+
+@pytest.mark.parametrize("dims,G", DG)
+@pytest.mark.parametrize("p0,M", [(0, 1), (0, 37), (29, 19)])
+def test_attn_prefill(dev, dims, G, p0, M):
+    L, q, qg, K, V = _attn_case(dev, dims, G, p0, M, seed=100 * G + p0 + M)
+    got = L.attention_only(q, qg, p0)
+    np.testing.assert_allclose(got, attention64(q, qg, K, V, p0), rtol=2e-5, atol=2e-5)
+
+
+# (p0, M, S, num_splits): S a multiple of the tile and not; surplus splits (past the last row,
+# they must write nothing the combine reads); a short chunk after a longer prefix
+SPLITS = [(0, 37, 16, 3), (29, 19, 20, 4), (100, 5, 24, 6)]
+
+
+@pytest.mark.parametrize("dims,G", [("real", 8), ("real", 4), ("real", 2), ("wide64", 8),
+                                    ("wide64", 4), ("tiny", 2)])
+@pytest.mark.parametrize("p0,M,S,ns", SPLITS)
+def test_attn_prefill_split(dev, dims, G, p0, M, S, ns):
+    """attn_prefill_split + attn_prefill_combine vs float64 and vs attn_prefill."""
+    L, q, qg, K, V = _attn_case(dev, dims, G, p0, M, seed=7 * G + p0 + S)
+    got = L.attention_only(q, qg, p0, split=(S, ns))
+    np.testing.assert_allclose(got, attention64(q, qg, K, V, p0), rtol=2e-5, atol=2e-5)
+    plain = L.attention_only(q, qg, p0)
+    np.testing.assert_allclose(got, plain, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ prep + attention
+
+def _oracle(L, qg, k, v, K_prefix, V_prefix, p0):
+    """ReferenceModel.attention on the chunk with a float32 copy of the bf16 prefix."""
+    M = qg.shape[0]
+    oracle = StubOracle(attn_cfg(L.Hq, L.Hkv, L.D, L.rot),
+                        {"q_norm": from_bf16(L.qn), "k_norm": from_bf16(L.kn)},
+                        {"q_proj": qg, "k_proj": k, "v_proj": v})
+    st = ReferenceState(max_context=L.cap, position=p0)
+    st.keys[0], st.values[0] = K_prefix.copy(), V_prefix.copy()
+    return oracle.attention(0, np.zeros((M, 1), np.float32), st)
+
+
+@pytest.mark.parametrize("dims", ["real", "tiny"])
+@pytest.mark.parametrize("p0,M,split", [(0, 21, None), (45, 11, None), (45, 11, (16, 4))])
+def test_prefill_chunk_vs_oracle(dev, dims, p0, M, split):
+    """prep + attention of a chunk in one concurrent pass (the attention waits for the KV
+    append: one barrier, derived from the declared ranges) against ReferenceModel.attention,
+    and against float64 attention over the cache as written."""
+    L = Layer(dev, dims, p0 + M + 5, seed=p0 + 3 * M)
+    L.poison_from(p0)  # rows >= p0: NaN until the prep writes them
+    K0, V0 = (from_bf16(c) for c in L.cache())
+    qg, k, v = chunk_inputs(fresh_rng(3, p0, M), M, L.Hq, L.Hkv, L.D)
+    got, q, cb = L.prefill(qg, k, v, p0, split=split)
+    assert [r["stage"] for r in cb.dispatch_log] == ([0, 1] if split is None else [0, 1, 2])
+    kc, vc = L.cache()
+    np.testing.assert_allclose(got, attention64(q, qg, from_bf16(kc), from_bf16(vc), p0),
+                               rtol=2e-5, atol=2e-5)
+    assert np.isnan(from_bf16(kc[:, p0 + M:])).all()  # rows past the chunk still poisoned
+    want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+
+
+@pytest.mark.parametrize("dims", ["real", "wide64", "tiny"])
+def test_chunk_equals_single_row_chunks(dev, dims):
+    """A chunk of M rows at p0 gives the outputs of M one-row chunks at p0, p0+1, ...
+    (up to summation-order rounding) and leaves the same cache bit for bit."""
+    p0, M = 23, 11
+    A = Layer(dev, dims, p0 + M + 3, seed=11)
+    A.poison_from(p0)
+    B = Layer(dev, dims, p0 + M + 3, seed=11, history=(A.k_hist, A.v_hist))
+    qg, k, v = chunk_inputs(fresh_rng(4), M, A.Hq, A.Hkv, A.D)
+    got, q, _ = A.prefill(qg, k, v, p0)
+    for i in range(M):
+        row, qrow, _ = B.prefill(qg[i:i + 1], k[i:i + 1], v[i:i + 1], p0 + i)
+        np.testing.assert_array_equal(qrow[0], q[i])
+        np.testing.assert_allclose(row[0], got[i], rtol=1e-6, atol=1e-7)
+    for a, b in zip(A.cache(), B.cache()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("dims", ["real", "tiny"])
+def test_one_row_chunk_matches_decode(dev, dims):
+    """After a prefill chunk, a one-row prefill chunk at position n equals the decode step
+    (attn_qk_prep + attn_decode) at n: the same cache row bit for bit, the same output up to
+    summation order."""
+    p0, M = 0, 40
+    A = Layer(dev, dims, 48, seed=12)
+    A.poison_from(0)
+    qg, k, v = chunk_inputs(fresh_rng(5), M + 1, A.Hq, A.Hkv, A.D)
+    A.prefill(qg[:M], k[:M], v[:M], p0)
+    B = Layer(dev, dims, 48, seed=12, history=A.cache())
+    got, _, _ = A.prefill(qg[M:], k[M:], v[M:], M)
+    # decode on the twin: prep at position M, then attention over rows [0, M]
+    q = decode_prep(B, qg[M], k[M], v[M], M)
+    Hq, D = B.Hq, B.D
+    G = min(4, Hq // B.Hkv)
+    Q, QG = upload(B.dev, q), upload(B.dev, qg[M])
+    POS = upload(B.dev, np.array([M], np.uint32))
+    OUT = B.dev.buffer(Hq * D * 4)
+    B.run(lambda p: p.dispatch(
+        f"attn_decode_d{D}_g{G}", Hq // G, 256,
+        buffers=[(0, Q), (1, QG, 4 * D), (2, B.KC), (3, B.VC), (4, POS), (5, OUT)],
+        constants=[(6, args_bytes(Hq, B.Hkv, B.cap, 2 * D, float(D) ** -0.5, 0, 0))],
+        reads=[Q, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), *B.rows(0, M + 1), POS], writes=[OUT],
+        threadgroups=True))
+    np.testing.assert_allclose(got[0], download(OUT, np.float32), rtol=2e-5, atol=2e-5)
+    for a, b in zip(A.cache(), B.cache()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_consecutive_chunks_in_one_pass(dev):
+    """Two chunks (rows [0, 19) then [19, 32)) encoded into one concurrent pass: the declared
+    ranges alone order them (chunk 2's attention reads the rows chunk 1 appended; chunk 2's
+    prep writes rows chunk 1's attention does not read, so it shares that stage), and the
+    results equal the two chunks run one by one."""
+    dims, M1, M2 = "tiny", 19, 13
+    A = Layer(dev, dims, 40, seed=13)
+    A.poison_from(0)
+    B = Layer(dev, dims, 40, seed=13, history=(A.k_hist, A.v_hist))
+    chunks = [chunk_inputs(fresh_rng(6, i), m, A.Hq, A.Hkv, A.D) for i, m in enumerate((M1, M2))]
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    outs, p0 = [], 0
+    for t, (qg, k, v) in enumerate(chunks):
+        M = qg.shape[0]
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        Q = A.encode_prep(p, QG, K, V, p0, M, label=f"prep {t}")
+        outs.append(A.encode_attn(p, Q, QG, p0, M, label=f"attn {t}"))
+        p0 += M
+    cb.commit()
+    cb.wait()
+    assert [r["stage"] for r in cb.dispatch_log] == [0, 1, 1, 2], cb.dispatch_log
+    p0 = 0
+    for t, (qg, k, v) in enumerate(chunks):
+        want, _, _ = B.prefill(qg, k, v, p0)
+        np.testing.assert_array_equal(download(outs[t], np.float32).reshape(want.shape), want)
+        p0 += qg.shape[0]
+    for a, b in zip(A.cache(), B.cache()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_real_size_chunk(fwd_dev):
+    """One larger case at the model's dimensions (16 q / 2 KV heads of 256, G = 8): a chunk of
+    50 rows after a 200-row prefix, plain and split (3 splits of 96 rows), vs float64."""
+    p0, M = 200, 50
+    L, q, qg, K, V = _attn_case(fwd_dev, "real", 8, p0, M, seed=14)
+    want = attention64(q, qg, K, V, p0)
+    np.testing.assert_allclose(L.attention_only(q, qg, p0), want, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(L.attention_only(q, qg, p0, split=(96, 3)), want, rtol=2e-5, atol=2e-5)
