@@ -29,7 +29,7 @@ constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
-constexpr uint32_t kAttnMinSplitRows = 1024;
+constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
@@ -246,7 +246,12 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const uint32_t BQ = kAttnPairs / G;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
-      const bool split = c.attn_splits > 0 && end > opt_.split_threshold;
+      // Split the KV range only when the plain grid is too small to fill the GPU (few query
+      // rows after a long prefix; docs/prefill.md): above the layout threshold and with
+      // fewer than kAttnMinGroups threadgroups.
+      const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
+      const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
+                         end >= 2 * opt_.split_block;
       const float scale = float(1.0 / std::sqrt(double(D)));
       const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
       auto declare_kv = [&](Op& op) {
@@ -267,7 +272,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
-        const uint32_t S = std::max(kAttnMinSplitRows, ceil_div(end, std::max(2u, cap)));
+        const uint32_t S = std::max(opt_.split_block, ceil_div(end, std::max(2u, cap)));
         const uint32_t splits = ceil_div(end, S);
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
