@@ -148,9 +148,17 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   const std::string sfx = tensor_ops_ ? "_tensor" : "";
   auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
-  auto qlin = [&](Op& op, uint32_t i, const std::string& m) -> Op& {
-    return op.in(i, W(m + ".weight"), &t.weight_bytes).in(i + 1, W(m + ".scales"), &t.weight_bytes)
-        .in(i + 2, W(m + ".biases"), &t.weight_bytes);
+  auto qlin = [&](Op& op, uint32_t i, const std::string& m, uint64_t* traffic) -> Op& {
+    return op.in(i, W(m + ".weight"), traffic).in(i + 1, W(m + ".scales"), traffic)
+        .in(i + 2, W(m + ".biases"), traffic);
+  };
+  // A routed-expert stack is declared whole (the experts are only known on the GPU); the
+  // traffic counts the experts the chunk can reach, min(E, M*k) of them.
+  auto expert_stack = [&](Op& op, uint32_t i, const std::string& m) -> Op& {
+    uint64_t stack = 0;
+    qlin(op, i, m, &stack);
+    t.weight_bytes += stack / E * std::min<uint64_t>(E, uint64_t(M) * k);
+    return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (floats).
   auto gemm = [&](const std::string& module, uint32_t bits, bool add, gpu::Buffer& x, uint32_t cols,
@@ -158,7 +166,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
                   const std::string& label) {
     Op op(dev, "gemm_q" + std::to_string(bits) + (add ? "_add" : "") + sfx, label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-    qlin(op, 0, module).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
+    qlin(op, 0, module, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
     const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
     if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
@@ -317,14 +325,13 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     {
       Op op(dev, "gemm_swiglu_q4" + sfx, L + "shared expert gate|up");
       op.groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-      qlin(op, 0, m + ".shared_expert.gate_proj");
-      qlin(op, 3, m + ".shared_expert.up_proj");
+      qlin(op, 0, m + ".shared_expert.gate_proj", &t.weight_bytes);
+      qlin(op, 3, m + ".shared_expert.up_proj", &t.weight_bytes);
       op.in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
           .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
     }
     gemm(m + ".shared_expert.down_proj", 4, false, *c.hs, Is, Is, *c.ys, H, H, 0, L + "shared expert down");
-    // routed experts over the tile map; the stacks are declared whole (the experts are only
-    // known on the GPU), the traffic counts the experts' bytes
+    // routed experts over the tile map
     const std::string tsfx = "_t" + std::to_string(T);
     const uint32_t moe_threads = T == 32 ? 128 : 64;
     const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
@@ -333,8 +340,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       op.groups(tg(max_tiles, ceil_div(I, kMoeBN)), tg(moe_threads))
           .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      qlin(op, 4, m + ".switch_mlp.gate_proj");
-      qlin(op, 7, m + ".switch_mlp.up_proj");
+      expert_stack(op, 4, m + ".switch_mlp.gate_proj");
+      expert_stack(op, 7, m + ".switch_mlp.up_proj");
       op.out(10, *c.hx, 0, size_t(M) * k * I * f)
           .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I}).run(pass);
     }
@@ -343,7 +350,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       op.groups(tg(max_tiles, ceil_div(H, kMoeBN)), tg(moe_threads))
           .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      qlin(op, 4, m + ".switch_mlp.down_proj");
+      expert_stack(op, 4, m + ".switch_mlp.down_proj");
       op.out(7, *c.yx, 0, size_t(M) * k * H * f)
           .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H}).run(pass);
     }
