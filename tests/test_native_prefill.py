@@ -181,7 +181,7 @@ def test_full_size_prefill_chunk_counters(rows, position):
     c = count_prefill_chunk(cfg, rows, position)
     split = position + rows > 32768 and rows < 128  # a grid of < 256 threadgroups (rows / 4 x 2)
     print(f"\nchunk {rows} at {position}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "
-          f"{c['weight_bytes'] / 1e9:.2f} GB weights declared-or-moved, {c['kv_bytes'] / 1e6:.1f} MB KV")
+          f"{c['weight_bytes'] / 1e9:.2f} GB weights (reachable experts once), {c['kv_bytes'] / 1e6:.1f} MB KV")
     gdn, attn = 30, 10
     per_gdn = 1 + 4 + 1 + 1 + 1        # norm, 4 projections, conv, scan, out_proj
     per_attn = 1 + 3 + 1 + 1 + 1 + split  # norm, 3 projections, prep, attention (+ combine), o_proj
