@@ -46,6 +46,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 import pytest
 
 from lily import _core
@@ -57,18 +58,7 @@ from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round
 from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
 
 
-THREAD_ORDERS = {
-    # verify_writes: a byte written outside a dispatch's declared write ranges is an error;
-    # verify_reads: undeclared bytes are zeroed and the dispatch re-run (an undeclared read
-    # changes the output); thread_order: threadgroups and threads run in another order, so a
-    # missing barrier or a race between threadgroups changes the result.
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
-
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     """The simulator in each thread order (kernel correctness tests run in all three)."""
     return sim_device(**THREAD_ORDERS[request.param])

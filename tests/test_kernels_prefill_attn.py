@@ -48,6 +48,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 import pytest
 
 from lily import _core
@@ -58,17 +59,7 @@ from lily._device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
 
 
-THREAD_ORDERS = {
-    # as tests/test_kernels_mixers.py: verify_writes (no byte written outside the declared
-    # write ranges), verify_reads (undeclared bytes zeroed and the dispatch re-run), and
-    # threadgroups/threads run in another order (a missing barrier or a race shows up)
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
-
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     return sim_device(**THREAD_ORDERS[request.param])
 

@@ -47,6 +47,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 import pytest
 
 from lily import _core
@@ -56,14 +57,8 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, l2_norm, round_bf16, sigmoid, silu  # noqa: E402
 
-THREAD_ORDERS = {
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
 
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     """The simulator in each thread order (kernel correctness tests run in all three)."""
     return sim_device(**THREAD_ORDERS[request.param])

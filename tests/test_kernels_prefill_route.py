@@ -39,6 +39,7 @@ import math
 
 import numpy as np
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 import pytest
 
 from lily import _core
@@ -53,21 +54,14 @@ POISON = np.uint32(0xFFFFFFFF)
 PAD = 8  # poisoned elements after every output, which must stay untouched
 MAX_BLOCK_SLOTS = 1024  # kMoeRouteMaxBlockSlots (metal/prefill_args.h)
 
-THREAD_ORDERS = {
-    # as tests/test_kernels_mixers.py: verify_writes everywhere; reverse also verify_reads
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
 
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     """The simulator in each thread order (kernel correctness tests run in all three)."""
     return sim_device(**THREAD_ORDERS[request.param])
 
 
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def chain_dev(request):
     """As ``dev``, and the dispatches of a barrier stage run in reverse / random order."""
     opts = dict(THREAD_ORDERS[request.param])
