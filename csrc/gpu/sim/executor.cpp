@@ -158,6 +158,7 @@ struct Fiber {
   ThreadCoords c;
   int simd = 0, lane = 0;
   bool at_barrier = false;
+  uint64_t matrix_ops = 0;  // simdgroup_matrix operations this thread has performed
   Stack stack;
 #ifdef LILY_ASM_SWITCH
   void* sp = nullptr;
@@ -169,8 +170,21 @@ struct Fiber {
 #endif
 };
 
+// One simdgroup_matrix operation computed by the first lane that reached it (simd_matrix_op),
+// kept until every live lane of the simdgroup has passed it.
+struct MatrixMemo {
+  MatrixFn fn = nullptr;
+  size_t size[3] = {};  // bytes of the operands a, b, c
+  int uses = 0;         // lanes that have passed this operation
+  alignas(16) unsigned char in[3][kMatrixOperandMax];
+  alignas(16) unsigned char out[kMatrixOperandMax];
+  MatrixMemo() {}  // user-provided: emplace_back() leaves the byte arrays uninitialised
+};
+
 struct SimdState {
   int lanes = 0, live = 0, arrived = 0;
+  std::deque<MatrixMemo> memo;  // matrix operations [memo_base, memo_base + memo.size())
+  uint64_t memo_base = 0;
   Op op = Op::none;
   CollectiveFn fn = nullptr;
   int first_lane_in = -1;
@@ -596,6 +610,47 @@ const unsigned char* simd_collective(Op op, const void* operand, size_t size, ui
     block(w);
   }
   return s.out[f.lane];
+}
+
+void simd_matrix_op(MatrixFn fn, const void* a, size_t a_size, const void* b, size_t b_size,
+                    const void* c, size_t c_size, void* d, size_t d_size) {
+  Worker& w = worker();
+  Fiber& f = *w.cur;
+  SimdState& s = w.tg->simds[f.simd];
+  const uint64_t n = f.matrix_ops++;
+  const void* ops[3] = {a, b, c};
+  const size_t sizes[3] = {a_size, b_size, c_size};
+  if (n >= s.memo_base && n - s.memo_base < s.memo.size()) {
+    MatrixMemo& m = s.memo[n - s.memo_base];
+    m.uses += 1;
+    bool same = m.fn == fn;
+    for (int i = 0; i < 3 && same; ++i)
+      same = m.size[i] == sizes[i] && std::memcmp(m.in[i], ops[i], sizes[i]) == 0;
+    if (same)
+      std::memcpy(d, m.out, d_size);
+    else
+      fn(a, b, c, d);  // this lane's operands differ: its own result
+    while (!s.memo.empty() && s.memo.front().uses >= s.live) {
+      s.memo.pop_front();
+      s.memo_base += 1;
+    }
+    return;
+  }
+  const bool fits = a_size <= kMatrixOperandMax && b_size <= kMatrixOperandMax &&
+                    c_size <= kMatrixOperandMax && d_size <= kMatrixOperandMax;
+  if (s.live > 1 && n == s.memo_base + s.memo.size() && fits) {
+    MatrixMemo& m = s.memo.emplace_back();
+    m.fn = fn;
+    m.uses = 1;
+    for (int i = 0; i < 3; ++i) {
+      m.size[i] = sizes[i];
+      std::memcpy(m.in[i], ops[i], sizes[i]);
+    }
+    fn(a, b, c, d);
+    std::memcpy(m.out, d, d_size);
+    return;
+  }
+  fn(a, b, c, d);
 }
 
 void kernel_fail(const std::string& message) { throw KernelFault(message); }
