@@ -436,3 +436,29 @@ def test_time_lm_head_shape(fwd_dev):
     x64 = x.astype(np.float64)
     exact = x64 @ qt.dequantize(cols).astype(np.float64).T
     check(y[:, cols], exact, bound(k) * (np.abs(x64) @ magnitude(qt, cols).T), "lm_head shape")
+
+
+# ------------------------------------------------------------------------------ simulator
+
+
+@pytest.mark.parametrize("same", [1, 0])
+@pytest.mark.parametrize("threads", [32, 40, 96])
+def test_sim_matrix_products_per_lane(dev, same, threads):
+    """The simulator computes a simdgroup_matrix product once per simdgroup and copies it to
+    the lanes whose operands are byte-identical (runtime.h, simd_matrix_op); a lane with
+    other operands (here: lane-dependent loads, undefined on a GPU) still gets its own
+    product, including in a partial last simdgroup (40 threads: 32 + 8 lanes)."""
+    rng = fresh_rng(threads, same)
+    A = rng.standard_normal((threads, 8, 8)).astype(np.float32)
+    B = rng.standard_normal((8, 8)).astype(np.float32)
+    Ab, Bb, C = upload(dev, A), upload(dev, B), dev.buffer(4 * 64 * threads)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_matmul_lanes", threads, threads, buffers=[(0, Ab), (1, Bb), (2, C)],
+                               constants=[(3, constant(same))], reads=[Ab, Bb], writes=[C])
+    cb.commit()
+    cb.wait()
+    got = download(C, np.float32).reshape(threads, 8, 8)
+    for t in range(threads):
+        a = A[0 if same else t].astype(np.float64)
+        want = 1.0 + 3 * (a @ B.astype(np.float64))
+        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5, err_msg=f"thread {t}")
