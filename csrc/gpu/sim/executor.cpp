@@ -6,6 +6,7 @@
 #endif
 #include "gpu/sim/executor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -183,8 +184,10 @@ struct MatrixMemo {
 
 struct SimdState {
   int lanes = 0, live = 0, arrived = 0;
-  std::deque<MatrixMemo> memo;  // matrix operations [memo_base, memo_base + memo.size())
-  uint64_t memo_base = 0;
+  // Matrix operations [memo_head, memo_tail) of simd_matrix_op, operation i at
+  // memo[i & (memo.size() - 1)] (a ring; the size is 0 or a power of two).
+  std::vector<MatrixMemo> memo;
+  uint64_t memo_head = 0, memo_tail = 0;
   Op op = Op::none;
   CollectiveFn fn = nullptr;
   int first_lane_in = -1;
@@ -618,39 +621,43 @@ void simd_matrix_op(MatrixFn fn, const void* a, size_t a_size, const void* b, si
   Fiber& f = *w.cur;
   SimdState& s = w.tg->simds[f.simd];
   const uint64_t n = f.matrix_ops++;
-  const void* ops[3] = {a, b, c};
-  const size_t sizes[3] = {a_size, b_size, c_size};
-  if (n >= s.memo_base && n - s.memo_base < s.memo.size()) {
-    MatrixMemo& m = s.memo[n - s.memo_base];
+  if (n >= s.memo_head && n < s.memo_tail) {  // an earlier lane computed operation n
+    const uint64_t mask = s.memo.size() - 1;
+    MatrixMemo& m = s.memo[n & mask];
     m.uses += 1;
-    bool same = m.fn == fn;
-    for (int i = 0; i < 3 && same; ++i)
-      same = m.size[i] == sizes[i] && std::memcmp(m.in[i], ops[i], sizes[i]) == 0;
-    if (same)
+    if (m.fn == fn && m.size[0] == a_size && m.size[1] == b_size && m.size[2] == c_size &&
+        std::memcmp(m.in[0], a, a_size) == 0 && std::memcmp(m.in[1], b, b_size) == 0 &&
+        std::memcmp(m.in[2], c, c_size) == 0)
       std::memcpy(d, m.out, d_size);
     else
       fn(a, b, c, d);  // this lane's operands differ: its own result
-    while (!s.memo.empty() && s.memo.front().uses >= s.live) {
-      s.memo.pop_front();
-      s.memo_base += 1;
-    }
+    while (s.memo_head < s.memo_tail && s.memo[s.memo_head & mask].uses >= s.live) s.memo_head += 1;
     return;
   }
   const bool fits = a_size <= kMatrixOperandMax && b_size <= kMatrixOperandMax &&
                     c_size <= kMatrixOperandMax && d_size <= kMatrixOperandMax;
-  if (s.live > 1 && n == s.memo_base + s.memo.size() && fits) {
-    MatrixMemo& m = s.memo.emplace_back();
-    m.fn = fn;
-    m.uses = 1;
-    for (int i = 0; i < 3; ++i) {
-      m.size[i] = sizes[i];
-      std::memcpy(m.in[i], ops[i], sizes[i]);
-    }
+  if (s.live < 2 || n != s.memo_tail || !fits) {  // nobody to share with (or lanes out of step)
     fn(a, b, c, d);
-    std::memcpy(m.out, d, d_size);
     return;
   }
+  if (s.memo_tail - s.memo_head == s.memo.size()) {  // full: double the ring, keep the order
+    std::vector<MatrixMemo> grown(std::max<size_t>(64, 2 * s.memo.size()));
+    for (uint64_t i = s.memo_head; i < s.memo_tail; ++i)
+      grown[i & (grown.size() - 1)] = s.memo[i & (s.memo.size() - 1)];
+    s.memo.swap(grown);
+  }
+  MatrixMemo& m = s.memo[n & (s.memo.size() - 1)];
+  s.memo_tail += 1;
+  m.fn = fn;
+  m.uses = 1;
+  m.size[0] = a_size;
+  m.size[1] = b_size;
+  m.size[2] = c_size;
+  std::memcpy(m.in[0], a, a_size);
+  std::memcpy(m.in[1], b, b_size);
+  std::memcpy(m.in[2], c, c_size);
   fn(a, b, c, d);
+  std::memcpy(m.out, d, d_size);
 }
 
 void kernel_fail(const std::string& message) { throw KernelFault(message); }
