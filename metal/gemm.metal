@@ -17,8 +17,9 @@ using namespace metal;
 #include "gemm_tiles.h"
 #include "prefill_args.h"
 
-// Threadgroup memory (floats) of a GEMM with NB weight tiles: the A and W tiles of a step,
-// reused at the end for the NB staged BM x (BN + 4) output blocks.
+// Threadgroup memory (floats, a multiple of 4) of a GEMM with NB weight tiles: the A and W
+// tiles of a step, reused at the end for the NB staged BM x (BN + 4) output blocks. Declared
+// as float4 so that the tile rows (144 bytes apart) take 16-byte stores.
 template <uint BM, uint BN, uint NB>
 struct GemmSmem {
   static constant constexpr uint ldc = BN + 4;
@@ -118,7 +119,8 @@ kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint3
                    uint2 tgp [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
                    uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[GemmSmem<kGemmBM, kGemmBN, 1>::floats];
+  threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmBN, 1>::floats / 4];  // float4: 16-byte aligned tiles
+  threadgroup float* smem = (threadgroup float*)smem4;
   device const uint* wu = (device const uint*)w;
   gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>(smem, wu, scales, biases, wu, scales, biases,
                                                   x, y, args, tgp, tid, sg);
@@ -140,7 +142,8 @@ kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_p
                            uint2 tgp [[threadgroup_position_in_grid]],
                            uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float smem[GemmSmem<kGemmBM, kGemmBN, 2>::floats];
+  threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmBN, 2>::floats / 4];  // float4: 16-byte aligned tiles
+  threadgroup float* smem = (threadgroup float*)smem4;
   gemm_dense<4, 2, false, kGemmBM, kGemmBN, 2, 2>(smem, (device const uint*)wg, gs, gb,
                                                  (device const uint*)wu, us, ub, x, y, args, tgp,
                                                  tid, sg);
@@ -185,7 +188,8 @@ kernel void moe_gemm_gate_up_q4(device const float4* x [[buffer(0)]],        // 
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint sg [[simdgroup_index_in_threadgroup]]) {
   constexpr uint NT = 32 * SM * SN;
-  threadgroup float smem[GemmSmem<T, BN, 2>::floats];
+  threadgroup float4 smem4[GemmSmem<T, BN, 2>::floats / 4];  // float4: 16-byte aligned tiles
+  threadgroup float* smem = (threadgroup float*)smem4;
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
     return;  // the whole threadgroup
@@ -223,7 +227,8 @@ kernel void moe_gemm_down_q4(device const float4* hx [[buffer(0)]],       // fp3
                              uint tid [[thread_index_in_threadgroup]],
                              uint sg [[simdgroup_index_in_threadgroup]]) {
   constexpr uint NT = 32 * SM * SN;
-  threadgroup float smem[GemmSmem<T, BN, 1>::floats];
+  threadgroup float4 smem4[GemmSmem<T, BN, 1>::floats / 4];  // float4: 16-byte aligned tiles
+  threadgroup float* smem = (threadgroup float*)smem4;
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
     return;  // the whole threadgroup

@@ -278,10 +278,12 @@ def make_routing(rng, M, E, k, T, skew):
 
 def tile_buffers(dev, tiles, count, M, E, k, T):
     """tiles [max_tiles] with the entries past `count` set to stale but plausible tiles
-    (expert 0, slots 0..T): a kernel that ran them would overwrite slots of the first tile."""
+    (slots 0..T of another expert than the first tile's): a kernel that ran them would
+    overwrite slots of the first tile with wrong values."""
     max_tiles = -(-M * k // T) + min(E, M * k)
     assert len(tiles) <= max_tiles
-    tl = np.tile(np.array([0, 0, T, 0], np.uint32), (max_tiles, 1))
+    stale = (int(tiles[0, 0]) + 1) % E
+    tl = np.tile(np.array([stale, 0, T, 0], np.uint32), (max_tiles, 1))
     tl[:count] = tiles[:count]
     return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
 
