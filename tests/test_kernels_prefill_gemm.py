@@ -39,6 +39,7 @@ import time
 import numpy as np
 import pytest
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -54,14 +55,8 @@ DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
 MOE_TG = {16: 64, 32: 128}  # threads of the grouped kernels per tile height T
 TIMES: dict[str, float] = {}
 
-THREAD_ORDERS = {  # as tests/test_kernels_mixers.py
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
 
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     return sim_device(**THREAD_ORDERS[request.param])
 
