@@ -68,13 +68,18 @@ def model(request, demo_path):
 
 @pytest.mark.parametrize("chunk", [64, PROMPT, 12], ids=["shorter", "equal", "several"])
 def test_prefill_matches_reference(model, chunk):
-    """Every position's logits of a 40-token prompt with chunks of 64 (one partial chunk),
-    40 (exactly one) and 12 (three whole chunks and a partial one: state carried across
-    chunk boundaries inside the prompt); then decode steps continue the same session."""
+    """A 40-token prompt with chunks of 64 (one partial chunk), 40 (exactly one) and 12
+    (three whole chunks and a partial one: state carried across chunk boundaries inside the
+    prompt); then decode steps continue the same session. Every position's logits are
+    compared for the multi-chunk case, the last position's otherwise (lm_head over 248,320
+    rows costs the simulator ~0.3 s per position)."""
     name, path, ids, want, cont, after = model
     native = Engine.load(path, device="sim", max_context=96, device_options={"prefill_chunk": chunk})
     assert native.backend.prefill_chunk == chunk
-    err = _check(native.prefill(ids, all_logits=True), want, f"{name} chunk {chunk}")
+    if chunk < PROMPT:
+        err = _check(native.prefill(ids, all_logits=True), want, f"{name} chunk {chunk}")
+    else:
+        err = _check(native.prefill(ids), want[-1], f"{name} chunk {chunk}")
     got = np.stack([native.decode(t) for t in cont])
     err_d = _check(got, after, f"{name} decode after chunk {chunk}")
     print(f"\n{name} chunk {chunk}: median relative error prefill {err:.2e}, decode after {err_d:.2e}")
