@@ -11,7 +11,35 @@ using namespace mpp::tensor_ops;
 kernel void lily_tensor_probe(device float* xf [[buffer(0)]],
                               device half* xh [[buffer(1)]],
                               device bfloat* xb [[buffer(2)]],
-                              device float* out [[buffer(3)]]) {
+                              device float* out [[buffer(3)]],
+                              uint tid [[thread_index_in_threadgroup]]) {
+  // threadgroup fp32 tiles with a padded row stride into a cooperative tensor stored back
+  // to threadgroup memory: the operation of metal/gemm_tensor.metal
+  threadgroup float tiles[96 * 36];
+  for (uint i = tid; i < 96 * 36; i += 128) {
+    tiles[i] = xf[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  {
+    constexpr auto d = matmul2d_descriptor(32, 64, 32, false, true, false, matmul2d_descriptor::mode::multiply_accumulate);
+    matmul2d<d, execution_simdgroups<4>> tg_op;
+    auto tA = tensor<threadgroup float, extents<int32_t, 32, 32>, tensor_inline>(tiles, extents<int32_t, 32, 32>(),
+                                                                                 array<int, 2>{1, 36});
+    auto tW = tensor<threadgroup float, extents<int32_t, 32, 64>, tensor_inline>(tiles + 32 * 36,
+                                                                                 extents<int32_t, 32, 64>(),
+                                                                                 array<int, 2>{1, 36});
+    auto c = tg_op.get_destination_cooperative_tensor<decltype(tA), decltype(tW), float>();
+    for (uint16_t i = 0; i < c.get_capacity(); ++i) {
+      if (c.is_valid_element(i)) {
+        c[i] = 0.0f;
+      }
+    }
+    tg_op.run(tA, tW, c);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    auto st = tensor<threadgroup float, extents<int32_t, 64, 32>, tensor_inline>(tiles, extents<int32_t, 64, 32>(),
+                                                                                 array<int, 2>{1, 68});
+    c.store(st);
+  }
   constexpr auto desc = matmul2d_descriptor(64, 32, static_cast<int>(dynamic_extent), false, true, false,
                                             matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc, execution_simdgroups<4>> op;

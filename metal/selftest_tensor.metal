@@ -239,24 +239,3 @@ kernel void st_tensor_divergent(device float* x [[buffer(0)]],
   auto rows = X.slice(0, mode == 1 ? sg * 32 : 0);
   op.run(rows, rows, C);
 }
-
-// ---- start-up probe of the Metal backend -------------------------------------------------
-// The Metal device builds this pipeline when it loads lily_tensor.metallib: if the OS's
-// tensor-op library lacks an element-type combination Lily's kernels use, the tensor path
-// is reported unavailable instead of failing at the first prefill. One run per combination
-// (float x float, half x half, bfloat x bfloat into float); 128 threads, one threadgroup.
-kernel void tensor_ops_probe(device float* xf [[buffer(0)]],
-                             device half* xh [[buffer(1)]],
-                             device bfloat* xb [[buffer(2)]],
-                             device float* out [[buffer(3)]]) {
-  constexpr auto desc = matmul2d_descriptor(64, 32, static_cast<int>(dynamic_extent), false, true);
-  matmul2d<desc, execution_simdgroups<4>> op;
-  using Sq = extents<int32_t, 64, 64>;
-  auto F = tensor<device float, Sq, tensor_inline>(xf, Sq());
-  auto H = tensor<device half, Sq, tensor_inline>(xh, Sq());
-  auto B = tensor<device bfloat, Sq, tensor_inline>(xb, Sq());
-  auto O = tensor<device float, extents<int32_t, 32, 64>, tensor_inline>(out, extents<int32_t, 32, 64>());
-  op.run(F, F, O);
-  op.run(H, H, O);
-  op.run(B, B, O);
-}
