@@ -226,16 +226,6 @@ def test_coop_load(dev):
     np.testing.assert_array_equal(download(D, np.float32, (M, N)), mm_model(a, b, c0))
 
 
-def test_probe_kernel_runs(fwd):
-    rng = fresh_rng(6)
-    xf = rng.standard_normal((64, 64)).astype(np.float32)
-    F, H, B = upload(fwd, xf), upload(fwd, xf.astype(np.float16)), upload(fwd, bf16_bits(bf16(xf)))
-    O = fwd.buffer(64 * 32 * 4)
-    run(fwd, "tensor_ops_probe", 1, 128, [(0, F), (1, H), (2, B), (3, O)], [], [F, H, B], [O])
-    xb = bf16(xf)
-    np.testing.assert_array_equal(download(O, np.float32, (64, 32)), mm_model(xb, xb[:32].T))
-
-
 # ------------------------------------------------------------------------------ misuse
 
 def dispatch_error(dev, kernel, groups, tg, buffers, cst=(), threadgroups=True):
