@@ -48,10 +48,8 @@ inline void gemm_accumulate(threadgroup float* smem, device const float4* x,
   const uint live_m = gemm_live(rows, row0, FM);
   const uint live_n = gemm_live(min(BN, n - n0), col0, FN);
 
-  simdgroup_float8x8 acc[NB * FM * FN];
-  for (uint i = 0; i < NB * FM * FN; ++i) {
-    acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-  }
+  GemmFragments<float, FM, FN, NB, BN> frags;
+  frags.clear();
   for (uint k0 = 0; k0 < k; k0 += kGemmBK) {
     gemm_load_a<float, BM, NT>(As, x, a, k0, tid);
     gemm_load_w<BITS, float, BN, NT>(Ws, w0, s0, b0, n0, n, k, k0, tid);
@@ -60,18 +58,11 @@ inline void gemm_accumulate(threadgroup float* smem, device const float4* x,
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (live_m > 0 && live_n > 0) {  // uniform over the simdgroup
-      gemm_mma_step<float, FM, FN, NB, BN>(acc, As, Ws, row0, col0, live_m, live_n);
+      frags.step(As, Ws, row0, col0, live_m, live_n);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  for (uint b = 0; b < NB; ++b) {
-    for (uint i = 0; i < live_m; ++i) {
-      for (uint j = 0; j < live_n; ++j) {
-        simdgroup_store(acc[(b * FM + i) * FN + j], smem + b * BM * ldc, ldc,
-                        ulong2(col0 + 8 * j, row0 + 8 * i));
-      }
-    }
-  }
+  frags.store(smem, BM, ldc, row0, col0, live_m, live_n);
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 

@@ -143,32 +143,57 @@ inline uint gemm_live(uint valid, uint origin, uint frags) {
   return valid > origin ? min(frags, (valid - origin + 7) / 8) : 0u;
 }
 
-// One step of the simdgroup's NB products: acc[(b * FM + i) * FN + j] += A[i] * W_b[j]^T over
-// the kGemmBK columns of the tiles; the NB weight tiles are consecutive in Ws at a stride of
-// BN * kGemmLd elements (gate then up for SwiGLU). Each A fragment is loaded once for all NB.
+// The simdgroup's accumulators of NB products (NB = 2: gate then up, sharing the A tile):
+// acc[(b * FM + i) * FN + j] is the fp32 8x8 block of rows row0 + 8i, columns col0 + 8j of
+// product b. The NB weight tiles are consecutive in Ws at a stride of BN * kGemmLd elements.
 template <typename T, uint FM, uint FN, uint NB, uint BN>
-inline void gemm_mma_step(thread simdgroup_float8x8* acc, const threadgroup T* As,
-                          const threadgroup T* Ws, uint row0, uint col0, uint live_m, uint live_n) {
-  for (uint kk = 0; kk < kGemmBK; kk += 8) {
-    simdgroup_matrix<T, 8, 8> a[FM];
-    for (uint i = 0; i < FM; ++i) {
-      if (i < live_m) {
-        simdgroup_load(a[i], As, kGemmLd, ulong2(kk, row0 + 8 * i));
-      }
+struct GemmFragments {
+  simdgroup_float8x8 acc[NB * FM * FN];
+
+  void clear() {
+    for (uint i = 0; i < NB * FM * FN; ++i) {
+      acc[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
     }
-    for (uint b = 0; b < NB; ++b) {
-      for (uint j = 0; j < FN; ++j) {
-        if (j < live_n) {
-          simdgroup_matrix<T, 8, 8> wt;  // W^T fragment: rows = k, columns = output columns
-          simdgroup_load(wt, Ws + b * BN * kGemmLd, kGemmLd, ulong2(kk, col0 + 8 * j), true);
-          for (uint i = 0; i < FM; ++i) {
-            if (i < live_m) {
-              simdgroup_multiply_accumulate(acc[(b * FM + i) * FN + j], a[i], wt,
-                                            acc[(b * FM + i) * FN + j]);
+  }
+
+  // One step: acc_b += A[rows] * W_b[cols]^T over the kGemmBK columns of the tiles. Each A
+  // fragment is loaded once for all NB products and FN column fragments.
+  void step(const threadgroup T* As, const threadgroup T* Ws, uint row0, uint col0, uint live_m,
+            uint live_n) {
+    for (uint kk = 0; kk < kGemmBK; kk += 8) {
+      simdgroup_matrix<T, 8, 8> a[FM];
+      for (uint i = 0; i < FM; ++i) {
+        if (i < live_m) {
+          simdgroup_load(a[i], As, kGemmLd, ulong2(kk, row0 + 8 * i));
+        }
+      }
+      for (uint b = 0; b < NB; ++b) {
+        for (uint j = 0; j < FN; ++j) {
+          if (j < live_n) {
+            simdgroup_matrix<T, 8, 8> wt;  // W^T fragment: rows = k, columns = output columns
+            simdgroup_load(wt, Ws + b * BN * kGemmLd, kGemmLd, ulong2(kk, col0 + 8 * j), true);
+            for (uint i = 0; i < FM; ++i) {
+              if (i < live_m) {
+                simdgroup_multiply_accumulate(acc[(b * FM + i) * FN + j], a[i], wt,
+                                              acc[(b * FM + i) * FN + j]);
+              }
             }
           }
         }
       }
     }
   }
-}
+
+  // Stores the live fragments: product b, row r, column c at C[b * rows_c * ldc + r * ldc + c].
+  void store(threadgroup float* C, uint rows_c, uint ldc, uint row0, uint col0, uint live_m,
+             uint live_n) {
+    for (uint b = 0; b < NB; ++b) {
+      for (uint i = 0; i < live_m; ++i) {
+        for (uint j = 0; j < live_n; ++j) {
+          simdgroup_store(acc[(b * FM + i) * FN + j], C + b * rows_c * ldc, ldc,
+                          ulong2(col0 + 8 * j, row0 + 8 * i));
+        }
+      }
+    }
+  }
+};

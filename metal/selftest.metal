@@ -254,6 +254,27 @@ kernel void st_matmul(device const T* A [[buffer(0)]],
 template [[host_name("st_matmul_f32")]] [[kernel]] decltype(st_matmul<float>) st_matmul<float>;
 template [[host_name("st_matmul_f16")]] [[kernel]] decltype(st_matmul<half>) st_matmul<half>;
 
+// ---- simdgroup matrices with lane-dependent operands -------------------------------------
+// Undefined on a GPU (the operands of a simdgroup_matrix operation are simdgroup-wide); the
+// simulator keeps a whole matrix per lane and must give every lane its own product even
+// though it computes a product once per simdgroup when the lanes' operands agree.
+// C[t] = A[t or 0] * B + (... three times, from acc = 1), for thread t.
+kernel void st_matmul_lanes(device const float* A [[buffer(0)]],
+                            device const float* B [[buffer(1)]],
+                            device float* C [[buffer(2)]],
+                            constant uint& same [[buffer(3)]],
+                            uint tid [[thread_position_in_grid]]) {
+  simdgroup_float8x8 a;
+  simdgroup_float8x8 b;
+  simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  simdgroup_load(a, A + (same != 0 ? 0u : tid * 64u), 8);
+  simdgroup_load(b, B, 8);
+  for (int i = 0; i < 3; ++i) {
+    simdgroup_multiply_accumulate(acc, a, b, acc);
+  }
+  simdgroup_store(acc, C + tid * 64u, 8);
+}
+
 // ---- token slots: step reads the previous slot and writes the next ---------------------
 kernel void st_token_step(device const uint* prev [[buffer(0)]],
                           device uint* next [[buffer(1)]],

@@ -6,6 +6,7 @@
 #endif
 #include "gpu/sim/executor.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -160,6 +161,7 @@ struct Fiber {
   int simd = 0, lane = 0;
   bool at_barrier = false;
   bool at_rendezvous = false;
+  uint64_t matrix_ops = 0;  // simdgroup_matrix operations this thread has performed
   Stack stack;
 #ifdef LILY_ASM_SWITCH
   void* sp = nullptr;
@@ -171,8 +173,23 @@ struct Fiber {
 #endif
 };
 
+// One simdgroup_matrix operation computed by the first lane that reached it (simd_matrix_op),
+// kept until every live lane of the simdgroup has passed it.
+struct MatrixMemo {
+  MatrixFn fn = nullptr;
+  size_t size[3] = {};  // bytes of the operands a, b, c
+  int uses = 0;         // lanes that have passed this operation
+  alignas(16) unsigned char in[3][kMatrixOperandMax];
+  alignas(16) unsigned char out[kMatrixOperandMax];
+  MatrixMemo() {}  // user-provided: emplace_back() leaves the byte arrays uninitialised
+};
+
 struct SimdState {
   int lanes = 0, live = 0, arrived = 0;
+  // Matrix operations [memo_head, memo_tail) of simd_matrix_op, operation i at
+  // memo[i & (memo.size() - 1)] (a ring; the size is 0 or a power of two).
+  std::vector<MatrixMemo> memo;
+  uint64_t memo_head = 0, memo_tail = 0;
   Op op = Op::none;
   CollectiveFn fn = nullptr;
   int first_lane_in = -1;
@@ -655,6 +672,51 @@ const unsigned char* simd_collective(Op op, const void* operand, size_t size, ui
     block(w);
   }
   return s.out[f.lane];
+}
+
+void simd_matrix_op(MatrixFn fn, const void* a, size_t a_size, const void* b, size_t b_size,
+                    const void* c, size_t c_size, void* d, size_t d_size) {
+  Worker& w = worker();
+  Fiber& f = *w.cur;
+  SimdState& s = w.tg->simds[f.simd];
+  const uint64_t n = f.matrix_ops++;
+  if (n >= s.memo_head && n < s.memo_tail) {  // an earlier lane computed operation n
+    const uint64_t mask = s.memo.size() - 1;
+    MatrixMemo& m = s.memo[n & mask];
+    m.uses += 1;
+    if (m.fn == fn && m.size[0] == a_size && m.size[1] == b_size && m.size[2] == c_size &&
+        std::memcmp(m.in[0], a, a_size) == 0 && std::memcmp(m.in[1], b, b_size) == 0 &&
+        std::memcmp(m.in[2], c, c_size) == 0)
+      std::memcpy(d, m.out, d_size);
+    else
+      fn(a, b, c, d);  // this lane's operands differ: its own result
+    while (s.memo_head < s.memo_tail && s.memo[s.memo_head & mask].uses >= s.live) s.memo_head += 1;
+    return;
+  }
+  const bool fits = a_size <= kMatrixOperandMax && b_size <= kMatrixOperandMax &&
+                    c_size <= kMatrixOperandMax && d_size <= kMatrixOperandMax;
+  if (s.live < 2 || n != s.memo_tail || !fits) {  // nobody to share with (or lanes out of step)
+    fn(a, b, c, d);
+    return;
+  }
+  if (s.memo_tail - s.memo_head == s.memo.size()) {  // full: double the ring, keep the order
+    std::vector<MatrixMemo> grown(std::max<size_t>(64, 2 * s.memo.size()));
+    for (uint64_t i = s.memo_head; i < s.memo_tail; ++i)
+      grown[i & (grown.size() - 1)] = s.memo[i & (s.memo.size() - 1)];
+    s.memo.swap(grown);
+  }
+  MatrixMemo& m = s.memo[n & (s.memo.size() - 1)];
+  s.memo_tail += 1;
+  m.fn = fn;
+  m.uses = 1;
+  m.size[0] = a_size;
+  m.size[1] = b_size;
+  m.size[2] = c_size;
+  std::memcpy(m.in[0], a, a_size);
+  std::memcpy(m.in[1], b, b_size);
+  std::memcpy(m.in[2], c, c_size);
+  fn(a, b, c, d);
+  std::memcpy(m.out, d, d_size);
 }
 
 void kernel_fail(const std::string& message) { throw KernelFault(message); }

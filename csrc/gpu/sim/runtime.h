@@ -85,6 +85,16 @@ ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtensio
 // lane's result slot (valid until this lane's next collective).
 const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg,
                                      CollectiveFn fn);
+// simdgroup_matrix arithmetic. The shim keeps the whole matrix in every lane, so every lane
+// of a simdgroup performs the same product on the same values; `fn(a, b, c, d)` (d may alias
+// c) is a pure function of the operand bytes. The first lane of the simdgroup to reach its
+// n-th matrix operation computes it; a later lane whose n-th operation has the same function
+// and byte-identical operands copies that result instead of recomputing it (any other lane
+// computes its own). The results are exactly those of computing in every lane.
+using MatrixFn = void (*)(const void* a, const void* b, const void* c, void* d);
+constexpr size_t kMatrixOperandMax = 256;  // bytes of one operand or result (8x8 float)
+void simd_matrix_op(MatrixFn fn, const void* a, size_t a_size, const void* b, size_t b_size,
+                    const void* c, size_t c_size, void* d, size_t d_size);
 // Poison byte pattern for undefined results (NaN for every float type).
 constexpr unsigned char kPoison = 0xFF;
 

@@ -1,0 +1,464 @@
+"""Prefill GEMMs of metal/gemm.metal on the Metal simulator against numpy.
+
+Dense: gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k],
+row strides lda / ldy, column blocks of wider matrices). Grouped expert GEMMs over a tile
+map: moe_gemm_gate_up_q4_t{16,32}, moe_gemm_down_q4_t{16,32} (skewed expert loads, empty
+experts, arbitrary slot order inside an expert, tile_count < max_tiles with plausible but
+stale tile entries past it, a real-model-shaped layer). Weights are random MLX-layout
+tensors (``rand_quant`` of test_kernels_gemv_moe.py: uniform codes, realistic bf16 scales
+and biases) and the reference dequantizes them with ``QuantizedTensor.dequantize``. Every
+correctness test runs in the three simulator modes of test_kernels_mixers.py (forward;
+reverse thread/threadgroup order with undeclared-read detection; random order), always with
+out-of-range write detection, on poisoned (NaN) outputs: bytes a dispatch must not write are
+checked to still be NaN.
+
+Tolerances (fp32 arithmetic; ``exact`` is float64 from the fp32-dequantized weights):
+* every output of a product is a sum of K products ``w x``; the kernels dequantize
+  ``w = s q + b`` in fp32 (the same value as ``dequantize``, or one rounding away where a GPU
+  compiler contracts it to an fma) and accumulate in fp32 in an order that differs from
+  numpy's (simdgroup_matrix 8x8 products, sequential over k on the simulator, unspecified
+  inside a product on a GPU). The first-order bound of a K-term fp32 sum in any order is
+  ``(K - 1) u M`` with ``u = 2**-24`` and ``M = sum_i (|s| q_i + |b|) |x_i|`` (the summed
+  magnitudes), plus ``u M`` for the products and ``2 u M`` for a contracted dequantization:
+  we check ``|got - exact| <= (K + 8) u M`` per output. Typical errors are ~sqrt(K) u M
+  (measured worst err/tol is printed by each test: ~0.01-0.1). For K <= 512 the bound is
+  below the effect of one wrong 4-bit code (~M / (15 K)); at K = 2048 it still catches any
+  indexing, stride or tile error, which change many terms;
+* ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
+* SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
+  a few roundings of the activation (``_swiglu_bound`` of test_kernels_gemv_moe.py);
+* down projection of the grouped chain: hx is the kernel's own gate/up output, so the down
+  kernel is checked with the plain bound above on exactly the values it read.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+from seeding import fresh_rng
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from test_kernels_gemv_moe import _swiglu_bound, magnitude, rand_quant  # noqa: E402
+
+U = 2.0**-24
+BN = 64          # output columns per threadgroup of every GEMM kernel (metal/gemm.metal)
+DENSE_BM = 32    # rows per threadgroup of the dense kernels
+DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
+MOE_TG = {16: 64, 32: 128}  # threads of the grouped kernels per tile height T
+TIMES: dict[str, float] = {}
+
+THREAD_ORDERS = {  # as tests/test_kernels_mixers.py
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=1),
+}
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    return sim_device(**THREAD_ORDERS[request.param])
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    return sim_device(verify_writes=True)
+
+
+def teardown_module(module):
+    for k, v in sorted(TIMES.items()):
+        print(f"  sim time {k}: {v:.2f} s")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def bound(K):
+    return (K + 8) * U
+
+
+def check(got, exact, tol, what):
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
+    err = np.abs(got - exact)
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outputs out of tolerance; worst err/tol "
+                           f"{(err / tol).max():.3g} at {np.unravel_index(np.argmax(err / tol), err.shape)}")
+    ratio = float((err / tol).max())
+    print(f"{what}: worst err/tol {ratio:.3g}")
+    return ratio
+
+
+def commit(cb, label):
+    t0 = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    TIMES[label] = TIMES.get(label, 0.0) + time.perf_counter() - t0
+
+
+def qbufs(dev, qt):
+    return [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
+
+
+def row_ranges(buf, offset, rows, stride, width):
+    """Byte ranges of a column block: `rows` rows of `width` floats, `stride` floats apart."""
+    return [(buf, offset + 4 * r * stride, 4 * width) for r in range(rows)]
+
+
+def dense_grid(m, n):
+    return (-(-n // BN), -(-m // DENSE_BM))
+
+
+def gemm_args(m, n, k, lda, ldy):
+    return constant(m, n, k, lda, ldy)
+
+
+# ------------------------------------------------------------------------------ dense
+
+DENSE_SHAPES = [  # m, n, k
+    (1, 1, 64), (7, 33, 64), (33, 64, 128), (100, 300, 256), (5, 257, 192), (64, 128, 320),
+    (40, 1, 512), (13, 32, 2048), (200, 70, 64), (31, 129, 128),
+]
+
+
+def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
+    reads = [*wb, (X, x_off, 4 * ((m - 1) * lda + k))]
+    ys = row_ranges(Y, y_off, m, ldy, n)
+    p.dispatch(kernel, dense_grid(m, n), DENSE_TG,
+               buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
+               constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy))],
+               reads=reads + (ys if add else []), writes=ys, threadgroups=True, label=kernel)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", DENSE_SHAPES)
+def test_gemm(dev, bits, m, n, k):
+    rng = fresh_rng(m, n, k, bits)
+    qt = rand_quant(rng, (), n, k, bits)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wb = qbufs(dev, qt)
+    X, Y = upload(dev, x), dev.buffer(4 * (m * n + 16))  # poisoned; 16 floats of pad
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), f"gemm_q{bits}", wb, X, Y, m, n, k, k, n)
+    commit(cb, f"gemm_q{bits}")
+    out = download(Y, np.float32)
+    x64 = x.astype(np.float64)
+    exact = x64 @ qt.dequantize().astype(np.float64).T
+    tol = bound(k) * (np.abs(x64) @ magnitude(qt).T)
+    check(out[:m * n].reshape(m, n), exact, tol, f"gemm_q{bits} {m}x{n}x{k}")
+    assert np.isnan(out[m * n:]).all(), "wrote past the output"
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 100, 256), (64, 64, 64), (3, 200, 512)])
+def test_gemm_strides_and_column_block(dev, m, n, k):
+    """x is a column block of a wider matrix (lda > k, bound at an offset) and y a column
+    block of a wider output (ldy > n, bound at a column offset); only that block is written."""
+    rng = fresh_rng(m, n, k, 77)
+    qt = rand_quant(rng, (), n, k, 4)
+    lda, xc = k + 12, 8            # x: columns [8, 8 + k) of an [m, k + 12] matrix
+    ldy, yc = n + 7, 3             # y: columns [3, 3 + n) of an [m, n + 7] matrix
+    xw = rng.standard_normal((m, lda)).astype(np.float32)
+    wb = qbufs(dev, qt)
+    X, Y = upload(dev, xw), dev.buffer(4 * m * ldy)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, lda, ldy, x_off=4 * xc, y_off=4 * yc)
+    commit(cb, "gemm_q4 strided")
+    out = download(Y, np.float32).reshape(m, ldy)
+    x64 = xw[:, xc:xc + k].astype(np.float64)
+    exact = x64 @ qt.dequantize().astype(np.float64).T
+    check(out[:, yc:yc + n], exact, bound(k) * (np.abs(x64) @ magnitude(qt).T), f"gemm_q4 strided {m}x{n}x{k}")
+    rest = np.ones(ldy, bool)
+    rest[yc:yc + n] = False
+    assert np.isnan(out[:, rest]).all(), "wrote outside the column block"
+
+
+@pytest.mark.parametrize("m,n,k", [(33, 100, 256), (64, 2048, 128), (1, 5, 64), (100, 64, 512)])
+def test_gemm_add(dev, m, n, k):
+    """y += x W^T onto an existing residual (o_proj / out_proj), with ldy > n."""
+    rng = fresh_rng(m, n, k, 5)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    ldy = n + 4
+    y0 = rng.standard_normal((m, ldy)).astype(np.float32)
+    wb = qbufs(dev, qt)
+    X, Y = upload(dev, x), upload(dev, y0)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, ldy, add=True)
+    commit(cb, "gemm_q4_add")
+    out = download(Y, np.float32).reshape(m, ldy)
+    x64 = x.astype(np.float64)
+    exact = y0[:, :n].astype(np.float64) + x64 @ qt.dequantize().astype(np.float64).T
+    tol = bound(k) * (np.abs(x64) @ magnitude(qt).T) + 2 * U * np.abs(exact)
+    check(out[:, :n], exact, tol, f"gemm_q4_add {m}x{n}x{k}")
+    np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
+
+
+def swiglu_ref(x, g_q, u_q, index=None):
+    """silu(x Wg^T) * (x Wu^T) in float64 and its first-order error bound."""
+    x64 = x.astype(np.float64)
+    ax = np.abs(x64)
+    K = x.shape[-1]
+    g = x64 @ g_q.dequantize(index).astype(np.float64).T
+    u = x64 @ u_q.dequantize(index).astype(np.float64).T
+    dg = bound(K) * (ax @ magnitude(g_q, index).T)
+    du = bound(K) * (ax @ magnitude(u_q, index).T)
+    return _swiglu_bound(g, u, dg, du)
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 100, 256), (7, 64, 64), (64, 512, 256), (100, 33, 128)])
+def test_gemm_swiglu(dev, m, n, k):
+    rng = fresh_rng(m, n, k, 9)
+    gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wb = qbufs(dev, gq) + qbufs(dev, uq)
+    X, Y = upload(dev, x), dev.buffer(4 * (m * n + 16))
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n)
+    commit(cb, "gemm_swiglu_q4")
+    out = download(Y, np.float32)
+    want, tol = swiglu_ref(x, gq, uq)
+    check(out[:m * n].reshape(m, n), want, tol, f"gemm_swiglu_q4 {m}x{n}x{k}")
+    assert np.isnan(out[m * n:]).all()
+
+
+def test_router_and_shared_gate_one_buffer(dev):
+    """The MoE router layout: gemm_q8 writes logits[:, :E] and the shared-expert gate (an
+    8-bit [1, hidden] matrix) writes logits[:, E], both with ldy = E + 1, in one concurrent
+    pass: the declared per-row ranges do not overlap, so both run in one barrier stage."""
+    rng = fresh_rng(123)
+    m, E, hidden = 45, 32, 256
+    router, sgate = rand_quant(rng, (), E, hidden, 8), rand_quant(rng, (), 1, hidden, 8)
+    x = rng.standard_normal((m, hidden)).astype(np.float32)
+    X, L = upload(dev, x), dev.buffer(4 * m * (E + 1))
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_gemm(p, "gemm_q8", qbufs(dev, router), X, L, m, E, hidden, hidden, E + 1)
+    enc_gemm(p, "gemm_q8", qbufs(dev, sgate), X, L, m, 1, hidden, hidden, E + 1, y_off=4 * E)
+    commit(cb, "router gemm_q8")
+    assert cb.counters["barrier_stages"] == 1
+    out = download(L, np.float32).reshape(m, E + 1)
+    x64 = x.astype(np.float64)
+    for q, cols in ((router, slice(0, E)), (sgate, slice(E, E + 1))):
+        exact = x64 @ q.dequantize().astype(np.float64).T
+        check(out[:, cols], exact, bound(hidden) * (np.abs(x64) @ magnitude(q).T), "router logits")
+
+
+# ------------------------------------------------------------------------------ grouped
+
+
+def make_routing(rng, M, E, k, T, skew):
+    """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
+    increasing order, slots of one expert in *random* order) and the tile map.
+    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
+    if skew:
+        hot = int(rng.integers(E))
+        pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
+        ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(M)])
+        rows = rng.random(M) < 0.9
+        ids[rows, rng.integers(k, size=rows.sum())] = hot
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+    flat = ids.reshape(-1).astype(np.uint32)
+    perm = []
+    tiles = []
+    for e in range(E):
+        a = np.nonzero(flat == e)[0]
+        rng.shuffle(a)
+        for b in range(0, len(a), T):
+            tiles.append((e, len(perm) + b, min(T, len(a) - b), 0))
+        perm.extend(a.tolist())
+    return ids.astype(np.uint32), np.asarray(perm, np.uint32), np.asarray(tiles, np.uint32).reshape(-1, 4)
+
+
+def tile_buffers(dev, tiles, count, M, E, k, T):
+    """tiles [max_tiles] with the entries past `count` set to stale but plausible tiles
+    (expert 0, slots 0..T): a kernel that ran them would overwrite slots of the first tile."""
+    max_tiles = -(-M * k // T) + min(E, M * k)
+    assert len(tiles) <= max_tiles
+    tl = np.tile(np.array([0, 0, T, 0], np.uint32), (max_tiles, 1))
+    tl[:count] = tiles[:count]
+    return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
+
+
+def moe_args(n, k, M, top_k, E, lda, ldy):
+    return constant(n, k, M, top_k, E, lda, ldy)
+
+
+def enc_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None):
+    lda, ldy = lda or H, ldy or I
+    p.dispatch(f"moe_gemm_gate_up_q4_t{T}", (max_tiles, -(-I // BN)), MOE_TG[T],
+               buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
+               constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
+               reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
+               writes=[(HX, 0, 4 * ((M * k - 1) * ldy + I))], threadgroups=True, label=f"moe_gemm_gate_up_q4_t{T}")
+
+
+def enc_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None):
+    lda, ldy = lda or I, ldy or H
+    p.dispatch(f"moe_gemm_down_q4_t{T}", (max_tiles, -(-H // BN)), MOE_TG[T],
+               buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
+               constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
+               reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
+               writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H))], threadgroups=True, label=f"moe_gemm_down_q4_t{T}")
+
+
+MOE_CASES = [  # M, E, k, hidden, inter, skew
+    pytest.param(37, 16, 4, 128, 64, False, id="tiny"),
+    pytest.param(50, 32, 8, 256, 128, True, id="dims-skewed"),
+    pytest.param(70, 16, 4, 128, 192, True, id="ragged-skewed"),
+]
+
+
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
+def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
+    rng = fresh_rng(M, E, k, H, I, T, skew)
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    count = len(tiles) - 2  # the last two tiles are not in the map: their slots stay unwritten
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
+    HX = dev.buffer(4 * M * k * I)
+    cb = dev.command_buffer()
+    enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I)
+    commit(cb, f"moe_gemm_gate_up_q4_t{T}")
+    hx = download(HX, np.float32).reshape(M * k, I)
+    covered = np.zeros(M * k, bool)
+    for e, begin, rows, _ in tiles[:count]:
+        covered[begin:begin + rows] = True
+        a = perm[begin:begin + rows]
+        want, tol = swiglu_ref(x[a // k], gq, uq, int(e))
+        assert (ids.reshape(-1)[a] == e).all()
+        check(hx[begin:begin + rows], want, tol, f"gate/up T={T} expert {e}")
+    assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
+
+
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
+def test_moe_down(dev, T, M, E, k, H, I, skew):
+    rng = fresh_rng(M, E, k, H, I, T, skew, 2)
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    dq = rand_quant(rng, (E,), H, I, 4)
+    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
+    count = len(tiles) - 1
+    HX, P = upload(dev, hx), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
+    YX = dev.buffer(4 * M * k * H)
+    cb = dev.command_buffer()
+    enc_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, qbufs(dev, dq), YX, M, k, E, H, I)
+    commit(cb, f"moe_gemm_down_q4_t{T}")
+    yx = download(YX, np.float32).reshape(M * k, H)
+    written = np.zeros(M * k, bool)
+    for e, begin, rows, _ in tiles[:count]:
+        a = perm[begin:begin + rows]
+        written[a] = True
+        h64 = hx[begin:begin + rows].astype(np.float64)
+        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
+        check(yx[a], exact, bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"down T={T} expert {e}")
+    assert np.isnan(yx[~written]).all(), "wrote rows of tiles past tile_count"
+
+
+def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
+    """gate/up then down in one concurrent pass (a barrier derived from the declared ranges),
+    every tile in the map; returns what the checks need."""
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4),
+                  rand_quant(rng, (E,), H, I, 4))
+    lda = H + lda_pad
+    x = rng.standard_normal((M, lda)).astype(np.float32)
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    HX, YX = dev.buffer(4 * M * k * I), dev.buffer(4 * M * k * H)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_gate_up(p, T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I, lda=lda)
+    enc_down(p, T, HX, P, TL, TC, max_tiles, qbufs(dev, dq), YX, M, k, E, H, I)
+    commit(cb, f"moe chain T={T} {H}x{I}")
+    assert cb.counters["barrier_stages"] == 2
+    hx = download(HX, np.float32).reshape(M * k, I)
+    yx = download(YX, np.float32).reshape(M * k, H)
+    flat = ids.reshape(-1)
+    # gate/up per expert, then down on the kernel's own hx
+    for e in np.unique(flat):
+        slots = np.nonzero(flat[perm] == e)[0]
+        a = perm[slots]
+        want, tol = swiglu_ref(x[a // k, :H], gq, uq, int(e))
+        check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
+        h64 = hx[slots].astype(np.float64)
+        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
+        check(yx[a], exact, bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"chain down T={T} expert {e}")
+    return tiles
+
+
+@pytest.mark.parametrize("T", [16, 32])
+def test_moe_chain(dev, T):
+    run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
+
+
+@pytest.mark.parametrize("T", [16, 32])
+def test_moe_chain_real_shape(dev, T):
+    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
+    tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
+    assert len(tiles) >= 4
+
+
+# ------------------------------------------------------------------------------ timing
+
+
+def test_time_lm_head_shape(fwd_dev):
+    """Simulator time of an lm_head-like GEMM (m = 200 rows, vocab 248320, hidden 256, the
+    demo model's shape): 1/32 of the columns by default (printed with the extrapolation);
+    the whole shape with LILY_GEMM_LM_HEAD=1."""
+    m, n_full, k = 200, 248320, 256
+    n = n_full if os.environ.get("LILY_GEMM_LM_HEAD") else n_full // 32
+    rng = fresh_rng(7)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wb = qbufs(fwd_dev, qt)
+    X, Y = upload(fwd_dev, x), fwd_dev.buffer(4 * m * n)
+    cb = fwd_dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
+    t0, c0 = time.perf_counter(), time.process_time()
+    cb.commit()
+    cb.wait()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"gemm_q4 m={m} n={n} k={k}: {wall:.2f} s wall, {cpu:.2f} s CPU; "
+          f"full n={n_full}: ~{wall * n_full / n:.1f} s wall, ~{cpu * n_full / n:.1f} s CPU")
+    y = download(Y, np.float32).reshape(m, n)
+    cols = rng.choice(n, 64, replace=False)  # spot check
+    x64 = x.astype(np.float64)
+    exact = x64 @ qt.dequantize(cols).astype(np.float64).T
+    check(y[:, cols], exact, bound(k) * (np.abs(x64) @ magnitude(qt, cols).T), "lm_head shape")
+
+
+# ------------------------------------------------------------------------------ simulator
+
+
+@pytest.mark.parametrize("same", [1, 0])
+@pytest.mark.parametrize("threads", [32, 40, 96])
+def test_sim_matrix_products_per_lane(dev, same, threads):
+    """The simulator computes a simdgroup_matrix product once per simdgroup and copies it to
+    the lanes whose operands are byte-identical (runtime.h, simd_matrix_op); a lane with
+    other operands (here: lane-dependent loads, undefined on a GPU) still gets its own
+    product, including in a partial last simdgroup (40 threads: 32 + 8 lanes)."""
+    rng = fresh_rng(threads, same)
+    A = rng.standard_normal((threads, 8, 8)).astype(np.float32)
+    B = rng.standard_normal((8, 8)).astype(np.float32)
+    Ab, Bb, C = upload(dev, A), upload(dev, B), dev.buffer(4 * 64 * threads)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_matmul_lanes", threads, threads, buffers=[(0, Ab), (1, Bb), (2, C)],
+                               constants=[(3, constant(same))], reads=[Ab, Bb], writes=[C])
+    cb.commit()
+    cb.wait()
+    got = download(C, np.float32).reshape(threads, 8, 8)
+    for t in range(threads):
+        a = A[0 if same else t].astype(np.float64)
+        want = 1.0 + 3 * (a @ B.astype(np.float64))
+        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5, err_msg=f"thread {t}")
