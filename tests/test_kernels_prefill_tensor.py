@@ -1,27 +1,28 @@
 """Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal), on the Metal
-simulator with gpu_family="apple10": each *_tensor kernel against numpy on fresh random
-inputs (random 4/8-bit codes, bf16 scales and biases, fp32 activations) and against its
-simdgroup_matrix twin in metal/gemm.metal (same bindings, grid and outputs).
+simulator with gpu_family="apple10".
 
-Tolerances. Three checks per output:
-* simulator exactness: the simulator's tensor operation rounds each fp32 product and adds
-  it in increasing k order (docs/device-layer.md), its simdgroup_matrix multiply-accumulate
-  does the same, and the kernels dequantize with the same fp32 operations as
-  ``QuantizedTensor.dequantize`` (``q * s``, then ``+ b``). So the plain GEMM outputs equal,
-  bit for bit, a numpy float32 model that accumulates ``acc = acc + x[:, k] * w[:, k]`` in
-  k order, and every output equals the simdgroup twin's bit for bit (SwiGLU included: the
-  same ``silu`` on the same values);
-* the bound a GPU must meet (another summation order, fused multiply-adds): ``|got - exact|
-  <= k u M`` with ``exact`` in float64, ``u = 2**-24`` and ``M = sum_k |x_k| (|s| q_k + |b|)``
-  (first-order error of any fp32 summation of k products, plus the dequantization's two
-  roundings per weight, covered by the same factor since 2 <= k); for SwiGLU the bound
-  propagates as ``|silu'(g)| |u| e_g + |silu(g)| e_u`` plus 4 ulps of the result for silu's
-  own rounding. One wrong code or row changes an output by ~M / k, far above k u M.
+1. h-gemm's suite, unchanged, on the twins: every test of tests/test_kernels_prefill_gemm.py
+   (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
+   grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
+   a real-model-shaped layer) is collected here again with its own parametrisation, inputs
+   and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
+   ``_tensor`` twin (same bindings, grids, outputs). Its tolerances are the float32 bounds
+   documented in that module (``(K + 8) u M`` per output, first-order SwiGLU propagation),
+   which hold for any summation order, so they are also what a GPU must meet. Excluded: its
+   simulator-timing test and its simdgroup_matrix simulator test (not GEMM kernels).
+2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
+   product and adds it in increasing k order (docs/device-layer.md), as does its
+   simdgroup_matrix multiply-accumulate, and both paths dequantize with the same fp32
+   operations as ``QuantizedTensor.dequantize`` (``q * s``, then ``+ b``). So every output of
+   a twin equals its simdgroup kernel's bit for bit (SwiGLU included: the same ``silu`` on
+   the same values), and the plain products equal a numpy float32 model that accumulates
+   ``acc = acc + x[:, k] * w[:, k]`` in k order. (Not so on a GPU: other order, fma.)
+3. The twins' bindings match gemm.metal's, they exist only on apple10 devices, and the
+   Metal backend's start-up probe kernel computes what it should.
 
-Kernel tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
-reverse with undeclared-read detection; random), all with out-of-range write detection.
-Outputs start poisoned (NaN); shapes do not divide the 32 x 64 / 16 x 64 tiles; row strides
-are padded.
+Correctness tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+reverse with undeclared-read detection; random), all with out-of-range write detection, on
+poisoned (NaN) outputs; the extra exactness checks of part 2 run in forward order.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import silu  # noqa: E402
+import test_kernels_prefill_gemm as simd_suite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-24
@@ -52,14 +54,72 @@ THREAD_ORDERS = {
 }
 
 
+# The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4", "moe_gemm_gate_up_q4_t16",
+         "moe_gemm_gate_up_q4_t32", "moe_gemm_down_q4_t16", "moe_gemm_down_q4_t32"}
+
+
+class _Proxy:
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
+class _TwinPass(_Proxy):
+    def dispatch(self, kernel, *args, **kwargs):
+        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, *args, **kwargs)
+
+
+class _TwinCommandBuffer(_Proxy):
+    def compute_pass(self, *args, **kwargs):
+        return _TwinPass(self._obj.compute_pass(*args, **kwargs))
+
+
+class TwinDevice(_Proxy):
+    """A simulator device on which dispatching a GEMM kernel runs its *_tensor twin."""
+
+    def command_buffer(self):
+        return _TwinCommandBuffer(self._obj.command_buffer())
+
+
 @pytest.fixture(scope="module", params=list(THREAD_ORDERS))
 def dev(request):
-    return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])
+    return TwinDevice(sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param]))
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    return TwinDevice(sim_device(gpu_family="apple10", verify_writes=True))
 
 
 @pytest.fixture(scope="module")
 def fwd():
     return sim_device(gpu_family="apple10", verify_writes=True)
+
+
+# ---- part 1: h-gemm's suite on the twins (module docstring)
+_NOT_GEMM = {"test_time_lm_head_shape", "test_sim_matrix_products_per_lane"}
+for _name, _fn in list(vars(simd_suite).items()):
+    if _name.startswith("test_") and callable(_fn) and _name not in _NOT_GEMM:
+        globals()[_name + "_tensor"] = _fn
+del _name, _fn
+
+
+def test_suite_reaches_the_twins(dev):
+    """The proxy really dispatches the twins (a twin's name is in the dispatch log only if
+    the label is left to default)."""
+    x = np.zeros((1, 64), np.float32)
+    qt = rand_quant(fresh_rng(10), (), 1, 64, 4)
+    bufs = [upload(dev, a) for a in (qt.weight, qt.scales, qt.biases, x)] + [dev.buffer(4)]
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("gemm_q4", (1, 1), 128, buffers=list(enumerate(bufs)),
+                               constants=[(5, constant(1, 1, 64, 64, 1))], reads=bufs[:4], writes=bufs[4:],
+                               threadgroups=True)
+    cb.commit()
+    cb.wait()
+    assert cb.dispatch_log[0]["label"].startswith("gemm_q4_tensor")
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -150,9 +210,12 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
     return download(Y, np.float32, (m, ldy))
 
 
+# ---- part 2: bit-exactness in the simulator (forward order)
+
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m,n,k", [(45, 100, 128), (33, 70, 256), (1, 64, 64), (64, 130, 192)])
-def test_gemm_q(dev, bits, m, n, k):
+@pytest.mark.parametrize("m,n,k", [(45, 100, 128), (1, 64, 64), (64, 130, 192)])
+def test_gemm_q_exact(fwd, bits, m, n, k):
+    dev = fwd
     rng = fresh_rng(11, bits, m, n, k)
     qt = rand_quant(rng, (), n, k, bits)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -165,7 +228,8 @@ def test_gemm_q(dev, bits, m, n, k):
     check_bound(y[:, :n], x, qt)
 
 
-def test_gemm_q4_add(dev):
+def test_gemm_q4_add_exact(fwd):
+    dev = fwd
     m, n, k = 37, 90, 128
     rng = fresh_rng(12)
     qt = rand_quant(rng, (), n, k, 4)
@@ -199,7 +263,8 @@ def swiglu_check(got, x, g_qt, u_qt, gi=None, ui=None):
 
 
 @pytest.mark.parametrize("m,n,k", [(33, 70, 128), (5, 64, 256)])
-def test_gemm_swiglu_q4(dev, m, n, k):
+def test_gemm_swiglu_q4_exact(fwd, m, n, k):
+    dev = fwd
     rng = fresh_rng(13, m, n, k)
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k), dtype=np.float32)
@@ -211,7 +276,7 @@ def test_gemm_swiglu_q4(dev, m, n, k):
     swiglu_check(y[:, :n], x, gq, uq)
 
 
-def test_gemm_q4_real_size(fwd):
+def test_gemm_q4_real_size_exact(fwd):
     """One real-model shape: a 24-token chunk through a 2048 -> 512 projection."""
     m, n, k = 24, 512, 2048
     rng = fresh_rng(14)
@@ -278,7 +343,8 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
 
 @pytest.mark.parametrize("T", [16, 32])
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
-def test_moe_gemm_gate_up(dev, T, m, experts, top_k, hidden, inter):
+def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
     rng = fresh_rng(15, T, m, experts)
     ids = routed(rng, m, experts, top_k)
     perm, tiles, count, max_tiles = tile_map(ids, experts, T)
@@ -298,7 +364,8 @@ def test_moe_gemm_gate_up(dev, T, m, experts, top_k, hidden, inter):
 
 @pytest.mark.parametrize("T", [16, 32])
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
-def test_moe_gemm_down(dev, T, m, experts, top_k, hidden, inter):
+def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
     rng = fresh_rng(16, T, m, experts)
     ids = routed(rng, m, experts, top_k)
     perm, tiles, count, max_tiles = tile_map(ids, experts, T)
@@ -319,7 +386,7 @@ def test_moe_gemm_down(dev, T, m, experts, top_k, hidden, inter):
         check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, e)
 
 
-# ----------------------------------------------------------------------------- twins and probe
+# ---- part 3: twins and probe
 
 def kernel_bindings(path):
     """{kernel function: [(binding index, parameter declaration)]} of a .metal file."""

@@ -87,12 +87,48 @@ std::string describe_op(const Matmul& op) {
   return s.str();
 }
 
+// What a thread calls: the operation and its operands (identical for every thread of an
+// instance). Compared field by field; described only for messages.
+struct Signature {
+  enum class Kind : uint8_t { run, load, store } kind = Kind::run;
+  Matmul op;
+  Scope scope;
+  View a, b;       // run: left, right; load/store: the tensor in a
+  bool dst = false;  // run: a tensor destination (in view d) rather than a cooperative one
+  View d;
+};
+
+bool same_view(const View& x, const View& y) {
+  return x.data == y.data && x.dtype == y.dtype && x.ext0 == y.ext0 && x.ext1 == y.ext1 && x.stride1 == y.stride1;
+}
+
+bool operator==(const Signature& x, const Signature& y) {
+  return x.kind == y.kind && x.op.m == y.op.m && x.op.n == y.op.n && x.op.k == y.op.k &&
+         x.op.transpose_left == y.op.transpose_left && x.op.transpose_right == y.op.transpose_right &&
+         x.op.accumulate == y.op.accumulate && x.scope.kind == y.scope.kind &&
+         x.scope.simdgroups == y.scope.simdgroups && same_view(x.a, y.a) &&
+         (x.kind != Signature::Kind::run || (same_view(x.b, y.b) && x.dst == y.dst && (!x.dst || same_view(x.d, y.d))));
+}
+
+std::string describe(const Signature& g) {
+  std::string where = "(" + describe_op(g.op) + ", " + describe_scope(g.scope) + ")";
+  switch (g.kind) {
+    case Signature::Kind::run:
+      return "matmul2d::run " + where + " of the left " + describe_view(g.a) + " and the right " + describe_view(g.b) +
+             " into " + (g.dst ? "the " + describe_view(g.d) : std::string("a cooperative tensor"));
+    case Signature::Kind::load: return "cooperative_tensor::load " + where + " from the " + describe_view(g.a);
+    case Signature::Kind::store: return "cooperative_tensor::store " + where + " to the " + describe_view(g.a);
+  }
+  return "?";
+}
+
 // One instance of a scope operation: the k-th call of every thread of one scope.
 struct Instance {
-  std::string signature;  // the operation and its operands, identical for every caller
+  Signature signature;  // the operation and its operands, identical for every caller
   int expected = 0, arrivals = 0, released = 0;
-  // matmul2d::run: the operands as read at the first arrival (float), a: m_eff x K,
-  // b: K x n_eff, and where they came from (re-read at the last arrival).
+  // matmul2d::run: the operands as read at the first arrival (float), a: m_eff x K
+  // (a[r * K + k]), b: the right operand's columns, n_eff x K (b[c * K + k]), and where
+  // they came from (re-read at the last arrival).
   bool is_run = false;
   Matmul op;
   View left, right;
@@ -110,7 +146,8 @@ struct State : ThreadgroupExtension {
     if (inst.empty()) return {};
     const Instance& i = inst.begin()->second;
     return "a tensor operation was entered by " + std::to_string(i.arrivals) + " of the " + std::to_string(i.expected) +
-           " threads of its execution scope (every thread of the scope must call it, in the same order): " + i.signature;
+           " threads of its execution scope (every thread of the scope must call it, in the same order): " +
+           describe(i.signature);
   }
 };
 
@@ -140,15 +177,15 @@ void snapshot(Instance& in) {
   int rows, ka, kb, cols;
   left_geometry(op, in.left, &rows, &ka);
   right_geometry(op, in.right, &kb, &cols);
-  std::string what = "matmul2d::run with " + describe_op(op) + ": ";
+  auto what = [&] { return "matmul2d::run with " + describe_op(op) + ": "; };
   if (op.k < 0) {
     if (ka != kb)
-      fail((what + "the left operand has K = " + std::to_string(ka) + " and the right K = " + std::to_string(kb) +
+      fail((what() + "the left operand has K = " + std::to_string(ka) + " and the right K = " + std::to_string(kb) +
             " (with a dynamic k they must be equal)").c_str());
     in.K = ka;
   } else {
     if (ka < op.k || kb < op.k)
-      fail((what + "the operands' K extents (left " + std::to_string(ka) + ", right " + std::to_string(kb) +
+      fail((what() + "the operands' K extents (left " + std::to_string(ka) + ", right " + std::to_string(kb) +
             ") are smaller than the descriptor's k; Lily's subset does not rely on edge handling along K")
                .c_str());
     in.K = op.k;
@@ -159,8 +196,8 @@ void snapshot(Instance& in) {
   in.b.resize(size_t(in.K) * in.n_eff);
   for (int r = 0; r < in.m_eff; ++r)
     for (int kk = 0; kk < in.K; ++kk) in.a[size_t(r) * in.K + kk] = left_elem(op, in.left, r, kk);
-  for (int kk = 0; kk < in.K; ++kk)
-    for (int c = 0; c < in.n_eff; ++c) in.b[size_t(kk) * in.n_eff + c] = right_elem(op, in.right, kk, c);
+  for (int c = 0; c < in.n_eff; ++c)
+    for (int kk = 0; kk < in.K; ++kk) in.b[size_t(c) * in.K + kk] = right_elem(op, in.right, kk, c);
 }
 
 // At the last arrival: the operands must still hold what the first arrival read.
@@ -175,15 +212,16 @@ void verify(const Instance& in) {
   for (int r = 0; r < in.m_eff; ++r)
     for (int kk = 0; kk < in.K; ++kk)
       if (!same_bits(in.a[size_t(r) * in.K + kk], left_elem(op, in.left, r, kk))) changed("left", r, kk);
-  for (int kk = 0; kk < in.K; ++kk)
-    for (int c = 0; c < in.n_eff; ++c)
-      if (!same_bits(in.b[size_t(kk) * in.n_eff + c], right_elem(op, in.right, kk, c))) changed("right", kk, c);
+  for (int c = 0; c < in.n_eff; ++c)
+    for (int kk = 0; kk < in.K; ++kk)
+      if (!same_bits(in.b[size_t(c) * in.K + kk], right_elem(op, in.right, kk, c))) changed("right", kk, c);
 }
 
 float dot(const Instance& in, int r, int c, float acc) {
   const float* a = &in.a[size_t(r) * in.K];
+  const float* b = &in.b[size_t(c) * in.K];
   for (int kk = 0; kk < in.K; ++kk) {
-    float p = a[kk] * in.b[size_t(kk) * in.n_eff + c];
+    float p = a[kk] * b[kk];
     acc = acc + p;
   }
   return acc;
@@ -207,7 +245,7 @@ int scope_id(Scope s, const ThreadCoords& c) {
 
 // Enters the calling thread into the next instance of its scope. first: whether it
 // created the instance.
-Instance& arrive(Scope s, const std::string& signature, bool* first, InstKey* key) {
+Instance& arrive(Scope s, const Signature& signature, bool* first, InstKey* key) {
   const ThreadCoords& c = coords();
   State& st = state();
   int id = scope_id(s, c);
@@ -219,9 +257,9 @@ Instance& arrive(Scope s, const std::string& signature, bool* first, InstKey* ke
     it = st.inst.emplace(*key, Instance{}).first;
     it->second.signature = signature;
     it->second.expected = scope_threads(s);
-  } else if (it->second.signature != signature) {
-    fail(("divergent tensor operations in one " + describe_scope(s) + " scope: this thread calls " + signature +
-          " where another thread of the scope called " + it->second.signature)
+  } else if (!(it->second.signature == signature)) {
+    fail(("divergent tensor operations in one " + describe_scope(s) + " scope: this thread calls " + describe(signature) +
+          " where another thread of the scope called " + describe(it->second.signature))
              .c_str());
   }
   it->second.arrivals += 1;
@@ -232,7 +270,7 @@ Instance& arrive(Scope s, const std::string& signature, bool* first, InstKey* ke
 void check_complete(const Instance& in) {
   if (in.arrivals != in.expected)
     fail((std::to_string(in.expected - in.arrivals) + " thread(s) of the execution scope returned without calling " +
-          in.signature + " (every thread of the scope must call it)")
+          describe(in.signature) + " (every thread of the scope must call it)")
              .c_str());
 }
 
@@ -274,9 +312,14 @@ int scope_index(Scope s) {
 void run(const Matmul& op, Scope s, const View& left, const View& right, const View* dst, float* coop) {
   int t = scope_index(s);
   int T = scope_threads(s);
-  std::string sig = "matmul2d::run (" + describe_op(op) + ", " + describe_scope(s) + ") of the left " +
-                    describe_view(left) + " and the right " + describe_view(right) + " into " +
-                    (dst ? "the " + describe_view(*dst) : std::string("a cooperative tensor"));
+  Signature sig;
+  sig.kind = Signature::Kind::run;
+  sig.op = op;
+  sig.scope = s;
+  sig.a = left;
+  sig.b = right;
+  sig.dst = dst != nullptr;
+  if (dst) sig.d = *dst;
   bool first;
   InstKey key;
   Instance& in = arrive(s, sig, &first, &key);
@@ -317,8 +360,11 @@ void run(const Matmul& op, Scope s, const View& left, const View& right, const V
 void coop_load(const Matmul& op, Scope s, float* coop, const View& src) {
   int t = scope_index(s);
   int T = scope_threads(s);
-  std::string sig = "cooperative_tensor::load (" + describe_op(op) + ", " + describe_scope(s) + ") from the " +
-                    describe_view(src);
+  Signature sig;
+  sig.kind = Signature::Kind::load;
+  sig.op = op;
+  sig.scope = s;
+  sig.a = src;
   bool first;
   InstKey key;
   arrive(s, sig, &first, &key);
@@ -336,8 +382,11 @@ void coop_load(const Matmul& op, Scope s, float* coop, const View& src) {
 void coop_store(const Matmul& op, Scope s, const float* coop, const View& dst) {
   int t = scope_index(s);
   int T = scope_threads(s);
-  std::string sig = "cooperative_tensor::store (" + describe_op(op) + ", " + describe_scope(s) + ") to the " +
-                    describe_view(dst);
+  Signature sig;
+  sig.kind = Signature::Kind::store;
+  sig.op = op;
+  sig.scope = s;
+  sig.a = dst;
   bool first;
   InstKey key;
   arrive(s, sig, &first, &key);
