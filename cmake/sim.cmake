@@ -4,8 +4,8 @@ set(LILY_MSL_OUT "${CMAKE_BINARY_DIR}/msl")
 set(LILY_MSL2CPP "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl2cpp.py")
 file(GLOB LILY_SIM_METAL CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/metal/*.metal")
 file(GLOB LILY_SIM_METAL_H CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/metal/*.h")
-file(GLOB LILY_SIM_SHIM CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl/*"
-     "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/*.h")
+file(GLOB LILY_SIM_SHIM LIST_DIRECTORIES false CONFIGURE_DEPENDS "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl/*"
+     "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl/*/*.h" "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/*.h")
 
 set(LILY_SIM_GEN_HEADERS "")
 foreach(h ${LILY_SIM_METAL_H})
@@ -28,6 +28,8 @@ foreach(src ${LILY_SIM_METAL})
 endforeach()
 
 add_library(lily_sim_kernels OBJECT ${LILY_SIM_GEN_SOURCES} ${LILY_SIM_GEN_HEADERS})
+# C++20: the Metal 4 tensor-op shim needs class-type template arguments (matmul2d<descriptor, scope>).
+set_target_properties(lily_sim_kernels PROPERTIES CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON)
 target_include_directories(lily_sim_kernels PRIVATE
   "${CMAKE_SOURCE_DIR}/csrc" "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/msl" "${LILY_MSL_OUT}")
 # An MSL attribute the transform does not understand must not be silently ignored.
@@ -40,6 +42,9 @@ set_source_files_properties(${LILY_SIM_GEN_SOURCES} PROPERTIES OBJECT_DEPENDS "$
 
 add_library(lily_sim OBJECT
   "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/executor.cpp"
-  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/sim_device.cpp")
+  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/sim_device.cpp"
+  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/tensor_ops.cpp")
+# The tensor-op reference arithmetic rounds each product and each sum (no FMA contraction).
+set_source_files_properties("${CMAKE_SOURCE_DIR}/csrc/gpu/sim/tensor_ops.cpp" PROPERTIES COMPILE_OPTIONS "-ffp-contract=off")
 target_include_directories(lily_sim PRIVATE "${CMAKE_SOURCE_DIR}/csrc")
 list(APPEND LILY_DEVICES "sim")

@@ -41,6 +41,7 @@ for mm in "$ROOT"/csrc/gpu/metal/*.mm; do
 done
 # Plain C++ that is also compiled on macOS: the device interface, the simulator, the runtime.
 for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/sim_device.cpp \
+           "$ROOT"/csrc/gpu/sim/tensor_ops.cpp \
            "$ROOT"/csrc/runtime/model.cpp "$ROOT"/csrc/runtime/decode.cpp; do
   echo "check_objc: $cpp (C++, macOS target)"
   "$CLANG" "${COMMON[@]}" -x c++ "$cpp" || status=1
@@ -55,7 +56,8 @@ if (( ${#kernels[@]} )); then
   python3 "$ROOT/csrc/gpu/sim/msl2cpp.py" "$GEN" "${headers[@]}" "${kernels[@]}" || status=1
   for gen in "$GEN"/*.metal.cpp; do
     echo "check_objc: $(basename "$gen") (simulator kernels, macOS target)"
-    "$CLANG" "${COMMON[@]}" -Wno-unknown-pragmas -Werror=unknown-attributes -I "$ROOT/csrc/gpu/sim/msl" \
+    # C++20, as cmake/sim.cmake builds them (matmul2d's descriptor is a class-type template argument)
+    "$CLANG" "${COMMON[@]}" -std=c++20 -Wno-unknown-pragmas -Werror=unknown-attributes -I "$ROOT/csrc/gpu/sim/msl" \
       -I "$GEN" -x c++ "$gen" || status=1
   done
 fi

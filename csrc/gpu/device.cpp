@@ -209,4 +209,12 @@ BufferPtr Device::map_file(const std::string& path, size_t offset, size_t length
   return b;
 }
 
+std::string gpu_family_name(int family) { return "apple" + std::to_string(family); }
+
+int parse_gpu_family(const std::string& name) {
+  for (int f = 7; f <= 10; ++f)
+    if (name == gpu_family_name(f)) return f;
+  throw UsageError("gpu_family must be 'apple7', 'apple8', 'apple9' or 'apple10', not '" + name + "'");
+}
+
 }  // namespace lily::gpu

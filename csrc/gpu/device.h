@@ -256,7 +256,25 @@ class Device {
   virtual const Pipeline& pipeline(const std::string& name) = 0;
   virtual std::vector<std::string> kernel_names() const = 0;
   virtual std::unique_ptr<CommandBuffer> new_command_buffer() = 0;
+
+  // The GPU's Apple family N (MTLGPUFamilyAppleN): 7 = M1, 8 = M2, 9 = M3/M4, 10 = M5
+  // (per-core neural accelerators). The simulator reports the family it was created with.
+  virtual int gpu_family() const = 0;
+  // Whether the Metal 4 tensor-operation kernels (metal/*_tensor.metal; on a Mac
+  // lily_tensor.metallib) can be used: an apple10-family GPU, macOS 26, the tensor library
+  // built and loaded, not disabled by LILY_DISABLE_TENSOR_OPS. Prefill picks its GEMM
+  // kernels (*_tensor twins or simdgroup_matrix) with this.
+  virtual bool supports_tensor_ops() const = 0;
+  // Why supports_tensor_ops() is false, for messages and benchmarks ("" when it is true).
+  virtual std::string tensor_ops_status() const = 0;
 };
+
+// "apple10" for 10, etc.
+std::string gpu_family_name(int family);
+// Parses "apple7".."apple10"; throws UsageError otherwise.
+int parse_gpu_family(const std::string& name);
+// The Apple family from which Metal 4 tensor operations are used (M5: neural accelerators).
+constexpr int kTensorOpsFamily = 10;
 
 size_t page_size();
 

@@ -249,6 +249,12 @@ void bind_device(nb::module_& m) {
            },
            "nbytes"_a)
       .def("map_file", &Device::map_file, "path"_a, "offset"_a = 0, "length"_a = 0)
+      .def_prop_ro("gpu_family", [](const Device& d) { return gpu_family_name(d.gpu_family()); },
+                   "The GPU's Apple family: 'apple7' (M1) .. 'apple10' (M5); the simulator's is an option.")
+      .def_prop_ro("supports_tensor_ops", &Device::supports_tensor_ops,
+                   "Whether the Metal 4 tensor-op kernels (metal/*_tensor.metal) can be used on this device.")
+      .def_prop_ro("tensor_ops_status", &Device::tensor_ops_status,
+                   "Why supports_tensor_ops is False ('' when it is True).")
       .def("command_buffer",
            [](Device& d) {
              nb::gil_scoped_release g;
@@ -260,8 +266,9 @@ void bind_device(nb::module_& m) {
 #ifdef LILY_HAVE_SIM
   m.def("sim_device",
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
-           bool verify_writes, bool verify_reads) {
+           bool verify_writes, bool verify_reads, const std::string& gpu_family) {
           sim::SimOptions o;
+          o.gpu_family = parse_gpu_family(gpu_family);
           o.record_only = record_only;
           auto parse = [](const std::string& v, const char* what) {
             if (v == "forward") return sim::StageOrder::forward;
@@ -278,15 +285,18 @@ void bind_device(nb::module_& m) {
           return std::shared_ptr<Device>(sim::make_sim_device(o));
         },
         "record_only"_a = false, "order"_a = "forward", "thread_order"_a = "forward", "seed"_a = 0, "poison"_a = true,
-        "verify_writes"_a = false, "verify_reads"_a = false,
-        "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.");
+        "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9",
+        "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
+        "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
+        "tensor-op kernels (metal/*_tensor.metal), as an M5 does.");
 #endif
 #ifdef LILY_HAVE_METAL
   m.def("metal_device",
         [](const std::string& metallib) { return std::shared_ptr<Device>(metal::make_metal_device(metallib)); },
         "metallib"_a = "", "The system's Metal GPU with lily.metallib (from beside this module by default).");
-  m.def("gpu_family", [](const Device& d) { return metal::gpu_family(d); }, "device"_a);
 #endif
+  m.def("gpu_family", [](const Device& d) { return gpu_family_name(d.gpu_family()); }, "device"_a,
+        "The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).");
 }
 
 }  // namespace lily::gpu

@@ -297,7 +297,7 @@ class MetalDevice : public gpu::Device {
       dev_ = MTLCreateSystemDefaultDevice();
       if (!dev_) throw Error("no Metal device is available on this machine");
       family_ = detect_family();
-      if (family_ == "unknown" || family_ == "mac2")
+      if (family_ < 7)
         throw Error("Lily needs an Apple-silicon GPU (MTLGPUFamilyApple7 or newer); found '" +
                     to_string([dev_ name]) + "'");
       queue_ = [dev_ newCommandQueue];
@@ -313,10 +313,13 @@ class MetalDevice : public gpu::Device {
       if (!lib_)
         throw Error("cannot load the kernel library '" + path + "': " + to_string([err localizedDescription]));
       path_ = path;
+      load_tensor_library();
     }
   }
   std::string name() const override { return "metal"; }
-  std::string family() const { return family_; }
+  int gpu_family() const override { return family_; }
+  bool supports_tensor_ops() const override { return tensor_lib_ != nil; }
+  std::string tensor_ops_status() const override { return tensor_status_; }
 
   BufferPtr new_buffer(size_t bytes) override {
     id<MTLBuffer> b = [dev_ newBufferWithLength:(bytes ? bytes : 1) options:MTLResourceStorageModeShared];
@@ -341,8 +344,16 @@ class MetalDevice : public gpu::Device {
     auto it = cache_.find(name);
     if (it != cache_.end()) return *it->second;
     @autoreleasepool {
+      // Pipelines are looked up by name across the libraries: lily.metallib, then (on
+      // apple10 GPUs) lily_tensor.metallib with the Metal 4 tensor-op kernels.
       id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
-      if (!fn) throw UsageError("unknown kernel '" + name + "': not in " + path_);
+      if (!fn && tensor_lib_) fn = [tensor_lib_ newFunctionWithName:@(name.c_str())];
+      if (!fn) {
+        std::string where = "not in " + path_;
+        if (tensor_lib_) where += " or " + tensor_path_;
+        else where += " (the Metal 4 tensor-op kernels of lily_tensor.metallib are not loaded: " + tensor_status_ + ")";
+        throw UsageError("unknown kernel '" + name + "': " + where);
+      }
       NSError* err = nil;
       MTLComputePipelineReflection* refl = nil;
 #pragma clang diagnostic push
@@ -363,6 +374,8 @@ class MetalDevice : public gpu::Device {
   std::vector<std::string> kernel_names() const override {
     std::vector<std::string> v;
     for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
+    if (tensor_lib_)
+      for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
     return v;
   }
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override {
@@ -387,25 +400,77 @@ class MetalDevice : public gpu::Device {
   id<MTLCommandQueue> queue() const { return queue_; }
 
  private:
-  std::string detect_family() {
-    // MTLGPUFamilyApple8 (1008, macOS 13 SDK) and Apple9 (1009, macOS 14 SDK) are not
-    // named in the macOS 12 SDK: use their values.
+  // The Apple family N of MTLGPUFamilyAppleN (7..10), 0 for a Mac2-only GPU, -1 unknown.
+  int detect_family() {
+    // MTLGPUFamilyApple8 (1008, macOS 13 SDK), Apple9 (1009, macOS 14 SDK) and Apple10
+    // (1010, macOS 26 SDK) are not named in the macOS 12 SDK: use their values.
+    if (@available(macOS 26.0, *)) {
+      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1010)]) return 10;
+    }
     if (@available(macOS 14.0, *)) {
-      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1009)]) return "apple9";
+      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1009)]) return 9;
     }
     if (@available(macOS 13.0, *)) {
-      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1008)]) return "apple8";
+      if ([dev_ supportsFamily:static_cast<MTLGPUFamily>(1008)]) return 8;
     }
-    if ([dev_ supportsFamily:MTLGPUFamilyApple7]) return "apple7";
-    if ([dev_ supportsFamily:MTLGPUFamilyMac2]) return "mac2";
-    return "unknown";
+    if ([dev_ supportsFamily:MTLGPUFamilyApple7]) return 7;
+    if ([dev_ supportsFamily:MTLGPUFamilyMac2]) return 0;
+    return -1;
+  }
+
+  // lily_tensor.metallib (metal/*_tensor.metal, built with -std=metal4.0) is loaded only on
+  // apple10-family GPUs under macOS 26, and only if a probe pipeline using every tensor-op
+  // element-type combination of Lily's kernels builds; otherwise tensor_status_ says why and
+  // prefill uses the simdgroup_matrix GEMMs.
+  void load_tensor_library() {
+    const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
+    if (family_ < gpu::kTensorOpsFamily) {
+      tensor_status_ = "the GPU is " + gpu::gpu_family_name(family_) +
+                       "; Metal 4 tensor operations are used on apple10-family GPUs (M5 and newer)";
+      return;
+    }
+    if (off && *off && std::string(off) != "0") {
+      tensor_status_ = "disabled by LILY_DISABLE_TENSOR_OPS";
+      return;
+    }
+    if (@available(macOS 26.0, *)) {
+      const char* env = std::getenv("LILY_TENSOR_METALLIB");
+      std::string dir = path_.substr(0, path_.find_last_of('/') == std::string::npos ? 0 : path_.find_last_of('/') + 1);
+      std::string path = env && *env ? env : dir + "lily_tensor.metallib";
+      if (![[NSFileManager defaultManager] fileExistsAtPath:@(path.c_str())]) {
+        tensor_status_ = path + " does not exist: this build's Metal compiler had no -std=metal4.0 (Xcode 26.1 or "
+                         "newer with the Metal toolchain builds it)";
+        return;
+      }
+      NSError* err = nil;
+      id<MTLLibrary> lib = [dev_ newLibraryWithURL:[NSURL fileURLWithPath:@(path.c_str())] error:&err];
+      if (!lib) {
+        tensor_status_ = "cannot load " + path + ": " + to_string([err localizedDescription]);
+        return;
+      }
+      id<MTLFunction> probe = [lib newFunctionWithName:@"tensor_ops_probe"];
+      id<MTLComputePipelineState> pso =
+          probe ? [dev_ newComputePipelineStateWithFunction:probe error:&err] : nil;
+      if (!pso) {
+        tensor_status_ = "the tensor-op probe kernel of " + path + " does not build on this system" +
+                         (probe ? ": " + to_string([err localizedDescription]) : std::string(" (it is missing)"));
+        return;
+      }
+      tensor_lib_ = lib;
+      tensor_path_ = path;
+    } else {
+      tensor_status_ = "Metal 4 tensor operations need macOS 26";
+    }
   }
 
   id<MTLDevice> dev_;
   id<MTLCommandQueue> queue_;
   id<MTLLibrary> lib_;
+  id<MTLLibrary> tensor_lib_ = nil;
   std::string path_;
-  std::string family_;
+  std::string tensor_path_;
+  std::string tensor_status_;
+  int family_ = -1;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<MetalPipeline>> cache_;
   std::shared_ptr<InFlight> inflight_ = std::make_shared<InFlight>();
@@ -426,9 +491,6 @@ std::unique_ptr<gpu::Device> make_metal_device(const std::string& metallib_path)
   return std::make_unique<MetalDevice>(metallib_path);
 }
 
-std::string gpu_family(const gpu::Device& device) {
-  const auto* d = dynamic_cast<const MetalDevice*>(&device);
-  return d ? d->family() : "unknown";
-}
+std::string gpu_family(const gpu::Device& device) { return gpu::gpu_family_name(device.gpu_family()); }
 
 }  // namespace lily::metal

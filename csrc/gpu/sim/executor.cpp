@@ -95,6 +95,7 @@ const char* op_name(Op op) {
     case Op::quad_shuffle_up: return "quad_shuffle_up";
     case Op::quad_shuffle_down: return "quad_shuffle_down";
     case Op::quad_broadcast: return "quad_broadcast";
+    case Op::tensor_op: return "a tensor operation (execution_simdgroup)";
   }
   return "?";
 }
@@ -159,6 +160,7 @@ struct Fiber {
   ThreadCoords c;
   int simd = 0, lane = 0;
   bool at_barrier = false;
+  bool at_rendezvous = false;
   uint64_t matrix_ops = 0;  // simdgroup_matrix operations this thread has performed
   Stack stack;
 #ifdef LILY_ASM_SWITCH
@@ -207,7 +209,10 @@ struct Threadgroup {
   std::vector<SimdState> simds;
   std::deque<int> runq;
   int n = 0, done = 0, barrier_arrived = 0;
+  int rendezvous_arrived = 0;
+  const char* rendezvous_what = nullptr;
   std::vector<TgVar> vars;
+  std::vector<std::pair<const void*, std::unique_ptr<ThreadgroupExtension>>> extensions;
   unsigned char* dyn[kMaxBindings] = {};
   size_t bytes = 0;
   bool failed = false;
@@ -355,6 +360,9 @@ void thread_exit(Worker& w, Fiber& f) {
   if (tg.barrier_arrived > 0 && !tg.failed)
     fail_tg(w, where(f) + " returned while " + std::to_string(tg.barrier_arrived) +
                    " thread(s) of its threadgroup wait at threadgroup_barrier (every thread must reach it)");
+  if (tg.rendezvous_arrived > 0 && !tg.failed)
+    fail_tg(w, where(f) + " returned while " + std::to_string(tg.rendezvous_arrived) + " thread(s) of its threadgroup wait in " +
+                   tg.rendezvous_what + " (every thread of the execution scope must call it)");
   if (s.arrived > 0 && s.arrived == s.live && !tg.failed) complete_collective(tg, s, f.simd * kSimdWidth);
 }
 
@@ -409,6 +417,7 @@ std::string deadlock_report(const Threadgroup& tg) {
   std::ostringstream s;
   s << "deadlock: " << tg.n - tg.done << " of " << tg.n << " threads cannot proceed";
   if (tg.barrier_arrived) s << "; " << tg.barrier_arrived << " wait at threadgroup_barrier";
+  if (tg.rendezvous_arrived) s << "; " << tg.rendezvous_arrived << " wait in " << tg.rendezvous_what;
   for (size_t i = 0; i < tg.simds.size(); ++i) {
     const SimdState& sg = tg.simds[i];
     if (sg.arrived)
@@ -521,6 +530,12 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
                      std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
   }
+  for (auto& e : tg.extensions) {
+    std::string msg = e.second->finish();
+    if (!msg.empty())
+      throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
+                       std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
+  }
 }
 
 }  // namespace
@@ -570,6 +585,9 @@ void threadgroup_barrier() {
   if (tg.done > 0)
     kernel_fail("threadgroup_barrier reached after " + std::to_string(tg.done) +
                 " thread(s) of the threadgroup returned (every thread must reach it)");
+  if (tg.rendezvous_arrived > 0)
+    kernel_fail("threadgroup_barrier reached while " + std::to_string(tg.rendezvous_arrived) +
+                " thread(s) of the threadgroup wait in " + tg.rendezvous_what + " (divergent control flow?)");
   tg.barrier_arrived += 1;
   if (tg.barrier_arrived == tg.n) {
     tg.barrier_arrived = 0;
@@ -587,6 +605,47 @@ void threadgroup_barrier() {
   }
   f.at_barrier = true;
   block(w);
+}
+
+void threadgroup_rendezvous(const char* what) {
+  Worker& w = worker();
+  Threadgroup& tg = *w.tg;
+  Fiber& f = *w.cur;
+  if (tg.done > 0)
+    kernel_fail(std::string(what) + " reached after " + std::to_string(tg.done) +
+                " thread(s) of the threadgroup returned (every thread of the execution scope must call it)");
+  if (tg.barrier_arrived > 0)
+    kernel_fail(std::string(what) + " called while " + std::to_string(tg.barrier_arrived) +
+                " thread(s) of the threadgroup wait at threadgroup_barrier (divergent control flow?)");
+  if (tg.rendezvous_arrived > 0 && std::strcmp(tg.rendezvous_what, what) != 0)
+    kernel_fail(std::string("divergent tensor operations: this thread calls ") + what + " while " +
+                std::to_string(tg.rendezvous_arrived) + " thread(s) wait in " + tg.rendezvous_what);
+  tg.rendezvous_what = what;
+  tg.rendezvous_arrived += 1;
+  if (tg.rendezvous_arrived == tg.n) {
+    tg.rendezvous_arrived = 0;
+    std::vector<int> woken;
+    for (int t = 0; t < tg.n; ++t) {
+      Fiber& o = tg.fibers[t];
+      if (o.at_rendezvous) {
+        o.at_rendezvous = false;
+        o.state = Fiber::State::runnable;
+        woken.push_back(t);
+      }
+    }
+    tg.schedule(woken);
+    return;
+  }
+  f.at_rendezvous = true;
+  block(w);
+}
+
+ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtension* (*make)()) {
+  Threadgroup& tg = *worker().tg;
+  for (auto& e : tg.extensions)
+    if (e.first == key) return *e.second;
+  tg.extensions.emplace_back(key, std::unique_ptr<ThreadgroupExtension>(make()));
+  return *tg.extensions.back().second;
 }
 
 const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg, CollectiveFn fn) {

@@ -54,6 +54,10 @@ struct KernelInfo {
   std::vector<ParamInfo> params;
   uint32_t max_threads = 1024;
   std::string error;        // a parameter the simulator cannot bind (reported at lookup)
+  // Defined in a metal/*_tensor.metal file (Metal 4 tensor operations): on a Mac it lives
+  // in lily_tensor.metallib, so the simulator offers it only when the device's GPU family
+  // supports tensor operations (apple10).
+  bool tensor_ops = false;
   void (*invoke)(void (*fn)(), const KernelInfo& k) = nullptr;
   void (*fn)() = nullptr;
 };
@@ -144,10 +148,11 @@ template <class... Args> struct Registrar<void(Args...)> {
     call(reinterpret_cast<Fn>(fn), k, std::index_sequence_for<Args...>{});
   }
   Registrar(const char* name, Fn f, const ParamAttr* attrs, size_t n, uint32_t max_threads,
-            const char* where) {
+            const char* where, bool tensor_ops = false) {
     KernelInfo k;
     k.name = name;
     k.where = where;
+    k.tensor_ops = tensor_ops;
     k.max_threads = max_threads;
     k.invoke = &invoke;
     k.fn = reinterpret_cast<void (*)()>(f);

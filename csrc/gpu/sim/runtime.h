@@ -51,6 +51,7 @@ enum class Op : int {
   shuffle_rotate_up, broadcast_first, is_first, shuffle_and_fill_up, shuffle_and_fill_down,
   quad_sum, quad_product, quad_min, quad_max, quad_prefix_incl_sum, quad_prefix_excl_sum,
   quad_shuffle, quad_shuffle_xor, quad_shuffle_up, quad_shuffle_down, quad_broadcast,
+  tensor_op,  // a Metal 4 tensor operation with execution_simdgroup scope (see tensor_ops.h)
 };
 const char* op_name(Op op);
 
@@ -65,6 +66,21 @@ unsigned char* threadgroup_arg(uint32_t index);
 void* threadgroup_var(const void* key, size_t size, size_t align);
 
 void threadgroup_barrier();
+// A rendezvous of every thread of the threadgroup, distinct from threadgroup_barrier: used
+// by the Metal 4 tensor operations with execution_simdgroups<N> scope. `what` names the
+// operation (a string literal); threads meeting different rendezvous, or a rendezvous and a
+// barrier, are reported as divergence, a thread returning while others wait is an error.
+void threadgroup_rendezvous(const char* what);
+
+// State owned by one running threadgroup on behalf of a shim component (the tensor ops):
+// created on first use, destroyed with the threadgroup. finish() runs once every thread
+// has returned; a non-empty result fails the dispatch with that message.
+struct ThreadgroupExtension {
+  virtual ~ThreadgroupExtension() = default;
+  virtual std::string finish() { return {}; }
+};
+// The running threadgroup's extension for `key`, made by make() on first use.
+ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtension* (*make)());
 // Deposits this lane's operand, waits for the simdgroup's active lanes, and returns this
 // lane's result slot (valid until this lane's next collective).
 const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg,

@@ -258,6 +258,8 @@ void SimPass::encode_dispatch(const Dispatch&) {
 class SimDevice : public gpu::Device {
  public:
   explicit SimDevice(const SimOptions& o) : opt_(o), rng_(o.seed) {
+    if (o.gpu_family < 7 || o.gpu_family > 10)
+      throw UsageError("sim_device: gpu_family must be apple7..apple10, not " + std::to_string(o.gpu_family));
     if (!opt_.record_only) worker_ = std::thread([this] { run(); });
   }
   ~SimDevice() override {
@@ -286,6 +288,9 @@ class SimDevice : public gpu::Device {
     for (const KernelInfo& k : registered_kernels())
       if (k.name == name) {
         if (!k.error.empty()) throw UsageError(kernel_where(k) + ": " + k.error);
+        if (k.tensor_ops && !supports_tensor_ops())
+          throw UsageError(kernel_where(k) + " uses Metal 4 tensor operations, which this device does not offer: " +
+                           tensor_ops_status());
         auto p = std::make_unique<SimPipeline>(k);
         const gpu::Pipeline& ref = *p;
         pipelines_.emplace(name, std::move(p));
@@ -296,9 +301,20 @@ class SimDevice : public gpu::Device {
   }
   std::vector<std::string> kernel_names() const override {
     std::vector<std::string> v;
-    for (const KernelInfo& k : registered_kernels()) v.push_back(k.name);
+    for (const KernelInfo& k : registered_kernels())
+      if (!k.tensor_ops || supports_tensor_ops()) v.push_back(k.name);
     std::sort(v.begin(), v.end());
     return v;
+  }
+  int gpu_family() const override { return opt_.gpu_family; }
+  bool supports_tensor_ops() const override { return tensor_ops_status().empty(); }
+  std::string tensor_ops_status() const override {
+    if (opt_.gpu_family < gpu::kTensorOpsFamily)
+      return "the simulator was created with gpu_family='" + gpu::gpu_family_name(opt_.gpu_family) +
+             "'; Metal 4 tensor operations need 'apple10' (sim_device(gpu_family='apple10'))";
+    const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
+    if (off && *off && std::string(off) != "0") return "disabled by LILY_DISABLE_TENSOR_OPS";
+    return {};
   }
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override;
 

@@ -31,6 +31,10 @@ struct SimOptions {
   // read ranges zeroed; a different result in its declared write ranges is a HazardError
   // (an undeclared read). Doubles execution time. Read-only file mappings are not zeroed.
   bool verify_reads = false;
+  // The Apple GPU family the device reports (gpu::Device::gpu_family). 10 (apple10, M5)
+  // enables the Metal 4 tensor-op kernels (metal/*_tensor.metal), as on a Mac; below it
+  // looking them up is a UsageError.
+  int gpu_family = 9;
 };
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options = {});

@@ -1,0 +1,428 @@
+"""Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal), on the Metal
+simulator with gpu_family="apple10".
+
+1. h-gemm's suite, unchanged, on the twins: every test of tests/test_kernels_prefill_gemm.py
+   (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
+   grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
+   a real-model-shaped layer) is collected here again with its own parametrisation, inputs
+   and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
+   ``_tensor`` twin (same bindings, grids, outputs). Its tolerances are the float32 bounds
+   documented in that module (``(K + 8) u M`` per output, first-order SwiGLU propagation),
+   which hold for any summation order, so they are also what a GPU must meet. Excluded: its
+   simulator-timing test and its simdgroup_matrix simulator test (not GEMM kernels).
+2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
+   product and adds it in increasing k order (docs/device-layer.md), as does its
+   simdgroup_matrix multiply-accumulate, and both paths dequantize with the same fp32
+   operations as ``QuantizedTensor.dequantize`` (``q * s``, then ``+ b``). So every output of
+   a twin equals its simdgroup kernel's bit for bit (SwiGLU included: the same ``silu`` on
+   the same values), and the plain products equal a numpy float32 model that accumulates
+   ``acc = acc + x[:, k] * w[:, k]`` in k order. (Not so on a GPU: other order, fma.)
+3. The twins' bindings match gemm.metal's, they exist only on apple10 devices, and the
+   Metal backend's start-up probe kernel computes what it should.
+
+Correctness tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+reverse with undeclared-read detection; random), all with out-of-range write detection, on
+poisoned (NaN) outputs; the extra exactness checks of part 2 run in forward order.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from seeding import fresh_rng
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
+from lily.reference import silu  # noqa: E402
+import test_kernels_prefill_gemm as simd_suite  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+U = 2.0**-24
+BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
+
+THREAD_ORDERS = {
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=1),
+}
+
+
+# The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4", "moe_gemm_gate_up_q4_t16",
+         "moe_gemm_gate_up_q4_t32", "moe_gemm_down_q4_t16", "moe_gemm_down_q4_t32"}
+
+
+class _Proxy:
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
+class _TwinPass(_Proxy):
+    def dispatch(self, kernel, *args, **kwargs):
+        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, *args, **kwargs)
+
+
+class _TwinCommandBuffer(_Proxy):
+    def compute_pass(self, *args, **kwargs):
+        return _TwinPass(self._obj.compute_pass(*args, **kwargs))
+
+
+class TwinDevice(_Proxy):
+    """A simulator device on which dispatching a GEMM kernel runs its *_tensor twin."""
+
+    def command_buffer(self):
+        return _TwinCommandBuffer(self._obj.command_buffer())
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    return TwinDevice(sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param]))
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    return TwinDevice(sim_device(gpu_family="apple10", verify_writes=True))
+
+
+@pytest.fixture(scope="module")
+def fwd():
+    return sim_device(gpu_family="apple10", verify_writes=True)
+
+
+# ---- part 1: h-gemm's suite on the twins (module docstring)
+_NOT_GEMM = {"test_time_lm_head_shape", "test_sim_matrix_products_per_lane"}
+for _name, _fn in list(vars(simd_suite).items()):
+    if _name.startswith("test_") and callable(_fn) and _name not in _NOT_GEMM:
+        globals()[_name + "_tensor"] = _fn
+del _name, _fn
+
+
+def test_suite_reaches_the_twins(dev):
+    """The proxy really dispatches the twins (a twin's name is in the dispatch log only if
+    the label is left to default)."""
+    x = np.zeros((1, 64), np.float32)
+    qt = rand_quant(fresh_rng(10), (), 1, 64, 4)
+    bufs = [upload(dev, a) for a in (qt.weight, qt.scales, qt.biases, x)] + [dev.buffer(4)]
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("gemm_q4", (1, 1), 128, buffers=list(enumerate(bufs)),
+                               constants=[(5, constant(1, 1, 64, 64, 1))], reads=bufs[:4], writes=bufs[4:],
+                               threadgroups=True)
+    cb.commit()
+    cb.wait()
+    assert cb.dispatch_log[0]["label"].startswith("gemm_q4_tensor")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def to_bf16_bits(x):
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def rand_quant(rng, lead, rows, cols, bits) -> QuantizedTensor:
+    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, bf16 scales and biases
+    giving weights ~ +-0.03 centred on 0."""
+    shape = (*lead, rows)
+    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
+    g = (*shape, cols // 64)
+    s = rng.random(g, dtype=np.float32) * 0.004 + 0.0005
+    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
+    return QuantizedTensor("w", words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
+
+
+def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """|s| q + |b| as float64 [..., rows, cols]."""
+    w, s, b = qt.weight, qt.scales, qt.biases
+    if index is not None:
+        w, s, b = w[index], s[index], b[index]
+    per = 32 // qt.bits
+    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
+    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
+    qg = q.reshape(*q.shape[:-1], -1, 64)
+    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
+    return m.reshape(q.shape)
+
+
+def seq_model(x, w):
+    """y = x w^T in float32, products rounded, added in increasing k (the simulator's order)."""
+    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k:k + 1] * w[None, :, k]
+    return acc
+
+
+def check_bound(got, x, qt, index=None, extra=None):
+    """|got - x W^T (float64)| <= k u M (module docstring); returns the exact product."""
+    w = qt.dequantize(index).astype(np.float64)
+    exact = x.astype(np.float64) @ w.T
+    k = x.shape[1]
+    tol = k * U * (np.abs(x).astype(np.float64) @ magnitude(qt, index).T) + 1e-30
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - (exact if extra is None else extra(exact)))
+    assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
+    return exact, tol
+
+
+def dispatch(dev, kernel, groups, tg, buffers, cst, reads, writes):
+    """buffers bound at 0.., then the argument struct `cst` (if any) at the next index."""
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch(kernel, groups, tg, buffers=list(enumerate(buffers)),
+                               constants=[(len(buffers), cst)] if cst is not None else [],
+                               reads=reads, writes=writes, threadgroups=True)
+    cb.commit()
+    cb.wait()
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pitched(a, ld, fill=np.nan):
+    out = np.full((a.shape[0], ld), fill, np.float32)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+# ----------------------------------------------------------------------------- dense
+
+def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
+    """Runs a dense GEMM kernel; returns y [m, ldy]."""
+    m, lda = x.shape[0], k + 4
+    X = upload(dev, pitched(x, lda, 0.0))
+    Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * 4)
+    bufs = []
+    for qt in qts:
+        bufs += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
+    bufs += [X, Y]
+    dispatch(dev, kernel, (cdiv(n, BN), cdiv(m, BM)), 128, bufs, constant(m, n, k, lda, ldy),
+             reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
+    return download(Y, np.float32, (m, ldy))
+
+
+# ---- part 2: bit-exactness in the simulator (forward order)
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m,n,k", [(45, 100, 128), (1, 64, 64), (64, 130, 192)])
+def test_gemm_q_exact(fwd, bits, m, n, k):
+    dev = fwd
+    rng = fresh_rng(11, bits, m, n, k)
+    qt = rand_quant(rng, (), n, k, bits)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    ldy = n + 3
+    kernel = f"gemm_q{bits}"
+    y = run_dense(dev, kernel + "_tensor", [qt], x, n, k, ldy)
+    np.testing.assert_array_equal(y[:, :n], seq_model(x, qt.dequantize()))
+    assert np.isnan(y[:, n:]).all()  # nothing written past n
+    np.testing.assert_array_equal(y, run_dense(dev, kernel, [qt], x, n, k, ldy))
+    check_bound(y[:, :n], x, qt)
+
+
+def test_gemm_q4_add_exact(fwd):
+    dev = fwd
+    m, n, k = 37, 90, 128
+    rng = fresh_rng(12)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    ldy = n + 1
+    y0 = rng.standard_normal((m, ldy), dtype=np.float32)
+    y = run_dense(dev, "gemm_q4_add_tensor", [qt], x, n, k, ldy, y0)
+    np.testing.assert_array_equal(y[:, :n], y0[:, :n] + seq_model(x, qt.dequantize()))
+    np.testing.assert_array_equal(y[:, n:], y0[:, n:])
+    np.testing.assert_array_equal(y, run_dense(dev, "gemm_q4_add", [qt], x, n, k, ldy, y0))
+    check_bound(y[:, :n] - y0[:, :n].astype(np.float64), x, qt)
+
+
+def swiglu_check(got, x, g_qt, u_qt, gi=None, ui=None):
+    """The float64 bound of silu(x Wg^T) * (x Wu^T) (module docstring)."""
+    wg = g_qt.dequantize(gi).astype(np.float64)
+    wu = u_qt.dequantize(ui).astype(np.float64)
+    x64 = x.astype(np.float64)
+    g, u = x64 @ wg.T, x64 @ wu.T
+    k = x.shape[1]
+    eg = k * U * (np.abs(x64) @ magnitude(g_qt, gi).T)
+    eu = k * U * (np.abs(x64) @ magnitude(u_qt, ui).T)
+    sg = 1.0 / (1.0 + np.exp(-g))
+    dsilu = np.abs(sg * (1.0 + g * (1.0 - sg)))
+    want = g * sg * u
+    tol = dsilu * np.abs(u) * eg + np.abs(g * sg) * eu + 4 * U * np.abs(want) + 1e-30
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - want)
+    assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
+
+
+@pytest.mark.parametrize("m,n,k", [(33, 70, 128), (5, 64, 256)])
+def test_gemm_swiglu_q4_exact(fwd, m, n, k):
+    dev = fwd
+    rng = fresh_rng(13, m, n, k)
+    gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    ldy = n + 2
+    y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy)
+    np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy))
+    g, u = seq_model(x, gq.dequantize()), seq_model(x, uq.dequantize())
+    np.testing.assert_allclose(y[:, :n], silu(g) * u, rtol=1e-6, atol=1e-7)  # silu's float32 rounding only
+    swiglu_check(y[:, :n], x, gq, uq)
+
+
+def test_gemm_q4_real_size_exact(fwd):
+    """One real-model shape: a 24-token chunk through a 2048 -> 512 projection."""
+    m, n, k = 24, 512, 2048
+    rng = fresh_rng(14)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    y = run_dense(fwd, "gemm_q4_tensor", [qt], x, n, k, n)
+    np.testing.assert_array_equal(y, seq_model(x, qt.dequantize()))
+    check_bound(y, x, qt)
+
+
+# ----------------------------------------------------------------------------- grouped
+
+def tile_map(ids, experts, T):
+    """Host model of the routing stage: perm (slots grouped by expert, increasing), the
+    MoeTile list {expert, begin, rows, 0} and max_tiles (docs/prefill.md)."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.uint32)  # slot -> row * top_k + j
+    tiles = []
+    begin = 0
+    for e in range(experts):
+        cnt = int((flat == e).sum())
+        for off in range(0, cnt, T):
+            tiles.append((e, begin + off, min(T, cnt - off), 0))
+        begin += cnt
+    max_tiles = cdiv(flat.size, T) + min(experts, flat.size)
+    arr = np.full((max_tiles, 4), 0xFFFFFFFF, np.uint32)  # entries past tile_count: garbage
+    arr[:len(tiles)] = np.array(tiles, np.uint32)
+    return order, arr, len(tiles), max_tiles
+
+
+def routed(rng, m, experts, top_k):
+    return np.stack([rng.choice(experts, top_k, replace=False) for _ in range(m)]).astype(np.uint32)
+
+
+MOE_SHAPES = [  # (m, experts, top_k, hidden, inter): the tiny and dims presets, ragged m
+    (21, 16, 4, 128, 64),
+    (13, 32, 8, 256, 128),
+]
+
+
+def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
+    m, lda = x.shape[0], k + 4
+    X = upload(dev, pitched(x, lda, 0.0))
+    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
+    W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
+    HX = dev.buffer(m * top_k * ldy * 4)
+    bufs = [X, P, Ti, C, *W, HX]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, BN)), 2 * T * 2, bufs,
+             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
+    return download(HX, np.float32, (m * top_k, ldy))
+
+
+def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
+    lda = hx.shape[1]
+    H = upload(dev, hx)
+    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
+    W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
+    YX = dev.buffer(m * top_k * ldy * 4)
+    bufs = [H, P, Ti, C, *W, YX]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, BN)), 2 * T * 2, bufs,
+             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
+    return download(YX, np.float32, (m * top_k, ldy))
+
+
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
+    rng = fresh_rng(15, T, m, experts)
+    ids = routed(rng, m, experts, top_k)
+    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
+    gq, uq = rand_quant(rng, (experts,), inter, hidden, 4), rand_quant(rng, (experts,), inter, hidden, 4)
+    x = rng.standard_normal((m, hidden), dtype=np.float32)
+    ldy = inter + 4
+    kern = f"moe_gemm_gate_up_q4_t{T}"
+    hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
+                     experts, ldy)
+    np.testing.assert_array_equal(hx, run_gate_up(dev, kern, T, x, perm, tiles, count, max_tiles, gq, uq, inter,
+                                                  hidden, top_k, experts, ldy))
+    assert np.isnan(hx[:, inter:]).all()
+    for s, a in enumerate(perm):
+        row, e = a // top_k, ids.reshape(-1)[a]
+        swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, e, e)
+
+
+@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
+    rng = fresh_rng(16, T, m, experts)
+    ids = routed(rng, m, experts, top_k)
+    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
+    dq = rand_quant(rng, (experts,), hidden, inter, 4)
+    lda, ldy = inter + 4, hidden + 4
+    hx = pitched(rng.standard_normal((m * top_k, inter), dtype=np.float32), lda, 0.0)
+    kern = f"moe_gemm_down_q4_t{T}"
+    yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
+                  ldy, m)
+    np.testing.assert_array_equal(yx, run_down(dev, kern, T, hx, perm, tiles, count, max_tiles, dq, hidden, inter,
+                                               top_k, experts, ldy, m))
+    assert np.isnan(yx[:, hidden:]).all()
+    flat = ids.reshape(-1)
+    for s, a in enumerate(perm):
+        e = flat[a]
+        want = seq_model(hx[s:s + 1, :inter], dq.dequantize(e))
+        np.testing.assert_array_equal(yx[a:a + 1, :hidden], want)
+        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, e)
+
+
+# ---- part 3: twins and probe
+
+def kernel_bindings(path):
+    """{kernel function: [(binding index, parameter declaration)]} of a .metal file."""
+    src = path.read_text()
+    out = {}
+    for m in re.finditer(r"kernel void (\w+)\((.*?)\)\s*\{", src, re.S):
+        params = re.findall(r"((?:device|constant)[^,\[]*?)\s*\[\[buffer\((\d+)\)\]\]", m.group(2))
+        out[m.group(1)] = [(int(i), " ".join(d.split())) for d, i in params]
+    return out
+
+
+def test_tensor_twins_have_the_simdgroup_bindings():
+    """Every kernel of gemm.metal has a twin f_tensor with the same [[buffer(n)]] parameters,
+    and every host name h an instantiation h_tensor."""
+    simd = kernel_bindings(ROOT / "metal" / "gemm.metal")
+    tensor = kernel_bindings(ROOT / "metal" / "gemm_tensor.metal")
+    assert len(simd) == 4, sorted(simd)
+    for name, params in simd.items():
+        assert tensor.get(name + "_tensor") == params, f"{name}_tensor: bindings differ from {name}'s"
+    host = re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / "gemm.metal").read_text())
+    host += ["gemm_swiglu_q4"]  # a non-template kernel: registered under its own name
+    host_t = re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / "gemm_tensor.metal").read_text())
+    assert sorted(h + "_tensor" for h in host) == sorted(host_t + ["gemm_swiglu_q4_tensor"])
+
+
+def test_tensor_kernels_only_on_apple10(fwd):
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4", "moe_gemm_gate_up_q4_t16",
+                                     "moe_gemm_gate_up_q4_t32", "moe_gemm_down_q4_t16", "moe_gemm_down_q4_t32")]
+    d9 = sim_device(gpu_family="apple9")
+    for name in names:
+        assert fwd.has_kernel(name) and not d9.has_kernel(name), name
+        assert d9.has_kernel(name[:-len("_tensor")])
+
+
+def test_probe_kernel(fwd):
+    x = fresh_rng(17).standard_normal((64, 32), dtype=np.float32)
+    X, O = upload(fwd, x), fwd.buffer(32 * 64 * 4)
+    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
+    np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], x))

@@ -1,0 +1,349 @@
+"""The Metal 4 tensor-operation subset of the simulator (docs/device-layer.md, "Metal 4 tensor
+operations"): metal/selftest_tensor.metal against numpy, GPU-family selection, misuse the
+simulator must report, and constructs outside the subset that must not compile.
+
+Tolerance: none. The simulator's documented arithmetic is float32 with every product
+float(a) * float(b) rounded to float32 and added to the destination element in increasing
+k order (starting from the destination for multiply_accumulate, from 0 for multiply). The
+numpy model below performs exactly those float32 operations (one vectorised
+``acc = acc + a[:, k] * b[k, :]`` per k), and half / bfloat inputs are drawn already
+representable, so results must be bit-identical. (A GPU may sum in another order or fuse
+multiply-adds: a test on a Mac would need a float32 summation tolerance.)
+
+Kernel tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+reverse with undeclared-read detection; random), all with out-of-range write detection, on
+a device created with gpu_family="apple10"; outputs start poisoned (NaN), shapes do not
+divide the tiles.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from seeding import fresh_rng
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+THREAD_ORDERS = {
+    "forward": dict(verify_writes=True),
+    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
+    "random": dict(verify_writes=True, thread_order="random", seed=3),
+}
+
+
+@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+def dev(request):
+    """An apple10 simulator (tensor ops available) in each thread order."""
+    return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])
+
+
+@pytest.fixture(scope="module")
+def fwd():
+    return sim_device(gpu_family="apple10")
+
+
+# ------------------------------------------------------------------------------ helpers
+
+def bf16(x):
+    """float32 -> nearest bfloat16 (round to nearest even), as float32."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16_bits(x):
+    return (np.asarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": "bf16"}
+
+
+def draw(rng, shape, kind):
+    """Values exactly representable in `kind`, as float32, and their bytes for upload."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    if kind == "f16":
+        v = x.astype(np.float16)
+        return v.astype(np.float32), v
+    if kind == "bf16":
+        v = bf16(x)
+        return v, bf16_bits(v)
+    return x, x
+
+
+def mm_model(a, b, c0=None):
+    """C = a @ b (+ c0) with the simulator's documented float32 accumulation."""
+    acc = np.zeros((a.shape[0], b.shape[1]), np.float32) if c0 is None else c0.astype(np.float32).copy()
+    for k in range(a.shape[1]):
+        acc = acc + a[:, k:k + 1] * b[k:k + 1, :]
+    return acc
+
+
+def args(M, N, K, lda=None):
+    return constant(M, N, K, K if lda is None else lda)
+
+
+def run(dev, kernel, groups, tg, buffers, cst, reads, writes):
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch(kernel, groups, tg, buffers=buffers, constants=cst, reads=reads, writes=writes,
+                               threadgroups=True)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+# ------------------------------------------------------------------------------ selection
+
+def test_gpu_family_selects_the_tensor_kernels(monkeypatch):
+    d9 = sim_device()
+    assert d9.gpu_family == "apple9" and not d9.supports_tensor_ops
+    assert "apple10" in d9.tensor_ops_status
+    assert not [k for k in d9.kernel_names() if "tensor" in k]
+    assert not d9.has_kernel("st_tensor_mm_device_f32_f32") and d9.has_kernel("st_add_f32")
+    with pytest.raises(ValueError, match=r"st_tensor_mm_device_f32_f32.*selftest_tensor\.metal.*Metal 4 tensor"):
+        d9.command_buffer().compute_pass().dispatch("st_tensor_mm_device_f32_f32", 1, 128)
+    d10 = sim_device(gpu_family="apple10")
+    assert d10.gpu_family == "apple10" and d10.supports_tensor_ops and d10.tensor_ops_status == ""
+    assert d10.has_kernel("st_tensor_mm_device_f32_f32") and d10.has_kernel("tensor_ops_probe")
+    assert d10.has_kernel("st_add_f32")  # the rest of the library is there too
+    assert _core.gpu_family(d10) == "apple10"
+    for f in ("apple7", "apple8"):
+        assert not sim_device(gpu_family=f).supports_tensor_ops
+    with pytest.raises(ValueError, match="gpu_family"):
+        sim_device(gpu_family="apple11")
+    monkeypatch.setenv("LILY_DISABLE_TENSOR_OPS", "1")
+    assert not d10.supports_tensor_ops and "LILY_DISABLE_TENSOR_OPS" in d10.tensor_ops_status
+
+
+def test_transform_marks_tensor_files(tmp_path):
+    """Tensor headers only in *_tensor.metal; their kernels register as tensor-op kernels."""
+    src = ("#include <metal_stdlib>\n#include <metal_tensor>\n"
+           "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
+           "kernel void f(device float* x [[buffer(0)]]) {}\n")
+    (tmp_path / "a_tensor.metal").write_text(src)
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "a_tensor.metal")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "o" / "a_tensor.metal.cpp").read_text()
+    head = text.split("namespace lily_msl_", 1)[0]
+    assert "#include <metal_tensor>" in head and "MetalPerformancePrimitives.h>" in head
+    assert re.search(r'Registrar<decltype\(f\)>.*"a_tensor\.metal:4", true\);', text)
+    (tmp_path / "plain.metal").write_text(src)
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "plain.metal")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "plain.metal:2: error: <metal_tensor>: Metal 4 tensor operations belong in" in r.stderr
+
+
+# ------------------------------------------------------------------------------ kernels
+
+@pytest.mark.parametrize("ta,tb", [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("f32", "f16"),
+                                   ("bf16", "f32"), ("f16", "bf16")])
+@pytest.mark.parametrize("M,N,K", [(70, 45, 37), (64, 32, 64), (1, 1, 1)])
+def test_mm_device(dev, ta, tb, M, N, K):
+    """Device operands and destination, execution_simdgroups<4>, 64 x 32 tiles, dynamic k."""
+    rng = fresh_rng(1, M, N, K, len(ta), len(tb))
+    a, a_up = draw(rng, (M, K), ta)
+    b, b_up = draw(rng, (K, N), tb)
+    A, B, C = upload(dev, a_up), upload(dev, b_up), dev.buffer(M * N * 4)
+    run(dev, f"st_tensor_mm_device_{ta}_{tb}", (cdiv(N, 32), cdiv(M, 64)), 128,
+        [(0, A), (1, B), (2, C)], [(3, args(M, N, K))], [A, B], [C])
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(a, b))
+
+
+@pytest.mark.parametrize("variant", ["f32_f32_nt", "f32_f32_nn", "f32_f32_tn", "f32_f32_tt", "f16_f16_nt",
+                                     "bf16_bf16_nt", "f32_f16_nt", "f32_bf16_nt"])
+def test_mm_staged(dev, variant):
+    """Threadgroup tiles (transposed or not), a cooperative destination accumulated over K
+    in steps of k = 32 with multiply_accumulate, an element-wise epilogue."""
+    tl, tr, _ = variant.split("_")
+    M, N, K, lda = 45, 70, 96, 99
+    rng = fresh_rng(2, len(variant), ord(variant[-2]), ord(variant[-1]))
+    a, _ = draw(rng, (M, K), tl)
+    w, _ = draw(rng, (N, K), tr)
+    bias = rng.standard_normal(N).astype(np.float32)
+    a_pitched = np.zeros((M, lda), np.float32)
+    a_pitched[:, :K] = a
+    A, W, Bi, C = upload(dev, a_pitched), upload(dev, w), upload(dev, bias), dev.buffer(M * N * 4)
+    run(dev, f"st_tensor_mm_staged_{variant}", (cdiv(N, 32), cdiv(M, 32)), 64,
+        [(0, A), (1, W), (2, Bi), (3, C)], [(4, args(M, N, K, lda))], [A, W, Bi], [C])
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(a, w.T) + bias)
+
+
+def test_mm_simdgroup(dev):
+    """execution_simdgroup: one 16 x 32 tile per simdgroup on strided device operands, the
+    product scaled in registers and stored with cooperative_tensor::store (edges skipped)."""
+    M, N, K, lda = 50, 40, 37, 41
+    rng = fresh_rng(3)
+    a = rng.standard_normal((M, lda)).astype(np.float32)
+    w16 = rng.standard_normal((N, K)).astype(np.float16)
+    A, W, C = upload(dev, a), upload(dev, w16), dev.buffer(M * N * 4)
+    run(dev, "st_tensor_mm_simdgroup", (cdiv(N, 32), cdiv(M, 32)), 64,
+        [(0, A), (1, W), (2, C)], [(3, args(M, N, K, lda))], [A, W], [C])
+    want = mm_model(a[:, :K], w16.astype(np.float32).T) * np.float32(0.5)
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), want)
+
+
+def test_mm_thread(dev):
+    """execution_thread: a device destination accumulated in place, static slices along K."""
+    M, N, K = 40, 70, 64
+    rng = fresh_rng(4)
+    a16 = rng.standard_normal((M, K)).astype(np.float16)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    A, B, C = upload(dev, a16), upload(dev, b), upload(dev, c0)
+    run(dev, "st_tensor_mm_thread", (cdiv(cdiv(N, 16), 4), cdiv(M, 16)), 4,
+        [(0, A), (1, B), (2, C)], [(3, args(M, N, K))], [A, B, C], [C])
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(a16.astype(np.float32), b, c0))
+
+
+def test_coop_load(dev):
+    """A cooperative destination loaded from memory, accumulated over a dynamic K, stored."""
+    M, N, K = 70, 45, 21
+    rng = fresh_rng(5)
+    a, a_up = draw(rng, (M, K), "bf16")
+    b, b_up = draw(rng, (K, N), "f16")
+    c0 = rng.standard_normal((M, N)).astype(np.float32)
+    A, B, Cin, D = upload(dev, a_up), upload(dev, b_up), upload(dev, c0), dev.buffer(M * N * 4)
+    run(dev, "st_tensor_coop_load", (cdiv(N, 32), cdiv(M, 64)), 128,
+        [(0, A), (1, B), (2, Cin), (3, D)], [(4, args(M, N, K))], [A, B, Cin], [D])
+    np.testing.assert_array_equal(download(D, np.float32, (M, N)), mm_model(a, b, c0))
+
+
+# ------------------------------------------------------------------------------ misuse
+
+def dispatch_error(dev, kernel, groups, tg, buffers, cst=(), threadgroups=True):
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch(kernel, groups, tg, buffers=buffers, constants=list(cst), threadgroups=threadgroups)
+    cb.commit()
+    with pytest.raises(RuntimeError) as e:
+        cb.wait()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+def test_missing_barrier_before_run_is_reported(order):
+    dev = sim_device(gpu_family="apple10", thread_order=order, seed=5)
+    x = fresh_rng(7).standard_normal(32 * 32).astype(np.float32)
+    X, C = upload(dev, x), dev.buffer(32 * 32 * 4)
+    msg = dispatch_error(dev, "st_tensor_race", 1, 64, [(0, X), (1, C)], [(2, constant(0))])
+    assert "operand changed" in msg and "missing threadgroup_barrier" in msg
+    run(dev, "st_tensor_race", 1, 64, [(0, X), (1, C)], [(2, constant(1))], [X], [C])
+    t = x.reshape(32, 32)
+    np.testing.assert_array_equal(download(C, np.float32, (32, 32)), mm_model(t, t.T))
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_divergent_tensor_operations_are_reported(order):
+    dev = sim_device(gpu_family="apple10", thread_order=order)
+    x = fresh_rng(8).standard_normal(64 * 32).astype(np.float32)
+    X, C = upload(dev, x), dev.buffer(32 * 32 * 4)
+    msg = dispatch_error(dev, "st_tensor_divergent", 1, 64, [(0, X), (1, C)], [(2, constant(0))])
+    assert re.search(r"returned while .* wait in matmul2d::run|matmul2d::run reached after .* returned", msg), msg
+    msg = dispatch_error(dev, "st_tensor_divergent", 1, 64, [(0, X), (1, C)], [(2, constant(1))])
+    assert "divergent tensor operations" in msg
+    run(dev, "st_tensor_divergent", 1, 64, [(0, X), (1, C)], [(2, constant(2))], [X], [C])
+    r = x.reshape(64, 32)[:32]
+    np.testing.assert_array_equal(download(C, np.float32, (32, 32)), mm_model(r, r.T))
+
+
+def test_scope_geometry_is_checked(fwd):
+    M = N = K = 32
+    A, B, C = upload(fwd, np.ones((M, K), np.float32)), upload(fwd, np.ones((K, N), np.float32)), fwd.buffer(M * N * 4)
+    bufs = [(0, A), (1, B), (2, C)]
+    msg = dispatch_error(fwd, "st_tensor_mm_device_f32_f32", 1, 64, bufs, [(3, args(M, N, K))])
+    assert "execution_simdgroups<4> runs on 4 simdgroups" in msg and "64 threads" in msg
+    # a partial edge threadgroup of a dispatchThreads grid: the scope is incomplete
+    msg = dispatch_error(fwd, "st_tensor_mm_device_f32_f32", (32 * 2, 1), (32, 4), bufs, [(3, args(M, N, K))],
+                         threadgroups=False)
+    assert "execution_simdgroups<4>" in msg
+    # execution_simdgroup needs full simdgroups
+    W = upload(fwd, np.ones((N, K), np.float16))
+    msg = dispatch_error(fwd, "st_tensor_mm_simdgroup", 1, 48, [(0, A), (1, W), (2, C)], [(3, args(M, N, K))])
+    assert "execution_simdgroup needs full simdgroups" in msg
+
+
+# ------------------------------------------------------------------------------ outside the subset
+
+PRELUDE = ("#include <metal_stdlib>\n#include <metal_tensor>\n"
+           "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
+           "using namespace metal;\nusing namespace mpp::tensor_ops;\n"
+           "using D2 = dextents<int32_t, 2>;\n")
+KERNEL = ("kernel void f(device half* h [[buffer(0)]], device float* x [[buffer(1)]], device float* y [[buffer(2)]]) {{\n"
+          "  auto H = tensor<device half, D2, tensor_inline>(h, D2(64, 64));\n"
+          "  auto X = tensor<device float, D2, tensor_inline>(x, D2(64, 64));\n"
+          "  auto Y = tensor<device float, D2, tensor_inline>(y, D2(64, 64));\n"
+          "  {body}\n}}\n")
+OK_OP = "matmul2d<matmul2d_descriptor(32, 32), execution_simdgroups<1>> op;"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("matmul2d<matmul2d_descriptor(32, 32, 16), execution_simdgroup> op; op.run(H, H, X);", "multiple of 32"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 0), execution_simdgroup> op; op.run(H, H, X);", "k = 0 does not mean"),
+    ("matmul2d<matmul2d_descriptor(8, 32), execution_simdgroup> op; op.run(H, H, X);", "multiples of 16"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 64, false, false, true), execution_simdgroup> op; op.run(H, H, X);",
+     "relaxed_precision"),
+    ("matmul2d<matmul2d_descriptor(32, 32), int> op; op.run(H, H, X);", "the scope must be"),
+    (OK_OP + " auto T = tensor<device half, D2, tensor_inline>(h, D2(64, 64)); op.run(H, H, T);",
+     "destination's element type must be float"),
+    (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), half>();",
+     "destination element type must be float"),
+    (OK_OP + " auto c = op.get_left_input_cooperative_tensor<half, half, float>();", "get_left_input_cooperative_tensor"),
+    (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); "
+     "matmul2d<matmul2d_descriptor(32, 64), execution_simdgroups<1>> op2; op2.run(H, H, c);",
+     "made by an operation with another descriptor"),
+    (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); op.run(X, H, c);",
+     "another descriptor, scope or operand element types"),
+    (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); "
+     "auto hT = tensor<device half, D2, tensor_inline>(h, D2(64, 64)); c.store(hT);", "same element type"),
+    (OK_OP + " op.run(H.slice(0, 0), H, X);", "cannot bind non-const lvalue reference"),
+    ("auto t = tensor<device half, D2>(h, D2(64, 64));", "tensor_inline tensors only"),
+    ("auto t = tensor<device char, D2, tensor_inline>((device char*)h, D2(64, 64));", "element type must be float, half"),
+    ("device const half* ch = h; auto t = tensor<device half, D2, tensor_inline>(ch, D2(64, 64));",
+     "invalid conversion|no matching"),
+    ("auto t = tensor<device float, dextents<int32_t, 3>, tensor_inline>(x, dextents<int32_t, 3>(2, 2, 2));",
+     "rank-2"),
+    ("auto t = tensor<device float, dextents<uint, 2>, tensor_inline>(x, dextents<uint, 2>(2, 2));",
+     "index type int"),
+    ("float v = X[1, 2];", "no match for .operator\\[\\]"),
+    ("auto d = matmul2d_descriptor(32, 32, dynamic_length_v<int>);", "dynamic_length_v"),
+    (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); reduce_rows(c, c);",
+     "reduce_rows"),
+])
+def test_outside_the_subset_does_not_compile(tmp_path, body, needle):
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    src = tmp_path / "k_tensor.metal"
+    src.write_text(PRELUDE + KERNEL.format(body=body))
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    c = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-Wno-unknown-pragmas",
+                        "-I", str(ROOT / "csrc"), "-I", str(ROOT / "csrc" / "gpu" / "sim" / "msl"),
+                        "-x", "c++", str(tmp_path / "o" / "k_tensor.metal.cpp")], capture_output=True, text=True,
+                       env={**os.environ, "LC_ALL": "C"})
+    assert c.returncode != 0, "compiled, but it is outside the subset"
+    assert re.search(needle, c.stderr), c.stderr[-3000:]
+
+
+def test_convolution_header_is_rejected(tmp_path):
+    src = tmp_path / "k_tensor.metal"
+    src.write_text("#include <MetalPerformancePrimitives/MPPTensorOpsConvolution2d.h>\n")
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(src)], capture_output=True, text=True)
+    assert r.returncode == 1 and "k_tensor.metal:1: error: <MetalPerformancePrimitives/MPPTensorOpsConvolution2d.h>" \
+        " is not supported" in r.stderr
