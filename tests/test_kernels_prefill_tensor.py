@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -46,12 +47,6 @@ import test_kernels_prefill_gemm as simd_suite  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-24
 BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
-
-THREAD_ORDERS = {
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=1),
-}
 
 
 # The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
@@ -84,7 +79,7 @@ class TwinDevice(_Proxy):
         return _TwinCommandBuffer(self._obj.command_buffer())
 
 
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     return TwinDevice(sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param]))
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from seeding import fresh_rng
+from simdev import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -39,14 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
-THREAD_ORDERS = {
-    "forward": dict(verify_writes=True),
-    "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
-    "random": dict(verify_writes=True, thread_order="random", seed=3),
-}
 
-
-@pytest.fixture(scope="module", params=list(THREAD_ORDERS))
+@pytest.fixture(scope="module", params=ORDERS)
 def dev(request):
     """An apple10 simulator (tensor ops available) in each thread order."""
     return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])

@@ -267,6 +267,9 @@ class Device {
   virtual bool supports_tensor_ops() const = 0;
   // Why supports_tensor_ops() is false, for messages and benchmarks ("" when it is true).
   virtual std::string tensor_ops_status() const = 0;
+  // Bytes of the buffers this device allocated with new_buffer that are still alive (no-copy
+  // wrappers and file mappings are not counted); on Metal, MTLDevice.currentAllocatedSize.
+  virtual uint64_t allocated_bytes() const = 0;
 };
 
 // "apple10" for 10, etc.

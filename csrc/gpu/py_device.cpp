@@ -251,6 +251,8 @@ void bind_device(nb::module_& m) {
       .def("map_file", &Device::map_file, "path"_a, "offset"_a = 0, "length"_a = 0)
       .def_prop_ro("gpu_family", [](const Device& d) { return gpu_family_name(d.gpu_family()); },
                    "The GPU's Apple family: 'apple7' (M1) .. 'apple10' (M5); the simulator's is an option.")
+      .def_prop_ro("allocated_bytes", &Device::allocated_bytes,
+                   "Bytes of the buffers this device allocated that are still alive.")
       .def_prop_ro("supports_tensor_ops", &Device::supports_tensor_ops,
                    "Whether the Metal 4 tensor-op kernels (metal/*_tensor.metal) can be used on this device.")
       .def_prop_ro("tensor_ops_status", &Device::tensor_ops_status,

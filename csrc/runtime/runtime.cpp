@@ -78,7 +78,11 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
   logprob_out_ = scratch(2 * kMaxTopLogprobs * f, "logprobs (per slot)");
   top_ids_ = scratch(2 * kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
   record_only_ = tokens_->contents() == nullptr;
-  tensor_ops_ = opt_.gemm_path == GemmPath::tensor;
+  // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
+  tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
+                (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
+  if (tensor_ops_ && !device_->supports_tensor_ops())
+    throw std::invalid_argument("gemm_path 'tensor': " + device_->tensor_ops_status());
   allocate_chunk_buffers();
   reset();
 }

@@ -319,6 +319,7 @@ class MetalDevice : public gpu::Device {
   std::string name() const override { return "metal"; }
   int gpu_family() const override { return family_; }
   bool supports_tensor_ops() const override { return tensor_lib_ != nil; }
+  uint64_t allocated_bytes() const override { return uint64_t(dev_.currentAllocatedSize); }
   std::string tensor_ops_status() const override { return tensor_status_; }
 
   BufferPtr new_buffer(size_t bytes) override {

@@ -33,7 +33,9 @@ std::atomic<uint64_t> g_next_buffer_id{1};
 
 class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuffer> {
  public:
-  SimBuffer(size_t size, bool allocate, bool poison) : size_(size), id_(g_next_buffer_id++) {
+  // `live` counts the bytes of the device's new_buffer allocations still alive.
+  SimBuffer(size_t size, bool allocate, bool poison, std::shared_ptr<std::atomic<uint64_t>> live)
+      : size_(size), id_(g_next_buffer_id++), live_(std::move(live)) {
     if (allocate) {
       // Aligned for every MSL type, as a Metal buffer is; exact size, so ASan sees overruns.
       void* mem = nullptr;
@@ -42,12 +44,14 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
       std::memset(owned_.get(), poison ? kPoison : 0, size);
       data_ = owned_.get();
     }
+    *live_ += size_;
   }
   SimBuffer(void* p, size_t size, std::function<void()> release)
       : size_(size), id_(g_next_buffer_id++), data_(static_cast<unsigned char*>(p)),
         release_(std::move(release)) {}
   ~SimBuffer() override {
     if (release_) release_();
+    if (live_) *live_ -= size_;
   }
   size_t size() const override { return size_; }
   void* contents() override { return data_; }
@@ -72,6 +76,7 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
   std::unique_ptr<unsigned char, Free> owned_;
   unsigned char* data_ = nullptr;
   std::function<void()> release_;
+  std::shared_ptr<std::atomic<uint64_t>> live_;
   mutable std::mutex mu_;
   std::string label_;
 };
@@ -272,7 +277,7 @@ class SimDevice : public gpu::Device {
   }
   std::string name() const override { return "sim"; }
   BufferPtr new_buffer(size_t bytes) override {
-    return std::make_shared<SimBuffer>(bytes, !opt_.record_only, opt_.poison);
+    return std::make_shared<SimBuffer>(bytes, !opt_.record_only, opt_.poison, live_);
   }
   BufferPtr new_buffer_no_copy(void* ptr, size_t bytes, std::function<void()> release) override {
     if (!ptr) throw UsageError("new_buffer_no_copy: null pointer");
@@ -308,6 +313,7 @@ class SimDevice : public gpu::Device {
   }
   int gpu_family() const override { return opt_.gpu_family; }
   bool supports_tensor_ops() const override { return tensor_ops_status().empty(); }
+  uint64_t allocated_bytes() const override { return *live_; }
   std::string tensor_ops_status() const override {
     if (opt_.gpu_family < gpu::kTensorOpsFamily)
       return "the simulator was created with gpu_family='" + gpu::gpu_family_name(opt_.gpu_family) +
@@ -331,6 +337,7 @@ class SimDevice : public gpu::Device {
   void run_verified(const Recorded& r, const ExecDispatch& d);
 
   SimOptions opt_;
+  std::shared_ptr<std::atomic<uint64_t>> live_ = std::make_shared<std::atomic<uint64_t>>(0);
   std::mt19937_64 rng_;
   std::mutex mu_;
   std::condition_variable cv_;
