@@ -197,3 +197,28 @@ def test_full_size_prefill_chunk_counters(rows, position):
     # routing clear, top-k, scatter + shared gate/up, shared down + experts gate/up, experts
     # down, combine), plus the embedding and the head.
     assert c["barrier_stages"] == 1 + 40 * 13 + attn * split + 1
+
+
+def test_tensor_op_gemm_path(demo_path, demo_engine):
+    """On an Apple10-family GPU (M5; the simulator told so) prefill's GEMMs are the Metal 4
+    tensor-operation twins; on earlier families the simdgroup_matrix kernels. Both give the
+    reference's logits (on the simulator the twins are bit-identical to the simdgroup path)."""
+    from lily.errors import DeviceError
+    m5 = {"gpu_family": "apple10"}
+    ids = demo_engine.tokenizer.encode(TEXT)[:20]
+    demo_engine.reset()
+    want = demo_engine.prefill(ids, all_logits=True)
+    demo_engine.reset()
+    tensor = Engine.load(demo_path, device="sim", max_context=64,
+                         device_options={"prefill_chunk": 8, "device_options": m5})
+    assert tensor.backend.runtime.uses_tensor_ops  # gemm_path "auto"
+    simd = Engine.load(demo_path, device="sim", max_context=64,
+                       device_options={"prefill_chunk": 8, "gemm_path": "simdgroup", "device_options": m5})
+    assert not simd.backend.runtime.uses_tensor_ops
+    lt = tensor.prefill(ids, all_logits=True)
+    _check(lt, want, "tensor-op path")
+    np.testing.assert_allclose(lt, simd.prefill(ids, all_logits=True), rtol=1e-6, atol=1e-6)
+    plain = Engine.load(demo_path, device="sim", max_context=64)  # apple9
+    assert not plain.backend.runtime.uses_tensor_ops
+    with pytest.raises(DeviceError, match="tensor"):
+        Engine.load(demo_path, device="sim", max_context=64, device_options={"gemm_path": "tensor"})
