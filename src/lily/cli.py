@@ -182,8 +182,12 @@ def cmd_serve(args) -> int:
         print(f"lily serve needs the server extra: {_SERVE_EXTRA} ({e})", file=sys.stderr)
         return 2
     engine = _load(args)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
+    try:
+        serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+              model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
+    except OSError as e:  # the address cannot be bound
+        print(f"lily: error: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -903,7 +903,12 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
     warning. See :func:`create_app` for the other parameters. SIGINT (Ctrl-C) or SIGTERM
     stops the server: running and queued generations are cancelled at once (their
     requests get a 503, open streams a final error event and ``data: [DONE]``), and the
-    function returns. A port that cannot be bound logs the error and raises ``SystemExit(1)``.
+    function returns.
+
+    Raises
+    ------
+    OSError
+        The address cannot be bound (e.g. the port is taken); nothing has been served.
     """
     import uvicorn
 
@@ -920,7 +925,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
-            await super().startup(sockets=sockets)  # logs and exits if the address is taken
+            await super().startup(sockets=sockets)
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname() if self.servers else (host, port)
                 shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
@@ -939,5 +944,27 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
             if isinstance(captured, list):
                 captured.clear()
 
-    Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          timeout_graceful_shutdown=5)).run()
+    sock = _bind(host, port)
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                              timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound before anything says the server is up (as uvicorn binds
+    it: IPv6 for an address with a colon, SO_REUSEADDR)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
