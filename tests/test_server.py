@@ -528,9 +528,16 @@ def test_history_with_tool_calls_and_reasoning(forced, forced_engine):
     assert "<think>\nNeed the tool.\n</think>" in prompt
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
-    messages[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
-    with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS)
+    for bad in ("{not json", "[1]", '"x"'):
+        messages[1]["tool_calls"][0]["function"]["arguments"] = bad
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS)
+    for empty in ("", "  "):  # as documented: taken as {} (a call without arguments)
+        messages[1]["tool_calls"][0]["function"]["arguments"] = empty
+        r = c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.choices[0].message.content == "Done."
+        assert "<function=get_weather>\n</function>" in forced_engine.last_prompt
 
 
 def test_queue_overflow_429(forced_engine):

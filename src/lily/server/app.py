@@ -32,7 +32,7 @@ log = logging.getLogger("lily.server")
 
 DEMO_MODEL_NAME = "lily-demo-shakespeare"
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "documents"}
-# chat template switches the Qwen3.5 template tests with `is false` / `if`: a string such as
+# switches that the Qwen3.5 chat template tests with `is false` / `if`: a string such as
 # "no" would be truthy (or not `false`) and silently leave the switch on
 _BOOL_TEMPLATE_KWARGS = {"enable_thinking", "add_vision_id"}
 _INT32_MAX = (1 << 31) - 1
