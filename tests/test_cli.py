@@ -32,6 +32,7 @@ def test_generate_default_model_prints_shakespeare():
     text = r.stdout.strip()
     assert len(text.split()) >= 5
     assert "tok/s" in r.stderr and "finish: length" in r.stderr
+    assert "context window" not in r.stderr  # max tokens, not the context, ended it
 
 
 def test_generate_chat_mode_and_stop():
@@ -53,6 +54,39 @@ def test_chat_interactive_session():
     r = run("chat", "--max-tokens", "6", "--temperature", "0", input="Hail, good sir.\n/reset\nAnd again.\n\n")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 0
+    assert "[conversation reset]" in r.stderr
+
+
+def test_chat_eof_ends_the_prompt_line():
+    """Ctrl-D (EOF) at the prompt: the "> " line is ended on stdout, where input() wrote it."""
+    r = run("chat", "--max-tokens", "2", input="")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "> \n"
+
+
+def test_generate_top_k_minus_one_and_bounds():
+    a = run("generate", "ROMEO.", "-n", "6", "--temperature", "0.8", "--seed", "3", "--top-k", "-1")
+    b = run("generate", "ROMEO.", "-n", "6", "--temperature", "0.8", "--seed", "3", "--top-k", "0")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+    for value in ("-5", "2147483648"):
+        r = run("generate", "x", "--top-k", value)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "-1 or 0" in r.stderr and "2147483647]" in r.stderr and "[0," not in r.stderr, r.stderr
+    r = run("generate", "x", "--max-tokens", "2147483648")
+    assert r.returncode == 1 and "[1, 2147483647]" in r.stderr, r.stderr
+
+
+def test_generate_no_think_needs_chat():
+    r = run("generate", "x", "--no-think")
+    assert r.returncode == 2 and "--no-think needs --chat" in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_generate_context_full_notice():
+    r = run("generate", "ROMEO.", "--max-context", "12", "--max-tokens", "100", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert "context window (12 tokens) is full" in r.stderr
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -528,9 +528,16 @@ def test_history_with_tool_calls_and_reasoning(forced, forced_engine):
     assert "<think>\nNeed the tool.\n</think>" in prompt
     assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in prompt
     assert "<tool_response>\nsunny\n</tool_response>" in prompt
-    messages[1]["tool_calls"][0]["function"]["arguments"] = "{not json"
-    with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS)
+    for bad in ("{not json", "[1]", '"x"'):
+        messages[1]["tool_calls"][0]["function"]["arguments"] = bad
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS)
+    for empty in ("", "  "):  # as documented: taken as {} (a call without arguments)
+        messages[1]["tool_calls"][0]["function"]["arguments"] = empty
+        r = c.chat.completions.create(model="forced", messages=messages, tools=WEATHER_TOOLS,
+                                      extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.choices[0].message.content == "Done."
+        assert "<function=get_weather>\n</function>" in forced_engine.last_prompt
 
 
 def test_queue_overflow_429(forced_engine):
@@ -996,3 +1003,147 @@ def test_unpaired_surrogates_are_400_not_500(forced, forced_engine):
         r = httpx.post(url + path, content=raw.encode(), headers={"content-type": "application/json"})
         assert r.status_code == status, (raw, r.text)
         assert r.json()["error"]["message"]
+
+
+# ----------------------------------------------------------------------------------------
+# newcomer's report: /health, parameter conventions, logs, echo logprobs
+# ----------------------------------------------------------------------------------------
+
+
+def _health(srv: Server) -> dict:
+    return httpx.get(srv.base + "/health").json()
+
+
+def test_health_counts_running_and_queued(forced_engine):
+    """``running`` is the generation in progress, ``queued`` the ones waiting (a queued
+    request whose client left no longer counts), ``pending`` their sum."""
+    forced_engine.set_script("word " * 200, delay=0.05)
+    srv = Server(create_app(forced_engine, model_name="forced", max_queue=2))
+    try:
+        h = _health(srv)
+        assert (h["busy"], h["running"], h["queued"], h["pending"]) == (False, 0, 0, 0)
+        body = {"model": "forced", "messages": HI, "stream": True, "max_tokens": 100}
+        with httpx.Client(timeout=30) as a, a.stream("POST", srv.base + "/v1/chat/completions",
+                                                     json=body) as ra:
+            lines_a = ra.iter_lines()  # kept: dropping it unread closes the connection
+            next(lines_a)
+            h = _health(srv)
+            assert (h["busy"], h["running"], h["queued"], h["pending"]) == (True, 1, 0, 1), h
+            with httpx.Client(timeout=30) as b, b.stream("POST", srv.base + "/v1/chat/completions",
+                                                         json=body) as rb:
+                lines_b = rb.iter_lines()
+                next(lines_b)
+                h = _health(srv)
+                assert (h["running"], h["queued"], h["pending"]) == (1, 1, 2), h
+            t0 = time.time()  # b hung up while waiting: it leaves the count at once
+            while _health(srv)["queued"]:
+                assert time.time() - t0 < 5
+                time.sleep(0.02)
+            assert _health(srv)["running"] == 1
+        wait_idle(srv)
+    finally:
+        srv.stop()
+
+
+def test_top_k_and_integer_bounds(forced, forced_engine):
+    """top_k -1 and 0 both disable it; out-of-range values name the real bounds (2^31 - 1)."""
+    forced_engine.set_script("</think>ok")
+    c = forced.client()
+    for k in (-1, 0, 5):
+        r = c.chat.completions.create(model="forced", messages=HI, extra_body={"top_k": k})
+        assert r.choices[0].message.content == "ok"
+    for k in (-5, 1 << 31):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="forced", messages=HI, extra_body={"top_k": k})
+        assert e.value.body["param"] == "top_k"
+        msg = e.value.body["message"]
+        assert "-1 or 0" in msg and "2147483647]" in msg and "[0," not in msg, msg
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="forced", messages=HI, max_tokens=1 << 31)
+    msg = e.value.body["message"]
+    assert e.value.body["param"] == "max_tokens" and "2147483647]" in msg and "2147483648]" not in msg, msg
+
+
+def test_boolean_template_kwargs_are_checked(forced, forced_engine):
+    forced_engine.set_script("</think>hi")
+    url = forced.base + "/v1/chat/completions"
+    for bad in ("no", "false", 0, 1, [], {}):
+        r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": bad}})
+        assert r.status_code == 400, (bad, r.text)
+        assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
+        assert "true or false" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": None}})
+    assert r.status_code == 200 and "<think>" in forced_engine.last_prompt[-20:]  # the default: on
+    r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and "<think>\n\n</think>" in forced_engine.last_prompt
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_stream_client_disconnect_is_logged(forced, forced_engine, caplog, endpoint):
+    caplog.set_level(logging.INFO, logger="lily.server")
+    forced_engine.set_script("</think>" + "word " * 200, delay=0.02)
+    c = forced.client()
+    if endpoint == "chat":
+        stream = c.chat.completions.create(model="forced", messages=HI, max_tokens=150, stream=True)
+    else:
+        stream = c.completions.create(model="forced", prompt="Q", max_tokens=150, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    wait_idle(forced)
+    kind = "chat (stream)" if endpoint == "chat" else "completion (stream)"
+    t0 = time.time()
+    while True:
+        logged = [rec.getMessage() for rec in caplog.records if rec.name == "lily.server"]
+        hits = [m for m in logged if m.startswith(f"{kind}: client disconnected after")]
+        if hits or time.time() - t0 > 5:
+            break
+        time.sleep(0.05)
+    assert len(hits) == 1 and "generation cancelled" in hits[0], logged
+
+
+def test_echo_logprobs_include_the_prompt(real, demo_engine):
+    """``echo`` + ``logprobs`` on /v1/completions: the prompt's tokens come first (the first
+    with null logprobs), scored by the model teacher-forced; the generated part is what the
+    request without echo gives, and the engine session is left usable."""
+    c = real.client()
+    prompt = "ROMEO: Is the day so young?"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
+    plain = c.completions.create(**kw).choices[0]
+    echo = c.completions.create(echo=True, **kw).choices[0]
+    tok = demo_engine.tokenizer
+    ids = tok.encode(prompt)
+    n = len(ids)
+    assert echo.text == prompt + plain.text
+    lp = echo.logprobs
+    assert lp.tokens == [tok.token_bytes(t).decode() for t in ids] + plain.logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
+    assert lp.text_offset[n:] == [len(prompt) + o for o in plain.logprobs.text_offset]
+    # reference: one teacher-forced prefill of the prompt on a fresh session
+    demo_engine.reset()
+    logits = demo_engine.prefill(ids, all_logits=True).astype(np.float64)
+    demo_engine.reset()
+    ref = logits - logits.max(axis=1, keepdims=True)
+    ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
+    want = [ref[i - 1, ids[i]] for i in range(1, n)]
+    assert lp.token_logprobs[1:n] == pytest.approx(want, abs=1e-4)
+    for i in range(1, n):
+        top = lp.top_logprobs[i]
+        best = np.argsort(-ref[i - 1])[:3]
+        assert len(top) == 3 and sorted(top.values(), reverse=True) == pytest.approx(ref[i - 1, best], abs=1e-4)
+    # streaming: the echoed text and its logprobs arrive in the first chunk
+    chunks = list(c.completions.create(echo=True, stream=True, **kw))
+    first = chunks[0].choices[0]
+    assert first.text == prompt and first.logprobs.tokens == lp.tokens[:n]
+    assert first.logprobs.token_logprobs[0] is None
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-6)
+    assert "".join(k.choices[0].text for k in chunks) == echo.text
+    assert [t for k in chunks if k.choices[0].logprobs for t in k.choices[0].logprobs.tokens] == lp.tokens
+    # a one-token prompt has only the null entry; the next plain request is unaffected
+    one = c.completions.create(model=MODEL, prompt=[ids[0]], max_tokens=2, temperature=0, logprobs=0,
+                               echo=True).choices[0]
+    assert one.logprobs.token_logprobs[0] is None and len(one.logprobs.tokens) == 3
+    assert c.completions.create(**kw).choices[0].text == plain.text

@@ -10,14 +10,17 @@ import argparse
 import json
 import sys
 
-from lily.errors import LilyError
+from lily.errors import ContextLengthError, InvalidParameterError, LilyError
+
+_INT32_MAX = (1 << 31) - 1
+_SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
 
 _EPILOG = """examples:
   lily generate "ROMEO."                      # the embedded demo model (Shakespeare)
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
-  lily serve --port 8000                      # OpenAI-compatible server (pip install 'lily[serve]')
+  lily serve --port 8000                      # OpenAI-compatible server (pip install ".[serve]")
 """
 
 
@@ -35,7 +38,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults come from the checkpoint's generation_config.json)")
     g.add_argument("--max-tokens", "-n", type=int, default=None, help="maximum tokens to generate (default 256)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens; 0 or -1 disable")
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--min-p", type=float, default=None)
     g.add_argument("--repetition-penalty", type=float, default=None)
@@ -49,7 +52,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _overrides(args) -> dict:
     keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
             "presence_penalty", "frequency_penalty", "seed", "stop")
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    top_k = out.get("top_k")
+    if top_k is not None:
+        if not -1 <= top_k <= _INT32_MAX:  # the same convention and message as the server
+            raise InvalidParameterError(f"invalid sampling parameter top_k={top_k}: must be -1 or 0 (both "
+                                        f"disable top-k) or a count in [1, {_INT32_MAX}]")
+        if top_k == -1:
+            out["top_k"] = 0
+    return out
+
+
+def _context_full(engine, ev) -> bool:
+    """The generation ended because the context window is full (not max tokens)."""
+    return (ev is not None and ev.finish_reason == "length"
+            and ev.prompt_tokens + ev.completion_tokens >= engine.max_context)
+
+
+def _context_notice(engine, hint: str = "") -> None:
+    print(f"[stopped: the context window ({engine.max_context} tokens) is full{hint}]", file=sys.stderr)
 
 
 def _load(args):
@@ -66,13 +87,14 @@ def _print_stats(ev, file=sys.stderr) -> None:
 
 
 def cmd_generate(args) -> int:
+    overrides = _overrides(args)  # invalid values are reported before the model loads
     engine = _load(args)
     if args.chat:
         kwargs = {"enable_thinking": False} if args.no_think else {}
         events = engine.stream_chat([{"role": "user", "content": args.prompt}],
-                                    chat_template_kwargs=kwargs, **_overrides(args))
+                                    chat_template_kwargs=kwargs, **overrides)
     else:
-        events = engine.stream(args.prompt, **_overrides(args))
+        events = engine.stream(args.prompt, **overrides)
     last = None
     if not args.chat and args.echo:
         sys.stdout.write(args.prompt)
@@ -81,12 +103,16 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
         last = ev
     sys.stdout.write("\n")
+    sys.stdout.flush()
     if args.verbose:
         _print_stats(last)
+    if _context_full(engine, last):
+        _context_notice(engine, " (--max-context sets it)")
     return 0
 
 
 def cmd_chat(args) -> int:
+    overrides = _overrides(args)
     engine = _load(args)
     messages: list[dict] = []
     if args.system:
@@ -98,27 +124,38 @@ def cmd_chat(args) -> int:
         try:
             user = input("> ")
         except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+            # end the "> " line on stdout, where input() wrote it, so the shell prompt
+            # starts on a line of its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
             return 0
         if not user.strip():
             return 0
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
+            print("[conversation reset" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
             continue
         messages.append({"role": "user", "content": user})
         reply, last = [], None
         try:
-            for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **_overrides(args)):
+            for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **overrides):
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
                 reply.append(ev.text)
                 last = ev
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
+        except ContextLengthError as e:
+            messages.pop()
+            print(f"[{e}; /reset to start over]", file=sys.stderr)
+            continue
         sys.stdout.write("\n")
+        sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})
         if args.verbose and last is not None:
             _print_stats(last)
+        if _context_full(engine, last):
+            _context_notice(engine, "; /reset to start over")
 
 
 def cmd_info(args) -> int:
@@ -142,12 +179,22 @@ def cmd_serve(args) -> int:
     try:
         from lily.server import serve
     except ImportError as e:
-        print(f"lily serve needs the server extra: pip install 'lily[serve]' ({e})", file=sys.stderr)
+        print(f"lily serve needs the server extra: {_SERVE_EXTRA} ({e})", file=sys.stderr)
         return 2
     engine = _load(args)
-    serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-          model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
+    try:
+        serve(engine, host=args.host, port=args.port, api_key=args.api_key,
+              model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
+    except OSError as e:  # the address cannot be bound
+        print(f"lily: error: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_generate(parser: argparse.ArgumentParser, args) -> None:
+    if args.no_think and not args.chat:
+        parser.error("--no-think needs --chat (it switches off the chat template's thinking "
+                     "block; a raw prompt has no template)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,12 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text from PROMPT and stream it to stdout.")
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block")
+    g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block "
+                   "(an error without --chat: a raw prompt has no chat template)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
     _add_model_args(g)
     _add_sampling_args(g)
-    g.set_defaults(func=cmd_generate)
+    g.set_defaults(func=cmd_generate, check=lambda a: _check_generate(g, a))
 
     c = sub.add_parser("chat", help="interactive chat with the chat template, streaming",
                        description="Chat interactively; each turn is rendered with the model's chat template.")
@@ -201,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if getattr(args, "check", None):
+        args.check(args)  # usage errors exit 2, like argparse's own
     try:
         return args.func(args) or 0
     except LilyError as e:

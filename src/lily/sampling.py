@@ -85,16 +85,17 @@ class SamplingParams:
             if (v <= lo if lo_open else v < lo) or v > hi:
                 bad(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}]")
 
-        def integer(name, lo, hi):
+        def integer(name, lo, hi, note=None):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 bad(name, "must be an integer")
             if v < lo or v > hi:
-                bad(name, f"must be in [{lo}, {hi}]")
+                bad(name, f"must be an integer in [{lo}, {hi}]" + (f" ({note})" if note else ""))
 
-        integer("max_tokens", 1, 1 << 31)
+        int32_max = (1 << 31) - 1  # 2147483647, the largest 32-bit signed integer
+        integer("max_tokens", 1, int32_max)
         num("temperature", 0.0, 100.0)
-        integer("top_k", 0, 1 << 31)
+        integer("top_k", 0, int32_max, "0 disables top-k")
         num("top_p", 0.0, 1.0, lo_open=True)
         num("min_p", 0.0, 1.0)
         num("presence_penalty", -2.0, 2.0)

@@ -16,7 +16,7 @@ import math
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,6 +32,10 @@ log = logging.getLogger("lily.server")
 
 DEMO_MODEL_NAME = "lily-demo-shakespeare"
 _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "documents"}
+# switches that the Qwen3.5 chat template tests with `is false` / `if`: a string such as
+# "no" would be truthy (or not `false`) and silently leave the switch on
+_BOOL_TEMPLATE_KWARGS = {"enable_thinking", "add_vision_id"}
+_INT32_MAX = (1 << 31) - 1
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed")
 _MIN_LOGPROB = -9999.0
@@ -96,9 +100,14 @@ def _param_of(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
+
+
 class _State:
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
                  default_max_tokens: int | None):
+        self.closing = False
         self.engine = engine
         self.model_name = model_name
         self.api_key = api_key
@@ -112,21 +121,43 @@ class _State:
             vocab = min(vocab or cfg.vocab_size, cfg.vocab_size)
         self.vocab_size = vocab
 
+    def begin_shutdown(self) -> None:
+        """Take no more generations and end the running and queued ones now: their requests
+        get a 503 (streams a final error event and ``data: [DONE]``), and the generation
+        stops at its next prefill chunk or decode step. Call it on the event loop when the
+        server is asked to exit, before waiting for connections to close
+        (:func:`serve` does)."""
+        if self.closing:
+            return
+        self.closing = True
+        jobs = self.worker.jobs()
+        if jobs:
+            log.info("shutting down: ending %d running or queued generation(s)", len(jobs))
+        for job in jobs:
+            job.abort(_shutdown_error())
+
 
 class _JobStream(StreamingResponse):
     """An SSE response that cancels its generation however the response ends
-    (finished, client disconnected, or task cancelled)."""
+    (finished, client disconnected, or task cancelled), and logs the request's line if the
+    stream itself did not (the client went away)."""
 
-    def __init__(self, content, job: Job):
+    def __init__(self, content, job: Job, kind: str):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.job = job
+        self.kind = kind
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancel.set()
+            job = self.job
+            job.cancel.set()
+            if not job.logged:
+                job.logged = True
+                log.info("%s: client disconnected after %d completion tokens, generation cancelled",
+                         self.kind, job.completion_tokens)
 
 
 class _ClientGone(Exception):
@@ -200,6 +231,7 @@ async def _job_events(job: Job, request: Request | None, keepalive: float | None
             kind, payload = getter.result()
             getter = None
             if kind == "event":
+                job.completion_tokens += len(payload.token_ids)
                 yield payload
                 if payload.finish_reason is not None:
                     return
@@ -228,6 +260,41 @@ def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | N
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
+
+
+def _scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) -> Iterator:
+    """Run on the worker thread for ``/v1/completions`` with ``echo`` and ``logprobs``: score
+    the prompt, then generate.
+
+    ``job.prompt_logprobs`` gets one entry per prompt token, ``None`` for the first and
+    otherwise the :class:`~lily.sampling.TokenLogprob` of ``ids[i]`` under the model's
+    distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
+    generated tokens). The pass prefills ``ids[:-1]`` with ``all_logits=True`` into a fresh
+    session (the engine's ``prefill`` appends to whatever the session holds) in
+    ``PREFILL_CHUNK`` pieces, checking ``cancel`` between them; the generation then extends
+    that session, so only the last prompt token is prefilled again. A cancelled or failed
+    pass leaves an empty session.
+    """
+    from lily.engine import PREFILL_CHUNK
+    from lily.sampling import Sampler, SamplingParams
+
+    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
+    scored: list = [None]
+    head = ids[:-1]
+    engine.reset()
+    try:
+        for s in range(0, len(head), PREFILL_CHUNK):
+            if cancel.is_set():
+                engine.reset()
+                return
+            logits = engine.prefill(head[s:s + PREFILL_CHUNK], all_logits=True)
+            for j, row in enumerate(logits):
+                scored.append(scorer.logprob(row, ids[s + j + 1]))
+    except BaseException:
+        engine.reset()
+        raise
+    job.prompt_logprobs = scored
+    yield from engine.stream(ids, params, cancel=cancel)
 
 
 # ----------------------------------------------------------------------------------------
@@ -260,11 +327,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        state.closing = False
         state.worker.start()
         try:
             yield
         finally:
-            state.worker.close()
+            state.begin_shutdown()
+            state.worker.close(timeout=2.0)
 
     app = FastAPI(title="Lily", description="OpenAI-compatible API of the Lily inference engine",
                   version="0.1.0", lifespan=lifespan, default_response_class=_JSON)
@@ -339,7 +408,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
-        if kw.get("top_k") == -1:  # vLLM's "disabled"
+        top_k = kw.get("top_k")
+        if top_k is not None and not -1 <= top_k <= _INT32_MAX:
+            raise APIError(400, f"invalid sampling parameter top_k={top_k}: must be -1 or 0 (both disable "
+                                f"top-k) or a count in [1, {_INT32_MAX}]", param="top_k", code="invalid_value")
+        if top_k == -1:  # vLLM's "disabled"
             kw["top_k"] = 0
         if req.stop is not None:
             kw["stop"] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop)
@@ -366,15 +439,26 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                                 f"{state.engine.max_context} tokens", param=param,
                            code="context_length_exceeded")
 
-    def submit(request: Request, ids: list[int], params) -> Job:
+    def submit(request: Request, ids: list[int], params, prompt_logprobs: int | None = None) -> Job:
+        """Queue the generation. With ``prompt_logprobs`` (the number of alternatives), the
+        job first scores the prompt (see :func:`_scored_stream`) into ``job.prompt_logprobs``."""
+        if state.closing:
+            raise _shutdown_error()
         engine = state.engine
-        job = Job(lambda cancel: engine.stream(ids, params, cancel=cancel), asyncio.get_running_loop())
+        if prompt_logprobs is None:
+            def start(cancel):
+                return engine.stream(ids, params, cancel=cancel)
+        else:
+            def start(cancel):
+                return _scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
+        job = Job(start, asyncio.get_running_loop())
         state.worker.submit(job)
         return job
 
     def log_done(kind: str, job: Job, last, started: float) -> None:
         if last is None:
             return
+        job.logged = True
         t = last.timings
         wait = (job.started - job.submitted) if job.started else 0.0
         log.info("%s: %d prompt + %d completion tokens, finish=%s, queued %.2fs, prefill %.1f tok/s, "
@@ -386,8 +470,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": state.model_name, "busy": state.worker.busy,
-                "pending": state.worker.pending}
+        running, queued = state.worker.counts()
+        return {"status": "ok", "model": state.model_name, "busy": running > 0, "running": running,
+                "queued": queued, "pending": running + queued}
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": state.created,
@@ -499,6 +584,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if bad:
             raise APIError(400, f"chat_template_kwargs may not set {', '.join(sorted(bad))}",
                            param="chat_template_kwargs", code="invalid_value")
+        for name in sorted(_BOOL_TEMPLATE_KWARGS & set(kwargs)):
+            if kwargs[name] is None:  # null: the template's default
+                del kwargs[name]
+            elif not isinstance(kwargs[name], bool):
+                raise APIError(400, f"chat_template_kwargs.{name} must be true or false, got "
+                                    f"{_dumps(kwargs[name])}", param=f"chat_template_kwargs.{name}",
+                               code="invalid_value")
         top_lp = req.top_logprobs
         if top_lp is not None and top_lp > 0 and not req.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs",
@@ -537,7 +629,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _JobStream(stream_chat(job, parser, base, include_usage, finish_reason, bool(req.logprobs),
-                                          t_start), job)
+                                          t_start), job, "chat (stream)")
 
         acc = ChatAccumulator()
         lps: list = []
@@ -552,7 +644,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     lps.extend(ev.logprobs)
                 last = ev
         except _ClientGone:
-            log.info("chat: client disconnected, generation cancelled")
+            log.info("chat: client disconnected after %d completion tokens, generation cancelled",
+                     job.completion_tokens)
             return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
@@ -636,7 +729,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             log_done("chat (stream)", job, last, t_start)
         except Exception as exc:
             err = _engine_error(exc)
-            log.info("chat (stream) failed: %s", err.message)
+            job.logged = True
+            log.info("chat (stream) failed after %d completion tokens: %s", job.completion_tokens, err.message)
             yield _sse(err.body())
             yield "data: [DONE]\n\n"
         finally:
@@ -671,7 +765,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         max_tokens = req.max_tokens if req.max_tokens is not None else 16
         params = sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
         echo_text = tok.decode(ids) if req.echo else ""
-        job = submit(request, ids, params)
+        score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
+        job = submit(request, ids, params, prompt_logprobs=n_lp if score_prompt else None)
         rid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
@@ -689,6 +784,17 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 offset += len(s)
             return out
 
+        def echo_logprobs() -> dict:
+            """The echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
+            plps = job.prompt_logprobs
+            first = tok.token_bytes(ids[0]).decode("utf-8", "replace")
+            out = legacy_logprobs(plps[1:], len(first))
+            return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+                    "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+        def finish(last) -> str:
+            return "length" if last.finish_reason == "length" else "stop"
+
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -704,12 +810,14 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     return _sse(obj)
 
                 try:
-                    if echo_text:
+                    if echo_text and not score_prompt:
                         yield chunk(echo_text)
                     async for ev in _job_events(job, None, _KEEPALIVE_S):
                         if ev is None:
                             yield ": keep-alive\n\n"
                             continue
+                        if last is None and score_prompt:  # the prompt has been scored by now
+                            yield chunk(echo_text, logprobs=echo_logprobs())
                         lp = None
                         if n_lp is not None and ev.logprobs:
                             lp = legacy_logprobs(ev.logprobs, offset)
@@ -719,7 +827,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                         last = ev
                     if last is None:
                         return
-                    yield chunk("", finish="length" if last.finish_reason == "length" else "stop")
+                    yield chunk("", finish=finish(last))
                     if include_usage:
                         obj = dict(base)
                         obj["choices"] = []
@@ -729,12 +837,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     log_done("completion (stream)", job, last, t_start)
                 except Exception as exc:
                     err = _engine_error(exc)
+                    job.logged = True
+                    log.info("completion (stream) failed after %d completion tokens: %s",
+                             job.completion_tokens, err.message)
                     yield _sse(err.body())
                     yield "data: [DONE]\n\n"
                 finally:
                     job.cancel.set()
 
-            return _JobStream(gen(), job)
+            return _JobStream(gen(), job, "completion (stream)")
 
         texts: list[str] = []
         lps: list = []
@@ -746,7 +857,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     lps.extend(ev.logprobs)
                 last = ev
         except _ClientGone:
-            log.info("completion: client disconnected, generation cancelled")
+            log.info("completion: client disconnected after %d completion tokens, generation cancelled",
+                     job.completion_tokens)
             return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
@@ -755,11 +867,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         if last is None:
             raise APIError(503, "the generation was cancelled", type="server_error")
         log_done("completion", job, last, t_start)
-        choice = {"index": 0, "text": echo_text + "".join(texts),
-                  "logprobs": legacy_logprobs(lps, len(echo_text)) if n_lp is not None else None,
-                  "finish_reason": "length" if last.finish_reason == "length" else "stop"}
-        return {**{k: v for k, v in base.items()}, "choices": [choice],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+        logprobs = None
+        if n_lp is not None:
+            logprobs = legacy_logprobs(lps, len(echo_text))
+            if score_prompt:
+                head = echo_logprobs()
+                logprobs = {k: head[k] + logprobs[k] for k in head}
+        choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
+                  "finish_reason": finish(last)}
+        return {**base, "choices": [choice], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
 
     return app
 
@@ -784,7 +900,15 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
     """Serve ``engine`` over HTTP with uvicorn until interrupted (``lily serve``).
 
     Binds to loopback by default; binding another address without ``api_key`` logs a
-    warning. See :func:`create_app` for the other parameters.
+    warning. See :func:`create_app` for the other parameters. SIGINT (Ctrl-C) or SIGTERM
+    stops the server: running and queued generations are cancelled at once (their
+    requests get a 503, open streams a final error event and ``data: [DONE]``), and the
+    function returns.
+
+    Raises
+    ------
+    OSError
+        The address cannot be bound (e.g. the port is taken); nothing has been served.
     """
     import uvicorn
 
@@ -797,5 +921,50 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
                     "the model (pass --api-key)", host)
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      default_max_tokens=default_max_tokens)
-    log.info("serving %s on http://%s:%d/v1", app.state.lily.model_name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    state: _State = app.state.lily
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets=sockets)
+            if self.started:
+                bound = self.servers[0].sockets[0].getsockname() if self.servers else (host, port)
+                shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
+                log.info("serving %s on http://%s:%d/v1", state.model_name, shown, bound[1])
+
+        async def shutdown(self, sockets=None):
+            state.begin_shutdown()  # before uvicorn waits for the open responses to finish
+            await super().shutdown(sockets=sockets)
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # A signal is how a server is meant to stop: return normally once it is down
+            # rather than have uvicorn raise the signal again (KeyboardInterrupt, or death
+            # by SIGTERM).
+            captured = getattr(self, "_captured_signals", None)
+            if isinstance(captured, list):
+                captured.clear()
+
+    sock = _bind(host, port)
+    try:
+        Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                              timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def _bind(host: str, port: int):
+    """The listening socket, bound before anything says the server is up (as uvicorn binds
+    it: IPv6 for an address with a colon, SO_REUSEADDR)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
