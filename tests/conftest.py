@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from fixtures_checkpoints import (  # noqa: E402,F401
 
 from lily.engine import Engine, default_model_path  # noqa: E402
 from seeding import SESSION_SEED  # noqa: E402
+from simdev import ASAN_SKIP  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -35,3 +37,12 @@ def demo_engine() -> Engine:
     """One reference engine on the embedded demo model, shared by read-mostly tests.
     Tests that use it must leave no assumptions about the session contents."""
     return Engine.load()
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("LILY_IN_ASAN"):
+        return
+    skip = pytest.mark.skip(reason="heavy case, skipped under AddressSanitizer (tests/simdev.py)")
+    for item in items:
+        if any(p in item.nodeid for p in ASAN_SKIP):
+            item.add_marker(skip)
