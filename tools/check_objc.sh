@@ -31,7 +31,7 @@ fi
 
 PY_INC="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)"
 COMMON=(-target arm64-apple-macos12 -isysroot "$SDK" -stdlib=libc++ -std=c++17 -fsyntax-only
-        -Wall -Wextra -Wno-unused-parameter -I "$ROOT/csrc")
+        -Wall -Wextra -Wno-unused-parameter -I "$ROOT/csrc" -I "$ROOT/metal")
 status=0
 echo "check_objc: $("$CLANG" --version | head -1), SDK $SDK"
 for mm in "$ROOT"/csrc/gpu/metal/*.mm; do
@@ -42,7 +42,8 @@ done
 # Plain C++ that is also compiled on macOS: the device interface, the simulator, the runtime.
 for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/sim_device.cpp \
            "$ROOT"/csrc/gpu/sim/tensor_ops.cpp \
-           "$ROOT"/csrc/runtime/model.cpp "$ROOT"/csrc/runtime/decode.cpp; do
+           "$ROOT"/csrc/runtime/model.cpp "$ROOT"/csrc/runtime/runtime.cpp "$ROOT"/csrc/runtime/decode.cpp \
+           "$ROOT"/csrc/runtime/prefill.cpp; do
   echo "check_objc: $cpp (C++, macOS target)"
   "$CLANG" "${COMMON[@]}" -x c++ "$cpp" || status=1
 done
