@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from lily.engine import Engine  # noqa: E402
 from lily.server import create_app  # noqa: E402
@@ -29,6 +29,9 @@ class _Quick(Engine):
 
     def prefill(self, tokens, *, all_logits=False):
         self._pos = 0
+        if all_logits:  # the server scores an echoed prompt this way
+            import numpy as np
+            return np.stack([self._logits()] * len(tokens))
         return self._logits()
 
     def decode(self, token):
@@ -41,10 +44,23 @@ _engine._script = _engine.tokenizer.encode(
     "ok</think>\n\nyes<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n</tool_call>")
 _app = create_app(_engine, model_name="quick", max_queue=64)
 schema = schemathesis.openapi.from_asgi("/openapi.json", _app)
+# One test per API operation, each with its own id: schemathesis' own parametrize gives
+# all operations one node id, and pytest-xdist (the suite runs with -n) keeps only one.
+OPERATIONS = [r.ok() for r in schema.get_all_operations()]
 
 
-@schema.parametrize()
-@settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
-def test_no_server_errors(case):
-    response = case.call()
-    assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
+def test_no_server_errors(operation):
+    @given(case=operation.as_strategy())
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    def check(case):
+        response = case.call()
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+    check()
+
+
+def test_every_operation_is_fuzzed():
+    assert {op.label for op in OPERATIONS} >= {
+        "GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
+        "POST /v1/chat/completions", "POST /v1/completions"}
