@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,12 @@ from fixtures_checkpoints import (  # noqa: E402,F401
 from lily.engine import Engine, default_model_path  # noqa: E402
 from seeding import SESSION_SEED  # noqa: E402
 from simdev import ASAN_SKIP  # noqa: E402
+
+
+# native engines write aligned weight caches (lily.weight_cache): keep this session's apart
+if not os.environ.get("LILY_CACHE_DIR"):
+    os.environ["LILY_CACHE_DIR"] = tempfile.mkdtemp(prefix="lily-weight-cache-")
+    atexit.register(shutil.rmtree, os.environ["LILY_CACHE_DIR"], True)
 
 
 def pytest_report_header(config):

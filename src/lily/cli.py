@@ -161,9 +161,11 @@ def cmd_chat(args) -> int:
 def cmd_info(args) -> int:
     from lily import _core
     from lily.engine import Engine
+    from lily.weight_cache import default_dir
     engine = Engine.load(args.model, device="reference", progress=sys.stderr.isatty())
     info = engine.info()
     info["native_build"] = _core.build_info()
+    info["weight_cache_dir"] = str(default_dir())  # where native devices keep aligned copies
     if args.json:
         print(json.dumps(info, indent=2, default=str))
         return 0

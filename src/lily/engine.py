@@ -199,8 +199,10 @@ class Engine:
             scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
             ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
             (context at which attention switches to the split-KV path, default 32768),
-            ``split_block``, and ``device_options`` for the simulator (e.g.
-            ``{"order": "random"}``).
+            ``split_block``, ``weight_cache`` (``True``: map unaligned checkpoint files
+            through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
+            a directory to use instead; ``False``: copy them into device memory at each
+            load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
 
         Raises
         ------

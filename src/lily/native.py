@@ -1,15 +1,19 @@
 """Native devices (``sim``, ``metal``) as engine backends: the C++ runtime
 (``csrc/runtime``: chunked prefill and pipelined decode) over the device layer, fed from
-the memory-mapped checkpoint. See docs/prefill.md and docs/decode.md.
+the memory-mapped checkpoint (through the aligned weight cache, lily.weight_cache, when its
+tensors are not 16-byte aligned). See docs/prefill.md and docs/decode.md.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from lily.checkpoint import Checkpoint, ModelConfig
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
+from lily.weight_cache import aligned_table
 
 SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
 SPLIT_BLOCK = 1024       # KV rows per block on the split path
@@ -52,19 +56,24 @@ class NativeBackend:
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
                  prefill_chunk: int = PREFILL_CHUNK, gemm_path: str = "auto",
-                 device_options: dict | None = None):
+                 weight_cache: bool | str = True, device_options: dict | None = None):
         for name, v in (("split_threshold", split_threshold), ("split_block", split_block),
                         ("prefill_chunk", prefill_chunk)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidParameterError(f"{name} must be a positive integer, got {v!r}")
         if gemm_path not in GEMM_PATHS:
             raise InvalidParameterError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
+        if not isinstance(weight_cache, (bool, str, os.PathLike)):
+            raise InvalidParameterError(f"weight_cache must be True, False or a directory, got {weight_cache!r}")
         self.name = device
         self.config = ck.config
         self.max_context = max_context
         self.device = make_device(device, **(device_options or {}))
+        tensors = tensor_table(ck)
+        if weight_cache is not False:
+            tensors = aligned_table(tensors, None if weight_cache is True else weight_cache)
         try:
-            self.runtime = _runtime(self.device, ck.config, tensor_table(ck), max_context,
+            self.runtime = _runtime(self.device, ck.config, tensors, max_context,
                                     split_threshold, split_block, prefill_chunk=prefill_chunk,
                                     gemm_path=gemm_path)
         except ValueError as e:

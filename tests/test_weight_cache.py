@@ -1,0 +1,170 @@
+"""The aligned weight cache (lily.weight_cache): native devices map MLX checkpoints without
+copying them, the cache follows its source, and no cache problem stops a load."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from lily import Engine, _core
+from lily.errors import InvalidParameterError
+from lily.native import tensor_table
+from lily.weight_cache import ALIGN, MAGIC, aligned_table
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+
+def _sim(path, cache, **opts):
+    return Engine.load(path, device="sim", max_context=64, device_options={"weight_cache": cache, **opts})
+
+
+@pytest.fixture
+def demo_copy(tmp_path, demo_path):
+    """A private copy of the demo checkpoint (its file times are this test's own)."""
+    dst = tmp_path / "demo"
+    shutil.copytree(demo_path, dst)
+    return dst
+
+
+def _unaligned_files(engine):
+    return {f for _, f, o, _ in tensor_table(engine.checkpoint) if o % ALIGN}
+
+
+def test_demo_checkpoint_is_unaligned_so_the_cache_is_needed(demo_engine):
+    # the premise of the cache: MLX's safetensors put tensors at 2 mod 16
+    assert _unaligned_files(demo_engine)
+
+
+def test_cache_maps_without_copy_and_matches_the_in_memory_copy(tmp_path, demo_copy):
+    tokens = [785, 11, 220, 16, 17, 18, 13]
+    cached = _sim(demo_copy, str(tmp_path / "wc"))
+    files = list((tmp_path / "wc").iterdir())
+    assert len(files) == 1 and files[0].suffix == ".lilywc"
+    assert cached.backend.runtime.repacked_bytes == 0
+    copied = _sim(demo_copy, False)
+    assert copied.backend.runtime.repacked_bytes >= copied.checkpoint.nbytes
+    a = cached.prefill(tokens, all_logits=True)
+    b = copied.prefill(tokens, all_logits=True)
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cache_holds_every_tensor_byte_for_byte(tmp_path, demo_copy):
+    engine = Engine.load(demo_copy)
+    table = tensor_table(engine.checkpoint)
+    out = aligned_table(table, tmp_path / "wc", notice=lambda m: None)
+    assert [(n, nb) for n, _, _, nb in out] == [(n, nb) for n, _, _, nb in table]
+    for (name, src, so, nb), (_, dst, do, _) in zip(table, out):
+        assert do % 64 == 0 and dst != src
+        with open(src, "rb") as f1, open(dst, "rb") as f2:
+            f1.seek(so)
+            f2.seek(do)
+            assert f1.read(nb) == f2.read(nb), name
+
+
+def test_cache_is_written_once_and_reused(tmp_path, demo_copy):
+    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    said = []
+    first = aligned_table(table, tmp_path, notice=said.append)
+    assert len(said) == 1 and "writing an aligned copy" in said[0]
+    mtime = os.stat(first[0][1]).st_mtime_ns
+    again = aligned_table(table, tmp_path, notice=said.append)
+    assert again == first and len(said) == 1 and os.stat(first[0][1]).st_mtime_ns == mtime
+
+
+def test_changed_checkpoint_gets_a_new_cache(tmp_path, demo_copy):
+    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    first = aligned_table(table, tmp_path, notice=lambda m: None)
+    shard = table[0][1]
+    st = os.stat(shard)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # e.g. re-downloaded
+    said = []
+    second = aligned_table(table, tmp_path, notice=said.append)
+    assert said and second[0][1] != first[0][1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "magic", "header", "empty"])
+def test_damaged_cache_is_rewritten(tmp_path, demo_copy, damage):
+    engine = Engine.load(demo_copy)
+    table = tensor_table(engine.checkpoint)
+    first = aligned_table(table, tmp_path, notice=lambda m: None)
+    cache = first[0][1]
+    size = os.path.getsize(cache)
+    with open(cache, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(size // 2)
+        elif damage == "magic":
+            f.write(b"NOTACACHE")
+        elif damage == "header":
+            f.seek(8)
+            f.write(struct.pack("<Q", 1 << 40))
+        else:
+            f.truncate(0)
+    said = []
+    again = aligned_table(table, tmp_path, notice=said.append)
+    assert len(said) == 1 and again == first and os.path.getsize(cache) == size
+    # and the engine over the rewritten cache computes what the in-memory copy computes
+    np.testing.assert_array_equal(_sim(demo_copy, str(tmp_path)).prefill([1, 2, 3]),
+                                  _sim(demo_copy, False).prefill([1, 2, 3]))
+
+
+def test_unusable_cache_dir_falls_back_to_copying(tmp_path, demo_copy):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the cache directory should be")
+    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    said = []
+    assert aligned_table(table, blocker / "wc", notice=said.append) == table
+    assert len(said) == 1 and "copying its tensors into memory" in said[0]
+    engine = _sim(demo_copy, str(blocker / "wc"))  # loads, with the runtime's copy
+    assert engine.backend.runtime.repacked_bytes > 0
+    assert engine.generate("ROMEO.", max_tokens=4).text
+
+
+def test_aligned_files_are_mapped_as_they_are(tmp_path):
+    src = tmp_path / "aligned.bin"
+    src.write_bytes(bytes(range(256)) * 4)
+    table = [("a", str(src), 0, 64), ("b", str(src), 128, 512)]
+    said = []
+    assert aligned_table(table, tmp_path / "wc", notice=said.append) == table
+    assert not said and not (tmp_path / "wc").exists()
+
+
+def test_only_the_unaligned_file_is_cached(tmp_path):
+    good, bad = tmp_path / "good.bin", tmp_path / "bad.bin"
+    good.write_bytes(b"g" * 256)
+    bad.write_bytes(bytes(range(200)))
+    table = [("g", str(good), 16, 32), ("b1", str(bad), 2, 100), ("b2", str(bad), 102, 98)]
+    out = aligned_table(table, tmp_path / "wc", notice=lambda m: None)
+    assert out[0] == table[0]
+    assert out[1][1] == out[2][1] != str(bad)
+    data = open(out[1][1], "rb").read()
+    assert data[:8] == MAGIC
+    assert data[out[1][2]:out[1][2] + 100] == bytes(range(2, 102))
+    assert data[out[2][2]:out[2][2] + 98] == bytes(range(102, 200))
+
+
+def test_concurrent_loads_agree(tmp_path, demo_copy):
+    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    results = [None] * 4
+
+    def run(i):
+        results[i] = aligned_table(table, tmp_path, notice=lambda m: None)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r == results[0] for r in results)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+    assert aligned_table(table, tmp_path, notice=pytest.fail) == results[0]
+
+
+@pytest.mark.parametrize("bad", [1, 2.5, ["dir"], None])
+def test_weight_cache_option_is_validated(demo_path, bad):
+    with pytest.raises(InvalidParameterError, match="weight_cache"):
+        _sim(demo_path, bad)
