@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+import pytest
+
 THREAD_ORDERS = {
     "forward": dict(verify_writes=True),
     "reverse": dict(verify_writes=True, verify_reads=True, thread_order="reverse"),
@@ -38,3 +41,40 @@ ASAN_SKIP = (
     "test_scan_matches_float64[reverse-dims-100]", "test_outside_the_subset_does_not_compile",
     "test_threadgroup_storage_with_any_constant_size", "test_threadgroup_size_expression_is_shared",
 )
+
+
+@pytest.fixture(scope="module", params=ORDERS)
+def dev(request):
+    """The simulator in each mode of ``ORDERS`` (kernel correctness tests run in all)."""
+    from lily._device import sim_device
+    return sim_device(**THREAD_ORDERS[request.param])
+
+
+@pytest.fixture(scope="module")
+def fwd_dev():
+    """One mode only (``forward``), for long drift, statistical and real-size runs."""
+    from lily._device import sim_device
+    return sim_device(verify_writes=True)
+
+
+# ---- host-side encoding shared by the kernel tests
+
+def bf16_bits(x) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
+    from lily.reference import round_bf16
+    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exact."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32)
+
+
+def args_bytes(*fields) -> bytes:
+    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
+    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
+                    for v in fields)

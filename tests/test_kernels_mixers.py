@@ -46,7 +46,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401 (fixtures)
 import pytest
 
 from lily import _core
@@ -58,43 +58,7 @@ from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round
 from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
 
 
-@pytest.fixture(scope="module", params=ORDERS)
-def dev(request):
-    """The simulator in each thread order (kernel correctness tests run in all three)."""
-    return sim_device(**THREAD_ORDERS[request.param])
-
-
-@pytest.fixture(scope="module")
-def fwd_dev():
-    """One order only, for the long statistical / drift runs."""
-    return sim_device(verify_writes=True)
-
-
 # ------------------------------------------------------------------------------ helpers
-
-def bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bf16(bits) -> np.ndarray:
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    out = b""
-    for v in fields:
-        if isinstance(v, float):
-            out += np.float32(v).tobytes()
-        else:
-            out += np.uint32(v).tobytes()
-    return out
-
 
 def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
     cb = dev.command_buffer()

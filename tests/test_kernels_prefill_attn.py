@@ -48,7 +48,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401 (fixtures)
 import pytest
 
 from lily import _core
@@ -57,16 +57,6 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=ORDERS)
-def dev(request):
-    return sim_device(**THREAD_ORDERS[request.param])
-
-
-@pytest.fixture(scope="module")
-def fwd_dev():
-    return sim_device(verify_writes=True)
 
 
 # (Hq, Hkv, D, rotary_dim)
@@ -83,24 +73,6 @@ QROWS = 32  # (row, head) pairs per threadgroup (kRows)
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def bf16_bits(x) -> np.ndarray:
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bf16(bits) -> np.ndarray:
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
-                    for v in fields)
-
 
 def attn_cfg(Hq, Hkv, D, rot):
     return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,

@@ -47,7 +47,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401 (fixtures)
 import pytest
 
 from lily import _core
@@ -56,18 +56,6 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, l2_norm, round_bf16, sigmoid, silu  # noqa: E402
-
-
-@pytest.fixture(scope="module", params=ORDERS)
-def dev(request):
-    """The simulator in each thread order (kernel correctness tests run in all three)."""
-    return sim_device(**THREAD_ORDERS[request.param])
-
-
-@pytest.fixture(scope="module")
-def fwd_dev():
-    """One order only, for the long drift run."""
-    return sim_device(verify_writes=True)
 
 
 GDN_DIMS = {  # Hk, Hv, Dk, Dv
@@ -81,25 +69,6 @@ SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bf16(bits) -> np.ndarray:
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
-                    for v in fields)
-
 
 def rows_buffer(dev, x, spare=SPARE_ROWS):
     """A device buffer holding the rows of ``x`` followed by ``spare`` poisoned rows, and the

@@ -39,7 +39,7 @@ import time
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev  # noqa: F401 (fixtures)
 
 from lily import _core
 
@@ -54,16 +54,6 @@ DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
 MOE_TG = {16: 64, 32: 128}  # threads of the grouped kernels per tile height T
 TIMES: dict[str, float] = {}
-
-
-@pytest.fixture(scope="module", params=ORDERS)
-def dev(request):
-    return sim_device(**THREAD_ORDERS[request.param])
-
-
-@pytest.fixture(scope="module")
-def fwd_dev():
-    return sim_device(verify_writes=True)
 
 
 def teardown_module(module):

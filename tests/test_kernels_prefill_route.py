@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev  # noqa: F401 (fixtures)
 import pytest
 
 from lily import _core
@@ -56,24 +56,12 @@ MAX_BLOCK_SLOTS = 1024  # kMoeRouteMaxBlockSlots (metal/prefill_args.h)
 
 
 @pytest.fixture(scope="module", params=ORDERS)
-def dev(request):
-    """The simulator in each thread order (kernel correctness tests run in all three)."""
-    return sim_device(**THREAD_ORDERS[request.param])
-
-
-@pytest.fixture(scope="module", params=ORDERS)
 def chain_dev(request):
     """As ``dev``, and the dispatches of a barrier stage run in reverse / random order."""
     opts = dict(THREAD_ORDERS[request.param])
     if request.param != "forward":
         opts["order"] = request.param
     return sim_device(**opts)
-
-
-@pytest.fixture(scope="module")
-def fwd_dev():
-    """One order only, for the real-size top-k (2048 threadgroups)."""
-    return sim_device(verify_writes=True)
 
 
 # ------------------------------------------------------------------------------ helpers
