@@ -22,14 +22,9 @@
 // of a simdgroup reads the bf16 pairs at c*64 + 2l (c < D/64) of a row, so each load
 // instruction of the simdgroup covers 128 contiguous bytes of the row.
 #include <metal_stdlib>
+#include "common.h"  // sigmoid
 #include "mixer_args.h"
 using namespace metal;
-
-namespace attn_detail {
-
-static inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
-
-}  // namespace attn_detail
 
 // ---- attn_qk_prep ---------------------------------------------------------------------------
 // Grid: Hq + Hkv threadgroups of D threads (threadgroup t < Hq: query head t; else KV head
@@ -235,7 +230,7 @@ kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D]
     const uint g = e / D;
     const uint d = e % D;
     const float o = acc_out[e] / l_out[g];
-    out[(h0 + g) * D + d] = o * attn_detail::sigmoid(gate[(h0 + g) * args.gate_stride + d]);
+    out[(h0 + g) * D + d] = o * sigmoid(gate[(h0 + g) * args.gate_stride + d]);
   }
 }
 
@@ -313,7 +308,7 @@ kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, ma
     L += part_ml[2 * (base + b) + 1] * w;
     o += part_acc[(base + b) * D + d] * w;
   }
-  out[h * D + d] = o / L * attn_detail::sigmoid(gate[h * args.gate_stride + d]);
+  out[h * D + d] = o / L * sigmoid(gate[h * args.gate_stride + d]);
 }
 
 // ---- fused prep + decode -----------------------------------------------------------------------
@@ -567,7 +562,7 @@ kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [
     const uint g = e / D;
     const uint d = e % D;
     const float o = acc_out[e] / l_out[g];
-    out[(h0 + g) * D + d] = o * attn_detail::sigmoid(qg[(h0 + g) * 2 * D + D + d]);
+    out[(h0 + g) * D + d] = o * sigmoid(qg[(h0 + g) * 2 * D + D + d]);
   }
 }
 

@@ -20,12 +20,12 @@
 //
 // KV cache layout per layer: K and V each bf16 [Hkv, capacity, D] (metal/attention.metal).
 #include <metal_stdlib>
+#include "common.h"  // sigmoid
 #include "prefill_args.h"
 using namespace metal;
 
 namespace attn_prefill_detail {
 
-static inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 
 // ---- prep ----
 constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgroup per row
@@ -435,7 +435,7 @@ kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // 
     o += part_o[slot * D + d] * w;
   }
   const float gate = qg[(ulong(row) * Hq + h) * 2 * D + D + d];
-  out[(ulong(row) * Hq + h) * D + d] = o / L * attn_prefill_detail::sigmoid(gate);
+  out[(ulong(row) * Hq + h) * D + d] = o / L * sigmoid(gate);
 }
 
 // Instantiations: D = 256 (the model and the "dims" preset: G = 8, one threadgroup column per KV

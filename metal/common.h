@@ -36,6 +36,16 @@ constant constexpr uint kNormGemvMaxMatrices = 4;    // norm_gemv_q*: matrices p
 
 inline float silu(float x) { return x / (1.0f + exp(-x)); }
 inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
+// log(1 + e^x) without overflow; matches numpy's logaddexp(0, x) to float precision.
+inline float softplus(float x) {
+  if (x > 20.0f) {
+    return x;
+  }
+  if (x < -15.0f) {
+    return exp(x);
+  }
+  return log(1.0f + exp(x));
+}
 
 // Sum over a whole threadgroup; every thread gets the same value (same summation order).
 // scratch holds >= 32 floats; it may be reused by the next call (the first barrier

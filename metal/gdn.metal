@@ -17,25 +17,9 @@
 //      products as simd_sum; the state is read once and written once.
 //   4. gated RMSNorm over the head's Dv outputs, times silu(z).
 #include <metal_stdlib>
+#include "common.h"  // silu, softplus (shared with gdn_prefill.metal: same results bit for bit)
 #include "mixer_args.h"
 using namespace metal;
-
-namespace gdn_detail {
-
-static inline float silu(float x) { return x / (1.0f + exp(-x)); }
-
-// log(1 + e^x) without overflow; matches numpy's logaddexp(0, x) to float precision.
-static inline float softplus(float x) {
-  if (x > 20.0f) {
-    return x;
-  }
-  if (x < -15.0f) {
-    return exp(x);
-  }
-  return log(1.0f + exp(x));
-}
-
-}  // namespace gdn_detail
 
 constant constexpr uint kGdnSimdgroups = 32;  // threadgroup = 1024 threads
 
@@ -89,7 +73,7 @@ kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [co
     for (uint j = 0; j + 1 < K; ++j) {
       acc += conv_in[j * conv_dim + c] * float(conv_w[c * K + j]);
     }
-    act[tid] = gdn_detail::silu(acc);
+    act[tid] = silu(acc);
     if (writes_state) {
       for (uint j = 0; j + 2 < K; ++j) {
         conv_out[j * conv_dim + c] = conv_in[(j + 1) * conv_dim + c];
@@ -118,7 +102,7 @@ kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [co
     qr[e] *= qscale;
     kr[e] *= kscale;
   }
-  const float g = exp(-exp(A_log[h]) * gdn_detail::softplus(a[h] + float(dt_bias[h])));
+  const float g = exp(-exp(A_log[h]) * softplus(a[h] + float(dt_bias[h])));
   const float beta = 1.0f / (1.0f + exp(-b[h]));
 
   // ---- 3. delta rule on this simdgroup's rows ----------------------------------------------
@@ -155,7 +139,7 @@ kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [co
     ss = simd_sum(ss);
     const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
     const float zz = z[h * DV + tid];
-    out[h * DV + tid] = y_s[tid] * inv * float(norm_w[tid]) * gdn_detail::silu(zz);
+    out[h * DV + tid] = y_s[tid] * inv * float(norm_w[tid]) * silu(zz);
   }
 }
 

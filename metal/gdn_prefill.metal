@@ -23,26 +23,9 @@
 // in the same order (same lane distribution, same simd_sum reductions), so on the simulator a
 // chunk of M tokens gives bit for bit the outputs and states of M decode steps.
 #include <metal_stdlib>
+#include "common.h"  // silu, softplus: the decode step's (metal/gdn.metal)
 #include "prefill_args.h"
 using namespace metal;
-
-namespace gdn_prefill_detail {
-
-// Identical to gdn_detail::silu / softplus in metal/gdn.metal (same results bit for bit).
-static inline float silu(float x) { return x / (1.0f + exp(-x)); }
-
-// log(1 + e^x) without overflow; matches numpy's logaddexp(0, x) to float precision.
-static inline float softplus(float x) {
-  if (x > 20.0f) {
-    return x;
-  }
-  if (x < -15.0f) {
-    return exp(x);
-  }
-  return log(1.0f + exp(x));
-}
-
-}  // namespace gdn_prefill_detail
 
 // ---------------------------------------------------------------- gdn_conv_chunk
 
@@ -86,7 +69,7 @@ kernel void gdn_conv_chunk(device const float* qkv [[buffer(0)]],      // [M, C]
     for (uint j = 0; j + 1 < K; ++j) {
       acc += win[j] * w[j];
     }
-    out[t * C + c] = gdn_prefill_detail::silu(acc);
+    out[t * C + c] = silu(acc);
     for (uint j = 0; j + 2 < K; ++j) {
       win[j] = win[j + 1];
     }
@@ -171,7 +154,7 @@ kernel void gdn_scan(device const float* conv [[buffer(0)]],       // [M, C] gdn
         const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
         const uint o = t * HVD + h * DV;
         for (uint j = lane; j < DV; j += 32) {
-          out[o + j] = y_s[i * DV + j] * inv * float(norm_w[j]) * gdn_prefill_detail::silu(z[o + j]);
+          out[o + j] = y_s[i * DV + j] * inv * float(norm_w[j]) * silu(z[o + j]);
         }
       } else {
         const uint i = task - TB;
@@ -202,7 +185,7 @@ kernel void gdn_scan(device const float* conv [[buffer(0)]],       // [M, C] gdn
           v_s[i * DV + e * 32 + lane] = row[2 * Hk * DK + h * DV + e * 32 + lane];
         }
         if (lane == 0) {
-          g_s[i] = exp(-A * gdn_prefill_detail::softplus(a[t * Hv + h] + dtb));
+          g_s[i] = exp(-A * softplus(a[t * Hv + h] + dtb));
           beta_s[i] = 1.0f / (1.0f + exp(-b[t * Hv + h]));
         }
       }
