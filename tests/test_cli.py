@@ -98,3 +98,17 @@ def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)
     assert r.returncode == 1
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_native_device_flags(tmp_path, monkeypatch):
+    base = ("generate", "ROMEO.", "--max-tokens", "6", "--temperature", "0")
+    r = run(*base, "--device", "reference", "--prefill-chunk", "4")
+    assert r.returncode == 1 and "--prefill-chunk apply only to the native devices" in r.stderr
+    monkeypatch.setenv("LILY_CACHE_DIR", str(tmp_path / "wc"))  # a fresh cache: its notice shows
+    default = run(*base, "--device", "sim")
+    chunked = run(*base, "--device", "sim", "--prefill-chunk", "1", "--no-weight-cache")
+    bad = run(*base, "--device", "sim", "--prefill-chunk", "0")
+    assert default.returncode == 0 and chunked.returncode == 0, default.stderr + chunked.stderr
+    assert default.stdout == chunked.stdout and default.stdout.strip()
+    assert "writing an aligned copy" in default.stderr and "aligned copy" not in chunked.stderr
+    assert bad.returncode == 1 and "prefill_chunk must be a positive integer" in bad.stderr

@@ -32,6 +32,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "the CPU simulator: slow, for verification), metal (Apple GPU), auto")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window in tokens (default: min(32768, the model's limit))")
+    g = p.add_argument_group("native devices (sim, metal, auto)")
+    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill chunk (default 512; scratch memory is sized for one chunk)")
+    g.add_argument("--no-weight-cache", action="store_true",
+                   help="do not write or use aligned copies of the checkpoint files (see `lily info`); "
+                        "the weights are then copied into memory at every load")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -75,8 +81,18 @@ def _context_notice(engine, hint: str = "") -> None:
 
 def _load(args):
     from lily.engine import Engine
+    options, flags = {}, []
+    if args.prefill_chunk is not None:
+        options["prefill_chunk"] = args.prefill_chunk
+        flags.append("--prefill-chunk")
+    if args.no_weight_cache:
+        options["weight_cache"] = False
+        flags.append("--no-weight-cache")
+    if flags and args.device == "reference":
+        raise InvalidParameterError(f"{' and '.join(flags)} apply only to the native devices "
+                                    "(--device sim, metal or auto)")
     return Engine.load(args.model, device=args.device, max_context=args.max_context,
-                       progress=sys.stderr.isatty())
+                       progress=sys.stderr.isatty(), device_options=options or None)
 
 
 def _print_stats(ev, file=sys.stderr) -> None:
