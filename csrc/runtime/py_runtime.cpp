@@ -67,6 +67,10 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
 
 void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
+  nb::class_<SessionSnapshot>(m, "SessionSnapshot",
+                              "A host copy of a Runtime's session state (Runtime.snapshot / restore).")
+      .def_ro("position", &SessionSnapshot::position, "tokens in the session")
+      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",
@@ -95,6 +99,10 @@ void bind_runtime(nb::module_& m) {
            "gemm_path"_a = "auto",
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
       .def("reset", &Runtime::reset)
+      .def("snapshot", &Runtime::snapshot, nb::call_guard<nb::gil_scoped_release>(),
+           "A copy of the session state (waits for work in flight).")
+      .def("restore", &Runtime::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Makes `snapshot` the session state; ValueError if it is from another model or exceeds the context.")
       .def_prop_ro("position", &Runtime::position)
       .def_prop_ro("weight_bytes", &Runtime::weight_bytes)
       .def_prop_ro("repacked_bytes", &Runtime::repacked_bytes)

@@ -108,6 +108,71 @@ void Runtime::reset() {
   }
 }
 
+// The session state as runs (buffer, offset, bytes, first run of a part) in snapshot order:
+// per attention layer a K part and a V part (rows [0, position) of each KV head of the
+// [Hkv, capacity, D] bf16 cache), per GDN layer the current conv state and the recurrent state.
+template <typename F>
+static void for_each_state_run(const ModelDims& d, uint32_t position, uint32_t capacity,
+                               const std::vector<gpu::BufferPtr>& k, const std::vector<gpu::BufferPtr>& v,
+                               const std::vector<gpu::BufferPtr> (&conv)[2],
+                               const std::vector<gpu::BufferPtr>& state, F&& run) {
+  const size_t row = size_t(d.head_dim) * 2;
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    if (d.full_attention[l]) {
+      for (gpu::Buffer* cache : {k[l].get(), v[l].get()})
+        for (uint32_t h = 0; h < d.num_key_value_heads; ++h)
+          run(*cache, size_t(h) * capacity * row, size_t(position) * row, h == 0);
+    } else {
+      gpu::Buffer& c = *conv[position % 2][l];
+      run(c, 0, c.size(), true);
+      run(*state[l], 0, state[l]->size(), true);
+    }
+  }
+}
+
+SessionSnapshot Runtime::snapshot() {
+  finish();
+  if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
+  SessionSnapshot s;
+  s.position = position_;
+  for_each_state_run(dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_,
+                     [&](gpu::Buffer& b, size_t offset, size_t n, bool first) {
+                       if (first) s.parts.emplace_back();
+                       const auto* src = static_cast<const uint8_t*>(b.contents()) + offset;
+                       if (n) s.parts.back().insert(s.parts.back().end(), src, src + n);
+                     });
+  return s;
+}
+
+void Runtime::restore(const SessionSnapshot& s) {
+  finish();
+  if (record_only_) throw std::invalid_argument("restore: the device is record-only");
+  if (s.position > opt_.max_context)
+    throw std::invalid_argument("restore: the snapshot holds " + std::to_string(s.position) +
+                                " tokens, more than the context window of " +
+                                std::to_string(opt_.max_context));
+  std::vector<size_t> sizes;  // checked before anything is written
+  for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
+                     [&](gpu::Buffer&, size_t, size_t n, bool first) {
+                       if (first) sizes.push_back(0);
+                       sizes.back() += n;
+                     });
+  bool fits = sizes.size() == s.parts.size();
+  for (size_t i = 0; fits && i < sizes.size(); ++i) fits = sizes[i] == s.parts[i].size();
+  if (!fits) throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
+  size_t part = 0, at = 0;
+  bool started = false;
+  for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
+                     [&](gpu::Buffer& b, size_t offset, size_t n, bool first) {
+                       if (first && started) ++part, at = 0;
+                       started = true;
+                       if (n) std::memcpy(static_cast<uint8_t*>(b.contents()) + offset, s.parts[part].data() + at, n);
+                       at += n;
+                     });
+  position_ = s.position;
+  chunks_done_ = 0;
+}
+
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
   static_cast<uint32_t*>(tokens_->contents())[slot] = token;
   static_cast<uint32_t*>(positions_->contents())[slot] = position;

@@ -72,6 +72,18 @@ struct StepOutput {
   std::vector<std::pair<uint32_t, float>> top;         // top_logprobs alternatives
 };
 
+// A host copy of a session: the position, each attention layer's K and V rows below it and
+// each Gated DeltaNet layer's conv and recurrent state, in layer order.
+struct SessionSnapshot {
+  uint32_t position = 0;
+  std::vector<std::vector<uint8_t>> parts;
+  uint64_t nbytes() const {
+    uint64_t n = 0;
+    for (const auto& p : parts) n += p.size();
+    return n;
+  }
+};
+
 class Runtime {
  public:
   static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
@@ -81,6 +93,12 @@ class Runtime {
 
   // Empties the session: position 0, zero recurrent/conv state.
   void reset();
+  // The session state (waits for work in flight first, as finish()). Memory: the KV rows in
+  // use plus the recurrent and conv state, not the whole cache.
+  SessionSnapshot snapshot();
+  // Makes `s` the session state. Throws std::invalid_argument, leaving the session as it
+  // was, when `s` does not come from a runtime of the same model or does not fit the context.
+  void restore(const SessionSnapshot& s);
   uint32_t position() const { return position_; }
   const ModelDims& dims() const { return dims_; }
 

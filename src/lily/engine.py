@@ -69,6 +69,11 @@ class ReferenceBackend:
         return self.state.copy()
 
     def restore(self, snap: ReferenceState) -> None:
+        if not isinstance(snap, ReferenceState):
+            raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
+        if snap.position > self.max_context:
+            raise InvalidParameterError(f"the snapshot holds {snap.position} tokens, more than the "
+                                        f"context window of {self.max_context}")
         self.state = snap.copy()
 
 
@@ -286,11 +291,18 @@ class Engine:
         return self.prefill([int(token)])
 
     def snapshot(self):
-        """An opaque copy of the session state, for :meth:`restore`."""
+        """An opaque copy of the session state (tokens, KV cache rows in use, conv and
+        recurrent state), for :meth:`restore`. Host memory, on every device."""
         return (self.backend.snapshot(), list(self._tokens))
 
     def restore(self, snap) -> None:
-        state, toks = snap
+        """Return the session to ``snap`` (from :meth:`snapshot` of an engine on the same
+        model and device; any number of times). Raises :class:`InvalidParameterError` for
+        anything else or a snapshot longer than this engine's context, the session unchanged."""
+        try:
+            state, toks = snap
+        except (TypeError, ValueError):
+            raise InvalidParameterError(f"not an Engine snapshot: {type(snap).__name__}") from None
         self.backend.restore(state)
         self._tokens = list(toks)
 

@@ -137,10 +137,19 @@ class NativeBackend:
         self.runtime.finish()
 
     def snapshot(self):
-        raise DeviceError(f"session snapshots are not implemented on device {self.name!r} yet")
+        """A host copy of the session state (``lily._core.SessionSnapshot``)."""
+        return self.runtime.snapshot()
 
     def restore(self, snap) -> None:
-        raise DeviceError(f"session snapshots are not implemented on device {self.name!r} yet")
+        """Makes ``snap`` (from :meth:`snapshot` of a backend of the same model) the session state.
+        Raises :class:`InvalidParameterError` for anything else, the session unchanged."""
+        from lily import _core
+        if not isinstance(snap, _core.SessionSnapshot):
+            raise InvalidParameterError(f"not a snapshot of a {self.name!r} session: {type(snap).__name__}")
+        try:
+            self.runtime.restore(snap)
+        except ValueError as e:
+            raise InvalidParameterError(str(e)) from None
 
 
 def _runtime(device, config: ModelConfig, tensors, max_context: int, split_threshold: int,

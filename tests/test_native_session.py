@@ -1,0 +1,111 @@
+"""Session snapshots on the native runtime (Engine.snapshot / restore on device="sim"): the
+restored session continues exactly as the original, and a snapshot that does not fit is
+refused without touching the session."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lily import Engine, _core
+from lily.errors import InvalidParameterError
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+
+def _sim(path, max_context=64, chunk=5):
+    return Engine.load(path, device="sim", max_context=max_context, device_options={"prefill_chunk": chunk})
+
+
+def _prompt(engine, n):
+    return engine.tokenizer.encode("ROMEO.\nWhat light through yonder window breaks? It is the east.")[:n]
+
+
+@pytest.fixture(scope="module")
+def sim_engine(demo_path):
+    return _sim(demo_path)
+
+
+def test_restore_continues_exactly(sim_engine):
+    e = sim_engine
+    e.reset()
+    e.prefill(_prompt(e, 12))  # three prefill chunks
+    snap = e.snapshot()
+    a = e.decode(5)
+    b = e.decode(6)
+    e.prefill(_prompt(e, 7))
+    for _ in range(2):  # a snapshot can be restored any number of times
+        e.restore(snap)
+        assert e.position == 12
+        np.testing.assert_array_equal(e.decode(5), a)
+        np.testing.assert_array_equal(e.decode(6), b)
+
+
+def test_restore_then_pipelined_generation_matches_a_fresh_session(sim_engine, demo_path):
+    e = sim_engine
+    ids = _prompt(e, 14)
+    e.reset()
+    e.prefill(ids[:10])
+    snap = e.snapshot()
+    e.generate(ids[:3], max_tokens=5, temperature=0.0)  # another conversation in between
+    e.restore(snap)
+    r = e.generate(ids, max_tokens=6, temperature=0.0)
+    assert r.timings.prefill_tokens == 4  # the restored prefix is reused
+    want = _sim(demo_path).generate(ids, max_tokens=6, temperature=0.0)
+    assert r.token_ids == want.token_ids
+
+
+def test_snapshot_holds_only_the_rows_in_use(sim_engine):
+    e = sim_engine
+    c = e.config
+    e.reset()
+    e.prefill(_prompt(e, 4))
+    s4 = e.snapshot()[0]
+    e.decode(7)
+    s5 = e.snapshot()[0]
+    attn_layers = len(c.full_attention_layers)
+    per_token = attn_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V rows, bf16
+    assert s5.nbytes - s4.nbytes == per_token
+    assert s4.position == 4 and s5.position == 5
+
+
+def test_restore_into_another_engine_with_a_larger_context(sim_engine, demo_path):
+    e = sim_engine
+    e.reset()
+    e.prefill(_prompt(e, 9))
+    snap = e.snapshot()
+    want = e.decode(11)
+    other = _sim(demo_path, max_context=128, chunk=4)
+    other.restore(snap)
+    np.testing.assert_array_equal(other.decode(11), want)
+
+
+def test_bad_snapshots_are_refused_and_the_session_kept(sim_engine, demo_path, tiny_checkpoint):
+    e = sim_engine
+    e.reset()
+    e.prefill(_prompt(e, 6))
+    keep = e.snapshot()
+
+    long_ctx = _sim(demo_path, max_context=64)
+    long_ctx.prefill(_prompt(long_ctx, 20))
+    small = _sim(demo_path, max_context=16)
+    with pytest.raises(InvalidParameterError, match="context window of 16"):
+        small.restore(long_ctx.snapshot())
+
+    tiny = _sim(tiny_checkpoint)
+    tiny.prefill([1, 2, 3])
+    with pytest.raises(InvalidParameterError, match="another model"):
+        e.restore(tiny.snapshot())
+    ref = Engine.load(demo_path)
+    ref.prefill([1, 2])
+    with pytest.raises(InvalidParameterError, match="not a snapshot"):
+        e.restore(ref.snapshot())
+    with pytest.raises(InvalidParameterError, match="not an Engine snapshot"):
+        e.restore("state")
+    with pytest.raises(InvalidParameterError, match="not a snapshot"):
+        ref.restore(keep)
+
+    assert e.position == 6  # untouched by the refused restores
+    want = e.decode(3)
+    e.restore(keep)
+    np.testing.assert_array_equal(e.decode(3), want)
