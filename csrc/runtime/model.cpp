@@ -58,11 +58,11 @@ WeightTable::WeightTable(gpu::Device& device, const std::vector<TensorDesc>& ten
     for (const TensorDesc* t : list) size = (size + kAlignment - 1) / kAlignment * kAlignment + t->nbytes;
     gpu::BufferPtr packed = device.new_buffer(std::max<uint64_t>(size, 1));
     packed->set_label(file + " (aligned copy)");
+    auto* dst = static_cast<uint8_t*>(packed->contents());  // null on a record-only device
     uint64_t at = 0;
     for (const TensorDesc* t : list) {
       at = (at + kAlignment - 1) / kAlignment * kAlignment;
-      std::memcpy(static_cast<uint8_t*>(packed->contents()) + at,
-                  static_cast<const uint8_t*>(mapped->contents()) + t->offset, t->nbytes);
+      if (dst) std::memcpy(dst + at, static_cast<const uint8_t*>(mapped->contents()) + t->offset, t->nbytes);
       tensors_[t->name] = TensorRef{packed.get(), size_t(at), size_t(t->nbytes)};
       at += t->nbytes;
     }

@@ -92,16 +92,24 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
     available = available_devices()
-    if device == "auto":
+    auto = device == "auto"
+    if auto:
         device = "metal" if "metal" in available else "sim" if "sim" in available else "reference"
         if device != "metal":
             print(f"lily: no Metal device here; using device={device!r}", file=sys.stderr)
     if device == "reference":
+        if options and not auto:
+            raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) apply only to "
+                                        "the native devices (sim, metal); device='reference' takes none")
         return ReferenceBackend(ck, max_context)
     if device not in available:
         raise DeviceError(f"device {device!r} is not available in this build "
                           f"(available: {', '.join(available)})")
     from lily.native import NativeBackend
+    unknown = sorted(set(options) - set(NativeBackend.OPTIONS))
+    if unknown:
+        raise InvalidParameterError(f"unknown device option{'s' if len(unknown) > 1 else ''} "
+                                    f"{', '.join(map(repr, unknown))} (known: {', '.join(NativeBackend.OPTIONS)})")
     return NativeBackend(ck, max_context, device, **options)
 
 
@@ -279,8 +287,9 @@ class Engine:
         """
         arr = self._check_tokens(tokens)
         if self.position + arr.size > self.max_context:
-            raise ContextLengthError(f"prompt of {arr.size} tokens does not fit: {self.position} tokens are "
-                                     f"already in the session and the context window is {self.max_context}")
+            what = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
+            raise ContextLengthError(f"{what} not fit: {self.position} tokens are already in the "
+                                     f"session and the context window is {self.max_context}")
         out = self.backend.forward(arr, all_logits=all_logits)
         self._tokens.extend(int(t) for t in arr)
         return out

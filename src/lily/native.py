@@ -39,19 +39,37 @@ def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
     return [(name, str(t.file), t.start, t.nbytes) for name, t in ck.tensors.items()]
 
 
+SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
+               "verify_reads", "gpu_family")  # lily._core.sim_device's keywords
+
+
 def make_device(name: str, **options):
-    """A native device by name; raises :class:`DeviceError` if it is not in this build."""
+    """A native device by name. Raises :class:`DeviceError` if it is not in this build and
+    :class:`InvalidParameterError` for an unknown or invalid option (``sim``: ``SIM_OPTIONS``;
+    ``metal`` takes none)."""
     from lily import _core
     if name not in _core.compiled_devices():
         raise DeviceError(f"device {name!r} is not compiled into this build of lily "
                           f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
-    return _core.sim_device(**options) if name == "sim" else _core.metal_device()
+    known = SIM_OPTIONS if name == "sim" else ()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise InvalidParameterError(f"unknown {name} device option{'s' if len(unknown) > 1 else ''} "
+                                    f"{', '.join(map(repr, unknown))} (known: {', '.join(known) or 'none'})")
+    if name != "sim":
+        return _core.metal_device()
+    try:
+        return _core.sim_device(**options)
+    except (TypeError, ValueError) as e:
+        raise InvalidParameterError(f"sim device options: {e}") from None
 
 
 class NativeBackend:
     """The engine backend over ``lily._core.Runtime``."""
 
     pipelined = True  # generation runs on the device (lily.engine.Engine._generate_pipelined)
+    OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "gemm_path", "weight_cache",
+               "device_options")  # Engine.load's device_options
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
@@ -65,6 +83,9 @@ class NativeBackend:
             raise InvalidParameterError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
         if not isinstance(weight_cache, (bool, str, os.PathLike)):
             raise InvalidParameterError(f"weight_cache must be True, False or a directory, got {weight_cache!r}")
+        if (device_options or {}).get("record_only"):
+            raise InvalidParameterError("a record-only simulator executes nothing, so an Engine cannot run on "
+                                        "it; lily.native.count_decode_step / count_prefill_chunk count with one")
         self.name = device
         self.config = ck.config
         self.max_context = max_context
