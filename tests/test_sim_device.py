@@ -508,3 +508,35 @@ def test_thread_order_modes_expose_a_missing_barrier(use_barrier):
     else:  # the race shows: poison (NaN) reads, and the orders disagree
         assert any(np.isnan(r).any() for r in results.values())
         assert not np.array_equal(results["forward"], results["reverse"], equal_nan=True)
+
+
+@pytest.mark.skipif(bool(os.environ.get("LILY_IN_ASAN")), reason="AddressSanitizer reports these itself (and aborts)")
+@pytest.mark.parametrize("where", ["buffer", "threadgroup"])
+def test_kernel_writing_past_an_allocation_fails_cleanly(where):
+    # the guard zone after every allocation turns a kernel's out-of-bounds write into an
+    # error naming the allocation instead of a corrupted host heap
+    dev = sim_device()
+    x = np.arange(64 * 4, dtype=np.float32)
+    a = upload(dev, x)
+    out = dev.buffer(x.nbytes)
+    small = dev.buffer(64)  # the kernel writes 64 float4 = 1 KiB
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    if where == "buffer":
+        p.dispatch("st_tg_reverse", 64, 64, buffers=[(0, a), (1, small)], threadgroup_memory=[(0, 1024)],
+                   reads=[a], writes=[small])
+        match = r"wrote past the end of buffer\(1\).*64 bytes"
+    else:
+        p.dispatch("st_tg_reverse", 64, 64, buffers=[(0, a), (1, out)], threadgroup_memory=[(0, 16)],
+                   reads=[a], writes=[out])
+        match = r"wrote past the end of \[\[threadgroup\(0\)\]\] memory \(16 bytes\)"
+    cb.commit()
+    with pytest.raises(RuntimeError, match=match):
+        cb.wait()
+    # the device is still usable
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_tg_reverse", 64, 64, buffers=[(0, a), (1, out)],
+                               threadgroup_memory=[(0, 1024)], reads=[a], writes=[out])
+    cb.commit()
+    cb.wait()
+    np.testing.assert_array_equal(download(out, np.float32).reshape(64, 4), x.reshape(64, 4)[::-1])

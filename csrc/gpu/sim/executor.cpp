@@ -202,6 +202,7 @@ struct SimdState {
 struct TgVar {
   const void* key;
   void* ptr;
+  size_t size;  // the guard zone follows
 };
 
 struct Threadgroup {
@@ -474,10 +475,11 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     if (d.threadgroup_memory[i]) {
       // Aligned for any MSL type (long4 needs 32); exact size, so ASan sees overruns.
       void* mem = nullptr;
-      if (posix_memalign(&mem, kBindingAlignment, d.threadgroup_memory[i]) != 0)
+      if (posix_memalign(&mem, kBindingAlignment, d.threadgroup_memory[i] + kGuardBytes) != 0)
         throw gpu::Error("simulator: out of memory for threadgroup memory");
       tg.dyn[i] = static_cast<unsigned char*>(mem);
       std::memset(tg.dyn[i], d.poison ? kPoison : 0, d.threadgroup_memory[i]);
+      set_guard(tg.dyn[i] + d.threadgroup_memory[i]);
       tg.bytes += d.threadgroup_memory[i];
     }
 
@@ -530,6 +532,18 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
                      std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
   }
+  auto where = [&] {
+    return "kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," + std::to_string(tgpos.y) +
+           "," + std::to_string(tgpos.z) + "): ";
+  };
+  for (uint32_t i = 0; i < kMaxBindings; ++i)
+    if (tg.dyn[i] && !check_guard(tg.dyn[i] + d.threadgroup_memory[i]))
+      throw gpu::Error(where() + "wrote past the end of [[threadgroup(" + std::to_string(i) + ")]] memory (" +
+                       std::to_string(d.threadgroup_memory[i]) + " bytes): an out-of-bounds index");
+  for (const TgVar& v : tg.vars)
+    if (!check_guard(static_cast<unsigned char*>(v.ptr) + v.size))
+      throw gpu::Error(where() + "wrote past the end of a threadgroup array (" + std::to_string(v.size) +
+                       " bytes): an out-of-bounds index");
   for (auto& e : tg.extensions) {
     std::string msg = e.second->finish();
     if (!msg.empty())
@@ -571,10 +585,11 @@ void* threadgroup_var(const void* key, size_t size, size_t align) {
     kernel_fail("threadgroup memory exceeds " + std::to_string(kMaxThreadgroupMemory) + " bytes (" +
                 std::to_string(tg.bytes) + " requested)");
   if (align < alignof(std::max_align_t)) align = alignof(std::max_align_t);
-  void* p = std::aligned_alloc(align, (size + align - 1) / align * align);
+  void* p = std::aligned_alloc(align, (size + kGuardBytes + align - 1) / align * align);
   if (!p) kernel_fail("out of memory for threadgroup variable");
   std::memset(p, w.d->poison ? kPoison : 0, size);
-  tg.vars.push_back(TgVar{key, p});
+  set_guard(static_cast<unsigned char*>(p) + size);
+  tg.vars.push_back(TgVar{key, p, size});
   return p;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,33 @@ constexpr uint32_t kMaxBindings = 31;
 // Alignment of buffer storage, inline constant bytes and dynamic threadgroup memory in
 // the simulator: at least the largest alignment of an MSL type (long4: 32).
 constexpr size_t kBindingAlignment = 64;
+
+// Guard zone after every simulator allocation (buffer storage, threadgroup memory): a kernel
+// writing up to kGuardBytes past the end changes it, and the dispatch fails naming the
+// allocation instead of corrupting the host heap. Off under AddressSanitizer, whose own
+// redzones report the faulting source line (and need exact sizes).
+#if defined(__SANITIZE_ADDRESS__)
+#define LILY_SIM_GUARDS 0
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LILY_SIM_GUARDS 0
+#endif
+#endif
+#ifndef LILY_SIM_GUARDS
+#define LILY_SIM_GUARDS 1
+#endif
+constexpr size_t kGuardBytes = LILY_SIM_GUARDS ? 4096 : 0;
+constexpr unsigned char kGuardByte = 0xA5;
+inline void set_guard(unsigned char* end) { std::memset(end, kGuardByte, kGuardBytes); }
+// True when the kGuardBytes at `end` are intact; otherwise restores them and returns false.
+inline bool check_guard(unsigned char* end) {
+  for (size_t i = 0; i < kGuardBytes; ++i)
+    if (end[i] != kGuardByte) {
+      set_guard(end);
+      return false;
+    }
+  return true;
+}
 
 struct ExecBinding {
   unsigned char* ptr = nullptr;  // buffer contents + offset, or inline bytes

@@ -37,11 +37,13 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
   SimBuffer(size_t size, bool allocate, bool poison, std::shared_ptr<std::atomic<uint64_t>> live)
       : size_(size), id_(g_next_buffer_id++), live_(std::move(live)) {
     if (allocate) {
-      // Aligned for every MSL type, as a Metal buffer is; exact size, so ASan sees overruns.
+      // Aligned for every MSL type, as a Metal buffer is; followed by the guard zone (exact
+      // size under ASan, so it sees overruns).
       void* mem = nullptr;
-      if (posix_memalign(&mem, kBindingAlignment, size ? size : 1) != 0) throw std::bad_alloc();
+      if (posix_memalign(&mem, kBindingAlignment, (size ? size : 1) + kGuardBytes) != 0) throw std::bad_alloc();
       owned_.reset(static_cast<unsigned char*>(mem));
       std::memset(owned_.get(), poison ? kPoison : 0, size);
+      set_guard(owned_.get() + size);
       data_ = owned_.get();
     }
     *live_ += size_;
@@ -57,6 +59,8 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
   void* contents() override { return data_; }
   unsigned char* data() const { return data_; }
   bool owned() const { return owned_ != nullptr; }  // no-copy buffers may be read-only maps
+  // False (and the zone restored) when a kernel wrote into the guard zone past the end.
+  bool guard_intact() { return !owned_ || check_guard(owned_.get() + size_); }
   uint64_t id() const override { return id_; }
   std::string label() const override {
     std::lock_guard<std::mutex> g(mu_);
@@ -570,6 +574,13 @@ void SimDevice::execute(SimCommandBuffer* cb) {
           }
           if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d);
           else sim::execute(d);
+          for (uint32_t i = 0; i < kMaxBindings; ++i) {
+            SimBuffer* b = r->bufs[i].buffer.get();
+            if (b && !b->guard_intact())
+              throw gpu::Error("kernel '" + r->label + "' wrote past the end of buffer(" + std::to_string(i) +
+                               ") " + buffer_name(b) + " (" + std::to_string(b->size()) +
+                               " bytes): an out-of-bounds index");
+          }
         }
       }
     }
