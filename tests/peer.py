@@ -14,6 +14,8 @@ mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx.utils import tree_map  # noqa: E402
 
+from lily.bench import teacher_forced  # noqa: E402,F401 (the statistic lives with the benchmark)
+
 _cache: dict = {}
 
 
@@ -45,24 +47,6 @@ def peer_greedy(model, ids, n: int) -> list[int]:
         out.append(t)
         logits = model(mx.array([[t]]), cache=cache)[0, -1]
     return out
-
-
-def teacher_forced(ref_logits: np.ndarray, peer: np.ndarray, targets: np.ndarray) -> dict:
-    """Top-1 agreement and perplexity ratio when both models predict ``targets``
-    (``targets[i]`` follows position ``i``)."""
-    def nll(lg):
-        lg = lg.astype(np.float64)
-        m = lg.max(-1, keepdims=True)
-        lse = (m[:, 0] + np.log(np.exp(lg - m).sum(-1)))
-        return lse - lg[np.arange(len(targets)), targets]
-    ppl_ref = float(np.exp(nll(ref_logits).mean()))
-    ppl_peer = float(np.exp(nll(peer).mean()))
-    return {
-        "top1_agreement": float((ref_logits.argmax(-1) == peer.argmax(-1)).mean()),
-        "ppl_ref": ppl_ref,
-        "ppl_peer": ppl_peer,
-        "ppl_ratio": ppl_ref / ppl_peer,
-    }
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

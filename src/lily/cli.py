@@ -21,6 +21,7 @@ _EPILOG = """examples:
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
   lily serve --port 8000                      # OpenAI-compatible server (pip install ".[serve]")
+  lily bench --model ~/models/Qwen3.6-35B-A3B-4bit --device metal   # vs MLX-LM (".[bench]")
 """
 
 
@@ -193,6 +194,29 @@ def cmd_info(args) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return out
+
+
+def cmd_bench(args) -> int:
+    from lily.bench import bench, format_report
+    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
+    rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
+                rounds=args.rounds, positions=args.positions, device_options=options)
+    print(format_report(rep))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=2)
+        print(f"\nwritten: {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_serve(args) -> int:
     try:
         from lily.server import serve
@@ -248,6 +272,24 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", "-m", default=None, metavar="PATH", help="checkpoint directory (default: demo model)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_info)
+
+    b = sub.add_parser("bench", help="benchmark against MLX-LM side by side (ratios) and check consistency",
+                       description="Run Lily and MLX-LM on the same checkpoint, alternating, and report "
+                                   "prefill and decode throughput per prompt length as ratios (lily / "
+                                   "mlx-lm), then teacher-forced agreement. Needs the bench extra: "
+                                   'pip install ".[bench]". Meaningful on a Mac with --device metal.')
+    b.add_argument("--model", "-m", default=None, metavar="PATH", help="checkpoint directory (default: demo model)")
+    b.add_argument("--device", default="auto", choices=["sim", "metal", "auto", "reference"],
+                   help="Lily's device (default auto: metal on a Mac)")
+    b.add_argument("--lengths", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="prompt lengths in tokens (default: 256, 512, ..., 131072 up to the model's limit)")
+    b.add_argument("--decode-tokens", type=int, default=64, metavar="N", help="tokens generated per request")
+    b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates")
+    b.add_argument("--positions", type=int, default=192, metavar="N",
+                   help="teacher-forced positions of the consistency check (0 skips it)")
+    b.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="Lily's prefill chunk (native devices)")
+    b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
+    b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming)")
     _add_model_args(s)

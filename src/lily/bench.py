@@ -1,0 +1,333 @@
+"""``lily bench``: Lily and MLX-LM side by side in one run, reported as ratios.
+
+The protocol is SPEC.md section 1's: both engines load the same checkpoint directory (the
+same 4-bit bytes), one request at a time, and in every round both engines run each prompt
+length, alternating which goes first. MLX-LM runs its direct generation path
+(``mlx_lm.generate.generate_step``, what ``mlx_lm.generate`` and ``stream_generate`` wrap),
+Lily its public streaming API (``Engine.stream``). Both are timed the same way, from outside,
+by when generated tokens arrive:
+
+* prefill throughput = prompt tokens / time to the first generated token (so it includes
+  one decode step in both engines);
+* decode throughput at that context = tokens after the first / time from the first to the
+  last token.
+
+Greedy decoding with EOS ignored, so both generate exactly ``decode_tokens``. Each figure
+is the median over the rounds; the ratio is Lily / MLX-LM (above 1: Lily is faster).
+
+The consistency check is teacher-forced (as SPEC.md's headline table): a conversation
+rendered with the checkpoint's chat template, every position's logits from both engines,
+top-1 agreement and the perplexity ratio over ``positions`` next-token predictions.
+
+Figures mean something only with ``device="metal"`` against MLX on the same Mac's GPU; on
+another machine (the simulator, MLX on the CPU) the run checks the harness, and the report
+says so.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from lily.errors import InvalidParameterError
+
+#: SPEC.md section 1: the ten prompt / context lengths of the headline means.
+SPEC_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+# The text the prompts are made of (rendered as a chat with the checkpoint's template).
+_QUESTION = "Tell me how a small workshop learned to build clocks that never lose a second."
+_ANSWER = (
+    "In a narrow street behind the harbour there was a workshop where three brothers mended "
+    "ship instruments. Every winter the storms brought them compasses full of salt and "
+    "chronometers that had stopped in the middle of the night. The eldest brother kept a "
+    "ledger of every fault he found, and after many years he noticed that nearly all of them "
+    "began with heat: a spring that softened in the sun, a wheel that swelled a hair's width "
+    "and rubbed against its neighbour. So the brothers stopped asking how to make each part "
+    "stronger and asked instead how to make the whole clock indifferent to the weather. The "
+    "youngest cut balance wheels from two metals that grew by different amounts, so that one "
+    "undid what the other did. The middle brother sealed the movement in a case lined with "
+    "felt and filled with dry air. Their first clock gained a minute a month; the tenth lost "
+    "nothing they could measure against the stars. Captains began to queue at the door before "
+    "dawn, and the brothers, who had never wanted more than a quiet bench and a good lamp, "
+    "took on apprentices and taught them the one rule in the ledger's last page: find out what "
+    "really goes wrong before you decide what to make better."
+)
+
+
+class Runner(Protocol):
+    """One engine under test: ``label``, ``run(prompt ids, n) -> Sample`` and
+    ``logits(ids) -> float32 [len(ids), vocab]``."""
+
+    label: str
+
+    def run(self, prompt: Sequence[int], n: int) -> "Sample": ...
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray: ...
+
+
+@dataclass
+class Sample:
+    """One timed request: ``prompt_tokens`` in, ``tokens`` generated; seconds from the request
+    to the first generated token (``first_s``) and from the first to the last (``decode_s``)."""
+
+    prompt_tokens: int
+    tokens: int
+    first_s: float
+    decode_s: float
+    first_tokens: int = 1  # tokens that had arrived at first_s
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.first_s if self.first_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        n = self.tokens - self.first_tokens
+        return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+
+def _timed(prompt_tokens: int, arrivals: Callable[[], "Sequence[int] | None"]) -> Sample:
+    """Times a stream: ``arrivals()`` returns the next batch of token ids, None at the end."""
+    t0 = time.perf_counter()
+    first = last = None
+    count = first_count = 0
+    while (batch := arrivals()) is not None:
+        if not batch:
+            continue
+        now = time.perf_counter()
+        if first is None:
+            first, first_count = now, len(batch)
+        count += len(batch)
+        last = now
+    if first is None:
+        raise RuntimeError("the engine generated no tokens")
+    return Sample(prompt_tokens, count, first - t0, last - first, first_count)
+
+
+class LilyRunner:
+    """Lily through ``Engine.stream`` (greedy, EOS ignored)."""
+
+    def __init__(self, path: str | Path | None, device: str, max_context: int,
+                 device_options: dict | None = None):
+        from lily import __version__
+        from lily.engine import Engine
+        self.engine = Engine.load(path, device=device, max_context=max_context,
+                                  device_options=device_options)
+        self.label = f"lily {__version__} (device={self.engine.device})"
+
+    def run(self, prompt: Sequence[int], n: int) -> Sample:
+        self.engine.reset()
+        it = self.engine.stream(list(prompt), max_tokens=n, temperature=0.0, ignore_eos=True)
+
+        def arrivals():
+            ev = next(it, None)
+            return None if ev is None else ev.token_ids
+        return _timed(len(prompt), arrivals)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        self.engine.reset()
+        out = self.engine.prefill(list(ids), all_logits=True)
+        self.engine.reset()
+        return out
+
+
+class MlxLmRunner:
+    """MLX-LM's ``generate_step`` (greedy: its default sampler; no EOS check)."""
+
+    def __init__(self, path: str | Path):
+        try:
+            import mlx.core as mx
+            import mlx_lm
+            from mlx_lm.generate import generate_step
+        except ImportError as e:
+            raise InvalidParameterError(f"lily bench needs MLX-LM: pip install \".[bench]\" ({e})") from None
+        self._mx, self._step = mx, generate_step
+        self.model, _ = mlx_lm.load(str(path))
+        dev = mx.default_device()
+        self.on_gpu = dev.type == mx.DeviceType.gpu
+        self.label = f"mlx-lm {mlx_lm.__version__} (mlx {mx.__version__}, {'gpu' if self.on_gpu else 'cpu'})"
+
+    def run(self, prompt: Sequence[int], n: int) -> Sample:
+        it = self._step(self._mx.array(list(prompt)), self.model, max_tokens=n)
+
+        def arrivals():
+            step = next(it, None)
+            return None if step is None else (step[0],)
+        return _timed(len(prompt), arrivals)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        mx = self._mx
+        return np.array(self.model(mx.array([list(ids)]))[0].astype(mx.float32))
+
+
+def teacher_forced(logits: np.ndarray, peer: np.ndarray, targets: np.ndarray) -> dict:
+    """Top-1 agreement and perplexity ratio of two engines predicting ``targets``.
+
+    ``logits``, ``peer``: float32 ``[n, vocab]``, row ``i`` predicting ``targets[i]``.
+    Returns ``top1_agreement`` (fraction of rows with the same argmax), ``ppl`` and
+    ``ppl_peer`` (exp of the mean negative log-likelihood of the targets, computed in
+    float64) and ``ppl_ratio`` = ``ppl / ppl_peer``.
+    """
+    targets = np.asarray(targets)
+
+    def nll(lg):
+        lg = np.asarray(lg, np.float64)
+        m = lg.max(-1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(lg - m).sum(-1))
+        return lse - lg[np.arange(len(targets)), targets]
+    ppl, ppl_peer = float(np.exp(nll(logits).mean())), float(np.exp(nll(peer).mean()))
+    return {"top1_agreement": float((logits.argmax(-1) == peer.argmax(-1)).mean()),
+            "ppl": ppl, "ppl_peer": ppl_peer, "ppl_ratio": ppl / ppl_peer}
+
+
+def text_tokens(tokenizer, length: int) -> list[int]:
+    """``length`` token ids: the bench conversation rendered with the chat template, repeated."""
+    one = tokenizer.encode_chat([{"role": "user", "content": _QUESTION},
+                                 {"role": "assistant", "content": _ANSWER}], add_generation_prompt=False)
+    reps = -(-length // len(one))
+    return (one * reps)[:length]
+
+
+@dataclass
+class LengthResult:
+    prompt_tokens: int
+    lily: list[Sample] = field(default_factory=list)
+    peer: list[Sample] = field(default_factory=list)
+    first: list[str] = field(default_factory=list)  # which engine ran first, per round
+
+    def median(self, who: str, what: str) -> float:
+        return statistics.median(getattr(s, what) for s in getattr(self, who))
+
+    def ratio(self, what: str) -> float:
+        p = self.median("peer", what)
+        return self.median("lily", what) / p if p > 0 else float("nan")
+
+
+def run_bench(lily: Runner, peer: Runner, tokens_for: Callable[[int], list[int]], *,
+              lengths: Sequence[int], decode_tokens: int, rounds: int,
+              log: Callable[[str], None] = lambda s: None) -> list[LengthResult]:
+    """The timed part of the protocol (module docstring); ``tokens_for(L)`` makes the prompts."""
+    if rounds < 1 or decode_tokens < 2 or not lengths:
+        raise InvalidParameterError("rounds >= 1, decode_tokens >= 2 and at least one length are needed")
+    warm = tokens_for(16)
+    lily.run(warm, 2)  # pipelines, kernels and caches warm before anything is timed
+    peer.run(warm, 2)
+    results = [LengthResult(L) for L in lengths]
+    for r in range(rounds):
+        for res in results:
+            prompt = tokens_for(res.prompt_tokens)
+            order = (("lily", lily), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("lily", lily))
+            res.first.append(order[0][0])
+            for who, runner in order:
+                s = runner.run(prompt, decode_tokens)
+                getattr(res, who).append(s)
+                log(f"round {r + 1}/{rounds}  {res.prompt_tokens:>6} tokens  {runner.label}: "
+                    f"prefill {s.prefill_tps:,.1f} tok/s, decode {s.decode_tps:,.1f} tok/s")
+    return results
+
+
+def consistency(lily: Runner, peer: Runner, tokens: Sequence[int]) -> dict:
+    """Teacher-forced agreement over ``len(tokens) - 1`` positions."""
+    a, b = lily.logits(tokens), peer.logits(tokens)
+    return {"positions": len(tokens) - 1, **teacher_forced(a[:-1], b[:-1], np.asarray(tokens[1:]))}
+
+
+def report(results: list[LengthResult], lily: Runner, peer: Runner, meta: dict,
+           check: dict | None) -> dict:
+    """The run as a JSON-ready dict (what ``--json`` writes)."""
+    rows = []
+    for res in results:
+        rows.append({
+            "prompt_tokens": res.prompt_tokens,
+            "prefill_tps": {"lily": res.median("lily", "prefill_tps"), "mlx_lm": res.median("peer", "prefill_tps"),
+                            "ratio": res.ratio("prefill_tps")},
+            "decode_tps": {"lily": res.median("lily", "decode_tps"), "mlx_lm": res.median("peer", "decode_tps"),
+                           "ratio": res.ratio("decode_tps")},
+            "first": ["mlx_lm" if f == "peer" else f for f in res.first],
+            "samples": {"lily": [asdict(s) for s in res.lily], "mlx_lm": [asdict(s) for s in res.peer]},
+        })
+    return {
+        **meta, "lily": lily.label, "mlx_lm": peer.label, "lengths": rows,
+        "mean_prefill_ratio": statistics.fmean(r["prefill_tps"]["ratio"] for r in rows),
+        "mean_decode_ratio": statistics.fmean(r["decode_tps"]["ratio"] for r in rows),
+        "consistency": check,
+    }
+
+
+def format_report(rep: dict) -> str:
+    out = [f"lily bench: {rep['model']}", f"  {rep['lily']}  vs  {rep['mlx_lm']}",
+           f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
+           f"tokens per request; ratio = lily / mlx-lm"]
+    if rep.get("notice"):
+        out.append(f"  NOTE: {rep['notice']}")
+    out.append("")
+    out.append(f"{'prompt':>8}  {'prefill tok/s':>28}  {'decode tok/s':>28}")
+    out.append(f"{'tokens':>8}  {'lily':>9} {'mlx-lm':>9} {'ratio':>8}  {'lily':>9} {'mlx-lm':>9} {'ratio':>8}")
+    for r in rep["lengths"]:
+        p, d = r["prefill_tps"], r["decode_tps"]
+        out.append(f"{r['prompt_tokens']:>8}  {p['lily']:>9.1f} {p['mlx_lm']:>9.1f} {p['ratio']:>7.2f}x  "
+                   f"{d['lily']:>9.1f} {d['mlx_lm']:>9.1f} {d['ratio']:>7.2f}x")
+    out.append(f"{'mean':>8}  {'':>19} {rep['mean_prefill_ratio']:>7.2f}x  {'':>19} {rep['mean_decode_ratio']:>7.2f}x")
+    c = rep.get("consistency")
+    if c:
+        out.append("")
+        out.append(f"teacher-forced consistency over {c['positions']} positions: same top-1 token at "
+                   f"{100 * c['top1_agreement']:.2f}% of positions, perplexity lily / mlx-lm "
+                   f"{c['ppl_ratio']:.4f} ({100 * (c['ppl_ratio'] - 1):+.2f}%)")
+    return "\n".join(out)
+
+
+def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequence[int] | None = None,
+          decode_tokens: int = 64, rounds: int = 3, positions: int = 192,
+          device_options: dict | None = None, log: Callable[[str], None] | None = None) -> dict:
+    """Run the whole protocol on one checkpoint (default: the embedded demo model).
+
+    Parameters
+    ----------
+    lengths : prompt lengths in tokens (default :data:`SPEC_LENGTHS` up to the model's limit)
+    decode_tokens : tokens generated per request (>= 2)
+    rounds : rounds per length (engine order alternates between rounds)
+    positions : teacher-forced positions of the consistency check (0: skip it)
+
+    Returns the :func:`report` dict. Raises :class:`InvalidParameterError` for invalid
+    arguments or when MLX-LM is not installed.
+    """
+    from lily.checkpoint import load_config
+    from lily.engine import default_model_path
+    path = Path(path) if path is not None else default_model_path()
+    log = log or (lambda s: print(s, file=sys.stderr))
+    limit = load_config(path)[0].max_position_embeddings
+    if lengths is None:
+        lengths = [L for L in SPEC_LENGTHS if L + decode_tokens <= limit]
+    lengths = list(lengths)
+    if not lengths or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in lengths):
+        raise InvalidParameterError(f"lengths must be positive integers, got {lengths!r}")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
+        raise InvalidParameterError(f"positions must be an integer >= 0, got {positions!r}")
+    max_context = max(max(lengths) + decode_tokens, positions + 1)
+    if max_context > limit:
+        raise InvalidParameterError(f"the longest request ({max_context} tokens) exceeds the model's "
+                                    f"limit of {limit} tokens")
+    lily = LilyRunner(path, device, max_context, device_options)
+    peer = MlxLmRunner(path)
+    tokens_for = lambda n: text_tokens(lily.engine.tokenizer, n)  # noqa: E731
+    notice = None
+    if lily.engine.device != "metal" or not peer.on_gpu:
+        notice = (f"Lily on device={lily.engine.device}, MLX on the {'GPU' if peer.on_gpu else 'CPU'}: these "
+                  "figures test the harness; only device=metal against MLX on the same Mac's GPU measures "
+                  "the engines")
+        log(f"lily bench: {notice}")
+    results = run_bench(lily, peer, tokens_for, lengths=lengths, decode_tokens=decode_tokens,
+                        rounds=rounds, log=log)
+    check = consistency(lily, peer, tokens_for(positions + 1)) if positions else None
+    meta = {"model": str(path), "rounds": rounds, "decode_tokens": decode_tokens, "notice": notice,
+            "platform": platform.platform(), "machine": platform.machine(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return report(results, lily, peer, meta, check)

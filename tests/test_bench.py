@@ -1,0 +1,119 @@
+"""lily bench: the protocol's bookkeeping (alternating order, medians, ratios) on scripted
+engines, the arrival timing, and one real run of both engines on the demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from lily.bench import LengthResult, Sample, _timed, format_report, report, run_bench, teacher_forced
+from lily.errors import InvalidParameterError
+
+
+class Scripted:
+    """An engine whose every request takes the times it is told to (no clock involved)."""
+
+    def __init__(self, label, first_s, decode_s):
+        self.label, self.first_s, self.decode_s = label, first_s, decode_s
+        self.calls = []
+
+    def run(self, prompt, n):
+        self.calls.append((len(prompt), n))
+        k = len(self.calls)
+        return Sample(len(prompt), n, self.first_s(len(prompt), k), self.decode_s(len(prompt), k))
+
+    def logits(self, ids):
+        raise AssertionError("not used")
+
+
+def test_run_bench_alternates_and_reports_median_ratios():
+    calls = []
+
+    def tokens_for(n):
+        calls.append(n)
+        return list(range(n))
+
+    # lily: prefill 1000 tok/s, decode 100 tok/s, with an outlier in one round
+    lily = Scripted("lily", lambda L, k: L / 1000 * (10 if k == 4 else 1), lambda L, k: 9 / 100)
+    peer = Scripted("peer", lambda L, k: L / 500, lambda L, k: 9 / 50)
+    res = run_bench(lily, peer, tokens_for, lengths=[64, 256], decode_tokens=10, rounds=3)
+    assert lily.calls[0] == (16, 2) and peer.calls[0] == (16, 2)  # the warm-up
+    assert [r.first for r in res] == [["lily", "peer", "lily"]] * 2
+    for r in res:
+        assert len(r.lily) == len(r.peer) == 3
+        assert r.median("lily", "prefill_tps") == pytest.approx(1000)  # the outlier is not the median
+        assert r.ratio("prefill_tps") == pytest.approx(2.0)
+        assert r.ratio("decode_tps") == pytest.approx(2.0)
+    rep = report(res, lily, peer, {"model": "m", "rounds": 3, "decode_tokens": 10, "notice": "n"}, None)
+    assert rep["mean_prefill_ratio"] == pytest.approx(2.0) and rep["mean_decode_ratio"] == pytest.approx(2.0)
+    text = format_report(rep)
+    assert "2.00x" in text and "NOTE: n" in text and "    64" in text
+
+
+def test_run_bench_rejects_bad_arguments():
+    s = Scripted("x", lambda L, k: 1, lambda L, k: 1)
+    for kw in (dict(rounds=0), dict(decode_tokens=1), dict(lengths=[])):
+        args = dict(lengths=[8], decode_tokens=4, rounds=1) | kw
+        with pytest.raises(InvalidParameterError):
+            run_bench(s, s, lambda n: [0] * n, **args)
+
+
+def test_timed_counts_arrivals():
+    batches = iter([[], [7], [], [8, 9], [10], None])
+    s = _timed(5, lambda: next(batches))
+    assert (s.prompt_tokens, s.tokens, s.first_tokens) == (5, 4, 1)
+    assert s.first_s >= 0 and s.decode_s >= 0
+    with pytest.raises(RuntimeError, match="no tokens"):
+        _timed(5, lambda: None)
+
+
+def test_sample_rates():
+    s = Sample(prompt_tokens=100, tokens=11, first_s=0.5, decode_s=2.0)
+    assert s.prefill_tps == 200 and s.decode_tps == 5
+    assert Sample(10, 1, 0.1, 0.0).decode_tps == 0.0
+
+
+def test_teacher_forced_statistic():
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((50, 30)).astype(np.float32)
+    t = rng.integers(0, 30, 50)
+    same = teacher_forced(a, a, t)
+    assert same["top1_agreement"] == 1.0 and same["ppl_ratio"] == pytest.approx(1.0)
+    b = a.copy()
+    b[np.arange(50), t] += 1.0  # the peer is more confident in the targets
+    st = teacher_forced(a, b, t)
+    assert st["ppl_ratio"] > 1.0 and st["ppl"] == pytest.approx(same["ppl"])
+
+
+def test_lily_bench_command_runs_both_engines(tmp_path):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--device", "sim", "--lengths", "12,20",
+                        "--decode-tokens", "4", "--rounds", "2", "--positions", "48", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert "teacher-forced consistency over 48 positions" in r.stdout
+    assert "NOTE:" in r.stdout  # not a Mac GPU: the report says what the figures are worth
+    rep = json.loads(out.read_text())
+    assert [row["prompt_tokens"] for row in rep["lengths"]] == [12, 20]
+    for row in rep["lengths"]:
+        assert row["first"] == ["lily", "mlx_lm"]  # the order alternates
+        for who in ("lily", "mlx_lm"):
+            assert [s["tokens"] for s in row["samples"][who]] == [4, 4]  # EOS ignored: exactly n
+        p = row["prefill_tps"]
+        assert p["ratio"] == pytest.approx(p["lily"] / p["mlx_lm"])
+    assert rep["consistency"]["positions"] == 48
+    assert rep["consistency"]["top1_agreement"] >= 0.6  # a trained model, same bytes (bf16 peer)
+
+
+def test_lily_bench_argument_errors():
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--lengths", "0,5"], capture_output=True, text=True)
+    assert r.returncode == 2 and "positive integers" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--device", "reference", "--lengths", "99999999"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "exceeds the model's limit" in r.stderr
