@@ -110,6 +110,33 @@ def test_unknown_config_key_warns_or_fails_strict(demo_path):
         parse_config(raw)
     with pytest.raises(ConfigError, match="frobnicate_heads"):
         parse_config(raw, strict=True)
+    del raw["text_config"]["frobnicate_heads"]
+    raw["bogus_key"] = 1  # the nested config's wrapper is checked too
+    with pytest.raises(ConfigError, match=r"\(top level\) bogus_key"):
+        parse_config(raw, strict=True)
+
+
+def test_demo_and_preset_configs_have_no_unknown_keys(demo_path, tiny_checkpoint, dims_checkpoint):
+    import warnings
+    for d in (demo_path, tiny_checkpoint, dims_checkpoint):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            parse_config(json.loads((d / "config.json").read_text()), strict=True)
+
+
+def test_cli_prints_config_warnings_on_one_line(tmp_path, demo_path):
+    import shutil
+    import subprocess
+    import sys
+    d = tmp_path / "m"
+    shutil.copytree(demo_path, d)
+    raw = json.loads((d / "config.json").read_text())
+    raw["bogus_key"] = 1
+    (d / "config.json").write_text(json.dumps(raw))
+    r = subprocess.run([sys.executable, "-m", "lily", "info", "--model", str(d)], capture_output=True, text=True)
+    assert r.returncode == 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("lily: warning:") and "bogus_key" in lines[0], r.stderr
 
 
 def test_missing_config_and_weights(tmp_path, demo_copy):

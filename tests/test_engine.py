@@ -3,6 +3,7 @@ stop conditions and bad input."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import numpy as np
@@ -233,3 +234,36 @@ def test_logprobs(demo_engine):
     for lp, tok in zip(r.logprobs, r.token_ids):
         assert lp.token_id == tok and lp.logprob <= 0
         assert lp.top[0][0] == tok and len(lp.top) == 3  # greedy: chosen token is the top one
+
+
+@pytest.mark.parametrize("gen, match", [
+    ({"do_sample": True, "temperature": "hot"}, "temperature must be a number, got 'hot'"),
+    ({"do_sample": True, "temperature": -1}, "temperature must be >= 0"),
+    ({"max_new_tokens": -3}, "max_tokens=-3"),
+    ({"do_sample": True, "temperature": 0.7, "top_k": 2.5}, "top_k must be an integer, got 2.5"),
+    ({"do_sample": "yes"}, "do_sample must be true or false"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+])
+def test_bad_generation_config_is_named(tmp_path, demo_path, gen, match):
+    import shutil
+    from lily.errors import ConfigError
+    d = tmp_path / "m"
+    shutil.copytree(demo_path, d)
+    (d / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(ConfigError, match=match) as e:
+        Engine.load(d)
+    assert "generation_config.json" in str(e.value)
+
+
+def test_generation_config_defaults(tmp_path, demo_path):
+    import shutil
+    d = tmp_path / "m"
+    shutil.copytree(demo_path, d)
+    (d / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.95, "max_new_tokens": 64,
+         "eos_token_id": [1, 2]}))
+    p = Engine.load(d).generation_defaults
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.7, 20, 0.95, 64)
+    (d / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7, "top_k": 20}))
+    p = Engine.load(d).generation_defaults
+    assert p.temperature == 0.0 and p.top_k == 0

@@ -231,6 +231,18 @@ def test_parser_truncated_reasoning():
     assert acc.reasoning == "I am still thinking about </th" and acc.content == "" and not acc.tool_calls
 
 
+def test_parser_keeps_trailing_whitespace_where_the_output_ends():
+    # cut by a stop string or max_tokens inside a channel: the text is the engine's, to the
+    # space; whitespace next to a tag is still dropped; identical for every split point
+    for text, want in (("Answer: yes \n", ("", "Answer: yes \n")),
+                       ("\n\nplan \n</think>\n\nEnter a ", ("plan", "Enter a ")),
+                       ("still thinking  ", ("still thinking  ", ""))):
+        reasoning = "</think>" in text or text.startswith("still")
+        for i in range(len(text) + 1):
+            acc = _feed_pieces([text[:i], text[i:]], reasoning=reasoning)
+            assert (acc.reasoning, acc.content) == want, (text, i)
+
+
 def test_parser_tool_call_ends_reasoning():
     text = "Need data.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
     r, c, calls = _norm(parse_complete(text, reasoning=True, tools=WEATHER_TOOLS))

@@ -44,6 +44,8 @@ _READ_KEYS = {
     "partial_rotary_factor", "rope_scaling", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers", "attention_bias", "eos_token_id", "bos_token_id", "pad_token_id",
 }
+_TOP_KEYS = {"model_type", "text_config", "architectures", "transformers_version",
+             "tie_word_embeddings", "quantization", "quantization_config"}
 _IGNORED_KEYS = {
     "router_aux_loss_coef", "output_router_logits", "hidden_act", "initializer_range",
     "mtp_num_hidden_layers", "mtp_use_dedicated_embeddings", "attention_dropout", "dtype",
@@ -146,8 +148,11 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
 
     unknown = sorted(k for k in text if k not in _READ_KEYS and k not in _IGNORED_KEYS
                      and not k.endswith("_config") and k not in ("quantization", "quantization_config"))
+    if text is not raw:  # the wrapper of a nested config: the multimodal model's own keys
+        unknown += sorted(f"(top level) {k}" for k in raw if k not in _TOP_KEYS and k not in _IGNORED_KEYS
+                          and not k.endswith(("_config", "_token_id")))
     if unknown:
-        msg = f"{where}: unknown text_config keys {unknown}"
+        msg = f"{where}: unknown config keys {unknown}"
         if strict:
             raise ConfigError(msg)
         warnings.warn(msg + " (ignored)", stacklevel=3)

@@ -303,7 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"lily: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+    warnings.showwarning = _show_warning  # one line, not the source line that warned
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -235,6 +235,8 @@ class Engine:
         if bar:
             bar.update(1)
         tok = Tokenizer.from_dir(path)
+        generation_config = read_generation_config(path)
+        SamplingParams.from_generation_config(generation_config, where=str(path / "generation_config.json"))
         if bar:
             bar.update(1)
         limit = ck.config.max_position_embeddings
@@ -246,7 +248,7 @@ class Engine:
         if bar:
             bar.update(1)
             bar.close()
-        return cls(path, ck, tok, backend, max_context, read_generation_config(path))
+        return cls(path, ck, tok, backend, max_context, generation_config)
 
     # ------------------------------------------------------------------ low level
 

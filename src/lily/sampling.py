@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from lily.errors import InvalidParameterError
+from lily.errors import ConfigError, InvalidParameterError
 
 
 @dataclass(frozen=True)
@@ -120,22 +120,49 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def from_generation_config(cls, gen: dict) -> "SamplingParams":
-        """Defaults from a checkpoint's ``generation_config.json``: its temperature, top_k,
-        top_p, min_p and repetition_penalty when ``do_sample`` is true (or unspecified with a
-        temperature given); greedy otherwise."""
+    def from_generation_config(cls, gen: dict, where: str = "generation_config.json") -> "SamplingParams":
+        """Defaults from a checkpoint's ``generation_config.json`` (Hugging Face semantics):
+        its temperature, top_k, top_p and min_p when ``do_sample`` is true (or unspecified
+        with a temperature given), greedy otherwise; repetition_penalty and max_new_tokens
+        in either case. A temperature of 0 with sampling means greedy.
+
+        Raises :class:`ConfigError` naming ``where`` and the key for a value of the wrong
+        type or out of range (the same ranges as the parameters themselves).
+        """
+        def value(key, kind):
+            v = gen.get(key)
+            if v is None:
+                return None
+            if kind is bool:
+                ok = isinstance(v, bool)
+            else:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                ok = ok and (kind is float or float(v).is_integer())
+            if not ok:
+                what = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+                raise ConfigError(f"{where}: {key} must be {what}, got {v!r}")
+            return kind(v)
+
+        temperature = value("temperature", float)
+        sample = value("do_sample", bool)
+        if sample is None:
+            sample = temperature is not None
+        if temperature is not None and temperature < 0:
+            raise ConfigError(f"{where}: temperature must be >= 0, got {temperature!r}")
         kw = {}
-        sample = gen.get("do_sample", "temperature" in gen)
-        if sample and gen.get("temperature", 1.0) > 0:
-            kw["temperature"] = float(gen.get("temperature", 1.0))
-            for k, conv in (("top_k", int), ("top_p", float), ("min_p", float)):
-                if gen.get(k) is not None:
-                    kw[k] = conv(gen[k])
-        if gen.get("repetition_penalty") is not None:
-            kw["repetition_penalty"] = float(gen["repetition_penalty"])
-        if gen.get("max_new_tokens"):
-            kw["max_tokens"] = int(gen["max_new_tokens"])
-        return cls(**kw)
+        if sample and (temperature is None or temperature > 0):
+            kw["temperature"] = 1.0 if temperature is None else temperature
+            for key, kind in (("top_k", int), ("top_p", float), ("min_p", float)):
+                if (v := value(key, kind)) is not None:
+                    kw[key] = v
+        if (v := value("repetition_penalty", float)) is not None:
+            kw["repetition_penalty"] = v
+        if (v := value("max_new_tokens", int)) is not None:
+            kw["max_tokens"] = v
+        try:
+            return cls(**kw)
+        except InvalidParameterError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,7 @@ class ChatOutputParser:
         self.content_started = False   # any non-whitespace content emitted
         self.reasoning_started = False
         self.ws_pending = ""            # trailing whitespace held until more text follows
+        self.ws_kind = "content"        # the channel ws_pending belongs to
         self.calls: list[_ToolCallState] = []
         self.call: _ToolCallState | None = None
         self.finished = False
@@ -285,7 +286,8 @@ class ChatOutputParser:
 
     def _emit_text(self, out: list[Delta], kind: str, text: str, final: bool) -> None:
         """Emit reasoning/content text, dropping leading whitespace of the channel and
-        holding trailing whitespace until more text of the same channel follows."""
+        holding trailing whitespace until more text of the same channel follows (dropped
+        before a tag, released at the end of the output)."""
         if not text:
             return
         started = self.content_started if kind == "content" else self.reasoning_started
@@ -302,6 +304,8 @@ class ChatOutputParser:
                 self.content_started = True
             else:
                 self.reasoning_started = True
+        if tail:
+            self.ws_kind = kind
         self.ws_pending += tail
 
     def _drop_ws(self) -> None:
@@ -319,6 +323,10 @@ class ChatOutputParser:
             if (self.mode, len(self.buf)) == before:
                 break
         if final:
+            # the output ended inside a channel (stop string, max tokens): its trailing
+            # whitespace is part of it, as Engine.chat returns it; before a tag it was dropped
+            if self.ws_pending and self.mode != "tool":
+                out.append(Delta(self.ws_kind, self.ws_pending))
             self.ws_pending = ""
 
     def _step_reasoning(self, out, final):
