@@ -32,8 +32,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _lily_serve(port: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lily", "serve", "--port", str(port)],
+def _lily_serve(port: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "lily", "serve", "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -127,3 +127,32 @@ def test_port_taken_is_an_error_without_a_serving_line():
     assert proc.returncode == 1, err[-2000:]
     assert "cannot listen on 127.0.0.1" in err and "address already in use" in err.lower(), err[-2000:]
     assert "serving lily-demo-shakespeare" not in err + out and "Traceback" not in err
+
+
+def test_default_max_tokens_flag():
+    """``--default-max-tokens`` caps chat requests that set no max_tokens; an explicit one
+    wins (completions keep OpenAI's own default of 16)."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = _lily_serve(port, "--default-max-tokens", "3")
+    try:
+        _wait_up(proc, base)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model="lily-demo-shakespeare", messages=HI, temperature=0,
+                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        capped = client.chat.completions.create(**kw)
+        assert capped.usage.completion_tokens <= 3
+        assert capped.usage.completion_tokens == 3 or capped.choices[0].finish_reason == "stop"
+        longer = client.chat.completions.create(**kw, max_tokens=6)
+        assert longer.usage.completion_tokens > 3 or longer.choices[0].finish_reason == "stop"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+@pytest.mark.parametrize("flags, match", [(["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+                                          (["--max-queue", "-1"], "--max-queue must be >= 0"),
+                                          (["--port", "70000"], "--port must be in 0..65535")])
+def test_serve_flag_errors(flags, match):
+    r = subprocess.run([sys.executable, "-m", "lily", "serve", *flags], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and match in r.stderr

@@ -51,7 +51,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repetition-penalty", type=float, default=None)
     g.add_argument("--presence-penalty", type=float, default=None)
     g.add_argument("--frequency-penalty", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed for reproducible sampling (the same text on the same device; each "
+                        "device draws its own random numbers)")
     g.add_argument("--stop", action="append", default=None, metavar="TEXT",
                    help="stop string (repeatable); it is not printed")
 
@@ -136,7 +138,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
     print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
-          "/reset to start over.", file=sys.stderr)
+          "/reset to start over, /help for this.", file=sys.stderr)
     while True:
         try:
             user = input("> ")
@@ -148,6 +150,10 @@ def cmd_chat(args) -> int:
             return 0
         if not user.strip():
             return 0
+        if user.strip() == "/help":
+            print("[empty line or Ctrl-D: quit; /reset: start a new conversation"
+                  + (" (the system prompt is kept)" if args.system else "") + "; /help: this]", file=sys.stderr)
+            continue
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
             print("[conversation reset" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
@@ -226,7 +232,8 @@ def cmd_serve(args) -> int:
     engine = _load(args)
     try:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-              model_name=args.model_name, max_queue=args.max_queue, log_level=args.log_level)
+              model_name=args.model_name, max_queue=args.max_queue,
+              default_max_tokens=args.default_max_tokens, log_level=args.log_level)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -237,6 +244,18 @@ def _check_generate(parser: argparse.ArgumentParser, args) -> None:
     if args.no_think and not args.chat:
         parser.error("--no-think needs --chat (it switches off the chat template's thinking "
                      "block; a raw prompt has no template)")
+    if args.echo and args.chat:
+        parser.error("--echo prints a raw prompt before its continuation; with --chat the reply "
+                     "answers the prompt instead of continuing it")
+
+
+def _check_serve(parser: argparse.ArgumentParser, args) -> None:
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,8 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: directory name)")
     s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait; more get HTTP 429")
+    s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    s.set_defaults(func=cmd_serve)
+    s.set_defaults(func=cmd_serve, check=lambda a: _check_serve(s, a))
     return p
 
 

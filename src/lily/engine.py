@@ -269,9 +269,15 @@ class Engine:
 
     def _check_tokens(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens)
-        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidParameterError(f"tokens must be a non-empty 1-D sequence of integer ids, got shape "
+        if arr.size == 0:
+            raise InvalidParameterError("tokens must contain at least one token id")
+        if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidParameterError(f"tokens must be a 1-D sequence of integer ids, got shape "
                                         f"{arr.shape} dtype {arr.dtype}")
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
+                                        f"[0, {self.config.vocab_size})")
         return arr.astype(np.int64)
 
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:

@@ -116,8 +116,10 @@ class NativeBackend:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise InvalidParameterError("tokens must contain at least one token id")
-        if tokens.min() < 0 or tokens.max() >= self.config.vocab_size:
-            raise InvalidParameterError(f"a token id is outside the vocabulary [0, {self.config.vocab_size})")
+        bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)]
+        if bad.size:
+            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
+                                        f"[0, {self.config.vocab_size})")
         if self.position + tokens.size > self.max_context:
             raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
                                      f"the context window of {self.max_context} tokens")
