@@ -137,6 +137,14 @@ class _State:
             job.abort(_shutdown_error())
 
 
+def _log_gone(kind: str, job: Job) -> None:
+    if job.started is None:
+        log.info("%s: client disconnected while queued, request dropped", kind)
+    else:
+        log.info("%s: client disconnected after %d completion tokens, generation cancelled",
+                 kind, job.completion_tokens)
+
+
 class _JobStream(StreamingResponse):
     """An SSE response that cancels its generation however the response ends
     (finished, client disconnected, or task cancelled), and logs the request's line if the
@@ -156,8 +164,7 @@ class _JobStream(StreamingResponse):
             job.cancel.set()
             if not job.logged:
                 job.logged = True
-                log.info("%s: client disconnected after %d completion tokens, generation cancelled",
-                         self.kind, job.completion_tokens)
+                _log_gone(self.kind, job)
 
 
 class _ClientGone(Exception):
@@ -644,8 +651,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     lps.extend(ev.logprobs)
                 last = ev
         except _ClientGone:
-            log.info("chat: client disconnected after %d completion tokens, generation cancelled",
-                     job.completion_tokens)
+            _log_gone("chat", job)
             return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
@@ -857,8 +863,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     lps.extend(ev.logprobs)
                 last = ev
         except _ClientGone:
-            log.info("completion: client disconnected after %d completion tokens, generation cancelled",
-                     job.completion_tokens)
+            _log_gone("completion", job)
             return _JSON(error_body("client disconnected"), status_code=499)
         except Exception as exc:
             raise _engine_error(exc) from None
