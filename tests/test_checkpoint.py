@@ -251,3 +251,18 @@ def test_presets_load(tiny_checkpoint, dims_checkpoint):
     dims = open_checkpoint(dims_checkpoint).config
     assert (dims.linear_key_head_dim, dims.linear_value_head_dim, dims.head_dim) == (128, 128, 256)
     assert dims.num_attention_heads // dims.num_key_value_heads == 8 and dims.num_experts_per_tok == 8
+
+
+@pytest.mark.parametrize("where, key, value, match", [
+    ("text", "hidden_size", "256", "hidden_size must be an integer, got '256'"),
+    ("text", "num_experts", 8.0, "num_experts must be an integer"),
+    ("text", "rms_norm_eps", "small", "rms_norm_eps must be a number"),
+    ("text", "eos_token_id", "x", "eos_token_id must be a token id"),
+    ("text", "eos_token_id", [10**9], "outside the vocabulary"),
+    ("top", "model_type", "llama", "unsupported architecture model_type='llama'"),
+])
+def test_config_value_types(demo_path, where, key, value, match):
+    raw = json.loads((demo_path / "config.json").read_text())
+    (raw["text_config"] if where == "text" else raw)[key] = value
+    with pytest.raises(ConfigError, match=match):
+        parse_config(raw)

@@ -112,3 +112,29 @@ def test_native_device_flags(tmp_path, monkeypatch):
     assert default.stdout == chunked.stdout and default.stdout.strip()
     assert "writing an aligned copy" in default.stderr and "aligned copy" not in chunked.stderr
     assert bad.returncode == 1 and "prefill_chunk must be a positive integer" in bad.stderr
+
+
+def test_closed_pipe_ends_quietly():
+    # `lily generate ... | head -1`: the reader leaves early; no traceback
+    p = subprocess.Popen([sys.executable, "-m", "lily", "generate", "ROMEO.", "-n", "300", "-t", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before the first write, so the first write fails
+    err = p.stderr.read()
+    assert p.wait(120) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_chat_printer_splits_thinking_from_the_answer(demo_engine, capsys):
+    from lily.cli import _ChatPrinter
+    msgs = [{"role": "user", "content": "Hi"}]
+    p = _ChatPrinter(demo_engine, msgs, {})  # the template opens <think> for the model
+    for piece in ["I should ", "greet.</th", "ink>\n\nHello", " there!"]:
+        p.feed(piece)
+    p.finish()
+    out, err = capsys.readouterr()
+    assert out == "Hello there!"
+    assert err == "[thinking]\nI should greet.\n[/thinking]\n"
+    p = _ChatPrinter(demo_engine, msgs, {"enable_thinking": False})
+    p.feed("Plain answer.")
+    p.finish()
+    out, err = capsys.readouterr()
+    assert (out, err) == ("Plain answer.", "")

@@ -267,3 +267,14 @@ def test_generation_config_defaults(tmp_path, demo_path):
     (d / "generation_config.json").write_text(json.dumps({"do_sample": False, "temperature": 0.7, "top_k": 20}))
     p = Engine.load(d).generation_defaults
     assert p.temperature == 0.0 and p.top_k == 0
+
+
+@pytest.mark.parametrize("eos", [["x"], [None], 99999999, {"a": 1}, -1])
+def test_bad_generation_config_eos_is_named(tmp_path, demo_path, eos):
+    import shutil
+    from lily.errors import ConfigError
+    d = tmp_path / "m"
+    shutil.copytree(demo_path, d)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
+        Engine.load(d)

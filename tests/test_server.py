@@ -28,7 +28,7 @@ import uvicorn
 
 from lily.engine import Engine
 from lily.server import create_app
-from lily.server.parser import (ChatAccumulator, ChatOutputParser, convert_value, parse_complete,
+from lily.chat_output import (ChatAccumulator, ChatOutputParser, convert_value, parse_complete,
                                 prompt_opens_reasoning)
 
 pytestmark = pytest.mark.timeout(120)

@@ -783,3 +783,19 @@ def test_bad_messages_and_tools(demo: Tokenizer) -> None:
         demo.apply_chat_template([{"role": "user", "content": "x"}, "oops"])  # type: ignore[list-item]
     with pytest.raises(TokenizerError, match=r"tools\[0\]"):
         demo.apply_chat_template([{"role": "user", "content": "x"}], tools=["not a dict"])  # type: ignore[list-item]
+
+
+def test_tool_call_arguments_as_json_string_render_like_a_dict(qwen):
+    from lily.errors import TokenizerError
+    tok = qwen
+    def conv(args):
+        return [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+                {"role": "tool", "content": "sunny"}]
+    want = tok.apply_chat_template(conv({"city": "Oslo", "days": 2}))
+    assert tok.apply_chat_template(conv('{"city": "Oslo", "days": 2}')) == want
+    assert "<parameter=city>" in want
+    for bad, match in (("{not json", "not valid JSON"), ("[1, 2]", "must be a JSON object")):
+        with pytest.raises(TokenizerError, match=r"messages\[1\]\.tool_calls\[0\]\.function\.arguments: .*" + match):
+            tok.apply_chat_template(conv(bad))

@@ -120,6 +120,18 @@ def _require(d: Mapping, key: str, where: str):
     return d[key]
 
 
+def token_ids(value, what: str, vocab_size: int | None = None) -> tuple[int, ...]:
+    """A token id or list of ids from a config file (``None``: none). Raises
+    :class:`ConfigError` naming ``what`` for anything else or an id outside the vocabulary."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ConfigError(f"{what} must be a token id or a list of token ids, got {value!r}")
+        if vocab_size is not None and i >= vocab_size:
+            raise ConfigError(f"{what}: token id {i} is outside the vocabulary [0, {vocab_size})")
+    return tuple(ids)
+
+
 def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = False) -> ModelConfig:
     """Build a :class:`ModelConfig` from a parsed ``config.json``.
 
@@ -141,9 +153,10 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
     if not isinstance(text, Mapping):
         raise ConfigError(f"{where}: 'text_config' must be an object")
     mtype = text.get("model_type", top_type)
-    if mtype not in SUPPORTED_MODEL_TYPES and top_type not in SUPPORTED_MODEL_TYPES:
+    if mtype not in SUPPORTED_MODEL_TYPES or (top_type is not None and top_type not in SUPPORTED_MODEL_TYPES):
         raise ConfigError(
-            f"{where}: unsupported architecture model_type={mtype or top_type!r}; "
+            f"{where}: unsupported architecture model_type="
+            f"{top_type if top_type not in SUPPORTED_MODEL_TYPES + (None,) else mtype!r}; "
             f"Lily runs {', '.join(SUPPORTED_MODEL_TYPES)} (Qwen3.5/3.6-35B-A3B) only")
 
     unknown = sorted(k for k in text if k not in _READ_KEYS and k not in _IGNORED_KEYS
@@ -158,16 +171,28 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
         warnings.warn(msg + " (ignored)", stacklevel=3)
 
     def get(key, default=None):
-        if key in text:
+        if key in text and text[key] is not None:
             return text[key]
         if default is None:
             return _require(text, key, where)
         return default
 
-    n_layers = int(get("num_hidden_layers"))
+    def integer(key, default=None):
+        v = get(key, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ConfigError(f"{where}: {key} must be an integer, got {v!r}")
+        return v
+
+    def number(key, default=None):
+        v = get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{where}: {key} must be a number, got {v!r}")
+        return float(v)
+
+    n_layers = integer("num_hidden_layers")
     layer_types = text.get("layer_types")
     if layer_types is None:
-        interval = int(get("full_attention_interval", 4))
+        interval = integer("full_attention_interval", 4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                        for i in range(n_layers)]
     layer_types = tuple(layer_types)
@@ -194,30 +219,29 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
     if text.get("attn_output_gate", True) is not True:
         raise ConfigError(f"{where}: attn_output_gate=false is not supported")
 
-    eos = text.get("eos_token_id", raw.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    eos_ids = token_ids(text.get("eos_token_id", raw.get("eos_token_id")), f"{where}: eos_token_id")
 
-    n_heads = int(get("num_attention_heads"))
-    hidden = int(get("hidden_size"))
+    n_heads = integer("num_attention_heads")
+    hidden = integer("hidden_size")
     cfg = ModelConfig(
-        vocab_size=int(get("vocab_size")),
+        vocab_size=integer("vocab_size"),
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
-        num_key_value_heads=int(get("num_key_value_heads")),
-        head_dim=int(text.get("head_dim") or hidden // n_heads),
-        linear_num_key_heads=int(get("linear_num_key_heads")),
-        linear_num_value_heads=int(get("linear_num_value_heads")),
-        linear_key_head_dim=int(get("linear_key_head_dim")),
-        linear_value_head_dim=int(get("linear_value_head_dim")),
-        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-        num_experts=int(get("num_experts")),
-        num_experts_per_tok=int(get("num_experts_per_tok")),
-        moe_intermediate_size=int(get("moe_intermediate_size")),
-        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size")),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=integer("num_key_value_heads"),
+        head_dim=integer("head_dim", hidden // n_heads),
+        linear_num_key_heads=integer("linear_num_key_heads"),
+        linear_num_value_heads=integer("linear_num_value_heads"),
+        linear_key_head_dim=integer("linear_key_head_dim"),
+        linear_value_head_dim=integer("linear_value_head_dim"),
+        linear_conv_kernel_dim=integer("linear_conv_kernel_dim", 4),
+        num_experts=integer("num_experts"),
+        num_experts_per_tok=integer("num_experts_per_tok"),
+        moe_intermediate_size=integer("moe_intermediate_size"),
+        shared_expert_intermediate_size=integer("shared_expert_intermediate_size"),
+        rms_norm_eps=number("rms_norm_eps", 1e-6),
         layer_types=layer_types,
-        max_position_embeddings=int(get("max_position_embeddings", 262144)),
+        max_position_embeddings=integer("max_position_embeddings", 262144),
         rope_theta=rope_theta,
         partial_rotary_factor=prf,
         norm_topk_prob=bool(text.get("norm_topk_prob", True)),
@@ -225,6 +249,7 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
         eos_token_ids=eos_ids,
     )
     _check_consistency(cfg, where)
+    token_ids(list(eos_ids), f"{where}: eos_token_id", cfg.vocab_size)
     return cfg
 
 

@@ -105,22 +105,68 @@ def _print_stats(ev, file=sys.stderr) -> None:
           f"finish: {ev.finish_reason}]", file=file)
 
 
+class _ChatPrinter:
+    """Shows a streamed chat reply: the answer on stdout, the model's thinking on stderr
+    (dimmed on a terminal), so ``lily generate --chat ... > answer.txt`` keeps the answer
+    alone. The split is the server's (lily.chat_output); tool-call markup stays in the answer."""
+
+    def __init__(self, engine, messages: list[dict], template_kwargs: dict):
+        from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        self.parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt), parse_tools=False)
+        self.dim = sys.stderr.isatty()
+        self.thinking = False
+
+    def feed(self, text: str) -> None:
+        self._show(self.parser.feed(text))
+
+    def finish(self) -> None:
+        self._show(self.parser.finish())
+        self._end_thinking()
+
+    def _end_thinking(self) -> None:
+        if self.thinking:
+            sys.stderr.write(("\033[0m" if self.dim else "") + "\n[/thinking]\n")
+            sys.stderr.flush()
+            self.thinking = False
+
+    def _show(self, deltas) -> None:
+        for d in deltas:
+            if d.kind == "reasoning":
+                if not self.thinking:
+                    sys.stderr.write("[thinking]\n" + ("\033[2m" if self.dim else ""))
+                    self.thinking = True
+                sys.stderr.write(d.text)
+                sys.stderr.flush()
+            elif d.text:
+                self._end_thinking()
+                sys.stdout.write(d.text)
+                sys.stdout.flush()
+
+
 def cmd_generate(args) -> int:
     overrides = _overrides(args)  # invalid values are reported before the model loads
     engine = _load(args)
+    printer = None
     if args.chat:
         kwargs = {"enable_thinking": False} if args.no_think else {}
-        events = engine.stream_chat([{"role": "user", "content": args.prompt}],
-                                    chat_template_kwargs=kwargs, **overrides)
+        messages = [{"role": "user", "content": args.prompt}]
+        printer = _ChatPrinter(engine, messages, kwargs)
+        events = engine.stream_chat(messages, chat_template_kwargs=kwargs, **overrides)
     else:
         events = engine.stream(args.prompt, **overrides)
     last = None
     if not args.chat and args.echo:
         sys.stdout.write(args.prompt)
     for ev in events:
-        sys.stdout.write(ev.text)
-        sys.stdout.flush()
+        if printer:
+            printer.feed(ev.text)
+        else:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
         last = ev
+    if printer:
+        printer.finish()
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.verbose:
@@ -160,13 +206,15 @@ def cmd_chat(args) -> int:
             continue
         messages.append({"role": "user", "content": user})
         reply, last = [], None
+        printer = _ChatPrinter(engine, messages, kwargs)
         try:
             for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **overrides):
-                sys.stdout.write(ev.text)
-                sys.stdout.flush()
+                printer.feed(ev.text)
                 reply.append(ev.text)
                 last = ev
+            printer.finish()
         except KeyboardInterrupt:
+            printer.finish()
             print("\n[interrupted]", file=sys.stderr)
         except ContextLengthError as e:
             messages.pop()
@@ -345,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`lily generate ... | head`): stop quietly, as shell tools do
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config
+from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.reference import ReferenceModel, ReferenceState
 from lily.sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob
@@ -185,8 +185,8 @@ class Engine:
         self.generation_config = generation_config
         self.generation_defaults = SamplingParams.from_generation_config(generation_config)
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        g = generation_config.get("eos_token_id")
-        eos |= set(g if isinstance(g, list) else ([g] if isinstance(g, int) else []))
+        eos |= set(token_ids(generation_config.get("eos_token_id"),
+                             f"{path / 'generation_config.json'}: eos_token_id", self.config.vocab_size))
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
         self._tokens: list[int] = []  # tokens whose effect is in the session state
 
@@ -235,8 +235,10 @@ class Engine:
         if bar:
             bar.update(1)
         tok = Tokenizer.from_dir(path)
-        generation_config = read_generation_config(path)
+        generation_config = read_generation_config(path)  # checked before the device is set up
         SamplingParams.from_generation_config(generation_config, where=str(path / "generation_config.json"))
+        token_ids(generation_config.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id",
+                  ck.config.vocab_size)
         if bar:
             bar.update(1)
         limit = ck.config.max_position_embeddings

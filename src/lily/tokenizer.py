@@ -237,6 +237,25 @@ def _plain(value: Any) -> Any:
     return f"<{kind.__name__}>"
 
 
+def tool_call_arguments(args: Any, where: str) -> Any:
+    """A tool call's ``arguments`` as a chat template needs them: a mapping. OpenAI clients
+    send a JSON string (decoded here; empty or ``None`` is ``{}``); anything else passes.
+
+    Raises :class:`TokenizerError` naming ``where`` for a string that is not a JSON object.
+    """
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return {}
+    if not isinstance(args, str):
+        return args
+    try:
+        value = json.loads(args)
+    except ValueError as exc:
+        raise TokenizerError(f"{where}: tool call arguments are not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise TokenizerError(f"{where}: tool call arguments must be a JSON object")
+    return value
+
+
 def _prepare_messages(messages: Any) -> list[dict]:
     """Copy ``messages`` into the form transformers hands to a chat template.
 
@@ -261,6 +280,13 @@ def _prepare_messages(messages: Any) -> list[dict]:
         )
         if reasoning is not None:
             cleaned = {"thinking": reasoning, **cleaned, "reasoning_content": reasoning}
+        calls = cleaned.get("tool_calls")
+        if isinstance(calls, list):
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and "arguments" in fn:
+                    fn["arguments"] = tool_call_arguments(
+                        fn["arguments"], f"messages[{index}].tool_calls[{j}].function.arguments")
         prepared.append(cleaned)
     return prepared
 
@@ -649,7 +675,8 @@ class Tokenizer:
         ----------
         messages : list[dict]
             Messages with ``role`` and ``content`` (a string or a list of content parts) and
-            optionally ``tool_calls`` (arguments as a dict), ``reasoning_content`` (or
+            optionally ``tool_calls`` (arguments as a dict, or a JSON string as OpenAI
+            clients send them), ``reasoning_content`` (or
             ``thinking`` / ``reasoning``), ... Fields set to ``None`` are dropped.
         tools : list[dict] | None
             JSON-schema tool definitions, passed to the template as ``tools``.

@@ -5,6 +5,6 @@
 """
 
 from lily.server.app import create_app, serve
-from lily.server.parser import ChatAccumulator, ChatOutputParser, parse_complete
+from lily.chat_output import ChatAccumulator, ChatOutputParser, parse_complete
 
 __all__ = ["ChatAccumulator", "ChatOutputParser", "create_app", "parse_complete", "serve"]

@@ -23,8 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lily.errors import ContextLengthError, LilyError
-from lily.server.parser import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
+from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
+from lily.errors import ContextLengthError, LilyError, TokenizerError
+from lily.tokenizer import tool_call_arguments
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.server.worker import Job, Worker
 
@@ -521,20 +522,11 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if m.tool_calls:
                 calls = []
                 for j, tc in enumerate(m.tool_calls):
-                    args = tc.function.arguments
-                    if args is None or (isinstance(args, str) and not args.strip()):
-                        args = {}
-                    elif isinstance(args, str):
-                        try:
-                            args = json.loads(args)
-                        except ValueError as exc:
-                            raise APIError(400, f"tool call arguments are not valid JSON: {exc}",
-                                           param=f"messages.{i}.tool_calls.{j}.function.arguments",
-                                           code="invalid_value") from None
-                        if not isinstance(args, dict):
-                            raise APIError(400, "tool call arguments must be a JSON object",
-                                           param=f"messages.{i}.tool_calls.{j}.function.arguments",
-                                           code="invalid_value")
+                    param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                    try:
+                        args = tool_call_arguments(tc.function.arguments, param)
+                    except TokenizerError as exc:
+                        raise APIError(400, str(exc), param=param, code="invalid_value") from None
                     call = {"type": "function", "function": {"name": tc.function.name, "arguments": args}}
                     if tc.id is not None:
                         call["id"] = tc.id

@@ -1,4 +1,4 @@
-"""Incremental parser that maps Qwen3.5 chat output onto OpenAI message fields.
+"""Incremental parser that maps Qwen3.5 chat output onto OpenAI message fields (the server) and onto thinking vs answer (the CLI).
 
 The model's raw reply text (as the engine streams it, special tokens included) is split
 into three channels:
