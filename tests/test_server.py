@@ -563,7 +563,7 @@ def test_queue_overflow_429(forced_engine):
                 with b.stream("POST", srv.base + "/v1/chat/completions", json=body) as rb:
                     assert rb.status_code == 200  # waits in the queue
                     r = httpx.post(srv.base + "/v1/chat/completions", json=body)
-                    assert r.status_code == 429
+                    assert r.status_code == 429 and r.headers["retry-after"] == "1"
                     assert r.json()["error"]["type"] == "rate_limit_error"
         wait_idle(srv)
         forced_engine.set_script("ok")

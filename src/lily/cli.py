@@ -350,8 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Lily's device (default auto: metal on a Mac)")
     b.add_argument("--lengths", type=_int_list, default=None, metavar="L1,L2,...",
                    help="prompt lengths in tokens (default: 256, 512, ..., 131072 up to the model's limit)")
-    b.add_argument("--decode-tokens", type=int, default=64, metavar="N", help="tokens generated per request")
-    b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates")
+    b.add_argument("--decode-tokens", type=int, default=64, metavar="N",
+                   help="tokens generated per request (default 64)")
+    b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates (default 3)")
     b.add_argument("--positions", type=int, default=192, metavar="N",
                    help="teacher-forced positions of the consistency check (0 skips it)")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="Lily's prefill chunk (native devices)")
@@ -361,10 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: directory name)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait; more get HTTP 429")
+    s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -10,8 +10,8 @@ import os
 
 import numpy as np
 
-from lily.checkpoint import Checkpoint, ModelConfig
-from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
+from lily.errors import CheckpointError, ContextLengthError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
@@ -37,6 +37,18 @@ def model_dims(c: ModelConfig) -> dict:
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
     """``(name, file, byte offset, nbytes)`` of every text-model tensor."""
     return [(name, str(t.file), t.start, t.nbytes) for name, t in ck.tensors.items()]
+
+
+def check_kernel_dtypes(ck: Checkpoint) -> None:
+    """The kernels read the unquantized tensors in the dtypes MLX writes: bf16, and float32
+    for ``A_log`` (the reference accepts either). Raises :class:`CheckpointError` naming the
+    first tensor stored otherwise."""
+    for kind, name, _ in expected_tensors(ck.config):
+        want = {"bf16": "BF16", "f32": "F32"}.get(kind)
+        t = ck.tensors.get(name)
+        if want and t is not None and t.dtype != want:
+            raise CheckpointError(f"{t.file.name}: tensor {name} is {t.dtype}; the native kernels read it as "
+                                  f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
@@ -86,6 +98,7 @@ class NativeBackend:
         if (device_options or {}).get("record_only"):
             raise InvalidParameterError("a record-only simulator executes nothing, so an Engine cannot run on "
                                         "it; lily.native.count_decode_step / count_prefill_chunk count with one")
+        check_kernel_dtypes(ck)
         self.name = device
         self.config = ck.config
         self.max_context = max_context

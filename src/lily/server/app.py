@@ -353,7 +353,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        return _JSON(exc.body(), status_code=exc.status)
+        # a full queue or a shutdown is temporary: say when a retry makes sense (RFC 9110 10.2.3)
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return _JSON(exc.body(), status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
