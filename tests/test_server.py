@@ -416,10 +416,15 @@ def test_invalid_requests(real):
                     {"messages": HI, "top_logprobs": 3}, {"messages": HI, "tool_choice": "maybe"},
                     {"messages": HI, "chat_template_kwargs": {"add_generation_prompt": False}},
                     {"messages": [{"role": "assistant", "content": "x"}]},
-                    {"messages": HI, "seed": 1 << 70}):
+                    {"messages": HI, "seed": 1 << 70}, {"messages": HI, "stream": "yes"},
+                    {"messages": HI, "max_tokens": "2"}, {"messages": HI, "max_tokens": 2.0},
+                    {"messages": HI, "temperature": "0.5"}, {"messages": HI, "logprobs": 1},
+                    {"messages": HI, "stream": True, "stream_options": {"include_usage": "y"}}):
         r = httpx.post(url, json=payload)
         assert r.status_code == 400, (payload, r.text)
         assert r.json()["error"]["message"]
+    r = httpx.post(url, json={"messages": HI, "temperature": 0, "max_tokens": 2})  # an int is a number
+    assert r.status_code == 200, r.text
     r = httpx.post(real.base + "/v1/completions", json={"prompt": [99999999]})
     assert r.status_code == 400
     r = httpx.post(real.base + "/v1/completions", json={"prompt": ""})

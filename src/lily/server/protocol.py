@@ -1,14 +1,15 @@
 """Request models of the OpenAI-compatible API and the OpenAI error object.
 
 Only the fields Lily acts on are declared with types; other fields OpenAI clients send
-(``user``, ``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored.
+(``user``, ``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored. Numbers and
+booleans are strict, as OpenAI's API is: ``"max_tokens": "2"`` or ``"stream": "yes"`` is a 400.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 
 
 class APIError(Exception):
@@ -37,7 +38,7 @@ class _Open(BaseModel):
 
 
 class StreamOptions(_Open):
-    include_usage: Optional[bool] = False
+    include_usage: Optional[StrictBool] = False
 
 
 class ContentPart(_Open):
@@ -79,35 +80,35 @@ class Tool(_Open):
 
 class _Sampling(_Open):
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    seed: Optional[int] = None
+    max_tokens: Optional[StrictInt] = None
+    temperature: Optional[StrictFloat] = None
+    top_p: Optional[StrictFloat] = None
+    top_k: Optional[StrictInt] = None
+    min_p: Optional[StrictFloat] = None
+    presence_penalty: Optional[StrictFloat] = None
+    frequency_penalty: Optional[StrictFloat] = None
+    repetition_penalty: Optional[StrictFloat] = None
+    seed: Optional[StrictInt] = None
     stop: Union[str, list[str], None] = None
-    n: Optional[int] = 1
-    stream: Optional[bool] = False
+    n: Optional[StrictInt] = 1
+    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[StrictInt] = None
     tools: Optional[list[Tool]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = None
+    logprobs: Optional[StrictBool] = False
+    top_logprobs: Optional[StrictInt] = None
     response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: Optional[bool] = False
-    logprobs: Optional[int] = None
-    best_of: Optional[int] = None
+    echo: Optional[StrictBool] = False
+    logprobs: Optional[StrictInt] = None
+    best_of: Optional[StrictInt] = None
     suffix: Optional[str] = None
