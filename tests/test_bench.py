@@ -50,7 +50,7 @@ def test_run_bench_alternates_and_reports_median_ratios():
         assert r.ratio("prefill_tps") == pytest.approx(2.0)
         assert r.ratio("decode_tps") == pytest.approx(2.0)
     rep = report(res, lily, peer, {"model": "m", "rounds": 3, "decode_tokens": 10, "notice": "n"}, None)
-    assert rep["mean_prefill_ratio"] == pytest.approx(2.0) and rep["mean_decode_ratio"] == pytest.approx(2.0)
+    assert rep["geomean_prefill_ratio"] == pytest.approx(2.0) and rep["geomean_decode_ratio"] == pytest.approx(2.0)
     text = format_report(rep)
     assert "2.00x" in text and "NOTE: n" in text and "    64" in text
 
@@ -117,3 +117,12 @@ def test_lily_bench_argument_errors():
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--device", "reference", "--lengths", "99999999"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and "exceeds the model's limit" in r.stderr
+
+
+def test_mean_of_ratios_is_geometric():
+    rows = [LengthResult(8, lily=[Sample(8, 4, 1.0, 1.0)], peer=[Sample(8, 4, f, 1.0)], first=["lily"])
+            for f in (0.5, 2.0)]  # prefill ratios 0.5x and 2x
+    rep = report(rows, Scripted("l", None, None), Scripted("p", None, None),
+                 {"model": "m", "rounds": 1, "decode_tokens": 4, "notice": None}, None)
+    assert rep["geomean_prefill_ratio"] == pytest.approx(1.0)
+    assert "geomean" in format_report(rep)

@@ -138,3 +138,19 @@ def test_chat_printer_splits_thinking_from_the_answer(demo_engine, capsys):
     p.finish()
     out, err = capsys.readouterr()
     assert (out, err) == ("Plain answer.", "")
+
+
+def test_chat_commands():
+    r = run("chat", "--no-think", "-n", "3", "-t", "0", input="/bogus\n/help\nHello\n/quit\nnever sent\n")
+    assert r.returncode == 0, r.stderr
+    assert "unknown command /bogus" in r.stderr and "/exit or /quit" in r.stderr
+    assert r.stdout.count("> ") == 4  # /bogus, /help, Hello, /quit: the last line is never read
+
+
+def test_chat_printer_marks_thinking_cut_by_the_token_limit(demo_engine, capsys):
+    from lily.cli import _ChatPrinter
+    p = _ChatPrinter(demo_engine, [{"role": "user", "content": "Hi"}], {})
+    p.feed("Still pondering")
+    p.finish("length")
+    out, err = capsys.readouterr()
+    assert out == "" and err == "[thinking]\nStill pondering\n[thinking cut off: the token limit was reached]\n"

@@ -419,7 +419,8 @@ def test_invalid_requests(real):
                     {"messages": HI, "seed": 1 << 70}, {"messages": HI, "stream": "yes"},
                     {"messages": HI, "max_tokens": "2"}, {"messages": HI, "max_tokens": 2.0},
                     {"messages": HI, "temperature": "0.5"}, {"messages": HI, "logprobs": 1},
-                    {"messages": HI, "stream": True, "stream_options": {"include_usage": "y"}}):
+                    {"messages": HI, "stream": True, "stream_options": {"include_usage": "y"}},
+                    {"messages": [{"role": "user"}]}):
         r = httpx.post(url, json=payload)
         assert r.status_code == 400, (payload, r.text)
         assert r.json()["error"]["message"]

@@ -255,10 +255,16 @@ def report(results: list[LengthResult], lily: Runner, peer: Runner, meta: dict,
         })
     return {
         **meta, "lily": lily.label, "mlx_lm": peer.label, "lengths": rows,
-        "mean_prefill_ratio": statistics.fmean(r["prefill_tps"]["ratio"] for r in rows),
-        "mean_decode_ratio": statistics.fmean(r["decode_tps"]["ratio"] for r in rows),
+        # ratios average geometrically: 0.5x and 2x are even, not 1.25x
+        "geomean_prefill_ratio": _geomean(r["prefill_tps"]["ratio"] for r in rows),
+        "geomean_decode_ratio": _geomean(r["decode_tps"]["ratio"] for r in rows),
         "consistency": check,
     }
+
+
+def _geomean(values) -> float:
+    v = list(values)
+    return statistics.geometric_mean(v) if v and all(x > 0 for x in v) else float("nan")
 
 
 def format_report(rep: dict) -> str:
@@ -274,7 +280,8 @@ def format_report(rep: dict) -> str:
         p, d = r["prefill_tps"], r["decode_tps"]
         out.append(f"{r['prompt_tokens']:>8}  {p['lily']:>9.1f} {p['mlx_lm']:>9.1f} {p['ratio']:>7.2f}x  "
                    f"{d['lily']:>9.1f} {d['mlx_lm']:>9.1f} {d['ratio']:>7.2f}x")
-    out.append(f"{'mean':>8}  {'':>19} {rep['mean_prefill_ratio']:>7.2f}x  {'':>19} {rep['mean_decode_ratio']:>7.2f}x")
+    out.append(f"{'geomean':>8}  {'':>19} {rep['geomean_prefill_ratio']:>7.2f}x  {'':>19} "
+               f"{rep['geomean_decode_ratio']:>7.2f}x")
     c = rep.get("consistency")
     if c:
         out.append("")

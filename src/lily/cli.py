@@ -46,11 +46,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", "-n", type=int, default=None, help="maximum tokens to generate (default 256)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens; 0 or -1 disable")
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--min-p", type=float, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None)
-    g.add_argument("--presence-penalty", type=float, default=None)
-    g.add_argument("--frequency-penalty", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None,
+                   help="keep the smallest set of tokens whose probability reaches P (0 < P <= 1)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than P times the most likely one (0 <= P <= 1)")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help="penalise tokens already seen (prompt and output): positive logits divided by "
+                        "it, negative ones multiplied (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=None,
+                   help="subtract this from the logits of generated tokens (-2..2, 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=None,
+                   help="subtract this times the count of each generated token (-2..2, 0 = off)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed for reproducible sampling (the same text on the same device; each "
                         "device draws its own random numbers)")
@@ -120,13 +126,14 @@ class _ChatPrinter:
     def feed(self, text: str) -> None:
         self._show(self.parser.feed(text))
 
-    def finish(self) -> None:
+    def finish(self, finish_reason: str | None = None) -> None:
         self._show(self.parser.finish())
-        self._end_thinking()
+        self._end_thinking("[thinking cut off: the token limit was reached]"
+                           if finish_reason == "length" else "[/thinking]")
 
-    def _end_thinking(self) -> None:
+    def _end_thinking(self, marker: str = "[/thinking]") -> None:
         if self.thinking:
-            sys.stderr.write(("\033[0m" if self.dim else "") + "\n[/thinking]\n")
+            sys.stderr.write(("\033[0m" if self.dim else "") + f"\n{marker}\n")
             sys.stderr.flush()
             self.thinking = False
 
@@ -166,7 +173,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
         last = ev
     if printer:
-        printer.finish()
+        printer.finish(last.finish_reason if last else None)
     sys.stdout.write("\n")
     sys.stdout.flush()
     if args.verbose:
@@ -184,7 +191,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
     print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
-          "/reset to start over, /help for this.", file=sys.stderr)
+          "/reset to start over, /help for the commands.", file=sys.stderr)
     while True:
         try:
             user = input("> ")
@@ -196,9 +203,18 @@ def cmd_chat(args) -> int:
             return 0
         if not user.strip():
             return 0
-        if user.strip() == "/help":
-            print("[empty line or Ctrl-D: quit; /reset: start a new conversation"
-                  + (" (the system prompt is kept)" if args.system else "") + "; /help: this]", file=sys.stderr)
+        command = user.strip()
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/help":
+            print("[empty line, Ctrl-D, /exit or /quit: quit; /reset: start a new conversation"
+                  + (" (the system prompt is kept)" if args.system else "")
+                  + "; /help: this; start a message with // to send a leading /]", file=sys.stderr)
+            continue
+        if command.startswith("//"):
+            user = user.replace("//", "/", 1)
+        elif command.startswith("/") and " " not in command and command != "/reset":
+            print(f"[unknown command {command}; /help lists them]", file=sys.stderr)
             continue
         if user.strip() == "/reset":
             messages = messages[:1] if args.system else []
@@ -212,7 +228,7 @@ def cmd_chat(args) -> int:
                 printer.feed(ev.text)
                 reply.append(ev.text)
                 last = ev
-            printer.finish()
+            printer.finish(last.finish_reason if last else None)
         except KeyboardInterrupt:
             printer.finish()
             print("\n[interrupted]", file=sys.stderr)
@@ -335,7 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
 
-    i = sub.add_parser("info", help="show the model's config, tensor count, memory footprint and devices")
+    i = sub.add_parser("info", help="show the model's config, tensor count, memory footprint and devices",
+                       description="Print the checkpoint's configuration, tensor count, weight bytes, "
+                                   "EOS ids, the devices in this build and the weight cache directory.")
     i.add_argument("--model", "-m", default=None, metavar="PATH", help="checkpoint directory (default: demo model)")
     i.add_argument("--json", action="store_true", help="machine-readable output")
     i.set_defaults(func=cmd_info)
@@ -354,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per request (default 64)")
     b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates (default 3)")
     b.add_argument("--positions", type=int, default=192, metavar="N",
-                   help="teacher-forced positions of the consistency check (0 skips it)")
-    b.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="Lily's prefill chunk (native devices)")
+                   help="teacher-forced positions of the consistency check (default 192; 0 skips it)")
+    b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="Lily's prefill chunk on the native devices (default 512)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     b.set_defaults(func=cmd_bench)
 

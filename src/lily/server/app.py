@@ -513,6 +513,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                                        code="invalid_value")
                     texts.append(part.text)
                 c = "\n".join(texts)
+            if c is None and m.role in ("user", "system", "developer", "tool"):
+                raise APIError(400, f"a {m.role} message needs content", param=f"messages.{i}.content",
+                               code="invalid_value")
             d["content"] = c
             if m.name is not None:
                 d["name"] = m.name
