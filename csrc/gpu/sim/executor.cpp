@@ -244,7 +244,15 @@ struct Worker {
   size_t sched_size = 0;
 #endif
   ~Worker() {
-    for (Stack& s : pool) ::munmap(s.base - page_size_(), s.size + page_size_());
+    for (Stack& s : pool) {
+#ifdef LILY_ASAN
+      // The pages go back to the system with the redzones of the fibers' last frames still
+      // in ASan's shadow; whoever maps them next (the interpreter's allocator) would be
+      // reported for writing "stack redzones".
+      __asan_unpoison_memory_region(s.base, s.size);
+#endif
+      ::munmap(s.base - page_size_(), s.size + page_size_());
+    }
   }
   static size_t page_size_() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
   Stack get_stack() {
