@@ -154,3 +154,9 @@ def test_chat_printer_marks_thinking_cut_by_the_token_limit(demo_engine, capsys)
     p.finish("length")
     out, err = capsys.readouterr()
     assert out == "" and err == "[thinking]\nStill pondering\n[thinking cut off: the token limit was reached]\n"
+
+
+def test_chat_escaped_slash_is_sent_not_run():
+    r = run("chat", "--no-think", "-n", "2", "-t", "0", input="//reset\n")
+    assert r.returncode == 0, r.stderr
+    assert "conversation reset" not in r.stderr and "unknown command" not in r.stderr

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 
@@ -160,12 +161,11 @@ void Runtime::restore(const SessionSnapshot& s) {
   bool fits = sizes.size() == s.parts.size();
   for (size_t i = 0; fits && i < sizes.size(); ++i) fits = sizes[i] == s.parts[i].size();
   if (!fits) throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
-  size_t part = 0, at = 0;
-  bool started = false;
+  ptrdiff_t part = -1;
+  size_t at = 0;
   for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
                      [&](gpu::Buffer& b, size_t offset, size_t n, bool first) {
-                       if (first && started) ++part, at = 0;
-                       started = true;
+                       if (first) ++part, at = 0;
                        if (n) std::memcpy(static_cast<uint8_t*>(b.contents()) + offset, s.parts[part].data() + at, n);
                        at += n;
                      });

@@ -187,12 +187,12 @@ def teacher_forced(logits: np.ndarray, peer: np.ndarray, targets: np.ndarray) ->
             "ppl": ppl, "ppl_peer": ppl_peer, "ppl_ratio": ppl / ppl_peer}
 
 
-def text_tokens(tokenizer, length: int) -> list[int]:
-    """``length`` token ids: the bench conversation rendered with the chat template, repeated."""
+def text_tokens(tokenizer):
+    """``tokens_for(length)``: ``length`` token ids of the bench conversation rendered with the
+    chat template (tokenized once), repeated."""
     one = tokenizer.encode_chat([{"role": "user", "content": _QUESTION},
                                  {"role": "assistant", "content": _ANSWER}], add_generation_prompt=False)
-    reps = -(-length // len(one))
-    return (one * reps)[:length]
+    return lambda length: (one * -(-length // len(one)))[:length]
 
 
 @dataclass
@@ -220,9 +220,9 @@ def run_bench(lily: Runner, peer: Runner, tokens_for: Callable[[int], list[int]]
     lily.run(warm, 2)  # pipelines, kernels and caches warm before anything is timed
     peer.run(warm, 2)
     results = [LengthResult(L) for L in lengths]
+    prompts = [tokens_for(L) for L in lengths]
     for r in range(rounds):
-        for res in results:
-            prompt = tokens_for(res.prompt_tokens)
+        for res, prompt in zip(results, prompts):
             order = (("lily", lily), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("lily", lily))
             res.first.append(order[0][0])
             for who, runner in order:
@@ -324,7 +324,7 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
                                     f"limit of {limit} tokens")
     lily = LilyRunner(path, device, max_context, device_options)
     peer = MlxLmRunner(path)
-    tokens_for = lambda n: text_tokens(lily.engine.tokenizer, n)  # noqa: E731
+    tokens_for = text_tokens(lily.engine.tokenizer)
     notice = None
     if lily.engine.device != "metal" or not peer.on_gpu:
         notice = (f"Lily on device={lily.engine.device}, MLX on the {'GPU' if peer.on_gpu else 'CPU'}: these "

@@ -132,23 +132,15 @@ def _convert_one(text: str, kind: str) -> tuple[bool, Any]:
     s = text.strip()
     if kind == "string":
         return True, text
-    if kind == "integer":
+    if kind in ("integer", "number"):
         if re.fullmatch(r"[+-]?\d+", s):
             return True, int(s)
         try:
             v = float(s)
         except ValueError:
             return False, None
-        if v.is_integer():
-            return True, int(v)
-        return False, None
-    if kind == "number":
-        if re.fullmatch(r"[+-]?\d+", s):
-            return True, int(s)
-        try:
-            v = float(s)
-        except ValueError:
-            return False, None
+        if kind == "integer":  # "3.0" is 3; inf and nan are not integers
+            return (True, int(v)) if v.is_integer() else (False, None)
         if v != v or v in (float("inf"), float("-inf")):
             return False, None
         return True, v

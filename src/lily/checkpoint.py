@@ -219,12 +219,13 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
     if text.get("attn_output_gate", True) is not True:
         raise ConfigError(f"{where}: attn_output_gate=false is not supported")
 
-    eos_ids = token_ids(text.get("eos_token_id", raw.get("eos_token_id")), f"{where}: eos_token_id")
+    vocab_size = integer("vocab_size")
+    eos_ids = token_ids(text.get("eos_token_id", raw.get("eos_token_id")), f"{where}: eos_token_id", vocab_size)
 
     n_heads = integer("num_attention_heads")
     hidden = integer("hidden_size")
     cfg = ModelConfig(
-        vocab_size=integer("vocab_size"),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
@@ -249,7 +250,6 @@ def parse_config(raw: Mapping, *, where: str = "config.json", strict: bool = Fal
         eos_token_ids=eos_ids,
     )
     _check_consistency(cfg, where)
-    token_ids(list(eos_ids), f"{where}: eos_token_id", cfg.vocab_size)
     return cfg
 
 

@@ -211,14 +211,14 @@ def cmd_chat(args) -> int:
                   + (" (the system prompt is kept)" if args.system else "")
                   + "; /help: this; start a message with // to send a leading /]", file=sys.stderr)
             continue
-        if command.startswith("//"):
-            user = user.replace("//", "/", 1)
-        elif command.startswith("/") and " " not in command and command != "/reset":
-            print(f"[unknown command {command}; /help lists them]", file=sys.stderr)
-            continue
-        if user.strip() == "/reset":
+        if command == "/reset":
             messages = messages[:1] if args.system else []
             print("[conversation reset" + (", system prompt kept]" if args.system else "]"), file=sys.stderr)
+            continue
+        if command.startswith("//"):
+            user = user.replace("//", "/", 1)
+        elif command.startswith("/") and " " not in command:
+            print(f"[unknown command {command}; /help lists them]", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": user})
         reply, last = [], None

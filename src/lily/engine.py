@@ -18,6 +18,7 @@ import numpy as np
 
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.native import check_vocabulary
 from lily.reference import ReferenceModel, ReferenceState
 from lily.sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob
 from lily.tokenizer import Tokenizer
@@ -88,6 +89,13 @@ def available_devices() -> list[str]:
     return ["reference", *native]
 
 
+def _generation_settings(generation_config: dict, path: Path, config: ModelConfig):
+    """The sampling defaults and EOS ids of ``generation_config.json``; raises ConfigError."""
+    where = path / "generation_config.json"
+    return (SamplingParams.from_generation_config(generation_config, where=str(where)),
+            token_ids(generation_config.get("eos_token_id"), f"{where}: eos_token_id", config.vocab_size))
+
+
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -105,11 +113,8 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     if device not in available:
         raise DeviceError(f"device {device!r} is not available in this build "
                           f"(available: {', '.join(available)})")
-    from lily.native import NativeBackend
-    unknown = sorted(set(options) - set(NativeBackend.OPTIONS))
-    if unknown:
-        raise InvalidParameterError(f"unknown device option{'s' if len(unknown) > 1 else ''} "
-                                    f"{', '.join(map(repr, unknown))} (known: {', '.join(NativeBackend.OPTIONS)})")
+    from lily.native import NativeBackend, reject_unknown_options
+    reject_unknown_options(options, NativeBackend.OPTIONS, "device option")
     return NativeBackend(ck, max_context, device, **options)
 
 
@@ -183,10 +188,8 @@ class Engine:
         self.device = backend.name
         self.max_context = max_context
         self.generation_config = generation_config
-        self.generation_defaults = SamplingParams.from_generation_config(generation_config)
-        eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids)
-        eos |= set(token_ids(generation_config.get("eos_token_id"),
-                             f"{path / 'generation_config.json'}: eos_token_id", self.config.vocab_size))
+        self.generation_defaults, gen_eos = _generation_settings(generation_config, path, self.config)
+        eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
         self._tokens: list[int] = []  # tokens whose effect is in the session state
 
@@ -235,10 +238,8 @@ class Engine:
         if bar:
             bar.update(1)
         tok = Tokenizer.from_dir(path)
-        generation_config = read_generation_config(path)  # checked before the device is set up
-        SamplingParams.from_generation_config(generation_config, where=str(path / "generation_config.json"))
-        token_ids(generation_config.get("eos_token_id"), f"{path / 'generation_config.json'}: eos_token_id",
-                  ck.config.vocab_size)
+        generation_config = read_generation_config(path)
+        _generation_settings(generation_config, path, ck.config)  # its errors before the device is set up
         if bar:
             bar.update(1)
         limit = ck.config.max_position_embeddings
@@ -276,10 +277,7 @@ class Engine:
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
             raise InvalidParameterError(f"tokens must be a 1-D sequence of integer ids, got shape "
                                         f"{arr.shape} dtype {arr.dtype}")
-        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
-        if bad.size:
-            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
-                                        f"[0, {self.config.vocab_size})")
+        check_vocabulary(arr, self.config.vocab_size)
         return arr.astype(np.int64)
 
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:

@@ -51,6 +51,22 @@ def check_kernel_dtypes(ck: Checkpoint) -> None:
                                   f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 
+def check_vocabulary(tokens: np.ndarray, vocab_size: int) -> None:
+    """Raises :class:`InvalidParameterError` naming the first id of ``tokens`` (an integer
+    array) outside ``[0, vocab_size)``."""
+    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if bad.size:
+        raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def reject_unknown_options(options, known, what: str) -> None:
+    """Raises :class:`InvalidParameterError` listing the keys of ``options`` not in ``known``."""
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise InvalidParameterError(f"unknown {what}{'s' if len(unknown) > 1 else ''} "
+                                    f"{', '.join(map(repr, unknown))} (known: {', '.join(known) or 'none'})")
+
+
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
                "verify_reads", "gpu_family")  # lily._core.sim_device's keywords
 
@@ -63,11 +79,7 @@ def make_device(name: str, **options):
     if name not in _core.compiled_devices():
         raise DeviceError(f"device {name!r} is not compiled into this build of lily "
                           f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
-    known = SIM_OPTIONS if name == "sim" else ()
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise InvalidParameterError(f"unknown {name} device option{'s' if len(unknown) > 1 else ''} "
-                                    f"{', '.join(map(repr, unknown))} (known: {', '.join(known) or 'none'})")
+    reject_unknown_options(options, SIM_OPTIONS if name == "sim" else (), f"{name} device option")
     if name != "sim":
         return _core.metal_device()
     try:
@@ -129,10 +141,7 @@ class NativeBackend:
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise InvalidParameterError("tokens must contain at least one token id")
-        bad = tokens[(tokens < 0) | (tokens >= self.config.vocab_size)]
-        if bad.size:
-            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
-                                        f"[0, {self.config.vocab_size})")
+        check_vocabulary(tokens, self.config.vocab_size)
         if self.position + tokens.size > self.max_context:
             raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
                                      f"the context window of {self.max_context} tokens")

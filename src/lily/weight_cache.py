@@ -57,6 +57,10 @@ def _cache_path(cache_dir: Path, source: dict, entries: list[Entry]) -> Path:
     return cache_dir / f"{Path(source['path']).stem}-{key}.lilywc"
 
 
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
 def _read_header(path: Path) -> dict | None:
     try:
         with open(path, "rb") as f:
@@ -98,12 +102,12 @@ def _write(path: Path, source_file: Path, source: dict, entries: list[Entry]) ->
         offsets, at = {}, data_start
         for name, _, _, nbytes in entries:
             offsets[name] = at
-            at += (nbytes + TENSOR_ALIGN - 1) // TENSOR_ALIGN * TENSOR_ALIGN
+            at += _round_up(nbytes, TENSOR_ALIGN)
         meta = json.dumps({"source": source,
                            "tensors": {n: [offsets[n], nb] for n, _, _, nb in entries}}).encode()
         if 16 + len(meta) <= data_start:
             break
-        data_start = (16 + len(meta) + HEADER_ALIGN - 1) // HEADER_ALIGN * HEADER_ALIGN
+        data_start = _round_up(16 + len(meta), HEADER_ALIGN)
     end = at
     need = end - data_start
     free = shutil.disk_usage(path.parent).free

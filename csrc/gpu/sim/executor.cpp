@@ -533,17 +533,16 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     unwind_all(w, tg);
     throw gpu::Error("kernel '" + d.label + "': " + tg.error);
   }
-  if (tg.done != tg.n) {
-    std::string msg = deadlock_report(tg);
-    tg.failed = true;
-    unwind_all(w, tg);
-    throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
-                     std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
-  }
   auto where = [&] {
     return "kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," + std::to_string(tgpos.y) +
            "," + std::to_string(tgpos.z) + "): ";
   };
+  if (tg.done != tg.n) {
+    std::string msg = deadlock_report(tg);
+    tg.failed = true;
+    unwind_all(w, tg);
+    throw gpu::Error(where() + msg);
+  }
   for (uint32_t i = 0; i < kMaxBindings; ++i)
     if (tg.dyn[i] && !check_guard(tg.dyn[i] + d.threadgroup_memory[i]))
       throw gpu::Error(where() + "wrote past the end of [[threadgroup(" + std::to_string(i) + ")]] memory (" +
@@ -554,9 +553,7 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
                        " bytes): an out-of-bounds index");
   for (auto& e : tg.extensions) {
     std::string msg = e.second->finish();
-    if (!msg.empty())
-      throw gpu::Error("kernel '" + d.label + "' threadgroup (" + std::to_string(tgpos.x) + "," +
-                       std::to_string(tgpos.y) + "," + std::to_string(tgpos.z) + "): " + msg);
+    if (!msg.empty()) throw gpu::Error(where() + msg);
   }
 }
 
