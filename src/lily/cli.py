@@ -296,7 +296,7 @@ def cmd_serve(args) -> int:
     engine = _load(args)
     try:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-              model_name=args.model_name, max_queue=args.max_queue,
+              model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
@@ -383,7 +383,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: directory name)")
+    s.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
+                   help="model id the server advertises (default: directory name); requests may name any model "
+                        "unless --strict-model-name")
+    s.add_argument("--strict-model-name", action="store_true",
+                   help="refuse requests naming another model (404 model_not_found)")
     s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")

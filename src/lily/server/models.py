@@ -30,5 +30,5 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     state = state_of(request)
-    state.check_model(model_id)
+    state.check_model(model_id, lookup=True)
     return model_card(state)

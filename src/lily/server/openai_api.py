@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
-from lily.errors import LilyError, TokenizerError
+from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, check_unicode,
-                              dumps, engine_error, finite, job_events, log, log_gone, openai_usage, sse,
-                              state_of)
+                              dumps, engine_error, finite, job_events, log, log_gone, openai_usage,
+                              request_constraint, sse, state_of)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
 
@@ -152,34 +152,12 @@ def check_template_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
-async def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | None,
-                      kwargs: dict, param: str = "messages") -> tuple[str, list[int]]:
-    """The chat template applied (off the event loop): ``(prompt text, token ids)``, checked
-    (400 for a template error, an unpaired surrogate, an empty or too long prompt)."""
-    tok = state.engine.tokenizer
-
-    def render():
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        check_unicode(text, param)
-        return text, tok.encode(text)
-
-    try:
-        prompt_text, ids = await asyncio.to_thread(render)
-    except (LilyError, ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_value") from None
-    state.check_prompt_ids(ids, param)
-    return prompt_text, ids
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = state_of(request)
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than 'text' is not supported",
-                       param="response_format", code="invalid_value")
     kwargs = check_template_kwargs(req.chat_template_kwargs)
     top_lp = req.top_logprobs
     if top_lp is not None and top_lp > 0 and not req.logprobs:
@@ -188,13 +166,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     messages = template_messages(req)
     tools, parse_tools = tool_setup(req)
-    prompt_text, ids = await render_chat(state, messages, tools, kwargs)
+    forced = req.tool_choice if isinstance(req.tool_choice, dict) or req.tool_choice == "required" else None
+    if isinstance(forced, dict):
+        forced = (forced.get("function") or {}).get("name")
+    constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools)
+    prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
         max_tokens = state.default_max_tokens_for(len(ids))
     params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
-    job = state.submit(ids, params)
+    job = state.submit(ids, params, constraint=constraint)
     run = ChatRun(job, parser)
     rid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
