@@ -234,6 +234,9 @@ def test_messages_errors_have_anthropic_shape(srv, engine):
         _anthropic_error(httpx.post(url, json=body), 400, "invalid_request_error")
     _anthropic_error(httpx.post(url, content=b"{broken", headers={"content-type": "application/json"}),
                      400, "invalid_request_error")
+    raw = b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi \\ud83d"}]}'
+    _anthropic_error(httpx.post(url, content=raw, headers={"content-type": "application/json"}),
+                     400, "invalid_request_error")
     _anthropic_error(httpx.post(url + "/count_tokens", json={"model": "m", "messages": []}),
                      400, "invalid_request_error")
     _anthropic_error(httpx.post(url + "/nothing"), 404, "not_found_error")
@@ -403,6 +406,8 @@ def test_responses_errors_have_openai_shape(srv, engine):
                 {"input": "word " * 5000}):
         _openai_error(httpx.post(url, json=bad), 400)
     _openai_error(httpx.post(url, content=b"[1,", headers={"content-type": "application/json"}), 400)
+    _openai_error(httpx.post(url, content=b'{"input":"Hi \\ud83d"}', headers={"content-type": "application/json"}),
+                  400)
     assert _openai_error(httpx.get(url + "/resp_nope"), 404)["code"] == "previous_response_not_found"
     with pytest.raises(openai.BadRequestError):
         oclient(srv).responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_file"}]}])
