@@ -20,9 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, ClientGone, JobStream, JSONOut, ServerState,
-                              dumps, engine_error, log, log_gone, register_error_shape,
-                              request_constraint, state_of)
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, collect, dumps,
+                              register_error_shape, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
 
@@ -284,21 +283,10 @@ async def messages(req: MessagesRequest, request: Request):
         return JobStream(_stream(state, run, head, len(ids), tok, stops, t_start), job, "messages (stream)")
 
     seq = BlockSequencer()
-    try:
-        async for deltas, _ in run.steps(request):
-            seq.feed(deltas)
-    except ClientGone:
-        log_gone("messages", job)
-        return JSONOut(error_shape(APIError(499, "client disconnected")), status_code=499)
-    except Exception as exc:
-        raise engine_error(exc) from None
-    finally:
-        job.cancel.set()
-    seq.feed(run.finish())
+    gone = await collect(state, run, request, "messages", lambda deltas, _: seq.feed(deltas), t_start)
+    if gone is not None:
+        return gone
     seq.close()
-    if run.last is None:
-        raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done("messages", job, run.last, t_start)
     reason, hit = _stop_reason(run, parser, tok, stops)
     return {**head, "content": [_content_block(b, True) for b in seq.blocks], "stop_reason": reason,
             "stop_sequence": hit, "usage": _usage(state, run)}
@@ -308,35 +296,25 @@ async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, t
     job = run.job
     seq = BlockSequencer()
 
-    def steps(items) -> list[str]:
-        out = []
-        for what, block, text in items:
-            if what == "start":
-                out.append(_event("content_block_start", {"type": "content_block_start", "index": block.index,
-                                                          "content_block": _content_block(block, False)}))
-            elif what == "delta":
-                kind, field = _DELTA[block.kind]
-                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": block.index,
-                                                          "delta": {"type": kind, field: text}}))
-            else:
-                out.append(_event("content_block_stop", {"type": "content_block_stop", "index": block.index}))
-        return out
+    def step_event(what: str, block, text: str) -> str:
+        if what == "start":
+            return _event("content_block_start", {"type": "content_block_start", "index": block.index,
+                                                  "content_block": _content_block(block, False)})
+        if what == "delta":
+            kind, field = _DELTA[block.kind]
+            return _event("content_block_delta", {"type": "content_block_delta", "index": block.index,
+                                                  "delta": {"type": kind, field: text}})
+        return _event("content_block_stop", {"type": "content_block_stop", "index": block.index})
 
     try:
         start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
                  "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
         yield _event("message_start", {"type": "message_start", "message": start})
         yield _event("ping", {"type": "ping"})
-        async for deltas, ev in run.steps(None, core.KEEPALIVE_S):
-            if ev is None:
-                yield _event("ping", {"type": "ping"})
-                continue
-            for line in steps(seq.feed(deltas)):
-                yield line
+        async for step in seq.stream(run, core.KEEPALIVE_S):
+            yield _event("ping", {"type": "ping"}) if step is None else step_event(*step)
         if run.last is None:  # cancelled before it started
             return
-        for line in steps(seq.feed(run.finish()) + seq.close()):
-            yield line
         reason, hit = _stop_reason(run, run.parser, tok, stops)
         yield _event("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": reason, "stop_sequence": hit},
@@ -344,9 +322,6 @@ async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, t
         yield _event("message_stop", {"type": "message_stop"})
         state.log_done("messages (stream)", job, run.last, t_start)
     except Exception as exc:
-        err = engine_error(exc)
-        job.logged = True
-        log.info("messages (stream) failed after %d completion tokens: %s", job.completion_tokens, err.message)
-        yield _event("error", error_shape(err))
+        yield _event("error", error_shape(stream_failed("messages (stream)", job, exc)))
     finally:
         job.cancel.set()

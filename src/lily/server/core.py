@@ -641,6 +641,19 @@ class BlockSequencer:
         block, self.open = self.open, None
         return [("stop", block, "")]
 
+    async def stream(self, run: ChatRun, keepalive: float | None):
+        """Yield the steps of a streamed generation as they come, the last block's stop
+        included, and ``None`` after ``keepalive`` idle seconds (for a keep-alive)."""
+        async for deltas, ev in run.steps(None, keepalive):
+            if ev is None:
+                yield None
+                continue
+            for step in self.feed(deltas):
+                yield step
+        if run.last is not None:
+            for step in self.feed(run.finish()) + self.close():
+                yield step
+
 
 # ----------------------------------------------------------------------------------------
 # the structured-output hook
@@ -664,3 +677,43 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
         raise APIError(400, f"{param} other than 'text' is not supported", param=param,
                        code="invalid_value")
     return None
+
+
+# ----------------------------------------------------------------------------------------
+# the ends of a request: non-streaming collection, a stream's failure
+# ----------------------------------------------------------------------------------------
+
+
+async def collect(state: ServerState, run: ChatRun, request: Request, kind: str, consume,
+                  t_start: float) -> JSONOut | None:
+    """Run a non-streaming chat generation to its end, handing every ``(deltas, event)``
+    step to ``consume`` (the parser's last deltas with event ``None``), and log it.
+
+    Returns ``None`` when done, or the 499 answer when the client went away (the generation
+    is cancelled). Raises the engine's failure as an :class:`APIError`, and a 503 when the
+    job was cancelled before it started (shutdown).
+    """
+    job = run.job
+    try:
+        async for deltas, ev in run.steps(request):
+            consume(deltas, ev)
+    except ClientGone:
+        log_gone(kind, job)
+        return JSONOut(error_payload(request.url.path, APIError(499, "client disconnected")), status_code=499)
+    except Exception as exc:
+        raise engine_error(exc) from None
+    finally:
+        job.cancel.set()
+    consume(run.finish(), None)
+    if run.last is None:
+        raise APIError(503, "the generation was cancelled", type="server_error")
+    state.log_done(kind, job, run.last, t_start)
+    return None
+
+
+def stream_failed(kind: str, job: Job, exc: Exception) -> APIError:
+    """A stream's failure after it started, as the APIError to send (and logged once)."""
+    err = engine_error(exc)
+    job.logged = True
+    log.info("%s failed after %d completion tokens: %s", kind, job.completion_tokens, err.message)
+    return err

@@ -13,9 +13,9 @@ from fastapi import APIRouter, Request
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, check_unicode,
-                              dumps, engine_error, finite, job_events, log, log_gone, openai_usage,
-                              request_constraint, sse, state_of)
+from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, check_unicode, collect,
+                              dumps, engine_error, finite, job_events, log_gone, openai_usage,
+                              request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
 
@@ -196,23 +196,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     acc = ChatAccumulator()
     lps: list = []
-    try:
-        async for deltas, ev in run.steps(request):
-            acc.add(deltas)
-            if ev.logprobs:
-                lps.extend(ev.logprobs)
-    except ClientGone:
-        log_gone("chat", job)
-        return JSONOut(error_body("client disconnected"), status_code=499)
-    except Exception as exc:
-        raise engine_error(exc) from None
-    finally:
-        job.cancel.set()
-    acc.add(run.finish())
+
+    def consume(deltas, ev) -> None:
+        acc.add(deltas)
+        if ev is not None and ev.logprobs:
+            lps.extend(ev.logprobs)
+
+    gone = await collect(state, run, request, "chat", consume, t_start)
+    if gone is not None:
+        return gone
     last = run.last
-    if last is None:
-        raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done("chat", job, last, t_start)
     message: dict[str, Any] = {"role": "assistant",
                                "content": acc.content if (acc.content or not acc.tool_calls) else None}
     if acc.reasoning:
@@ -262,10 +255,7 @@ async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usa
         yield "data: [DONE]\n\n"
         state.log_done("chat (stream)", job, last, t_start)
     except Exception as exc:
-        err = engine_error(exc)
-        job.logged = True
-        log.info("chat (stream) failed after %d completion tokens: %s", job.completion_tokens, err.message)
-        yield sse(err.body())
+        yield sse(stream_failed("chat (stream)", job, exc).body())
         yield "data: [DONE]\n\n"
     finally:
         job.cancel.set()
@@ -375,11 +365,7 @@ async def completions(req: CompletionRequest, request: Request):
                 yield "data: [DONE]\n\n"
                 state.log_done("completion (stream)", job, last, t_start)
             except Exception as exc:
-                err = engine_error(exc)
-                job.logged = True
-                log.info("completion (stream) failed after %d completion tokens: %s",
-                         job.completion_tokens, err.message)
-                yield sse(err.body())
+                yield sse(stream_failed("completion (stream)", job, exc).body())
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, ClientGone, JobStream, JSONOut, ServerState,
-                              dumps, engine_error, log, log_gone, request_constraint, state_of)
-from lily.server.protocol import APIError, error_body
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, collect, dumps,
+                              request_constraint, state_of, stream_failed)
+from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
 
 router = APIRouter()
@@ -330,21 +330,10 @@ async def responses(req: ResponsesRequest, request: Request):
         return JobStream(_stream(state, run, base, rid, finished, t_start), job, "responses (stream)")
 
     seq = BlockSequencer()
-    try:
-        async for deltas, _ in run.steps(request):
-            seq.feed(deltas)
-    except ClientGone:
-        log_gone("responses", job)
-        return JSONOut(error_body("client disconnected"), status_code=499)
-    except Exception as exc:
-        raise engine_error(exc) from None
-    finally:
-        job.cancel.set()
-    seq.feed(run.finish())
+    gone = await collect(state, run, request, "responses", lambda deltas, _: seq.feed(deltas), t_start)
+    if gone is not None:
+        return gone
     seq.close()
-    if run.last is None:
-        raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done("responses", job, run.last, t_start)
     return finished(seq)
 
 
@@ -359,65 +348,60 @@ async def _stream(state: ServerState, run: ChatRun, base: dict, rid: str, finish
         n += 1
         return f"event: {kind}\ndata: {dumps(obj)}\n\n"
 
-    def steps(items) -> list[str]:
+    def step_events(what: str, block, text: str) -> list[str]:
         out = []
-        for what, block, text in items:
-            iid = _item_id(block, rid)
-            at = {"item_id": iid, "output_index": block.index}
-            if what == "start":
-                out.append(event("response.output_item.added", output_index=block.index,
-                                 item=output_item(block, rid, "in_progress", final=False)))
-                if block.kind == "content":
-                    out.append(event("response.content_part.added", **at, content_index=0,
-                                     part={"type": "output_text", "text": "", "annotations": []}))
-                elif block.kind == "reasoning":
-                    out.append(event("response.content_part.added", **at, content_index=0,
-                                     part={"type": "reasoning_text", "text": ""}))
-            elif what == "delta":
-                if block.kind == "content":
-                    out.append(event("response.output_text.delta", **at, content_index=0, delta=text,
-                                     logprobs=[]))
-                elif block.kind == "reasoning":
-                    out.append(event("response.reasoning_text.delta", **at, content_index=0, delta=text))
-                else:
-                    out.append(event("response.function_call_arguments.delta", **at, delta=text))
+        iid = _item_id(block, rid)
+        at = {"item_id": iid, "output_index": block.index}
+        if what == "start":
+            out.append(event("response.output_item.added", output_index=block.index,
+                             item=output_item(block, rid, "in_progress", final=False)))
+            if block.kind == "content":
+                out.append(event("response.content_part.added", **at, content_index=0,
+                                 part={"type": "output_text", "text": "", "annotations": []}))
+            elif block.kind == "reasoning":
+                out.append(event("response.content_part.added", **at, content_index=0,
+                                 part={"type": "reasoning_text", "text": ""}))
+        elif what == "delta":
+            if block.kind == "content":
+                out.append(event("response.output_text.delta", **at, content_index=0, delta=text,
+                                 logprobs=[]))
+            elif block.kind == "reasoning":
+                out.append(event("response.reasoning_text.delta", **at, content_index=0, delta=text))
             else:
-                item = output_item(block, rid)
-                if block.kind == "content":
-                    out.append(event("response.output_text.done", **at, content_index=0, text=block.text,
-                                     logprobs=[]))
-                    out.append(event("response.content_part.done", **at, content_index=0,
-                                     part=item["content"][0]))
-                elif block.kind == "reasoning":
-                    out.append(event("response.reasoning_text.done", **at, content_index=0, text=block.text))
-                    out.append(event("response.content_part.done", **at, content_index=0,
-                                     part=item["content"][0]))
-                else:
-                    out.append(event("response.function_call_arguments.done", **at, arguments=block.text))
-                out.append(event("response.output_item.done", output_index=block.index, item=item))
+                out.append(event("response.function_call_arguments.delta", **at, delta=text))
+        else:
+            item = output_item(block, rid)
+            if block.kind == "content":
+                out.append(event("response.output_text.done", **at, content_index=0, text=block.text,
+                                 logprobs=[]))
+                out.append(event("response.content_part.done", **at, content_index=0,
+                                 part=item["content"][0]))
+            elif block.kind == "reasoning":
+                out.append(event("response.reasoning_text.done", **at, content_index=0, text=block.text))
+                out.append(event("response.content_part.done", **at, content_index=0,
+                                 part=item["content"][0]))
+            else:
+                out.append(event("response.function_call_arguments.done", **at, arguments=block.text))
+            out.append(event("response.output_item.done", output_index=block.index, item=item))
         return out
 
     try:
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
-        async for deltas, ev in run.steps(None, core.KEEPALIVE_S):
-            if ev is None:
+        async for step in seq.stream(run, core.KEEPALIVE_S):
+            if step is None:
                 yield ": keep-alive\n\n"
                 continue
-            for line in steps(seq.feed(deltas)):
+            for line in step_events(*step):
                 yield line
         if run.last is None:  # cancelled before it started
             return
-        for line in steps(seq.feed(run.finish()) + seq.close()):
-            yield line
         resp = finished(seq)
         kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
         yield event(kind, response=resp)
         state.log_done("responses (stream)", job, run.last, t_start)
     except Exception as exc:
-        err = engine_error(exc)
-        job.logged = True
-        log.info("responses (stream) failed after %d completion tokens: %s", job.completion_tokens, err.message)
+        err = stream_failed("responses (stream)", job, exc)
         yield event("error", code=err.code or err.type, message=err.message, param=err.param)
         failed = dict(base, status="failed", error={"code": err.code or err.type, "message": err.message})
         yield event("response.failed", response=failed)
