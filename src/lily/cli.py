@@ -20,7 +20,7 @@ _EPILOG = """examples:
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
-  lily serve --port 8000                      # OpenAI-compatible server (pip install ".[serve]")
+  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server (pip install ".[serve]")
   lily bench --model ~/models/Qwen3.6-35B-A3B-4bit --device metal   # vs MLX-LM (".[bench]")
 """
 
@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming)")
+    s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

@@ -74,7 +74,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             state.begin_shutdown()
             state.worker.close(timeout=2.0)
 
-    app = FastAPI(title="Lily", description="OpenAI-compatible API of the Lily inference engine",
+    app = FastAPI(title="Lily", description="OpenAI- and Anthropic-compatible API of the Lily inference engine",
                   version="0.1.0", lifespan=lifespan, default_response_class=JSONOut)
     app.state.lily = state
     app.add_middleware(Gate, api_key=api_key)
