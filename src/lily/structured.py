@@ -46,7 +46,8 @@ import copy
 import json
 import threading
 import weakref
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,7 @@ class Grammar:
     # -- construction ------------------------------------------------------------------
 
     @classmethod
-    def json_schema(cls, schema: Any) -> "Grammar":
+    def json_schema(cls, schema: Any) -> Grammar:
         """A JSON value valid against ``schema`` (a dict, ``True``, or JSON text).
 
         Raises :class:`InvalidParameterError` when the schema is malformed (e.g. ``"type":
@@ -132,12 +133,12 @@ class Grammar:
         return cls("json_schema", body)
 
     @classmethod
-    def json_object(cls) -> "Grammar":
+    def json_object(cls) -> Grammar:
         """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
         return cls("json_object", "body: " + _json_rule({"type": "object"}) + "\n")
 
     @classmethod
-    def tool_calls(cls, tools: Iterable[dict], name: str | None = None) -> "Grammar":
+    def tool_calls(cls, tools: Iterable[dict], name: str | None = None) -> Grammar:
         """At least one tool call (``tool_choice: "required"``), or exactly one call of the
         function ``name`` (a named ``tool_choice``), in Qwen's XML tool-call syntax.
 
@@ -186,7 +187,7 @@ class Grammar:
         return think + body
 
     def constraint(self, tokenizer, *, vocab_size: int | None = None,
-                   eos_token_ids: Iterable[int] | None = None, thinking: bool = False) -> "GrammarConstraint":
+                   eos_token_ids: Iterable[int] | None = None, thinking: bool = False) -> GrammarConstraint:
         """A fresh per-request constraint enforcing this grammar.
 
         Parameters
@@ -259,7 +260,7 @@ class GrammarConstraint:
 # Tokenizer wrapping (cached: about a second per 100k tokens)
 # ----------------------------------------------------------------------------------------
 
-_cache: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
 _cache_lock = threading.Lock()
 
 
@@ -350,7 +351,9 @@ def _with_defs(schema: Any, root: dict) -> Any:
 
 def _string_branch(schema: Any) -> dict | None:
     """The string-typed part of a (sub)schema, or None when it allows no string."""
-    from lily.chat_output import _schema_types  # the parser's reading of a schema's types
+    from lily.chat_output import (
+        _schema_types,  # the parser's reading of a schema's types
+    )
     if not isinstance(schema, dict):
         return None
     t = schema.get("type")
@@ -381,7 +384,7 @@ def _string_rules(rule: str, s: dict) -> list[str]:
         return [f"{rule}[lazy]: /(?s:.*){_PARAM_END}/"]
     parts = []
     if lo is not None or hi is not None:
-        parts.append("/(?s:.{%d,%s})/" % (int(lo or 0), "" if hi is None else int(hi)))
+        parts.append(f"/(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})/")
     if pattern is not None:
         if not isinstance(pattern, str):
             raise InvalidParameterError("a string parameter's pattern must be a string")
