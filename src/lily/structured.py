@@ -138,9 +138,10 @@ class Grammar:
         return cls("json_object", "body: " + _json_rule({"type": "object"}) + "\n")
 
     @classmethod
-    def tool_calls(cls, tools: Iterable[dict], name: str | None = None) -> Grammar:
-        """At least one tool call (``tool_choice: "required"``), or exactly one call of the
-        function ``name`` (a named ``tool_choice``), in Qwen's XML tool-call syntax.
+    def tool_calls(cls, tools: Iterable[dict], name: str | None = None, *, parallel: bool = True) -> Grammar:
+        """At least one tool call (``tool_choice: "required"``; exactly one when not
+        ``parallel``), or exactly one call of the function ``name`` (a named
+        ``tool_choice``), in Qwen's XML tool-call syntax.
 
         ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {"name",
         "parameters"}}``) or bare functions (``{"name", "parameters"}``). Raises
@@ -160,7 +161,7 @@ class Grammar:
             alts.append(f"fn{i}")
             rules.extend(_function_rules(f"fn{i}", fname, params))
         rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
-        first = "body: call" if name is not None else "body: call (\"\\n\" call)*"
+        first = "body: call" if name is not None or not parallel else "body: call (\"\\n\" call)*"
         body = "\n".join([first, *rules]) + "\n"
         _check(_llg().LLMatcher.grammar_from_lark(
             body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
@@ -393,9 +394,11 @@ def _string_rules(rule: str, s: dict) -> list[str]:
         tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
         core = pattern[1 if not head else 0:len(pattern) - (0 if tail else 1)]
         parts.append("/" + head + "(?:" + core.replace("/", "\\/") + ")" + tail + "/")
-    parts.append(f"~/(?s:.*){_PARAM_END}(?s:.*)/")  # the value cannot contain the closing tag
+    # lazy: the shortest value (meeting the bounds) that the closing tag ends; a greedy
+    # lexeme would run past the tag into the next line's text
     term = rule.upper()
-    return [f"{term}: " + " & ".join(parts), f"{rule}: {term} {end}"]
+    expr = parts[0] if len(parts) == 1 else "(" + " & ".join(parts) + ")"
+    return [f"{term}: {expr} {end}", f"{rule}[lazy]: {term}"]
 
 
 def _value_rules(rule: str, schema: Any, root: dict) -> list[str]:
