@@ -343,3 +343,31 @@ def test_sim_device_output_validates():
                                max_tokens=30)
     assert finish == "stop"
     _valid_json(text, schema)
+
+
+def test_grammar_for_request_maps_the_api_options(demo):
+    from lily.structured import grammar_for_request
+    assert grammar_for_request() is None and grammar_for_request(format={"type": "text"}) is None
+    assert grammar_for_request(format={"type": "json_object"}).kind == "json_object"
+    g = grammar_for_request(format={"type": "json_schema", "json_schema": {"name": "p", "schema": NEVER,
+                                                                            "strict": True}})
+    assert g.kind == "json_schema"
+    assert grammar_for_request(format={"type": "json_object"}, tool_choice="required",
+                               tools=WEATHER).kind == "tool_calls"  # the forced call wins
+    for bad, needle in [({"type": "yaml"}, "response_format.type"),
+                        ({"type": "json_schema"}, "json_schema must be an object"),
+                        ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema is missing"),
+                        ({"type": "json_schema", "json_schema": {"schema": {"type": 7}}}, "invalid JSON schema")]:
+        with pytest.raises(InvalidParameterError, match=needle):
+            grammar_for_request(format=bad)
+    with pytest.raises(InvalidParameterError, match="not in tools"):
+        grammar_for_request(tool_choice="nope", tools=WEATHER)
+
+
+def test_for_prompt_detects_an_open_thinking_block(demo):
+    g = Grammar.json_schema({"enum": ["yes", "no"]})
+    close = demo.tokenizer.token_to_id("</think>")
+    thinking = g.for_prompt(demo, demo.tokenizer.encode_chat(USER))
+    plain = g.for_prompt(demo, demo.tokenizer.encode_chat(USER, enable_thinking=False))
+    assert thinking.allowed()[close] and not plain.allowed()[close]
+    assert plain.allowed().shape == (demo.config.vocab_size,)

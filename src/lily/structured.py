@@ -187,6 +187,19 @@ class Grammar:
             think = f"start: {LEADING_WHITESPACE} body\n"
         return think + body
 
+    def for_prompt(self, engine, prompt_ids) -> GrammarConstraint:
+        """The constraint for a generation by ``engine`` after ``prompt_ids``: thinking
+        first when the prompt's last turn leaves a ``<think>`` block open (what the engine
+        does with a :class:`Grammar` passed as ``constraint=``)."""
+        from lily.chat_output import prompt_opens_reasoning
+        ids = [int(t) for t in prompt_ids]
+        start = engine.tokenizer.token_to_id("<|im_start|>")
+        if start is not None and start in ids:  # only the last turn matters
+            ids = ids[len(ids) - 1 - ids[::-1].index(start):]
+        thinking = prompt_opens_reasoning(engine.tokenizer.decode(ids))
+        return self.constraint(engine.tokenizer, vocab_size=engine.config.vocab_size,
+                               eos_token_ids=engine.eos_token_ids, thinking=thinking)
+
     def constraint(self, tokenizer, *, vocab_size: int | None = None,
                    eos_token_ids: Iterable[int] | None = None, thinking: bool = False) -> GrammarConstraint:
         """A fresh per-request constraint enforcing this grammar.
@@ -463,3 +476,42 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
     head = _lark_str(f"<function={name}>\n")
     rules.insert(0, f"{rule}: {head} {' '.join(seq)} \"</function>\\n\"")
     return rules
+
+
+# ----------------------------------------------------------------------------------------
+# From API requests
+# ----------------------------------------------------------------------------------------
+
+
+def grammar_for_request(*, format: dict | None = None, tool_choice: str | None = None,
+                        tools: list[dict] | None = None, parallel: bool = True) -> Grammar | None:
+    """The grammar an API request asks for, or None (free text).
+
+    ``format`` is OpenAI's ``response_format`` (``{"type": "text" | "json_object" |
+    "json_schema", "json_schema": {"name", "schema", "strict"}}``; other APIs convert to
+    it); ``tool_choice`` is ``"required"`` or the name of the function to call when the
+    request forces a tool call (``tools`` in OpenAI's chat form). A forced tool call wins
+    over a format (the reply is then the call). Raises :class:`InvalidParameterError`
+    naming what is wrong (an unknown format type, a missing or invalid schema).
+    """
+    if tool_choice is not None:
+        name = None if tool_choice == "required" else tool_choice
+        return Grammar.tool_calls(tools or [], name, parallel=parallel)
+    if format is None:
+        return None
+    if not isinstance(format, dict):
+        raise InvalidParameterError("response_format must be an object")
+    kind = format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidParameterError("response_format.json_schema must be an object with the schema")
+        if "schema" not in spec:
+            raise InvalidParameterError("response_format.json_schema.schema is missing")
+        return Grammar.json_schema(spec["schema"])
+    raise InvalidParameterError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                f"got {kind!r}")
