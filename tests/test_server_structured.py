@@ -12,10 +12,10 @@ import pytest
 
 fastapi = pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
-from fastapi.testclient import TestClient  # noqa: E402
+from fastapi.testclient import TestClient
 
-from lily import Engine  # noqa: E402
-from lily.server import create_app  # noqa: E402
+from lily import Engine
+from lily.server import create_app
 
 pytestmark = pytest.mark.timeout(600)
 

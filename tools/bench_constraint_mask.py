@@ -86,8 +86,8 @@ def main() -> None:
         "tool call": (Grammar.tool_calls([{"type": "function", "function": {"name": "get_weather", "parameters": {
             "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
             "required": ["city"]}}}], "get_weather"),
-            "<tool_call>\n<function=get_weather>\n<parameter=city>\nVerona\n</parameter>\n<parameter=days>\n3\n"
-            "</parameter>\n</function>\n</tool_call>", False),
+            ("<tool_call>\n<function=get_weather>\n<parameter=city>\nVerona\n</parameter>\n<parameter=days>\n3\n"
+             "</parameter>\n</function>\n</tool_call>"), False),
     }
     for name, (grammar, reply, thinking) in cases.items():
         print(f"{name}: {json.dumps(run(tok, grammar, reply, thinking))}")
