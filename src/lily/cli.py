@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+from pathlib import Path
 
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 
@@ -88,8 +91,31 @@ def _context_notice(engine, hint: str = "") -> None:
     print(f"[stopped: the context window ({engine.max_context} tokens) is full{hint}]", file=sys.stderr)
 
 
+# "owner/name" as Hugging Face spells repo ids; a local path is tried first
+_HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_model_path(model: str | None) -> None:
+    """A clear error for a --model that is not there (a local path or a Hugging Face repo id)."""
+    if model is None or Path(model).expanduser().exists():
+        return
+    if _HF_REPO_ID.fullmatch(model) and not model.startswith((".", "~")):
+        name = model.split("/", 1)[1]
+        local = name if name.lower().endswith("bit") else name + "-4bit"
+        raise InvalidParameterError(
+            f"--model {model}: the path does not exist. It looks like a Hugging Face repo id; Lily "
+            "loads a local MLX 4-bit checkpoint and never downloads. Convert the original weights "
+            "once (this downloads them; needs pip install mlx-lm):\n"
+            f"  python -m mlx_lm convert --hf-path {model} --mlx-path {local} -q --q-bits 4 --q-group-size 64\n"
+            f"or, if the repo already holds an MLX 4-bit checkpoint:\n"
+            f"  huggingface-cli download {model} --local-dir {local}\n"
+            f"then: --model {local}")
+    raise InvalidParameterError(f"--model {model}: the path does not exist")
+
+
 def _load(args):
     from lily.engine import Engine
+    _check_model_path(args.model)
     options, flags = {}, []
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
@@ -104,11 +130,25 @@ def _load(args):
                        progress=sys.stderr.isatty(), device_options=options or None)
 
 
-def _print_stats(ev, file=sys.stderr) -> None:
+def peak_memory_bytes() -> int:
+    """The process's peak resident memory (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on
+    macOS), weights mapped and touched included; 0 where it is not available."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _print_stats(ev, file=None) -> None:
+    """The speed line (as mlx_lm prints after a generation): prompt and generation tokens
+    with their rates, the peak memory, why it ended."""
     t = ev.timings
-    print(f"\n[{ev.prompt_tokens} prompt tokens, {t.prefill_tokens_per_s:.1f} tok/s prefill; "
-          f"{ev.completion_tokens} generated, {t.decode_tokens_per_s:.1f} tok/s; "
-          f"finish: {ev.finish_reason}]", file=file)
+    print(f"[prompt: {ev.prompt_tokens} tokens, {t.prefill_tokens_per_s:.1f} tok/s | "
+          f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s | "
+          f"peak memory: {peak_memory_bytes() / 1e9:.3f} GB | finish: {ev.finish_reason}]",
+          file=file or sys.stderr)
 
 
 class _ChatPrinter:
@@ -153,6 +193,8 @@ class _ChatPrinter:
 
 def cmd_generate(args) -> int:
     overrides = _overrides(args)  # invalid values are reported before the model loads
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     engine = _load(args)
     printer = None
     if args.chat:
@@ -176,11 +218,42 @@ def cmd_generate(args) -> int:
         printer.finish(last.finish_reason if last else None)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if args.verbose:
+    if not args.quiet and last is not None:
         _print_stats(last)
     if _context_full(engine, last):
         _context_notice(engine, " (--max-context sets it)")
     return 0
+
+
+def _history_file() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "lily" / "chat_history"
+
+
+def _line_editing() -> None:
+    """Arrow keys, editing and history (kept in ``_history_file()``) for ``input()`` on a
+    terminal, where Python has readline (not on Windows)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return
+    try:
+        import readline
+    except ImportError:
+        return
+    import atexit
+    path = _history_file()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # no history yet
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass  # a read-only home: history is kept for this session only
+    atexit.register(save)
 
 
 def cmd_chat(args) -> int:
@@ -192,6 +265,7 @@ def cmd_chat(args) -> int:
     kwargs = {"enable_thinking": False} if args.no_think else {}
     print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
           "/reset to start over, /help for the commands.", file=sys.stderr)
+    _line_editing()
     while True:
         try:
             user = input("> ")
@@ -328,16 +402,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lily runs Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit checkpoints) locally. "
                     "Without --model it uses a small embedded demo model that writes Shakespeare.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from lily import __version__
+    p.add_argument("--version", action="version", version=f"lily {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="continue a prompt (or answer it with --chat) and print the text",
-                       description="Generate text from PROMPT and stream it to stdout.")
-    g.add_argument("prompt", help="the prompt text")
+                       description="Generate text from PROMPT and stream it to stdout; a speed line "
+                                   "(prompt and generation tokens per second, peak memory) follows "
+                                   "on stderr unless --quiet.")
+    g.add_argument("prompt", help="the prompt text; - reads it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block "
                    "(an error without --chat: a raw prompt has no chat template)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
-    g.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
+    g.add_argument("--quiet", "-q", action="store_true", help="no speed line on stderr after the text")
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate, check=lambda a: _check_generate(g, a))
@@ -378,7 +456,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)")
+    s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
+                       description="Serve the model over HTTP: OpenAI chat completions, completions and "
+                                   "Responses, Anthropic Messages, and models, streaming or not, on "
+                                   "127.0.0.1 unless --host says otherwise. One generation runs at a time; "
+                                   "others wait in a queue. Needs the serve extra: " + _SERVE_EXTRA
+                                   + ". See docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")

@@ -16,6 +16,7 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from lily.chat_output import ChatMessage, ToolCall, parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.native import check_vocabulary
@@ -167,6 +168,23 @@ class GenerationResult:
     completion_tokens: int
     timings: Timings
     logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class ChatResult(GenerationResult):
+    """A finished :meth:`Engine.chat`: a :class:`GenerationResult` (``text`` is the raw
+    reply, special tokens included) plus the reply split by :func:`lily.chat_output.parse_chat_output`:
+    ``reasoning`` (the thinking block), ``content`` (the answer) and ``tool_calls``
+    (:class:`lily.chat_output.ToolCall`, arguments typed by the tools' schemas)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def message(self) -> dict:
+        """The assistant message to append to the conversation for the next turn."""
+        return ChatMessage(self.reasoning, self.content, list(self.tool_calls)).to_message()
 
 
 class Engine:
@@ -518,17 +536,22 @@ class Engine:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
-        return self.stream(ids, params, cancel=cancel, **overrides)
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              cancel: threading.Event | None = None, **overrides) -> GenerationResult:
-        """Like :meth:`stream_chat`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream_chat(messages, params, tools=tools,
-                                              chat_template_kwargs=chat_template_kwargs,
-                                              cancel=cancel, **overrides))
+        """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
+        and its ``reasoning``, ``content`` and ``tool_calls``."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides))
+        parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
+                                   parse_tools=bool(tools))
+        return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
+                          tool_calls=parsed.tool_calls)
 
     @staticmethod
     def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
