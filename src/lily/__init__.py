@@ -14,6 +14,7 @@ from lily.errors import (
 )
 
 from lily.engine import Engine, GenerationResult, StreamEvent, default_model_path
+from lily.prompt_cache import PromptCache, PromptCacheError
 from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -30,6 +31,8 @@ __all__ = [
     "default_model_path",
     "InvalidParameterError",
     "LilyError",
+    "PromptCache",
+    "PromptCacheError",
     "TokenizerError",
     "__version__",
 ]
