@@ -71,6 +71,18 @@ def state_nbytes(state) -> int:
     return int(n)
 
 
+def native_snapshot_bytes(config, tokens: int) -> int:
+    """Bytes of a native device's snapshot of ``tokens`` tokens for ``config`` (a
+    :class:`lily.checkpoint.ModelConfig`): the formula of the module doc (bf16 KV rows, float32
+    conv and recurrent state; csrc/runtime/runtime.cpp ``for_each_state_run``)."""
+    attn = sum(config.is_full_attention(i) for i in range(config.num_hidden_layers))
+    gdn = config.num_hidden_layers - attn
+    kv = tokens * attn * 2 * config.num_key_value_heads * config.head_dim * 2
+    state = (config.linear_num_value_heads * config.linear_value_head_dim * config.linear_key_head_dim
+             + (config.linear_conv_kernel_dim - 1) * config.conv_dim) * 4
+    return kv + gdn * state
+
+
 @dataclass
 class CacheStats:
     """Counters since the cache was created (``requests``, ``hits``: requests that reused
