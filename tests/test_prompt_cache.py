@@ -337,3 +337,31 @@ def test_reference_file_from_another_model(warm, tmp_path, monkeypatch):
     assert fresh.load_prompt_cache(ok) == len(warm.prompt_cache)
     r = fresh.generate("To be, or not to be", **GREEDY)
     assert r.cached_tokens == len(fresh.tokenizer.encode("To be, or not"))
+
+
+def test_server_reports_cached_tokens_and_health(warm, caplog):
+    """Chat completions report usage.prompt_tokens_details.cached_tokens (streaming usage
+    chunk too); /health shows the cache; one log line per request names cached/computed."""
+    import json
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from lily.server import create_app
+
+    body = {"model": "lily-demo-shakespeare", "max_tokens": 3, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hail."}]}
+    with TestClient(create_app(warm)) as client, caplog.at_level(logging.INFO, logger="lily.server"):
+        first = client.post("/v1/chat/completions", json=body).json()
+        assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        second = client.post("/v1/chat/completions", json=body).json()
+        n = second["usage"]["prompt_tokens"]
+        assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": n - 1}
+        lines = client.post("/v1/chat/completions", json={**body, "stream": True,
+                                                          "stream_options": {"include_usage": True}}).text
+        chunks = [json.loads(x[6:]) for x in lines.splitlines() if x.startswith("data: {")]
+        assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": n - 1}
+        health = client.get("/health").json()["prompt_cache"]
+        assert health["entries"] == len(warm.prompt_cache) and health["hits"] == 2
+        assert health["bytes"] == warm.prompt_cache.nbytes
+    assert any(f"({n - 1} cached, 1 computed)" in r.getMessage() for r in caplog.records)

@@ -262,9 +262,11 @@ def _engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
-    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+def _usage(last, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI usage of a generation from its final event (cached tokens: the prompt cache)."""
+    out = {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+           "total_tokens": last.prompt_tokens + last.completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": getattr(last, "cached_tokens", 0)}}
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
@@ -471,8 +473,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         job.logged = True
         t = last.timings
         wait = (job.started - job.submitted) if job.started else 0.0
-        log.info("%s: %d prompt + %d completion tokens, finish=%s, queued %.2fs, prefill %.1f tok/s, "
-                 "decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens, last.completion_tokens,
+        log.info("%s: %d prompt (%d cached, %d computed) + %d completion tokens, finish=%s, queued %.2fs, "
+                 "prefill %.1f tok/s, decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens,
+                 getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
                  last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
 
@@ -481,8 +484,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     @app.get("/health")
     async def health() -> dict:
         running, queued = state.worker.counts()
+        cache = getattr(state.engine, "prompt_cache", None)
         return {"status": "ok", "model": state.model_name, "busy": running > 0, "running": running,
-                "queued": queued, "pending": running + queued}
+                "queued": queued, "pending": running + queued,
+                "prompt_cache": cache.info() if cache is not None else None}
 
     def model_card() -> dict:
         return {"id": state.model_name, "object": "model", "created": state.created,
@@ -670,7 +675,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                   "finish_reason": finish_reason(last.finish_reason)}
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                 "system_fingerprint": None, "choices": [choice],
-                "usage": _usage(last.prompt_tokens, last.completion_tokens, n_reasoning)}
+                "usage": _usage(last, n_reasoning)}
 
     def delta_of(events: list[Delta]) -> dict:
         d: dict[str, Any] = {}
@@ -726,7 +731,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             if include_usage:
                 obj = dict(base)
                 obj["choices"] = []
-                obj["usage"] = _usage(last.prompt_tokens, last.completion_tokens, n_reasoning)
+                obj["usage"] = _usage(last, n_reasoning)
                 yield _sse(obj)
             yield "data: [DONE]\n\n"
             log_done("chat (stream)", job, last, t_start)
@@ -834,7 +839,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                     if include_usage:
                         obj = dict(base)
                         obj["choices"] = []
-                        obj["usage"] = _usage(last.prompt_tokens, last.completion_tokens)
+                        obj["usage"] = _usage(last)
                         yield _sse(obj)
                     yield "data: [DONE]\n\n"
                     log_done("completion (stream)", job, last, t_start)
@@ -877,7 +882,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                 logprobs = {k: head[k] + logprobs[k] for k in head}
         choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
                   "finish_reason": finish(last)}
-        return {**base, "choices": [choice], "usage": _usage(last.prompt_tokens, last.completion_tokens)}
+        return {**base, "choices": [choice], "usage": _usage(last)}
 
     return app
 
