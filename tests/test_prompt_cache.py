@@ -365,3 +365,24 @@ def test_server_reports_cached_tokens_and_health(warm, caplog):
         assert health["entries"] == len(warm.prompt_cache) and health["hits"] == 2
         assert health["bytes"] == warm.prompt_cache.nbytes
     assert any(f"({n - 1} cached, 1 computed)" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_prompt_cache_key_hint_evicts_superseded_first(shared):
+    """OpenAI's prompt_cache_key: a conversation's entry that its own later entry extends
+    is evicted before another conversation's older one, unless another key reused it;
+    lookups never depend on the key."""
+
+    class State:
+        nbytes = 400
+
+    cache = PromptCache(3 * 404 + 16)
+    cache.insert([9], State())                      # conversation X, the oldest
+    cache.insert([1], State(), key="A")
+    if shared:
+        assert cache.lookup([1, 5], 1, key="B").length == 1  # a sub-agent B reuses it
+    cache.insert([1, 2], State(), key="A")          # A's next turn extends [1]
+    assert cache.lookup([1, 2, 3], 3, key="Z").length == 2  # the key never decides reuse
+    cache.insert([7], State())                      # room for one more: one eviction
+    left = sorted(e.tokens.tolist() for e in cache.entries())
+    assert left == ([[1], [1, 2], [7]] if shared else [[1, 2], [7], [9]])

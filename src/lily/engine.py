@@ -200,6 +200,7 @@ class Engine:
         self.prompt_cache: PromptCache | None = PromptCache(DEFAULT_MAX_BYTES)
         self._im_start = tokenizer.token_to_id("<|im_start|>")
         self._snap_points: list[int] = []  # positions of the running prefill to snapshot
+        self._cache_key: str | None = None  # the running request's prompt_cache_key
 
     # ------------------------------------------------------------------ construction
 
@@ -354,18 +355,20 @@ class Engine:
             raise InvalidParameterError("the prompt is empty")
         return ids
 
-    def _start(self, prompt_ids: list[int]) -> list[int]:
+    def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
         (at least one: the last prompt token's logits select the first output).
 
         The session is kept when the prompt extends its tokens; otherwise the longest
         prefix in the prompt cache is restored when it is longer (a restore that fails
         drops that entry and starts from an empty session). Sets the snapshot positions
-        of the prefill that follows (:func:`lily.prompt_cache.snapshot_points`)."""
+        of the prefill that follows (:func:`lily.prompt_cache.snapshot_points`);
+        ``cache_key`` is the request's ``prompt_cache_key`` hint for the cache's eviction."""
         n = len(self._tokens)
         start = n if n < len(prompt_ids) and prompt_ids[:n] == self._tokens else 0
         cache = self.prompt_cache
-        entry = cache.lookup(prompt_ids, len(prompt_ids) - 1) if cache is not None else None
+        self._cache_key = cache_key
+        entry = cache.lookup(prompt_ids, len(prompt_ids) - 1, cache_key) if cache is not None else None
         if entry is not None and entry.length > start:
             try:
                 self.backend.restore(entry.state)
@@ -398,16 +401,19 @@ class Engine:
 
     def _cache_session(self) -> None:
         if self.prompt_cache is not None and self._tokens and len(self._tokens) == self.position:
-            self.prompt_cache.insert(self._tokens, self.backend.snapshot())
+            self.prompt_cache.insert(self._tokens, self.backend.snapshot(), key=self._cache_key)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               cancel: threading.Event | None = None, **overrides) -> Iterator[StreamEvent]:
+               cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
+               **overrides) -> Iterator[StreamEvent]:
         """Generate from ``prompt``, yielding :class:`StreamEvent` as text becomes safe to show.
 
         ``params`` defaults to the checkpoint's generation defaults; keyword ``overrides``
         (e.g. ``max_tokens=64, temperature=0.7, stop=["\\n\\n"]``) replace fields. Setting
         ``cancel`` ends the stream promptly (between prefill chunks or decode steps) with
         ``finish_reason="cancelled"``; closing the generator also stops it.
+        ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
+        choose what to evict; reuse is decided by token equality alone.
 
         Raises
         ------
@@ -421,14 +427,15 @@ class Engine:
         if len(prompt_ids) > self.max_context:
             raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context window "
                                      f"is {self.max_context} tokens")
-        return self._generate(prompt_ids, p, cancel)
+        return self._generate(prompt_ids, p, cancel, prompt_cache_key)
 
-    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel) -> Iterator[StreamEvent]:
+    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
+                  cache_key: str | None = None) -> Iterator[StreamEvent]:
         timings = Timings()
         sampler = Sampler(p, prompt_ids)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(p.stop)
-        new = self._start(prompt_ids)
+        new = self._start(prompt_ids, cache_key)
         timings.prefill_tokens = len(new)
         cached = len(prompt_ids) - len(new)
 
@@ -575,9 +582,11 @@ class Engine:
                 self._cache_session()
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 cancel: threading.Event | None = None, **overrides) -> GenerationResult:
+                 cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
+                 **overrides) -> GenerationResult:
         """Like :meth:`stream`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream(prompt, params, cancel=cancel, **overrides))
+        return self._collect(self.stream(prompt, params, cancel=cancel, prompt_cache_key=prompt_cache_key,
+                                         **overrides))
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,

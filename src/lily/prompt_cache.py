@@ -48,7 +48,10 @@ class PromptCacheError(LilyError):
 @dataclass
 class Entry:
     """One cached session: ``tokens`` (int32 ``[n]``) whose effect is in ``state`` (the
-    backend's snapshot). ``pinned`` entries (loaded from a file) are never evicted."""
+    backend's snapshot). ``pinned`` entries (loaded from a file) are never evicted. ``key``
+    is the ``prompt_cache_key`` of the request that stored it; ``shared`` is set once a
+    request with another key (or none) reused it; ``superseded`` once a later entry of the
+    same key extends it (see :meth:`PromptCache.insert`)."""
 
     tokens: np.ndarray
     state: object
@@ -56,6 +59,8 @@ class Entry:
     pinned: bool = False
     key: str | None = None
     hits: int = 0
+    shared: bool = False
+    superseded: bool = False
 
     @property
     def length(self) -> int:
@@ -135,9 +140,11 @@ class PromptCache:
 
     # ------------------------------------------------------------------ lookup and insert
 
-    def lookup(self, prompt: Sequence[int], limit: int) -> Entry | None:
+    def lookup(self, prompt: Sequence[int], limit: int, key: str | None = None) -> Entry | None:
         """The entry with the most tokens (at most ``limit``) that are a prefix of
-        ``prompt``, marked most recently used; None if no entry is a prefix."""
+        ``prompt``, marked most recently used; None if no entry is a prefix. ``key`` (the
+        request's ``prompt_cache_key``) never changes the choice: token equality alone
+        decides."""
         p = np.asarray(prompt, dtype=np.int32)
         best = None
         with self._lock:
@@ -149,12 +156,19 @@ class PromptCache:
             if best is not None:
                 self._entries.move_to_end(best.tokens.tobytes())
                 best.hits += 1
+                best.shared = best.shared or best.key != key
+                best.superseded = False  # in use again
         return best
 
     def insert(self, tokens: Sequence[int], state, *, pinned: bool = False, key: str | None = None) -> bool:
         """Store ``state`` (a backend snapshot holding exactly ``tokens``) as the most recently
-        used entry, evicting least recently used unpinned entries to stay within the budget.
-        Returns False when the entry alone does not fit (nothing is evicted then)."""
+        used entry, evicting unpinned entries to stay within the budget: superseded ones
+        first, then the least recently used. Returns False when the entry alone does not fit
+        (nothing is evicted then).
+
+        ``key`` is the request's ``prompt_cache_key`` hint: the conversation's older entries
+        of the same key that the new one extends, and that no other conversation has
+        reused, are marked superseded (evicted first; still found by :meth:`lookup`)."""
         t = np.asarray(tokens, dtype=np.int32)
         nbytes = state_nbytes(state) + t.nbytes
         k = t.tobytes()
@@ -169,6 +183,11 @@ class PromptCache:
                     self._entries[k] = old
                     self.nbytes += old.nbytes
                 return False
+            if key is not None:
+                for e in self._entries.values():
+                    if e.key == key and not (e.shared or e.pinned) and e.length < t.size \
+                            and np.array_equal(t[:e.length], e.tokens):
+                        e.superseded = True
             self._evict(self.max_bytes - nbytes)
             self._entries[k] = Entry(t, state, nbytes, pinned, key, old.hits if old else 0)
             self.nbytes += nbytes
@@ -176,7 +195,9 @@ class PromptCache:
         return True
 
     def _evict(self, room: int) -> None:
-        for k in [k for k, e in self._entries.items() if not e.pinned]:
+        order = sorted((k for k, e in self._entries.items() if not e.pinned),
+                       key=lambda k: not self._entries[k].superseded)  # stable: LRU within each group
+        for k in order:
             if self.nbytes <= room:
                 return
             self.nbytes -= self._entries.pop(k).nbytes

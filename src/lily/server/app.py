@@ -451,15 +451,18 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                                 f"{state.engine.max_context} tokens", param=param,
                            code="context_length_exceeded")
 
-    def submit(request: Request, ids: list[int], params, prompt_logprobs: int | None = None) -> Job:
+    def submit(request: Request, ids: list[int], params, prompt_logprobs: int | None = None,
+               cache_key=None) -> Job:
         """Queue the generation. With ``prompt_logprobs`` (the number of alternatives), the
         job first scores the prompt (see :func:`_scored_stream`) into ``job.prompt_logprobs``."""
         if state.closing:
             raise _shutdown_error()
         engine = state.engine
         if prompt_logprobs is None:
+            key = cache_key if isinstance(cache_key, str) else None  # OpenAI's hint; anything else ignored
+
             def start(cancel):
-                return engine.stream(ids, params, cancel=cancel)
+                return engine.stream(ids, params, cancel=cancel, prompt_cache_key=key)
         else:
             def start(cancel):
                 return _scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
@@ -624,7 +627,7 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         params = sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
         parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                                   parse_tools=parse_tools)
-        job = submit(request, ids, params)
+        job = submit(request, ids, params, cache_key=(req.model_extra or {}).get("prompt_cache_key"))
         rid = "chatcmpl-" + uuid.uuid4().hex
         created = int(time.time())
         base = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -774,7 +777,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         params = sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
         echo_text = tok.decode(ids) if req.echo else ""
         score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
-        job = submit(request, ids, params, prompt_logprobs=n_lp if score_prompt else None)
+        job = submit(request, ids, params, prompt_logprobs=n_lp if score_prompt else None,
+                     cache_key=(req.model_extra or {}).get("prompt_cache_key"))
         rid = "cmpl-" + uuid.uuid4().hex
         created = int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
