@@ -386,3 +386,30 @@ def test_prompt_cache_key_hint_evicts_superseded_first(shared):
     cache.insert([7], State())                      # room for one more: one eviction
     left = sorted(e.tokens.tolist() for e in cache.entries())
     assert left == ([[1], [1, 2], [7]] if shared else [[1, 2], [7], [9]])
+
+
+def test_cli_cache_prompt_then_chat_reuses_system(tmp_path, cold):
+    """`lily cache-prompt` writes the system message as every conversation starts with it."""
+    from lily.cli import main
+    path = tmp_path / "sys.lilycache"
+    assert main(["cache-prompt", str(path), "--system", SYSTEM]) == 0
+    eng = Engine.load()
+    assert eng.load_prompt_cache(path) == 1
+    m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hail."}]
+    ids = eng.tokenizer.encode_chat(m, add_generation_prompt=True)
+    r = eng.chat(m, **GREEDY)
+    assert r.cached_tokens == [i for i, t in enumerate(ids) if t == eng._im_start][1]
+    assert r.token_ids == _cold(cold, m).token_ids
+    assert main(["cache-prompt", str(path)]) == 1  # nothing to cache: a clear error, exit 1
+
+
+def test_agent_bench_scenario(cold):
+    """`lily bench --agent` on a small conversation: every later turn computes only its new
+    tokens plus the generation prompt's header, and the outputs equal the cold runs."""
+    from lily import agent_bench
+    rep = agent_bench.run(Engine.load(), cold, system_tokens=64, turns=2, turn_tokens=40, max_tokens=2, tools=1)
+    later = rep["turns"][1:]
+    assert all(r["computed"] <= r["new_tokens"] + 5 and r["reuse"] >= 0.95 for r in later)
+    assert all(r["cold_computed"] == r["prompt_tokens"] for r in rep["turns"])
+    assert rep["summary"]["outputs_identical"]
+    assert "outputs identical: True" in agent_bench.format_report(rep)

@@ -37,13 +37,13 @@ _RESULT = (
 )
 
 
-def _tools() -> list[dict]:
+def _tools(n: int) -> list[dict]:
     return [{"type": "function", "function": {
         "name": name, "description": f"{name.replace('_', ' ').capitalize()} in the workspace.",
         "parameters": {"type": "object", "properties": {
             "path": {"type": "string", "description": "a path relative to the workspace root"},
             "pattern": {"type": "string", "description": "optional text or glob to match"}},
-            "required": ["path"]}}} for name in _TOOL_NAMES]
+            "required": ["path"]}}} for name in _TOOL_NAMES[:n]]
 
 
 def _fill(engine, unit: str, tokens: int) -> str:
@@ -60,9 +60,10 @@ def _common(a, b) -> int:
 
 
 def run(engine, cold_engine=None, *, system_tokens: int = 4096, turns: int = 8, turn_tokens: int = 300,
-        max_tokens: int = 16) -> dict:
+        max_tokens: int = 16, tools: int = len(_TOOL_NAMES)) -> dict:
     """Run the scenario on ``engine`` (with its prompt cache) and, if given, on
-    ``cold_engine`` (no cache; reset before each request). Returns a JSON-ready report:
+    ``cold_engine`` (no cache; reset before each request), with ``tools`` tool definitions
+    (1 to 8) in the system message. Returns a JSON-ready report:
     ``turns`` (one dict per request) and ``summary``.
 
     Raises :class:`InvalidParameterError` for non-positive sizes or an engine without a cache.
@@ -71,9 +72,11 @@ def run(engine, cold_engine=None, *, system_tokens: int = 4096, turns: int = 8, 
                     ("max_tokens", max_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise InvalidParameterError(f"{name} must be a positive integer, got {v!r}")
+    if not 1 <= tools <= len(_TOOL_NAMES):
+        raise InvalidParameterError(f"tools must be in [1, {len(_TOOL_NAMES)}], got {tools!r}")
     if engine.prompt_cache is None:
         raise InvalidParameterError("the agent scenario measures the prompt cache: the engine has none")
-    tools = _tools()
+    tools = _tools(tools)
     tool_tokens = len(engine.tokenizer.encode_chat([{"role": "user", "content": "."}], tools=tools))
     system = _fill(engine, _PARAGRAPH, max(1, system_tokens - tool_tokens))
     messages = [{"role": "system", "content": system},
