@@ -27,9 +27,9 @@ import json
 import os
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -372,9 +372,8 @@ def load(cache: PromptCache, engine, path: str | os.PathLike) -> int:
     pinned entries. The whole file is read and checked first (format, model identity,
     checksum, context window, budget): on any problem :class:`PromptCacheError` names it
     and the cache is left as it was. Returns the number of entries loaded."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
     from safetensors.numpy import load_file
-    from safetensors import safe_open
     path = Path(path)
     if not path.is_file():
         raise PromptCacheError(f"{path}: no such prompt cache file")
