@@ -60,10 +60,11 @@ def _common(a, b) -> int:
 
 
 def run(engine, cold_engine=None, *, system_tokens: int = 4096, turns: int = 8, turn_tokens: int = 300,
-        max_tokens: int = 16, tools: int = len(_TOOL_NAMES)) -> dict:
+        max_tokens: int = 16, tools: int = len(_TOOL_NAMES), on_turn=None) -> dict:
     """Run the scenario on ``engine`` (with its prompt cache) and, if given, on
     ``cold_engine`` (no cache; reset before each request), with ``tools`` tool definitions
-    (1 to 8) in the system message. Returns a JSON-ready report:
+    (1 to 8) in the system message; ``on_turn(row)`` is called after each turn. Returns a
+    JSON-ready report:
     ``turns`` (one dict per request) and ``summary``.
 
     Raises :class:`InvalidParameterError` for non-positive sizes or an engine without a cache.
@@ -100,6 +101,8 @@ def run(engine, cold_engine=None, *, system_tokens: int = 4096, turns: int = 8, 
             row.update(cold_computed=c.timings.prefill_tokens, cold_seconds=round(time.perf_counter() - t0, 3),
                        identical=c.token_ids == r.token_ids)
         rows.append(row)
+        if on_turn is not None:
+            on_turn(row)
         prev = ids
         result = _fill(engine, _RESULT, int(turn_tokens * 0.8))
         messages = messages + [

@@ -352,7 +352,8 @@ def cmd_bench_agent(args) -> int:
     engine = Engine.load(args.model, **load)
     cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
     rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
-                          turn_tokens=args.turn_tokens, max_tokens=args.decode_tokens)
+                          turn_tokens=args.turn_tokens, max_tokens=args.decode_tokens,
+                          on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
     print(agent_bench.format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
