@@ -124,7 +124,7 @@ def real():
 
 @pytest.fixture(scope="module")
 def forced_engine():
-    return ForcedEngine.load(max_context=4096)
+    return ForcedEngine.load(max_context=4096, prompt_cache_bytes=0)  # a script: no state to cache
 
 
 @pytest.fixture(scope="module")
@@ -716,7 +716,7 @@ def qwen(tmp_path_factory):
     for name in ("tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(src / name, d / name)
     tok = Tokenizer.from_dir(d)
-    eng = ForcedEngine.load(max_context=4096)
+    eng = ForcedEngine.load(max_context=4096, prompt_cache_bytes=0)  # a script: no state to cache
     eng.tokenizer = tok
     eng.config = dataclasses.replace(eng.config, vocab_size=tok.vocab_size)
     eng.eos_token_ids = frozenset(tok.eos_token_ids)

@@ -15,6 +15,7 @@ from lily.errors import (
 
 from lily.chat_output import ChatMessage, ToolCall, parse_chat_output
 from lily.engine import ChatResult, Engine, GenerationResult, StreamEvent, default_model_path
+from lily.prompt_cache import PromptCache, PromptCacheError
 from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
@@ -33,6 +34,8 @@ __all__ = [
     "default_model_path",
     "InvalidParameterError",
     "LilyError",
+    "PromptCache",
+    "PromptCacheError",
     "TokenizerError",
     "ToolCall",
     "__version__",

@@ -216,15 +216,17 @@ class ServerState:
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, constraint=None) -> Job:
+    def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, constraint=None,
+               **engine_kw) -> Job:
         """Queue the generation (429 when the line is full, 503 while shutting down). With
         ``prompt_logprobs`` (the number of alternatives), the job first scores the prompt
         (see :func:`scored_stream`) into ``job.prompt_logprobs``. ``constraint`` (from
-        :func:`request_constraint`) goes to ``engine.stream`` when set."""
+        :func:`request_constraint`) goes to ``engine.stream`` when set, and ``engine_kw``
+        (e.g. ``prompt_cache_key``) as is."""
         if self.closing:
             raise shutdown_error()
         engine = self.engine
-        kw = {} if constraint is None else {"constraint": constraint}
+        kw = dict(engine_kw) if constraint is None else {**engine_kw, "constraint": constraint}
         if prompt_logprobs is None:
             def start(cancel):
                 return engine.stream(ids, params, cancel=cancel, **kw)
@@ -237,14 +239,16 @@ class ServerState:
 
     @staticmethod
     def log_done(kind: str, job: Job, last, started: float) -> None:
-        """The request's one log line: token counts, finish reason, queue wait and speeds."""
+        """The request's one log line: token counts (prompt tokens reused from the prompt cache
+        and computed), finish reason, queue wait and speeds."""
         if last is None:
             return
         job.logged = True
         t = last.timings
         wait = (job.started - job.submitted) if job.started else 0.0
-        log.info("%s: %d prompt + %d completion tokens, finish=%s, queued %.2fs, prefill %.1f tok/s, "
-                 "decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens, last.completion_tokens,
+        log.info("%s: %d prompt (%d cached, %d computed) + %d completion tokens, finish=%s, queued %.2fs, "
+                 "prefill %.1f tok/s, decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens,
+                 getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
                  last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
 
@@ -381,9 +385,12 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
-def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+                 cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prompt cache."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out

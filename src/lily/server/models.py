@@ -13,8 +13,10 @@ router = APIRouter()
 async def health(request: Request) -> dict:
     state = state_of(request)
     running, queued = state.worker.counts()
+    cache = getattr(state.engine, "prompt_cache", None)
     return {"status": "ok", "model": state.model_name, "busy": running > 0, "running": running,
-            "queued": queued, "pending": running + queued}
+            "queued": queued, "pending": running + queued,
+            "prompt_cache": cache.info() if cache is not None else None}
 
 
 def model_card(state) -> dict:

@@ -32,6 +32,13 @@ _BOOL_TEMPLATE_KWARGS = {"enable_thinking", "add_vision_id"}
 # ----------------------------------------------------------------------------------------
 
 
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
+
+
 def template_messages(req: ChatCompletionRequest) -> list[dict]:
     """The request's messages as the chat template takes them (400 for unsupported parts,
     missing content or tool-call arguments that are not a JSON object)."""
@@ -176,7 +183,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
-    job = state.submit(ids, params, constraint=constraint)
+    job = state.submit(ids, params, constraint=constraint, prompt_cache_key=cache_key(req))
     run = ChatRun(job, parser)
     rid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
@@ -218,7 +225,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
               "finish_reason": finish_reason(last.finish_reason)}
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "system_fingerprint": None, "choices": [choice],
-            "usage": openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning)}
+            "usage": openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)}
 
 
 async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bool, finish_reason,
@@ -250,7 +257,7 @@ async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usa
         if include_usage:
             obj = dict(base)
             obj["choices"] = []
-            obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning)
+            obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)
             yield sse(obj)
         yield "data: [DONE]\n\n"
         state.log_done("chat (stream)", job, last, t_start)
@@ -295,7 +302,8 @@ async def completions(req: CompletionRequest, request: Request):
     params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
     echo_text = tok.decode(ids) if req.echo else ""
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
-    job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None)
+    job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None,
+                       **({} if score_prompt else {"prompt_cache_key": cache_key(req)}))
     rid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
@@ -360,7 +368,7 @@ async def completions(req: CompletionRequest, request: Request):
                 if include_usage:
                     obj = dict(base)
                     obj["choices"] = []
-                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens)
+                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
                     yield sse(obj)
                 yield "data: [DONE]\n\n"
                 state.log_done("completion (stream)", job, last, t_start)
@@ -399,4 +407,4 @@ async def completions(req: CompletionRequest, request: Request):
             logprobs = {k: head[k] + logprobs[k] for k in head}
     choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
               "finish_reason": finish(last)}
-    return {**base, "choices": [choice], "usage": openai_usage(last.prompt_tokens, last.completion_tokens)}
+    return {**base, "choices": [choice], "usage": openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)}
