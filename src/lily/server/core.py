@@ -405,23 +405,23 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
     generated tokens). The pass prefills ``ids[:-1]`` with ``all_logits=True`` into a fresh
     session (the engine's ``prefill`` appends to whatever the session holds) in
-    ``PREFILL_CHUNK`` pieces, checking ``cancel`` between them; the generation then extends
+    ``engine.prefill_chunk`` pieces, checking ``cancel`` between them; the generation then extends
     that session, so only the last prompt token is prefilled again. A cancelled or failed
     pass leaves an empty session.
     """
-    from lily.engine import PREFILL_CHUNK
     from lily.sampling import Sampler, SamplingParams
 
+    chunk = engine.prefill_chunk
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]
     head = ids[:-1]
     engine.reset()
     try:
-        for s in range(0, len(head), PREFILL_CHUNK):
+        for s in range(0, len(head), chunk):
             if cancel.is_set():
                 engine.reset()
                 return
-            logits = engine.prefill(head[s:s + PREFILL_CHUNK], all_logits=True)
+            logits = engine.prefill(head[s:s + chunk], all_logits=True)
             for j, row in enumerate(logits):
                 scored.append(scorer.logprob(row, ids[s + j + 1]))
     except BaseException:
