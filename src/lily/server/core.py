@@ -253,6 +253,13 @@ class ServerState:
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
 
 
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
+
+
 def state_of(request: Request) -> ServerState:
     """The app's :class:`ServerState` (a FastAPI dependency)."""
     return request.app.state.lily
