@@ -331,6 +331,11 @@ class SamplingConfig:
 class SessionSnapshot:
     """A host copy of a Runtime's session state (Runtime.snapshot / restore)."""
 
+    def __init__(self, position: int, parts: Sequence[bytes]) -> None:
+        """
+        A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.
+        """
+
     @property
     def position(self) -> int:
         """tokens in the session"""
@@ -338,6 +343,11 @@ class SessionSnapshot:
     @property
     def nbytes(self) -> int:
         """bytes held (KV rows in use, conv and recurrent state)"""
+
+    def parts(self) -> list[bytes]:
+        """
+        The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.
+        """
 
 class Runtime:
     """

@@ -1,4 +1,4 @@
-"""The numpy reference model: MODEL.md's forward pass, written for readability (the oracle).
+"""The numpy reference model: docs/model.md's forward pass, written for readability (the oracle).
 
 One function per block, no fusion, no tiling. Weights are dequantized from the checkpoint's
 packed 4/8-bit form to float32; activations are float32 throughout. With
@@ -13,7 +13,6 @@ be prefilled in one call or in pieces and then decoded token by token with ident
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,7 +51,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def l2_norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """``x / sqrt(sum(x^2) + eps)`` over the last axis (eps on the sum, as MODEL.md)."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (eps on the sum, as docs/model.md)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
@@ -107,8 +106,19 @@ class ReferenceState:
     recurrent: dict = field(default_factory=dict)
 
     def copy(self) -> "ReferenceState":
-        """A deep snapshot (used for multi-turn reuse and tests)."""
-        return copy.deepcopy(self)
+        """A deep snapshot (multi-turn reuse, the prompt cache): the KV rows in use only
+        (the attention grows the arrays again as needed)."""
+        n = self.position
+        return ReferenceState(self.max_context, n,
+                              {i: a[:, :n].copy() for i, a in self.keys.items()},
+                              {i: a[:, :n].copy() for i, a in self.values.items()},
+                              {i: a.copy() for i, a in self.conv.items()},
+                              {i: a.copy() for i, a in self.recurrent.items()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for d in (self.keys, self.values, self.conv, self.recurrent) for a in d.values())
 
 
 class ReferenceModel:
