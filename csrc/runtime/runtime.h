@@ -51,14 +51,16 @@ struct Traffic {
 // sample_greedy; anything else runs sample_token (penalties from the per-session count
 // buffer, temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the
 // token's position as counter, optional log-probabilities of the raw logits).
+// lily.sampling.SamplingParams' device-side fields (same names), listed once for the
+// struct and its binding (lily._core.SamplingConfig). X(type, name, default).
+#define LILY_SAMPLING_CONFIG(X)                                                              \
+  X(float, temperature, 0.0f) X(uint32_t, top_k, 0) X(float, top_p, 1.0f) X(float, min_p, 0.0f) \
+  X(float, presence_penalty, 0.0f) X(float, frequency_penalty, 0.0f)                         \
+  X(float, repetition_penalty, 1.0f) X(uint64_t, seed, 0) X(bool, logprobs, false)           \
+  X(uint32_t, top_logprobs, 0) /* 0..20 */
+
 struct SamplingConfig {
-  float temperature = 0.0f;
-  uint32_t top_k = 0;
-  float top_p = 1.0f, min_p = 0.0f;
-  float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
-  uint64_t seed = 0;
-  bool logprobs = false;
-  uint32_t top_logprobs = 0;  // 0..20
+  LILY_SAMPLING_CONFIG(LILY_DECLARE_FIELD)
   bool greedy_kernel() const {
     return temperature == 0.0f && !logprobs && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
            repetition_penalty == 1.0f;

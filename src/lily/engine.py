@@ -236,8 +236,8 @@ class Engine:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
         if isinstance(prompt_cache_bytes, bool) or not isinstance(prompt_cache_bytes, int) or prompt_cache_bytes < 0:
             raise InvalidParameterError(f"prompt_cache_bytes must be a non-negative integer, got {prompt_cache_bytes!r}")
-        backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
+        backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
             bar.update(1)
             bar.close()
@@ -355,7 +355,9 @@ class Engine:
 
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
-        (at least one: the last prompt token's logits select the first output).
+        (at least one: the last prompt token's logits select the first output): the one
+        place where state is reused. ``len(prompt_ids) - len(result)`` is the request's
+        ``cached_tokens``.
 
         The session is kept when the prompt extends its tokens; otherwise the longest
         prefix in the prompt cache is restored when it is longer (a restore that fails
@@ -435,9 +437,9 @@ class Engine:
         (native devices: chosen on the device, with the next step already encoded; the
         host reads ids one step behind and stops on EOS, a stop string, the constraint's
         end or the length limit, discarding at most one speculative step).
-        ``timings.prefill_s`` is the time to the first token. Prefill pieces end at the
-        prompt cache's snapshot positions (all of them before the feed), and a generation
-        that ends (not cancelled) is stored in the cache too."""
+        ``timings.prefill_s`` is the time to the first token. The prompt cache stores the
+        session at the planned positions of the prefill (all inside the pieces run here) and
+        at the end of a generation that was not cancelled."""
         backend = self.backend
         timings = Timings()
         detok = self.tokenizer.detokenizer()
@@ -456,7 +458,7 @@ class Engine:
         t0 = time.perf_counter()
         chunk = backend.prefill_chunk
         tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
-        if self._snap_points:  # every snapshot position lies before the feed
+        if self._snap_points:  # every snapshot position inside the pieces run here
             tail = max(tail, self._snap_points[-1] - len(self._tokens))
         try:
             for piece in self._pieces(new[:tail], chunk):
@@ -473,7 +475,7 @@ class Engine:
         feed = new[tail:]
         start_pos = backend.position
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        outs: list[int] = []
+        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
         t1 = None
         failed = False
         try:
@@ -529,7 +531,7 @@ class Engine:
                     consumed = backend.position - start_pos
                     self._tokens.extend((feed + outs)[:consumed])
                     if ended:
-                        self._cache_session()
+                        self._cache_session()  # the end of the generated text: the next turn may extend it
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
@@ -541,26 +543,25 @@ class Engine:
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
                     cancel: threading.Event | None = None, constraint: Constraint | None = None,
-                    prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
+                    **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
-        return self.stream(ids, params, cancel=cancel, constraint=constraint,
-                           prompt_cache_key=prompt_cache_key, **overrides)
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
+                           **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              cancel: threading.Event | None = None, constraint: Constraint | None = None,
-             prompt_cache_key: str | None = None, **overrides) -> "ChatResult":
+             **overrides) -> ChatResult:
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                     **(chat_template_kwargs or {}))
         r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
-                                      constraint=constraint, prompt_cache_key=prompt_cache_key,
-                                      **overrides))
+                                      constraint=constraint, **overrides))
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
                                    parse_tools=bool(tools))
         return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
@@ -610,7 +611,8 @@ class Engine:
         self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
         try:
             for piece in self._pieces(new, self.prefill_chunk):
-                self.prefill(piece)
+                self.backend.prefill(np.asarray(piece, dtype=np.int64))
+                self._tokens.extend(piece)
                 self._snapshot_if_planned()
         except BaseException:
             self.reset()

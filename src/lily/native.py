@@ -22,17 +22,27 @@ PREFILL_CHUNK = 512      # default tokens per prefill chunk (scratch memory is s
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
-def model_dims(c: ModelConfig) -> dict:
-    """The runtime's ``ModelDims`` from a :class:`ModelConfig`."""
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rotary_dim", "linear_num_key_heads",
-            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps",
-            "rope_theta", "norm_topk_prob")
-    d = {k: getattr(c, k) for k in keys}
-    d["full_attention"] = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
+def model_dims(c: ModelConfig):
+    """The runtime's ``lily._core.ModelDims`` from a :class:`ModelConfig` (same field names)."""
+    from lily import _core
+    d = _core.ModelDims()
+    for name in _core.ModelDims.FIELDS:
+        setattr(d, name, getattr(c, name))
+    d.full_attention = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
     return d
+
+
+def sampling_config(params):
+    """The device's ``lily._core.SamplingConfig`` from :class:`lily.sampling.SamplingParams`
+    (same field names); a seed of None becomes a fresh random one, any seed is taken mod 2**64."""
+    from lily import _core
+    s = _core.SamplingConfig()
+    for name in _core.SamplingConfig.FIELDS:
+        if name != "seed":
+            setattr(s, name, getattr(params, name))
+    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
+    s.seed = int(seed) % (1 << 64)
+    return s
 
 
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
@@ -146,13 +156,7 @@ class NativeBackend:
         if constraint is not None:
             self._host = HostGeneration(self.forward, feed, steps, history, params, constraint)
             return
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
-        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history],
-                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                           min_p=params.min_p, presence_penalty=params.presence_penalty,
-                           frequency_penalty=params.frequency_penalty,
-                           repetition_penalty=params.repetition_penalty, seed=int(seed) % (1 << 64),
-                           logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history], sampling_config(params))
 
     def next(self):
         """``(token id, TokenLogprob)`` of the next generated token, or None when done."""
