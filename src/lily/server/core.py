@@ -385,6 +385,13 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
+
+
 def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
                  cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prompt cache."""
