@@ -52,7 +52,7 @@ class Recording(ForcedEngine):
 
 @pytest.fixture(scope="module")
 def engine():
-    return Recording.load(max_context=4096)
+    return Recording.load(max_context=4096, prompt_cache_bytes=0)  # a script: no state to cache
 
 
 @pytest.fixture(scope="module")
