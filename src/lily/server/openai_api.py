@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_unicode, collect,
-                              dumps, engine_error, finite, job_events, log_gone, openai_usage,
+from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_unicode,
+                              collect, dumps, engine_error, finite, job_events, log_gone, openai_usage,
                               request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
@@ -361,8 +361,7 @@ async def completions(req: CompletionRequest, request: Request):
                 if include_usage:
                     obj = dict(base)
                     obj["choices"] = []
-                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens,
-                                                cached_tokens=last.cached_tokens)
+                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
                     yield sse(obj)
                 yield "data: [DONE]\n\n"
                 state.log_done("completion (stream)", job, last, t_start)
@@ -401,5 +400,4 @@ async def completions(req: CompletionRequest, request: Request):
             logprobs = {k: head[k] + logprobs[k] for k in head}
     choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
               "finish_reason": finish(last)}
-    usage = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
-    return {**base, "choices": [choice], "usage": usage}
+    return {**base, "choices": [choice], "usage": openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)}
