@@ -160,10 +160,12 @@ def peak_memory_bytes() -> int:
 
 def _print_stats(ev, file=None) -> None:
     """The speed line (as mlx_lm prints after a generation): prompt and generation tokens
-    with their rates, the peak memory, why it ended."""
+    with their rates (and, when the prompt cache reused some, the prompt tokens cached and
+    computed), the peak memory, why it ended."""
     t = ev.timings
     cached = getattr(ev, "cached_tokens", 0)
-    print(f"[prompt: {ev.prompt_tokens} tokens ({cached} cached, {t.prefill_tokens} computed), "
+    reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
+    print(f"[prompt: {ev.prompt_tokens} tokens{reuse}, "
           f"{t.prefill_tokens_per_s:.1f} tok/s | "
           f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s | "
           f"peak memory: {peak_memory_bytes() / 1e9:.3f} GB | finish: {ev.finish_reason}]",

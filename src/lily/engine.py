@@ -258,7 +258,8 @@ class Engine:
         return list(self._tokens)
 
     def reset(self) -> None:
-        """Empty the session (KV cache and recurrent state)."""
+        """Empty the session (KV cache and recurrent state). The prompt cache keeps its
+        entries (``engine.prompt_cache.clear()`` drops them)."""
         self.backend.reset()
         self._tokens = []
 
