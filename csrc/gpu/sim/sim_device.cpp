@@ -281,7 +281,13 @@ class SimDevice : public gpu::Device {
   }
   std::string name() const override { return "sim"; }
   BufferPtr new_buffer(size_t bytes) override {
+    if (opt_.max_buffer_bytes && bytes > opt_.max_buffer_bytes)
+      throw Error("cannot allocate a buffer of " + std::to_string(bytes) + " bytes: the device's largest buffer is " +
+                  std::to_string(opt_.max_buffer_bytes) + " bytes");
     return std::make_shared<SimBuffer>(bytes, !opt_.record_only, opt_.poison, live_);
+  }
+  gpu::MemoryLimits memory_limits() const override {
+    return gpu::MemoryLimits{opt_.working_set_bytes, opt_.max_buffer_bytes};
   }
   BufferPtr new_buffer_no_copy(void* ptr, size_t bytes, std::function<void()> release) override {
     if (!ptr) throw UsageError("new_buffer_no_copy: null pointer");
