@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from lily._device import devices
+
 
 def run(*args, input=None, timeout=300):
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
@@ -92,12 +94,24 @@ def test_generate_context_full_notice():
 @pytest.mark.parametrize("args, needle", [
     (("generate", "x", "--temperature", "-1"), "temperature"),
     (("generate", "x", "--model", "/nonexistent/model"), "not a directory"),
-    (("generate", "x", "--device", "metal"), "not available in this build"),
+    pytest.param(("generate", "x", "--device", "metal"), "not available in this build",
+                 marks=pytest.mark.skipif("metal" in devices(), reason="this build has the Metal device")),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)
     assert r.returncode == 1
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_device_is_auto():
+    """No --device: metal where this build has it, else reference with a one-line notice
+    (never the slow simulator)."""
+    r = run("generate", "ROMEO.", "--max-tokens", "2", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    if "metal" in devices():
+        assert "using device=" not in r.stderr
+    else:
+        assert "using device='reference'" in r.stderr and "sim" not in r.stderr.split("using device=")[1][:12]
 
 
 def test_native_device_flags(tmp_path, monkeypatch):
