@@ -591,7 +591,8 @@ class Transformer:
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
             if attr[0] in GRID_ATTRS:
-                grid.append((toks[pa], attr[0], decl))
+                first = pa if significant(toks[pa]) else self.next_sig(pa)
+                grid.append((toks[first], attr[0], decl))
             table.append(attr + (c_string(tidy(" ".join(decl))),))
         self.check_grid_components(fname, grid)
         entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)

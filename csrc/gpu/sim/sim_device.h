@@ -40,6 +40,10 @@ struct SimOptions {
   // fails, as on Metal.
   uint64_t working_set_bytes = 0;
   uint64_t max_buffer_bytes = 0;
+  // Caps every pipeline's maxTotalThreadsPerThreadgroup below the kernel's declared
+  // [[max_total_threads_per_threadgroup]] (0 = no cap), as a Mac's compiler may under
+  // register pressure: tests the load-time refusal.
+  uint32_t pipeline_thread_limit = 0;
 };
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options = {});
