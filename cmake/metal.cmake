@@ -24,7 +24,7 @@ if(_metal_rc EQUAL 0)
 endif()
 if(NOT _metal_rc EQUAL 0)
   string(CONCAT _why "Lily: the Metal shader compiler does not work here (`xcrun -sdk macosx metal` on a one-line "
-         "kernel failed: ${_metal_err}).\n"
+         "kernel failed: ${_metal_rc} ${_metal_err}).\n"
          "To build the GPU device, install Xcode (the Command Line Tools alone do not include `metal`), then "
          "the Metal toolchain:\n    xcodebuild -downloadComponent MetalToolchain\n"
          "select Xcode with `sudo xcode-select -s /Applications/Xcode.app`, and reinstall.")
