@@ -152,7 +152,17 @@ void Runtime::preflight() {
   auto collect = [&](gpu::CommandBuffer& cb) {
     for (const gpu::DispatchRecord& r : cb.counters().log) threads[r.kernel] = std::max(threads[r.kernel], r.threads);
   };
-  const SamplingConfig saved = sampling_;
+  struct Restore {  // the sampling settings and tile choice preflight overrides
+    Runtime* r;
+    SamplingConfig sampling;
+    ~Restore() {
+      r->sampling_ = sampling;
+      r->force_tile_rows_ = 0;
+    }
+  } restore{this, sampling_};
+  auto at_load = [](const std::exception& e) {
+    return std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
+  };
   try {
     // decode: plain and (when the context reaches it) split attention, each sampler
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
@@ -185,16 +195,11 @@ void Runtime::preflight() {
       encode_chunk(*cb, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
       collect(*cb);
     }
-  } catch (const gpu::UsageError& e) {
-    sampling_ = saved;
-    force_tile_rows_ = 0;
-    throw std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
-  } catch (...) {
-    sampling_ = saved;
-    force_tile_rows_ = 0;
-    throw;
+  } catch (const gpu::UsageError& e) {  // an unknown kernel, a threadgroup over the pipeline's limit
+    throw at_load(e);
+  } catch (const gpu::Error& e) {  // a pipeline that does not build
+    throw at_load(e);
   }
-  sampling_ = saved;
   kernels_.clear();
   for (const auto& [name, n] : threads) {
     const gpu::Pipeline& p = device_->pipeline(name);

@@ -369,9 +369,11 @@ class MetalDevice : public gpu::Device {
   }
   std::vector<std::string> kernel_names() const override {
     std::vector<std::string> v;
-    for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
-    if (tensor_lib_)
-      for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
+    @autoreleasepool {
+      for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
+      if (tensor_lib_)
+        for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
+    }
     return v;
   }
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override {
