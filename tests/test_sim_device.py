@@ -554,4 +554,7 @@ def test_underaligned_threadgroup_vector_access_is_reported():
             "cb.compute_pass().dispatch('st_tg_underaligned', 8, 8, buffers=[(0, o)], writes=[o]); "
             "cb.commit(); cb.wait()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "misaligned address" in r.stderr, r.stderr[-2000:]
+    # UBSan's report, or (an aligned vector load on x86-64) ASan's fault report in the kernel
+    assert r.returncode != 0, r.stderr[-2000:]
+    assert "misaligned address" in r.stderr or ("SEGV" in r.stderr and "st_tg_underaligned" in r.stderr), \
+        r.stderr[-2000:]
