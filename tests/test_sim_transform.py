@@ -45,6 +45,15 @@ def compile_cpp(path):
     ("template <typename T> kernel void f(device T* x [[buffer(0)]]) {}\n"
      "template [[kernel]] decltype(f<float>) f<float>;",
      r"k.metal:4: error: kernel instantiation without \[\[host_name"),
+    # Apple's compiler rejects grid-position attributes of different component counts
+    ("kernel void f(device float* x [[buffer(0)]], uint2 tg [[threadgroup_position_in_grid]],\n"
+     "              uint n [[threads_per_threadgroup]]) {}",
+     r"k.metal:4: error: kernel 'f': \[\[threads_per_threadgroup\]\] 'uint n' has 1 component\(s\) but "
+     r"\[\[threadgroup_position_in_grid\]\] 'uint2 tg' has 2"),
+    ("kernel void f(device float* x [[buffer(0)]], float p [[thread_position_in_grid]]) {}",
+     r"k.metal:3: error: kernel 'f': \[\[thread_position_in_grid\]\] needs a uint or ushort"),
+    ("[[max_total_threads_per_threadgroup(64)]] void f(device float* x [[buffer(0)]]) {}",
+     r"k.metal:3: error: \[\[max_total_threads_per_threadgroup\]\] must precede `kernel`"),
 ])
 def test_transform_rejects_unsupported(tmp_path, source, message):
     r, _ = transform(tmp_path, source)
@@ -69,6 +78,21 @@ def test_transform_preserves_lines_and_registers(tmp_path):
     assert "using __lily_tgt_0 = T [ 32 ];" in text and "tg_var<__lily_tgt_0>" in text
     body = text.split("#line 1", 1)[1].split("\n", 1)[1]
     assert body.count("\n") >= (HEADER.count("\n") + 9)  # one output line per source line
+
+
+def test_thread_limit_attribute_before_kernel_is_recorded(tmp_path):
+    """`[[max_total_threads_per_threadgroup(N)]] kernel void f` (the spelling the shipped
+    kernels use, also with a template header) becomes the registered limit, and mixed
+    scalar/vector grid attributes of matching counts pass."""
+    r, out = transform(tmp_path, (
+        "template <typename T>\n"
+        "[[max_total_threads_per_threadgroup(96)]] kernel void g(device T* x [[buffer(0)]],\n"
+        "    uint2 tg [[threadgroup_position_in_grid]], uint2 n [[threads_per_threadgroup]],\n"
+        "    uint i [[thread_index_in_threadgroup]]) {}\n"
+        "template [[host_name(\"g_f32\")]] [[kernel]] decltype(g<float>) g<float>;\n"))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "__lily_maxtg_g = 96;" in text and "max_total_threads" not in text.split("#line 1", 1)[1]
 
 
 # ---- threadgroup declarations: storage, pointers, or a build error; never a silent guess

@@ -142,6 +142,8 @@ void ComputePass::dispatch(const Dispatch& d_in) {
   if (counters_) {
     DispatchRecord rec;
     rec.label = d.label;
+    rec.kernel = d.pipeline->name();
+    rec.threads = uint32_t(d.threadgroup.count());
     rec.pass = static_cast<uint32_t>(counters_->passes);
     rec.stage = static_cast<uint32_t>(counters_->barrier_stages - 1);
     for (const Range& r : d.reads) rec.bytes_read += r.size;

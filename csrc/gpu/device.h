@@ -74,6 +74,16 @@ class Pipeline {
   // The kernel's [[buffer(index)]] parameter; alignment 0 when the kernel has none there
   // or the backend cannot tell.
   virtual BufferParameter buffer_parameter(uint32_t index) const { return {}; }
+  // Bytes of threadgroup memory the kernel declares statically (Metal:
+  // staticThreadgroupMemoryLength). 0 on the simulator, which allocates threadgroup
+  // variables when a dispatch first reaches them.
+  virtual uint64_t static_threadgroup_memory() const { return 0; }
+};
+
+// The memory a device offers, in bytes; 0 = no limit known.
+struct MemoryLimits {
+  uint64_t working_set = 0;  // Metal: recommendedMaxWorkingSetSize (GPU-resident memory budget)
+  uint64_t max_buffer = 0;   // Metal: maxBufferLength (largest single buffer)
 };
 
 // A declared byte range of a buffer that a dispatch reads or writes.
@@ -128,6 +138,8 @@ struct Dispatch {
 // One dispatch as counted: for per-dispatch performance counters.
 struct DispatchRecord {
   std::string label;     // "<label or kernel> (#<index in pass>)"
+  std::string kernel;    // the pipeline's kernel name
+  uint32_t threads = 0;  // threads per threadgroup
   uint32_t pass = 0;     // index of the pass in the command buffer
   uint32_t stage = 0;    // barrier stage within the command buffer (0-based)
   uint64_t bytes_read = 0, bytes_written = 0;
@@ -270,6 +282,9 @@ class Device {
   // Bytes of the buffers this device allocated with new_buffer that are still alive (no-copy
   // wrappers and file mappings are not counted); on Metal, MTLDevice.currentAllocatedSize.
   virtual uint64_t allocated_bytes() const = 0;
+  // The memory budget: on Metal the device's recommended working set and largest buffer;
+  // the simulator reports the budget it was created with (SimOptions, none by default).
+  virtual MemoryLimits memory_limits() const = 0;
 };
 
 // "apple10" for 10, etc.

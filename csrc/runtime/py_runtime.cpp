@@ -134,6 +134,33 @@ void bind_runtime(nb::module_& m) {
       .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
       .def_prop_ro("prefill_scratch_bytes", &Runtime::prefill_scratch_bytes)
       .def_prop_ro("uses_tensor_ops", &Runtime::uses_tensor_ops)
+      .def_prop_ro("memory_use", [](const Runtime& r) {
+        const MemoryUse& u = r.memory_use();
+        nb::dict d;
+        d["weights"] = u.weights;
+        d["kv_cache"] = u.kv_cache;
+        d["state"] = u.state;
+        d["scratch"] = u.scratch;
+        d["total"] = u.total();
+        d["largest_buffer"] = u.largest_buffer;
+        d["largest_label"] = u.largest_label;
+        d["max_context"] = u.max_context;
+        return d;
+      }, "Device memory of the session in bytes (weights, kv_cache, state, scratch, total, largest buffer),\n"
+         "checked against Device.memory_limits at load.")
+      .def_prop_ro("kernel_table", [](const Runtime& r) {
+        nb::list out;
+        for (const KernelUse& k : r.kernel_table()) {
+          nb::dict d;
+          d["kernel"] = k.kernel;
+          d["threads"] = k.threads;
+          d["max_threads_per_threadgroup"] = k.max_threads;
+          d["static_threadgroup_memory"] = k.threadgroup_memory;
+          out.append(d);
+        }
+        return out;
+      }, "Every kernel the runtime dispatches (built and validated at load): the largest threadgroup it\n"
+         "asks for and its pipeline's thread limit and static threadgroup memory.")
       .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",

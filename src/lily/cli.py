@@ -33,9 +33,10 @@ _EPILOG = """examples:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="MLX 4-bit qwen3_5_moe checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--device", default="reference", choices=["reference", "sim", "metal", "auto"],
-                   help="where to run the model: reference (numpy, default), sim (the Metal kernels on "
-                        "the CPU simulator: slow, for verification), metal (Apple GPU), auto")
+    p.add_argument("--device", default="auto", choices=["auto", "metal", "reference", "sim"],
+                   help="where to run the model: auto (default: metal on a Mac, else reference), metal "
+                        "(Apple GPU), reference (numpy on the CPU), sim (the Metal kernels on the CPU "
+                        "simulator: slow, for verification)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")

@@ -52,6 +52,13 @@ POSITION_ATTRS = {
     "threadgroups_per_grid", "thread_index_in_threadgroup", "simdgroup_index_in_threadgroup",
     "thread_index_in_simdgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup",
 }
+# Grid-position attributes: scalar or vector, one component count per kernel (MSL spec,
+# kernel function input attributes).
+GRID_ATTRS = {
+    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+    "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
+    "threadgroups_per_grid",
+}
 SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 
@@ -238,6 +245,14 @@ class Transformer:
                     names = [a for a, _ in attrs]
                     if "kernel" in names:
                         self.kernel_def(i, end, attrs)
+                    elif "max_total_threads_per_threadgroup" in names:
+                        # `[[max_total_threads_per_threadgroup(N)]] kernel void f(...)`
+                        k = self.next_sig(end)
+                        if self.tok(k).text != "kernel":
+                            self.err(t, "[[max_total_threads_per_threadgroup]] must precede `kernel`")
+                        self.kernel_def(i, k, attrs)
+                        i = k + 1
+                        continue
                     i = end + 1
                     continue
                 i += 1
@@ -552,6 +567,7 @@ class Transformer:
         close = self.match_close(k)
         params = self.split_params(k, close)
         table = []
+        grid = []  # (token, attribute, declaration) of the grid-position parameters
         for (pa, pb) in params:
             attr = None
             decl = []  # the parameter's source text without its attribute, for messages
@@ -574,7 +590,11 @@ class Transformer:
                 m += 1
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
+            if attr[0] in GRID_ATTRS:
+                first = pa if significant(toks[pa]) else self.next_sig(pa)
+                grid.append((toks[first], attr[0], decl))
             table.append(attr + (c_string(tidy(" ".join(decl))),))
+        self.check_grid_components(fname, grid)
         entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)
         if fname in self.kernels:
             self.err(toks[a], f"kernel '{fname}' defined twice")
@@ -587,6 +607,23 @@ class Transformer:
                     f"static constexpr unsigned __lily_nparams_{fname} = 0; "
                     f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
         toks[start].text = decl + toks[start].text
+
+    def check_grid_components(self, fname, grid):
+        """MSL: the grid-position parameters of a kernel are all scalars or all vectors of one
+        component count (Apple's compiler rejects `uint2 [[threadgroup_position_in_grid]]`
+        with `uint [[threads_per_threadgroup]]`)."""
+        seen = None
+        for tok, attr, decl in grid:
+            m = re.match(r"^(?:const\s+)?(u?int|u?short)([234])?$", " ".join(decl[:-1]))
+            if not m:
+                self.err(tok, f"kernel '{fname}': [[{attr}]] needs a uint or ushort scalar or vector type, "
+                              f"not '{' '.join(decl[:-1])}'")
+            n = int(m.group(2) or 1)
+            if seen and seen[0] != n:
+                self.err(tok, f"kernel '{fname}': [[{attr}]] '{' '.join(decl)}' has {n} component(s) but "
+                              f"[[{seen[1]}]] '{' '.join(seen[2])}' has {seen[0]}: Metal requires the grid-position "
+                              f"attributes of a kernel to match in component count")
+            seen = seen or (n, attr, decl)
 
     def split_params(self, open_idx, close_idx):
         toks = self.toks
