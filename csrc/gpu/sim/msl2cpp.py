@@ -52,6 +52,15 @@ POSITION_ATTRS = {
     "threadgroups_per_grid", "thread_index_in_threadgroup", "simdgroup_index_in_threadgroup",
     "thread_index_in_simdgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup",
 }
+# Position attributes whose type is uint/ushort or a 2- or 3-component vector of them; all
+# of them in one kernel must have the same number of components (MSL spec, 5.2.3.6).
+GRID_ATTRS = {
+    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+    "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
+    "threadgroups_per_grid",
+}
+GRID_TYPES = {"uint": 1, "ushort": 1, "uint2": 2, "ushort2": 2, "uint3": 3, "ushort3": 3}
+ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
 SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 
@@ -66,10 +75,11 @@ class TransformError(Exception):
 
 
 class Tok:
-    __slots__ = ("kind", "text", "line")
+    __slots__ = ("kind", "text", "line", "orig")
 
     def __init__(self, kind, text, line):
         self.kind, self.text, self.line = kind, text, line
+        self.orig = text  # the source text (rewrites change .text only)
 
     def __repr__(self):
         return f"Tok({self.kind},{self.text!r})"
@@ -101,6 +111,8 @@ class Transformer:
         self.toks = lex(open(path, encoding="utf-8").read())
         self.counter = 0
         self.kernels = {}  # name -> dict(template=bool, nparams=int)
+        self.kernel_parens = set()  # index of the ')' closing each kernel's parameter list
+        self.in_kernel = False  # inside a kernel's body (threadgroup storage is allowed there only)
 
     def err(self, tok, msg):
         raise TransformError(f"{self.path}:{tok.line}: error: {msg}")
@@ -221,11 +233,16 @@ class Transformer:
                 continue
             if t.kind == "punct":
                 if t.text == "{":
-                    scopes.append(self.brace_kind(i, scopes[-1]))
+                    kind = self.brace_kind(i, scopes[-1])
+                    if kind == "code" and scopes[-1] != "code":
+                        self.function_body(i)
+                    scopes.append(kind)
                 elif t.text == "}":
                     if len(scopes) == 1:
                         self.err(t, "unbalanced '}'")
                     scopes.pop()
+                    if scopes[-1] != "code":
+                        self.in_kernel = False
                 elif t.text in (".", "->"):
                     n = i + 1
                     if n < len(toks) and toks[n].kind == "ident" and SWIZZLE_RE.match(toks[n].text):
@@ -436,6 +453,7 @@ class Transformer:
         type_start = self.next_sig(i)
         k = self.parse_type(type_start, tg)
         nt = self.tok(k)
+        self.check_atomic_type(tg, type_start, k)
         if self.is_ptr_declarator(k):
             # a pointer or reference into threadgroup memory: a plain C++ pointer here
             if at_stmt:
@@ -474,6 +492,10 @@ class Transformer:
                          f"(unexpected '{end.text}')")
         if scope != "code":
             self.err(tg, f"threadgroup variable '{toks[name_idx].text}' declared outside a function body")
+        if not self.in_kernel:
+            self.err(tg, f"threadgroup variable '{toks[name_idx].text}' declared outside a kernel function "
+                         f"(Apple's compiler allows threadgroup storage in kernel bodies only: declare it in the "
+                         f"kernel and pass a threadgroup pointer)")
         name = toks[name_idx].text
         type_txt = self.text(type_start, name_idx)
         ext_txt = self.text(self.next_sig(name_idx), k)
@@ -487,6 +509,52 @@ class Transformer:
                    f"auto& {name} = ::lily::sim::tg_var<__lily_tgt_{n}>(&__lily_tgk_{n})" + "\n" * nl)
         tg.kind = "gen"
         return k
+
+    def check_atomic_type(self, tg, a, b):
+        """Float atomics exist in device memory only (MSL spec 6.15.1)."""
+        words = [t.text for t in self.toks[a:b] if significant(t)]
+        if "atomic_float" in words or (words[:3] == ["atomic", "<", "float"]):
+            self.err(tg, "atomic<float> in threadgroup memory: Metal supports float atomics in device memory only")
+
+    def function_body(self, brace):
+        """At the '{' opening a function body: its pointer and reference parameters need an
+        address space (Apple's compiler rejects `float* p`); notes whether it is a kernel."""
+        toks = self.toks
+        j = self.prev_sig(brace)
+        while self.tok(j).kind == "ident" and self.tok(j).text in ("const", "thread", "noexcept", "override",
+                                                                   "final", "volatile", "device", "constant"):
+            j = self.prev_sig(j)
+        if self.tok(j).text != ")":
+            return  # e.g. a trailing return type; nothing to check
+        self.in_kernel = j in self.kernel_parens
+        depth, o = 0, j
+        while o >= 0:
+            t = toks[o]
+            if t.kind == "punct" and t.text == ")":
+                depth += 1
+            elif t.kind == "punct" and t.text == "(":
+                depth -= 1
+                if depth == 0:
+                    break
+            o -= 1
+        if self.tok(self.prev_sig(o)).text == "]":
+            return  # a lambda's parameters (captures are not address-space qualified)
+        for pa, pb in self.split_params(o, j):
+            words = [toks[m] for m in range(pa, pb + 1) if toks[m].kind != "comment" and toks[m].orig.strip()]
+            texts = [w.orig for w in words]
+            angle = 0
+            indirect = False
+            for w in texts:
+                if w == "<":
+                    angle += 1
+                elif w == ">":
+                    angle -= 1
+                elif angle == 0 and w in ("*", "&", "&&"):
+                    indirect = True
+            if indirect and not any(w in ADDRESS_SPACES for w in texts):
+                self.err(words[0], f"parameter '{tidy(' '.join(texts))}' is a pointer or reference without an "
+                                   f"address space (device, constant, threadgroup or thread): Apple's compiler "
+                                   f"rejects it")
 
     def check_pointer_statement(self, i, k):
         """In `threadgroup T *a = ..., *b;` every declarator must be a pointer or reference:
@@ -551,6 +619,8 @@ class Transformer:
         fname = toks[name_idx].text
         close = self.match_close(k)
         params = self.split_params(k, close)
+        self.kernel_parens.add(close)
+        grid = {}  # grid position attribute -> component count
         table = []
         for (pa, pb) in params:
             attr = None
@@ -574,6 +644,7 @@ class Transformer:
                 m += 1
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
+            self.check_kernel_param(toks[pa], fname, attr[0], decl, grid)
             table.append(attr + (c_string(tidy(" ".join(decl))),))
         entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)
         if fname in self.kernels:
@@ -587,6 +658,36 @@ class Transformer:
                     f"static constexpr unsigned __lily_nparams_{fname} = 0; "
                     f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
         toks[start].text = decl + toks[start].text
+
+    def check_kernel_param(self, tok, fname, attr, decl, grid):
+        """Address space and type of a kernel parameter against its attribute (the MSL spec's
+        rules that Apple's compiler enforces and the simulator would otherwise not see)."""
+        what = f"kernel '{fname}': parameter '{tidy(' '.join(decl))}'"
+        indirect = "*" in decl or "&" in decl
+        spaces = [w for w in decl if w in ADDRESS_SPACES]
+        if attr == "buffer":
+            if not indirect or spaces not in (["device"], ["constant"]):
+                self.err(tok, f"{what} [[buffer(n)]] must be a device or constant pointer or reference")
+        elif attr == "threadgroup":
+            if not indirect or spaces != ["threadgroup"]:
+                self.err(tok, f"{what} [[threadgroup(n)]] must be a threadgroup pointer or reference")
+            if "atomic_float" in decl or "float" in decl[decl.index("atomic") + 1:decl.index("atomic") + 3] if "atomic" in decl else False:
+                self.err(tok, f"{what}: Metal supports float atomics in device memory only")
+        else:
+            type_words = [w for w in decl[:-1] if w != "const"]
+            if indirect or spaces or len(type_words) != 1:
+                self.err(tok, f"{what} [[{attr}]] must be a plain uint or ushort (vector) value")
+            ty = type_words[0]
+            if attr in GRID_ATTRS:
+                if ty not in GRID_TYPES:
+                    self.err(tok, f"{what} [[{attr}]] must be uint, ushort or a 2- or 3-component vector of them")
+                grid[attr] = GRID_TYPES[ty]
+                if len(set(grid.values())) > 1:
+                    self.err(tok, f"kernel '{fname}': its position attributes mix scalar and vector types "
+                                  f"({', '.join(f'{a}: {n}' for a, n in grid.items())} components); Metal requires "
+                                  f"one component count")
+            elif ty not in ("uint", "ushort"):
+                self.err(tok, f"{what} [[{attr}]] must be uint or ushort")
 
     def split_params(self, open_idx, close_idx):
         toks = self.toks
