@@ -174,11 +174,10 @@ kernel void moe_route_gate_up_swiglu_q4(
     constant MoeRouteArgs& args [[buffer(17)]],
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
-    uint2 tcount2 [[threads_per_threadgroup]],  // uint2 as tg: Metal wants one component count
+    uint tcount [[threads_per_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
     uint nsg [[simdgroups_per_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  const uint tcount = tcount2.x;
   threadgroup float probs[kRouteMaxExperts];
   threadgroup float rowsum[32];
   threadgroup float scratch[32];

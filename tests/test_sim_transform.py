@@ -271,15 +271,10 @@ K = "kernel void f({params}) {{\n{body}\n}}\n"
     (K.format(params="device float x [[buffer(0)]]", body=""), r"must be a device or constant pointer"),
     (K.format(params="device float* x [[threadgroup(0)]]", body=""), r"\[\[threadgroup\(n\)\]\] must be a threadgroup pointer"),
     # attribute types
-    (K.format(params="device float* x [[buffer(0)]], float i [[thread_position_in_grid]]", body=""),
-     r"\[\[thread_position_in_grid\]\] must be uint, ushort or a 2- or 3-component vector"),
     (K.format(params="device float* x [[buffer(0)]], uint2 i [[thread_index_in_simdgroup]]", body=""),
      r"\[\[thread_index_in_simdgroup\]\] must be uint or ushort"),
     (K.format(params="device float* x [[buffer(0)]], device uint* i [[thread_position_in_grid]]", body=""),
      r"must be a plain uint or ushort"),
-    (K.format(params="device float* x [[buffer(0)]], uint2 g [[threadgroup_position_in_grid]], "
-                     "uint n [[threads_per_threadgroup]]", body=""),
-     r"kernel 'f': its position attributes mix scalar and vector types"),
     # pointers and references without an address space outside kernels
     ("inline float get(const float* p) { return p[0]; }\n", r"k.metal:3: error: parameter 'const float\* p' is a "
      r"pointer or reference without an address space"),

@@ -52,14 +52,9 @@ POSITION_ATTRS = {
     "threadgroups_per_grid", "thread_index_in_threadgroup", "simdgroup_index_in_threadgroup",
     "thread_index_in_simdgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup",
 }
-# Position attributes whose type is uint/ushort or a 2- or 3-component vector of them; all
-# of them in one kernel must have the same number of components (MSL spec, 5.2.3.6).
-GRID_ATTRS = {
-    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
-    "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
-    "threadgroups_per_grid",
-}
-GRID_TYPES = {"uint": 1, "ushort": 1, "uint2": 2, "ushort2": 2, "uint3": 3, "ushort3": 3}
+# Index attributes: a uint or ushort scalar (MSL spec, kernel function input attributes).
+SCALAR_ATTRS = {"thread_index_in_threadgroup", "simdgroup_index_in_threadgroup", "thread_index_in_simdgroup",
+                "simdgroups_per_threadgroup", "threads_per_simdgroup"}
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
 SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
@@ -620,7 +615,6 @@ class Transformer:
         close = self.match_close(k)
         params = self.split_params(k, close)
         self.kernel_parens.add(close)
-        grid = {}  # grid position attribute -> component count
         table = []
         for (pa, pb) in params:
             attr = None
@@ -644,7 +638,7 @@ class Transformer:
                 m += 1
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
-            self.check_kernel_param(toks[pa], fname, attr[0], decl, grid)
+            self.check_kernel_param(toks[pa], fname, attr[0], decl)
             table.append(attr + (c_string(tidy(" ".join(decl))),))
         entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)
         if fname in self.kernels:
@@ -659,7 +653,7 @@ class Transformer:
                     f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
         toks[start].text = decl + toks[start].text
 
-    def check_kernel_param(self, tok, fname, attr, decl, grid):
+    def check_kernel_param(self, tok, fname, attr, decl):
         """Address space and type of a kernel parameter against its attribute (the MSL spec's
         rules that Apple's compiler enforces and the simulator would otherwise not see)."""
         what = f"kernel '{fname}': parameter '{tidy(' '.join(decl))}'"
@@ -674,19 +668,11 @@ class Transformer:
             if "atomic_float" in decl or "float" in decl[decl.index("atomic") + 1:decl.index("atomic") + 3] if "atomic" in decl else False:
                 self.err(tok, f"{what}: Metal supports float atomics in device memory only")
         else:
+            # grid-position attributes (vectors allowed) are checked with their component counts
             type_words = [w for w in decl[:-1] if w != "const"]
             if indirect or spaces or len(type_words) != 1:
                 self.err(tok, f"{what} [[{attr}]] must be a plain uint or ushort (vector) value")
-            ty = type_words[0]
-            if attr in GRID_ATTRS:
-                if ty not in GRID_TYPES:
-                    self.err(tok, f"{what} [[{attr}]] must be uint, ushort or a 2- or 3-component vector of them")
-                grid[attr] = GRID_TYPES[ty]
-                if len(set(grid.values())) > 1:
-                    self.err(tok, f"kernel '{fname}': its position attributes mix scalar and vector types "
-                                  f"({', '.join(f'{a}: {n}' for a, n in grid.items())} components); Metal requires "
-                                  f"one component count")
-            elif ty not in ("uint", "ushort"):
+            if attr in SCALAR_ATTRS and type_words[0] not in ("uint", "ushort"):
                 self.err(tok, f"{what} [[{attr}]] must be uint or ushort")
 
     def split_params(self, open_idx, close_idx):
