@@ -31,13 +31,12 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
-from lily.reference import ReferenceModel, silu, sigmoid, softmax  # noqa: E402
+from lily.reference import ReferenceModel, silu, sigmoid  # noqa: E402
+# the reference helpers and bounds live with lily doctor's kernel checks (one home)
+from lily.kernel_check import (  # noqa: E402,F401
+    DEPTH, GEMV_ROWS_PER_SG, TG, U, gemv_grid, magnitude, rand_quant, route_ref, to_bf16_bits, upload_q)
 
-U = 2.0**-24          # fp32 unit roundoff
-DEPTH = 64            # accumulation depth bound of the kernels (module docstring)
-GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
 GATE_UP_ROWS_PER_SG = 4
-TG = 64               # threads per threadgroup used for the GEMV-like kernels
 TIMES: dict[str, float] = {}
 
 
@@ -48,39 +47,6 @@ def dev():
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def to_bf16_bits(x) -> np.ndarray:
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
-    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, realistic bf16 scales
-    (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
-    shape = (*lead, rows)
-    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
-    g = (*shape, cols // 64)
-    s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
-    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
-    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
-
-
-def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
-    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
-    w, s, b = qt.weight, qt.scales, qt.biases
-    if index is not None:
-        w, s, b = w[index], s[index], b[index]
-    per = 32 // qt.bits
-    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
-    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
-    qg = q.reshape(*q.shape[:-1], -1, 64)
-    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
-    return m.reshape(q.shape)
-
-
-def upload_q(dev, qt: QuantizedTensor):
-    return upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)
 
 
 def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
@@ -95,10 +61,6 @@ def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, 
     cb.wait()
     TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
     return cb
-
-
-def gemv_grid(rows):
-    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
 
 
 def assert_within(got, want, tol, what):
@@ -243,14 +205,6 @@ def test_rms_norm_in_place(dev):
 
 
 # ----------------------------------------------------------------------------- moe_route
-
-
-def route_ref(logits, k, norm=True):
-    """lily.reference.ReferenceModel.moe's routing on float32 logits."""
-    p = softmax(logits.astype(np.float32)[None])[0]
-    top = np.argsort(-p, kind="stable")[:k]
-    w = p[top]
-    return top, (w / w.sum() if norm else w)
 
 
 def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
