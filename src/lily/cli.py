@@ -267,13 +267,9 @@ def cmd_info(args) -> int:
 
 def cmd_doctor(args) -> int:
     from lily import doctor
-    kernels = [k for k in args.kernels.split(",") if k.strip()] if args.kernels else None
-    try:
-        return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
-                          seed=args.seed, as_json=args.json)
-    except ValueError as e:  # an unknown --kernels name
-        print(f"lily: error: {e}", file=sys.stderr)
-        return 2
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
+    return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
+                      seed=args.seed, as_json=args.json)
 
 
 def _int_list(text: str) -> list[int]:

@@ -117,10 +117,11 @@ def _gib(n: int | None) -> str:
 
 def run(device: str = "auto", kernels: list[str] | None = None, model: str | None = None,
         max_context: int | None = None, seed: int | None = None, as_json: bool = False,
-        out=sys.stdout) -> int:
+        out=None) -> int:
     """Runs every check and prints the report (text, or one JSON object with ``as_json``).
     Returns 0 when everything that ran passed, 1 otherwise."""
     from lily import kernel_check
+    out = out or sys.stdout
     t0 = time.perf_counter()
     say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=out, flush=True))
     report: dict = {"system": system_info()}
