@@ -12,10 +12,10 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily import kernel_check  # noqa: E402
-from lily._device import sim_device  # noqa: E402
-from lily.cli import main  # noqa: E402
-from lily.errors import InvalidParameterError  # noqa: E402
+from lily import kernel_check
+from lily._device import sim_device
+from lily.cli import main
+from lily.errors import InvalidParameterError
 
 
 @pytest.fixture(scope="module")

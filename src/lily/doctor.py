@@ -25,7 +25,7 @@ def _first_line(cmd: list[str]) -> str | None:
     if not shutil.which(cmd[0]):
         return None
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     out = (r.stdout or r.stderr).strip().splitlines()
