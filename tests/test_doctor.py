@@ -81,6 +81,12 @@ def test_a_wrong_kernel_fails_its_check(dev, kernel, other):
     assert r.status in ("FAIL", "ERROR"), r
 
 
+def test_kernel_without_a_check_is_reported(dev, monkeypatch):
+    monkeypatch.delitem(kernel_check.CHECKS, "rms_norm")
+    [r] = kernel_check.run_checks(dev, ["rms_norm"])
+    assert r.status == "NO CHECK" and r.error is None
+
+
 def test_unknown_kernel_is_refused(dev):
     with pytest.raises(InvalidParameterError, match="unknown kernel"):
         kernel_check.run_checks(dev, ["no_such_kernel"])
@@ -90,7 +96,7 @@ def test_doctor_json(capsys):
     assert main(["doctor", "--device", "sim", "--json", "--kernels", "gemv_q4,rms_norm,embed_rows_q4"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {k["kernel"]: k["status"] for k in report["kernels"]} == {
-        "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "NO CHECK"}
+        "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
     assert report["device"]["name"] == "sim" and report["device"]["tensor_ops"] is True
     assert report["summary"]["ok"] is True
     assert report["model"]["weights"] > 0 and report["model"]["kv_cache"] > 0

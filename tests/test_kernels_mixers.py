@@ -41,7 +41,6 @@ out-of-range write detection.
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 from seeding import fresh_rng
@@ -54,11 +53,12 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, upload  # noqa: E402
 from lily.reference import ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
-from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
+from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    THETA, StubOracle, attention_reference, attn_cfg, gdn_cfg, heads_per_group, run)
+    PENALTIES, THETA, StubOracle, attention_reference, attn_cfg, count_buffer, expected_draws, filtered_probs,
+    gdn_cfg, heads_per_group, philox_u, run, sample_args, sample_many, sampler_for, sorted_order, thread_order)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -347,81 +347,6 @@ def test_attn_fused_steps_in_one_pass(dev, split):
 # ------------------------------------------------------------------------------ sampling
 
 
-def philox_u(seed: int, counter: int) -> float:
-    """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
-    counter = (position, 0, 0, 0); u = (first word >> 8) * 2^-24."""
-    M = 0xFFFFFFFF
-    c = [counter & M, 0, 0, 0]
-    k0, k1 = seed & M, (seed >> 32) & M
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M, (p0 >> 32) ^ c[3] ^ k1, p0 & M]
-        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
-    return (c[0] >> 8) * 2.0 ** -24
-
-
-def sampler_for(params: SamplingParams, prompt=(), generated=()):
-    s = Sampler(params, prompt)
-    for t in generated:
-        s._counts[int(t)] = s._counts.get(int(t), 0) + 1
-    return s
-
-
-def count_buffer(V, prompt=(), generated=()):
-    c = np.zeros(V, np.uint32)
-    for t in prompt:
-        c[t] |= 0x80000000
-    for t in generated:
-        c[t] += 1
-    return c
-
-
-def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
-    """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
-    return sampler_for(params, prompt, generated).probabilities(logits)
-
-
-def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
-    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
-                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
-                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
-                      int(update_counts))
-
-
-def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
-    """One sample_token dispatch per (seed, position), all in one command buffer."""
-    V = logits.size
-    n = len(seeds)
-    L, C = upload(dev, f32(logits)), upload(dev, counts)
-    POS = upload(dev, np.asarray(positions, np.uint32))
-    TOK = dev.buffer(4 * n)
-    k = max(params.top_logprobs, 1)
-    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    for j, seed in enumerate(seeds):
-        lp_bytes = 4 * (1 + params.top_logprobs)
-        p.dispatch("sample_token", 1, tg,
-                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
-                            (5, IDS, 4 * k * j)],
-                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
-                   reads=[L, C, (POS, 4 * j, 4)],
-                   writes=[(TOK, 4 * j, 4)]
-                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
-                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
-                      if params.top_logprobs else [])
-                   + ([C] if update_counts else []),
-                   threadgroups=True)
-    t = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    dt = time.perf_counter() - t
-    toks = download(TOK, np.uint32)
-    lps = download(LP, np.float32, (n, 1 + params.top_logprobs))
-    ids = download(IDS, np.uint32, (n, k))
-    return toks, lps, ids, C, dt
-
-
 @pytest.mark.parametrize("V", [1, 31, 1000, 248320])
 def test_sample_greedy(dev, V):
     rng = fresh_rng(V)
@@ -434,9 +359,6 @@ def test_sample_greedy(dev, V):
         reads=[L], writes=[TOK])
     want = int(np.nanargmax(logits))
     assert download(TOK, np.uint32)[0] == want
-
-
-PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
 
 
 def _penalty_case(V, seed, fixed=False):
@@ -465,29 +387,6 @@ def test_sample_token_top_k1_equals_greedy(dev):
     params = SamplingParams(temperature=0.8, top_k=1)
     toks, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(8)), list(range(8)))
     assert (toks == np.argmax(logits)).all()
-
-
-def sorted_order(probs):
-    """The fast path's candidate order: probability descending, id ascending."""
-    return np.lexsort((np.arange(probs.size), -probs))
-
-
-def thread_order(V, tg):
-    """The slow path's order: thread t's elements t, t + tg, ... one thread after another."""
-    return np.concatenate([np.arange(t, V, tg) for t in range(tg)])
-
-
-def expected_draws(probs, order, seeds, positions):
-    """Tokens the numpy model of the kernel draws, and whether u is near a boundary."""
-    p = probs[order]
-    csum = np.cumsum(p)
-    last = int(np.nonzero(p)[0][-1])
-    out = []
-    for seed, pos in zip(seeds, positions):
-        u = philox_u(seed, pos)
-        j = min(int(np.searchsorted(csum, u, side="right")), last)
-        out.append((int(order[j]), np.min(np.abs(csum - u)) < 1e-5))
-    return out
 
 
 @pytest.mark.parametrize("params", [
