@@ -52,13 +52,13 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, upload  # noqa: E402
-from lily.reference import ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
+from lily.reference import ReferenceState, round_bf16  # noqa: E402
 from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
     PENALTIES, THETA, StubOracle, attention_reference, attn_cfg, count_buffer, expected_draws, filtered_probs,
-    gdn_cfg, heads_per_group, philox_u, run, sample_args, sample_many, sampler_for, sorted_order, thread_order)
+    gdn_cfg, heads_per_group, philox_u, qk_prep_reference, run, sample_args, sample_many, sampler_for, sorted_order, thread_order)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -140,10 +140,7 @@ def test_attn_qk_prep(dev, dims, pos):
                 f32(r.standard_normal((Hkv, D))))
     A.set_position(pos)
     Q, GATE = A.prep(qg, k, v, pos)
-    # reference: the oracle's helpers, in the order ReferenceModel.attention applies them
-    P = np.array([pos])
-    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, rot, THETA)[0]
-    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, rot, THETA)[0]
+    q_ref, k_ref = qk_prep_reference(A, qg, k, pos)
     atol = 1e-5 if pos <= 64 else 2e-3
     np.testing.assert_allclose(download(Q, np.float32, (Hq, D)), q_ref, rtol=1e-5, atol=atol)
     np.testing.assert_array_equal(download(GATE, np.float32, (Hq, D)), qg[:, D:])

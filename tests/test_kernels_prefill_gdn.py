@@ -58,7 +58,7 @@ from lily.reference import ReferenceState, silu  # noqa: E402
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import SPARE_ROWS, U, rows_buffer  # noqa: E402,F401
 from lily.kernel_check import GDN_EPS as EPS, GDN_K as K, GDN_PREFILL_DIMS as GDN_DIMS  # noqa: E402,F401
-from lily.kernel_check import GdnStubOracle as StubOracle, rows_out_buffer as out_buffer  # noqa: E402,F401
+from lily.kernel_check import StubOracle, rows_out_buffer as out_buffer  # noqa: E402,F401
 
 
 class Layer(kernel_check.GdnPrefillLayer):

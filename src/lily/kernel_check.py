@@ -397,6 +397,15 @@ class AttnLayer:
         return download(OUT, np.float32)
 
 
+def qk_prep_reference(A, qg, k, pos):
+    """q [Hq, D] and k [Hkv, D] after RMSNorm + RoPE at position pos (lily.reference's
+    helpers, in the order ReferenceModel.attention applies them) for layer A."""
+    D, P = A.D, np.array([pos])
+    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, A.rot, THETA)[0]
+    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, A.rot, THETA)[0]
+    return q_ref, k_ref
+
+
 def attention_reference(q, gate, K, V, n, D):
     """float64 softmax attention of q [Hq, D] over K, V [Hkv, >=n, D]; output * sigmoid(gate)."""
     Hq, Hkv = q.shape[0], K.shape[0]
@@ -596,25 +605,6 @@ def rows_out_buffer(dev, rows, width, spare=SPARE_ROWS):
     return buf, (buf, 0, rows * width * 4)
 
 
-class GdnStubOracle(ReferenceModel):
-    """ReferenceModel whose linear layers return given projection outputs; ``out_proj``
-    returns its input, so ``gated_deltanet`` returns the gated RMSNorm output ``o``. The mixer
-    math is the reference's own code."""
-
-    def __init__(self, cfg, params):  # no checkpoint
-        self.cfg = cfg
-        self._act = lambda a: a.astype(np.float32, copy=False)
-        self.params = params
-        self.proj = {}
-
-    def param(self, name):
-        return self.params[name.split("_attn.", 1)[1]]
-
-    def linear(self, x, module):
-        name = module.rsplit(".", 1)[-1]
-        return x.astype(np.float32) if name == "out_proj" else self.proj[name]
-
-
 class GdnPrefillLayer:
     """Weights, session state (two conv-state buffers, the recurrent state) and inputs of one
     GDN layer on the device, with the encoders of the prefill and decode kernels."""
@@ -719,7 +709,7 @@ class GdnPrefillLayer:
         cfg = types.SimpleNamespace(linear_num_key_heads=self.Hk, linear_num_value_heads=self.Hv,
                                     linear_key_head_dim=self.Dk, linear_value_head_dim=self.Dv,
                                     linear_conv_kernel_dim=GDN_K, rms_norm_eps=GDN_EPS, conv_dim=self.C)
-        return GdnStubOracle(cfg, {"conv1d.weight": from_bf16(self.conv_w)[:, :, None],
+        return StubOracle(cfg, {"conv1d.weight": from_bf16(self.conv_w)[:, :, None],
                                 "dt_bias": from_bf16(self.dt_bias), "A_log": self.A_log,
                                 "norm.weight": from_bf16(self.norm_w)})
 
@@ -1464,7 +1454,7 @@ def _attn_decode_split(dev, rng, kernel):
 
 @check("attn_qk_prep")
 def _attn_qk_prep(dev, rng, kernel):
-    from lily.reference import rms_norm, rope, round_bf16
+    from lily.reference import round_bf16
     Hq, Hkv, D, rot = _ATTN[(256, 4)]
     pos = 37
     A = AttnLayer(dev, Hq, Hkv, D, rot, 64, rng=rng)
@@ -1472,9 +1462,7 @@ def _attn_qk_prep(dev, rng, kernel):
                 f32(rng.standard_normal((Hkv, D))))
     A.set_position(pos)
     Q, GATE = A.prep(qg, k, v, pos)
-    P = np.array([pos])
-    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, rot, THETA)[0]
-    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, rot, THETA)[0]
+    q_ref, k_ref = qk_prep_reference(A, qg, k, pos)
     r = _close(download(Q, np.float32, (Hq, D)), q_ref, 1e-5, 1e-5, f"{kernel} q")
     r = max(r, _close(download(GATE, np.float32, (Hq, D)), qg[:, D:], 0, 0, f"{kernel} gate"))
     kc = download(A.KC, np.uint16, (Hkv, A.cap, D))
@@ -1505,6 +1493,19 @@ def _attn_decode_fused(dev, rng, kernel):
     return _close(got, want, 2e-5, 2e-5, kernel)
 
 
+def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
+    """Worst error ratio of a norm_gemv's xn (vs float64 RMSNorm of x) and of its matrix
+    outputs (vs float64 products with the xn the kernel wrote)."""
+    want_xn = rms_ref64(x, nw)
+    xn = download(XN, np.float32)
+    r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
+    xin = xn.astype(np.float64)
+    for qt, (rows, _, Y) in zip(qts, mats):
+        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
+                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{xin.size}"))
+    return r
+
+
 @check("norm_gemv_q4", "norm_gemv_q8")
 def _norm_gemv(dev, rng, kernel):
     bits, cols = int(kernel[-1]), 128
@@ -1517,14 +1518,7 @@ def _norm_gemv(dev, rng, kernel):
     enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True)
     cb.commit()
     cb.wait()
-    want_xn = rms_ref64(x, nw)
-    xn = download(XN, np.float32)
-    r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
-    for qt, (rows, _, Y) in zip(qts, mats):
-        xin = xn.astype(np.float64)
-        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
-                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{cols}"))
-    return r
+    return _norm_gemv_ratio(kernel, x, nw, XN, qts, mats)
 
 
 @check("embed_norm_gemv_q4")
@@ -1543,14 +1537,7 @@ def _embed_norm_gemv(dev, rng, kernel):
     cb.wait()
     h = download(H, np.float32)
     r = ratio(h, emb.dequantize(tok).astype(np.float64), 2 * U * magnitude(emb, tok), f"{kernel} embedding row {tok}")
-    want_xn = rms_ref64(h, nw)
-    xn = download(XN, np.float32)
-    r = max(r, ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn"))
-    for qt, (rows, _, Y) in zip(qts, mats):
-        xin = xn.astype(np.float64)
-        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
-                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{cols}"))
-    return r
+    return max(r, _norm_gemv_ratio(kernel, h, nw, XN, qts, mats))
 
 
 @check("embed_rows_q4")
