@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from lily import __version__
-from lily.errors import DeviceError
+from lily.errors import DeviceError, InvalidParameterError
 
 
 def _first_line(cmd: list[str]) -> str | None:
@@ -54,12 +54,18 @@ def _physical_memory() -> int | None:
         return None
 
 
+def _build(info: dict) -> str:
+    std = {201703: "C++17", 202002: "C++20"}.get(info.get("cxx_standard"), f"C++ {info.get('cxx_standard')}")
+    return (f"{info.get('compiler')}, {std}, {info.get('platform')}{', debug' if info.get('debug') else ''}; "
+            f"devices: {', '.join(info.get('devices', [])) or 'none'}")
+
+
 def system_info() -> dict:
     """Machine, OS and toolchain facts (strings; None where not found)."""
     from lily import _core
     info = {
         "lily": __version__,
-        "native_build": _core.build_info(),
+        "native_build": _build(_core.build_info()),
         "python": platform.python_version(),
         "os": (f"macOS {platform.mac_ver()[0]}" if sys.platform == "darwin" else platform.platform()),
         "arch": platform.machine(),
@@ -126,27 +132,35 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=out, flush=True))
     report: dict = {"system": system_info()}
     sysi = report["system"]
+    name, dev, err = open_device(device)
+    if dev is not None and kernels:  # a typo in --kernels is an error before any output
+        unknown = sorted(set(kernels) - set(kernel_check.shipped_kernels(dev)))
+        if unknown:
+            raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)} (`lily doctor --json` lists "
+                                        f"every kernel of the library)")
     say("Lily doctor")
     for key in ("lily", "native_build", "python", "os", "arch", "chip", "xcode", "metal_compiler", "sdk"):
         if key in sysi:
             say(f"  {key:<15} {sysi[key] if sysi[key] is not None else 'not found'}")
     say(f"  {'memory':<15} {_gib(sysi['memory_bytes'])}")
 
-    name, dev, err = open_device(device)
     report["device"] = {"name": name, "error": err}
     say("\ndevice")
     if dev is None:
         say(f"  {name}: FAILED to open: {err}")
     else:
         names = kernel_check.shipped_kernels(dev)
+        if name == "sim":
+            say("  (no Metal GPU in this build: the kernels run on the Metal simulator, on the CPU; this checks\n"
+                "   the package, not a GPU)")
         report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
                                  "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
                                  "tensor_ops_status": dev.tensor_ops_status})
         where = "lily.metallib loaded" if name == "metal" else "kernels compiled into the simulator"
         say(f"  {'device':<15} {name}: {dev.name} ({dev.gpu_family})")
         say(f"  {'library':<15} {where}: {len(names)} kernels")
-        say(f"  {'tensor ops':<15} " + ("yes (Metal 4 tensor library loaded)" if dev.supports_tensor_ops
-                                         else f"no: {dev.tensor_ops_status}"))
+        loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
+        say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
         pipes, bad = [], []
         for k in names:  # building every pipeline reports kernels the GPU compiler rejects
             ok = dev.has_kernel(k)
@@ -205,7 +219,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     else:
         say(f"device {name}: {dev.name} {dev.gpu_family} | tensor ops: "
             f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}")
-    say("kernels: " + ", ".join(f"{n} {s}" for s, n in sorted(counts.items())))
+    say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)"))
     for r in results:
         if r.status in ("FAIL", "ERROR"):
             say(f"  {r.status} {r.kernel}: {_short(r.detail)}")
