@@ -112,3 +112,19 @@ def test_doctor_text_report(capsys):
 def test_doctor_unknown_kernel_is_an_error(capsys):
     assert main(["doctor", "--kernels", "nope"]) == 1
     assert "unknown kernel(s) nope" in capsys.readouterr().err
+
+
+def test_pipeline_report_names_a_failing_pipeline():
+    from lily.doctor import _pipeline
+
+    class Fake:
+        def pipeline_info(self, name):
+            if name == "bad":
+                raise RuntimeError("Compiler encountered an internal error")
+            return {"kernel": name, "max_threads_per_threadgroup": 896, "thread_execution_width": 32,
+                    "static_threadgroup_memory": 4096}
+
+    assert _pipeline(Fake(), "good") == {"kernel": "good", "built": True, "max_threads_per_threadgroup": 896,
+                                         "thread_execution_width": 32, "static_threadgroup_memory": 4096}
+    bad = _pipeline(Fake(), "bad")
+    assert bad["built"] is False and "internal error" in bad["error"]

@@ -117,6 +117,18 @@ def model_memory(model: str | None, max_context: int | None) -> dict:
             "total": ck.nbytes + kv + state}
 
 
+def _pipeline(dev, kernel: str) -> dict:
+    """Whether kernel's pipeline builds, and its limits where the device reports them
+    (Device.pipeline_info: thread limit, SIMD width, static threadgroup memory in bytes)."""
+    info = getattr(dev, "pipeline_info", None)
+    try:
+        if info is None:
+            return {"kernel": kernel, "built": dev.has_kernel(kernel)}
+        return {**info(kernel), "kernel": kernel, "built": True}
+    except Exception as e:  # noqa: BLE001 (a pipeline the GPU rejects is a line in the report)
+        return {"kernel": kernel, "built": False, "error": f"{type(e).__name__}: {e}"}
+
+
 def _gib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -161,15 +173,24 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"  {'library':<15} {where}: {len(names)} kernels")
         loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
         say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
-        pipes, bad = [], []
-        for k in names:  # building every pipeline reports kernels the GPU compiler rejects
-            ok = dev.has_kernel(k)
-            pipes.append({"kernel": k, "built": ok})
-            if not ok:
-                bad.append(k)
+        pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
         report["pipelines"] = pipes
-        say(f"  {'pipelines':<15} {len(names) - len(bad)} of {len(names)} built"
-            + (f"; FAILED: {', '.join(bad)}" if bad else ""))
+        bad = [p["kernel"] for p in pipes if not p["built"]]
+        say(f"  {'pipelines':<15} {len(names) - len(bad)} of {len(names)} built")
+        for p in pipes:
+            if not p["built"]:
+                say(f"  {'':<15} FAILED {p['kernel']}: {_short(p.get('error', 'not in the library'))}")
+        if any("max_threads_per_threadgroup" in p for p in pipes):
+            say(f"  {'':<15} {'kernel':<34} {'max threads':>11} {'simd width':>10} {'tg memory':>10}")
+            for p in pipes:
+                if "max_threads_per_threadgroup" in p:
+                    say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
+                        f"{p['thread_execution_width']:>10} {p['static_threadgroup_memory']:>10}")
+        limits = getattr(dev, "memory_limits", None) or {}
+        report["device"]["memory_limits"] = limits
+        if limits.get("working_set"):
+            say(f"  {'GPU memory':<15} working set {_gib(limits['working_set'])}, largest buffer "
+                f"{_gib(limits.get('max_buffer') or None)}")
 
     try:
         mem = model_memory(model, max_context)
@@ -180,12 +201,14 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     if "error" in mem:
         say(f"  {mem['error']}")
     else:
-        budget = sysi["memory_bytes"]
+        limits = report["device"].get("memory_limits") or {}
+        budget = limits.get("working_set") or sysi["memory_bytes"]
         say(f"  {'checkpoint':<15} {mem['path']}")
         say(f"  {'weights':<15} {_gib(mem['weights'])}")
         say(f"  {'kv cache':<15} {_gib(mem['kv_cache'])} at max_context {mem['max_context']} (estimate)")
         fits = budget is None or mem["total"] <= budget
-        say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} memory"
+        say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} "
+            f"{'GPU working set' if limits.get('working_set') else 'memory'}"
             + ("" if fits else "  TOO LARGE: pass a smaller --max-context"))
 
     results = []
@@ -219,6 +242,11 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     else:
         say(f"device {name}: {dev.name} {dev.gpu_family} | tensor ops: "
             f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}")
+    pipes = report.get("pipelines", [])
+    if pipes:
+        failed_p = [p["kernel"] for p in pipes if not p["built"]]
+        say(f"pipelines: {len(pipes) - len(failed_p)} of {len(pipes)} built"
+            + (f"; FAILED: {', '.join(failed_p)}" if failed_p else ""))
     say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)"))
     for r in results:
         if r.status in ("FAIL", "ERROR"):
