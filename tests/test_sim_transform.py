@@ -279,6 +279,11 @@ K = "kernel void f({params}) {{\n{body}\n}}\n"
     ("inline float get(const float* p) { return p[0]; }\n", r"k.metal:3: error: parameter 'const float\* p' is a "
      r"pointer or reference without an address space"),
     ("inline void put(float& r) { r = 1.0f; }\n", r"parameter 'float& r' is a pointer or reference without"),
+    (K.format(params="device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]",
+              body="  const float* p = x + i;\n  x[i] = p[0];"),
+     r"k.metal:4: error: pointer 'p' declared without an address space"),
+    (K.format(params="device float4* x [[buffer(0)]]", body="  for (float4 *p = x; p != x + 4; ++p) {}"),
+     r"pointer 'p' declared without an address space"),
     # threadgroup storage belongs to kernels
     ("inline float h(uint i) {\n  threadgroup float t[32];\n  return t[i];\n}\n",
      r"k.metal:4: error: threadgroup variable 't' declared outside a kernel function"),

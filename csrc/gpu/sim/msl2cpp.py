@@ -55,6 +55,9 @@ POSITION_ATTRS = {
 # Index attributes: a uint or ushort scalar (MSL spec, kernel function input attributes).
 SCALAR_ATTRS = {"thread_index_in_threadgroup", "simdgroup_index_in_threadgroup", "thread_index_in_simdgroup",
                 "simdgroups_per_threadgroup", "threads_per_simdgroup"}
+# Scalar and vector value types: `T* p = ...;` with one of them starts a pointer declaration.
+VALUE_TYPES = {f"{b}{n}" for b in ("float", "half", "bfloat", "int", "uint", "short", "ushort", "char", "uchar",
+                                   "bool", "long", "ulong") for n in ("", "2", "3", "4")} | {"unsigned", "signed"}
 ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
 SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
@@ -255,6 +258,8 @@ class Transformer:
                 i += 1
                 continue
             if t.kind == "ident":
+                if scopes[-1] == "code" and t.text in VALUE_TYPES:
+                    self.check_local_pointer(i)
                 if t.text in ("device", "thread"):
                     t.text = ""
                 elif t.text == "constant":
@@ -504,6 +509,30 @@ class Transformer:
                    f"auto& {name} = ::lily::sim::tg_var<__lily_tgt_{n}>(&__lily_tgk_{n})" + "\n" * nl)
         tg.kind = "gen"
         return k
+
+    def check_local_pointer(self, i):
+        """`float* p = ...;` as a statement in a function body: MSL makes p a thread-space
+        pointer, which a device or threadgroup address does not convert to (Apple's compiler
+        rejects it; C++ would not notice). The address space must be written."""
+        toks = self.toks
+        p = self.prev_sig(i)
+        while p >= 0 and toks[p].kind == "ident" and toks[p].text in self.CV:
+            p = self.prev_sig(p)
+        if not (p < 0 or toks[p].kind in ("pp", "gen") or toks[p].text in (";", "{", "}", "(")):
+            return
+        if toks[p].text == "(" and self.tok(self.prev_sig(p)).text != "for":
+            return  # a cast or a parameter, not a declaration
+        k = self.next_sig(i)
+        while self.tok(k).kind == "ident" and self.tok(k).text in self.CV:
+            k = self.next_sig(k)
+        if self.tok(k).text != "*":
+            return
+        k = self.next_sig(k)
+        while self.tok(k).kind == "ident" and self.tok(k).text in self.CV + ("__restrict",):
+            k = self.next_sig(k)
+        if self.tok(k).kind == "ident" and self.tok(self.next_sig(k)).text in ("=", ";", ","):
+            self.err(toks[i], f"pointer '{self.tok(k).text}' declared without an address space: in MSL it points to "
+                              f"thread memory (write device, constant, threadgroup or thread)")
 
     def check_atomic_type(self, tg, a, b):
         """Float atomics exist in device memory only (MSL spec 6.15.1)."""
