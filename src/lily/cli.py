@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="checkpoint whose memory needs to show (default: demo model)")
     d.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="context length for the KV-cache estimate (default: the model's maximum)")
+                   help="context length for the KV-cache estimate (default: as Engine.load, 32768 or the model's maximum)")
     d.add_argument("--seed", type=int, default=None, help="fix the random inputs (default: fresh ones)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     d.set_defaults(func=cmd_doctor)

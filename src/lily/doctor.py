@@ -100,15 +100,15 @@ def model_memory(model: str | None, max_context: int | None) -> dict:
     """Weights and KV cache of a checkpoint (the embedded demo model by default), in bytes.
 
     KV cache (an estimate): full-attention layers x (K and V) x KV heads x head dim x
-    max_context x 2 bytes (bf16 cache rows), plus the Gated DeltaNet state (float32 S of
-    Hv x Dk x Dv and the conv window) per linear-attention layer.
+    max_context (default: Engine.load's) x 2 bytes (bf16 cache rows), plus the Gated
+    DeltaNet state (float32 S of Hv x Dk x Dv and the conv window) per linear-attention layer.
     """
     from lily.checkpoint import open_checkpoint
-    from lily.engine import default_model_path
+    from lily.engine import DEFAULT_MAX_CONTEXT, default_model_path
     path = Path(model) if model else default_model_path()
     ck = open_checkpoint(path)
     c = ck.config
-    ctx = max_context or c.max_position_embeddings
+    ctx = max_context or min(DEFAULT_MAX_CONTEXT, c.max_position_embeddings)  # Engine.load's default
     kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * ctx * 2
     linear = c.num_hidden_layers - len(c.full_attention_layers)
     state = linear * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
