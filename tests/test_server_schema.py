@@ -1,5 +1,6 @@
 """Property-based fuzzing of the server's OpenAPI schema with schemathesis: whatever the
-request, the server answers without a 5xx. Runs in-process (ASGI) on a scripted engine."""
+request, the server answers without a 5xx. Runs in-process (ASGI) on a scripted engine, over
+every API: OpenAI chat completions, completions and Responses, Anthropic Messages."""
 
 from __future__ import annotations
 
@@ -63,4 +64,5 @@ def test_no_server_errors(operation):
 def test_every_operation_is_fuzzed():
     assert {op.label for op in OPERATIONS} >= {
         "GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
-        "POST /v1/chat/completions", "POST /v1/completions"}
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
+        "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/responses/{response_id}"}

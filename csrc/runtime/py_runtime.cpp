@@ -69,8 +69,26 @@ void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
                               "A host copy of a Runtime's session state (Runtime.snapshot / restore).")
+      .def("__init__",
+           [](SessionSnapshot* self, uint32_t position, const std::vector<nb::bytes>& parts) {
+             new (self) SessionSnapshot();
+             self->position = position;
+             for (const auto& p : parts) {
+               const auto* b = static_cast<const uint8_t*>(p.data());
+               self->parts.emplace_back(b, b + p.size());
+             }
+           },
+           "position"_a, "parts"_a,
+           "A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.")
       .def_ro("position", &SessionSnapshot::position, "tokens in the session")
-      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)");
+      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)")
+      .def("parts",
+           [](const SessionSnapshot& s) {
+             std::vector<nb::bytes> out;
+             for (const auto& p : s.parts) out.emplace_back(p.data(), p.size());
+             return out;
+           },
+           "The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",

@@ -16,9 +16,11 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from lily.chat_output import ChatMessage, ToolCall, parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.native import check_vocabulary
+from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
 from lily.reference import ReferenceModel, ReferenceState
 from lily.sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob
 from lily.tokenizer import Tokenizer
@@ -143,7 +145,8 @@ class StreamEvent:
     ``text`` is safe to display (complete UTF-8 characters, stop strings withheld);
     ``token_ids`` are the tokens produced in this step (the EOS token is not included).
     The last event has ``finish_reason`` set (``"stop"``, ``"length"`` or ``"cancelled"``)
-    and carries ``prompt_tokens``/``completion_tokens`` and ``timings``.
+    and carries ``prompt_tokens``/``completion_tokens``, ``cached_tokens`` (prompt tokens
+    whose state was reused rather than computed) and ``timings``.
     """
 
     text: str
@@ -153,12 +156,14 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
 class GenerationResult:
     """A finished generation: ``text``, generated ``token_ids``, ``finish_reason``, usage
-    counts, ``timings`` and optional per-token ``logprobs``."""
+    counts (``cached_tokens``: prompt tokens reused from the session or the prompt cache),
+    ``timings`` and optional per-token ``logprobs``."""
 
     text: str
     token_ids: list[int]
@@ -167,6 +172,24 @@ class GenerationResult:
     completion_tokens: int
     timings: Timings
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class ChatResult(GenerationResult):
+    """A finished :meth:`Engine.chat`: a :class:`GenerationResult` (``text`` is the raw
+    reply, special tokens included) plus the reply split by :func:`lily.chat_output.parse_chat_output`:
+    ``reasoning`` (the thinking block), ``content`` (the answer) and ``tool_calls``
+    (:class:`lily.chat_output.ToolCall`, arguments typed by the tools' schemas)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def message(self) -> dict:
+        """The assistant message to append to the conversation for the next turn."""
+        return ChatMessage(self.reasoning, self.content, list(self.tool_calls)).to_message()
 
 
 class Engine:
@@ -192,13 +215,18 @@ class Engine:
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
         self._tokens: list[int] = []  # tokens whose effect is in the session state
+        self.prompt_cache: PromptCache | None = PromptCache(DEFAULT_MAX_BYTES)
+        self._im_start = tokenizer.token_to_id("<|im_start|>")
+        self._snap_points: list[int] = []  # positions of the running prefill to snapshot
+        self._cache_key: str | None = None  # the running request's prompt_cache_key
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def load(cls, path: str | Path | None = None, *, device: str = "reference",
              max_context: int | None = None, progress: bool = False,
-             device_options: dict | None = None) -> "Engine":
+             device_options: dict | None = None,
+             prompt_cache_bytes: int = DEFAULT_MAX_BYTES) -> "Engine":
         """Load a checkpoint directory (default: the embedded demo model).
 
         Parameters
@@ -219,6 +247,9 @@ class Engine:
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
+        prompt_cache_bytes : int
+            Memory budget of the multi-turn prompt cache (:class:`lily.PromptCache`,
+            default 4 GiB); 0 disables it.
 
         Raises
         ------
@@ -247,11 +278,14 @@ class Engine:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 0 < max_context <= limit:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
         backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
             bar.update(1)
             bar.close()
-        return cls(path, ck, tok, backend, max_context, generation_config)
+        engine = cls(path, ck, tok, backend, max_context, generation_config)
+        engine.prompt_cache = cache
+        return engine
 
     # ------------------------------------------------------------------ low level
 
@@ -339,22 +373,65 @@ class Engine:
             raise InvalidParameterError("the prompt is empty")
         return ids
 
-    def _start(self, prompt_ids: list[int]) -> list[int]:
-        """Reuse the session when the new prompt extends the tokens already in it."""
+    def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
+        """Prepare the session for ``prompt_ids`` and return the tokens still to compute
+        (at least one: the last prompt token's logits select the first output).
+
+        The session is kept when the prompt extends its tokens; otherwise the longest
+        prefix in the prompt cache is restored when it is longer (a restore that fails
+        drops that entry and starts from an empty session). Sets the snapshot positions
+        of the prefill that follows (:func:`lily.prompt_cache.snapshot_points`);
+        ``cache_key`` is the request's ``prompt_cache_key`` hint for the cache's eviction."""
         n = len(self._tokens)
-        if n and len(prompt_ids) > n and prompt_ids[:n] == self._tokens:
-            return prompt_ids[n:]
-        self.reset()
-        return prompt_ids
+        start = n if n < len(prompt_ids) and prompt_ids[:n] == self._tokens else 0
+        cache = self.prompt_cache
+        self._cache_key = cache_key
+        entry = cache.lookup(prompt_ids, len(prompt_ids) - 1, cache_key) if cache is not None else None
+        if entry is not None and entry.length > start:
+            try:
+                self.backend.restore(entry.state)
+                self._tokens = entry.tokens.tolist()
+                start = entry.length
+            except Exception:  # noqa: BLE001 - a bad entry must not take the engine down
+                cache.discard(entry)
+                start = 0
+        if start == 0:
+            self.reset()
+        self._snap_points = snapshot_points(prompt_ids, start, self._im_start) if cache is not None else []
+        if cache is not None:
+            cache.record(start, len(prompt_ids) - start)
+        return prompt_ids[start:]
+
+    def _pieces(self, new: list[int], chunk: int):
+        """``new`` (the tokens after the session's) in prefill pieces of at most ``chunk``
+        tokens that end at the snapshot positions."""
+        base, s = len(self._tokens), 0
+        for p in self._snap_points + [base + len(new)]:
+            while base + s < p:
+                e = min(p - base, s + chunk)
+                yield new[s:e]
+                s = e
+
+    def _snapshot_if_planned(self) -> None:
+        """After a prefill piece: store the session in the prompt cache at a planned position."""
+        if self.prompt_cache is not None and self.position in self._snap_points:
+            self._cache_session()
+
+    def _cache_session(self) -> None:
+        if self.prompt_cache is not None and self._tokens and len(self._tokens) == self.position:
+            self.prompt_cache.insert(self._tokens, self.backend.snapshot(), key=self._cache_key)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               cancel: threading.Event | None = None, **overrides) -> Iterator[StreamEvent]:
+               cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
+               **overrides) -> Iterator[StreamEvent]:
         """Generate from ``prompt``, yielding :class:`StreamEvent` as text becomes safe to show.
 
         ``params`` defaults to the checkpoint's generation defaults; keyword ``overrides``
         (e.g. ``max_tokens=64, temperature=0.7, stop=["\\n\\n"]``) replace fields. Setting
         ``cancel`` ends the stream promptly (between prefill chunks or decode steps) with
         ``finish_reason="cancelled"``; closing the generator also stops it.
+        ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
+        choose what to evict; reuse is decided by token equality alone.
 
         Raises
         ------
@@ -368,18 +445,22 @@ class Engine:
         if len(prompt_ids) > self.max_context:
             raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context window "
                                      f"is {self.max_context} tokens")
-        return self._generate(prompt_ids, p, cancel)
+        return self._generate(prompt_ids, p, cancel, prompt_cache_key)
 
-    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel) -> Iterator[StreamEvent]:
+    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
+                  cache_key: str | None = None) -> Iterator[StreamEvent]:
         timings = Timings()
         sampler = Sampler(p, prompt_ids)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(p.stop)
-        new = self._start(prompt_ids)
+        new = self._start(prompt_ids, cache_key)
         timings.prefill_tokens = len(new)
+        cached = len(prompt_ids) - len(new)
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
+            if reason != "cancelled":
+                self._cache_session()  # the end of the generated text: the next turn may extend it
+            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         n_out = 0
         t0 = time.perf_counter()
@@ -388,12 +469,13 @@ class Engine:
             yield from self._generate_pipelined(prompt_ids, new, p, cancel, timings, detok, stops)
             return
         try:
-            for s in range(0, len(new), PREFILL_CHUNK):
+            for piece in self._pieces(new, PREFILL_CHUNK):
                 if cancel is not None and cancel.is_set():
                     self.reset()  # a partial prefill leaves no usable session
                     yield done("cancelled")
                     return
-                logits = self.prefill(new[s:s + PREFILL_CHUNK])
+                logits = self.prefill(piece)
+                self._snapshot_if_planned()
         except BaseException:
             self.reset()
             raise
@@ -438,25 +520,32 @@ class Engine:
         first token."""
         backend = self.backend
         n_out = 0
+        cached = len(prompt_ids) - len(new)
+        ended = False  # finished (not cancelled): the session is worth a snapshot
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
+            nonlocal ended
+            ended = reason != "cancelled"
+            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         t0 = time.perf_counter()
         # All but the last chunk are prefilled here (cancellation is checked between chunks);
         # the last one is the feed of the device pipeline, whose final chunk samples the
         # first token on the device and hands it to the first decode step.
+        # The feed starts at the last snapshot position, so every snapshot is taken here.
         chunk = getattr(backend, "prefill_chunk", PREFILL_CHUNK)
         tail = len(new) - ((len(new) - 1) % chunk + 1)
+        if self._snap_points:
+            tail = max(tail, self._snap_points[-1] - len(self._tokens))
         try:
-            for s in range(0, tail, chunk):
+            for piece in self._pieces(new[:tail], chunk):
                 if cancel is not None and cancel.is_set():
                     self.reset()
                     yield done("cancelled")
                     return
-                piece = new[s:s + chunk]
                 backend.prefill_only(piece)
                 self._tokens.extend(piece)
+                self._snapshot_if_planned()
         except BaseException:
             self.reset()
             raise
@@ -465,7 +554,7 @@ class Engine:
         history = self._tokens + feed
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
         backend.start(feed, steps, history, p)
-        outs: list[int] = []
+        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
         t1 = None
         try:
             while True:
@@ -482,6 +571,7 @@ class Engine:
                     return
                 tok, lp = step
                 if tok in self.eos_token_ids and not p.ignore_eos:
+                    outs.append(tok)  # a speculative step may have consumed it
                     yield done("stop", stops.flush() + detok.flush())
                     return
                 outs.append(tok)
@@ -506,11 +596,15 @@ class Engine:
             timings.decode_s = now - t1
             consumed = backend.position - start_pos
             self._tokens.extend((feed + outs)[:consumed])
+            if ended:
+                self._cache_session()
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 cancel: threading.Event | None = None, **overrides) -> GenerationResult:
+                 cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
+                 **overrides) -> GenerationResult:
         """Like :meth:`stream`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream(prompt, params, cancel=cancel, **overrides))
+        return self._collect(self.stream(prompt, params, cancel=cancel, prompt_cache_key=prompt_cache_key,
+                                         **overrides))
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
@@ -518,17 +612,22 @@ class Engine:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
-        return self.stream(ids, params, cancel=cancel, **overrides)
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              cancel: threading.Event | None = None, **overrides) -> GenerationResult:
-        """Like :meth:`stream_chat`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream_chat(messages, params, tools=tools,
-                                              chat_template_kwargs=chat_template_kwargs,
-                                              cancel=cancel, **overrides))
+        """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
+        and its ``reasoning``, ``content`` and ``tool_calls``."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides))
+        parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
+                                   parse_tools=bool(tools))
+        return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
+                          tool_calls=parsed.tool_calls)
 
     @staticmethod
     def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
@@ -540,7 +639,50 @@ class Engine:
                 lps.extend(ev.logprobs)
             last = ev
         return GenerationResult("".join(texts), ids, last.finish_reason, last.prompt_tokens,
-                                last.completion_tokens, last.timings, lps or None)
+                                last.completion_tokens, last.timings, lps or None, last.cached_tokens)
+
+    # ------------------------------------------------------------------ prompt cache
+
+    def save_prompt_cache(self, path: str | Path) -> int:
+        """Write the prompt cache's entries to ``path`` (one safetensors file carrying the
+        model's config, quantization, a weights fingerprint, the device kind and a checksum).
+        Returns the number of entries. Raises :class:`InvalidParameterError` when the cache
+        is disabled."""
+        from lily import prompt_cache
+        if self.prompt_cache is None:
+            raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
+        return prompt_cache.save(self.prompt_cache, self, path)
+
+    def load_prompt_cache(self, path: str | Path) -> int:
+        """Add the entries of a file written by :meth:`save_prompt_cache` to the prompt cache,
+        pinned (never evicted). Returns their number. Raises
+        :class:`lily.prompt_cache.PromptCacheError` naming what differs for a file of another
+        model, quantization or device kind, a damaged file, or entries beyond the context
+        window or the cache budget; nothing is loaded then."""
+        from lily import prompt_cache
+        if self.prompt_cache is None:
+            raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
+        return prompt_cache.load(self.prompt_cache, self, path)
+
+    def cache_prompt(self, prompt: str | Sequence[int]) -> int:
+        """Prefill ``prompt`` (text or ids) into the prompt cache, snapshotting at the same
+        positions a generation would (message boundaries, the last token); the session is
+        left holding the prompt. Returns the number of tokens computed."""
+        ids = self.encode_prompt(prompt)
+        if len(ids) > self.max_context:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens but the context window "
+                                     f"is {self.max_context} tokens")
+        new = self._start(ids)
+        self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
+        try:
+            for piece in self._pieces(new, PREFILL_CHUNK):
+                self.prefill(piece)
+                self._snapshot_if_planned()
+        except BaseException:
+            self.reset()
+            raise
+        self._cache_session()
+        return len(new)
 
     def info(self) -> dict:
         """Facts for ``lily info``: config, tensor count, weight bytes, device, devices."""

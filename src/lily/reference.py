@@ -13,7 +13,6 @@ be prefilled in one call or in pieces and then decoded token by token with ident
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,8 +105,19 @@ class ReferenceState:
     recurrent: dict = field(default_factory=dict)
 
     def copy(self) -> "ReferenceState":
-        """A deep snapshot (used for multi-turn reuse and tests)."""
-        return copy.deepcopy(self)
+        """A deep snapshot (multi-turn reuse, the prompt cache): the KV rows in use only
+        (the attention grows the arrays again as needed)."""
+        n = self.position
+        return ReferenceState(self.max_context, n,
+                              {i: a[:, :n].copy() for i, a in self.keys.items()},
+                              {i: a[:, :n].copy() for i, a in self.values.items()},
+                              {i: a.copy() for i, a in self.conv.items()},
+                              {i: a.copy() for i, a in self.recurrent.items()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for d in (self.keys, self.values, self.conv, self.recurrent) for a in d.values())
 
 
 class ReferenceModel:
