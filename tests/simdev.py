@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 THREAD_ORDERS = {
@@ -86,24 +85,5 @@ def native_device(request) -> str:
     return request.param
 
 
-# ---- host-side encoding shared by the kernel tests
-
-def bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    from lily.reference import round_bf16
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-def from_bf16(bits) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> float32, exact."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
-                    for v in fields)
+# ---- host-side encoding shared by the kernel tests (home: lily.kernel_check)
+from lily.kernel_check import args_bytes, bf16_bits, f32, from_bf16  # noqa: E402,F401

@@ -19,6 +19,7 @@ _INT32_MAX = (1 << 31) - 1
 _SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
 
 _EPILOG = """examples:
+  lily doctor                                 # first thing on a new machine: checks GPU and kernels
   lily generate "ROMEO."                      # the embedded demo model (Shakespeare)
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
@@ -410,6 +411,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from lily import doctor
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
+    return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
+                      seed=args.seed, as_json=args.json)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -583,6 +591,23 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
     a.add_argument("--no-cold", action="store_true", help="skip the runs without the cache")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="check this machine: toolchain, GPU, memory, and every kernel against numpy",
+                       description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
+                                   "library and the tensor library load, the memory the model needs, then run "
+                                   "every shipped kernel once on the GPU (the simulator off a Mac) against its "
+                                   "numpy reference on fresh random inputs. Ends with a block to paste into a "
+                                   "bug report. Exit status 1 when anything failed.")
+    d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
+                   help="device to check (default auto: metal on a Mac, else the simulator)")
+    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
+    d.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="checkpoint whose memory needs to show (default: demo model)")
+    d.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context length for the KV-cache estimate (default: as Engine.load, 32768 or the model's maximum)")
+    d.add_argument("--seed", type=int, default=None, help="fix the random inputs (default: fresh ones)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    d.set_defaults(func=cmd_doctor)
 
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "
