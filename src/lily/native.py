@@ -242,8 +242,9 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
                         router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
                         gemm_path: str = "simdgroup") -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
-    (record-only device, virtual weights), as :func:`count_decode_step`."""
-    dev = make_device("sim", record_only=True)
+    (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
+    counts on a simulator of an apple10 (M5) GPU, the family that has them."""
+    dev = make_device("sim", record_only=True, **({"gpu_family": "apple10"} if gemm_path == "tensor" else {}))
     rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
                   SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
     return rt.count_chunk(position, rows)
