@@ -148,7 +148,7 @@ def test_run_bench_exact_shape_warmup():
 def test_lily_bench_pplx_protocol(tmp_path):
     pytest.importorskip("mlx_lm")
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--device", "sim",
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--device", "reference",
                         "--lengths", "8,99999999", "--rounds", "1", "--json", str(out)],
                        capture_output=True, text=True, timeout=900, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
