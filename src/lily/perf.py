@@ -54,11 +54,14 @@ QWEN36_35B_A3B = {"model_type": "qwen3_5_moe", "text_config": {
 #: Roofline Analysis"); applied to every machine.
 BANDWIDTH_EFFICIENCY = 0.79
 #: Fraction of the peak a path sustains on our kernels. simdgroup_matrix GEMMs: 80-92% of
-#: the ALU peak (philipturner/metal-benchmarks), 0.85 taken. Tensor ops: no public sustained
-#: GEMM figure on M5 with quantized weights; 0.6 assumed. Scalar ALU code: our counts are
+#: the ALU peak (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are
+#: taken to run on the same ALUs alike. Half/bfloat tensor ops: no public sustained figure for
+#: quantized-weight GEMMs on M5; 0.6 assumed (consistent with pplx-garden's 4K prefill: its
+#: 0.716 s hold the ~20.5 TFLOP of GEMMs, 2 x 2.5e9 active parameters x 4096 tokens, which
+#: take 0.48 s at 0.6 of the 71.7 TFLOPS bf16 peak; docs/performance.md). Scalar ALU code: our counts are
 #: arithmetic only (no address, compare or shuffle instructions), 0.5 assumed.
 PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16": 0.85, "sgmm_bf16": 0.85,
-                   "tensor_f32": 0.6, "tensor_f16": 0.6, "tensor_bf16": 0.6}
+                   "tensor_f32": 0.85, "tensor_f16": 0.6, "tensor_bf16": 0.6}
 #: Threads a core needs in flight to reach its peak: 8 simdgroups (8 independent
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
