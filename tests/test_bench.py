@@ -150,7 +150,7 @@ def test_lily_bench_pplx_protocol(tmp_path):
     out = tmp_path / "bench.json"
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--device", "reference",
                         "--lengths", "8,99999999", "--rounds", "1", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ))
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
     assert r.returncode == 0, r.stderr
     assert "protocol pplx" in r.stdout and "NOTE:" in r.stdout  # off a Mac GPU: a harness test
     assert "99999999" in r.stderr and "dropped" in r.stderr
@@ -162,5 +162,5 @@ def test_lily_bench_pplx_protocol(tmp_path):
             assert [s["tokens"] for s in row["samples"][who]] == [65]  # first token + exactly 64 steps
     assert rep["consistency"] is None
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--decode-tokens", "8"],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, check=False)
     assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr

@@ -303,8 +303,8 @@ def _geomean(values) -> float:
 def format_report(rep: dict) -> str:
     out = [f"lily bench: {rep['model']}" + (f" (protocol {rep['protocol']})" if rep.get("protocol") else ""),
            f"  {rep['lily']}  vs  {rep['mlx_lm']}",
-           f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
-           f"tokens per request; ratio = lily / mlx-lm"]
+           (f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
+            f"tokens per request; ratio = lily / mlx-lm")]
     if rep.get("notice"):
         out.append(f"  NOTE: {rep['notice']}")
     out.append("")

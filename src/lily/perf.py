@@ -217,7 +217,7 @@ class Timing:
     families: dict = field(default_factory=lambda: defaultdict(float))
     flops: dict = field(default_factory=lambda: defaultdict(float))
 
-    def add(self, other: "Timing", times: float = 1.0) -> None:
+    def add(self, other: Timing, times: float = 1.0) -> None:
         self.seconds += other.seconds * times
         self.stages += round(other.stages * times)
         self.bytes += other.bytes * times
@@ -381,9 +381,9 @@ def format_report(rep: dict) -> str:
     """The report as text tables, headed by the notice that it is an estimate."""
     m = rep["machine"]
     lines = [f"*** {rep['notice']} ***",
-             f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
-             f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']}, "
-             f"GEMM path {rep['plan']['gemm_path']}", "",
+             (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
+              f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']}, "
+              f"GEMM path {rep['plan']['gemm_path']}"), "",
              f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'BW floor':>9}"]
     for r in rep["decode"]:
         lines.append(f"{r['context']:>8} {r['tok_s']:>13.1f} {r['ms_per_token']:>9.3f} {r['stages']:>7} "
