@@ -120,6 +120,17 @@ _F16_SAME = "fp16/bf16 ALU and simdgroup_matrix at the fp32 rate: philipturner/m
 _ZAKHAROKO = ("tzakharko.github.io/apple-neural-accelerators-benchmark (A19 measured: SIMD FP32 1880, FP16 3200, "
               "matrix FP16 7500 GFLOPS on 5 cores; ~1024 FP16 matrix flops per core per clock)")
 
+def _m5_sources(cores: int, gbs: int) -> dict:
+    return {
+        "cores": f"Apple newsroom, 2026-03 'M5 Pro and M5 Max': up to {cores} GPU cores, a Neural Accelerator in each",
+        "bandwidth": f"Apple newsroom, 2026-03: {gbs}GB/s",
+        "clock": "~1750 MHz: estimate in " + _ZAKHAROKO + " (M5 Max: 18 TFLOPS fp32, 70 TFLOPS fp16 matrix)",
+        "f16": "SIMD fp16 1.7x fp32 (A19 measured 3200 / 1880 GFLOPS): " + _ZAKHAROKO,
+        "tensor": ("fp16/bf16 tensor ops 1024 flops/core/clock (bf16 assumed equal to fp16; fp32 operands "
+                   "assumed to run at the fp32 SIMD rate): " + _ZAKHAROKO),
+        "threadgroup_memory": _TG}
+
+
 #: The machine table. Flop rates are derived: cores x 128 lanes x 2 x clock; the clocks are
 #: public estimates (Apple publishes none), named in ``sources``.
 MACHINES = {m.key: m for m in (
@@ -138,22 +149,10 @@ MACHINES = {m.key: m for m in (
         "bandwidth": "Apple newsroom, 2024-10-30: 546GB/s",
         "clock": "~1578 MHz: commonly cited estimate (techboards.net A19/M5 neural accelerator thread)",
         "f16": _F16_SAME, "tensor": _NO_NA, "threadgroup_memory": _TG}),
-    _machine("m5pro", "M5 Pro (20-core GPU)", 20, 307, 1.75, 10, {
-        "cores": "Apple newsroom, 2026-03 'M5 Pro and M5 Max': up to 20 GPU cores, a Neural Accelerator in each",
-        "bandwidth": "Apple newsroom, 2026-03: 307GB/s",
-        "clock": "~1750 MHz: estimate in " + _ZAKHAROKO,
-        "f16": "SIMD fp16 1.7x fp32 (A19 measured 3200 / 1880 GFLOPS): " + _ZAKHAROKO,
-        "tensor": "fp16/bf16 tensor ops 1024 flops/core/clock (bf16 assumed equal to fp16; fp32 operands "
-                  "assumed to run at the fp32 SIMD rate): " + _ZAKHAROKO,
-        "threadgroup_memory": _TG}, f16_factor=1.7, matrix_per_core_clk=1024),
-    _machine("m5max", "M5 Max (40-core GPU)", 40, 614, 1.75, 10, {
-        "cores": "Apple newsroom, 2026-03 'M5 Pro and M5 Max': up to 40 GPU cores, a Neural Accelerator in each",
-        "bandwidth": "Apple newsroom, 2026-03: 614GB/s",
-        "clock": "~1750 MHz: estimate in " + _ZAKHAROKO + " (M5 Max estimate: 18 TFLOPS fp32, 70 TFLOPS fp16 matrix)",
-        "f16": "SIMD fp16 1.7x fp32 (A19 measured 3200 / 1880 GFLOPS): " + _ZAKHAROKO,
-        "tensor": "fp16/bf16 tensor ops 1024 flops/core/clock (bf16 assumed equal to fp16; fp32 operands "
-                  "assumed to run at the fp32 SIMD rate): " + _ZAKHAROKO,
-        "threadgroup_memory": _TG}, f16_factor=1.7, matrix_per_core_clk=1024),
+    _machine("m5pro", "M5 Pro (20-core GPU)", 20, 307, 1.75, 10, _m5_sources(20, 307),
+             f16_factor=1.7, matrix_per_core_clk=1024),
+    _machine("m5max", "M5 Max (40-core GPU)", 40, 614, 1.75, 10, _m5_sources(40, 614),
+             f16_factor=1.7, matrix_per_core_clk=1024),
 )}
 
 
