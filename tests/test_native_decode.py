@@ -119,7 +119,7 @@ REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 
 
 def _minimum_bytes(cfg, context):
-    """MODEL.md's per-token minimum: the active weights (embedding row, all non-expert
+    """docs/model.md's per-token minimum: the active weights (embedding row, all non-expert
     linears and norms, k routed + the shared expert, lm_head) at 4 bits + bf16 scale/bias
     per 64 (8 bits for the router and shared-expert gate), the KV rows read and the new one
     written (bf16), and the GDN recurrent + conv state read and written (fp32)."""
@@ -147,7 +147,7 @@ def _minimum_bytes(cfg, context):
 @pytest.mark.parametrize("context", [4096, 32768])
 def test_full_size_decode_step_counters(context):
     """Record-only counting of one decode step of the real 40-layer model (docs/kernels.md
-    reports these numbers). Bytes moved must be within 5% of the MODEL.md minimum."""
+    reports these numbers). Bytes moved must be within 5% of the docs/model.md minimum."""
     from lily.native import count_decode_step
     cfg = parse_config(REAL)
     c = count_decode_step(cfg, context)
