@@ -298,9 +298,9 @@ def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict |
     cache = {} if cache is None else cache
     total = Timing()
     starts = list(range(0, prompt, chunk))
-    full = [p for p in starts if p + chunk <= prompt and p + chunk < prompt]  # all but the last
-    samples = sorted({p for p in full if p < 8 * chunk or p in _geometric(full, chunk)} |
-                     ({full[-1]} if full else set()))
+    full = starts[:-1]  # every chunk but the last is full and has no head
+    sampled = _geometric(full, chunk) if full else set()
+    samples = sorted({p for p in full if p < 8 * chunk or p in sampled} | set(full[-1:]))
     for p in full:
         if p in samples:
             total.add(_chunk(m, cfg, p, chunk, False, cache))
