@@ -156,3 +156,13 @@ def test_estimate_command_json_and_text():
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--machine", "m9"], capture_output=True, text=True,
                        check=False)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_estimate_of_another_checkpoint_config():
+    """`--model`: the demo model's dimensions (other head sizes and kernel variants) are known too."""
+    from lily.checkpoint import load_config
+    from lily.engine import default_model_path
+    rep = perf.estimate("m3max", config=load_config(default_model_path())[0], contexts=(64,), prompts=(64, 300),
+                        breakdown_at=64)
+    assert rep["decode"][0]["tok_s"] < rep["decode"][0]["bandwidth_floor_tok_s"]
+    assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]

@@ -21,7 +21,7 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // gemm.metal / gemm_tiles.h
+constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // dense tiles: gemm.metal / gemm_tiles.h
 constexpr uint32_t kAttnRows = 32, kAttnTile = 16;           // attention_prefill.metal kRows, kTile
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
@@ -77,9 +77,9 @@ void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
-  const double rows = double(r.groups.y) * kGemmBM, cols = double(r.groups.x) * kGemmBN;
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * cols * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * r.groups.y * cols * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
+  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies.
+  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * a.m * a.n * a.k);
+  add(w, Path::alu_f32, kDequantOps * nb * r.groups.y * double(a.n) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = uint64_t(kGemmBM + nb * kGemmBN) * kGemmLd * 4;
   return w;
@@ -93,12 +93,11 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const double reached = expected_experts(a.m, a.top_k, a.experts);
   // Each reached expert's last tile is on average half padding.
   const double rows = std::min(double(a.m) * a.top_k + reached * (T - 1) / 2.0, double(r.groups.x) * T);
-  const double tiles = rows / T, cols = double(r.groups.y) * kGemmBN;
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * cols * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * tiles * cols * a.k + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  const double tiles = rows / T;  // each tile dequantizes its expert's n x k weights
+  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * a.n * a.k);
+  add(w, Path::alu_f32, kDequantOps * nb * tiles * double(a.n) * a.k + (nb == 2 ? 4.0 * rows * a.n : 0.0));
   const double stack = double(a.n) * a.k * quant_bytes(4);
   w.bytes = declared(r) - nb * (a.experts - reached) * stack;
-  w.threadgroup_memory = uint64_t(T + nb * kGemmBN) * kGemmLd * 4;
   return w;
 }
 
@@ -260,6 +259,12 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   // ---- token selection
+  if (k == "argmax_partial" || k == "sample_greedy_combine") {  // multi-threadgroup greedy argmax
+    Work w = make("lm head + sampling");
+    add(w, Path::alu_f32, 2.0 * r.bytes_read / sizeof(float));
+    w.bytes = declared(r);
+    return w;
+  }
   if (k == "sample_greedy" || k == "sample_token") {
     const uint32_t V = k == "sample_greedy" ? arg<args::SampleGreedyArgs>(r).vocab : arg<args::SampleArgs>(r).vocab;
     Work w = make("lm head + sampling");

@@ -207,7 +207,8 @@ def _runtime(device, config: ModelConfig, tensors, max_context: int, split_thres
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     """The tensor table of a checkpoint that need not exist on disk (record-only counting):
-    every tensor of ``config`` at the offsets MLX would write them."""
+    every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
+    (as the weight cache places them; small models' tensors are not aligned otherwise)."""
     from lily.checkpoint import expected_tensors
     tensors, offset = [], 0
     for kind, name, shape in expected_tensors(config):
@@ -221,7 +222,7 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
             parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
         for suffix, nbytes in parts.items():
             tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
-            offset += nbytes
+            offset += -(-nbytes // 16) * 16
     return tensors
 
 
