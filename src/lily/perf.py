@@ -214,7 +214,6 @@ class Timing:
     stages: int = 0
     bytes: float = 0.0
     families: dict = field(default_factory=lambda: defaultdict(float))
-    flops: dict = field(default_factory=lambda: defaultdict(float))
 
     def add(self, other: Timing, times: float = 1.0) -> None:
         self.seconds += other.seconds * times
@@ -222,8 +221,6 @@ class Timing:
         self.bytes += other.bytes * times
         for k, v in other.families.items():
             self.families[k] += v * times
-        for k, v in other.flops.items():
-            self.flops[k] += v * times
 
 
 def time_records(m: Machine, records: list, skip_families: tuple = ()) -> Timing:
@@ -249,8 +246,6 @@ def time_records(m: Machine, records: list, skip_families: tuple = ()) -> Timing
         t.seconds += stage
         t.stages += 1
         t.bytes += total_bytes
-        for p, f in flops.items():
-            t.flops[p] += f
         weight = sum(each)
         for r, s in zip(recs, each):
             t.families[_work(r)["family"]] += stage * s / weight
