@@ -3,6 +3,7 @@
 #include <optional>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -102,8 +103,26 @@ void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
                               "A host copy of a Runtime's session state (Runtime.snapshot / restore).")
+      .def("__init__",
+           [](SessionSnapshot* self, uint32_t position, const std::vector<nb::bytes>& parts) {
+             new (self) SessionSnapshot();
+             self->position = position;
+             for (const auto& p : parts) {
+               const auto* b = static_cast<const uint8_t*>(p.data());
+               self->parts.emplace_back(b, b + p.size());
+             }
+           },
+           "position"_a, "parts"_a,
+           "A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.")
       .def_ro("position", &SessionSnapshot::position, "tokens in the session")
-      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)");
+      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)")
+      .def("parts",
+           [](const SessionSnapshot& s) {
+             std::vector<nb::bytes> out;
+             for (const auto& p : s.parts) out.emplace_back(p.data(), p.size());
+             return out;
+           },
+           "The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",
@@ -145,20 +164,31 @@ void bind_runtime(nb::module_& m) {
       .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",
-           [](Runtime& rt, const std::vector<uint32_t>& tokens, const std::string& logits, bool decode_steps) {
+           [](Runtime& rt, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
+              const std::string& logits, bool decode_steps) {
              Logits which = logits == "all" ? Logits::all : logits == "last" ? Logits::last : Logits::none;
              if (logits != "all" && logits != "last" && logits != "none")
                throw std::invalid_argument("logits must be 'all', 'last' or 'none'");
-             std::vector<float> out;
+             std::vector<uint32_t> ids(tokens.data(), tokens.data() + tokens.shape(0));
+             auto* out = new std::vector<float>;
+             nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
              {
                nb::gil_scoped_release g;
-               out = rt.forward(tokens, which, decode_steps);
+               *out = rt.forward(ids, which, decode_steps);
              }
-             return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(float));
+             // The logits are handed to numpy without a copy ([n, vocab], [vocab] or [0]).
+             const size_t V = rt.dims().vocab_size;
+             if (which == Logits::all) {
+               const size_t shape[2] = {ids.size(), V};
+               return nb::ndarray<nb::numpy, float>(out->data(), 2, shape, owner);
+             }
+             const size_t shape[1] = {out->size()};
+             return nb::ndarray<nb::numpy, float>(out->data(), 1, shape, owner);
            },
            "tokens"_a, "logits"_a = "last", "decode_steps"_a = false,
-           "Runs tokens at the current position (prefill chunks; one token or decode_steps=True: "
-           "decode steps). float32 logits bytes [n, vocab] ('all'), [vocab] ('last') or empty ('none').")
+           "Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or "
+           "decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or "
+           "[0] ('none').")
       .def("generate_greedy",
            [](Runtime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
              nb::gil_scoped_release g;
