@@ -25,6 +25,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
+from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -174,14 +175,7 @@ def test_scratch_memory_is_independent_of_prompt_length(demo_path, native_device
     assert big.backend.runtime.prefill_scratch_bytes > scratch
 
 
-REAL = {"model_type": "qwen3_5_moe", "text_config": {
-    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
-    "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 
 
 @pytest.mark.parametrize("rows,position", [(512, 0), (2048, 0), (512, 32768), (16, 65536)])

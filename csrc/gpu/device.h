@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lily::gpu {
@@ -138,11 +139,18 @@ struct Dispatch {
 // One dispatch as counted: for per-dispatch performance counters.
 struct DispatchRecord {
   std::string label;     // "<label or kernel> (#<index in pass>)"
-  std::string kernel;    // the pipeline's kernel name
-  uint32_t threads = 0;  // threads per threadgroup
+  std::string kernel;    // the pipeline's host name
   uint32_t pass = 0;     // index of the pass in the command buffer
   uint32_t stage = 0;    // barrier stage within the command buffer (0-based)
   uint64_t bytes_read = 0, bytes_written = 0;
+  Size3 groups;          // threadgroups launched (a dispatchThreads grid rounded up)
+  Size3 threads;         // threads per threadgroup as dispatched
+  // Dynamic [[threadgroup(n)]] lengths; arrays a kernel declares itself are not visible here.
+  uint64_t threadgroup_memory = 0;
+  // Inline constant bytes (the kernel's argument structs) by [[buffer(n)]] index.
+  std::vector<std::pair<uint32_t, std::vector<uint8_t>>> args;
+  // Declared ranges as (buffer label, bytes), in declaration order.
+  std::vector<std::pair<std::string, uint64_t>> reads, writes;
 };
 
 struct Counters {

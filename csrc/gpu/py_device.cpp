@@ -221,6 +221,10 @@ void bind_device(nb::module_& m) {
         for (const DispatchRecord& r : cb.counters().log) {
           nb::dict d;
           d["label"] = r.label;
+          d["kernel"] = r.kernel;
+          d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+          d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+          d["threadgroup_memory"] = r.threadgroup_memory;
           d["pass"] = r.pass;
           d["stage"] = r.stage;
           d["bytes_read"] = r.bytes_read;
@@ -228,7 +232,8 @@ void bind_device(nb::module_& m) {
           out.append(d);
         }
         return out;
-      }, "Per-dispatch counters: label, pass, barrier stage, declared bytes read/written.");
+      }, "Per-dispatch counters: label, kernel, threadgroups, threads per threadgroup, dynamic threadgroup "
+         "memory, pass, barrier stage, declared bytes read/written.");
 
   nb::class_<Device>(m, "Device", "A Lily device: 'sim' (the Metal simulator) or 'metal'.")
       .def_prop_ro("name", &Device::name)

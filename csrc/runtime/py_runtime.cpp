@@ -1,5 +1,7 @@
 #include "runtime/py_runtime.h"
 
+#include <optional>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/set.h>
@@ -10,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "runtime/runtime.h"
+#include "runtime/work.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -29,6 +32,33 @@ struct FieldBinder {
   }
 };
 
+// One dispatch for the performance model (lily.perf): geometry, declared bytes and the work
+// table's entry (None for a kernel the table does not know).
+nb::dict record_dict(const gpu::DispatchRecord& r) {
+  nb::dict d;
+  d["label"] = r.label;
+  d["kernel"] = r.kernel;
+  d["pass"] = r.pass;
+  d["stage"] = r.stage;
+  d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+  d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+  d["bytes_read"] = r.bytes_read;
+  d["bytes_written"] = r.bytes_written;
+  const std::optional<Work> w = dispatch_work(r);
+  d["threadgroup_memory"] = r.threadgroup_memory + (w ? w->threadgroup_memory : 0);
+  if (!w) {
+    d["work"] = nb::none();
+    return d;
+  }
+  nb::dict work, flops;
+  for (int p = 0; p < kPaths; ++p) flops[path_name(Path(p))] = w->flops[p];
+  work["family"] = w->family;
+  work["flops"] = flops;
+  work["bytes"] = w->bytes;
+  d["work"] = work;
+  return d;
+}
+
 nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   nb::dict d;
   d["dispatches"] = c.dispatches;
@@ -42,6 +72,9 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   nb::list log;
   for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
   d["log"] = log;
+  nb::list records;
+  for (const auto& r : c.log) records.append(record_dict(r));
+  d["records"] = records;
   return d;
 }
 

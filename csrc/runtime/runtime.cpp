@@ -150,7 +150,8 @@ void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
 void Runtime::preflight() {
   std::map<std::string, uint32_t> threads;
   auto collect = [&](gpu::CommandBuffer& cb) {
-    for (const gpu::DispatchRecord& r : cb.counters().log) threads[r.kernel] = std::max(threads[r.kernel], r.threads);
+    for (const gpu::DispatchRecord& r : cb.counters().log)
+      threads[r.kernel] = std::max(threads[r.kernel], uint32_t(r.threads.count()));
   };
   struct Restore {  // the sampling settings and tile choice preflight overrides
     Runtime* r;
