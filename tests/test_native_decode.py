@@ -226,3 +226,21 @@ def test_engine_stop_string_and_cancel_on_device(sim_engine):
     assert list(gen)[-1].finish_reason == "cancelled"
     # Still usable, and the session continues consistently.
     assert sim_engine.generate("ROMEO.\n", max_tokens=3, temperature=0.0).completion_tokens == 3
+
+
+def test_constrained_generation_samples_on_the_host(sim_engine, demo_engine):
+    """A constrained request on a native device takes the host-sampling path (the logits
+    come to the host each step) and matches the reference; unconstrained requests keep
+    the GPU token hand-off and their results."""
+    from lily.constraints import AllowedTokens
+    allowed = demo_engine.tokenizer.encode(" the and of to a I")
+    before = sim_engine.generate("ROMEO.\n", max_tokens=8, temperature=0.0)
+    got = []
+    for engine in (sim_engine, demo_engine):
+        c = AllowedTokens(engine.config.vocab_size, allowed, length=6)
+        got.append(engine.generate("ROMEO.\n", max_tokens=12, temperature=0.0, constraint=c))
+    assert got[0].token_ids == got[1].token_ids and got[0].finish_reason == "stop"
+    assert set(got[0].token_ids) <= set(allowed) and len(got[0].token_ids) == 6
+    prompt = sim_engine.tokenizer.encode("ROMEO.\n")
+    assert sim_engine.tokens == prompt + got[0].token_ids[:-1]  # the session holds what was fed
+    assert sim_engine.generate("ROMEO.\n", max_tokens=8, temperature=0.0).token_ids == before.token_ids

@@ -33,8 +33,7 @@ def test_decode_steps_teacher_forced_vs_peer(which, request):
     path = request.getfixturevalue(f"{which}_checkpoint")
     native = Engine.load(path, device="sim", max_context=256)
     ids = _conversation(native)
-    got = np.frombuffer(native.backend.runtime.forward(ids, "all", decode_steps=True),
-                        np.float32).reshape(len(ids), -1)
+    got = native.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
     model, _ = load_peer(path, float32=True)
     peer = peer_logits(model, ids)
     err = float(np.linalg.norm(got - peer) / np.linalg.norm(peer))

@@ -190,14 +190,14 @@ def test_cancellation_mid_prefill_keeps_cache_consistent(warm, cold, monkeypatch
     request reuses them and answers as cold."""
     m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Speak of the war."}]
     cancel = threading.Event()
-    forward = warm.backend.forward
+    prefill = warm.backend.prefill
 
-    def forward_then_cancel(tokens, **kw):
-        out = forward(tokens, **kw)
+    def prefill_then_cancel(tokens, **kw):
+        out = prefill(tokens, **kw)
         cancel.set()  # after the first piece (the system message)
         return out
 
-    monkeypatch.setattr(warm.backend, "forward", forward_then_cancel)
+    monkeypatch.setattr(warm.backend, "prefill", prefill_then_cancel)
     r = warm.chat(m, cancel=cancel, **GREEDY)
     monkeypatch.undo()
     assert r.finish_reason == "cancelled" and r.completion_tokens == 0

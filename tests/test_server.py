@@ -28,6 +28,7 @@ import uvicorn
 
 from lily.engine import Engine
 from lily.server import create_app
+from scripted import ScriptedBackend
 from lily.chat_output import (ChatAccumulator, ChatOutputParser, convert_value, parse_complete,
                                 prompt_opens_reasoning)
 
@@ -71,10 +72,13 @@ class ForcedEngine(Engine):
         logits[tok] = 10.0
         return logits
 
-    def reset(self) -> None:
-        self._tokens = []
+    @classmethod
+    def load(cls, *args, **kw) -> "ForcedEngine":
+        engine = super().load(*args, **kw)
+        engine.backend = ScriptedBackend(engine._on_prefill, engine._on_decode)
+        return engine
 
-    def prefill(self, tokens, *, all_logits: bool = False):
+    def _on_prefill(self, tokens, all_logits: bool):
         self.prefill_calls += 1
         if self.prefill_delay:
             time.sleep(self.prefill_delay)
@@ -82,7 +86,7 @@ class ForcedEngine(Engine):
         self._pos = 0
         return self._forced()
 
-    def decode(self, token: int):
+    def _on_decode(self):
         if self.delay:
             time.sleep(self.delay)
         self._pos += 1
@@ -924,24 +928,22 @@ def test_disconnect_during_prefill_real_engine(real):
     """The real (numpy) engine on a ~1400-token prompt (11 prefill chunks, about 14 s of
     prefill on an idle 2-core machine): a client that goes away during the prefill stops it
     after the chunk in progress, streaming and not, and the next request gives exactly the
-    reply it gives on a fresh engine. The engine's ``prefill`` is wrapped to count chunks."""
-    from lily.engine import PREFILL_CHUNK
-
+    reply it gives on a fresh engine. The backend's ``prefill`` is wrapped to count chunks."""
     c = real.client()
     baseline = c.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=4).choices[0].text
     long_prompt = "To be or not to be, that is the question. " * 120
     engine = real.app.state.lily.engine
-    n_chunks = -(-len(engine.tokenizer.encode(long_prompt)) // PREFILL_CHUNK)
+    n_chunks = -(-len(engine.tokenizer.encode(long_prompt)) // engine.prefill_chunk)
     assert n_chunks >= 10
     chunks: list[int] = []
-    real_prefill = engine.prefill
+    backend = engine.backend
+    real_prefill = backend.prefill
 
-    def counting_prefill(tokens, **kw):
-        if len(tokens) > 1:
-            chunks.append(len(tokens))
-        return real_prefill(tokens, **kw)
+    def counting_prefill(tokens):
+        chunks.append(len(tokens))
+        return real_prefill(tokens)
 
-    engine.prefill = counting_prefill
+    backend.prefill = counting_prefill
     try:
         body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt}], "stream": True,
                 "max_tokens": 4}
@@ -969,7 +971,7 @@ def test_disconnect_during_prefill_real_engine(real):
         idle_plain = wait_idle(real, 60)
         n_plain = len(chunks)
     finally:
-        del engine.prefill
+        del backend.prefill
     print(f"prefill chunks run {n_stream} and {n_plain} of {n_chunks}; worker idle "
           f"{idle_stream:.2f}s / {idle_plain:.2f}s after the disconnects")
     assert n_stream < n_chunks // 2 and n_plain < n_chunks // 2  # 1 or 2 here

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from lily.engine import Engine  # noqa: E402
 from lily.server import create_app  # noqa: E402
+from scripted import ScriptedBackend  # noqa: E402
 
 pytestmark = pytest.mark.timeout(170)
 
@@ -18,8 +19,11 @@ pytestmark = pytest.mark.timeout(170)
 class _Quick(Engine):
     """No model: every step forces one fixed short reply, then EOS."""
 
-    def reset(self):
-        self._tokens = []
+    @classmethod
+    def load(cls, *args, **kw) -> "_Quick":
+        engine = super().load(*args, **kw)
+        engine.backend = ScriptedBackend(engine._on_prefill, engine._on_decode)
+        return engine
 
     def _logits(self):
         import numpy as np
@@ -28,14 +32,14 @@ class _Quick(Engine):
         logits[ids[self._pos] if self._pos < len(ids) else min(self.eos_token_ids)] = 10.0
         return logits
 
-    def prefill(self, tokens, *, all_logits=False):
+    def _on_prefill(self, tokens, all_logits):
         self._pos = 0
         if all_logits:  # the server scores an echoed prompt this way
             import numpy as np
             return np.stack([self._logits()] * len(tokens))
         return self._logits()
 
-    def decode(self, token):
+    def _on_decode(self):
         self._pos += 1
         return self._logits()
 

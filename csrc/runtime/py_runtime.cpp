@@ -1,6 +1,7 @@
 #include "runtime/py_runtime.h"
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -130,20 +131,31 @@ void bind_runtime(nb::module_& m) {
       .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",
-           [](Runtime& rt, const std::vector<uint32_t>& tokens, const std::string& logits, bool decode_steps) {
+           [](Runtime& rt, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
+              const std::string& logits, bool decode_steps) {
              Logits which = logits == "all" ? Logits::all : logits == "last" ? Logits::last : Logits::none;
              if (logits != "all" && logits != "last" && logits != "none")
                throw std::invalid_argument("logits must be 'all', 'last' or 'none'");
-             std::vector<float> out;
+             std::vector<uint32_t> ids(tokens.data(), tokens.data() + tokens.shape(0));
+             auto* out = new std::vector<float>;
+             nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
              {
                nb::gil_scoped_release g;
-               out = rt.forward(tokens, which, decode_steps);
+               *out = rt.forward(ids, which, decode_steps);
              }
-             return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(float));
+             // The logits are handed to numpy without a copy ([n, vocab], [vocab] or [0]).
+             const size_t V = rt.dims().vocab_size;
+             if (which == Logits::all) {
+               const size_t shape[2] = {ids.size(), V};
+               return nb::ndarray<nb::numpy, float>(out->data(), 2, shape, owner);
+             }
+             const size_t shape[1] = {out->size()};
+             return nb::ndarray<nb::numpy, float>(out->data(), 1, shape, owner);
            },
            "tokens"_a, "logits"_a = "last", "decode_steps"_a = false,
-           "Runs tokens at the current position (prefill chunks; one token or decode_steps=True: "
-           "decode steps). float32 logits bytes [n, vocab] ('all'), [vocab] ('last') or empty ('none').")
+           "Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or "
+           "decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or "
+           "[0] ('none').")
       .def("generate_greedy",
            [](Runtime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
              nb::gil_scoped_release g;

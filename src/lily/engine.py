@@ -1,8 +1,9 @@
 """The public engine: load a checkpoint, prefill, decode, and generate text.
 
 ``Engine`` owns one session (KV cache, conv and recurrent state) on one device. The
-reference device is the numpy oracle (:mod:`lily.reference`); native devices plug in behind
-the same :class:`Backend` protocol.
+reference device is the numpy oracle (:mod:`lily.reference`); native devices
+(:mod:`lily.native`) plug in behind the same host contract, :class:`lily.backend.Backend`.
+The engine checks its input once, here; it has one generation loop for every device.
 """
 
 from __future__ import annotations
@@ -12,72 +13,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
+from lily.backend import Backend
 from lily.chat_output import ChatMessage, ToolCall, parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
+from lily.constraints import Constraint
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
-from lily.native import check_vocabulary
 from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
-from lily.reference import ReferenceModel, ReferenceState
-from lily.sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob
+from lily.reference import ReferenceBackend
+from lily.sampling import SamplingParams, StopMatcher, TokenLogprob
 from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 128  # tokens per prefill call; cancellation is checked between chunks
 
 
 def default_model_path() -> Path:
     """The embedded demo checkpoint (``lily-demo-shakespeare``) shipped inside the package."""
     return Path(__file__).resolve().parent / "demo_model"
-
-
-class Backend(Protocol):
-    """What a device provides to the engine: incremental forward with session state."""
-
-    name: str
-
-    def reset(self) -> None: ...
-    def forward(self, tokens: np.ndarray, *, all_logits: bool) -> np.ndarray: ...
-    def snapshot(self): ...
-    def restore(self, snap) -> None: ...
-    @property
-    def position(self) -> int: ...
-
-
-class ReferenceBackend:
-    """The numpy oracle as a device."""
-
-    name = "reference"
-
-    def __init__(self, ck: Checkpoint, max_context: int, **kw):
-        self.model = ReferenceModel(ck, **kw)
-        self.max_context = max_context
-        self.state: ReferenceState = self.model.new_state(max_context)
-
-    @property
-    def position(self) -> int:
-        return self.state.position
-
-    def reset(self) -> None:
-        self.state = self.model.new_state(self.max_context)
-
-    def forward(self, tokens, *, all_logits: bool) -> np.ndarray:
-        return self.model.forward(tokens, self.state, all_logits=all_logits)
-
-    def snapshot(self) -> ReferenceState:
-        return self.state.copy()
-
-    def restore(self, snap: ReferenceState) -> None:
-        if not isinstance(snap, ReferenceState):
-            raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
-        if snap.position > self.max_context:
-            raise InvalidParameterError(f"the snapshot holds {snap.position} tokens, more than the "
-                                        f"context window of {self.max_context}")
-        self.state = snap.copy()
 
 
 def available_devices() -> list[str]:
@@ -278,8 +234,10 @@ class Engine:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 0 < max_context <= limit:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
-        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
+        if isinstance(prompt_cache_bytes, bool) or not isinstance(prompt_cache_bytes, int) or prompt_cache_bytes < 0:
+            raise InvalidParameterError(f"prompt_cache_bytes must be a non-negative integer, got {prompt_cache_bytes!r}")
         backend = _make_backend(device, ck, max_context, dict(device_options or {}))
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
         if bar:
             bar.update(1)
             bar.close()
@@ -304,14 +262,36 @@ class Engine:
         self.backend.reset()
         self._tokens = []
 
-    def _check_tokens(self, tokens) -> np.ndarray:
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill chunk on this device (the reference: 128; native devices: the
+        ``prefill_chunk`` device option, default 512). Generation checks ``cancel`` between
+        chunks, so this is also the cancellation granularity of a prompt."""
+        return self.backend.prefill_chunk
+
+    def _check_tokens(self, tokens, what: str, after: int) -> np.ndarray:
+        """The one input check before anything reaches a backend: ``tokens`` as int64
+        ``[T]``, T >= 1, every id in ``[0, vocab_size)``, and ``after + T <= max_context``
+        (``after``: the tokens they follow in the session).
+
+        Raises :class:`InvalidParameterError` (naming ``what``) or :class:`ContextLengthError`."""
         arr = np.asarray(tokens)
         if arr.size == 0:
-            raise InvalidParameterError("tokens must contain at least one token id")
+            raise InvalidParameterError(f"{what} must contain at least one token id")
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidParameterError(f"tokens must be a 1-D sequence of integer ids, got shape "
+            raise InvalidParameterError(f"{what} must be a 1-D sequence of integer ids, got shape "
                                         f"{arr.shape} dtype {arr.dtype}")
-        check_vocabulary(arr, self.config.vocab_size)
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
+                                        f"[0, {self.config.vocab_size})")
+        if after + arr.size > self.max_context:
+            if after:
+                n = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
+                raise ContextLengthError(f"{n} not fit: {after} tokens are already in the "
+                                         f"session and the context window is {self.max_context}")
+            raise ContextLengthError(f"{what} has {arr.size} tokens but the context window "
+                                     f"is {self.max_context} tokens")
         return arr.astype(np.int64)
 
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
@@ -327,13 +307,9 @@ class Engine:
         InvalidParameterError
             Empty input, non-integer or out-of-vocabulary ids.
         """
-        arr = self._check_tokens(tokens)
-        if self.position + arr.size > self.max_context:
-            what = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
-            raise ContextLengthError(f"{what} not fit: {self.position} tokens are already in the "
-                                     f"session and the context window is {self.max_context}")
+        arr = self._check_tokens(tokens, "tokens", self.position)
         out = self.backend.forward(arr, all_logits=all_logits)
-        self._tokens.extend(int(t) for t in arr)
+        self._tokens.extend(arr.tolist())
         return out
 
     def decode(self, token: int) -> np.ndarray:
@@ -354,6 +330,9 @@ class Engine:
             state, toks = snap
         except (TypeError, ValueError):
             raise InvalidParameterError(f"not an Engine snapshot: {type(snap).__name__}") from None
+        if len(toks) > self.max_context:
+            raise InvalidParameterError(f"the snapshot holds {len(toks)} tokens, more than the "
+                                        f"context window of {self.max_context}")
         self.backend.restore(state)
         self._tokens = list(toks)
 
@@ -364,14 +343,15 @@ class Engine:
         return base.replace(**overrides) if overrides else base
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a raw text prompt (no chat template), or the ids themselves."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
+        """Token ids of a raw text prompt (no chat template), or the ids themselves.
+
+        Raises :class:`InvalidParameterError` for an empty prompt, ids that are not integers
+        or outside the vocabulary, and :class:`ContextLengthError` for a prompt longer than
+        the context window."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if len(ids) == 0:
             raise InvalidParameterError("the prompt is empty")
-        return ids
+        return self._check_tokens(ids, "the prompt", 0).tolist()
 
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
@@ -422,14 +402,17 @@ class Engine:
             self.prompt_cache.insert(self._tokens, self.backend.snapshot(), key=self._cache_key)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
-               **overrides) -> Iterator[StreamEvent]:
+               cancel: threading.Event | None = None, constraint: Constraint | None = None,
+               prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
         """Generate from ``prompt``, yielding :class:`StreamEvent` as text becomes safe to show.
 
         ``params`` defaults to the checkpoint's generation defaults; keyword ``overrides``
         (e.g. ``max_tokens=64, temperature=0.7, stop=["\\n\\n"]``) replace fields. Setting
-        ``cancel`` ends the stream promptly (between prefill chunks or decode steps) with
-        ``finish_reason="cancelled"``; closing the generator also stops it.
+        ``cancel`` ends the stream promptly (between prefill chunks of
+        :attr:`prefill_chunk` tokens or decode steps) with ``finish_reason="cancelled"``;
+        closing the generator also stops it. ``constraint``
+        (:class:`lily.constraints.Constraint`) restricts the tokens chosen at each step; on
+        native devices a constrained request samples on the host (docs/usage.md).
         ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
         choose what to evict; reuse is decided by token equality alone.
 
@@ -438,89 +421,31 @@ class Engine:
         ContextLengthError
             The prompt alone does not fit in the context window.
         InvalidParameterError
-            Invalid sampling parameters.
+            Invalid sampling parameters or prompt ids.
         """
         p = self._params(params, overrides)
         prompt_ids = self.encode_prompt(prompt)
-        if len(prompt_ids) > self.max_context:
-            raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context window "
-                                     f"is {self.max_context} tokens")
-        return self._generate(prompt_ids, p, cancel, prompt_cache_key)
+        return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key)
 
     def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
-                  cache_key: str | None = None) -> Iterator[StreamEvent]:
+                  constraint: Constraint | None, cache_key: str | None = None) -> Iterator[StreamEvent]:
+        """The generation loop, the same for every device. All but the last prefill chunk
+        of the new tokens run here, ``cancel`` checked between them; the rest is the feed of
+        :meth:`Backend.start`, after which the backend returns one token per ``next``
+        (native devices: chosen on the device, with the next step already encoded; the
+        host reads ids one step behind and stops on EOS, a stop string, the constraint's
+        end or the length limit, discarding at most one speculative step).
+        ``timings.prefill_s`` is the time to the first token. Prefill pieces end at the
+        prompt cache's snapshot positions (all of them before the feed), and a generation
+        that ends (not cancelled) is stored in the cache too."""
+        backend = self.backend
         timings = Timings()
-        sampler = Sampler(p, prompt_ids)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(p.stop)
         new = self._start(prompt_ids, cache_key)
+        cached = len(prompt_ids) - len(new)
         timings.prefill_tokens = len(new)
-        cached = len(prompt_ids) - len(new)
-
-        def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            if reason != "cancelled":
-                self._cache_session()  # the end of the generated text: the next turn may extend it
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
-
         n_out = 0
-        t0 = time.perf_counter()
-        logits = None
-        if getattr(self.backend, "pipelined", False):
-            yield from self._generate_pipelined(prompt_ids, new, p, cancel, timings, detok, stops)
-            return
-        try:
-            for piece in self._pieces(new, PREFILL_CHUNK):
-                if cancel is not None and cancel.is_set():
-                    self.reset()  # a partial prefill leaves no usable session
-                    yield done("cancelled")
-                    return
-                logits = self.prefill(piece)
-                self._snapshot_if_planned()
-        except BaseException:
-            self.reset()
-            raise
-        timings.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        if len(prompt_ids) >= self.max_context:  # prompt + completion never exceed the context
-            yield done("length")
-            return
-        while True:
-            if cancel is not None and cancel.is_set():
-                timings.decode_s = time.perf_counter() - t1
-                yield done("cancelled")
-                return
-            tok = sampler.sample(logits)
-            lp = [sampler.logprob(logits, tok)] if p.logprobs else None
-            if tok in self.eos_token_ids and not p.ignore_eos:
-                timings.decode_s = time.perf_counter() - t1
-                yield done("stop", stops.flush() + detok.flush())
-                return
-            n_out += 1
-            timings.decode_tokens = n_out
-            text, stopped = stops.push(detok.add(tok))
-            if stopped:
-                timings.decode_s = time.perf_counter() - t1
-                yield done("stop", text, [tok], lp)
-                return
-            if n_out >= p.max_tokens or len(prompt_ids) + n_out >= self.max_context:
-                timings.decode_s = time.perf_counter() - t1
-                tail, _ = stops.push(detok.flush())
-                yield done("length", text + tail + stops.flush(), [tok], lp)
-                return
-            yield StreamEvent(text, [tok], lp)
-            logits = self.decode(tok)
-
-    def _generate_pipelined(self, prompt_ids, new, p: SamplingParams, cancel, timings: Timings,
-                            detok, stops: StopMatcher) -> Iterator[StreamEvent]:
-        """Native devices: the prompt runs as prefill chunks, the last of which selects the
-        first token on the device; the device then generates with the GPU token hand-off
-        (token selection on the device, the next step encoded while the current one runs);
-        the host reads ids one step behind and stops on EOS, stop strings or max tokens,
-        discarding at most one speculative step. ``timings.prefill_s`` is the time to the
-        first token."""
-        backend = self.backend
-        n_out = 0
-        cached = len(prompt_ids) - len(new)
         ended = False  # finished (not cancelled): the session is worth a snapshot
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
@@ -529,21 +454,17 @@ class Engine:
             return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         t0 = time.perf_counter()
-        # All but the last chunk are prefilled here (cancellation is checked between chunks);
-        # the last one is the feed of the device pipeline, whose final chunk samples the
-        # first token on the device and hands it to the first decode step.
-        # The feed starts at the last snapshot position, so every snapshot is taken here.
-        chunk = getattr(backend, "prefill_chunk", PREFILL_CHUNK)
-        tail = len(new) - ((len(new) - 1) % chunk + 1)
-        if self._snap_points:
+        chunk = backend.prefill_chunk
+        tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
+        if self._snap_points:  # every snapshot position lies before the feed
             tail = max(tail, self._snap_points[-1] - len(self._tokens))
         try:
             for piece in self._pieces(new[:tail], chunk):
                 if cancel is not None and cancel.is_set():
-                    self.reset()
+                    self.reset()  # a partial prefill leaves no usable session
                     yield done("cancelled")
                     return
-                backend.prefill_only(piece)
+                backend.prefill(np.asarray(piece, dtype=np.int64))
                 self._tokens.extend(piece)
                 self._snapshot_if_planned()
         except BaseException:
@@ -551,12 +472,12 @@ class Engine:
             raise
         feed = new[tail:]
         start_pos = backend.position
-        history = self._tokens + feed
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        backend.start(feed, steps, history, p)
-        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
+        outs: list[int] = []
         t1 = None
+        failed = False
         try:
+            backend.start(np.asarray(feed, dtype=np.int64), steps, prompt_ids, p, constraint)
             while True:
                 if cancel is not None and cancel.is_set():
                     yield done("cancelled")
@@ -582,48 +503,64 @@ class Engine:
                 if stopped:
                     yield done("stop", text, [tok], lps)
                     return
-                if n_out >= steps:
+                finished = constraint is not None and constraint.is_finished()
+                if finished or n_out >= steps:
                     tail_text, _ = stops.push(detok.flush())
-                    yield done("length", text + tail_text + stops.flush(), [tok], lps)
+                    yield done("stop" if finished else "length", text + tail_text + stops.flush(), [tok], lps)
                     return
                 yield StreamEvent(text, [tok], lps)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            failed = True  # a step that failed part-way leaves no usable session
+            raise
         finally:
-            backend.finish()
             now = time.perf_counter()
             if t1 is None:
                 t1 = now
                 timings.prefill_s = now - t0
             timings.decode_s = now - t1
-            consumed = backend.position - start_pos
-            self._tokens.extend((feed + outs)[:consumed])
-            if ended:
-                self._cache_session()
+            try:
+                backend.finish()
+            finally:
+                if failed:
+                    self.reset()
+                else:
+                    consumed = backend.position - start_pos
+                    self._tokens.extend((feed + outs)[:consumed])
+                    if ended:
+                        self._cache_session()
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 cancel: threading.Event | None = None, prompt_cache_key: str | None = None,
-                 **overrides) -> GenerationResult:
+                 cancel: threading.Event | None = None, constraint: Constraint | None = None,
+                 prompt_cache_key: str | None = None, **overrides) -> GenerationResult:
         """Like :meth:`stream`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream(prompt, params, cancel=cancel, prompt_cache_key=prompt_cache_key,
-                                         **overrides))
+        return self._collect(self.stream(prompt, params, cancel=cancel, constraint=constraint,
+                                         prompt_cache_key=prompt_cache_key, **overrides))
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                    cancel: threading.Event | None = None, **overrides) -> Iterator[StreamEvent]:
+                    cancel: threading.Event | None = None, constraint: Constraint | None = None,
+                    prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **(chat_template_kwargs or {}))
-        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides)
+        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
+                                         **(chat_template_kwargs or {}))
+        return self.stream(ids, params, cancel=cancel, constraint=constraint,
+                           prompt_cache_key=prompt_cache_key, **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             cancel: threading.Event | None = None, **overrides) -> GenerationResult:
+             cancel: threading.Event | None = None, constraint: Constraint | None = None,
+             prompt_cache_key: str | None = None, **overrides) -> "ChatResult":
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                     **(chat_template_kwargs or {}))
-        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, **overrides))
+        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
+                                      constraint=constraint, prompt_cache_key=prompt_cache_key,
+                                      **overrides))
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
                                    parse_tools=bool(tools))
         return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
@@ -669,13 +606,10 @@ class Engine:
         positions a generation would (message boundaries, the last token); the session is
         left holding the prompt. Returns the number of tokens computed."""
         ids = self.encode_prompt(prompt)
-        if len(ids) > self.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens but the context window "
-                                     f"is {self.max_context} tokens")
         new = self._start(ids)
         self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
         try:
-            for piece in self._pieces(new, PREFILL_CHUNK):
+            for piece in self._pieces(new, self.prefill_chunk):
                 self.prefill(piece)
                 self._snapshot_if_planned()
         except BaseException:

@@ -10,14 +10,15 @@ import os
 
 import numpy as np
 
+from lily.backend import HostGeneration
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
-from lily.errors import CheckpointError, ContextLengthError, DeviceError, InvalidParameterError
+from lily.errors import CheckpointError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
 SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
 SPLIT_BLOCK = 1024       # KV rows per block on the split path
-PREFILL_CHUNK = 512      # tokens per prefill chunk (scratch memory is sized for one chunk)
+PREFILL_CHUNK = 512      # default tokens per prefill chunk (scratch memory is sized for one chunk)
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
@@ -51,14 +52,6 @@ def check_kernel_dtypes(ck: Checkpoint) -> None:
                                   f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 
-def check_vocabulary(tokens: np.ndarray, vocab_size: int) -> None:
-    """Raises :class:`InvalidParameterError` naming the first id of ``tokens`` (an integer
-    array) outside ``[0, vocab_size)``."""
-    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-    if bad.size:
-        raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-
-
 def reject_unknown_options(options, known, what: str) -> None:
     """Raises :class:`InvalidParameterError` listing the keys of ``options`` not in ``known``."""
     unknown = sorted(set(options) - set(known))
@@ -89,9 +82,12 @@ def make_device(name: str, **options):
 
 
 class NativeBackend:
-    """The engine backend over ``lily._core.Runtime``."""
+    """The engine backend (:class:`lily.backend.Backend`) over ``lily._core.Runtime``.
 
-    pipelined = True  # generation runs on the device (lily.engine.Engine._generate_pipelined)
+    Generation uses the GPU token hand-off (the device samples and feeds the next step);
+    a constrained request samples on the host instead (:class:`lily.backend.HostGeneration`
+    over :meth:`forward`)."""
+
     OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "gemm_path", "weight_cache",
                "device_options")  # Engine.load's device_options
 
@@ -124,11 +120,8 @@ class NativeBackend:
                                     gemm_path=gemm_path)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
-
-    @property
-    def prefill_chunk(self) -> int:
-        """Tokens per prefill chunk."""
-        return self.runtime.prefill_chunk
+        self.prefill_chunk: int = self.runtime.prefill_chunk
+        self._host: HostGeneration | None = None  # a constrained generation in progress
 
     @property
     def position(self) -> int:
@@ -137,33 +130,24 @@ class NativeBackend:
     def reset(self) -> None:
         self.runtime.reset()
 
-    def forward(self, tokens, *, all_logits: bool) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise InvalidParameterError("tokens must contain at least one token id")
-        check_vocabulary(tokens, self.config.vocab_size)
-        if self.position + tokens.size > self.max_context:
-            raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
-                                     f"the context window of {self.max_context} tokens")
-        raw = self.runtime.forward(tokens.tolist(), "all" if all_logits else "last")
-        out = np.frombuffer(raw, dtype=np.float32).reshape(-1, self.config.vocab_size)
-        return out if all_logits else out[0]
+    def forward(self, tokens: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        return self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "all" if all_logits else "last")
 
-    def prefill_only(self, tokens) -> None:
-        """Runs ``tokens`` (validated by the engine) as prefill chunks without computing logits."""
-        self.runtime.forward([int(t) for t in tokens], "none")
+    def prefill(self, tokens: np.ndarray) -> None:
+        self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "none")
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
         """Pipelined greedy decode on the device (GPU token hand-off); see Runtime."""
         return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
 
-    def start(self, feed, max_steps: int, history, params) -> None:
-        """Begin pipelined generation with ``params`` (:class:`lily.sampling.SamplingParams`):
-        ``feed`` (>= 1 token ids not yet in the session) runs as prefill chunks whose last one
-        samples the first output on the device; ``history`` are the session's tokens
-        including the feed (the repetition penalty's prompt set)."""
+    def start(self, feed, steps: int, history, params, constraint=None) -> None:
+        """Unconstrained: pipelined generation on the device; ``feed`` runs as prefill chunks
+        whose last one samples the first output on the device. Constrained: on the host."""
+        if constraint is not None:
+            self._host = HostGeneration(self.forward, feed, steps, history, params, constraint)
+            return
         seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
-        self.runtime.start([int(t) for t in feed], int(max_steps), [int(t) for t in history],
+        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history],
                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                            min_p=params.min_p, presence_penalty=params.presence_penalty,
                            frequency_penalty=params.frequency_penalty,
@@ -172,6 +156,8 @@ class NativeBackend:
 
     def next(self):
         """``(token id, TokenLogprob)`` of the next generated token, or None when done."""
+        if self._host is not None:
+            return self._host.next()
         step = self.runtime.next()
         if step is None:
             return None
@@ -179,6 +165,7 @@ class NativeBackend:
         return int(tok), TokenLogprob(int(tok), float(lp), tuple((int(i), float(v)) for i, v in top))
 
     def finish(self) -> None:
+        self._host = None
         self.runtime.finish()
 
     def snapshot(self):

@@ -253,6 +253,13 @@ class ServerState:
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
 
 
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
+
+
 def state_of(request: Request) -> ServerState:
     """The app's :class:`ServerState` (a FastAPI dependency)."""
     return request.app.state.lily
@@ -405,23 +412,23 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
     generated tokens). The pass prefills ``ids[:-1]`` with ``all_logits=True`` into a fresh
     session (the engine's ``prefill`` appends to whatever the session holds) in
-    ``PREFILL_CHUNK`` pieces, checking ``cancel`` between them; the generation then extends
+    ``engine.prefill_chunk`` pieces, checking ``cancel`` between them; the generation then extends
     that session, so only the last prompt token is prefilled again. A cancelled or failed
     pass leaves an empty session.
     """
-    from lily.engine import PREFILL_CHUNK
     from lily.sampling import Sampler, SamplingParams
 
+    chunk = engine.prefill_chunk
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]
     head = ids[:-1]
     engine.reset()
     try:
-        for s in range(0, len(head), PREFILL_CHUNK):
+        for s in range(0, len(head), chunk):
             if cancel.is_set():
                 engine.reset()
                 return
-            logits = engine.prefill(head[s:s + PREFILL_CHUNK], all_logits=True)
+            logits = engine.prefill(head[s:s + chunk], all_logits=True)
             for j, row in enumerate(logits):
                 scored.append(scorer.logprob(row, ids[s + j + 1]))
     except BaseException:
