@@ -98,6 +98,9 @@ def test_doctor_json(capsys):
     assert {k["kernel"]: k["status"] for k in report["kernels"]} == {
         "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
     assert report["device"]["name"] == "sim" and report["device"]["tensor_ops"] is True
+    pipes = report["pipelines"]
+    assert len(pipes) == report["device"]["kernels"]
+    assert all(p["built"] and 32 <= p["max_threads_per_threadgroup"] <= 1024 for p in pipes), pipes[:3]
     assert report["summary"]["ok"] is True
     assert report["model"]["weights"] > 0 and report["model"]["kv_cache"] > 0
 

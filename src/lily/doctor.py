@@ -118,13 +118,10 @@ def model_memory(model: str | None, max_context: int | None) -> dict:
 
 
 def _pipeline(dev, kernel: str) -> dict:
-    """Whether kernel's pipeline builds, and its limits where the device reports them
-    (Device.pipeline_info: thread limit, SIMD width, static threadgroup memory in bytes)."""
-    info = getattr(dev, "pipeline_info", None)
+    """Whether kernel's pipeline builds, and its limits (Device.pipeline_info: thread limit,
+    SIMD width, static threadgroup memory in bytes: 0 on the simulator)."""
     try:
-        if info is None:
-            return {"kernel": kernel, "built": dev.has_kernel(kernel)}
-        return {**info(kernel), "kernel": kernel, "built": True}
+        return {**dev.pipeline_info(kernel), "kernel": kernel, "built": True}
     except Exception as e:  # noqa: BLE001 (a pipeline the GPU rejects is a line in the report)
         return {"kernel": kernel, "built": False, "error": f"{type(e).__name__}: {e}"}
 
@@ -180,13 +177,12 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         for p in pipes:
             if not p["built"]:
                 say(f"  {'':<15} FAILED {p['kernel']}: {_short(p.get('error', 'not in the library'))}")
-        if any("max_threads_per_threadgroup" in p for p in pipes):
-            say(f"  {'':<15} {'kernel':<34} {'max threads':>11} {'simd width':>10} {'tg memory':>10}")
-            for p in pipes:
-                if "max_threads_per_threadgroup" in p:
-                    say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
-                        f"{p['thread_execution_width']:>10} {p['static_threadgroup_memory']:>10}")
-        limits = getattr(dev, "memory_limits", None) or {}
+        say(f"  {'':<15} {'kernel':<34} {'max threads':>11} {'simd width':>10} {'tg memory':>10}")
+        for p in pipes:
+            if p["built"]:
+                say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
+                    f"{p['thread_execution_width']:>10} {p['static_threadgroup_memory']:>10}")
+        limits = dict(dev.memory_limits)  # 0 = no limit known (the simulator's)
         report["device"]["memory_limits"] = limits
         if limits.get("working_set"):
             say(f"  {'GPU memory':<15} working set {_gib(limits['working_set'])}, largest buffer "
