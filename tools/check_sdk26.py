@@ -91,6 +91,8 @@ def declarations(path: Path) -> dict[str, str]:
     functions of one Objective-C header."""
     out: dict[str, str] = {}
     text = strip_comments(path.read_text(encoding="utf-8", errors="replace"))
+    # each @property / method starts a statement even right after an @interface line
+    text = re.sub(r"(@property\b|@interface\b|@protocol\b|@end\b|\n\s*[-+]\s*\()", r";\1", text)
     for stmt in re.split(r";|\{|\}", text):
         s = " ".join(stmt.split())
         m = re.match(r"^[-+]\s*\([^)]*(?:\([^)]*\)[^)]*)*\)\s*(.*)$", s)
@@ -136,9 +138,33 @@ def availability(decl: str) -> tuple[str, str]:
 # ---- what metal_device.mm uses ------------------------------------------------------------
 
 
+def newest_sdk_branch(source: str) -> str:
+    """source as a macOS 26 SDK compiles it: the `#else` branches of `#if
+    defined(MAC_OS_VERSION_x)` / `#ifdef MAC_OS_VERSION_x` blocks (the fallbacks for older
+    SDKs, which define no such macro) are dropped."""
+    out, stack = [], []  # stack: per open #if, whether lines are dropped inside it
+    sdk_macros = {r"MAC_OS_VERSION_\d+(?:_\d+)*"}  # and the macros defined only under such a guard
+    for line in source.splitlines():
+        t = line.strip()
+        if re.match(r"#\s*if", t):
+            guard = any(re.search(r"\b" + m + r"\b", t) for m in sdk_macros) and "!" not in t
+            stack.append(["sdk" if guard else "other", False])
+        elif (m := re.match(r"#\s*define\s+(\w+)", t)) and stack and stack[-1] == ["sdk", False]:
+            sdk_macros.add(m.group(1))
+        elif re.match(r"#\s*else", t) and stack:
+            stack[-1][1] = stack[-1][0] == "sdk"
+        elif re.match(r"#\s*endif", t) and stack:
+            stack.pop()
+            continue
+        if not any(drop for _, drop in stack):
+            out.append(line)
+    return "\n".join(out)
+
+
 def used_apis(source: str) -> list[str]:
-    """Selectors of the Objective-C messages, property names after '.', and MTL* names."""
-    src = strip_comments(source)
+    """Selectors of the Objective-C messages, property names after '.', and MTL* names, in
+    the code a macOS 26 SDK compiles."""
+    src = strip_comments(newest_sdk_branch(source))
     src = re.sub(r'@?"(?:\\.|[^"\\])*"', '""', src)
     names: set[str] = set()
     stack: list[int] = []
@@ -245,7 +271,9 @@ def tensor_check(newest: Path) -> bool:
 
     print("tensor API (MPPTensorOpsMatMul2d.h vs the simulator's stand-in):")
     # defaults are spelled differently: dynamic_length_v<int> == int(dynamic_extent) == INT_MAX
-    dyn = lambda ps: [(t, "dynamic" if "dynamic" in d else re.sub(r"^mode::", "", d)) for t, d in ps]
+    def dyn(ps):
+        return [(t, "dynamic" if "dynamic" in d else re.sub(r"^mode::", "", d)) for t, d in ps]
+
     same("matmul2d_descriptor(...) parameters (type, default)", _ctor_params(apple), _ctor_params(ours), dyn)
     same("matmul2d template parameters", _template_head(apple, "matmul2d"), _template_head(ours, "matmul2d"))
     same("get_destination_cooperative_tensor<...> parameters", _member_template(apple, "get_destination_cooperative_tensor"),
@@ -280,6 +308,14 @@ def tensor_check(newest: Path) -> bool:
     floating = sorted((a, b, c) for a, b, c in table if a in ("half", "float", "bfloat"))
     print("  floating operand rows of the header comment's table (A, B, C): "
           + (", ".join(" x ".join(r) for r in floating) or "none"))
+    cp = [h for h in headers(newest, "Metal") if h.name == "MTLComputePipeline.h"]
+    coop = any("cooperative_tensor" in f.read_text(encoding="utf-8") for f in (ROOT / "metal").glob("*_tensor.metal"))
+    if cp and coop and re.search(r"CooperativeTensors in which case this must be set", cp[0].read_text(encoding="utf-8")):
+        sets = "requiredThreadsPerThreadgroup" in MM.read_text(encoding="utf-8")
+        ok &= sets
+        print("  MTLComputePipelineDescriptor.requiredThreadsPerThreadgroup (macOS 26) must be set for pipelines "
+              "that use cooperative tensors, as *_tensor.metal do: metal_device.mm "
+              + ("sets it" if sets else "does NOT set it"))
     undocumented = sorted(u for u in used if u != "half")
     if undocumented:
         print(f"  note: {', '.join(undocumented)} operands are not in that table: only Apple's compiler can say "
