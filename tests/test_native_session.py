@@ -109,3 +109,40 @@ def test_bad_snapshots_are_refused_and_the_session_kept(sim_engine, demo_path, t
     want = e.decode(3)
     e.restore(keep)
     np.testing.assert_array_equal(e.decode(3), want)
+
+
+def test_snapshot_is_held_in_device_memory(sim_engine):
+    """Issue 13: a native snapshot is one device buffer (counted by the device's allocations),
+    copied there and back on the device (the copies under the hazard checker:
+    tests/test_sim_device.py); restoring it twice gives identical logits, as does a copy
+    uploaded from its saved bytes (a prompt cache file)."""
+    e = sim_engine
+    e.reset()
+    dev = e.backend.device
+    ids = _prompt(e, 12)
+    e.prefill(ids[:9])
+    before = dev.allocated_bytes
+    snap = e.snapshot()
+    state = snap[0]
+    assert state.position == 9 and state.device_bytes == state.nbytes > 0
+    assert dev.allocated_bytes - before == state.nbytes
+    want = e.prefill(ids[9:])
+    e.prefill(ids[:2])  # the session moves on; the snapshot does not
+    logits = []
+    for _ in range(2):
+        e.restore(snap)
+        logits.append(e.prefill(ids[9:]))
+    np.testing.assert_array_equal(logits[0], want)
+    np.testing.assert_array_equal(logits[1], want)
+    loaded = _core.SessionSnapshot(state.position, state.parts(), dev)
+    assert loaded.nbytes == state.nbytes and loaded.parts() == state.parts()
+    e.restore((loaded, snap[1]))
+    np.testing.assert_array_equal(e.prefill(ids[9:]), want)
+    del snap, state, loaded
+    assert dev.allocated_bytes == before
+
+
+def test_snapshot_upload_on_a_record_only_device_is_refused(sim_engine):
+    state = sim_engine.snapshot()[0]
+    with pytest.raises(ValueError, match="record-only"):
+        _core.SessionSnapshot(state.position, state.parts(), _core.sim_device(record_only=True))

@@ -56,7 +56,7 @@ def test_barriers_derived_from_declared_ranges():
     cb.commit()
     cb.wait()
     assert cb.counters == {"dispatches": 4, "barrier_stages": 2, "bytes_read": 8 * 4 * N,
-                           "bytes_written": 4 * 4 * N, "passes": 1}
+                           "bytes_written": 4 * 4 * N, "passes": 1, "copies": 0, "bytes_copied": 0}
     np.testing.assert_allclose(download(E, np.float32), 2 * (a + b), rtol=1e-6)
     np.testing.assert_allclose(download(B, np.float32), 2 * a, rtol=1e-6)
     log = cb.dispatch_log
@@ -404,15 +404,62 @@ def test_record_only_counts_without_executing():
     add(p, A, B, C)
     add(p, C, B, A)
     add(p, A, C, B)
+    cb.copy(B, 0, C, 0, 4 * N)  # checked and counted, not executed
     cb.commit()
     cb.wait()
     assert cb.status == "completed"
     assert cb.counters == {"dispatches": 3, "barrier_stages": 3, "bytes_read": 6 * 4 * N,
-                           "bytes_written": 3 * 4 * N, "passes": 1}
+                           "bytes_written": 3 * 4 * N, "passes": 1, "copies": 1, "bytes_copied": 4 * N}
     with pytest.raises(ValueError, match="record-only"):
         C.read()
     big = dev.buffer(1 << 40)  # 1 TiB: nothing is allocated
     assert big.size == 1 << 40
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+def test_copy_runs_in_encoding_order_between_passes(order):
+    """CommandBuffer.copy (a blit on Metal) ends the compute pass and runs after the work
+    encoded before it and before the work after it, under the hazard checker's modes."""
+    from simdev import THREAD_ORDERS
+    dev = sim_device(**THREAD_ORDERS[order])
+    (a, b), (A, B) = vecs(dev, 2)
+    C, D, E = dev.buffer(4 * N), dev.buffer(8 * N), dev.buffer(4 * N)
+    D.write(np.zeros(2 * N, np.float32).view(np.uint8))
+    other = sim_device()  # a buffer of another simulator device
+    (z,), (Z,) = vecs(other, 1, seed=3)
+    cb = dev.command_buffer()
+    add(cb.compute_pass(), A, B, C)
+    cb.copy(C, 0, D, 4 * N, 4 * N)  # D[N:] = a + b
+    cb.copy(Z, 8, D, 0, 8)          # D[0:2] = z[2:4]
+    p = cb.compute_pass()
+    p.dispatch("st_add_f32", N, 32, buffers=[(0, D, 4 * N), (1, A), (2, E)], constants=[(3, constant(N))],
+               reads=[(D, 4 * N, 4 * N), A], writes=[E])
+    cb.copy(E, 0, E, 4 * N - 8, 0)  # size 0: nothing
+    cb.commit()
+    cb.wait()
+    assert cb.counters["copies"] == 2 and cb.counters["bytes_copied"] == 4 * N + 8
+    assert cb.counters["passes"] == 2
+    np.testing.assert_allclose(download(E, np.float32), (a + b) + a, rtol=1e-6)
+    d = download(D, np.float32)
+    np.testing.assert_array_equal(d[:2], z[2:4])
+    np.testing.assert_array_equal(d[2:N], 0)
+
+
+def test_bad_copies_are_value_errors():
+    dev = sim_device()
+    A, B = dev.buffer(64), dev.buffer(32)
+    cb = dev.command_buffer()
+    for args, msg in [((A, 0, B, 0, 64), "destination range"), ((A, 48, B, 0, 32), "source range"),
+                      ((A, 2, B, 0, 8), "multiples of 4"), ((A, 0, B, 0, 6), "multiples of 4"),
+                      ((A, 0, A, 8, 16), "overlap")]:
+        with pytest.raises(ValueError, match=msg):
+            cb.copy(*args)
+    assert cb.counters["copies"] == 0
+    cb.copy(A, 0, A, 32, 32)  # disjoint ranges of one buffer are fine
+    cb.commit()
+    cb.wait()
+    with pytest.raises(ValueError, match="committed"):
+        cb.copy(A, 0, B, 0, 4)
 
 
 def test_two_command_buffers_in_flight_with_token_slots():

@@ -186,6 +186,25 @@ void ComputePass::end() {
   encode_end();
 }
 
+void CommandBuffer::copy(const Buffer& src, size_t src_offset, const Buffer& dst, size_t dst_offset,
+                         size_t size) {
+  if (status() != Status::encoding) throw UsageError("copy: the command buffer was already committed");
+  auto check = [&](const Buffer& b, size_t offset, const char* what) {
+    if (offset > b.size() || size > b.size() - offset)
+      throw UsageError(std::string("copy: the ") + what + " range [" + std::to_string(offset) + ", " +
+                       std::to_string(offset + size) + ") is outside buffer #" + std::to_string(b.id()) + " '" +
+                       b.label() + "' (" + std::to_string(b.size()) + " bytes)");
+  };
+  check(src, src_offset, "source");
+  check(dst, dst_offset, "destination");
+  if (src_offset % 4 || dst_offset % 4 || size % 4)
+    throw UsageError("copy: offsets (" + std::to_string(src_offset) + ", " + std::to_string(dst_offset) +
+                     ") and size (" + std::to_string(size) + ") must be multiples of 4 bytes, as Metal requires");
+  if (&src == &dst && src_offset < dst_offset + size && dst_offset < src_offset + size)
+    throw UsageError("copy: the source and destination ranges of buffer #" + std::to_string(src.id()) + " overlap");
+  if (size) encode_copy(src, src_offset, dst, dst_offset, size);
+}
+
 size_t page_size() {
   static const size_t p = static_cast<size_t>(sysconf(_SC_PAGESIZE));
   return p;

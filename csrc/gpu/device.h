@@ -13,6 +13,9 @@
 //                  that conflicts RAW/WAR/WAW with one in the current stage starts a new
 //                  stage). With BarrierMode::manual the caller places barriers and a
 //                  conflict inside one stage is a HazardError naming both dispatches.
+//   copy           CommandBuffer::copy, a buffer-to-buffer copy on the device (Metal: a
+//                  blit encoder); it ends the current compute pass and is ordered after
+//                  everything encoded before it and before everything encoded after it.
 #pragma once
 
 #include <cstddef>
@@ -159,11 +162,14 @@ struct Counters {
   uint64_t bytes_read = 0;      // sum of declared read ranges
   uint64_t bytes_written = 0;   // sum of declared write ranges
   uint64_t passes = 0;
+  uint64_t copies = 0;          // CommandBuffer::copy calls (not counted in bytes_read/written)
+  uint64_t bytes_copied = 0;
   std::vector<DispatchRecord> log;  // one entry per dispatch, in encoding order
   Counters& operator+=(const Counters& o) {
     log.insert(log.end(), o.log.begin(), o.log.end());
     dispatches += o.dispatches; barrier_stages += o.barrier_stages;
     bytes_read += o.bytes_read; bytes_written += o.bytes_written; passes += o.passes;
+    copies += o.copies; bytes_copied += o.bytes_copied;
     return *this;
   }
 };
@@ -256,6 +262,20 @@ class CommandBuffer {
   virtual void on_completed(std::function<void(Status, const std::string&)> fn) = 0;
   virtual Status status() const = 0;
   virtual const Counters& counters() const = 0;
+  // Copies [src_offset, src_offset+size) of src to dst at dst_offset on the device (Metal:
+  // MTLBlitCommandEncoder copyFromBuffer), after all work encoded before it in this command
+  // buffer and before all work encoded after it (it ends the current compute pass: passes
+  // and copies run in encoding order, so no barrier is needed). The buffers may come from
+  // another Device of the same backend (Metal: the same MTLDevice). Throws UsageError for a
+  // range outside its buffer, offsets or size not multiples of 4 (Metal on macOS), ranges
+  // of one buffer that overlap, buffers of another backend, or a committed command buffer.
+  // size 0 does nothing.
+  void copy(const Buffer& src, size_t src_offset, const Buffer& dst, size_t dst_offset, size_t size);
+
+ protected:
+  // After copy() checked the ranges; counts the copy in counters() and encodes it.
+  virtual void encode_copy(const Buffer& src, size_t src_offset, const Buffer& dst, size_t dst_offset,
+                           size_t size) = 0;
 };
 
 class Device {

@@ -181,6 +181,10 @@ void bind_device(nb::module_& m) {
              return &cb.compute_pass(manual ? BarrierMode::manual : BarrierMode::automatic);
            },
            "manual_barriers"_a = false, nb::rv_policy::reference_internal)
+      .def("copy", &CommandBuffer::copy, "src"_a, "src_offset"_a, "dst"_a, "dst_offset"_a, "size"_a,
+           "Copies size bytes of src at src_offset to dst at dst_offset on the device, in encoding\n"
+           "order (ends the current compute pass). Offsets and size: multiples of 4; ValueError\n"
+           "for ranges outside their buffers or overlapping in one buffer.")
       .def("commit", &CommandBuffer::commit)
       .def("wait", [](CommandBuffer& cb) {
         {
@@ -214,6 +218,8 @@ void bind_device(nb::module_& m) {
         d["bytes_read"] = c.bytes_read;
         d["bytes_written"] = c.bytes_written;
         d["passes"] = c.passes;
+        d["copies"] = c.copies;
+        d["bytes_copied"] = c.bytes_copied;
         return d;
       })
       .def_prop_ro("dispatch_log", [](CommandBuffer& cb) {

@@ -108,27 +108,30 @@ void bind_runtime(nb::module_& m) {
 #undef LILY_BIND_FIELD
   sampling.attr("FIELDS") = nb::tuple(sampling_fields.names);
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
-                              "A host copy of a Runtime's session state (Runtime.snapshot / restore).")
+                              "A Runtime's session state in a buffer of its device (Runtime.snapshot / restore).")
       .def("__init__",
-           [](SessionSnapshot* self, uint32_t position, const std::vector<nb::bytes>& parts) {
-             new (self) SessionSnapshot();
-             self->position = position;
-             for (const auto& p : parts) {
-               const auto* b = static_cast<const uint8_t*>(p.data());
-               self->parts.emplace_back(b, b + p.size());
-             }
+           [](SessionSnapshot* self, uint32_t position, const std::vector<nb::bytes>& parts,
+              std::shared_ptr<gpu::Device> device) {
+             std::vector<std::pair<const void*, size_t>> views;
+             for (const auto& p : parts) views.emplace_back(p.data(), p.size());
+             new (self) SessionSnapshot(SessionSnapshot::upload(*device, position, views));
            },
-           "position"_a, "parts"_a,
-           "A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.")
+           "position"_a, "parts"_a, "device"_a,
+           "A snapshot from the bytes of `parts()` (a prompt cache file), uploaded into a buffer of "
+           "`device`; Runtime.restore checks the sizes. ValueError on a record-only device.")
       .def_ro("position", &SessionSnapshot::position, "tokens in the session")
       .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)")
+      .def_prop_ro("device_bytes",
+                   [](const SessionSnapshot& s) -> uint64_t { return s.buffer ? s.buffer->size() : 0; },
+                   "bytes of the device buffer holding the parts (nbytes; 0 when empty)")
       .def("parts",
            [](const SessionSnapshot& s) {
              std::vector<nb::bytes> out;
-             for (const auto& p : s.parts) out.emplace_back(p.data(), p.size());
+             for (const auto& p : s.host_parts()) out.emplace_back(p.data(), p.size());
              return out;
            },
-           "The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.");
+           "The state as bytes (read from the device buffer), one item per attention layer's K or V "
+           "rows or DeltaNet layer's conv or recurrent state.");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",

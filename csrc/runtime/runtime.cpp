@@ -257,17 +257,66 @@ static void for_each_state_run(const ModelDims& d, uint32_t position, uint32_t c
   }
 }
 
+std::vector<std::vector<uint8_t>> SessionSnapshot::host_parts() const {
+  std::vector<std::vector<uint8_t>> out;
+  const auto* p = buffer ? static_cast<const uint8_t*>(buffer->contents()) : nullptr;
+  size_t at = 0;
+  for (uint64_t n : sizes) {
+    if (n && !p) throw std::invalid_argument("snapshot: its buffer is not readable by the host");
+    out.emplace_back(n ? p + at : nullptr, n ? p + at + n : nullptr);
+    at += n;
+  }
+  return out;
+}
+
+SessionSnapshot SessionSnapshot::upload(gpu::Device& device, uint32_t position,
+                                        const std::vector<std::pair<const void*, size_t>>& parts) {
+  SessionSnapshot s;
+  s.position = position;
+  for (const auto& part : parts) s.sizes.push_back(part.second);
+  if (!s.nbytes()) return s;
+  s.buffer = device.new_buffer(s.nbytes());
+  auto* dst = static_cast<uint8_t*>(s.buffer->contents());
+  if (!dst) throw std::invalid_argument("snapshot: the device is record-only");
+  s.buffer->set_label("session snapshot");
+  for (const auto& [src, n] : parts) {
+    if (n) std::memcpy(dst, src, n);
+    dst += n;
+  }
+  return s;
+}
+
+// Encodes the copies between the session state (as for_each_state_run at `position`) and a
+// snapshot buffer holding it back to back, in either direction, and runs them.
+static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t position, uint32_t capacity,
+                       const std::vector<gpu::BufferPtr>& k, const std::vector<gpu::BufferPtr>& v,
+                       const std::vector<gpu::BufferPtr> (&conv)[2], const std::vector<gpu::BufferPtr>& state,
+                       gpu::Buffer& snapshot, bool to_snapshot) {
+  std::unique_ptr<gpu::CommandBuffer> cb = device.new_command_buffer();
+  size_t at = 0;
+  for_each_state_run(d, position, capacity, k, v, conv, state, [&](gpu::Buffer& b, size_t offset, size_t n, bool) {
+    if (to_snapshot) cb->copy(b, offset, snapshot, at, n);
+    else cb->copy(snapshot, at, b, offset, n);
+    at += n;
+  });
+  cb->commit();
+  cb->wait();
+}
+
 SessionSnapshot Runtime::snapshot() {
   finish();
   if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
   SessionSnapshot s;
   s.position = position_;
   for_each_state_run(dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_,
-                     [&](gpu::Buffer& b, size_t offset, size_t n, bool first) {
-                       if (first) s.parts.emplace_back();
-                       const auto* src = static_cast<const uint8_t*>(b.contents()) + offset;
-                       if (n) s.parts.back().insert(s.parts.back().end(), src, src + n);
+                     [&](gpu::Buffer&, size_t, size_t n, bool first) {
+                       if (first) s.sizes.push_back(0);
+                       s.sizes.back() += n;
                      });
+  if (!s.nbytes()) return s;
+  s.buffer = device_->new_buffer(s.nbytes());
+  s.buffer->set_label("session snapshot");
+  copy_state(*device_, dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_, *s.buffer, true);
   return s;
 }
 
@@ -278,23 +327,22 @@ void Runtime::restore(const SessionSnapshot& s) {
     throw std::invalid_argument("restore: the snapshot holds " + std::to_string(s.position) +
                                 " tokens, more than the context window of " +
                                 std::to_string(opt_.max_context));
-  std::vector<size_t> sizes;  // checked before anything is written
+  std::vector<uint64_t> sizes;  // checked before anything is written
   for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
                      [&](gpu::Buffer&, size_t, size_t n, bool first) {
                        if (first) sizes.push_back(0);
                        sizes.back() += n;
                      });
-  bool fits = sizes.size() == s.parts.size();
-  for (size_t i = 0; fits && i < sizes.size(); ++i) fits = sizes[i] == s.parts[i].size();
-  if (!fits) throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
-  ptrdiff_t part = -1;
-  size_t at = 0;
-  for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
-                     [&](gpu::Buffer& b, size_t offset, size_t n, bool first) {
-                       if (first) ++part, at = 0;
-                       if (n) std::memcpy(static_cast<uint8_t*>(b.contents()) + offset, s.parts[part].data() + at, n);
-                       at += n;
-                     });
+  if (sizes != s.sizes || (s.nbytes() && (!s.buffer || s.buffer->size() < s.nbytes())))
+    throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
+  if (s.nbytes()) {
+    try {  // a rejected copy is thrown while encoding, before anything runs
+      copy_state(*device_, dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_, *s.buffer, false);
+    } catch (const gpu::UsageError& e) {
+      throw std::invalid_argument(std::string("restore: the snapshot is not in this device's memory (") +
+                                  e.what() + ")");
+    }
+  }
   position_ = s.position;
   chunks_done_ = 0;
 }

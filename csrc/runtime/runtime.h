@@ -101,16 +101,25 @@ struct StepOutput {
   std::vector<std::pair<uint32_t, float>> top;         // top_logprobs alternatives
 };
 
-// A host copy of a session: the position, each attention layer's K and V rows below it and
-// each Gated DeltaNet layer's conv and recurrent state, in layer order.
+// A session's state in device memory: the position, then each attention layer's K and V rows
+// below it and each Gated DeltaNet layer's conv and recurrent state, in layer order, as parts
+// stored back to back in one buffer of the runtime's device (shared storage: on a Mac an
+// MTLBuffer in the GPU's working set, read by the host only to save it).
 struct SessionSnapshot {
   uint32_t position = 0;
-  std::vector<std::vector<uint8_t>> parts;
+  gpu::BufferPtr buffer;          // null when every part is empty
+  std::vector<uint64_t> sizes;    // bytes of each part
   uint64_t nbytes() const {
     uint64_t n = 0;
-    for (const auto& p : parts) n += p.size();
+    for (uint64_t p : sizes) n += p;
     return n;
   }
+  // Each part's bytes, copied to the host (for saving a prompt cache file).
+  std::vector<std::vector<uint8_t>> host_parts() const;
+  // A snapshot holding `parts` (from host_parts()) in a new buffer of `device`; Runtime::restore
+  // checks the sizes. Throws std::invalid_argument on a record-only device.
+  static SessionSnapshot upload(gpu::Device& device, uint32_t position,
+                                const std::vector<std::pair<const void*, size_t>>& parts);
 };
 
 class Runtime {
@@ -122,11 +131,13 @@ class Runtime {
 
   // Empties the session: position 0, zero recurrent/conv state.
   void reset();
-  // The session state (waits for work in flight first, as finish()). Memory: the KV rows in
-  // use plus the recurrent and conv state, not the whole cache.
+  // The session state, copied on the device into a new device buffer (waits for work in
+  // flight first, as finish()). Memory: the KV rows in use plus the recurrent and conv
+  // state, not the whole cache. Throws std::invalid_argument on a record-only device.
   SessionSnapshot snapshot();
-  // Makes `s` the session state. Throws std::invalid_argument, leaving the session as it
-  // was, when `s` does not come from a runtime of the same model or does not fit the context.
+  // Makes `s` the session state (device copies; `s` is unchanged and can be restored again).
+  // Throws std::invalid_argument, leaving the session as it was, when `s` does not come from
+  // a runtime of the same model and device kind or does not fit the context.
   void restore(const SessionSnapshot& s);
   uint32_t position() const { return position_; }
   const ModelDims& dims() const { return dims_; }

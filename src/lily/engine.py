@@ -325,7 +325,8 @@ class Engine:
 
     def snapshot(self):
         """An opaque copy of the session state (tokens, KV cache rows in use, conv and
-        recurrent state), for :meth:`restore`. Host memory, on every device."""
+        recurrent state), for :meth:`restore`. Host memory on the reference device; on the
+        native devices a buffer in device memory, copied on the device."""
         return (self.backend.snapshot(), list(self._tokens))
 
     def restore(self, snap) -> None:

@@ -174,7 +174,7 @@ class NativeBackend:
         self.runtime.finish()
 
     def snapshot(self):
-        """A host copy of the session state (``lily._core.SessionSnapshot``)."""
+        """The session state in a buffer of the device (``lily._core.SessionSnapshot``)."""
         return self.runtime.snapshot()
 
     def restore(self, snap) -> None:

@@ -9,8 +9,9 @@ restores it and prefills only the rest, taking new snapshots at the positions ch
 :func:`snapshot_points` and at the end of the generated text.
 
 Memory of one entry (exact, :attr:`Entry.nbytes`): the snapshot's arrays plus 4 bytes per
-key token. On the native devices a snapshot holds, per attention layer, the K and V rows in
-use (bf16) and, per Gated DeltaNet layer, the conv and recurrent state::
+key token. On the native devices a snapshot is one buffer in device memory (copied there and
+back on the device) holding, per attention layer, the K and V rows in use (bf16) and, per
+Gated DeltaNet layer, the conv and recurrent state::
 
     kv    = tokens * attention_layers * 2 * num_key_value_heads * head_dim * 2 bytes
     state = deltanet_layers * (Hv * Dv * Dk * 4 + (conv_kernel - 1) * conv_dim * 4) bytes
@@ -321,7 +322,9 @@ def _state_arrays(state) -> tuple[dict[str, np.ndarray], dict]:
             {"kind": "native", "position": int(state.position), "parts": len(parts)})
 
 
-def _state_from(arrays: dict[str, np.ndarray], meta: dict, max_context: int):
+def _state_from(arrays: dict[str, np.ndarray], meta: dict, max_context: int, device=None):
+    """The snapshot stored by :func:`_state_arrays`; a native one is uploaded into a buffer of
+    ``device`` (the engine's ``lily._core`` device)."""
     if meta["kind"] == "reference":
         from lily.reference import ReferenceState
         st = ReferenceState(max_context=max_context, position=int(meta["position"]))
@@ -330,8 +333,10 @@ def _state_from(arrays: dict[str, np.ndarray], meta: dict, max_context: int):
             getattr(st, kind)[int(layer)] = np.array(a, dtype=np.float32)
         return st
     from lily import _core
+    if device is None:
+        raise PromptCacheError("a native device's prompt cache file needs an engine on a native device")
     return _core.SessionSnapshot(int(meta["position"]),
-                                 [arrays[f"part.{i}"].tobytes() for i in range(int(meta["parts"]))])
+                                 [arrays[f"part.{i}"].tobytes() for i in range(int(meta["parts"]))], device)
 
 
 def save(cache: PromptCache, engine, path: str | os.PathLike) -> int:
@@ -406,7 +411,8 @@ def load(cache: PromptCache, engine, path: str | os.PathLike) -> int:
                 raise PromptCacheError(f"{path}: entry {i} holds {tokens.size} tokens, more than this "
                                        f"engine's context window of {engine.max_context}")
             arrays = {name: tensors[f"{i}/{name}"] for name in m["names"]}
-            entries.append((tokens, _state_from(arrays, m, engine.max_context)))
+            entries.append((tokens, _state_from(arrays, m, engine.max_context,
+                                                getattr(engine.backend, "device", None))))
     except (KeyError, ValueError, TypeError) as e:
         raise PromptCacheError(f"{path}: damaged prompt cache file ({type(e).__name__}: {e})") from None
     need = sum(state_nbytes(s) + t.nbytes for t, s in entries)

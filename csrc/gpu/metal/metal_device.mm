@@ -212,6 +212,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
       : dev_(dev), cb_(cb), inflight_(std::move(inflight)), state_(std::make_shared<State>()) {}
   ~MetalCommandBuffer() override {
     if (!encoders_.empty() && !encoders_.back()->ended()) encoders_.back()->end();
+    end_blit();
     if (committed_) {
       [cb_ waitUntilCompleted];
       std::unique_lock<std::mutex> g(state_->mu);
@@ -226,6 +227,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
   void commit() override {
     if (committed_) throw UsageError("commit: the command buffer was already committed");
     if (!encoders_.empty()) encoders_.back()->end();
+    end_blit();
     committed_ = true;
     std::shared_ptr<State> st = state_;
     std::shared_ptr<InFlight> inf = inflight_;
@@ -283,6 +285,29 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     return state_->status;
   }
   const Counters& counters() const override { return counters_; }
+  // Ends the open blit encoder of a run of copies, if any.
+  void end_blit() {
+    if (blit_) [blit_ endEncoding];
+    blit_ = nil;
+  }
+
+ protected:
+  void encode_copy(const gpu::Buffer& src, size_t src_offset, const gpu::Buffer& dst, size_t dst_offset,
+                   size_t size) override {
+    const auto* s = dynamic_cast<const MetalBuffer*>(&src);
+    const auto* d = dynamic_cast<const MetalBuffer*>(&dst);
+    if (!s || !d) throw UsageError("copy: both buffers must be Metal buffers");
+    if ([s->mtl() device] != [cb_ device] || [d->mtl() device] != [cb_ device])
+      throw UsageError("copy: a buffer belongs to another MTLDevice");
+    if (!encoders_.empty()) encoders_.back()->end();
+    if (!blit_) blit_ = [cb_ blitCommandEncoder];  // consecutive copies share one encoder
+    if (!blit_) throw Error("cannot create a blit encoder");
+    [blit_ copyFromBuffer:s->mtl() sourceOffset:src_offset toBuffer:d->mtl() destinationOffset:dst_offset size:size];
+    keep_->buffers.push_back(s->shared_from_this());
+    keep_->buffers.push_back(d->shared_from_this());
+    counters_.copies += 1;
+    counters_.bytes_copied += size;
+  }
 
  private:
   struct State {
@@ -301,6 +326,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
   std::vector<std::function<void(Status, const std::string&)>> handlers_;
   Counters counters_;
   bool committed_ = false;
+  id<MTLBlitCommandEncoder> blit_ = nil;
 };
 
 std::string module_directory() {
@@ -541,6 +567,7 @@ class MetalDevice : public gpu::Device {
 gpu::ComputePass& MetalCommandBuffer::compute_pass(gpu::BarrierMode mode) {
   if (committed_) throw UsageError("compute_pass: the command buffer was already committed");
   if (!encoders_.empty()) encoders_.back()->end();
+  end_blit();
   id<MTLComputeCommandEncoder> enc = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
   if (!enc) throw Error("cannot create a concurrent compute encoder");
   encoders_.push_back(std::make_unique<MetalPass>(dev_, mode, &counters_, enc, keep_.get()));

@@ -138,8 +138,16 @@ struct Recorded {
   std::vector<gpu::Range> reads, writes;
 };
 
+// A CommandBuffer::copy as recorded (source and destination kept alive).
+struct CopyRecord {
+  std::shared_ptr<SimBuffer> src, dst;
+  size_t src_offset = 0, dst_offset = 0, size = 0;
+};
+
+// A compute pass (stages) or a run of consecutive copies; passes_ executes them in order.
 struct PassRecord {
   std::vector<std::vector<Recorded>> stages;
+  std::vector<CopyRecord> copies;
 };
 
 class SimDevice;
@@ -393,6 +401,22 @@ class SimCommandBuffer : public gpu::CommandBuffer {
   Status status() const override { return status_.load(); }
   const Counters& counters() const override { return counters_; }
 
+ protected:
+  void encode_copy(const gpu::Buffer& src, size_t src_offset, const gpu::Buffer& dst, size_t dst_offset,
+                   size_t size) override {
+    auto* s = dynamic_cast<const SimBuffer*>(&src);
+    auto* d = dynamic_cast<const SimBuffer*>(&dst);
+    if (!s || !d) throw UsageError("copy: both buffers must be simulator buffers");
+    if (!encoders_.empty()) encoders_.back()->end();
+    counters_.copies += 1;
+    counters_.bytes_copied += size;
+    if (dev_->options().record_only) return;
+    if (passes_.empty() || passes_.back()->copies.empty()) passes_.emplace_back(std::make_unique<PassRecord>());
+    passes_.back()->copies.push_back(CopyRecord{std::const_pointer_cast<SimBuffer>(s->shared_from_this()),
+                                                std::const_pointer_cast<SimBuffer>(d->shared_from_this()),
+                                                src_offset, dst_offset, size});
+  }
+
  private:
   friend class SimDevice;
   SimDevice* dev_;
@@ -593,6 +617,10 @@ void SimDevice::execute(SimCommandBuffer* cb) {
           }
         }
       }
+      // Copies run in queue order, after the passes encoded before them (CommandBuffer::copy
+      // checked their ranges against the buffers when they were encoded).
+      for (const CopyRecord& c : pass->copies)
+        std::memmove(c.dst->data() + c.dst_offset, c.src->data() + c.src_offset, c.size);
     }
   } catch (const std::exception& e) {
     cb->error_ = std::current_exception();
