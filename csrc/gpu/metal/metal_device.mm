@@ -58,8 +58,9 @@ class MetalBuffer : public gpu::Buffer, public std::enable_shared_from_this<Meta
 
 class MetalPipeline : public gpu::Pipeline {
  public:
-  MetalPipeline(std::string name, id<MTLComputePipelineState> pso, std::map<uint32_t, gpu::BufferParameter> params)
-      : name_(std::move(name)), pso_(pso), params_(std::move(params)) {}
+  MetalPipeline(std::string name, id<MTLComputePipelineState> pso, std::map<uint32_t, gpu::BufferParameter> params,
+                uint32_t required_threads = 0)
+      : name_(std::move(name)), pso_(pso), params_(std::move(params)), required_threads_(required_threads) {}
   const std::string& name() const override { return name_; }
   gpu::BufferParameter buffer_parameter(uint32_t index) const override {
     auto it = params_.find(index);
@@ -71,11 +72,14 @@ class MetalPipeline : public gpu::Pipeline {
   uint32_t thread_execution_width() const override { return static_cast<uint32_t>([pso_ threadExecutionWidth]); }
   uint64_t static_threadgroup_memory() const override { return uint64_t([pso_ staticThreadgroupMemoryLength]); }
   id<MTLComputePipelineState> pso() const { return pso_; }
+  // Threads every dispatch must use as (n, 1, 1); 0: any size within the maximum.
+  uint32_t required_threads() const { return required_threads_; }
 
  private:
   std::string name_;
   id<MTLComputePipelineState> pso_;
   std::map<uint32_t, gpu::BufferParameter> params_;  // [[buffer(n)]] alignment, from reflection
+  uint32_t required_threads_;
 };
 
 // The [[buffer(n)]] parameters' alignments from pipeline reflection, for the shared
@@ -142,6 +146,10 @@ class MetalPass : public gpu::ComputePass {
       throw UsageError("kernel '" + p->name() + "': threadgroup of " + std::to_string(tg) +
                        " threads exceeds the pipeline's maximum of " +
                        std::to_string(p->max_threads_per_threadgroup()));
+    if (p->required_threads() && (d.threadgroup.x != p->required_threads() || d.threadgroup.y != 1 ||
+                                  d.threadgroup.z != 1))
+      throw UsageError("kernel '" + p->name() + "': a cooperative-tensor pipeline requires threadgroups of (" +
+                       std::to_string(p->required_threads()) + ", 1, 1) threads");
     size_t tg_total = 0;
     for (const Binding& b : d.bindings) {
       if (b.index >= 31) throw UsageError("kernel '" + p->name() + "': binding index " + std::to_string(b.index) + " > 30");
@@ -444,6 +452,27 @@ class MetalDevice : public gpu::Device {
       *error = "cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]);
       return nullptr;
     }
+    uint32_t required = 0;
+#if defined(__MAC_26_0)
+    // Apple's MTLComputePipeline.h (macOS 26): a pipeline using cooperative tensors (every
+    // kernel of the tensor library) must set requiredThreadsPerThreadgroup. The runtime
+    // dispatches them with their declared [[max_total_threads_per_threadgroup(n)]] as (n, 1, 1),
+    // which the first build reports as its maximum; rebuild with that size required.
+    if (@available(macOS 26.0, *)) {
+      if ([tensor_lib_ newFunctionWithName:@(name.c_str())] != nil) {
+        required = static_cast<uint32_t>([pso maxTotalThreadsPerThreadgroup]);
+        MTLComputePipelineDescriptor* desc = [[MTLComputePipelineDescriptor alloc] init];
+        desc.computeFunction = fn;
+        desc.requiredThreadsPerThreadgroup = MTLSizeMake(required, 1, 1);
+        pso = [dev_ newComputePipelineStateWithDescriptor:desc options:kReflectionOption reflection:&refl error:&err];
+        if (!pso) {
+          *error = "cannot build the pipeline for kernel '" + name + "' with " + std::to_string(required) +
+                   " required threads per threadgroup: " + to_string([err localizedDescription]);
+          return nullptr;
+        }
+      }
+    }
+#endif
     auto params = buffer_parameters(refl);
     if (params.empty()) {
       // Every Lily kernel takes a buffer: reflection came back empty, so the buffer-offset
@@ -456,7 +485,7 @@ class MetalDevice : public gpu::Device {
                      name.c_str());
       });
     }
-    auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params));
+    auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params), required);
     MetalPipeline* raw = p.get();
     cache_.emplace(name, std::move(p));
     return raw;
