@@ -142,8 +142,8 @@ def test_session_reuse_when_prompt_extends(demo_engine):
     r = demo_engine.generate(ids, max_tokens=1, temperature=0.0)
     assert r.timings.prefill_tokens == 10  # only the new suffix was prefilled
     assert r.cached_tokens == 20 and r.prompt_tokens == 30
-    events = list(demo_engine.stream(ids[:5], max_tokens=1, temperature=0.0))  # not an extension
-    assert events[-1].cached_tokens == 0 and events[-1].timings.prefill_tokens == 5
+    last = list(demo_engine.stream(ids[:5], max_tokens=1, temperature=0.0))[-1]  # not an extension
+    assert last.cached_tokens + last.timings.prefill_tokens == 5  # (the prompt cache may hold a prefix)
     fresh = Engine.load(demo_engine.path)
     assert fresh.generate(ids, max_tokens=4, temperature=0.0).token_ids == \
         demo_engine.generate(ids, max_tokens=4, temperature=0.0).token_ids
