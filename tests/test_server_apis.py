@@ -188,9 +188,10 @@ def test_messages_tool_result_round_trip(srv, engine):
 def test_messages_thinking_stop_sequences_and_max_tokens(srv, engine):
     c = aclient(srv)
     engine.set_script("Hello there. STOP and more")
+    engine.reset()  # the whole prompt is prefilled (and recorded)
     m = c.messages.create(model="m", max_tokens=50, messages=ASK, thinking={"type": "disabled"},
                           stop_sequences=["NEVER", "STOP"])
-    assert "<think>\n\n</think>" in engine.last_prompt  # enable_thinking=false
+    assert engine.prompt.endswith("<think>\n\n</think>\n\n")  # enable_thinking=false
     assert _blocks(m) == [("text", "Hello there. ")]
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "STOP"
     engine.set_script("Hello there, a long answer")
@@ -463,9 +464,15 @@ def test_demo_model_through_both_new_apis(real):
         final = stream.get_final_message()
     assert _blocks(final) == _blocks(m) and m.stop_reason in ("max_tokens", "end_turn")
     assert m.usage.output_tokens <= 8 and final.usage.output_tokens == m.usage.output_tokens
+    # the same prompt again: the engine's prompt cache serves its prefix
+    total = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
     o = oclient(real)
     r = o.responses.create(model="lily-demo-shakespeare", input="ROMEO:", max_output_tokens=8, temperature=0.0)
     events = list(o.responses.create(model="x", input="ROMEO:", max_output_tokens=8, temperature=0.0,
                                      stream=True))
     assert _items(events[-1].response) == _items(r) and r.usage.output_tokens <= 8
     assert events[-1].type in ("response.completed", "response.incomplete")
+    cached = events[-1].response.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < events[-1].response.usage.input_tokens

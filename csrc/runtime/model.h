@@ -61,6 +61,9 @@ class WeightTable {
   // (record-only counting of models that are not on disk) every file becomes a buffer
   // of its declared extent without storage.
   WeightTable(gpu::Device& device, const std::vector<TensorDesc>& tensors, bool virtual_files);
+  WeightTable() = default;
+  // Bytes each file's tensors extend to (the size of its mapped buffer), by file.
+  static std::map<std::string, uint64_t> file_extents(const std::vector<TensorDesc>& tensors);
   // Throws std::invalid_argument naming the tensor when it is absent.
   const TensorRef& at(const std::string& name) const;
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }

@@ -1,5 +1,7 @@
 #include "runtime/py_runtime.h"
 
+#include <optional>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/set.h>
@@ -10,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "runtime/runtime.h"
+#include "runtime/work.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -29,6 +32,33 @@ struct FieldBinder {
   }
 };
 
+// One dispatch for the performance model (lily.perf): geometry, declared bytes and the work
+// table's entry (None for a kernel the table does not know).
+nb::dict record_dict(const gpu::DispatchRecord& r) {
+  nb::dict d;
+  d["label"] = r.label;
+  d["kernel"] = r.kernel;
+  d["pass"] = r.pass;
+  d["stage"] = r.stage;
+  d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+  d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+  d["bytes_read"] = r.bytes_read;
+  d["bytes_written"] = r.bytes_written;
+  const std::optional<Work> w = dispatch_work(r);
+  d["threadgroup_memory"] = r.threadgroup_memory + (w ? w->threadgroup_memory : 0);
+  if (!w) {
+    d["work"] = nb::none();
+    return d;
+  }
+  nb::dict work, flops;
+  for (int p = 0; p < kPaths; ++p) flops[path_name(Path(p))] = w->flops[p];
+  work["family"] = w->family;
+  work["flops"] = flops;
+  work["bytes"] = w->bytes;
+  d["work"] = work;
+  return d;
+}
+
 nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   nb::dict d;
   d["dispatches"] = c.dispatches;
@@ -42,6 +72,9 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   nb::list log;
   for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
   d["log"] = log;
+  nb::list records;
+  for (const auto& r : c.log) records.append(record_dict(r));
+  d["records"] = records;
   return d;
 }
 
@@ -134,6 +167,33 @@ void bind_runtime(nb::module_& m) {
       .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
       .def_prop_ro("prefill_scratch_bytes", &Runtime::prefill_scratch_bytes)
       .def_prop_ro("uses_tensor_ops", &Runtime::uses_tensor_ops)
+      .def_prop_ro("memory_use", [](const Runtime& r) {
+        const MemoryUse& u = r.memory_use();
+        nb::dict d;
+        d["weights"] = u.weights;
+        d["kv_cache"] = u.kv_cache;
+        d["state"] = u.state;
+        d["scratch"] = u.scratch;
+        d["total"] = u.total();
+        d["largest_buffer"] = u.largest_buffer;
+        d["largest_label"] = u.largest_label;
+        d["max_context"] = u.max_context;
+        return d;
+      }, "Device memory of the session in bytes (weights, kv_cache, state, scratch, total, largest buffer),\n"
+         "checked against Device.memory_limits at load.")
+      .def_prop_ro("kernel_table", [](const Runtime& r) {
+        nb::list out;
+        for (const KernelUse& k : r.kernel_table()) {
+          nb::dict d;
+          d["kernel"] = k.kernel;
+          d["threads"] = k.threads;
+          d["max_threads_per_threadgroup"] = k.max_threads;
+          d["static_threadgroup_memory"] = k.threadgroup_memory;
+          out.append(d);
+        }
+        return out;
+      }, "Every kernel the runtime dispatches (built and validated at load): the largest threadgroup it\n"
+         "asks for and its pipeline's thread limit and static threadgroup memory.")
       .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",

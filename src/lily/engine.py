@@ -60,9 +60,11 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     available = available_devices()
     auto = device == "auto"
     if auto:
-        device = "metal" if "metal" in available else "sim" if "sim" in available else "reference"
+        # The simulator verifies kernels; it is far too slow to serve: never chosen for you.
+        device = "metal" if "metal" in available else "reference"
         if device != "metal":
-            print(f"lily: no Metal device here; using device={device!r}", file=sys.stderr)
+            print("lily: no Metal GPU in this build; using device='reference' (numpy on the CPU)",
+                  file=sys.stderr)
     if device == "reference":
         if options and not auto:
             raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) apply only to "
@@ -179,7 +181,7 @@ class Engine:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, device: str = "reference",
+    def load(cls, path: str | Path | None = None, *, device: str = "auto",
              max_context: int | None = None, progress: bool = False,
              device_options: dict | None = None,
              prompt_cache_bytes: int = DEFAULT_MAX_BYTES) -> "Engine":
@@ -189,7 +191,10 @@ class Engine:
         ----------
         path : str | Path | None
             An MLX 4-bit ``qwen3_5_moe`` checkpoint directory with tokenizer files.
-        device : {"reference", "sim", "metal", "auto"}
+        device : {"auto", "metal", "reference", "sim"}
+            ``auto`` (default): ``metal`` where this build has it (macOS), else ``reference``
+            with a one-line notice on stderr. ``sim`` (the Metal kernels on the CPU
+            simulator, for verification) only when asked for.
         max_context : int | None
             Context window in tokens (default ``min(32768, max_position_embeddings)``).
         progress : bool
@@ -234,6 +239,8 @@ class Engine:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 0 < max_context <= limit:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
+        if isinstance(prompt_cache_bytes, bool) or not isinstance(prompt_cache_bytes, int) or prompt_cache_bytes < 0:
+            raise InvalidParameterError(f"prompt_cache_bytes must be a non-negative integer, got {prompt_cache_bytes!r}")
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
         backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
@@ -256,7 +263,8 @@ class Engine:
         return list(self._tokens)
 
     def reset(self) -> None:
-        """Empty the session (KV cache and recurrent state)."""
+        """Empty the session (KV cache and recurrent state). The prompt cache keeps its
+        entries (``engine.prompt_cache.clear()`` drops them)."""
         self.backend.reset()
         self._tokens = []
 

@@ -71,7 +71,8 @@ def reject_unknown_options(options, known, what: str) -> None:
 
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
-               "verify_reads", "gpu_family")  # lily._core.sim_device's keywords
+               "verify_reads", "gpu_family", "working_set_bytes",
+               "max_buffer_bytes", "pipeline_thread_limit")  # lily._core.sim_device's keywords
 
 
 def make_device(name: str, **options):
@@ -198,7 +199,8 @@ def _runtime(device, config: ModelConfig, tensors, max_context: int, split_thres
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     """The tensor table of a checkpoint that need not exist on disk (record-only counting):
-    every tensor of ``config`` at the offsets MLX would write them."""
+    every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
+    (as the weight cache places them; small models' tensors are not aligned otherwise)."""
     from lily.checkpoint import expected_tensors
     tensors, offset = [], 0
     for kind, name, shape in expected_tensors(config):
@@ -212,7 +214,7 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
             parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
         for suffix, nbytes in parts.items():
             tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
-            offset += nbytes
+            offset += -(-nbytes // 16) * 16
     return tensors
 
 
@@ -233,8 +235,9 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
                         router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
                         gemm_path: str = "simdgroup") -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
-    (record-only device, virtual weights), as :func:`count_decode_step`."""
-    dev = make_device("sim", record_only=True)
+    (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
+    counts on a simulator of an apple10 (M5) GPU, the family that has them."""
+    dev = make_device("sim", record_only=True, **({"gpu_family": "apple10"} if gemm_path == "tensor" else {}))
     rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
                   SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
     return rt.count_chunk(position, rows)

@@ -253,6 +253,13 @@ class ServerState:
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
 
 
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
+
+
 def state_of(request: Request) -> ServerState:
     """The app's :class:`ServerState` (a FastAPI dependency)."""
     return request.app.state.lily
@@ -411,12 +418,12 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     """
     from lily.sampling import Sampler, SamplingParams
 
+    chunk = engine.prefill_chunk
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]
     head = ids[:-1]
     engine.reset()
     try:
-        chunk = engine.prefill_chunk
         for s in range(0, len(head), chunk):
             if cancel.is_set():
                 engine.reset()

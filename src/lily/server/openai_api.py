@@ -13,8 +13,8 @@ from fastapi import APIRouter, Request
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, check_unicode, collect,
-                              dumps, engine_error, finite, job_events, log_gone, openai_usage,
+from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_unicode,
+                              collect, dumps, engine_error, finite, job_events, log_gone, openai_usage,
                               request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
@@ -30,13 +30,6 @@ _BOOL_TEMPLATE_KWARGS = {"enable_thinking", "add_vision_id"}
 # ----------------------------------------------------------------------------------------
 # chat
 # ----------------------------------------------------------------------------------------
-
-
-def cache_key(req) -> str | None:
-    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
-    prompt cache for eviction; reuse is decided by token equality alone), or None."""
-    key = (req.model_extra or {}).get("prompt_cache_key")
-    return key if isinstance(key, str) else None
 
 
 def template_messages(req: ChatCompletionRequest) -> list[dict]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, collect, dumps,
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, cache_key, collect, dumps,
                               request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
@@ -301,7 +301,7 @@ async def responses(req: ResponsesRequest, request: Request):
     params = state.sampling_params(req, max_tokens, stop=())
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
-    job = state.submit(ids, params, constraint=constraint)
+    job = state.submit(ids, params, constraint=constraint, prompt_cache_key=cache_key(req))
     run = ChatRun(job, parser)
     rid = "resp_" + uuid.uuid4().hex
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
