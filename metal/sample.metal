@@ -112,7 +112,7 @@ static inline void tg_argmax(float v, uint i, threadgroup float* sv, threadgroup
 
 // ---- sample_greedy ---------------------------------------------------------------------------
 // Grid: 1 threadgroup of 1024 threads.
-kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
                           device uint* token_out [[buffer(1)]],         // [1] next step's token slot
                           constant SampleGreedyArgs& args [[buffer(2)]],
                           uint tid [[thread_index_in_threadgroup]],
@@ -253,7 +253,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
 }  // namespace sample_detail
 
 // Grid: 1 threadgroup of 1024 threads (or any multiple of 32 dividing 1024).
-kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
                          device uint* counts [[buffer(1)]],         // [V] per-session counts (bit 31: in prompt); +1 at the token if update_counts
                          device const uint* position [[buffer(2)]], // [1] RNG counter (the token's position)
                          device uint* token_out [[buffer(3)]],      // [1] next step's token slot

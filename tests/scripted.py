@@ -51,8 +51,17 @@ class ScriptedBackend:
     def finish(self) -> None:
         self._gen = None
 
-    def snapshot(self):
-        return self.position
+    def snapshot(self) -> "ScriptedSnapshot":
+        return ScriptedSnapshot(self.position)
 
-    def restore(self, snap) -> None:
-        self.position = snap
+    def restore(self, snap: "ScriptedSnapshot") -> None:
+        self.position = snap.position
+
+
+class ScriptedSnapshot:
+    """The scripted session's state (its position); ``nbytes`` lets the prompt cache size it."""
+
+    nbytes = 8
+
+    def __init__(self, position: int):
+        self.position = position

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from lily._device import devices
+
 
 def run(*args, input=None, timeout=300):
     env = dict(os.environ, PYTHONIOENCODING="utf-8")
@@ -127,12 +129,24 @@ def test_generate_context_full_notice():
     (("generate", "x", "--temperature", "-1"), "temperature"),
     (("generate", "x", "--model", "/nonexistent/model"), "/nonexistent/model: the path does not exist"),
     (("chat", "--model", "./no-such-dir"), "does not exist"),
-    (("generate", "x", "--device", "metal"), "not available in this build"),
+    pytest.param(("generate", "x", "--device", "metal"), "not available in this build",
+                 marks=pytest.mark.skipif("metal" in devices(), reason="this build has the Metal device")),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)
     assert r.returncode == 1
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_device_is_auto():
+    """No --device: metal where this build has it, else reference with a one-line notice
+    (never the slow simulator)."""
+    r = run("generate", "ROMEO.", "--max-tokens", "2", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    if "metal" in devices():
+        assert "using device=" not in r.stderr
+    else:
+        assert "using device='reference'" in r.stderr
 
 
 def test_native_device_flags(tmp_path, monkeypatch):

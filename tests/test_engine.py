@@ -27,7 +27,7 @@ def _prompt(engine, n):
 def test_prefill_then_decode_equals_one_shot(which, demo_path, request):
     """Prefill in pieces, then token-by-token decode, gives the one-shot logits."""
     path = demo_path if which == "demo" else request.getfixturevalue("dims_checkpoint")
-    engine = Engine.load(path)
+    engine = Engine.load(path, device="reference")
     ids = _prompt(engine, 40)
     full = engine.prefill(ids, all_logits=True)
     engine.reset()
@@ -40,7 +40,7 @@ def test_prefill_then_decode_equals_one_shot(which, demo_path, request):
 
 def test_gdn_state_drift_over_many_steps(demo_path):
     """512 recurrent steps one at a time match one 512-token prefill (no drift)."""
-    engine = Engine.load(demo_path)
+    engine = Engine.load(demo_path, device="reference")
     ids = (_prompt(engine, 200) * 3)[:512]
     model: ReferenceModel = engine.backend.model
     a, b = model.new_state(1024), model.new_state(1024)
@@ -148,7 +148,7 @@ def test_session_reuse_when_prompt_extends(demo_engine):
         assert events[-1].cached_tokens == 0 and events[-1].timings.prefill_tokens == 5
     finally:
         demo_engine.prompt_cache = cache
-    fresh = Engine.load(demo_engine.path)
+    fresh = Engine.load(demo_engine.path, device="reference")
     assert fresh.generate(ids, max_tokens=4, temperature=0.0).token_ids == \
         demo_engine.generate(ids, max_tokens=4, temperature=0.0).token_ids
 
@@ -179,7 +179,7 @@ def test_cancel_during_prefill_and_decode(demo_engine):
 
 
 def test_prompt_longer_than_context(demo_path):
-    engine = Engine.load(demo_path, max_context=16)
+    engine = Engine.load(demo_path, max_context=16, device="reference")
     with pytest.raises(ContextLengthError, match="context window is 16"):
         engine.generate(_prompt(engine, 17))
     with pytest.raises(ContextLengthError):
@@ -221,6 +221,18 @@ def test_bad_tokens_and_device(demo_engine, demo_path):
         Engine.load(demo_path, device="cuda")
     with pytest.raises(InvalidParameterError, match="max_context"):
         Engine.load(demo_path, max_context=0)
+
+
+def test_default_device_is_metal_else_reference(demo_path, capfd):
+    """Engine.load's default (auto) is metal where this build has it, else reference with a
+    notice; the simulator only when asked for."""
+    from lily._device import devices
+    e = Engine.load(demo_path, max_context=64)
+    if "metal" in devices():
+        assert e.device == "metal"
+    else:
+        assert e.device == "reference"
+        assert "using device='reference'" in capfd.readouterr().err
 
 
 def test_sampler_filters():

@@ -40,7 +40,6 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import silu  # noqa: E402
 import test_kernels_prefill_gemm as simd_suite  # noqa: E402
 
@@ -119,33 +118,8 @@ def test_suite_reaches_the_twins(dev):
 
 # ----------------------------------------------------------------------------- helpers
 
-def to_bf16_bits(x):
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def rand_quant(rng, lead, rows, cols, bits) -> QuantizedTensor:
-    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, bf16 scales and biases
-    giving weights ~ +-0.03 centred on 0."""
-    shape = (*lead, rows)
-    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
-    g = (*shape, cols // 64)
-    s = rng.random(g, dtype=np.float32) * 0.004 + 0.0005
-    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
-    return QuantizedTensor("w", words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
-
-
-def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
-    """|s| q + |b| as float64 [..., rows, cols]."""
-    w, s, b = qt.weight, qt.scales, qt.biases
-    if index is not None:
-        w, s, b = w[index], s[index], b[index]
-    per = 32 // qt.bits
-    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
-    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
-    qg = q.reshape(*q.shape[:-1], -1, 64)
-    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
-    return m.reshape(q.shape)
+# the reference helpers live with lily doctor's kernel checks (one home)
+from lily.kernel_check import magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, w):

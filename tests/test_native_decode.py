@@ -15,6 +15,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
+from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -39,22 +40,22 @@ def _compare(native, ref, ids):
 
 
 @pytest.mark.parametrize("which, n", [("demo", 20), ("tiny", 12), ("dims", 8)])
-def test_native_logits_match_reference(which, n, demo_path, request):
+def test_native_logits_match_reference(which, n, demo_path, request, native_device):
     path = demo_path if which == "demo" else request.getfixturevalue(f"{which}_checkpoint")
-    native = Engine.load(path, device="sim", max_context=64)
-    ref = Engine.load(path, max_context=64)
+    native = Engine.load(path, device=native_device, max_context=64)
+    ref = Engine.load(path, max_context=64, device="reference")
     _compare(native, ref, _ids(ref, n))
     # Decode after prefill continues the same session.
     tok = 42
     np.testing.assert_allclose(native.decode(tok), ref.decode(tok), rtol=0, atol=REL_TOL * 50)
 
 
-def test_split_attention_path(demo_path):
+def test_split_attention_path(demo_path, native_device):
     """Lowered threshold: every step past 8 tokens uses split-KV attention + combine, with
     blocks of 4 rows (ragged last block)."""
-    native = Engine.load(demo_path, device="sim", max_context=64,
+    native = Engine.load(demo_path, device=native_device, max_context=64,
                          device_options={"split_threshold": 8, "split_block": 4})
-    ref = Engine.load(demo_path, max_context=64)
+    ref = Engine.load(demo_path, max_context=64, device="reference")
     _compare(native, ref, _ids(ref, 23))
 
 
@@ -69,11 +70,11 @@ def test_hazards_with_shuffled_stages(demo_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_pipelined_greedy_matches_reference(demo_path):
+def test_pipelined_greedy_matches_reference(demo_path, native_device):
     """GPU token hand-off with two command buffers in flight: the generated ids equal the
     reference's greedy choice at every position where its top-1 margin is clear."""
-    native = Engine.load(demo_path, device="sim", max_context=96)
-    ref = Engine.load(demo_path, max_context=96)
+    native = Engine.load(demo_path, device=native_device, max_context=96)
+    ref = Engine.load(demo_path, max_context=96, device="reference")
     prompt = _ids(ref, 8)
     native.prefill(prompt[:-1])
     before = native.position
@@ -86,8 +87,8 @@ def test_pipelined_greedy_matches_reference(demo_path):
     assert (logits.argmax(-1) == np.array(out))[clear].all()
 
 
-def test_pipelined_stop_discards_one_speculative_step(demo_path):
-    native = Engine.load(demo_path, device="sim", max_context=64)
+def test_pipelined_stop_discards_one_speculative_step(demo_path, native_device):
+    native = Engine.load(demo_path, device=native_device, max_context=64)
     prompt = _ids(native, 6)
     native.prefill(prompt[:-1])
     free = native.backend.generate_greedy(prompt[-1], 10, set())
@@ -99,14 +100,14 @@ def test_pipelined_stop_discards_one_speculative_step(demo_path):
     # The step encoded ahead of the stop ran and consumed the stop id; the session
     # continues from there exactly like a reference fed the same tokens.
     assert native.position in (len(prompt) + len(out) - 1, len(prompt) + len(out))
-    ref = Engine.load(demo_path, max_context=64)
+    ref = Engine.load(demo_path, max_context=64, device="reference")
     fed = (prompt + out)[: native.position]
     ref.prefill(fed)
     np.testing.assert_allclose(native.decode(7), ref.decode(7), rtol=0, atol=0.05)
 
 
-def test_context_full_and_bad_tokens(demo_path):
-    native = Engine.load(demo_path, device="sim", max_context=4)
+def test_context_full_and_bad_tokens(demo_path, native_device):
+    native = Engine.load(demo_path, device=native_device, max_context=4)
     with pytest.raises(Exception, match="context window"):
         native.prefill([1, 2, 3, 4, 5])
     assert native.position == 0
@@ -114,14 +115,7 @@ def test_context_full_and_bad_tokens(demo_path):
         native.prefill([1, 10**6])
 
 
-REAL = {"model_type": "qwen3_5_moe", "text_config": {
-    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
-    "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 
 
 def _minimum_bytes(cfg, context):
@@ -173,8 +167,8 @@ def test_full_size_decode_step_counters(context):
 
 
 @pytest.fixture(scope="module")
-def sim_engine(demo_path):
-    return Engine.load(demo_path, device="sim", max_context=128)
+def sim_engine(demo_path, native_device):
+    return Engine.load(demo_path, device=native_device, max_context=128)
 
 
 def test_engine_greedy_text_and_session(sim_engine, demo_engine):

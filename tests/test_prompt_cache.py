@@ -190,12 +190,11 @@ def test_cancellation_mid_prefill_keeps_cache_consistent(warm, cold, monkeypatch
     request reuses them and answers as cold."""
     m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Speak of the war."}]
     cancel = threading.Event()
-    prefill = warm.backend.prefill
+    prefill = warm.backend.prefill  # the engine's prefill pieces (Backend.prefill, no logits)
 
-    def prefill_then_cancel(tokens, **kw):
-        out = prefill(tokens, **kw)
+    def prefill_then_cancel(tokens):
+        prefill(tokens)
         cancel.set()  # after the first piece (the system message)
-        return out
 
     monkeypatch.setattr(warm.backend, "prefill", prefill_then_cancel)
     r = warm.chat(m, cancel=cancel, **GREEDY)

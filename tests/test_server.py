@@ -74,8 +74,10 @@ class ForcedEngine(Engine):
 
     @classmethod
     def load(cls, *args, **kw) -> "ForcedEngine":
+        kw.setdefault("prompt_cache_bytes", 0)  # a script: no state to cache
         engine = super().load(*args, **kw)
         engine.backend = ScriptedBackend(engine._on_prefill, engine._on_decode)
+        engine.prompt_cache = None  # scripted answers: every request computes its prompt
         return engine
 
     def _on_prefill(self, tokens, all_logits: bool):

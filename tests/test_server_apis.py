@@ -41,9 +41,9 @@ class Recording(ForcedEngine):
         super().reset()
         self.seen = []
 
-    def prefill(self, tokens, *, all_logits: bool = False):
+    def _on_prefill(self, tokens, all_logits: bool):
         self.seen = self.seen + [int(t) for t in tokens]
-        return super().prefill(tokens, all_logits=all_logits)
+        return super()._on_prefill(tokens, all_logits)
 
     @property
     def prompt(self) -> str:

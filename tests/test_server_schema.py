@@ -23,6 +23,7 @@ class _Quick(Engine):
     def load(cls, *args, **kw) -> "_Quick":
         engine = super().load(*args, **kw)
         engine.backend = ScriptedBackend(engine._on_prefill, engine._on_decode)
+        engine.prompt_cache = None  # scripted answers: every request computes its prompt
         return engine
 
     def _logits(self):

@@ -110,6 +110,7 @@ void Runtime::allocate_chunk_buffers() {
 // and win once experts carry >= 24 rows on average (docs/goals.md: +13.2% at 2K tokens, 64 rows
 // per expert); below that the padding of half-empty 32-row tiles costs more.
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
+  if (force_tile_rows_) return force_tile_rows_;
   const ModelDims& d = dims_;
   const uint64_t assignments = uint64_t(rows) * d.num_experts_per_tok;
   double active = std::min<double>(d.num_experts, double(assignments));

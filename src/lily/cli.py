@@ -19,6 +19,7 @@ _INT32_MAX = (1 << 31) - 1
 _SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
 
 _EPILOG = """examples:
+  lily doctor                                 # first thing on a new machine: checks GPU and kernels
   lily generate "ROMEO."                      # the embedded demo model (Shakespeare)
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
@@ -33,9 +34,10 @@ _EPILOG = """examples:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="MLX 4-bit qwen3_5_moe checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--device", default="reference", choices=["reference", "sim", "metal", "auto"],
-                   help="where to run the model: reference (numpy, default), sim (the Metal kernels on "
-                        "the CPU simulator: slow, for verification), metal (Apple GPU), auto")
+    p.add_argument("--device", default="auto", choices=["auto", "metal", "reference", "sim"],
+                   help="where to run the model: auto (default: metal on a Mac, else reference), metal "
+                        "(Apple GPU), reference (numpy on the CPU), sim (the Metal kernels on the CPU "
+                        "simulator: slow, for verification)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")
@@ -160,10 +162,12 @@ def peak_memory_bytes() -> int:
 
 def _print_stats(ev, file=None) -> None:
     """The speed line (as mlx_lm prints after a generation): prompt and generation tokens
-    with their rates, the peak memory, why it ended."""
+    with their rates (and, when the prompt cache reused some, the prompt tokens cached and
+    computed), the peak memory, why it ended."""
     t = ev.timings
     cached = getattr(ev, "cached_tokens", 0)
-    print(f"[prompt: {ev.prompt_tokens} tokens ({cached} cached, {t.prefill_tokens} computed), "
+    reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
+    print(f"[prompt: {ev.prompt_tokens} tokens{reuse}, "
           f"{t.prefill_tokens_per_s:.1f} tok/s | "
           f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s | "
           f"peak memory: {peak_memory_bytes() / 1e9:.3f} GB | finish: {ev.finish_reason}]",
@@ -407,6 +411,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from lily import doctor
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
+    return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
+                      seed=args.seed, as_json=args.json)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -425,7 +436,7 @@ def cmd_bench_agent(args) -> int:
     engine = Engine.load(args.model, **load)
     cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
     rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
-                          turn_tokens=args.turn_tokens, max_tokens=args.decode_tokens,
+                          turn_tokens=args.turn_tokens, max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
                           on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
     print(agent_bench.format_report(rep))
     if args.json:
@@ -441,12 +452,25 @@ def cmd_bench(args) -> int:
     from lily.bench import bench, format_report
     options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
     rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
-                rounds=args.rounds, positions=args.positions, device_options=options)
+                rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
     print(format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rep, f, indent=2)
         print(f"\nwritten: {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from lily.checkpoint import load_config
+    from lily.perf import LENGTHS, estimate, format_report
+    config = load_config(args.model)[0] if args.model else None
+    rep = estimate(args.machine, config=config, contexts=args.contexts or LENGTHS, prompts=args.prompts or LENGTHS,
+                   breakdown_at=args.at, chunk=args.prefill_chunk)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(format_report(rep))
     return 0
 
 
@@ -560,11 +584,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Lily's device (default auto: metal on a Mac)")
     b.add_argument("--lengths", type=_int_list, default=None, metavar="L1,L2,...",
                    help="prompt lengths in tokens (default: 256, 512, ..., 131072 up to the model's limit)")
-    b.add_argument("--decode-tokens", type=int, default=64, metavar="N",
-                   help="tokens generated per request (default 64)")
-    b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates (default 3)")
-    b.add_argument("--positions", type=int, default=192, metavar="N",
-                   help="teacher-forced positions of the consistency check (default 192; 0 skips it)")
+    b.add_argument("--protocol", default="spec", choices=["spec", "pplx"],
+                   help="spec: SPEC.md's chat-text prompts; pplx: pplx-garden's published contract (synthetic "
+                        "ids, exact-shape warm-up, time to first token, exactly 64 decode steps, 2 rounds; "
+                        "lengths beyond the model's limit dropped) (default spec)")
+    b.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="tokens generated per request, or per agent reply (default 64; fixed by --protocol pplx)")
+    b.add_argument("--rounds", type=int, default=None,
+                   help="rounds per length; the engine order alternates (default 3; pplx 2)")
+    b.add_argument("--positions", type=int, default=None, metavar="N",
+                   help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="Lily's prefill chunk on the native devices (default 512)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
@@ -580,6 +609,43 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
     a.add_argument("--no-cold", action="store_true", help="skip the runs without the cache")
     b.set_defaults(func=cmd_bench)
+
+    d = sub.add_parser("doctor", help="check this machine: toolchain, GPU, memory, and every kernel against numpy",
+                       description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
+                                   "library and the tensor library load, the memory the model needs, then run "
+                                   "every shipped kernel once on the GPU (the simulator off a Mac) against its "
+                                   "numpy reference on fresh random inputs. Ends with a block to paste into a "
+                                   "bug report. Exit status 1 when anything failed.")
+    d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
+                   help="device to check (default auto: metal on a Mac, else the simulator)")
+    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
+    d.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="checkpoint whose memory needs to show (default: demo model)")
+    d.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context length for the KV-cache estimate (default: as Engine.load, 32768 or the model's maximum)")
+    d.add_argument("--seed", type=int, default=None, help="fix the random inputs (default: fresh ones)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    d.set_defaults(func=cmd_doctor)
+    e = sub.add_parser("estimate", help="ESTIMATE decode and prefill speed on an Apple GPU without a Mac",
+                       description="A performance model (docs/performance.md) of the real plan's recorded "
+                                   "dispatches on a chosen Apple GPU: decode tok/s per context, prefill tok/s "
+                                   "per prompt length, and where the time goes by kernel family. An estimate, "
+                                   "not a measurement.")
+    from lily.perf import MACHINES
+    e.add_argument("--machine", default="m5max", choices=list(MACHINES),
+                   help="the GPU modelled (default m5max)")
+    e.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="take the dimensions from this checkpoint's config.json (default: Qwen3.6-35B-A3B)")
+    e.add_argument("--contexts", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="decode contexts (default 256, 512, ..., 131072)")
+    e.add_argument("--prompts", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="prefill prompt lengths (default 256, 512, ..., 131072)")
+    e.add_argument("--at", type=int, default=4096, metavar="L",
+                   help="context / prompt length of the per-family breakdown (default 4096)")
+    e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill chunk rows (default: the runtime's)")
+    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    e.set_defaults(func=cmd_estimate)
 
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "

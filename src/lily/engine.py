@@ -61,9 +61,11 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     available = available_devices()
     auto = device == "auto"
     if auto:
-        device = "metal" if "metal" in available else "sim" if "sim" in available else "reference"
+        # The simulator verifies kernels; it is far too slow to serve: never chosen for you.
+        device = "metal" if "metal" in available else "reference"
         if device != "metal":
-            print(f"lily: no Metal device here; using device={device!r}", file=sys.stderr)
+            print("lily: no Metal GPU in this build; using device='reference' (numpy on the CPU)",
+                  file=sys.stderr)
     if device == "reference":
         if options and not auto:
             raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) apply only to "
@@ -180,7 +182,7 @@ class Engine:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, device: str = "reference",
+    def load(cls, path: str | Path | None = None, *, device: str = "auto",
              max_context: int | None = None, progress: bool = False,
              device_options: dict | None = None,
              prompt_cache_bytes: int = DEFAULT_MAX_BYTES) -> "Engine":
@@ -190,7 +192,10 @@ class Engine:
         ----------
         path : str | Path | None
             An MLX 4-bit ``qwen3_5_moe`` checkpoint directory with tokenizer files.
-        device : {"reference", "sim", "metal", "auto"}
+        device : {"auto", "metal", "reference", "sim"}
+            ``auto`` (default): ``metal`` where this build has it (macOS), else ``reference``
+            with a one-line notice on stderr. ``sim`` (the Metal kernels on the CPU
+            simulator, for verification) only when asked for.
         max_context : int | None
             Context window in tokens (default ``min(32768, max_position_embeddings)``).
         progress : bool
@@ -237,8 +242,8 @@ class Engine:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
         if isinstance(prompt_cache_bytes, bool) or not isinstance(prompt_cache_bytes, int) or prompt_cache_bytes < 0:
             raise InvalidParameterError(f"prompt_cache_bytes must be a non-negative integer, got {prompt_cache_bytes!r}")
-        backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
+        backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
             bar.update(1)
             bar.close()
@@ -259,7 +264,8 @@ class Engine:
         return list(self._tokens)
 
     def reset(self) -> None:
-        """Empty the session (KV cache and recurrent state)."""
+        """Empty the session (KV cache and recurrent state). The prompt cache keeps its
+        entries (``engine.prompt_cache.clear()`` drops them)."""
         self.backend.reset()
         self._tokens = []
 
@@ -356,7 +362,9 @@ class Engine:
 
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
-        (at least one: the last prompt token's logits select the first output).
+        (at least one: the last prompt token's logits select the first output): the one
+        place where state is reused. ``len(prompt_ids) - len(result)`` is the request's
+        ``cached_tokens``.
 
         The session is kept when the prompt extends its tokens; otherwise the longest
         prefix in the prompt cache is restored when it is longer (a restore that fails
@@ -439,9 +447,9 @@ class Engine:
         (native devices: chosen on the device, with the next step already encoded; the
         host reads ids one step behind and stops on EOS, a stop string, the constraint's
         end or the length limit, discarding at most one speculative step).
-        ``timings.prefill_s`` is the time to the first token. Prefill pieces end at the
-        prompt cache's snapshot positions (all of them before the feed), and a generation
-        that ends (not cancelled) is stored in the cache too."""
+        ``timings.prefill_s`` is the time to the first token. The prompt cache stores the
+        session at the planned positions of the prefill (all inside the pieces run here) and
+        at the end of a generation that was not cancelled."""
         backend = self.backend
         timings = Timings()
         detok = self.tokenizer.detokenizer()
@@ -460,7 +468,7 @@ class Engine:
         t0 = time.perf_counter()
         chunk = backend.prefill_chunk
         tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
-        if self._snap_points:  # every snapshot position lies before the feed
+        if self._snap_points:  # every snapshot position inside the pieces run here
             tail = max(tail, self._snap_points[-1] - len(self._tokens))
         try:
             for piece in self._pieces(new[:tail], chunk):
@@ -477,7 +485,7 @@ class Engine:
         feed = new[tail:]
         start_pos = backend.position
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        outs: list[int] = []
+        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
         t1 = None
         failed = False
         try:
@@ -533,7 +541,7 @@ class Engine:
                     consumed = backend.position - start_pos
                     self._tokens.extend((feed + outs)[:consumed])
                     if ended:
-                        self._cache_session()
+                        self._cache_session()  # the end of the generated text: the next turn may extend it
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
@@ -545,26 +553,25 @@ class Engine:
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
                     cancel: threading.Event | None = None, constraint: Constraint | None = None,
-                    prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
+                    **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
-        return self.stream(ids, params, cancel=cancel, constraint=constraint,
-                           prompt_cache_key=prompt_cache_key, **overrides)
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
+                           **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              cancel: threading.Event | None = None, constraint: Constraint | None = None,
-             prompt_cache_key: str | None = None, **overrides) -> "ChatResult":
+             **overrides) -> ChatResult:
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
                                                     **(chat_template_kwargs or {}))
         r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
-                                      constraint=constraint, prompt_cache_key=prompt_cache_key,
-                                      **overrides))
+                                      constraint=constraint, **overrides))
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
                                    parse_tools=bool(tools))
         return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
@@ -614,7 +621,8 @@ class Engine:
         self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
         try:
             for piece in self._pieces(new, self.prefill_chunk):
-                self.prefill(piece)
+                self.backend.prefill(np.asarray(piece, dtype=np.int64))
+                self._tokens.extend(piece)
                 self._snapshot_if_planned()
         except BaseException:
             self.reset()

@@ -22,17 +22,27 @@ PREFILL_CHUNK = 512      # default tokens per prefill chunk (scratch memory is s
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
-def model_dims(c: ModelConfig) -> dict:
-    """The runtime's ``ModelDims`` from a :class:`ModelConfig`."""
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rotary_dim", "linear_num_key_heads",
-            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps",
-            "rope_theta", "norm_topk_prob")
-    d = {k: getattr(c, k) for k in keys}
-    d["full_attention"] = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
+def model_dims(c: ModelConfig):
+    """The runtime's ``lily._core.ModelDims`` from a :class:`ModelConfig` (same field names)."""
+    from lily import _core
+    d = _core.ModelDims()
+    for name in _core.ModelDims.FIELDS:
+        setattr(d, name, getattr(c, name))
+    d.full_attention = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
     return d
+
+
+def sampling_config(params):
+    """The device's ``lily._core.SamplingConfig`` from :class:`lily.sampling.SamplingParams`
+    (same field names); a seed of None becomes a fresh random one, any seed is taken mod 2**64."""
+    from lily import _core
+    s = _core.SamplingConfig()
+    for name in _core.SamplingConfig.FIELDS:
+        if name != "seed":
+            setattr(s, name, getattr(params, name))
+    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
+    s.seed = int(seed) % (1 << 64)
+    return s
 
 
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
@@ -61,7 +71,8 @@ def reject_unknown_options(options, known, what: str) -> None:
 
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
-               "verify_reads", "gpu_family")  # lily._core.sim_device's keywords
+               "verify_reads", "gpu_family", "working_set_bytes",
+               "max_buffer_bytes", "pipeline_thread_limit")  # lily._core.sim_device's keywords
 
 
 def make_device(name: str, **options):
@@ -146,13 +157,7 @@ class NativeBackend:
         if constraint is not None:
             self._host = HostGeneration(self.forward, feed, steps, history, params, constraint)
             return
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
-        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history],
-                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                           min_p=params.min_p, presence_penalty=params.presence_penalty,
-                           frequency_penalty=params.frequency_penalty,
-                           repetition_penalty=params.repetition_penalty, seed=int(seed) % (1 << 64),
-                           logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history], sampling_config(params))
 
     def next(self):
         """``(token id, TokenLogprob)`` of the next generated token, or None when done."""
@@ -194,7 +199,8 @@ def _runtime(device, config: ModelConfig, tensors, max_context: int, split_thres
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     """The tensor table of a checkpoint that need not exist on disk (record-only counting):
-    every tensor of ``config`` at the offsets MLX would write them."""
+    every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
+    (as the weight cache places them; small models' tensors are not aligned otherwise)."""
     from lily.checkpoint import expected_tensors
     tensors, offset = [], 0
     for kind, name, shape in expected_tensors(config):
@@ -208,7 +214,7 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
             parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
         for suffix, nbytes in parts.items():
             tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
-            offset += nbytes
+            offset += -(-nbytes // 16) * 16
     return tensors
 
 
@@ -229,8 +235,9 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
                         router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
                         gemm_path: str = "simdgroup") -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
-    (record-only device, virtual weights), as :func:`count_decode_step`."""
-    dev = make_device("sim", record_only=True)
+    (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
+    counts on a simulator of an apple10 (M5) GPU, the family that has them."""
+    dev = make_device("sim", record_only=True, **({"gpu_family": "apple10"} if gemm_path == "tensor" else {}))
     rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
                   SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
     return rt.count_chunk(position, rows)

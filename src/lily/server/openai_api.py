@@ -401,4 +401,5 @@ async def completions(req: CompletionRequest, request: Request):
             logprobs = {k: head[k] + logprobs[k] for k in head}
     choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
               "finish_reason": finish(last)}
-    return {**base, "choices": [choice], "usage": openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)}
+    usage = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
+    return {**base, "choices": [choice], "usage": usage}
