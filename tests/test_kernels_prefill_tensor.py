@@ -395,16 +395,3 @@ def test_probe_kernel(fwd):
     X, O = upload(fwd, x), fwd.buffer(32 * 64 * 4)
     dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
     np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], x))
-
-
-def test_tensor_pipelines_require_their_declared_threadgroup(fwd):
-    """Apple's MTLComputePipeline.h: a pipeline using cooperative tensors must set
-    requiredThreadsPerThreadgroup, and every dispatch must match it. The Metal device sets it
-    to the kernel's [[max_total_threads_per_threadgroup]] as (n, 1, 1); the simulator refuses
-    any other shape, so a runtime that dispatched one would fail here, not first on an M5."""
-    x = fresh_rng(18).standard_normal((64, 32), dtype=np.float32)
-    X, O = upload(fwd, x), fwd.buffer(32 * 64 * 4)
-    for tg in (64, (64, 2), (32, 4)):
-        with pytest.raises(ValueError, match=r"cooperative-tensor pipeline requires \(128, 1, 1\)"):
-            dispatch(fwd, "tensor_ops_probe", 1, tg, [X, O], None, reads=[X], writes=[O])
-    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])

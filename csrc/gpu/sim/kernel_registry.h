@@ -53,7 +53,6 @@ struct KernelInfo {
   std::string where;        // "file.metal:line" of the instantiation
   std::vector<ParamInfo> params;
   uint32_t max_threads = 1024;
-  bool threads_declared = false;  // [[max_total_threads_per_threadgroup(n)]] given
   std::string error;        // a parameter the simulator cannot bind (reported at lookup)
   // Defined in a metal/*_tensor.metal file (Metal 4 tensor operations): on a Mac it lives
   // in lily_tensor.metallib, so the simulator offers it only when the device's GPU family
@@ -154,8 +153,7 @@ template <class... Args> struct Registrar<void(Args...)> {
     k.name = name;
     k.where = where;
     k.tensor_ops = tensor_ops;
-    k.max_threads = max_threads ? max_threads : 1024;
-    k.threads_declared = max_threads != 0;
+    k.max_threads = max_threads;
     k.invoke = &invoke;
     k.fn = reinterpret_cast<void (*)()>(f);
     if (n != sizeof...(Args)) {

@@ -625,7 +625,7 @@ class Transformer:
         toks = self.toks
         start = self.decl_start(a)
         is_template = any(toks[k].text == "template" for k in range(start, a) if significant(toks[k]))
-        max_threads = "0"  # not declared: the registrar takes 1024, Metal's limit
+        max_threads = "1024"
         for name, arg in attrs:
             if name == "max_total_threads_per_threadgroup":
                 max_threads = arg

@@ -183,11 +183,6 @@ void SimPass::validate(const Dispatch& d) {
          (pipe->max_threads_per_threadgroup() < k.max_threads
               ? std::string(" (the kernel declares up to ") + std::to_string(k.max_threads) + ")"
               : std::string(" ([[max_total_threads_per_threadgroup]])")));
-  // As on a Mac (metal_device.mm): a tensor-library pipeline requires its declared size
-  // (the simulator's own self-test kernels declare none and are exempt).
-  if (k.tensor_ops && k.threads_declared && (d.threadgroup.x != k.max_threads || d.threadgroup.y != 1 || d.threadgroup.z != 1))
-    fail("threadgroup size " + size3(d.threadgroup) + ": a cooperative-tensor pipeline requires (" +
-         std::to_string(k.max_threads) + ", 1, 1), its [[max_total_threads_per_threadgroup]]");
   if (!d.grid.x || !d.grid.y || !d.grid.z) fail("grid " + size3(d.grid) + " has a zero dimension");
   auto rp = std::make_unique<Recorded>();
   Recorded& r = *rp;
