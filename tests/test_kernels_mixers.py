@@ -224,8 +224,9 @@ def attn_cfg(Hq, Hkv, D, rot):
 
 
 def heads_per_group(Hq, Hkv):
-    """G: query heads per decode threadgroup (4, or the whole GQA group if smaller)."""
-    return min(4, Hq // Hkv)
+    """G: query heads per decode threadgroup, the runtime's rule (csrc/runtime/encoder.h):
+    the largest of 8, 4, 2 dividing the GQA group (the model's 8: each KV row read once)."""
+    return next(g for g in (8, 4, 2) if (Hq // Hkv) % g == 0)
 
 
 class AttnLayer:

@@ -146,6 +146,9 @@ void ComputePass::dispatch(const Dispatch& d_in) {
     rec.stage = static_cast<uint32_t>(counters_->barrier_stages - 1);
     for (const Range& r : d.reads) rec.bytes_read += r.size;
     for (const Range& r : d.writes) rec.bytes_written += r.size;
+    auto groups = [&](uint32_t g, uint32_t t) -> uint64_t { return d.grid_is_threadgroups ? g : (g + t - 1) / t; };
+    rec.threadgroups = groups(d.grid.x, d.threadgroup.x) * groups(d.grid.y, d.threadgroup.y) *
+                       groups(d.grid.z, d.threadgroup.z);
     counters_->dispatches += 1;
     counters_->bytes_read += rec.bytes_read;
     counters_->bytes_written += rec.bytes_written;

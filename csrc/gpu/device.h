@@ -131,6 +131,7 @@ struct DispatchRecord {
   uint32_t pass = 0;     // index of the pass in the command buffer
   uint32_t stage = 0;    // barrier stage within the command buffer (0-based)
   uint64_t bytes_read = 0, bytes_written = 0;
+  uint64_t threadgroups = 0;  // threadgroups in the grid (partial edge threadgroups count)
 };
 
 struct Counters {

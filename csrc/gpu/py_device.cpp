@@ -225,10 +225,11 @@ void bind_device(nb::module_& m) {
           d["stage"] = r.stage;
           d["bytes_read"] = r.bytes_read;
           d["bytes_written"] = r.bytes_written;
+          d["threadgroups"] = r.threadgroups;
           out.append(d);
         }
         return out;
-      }, "Per-dispatch counters: label, pass, barrier stage, declared bytes read/written.");
+      }, "Per-dispatch counters: label, pass, barrier stage, declared bytes read/written, threadgroups.");
 
   nb::class_<Device>(m, "Device", "A Lily device: 'sim' (the Metal simulator) or 'metal'.")
       .def_prop_ro("name", &Device::name)

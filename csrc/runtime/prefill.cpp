@@ -37,13 +37,6 @@ uint32_t max_tiles_for(uint32_t assignments, uint32_t experts, uint32_t T) {
   return ceil_div(assignments, T) + std::min(experts, assignments);
 }
 
-// Query heads per attention threadgroup: the largest of 8, 4, 2 dividing the group.
-uint32_t attn_heads_per_group(uint32_t group) {
-  for (uint32_t g : {8u, 4u, 2u})
-    if (group % g == 0) return g;
-  return 0;
-}
-
 }  // namespace
 
 void Runtime::allocate_chunk_buffers() {
@@ -90,7 +83,7 @@ void Runtime::allocate_chunk_buffers() {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
   }
-  if (opt_.max_context > opt_.split_threshold) {
+  if (opt_.max_context > opt_.split_threshold && opt_.max_context >= 2 * prefill_split_rows()) {
     const uint64_t per_split = uint64_t(C) * Hq * (D + 2) * f;
     c.attn_splits = uint32_t(std::max<uint64_t>(2, kAttnPartialBudget / per_split));
     c.part_ml = scratch(size_t(c.attn_splits) * C * Hq * 2 * f, "chunk attn partial m,l");
@@ -259,7 +252,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // fewer than kAttnMinGroups threadgroups.
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
-                         end >= 2 * opt_.split_block;
+                         end >= 2 * prefill_split_rows();
       const float scale = float(1.0 / std::sqrt(double(D)));
       const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
       auto declare_kv = [&](Op& op) {
@@ -280,7 +273,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
-        const uint32_t S = std::max(opt_.split_block, ceil_div(end, std::max(2u, cap)));
+        const uint32_t S = std::max(prefill_split_rows(), ceil_div(end, std::max(2u, cap)));
         const uint32_t splits = ceil_div(end, S);
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;

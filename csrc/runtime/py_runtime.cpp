@@ -58,7 +58,7 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   d["state_bytes"] = t.state_bytes;
   d["activation_bytes"] = t.other_bytes;
   nb::list log;
-  for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
+  for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage, r.threadgroups));
   d["log"] = log;
   return d;
 }
@@ -94,8 +94,8 @@ void bind_runtime(nb::module_& m) {
              if (prefill_chunk == 0) throw std::invalid_argument("prefill_chunk must be positive");
              new (self) Runtime(std::move(device), dims_from(dims), descs, o);
            },
-           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 32768,
-           "split_block"_a = 1024, "virtual_weights"_a = false, "prefill_chunk"_a = 512,
+           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 256,
+           "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 512,
            "gemm_path"_a = "auto",
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
       .def("reset", &Runtime::reset)
