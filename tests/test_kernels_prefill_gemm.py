@@ -49,10 +49,14 @@ from lily._device import constant, download, sim_device, upload  # noqa: E402
 from test_kernels_gemv_moe import _swiglu_bound, magnitude, rand_quant  # noqa: E402
 
 U = 2.0**-24
-BN = 64          # output columns per threadgroup of every GEMM kernel (metal/gemm.metal)
+BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
 DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
-MOE_TG = {16: 64, 32: 128}  # threads of the grouped kernels per tile height T
+# Grouped kernels per tile height T: (threads, output columns) per threadgroup of gate/up
+# and of down (csrc/runtime/prefill.cpp moe_geometry).
+MOE_GATE_UP = {16: (64, 64), 32: (128, 64), 64: (128, 32)}
+MOE_DOWN = {16: (64, 64), 32: (128, 64), 64: (256, 64)}
+TILES = [16, 32, 64]
 TIMES: dict[str, float] = {}
 
 
@@ -279,7 +283,8 @@ def moe_args(n, k, M, top_k, E, lda, ldy):
 
 def enc_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None):
     lda, ldy = lda or H, ldy or I
-    p.dispatch(f"moe_gemm_gate_up_q4_t{T}", (max_tiles, -(-I // BN)), MOE_TG[T],
+    threads, bn = MOE_GATE_UP[T]
+    p.dispatch(f"moe_gemm_gate_up_q4_t{T}", (max_tiles, -(-I // bn)), threads,
                buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
                constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
                reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
@@ -288,7 +293,8 @@ def enc_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=No
 
 def enc_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None):
     lda, ldy = lda or I, ldy or H
-    p.dispatch(f"moe_gemm_down_q4_t{T}", (max_tiles, -(-H // BN)), MOE_TG[T],
+    threads, bn = MOE_DOWN[T]
+    p.dispatch(f"moe_gemm_down_q4_t{T}", (max_tiles, -(-H // bn)), threads,
                buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
                constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
                reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
@@ -302,7 +308,7 @@ MOE_CASES = [  # M, E, k, hidden, inter, skew
 ]
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew)
@@ -327,7 +333,7 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_down(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew, 2)
@@ -384,12 +390,12 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     return tiles
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", TILES)
 def test_moe_chain(dev, T):
     run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", TILES)
 def test_moe_chain_real_shape(dev, T):
     """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))

@@ -19,7 +19,17 @@ namespace {
 // GEMM blocks (metal/gemm.metal): dense 32 x 64 output blocks of 128 threads; grouped
 // expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
 constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-constexpr uint32_t kMoeBN = 64;
+// Grouped expert GEMMs (metal/gemm.metal): threads and output columns per threadgroup of
+// gate/up and of down for tile height T (T = 64: gate/up 64 x 32, so that its two staged
+// result blocks fit threadgroup memory).
+struct MoeGeometry {
+  uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
+};
+MoeGeometry moe_geometry(uint32_t T) {
+  if (T == 64) return {128, 32, 256, 64};
+  const uint32_t threads = T == 32 ? 128 : 64;
+  return {threads, 64, threads, 64};
+}
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
@@ -101,7 +111,8 @@ void Runtime::allocate_chunk_buffers() {
 // completed chunk of the same layer when there is one, else expected from rows * k / E:
 // 32-row tiles (2 x 2 simdgroups) read each expert's weights half as often as 16-row tiles
 // and win once experts carry >= 24 rows on average (SPEC.md: +13.2% at 2K tokens, 64 rows
-// per expert); below that the padding of half-empty 32-row tiles costs more.
+// per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
+// halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
   const ModelDims& d = dims_;
   const uint64_t assignments = uint64_t(rows) * d.num_experts_per_tok;
@@ -118,7 +129,8 @@ uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
       break;
     }
   }
-  return assignments / std::max(1.0, active) >= 24.0 ? 32 : 16;
+  const double per_expert = assignments / std::max(1.0, active);
+  return per_expert >= 48.0 ? 64 : per_expert >= 24.0 ? 32 : 16;
 }
 
 std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
@@ -326,11 +338,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     gemm(m + ".shared_expert.down_proj", 4, false, *c.hs, Is, Is, *c.ys, H, H, 0, L + "shared expert down");
     // routed experts over the tile map
     const std::string tsfx = "_t" + std::to_string(T);
-    const uint32_t moe_threads = T == 32 ? 128 : 64;
+    const MoeGeometry mg = moe_geometry(T);
     const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
     {
       Op op(dev, "moe_gemm_gate_up_q4" + tsfx + sfx, L + "experts gate|up");
-      op.groups(tg(max_tiles, ceil_div(I, kMoeBN)), tg(moe_threads))
+      op.groups(tg(max_tiles, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
           .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m + ".switch_mlp.gate_proj");
@@ -340,7 +352,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     }
     {
       Op op(dev, "moe_gemm_down_q4" + tsfx + sfx, L + "experts down");
-      op.groups(tg(max_tiles, ceil_div(H, kMoeBN)), tg(moe_threads))
+      op.groups(tg(max_tiles, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
           .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m + ".switch_mlp.down_proj");

@@ -95,7 +95,7 @@ void bind_runtime(nb::module_& m) {
              new (self) Runtime(std::move(device), dims_from(dims), descs, o);
            },
            "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 256,
-           "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 512,
+           "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 2048,
            "gemm_path"_a = "auto",
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
       .def("reset", &Runtime::reset)

@@ -34,7 +34,7 @@ struct RuntimeOptions {
   uint32_t split_threshold = 256;      // context (rows attended) above which decode attention splits the KV rows
   uint32_t split_block = 0;            // KV rows per split block; 0: chosen by context (Runtime::split_rows)
   bool virtual_weights = false;        // record-only counting: weights need not exist on disk
-  uint32_t prefill_chunk = 512;        // tokens per prefill chunk (scratch is sized for one chunk)
+  uint32_t prefill_chunk = 2048;       // tokens per prefill chunk (scratch is sized for one chunk)
   GemmPath gemm_path = GemmPath::automatic;
 };
 

@@ -211,7 +211,7 @@ class Engine:
         progress : bool
             Show a progress bar while validating and mapping the weights.
         device_options : dict | None
-            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 512;
+            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 2048;
             scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
             ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
             (context above which decode attention splits the KV rows across threadgroups,

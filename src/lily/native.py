@@ -17,7 +17,7 @@ from lily.weight_cache import aligned_table
 
 SPLIT_THRESHOLD = 256    # context above which decode attention splits the KV rows across threadgroups
 SPLIT_BLOCK = 0          # KV rows per split block; 0: chosen by context (~128 threadgroups)
-PREFILL_CHUNK = 512      # tokens per prefill chunk (scratch memory is sized for one chunk)
+PREFILL_CHUNK = 2048     # tokens per prefill chunk (scratch memory is sized for one chunk)
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
