@@ -247,9 +247,16 @@ void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
   auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
   const SamplingConfig& sc = sampling_;
   if (sc.greedy_kernel()) {
-    Op op(dev, "sample_greedy", "greedy token -> next slot");
-    op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::SampleGreedyArgs{d.vocab_size}).run(pass);
+    // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
+    // slice, then one threadgroup reduces them and writes the token (no host round trip).
+    const uint32_t parts = ceil_div(d.vocab_size, kArgmaxSlice);
+    const size_t part_bytes = size_t(parts) * 2 * u32;
+    Op(dev, "argmax_partial", "greedy argmax partials")
+        .groups(tg(parts), tg(256)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
+        .out(1, *argmax_part_, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice}).run(pass);
+    Op(dev, "sample_greedy_combine", "greedy token -> next slot")
+        .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32))).in(0, *argmax_part_, 0, part_bytes)
+        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;

@@ -52,6 +52,7 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
   hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
                   "expert hidden");
   logits_ = scratch(size_t(d.vocab_size) * f, "logits");
+  argmax_part_ = scratch(size_t(ceil_div(d.vocab_size, kArgmaxSlice)) * 2 * sizeof(uint32_t), "argmax partials");
   attn_heads_ = attn_heads_per_group(group);
   // Blocks of the split path: ceil(rows / split_rows(rows)) <= ceil(target / (Hq / G)) when
   // chosen by context (each block has >= rows * (Hq/G) / target rows).

@@ -87,6 +87,7 @@ struct SessionSnapshot {
 class Runtime {
  public:
   static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
+  static constexpr uint32_t kArgmaxSlice = 4096;    // logits per argmax_partial threadgroup
 
   Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                 const std::vector<TensorDesc>& tensors, RuntimeOptions options);
@@ -203,6 +204,8 @@ class Runtime {
   // sampling: per-session token counts [V] (bit 31: seen in the prompt) and per-slot
   // log-probability outputs
   gpu::BufferPtr counts_, logprob_out_, top_ids_;
+  // greedy argmax partials (argmax_partial -> sample_greedy_combine), one per slice of logits
+  gpu::BufferPtr argmax_part_;
   SamplingConfig sampling_;
   // prefill chunk buffers (sized for chunk_ rows): token ids [2] (one per chunk in flight),
   // activations, routing, and per layer the expert histograms [2][E] of the last chunks
