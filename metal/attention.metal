@@ -1,4 +1,4 @@
-// Full-attention decode kernels (MODEL.md, "Full attention"; SPEC.md section 3, fusion (3),
+// Full-attention decode kernels (docs/model.md, "Full attention"; docs/goals.md, fusion (3),
 // coalesced KV reads, GQA packing, attention layout switch).
 //
 //   attn_qk_prep              q/k RMSNorm + partial RoPE at the position in a device buffer,

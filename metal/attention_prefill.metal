@@ -1,4 +1,4 @@
-// Full-attention prefill kernels (MODEL.md, "Full attention"; SPEC.md section 3, prefill
+// Full-attention prefill kernels (docs/model.md, "Full attention"; docs/goals.md, prefill
 // attention). One chunk: M rows at absolute positions p0 .. p0 + M - 1 (docs/prefill.md).
 //
 //   attn_prefill_prep_d<D>    per row: q/k RMSNorm, partial RoPE at the row's position, bf16

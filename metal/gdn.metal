@@ -1,4 +1,4 @@
-// Gated DeltaNet decode step (MODEL.md, "Gated DeltaNet"; SPEC.md section 3, fusion (4)).
+// Gated DeltaNet decode step (docs/model.md, "Gated DeltaNet"; docs/goals.md, fusion (4)).
 //
 // One threadgroup per value head h (grid: Hv threadgroups of 1024 threads = 32 simdgroups).
 // The threadgroup owns everything of its head, so no dependency crosses threadgroups:

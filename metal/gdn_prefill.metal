@@ -1,4 +1,4 @@
-// Gated DeltaNet prefill: one chunk of M tokens (MODEL.md, "Gated DeltaNet"; SPEC.md
+// Gated DeltaNet prefill: one chunk of M tokens (docs/model.md, "Gated DeltaNet"; docs/goals.md
 // section 3, "Register-resident Gated DeltaNet scan"; docs/prefill.md).
 //
 // Two dispatches per layer and chunk, after the projections (qkv, z, b, a: fp32 [M, ...]):

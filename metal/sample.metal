@@ -1,4 +1,4 @@
-// Token selection on the GPU (SPEC.md section 3, "GPU-resident token hand-off"): the step
+// Token selection on the GPU (docs/goals.md, "GPU-resident token hand-off"): the step
 // ends by writing the next token id into the next step's token slot.
 //
 //   sample_greedy   argmax of the fp32 logits (ties -> lowest index, NaN never wins).

@@ -1,4 +1,4 @@
-"""The MLX-LM peer on the CPU (VERIFY.md section 2): load a checkpoint and get its logits.
+"""The MLX-LM peer on the CPU (docs/verification.md): load a checkpoint and get its logits.
 
 ``float32=True`` casts every bf16 parameter (scales, biases, norms) to float32 so MLX-LM
 runs the same affine-dequantized weights with float32 activations: the reference must then

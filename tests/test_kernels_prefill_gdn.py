@@ -222,7 +222,7 @@ class Layer:
         return silu(sum(terms)), f32(seq[-(K - 1):]), sum(np.abs(t) for t in terms)
 
     def scan_reference(self, conv, z, b, a, S):
-        """float64 scan of one chunk from the conv output (MODEL.md; the reference's loop).
+        """float64 scan of one chunk from the conv output (docs/model.md; the reference's loop).
 
         Returns the outputs o [M, Hv*Dv], the new state, and per output the error scale
         ``kappa * (|o| + |norm_w * silu(z)|)`` where ``kappa = rms_v(sum_k |S_vk q_k|) /

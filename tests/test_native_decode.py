@@ -125,7 +125,7 @@ REAL = {"model_type": "qwen3_5_moe", "text_config": {
 
 
 def _minimum_bytes(cfg, context):
-    """MODEL.md's per-token minimum: the active weights (embedding row, all non-expert
+    """docs/model.md's per-token minimum: the active weights (embedding row, all non-expert
     linears and norms, k routed + the shared expert, lm_head) at 4 bits + bf16 scale/bias
     per 64 (8 bits for the router and shared-expert gate), the KV rows read and the new one
     written (bf16), and the GDN recurrent + conv state read and written (fp32)."""
@@ -154,7 +154,7 @@ def _minimum_bytes(cfg, context):
 def test_full_size_decode_step_counters(context):
     """Record-only counting of one decode step of the real 40-layer model (docs/decode.md
     reports these numbers). Bytes moved (activations and split-attention partials included)
-    must be within 5% of the MODEL.md minimum; from 256 rows on the attention is split so
+    must be within 5% of the docs/model.md minimum; from 256 rows on the attention is split so
     that its grid has >= 2x the 40 cores of an M5 Max in threadgroups, each KV row read by
     one threadgroup (8 query heads each)."""
     from lily.native import count_decode_step

@@ -1,4 +1,4 @@
-"""Reference engine vs the MLX-LM peer on the CPU (VERIFY.md section 2).
+"""Reference engine vs the MLX-LM peer on the CPU (docs/verification.md).
 
 Two comparisons per checkpoint (the embedded trained demo model and both random presets):
 

@@ -1,4 +1,4 @@
-"""The simulator tests under AddressSanitizer (VERIFY.md section 3): builds lily._core with
+"""The simulator tests under AddressSanitizer (docs/verification.md): builds lily._core with
 -DLILY_SANITIZE=address (tools/run_sim_asan.sh) and runs tests/test_sim_*.py against it.
 
 Needs cmake, a C++ compiler with ASan and nanobind in this environment; skipped otherwise.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Type-checks the Objective-C++ Metal backend (csrc/gpu/metal/*.mm) against real macOS SDK
-# headers, without a Mac (VERIFY.md section 4):
+# headers, without a Mac (docs/verification.md):
 #
 #   tools/check_objc.sh SDK_PATH
 #

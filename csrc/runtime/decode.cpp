@@ -1,4 +1,4 @@
-// The decode step as a list of named stages (ARCHITECTURE.md "One plan, two phases").
+// The decode step as a list of named stages (docs/conventions.md "One plan, two phases").
 // Kernel geometry and bindings follow docs/kernels.md; every dispatch declares what it
 // reads and writes, and the compute pass derives the barriers from that.
 #include "runtime/runtime.h"

@@ -1,5 +1,5 @@
 // The model's dimensions and the weights table: checkpoint tensors as (buffer, offset)
-// views of memory-mapped safetensors files (ARCHITECTURE.md: weights are mapped, not copied).
+// views of memory-mapped safetensors files (docs/conventions.md: weights are mapped, not copied).
 #pragma once
 
 #include <cstdint>

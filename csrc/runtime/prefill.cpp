@@ -110,7 +110,7 @@ void Runtime::allocate_chunk_buffers() {
 // place the choice is made). From the rows per active expert, measured on the last
 // completed chunk of the same layer when there is one, else expected from rows * k / E:
 // 32-row tiles (2 x 2 simdgroups) read each expert's weights half as often as 16-row tiles
-// and win once experts carry >= 24 rows on average (SPEC.md: +13.2% at 2K tokens, 64 rows
+// and win once experts carry >= 24 rows on average (docs/goals.md: +13.2% at 2K tokens, 64 rows
 // per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
 // halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {

@@ -1,6 +1,6 @@
 """``lily bench``: Lily and MLX-LM side by side in one run, reported as ratios.
 
-The protocol is SPEC.md section 1's: both engines load the same checkpoint directory (the
+The protocol is docs/goals.md's: both engines load the same checkpoint directory (the
 same 4-bit bytes), one request at a time, and in every round both engines run each prompt
 length, alternating which goes first. MLX-LM runs its direct generation path
 (``mlx_lm.generate.generate_step``, what ``mlx_lm.generate`` and ``stream_generate`` wrap),
@@ -15,7 +15,7 @@ by when generated tokens arrive:
 Greedy decoding with EOS ignored, so both generate exactly ``decode_tokens``. Each figure
 is the median over the rounds; the ratio is Lily / MLX-LM (above 1: Lily is faster).
 
-The consistency check is teacher-forced (as SPEC.md's headline table): a conversation
+The consistency check is teacher-forced (as docs/goals.md's headline table): a conversation
 rendered with the checkpoint's chat template, every position's logits from both engines,
 top-1 agreement and the perplexity ratio over ``positions`` next-token predictions.
 
@@ -38,7 +38,7 @@ import numpy as np
 
 from lily.errors import InvalidParameterError
 
-#: SPEC.md section 1: the ten prompt / context lengths of the headline means.
+#: docs/goals.md: the ten prompt / context lengths of the headline means.
 SPEC_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 # The text the prompts are made of (rendered as a chat with the checkpoint's template).

@@ -1,5 +1,5 @@
 """Checkpoint loading: ``config.json`` parsing and validation, safetensors discovery, and the
-MLX affine-quantized layout of ``qwen3_5_moe`` (MODEL.md), memory-mapped.
+MLX affine-quantized layout of ``qwen3_5_moe`` (docs/model.md), memory-mapped.
 
 Layouts
 -------
@@ -64,7 +64,7 @@ _IGNORED_KEYS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Text-model hyperparameters of a ``qwen3_5_moe`` checkpoint (MODEL.md, "Config").
+    """Text-model hyperparameters of a ``qwen3_5_moe`` checkpoint (docs/model.md, "Config").
 
     All sizes are element counts. ``layer_types[i]`` is ``"linear_attention"`` (Gated
     DeltaNet) or ``"full_attention"``.

@@ -1,4 +1,4 @@
-"""The numpy reference model: MODEL.md's forward pass, written for readability (the oracle).
+"""The numpy reference model: docs/model.md's forward pass, written for readability (the oracle).
 
 One function per block, no fusion, no tiling. Weights are dequantized from the checkpoint's
 packed 4/8-bit form to float32; activations are float32 throughout. With
@@ -51,7 +51,7 @@ def rms_norm(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
 
 
 def l2_norm(x: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """``x / sqrt(sum(x^2) + eps)`` over the last axis (eps on the sum, as MODEL.md)."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last axis (eps on the sum, as docs/model.md)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + eps)
 
 

@@ -1,5 +1,5 @@
 // The simulator device: buffers in host memory, pipelines from the kernel registry, a
-// serial queue executed by one worker thread, and the checks of VERIFY.md section 3.
+// serial queue executed by one worker thread, and the checks of docs/verification.md.
 #include "gpu/sim/sim_device.h"
 
 #include <algorithm>
