@@ -49,11 +49,12 @@ def test_native_logits_match_reference(which, n, demo_path, request):
     np.testing.assert_allclose(native.decode(tok), ref.decode(tok), rtol=0, atol=REL_TOL * 50)
 
 
-def test_split_attention_path(demo_path):
+@pytest.mark.parametrize("block", [4, 0])
+def test_split_attention_path(demo_path, block):
     """Lowered threshold: every step past 8 tokens uses split-KV attention + combine, with
-    blocks of 4 rows (ragged last block)."""
+    blocks of 4 rows (ragged last block) or chosen by context (0: one 32-row block here)."""
     native = Engine.load(demo_path, device="sim", max_context=64,
-                         device_options={"split_threshold": 8, "split_block": 4})
+                         device_options={"split_threshold": 8, "split_block": block})
     ref = Engine.load(demo_path, max_context=64)
     _compare(native, ref, _ids(ref, 23))
 
