@@ -1,16 +1,39 @@
 # Compiles metal/*.metal into lily.metallib with Apple's Metal compiler, and the Metal 4
 # tensor-op kernels (metal/*_tensor.metal) into lily_tensor.metallib when the SDK supports
-# them. Recent Xcode releases ship the Metal toolchain as a separate download, and the
-# Command Line Tools alone do not contain `metal`: fail early and name the fix.
-execute_process(COMMAND xcrun -sdk macosx --find metal
-  OUTPUT_VARIABLE LILY_METAL_COMPILER OUTPUT_STRIP_TRAILING_WHITESPACE
-  RESULT_VARIABLE _metal_rc ERROR_QUIET)
-if(NOT _metal_rc EQUAL 0 OR NOT EXISTS "${LILY_METAL_COMPILER}")
-  message(FATAL_ERROR
-    "Lily: the Metal shader compiler (`xcrun -sdk macosx metal`) was not found.\n"
-    "Install Xcode (the Command Line Tools alone do not include `metal`), then the Metal toolchain:\n"
-    "    xcodebuild -downloadComponent MetalToolchain\n"
-    "and select Xcode with `sudo xcode-select -s /Applications/Xcode.app`.")
+# them. Recent Xcode releases ship the Metal toolchain as a separate download: `xcrun --find
+# metal` may succeed while the compiler cannot run, so the probe compiles a one-line kernel.
+# Without a working toolchain (e.g. only the Command Line Tools) the package is built with
+# the simulator only, with a notice, unless LILY_METAL=ON asks for the GPU device.
+set(LILY_METAL "AUTO" CACHE STRING
+  "Build the Metal GPU device: AUTO (when the Metal toolchain works), ON (required), OFF")
+set_property(CACHE LILY_METAL PROPERTY STRINGS AUTO ON OFF)
+if(LILY_METAL STREQUAL "OFF")
+  return()
+endif()
+
+set(_probe_dir "${CMAKE_BINARY_DIR}/metal_probe")
+file(MAKE_DIRECTORY "${_probe_dir}")
+file(WRITE "${_probe_dir}/probe.metal" "kernel void lily_probe(device float* x [[buffer(0)]]) { x[0] = 1.0f; }\n")
+execute_process(
+  COMMAND xcrun -sdk macosx metal -c -std=metal3.1 -mmacosx-version-min=14.0 "${_probe_dir}/probe.metal"
+          -o "${_probe_dir}/probe.air"
+  RESULT_VARIABLE _metal_rc OUTPUT_VARIABLE _metal_out ERROR_VARIABLE _metal_err)
+if(_metal_rc EQUAL 0)
+  execute_process(COMMAND xcrun -sdk macosx metallib "${_probe_dir}/probe.air" -o "${_probe_dir}/probe.metallib"
+    RESULT_VARIABLE _metal_rc OUTPUT_VARIABLE _metal_out ERROR_VARIABLE _metal_err)
+endif()
+if(NOT _metal_rc EQUAL 0)
+  string(CONCAT _why "Lily: the Metal shader compiler does not work here (`xcrun -sdk macosx metal` on a one-line "
+         "kernel failed: ${_metal_rc} ${_metal_err}).\n"
+         "To build the GPU device, install Xcode (the Command Line Tools alone do not include `metal`), then "
+         "the Metal toolchain:\n    xcodebuild -downloadComponent MetalToolchain\n"
+         "select Xcode with `sudo xcode-select -s /Applications/Xcode.app`, and reinstall.")
+  if(LILY_METAL STREQUAL "ON")
+    message(FATAL_ERROR "${_why}\nLILY_METAL=ON requires it.")
+  endif()
+  message(WARNING "${_why}\nBuilding WITHOUT the Metal GPU device: only device='reference' (and the 'sim' "
+                  "simulator) will be available. Set LILY_METAL=OFF to silence this.")
+  return()
 endif()
 
 set(LILY_METAL_TENSOR "AUTO" CACHE STRING
@@ -54,25 +77,39 @@ if(LILY_METAL_SOURCES)
   list(APPEND LILY_DEVICES "metal")
 endif()
 
-# lily_tensor.metallib: MSL 4.0 (macOS 26), loaded by the Metal device only on
-# apple10-family GPUs (csrc/gpu/metal/metal_device.mm). The probe compiles a kernel with the
-# element-type combinations the tensor kernels use (float x float and bfloat rows need the
-# macOS 26.1 SDK: Xcode 26.1 or newer).
+# lily_tensor.metallib: MSL 4.0, loaded by the Metal device only on apple10-family GPUs
+# (csrc/gpu/metal/metal_device.mm). The probe compiles the real metal/*_tensor.metal sources
+# (every operand combination they use). Apple's MetalPerformancePrimitives headers make some
+# operand types (bfloat) available only from a later macOS 26 release than 26.0: the
+# library's minimum macOS is LILY_METAL_TENSOR_MIN_OS; on an older macOS the library does
+# not load and prefill uses the simdgroup_matrix GEMMs.
+set(LILY_METAL_TENSOR_MIN_OS "26.2" CACHE STRING
+  "Minimum macOS of lily_tensor.metallib (-mmacosx-version-min for the Metal 4 tensor kernels)")
 set(LILY_TENSOR_METALLIB "")
 if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
-  execute_process(
-    COMMAND xcrun -sdk macosx metal -c -std=metal4.0 -mmacosx-version-min=26.0
-            "${CMAKE_SOURCE_DIR}/cmake/metal_tensor_probe.metal" -o "${CMAKE_BINARY_DIR}/metal_tensor_probe.air"
-    RESULT_VARIABLE _tensor_rc OUTPUT_VARIABLE _tensor_out ERROR_VARIABLE _tensor_err)
+  set(_tensor_rc 0)
+  set(_tensor_err "")
+  foreach(src ${LILY_METAL_TENSOR_SOURCES})
+    get_filename_component(name "${src}" NAME_WE)
+    execute_process(
+      COMMAND xcrun -sdk macosx metal -c -std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}
+              -I "${CMAKE_SOURCE_DIR}/metal" "${src}" -o "${_probe_dir}/${name}.air"
+      RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
+    if(NOT _rc EQUAL 0)
+      set(_tensor_rc ${_rc})
+      string(APPEND _tensor_err "${name}.metal:\n${_err}\n")
+    endif()
+  endforeach()
   if(_tensor_rc EQUAL 0)
-    message(STATUS "Lily: the Metal compiler supports Metal 4 tensor operations: building lily_tensor.metallib "
-                   "(the tensor-op GEMMs used on apple10-family GPUs such as M5)")
-    lily_metallib(lily_tensor.metallib LILY_TENSOR_METALLIB metal4.0 26.0 ${LILY_METAL_TENSOR_SOURCES})
+    message(STATUS "Lily: the Metal compiler builds the Metal 4 tensor kernels (macOS ${LILY_METAL_TENSOR_MIN_OS}): "
+                   "building lily_tensor.metallib (the tensor-op GEMMs used on apple10-family GPUs such as M5)")
+    lily_metallib(lily_tensor.metallib LILY_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
+                  ${LILY_METAL_TENSOR_SOURCES})
     add_custom_target(lily_tensor_metallib ALL DEPENDS "${LILY_TENSOR_METALLIB}")
   else()
-    string(CONCAT _why "Lily: this SDK's Metal compiler cannot build the Metal 4 tensor operations Lily uses "
-           "(-std=metal4.0 with <MetalPerformancePrimitives/MetalPerformancePrimitives.h> matmul2d on float, half "
-           "and bfloat inputs: Xcode 26.1 or newer with the macOS 26.1 SDK and the Metal toolchain).\n"
+    string(CONCAT _why "Lily: this SDK's Metal compiler cannot build the Metal 4 tensor kernels "
+           "(metal/*_tensor.metal with -std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: "
+           "Xcode 26.1 or newer with the Metal toolchain; LILY_METAL_TENSOR_MIN_OS sets the minimum macOS).\n"
            "Compiler output:\n${_tensor_err}")
     if(LILY_METAL_TENSOR STREQUAL "ON")
       message(FATAL_ERROR "${_why}\nLILY_METAL_TENSOR=ON requires it; use AUTO or OFF to build without it.")

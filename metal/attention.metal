@@ -29,7 +29,7 @@ using namespace metal;
 // ---- attn_qk_prep ---------------------------------------------------------------------------
 // Grid: Hq + Hkv threadgroups of D threads (threadgroup t < Hq: query head t; else KV head
 // t - Hq). D is a multiple of 32, at most 1024.
-kernel void attn_qk_prep(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_qk_prep(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
                          device const float* k [[buffer(1)]],          // [Hkv, D] k_proj output
                          device const float* v [[buffer(2)]],          // [Hkv, D] v_proj output
                          device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -241,7 +241,7 @@ static inline void attend_rows(QPtr q, uint q_stride, device const bfloat* k_cac
 // ---- attn_decode -------------------------------------------------------------------------------
 // Grid: Hq / G threadgroups of 256 threads; threadgroup j serves query heads j*G .. j*G+G-1.
 template <uint D, uint G>
-kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D] from attn_qk_prep
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D] from attn_qk_prep
                         device const float* gate [[buffer(1)]],       // gate of head h at h * gate_stride
                         device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D]
                         device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D]
@@ -280,7 +280,7 @@ kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D]
 // (slot h * max_blocks + b): part_ml[2*slot] = max score, part_ml[2*slot+1] = sum of exp,
 // part_acc[slot * D + d] = unnormalised accumulator.
 template <uint D, uint G>
-kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [Hq, D]
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [Hq, D]
                               device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                               device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                               device const uint* position [[buffer(3)]],   // [1]
@@ -326,7 +326,7 @@ kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [H
 // ---- attn_combine ------------------------------------------------------------------------------
 // Grid: Hq threadgroups of D threads. Reads the ceil((pos+1)/B) partials of head h.
 template <uint D>
-kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
                          device const float* part_acc [[buffer(1)]],  // [Hq, max_blocks, D]
                          device const float* gate [[buffer(2)]],      // gate of head h at h * gate_stride
                          device const uint* position [[buffer(3)]],   // [1]
@@ -447,7 +447,7 @@ static inline void append_row(device bfloat* k_cache, device bfloat* v_cache,
 // (KV head kvh = j*G / (Hq/Hkv)); the first threadgroup of each KV head (j*G a multiple of
 // Hq/Hkv) appends row pos of that KV head to both caches.
 template <uint D, uint G>
-kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
                               device const float* k [[buffer(1)]],          // [Hkv, D] k_proj output
                               device const float* v [[buffer(2)]],          // [Hkv, D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -505,7 +505,7 @@ kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [
 // Partials as attn_decode_split; merge with attn_combine (gate: the q_proj output at element
 // offset D, gate_stride 2*D).
 template <uint D, uint G>
-kernel void attn_decode_split_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D]
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_split_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D]
                                     device const float* k [[buffer(1)]],          // [Hkv, D]
                                     device const float* v [[buffer(2)]],          // [Hkv, D]
                                     device const bfloat* q_norm_w [[buffer(3)]],  // [D]

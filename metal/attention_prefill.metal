@@ -266,7 +266,7 @@ static inline void attend(device const float* q, device const float* qg,
 // simd_sum covers the same 32 consecutive elements as attn_qk_prep's simdgroups and the
 // partial sums are added in the same order: the results are attn_qk_prep's bit for bit.
 template <uint D>
-kernel void attn_prefill_prep(device const float* qg [[buffer(0)]],         // [M, Hq*2*D] q_proj output: query | gate per head
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const float* qg [[buffer(0)]],         // [M, Hq*2*D] q_proj output: query | gate per head
                               device const float* k [[buffer(1)]],          // [M, Hkv*D] k_proj output
                               device const float* v [[buffer(2)]],          // [M, Hkv*D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -338,7 +338,7 @@ kernel void attn_prefill_prep(device const float* qg [[buffer(0)]],         // [
 // rows block*BQ .. block*BQ+BQ-1 with block = ceil(M/BQ) - 1 - x (the longest causal ranges
 // are dispatched first).
 template <uint D, uint G>
-kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
                          device const float* qg [[buffer(1)]],         // [M, Hq*2*D] q_proj output (gate: second D of each head)
                          device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
@@ -354,7 +354,8 @@ kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq
   constexpr uint NKV = kTile * D;
   constexpr uint NS = kRows * kTile;
   constexpr uint ND = 4 * 64;
-  threadgroup float kv[NKV];
+  threadgroup float4 kv4[NKV / 4];  // float4: load_tile writes it as float4
+  threadgroup float* kv = (threadgroup float*)kv4;
   threadgroup float sbuf[NS];
   threadgroup float diag[ND];
   threadgroup float mrow[kRows];
@@ -374,7 +375,7 @@ kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq
 // (z*M + i)*Hq + h): part_ml[2*slot] = max score, part_ml[2*slot+1] = sum of exp,
 // part_o[slot*D + d] = unnormalised output. Merge with attn_prefill_combine_d<D>.
 template <uint D, uint G>
-kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [M, Hq, D]
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [M, Hq, D]
                                device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                                device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                                device float* part_ml [[buffer(3)]],         // [num_splits, M, Hq, 2]
@@ -390,7 +391,8 @@ kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [
   constexpr uint NKV = kTile * D;
   constexpr uint NS = kRows * kTile;
   constexpr uint ND = 4 * 64;
-  threadgroup float kv[NKV];
+  threadgroup float4 kv4[NKV / 4];  // float4: load_tile writes it as float4
+  threadgroup float* kv = (threadgroup float*)kv4;
   threadgroup float sbuf[NS];
   threadgroup float diag[ND];
   threadgroup float mrow[kRows];
@@ -407,7 +409,7 @@ kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [
 // Grid: (Hq, M) threadgroups of D threads. Threadgroup (h, i) merges the partials of the
 // splits that hold cache rows <= p0 + i (z < min(floor((p0 + i) / S) + 1, num_splits)).
 template <uint D>
-kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // [num_splits, M, Hq, 2]
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // [num_splits, M, Hq, 2]
                                  device const float* part_o [[buffer(1)]],   // [num_splits, M, Hq, D]
                                  device const float* qg [[buffer(2)]],       // [M, Hq*2*D] (gate)
                                  device float* out [[buffer(3)]],            // [M, Hq*D]

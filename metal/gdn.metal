@@ -24,7 +24,7 @@ using namespace metal;
 constant constexpr uint kGdnSimdgroups = 32;  // threadgroup = 1024 threads
 
 template <uint DK, uint DV>
-kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [conv_dim] in_proj_qkv output, q | k | v
+[[max_total_threads_per_threadgroup(1024)]] kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [conv_dim] in_proj_qkv output, q | k | v
                             device const float* z [[buffer(1)]],          // [Hv*Dv] in_proj_z output
                             device const float* b [[buffer(2)]],          // [Hv] in_proj_b output
                             device const float* a [[buffer(3)]],          // [Hv] in_proj_a output

@@ -34,7 +34,7 @@ using namespace metal;
 // [y*RB, min((y+1)*RB, M)) of channel c with a K-1 value window in registers; adjacent threads
 // take adjacent channels, so every row access of a simdgroup is 128 contiguous bytes.
 template <uint K>
-kernel void gdn_conv_chunk(device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output, q | k | v
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_chunk(device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output, q | k | v
                            device const bfloat* conv_w [[buffer(1)]],  // [C, K] conv1d.weight
                            device const float* conv_in [[buffer(2)]],  // [K-1, C] conv state (oldest first)
                            device float* conv_out [[buffer(3)]],       // [K-1, C] next conv state; may be conv_in
@@ -93,7 +93,7 @@ constant constexpr uint kGdnScanSimdgroups = 32;  // threadgroup = 1024 threads
 // 2*TB tasks of an interval (TB norms, TB stagings) need at most one pass of the 32
 // simdgroups when DK = DV = 128 (threadgroup memory: TB * (2*DK + 2*DV + 2) * 4 bytes).
 template <uint DK, uint DV, uint TB>
-kernel void gdn_scan(device const float* conv [[buffer(0)]],       // [M, C] gdn_conv_chunk output, q | k | v
+[[max_total_threads_per_threadgroup(1024)]] kernel void gdn_scan(device const float* conv [[buffer(0)]],       // [M, C] gdn_conv_chunk output, q | k | v
                      device const float* z [[buffer(1)]],          // [M, Hv*Dv] in_proj_z output
                      device const float* b [[buffer(2)]],          // [M, Hv] in_proj_b output
                      device const float* a [[buffer(3)]],          // [M, Hv] in_proj_a output

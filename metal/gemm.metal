@@ -110,7 +110,7 @@ constant constexpr uint kGemmBM = 32;
 constant constexpr uint kGemmBN = 64;
 
 template <int BITS, bool ADD>
-kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
+[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                    device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                    device const float4* x [[buffer(3)]],       // fp32 [m, lda]
@@ -130,7 +130,7 @@ template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false>) gemm_q<8
 template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true>) gemm_q<4, true>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
-kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
+[[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                            device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                            device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
                            device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
@@ -172,7 +172,7 @@ inline GemmTileInfo gemm_tile_info(device const MoeTile* tiles, uint t, uint T,
 }
 
 template <uint T, uint BN, uint SM, uint SN>
-kernel void moe_gemm_gate_up_q4(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
                                 device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                 device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
                                 device const uint* tile_count [[buffer(3)]],  // [1]
@@ -214,7 +214,7 @@ kernel void moe_gemm_gate_up_q4(device const float4* x [[buffer(0)]],        // 
 }
 
 template <uint T, uint BN, uint SM, uint SN>
-kernel void moe_gemm_down_q4(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
                              device const uint* perm [[buffer(1)]],       // [m * top_k]
                              device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
                              device const uint* tile_count [[buffer(3)]], // [1]
@@ -256,12 +256,13 @@ kernel void moe_gemm_down_q4(device const float4* hx [[buffer(0)]],       // fp3
 }
 
 // T = 16: 16 x 64 blocks, 1 x 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 2 x 2
-// simdgroups (128 threads); T = 64: gate/up 64 x 32 blocks, 4 x 1 simdgroups (128 threads;
-// 64 x 64 would stage 34 KiB of gate and up results), down 64 x 64, 4 x 2 (256 threads).
+// simdgroups (128 threads); T = 64: 64 x 32 blocks, 4 x 1 simdgroups (128 threads; a 64 x 64
+// gate/up block would stage 34 KiB of gate and up results, and 128 threads is the kernels'
+// declared maximum).
 // Each simdgroup owns a 16 x 32 block (2 x 4 fragments) in all.
 template [[host_name("moe_gemm_gate_up_q4_t16")]] [[kernel]] decltype(moe_gemm_gate_up_q4<16, 64, 1, 2>) moe_gemm_gate_up_q4<16, 64, 1, 2>;
 template [[host_name("moe_gemm_gate_up_q4_t32")]] [[kernel]] decltype(moe_gemm_gate_up_q4<32, 64, 2, 2>) moe_gemm_gate_up_q4<32, 64, 2, 2>;
 template [[host_name("moe_gemm_gate_up_q4_t64")]] [[kernel]] decltype(moe_gemm_gate_up_q4<64, 32, 4, 1>) moe_gemm_gate_up_q4<64, 32, 4, 1>;
 template [[host_name("moe_gemm_down_q4_t16")]] [[kernel]] decltype(moe_gemm_down_q4<16, 64, 1, 2>) moe_gemm_down_q4<16, 64, 1, 2>;
 template [[host_name("moe_gemm_down_q4_t32")]] [[kernel]] decltype(moe_gemm_down_q4<32, 64, 2, 2>) moe_gemm_down_q4<32, 64, 2, 2>;
-template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64, 64, 4, 2>) moe_gemm_down_q4<64, 64, 4, 2>;
+template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64, 32, 4, 1>) moe_gemm_down_q4<64, 32, 4, 1>;

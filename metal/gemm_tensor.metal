@@ -147,7 +147,7 @@ constant constexpr uint kGemmTensorBM = 32;
 constant constexpr uint kGemmTensorBN = 64;
 
 template <int BITS, bool ADD>
-kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
+[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                           device const float4* x [[buffer(3)]],       // fp32 [m, lda]
@@ -155,7 +155,8 @@ kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weigh
                           constant GemmArgs& args [[buffer(5)]],
                           uint2 tgp [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float smem[GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 1>::floats];
+  threadgroup float4 smem4[(GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 1>::floats + 3) / 4];  // float4: the tiles are read as float4
+  threadgroup float* smem = (threadgroup float*)smem4;
   device const uint* wu = (device const uint*)w;
   gemm_dense_tensor<BITS, 1, ADD, kGemmTensorBM, kGemmTensorBN, 4>(smem, wu, scales, biases, wu, scales, biases,
                                                                    x, y, args, tgp, tid);
@@ -165,7 +166,7 @@ template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, fa
 template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true>) gemm_q_tensor<4, true>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
-kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
+[[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                                   device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                                   device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
                                   device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
@@ -176,7 +177,8 @@ kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       //
                                   constant GemmArgs& args [[buffer(8)]],
                                   uint2 tgp [[threadgroup_position_in_grid]],
                                   uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float smem[GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 2>::floats];
+  threadgroup float4 smem4[(GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 2>::floats + 3) / 4];  // float4: the tiles are read as float4
+  threadgroup float* smem = (threadgroup float*)smem4;
   gemm_dense_tensor<4, 2, false, kGemmTensorBM, kGemmTensorBN, 4>(smem, (device const uint*)wg, gs, gb,
                                                                   (device const uint*)wu, us, ub, x, y, args,
                                                                   tgp, tid);
@@ -205,7 +207,7 @@ inline GemmTensorTileInfo gemm_tensor_tile_info(device const MoeTile* tiles, uin
 }
 
 template <uint T, uint BN, uint NSG>
-kernel void moe_gemm_gate_up_q4_tensor(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4_tensor(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
                                        device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                        device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
                                        device const uint* tile_count [[buffer(3)]],  // [1]
@@ -220,7 +222,8 @@ kernel void moe_gemm_gate_up_q4_tensor(device const float4* x [[buffer(0)]],    
                                        uint2 tgp [[threadgroup_position_in_grid]],
                                        uint tid [[thread_index_in_threadgroup]]) {
   constexpr uint NT = 32 * NSG;
-  threadgroup float smem[GemmTensorSmem<T, BN, 2>::floats];
+  threadgroup float4 smem4[(GemmTensorSmem<T, BN, 2>::floats + 3) / 4];  // float4: the tiles are read as float4
+  threadgroup float* smem = (threadgroup float*)smem4;
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
     return;  // the whole threadgroup
@@ -249,7 +252,7 @@ kernel void moe_gemm_gate_up_q4_tensor(device const float4* x [[buffer(0)]],    
 }
 
 template <uint T, uint BN, uint NSG>
-kernel void moe_gemm_down_q4_tensor(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4_tensor(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
                                     device const uint* perm [[buffer(1)]],       // [m * top_k]
                                     device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
                                     device const uint* tile_count [[buffer(3)]], // [1]
@@ -261,7 +264,8 @@ kernel void moe_gemm_down_q4_tensor(device const float4* hx [[buffer(0)]],      
                                     uint2 tgp [[threadgroup_position_in_grid]],
                                     uint tid [[thread_index_in_threadgroup]]) {
   constexpr uint NT = 32 * NSG;
-  threadgroup float smem[GemmTensorSmem<T, BN, 1>::floats];
+  threadgroup float4 smem4[(GemmTensorSmem<T, BN, 1>::floats + 3) / 4];  // float4: the tiles are read as float4
+  threadgroup float* smem = (threadgroup float*)smem4;
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
     return;  // the whole threadgroup
@@ -294,8 +298,8 @@ kernel void moe_gemm_down_q4_tensor(device const float4* hx [[buffer(0)]],      
 }
 
 // T = 16: 16 x 64 blocks, 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 4 simdgroups
-// (128 threads); T = 64: gate/up 64 x 32, 4 simdgroups, down 64 x 64, 8 simdgroups (256
-// threads): the blocks and threadgroup sizes of the simdgroup_matrix twins.
+// (128 threads); T = 64: 64 x 32 blocks, 4 simdgroups (128 threads): the blocks and
+// threadgroup sizes of the simdgroup_matrix twins.
 template [[host_name("moe_gemm_gate_up_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<16, 64, 2>) moe_gemm_gate_up_q4_tensor<16, 64, 2>;
 template [[host_name("moe_gemm_gate_up_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<32, 64, 4>) moe_gemm_gate_up_q4_tensor<32, 64, 4>;
 template [[host_name("moe_gemm_gate_up_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<64, 32, 4>) moe_gemm_gate_up_q4_tensor<64, 32, 4>;
@@ -309,11 +313,12 @@ template [[host_name("moe_gemm_down_q4_t32_tensor")]] [[kernel]] decltype(moe_ge
 // lacks it, the tensor path is reported unavailable instead of failing at the first
 // prefill. As a kernel: out[32, 64] = x[0:32, 0:32] x[0:64, 0:32]^T for x fp32 [64, 32];
 // one threadgroup of 128 threads.
-kernel void tensor_ops_probe(device const float* x [[buffer(0)]],
+[[max_total_threads_per_threadgroup(128)]] kernel void tensor_ops_probe(device const float* x [[buffer(0)]],
                              device float* out [[buffer(1)]],
                              uint tid [[thread_index_in_threadgroup]]) {
   constexpr uint BM = 32, BN = 64;
-  threadgroup float smem[GemmTensorSmem<BM, BN, 1>::floats];
+  threadgroup float4 smem4[(GemmTensorSmem<BM, BN, 1>::floats + 3) / 4];  // float4: the tiles are read as float4
+  threadgroup float* smem = (threadgroup float*)smem4;
   threadgroup float* As = smem;
   threadgroup float* Ws = smem + BM * kGemmLd;
   for (uint i = tid; i < (BM + BN) * kGemmBK; i += 128) {
@@ -341,4 +346,4 @@ kernel void tensor_ops_probe(device const float* x [[buffer(0)]],
     out[i] = smem[(i / BN) * GemmTensorSmem<BM, BN, 1>::ldc + i % BN];
   }
 }
-template [[host_name("moe_gemm_down_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<64, 64, 8>) moe_gemm_down_q4_tensor<64, 64, 8>;
+template [[host_name("moe_gemm_down_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<64, 32, 4>) moe_gemm_down_q4_tensor<64, 32, 4>;

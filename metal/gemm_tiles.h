@@ -171,7 +171,7 @@ struct GemmFragments {
         for (uint j = 0; j < FN; ++j) {
           if (j < live_n) {
             simdgroup_matrix<T, 8, 8> wt;  // W^T fragment: rows = k, columns = output columns
-            simdgroup_load(wt, Ws + b * BN * kGemmLd, kGemmLd, ulong2(kk, col0 + 8 * j), true);
+            simdgroup_load(wt, Ws + b * BN * kGemmLd + (col0 + 8 * j) * kGemmLd + kk, kGemmLd, ulong2(0, 0), true);
             for (uint i = 0; i < FM; ++i) {
               if (i < live_m) {
                 simdgroup_multiply_accumulate(acc[(b * FM + i) * FN + j], a[i], wt,

@@ -15,7 +15,7 @@ using namespace metal;
 // Threadgroup: a multiple of 32 threads (64 recommended); any number of threadgroups
 // >= ceil(rows / (8 * simdgroups)); rows past `rows` are skipped.
 template <int BITS, bool ADD>
-kernel void gemv_q(device const uint4* w [[buffer(0)]],         // weight [rows, cols*BITS/32] uint32
+[[max_total_threads_per_threadgroup(256)]] kernel void gemv_q(device const uint4* w [[buffer(0)]],         // weight [rows, cols*BITS/32] uint32
                    device const bfloat* scales [[buffer(1)]],   // [rows, cols/64]
                    device const bfloat* biases [[buffer(2)]],   // [rows, cols/64]
                    device const float4* x [[buffer(3)]],        // [cols] fp32
@@ -132,7 +132,7 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
 }
 
 template <int BITS>
-kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp32 raw residual
+[[max_total_threads_per_threadgroup(256)]] kernel void norm_gemv_q(device const float4* x [[buffer(0)]],       // [cols] fp32 raw residual
                         device const bfloat* nw [[buffer(1)]],      // [cols] bf16 norm weight
                         device float4* xn [[buffer(2)]],            // [cols] fp32 normalised (write_xn)
                         device const uint4* w0 [[buffer(3)]],       // matrix 0 weight [rows0, cols*BITS/32]
@@ -174,7 +174,7 @@ template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_
 constant constexpr uint kEmbedMaxCols = 4096;
 
 template <int BITS>
-kernel void embed_norm_gemv_q(device float4* h [[buffer(0)]],             // [cols] fp32 out: the embedding row (threadgroup 0)
+[[max_total_threads_per_threadgroup(256)]] kernel void embed_norm_gemv_q(device float4* h [[buffer(0)]],             // [cols] fp32 out: the embedding row (threadgroup 0)
                               device const bfloat* nw [[buffer(1)]],       // [cols] bf16 norm weight
                               device float4* xn [[buffer(2)]],             // [cols] fp32 normalised (write_xn)
                               device const uint4* w0 [[buffer(3)]],        // matrices 0..3 as in norm_gemv_q
@@ -237,7 +237,7 @@ template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv
 // wrote), so the step needs no CPU round trip. One thread per packed uint32 word:
 // grid = cols * BITS / 32 threads.
 template <int BITS>
-kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
+[[max_total_threads_per_threadgroup(64)]] kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
                     device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
                     device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
                     device const uint* token [[buffer(3)]],     // token[0]: the id
@@ -266,7 +266,7 @@ template [[host_name("embed_q4")]] [[kernel]] decltype(embed_q<4>) embed_q<4>;
 // encoded; they sit in a device buffer the host filled). Same arithmetic as embed_q.
 // dispatchThreads grid (cols * BITS / 32, rows): one packed word per thread.
 template <int BITS>
-kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
+[[max_total_threads_per_threadgroup(64)]] kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
                          device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
                          device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
                          device const uint* tokens [[buffer(3)]],    // [rows] token ids

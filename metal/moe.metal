@@ -20,7 +20,7 @@ using namespace metal;
 // The shared-expert gate (an 8-bit [1, hidden] row) is one dot product over x; it is
 // computed here, so the MoE block needs no extra dispatch for it:
 //   weights[top_k] = sigmoid(shared_expert_gate . x).
-kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] router output
+[[max_total_threads_per_threadgroup(1024)]] kernel void moe_route(device const float* logits [[buffer(0)]],   // [experts] router output
                       device const float4* x [[buffer(1)]],       // [hidden] normalised input
                       device const uint* gate_w [[buffer(2)]],    // shared_expert_gate.weight [1, hidden/4] (8-bit)
                       device const bfloat* gate_s [[buffer(3)]],  // shared_expert_gate.scales [1, hidden/64]
@@ -115,7 +115,7 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // kGateUpRowsPerSimdgroup (4) rows of the slot; its teams compute the gate and the up dot
 // of a row together from one load of x, and store h = silu(gate) * up. Nothing but h
 // leaves registers.
-kernel void moe_gate_up_swiglu_q4(
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_gate_up_swiglu_q4(
     device const float4* x [[buffer(0)]],        // [hidden] normalised input
     device const uint* ids [[buffer(1)]],        // [top_k] from moe_route
     device const uint4* gate_w [[buffer(2)]],    // switch_mlp.gate_proj.weight [E, inter, hidden/8]
@@ -153,7 +153,7 @@ kernel void moe_gate_up_swiglu_q4(
 // moe_down_q4, with weights[k] = sigmoid(logits[experts]): the shared-expert gate logit is
 // row E of the router output (norm_gemv_q8 with mlp.gate and mlp.shared_expert_gate).
 // The picks and weights are bit-identical to moe_route's on the same logits.
-kernel void moe_route_gate_up_swiglu_q4(
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_route_gate_up_swiglu_q4(
     device const float4* x [[buffer(0)]],        // [hidden] normalised input (xn)
     device const float* logits [[buffer(1)]],    // [experts + 1] router logits, then the shared gate logit
     device const uint4* gate_w [[buffer(2)]],    // switch_mlp.gate_proj.weight [E, inter, hidden/8]
@@ -174,7 +174,7 @@ kernel void moe_route_gate_up_swiglu_q4(
     constant MoeRouteArgs& args [[buffer(17)]],
     uint2 tg [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
-    uint tcount [[threads_per_threadgroup]],
+    uint2 tsize [[threads_per_threadgroup]],  // uint2 like tg: position attributes match in components
     uint sg [[simdgroup_index_in_threadgroup]],
     uint nsg [[simdgroups_per_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -193,7 +193,7 @@ kernel void moe_route_gate_up_swiglu_q4(
   uint e = 0;
   if (rounds > 0) {
     const RoutePicks pk = route_topk(logits, n, rounds, slot, probs, rowsum, scratch, best_p,
-                                     best_i, tid, tcount, sg, lane, nsg);
+                                     best_i, tid, tsize.x, sg, lane, nsg);
     if (leader) {
       if (tid < k) {
         ids[tid] = pk.my_id;
@@ -216,7 +216,7 @@ kernel void moe_route_gate_up_swiglu_q4(
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
 // ceil(hidden / (8 * simdgroups)); each simdgroup owns 8 rows of the residual.
-kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
                         device const uint* ids [[buffer(1)]],          // [top_k]
                         device const float* weights [[buffer(2)]],     // [top_k + 1]
                         device const uint4* down_w [[buffer(3)]],      // switch_mlp.down_proj.weight [E, hidden, inter/8]

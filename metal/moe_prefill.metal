@@ -50,7 +50,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 
 // ---- moe_route_clear -------------------------------------------------------------------
 // block_counts[0 .. blocks * experts) = 0. dispatchThreads, one thread per counter.
-kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks, experts]
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks, experts]
                             constant MoeRoutePrefillArgs& args [[buffer(1)]],
                             uint gid [[thread_position_in_grid]]) {
   if (gid < route_blocks(args) * args.experts) {
@@ -65,7 +65,7 @@ kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks
 //   w[row, k] = sigmoid(logits_r[row, E]); block_counts[row / block_rows, ids[row, j]] += 1.
 // The same route_topk as decode's moe_route / moe_route_gate_up_swiglu_q4, so the picks and
 // weights are bit-identical to decode on the same logits row.
-kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // [rows, experts + 1] router logits, shared gate logit last
+[[max_total_threads_per_threadgroup(1024)]] kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // [rows, experts + 1] router logits, shared gate logit last
                            device uint* ids [[buffer(1)]],                   // [rows, top_k] picked experts
                            device float* w [[buffer(2)]],                    // [rows, top_k + 1] routing weights, shared gate
                            device atomic_uint* block_counts [[buffer(3)]],   // [blocks, experts], zeroed by moe_route_clear
@@ -117,7 +117,7 @@ kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // 
 //   * tiles[i] for i < tile_count, spread over the threadgroups: tile i belongs to the first
 //     expert with tile_end[e] > i, {e, start[e] + t*T, min(T, count[e] - t*T), 0} for its
 //     t-th tile; tile_count[0] = tile_end[E-1] and counts[e] = count[e] (threadgroup 0).
-kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
+[[max_total_threads_per_threadgroup(1024)]] kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
                               device const uint* block_counts [[buffer(1)]],  // [blocks, experts] from moe_route_topk
                               device uint* perm [[buffer(2)]],                // [rows * top_k] grouped order: slot -> assignment
                               device MoeTile* tiles [[buffer(3)]],            // [max_tiles] tile map
@@ -230,7 +230,7 @@ kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           //
 // dispatchThreads grid (hidden / 4, rows): thread (c, row) owns float4 c of the row.
 //   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
 // with w_j = w[row, j], summed in that order (j increasing, the shared expert last).
-kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
+[[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
                         device const float4* yx [[buffer(1)]],   // [rows * top_k, hidden] expert outputs, row*k + j
                         device const float4* ys [[buffer(2)]],   // [rows, hidden] shared expert output
                         device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate

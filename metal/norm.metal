@@ -9,7 +9,7 @@ using namespace metal;
 // (grid = rows threadgroups, e.g. 1 for the hidden state, heads for a per-head norm), any
 // threadgroup size up to 1024 (256 recommended). out may alias x (each element is read
 // and written by the same thread).
-kernel void rms_norm(device const float* x [[buffer(0)]],    // [rows, n] fp32
+[[max_total_threads_per_threadgroup(1024)]] kernel void rms_norm(device const float* x [[buffer(0)]],    // [rows, n] fp32
                      device const bfloat* w [[buffer(1)]],   // [n] bf16, shared by all rows
                      device float* out [[buffer(2)]],        // [rows, n] fp32
                      constant NormArgs& args [[buffer(3)]],

@@ -127,7 +127,7 @@ static inline void scan_argmax(device const float* x, uint begin, uint end, uint
 }
 
 // sample_greedy: the whole argmax in one threadgroup (1 x 1024 threads).
-kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
                           device uint* token_out [[buffer(1)]],         // [1] next step's token slot
                           constant SampleGreedyArgs& args [[buffer(2)]],
                           uint tid [[thread_index_in_threadgroup]],
@@ -155,7 +155,7 @@ kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
 // value, then lowest index: the slices are in index order), so the token equals
 // sample_greedy's. A threadgroup whose slice is empty writes (-inf, kNone), which loses
 // every tie.
-kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
+[[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
                            device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
                            constant ArgmaxArgs& args [[buffer(2)]],
                            uint grp [[threadgroup_position_in_grid]],
@@ -179,7 +179,7 @@ kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
   }
 }
 
-kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
                                   device uint* token_out [[buffer(1)]],    // [1] next step's token slot
                                   constant ArgmaxArgs& args [[buffer(2)]], // vocab = count
                                   uint tid [[thread_index_in_threadgroup]],
@@ -321,7 +321,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
 }  // namespace sample_detail
 
 // Grid: 1 threadgroup of 1024 threads (or any multiple of 32 dividing 1024).
-kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
                          device uint* counts [[buffer(1)]],         // [V] per-session counts (bit 31: in prompt); +1 at the token if update_counts
                          device const uint* position [[buffer(2)]], // [1] RNG counter (the token's position)
                          device uint* token_out [[buffer(3)]],      // [1] next step's token slot

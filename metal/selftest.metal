@@ -173,6 +173,18 @@ kernel void st_tg_uninit(device float* out [[buffer(0)]],
   out[gid] = scratch[tid];
 }
 
+// ---- a float array read as float4: under-aligned (threadgroup storage is aligned only as
+// declared, on a GPU as in the simulator); the sanitizer build must report it -------------
+kernel void st_tg_underaligned(device float4* out [[buffer(0)]],
+                               uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float a[8];
+  a[tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid == 0) {
+    out[0] = *(threadgroup float4*)(a);
+  }
+}
+
 // ---- a barrier after some threads returned: must be reported, never hang ---------------
 kernel void st_bad_barrier(device float* out [[buffer(0)]],
                            uint tid [[thread_position_in_threadgroup]]) {

@@ -23,7 +23,7 @@ from fixtures_checkpoints import (  # noqa: E402,F401
 
 from lily.engine import Engine, default_model_path  # noqa: E402
 from seeding import SESSION_SEED  # noqa: E402
-from simdev import ASAN_SKIP  # noqa: E402
+from simdev import ASAN_SKIP, native_device  # noqa: E402,F401
 
 
 # native engines write aligned weight caches (lily.weight_cache): keep this session's apart
@@ -45,7 +45,7 @@ def demo_path() -> Path:
 def demo_engine() -> Engine:
     """One reference engine on the embedded demo model, shared by read-mostly tests.
     Tests that use it must leave no assumptions about the session contents."""
-    return Engine.load()
+    return Engine.load(device="reference")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 
 THREAD_ORDERS = {
@@ -27,6 +26,29 @@ THREAD_ORDERS = {
 
 #: Fixture parameters: the modes to run kernel tests in.
 ORDERS = ["reverse"] if os.environ.get("LILY_IN_ASAN") else list(THREAD_ORDERS)
+
+
+def _compiled() -> list[str]:
+    try:
+        from lily._device import devices
+        return devices()
+    except ImportError:
+        return []
+
+
+#: The native devices every kernel and native-runtime test runs on: the simulator, and the
+#: Apple GPU where this build has it (so one pytest on a Mac checks every kernel on the GPU).
+NATIVE_DEVICES = [d for d in ("sim", "metal") if d in _compiled()]
+METAL = "metal" in NATIVE_DEVICES
+
+
+def make_dev(param: str):
+    """The device of a fixture parameter: a simulator mode of ``THREAD_ORDERS``, or the GPU."""
+    if param == "metal":
+        from lily import _core
+        return _core.metal_device()
+    from lily._device import sim_device
+    return sim_device(**THREAD_ORDERS[param])
 
 #: Tests skipped under AddressSanitizer (matched against the pytest node id): real-model
 #: shapes, long drift runs and statistical tests of kernels whose smaller, ragged cases run
@@ -43,38 +65,25 @@ ASAN_SKIP = (
 )
 
 
-@pytest.fixture(scope="module", params=ORDERS)
+@pytest.fixture(scope="module", params=ORDERS + (["metal"] if METAL else []))
 def dev(request):
-    """The simulator in each mode of ``ORDERS`` (kernel correctness tests run in all)."""
-    from lily._device import sim_device
-    return sim_device(**THREAD_ORDERS[request.param])
+    """The simulator in each mode of ``ORDERS`` (kernel correctness tests run in all), and the
+    Metal GPU where this build has it."""
+    return make_dev(request.param)
 
 
-@pytest.fixture(scope="module")
-def fwd_dev():
-    """One mode only (``forward``), for long drift, statistical and real-size runs."""
-    from lily._device import sim_device
-    return sim_device(verify_writes=True)
+@pytest.fixture(scope="module", params=["forward"] + (["metal"] if METAL else []))
+def fwd_dev(request):
+    """One simulator mode only (``forward``), for long drift, statistical and real-size runs;
+    and the Metal GPU where this build has it."""
+    return make_dev(request.param)
 
 
-# ---- host-side encoding shared by the kernel tests
-
-def bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    from lily.reference import round_bf16
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+@pytest.fixture(scope="module", params=NATIVE_DEVICES)
+def native_device(request) -> str:
+    """The name of each native device (``sim``; ``metal`` where built) for Engine.load."""
+    return request.param
 
 
-def from_bf16(bits) -> np.ndarray:
-    """bf16 bit patterns (uint16) -> float32, exact."""
-    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
-
-
-def f32(x) -> np.ndarray:
-    return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
-                    for v in fields)
+# ---- host-side encoding shared by the kernel tests (home: lily.kernel_check)
+from lily.kernel_check import args_bytes, bf16_bits, f32, from_bf16  # noqa: E402,F401

@@ -126,3 +126,41 @@ def test_mean_of_ratios_is_geometric():
                  {"model": "m", "rounds": 1, "decode_tokens": 4, "notice": None}, None)
     assert rep["geomean_prefill_ratio"] == pytest.approx(1.0)
     assert "geomean" in format_report(rep)
+
+
+def test_pplx_prompt_is_their_synthetic_sequence():
+    from lily.bench import pplx_prompt
+    ids = pplx_prompt(5, 248320)
+    assert ids == [0, 2654435761 % 248320, (2 * 2654435761 % 2**32) % 248320,
+                   (3 * 2654435761 % 2**32) % 248320, (4 * 2654435761 % 2**32) % 248320]
+    assert max(pplx_prompt(1000, 97)) < 97 and len(set(pplx_prompt(1000, 97))) > 90
+
+
+def test_run_bench_exact_shape_warmup():
+    lily = Scripted("lily", lambda L, k: 1.0, lambda L, k: 1.0)
+    peer = Scripted("peer", lambda L, k: 1.0, lambda L, k: 1.0)
+    run_bench(lily, peer, lambda n: [0] * n, lengths=[8, 32], decode_tokens=65, rounds=2, exact_warmup=True)
+    # round 1: each engine warms up on the exact shape right before its timed run; round 2: timed only
+    assert lily.calls == [(8, 65), (8, 65), (32, 65), (32, 65), (8, 65), (32, 65)]
+    assert peer.calls == lily.calls
+
+
+def test_lily_bench_pplx_protocol(tmp_path):
+    pytest.importorskip("mlx_lm")
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--device", "reference",
+                        "--lengths", "8,99999999", "--rounds", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ), check=False)
+    assert r.returncode == 0, r.stderr
+    assert "protocol pplx" in r.stdout and "NOTE:" in r.stdout  # off a Mac GPU: a harness test
+    assert "99999999" in r.stderr and "dropped" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["protocol"] == "pplx" and rep["decode_steps"] == 64 and rep["dropped_lengths"] == [99999999]
+    assert [row["prompt_tokens"] for row in rep["lengths"]] == [8]
+    for row in rep["lengths"]:
+        for who in ("lily", "mlx_lm"):
+            assert [s["tokens"] for s in row["samples"][who]] == [65]  # first token + exactly 64 steps
+    assert rep["consistency"] is None
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--decode-tokens", "8"],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
+
+from lily._device import devices
 
 
 def run(*args, input=None, timeout=300):
@@ -27,12 +30,45 @@ def test_help_lists_commands():
 
 
 def test_generate_default_model_prints_shakespeare():
-    r = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0", "-v")
+    r = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     text = r.stdout.strip()
     assert len(text.split()) >= 5
-    assert "tok/s" in r.stderr and "finish: length" in r.stderr
+    # the speed line, on stderr by default (as mlx_lm prints it)
+    line = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"\[prompt: 5 tokens \(0 cached, 5 computed\), [\d.]+ tok/s \| generation: 24 tokens, "
+                        r"[\d.]+ tok/s \| peak memory: [\d.]+ GB \| finish: length\]", line), line
+    assert float(line.split("peak memory: ")[1].split()[0]) > 0.01  # the weights alone are 21 MB
     assert "context window" not in r.stderr  # max tokens, not the context, ended it
+    q = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0", "--quiet")
+    assert q.returncode == 0 and q.stdout == r.stdout and q.stderr == "", q.stderr
+
+
+def test_generate_prompt_from_stdin():
+    a = run("generate", "-", "-n", "6", "-t", "0", "-q", input="ROMEO.")
+    b = run("generate", "ROMEO.", "-n", "6", "-t", "0", "-q")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+    empty = run("generate", "-", input="")
+    assert empty.returncode == 1 and "the prompt is empty" in empty.stderr
+
+
+def test_version():
+    from lily import __version__
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"lily {__version__}"
+
+
+def test_serve_help_has_a_description():
+    r = run("serve", "--help")
+    assert r.returncode == 0 and "Serve the model over HTTP" in r.stdout
+
+
+def test_model_given_as_a_hugging_face_repo_id():
+    r = run("generate", "x", "--model", "Qwen/Qwen3.6-35B-A3B")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "does not exist" in r.stderr and "Hugging Face repo id" in r.stderr
+    assert "mlx_lm convert --hf-path Qwen/Qwen3.6-35B-A3B --mlx-path Qwen3.6-35B-A3B-4bit" in r.stderr
 
 
 def test_generate_chat_mode_and_stop():
@@ -91,13 +127,26 @@ def test_generate_context_full_notice():
 
 @pytest.mark.parametrize("args, needle", [
     (("generate", "x", "--temperature", "-1"), "temperature"),
-    (("generate", "x", "--model", "/nonexistent/model"), "not a directory"),
-    (("generate", "x", "--device", "metal"), "not available in this build"),
+    (("generate", "x", "--model", "/nonexistent/model"), "/nonexistent/model: the path does not exist"),
+    (("chat", "--model", "./no-such-dir"), "does not exist"),
+    pytest.param(("generate", "x", "--device", "metal"), "not available in this build",
+                 marks=pytest.mark.skipif("metal" in devices(), reason="this build has the Metal device")),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)
     assert r.returncode == 1
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_default_device_is_auto():
+    """No --device: metal where this build has it, else reference with a one-line notice
+    (never the slow simulator)."""
+    r = run("generate", "ROMEO.", "--max-tokens", "2", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    if "metal" in devices():
+        assert "using device=" not in r.stderr
+    else:
+        assert "using device='reference'" in r.stderr
 
 
 def test_native_device_flags(tmp_path, monkeypatch):
@@ -160,3 +209,47 @@ def test_chat_escaped_slash_is_sent_not_run():
     r = run("chat", "--no-think", "-n", "2", "-t", "0", input="//reset\n")
     assert r.returncode == 0, r.stderr
     assert "conversation reset" not in r.stderr and "unknown command" not in r.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no pty or readline")
+def test_chat_line_editing_and_history(tmp_path):
+    """On a terminal `lily chat` reads lines with readline: the up arrow recalls the previous
+    message, and the history is kept in $XDG_STATE_HOME/lily/chat_history."""
+    import pty
+    import select
+    import time
+    master, slave = pty.openpty()
+    env = dict(os.environ, PYTHONIOENCODING="utf-8", XDG_STATE_HOME=str(tmp_path), TERM="dumb")
+    p = subprocess.Popen([sys.executable, "-m", "lily", "chat", "-n", "2", "-t", "0", "--no-think"],
+                         stdin=slave, stdout=slave, stderr=subprocess.PIPE, env=env)
+    os.close(slave)
+    seen = b""
+
+    def wait_prompts(n, timeout=120):
+        nonlocal seen
+        end = time.monotonic() + timeout
+        while seen.count(b"> ") < n and time.monotonic() < end:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(master, 4096)
+                except OSError:
+                    break
+        return seen.count(b"> ") >= n
+
+    try:
+        assert wait_prompts(1)
+        os.write(master, b"Hail, good sir.\r")
+        assert wait_prompts(2)
+        os.write(master, b"\x1b[A\r")          # up arrow: the previous line again
+        assert wait_prompts(3)
+        os.write(master, b"\x04")              # Ctrl-D
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        os.close(master)
+    assert p.returncode == 0, p.stderr.read()
+    assert seen.count(b"> Hail, good sir.") == 2, seen  # typed, then recalled by the arrow
+    # (consecutive duplicates may be stored once, depending on the readline library)
+    assert "Hail, good sir." in (tmp_path / "lily" / "chat_history").read_text().splitlines()

@@ -9,6 +9,7 @@ import threading
 import numpy as np
 import pytest
 
+from lily.constraints import AllowedTokens
 from lily.engine import Engine
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.reference import ReferenceModel
@@ -26,7 +27,7 @@ def _prompt(engine, n):
 def test_prefill_then_decode_equals_one_shot(which, demo_path, request):
     """Prefill in pieces, then token-by-token decode, gives the one-shot logits."""
     path = demo_path if which == "demo" else request.getfixturevalue("dims_checkpoint")
-    engine = Engine.load(path)
+    engine = Engine.load(path, device="reference")
     ids = _prompt(engine, 40)
     full = engine.prefill(ids, all_logits=True)
     engine.reset()
@@ -39,7 +40,7 @@ def test_prefill_then_decode_equals_one_shot(which, demo_path, request):
 
 def test_gdn_state_drift_over_many_steps(demo_path):
     """512 recurrent steps one at a time match one 512-token prefill (no drift)."""
-    engine = Engine.load(demo_path)
+    engine = Engine.load(demo_path, device="reference")
     ids = (_prompt(engine, 200) * 3)[:512]
     model: ReferenceModel = engine.backend.model
     a, b = model.new_state(1024), model.new_state(1024)
@@ -114,7 +115,7 @@ def test_eos_ends_generation_and_is_not_printed(demo_engine):
             ForceEOS.calls += 1
             return eos if ForceEOS.calls > 3 else int(np.argmax(logits))
 
-    import lily.engine as eng
+    import lily.backend as eng  # the host sampling loop
     orig = eng.Sampler
     eng.Sampler = ForceEOS
     try:
@@ -135,12 +136,19 @@ def test_chat_uses_template(demo_engine):
 
 def test_session_reuse_when_prompt_extends(demo_engine):
     demo_engine.reset()
-    ids = _prompt(demo_engine, 30)
-    demo_engine.generate(ids[:20], max_tokens=1, temperature=0.0)
-    assert demo_engine.tokens == ids[:20]
-    r = demo_engine.generate(ids, max_tokens=1, temperature=0.0)
-    assert r.timings.prefill_tokens == 10  # only the new suffix was prefilled
-    fresh = Engine.load(demo_engine.path)
+    cache, demo_engine.prompt_cache = demo_engine.prompt_cache, None  # the session alone
+    try:
+        ids = _prompt(demo_engine, 30)
+        demo_engine.generate(ids[:20], max_tokens=1, temperature=0.0)
+        assert demo_engine.tokens == ids[:20]
+        r = demo_engine.generate(ids, max_tokens=1, temperature=0.0)
+        assert r.timings.prefill_tokens == 10  # only the new suffix was prefilled
+        assert r.cached_tokens == 20 and r.prompt_tokens == 30
+        events = list(demo_engine.stream(ids[:5], max_tokens=1, temperature=0.0))  # not an extension
+        assert events[-1].cached_tokens == 0 and events[-1].timings.prefill_tokens == 5
+    finally:
+        demo_engine.prompt_cache = cache
+    fresh = Engine.load(demo_engine.path, device="reference")
     assert fresh.generate(ids, max_tokens=4, temperature=0.0).token_ids == \
         demo_engine.generate(ids, max_tokens=4, temperature=0.0).token_ids
 
@@ -171,7 +179,7 @@ def test_cancel_during_prefill_and_decode(demo_engine):
 
 
 def test_prompt_longer_than_context(demo_path):
-    engine = Engine.load(demo_path, max_context=16)
+    engine = Engine.load(demo_path, max_context=16, device="reference")
     with pytest.raises(ContextLengthError, match="context window is 16"):
         engine.generate(_prompt(engine, 17))
     with pytest.raises(ContextLengthError):
@@ -213,6 +221,18 @@ def test_bad_tokens_and_device(demo_engine, demo_path):
         Engine.load(demo_path, device="cuda")
     with pytest.raises(InvalidParameterError, match="max_context"):
         Engine.load(demo_path, max_context=0)
+
+
+def test_default_device_is_metal_else_reference(demo_path, capfd):
+    """Engine.load's default (auto) is metal where this build has it, else reference with a
+    notice; the simulator only when asked for."""
+    from lily._device import devices
+    e = Engine.load(demo_path, max_context=64)
+    if "metal" in devices():
+        assert e.device == "metal"
+    else:
+        assert e.device == "reference"
+        assert "using device='reference'" in capfd.readouterr().err
 
 
 def test_sampler_filters():
@@ -278,3 +298,66 @@ def test_bad_generation_config_eos_is_named(tmp_path, demo_path, eos):
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
     with pytest.raises(ConfigError, match="generation_config.json: eos_token_id"):
         Engine.load(d)
+
+
+# ---- the decoding-constraint hook -------------------------------------------------------
+
+
+class _LateConstraint(AllowedTokens):
+    """Unconstrained (None) for the first ``free`` steps, then only ``tokens``."""
+
+    def __init__(self, vocab_size, tokens, length, free):
+        super().__init__(vocab_size, tokens, length)
+        self.free, self.masks_asked = free, 0
+
+    def allowed(self):
+        self.masks_asked += 1
+        return None if len(self.generated) < self.free else self.mask
+
+
+def test_constraint_masks_greedy_sampled_and_logprobs(demo_engine):
+    """Every token is from the mask; greedy picks the best allowed token; the logprobs are
+    those of the masked distribution; the constraint's end stops the generation."""
+    allowed = demo_engine.tokenizer.encode(" the and of to a I")
+    assert len(set(allowed)) >= 5
+    free = demo_engine.generate("ROMEO.\n", max_tokens=1, temperature=0.0)
+    assert free.token_ids[0] not in allowed  # the constraint changes something
+    demo_engine.reset()
+    logits = demo_engine.prefill(demo_engine.tokenizer.encode("ROMEO.\n"))
+    c = AllowedTokens(demo_engine.config.vocab_size, allowed, length=6)
+    r = demo_engine.generate("ROMEO.\n", max_tokens=20, temperature=0.0, constraint=c,
+                             logprobs=True, top_logprobs=20)
+    assert r.finish_reason == "stop" and r.completion_tokens == 6 and c.generated == r.token_ids
+    assert set(r.token_ids) <= set(allowed)
+    masked = np.where(c.mask, logits.astype(np.float64), -np.inf)
+    assert r.token_ids[0] == int(np.argmax(masked))
+    want = masked - masked.max() - np.log(np.exp(masked - masked.max()).sum())
+    assert r.logprobs[0].logprob == pytest.approx(want[r.token_ids[0]], abs=1e-4)
+    top = r.logprobs[0].top
+    assert len(top) == len(set(allowed)) and {i for i, _ in top} == set(allowed)  # only allowed ones
+    for seed in (1, 2):
+        c = AllowedTokens(demo_engine.config.vocab_size, allowed, length=50)
+        r = demo_engine.generate("ROMEO.\n", max_tokens=8, temperature=1.5, seed=seed, constraint=c)
+        assert r.finish_reason == "length" and set(r.token_ids) <= set(allowed)
+
+
+def test_constraint_none_means_unconstrained(demo_engine):
+    allowed = demo_engine.tokenizer.encode(" the and")
+    free = demo_engine.generate("ROMEO.\n", max_tokens=5, temperature=0.0)
+    c = _LateConstraint(demo_engine.config.vocab_size, allowed, length=5, free=3)
+    r = demo_engine.generate("ROMEO.\n", max_tokens=5, temperature=0.0, constraint=c)
+    assert r.token_ids[:3] == free.token_ids[:3] and set(r.token_ids[3:]) <= set(allowed)
+    assert c.masks_asked == 5
+
+
+def test_constraint_bad_mask(demo_engine):
+    class Bad(AllowedTokens):
+        def allowed(self):
+            return self.mask[:10]
+
+    v = demo_engine.config.vocab_size
+    with pytest.raises(InvalidParameterError, match="mask must be bool"):
+        demo_engine.generate("ROMEO.\n", max_tokens=3, constraint=Bad(v, [1], 3))
+    with pytest.raises(InvalidParameterError, match="allows no token"):
+        demo_engine.generate("ROMEO.\n", max_tokens=3, constraint=AllowedTokens(v, [], 3))
+    assert demo_engine.generate("ROMEO.\n", max_tokens=2, temperature=0.0).completion_tokens == 2

@@ -31,13 +31,13 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
-from lily.reference import ReferenceModel, silu, sigmoid, softmax  # noqa: E402
+from lily.reference import ReferenceModel, sigmoid  # noqa: E402
+# the reference helpers and bounds live with lily doctor's kernel checks (one home)
+from lily.kernel_check import (  # noqa: E402,F401
+    DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, TG, U, enc_embed_norm_gemv,
+    GATE_UP_ROWS_PER_SG, MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, swiglu_bound as _swiglu_bound, enc_norm_gemv, gemv_grid, magnitude, norm_gemv_args, norm_gemv_grid,
+    rand_quant, rms_ref64, route_ref, to_bf16_bits, upload_q)
 
-U = 2.0**-24          # fp32 unit roundoff
-DEPTH = 64            # accumulation depth bound of the kernels (module docstring)
-GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
-GATE_UP_ROWS_PER_SG = 4
-TG = 64               # threads per threadgroup used for the GEMV-like kernels
 TIMES: dict[str, float] = {}
 
 
@@ -48,39 +48,6 @@ def dev():
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def to_bf16_bits(x) -> np.ndarray:
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
-    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, realistic bf16 scales
-    (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
-    shape = (*lead, rows)
-    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
-    g = (*shape, cols // 64)
-    s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
-    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
-    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
-
-
-def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
-    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
-    w, s, b = qt.weight, qt.scales, qt.biases
-    if index is not None:
-        w, s, b = w[index], s[index], b[index]
-    per = 32 // qt.bits
-    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
-    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
-    qg = q.reshape(*q.shape[:-1], -1, 64)
-    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
-    return m.reshape(q.shape)
-
-
-def upload_q(dev, qt: QuantizedTensor):
-    return upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)
 
 
 def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
@@ -95,10 +62,6 @@ def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, 
     cb.wait()
     TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
     return cb
-
-
-def gemv_grid(rows):
-    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
 
 
 def assert_within(got, want, tol, what):
@@ -245,14 +208,6 @@ def test_rms_norm_in_place(dev):
 # ----------------------------------------------------------------------------- moe_route
 
 
-def route_ref(logits, k, norm=True):
-    """lily.reference.ReferenceModel.moe's routing on float32 logits."""
-    p = softmax(logits.astype(np.float32)[None])[0]
-    top = np.argsort(-p, kind="stable")[:k]
-    w = p[top]
-    return top, (w / w.sum() if norm else w)
-
-
 def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
     E, hidden = logits.size, x.size
     L, X = upload(dev, logits.astype(np.float32)), upload(dev, x)
@@ -302,116 +257,6 @@ def test_moe_route_ties_and_no_renorm(dev):
 
 
 # ----------------------------------------------------------------------------- MoE experts
-
-
-class MoeWeights:
-    """Random MoE weights of one layer in the checkpoint's layout."""
-
-    def __init__(self, rng, E, hidden, inter, inter_shared):
-        self.E, self.hidden, self.inter, self.inter_shared = E, hidden, inter, inter_shared
-        self.gate = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.gate_proj")
-        self.up = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.up_proj")
-        self.down = rand_quant(rng, (E,), hidden, inter, 4, "switch_mlp.down_proj")
-        self.sgate = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.gate_proj")
-        self.sup = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.up_proj")
-        self.sdown = rand_quant(rng, (), hidden, inter_shared, 4, "shared_expert.down_proj")
-        self.router = rand_quant(rng, (), E, hidden, 8, "gate")
-        self.shared_gate = rand_quant(rng, (), 1, hidden, 8, "shared_expert_gate")
-
-    @classmethod
-    def from_checkpoint(cls, ck, layer):
-        self = cls.__new__(cls)
-        p = f"model.layers.{layer}.mlp"
-        self.gate = ck.quantized(f"{p}.switch_mlp.gate_proj")
-        self.up = ck.quantized(f"{p}.switch_mlp.up_proj")
-        self.down = ck.quantized(f"{p}.switch_mlp.down_proj")
-        self.sgate = ck.quantized(f"{p}.shared_expert.gate_proj")
-        self.sup = ck.quantized(f"{p}.shared_expert.up_proj")
-        self.sdown = ck.quantized(f"{p}.shared_expert.down_proj")
-        self.router = ck.quantized(f"{p}.gate")
-        self.shared_gate = ck.quantized(f"{p}.shared_expert_gate")
-        self.E, self.inter, self.hidden = self.gate.weight.shape[0], self.gate.weight.shape[1], self.down.weight.shape[1]
-        self.inter_shared = self.sgate.weight.shape[0]
-        return self
-
-    def upload(self, dev):
-        self.bufs = {n: upload_q(dev, getattr(self, n)) for n in
-                     ("gate", "up", "down", "sgate", "sup", "sdown", "router", "shared_gate")}
-        return self.bufs
-
-    def args(self, k):
-        return constant(self.hidden, self.inter, self.inter_shared, self.E, k)
-
-    # float64 oracle pieces, with first-order error magnitudes
-    def swiglu(self, x, ids):
-        """h [k*inter + inter_shared] (float64) and its error bound."""
-        x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
-        hs, tols = [], []
-        mats = [(self.gate, self.up, int(e)) for e in ids] + [(self.sgate, self.sup, None)]
-        for g_q, u_q, e in mats:
-            g = g_q.dequantize(e).astype(np.float64) @ x64
-            u = u_q.dequantize(e).astype(np.float64) @ x64
-            dg, du = DEPTH * U * (magnitude(g_q, e) @ ax), DEPTH * U * (magnitude(u_q, e) @ ax)
-            h, tol = _swiglu_bound(g, u, dg, du)
-            hs.append(h)
-            tols.append(tol)
-        return np.concatenate(hs), np.concatenate(tols)
-
-    def down_sum(self, h, ids, w, dh=None):
-        """sum_j w_j Wd_j h_j (float64) and its error bound (plus dh propagated)."""
-        k = len(ids)
-        out = np.zeros(self.hidden)
-        tol = np.zeros(self.hidden)
-        dh = np.zeros_like(h) if dh is None else dh
-        for j in range(k + 1):
-            if j < k:
-                q, e, sl = self.down, int(ids[j]), slice(j * self.inter, (j + 1) * self.inter)
-            else:
-                q, e, sl = self.sdown, None, slice(k * self.inter, k * self.inter + self.inter_shared)
-            mag = magnitude(q, e)
-            out += w[j] * (q.dequantize(e).astype(np.float64) @ h[sl])
-            tol += abs(w[j]) * (DEPTH * U * (mag @ np.abs(h[sl])) + mag @ dh[sl])
-        return out, tol
-
-
-def _swiglu_bound(g, u, dg, du):
-    """h = silu(g) * u and a first-order bound of its error for |g err| <= dg, |u err| <= du:
-    |silu'| <= 1.1, plus a few roundings of the activation itself."""
-    h = silu(g) * u
-    return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
-
-
-def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
-    """Encodes moe_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md).
-    ids: known expert ids to declare exact expert slices, else whole stacks."""
-    b = bufs
-    rows = max(W.inter, W.inter_shared)
-    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * TG // 32)), k + 1)
-    reads = [X, ids_buf, *b["sgate"], *b["sup"]]
-    if ids is None:
-        reads += [*b["gate"], *b["up"]]
-    else:
-        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // 64 * 2
-        for e in ids:
-            for (w, s, bb) in (b["gate"], b["up"]):
-                reads += [(w, int(e) * wb, wb), (s, int(e) * sb, sb), (bb, int(e) * sb, sb)]
-    p.dispatch("moe_gate_up_swiglu_q4", grid, TG,
-               buffers=[(0, X), (1, ids_buf), *[(2 + i, t) for i, t in enumerate([*b["gate"], *b["up"], *b["sgate"], *b["sup"]])],
-                        (14, H)],
-               constants=[(15, W.args(k))], reads=reads,
-               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared))], threadgroups=True,
-               label="moe_gate_up_swiglu_q4")
-
-
-def enc_down(p, W, bufs, H, ids_buf, wts, R, k):
-    b = bufs
-    p.dispatch("moe_down_q4", gemv_grid(W.hidden), TG,
-               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
-                        (9, R)],
-               constants=[(10, W.args(k))],
-               reads=[(H, 0, 4 * (k * W.inter + W.inter_shared)), ids_buf, (wts, 0, 4 * (k + 1)),
-                      *b["down"], *b["sdown"], R],
-               writes=[R], threadgroups=True, label="moe_down_q4")
 
 
 def commit(cb, label):
@@ -633,53 +478,6 @@ def test_moe_block_tolerance_is_sensitive(dev, moe_cache):
 # 64 u M; otherwise against W @ xn_exact with 128 u M (64 u M for the GEMV plus
 # sum |w| 64 u |xn| <= 64 u M for the norm).
 
-NORM_EPS = 1e-6
-
-
-def norm_gemv_grid(rows, tg=TG):
-    """Threadgroups of a norm_gemv dispatch: each matrix padded to whole threadgroups."""
-    per = GEMV_ROWS_PER_SG * tg // 32
-    return sum(-(-r // per) for r in rows)
-
-
-def norm_gemv_args(rows, cols, eps, write_xn):
-    """NormGemvArgs {rows[4], cols, eps, write_xn} (28 bytes)."""
-    rows = list(rows) + [0] * (4 - len(rows))
-    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn))
-
-
-def _bind(i, spec):
-    return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
-
-
-def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None):
-    """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
-    mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
-    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
-    rows = [m[0] for m in mats]
-    buffers = [(0, X), (1, NW), (2, XN)]
-    reads, writes = [X, NW], ([XN] if write_xn else [])
-    for i in range(4):
-        if i < len(mats):
-            r, wsb, Y = mats[i]
-            specs = [*wsb, Y]
-            if r:
-                reads += list(wsb)
-                y = Y if isinstance(Y, tuple) else (Y, 0)
-                writes.append((y[0], y[1], 4 * r))
-        else:
-            specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
-        buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg) + extra, tg, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn))], reads=reads, writes=writes,
-               threadgroups=True, label=label or f"norm_gemv_q{bits}")
-
-
-def rms_ref64(x, nw_bits, eps=NORM_EPS):
-    x64 = np.asarray(x, np.float64)
-    return x64 / np.sqrt(np.mean(x64 * x64) + eps) * bf16_to_f32(nw_bits).astype(np.float64)
-
-
 def check_norm_gemv(dev, bits, x, nw, qts, write_xn, tg=TG, extra=0, offsets=False, what=""):
     """Runs norm_gemv on the matrices qts (None: an unused slot) and checks every output;
     returns (xn written or None, outputs)."""
@@ -856,20 +654,6 @@ def test_norm_gemv_demo_checkpoint(dev, demo_path):
 
 
 # ----------------------------------------------------------------------------- routing fused into gate/up
-
-
-def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=TG):
-    """Encodes moe_route_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md)."""
-    b = bufs
-    rows = max(W.inter, W.inter_shared)
-    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * tg // 32)), k + 1)
-    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
-    p.dispatch("moe_route_gate_up_swiglu_q4", grid, tg,
-               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
-               constants=[(17, constant(W.hidden, W.inter, W.inter_shared, W.E, k, int(norm_topk)))],
-               reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
-               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
-               threadgroups=True, label="moe_route_gate_up_swiglu_q4")
 
 
 def run_route_gate_up(dev, W, bufs, x, logits, k, norm_topk=True, tg=TG):
@@ -1080,18 +864,7 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
             mats = [(r, m if m is not None else (H, H, H), Y) for r, m, Y in zip(rows, mats_q, ys)]
             enc_norm_gemv(p, 4, H, NW, XN, mats, cols, write_xn=write_xn)
         else:
-            buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
-            reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
-            for i, (r, m, Y) in enumerate(zip(rows, mats_q, ys)):
-                specs = [*(m if m is not None else (NW, NW, NW)), Y]
-                buffers += [(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-                if r:
-                    reads += list(m)
-                    writes.append(Y)
-            p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
-                       constants=[(19, norm_gemv_args(rows, cols, NORM_EPS, write_xn)),
-                                  (24, constant(cols, vocab))],
-                       reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
+            enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, list(zip(rows, mats_q, ys)), cols, vocab, write_xn)
         commit(cb, "embed_norm_gemv_q4" if fused else "embed_q4 + norm_gemv_q4")
         assert cb.counters["dispatches"] == (1 if fused else 2)
         return [download(H, np.float32), download(XN, np.float32)] + [

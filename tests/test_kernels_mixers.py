@@ -41,8 +41,6 @@ out-of-range write detection.
 from __future__ import annotations
 
 import math
-import time
-import types
 
 import numpy as np
 from seeding import fresh_rng
@@ -53,54 +51,17 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
-from lily.sampling import Sampler, SamplingParams, log_softmax  # noqa: E402
+from lily._device import constant, download, upload  # noqa: E402
+from lily.reference import ReferenceState, round_bf16  # noqa: E402
+from lily.sampling import SamplingParams, log_softmax  # noqa: E402
+# the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
+from lily import kernel_check  # noqa: E402
+from lily.kernel_check import (  # noqa: E402,F401
+    PENALTIES, THETA, StubOracle, attention_reference, attn_cfg, count_buffer, expected_draws, filtered_probs,
+    gdn_cfg, heads_per_group, philox_u, qk_prep_reference, run, sample_args, sample_many, sampler_for, sorted_order, thread_order)
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-               reads=list(reads), writes=list(writes), threadgroups=threadgroups)
-    cb.commit()
-    cb.wait()
-    return cb
-
-
-class StubOracle(ReferenceModel):
-    """ReferenceModel whose linear layers return given projection outputs.
-
-    ``linear(x, "<prefix>.<name>")`` returns ``proj[name]`` (``out_proj`` / ``o_proj``
-    return their input, so a mixer returns what its output projection would consume);
-    ``param("...linear_attn.<name>")`` returns ``params[<name>]``. The mixer math itself is the
-    reference's own code (:meth:`ReferenceModel.gated_deltanet`, :meth:`.attention`).
-    """
-
-    def __init__(self, cfg, params):  # noqa: D401  (no checkpoint)
-        self.cfg = cfg
-        self._act = lambda a: a.astype(np.float32, copy=False)
-        self.params = params
-        self.proj = {}
-
-    def param(self, name):
-        return self.params[name.split("_attn.", 1)[1]]
-
-    def linear(self, x, module):
-        name = module.rsplit(".", 1)[-1]
-        if name in ("out_proj", "o_proj"):
-            return x.astype(np.float32)
-        return self.proj[name]
-
-
-def gdn_cfg(Hk, Hv, Dk, Dv, K=4):
-    return types.SimpleNamespace(linear_num_key_heads=Hk, linear_num_value_heads=Hv,
-                                 linear_key_head_dim=Dk, linear_value_head_dim=Dv,
-                                 linear_conv_kernel_dim=K, rms_norm_eps=1e-6,
-                                 conv_dim=2 * Hk * Dk + Hv * Dv)
-
 
 # ------------------------------------------------------------------------------ Gated DeltaNet
 
@@ -111,67 +72,11 @@ GDN_DIMS = {
 }
 
 
-class GdnLayer:
-    """Device buffers of one GDN layer plus the oracle with the same weights."""
+class GdnLayer(kernel_check.GdnLayer):
+    """kernel_check.GdnLayer on fresh random inputs (tests/seeding.py)."""
 
     def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0):
-        self.dev, self.Hk, self.Hv, self.Dk, self.Dv, self.K = dev, Hk, Hv, Dk, Dv, K
-        rng = fresh_rng(seed)
-        self.rng = rng
-        C = self.conv_dim = 2 * Hk * Dk + Hv * Dv
-        conv_w = bf16_bits(rng.normal(0, 0.3, (C, K)))
-        dt_bias = bf16_bits(rng.uniform(-5, -2, Hv))
-        A_log = np.log(np.exp(rng.uniform(np.log(1.0), np.log(16.0), Hv))).astype(np.float32)
-        norm_w = bf16_bits(1 + 0.1 * rng.standard_normal(Dv))
-        self.oracle = StubOracle(gdn_cfg(Hk, Hv, Dk, Dv, K), {
-            "conv1d.weight": from_bf16(conv_w)[:, :, None],
-            "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
-        self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
-        self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
-        self.state = upload(dev, np.zeros((Hv, Dv, Dk), np.float32))
-        self.st = ReferenceState(max_context=1 << 20)
-        self.st.conv[0] = np.zeros((K - 1, C), np.float32)
-        self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
-        self.parity = 0
-        self.kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
-        self.seconds = 0.0
-
-    def random_inputs(self, scale=1.0):
-        r = self.rng
-        return (f32(r.standard_normal(self.conv_dim) * scale), f32(r.standard_normal(self.Hv * self.Dv)),
-                f32(r.standard_normal(self.Hv)), f32(r.standard_normal(self.Hv)))
-
-    def set_state(self, conv, S):
-        self.conv[self.parity].write(f32(conv).view(np.uint8).reshape(-1))
-        self.state.write(f32(S).view(np.uint8).reshape(-1))
-        self.st.conv[0] = f32(conv).copy()
-        self.st.recurrent[0] = f32(S).copy()
-
-    def step_device(self, qkv, z, b, a):
-        dev = self.dev
-        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
-        out = dev.buffer(self.Hv * self.Dv * 4)
-        cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
-        args = args_bytes(self.Hk, self.Hv, self.K, 1e-6, 1e-6)
-        t = time.perf_counter()
-        run(dev, self.kernel, self.Hv, 1024,
-            buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.w[0]), (5, self.w[1]), (6, self.w[2]),
-                     (7, self.w[3]), (8, cin), (9, cout), (10, self.state), (11, out)],
-            constants=[(12, args)],
-            reads=[Q, Z, B, A, *self.w, cin, self.state], writes=[cout, self.state, out])
-        self.seconds += time.perf_counter() - t
-        self.parity ^= 1
-        return download(out, np.float32)
-
-    def step_reference(self, qkv, z, b, a):
-        o = self.oracle
-        o.proj = {"in_proj_qkv": qkv[None], "in_proj_z": z[None], "in_proj_b": b[None], "in_proj_a": a[None]}
-        return o.gated_deltanet(0, np.zeros((1, 1), np.float32), self.st)[0]
-
-    def device_state(self):
-        C, K = self.conv_dim, self.K
-        return (download(self.conv[self.parity], np.float32, (K - 1, C)),
-                download(self.state, np.float32, (self.Hv, self.Dv, self.Dk)))
+        super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed))
 
 
 @pytest.mark.parametrize("dims", list(GDN_DIMS))
@@ -215,184 +120,14 @@ ATTN_DIMS = {  # Hq, Hkv, D, rotary_dim
     "dims": (8, 1, 256, 64),
     "tiny": (4, 2, 64, 16),
 }
-THETA = 1e7
 
 
-def attn_cfg(Hq, Hkv, D, rot):
-    return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
-                                 rotary_dim=rot, rope_theta=THETA, rms_norm_eps=1e-6)
 
-
-def heads_per_group(Hq, Hkv):
-    """G: query heads per decode threadgroup, the runtime's rule (csrc/runtime/encoder.h):
-    the largest of 8, 4, 2 dividing the GQA group (the model's 8: each KV row read once)."""
-    return next(g for g in (8, 4, 2) if (Hq // Hkv) % g == 0)
-
-
-class AttnLayer:
-    """Device KV cache + weights of one attention layer, and host-side encoders that
-    mirror what the runtime does (docs/kernels.md)."""
+class AttnLayer(kernel_check.AttnLayer):
+    """kernel_check.AttnLayer on fresh random inputs (tests/seeding.py)."""
 
     def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0):
-        self.dev, self.Hq, self.Hkv, self.D, self.rot, self.cap = dev, Hq, Hkv, D, rot, capacity
-        self.rng = rng = fresh_rng(seed)
-        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
-        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
-        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
-        # cache: random bf16 history; rows are filled by tests as needed
-        self.k_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
-        self.v_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
-        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
-        self.POS = upload(dev, np.zeros(1, np.uint32))
-        self.G = heads_per_group(Hq, Hkv)
-        self.seconds = {}
-
-    def _timed(self, name, fn):
-        t = time.perf_counter()
-        r = fn()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-        return r
-
-    def set_position(self, pos):
-        self.POS.write(np.array([pos], np.uint32).view(np.uint8))
-
-    def cache_row_ranges(self, pos):
-        """The bytes attn_qk_prep writes: row pos of each KV head, in K and V."""
-        row = 2 * self.D
-        return [(C, (h * self.cap + pos) * row, row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
-
-    def prep(self, qg, k, v, pos):
-        dev, D = self.dev, self.D
-        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
-        Q, GATE = dev.buffer(self.Hq * D * 4), dev.buffer(self.Hq * D * 4)
-        args = args_bytes(self.Hq, self.Hkv, D, self.rot, self.cap, 1e-6, float(np.log2(THETA)))
-        self._timed("attn_qk_prep", lambda: run(
-            dev, "attn_qk_prep", self.Hq + self.Hkv, D,
-            buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.POS),
-                     (6, self.KC), (7, self.VC), (8, Q), (9, GATE)],
-            constants=[(10, args)], reads=[QG, K, V, self.QN, self.KN, self.POS],
-            writes=[*self.cache_row_ranges(pos), Q, GATE]))
-        return Q, GATE
-
-    def decode(self, Q, GATE, n, *, split_threshold=32768, block_rows=1024, extra_blocks=0,
-               gate_stride=None):
-        """Attention over rows [0, n) (position n - 1 must be set); picks the split path
-        when n >= split_threshold. Returns the fp32 [Hq*D] output."""
-        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
-        gs = D if gate_stride is None else gate_stride
-        OUT = dev.buffer(Hq * D * 4)
-        scale = float(D) ** -0.5
-        if n < split_threshold:
-            args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, 0, 0)
-            self._timed("attn_decode", lambda: run(
-                dev, f"attn_decode_d{D}_g{G}", Hq // G, 256,
-                buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
-                constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
-            return download(OUT, np.float32)
-        used = -(-n // block_rows)                 # blocks holding rows
-        nblocks = used + extra_blocks              # dispatched (surplus ones must not write)
-        max_blocks = nblocks
-        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
-        # exactly the partial slots of the used blocks: verify_writes proves surplus blocks
-        # write nothing (a runtime encoding ahead may declare all max_blocks slots instead)
-        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
-                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
-        cargs = args_bytes(Hq, gs, block_rows, max_blocks)
-        cb = dev.command_buffer()
-        p = cb.compute_pass()
-        t = time.perf_counter()
-        p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
-                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
-                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
-                   threadgroups=True)
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
-                   buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
-                   constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
-                   threadgroups=True)
-        cb.commit()
-        cb.wait()
-        self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
-                                                      + time.perf_counter() - t)
-        assert cb.counters["barrier_stages"] == 2  # combine waits for the partials
-        return download(OUT, np.float32)
-
-
-    # ---- fused prep + decode (attn_decode_fused / attn_decode_split_fused)
-
-    def fused_args(self, block_rows=0, max_blocks=0):
-        return args_bytes(self.Hq, self.Hkv, self.rot, self.cap, 1e-6, float(np.log2(THETA)),
-                          float(self.D) ** -0.5, block_rows, max_blocks)
-
-    def cache_prefix_ranges(self, pos):
-        """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
-        row = 2 * self.D
-        if pos == 0:
-            return []
-        return [(C, h * self.cap * row, pos * row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
-
-    def encode_fused(self, p, QG, K, V, POS, pos, *, block_rows=None, extra_blocks=0, label=""):
-        """Encodes the fused step at position pos (POS holds it) into pass p, with the
-        declared ranges of docs/kernels.md; returns the output buffer [Hq*D] fp32."""
-        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
-        OUT = dev.buffer(Hq * D * 4)
-        common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
-        reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
-        if block_rows is None:
-            p.dispatch(f"attn_decode_fused_d{D}_g{G}", Hq // G, 256,
-                       buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
-                       reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
-                       label=label)
-            return OUT
-        n = pos + 1
-        used = -(-n // block_rows)
-        nblocks = used + extra_blocks
-        max_blocks = nblocks
-        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
-        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
-                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        p.dispatch(f"attn_decode_split_fused_d{D}_g{G}", (Hq // G, nblocks), 256,
-                   buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
-                   reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
-                   label=label)
-        # gate straight from the q_proj output: byte offset 4*D, stride 2*D
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
-                   buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
-                   constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
-                   reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
-                   threadgroups=True, label=label)
-        return OUT
-
-    def fused(self, qg, k, v, pos, **kw):
-        """One fused step at position pos in its own command buffer; fp32 [Hq*D] out."""
-        dev = self.dev
-        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
-        self.set_position(pos)
-        cb = dev.command_buffer()
-        p = cb.compute_pass()
-        t = time.perf_counter()
-        OUT = self.encode_fused(p, QG, K, V, self.POS, pos, **kw)
-        cb.commit()
-        cb.wait()
-        name = "attn_decode_fused" if kw.get("block_rows") is None else "attn_decode_split_fused+combine"
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-        # prep and attention in one stage (the split path: + the combine)
-        assert cb.counters["barrier_stages"] == (1 if kw.get("block_rows") is None else 2)
-        return download(OUT, np.float32)
-
-
-def attention_reference(q, gate, K, V, n, D):
-    """float64 softmax attention of q [Hq, D] over K, V [Hkv, >=n, D]; output * sigmoid(gate)."""
-    Hq, Hkv = q.shape[0], K.shape[0]
-    group = Hq // Hkv
-    out = np.empty((Hq, D))
-    for h in range(Hq):
-        k = K[h // group, :n].astype(np.float64)
-        v = V[h // group, :n].astype(np.float64)
-        s = k @ q[h].astype(np.float64) * D ** -0.5
-        p = np.exp(s - s.max())
-        out[h] = (p / p.sum()) @ v
-    return (out * (1 / (1 + np.exp(-gate.astype(np.float64))))).reshape(-1)
+        super().__init__(dev, Hq, Hkv, D, rot, capacity, rng=fresh_rng(seed))
 
 
 @pytest.mark.parametrize("dims", list(ATTN_DIMS))
@@ -405,10 +140,7 @@ def test_attn_qk_prep(dev, dims, pos):
                 f32(r.standard_normal((Hkv, D))))
     A.set_position(pos)
     Q, GATE = A.prep(qg, k, v, pos)
-    # reference: the oracle's helpers, in the order ReferenceModel.attention applies them
-    P = np.array([pos])
-    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, rot, THETA)[0]
-    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, rot, THETA)[0]
+    q_ref, k_ref = qk_prep_reference(A, qg, k, pos)
     atol = 1e-5 if pos <= 64 else 2e-3
     np.testing.assert_allclose(download(Q, np.float32, (Hq, D)), q_ref, rtol=1e-5, atol=atol)
     np.testing.assert_array_equal(download(GATE, np.float32, (Hq, D)), qg[:, D:])
@@ -612,81 +344,6 @@ def test_attn_fused_steps_in_one_pass(dev, split):
 # ------------------------------------------------------------------------------ sampling
 
 
-def philox_u(seed: int, counter: int) -> float:
-    """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
-    counter = (position, 0, 0, 0); u = (first word >> 8) * 2^-24."""
-    M = 0xFFFFFFFF
-    c = [counter & M, 0, 0, 0]
-    k0, k1 = seed & M, (seed >> 32) & M
-    for _ in range(10):
-        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
-        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M, (p0 >> 32) ^ c[3] ^ k1, p0 & M]
-        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
-    return (c[0] >> 8) * 2.0 ** -24
-
-
-def sampler_for(params: SamplingParams, prompt=(), generated=()):
-    s = Sampler(params, prompt)
-    for t in generated:
-        s._counts[int(t)] = s._counts.get(int(t), 0) + 1
-    return s
-
-
-def count_buffer(V, prompt=(), generated=()):
-    c = np.zeros(V, np.uint32)
-    for t in prompt:
-        c[t] |= 0x80000000
-    for t in generated:
-        c[t] += 1
-    return c
-
-
-def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
-    """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
-    return sampler_for(params, prompt, generated).probabilities(logits)
-
-
-def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
-    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
-                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
-                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
-                      int(update_counts))
-
-
-def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
-    """One sample_token dispatch per (seed, position), all in one command buffer."""
-    V = logits.size
-    n = len(seeds)
-    L, C = upload(dev, f32(logits)), upload(dev, counts)
-    POS = upload(dev, np.asarray(positions, np.uint32))
-    TOK = dev.buffer(4 * n)
-    k = max(params.top_logprobs, 1)
-    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    for j, seed in enumerate(seeds):
-        lp_bytes = 4 * (1 + params.top_logprobs)
-        p.dispatch("sample_token", 1, tg,
-                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
-                            (5, IDS, 4 * k * j)],
-                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
-                   reads=[L, C, (POS, 4 * j, 4)],
-                   writes=[(TOK, 4 * j, 4)]
-                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
-                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
-                      if params.top_logprobs else [])
-                   + ([C] if update_counts else []),
-                   threadgroups=True)
-    t = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    dt = time.perf_counter() - t
-    toks = download(TOK, np.uint32)
-    lps = download(LP, np.float32, (n, 1 + params.top_logprobs))
-    ids = download(IDS, np.uint32, (n, k))
-    return toks, lps, ids, C, dt
-
-
 @pytest.mark.parametrize("V", [1, 31, 1000, 248320])
 def test_sample_greedy(dev, V):
     rng = fresh_rng(V)
@@ -757,29 +414,6 @@ def test_sample_token_top_k1_equals_greedy(dev):
     params = SamplingParams(temperature=0.8, top_k=1)
     toks, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(8)), list(range(8)))
     assert (toks == np.argmax(logits)).all()
-
-
-def sorted_order(probs):
-    """The fast path's candidate order: probability descending, id ascending."""
-    return np.lexsort((np.arange(probs.size), -probs))
-
-
-def thread_order(V, tg):
-    """The slow path's order: thread t's elements t, t + tg, ... one thread after another."""
-    return np.concatenate([np.arange(t, V, tg) for t in range(tg)])
-
-
-def expected_draws(probs, order, seeds, positions):
-    """Tokens the numpy model of the kernel draws, and whether u is near a boundary."""
-    p = probs[order]
-    csum = np.cumsum(p)
-    last = int(np.nonzero(p)[0][-1])
-    out = []
-    for seed, pos in zip(seeds, positions):
-        u = philox_u(seed, pos)
-        j = min(int(np.searchsorted(csum, u, side="right")), last)
-        out.append((int(order[j]), np.min(np.abs(csum - u)) < 1e-5))
-    return out
 
 
 @pytest.mark.parametrize("params", [

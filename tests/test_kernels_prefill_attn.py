@@ -55,21 +55,20 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, sim_device, upload  # noqa: E402
-from lily.reference import ReferenceModel, ReferenceState, rms_norm, rope, round_bf16  # noqa: E402
+from lily._device import download, upload  # noqa: E402
+from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E402
+# the layer harness and float64 references live with lily doctor's kernel checks (one home)
+from lily import kernel_check  # noqa: E402
+from lily.kernel_check import (  # noqa: E402,F401
+    QROWS, THETA, TILE, attention64, chunk_inputs, prep_reference)
+from lily.kernel_check import PREFILL_EPS as EPS  # noqa: E402
 
 
-# (Hq, Hkv, D, rotary_dim)
-DIMS = {
-    "real": (16, 2, 256, 64),
-    "dims": (8, 1, 256, 64),
-    "tiny": (4, 2, 64, 16),
-    "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
-}
-THETA = 1e7
-EPS = 1e-6
-TILE = 16  # KV rows per tile (kTile)
-QROWS = 32  # (row, head) pairs per threadgroup (kRows)
+class Layer(kernel_check.PrefillAttnLayer):
+    """kernel_check.PrefillAttnLayer on fresh random weights (tests/seeding.py)."""
+
+    def __init__(self, dev, dims, capacity, seed, *, G=None, history=None):
+        super().__init__(dev, dims, capacity, G=G, history=history, rng=fresh_rng(seed))
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -94,150 +93,6 @@ class StubOracle(ReferenceModel):
     def linear(self, x, module):
         name = module.rsplit(".", 1)[-1]
         return x.astype(np.float32) if name == "o_proj" else self.proj[name]
-
-
-def chunk_inputs(rng, M, Hq, Hkv, D):
-    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D]."""
-    return (f32(rng.standard_normal((M, Hq * 2 * D))), f32(rng.standard_normal((M, Hkv * D))),
-            f32(rng.standard_normal((M, Hkv * D))))
-
-
-class Layer:
-    """Device KV cache and norm weights of one attention layer, and encoders for the prefill
-    kernels with the declared ranges of docs/prefill.md."""
-
-    def __init__(self, dev, dims, capacity, seed, *, G=None, history=None):
-        self.dev = dev
-        self.Hq, self.Hkv, self.D, self.rot = DIMS[dims]
-        self.cap = capacity
-        self.G = G if G is not None else min(8, self.Hq // self.Hkv)
-        rng = fresh_rng(seed)
-        D = self.D
-        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
-        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
-        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
-        if history is None:
-            history = (bf16_bits(rng.standard_normal((self.Hkv, capacity, D))),
-                       bf16_bits(rng.standard_normal((self.Hkv, capacity, D))))
-        self.k_hist, self.v_hist = (h.copy() for h in history)
-        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
-
-    def poison_from(self, n):
-        """Cache rows >= n become NaN (reading past the causal range shows up)."""
-        nan = np.uint16(0x7FC0)
-        self.k_hist[:, n:], self.v_hist[:, n:] = nan, nan
-        self.KC.write(self.k_hist.view(np.uint8).reshape(-1))
-        self.VC.write(self.v_hist.view(np.uint8).reshape(-1))
-
-    def cache(self):
-        shape = (self.Hkv, self.cap, self.D)
-        return download(self.KC, np.uint16, shape), download(self.VC, np.uint16, shape)
-
-    def rows(self, r0, r1):
-        """Byte ranges of cache rows [r0, r1) of every KV head, in K and V."""
-        row = 2 * self.D
-        if r1 <= r0:
-            return []
-        return [(C, (h * self.cap + r0) * row, (r1 - r0) * row) for C in (self.KC, self.VC)
-                for h in range(self.Hkv)]
-
-    # ---- encoders (into a compute pass p)
-
-    def encode_prep(self, p, QG, K, V, p0, M, label=""):
-        Hq, Hkv, D = self.Hq, self.Hkv, self.D
-        Q = self.dev.buffer(M * Hq * D * 4)
-        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, EPS, float(np.log2(THETA)))
-        p.dispatch(f"attn_prefill_prep_d{D}", (-(-M // 8), Hq + Hkv), 256,
-                   buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
-                            (6, self.VC), (7, Q)],
-                   constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
-                   writes=[Q, *self.rows(p0, p0 + M)], threadgroups=True, label=label)
-        return Q
-
-    def attn_args(self, p0, M, split_rows=0, num_splits=0):
-        return args_bytes(self.Hq, self.Hkv, self.cap, p0, M, float(self.D) ** -0.5,
-                          split_rows, num_splits)
-
-    def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
-        """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
-        Hq, D, G = self.Hq, self.D, self.G
-        OUT = self.dev.buffer(M * Hq * D * 4)
-        blocks = -(-M // (QROWS // G))
-        reads = [Q, *self.rows(0, p0 + M)]
-        if split is None:
-            p.dispatch(f"attn_prefill_d{D}_g{G}", (blocks, Hq // G), 256,
-                       buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
-                       constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
-                       threadgroups=True, label=label)
-            return OUT
-        S, ns = split
-        assert ns * S >= p0 + M
-        ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
-        args = self.attn_args(p0, M, S, ns)
-        p.dispatch(f"attn_prefill_split_d{D}_g{G}", (blocks, Hq // G, ns), 256,
-                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
-                   constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
-                   label=label)
-        p.dispatch(f"attn_prefill_combine_d{D}", (Hq, M), D,
-                   buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
-                   reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
-        return OUT
-
-    # ---- one-shot helpers (own command buffer)
-
-    def run(self, fn):
-        cb = self.dev.command_buffer()
-        p = cb.compute_pass()
-        r = fn(p)
-        cb.commit()
-        cb.wait()
-        return cb, r
-
-    def prefill(self, qg, k, v, p0, split=None):
-        """prep + attention of one chunk in one pass; returns (out [M, Hq*D], q [M, Hq, D], cb)."""
-        M = qg.shape[0]
-        QG, K, V = upload(self.dev, qg), upload(self.dev, k), upload(self.dev, v)
-
-        def enc(p):
-            Q = self.encode_prep(p, QG, K, V, p0, M, label="prep")
-            return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
-
-        cb, (Q, OUT) = self.run(enc)
-        return (download(OUT, np.float32, (M, self.Hq * self.D)),
-                download(Q, np.float32, (M, self.Hq, self.D)), cb)
-
-    def attention_only(self, q, qg, p0, split=None):
-        M = q.shape[0]
-        Q, QG = upload(self.dev, q), upload(self.dev, qg)
-        _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
-        return download(OUT, np.float32, (M, self.Hq * self.D))
-
-
-def attention64(q, qg, K, V, p0):
-    """float64 causal attention: row i of q [M, Hq, D] over K, V [Hkv, >= p0+M, D] rows
-    [0, p0 + i]; output * sigmoid(gate) as [M, Hq*D]."""
-    M, Hq, D = q.shape
-    Hkv = K.shape[0]
-    group = Hq // Hkv
-    gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
-    out = np.empty((M, Hq, D))
-    for h in range(Hq):
-        k = K[h // group, : p0 + M].astype(np.float64)
-        v = V[h // group, : p0 + M].astype(np.float64)
-        s = q[:, h].astype(np.float64) @ k.T * D ** -0.5                       # [M, p0+M]
-        s = np.where(np.arange(p0 + M)[None, :] <= (p0 + np.arange(M))[:, None], s, -np.inf)
-        e = np.exp(s - s.max(axis=1, keepdims=True))
-        out[:, h] = (e / e.sum(axis=1, keepdims=True)) @ v
-    return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
-
-
-def prep_reference(L, qg, k, p0):
-    """q [M, Hq, D] and k [M, Hkv, D] after RMSNorm + RoPE (lily.reference helpers)."""
-    M, Hq, Hkv, D = qg.shape[0], L.Hq, L.Hkv, L.D
-    P = p0 + np.arange(M)
-    q = rope(rms_norm(qg.reshape(M, Hq, 2 * D)[:, :, :D], from_bf16(L.qn), EPS), P, L.rot, THETA)
-    kk = rope(rms_norm(k.reshape(M, Hkv, D), from_bf16(L.kn), EPS), P, L.rot, THETA)
-    return q, kk
 
 
 def decode_prep(L, qg, k, v, pos):

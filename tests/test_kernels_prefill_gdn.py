@@ -42,8 +42,6 @@ out-of-range write detection. The long drift run uses the forward order only.
 
 from __future__ import annotations
 
-import math
-import types
 
 import numpy as np
 from seeding import fresh_rng
@@ -54,209 +52,23 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, sim_device, upload  # noqa: E402
-from lily.reference import ReferenceModel, ReferenceState, l2_norm, round_bf16, sigmoid, silu  # noqa: E402
+from lily._device import download  # noqa: E402
+from lily.reference import ReferenceState, silu  # noqa: E402
+# the layer harness and float64 references live with lily doctor's kernel checks (one home)
+from lily import kernel_check  # noqa: E402
+from lily.kernel_check import SPARE_ROWS, U, rows_buffer  # noqa: E402,F401
+from lily.kernel_check import GDN_EPS as EPS, GDN_K as K, GDN_PREFILL_DIMS as GDN_DIMS  # noqa: E402,F401
+from lily.kernel_check import StubOracle, rows_out_buffer as out_buffer  # noqa: E402,F401
 
 
-GDN_DIMS = {  # Hk, Hv, Dk, Dv
-    "real": (16, 32, 128, 128),
-    "dims": (2, 4, 128, 128),
-    "tiny": (2, 4, 32, 32),
-}
-K = 4              # conv taps (the model's and every preset's linear_conv_kernel_dim)
-EPS = 1e-6         # rms_norm_eps and the L2-norm eps
-SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
+class Layer(kernel_check.GdnPrefillLayer):
+    """kernel_check.GdnPrefillLayer on fresh random weights (tests/seeding.py)."""
+
+    def __init__(self, dev, dims, seed):
+        super().__init__(dev, dims, rng=fresh_rng(seed))
 
 
 # ------------------------------------------------------------------------------ helpers
-
-def rows_buffer(dev, x, spare=SPARE_ROWS):
-    """A device buffer holding the rows of ``x`` followed by ``spare`` poisoned rows, and the
-    declared range of the real rows."""
-    x = f32(x)
-    row = x[0].nbytes if x.ndim > 1 else x.itemsize
-    buf = dev.buffer(x.nbytes + spare * row)
-    buf.write(x.reshape(-1).view(np.uint8))
-    return buf, (buf, 0, x.nbytes)
-
-
-def out_buffer(dev, rows, width, spare=SPARE_ROWS):
-    buf = dev.buffer((rows + spare) * width * 4)
-    return buf, (buf, 0, rows * width * 4)
-
-
-class StubOracle(ReferenceModel):
-    """ReferenceModel whose linear layers return given projection outputs; ``out_proj``
-    returns its input, so ``gated_deltanet`` returns the gated RMSNorm output ``o``. The mixer
-    math is the reference's own code."""
-
-    def __init__(self, cfg, params):  # noqa: D401  (no checkpoint)
-        self.cfg = cfg
-        self._act = lambda a: a.astype(np.float32, copy=False)
-        self.params = params
-        self.proj = {}
-
-    def param(self, name):
-        return self.params[name.split("_attn.", 1)[1]]
-
-    def linear(self, x, module):
-        name = module.rsplit(".", 1)[-1]
-        return x.astype(np.float32) if name == "out_proj" else self.proj[name]
-
-
-class Layer:
-    """Weights, session state (two conv-state buffers, the recurrent state) and inputs of one
-    GDN layer on the device, with the encoders of the prefill and decode kernels."""
-
-    def __init__(self, dev, dims, seed):
-        self.dev = dev
-        self.Hk, self.Hv, self.Dk, self.Dv = Hk, Hv, Dk, Dv = GDN_DIMS[dims]
-        self.C = C = 2 * Hk * Dk + Hv * Dv
-        self.rng = r = fresh_rng(seed)
-        self.conv_w = bf16_bits(r.normal(0, 0.3, (C, K)))
-        self.dt_bias = bf16_bits(r.uniform(-5, -2, Hv))
-        self.A_log = f32(r.uniform(0.0, np.log(16.0), Hv))
-        self.norm_w = bf16_bits(1 + 0.1 * r.standard_normal(Dv))
-        self.W = [upload(dev, self.conv_w), upload(dev, self.A_log), upload(dev, self.dt_bias),
-                  upload(dev, self.norm_w)]
-        self.CS = [dev.buffer((K - 1) * C * 4), dev.buffer((K - 1) * C * 4)]  # conv state by parity
-        self.S = dev.buffer(Hv * Dv * Dk * 4)
-        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}"
-        self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
-
-    # ---- state and inputs
-    def set_state(self, conv, S, parity=0):
-        self.CS[parity].write(f32(conv).view(np.uint8).reshape(-1))
-        self.S.write(f32(S).view(np.uint8).reshape(-1))
-
-    def random_state(self, parity=0):
-        r = self.rng
-        conv = f32(r.standard_normal((K - 1, self.C)))
-        S = f32(0.3 * r.standard_normal((self.Hv, self.Dv, self.Dk)))
-        self.set_state(conv, S, parity)
-        return conv, S
-
-    def conv_state(self, parity):
-        return download(self.CS[parity], np.float32, (K - 1, self.C))
-
-    def state(self):
-        return download(self.S, np.float32, (self.Hv, self.Dv, self.Dk))
-
-    def inputs(self, M):
-        r = self.rng
-        return (f32(r.standard_normal((M, self.C))), f32(r.standard_normal((M, self.Hv * self.Dv))),
-                f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
-
-    # ---- encoders (declared ranges as the runtime will declare them)
-    def encode_conv(self, p, qkv, M, cin, cout, out, rb=16, tg=256):
-        """``qkv`` / ``out``: (buffer, declared range) pairs from rows_buffer / out_buffer."""
-        (Q, q_rng), (O, o_rng) = qkv, out
-        rb_eff = max(rb, K - 1)
-        grid = (math.ceil(self.C / tg), math.ceil(M / rb_eff), 1)
-        p.dispatch("gdn_conv_chunk", grid, (tg, 1, 1),
-                   buffers=[(0, Q), (1, self.W[0]), (2, cin), (3, cout), (4, O)],
-                   constants=[(5, args_bytes(self.C, M, rb))],
-                   reads=[q_rng, self.W[0], cin], writes=[cout, o_rng], threadgroups=True,
-                   label="gdn_conv_chunk")
-
-    def encode_scan(self, p, conv, z, b, a, out, M):
-        bufs = [conv[0], z[0], b[0], a[0], self.W[1], self.W[2], self.W[3], self.S, out[0]]
-        p.dispatch(self.scan_kernel, self.Hv, 1024,
-                   buffers=list(enumerate(bufs)),
-                   constants=[(9, args_bytes(self.Hk, self.Hv, M, EPS, EPS))],
-                   reads=[conv[1], z[1], b[1], a[1], self.W[1], self.W[2], self.W[3], self.S],
-                   writes=[self.S, out[1]], threadgroups=True, label=self.scan_kernel)
-
-    def chunk(self, qkv, z, b, a, p0, rb=16):
-        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2) then
-        the scan, in one concurrent pass (the barrier comes from the declared ranges).
-        Returns the scan output [M, Hv*Dv] and the conv output [M, C]."""
-        dev, M = self.dev, len(qkv)
-        Q = rows_buffer(dev, qkv)
-        CO = out_buffer(dev, M, self.C)
-        Z, B, A = rows_buffer(dev, z), rows_buffer(dev, b), rows_buffer(dev, a)
-        O = out_buffer(dev, M, self.Hv * self.Dv)
-        cb = dev.command_buffer()
-        p = cb.compute_pass()
-        self.encode_conv(p, Q, M, self.CS[p0 % 2], self.CS[(p0 + M) % 2], CO, rb=rb)
-        self.encode_scan(p, CO, Z, B, A, O, M)
-        cb.commit()
-        cb.wait()
-        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1]
-        return (download(O[0], np.float32, (M, self.Hv * self.Dv)),
-                download(CO[0], np.float32, (M, self.C)))
-
-    def decode_step(self, qkv, z, b, a, pos):
-        """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
-        dev = self.dev
-        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
-        out = dev.buffer(self.Hv * self.Dv * 4)
-        cin, cout = self.CS[pos % 2], self.CS[(pos + 1) % 2]
-        cb = dev.command_buffer()
-        p = cb.compute_pass()
-        p.dispatch(self.decode_kernel, self.Hv, 1024,
-                   buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.W[0]), (5, self.W[1]),
-                            (6, self.W[2]), (7, self.W[3]), (8, cin), (9, cout), (10, self.S), (11, out)],
-                   constants=[(12, args_bytes(self.Hk, self.Hv, K, EPS, EPS))],
-                   reads=[Q, Z, B, A, *self.W, cin, self.S], writes=[cout, self.S, out], threadgroups=True)
-        cb.commit()
-        cb.wait()
-        return download(out, np.float32)
-
-    # ---- references
-    def oracle(self):
-        cfg = types.SimpleNamespace(linear_num_key_heads=self.Hk, linear_num_value_heads=self.Hv,
-                                    linear_key_head_dim=self.Dk, linear_value_head_dim=self.Dv,
-                                    linear_conv_kernel_dim=K, rms_norm_eps=EPS, conv_dim=self.C)
-        return StubOracle(cfg, {"conv1d.weight": from_bf16(self.conv_w)[:, :, None],
-                                "dt_bias": from_bf16(self.dt_bias), "A_log": self.A_log,
-                                "norm.weight": from_bf16(self.norm_w)})
-
-    def conv_reference(self, qkv, conv_state):
-        """float64 silu(causal conv) over [state | qkv]; the new state (last K-1 inputs); and
-        the per-element magnitude sum_j |w_j x_j| for the tolerance."""
-        w = from_bf16(self.conv_w).astype(np.float64)
-        seq = np.concatenate([conv_state, qkv]).astype(np.float64)
-        M = len(qkv)
-        terms = [seq[j:j + M] * w[:, j] for j in range(K)]
-        return silu(sum(terms)), f32(seq[-(K - 1):]), sum(np.abs(t) for t in terms)
-
-    def scan_reference(self, conv, z, b, a, S):
-        """float64 scan of one chunk from the conv output (docs/model.md; the reference's loop).
-
-        Returns the outputs o [M, Hv*Dv], the new state, and per output the error scale
-        ``kappa * (|o| + |norm_w * silu(z)|)`` where ``kappa = rms_v(sum_k |S_vk q_k|) /
-        rms_v(y_v)`` is the cancellation factor of the head's y = S q (the RMSNorm divides by
-        rms(y), so an error relative to the terms of y is amplified by kappa)."""
-        Hk, Hv, Dk, Dv, M = self.Hk, self.Hv, self.Dk, self.Dv, len(conv)
-        conv = conv.astype(np.float64)
-        q = conv[:, :Hk * Dk].reshape(M, Hk, Dk)
-        k = conv[:, Hk * Dk:2 * Hk * Dk].reshape(M, Hk, Dk)
-        v = conv[:, 2 * Hk * Dk:].reshape(M, Hv, Dv)
-        q = np.repeat(l2_norm(q, EPS) / np.sqrt(Dk), Hv // Hk, axis=1)
-        k = np.repeat(l2_norm(k, EPS), Hv // Hk, axis=1)
-        beta = sigmoid(b.astype(np.float64))
-        g = np.exp(-np.exp(self.A_log.astype(np.float64))
-                   * np.logaddexp(0.0, a + from_bf16(self.dt_bias).astype(np.float64)))
-        S = S.astype(np.float64)
-        y = np.empty((M, Hv, Dv))
-        mag = np.empty((M, Hv, Dv))
-        for t in range(M):
-            S = S * g[t][:, None, None]
-            delta = (v[t] - np.einsum("hvk,hk->hv", S, k[t])) * beta[t][:, None]
-            S = S + delta[:, :, None] * k[t][:, None, :]
-            y[t] = np.einsum("hvk,hk->hv", S, q[t])
-            mag[t] = np.einsum("hvk,hk->hv", np.abs(S), np.abs(q[t]))
-        rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + EPS)
-        gate = from_bf16(self.norm_w) * silu(z.astype(np.float64).reshape(M, Hv, Dv))
-        o = y / rms * gate
-        kappa = np.sqrt(np.mean(mag * mag, axis=-1, keepdims=True)) / rms
-        scale = kappa * (np.abs(o) + np.abs(gate))
-        return o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
-
-
-U = 2.0 ** -24
-
 
 def assert_outputs_close(got, want, scale, c=64, what="outputs"):
     """|got - want| <= c u scale per element (scale from scan_reference)."""

@@ -45,18 +45,17 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
-from test_kernels_gemv_moe import _swiglu_bound, magnitude, rand_quant  # noqa: E402
+from lily._device import constant, download, upload  # noqa: E402
+from test_kernels_gemv_moe import magnitude, rand_quant  # noqa: E402
+
+from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
+from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
+from lily.kernel_check import gemm_bound as bound  # noqa: E402
 
 U = 2.0**-24
 BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
 DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
-# Grouped kernels per tile height T: (threads, output columns) per threadgroup of gate/up
-# and of down (csrc/runtime/prefill.cpp moe_geometry).
-MOE_GATE_UP = {16: (64, 64), 32: (128, 64), 64: (128, 32)}
-MOE_DOWN = {16: (64, 64), 32: (128, 64), 64: (256, 64)}
-TILES = [16, 32, 64]
 TIMES: dict[str, float] = {}
 
 
@@ -66,10 +65,6 @@ def teardown_module(module):
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def bound(K):
-    return (K + 8) * U
 
 
 def check(got, exact, tol, what):
@@ -188,18 +183,6 @@ def test_gemm_add(dev, m, n, k):
     np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
 
 
-def swiglu_ref(x, g_q, u_q, index=None):
-    """silu(x Wg^T) * (x Wu^T) in float64 and its first-order error bound."""
-    x64 = x.astype(np.float64)
-    ax = np.abs(x64)
-    K = x.shape[-1]
-    g = x64 @ g_q.dequantize(index).astype(np.float64).T
-    u = x64 @ u_q.dequantize(index).astype(np.float64).T
-    dg = bound(K) * (ax @ magnitude(g_q, index).T)
-    du = bound(K) * (ax @ magnitude(u_q, index).T)
-    return _swiglu_bound(g, u, dg, du)
-
-
 @pytest.mark.parametrize("m,n,k", [(37, 100, 256), (7, 64, 64), (64, 512, 256), (100, 33, 128)])
 def test_gemm_swiglu(dev, m, n, k):
     rng = fresh_rng(m, n, k, 9)
@@ -241,66 +224,6 @@ def test_router_and_shared_gate_one_buffer(dev):
 # ------------------------------------------------------------------------------ grouped
 
 
-def make_routing(rng, M, E, k, T, skew):
-    """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
-    increasing order, slots of one expert in *random* order) and the tile map.
-    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
-    if skew:
-        hot = int(rng.integers(E))
-        pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
-        ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(M)])
-        rows = rng.random(M) < 0.9
-        ids[rows, rng.integers(k, size=rows.sum())] = hot
-    else:
-        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
-    flat = ids.reshape(-1).astype(np.uint32)
-    perm = []
-    tiles = []
-    for e in range(E):
-        a = np.nonzero(flat == e)[0]
-        rng.shuffle(a)
-        for b in range(0, len(a), T):
-            tiles.append((e, len(perm) + b, min(T, len(a) - b), 0))
-        perm.extend(a.tolist())
-    return ids.astype(np.uint32), np.asarray(perm, np.uint32), np.asarray(tiles, np.uint32).reshape(-1, 4)
-
-
-def tile_buffers(dev, tiles, count, M, E, k, T):
-    """tiles [max_tiles] with the entries past `count` set to stale but plausible tiles
-    (slots 0..T of another expert than the first tile's): a kernel that ran them would
-    overwrite slots of the first tile with wrong values."""
-    max_tiles = -(-M * k // T) + min(E, M * k)
-    assert len(tiles) <= max_tiles
-    stale = (int(tiles[0, 0]) + 1) % E
-    tl = np.tile(np.array([stale, 0, T, 0], np.uint32), (max_tiles, 1))
-    tl[:count] = tiles[:count]
-    return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
-
-
-def moe_args(n, k, M, top_k, E, lda, ldy):
-    return constant(n, k, M, top_k, E, lda, ldy)
-
-
-def enc_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None):
-    lda, ldy = lda or H, ldy or I
-    threads, bn = MOE_GATE_UP[T]
-    p.dispatch(f"moe_gemm_gate_up_q4_t{T}", (max_tiles, -(-I // bn)), threads,
-               buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
-               constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
-               reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
-               writes=[(HX, 0, 4 * ((M * k - 1) * ldy + I))], threadgroups=True, label=f"moe_gemm_gate_up_q4_t{T}")
-
-
-def enc_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None):
-    lda, ldy = lda or I, ldy or H
-    threads, bn = MOE_DOWN[T]
-    p.dispatch(f"moe_gemm_down_q4_t{T}", (max_tiles, -(-H // bn)), threads,
-               buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
-               constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
-               reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
-               writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H))], threadgroups=True, label=f"moe_gemm_down_q4_t{T}")
-
-
 MOE_CASES = [  # M, E, k, hidden, inter, skew
     pytest.param(37, 16, 4, 128, 64, False, id="tiny"),
     pytest.param(50, 32, 8, 256, 128, True, id="dims-skewed"),
@@ -308,7 +231,7 @@ MOE_CASES = [  # M, E, k, hidden, inter, skew
 ]
 
 
-@pytest.mark.parametrize("T", TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew)
@@ -333,7 +256,7 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
 
 
-@pytest.mark.parametrize("T", TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_down(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew, 2)
@@ -390,12 +313,12 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     return tiles
 
 
-@pytest.mark.parametrize("T", TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain(dev, T):
     run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
 
 
-@pytest.mark.parametrize("T", TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain_real_shape(dev, T):
     """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))

@@ -47,7 +47,11 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.reference import sigmoid, softmax  # noqa: E402
+from lily.reference import sigmoid  # noqa: E402
+from lily.kernel_check import (  # noqa: E402,F401
+    block_hist, combine_ref, enc_clear, enc_combine, enc_scatter, enc_topk, max_tiles, nblocks, route_args,
+    route_tg, tiles_ref)
+from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
 
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)
@@ -66,23 +70,6 @@ def chain_dev(request):
 
 # ------------------------------------------------------------------------------ helpers
 
-def route_tg(E):
-    """Recommended threadgroup of moe_route_topk / moe_route_scatter: round_up(E, 32)."""
-    return min(1024, -(-E // 32) * 32)
-
-
-def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
-    return constant(M, E, k, int(norm), block_rows, tile_rows)
-
-
-def nblocks(M, R):
-    return -(-M // R)
-
-
-def max_tiles(M, k, E, T):
-    return -(-(M * k) // T) + min(E, M * k)
-
-
 def out_buffer(dev, n, itemsize=4):
     """A poisoned buffer of n elements + PAD (the dispatches declare only the n)."""
     return dev.buffer(itemsize * (n + PAD))
@@ -91,34 +78,6 @@ def out_buffer(dev, n, itemsize=4):
 def grid_logits(rng, M, E, scale=2.0, step=1.0 / 16):
     """Router logits [M, E+1] on a grid of `step` (see the module docstring)."""
     return (np.round(rng.standard_normal((M, E + 1)) * scale / step) * step).astype(np.float32)
-
-
-def route_ref(logits, k, norm=True):
-    """lily.reference.ReferenceModel.moe's routing of float32 logits [M, E(+1)]."""
-    E = logits.shape[1] - 1
-    p = softmax(logits[:, :E].astype(np.float32))
-    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
-    w = np.take_along_axis(p, top, axis=-1)
-    if norm:
-        w = w / w.sum(axis=-1, keepdims=True)
-    return top.astype(np.uint32), w
-
-
-def block_hist(ids, E, R):
-    """Histogram [blocks, E] of the assignments of each block of R rows."""
-    M = ids.shape[0]
-    out = np.zeros((nblocks(M, R), E), np.uint32)
-    for b in range(out.shape[0]):
-        out[b] = np.bincount(ids[b * R:(b + 1) * R].ravel(), minlength=E)
-    return out
-
-
-def tiles_ref(counts, T):
-    """The tile map [n, 4] of the grouped order (experts in order, T-row tiles)."""
-    start = np.concatenate([[0], np.cumsum(counts)])
-    rows = [(e, start[e] + t * T, min(T, c - t * T), 0)
-            for e, c in enumerate(counts) for t in range(-(-int(c) // T))]
-    return np.array(rows, np.uint32).reshape(-1, 4)
 
 
 def assert_untouched(arr, n, what):
@@ -167,38 +126,6 @@ def check_grouping(ids, perm, tiles, tile_count, counts, E, T, tails=True):
 
 
 # ------------------------------------------------------------------------------ encoders
-
-def enc_clear(p, bc, M, E, k, R, T):
-    n = nblocks(M, R) * E
-    p.dispatch("moe_route_clear", n, 256, buffers=[(0, bc)], constants=[(1, route_args(M, E, k, True, R, T))],
-               writes=[(bc, 0, 4 * n)], label="moe_route_clear")
-
-
-def enc_topk(p, L, ids, w, bc, M, E, k, norm, R, T, tg=None):
-    p.dispatch("moe_route_topk", M, tg or route_tg(E),
-               buffers=[(0, L), (1, ids), (2, w), (3, bc)],
-               constants=[(4, route_args(M, E, k, norm, R, T))],
-               reads=[(L, 0, 4 * M * (E + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
-               writes=[(ids, 0, 4 * M * k), (w, 0, 4 * M * (k + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
-               threadgroups=True, label="moe_route_topk")
-
-
-def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None):
-    p.dispatch("moe_route_scatter", nblocks(M, R), tg or route_tg(E),
-               buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
-               constants=[(6, route_args(M, E, k, True, R, T))],
-               reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
-               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4),
-                       (counts, 0, 4 * E)],
-               threadgroups=True, label="moe_route_scatter")
-
-
-def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
-    p.dispatch("moe_combine", (H // 4, M), (tg, 1),
-               buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 4 * M * k * H), (ys, 0, 4 * M * H), (w, 0, 4 * M * (k + 1))],
-               writes=[(h, 0, 4 * M * H)], label="moe_combine")
-
 
 def run1(dev, enc, *a, **kw):
     cb = dev.command_buffer()
@@ -393,16 +320,6 @@ def test_scatter_real_size(dev, T, kind):
 
 
 # ------------------------------------------------------------------------------ combine
-
-def combine_ref(h, yx, ys, w):
-    M, k = w.shape[0], w.shape[1] - 1
-    H = h.shape[1]
-    y3 = yx.astype(np.float64).reshape(M, k, H)
-    w64 = w.astype(np.float64)
-    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3)) + np.abs(w64[:, k:]) * np.abs(ys)
-    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3) + w64[:, k:] * ys
-    return want, (k + 3) * U * terms
-
 
 @pytest.mark.parametrize("M,H,k,tg", [(37, 128, 4, 32), (5, 2048, 8, 256), (1, 256, 8, 64),
                                       (64, 256, 8, 64), (3, 192, 1, 32), (9, 2048, 32, 128)])

@@ -40,7 +40,6 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import silu  # noqa: E402
 import test_kernels_prefill_gemm as simd_suite  # noqa: E402
 
@@ -51,7 +50,7 @@ BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
 
 # The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
 TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
-         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in simd_suite.TILES)}
+         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in simd_suite.MOE_TILES)}
 
 
 class _Proxy:
@@ -119,33 +118,8 @@ def test_suite_reaches_the_twins(dev):
 
 # ----------------------------------------------------------------------------- helpers
 
-def to_bf16_bits(x):
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def rand_quant(rng, lead, rows, cols, bits) -> QuantizedTensor:
-    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, bf16 scales and biases
-    giving weights ~ +-0.03 centred on 0."""
-    shape = (*lead, rows)
-    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
-    g = (*shape, cols // 64)
-    s = rng.random(g, dtype=np.float32) * 0.004 + 0.0005
-    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
-    return QuantizedTensor("w", words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
-
-
-def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
-    """|s| q + |b| as float64 [..., rows, cols]."""
-    w, s, b = qt.weight, qt.scales, qt.biases
-    if index is not None:
-        w, s, b = w[index], s[index], b[index]
-    per = 32 // qt.bits
-    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
-    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
-    qg = q.reshape(*q.shape[:-1], -1, 64)
-    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
-    return m.reshape(q.shape)
+# the reference helpers live with lily doctor's kernel checks (one home)
+from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES, magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, w):
@@ -319,7 +293,7 @@ def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, 
     W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
     HX = dev.buffer(m * top_k * ldy * 4)
     bufs = [X, P, Ti, C, *W, HX]
-    threads, bn = simd_suite.MOE_GATE_UP[T]
+    threads, bn = MOE_TG[T], MOE_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
     return download(HX, np.float32, (m * top_k, ldy))
@@ -332,13 +306,13 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
     YX = dev.buffer(m * top_k * ldy * 4)
     bufs = [H, P, Ti, C, *W, YX]
-    threads, bn = simd_suite.MOE_DOWN[T]
+    threads, bn = MOE_TG[T], MOE_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
     return download(YX, np.float32, (m * top_k, ldy))
 
 
-@pytest.mark.parametrize("T", simd_suite.TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
 def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd
@@ -359,7 +333,7 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
         swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, e, e)
 
 
-@pytest.mark.parametrize("T", simd_suite.TILES)
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
 def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd

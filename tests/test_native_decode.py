@@ -15,6 +15,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
+from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -39,10 +40,10 @@ def _compare(native, ref, ids):
 
 
 @pytest.mark.parametrize("which, n", [("demo", 20), ("tiny", 12), ("dims", 8)])
-def test_native_logits_match_reference(which, n, demo_path, request):
+def test_native_logits_match_reference(which, n, demo_path, request, native_device):
     path = demo_path if which == "demo" else request.getfixturevalue(f"{which}_checkpoint")
-    native = Engine.load(path, device="sim", max_context=64)
-    ref = Engine.load(path, max_context=64)
+    native = Engine.load(path, device=native_device, max_context=64)
+    ref = Engine.load(path, max_context=64, device="reference")
     _compare(native, ref, _ids(ref, n))
     # Decode after prefill continues the same session.
     tok = 42
@@ -50,12 +51,12 @@ def test_native_logits_match_reference(which, n, demo_path, request):
 
 
 @pytest.mark.parametrize("block", [4, 0])
-def test_split_attention_path(demo_path, block):
+def test_split_attention_path(demo_path, native_device, block):
     """Lowered threshold: every step past 8 tokens uses split-KV attention + combine, with
     blocks of 4 rows (ragged last block) or chosen by context (0: one 32-row block here)."""
-    native = Engine.load(demo_path, device="sim", max_context=64,
+    native = Engine.load(demo_path, device=native_device, max_context=64,
                          device_options={"split_threshold": 8, "split_block": block})
-    ref = Engine.load(demo_path, max_context=64)
+    ref = Engine.load(demo_path, max_context=64, device="reference")
     _compare(native, ref, _ids(ref, 23))
 
 
@@ -70,11 +71,11 @@ def test_hazards_with_shuffled_stages(demo_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_pipelined_greedy_matches_reference(demo_path):
+def test_pipelined_greedy_matches_reference(demo_path, native_device):
     """GPU token hand-off with two command buffers in flight: the generated ids equal the
     reference's greedy choice at every position where its top-1 margin is clear."""
-    native = Engine.load(demo_path, device="sim", max_context=96)
-    ref = Engine.load(demo_path, max_context=96)
+    native = Engine.load(demo_path, device=native_device, max_context=96)
+    ref = Engine.load(demo_path, max_context=96, device="reference")
     prompt = _ids(ref, 8)
     native.prefill(prompt[:-1])
     before = native.position
@@ -87,8 +88,8 @@ def test_pipelined_greedy_matches_reference(demo_path):
     assert (logits.argmax(-1) == np.array(out))[clear].all()
 
 
-def test_pipelined_stop_discards_one_speculative_step(demo_path):
-    native = Engine.load(demo_path, device="sim", max_context=64)
+def test_pipelined_stop_discards_one_speculative_step(demo_path, native_device):
+    native = Engine.load(demo_path, device=native_device, max_context=64)
     prompt = _ids(native, 6)
     native.prefill(prompt[:-1])
     free = native.backend.generate_greedy(prompt[-1], 10, set())
@@ -100,14 +101,14 @@ def test_pipelined_stop_discards_one_speculative_step(demo_path):
     # The step encoded ahead of the stop ran and consumed the stop id; the session
     # continues from there exactly like a reference fed the same tokens.
     assert native.position in (len(prompt) + len(out) - 1, len(prompt) + len(out))
-    ref = Engine.load(demo_path, max_context=64)
+    ref = Engine.load(demo_path, max_context=64, device="reference")
     fed = (prompt + out)[: native.position]
     ref.prefill(fed)
     np.testing.assert_allclose(native.decode(7), ref.decode(7), rtol=0, atol=0.05)
 
 
-def test_context_full_and_bad_tokens(demo_path):
-    native = Engine.load(demo_path, device="sim", max_context=4)
+def test_context_full_and_bad_tokens(demo_path, native_device):
+    native = Engine.load(demo_path, device=native_device, max_context=4)
     with pytest.raises(Exception, match="context window"):
         native.prefill([1, 2, 3, 4, 5])
     assert native.position == 0
@@ -115,14 +116,7 @@ def test_context_full_and_bad_tokens(demo_path):
         native.prefill([1, 10**6])
 
 
-REAL = {"model_type": "qwen3_5_moe", "text_config": {
-    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
-    "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 
 
 def _minimum_bytes(cfg, context):
@@ -164,7 +158,8 @@ def test_full_size_decode_step_counters(context):
     weights, kv, state = _minimum_bytes(cfg, context)
     moved = c["weight_bytes"] + c["kv_bytes"] + c["state_bytes"] + c["activation_bytes"]
     minimum = weights + kv + state
-    attn = [(label, groups) for label, _, groups in c["log"] if "+ attention" in label]
+    groups = [(r["label"], int(np.prod(r["groups"]))) for r in c["records"]]
+    attn = [(label, n) for label, n in groups if "+ attention" in label]
     print(f"\ncontext {context}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "
           f"{moved / 1e9:.3f} GB moved vs minimum {minimum / 1e9:.3f} GB, "
           f"attention threadgroups {attn[0][1]}")
@@ -172,22 +167,22 @@ def test_full_size_decode_step_counters(context):
     assert abs(c["weight_bytes"] / weights - 1) < 0.01
     split = context >= 256
     # the greedy argmax: partials over 61 threadgroups, then the combine writes the token
-    assert [groups for label, _, groups in c["log"][-2:]] == [61, 1]
+    assert [n for _, n in groups[-2:]] == [61, 1]
     assert c["dispatches"] == 243 + 10 * split
     assert c["barrier_stages"] == 243 + 10 * split <= 260
     assert len(attn) == 10
-    for _, groups in attn:
+    for _, n in attn:
         # one threadgroup per KV head (8 query heads each) per block; at most 128 in all (the
         # partials stay bounded), at least 2x the 40 cores from 4K rows on
-        assert groups == 2 if not split else (80 if context >= 4096 else 16) <= groups <= 128
+        assert n == 2 if not split else (80 if context >= 4096 else 16) <= n <= 128
 
 
 # ---- the engine's generation on the device (sampling on the GPU, pipelined) -------------
 
 
 @pytest.fixture(scope="module")
-def sim_engine(demo_path):
-    return Engine.load(demo_path, device="sim", max_context=128)
+def sim_engine(demo_path, native_device):
+    return Engine.load(demo_path, device=native_device, max_context=128)
 
 
 def test_engine_greedy_text_and_session(sim_engine, demo_engine):
@@ -239,3 +234,21 @@ def test_engine_stop_string_and_cancel_on_device(sim_engine):
     assert list(gen)[-1].finish_reason == "cancelled"
     # Still usable, and the session continues consistently.
     assert sim_engine.generate("ROMEO.\n", max_tokens=3, temperature=0.0).completion_tokens == 3
+
+
+def test_constrained_generation_samples_on_the_host(sim_engine, demo_engine):
+    """A constrained request on a native device takes the host-sampling path (the logits
+    come to the host each step) and matches the reference; unconstrained requests keep
+    the GPU token hand-off and their results."""
+    from lily.constraints import AllowedTokens
+    allowed = demo_engine.tokenizer.encode(" the and of to a I")
+    before = sim_engine.generate("ROMEO.\n", max_tokens=8, temperature=0.0)
+    got = []
+    for engine in (sim_engine, demo_engine):
+        c = AllowedTokens(engine.config.vocab_size, allowed, length=6)
+        got.append(engine.generate("ROMEO.\n", max_tokens=12, temperature=0.0, constraint=c))
+    assert got[0].token_ids == got[1].token_ids and got[0].finish_reason == "stop"
+    assert set(got[0].token_ids) <= set(allowed) and len(got[0].token_ids) == 6
+    prompt = sim_engine.tokenizer.encode("ROMEO.\n")
+    assert sim_engine.tokens == prompt + got[0].token_ids[:-1]  # the session holds what was fed
+    assert sim_engine.generate("ROMEO.\n", max_tokens=8, temperature=0.0).token_ids == before.token_ids

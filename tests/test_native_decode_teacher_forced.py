@@ -22,7 +22,7 @@ REL_TOL = 5e-3
 
 
 @pytest.mark.parametrize("which", ["tiny", "dims"])
-def test_decode_steps_teacher_forced_vs_peer(which, request):
+def test_decode_steps_teacher_forced_vs_peer(which, request, native_device):
     """Every position of a 201-token chat-template prompt through native decode steps (one
     token per step: the decode kernels, not the prefill GEMMs) against MLX-LM with float32
     activations on the same weights: the teacher-forced protocol over 200 positions (top-1
@@ -31,10 +31,9 @@ def test_decode_steps_teacher_forced_vs_peer(which, request):
     from peer import load_peer, peer_logits, teacher_forced
     from test_parity import _conversation
     path = request.getfixturevalue(f"{which}_checkpoint")
-    native = Engine.load(path, device="sim", max_context=256)
+    native = Engine.load(path, device=native_device, max_context=256)
     ids = _conversation(native)
-    got = np.frombuffer(native.backend.runtime.forward(ids, "all", decode_steps=True),
-                        np.float32).reshape(len(ids), -1)
+    got = native.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
     model, _ = load_peer(path, float32=True)
     peer = peer_logits(model, ids)
     err = float(np.linalg.norm(got - peer) / np.linalg.norm(peer))

@@ -68,6 +68,65 @@ def test_native_devices_need_the_kernels_dtypes(tmp_path, demo_path):
     src.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(parts))
     (d / "model.safetensors.index.json").unlink(missing_ok=True)
 
-    assert Engine.load(d).generate("ROMEO.", max_tokens=3, temperature=0).token_ids  # the reference runs it
+    assert Engine.load(d, device="reference").generate("ROMEO.", max_tokens=3, temperature=0).token_ids  # the reference runs it
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight is F32; the native kernels read it as BF16"):
         Engine.load(d, device="sim")
+
+
+# ---- checked at load (docs/device-layer.md "Checked at load, not at first dispatch")
+
+def _load_sim(path, max_context, **sim):
+    return Engine.load(path, device="sim", max_context=max_context, device_options={"device_options": sim})
+
+
+def test_memory_budget_is_checked_at_load_with_a_suggested_context(demo_path):
+    """The sim reports a fake budget: over it, the load is refused with the numbers and a
+    max_context that fits; that context loads under the same budget."""
+    import re
+
+    from lily.errors import DeviceError
+    use = Engine.load(demo_path, device="sim", max_context=2048).backend.runtime.memory_use
+    assert use["total"] == use["weights"] + use["kv_cache"] + use["state"] + use["scratch"]
+    assert use["kv_cache"] > 0 and use["weights"] > 0 and use["max_context"] == 2048
+    budget = use["total"] - use["kv_cache"] // 2  # room for about half the context
+    with pytest.raises(DeviceError, match="recommended working set") as err:
+        _load_sim(demo_path, 2048, working_set_bytes=budget)
+    msg = str(err.value)
+    assert "weights" in msg and "KV cache" in msg and "max_context 2048" in msg
+    suggested = int(re.search(r"--max-context (\d+)", msg).group(1))
+    assert 256 <= suggested < 2048
+    e = _load_sim(demo_path, suggested, working_set_bytes=budget)
+    assert e.backend.runtime.memory_use["total"] <= budget
+    assert e.backend.device.memory_limits == {"working_set": budget, "max_buffer": 0}
+    with pytest.raises(DeviceError, match="does not fit this device"):  # not even the weights
+        _load_sim(demo_path, 256, working_set_bytes=use["weights"] // 2)
+
+
+def test_largest_buffer_is_checked_at_load(demo_path):
+    from lily.errors import DeviceError
+    use = Engine.load(demo_path, device="sim", max_context=64).backend.runtime.memory_use
+    with pytest.raises(DeviceError, match=r"the buffer '.*' needs .*largest buffer.*maxBufferLength"):
+        _load_sim(demo_path, 64, max_buffer_bytes=use["largest_buffer"] - 1)
+
+
+def test_pipeline_thread_limit_is_checked_at_load(demo_path):
+    """A pipeline allowing fewer threads than the runtime dispatches (register pressure on a
+    Mac) is refused when the model loads, naming the kernel and both numbers."""
+    from lily.errors import DeviceError
+    with pytest.raises(DeviceError, match=r"checked at load.*kernel '\w+'.* 1024 threads exceeds the pipeline's "
+                                          r"maximum of 512 \(the kernel declares up to 1024\)"):
+        _load_sim(demo_path, 64, pipeline_thread_limit=512)
+
+
+def test_kernel_table_lists_every_dispatched_kernel(demo_path):
+    rt = Engine.load(demo_path, device="sim", max_context=64).backend.runtime
+    table = {k["kernel"]: k for k in rt.kernel_table}
+    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm", "embed_rows_q4",
+                 "moe_combine"):
+        assert name in table
+    assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)
+    assert all(any(n.endswith(f"_t{T}") for n in table) for T in (16, 32, 64))
+    for k in table.values():
+        assert 0 < k["threads"] <= k["max_threads_per_threadgroup"] <= 1024, k
+    assert table["sample_token"]["threads"] == 1024
+    assert table["moe_combine"]["max_threads_per_threadgroup"] == 64  # the declared limit

@@ -25,6 +25,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
+from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -58,7 +59,7 @@ def _check(got, want, what):
 @pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
 def model(request, demo_path):
     path = _path(request.param, demo_path, request)
-    ref = Engine.load(path, max_context=96)
+    ref = Engine.load(path, max_context=96, device="reference")
     ids = ref.tokenizer.encode(TEXT)[:PROMPT]
     assert len(ids) == PROMPT
     logits = ref.prefill(ids, all_logits=True)
@@ -70,14 +71,14 @@ def model(request, demo_path):
 
 
 @pytest.mark.parametrize("chunk", [64, PROMPT, 12], ids=["shorter", "equal", "several"])
-def test_prefill_matches_reference(model, chunk):
+def test_prefill_matches_reference(model, chunk, native_device):
     """A 40-token prompt with chunks of 64 (one partial chunk), 40 (exactly one) and 12
     (three whole chunks and a partial one: state carried across chunk boundaries inside the
     prompt); then decode steps continue the same session. Every position's logits are
     compared for the multi-chunk case, the last position's otherwise (lm_head over 248,320
     rows costs the simulator ~0.3 s per position)."""
     name, path, ids, want, cont, after, peer = model
-    native = Engine.load(path, device="sim", max_context=96, device_options={"prefill_chunk": chunk})
+    native = Engine.load(path, device=native_device, max_context=96, device_options={"prefill_chunk": chunk})
     assert native.backend.prefill_chunk == chunk
     if chunk < PROMPT:
         got = native.prefill(ids, all_logits=True)
@@ -92,20 +93,21 @@ def test_prefill_matches_reference(model, chunk):
     print(f"\n{name} chunk {chunk}: median relative error prefill {err:.2e}, decode after {err_d:.2e}")
 
 
-def test_prefill_equals_decode_steps(demo_path):
+def test_prefill_equals_decode_steps(demo_path, native_device):
     """The same tokens through prefill chunks and through decode steps: same session."""
-    a = Engine.load(demo_path, device="sim", max_context=64, device_options={"prefill_chunk": 8})
-    b = Engine.load(demo_path, device="sim", max_context=64)
+    a = Engine.load(demo_path, device=native_device, max_context=64, device_options={"prefill_chunk": 8})
+    b = Engine.load(demo_path, device=native_device, max_context=64)
     ids = a.tokenizer.encode(TEXT)[:21]
     la = a.prefill(ids, all_logits=True)
-    lb = np.frombuffer(b.backend.runtime.forward(ids, "all", decode_steps=True), np.float32).reshape(la.shape)
+    lb = b.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
+    assert lb.shape == la.shape
     assert _rel(la, lb).max() < 2e-3
     assert a.position == b.backend.position == 21
     np.testing.assert_allclose(a.decode(5), b.decode(5), rtol=0, atol=0.05)
 
 
-def test_last_logits_only(demo_path, demo_engine):
-    native = Engine.load(demo_path, device="sim", max_context=64, device_options={"prefill_chunk": 16})
+def test_last_logits_only(demo_path, demo_engine, native_device):
+    native = Engine.load(demo_path, device=native_device, max_context=64, device_options={"prefill_chunk": 16})
     ids = native.tokenizer.encode(TEXT)[:37]
     demo_engine.reset()
     want = demo_engine.prefill(ids)
@@ -114,10 +116,10 @@ def test_last_logits_only(demo_path, demo_engine):
 
 
 @pytest.mark.parametrize("chunk", [5, 64])
-def test_generation_hands_first_token_from_prefill_to_decode(demo_path, demo_engine, chunk):
+def test_generation_hands_first_token_from_prefill_to_decode(demo_path, demo_engine, chunk, native_device):
     """A prompt of several chunks: its last chunk samples the first token on the device and
     the decode pipeline continues from the token slot. Greedy text equals the reference's."""
-    sim = Engine.load(demo_path, device="sim", max_context=96, device_options={"prefill_chunk": chunk})
+    sim = Engine.load(demo_path, device=native_device, max_context=96, device_options={"prefill_chunk": chunk})
     prompt = sim.tokenizer.encode("KING HENRY.\nWhat news from France? Speak, for I am")
     a = sim.generate(prompt, max_tokens=12, temperature=0.0, ignore_eos=True)
     demo_engine.reset()
@@ -134,8 +136,8 @@ def test_generation_hands_first_token_from_prefill_to_decode(demo_path, demo_eng
     assert c.timings.prefill_tokens == len(suffix) and c.completion_tokens == 3
 
 
-def test_seeded_sampling_after_chunked_prompt(demo_path):
-    sim = Engine.load(demo_path, device="sim", max_context=96, device_options={"prefill_chunk": 6})
+def test_seeded_sampling_after_chunked_prompt(demo_path, native_device):
+    sim = Engine.load(demo_path, device=native_device, max_context=96, device_options={"prefill_chunk": 6})
     kw = dict(max_tokens=8, temperature=0.9, top_k=40, top_p=0.95, seed=3)
     a = sim.generate(TEXT[:80], **kw)
     b = sim.generate(TEXT[:80], **kw)
@@ -154,11 +156,11 @@ def test_prefill_hazards_with_shuffled_stages(demo_path):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_scratch_memory_is_independent_of_prompt_length(demo_path):
+def test_scratch_memory_is_independent_of_prompt_length(demo_path, native_device):
     """Every buffer is allocated when the engine is created (weights, session state sized
     by the context, chunk scratch sized by the chunk); prompts of 1, 3 and 10 chunks
     allocate nothing more on the device."""
-    sim = Engine.load(demo_path, device="sim", max_context=128, device_options={"prefill_chunk": 8})
+    sim = Engine.load(demo_path, device=native_device, max_context=128, device_options={"prefill_chunk": 8})
     rt = sim.backend.runtime
     dev = sim.backend.device
     scratch = rt.prefill_scratch_bytes
@@ -169,18 +171,11 @@ def test_scratch_memory_is_independent_of_prompt_length(demo_path):
         sim.prefill(ids[:n])
         assert dev.allocated_bytes == live and rt.prefill_scratch_bytes == scratch, n
     # Chunk scratch scales with the chunk, not with the prompt.
-    big = Engine.load(demo_path, device="sim", max_context=128, device_options={"prefill_chunk": 16})
+    big = Engine.load(demo_path, device=native_device, max_context=128, device_options={"prefill_chunk": 16})
     assert big.backend.runtime.prefill_scratch_bytes > scratch
 
 
-REAL = {"model_type": "qwen3_5_moe", "text_config": {
-    "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
-    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
-    "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 
 
 @pytest.mark.parametrize("rows,position", [(512, 0), (2048, 0), (512, 32768), (16, 65536)])
@@ -209,15 +204,16 @@ def test_full_size_prefill_chunk_counters(rows, position):
 @pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64)])
 def test_full_size_expert_tiles(rows, T):
     """The grouped expert GEMMs' tile height follows the rows per expert (rows * 8 / 256 on
-    average: 0.5, 32, 64): 64-row tiles at the default 2048-row chunk (gate/up 64 x 32
-    blocks, down 64 x 64), so each expert's weights are read about once per chunk."""
+    average: 0.5, 32, 64): 64-row tiles (64 x 32 blocks) at the default 2048-row chunk, so
+    each expert's weights are read about once per chunk."""
     from lily.native import count_prefill_chunk
     c = count_prefill_chunk(parse_config(REAL), rows)
     tiles = -(-rows * 8 // T) + min(256, rows * 8)  # max_tiles of the map
-    gate_up_bn = 32 if T == 64 else 64
-    groups = {label.split(" ", 1)[1].rsplit(" (", 1)[0]: n for label, _, n in c["log"] if label.startswith("L0 ")}
-    assert groups["experts gate|up"] == tiles * (512 // gate_up_bn)
-    assert groups["experts down"] == tiles * (2048 // 64)
+    bn = 32 if T == 64 else 64
+    groups = {r["label"].split(" ", 1)[1].rsplit(" (", 1)[0]: int(np.prod(r["groups"]))
+              for r in c["records"] if r["label"].startswith("L0 ")}
+    assert groups["experts gate|up"] == tiles * (512 // bn)
+    assert groups["experts down"] == tiles * (2048 // bn)
 
 
 def test_full_size_prefill_scratch_is_bounded():

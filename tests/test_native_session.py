@@ -13,8 +13,8 @@ from lily.errors import InvalidParameterError
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 
-def _sim(path, max_context=64, chunk=5):
-    return Engine.load(path, device="sim", max_context=max_context, device_options={"prefill_chunk": chunk})
+def _sim(path, max_context=64, chunk=5, native_device="sim"):
+    return Engine.load(path, device=native_device, max_context=max_context, device_options={"prefill_chunk": chunk})
 
 
 def _prompt(engine, n):
@@ -22,8 +22,8 @@ def _prompt(engine, n):
 
 
 @pytest.fixture(scope="module")
-def sim_engine(demo_path):
-    return _sim(demo_path)
+def sim_engine(demo_path, native_device):
+    return _sim(demo_path, native_device=native_device)
 
 
 def test_restore_continues_exactly(sim_engine):
@@ -41,7 +41,7 @@ def test_restore_continues_exactly(sim_engine):
         np.testing.assert_array_equal(e.decode(6), b)
 
 
-def test_restore_then_pipelined_generation_matches_a_fresh_session(sim_engine, demo_path):
+def test_restore_then_pipelined_generation_matches_a_fresh_session(sim_engine, demo_path, native_device):
     e = sim_engine
     ids = _prompt(e, 14)
     e.reset()
@@ -51,7 +51,7 @@ def test_restore_then_pipelined_generation_matches_a_fresh_session(sim_engine, d
     e.restore(snap)
     r = e.generate(ids, max_tokens=6, temperature=0.0)
     assert r.timings.prefill_tokens == 4  # the restored prefix is reused
-    want = _sim(demo_path).generate(ids, max_tokens=6, temperature=0.0)
+    want = _sim(demo_path, native_device=native_device).generate(ids, max_tokens=6, temperature=0.0)
     assert r.token_ids == want.token_ids
 
 
@@ -69,34 +69,34 @@ def test_snapshot_holds_only_the_rows_in_use(sim_engine):
     assert s4.position == 4 and s5.position == 5
 
 
-def test_restore_into_another_engine_with_a_larger_context(sim_engine, demo_path):
+def test_restore_into_another_engine_with_a_larger_context(sim_engine, demo_path, native_device):
     e = sim_engine
     e.reset()
     e.prefill(_prompt(e, 9))
     snap = e.snapshot()
     want = e.decode(11)
-    other = _sim(demo_path, max_context=128, chunk=4)
+    other = _sim(demo_path, max_context=128, chunk=4, native_device=native_device)
     other.restore(snap)
     np.testing.assert_array_equal(other.decode(11), want)
 
 
-def test_bad_snapshots_are_refused_and_the_session_kept(sim_engine, demo_path, tiny_checkpoint):
+def test_bad_snapshots_are_refused_and_the_session_kept(sim_engine, demo_path, tiny_checkpoint, native_device):
     e = sim_engine
     e.reset()
     e.prefill(_prompt(e, 6))
     keep = e.snapshot()
 
-    long_ctx = _sim(demo_path, max_context=64)
+    long_ctx = _sim(demo_path, max_context=64, native_device=native_device)
     long_ctx.prefill(_prompt(long_ctx, 20))
-    small = _sim(demo_path, max_context=16)
+    small = _sim(demo_path, max_context=16, native_device=native_device)
     with pytest.raises(InvalidParameterError, match="context window of 16"):
         small.restore(long_ctx.snapshot())
 
-    tiny = _sim(tiny_checkpoint)
+    tiny = _sim(tiny_checkpoint, native_device=native_device)
     tiny.prefill([1, 2, 3])
     with pytest.raises(InvalidParameterError, match="another model"):
         e.restore(tiny.snapshot())
-    ref = Engine.load(demo_path)
+    ref = Engine.load(demo_path, device="reference")
     ref.prefill([1, 2])
     with pytest.raises(InvalidParameterError, match="not a snapshot"):
         e.restore(ref.snapshot())

@@ -53,7 +53,7 @@ def _conversation(engine: Engine) -> list[int]:
 @pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
 def case(request, demo_path):
     path = demo_path if request.param == "demo" else request.getfixturevalue(f"{request.param}_checkpoint")
-    engine = Engine.load(path)
+    engine = Engine.load(path, device="reference")
     ids = _conversation(engine)
     ref = engine.prefill(ids, all_logits=True)
     engine.reset()
@@ -95,7 +95,7 @@ def test_teacher_forced_vs_bf16_peer(case):
 
 @pytest.mark.parametrize("prompt", ["ROMEO.\n", "KING HENRY.\nWhat news", "To be, or not to be"])
 def test_demo_greedy_identical_to_float32_peer(demo_path, prompt):
-    engine = Engine.load(demo_path)
+    engine = Engine.load(demo_path, device="reference")
     ids = engine.tokenizer.encode(prompt)
     model, _ = load_peer(demo_path, float32=True)
     expected = peer_greedy(model, ids, 48)
@@ -106,7 +106,7 @@ def test_demo_greedy_identical_to_float32_peer(demo_path, prompt):
 def test_demo_greedy_vs_bf16_peer_where_margin_is_clear(demo_path):
     """Follow the stock peer's greedy path; wherever its top-1 margin is clear, the
     reference must choose the same token (near-ties are bf16 noise, reported only)."""
-    engine = Engine.load(demo_path)
+    engine = Engine.load(demo_path, device="reference")
     model, _ = load_peer(demo_path)
     ids = engine.tokenizer.encode("ROMEO.\n")
     path = ids + peer_greedy(model, ids, 96)

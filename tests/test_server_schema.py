@@ -1,5 +1,6 @@
 """Property-based fuzzing of the server's OpenAPI schema with schemathesis: whatever the
-request, the server answers without a 5xx. Runs in-process (ASGI) on a scripted engine."""
+request, the server answers without a 5xx. Runs in-process (ASGI) on a scripted engine, over
+every API: OpenAI chat completions, completions and Responses, Anthropic Messages."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from lily.engine import Engine  # noqa: E402
 from lily.server import create_app  # noqa: E402
+from scripted import ScriptedBackend  # noqa: E402
 
 pytestmark = pytest.mark.timeout(170)
 
@@ -17,8 +19,12 @@ pytestmark = pytest.mark.timeout(170)
 class _Quick(Engine):
     """No model: every step forces one fixed short reply, then EOS."""
 
-    def reset(self):
-        self._tokens = []
+    @classmethod
+    def load(cls, *args, **kw) -> "_Quick":
+        engine = super().load(*args, **kw)
+        engine.backend = ScriptedBackend(engine._on_prefill, engine._on_decode)
+        engine.prompt_cache = None  # scripted answers: every request computes its prompt
+        return engine
 
     def _logits(self):
         import numpy as np
@@ -27,14 +33,14 @@ class _Quick(Engine):
         logits[ids[self._pos] if self._pos < len(ids) else min(self.eos_token_ids)] = 10.0
         return logits
 
-    def prefill(self, tokens, *, all_logits=False):
+    def _on_prefill(self, tokens, all_logits):
         self._pos = 0
         if all_logits:  # the server scores an echoed prompt this way
             import numpy as np
             return np.stack([self._logits()] * len(tokens))
         return self._logits()
 
-    def decode(self, token):
+    def _on_decode(self):
         self._pos += 1
         return self._logits()
 
@@ -63,4 +69,5 @@ def test_no_server_errors(operation):
 def test_every_operation_is_fuzzed():
     assert {op.label for op in OPERATIONS} >= {
         "GET /health", "GET /v1/models", "GET /v1/models/{model_id}",
-        "POST /v1/chat/completions", "POST /v1/completions"}
+        "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/messages",
+        "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/responses/{response_id}"}

@@ -23,6 +23,10 @@ SCRIPT = ROOT / "tools" / "run_sim_asan.sh"
 def _missing():
     if os.environ.get("LILY_SKIP_ASAN") or os.environ.get("LILY_IN_ASAN"):
         return "LILY_SKIP_ASAN set (or already running under ASan)"
+    if sys.platform != "linux":
+        # tools/run_sim_asan.sh preloads the Linux ASan runtime (LD_PRELOAD) into the
+        # interpreter; macOS needs DYLD_INSERT_LIBRARIES and an unsigned Python.
+        return "the ASan run is Linux-only (tools/run_sim_asan.sh preloads the Linux ASan runtime)"
     if not SCRIPT.exists() or not (ROOT / "CMakeLists.txt").exists():
         return "needs the source tree"
     for tool in ("cmake", "bash"):

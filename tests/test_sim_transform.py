@@ -45,6 +45,15 @@ def compile_cpp(path):
     ("template <typename T> kernel void f(device T* x [[buffer(0)]]) {}\n"
      "template [[kernel]] decltype(f<float>) f<float>;",
      r"k.metal:4: error: kernel instantiation without \[\[host_name"),
+    # Apple's compiler rejects grid-position attributes of different component counts
+    ("kernel void f(device float* x [[buffer(0)]], uint2 tg [[threadgroup_position_in_grid]],\n"
+     "              uint n [[threads_per_threadgroup]]) {}",
+     r"k.metal:4: error: kernel 'f': \[\[threads_per_threadgroup\]\] 'uint n' has 1 component\(s\) but "
+     r"\[\[threadgroup_position_in_grid\]\] 'uint2 tg' has 2"),
+    ("kernel void f(device float* x [[buffer(0)]], float p [[thread_position_in_grid]]) {}",
+     r"k.metal:3: error: kernel 'f': \[\[thread_position_in_grid\]\] needs a uint or ushort"),
+    ("[[max_total_threads_per_threadgroup(64)]] void f(device float* x [[buffer(0)]]) {}",
+     r"k.metal:3: error: \[\[max_total_threads_per_threadgroup\]\] must precede `kernel`"),
 ])
 def test_transform_rejects_unsupported(tmp_path, source, message):
     r, _ = transform(tmp_path, source)
@@ -69,6 +78,21 @@ def test_transform_preserves_lines_and_registers(tmp_path):
     assert "using __lily_tgt_0 = T [ 32 ];" in text and "tg_var<__lily_tgt_0>" in text
     body = text.split("#line 1", 1)[1].split("\n", 1)[1]
     assert body.count("\n") >= (HEADER.count("\n") + 9)  # one output line per source line
+
+
+def test_thread_limit_attribute_before_kernel_is_recorded(tmp_path):
+    """`[[max_total_threads_per_threadgroup(N)]] kernel void f` (the spelling the shipped
+    kernels use, also with a template header) becomes the registered limit, and mixed
+    scalar/vector grid attributes of matching counts pass."""
+    r, out = transform(tmp_path, (
+        "template <typename T>\n"
+        "[[max_total_threads_per_threadgroup(96)]] kernel void g(device T* x [[buffer(0)]],\n"
+        "    uint2 tg [[threadgroup_position_in_grid]], uint2 n [[threads_per_threadgroup]],\n"
+        "    uint i [[thread_index_in_threadgroup]]) {}\n"
+        "template [[host_name(\"g_f32\")]] [[kernel]] decltype(g<float>) g<float>;\n"))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "__lily_maxtg_g = 96;" in text and "max_total_threads" not in text.split("#line 1", 1)[1]
 
 
 # ---- threadgroup declarations: storage, pointers, or a build error; never a silent guess
@@ -255,6 +279,73 @@ def test_unknown_attribute_is_a_compile_error(tmp_path):
     assert r.returncode == 0, r.stderr
     c = compile_cpp(out)
     assert c.returncode != 0 and "position" in c.stderr
+
+
+# ---- strict checks: what Apple's compiler rejects is rejected here too (docs/device-layer.md,
+# "Strictness"). Each rule has a kernel that must fail; the shipped kernels must pass.
+
+K = "kernel void f({params}) {{\n{body}\n}}\n"
+
+
+@pytest.mark.parametrize("source,message", [
+    # address spaces of kernel parameters
+    (K.format(params="float* x [[buffer(0)]]", body=""),
+     r"k.metal:3: error: kernel 'f': parameter 'float\* x' \[\[buffer\(n\)\]\] must be a device or constant pointer"),
+    (K.format(params="threadgroup float* x [[buffer(0)]]", body=""), r"must be a device or constant pointer"),
+    (K.format(params="device float x [[buffer(0)]]", body=""), r"must be a device or constant pointer"),
+    (K.format(params="device float* x [[threadgroup(0)]]", body=""), r"\[\[threadgroup\(n\)\]\] must be a threadgroup pointer"),
+    # attribute types
+    (K.format(params="device float* x [[buffer(0)]], uint2 i [[thread_index_in_simdgroup]]", body=""),
+     r"\[\[thread_index_in_simdgroup\]\] must be uint or ushort"),
+    (K.format(params="device float* x [[buffer(0)]], device uint* i [[thread_position_in_grid]]", body=""),
+     r"must be a plain uint or ushort"),
+    # pointers and references without an address space outside kernels
+    ("inline float get(const float* p) { return p[0]; }\n", r"k.metal:3: error: parameter 'const float\* p' is a "
+     r"pointer or reference without an address space"),
+    ("inline void put(float& r) { r = 1.0f; }\n", r"parameter 'float& r' is a pointer or reference without"),
+    (K.format(params="device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]",
+              body="  const float* p = x + i;\n  x[i] = p[0];"),
+     r"k.metal:4: error: pointer 'p' declared without an address space"),
+    (K.format(params="device float4* x [[buffer(0)]]", body="  for (float4 *p = x; p != x + 4; ++p) {}"),
+     r"pointer 'p' declared without an address space"),
+    # threadgroup storage belongs to kernels
+    ("inline float h(uint i) {\n  threadgroup float t[32];\n  return t[i];\n}\n",
+     r"k.metal:4: error: threadgroup variable 't' declared outside a kernel function"),
+    # float atomics: device memory only
+    (K.format(params="device float* x [[buffer(0)]]", body="  threadgroup atomic_float total;"),
+     r"k.metal:4: error: atomic<float> in threadgroup memory"),
+    (K.format(params="threadgroup atomic_float* t [[threadgroup(0)]]", body=""), r"atomic<float> in threadgroup memory"),
+])
+def test_strict_rules_reject(tmp_path, source, message):
+    r, _ = transform(tmp_path, source)
+    assert r.returncode == 1, "accepted"
+    assert __import__("re").search(message, r.stderr), r.stderr
+
+
+@pytest.mark.skipif(CXX is None, reason="no C++ compiler")
+@pytest.mark.parametrize("body,needle", [
+    ("  half4 h = half4(half(x[i]));\n  h = h * x[i];\n  x[i] = float(h.x);", "narrows"),        # vector op scalar narrowing
+    ("  float2 v = float2(1.0f) * 2u;\n  uint2 u = uint2(2u) * 0.5f;\n  x[i] = v.x + float(u.x);", "narrows"),
+    ("  x[i] = float(simd_shuffle(x[i] > 0.0f, 1u));", "bool operands"),          # SIMD collectives
+    ("  x[i] = float(simd_sum(ulong(i)));", "64-bit operands"),
+    ("  half h = half(x[i]);\n  bfloat b = h;\n  x[i] = float(b);", "bfloat"),    # bfloat <-> half
+    ("  bfloat b = bfloat(x[i]);\n  half h = b;\n  x[i] = float(h);", "bfloat"),
+])
+def test_strict_shim_rejects(tmp_path, body, needle):
+    r, out = transform(tmp_path, K.format(params="device float* x [[buffer(0)]], uint i [[thread_position_in_grid]]",
+                                          body=body))
+    assert r.returncode == 0, r.stderr
+    c = compile_cpp(out)
+    assert c.returncode != 0, "compiled"
+    assert needle in c.stderr or "deleted" in c.stderr, c.stderr[-2000:]
+
+
+def test_shipped_kernels_pass_the_strict_rules(tmp_path):
+    """Every shipped .metal file goes through the same rules (the build compiles them with the
+    shim's strict overloads too)."""
+    files = sorted(str(p) for p in (ROOT / "metal").iterdir() if p.suffix in (".metal", ".h"))
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "out"), *files], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
 
 
 CHECK_OBJC = ROOT / "tools" / "check_objc.sh"

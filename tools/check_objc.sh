@@ -32,6 +32,9 @@ fi
 PY_INC="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)"
 COMMON=(-target arm64-apple-macos12 -isysroot "$SDK" -stdlib=libc++ -std=c++17 -fsyntax-only
         -Wall -Wextra -Wno-unused-parameter -I "$ROOT/csrc" -I "$ROOT/metal")
+# CHECK_OBJC_EXTRA: more flags, e.g. -Werror=deprecated-declarations (tools/check_sdk26.py --compile)
+read -r -a EXTRA <<< "${CHECK_OBJC_EXTRA:-}"
+COMMON+=(${EXTRA[@]+"${EXTRA[@]}"})  # bash 3.2 (macOS) safe with an empty array
 status=0
 echo "check_objc: $("$CLANG" --version | head -1), SDK $SDK"
 for mm in "$ROOT"/csrc/gpu/metal/*.mm; do

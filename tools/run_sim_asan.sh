@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds lily._core with AddressSanitizer (CMake option LILY_SANITIZE=address) and runs the
+# Builds lily._core with AddressSanitizer and the alignment sanitizer (CMake option
+# LILY_SANITIZE=address,alignment: a misaligned vector access is reported) and runs the
 # simulator and kernel tests (tests/test_sim_*.py tests/test_kernels_*.py, or the files in
 # $LILY_ASAN_TESTS) against it.
 #
@@ -17,7 +18,7 @@ GEN=()
 command -v ninja > /dev/null && GEN=(-G Ninja)
 
 cmake -S "$ROOT" -B "$BUILD" "${GEN[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DLILY_SANITIZE=address -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
+  -DLILY_SANITIZE=address,alignment -DPython_EXECUTABLE="$(command -v "$PYTHON")" \
   -DSKBUILD_PROJECT_VERSION=0.0.0+asan > "$BUILD.configure.log" 2>&1 \
   || { cat "$BUILD.configure.log"; exit 1; }
 cmake --build "$BUILD" --parallel 2

@@ -144,11 +144,25 @@ void ComputePass::dispatch(const Dispatch& d_in) {
     rec.label = d.label;
     rec.pass = static_cast<uint32_t>(counters_->passes);
     rec.stage = static_cast<uint32_t>(counters_->barrier_stages - 1);
-    for (const Range& r : d.reads) rec.bytes_read += r.size;
-    for (const Range& r : d.writes) rec.bytes_written += r.size;
-    auto groups = [&](uint32_t g, uint32_t t) -> uint64_t { return d.grid_is_threadgroups ? g : (g + t - 1) / t; };
-    rec.threadgroups = groups(d.grid.x, d.threadgroup.x) * groups(d.grid.y, d.threadgroup.y) *
-                       groups(d.grid.z, d.threadgroup.z);
+    rec.kernel = d.pipeline->name();
+    for (const Range& r : d.reads) {
+      rec.bytes_read += r.size;
+      rec.reads.emplace_back(r.buffer->label(), r.size);
+    }
+    for (const Range& r : d.writes) {
+      rec.bytes_written += r.size;
+      rec.writes.emplace_back(r.buffer->label(), r.size);
+    }
+    rec.threads = d.threadgroup;
+    rec.groups = d.grid_is_threadgroups
+                     ? d.grid
+                     : Size3{(d.grid.x + d.threadgroup.x - 1) / d.threadgroup.x,
+                             (d.grid.y + d.threadgroup.y - 1) / d.threadgroup.y,
+                             (d.grid.z + d.threadgroup.z - 1) / d.threadgroup.z};
+    for (const Binding& b : d.bindings) {
+      if (b.kind == Binding::Kind::threadgroup_memory) rec.threadgroup_memory += b.length;
+      if (b.kind == Binding::Kind::bytes) rec.args.emplace_back(b.index, b.bytes);
+    }
     counters_->dispatches += 1;
     counters_->bytes_read += rec.bytes_read;
     counters_->bytes_written += rec.bytes_written;

@@ -21,6 +21,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace lily::gpu {
@@ -74,6 +75,16 @@ class Pipeline {
   // The kernel's [[buffer(index)]] parameter; alignment 0 when the kernel has none there
   // or the backend cannot tell.
   virtual BufferParameter buffer_parameter(uint32_t index) const { return {}; }
+  // Bytes of threadgroup memory the kernel declares statically (Metal:
+  // staticThreadgroupMemoryLength). 0 on the simulator, which allocates threadgroup
+  // variables when a dispatch first reaches them.
+  virtual uint64_t static_threadgroup_memory() const { return 0; }
+};
+
+// The memory a device offers, in bytes; 0 = no limit known.
+struct MemoryLimits {
+  uint64_t working_set = 0;  // Metal: recommendedMaxWorkingSetSize (GPU-resident memory budget)
+  uint64_t max_buffer = 0;   // Metal: maxBufferLength (largest single buffer)
 };
 
 // A declared byte range of a buffer that a dispatch reads or writes.
@@ -128,10 +139,18 @@ struct Dispatch {
 // One dispatch as counted: for per-dispatch performance counters.
 struct DispatchRecord {
   std::string label;     // "<label or kernel> (#<index in pass>)"
+  std::string kernel;    // the pipeline's host name
   uint32_t pass = 0;     // index of the pass in the command buffer
   uint32_t stage = 0;    // barrier stage within the command buffer (0-based)
   uint64_t bytes_read = 0, bytes_written = 0;
-  uint64_t threadgroups = 0;  // threadgroups in the grid (partial edge threadgroups count)
+  Size3 groups;          // threadgroups launched (a dispatchThreads grid rounded up)
+  Size3 threads;         // threads per threadgroup as dispatched
+  // Dynamic [[threadgroup(n)]] lengths; arrays a kernel declares itself are not visible here.
+  uint64_t threadgroup_memory = 0;
+  // Inline constant bytes (the kernel's argument structs) by [[buffer(n)]] index.
+  std::vector<std::pair<uint32_t, std::vector<uint8_t>>> args;
+  // Declared ranges as (buffer label, bytes), in declaration order.
+  std::vector<std::pair<std::string, uint64_t>> reads, writes;
 };
 
 struct Counters {
@@ -271,6 +290,9 @@ class Device {
   // Bytes of the buffers this device allocated with new_buffer that are still alive (no-copy
   // wrappers and file mappings are not counted); on Metal, MTLDevice.currentAllocatedSize.
   virtual uint64_t allocated_bytes() const = 0;
+  // The memory budget: on Metal the device's recommended working set and largest buffer;
+  // the simulator reports the budget it was created with (SimOptions, none by default).
+  virtual MemoryLimits memory_limits() const = 0;
 };
 
 // "apple10" for 10, etc.

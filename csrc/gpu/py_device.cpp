@@ -221,15 +221,19 @@ void bind_device(nb::module_& m) {
         for (const DispatchRecord& r : cb.counters().log) {
           nb::dict d;
           d["label"] = r.label;
+          d["kernel"] = r.kernel;
+          d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+          d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+          d["threadgroup_memory"] = r.threadgroup_memory;
           d["pass"] = r.pass;
           d["stage"] = r.stage;
           d["bytes_read"] = r.bytes_read;
           d["bytes_written"] = r.bytes_written;
-          d["threadgroups"] = r.threadgroups;
           out.append(d);
         }
         return out;
-      }, "Per-dispatch counters: label, pass, barrier stage, declared bytes read/written, threadgroups.");
+      }, "Per-dispatch counters: label, kernel, threadgroups, threads per threadgroup, dynamic threadgroup "
+         "memory, pass, barrier stage, declared bytes read/written.");
 
   nb::class_<Device>(m, "Device", "A Lily device: 'sim' (the Metal simulator) or 'metal'.")
       .def_prop_ro("name", &Device::name)
@@ -258,6 +262,34 @@ void bind_device(nb::module_& m) {
                    "Whether the Metal 4 tensor-op kernels (metal/*_tensor.metal) can be used on this device.")
       .def_prop_ro("tensor_ops_status", &Device::tensor_ops_status,
                    "Why supports_tensor_ops is False ('' when it is True).")
+      .def("pipeline_info",
+           [](Device& d, const std::string& name) {
+             const Pipeline& p = d.pipeline(name);
+             nb::dict r;
+             r["kernel"] = p.name();
+             r["max_threads_per_threadgroup"] = p.max_threads_per_threadgroup();
+             r["thread_execution_width"] = p.thread_execution_width();
+             r["static_threadgroup_memory"] = p.static_threadgroup_memory();
+             uint32_t reflected = 0;
+             for (uint32_t i = 0; i < 31; ++i) reflected += p.buffer_parameter(i).alignment != 0;
+             r["reflected_buffer_parameters"] = reflected;
+             return r;
+           },
+           "name"_a,
+           "Builds kernel `name`'s pipeline: its maxTotalThreadsPerThreadgroup (on the simulator the\n"
+           "kernel's [[max_total_threads_per_threadgroup]], default 1024), thread execution width,\n"
+           "static threadgroup memory in bytes (0 on the simulator) and how many [[buffer(n)]]\n"
+           "parameters reflection described (0: buffer alignment checks are off for it).")
+      .def_prop_ro("memory_limits",
+                   [](const Device& d) {
+                     MemoryLimits l = d.memory_limits();
+                     nb::dict r;
+                     r["working_set"] = l.working_set;
+                     r["max_buffer"] = l.max_buffer;
+                     return r;
+                   },
+                   "Bytes: working_set (Metal recommendedMaxWorkingSetSize) and max_buffer (maxBufferLength);\n"
+                   "0 = no limit (the simulator's unless created with a budget).")
       .def("command_buffer",
            [](Device& d) {
              nb::gil_scoped_release g;
@@ -269,8 +301,12 @@ void bind_device(nb::module_& m) {
 #ifdef LILY_HAVE_SIM
   m.def("sim_device",
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
-           bool verify_writes, bool verify_reads, const std::string& gpu_family) {
+           bool verify_writes, bool verify_reads, const std::string& gpu_family, uint64_t working_set_bytes,
+           uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit) {
           sim::SimOptions o;
+          o.pipeline_thread_limit = pipeline_thread_limit;
+          o.working_set_bytes = working_set_bytes;
+          o.max_buffer_bytes = max_buffer_bytes;
           o.gpu_family = parse_gpu_family(gpu_family);
           o.record_only = record_only;
           auto parse = [](const std::string& v, const char* what) {
@@ -288,10 +324,14 @@ void bind_device(nb::module_& m) {
           return std::shared_ptr<Device>(sim::make_sim_device(o));
         },
         "record_only"_a = false, "order"_a = "forward", "thread_order"_a = "forward", "seed"_a = 0, "poison"_a = true,
-        "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9",
+        "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9", "working_set_bytes"_a = 0,
+        "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0,
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
         "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
-        "tensor-op kernels (metal/*_tensor.metal), as an M5 does.");
+        "tensor-op kernels (metal/*_tensor.metal), as an M5 does. working_set_bytes / max_buffer_bytes:\n"
+        "the memory budget it reports (Device.memory_limits; 0 = none), as a Mac's GPU does.\n"
+        "pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as\n"
+        "register pressure may on a Mac (0 = none).");
 #endif
 #ifdef LILY_HAVE_METAL
   m.def("metal_device",

@@ -24,17 +24,21 @@ void ModelDims::validate() const {
   need(linear_conv_kernel_dim >= 2, "linear_conv_kernel_dim must be >= 2");
 }
 
+std::map<std::string, uint64_t> WeightTable::file_extents(const std::vector<TensorDesc>& tensors) {
+  std::map<std::string, uint64_t> r;
+  for (const auto& t : tensors) r[t.file] = std::max<uint64_t>(r[t.file], t.offset + t.nbytes);
+  return r;
+}
+
 WeightTable::WeightTable(gpu::Device& device, const std::vector<TensorDesc>& tensors,
                          bool virtual_files) {
   std::map<std::string, std::vector<const TensorDesc*>> by_file;
   for (const auto& t : tensors) by_file[t.file].push_back(&t);
+  const auto extents = file_extents(tensors);
   for (const auto& [file, list] : by_file) {
-    uint64_t end = 0;
+    const uint64_t end = extents.at(file);
     bool aligned = true;
-    for (const TensorDesc* t : list) {
-      end = std::max<uint64_t>(end, t->offset + t->nbytes);
-      aligned = aligned && t->offset % kAlignment == 0;
-    }
+    for (const TensorDesc* t : list) aligned = aligned && t->offset % kAlignment == 0;
     if (virtual_files) {
       files_[file] = device.new_buffer(end);
       files_[file]->set_label(file);

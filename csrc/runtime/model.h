@@ -12,16 +12,23 @@
 
 namespace lily::runtime {
 
-// Text-model hyperparameters (lily.checkpoint.ModelConfig, same names).
+// Text-model hyperparameters (lily.checkpoint.ModelConfig, same names), listed once: the
+// struct, its binding (lily._core.ModelDims, whose FIELDS lily.native fills from the
+// ModelConfig by name) expand this list. X(type, name, default).
+#define LILY_MODEL_DIMS(X)                                                                  \
+  X(uint32_t, vocab_size, 0) X(uint32_t, hidden_size, 0) X(uint32_t, num_hidden_layers, 0) \
+  X(uint32_t, num_attention_heads, 0) X(uint32_t, num_key_value_heads, 0)                  \
+  X(uint32_t, head_dim, 0) X(uint32_t, rotary_dim, 0)                                      \
+  X(uint32_t, linear_num_key_heads, 0) X(uint32_t, linear_num_value_heads, 0)              \
+  X(uint32_t, linear_key_head_dim, 0) X(uint32_t, linear_value_head_dim, 0)                \
+  X(uint32_t, linear_conv_kernel_dim, 0) X(uint32_t, num_experts, 0)                       \
+  X(uint32_t, num_experts_per_tok, 0) X(uint32_t, moe_intermediate_size, 0)                \
+  X(uint32_t, shared_expert_intermediate_size, 0) X(float, rms_norm_eps, 1e-6f)            \
+  X(float, rope_theta, 1e7f) X(bool, norm_topk_prob, true)
+
 struct ModelDims {
-  uint32_t vocab_size = 0, hidden_size = 0, num_hidden_layers = 0;
-  uint32_t num_attention_heads = 0, num_key_value_heads = 0, head_dim = 0, rotary_dim = 0;
-  uint32_t linear_num_key_heads = 0, linear_num_value_heads = 0;
-  uint32_t linear_key_head_dim = 0, linear_value_head_dim = 0, linear_conv_kernel_dim = 0;
-  uint32_t num_experts = 0, num_experts_per_tok = 0;
-  uint32_t moe_intermediate_size = 0, shared_expert_intermediate_size = 0;
-  float rms_norm_eps = 1e-6f, rope_theta = 1e7f;
-  bool norm_topk_prob = true;
+#define LILY_DECLARE_FIELD(type, name, init) type name = init;
+  LILY_MODEL_DIMS(LILY_DECLARE_FIELD)
   std::vector<bool> full_attention;  // per layer
 
   uint32_t conv_dim() const {
@@ -54,6 +61,9 @@ class WeightTable {
   // (record-only counting of models that are not on disk) every file becomes a buffer
   // of its declared extent without storage.
   WeightTable(gpu::Device& device, const std::vector<TensorDesc>& tensors, bool virtual_files);
+  WeightTable() = default;
+  // Bytes each file's tensors extend to (the size of its mapped buffer), by file.
+  static std::map<std::string, uint64_t> file_extents(const std::vector<TensorDesc>& tensors);
   // Throws std::invalid_argument naming the tensor when it is absent.
   const TensorRef& at(const std::string& name) const;
   bool has(const std::string& name) const { return tensors_.count(name) != 0; }

@@ -20,13 +20,13 @@ namespace {
 // expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
 constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
 // Grouped expert GEMMs (metal/gemm.metal): threads and output columns per threadgroup of
-// gate/up and of down for tile height T (T = 64: gate/up 64 x 32, so that its two staged
-// result blocks fit threadgroup memory).
+// gate/up and of down for tile height T (T = 64: 64 x 32 blocks, so that gate/up's two
+// staged result blocks fit threadgroup memory within the kernels' 128 threads).
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
 MoeGeometry moe_geometry(uint32_t T) {
-  if (T == 64) return {128, 32, 256, 64};
+  if (T == 64) return {128, 32, 128, 32};
   const uint32_t threads = T == 32 ? 128 : 64;
   return {threads, 64, threads, 64};
 }
@@ -114,6 +114,7 @@ void Runtime::allocate_chunk_buffers() {
 // per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
 // halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
+  if (force_tile_rows_) return force_tile_rows_;
   const ModelDims& d = dims_;
   const uint64_t assignments = uint64_t(rows) * d.num_experts_per_tok;
   double active = std::min<double>(d.num_experts, double(assignments));

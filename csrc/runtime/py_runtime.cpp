@@ -1,6 +1,9 @@
 #include "runtime/py_runtime.h"
 
+#include <optional>
+
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/set.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -9,6 +12,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "runtime/runtime.h"
+#include "runtime/work.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -16,35 +20,43 @@ using namespace nb::literals;
 namespace lily::runtime {
 namespace {
 
-template <class T>
-T get(nb::dict d, const char* key) {
-  if (!d.contains(key)) throw std::invalid_argument(std::string("model dims: missing '") + key + "'");
-  return nb::cast<T>(d[key]);
-}
+// A bound struct with a read-write attribute per X-list field, and FIELDS naming them.
+template <class S>
+struct FieldBinder {
+  nb::class_<S>& cls;
+  nb::list names;
+  template <class T>
+  void add(const char* name, T S::*member) {
+    cls.def_rw(name, member);
+    names.append(name);
+  }
+};
 
-ModelDims dims_from(nb::dict d) {
-  ModelDims m;
-  m.vocab_size = get<uint32_t>(d, "vocab_size");
-  m.hidden_size = get<uint32_t>(d, "hidden_size");
-  m.num_hidden_layers = get<uint32_t>(d, "num_hidden_layers");
-  m.num_attention_heads = get<uint32_t>(d, "num_attention_heads");
-  m.num_key_value_heads = get<uint32_t>(d, "num_key_value_heads");
-  m.head_dim = get<uint32_t>(d, "head_dim");
-  m.rotary_dim = get<uint32_t>(d, "rotary_dim");
-  m.linear_num_key_heads = get<uint32_t>(d, "linear_num_key_heads");
-  m.linear_num_value_heads = get<uint32_t>(d, "linear_num_value_heads");
-  m.linear_key_head_dim = get<uint32_t>(d, "linear_key_head_dim");
-  m.linear_value_head_dim = get<uint32_t>(d, "linear_value_head_dim");
-  m.linear_conv_kernel_dim = get<uint32_t>(d, "linear_conv_kernel_dim");
-  m.num_experts = get<uint32_t>(d, "num_experts");
-  m.num_experts_per_tok = get<uint32_t>(d, "num_experts_per_tok");
-  m.moe_intermediate_size = get<uint32_t>(d, "moe_intermediate_size");
-  m.shared_expert_intermediate_size = get<uint32_t>(d, "shared_expert_intermediate_size");
-  m.rms_norm_eps = get<float>(d, "rms_norm_eps");
-  m.rope_theta = get<float>(d, "rope_theta");
-  m.norm_topk_prob = get<bool>(d, "norm_topk_prob");
-  m.full_attention = get<std::vector<bool>>(d, "full_attention");
-  return m;
+// One dispatch for the performance model (lily.perf): geometry, declared bytes and the work
+// table's entry (None for a kernel the table does not know).
+nb::dict record_dict(const gpu::DispatchRecord& r) {
+  nb::dict d;
+  d["label"] = r.label;
+  d["kernel"] = r.kernel;
+  d["pass"] = r.pass;
+  d["stage"] = r.stage;
+  d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+  d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+  d["bytes_read"] = r.bytes_read;
+  d["bytes_written"] = r.bytes_written;
+  const std::optional<Work> w = dispatch_work(r);
+  d["threadgroup_memory"] = r.threadgroup_memory + (w ? w->threadgroup_memory : 0);
+  if (!w) {
+    d["work"] = nb::none();
+    return d;
+  }
+  nb::dict work, flops;
+  for (int p = 0; p < kPaths; ++p) flops[path_name(Path(p))] = w->flops[p];
+  work["family"] = w->family;
+  work["flops"] = flops;
+  work["bytes"] = w->bytes;
+  d["work"] = work;
+  return d;
 }
 
 nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
@@ -58,8 +70,11 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   d["state_bytes"] = t.state_bytes;
   d["activation_bytes"] = t.other_bytes;
   nb::list log;
-  for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage, r.threadgroups));
+  for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
   d["log"] = log;
+  nb::list records;
+  for (const auto& r : c.log) records.append(record_dict(r));
+  d["records"] = records;
   return d;
 }
 
@@ -67,14 +82,57 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
 
 void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
+  nb::class_<ModelDims> dims(m, "ModelDims",
+                             "The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, "
+                             "full_attention per layer); FIELDS lists the scalar ones.");
+  dims.def(nb::init<>());
+  FieldBinder<ModelDims> dims_fields{dims, {}};
+#define LILY_BIND_FIELD(type, name, init) binder.add(#name, &Struct::name);
+  {
+    auto& binder = dims_fields;
+    using Struct = ModelDims;
+    LILY_MODEL_DIMS(LILY_BIND_FIELD)
+  }
+  dims.def_rw("full_attention", &ModelDims::full_attention);
+  dims.attr("FIELDS") = nb::tuple(dims_fields.names);
+  nb::class_<SamplingConfig> sampling(m, "SamplingConfig",
+                                      "Device sampling settings (lily.sampling.SamplingParams' fields of "
+                                      "the same names, listed in FIELDS).");
+  sampling.def(nb::init<>());
+  FieldBinder<SamplingConfig> sampling_fields{sampling, {}};
+  {
+    auto& binder = sampling_fields;
+    using Struct = SamplingConfig;
+    LILY_SAMPLING_CONFIG(LILY_BIND_FIELD)
+  }
+#undef LILY_BIND_FIELD
+  sampling.attr("FIELDS") = nb::tuple(sampling_fields.names);
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
                               "A host copy of a Runtime's session state (Runtime.snapshot / restore).")
+      .def("__init__",
+           [](SessionSnapshot* self, uint32_t position, const std::vector<nb::bytes>& parts) {
+             new (self) SessionSnapshot();
+             self->position = position;
+             for (const auto& p : parts) {
+               const auto* b = static_cast<const uint8_t*>(p.data());
+               self->parts.emplace_back(b, b + p.size());
+             }
+           },
+           "position"_a, "parts"_a,
+           "A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.")
       .def_ro("position", &SessionSnapshot::position, "tokens in the session")
-      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)");
+      .def_prop_ro("nbytes", &SessionSnapshot::nbytes, "bytes held (KV rows in use, conv and recurrent state)")
+      .def("parts",
+           [](const SessionSnapshot& s) {
+             std::vector<nb::bytes> out;
+             for (const auto& p : s.parts) out.emplace_back(p.data(), p.size());
+             return out;
+           },
+           "The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",
-           [](Runtime* self, std::shared_ptr<gpu::Device> device, nb::dict dims,
+           [](Runtime* self, std::shared_ptr<gpu::Device> device, const ModelDims& dims,
               const std::vector<Tensor>& tensors, uint32_t max_context, uint32_t split_threshold,
               uint32_t split_block, bool virtual_weights, uint32_t prefill_chunk, const std::string& gemm_path) {
              std::vector<TensorDesc> descs;
@@ -92,12 +150,12 @@ void bind_runtime(nb::module_& m) {
              else throw std::invalid_argument("gemm_path must be 'auto', 'simdgroup' or 'tensor', got '" +
                                               gemm_path + "'");
              if (prefill_chunk == 0) throw std::invalid_argument("prefill_chunk must be positive");
-             new (self) Runtime(std::move(device), dims_from(dims), descs, o);
+             new (self) Runtime(std::move(device), dims, descs, o);
            },
            "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 256,
            "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 2048,
            "gemm_path"_a = "auto",
-           "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: lily.checkpoint.ModelConfig fields.")
+           "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.")
       .def("reset", &Runtime::reset)
       .def("snapshot", &Runtime::snapshot, nb::call_guard<nb::gil_scoped_release>(),
            "A copy of the session state (waits for work in flight).")
@@ -109,23 +167,61 @@ void bind_runtime(nb::module_& m) {
       .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
       .def_prop_ro("prefill_scratch_bytes", &Runtime::prefill_scratch_bytes)
       .def_prop_ro("uses_tensor_ops", &Runtime::uses_tensor_ops)
+      .def_prop_ro("memory_use", [](const Runtime& r) {
+        const MemoryUse& u = r.memory_use();
+        nb::dict d;
+        d["weights"] = u.weights;
+        d["kv_cache"] = u.kv_cache;
+        d["state"] = u.state;
+        d["scratch"] = u.scratch;
+        d["total"] = u.total();
+        d["largest_buffer"] = u.largest_buffer;
+        d["largest_label"] = u.largest_label;
+        d["max_context"] = u.max_context;
+        return d;
+      }, "Device memory of the session in bytes (weights, kv_cache, state, scratch, total, largest buffer),\n"
+         "checked against Device.memory_limits at load.")
+      .def_prop_ro("kernel_table", [](const Runtime& r) {
+        nb::list out;
+        for (const KernelUse& k : r.kernel_table()) {
+          nb::dict d;
+          d["kernel"] = k.kernel;
+          d["threads"] = k.threads;
+          d["max_threads_per_threadgroup"] = k.max_threads;
+          d["static_threadgroup_memory"] = k.threadgroup_memory;
+          out.append(d);
+        }
+        return out;
+      }, "Every kernel the runtime dispatches (built and validated at load): the largest threadgroup it\n"
+         "asks for and its pipeline's thread limit and static threadgroup memory.")
       .def("expert_histogram", &Runtime::expert_histogram, "layer"_a,
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",
-           [](Runtime& rt, const std::vector<uint32_t>& tokens, const std::string& logits, bool decode_steps) {
+           [](Runtime& rt, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
+              const std::string& logits, bool decode_steps) {
              Logits which = logits == "all" ? Logits::all : logits == "last" ? Logits::last : Logits::none;
              if (logits != "all" && logits != "last" && logits != "none")
                throw std::invalid_argument("logits must be 'all', 'last' or 'none'");
-             std::vector<float> out;
+             std::vector<uint32_t> ids(tokens.data(), tokens.data() + tokens.shape(0));
+             auto* out = new std::vector<float>;
+             nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
              {
                nb::gil_scoped_release g;
-               out = rt.forward(tokens, which, decode_steps);
+               *out = rt.forward(ids, which, decode_steps);
              }
-             return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(float));
+             // The logits are handed to numpy without a copy ([n, vocab], [vocab] or [0]).
+             const size_t V = rt.dims().vocab_size;
+             if (which == Logits::all) {
+               const size_t shape[2] = {ids.size(), V};
+               return nb::ndarray<nb::numpy, float>(out->data(), 2, shape, owner);
+             }
+             const size_t shape[1] = {out->size()};
+             return nb::ndarray<nb::numpy, float>(out->data(), 1, shape, owner);
            },
            "tokens"_a, "logits"_a = "last", "decode_steps"_a = false,
-           "Runs tokens at the current position (prefill chunks; one token or decode_steps=True: "
-           "decode steps). float32 logits bytes [n, vocab] ('all'), [vocab] ('last') or empty ('none').")
+           "Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or "
+           "decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or "
+           "[0] ('none').")
       .def("generate_greedy",
            [](Runtime& rt, uint32_t first, uint32_t max_tokens, const std::set<uint32_t>& stop) {
              nb::gil_scoped_release g;
@@ -135,20 +231,11 @@ void bind_runtime(nb::module_& m) {
            "Pipelined greedy decode with the GPU token hand-off; returns the generated ids.")
       .def("start",
            [](Runtime& rt, const std::vector<uint32_t>& feed, uint32_t max_steps, const std::vector<uint32_t>& prompt,
-              float temperature, uint32_t top_k, float top_p, float min_p, float presence_penalty,
-              float frequency_penalty, float repetition_penalty, uint64_t seed, bool logprobs,
-              uint32_t top_logprobs) {
-             SamplingConfig c;
-             c.temperature = temperature; c.top_k = top_k; c.top_p = top_p; c.min_p = min_p;
-             c.presence_penalty = presence_penalty; c.frequency_penalty = frequency_penalty;
-             c.repetition_penalty = repetition_penalty; c.seed = seed; c.logprobs = logprobs;
-             c.top_logprobs = top_logprobs;
+              const SamplingConfig& sampling) {
              nb::gil_scoped_release g;
-             rt.start(feed, c, max_steps, prompt);
+             rt.start(feed, sampling, max_steps, prompt);
            },
-           "feed"_a, "max_steps"_a, "prompt"_a, "temperature"_a = 0.0f, "top_k"_a = 0, "top_p"_a = 1.0f,
-           "min_p"_a = 0.0f, "presence_penalty"_a = 0.0f, "frequency_penalty"_a = 0.0f,
-           "repetition_penalty"_a = 1.0f, "seed"_a = 0, "logprobs"_a = false, "top_logprobs"_a = 0,
+           "feed"_a, "max_steps"_a, "prompt"_a, "sampling"_a,
            "Starts pipelined generation: `feed` (>= 1 tokens) is fed at the current position; several "
            "tokens run as prefill chunks whose last one samples the first output on the device.")
       .def("next",

@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstring>
+#include <map>
 #include <stdexcept>
 
 #include "runtime/encoder.h"
@@ -18,13 +20,13 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                              const std::vector<TensorDesc>& tensors, RuntimeOptions options)
     : device_(std::move(device)),
       dims_(std::move(dims)),
-      opt_(options),
-      weights_(*device_, tensors, options.virtual_weights) {
+      opt_(options) {
   dims_.validate();
   if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
   const auto& d = dims_;
   const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
   if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
+  attn_heads_ = attn_heads_per_group(group);
   if (d.head_dim != 64 && d.head_dim != 256)
     throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
                                 std::to_string(d.head_dim));
@@ -32,6 +34,31 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
       (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
     throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
 
+  // Size everything first and refuse what does not fit the device before allocating.
+  memory_.max_context = opt_.max_context;
+  for (const auto& [file, bytes] : WeightTable::file_extents(tensors)) {
+    memory_.weights += bytes;
+    if (bytes > memory_.largest_buffer) memory_.largest_buffer = bytes, memory_.largest_label = "weights " + file;
+  }
+  sizing_ = true;
+  allocate_buffers();
+  sizing_ = false;
+  check_memory(memory_, device_->memory_limits());
+  weights_ = WeightTable(*device_, tensors, options.virtual_weights);
+  allocate_buffers();
+  record_only_ = tokens_->contents() == nullptr;
+  // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
+  tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
+                (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
+  if (tensor_ops_ && !device_->supports_tensor_ops())
+    throw std::invalid_argument("gemm_path 'tensor': " + device_->tensor_ops_status());
+  reset();
+  preflight();
+}
+
+void Runtime::allocate_buffers() {
+  const auto& d = dims_;
+  owned_.clear();
   const size_t f = sizeof(float);
   tokens_ = scratch(2 * sizeof(uint32_t), "token slots");
   positions_ = scratch(2 * sizeof(uint32_t), "positions");
@@ -53,7 +80,6 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                   "expert hidden");
   logits_ = scratch(size_t(d.vocab_size) * f, "logits");
   argmax_part_ = scratch(size_t(ceil_div(d.vocab_size, kArgmaxSlice)) * 2 * sizeof(uint32_t), "argmax partials");
-  attn_heads_ = attn_heads_per_group(group);
   // Blocks of the split path: ceil(rows / split_rows(rows)) <= ceil(target / (Hq / G)) when
   // chosen by context (each block has >= rows * (Hq/G) / target rows).
   decode_max_blocks_ = opt_.split_block ? ceil_div(opt_.max_context, opt_.split_block)
@@ -70,31 +96,131 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
   state_.resize(d.num_hidden_layers);
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
-      k_cache_[l] = scratch(kv_bytes, "k cache");
-      v_cache_[l] = scratch(kv_bytes, "v cache");
+      k_cache_[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
+      v_cache_[l] = scratch(kv_bytes, "v cache", Mem::kv_cache);
     } else {
       const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
-      conv_[0][l] = scratch(conv, "conv state A");
-      conv_[1][l] = scratch(conv, "conv state B");
+      conv_[0][l] = scratch(conv, "conv state A", Mem::state);
+      conv_[1][l] = scratch(conv, "conv state B", Mem::state);
       state_[l] = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim *
-                              d.linear_key_head_dim * f, "recurrent state");
+                              d.linear_key_head_dim * f, "recurrent state", Mem::state);
     }
   }
   counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
   logprob_out_ = scratch(2 * kMaxTopLogprobs * f, "logprobs (per slot)");
   top_ids_ = scratch(2 * kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
-  record_only_ = tokens_->contents() == nullptr;
-  // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
-  tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
-                (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
-  if (tensor_ops_ && !device_->supports_tensor_ops())
-    throw std::invalid_argument("gemm_path 'tensor': " + device_->tensor_ops_status());
   allocate_chunk_buffers();
-  reset();
 }
 
-gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label) {
-  gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+namespace {
+std::string gib(uint64_t bytes) {
+  char b[32];
+  if (bytes >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", double(bytes) / double(1ull << 30));
+  else std::snprintf(b, sizeof b, "%.1f MiB", double(bytes) / double(1ull << 20));
+  return b;
+}
+}  // namespace
+
+void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
+  // KV bytes per token of context: what a smaller max_context saves.
+  const uint64_t per_token = use.max_context ? use.kv_cache / use.max_context : 0;
+  auto suggest = [&](uint64_t room) -> std::string {
+    const uint64_t fits = per_token ? room / per_token / 256 * 256 : 0;
+    if (fits < 256) return "";
+    return " Try --max-context " + std::to_string(std::min<uint64_t>(fits, use.max_context)) +
+           " (max_context=" + std::to_string(std::min<uint64_t>(fits, use.max_context)) + ").";
+  };
+  const uint64_t total = use.total();
+  if (limits.working_set && total > limits.working_set) {
+    const uint64_t fixed = total - use.kv_cache;
+    std::string msg = "the model needs " + gib(total) + " of GPU memory at max_context " +
+                      std::to_string(use.max_context) + " (weights " + gib(use.weights) + ", KV cache " +
+                      gib(use.kv_cache) + ", recurrent state " + gib(use.state) + ", scratch " + gib(use.scratch) +
+                      "), more than this GPU's recommended working set of " + gib(limits.working_set) + ".";
+    if (fixed >= limits.working_set)
+      msg += " The weights, state and scratch alone (" + gib(fixed) + ") exceed it: this model does not fit this device.";
+    else
+      msg += suggest(limits.working_set - fixed);
+    throw std::invalid_argument(msg);
+  }
+  if (limits.max_buffer && use.largest_buffer > limits.max_buffer) {
+    std::string msg = "the buffer '" + use.largest_label + "' needs " + gib(use.largest_buffer) +
+                      ", more than this GPU's largest buffer of " + gib(limits.max_buffer) + " (maxBufferLength).";
+    if (use.largest_label == "k cache" || use.largest_label == "v cache")
+      msg += suggest(uint64_t(double(limits.max_buffer) / double(use.largest_buffer) * double(use.kv_cache)));
+    throw std::invalid_argument(msg);
+  }
+}
+
+void Runtime::preflight() {
+  std::map<std::string, uint32_t> threads;
+  auto collect = [&](gpu::CommandBuffer& cb) {
+    for (const gpu::DispatchRecord& r : cb.counters().log)
+      threads[r.kernel] = std::max(threads[r.kernel], uint32_t(r.threads.count()));
+  };
+  struct Restore {  // the sampling settings and tile choice preflight overrides
+    Runtime* r;
+    SamplingConfig sampling;
+    ~Restore() {
+      r->sampling_ = sampling;
+      r->force_tile_rows_ = 0;
+    }
+  } restore{this, sampling_};
+  auto at_load = [](const std::exception& e) {
+    return std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
+  };
+  try {
+    // decode: plain and (when the context reaches it) split attention, each sampler
+    for (uint32_t pos : {0u, opt_.max_context - 1}) {
+      if (pos && !uses_split_attention(pos)) continue;
+      auto cb = device_->new_command_buffer();
+      encode_step(*cb, 0, pos, nullptr);
+      collect(*cb);
+    }
+    {
+      auto cb = device_->new_command_buffer();
+      gpu::ComputePass& pass = cb->compute_pass();
+      sampling_ = SamplingConfig{};
+      sampling_.temperature = 1.0f;
+      sampling_.logprobs = true;
+      encode_sample(pass, 0);
+      pass.end();
+      collect(*cb);
+    }
+    // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
+    // the context (split attention when the context reaches it)
+    for (uint32_t tile : {16u, 32u, 64u}) {
+      force_tile_rows_ = tile;
+      auto cb = device_->new_command_buffer();
+      encode_chunk(*cb, 0, 0, chunk_, Logits::last, true, nullptr);
+      collect(*cb);
+    }
+    force_tile_rows_ = 0;
+    if (opt_.max_context > 1) {
+      auto cb = device_->new_command_buffer();
+      encode_chunk(*cb, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
+      collect(*cb);
+    }
+  } catch (const gpu::UsageError& e) {  // an unknown kernel, a threadgroup over the pipeline's limit
+    throw at_load(e);
+  } catch (const gpu::Error& e) {  // a pipeline that does not build
+    throw at_load(e);
+  }
+  kernels_.clear();
+  for (const auto& [name, n] : threads) {
+    const gpu::Pipeline& p = device_->pipeline(name);
+    kernels_.push_back(KernelUse{name, n, p.max_threads_per_threadgroup(), p.static_threadgroup_memory()});
+  }
+}
+
+gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label, Mem kind) {
+  bytes = std::max<size_t>(bytes, 4);
+  if (sizing_) {
+    (kind == Mem::kv_cache ? memory_.kv_cache : kind == Mem::state ? memory_.state : memory_.scratch) += bytes;
+    if (bytes > memory_.largest_buffer) memory_.largest_buffer = bytes, memory_.largest_label = label;
+    return nullptr;
+  }
+  gpu::BufferPtr b = device_->new_buffer(bytes);
   b->set_label(label);
   owned_.push_back(b);
   return b;

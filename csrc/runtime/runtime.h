@@ -51,18 +51,47 @@ struct Traffic {
 // sample_greedy; anything else runs sample_token (penalties from the per-session count
 // buffer, temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the
 // token's position as counter, optional log-probabilities of the raw logits).
+// lily.sampling.SamplingParams' device-side fields (same names), listed once for the
+// struct and its binding (lily._core.SamplingConfig). X(type, name, default).
+#define LILY_SAMPLING_CONFIG(X)                                                              \
+  X(float, temperature, 0.0f) X(uint32_t, top_k, 0) X(float, top_p, 1.0f) X(float, min_p, 0.0f) \
+  X(float, presence_penalty, 0.0f) X(float, frequency_penalty, 0.0f)                         \
+  X(float, repetition_penalty, 1.0f) X(uint64_t, seed, 0) X(bool, logprobs, false)           \
+  X(uint32_t, top_logprobs, 0) /* 0..20 */
+
 struct SamplingConfig {
-  float temperature = 0.0f;
-  uint32_t top_k = 0;
-  float top_p = 1.0f, min_p = 0.0f;
-  float presence_penalty = 0.0f, frequency_penalty = 0.0f, repetition_penalty = 1.0f;
-  uint64_t seed = 0;
-  bool logprobs = false;
-  uint32_t top_logprobs = 0;  // 0..20
+  LILY_SAMPLING_CONFIG(LILY_DECLARE_FIELD)
   bool greedy_kernel() const {
     return temperature == 0.0f && !logprobs && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
            repetition_penalty == 1.0f;
   }
+};
+
+// Device memory of a runtime, in bytes (Runtime::memory_use()).
+struct MemoryUse {
+  uint64_t weights = 0;   // checkpoint tensors (mapped files or aligned copies)
+  uint64_t kv_cache = 0;  // K and V caches of the attention layers at max_context
+  uint64_t state = 0;     // Gated DeltaNet conv and recurrent state
+  uint64_t scratch = 0;   // activations, decode and prefill scratch
+  uint64_t largest_buffer = 0;
+  std::string largest_label;
+  uint32_t max_context = 0;
+  uint64_t total() const { return weights + kv_cache + state + scratch; }
+};
+
+// Checks `use` against the device's memory budget. Throws std::invalid_argument with the
+// numbers (weights, KV cache, state, scratch, budget) and a max_context that fits when the
+// total exceeds limits.working_set or a buffer exceeds limits.max_buffer (0 = no limit).
+// The one place the load-time memory decision is made; pure, so it is tested with fake limits.
+void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits);
+
+// A kernel the runtime dispatches (Runtime::kernel_table()): the most threads per
+// threadgroup it asks for and what its pipeline allows.
+struct KernelUse {
+  std::string kernel;
+  uint32_t threads = 0;               // largest threadgroup the runtime dispatches
+  uint32_t max_threads = 0;           // the pipeline's maxTotalThreadsPerThreadgroup
+  uint64_t threadgroup_memory = 0;    // the pipeline's static threadgroup memory (0 on sim)
 };
 
 // One generated token as the host reads it (one step behind the device).
@@ -150,6 +179,11 @@ class Runtime {
   std::vector<uint32_t> expert_histogram(uint32_t layer) const;
 
   uint64_t weight_bytes() const { return weights_.total_bytes(); }
+  // What this runtime allocated (checked against the device's budget at construction).
+  const MemoryUse& memory_use() const { return memory_; }
+  // Every kernel the runtime can dispatch, built and validated at construction (see
+  // preflight()), sorted by name.
+  const std::vector<KernelUse>& kernel_table() const { return kernels_; }
   uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
   bool uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
   // Decode: KV rows per split block when `rows` cache rows are attended. Fixed when the
@@ -174,6 +208,13 @@ class Runtime {
   void encode_chunk(gpu::CommandBuffer& cb, int parity, uint32_t p0, uint32_t rows, Logits logits,
                     bool sample, Traffic* traffic);
   void allocate_chunk_buffers();
+  // Every buffer of the session; with sizing_ only counted into memory_.
+  void allocate_buffers();
+  // Encodes, without committing, every dispatch the runtime can issue (decode step and its
+  // split path, both samplers, prefill chunks with both expert tile heights and the split
+  // path), so a kernel missing from the library or a threadgroup above its pipeline's limit
+  // fails at load naming the kernel; fills kernels_.
+  void preflight();
   void check_feed(const std::vector<uint32_t>& tokens, const char* what) const;
   std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
                                                  Logits last_logits, bool sample, bool keep_last);
@@ -181,7 +222,8 @@ class Runtime {
   uint32_t moe_tile_rows(uint32_t layer, uint32_t rows) const;
   void submit_next();
   void write_token(int slot, uint32_t token, uint32_t position);
-  gpu::BufferPtr scratch(size_t bytes, const char* label);
+  enum class Mem { scratch, kv_cache, state };
+  gpu::BufferPtr scratch(size_t bytes, const char* label, Mem kind = Mem::scratch);
 
   std::shared_ptr<gpu::Device> device_;
   ModelDims dims_;
@@ -191,6 +233,10 @@ class Runtime {
   bool record_only_ = false;
   uint32_t attn_heads_ = 0;        // query heads per decode attention threadgroup (G)
   uint32_t decode_max_blocks_ = 0; // partial slots per head of the split path
+  bool sizing_ = false;
+  uint32_t force_tile_rows_ = 0;  // preflight: the expert tile height to encode (0: choose)
+  MemoryUse memory_;
+  std::vector<KernelUse> kernels_;
 
   // token slots [2] and positions [2] (one per command buffer in flight)
   gpu::BufferPtr tokens_, positions_;

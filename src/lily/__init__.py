@@ -13,12 +13,16 @@ from lily.errors import (
     TokenizerError,
 )
 
-from lily.engine import Engine, GenerationResult, StreamEvent, default_model_path
+from lily.chat_output import ChatMessage, ToolCall, parse_chat_output
+from lily.engine import ChatResult, Engine, GenerationResult, StreamEvent, default_model_path
+from lily.prompt_cache import PromptCache, PromptCacheError
 from lily.sampling import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChatMessage",
+    "ChatResult",
     "CheckpointError",
     "ConfigError",
     "ContextLengthError",
@@ -30,6 +34,10 @@ __all__ = [
     "default_model_path",
     "InvalidParameterError",
     "LilyError",
+    "PromptCache",
+    "PromptCacheError",
     "TokenizerError",
+    "ToolCall",
     "__version__",
+    "parse_chat_output",
 ]

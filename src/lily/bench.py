@@ -19,6 +19,14 @@ The consistency check is teacher-forced (as docs/goals.md's headline table): a c
 rendered with the checkpoint's chat template, every position's logits from both engines,
 top-1 agreement and the perplexity ratio over ``positions`` next-token predictions.
 
+``protocol="pplx"`` follows instead the measurement contract pplx-garden published with
+its M5 Max table (perplexityai/pplx-garden, lily/docs/2026-09-02-performance-mlx-0.32.2.md),
+so a first Mac run compares directly with it: synthetic prompt ids (:func:`pplx_prompt`),
+greedy, an untimed run of the exact shape before each length's timed ones, prefill = prompt
+tokens / time to the first token, then exactly 64 timed decode steps (decode throughput =
+64 / time from the first to the 65th token), two rounds, median. Unlike theirs, both engines
+run in one process (they start a fresh process per arm).
+
 Figures mean something only with ``device="metal"`` against MLX on the same Mac's GPU; on
 another machine (the simulator, MLX on the CPU) the run checks the harness, and the report
 says so.
@@ -40,6 +48,26 @@ from lily.errors import InvalidParameterError
 
 #: docs/goals.md: the ten prompt / context lengths of the headline means.
 SPEC_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+PROTOCOLS = ("spec", "pplx")
+
+#: pplx-garden's published M5 Max table (lily/docs/2026-09-02-performance-mlx-0.32.2.md in
+#: perplexityai/pplx-garden): length -> (their decode, MLX-LM decode, their prefill, MLX-LM
+#: prefill) in tokens/s, for comparison with a ``--protocol pplx`` run on an M5 Max.
+PPLX_PUBLISHED_M5MAX = {
+    256: (194.7, 148.5, 2866.6, 2536.4), 512: (193.8, 149.5, 3859.9, 3309.5),
+    1024: (193.3, 148.1, 4734.6, 4471.7), 2048: (190.4, 147.6, 5274.3, 5121.9),
+    4096: (182.8, 145.6, 5724.4, 5165.7), 8192: (180.5, 136.8, 5457.6, 5031.8),
+    16384: (167.0, 129.6, 4968.5, 4722.5), 32768: (151.1, 118.2, 3927.5, 3963.7),
+    65536: (125.4, 98.5, 2752.5, 3051.1), 131072: (92.7, 75.0, 1792.7, 2237.5),
+}
+#: pplx-garden's contract: exactly this many timed decode steps after the first token.
+PPLX_DECODE_STEPS = 64
+
+
+def pplx_prompt(length: int, vocab_size: int) -> list[int]:
+    """pplx-garden's synthetic prompt: the token at position ``i`` is
+    ``((i * 2654435761) mod 2**32) mod vocab_size`` (their measurement contract)."""
+    return [((i * 2654435761) % (1 << 32)) % vocab_size for i in range(length)]
 
 # The text the prompts are made of (rendered as a chat with the checkpoint's template).
 _QUESTION = "Tell me how a small workshop learned to build clocks that never lose a second."
@@ -211,14 +239,17 @@ class LengthResult:
 
 
 def run_bench(lily: Runner, peer: Runner, tokens_for: Callable[[int], list[int]], *,
-              lengths: Sequence[int], decode_tokens: int, rounds: int,
+              lengths: Sequence[int], decode_tokens: int, rounds: int, exact_warmup: bool = False,
               log: Callable[[str], None] = lambda s: None) -> list[LengthResult]:
-    """The timed part of the protocol (module docstring); ``tokens_for(L)`` makes the prompts."""
+    """The timed part of the protocol (module docstring); ``tokens_for(L)`` makes the prompts.
+    With ``exact_warmup`` (pplx-garden's contract) each engine first runs every length once
+    untimed with the exact prompt and token count, else one short request warms both up."""
     if rounds < 1 or decode_tokens < 2 or not lengths:
         raise InvalidParameterError("rounds >= 1, decode_tokens >= 2 and at least one length are needed")
-    warm = tokens_for(16)
-    lily.run(warm, 2)  # pipelines, kernels and caches warm before anything is timed
-    peer.run(warm, 2)
+    if not exact_warmup:
+        warm = tokens_for(16)
+        lily.run(warm, 2)  # pipelines, kernels and caches warm before anything is timed
+        peer.run(warm, 2)
     results = [LengthResult(L) for L in lengths]
     prompts = [tokens_for(L) for L in lengths]
     for r in range(rounds):
@@ -226,6 +257,8 @@ def run_bench(lily: Runner, peer: Runner, tokens_for: Callable[[int], list[int]]
             order = (("lily", lily), ("peer", peer)) if r % 2 == 0 else (("peer", peer), ("lily", lily))
             res.first.append(order[0][0])
             for who, runner in order:
+                if exact_warmup and r == 0:
+                    runner.run(prompt, decode_tokens)
                 s = runner.run(prompt, decode_tokens)
                 getattr(res, who).append(s)
                 log(f"round {r + 1}/{rounds}  {res.prompt_tokens:>6} tokens  {runner.label}: "
@@ -268,9 +301,10 @@ def _geomean(values) -> float:
 
 
 def format_report(rep: dict) -> str:
-    out = [f"lily bench: {rep['model']}", f"  {rep['lily']}  vs  {rep['mlx_lm']}",
-           f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
-           f"tokens per request; ratio = lily / mlx-lm"]
+    out = [f"lily bench: {rep['model']}" + (f" (protocol {rep['protocol']})" if rep.get("protocol") else ""),
+           f"  {rep['lily']}  vs  {rep['mlx_lm']}",
+           (f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
+            f"tokens per request; ratio = lily / mlx-lm")]
     if rep.get("notice"):
         out.append(f"  NOTE: {rep['notice']}")
     out.append("")
@@ -292,30 +326,56 @@ def format_report(rep: dict) -> str:
 
 
 def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequence[int] | None = None,
-          decode_tokens: int = 64, rounds: int = 3, positions: int = 192,
-          device_options: dict | None = None, log: Callable[[str], None] | None = None) -> dict:
+          decode_tokens: int | None = None, rounds: int | None = None, positions: int | None = None,
+          protocol: str = "spec", device_options: dict | None = None,
+          log: Callable[[str], None] | None = None) -> dict:
     """Run the whole protocol on one checkpoint (default: the embedded demo model).
 
     Parameters
     ----------
-    lengths : prompt lengths in tokens (default :data:`SPEC_LENGTHS` up to the model's limit)
-    decode_tokens : tokens generated per request (>= 2)
-    rounds : rounds per length (engine order alternates between rounds)
-    positions : teacher-forced positions of the consistency check (0: skip it)
+    lengths : prompt lengths in tokens (default :data:`SPEC_LENGTHS` up to the model's limit;
+        with ``protocol="pplx"`` lengths that do not fit the model's limit are dropped and
+        listed in the report's ``dropped_lengths``)
+    decode_tokens : tokens generated per request (>= 2; default 64). Not accepted with
+        ``protocol="pplx"``, which generates the first token and exactly
+        :data:`PPLX_DECODE_STEPS` more
+    rounds : rounds per length, engine order alternating (default 3; pplx: 2, as published)
+    positions : teacher-forced positions of the consistency check (0: skip it; default 192,
+        pplx: 0)
+    protocol : ``"spec"`` (SPEC.md section 1: chat-text prompts, one short warm-up) or
+        ``"pplx"`` (pplx-garden's published contract: synthetic ids :func:`pplx_prompt`,
+        greedy, an exact-shape warm-up per length, prefill = time to the first token, then
+        64 timed decode steps)
 
     Returns the :func:`report` dict. Raises :class:`InvalidParameterError` for invalid
     arguments or when MLX-LM is not installed.
     """
     from lily.checkpoint import load_config
     from lily.engine import default_model_path
+    if protocol not in PROTOCOLS:
+        raise InvalidParameterError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    pplx = protocol == "pplx"
+    if pplx and decode_tokens is not None:
+        raise InvalidParameterError(f"the pplx protocol times exactly {PPLX_DECODE_STEPS} decode steps; "
+                                    "decode_tokens cannot be set")
+    decode_tokens = PPLX_DECODE_STEPS + 1 if pplx else (64 if decode_tokens is None else decode_tokens)
+    rounds = (2 if pplx else 3) if rounds is None else rounds
+    positions = (0 if pplx else 192) if positions is None else positions
     path = Path(path) if path is not None else default_model_path()
     log = log or (lambda s: print(s, file=sys.stderr))
-    limit = load_config(path)[0].max_position_embeddings
-    if lengths is None:
-        lengths = [L for L in SPEC_LENGTHS if L + decode_tokens <= limit]
-    lengths = list(lengths)
+    config = load_config(path)[0]
+    limit = config.max_position_embeddings
+    clip = pplx or lengths is None
+    lengths = list(SPEC_LENGTHS if lengths is None else lengths)
     if not lengths or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in lengths):
         raise InvalidParameterError(f"lengths must be positive integers, got {lengths!r}")
+    dropped = [L for L in lengths if L + decode_tokens > limit] if clip else []
+    lengths = [L for L in lengths if L not in dropped]
+    if dropped:
+        log(f"lily bench: lengths {', '.join(map(str, dropped))} do not fit the model's limit of {limit} tokens "
+            "with the generated tokens; dropped")
+    if not lengths:
+        raise InvalidParameterError(f"no length fits the model's limit of {limit} tokens")
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 0:
         raise InvalidParameterError(f"positions must be an integer >= 0, got {positions!r}")
     max_context = max(max(lengths) + decode_tokens, positions + 1)
@@ -324,7 +384,11 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
                                     f"limit of {limit} tokens")
     lily = LilyRunner(path, device, max_context, device_options)
     peer = MlxLmRunner(path)
-    tokens_for = text_tokens(lily.engine.tokenizer)
+    if pplx:
+        def tokens_for(length):
+            return pplx_prompt(length, config.vocab_size)
+    else:
+        tokens_for = text_tokens(lily.engine.tokenizer)
     notice = None
     if lily.engine.device != "metal" or not peer.on_gpu:
         notice = (f"Lily on device={lily.engine.device}, MLX on the {'GPU' if peer.on_gpu else 'CPU'}: these "
@@ -332,9 +396,14 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
                   "the engines")
         log(f"lily bench: {notice}")
     results = run_bench(lily, peer, tokens_for, lengths=lengths, decode_tokens=decode_tokens,
-                        rounds=rounds, log=log)
+                        rounds=rounds, exact_warmup=pplx, log=log)
     check = consistency(lily, peer, tokens_for(positions + 1)) if positions else None
-    meta = {"model": str(path), "rounds": rounds, "decode_tokens": decode_tokens, "notice": notice,
-            "platform": platform.platform(), "machine": platform.machine(),
+    meta = {"model": str(path), "protocol": protocol, "rounds": rounds, "decode_tokens": decode_tokens,
+            "notice": notice, "platform": platform.platform(), "machine": platform.machine(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if pplx:
+        meta.update(decode_steps=PPLX_DECODE_STEPS, dropped_lengths=dropped,
+                    published_m5max={str(L): dict(zip(("lily_pplx_decode", "mlx_lm_decode", "lily_pplx_prefill",
+                                                       "mlx_lm_prefill"), v))
+                                     for L, v in PPLX_PUBLISHED_M5MAX.items() if L in lengths})
     return report(results, lily, peer, meta, check)

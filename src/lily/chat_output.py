@@ -612,3 +612,54 @@ def parse_complete(text: str, *, reasoning: bool = False, tools: list[dict] | No
     acc.add(p.feed(text))
     acc.add(p.finish())
     return acc
+
+
+@dataclass
+class ToolCall:
+    """A tool call the model made: ``name`` and its ``arguments`` (a dict, values typed by
+    the tool's JSON schema), with an ``id`` (``call_...``) for the tool result to cite."""
+
+    id: str
+    name: str
+    arguments: dict
+
+
+@dataclass
+class ChatMessage:
+    """An assistant reply split into its parts.
+
+    ``reasoning`` is the thinking block's text (empty when there was none), ``content`` the
+    visible answer, ``tool_calls`` the calls in order. :meth:`to_message` gives the
+    message to append to the conversation for the next turn.
+    """
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def to_message(self) -> dict:
+        """``{"role": "assistant", "content", "reasoning_content"?, "tool_calls"?}`` in the
+        shape the chat template (and OpenAI's API) takes in history."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in self.tool_calls]
+        return msg
+
+
+def parse_chat_output(text: str, *, reasoning: bool = False, tools: list[dict] | None = None,
+                      parse_tools: bool = True) -> ChatMessage:
+    """Split a whole raw reply (special tokens included, as the engine returns it) into
+    reasoning, content and tool calls - the same parser the server streams with.
+
+    ``reasoning``: the prompt left a ``<think>`` block open (:func:`prompt_opens_reasoning`);
+    ``tools``: the tool definitions, which type the arguments; ``parse_tools=False`` leaves
+    tool-call markup in the content.
+    """
+    acc = parse_complete(text, reasoning=reasoning, tools=tools, parse_tools=parse_tools)
+    calls = [ToolCall(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for c in acc.tool_calls]
+    return ChatMessage(acc.reasoning, acc.content, calls)

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+from pathlib import Path
 
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 
@@ -16,11 +19,14 @@ _INT32_MAX = (1 << 31) - 1
 _SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
 
 _EPILOG = """examples:
+  lily doctor                                 # first thing on a new machine: checks GPU and kernels
   lily generate "ROMEO."                      # the embedded demo model (Shakespeare)
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
-  lily serve --port 8000                      # OpenAI-compatible server (pip install ".[serve]")
+  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server (pip install ".[serve]")
+  lily cache-prompt system.lilycache --system-file system.txt --tools tools.json
+  lily serve --prompt-cache-file system.lilycache   # every chat starts from the cached system prompt
   lily bench --model ~/models/Qwen3.6-35B-A3B-4bit --device metal   # vs MLX-LM (".[bench]")
 """
 
@@ -28,9 +34,10 @@ _EPILOG = """examples:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="MLX 4-bit qwen3_5_moe checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--device", default="reference", choices=["reference", "sim", "metal", "auto"],
-                   help="where to run the model: reference (numpy, default), sim (the Metal kernels on "
-                        "the CPU simulator: slow, for verification), metal (Apple GPU), auto")
+    p.add_argument("--device", default="auto", choices=["auto", "metal", "reference", "sim"],
+                   help="where to run the model: auto (default: metal on a Mac, else reference), metal "
+                        "(Apple GPU), reference (numpy on the CPU), sim (the Metal kernels on the CPU "
+                        "simulator: slow, for verification)")
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")
@@ -88,8 +95,39 @@ def _context_notice(engine, hint: str = "") -> None:
     print(f"[stopped: the context window ({engine.max_context} tokens) is full{hint}]", file=sys.stderr)
 
 
+# "owner/name" as Hugging Face spells repo ids; a local path is tried first
+_HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def _check_model_path(model: str | None) -> None:
+    """A clear error for a --model that is not there (a local path or a Hugging Face repo id)."""
+    if model is None or Path(model).expanduser().exists():
+        return
+    if _HF_REPO_ID.fullmatch(model) and not model.startswith((".", "~")):
+        name = model.split("/", 1)[1]
+        local = name if name.lower().endswith("bit") else name + "-4bit"
+        raise InvalidParameterError(
+            f"--model {model}: the path does not exist. It looks like a Hugging Face repo id; Lily "
+            "loads a local MLX 4-bit checkpoint and never downloads. Convert the original weights "
+            "once (this downloads them; needs pip install mlx-lm):\n"
+            f"  python -m mlx_lm convert --hf-path {model} --mlx-path {local} -q --q-bits 4 --q-group-size 64\n"
+            f"or, if the repo already holds an MLX 4-bit checkpoint:\n"
+            f"  huggingface-cli download {model} --local-dir {local}\n"
+            f"then: --model {local}")
+    raise InvalidParameterError(f"--model {model}: the path does not exist")
+def _add_cache_args(p: argparse.ArgumentParser) -> None:
+    from lily.prompt_cache import DEFAULT_MAX_BYTES
+    g = p.add_argument_group("prompt cache (reuse of earlier prompts' state)")
+    g.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
+                   help=f"memory for session snapshots (default {DEFAULT_MAX_BYTES >> 30} GiB; "
+                        "0 disables the cache)")
+    g.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="load snapshots written by `lily cache-prompt` (kept for the whole run)")
+
+
 def _load(args):
     from lily.engine import Engine
+    _check_model_path(args.model)
     options, flags = {}, []
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
@@ -100,15 +138,40 @@ def _load(args):
     if flags and args.device == "reference":
         raise InvalidParameterError(f"{' and '.join(flags)} apply only to the native devices "
                                     "(--device sim, metal or auto)")
-    return Engine.load(args.model, device=args.device, max_context=args.max_context,
-                       progress=sys.stderr.isatty(), device_options=options or None)
+    engine = Engine.load(args.model, device=args.device, max_context=args.max_context,
+                         progress=sys.stderr.isatty(), device_options=options or None,
+                         **({"prompt_cache_bytes": args.prompt_cache_bytes}
+                            if getattr(args, "prompt_cache_bytes", None) is not None else {}))
+    cache_file = getattr(args, "prompt_cache_file", None)
+    if cache_file:
+        n = engine.load_prompt_cache(cache_file)
+        print(f"lily: loaded {n} prompt cache entr{'y' if n == 1 else 'ies'} from {cache_file}", file=sys.stderr)
+    return engine
 
 
-def _print_stats(ev, file=sys.stderr) -> None:
+def peak_memory_bytes() -> int:
+    """The process's peak resident memory (``getrusage`` ``ru_maxrss``: KiB on Linux, bytes on
+    macOS), weights mapped and touched included; 0 where it is not available."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _print_stats(ev, file=None) -> None:
+    """The speed line (as mlx_lm prints after a generation): prompt and generation tokens
+    with their rates (and, when the prompt cache reused some, the prompt tokens cached and
+    computed), the peak memory, why it ended."""
     t = ev.timings
-    print(f"\n[{ev.prompt_tokens} prompt tokens, {t.prefill_tokens_per_s:.1f} tok/s prefill; "
-          f"{ev.completion_tokens} generated, {t.decode_tokens_per_s:.1f} tok/s; "
-          f"finish: {ev.finish_reason}]", file=file)
+    cached = getattr(ev, "cached_tokens", 0)
+    reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
+    print(f"[prompt: {ev.prompt_tokens} tokens{reuse}, "
+          f"{t.prefill_tokens_per_s:.1f} tok/s | "
+          f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s | "
+          f"peak memory: {peak_memory_bytes() / 1e9:.3f} GB | finish: {ev.finish_reason}]",
+          file=file or sys.stderr)
 
 
 class _ChatPrinter:
@@ -153,6 +216,8 @@ class _ChatPrinter:
 
 def cmd_generate(args) -> int:
     overrides = _overrides(args)  # invalid values are reported before the model loads
+    if args.prompt == "-":
+        args.prompt = sys.stdin.read()
     engine = _load(args)
     printer = None
     if args.chat:
@@ -176,11 +241,42 @@ def cmd_generate(args) -> int:
         printer.finish(last.finish_reason if last else None)
     sys.stdout.write("\n")
     sys.stdout.flush()
-    if args.verbose:
+    if not args.quiet and last is not None:
         _print_stats(last)
     if _context_full(engine, last):
         _context_notice(engine, " (--max-context sets it)")
     return 0
+
+
+def _history_file() -> Path:
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "lily" / "chat_history"
+
+
+def _line_editing() -> None:
+    """Arrow keys, editing and history (kept in ``_history_file()``) for ``input()`` on a
+    terminal, where Python has readline (not on Windows)."""
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        return
+    try:
+        import readline
+    except ImportError:
+        return
+    import atexit
+    path = _history_file()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass  # no history yet
+    readline.set_history_length(1000)
+
+    def save():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass  # a read-only home: history is kept for this session only
+    atexit.register(save)
 
 
 def cmd_chat(args) -> int:
@@ -192,6 +288,8 @@ def cmd_chat(args) -> int:
     kwargs = {"enable_thinking": False} if args.no_think else {}
     print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
           "/reset to start over, /help for the commands.", file=sys.stderr)
+    _line_editing()
+    last_turn = None  # the final event of the last reply (/stats)
     while True:
         try:
             user = input("> ")
@@ -209,7 +307,17 @@ def cmd_chat(args) -> int:
         if command == "/help":
             print("[empty line, Ctrl-D, /exit or /quit: quit; /reset: start a new conversation"
                   + (" (the system prompt is kept)" if args.system else "")
+                  + "; /stats: tokens of the last turn and the prompt cache"
                   + "; /help: this; start a message with // to send a leading /]", file=sys.stderr)
+            continue
+        if command == "/stats":
+            if last_turn is not None:
+                _print_stats(last_turn)
+            info = engine.prompt_cache.info() if engine.prompt_cache is not None else None
+            print("[prompt cache: " + (f"{info['entries']} snapshots, {info['bytes'] / 2**20:.1f} MiB of "
+                                       f"{info['max_bytes'] / 2**20:.0f} MiB; {info['cached_tokens']} prompt "
+                                       f"tokens reused, {info['computed_tokens']} computed]"
+                                       if info else "off]"), file=sys.stderr)
             continue
         if command == "/reset":
             messages = messages[:1] if args.system else []
@@ -239,10 +347,49 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})
+        last_turn = last
         if args.verbose and last is not None:
             _print_stats(last)
         if _context_full(engine, last):
             _context_notice(engine, "; /reset to start over")
+
+
+def _system_prefix(engine, system: str | None, tools: list | None) -> list[int]:
+    """The tokens of the system message (with the tool definitions) exactly as the chat
+    template renders them at the start of every conversation: the conversation is rendered
+    with a placeholder user message and cut before it."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "."}]
+    ids = engine.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=False)
+    starts = [i for i, t in enumerate(ids) if t == engine._im_start]
+    if len(starts) < 2:
+        raise InvalidParameterError("the chat template rendered no system message to cache "
+                                    "(give --system or --tools)")
+    return ids[:starts[1]]
+
+
+def cmd_cache_prompt(args) -> int:
+    from pathlib import Path
+    tools = None
+    if args.tools:
+        try:
+            tools = json.loads(Path(args.tools).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"--tools {args.tools}: {e}") from None
+        if isinstance(tools, dict) and "tools" in tools:
+            tools = tools["tools"]
+        if not isinstance(tools, list):
+            raise InvalidParameterError(f"--tools {args.tools}: expected a JSON list of tool definitions")
+    system = args.system
+    if args.system_file:
+        system = Path(args.system_file).read_text(encoding="utf-8") if args.system_file != "-" else sys.stdin.read()
+    engine = _load(args)
+    ids = engine.encode_prompt(args.prompt) if args.prompt is not None else _system_prefix(engine, system, tools)
+    computed = engine.cache_prompt(ids)
+    n = engine.save_prompt_cache(args.file)
+    info = engine.prompt_cache.info()
+    print(f"cached {len(ids)} prompt tokens ({computed} computed) as {n} snapshot{'s' if n != 1 else ''}, "
+          f"{info['bytes'] / 2**20:.1f} MiB: {args.file}", file=sys.stderr)
+    return 0
 
 
 def cmd_info(args) -> int:
@@ -264,6 +411,13 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from lily import doctor
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
+    return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
+                      seed=args.seed, as_json=args.json)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -274,16 +428,49 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def cmd_bench_agent(args) -> int:
+    from lily import agent_bench
+    from lily.engine import Engine
+    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
+    load = dict(device=args.device, device_options=options, max_context=args.max_context)
+    engine = Engine.load(args.model, **load)
+    cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
+    rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
+                          turn_tokens=args.turn_tokens, max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                          on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
+    print(agent_bench.format_report(rep))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(rep, f, indent=2)
+        print(f"\nwritten: {args.json}", file=sys.stderr)
+    return 0
+
+
 def cmd_bench(args) -> int:
+    if args.agent:
+        return cmd_bench_agent(args)
     from lily.bench import bench, format_report
     options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
     rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
-                rounds=args.rounds, positions=args.positions, device_options=options)
+                rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
     print(format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rep, f, indent=2)
         print(f"\nwritten: {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from lily.checkpoint import load_config
+    from lily.perf import LENGTHS, estimate, format_report
+    config = load_config(args.model)[0] if args.model else None
+    rep = estimate(args.machine, config=config, contexts=args.contexts or LENGTHS, prompts=args.prompts or LENGTHS,
+                   breakdown_at=args.at, chunk=args.prefill_chunk)
+    if args.json:
+        print(json.dumps(rep, indent=2))
+    else:
+        print(format_report(rep))
     return 0
 
 
@@ -296,7 +483,7 @@ def cmd_serve(args) -> int:
     engine = _load(args)
     try:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
-              model_name=args.model_name, max_queue=args.max_queue,
+              model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
@@ -320,6 +507,14 @@ def _check_serve(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
+    _check_cache(parser, args)
+
+
+def _check_cache(parser: argparse.ArgumentParser, args) -> None:
+    if args.prompt_cache_bytes < 0:
+        parser.error(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
+    if args.prompt_cache_bytes == 0 and getattr(args, "prompt_cache_file", None):
+        parser.error("--prompt-cache-file needs the prompt cache (--prompt-cache-bytes is 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -328,16 +523,20 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lily runs Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit checkpoints) locally. "
                     "Without --model it uses a small embedded demo model that writes Shakespeare.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from lily import __version__
+    p.add_argument("--version", action="version", version=f"lily {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     g = sub.add_parser("generate", help="continue a prompt (or answer it with --chat) and print the text",
-                       description="Generate text from PROMPT and stream it to stdout.")
-    g.add_argument("prompt", help="the prompt text")
+                       description="Generate text from PROMPT and stream it to stdout; a speed line "
+                                   "(prompt and generation tokens per second, peak memory) follows "
+                                   "on stderr unless --quiet.")
+    g.add_argument("prompt", help="the prompt text; - reads it from stdin")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block "
                    "(an error without --chat: a raw prompt has no chat template)")
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
-    g.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
+    g.add_argument("--quiet", "-q", action="store_true", help="no speed line on stderr after the text")
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(func=cmd_generate, check=lambda a: _check_generate(g, a))
@@ -349,7 +548,24 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     _add_model_args(c)
     _add_sampling_args(c)
-    c.set_defaults(func=cmd_chat)
+    _add_cache_args(c)
+    c.set_defaults(func=cmd_chat, check=lambda a: _check_cache(c, a))
+
+    cp = sub.add_parser("cache-prompt", help="prefill a system prompt (and tools) once and save its state to a file",
+                        description="Prefill a prompt and write its session snapshots to FILE, for "
+                                    "`lily serve --prompt-cache-file FILE` or `lily chat --prompt-cache-file "
+                                    "FILE` (or Engine.load_prompt_cache): every conversation that starts "
+                                    "with it skips its prefill. The file is tied to the model, its "
+                                    "quantization and the device kind.")
+    cp.add_argument("file", help="the cache file to write")
+    src = cp.add_mutually_exclusive_group()
+    src.add_argument("--system", default=None, help="system prompt, rendered with the chat template")
+    src.add_argument("--system-file", default=None, metavar="PATH", help="read the system prompt from PATH ('-': stdin)")
+    src.add_argument("--prompt", default=None, help="a raw prompt (no chat template) instead")
+    cp.add_argument("--tools", default=None, metavar="JSON_FILE",
+                    help="tool definitions (a JSON list, OpenAI format) rendered into the system message")
+    _add_model_args(cp)
+    cp.set_defaults(func=cmd_cache_prompt, prompt_cache_bytes=None)
 
     i = sub.add_parser("info", help="show the model's config, tensor count, memory footprint and devices",
                        description="Print the checkpoint's configuration, tensor count, weight bytes, "
@@ -368,26 +584,89 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Lily's device (default auto: metal on a Mac)")
     b.add_argument("--lengths", type=_int_list, default=None, metavar="L1,L2,...",
                    help="prompt lengths in tokens (default: 256, 512, ..., 131072 up to the model's limit)")
-    b.add_argument("--decode-tokens", type=int, default=64, metavar="N",
-                   help="tokens generated per request (default 64)")
-    b.add_argument("--rounds", type=int, default=3, help="rounds per length; the engine order alternates (default 3)")
-    b.add_argument("--positions", type=int, default=192, metavar="N",
-                   help="teacher-forced positions of the consistency check (default 192; 0 skips it)")
+    b.add_argument("--protocol", default="spec", choices=["spec", "pplx"],
+                   help="spec: SPEC.md's chat-text prompts; pplx: pplx-garden's published contract (synthetic "
+                        "ids, exact-shape warm-up, time to first token, exactly 64 decode steps, 2 rounds; "
+                        "lengths beyond the model's limit dropped) (default spec)")
+    b.add_argument("--decode-tokens", type=int, default=None, metavar="N",
+                   help="tokens generated per request, or per agent reply (default 64; fixed by --protocol pplx)")
+    b.add_argument("--rounds", type=int, default=None,
+                   help="rounds per length; the engine order alternates (default 3; pplx 2)")
+    b.add_argument("--positions", type=int, default=None, metavar="N",
+                   help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="Lily's prefill chunk on the native devices (default 2048)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
+    a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
+    a.add_argument("--agent", action="store_true",
+                   help="run the agent scenario instead: tokens computed and time per turn with and "
+                        "without the prompt cache, reuse ratio, outputs compared (--decode-tokens per reply)")
+    a.add_argument("--system-tokens", type=int, default=4096, metavar="N",
+                   help="system prompt with tool definitions, in tokens (default 4096)")
+    a.add_argument("--turns", type=int, default=8, help="requests in the conversation (default 8)")
+    a.add_argument("--turn-tokens", type=int, default=300, metavar="N",
+                   help="tokens each turn adds: a tool result and a user message (default 300)")
+    a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
+    a.add_argument("--no-cold", action="store_true", help="skip the runs without the cache")
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming)")
+    d = sub.add_parser("doctor", help="check this machine: toolchain, GPU, memory, and every kernel against numpy",
+                       description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
+                                   "library and the tensor library load, the memory the model needs, then run "
+                                   "every shipped kernel once on the GPU (the simulator off a Mac) against its "
+                                   "numpy reference on fresh random inputs. Ends with a block to paste into a "
+                                   "bug report. Exit status 1 when anything failed.")
+    d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
+                   help="device to check (default auto: metal on a Mac, else the simulator)")
+    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
+    d.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="checkpoint whose memory needs to show (default: demo model)")
+    d.add_argument("--max-context", type=int, default=None, metavar="N",
+                   help="context length for the KV-cache estimate (default: as Engine.load, 32768 or the model's maximum)")
+    d.add_argument("--seed", type=int, default=None, help="fix the random inputs (default: fresh ones)")
+    d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    d.set_defaults(func=cmd_doctor)
+    e = sub.add_parser("estimate", help="ESTIMATE decode and prefill speed on an Apple GPU without a Mac",
+                       description="A performance model (docs/performance.md) of the real plan's recorded "
+                                   "dispatches on a chosen Apple GPU: decode tok/s per context, prefill tok/s "
+                                   "per prompt length, and where the time goes by kernel family. An estimate, "
+                                   "not a measurement.")
+    from lily.perf import MACHINES
+    e.add_argument("--machine", default="m5max", choices=list(MACHINES),
+                   help="the GPU modelled (default m5max)")
+    e.add_argument("--model", "-m", default=None, metavar="PATH",
+                   help="take the dimensions from this checkpoint's config.json (default: Qwen3.6-35B-A3B)")
+    e.add_argument("--contexts", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="decode contexts (default 256, 512, ..., 131072)")
+    e.add_argument("--prompts", type=_int_list, default=None, metavar="L1,L2,...",
+                   help="prefill prompt lengths (default 256, 512, ..., 131072)")
+    e.add_argument("--at", type=int, default=4096, metavar="L",
+                   help="context / prompt length of the per-family breakdown (default 4096)")
+    e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill chunk rows (default: the runtime's)")
+    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    e.set_defaults(func=cmd_estimate)
+
+    s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
+                       description="Serve the model over HTTP: OpenAI chat completions, completions and "
+                                   "Responses, Anthropic Messages, and models, streaming or not, on "
+                                   "127.0.0.1 unless --host says otherwise. One generation runs at a time; "
+                                   "others wait in a queue. Needs the serve extra: " + _SERVE_EXTRA
+                                   + ". See docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
-    s.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: directory name)")
+    s.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
+                   help="model id the server advertises (default: directory name); requests may name any model "
+                        "unless --strict-model-name")
+    s.add_argument("--strict-model-name", action="store_true",
+                   help="refuse requests naming another model (404 model_not_found)")
     s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    _add_cache_args(s)
     s.set_defaults(func=cmd_serve, check=lambda a: _check_serve(s, a))
     return p
 

@@ -1,8 +1,9 @@
 """The public engine: load a checkpoint, prefill, decode, and generate text.
 
 ``Engine`` owns one session (KV cache, conv and recurrent state) on one device. The
-reference device is the numpy oracle (:mod:`lily.reference`); native devices plug in behind
-the same :class:`Backend` protocol.
+reference device is the numpy oracle (:mod:`lily.reference`); native devices
+(:mod:`lily.native`) plug in behind the same host contract, :class:`lily.backend.Backend`.
+The engine checks its input once, here; it has one generation loop for every device.
 """
 
 from __future__ import annotations
@@ -12,70 +13,27 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
+from lily.backend import Backend
+from lily.chat_output import ChatMessage, ToolCall, parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
+from lily.constraints import Constraint
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
-from lily.native import check_vocabulary
-from lily.reference import ReferenceModel, ReferenceState
-from lily.sampling import Sampler, SamplingParams, StopMatcher, TokenLogprob
+from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
+from lily.reference import ReferenceBackend
+from lily.sampling import SamplingParams, StopMatcher, TokenLogprob
 from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
-PREFILL_CHUNK = 128  # tokens per prefill call; cancellation is checked between chunks
 
 
 def default_model_path() -> Path:
     """The embedded demo checkpoint (``lily-demo-shakespeare``) shipped inside the package."""
     return Path(__file__).resolve().parent / "demo_model"
-
-
-class Backend(Protocol):
-    """What a device provides to the engine: incremental forward with session state."""
-
-    name: str
-
-    def reset(self) -> None: ...
-    def forward(self, tokens: np.ndarray, *, all_logits: bool) -> np.ndarray: ...
-    def snapshot(self): ...
-    def restore(self, snap) -> None: ...
-    @property
-    def position(self) -> int: ...
-
-
-class ReferenceBackend:
-    """The numpy oracle as a device."""
-
-    name = "reference"
-
-    def __init__(self, ck: Checkpoint, max_context: int, **kw):
-        self.model = ReferenceModel(ck, **kw)
-        self.max_context = max_context
-        self.state: ReferenceState = self.model.new_state(max_context)
-
-    @property
-    def position(self) -> int:
-        return self.state.position
-
-    def reset(self) -> None:
-        self.state = self.model.new_state(self.max_context)
-
-    def forward(self, tokens, *, all_logits: bool) -> np.ndarray:
-        return self.model.forward(tokens, self.state, all_logits=all_logits)
-
-    def snapshot(self) -> ReferenceState:
-        return self.state.copy()
-
-    def restore(self, snap: ReferenceState) -> None:
-        if not isinstance(snap, ReferenceState):
-            raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
-        if snap.position > self.max_context:
-            raise InvalidParameterError(f"the snapshot holds {snap.position} tokens, more than the "
-                                        f"context window of {self.max_context}")
-        self.state = snap.copy()
 
 
 def available_devices() -> list[str]:
@@ -102,9 +60,11 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     available = available_devices()
     auto = device == "auto"
     if auto:
-        device = "metal" if "metal" in available else "sim" if "sim" in available else "reference"
+        # The simulator verifies kernels; it is far too slow to serve: never chosen for you.
+        device = "metal" if "metal" in available else "reference"
         if device != "metal":
-            print(f"lily: no Metal device here; using device={device!r}", file=sys.stderr)
+            print("lily: no Metal GPU in this build; using device='reference' (numpy on the CPU)",
+                  file=sys.stderr)
     if device == "reference":
         if options and not auto:
             raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) apply only to "
@@ -143,7 +103,8 @@ class StreamEvent:
     ``text`` is safe to display (complete UTF-8 characters, stop strings withheld);
     ``token_ids`` are the tokens produced in this step (the EOS token is not included).
     The last event has ``finish_reason`` set (``"stop"``, ``"length"`` or ``"cancelled"``)
-    and carries ``prompt_tokens``/``completion_tokens`` and ``timings``.
+    and carries ``prompt_tokens``/``completion_tokens``, ``cached_tokens`` (prompt tokens
+    whose state was reused rather than computed) and ``timings``.
     """
 
     text: str
@@ -153,12 +114,14 @@ class StreamEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     timings: Timings | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
 class GenerationResult:
     """A finished generation: ``text``, generated ``token_ids``, ``finish_reason``, usage
-    counts, ``timings`` and optional per-token ``logprobs``."""
+    counts (``cached_tokens``: prompt tokens reused from the session or the prompt cache),
+    ``timings`` and optional per-token ``logprobs``."""
 
     text: str
     token_ids: list[int]
@@ -167,6 +130,24 @@ class GenerationResult:
     completion_tokens: int
     timings: Timings
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
+
+
+@dataclass
+class ChatResult(GenerationResult):
+    """A finished :meth:`Engine.chat`: a :class:`GenerationResult` (``text`` is the raw
+    reply, special tokens included) plus the reply split by :func:`lily.chat_output.parse_chat_output`:
+    ``reasoning`` (the thinking block), ``content`` (the answer) and ``tool_calls``
+    (:class:`lily.chat_output.ToolCall`, arguments typed by the tools' schemas)."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @property
+    def message(self) -> dict:
+        """The assistant message to append to the conversation for the next turn."""
+        return ChatMessage(self.reasoning, self.content, list(self.tool_calls)).to_message()
 
 
 class Engine:
@@ -192,20 +173,28 @@ class Engine:
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
         self._tokens: list[int] = []  # tokens whose effect is in the session state
+        self.prompt_cache: PromptCache | None = PromptCache(DEFAULT_MAX_BYTES)
+        self._im_start = tokenizer.token_to_id("<|im_start|>")
+        self._snap_points: list[int] = []  # positions of the running prefill to snapshot
+        self._cache_key: str | None = None  # the running request's prompt_cache_key
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def load(cls, path: str | Path | None = None, *, device: str = "reference",
+    def load(cls, path: str | Path | None = None, *, device: str = "auto",
              max_context: int | None = None, progress: bool = False,
-             device_options: dict | None = None) -> "Engine":
+             device_options: dict | None = None,
+             prompt_cache_bytes: int = DEFAULT_MAX_BYTES) -> "Engine":
         """Load a checkpoint directory (default: the embedded demo model).
 
         Parameters
         ----------
         path : str | Path | None
             An MLX 4-bit ``qwen3_5_moe`` checkpoint directory with tokenizer files.
-        device : {"reference", "sim", "metal", "auto"}
+        device : {"auto", "metal", "reference", "sim"}
+            ``auto`` (default): ``metal`` where this build has it (macOS), else ``reference``
+            with a one-line notice on stderr. ``sim`` (the Metal kernels on the CPU
+            simulator, for verification) only when asked for.
         max_context : int | None
             Context window in tokens (default ``min(32768, max_position_embeddings)``).
         progress : bool
@@ -220,6 +209,9 @@ class Engine:
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
+        prompt_cache_bytes : int
+            Memory budget of the multi-turn prompt cache (:class:`lily.PromptCache`,
+            default 4 GiB); 0 disables it.
 
         Raises
         ------
@@ -248,11 +240,16 @@ class Engine:
             max_context = min(DEFAULT_MAX_CONTEXT, limit)
         if isinstance(max_context, bool) or not isinstance(max_context, int) or not 0 < max_context <= limit:
             raise InvalidParameterError(f"max_context must be an integer in [1, {limit}], got {max_context!r}")
+        if isinstance(prompt_cache_bytes, bool) or not isinstance(prompt_cache_bytes, int) or prompt_cache_bytes < 0:
+            raise InvalidParameterError(f"prompt_cache_bytes must be a non-negative integer, got {prompt_cache_bytes!r}")
+        cache = PromptCache(prompt_cache_bytes) if prompt_cache_bytes != 0 else None
         backend = _make_backend(device, ck, max_context, dict(device_options or {}))
         if bar:
             bar.update(1)
             bar.close()
-        return cls(path, ck, tok, backend, max_context, generation_config)
+        engine = cls(path, ck, tok, backend, max_context, generation_config)
+        engine.prompt_cache = cache
+        return engine
 
     # ------------------------------------------------------------------ low level
 
@@ -267,18 +264,41 @@ class Engine:
         return list(self._tokens)
 
     def reset(self) -> None:
-        """Empty the session (KV cache and recurrent state)."""
+        """Empty the session (KV cache and recurrent state). The prompt cache keeps its
+        entries (``engine.prompt_cache.clear()`` drops them)."""
         self.backend.reset()
         self._tokens = []
 
-    def _check_tokens(self, tokens) -> np.ndarray:
+    @property
+    def prefill_chunk(self) -> int:
+        """Tokens per prefill chunk on this device (the reference: 128; native devices: the
+        ``prefill_chunk`` device option, default 512). Generation checks ``cancel`` between
+        chunks, so this is also the cancellation granularity of a prompt."""
+        return self.backend.prefill_chunk
+
+    def _check_tokens(self, tokens, what: str, after: int) -> np.ndarray:
+        """The one input check before anything reaches a backend: ``tokens`` as int64
+        ``[T]``, T >= 1, every id in ``[0, vocab_size)``, and ``after + T <= max_context``
+        (``after``: the tokens they follow in the session).
+
+        Raises :class:`InvalidParameterError` (naming ``what``) or :class:`ContextLengthError`."""
         arr = np.asarray(tokens)
         if arr.size == 0:
-            raise InvalidParameterError("tokens must contain at least one token id")
+            raise InvalidParameterError(f"{what} must contain at least one token id")
         if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidParameterError(f"tokens must be a 1-D sequence of integer ids, got shape "
+            raise InvalidParameterError(f"{what} must be a 1-D sequence of integer ids, got shape "
                                         f"{arr.shape} dtype {arr.dtype}")
-        check_vocabulary(arr, self.config.vocab_size)
+        bad = arr[(arr < 0) | (arr >= self.config.vocab_size)]
+        if bad.size:
+            raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary "
+                                        f"[0, {self.config.vocab_size})")
+        if after + arr.size > self.max_context:
+            if after:
+                n = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
+                raise ContextLengthError(f"{n} not fit: {after} tokens are already in the "
+                                         f"session and the context window is {self.max_context}")
+            raise ContextLengthError(f"{what} has {arr.size} tokens but the context window "
+                                     f"is {self.max_context} tokens")
         return arr.astype(np.int64)
 
     def prefill(self, tokens: Sequence[int], *, all_logits: bool = False) -> np.ndarray:
@@ -294,13 +314,9 @@ class Engine:
         InvalidParameterError
             Empty input, non-integer or out-of-vocabulary ids.
         """
-        arr = self._check_tokens(tokens)
-        if self.position + arr.size > self.max_context:
-            what = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
-            raise ContextLengthError(f"{what} not fit: {self.position} tokens are already in the "
-                                     f"session and the context window is {self.max_context}")
+        arr = self._check_tokens(tokens, "tokens", self.position)
         out = self.backend.forward(arr, all_logits=all_logits)
-        self._tokens.extend(int(t) for t in arr)
+        self._tokens.extend(arr.tolist())
         return out
 
     def decode(self, token: int) -> np.ndarray:
@@ -321,6 +337,9 @@ class Engine:
             state, toks = snap
         except (TypeError, ValueError):
             raise InvalidParameterError(f"not an Engine snapshot: {type(snap).__name__}") from None
+        if len(toks) > self.max_context:
+            raise InvalidParameterError(f"the snapshot holds {len(toks)} tokens, more than the "
+                                        f"context window of {self.max_context}")
         self.backend.restore(state)
         self._tokens = list(toks)
 
@@ -331,144 +350,143 @@ class Engine:
         return base.replace(**overrides) if overrides else base
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a raw text prompt (no chat template), or the ids themselves."""
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidParameterError("the prompt is empty")
-        return ids
+        """Token ids of a raw text prompt (no chat template), or the ids themselves.
 
-    def _start(self, prompt_ids: list[int]) -> list[int]:
-        """Reuse the session when the new prompt extends the tokens already in it."""
+        Raises :class:`InvalidParameterError` for an empty prompt, ids that are not integers
+        or outside the vocabulary, and :class:`ContextLengthError` for a prompt longer than
+        the context window."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if len(ids) == 0:
+            raise InvalidParameterError("the prompt is empty")
+        return self._check_tokens(ids, "the prompt", 0).tolist()
+
+    def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
+        """Prepare the session for ``prompt_ids`` and return the tokens still to compute
+        (at least one: the last prompt token's logits select the first output): the one
+        place where state is reused. ``len(prompt_ids) - len(result)`` is the request's
+        ``cached_tokens``.
+
+        The session is kept when the prompt extends its tokens; otherwise the longest
+        prefix in the prompt cache is restored when it is longer (a restore that fails
+        drops that entry and starts from an empty session). Sets the snapshot positions
+        of the prefill that follows (:func:`lily.prompt_cache.snapshot_points`);
+        ``cache_key`` is the request's ``prompt_cache_key`` hint for the cache's eviction."""
         n = len(self._tokens)
-        if n and len(prompt_ids) > n and prompt_ids[:n] == self._tokens:
-            return prompt_ids[n:]
-        self.reset()
-        return prompt_ids
+        start = n if n < len(prompt_ids) and prompt_ids[:n] == self._tokens else 0
+        cache = self.prompt_cache
+        self._cache_key = cache_key
+        entry = cache.lookup(prompt_ids, len(prompt_ids) - 1, cache_key) if cache is not None else None
+        if entry is not None and entry.length > start:
+            try:
+                self.backend.restore(entry.state)
+                self._tokens = entry.tokens.tolist()
+                start = entry.length
+            except Exception:  # noqa: BLE001 - a bad entry must not take the engine down
+                cache.discard(entry)
+                start = 0
+        if start == 0:
+            self.reset()
+        self._snap_points = snapshot_points(prompt_ids, start, self._im_start) if cache is not None else []
+        if cache is not None:
+            cache.record(start, len(prompt_ids) - start)
+        return prompt_ids[start:]
+
+    def _pieces(self, new: list[int], chunk: int):
+        """``new`` (the tokens after the session's) in prefill pieces of at most ``chunk``
+        tokens that end at the snapshot positions."""
+        base, s = len(self._tokens), 0
+        for p in self._snap_points + [base + len(new)]:
+            while base + s < p:
+                e = min(p - base, s + chunk)
+                yield new[s:e]
+                s = e
+
+    def _snapshot_if_planned(self) -> None:
+        """After a prefill piece: store the session in the prompt cache at a planned position."""
+        if self.prompt_cache is not None and self.position in self._snap_points:
+            self._cache_session()
+
+    def _cache_session(self) -> None:
+        if self.prompt_cache is not None and self._tokens and len(self._tokens) == self.position:
+            self.prompt_cache.insert(self._tokens, self.backend.snapshot(), key=self._cache_key)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-               cancel: threading.Event | None = None, **overrides) -> Iterator[StreamEvent]:
+               cancel: threading.Event | None = None, constraint: Constraint | None = None,
+               prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
         """Generate from ``prompt``, yielding :class:`StreamEvent` as text becomes safe to show.
 
         ``params`` defaults to the checkpoint's generation defaults; keyword ``overrides``
         (e.g. ``max_tokens=64, temperature=0.7, stop=["\\n\\n"]``) replace fields. Setting
-        ``cancel`` ends the stream promptly (between prefill chunks or decode steps) with
-        ``finish_reason="cancelled"``; closing the generator also stops it.
+        ``cancel`` ends the stream promptly (between prefill chunks of
+        :attr:`prefill_chunk` tokens or decode steps) with ``finish_reason="cancelled"``;
+        closing the generator also stops it. ``constraint``
+        (:class:`lily.constraints.Constraint`) restricts the tokens chosen at each step; on
+        native devices a constrained request samples on the host (docs/usage.md).
+        ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
+        choose what to evict; reuse is decided by token equality alone.
 
         Raises
         ------
         ContextLengthError
             The prompt alone does not fit in the context window.
         InvalidParameterError
-            Invalid sampling parameters.
+            Invalid sampling parameters or prompt ids.
         """
         p = self._params(params, overrides)
         prompt_ids = self.encode_prompt(prompt)
-        if len(prompt_ids) > self.max_context:
-            raise ContextLengthError(f"the prompt has {len(prompt_ids)} tokens but the context window "
-                                     f"is {self.max_context} tokens")
-        return self._generate(prompt_ids, p, cancel)
+        return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key)
 
-    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel) -> Iterator[StreamEvent]:
+    def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
+                  constraint: Constraint | None, cache_key: str | None = None) -> Iterator[StreamEvent]:
+        """The generation loop, the same for every device. All but the last prefill chunk
+        of the new tokens run here, ``cancel`` checked between them; the rest is the feed of
+        :meth:`Backend.start`, after which the backend returns one token per ``next``
+        (native devices: chosen on the device, with the next step already encoded; the
+        host reads ids one step behind and stops on EOS, a stop string, the constraint's
+        end or the length limit, discarding at most one speculative step).
+        ``timings.prefill_s`` is the time to the first token. The prompt cache stores the
+        session at the planned positions of the prefill (all inside the pieces run here) and
+        at the end of a generation that was not cancelled."""
+        backend = self.backend
         timings = Timings()
-        sampler = Sampler(p, prompt_ids)
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(p.stop)
-        new = self._start(prompt_ids)
+        new = self._start(prompt_ids, cache_key)
+        cached = len(prompt_ids) - len(new)
         timings.prefill_tokens = len(new)
+        n_out = 0
+        ended = False  # finished (not cancelled): the session is worth a snapshot
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
+            nonlocal ended
+            ended = reason != "cancelled"
+            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
-        n_out = 0
         t0 = time.perf_counter()
-        logits = None
-        if getattr(self.backend, "pipelined", False):
-            yield from self._generate_pipelined(prompt_ids, new, p, cancel, timings, detok, stops)
-            return
+        chunk = backend.prefill_chunk
+        tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
+        if self._snap_points:  # every snapshot position inside the pieces run here
+            tail = max(tail, self._snap_points[-1] - len(self._tokens))
         try:
-            for s in range(0, len(new), PREFILL_CHUNK):
+            for piece in self._pieces(new[:tail], chunk):
                 if cancel is not None and cancel.is_set():
                     self.reset()  # a partial prefill leaves no usable session
                     yield done("cancelled")
                     return
-                logits = self.prefill(new[s:s + PREFILL_CHUNK])
-        except BaseException:
-            self.reset()
-            raise
-        timings.prefill_s = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        if len(prompt_ids) >= self.max_context:  # prompt + completion never exceed the context
-            yield done("length")
-            return
-        while True:
-            if cancel is not None and cancel.is_set():
-                timings.decode_s = time.perf_counter() - t1
-                yield done("cancelled")
-                return
-            tok = sampler.sample(logits)
-            lp = [sampler.logprob(logits, tok)] if p.logprobs else None
-            if tok in self.eos_token_ids and not p.ignore_eos:
-                timings.decode_s = time.perf_counter() - t1
-                yield done("stop", stops.flush() + detok.flush())
-                return
-            n_out += 1
-            timings.decode_tokens = n_out
-            text, stopped = stops.push(detok.add(tok))
-            if stopped:
-                timings.decode_s = time.perf_counter() - t1
-                yield done("stop", text, [tok], lp)
-                return
-            if n_out >= p.max_tokens or len(prompt_ids) + n_out >= self.max_context:
-                timings.decode_s = time.perf_counter() - t1
-                tail, _ = stops.push(detok.flush())
-                yield done("length", text + tail + stops.flush(), [tok], lp)
-                return
-            yield StreamEvent(text, [tok], lp)
-            logits = self.decode(tok)
-
-    def _generate_pipelined(self, prompt_ids, new, p: SamplingParams, cancel, timings: Timings,
-                            detok, stops: StopMatcher) -> Iterator[StreamEvent]:
-        """Native devices: the prompt runs as prefill chunks, the last of which selects the
-        first token on the device; the device then generates with the GPU token hand-off
-        (token selection on the device, the next step encoded while the current one runs);
-        the host reads ids one step behind and stops on EOS, stop strings or max tokens,
-        discarding at most one speculative step. ``timings.prefill_s`` is the time to the
-        first token."""
-        backend = self.backend
-        n_out = 0
-
-        def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings)
-
-        t0 = time.perf_counter()
-        # All but the last chunk are prefilled here (cancellation is checked between chunks);
-        # the last one is the feed of the device pipeline, whose final chunk samples the
-        # first token on the device and hands it to the first decode step.
-        chunk = getattr(backend, "prefill_chunk", PREFILL_CHUNK)
-        tail = len(new) - ((len(new) - 1) % chunk + 1)
-        try:
-            for s in range(0, tail, chunk):
-                if cancel is not None and cancel.is_set():
-                    self.reset()
-                    yield done("cancelled")
-                    return
-                piece = new[s:s + chunk]
-                backend.prefill_only(piece)
+                backend.prefill(np.asarray(piece, dtype=np.int64))
                 self._tokens.extend(piece)
+                self._snapshot_if_planned()
         except BaseException:
             self.reset()
             raise
         feed = new[tail:]
         start_pos = backend.position
-        history = self._tokens + feed
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        backend.start(feed, steps, history, p)
-        outs: list[int] = []
+        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
         t1 = None
+        failed = False
         try:
+            backend.start(np.asarray(feed, dtype=np.int64), steps, prompt_ids, p, constraint)
             while True:
                 if cancel is not None and cancel.is_set():
                     yield done("cancelled")
@@ -483,6 +501,7 @@ class Engine:
                     return
                 tok, lp = step
                 if tok in self.eos_token_ids and not p.ignore_eos:
+                    outs.append(tok)  # a speculative step may have consumed it
                     yield done("stop", stops.flush() + detok.flush())
                     return
                 outs.append(tok)
@@ -493,43 +512,67 @@ class Engine:
                 if stopped:
                     yield done("stop", text, [tok], lps)
                     return
-                if n_out >= steps:
+                finished = constraint is not None and constraint.is_finished()
+                if finished or n_out >= steps:
                     tail_text, _ = stops.push(detok.flush())
-                    yield done("length", text + tail_text + stops.flush(), [tok], lps)
+                    yield done("stop" if finished else "length", text + tail_text + stops.flush(), [tok], lps)
                     return
                 yield StreamEvent(text, [tok], lps)
+        except GeneratorExit:
+            raise
+        except BaseException:
+            failed = True  # a step that failed part-way leaves no usable session
+            raise
         finally:
-            backend.finish()
             now = time.perf_counter()
             if t1 is None:
                 t1 = now
                 timings.prefill_s = now - t0
             timings.decode_s = now - t1
-            consumed = backend.position - start_pos
-            self._tokens.extend((feed + outs)[:consumed])
+            try:
+                backend.finish()
+            finally:
+                if failed:
+                    self.reset()
+                else:
+                    consumed = backend.position - start_pos
+                    self._tokens.extend((feed + outs)[:consumed])
+                    if ended:
+                        self._cache_session()  # the end of the generated text: the next turn may extend it
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                 cancel: threading.Event | None = None, **overrides) -> GenerationResult:
+                 cancel: threading.Event | None = None, constraint: Constraint | None = None,
+                 prompt_cache_key: str | None = None, **overrides) -> GenerationResult:
         """Like :meth:`stream`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream(prompt, params, cancel=cancel, **overrides))
+        return self._collect(self.stream(prompt, params, cancel=cancel, constraint=constraint,
+                                         prompt_cache_key=prompt_cache_key, **overrides))
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                    cancel: threading.Event | None = None, **overrides) -> Iterator[StreamEvent]:
+                    cancel: threading.Event | None = None, constraint: Constraint | None = None,
+                    **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        ids = self.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=True,
-                                         **(chat_template_kwargs or {}))
-        return self.stream(ids, params, cancel=cancel, **overrides)
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
+                           **overrides)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             cancel: threading.Event | None = None, **overrides) -> GenerationResult:
-        """Like :meth:`stream_chat`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream_chat(messages, params, tools=tools,
-                                              chat_template_kwargs=chat_template_kwargs,
-                                              cancel=cancel, **overrides))
+             cancel: threading.Event | None = None, constraint: Constraint | None = None,
+             **overrides) -> ChatResult:
+        """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
+        and its ``reasoning``, ``content`` and ``tool_calls``."""
+        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                    **(chat_template_kwargs or {}))
+        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
+                                      constraint=constraint, **overrides))
+        parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
+                                   parse_tools=bool(tools))
+        return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
+                          tool_calls=parsed.tool_calls)
 
     @staticmethod
     def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
@@ -541,7 +584,48 @@ class Engine:
                 lps.extend(ev.logprobs)
             last = ev
         return GenerationResult("".join(texts), ids, last.finish_reason, last.prompt_tokens,
-                                last.completion_tokens, last.timings, lps or None)
+                                last.completion_tokens, last.timings, lps or None, last.cached_tokens)
+
+    # ------------------------------------------------------------------ prompt cache
+
+    def save_prompt_cache(self, path: str | Path) -> int:
+        """Write the prompt cache's entries to ``path`` (one safetensors file carrying the
+        model's config, quantization, a weights fingerprint, the device kind and a checksum).
+        Returns the number of entries. Raises :class:`InvalidParameterError` when the cache
+        is disabled."""
+        from lily import prompt_cache
+        if self.prompt_cache is None:
+            raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
+        return prompt_cache.save(self.prompt_cache, self, path)
+
+    def load_prompt_cache(self, path: str | Path) -> int:
+        """Add the entries of a file written by :meth:`save_prompt_cache` to the prompt cache,
+        pinned (never evicted). Returns their number. Raises
+        :class:`lily.prompt_cache.PromptCacheError` naming what differs for a file of another
+        model, quantization or device kind, a damaged file, or entries beyond the context
+        window or the cache budget; nothing is loaded then."""
+        from lily import prompt_cache
+        if self.prompt_cache is None:
+            raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
+        return prompt_cache.load(self.prompt_cache, self, path)
+
+    def cache_prompt(self, prompt: str | Sequence[int]) -> int:
+        """Prefill ``prompt`` (text or ids) into the prompt cache, snapshotting at the same
+        positions a generation would (message boundaries, the last token); the session is
+        left holding the prompt. Returns the number of tokens computed."""
+        ids = self.encode_prompt(prompt)
+        new = self._start(ids)
+        self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
+        try:
+            for piece in self._pieces(new, self.prefill_chunk):
+                self.backend.prefill(np.asarray(piece, dtype=np.int64))
+                self._tokens.extend(piece)
+                self._snapshot_if_planned()
+        except BaseException:
+            self.reset()
+            raise
+        self._cache_session()
+        return len(new)
 
     def info(self) -> dict:
         """Facts for ``lily info``: config, tensor count, weight bytes, device, devices."""

@@ -10,28 +10,39 @@ import os
 
 import numpy as np
 
+from lily.backend import HostGeneration
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
-from lily.errors import CheckpointError, ContextLengthError, DeviceError, InvalidParameterError
+from lily.errors import CheckpointError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
 SPLIT_THRESHOLD = 256    # context above which decode attention splits the KV rows across threadgroups
 SPLIT_BLOCK = 0          # KV rows per split block; 0: chosen by context (~128 threadgroups)
-PREFILL_CHUNK = 2048     # tokens per prefill chunk (scratch memory is sized for one chunk)
+PREFILL_CHUNK = 2048     # default tokens per prefill chunk (scratch memory is sized for one chunk)
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
-def model_dims(c: ModelConfig) -> dict:
-    """The runtime's ``ModelDims`` from a :class:`ModelConfig`."""
-    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rotary_dim", "linear_num_key_heads",
-            "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok",
-            "moe_intermediate_size", "shared_expert_intermediate_size", "rms_norm_eps",
-            "rope_theta", "norm_topk_prob")
-    d = {k: getattr(c, k) for k in keys}
-    d["full_attention"] = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
+def model_dims(c: ModelConfig):
+    """The runtime's ``lily._core.ModelDims`` from a :class:`ModelConfig` (same field names)."""
+    from lily import _core
+    d = _core.ModelDims()
+    for name in _core.ModelDims.FIELDS:
+        setattr(d, name, getattr(c, name))
+    d.full_attention = [c.is_full_attention(i) for i in range(c.num_hidden_layers)]
     return d
+
+
+def sampling_config(params):
+    """The device's ``lily._core.SamplingConfig`` from :class:`lily.sampling.SamplingParams`
+    (same field names); a seed of None becomes a fresh random one, any seed is taken mod 2**64."""
+    from lily import _core
+    s = _core.SamplingConfig()
+    for name in _core.SamplingConfig.FIELDS:
+        if name != "seed":
+            setattr(s, name, getattr(params, name))
+    seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
+    s.seed = int(seed) % (1 << 64)
+    return s
 
 
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
@@ -51,14 +62,6 @@ def check_kernel_dtypes(ck: Checkpoint) -> None:
                                   f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 
-def check_vocabulary(tokens: np.ndarray, vocab_size: int) -> None:
-    """Raises :class:`InvalidParameterError` naming the first id of ``tokens`` (an integer
-    array) outside ``[0, vocab_size)``."""
-    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-    if bad.size:
-        raise InvalidParameterError(f"token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
-
-
 def reject_unknown_options(options, known, what: str) -> None:
     """Raises :class:`InvalidParameterError` listing the keys of ``options`` not in ``known``."""
     unknown = sorted(set(options) - set(known))
@@ -68,7 +71,8 @@ def reject_unknown_options(options, known, what: str) -> None:
 
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
-               "verify_reads", "gpu_family")  # lily._core.sim_device's keywords
+               "verify_reads", "gpu_family", "working_set_bytes",
+               "max_buffer_bytes", "pipeline_thread_limit")  # lily._core.sim_device's keywords
 
 
 def make_device(name: str, **options):
@@ -89,9 +93,12 @@ def make_device(name: str, **options):
 
 
 class NativeBackend:
-    """The engine backend over ``lily._core.Runtime``."""
+    """The engine backend (:class:`lily.backend.Backend`) over ``lily._core.Runtime``.
 
-    pipelined = True  # generation runs on the device (lily.engine.Engine._generate_pipelined)
+    Generation uses the GPU token hand-off (the device samples and feeds the next step);
+    a constrained request samples on the host instead (:class:`lily.backend.HostGeneration`
+    over :meth:`forward`)."""
+
     OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "gemm_path", "weight_cache",
                "device_options")  # Engine.load's device_options
 
@@ -125,11 +132,8 @@ class NativeBackend:
                                     gemm_path=gemm_path)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
-
-    @property
-    def prefill_chunk(self) -> int:
-        """Tokens per prefill chunk."""
-        return self.runtime.prefill_chunk
+        self.prefill_chunk: int = self.runtime.prefill_chunk
+        self._host: HostGeneration | None = None  # a constrained generation in progress
 
     @property
     def position(self) -> int:
@@ -138,41 +142,28 @@ class NativeBackend:
     def reset(self) -> None:
         self.runtime.reset()
 
-    def forward(self, tokens, *, all_logits: bool) -> np.ndarray:
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise InvalidParameterError("tokens must contain at least one token id")
-        check_vocabulary(tokens, self.config.vocab_size)
-        if self.position + tokens.size > self.max_context:
-            raise ContextLengthError(f"{self.position} tokens in context + {tokens.size} new tokens exceed "
-                                     f"the context window of {self.max_context} tokens")
-        raw = self.runtime.forward(tokens.tolist(), "all" if all_logits else "last")
-        out = np.frombuffer(raw, dtype=np.float32).reshape(-1, self.config.vocab_size)
-        return out if all_logits else out[0]
+    def forward(self, tokens: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        return self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "all" if all_logits else "last")
 
-    def prefill_only(self, tokens) -> None:
-        """Runs ``tokens`` (validated by the engine) as prefill chunks without computing logits."""
-        self.runtime.forward([int(t) for t in tokens], "none")
+    def prefill(self, tokens: np.ndarray) -> None:
+        self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "none")
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
         """Pipelined greedy decode on the device (GPU token hand-off); see Runtime."""
         return list(self.runtime.generate_greedy(int(first), int(max_tokens), set(int(s) for s in stop_ids)))
 
-    def start(self, feed, max_steps: int, history, params) -> None:
-        """Begin pipelined generation with ``params`` (:class:`lily.sampling.SamplingParams`):
-        ``feed`` (>= 1 token ids not yet in the session) runs as prefill chunks whose last one
-        samples the first output on the device; ``history`` are the session's tokens
-        including the feed (the repetition penalty's prompt set)."""
-        seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy % (1 << 64))
-        self.runtime.start([int(t) for t in feed], int(max_steps), [int(t) for t in history],
-                           temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                           min_p=params.min_p, presence_penalty=params.presence_penalty,
-                           frequency_penalty=params.frequency_penalty,
-                           repetition_penalty=params.repetition_penalty, seed=int(seed) % (1 << 64),
-                           logprobs=params.logprobs, top_logprobs=params.top_logprobs)
+    def start(self, feed, steps: int, history, params, constraint=None) -> None:
+        """Unconstrained: pipelined generation on the device; ``feed`` runs as prefill chunks
+        whose last one samples the first output on the device. Constrained: on the host."""
+        if constraint is not None:
+            self._host = HostGeneration(self.forward, feed, steps, history, params, constraint)
+            return
+        self.runtime.start([int(t) for t in feed], int(steps), [int(t) for t in history], sampling_config(params))
 
     def next(self):
         """``(token id, TokenLogprob)`` of the next generated token, or None when done."""
+        if self._host is not None:
+            return self._host.next()
         step = self.runtime.next()
         if step is None:
             return None
@@ -180,6 +171,7 @@ class NativeBackend:
         return int(tok), TokenLogprob(int(tok), float(lp), tuple((int(i), float(v)) for i, v in top))
 
     def finish(self) -> None:
+        self._host = None
         self.runtime.finish()
 
     def snapshot(self):
@@ -208,7 +200,8 @@ def _runtime(device, config: ModelConfig, tensors, max_context: int, split_thres
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     """The tensor table of a checkpoint that need not exist on disk (record-only counting):
-    every tensor of ``config`` at the offsets MLX would write them."""
+    every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
+    (as the weight cache places them; small models' tensors are not aligned otherwise)."""
     from lily.checkpoint import expected_tensors
     tensors, offset = [], 0
     for kind, name, shape in expected_tensors(config):
@@ -222,7 +215,7 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
             parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
         for suffix, nbytes in parts.items():
             tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
-            offset += nbytes
+            offset += -(-nbytes // 16) * 16
     return tensors
 
 
@@ -243,8 +236,9 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
                         router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
                         gemm_path: str = "simdgroup") -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
-    (record-only device, virtual weights), as :func:`count_decode_step`."""
-    dev = make_device("sim", record_only=True)
+    (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
+    counts on a simulator of an apple10 (M5) GPU, the family that has them."""
+    dev = make_device("sim", record_only=True, **({"gpu_family": "apple10"} if gemm_path == "tensor" else {}))
     rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
                   SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
     return rt.count_chunk(position, rows)

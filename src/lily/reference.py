@@ -13,13 +13,13 @@ be prefilled in one call or in pieces and then decoded token by token with ident
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from lily.checkpoint import Checkpoint, ModelConfig, QuantizedTensor
-from lily.errors import ContextLengthError, InvalidParameterError
+from lily.backend import HostGeneration
+from lily.errors import InvalidParameterError
 
 
 def round_bf16(x: np.ndarray) -> np.ndarray:
@@ -106,8 +106,19 @@ class ReferenceState:
     recurrent: dict = field(default_factory=dict)
 
     def copy(self) -> "ReferenceState":
-        """A deep snapshot (used for multi-turn reuse and tests)."""
-        return copy.deepcopy(self)
+        """A deep snapshot (multi-turn reuse, the prompt cache): the KV rows in use only
+        (the attention grows the arrays again as needed)."""
+        n = self.position
+        return ReferenceState(self.max_context, n,
+                              {i: a[:, :n].copy() for i, a in self.keys.items()},
+                              {i: a[:, :n].copy() for i, a in self.values.items()},
+                              {i: a.copy() for i, a in self.conv.items()},
+                              {i: a.copy() for i, a in self.recurrent.items()})
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the arrays."""
+        return sum(a.nbytes for d in (self.keys, self.values, self.conv, self.recurrent) for a in d.values())
 
 
 class ReferenceModel:
@@ -321,26 +332,13 @@ class ReferenceModel:
         """Consume ``tokens`` (ints, ``[T]``) at ``st.position`` and advance the state.
 
         Returns float32 logits ``[vocab]`` for the last token, or ``[T, vocab]`` with
-        ``all_logits=True``.
-
-        Raises
-        ------
-        ContextLengthError
-            If ``st.position + T`` exceeds ``st.max_context``.
-        InvalidParameterError
-            If a token id is outside ``[0, vocab_size)`` or ``tokens`` is empty.
+        ``all_logits=True``. The tokens are not checked here: at least one id in
+        ``[0, vocab_size)``, and ``st.position + T <= st.max_context`` (the engine checks
+        its input once, :meth:`lily.engine.Engine.prefill`).
         """
         c = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         T = tokens.shape[0]
-        if T == 0:
-            raise InvalidParameterError("tokens must contain at least one token id")
-        if tokens.min() < 0 or tokens.max() >= c.vocab_size:
-            bad = int(tokens[(tokens < 0) | (tokens >= c.vocab_size)][0])
-            raise InvalidParameterError(f"token id {bad} is outside the vocabulary [0, {c.vocab_size})")
-        if st.position + T > st.max_context:
-            raise ContextLengthError(f"{st.position} tokens in context + {T} new tokens exceed the "
-                                     f"context window of {st.max_context} tokens")
         h = self.embed(tokens)
         for i in range(c.num_hidden_layers):
             xn = self._act(rms_norm(h, self.param(f"model.layers.{i}.input_layernorm.weight"), c.rms_norm_eps))
@@ -354,3 +352,47 @@ class ReferenceModel:
         hn = self._act(rms_norm(h, self.param("model.norm.weight"), c.rms_norm_eps))
         logits = (hn @ self.weight("lm_head").T).astype(np.float32)
         return logits if all_logits else logits[0]
+
+
+class ReferenceBackend:
+    """The numpy oracle as an engine backend (:class:`lily.backend.Backend`); it samples on
+    the host (:class:`lily.backend.HostGeneration`)."""
+
+    name = "reference"
+    prefill_chunk = 128  # no device limit: the engine's cancellation granularity here
+
+    def __init__(self, ck: Checkpoint, max_context: int, **kw):
+        self.model = ReferenceModel(ck, **kw)
+        self.max_context = max_context
+        self.state: ReferenceState = self.model.new_state(max_context)
+        self._gen: HostGeneration | None = None
+
+    @property
+    def position(self) -> int:
+        return self.state.position
+
+    def reset(self) -> None:
+        self.state = self.model.new_state(self.max_context)
+
+    def forward(self, tokens: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
+        return self.model.forward(tokens, self.state, all_logits=all_logits)
+
+    def prefill(self, tokens: np.ndarray) -> None:
+        self.model.forward(tokens, self.state)
+
+    def start(self, feed, steps, history, params, constraint=None) -> None:
+        self._gen = HostGeneration(self.forward, feed, steps, history, params, constraint)
+
+    def next(self):
+        return self._gen.next()
+
+    def finish(self) -> None:
+        self._gen = None
+
+    def snapshot(self) -> ReferenceState:
+        return self.state.copy()
+
+    def restore(self, snap: ReferenceState) -> None:
+        if not isinstance(snap, ReferenceState):
+            raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
+        self.state = snap.copy()

@@ -1,5 +1,6 @@
-"""Sampling parameters, the CPU token sampler used by the reference device, and stop-string
-matching on streamed text.
+"""Sampling parameters, the host token sampler (the reference device, and constrained
+requests on every device: lily.backend.HostGeneration), and stop-string matching on
+streamed text.
 
 Order of logit processing (the usual one, as in Hugging Face / vLLM): repetition penalty,
 presence and frequency penalties, temperature, top-k, top-p, min-p, then a draw from a
@@ -240,13 +241,16 @@ class Sampler:
         return tok
 
     def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
+        """The :class:`TokenLogprob` of ``token`` under ``logits`` (float32 ``[vocab]``,
+        masked to ``-inf`` where a constraint forbids a token: the alternatives listed are
+        then only allowed ones)."""
         lp = log_softmax(logits)
         top = ()
         if self.params.top_logprobs:
             n = self.params.top_logprobs
             idx = np.argpartition(-lp, n)[:n]
             idx = idx[np.argsort(-lp[idx], kind="stable")]
-            top = tuple((int(i), float(lp[i])) for i in idx)
+            top = tuple((int(i), float(lp[i])) for i in idx if np.isfinite(lp[i]))
         return TokenLogprob(int(token), float(lp[token]), top)
 
 

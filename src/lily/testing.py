@@ -176,41 +176,28 @@ class Preset:
 
     # -- configs -------------------------------------------------------------------
     def text_config(self) -> dict:
-        """The ``text_config`` dict of ``config.json`` (real-model keys, preset values)."""
+        """The ``text_config`` dict of ``config.json`` (real-model keys, preset values): every
+        field under its own key (``rope_theta`` inside ``rope_parameters``, as the real
+        model has it), plus the real model's constant settings."""
+        dims = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("name", "rope_theta")}
         return {
+            **dims,
             "attention_bias": False,
             "attention_dropout": 0.0,
             "attn_output_gate": True,
             "bos_token_id": None,
             "dtype": "bfloat16",
             "eos_token_id": EOS_TOKEN_IDS[1],
-            "full_attention_interval": self.full_attention_interval,
-            "head_dim": self.head_dim,
             "hidden_act": "silu",
-            "hidden_size": self.hidden_size,
             "initializer_range": 0.02,
             "layer_types": self.layer_types,
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
-            "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads,
-            "linear_value_head_dim": self.linear_value_head_dim,
-            "max_position_embeddings": self.max_position_embeddings,
             "mlp_only_layers": [],
             "model_type": "qwen3_5_moe_text",
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "mtp_num_hidden_layers": self.mtp_num_hidden_layers,
             "mtp_use_dedicated_embeddings": False,
             "norm_topk_prob": True,
-            "num_attention_heads": self.num_attention_heads,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_key_value_heads": self.num_key_value_heads,
             "output_router_logits": False,
             "pad_token_id": None,
-            "partial_rotary_factor": self.partial_rotary_factor,
-            "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": {
                 "mrope_interleaved": True,
                 "mrope_section": self.mrope_section,
@@ -219,10 +206,8 @@ class Preset:
                 "rope_type": "default",
             },
             "router_aux_loss_coef": 0.001,
-            "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
             "tie_word_embeddings": False,
             "use_cache": True,
-            "vocab_size": self.vocab_size,
         }
 
     def config(self) -> dict:

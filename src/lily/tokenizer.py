@@ -1,46 +1,41 @@
-"""Tokenizer, chat template and incremental detokenizer.
+"""The tokenizer: encoding, decoding and chat rendering of a checkpoint.
 
 Encoding and decoding run on the Hugging Face ``tokenizers`` library, loaded from a
 checkpoint's ``tokenizer.json`` exactly as written (normaliser, pre-tokeniser regex, added
 tokens), so ids match ``PreTrainedTokenizerFast(tokenizer_file=...)``.
 
 The chat template is rendered with jinja2 the way ``transformers``' ``apply_chat_template(...,
-tokenize=False)`` renders it: an immutable sandboxed environment with ``trim_blocks`` and
-``lstrip_blocks``, the loop-controls extension, a ``tojson`` filter that does not escape
-non-ASCII or HTML characters, ``raise_exception``, ``strftime_now``, ``namespace`` and
-``dict`` globals, the named special tokens of ``tokenizer_config.json`` as variables, and the
-same clean-up of the messages (``None`` fields dropped, reasoning aliased to
-``reasoning_content``).
+tokenize=False)`` renders it (the environment and the message clean-up:
+:mod:`lily.chat_template`), with the named special tokens of ``tokenizer_config.json`` as
+variables.
 
-:class:`IncrementalDetokenizer` turns a stream of token ids into text in O(1) amortised work
-per token: it works on each token's raw bytes (see :meth:`Tokenizer.token_bytes`) and holds
-back the bytes of a UTF-8 character that is split across tokens.
+:class:`~lily.detokenizer.IncrementalDetokenizer` (:mod:`lily.detokenizer`) turns a stream of
+token ids into text one token at a time, from each token's raw bytes
+(:meth:`Tokenizer.token_bytes`).
 """
 
 from __future__ import annotations
 
-import codecs
-import dataclasses
-import functools
 import json
 import operator
 import os
 from collections.abc import Iterable, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
 import tokenizers.decoders
 
+from lily.chat_template import compile_template, plain, prepare_messages, tool_call_arguments
+from lily.detokenizer import IncrementalDetokenizer
 from lily.errors import TokenizerError
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+# The names this module has always exported (its parts now live in lily.chat_template and
+# lily.detokenizer).
+_compile_template = compile_template
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer", "tool_call_arguments"]
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -60,8 +55,6 @@ NAMED_SPECIAL_TOKENS = (
     "mask_token",
 )
 
-# Names under which a message's reasoning may arrive; the first is the one templates read.
-_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
 
 # --------------------------------------------------------------------------------------
@@ -103,192 +96,6 @@ def _byte_level_token_bytes(token: str) -> bytes:
         return bytes([_CHAR_TO_BYTE[c] for c in token])
     except KeyError:
         return token.encode("utf-8")
-
-
-# --------------------------------------------------------------------------------------
-# Chat template environment
-# --------------------------------------------------------------------------------------
-
-
-def _raise_exception(message: Any) -> None:
-    """Template global: abort rendering with ``message``."""
-    raise jinja2.exceptions.TemplateError(str(message))
-
-
-def _strftime_now(fmt: str) -> str:
-    """Template global: the current local time formatted with ``fmt``."""
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | str | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """Template filter: JSON text of ``value``; non-ASCII and ``<>&'`` are written as-is."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
-
-
-def _reject_private_name(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-        raise jinja2.exceptions.SecurityError(
-            f"chat templates may not set underscore-prefixed namespace attributes ({name!r})"
-        )
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace()`` for templates; refuses attribute names starting with ``_``."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:
-        for key in dict(*args[1:], **kwargs):
-            _reject_private_name(key)
-        jinja2.utils.Namespace.__init__(*args, **kwargs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _reject_private_name(name)
-        super().__setitem__(name, value)
-
-
-class _TemplateDictFactory:
-    """``dict`` global for templates: builds plain dicts without exposing the ``dict`` type."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, keys: Iterable[Any], value: Any = None) -> dict:
-        return dict.fromkeys(keys, value)
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-    """Accept ``{% generation %}...{% endgeneration %}`` and render its body unchanged.
-
-    transformers uses the tag to mark assistant tokens; rendering is otherwise unaffected, so
-    templates that contain it render identically here.
-    """
-
-    tags = frozenset({"generation"})
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
-        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
-
-    def _render_body(self, caller: Any) -> str:
-        return caller()
-
-
-def _make_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["namespace"] = _TemplateNamespace
-    env.globals["dict"] = _TemplateDictFactory()
-    return env
-
-
-_ENVIRONMENT = _make_environment()
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template once per distinct source text (raises jinja2 errors)."""
-    return _ENVIRONMENT.from_string(source)
-
-
-def _plain(value: Any) -> Any:
-    """Rebuild ``value`` from plain JSON-like types before a template sees it.
-
-    Mappings become dicts, lists and tuples are copied, ``str``/``int``/``float`` subclasses
-    and NumPy scalars are reduced to the built-in type, dataclasses and pydantic models become
-    dicts, and any other object becomes the inert placeholder ``"<TypeName>"`` (the same
-    treatment transformers applies, so rendering matches and the sandbox sees no methods).
-    """
-    kind = type(value)
-    if value is None or kind in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if kind.__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
-        return _plain(value.item())
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if callable(getattr(value, "model_dump", None)):
-        return _plain(value.model_dump())
-    return f"<{kind.__name__}>"
-
-
-def tool_call_arguments(args: Any, where: str) -> Any:
-    """A tool call's ``arguments`` as a chat template needs them: a mapping. OpenAI clients
-    send a JSON string (decoded here; empty or ``None`` is ``{}``); anything else passes.
-
-    Raises :class:`TokenizerError` naming ``where`` for a string that is not a JSON object.
-    """
-    if args is None or (isinstance(args, str) and not args.strip()):
-        return {}
-    if not isinstance(args, str):
-        return args
-    try:
-        value = json.loads(args)
-    except ValueError as exc:
-        raise TokenizerError(f"{where}: tool call arguments are not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise TokenizerError(f"{where}: tool call arguments must be a JSON object")
-    return value
-
-
-def _prepare_messages(messages: Any) -> list[dict]:
-    """Copy ``messages`` into the form transformers hands to a chat template.
-
-    Raises
-    ------
-    TokenizerError
-        If ``messages`` is not a list of mappings.
-    """
-    if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
-        raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}")
-    prepared: list[dict] = []
-    for index, message in enumerate(messages):
-        if dataclasses.is_dataclass(message) and not isinstance(message, type):
-            message = _plain(message)
-        elif not isinstance(message, Mapping) and callable(getattr(message, "model_dump", None)):
-            message = message.model_dump()
-        if not isinstance(message, Mapping):
-            raise TokenizerError(f"messages[{index}] must be a dict, got {type(message).__name__}")
-        cleaned = _plain({k: v for k, v in message.items() if v is not None})
-        reasoning = next(
-            (cleaned[key] for key in _REASONING_KEYS if cleaned.get(key) is not None), None
-        )
-        if reasoning is not None:
-            cleaned = {"thinking": reasoning, **cleaned, "reasoning_content": reasoning}
-        calls = cleaned.get("tool_calls")
-        if isinstance(calls, list):
-            for j, call in enumerate(calls):
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and "arguments" in fn:
-                    fn["arguments"] = tool_call_arguments(
-                        fn["arguments"], f"messages[{index}].tool_calls[{j}].function.arguments")
-        prepared.append(cleaned)
-    return prepared
 
 
 def _token_content(value: Any) -> str | None:
@@ -631,7 +438,7 @@ class Tokenizer:
 
     def _compiled(self, text: str, name: str = "default") -> jinja2.Template:
         try:
-            return _compile_template(text)
+            return compile_template(text)
         except jinja2.TemplateSyntaxError as exc:
             where = self._template_source
             if name != "default":
@@ -699,7 +506,7 @@ class Tokenizer:
         """
         name = self._select_template(tools)
         template = self._compiled(self._templates[name], name)
-        prepared = _prepare_messages(messages)
+        prepared = prepare_messages(messages)
         if tools is not None:
             if isinstance(tools, Mapping) or not isinstance(tools, Iterable):
                 raise TokenizerError(f"tools must be a list of dicts, got {type(tools).__name__}")
@@ -709,10 +516,10 @@ class Tokenizer:
                     raise TokenizerError(
                         f"tools[{index}] must be a dict, got {type(tool).__name__}"
                     )
-            tools = _plain(tools)
+            tools = plain(tools)
         context: dict[str, Any] = {"documents": None}
         context.update(self._named_special)
-        context.update(_plain(template_kwargs))
+        context.update(plain(template_kwargs))
         context["messages"] = prepared
         context["tools"] = tools
         context["add_generation_prompt"] = add_generation_prompt
@@ -751,72 +558,3 @@ class Tokenizer:
             f"Tokenizer({self._source!r}, vocab_size={self._vocab_size}, "
             f"eos={sorted(self._eos_ids)}, chat_template={self.has_chat_template})"
         )
-
-
-# --------------------------------------------------------------------------------------
-# Incremental detokenizer
-# --------------------------------------------------------------------------------------
-
-
-class IncrementalDetokenizer:
-    """Turn generated ids into text one token at a time, without splitting characters.
-
-    Each :meth:`add` feeds the token's raw bytes (:meth:`Tokenizer.token_bytes`) to an
-    incremental UTF-8 decoder, so the work per token is O(1) amortised and a character whose
-    bytes span several tokens is emitted whole, once its last byte arrives. Bytes that can
-    never form a character become U+FFFD exactly as in :meth:`Tokenizer.decode`, so the
-    concatenation of all returned pieces plus :meth:`flush` equals ``decode(ids)``.
-
-    Parameters
-    ----------
-    tokenizer : Tokenizer
-    skip_special_tokens : bool
-        Emit nothing for ids in ``tokenizer.special_token_ids``.
-    """
-
-    __slots__ = ("_decoder", "_pieces", "_skip", "_text", "_token_bytes")
-
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
-        self._token_bytes = tokenizer.token_bytes
-        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pieces: list[str] = []
-        self._text = ""
-
-    def add(self, token_id: int) -> str:
-        """Feed one id; return the text it completes (possibly ``""``).
-
-        The result never ends in part of a character: bytes of an unfinished character are
-        held back until a later token completes it (or :meth:`flush`).
-
-        Raises
-        ------
-        TokenizerError
-            If ``token_id`` is not a valid id.
-        """
-        if token_id in self._skip:
-            return ""
-        piece = self._decoder.decode(self._token_bytes(token_id))
-        if piece:
-            self._pieces.append(piece)
-        return piece
-
-    def flush(self) -> str:
-        """Return the held-back bytes decoded with ``errors="replace"`` and clear them."""
-        piece = self._decoder.decode(b"", final=True)
-        if piece:
-            self._pieces.append(piece)
-        return piece
-
-    @property
-    def pending_bytes(self) -> bytes:
-        """bytes: the bytes held back as the start of an unfinished character."""
-        return self._decoder.getstate()[0]
-
-    @property
-    def text(self) -> str:
-        """str: all text emitted so far (by :meth:`add` and :meth:`flush`)."""
-        if self._pieces:
-            self._text += "".join(self._pieces)
-            self._pieces.clear()
-        return self._text

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -68,6 +69,7 @@ class MetalPipeline : public gpu::Pipeline {
     return static_cast<uint32_t>([pso_ maxTotalThreadsPerThreadgroup]);
   }
   uint32_t thread_execution_width() const override { return static_cast<uint32_t>([pso_ threadExecutionWidth]); }
+  uint64_t static_threadgroup_memory() const override { return uint64_t([pso_ staticThreadgroupMemoryLength]); }
   id<MTLComputePipelineState> pso() const { return pso_; }
 
  private:
@@ -77,12 +79,32 @@ class MetalPipeline : public gpu::Pipeline {
 };
 
 // The [[buffer(n)]] parameters' alignments from pipeline reflection, for the shared
-// dispatch validation. MTLArgument (macOS 10.11) is deprecated from macOS 13 in favour of
-// MTLBinding, which the macOS 12 SDK does not have; it still works.
+// dispatch validation. SDKs from macOS 13 have MTLBinding (MTLPipelineOptionBindingInfo);
+// the macOS 12 SDK that tools/check_objc.sh type-checks against has only the deprecated
+// MTLArgument, compiled as the fallback.
+#if defined(MAC_OS_VERSION_13_0)
+#define LILY_METAL_BINDINGS 1
+constexpr MTLPipelineOption kReflectionOption = MTLPipelineOptionBindingInfo;
+#else
 #pragma clang diagnostic push
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"
+constexpr MTLPipelineOption kReflectionOption = MTLPipelineOptionArgumentInfo;
+#pragma clang diagnostic pop
+#endif
+
 std::map<uint32_t, gpu::BufferParameter> buffer_parameters(MTLComputePipelineReflection* refl) {
   std::map<uint32_t, gpu::BufferParameter> r;
+#ifdef LILY_METAL_BINDINGS
+  for (id<MTLBinding> b in [refl bindings]) {
+    if ([b type] != MTLBindingTypeBuffer) continue;
+    gpu::BufferParameter p;
+    p.alignment = static_cast<size_t>([(id<MTLBufferBinding>)b bufferAlignment]);
+    p.declaration = to_string([b name]);
+    r[static_cast<uint32_t>([b index])] = p;
+  }
+#else
+#pragma clang diagnostic push
+#pragma clang diagnostic ignored "-Wdeprecated-declarations"
   for (MTLArgument* a in [refl arguments]) {
     if ([a type] != MTLArgumentTypeBuffer) continue;
     gpu::BufferParameter p;
@@ -90,9 +112,10 @@ std::map<uint32_t, gpu::BufferParameter> buffer_parameters(MTLComputePipelineRef
     p.declaration = to_string([a name]);
     r[static_cast<uint32_t>([a index])] = p;
   }
+#pragma clang diagnostic pop
+#endif
   return r;
 }
-#pragma clang diagnostic pop
 
 class MetalDevice;
 
@@ -292,29 +315,14 @@ std::string module_directory() {
 
 class MetalDevice : public gpu::Device {
  public:
+  // Objective-C work runs inside @autoreleasepool blocks that never throw: they return an
+  // error message and the C++ exception is thrown after the pool has drained.
   explicit MetalDevice(const std::string& metallib_path) {
+    std::string err;
     @autoreleasepool {
-      dev_ = MTLCreateSystemDefaultDevice();
-      if (!dev_) throw Error("no Metal device is available on this machine");
-      family_ = detect_family();
-      if (family_ < 7)
-        throw Error("Lily needs an Apple-silicon GPU (MTLGPUFamilyApple7 or newer); found '" +
-                    to_string([dev_ name]) + "'");
-      queue_ = [dev_ newCommandQueue];
-      if (!queue_) throw Error("cannot create a Metal command queue");
-      std::string path = metallib_path;
-      if (path.empty()) {
-        const char* env = std::getenv("LILY_METALLIB");
-        path = env && *env ? env : module_directory() + "/lily.metallib";
-      }
-      NSError* err = nil;
-      NSURL* url = [NSURL fileURLWithPath:@(path.c_str())];
-      lib_ = [dev_ newLibraryWithURL:url error:&err];
-      if (!lib_)
-        throw Error("cannot load the kernel library '" + path + "': " + to_string([err localizedDescription]));
-      path_ = path;
-      load_tensor_library();
+      err = open(metallib_path);
     }
+    if (!err.empty()) throw Error(err);
   }
   std::string name() const override { return "metal"; }
   int gpu_family() const override { return family_; }
@@ -344,39 +352,28 @@ class MetalDevice : public gpu::Device {
     std::lock_guard<std::mutex> g(mu_);
     auto it = cache_.find(name);
     if (it != cache_.end()) return *it->second;
+    std::string error;
+    bool unknown = false;
+    MetalPipeline* p = nullptr;
     @autoreleasepool {
-      // Pipelines are looked up by name across the libraries: lily.metallib, then (on
-      // apple10 GPUs) lily_tensor.metallib with the Metal 4 tensor-op kernels.
-      id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
-      if (!fn && tensor_lib_) fn = [tensor_lib_ newFunctionWithName:@(name.c_str())];
-      if (!fn) {
-        std::string where = "not in " + path_;
-        if (tensor_lib_) where += " or " + tensor_path_;
-        else where += " (the Metal 4 tensor-op kernels of lily_tensor.metallib are not loaded: " + tensor_status_ + ")";
-        throw UsageError("unknown kernel '" + name + "': " + where);
-      }
-      NSError* err = nil;
-      MTLComputePipelineReflection* refl = nil;
-#pragma clang diagnostic push
-#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // MTLPipelineOptionArgumentInfo (macOS 13)
-      id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn
-                                                                         options:MTLPipelineOptionArgumentInfo
-                                                                      reflection:&refl
-                                                                           error:&err];
-#pragma clang diagnostic pop
-      if (!pso)
-        throw Error("cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]));
-      auto p = std::make_unique<MetalPipeline>(name, pso, buffer_parameters(refl));
-      const gpu::Pipeline& ref = *p;
-      cache_.emplace(name, std::move(p));
-      return ref;
+      p = build_pipeline(name, &error, &unknown);
     }
+    if (!p) {
+      if (unknown) throw UsageError(error);
+      throw Error(error);
+    }
+    return *p;
+  }
+  gpu::MemoryLimits memory_limits() const override {
+    return gpu::MemoryLimits{uint64_t([dev_ recommendedMaxWorkingSetSize]), uint64_t([dev_ maxBufferLength])};
   }
   std::vector<std::string> kernel_names() const override {
     std::vector<std::string> v;
-    for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
-    if (tensor_lib_)
-      for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
+    @autoreleasepool {
+      for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
+      if (tensor_lib_)
+        for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
+    }
     return v;
   }
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override {
@@ -401,6 +398,70 @@ class MetalDevice : public gpu::Device {
   id<MTLCommandQueue> queue() const { return queue_; }
 
  private:
+  // The constructor's work; returns an error message ("" on success).
+  std::string open(const std::string& metallib_path) {
+    dev_ = MTLCreateSystemDefaultDevice();
+    if (!dev_) return "no Metal device is available on this machine";
+    family_ = detect_family();
+    if (family_ < 7)
+      return "Lily needs an Apple-silicon GPU (MTLGPUFamilyApple7 or newer); found '" + to_string([dev_ name]) + "'";
+    queue_ = [dev_ newCommandQueue];
+    if (!queue_) return "cannot create a Metal command queue";
+    std::string path = metallib_path;
+    if (path.empty()) {
+      const char* env = std::getenv("LILY_METALLIB");
+      path = env && *env ? env : module_directory() + "/lily.metallib";
+    }
+    NSError* err = nil;
+    lib_ = [dev_ newLibraryWithURL:[NSURL fileURLWithPath:@(path.c_str())] error:&err];
+    if (!lib_) return "cannot load the kernel library '" + path + "': " + to_string([err localizedDescription]);
+    path_ = path;
+    load_tensor_library();
+    return {};
+  }
+
+  // The pipeline of kernel `name` (cached), or nullptr with *error set.
+  MetalPipeline* build_pipeline(const std::string& name, std::string* error, bool* unknown) {
+    // Pipelines are looked up by name across the libraries: lily.metallib, then (on
+    // apple10 GPUs) lily_tensor.metallib with the Metal 4 tensor-op kernels.
+    id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
+    if (!fn && tensor_lib_) fn = [tensor_lib_ newFunctionWithName:@(name.c_str())];
+    if (!fn) {
+      std::string where = "not in " + path_;
+      if (tensor_lib_) where += " or " + tensor_path_;
+      else where += " (the Metal 4 tensor-op kernels of lily_tensor.metallib are not loaded: " + tensor_status_ + ")";
+      *error = "unknown kernel '" + name + "': " + where;
+      *unknown = true;
+      return nullptr;
+    }
+    NSError* err = nil;
+    MTLComputePipelineReflection* refl = nil;
+    id<MTLComputePipelineState> pso = [dev_ newComputePipelineStateWithFunction:fn
+                                                                       options:kReflectionOption
+                                                                    reflection:&refl
+                                                                         error:&err];
+    if (!pso) {
+      *error = "cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]);
+      return nullptr;
+    }
+    auto params = buffer_parameters(refl);
+    if (params.empty()) {
+      // Every Lily kernel takes a buffer: reflection came back empty, so the buffer-offset
+      // alignment checks are off for this kernel. Say so once instead of silently.
+      static std::once_flag warned;
+      std::call_once(warned, [&] {
+        std::fprintf(stderr,
+                     "lily: Metal pipeline reflection reported no buffer arguments for kernel '%s': buffer offset "
+                     "alignment checks are off for such kernels (Device.pipeline_info shows which)\n",
+                     name.c_str());
+      });
+    }
+    auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params));
+    MetalPipeline* raw = p.get();
+    cache_.emplace(name, std::move(p));
+    return raw;
+  }
+
   // The Apple family N of MTLGPUFamilyAppleN (7..10), 0 for a Mac2-only GPU, -1 unknown.
   int detect_family() {
     // MTLGPUFamilyApple8 (1008, macOS 13 SDK), Apple9 (1009, macOS 14 SDK) and Apple10

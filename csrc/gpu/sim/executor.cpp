@@ -203,6 +203,7 @@ struct TgVar {
   const void* key;
   void* ptr;
   size_t size;  // the guard zone follows
+  void* base;   // the allocation (ptr is inside it: see threadgroup_var)
 };
 
 struct Threadgroup {
@@ -475,7 +476,7 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
       for (Fiber& f : tg.fibers)
         if (f.stack.base) w.pool.push_back(f.stack);
       for (unsigned char*& p : tg.dyn) std::free(p);  // posix_memalign
-      for (TgVar& v : tg.vars) std::free(v.ptr);
+      for (TgVar& v : tg.vars) std::free(v.base);
       w.tg = nullptr;
     }
   } cleanup{w, tg};
@@ -589,12 +590,20 @@ void* threadgroup_var(const void* key, size_t size, size_t align) {
   if (tg.bytes > kMaxThreadgroupMemory)
     kernel_fail("threadgroup memory exceeds " + std::to_string(kMaxThreadgroupMemory) + " bytes (" +
                 std::to_string(tg.bytes) + " requested)");
-  if (align < alignof(std::max_align_t)) align = alignof(std::max_align_t);
-  void* p = std::aligned_alloc(align, (size + kGuardBytes + align - 1) / align * align);
-  if (!p) kernel_fail("out of memory for threadgroup variable");
+  // Aligned exactly as declared, never more (address = align mod 2 * align): a float array
+  // read as float4 is misaligned here as it may be on a GPU, and the sanitizer build
+  // (-fsanitize=alignment, tools/run_sim_asan.sh) reports the access.
+  constexpr size_t kMaxAlign = 64;
+  if (align == 0 || align > kMaxAlign || (align & (align - 1)))
+    kernel_fail("threadgroup variable with unsupported alignment " + std::to_string(align));
+  const size_t skew = align < kMaxAlign ? align : 0;
+  void* base = nullptr;
+  if (posix_memalign(&base, kMaxAlign, skew + size + kGuardBytes + 1) != 0)
+    kernel_fail("out of memory for threadgroup variable");
+  void* p = static_cast<unsigned char*>(base) + skew;
   std::memset(p, w.d->poison ? kPoison : 0, size);
   set_guard(static_cast<unsigned char*>(p) + size);
-  tg.vars.push_back(TgVar{key, p, size});
+  tg.vars.push_back(TgVar{key, p, size, base});
   return p;
 }
 

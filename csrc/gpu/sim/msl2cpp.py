@@ -52,6 +52,20 @@ POSITION_ATTRS = {
     "threadgroups_per_grid", "thread_index_in_threadgroup", "simdgroup_index_in_threadgroup",
     "thread_index_in_simdgroup", "simdgroups_per_threadgroup", "threads_per_simdgroup",
 }
+# Grid-position attributes: scalar or vector, one component count per kernel (MSL spec,
+# kernel function input attributes).
+GRID_ATTRS = {
+    "thread_position_in_grid", "thread_position_in_threadgroup", "threadgroup_position_in_grid",
+    "threads_per_threadgroup", "dispatch_threads_per_threadgroup", "threads_per_grid",
+    "threadgroups_per_grid",
+}
+# Index attributes: a uint or ushort scalar (MSL spec, kernel function input attributes).
+SCALAR_ATTRS = {"thread_index_in_threadgroup", "simdgroup_index_in_threadgroup", "thread_index_in_simdgroup",
+                "simdgroups_per_threadgroup", "threads_per_simdgroup"}
+# Scalar and vector value types: `T* p = ...;` with one of them starts a pointer declaration.
+VALUE_TYPES = {f"{b}{n}" for b in ("float", "half", "bfloat", "int", "uint", "short", "ushort", "char", "uchar",
+                                   "bool", "long", "ulong") for n in ("", "2", "3", "4")} | {"unsigned", "signed"}
+ADDRESS_SPACES = ("device", "constant", "threadgroup", "thread")
 SWIZZLE_RE = re.compile(r"^(?:[xyzw]{2,4}|[rgba]{2,4})$")
 SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 
@@ -66,10 +80,11 @@ class TransformError(Exception):
 
 
 class Tok:
-    __slots__ = ("kind", "text", "line")
+    __slots__ = ("kind", "text", "line", "orig")
 
     def __init__(self, kind, text, line):
         self.kind, self.text, self.line = kind, text, line
+        self.orig = text  # the source text (rewrites change .text only)
 
     def __repr__(self):
         return f"Tok({self.kind},{self.text!r})"
@@ -101,6 +116,8 @@ class Transformer:
         self.toks = lex(open(path, encoding="utf-8").read())
         self.counter = 0
         self.kernels = {}  # name -> dict(template=bool, nparams=int)
+        self.kernel_parens = set()  # index of the ')' closing each kernel's parameter list
+        self.in_kernel = False  # inside a kernel's body (threadgroup storage is allowed there only)
 
     def err(self, tok, msg):
         raise TransformError(f"{self.path}:{tok.line}: error: {msg}")
@@ -221,11 +238,16 @@ class Transformer:
                 continue
             if t.kind == "punct":
                 if t.text == "{":
-                    scopes.append(self.brace_kind(i, scopes[-1]))
+                    kind = self.brace_kind(i, scopes[-1])
+                    if kind == "code" and scopes[-1] != "code":
+                        self.function_body(i)
+                    scopes.append(kind)
                 elif t.text == "}":
                     if len(scopes) == 1:
                         self.err(t, "unbalanced '}'")
                     scopes.pop()
+                    if scopes[-1] != "code":
+                        self.in_kernel = False
                 elif t.text in (".", "->"):
                     n = i + 1
                     if n < len(toks) and toks[n].kind == "ident" and SWIZZLE_RE.match(toks[n].text):
@@ -238,11 +260,21 @@ class Transformer:
                     names = [a for a, _ in attrs]
                     if "kernel" in names:
                         self.kernel_def(i, end, attrs)
+                    elif "max_total_threads_per_threadgroup" in names:
+                        # `[[max_total_threads_per_threadgroup(N)]] kernel void f(...)`
+                        k = self.next_sig(end)
+                        if self.tok(k).text != "kernel":
+                            self.err(t, "[[max_total_threads_per_threadgroup]] must precede `kernel`")
+                        self.kernel_def(i, k, attrs)
+                        i = k + 1
+                        continue
                     i = end + 1
                     continue
                 i += 1
                 continue
             if t.kind == "ident":
+                if scopes[-1] == "code" and t.text in VALUE_TYPES:
+                    self.check_local_pointer(i)
                 if t.text in ("device", "thread"):
                     t.text = ""
                 elif t.text == "constant":
@@ -436,6 +468,7 @@ class Transformer:
         type_start = self.next_sig(i)
         k = self.parse_type(type_start, tg)
         nt = self.tok(k)
+        self.check_atomic_type(tg, type_start, k)
         if self.is_ptr_declarator(k):
             # a pointer or reference into threadgroup memory: a plain C++ pointer here
             if at_stmt:
@@ -474,6 +507,10 @@ class Transformer:
                          f"(unexpected '{end.text}')")
         if scope != "code":
             self.err(tg, f"threadgroup variable '{toks[name_idx].text}' declared outside a function body")
+        if not self.in_kernel:
+            self.err(tg, f"threadgroup variable '{toks[name_idx].text}' declared outside a kernel function "
+                         f"(Apple's compiler allows threadgroup storage in kernel bodies only: declare it in the "
+                         f"kernel and pass a threadgroup pointer)")
         name = toks[name_idx].text
         type_txt = self.text(type_start, name_idx)
         ext_txt = self.text(self.next_sig(name_idx), k)
@@ -487,6 +524,76 @@ class Transformer:
                    f"auto& {name} = ::lily::sim::tg_var<__lily_tgt_{n}>(&__lily_tgk_{n})" + "\n" * nl)
         tg.kind = "gen"
         return k
+
+    def check_local_pointer(self, i):
+        """`float* p = ...;` as a statement in a function body: MSL makes p a thread-space
+        pointer, which a device or threadgroup address does not convert to (Apple's compiler
+        rejects it; C++ would not notice). The address space must be written."""
+        toks = self.toks
+        p = self.prev_sig(i)
+        while p >= 0 and toks[p].kind == "ident" and toks[p].text in self.CV:
+            p = self.prev_sig(p)
+        if not (p < 0 or toks[p].kind in ("pp", "gen") or toks[p].text in (";", "{", "}", "(")):
+            return
+        if toks[p].text == "(" and self.tok(self.prev_sig(p)).text != "for":
+            return  # a cast or a parameter, not a declaration
+        k = self.next_sig(i)
+        while self.tok(k).kind == "ident" and self.tok(k).text in self.CV:
+            k = self.next_sig(k)
+        if self.tok(k).text != "*":
+            return
+        k = self.next_sig(k)
+        while self.tok(k).kind == "ident" and self.tok(k).text in self.CV + ("__restrict",):
+            k = self.next_sig(k)
+        if self.tok(k).kind == "ident" and self.tok(self.next_sig(k)).text in ("=", ";", ","):
+            self.err(toks[i], f"pointer '{self.tok(k).text}' declared without an address space: in MSL it points to "
+                              f"thread memory (write device, constant, threadgroup or thread)")
+
+    def check_atomic_type(self, tg, a, b):
+        """Float atomics exist in device memory only (MSL spec 6.15.1)."""
+        words = [t.text for t in self.toks[a:b] if significant(t)]
+        if "atomic_float" in words or (words[:3] == ["atomic", "<", "float"]):
+            self.err(tg, "atomic<float> in threadgroup memory: Metal supports float atomics in device memory only")
+
+    def function_body(self, brace):
+        """At the '{' opening a function body: its pointer and reference parameters need an
+        address space (Apple's compiler rejects `float* p`); notes whether it is a kernel."""
+        toks = self.toks
+        j = self.prev_sig(brace)
+        while self.tok(j).kind == "ident" and self.tok(j).text in ("const", "thread", "noexcept", "override",
+                                                                   "final", "volatile", "device", "constant"):
+            j = self.prev_sig(j)
+        if self.tok(j).text != ")":
+            return  # e.g. a trailing return type; nothing to check
+        self.in_kernel = j in self.kernel_parens
+        depth, o = 0, j
+        while o >= 0:
+            t = toks[o]
+            if t.kind == "punct" and t.text == ")":
+                depth += 1
+            elif t.kind == "punct" and t.text == "(":
+                depth -= 1
+                if depth == 0:
+                    break
+            o -= 1
+        if self.tok(self.prev_sig(o)).text == "]":
+            return  # a lambda's parameters (captures are not address-space qualified)
+        for pa, pb in self.split_params(o, j):
+            words = [toks[m] for m in range(pa, pb + 1) if toks[m].kind != "comment" and toks[m].orig.strip()]
+            texts = [w.orig for w in words]
+            angle = 0
+            indirect = False
+            for w in texts:
+                if w == "<":
+                    angle += 1
+                elif w == ">":
+                    angle -= 1
+                elif angle == 0 and w in ("*", "&", "&&"):
+                    indirect = True
+            if indirect and not any(w in ADDRESS_SPACES for w in texts):
+                self.err(words[0], f"parameter '{tidy(' '.join(texts))}' is a pointer or reference without an "
+                                   f"address space (device, constant, threadgroup or thread): Apple's compiler "
+                                   f"rejects it")
 
     def check_pointer_statement(self, i, k):
         """In `threadgroup T *a = ..., *b;` every declarator must be a pointer or reference:
@@ -551,7 +658,9 @@ class Transformer:
         fname = toks[name_idx].text
         close = self.match_close(k)
         params = self.split_params(k, close)
+        self.kernel_parens.add(close)
         table = []
+        grid = []  # (token, attribute, declaration) of the grid-position parameters
         for (pa, pb) in params:
             attr = None
             decl = []  # the parameter's source text without its attribute, for messages
@@ -574,7 +683,12 @@ class Transformer:
                 m += 1
             if attr is None:
                 self.err(toks[pa], f"kernel '{fname}': every parameter needs an attribute such as [[buffer(n)]]")
+            if attr[0] in GRID_ATTRS:
+                first = pa if significant(toks[pa]) else self.next_sig(pa)
+                grid.append((toks[first], attr[0], decl))
+            self.check_kernel_param(toks[pa], fname, attr[0], decl)
             table.append(attr + (c_string(tidy(" ".join(decl))),))
+        self.check_grid_components(fname, grid)
         entries = ", ".join(f"{{::lily::sim::Attr::{nm}, {arg}u, {d}}}" for nm, arg, d in table)
         if fname in self.kernels:
             self.err(toks[a], f"kernel '{fname}' defined twice")
@@ -587,6 +701,44 @@ class Transformer:
                     f"static constexpr unsigned __lily_nparams_{fname} = 0; "
                     f"static constexpr unsigned __lily_maxtg_{fname} = {max_threads}; ")
         toks[start].text = decl + toks[start].text
+
+    def check_grid_components(self, fname, grid):
+        """MSL: the grid-position parameters of a kernel are all scalars or all vectors of one
+        component count (Apple's compiler rejects `uint2 [[threadgroup_position_in_grid]]`
+        with `uint [[threads_per_threadgroup]]`)."""
+        seen = None
+        for tok, attr, decl in grid:
+            m = re.match(r"^(?:const\s+)?(u?int|u?short)([234])?$", " ".join(decl[:-1]))
+            if not m:
+                self.err(tok, f"kernel '{fname}': [[{attr}]] needs a uint or ushort scalar or vector type, "
+                              f"not '{' '.join(decl[:-1])}'")
+            n = int(m.group(2) or 1)
+            if seen and seen[0] != n:
+                self.err(tok, f"kernel '{fname}': [[{attr}]] '{' '.join(decl)}' has {n} component(s) but "
+                              f"[[{seen[1]}]] '{' '.join(seen[2])}' has {seen[0]}: Metal requires the grid-position "
+                              f"attributes of a kernel to match in component count")
+            seen = seen or (n, attr, decl)
+    def check_kernel_param(self, tok, fname, attr, decl):
+        """Address space and type of a kernel parameter against its attribute (the MSL spec's
+        rules that Apple's compiler enforces and the simulator would otherwise not see)."""
+        what = f"kernel '{fname}': parameter '{tidy(' '.join(decl))}'"
+        indirect = "*" in decl or "&" in decl
+        spaces = [w for w in decl if w in ADDRESS_SPACES]
+        if attr == "buffer":
+            if not indirect or spaces not in (["device"], ["constant"]):
+                self.err(tok, f"{what} [[buffer(n)]] must be a device or constant pointer or reference")
+        elif attr == "threadgroup":
+            if not indirect or spaces != ["threadgroup"]:
+                self.err(tok, f"{what} [[threadgroup(n)]] must be a threadgroup pointer or reference")
+            if "atomic_float" in decl or "float" in decl[decl.index("atomic") + 1:decl.index("atomic") + 3] if "atomic" in decl else False:
+                self.err(tok, f"{what}: Metal supports float atomics in device memory only")
+        else:
+            # grid-position attributes (vectors allowed) are checked with their component counts
+            type_words = [w for w in decl[:-1] if w != "const"]
+            if indirect or spaces or len(type_words) != 1:
+                self.err(tok, f"{what} [[{attr}]] must be a plain uint or ushort (vector) value")
+            if attr in SCALAR_ATTRS and type_words[0] not in ("uint", "ushort"):
+                self.err(tok, f"{what} [[{attr}]] must be uint or ushort")
 
     def split_params(self, open_idx, close_idx):
         toks = self.toks

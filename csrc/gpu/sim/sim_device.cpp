@@ -87,9 +87,9 @@ class SimBuffer : public gpu::Buffer, public std::enable_shared_from_this<SimBuf
 
 class SimPipeline : public gpu::Pipeline {
  public:
-  explicit SimPipeline(const KernelInfo& k) : k_(k) {}
+  SimPipeline(const KernelInfo& k, uint32_t cap) : k_(k), max_threads_(cap ? std::min(cap, k.max_threads) : k.max_threads) {}
   const std::string& name() const override { return k_.name; }
-  uint32_t max_threads_per_threadgroup() const override { return k_.max_threads; }
+  uint32_t max_threads_per_threadgroup() const override { return max_threads_; }
   uint32_t thread_execution_width() const override { return kSimdWidth; }
   const KernelInfo& kernel() const { return k_; }
   gpu::BufferParameter buffer_parameter(uint32_t index) const override {
@@ -104,6 +104,7 @@ class SimPipeline : public gpu::Pipeline {
 
  private:
   const KernelInfo& k_;
+  uint32_t max_threads_;
 };
 
 // Inline constant bytes, stored aligned for every MSL type (std::vector's storage is only
@@ -176,9 +177,12 @@ void SimPass::validate(const Dispatch& d) {
   // geometry
   if (!d.threadgroup.x || !d.threadgroup.y || !d.threadgroup.z)
     fail("threadgroup size " + size3(d.threadgroup) + " has a zero dimension");
-  if (d.threadgroup.count() > k.max_threads)
+  if (d.threadgroup.count() > pipe->max_threads_per_threadgroup())
     fail("threadgroup size " + size3(d.threadgroup) + " = " + std::to_string(d.threadgroup.count()) +
-         " threads exceeds the pipeline's maximum of " + std::to_string(k.max_threads));
+         " threads exceeds the pipeline's maximum of " + std::to_string(pipe->max_threads_per_threadgroup()) +
+         (pipe->max_threads_per_threadgroup() < k.max_threads
+              ? std::string(" (the kernel declares up to ") + std::to_string(k.max_threads) + ")"
+              : std::string(" ([[max_total_threads_per_threadgroup]])")));
   if (!d.grid.x || !d.grid.y || !d.grid.z) fail("grid " + size3(d.grid) + " has a zero dimension");
   auto rp = std::make_unique<Recorded>();
   Recorded& r = *rp;
@@ -281,7 +285,13 @@ class SimDevice : public gpu::Device {
   }
   std::string name() const override { return "sim"; }
   BufferPtr new_buffer(size_t bytes) override {
+    if (opt_.max_buffer_bytes && bytes > opt_.max_buffer_bytes)
+      throw Error("cannot allocate a buffer of " + std::to_string(bytes) + " bytes: the device's largest buffer is " +
+                  std::to_string(opt_.max_buffer_bytes) + " bytes");
     return std::make_shared<SimBuffer>(bytes, !opt_.record_only, opt_.poison, live_);
+  }
+  gpu::MemoryLimits memory_limits() const override {
+    return gpu::MemoryLimits{opt_.working_set_bytes, opt_.max_buffer_bytes};
   }
   BufferPtr new_buffer_no_copy(void* ptr, size_t bytes, std::function<void()> release) override {
     if (!ptr) throw UsageError("new_buffer_no_copy: null pointer");
@@ -300,7 +310,7 @@ class SimDevice : public gpu::Device {
         if (k.tensor_ops && !supports_tensor_ops())
           throw UsageError(kernel_where(k) + " uses Metal 4 tensor operations, which this device does not offer: " +
                            tensor_ops_status());
-        auto p = std::make_unique<SimPipeline>(k);
+        auto p = std::make_unique<SimPipeline>(k, opt_.pipeline_thread_limit);
         const gpu::Pipeline& ref = *p;
         pipelines_.emplace(name, std::move(p));
         return ref;

@@ -35,6 +35,15 @@ struct SimOptions {
   // enables the Metal 4 tensor-op kernels (metal/*_tensor.metal), as on a Mac; below it
   // looking them up is a UsageError.
   int gpu_family = 9;
+  // The memory budget the device reports (gpu::Device::memory_limits; 0 = none), to test the
+  // runtime's load-time memory check without a Mac. A new_buffer larger than max_buffer_bytes
+  // fails, as on Metal.
+  uint64_t working_set_bytes = 0;
+  uint64_t max_buffer_bytes = 0;
+  // Caps every pipeline's maxTotalThreadsPerThreadgroup below the kernel's declared
+  // [[max_total_threads_per_threadgroup]] (0 = no cap), as a Mac's compiler may under
+  // register pressure: tests the load-time refusal.
+  uint32_t pipeline_thread_limit = 0;
 };
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options = {});

@@ -1,4 +1,5 @@
-"""Lily's OpenAI-compatible HTTP server (``lily serve``).
+"""Lily's HTTP server (``lily serve``): OpenAI chat completions, completions and Responses,
+and Anthropic Messages.
 
 :func:`create_app` builds the FastAPI app around a loaded :class:`~lily.engine.Engine`;
 :func:`serve` runs it with uvicorn. See ``docs/server.md``.

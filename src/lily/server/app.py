@@ -14,7 +14,7 @@ import logging
 
 from fastapi import FastAPI
 
-from lily.server import models, openai_api
+from lily.server import anthropic_api, models, openai_api, responses_api
 from lily.server.core import (DEMO_MODEL_NAME, Gate, JSONOut, ServerState, install_error_handlers,
                               log)
 
@@ -33,8 +33,10 @@ def _default_model_name(engine) -> str:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 8, default_max_tokens: int | None = None) -> FastAPI:
-    """An ASGI app serving ``engine`` through the OpenAI API.
+               max_queue: int = 8, default_max_tokens: int | None = None,
+               strict_model_name: bool = False, max_stored_responses: int = 256) -> FastAPI:
+    """An ASGI app serving ``engine`` through the OpenAI chat completions, completions and
+    Responses APIs and the Anthropic Messages API.
 
     Parameters
     ----------
@@ -42,18 +44,25 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         A loaded engine (anything with the same ``stream``/``tokenizer``/``max_context``/
         ``generation_defaults`` interface).
     model_name : str | None
-        The model id clients must use (default: ``lily-demo-shakespeare`` for the embedded
-        demo model, otherwise the checkpoint directory's name).
+        The model id the server advertises (default: ``lily-demo-shakespeare`` for the
+        embedded demo model, otherwise the checkpoint directory's name).
     api_key : str | None
-        When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>``.
+        When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (or
+        ``x-api-key: <api_key>``, as Anthropic clients send it).
     max_queue : int
         Requests that may wait while one generates; more get HTTP 429.
     default_max_tokens : int | None
         Chat completions without ``max_tokens`` stop after this many tokens (default: when
         the context window is full, as OpenAI's API does). ``/v1/completions`` defaults to 16.
+    strict_model_name : bool
+        Refuse requests naming another model (404 ``model_not_found``); by default any name
+        means the one model served.
+    max_stored_responses : int
+        Responses kept for ``previous_response_id`` (the oldest is dropped first).
     """
     state = ServerState(engine, model_name or _default_model_name(engine), api_key, max_queue,
-                        default_max_tokens)
+                        default_max_tokens, strict_model_name)
+    state.responses = responses_api.ResponseStore(max_stored_responses)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -65,12 +74,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
             state.begin_shutdown()
             state.worker.close(timeout=2.0)
 
-    app = FastAPI(title="Lily", description="OpenAI-compatible API of the Lily inference engine",
+    app = FastAPI(title="Lily", description="OpenAI- and Anthropic-compatible API of the Lily inference engine",
                   version="0.1.0", lifespan=lifespan, default_response_class=JSONOut)
     app.state.lily = state
     app.add_middleware(Gate, api_key=api_key)
     install_error_handlers(app)
-    for api in (models, openai_api):
+    for api in (models, openai_api, anthropic_api, responses_api):
         app.include_router(api.router)
     return app
 
@@ -90,8 +99,8 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          model_name: str | None = None, max_queue: int = 8, default_max_tokens: int | None = None,
-          log_level: str = "info") -> None:
+          model_name: str | None = None, strict_model_name: bool = False, max_queue: int = 8,
+          default_max_tokens: int | None = None, log_level: str = "info") -> None:
     """Serve ``engine`` over HTTP with uvicorn until interrupted (``lily serve``).
 
     Binds to loopback by default; binding another address without ``api_key`` logs a
@@ -115,7 +124,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
         log.warning("serving on %s without an API key: anyone who can reach this address can use "
                     "the model (pass --api-key)", host)
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                     default_max_tokens=default_max_tokens)
+                     default_max_tokens=default_max_tokens, strict_model_name=strict_model_name)
     state: ServerState = app.state.lily
 
     class Server(uvicorn.Server):

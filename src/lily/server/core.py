@@ -17,6 +17,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lily.chat_output import Delta
 from lily.errors import ContextLengthError, LilyError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
@@ -94,10 +96,11 @@ class ServerState:
     name and the server-wide options. One per app, as ``app.state.lily``."""
 
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
-                 default_max_tokens: int | None):
+                 default_max_tokens: int | None, strict_model_name: bool = False):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
+        self.strict_model_name = strict_model_name
         self.api_key = api_key
         self.worker = Worker(max_queue)
         self.created = int(time.time())
@@ -126,9 +129,11 @@ class ServerState:
 
     # -- request checks ------------------------------------------------------------------
 
-    def check_model(self, name: str | None) -> None:
-        """404 ``model_not_found`` for a model name other than the one served."""
-        if name is not None and name != self.model_name:
+    def check_model(self, name: str | None, lookup: bool = False) -> None:
+        """404 ``model_not_found`` for a model name other than the one served, when the
+        server was started with ``strict_model_name`` or the request looks the model up
+        (``lookup``); otherwise any name means the one model served (as llama-server)."""
+        if name is not None and name != self.model_name and (self.strict_model_name or lookup):
             raise APIError(404, f"the model '{name}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
 
@@ -185,6 +190,25 @@ class ServerState:
                                 f"{self.engine.max_context} tokens", param=param,
                            code="context_length_exceeded")
 
+    async def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
+                          param: str = "messages") -> tuple[str, list[int]]:
+        """The chat template applied to template-form ``messages`` and OpenAI-form ``tools``
+        (off the event loop): ``(prompt text, token ids)``, checked (400 naming ``param`` for
+        a template error, an unpaired surrogate, an empty or too long prompt)."""
+        tok = self.engine.tokenizer
+
+        def render():
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            check_unicode(text, param)
+            return text, tok.encode(text)
+
+        try:
+            prompt_text, ids = await asyncio.to_thread(render)
+        except (LilyError, ValueError, TypeError) as exc:
+            raise APIError(400, str(exc), param=param, code="invalid_value") from None
+        self.check_prompt_ids(ids, param)
+        return prompt_text, ids
+
     def default_max_tokens_for(self, n_prompt: int) -> int:
         """``max_tokens`` of a chat request that sets none: ``--default-max-tokens``, else
         the room left in the context window."""
@@ -192,17 +216,20 @@ class ServerState:
 
     # -- generation ------------------------------------------------------------------------
 
-    def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, **engine_kw) -> Job:
+    def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, constraint=None,
+               **engine_kw) -> Job:
         """Queue the generation (429 when the line is full, 503 while shutting down). With
         ``prompt_logprobs`` (the number of alternatives), the job first scores the prompt
-        (see :func:`scored_stream`) into ``job.prompt_logprobs``. ``engine_kw`` goes to
-        ``engine.stream`` as is."""
+        (see :func:`scored_stream`) into ``job.prompt_logprobs``. ``constraint`` (from
+        :func:`request_constraint`) goes to ``engine.stream`` when set, and ``engine_kw``
+        (e.g. ``prompt_cache_key``) as is."""
         if self.closing:
             raise shutdown_error()
         engine = self.engine
+        kw = dict(engine_kw) if constraint is None else {**engine_kw, "constraint": constraint}
         if prompt_logprobs is None:
             def start(cancel):
-                return engine.stream(ids, params, cancel=cancel, **engine_kw)
+                return engine.stream(ids, params, cancel=cancel, **kw)
         else:
             def start(cancel):
                 return scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
@@ -212,16 +239,25 @@ class ServerState:
 
     @staticmethod
     def log_done(kind: str, job: Job, last, started: float) -> None:
-        """The request's one log line: token counts, finish reason, queue wait and speeds."""
+        """The request's one log line: token counts (prompt tokens reused from the prompt cache
+        and computed), finish reason, queue wait and speeds."""
         if last is None:
             return
         job.logged = True
         t = last.timings
         wait = (job.started - job.submitted) if job.started else 0.0
-        log.info("%s: %d prompt + %d completion tokens, finish=%s, queued %.2fs, prefill %.1f tok/s, "
-                 "decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens, last.completion_tokens,
+        log.info("%s: %d prompt (%d cached, %d computed) + %d completion tokens, finish=%s, queued %.2fs, "
+                 "prefill %.1f tok/s, decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens,
+                 getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
                  last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
+
+
+def cache_key(req) -> str | None:
+    """OpenAI's ``prompt_cache_key`` (a hint naming a conversation, given to the engine's
+    prompt cache for eviction; reuse is decided by token equality alone), or None."""
+    key = (req.model_extra or {}).get("prompt_cache_key")
+    return key if isinstance(key, str) else None
 
 
 def state_of(request: Request) -> ServerState:
@@ -263,9 +299,10 @@ class ClientGone(Exception):
 
 
 class Gate:
-    """ASGI middleware in front of ``/v1/``: checks the API key before anything else is
-    looked at, and reads POST bodies as JSON whatever their declared type (``curl -d``
-    sends ``application/x-www-form-urlencoded`` unless told otherwise)."""
+    """ASGI middleware in front of ``/v1/``: checks the API key (``Authorization: Bearer``
+    or ``x-api-key``) before anything else is looked at, and reads POST bodies as JSON
+    whatever their declared type (``curl -d`` sends ``application/x-www-form-urlencoded``
+    unless told otherwise)."""
 
     _LAX = (b"", b"application/x-www-form-urlencoded", b"text/plain")
 
@@ -279,7 +316,9 @@ class Gate:
             if self.api_key is not None:
                 auth = next((v for k, v in headers if k == b"authorization"), b"")
                 scheme, _, token = auth.partition(b" ")
-                if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
+                if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
+                    token = next((v for k, v in headers if k == b"x-api-key"), b"")
+                if not token.strip() or not hmac.compare_digest(token.strip(), self.api_key):
                     log.info("%s %s -> 401 bad or missing API key", scope.get("method"), scope.get("path"))
                     err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                    code="invalid_api_key")
@@ -353,9 +392,12 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
 
 
-def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> dict:
+def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
+                 cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens reused from the prompt cache."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if reasoning_tokens is not None:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
     return out
@@ -370,23 +412,23 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
     generated tokens). The pass prefills ``ids[:-1]`` with ``all_logits=True`` into a fresh
     session (the engine's ``prefill`` appends to whatever the session holds) in
-    ``PREFILL_CHUNK`` pieces, checking ``cancel`` between them; the generation then extends
+    ``engine.prefill_chunk`` pieces, checking ``cancel`` between them; the generation then extends
     that session, so only the last prompt token is prefilled again. A cancelled or failed
     pass leaves an empty session.
     """
-    from lily.engine import PREFILL_CHUNK
     from lily.sampling import Sampler, SamplingParams
 
+    chunk = engine.prefill_chunk
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]
     head = ids[:-1]
     engine.reset()
     try:
-        for s in range(0, len(head), PREFILL_CHUNK):
+        for s in range(0, len(head), chunk):
             if cancel.is_set():
                 engine.reset()
                 return
-            logits = engine.prefill(head[s:s + PREFILL_CHUNK], all_logits=True)
+            logits = engine.prefill(head[s:s + chunk], all_logits=True)
             for j, row in enumerate(logits):
                 scored.append(scorer.logprob(row, ids[s + j + 1]))
     except BaseException:
@@ -502,6 +544,8 @@ class ChatRun:
         self.last = None
         self.n_reasoning = 0
         self.finished = False
+        self.token_ids: list[int] = []  # every generated token (for stop_string_hit)
+        self.text = ""  # the engine's visible text, before parsing
 
     def finish(self) -> list:
         """The parser's last deltas if the generation ended without a final event."""
@@ -521,8 +565,169 @@ class ChatRun:
                 continue
             if parser.mode == "reasoning":
                 self.n_reasoning += len(ev.token_ids)
+            self.token_ids.extend(ev.token_ids)
+            self.text += ev.text
             deltas = parser.feed(ev.text)
             if ev.finish_reason is not None:
                 deltas = deltas + self.finish()
             self.last = ev
             yield deltas, ev
+
+    def stop_string_hit(self, tokenizer, stops) -> str | None:
+        """The stop string that ended the generation, or ``None`` (it ended on EOS, length,
+        or there were no stop strings). The engine drops the stop string from the text and
+        ends a stop-string hit on an event that carries the token (EOS: none); the string is
+        found in what the generated tokens decode to beyond the visible text."""
+        last = self.last
+        stops = [s for s in (stops or ()) if s]
+        if not stops or last is None or last.finish_reason != "stop" or not last.token_ids:
+            return None
+        full = tokenizer.decode(self.token_ids)
+        rest = full[len(self.text):] if full.startswith(self.text) else full
+        hits = [(rest.find(s), s) for s in stops if s in rest]
+        return min(hits)[1] if hits else stops[0]
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prompt cache (0 when the engine does not say)."""
+        return int(getattr(self.last, "cached_tokens", 0) or 0)
+
+
+@dataclass
+class Block:
+    """One output block of a chat reply: ``kind`` is ``"reasoning"``, ``"content"`` or
+    ``"tool"``; ``text`` the block's text (for a tool call: its JSON arguments), ``index``
+    its position in the reply; tool calls also have ``name`` and ``call_id``."""
+
+    kind: str
+    index: int
+    text: str = ""
+    name: str = ""
+    call_id: str = ""
+
+
+class BlockSequencer:
+    """Parser deltas as a sequence of blocks, each started, extended and stopped before the
+    next starts: the output structure of the Anthropic Messages and OpenAI Responses APIs
+    (content blocks, output items). :meth:`feed` and :meth:`close` return ``(what, block,
+    text)`` steps, ``what`` being ``"start"``, ``"delta"`` (with the new ``text``) or
+    ``"stop"``; ``blocks`` holds every block so far."""
+
+    def __init__(self):
+        self.blocks: list[Block] = []
+        self.open: Block | None = None
+        self._calls: dict[int, Block] = {}  # parser call index -> its block
+
+    def _start(self, out: list, kind: str, **kw) -> Block:
+        out.extend(self.close())
+        block = Block(kind, len(self.blocks), **kw)
+        self.blocks.append(block)
+        self.open = block
+        out.append(("start", block, ""))
+        return block
+
+    def feed(self, deltas: list[Delta]) -> list[tuple[str, Block, str]]:
+        out: list[tuple[str, Block, str]] = []
+        for d in deltas:
+            if d.kind in ("reasoning", "content"):
+                if not d.text:
+                    continue
+                block = self.open
+                if block is None or block.kind != d.kind:
+                    block = self._start(out, d.kind)
+            elif d.kind == "tool_start":
+                self._calls[d.index] = self._start(out, "tool", name=d.name, call_id=d.call_id)
+                continue
+            elif d.kind == "tool_args":
+                block = self._calls.get(d.index)
+                if block is None or not d.text:
+                    continue
+            else:
+                continue
+            block.text += d.text
+            out.append(("delta", block, d.text))
+        return out
+
+    def close(self) -> list[tuple[str, Block, str]]:
+        """Stop the open block (at the end of the reply)."""
+        if self.open is None:
+            return []
+        block, self.open = self.open, None
+        return [("stop", block, "")]
+
+    async def stream(self, run: ChatRun, keepalive: float | None):
+        """Yield the steps of a streamed generation as they come, the last block's stop
+        included, and ``None`` after ``keepalive`` idle seconds (for a keep-alive)."""
+        async for deltas, ev in run.steps(None, keepalive):
+            if ev is None:
+                yield None
+                continue
+            for step in self.feed(deltas):
+                yield step
+        if run.last is not None:
+            for step in self.feed(run.finish()) + self.close():
+                yield step
+
+
+# ----------------------------------------------------------------------------------------
+# the structured-output hook
+# ----------------------------------------------------------------------------------------
+
+
+def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,
+                       tools: list[dict] | None = None, param: str = "response_format"):
+    """The decoding constraint a request asks for, handed to the engine as ``constraint=``
+    (``None``: unconstrained). The one place every API's output-format options meet:
+
+    ``format`` is the requested output format in OpenAI's ``response_format`` form
+    (``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {...}}``; the Responses API's ``text.format`` is converted to it by the
+    caller); ``tool_choice`` is ``"required"`` or a function name when the request forces a
+    tool call, with ``tools`` in OpenAI's chat form. Formats other than text are not
+    supported yet (400 naming ``param``); forced tool calls are parsed, not constrained.
+    """
+    kind = (format or {}).get("type", "text")
+    if kind != "text":
+        raise APIError(400, f"{param} other than 'text' is not supported", param=param,
+                       code="invalid_value")
+    return None
+
+
+# ----------------------------------------------------------------------------------------
+# the ends of a request: non-streaming collection, a stream's failure
+# ----------------------------------------------------------------------------------------
+
+
+async def collect(state: ServerState, run: ChatRun, request: Request, kind: str, consume,
+                  t_start: float) -> JSONOut | None:
+    """Run a non-streaming chat generation to its end, handing every ``(deltas, event)``
+    step to ``consume`` (the parser's last deltas with event ``None``), and log it.
+
+    Returns ``None`` when done, or the 499 answer when the client went away (the generation
+    is cancelled). Raises the engine's failure as an :class:`APIError`, and a 503 when the
+    job was cancelled before it started (shutdown).
+    """
+    job = run.job
+    try:
+        async for deltas, ev in run.steps(request):
+            consume(deltas, ev)
+    except ClientGone:
+        log_gone(kind, job)
+        return JSONOut(error_payload(request.url.path, APIError(499, "client disconnected")), status_code=499)
+    except Exception as exc:
+        raise engine_error(exc) from None
+    finally:
+        job.cancel.set()
+    consume(run.finish(), None)
+    if run.last is None:
+        raise APIError(503, "the generation was cancelled", type="server_error")
+    state.log_done(kind, job, run.last, t_start)
+    return None
+
+
+def stream_failed(kind: str, job: Job, exc: Exception) -> APIError:
+    """A stream's failure after it started, as the APIError to send (and logged once)."""
+    err = engine_error(exc)
+    job.logged = True
+    log.info("%s failed after %d completion tokens: %s", kind, job.completion_tokens, err.message)
+    return err

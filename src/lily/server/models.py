@@ -13,8 +13,10 @@ router = APIRouter()
 async def health(request: Request) -> dict:
     state = state_of(request)
     running, queued = state.worker.counts()
+    cache = getattr(state.engine, "prompt_cache", None)
     return {"status": "ok", "model": state.model_name, "busy": running > 0, "running": running,
-            "queued": queued, "pending": running + queued}
+            "queued": queued, "pending": running + queued,
+            "prompt_cache": cache.info() if cache is not None else None}
 
 
 def model_card(state) -> dict:
@@ -30,5 +32,5 @@ async def list_models(request: Request) -> dict:
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request) -> dict:
     state = state_of(request)
-    state.check_model(model_id)
+    state.check_model(model_id, lookup=True)
     return model_card(state)

@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
-from lily.errors import LilyError, TokenizerError
+from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, check_unicode,
-                              dumps, engine_error, finite, job_events, log, log_gone, openai_usage, sse,
-                              state_of)
+from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_unicode,
+                              collect, dumps, engine_error, finite, job_events, log_gone, openai_usage,
+                              request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
 
@@ -152,34 +152,12 @@ def check_template_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
-async def render_chat(state: ServerState, messages: list[dict], tools: list[dict] | None,
-                      kwargs: dict, param: str = "messages") -> tuple[str, list[int]]:
-    """The chat template applied (off the event loop): ``(prompt text, token ids)``, checked
-    (400 for a template error, an unpaired surrogate, an empty or too long prompt)."""
-    tok = state.engine.tokenizer
-
-    def render():
-        text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
-        check_unicode(text, param)
-        return text, tok.encode(text)
-
-    try:
-        prompt_text, ids = await asyncio.to_thread(render)
-    except (LilyError, ValueError, TypeError) as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_value") from None
-    state.check_prompt_ids(ids, param)
-    return prompt_text, ids
-
-
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = state_of(request)
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than 'text' is not supported",
-                       param="response_format", code="invalid_value")
     kwargs = check_template_kwargs(req.chat_template_kwargs)
     top_lp = req.top_logprobs
     if top_lp is not None and top_lp > 0 and not req.logprobs:
@@ -188,13 +166,17 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     messages = template_messages(req)
     tools, parse_tools = tool_setup(req)
-    prompt_text, ids = await render_chat(state, messages, tools, kwargs)
+    forced = req.tool_choice if isinstance(req.tool_choice, dict) or req.tool_choice == "required" else None
+    if isinstance(forced, dict):
+        forced = (forced.get("function") or {}).get("name")
+    constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools)
+    prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
         max_tokens = state.default_max_tokens_for(len(ids))
     params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
-    job = state.submit(ids, params)
+    job = state.submit(ids, params, constraint=constraint, prompt_cache_key=cache_key(req))
     run = ChatRun(job, parser)
     rid = "chatcmpl-" + uuid.uuid4().hex
     created = int(time.time())
@@ -214,23 +196,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
     acc = ChatAccumulator()
     lps: list = []
-    try:
-        async for deltas, ev in run.steps(request):
-            acc.add(deltas)
-            if ev.logprobs:
-                lps.extend(ev.logprobs)
-    except ClientGone:
-        log_gone("chat", job)
-        return JSONOut(error_body("client disconnected"), status_code=499)
-    except Exception as exc:
-        raise engine_error(exc) from None
-    finally:
-        job.cancel.set()
-    acc.add(run.finish())
+
+    def consume(deltas, ev) -> None:
+        acc.add(deltas)
+        if ev is not None and ev.logprobs:
+            lps.extend(ev.logprobs)
+
+    gone = await collect(state, run, request, "chat", consume, t_start)
+    if gone is not None:
+        return gone
     last = run.last
-    if last is None:
-        raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done("chat", job, last, t_start)
     message: dict[str, Any] = {"role": "assistant",
                                "content": acc.content if (acc.content or not acc.tool_calls) else None}
     if acc.reasoning:
@@ -243,7 +218,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
               "finish_reason": finish_reason(last.finish_reason)}
     return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
             "system_fingerprint": None, "choices": [choice],
-            "usage": openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning)}
+            "usage": openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)}
 
 
 async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bool, finish_reason,
@@ -275,15 +250,12 @@ async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usa
         if include_usage:
             obj = dict(base)
             obj["choices"] = []
-            obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning)
+            obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)
             yield sse(obj)
         yield "data: [DONE]\n\n"
         state.log_done("chat (stream)", job, last, t_start)
     except Exception as exc:
-        err = engine_error(exc)
-        job.logged = True
-        log.info("chat (stream) failed after %d completion tokens: %s", job.completion_tokens, err.message)
-        yield sse(err.body())
+        yield sse(stream_failed("chat (stream)", job, exc).body())
         yield "data: [DONE]\n\n"
     finally:
         job.cancel.set()
@@ -323,7 +295,8 @@ async def completions(req: CompletionRequest, request: Request):
     params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
     echo_text = tok.decode(ids) if req.echo else ""
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
-    job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None)
+    job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None,
+                       **({} if score_prompt else {"prompt_cache_key": cache_key(req)}))
     rid = "cmpl-" + uuid.uuid4().hex
     created = int(time.time())
     base = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
@@ -388,16 +361,12 @@ async def completions(req: CompletionRequest, request: Request):
                 if include_usage:
                     obj = dict(base)
                     obj["choices"] = []
-                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens)
+                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
                     yield sse(obj)
                 yield "data: [DONE]\n\n"
                 state.log_done("completion (stream)", job, last, t_start)
             except Exception as exc:
-                err = engine_error(exc)
-                job.logged = True
-                log.info("completion (stream) failed after %d completion tokens: %s",
-                         job.completion_tokens, err.message)
-                yield sse(err.body())
+                yield sse(stream_failed("completion (stream)", job, exc).body())
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()
@@ -431,4 +400,5 @@ async def completions(req: CompletionRequest, request: Request):
             logprobs = {k: head[k] + logprobs[k] for k in head}
     choice = {"index": 0, "text": echo_text + "".join(texts), "logprobs": logprobs,
               "finish_reason": finish(last)}
-    return {**base, "choices": [choice], "usage": openai_usage(last.prompt_tokens, last.completion_tokens)}
+    usage = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
+    return {**base, "choices": [choice], "usage": usage}

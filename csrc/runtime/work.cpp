@@ -1,0 +1,288 @@
+// The work table (work.h). Counts are per dispatch, from what the record holds; an FMA is
+// 2 operations. Unpacking a 4/8-bit weight and applying its scale and bias counts 3 ALU
+// operations per weight each time a threadgroup dequantizes it. Tile shapes are those of
+// metal/gemm.metal, gemm_tensor.metal, gemm_tiles.h and attention_prefill.metal.
+#include "runtime/work.h"
+
+#include <cctype>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "runtime/kernel_args.h"
+
+namespace lily::runtime {
+
+namespace {
+
+namespace args = lily::kernels;
+
+// Bytes per weight of an MLX affine-quantized matrix: the packed value plus a bf16 scale and
+// bias per group of 64.
+double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
+constexpr double kDequantOps = 3;
+constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // dense tiles: gemm.metal / gemm_tiles.h
+constexpr uint32_t kAttnRows = 32, kAttnTile = 16;           // attention_prefill.metal kRows, kTile
+
+bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
+bool ends(const std::string& s, const char* p) {
+  const size_t n = std::strlen(p);
+  return s.size() >= n && s.compare(s.size() - n, n, p) == 0;
+}
+// The number after `key` in a templated host name ("attn_prefill_d256_g4", "_d" -> 256).
+uint32_t param(const std::string& name, const char* key) {
+  const size_t n = std::strlen(key);
+  for (size_t at = name.find(key); at != std::string::npos; at = name.find(key, at + 1)) {
+    if (at + n < name.size() && std::isdigit(static_cast<unsigned char>(name[at + n])))
+      return uint32_t(std::stoul(name.substr(at + n)));
+  }
+  throw std::invalid_argument(name + ": no '" + key + "<number>' parameter in the kernel name");
+}
+
+// The argument struct T of the record (the inline bytes of T's size).
+template <class T>
+T arg(const gpu::DispatchRecord& r) {
+  for (const auto& [index, bytes] : r.args) {
+    if (bytes.size() == sizeof(T)) {
+      T a;
+      std::memcpy(&a, bytes.data(), sizeof(T));
+      return a;
+    }
+  }
+  throw std::invalid_argument(r.label + ": no argument struct of " + std::to_string(sizeof(T)) + " bytes");
+}
+
+double reads_of(const gpu::DispatchRecord& r, const char* buffer_label) {
+  double s = 0;
+  for (const auto& [label, n] : r.reads) s += label == buffer_label ? double(n) : 0.0;
+  return s;
+}
+
+double declared(const gpu::DispatchRecord& r) { return double(r.bytes_read + r.bytes_written); }
+
+// Experts a chunk of `rows` tokens is expected to reach with `k` of `experts` per token,
+// routing taken as uniform: E (1 - (1 - k/E)^rows).
+double expected_experts(uint32_t rows, uint32_t k, uint32_t experts) {
+  return experts * (1.0 - std::pow(1.0 - double(k) / experts, double(rows)));
+}
+
+Work make(const char* family) {
+  Work w;
+  w.family = family;
+  return w;
+}
+void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
+
+// Dense quantized GEMM tiles (32 x 64 per threadgroup; NB weight matrices sharing x).
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
+  const auto a = arg<args::GemmArgs>(r);
+  Work w = make("dense projections");
+  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies.
+  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * a.m * a.n * a.k);
+  add(w, Path::alu_f32, kDequantOps * nb * r.groups.y * double(a.n) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
+  w.bytes = declared(r);
+  w.threadgroup_memory = uint64_t(kGemmBM + nb * kGemmBN) * kGemmLd * 4;
+  return w;
+}
+
+// Grouped expert GEMMs over the tile map (T-row tiles x 64 columns).
+Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
+  const auto a = arg<args::MoeGemmArgs>(r);
+  const uint32_t T = param(r.kernel, "_t");
+  Work w = make("routed experts");
+  const double reached = expected_experts(a.m, a.top_k, a.experts);
+  // Each reached expert's last tile is on average half padding.
+  const double rows = std::min(double(a.m) * a.top_k + reached * (T - 1) / 2.0, double(r.groups.x) * T);
+  const double tiles = rows / T;  // each tile dequantizes its expert's n x k weights
+  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * a.n * a.k);
+  add(w, Path::alu_f32, kDequantOps * nb * tiles * double(a.n) * a.k + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  const double stack = double(a.n) * a.k * quant_bytes(4);
+  w.bytes = declared(r) - nb * (a.experts - reached) * stack;
+  return w;
+}
+
+std::optional<Work> work_of(const gpu::DispatchRecord& r) {
+  const std::string& k = r.kernel;
+  const double groups = double(r.groups.count());
+  const bool tensor = ends(k, "_tensor");
+
+  // ---- decode GEMVs (fp32 ALU, bandwidth-bound)
+  if (k == "gemv_q4" || k == "gemv_q8" || k == "gemv_q4_add" || k == "gemv_q8_add") {
+    const auto a = arg<args::GemvArgs>(r);
+    Work w = make("dense projections");
+    add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols);
+    w.bytes = declared(r);
+    return w;
+  }
+  if (k == "norm_gemv_q4" || k == "norm_gemv_q8" || k == "embed_norm_gemv_q4") {
+    const auto a = arg<args::NormGemvArgs>(r);
+    const bool head = r.label.find("lm_head") != std::string::npos;
+    Work w = make(head ? "lm head + sampling" : "dense projections");
+    const double rows = double(a.rows[0]) + a.rows[1] + a.rows[2] + a.rows[3];
+    // every threadgroup recomputes the norm of x
+    add(w, Path::alu_f32, (2 + kDequantOps) * rows * a.cols + 4.0 * groups * a.cols);
+    w.bytes = declared(r);
+    if (k == "embed_norm_gemv_q4") {  // the table is declared whole; one row is read
+      const auto e = arg<args::EmbedArgs>(r);
+      w.bytes -= (double(e.vocab) - 1) * e.cols * quant_bytes(4);
+    }
+    return w;
+  }
+  // ---- decode MoE (fp32 ALU): routed stacks declared whole, top-k experts read
+  if (k == "moe_route_gate_up_swiglu_q4") {
+    const auto a = arg<args::MoeRouteArgs>(r);
+    Work w = make("routed experts");
+    const double rows = double(a.top_k) * a.inter + a.inter_shared;
+    // router softmax + top-k rounds replayed by every threadgroup
+    add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
+                              groups * a.experts * (4.0 + a.top_k));
+    w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
+    return w;
+  }
+  if (k == "moe_down_q4") {
+    const auto a = arg<args::MoeArgs>(r);
+    Work w = make("routed experts");
+    add(w, Path::alu_f32, (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
+    w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
+    return w;
+  }
+  // ---- Gated DeltaNet: per token and value head ~9 Dk Dv (decay, k.S, rank-1 update, q.S)
+  if (starts(k, "gdn_decode_step_k") || starts(k, "gdn_scan_k")) {
+    const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
+    const bool scan = starts(k, "gdn_scan");
+    const uint32_t Hv = scan ? arg<args::GdnScanArgs>(r).num_v_heads : arg<args::GdnDecodeArgs>(r).num_v_heads;
+    const uint32_t rows = scan ? arg<args::GdnScanArgs>(r).rows : 1;
+    Work w = make("gated deltanet");
+    add(w, Path::alu_f32, double(rows) * Hv * (9.0 * Dk * Dv + 12.0 * (Dk + Dv)));
+    w.bytes = declared(r);
+    return w;
+  }
+  if (k == "gdn_conv_chunk") {
+    const auto a = arg<args::GdnConvChunkArgs>(r);
+    Work w = make("gated deltanet");
+    add(w, Path::alu_f32, 12.0 * a.rows * a.conv_dim);  // 4 taps + SiLU
+    w.bytes = declared(r);
+    return w;
+  }
+  // ---- attention
+  if (starts(k, "attn_decode_fused_d") || starts(k, "attn_decode_split_fused_d")) {
+    const uint32_t D = param(k, "_d");
+    const auto a = arg<args::AttnFusedArgs>(r);
+    const double keys = reads_of(r, "k cache") / (double(a.num_kv_heads) * D * 2) + 1;  // cached rows + new
+    Work w = make("attention");
+    add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
+    w.bytes = declared(r);
+    w.threadgroup_memory = 4 * (8 * (D + 2 * param(k, "_g")) + 2 * param(k, "_g") * D + 2 * D + 264 +
+                                2 * param(k, "_g"));
+    return w;
+  }
+  if (starts(k, "attn_combine_d")) {
+    const auto a = arg<args::AttnCombineArgs>(r);
+    Work w = make("attention");
+    add(w, Path::alu_f32, 4.0 * a.num_q_heads * a.max_blocks * param(k, "_d"));
+    w.bytes = declared(r);
+    return w;
+  }
+  if (starts(k, "attn_prefill_prep_d")) {
+    const auto a = arg<args::AttnPrefillPrepArgs>(r);
+    Work w = make("attention");
+    add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d"));
+    w.bytes = declared(r);
+    return w;
+  }
+  if (starts(k, "attn_prefill_d") || starts(k, "attn_prefill_split_d")) {
+    const uint32_t D = param(k, "_d");
+    const auto a = arg<args::AttnPrefillArgs>(r);
+    // causal (row, key) pairs, with the partial diagonal tile of each 16-row KV tile
+    const double pairs = double(a.rows) * a.p0 + 0.5 * double(a.rows) * a.rows + double(a.rows) * kAttnTile;
+    const double heads = a.num_q_heads;
+    Work w = make("attention");
+    add(w, Path::sgmm_f32, 4.0 * D * heads * pairs);  // QK^T and PV, 8x8 fp32 simdgroup_matrix
+    // online softmax per score, and the bf16 -> fp32 staging of K and V per threadgroup
+    const double kv_rows = double(a.p0) + a.rows;
+    add(w, Path::alu_f32, 8.0 * heads * pairs + 2.0 * groups * kv_rows * D / std::max(1u, r.groups.z));
+    w.bytes = declared(r);
+    w.threadgroup_memory = 4 * (kAttnTile * D + kAttnRows * kAttnTile + 256 + 2 * kAttnRows);
+    return w;
+  }
+  if (starts(k, "attn_prefill_combine_d")) {
+    const auto a = arg<args::AttnPrefillArgs>(r);
+    Work w = make("attention");
+    add(w, Path::alu_f32, 4.0 * a.rows * a.num_q_heads * a.num_splits * param(k, "_d"));
+    w.bytes = declared(r);
+    return w;
+  }
+  // ---- prefill GEMMs
+  if (k == "gemm_q4" || k == "gemm_q4_add" || k == "gemm_q4_tensor" || k == "gemm_q4_add_tensor")
+    return dense_gemm(r, 1, tensor);
+  if (k == "gemm_q8" || k == "gemm_q8_tensor") {
+    Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate
+    w.family = "routing";
+    return w;
+  }
+  if (k == "gemm_swiglu_q4" || k == "gemm_swiglu_q4_tensor") {
+    Work w = dense_gemm(r, 2, tensor);
+    w.family = "shared expert";
+    return w;
+  }
+  if (starts(k, "moe_gemm_gate_up_q4_t")) return expert_gemm(r, 2, tensor);
+  if (starts(k, "moe_gemm_down_q4_t")) return expert_gemm(r, 1, tensor);
+  // ---- prefill routing, norms, embedding, combine
+  if (k == "moe_route_clear" || k == "moe_route_topk" || k == "moe_route_scatter") {
+    const auto a = arg<args::MoeRoutePrefillArgs>(r);
+    Work w = make("routing");
+    const double per_row = k == "moe_route_topk" ? double(a.experts) * (6.0 + a.top_k) : 8.0 * a.top_k;
+    add(w, Path::alu_f32, k == "moe_route_clear" ? 0.0 : a.rows * per_row);
+    w.bytes = declared(r);
+    return w;
+  }
+  if (k == "rms_norm") {
+    const auto a = arg<args::NormArgs>(r);
+    Work w = make("norms, embedding, combine");
+    add(w, Path::alu_f32, 4.0 * groups * a.n);
+    w.bytes = declared(r);
+    return w;
+  }
+  if (k == "embed_rows_q4") {
+    const auto a = arg<args::EmbedArgs>(r);
+    Work w = make("norms, embedding, combine");
+    const double rows = double(r.groups.y);  // one grid row per token
+    add(w, Path::alu_f32, kDequantOps * rows * a.cols);
+    w.bytes = declared(r) - (double(a.vocab) - rows) * a.cols * quant_bytes(4);  // table declared whole
+    return w;
+  }
+  if (k == "moe_combine") {
+    const auto a = arg<args::MoeCombineArgs>(r);
+    Work w = make("norms, embedding, combine");
+    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2));
+    w.bytes = declared(r);
+    return w;
+  }
+  // ---- token selection
+  if (k == "argmax_partial" || k == "sample_greedy_combine") {  // multi-threadgroup greedy argmax
+    Work w = make("lm head + sampling");
+    add(w, Path::alu_f32, 2.0 * r.bytes_read / sizeof(float));
+    w.bytes = declared(r);
+    return w;
+  }
+  if (k == "sample_greedy" || k == "sample_token") {
+    const uint32_t V = k == "sample_greedy" ? arg<args::SampleGreedyArgs>(r).vocab : arg<args::SampleArgs>(r).vocab;
+    Work w = make("lm head + sampling");
+    add(w, Path::alu_f32, (k == "sample_greedy" ? 2.0 : 24.0) * V);
+    w.bytes = declared(r);
+    return w;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+const char* path_name(Path p) {
+  static const char* names[kPaths] = {"alu_f32",  "alu_f16",    "sgmm_f32",   "sgmm_f16",
+                                      "sgmm_bf16", "tensor_f32", "tensor_f16", "tensor_bf16"};
+  return names[int(p)];
+}
+
+std::optional<Work> dispatch_work(const gpu::DispatchRecord& r) { return work_of(r); }
+
+}  // namespace lily::runtime

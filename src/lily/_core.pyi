@@ -1,0 +1,427 @@
+"""Lily's native core (C++17; Objective-C++ for the Metal backend)."""
+
+from collections.abc import Callable, Sequence, Set
+from typing import Annotated
+
+import numpy
+from numpy.typing import NDArray
+
+
+def compiled_devices() -> list[str]:
+    """
+    Names of the native devices compiled into this build, e.g. ['sim'] or ['sim', 'metal'].
+    """
+
+def build_info() -> dict:
+    """
+    Build facts: version, compiler, platform, debug flag and compiled devices.
+    """
+
+class HazardError(RuntimeError):
+    pass
+
+class Buffer:
+    """Device memory (shared storage)."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def label(self) -> str: ...
+
+    @label.setter
+    def label(self, arg: str, /) -> None: ...
+
+    def write(self, array: Annotated[NDArray, dict(order='C', device='cpu', writable=False)], offset: int = 0) -> None:
+        """Copies a C-contiguous array into the buffer at a byte offset."""
+
+    def read(self, offset: int = 0, size: int = -1) -> bytes:
+        """Copies bytes out of the buffer."""
+
+class ComputePass:
+    """A concurrent compute pass; barriers come from declared ranges."""
+
+    def dispatch(self, kernel: str, grid: object, threadgroup: object, buffers: object | None = None, constants: object | None = None, threadgroup_memory: object | None = None, reads: object | None = None, writes: object | None = None, threadgroups: bool = False, label: str = '') -> None:
+        """
+        Encodes one dispatch of a kernel (by host name). grid counts threads, or threadgroups
+        when threadgroups=True. buffers: [(index, Buffer[, offset])]; constants: [(index, bytes)];
+        threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)].
+        """
+
+    def barrier(self) -> None: ...
+
+    def end(self) -> None: ...
+
+    @property
+    def manual_barriers(self) -> bool: ...
+
+class CommandBuffer:
+    def compute_pass(self, manual_barriers: bool = False) -> ComputePass: ...
+
+    def commit(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+    def on_completed(self, fn: Callable) -> None:
+        """
+        fn(status: str, error: str) runs on the main thread after completion (by the next wait()).
+        """
+
+    @property
+    def status(self) -> str: ...
+
+    @property
+    def counters(self) -> dict: ...
+
+    @property
+    def dispatch_log(self) -> list:
+        """
+        Per-dispatch counters: label, pass, barrier stage, declared bytes read/written.
+        """
+
+class Device:
+    """A Lily device: 'sim' (the Metal simulator) or 'metal'."""
+
+    @property
+    def name(self) -> str: ...
+
+    def kernel_names(self) -> list[str]: ...
+
+    def has_kernel(self, arg: str, /) -> bool: ...
+
+    def buffer(self, nbytes: int) -> Buffer: ...
+
+    def map_file(self, path: str, offset: int = 0, length: int = 0) -> Buffer: ...
+
+    @property
+    def gpu_family(self) -> str:
+        """
+        The GPU's Apple family: 'apple7' (M1) .. 'apple10' (M5); the simulator's is an option.
+        """
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of the buffers this device allocated that are still alive."""
+
+    @property
+    def supports_tensor_ops(self) -> bool:
+        """
+        Whether the Metal 4 tensor-op kernels (metal/*_tensor.metal) can be used on this device.
+        """
+
+    @property
+    def tensor_ops_status(self) -> str:
+        """Why supports_tensor_ops is False ('' when it is True)."""
+
+    def command_buffer(self) -> CommandBuffer: ...
+
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9') -> Device:
+    """
+    The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
+    gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
+    tensor-op kernels (metal/*_tensor.metal), as an M5 does.
+    """
+
+def gpu_family(device: Device) -> str:
+    """
+    The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).
+    """
+
+class ModelDims:
+    """
+    The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, full_attention per layer); FIELDS lists the scalar ones.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @vocab_size.setter
+    def vocab_size(self, arg: int, /) -> None: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    @hidden_size.setter
+    def hidden_size(self, arg: int, /) -> None: ...
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    @num_hidden_layers.setter
+    def num_hidden_layers(self, arg: int, /) -> None: ...
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @num_attention_heads.setter
+    def num_attention_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @num_key_value_heads.setter
+    def num_key_value_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    @head_dim.setter
+    def head_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def rotary_dim(self) -> int: ...
+
+    @rotary_dim.setter
+    def rotary_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def linear_num_key_heads(self) -> int: ...
+
+    @linear_num_key_heads.setter
+    def linear_num_key_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def linear_num_value_heads(self) -> int: ...
+
+    @linear_num_value_heads.setter
+    def linear_num_value_heads(self, arg: int, /) -> None: ...
+
+    @property
+    def linear_key_head_dim(self) -> int: ...
+
+    @linear_key_head_dim.setter
+    def linear_key_head_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def linear_value_head_dim(self) -> int: ...
+
+    @linear_value_head_dim.setter
+    def linear_value_head_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def linear_conv_kernel_dim(self) -> int: ...
+
+    @linear_conv_kernel_dim.setter
+    def linear_conv_kernel_dim(self, arg: int, /) -> None: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    @num_experts.setter
+    def num_experts(self, arg: int, /) -> None: ...
+
+    @property
+    def num_experts_per_tok(self) -> int: ...
+
+    @num_experts_per_tok.setter
+    def num_experts_per_tok(self, arg: int, /) -> None: ...
+
+    @property
+    def moe_intermediate_size(self) -> int: ...
+
+    @moe_intermediate_size.setter
+    def moe_intermediate_size(self, arg: int, /) -> None: ...
+
+    @property
+    def shared_expert_intermediate_size(self) -> int: ...
+
+    @shared_expert_intermediate_size.setter
+    def shared_expert_intermediate_size(self, arg: int, /) -> None: ...
+
+    @property
+    def rms_norm_eps(self) -> float: ...
+
+    @rms_norm_eps.setter
+    def rms_norm_eps(self, arg: float, /) -> None: ...
+
+    @property
+    def rope_theta(self) -> float: ...
+
+    @rope_theta.setter
+    def rope_theta(self, arg: float, /) -> None: ...
+
+    @property
+    def norm_topk_prob(self) -> bool: ...
+
+    @norm_topk_prob.setter
+    def norm_topk_prob(self, arg: bool, /) -> None: ...
+
+    @property
+    def full_attention(self) -> list[bool]: ...
+
+    @full_attention.setter
+    def full_attention(self, arg: Sequence[bool], /) -> None: ...
+
+    FIELDS: tuple[str, ...]
+
+class SamplingConfig:
+    """
+    Device sampling settings (lily.sampling.SamplingParams' fields of the same names, listed in FIELDS).
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def temperature(self) -> float: ...
+
+    @temperature.setter
+    def temperature(self, arg: float, /) -> None: ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @top_k.setter
+    def top_k(self, arg: int, /) -> None: ...
+
+    @property
+    def top_p(self) -> float: ...
+
+    @top_p.setter
+    def top_p(self, arg: float, /) -> None: ...
+
+    @property
+    def min_p(self) -> float: ...
+
+    @min_p.setter
+    def min_p(self, arg: float, /) -> None: ...
+
+    @property
+    def presence_penalty(self) -> float: ...
+
+    @presence_penalty.setter
+    def presence_penalty(self, arg: float, /) -> None: ...
+
+    @property
+    def frequency_penalty(self) -> float: ...
+
+    @frequency_penalty.setter
+    def frequency_penalty(self, arg: float, /) -> None: ...
+
+    @property
+    def repetition_penalty(self) -> float: ...
+
+    @repetition_penalty.setter
+    def repetition_penalty(self, arg: float, /) -> None: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @seed.setter
+    def seed(self, arg: int, /) -> None: ...
+
+    @property
+    def logprobs(self) -> bool: ...
+
+    @logprobs.setter
+    def logprobs(self, arg: bool, /) -> None: ...
+
+    @property
+    def top_logprobs(self) -> int: ...
+
+    @top_logprobs.setter
+    def top_logprobs(self, arg: int, /) -> None: ...
+
+    FIELDS: tuple[str, ...]
+
+class SessionSnapshot:
+    """A host copy of a Runtime's session state (Runtime.snapshot / restore)."""
+
+    def __init__(self, position: int, parts: Sequence[bytes]) -> None:
+        """
+        A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.
+        """
+
+    @property
+    def position(self) -> int:
+        """tokens in the session"""
+
+    @property
+    def nbytes(self) -> int:
+        """bytes held (KV rows in use, conv and recurrent state)"""
+
+    def parts(self) -> list[bytes]:
+        """
+        The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.
+        """
+
+class Runtime:
+    """
+    One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).
+    """
+
+    def __init__(self, device: Device, dims: ModelDims, tensors: Sequence[tuple[str, str, int, int]], max_context: int, split_threshold: int = 32768, split_block: int = 1024, virtual_weights: bool = False, prefill_chunk: int = 512, gemm_path: str = 'auto') -> None:
+        """
+        tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.
+        """
+
+    def reset(self) -> None: ...
+
+    def snapshot(self) -> SessionSnapshot:
+        """A copy of the session state (waits for work in flight)."""
+
+    def restore(self, snapshot: SessionSnapshot) -> None:
+        """
+        Makes `snapshot` the session state; ValueError if it is from another model or exceeds the context.
+        """
+
+    @property
+    def position(self) -> int: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    @property
+    def repacked_bytes(self) -> int: ...
+
+    @property
+    def prefill_chunk(self) -> int: ...
+
+    @property
+    def prefill_scratch_bytes(self) -> int: ...
+
+    @property
+    def uses_tensor_ops(self) -> bool: ...
+
+    def expert_histogram(self, layer: int) -> list[int]:
+        """Assignments per expert of `layer` in the last completed prefill chunk."""
+
+    def forward(self, tokens: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], logits: str = 'last', decode_steps: bool = False) -> NDArray[numpy.float32]:
+        """
+        Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or [0] ('none').
+        """
+
+    def generate_greedy(self, first: int, max_tokens: int, stop_ids: Set[int]) -> list[int]:
+        """
+        Pipelined greedy decode with the GPU token hand-off; returns the generated ids.
+        """
+
+    def start(self, feed: Sequence[int], max_steps: int, prompt: Sequence[int], sampling: SamplingConfig) -> None:
+        """
+        Starts pipelined generation: `feed` (>= 1 tokens) is fed at the current position; several tokens run as prefill chunks whose last one samples the first output on the device.
+        """
+
+    def next(self) -> object:
+        """
+        The next generated (token, logprob, [(id, logprob)]), or None when the steps are used up.
+        """
+
+    def finish(self) -> None:
+        """Waits for the step in flight and commits the session position."""
+
+    def count_step(self, position: int) -> dict:
+        """Encodes (and on a real device runs) one step; counters and traffic."""
+
+    def count_chunk(self, position: int, rows: int) -> dict:
+        """
+        Encodes (and on a real device runs) one prefill chunk; counters and traffic.
+        """
+
+
+# Built on macOS only (LILY_HAVE_METAL).
+def metal_device(metallib: str = '') -> Device:
+    """The system's Metal GPU with lily.metallib (from beside this module by default)."""

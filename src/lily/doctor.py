@@ -1,0 +1,260 @@
+"""``lily doctor``: what this machine has, whether Lily's GPU code loads, and whether every
+shipped kernel computes what its numpy reference computes (lily.kernel_check).
+
+On a Mac it checks the ``metal`` device (the real GPU); elsewhere the ``sim`` device (the
+Metal simulator). The report ends with a short block meant to be pasted into a bug report.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from lily import __version__
+from lily.errors import DeviceError, InvalidParameterError
+
+
+def _first_line(cmd: list[str]) -> str | None:
+    """The first output line of a command, or None when it is missing or fails."""
+    if not shutil.which(cmd[0]):
+        return None
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = (r.stdout or r.stderr).strip().splitlines()
+    return out[0].strip() if r.returncode == 0 and out else None
+
+
+def _chip() -> str:
+    if sys.platform == "darwin":
+        return _first_line(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _physical_memory() -> int | None:
+    if sys.platform == "darwin":
+        v = _first_line(["sysctl", "-n", "hw.memsize"])
+        return int(v) if v and v.isdigit() else None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _build(info: dict) -> str:
+    std = {201703: "C++17", 202002: "C++20"}.get(info.get("cxx_standard"), f"C++ {info.get('cxx_standard')}")
+    return (f"{info.get('compiler')}, {std}, {info.get('platform')}{', debug' if info.get('debug') else ''}; "
+            f"devices: {', '.join(info.get('devices', [])) or 'none'}")
+
+
+def system_info() -> dict:
+    """Machine, OS and toolchain facts (strings; None where not found)."""
+    from lily import _core
+    info = {
+        "lily": __version__,
+        "native_build": _build(_core.build_info()),
+        "python": platform.python_version(),
+        "os": (f"macOS {platform.mac_ver()[0]}" if sys.platform == "darwin" else platform.platform()),
+        "arch": platform.machine(),
+        "chip": _chip(),
+        "memory_bytes": _physical_memory(),
+    }
+    if sys.platform == "darwin":
+        info["xcode"] = _first_line(["xcodebuild", "-version"])
+        info["metal_compiler"] = _first_line(["xcrun", "-sdk", "macosx", "metal", "--version"])
+        info["sdk"] = _first_line(["xcrun", "--show-sdk-version"])
+    return info
+
+
+def open_device(name: str):
+    """(device, error): the native device ``name`` ('auto': metal when compiled in, else sim)."""
+    from lily import _core
+    from lily.native import make_device
+    compiled = list(_core.compiled_devices())
+    if name == "auto":
+        name = "metal" if "metal" in compiled else "sim"
+    # the simulator as an M5 (apple10), so the Metal 4 tensor-op kernels are checked too
+    options = {"gpu_family": "apple10", "verify_writes": True} if name == "sim" else {}
+    try:
+        return name, make_device(name, **options), None
+    except DeviceError as e:
+        return name, None, str(e)
+    except RuntimeError as e:  # the metallib or the GPU could not be opened
+        return name, None, f"{type(e).__name__}: {e}"
+
+
+def model_memory(model: str | None, max_context: int | None) -> dict:
+    """Weights and KV cache of a checkpoint (the embedded demo model by default), in bytes.
+
+    KV cache (an estimate): full-attention layers x (K and V) x KV heads x head dim x
+    max_context (default: Engine.load's) x 2 bytes (bf16 cache rows), plus the Gated
+    DeltaNet state (float32 S of Hv x Dk x Dv and the conv window) per linear-attention layer.
+    """
+    from lily.checkpoint import open_checkpoint
+    from lily.engine import DEFAULT_MAX_CONTEXT, default_model_path
+    path = Path(model) if model else default_model_path()
+    ck = open_checkpoint(path)
+    c = ck.config
+    ctx = max_context or min(DEFAULT_MAX_CONTEXT, c.max_position_embeddings)  # Engine.load's default
+    kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * ctx * 2
+    linear = c.num_hidden_layers - len(c.full_attention_layers)
+    state = linear * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+                      + c.conv_dim * c.linear_conv_kernel_dim * 4)
+    return {"path": str(path), "weights": ck.nbytes, "max_context": ctx, "kv_cache": kv + state,
+            "total": ck.nbytes + kv + state}
+
+
+def _pipeline(dev, kernel: str) -> dict:
+    """Whether kernel's pipeline builds, and its limits where the device reports them
+    (Device.pipeline_info: thread limit, SIMD width, static threadgroup memory in bytes)."""
+    info = getattr(dev, "pipeline_info", None)
+    try:
+        if info is None:
+            return {"kernel": kernel, "built": dev.has_kernel(kernel)}
+        return {**info(kernel), "kernel": kernel, "built": True}
+    except Exception as e:  # noqa: BLE001 (a pipeline the GPU rejects is a line in the report)
+        return {"kernel": kernel, "built": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _gib(n: int | None) -> str:
+    return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def run(device: str = "auto", kernels: list[str] | None = None, model: str | None = None,
+        max_context: int | None = None, seed: int | None = None, as_json: bool = False,
+        out=None) -> int:
+    """Runs every check and prints the report (text, or one JSON object with ``as_json``).
+    Returns 0 when everything that ran passed, 1 otherwise."""
+    from lily import kernel_check
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=out, flush=True))
+    report: dict = {"system": system_info()}
+    sysi = report["system"]
+    name, dev, err = open_device(device)
+    if dev is not None and kernels:  # a typo in --kernels is an error before any output
+        unknown = sorted(set(kernels) - set(kernel_check.shipped_kernels(dev)))
+        if unknown:
+            raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)} (`lily doctor --json` lists "
+                                        f"every kernel of the library)")
+    say("Lily doctor")
+    for key in ("lily", "native_build", "python", "os", "arch", "chip", "xcode", "metal_compiler", "sdk"):
+        if key in sysi:
+            say(f"  {key:<15} {sysi[key] if sysi[key] is not None else 'not found'}")
+    say(f"  {'memory':<15} {_gib(sysi['memory_bytes'])}")
+
+    report["device"] = {"name": name, "error": err}
+    say("\ndevice")
+    if dev is None:
+        say(f"  {name}: FAILED to open: {err}")
+    else:
+        names = kernel_check.shipped_kernels(dev)
+        if name == "sim":
+            say("  (no Metal GPU in this build: the kernels run on the Metal simulator, on the CPU; this checks\n"
+                "   the package, not a GPU)")
+        report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
+                                 "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
+                                 "tensor_ops_status": dev.tensor_ops_status})
+        where = "lily.metallib loaded" if name == "metal" else "kernels compiled into the simulator"
+        say(f"  {'device':<15} {name}: {dev.name} ({dev.gpu_family})")
+        say(f"  {'library':<15} {where}: {len(names)} kernels")
+        loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
+        say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
+        pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
+        report["pipelines"] = pipes
+        bad = [p["kernel"] for p in pipes if not p["built"]]
+        say(f"  {'pipelines':<15} {len(names) - len(bad)} of {len(names)} built")
+        for p in pipes:
+            if not p["built"]:
+                say(f"  {'':<15} FAILED {p['kernel']}: {_short(p.get('error', 'not in the library'))}")
+        if any("max_threads_per_threadgroup" in p for p in pipes):
+            say(f"  {'':<15} {'kernel':<34} {'max threads':>11} {'simd width':>10} {'tg memory':>10}")
+            for p in pipes:
+                if "max_threads_per_threadgroup" in p:
+                    say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
+                        f"{p['thread_execution_width']:>10} {p['static_threadgroup_memory']:>10}")
+        limits = getattr(dev, "memory_limits", None) or {}
+        report["device"]["memory_limits"] = limits
+        if limits.get("working_set"):
+            say(f"  {'GPU memory':<15} working set {_gib(limits['working_set'])}, largest buffer "
+                f"{_gib(limits.get('max_buffer') or None)}")
+
+    try:
+        mem = model_memory(model, max_context)
+    except Exception as e:  # noqa: BLE001 (a bad checkpoint is a line in the report)
+        mem = {"error": f"{type(e).__name__}: {e}"}
+    report["model"] = mem
+    say("\nmodel")
+    if "error" in mem:
+        say(f"  {mem['error']}")
+    else:
+        limits = report["device"].get("memory_limits") or {}
+        budget = limits.get("working_set") or sysi["memory_bytes"]
+        say(f"  {'checkpoint':<15} {mem['path']}")
+        say(f"  {'weights':<15} {_gib(mem['weights'])}")
+        say(f"  {'kv cache':<15} {_gib(mem['kv_cache'])} at max_context {mem['max_context']} (estimate)")
+        fits = budget is None or mem["total"] <= budget
+        say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} "
+            f"{'GPU working set' if limits.get('working_set') else 'memory'}"
+            + ("" if fits else "  TOO LARGE: pass a smaller --max-context"))
+
+    results = []
+    if dev is not None:
+        say(f"\nkernels on {name} (fresh random inputs; error = worst |got - exact| / tolerance)")
+
+        def show(r):
+            err_s = "" if r.error is None else f"error {r.error:.3g}"
+            say(f"  {r.status:<8} {r.kernel:<34} {err_s:<16} {r.seconds:6.2f} s"
+                + (f"\n           {r.detail}" if r.status in ("FAIL", "ERROR") else ""))
+        results = kernel_check.run_checks(dev, kernels, seed=seed, progress=show)
+    report["kernels"] = [r.as_dict() for r in results]
+    counts: dict = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    failed = bool(err) or bool(counts.get("FAIL") or counts.get("ERROR")) or any(
+        not p["built"] for p in report.get("pipelines", []))
+    report["summary"] = {"ok": not failed, "counts": counts, "seconds": round(time.perf_counter() - t0, 1)}
+    if as_json:
+        import json
+        print(json.dumps(report, indent=2, default=str), file=out)
+        return 1 if failed else 0
+
+    say("\n--- paste this into a bug report ---")
+    say(f"lily {sysi['lily']} | {sysi['os']} {sysi['arch']} | {sysi['chip']} | python {sysi['python']}")
+    if "xcode" in sysi:
+        say(f"xcode: {sysi['xcode']} | metal: {sysi['metal_compiler']} | sdk: {sysi['sdk']}")
+    say(f"build: {sysi['native_build']}")
+    if dev is None:
+        say(f"device {name}: FAILED to open: {err}")
+    else:
+        say(f"device {name}: {dev.name} {dev.gpu_family} | tensor ops: "
+            f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}")
+    pipes = report.get("pipelines", [])
+    if pipes:
+        failed_p = [p["kernel"] for p in pipes if not p["built"]]
+        say(f"pipelines: {len(pipes) - len(failed_p)} of {len(pipes)} built"
+            + (f"; FAILED: {', '.join(failed_p)}" if failed_p else ""))
+    say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)"))
+    for r in results:
+        if r.status in ("FAIL", "ERROR"):
+            say(f"  {r.status} {r.kernel}: {_short(r.detail)}")
+    say("--- end ---")
+    return 1 if failed else 0
+
+
+def _short(text: str, limit: int = 200) -> str:
+    text = re.sub(r"\s+", " ", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

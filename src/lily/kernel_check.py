@@ -1,0 +1,1957 @@
+"""One run of each shipped kernel against its numpy reference (``lily doctor``).
+
+Every check builds small fresh random inputs, dispatches one kernel of the shipped library
+on a native device (``metal``, or ``sim`` on Linux) and compares the outputs with a numpy
+evaluation in float64, against the same first-order error bounds the kernel tests use
+(tests/test_kernels_*.py import the reference helpers from here: one home for them).
+
+    results = run_checks(device)            # every kernel of device.kernel_names()
+    for r in results: print(r.kernel, r.status, r.error)
+
+A result's ``error`` is the worst ratio of |got - exact| to the kernel's tolerance (PASS
+when <= 1), or for exact kernels (argmax, routing ids) 0 or 1. Kernels whose name starts
+with ``st_`` are the simulator's self-test kernels (metal/selftest*.metal), not part of the
+model; they are not checked here.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lily._device import constant, download, upload
+from lily.checkpoint import QuantizedTensor, bf16_to_f32
+from lily.errors import InvalidParameterError
+from lily.reference import (
+    ReferenceModel,
+    ReferenceState,
+    l2_norm,
+    rms_norm,
+    rope,
+    sigmoid,
+    silu,
+    softmax,
+)
+from lily.sampling import Sampler, SamplingParams
+
+U = 2.0**-24          # fp32 unit roundoff
+DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/test_kernels_gemv_moe.py)
+GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
+TG = 64               # threads per threadgroup used for the GEMV-like kernels
+GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
+GEMM_BM, GEMM_BN, GEMM_TG = 32, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
+# Grouped GEMM kernels per tile height T: threads and output columns per threadgroup (both
+# kernels; csrc/runtime/prefill.cpp moe_geometry).
+MOE_TG = {16: 64, 32: 128, 64: 128}
+MOE_BN = {16: 64, 32: 64, 64: 32}
+MOE_TILES = (16, 32, 64)
+
+SELFTEST_PREFIX = "st_"
+
+#: Shipped kernels that have no check here yet: ``lily doctor`` reports them as NO CHECK.
+#: tests/test_doctor.py keeps this list exact, so a new kernel without a check fails a test.
+PENDING: frozenset[str] = frozenset()
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def to_bf16_bits(x) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
+    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, realistic bf16 scales
+    (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
+    shape = (*lead, rows)
+    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
+    g = (*shape, cols // 64)
+    s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
+    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
+    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
+
+
+def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
+    w, s, b = qt.weight, qt.scales, qt.biases
+    if index is not None:
+        w, s, b = w[index], s[index], b[index]
+    per = 32 // qt.bits
+    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
+    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
+    qg = q.reshape(*q.shape[:-1], -1, 64)
+    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
+    return m.reshape(q.shape)
+
+
+def upload_q(dev, qt: QuantizedTensor):
+    """The weight, scales and biases of a quantized tensor as three device buffers."""
+    return upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)
+
+
+def gemv_grid(rows: int) -> int:
+    """Threadgroups of a GEMV-like dispatch of ``rows`` outputs with ``TG`` threads."""
+    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
+
+
+def route_ref(logits, k, norm=True):
+    """lily.reference.ReferenceModel.moe's routing on float32 logits: (expert ids, weights)."""
+    p = softmax(logits.astype(np.float32)[None])[0]
+    top = np.argsort(-p, kind="stable")[:k]
+    w = p[top]
+    return top, (w / w.sum() if norm else w)
+
+
+# ----------------------------------------------------------------------------- host encoding
+def bf16_bits(x) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
+    from lily.reference import round_bf16
+    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16(bits) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exact."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32)
+
+
+def args_bytes(*fields) -> bytes:
+    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
+    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
+                    for v in fields)
+
+
+# ----------------------------------------------------------------------------- layer harnesses
+
+def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
+               reads=list(reads), writes=list(writes), threadgroups=threadgroups)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+class StubOracle(ReferenceModel):
+    """ReferenceModel whose linear layers return given projection outputs.
+
+    ``linear(x, "<prefix>.<name>")`` returns ``proj[name]`` (``out_proj`` / ``o_proj``
+    return their input, so a mixer returns what its output projection would consume);
+    ``param("...linear_attn.<name>")`` returns ``params[<name>]``. The mixer math itself is the
+    reference's own code (:meth:`ReferenceModel.gated_deltanet`, :meth:`.attention`).
+    """
+
+    def __init__(self, cfg, params):  # no checkpoint
+        self.cfg = cfg
+        self._act = lambda a: a.astype(np.float32, copy=False)
+        self.params = params
+        self.proj = {}
+
+    def param(self, name):
+        return self.params[name.split("_attn.", 1)[1]]
+
+    def linear(self, x, module):
+        name = module.rsplit(".", 1)[-1]
+        if name in ("out_proj", "o_proj"):
+            return x.astype(np.float32)
+        return self.proj[name]
+
+
+def gdn_cfg(Hk, Hv, Dk, Dv, K=4):
+    return types.SimpleNamespace(linear_num_key_heads=Hk, linear_num_value_heads=Hv,
+                                 linear_key_head_dim=Dk, linear_value_head_dim=Dv,
+                                 linear_conv_kernel_dim=K, rms_norm_eps=1e-6,
+                                 conv_dim=2 * Hk * Dk + Hv * Dv)
+
+
+class GdnLayer:
+    """Device buffers of one GDN layer plus the oracle with the same weights."""
+
+    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0, rng=None):
+        self.dev, self.Hk, self.Hv, self.Dk, self.Dv, self.K = dev, Hk, Hv, Dk, Dv, K
+        rng = rng if rng is not None else np.random.default_rng(seed)
+        self.rng = rng
+        C = self.conv_dim = 2 * Hk * Dk + Hv * Dv
+        conv_w = bf16_bits(rng.normal(0, 0.3, (C, K)))
+        dt_bias = bf16_bits(rng.uniform(-5, -2, Hv))
+        A_log = np.log(np.exp(rng.uniform(np.log(1.0), np.log(16.0), Hv))).astype(np.float32)
+        norm_w = bf16_bits(1 + 0.1 * rng.standard_normal(Dv))
+        self.oracle = StubOracle(gdn_cfg(Hk, Hv, Dk, Dv, K), {
+            "conv1d.weight": from_bf16(conv_w)[:, :, None],
+            "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
+        self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
+        self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
+        self.state = upload(dev, np.zeros((Hv, Dv, Dk), np.float32))
+        self.st = ReferenceState(max_context=1 << 20)
+        self.st.conv[0] = np.zeros((K - 1, C), np.float32)
+        self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
+        self.parity = 0
+        self.kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
+        self.seconds = 0.0
+
+    def random_inputs(self, scale=1.0):
+        r = self.rng
+        return (f32(r.standard_normal(self.conv_dim) * scale), f32(r.standard_normal(self.Hv * self.Dv)),
+                f32(r.standard_normal(self.Hv)), f32(r.standard_normal(self.Hv)))
+
+    def set_state(self, conv, S):
+        self.conv[self.parity].write(f32(conv).view(np.uint8).reshape(-1))
+        self.state.write(f32(S).view(np.uint8).reshape(-1))
+        self.st.conv[0] = f32(conv).copy()
+        self.st.recurrent[0] = f32(S).copy()
+
+    def step_device(self, qkv, z, b, a):
+        dev = self.dev
+        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
+        out = dev.buffer(self.Hv * self.Dv * 4)
+        cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
+        args = args_bytes(self.Hk, self.Hv, self.K, 1e-6, 1e-6)
+        t = time.perf_counter()
+        run(dev, self.kernel, self.Hv, 1024,
+            buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.w[0]), (5, self.w[1]), (6, self.w[2]),
+                     (7, self.w[3]), (8, cin), (9, cout), (10, self.state), (11, out)],
+            constants=[(12, args)],
+            reads=[Q, Z, B, A, *self.w, cin, self.state], writes=[cout, self.state, out])
+        self.seconds += time.perf_counter() - t
+        self.parity ^= 1
+        return download(out, np.float32)
+
+    def step_reference(self, qkv, z, b, a):
+        o = self.oracle
+        o.proj = {"in_proj_qkv": qkv[None], "in_proj_z": z[None], "in_proj_b": b[None], "in_proj_a": a[None]}
+        return o.gated_deltanet(0, np.zeros((1, 1), np.float32), self.st)[0]
+
+    def device_state(self):
+        C, K = self.conv_dim, self.K
+        return (download(self.conv[self.parity], np.float32, (K - 1, C)),
+                download(self.state, np.float32, (self.Hv, self.Dv, self.Dk)))
+
+
+THETA = 1e7
+
+def attn_cfg(Hq, Hkv, D, rot):
+    return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
+                                 rotary_dim=rot, rope_theta=THETA, rms_norm_eps=1e-6)
+
+
+def heads_per_group(Hq, Hkv):
+    """G: query heads per decode threadgroup, the runtime's rule (csrc/runtime/encoder.h):
+    the largest of 8, 4, 2 dividing the GQA group (the model's 8: each KV row read once)."""
+    return next(g for g in (8, 4, 2) if (Hq // Hkv) % g == 0)
+
+
+class AttnLayer:
+    """Device KV cache + weights of one attention layer, and host-side encoders that
+    mirror what the runtime does (docs/kernels.md)."""
+
+    def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0, rng=None):
+        self.dev, self.Hq, self.Hkv, self.D, self.rot, self.cap = dev, Hq, Hkv, D, rot, capacity
+        self.rng = rng = rng if rng is not None else np.random.default_rng(seed)
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        # cache: random bf16 history; rows are filled by tests as needed
+        self.k_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.v_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+        self.POS = upload(dev, np.zeros(1, np.uint32))
+        self.G = heads_per_group(Hq, Hkv)
+        self.seconds = {}
+
+    def _timed(self, name, fn):
+        t = time.perf_counter()
+        r = fn()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        return r
+
+    def set_position(self, pos):
+        self.POS.write(np.array([pos], np.uint32).view(np.uint8))
+
+    def cache_row_ranges(self, pos):
+        """The bytes attn_qk_prep writes: row pos of each KV head, in K and V."""
+        row = 2 * self.D
+        return [(C, (h * self.cap + pos) * row, row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def prep(self, qg, k, v, pos):
+        dev, D = self.dev, self.D
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        Q, GATE = dev.buffer(self.Hq * D * 4), dev.buffer(self.Hq * D * 4)
+        args = args_bytes(self.Hq, self.Hkv, D, self.rot, self.cap, 1e-6, float(np.log2(THETA)))
+        self._timed("attn_qk_prep", lambda: run(
+            dev, "attn_qk_prep", self.Hq + self.Hkv, D,
+            buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.POS),
+                     (6, self.KC), (7, self.VC), (8, Q), (9, GATE)],
+            constants=[(10, args)], reads=[QG, K, V, self.QN, self.KN, self.POS],
+            writes=[*self.cache_row_ranges(pos), Q, GATE]))
+        return Q, GATE
+
+    def decode(self, Q, GATE, n, *, split_threshold=32768, block_rows=1024, extra_blocks=0,
+               gate_stride=None):
+        """Attention over rows [0, n) (position n - 1 must be set); picks the split path
+        when n >= split_threshold. Returns the fp32 [Hq*D] output."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        gs = D if gate_stride is None else gate_stride
+        OUT = dev.buffer(Hq * D * 4)
+        scale = float(D) ** -0.5
+        if n < split_threshold:
+            args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, 0, 0)
+            self._timed("attn_decode", lambda: run(
+                dev, f"attn_decode_d{D}_g{G}", Hq // G, 256,
+                buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
+                constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
+            return download(OUT, np.float32)
+        used = -(-n // block_rows)                 # blocks holding rows
+        nblocks = used + extra_blocks              # dispatched (surplus ones must not write)
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        # exactly the partial slots of the used blocks: verify_writes proves surplus blocks
+        # write nothing (a runtime encoding ahead may declare all max_blocks slots instead)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
+        args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
+        cargs = args_bytes(Hq, gs, block_rows, max_blocks)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
+                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
+                   threadgroups=True)
+        p.dispatch(f"attn_combine_d{D}", Hq, D,
+                   buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
+                   constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
+                   threadgroups=True)
+        cb.commit()
+        cb.wait()
+        self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
+                                                      + time.perf_counter() - t)
+        assert cb.counters["barrier_stages"] == 2  # combine waits for the partials
+        return download(OUT, np.float32)
+
+
+    # ---- fused prep + decode (attn_decode_fused / attn_decode_split_fused)
+
+    def fused_args(self, block_rows=0, max_blocks=0):
+        return args_bytes(self.Hq, self.Hkv, self.rot, self.cap, 1e-6, float(np.log2(THETA)),
+                          float(self.D) ** -0.5, block_rows, max_blocks)
+
+    def cache_prefix_ranges(self, pos):
+        """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
+        row = 2 * self.D
+        if pos == 0:
+            return []
+        return [(C, h * self.cap * row, pos * row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def encode_fused(self, p, QG, K, V, POS, pos, *, block_rows=None, extra_blocks=0, label=""):
+        """Encodes the fused step at position pos (POS holds it) into pass p, with the
+        declared ranges of docs/kernels.md; returns the output buffer [Hq*D] fp32."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        OUT = dev.buffer(Hq * D * 4)
+        common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
+        reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
+        if block_rows is None:
+            p.dispatch(f"attn_decode_fused_d{D}_g{G}", Hq // G, 256,
+                       buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
+                       reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
+                       label=label)
+            return OUT
+        n = pos + 1
+        used = -(-n // block_rows)
+        nblocks = used + extra_blocks
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
+        p.dispatch(f"attn_decode_split_fused_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
+                   reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
+                   label=label)
+        # gate straight from the q_proj output: byte offset 4*D, stride 2*D
+        p.dispatch(f"attn_combine_d{D}", Hq, D,
+                   buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
+                   constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
+                   reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
+                   threadgroups=True, label=label)
+        return OUT
+
+    def fused(self, qg, k, v, pos, **kw):
+        """One fused step at position pos in its own command buffer; fp32 [Hq*D] out."""
+        dev = self.dev
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        self.set_position(pos)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        OUT = self.encode_fused(p, QG, K, V, self.POS, pos, **kw)
+        cb.commit()
+        cb.wait()
+        name = "attn_decode_fused" if kw.get("block_rows") is None else "attn_decode_split_fused+combine"
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        # prep and attention in one stage (the split path: + the combine)
+        assert cb.counters["barrier_stages"] == (1 if kw.get("block_rows") is None else 2)
+        return download(OUT, np.float32)
+
+
+def qk_prep_reference(A, qg, k, pos):
+    """q [Hq, D] and k [Hkv, D] after RMSNorm + RoPE at position pos (lily.reference's
+    helpers, in the order ReferenceModel.attention applies them) for layer A."""
+    D, P = A.D, np.array([pos])
+    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, A.rot, THETA)[0]
+    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, A.rot, THETA)[0]
+    return q_ref, k_ref
+
+
+def attention_reference(q, gate, K, V, n, D):
+    """float64 softmax attention of q [Hq, D] over K, V [Hkv, >=n, D]; output * sigmoid(gate)."""
+    Hq, Hkv = q.shape[0], K.shape[0]
+    group = Hq // Hkv
+    out = np.empty((Hq, D))
+    for h in range(Hq):
+        k = K[h // group, :n].astype(np.float64)
+        v = V[h // group, :n].astype(np.float64)
+        s = k @ q[h].astype(np.float64) * D ** -0.5
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v
+    return (out * (1 / (1 + np.exp(-gate.astype(np.float64))))).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- prefill attention
+
+# (Hq, Hkv, D, rotary_dim)
+PREFILL_ATTN_DIMS = {
+    "real": (16, 2, 256, 64),
+    "dims": (8, 1, 256, 64),
+    "tiny": (4, 2, 64, 16),
+    "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
+}
+PREFILL_EPS = 1e-6
+TILE = 16  # KV rows per tile (kTile)
+QROWS = 32  # (row, head) pairs per threadgroup (kRows)
+
+
+def chunk_inputs(rng, M, Hq, Hkv, D):
+    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D]."""
+    return (f32(rng.standard_normal((M, Hq * 2 * D))), f32(rng.standard_normal((M, Hkv * D))),
+            f32(rng.standard_normal((M, Hkv * D))))
+
+
+class PrefillAttnLayer:
+    """Device KV cache and norm weights of one attention layer, and encoders for the prefill
+    kernels with the declared ranges of docs/prefill.md."""
+
+    def __init__(self, dev, dims, capacity, seed=0, *, G=None, history=None, rng=None):
+        self.dev = dev
+        self.Hq, self.Hkv, self.D, self.rot = PREFILL_ATTN_DIMS[dims]
+        self.cap = capacity
+        self.G = G if G is not None else min(8, self.Hq // self.Hkv)
+        rng = rng if rng is not None else np.random.default_rng(seed)
+        D = self.D
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        if history is None:
+            history = (bf16_bits(rng.standard_normal((self.Hkv, capacity, D))),
+                       bf16_bits(rng.standard_normal((self.Hkv, capacity, D))))
+        self.k_hist, self.v_hist = (h.copy() for h in history)
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+
+    def poison_from(self, n):
+        """Cache rows >= n become NaN (reading past the causal range shows up)."""
+        nan = np.uint16(0x7FC0)
+        self.k_hist[:, n:], self.v_hist[:, n:] = nan, nan
+        self.KC.write(self.k_hist.view(np.uint8).reshape(-1))
+        self.VC.write(self.v_hist.view(np.uint8).reshape(-1))
+
+    def cache(self):
+        shape = (self.Hkv, self.cap, self.D)
+        return download(self.KC, np.uint16, shape), download(self.VC, np.uint16, shape)
+
+    def rows(self, r0, r1):
+        """Byte ranges of cache rows [r0, r1) of every KV head, in K and V."""
+        row = 2 * self.D
+        if r1 <= r0:
+            return []
+        return [(C, (h * self.cap + r0) * row, (r1 - r0) * row) for C in (self.KC, self.VC)
+                for h in range(self.Hkv)]
+
+    # ---- encoders (into a compute pass p)
+
+    def encode_prep(self, p, QG, K, V, p0, M, label=""):
+        Hq, Hkv, D = self.Hq, self.Hkv, self.D
+        Q = self.dev.buffer(M * Hq * D * 4)
+        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)))
+        p.dispatch(f"attn_prefill_prep_d{D}", (-(-M // 8), Hq + Hkv), 256,
+                   buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
+                            (6, self.VC), (7, Q)],
+                   constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
+                   writes=[Q, *self.rows(p0, p0 + M)], threadgroups=True, label=label)
+        return Q
+
+    def attn_args(self, p0, M, split_rows=0, num_splits=0):
+        return args_bytes(self.Hq, self.Hkv, self.cap, p0, M, float(self.D) ** -0.5,
+                          split_rows, num_splits)
+
+    def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
+        """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
+        Hq, D, G = self.Hq, self.D, self.G
+        OUT = self.dev.buffer(M * Hq * D * 4)
+        blocks = -(-M // (QROWS // G))
+        reads = [Q, *self.rows(0, p0 + M)]
+        if split is None:
+            p.dispatch(f"attn_prefill_d{D}_g{G}", (blocks, Hq // G), 256,
+                       buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
+                       constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
+                       threadgroups=True, label=label)
+            return OUT
+        S, ns = split
+        assert ns * S >= p0 + M
+        ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
+        args = self.attn_args(p0, M, S, ns)
+        p.dispatch(f"attn_prefill_split_d{D}_g{G}", (blocks, Hq // G, ns), 256,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
+                   constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
+                   label=label)
+        p.dispatch(f"attn_prefill_combine_d{D}", (Hq, M), D,
+                   buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
+                   reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
+        return OUT
+
+    # ---- one-shot helpers (own command buffer)
+
+    def run(self, fn):
+        cb = self.dev.command_buffer()
+        p = cb.compute_pass()
+        r = fn(p)
+        cb.commit()
+        cb.wait()
+        return cb, r
+
+    def prefill(self, qg, k, v, p0, split=None):
+        """prep + attention of one chunk in one pass; returns (out [M, Hq*D], q [M, Hq, D], cb)."""
+        M = qg.shape[0]
+        QG, K, V = upload(self.dev, qg), upload(self.dev, k), upload(self.dev, v)
+
+        def enc(p):
+            Q = self.encode_prep(p, QG, K, V, p0, M, label="prep")
+            return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
+
+        cb, (Q, OUT) = self.run(enc)
+        return (download(OUT, np.float32, (M, self.Hq * self.D)),
+                download(Q, np.float32, (M, self.Hq, self.D)), cb)
+
+    def attention_only(self, q, qg, p0, split=None):
+        M = q.shape[0]
+        Q, QG = upload(self.dev, q), upload(self.dev, qg)
+        _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
+        return download(OUT, np.float32, (M, self.Hq * self.D))
+
+
+def attention64(q, qg, K, V, p0):
+    """float64 causal attention: row i of q [M, Hq, D] over K, V [Hkv, >= p0+M, D] rows
+    [0, p0 + i]; output * sigmoid(gate) as [M, Hq*D]."""
+    M, Hq, D = q.shape
+    Hkv = K.shape[0]
+    group = Hq // Hkv
+    gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
+    out = np.empty((M, Hq, D))
+    for h in range(Hq):
+        k = K[h // group, : p0 + M].astype(np.float64)
+        v = V[h // group, : p0 + M].astype(np.float64)
+        s = q[:, h].astype(np.float64) @ k.T * D ** -0.5                       # [M, p0+M]
+        s = np.where(np.arange(p0 + M)[None, :] <= (p0 + np.arange(M))[:, None], s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (e / e.sum(axis=1, keepdims=True)) @ v
+    return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
+
+
+def prep_reference(L, qg, k, p0):
+    """q [M, Hq, D] and k [M, Hkv, D] after RMSNorm + RoPE (lily.reference helpers)."""
+    M, Hq, Hkv, D = qg.shape[0], L.Hq, L.Hkv, L.D
+    P = p0 + np.arange(M)
+    q = rope(rms_norm(qg.reshape(M, Hq, 2 * D)[:, :, :D], from_bf16(L.qn), PREFILL_EPS), P, L.rot, THETA)
+    kk = rope(rms_norm(k.reshape(M, Hkv, D), from_bf16(L.kn), PREFILL_EPS), P, L.rot, THETA)
+    return q, kk
+
+
+# ----------------------------------------------------------------------------- prefill Gated DeltaNet
+
+GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
+    "real": (16, 32, 128, 128),
+    "dims": (2, 4, 128, 128),
+    "tiny": (2, 4, 32, 32),
+}
+GDN_K = 4          # conv taps (the model's and every preset's linear_conv_kernel_dim)
+GDN_EPS = 1e-6     # rms_norm_eps and the L2-norm eps
+SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
+
+
+def rows_buffer(dev, x, spare=SPARE_ROWS):
+    """A device buffer holding the rows of ``x`` followed by ``spare`` poisoned rows, and the
+    declared range of the real rows."""
+    x = f32(x)
+    row = x[0].nbytes if x.ndim > 1 else x.itemsize
+    buf = dev.buffer(x.nbytes + spare * row)
+    buf.write(x.reshape(-1).view(np.uint8))
+    return buf, (buf, 0, x.nbytes)
+
+
+def rows_out_buffer(dev, rows, width, spare=SPARE_ROWS):
+    buf = dev.buffer((rows + spare) * width * 4)
+    return buf, (buf, 0, rows * width * 4)
+
+
+class GdnPrefillLayer:
+    """Weights, session state (two conv-state buffers, the recurrent state) and inputs of one
+    GDN layer on the device, with the encoders of the prefill and decode kernels."""
+
+    def __init__(self, dev, dims, seed=0, rng=None):
+        self.dev = dev
+        self.Hk, self.Hv, self.Dk, self.Dv = Hk, Hv, Dk, Dv = GDN_PREFILL_DIMS[dims]
+        self.C = C = 2 * Hk * Dk + Hv * Dv
+        self.rng = r = rng if rng is not None else np.random.default_rng(seed)
+        self.conv_w = bf16_bits(r.normal(0, 0.3, (C, GDN_K)))
+        self.dt_bias = bf16_bits(r.uniform(-5, -2, Hv))
+        self.A_log = f32(r.uniform(0.0, np.log(16.0), Hv))
+        self.norm_w = bf16_bits(1 + 0.1 * r.standard_normal(Dv))
+        self.W = [upload(dev, self.conv_w), upload(dev, self.A_log), upload(dev, self.dt_bias),
+                  upload(dev, self.norm_w)]
+        self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
+        self.S = dev.buffer(Hv * Dv * Dk * 4)
+        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}"
+        self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
+
+    # ---- state and inputs
+    def set_state(self, conv, S, parity=0):
+        self.CS[parity].write(f32(conv).view(np.uint8).reshape(-1))
+        self.S.write(f32(S).view(np.uint8).reshape(-1))
+
+    def random_state(self, parity=0):
+        r = self.rng
+        conv = f32(r.standard_normal((GDN_K - 1, self.C)))
+        S = f32(0.3 * r.standard_normal((self.Hv, self.Dv, self.Dk)))
+        self.set_state(conv, S, parity)
+        return conv, S
+
+    def conv_state(self, parity):
+        return download(self.CS[parity], np.float32, (GDN_K - 1, self.C))
+
+    def state(self):
+        return download(self.S, np.float32, (self.Hv, self.Dv, self.Dk))
+
+    def inputs(self, M):
+        r = self.rng
+        return (f32(r.standard_normal((M, self.C))), f32(r.standard_normal((M, self.Hv * self.Dv))),
+                f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
+
+    # ---- encoders (declared ranges as the runtime will declare them)
+    def encode_conv(self, p, qkv, M, cin, cout, out, rb=16, tg=256):
+        """``qkv`` / ``out``: (buffer, declared range) pairs from rows_buffer / out_buffer."""
+        (Q, q_rng), (O, o_rng) = qkv, out
+        rb_eff = max(rb, GDN_K - 1)
+        grid = (-(-self.C // tg), -(-M // rb_eff), 1)
+        p.dispatch("gdn_conv_chunk", grid, (tg, 1, 1),
+                   buffers=[(0, Q), (1, self.W[0]), (2, cin), (3, cout), (4, O)],
+                   constants=[(5, args_bytes(self.C, M, rb))],
+                   reads=[q_rng, self.W[0], cin], writes=[cout, o_rng], threadgroups=True,
+                   label="gdn_conv_chunk")
+
+    def encode_scan(self, p, conv, z, b, a, out, M):
+        bufs = [conv[0], z[0], b[0], a[0], self.W[1], self.W[2], self.W[3], self.S, out[0]]
+        p.dispatch(self.scan_kernel, self.Hv, 1024,
+                   buffers=list(enumerate(bufs)),
+                   constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[conv[1], z[1], b[1], a[1], self.W[1], self.W[2], self.W[3], self.S],
+                   writes=[self.S, out[1]], threadgroups=True, label=self.scan_kernel)
+
+    def chunk(self, qkv, z, b, a, p0, rb=16):
+        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2) then
+        the scan, in one concurrent pass (the barrier comes from the declared ranges).
+        Returns the scan output [M, Hv*Dv] and the conv output [M, C]."""
+        dev, M = self.dev, len(qkv)
+        Q = rows_buffer(dev, qkv)
+        CO = rows_out_buffer(dev, M, self.C)
+        Z, B, A = rows_buffer(dev, z), rows_buffer(dev, b), rows_buffer(dev, a)
+        O = rows_out_buffer(dev, M, self.Hv * self.Dv)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        self.encode_conv(p, Q, M, self.CS[p0 % 2], self.CS[(p0 + M) % 2], CO, rb=rb)
+        self.encode_scan(p, CO, Z, B, A, O, M)
+        cb.commit()
+        cb.wait()
+        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1]
+        return (download(O[0], np.float32, (M, self.Hv * self.Dv)),
+                download(CO[0], np.float32, (M, self.C)))
+
+    def decode_step(self, qkv, z, b, a, pos):
+        """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
+        dev = self.dev
+        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
+        out = dev.buffer(self.Hv * self.Dv * 4)
+        cin, cout = self.CS[pos % 2], self.CS[(pos + 1) % 2]
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        p.dispatch(self.decode_kernel, self.Hv, 1024,
+                   buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.W[0]), (5, self.W[1]),
+                            (6, self.W[2]), (7, self.W[3]), (8, cin), (9, cout), (10, self.S), (11, out)],
+                   constants=[(12, args_bytes(self.Hk, self.Hv, GDN_K, GDN_EPS, GDN_EPS))],
+                   reads=[Q, Z, B, A, *self.W, cin, self.S], writes=[cout, self.S, out], threadgroups=True)
+        cb.commit()
+        cb.wait()
+        return download(out, np.float32)
+
+    # ---- references
+    def oracle(self):
+        cfg = types.SimpleNamespace(linear_num_key_heads=self.Hk, linear_num_value_heads=self.Hv,
+                                    linear_key_head_dim=self.Dk, linear_value_head_dim=self.Dv,
+                                    linear_conv_kernel_dim=GDN_K, rms_norm_eps=GDN_EPS, conv_dim=self.C)
+        return StubOracle(cfg, {"conv1d.weight": from_bf16(self.conv_w)[:, :, None],
+                                "dt_bias": from_bf16(self.dt_bias), "A_log": self.A_log,
+                                "norm.weight": from_bf16(self.norm_w)})
+
+    def conv_reference(self, qkv, conv_state):
+        """float64 silu(causal conv) over [state | qkv]; the new state (last K-1 inputs); and
+        the per-element magnitude sum_j |w_j x_j| for the tolerance."""
+        w = from_bf16(self.conv_w).astype(np.float64)
+        seq = np.concatenate([conv_state, qkv]).astype(np.float64)
+        M = len(qkv)
+        terms = [seq[j:j + M] * w[:, j] for j in range(GDN_K)]
+        return silu(sum(terms)), f32(seq[-(GDN_K - 1):]), sum(np.abs(t) for t in terms)
+
+    def scan_reference(self, conv, z, b, a, S):
+        """float64 scan of one chunk from the conv output (docs/model.md; the reference's loop).
+
+        Returns the outputs o [M, Hv*Dv], the new state, and per output the error scale
+        ``kappa * (|o| + |norm_w * silu(z)|)`` where ``kappa = rms_v(sum_k |S_vk q_k|) /
+        rms_v(y_v)`` is the cancellation factor of the head's y = S q (the RMSNorm divides by
+        rms(y), so an error relative to the terms of y is amplified by kappa)."""
+        Hk, Hv, Dk, Dv, M = self.Hk, self.Hv, self.Dk, self.Dv, len(conv)
+        conv = conv.astype(np.float64)
+        q = conv[:, :Hk * Dk].reshape(M, Hk, Dk)
+        k = conv[:, Hk * Dk:2 * Hk * Dk].reshape(M, Hk, Dk)
+        v = conv[:, 2 * Hk * Dk:].reshape(M, Hv, Dv)
+        q = np.repeat(l2_norm(q, GDN_EPS) / np.sqrt(Dk), Hv // Hk, axis=1)
+        k = np.repeat(l2_norm(k, GDN_EPS), Hv // Hk, axis=1)
+        beta = sigmoid(b.astype(np.float64))
+        g = np.exp(-np.exp(self.A_log.astype(np.float64))
+                   * np.logaddexp(0.0, a + from_bf16(self.dt_bias).astype(np.float64)))
+        S = S.astype(np.float64)
+        y = np.empty((M, Hv, Dv))
+        mag = np.empty((M, Hv, Dv))
+        for t in range(M):
+            S = S * g[t][:, None, None]
+            delta = (v[t] - np.einsum("hvk,hk->hv", S, k[t])) * beta[t][:, None]
+            S = S + delta[:, :, None] * k[t][:, None, :]
+            y[t] = np.einsum("hvk,hk->hv", S, q[t])
+            mag[t] = np.einsum("hvk,hk->hv", np.abs(S), np.abs(q[t]))
+        rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + GDN_EPS)
+        gate = from_bf16(self.norm_w) * silu(z.astype(np.float64).reshape(M, Hv, Dv))
+        o = y / rms * gate
+        kappa = np.sqrt(np.mean(mag * mag, axis=-1, keepdims=True)) / rms
+        scale = kappa * (np.abs(o) + np.abs(gate))
+        return o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
+
+
+# ----------------------------------------------------------------------------- norm + GEMV
+
+NORM_EPS = 1e-6
+
+
+def norm_gemv_grid(rows, tg=TG):
+    """Threadgroups of a norm_gemv dispatch: each matrix padded to whole threadgroups."""
+    per = GEMV_ROWS_PER_SG * tg // 32
+    return sum(-(-r // per) for r in rows)
+
+
+def norm_gemv_args(rows, cols, eps, write_xn):
+    """NormGemvArgs {rows[4], cols, eps, write_xn} (28 bytes)."""
+    rows = list(rows) + [0] * (4 - len(rows))
+    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn))
+
+
+def _bind(i, spec):
+    return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
+
+
+def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None):
+    """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
+    mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
+    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
+    rows = [m[0] for m in mats]
+    buffers = [(0, X), (1, NW), (2, XN)]
+    reads, writes = [X, NW], ([XN] if write_xn else [])
+    for i in range(4):
+        if i < len(mats):
+            r, wsb, Y = mats[i]
+            specs = [*wsb, Y]
+            if r:
+                reads += list(wsb)
+                y = Y if isinstance(Y, tuple) else (Y, 0)
+                writes.append((y[0], y[1], 4 * r))
+        else:
+            specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
+        buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg) + extra, tg, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn))], reads=reads, writes=writes,
+               threadgroups=True, label=label or f"norm_gemv_q{bits}")
+
+
+def rms_ref64(x, nw_bits, eps=NORM_EPS):
+    x64 = np.asarray(x, np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64) + eps) * bf16_to_f32(nw_bits).astype(np.float64)
+
+
+def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn, eps=NORM_EPS):
+    """Encodes embed_norm_gemv_q4 (the decode step's first dispatch: the token's embedding
+    row into H, then norm_gemv_q4 on it). mats: up to four (rows, (W, S, B) or None, Y); the
+    slots past len(mats) are bound to NW (unused: rows 0)."""
+    mats = list(mats) + [(0, None, NW)] * (4 - len(mats))
+    rows = [r for r, _, _ in mats]
+    buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
+    reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
+    for i, (r, wsb, Y) in enumerate(mats):
+        specs = [*(wsb if wsb is not None else (NW, NW, NW)), Y]
+        buffers += [(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+        if r:
+            reads += list(wsb)
+            writes.append(Y)
+    p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn)), (24, constant(cols, vocab))],
+               reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
+
+
+# ----------------------------------------------------------------------------- GEMM
+
+def gemm_bound(K):
+    """First-order relative error bound of a K-term dot product in the GEMM kernels' order."""
+    return (K + 8) * U
+
+
+def swiglu_bound(g, u, dg, du):
+    """h = silu(g) * u and a first-order bound of its error for |g err| <= dg, |u err| <= du:
+    |silu'| <= 1.1, plus a few roundings of the activation itself."""
+    h = silu(g) * u
+    return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
+
+
+def swiglu_ref(x, g_q, u_q, index=None):
+    """silu(x Wg^T) * (x Wu^T) in float64 and its first-order error bound."""
+    x64 = x.astype(np.float64)
+    ax = np.abs(x64)
+    K = x.shape[-1]
+    g = x64 @ g_q.dequantize(index).astype(np.float64).T
+    u = x64 @ u_q.dequantize(index).astype(np.float64).T
+    dg = gemm_bound(K) * (ax @ magnitude(g_q, index).T)
+    du = gemm_bound(K) * (ax @ magnitude(u_q, index).T)
+    return swiglu_bound(g, u, dg, du)
+
+
+# ----------------------------------------------------------------------------- decode MoE
+
+class MoeWeights:
+    """Random MoE weights of one layer in the checkpoint's layout."""
+
+    def __init__(self, rng, E, hidden, inter, inter_shared):
+        self.E, self.hidden, self.inter, self.inter_shared = E, hidden, inter, inter_shared
+        self.gate = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.gate_proj")
+        self.up = rand_quant(rng, (E,), inter, hidden, 4, "switch_mlp.up_proj")
+        self.down = rand_quant(rng, (E,), hidden, inter, 4, "switch_mlp.down_proj")
+        self.sgate = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.gate_proj")
+        self.sup = rand_quant(rng, (), inter_shared, hidden, 4, "shared_expert.up_proj")
+        self.sdown = rand_quant(rng, (), hidden, inter_shared, 4, "shared_expert.down_proj")
+        self.router = rand_quant(rng, (), E, hidden, 8, "gate")
+        self.shared_gate = rand_quant(rng, (), 1, hidden, 8, "shared_expert_gate")
+
+    @classmethod
+    def from_checkpoint(cls, ck, layer):
+        self = cls.__new__(cls)
+        p = f"model.layers.{layer}.mlp"
+        self.gate = ck.quantized(f"{p}.switch_mlp.gate_proj")
+        self.up = ck.quantized(f"{p}.switch_mlp.up_proj")
+        self.down = ck.quantized(f"{p}.switch_mlp.down_proj")
+        self.sgate = ck.quantized(f"{p}.shared_expert.gate_proj")
+        self.sup = ck.quantized(f"{p}.shared_expert.up_proj")
+        self.sdown = ck.quantized(f"{p}.shared_expert.down_proj")
+        self.router = ck.quantized(f"{p}.gate")
+        self.shared_gate = ck.quantized(f"{p}.shared_expert_gate")
+        self.E, self.inter, self.hidden = self.gate.weight.shape[0], self.gate.weight.shape[1], self.down.weight.shape[1]
+        self.inter_shared = self.sgate.weight.shape[0]
+        return self
+
+    def upload(self, dev):
+        self.bufs = {n: upload_q(dev, getattr(self, n)) for n in
+                     ("gate", "up", "down", "sgate", "sup", "sdown", "router", "shared_gate")}
+        return self.bufs
+
+    def args(self, k):
+        return constant(self.hidden, self.inter, self.inter_shared, self.E, k)
+
+    # float64 oracle pieces, with first-order error magnitudes
+    def swiglu(self, x, ids):
+        """h [k*inter + inter_shared] (float64) and its error bound."""
+        x64, ax = x.astype(np.float64), np.abs(x.astype(np.float64))
+        hs, tols = [], []
+        mats = [(self.gate, self.up, int(e)) for e in ids] + [(self.sgate, self.sup, None)]
+        for g_q, u_q, e in mats:
+            g = g_q.dequantize(e).astype(np.float64) @ x64
+            u = u_q.dequantize(e).astype(np.float64) @ x64
+            dg, du = DEPTH * U * (magnitude(g_q, e) @ ax), DEPTH * U * (magnitude(u_q, e) @ ax)
+            h, tol = swiglu_bound(g, u, dg, du)
+            hs.append(h)
+            tols.append(tol)
+        return np.concatenate(hs), np.concatenate(tols)
+
+    def down_sum(self, h, ids, w, dh=None):
+        """sum_j w_j Wd_j h_j (float64) and its error bound (plus dh propagated)."""
+        k = len(ids)
+        out = np.zeros(self.hidden)
+        tol = np.zeros(self.hidden)
+        dh = np.zeros_like(h) if dh is None else dh
+        for j in range(k + 1):
+            if j < k:
+                q, e, sl = self.down, int(ids[j]), slice(j * self.inter, (j + 1) * self.inter)
+            else:
+                q, e, sl = self.sdown, None, slice(k * self.inter, k * self.inter + self.inter_shared)
+            mag = magnitude(q, e)
+            out += w[j] * (q.dequantize(e).astype(np.float64) @ h[sl])
+            tol += abs(w[j]) * (DEPTH * U * (mag @ np.abs(h[sl])) + mag @ dh[sl])
+        return out, tol
+
+
+def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
+    """Encodes moe_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md).
+    ids: known expert ids to declare exact expert slices, else whole stacks."""
+    b = bufs
+    rows = max(W.inter, W.inter_shared)
+    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * TG // 32)), k + 1)
+    reads = [X, ids_buf, *b["sgate"], *b["sup"]]
+    if ids is None:
+        reads += [*b["gate"], *b["up"]]
+    else:
+        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // 64 * 2
+        for e in ids:
+            for (w, s, bb) in (b["gate"], b["up"]):
+                reads += [(w, int(e) * wb, wb), (s, int(e) * sb, sb), (bb, int(e) * sb, sb)]
+    p.dispatch("moe_gate_up_swiglu_q4", grid, TG,
+               buffers=[(0, X), (1, ids_buf), *[(2 + i, t) for i, t in enumerate([*b["gate"], *b["up"], *b["sgate"], *b["sup"]])],
+                        (14, H)],
+               constants=[(15, W.args(k))], reads=reads,
+               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared))], threadgroups=True,
+               label="moe_gate_up_swiglu_q4")
+
+
+def enc_down(p, W, bufs, H, ids_buf, wts, R, k):
+    b = bufs
+    p.dispatch("moe_down_q4", gemv_grid(W.hidden), TG,
+               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
+                        (9, R)],
+               constants=[(10, W.args(k))],
+               reads=[(H, 0, 4 * (k * W.inter + W.inter_shared)), ids_buf, (wts, 0, 4 * (k + 1)),
+                      *b["down"], *b["sdown"], R],
+               writes=[R], threadgroups=True, label="moe_down_q4")
+
+
+def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=TG):
+    """Encodes moe_route_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md)."""
+    b = bufs
+    rows = max(W.inter, W.inter_shared)
+    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * tg // 32)), k + 1)
+    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
+    p.dispatch("moe_route_gate_up_swiglu_q4", grid, tg,
+               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
+               constants=[(17, constant(W.hidden, W.inter, W.inter_shared, W.E, k, int(norm_topk)))],
+               reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
+               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
+               threadgroups=True, label="moe_route_gate_up_swiglu_q4")
+
+
+# ----------------------------------------------------------------------------- prefill routing
+
+def route_tg(E):
+    """Recommended threadgroup of moe_route_topk / moe_route_scatter: round_up(E, 32)."""
+    return min(1024, -(-E // 32) * 32)
+
+
+def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
+    return constant(M, E, k, int(norm), block_rows, tile_rows)
+
+
+def nblocks(M, R):
+    return -(-M // R)
+
+
+def max_tiles(M, k, E, T):
+    return -(-(M * k) // T) + min(E, M * k)
+
+
+def route_ref_rows(logits, k, norm=True):
+    """lily.reference.ReferenceModel.moe's routing of float32 logits [M, E(+1)]."""
+    E = logits.shape[1] - 1
+    p = softmax(logits[:, :E].astype(np.float32))
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, top, axis=-1)
+    if norm:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top.astype(np.uint32), w
+
+
+def block_hist(ids, E, R):
+    """Histogram [blocks, E] of the assignments of each block of R rows."""
+    M = ids.shape[0]
+    out = np.zeros((nblocks(M, R), E), np.uint32)
+    for b in range(out.shape[0]):
+        out[b] = np.bincount(ids[b * R:(b + 1) * R].ravel(), minlength=E)
+    return out
+
+
+def tiles_ref(counts, T):
+    """The tile map [n, 4] of the grouped order (experts in order, T-row tiles)."""
+    start = np.concatenate([[0], np.cumsum(counts)])
+    rows = [(e, start[e] + t * T, min(T, c - t * T), 0)
+            for e, c in enumerate(counts) for t in range(-(-int(c) // T))]
+    return np.array(rows, np.uint32).reshape(-1, 4)
+
+
+def enc_clear(p, bc, M, E, k, R, T):
+    n = nblocks(M, R) * E
+    p.dispatch("moe_route_clear", n, 256, buffers=[(0, bc)], constants=[(1, route_args(M, E, k, True, R, T))],
+               writes=[(bc, 0, 4 * n)], label="moe_route_clear")
+
+
+def enc_topk(p, L, ids, w, bc, M, E, k, norm, R, T, tg=None):
+    p.dispatch("moe_route_topk", M, tg or route_tg(E),
+               buffers=[(0, L), (1, ids), (2, w), (3, bc)],
+               constants=[(4, route_args(M, E, k, norm, R, T))],
+               reads=[(L, 0, 4 * M * (E + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(ids, 0, 4 * M * k), (w, 0, 4 * M * (k + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               threadgroups=True, label="moe_route_topk")
+
+
+def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None):
+    p.dispatch("moe_route_scatter", nblocks(M, R), tg or route_tg(E),
+               buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
+               constants=[(6, route_args(M, E, k, True, R, T))],
+               reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4),
+                       (counts, 0, 4 * E)],
+               threadgroups=True, label="moe_route_scatter")
+
+
+def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
+    p.dispatch("moe_combine", (H // 4, M), (tg, 1),
+               buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 4 * M * k * H), (ys, 0, 4 * M * H), (w, 0, 4 * M * (k + 1))],
+               writes=[(h, 0, 4 * M * H)], label="moe_combine")
+
+
+def combine_ref(h, yx, ys, w):
+    M, k = w.shape[0], w.shape[1] - 1
+    H = h.shape[1]
+    y3 = yx.astype(np.float64).reshape(M, k, H)
+    w64 = w.astype(np.float64)
+    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3)) + np.abs(w64[:, k:]) * np.abs(ys)
+    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3) + w64[:, k:] * ys
+    return want, (k + 3) * U * terms
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def philox_u(seed: int, counter: int) -> float:
+    """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
+    counter = (position, 0, 0, 0); u = (first word >> 8) * 2^-24."""
+    M = 0xFFFFFFFF
+    c = [counter & M, 0, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M, (p0 >> 32) ^ c[3] ^ k1, p0 & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return (c[0] >> 8) * 2.0 ** -24
+
+
+def sampler_for(params: SamplingParams, prompt=(), generated=()):
+    s = Sampler(params, prompt)
+    for t in generated:
+        s._counts[int(t)] = s._counts.get(int(t), 0) + 1
+    return s
+
+
+def count_buffer(V, prompt=(), generated=()):
+    c = np.zeros(V, np.uint32)
+    for t in prompt:
+        c[t] |= 0x80000000
+    for t in generated:
+        c[t] += 1
+    return c
+
+
+def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
+    """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
+    return sampler_for(params, prompt, generated).probabilities(logits)
+
+
+def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
+    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
+                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
+                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
+                      int(update_counts))
+
+
+def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
+    """One sample_token dispatch per (seed, position), all in one command buffer."""
+    V = logits.size
+    n = len(seeds)
+    L, C = upload(dev, f32(logits)), upload(dev, counts)
+    POS = upload(dev, np.asarray(positions, np.uint32))
+    TOK = dev.buffer(4 * n)
+    k = max(params.top_logprobs, 1)
+    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    for j, seed in enumerate(seeds):
+        lp_bytes = 4 * (1 + params.top_logprobs)
+        p.dispatch("sample_token", 1, tg,
+                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
+                            (5, IDS, 4 * k * j)],
+                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
+                   reads=[L, C, (POS, 4 * j, 4)],
+                   writes=[(TOK, 4 * j, 4)]
+                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
+                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
+                      if params.top_logprobs else [])
+                   + ([C] if update_counts else []),
+                   threadgroups=True)
+    t = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    dt = time.perf_counter() - t
+    toks = download(TOK, np.uint32)
+    lps = download(LP, np.float32, (n, 1 + params.top_logprobs))
+    ids = download(IDS, np.uint32, (n, k))
+    return toks, lps, ids, C, dt
+
+
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
+
+
+def sorted_order(probs):
+    """The fast path's candidate order: probability descending, id ascending."""
+    return np.lexsort((np.arange(probs.size), -probs))
+
+
+def thread_order(V, tg):
+    """The slow path's order: thread t's elements t, t + tg, ... one thread after another."""
+    return np.concatenate([np.arange(t, V, tg) for t in range(tg)])
+
+
+def expected_draws(probs, order, seeds, positions):
+    """Tokens the numpy model of the kernel draws, and whether u is near a boundary."""
+    p = probs[order]
+    csum = np.cumsum(p)
+    last = int(np.nonzero(p)[0][-1])
+    out = []
+    for seed, pos in zip(seeds, positions):
+        u = philox_u(seed, pos)
+        j = min(int(np.searchsorted(csum, u, side="right")), last)
+        out.append((int(order[j]), np.min(np.abs(csum - u)) < 1e-5))
+    return out
+
+
+# ----------------------------------------------------------------------------- grouped (MoE) GEMM
+
+def make_routing(rng, M, E, k, T, skew):
+    """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
+    increasing order, slots of one expert in *random* order) and the tile map.
+    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
+    if skew:
+        hot = int(rng.integers(E))
+        pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
+        ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(M)])
+        rows = rng.random(M) < 0.9
+        ids[rows, rng.integers(k, size=rows.sum())] = hot
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+    flat = ids.reshape(-1).astype(np.uint32)
+    perm = []
+    tiles = []
+    for e in range(E):
+        a = np.nonzero(flat == e)[0]
+        rng.shuffle(a)
+        for b in range(0, len(a), T):
+            tiles.append((e, len(perm) + b, min(T, len(a) - b), 0))
+        perm.extend(a.tolist())
+    return ids.astype(np.uint32), np.asarray(perm, np.uint32), np.asarray(tiles, np.uint32).reshape(-1, 4)
+
+
+def tile_buffers(dev, tiles, count, M, E, k, T):
+    """tiles [max_tiles] with the entries past `count` set to stale but plausible tiles
+    (slots 0..T of another expert than the first tile's): a kernel that ran them would
+    overwrite slots of the first tile with wrong values."""
+    max_tiles = -(-M * k // T) + min(E, M * k)
+    assert len(tiles) <= max_tiles
+    stale = (int(tiles[0, 0]) + 1) % E
+    tl = np.tile(np.array([stale, 0, T, 0], np.uint32), (max_tiles, 1))
+    tl[:count] = tiles[:count]
+    return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
+
+
+def moe_args(n, k, M, top_k, E, lda, ldy):
+    return constant(n, k, M, top_k, E, lda, ldy)
+
+
+def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
+    lda, ldy = lda or H, ldy or I
+    kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
+    p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
+               buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
+               constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
+               reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
+               writes=[(HX, 0, 4 * ((M * k - 1) * ldy + I))], threadgroups=True, label=kernel)
+
+
+def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
+    lda, ldy = lda or I, ldy or H
+    kernel = kernel or f"moe_gemm_down_q4_t{T}"
+    p.dispatch(kernel, (max_tiles, -(-H // MOE_BN[T])), MOE_TG[T],
+               buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
+               constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
+               reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
+               writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H))], threadgroups=True, label=kernel)
+
+
+# ----------------------------------------------------------------------------- results
+
+
+class Mismatch(Exception):
+    """A kernel's output is outside its tolerance (the message says where and by how much)."""
+
+    def __init__(self, message: str, error: float):
+        super().__init__(message)
+        self.error = error
+
+
+@dataclass
+class Result:
+    """The outcome of one kernel's check.
+
+    ``status``: PASS, FAIL (outputs outside tolerance), ERROR (the dispatch raised) or
+    NO CHECK (the library has a kernel this module has no check for). ``error``: worst
+    |got - exact| / tolerance (None when not measured). ``seconds``: wall time of the check.
+    """
+
+    kernel: str
+    status: str
+    error: float | None = None
+    detail: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "status": self.status, "error": self.error, "detail": self.detail,
+                "seconds": round(self.seconds, 3)}
+
+
+def ratio(got, exact, tol, what: str) -> float:
+    """Worst |got - exact| / tol; raises Mismatch on a non-finite output or a ratio > 1."""
+    got = np.asarray(got, np.float64)
+    if not np.isfinite(got).all():
+        raise Mismatch(f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(got))[:5].ravel().tolist()}",
+                       float("inf"))
+    err = np.abs(got - np.asarray(exact, np.float64))
+    tol = np.broadcast_to(np.asarray(tol, np.float64), err.shape)
+    r = np.divide(err, tol, out=np.where(err > 0, np.inf, 0.0), where=tol > 0)  # tol 0: exact
+    worst = float(r.max()) if r.size else 0.0
+    if worst > 1:
+        raise Mismatch(f"{what}: {int((r > 1).sum())} of {r.size} outputs out of tolerance; worst err/tol "
+                       f"{worst:.3g} at {np.unravel_index(int(np.argmax(r)), r.shape)}", worst)
+    return worst
+
+
+def _run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True):
+    """``run`` with buffers bound at 0, 1, ... and the constant bytes ``args`` after them."""
+    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [(len(buffers), args)], reads, writes, threadgroups)
+
+
+def _close(got, want, rtol, atol, what):
+    """Worst error ratio against numpy's allclose tolerance atol + rtol * |want|."""
+    want = np.asarray(want, np.float64)
+    return ratio(got, want, atol + rtol * np.abs(want), what)
+
+
+# ----------------------------------------------------------------------------- checks
+
+CHECKS: dict[str, Callable] = {}
+
+
+def check(*kernels: str):
+    """Registers a check ``f(dev, rng, kernel) -> worst error ratio`` for ``kernels``."""
+    def register(fn):
+        for k in kernels:
+            CHECKS[k] = fn
+        return fn
+    return register
+
+
+@check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
+def _gemv(dev, rng, kernel):
+    bits, add = int(kernel[6]), kernel.endswith("_add")
+    rows, cols = 100, 256
+    qt = rand_quant(rng, (), rows, cols, bits)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X = upload(dev, x)
+    Y = upload(dev, r0) if add else dev.buffer(4 * rows)
+    _run(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+         reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
+    mag = magnitude(qt) @ np.abs(x.astype(np.float64))
+    if add:
+        exact, mag = exact + r0, mag + np.abs(r0)
+    return ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{cols}")
+
+
+@check("embed_q4")
+def _embed(dev, rng, kernel):
+    vocab, cols = 100, 128
+    qt = rand_quant(rng, (), vocab, cols, 4)
+    W, S, B = upload_q(dev, qt)
+    tok = int(rng.integers(vocab))
+    T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
+    _run(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+         threadgroups=False)
+    return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
+                 f"{kernel} row {tok}")
+
+
+@check("rms_norm")
+def _rms_norm(dev, rng, kernel):
+    rows, n, eps = 3, 256, 1e-6
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
+    _run(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
+    return ratio(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, kernel)
+
+
+@check("moe_route")
+def _moe_route(dev, rng, kernel):
+    E, k, hidden = 32, 8, 128
+    logits = (rng.standard_normal(E) * 2).astype(np.float32)
+    x = rng.standard_normal(hidden).astype(np.float32)
+    gate = rand_quant(rng, (), 1, hidden, 8)
+    L, X = upload(dev, logits), upload(dev, x)
+    GW, GS, GB = upload_q(dev, gate)
+    ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+    _run(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
+         reads=[L, X, GW, GS, GB], writes=[ids, wts])
+    top, w = route_ref(logits, k)
+    got_ids, got_w = download(ids, np.uint32), download(wts, np.float32)
+    if not np.array_equal(got_ids, top):
+        raise Mismatch(f"{kernel}: picked experts {got_ids.tolist()}, expected {top.tolist()}", 1.0)
+    from lily.reference import sigmoid
+    g = gate.dequantize()[0].astype(np.float64) @ x.astype(np.float64)
+    gmag = magnitude(gate)[0] @ np.abs(x.astype(np.float64))
+    r = ratio(got_w[:k], w, (16 * U * np.log2(E) + 8 * U) * np.abs(w), f"{kernel} weights")
+    return max(r, ratio(got_w[k:], [sigmoid(g)], 0.25 * DEPTH * U * gmag + 4 * U, f"{kernel} shared gate"))
+
+
+@check("sample_greedy")
+def _sample_greedy(dev, rng, kernel):
+    V = 1000
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
+    L, TOK = upload(dev, logits), dev.buffer(4)
+    _run(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
+    if got != want:
+        raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
+    return 0.0
+
+
+@check("argmax_partial", "sample_greedy_combine")
+def _argmax_two_stage(dev, rng, kernel):
+    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine."""
+    V, slice_ = 1000, 64
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
+    parts = -(-V // slice_)
+    L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("argmax_partial", parts, 256, buffers=[(0, L), (1, PART)], constants=[(2, constant(V, slice_))],
+               reads=[L], writes=[PART], threadgroups=True)
+    p.dispatch("sample_greedy_combine", 1, 64, buffers=[(0, PART), (1, TOK)], constants=[(2, constant(parts, 0))],
+               reads=[PART], writes=[TOK], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
+    if got != want:
+        raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
+    return 0.0
+
+
+@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_tensor", "gemm_q8_tensor", "gemm_q4_add_tensor")
+def _gemm(dev, rng, kernel):
+    bits, add = int(kernel[6]), "_add" in kernel
+    m, n, k = 33, 70, 128
+    qt = rand_quant(rng, (), n, k, bits)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X = upload(dev, x)
+    Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
+    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
+         reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    x64 = x.astype(np.float64)
+    exact = x64 @ qt.dequantize().astype(np.float64).T
+    tol = gemm_bound(k) * (np.abs(x64) @ magnitude(qt).T)
+    if add:
+        exact = exact + y0
+        tol = tol + 2 * U * np.abs(exact)
+    return ratio(download(Y, np.float32, (m, n)), exact, tol, f"{kernel} {m}x{n}x{k}")
+
+
+@check("gdn_decode_step_k128_v128", "gdn_decode_step_k32_v32")
+def _gdn_decode_step(dev, rng, kernel):
+    Dk = int(kernel.split("_k")[1].split("_")[0])
+    L = GdnLayer(dev, 2, 4, Dk, Dk, rng=rng)
+    L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)))
+    inp = L.random_inputs()
+    got = L.step_device(*inp)
+    want = L.step_reference(*inp)
+    r = _close(got, want, 1e-4, 1e-5, f"{kernel} output")
+    return max(r, _close(L.device_state()[1], L.st.recurrent[0], 1e-4, 1e-5, f"{kernel} state"))
+
+
+# one attention shape per kernel variant: head dim D and query heads per threadgroup G
+# (Hq, Hkv, D, rotary): the GQA group is one for which the runtime picks that G (heads_per_group)
+_ATTN = {(256, 8): (8, 1, 256, 64), (256, 4): (8, 2, 256, 64), (256, 2): (4, 2, 256, 64),
+         (64, 4): (8, 2, 64, 16), (64, 2): (4, 2, 64, 16)}
+
+
+def _attn_layer(dev, rng, D, G, n, capacity=128):
+    """An AttnLayer for variant (D, G) whose cache rows >= n are NaN (reading past the
+    context shows up), a random query and gate, and the float32 K/V history."""
+    Hq, Hkv, D, rot = _ATTN[(D, G)]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity, rng=rng)
+    nan = np.uint16(0x7FC0)
+    k, v = A.k_hist.copy(), A.v_hist.copy()
+    k[:, n:], v[:, n:] = nan, nan
+    A.KC.write(k.view(np.uint8).reshape(-1))
+    A.VC.write(v.view(np.uint8).reshape(-1))
+    q, gate = f32(rng.standard_normal((Hq, D))), f32(rng.standard_normal((Hq, D)))
+    return A, q, gate, from_bf16(k), from_bf16(v)
+
+
+def _variant(kernel):
+    """(head dim, query heads per threadgroup) of an attention kernel name (..._d256_g4)."""
+    import re
+    m = re.search(r"_d(\d+)(?:_g(\d+))?$", kernel)
+    return int(m.group(1)), int(m.group(2) or 4)
+
+
+@check(*[f"attn_decode_d{D}_g{G}" for D, G in _ATTN])
+def _attn_decode(dev, rng, kernel):
+    D, G = _variant(kernel)
+    n = 45
+    A, q, gate, K, V = _attn_layer(dev, rng, D, G, n)
+    A.set_position(n - 1)
+    got = A.decode(upload(dev, q), upload(dev, gate), n)
+    return _close(got, attention_reference(q, gate, K, V, n, D), 2e-5, 2e-5, kernel)
+
+
+@check(*[f"attn_decode_split_d{D}_g{G}" for D, G in _ATTN], "attn_combine_d256", "attn_combine_d64")
+def _attn_decode_split(dev, rng, kernel):
+    D, G = _variant(kernel)
+    n = 100
+    A, q, gate, K, V = _attn_layer(dev, rng, D, G, n)
+    A.set_position(n - 1)
+    got = A.decode(upload(dev, q), upload(dev, gate), n, split_threshold=1, block_rows=32, extra_blocks=1)
+    return _close(got, attention_reference(q, gate, K, V, n, D), 2e-5, 2e-5, f"{kernel} (split + combine)")
+
+
+@check("attn_qk_prep")
+def _attn_qk_prep(dev, rng, kernel):
+    from lily.reference import round_bf16
+    Hq, Hkv, D, rot = _ATTN[(256, 4)]
+    pos = 37
+    A = AttnLayer(dev, Hq, Hkv, D, rot, 64, rng=rng)
+    qg, k, v = (f32(rng.standard_normal((Hq, 2 * D))), f32(rng.standard_normal((Hkv, D))),
+                f32(rng.standard_normal((Hkv, D))))
+    A.set_position(pos)
+    Q, GATE = A.prep(qg, k, v, pos)
+    q_ref, k_ref = qk_prep_reference(A, qg, k, pos)
+    r = _close(download(Q, np.float32, (Hq, D)), q_ref, 1e-5, 1e-5, f"{kernel} q")
+    r = max(r, _close(download(GATE, np.float32, (Hq, D)), qg[:, D:], 0, 0, f"{kernel} gate"))
+    kc = download(A.KC, np.uint16, (Hkv, A.cap, D))
+    vc = download(A.VC, np.uint16, (Hkv, A.cap, D))
+    r = max(r, _close(from_bf16(vc[:, pos]), from_bf16(bf16_bits(v)), 0, 0, f"{kernel} cached v"))
+    # one bf16 ulp where a float32 difference can flip the rounding
+    return max(r, _close(from_bf16(kc[:, pos]), round_bf16(k_ref), 2**-7, 1e-5, f"{kernel} cached k"))
+
+
+@check(*[f"attn_decode_fused_d{D}_g{G}" for D, G in _ATTN], *[f"attn_decode_split_fused_d{D}_g{G}" for D, G in _ATTN])
+def _attn_decode_fused(dev, rng, kernel):
+    """The fused step vs float64 attention over the cache as the kernel left it, with the
+    query attn_qk_prep computes for the same token (checked on its own above)."""
+    D, G = _variant(kernel)
+    n = 70
+    seed = int(rng.integers(1 << 62))
+    A, _, _, _, _ = _attn_layer(dev, np.random.default_rng(seed), D, G, n - 1)
+    B, _, _, _, _ = _attn_layer(dev, np.random.default_rng(seed), D, G, n - 1)
+    Hq, Hkv = A.Hq, A.Hkv
+    qg, k, v = (f32(rng.standard_normal((Hq, 2 * D))), f32(rng.standard_normal((Hkv, D))),
+                f32(rng.standard_normal((Hkv, D))))
+    got = A.fused(qg, k, v, n - 1, **({"block_rows": 16, "extra_blocks": 1} if "split" in kernel else {}))
+    B.set_position(n - 1)
+    Q, _ = B.prep(qg, k, v, n - 1)
+    Kc = from_bf16(download(A.KC, np.uint16, (Hkv, A.cap, D)))
+    Vc = from_bf16(download(A.VC, np.uint16, (Hkv, A.cap, D)))
+    want = attention_reference(download(Q, np.float32, (Hq, D)), qg[:, D:], Kc, Vc, n, D)
+    return _close(got, want, 2e-5, 2e-5, kernel)
+
+
+def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
+    """Worst error ratio of a norm_gemv's xn (vs float64 RMSNorm of x) and of its matrix
+    outputs (vs float64 products with the xn the kernel wrote)."""
+    want_xn = rms_ref64(x, nw)
+    xn = download(XN, np.float32)
+    r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
+    xin = xn.astype(np.float64)
+    for qt, (rows, _, Y) in zip(qts, mats):
+        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
+                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{xin.size}"))
+    return r
+
+
+@check("norm_gemv_q4", "norm_gemv_q8")
+def _norm_gemv(dev, rng, kernel):
+    bits, cols = int(kernel[-1]), 128
+    x = (rng.standard_normal(cols) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) for r in (40, 7)]
+    X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
+    mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
+    cb = dev.command_buffer()
+    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True)
+    cb.commit()
+    cb.wait()
+    return _norm_gemv_ratio(kernel, x, nw, XN, qts, mats)
+
+
+@check("embed_norm_gemv_q4")
+def _embed_norm_gemv(dev, rng, kernel):
+    vocab, cols = 50, 128
+    emb = rand_quant(rng, (), vocab, cols, 4, "embed")
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, 4) for r in (24, 9)]
+    tok = int(rng.integers(vocab))
+    EW, ES, EB = upload_q(dev, emb)
+    T, NW, H, XN = upload(dev, np.array([tok], np.uint32)), upload(dev, nw), dev.buffer(4 * cols), dev.buffer(4 * cols)
+    mats = [(q.weight.shape[0], upload_q(dev, q), dev.buffer(4 * q.weight.shape[0])) for q in qts]
+    cb = dev.command_buffer()
+    enc_embed_norm_gemv(cb.compute_pass(), EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn=True)
+    cb.commit()
+    cb.wait()
+    h = download(H, np.float32)
+    r = ratio(h, emb.dequantize(tok).astype(np.float64), 2 * U * magnitude(emb, tok), f"{kernel} embedding row {tok}")
+    return max(r, _norm_gemv_ratio(kernel, h, nw, XN, qts, mats))
+
+
+@check("embed_rows_q4")
+def _embed_rows(dev, rng, kernel):
+    vocab, cols, M = 60, 128, 5
+    qt = rand_quant(rng, (), vocab, cols, 4)
+    toks = rng.integers(0, vocab, M).astype(np.uint32)
+    W, S, B = upload_q(dev, qt)
+    T, O = upload(dev, toks), dev.buffer(4 * M * cols)
+    _run(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+         threadgroups=False)
+    want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
+    tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
+    return ratio(download(O, np.float32, (M, cols)), want, tol, f"{kernel} {M} rows")
+
+
+@check("gemm_swiglu_q4", "gemm_swiglu_q4_tensor")
+def _gemm_swiglu(dev, rng, kernel):
+    m, n, k = 21, 70, 128
+    gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
+    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
+         reads=[*bufs, X], writes=[Y])
+    want, tol = swiglu_ref(x, gq, uq)
+    return ratio(download(Y, np.float32, (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
+
+
+@check("sample_token")
+def _sample_token(dev, rng, kernel):
+    """Draw by draw against the numpy model of the kernel (Philox u, crossing of u * Z in
+    probability order) on penalised, filtered logits; a draw may differ only where u lies
+    within 1e-5 of a boundary of the cumulative mass (float32 vs float64)."""
+    V = 50
+    logits = (rng.standard_normal(V) * 2).astype(np.float32)
+    prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
+    params = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)
+    probs = filtered_probs(params, logits, prompt, generated)
+    seeds = [int(s) for s in rng.integers(0, 2**63, 24)]
+    positions = list(range(100, 124))
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
+    bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
+           if t != w and not near]
+    if bad:
+        raise Mismatch(f"{kernel}: {len(bad)} of {len(toks)} draws differ from the numpy model (got, want): {bad[:5]}",
+                       float(len(bad)))
+    return 0.0
+
+
+@check("tensor_ops_probe")
+def _tensor_ops_probe(dev, rng, kernel):
+    """out[32, 64] = x[:32] x[:64]^T for x float32 [64, 32] (metal/gemm_tensor.metal)."""
+    x = rng.standard_normal((64, 32)).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
+    run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
+    x64 = x.astype(np.float64)
+    return ratio(download(O, np.float32, (32, 64)), x64[:32] @ x64.T, gemm_bound(32) * (np.abs(x64[:32]) @ np.abs(x64).T),
+                 kernel)
+
+
+def _moe_case(dev, rng):
+    E, hidden, inter, inter_shared, k = 16, 128, 64, 64, 4
+    W = MoeWeights(rng, E, hidden, inter, inter_shared)
+    return W, W.upload(dev), k
+
+
+@check("moe_gate_up_swiglu_q4")
+def _moe_gate_up(dev, rng, kernel):
+    W, bufs, k = _moe_case(dev, rng)
+    x = rng.standard_normal(W.hidden).astype(np.float32)
+    ids = rng.choice(W.E, k, replace=False).astype(np.uint32)
+    X, ID, H = upload(dev, x), upload(dev, ids), dev.buffer(4 * (k * W.inter + W.inter_shared))
+    cb = dev.command_buffer()
+    enc_gate_up(cb.compute_pass(), W, bufs, X, ID, H, k, ids=ids)
+    cb.commit()
+    cb.wait()
+    want, tol = W.swiglu(x, ids)
+    return ratio(download(H, np.float32), want, tol, kernel)
+
+
+@check("moe_down_q4")
+def _moe_down(dev, rng, kernel):
+    W, bufs, k = _moe_case(dev, rng)
+    h = (rng.standard_normal(k * W.inter + W.inter_shared) * 0.1).astype(np.float32)
+    ids = rng.choice(W.E, k, replace=False).astype(np.uint32)
+    w = rng.random(k + 1).astype(np.float32)
+    r0 = rng.standard_normal(W.hidden).astype(np.float32)
+    Hb, ID, Wt, R = upload(dev, h), upload(dev, ids), upload(dev, w), upload(dev, r0)
+    cb = dev.command_buffer()
+    enc_down(cb.compute_pass(), W, bufs, Hb, ID, Wt, R, k)
+    cb.commit()
+    cb.wait()
+    d, tol = W.down_sum(h.astype(np.float64), ids, w.astype(np.float64))
+    return ratio(download(R, np.float32), r0 + d, tol + DEPTH * U * np.abs(r0), kernel)
+
+
+@check("moe_route_gate_up_swiglu_q4")
+def _moe_route_gate_up(dev, rng, kernel):
+    from lily.reference import sigmoid
+    W, bufs, k = _moe_case(dev, rng)
+    x = rng.standard_normal(W.hidden).astype(np.float32)
+    logits = (rng.standard_normal(W.E + 1) * 2).astype(np.float32)
+    X, L = upload(dev, x), upload(dev, logits)
+    H, ID, WT = dev.buffer(4 * (k * W.inter + W.inter_shared)), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+    cb = dev.command_buffer()
+    enc_route_gate_up(cb.compute_pass(), W, bufs, X, L, H, ID, WT, k)
+    cb.commit()
+    cb.wait()
+    top, w = route_ref(logits[:W.E], k)
+    ids = download(ID, np.uint32)
+    if not np.array_equal(ids, top):
+        raise Mismatch(f"{kernel}: picked experts {ids.tolist()}, expected {top.tolist()}", 1.0)
+    wts = download(WT, np.float32)
+    r = ratio(wts[:k], w, (16 * U * np.log2(W.E) + 8 * U) * np.abs(w), f"{kernel} weights")
+    r = max(r, ratio(wts[k:], [sigmoid(np.float64(logits[W.E]))], 8 * U, f"{kernel} shared gate"))
+    want, tol = W.swiglu(x, top)
+    return max(r, ratio(download(H, np.float32), want, tol, f"{kernel} h"))
+
+
+def _run1(dev, enc, *a, **kw):
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a, **kw)
+    cb.commit()
+    cb.wait()
+
+
+@check("moe_route_clear")
+def _moe_route_clear(dev, rng, kernel):
+    M, E, k, R, T = 40, 32, 4, 16, 16
+    n = nblocks(M, R) * E
+    bc = dev.buffer(4 * n)  # poisoned on the simulator; garbage on a GPU
+    bc.write(np.full(n, 0xFFFFFFFF, np.uint32).view(np.uint8))
+    _run1(dev, enc_clear, bc, M, E, k, R, T)
+    got = download(bc, np.uint32)
+    if got.any():
+        raise Mismatch(f"{kernel}: {int((got != 0).sum())} of {n} counters not cleared", 1.0)
+    return 0.0
+
+
+@check("moe_route_topk")
+def _moe_route_topk(dev, rng, kernel):
+    from lily.reference import sigmoid
+    M, E, k, R, T = 21, 32, 4, 8, 16
+    logits = (np.round(rng.standard_normal((M, E + 1)) * 32) / 16).astype(np.float32)  # on a grid: no near-ties
+    L, ids, w = upload(dev, logits), dev.buffer(4 * M * k), dev.buffer(4 * M * (k + 1))
+    bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
+    _run1(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
+    top, wr = route_ref_rows(logits, k)
+    got_ids = download(ids, np.uint32, (M, k))
+    if not np.array_equal(got_ids, top):
+        raise Mismatch(f"{kernel}: top-k picks differ in rows {np.nonzero((got_ids != top).any(1))[0].tolist()}", 1.0)
+    got_w = download(w, np.float32, (M, k + 1))
+    r = ratio(got_w[:, :k], wr, (16 * U * np.log2(E) + 8 * U) * np.abs(wr), f"{kernel} weights")
+    r = max(r, ratio(got_w[:, k], sigmoid(logits[:, E].astype(np.float64)), 8 * U, f"{kernel} shared gate"))
+    if not np.array_equal(download(bc, np.uint32).reshape(-1, E), block_hist(top, E, R)):
+        raise Mismatch(f"{kernel}: block histogram differs", 1.0)
+    return r
+
+
+@check("moe_route_scatter")
+def _moe_route_scatter(dev, rng, kernel):
+    M, E, k, R, T = 37, 16, 4, 8, 16
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.uint32)
+    n = M * k
+    I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
+    perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)), dev.buffer(4),
+                                   dev.buffer(4 * E))
+    _run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
+    want_counts = np.bincount(ids.ravel(), minlength=E).astype(np.uint32)
+    got_counts = download(counts, np.uint32)
+    p = download(perm, np.uint32)
+    flat = ids.ravel()
+    want_tiles = tiles_ref(want_counts, T)
+    nt = int(download(tcount, np.uint32)[0])
+    problems = []
+    if not np.array_equal(got_counts, want_counts):
+        problems.append("expert counts")
+    if not np.array_equal(np.sort(p), np.arange(n, dtype=np.uint32)):
+        problems.append("perm is not a permutation of the assignments")
+    elif (np.diff(flat[p].astype(np.int64)) < 0).any():
+        problems.append("perm does not group the assignments by expert")
+    if nt != len(want_tiles) or not np.array_equal(download(tiles, np.uint32)[:4 * nt].reshape(-1, 4), want_tiles):
+        problems.append(f"tile map ({nt} tiles, expected {len(want_tiles)})")
+    if problems:
+        raise Mismatch(f"{kernel}: " + "; ".join(problems), 1.0)
+    return 0.0
+
+
+@check("moe_combine")
+def _moe_combine(dev, rng, kernel):
+    M, H, k = 9, 128, 4
+    h = rng.standard_normal((M, H)).astype(np.float32)
+    yx = rng.standard_normal((M * k, H)).astype(np.float32)
+    ys = rng.standard_normal((M, H)).astype(np.float32)
+    w = rng.random((M, k + 1)).astype(np.float32)
+    Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
+    _run1(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
+
+
+def _grouped(kernel):
+    """(tile height T) of a grouped GEMM kernel name (..._t16, ..._t32_tensor)."""
+    import re
+    return int(re.search(r"_t(\d+)", kernel).group(1))
+
+
+@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
+def _moe_gemm_gate_up(dev, rng, kernel):
+    T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+    gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    HX = dev.buffer(4 * M * k * I)
+    cb = dev.command_buffer()
+    enc_moe_gemm_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, list(upload_q(dev, gq)), list(upload_q(dev, uq)),
+                         HX, M, k, E, H, I, kernel=kernel)
+    cb.commit()
+    cb.wait()
+    hx = download(HX, np.float32, (M * k, I))
+    r = 0.0
+    for e, begin, rows, _ in tiles:
+        want, tol = swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e))
+        r = max(r, ratio(hx[begin:begin + rows], want, tol, f"{kernel} expert {e}"))
+    return r
+
+
+@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
+def _moe_gemm_down(dev, rng, kernel):
+    T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+    dq = rand_quant(rng, (E,), H, I, 4)
+    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
+    HX, P = upload(dev, hx), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    YX = dev.buffer(4 * M * k * H)
+    cb = dev.command_buffer()
+    enc_moe_gemm_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, list(upload_q(dev, dq)), YX, M, k, E, H, I,
+                      kernel=kernel)
+    cb.commit()
+    cb.wait()
+    yx = download(YX, np.float32, (M * k, H))
+    r = 0.0
+    for e, begin, rows, _ in tiles:
+        a = perm[begin:begin + rows]
+        h64 = hx[begin:begin + rows].astype(np.float64)
+        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
+        r = max(r, ratio(yx[a], exact, gemm_bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"{kernel} expert {e}"))
+    return r
+
+
+# one shape per prefill attention variant (head dim D, query heads per threadgroup G)
+_PREFILL_DIMS = {256: "real", 64: "wide64"}
+
+
+def _prefill_case(dev, rng, D, G, p0, M):
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 9, G=G, rng=rng)
+    L.poison_from(p0 + M)
+    q = f32(rng.standard_normal((M, L.Hq, L.D)))
+    qg = f32(rng.standard_normal((M, L.Hq * 2 * L.D)))
+    kc, vc = L.cache()
+    return L, q, qg, from_bf16(kc), from_bf16(vc)
+
+
+@check("attn_prefill_prep_d256", "attn_prefill_prep_d64")
+def _attn_prefill_prep(dev, rng, kernel):
+    from lily.reference import round_bf16
+    D, _ = _variant(kernel)
+    p0, M = 11, 6
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng)
+    qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
+    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    _, Q = L.run(lambda p: L.encode_prep(p, QG, K, V, p0, M))
+    q_ref, k_ref = prep_reference(L, qg, k, p0)
+    r = _close(download(Q, np.float32, (M, L.Hq, L.D)), q_ref, 1e-5, 1e-5, f"{kernel} q")
+    kc, vc = L.cache()
+    rows = slice(p0, p0 + M)
+    r = max(r, _close(from_bf16(vc[:, rows]), from_bf16(bf16_bits(v.reshape(M, L.Hkv, L.D)).transpose(1, 0, 2)),
+                      0, 0, f"{kernel} cached v"))
+    return max(r, _close(from_bf16(kc[:, rows]), round_bf16(k_ref).transpose(1, 0, 2), 2**-7, 1e-5,
+                         f"{kernel} cached k"))
+
+
+@check(*[f"attn_prefill_d{D}_g{G}" for D in (256, 64) for G in (8, 4, 2)])
+def _attn_prefill(dev, rng, kernel):
+    import re
+    D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)$", kernel).groups())
+    p0, M = 13, 11
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M)
+    return _close(L.attention_only(q, qg, p0), attention64(q, qg, K, V, p0), 2e-5, 2e-5, kernel)
+
+
+@check(*[f"attn_prefill_split_d{D}_g{G}" for D in (256, 64) for G in (8, 4, 2)],
+       "attn_prefill_combine_d256", "attn_prefill_combine_d64")
+def _attn_prefill_split(dev, rng, kernel):
+    import re
+    D = int(re.search(r"_d(\d+)", kernel).group(1))
+    g = re.search(r"_g(\d+)$", kernel)
+    G = int(g.group(1)) if g else 8
+    p0, M, S, ns = 13, 11, 16, 3
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M)
+    got = L.attention_only(q, qg, p0, split=(S, ns))
+    return _close(got, attention64(q, qg, K, V, p0), 2e-5, 2e-5, f"{kernel} (split + combine)")
+
+
+@check("gdn_conv_chunk")
+def _gdn_conv_chunk(dev, rng, kernel):
+    L = GdnPrefillLayer(dev, "tiny", rng=rng)
+    M = 7
+    state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
+    L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
+    qkv = L.inputs(M)[0]
+    Q, CO = rows_buffer(dev, qkv), rows_out_buffer(dev, M, L.C)
+    cb = dev.command_buffer()
+    L.encode_conv(cb.compute_pass(), Q, M, L.CS[0], L.CS[1], CO, rb=3, tg=96)
+    cb.commit()
+    cb.wait()
+    want, want_state, mag = L.conv_reference(qkv, state_in)
+    r = ratio(download(CO[0], np.float32, (M + SPARE_ROWS, L.C))[:M], want, 2.0**-20 * (mag + np.abs(want)),
+              f"{kernel} output")
+    return max(r, ratio(L.conv_state(1), want_state, 0, f"{kernel} new conv state"))
+
+
+@check("gdn_scan_k128_v128", "gdn_scan_k32_v32")
+def _gdn_scan(dev, rng, kernel):
+    L = GdnPrefillLayer(dev, "dims" if "k128" in kernel else "tiny", rng=rng)
+    M = 9
+    _, S0 = L.random_state()
+    conv = f32(silu(rng.standard_normal((M, L.C))))
+    _, z, b, a = L.inputs(M)
+    CO, Z, B, A = (rows_buffer(dev, x) for x in (conv, z, b, a))
+    O = rows_out_buffer(dev, M, L.Hv * L.Dv)
+    cb = dev.command_buffer()
+    L.encode_scan(cb.compute_pass(), CO, Z, B, A, O, M)
+    cb.commit()
+    cb.wait()
+    want_o, want_S, scale = L.scan_reference(conv, z, b, a, S0)
+    got = download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))[:M]
+    r = ratio(got, want_o, 64 * U * scale, f"{kernel} outputs")
+    return max(r, ratio(L.state(), want_S, 1e-5, f"{kernel} state"))
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def shipped_kernels(dev) -> list[str]:
+    """The model's kernels in ``dev``'s library (its self-test kernels left out), sorted."""
+    return sorted(k for k in dev.kernel_names() if not k.startswith(SELFTEST_PREFIX))
+
+
+def run_checks(dev, kernels: list[str] | None = None, seed: int | None = None,
+               progress: Callable[[Result], None] | None = None) -> list[Result]:
+    """Checks ``kernels`` (default: every shipped kernel of ``dev``) once each.
+
+    ``seed`` fixes the random inputs (default: fresh ones). Unknown names raise
+    InvalidParameterError (a ValueError);
+    a kernel without a check gives a NO CHECK result. ``progress`` is called per result.
+    """
+    names = shipped_kernels(dev)
+    if kernels is not None:
+        unknown = [k for k in kernels if k not in names]
+        if unknown:
+            raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)}; this library has: "
+                                        f"{', '.join(names)}")
+        names = list(kernels)
+    seq = np.random.SeedSequence(seed)
+    results = []
+    for name, child in zip(names, seq.spawn(len(names))):
+        fn = CHECKS.get(name)
+        t0 = time.perf_counter()
+        if fn is None:
+            res = Result(name, "NO CHECK", detail="no reference check for this kernel yet")
+        else:
+            try:
+                res = Result(name, "PASS", fn(dev, np.random.default_rng(child), name))
+            except Mismatch as e:
+                res = Result(name, "FAIL", e.error, str(e))
+            except Exception as e:  # noqa: BLE001 (a dispatch error is a finding to report, not a crash)
+                res = Result(name, "ERROR", None, f"{type(e).__name__}: {e}")
+        res.seconds = time.perf_counter() - t0
+        results.append(res)
+        if progress:
+            progress(res)
+    return results
+

@@ -1,0 +1,327 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Requests are turned into the chat template's messages (system prompt, text, ``tool_use``
+and ``tool_result`` blocks, ``thinking`` blocks as the assistant's reasoning); the reply's
+reasoning, text and tool calls come back as ``thinking``, ``text`` and ``tool_use`` content
+blocks, streamed with Anthropic's server-sent events. Errors have Anthropic's shape
+``{"type": "error", "error": {"type": ..., "message": ...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Optional, Union
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+
+from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
+from lily.errors import TokenizerError
+from lily.server import core
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, collect, dumps,
+                              register_error_shape, request_constraint, state_of, stream_failed)
+from lily.server.protocol import APIError
+from lily.tokenizer import tool_call_arguments
+
+router = APIRouter()
+
+# HTTP status -> Anthropic's error type (their API reference's "HTTP errors" table)
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+                403: "permission_error", 404: "not_found_error", 405: "invalid_request_error",
+                413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+
+
+def error_shape(err: APIError) -> dict:
+    """``err`` in Anthropic's error shape (the type follows the HTTP status)."""
+    kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+register_error_shape("/v1/messages", error_shape)
+
+
+# ----------------------------------------------------------------------------------------
+# request models (only the fields Lily acts on are typed; others are accepted and ignored)
+# ----------------------------------------------------------------------------------------
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentBlock(_Open):
+    type: str
+    text: Optional[str] = None
+    thinking: Optional[str] = None
+    id: Optional[str] = None
+    name: Optional[str] = None
+    input: Optional[dict[str, Any]] = None
+    tool_use_id: Optional[str] = None
+    content: Union[str, list["ContentBlock"], None] = None
+    is_error: Optional[StrictBool] = None
+
+
+class InputMessage(_Open):
+    role: Literal["user", "assistant"]
+    content: Union[str, list[ContentBlock]]
+
+
+class ToolDef(_Open):
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(_Open):
+    type: Literal["auto", "any", "tool", "none"]
+    name: Optional[str] = None
+    disable_parallel_tool_use: Optional[StrictBool] = None
+
+
+class Thinking(_Open):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Optional[StrictInt] = None
+
+
+class CountTokensRequest(_Open):
+    model: str
+    messages: list[InputMessage] = Field(min_length=1)
+    system: Union[str, list[ContentBlock], None] = None
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[ToolChoice] = None
+    thinking: Optional[Thinking] = None
+
+
+class MessagesRequest(CountTokensRequest):
+    max_tokens: StrictInt
+    stop_sequences: Optional[list[str]] = None
+    stream: Optional[StrictBool] = False
+    temperature: Optional[StrictFloat] = None
+    top_p: Optional[StrictFloat] = None
+    top_k: Optional[StrictInt] = None
+
+
+# ----------------------------------------------------------------------------------------
+# request -> chat template
+# ----------------------------------------------------------------------------------------
+
+
+def _text_of(blocks, param: str) -> str:
+    """The text of a string or a list of text blocks (400 for any other block type)."""
+    if isinstance(blocks, str):
+        return blocks
+    texts = []
+    for j, b in enumerate(blocks or []):
+        if b.type != "text" or not isinstance(b.text, str):
+            raise APIError(400, f"{param}.{j}: content block type '{b.type}' is not supported here "
+                                "(this model takes text only)", param=f"{param}.{j}")
+        texts.append(b.text)
+    return "\n".join(texts)
+
+
+def template_messages(req: CountTokensRequest) -> list[dict]:
+    """The request as the chat template's messages: the system prompt, user turns (their
+    ``tool_result`` blocks become tool messages, before the turn's text), assistant turns
+    (``thinking`` blocks as reasoning, ``tool_use`` blocks as tool calls)."""
+    out: list[dict] = []
+    if req.system:
+        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    for i, m in enumerate(req.messages):
+        where = f"messages.{i}.content"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        texts: list[str] = []
+        reasoning: list[str] = []
+        calls: list[dict] = []
+        for j, b in enumerate(m.content):
+            param = f"{where}.{j}"
+            if b.type == "text" and isinstance(b.text, str):
+                texts.append(b.text)
+            elif b.type == "tool_result" and m.role == "user":
+                if not b.tool_use_id:
+                    raise APIError(400, f"{param}: a tool_result block needs tool_use_id", param=param)
+                result = _text_of(b.content, f"{param}.content") if b.content is not None else ""
+                if b.is_error:
+                    result = f"Error: {result}"
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": result})
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.name:
+                    raise APIError(400, f"{param}: a tool_use block needs a name", param=param)
+                try:
+                    args = tool_call_arguments(b.input, f"{param}.input")
+                except TokenizerError as exc:
+                    raise APIError(400, str(exc), param=f"{param}.input") from None
+                call = {"type": "function", "function": {"name": b.name, "arguments": args}}
+                if b.id:
+                    call["id"] = b.id
+                calls.append(call)
+            elif b.type == "thinking" and m.role == "assistant" and isinstance(b.thinking, str):
+                reasoning.append(b.thinking)
+            elif b.type == "redacted_thinking" and m.role == "assistant":
+                continue  # opaque to us: nothing to render
+            else:
+                raise APIError(400, f"{param}: content block type '{b.type}' is not supported in a "
+                                    f"{m.role} message (this model takes text, tool_use, tool_result "
+                                    "and thinking blocks)", param=param)
+        if texts or m.role == "assistant":
+            d: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
+            if reasoning:
+                d["reasoning_content"] = "\n".join(reasoning)
+            if calls:
+                d["tool_calls"] = calls
+            out.append(d)
+    return out
+
+
+def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None]:
+    """``(tools in OpenAI's form, parse tool calls, forced tool)``: ``forced`` is
+    ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``."""
+    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                               "parameters": t.input_schema}}
+             for t in req.tools] if req.tools else None
+    choice = req.tool_choice
+    if choice is None or choice.type == "auto":
+        return tools, tools is not None, None
+    if choice.type == "none":
+        return None, False, None
+    if not tools:
+        raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
+    if choice.type == "any":
+        return tools, True, "required"
+    if not choice.name or choice.name not in {t.name for t in req.tools}:
+        raise APIError(400, f"tool_choice names a tool that is not in tools: {choice.name!r}",
+                       param="tool_choice.name")
+    return tools, True, choice.name
+
+
+def template_kwargs(req: CountTokensRequest) -> dict:
+    # thinking: {"type": "disabled"} turns the template's reasoning block off; otherwise the
+    # template's default (Qwen3.5 thinks) - the budget is not enforced
+    return {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else {}
+
+
+# ----------------------------------------------------------------------------------------
+# endpoints
+# ----------------------------------------------------------------------------------------
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(req: CountTokensRequest, request: Request):
+    state = state_of(request)
+    state.check_model(req.model)
+    tools, _, _ = tool_setup(req)
+    _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
+    return {"input_tokens": len(ids)}
+
+
+def _usage(state: ServerState, run: ChatRun) -> dict:
+    last = run.last
+    cached = run.cached_tokens
+    # Anthropic's input_tokens leaves out the tokens read from the cache
+    return {"input_tokens": last.prompt_tokens - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": last.completion_tokens}
+
+
+def _stop_reason(run: ChatRun, parser, tok, stops) -> tuple[str, str | None]:
+    if run.last.finish_reason == "length":
+        return "max_tokens", None
+    if parser.n_tool_calls:
+        return "tool_use", None
+    hit = run.stop_string_hit(tok, stops)
+    return ("stop_sequence", hit) if hit is not None else ("end_turn", None)
+
+
+def _content_block(block, final: bool) -> dict:
+    """A block as Anthropic shows it: complete (``final``) or as its start event carries it."""
+    if block.kind == "reasoning":
+        return {"type": "thinking", "thinking": block.text if final else "", "signature": ""}
+    if block.kind == "content":
+        return {"type": "text", "text": block.text if final else ""}
+    args = {}
+    if final and block.text.strip():
+        try:
+            args = json.loads(block.text)
+        except ValueError:  # the parser closes cut calls; anything else is shown as given
+            args = {"_raw": block.text}
+    return {"type": "tool_use", "id": "toolu_" + block.call_id.removeprefix("call_"), "name": block.name,
+            "input": args}
+
+
+_DELTA = {"reasoning": ("thinking_delta", "thinking"), "content": ("text_delta", "text"),
+          "tool": ("input_json_delta", "partial_json")}
+
+
+def _event(name: str, obj: dict) -> str:
+    return f"event: {name}\ndata: {dumps(obj)}\n\n"
+
+
+@router.post("/v1/messages")
+async def messages(req: MessagesRequest, request: Request):
+    state = state_of(request)
+    t_start = time.perf_counter()
+    state.check_model(req.model)
+    if req.max_tokens < 1:
+        raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
+    tools, parse_tools, forced = tool_setup(req)
+    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice")
+    prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
+    stops = tuple(req.stop_sequences or ())
+    params = state.sampling_params(req, req.max_tokens, stop=stops)
+    parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
+                              parse_tools=parse_tools)
+    job = state.submit(ids, params, constraint=constraint)
+    run = ChatRun(job, parser)
+    tok = state.engine.tokenizer
+    mid = "msg_" + uuid.uuid4().hex[:24]
+    head = {"id": mid, "type": "message", "role": "assistant", "model": state.model_name}
+
+    if req.stream:
+        return JobStream(_stream(state, run, head, len(ids), tok, stops, t_start), job, "messages (stream)")
+
+    seq = BlockSequencer()
+    gone = await collect(state, run, request, "messages", lambda deltas, _: seq.feed(deltas), t_start)
+    if gone is not None:
+        return gone
+    seq.close()
+    reason, hit = _stop_reason(run, parser, tok, stops)
+    return {**head, "content": [_content_block(b, True) for b in seq.blocks], "stop_reason": reason,
+            "stop_sequence": hit, "usage": _usage(state, run)}
+
+
+async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, tok, stops, t_start: float):
+    job = run.job
+    seq = BlockSequencer()
+
+    def step_event(what: str, block, text: str) -> str:
+        if what == "start":
+            return _event("content_block_start", {"type": "content_block_start", "index": block.index,
+                                                  "content_block": _content_block(block, False)})
+        if what == "delta":
+            kind, field = _DELTA[block.kind]
+            return _event("content_block_delta", {"type": "content_block_delta", "index": block.index,
+                                                  "delta": {"type": kind, field: text}})
+        return _event("content_block_stop", {"type": "content_block_stop", "index": block.index})
+
+    try:
+        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
+        yield _event("message_start", {"type": "message_start", "message": start})
+        yield _event("ping", {"type": "ping"})
+        async for step in seq.stream(run, core.KEEPALIVE_S):
+            yield _event("ping", {"type": "ping"}) if step is None else step_event(*step)
+        if run.last is None:  # cancelled before it started
+            return
+        reason, hit = _stop_reason(run, run.parser, tok, stops)
+        yield _event("message_delta", {"type": "message_delta",
+                                       "delta": {"stop_reason": reason, "stop_sequence": hit},
+                                       "usage": _usage(state, run)})
+        yield _event("message_stop", {"type": "message_stop"})
+        state.log_done("messages (stream)", job, run.last, t_start)
+    except Exception as exc:
+        yield _event("error", error_shape(stream_failed("messages (stream)", job, exc)))
+    finally:
+        job.cancel.set()

@@ -1,0 +1,517 @@
+"""Structured output: JSON schemas and forced tool calls enforced while decoding.
+
+A :class:`Grammar` describes what the answer must be - a JSON value matching a schema
+(:meth:`Grammar.json_schema`), any JSON object (:meth:`Grammar.json_object`) or one or
+more tool calls in the model's own tool-call syntax (:meth:`Grammar.tool_calls`). It is
+checked and compiled when it is made (an invalid schema raises
+:class:`~lily.errors.InvalidParameterError` before anything runs) and does not depend on
+the tokenizer. :meth:`Grammar.constraint` binds it to a tokenizer and returns a fresh
+:class:`GrammarConstraint`, the per-request object the engine's decoding-constraint hook
+drives (``allowed()`` before each token, ``advance(token)`` after it, ``is_finished()``).
+
+The grammar engine is `llguidance <https://github.com/guidance-ai/llguidance>`_: an
+Earley parser over a lazily built lexer that computes each step's token mask from a
+Hugging Face-style vocabulary without precomputing anything per schema. It was chosen over
+XGrammar and outlines-core (see docs/server.md, "Structured output") because it compiles a
+schema in milliseconds where the others build per-schema indexes, supports nearly all of
+JSON Schema (``$ref``, ``anyOf``, string ``pattern``/``format``, numeric bounds), lets a
+grammar name special tokens such as ``</think>`` and ``<tool_call>`` (what thinking and
+Qwen's XML tool calls need), and installs as one wheel with no Python dependencies.
+
+Thinking: when the prompt leaves a ``<think>`` block open (``thinking=True``), the
+grammar first allows any text up to the ``</think>`` token, then a little whitespace,
+then the constrained answer; EOS is allowed only where the whole grammar is complete.
+
+Tool calls use the Qwen3.5/3.6 chat template's XML form (what
+:class:`lily.chat_output.ChatOutputParser` reads)::
+
+    <tool_call>
+    <function=NAME>
+    <parameter=KEY>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+Parameters come in the order of the schema's ``properties``; required ones must appear,
+optional ones may; no other names are allowed when ``properties`` is given. A value whose
+schema allows only strings is raw text (with ``enum``/``const``, ``minLength``/
+``maxLength`` and ``pattern`` enforced); other values are JSON text matching their
+sub-schema, which the parser types back (:func:`lily.chat_output.convert_value`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from lily.errors import InvalidParameterError, LilyError
+
+#: llguidance's JSON layout options: one line, separated as ``json.dumps`` does. Free
+#: whitespace lets a model pad the answer with blank lines until max_tokens (the
+#: Shakespeare demo model does exactly that); one layout keeps every answer short.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: Whitespace allowed before the answer (e.g. the model's "\n\n" after ``</think>``).
+LEADING_WHITESPACE = r"/[\x20\x0A\x0D\x09]{0,4}/"
+
+_PARAM_END = r"\n<\/parameter>"
+_ANNOTATIONS = {"title", "description", "default", "examples", "$comment", "deprecated",
+                "readOnly", "writeOnly", "$schema", "$id"}
+
+
+def _llg():
+    try:
+        import llguidance
+    except ImportError as e:  # a dependency, but say what to do if it is missing
+        raise LilyError("structured output needs llguidance: pip install 'llguidance>=1.0'") from e
+    return llguidance
+
+
+def _lark_str(text: str) -> str:
+    """A Lark string literal for ``text`` (JSON escapes are valid Lark escapes)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_rule(schema: Any) -> str:
+    """``%json {...}`` with Lily's JSON layout (``x-guidance`` options)."""
+    s = copy.deepcopy(schema) if isinstance(schema, dict) else ({} if schema is True else schema)
+    if isinstance(s, dict):
+        s["x-guidance"] = dict(JSON_LAYOUT)
+    return "%json " + json.dumps(s, ensure_ascii=False)
+
+
+def _check(grammar_text: str, what: str) -> None:
+    """Raise InvalidParameterError with llguidance's message when ``grammar_text`` is invalid."""
+    llg = _llg()
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text, None)
+    if is_error:
+        raise InvalidParameterError(f"{what}: {messages[0] if messages else 'invalid grammar'}")
+
+
+class Grammar:
+    """What a constrained answer must look like; make with the class methods.
+
+    ``kind`` is ``"json_schema"``, ``"json_object"`` or ``"tool_calls"``; ``body`` the
+    llguidance Lark rules of the answer (start symbol ``body``).
+    """
+
+    def __init__(self, kind: str, body: str):
+        self.kind = kind
+        self.body = body
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind!r})"
+
+    # -- construction ------------------------------------------------------------------
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Grammar:
+        """A JSON value valid against ``schema`` (a dict, ``True``, or JSON text).
+
+        Raises :class:`InvalidParameterError` when the schema is malformed (e.g. ``"type":
+        "strng"``, ``"required": "a"``), unsatisfiable (``minimum`` > ``maximum``) or uses
+        what llguidance cannot enforce (look-around in ``pattern``, unknown ``format``,
+        remote ``$ref``); the message is llguidance's.
+        """
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise InvalidParameterError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidParameterError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        if schema is False:
+            raise InvalidParameterError("the JSON schema `false` accepts no value")
+        body = "body: " + _json_rule(schema) + "\n"
+        _check(_llg().LLMatcher.grammar_from_lark(body.replace("body:", "start:", 1)), "invalid JSON schema")
+        return cls("json_schema", body)
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls("json_object", "body: " + _json_rule({"type": "object"}) + "\n")
+
+    @classmethod
+    def tool_calls(cls, tools: Iterable[dict], name: str | None = None, *, parallel: bool = True) -> Grammar:
+        """At least one tool call (``tool_choice: "required"``; exactly one when not
+        ``parallel``), or exactly one call of the function ``name`` (a named
+        ``tool_choice``), in Qwen's XML tool-call syntax.
+
+        ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {"name",
+        "parameters"}}``) or bare functions (``{"name", "parameters"}``). Raises
+        :class:`InvalidParameterError` when there is no tool, ``name`` is not one of them,
+        or a parameter schema is invalid.
+        """
+        fns = _functions(tools)
+        if not fns:
+            raise InvalidParameterError("a forced tool call needs at least one tool")
+        if name is not None:
+            if name not in fns:
+                raise InvalidParameterError(f"tool_choice names a function that is not in tools: {name!r}")
+            fns = {name: fns[name]}
+        rules: list[str] = []
+        alts = []
+        for i, (fname, params) in enumerate(fns.items()):
+            alts.append(f"fn{i}")
+            rules.extend(_function_rules(f"fn{i}", fname, params))
+        rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
+        first = "body: call" if name is not None or not parallel else "body: call (\"\\n\" call)*"
+        body = "\n".join([first, *rules]) + "\n"
+        _check(_llg().LLMatcher.grammar_from_lark(
+            body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
+            .replace("</tool_call>", '"</tool_call>"')), "invalid tool parameters schema")
+        return cls("tool_calls", body)
+
+    # -- binding -----------------------------------------------------------------------
+
+    def lark(self, tokenizer, *, thinking: bool = False) -> str:
+        """The whole grammar for ``tokenizer``: the answer, after the thinking block when
+        ``thinking``. Special tokens are used where the tokenizer has them."""
+        specials = {t: _special(tokenizer, t) for t in ("</think>", "<tool_call>", "</tool_call>")}
+        body = self.body
+        for tag in ("<tool_call>", "</tool_call>"):
+            if not specials[tag]:
+                body = body.replace(tag, _lark_str(tag))
+        if thinking:
+            close = "</think>" if specials["</think>"] else _lark_str("</think>")
+            think = f"THINK: /(?s:.*)/\nstart: THINK {close} {LEADING_WHITESPACE} body\n"
+            if not specials["</think>"]:
+                think = f"think[lazy]: /(?s:.*)<\\/think>/\nstart: think {LEADING_WHITESPACE} body\n"
+        else:
+            think = f"start: {LEADING_WHITESPACE} body\n"
+        return think + body
+
+    def for_prompt(self, engine, prompt_ids) -> GrammarConstraint:
+        """The constraint for a generation by ``engine`` after ``prompt_ids``: thinking
+        first when the prompt's last turn leaves a ``<think>`` block open (what the engine
+        does with a :class:`Grammar` passed as ``constraint=``)."""
+        from lily.chat_output import prompt_opens_reasoning
+        ids = [int(t) for t in prompt_ids]
+        start = engine.tokenizer.token_to_id("<|im_start|>")
+        if start is not None and start in ids:  # only the last turn matters
+            ids = ids[len(ids) - 1 - ids[::-1].index(start):]
+        thinking = prompt_opens_reasoning(engine.tokenizer.decode(ids))
+        return self.constraint(engine.tokenizer, vocab_size=engine.config.vocab_size,
+                               eos_token_ids=engine.eos_token_ids, thinking=thinking)
+
+    def constraint(self, tokenizer, *, vocab_size: int | None = None,
+                   eos_token_ids: Iterable[int] | None = None, thinking: bool = False) -> GrammarConstraint:
+        """A fresh per-request constraint enforcing this grammar.
+
+        Parameters
+        ----------
+        tokenizer : lily.tokenizer.Tokenizer
+            The model's tokenizer (its vocabulary is wrapped once and cached).
+        vocab_size : int | None
+            Length of the masks (the model's logits; may exceed the tokenizer's vocabulary,
+            padding ids are never allowed). Default: the tokenizer's.
+        eos_token_ids : iterable of int | None
+            Tokens that end the answer (allowed only once the grammar is complete).
+            Default: the tokenizer's EOS.
+        thinking : bool
+            The prompt leaves a ``<think>`` block open: free text until ``</think>`` first.
+        """
+        eos = tuple(sorted(int(e) for e in (tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)))
+        ll_tok = _ll_tokenizer(tokenizer, eos)
+        n = tokenizer.vocab_size if vocab_size is None else int(vocab_size)
+        if n < tokenizer.vocab_size:
+            raise InvalidParameterError(f"vocab_size {n} is smaller than the tokenizer's {tokenizer.vocab_size}")
+        llg = _llg()
+        matcher = llg.LLMatcher(ll_tok, llg.LLMatcher.grammar_from_lark(self.lark(tokenizer, thinking=thinking)),
+                                log_level=0)
+        if matcher.is_error():
+            raise InvalidParameterError(f"cannot build the {self.kind} constraint: {matcher.get_error()}")
+        return GrammarConstraint(matcher, tokenizer.vocab_size, n, self.kind)
+
+
+class GrammarConstraint:
+    """One request's constraint (the engine's decoding-constraint protocol).
+
+    ``allowed()`` returns a bool mask ``[vocab_size]`` of the tokens that keep the output
+    a prefix of the grammar (EOS only when it is complete); ``advance(token)`` consumes the
+    chosen token; ``is_finished()`` is true once nothing but EOS may follow.
+    ``mask_steps`` counts the masks computed.
+    """
+
+    def __init__(self, matcher, n_tokens: int, vocab_size: int, kind: str):
+        self._m = matcher
+        self._n = n_tokens
+        self.vocab_size = vocab_size
+        self.kind = kind
+        self.mask_steps = 0
+
+    def _fail(self, what: str):
+        raise LilyError(f"{self.kind} constraint: {what}: {self._m.get_error() or self._m.stop_reason()}")
+
+    def allowed(self) -> np.ndarray:
+        bits = self._m.compute_bitmask()
+        if self._m.is_error():
+            self._fail("the grammar failed")
+        self.mask_steps += 1
+        mask = np.zeros(self.vocab_size, dtype=bool)
+        mask[:self._n] = np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:self._n]
+        return mask
+
+    def advance(self, token: int) -> None:
+        if not self._m.consume_token(int(token)):
+            self._fail(f"token {int(token)} is not allowed here")
+
+    def is_finished(self) -> bool:
+        return self._m.is_stopped()
+
+    def is_accepting(self) -> bool:
+        """The output so far is a complete answer (EOS would be allowed)."""
+        return self._m.is_accepting()
+
+
+# ----------------------------------------------------------------------------------------
+# Tokenizer wrapping (cached: about a second per 100k tokens)
+# ----------------------------------------------------------------------------------------
+
+_cache: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+_cache_lock = threading.Lock()
+
+
+def _special(tokenizer, text: str) -> bool:
+    tid = tokenizer.token_to_id(text)
+    return tid is not None and tid in tokenizer.special_token_ids
+
+
+class _Vocabulary:
+    """What ``llguidance.TokenizerWrapper`` reads: every token's bytes, the special ids,
+    and an encoder."""
+
+    def __init__(self, tokenizer, eos: tuple[int, ...]):
+        self._tok = tokenizer
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+
+    def __call__(self, text):
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tok.encode(text)
+
+
+def _ll_tokenizer(tokenizer, eos: tuple[int, ...]):
+    llg = _llg()
+    with _cache_lock:
+        per = _cache.setdefault(tokenizer, {})
+        if eos not in per:
+            per[eos] = llg.LLTokenizer(llg.TokenizerWrapper(_Vocabulary(tokenizer, eos)),
+                                       eos_token=list(eos) or None)
+        return per[eos]
+
+
+# ----------------------------------------------------------------------------------------
+# Tool-call grammar
+# ----------------------------------------------------------------------------------------
+
+
+def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
+    """name -> parameters schema ({} when absent), in the order given."""
+    out: dict[str, dict] = {}
+    if tools is None or isinstance(tools, (str, bytes, dict)):
+        raise InvalidParameterError("tools must be a list of tool definitions")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidParameterError(f"tools[{i}] has no function name")
+        params = fn.get("parameters", fn.get("input_schema"))
+        if params is None:
+            params = {}
+        if not isinstance(params, dict):
+            raise InvalidParameterError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object")
+        out[fn["name"]] = params
+    return out
+
+
+def _resolve(schema: Any, root: dict) -> Any:
+    """Follow a local ``$ref`` (``#/$defs/X``, ``#/definitions/X``) at the top of ``schema``."""
+    seen = 0
+    while isinstance(schema, dict) and isinstance(schema.get("$ref"), str) and seen < 16:
+        ref = schema["$ref"]
+        if not ref.startswith("#/"):
+            return schema
+        node: Any = root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, dict) or part not in node:
+                raise InvalidParameterError(f"unresolvable $ref {ref!r} in tool parameters")
+            node = node[part]
+        extra = {k: v for k, v in schema.items() if k != "$ref"}
+        schema = {**node, **extra} if isinstance(node, dict) else node
+        seen += 1
+    return schema
+
+
+def _with_defs(schema: Any, root: dict) -> Any:
+    """``schema`` carrying the root's ``$defs``/``definitions`` so its ``$ref``s resolve."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("$defs", "definitions"):
+        if key in root and key not in out:
+            out[key] = root[key]
+    return out
+
+
+def _string_branch(schema: Any) -> dict | None:
+    """The string-typed part of a (sub)schema, or None when it allows no string."""
+    from lily.chat_output import (
+        _schema_types,  # the parser's reading of a schema's types
+    )
+    if not isinstance(schema, dict):
+        return None
+    t = schema.get("type")
+    if t == "string" or (isinstance(t, list) and "string" in t):
+        return schema
+    for key in ("anyOf", "oneOf"):
+        for alt in schema.get(key) or []:
+            if "string" in _schema_types(alt):
+                return alt if isinstance(alt, dict) else {}
+    if "string" in _schema_types(schema):  # e.g. an enum of strings without "type"
+        return schema
+    return None
+
+
+def _string_rules(rule: str, s: dict) -> list[str]:
+    """Rules for a raw string value named ``rule``, its closing tag included."""
+    end = f"/{_PARAM_END}/"
+    choices = s.get("enum") if isinstance(s.get("enum"), list) else (
+        [s["const"]] if "const" in s else None)
+    if choices is not None:
+        words = [c for c in choices if isinstance(c, str)]
+        if not words:
+            raise InvalidParameterError("a string parameter's enum has no string value")
+        return [f"{rule}: (" + " | ".join(_lark_str(w) for w in words) + f") {end}"]
+    lo, hi, pattern = s.get("minLength"), s.get("maxLength"), s.get("pattern")
+    if lo is None and hi is None and pattern is None:
+        # lazy: the value ends at the first closing tag
+        return [f"{rule}[lazy]: /(?s:.*){_PARAM_END}/"]
+    parts = []
+    if lo is not None or hi is not None:
+        parts.append(f"/(?s:.{{{int(lo or 0)},{'' if hi is None else int(hi)}}})/")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise InvalidParameterError("a string parameter's pattern must be a string")
+        # JSON Schema patterns match anywhere unless anchored
+        head = "" if pattern.startswith("^") else "(?s:.*)"
+        tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+        core = pattern[1 if not head else 0:len(pattern) - (0 if tail else 1)]
+        parts.append("/" + head + "(?:" + core.replace("/", "\\/") + ")" + tail + "/")
+    # lazy: the shortest value (meeting the bounds) that the closing tag ends; a greedy
+    # lexeme would run past the tag into the next line's text
+    term = rule.upper()
+    expr = parts[0] if len(parts) == 1 else "(" + " & ".join(parts) + ")"
+    return [f"{term}: {expr} {end}", f"{rule}[lazy]: {term}"]
+
+
+def _value_rules(rule: str, schema: Any, root: dict) -> list[str]:
+    """Rules for one parameter value named ``rule`` (closing tag included): raw text where
+    the schema allows strings, JSON text for the other types."""
+    from lily.chat_output import _schema_types
+    s = _resolve(schema, root)
+    if s is True or s is None:
+        s = {}
+    if not isinstance(s, dict):
+        raise InvalidParameterError(f"a parameter schema must be an object, got {s!r}")
+    if not _schema_types(s) and not (set(s) - _ANNOTATIONS):
+        return _string_rules(rule, {})  # {}: any value; free text is one
+    sbranch = _string_branch(s)
+    if sbranch is None:
+        json_part = s
+    elif sbranch is s and s.get("type") in ("string", None):
+        json_part = None
+    elif sbranch is s:  # "type": [..., "string", ...]
+        others = [t for t in s["type"] if t != "string"]
+        json_part = {**s, "type": others} if others else None
+    else:  # a string branch of anyOf/oneOf
+        key = "anyOf" if "anyOf" in s else "oneOf"
+        rest = [a for a in s[key] if a is not sbranch]
+        json_part = {**{k: v for k, v in s.items() if k != key}, "anyOf": rest} if rest else None
+    rules: list[str] = []
+    alts: list[str] = []
+    if sbranch is not None:
+        rules += _string_rules(f"{rule}_s", _resolve(sbranch, root))
+        alts.append(f"{rule}_s")
+    if json_part is not None:
+        rules.append(f"{rule}_j: " + _json_rule(_with_defs(json_part, root)) + f" /{_PARAM_END}/")
+        alts.append(f"{rule}_j")
+    return [f"{rule}: " + " | ".join(alts), *rules]
+
+
+def _function_rules(rule: str, name: str, params: dict) -> list[str]:
+    props = params.get("properties")
+    if props is not None and not isinstance(props, dict):
+        raise InvalidParameterError(f"function {name!r}: parameters.properties must be an object")
+    required = params.get("required") or []
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise InvalidParameterError(f"function {name!r}: parameters.required must be a list of names")
+    if "\n" in name or ">" in name:
+        raise InvalidParameterError(f"function name {name!r} cannot appear in a tool call")
+    rules: list[str] = []
+    seq: list[str] = []
+    names = list(props or {}) + [r for r in required if r not in (props or {})]
+    for j, key in enumerate(names):
+        if "\n" in key or ">" in key:
+            raise InvalidParameterError(f"function {name!r}: parameter name {key!r} cannot appear in a tool call")
+        p = f"{rule}_p{j}"
+        v = f"{rule}_v{j}"
+        rules.append(f"{p}: " + _lark_str(f"<parameter={key}>\n") + f" {v} \"\\n\"")
+        rules.extend(_value_rules(v, (props or {}).get(key, {}), params))
+        seq.append(p if key in required else f"{p}?")
+    if props is None and params.get("additionalProperties", True) is not False:
+        # no declared parameters: any names, free values
+        rules.append(f"{rule}_any: \"<parameter=\" /[^>\\n]+/ \">\\n\" {rule}_anyv \"\\n\"")
+        rules.append(f"{rule}_anyv[lazy]: /(?s:.*){_PARAM_END}/")
+        seq.append(f"{rule}_any*")
+    head = _lark_str(f"<function={name}>\n")
+    rules.insert(0, f"{rule}: {head} {' '.join(seq)} \"</function>\\n\"")
+    return rules
+
+
+# ----------------------------------------------------------------------------------------
+# From API requests
+# ----------------------------------------------------------------------------------------
+
+
+def grammar_for_request(*, format: dict | None = None, tool_choice: str | None = None,
+                        tools: list[dict] | None = None, parallel: bool = True) -> Grammar | None:
+    """The grammar an API request asks for, or None (free text).
+
+    ``format`` is OpenAI's ``response_format`` (``{"type": "text" | "json_object" |
+    "json_schema", "json_schema": {"name", "schema", "strict"}}``; other APIs convert to
+    it); ``tool_choice`` is ``"required"`` or the name of the function to call when the
+    request forces a tool call (``tools`` in OpenAI's chat form). A forced tool call wins
+    over a format (the reply is then the call). Raises :class:`InvalidParameterError`
+    naming what is wrong (an unknown format type, a missing or invalid schema).
+    """
+    if tool_choice is not None:
+        name = None if tool_choice == "required" else tool_choice
+        return Grammar.tool_calls(tools or [], name, parallel=parallel)
+    if format is None:
+        return None
+    if not isinstance(format, dict):
+        raise InvalidParameterError("response_format must be an object")
+    kind = format.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidParameterError("response_format.json_schema must be an object with the schema")
+        if "schema" not in spec:
+            raise InvalidParameterError("response_format.json_schema.schema is missing")
+        return Grammar.json_schema(spec["schema"])
+    raise InvalidParameterError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                f"got {kind!r}")

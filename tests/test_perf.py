@@ -1,0 +1,167 @@
+"""lily.perf / `lily estimate`: the performance model's structure and sanity (never timings):
+every dispatched kernel is in the work table, the decode estimate stays under the bandwidth
+floor, speed falls with context within a code path, occupancy costs what it should, an
+unknown kernel fails loudly, the stage gap matches its stated calibration, JSON schema."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import jsonschema
+import pytest
+
+from lily import perf
+from lily.errors import InvalidParameterError
+from lily.native import count_decode_step, count_prefill_chunk
+
+CFG = perf.model_config()
+
+
+def _plans():
+    """Records of every code path of the real model's plan."""
+    yield "decode 4K", count_decode_step(CFG, 4096)
+    yield "decode 32K (split attention)", count_decode_step(CFG, 32768)
+    yield "prefill simdgroup", count_prefill_chunk(CFG, 512, 0)
+    yield "prefill tensor", count_prefill_chunk(CFG, 512, 4096, gemm_path="tensor")
+    yield "prefill split attention", count_prefill_chunk(CFG, 16, 65536)
+
+
+def test_every_dispatched_kernel_is_in_the_work_table():
+    """A new kernel cannot be free: the plan's every kernel has work (flops or bytes)."""
+    for what, c in _plans():
+        unknown = sorted({r["kernel"] for r in c["records"] if r["work"] is None})
+        assert not unknown, f"{what}: add {unknown} to csrc/runtime/work.cpp"
+        assert len(c["records"]) == c["dispatches"]
+        for r in c["records"]:
+            w = r["work"]
+            assert set(w["flops"]) == set(perf.PATHS)
+            assert w["bytes"] > 0 and all(f >= 0 for f in w["flops"].values()), r
+
+
+def test_unknown_kernel_fails_loudly():
+    rec = dict(count_decode_step(CFG, 256)["records"][0], kernel="new_kernel", work=None)
+    with pytest.raises(perf.UnknownKernelError, match="new_kernel"):
+        perf.time_records(perf.machine("m5max"), [rec])
+
+
+def test_records_carry_geometry_and_work():
+    c = count_prefill_chunk(CFG, 512, 0)
+    gemm = next(r for r in c["records"] if r["kernel"] == "gemm_q4" and "in_proj_qkv" in r["label"])
+    # conv_dim 8192 columns in 64-wide blocks, 512 rows in 32-row blocks, k = 2048
+    assert gemm["groups"] == (128, 16, 1) and gemm["threads"] == (128, 1, 1)
+    assert gemm["work"]["flops"]["sgmm_f32"] == 2 * 512 * 8192 * 2048
+    assert gemm["threadgroup_memory"] > 0
+    t = next(r for r in count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"]
+             if r["kernel"] == "gemm_q4_tensor")
+    assert t["work"]["flops"]["tensor_f32"] > 0 and t["work"]["flops"]["sgmm_f32"] == 0
+    # decode attention work grows with the keys it reads
+    def attn(ctx):
+        return sum(r["work"]["flops"]["alu_f32"] for r in count_decode_step(CFG, ctx)["records"]
+                   if r["kernel"].startswith("attn_decode"))
+    assert attn(8192) / attn(4096) == pytest.approx(2, rel=0.01)
+
+
+def test_decode_bytes_are_the_traffic_and_respect_the_bandwidth_floor():
+    for ctx in (256, 4096, 32768):
+        c = count_decode_step(CFG, ctx)
+        moved = c["weight_bytes"] + c["kv_bytes"] + c["state_bytes"] + c["activation_bytes"]
+        assert sum(r["work"]["bytes"] for r in c["records"]) == pytest.approx(moved, rel=0.01)
+        for key in perf.MACHINES:
+            m = perf.machine(key)
+            t = perf.time_records(m, c["records"])
+            assert t.bytes == pytest.approx(moved, rel=0.01)
+            assert 1 / t.seconds < m.bandwidth / t.bytes  # never faster than bytes / bandwidth
+            assert t.stages == c["barrier_stages"]
+
+
+def test_speed_falls_with_context_within_a_code_path():
+    rep = perf.estimate("m5max", contexts=(1024, 4096, 16384, 32768, 131072), prompts=(1024, 4096, 16384),
+                        breakdown_at=1024)
+    tps = {r["context"]: r["tok_s"] for r in rep["decode"]}
+    assert tps[1024] > tps[4096] > tps[16384]  # one KV block per threadgroup
+    assert tps[32768] > tps[131072]            # split-KV path
+    pre = {r["prompt"]: r for r in rep["prefill"]}
+    assert pre[1024]["seconds"] < pre[4096]["seconds"] < pre[16384]["seconds"]
+    assert pre[4096]["tok_s"] > pre[16384]["tok_s"]  # attention grows quadratically
+    assert sum(f["share"] for f in rep["breakdown"]["decode"]["families"]) == pytest.approx(1)
+    assert sum(f["ms"] for f in rep["breakdown"]["prefill"]["families"]) == pytest.approx(
+        rep["breakdown"]["prefill"]["ms"])
+
+
+def test_occupancy_a_small_grid_gets_its_share():
+    m = perf.machine("m5max")
+    assert perf.occupancy(m, 4, 256) == pytest.approx(4 / 40)
+    assert perf.occupancy(m, 400, 256) == 1
+    assert perf.occupancy(m, 40, 64) == pytest.approx(64 / perf.SATURATION_THREADS)
+    rec = next(r for r in count_decode_step(CFG, 4096)["records"] if r["kernel"].startswith("attn_decode"))
+    rec, wide = dict(rec, groups=(4, 1, 1), threads=(256, 1, 1)), dict(rec, groups=(400, 1, 1), threads=(256, 1, 1))
+    assert perf.dispatch_seconds(m, rec) == pytest.approx(10 * perf.dispatch_seconds(m, wide))
+
+
+def test_stage_gap_matches_its_calibration():
+    """STAGE_GAP is what its comment derives from pplx-garden's published decode figure."""
+    cal = perf.CALIBRATION
+    m = perf.machine(cal["machine"])
+    c = count_decode_step(CFG, 4096)
+    moved = sum(r["work"]["bytes"] for r in c["records"])
+    assert moved == pytest.approx(cal["bytes_per_step_4k"], rel=0.05)
+    gap = (1 / cal["decode_tok_s_4k"] - moved / (m.bandwidth * perf.BANDWIDTH_EFFICIENCY)) / cal["stages_per_step"]
+    assert perf.STAGE_GAP == pytest.approx(gap, rel=0.1)
+
+
+def test_machine_table_has_sources():
+    for key, m in perf.MACHINES.items():
+        for what in ("cores", "bandwidth", "clock", "f16", "tensor", "threadgroup_memory"):
+            assert m.sources.get(what), f"{key}: no source for {what}"
+        assert m.tensor_ops == (m.gpu_family >= 10)
+        assert perf.gemm_path(m) == ("tensor" if m.tensor_ops else "simdgroup")
+    assert {"m1max", "m3max", "m4max", "m5pro", "m5max"} <= set(perf.MACHINES)
+    with pytest.raises(InvalidParameterError, match="unknown machine"):
+        perf.machine("m9")
+    with pytest.raises(InvalidParameterError, match="positive"):
+        perf.estimate("m5max", contexts=(0,), prompts=(256,))
+
+
+SCHEMA = {
+    "type": "object",
+    "required": ["estimate", "notice", "machine", "plan", "calibration", "decode", "prefill", "breakdown"],
+    "properties": {
+        "estimate": {"const": True},
+        "notice": {"type": "string", "pattern": "ESTIMATE"},
+        "machine": {"type": "object", "required": ["key", "cores", "bandwidth_gb_s", "tflops", "sources"]},
+        "decode": {"type": "array", "items": {"type": "object", "required": [
+            "context", "tok_s", "ms_per_token", "stages", "gb_per_step", "bandwidth_floor_tok_s"]}},
+        "prefill": {"type": "array", "items": {"type": "object", "required": ["prompt", "tok_s", "seconds"]}},
+        "breakdown": {"type": "object", "required": ["at", "decode", "prefill"]},
+    },
+}
+
+
+def test_estimate_command_json_and_text():
+    args = [sys.executable, "-m", "lily", "estimate", "--machine", "m1max", "--contexts", "256,4096",
+            "--prompts", "256,1024", "--at", "1024"]
+    r = subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    jsonschema.validate(rep, SCHEMA)
+    assert [d["context"] for d in rep["decode"]] == [256, 4096]
+    assert rep["plan"]["gemm_path"] == "simdgroup" and all(math.isfinite(d["tok_s"]) for d in rep["decode"])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("*** ESTIMATE") and "by kernel family" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--machine", "m9"], capture_output=True, text=True,
+                       check=False)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_estimate_of_another_checkpoint_config():
+    """`--model`: the demo model's dimensions (other head sizes and kernel variants) are known too."""
+    from lily.checkpoint import load_config
+    from lily.engine import default_model_path
+    rep = perf.estimate("m3max", config=load_config(default_model_path())[0], contexts=(64,), prompts=(64, 300),
+                        breakdown_at=64)
+    assert rep["decode"][0]["tok_s"] < rep["decode"][0]["bandwidth_floor_tok_s"]
+    assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]

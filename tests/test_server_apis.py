@@ -1,0 +1,478 @@
+"""Tests for the Anthropic Messages API (``/v1/messages``), the OpenAI Responses API
+(``/v1/responses``) and model-name handling, driven with the official ``anthropic`` and
+``openai`` clients against a loopback server.
+
+Most tests use ``ForcedEngine`` (tests/test_server.py): the engine's real generation loop
+forced through a scripted reply with reasoning and a tool call, which the demo model never
+writes; a few run the embedded demo model end to end.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from lily.engine import Engine
+from lily.server import create_app
+from test_server import SCRIPT, ForcedEngine, Server, wait_idle
+
+pytestmark = pytest.mark.timeout(120)
+
+WEATHER_SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "code": {"type": "string"}}}
+A_TOOLS = [{"name": "get_weather", "description": "Weather forecast", "input_schema": WEATHER_SCHEMA}]
+R_TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather forecast",
+            "parameters": WEATHER_SCHEMA}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+ARGS = {"city": "Paris", "days": 3, "code": "x = \"<b>\" if a < b else '</parameter>'"}
+
+
+class Recording(ForcedEngine):
+    """``ForcedEngine`` that also keeps every token prefilled since :meth:`reset`
+    (``prompt``: the whole prompt of the next request after a reset)."""
+
+    seen: list[int] = []
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = []
+
+    def _on_prefill(self, tokens, all_logits: bool):
+        self.seen = self.seen + [int(t) for t in tokens]
+        return super()._on_prefill(tokens, all_logits)
+
+    @property
+    def prompt(self) -> str:
+        return self.tokenizer.decode(self.seen)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Recording.load(max_context=4096)
+
+
+@pytest.fixture(scope="module")
+def srv(engine):
+    s = Server(create_app(engine, model_name="forced", max_stored_responses=4))
+    yield s
+    s.stop()
+
+
+def aclient(srv: Server, **kw) -> anthropic.Anthropic:
+    kw.setdefault("api_key", "unused")
+    return anthropic.Anthropic(base_url=srv.base, max_retries=0, timeout=60, **kw)
+
+
+def _sse_events(text: str) -> list[tuple[str, dict]]:
+    """``(event name, data)`` pairs of an SSE body (comments skipped); the name must agree
+    with the data's ``type``."""
+    out = []
+    for chunk in text.strip().split("\n\n"):
+        lines = [ln for ln in chunk.split("\n") if not ln.startswith(":")]
+        if not lines:
+            continue
+        assert lines[0].startswith("event: ") and lines[1].startswith("data: "), chunk
+        name, data = lines[0][7:], json.loads(lines[1][6:])
+        assert data["type"] == name
+        out.append((name, data))
+    return out
+
+
+def _blocks(message) -> list[tuple]:
+    """A Message's content without the per-call ids."""
+    out = []
+    for b in message.content:
+        if b.type == "thinking":
+            out.append(("thinking", b.thinking))
+        elif b.type == "text":
+            out.append(("text", b.text))
+        else:
+            assert b.type == "tool_use" and b.id.startswith("toolu_")
+            out.append(("tool_use", b.name, b.input))
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Anthropic Messages
+# ----------------------------------------------------------------------------------------
+
+
+def test_messages_tool_use_both_modes(srv, engine):
+    engine.set_script(SCRIPT)
+    c = aclient(srv)
+    kw = dict(model="claude-anything", max_tokens=300, messages=ASK, tools=A_TOOLS)
+    m = c.messages.create(**kw)
+    want = [("thinking", "I should look up the weather."), ("text", "Let me check."),
+            ("tool_use", "get_weather", ARGS)]
+    assert _blocks(m) == want
+    assert m.stop_reason == "tool_use" and m.stop_sequence is None and m.model == "forced"
+    assert m.usage.output_tokens == len(engine.script_ids)
+    assert m.usage.cache_read_input_tokens == 0 and m.usage.input_tokens > 0
+    with c.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final) == want and final.stop_reason == "tool_use"
+    assert final.usage.output_tokens == m.usage.output_tokens
+    assert final.usage.input_tokens == m.usage.input_tokens
+    count = c.messages.count_tokens(model="any", messages=ASK, tools=A_TOOLS)
+    assert count.input_tokens == m.usage.input_tokens
+
+
+def test_messages_stream_event_sequence(srv, engine):
+    engine.set_script(SCRIPT)
+    body = {"model": "m", "max_tokens": 300, "messages": ASK, "tools": A_TOOLS, "stream": True}
+    r = httpx.post(srv.base + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _sse_events(r.text)
+    names = [n for n, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    assert "ping" in names
+    start = events[0][1]["message"]
+    assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["input_tokens"] > 0
+    # blocks: start, deltas of the block's own kind, stop; one block open at a time
+    open_index, kinds, partial = None, [], {}
+    for name, data in events[1:-2]:
+        if name == "content_block_start":
+            assert open_index is None and data["index"] == len(kinds)
+            open_index = data["index"]
+            kinds.append(data["content_block"]["type"])
+        elif name == "content_block_delta":
+            assert data["index"] == open_index
+            want = {"thinking": "thinking_delta", "text": "text_delta", "tool_use": "input_json_delta"}
+            assert data["delta"]["type"] == want[kinds[-1]]
+            if kinds[-1] == "tool_use":
+                partial[open_index] = partial.get(open_index, "") + data["delta"]["partial_json"]
+        elif name == "content_block_stop":
+            assert data["index"] == open_index
+            open_index = None
+        else:
+            assert name == "ping", name
+    assert open_index is None and kinds == ["thinking", "text", "tool_use"]
+    assert json.loads(partial[2]) == ARGS
+    delta = events[-2][1]
+    assert delta["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert delta["usage"]["output_tokens"] == len(engine.script_ids)
+
+
+def test_messages_tool_result_round_trip(srv, engine):
+    """The assistant's thinking + tool_use and the user's tool_result go back through the
+    chat template; the next reply is plain text."""
+    engine.set_script("</think>It is sunny in Paris.")
+    c = aclient(srv)
+    history = ASK + [
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "Need the tool.", "signature": ""},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris", "days": 2}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]}]}]
+    engine.reset()  # the whole prompt is prefilled (and recorded)
+    m = c.messages.create(model="m", max_tokens=100, system=[{"type": "text", "text": "Be brief."}],
+                          messages=history, tools=A_TOOLS)
+    assert _blocks(m) == [("text", "It is sunny in Paris.")] and m.stop_reason == "end_turn"
+    prompt = engine.prompt
+    system = prompt.split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n") and "Be brief." in system and "get_weather" in system
+    assert "<think>\nNeed the tool.\n</think>" in prompt
+    assert "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n" in prompt
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    # text after the tool results in the same user turn comes after them
+    history[-1]["content"].append({"type": "text", "text": "Thanks!"})
+    engine.reset()
+    c.messages.create(model="m", max_tokens=100, messages=history, tools=A_TOOLS)
+    assert engine.prompt.index("<tool_response>") < engine.prompt.rindex("Thanks!")
+
+
+def test_messages_thinking_stop_sequences_and_max_tokens(srv, engine):
+    c = aclient(srv)
+    engine.set_script("Hello there. STOP and more")
+    engine.reset()  # the whole prompt is prefilled (and recorded)
+    m = c.messages.create(model="m", max_tokens=50, messages=ASK, thinking={"type": "disabled"},
+                          stop_sequences=["NEVER", "STOP"])
+    assert engine.prompt.endswith("<think>\n\n</think>\n\n")  # enable_thinking=false
+    assert _blocks(m) == [("text", "Hello there. ")]
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "STOP"
+    engine.set_script("Hello there, a long answer")
+    m = c.messages.create(model="m", max_tokens=2, messages=ASK, thinking={"type": "disabled"})
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 2
+    engine.set_script("Hello.")
+    m = c.messages.create(model="m", max_tokens=20, messages=ASK, thinking={"type": "disabled"},
+                          stop_sequences=["zzz"])
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    # thinking left on: the reasoning comes back as a thinking block
+    engine.set_script("Let me think.</think>Hi!")
+    with c.messages.stream(model="m", max_tokens=50, messages=ASK) as stream:
+        kinds = [e.delta.type for e in stream if e.type == "content_block_delta"]
+        final = stream.get_final_message()
+    assert _blocks(final) == [("thinking", "Let me think."), ("text", "Hi!")]
+    assert "thinking_delta" in kinds and "text_delta" in kinds
+
+
+def _anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == kind and body["error"]["message"]
+    return body["error"]["message"]
+
+
+def test_messages_errors_have_anthropic_shape(srv, engine):
+    engine.set_script("ok")
+    url = srv.base + "/v1/messages"
+    ok = {"model": "m", "max_tokens": 10, "messages": ASK}
+    for bad in ({"max_tokens": None}, {"max_tokens": "10"}, {"max_tokens": 0}, {"messages": []},
+                {"messages": [{"role": "system", "content": "x"}]},
+                {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+                {"messages": [{"role": "user", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]},
+                {"tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}},
+                {"tool_choice": {"type": "any"}}, {"tool_choice": {"type": "sometimes"}},
+                {"thinking": {"type": "maybe"}}, {"temperature": -1}, {"top_k": 1 << 40},
+                {"stream": "yes"}, {"system": [{"type": "image"}]},
+                {"messages": [{"role": "user", "content": "word " * 5000}]}):
+        body = {k: v for k, v in {**ok, **bad}.items() if v is not None}
+        _anthropic_error(httpx.post(url, json=body), 400, "invalid_request_error")
+    _anthropic_error(httpx.post(url, content=b"{broken", headers={"content-type": "application/json"}),
+                     400, "invalid_request_error")
+    raw = b'{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Hi \\ud83d"}]}'
+    _anthropic_error(httpx.post(url, content=raw, headers={"content-type": "application/json"}),
+                     400, "invalid_request_error")
+    _anthropic_error(httpx.post(url + "/count_tokens", json={"model": "m", "messages": []}),
+                     400, "invalid_request_error")
+    _anthropic_error(httpx.post(url + "/nothing"), 404, "not_found_error")
+    _anthropic_error(httpx.get(url), 405, "invalid_request_error")
+    with pytest.raises(anthropic.BadRequestError) as e:
+        aclient(srv).messages.create(model="m", max_tokens=0, messages=ASK)
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_messages_auth_queue_and_strict_model(engine):
+    engine.set_script("word " * 100, delay=0.05)
+    s = Server(create_app(engine, model_name="forced", api_key="k", max_queue=0, strict_model_name=True))
+    try:
+        url = s.base + "/v1/messages"
+        body = {"model": "forced", "max_tokens": 50, "messages": ASK, "stream": True}
+        _anthropic_error(httpx.post(url, json=body), 401, "authentication_error")
+        with pytest.raises(anthropic.AuthenticationError):
+            aclient(s, api_key="wrong").messages.create(model="forced", max_tokens=5, messages=ASK)
+        with pytest.raises(anthropic.NotFoundError) as e:  # --strict-model-name
+            aclient(s, api_key="k").messages.create(model="claude-x", max_tokens=5, messages=ASK)
+        assert e.value.body["error"]["type"] == "not_found_error"
+        with httpx.stream("POST", url, json=body, headers={"x-api-key": "k"}, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()  # kept: dropping it unread closes the connection (httpx)
+            next(lines)
+            r2 = httpx.post(url, json=body, headers={"x-api-key": "k"})
+            _anthropic_error(r2, 429, "rate_limit_error")
+            assert r2.headers["retry-after"] == "1"
+        wait_idle(s)
+    finally:
+        s.stop()
+
+
+def test_messages_engine_failure_mid_stream(srv, engine):
+    engine.set_script("</think>" + "word " * 20)
+    engine.fail_at, engine.fail_exc = 3, RuntimeError("device lost")
+    body = {"model": "m", "max_tokens": 50, "messages": ASK, "stream": True}
+    r = httpx.post(srv.base + "/v1/messages", json=body, timeout=60)
+    events = _sse_events(r.text)
+    assert events[-1][0] == "error" and events[-1][1]["error"]["type"] == "api_error"
+    assert "device lost" in events[-1][1]["error"]["message"]
+    engine.set_script("</think>" + "word " * 20)
+    engine.fail_at, engine.fail_exc = 3, RuntimeError("device lost")
+    r = httpx.post(srv.base + "/v1/messages", json=dict(body, stream=False), timeout=60)
+    _anthropic_error(r, 500, "api_error")
+
+
+# ----------------------------------------------------------------------------------------
+# OpenAI Responses
+# ----------------------------------------------------------------------------------------
+
+
+def oclient(srv: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _items(resp) -> list[tuple]:
+    out = []
+    for item in resp.output:
+        if item.type == "reasoning":
+            out.append(("reasoning", "".join(c.text for c in item.content)))
+        elif item.type == "message":
+            out.append(("message", "".join(c.text for c in item.content)))
+        else:
+            assert item.type == "function_call" and item.call_id.startswith("call_")
+            out.append(("function_call", item.name, json.loads(item.arguments)))
+    return out
+
+
+def test_responses_function_call_both_modes(srv, engine):
+    engine.set_script(SCRIPT)
+    c = oclient(srv)
+    resp = c.responses.create(model="gpt-4o-mini", input="Weather in Paris?", tools=R_TOOLS)
+    want = [("reasoning", "I should look up the weather."), ("message", "Let me check."),
+            ("function_call", "get_weather", ARGS)]
+    assert _items(resp) == want and resp.status == "completed" and resp.model == "forced"
+    assert resp.output_text == "Let me check."
+    u = resp.usage
+    assert u.output_tokens == len(engine.script_ids) and u.input_tokens_details.cached_tokens == 0
+    assert 0 < u.output_tokens_details.reasoning_tokens < u.output_tokens
+    assert u.total_tokens == u.input_tokens + u.output_tokens
+    events = list(c.responses.create(model="gpt-4o-mini", input="Weather in Paris?", tools=R_TOOLS,
+                                     stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    names = [e.type for e in events]
+    assert names[:2] == ["response.created", "response.in_progress"] and names[-1] == "response.completed"
+    for needed in ("response.output_item.added", "response.content_part.added", "response.output_text.delta",
+                   "response.reasoning_text.delta", "response.function_call_arguments.delta",
+                   "response.output_text.done", "response.function_call_arguments.done",
+                   "response.content_part.done", "response.output_item.done"):
+        assert needed in names, needed
+    final = events[-1].response
+    assert _items(final) == want and final.usage.output_tokens == u.output_tokens
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert text == "Let me check." and json.loads(args) == ARGS
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.id for i in done] == [i.id for i in final.output]
+
+
+def test_responses_previous_response_id_round_trip(srv, engine):
+    engine.set_script(SCRIPT)
+    c = oclient(srv)
+    first = c.responses.create(model="m", instructions="Be brief.", input="Weather in Paris?", tools=R_TOOLS)
+    call = first.output[-1]
+    engine.set_script("</think>Sunny, 20 degrees.")
+    engine.reset()  # the whole prompt is prefilled (and recorded)
+    second = c.responses.create(model="m", previous_response_id=first.id, tools=R_TOOLS,
+                                input=[{"type": "function_call_output", "call_id": call.call_id,
+                                        "output": "sunny, 20C"}])
+    assert second.output_text == "Sunny, 20 degrees." and second.previous_response_id == first.id
+    prompt = engine.prompt
+    assert "Be brief." not in prompt  # instructions are not carried over (as OpenAI)
+    assert "Weather in Paris?" in prompt and "<function=get_weather>" in prompt
+    assert "<think>\nI should look up the weather.\n</think>" in prompt
+    assert "<tool_response>\nsunny, 20C\n</tool_response>" in prompt
+    assert c.responses.retrieve(second.id).output_text == "Sunny, 20 degrees."
+    # store=false: not kept; unknown ids are a 404 in OpenAI's shape
+    engine.set_script("</think>ok")
+    unstored = c.responses.create(model="m", input="hi", store=False)
+    with pytest.raises(openai.NotFoundError) as e:
+        c.responses.create(model="m", input="again", previous_response_id=unstored.id)
+    err = e.value.body
+    assert err["code"] == "previous_response_not_found" and err["param"] == "previous_response_id"
+    # the store is bounded (4 here): the oldest response is dropped first
+    for _ in range(4):
+        c.responses.create(model="m", input="fill")
+    with pytest.raises(openai.NotFoundError):
+        c.responses.retrieve(first.id)
+
+
+def test_responses_input_items_and_options(srv, engine):
+    c = oclient(srv)
+    engine.set_script("A long answer that goes on")
+    engine.reset()
+    resp = c.responses.create(model="m", max_output_tokens=3, reasoning={"effort": "none"}, input=[
+        {"role": "developer", "content": "Answer in French."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Hello"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Bonjour"}]},
+        {"role": "user", "content": "Again"}])
+    assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
+    assert resp.usage.output_tokens == 3
+    prompt = engine.prompt
+    assert "<|im_start|>system\nAnswer in French." in prompt and "Bonjour" in prompt
+    assert prompt.endswith("<think>\n\n</think>\n\n")  # effort none: thinking off
+
+
+def _openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_responses_errors_have_openai_shape(srv, engine):
+    engine.set_script("ok")
+    url = srv.base + "/v1/responses"
+    for bad in ({}, {"input": 5}, {"input": [{"type": "image_generation_call"}]},
+                {"input": [{"role": "wizard", "content": "x"}]},
+                {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+                {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{no"}]},
+                {"input": [{"type": "function_call_output", "output": "x"}]},
+                {"input": "hi", "tools": [{"type": "web_search"}]},
+                {"input": "hi", "tool_choice": "required"}, {"input": "hi", "max_output_tokens": 0},
+                {"input": "hi", "max_output_tokens": "5"}, {"input": "hi", "stream": 1},
+                {"input": "hi", "text": {"format": {"type": "json_object"}}}, {"input": []},
+                {"input": "word " * 5000}):
+        _openai_error(httpx.post(url, json=bad), 400)
+    _openai_error(httpx.post(url, content=b"[1,", headers={"content-type": "application/json"}), 400)
+    _openai_error(httpx.post(url, content=b'{"input":"Hi \\ud83d"}', headers={"content-type": "application/json"}),
+                  400)
+    assert _openai_error(httpx.get(url + "/resp_nope"), 404)["code"] == "previous_response_not_found"
+    with pytest.raises(openai.BadRequestError):
+        oclient(srv).responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_file"}]}])
+
+
+# ----------------------------------------------------------------------------------------
+# model names
+# ----------------------------------------------------------------------------------------
+
+
+def test_any_model_name_unless_strict(srv, engine):
+    engine.set_script("</think>ok")
+    c = oclient(srv)
+    r = c.chat.completions.create(model="gpt-4o-mini", messages=ASK)
+    assert r.choices[0].message.content == "ok" and r.model == "forced"
+    assert c.completions.create(model="text-davinci", prompt="x", max_tokens=2).model == "forced"
+    with pytest.raises(openai.NotFoundError):  # looking up another model is still a 404
+        c.models.retrieve("gpt-4o-mini")
+    strict = Server(create_app(engine, model_name="forced", strict_model_name=True))
+    try:
+        sc = oclient(strict)
+        with pytest.raises(openai.NotFoundError) as e:
+            sc.chat.completions.create(model="gpt-nope", messages=ASK)
+        assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+        with pytest.raises(openai.NotFoundError):
+            sc.completions.create(model="gpt-nope", prompt="x")
+        with pytest.raises(openai.NotFoundError):
+            sc.responses.create(model="gpt-nope", input="x")
+        assert sc.chat.completions.create(model="forced", messages=ASK).choices[0].message.content == "ok"
+    finally:
+        strict.stop()
+
+
+# ----------------------------------------------------------------------------------------
+# the demo model end to end
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real():
+    s = Server(create_app(Engine.load()))
+    yield s
+    s.stop()
+
+
+def test_demo_model_through_both_new_apis(real):
+    a = aclient(real)
+    # the current anthropic client sends sampling fields only as extra body fields
+    kw = dict(model="lily-demo-shakespeare", max_tokens=8, extra_body={"temperature": 0.0}, messages=[
+        {"role": "user", "content": "ROMEO:"}])
+    m = a.messages.create(**kw)
+    with a.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert _blocks(final) == _blocks(m) and m.stop_reason in ("max_tokens", "end_turn")
+    assert m.usage.output_tokens <= 8 and final.usage.output_tokens == m.usage.output_tokens
+    # the same prompt again: the engine's prompt cache serves its prefix
+    total = m.usage.input_tokens + m.usage.cache_read_input_tokens
+    assert final.usage.cache_read_input_tokens > 0
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
+    o = oclient(real)
+    r = o.responses.create(model="lily-demo-shakespeare", input="ROMEO:", max_output_tokens=8, temperature=0.0)
+    events = list(o.responses.create(model="x", input="ROMEO:", max_output_tokens=8, temperature=0.0,
+                                     stream=True))
+    assert _items(events[-1].response) == _items(r) and r.usage.output_tokens <= 8
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    cached = events[-1].response.usage.input_tokens_details.cached_tokens
+    assert 0 < cached < events[-1].response.usage.input_tokens

@@ -1,0 +1,341 @@
+#!/usr/bin/env python3
+"""Checks Lily's Metal code against Apple's macOS 26 SDK headers, without a Mac
+(docs/verification.md, "Apple's headers").
+
+    tools/check_sdk26.py OVERLAY [--sdk12 DIR] [--compile]
+
+OVERLAY is a directory laid out like an SDK root (System/Library/Frameworks/...) holding the
+macOS 26 headers to check against: Metal.framework and MetalPerformancePrimitives.framework
+headers, complete or just the files Lily needs (read them from a macOS 26 SDK, e.g. the
+public alexey-lysiuk/macos-sdk repository's MacOSX26.0.sdk, or `xcrun --show-sdk-path` on
+a Mac). Never commit SDK files.
+
+1. Metal API audit: every Metal method, property, constant and function that
+   csrc/gpu/metal/metal_device.mm uses, looked up in the overlay's Metal headers (else the
+   macOS 12 SDK's, with --sdk12): where it is declared, since which macOS, and whether it
+   is deprecated there. A used API that the newest headers deprecate fails the check.
+2. Tensor API: the matmul2d_descriptor constructor, the matmul2d template and its run /
+   get_destination_cooperative_tensor members as Apple declares them, against the
+   simulator's stand-in (csrc/gpu/sim/msl/MetalPerformancePrimitives/), and the operand
+   element types metal/*_tensor.metal uses against the types Apple's header maps (bfloat
+   only under __HAVE_BFLOAT__) and against the operand table in its header comment.
+3. --compile (needs --sdk12 and a complete Metal.framework in the overlay): assembles the
+   overlay on top of the macOS 12 SDK and runs tools/check_objc.sh on the result with
+   deprecations as errors.
+
+Exit status 1 when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MM = ROOT / "csrc" / "gpu" / "metal" / "metal_device.mm"
+SHIM_MPP = ROOT / "csrc" / "gpu" / "sim" / "msl" / "MetalPerformancePrimitives" / "MetalPerformancePrimitives.h"
+FRAMEWORKS = Path("System/Library/Frameworks")
+
+
+def headers(root: Path, framework: str) -> list[Path]:
+    base = root / FRAMEWORKS / f"{framework}.framework"
+    found = {p.name: p for p in sorted(base.glob("Versions/*/Headers/**/*.h"))}
+    found.update({p.name: p for p in sorted(base.glob("Headers/**/*.h"))})
+    return list(found.values())
+
+
+# ---- declarations -------------------------------------------------------------------------
+
+MACOS_RE = re.compile(r"macos\(([\d.]+)(?:\s*,\s*([\d.]+))?\)")
+
+
+def macro_args(decl: str, name: str) -> list[str]:
+    """The argument text of every ``name(...)`` in decl (balanced parentheses)."""
+    out = []
+    for m in re.finditer(r"\b" + name + r"\s*\(", decl):
+        depth, i = 1, m.end()
+        while i < len(decl) and depth:
+            depth += {"(": 1, ")": -1}.get(decl[i], 0)
+            i += 1
+        out.append(decl[m.end():i - 1])
+    return out
+
+
+def strip_comments(text: str) -> str:
+    text = re.sub(r"/\*.*?\*/", " ", text, flags=re.DOTALL)
+    return re.sub(r"//[^\n]*", " ", text)
+
+
+def split_top(text: str) -> list[str]:
+    """text split at the commas outside parentheses."""
+    out, depth, cur = [], 0, []
+    for c in text:
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if c == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(c)
+    out.append("".join(cur))
+    return out
+
+
+def declarations(path: Path) -> dict[str, str]:
+    """name -> declaration text, for the methods (selector), properties, enum constants and
+    functions of one Objective-C header."""
+    out: dict[str, str] = {}
+    text = strip_comments(path.read_text(encoding="utf-8", errors="replace"))
+    for stmt in re.split(r";|\{|\}", text):
+        s = " ".join(stmt.split())
+        m = re.match(r"^[-+]\s*\([^)]*(?:\([^)]*\)[^)]*)*\)\s*(.*)$", s)
+        if m:  # a method: its selector
+            body = re.sub(r"\([^()]*(?:\([^()]*\)[^()]*)*\)", " ", m.group(1))
+            parts = re.findall(r"(\w+)\s*:", body)
+            sel = "".join(p + ":" for p in parts) if parts else body.split()[0]
+            out.setdefault(sel, s)
+            continue
+        m = re.match(r"^@property\b.*?(\w+)\s*(?:API_|NS_|$)", s)
+        if m:
+            out.setdefault(m.group(1), s)
+            continue
+        fn = re.search(r"\b(MTL\w+)\s*\((?:void)?[^()]*\)\s*(?:API_|NS_|$)", s)
+        if fn and ("MTL_EXTERN" in s or "extern" in s):
+            out.setdefault(fn.group(1), s)
+    for body in re.findall(r"NS_(?:ENUM|OPTIONS)\s*\([^)]*\)\s*\{([^}]*)\}", text):  # enum constants
+        for entry in split_top(body):
+            e = " ".join(entry.split())
+            m = re.match(r"(MTL\w+)", e)
+            if m:
+                out.setdefault(m.group(1), e)
+    return out
+
+
+def availability(decl: str) -> tuple[str, str]:
+    """(macOS it appeared in or '', deprecation note or '')."""
+    since = ""
+    for args in macro_args(decl, "API_AVAILABLE"):
+        mm = MACOS_RE.search(args)
+        if mm:
+            since = mm.group(1)
+    dep = ""
+    for macro in ("API_DEPRECATED", "API_DEPRECATED_WITH_REPLACEMENT"):
+        for args in macro_args(decl, macro):
+            mm = MACOS_RE.search(args)
+            if mm:
+                note = re.match(r'\s*("[^"]*")', args)
+                dep = f"DEPRECATED in macOS {mm.group(2) or '?'}" + (f" ({note.group(1)})" if note else "")
+    return since, dep
+
+
+# ---- what metal_device.mm uses ------------------------------------------------------------
+
+
+def used_apis(source: str) -> list[str]:
+    """Selectors of the Objective-C messages, property names after '.', and MTL* names."""
+    src = strip_comments(source)
+    src = re.sub(r'@?"(?:\\.|[^"\\])*"', '""', src)
+    names: set[str] = set()
+    stack: list[int] = []
+    for i, ch in enumerate(src):  # message sends: [receiver part: arg part: arg]
+        if ch == "[":
+            stack.append(i)
+        elif ch == "]" and stack:
+            start = stack.pop()
+            inner = src[start + 1:i]
+            depth, flat = 0, []
+            for c in inner:  # the top level of this send only
+                depth += c in "[("
+                depth -= c in "])"
+                flat.append(c if depth == 0 or c in "[(" and depth == 1 else " ")
+            flat_s = "".join(flat)
+            m = re.match(r"\s*[\w.>()\-]+\s+(\w+)\s*(:?)", flat_s)
+            if not m:
+                continue
+            if m.group(2):
+                parts = re.findall(r"(\w+)\s*:", flat_s[m.start(1):])
+                names.add("".join(p + ":" for p in parts))
+            else:
+                names.add(m.group(1))
+    names.update(re.findall(r"\.\s*([a-z]\w*[A-Z]\w*)\b", src))
+    names.update(re.findall(r"\b(MTL[A-Z]\w+)\b", src))
+    return sorted(names)
+
+
+def api_audit(newest: Path, older: Path | None) -> bool:
+    new = {}
+    for h in headers(newest, "Metal"):
+        for k, v in declarations(h).items():
+            new.setdefault(k, (v, h.name))
+    old = {}
+    if older:
+        for h in headers(older, "Metal"):
+            for k, v in declarations(h).items():
+                old.setdefault(k, (v, h.name))
+    ok = True
+    rows = []
+    for name in used_apis(MM.read_text(encoding="utf-8")):
+        where = "26" if name in new else "12" if name in old else None
+        if where is None:
+            continue  # Foundation, a type name, or a declaration outside the headers given
+        decl, header = (new if where == "26" else old)[name]
+        since, dep = availability(decl)
+        if dep and where == "26":
+            ok = False
+        rows.append((name, f"{header} ({'macOS 26 overlay' if where == '26' else 'macOS 12 SDK'})",
+                     since or "-", dep or "ok"))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    print(f"{'API used by metal_device.mm':<{w0}}  {'declared in':<{w1}}  since  status")
+    for r in rows:
+        print(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]:<5}  {r[3]}")
+    return ok
+
+
+# ---- tensor operations --------------------------------------------------------------------
+
+
+def _ctor_params(text: str) -> list[tuple[str, str]]:
+    """(type, default) of matmul2d_descriptor's constructor parameters."""
+    m = re.search(r"constexpr\s+matmul2d_descriptor\s*\((.*?)\)\s*(?:thread\s*)?:", strip_comments(text), re.DOTALL)
+    out = []
+    for p in m.group(1).split(","):
+        p = " ".join(p.split())
+        default = p.split("=", 1)[1].strip() if "=" in p else ""
+        typ = p.split("=", 1)[0].strip().rsplit(" ", 1)[0].strip()
+        out.append((typ, default))
+    return out
+
+
+def _template_head(text: str, cls: str) -> str:
+    m = re.search(r"template\s*<([^>]*)>\s*class\s+" + cls + r"\b", strip_comments(text))
+    return " ".join(re.sub(r"\b(typename|class)\b", "T", m.group(1)).split()) if m else ""
+
+
+def _member_template(text: str, member: str) -> list[str]:
+    """The leading type parameters of a member template (before defaulted SFINAE ones)."""
+    t = strip_comments(text)
+    i = t.find(member + "(")
+    j = t.rfind("template", 0, i)
+    head = t[j:i]
+    params = re.findall(r"(?:typename|class)\s+(\w+)\s*(=\s*[\w:]+)?", head)
+    return [n + (d.replace(" ", "") if d else "") for n, d in params if not n.startswith(("V", "U")) and n != "RunArgs"
+            and n != "CoopArgs"]
+
+
+def tensor_check(newest: Path) -> bool:
+    mpp = {h.name: h for h in headers(newest, "MetalPerformancePrimitives")}
+    if "MPPTensorOpsMatMul2d.h" not in mpp:
+        print("tensor API: SKIPPED (no MetalPerformancePrimitives.framework/.../MPPTensorOpsMatMul2d.h in the overlay)")
+        return True
+    apple = mpp["MPPTensorOpsMatMul2d.h"].read_text(encoding="utf-8", errors="replace")
+    ours = SHIM_MPP.read_text(encoding="utf-8")
+    ok = True
+
+    def same(what, a, b, norm=lambda x: x):
+        nonlocal ok
+        good = norm(a) == norm(b)
+        ok &= good
+        print(f"  {what}: {'same' if good else 'DIFFERENT'}\n    Apple: {a}\n    shim:  {b}")
+
+    print("tensor API (MPPTensorOpsMatMul2d.h vs the simulator's stand-in):")
+    # defaults are spelled differently: dynamic_length_v<int> == int(dynamic_extent) == INT_MAX
+    dyn = lambda ps: [(t, "dynamic" if "dynamic" in d else re.sub(r"^mode::", "", d)) for t, d in ps]
+    same("matmul2d_descriptor(...) parameters (type, default)", _ctor_params(apple), _ctor_params(ours), dyn)
+    same("matmul2d template parameters", _template_head(apple, "matmul2d"), _template_head(ours, "matmul2d"))
+    same("get_destination_cooperative_tensor<...> parameters", _member_template(apple, "get_destination_cooperative_tensor"),
+         _member_template(ours, "get_destination_cooperative_tensor"))
+    enum = re.search(r"enum class mode\s*\{([^}]*)\}", strip_comments(apple))
+    same("descriptor modes", " ".join(enum.group(1).split()) if enum else "",
+         " ".join(re.search(r"enum class mode\s*\{([^}]*)\}", ours).group(1).split()), lambda s: s.rstrip(","))
+
+    types_h = mpp.get("MPPTensorOpsTypes.h")
+    mapped = set()
+    bf_gated = False
+    if types_h:
+        tt = types_h.read_text(encoding="utf-8", errors="replace")
+        mapped = set(re.findall(r"__is_same_v<ElementType,\s*(\w+)>", tt))
+        bf_gated = bool(re.search(r"#if __HAVE_BFLOAT__\s*else if constexpr \(__is_same_v<ElementType, bfloat>", tt))
+    table = set(re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE))
+    used = set()
+    for f in sorted((ROOT / "metal").glob("*_tensor.metal")):
+        src = f.read_text(encoding="utf-8")
+        used |= set(re.findall(r"tensor<\s*(?:device|threadgroup)\s+(?:const\s+)?(float|half|bfloat)\b", src))
+        for a, b in re.findall(r'host_name\("st_tensor_mm_\w+?_(f16|f32|bf16)_(f16|f32|bf16)', src):
+            used |= {a, b}
+    names = {"f32": "float", "f16": "half", "bf16": "bfloat"}
+    used = {names.get(u, u) for u in used}
+    print("  operand element types Apple's header maps: "
+          + ", ".join(sorted(mapped)) + (" (bfloat only where the compiler defines __HAVE_BFLOAT__)" if bf_gated else ""))
+    print(f"  operand element types Lily's *_tensor.metal use: {', '.join(sorted(used))}")
+    missing = used - mapped
+    if missing:
+        ok = False
+        print(f"  NOT MAPPED by these headers: {', '.join(sorted(missing))}")
+    floating = sorted((a, b, c) for a, b, c in table if a in ("half", "float", "bfloat"))
+    print("  floating operand rows of the header comment's table (A, B, C): "
+          + (", ".join(" x ".join(r) for r in floating) or "none"))
+    undocumented = sorted(u for u in used if u != "half")
+    if undocumented:
+        print(f"  note: {', '.join(undocumented)} operands are not in that table: only Apple's compiler can say "
+              f"whether this SDK accepts them (cmake's Metal 4 probe compiles the real *_tensor.metal files)")
+    return ok
+
+
+# ---- assemble and compile -----------------------------------------------------------------
+
+
+def assemble(overlay: Path, sdk12: Path, dest: Path) -> Path:
+    """The macOS 12 SDK (symlinked) with the overlay's files copied over it."""
+    root = sdk12 / "root" if (sdk12 / "root" / "System").is_dir() and not (sdk12 / "System").is_dir() else sdk12
+    out = dest / "MacOSX.sdk"
+    subprocess.run(["cp", "-as", str(root.resolve()), str(out)], check=True)
+    for f in overlay.rglob("*"):
+        if f.is_file():
+            target = out / f.relative_to(overlay)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.is_symlink() or target.exists():
+                target.unlink()
+            shutil.copyfile(f, target)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("overlay", type=Path, help="directory with the macOS 26 headers (SDK root layout)")
+    ap.add_argument("--sdk12", type=Path, default=None, help="macOS 12 SDK root (hexops-graveyard/sdk-macos-12.0)")
+    ap.add_argument("--compile", action="store_true", help="also type-check metal_device.mm against the assembled SDK")
+    args = ap.parse_args(argv)
+    if not (args.overlay / FRAMEWORKS).is_dir():
+        print(f"check_sdk26: {args.overlay} has no {FRAMEWORKS} directory", file=sys.stderr)
+        return 2
+    sdk12 = args.sdk12
+    if sdk12 and (sdk12 / "root" / "System").is_dir() and not (sdk12 / "System").is_dir():
+        sdk12 = sdk12 / "root"
+    ok = api_audit(args.overlay, sdk12)
+    print()
+    ok &= tensor_check(args.overlay)
+    if args.compile:
+        if not sdk12:
+            print("check_sdk26: --compile needs --sdk12", file=sys.stderr)
+            return 2
+        if not any(h.name == "Metal.h" for h in headers(args.overlay, "Metal")):
+            print("\ncompile: SKIPPED (the overlay's Metal.framework is partial: no Metal.h; a complete macOS 26 "
+                  "Metal.framework is needed to compile against it)")
+        else:
+            with tempfile.TemporaryDirectory() as tmp:
+                sdk = assemble(args.overlay, sdk12, Path(tmp))
+                env = dict(os.environ, CHECK_OBJC_EXTRA="-Werror=deprecated-declarations")
+                r = subprocess.run(["bash", str(ROOT / "tools" / "check_objc.sh"), str(sdk)], env=env, check=False)
+                ok &= r.returncode == 0
+    print("\ncheck_sdk26: " + ("OK" if ok else "FAILED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
