@@ -201,11 +201,12 @@ class Engine:
         progress : bool
             Show a progress bar while validating and mapping the weights.
         device_options : dict | None
-            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 512;
+            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 2048;
             scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
             ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
-            (context at which attention switches to the split-KV path, default 32768),
-            ``split_block``, ``weight_cache`` (``True``: map unaligned checkpoint files
+            (context above which decode attention splits the KV rows across threadgroups,
+            default 256), ``split_block`` (rows per split block, default 0: chosen by
+            context), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
