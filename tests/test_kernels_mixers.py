@@ -371,18 +371,9 @@ def test_argmax_two_stage(dev, V, slice_):
         logits[V // 4] = np.nan                 # NaN never wins
     if V > 2 * slice_:
         logits[slice_:2 * slice_] = np.nan      # a slice with no number at all
-    parts = -(-V // slice_)
-    L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    p.dispatch("argmax_partial", parts, 256, buffers=[(0, L), (1, PART)], constants=[(2, constant(V, slice_))],
-               reads=[L], writes=[PART], threadgroups=True)
-    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
-               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
-    cb.commit()
-    cb.wait()
-    assert cb.counters["barrier_stages"] == 2
-    assert download(TOK, np.uint32)[0] == int(np.nanargmax(logits))
+    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_)
+    assert stages == 2
+    assert token == int(np.nanargmax(logits))
 
 
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)

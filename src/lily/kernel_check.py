@@ -1379,23 +1379,31 @@ def _sample_greedy(dev, rng, kernel):
     return 0.0
 
 
-@check("argmax_partial", "sample_greedy_combine")
-def _argmax_two_stage(dev, rng, kernel):
-    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine."""
-    V, slice_ = 1000, 64
-    logits = (rng.standard_normal(V) * 3).astype(np.float32)
-    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
+def argmax_two_stage(dev, logits: np.ndarray, slice_: int) -> tuple[int, int]:
+    """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]``: argmax_partial
+    (256 threads per slice of ``slice_`` logits), then sample_greedy_combine in one
+    threadgroup. Returns (token, barrier stages of the command buffer)."""
+    V = logits.size
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
     cb = dev.command_buffer()
     p = cb.compute_pass()
     p.dispatch("argmax_partial", parts, 256, buffers=[(0, L), (1, PART)], constants=[(2, constant(V, slice_))],
                reads=[L], writes=[PART], threadgroups=True)
-    p.dispatch("sample_greedy_combine", 1, 64, buffers=[(0, PART), (1, TOK)], constants=[(2, constant(parts, 0))],
-               reads=[PART], writes=[TOK], threadgroups=True)
+    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
+               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
-    got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
+    return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
+
+
+@check("argmax_partial", "sample_greedy_combine")
+def _argmax_two_stage(dev, rng, kernel):
+    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine."""
+    V, slice_ = 1000, 64
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
+    got, want = argmax_two_stage(dev, logits, slice_)[0], int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
     return 0.0
