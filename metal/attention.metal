@@ -91,66 +91,105 @@ using namespace metal;
 // ---- decode attention core -------------------------------------------------------------------
 constant constexpr uint kAttnSimdgroups = 8;  // threadgroup = 256 threads
 
+// Lane layout of a D-element row: lane l holds the NE = D/32 contiguous elements
+// [l*NE, (l+1)*NE), loaded as NC vectors of W elements (D = 256: two bfloat4, one 16-byte
+// load per lane, 512 contiguous bytes per simdgroup; D = 64: one bfloat2).
+template <uint D>
+struct AttnLane {
+  static constexpr uint NE = D / 32;
+  static constexpr uint W = NE >= 4 ? 4 : NE;
+  static constexpr uint NC = NE / W;
+};
+
 // Attends query heads h0..h0+G-1 (sharing KV head kvh) over rows [r0, r1) (r0 < r1) and leaves
 // per head g: m_out[g] = max score, l_out[g] = sum of exp(score - m), and the unnormalised
 // accumulator sum exp(score - m) * v in acc_out[g * D + d] (threadgroup memory).
-// Simdgroup s takes rows r0 + s, r0 + s + 8, ...; each keeps an online softmax per head.
-template <uint D, uint G>
-static inline void attend_rows(device const float* q, device const bfloat* k_cache,
-                               device const bfloat* v_cache, uint h0, uint kvh, uint capacity,
-                               float scale, uint r0, uint r1,
+// The query of head h0 + g is q[g * q_stride + d] (device or threadgroup memory: QPtr). Row
+// `pos_row` (if in range) is taken from kcur / vcur (threadgroup, fp32 of the bf16 values)
+// instead of the cache: the fused kernels attend the new token before it is in the cache.
+// Simdgroup s takes rows r0 + s, r0 + s + 8, ...; each keeps an online softmax per head; the
+// simdgroups are merged through red_acc, double-buffered so each head costs one barrier.
+// acc_out may alias the query (threadgroup) once every thread has loaded it: it is first
+// written after the barrier that follows the row loop.
+template <uint D, uint G, typename QPtr>
+static inline void attend_rows(QPtr q, uint q_stride, device const bfloat* k_cache,
+                               device const bfloat* v_cache, threadgroup const float* kcur,
+                               threadgroup const float* vcur, uint pos_row, uint kvh,
+                               uint capacity, float scale, uint r0, uint r1,
                                threadgroup float* red_m,    // [kAttnSimdgroups * G]
                                threadgroup float* red_l,    // [kAttnSimdgroups * G]
-                               threadgroup float* red_acc,  // [kAttnSimdgroups * D]
+                               threadgroup float* red_acc,  // [2 * kAttnSimdgroups * D]
                                threadgroup float* m_out,    // [G]
                                threadgroup float* l_out,    // [G]
                                threadgroup float* acc_out,  // [G * D]
                                uint tid, uint sg, uint lane) {
-  constexpr uint NC = D / 64;  // bf16 pairs per lane per row
+  constexpr uint NE = AttnLane<D>::NE;
+  constexpr uint W = AttnLane<D>::W;
+  constexpr uint NC = AttnLane<D>::NC;
   constexpr uint NT = kAttnSimdgroups * 32;
-  float2 qv[G][NC];
+  typedef vec<float, W> fvec;
+  typedef vec<bfloat, W> bvec;
+  const uint e0 = lane * NE;  // first element of this lane
+  fvec qv[G][NC];
   for (uint g = 0; g < G; ++g) {
     for (uint c = 0; c < NC; ++c) {
-      const uint d = c * 64 + 2 * lane;
-      qv[g][c] = float2(q[(h0 + g) * D + d], q[(h0 + g) * D + d + 1]) * scale;
+      for (uint j = 0; j < W; ++j) {
+        qv[g][c][j] = q[g * q_stride + e0 + c * W + j] * scale;
+      }
     }
   }
   float m[G];
   float l[G];
-  float2 acc[G][NC];
+  fvec acc[G][NC];
   for (uint g = 0; g < G; ++g) {
     m[g] = -INFINITY;
     l[g] = 0.0f;
     for (uint c = 0; c < NC; ++c) {
-      acc[g][c] = float2(0.0f);
+      acc[g][c] = fvec(0.0f);
     }
   }
-  device const bfloat2* kbase = (device const bfloat2*)(k_cache + ulong(kvh) * capacity * D);
-  device const bfloat2* vbase = (device const bfloat2*)(v_cache + ulong(kvh) * capacity * D);
+  device const bvec* kbase = (device const bvec*)(k_cache + ulong(kvh) * capacity * D);
+  device const bvec* vbase = (device const bvec*)(v_cache + ulong(kvh) * capacity * D);
   for (uint t = r0 + sg; t < r1; t += kAttnSimdgroups) {
-    device const bfloat2* krow = kbase + ulong(t) * (D / 2);
-    device const bfloat2* vrow = vbase + ulong(t) * (D / 2);
-    float2 kk[NC];
-    for (uint c = 0; c < NC; ++c) {
-      kk[c] = float2(krow[c * 32 + lane]);
-    }
-    float4 s4 = float4(0.0f);
-    for (uint g = 0; g < G; ++g) {
-      float s = 0.0f;
+    fvec kk[NC];
+    fvec vv[NC];
+    if (t == pos_row) {  // uniform across the simdgroup
       for (uint c = 0; c < NC; ++c) {
-        s += dot(qv[g][c], kk[c]);
+        for (uint j = 0; j < W; ++j) {
+          kk[c][j] = kcur[e0 + c * W + j];
+          vv[c][j] = vcur[e0 + c * W + j];
+        }
       }
-      s4[g] = s;
+    } else {
+      device const bvec* krow = kbase + ulong(t) * (D / W) + lane * NC;
+      device const bvec* vrow = vbase + ulong(t) * (D / W) + lane * NC;
+      for (uint c = 0; c < NC; ++c) {
+        kk[c] = fvec(krow[c]);
+        vv[c] = fvec(vrow[c]);
+      }
     }
-    s4 = simd_sum(s4);  // scores of the G heads for row t, in every lane
-    float2 vv[NC];
-    for (uint c = 0; c < NC; ++c) {
-      vv[c] = float2(vrow[c * 32 + lane]);
+    float s[G];
+    for (uint g = 0; g < G; ++g) {
+      float acc_s = 0.0f;
+      for (uint c = 0; c < NC; ++c) {
+        acc_s += dot(qv[g][c], kk[c]);
+      }
+      s[g] = acc_s;
+    }
+    for (uint g0 = 0; g0 < G; g0 += 4) {  // scores of 4 heads per simd_sum, in every lane
+      float4 s4 = float4(0.0f);
+      for (uint j = 0; j < 4 && g0 + j < G; ++j) {
+        s4[j] = s[g0 + j];
+      }
+      s4 = simd_sum(s4);
+      for (uint j = 0; j < 4 && g0 + j < G; ++j) {
+        s[g0 + j] = s4[j];
+      }
     }
     for (uint g = 0; g < G; ++g) {
-      const float mn = max(m[g], s4[g]);
+      const float mn = max(m[g], s[g]);
       const float corr = exp(m[g] - mn);
-      const float p = exp(s4[g] - mn);
+      const float p = exp(s[g] - mn);
       l[g] = l[g] * corr + p;
       for (uint c = 0; c < NC; ++c) {
         acc[g][c] = acc[g][c] * corr + p * vv[c];
@@ -168,21 +207,22 @@ static inline void attend_rows(device const float* q, device const bfloat* k_cac
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint g = 0; g < G; ++g) {
+    threadgroup float* buf = red_acc + (g % 2) * (kAttnSimdgroups * D);
     float M = -INFINITY;
     for (uint s = 0; s < kAttnSimdgroups; ++s) {
       M = max(M, red_m[s * G + g]);
     }
     const float mine = exp(m[g] - M);  // 0 for a simdgroup that saw no rows
     for (uint c = 0; c < NC; ++c) {
-      const uint d = c * 64 + 2 * lane;
-      red_acc[sg * D + d] = acc[g][c].x * mine;
-      red_acc[sg * D + d + 1] = acc[g][c].y * mine;
+      for (uint j = 0; j < W; ++j) {
+        buf[sg * D + e0 + c * W + j] = acc[g][c][j] * mine;
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint d = tid; d < D; d += NT) {
       float sum = 0.0f;
       for (uint s = 0; s < kAttnSimdgroups; ++s) {
-        sum += red_acc[s * D + d];
+        sum += buf[s * D + d];
       }
       acc_out[g * D + d] = sum;
     }
@@ -194,8 +234,8 @@ static inline void attend_rows(device const float* q, device const bfloat* k_cac
       m_out[g] = M;
       l_out[g] = L;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // ---- attn_decode -------------------------------------------------------------------------------
@@ -213,7 +253,7 @@ template <uint D, uint G>
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
   threadgroup float red_m[NRED];
   threadgroup float red_l[NRED];
@@ -224,8 +264,8 @@ template <uint D, uint G>
   const uint h0 = grp * G;
   const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
   const uint n = position[0] + 1;
-  attend_rows<D, G>(q, k_cache, v_cache, h0, kvh, args.capacity, args.scale, 0, n, red_m, red_l,
-                    red_acc, m_out, l_out, acc_out, tid, sg, lane);
+  attend_rows<D, G>(q + h0 * D, D, k_cache, v_cache, red_m, red_m, 0xFFFFFFFFu, kvh, args.capacity,
+                    args.scale, 0, n, red_m, red_l, red_acc, m_out, l_out, acc_out, tid, sg, lane);
   for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
     const uint g = e / D;
     const uint d = e % D;
@@ -252,7 +292,7 @@ template <uint D, uint G>
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
   threadgroup float red_m[NRED];
   threadgroup float red_l[NRED];
@@ -269,8 +309,8 @@ template <uint D, uint G>
   const uint r1 = min(n, r0 + args.block_rows);
   const uint h0 = tg.x * G;
   const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
-  attend_rows<D, G>(q, k_cache, v_cache, h0, kvh, args.capacity, args.scale, r0, r1, red_m, red_l,
-                    red_acc, m_out, l_out, acc_out, tid, sg, lane);
+  attend_rows<D, G>(q + h0 * D, D, k_cache, v_cache, red_m, red_m, 0xFFFFFFFFu, kvh, args.capacity,
+                    args.scale, r0, r1, red_m, red_l, red_acc, m_out, l_out, acc_out, tid, sg, lane);
   for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
     const uint g = e / D;
     const uint d = e % D;
@@ -385,115 +425,6 @@ static inline void fused_prep(device const float* qg, device const float* k, dev
   }
 }
 
-// attend_rows with the query in threadgroup memory (qs[g * D + d]) and row pos taken from
-// kcur / vcur instead of the cache (rows [r0, r1) attended, r0 < r1 <= pos + 1; the cache
-// is read only for rows != pos). Same per-simdgroup row order and merge as attend_rows.
-template <uint D, uint G>
-static inline void attend_rows_fused(threadgroup const float* qs, device const bfloat* k_cache,
-                                     device const bfloat* v_cache, threadgroup const float* kcur,
-                                     threadgroup const float* vcur, uint kvh, uint capacity,
-                                     float scale, uint r0, uint r1, uint pos,
-                                     threadgroup float* red_m, threadgroup float* red_l,
-                                     threadgroup float* red_acc, threadgroup float* m_out,
-                                     threadgroup float* l_out, threadgroup float* acc_out,
-                                     uint tid, uint sg, uint lane) {
-  constexpr uint NC = D / 64;
-  constexpr uint NT = kAttnSimdgroups * 32;
-  float2 qv[G][NC];
-  for (uint g = 0; g < G; ++g) {
-    for (uint c = 0; c < NC; ++c) {
-      const uint d = c * 64 + 2 * lane;
-      qv[g][c] = float2(qs[g * D + d], qs[g * D + d + 1]) * scale;
-    }
-  }
-  float m[G];
-  float l[G];
-  float2 acc[G][NC];
-  for (uint g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-    for (uint c = 0; c < NC; ++c) {
-      acc[g][c] = float2(0.0f);
-    }
-  }
-  device const bfloat2* kbase = (device const bfloat2*)(k_cache + ulong(kvh) * capacity * D);
-  device const bfloat2* vbase = (device const bfloat2*)(v_cache + ulong(kvh) * capacity * D);
-  for (uint t = r0 + sg; t < r1; t += kAttnSimdgroups) {
-    float2 kk[NC];
-    float2 vv[NC];
-    if (t == pos) {  // uniform across the simdgroup
-      for (uint c = 0; c < NC; ++c) {
-        const uint d = c * 64 + 2 * lane;
-        kk[c] = float2(kcur[d], kcur[d + 1]);
-        vv[c] = float2(vcur[d], vcur[d + 1]);
-      }
-    } else {
-      device const bfloat2* krow = kbase + ulong(t) * (D / 2);
-      device const bfloat2* vrow = vbase + ulong(t) * (D / 2);
-      for (uint c = 0; c < NC; ++c) {
-        kk[c] = float2(krow[c * 32 + lane]);
-        vv[c] = float2(vrow[c * 32 + lane]);
-      }
-    }
-    float4 s4 = float4(0.0f);
-    for (uint g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (uint c = 0; c < NC; ++c) {
-        s += dot(qv[g][c], kk[c]);
-      }
-      s4[g] = s;
-    }
-    s4 = simd_sum(s4);
-    for (uint g = 0; g < G; ++g) {
-      const float mn = max(m[g], s4[g]);
-      const float corr = exp(m[g] - mn);
-      const float p = exp(s4[g] - mn);
-      l[g] = l[g] * corr + p;
-      for (uint c = 0; c < NC; ++c) {
-        acc[g][c] = acc[g][c] * corr + p * vv[c];
-      }
-      m[g] = mn;
-    }
-  }
-
-  if (lane == 0) {
-    for (uint g = 0; g < G; ++g) {
-      red_m[sg * G + g] = m[g];
-      red_l[sg * G + g] = l[g];
-    }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint g = 0; g < G; ++g) {
-    float M = -INFINITY;
-    for (uint s = 0; s < kAttnSimdgroups; ++s) {
-      M = max(M, red_m[s * G + g]);
-    }
-    const float mine = exp(m[g] - M);
-    for (uint c = 0; c < NC; ++c) {
-      const uint d = c * 64 + 2 * lane;
-      red_acc[sg * D + d] = acc[g][c].x * mine;
-      red_acc[sg * D + d + 1] = acc[g][c].y * mine;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint d = tid; d < D; d += NT) {
-      float sum = 0.0f;
-      for (uint s = 0; s < kAttnSimdgroups; ++s) {
-        sum += red_acc[s * D + d];
-      }
-      acc_out[g * D + d] = sum;
-    }
-    if (tid == 0) {
-      float L = 0.0f;
-      for (uint s = 0; s < kAttnSimdgroups; ++s) {
-        L += red_l[s * G + g] * exp(red_m[s * G + g] - M);
-      }
-      m_out[g] = M;
-      l_out[g] = L;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-}
-
 // Row pos of KV head kvh into both caches (skipped when pos >= capacity, as attn_qk_prep).
 template <uint D>
 static inline void append_row(device bfloat* k_cache, device bfloat* v_cache,
@@ -531,7 +462,7 @@ template <uint D, uint G>
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
   constexpr uint NXS = attn_detail::kFusedThreads;
   threadgroup float red_m[NRED];
@@ -539,8 +470,7 @@ template <uint D, uint G>
   threadgroup float red_acc[NACC];
   threadgroup float m_out[G];
   threadgroup float l_out[G];
-  threadgroup float acc_out[NOUT];
-  threadgroup float qs[NOUT];
+  threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
   threadgroup float kcur[D];
   threadgroup float vcur[D];
   threadgroup float xs[NXS];
@@ -555,9 +485,10 @@ template <uint D, uint G>
   if (h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }
-  attn_detail::attend_rows_fused<D, G>(qs, k_cache, v_cache, kcur, vcur, kvh, args.capacity,
-                                       args.scale, 0, pos + 1, pos, red_m, red_l, red_acc,
-                                       m_out, l_out, acc_out, tid, sg, lane);
+  attend_rows<D, G>((threadgroup const float*)qs, D, k_cache, v_cache, kcur, vcur, pos, kvh,
+                    args.capacity, args.scale, 0, pos + 1, red_m, red_l, red_acc, m_out, l_out, qs,
+                    tid, sg, lane);
+  threadgroup const float* acc_out = qs;
   for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
     const uint g = e / D;
     const uint d = e % D;
@@ -590,7 +521,7 @@ template <uint D, uint G>
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = kAttnSimdgroups * D;
+  constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
   constexpr uint NXS = attn_detail::kFusedThreads;
   threadgroup float red_m[NRED];
@@ -598,8 +529,7 @@ template <uint D, uint G>
   threadgroup float red_acc[NACC];
   threadgroup float m_out[G];
   threadgroup float l_out[G];
-  threadgroup float acc_out[NOUT];
-  threadgroup float qs[NOUT];
+  threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
   threadgroup float kcur[D];
   threadgroup float vcur[D];
   threadgroup float xs[NXS];
@@ -622,9 +552,10 @@ template <uint D, uint G>
   if (has_new_row && h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }
-  attn_detail::attend_rows_fused<D, G>(qs, k_cache, v_cache, kcur, vcur, kvh, args.capacity,
-                                       args.scale, r0, r1, pos, red_m, red_l, red_acc, m_out,
-                                       l_out, acc_out, tid, sg, lane);
+  attend_rows<D, G>((threadgroup const float*)qs, D, k_cache, v_cache, kcur, vcur, pos, kvh,
+                    args.capacity, args.scale, r0, r1, red_m, red_l, red_acc, m_out, l_out, qs,
+                    tid, sg, lane);
+  threadgroup const float* acc_out = qs;
   for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
     const uint g = e / D;
     const uint d = e % D;
@@ -637,22 +568,27 @@ template <uint D, uint G>
   }
 }
 
-// Instantiations: D = 256 with 4 heads per threadgroup (the model: 8 query heads per KV head,
-// two threadgroups per KV head); D = 64 (the "tiny" preset) with 2 or 4.
+// Instantiations: D = 256 with all 8 query heads of a KV head per threadgroup (the model and the
+// "dims" preset: each KV row is read once per step), 4 or 2 for smaller groups; D = 64 (the
+// "tiny" preset) with 2 or 4.
+template [[host_name("attn_decode_d256_g8")]] [[kernel]] decltype(attn_decode<256, 8>) attn_decode<256, 8>;
 template [[host_name("attn_decode_d256_g4")]] [[kernel]] decltype(attn_decode<256, 4>) attn_decode<256, 4>;
 template [[host_name("attn_decode_d256_g2")]] [[kernel]] decltype(attn_decode<256, 2>) attn_decode<256, 2>;
 template [[host_name("attn_decode_d64_g4")]] [[kernel]] decltype(attn_decode<64, 4>) attn_decode<64, 4>;
 template [[host_name("attn_decode_d64_g2")]] [[kernel]] decltype(attn_decode<64, 2>) attn_decode<64, 2>;
+template [[host_name("attn_decode_split_d256_g8")]] [[kernel]] decltype(attn_decode_split<256, 8>) attn_decode_split<256, 8>;
 template [[host_name("attn_decode_split_d256_g4")]] [[kernel]] decltype(attn_decode_split<256, 4>) attn_decode_split<256, 4>;
 template [[host_name("attn_decode_split_d256_g2")]] [[kernel]] decltype(attn_decode_split<256, 2>) attn_decode_split<256, 2>;
 template [[host_name("attn_decode_split_d64_g4")]] [[kernel]] decltype(attn_decode_split<64, 4>) attn_decode_split<64, 4>;
 template [[host_name("attn_decode_split_d64_g2")]] [[kernel]] decltype(attn_decode_split<64, 2>) attn_decode_split<64, 2>;
 template [[host_name("attn_combine_d256")]] [[kernel]] decltype(attn_combine<256>) attn_combine<256>;
 template [[host_name("attn_combine_d64")]] [[kernel]] decltype(attn_combine<64>) attn_combine<64>;
+template [[host_name("attn_decode_fused_d256_g8")]] [[kernel]] decltype(attn_decode_fused<256, 8>) attn_decode_fused<256, 8>;
 template [[host_name("attn_decode_fused_d256_g4")]] [[kernel]] decltype(attn_decode_fused<256, 4>) attn_decode_fused<256, 4>;
 template [[host_name("attn_decode_fused_d256_g2")]] [[kernel]] decltype(attn_decode_fused<256, 2>) attn_decode_fused<256, 2>;
 template [[host_name("attn_decode_fused_d64_g4")]] [[kernel]] decltype(attn_decode_fused<64, 4>) attn_decode_fused<64, 4>;
 template [[host_name("attn_decode_fused_d64_g2")]] [[kernel]] decltype(attn_decode_fused<64, 2>) attn_decode_fused<64, 2>;
+template [[host_name("attn_decode_split_fused_d256_g8")]] [[kernel]] decltype(attn_decode_split_fused<256, 8>) attn_decode_split_fused<256, 8>;
 template [[host_name("attn_decode_split_fused_d256_g4")]] [[kernel]] decltype(attn_decode_split_fused<256, 4>) attn_decode_split_fused<256, 4>;
 template [[host_name("attn_decode_split_fused_d256_g2")]] [[kernel]] decltype(attn_decode_split_fused<256, 2>) attn_decode_split_fused<256, 2>;
 template [[host_name("attn_decode_split_fused_d64_g4")]] [[kernel]] decltype(attn_decode_split_fused<64, 4>) attn_decode_split_fused<64, 4>;

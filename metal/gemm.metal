@@ -2,8 +2,8 @@
 // "GEMM: dense and grouped expert GEMM"):
 //   gemm_q4, gemm_q8, gemm_q4_add   y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_swiglu_q4                  y = silu(x Wg^T) * (x Wu^T)
-//   moe_gemm_gate_up_q4_t{16,32}    hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
-//   moe_gemm_down_q4_t{16,32}       yx[perm[s]] = hx[s] Wd_e^T
+//   moe_gemm_gate_up_q4_t{16,32,64} hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
+//   moe_gemm_down_q4_t{16,32,64}    yx[perm[s]] = hx[s] Wd_e^T
 // A threadgroup computes a BM x BN block of the output. Per step of kGemmBK = 32 columns of k
 // it copies BM activation rows and dequantizes BN weight rows (gate and up: two weight
 // tiles) into threadgroup memory (gemm_tiles.h), then each simdgroup multiplies its
@@ -256,8 +256,13 @@ template <uint T, uint BN, uint SM, uint SN>
 }
 
 // T = 16: 16 x 64 blocks, 1 x 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 2 x 2
-// simdgroups (128 threads). Each simdgroup owns a 16 x 32 block (2 x 4 fragments) in both.
+// simdgroups (128 threads); T = 64: 64 x 32 blocks, 4 x 1 simdgroups (128 threads; a 64 x 64
+// gate/up block would stage 34 KiB of gate and up results, and 128 threads is the kernels'
+// declared maximum).
+// Each simdgroup owns a 16 x 32 block (2 x 4 fragments) in all.
 template [[host_name("moe_gemm_gate_up_q4_t16")]] [[kernel]] decltype(moe_gemm_gate_up_q4<16, 64, 1, 2>) moe_gemm_gate_up_q4<16, 64, 1, 2>;
 template [[host_name("moe_gemm_gate_up_q4_t32")]] [[kernel]] decltype(moe_gemm_gate_up_q4<32, 64, 2, 2>) moe_gemm_gate_up_q4<32, 64, 2, 2>;
+template [[host_name("moe_gemm_gate_up_q4_t64")]] [[kernel]] decltype(moe_gemm_gate_up_q4<64, 32, 4, 1>) moe_gemm_gate_up_q4<64, 32, 4, 1>;
 template [[host_name("moe_gemm_down_q4_t16")]] [[kernel]] decltype(moe_gemm_down_q4<16, 64, 1, 2>) moe_gemm_down_q4<16, 64, 1, 2>;
 template [[host_name("moe_gemm_down_q4_t32")]] [[kernel]] decltype(moe_gemm_down_q4<32, 64, 2, 2>) moe_gemm_down_q4<32, 64, 2, 2>;
+template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64, 32, 4, 1>) moe_gemm_down_q4<64, 32, 4, 1>;

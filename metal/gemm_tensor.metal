@@ -298,9 +298,11 @@ template <uint T, uint BN, uint NSG>
 }
 
 // T = 16: 16 x 64 blocks, 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 4 simdgroups
-// (128 threads): the threadgroup sizes of the simdgroup_matrix twins.
+// (128 threads); T = 64: 64 x 32 blocks, 4 simdgroups (128 threads): the blocks and
+// threadgroup sizes of the simdgroup_matrix twins.
 template [[host_name("moe_gemm_gate_up_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<16, 64, 2>) moe_gemm_gate_up_q4_tensor<16, 64, 2>;
 template [[host_name("moe_gemm_gate_up_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<32, 64, 4>) moe_gemm_gate_up_q4_tensor<32, 64, 4>;
+template [[host_name("moe_gemm_gate_up_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<64, 32, 4>) moe_gemm_gate_up_q4_tensor<64, 32, 4>;
 template [[host_name("moe_gemm_down_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<16, 64, 2>) moe_gemm_down_q4_tensor<16, 64, 2>;
 template [[host_name("moe_gemm_down_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<32, 64, 4>) moe_gemm_down_q4_tensor<32, 64, 4>;
 
@@ -344,3 +346,4 @@ template [[host_name("moe_gemm_down_q4_t32_tensor")]] [[kernel]] decltype(moe_ge
     out[i] = smem[(i / BN) * GemmTensorSmem<BM, BN, 1>::ldc + i % BN];
   }
 }
+template [[host_name("moe_gemm_down_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<64, 32, 4>) moe_gemm_down_q4_tensor<64, 32, 4>;

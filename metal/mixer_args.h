@@ -70,6 +70,14 @@ struct SampleGreedyArgs {
   uint vocab;         // V: number of logits
 };
 
+// argmax_partial (stage 1 of the multi-threadgroup greedy argmax): threadgroup j scans
+// logits [j*slice, min((j+1)*slice, vocab)); sample_greedy_combine (stage 2) reduces the
+// `count` partials.
+struct ArgmaxArgs {
+  uint vocab;         // V (stage 1); number of partials (stage 2)
+  uint slice;         // logits per threadgroup (stage 1; unused by stage 2)
+};
+
 // sample_token: penalties, temperature, top-k, top-p, min-p and a seeded draw.
 struct SampleArgs {
   uint vocab;               // V: number of logits

@@ -110,8 +110,23 @@ static inline void tg_argmax(float v, uint i, threadgroup float* sv, threadgroup
 
 }  // namespace sample_detail
 
-// ---- sample_greedy ---------------------------------------------------------------------------
-// Grid: 1 threadgroup of 1024 threads.
+// ---- greedy argmax ----------------------------------------------------------------------------
+// Best (value, lowest index) of `x` over the elements [begin, end) this thread visits (stride
+// ntg); NaN counts as -inf; kNone if it visits none.
+static inline void scan_argmax(device const float* x, uint begin, uint end, uint tid, uint ntg,
+                               thread float& best, thread uint& bi) {
+  best = -INFINITY;
+  bi = sample_detail::kNone;
+  for (uint i = begin + tid; i < end; i += ntg) {
+    const float v = isnan(x[i]) ? -INFINITY : x[i];
+    if (v > best || bi == sample_detail::kNone) {
+      best = v;
+      bi = i;
+    }
+  }
+}
+
+// sample_greedy: the whole argmax in one threadgroup (1 x 1024 threads).
 [[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
                           device uint* token_out [[buffer(1)]],         // [1] next step's token slot
                           constant SampleGreedyArgs& args [[buffer(2)]],
@@ -122,12 +137,65 @@ static inline void tg_argmax(float v, uint i, threadgroup float* sv, threadgroup
                           uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float sv[32];
   threadgroup uint si[32];
+  float best;
+  uint bi;
+  scan_argmax(logits, 0, args.vocab, tid, ntg, best, bi);
+  float m;
+  uint idx;
+  sample_detail::tg_argmax(best, bi, sv, si, sg, lane, nsg, m, idx);
+  if (tid == 0) {
+    token_out[0] = idx;
+  }
+}
+
+// The decode step's argmax over ~248K logits spread over the GPU: argmax_partial (grid
+// ceil(V / slice) threadgroups of any multiple of 32 threads; threadgroup j writes the best
+// (value, index) of its contiguous slice to part[j], as (float bits, index)), then
+// sample_greedy_combine (1 threadgroup) reduces the partials in the same order (largest
+// value, then lowest index: the slices are in index order), so the token equals
+// sample_greedy's. A threadgroup whose slice is empty writes (-inf, kNone), which loses
+// every tie.
+[[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
+                           device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
+                           constant ArgmaxArgs& args [[buffer(2)]],
+                           uint grp [[threadgroup_position_in_grid]],
+                           uint tid [[thread_index_in_threadgroup]],
+                           uint ntg [[threads_per_threadgroup]],
+                           uint sg [[simdgroup_index_in_threadgroup]],
+                           uint lane [[thread_index_in_simdgroup]],
+                           uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float sv[32];
+  threadgroup uint si[32];
+  const uint begin = min(grp * args.slice, args.vocab);
+  const uint end = min(begin + args.slice, args.vocab);
+  float best;
+  uint bi;
+  scan_argmax(logits, begin, end, tid, ntg, best, bi);
+  float m;
+  uint idx;
+  sample_detail::tg_argmax(best, bi, sv, si, sg, lane, nsg, m, idx);
+  if (tid == 0) {
+    part[grp] = uint2(as_type<uint>(m), idx);
+  }
+}
+
+[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
+                                  device uint* token_out [[buffer(1)]],    // [1] next step's token slot
+                                  constant ArgmaxArgs& args [[buffer(2)]], // vocab = count
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint ntg [[threads_per_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]],
+                                  uint lane [[thread_index_in_simdgroup]],
+                                  uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float sv[32];
+  threadgroup uint si[32];
   float best = -INFINITY;
   uint bi = sample_detail::kNone;
-  for (uint i = tid; i < args.vocab; i += ntg) {
-    const float x = isnan(logits[i]) ? -INFINITY : logits[i];
-    if (x > best || bi == sample_detail::kNone) {
-      best = x;
+  for (uint j = tid; j < args.vocab; j += ntg) {
+    const float v = as_type<float>(part[j].x);
+    const uint i = part[j].y;
+    if (v > best || (v == best && i < bi)) {
+      best = v;
       bi = i;
     }
   }

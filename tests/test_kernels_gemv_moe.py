@@ -35,7 +35,8 @@ from lily.reference import ReferenceModel, sigmoid  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (  # noqa: E402,F401
     DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, TG, U, enc_embed_norm_gemv,
-    GATE_UP_ROWS_PER_SG, MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, swiglu_bound as _swiglu_bound, enc_norm_gemv, gemv_grid, magnitude, norm_gemv_args, norm_gemv_grid,
+    GATE_UP_ROWS_PER_SG, MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, swiglu_bound as _swiglu_bound,
+    enc_norm_gemv, gemv_grid, magnitude, norm_gemv_args, norm_gemv_grid,
     rand_quant, rms_ref64, route_ref, to_bf16_bits, upload_q)
 
 TIMES: dict[str, float] = {}

@@ -358,6 +358,27 @@ def test_sample_greedy(dev, V):
     assert download(TOK, np.uint32)[0] == want
 
 
+@pytest.mark.parametrize("V,slice_", [(1, 64), (31, 64), (1000, 64), (1000, 4096), (248320, 4096), (5000, 96)])
+def test_argmax_two_stage(dev, V, slice_):
+    """argmax_partial (one threadgroup per slice) + sample_greedy_combine, as the runtime runs
+    the greedy argmax: the token of sample_greedy (largest logit, lowest index among ties,
+    NaN never) with ties across slices, a slice of NaN only, and a ragged last slice."""
+    rng = fresh_rng(V, slice_)
+    logits = f32(rng.standard_normal(V) * 3)
+    if V > 10:
+        top = logits.max() + 1
+        logits[[V // 3, V // 2, V - 1]] = top  # ties in different slices -> lowest index
+        logits[V // 4] = np.nan                 # NaN never wins
+    if V > 2 * slice_:
+        logits[slice_:2 * slice_] = np.nan      # a slice with no number at all
+    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_)
+    assert stages == 2
+    assert token == int(np.nanargmax(logits))
+
+
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
+
+
 def _penalty_case(V, seed, fixed=False):
     # fixed: statistical tests keep their inputs, so their false-alarm rate stays alpha per case
     rng = np.random.default_rng(seed) if fixed else fresh_rng(seed)

@@ -48,12 +48,12 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, upload  # noqa: E402
 from test_kernels_gemv_moe import magnitude, rand_quant  # noqa: E402
 
-from lily.kernel_check import MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
+from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
 from lily.kernel_check import gemm_bound as bound  # noqa: E402
 
 U = 2.0**-24
-BN = 64          # output columns per threadgroup of every GEMM kernel (metal/gemm.metal)
+BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
 DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
 TIMES: dict[str, float] = {}
@@ -231,7 +231,7 @@ MOE_CASES = [  # M, E, k, hidden, inter, skew
 ]
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew)
@@ -256,7 +256,7 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
 def test_moe_down(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew, 2)
@@ -313,12 +313,12 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     return tiles
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain(dev, T):
     run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain_real_shape(dev, T):
     """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))

@@ -309,7 +309,7 @@ def test_scatter(dev, M, E, k, R, T, tg, kind):
         assert (counts[:E] > 0).sum() == k
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", [16, 32, 64])
 @pytest.mark.parametrize("kind", ["skewed", "same"])
 def test_scatter_real_size(dev, T, kind):
     """A 2K-token chunk: M*k = 16K assignments over 256 experts, 32 blocks of 64 rows."""

@@ -49,8 +49,8 @@ BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
 
 
 # The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
-TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4", "moe_gemm_gate_up_q4_t16",
-         "moe_gemm_gate_up_q4_t32", "moe_gemm_down_q4_t16", "moe_gemm_down_q4_t32"}
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
+         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in simd_suite.MOE_TILES)}
 
 
 class _Proxy:
@@ -119,7 +119,7 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
+from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES, magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, w):
@@ -293,7 +293,8 @@ def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, 
     W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
     HX = dev.buffer(m * top_k * ldy * 4)
     bufs = [X, P, Ti, C, *W, HX]
-    dispatch(dev, kernel, (max_tiles, cdiv(n, BN)), 2 * T * 2, bufs,
+    threads, bn = MOE_TG[T], MOE_BN[T]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
     return download(HX, np.float32, (m * top_k, ldy))
 
@@ -305,12 +306,13 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
     YX = dev.buffer(m * top_k * ldy * 4)
     bufs = [H, P, Ti, C, *W, YX]
-    dispatch(dev, kernel, (max_tiles, cdiv(n, BN)), 2 * T * 2, bufs,
+    threads, bn = MOE_TG[T], MOE_BN[T]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
     return download(YX, np.float32, (m * top_k, ldy))
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
 def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd
@@ -331,7 +333,7 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
         swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, e, e)
 
 
-@pytest.mark.parametrize("T", [16, 32])
+@pytest.mark.parametrize("T", MOE_TILES)
 @pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
 def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd

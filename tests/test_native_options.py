@@ -121,10 +121,11 @@ def test_pipeline_thread_limit_is_checked_at_load(demo_path):
 def test_kernel_table_lists_every_dispatched_kernel(demo_path):
     rt = Engine.load(demo_path, device="sim", max_context=64).backend.runtime
     table = {k["kernel"]: k for k in rt.kernel_table}
-    for name in ("sample_greedy", "sample_token", "rms_norm", "embed_rows_q4", "moe_combine"):
+    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm", "embed_rows_q4",
+                 "moe_combine"):
         assert name in table
     assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)
-    assert any(n.endswith("_t16") for n in table) and any(n.endswith("_t32") for n in table)
+    assert all(any(n.endswith(f"_t{T}") for n in table) for T in (16, 32, 64))
     for k in table.values():
         assert 0 < k["threads"] <= k["max_threads_per_threadgroup"] <= 1024, k
     assert table["sample_token"]["threads"] == 1024

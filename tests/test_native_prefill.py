@@ -201,6 +201,37 @@ def test_full_size_prefill_chunk_counters(rows, position):
     assert c["barrier_stages"] == 1 + 40 * 13 + attn * split + 1
 
 
+@pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64)])
+def test_full_size_expert_tiles(rows, T):
+    """The grouped expert GEMMs' tile height follows the rows per expert (rows * 8 / 256 on
+    average: 0.5, 32, 64): 64-row tiles (64 x 32 blocks) at the default 2048-row chunk, so
+    each expert's weights are read about once per chunk."""
+    from lily.native import count_prefill_chunk
+    c = count_prefill_chunk(parse_config(REAL), rows)
+    tiles = -(-rows * 8 // T) + min(256, rows * 8)  # max_tiles of the map
+    bn = 32 if T == 64 else 64
+    groups = {r["label"].split(" ", 1)[1].rsplit(" (", 1)[0]: int(np.prod(r["groups"]))
+              for r in c["records"] if r["label"].startswith("L0 ")}
+    assert groups["experts gate|up"] == tiles * (512 // bn)
+    assert groups["experts down"] == tiles * (2048 // bn)
+
+
+def test_full_size_prefill_scratch_is_bounded():
+    """Prefill scratch of the real model at the default 2048-row chunk: sized by the chunk,
+    not by the context or the prompt (docs/prefill.md states the figure)."""
+    from lily.native import PREFILL_CHUNK, _runtime, _virtual_tensors, make_device
+    cfg = parse_config(REAL)
+    assert PREFILL_CHUNK >= 2048
+    sizes = []
+    for context in (8192, 131072):
+        rt = _runtime(make_device("sim", record_only=True), cfg, _virtual_tensors(cfg, 4, 8), context, 256, 0,
+                      virtual_weights=True)
+        assert rt.prefill_chunk == PREFILL_CHUNK
+        sizes.append(rt.prefill_scratch_bytes)
+    print(f"\nprefill scratch at chunk {PREFILL_CHUNK}: {sizes[0] / 2**20:.0f} MiB")
+    assert sizes[0] == sizes[1] < 700 * 2**20
+
+
 def test_tensor_op_gemm_path(demo_path, demo_engine):
     """On an Apple10-family GPU (M5; the simulator told so) prefill's GEMMs are the Metal 4
     tensor-operation twins; on earlier families the simdgroup_matrix kernels. Both give the

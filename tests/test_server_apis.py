@@ -403,7 +403,8 @@ def test_responses_errors_have_openai_shape(srv, engine):
                 {"input": "hi", "tools": [{"type": "web_search"}]},
                 {"input": "hi", "tool_choice": "required"}, {"input": "hi", "max_output_tokens": 0},
                 {"input": "hi", "max_output_tokens": "5"}, {"input": "hi", "stream": 1},
-                {"input": "hi", "text": {"format": {"type": "json_object"}}}, {"input": []},
+                {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strng"}}}},
+                {"input": []},
                 {"input": "word " * 5000}):
         _openai_error(httpx.post(url, json=bad), 400)
     _openai_error(httpx.post(url, content=b"[1,", headers={"content-type": "application/json"}), 400)

@@ -109,3 +109,36 @@ def test_invalid_format_is_a_400_in_openai_shape(client, fmt, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == "response_format" and err["type"] == "invalid_request_error"
+
+
+def test_anthropic_forced_tool_use_validates(client):
+    anthropic = pytest.importorskip("anthropic")
+    ac = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=client)
+    tool = {"name": "get_weather", "description": "Weather for a city",
+            "input_schema": TOOLS[0]["function"]["parameters"]}
+    for choice in ({"type": "any", "disable_parallel_tool_use": True},):  # "tool": the OpenAI test's named case
+        m = ac.messages.create(model="demo", max_tokens=80, messages=USER, tools=[tool], tool_choice=choice,
+                               thinking={"type": "disabled"}, extra_body={"temperature": 0.7})
+        assert m.stop_reason == "tool_use", m
+        (use,) = [b for b in m.content if b.type == "tool_use"]
+        assert use.name == "get_weather"
+        jsonschema.validate(use.input, tool["input_schema"])
+    bad = dict(tool, input_schema={"type": "object", "properties": {"d": {"type": "integer", "minimum": 5,
+                                                                           "maximum": 1}}})
+    r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "tools": [bad],
+                                          "tool_choice": {"type": "any"}})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error" and "minimum" in r.json()["error"]["message"]
+
+
+def test_responses_text_format_validates(client):
+    oc = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=client)
+    if not hasattr(oc, "responses"):
+        pytest.skip("this openai client has no Responses API")
+    r = oc.responses.create(model="demo", input="Speak, friend.", max_output_tokens=120, temperature=0.9,
+                            reasoning={"effort": "none"},
+                            text={"format": {"type": "json_schema", "name": "mood", "schema": MOOD, "strict": True}})
+    jsonschema.validate(json.loads(r.output_text), MOOD)
+    bad = client.post("/v1/responses", json={"model": "demo", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "m", "schema": {"type": "strng"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text

@@ -371,3 +371,46 @@ def test_for_prompt_detects_an_open_thinking_block(demo):
     plain = g.for_prompt(demo, demo.tokenizer.encode_chat(USER, enable_thinking=False))
     assert thinking.allowed()[close] and not plain.allowed()[close]
     assert plain.allowed().shape == (demo.config.vocab_size,)
+
+
+# ----------------------------------------------------------------------------------------
+# through the engine's decoding-constraint hook
+# ----------------------------------------------------------------------------------------
+
+
+def test_engine_chat_takes_a_grammar(demo):
+    """``constraint=`` a Grammar: the engine binds it to the prompt (thinking detected)."""
+    schema = {"type": "object", "properties": {"m": {"enum": ["merry", "sad"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["m", "n"], "additionalProperties": False}
+    r = demo.chat(USER, constraint=Grammar.json_schema(schema), max_tokens=40, temperature=0.8, seed=3,
+                  chat_template_kwargs={"enable_thinking": False})
+    assert r.finish_reason == "stop"
+    _valid_json(r.content, schema)
+    r = demo.chat(USER, tools=WEATHER, constraint=Grammar.tool_calls(WEATHER, "get_weather"), max_tokens=80,
+                  temperature=0, chat_template_kwargs={"enable_thinking": False})
+    (call,) = r.tool_calls
+    jsonschema.validate(call.arguments, WEATHER[0]["function"]["parameters"])
+
+
+def test_native_host_handoff_counters():
+    """What a constraint costs on a native device, counted on the simulator: an
+    unconstrained generation never copies logits to the host (the device picks each token
+    and hands it to the next step); a constrained one copies ``vocab_size`` float32 logits
+    once per generated token (one host round trip each)."""
+    engine = Engine.load(device="sim", max_context=256)
+    copies: list[int] = []
+    forward = engine.backend.forward
+
+    def counting(tokens, *, all_logits=False):
+        out = forward(tokens, all_logits=all_logits)
+        copies.append(out.nbytes)
+        return out
+    engine.backend.forward = counting
+    kw = {"max_tokens": 6, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    free = engine.chat(USER, **kw)
+    assert free.completion_tokens == 6 and copies == []
+    g = Grammar.json_schema({"type": "array", "items": {"enum": ["merry", "sad"]}})
+    bound = engine.chat(USER, constraint=g, **kw)
+    assert bound.completion_tokens == len(copies) > 0
+    assert set(copies) == {4 * engine.config.vocab_size}

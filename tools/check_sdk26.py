@@ -273,7 +273,6 @@ def tensor_check(newest: Path) -> bool:
     # defaults are spelled differently: dynamic_length_v<int> == int(dynamic_extent) == INT_MAX
     def dyn(ps):
         return [(t, "dynamic" if "dynamic" in d else re.sub(r"^mode::", "", d)) for t, d in ps]
-
     same("matmul2d_descriptor(...) parameters (type, default)", _ctor_params(apple), _ctor_params(ours), dyn)
     same("matmul2d template parameters", _template_head(apple, "matmul2d"), _template_head(ours, "matmul2d"))
     same("get_destination_cooperative_tensor<...> parameters", _member_template(apple, "get_destination_cooperative_tensor"),

@@ -24,6 +24,13 @@ constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
 
 }  // namespace
 
+uint32_t Runtime::split_rows(uint32_t rows) const {
+  if (opt_.split_block) return opt_.split_block;
+  const uint64_t per_block = uint64_t(dims_.num_attention_heads / attn_heads_);  // threadgroups per block
+  const uint32_t want = ceil_div(uint64_t(rows) * per_block, kDecodeTargetGroups);
+  return std::max(kDecodeMinBlock, (want + 7) / 8 * 8);
+}
+
 void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* tr) {
   const ModelDims& d = dims_;
   gpu::Device& dev = *device_;
@@ -126,18 +133,21 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
                 false, kGemvThreads, (l == 0 ? L + "embed + " : L) + "input norm + q|k|v_proj", l == 0);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
+      // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
+      // the rows are cut into blocks (split_rows) so ~kDecodeTargetGroups threadgroups share them.
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
-      const uint32_t group = Hq / Hkv;
-      const uint32_t G = group % 4 == 0 ? 4 : 2;
+      const uint32_t G = attn_heads_;
       const std::string suffix = "_d" + std::to_string(D) + "_g" + std::to_string(G);
-      const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
+      const uint32_t max_blocks = decode_max_blocks_;
+      const bool split = uses_split_attention(position);
+      const uint32_t block = split ? split_rows(position + 1) : 0;
+      const uint32_t nblocks = split ? ceil_div(position + 1, block) : 1;
       const args::AttnFusedArgs af{Hq, Hkv, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
                                float(std::log2(double(d.rope_theta))), float(1.0 / std::sqrt(double(D))),
-                               opt_.split_block, max_blocks};
-      const bool split = uses_split_attention(position);
+                               block, max_blocks};
       Op op(dev, (split ? "attn_decode_split_fused" : "attn_decode_fused") + suffix,
             L + (split ? "qk prep + kv append + attention split" : "qk prep + kv append + attention"));
-      op.groups(tg(Hq / G, split ? ceil_div(position + 1, opt_.split_block) : 1), tg(256))
+      op.groups(tg(Hq / G, nblocks), tg(256))
           .in(0, *qg_, 0, size_t(Hq) * D * 2 * f).in(1, *k_, 0, size_t(Hkv) * D * f)
           .in(2, *v_, 0, size_t(Hkv) * D * f)
           .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
@@ -158,7 +168,8 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
             .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
             .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
             .out(4, *attn_, 0, size_t(Hq) * D * f)
-            .args(5, args::AttnCombineArgs{Hq, 2 * D, opt_.split_block, max_blocks}).run(pass);
+            .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks}).run(pass);
+        t.other_bytes += 2 * size_t(Hq) * nblocks * (D + 2) * f;  // partials written, then read
       }
       gemv(a + ".o_proj", 4, true, *attn_, size_t(Hq) * D, *h_, H, L + "o_proj");
     }
@@ -236,9 +247,16 @@ void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
   auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
   const SamplingConfig& sc = sampling_;
   if (sc.greedy_kernel()) {
-    Op op(dev, "sample_greedy", "greedy token -> next slot");
-    op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::SampleGreedyArgs{d.vocab_size}).run(pass);
+    // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
+    // slice, then one threadgroup reduces them and writes the token (no host round trip).
+    const uint32_t parts = ceil_div(d.vocab_size, kArgmaxSlice);
+    const size_t part_bytes = size_t(parts) * 2 * u32;
+    Op(dev, "argmax_partial", "greedy argmax partials")
+        .groups(tg(parts), tg(256)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
+        .out(1, *argmax_part_, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice}).run(pass);
+    Op(dev, "sample_greedy_combine", "greedy token -> next slot")
+        .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32))).in(0, *argmax_part_, 0, part_bytes)
+        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;

@@ -13,6 +13,15 @@ namespace lily::runtime {
 
 inline uint32_t ceil_div(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
 
+// Query heads per attention threadgroup (decode and prefill): the largest of 8, 4, 2 dividing
+// the GQA group, so each KV row is read by as few threadgroups as possible (one for the
+// model's groups of 8); 0 if none divides it.
+inline uint32_t attn_heads_per_group(uint32_t group) {
+  for (uint32_t g : {8u, 4u, 2u})
+    if (group % g == 0) return g;
+  return 0;
+}
+
 // Builds one dispatch: bindings together with the ranges they declare.
 class Op {
  public:

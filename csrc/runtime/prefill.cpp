@@ -19,7 +19,17 @@ namespace {
 // GEMM blocks (metal/gemm.metal): dense 32 x 64 output blocks of 128 threads; grouped
 // expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
 constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-constexpr uint32_t kMoeBN = 64;
+// Grouped expert GEMMs (metal/gemm.metal): threads and output columns per threadgroup of
+// gate/up and of down for tile height T (T = 64: 64 x 32 blocks, so that gate/up's two
+// staged result blocks fit threadgroup memory within the kernels' 128 threads).
+struct MoeGeometry {
+  uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
+};
+MoeGeometry moe_geometry(uint32_t T) {
+  if (T == 64) return {128, 32, 128, 32};
+  const uint32_t threads = T == 32 ? 128 : 64;
+  return {threads, 64, threads, 64};
+}
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
@@ -35,13 +45,6 @@ constexpr uint32_t kAllLogitsRows = 64;
 
 uint32_t max_tiles_for(uint32_t assignments, uint32_t experts, uint32_t T) {
   return ceil_div(assignments, T) + std::min(experts, assignments);
-}
-
-// Query heads per attention threadgroup: the largest of 8, 4, 2 dividing the group.
-uint32_t attn_heads_per_group(uint32_t group) {
-  for (uint32_t g : {8u, 4u, 2u})
-    if (group % g == 0) return g;
-  return 0;
 }
 
 }  // namespace
@@ -90,7 +93,7 @@ void Runtime::allocate_chunk_buffers() {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
   }
-  if (opt_.max_context > opt_.split_threshold) {
+  if (opt_.max_context > opt_.split_threshold && opt_.max_context >= 2 * prefill_split_rows()) {
     const uint64_t per_split = uint64_t(C) * Hq * (D + 2) * f;
     c.attn_splits = uint32_t(std::max<uint64_t>(2, kAttnPartialBudget / per_split));
     c.part_ml = scratch(size_t(c.attn_splits) * C * Hq * 2 * f, "chunk attn partial m,l");
@@ -108,7 +111,8 @@ void Runtime::allocate_chunk_buffers() {
 // completed chunk of the same layer when there is one, else expected from rows * k / E:
 // 32-row tiles (2 x 2 simdgroups) read each expert's weights half as often as 16-row tiles
 // and win once experts carry >= 24 rows on average (docs/goals.md: +13.2% at 2K tokens, 64 rows
-// per expert); below that the padding of half-empty 32-row tiles costs more.
+// per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
+// halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
   if (force_tile_rows_) return force_tile_rows_;
   const ModelDims& d = dims_;
@@ -126,7 +130,8 @@ uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
       break;
     }
   }
-  return assignments / std::max(1.0, active) >= 24.0 ? 32 : 16;
+  const double per_expert = assignments / std::max(1.0, active);
+  return per_expert >= 48.0 ? 64 : per_expert >= 24.0 ? 32 : 16;
 }
 
 std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
@@ -260,7 +265,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // fewer than kAttnMinGroups threadgroups.
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
-                         end >= 2 * opt_.split_block;
+                         end >= 2 * prefill_split_rows();
       const float scale = float(1.0 / std::sqrt(double(D)));
       const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
       auto declare_kv = [&](Op& op) {
@@ -281,7 +286,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
-        const uint32_t S = std::max(opt_.split_block, ceil_div(end, std::max(2u, cap)));
+        const uint32_t S = std::max(prefill_split_rows(), ceil_div(end, std::max(2u, cap)));
         const uint32_t splits = ceil_div(end, S);
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
@@ -334,11 +339,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     gemm(m + ".shared_expert.down_proj", 4, false, *c.hs, Is, Is, *c.ys, H, H, 0, L + "shared expert down");
     // routed experts over the tile map
     const std::string tsfx = "_t" + std::to_string(T);
-    const uint32_t moe_threads = T == 32 ? 128 : 64;
+    const MoeGeometry mg = moe_geometry(T);
     const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
     {
       Op op(dev, "moe_gemm_gate_up_q4" + tsfx + sfx, L + "experts gate|up");
-      op.groups(tg(max_tiles, ceil_div(I, kMoeBN)), tg(moe_threads))
+      op.groups(tg(max_tiles, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
           .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m + ".switch_mlp.gate_proj");
@@ -348,7 +353,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     }
     {
       Op op(dev, "moe_gemm_down_q4" + tsfx + sfx, L + "experts down");
-      op.groups(tg(max_tiles, ceil_div(H, kMoeBN)), tg(moe_threads))
+      op.groups(tg(max_tiles, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
           .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m + ".switch_mlp.down_proj");

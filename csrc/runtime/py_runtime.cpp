@@ -155,8 +155,8 @@ void bind_runtime(nb::module_& m) {
              if (prefill_chunk == 0) throw std::invalid_argument("prefill_chunk must be positive");
              new (self) Runtime(std::move(device), dims, descs, o);
            },
-           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 32768,
-           "split_block"_a = 1024, "virtual_weights"_a = false, "prefill_chunk"_a = 512,
+           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 256,
+           "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 2048,
            "gemm_path"_a = "auto",
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.")
       .def("reset", &Runtime::reset)

@@ -23,10 +23,10 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
       opt_(options) {
   dims_.validate();
   if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
-  if (opt_.split_block == 0) throw std::invalid_argument("split_block must be positive");
   const auto& d = dims_;
   const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
   if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
+  attn_heads_ = attn_heads_per_group(group);
   if (d.head_dim != 64 && d.head_dim != 256)
     throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
                                 std::to_string(d.head_dim));
@@ -79,9 +79,14 @@ void Runtime::allocate_buffers() {
   hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
                   "expert hidden");
   logits_ = scratch(size_t(d.vocab_size) * f, "logits");
-  const uint32_t max_blocks = ceil_div(opt_.max_context, opt_.split_block);
-  part_ml_ = scratch(size_t(d.num_attention_heads) * max_blocks * 2 * f, "attn partial m,l");
-  part_acc_ = scratch(size_t(d.num_attention_heads) * max_blocks * d.head_dim * f, "attn partial acc");
+  argmax_part_ = scratch(size_t(ceil_div(d.vocab_size, kArgmaxSlice)) * 2 * sizeof(uint32_t), "argmax partials");
+  // Blocks of the split path: ceil(rows / split_rows(rows)) <= ceil(target / (Hq / G)) when
+  // chosen by context (each block has >= rows * (Hq/G) / target rows).
+  decode_max_blocks_ = opt_.split_block ? ceil_div(opt_.max_context, opt_.split_block)
+                                        : std::min(ceil_div(opt_.max_context, kDecodeMinBlock),
+                                                   ceil_div(kDecodeTargetGroups, d.num_attention_heads / attn_heads_));
+  part_ml_ = scratch(size_t(d.num_attention_heads) * decode_max_blocks_ * 2 * f, "attn partial m,l");
+  part_acc_ = scratch(size_t(d.num_attention_heads) * decode_max_blocks_ * d.head_dim * f, "attn partial acc");
 
   const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
   k_cache_.resize(d.num_hidden_layers);
@@ -184,7 +189,7 @@ void Runtime::preflight() {
     }
     // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
     // the context (split attention when the context reaches it)
-    for (uint32_t tile : {16u, 32u}) {
+    for (uint32_t tile : {16u, 32u, 64u}) {
       force_tile_rows_ = tile;
       auto cb = device_->new_command_buffer();
       encode_chunk(*cb, 0, 0, chunk_, Logits::last, true, nullptr);

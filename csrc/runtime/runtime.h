@@ -31,10 +31,10 @@ enum class Logits { none, last, all };
 
 struct RuntimeOptions {
   uint32_t max_context = 4096;         // KV-cache rows per attention layer
-  uint32_t split_threshold = 32768;    // context at which attention switches to the split path
-  uint32_t split_block = 1024;         // KV rows per block on the split path
+  uint32_t split_threshold = 256;      // context (rows attended) above which decode attention splits the KV rows
+  uint32_t split_block = 0;            // KV rows per split block; 0: chosen by context (Runtime::split_rows)
   bool virtual_weights = false;        // record-only counting: weights need not exist on disk
-  uint32_t prefill_chunk = 512;        // tokens per prefill chunk (scratch is sized for one chunk)
+  uint32_t prefill_chunk = 2048;       // tokens per prefill chunk (scratch is sized for one chunk)
   GemmPath gemm_path = GemmPath::automatic;
 };
 
@@ -125,6 +125,7 @@ struct SessionSnapshot {
 class Runtime {
  public:
   static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
+  static constexpr uint32_t kArgmaxSlice = 4096;    // logits per argmax_partial threadgroup
 
   Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                 const std::vector<TensorDesc>& tensors, RuntimeOptions options);
@@ -196,6 +197,15 @@ class Runtime {
   const std::vector<KernelUse>& kernel_table() const { return kernels_; }
   uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
   bool uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
+  // Decode: KV rows per split block when `rows` cache rows are attended. Fixed when the
+  // split_block option is set; otherwise the smallest multiple of 8 rows (one per simdgroup)
+  // >= kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
+  // 40-core GPU several times over at every context while the partials stay bounded.
+  uint32_t split_rows(uint32_t rows) const;
+  static constexpr uint32_t kDecodeTargetGroups = 128;  // >= 3 per core of a 40-core GPU
+  static constexpr uint32_t kDecodeMinBlock = 32;        // 4 rows per simdgroup
+  // Prefill: minimum KV rows per split of a chunk's attention (split_block, or 1024).
+  uint32_t prefill_split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
 
  private:
   struct Layer;
@@ -232,6 +242,8 @@ class Runtime {
   WeightTable weights_;
   uint32_t position_ = 0;
   bool record_only_ = false;
+  uint32_t attn_heads_ = 0;        // query heads per decode attention threadgroup (G)
+  uint32_t decode_max_blocks_ = 0; // partial slots per head of the split path
   bool sizing_ = false;
   uint32_t force_tile_rows_ = 0;  // preflight: the expert tile height to encode (0: choose)
   MemoryUse memory_;
@@ -249,6 +261,8 @@ class Runtime {
   // sampling: per-session token counts [V] (bit 31: seen in the prompt) and per-slot
   // log-probability outputs
   gpu::BufferPtr counts_, logprob_out_, top_ids_;
+  // greedy argmax partials (argmax_partial -> sample_greedy_combine), one per slice of logits
+  gpu::BufferPtr argmax_part_;
   SamplingConfig sampling_;
   // prefill chunk buffers (sized for chunk_ rows): token ids [2] (one per chunk in flight),
   // activations, routing, and per layer the expert histograms [2][E] of the last chunks

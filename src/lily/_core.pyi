@@ -79,7 +79,7 @@ class CommandBuffer:
     @property
     def dispatch_log(self) -> list:
         """
-        Per-dispatch counters: label, pass, barrier stage, declared bytes read/written.
+        Per-dispatch counters: label, kernel, threadgroups, threads per threadgroup, dynamic threadgroup memory, pass, barrier stage, declared bytes read/written.
         """
 
 class Device:
@@ -116,13 +116,31 @@ class Device:
     def tensor_ops_status(self) -> str:
         """Why supports_tensor_ops is False ('' when it is True)."""
 
+    def pipeline_info(self, name: str) -> dict:
+        """
+        Builds kernel `name`'s pipeline: its maxTotalThreadsPerThreadgroup (on the simulator the
+        kernel's [[max_total_threads_per_threadgroup]], default 1024), thread execution width,
+        static threadgroup memory in bytes (0 on the simulator) and how many [[buffer(n)]]
+        parameters reflection described (0: buffer alignment checks are off for it).
+        """
+
+    @property
+    def memory_limits(self) -> dict:
+        """
+        Bytes: working_set (Metal recommendedMaxWorkingSetSize) and max_buffer (maxBufferLength);
+        0 = no limit (the simulator's unless created with a budget).
+        """
+
     def command_buffer(self) -> CommandBuffer: ...
 
-def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9') -> Device:
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0) -> Device:
     """
     The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
     gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
-    tensor-op kernels (metal/*_tensor.metal), as an M5 does.
+    tensor-op kernels (metal/*_tensor.metal), as an M5 does. working_set_bytes / max_buffer_bytes:
+    the memory budget it reports (Device.memory_limits; 0 = none), as a Mac's GPU does.
+    pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as
+    register pressure may on a Mac (0 = none).
     """
 
 def gpu_family(device: Device) -> str:
@@ -386,6 +404,20 @@ class Runtime:
 
     @property
     def uses_tensor_ops(self) -> bool: ...
+
+    @property
+    def memory_use(self) -> dict:
+        """
+        Device memory of the session in bytes (weights, kv_cache, state, scratch, total, largest buffer),
+        checked against Device.memory_limits at load.
+        """
+
+    @property
+    def kernel_table(self) -> list:
+        """
+        Every kernel the runtime dispatches (built and validated at load): the largest threadgroup it
+        asks for and its pipeline's thread limit and static threadgroup memory.
+        """
 
     def expert_histogram(self, layer: int) -> list[int]:
         """Assignments per expert of `layer` in the last completed prefill chunk."""

@@ -42,7 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill chunk (default 512; scratch memory is sized for one chunk)")
+                   help="prompt tokens per prefill chunk (default 2048; scratch memory is sized for one chunk)")
     g.add_argument("--no-weight-cache", action="store_true",
                    help="do not write or use aligned copies of the checkpoint files (see `lily info`); "
                         "the weights are then copied into memory at every load")
@@ -595,7 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--positions", type=int, default=None, metavar="N",
                    help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="Lily's prefill chunk on the native devices (default 512)")
+                   help="Lily's prefill chunk on the native devices (default 2048)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
     a.add_argument("--agent", action="store_true",

@@ -25,6 +25,7 @@ from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
 from lily.reference import ReferenceBackend
 from lily.sampling import SamplingParams, StopMatcher, TokenLogprob
+from lily.structured import Grammar
 from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
@@ -200,11 +201,12 @@ class Engine:
         progress : bool
             Show a progress bar while validating and mapping the weights.
         device_options : dict | None
-            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 512;
+            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 2048;
             scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
             ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
-            (context at which attention switches to the split-KV path, default 32768),
-            ``split_block``, ``weight_cache`` (``True``: map unaligned checkpoint files
+            (context above which decode attention splits the KV rows across threadgroups,
+            default 256), ``split_block`` (rows per split block, default 0: chosen by
+            context), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
@@ -421,8 +423,9 @@ class Engine:
         :attr:`prefill_chunk` tokens or decode steps) with ``finish_reason="cancelled"``;
         closing the generator also stops it. ``constraint``
         (:class:`lily.constraints.Constraint`) restricts the tokens chosen at each step; on
-        native devices a constrained request samples on the host (docs/usage.md).
-        ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
+        native devices a constrained request samples on the host (docs/usage.md). A
+        :class:`lily.structured.Grammar` is bound to this prompt (its thinking block, if the
+        prompt opens one, stays free). ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
         choose what to evict; reuse is decided by token equality alone.
 
         Raises
@@ -434,6 +437,8 @@ class Engine:
         """
         p = self._params(params, overrides)
         prompt_ids = self.encode_prompt(prompt)
+        if isinstance(constraint, Grammar):
+            constraint = constraint.for_prompt(self, prompt_ids)
         return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key)
 
     def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,

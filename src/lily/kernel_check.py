@@ -44,7 +44,11 @@ GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
 GEMM_BM, GEMM_BN, GEMM_TG = 32, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
-MOE_TG = {16: 64, 32: 128}  # threads of the grouped GEMM kernels per tile height T
+# Grouped GEMM kernels per tile height T: threads and output columns per threadgroup (both
+# kernels; csrc/runtime/prefill.cpp moe_geometry).
+MOE_TG = {16: 64, 32: 128, 64: 128}
+MOE_BN = {16: 64, 32: 64, 64: 32}
+MOE_TILES = (16, 32, 64)
 
 SELFTEST_PREFIX = "st_"
 
@@ -241,8 +245,9 @@ def attn_cfg(Hq, Hkv, D, rot):
 
 
 def heads_per_group(Hq, Hkv):
-    """G: query heads per decode threadgroup (4, or the whole GQA group if smaller)."""
-    return min(4, Hq // Hkv)
+    """G: query heads per decode threadgroup, the runtime's rule (csrc/runtime/encoder.h):
+    the largest of 8, 4, 2 dividing the GQA group (the model's 8: each KV row read once)."""
+    return next(g for g in (8, 4, 2) if (Hq // Hkv) % g == 0)
 
 
 class AttnLayer:
@@ -1206,7 +1211,7 @@ def moe_args(n, k, M, top_k, E, lda, ldy):
 def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
     lda, ldy = lda or H, ldy or I
     kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
-    p.dispatch(kernel, (max_tiles, -(-I // GEMM_BN)), MOE_TG[T],
+    p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
                buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
                constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
                reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
@@ -1216,7 +1221,7 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
 def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
     lda, ldy = lda or I, ldy or H
     kernel = kernel or f"moe_gemm_down_q4_t{T}"
-    p.dispatch(kernel, (max_tiles, -(-H // GEMM_BN)), MOE_TG[T],
+    p.dispatch(kernel, (max_tiles, -(-H // MOE_BN[T])), MOE_TG[T],
                buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
                constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
                reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
@@ -1374,6 +1379,36 @@ def _sample_greedy(dev, rng, kernel):
     return 0.0
 
 
+def argmax_two_stage(dev, logits: np.ndarray, slice_: int) -> tuple[int, int]:
+    """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]``: argmax_partial
+    (256 threads per slice of ``slice_`` logits), then sample_greedy_combine in one
+    threadgroup. Returns (token, barrier stages of the command buffer)."""
+    V = logits.size
+    parts = -(-V // slice_)
+    L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("argmax_partial", parts, 256, buffers=[(0, L), (1, PART)], constants=[(2, constant(V, slice_))],
+               reads=[L], writes=[PART], threadgroups=True)
+    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
+               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
+
+
+@check("argmax_partial", "sample_greedy_combine")
+def _argmax_two_stage(dev, rng, kernel):
+    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine."""
+    V, slice_ = 1000, 64
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
+    got, want = argmax_two_stage(dev, logits, slice_)[0], int(np.argmax(logits))
+    if got != want:
+        raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
+    return 0.0
+
+
 @check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_tensor", "gemm_q8_tensor", "gemm_q4_add_tensor")
 def _gemm(dev, rng, kernel):
     bits, add = int(kernel[6]), "_add" in kernel
@@ -1408,7 +1443,9 @@ def _gdn_decode_step(dev, rng, kernel):
 
 
 # one attention shape per kernel variant: head dim D and query heads per threadgroup G
-_ATTN = {(256, 4): (8, 1, 256, 64), (256, 2): (4, 2, 256, 64), (64, 4): (8, 2, 64, 16), (64, 2): (4, 2, 64, 16)}
+# (Hq, Hkv, D, rotary): the GQA group is one for which the runtime picks that G (heads_per_group)
+_ATTN = {(256, 8): (8, 1, 256, 64), (256, 4): (8, 2, 256, 64), (256, 2): (4, 2, 256, 64),
+         (64, 4): (8, 2, 64, 16), (64, 2): (4, 2, 64, 16)}
 
 
 def _attn_layer(dev, rng, D, G, n, capacity=128):
@@ -1746,7 +1783,7 @@ def _grouped(kernel):
     return int(re.search(r"_t(\d+)", kernel).group(1))
 
 
-@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in (16, 32) for s in ("", "_tensor")])
+@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
 def _moe_gemm_gate_up(dev, rng, kernel):
     T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
@@ -1768,7 +1805,7 @@ def _moe_gemm_gate_up(dev, rng, kernel):
     return r
 
 
-@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in (16, 32) for s in ("", "_tensor")])
+@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
 def _moe_gemm_down(dev, rng, kernel):
     T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)

@@ -16,9 +16,9 @@ from lily.errors import CheckpointError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
-SPLIT_THRESHOLD = 32768  # context at which decode attention switches to the split-KV path
-SPLIT_BLOCK = 1024       # KV rows per block on the split path
-PREFILL_CHUNK = 512      # default tokens per prefill chunk (scratch memory is sized for one chunk)
+SPLIT_THRESHOLD = 256    # context above which decode attention splits the KV rows across threadgroups
+SPLIT_BLOCK = 0          # KV rows per split block; 0: chosen by context (~128 threadgroups)
+PREFILL_CHUNK = 2048     # default tokens per prefill chunk (scratch memory is sized for one chunk)
 GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
@@ -106,10 +106,11 @@ class NativeBackend:
                  split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
                  prefill_chunk: int = PREFILL_CHUNK, gemm_path: str = "auto",
                  weight_cache: bool | str = True, device_options: dict | None = None):
-        for name, v in (("split_threshold", split_threshold), ("split_block", split_block),
-                        ("prefill_chunk", prefill_chunk)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidParameterError(f"{name} must be a positive integer, got {v!r}")
+        for name, v, low in (("split_threshold", split_threshold, 1), ("split_block", split_block, 0),
+                             ("prefill_chunk", prefill_chunk, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                what = "a positive integer" if low else "a non-negative integer"
+                raise InvalidParameterError(f"{name} must be {what}, got {v!r}")
         if gemm_path not in GEMM_PATHS:
             raise InvalidParameterError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
         if not isinstance(weight_cache, (bool, str, os.PathLike)):

@@ -19,6 +19,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace lily::metal {
@@ -58,8 +59,9 @@ class MetalBuffer : public gpu::Buffer, public std::enable_shared_from_this<Meta
 
 class MetalPipeline : public gpu::Pipeline {
  public:
-  MetalPipeline(std::string name, id<MTLComputePipelineState> pso, std::map<uint32_t, gpu::BufferParameter> params)
-      : name_(std::move(name)), pso_(pso), params_(std::move(params)) {}
+  MetalPipeline(std::string name, id<MTLComputePipelineState> pso, std::map<uint32_t, gpu::BufferParameter> params,
+                id<MTLFunction> cooperative_fn = nil)
+      : name_(std::move(name)), pso_(pso), params_(std::move(params)), cooperative_fn_(cooperative_fn) {}
   const std::string& name() const override { return name_; }
   gpu::BufferParameter buffer_parameter(uint32_t index) const override {
     auto it = params_.find(index);
@@ -72,10 +74,49 @@ class MetalPipeline : public gpu::Pipeline {
   uint64_t static_threadgroup_memory() const override { return uint64_t([pso_ staticThreadgroupMemoryLength]); }
   id<MTLComputePipelineState> pso() const { return pso_; }
 
+  // The pipeline state to dispatch with `tg` threads per threadgroup, or nil with *error set.
+  // Apple's MTLComputePipeline.h (macOS 26): a pipeline that uses cooperative tensors (every
+  // kernel of the tensor library) must set requiredThreadsPerThreadgroup, and each dispatch
+  // must match it; so those kernels get one pipeline state per threadgroup shape dispatched
+  // (a few: the tile variants), built on first use, which the load-time preflight reaches.
+  id<MTLComputePipelineState> pso_for(gpu::Size3 tg, std::string* error) const {
+    if (cooperative_fn_ == nil) return pso_;
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto key = std::make_tuple(tg.x, tg.y, tg.z);
+    auto it = sized_.find(key);
+    if (it != sized_.end()) return it->second;
+    id<MTLComputePipelineState> pso = nil;
+#if defined(__MAC_26_0)
+    if (@available(macOS 26.0, *)) {
+      MTLComputePipelineDescriptor* desc = [[MTLComputePipelineDescriptor alloc] init];
+      desc.computeFunction = cooperative_fn_;
+      desc.requiredThreadsPerThreadgroup = MTLSizeMake(tg.x, tg.y, tg.z);
+      NSError* err = nil;
+      pso = [[pso_ device] newComputePipelineStateWithDescriptor:desc
+                                                          options:MTLPipelineOptionNone
+                                                       reflection:nil
+                                                            error:&err];
+      if (pso == nil)
+        *error = "cannot build kernel '" + name_ + "' for threadgroups of (" + std::to_string(tg.x) + ", " +
+                 std::to_string(tg.y) + ", " + std::to_string(tg.z) + ") threads: " +
+                 std::string([[err localizedDescription] UTF8String] ?: "unknown error");
+    } else {
+      *error = "kernel '" + name_ + "' uses cooperative tensors, which need macOS 26";
+    }
+#else
+    *error = "kernel '" + name_ + "' uses cooperative tensors: rebuild Lily with the macOS 26 SDK";
+#endif
+    if (pso != nil) sized_.emplace(key, pso);
+    return pso;
+  }
+
  private:
   std::string name_;
   id<MTLComputePipelineState> pso_;
   std::map<uint32_t, gpu::BufferParameter> params_;  // [[buffer(n)]] alignment, from reflection
+  id<MTLFunction> cooperative_fn_;                     // set for tensor-library kernels
+  mutable std::mutex mu_;
+  mutable std::map<std::tuple<uint32_t, uint32_t, uint32_t>, id<MTLComputePipelineState>> sized_;
 };
 
 // The [[buffer(n)]] parameters' alignments from pipeline reflection, for the shared
@@ -142,6 +183,8 @@ class MetalPass : public gpu::ComputePass {
       throw UsageError("kernel '" + p->name() + "': threadgroup of " + std::to_string(tg) +
                        " threads exceeds the pipeline's maximum of " +
                        std::to_string(p->max_threads_per_threadgroup()));
+    std::string pso_error;
+    if (p->pso_for(d.threadgroup, &pso_error) == nil) throw UsageError(pso_error);
     size_t tg_total = 0;
     for (const Binding& b : d.bindings) {
       if (b.index >= 31) throw UsageError("kernel '" + p->name() + "': binding index " + std::to_string(b.index) + " > 30");
@@ -166,7 +209,8 @@ class MetalPass : public gpu::ComputePass {
   }
   void encode_dispatch(const Dispatch& d) override {
     const auto* p = static_cast<const MetalPipeline*>(d.pipeline);
-    [enc_ setComputePipelineState:p->pso()];
+    std::string unused;
+    [enc_ setComputePipelineState:p->pso_for(d.threadgroup, &unused)];  // built by validate()
     for (const Binding& b : d.bindings) {
       switch (b.kind) {
         case Binding::Kind::buffer: {
@@ -482,7 +526,8 @@ class MetalDevice : public gpu::Device {
                      name.c_str());
       });
     }
-    auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params));
+    const bool cooperative = tensor_lib_ != nil && [lib_ newFunctionWithName:@(name.c_str())] == nil;
+    auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params), cooperative ? fn : nil);
     MetalPipeline* raw = p.get();
     cache_.emplace(name, std::move(p));
     return raw;

@@ -267,7 +267,8 @@ async def messages(req: MessagesRequest, request: Request):
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
     tools, parse_tools, forced = tool_setup(req)
-    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice")
+    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice",
+                                    parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())
     params = state.sampling_params(req, req.max_tokens, stop=stops)

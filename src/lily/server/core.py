@@ -26,9 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
-from lily.errors import ContextLengthError, LilyError
+from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
+from lily.structured import grammar_for_request
 
 log = logging.getLogger("lily.server")
 
@@ -675,7 +676,7 @@ class BlockSequencer:
 
 
 def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,
-                       tools: list[dict] | None = None, param: str = "response_format"):
+                       tools: list[dict] | None = None, param: str = "response_format", parallel: bool = True):
     """The decoding constraint a request asks for, handed to the engine as ``constraint=``
     (``None``: unconstrained). The one place every API's output-format options meet:
 
@@ -683,14 +684,15 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
     (``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
     "json_schema": {...}}``; the Responses API's ``text.format`` is converted to it by the
     caller); ``tool_choice`` is ``"required"`` or a function name when the request forces a
-    tool call, with ``tools`` in OpenAI's chat form. Formats other than text are not
-    supported yet (400 naming ``param``); forced tool calls are parsed, not constrained.
+    tool call, with ``tools`` in OpenAI's chat form (``parallel=False``: exactly one call).
+    The result is a :class:`lily.structured.Grammar` (checked here: an invalid schema is a
+    400 naming ``param``); the engine binds it to the prompt (thinking first when the
+    prompt leaves a ``<think>`` block open).
     """
-    kind = (format or {}).get("type", "text")
-    if kind != "text":
-        raise APIError(400, f"{param} other than 'text' is not supported", param=param,
-                       code="invalid_value")
-    return None
+    try:
+        return grammar_for_request(format=format, tool_choice=tool_choice, tools=tools, parallel=parallel)
+    except InvalidParameterError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
 
 # ----------------------------------------------------------------------------------------

@@ -169,7 +169,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     forced = req.tool_choice if isinstance(req.tool_choice, dict) or req.tool_choice == "required" else None
     if isinstance(forced, dict):
         forced = (forced.get("function") or {}).get("name")
-    constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools)
+    constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools,
+                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
         max_tokens = state.default_max_tokens_for(len(ids))

@@ -295,7 +295,8 @@ async def responses(req: ResponsesRequest, request: Request):
         raise APIError(400, "input is empty", param="input", code="invalid_value")
     tools, parse_tools, forced = tool_setup(req)
     constraint = request_constraint(state, format=response_format(req), tool_choice=forced, tools=tools,
-                                    param="text.format")
+                                    param="text.format",
+                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
     prompt_text, ids = await state.render_chat(messages, tools, _enable_thinking(req), param="input")
     max_tokens = req.max_output_tokens or state.default_max_tokens_for(len(ids))
     params = state.sampling_params(req, max_tokens, stop=())
