@@ -3,6 +3,7 @@ engines, the arrival timing, and one real run of both engines on the demo model.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -49,7 +50,7 @@ def test_run_bench_alternates_and_reports_median_ratios():
         assert r.median("lily", "prefill_tps") == pytest.approx(1000)  # the outlier is not the median
         assert r.ratio("prefill_tps") == pytest.approx(2.0)
         assert r.ratio("decode_tps") == pytest.approx(2.0)
-    rep = report(res, lily, peer, {"model": "m", "rounds": 3, "decode_tokens": 10, "notice": "n"}, None)
+    rep = report(res, lily, peer, {"model": "m", "rounds": 3, "generated_tokens": 10, "decode_steps": 9, "notice": "n"}, None)
     assert rep["geomean_prefill_ratio"] == pytest.approx(2.0) and rep["geomean_decode_ratio"] == pytest.approx(2.0)
     text = format_report(rep)
     assert "2.00x" in text and "NOTE: n" in text and "    64" in text
@@ -123,7 +124,7 @@ def test_mean_of_ratios_is_geometric():
     rows = [LengthResult(8, lily=[Sample(8, 4, 1.0, 1.0)], peer=[Sample(8, 4, f, 1.0)], first=["lily"])
             for f in (0.5, 2.0)]  # prefill ratios 0.5x and 2x
     rep = report(rows, Scripted("l", None, None), Scripted("p", None, None),
-                 {"model": "m", "rounds": 1, "decode_tokens": 4, "notice": None}, None)
+                 {"model": "m", "rounds": 1, "generated_tokens": 4, "decode_steps": 3, "notice": None}, None)
     assert rep["geomean_prefill_ratio"] == pytest.approx(1.0)
     assert "geomean" in format_report(rep)
 
@@ -156,6 +157,10 @@ def test_lily_bench_pplx_protocol(tmp_path):
     assert "99999999" in r.stderr and "dropped" in r.stderr
     rep = json.loads(out.read_text())
     assert rep["protocol"] == "pplx" and rep["decode_steps"] == 64 and rep["dropped_lengths"] == [99999999]
+    assert rep["generated_tokens"] == 65
+    m = rep["machine"]
+    assert m["chip"] and m["memory_bytes"] > 0 and m["os"] and m["device"] == "reference" and "gpu_family" not in m
+    assert datetime.datetime.fromisoformat(rep["date"]).utcoffset() == datetime.timedelta(0)
     assert [row["prompt_tokens"] for row in rep["lengths"]] == [8]
     for row in rep["lengths"]:
         for who in ("lily", "mlx_lm"):
@@ -164,3 +169,13 @@ def test_lily_bench_pplx_protocol(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--decode-tokens", "8"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr
+
+
+def test_machine_info_names_the_native_device():
+    from types import SimpleNamespace
+
+    from lily.bench import machine_info
+    dev = SimpleNamespace(name="Apple M5 Max", gpu_family="apple10", supports_tensor_ops=True)
+    info = machine_info(SimpleNamespace(device="metal", backend=SimpleNamespace(device=dev)))
+    assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "metal"
+    assert info["chip"] and info["memory_bytes"] > 0 and info["arch"]

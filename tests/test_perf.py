@@ -121,19 +121,26 @@ def test_machine_table_has_sources():
     assert {"m1max", "m3max", "m4max", "m5pro", "m5max"} <= set(perf.MACHINES)
     with pytest.raises(InvalidParameterError, match="unknown machine"):
         perf.machine("m9")
-    with pytest.raises(InvalidParameterError, match="positive"):
+    with pytest.raises(InvalidParameterError, match="contexts must be a positive"):
         perf.estimate("m5max", contexts=(0,), prompts=(256,))
+    for kw, what in ((dict(chunk=0), "chunk must be"), (dict(chunk=-3), "chunk must be"),
+                     (dict(prompts=(262145,)), "prompts 262145 is beyond the model's limit"),
+                     (dict(contexts=(262144,)), "contexts 262144 is beyond"),
+                     (dict(breakdown_at=999999), "breakdown_at 999999 is beyond")):
+        with pytest.raises(InvalidParameterError, match=what):
+            perf.estimate("m5max", **(dict(contexts=(256,), prompts=(256,)) | kw))
 
 
 SCHEMA = {
     "type": "object",
-    "required": ["estimate", "notice", "machine", "plan", "calibration", "decode", "prefill", "breakdown"],
+    "required": ["estimate", "notice", "model", "machine", "plan", "calibration", "decode", "prefill", "breakdown"],
     "properties": {
         "estimate": {"const": True},
         "notice": {"type": "string", "pattern": "ESTIMATE"},
+        "model": {"type": "object", "required": ["name", "max_position_embeddings"]},
         "machine": {"type": "object", "required": ["key", "cores", "bandwidth_gb_s", "tflops", "sources"]},
         "decode": {"type": "array", "items": {"type": "object", "required": [
-            "context", "tok_s", "ms_per_token", "stages", "gb_per_step", "bandwidth_floor_tok_s"]}},
+            "context", "tok_s", "ms_per_token", "stages", "gb_per_step", "raw_bandwidth_ceiling_tok_s"]}},
         "prefill": {"type": "array", "items": {"type": "object", "required": ["prompt", "tok_s", "seconds"]}},
         "breakdown": {"type": "object", "required": ["at", "decode", "prefill"]},
     },
@@ -152,6 +159,17 @@ def test_estimate_command_json_and_text():
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("*** ESTIMATE") and "by kernel family" in r.stdout
+    assert f"model: {perf.DEFAULT_MODEL_NAME}" in r.stdout and rep["model"]["name"] == perf.DEFAULT_MODEL_NAME
+    # bad values are usage errors (exit 2) naming the flag, before anything is encoded
+    for bad, what in ((["--prefill-chunk", "-3"], "--prefill-chunk must be a positive"),
+                      (["--prefill-chunk", "0"], "--prefill-chunk must be a positive"),
+                      (["--at", "0"], "--at must be a positive"),
+                      (["--at", "999999"], "--at 999999 is beyond the model's limit"),
+                      (["--contexts", "300000"], "--contexts 300000 is beyond the model's limit"),
+                      (["--prompts", "300000"], "--prompts 300000 is beyond the model's limit")):
+        r = subprocess.run([sys.executable, "-m", "lily", "estimate", *bad], capture_output=True, text=True,
+                           timeout=60, check=False)
+        assert r.returncode == 2 and what in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr)
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--machine", "m9"], capture_output=True, text=True,
                        check=False)
     assert r.returncode == 2 and "invalid choice" in r.stderr
@@ -163,5 +181,5 @@ def test_estimate_of_another_checkpoint_config():
     from lily.engine import default_model_path
     rep = perf.estimate("m3max", config=load_config(default_model_path())[0], contexts=(64,), prompts=(64, 300),
                         breakdown_at=64)
-    assert rep["decode"][0]["tok_s"] < rep["decode"][0]["bandwidth_floor_tok_s"]
+    assert rep["decode"][0]["tok_s"] < rep["decode"][0]["raw_bandwidth_ceiling_tok_s"]
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]

@@ -34,6 +34,7 @@ says so.
 
 from __future__ import annotations
 
+import datetime
 import platform
 import statistics
 import sys
@@ -303,8 +304,9 @@ def _geomean(values) -> float:
 def format_report(rep: dict) -> str:
     out = [f"lily bench: {rep['model']}" + (f" (protocol {rep['protocol']})" if rep.get("protocol") else ""),
            f"  {rep['lily']}  vs  {rep['mlx_lm']}",
-           (f"  {rep['rounds']} rounds (alternating order), median; {rep['decode_tokens']} generated "
-            f"tokens per request; ratio = lily / mlx-lm")]
+           (f"  {rep['rounds']} rounds (alternating order), median; {rep['generated_tokens']} generated "
+            f"tokens per request ({rep['decode_steps']} timed decode steps after the first); "
+            "ratio = lily / mlx-lm")]
     if rep.get("notice"):
         out.append(f"  NOTE: {rep['notice']}")
     out.append("")
@@ -325,6 +327,24 @@ def format_report(rep: dict) -> str:
     return "\n".join(out)
 
 
+def machine_info(engine=None) -> dict:
+    """What the run ran on, for the report: ``chip`` (macOS: machdep.cpu.brand_string, Linux:
+    /proc/cpuinfo's model name), ``arch``, ``memory_bytes`` (total RAM), ``os`` (with version),
+    ``platform``; with a native ``engine`` also ``gpu_family`` and ``tensor_ops`` of its device.
+    The facts come from :func:`lily.doctor.system_info` (one place)."""
+    from lily.doctor import system_info
+    sysi = system_info()
+    info = {k: sysi.get(k) for k in ("chip", "arch", "memory_bytes", "os")}
+    info["platform"] = platform.platform()
+    dev = getattr(getattr(engine, "backend", None), "device", None)
+    if dev is not None and hasattr(dev, "gpu_family"):
+        info.update(device=engine.device, device_name=dev.name, gpu_family=dev.gpu_family,
+                    tensor_ops=bool(dev.supports_tensor_ops))
+    elif engine is not None:
+        info["device"] = engine.device
+    return info
+
+
 def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequence[int] | None = None,
           decode_tokens: int | None = None, rounds: int | None = None, positions: int | None = None,
           protocol: str = "spec", device_options: dict | None = None,
@@ -342,7 +362,7 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     rounds : rounds per length, engine order alternating (default 3; pplx: 2, as published)
     positions : teacher-forced positions of the consistency check (0: skip it; default 192,
         pplx: 0)
-    protocol : ``"spec"`` (SPEC.md section 1: chat-text prompts, one short warm-up) or
+    protocol : ``"spec"`` (docs/goals.md's protocol: chat-text prompts, one short warm-up) or
         ``"pplx"`` (pplx-garden's published contract: synthetic ids :func:`pplx_prompt`,
         greedy, an exact-shape warm-up per length, prefill = time to the first token, then
         64 timed decode steps)
@@ -398,11 +418,13 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     results = run_bench(lily, peer, tokens_for, lengths=lengths, decode_tokens=decode_tokens,
                         rounds=rounds, exact_warmup=pplx, log=log)
     check = consistency(lily, peer, tokens_for(positions + 1)) if positions else None
-    meta = {"model": str(path), "protocol": protocol, "rounds": rounds, "decode_tokens": decode_tokens,
-            "notice": notice, "platform": platform.platform(), "machine": platform.machine(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    meta = {"model": str(path), "protocol": protocol, "rounds": rounds,
+            # per request: the first token (timed with the prefill) and decode_steps timed after it
+            "generated_tokens": decode_tokens, "decode_steps": decode_tokens - 1,
+            "notice": notice, "machine": machine_info(lily.engine),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if pplx:
-        meta.update(decode_steps=PPLX_DECODE_STEPS, dropped_lengths=dropped,
+        meta.update(dropped_lengths=dropped,
                     published_m5max={str(L): dict(zip(("lily_pplx_decode", "mlx_lm_decode", "lily_pplx_prefill",
                                                        "mlx_lm_prefill"), v))
                                      for L, v in PPLX_PUBLISHED_M5MAX.items() if L in lengths})

@@ -462,16 +462,39 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from lily.checkpoint import load_config
-    from lily.perf import LENGTHS, estimate, format_report
-    config = load_config(args.model)[0] if args.model else None
-    rep = estimate(args.machine, config=config, contexts=args.contexts or LENGTHS, prompts=args.prompts or LENGTHS,
-                   breakdown_at=args.at, chunk=args.prefill_chunk)
+    from lily.perf import estimate, format_report
+    rep = estimate(args.machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
+                   breakdown_at=args.at, chunk=args.prefill_chunk,
+                   model_name=str(args.model) if args.model else None)
     if args.json:
         print(json.dumps(rep, indent=2))
     else:
         print(format_report(rep))
     return 0
+
+
+def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
+    """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.perf."""
+    from lily.checkpoint import load_config
+    from lily.perf import LENGTHS, check_length, model_config
+    try:
+        args.config = load_config(args.model)[0] if args.model else model_config()
+    except LilyError as e:
+        parser.error(f"--model: {e}")
+    limit = args.config.max_position_embeddings
+    # the default lengths stop at the model's limit (the demo model's is small)
+    args.contexts = args.contexts or [n for n in LENGTHS if n < limit] or [limit - 1]
+    args.prompts = args.prompts or [n for n in LENGTHS if n <= limit] or [limit]
+    checks = [("--contexts", n, "context") for n in args.contexts]
+    checks += [("--prompts", n, "prompt") for n in args.prompts]
+    checks.append(("--at", args.at, "context"))
+    if args.prefill_chunk is not None:
+        checks.append(("--prefill-chunk", args.prefill_chunk, "chunk"))
+    for flag, n, kind in checks:
+        try:
+            check_length(flag, n, limit, kind=kind)
+        except InvalidParameterError as e:
+            parser.error(str(e))
 
 
 def cmd_serve(args) -> int:
@@ -585,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lengths", type=_int_list, default=None, metavar="L1,L2,...",
                    help="prompt lengths in tokens (default: 256, 512, ..., 131072 up to the model's limit)")
     b.add_argument("--protocol", default="spec", choices=["spec", "pplx"],
-                   help="spec: SPEC.md's chat-text prompts; pplx: pplx-garden's published contract (synthetic "
+                   help="spec: docs/goals.md's protocol, chat-text prompts; pplx: pplx-garden's published contract (synthetic "
                         "ids, exact-shape warm-up, time to first token, exactly 64 decode steps, 2 rounds; "
                         "lengths beyond the model's limit dropped) (default spec)")
     b.add_argument("--decode-tokens", type=int, default=None, metavar="N",
@@ -637,15 +660,15 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="take the dimensions from this checkpoint's config.json (default: Qwen3.6-35B-A3B)")
     e.add_argument("--contexts", type=_int_list, default=None, metavar="L1,L2,...",
-                   help="decode contexts (default 256, 512, ..., 131072)")
+                   help="decode contexts (default 256, 512, ..., 131072, below the model's limit)")
     e.add_argument("--prompts", type=_int_list, default=None, metavar="L1,L2,...",
-                   help="prefill prompt lengths (default 256, 512, ..., 131072)")
+                   help="prefill prompt lengths (default 256, 512, ..., 131072, up to the model's limit)")
     e.add_argument("--at", type=int, default=4096, metavar="L",
                    help="context / prompt length of the per-family breakdown (default 4096)")
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill chunk rows (default: the runtime's)")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
-    e.set_defaults(func=cmd_estimate)
+    e.set_defaults(func=cmd_estimate, check=lambda a: _check_estimate(e, a))
 
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "

@@ -32,7 +32,7 @@ from lily.errors import InvalidParameterError, LilyError
 NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.perf, docs/performance.md), "
           "not a measurement")
 
-#: Context / prompt lengths reported (pplx-garden's table and SPEC.md section 1).
+#: Context / prompt lengths reported (pplx-garden's table, restated in docs/goals.md).
 LENGTHS = tuple(2 ** i for i in range(8, 18))  # 256 .. 131072
 
 PATHS = ("alu_f32", "alu_f16", "sgmm_f32", "sgmm_f16", "sgmm_bf16", "tensor_f32", "tensor_f16", "tensor_bf16")
@@ -46,6 +46,8 @@ QWEN36_35B_A3B = {"model_type": "qwen3_5_moe", "text_config": {
     "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6, "full_attention_interval": 4,
     "max_position_embeddings": 262144,
     "rope_parameters": {"rope_theta": 10000000, "partial_rotary_factor": 0.25, "type": "default"}}}
+#: How the report names the model when no checkpoint is given.
+DEFAULT_MODEL_NAME = "Qwen3.6-35B-A3B (built-in config of mlx-community/Qwen3.6-35B-A3B-4bit)"
 
 # ---- calibration (docs/performance.md, "Calibration") -----------------------------------
 
@@ -319,28 +321,49 @@ def _geometric(full: list, chunk: int) -> set:
     return out
 
 
+def check_length(name: str, n, limit: int, *, kind: str = "prompt") -> None:
+    """Raises :class:`InvalidParameterError` naming ``name`` unless ``n`` is a usable length for
+    a model of ``limit`` positions (max_position_embeddings): a ``"prompt"`` of ``n`` tokens
+    needs ``1 <= n <= limit``; a decode step at ``"context"`` ``n`` writes position ``n``, so
+    ``1 <= n < limit``; a ``"chunk"`` needs ``n >= 1``."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidParameterError(f"{name} must be a positive integer, got {n!r}")
+    top = {"prompt": limit, "context": limit - 1}.get(kind)
+    if top is not None and n > top:
+        raise InvalidParameterError(f"{name} {n} is beyond the model's limit: max_position_embeddings is "
+                                    f"{limit}, so at most {top}" + (" (a decode step at context c writes "
+                                                                    "position c)" if kind == "context" else ""))
+
+
 def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = None,
-             contexts=LENGTHS, prompts=LENGTHS, breakdown_at: int = 4096, chunk: int | None = None) -> dict:
+             contexts=LENGTHS, prompts=LENGTHS, breakdown_at: int = 4096, chunk: int | None = None,
+             model_name: str | None = None) -> dict:
     """The estimate report (JSON-ready): decode tok/s at each of ``contexts``, prefill tok/s
     (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
-    one decode step and one prefill at ``breakdown_at``, the machine with its sources, and
-    the calibration. Lengths are clipped to nothing: the plan is encoded at each as asked.
+    one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
+    :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
+    ``chunk``: prefill rows per chunk (default: the runtime's ``PREFILL_CHUNK``).
 
-    Raises :class:`InvalidParameterError` for an unknown machine or a non-positive length
+    Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
+    chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
     and :class:`UnknownKernelError` if the plan uses a kernel the work table lacks."""
     from lily.native import PREFILL_CHUNK
     m = machine(machine_key)
     cfg = model_config(config)
-    for n in (*contexts, *prompts, breakdown_at):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidParameterError(f"lengths must be positive integers, got {n!r}")
-    chunk = chunk or PREFILL_CHUNK
+    limit = cfg.max_position_embeddings
+    for c in contexts:
+        check_length("contexts", c, limit, kind="context")
+    for p in prompts:
+        check_length("prompts", p, limit)
+    check_length("breakdown_at", breakdown_at, limit, kind="context")
+    chunk = PREFILL_CHUNK if chunk is None else chunk
+    check_length("chunk", chunk, limit, kind="chunk")
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:
         t = decode_step(m, cfg, c)
         decode_rows.append({"context": c, "tok_s": 1 / t.seconds, "ms_per_token": t.seconds * 1e3,
                             "stages": t.stages, "gb_per_step": t.bytes / 1e9,
-                            "bandwidth_floor_tok_s": m.bandwidth / t.bytes})
+                            "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes})
     for p in prompts:
         t = prefill(m, cfg, p, chunk, cache)
         prefill_rows.append({"prompt": p, "tok_s": p / t.seconds, "seconds": t.seconds, "stages": t.stages,
@@ -355,6 +378,9 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     return {
         "estimate": True,
         "notice": NOTICE,
+        "model": {"name": model_name or DEFAULT_MODEL_NAME, "model_type": cfg.model_type,
+                  "layers": cfg.num_hidden_layers, "experts": cfg.num_experts,
+                  "max_position_embeddings": limit},
         "machine": {"key": m.key, "name": m.name, "cores": m.cores, "bandwidth_gb_s": m.bandwidth / 1e9,
                     "tflops": {k: v / 1e12 for k, v in m.rates.items()},
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
@@ -375,13 +401,14 @@ def format_report(rep: dict) -> str:
     """The report as text tables, headed by the notice that it is an estimate."""
     m = rep["machine"]
     lines = [f"*** {rep['notice']} ***",
+             f"model: {rep['model']['name']}",
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
               f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']}, "
               f"GEMM path {rep['plan']['gemm_path']}"), "",
-             f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'BW floor':>9}"]
+             f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'raw-BW ceiling':>15}"]
     for r in rep["decode"]:
         lines.append(f"{r['context']:>8} {r['tok_s']:>13.1f} {r['ms_per_token']:>9.3f} {r['stages']:>7} "
-                     f"{r['gb_per_step']:>8.3f} {r['bandwidth_floor_tok_s']:>9.1f}")
+                     f"{r['gb_per_step']:>8.3f} {r['raw_bandwidth_ceiling_tok_s']:>15.1f}")
     lines += ["", f"{'prompt':>8} {'prefill tok/s':>14} {'seconds':>9} {'stages':>7} {'GB moved':>9}"]
     for r in rep["prefill"]:
         lines.append(f"{r['prompt']:>8} {r['tok_s']:>14.1f} {r['seconds']:>9.3f} {r['stages']:>7} "
