@@ -64,7 +64,7 @@ def test_records_carry_geometry_and_work():
     assert attn(8192) / attn(4096) == pytest.approx(2, rel=0.01)
 
 
-def test_decode_bytes_are_the_traffic_and_respect_the_bandwidth_floor():
+def test_decode_bytes_are_the_traffic_and_stay_under_the_raw_bandwidth_ceiling():
     for ctx in (256, 4096, 32768):
         c = count_decode_step(CFG, ctx)
         moved = c["weight_bytes"] + c["kv_bytes"] + c["state_bytes"] + c["activation_bytes"]

@@ -35,7 +35,6 @@ says so.
 from __future__ import annotations
 
 import datetime
-import platform
 import statistics
 import sys
 import time
@@ -329,13 +328,12 @@ def format_report(rep: dict) -> str:
 
 def machine_info(engine=None) -> dict:
     """What the run ran on, for the report: ``chip`` (macOS: machdep.cpu.brand_string, Linux:
-    /proc/cpuinfo's model name), ``arch``, ``memory_bytes`` (total RAM), ``os`` (with version),
-    ``platform``; with a native ``engine`` also ``gpu_family`` and ``tensor_ops`` of its device.
+    /proc/cpuinfo's model name), ``arch``, ``memory_bytes`` (total RAM), ``os`` (with version);
+    with a native ``engine`` also ``gpu_family`` and ``tensor_ops`` of its device.
     The facts come from :func:`lily.doctor.system_info` (one place)."""
     from lily.doctor import system_info
     sysi = system_info()
     info = {k: sysi.get(k) for k in ("chip", "arch", "memory_bytes", "os")}
-    info["platform"] = platform.platform()
     dev = getattr(getattr(engine, "backend", None), "device", None)
     if dev is not None and hasattr(dev, "gpu_family"):
         info.update(device=engine.device, device_name=dev.name, gpu_family=dev.gpu_family,
