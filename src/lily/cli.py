@@ -136,7 +136,8 @@ def _load(args):
         options["weight_cache"] = False
         flags.append("--no-weight-cache")
     if flags and args.device == "reference":
-        raise InvalidParameterError(f"{' and '.join(flags)} apply only to the native devices "
+        what = "applies" if len(flags) == 1 else "apply"
+        raise InvalidParameterError(f"{' and '.join(flags)} {what} only to the native devices "
                                     "(--device sim, metal or auto)")
     engine = Engine.load(args.model, device=args.device, max_context=args.max_context,
                          progress=sys.stderr.isatty(), device_options=options or None,
