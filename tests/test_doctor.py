@@ -201,3 +201,18 @@ def test_doctor_unknown_kernel_suggests_close_names(capsys):
     assert main(["doctor", "--kernels", "rms_nrom"]) == 1
     err = capsys.readouterr().err
     assert "unknown kernel(s) rms_nrom; did you mean" in err and "rms_norm" in err
+
+
+def test_doctor_on_a_mac_without_the_metal_device_says_how_to_build_it(capsys, monkeypatch):
+    import sys
+
+    from lily import doctor
+    monkeypatch.setattr(doctor, "_core_devices", lambda: ["sim"])
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    out = capsys.readouterr().out
+    assert "no Metal GPU in this build" in out
+    assert "xcodebuild -downloadComponent MetalToolchain" in out and "-Ccmake.define.LILY_METAL=ON" in out
+    monkeypatch.setattr(doctor, "_core_devices", lambda: ["metal", "sim"])  # an explicit --device sim on a Mac
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert "no Metal GPU in this build" not in capsys.readouterr().out
