@@ -187,10 +187,8 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             say("  (no Metal GPU in this build: the kernels run on the Metal simulator, on the CPU; this checks\n"
                 "   the package, not a GPU)")
             if sys.platform == "darwin":
-                say("  To build the GPU device: install Xcode and its Metal Toolchain\n"
-                    "  (`xcodebuild -downloadComponent MetalToolchain`), then reinstall with `pip install -v .` and\n"
-                    "  read the CMake notice about Metal, or make the build fail loudly with the reason:\n"
-                    "  `pip install . -Ccmake.define.LILY_METAL=ON`")
+                from lily.engine import METAL_BUILD_FIX
+                say("  " + METAL_BUILD_FIX)
         report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
                                  "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
                                  "tensor_ops_status": dev.tensor_ops_status})

@@ -55,6 +55,13 @@ def _generation_settings(generation_config: dict, path: Path, config: ModelConfi
             token_ids(generation_config.get("eos_token_id"), f"{where}: eos_token_id", config.vocab_size))
 
 
+#: How a Mac build gets the GPU device it lacks (the README's "Running on a Mac").
+METAL_BUILD_FIX = ("To build the GPU device: install Xcode and its Metal Toolchain "
+                   "(`xcodebuild -downloadComponent MetalToolchain`), then reinstall with `pip install -v .` "
+                   "and read the CMake notice about Metal, or make the build fail loudly with the reason: "
+                   "`pip install . -Ccmake.define.LILY_METAL=ON`")
+
+
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -74,11 +81,7 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
                                         "the native devices (sim, metal); device='reference' takes none")
         return ReferenceBackend(ck, max_context)
     if device not in available:
-        hint = ""
-        if device == "metal" and sys.platform == "darwin":
-            hint = (": this build has no Metal compiler output. Install Xcode and its Metal Toolchain "
-                    "(xcodebuild -downloadComponent MetalToolchain), then reinstall with `pip install -v .` "
-                    "(README, Running on a Mac)")
+        hint = f". {METAL_BUILD_FIX}" if device == "metal" and sys.platform == "darwin" else ""
         raise DeviceError(f"device {device!r} is not available in this build "
                           f"(available: {', '.join(available)}){hint}")
     from lily.native import NativeBackend, reject_unknown_options
