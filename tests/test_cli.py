@@ -152,7 +152,7 @@ def test_default_device_is_auto():
 def test_native_device_flags(tmp_path, monkeypatch):
     base = ("generate", "ROMEO.", "--max-tokens", "6", "--temperature", "0")
     r = run(*base, "--device", "reference", "--prefill-chunk", "4")
-    assert r.returncode == 1 and "--prefill-chunk apply only to the native devices" in r.stderr
+    assert r.returncode == 1 and "--prefill-chunk applies only to the native devices" in r.stderr
     monkeypatch.setenv("LILY_CACHE_DIR", str(tmp_path / "wc"))  # a fresh cache: its notice shows
     default = run(*base, "--device", "sim")
     chunked = run(*base, "--device", "sim", "--prefill-chunk", "1", "--no-weight-cache")

@@ -131,3 +131,88 @@ def test_pipeline_report_names_a_failing_pipeline():
                                          "thread_execution_width": 32, "static_threadgroup_memory": 4096}
     bad = _pipeline(Fake(), "bad")
     assert bad["built"] is False and "internal error" in bad["error"]
+
+
+def test_a_kernel_draws_the_same_inputs_alone_or_with_others(dev):
+    alone = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["rms_norm"], seed=11)}
+    together = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["gemv_q4", "embed_rows_q4", "rms_norm"],
+                                                                      seed=11)}
+    other_seed = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["rms_norm"], seed=12)}
+    assert alone["rms_norm"] == together["rms_norm"] > 0
+    assert other_seed["rms_norm"] != alone["rms_norm"]
+
+
+def test_doctor_draws_and_reports_a_seed(capsys):
+    args = ["doctor", "--device", "sim", "--json", "--kernels", "rms_norm"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    seed = first["seed"]
+    assert isinstance(seed, int) and seed >= 0
+    assert main([*args, "--seed", str(seed)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["seed"] == seed and again["kernels"][0]["error"] == first["kernels"][0]["error"]
+    assert main(["doctor", "--kernels", "rms_norm", "--seed", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "--seed 7" in out and "seed: 7" in out.split("--- paste this into a bug report ---")[1]
+
+
+@pytest.mark.parametrize("args", [["--seed", "-1"], ["--seed", "x"], ["--max-context", "0"], ["--max-context", "-1"]])
+def test_doctor_refuses_bad_numbers_in_argparse(args, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--kernels", "rms_norm", *args])
+    assert e.value.code == 2 and "expected an integer" in capsys.readouterr().err
+
+
+def test_doctor_refuses_a_context_beyond_the_model(capsys):
+    from lily.checkpoint import open_checkpoint
+    from lily.engine import default_model_path
+    limit = open_checkpoint(default_model_path()).config.max_position_embeddings
+    assert main(["doctor", "--kernels", "rms_norm", "--max-context", str(limit + 1)]) == 1
+    assert f"max_context must be an integer in [1, {limit}]" in capsys.readouterr().err
+
+
+def test_doctor_fails_when_the_model_does_not_fit(capsys, monkeypatch):
+    from lily import doctor
+    monkeypatch.setattr(doctor, "_physical_memory", lambda: 2**20)  # 1 MiB: nothing fits
+    assert main(["doctor", "--kernels", "rms_norm"]) == 1
+    out = capsys.readouterr().out
+    block = out.split("--- paste this into a bug report ---")[1]
+    assert "TOO LARGE" in out and "memory:" in block and "TOO LARGE" in block and "weights" in block
+
+
+def test_doctor_fails_on_a_missing_checkpoint(capsys, tmp_path):
+    assert main(["doctor", "--kernels", "rms_norm", "--model", str(tmp_path / "nope")]) == 1
+    block = capsys.readouterr().out.split("--- paste this into a bug report ---")[1]
+    assert "memory: FAILED" in block
+
+
+def test_doctor_sim_report_details(capsys):
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    out = capsys.readouterr().out
+    block = out.split("--- paste this into a bug report ---")[1]
+    assert "device sim (apple10): simulator, no GPU tested" in block
+    assert "sim: sim" not in out
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["rms_norm"])
+    assert row.split()[-1] == "-"  # threadgroup memory unknown on the simulator, not 0
+    assert ("no Metal GPU in this build" in out) == ("metal" not in _core.compiled_devices())
+
+
+def test_doctor_unknown_kernel_suggests_close_names(capsys):
+    assert main(["doctor", "--kernels", "rms_nrom"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown kernel(s) rms_nrom; did you mean" in err and "rms_norm" in err
+
+
+def test_doctor_on_a_mac_without_the_metal_device_says_how_to_build_it(capsys, monkeypatch):
+    import sys
+
+    from lily import doctor
+    monkeypatch.setattr(doctor, "_core_devices", lambda: ["sim"])
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    out = capsys.readouterr().out
+    assert "no Metal GPU in this build" in out
+    assert "xcodebuild -downloadComponent MetalToolchain" in out and "-Ccmake.define.LILY_METAL=ON" in out
+    monkeypatch.setattr(doctor, "_core_devices", lambda: ["metal", "sim"])  # an explicit --device sim on a Mac
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert "no Metal GPU in this build" not in capsys.readouterr().out

@@ -361,3 +361,16 @@ def test_constraint_bad_mask(demo_engine):
     with pytest.raises(InvalidParameterError, match="allows no token"):
         demo_engine.generate("ROMEO.\n", max_tokens=3, constraint=AllowedTokens(v, [], 3))
     assert demo_engine.generate("ROMEO.\n", max_tokens=2, temperature=0.0).completion_tokens == 2
+
+
+def test_final_event_carries_the_decode_time(demo_engine):
+    """Readers stop at the final event (the server logs from it): its timings are filled in
+    then, not only when the generator is closed."""
+    demo_engine.reset()
+    events = demo_engine.stream("ROMEO.", max_tokens=6, temperature=0.0, ignore_eos=True)
+    for ev in events:
+        if ev.finish_reason is not None:
+            break
+    assert ev.completion_tokens == 6
+    assert ev.timings.prefill_s > 0 and ev.timings.decode_s > 0 and ev.timings.decode_tokens_per_s > 0
+    events.close()

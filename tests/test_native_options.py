@@ -28,7 +28,7 @@ def test_invalid_native_options(demo_path, options, match):
 
 
 def test_reference_takes_no_device_options(demo_path):
-    with pytest.raises(InvalidParameterError, match="apply only to the native devices"):
+    with pytest.raises(InvalidParameterError, match="applies only to the native devices"):
         Engine.load(demo_path, device="reference", device_options={"prefill_chunk": 4})
 
 

@@ -267,6 +267,18 @@ def test_parser_truncated_tool_call_every_prefix():
     assert json.loads(acc.tool_calls[0]["function"]["arguments"]) == {"city": "New York", "days": 3}
 
 
+def test_parse_chat_output_leaves_out_a_call_cut_by_the_end():
+    """The stream (and parse_complete) keeps a cut call, closed into valid JSON; the Python
+    API's whole-reply result leaves it out, so an agent never runs a call with missing
+    arguments. A complete call is kept."""
+    from lily import parse_chat_output
+    cut = REPLY[:REPLY.index("<parameter=temp>") + 20]
+    assert len(parse_complete(cut, reasoning=True, tools=WEATHER_TOOLS).tool_calls) == 1
+    assert parse_chat_output(cut, reasoning=True, tools=WEATHER_TOOLS).tool_calls == []
+    calls = parse_chat_output(REPLY, reasoning=True, tools=WEATHER_TOOLS).tool_calls
+    assert [c.name for c in calls] == ["get_weather"] and calls[0].arguments["city"] == "New York"
+
+
 def test_parser_multiple_calls_json_form_and_without_tools():
     text = ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>\n"
             "<tool_call>\n{\"name\": \"b\", \"arguments\": {\"y\": \"z\"}}\n</tool_call>")

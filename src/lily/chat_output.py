@@ -245,6 +245,9 @@ class ChatOutputParser:
         self.ws_pending = ""            # trailing whitespace held until more text follows
         self.ws_kind = "content"        # the channel ws_pending belongs to
         self.calls: list[_ToolCallState] = []
+        # indices of calls the output ended inside (max tokens, a stop string): closed so the
+        # stream stays valid JSON, but incomplete; whole-reply results leave them out
+        self.truncated: set[int] = set()
         self.call: _ToolCallState | None = None
         self.finished = False
         self.tool_phase = "name"
@@ -566,6 +569,8 @@ class ChatOutputParser:
 
     def _truncate(self, out):
         """Output ended inside a call: close its JSON with the complete parameters so far."""
+        if self.call is not None:
+            self.truncated.add(self.call.index)
         self.buf = ""
         self._close_call(out)
 
@@ -590,6 +595,7 @@ class ChatAccumulator:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[dict] = field(default_factory=list)
+    truncated: set[int] = field(default_factory=set)  # calls cut off by the end of the output
 
     def add(self, events: Iterable[Delta]) -> None:
         for ev in events:
@@ -603,6 +609,11 @@ class ChatAccumulator:
             elif ev.kind == "tool_args":
                 self.tool_calls[ev.index]["function"]["arguments"] += ev.text
 
+    def drop_calls(self, indices) -> None:
+        """Leave out the calls at ``indices`` (the parser's ``truncated``: cut off by the end
+        of the output, so their arguments are incomplete and would not validate)."""
+        self.tool_calls = [c for i, c in enumerate(self.tool_calls) if i not in indices]
+
 
 def parse_complete(text: str, *, reasoning: bool = False, tools: list[dict] | None = None,
                    parse_tools: bool = True) -> ChatAccumulator:
@@ -611,6 +622,7 @@ def parse_complete(text: str, *, reasoning: bool = False, tools: list[dict] | No
     acc = ChatAccumulator()
     acc.add(p.feed(text))
     acc.add(p.finish())
+    acc.truncated = set(p.truncated)
     return acc
 
 
@@ -657,9 +669,11 @@ def parse_chat_output(text: str, *, reasoning: bool = False, tools: list[dict] |
 
     ``reasoning``: the prompt left a ``<think>`` block open (:func:`prompt_opens_reasoning`);
     ``tools``: the tool definitions, which type the arguments; ``parse_tools=False`` leaves
-    tool-call markup in the content.
+    tool-call markup in the content. A call the output ended inside (max tokens) is left out:
+    its arguments are incomplete.
     """
     acc = parse_complete(text, reasoning=reasoning, tools=tools, parse_tools=parse_tools)
+    acc.drop_calls(acc.truncated)
     calls = [ToolCall(c["id"], c["function"]["name"], json.loads(c["function"]["arguments"]))
              for c in acc.tool_calls]
     return ChatMessage(acc.reasoning, acc.content, calls)

@@ -136,7 +136,8 @@ def _load(args):
         options["weight_cache"] = False
         flags.append("--no-weight-cache")
     if flags and args.device == "reference":
-        raise InvalidParameterError(f"{' and '.join(flags)} apply only to the native devices "
+        what = "applies" if len(flags) == 1 else "apply"
+        raise InvalidParameterError(f"{' and '.join(flags)} {what} only to the native devices "
                                     "(--device sim, metal or auto)")
     engine = Engine.load(args.model, device=args.device, max_context=args.max_context,
                          progress=sys.stderr.isatty(), device_options=options or None,
@@ -418,6 +419,19 @@ def cmd_doctor(args) -> int:
                       seed=args.seed, as_json=args.json)
 
 
+def _doctor_int(lowest: int):
+    """argparse type: an integer >= lowest (`lily doctor --seed`, `--max-context`)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lowest}, got {v}")
+        return v
+    return parse
+
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -637,16 +651,18 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
                                    "library and the tensor library load, the memory the model needs, then run "
                                    "every shipped kernel once on the GPU (the simulator off a Mac) against its "
-                                   "numpy reference on fresh random inputs. Ends with a block to paste into a "
+                                   "numpy reference on random inputs from a printed seed. Ends with a block to paste into a "
                                    "bug report. Exit status 1 when anything failed.")
     d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
                    help="device to check (default auto: metal on a Mac, else the simulator)")
     d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
     d.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="checkpoint whose memory needs to show (default: demo model)")
-    d.add_argument("--max-context", type=int, default=None, metavar="N",
-                   help="context length for the KV-cache estimate (default: as Engine.load, 32768 or the model's maximum)")
-    d.add_argument("--seed", type=int, default=None, help="fix the random inputs (default: fresh ones)")
+    d.add_argument("--max-context", type=_doctor_int(1), default=None, metavar="N",
+                   help="context length for the KV-cache estimate, in [1, the model's maximum] (default: as "
+                        "Engine.load, 32768 or the model's maximum)")
+    d.add_argument("--seed", type=_doctor_int(0), default=None, metavar="N",
+                   help="non-negative seed of the random inputs (default: a fresh one, printed in the report)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("estimate", help="ESTIMATE decode and prefill speed on an Apple GPU without a Mac",

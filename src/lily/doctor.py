@@ -7,9 +7,11 @@ Metal simulator). The report ends with a short block meant to be pasted into a b
 
 from __future__ import annotations
 
+import difflib
 import os
 import platform
 import re
+import secrets
 import shutil
 import subprocess
 import sys
@@ -102,18 +104,25 @@ def model_memory(model: str | None, max_context: int | None) -> dict:
     KV cache (an estimate): full-attention layers x (K and V) x KV heads x head dim x
     max_context (default: Engine.load's) x 2 bytes (bf16 cache rows), plus the Gated
     DeltaNet state (float32 S of Hv x Dk x Dv and the conv window) per linear-attention layer.
+    Activation and prefill scratch are not counted (the runtime reports them once loaded:
+    ``Runtime.memory_use``). Raises InvalidParameterError for a ``max_context`` that
+    Engine.load refuses (not an integer in [1, max_position_embeddings]), CheckpointError
+    for a path that is not a checkpoint.
     """
     from lily.checkpoint import open_checkpoint
     from lily.engine import DEFAULT_MAX_CONTEXT, default_model_path
     path = Path(model) if model else default_model_path()
     ck = open_checkpoint(path)
     c = ck.config
-    ctx = max_context or min(DEFAULT_MAX_CONTEXT, c.max_position_embeddings)  # Engine.load's default
+    limit = c.max_position_embeddings
+    ctx = min(DEFAULT_MAX_CONTEXT, limit) if max_context is None else max_context  # Engine.load's default
+    if isinstance(ctx, bool) or not isinstance(ctx, int) or not 0 < ctx <= limit:
+        raise InvalidParameterError(f"max_context must be an integer in [1, {limit}] for {path.name}, got {ctx!r}")
     kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * ctx * 2
     linear = c.num_hidden_layers - len(c.full_attention_layers)
     state = linear * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
                       + c.conv_dim * c.linear_conv_kernel_dim * 4)
-    return {"path": str(path), "weights": ck.nbytes, "max_context": ctx, "kv_cache": kv + state,
+    return {"path": str(path), "name": path.name, "weights": ck.nbytes, "max_context": ctx, "kv_cache": kv + state,
             "total": ck.nbytes + kv + state}
 
 
@@ -134,7 +143,9 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         max_context: int | None = None, seed: int | None = None, as_json: bool = False,
         out=None) -> int:
     """Runs every check and prints the report (text, or one JSON object with ``as_json``).
-    Returns 0 when everything that ran passed, 1 otherwise."""
+    Returns 0 when everything that ran passed and the model fits in memory, 1 otherwise.
+    Without ``seed`` one is drawn and shown, so a failure can be rerun with ``--seed``.
+    Raises InvalidParameterError for an unknown kernel name or a ``max_context`` out of range."""
     from lily import kernel_check
     out = out or sys.stdout
     t0 = time.perf_counter()
@@ -143,15 +154,28 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     sysi = report["system"]
     name, dev, err = open_device(device)
     if dev is not None and kernels:  # a typo in --kernels is an error before any output
-        unknown = sorted(set(kernels) - set(kernel_check.shipped_kernels(dev)))
+        shipped = kernel_check.shipped_kernels(dev)
+        unknown = sorted(set(kernels) - set(shipped))
         if unknown:
-            raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)} (`lily doctor --json` lists "
-                                        f"every kernel of the library)")
+            close = sorted({m for k in unknown for m in difflib.get_close_matches(k, shipped, n=3)})
+            hint = (f"; did you mean {', '.join(close)}?" if close
+                    else " (`lily doctor --json` lists every kernel of the library under \"pipelines\")")
+            raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)}{hint}")
+    try:  # a max_context out of range is an error before any output, like a typo in --kernels
+        mem = model_memory(model, max_context)
+    except InvalidParameterError:
+        raise
+    except Exception as e:  # noqa: BLE001 (a bad checkpoint is a line in the report and a failure)
+        mem = {"error": f"{type(e).__name__}: {e}"}
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    report["seed"] = seed
     say("Lily doctor")
     for key in ("lily", "native_build", "python", "os", "arch", "chip", "xcode", "metal_compiler", "sdk"):
         if key in sysi:
             say(f"  {key:<15} {sysi[key] if sysi[key] is not None else 'not found'}")
     say(f"  {'memory':<15} {_gib(sysi['memory_bytes'])}")
+    say(f"  {'seed':<15} {seed} (rerun the same inputs with --seed {seed})")
 
     report["device"] = {"name": name, "error": err}
     say("\ndevice")
@@ -159,18 +183,25 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"  {name}: FAILED to open: {err}")
     else:
         names = kernel_check.shipped_kernels(dev)
-        if name == "sim":
+        if name == "sim" and "metal" not in _core_devices():
             say("  (no Metal GPU in this build: the kernels run on the Metal simulator, on the CPU; this checks\n"
                 "   the package, not a GPU)")
+            if sys.platform == "darwin":
+                from lily.engine import METAL_BUILD_FIX
+                say("  " + METAL_BUILD_FIX)
         report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
                                  "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
                                  "tensor_ops_status": dev.tensor_ops_status})
         where = "lily.metallib loaded" if name == "metal" else "kernels compiled into the simulator"
-        say(f"  {'device':<15} {name}: {dev.name} ({dev.gpu_family})")
+        say(f"  {'device':<15} {_device_line(name, dev)}")
         say(f"  {'library':<15} {where}: {len(names)} kernels")
         loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
         say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
         pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
+        if name == "sim":  # the simulator does not measure threadgroup memory: unknown, not 0
+            for p in pipes:
+                if p["built"]:
+                    p["static_threadgroup_memory"] = None
         report["pipelines"] = pipes
         bad = [p["kernel"] for p in pipes if not p["built"]]
         say(f"  {'pipelines':<15} {len(names) - len(bad)} of {len(names)} built")
@@ -181,35 +212,33 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         for p in pipes:
             if p["built"]:
                 say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
-                    f"{p['thread_execution_width']:>10} {p['static_threadgroup_memory']:>10}")
+                    f"{p['thread_execution_width']:>10} {_or_dash(p['static_threadgroup_memory']):>10}")
         limits = dict(dev.memory_limits)  # 0 = no limit known (the simulator's)
         report["device"]["memory_limits"] = limits
         if limits.get("working_set"):
             say(f"  {'GPU memory':<15} working set {_gib(limits['working_set'])}, largest buffer "
                 f"{_gib(limits.get('max_buffer') or None)}")
 
-    try:
-        mem = model_memory(model, max_context)
-    except Exception as e:  # noqa: BLE001 (a bad checkpoint is a line in the report)
-        mem = {"error": f"{type(e).__name__}: {e}"}
     report["model"] = mem
     say("\nmodel")
     if "error" in mem:
-        say(f"  {mem['error']}")
+        say(f"  FAILED: {mem['error']}")
     else:
         limits = report["device"].get("memory_limits") or {}
         budget = limits.get("working_set") or sysi["memory_bytes"]
+        mem["budget"] = budget
+        mem["budget_kind"] = "GPU working set" if limits.get("working_set") else "memory"
+        mem["fits"] = budget is None or mem["total"] <= budget
         say(f"  {'checkpoint':<15} {mem['path']}")
         say(f"  {'weights':<15} {_gib(mem['weights'])}")
-        say(f"  {'kv cache':<15} {_gib(mem['kv_cache'])} at max_context {mem['max_context']} (estimate)")
-        fits = budget is None or mem["total"] <= budget
-        say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} "
-            f"{'GPU working set' if limits.get('working_set') else 'memory'}"
-            + ("" if fits else "  TOO LARGE: pass a smaller --max-context"))
+        say(f"  {'kv cache':<15} {_gib(mem['kv_cache'])} at max_context {mem['max_context']} (KV + state)")
+        say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} {mem['budget_kind']}"
+            + ("" if mem["fits"] else "  TOO LARGE: pass a smaller --max-context"))
+        say(f"  {'':<15} (an estimate: weights + KV cache + state; activation and prefill scratch not counted)")
 
     results = []
     if dev is not None:
-        say(f"\nkernels on {name} (fresh random inputs; error = worst |got - exact| / tolerance)")
+        say(f"\nkernels on {name} (random inputs from seed {seed}; error = worst |got - exact| / tolerance)")
 
         def show(r):
             err_s = "" if r.error is None else f"error {r.error:.3g}"
@@ -220,7 +249,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     counts: dict = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
-    failed = bool(err) or bool(counts.get("FAIL") or counts.get("ERROR")) or any(
+    failed = bool(err) or "error" in mem or not mem.get("fits", True) or bool(counts.get("FAIL") or counts.get("ERROR")) or any(
         not p["built"] for p in report.get("pipelines", []))
     report["summary"] = {"ok": not failed, "counts": counts, "seconds": round(time.perf_counter() - t0, 1)}
     if as_json:
@@ -236,8 +265,15 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     if dev is None:
         say(f"device {name}: FAILED to open: {err}")
     else:
-        say(f"device {name}: {dev.name} {dev.gpu_family} | tensor ops: "
+        say(f"device {_device_line(name, dev)} | tensor ops: "
             f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}")
+    if "error" in mem:
+        say(f"memory: FAILED: {_short(mem['error'])}")
+    else:
+        say(f"memory: {mem['name']} weights {_gib(mem['weights'])} + KV/state {_gib(mem['kv_cache'])} "
+            f"(max_context {mem['max_context']}) = {_gib(mem['total'])} of {_gib(mem['budget'])} "
+            f"{mem['budget_kind']}: {'fits' if mem['fits'] else 'TOO LARGE'} (estimate, scratch not counted)")
+    say(f"seed: {seed}")
     pipes = report.get("pipelines", [])
     if pipes:
         failed_p = [p["kernel"] for p in pipes if not p["built"]]
@@ -249,6 +285,22 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             say(f"  {r.status} {r.kernel}: {_short(r.detail)}")
     say("--- end ---")
     return 1 if failed else 0
+
+
+def _core_devices() -> list[str]:
+    from lily import _core
+    return list(_core.compiled_devices())
+
+
+def _device_line(name: str, dev) -> str:
+    """'sim (apple10): simulator, no GPU tested' or 'metal: Apple M4 Pro (apple9)'."""
+    if name == "sim":
+        return f"sim ({dev.gpu_family}): simulator, no GPU tested"
+    return f"{name}: {dev.name} ({dev.gpu_family})"
+
+
+def _or_dash(v) -> str:
+    return "-" if v is None else str(v)
 
 
 def _short(text: str, limit: int = 200) -> str:

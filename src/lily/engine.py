@@ -55,6 +55,13 @@ def _generation_settings(generation_config: dict, path: Path, config: ModelConfi
             token_ids(generation_config.get("eos_token_id"), f"{where}: eos_token_id", config.vocab_size))
 
 
+#: How a Mac build gets the GPU device it lacks (the README's "Running on a Mac").
+METAL_BUILD_FIX = ("To build the GPU device: install Xcode and its Metal Toolchain "
+                   "(`xcodebuild -downloadComponent MetalToolchain`), then reinstall with `pip install -v .` "
+                   "and read the CMake notice about Metal, or make the build fail loudly with the reason: "
+                   "`pip install . -Ccmake.define.LILY_METAL=ON`")
+
+
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -64,16 +71,19 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
         # The simulator verifies kernels; it is far too slow to serve: never chosen for you.
         device = "metal" if "metal" in available else "reference"
         if device != "metal":
-            print("lily: no Metal GPU in this build; using device='reference' (numpy on the CPU)",
+            ignored = f"; device options ignored: {', '.join(sorted(options))}" if options else ""
+            print(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}",
                   file=sys.stderr)
     if device == "reference":
         if options and not auto:
-            raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) apply only to "
+            what = "applies" if len(options) == 1 else "apply"
+            raise InvalidParameterError(f"device_options ({', '.join(sorted(options))}) {what} only to "
                                         "the native devices (sim, metal); device='reference' takes none")
         return ReferenceBackend(ck, max_context)
     if device not in available:
+        hint = f". {METAL_BUILD_FIX}" if device == "metal" and sys.platform == "darwin" else ""
         raise DeviceError(f"device {device!r} is not available in this build "
-                          f"(available: {', '.join(available)})")
+                          f"(available: {', '.join(available)}){hint}")
     from lily.native import NativeBackend, reject_unknown_options
     reject_unknown_options(options, NativeBackend.OPTIONS, "device option")
     return NativeBackend(ck, max_context, device, **options)
@@ -461,10 +471,17 @@ class Engine:
         timings.prefill_tokens = len(new)
         n_out = 0
         ended = False  # finished (not cancelled): the session is worth a snapshot
+        t1 = None  # when the first token arrived (the end of the prompt)
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
             nonlocal ended
             ended = reason != "cancelled"
+            # the timings as of the final event (readers stop there; `finally` refines them)
+            now = time.perf_counter()
+            if t1 is None:
+                timings.prefill_s = now - t0
+            else:
+                timings.decode_s = now - t1
             return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         t0 = time.perf_counter()
@@ -488,7 +505,6 @@ class Engine:
         start_pos = backend.position
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
         outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
-        t1 = None
         failed = False
         try:
             backend.start(np.asarray(feed, dtype=np.int64), steps, prompt_ids, p, constraint)
