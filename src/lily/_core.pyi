@@ -61,6 +61,13 @@ class ComputePass:
 class CommandBuffer:
     def compute_pass(self, manual_barriers: bool = False) -> ComputePass: ...
 
+    def copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, size: int) -> None:
+        """
+        Copies size bytes of src at src_offset to dst at dst_offset on the device, in encoding
+        order (ends the current compute pass). Offsets and size: multiples of 4; ValueError
+        for ranges outside their buffers or overlapping in one buffer.
+        """
+
     def commit(self) -> None: ...
 
     def wait(self) -> None: ...
@@ -347,11 +354,13 @@ class SamplingConfig:
     FIELDS: tuple[str, ...]
 
 class SessionSnapshot:
-    """A host copy of a Runtime's session state (Runtime.snapshot / restore)."""
+    """
+    A Runtime's session state in a buffer of its device (Runtime.snapshot / restore).
+    """
 
-    def __init__(self, position: int, parts: Sequence[bytes]) -> None:
+    def __init__(self, position: int, parts: Sequence[bytes], device: Device) -> None:
         """
-        A snapshot from the bytes of `parts()` (a prompt cache file); Runtime.restore checks the sizes.
+        A snapshot from the bytes of `parts()` (a prompt cache file), uploaded into a buffer of `device`; Runtime.restore checks the sizes. ValueError on a record-only device.
         """
 
     @property
@@ -362,9 +371,13 @@ class SessionSnapshot:
     def nbytes(self) -> int:
         """bytes held (KV rows in use, conv and recurrent state)"""
 
+    @property
+    def device_bytes(self) -> int:
+        """bytes of the device buffer holding the parts (nbytes; 0 when empty)"""
+
     def parts(self) -> list[bytes]:
         """
-        The state as bytes, one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.
+        The state as bytes (read from the device buffer), one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.
         """
 
 class Runtime:
@@ -372,7 +385,7 @@ class Runtime:
     One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).
     """
 
-    def __init__(self, device: Device, dims: ModelDims, tensors: Sequence[tuple[str, str, int, int]], max_context: int, split_threshold: int = 32768, split_block: int = 1024, virtual_weights: bool = False, prefill_chunk: int = 512, gemm_path: str = 'auto') -> None:
+    def __init__(self, device: Device, dims: ModelDims, tensors: Sequence[tuple[str, str, int, int]], max_context: int, split_threshold: int = 256, split_block: int = 0, virtual_weights: bool = False, prefill_chunk: int = 2048, gemm_path: str = 'auto') -> None:
         """
         tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.
         """
