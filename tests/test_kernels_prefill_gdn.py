@@ -1,8 +1,9 @@
 """Gated DeltaNet prefill kernels (metal/gdn_prefill.metal) on the Metal simulator.
 
 ``gdn_conv_chunk`` (causal depthwise conv + SiLU over a chunk, conv state carried in and out,
-possibly in place) and ``gdn_scan_k{Dk}_v{Dv}`` (L2 norms, gates, delta rule with the
-recurrent state in registers, gated RMSNorm) against numpy references built from
+possibly in place), ``gdn_scan_k{Dk}_v{Dv}_r{RV}`` (L2 norms, gates, delta rule with the
+recurrent state in registers, each head split over Dv / RV threadgroups) and
+``gdn_gated_norm_v{Dv}`` (gated RMSNorm, in place) against numpy references built from
 ``lily.reference`` (its ``silu``, ``sigmoid``, ``l2_norm`` and, for the whole layer,
 ``ReferenceModel.gated_deltanet`` itself with the projections stubbed), and against the decode
 kernel ``gdn_decode_step`` run token by token. Inputs are fresh random draws per run
@@ -14,7 +15,7 @@ Tolerances:
 * conv vs float64: four products and a sum in float32 (error <= 4 u sum|w x|, u = 2^-24),
   then SiLU (exp and a division, a few ulps of the result, its slope is at most 1.1): each
   output within ``2^-20 * (sum_j |w_j x_j| + |out|)``. The new conv state is a copy: exact.
-* scan vs float64: per token the kernel does float32 dot products over Dk and Dv <= 128 terms
+* scan (+ gated norm) vs float64: per token the kernel does float32 dot products over Dk and Dv <= 128 terms
   (q, k unit norm, |S| <= ~1). An output o = y / rms(y) * w * silu(z) inherits the rounding of
   y = S q relative to its terms sum_k |S_vk q_k|, amplified by the cancellation factor
   kappa = rms_v(sum_k |S_vk q_k|) / rms_v(y_v) (up to ~200 on the tiny preset, where Dk = 32
@@ -29,11 +30,12 @@ Tolerances:
 * conv + scan vs ``ReferenceModel.gated_deltanet`` (the float32 oracle, which also sums the
   conv taps in another order): both sides round, so twice the float64 bounds (128 u kappa
   (...) and 2e-5); the conv state exactly.
-* against ``gdn_decode_step``: the prefill kernels perform the decode step's float32
-  operations in the same order with the same simd_sum reductions, so on the simulator M
-  tokens of a chunk equal M decode steps exactly (outputs, recurrent state, conv state); so
-  do two chunks and one chunk of the same tokens. (A GPU compiler may contract differently
-  in two kernels; exactness is a simulator property.)
+* against ``gdn_decode_step``: the conv performs the decode step's float32 operations in the
+  same order (conv state exact); the scan sums each dot product as per-lane float4 partials
+  and three shuffle-add levels over the 8 lanes of a row (the decode step: 32-lane
+  simd_sum), so outputs and state are held to twice the float64 bounds. Two chunks equal one
+  chunk of the same tokens exactly (the arithmetic of a token does not depend on where its
+  chunk starts).
 
 Correctness tests run in three simulator modes (fixture ``dev``): forward order, reverse
 thread/threadgroup order with undeclared-read detection, random order; all with
@@ -117,8 +119,9 @@ def test_conv_chunk(dev, dims, M, rb, tg, in_place):
 
 # ------------------------------------------------------------------------------ gdn_scan
 
-@pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 5), ("tiny", 64), ("tiny", 100),
-                                    ("dims", 1), ("dims", 5), ("dims", 100), ("real", 13)])
+@pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 5), ("tiny", 9), ("tiny", 64), ("tiny", 100),
+                                    ("dims", 1), ("dims", 7), ("dims", 16), ("dims", 17), ("dims", 100),
+                                    ("real", 13)])
 def test_scan_matches_float64(dev, dims, M):
     """The scan alone from a random state on random post-SiLU activations."""
     L = Layer(dev, dims, seed=12)
@@ -140,22 +143,24 @@ def test_scan_matches_float64(dev, dims, M):
 
 
 @pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 5), ("tiny", 33),
-                                    ("dims", 1), ("dims", 5), ("dims", 13), ("dims", 24)])
-def test_chunk_equals_decode_steps(dev, dims, M):
-    """conv + scan over M tokens == M gdn_decode_step dispatches, bit for bit (outputs,
-    recurrent state, conv state), from a random state; chunk at an odd start position (an
-    even M updates the conv state in place; M = 24 is two whole blocks of TB = 12)."""
+                                    ("dims", 1), ("dims", 8), ("dims", 13), ("dims", 24)])
+def test_chunk_matches_decode_steps(dev, dims, M):
+    """conv + scan + gated norm over M tokens against M gdn_decode_step dispatches from a
+    random state, at an odd start position (an even M updates the conv state in place).
+    The conv state is a copy (exact); the scan sums its dot products in another order than
+    the decode step, so outputs and state agree within the float64 bounds of both sides."""
     L = Layer(dev, dims, seed=13)
     p0 = 7
     conv0, S0 = L.random_state(parity=p0 % 2)
     inp = L.inputs(M)
-    got, _ = L.chunk(*inp, p0=p0)
+    got, conv = L.chunk(*inp, p0=p0)
     got_S, got_conv = L.state(), L.conv_state((p0 + M) % 2)
 
     L.set_state(conv0, S0, parity=p0 % 2)
     want = np.stack([L.decode_step(*(x[t] for x in inp), pos=p0 + t) for t in range(M)])
-    np.testing.assert_array_equal(got, want)
-    np.testing.assert_array_equal(got_S, L.state())
+    *_, scale = L.scan_reference(conv, *inp[1:], S0)
+    assert_outputs_close(got, want, scale, c=128, what="chunk vs decode steps")
+    assert_state_close(got_S, L.state(), atol=2e-5, what="state: chunk vs decode steps")
     np.testing.assert_array_equal(got_conv, L.conv_state((p0 + M) % 2))
 
 
@@ -175,7 +180,7 @@ def check_vs_oracle(L, inp, conv0, S0, got, got_S, got_conv):
 
 
 @pytest.mark.parametrize("dims,split", [("tiny", (37, 64)), ("tiny", (64, 5)), ("dims", (12, 13)),
-                                        ("dims", (1, 30))])
+                                        ("dims", (1, 30)), ("dims", (8, 9)), ("dims", (3, 5, 16))])
 def test_two_chunks_equal_one(dev, dims, split):
     """Conv and recurrent state carried across chunks (conv state in place when a chunk has
     even length) give exactly the single long chunk's outputs and states; both match the
@@ -235,3 +240,25 @@ def test_drift_several_chunks(fwd_dev, dims, chunks):
         p0 += m
         np.testing.assert_array_equal(L.conv_state(p0 % 2), conv_st)
     print(f"drift over {p0} tokens: outputs {worst_o:.2e}, state {worst_S:.2e}")
+
+
+# ------------------------------------------------------------------------------ structure
+
+def test_scan_grid_fills_an_m5_max():
+    """From the recorded counters of a real-dims chunk (record-only): the scan runs as at
+    least 2x the M5 Max's 40 GPU cores of threadgroups (each head split over Dv / RV
+    threadgroups), and the gated norm covers every (token, head) pair."""
+    from lily.native import count_prefill_chunk
+    from lily.perf import QWEN36_35B_A3B, machine
+    from lily.checkpoint import parse_config
+    rows = 512
+    recs = count_prefill_chunk(parse_config(QWEN36_35B_A3B), rows)["records"]
+    scans = [r for r in recs if r["kernel"].startswith("gdn_scan_")]
+    norms = [r for r in recs if r["kernel"].startswith("gdn_gated_norm_")]
+    assert len(scans) == len(norms) == 30
+    for r in scans:
+        assert int(np.prod(r["groups"])) >= 2 * machine("m5max").cores
+        assert r["groups"] == (32, 4, 1) and r["threads"] == (256, 1, 1)
+        assert r["threadgroup_memory"] <= 16 * 1024
+    for r in norms:
+        assert int(np.prod(r["groups"])) * int(np.prod(r["threads"])) // 32 >= rows * 32

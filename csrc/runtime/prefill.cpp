@@ -35,6 +35,11 @@ MoeGeometry moe_geometry(uint32_t T) {
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
 // gdn_conv_chunk: threads per threadgroup (channels) and rows per thread.
 constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
+// gdn_scan: state rows per threadgroup (the instantiations of metal/gdn_prefill.metal): 32 for
+// Dv = 128, so the model's 32 heads run as 128 threadgroups (>= 2x a 40-core GPU).
+uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
+// gdn_gated_norm: (token, head) pairs per threadgroup, one simdgroup each.
+constexpr uint32_t kGdnNormPairs = 8;
 // attention: 256 threads, 32 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
@@ -221,15 +226,24 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .args(5, args::GdnConvChunkArgs{C, M, kConvRowsPerThread}).run(pass);
       }
       const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
+      const size_t o_bytes = size_t(M) * Hv * Dv * f;
       {
-        Op op(dev, "gdn_scan_k" + std::to_string(Dk) + "_v" + std::to_string(Dv), L + "scan");
-        op.groups(tg(Hv), tg(1024))
-            .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.z, 0, size_t(M) * Hv * Dv * f)
-            .in(2, *c.b, 0, size_t(M) * Hv * f).in(3, *c.a, 0, size_t(M) * Hv * f)
-            .in(4, W(g + ".A_log"), &t.weight_bytes).in(5, W(g + ".dt_bias"), &t.weight_bytes)
-            .in(6, W(g + ".norm.weight"), &t.weight_bytes).inout(7, *state_[l], 0, state_bytes)
-            .out(8, *c.o, 0, size_t(M) * Hv * Dv * f)
-            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+        // Each head split into Dv / RV threadgroups of RV state rows (docs/prefill.md).
+        const uint32_t RV = gdn_scan_rows(Dv);
+        Op op(dev, "gdn_scan_k" + std::to_string(Dk) + "_v" + std::to_string(Dv) + "_r" + std::to_string(RV),
+              L + "scan");
+        op.groups(tg(Hv, Dv / RV), tg(RV * args::kGdnScanLanesPerRow))
+            .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.b, 0, size_t(M) * Hv * f)
+            .in(2, *c.a, 0, size_t(M) * Hv * f).in(3, W(g + ".A_log"), &t.weight_bytes)
+            .in(4, W(g + ".dt_bias"), &t.weight_bytes).inout(5, *state_[l], 0, state_bytes)
+            .out(6, *c.o, 0, o_bytes).args(7, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      }
+      {
+        Op op(dev, "gdn_gated_norm_v" + std::to_string(Dv), L + "gated norm");
+        op.groups(tg(ceil_div(uint64_t(M) * Hv, kGdnNormPairs)), tg(kGdnNormPairs * 32))
+            .in(1, *c.z, 0, o_bytes).in(2, W(g + ".norm.weight"), &t.weight_bytes)
+            .inout(3, *c.o, 0, o_bytes).bind(0, *c.o)
+            .args(4, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
       }
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
       gemm(g + ".out_proj", 4, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, L + "out_proj");

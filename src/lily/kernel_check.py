@@ -627,7 +627,9 @@ class GdnPrefillLayer:
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
         self.S = dev.buffer(Hv * Dv * Dk * 4)
-        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}"
+        self.RV = 32 if Dv >= 128 else 16  # state rows per scan threadgroup (the runtime's rule)
+        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}_r{self.RV}"
+        self.norm_kernel = f"gdn_gated_norm_v{Dv}"
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
 
     # ---- state and inputs
@@ -666,16 +668,21 @@ class GdnPrefillLayer:
                    label="gdn_conv_chunk")
 
     def encode_scan(self, p, conv, z, b, a, out, M):
-        bufs = [conv[0], z[0], b[0], a[0], self.W[1], self.W[2], self.W[3], self.S, out[0]]
-        p.dispatch(self.scan_kernel, self.Hv, 1024,
-                   buffers=list(enumerate(bufs)),
-                   constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[conv[1], z[1], b[1], a[1], self.W[1], self.W[2], self.W[3], self.S],
-                   writes=[self.S, out[1]], threadgroups=True, label=self.scan_kernel)
+        """gdn_scan (y = S q into ``out``) then gdn_gated_norm in place, as the runtime does."""
+        (O, o_rng) = out
+        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
+                   buffers=list(enumerate([conv[0], b[0], a[0], self.W[1], self.W[2], self.S, O])),
+                   constants=[(7, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[conv[1], b[1], a[1], self.W[1], self.W[2], self.S],
+                   writes=[self.S, o_rng], threadgroups=True, label=self.scan_kernel)
+        p.dispatch(self.norm_kernel, -(-M * self.Hv // 8), 256,
+                   buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, O)],
+                   constants=[(4, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[o_rng, z[1], self.W[3]], writes=[o_rng], threadgroups=True, label=self.norm_kernel)
 
     def chunk(self, qkv, z, b, a, p0, rb=16):
-        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2) then
-        the scan, in one concurrent pass (the barrier comes from the declared ranges).
+        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2), the
+        scan and the gated norm, in one concurrent pass (barriers from the declared ranges).
         Returns the scan output [M, Hv*Dv] and the conv output [M, C]."""
         dev, M = self.dev, len(qkv)
         Q = rows_buffer(dev, qkv)
@@ -688,7 +695,7 @@ class GdnPrefillLayer:
         self.encode_scan(p, CO, Z, B, A, O, M)
         cb.commit()
         cb.wait()
-        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1]
+        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 2]
         return (download(O[0], np.float32, (M, self.Hv * self.Dv)),
                 download(CO[0], np.float32, (M, self.C)))
 
@@ -1901,9 +1908,10 @@ def _gdn_conv_chunk(dev, rng, kernel):
     return max(r, ratio(L.conv_state(1), want_state, 0, f"{kernel} new conv state"))
 
 
-@check("gdn_scan_k128_v128", "gdn_scan_k32_v32")
+@check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_gated_norm_v128", "gdn_gated_norm_v32")
 def _gdn_scan(dev, rng, kernel):
-    L = GdnPrefillLayer(dev, "dims" if "k128" in kernel else "tiny", rng=rng)
+    """The scan and the gated norm run together (the norm's input is the scan's y)."""
+    L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
     M = 9
     _, S0 = L.random_state()
     conv = f32(silu(rng.standard_normal((M, L.C))))
