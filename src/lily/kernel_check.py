@@ -627,8 +627,9 @@ class GdnPrefillLayer:
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
         self.S = dev.buffer(Hv * Dv * Dk * 4)
-        self.RV = 32 if Dv >= 128 else 16  # state rows per scan threadgroup (the runtime's rule)
-        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}_r{self.RV}"
+        # the library's scan for these dims; its name gives RV, the state rows per threadgroup
+        self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
+        self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
         self.norm_kernel = f"gdn_gated_norm_v{Dv}"
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
 
@@ -670,6 +671,7 @@ class GdnPrefillLayer:
     def encode_scan(self, p, conv, z, b, a, out, M):
         """gdn_scan (y = S q into ``out``) then gdn_gated_norm in place, as the runtime does."""
         (O, o_rng) = out
+        # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
         p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
                    buffers=list(enumerate([conv[0], b[0], a[0], self.W[1], self.W[2], self.S, O])),
                    constants=[(7, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
