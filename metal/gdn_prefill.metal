@@ -3,89 +3,77 @@
 //
 // Three dispatches per layer and chunk, after the projections (qkv, z, b, a: fp32 [M, ...]):
 //
-//   gdn_conv_chunk   causal depthwise conv of every channel over [conv state | qkv rows],
-//                    SiLU, new conv state. One thread per (channel, block of RB rows);
-//                    the thread of the first row block owns the channel's conv state: it
-//                    reads the state column before writing it, so the state may be updated
-//                    in place (input and output the same bytes).
-//   gdn_scan         the delta rule over the whole chunk. Value head h is split into DV / RV
-//                    threadgroups of RV state rows each (rows of S are independent: row v
-//                    only sees v[v]), so the model's 32 heads give 128 threadgroups. Eight
-//                    adjacent lanes share a row (three shuffle-add levels per dot product
-//                    instead of a 32-lane simd_sum). The state is loaded into registers
-//                    once, carried through all M tokens and written back once. Threadgroup
-//                    memory holds only activations, in blocks of TB tokens: normalised q and
-//                    k, v of the threadgroup's rows, g, beta (staged, coalesced) and y = S q:
+//   gdn_scan         causal conv + SiLU of the channels it needs (inline, from qkv and the
+//                    conv state: the conv output never goes through device memory), L2 norms,
+//                    gates and the delta rule over the whole chunk. Value head h is split into
+//                    DV / RV threadgroups of RV state rows each (rows of S are independent:
+//                    row v only sees v[v]), so the model's 32 heads give 128 threadgroups.
+//                    Eight adjacent lanes share a row (three shuffle-add levels per dot
+//                    product instead of a 32-lane simd_sum). The state is loaded into
+//                    registers once, carried through all M tokens and written back once.
+//                    Threadgroup memory holds only activations, in blocks of TB tokens:
+//                    normalised q and k, v of the threadgroup's rows, g, beta and y = S q:
 //                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
 //   gdn_gated_norm   gated RMSNorm over each head's Dv values of y, in place (the RMS needs
 //                    the whole head, which no scan threadgroup holds).
+//   gdn_conv_state   the next conv state (the last K-1 rows of [conv state | qkv]); after the
+//                    scan, which reads the old one (they may be the same bytes).
 //
-// The scan sums its dot products in another order than gdn_decode_step (metal/gdn.metal):
-// a chunk agrees with decode steps to float32 rounding, and two chunks equal one chunk of the
-// same tokens bit for bit (the arithmetic per token does not depend on where a chunk starts).
+// The conv is gdn_decode_step's (metal/gdn.metal) operation for operation; the scan sums its
+// dot products in another order, so a chunk agrees with decode steps to float32 rounding, and
+// two chunks equal one chunk of the same tokens bit for bit (the arithmetic per token does
+// not depend on where a chunk starts).
 #include <metal_stdlib>
 #include "common.h"  // silu, softplus: the decode step's (metal/gdn.metal)
 #include "prefill_args.h"
 using namespace metal;
 
-// ---------------------------------------------------------------- gdn_conv_chunk
+// ---------------------------------------------------------------- causal conv
 
-// out[t, c] = silu(sum_j w[c, j] * x[t - (K-1) + j, c]), x = [conv_in | qkv] along rows;
-// conv_out = the last K-1 rows of [conv_in | qkv]. Thread (c, y) convolves rows
-// [y*RB, min((y+1)*RB, M)) of channel c with a K-1 value window in registers; adjacent threads
-// take adjacent channels, so every row access of a simdgroup is 128 contiguous bytes.
+// silu(sum_j w[ch, j] * x[t - (K-1) + j, ch]) with x = [conv state (K-1 rows) | qkv rows]: the
+// conv output of channel ch at chunk row t, in gdn_decode_step's order (the newest tap first,
+// then the window oldest first), so it equals the decode step's bit for bit on the simulator.
 template <uint K>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_chunk(device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output, q | k | v
-                           device const bfloat* conv_w [[buffer(1)]],  // [C, K] conv1d.weight
-                           device const float* conv_in [[buffer(2)]],  // [K-1, C] conv state (oldest first)
-                           device float* conv_out [[buffer(3)]],       // [K-1, C] next conv state; may be conv_in
-                           device float* out [[buffer(4)]],            // [M, C] silu(conv)
-                           constant GdnConvChunkArgs& args [[buffer(5)]],
-                           uint2 gid [[thread_position_in_grid]]) {
+inline float conv_silu(device const float* qkv, device const float* conv_in, device const bfloat* conv_w,
+                       uint C, uint t, uint ch) {
+  float acc = qkv[ulong(t) * C + ch] * float(conv_w[ch * K + K - 1]);
+  for (uint j = 0; j + 1 < K; ++j) {
+    const uint row = t + j;  // row of x: [0, K-1) the state, then qkv row - (K-1)
+    const float x = row >= K - 1 ? qkv[ulong(row - (K - 1)) * C + ch] : conv_in[row * C + ch];
+    acc += x * float(conv_w[ch * K + j]);
+  }
+  return silu(acc);
+}
+
+// ---------------------------------------------------------------- gdn_conv_state
+
+// conv_out = the last K-1 rows of [conv_in | qkv] (for M < K-1 it keeps old rows). One thread
+// per channel reads its whole new column before writing it, so conv_out may be conv_in.
+template <uint K>
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_state(
+    device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output
+    device const float* conv_in [[buffer(1)]],  // [K-1, C] conv state (oldest first)
+    device float* conv_out [[buffer(2)]],       // [K-1, C] next conv state; may be conv_in
+    constant GdnConvStateArgs& args [[buffer(3)]],
+    uint c [[thread_position_in_grid]]) {
   static_assert(K >= 2, "the conv state holds K-1 >= 1 rows");
   const uint C = args.conv_dim;
   const uint M = args.rows;
-  const uint RB = max(args.rows_per_thread, K - 1);
-  const uint c = gid.x;
-  const uint r0 = gid.y * RB;
-  if (c >= C || r0 >= M) {
+  if (c >= C) {
     return;
   }
-  const uint r1 = min(r0 + RB, M);
-
-  float w[K];
-  for (uint j = 0; j < K; ++j) {
-    w[j] = float(conv_w[c * K + j]);
-  }
-  // win[j] = input row r0 - (K-1) + j: from the state for the first block (the only reader
-  // and the only writer of the state column), else from qkv (r0 >= RB >= K-1).
-  float win[K - 1];
+  float next[K - 1];
   for (uint j = 0; j + 1 < K; ++j) {
-    win[j] = r0 == 0 ? conv_in[j * C + c] : qkv[(r0 - (K - 1) + j) * C + c];
+    const uint row = M + j;  // row of [conv_in | qkv]
+    next[j] = row >= K - 1 ? qkv[ulong(row - (K - 1)) * C + c] : conv_in[row * C + c];
   }
-  for (uint t = r0; t < r1; ++t) {
-    const float x = qkv[t * C + c];
-    // gdn_decode_step's order: the newest tap first, then the window oldest first.
-    float acc = x * w[K - 1];
-    for (uint j = 0; j + 1 < K; ++j) {
-      acc += win[j] * w[j];
-    }
-    out[t * C + c] = silu(acc);
-    for (uint j = 0; j + 2 < K; ++j) {
-      win[j] = win[j + 1];
-    }
-    win[K - 2] = x;
-  }
-  if (r0 == 0) {
-    // The state column has been read (all of it, above): now replace it.
-    for (uint j = 0; j + 1 < K; ++j) {
-      conv_out[j * C + c] = r1 == M ? win[j] : qkv[(M - (K - 1) + j) * C + c];
-    }
+  for (uint j = 0; j + 1 < K; ++j) {
+    conv_out[j * C + c] = next[j];
   }
 }
 
-template [[host_name("gdn_conv_chunk")]] [[kernel]] decltype(gdn_conv_chunk<4>) gdn_conv_chunk<4>;
+template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdnConvTaps>) gdn_conv_state<kGdnConvTaps>;
 
 // ---------------------------------------------------------------- gdn_scan
 
@@ -96,16 +84,18 @@ template [[host_name("gdn_conv_chunk")]] [[kernel]] decltype(gdn_conv_chunk<4>) 
 // lanes of a row read k and q from threadgroup memory as consecutive float4s (no bank
 // conflict; the row groups of a simdgroup read the same addresses). Threadgroup memory:
 // TB * (2*DK + 2*RV + 2) * 4 bytes (10.1 KiB at DK = 128, RV = 32, TB = 8).
-template <uint DK, uint DV, uint RV, uint TB>
+template <uint DK, uint DV, uint RV, uint TB, uint K>
 [[max_total_threads_per_threadgroup(256)]] kernel void gdn_scan(  // RV * 8 <= 256
-    device const float* conv [[buffer(0)]],       // [M, C] gdn_conv_chunk output, q | k | v
-    device const float* b [[buffer(1)]],          // [M, Hv] in_proj_b output
-    device const float* a [[buffer(2)]],          // [M, Hv] in_proj_a output
-    device const float* A_log [[buffer(3)]],      // [Hv]
-    device const bfloat* dt_bias [[buffer(4)]],   // [Hv]
-    device float* state [[buffer(5)]],            // [Hv, Dv, Dk] recurrent state, in place
-    device float* y [[buffer(6)]],                // [M, Hv*Dv] S q per value dim (gdn_gated_norm's input)
-    constant GdnScanArgs& args [[buffer(7)]],
+    device const float* qkv [[buffer(0)]],        // [M, C] in_proj_qkv output, q | k | v (before the conv)
+    device const bfloat* conv_w [[buffer(1)]],    // [C, K] conv1d.weight
+    device const float* conv_in [[buffer(2)]],    // [K-1, C] conv state at the chunk's start
+    device const float* b [[buffer(3)]],          // [M, Hv] in_proj_b output
+    device const float* a [[buffer(4)]],          // [M, Hv] in_proj_a output
+    device const float* A_log [[buffer(5)]],      // [Hv]
+    device const bfloat* dt_bias [[buffer(6)]],   // [Hv]
+    device float* state [[buffer(7)]],            // [Hv, Dv, Dk] recurrent state, in place
+    device float* y [[buffer(8)]],                // [M, Hv*Dv] S q per value dim (gdn_gated_norm's input)
+    constant GdnScanArgs& args [[buffer(9)]],
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -163,14 +153,13 @@ template <uint DK, uint DV, uint RV, uint TB>
       if (t >= M) {
         continue;
       }
-      device const float* x = conv + ulong(t) * C;
       float qr[EQ];
       float kr[EQ];
       float sq = 0.0f;
       float sk = 0.0f;
       for (uint e = 0; e < EQ; ++e) {
-        qr[e] = x[kh * DK + e * 32 + lane];
-        kr[e] = x[Hk * DK + kh * DK + e * 32 + lane];
+        qr[e] = conv_silu<K>(qkv, conv_in, conv_w, C, t, kh * DK + e * 32 + lane);
+        kr[e] = conv_silu<K>(qkv, conv_in, conv_w, C, t, Hk * DK + kh * DK + e * 32 + lane);
         sq += qr[e] * qr[e];
         sk += kr[e] * kr[e];
       }
@@ -185,7 +174,7 @@ template <uint DK, uint DV, uint RV, uint TB>
         kf[i * DK + e * 32 + lane] = kr[e] * kscale;
       }
       if (lane < RV) {
-        v_s[i * RV + lane] = x[2 * Hk * DK + h * DV + v0 + lane];
+        v_s[i * RV + lane] = conv_silu<K>(qkv, conv_in, conv_w, C, t, 2 * Hk * DK + h * DV + v0 + lane);
       }
       if (lane == 0) {
         g_s[i] = exp(-A * softplus(a[t * Hv + h] + dtb));
@@ -234,8 +223,8 @@ template <uint DK, uint DV, uint RV, uint TB>
 
 // The model (Hk=16, Hv=32) and the "dims" preset: 4 threadgroups of 256 threads per head
 // (128 for the model: 3.2 per M5 Max core); the "tiny" preset: 2 of 128 per head.
-template [[host_name("gdn_scan_k128_v128_r32")]] [[kernel]] decltype(gdn_scan<128, 128, 32, kGdnScanTokensPerBlock>) gdn_scan<128, 128, 32, kGdnScanTokensPerBlock>;
-template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 32, 16, kGdnScanTokensPerBlock>) gdn_scan<32, 32, 16, kGdnScanTokensPerBlock>;
+template [[host_name("gdn_scan_k128_v128_r32")]] [[kernel]] decltype(gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>;
+template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>;
 
 // ---------------------------------------------------------------- gdn_gated_norm
 

@@ -69,17 +69,17 @@ struct MoeCombineArgs {
 
 // ---- Gated DeltaNet --------------------------------------------------------------------
 
-// gdn_conv_chunk (metal/gdn_prefill.metal): causal depthwise conv (K = 4 taps) of one chunk
-// over [conv state | qkv rows], then SiLU; the conv state is carried in and out (the output
-// may be the input state's own bytes). Grid: ceil(C / tg) x ceil(M / RB) threadgroups.
-struct GdnConvChunkArgs {
-  uint conv_dim;         // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv and out
-  uint rows;             // M: tokens in the chunk, >= 1; M * C < 2^32
-  uint rows_per_thread;  // RB: consecutive rows one thread convolves (grid y = ceil(M / RB)); < K-1 acts as K-1
+// gdn_conv_state (metal/gdn_prefill.metal): the conv state after a chunk, the last K-1 rows
+// of [conv state | qkv rows] (the output may be the input state's own bytes). Grid: C threads.
+struct GdnConvStateArgs {
+  uint conv_dim;  // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv
+  uint rows;      // M: tokens in the chunk, >= 1; M * C < 2^32
 };
+// Causal conv taps of the prefill kernels (the model's linear_conv_kernel_dim).
+enum : uint { kGdnConvTaps = 4 };
 
-// gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): L2 norms, gates, delta rule over the
-// chunk with the recurrent state held in registers; writes y = S q. Grid: Hv x Dv/RV
+// gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): causal conv + SiLU, L2 norms, gates,
+// delta rule over the chunk with the recurrent state held in registers; writes y = S q. Grid: Hv x Dv/RV
 // threadgroups of RV * kGdnScanLanesPerRow threads. gdn_gated_norm_v<Dv>: gated RMSNorm of y
 // per (token, head), in place; grid ceil(M*Hv / 8) threadgroups of 256 threads.
 struct GdnScanArgs {

@@ -270,7 +270,7 @@ class Runtime {
   uint64_t chunk_bytes_ = 0;
   bool tensor_ops_ = false;
   struct ChunkBuffers {
-    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, conv, o, qg, k, v, q, attn, router, ids, w,
+    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, o, qg, k, v, q, attn, router, ids, w,
         block_counts, perm, tiles, tile_count, hx, yx, hs, ys, part_ml, part_o, logits;
     std::vector<gpu::BufferPtr> hist[2];
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)

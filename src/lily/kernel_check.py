@@ -657,49 +657,46 @@ class GdnPrefillLayer:
                 f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
 
     # ---- encoders (declared ranges as the runtime will declare them)
-    def encode_conv(self, p, qkv, M, cin, cout, out, rb=16, tg=256):
-        """``qkv`` / ``out``: (buffer, declared range) pairs from rows_buffer / out_buffer."""
-        (Q, q_rng), (O, o_rng) = qkv, out
-        rb_eff = max(rb, GDN_K - 1)
-        grid = (-(-self.C // tg), -(-M // rb_eff), 1)
-        p.dispatch("gdn_conv_chunk", grid, (tg, 1, 1),
-                   buffers=[(0, Q), (1, self.W[0]), (2, cin), (3, cout), (4, O)],
-                   constants=[(5, args_bytes(self.C, M, rb))],
-                   reads=[q_rng, self.W[0], cin], writes=[cout, o_rng], threadgroups=True,
-                   label="gdn_conv_chunk")
-
-    def encode_scan(self, p, conv, z, b, a, out, M):
-        """gdn_scan (y = S q into ``out``) then gdn_gated_norm in place, as the runtime does."""
+    def encode_scan(self, p, qkv, cin, z, b, a, out, M):
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; y = S q into ``out``)
+        then gdn_gated_norm in place, as the runtime does. ``qkv``, ``z``, ``b``, ``a``,
+        ``out``: (buffer, declared range) pairs from rows_buffer / rows_out_buffer."""
         (O, o_rng) = out
         # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
         p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
-                   buffers=list(enumerate([conv[0], b[0], a[0], self.W[1], self.W[2], self.S, O])),
-                   constants=[(7, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[conv[1], b[1], a[1], self.W[1], self.W[2], self.S],
+                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O])),
+                   constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S],
                    writes=[self.S, o_rng], threadgroups=True, label=self.scan_kernel)
         p.dispatch(self.norm_kernel, -(-M * self.Hv // 8), 256,
                    buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, O)],
                    constants=[(4, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
                    reads=[o_rng, z[1], self.W[3]], writes=[o_rng], threadgroups=True, label=self.norm_kernel)
 
-    def chunk(self, qkv, z, b, a, p0, rb=16):
-        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2), the
-        scan and the gated norm, in one concurrent pass (barriers from the declared ranges).
-        Returns the scan output [M, Hv*Dv] and the conv output [M, C]."""
+    def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
+        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
+        tail = min(M, GDN_K - 1) * self.C * 4  # declared: only the last K-1 rows it copies
+        p.dispatch("gdn_conv_state", -(-self.C // tg), tg,
+                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, args_bytes(self.C, M))],
+                   reads=[(qkv[0], M * self.C * 4 - tail, tail), cin], writes=[cout], threadgroups=True,
+                   label="gdn_conv_state")
+
+    def chunk(self, qkv, z, b, a, p0):
+        """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the gated
+        norm and the next conv state (buffer (p0+M) % 2), in one concurrent pass (barriers
+        from the declared ranges). Returns the output [M, Hv*Dv]."""
         dev, M = self.dev, len(qkv)
-        Q = rows_buffer(dev, qkv)
-        CO = rows_out_buffer(dev, M, self.C)
-        Z, B, A = rows_buffer(dev, z), rows_buffer(dev, b), rows_buffer(dev, a)
+        Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
         O = rows_out_buffer(dev, M, self.Hv * self.Dv)
+        cin, cout = self.CS[p0 % 2], self.CS[(p0 + M) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        self.encode_conv(p, Q, M, self.CS[p0 % 2], self.CS[(p0 + M) % 2], CO, rb=rb)
-        self.encode_scan(p, CO, Z, B, A, O, M)
+        self.encode_scan(p, Q, cin, Z, B, A, O, M)
+        self.encode_conv_state(p, Q, M, cin, cout)
         cb.commit()
         cb.wait()
-        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 2]
-        return (download(O[0], np.float32, (M, self.Hv * self.Dv)),
-                download(CO[0], np.float32, (M, self.C)))
+        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 1]
+        return download(O[0], np.float32, (M, self.Hv * self.Dv))
 
     def decode_step(self, qkv, z, b, a, pos):
         """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
@@ -1892,39 +1889,36 @@ def _attn_prefill_split(dev, rng, kernel):
     return _close(got, attention64(q, qg, K, V, p0), 2e-5, 2e-5, f"{kernel} (split + combine)")
 
 
-@check("gdn_conv_chunk")
-def _gdn_conv_chunk(dev, rng, kernel):
+@check("gdn_conv_state")
+def _gdn_conv_state(dev, rng, kernel):
     L = GdnPrefillLayer(dev, "tiny", rng=rng)
-    M = 7
-    state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
-    L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
-    qkv = L.inputs(M)[0]
-    Q, CO = rows_buffer(dev, qkv), rows_out_buffer(dev, M, L.C)
-    cb = dev.command_buffer()
-    L.encode_conv(cb.compute_pass(), Q, M, L.CS[0], L.CS[1], CO, rb=3, tg=96)
-    cb.commit()
-    cb.wait()
-    want, want_state, mag = L.conv_reference(qkv, state_in)
-    r = ratio(download(CO[0], np.float32, (M + SPARE_ROWS, L.C))[:M], want, 2.0**-20 * (mag + np.abs(want)),
-              f"{kernel} output")
-    return max(r, ratio(L.conv_state(1), want_state, 0, f"{kernel} new conv state"))
+    worst = 0.0
+    for M, out in ((2, 0), (7, 1)):  # in place (M < K-1 keeps old rows) and into the other buffer
+        state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
+        L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
+        qkv = L.inputs(M)[0]
+        cb = dev.command_buffer()
+        L.encode_conv_state(cb.compute_pass(), rows_buffer(dev, qkv), M, L.CS[0], L.CS[out], tg=96)
+        cb.commit()
+        cb.wait()
+        worst = max(worst, ratio(L.conv_state(out), L.conv_reference(qkv, state_in)[1], 0, f"{kernel} (M = {M})"))
+    return worst
 
 
 @check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_gated_norm_v128", "gdn_gated_norm_v32")
 def _gdn_scan(dev, rng, kernel):
-    """The scan and the gated norm run together (the norm's input is the scan's y)."""
+    """The scan (conv inline) and the gated norm run together (the norm's input is the scan's y)."""
     L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
     M = 9
-    _, S0 = L.random_state()
-    conv = f32(silu(rng.standard_normal((M, L.C))))
-    _, z, b, a = L.inputs(M)
-    CO, Z, B, A = (rows_buffer(dev, x) for x in (conv, z, b, a))
+    conv0, S0 = L.random_state()
+    qkv, z, b, a = L.inputs(M)
+    Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
     O = rows_out_buffer(dev, M, L.Hv * L.Dv)
     cb = dev.command_buffer()
-    L.encode_scan(cb.compute_pass(), CO, Z, B, A, O, M)
+    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, M)
     cb.commit()
     cb.wait()
-    want_o, want_S, scale = L.scan_reference(conv, z, b, a, S0)
+    want_o, want_S, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
     got = download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))[:M]
     r = ratio(got, want_o, 64 * U * scale, f"{kernel} outputs")
     return max(r, ratio(L.state(), want_S, 1e-5, f"{kernel} state"))
