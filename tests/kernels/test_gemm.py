@@ -39,14 +39,14 @@ import time
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev  # noqa: F401 (fixtures)
+from harness import ORDERS, THREAD_ORDERS  # noqa: F401
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, upload  # noqa: E402
-from test_kernels_gemv_moe import magnitude, rand_quant  # noqa: E402
+from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
 from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
@@ -56,34 +56,9 @@ U = 2.0**-24
 BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
 DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
-TIMES: dict[str, float] = {}
-
-
-def teardown_module(module):
-    for k, v in sorted(TIMES.items()):
-        print(f"  sim time {k}: {v:.2f} s")
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def check(got, exact, tol, what):
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all(), f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
-    err = np.abs(got - exact)
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outputs out of tolerance; worst err/tol "
-                           f"{(err / tol).max():.3g} at {np.unravel_index(np.argmax(err / tol), err.shape)}")
-    ratio = float((err / tol).max())
-    print(f"{what}: worst err/tol {ratio:.3g}")
-    return ratio
-
-
-def commit(cb, label):
-    t0 = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    TIMES[label] = TIMES.get(label, 0.0) + time.perf_counter() - t0
 
 
 def qbufs(dev, qt):

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from harness import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -41,9 +41,9 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
-import test_kernels_prefill_gemm as simd_suite  # noqa: E402
+import test_gemm as simd_suite  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 U = 2.0**-24
 BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
 
@@ -119,7 +119,8 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES, magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
+from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES  # noqa: E402,F401
+from harness import magnitude, rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, w):
@@ -141,16 +142,6 @@ def check_bound(got, x, qt, index=None, extra=None):
     err = np.abs(got - (exact if extra is None else extra(exact)))
     assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
     return exact, tol
-
-
-def dispatch(dev, kernel, groups, tg, buffers, cst, reads, writes):
-    """buffers bound at 0.., then the argument struct `cst` (if any) at the next index."""
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, groups, tg, buffers=list(enumerate(buffers)),
-                               constants=[(len(buffers), cst)] if cst is not None else [],
-                               reads=reads, writes=writes, threadgroups=True)
-    cb.commit()
-    cb.wait()
 
 
 def cdiv(a, b):

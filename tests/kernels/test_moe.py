@@ -18,7 +18,6 @@ propagate the bound to first order (see ``_swiglu_bound`` and ``test_moe_block_*
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,41 +37,13 @@ from lily.kernel_check import (  # noqa: E402,F401
     GATE_UP_ROWS_PER_SG, MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, swiglu_bound as _swiglu_bound,
     enc_norm_gemv, gemv_grid, magnitude, norm_gemv_args, norm_gemv_grid,
     rand_quant, rms_ref64, route_ref, to_bf16_bits, upload_q)
-
-TIMES: dict[str, float] = {}
+from harness import assert_within, commit, run_bound  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def dev():
     # verify_writes: every byte written outside a dispatch's declared write ranges is an error
     return sim_device(verify_writes=True)
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    idx = len(buffers)
-    p.dispatch(kernel, grid, tg, buffers=[(i, b) for i, b in enumerate(buffers)],
-               constants=[(idx, args)], reads=list(reads), writes=list(writes),
-               threadgroups=threadgroups, label=label)
-    t0 = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
-    return cb
-
-
-def assert_within(got, want, tol, what):
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all(), f"{what}: non-finite outputs at {np.nonzero(~np.isfinite(got))[0][:10]}"
-    err = np.abs(got - want)
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {bad.sum()} outputs out of tolerance; worst err/tol "
-                           f"{(err / tol).max():.3g} at {np.argmax(err / tol)}")
-    return float((err / tol).max())
 
 
 # ----------------------------------------------------------------------------- gemv
@@ -95,7 +66,7 @@ def test_gemv(dev, bits, rows, cols):
     X = upload(dev, x)
     pad = 8
     Y = dev.buffer(4 * (rows + pad))  # poisoned (NaN); the pad must stay untouched
-    run(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
         reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=f"gemv_q{bits}")
     out = download(Y, np.float32)
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
@@ -113,7 +84,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
     r0 = rng.standard_normal(rows).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, R = upload(dev, x), upload(dev, r0)
-    run(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], constant(rows, cols),
+    run_bound(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], constant(rows, cols),
         reads=[W, S, B, X, R], writes=[R], label=f"gemv_q{bits}_add")
     exact = r0.astype(np.float64) + qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64)) + np.abs(r0)
@@ -129,7 +100,7 @@ def test_gemv_threadgroup_sizes(dev, tg):
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
-    run(dev, "gemv_q4", -(-rows // (8 * tg // 32)), tg, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, "gemv_q4", -(-rows // (8 * tg // 32)), tg, [W, S, B, X, Y], constant(rows, cols),
         reads=[W, S, B, X], writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt) @ np.abs(x)), "gemv_q4 tg")
@@ -167,7 +138,7 @@ def test_embed(dev, vocab, cols):
     for tok, want_row in [(0, 0), (vocab - 1, vocab - 1), (vocab // 3, vocab // 3), (vocab + 5, vocab - 1)]:
         T = upload(dev, np.array([tok], np.uint32))
         O = dev.buffer(4 * cols)
-        run(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], constant(cols, vocab),
+        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], constant(cols, vocab),
             reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_q4")
         want = qt.dequantize(want_row).astype(np.float64)
         mag = magnitude(qt, want_row)
@@ -186,7 +157,7 @@ def test_rms_norm(dev, rows, n, tg):
     eps = 1e-6
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
     args = constant(n) + np.float32(eps).tobytes()
-    run(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
+    run_bound(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     # sum of n positive squares (depth <= n/tg + 5 + 32) feeds rsqrt (halves the relative
@@ -200,7 +171,7 @@ def test_rms_norm_in_place(dev):
     x = rng.standard_normal(n).astype(np.float32)
     w = to_bf16_bits(rng.standard_normal(n))
     X, Wt = upload(dev, x), upload(dev, w)
-    run(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
+    run_bound(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
     assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
@@ -215,7 +186,7 @@ def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
     tg = tg or min(1024, -(-E // 32) * 32)
-    run(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, int(norm)),
+    run_bound(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, int(norm)),
         reads=[L, X, GW, GS, GB], writes=[ids, wts], label="moe_route")
     return download(ids, np.uint32), download(wts, np.float32)
 
@@ -258,13 +229,6 @@ def test_moe_route_ties_and_no_renorm(dev):
 
 
 # ----------------------------------------------------------------------------- MoE experts
-
-
-def commit(cb, label):
-    t0 = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    TIMES[label] = TIMES.get(label, 0.0) + time.perf_counter() - t0
 
 
 MOE_SHAPES = [  # E, hidden, inter, inter_shared, k
@@ -614,7 +578,7 @@ def test_norm_gemv_xn_matches_rms_norm(dev):
     nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
     xn, _ = check_norm_gemv(dev, 8, x, nw, [rand_quant(rng, (), 16, cols, 8)], True)
     X, Wt, O = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
-    run(dev, "rms_norm", 1, 256, [X, Wt, O], constant(cols) + np.float32(NORM_EPS).tobytes(), reads=[X, Wt],
+    run_bound(dev, "rms_norm", 1, 256, [X, Wt, O], constant(cols) + np.float32(NORM_EPS).tobytes(), reads=[X, Wt],
         writes=[O], label="rms_norm")
     from lily.reference import rms_norm
     ref = rms_norm(x[None], bf16_to_f32(nw), NORM_EPS)[0].astype(np.float64)
@@ -823,12 +787,6 @@ def test_fused_moe_block_orders(moe_cache, opts):
         outs.append([download(b, np.uint32) for b in (R, XN, ids, wts)])
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
-
-
-def test_report_sim_times():
-    """Prints the simulator wall time per kernel collected by the tests above (-s to see)."""
-    for name, t in sorted(TIMES.items()):
-        print(f"  {name:50s} {t * 1000:9.1f} ms")
 
 
 # ----------------------------------------------------------------------------- embed + norm_gemv

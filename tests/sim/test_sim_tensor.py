@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
