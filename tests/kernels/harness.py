@@ -75,3 +75,9 @@ def assert_within(got, want, tol, what):
     assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outputs out of tolerance; worst err/tol "
                            f"{(err / tol).max():.3g} at {np.unravel_index(np.argmax(err / tol), err.shape)}")
     return float((err / tol).max())
+
+
+def forward_sim():
+    """The simulator in dispatch order with out-of-range write detection (``verify_writes``):
+    the device of the decode GEMV / norm / embedding / MoE tests."""
+    return sim_device(verify_writes=True)
