@@ -3,15 +3,17 @@
 Every check builds small fresh random inputs, dispatches one kernel of the shipped library
 on a native device (``metal``, or ``sim`` on Linux) and compares the outputs with a numpy
 evaluation in float64, against the same first-order error bounds the kernel tests use
-(tests/test_kernels_*.py import the reference helpers from here: one home for them).
+(tests/kernels/ import the reference helpers from here, through tests/kernels/harness.py:
+one home for them).
 
     results = run_checks(device)            # every kernel of device.kernel_names()
     for r in results: print(r.kernel, r.status, r.error)
 
 A result's ``error`` is the worst ratio of |got - exact| to the kernel's tolerance (PASS
 when <= 1), or for exact kernels (argmax, routing ids) 0 or 1. Kernels whose name starts
-with ``st_`` are the simulator's self-test kernels (metal/selftest*.metal), not part of the
-model; they are not checked here.
+with ``st_`` are the simulator's self-test kernels (metal/selftest*.metal, registered only in
+the simulator, never in the shipped metallib), not part of the model; they are not checked
+here.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from lily.reference import (
 from lily.sampling import Sampler, SamplingParams
 
 U = 2.0**-24          # fp32 unit roundoff
-DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/test_kernels_gemv_moe.py)
+DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
 GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)

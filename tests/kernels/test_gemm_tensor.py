@@ -1,7 +1,7 @@
 """Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal), on the Metal
 simulator with gpu_family="apple10".
 
-1. h-gemm's suite, unchanged, on the twins: every test of tests/test_kernels_prefill_gemm.py
+1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
    (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
    grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
    a real-model-shaped layer) is collected here again with its own parametrisation, inputs
@@ -9,7 +9,7 @@ simulator with gpu_family="apple10".
    ``_tensor`` twin (same bindings, grids, outputs). Its tolerances are the float32 bounds
    documented in that module (``(K + 8) u M`` per output, first-order SwiGLU propagation),
    which hold for any summation order, so they are also what a GPU must meet. Excluded: its
-   simulator-timing test and its simdgroup_matrix simulator test (not GEMM kernels).
+   simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
    product and adds it in increasing k order (docs/device-layer.md), as does its
    simdgroup_matrix multiply-accumulate, and both paths dequantize with the same fp32
@@ -20,7 +20,7 @@ simulator with gpu_family="apple10".
 3. The twins' bindings match gemm.metal's, they exist only on apple10 devices, and the
    Metal backend's start-up probe kernel computes what it should.
 
-Correctness tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+Correctness tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
 poisoned (NaN) outputs; the extra exactness checks of part 2 run in forward order.
 """
@@ -94,7 +94,7 @@ def fwd():
 
 
 # ---- part 1: h-gemm's suite on the twins (module docstring)
-_NOT_GEMM = {"test_time_lm_head_shape", "test_sim_matrix_products_per_lane"}
+_NOT_GEMM = {"test_time_lm_head_shape"}
 for _name, _fn in list(vars(simd_suite).items()):
     if _name.startswith("test_") and callable(_fn) and _name not in _NOT_GEMM:
         globals()[_name + "_tensor"] = _fn
