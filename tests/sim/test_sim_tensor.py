@@ -10,7 +10,7 @@ numpy model below performs exactly those float32 operations (one vectorised
 representable, so results must be bit-identical. (A GPU may sum in another order or fuse
 multiply-adds: a test on a Mac would need a float32 summation tolerance.)
 
-Kernel tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+Kernel tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
 a device created with gpu_family="apple10"; outputs start poisoned (NaN), shapes do not
 divide the tiles.
