@@ -3,7 +3,7 @@
 Every check builds small fresh random inputs, dispatches one kernel of the shipped library
 on a native device (``metal``, or ``sim`` on Linux) and compares the outputs with a numpy
 evaluation in float64, against the same first-order error bounds the kernel tests use
-(tests/kernels/ import the reference helpers from here, through tests/kernels/harness.py:
+(tests/kernels/ import the reference helpers from here, through tests/harness.py:
 one home for them).
 
     results = run_checks(device)            # every kernel of device.kernel_names()

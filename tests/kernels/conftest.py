@@ -1,4 +1,5 @@
-"""Fixtures of the kernel tests: the devices each kernel runs on (tests/simdev.py)."""
+"""Fixtures of the kernel tests: the devices each kernel runs on (tests/simdev.py); their
+helpers are in tests/harness.py."""
 
 from __future__ import annotations
 

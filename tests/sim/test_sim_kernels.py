@@ -6,6 +6,9 @@ geometries that do not divide evenly into threadgroups or simdgroups.
 
 from __future__ import annotations
 
+import functools
+
+import harness
 import numpy as np
 import pytest
 from seeding import fresh_rng
@@ -24,15 +27,8 @@ def dev(request):
     return sim_device(thread_order=request.param, seed=11)
 
 
-def run(dev, kernel, grid, tg, buffers=(), constants=(), tgmem=(), reads=(), writes=(), threadgroups=False):
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-               threadgroup_memory=list(tgmem), reads=list(reads), writes=list(writes),
-               threadgroups=threadgroups)
-    cb.commit()
-    cb.wait()
-    return cb
+# dispatchThreads unless a test says threadgroups=True
+run = functools.partial(harness.run, threadgroups=False)
 
 
 def bf16_round(x):

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from seeding import fresh_rng
 from simdev import ORDERS, THREAD_ORDERS
+from harness import run  # noqa: E402
 
 from lily import _core
 
@@ -89,15 +90,6 @@ def mm_model(a, b, c0=None):
 
 def args(M, N, K, lda=None):
     return constant(M, N, K, K if lda is None else lda)
-
-
-def run(dev, kernel, groups, tg, buffers, cst, reads, writes):
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, groups, tg, buffers=buffers, constants=cst, reads=reads, writes=writes,
-                               threadgroups=True)
-    cb.commit()
-    cb.wait()
-    return cb
 
 
 def cdiv(a, b):

@@ -1,4 +1,5 @@
-"""The kernel tests' one harness (tests/kernels/test_<family>.py import from here).
+"""The one harness of the kernel tests (tests/kernels/test_<family>.py) and the simulator's
+self-test kernel tests (tests/sim/).
 
 * devices: the simulator modes and the Metal GPU (tests/simdev.py; the ``dev`` and
   ``fwd_dev`` fixtures are in tests/kernels/conftest.py);
