@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lily._device import constant, download, upload
-from lily.checkpoint import QuantizedTensor, bf16_to_f32
+from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.errors import InvalidParameterError
 from lily.reference import (
     ReferenceModel,
@@ -63,12 +63,7 @@ PENDING: frozenset[str] = frozenset()
 # ----------------------------------------------------------------------------- references
 
 
-def to_bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even (NaN stays NaN)."""
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
-bf16_bits = to_bf16_bits  # the name the mixer tests use
+to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
 
 
 def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
@@ -1842,7 +1837,6 @@ def _prefill_case(dev, rng, D, G, p0, M):
 
 @check("attn_prefill_prep_d256", "attn_prefill_prep_d64")
 def _attn_prefill_prep(dev, rng, kernel):
-    from lily.reference import round_bf16
     D, _ = _variant(kernel)
     p0, M = 11, 6
     L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng)
