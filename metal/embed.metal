@@ -1,7 +1,7 @@
 // Embedding lookups on the MLX affine-quantized table: one row for a decode step (embed_q,
 // the token id read on the GPU) and the rows of a prefill chunk (embed_rows_q). The decode
 // step fuses its lookup into the first norm_gemv (embed_norm_gemv_q, gemv.metal), with the
-// same arithmetic. Host-side facts: docs/kernels.md (embed_q4), docs/prefill.md (embed_rows_q4).
+// same arithmetic. Host-side facts: docs/kernels.md (embed_q4, embed_rows_q4).
 #include <metal_stdlib>
 using namespace metal;
 
