@@ -1,6 +1,7 @@
-// The decode step as a list of named stages (docs/conventions.md "One plan, two phases").
-// Kernel geometry and bindings follow docs/kernels.md; every dispatch declares what it
-// reads and writes, and the compute pass derives the barriers from that.
+// The decode phase (docs/conventions.md "One plan, two phases"): its pipelines, resolved at
+// load, and the step as a list of named dispatches over the layers (model.h), then the final
+// norm + lm_head and the sampler. Kernel geometry and bindings follow docs/kernels.md; every
+// dispatch declares what it reads and writes, and the compute pass derives the barriers.
 #include "runtime/runtime.h"
 
 #include <algorithm>

@@ -1,6 +1,7 @@
-// One prefill chunk as a list of named stages (docs/prefill.md, "One chunk"). Kernel
-// geometry and bindings follow docs/prefill.md; every dispatch declares what it reads and
-// writes, and the compute pass derives the barriers from that.
+// The prefill phase: its pipelines (resolved at load) and chunk buffers, one chunk as a list
+// of named dispatches over the layers (docs/prefill.md, "One chunk"), and the every-position
+// lm_head. Kernel geometry and bindings follow docs/prefill.md; every dispatch declares what
+// it reads and writes, and the compute pass derives the barriers from that.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -1,6 +1,7 @@
-// The session runtime: weights, session state, the decode pipeline (two command buffers
-// and two token slots in flight) and chunked prefill; the step and chunk encodings are in
-// decode.cpp and prefill.cpp.
+// The session runtime: lifecycle (weights, buffers, load-time checks), session state and
+// snapshots, the decode pipeline (two command buffers and two token slots in flight) and
+// the chunked prefill driver. Every dispatch is encoded by the two phases, decode.cpp and
+// prefill.cpp.
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -12,7 +13,6 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
-#include "runtime/kernel_args.h"
 
 namespace lily::runtime {
 
