@@ -3,11 +3,11 @@ self-test kernel tests (tests/sim/).
 
 * devices: the simulator modes and the Metal GPU (tests/simdev.py; the ``dev`` and
   ``fwd_dev`` fixtures are in tests/kernels/conftest.py);
-* one dispatch on a device: :func:`run` (explicit bindings), :func:`run_bound` (buffers at
-  0.., the argument struct at the next index), :func:`run_encoder` (an encoder function of
-  lily.kernel_check on a fresh command buffer): lily.kernel_check's, which ``lily doctor``
-  uses, with the wall time added to :data:`TIMES` (printed at the end of a verbose run);
-  :func:`commit` does the same for a command buffer a test encoded itself;
+* one dispatch on a device, with lily.kernel_check's helpers (``lily doctor`` uses them):
+  :func:`run` (explicit bindings) and :func:`run_bound` (buffers at 0.., the argument
+  struct at the next index) add their wall time to :data:`TIMES` (printed at the end of a
+  verbose run), as :func:`commit` does for a command buffer a test encoded itself;
+  :func:`run_encoder` runs an ``enc_*`` encoder of lily.kernel_check;
 * the numpy twins' helpers (random MLX-quantized tensors, bf16 encoding, magnitude bounds,
   references): their home is :mod:`lily.kernel_check`, which ``lily doctor`` runs on an
   installed package; they are re-exported here so a test imports one module;
