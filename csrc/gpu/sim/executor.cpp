@@ -75,6 +75,8 @@ const char* op_name(Op op) {
 
 namespace {
 
+// Thrown on a fiber for a kernel error; "aborted" unwinds a thread whose threadgroup has
+// already failed (its message is the first error, kept in Threadgroup::error).
 struct KernelFault : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
@@ -102,6 +104,8 @@ struct MatrixMemo {
   MatrixMemo() {}  // user-provided: emplace_back() leaves the byte arrays uninitialised
 };
 
+// A simdgroup's collective in progress: lanes deposit operands in `in` and wait until
+// every live lane has arrived; the last one computes every result (complete_collective).
 struct SimdState {
   int lanes = 0, live = 0, arrived = 0;
   // Matrix operations [memo_head, memo_tail) of simd_matrix_op, operation i at
@@ -117,6 +121,7 @@ struct SimdState {
   alignas(16) unsigned char out[kSimdWidth][kCollectiveSlot];
 };
 
+// A `threadgroup T x;` declaration's storage, found by the address of the declaration.
 struct TgVar {
   const void* key;
   void* ptr;
@@ -124,18 +129,20 @@ struct TgVar {
   void* base;   // the allocation (ptr is inside it: see threadgroup_var)
 };
 
+// One threadgroup being run: its threads, the run queue, and what they wait for. Threads
+// run one at a time until they block, so no locks are needed.
 struct Threadgroup {
   std::vector<Thread> threads;
   std::vector<SimdState> simds;
-  std::deque<int> runq;
+  std::deque<int> runq;  // runnable threads, in the dispatch's thread order
   int n = 0, done = 0, barrier_arrived = 0;
   int rendezvous_arrived = 0;
   const char* rendezvous_what = nullptr;
   std::vector<TgVar> vars;
   std::vector<std::pair<const void*, std::unique_ptr<ThreadgroupExtension>>> extensions;
   unsigned char* dyn[kMaxBindings] = {};
-  size_t bytes = 0;
-  bool failed = false;
+  size_t bytes = 0;     // threadgroup memory in use (limit kMaxThreadgroupMemory)
+  bool failed = false;  // the first error stops the threadgroup; the rest unwind
   std::string error;
   int order_mode = 0;
   std::mt19937_64* rng = nullptr;
@@ -212,6 +219,7 @@ void complete_collective(Threadgroup& tg, SimdState& s, int base) {
   s.fn = nullptr;
 }
 
+// The running thread waits (its state says for what) until another thread wakes it.
 void block(Worker& w) {
   Thread& t = *w.cur;
   t.state = Thread::State::blocked;
@@ -219,6 +227,31 @@ void block(Worker& w) {
   if (w.tg->failed) throw KernelFault("aborted");  // unwinds this fiber's stack
 }
 
+// The calling thread arrives where the whole threadgroup meets (a barrier, a rendezvous):
+// the last to arrive wakes those waiting (marked by `waits`), the others wait.
+void meet(Worker& w, int& arrived, bool Thread::*waits) {
+  Threadgroup& tg = *w.tg;
+  arrived += 1;
+  if (arrived < tg.n) {
+    w.cur->*waits = true;
+    block(w);
+    return;
+  }
+  arrived = 0;
+  std::vector<int> woken;
+  for (int t = 0; t < tg.n; ++t) {
+    Thread& o = tg.threads[t];
+    if (o.*waits) {
+      o.*waits = false;
+      o.state = Thread::State::runnable;
+      woken.push_back(t);
+    }
+  }
+  tg.schedule(woken);
+}
+
+// A returning thread: threads still waiting for it at a barrier are an error, and a
+// collective its simdgroup's other lanes wait in may now be complete.
 void thread_exit(Worker& w, Thread& f) {
   Threadgroup& tg = *w.tg;
   f.state = Thread::State::done;
@@ -272,6 +305,8 @@ void unwind_all(Worker& w, Threadgroup& tg) {
     if (t.fiber.started && t.state != Thread::State::done) run(w, t);
 }
 
+// Runs threadgroup `tgpos` to the end; then checks for deadlock, guard zones and the
+// extensions' end-of-threadgroup rules. Throws gpu::Error naming the kernel.
 void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64& rng) {
   Threadgroup tg;
   tg.order_mode = d.thread_order;
@@ -347,6 +382,7 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     tg.schedule(all);
   }
 
+  // Each thread runs until it blocks or returns; an empty queue with threads left is a deadlock.
   while (!tg.runq.empty()) {
     int t = tg.runq.front();
     tg.runq.pop_front();
@@ -435,36 +471,18 @@ void* threadgroup_var(const void* key, size_t size, size_t align) {
 void threadgroup_barrier() {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
-  Thread& f = *w.cur;
   if (tg.done > 0)
     kernel_fail("threadgroup_barrier reached after " + std::to_string(tg.done) +
                 " thread(s) of the threadgroup returned (every thread must reach it)");
   if (tg.rendezvous_arrived > 0)
     kernel_fail("threadgroup_barrier reached while " + std::to_string(tg.rendezvous_arrived) +
                 " thread(s) of the threadgroup wait in " + tg.rendezvous_what + " (divergent control flow?)");
-  tg.barrier_arrived += 1;
-  if (tg.barrier_arrived == tg.n) {
-    tg.barrier_arrived = 0;
-    std::vector<int> woken;
-    for (int t = 0; t < tg.n; ++t) {
-      Thread& o = tg.threads[t];
-      if (o.at_barrier) {
-        o.at_barrier = false;
-        o.state = Thread::State::runnable;
-        woken.push_back(t);
-      }
-    }
-    tg.schedule(woken);
-    return;
-  }
-  f.at_barrier = true;
-  block(w);
+  meet(w, tg.barrier_arrived, &Thread::at_barrier);
 }
 
 void threadgroup_rendezvous(const char* what) {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
-  Thread& f = *w.cur;
   if (tg.done > 0)
     kernel_fail(std::string(what) + " reached after " + std::to_string(tg.done) +
                 " thread(s) of the threadgroup returned (every thread of the execution scope must call it)");
@@ -475,23 +493,7 @@ void threadgroup_rendezvous(const char* what) {
     kernel_fail(std::string("divergent tensor operations: this thread calls ") + what + " while " +
                 std::to_string(tg.rendezvous_arrived) + " thread(s) wait in " + tg.rendezvous_what);
   tg.rendezvous_what = what;
-  tg.rendezvous_arrived += 1;
-  if (tg.rendezvous_arrived == tg.n) {
-    tg.rendezvous_arrived = 0;
-    std::vector<int> woken;
-    for (int t = 0; t < tg.n; ++t) {
-      Thread& o = tg.threads[t];
-      if (o.at_rendezvous) {
-        o.at_rendezvous = false;
-        o.state = Thread::State::runnable;
-        woken.push_back(t);
-      }
-    }
-    tg.schedule(woken);
-    return;
-  }
-  f.at_rendezvous = true;
-  block(w);
+  meet(w, tg.rendezvous_arrived, &Thread::at_rendezvous);
 }
 
 ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtension* (*make)()) {
@@ -581,6 +583,8 @@ void misaligned_arg(const char* kind, uint32_t index, size_t align) {
 }
 
 // ------------------------------------------------------------------ dispatch
+// Threadgroups run one after another (Metal gives no order among them): a forward, reverse
+// or shuffled order shows kernels that depend on one.
 void execute(const ExecDispatch& d) {
   Worker* prev = t_worker;
   thread_local std::unique_ptr<Worker> own;

@@ -10,8 +10,8 @@
 
 namespace lily::sim {
 
-// One cooperatively scheduled thread of execution. Plain data owned by the caller; only
-// FiberHost touches the fields.
+// One cooperatively scheduled thread of execution. Plain data owned by the caller and
+// written only by FiberHost (the caller reads `started`).
 struct Fiber {
   unsigned char* stack = nullptr;  // lowest usable address (above the guard page)
   size_t stack_size = 0;
