@@ -35,8 +35,8 @@ MoeGeometry moe_geometry(uint32_t T) {
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
 // gdn_conv_chunk: threads per threadgroup (channels) and rows per thread.
 constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
-// attention: 256 threads, 32 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
+// attention: 256 threads, 64 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64, kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
