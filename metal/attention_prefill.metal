@@ -24,6 +24,7 @@
 #include <metal_stdlib>
 #include "common.h"  // sigmoid
 #include "prefill_args.h"
+#include "attention_prefill.h"
 using namespace metal;
 
 namespace attn_prefill_detail {
@@ -35,33 +36,7 @@ constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgr
 // ---- attention ----
 constant constexpr uint kThreads = 256;  // 8 simdgroups
 constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: 8 per simdgroup
-constant constexpr uint kTile = 32;      // KV rows per tile
-// Lazy rescaling (as FlashAttention-4): a row keeps its reference max m until a tile's max
-// exceeds it by more than kRescale, so P = exp(s - m) <= e^8 ~ 2981 (half holds it with its
-// full 11-bit precision) and the diag(corr) O product runs only when a row's max jumps. The
-// output O / l is the same for any reference: both carry the same factor exp(-m).
-constant constexpr float kRescale = 8.0f;
-
-// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D] as half (bf16 -> half is
-// exact for |x| in [2^-14, 65504]: 8 significant bits fit in 11; smaller values keep an
-// absolute error <= 2^-25); rows >= kend are zero (masked, and a zero row keeps 0 * v finite
-// in P V). Lane-adjacent threads read adjacent 8-byte chunks of a row.
-template <uint D>
-static inline void load_tile(device const bfloat* head, uint t0, uint kend, threadgroup half* kv,
-                             uint tid) {
-  constexpr uint N4 = kTile * D / 4;
-  threadgroup half4* kv4 = (threadgroup half4*)kv;
-  for (uint e = tid; e < N4; e += kThreads) {
-    const uint r = (4 * e) / D;
-    const uint d = (4 * e) % D;
-    const uint key = t0 + r;
-    half4 x = half4(0.0f);
-    if (key < kend) {
-      x = half4(float4(((device const bfloat4*)(head + ulong(key) * D))[d / 4]));
-    }
-    kv4[e] = x;
-  }
-}
+using namespace attn_prefill_shared;
 
 // Chunk rows per threadgroup: pair r is chunk row r % BQ of the block, head r / BQ.
 template <uint G>
@@ -113,14 +88,10 @@ static inline void attend(device const float* q, device const float* qg,
   const uint kvh = h0 / group;
   const uint row0 = block * BQ;
   const uint last = min(row0 + BQ, M) - 1;  // last chunk row of the block
-  uint kbeg = 0;
-  uint kend = args.p0 + last + 1;           // keys needed by the block's last row
-  if (SPLIT) {
-    kbeg = split * args.split_rows;
-    if (kbeg >= kend) {
-      return;  // uniform: no row of this block reaches split `split`
-    }
-    kend = min(kend, kbeg + args.split_rows);
+  uint kbeg;
+  uint kend;
+  if (!kv_range<SPLIT>(args, last, split, kbeg, kend)) {
+    return;  // uniform: no row of this block reaches split `split`
   }
   const uint h = h0 + (8 * sg) / BQ;        // the simdgroup's head
   const uint srow0 = row0 + (8 * sg) % BQ;  // its first chunk row
@@ -166,7 +137,7 @@ static inline void attend(device const float* q, device const float* qg,
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
 
   for (uint t0 = kbeg; t0 < kend; t0 += kTile) {
-    load_tile<D>(khead, t0, kend, kv, tid);
+    load_tile<D, kThreads>(khead, t0, kend, kv, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint kb = 0; kb < KB; ++kb) {  // S[:, 8 kb .. 8 kb + 7] = Q K_kb^T
       simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
@@ -179,34 +150,17 @@ static inline void attend(device const float* q, device const float* qg,
       simdgroup_store(acc, sc + SgScratch::s + kb * 8, kTile);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K
-    load_tile<D>(vhead, t0, kend, kv, tid);
+    load_tile<D, kThreads>(vhead, t0, kend, kv, tid);
     simdgroup_barrier(mem_flags::mem_threadgroup);    // this simdgroup's scores are visible
-    float corr = 1.0f;
+    float corr;
     {  // online softmax of row sr over the tile
       float s[8];
-      float mx = -INFINITY;
       for (uint j = 0; j < 8; ++j) {
         const uint key = t0 + 8 * su + j;
         const float x = sc[SgScratch::s + sr * kTile + 8 * su + j];
         s[j] = (key <= spos && key < kend) ? x : -INFINITY;
-        mx = max(mx, s[j]);
       }
-      mx = max(mx, simd_shuffle_xor(mx, ushort(1)));
-      mx = max(mx, simd_shuffle_xor(mx, ushort(2)));
-      if (mx > m + kRescale) {  // also the first tile with an attended key (m = -inf)
-        corr = m == -INFINITY ? 1.0f : exp(m - mx);  // O and l are still 0 when m = -inf
-        m = mx;
-      }
-      const float mref = m == -INFINITY ? 0.0f : m;  // a row with nothing attended yet
-      float ps = 0.0f;
-      for (uint j = 0; j < 8; ++j) {
-        const half p = half(exp(s[j] - mref));
-        ph[sr * kTile + 8 * su + j] = p;
-        ps += float(p);
-      }
-      ps += simd_shuffle_xor(ps, ushort(1));
-      ps += simd_shuffle_xor(ps, ushort(2));
-      l = l * corr + ps;
+      corr = softmax_row<8, 4>(s, m, l, ph + sr * kTile + 8 * su);
       if (su == 0) {
         sc[SgScratch::d + sr * 9] = corr;
       }

@@ -60,7 +60,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, upload  # noqa: E402
+from lily._device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
@@ -339,3 +339,42 @@ def test_real_size_chunk(fwd_dev):
                                **twin_tol(fwd_dev))
     np.testing.assert_allclose(L.attention_only(q, qg, p0, split=(96, 3)),
                                attention_twin(q, qg, K, V, p0, split_rows=96), **twin_tol(fwd_dev))
+
+
+# ------------------------------------------------------------------------------ tensor-op path
+
+@pytest.fixture(scope="module", params=ORDERS)
+def tdev(request):
+    """The simulator as an apple10 GPU (M5: the *_tensor kernels exist) in each mode of ORDERS."""
+    return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])
+
+
+@pytest.mark.parametrize("dims,G", [("real", 8), ("real", 2), ("wide64", 4), ("tiny", 2)])
+@pytest.mark.parametrize("p0,M,split", [(0, 1, None), (61, 70, None), (29, 19, (20, 4)), (100, 5, (64, 2))])
+def test_attn_prefill_tensor(tdev, dims, G, p0, M, split):
+    """attn_prefill[_split]_d<D>_g<G>_tensor (+ combine) vs the twin (the same tiles and
+    softmax as the simdgroup kernels: the same tolerance), and vs the simdgroup kernels on the
+    same inputs (identical scores and P on the simulator; O summed in another order: float32
+    rounding, atol 1e-6)."""
+    L, q, qg, K, V = _attn_case(tdev, dims, G, p0, M, seed=13 * G + p0 + M)
+    S = None if split is None else split[0]
+    L.tensor = True
+    got = L.attention_only(q, qg, p0, split=split)
+    np.testing.assert_allclose(got, attention_twin(q, qg, K, V, p0, split_rows=S), **twin_tol(tdev))
+    L.tensor = False
+    np.testing.assert_allclose(got, L.attention_only(q, qg, p0, split=split), rtol=1e-6, atol=1e-6)
+
+
+def test_prefill_chunk_tensor_vs_oracle(tdev):
+    """prep + the tensor-op attention in one pass vs the twin and ReferenceModel.attention."""
+    p0, M = 45, 11
+    L = Layer(tdev, "real", p0 + M + 5, seed=p0 + 5 * M)
+    L.tensor = True
+    L.poison_from(p0)
+    K0, V0 = (from_bf16(c) for c in L.cache())
+    qg, k, v = chunk_inputs(fresh_rng(7, p0, M), M, L.Hq, L.Hkv, L.D)
+    got, q, _ = L.prefill(qg, k, v, p0)
+    kc, vc = L.cache()
+    np.testing.assert_allclose(got, attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0), **twin_tol(tdev))
+    want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)

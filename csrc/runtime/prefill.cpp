@@ -35,8 +35,10 @@ MoeGeometry moe_geometry(uint32_t T) {
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
 // gdn_conv_chunk: threads per threadgroup (channels) and rows per thread.
 constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
-// attention: 256 threads, 64 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64, kPrepRows = 8;
+// attention: 256 threads and 64 (row, head) pairs per threadgroup (attention_prefill.metal),
+// 128 and 16 on the tensor-op path (attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64, kAttnTensorThreads = 128, kAttnTensorPairs = 16;
+constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
@@ -258,7 +260,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .run(pass);
       }
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
-      const uint32_t BQ = kAttnPairs / G;
+      const uint32_t BQ = (tensor_ops_ ? kAttnTensorPairs : kAttnPairs) / G;
+      const uint32_t attn_threads = tensor_ops_ ? kAttnTensorThreads : kAttnThreads;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
       // Split the KV range only when the plain grid is too small to fill the GPU (few query
       // rows after a long prefix; docs/prefill.md): above the layout threshold and with
@@ -267,7 +270,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
                          end >= 2 * prefill_split_rows();
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
+      const std::string suffix = "_d" + Ds + "_g" + std::to_string(G) + (tensor_ops_ ? "_tensor" : "");
       auto declare_kv = [&](Op& op) {
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
           for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) op.read(*cache, kvh * head_rows, size_t(end) * row);
@@ -275,7 +278,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
         Op op(dev, "attn_prefill" + suffix, L + "attention");
-        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
+        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(attn_threads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
@@ -291,7 +294,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
         Op op(dev, "attn_prefill_split" + suffix, L + "attention split");
-        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
+        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(attn_threads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);

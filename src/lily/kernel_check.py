@@ -438,6 +438,7 @@ PREFILL_EPS = 1e-6
 TILE = 32  # KV rows per tile (kTile)
 QROWS = 64  # (row, head) pairs per threadgroup (kRows)
 RESCALE = 8.0  # lazy rescale threshold (kRescale)
+TENSOR_QROWS, TENSOR_THREADS = 16, 128  # attention_prefill_tensor.metal kRows, kThreads
 
 
 def chunk_inputs(rng, M, Hq, Hkv, D):
@@ -450,8 +451,9 @@ class PrefillAttnLayer:
     """Device KV cache and norm weights of one attention layer, and encoders for the prefill
     kernels with the declared ranges of docs/prefill.md."""
 
-    def __init__(self, dev, dims, capacity, seed=0, *, G=None, history=None, rng=None):
+    def __init__(self, dev, dims, capacity, seed=0, *, G=None, history=None, rng=None, tensor=False):
         self.dev = dev
+        self.tensor = tensor  # the attention kernels' tensor-op variants (*_tensor)
         self.Hq, self.Hkv, self.D, self.rot = PREFILL_ATTN_DIMS[dims]
         self.cap = capacity
         self.G = G if G is not None else min(8, self.Hq // self.Hkv)
@@ -506,10 +508,11 @@ class PrefillAttnLayer:
         """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
         Hq, D, G = self.Hq, self.D, self.G
         OUT = self.dev.buffer(M * Hq * D * 4)
-        blocks = -(-M // (QROWS // G))
+        sfx, threads = ("_tensor", TENSOR_THREADS) if self.tensor else ("", 256)
+        blocks = -(-M // ((TENSOR_QROWS if self.tensor else QROWS) // G))
         reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
-            p.dispatch(f"attn_prefill_d{D}_g{G}", (blocks, Hq // G), 256,
+            p.dispatch(f"attn_prefill_d{D}_g{G}{sfx}", (blocks, Hq // G), threads,
                        buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
                        constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
                        threadgroups=True, label=label)
@@ -518,7 +521,7 @@ class PrefillAttnLayer:
         assert ns * S >= p0 + M
         ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
         args = self.attn_args(p0, M, S, ns)
-        p.dispatch(f"attn_prefill_split_d{D}_g{G}", (blocks, Hq // G, ns), 256,
+        p.dispatch(f"attn_prefill_split_d{D}_g{G}{sfx}", (blocks, Hq // G, ns), threads,
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
                    constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
                    label=label)
@@ -1894,8 +1897,8 @@ ATTN_HALF_ATOL = 4e-3
 _PREFILL_DIMS = {256: "real", 64: "wide64"}
 
 
-def _prefill_case(dev, rng, D, G, p0, M):
-    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 9, G=G, rng=rng)
+def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 9, G=G, rng=rng, tensor=tensor)
     L.poison_from(p0 + M)
     q = f32(rng.standard_normal((M, L.Hq, L.D)))
     qg = f32(rng.standard_normal((M, L.Hq * 2 * L.D)))
@@ -1922,24 +1925,24 @@ def _attn_prefill_prep(dev, rng, kernel):
                          f"{kernel} cached k"))
 
 
-@check(*[f"attn_prefill_d{D}_g{G}" for D in (256, 64) for G in (8, 4, 2)])
+@check(*[f"attn_prefill_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")])
 def _attn_prefill(dev, rng, kernel):
     import re
-    D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)$", kernel).groups())
+    D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)", kernel).groups())
     p0, M = 13, 11
-    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M)
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=kernel.endswith("_tensor"))
     return _close(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0), 0, ATTN_HALF_ATOL, kernel)
 
 
-@check(*[f"attn_prefill_split_d{D}_g{G}" for D in (256, 64) for G in (8, 4, 2)],
+@check(*[f"attn_prefill_split_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
        "attn_prefill_combine_d256", "attn_prefill_combine_d64")
 def _attn_prefill_split(dev, rng, kernel):
     import re
     D = int(re.search(r"_d(\d+)", kernel).group(1))
-    g = re.search(r"_g(\d+)$", kernel)
+    g = re.search(r"_g(\d+)", kernel)
     G = int(g.group(1)) if g else 8
     p0, M, S, ns = 13, 11, 16, 3
-    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M)
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=kernel.endswith("_tensor"))
     got = L.attention_only(q, qg, p0, split=(S, ns))
     return _close(got, attention_twin(q, qg, K, V, p0, split_rows=S), 0, ATTN_HALF_ATOL, f"{kernel} (split + combine)")
 
