@@ -10,7 +10,7 @@
 //   load K as half (all threads), barrier;
 //   S = Q K^T   one matmul2d (16 x 32, k = D, half x half -> fp32) over the 4 simdgroups,
 //               Q (16 pairs, times the scale, half) staged once in threadgroup memory;
-//   barrier; load V as half while 8 threads per row run the fp32 online softmax (P -> half);
+//   barrier; load V as half while 4 threads per row run the fp32 online softmax (P -> half);
 //   barrier; O (16 x D fp32, a cooperative tensor: registers) *= corr per row, when a row's
 //               reference max moved (a flag per simdgroup);
 //   O += P V    one matmul2d (16 x D, k = 32); barrier.
@@ -90,9 +90,11 @@ static inline void attend(device const float* q, device const float* qg, device 
     }
   }
 
-  // softmax role: row sr, columns 4 su .. 4 su + 3 (8 threads of one simdgroup per row)
-  const uint sr = tid / 8;
-  const uint su = tid % 8;
+  // softmax role (threads < 64): row sr, columns 8 su .. 8 su + 7, 4 threads per row: the
+  // simdgroup kernel's layout, so l is summed in the same order and both paths agree bit for
+  // bit on the simulator
+  const uint sr = min(tid / 4, kRows - 1);
+  const uint su = tid % 4;
   const uint spos = args.p0 + min(row0 + sr % BQ, M - 1);  // rows past the chunk copy the last one
   float m = -INFINITY;
   float l = 0.0f;
@@ -105,16 +107,19 @@ static inline void attend(device const float* q, device const float* qg, device 
     qk.run(tQ, tKV, tS);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // S complete, K no longer read
     load_tile<D, kThreads>(vhead, t0, kend, kv, tid);
-    float s[4];
-    for (uint j = 0; j < 4; ++j) {
-      const uint key = t0 + 4 * su + j;
-      const float x = ss[sr * kTile + 4 * su + j];
-      s[j] = (key <= spos && key < kend) ? x : -INFINITY;
-    }
-    const float corr = softmax_row<4, 8>(s, m, l, ps + sr * kTile + 4 * su);
-    const bool moved = simd_any(corr != 1.0f);  // any of the simdgroup's 4 rows
-    if (su == 0) {
-      rowv[sr] = corr;
+    bool moved = false;
+    if (tid < 4 * kRows) {  // uniform per simdgroup: simdgroups 0 and 1
+      float s[8];
+      for (uint j = 0; j < 8; ++j) {
+        const uint key = t0 + 8 * su + j;
+        const float x = ss[sr * kTile + 8 * su + j];
+        s[j] = (key <= spos && key < kend) ? x : -INFINITY;
+      }
+      const float corr = softmax_row<8, 4>(s, m, l, ps + sr * kTile + 8 * su);
+      moved = simd_any(corr != 1.0f);  // any of the simdgroup's 8 rows
+      if (su == 0) {
+        rowv[sr] = corr;
+      }
     }
     if (tid % 32 == 0) {
       rowv[3 * kRows + tid / 32] = moved ? 1.0f : 0.0f;
@@ -135,7 +140,7 @@ static inline void attend(device const float* q, device const float* qg, device 
     threadgroup_barrier(mem_flags::mem_threadgroup);  // kv, S, P and corr free for the next tile
   }
 
-  if (su == 0) {
+  if (tid < 4 * kRows && su == 0) {
     rowv[kRows + sr] = SPLIT ? l : 1.0f / l;
     rowv[2 * kRows + sr] = m;
   }
