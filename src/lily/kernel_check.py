@@ -126,11 +126,34 @@ def args_bytes(*fields) -> bytes:
 
 # ----------------------------------------------------------------------------- layer harnesses
 
-def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
+def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,
+        tgmem=(), label=""):
+    """One dispatch of ``kernel`` in its own command buffer, committed and waited for.
+
+    ``buffers`` and ``constants`` are ``(index, buffer[, offset])`` / ``(index, bytes)``
+    bindings, ``tgmem`` ``(index, bytes)`` of threadgroup memory; ``grid`` counts
+    threadgroups when ``threadgroups`` else threads. Returns the command buffer."""
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-               reads=list(reads), writes=list(writes), threadgroups=threadgroups)
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants), threadgroup_memory=list(tgmem),
+               reads=list(reads), writes=list(writes), threadgroups=threadgroups, label=label)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+def run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
+    """:func:`run` with ``buffers`` bound at 0, 1, ... and the argument struct ``args`` (bytes,
+    or None for none) at the next index."""
+    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [] if args is None else [(len(buffers), args)],
+               reads, writes, threadgroups, label=label)
+
+
+def run_encoder(dev, enc, *a, **kw):
+    """``enc(compute_pass, *a, **kw)`` (an ``enc_*`` encoder of this module) on a fresh
+    command buffer, committed and waited for; returns the command buffer."""
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a, **kw)
     cb.commit()
     cb.wait()
     return cb
@@ -1329,11 +1352,6 @@ def ratio(got, exact, tol, what: str) -> float:
     return worst
 
 
-def _run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True):
-    """``run`` with buffers bound at 0, 1, ... and the constant bytes ``args`` after them."""
-    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [(len(buffers), args)], reads, writes, threadgroups)
-
-
 def _close(got, want, rtol, atol, what):
     """Worst error ratio against numpy's allclose tolerance atol + rtol * |want|."""
     want = np.asarray(want, np.float64)
@@ -1364,7 +1382,7 @@ def _gemv(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
-    _run(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64))
@@ -1380,7 +1398,7 @@ def _embed(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     tok = int(rng.integers(vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
-    _run(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
          threadgroups=False)
     return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
                  f"{kernel} row {tok}")
@@ -1392,7 +1410,7 @@ def _rms_norm(dev, rng, kernel):
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
-    _run(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     return ratio(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, kernel)
@@ -1407,7 +1425,7 @@ def _moe_route(dev, rng, kernel):
     L, X = upload(dev, logits), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    _run(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
+    run_bound(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
          reads=[L, X, GW, GS, GB], writes=[ids, wts])
     top, w = route_ref(logits, k)
     got_ids, got_w = download(ids, np.uint32), download(wts, np.float32)
@@ -1426,7 +1444,7 @@ def _sample_greedy(dev, rng, kernel):
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    _run(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    run_bound(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
     got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
@@ -1473,7 +1491,7 @@ def _gemm(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
-    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
+    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     x64 = x.astype(np.float64)
     exact = x64 @ qt.dequantize().astype(np.float64).T
@@ -1637,7 +1655,7 @@ def _embed_rows(dev, rng, kernel):
     toks = rng.integers(0, vocab, M).astype(np.uint32)
     W, S, B = upload_q(dev, qt)
     T, O = upload(dev, toks), dev.buffer(4 * M * cols)
-    _run(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
          threadgroups=False)
     want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
     tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
@@ -1651,7 +1669,7 @@ def _gemm_swiglu(dev, rng, kernel):
     x = rng.standard_normal((m, k)).astype(np.float32)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
     X, Y = upload(dev, x), dev.buffer(4 * m * n)
-    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
+    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
          reads=[*bufs, X], writes=[Y])
     want, tol = swiglu_ref(x, gq, uq)
     return ratio(download(Y, np.float32, (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
@@ -1748,20 +1766,13 @@ def _moe_route_gate_up(dev, rng, kernel):
     return max(r, ratio(download(H, np.float32), want, tol, f"{kernel} h"))
 
 
-def _run1(dev, enc, *a, **kw):
-    cb = dev.command_buffer()
-    enc(cb.compute_pass(), *a, **kw)
-    cb.commit()
-    cb.wait()
-
-
 @check("moe_route_clear")
 def _moe_route_clear(dev, rng, kernel):
     M, E, k, R, T = 40, 32, 4, 16, 16
     n = nblocks(M, R) * E
     bc = dev.buffer(4 * n)  # poisoned on the simulator; garbage on a GPU
     bc.write(np.full(n, 0xFFFFFFFF, np.uint32).view(np.uint8))
-    _run1(dev, enc_clear, bc, M, E, k, R, T)
+    run_encoder(dev, enc_clear, bc, M, E, k, R, T)
     got = download(bc, np.uint32)
     if got.any():
         raise Mismatch(f"{kernel}: {int((got != 0).sum())} of {n} counters not cleared", 1.0)
@@ -1775,7 +1786,7 @@ def _moe_route_topk(dev, rng, kernel):
     logits = (np.round(rng.standard_normal((M, E + 1)) * 32) / 16).astype(np.float32)  # on a grid: no near-ties
     L, ids, w = upload(dev, logits), dev.buffer(4 * M * k), dev.buffer(4 * M * (k + 1))
     bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
-    _run1(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
+    run_encoder(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
     top, wr = route_ref_rows(logits, k)
     got_ids = download(ids, np.uint32, (M, k))
     if not np.array_equal(got_ids, top):
@@ -1796,7 +1807,7 @@ def _moe_route_scatter(dev, rng, kernel):
     I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
     perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)), dev.buffer(4),
                                    dev.buffer(4 * E))
-    _run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
+    run_encoder(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
     want_counts = np.bincount(ids.ravel(), minlength=E).astype(np.uint32)
     got_counts = download(counts, np.uint32)
     p = download(perm, np.uint32)
@@ -1825,7 +1836,7 @@ def _moe_combine(dev, rng, kernel):
     ys = rng.standard_normal((M, H)).astype(np.float32)
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
-    _run1(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+    run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
     return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
 
