@@ -1,10 +1,12 @@
-"""Prefill attention kernels (metal/attention_prefill.metal) on the Metal simulator.
+"""Prefill attention kernels (metal/attention_prefill.metal, attention_prefill_tensor.metal) on
+the Metal simulator.
 
 attn_prefill_prep_d<D> (q/k RMSNorm, partial RoPE, bf16 K/V rows of the chunk appended to the
-cache), attn_prefill_d<D>_g<G> (causal flash attention of the chunk over the cache, gated) and
-the KV-split path attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>, against their
-numpy twin (kernel_check.attention_twin), float64 numpy attention, lily.reference's rms_norm / rope / ReferenceModel.attention, and the decode
-kernels (attn_qk_prep, attn_decode). Every output buffer starts poisoned (the simulator fills
+cache), attn_prefill_d<D>_g<G>[_tensor] (causal flash attention of the chunk over the cache,
+gated) and the KV-split path attn_prefill_split_d<D>_g<G>[_tensor] + attn_prefill_combine_d<D>,
+against their numpy twin (kernel_check.attention_twin), float64 numpy attention,
+lily.reference's rms_norm / rope / ReferenceModel.attention, and the decode kernels
+(attn_qk_prep, attn_decode). Every output buffer starts poisoned (the simulator fills
 new buffers with NaN) and cache rows past the chunk are NaN, so an element a kernel forgets
 to write, or a row it reads past the causal range, fails the comparison. Shapes are chosen so
 that M is not a multiple of the query block (64/G rows) and p0 + M is not a multiple of the
