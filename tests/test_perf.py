@@ -183,3 +183,21 @@ def test_estimate_of_another_checkpoint_config():
                         breakdown_at=64)
     assert rep["decode"][0]["tok_s"] < rep["decode"][0]["raw_bandwidth_ceiling_tok_s"]
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]
+
+
+def test_prefill_attention_runs_on_half_operands():
+    """Prefill attention (issue 11, item 5): Q K^T and P V on half operands on both paths
+    (sgmm_f16 / tensor_f16; no fp32 matrix work), the *_tensor variant on the tensor path,
+    and matrix flops of the causal (row, key) pairs plus only the partial tiles the kernel
+    walks (a 2048-row chunk after 4096 rows: under 5% over)."""
+    exact = 4 * 256 * 16 * (2048 * 4096 + 2048 * 2049 / 2)  # 4 D Hq per causal pair
+    for path, kernel, mm, groups, threads in (("simdgroup", "attn_prefill_d256_g8", "sgmm_f16", (256, 2, 1), 256),
+                                             ("tensor", "attn_prefill_d256_g8_tensor", "tensor_f16", (1024, 2, 1), 128)):
+        recs = [r for r in count_prefill_chunk(CFG, 2048, 4096, gemm_path=path)["records"]
+                if r["kernel"].startswith("attn_prefill_d")]
+        assert {r["kernel"] for r in recs} == {kernel} and len(recs) == CFG.num_hidden_layers // 4
+        for r in recs:
+            f = r["work"]["flops"]
+            assert r["groups"] == groups and r["threads"] == (threads, 1, 1)
+            assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32")), f
+            assert exact <= f[mm] <= 1.05 * exact

@@ -22,7 +22,9 @@ namespace args = lily::kernels;
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
 constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // dense tiles: gemm.metal / gemm_tiles.h
-constexpr uint32_t kAttnRows = 32, kAttnTile = 16;           // attention_prefill.metal kRows, kTile
+constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
+// (row, head) pairs per threadgroup: attention_prefill.metal / attention_prefill_tensor.metal kRows
+constexpr uint32_t kAttnRows = 64, kAttnTensorRows = 16;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -215,18 +217,36 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   if (starts(k, "attn_prefill_d") || starts(k, "attn_prefill_split_d")) {
-    const uint32_t D = param(k, "_d");
+    const uint32_t D = param(k, "_d"), G = param(k, "_g");
     const auto a = arg<args::AttnPrefillArgs>(r);
-    // causal (row, key) pairs, with the partial diagonal tile of each 16-row KV tile
-    const double pairs = double(a.rows) * a.p0 + 0.5 * double(a.rows) * a.rows + double(a.rows) * kAttnTile;
-    const double heads = a.num_q_heads;
+    // KV tiles the threadgroups run, exactly as the kernel walks them: block b (BQ chunk rows)
+    // covers keys [0, p0 + its last row], cut at split boundaries on the split path, in
+    // kAttnTile-row tiles (the last one partial, masked, but computed in full).
+    const uint32_t rows = tensor ? kAttnTensorRows : kAttnRows;
+    const uint32_t BQ = rows / G, M = a.rows;
+    double tiles = 0;
+    for (uint32_t row0 = 0; row0 < M; row0 += BQ) {
+      const uint64_t kend = uint64_t(a.p0) + std::min(row0 + BQ, M);
+      if (a.num_splits == 0) {
+        tiles += double((kend + kAttnTile - 1) / kAttnTile);
+        continue;
+      }
+      for (uint64_t kbeg = 0; kbeg < kend && kbeg < uint64_t(a.num_splits) * a.split_rows; kbeg += a.split_rows)
+        tiles += double((std::min<uint64_t>(kend - kbeg, a.split_rows) + kAttnTile - 1) / kAttnTile);
+    }
+    tiles *= double(a.num_q_heads / G);  // threadgroup columns
+    const double scores = tiles * rows * kAttnTile;
     Work w = make("attention");
-    add(w, Path::sgmm_f32, 4.0 * D * heads * pairs);  // QK^T and PV, 8x8 fp32 simdgroup_matrix
-    // online softmax per score, and the bf16 -> fp32 staging of K and V per threadgroup
-    const double kv_rows = double(a.p0) + a.rows;
-    add(w, Path::alu_f32, 8.0 * heads * pairs + 2.0 * groups * kv_rows * D / std::max(1u, r.groups.z));
+    // Q K^T and P V: 2 D flops each per score, half operands, fp32 accumulation
+    add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 4.0 * D * scores);
+    // online softmax per score (mask, max, subtract, exp, half rounding, sum); per tile the
+    // bf16 -> half conversion of K and V; per threadgroup the scaling of Q. The rare
+    // diag(corr) O rescale (a row's max grew by > 8) is not counted.
+    add(w, Path::alu_f32, 8.0 * scores + 2.0 * tiles * kAttnTile * D + groups * rows * D);
     w.bytes = declared(r);
-    w.threadgroup_memory = 4 * (kAttnTile * D + kAttnRows * kAttnTile + 256 + 2 * kAttnRows);
+    w.threadgroup_memory = tensor ? 2 * (kAttnTensorRows + kAttnTile) * D + 6 * kAttnTensorRows * kAttnTile +
+                                        12 * kAttnTensorRows + 16
+                                  : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
     return w;
   }
   if (starts(k, "attn_prefill_combine_d")) {
