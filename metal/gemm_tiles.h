@@ -131,19 +131,24 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
     const uint g = row * groups + k0 / kQuantGroup;
     const float s = float(scales[g]);
     const float b = float(biases[g]);
+    // s q + b is monotone in q: its extremes are b and s (2^BITS - 1) + b. Only a group whose
+    // extremes leave the half range (a malformed checkpoint) takes the per-weight clamp.
+    const bool sat = max(fabs(b), fabs(s * float((1u << BITS) - 1u) + b)) > kGemmHalfMax;
     const uint base = row * words + (k0 + kGemmChunk * h) * BITS / 32;
     if (BITS == 4) {
       const uint2 q = *(device const uint2*)(w + base);  // 16 codes, low nibble first
       for (uint j = 0; j < 4; ++j) {
         const uint word = j < 2 ? q.x : q.y;
         const uint4 f = (uint4(word) >> (uint4(16 * (j % 2)) + uint4(0, 4, 8, 12))) & 15u;
-        dst[j] = gemm_half(float4(f) * s + b);
+        const float4 v = float4(f) * s + b;
+        dst[j] = sat ? gemm_half(v) : half4(v);
       }
     } else {
       const uint4 q = *(device const uint4*)(w + base);  // 16 codes, low byte first
       for (uint j = 0; j < 4; ++j) {
         const uint4 f = (uint4(q[j]) >> uint4(0, 8, 16, 24)) & 255u;
-        dst[j] = gemm_half(float4(f) * s + b);
+        const float4 v = float4(f) * s + b;
+        dst[j] = sat ? gemm_half(v) : half4(v);
       }
     }
   }

@@ -1,4 +1,5 @@
-"""Prefill GEMMs of metal/gemm.metal on the Metal simulator against numpy.
+"""Prefill GEMMs (metal/gemm.metal; the grouped expert GEMMs of metal/moe_prefill.metal)
+on the Metal simulator against numpy.
 
 Dense: gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k],
 row strides lda / ldy, column blocks of wider matrices). Grouped expert GEMMs over a tile
@@ -52,6 +53,7 @@ from test_kernels_gemv_moe import rand_quant  # noqa: E402
 
 from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
+from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
 
 U = 2.0**-24
@@ -238,13 +240,15 @@ def test_half_rounding_is_modelled(dev):
 
 
 def test_saturating_half_operands(dev):
-    """Activations beyond the half range are clamped to +-65504 (gemm_half), never inf: an
-    outlier row stays finite and equals the clamped product."""
+    """Operands beyond the half range are clamped to +-65504 (gemm_half), never inf: an
+    outlier activation, or a weight group beyond the half range, gives finite outputs equal
+    to the clamped product."""
     rng = fresh_rng(65504)
     m, n, k = 5, 40, 128
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[1, 3], x[2, :] = 1e6, -7e4
+    qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
     wb = qbufs(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * m * n)
     cb = dev.command_buffer()

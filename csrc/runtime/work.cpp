@@ -23,9 +23,10 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-// The prefill GEMMs stage half operands (gemm_tiles.h): every staged activation and weight
-// is clamped to the half range and converted (min, max, convert), in fp32 ALU.
-constexpr double kHalfConvOps = 3;
+// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU: every staged activation
+// is clamped to the half range and converted (min, max, convert: 3 operations), every
+// dequantized weight converted (1; the clamp is decided once per row and group).
+constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd).
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
@@ -92,7 +93,7 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes and converts the weight rows it
   // multiplies; every column block (grid x) converts its activation rows.
-  add(w, Path::alu_f32, (kDequantOps + kHalfConvOps) * nb * r.groups.y * double(a.n) * a.k +
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * r.groups.y * double(a.n) * a.k +
                             kHalfConvOps * r.groups.x * double(a.m) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
@@ -112,7 +113,7 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
-  add(w, Path::alu_f32, (kDequantOps + kHalfConvOps) * nb * tiles * double(a.n) * a.k +
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
                             kHalfConvOps * rows * a.k * r.groups.y + (nb == 2 ? 4.0 * rows * a.n : 0.0));
   w.threadgroup_memory = gemm_smem(T, bn, nb);
   const double stack = double(a.n) * a.k * quant_bytes(4);
