@@ -1,7 +1,7 @@
 """Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal,
 moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with gpu_family="apple10".
 
-1. h-gemm's suite, unchanged, on the twins: every test of tests/test_kernels_prefill_gemm.py
+1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
    (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
    grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
    a real-model-shaped layer) is collected here again with its own parametrisation, inputs
@@ -10,7 +10,7 @@ moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with gpu_family
    (``gemm_ref``) and its tolerances are the float32 bounds documented in that module
    (``(K + 8) u M`` per output, first-order SwiGLU propagation), which hold for any
    summation order, so they are also what a GPU must meet. Excluded: its
-   simulator-timing test and its simdgroup_matrix simulator test (not GEMM kernels).
+   simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
    product and adds it in increasing k order (docs/device-layer.md), as does its
    simdgroup_matrix multiply-accumulate; both paths stage the same half operands (x clamped
@@ -24,7 +24,7 @@ moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with gpu_family
    Metal backend's start-up probe kernel computes what it should, and the structure is
    pinned: half x half -> float tensor operands, the tile geometry.
 
-Correctness tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+Correctness tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
 poisoned (NaN) outputs; the extra exactness checks of part 2 run in forward order.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from harness import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -45,9 +45,9 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
-import test_kernels_prefill_gemm as simd_suite  # noqa: E402
+import test_gemm as simd_suite  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 U = 2.0**-24
 
 
@@ -97,7 +97,7 @@ def fwd():
 
 
 # ---- part 1: h-gemm's suite on the twins (module docstring)
-_NOT_GEMM = {"test_time_lm_head_shape", "test_sim_matrix_products_per_lane"}
+_NOT_GEMM = {"test_time_lm_head_shape"}
 for _name, _fn in list(vars(simd_suite).items()):
     if _name.startswith("test_") and callable(_fn) and _name not in _NOT_GEMM:
         globals()[_name + "_tensor"] = _fn
@@ -123,8 +123,8 @@ def test_suite_reaches_the_twins(dev):
 
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, MOE_BN, MOE_DOWN_BN,  # noqa: E402,F401
-                               MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, rand_quant, swiglu_ref,
-                               to_bf16_bits)
+                               MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, swiglu_ref)
+from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, qt=None, index=None, w=None):
@@ -146,16 +146,6 @@ def check_bound(got, x, qt, index=None):
     assert np.isfinite(got).all()
     err = np.abs(got - exact)
     assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
-
-
-def dispatch(dev, kernel, groups, tg, buffers, cst, reads, writes):
-    """buffers bound at 0.., then the argument struct `cst` (if any) at the next index."""
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, groups, tg, buffers=list(enumerate(buffers)),
-                               constants=[(len(buffers), cst)] if cst is not None else [],
-                               reads=reads, writes=writes, threadgroups=True)
-    cb.commit()
-    cb.wait()
 
 
 def cdiv(a, b):
