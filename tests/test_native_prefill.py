@@ -208,16 +208,17 @@ def test_full_size_prefill_chunk_counters(rows, position):
 @pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64)])
 def test_full_size_expert_tiles(rows, T):
     """The grouped expert GEMMs' tile height follows the rows per expert (rows * 8 / 256 on
-    average: 0.5, 32, 64): 64-row tiles (64 x 32 blocks) at the default 2048-row chunk, so
-    each expert's weights are read about once per chunk."""
+    average: 0.5, 32, 64): 64-row tiles at the default 2048-row chunk (gate/up 64 x 32 blocks
+    of gate and of up, down 64 x 64), so each expert's weights are read about once per chunk."""
     from lily.native import count_prefill_chunk
     c = count_prefill_chunk(parse_config(REAL), rows)
     tiles = -(-rows * 8 // T) + min(256, rows * 8)  # max_tiles of the map
-    bn = 32 if T == 64 else 64
+    from lily.kernel_check import MOE_BN, MOE_DOWN_BN
     groups = {r["label"].split(" ", 1)[1].rsplit(" (", 1)[0]: int(np.prod(r["groups"]))
               for r in c["records"] if r["label"].startswith("L0 ")}
-    assert groups["experts gate|up"] == tiles * (512 // bn)
-    assert groups["experts down"] == tiles * (2048 // bn)
+    assert (MOE_BN[T], MOE_DOWN_BN[T]) == ((32, 64) if T == 64 else (64, 64))
+    assert groups["experts gate|up"] == tiles * (512 // MOE_BN[T])
+    assert groups["experts down"] == tiles * (2048 // MOE_DOWN_BN[T])
 
 
 def test_full_size_prefill_scratch_is_bounded():
