@@ -72,11 +72,7 @@ inline void gemm_tensor_accumulate(threadgroup float4* smem4, device const float
     }
   }
   for (uint k0 = 0; k0 < k; k0 += kGemmBK) {
-    gemm_load_a<BM, NT>(As, x, a, k0, tid);
-    gemm_load_w<BITS, BN, NT>(Ws, w0, s0, b0, n0, n, k, k0, tid);
-    if (NB == 2) {
-      gemm_load_w<BITS, BN, NT>(Ws + BN * kGemmLd, w1, s1, b1, n0, n, k, k0, tid);
-    }
+    gemm_load_step<BITS, NB, BM, BN, NT>(As, Ws, x, a, w0, s0, b0, w1, s1, b1, n0, n, k, k0, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     op.run(tA, tW0, acc0);
     if (NB == 2) {

@@ -154,6 +154,21 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
   }
 }
 
+// Fills the tiles of step k0: the A tile, then the NB weight tiles (consecutive in Ws at a
+// stride of BN * kGemmLd halves). The caller places the barrier.
+template <int BITS, uint NB, uint BM, uint BN, uint NT>
+inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device const float4* x,
+                           thread const GemmARows<BM, NT>& a, device const uint* w0,
+                           device const bfloat* s0, device const bfloat* b0, device const uint* w1,
+                           device const bfloat* s1, device const bfloat* b1, uint n0, uint n, uint k,
+                           uint k0, uint tid) {
+  gemm_load_a<BM, NT>(As, x, a, k0, tid);
+  gemm_load_w<BITS, BN, NT>(Ws, w0, s0, b0, n0, n, k, k0, tid);
+  if (NB == 2) {
+    gemm_load_w<BITS, BN, NT>(Ws + BN * kGemmLd, w1, s1, b1, n0, n, k, k0, tid);
+  }
+}
+
 // ---- threadgroup memory ------------------------------------------------------------------
 // Bytes of a GEMM with NB weight tiles: the half A and W tiles of a step, reused at the end
 // for the NB staged fp32 BM x (BN + 4) output blocks. Declared as float4 (16-byte aligned).
@@ -283,11 +298,7 @@ inline void gemm_accumulate(threadgroup float4* smem4, device const float4* x,
   GemmFragments<FM, FN, NB, BN> frags;
   frags.clear();
   for (uint k0 = 0; k0 < k; k0 += kGemmBK) {
-    gemm_load_a<BM, NT>(As, x, a, k0, tid);
-    gemm_load_w<BITS, BN, NT>(Ws, w0, s0, b0, n0, n, k, k0, tid);
-    if (NB == 2) {
-      gemm_load_w<BITS, BN, NT>(Ws + BN * kGemmLd, w1, s1, b1, n0, n, k, k0, tid);
-    }
+    gemm_load_step<BITS, NB, BM, BN, NT>(As, Ws, x, a, w0, s0, b0, w1, s1, b1, n0, n, k, k0, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     if (live_m > 0 && live_n > 0) {  // uniform over the simdgroup
       frags.step(As, Ws, row0, col0, live_m, live_n);
