@@ -17,17 +17,17 @@ namespace args = lily::kernels;
 
 namespace {
 
-// GEMM blocks (metal/gemm.metal): dense 32 x 64 output blocks of 128 threads; grouped
-// expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
-constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-// Grouped expert GEMMs (metal/gemm.metal): threads and output columns per threadgroup of
-// gate/up and of down for tile height T (T = 64: 64 x 32 blocks, so that gate/up's two
-// staged result blocks fit threadgroup memory within the kernels' 128 threads).
+// GEMM blocks (metal/gemm.metal, gemm_tiles.h): dense 64 x 64 output blocks of 128 threads,
+// the shared expert's SwiGLU 64 x 32 (gate and up: 64 weight rows per step as well).
+constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
+// Grouped expert GEMMs (metal/moe_prefill.metal): threads and output columns per threadgroup
+// of gate/up and of down for tile height T (T = 64: gate/up 64 x 32 blocks, so that its two
+// staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64).
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
 MoeGeometry moe_geometry(uint32_t T) {
-  if (T == 64) return {128, 32, 128, 32};
+  if (T == 64) return {128, 32, 128, 64};
   const uint32_t threads = T == 32 ? 128 : 64;
   return {threads, 64, threads, 64};
 }
@@ -367,7 +367,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .out(4, *c.tile_count, 0, u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
+        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);

@@ -1,9 +1,11 @@
 // The work table (work.h). Counts are per dispatch, from what the record holds; an FMA is
 // 2 operations. Unpacking a 4/8-bit weight and applying its scale and bias counts 3 ALU
 // operations per weight each time a threadgroup dequantizes it. Tile shapes are those of
-// metal/gemm.metal, gemm_tensor.metal, gemm_tiles.h and attention_prefill.metal.
+// metal/gemm_tiles.h (gemm.metal, gemm_tensor.metal, moe_prefill*.metal) and
+// attention_prefill.metal.
 #include "runtime/work.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -21,7 +23,18 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // dense tiles: gemm.metal / gemm_tiles.h
+// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU: every staged activation
+// is clamped to the half range and converted (min, max, convert: 3 operations), every
+// dequantized weight converted (1; the clamp is decided once per row and group).
+constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
+// Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
+// stride of 64 + 8 halves (kGemmLd).
+constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
+// Threadgroup memory of a GEMM block (GemmSmem of gemm_tiles.h): half A and NB W tiles,
+// reused for NB staged fp32 BM x (BN + 4) result blocks.
+uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb) {
+  return std::max<uint64_t>(uint64_t(bm + nb * bn) * kGemmLd * 2, uint64_t(nb) * bm * (bn + 4) * 4);
+}
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
 // (row, head) pairs per threadgroup: attention_prefill.metal / attention_prefill_tensor.metal kRows
 constexpr uint32_t kAttnRows = 64, kAttnTensorRows = 16;
@@ -75,19 +88,22 @@ Work make(const char* family) {
 }
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
-// Dense quantized GEMM tiles (32 x 64 per threadgroup; NB weight matrices sharing x).
+// Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
-  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies.
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * a.m * a.n * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * r.groups.y * double(a.n) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
+  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
+  // Every row block of the grid (grid y) dequantizes and converts the weight rows it
+  // multiplies; every column block (grid x) converts its activation rows.
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * r.groups.y * double(a.n) * a.k +
+                            kHalfConvOps * r.groups.x * double(a.m) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = uint64_t(kGemmBM + nb * kGemmBN) * kGemmLd * 4;
+  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
   return w;
 }
 
-// Grouped expert GEMMs over the tile map (T-row tiles x 64 columns).
+// Grouped expert GEMMs over the tile map (T-row tiles x 32 or 64 columns); half operands,
+// fp32 sums.
 Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
   const uint32_t T = param(r.kernel, "_t");
@@ -96,8 +112,12 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // Each reached expert's last tile is on average half padding.
   const double rows = std::min(double(a.m) * a.top_k + reached * (T - 1) / 2.0, double(r.groups.x) * T);
   const double tiles = rows / T;  // each tile dequantizes its expert's n x k weights
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * a.n * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * tiles * double(a.n) * a.k + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
+  const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
+  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
+                            kHalfConvOps * rows * a.k * r.groups.y + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  w.threadgroup_memory = gemm_smem(T, bn, nb);
   const double stack = double(a.n) * a.k * quant_bytes(4);
   w.bytes = declared(r) - nb * (a.experts - reached) * stack;
   return w;

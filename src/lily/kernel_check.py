@@ -46,11 +46,15 @@ DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests
 GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
-GEMM_BM, GEMM_BN, GEMM_TG = 32, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
-# Grouped GEMM kernels per tile height T: threads and output columns per threadgroup (both
-# kernels; csrc/runtime/prefill.cpp moe_geometry).
+GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
+GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
+GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
+HALF_MAX = 65504.0   # the GEMMs clamp their half operands to +-HALF_MAX (kGemmHalfMax)
+# Grouped GEMM kernels per tile height T: threads of both kernels, output columns per
+# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry).
 MOE_TG = {16: 64, 32: 128, 64: 128}
 MOE_BN = {16: 64, 32: 64, 64: 32}
+MOE_DOWN_BN = {16: 64, 32: 64, 64: 64}
 MOE_TILES = (16, 32, 64)
 
 SELFTEST_PREFIX = "st_"
@@ -77,8 +81,8 @@ def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
     return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
 
 
-def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
-    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
+def _codes(qt: QuantizedTensor, index=None):
+    """(q, s, b) as float64: codes [*, rows, groups, 64], scales and biases [*, rows, groups, 1]."""
     w, s, b = qt.weight, qt.scales, qt.biases
     if index is not None:
         w, s, b = w[index], s[index], b[index]
@@ -86,8 +90,31 @@ def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
     q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
     q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
     qg = q.reshape(*q.shape[:-1], -1, 64)
-    m = qg * np.abs(bf16_to_f32(s)).astype(np.float64)[..., None] + np.abs(bf16_to_f32(b)).astype(np.float64)[..., None]
-    return m.reshape(q.shape)
+    return qg, bf16_to_f32(s).astype(np.float64)[..., None], bf16_to_f32(b).astype(np.float64)[..., None]
+
+
+def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
+    q, s, b = _codes(qt, index)
+    return (q * np.abs(s) + np.abs(b)).reshape(*q.shape[:-2], -1)
+
+
+def half_operand(x) -> np.ndarray:
+    """x as the prefill GEMMs stage it (gemm_half, metal/gemm_tiles.h): clamped to +-65504,
+    rounded to half (nearest even); float64."""
+    return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16).astype(np.float64)
+
+
+def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
+    """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
+    them, wh = half(fp32(fp32(s q) + b)) (the simulator and numpy round the product and the
+    sum), and dw = |wh - half(fp32(s q + b))|, the change where a GPU compiler contracts the
+    dequantization to an fma (its fp32 value can round to the neighbouring half)."""
+    q, s, b = _codes(qt, index)
+    stepwise = ((q * s).astype(np.float32) + b.astype(np.float32)).astype(np.float32)
+    fused = (q * s + b).astype(np.float32)  # q s + b is exact in float64 (8-bit q and s)
+    wh, wf = half_operand(stepwise), half_operand(fused)
+    return wh.reshape(*q.shape[:-2], -1), np.abs(wh - wf).reshape(*q.shape[:-2], -1)
 
 
 def upload_q(dev, qt: QuantizedTensor):
@@ -915,8 +942,21 @@ def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn
 # ----------------------------------------------------------------------------- GEMM
 
 def gemm_bound(K):
-    """First-order relative error bound of a K-term dot product in the GEMM kernels' order."""
+    """First-order relative error bound of a K-term fp32 dot product in the GEMM kernels' order."""
     return (K + 8) * U
+
+
+def gemm_ref(x, qt: QuantizedTensor, index=None):
+    """(exact, tol) of y = x W^T as the prefill GEMMs compute it (metal/gemm_tiles.h): both
+    operands rounded to half (half_operand, half_weights), each product exact in fp32 (11 x
+    11 significant bits), summed in fp32 in some order. exact is the float64 product of the
+    rounded operands; tol = (K + 8) u M with M = |xh| |wh|^T (gemm_bound: the fp32 sum in any
+    order) plus |xh| dw^T (a contracted dequantization). The half rounding itself is modelled,
+    not tolerated, so the bound stays that of an fp32 GEMM."""
+    xh = half_operand(x)
+    wh, dw = half_weights(qt, index)
+    ax = np.abs(xh)
+    return xh @ wh.T, gemm_bound(x.shape[-1]) * (ax @ np.abs(wh).T) + ax @ dw.T
 
 
 def swiglu_bound(g, u, dg, du):
@@ -927,14 +967,10 @@ def swiglu_bound(g, u, dg, du):
 
 
 def swiglu_ref(x, g_q, u_q, index=None):
-    """silu(x Wg^T) * (x Wu^T) in float64 and its first-order error bound."""
-    x64 = x.astype(np.float64)
-    ax = np.abs(x64)
-    K = x.shape[-1]
-    g = x64 @ g_q.dequantize(index).astype(np.float64).T
-    u = x64 @ u_q.dequantize(index).astype(np.float64).T
-    dg = gemm_bound(K) * (ax @ magnitude(g_q, index).T)
-    du = gemm_bound(K) * (ax @ magnitude(u_q, index).T)
+    """silu(x Wg^T) * (x Wu^T) in float64 from the prefill GEMMs' half operands (gemm_ref)
+    and its first-order error bound."""
+    g, dg = gemm_ref(x, g_q, index)
+    u, du = gemm_ref(x, u_q, index)
     return swiglu_bound(g, u, dg, du)
 
 
@@ -1304,7 +1340,7 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
 def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
     lda, ldy = lda or I, ldy or H
     kernel = kernel or f"moe_gemm_down_q4_t{T}"
-    p.dispatch(kernel, (max_tiles, -(-H // MOE_BN[T])), MOE_TG[T],
+    p.dispatch(kernel, (max_tiles, -(-H // MOE_DOWN_BN[T])), MOE_TG[T],
                buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
                constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
                reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
@@ -1499,9 +1535,7 @@ def _gemm(dev, rng, kernel):
     Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
     run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
-    x64 = x.astype(np.float64)
-    exact = x64 @ qt.dequantize().astype(np.float64).T
-    tol = gemm_bound(k) * (np.abs(x64) @ magnitude(qt).T)
+    exact, tol = gemm_ref(x, qt)
     if add:
         exact = exact + y0
         tol = tol + 2 * U * np.abs(exact)
@@ -1675,7 +1709,7 @@ def _gemm_swiglu(dev, rng, kernel):
     x = rng.standard_normal((m, k)).astype(np.float32)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
     X, Y = upload(dev, x), dev.buffer(4 * m * n)
-    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
+    run_bound(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
          reads=[*bufs, X], writes=[Y])
     want, tol = swiglu_ref(x, gq, uq)
     return ratio(download(Y, np.float32, (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
@@ -1704,13 +1738,14 @@ def _sample_token(dev, rng, kernel):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel):
-    """out[32, 64] = x[:32] x[:64]^T for x float32 [64, 32] (metal/gemm_tensor.metal)."""
-    x = rng.standard_normal((64, 32)).astype(np.float32)
+    """out[32, 64] = h(x[:32]) h(x[:64])^T for x float32 [64, 64], h = half_operand
+    (metal/gemm_tensor.metal)."""
+    x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
     X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
     run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
-    x64 = x.astype(np.float64)
-    return ratio(download(O, np.float32, (32, 64)), x64[:32] @ x64.T, gemm_bound(32) * (np.abs(x64[:32]) @ np.abs(x64).T),
-                 kernel)
+    xh = half_operand(x)
+    return ratio(download(O, np.float32, (32, 64)), xh[:32] @ xh.T,
+                 gemm_bound(GEMM_BK) * (np.abs(xh[:32]) @ np.abs(xh).T), kernel)
 
 
 def _moe_case(dev, rng):
@@ -1893,9 +1928,8 @@ def _moe_gemm_down(dev, rng, kernel):
     r = 0.0
     for e, begin, rows, _ in tiles:
         a = perm[begin:begin + rows]
-        h64 = hx[begin:begin + rows].astype(np.float64)
-        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
-        r = max(r, ratio(yx[a], exact, gemm_bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"{kernel} expert {e}"))
+        exact, tol = gemm_ref(hx[begin:begin + rows], dq, int(e))
+        r = max(r, ratio(yx[a], exact, tol, f"{kernel} expert {e}"))
     return r
 
 
