@@ -17,8 +17,13 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kGemvThreads = 64;        // 2 simdgroups x 8 rows = 16 rows per threadgroup
-constexpr uint32_t kGemvRowsPerGroup = 16;
+constexpr uint32_t kGemvThreads = 64;            // 2 simdgroups
+constexpr uint32_t kGemvRowsPerSimdgroup = 4;    // gemv_q*, moe_down_q4 (metal/common.h)
+constexpr uint32_t kGemvRowsPerGroup = kGemvRowsPerSimdgroup * kGemvThreads / 32;
+// norm_gemv_q* rows per simdgroup (NormGemvArgs): 8 for the wide projections and lm_head,
+// 1 for the 257-row router so that it spans ~130 threadgroups instead of 17.
+constexpr uint32_t kNormGemvRows = 8;
+constexpr uint32_t kRouterRows = 1;
 constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
 constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
 
@@ -61,9 +66,9 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
   // With `embed`, the step's embedding lookup is fused in (embed_norm_gemv_q4): the row of
   // the token in this step's slot becomes h (written) and the norm's input.
   auto norm_gemv = [&](uint32_t bits, const TensorRef& norm_w, std::vector<Proj> projs, bool xn_out,
-                       uint32_t threads, const std::string& label, bool embed = false) {
-    const uint32_t per_group = 8 * threads / 32;
-    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
+                       uint32_t threads, uint32_t rps, const std::string& label, bool embed = false) {
+    const uint32_t per_group = rps * threads / 32;
+    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps};
     uint32_t groups = 0;
     Op op(dev, (embed ? "embed_norm_gemv_q" : "norm_gemv_q") + std::to_string(bits), label);
     if (embed) {
@@ -106,7 +111,8 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
                              {g + ".in_proj_z", z_.get(), 0, Hv * Dv},
                              {g + ".in_proj_b", b_.get(), 0, Hv},
                              {g + ".in_proj_a", a_.get(), 0, Hv}},
-                false, kGemvThreads, (l == 0 ? L + "embed + " : L) + "input norm + in_proj qkv|z|b|a", l == 0);
+                false, kGemvThreads, kNormGemvRows, (l == 0 ? L + "embed + " : L) + "input norm + in_proj qkv|z|b|a",
+                l == 0);
       gpu::Buffer& conv_in = *conv_[position % 2][l];
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
@@ -130,7 +136,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
       norm_gemv(4, in_norm, {{a + ".q_proj", qg_.get(), 0, Hq * D * 2},
                              {a + ".k_proj", k_.get(), 0, Hkv * D},
                              {a + ".v_proj", v_.get(), 0, Hkv * D}},
-                false, kGemvThreads, (l == 0 ? L + "embed + " : L) + "input norm + q|k|v_proj", l == 0);
+                false, kGemvThreads, kNormGemvRows, (l == 0 ? L + "embed + " : L) + "input norm + q|k|v_proj", l == 0);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
       // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
@@ -180,7 +186,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
     norm_gemv(8, W(p + ".post_attention_layernorm.weight"),
               {{m + ".gate", router_.get(), 0, E}, {m + ".shared_expert_gate", router_.get(), E * f, 1}},
-              true, kGemvThreads, L + "post-attention norm + router|shared gate");
+              true, kGemvThreads, kRouterRows, L + "post-attention norm + router|shared gate");
     const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
@@ -222,7 +228,7 @@ void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset,
   auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
   // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
   {
-    const uint32_t per_group = 8 * kLmHeadThreads / 32;
+    const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
     Op op(dev, "norm_gemv_q4", "final norm + lm_head");
     op.in(0, x, offset, H * f).in(1, W("model.norm.weight"), &t.weight_bytes).bind(2, *xn_)
         .in(3, W("lm_head.weight"), &t.weight_bytes).in(4, W("lm_head.scales"), &t.weight_bytes)
@@ -232,7 +238,7 @@ void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset,
       op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
     }
     op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u}).run(pass);
+        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows}).run(pass);
     t.other_bytes += H * f + size_t(d.vocab_size) * f;
   }
   if (sample) encode_sample(pass, slot);
