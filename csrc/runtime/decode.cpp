@@ -170,7 +170,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, T
       } else {
         op.out(8, *part_ml_, 0, part_ml_->size()).out(9, *part_acc_, 0, part_acc_->size()).args(10, af).run(pass);
         Op comb(dev, "attn_combine_d" + std::to_string(D), L + "attention combine");
-        comb.groups(tg(Hq), tg(D))
+        comb.groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
             .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
             .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
             .out(4, *attn_, 0, size_t(Hq) * D * f)

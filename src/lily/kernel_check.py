@@ -41,6 +41,7 @@ from lily.sampling import Sampler, SamplingParams
 U = 2.0**-24          # fp32 unit roundoff
 DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/test_kernels_gemv_moe.py)
 GEMV_ROWS_PER_SG = 4  # kGemvRowsPerSimdgroup (metal/common.h)
+COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
 NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
@@ -328,7 +329,7 @@ class AttnLayer:
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
                    constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
                    constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
                    threadgroups=True)
@@ -378,7 +379,7 @@ class AttnLayer:
                    reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
                    label=label)
         # gate straight from the q_proj output: byte offset 4*D, stride 2*D
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
                    constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
                    reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
