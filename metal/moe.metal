@@ -11,7 +11,7 @@
 using namespace metal;
 
 #include "common.h"
-#include "route.h"  // route_topk: router softmax + top-k (shared with prefill)
+#include "route.h"  // route_topk (shared with prefill), route_topk_simd: router softmax + top-k
 
 // ---- moe_route ------------------------------------------------------------------------
 // One threadgroup of 32..1024 threads (>= top_k; round_up(experts, 32) recommended).

@@ -23,6 +23,16 @@ struct RoutePicks {
   uint want_id;   // every thread: the expert of round `want` (0xFFFFFFFF if not run)
 };
 
+// Records round j's pick (expert wi, probability wp) in the picks of thread `me`.
+inline void route_take(thread RoutePicks& out, uint j, uint want, uint me, uint wi, float wp) {
+  if (me == j) {
+    out.my_id = wi;
+    out.my_p = wp;
+  }
+  out.top_sum += wp;
+  out.want_id = j == want ? wi : out.want_id;
+}
+
 inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, uint want,
                              threadgroup float* probs, threadgroup float* rowsum,
                              threadgroup float* scratch, threadgroup float* best_p,
@@ -60,11 +70,7 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  RoutePicks out;
-  out.my_id = 0;
-  out.my_p = 0.0f;
-  out.top_sum = 0.0f;
-  out.want_id = 0xFFFFFFFFu;
+  RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
   for (uint j = 0; j < rounds; ++j) {
     float bp = -1.0f;
     uint bi = 0xFFFFFFFFu;
@@ -90,12 +96,7 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
         wi = best_i[g];
       }
     }
-    if (tid == j) {
-      out.my_id = wi;
-      out.my_p = wp;
-    }
-    out.top_sum += wp;
-    out.want_id = j == want ? wi : out.want_id;
+    route_take(out, j, want, tid, wi, wp);
     if (tid == 0 && wi < n) {
       probs[wi] = -1.0f;
     }
@@ -141,11 +142,7 @@ inline RoutePicks route_topk_simd(device const float* logits, uint n, uint round
     p[r] = (r < nrow && i < n) ? p[r] / s : -1.0f;  // past n: never picked
   }
 
-  RoutePicks out;
-  out.my_id = 0;
-  out.my_p = 0.0f;
-  out.top_sum = 0.0f;
-  out.want_id = 0xFFFFFFFFu;
+  RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
   for (uint j = 0; j < rounds; ++j) {
     float bp = -1.0f;
     uint bi = 0xFFFFFFFFu;
@@ -162,12 +159,7 @@ inline RoutePicks route_topk_simd(device const float* logits, uint n, uint round
         p[r] = r == wi / 32 ? -1.0f : p[r];
       }
     }
-    if (lane == j) {
-      out.my_id = wi;
-      out.my_p = wp;
-    }
-    out.top_sum += wp;
-    out.want_id = j == want ? wi : out.want_id;
+    route_take(out, j, want, lane, wi, wp);
   }
   return out;
 }
