@@ -1,7 +1,9 @@
 # Compiles metal/*.metal into lily.metallib with Apple's Metal compiler, and the Metal 4
 # tensor-op kernels (metal/*_tensor.metal) into lily_tensor.metallib when the SDK supports
-# them. Recent Xcode releases ship the Metal toolchain as a separate download: `xcrun --find
-# metal` may succeed while the compiler cannot run, so the probe compiles a one-line kernel.
+# them. The simulator's self-test kernels (metal/selftest*.metal) are not shipped: they are
+# compiled into lily_selftest*.metallib in the build directory only, so Apple's compiler
+# still checks that they are valid MSL. Recent Xcode releases ship the Metal toolchain as a
+# separate download: `xcrun --find metal` may succeed while the compiler cannot run, so the probe compiles a one-line kernel.
 # Without a working toolchain (e.g. only the Command Line Tools) the package is built with
 # the simulator only, with a notice, unless LILY_METAL=ON asks for the GPU device.
 set(LILY_METAL "AUTO" CACHE STRING
@@ -46,6 +48,12 @@ set(LILY_METAL_SOURCES ${LILY_METAL_ALL})
 list(FILTER LILY_METAL_SOURCES EXCLUDE REGEX "_tensor\\.metal$")
 set(LILY_METAL_TENSOR_SOURCES ${LILY_METAL_ALL})
 list(FILTER LILY_METAL_TENSOR_SOURCES INCLUDE REGEX "_tensor\\.metal$")
+# The self-test kernels (st_*), apart from the shipped ones.
+set(LILY_METAL_SELFTEST_SOURCES ${LILY_METAL_SOURCES})
+list(FILTER LILY_METAL_SELFTEST_SOURCES INCLUDE REGEX "/selftest[^/]*\\.metal$")
+list(FILTER LILY_METAL_SOURCES EXCLUDE REGEX "/selftest[^/]*\\.metal$")
+set(LILY_METAL_SELFTEST_TENSOR_SOURCES ${LILY_METAL_TENSOR_SOURCES})
+list(FILTER LILY_METAL_SELFTEST_TENSOR_SOURCES INCLUDE REGEX "/selftest[^/]*\\.metal$")
 
 # Compiles the given sources to .air and links them into OUT; sets ${OUT_VAR} to its path.
 function(lily_metallib OUT_NAME OUT_VAR STD MIN_OS)
@@ -76,6 +84,10 @@ if(LILY_METAL_SOURCES)
   add_custom_target(lily_metallib ALL DEPENDS "${LILY_METALLIB}")
   list(APPEND LILY_DEVICES "metal")
 endif()
+if(LILY_METAL_SELFTEST_SOURCES)  # built (a compile check), never installed
+  lily_metallib(lily_selftest.metallib LILY_SELFTEST_METALLIB metal3.1 14.0 ${LILY_METAL_SELFTEST_SOURCES})
+  add_custom_target(lily_selftest_metallib ALL DEPENDS "${LILY_SELFTEST_METALLIB}")
+endif()
 
 # lily_tensor.metallib: MSL 4.0, loaded by the Metal device only on apple10-family GPUs
 # (csrc/gpu/metal/metal_device.mm). The probe compiles the real metal/*_tensor.metal sources
@@ -95,7 +107,12 @@ if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
       COMMAND xcrun -sdk macosx metal -c -std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}
               -I "${CMAKE_SOURCE_DIR}/metal" "${src}" -o "${_probe_dir}/${name}.air"
       RESULT_VARIABLE _rc OUTPUT_VARIABLE _out ERROR_VARIABLE _err)
-    if(NOT _rc EQUAL 0)
+    if(NOT _rc EQUAL 0 AND src MATCHES "/selftest[^/]*\\.metal$")
+      # Only the compile check of the self-test kernels is skipped; the shipped library is not.
+      message(STATUS "Lily: this SDK's Metal compiler rejects ${name}.metal (self-test kernels, not shipped): "
+                     "skipping lily_selftest_tensor.metallib\n${_err}")
+      list(REMOVE_ITEM LILY_METAL_SELFTEST_TENSOR_SOURCES "${src}")
+    elseif(NOT _rc EQUAL 0)
       set(_tensor_rc ${_rc})
       string(APPEND _tensor_err "${name}.metal:\n${_err}\n")
     endif()
@@ -103,9 +120,16 @@ if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
   if(_tensor_rc EQUAL 0)
     message(STATUS "Lily: the Metal compiler builds the Metal 4 tensor kernels (macOS ${LILY_METAL_TENSOR_MIN_OS}): "
                    "building lily_tensor.metallib (the tensor-op GEMMs used on apple10-family GPUs such as M5)")
+    set(_tensor_shipped ${LILY_METAL_TENSOR_SOURCES})
+    list(FILTER _tensor_shipped EXCLUDE REGEX "/selftest[^/]*\\.metal$")
     lily_metallib(lily_tensor.metallib LILY_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
-                  ${LILY_METAL_TENSOR_SOURCES})
+                  ${_tensor_shipped})
     add_custom_target(lily_tensor_metallib ALL DEPENDS "${LILY_TENSOR_METALLIB}")
+    if(LILY_METAL_SELFTEST_TENSOR_SOURCES)  # built (a compile check), never installed
+      lily_metallib(lily_selftest_tensor.metallib LILY_SELFTEST_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
+                    ${LILY_METAL_SELFTEST_TENSOR_SOURCES})
+      add_custom_target(lily_selftest_tensor_metallib ALL DEPENDS "${LILY_SELFTEST_TENSOR_METALLIB}")
+    endif()
   else()
     string(CONCAT _why "Lily: this SDK's Metal compiler cannot build the Metal 4 tensor kernels "
            "(metal/*_tensor.metal with -std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: "

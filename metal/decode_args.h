@@ -1,5 +1,5 @@
-// Argument structs of the decode GEMV / norm / MoE kernels (metal/gemv.metal, norm.metal,
-// moe.metal), shared by the kernels (through common.h) and the host runtime: every field is
+// Argument structs of the decode GEMV / norm / embedding / MoE kernels (metal/gemv.metal,
+// norm.metal, embed.metal, moe.metal), shared by the kernels (through common.h) and the host runtime: every field is
 // a 32-bit `uint` or `float` and the file includes nothing (the host defines `uint`). Each
 // struct is bound as `constant T& args [[buffer(n)]]` (setBytes).
 #ifndef LILY_DECODE_ARGS_H
@@ -11,7 +11,8 @@ struct GemvArgs {
   uint cols;  // input length (W's in dimension); a multiple of 64
 };
 
-// embed_q4: out[cols] = dequantized row token[0] of the embedding table [vocab, cols].
+// embed_q4: out[cols] = dequantized row token[0] of the embedding table [vocab, cols];
+// embed_rows_q4: out[r, :] = row tokens[r], for each row r of the grid.
 struct EmbedArgs {
   uint cols;   // hidden size; a multiple of 64
   uint vocab;  // rows of the table; a token id >= vocab is clamped to vocab - 1

@@ -1,4 +1,6 @@
-// Decode GEMV on MLX affine-quantized weights (batch 1): y = W x, and the embedding lookup.
+// Decode GEMV on MLX affine-quantized weights (batch 1): y = W x, RMSNorm fused in front of
+// it (norm_gemv_q), and the embedding lookup fused into layer 0's first norm_gemv
+// (embed_norm_gemv_q; the plain lookups are in embed.metal).
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -170,8 +172,8 @@ template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_
 
 // ---- embed_norm_gemv_q<BITS>: the embedding lookup fused into layer 0's first norm_gemv --
 // Every threadgroup dequantizes the embedding row of token[0] (the token slot) into
-// threadgroup memory with embed_q's arithmetic, threadgroup 0 stores it to h (the residual
-// the rest of the step updates), and the row is then used as norm_gemv_q's x. Saves the
+// threadgroup memory with embed_q's arithmetic (embed.metal), threadgroup 0 stores it to h
+// (the residual the rest of the step updates), and the row is then used as norm_gemv_q's x. Saves the
 // embed dispatch and its barrier stage; each threadgroup re-reads one row (cols*BITS/8 bytes
 // plus cols/32 of scales and biases, from cache). cols <= kEmbedMaxCols.
 constant constexpr uint kEmbedMaxCols = 4096;
@@ -234,62 +236,3 @@ template <int BITS>
                        y1, w2, s2, b2, y2, w3, s3, b3, y3, args, scratch, tg, tid, tcount, sg, nsg, lane);
 }
 template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv_q<4>) embed_norm_gemv_q<4>;
-
-// ---- embed_q<BITS>: dequantize one embedding row ------------------------------------
-// The token id is read from a device buffer (the token slot the previous step's sampler
-// wrote), so the step needs no CPU round trip. One thread per packed uint32 word:
-// grid = cols * BITS / 32 threads.
-template <int BITS>
-[[max_total_threads_per_threadgroup(64)]] kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
-                    device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
-                    device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
-                    device const uint* token [[buffer(3)]],     // token[0]: the id
-                    device float* out [[buffer(4)]],            // [cols] fp32 hidden state
-                    constant EmbedArgs& args [[buffer(5)]],
-                    uint gid [[thread_position_in_grid]]) {
-  constexpr uint per_word = 32 / BITS;
-  constexpr uint mask = (1u << BITS) - 1u;
-  const uint words = args.cols / per_word;
-  if (gid >= words) {
-    return;
-  }
-  const uint id = min(token[0], args.vocab - 1u);
-  const uint word = w[id * words + gid];
-  const uint g = id * (args.cols / kQuantGroup) + gid * per_word / kQuantGroup;
-  const float s = float(scales[g]);
-  const float b = float(biases[g]);
-  for (uint j = 0; j < per_word; ++j) {
-    out[gid * per_word + j] = s * float((word >> (BITS * j)) & mask) + b;
-  }
-}
-template [[host_name("embed_q4")]] [[kernel]] decltype(embed_q<4>) embed_q<4>;
-
-// ---- embed_rows_q<BITS>: dequantize the embedding rows of a prefill chunk ---------------
-// out[r, :] = table[tokens[r]] for r < rows (the token ids are known when the chunk is
-// encoded; they sit in a device buffer the host filled). Same arithmetic as embed_q.
-// dispatchThreads grid (cols * BITS / 32, rows): one packed word per thread.
-template <int BITS>
-[[max_total_threads_per_threadgroup(64)]] kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
-                         device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
-                         device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
-                         device const uint* tokens [[buffer(3)]],    // [rows] token ids
-                         device float* out [[buffer(4)]],            // [rows, cols] fp32
-                         constant EmbedArgs& args [[buffer(5)]],
-                         uint2 gid [[thread_position_in_grid]]) {
-  constexpr uint per_word = 32 / BITS;
-  constexpr uint mask = (1u << BITS) - 1u;
-  const uint words = args.cols / per_word;
-  if (gid.x >= words) {
-    return;
-  }
-  const uint id = min(tokens[gid.y], args.vocab - 1u);
-  const uint word = w[id * words + gid.x];
-  const uint g = id * (args.cols / kQuantGroup) + gid.x * per_word / kQuantGroup;
-  const float s = float(scales[g]);
-  const float b = float(biases[g]);
-  device float* o = out + gid.y * args.cols + gid.x * per_word;
-  for (uint j = 0; j < per_word; ++j) {
-    o[j] = s * float((word >> (BITS * j)) & mask) + b;
-  }
-}
-template [[host_name("embed_rows_q4")]] [[kernel]] decltype(embed_rows_q<4>) embed_rows_q<4>;

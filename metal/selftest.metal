@@ -1,6 +1,7 @@
 // Self-test kernels for the device layer: each exercises MSL constructs the simulator
-// supports and is compared with numpy in tests/test_sim_*.py. They are valid MSL and ship
-// in lily.metallib, so the same tests run on a Mac with device="metal".
+// supports and is compared with numpy in tests/sim/. They are valid MSL (on macOS the build
+// compiles them into lily_selftest.metallib, a compile check that is not installed); only
+// the simulator registers them, the shipped lily.metallib holds no st_ kernel.
 #include <metal_stdlib>
 using namespace metal;
 

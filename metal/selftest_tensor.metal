@@ -1,8 +1,8 @@
 // Self-test kernels for the Metal 4 tensor-operation subset (docs/device-layer.md, "Metal 4
 // tensor operations"): every supported form of mpp::tensor_ops::matmul2d and of cooperative
-// tensors, compared with numpy in tests/test_sim_tensor.py. Valid MSL 4 (-std=metal4.0):
-// on macOS this file is built into lily_tensor.metallib, which is loaded on apple10-family
-// GPUs only, so the same tests can run on an M5 with device="metal".
+// tensors, compared with numpy in tests/sim/test_sim_tensor.py. Valid MSL 4 (-std=metal4.0):
+// on macOS the build compiles it into lily_selftest_tensor.metallib (a compile check, not
+// installed); only the simulator registers these kernels.
 //
 // Matrices are row-major in memory; a tensor lists the innermost extent first, so a matrix
 // [rows][cols] is a tensor with extents (cols, rows).

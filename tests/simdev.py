@@ -1,4 +1,5 @@
-"""The simulator modes kernel tests run in (one definition for every kernel test module).
+"""The simulator modes and native devices the kernel and native-runtime tests run on (the
+kernel tests' ``dev`` / ``fwd_dev`` fixtures: tests/kernels/conftest.py).
 
 * ``forward``: dispatch order, with ``verify_writes`` (a byte written outside a dispatch's
   declared write ranges is an error);
@@ -65,25 +66,8 @@ ASAN_SKIP = (
 )
 
 
-@pytest.fixture(scope="module", params=ORDERS + (["metal"] if METAL else []))
-def dev(request):
-    """The simulator in each mode of ``ORDERS`` (kernel correctness tests run in all), and the
-    Metal GPU where this build has it."""
-    return make_dev(request.param)
-
-
-@pytest.fixture(scope="module", params=["forward"] + (["metal"] if METAL else []))
-def fwd_dev(request):
-    """One simulator mode only (``forward``), for long drift, statistical and real-size runs;
-    and the Metal GPU where this build has it."""
-    return make_dev(request.param)
-
-
 @pytest.fixture(scope="module", params=NATIVE_DEVICES)
 def native_device(request) -> str:
     """The name of each native device (``sim``; ``metal`` where built) for Engine.load."""
     return request.param
 
-
-# ---- host-side encoding shared by the kernel tests (home: lily.kernel_check)
-from lily.kernel_check import args_bytes, bf16_bits, f32, from_bf16  # noqa: E402,F401

@@ -130,3 +130,18 @@ def test_kernel_table_lists_every_dispatched_kernel(demo_path):
         assert 0 < k["threads"] <= k["max_threads_per_threadgroup"] <= 1024, k
     assert table["sample_token"]["threads"] == 1024
     assert table["moe_combine"]["max_threads_per_threadgroup"] == 64  # the declared limit
+
+
+@pytest.mark.parametrize("missing", ["model.layers.3.self_attn.k_norm.weight",
+                                     "model.layers.5.mlp.switch_mlp.up_proj.scales", "lm_head.biases"])
+def test_missing_tensor_fails_at_load_naming_it(missing):
+    """The runtime resolves every layer's tensors when it is built (ModelWeights::bind), not at
+    the first dispatch: a table without one tensor is refused naming it (Engine.load checks the
+    checkpoint first, with the same words: test_checkpoint.test_missing_tensor)."""
+    from lily import perf
+    from lily.native import _runtime, _virtual_tensors, make_device
+    cfg = perf.model_config()
+    tensors = [t for t in _virtual_tensors(cfg, 4, 8) if t[0] != missing]
+    assert len(tensors) == len(_virtual_tensors(cfg, 4, 8)) - 1
+    with pytest.raises(ValueError, match=f"missing tensor {missing}$"):
+        _runtime(make_device("sim", record_only=True), cfg, tensors, 64, 256, 0, virtual_weights=True)

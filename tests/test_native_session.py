@@ -114,7 +114,7 @@ def test_bad_snapshots_are_refused_and_the_session_kept(sim_engine, demo_path, t
 def test_snapshot_is_held_in_device_memory(sim_engine):
     """Issue 13: a native snapshot is one device buffer (counted by the device's allocations),
     copied there and back on the device (the copies under the hazard checker:
-    tests/test_sim_device.py); restoring it twice gives identical logits, as does a copy
+    tests/sim/test_sim_device.py); restoring it twice gives identical logits, as does a copy
     uploaded from its saved bytes (a prompt cache file)."""
     e = sim_engine
     e.reset()

@@ -166,13 +166,16 @@ def test_hf_values_deterministic_and_sane(tiny_hf_checkpoint, tokenizer_dir, tmp
 
 
 def test_bf16_rounding():
-    x = np.array([1.0, -2.5, 1 + 2 ** -8, 1 + 3 * 2 ** -9, 3.0e38, 0.0], dtype=np.float32)
-    bits = lt._to_bf16_bits(x)
+    """lily.checkpoint.f32_to_bf16, the encoder the factory writes its bf16 tensors with."""
+    from lily.checkpoint import f32_to_bf16
+    x = np.array([1.0, -2.5, 1 + 2 ** -8, 1 + 3 * 2 ** -9, 3.0e38, 0.0, np.nan], dtype=np.float32)
+    bits = f32_to_bf16(x)
     back = (bits.astype(np.uint32) << 16).view(np.float32)
     np.testing.assert_array_equal(back[:2], x[:2])
     assert back[2] == 1.0  # tie rounds to even
     assert back[3] == 1 + 2 ** -7
     assert np.isfinite(back[4]) and back[5] == 0
+    assert np.isnan(back[6])
 
 
 # ------------------------------------------------------------------------------ MLX layout

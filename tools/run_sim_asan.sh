@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds lily._core with AddressSanitizer and the alignment sanitizer (CMake option
 # LILY_SANITIZE=address,alignment: a misaligned vector access is reported) and runs the
-# simulator and kernel tests (tests/test_sim_*.py tests/test_kernels_*.py, or the files in
+# simulator and kernel tests (tests/sim/*.py tests/kernels/*.py, or the files in
 # $LILY_ASAN_TESTS) against it.
 #
 #   tools/run_sim_asan.sh [BUILD_DIR] [-- extra pytest args]
@@ -47,7 +47,7 @@ shopt -s nullglob
 if [[ -n "${LILY_ASAN_TESTS:-}" ]]; then
   read -r -a TESTS <<< "$LILY_ASAN_TESTS"
 else
-  TESTS=(tests/test_sim_*.py tests/test_kernels_*.py)
+  TESTS=(tests/sim/test_*.py tests/kernels/test_*.py)
 fi
 LILY_IN_ASAN=1 LD_PRELOAD="$PRELOAD" ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:detect_stack_use_after_return=0" \
   PYTHONPATH="$STAGE" "$PYTHON" -m pytest -q -p no:cacheprovider "${TESTS[@]}" "$@"

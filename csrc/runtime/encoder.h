@@ -1,10 +1,15 @@
 // Encoding helpers shared by the decode step (decode.cpp) and the prefill chunk
 // (prefill.cpp): a dispatch builder that binds buffers together with the byte ranges they
-// declare, so the compute pass can derive the barriers.
+// declare, so the compute pass can derive the barriers; pipelines per weight width; the
+// per-layer dispatch labels.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "gpu/device.h"
 #include "runtime/model.h"
@@ -22,12 +27,57 @@ inline uint32_t attn_heads_per_group(uint32_t group) {
   return 0;
 }
 
+// One kernel's _q4 and _q8 instantiations, looked up at load (only the widths the plan
+// uses); indexed by QuantLinear::bits.
+class ByBits {
+ public:
+  ByBits() = default;
+  // Resolves `<base>_q<bits><suffix>` for each of `widths`; throws gpu::UsageError naming
+  // an unknown kernel.
+  ByBits(gpu::Device& dev, const std::string& base, const std::string& suffix, std::vector<uint32_t> widths)
+      : base_(base) {
+    for (uint32_t b : widths) slot(b) = &dev.pipeline(base + "_q" + std::to_string(b) + suffix);
+  }
+  const gpu::Pipeline& operator[](uint32_t bits) const {
+    const gpu::Pipeline* p = bits == 4 || bits == 8 ? by_bits_[bits == 8] : nullptr;
+    if (!p) throw gpu::UsageError(base_ + ": no " + std::to_string(bits) + "-bit kernel resolved at load");
+    return *p;
+  }
+
+ private:
+  const gpu::Pipeline*& slot(uint32_t bits) {
+    if (bits != 4 && bits != 8) throw gpu::UsageError(base_ + ": no " + std::to_string(bits) + "-bit kernel");
+    return by_bits_[bits == 8];
+  }
+  std::string base_;
+  const gpu::Pipeline* by_bits_[2] = {nullptr, nullptr};
+};
+
+// Dispatch labels "L<layer> <stage>" (named by the counters' records and hazard messages).
+// Each is built the first time its stage is encoded (preflight, at load) and afterwards found
+// by the address of the stage's string literal, so encoding a step does no string work.
+class LayerLabels {
+ public:
+  explicit LayerLabels(uint32_t layers = 0) : by_layer_(layers) {}
+  // `stage` must be a string literal (its address is the key). The reference stays valid.
+  const std::string& operator()(uint32_t layer, const char* stage) {
+    auto& labels = by_layer_.at(layer);
+    for (const auto& [key, label] : labels)
+      if (key == stage) return label;
+    labels.emplace_back(stage, "L" + std::to_string(layer) + " " + stage);
+    return labels.back().second;
+  }
+
+ private:
+  std::vector<std::deque<std::pair<const char*, std::string>>> by_layer_;
+};
+
 // Builds one dispatch: bindings together with the ranges they declare.
 class Op {
  public:
-  Op(gpu::Device& dev, const std::string& kernel, std::string label) {
-    d_.pipeline = &dev.pipeline(kernel);
-    d_.label = std::move(label);
+  Op(const gpu::Pipeline& pipeline, std::string_view label) {
+    d_.pipeline = &pipeline;
+    d_.label.assign(label);
   }
   Op& groups(gpu::Size3 grid, gpu::Size3 tg) {
     d_.grid = grid; d_.threadgroup = tg; d_.grid_is_threadgroups = true;
@@ -45,6 +95,10 @@ class Op {
     return *this;
   }
   Op& in(uint32_t i, gpu::Buffer& b, size_t off, size_t n) { return in(i, TensorRef{&b, off, n}); }
+  // A quantized linear's three tensors at i, i + 1, i + 2 (weight, scales, biases).
+  Op& in(uint32_t i, const QuantLinear& w, uint64_t* traffic = nullptr) {
+    return in(i, *w.weight, traffic).in(i + 1, *w.scales, traffic).in(i + 2, *w.biases, traffic);
+  }
   Op& out(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
     d_.bindings.push_back(gpu::Binding::buf(i, b, off));
     d_.writes.push_back(gpu::Range{&b, off, n});

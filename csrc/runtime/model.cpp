@@ -82,4 +82,46 @@ const TensorRef& WeightTable::at(const std::string& name) const {
   return it->second;
 }
 
+ModelWeights ModelWeights::bind(const WeightTable& table, const ModelDims& d) {
+  auto tensor = [&](const std::string& name) { return &table.at(name); };
+  auto linear = [&](const std::string& module, uint32_t bits) {
+    return QuantLinear{tensor(module + ".weight"), tensor(module + ".scales"), tensor(module + ".biases"), bits};
+  };
+  ModelWeights w;
+  w.embed = linear("model.embed_tokens", 4);
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l);
+    Layer L;
+    L.index = l;
+    L.full_attention = d.full_attention[l];
+    L.input_norm = tensor(p + ".input_layernorm.weight");
+    L.post_attention_norm = tensor(p + ".post_attention_layernorm.weight");
+    if (L.full_attention) {
+      const std::string a = p + ".self_attn";
+      L.attn = AttentionLayer{linear(a + ".q_proj", 4), linear(a + ".k_proj", 4), linear(a + ".v_proj", 4),
+                              linear(a + ".o_proj", 4), tensor(a + ".q_norm.weight"), tensor(a + ".k_norm.weight")};
+    } else {
+      const std::string g = p + ".linear_attn";
+      L.gdn = DeltaNetLayer{linear(g + ".in_proj_qkv", 4), linear(g + ".in_proj_z", 4),
+                            linear(g + ".in_proj_b", 4),   linear(g + ".in_proj_a", 4),
+                            linear(g + ".out_proj", 4),    tensor(g + ".conv1d.weight"),
+                            tensor(g + ".A_log"),          tensor(g + ".dt_bias"),
+                            tensor(g + ".norm.weight")};
+    }
+    const std::string m = p + ".mlp";
+    L.moe = MoeBlock{linear(m + ".gate", 8),
+                     linear(m + ".shared_expert_gate", 8),
+                     linear(m + ".switch_mlp.gate_proj", 4),
+                     linear(m + ".switch_mlp.up_proj", 4),
+                     linear(m + ".switch_mlp.down_proj", 4),
+                     linear(m + ".shared_expert.gate_proj", 4),
+                     linear(m + ".shared_expert.up_proj", 4),
+                     linear(m + ".shared_expert.down_proj", 4)};
+    w.layers.push_back(L);
+  }
+  w.final_norm = tensor("model.norm.weight");
+  w.lm_head = linear("lm_head", 4);
+  return w;
+}
+
 }  // namespace lily::runtime

@@ -1,5 +1,6 @@
-// The model's dimensions and the weights table: checkpoint tensors as (buffer, offset)
-// views of memory-mapped safetensors files (docs/conventions.md: weights are mapped, not copied).
+// The model's dimensions, the weights table (checkpoint tensors as (buffer, offset) views of
+// memory-mapped safetensors files; docs/conventions.md: weights are mapped, not copied) and
+// the model's layers as structs of tensor references, resolved from the table once at load.
 #pragma once
 
 #include <cstdint>
@@ -77,6 +78,62 @@ class WeightTable {
   std::map<std::string, TensorRef> tensors_;
   uint64_t total_bytes_ = 0;
   uint64_t repacked_bytes_ = 0;
+};
+
+// A linear layer quantized as MLX writes it (affine, 64-column groups): packed weight
+// [.., out, in * bits / 32] uint32, bf16 scales and biases [.., out, in / 64].
+struct QuantLinear {
+  const TensorRef* weight = nullptr;
+  const TensorRef* scales = nullptr;
+  const TensorRef* biases = nullptr;
+  uint32_t bits = 4;
+  uint64_t nbytes() const { return weight->nbytes + scales->nbytes + biases->nbytes; }
+};
+
+// Gated DeltaNet token mixer (`linear_attn`).
+struct DeltaNetLayer {
+  QuantLinear in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj;
+  const TensorRef* conv1d = nullptr;   // [conv_dim, 1, K] bf16
+  const TensorRef* A_log = nullptr;    // [Hv] f32
+  const TensorRef* dt_bias = nullptr;  // [Hv] bf16
+  const TensorRef* norm = nullptr;     // gated RMSNorm weight [Dv] bf16
+};
+
+// Full (gated) attention token mixer (`self_attn`).
+struct AttentionLayer {
+  QuantLinear q_proj, k_proj, v_proj, o_proj;  // q_proj: query | gate per head
+  const TensorRef* q_norm = nullptr;           // [head_dim] bf16
+  const TensorRef* k_norm = nullptr;
+};
+
+// Sparse MoE block (`mlp`): the router (8-bit in MLX's 4-bit checkpoints), the routed
+// expert stacks [E, ...] and the shared expert with its sigmoid gate.
+struct MoeBlock {
+  QuantLinear gate, shared_expert_gate;
+  QuantLinear experts_gate_proj, experts_up_proj, experts_down_proj;  // switch_mlp
+  QuantLinear shared_gate_proj, shared_up_proj, shared_down_proj;     // shared_expert
+};
+
+struct Layer {
+  uint32_t index = 0;
+  bool full_attention = false;  // attn when true, else gdn
+  const TensorRef* input_norm = nullptr;
+  const TensorRef* post_attention_norm = nullptr;
+  DeltaNetLayer gdn;
+  AttentionLayer attn;
+  MoeBlock moe;
+};
+
+// The whole model as the decode step and the prefill chunk read it.
+struct ModelWeights {
+  QuantLinear embed;  // embed_tokens [V, H]
+  std::vector<Layer> layers;
+  const TensorRef* final_norm = nullptr;
+  QuantLinear lm_head;
+  // Resolves every tensor the runtime reads (the one place checkpoint names appear in C++).
+  // Throws std::invalid_argument naming the first missing tensor. The references point into
+  // `table`, which must outlive the result.
+  static ModelWeights bind(const WeightTable& table, const ModelDims& dims);
 };
 
 }  // namespace lily::runtime

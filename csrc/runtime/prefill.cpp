@@ -1,6 +1,7 @@
-// One prefill chunk as a list of named stages (docs/prefill.md, "One chunk"). Kernel
-// geometry and bindings follow docs/prefill.md; every dispatch declares what it reads and
-// writes, and the compute pass derives the barriers from that.
+// The prefill phase: its pipelines (resolved at load) and chunk buffers, one chunk as a list
+// of named dispatches over the layers (docs/prefill.md, "One chunk"), and the every-position
+// lm_head. Kernel geometry and bindings follow docs/prefill.md; every dispatch declares what
+// it reads and writes, and the compute pass derives the barriers from that.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -59,7 +60,7 @@ void Runtime::allocate_chunk_buffers() {
     for (auto& b : owned_) s += b->size();
     return s;
   }();
-  ChunkBuffers& c = cb_;
+  ChunkBuffers& c = chunk_bufs_;
   c.tok[0] = scratch(C * u32, "chunk tokens A");
   c.tok[1] = scratch(C * u32, "chunk tokens B");
   c.h = scratch(C * H * f, "chunk h (residual)");
@@ -123,7 +124,7 @@ uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
     // the one before (creating this chunk's command buffer waited for it).
     for (uint64_t back = 1; back <= 2 && back <= chunks_done_; ++back) {
       if (back == 1 && !pending_.empty()) continue;
-      const auto* h = static_cast<const uint32_t*>(cb_.hist[(chunks_done_ - back) % 2][layer]->contents());
+      const auto* h = static_cast<const uint32_t*>(chunk_bufs_.hist[(chunks_done_ - back) % 2][layer]->contents());
       uint32_t n = 0;
       for (uint32_t e = 0; e < d.num_experts; ++e) n += h[e] != 0;
       if (n) active = std::min<double>(n, double(assignments));
@@ -137,117 +138,137 @@ uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
 std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
   if (layer >= dims_.num_hidden_layers) throw std::invalid_argument("expert_histogram: no such layer");
   if (record_only_ || chunks_done_ == 0) return std::vector<uint32_t>(dims_.num_experts, 0);
-  const auto* h = static_cast<const uint32_t*>(cb_.hist[(chunks_done_ - 1) % 2][layer]->contents());
+  const auto* h = static_cast<const uint32_t*>(chunk_bufs_.hist[(chunks_done_ - 1) % 2][layer]->contents());
   return std::vector<uint32_t>(h, h + dims_.num_experts);
+}
+
+// Index of tile height T in PrefillKernels' expert GEMMs.
+static uint32_t tile_index(uint32_t T) { return T == 16 ? 0 : T == 32 ? 1 : 2; }
+
+void Runtime::resolve_prefill_kernels() {
+  const ModelDims& d = dims_;
+  gpu::Device& dev = *device_;
+  PrefillKernels& k = prefill_kernels_;
+  const std::string path = tensor_ops_ ? "_tensor" : "";
+  const std::string Ds = "_d" + std::to_string(d.head_dim);
+  const std::string attn_suffix = Ds + "_g" + std::to_string(attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads));
+  k.embed_rows = &dev.pipeline("embed_rows_q4");
+  k.rms_norm = &dev.pipeline("rms_norm");
+  k.gemm = ByBits(dev, "gemm", path, {4, 8});
+  k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
+  k.gdn_conv = &dev.pipeline("gdn_conv_chunk");
+  k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
+                             std::to_string(d.linear_value_head_dim));
+  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds);
+  k.attn = &dev.pipeline("attn_prefill" + attn_suffix);
+  if (chunk_bufs_.attn_splits) {
+    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix);
+    k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
+  }
+  k.route_clear = &dev.pipeline("moe_route_clear");
+  k.route_topk = &dev.pipeline("moe_route_topk");
+  k.route_scatter = &dev.pipeline("moe_route_scatter");
+  k.shared_gate_up = &dev.pipeline("gemm_swiglu_q4" + path);
+  for (uint32_t T : {16u, 32u, 64u}) {
+    k.experts_gate_up[tile_index(T)] = &dev.pipeline("moe_gemm_gate_up_q4_t" + std::to_string(T) + path);
+    k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
+  }
+  k.moe_combine = &dev.pipeline("moe_combine");
 }
 
 void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t M, Logits logits,
                            bool sample, Traffic* tr) {
   const ModelDims& d = dims_;
-  gpu::Device& dev = *device_;
-  ChunkBuffers& c = cb_;
+  const PrefillKernels& K = prefill_kernels_;
+  ChunkBuffers& c = chunk_bufs_;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
   Traffic& t = tr ? *tr : local;
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
-  const std::string sfx = tensor_ops_ ? "_tensor" : "";
-  auto W = [&](const std::string& name) -> const TensorRef& { return weights_.at(name); };
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
-  auto qlin = [&](Op& op, uint32_t i, const std::string& m, uint64_t* traffic) -> Op& {
-    return op.in(i, W(m + ".weight"), traffic).in(i + 1, W(m + ".scales"), traffic)
-        .in(i + 2, W(m + ".biases"), traffic);
-  };
   // A routed-expert stack is declared whole (the experts are only known on the GPU); the
   // traffic counts the experts the chunk can reach, min(E, M*k) of them.
-  auto expert_stack = [&](Op& op, uint32_t i, const std::string& m) -> Op& {
+  auto expert_stack = [&](Op& op, uint32_t i, const QuantLinear& w) -> Op& {
     uint64_t stack = 0;
-    qlin(op, i, m, &stack);
+    op.in(i, w, &stack);
     t.weight_bytes += stack / E * std::min<uint64_t>(E, uint64_t(M) * k);
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (floats).
-  auto gemm = [&](const std::string& module, uint32_t bits, bool add, gpu::Buffer& x, uint32_t cols,
-                  uint32_t lda, gpu::Buffer& y, uint32_t n, uint32_t ldy, uint32_t col0,
-                  const std::string& label) {
-    Op op(dev, "gemm_q" + std::to_string(bits) + (add ? "_add" : "") + sfx, label);
+  auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label) {
+    Op op(add ? K.gemm_add[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-    qlin(op, 0, module, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
     const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
     if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
-    Op op(dev, "rms_norm", label);
-    op.groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
+    Op(*K.rms_norm, label)
+        .groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
         .out(2, out, 0, size_t(M) * H * f).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
   };
 
   // embed: the chunk's token ids were written to tok[parity] by the host.
-  {
-    Op op(dev, "embed_rows_q4", "embed");
-    op.threads(tg(H / 8, M), tg(64))
-        .in(0, W("model.embed_tokens.weight")).in(1, W("model.embed_tokens.scales"))
-        .in(2, W("model.embed_tokens.biases")).in(3, *c.tok[parity], 0, M * u32)
-        .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
-    t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
-  }
+  Op(*K.embed_rows, "embed")
+      .threads(tg(H / 8, M), tg(64))
+      .in(0, model_.embed).in(3, *c.tok[parity], 0, M * u32)
+      .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
+  t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
 
-  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l);
-    const std::string L = "L" + std::to_string(l) + " ";
-    rms_rows(W(p + ".input_layernorm.weight"), *c.h, *c.xn, L + "input norm");
-    if (!d.full_attention[l]) {
+  for (const Layer& layer : model_.layers) {
+    const uint32_t l = layer.index;
+    rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
+    if (!layer.full_attention) {
       // ---- Gated DeltaNet
-      const std::string g = p + ".linear_attn";
+      const DeltaNetLayer& g = layer.gdn;
       const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
       const uint32_t Dk = d.linear_key_head_dim, Dv = d.linear_value_head_dim, C = d.conv_dim();
-      gemm(g + ".in_proj_qkv", 4, false, *c.xn, H, H, *c.qkv, C, C, 0, L + "in_proj_qkv");
-      gemm(g + ".in_proj_z", 4, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, L + "in_proj_z");
-      gemm(g + ".in_proj_b", 4, false, *c.xn, H, H, *c.b, Hv, Hv, 0, L + "in_proj_b");
-      gemm(g + ".in_proj_a", 4, false, *c.xn, H, H, *c.a, Hv, Hv, 0, L + "in_proj_a");
+      gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
+      gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"));
+      gemm(g.in_proj_b, false, *c.xn, H, H, *c.b, Hv, Hv, 0, labels_(l, "in_proj_b"));
+      gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
       // The chunk reads the conv state of its start parity and leaves the one of its end
       // parity (decode alternates the two buffers by position); they may be the same buffer.
       gpu::Buffer& conv_in = *conv_[p0 % 2][l];
       gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
       {
-        Op op(dev, "gdn_conv_chunk", L + "conv");
+        Op op(*K.gdn_conv, labels_(l, "conv"));
         op.groups(tg(ceil_div(C, kConvThreads), ceil_div(M, kConvRowsPerThread)), tg(kConvThreads))
-            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, W(g + ".conv1d.weight"), &t.weight_bytes)
+            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
             .in(2, conv_in, 0, conv_bytes);
         if (&conv_in == &conv_out) op.inout(3, conv_out, 0, conv_bytes); else op.out(3, conv_out, 0, conv_bytes);
         op.out(4, *c.conv, 0, size_t(M) * C * f)
             .args(5, args::GdnConvChunkArgs{C, M, kConvRowsPerThread}).run(pass);
       }
       const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
-      {
-        Op op(dev, "gdn_scan_k" + std::to_string(Dk) + "_v" + std::to_string(Dv), L + "scan");
-        op.groups(tg(Hv), tg(1024))
-            .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.z, 0, size_t(M) * Hv * Dv * f)
-            .in(2, *c.b, 0, size_t(M) * Hv * f).in(3, *c.a, 0, size_t(M) * Hv * f)
-            .in(4, W(g + ".A_log"), &t.weight_bytes).in(5, W(g + ".dt_bias"), &t.weight_bytes)
-            .in(6, W(g + ".norm.weight"), &t.weight_bytes).inout(7, *state_[l], 0, state_bytes)
-            .out(8, *c.o, 0, size_t(M) * Hv * Dv * f)
-            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
-      }
+      Op(*K.gdn_scan, labels_(l, "scan"))
+          .groups(tg(Hv), tg(1024))
+          .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.z, 0, size_t(M) * Hv * Dv * f)
+          .in(2, *c.b, 0, size_t(M) * Hv * f).in(3, *c.a, 0, size_t(M) * Hv * f)
+          .in(4, *g.A_log, &t.weight_bytes).in(5, *g.dt_bias, &t.weight_bytes)
+          .in(6, *g.norm, &t.weight_bytes).inout(7, *state_[l], 0, state_bytes)
+          .out(8, *c.o, 0, size_t(M) * Hv * Dv * f)
+          .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
-      gemm(g + ".out_proj", 4, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, L + "out_proj");
+      gemm(g.out_proj, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"));
     } else {
       // ---- full attention
-      const std::string a = p + ".self_attn";
+      const AttentionLayer& a = layer.attn;
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      gemm(a + ".q_proj", 4, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, L + "q_proj");
-      gemm(a + ".k_proj", 4, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, L + "k_proj");
-      gemm(a + ".v_proj", 4, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, L + "v_proj");
+      gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"));
+      gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"));
+      gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"));
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
-      const std::string Ds = std::to_string(D);
       {
-        Op op(dev, "attn_prefill_prep_d" + Ds, L + "qk prep + kv append");
+        Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
             .in(0, *c.qg, 0, size_t(M) * Hq * 2 * D * f).in(1, *c.k, 0, size_t(M) * Hkv * D * f)
             .in(2, *c.v, 0, size_t(M) * Hkv * D * f)
-            .in(3, W(a + ".q_norm.weight"), &t.weight_bytes).in(4, W(a + ".k_norm.weight"), &t.weight_bytes)
+            .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
             .bind(5, *k_cache_[l]).bind(6, *v_cache_[l]);
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
           for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()})
@@ -267,14 +288,13 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
                          end >= 2 * prefill_split_rows();
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const std::string suffix = "_d" + Ds + "_g" + std::to_string(G);
       auto declare_kv = [&](Op& op) {
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
           for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) op.read(*cache, kvh * head_rows, size_t(end) * row);
       };
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
-        Op op(dev, "attn_prefill" + suffix, L + "attention");
+        Op op(*K.attn, labels_(l, "attention"));
         op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
@@ -290,88 +310,96 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         const uint32_t splits = ceil_div(end, S);
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
-        Op op(dev, "attn_prefill_split" + suffix, L + "attention split");
+        Op op(*K.attn_split, labels_(l, "attention split"));
         op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
-        Op comb(dev, "attn_prefill_combine_d" + Ds, L + "attention combine");
-        comb.groups(tg(Hq, M), tg(D))
+        Op(*K.attn_combine, labels_(l, "attention combine"))
+            .groups(tg(Hq, M), tg(D))
             .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .out(3, *c.attn, 0, size_t(M) * Hq * D * f).args(4, aa).run(pass);
       }
-      gemm(a + ".o_proj", 4, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, L + "o_proj");
+      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
 
     // ---- MoE
-    const std::string m = p + ".mlp";
+    const MoeBlock& m = layer.moe;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
-    rms_rows(W(p + ".post_attention_layernorm.weight"), *c.h, *c.xn, L + "post-attention norm");
-    gemm(m + ".gate", 8, false, *c.xn, H, H, *c.router, E, E + 1, 0, L + "router");
-    gemm(m + ".shared_expert_gate", 8, false, *c.xn, H, H, *c.router, 1, E + 1, E, L + "shared gate");
+    rms_rows(*layer.post_attention_norm, *c.h, *c.xn, labels_(l, "post-attention norm"));
+    gemm(m.gate, false, *c.xn, H, H, *c.router, E, E + 1, 0, labels_(l, "router"));
+    gemm(m.shared_expert_gate, false, *c.xn, H, H, *c.router, 1, E + 1, E, labels_(l, "shared gate"));
     const uint32_t T = moe_tile_rows(l, M);
     const uint32_t block_rows = route_block_rows(k);
     const uint32_t blocks = ceil_div(M, block_rows);
     const args::MoeRoutePrefillArgs ra{M, E, k, d.norm_topk_prob ? 1u : 0u, block_rows, T};
     const size_t bc_bytes = size_t(blocks) * E * u32;
-    Op(dev, "moe_route_clear", L + "route clear")
+    Op(*K.route_clear, labels_(l, "route clear"))
         .threads(tg(blocks * E), tg(256)).out(0, *c.block_counts, 0, bc_bytes).args(1, ra).run(pass);
-    Op(dev, "moe_route_topk", L + "route top-k + histogram")
+    Op(*K.route_topk, labels_(l, "route top-k + histogram"))
         .groups(tg(M), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
         .in(0, *c.router, 0, size_t(M) * (E + 1) * f).out(1, *c.ids, 0, size_t(M) * k * u32)
         .out(2, *c.w, 0, size_t(M) * (k + 1) * f).inout(3, *c.block_counts, 0, bc_bytes).args(4, ra).run(pass);
     const uint32_t max_tiles = max_tiles_for(M * k, E, T);
     gpu::Buffer& hist = *c.hist[parity][l];
-    Op(dev, "moe_route_scatter", L + "route scan + scatter + tile map")
+    Op(*K.route_scatter, labels_(l, "route scan + scatter + tile map"))
         .groups(tg(blocks), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
         .in(0, *c.ids, 0, size_t(M) * k * u32).in(1, *c.block_counts, 0, bc_bytes)
         .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, max_tiles * sizeof(args::MoeTile))
         .out(4, *c.tile_count, 0, u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
-    {
-      Op op(dev, "gemm_swiglu_q4" + sfx, L + "shared expert gate|up");
-      op.groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-      qlin(op, 0, m + ".shared_expert.gate_proj", &t.weight_bytes);
-      qlin(op, 3, m + ".shared_expert.up_proj", &t.weight_bytes);
-      op.in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
-          .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
-    }
-    gemm(m + ".shared_expert.down_proj", 4, false, *c.hs, Is, Is, *c.ys, H, H, 0, L + "shared expert down");
+    Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
+        .groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
+        .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
+        .in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
+        .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
+    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"));
     // routed experts over the tile map
-    const std::string tsfx = "_t" + std::to_string(T);
     const MoeGeometry mg = moe_geometry(T);
     const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
     {
-      Op op(dev, "moe_gemm_gate_up_q4" + tsfx + sfx, L + "experts gate|up");
+      Op op(*K.experts_gate_up[tile_index(T)], labels_(l, "experts gate|up"));
       op.groups(tg(max_tiles, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
           .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      expert_stack(op, 4, m + ".switch_mlp.gate_proj");
-      expert_stack(op, 7, m + ".switch_mlp.up_proj");
+      expert_stack(op, 4, m.experts_gate_proj);
+      expert_stack(op, 7, m.experts_up_proj);
       op.out(10, *c.hx, 0, size_t(M) * k * I * f)
           .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I}).run(pass);
     }
     {
-      Op op(dev, "moe_gemm_down_q4" + tsfx + sfx, L + "experts down");
+      Op op(*K.experts_down[tile_index(T)], labels_(l, "experts down"));
       op.groups(tg(max_tiles, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
           .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      expert_stack(op, 4, m + ".switch_mlp.down_proj");
+      expert_stack(op, 4, m.experts_down_proj);
       op.out(7, *c.yx, 0, size_t(M) * k * H * f)
           .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H}).run(pass);
     }
-    Op(dev, "moe_combine", L + "combine")
+    Op(*K.moe_combine, labels_(l, "combine"))
         .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
         .in(1, *c.yx, 0, size_t(M) * k * H * f).in(2, *c.ys, 0, size_t(M) * H * f)
         .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
   }
 
   if (logits == Logits::all) {
-    rms_rows(W("model.norm.weight"), *c.h, *c.xn, "final norm");  // lm_head runs per block later
+    rms_rows(*model_.final_norm, *c.h, *c.xn, "final norm");  // lm_head runs per block (encode_lm_head_rows)
   } else if (logits == Logits::last || sample) {
     const int slot = int((p0 + M - 1) % 2);
     encode_head(pass, *c.h, size_t(M - 1) * H * f, slot, sample, t);
   }
+  pass.end();
+}
+
+void Runtime::encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t R) {
+  const ModelDims& d = dims_;
+  const size_t f = sizeof(float), H = d.hidden_size, V = d.vocab_size;
+  gpu::ComputePass& pass = cmd.compute_pass();
+  Op(prefill_kernels_.gemm[model_.lm_head.bits], "lm_head (all positions)")
+      .groups({ceil_div(V, kGemmBN), ceil_div(R, kGemmBM), 1}, {kGemmThreads, 1, 1})
+      .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * f, size_t(R) * H * f)
+      .out(4, *chunk_bufs_.logits, 0, size_t(R) * V * f)
+      .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
   pass.end();
 }
 

@@ -1,6 +1,7 @@
-// The session runtime: weights, session state, the decode pipeline (two command buffers
-// and two token slots in flight) and chunked prefill; the step and chunk encodings are in
-// decode.cpp and prefill.cpp.
+// The session runtime: lifecycle (weights, buffers, load-time checks), session state and
+// snapshots, the decode pipeline (two command buffers and two token slots in flight) and
+// the chunked prefill driver. Every dispatch is encoded by the two phases, decode.cpp and
+// prefill.cpp.
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -12,7 +13,6 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
-#include "runtime/kernel_args.h"
 
 namespace lily::runtime {
 
@@ -45,6 +45,8 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
   sizing_ = false;
   check_memory(memory_, device_->memory_limits());
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
+  model_ = ModelWeights::bind(weights_, dims_);
+  labels_ = LayerLabels(d.num_hidden_layers);
   allocate_buffers();
   record_only_ = tokens_->contents() == nullptr;
   // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
@@ -154,8 +156,8 @@ void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
 
 void Runtime::preflight() {
   std::map<std::string, uint32_t> threads;
-  auto collect = [&](gpu::CommandBuffer& cb) {
-    for (const gpu::DispatchRecord& r : cb.counters().log)
+  auto collect = [&](gpu::CommandBuffer& cmd) {
+    for (const gpu::DispatchRecord& r : cmd.counters().log)
       threads[r.kernel] = std::max(threads[r.kernel], uint32_t(r.threads.count()));
   };
   struct Restore {  // the sampling settings and tile choice preflight overrides
@@ -170,36 +172,43 @@ void Runtime::preflight() {
     return std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
   };
   try {
+    resolve_decode_kernels();
+    resolve_prefill_kernels();
     // decode: plain and (when the context reaches it) split attention, each sampler
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
       if (pos && !uses_split_attention(pos)) continue;
-      auto cb = device_->new_command_buffer();
-      encode_step(*cb, 0, pos, nullptr);
-      collect(*cb);
+      auto cmd = device_->new_command_buffer();
+      encode_step(*cmd, 0, pos, nullptr);
+      collect(*cmd);
     }
     {
-      auto cb = device_->new_command_buffer();
-      gpu::ComputePass& pass = cb->compute_pass();
+      auto cmd = device_->new_command_buffer();
+      gpu::ComputePass& pass = cmd->compute_pass();
       sampling_ = SamplingConfig{};
       sampling_.temperature = 1.0f;
       sampling_.logprobs = true;
       encode_sample(pass, 0);
       pass.end();
-      collect(*cb);
+      collect(*cmd);
     }
     // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
     // the context (split attention when the context reaches it)
     for (uint32_t tile : {16u, 32u, 64u}) {
       force_tile_rows_ = tile;
-      auto cb = device_->new_command_buffer();
-      encode_chunk(*cb, 0, 0, chunk_, Logits::last, true, nullptr);
-      collect(*cb);
+      auto cmd = device_->new_command_buffer();
+      encode_chunk(*cmd, 0, 0, chunk_, Logits::last, true, nullptr);
+      collect(*cmd);
     }
     force_tile_rows_ = 0;
     if (opt_.max_context > 1) {
-      auto cb = device_->new_command_buffer();
-      encode_chunk(*cb, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
-      collect(*cb);
+      auto cmd = device_->new_command_buffer();
+      encode_chunk(*cmd, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
+      collect(*cmd);
+    }
+    {  // every-position logits
+      auto cmd = device_->new_command_buffer();
+      encode_lm_head_rows(*cmd, 0, chunk_bufs_.logits_rows);
+      collect(*cmd);
     }
   } catch (const gpu::UsageError& e) {  // an unknown kernel, a threadgroup over the pipeline's limit
     throw at_load(e);
@@ -297,15 +306,15 @@ static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t positio
                        const std::vector<gpu::BufferPtr>& k, const std::vector<gpu::BufferPtr>& v,
                        const std::vector<gpu::BufferPtr> (&conv)[2], const std::vector<gpu::BufferPtr>& state,
                        gpu::Buffer& snapshot, bool to_snapshot) {
-  std::unique_ptr<gpu::CommandBuffer> cb = device.new_command_buffer();
+  std::unique_ptr<gpu::CommandBuffer> cmd = device.new_command_buffer();
   size_t at = 0;
   for_each_state_run(d, position, capacity, k, v, conv, state, [&](gpu::Buffer& b, size_t offset, size_t n, bool) {
-    if (to_snapshot) cb->copy(b, offset, snapshot, at, n);
-    else cb->copy(snapshot, at, b, offset, n);
+    if (to_snapshot) cmd->copy(b, offset, snapshot, at, n);
+    else cmd->copy(snapshot, at, b, offset, n);
     at += n;
   });
-  cb->commit();
-  cb->wait();
+  cmd->commit();
+  cmd->wait();
 }
 
 SessionSnapshot Runtime::snapshot() {
@@ -384,7 +393,7 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
     const int parity = int(chunks_done_ % 2);
     // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
     auto cmd = device_->new_command_buffer();
-    std::memcpy(cb_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
+    std::memcpy(chunk_bufs_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
     if (last && sample) static_cast<uint32_t*>(positions_->contents())[(position_ + M - 1) % 2] = position_ + M - 1;
     encode_chunk(*cmd, parity, position_, M, last ? last_logits : Logits::none, last && sample, nullptr);
     ++chunks_done_;
@@ -435,26 +444,16 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
     return out;
   }
   // Every position's logits: after each chunk, lm_head over its normed rows in blocks.
-  const ModelDims& d = dims_;
-  const size_t f = sizeof(float), H = d.hidden_size;
   for (size_t s = 0; s < n; s += chunk_) {
     const uint32_t M = uint32_t(std::min<size_t>(chunk_, n - s));
     run_chunks(tokens, s, s + M, Logits::all, false, false);
-    for (uint32_t r0 = 0; r0 < M; r0 += cb_.logits_rows) {
-      const uint32_t R = std::min(cb_.logits_rows, M - r0);
+    for (uint32_t r0 = 0; r0 < M; r0 += chunk_bufs_.logits_rows) {
+      const uint32_t R = std::min(chunk_bufs_.logits_rows, M - r0);
       auto cmd = device_->new_command_buffer();
-      gpu::ComputePass& pass = cmd->compute_pass();
-      const uint32_t Vn = d.vocab_size;
-      Op op(*device_, std::string("gemm_q4") + (tensor_ops_ ? "_tensor" : ""), "lm_head (all positions)");
-      op.groups({ceil_div(Vn, 64), ceil_div(R, 32), 1}, {128, 1, 1})
-          .in(0, weights_.at("lm_head.weight")).in(1, weights_.at("lm_head.scales"))
-          .in(2, weights_.at("lm_head.biases")).in(3, *cb_.xn, size_t(r0) * H * f, size_t(R) * H * f)
-          .out(4, *cb_.logits, 0, size_t(R) * V * f)
-          .args(5, lily::kernels::GemmArgs{R, Vn, uint32_t(H), uint32_t(H), Vn}).run(pass);
-      pass.end();
+      encode_lm_head_rows(*cmd, r0, R);
       cmd->commit();
       cmd->wait();
-      std::memcpy(out.data() + (s + r0) * V, cb_.logits->contents(), size_t(R) * V * f);
+      std::memcpy(out.data() + (s + r0) * V, chunk_bufs_.logits->contents(), size_t(R) * V * sizeof(float));
     }
     wait_pending();
   }
@@ -530,10 +529,10 @@ bool Runtime::next(StepOutput* out) {
 void Runtime::finish() {
   wait_pending();
   if (!generating_) return;
-  for (auto& cb : inflight_) {
-    if (cb) {
-      cb->wait();
-      cb.reset();
+  for (auto& cmd : inflight_) {
+    if (cmd) {
+      cmd->wait();
+      cmd.reset();
       ++gen_done_;
     }
   }
@@ -572,11 +571,11 @@ gpu::Counters Runtime::count_step(uint32_t position, Traffic* traffic) {
   if (position >= opt_.max_context)
     throw std::invalid_argument("count_step: position " + std::to_string(position) +
                                 " is outside the context window of " + std::to_string(opt_.max_context));
-  auto cb = device_->new_command_buffer();
-  encode_step(*cb, position % 2, position, traffic);
-  gpu::Counters c = cb->counters();
-  cb->commit();
-  cb->wait();
+  auto cmd = device_->new_command_buffer();
+  encode_step(*cmd, position % 2, position, traffic);
+  gpu::Counters c = cmd->counters();
+  cmd->commit();
+  cmd->wait();
   return c;
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "runtime/encoder.h"
 #include "runtime/model.h"
 
 namespace lily::runtime {
@@ -122,6 +123,31 @@ struct SessionSnapshot {
                                 const std::vector<std::pair<const void*, size_t>>& parts);
 };
 
+// The pipelines of the decode step (decode.cpp), looked up by kernel name once at load. The
+// split-attention pair is null when the context never reaches the split path.
+struct DecodeKernels {
+  const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
+  ByBits norm_gemv, gemv_add;
+  const gpu::Pipeline* gdn_step = nullptr;
+  const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
+  const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
+  const gpu::Pipeline *argmax_partial = nullptr, *sample_greedy_combine = nullptr, *sample_token = nullptr;
+};
+
+// The pipelines of the prefill chunk (prefill.cpp), as DecodeKernels; the GEMMs on the
+// device's path (simdgroup matrices or tensor operations).
+struct PrefillKernels {
+  const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
+  ByBits gemm, gemm_add;
+  const gpu::Pipeline *gdn_conv = nullptr, *gdn_scan = nullptr;
+  const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
+  const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
+  const gpu::Pipeline* shared_gate_up = nullptr;
+  // grouped expert GEMMs by tile height 16, 32, 64 (moe_tile_rows)
+  const gpu::Pipeline *experts_gate_up[3] = {}, *experts_down[3] = {};
+  const gpu::Pipeline* moe_combine = nullptr;
+};
+
 class Runtime {
  public:
   static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
@@ -208,23 +234,30 @@ class Runtime {
   uint32_t prefill_split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
 
  private:
-  struct Layer;
-  void encode_step(gpu::CommandBuffer& cb, int slot, uint32_t position, Traffic* traffic);
+  // Look up every pipeline the step / the chunk dispatches (throws gpu::UsageError naming
+  // an unknown kernel); called by preflight().
+  void resolve_decode_kernels();
+  void resolve_prefill_kernels();
+  void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, Traffic* traffic);
   // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
   // `sample`) the sampler writing the next token into token slot slot ^ 1.
   void encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
                    Traffic& t);
   void encode_sample(gpu::ComputePass& pass, int slot);
   // One prefill chunk: rows tok[0, rows) of chunk buffer `parity` at position p0.
-  void encode_chunk(gpu::CommandBuffer& cb, int parity, uint32_t p0, uint32_t rows, Logits logits,
+  void encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t rows, Logits logits,
                     bool sample, Traffic* traffic);
+  // Every-position logits: lm_head over rows [r0, r0 + rows) of the last chunk's normed
+  // rows into chunk_bufs_.logits (rows <= chunk_bufs_.logits_rows), in its own compute pass.
+  void encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t rows);
   void allocate_chunk_buffers();
   // Every buffer of the session; with sizing_ only counted into memory_.
   void allocate_buffers();
-  // Encodes, without committing, every dispatch the runtime can issue (decode step and its
-  // split path, both samplers, prefill chunks with both expert tile heights and the split
-  // path), so a kernel missing from the library or a threadgroup above its pipeline's limit
-  // fails at load naming the kernel; fills kernels_.
+  // Resolves the pipelines, then encodes, without committing, every dispatch the runtime can
+  // issue (decode step and its split path, both samplers, prefill chunks with each expert
+  // tile height and the split path, the all-logits lm_head), so a kernel missing from the
+  // library or a threadgroup above its pipeline's limit fails at load naming the kernel;
+  // fills kernels_.
   void preflight();
   void check_feed(const std::vector<uint32_t>& tokens, const char* what) const;
   std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
@@ -240,6 +273,10 @@ class Runtime {
   ModelDims dims_;
   RuntimeOptions opt_;
   WeightTable weights_;
+  ModelWeights model_;  // tensor references into weights_, per layer
+  DecodeKernels decode_kernels_;
+  PrefillKernels prefill_kernels_;
+  LayerLabels labels_;
   uint32_t position_ = 0;
   bool record_only_ = false;
   uint32_t attn_heads_ = 0;        // query heads per decode attention threadgroup (G)
@@ -276,7 +313,7 @@ class Runtime {
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)
     uint32_t max_tiles = 0;     // capacity of `tiles` (16-row tiles, the most)
     uint32_t attn_splits = 0;   // capacity of the split-attention partials
-  } cb_;
+  } chunk_bufs_;
   uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)
   std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
   // the generation in progress (start/next/finish)

@@ -420,6 +420,15 @@ def bf16_to_f32(a: np.ndarray) -> np.ndarray:
     return (np.asarray(a, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
 
 
+def f32_to_bf16(a) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), rounded to nearest even; a NaN stays a (quiet)
+    NaN. The inverse of :func:`bf16_to_f32` on bf16 values."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(a, dtype=np.float32))
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), bits)
+
+
 @dataclass
 class QuantizedTensor:
     """An MLX affine-quantized weight ``[..., out, in]`` kept in packed form (memory-mapped).

@@ -3,15 +3,17 @@
 Every check builds small fresh random inputs, dispatches one kernel of the shipped library
 on a native device (``metal``, or ``sim`` on Linux) and compares the outputs with a numpy
 evaluation in float64, against the same first-order error bounds the kernel tests use
-(tests/test_kernels_*.py import the reference helpers from here: one home for them).
+(tests/kernels/ import the reference helpers from here, through tests/harness.py:
+one home for them).
 
     results = run_checks(device)            # every kernel of device.kernel_names()
     for r in results: print(r.kernel, r.status, r.error)
 
 A result's ``error`` is the worst ratio of |got - exact| to the kernel's tolerance (PASS
 when <= 1), or for exact kernels (argmax, routing ids) 0 or 1. Kernels whose name starts
-with ``st_`` are the simulator's self-test kernels (metal/selftest*.metal), not part of the
-model; they are not checked here.
+with ``st_`` are the simulator's self-test kernels (metal/selftest*.metal, registered only in
+the simulator, never in the shipped metallib), not part of the model; they are not checked
+here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lily._device import constant, download, upload
-from lily.checkpoint import QuantizedTensor, bf16_to_f32
+from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.errors import InvalidParameterError
 from lily.reference import (
     ReferenceModel,
@@ -32,6 +34,7 @@ from lily.reference import (
     l2_norm,
     rms_norm,
     rope,
+    round_bf16,
     sigmoid,
     silu,
     softmax,
@@ -39,7 +42,7 @@ from lily.reference import (
 from lily.sampling import Sampler, SamplingParams
 
 U = 2.0**-24          # fp32 unit roundoff
-DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/test_kernels_gemv_moe.py)
+DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
 GEMV_ROWS_PER_SG = 4  # kGemvRowsPerSimdgroup (metal/common.h)
 COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
 NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
@@ -62,10 +65,7 @@ PENDING: frozenset[str] = frozenset()
 # ----------------------------------------------------------------------------- references
 
 
-def to_bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
 
 
 def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
@@ -111,12 +111,6 @@ def route_ref(logits, k, norm=True):
 
 
 # ----------------------------------------------------------------------------- host encoding
-def bf16_bits(x) -> np.ndarray:
-    """float32 -> bf16 bit patterns (uint16), round to nearest even."""
-    from lily.reference import round_bf16
-    return (round_bf16(np.asarray(x, np.float32)).view(np.uint32) >> 16).astype(np.uint16)
-
-
 def from_bf16(bits) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32, exact."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -1495,7 +1489,6 @@ def _attn_decode_split(dev, rng, kernel):
 
 @check("attn_qk_prep")
 def _attn_qk_prep(dev, rng, kernel):
-    from lily.reference import round_bf16
     Hq, Hkv, D, rot = _ATTN[(256, 4)]
     pos = 37
     A = AttnLayer(dev, Hq, Hkv, D, rot, 64, rng=rng)
@@ -1850,7 +1843,6 @@ def _prefill_case(dev, rng, D, G, p0, M):
 
 @check("attn_prefill_prep_d256", "attn_prefill_prep_d64")
 def _attn_prefill_prep(dev, rng, kernel):
-    from lily.reference import round_bf16
     D, _ = _variant(kernel)
     p0, M = 11, 6
     L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng)

@@ -47,6 +47,8 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
+from lily.checkpoint import f32_to_bf16
+
 __all__ = [
     "PRESETS",
     "Preset",
@@ -479,17 +481,10 @@ def _tensor_values(spec: TensorSpec, seed: int) -> np.ndarray:
     return np.ascontiguousarray(spec.init(rng, spec.shape), dtype=np.float32)
 
 
-def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns (uint16), round to nearest even."""
-    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounded = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-    return (rounded >> np.uint32(16)).astype(np.uint16)
-
-
 def _tensor_bytes(spec: TensorSpec, seed: int) -> bytes:
     v = _tensor_values(spec, seed)
     if spec.dtype == "BF16":
-        return _to_bf16_bits(v).astype("<u2").tobytes()
+        return f32_to_bf16(v).astype("<u2").tobytes()
     return v.astype("<f4").tobytes()
 
 

@@ -6,7 +6,7 @@ fused gate/up kernel routes without threadgroup barriers).
 
 The simulator runs with verify_writes (every byte written outside a dispatch's declared
 ranges is an error) and its hazard checks; tolerances are those of
-tests/test_kernels_gemv_moe.py (64 u M per output, u = 2**-24)."""
+tests/kernels/test_gemv.py (64 u M per output, u = 2**-24)."""
 
 from __future__ import annotations
 
@@ -22,26 +22,24 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, sim_device, upload  # noqa: E402
+from lily._device import download, upload  # noqa: E402
 from lily.kernel_check import (  # noqa: E402
     NORM_GEMV_ROWS_PER_SG, _norm_gemv_ratio, enc_norm_gemv, norm_gemv_grid, rand_quant, to_bf16_bits, upload_q)
+from harness import forward_sim, run_encoder  # noqa: E402
 
-METAL = Path(__file__).resolve().parents[1] / "metal"
+METAL_SRC = Path(__file__).resolve().parents[2] / "metal"
 
 
 @pytest.fixture(scope="module")
 def dev():
-    return sim_device(verify_writes=True)
+    return forward_sim()
 
 
 def run_norm_gemv(dev, bits, x, nw, qts, rps, tg=64):
     cols = x.size
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
-    cb = dev.command_buffer()
-    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True, tg=tg, rps=rps)
-    cb.commit()
-    cb.wait()
+    run_encoder(dev, enc_norm_gemv, bits, X, NW, XN, mats, cols, write_xn=True, tg=tg, rps=rps)
     return X, NW, XN, mats
 
 
@@ -134,8 +132,8 @@ def test_fused_gate_up_routes_without_barriers():
     """Each simdgroup of moe_route_gate_up_swiglu_q4 computes its routing in registers
     (route_topk_simd): no threadgroup barrier or threadgroup array stands between a
     threadgroup's start and its first expert weight load."""
-    moe = (METAL / "moe.metal").read_text()
-    route = (METAL / "route.h").read_text()
+    moe = (METAL_SRC / "moe.metal").read_text()
+    route = (METAL_SRC / "route.h").read_text()
     kernel = _body(moe, "kernel void moe_route_gate_up_swiglu_q4(")
     simd = _body(route, "inline RoutePicks route_topk_simd(")
     assert "route_topk_simd(" in kernel and not re.search(r"\broute_topk\(", kernel)

@@ -10,7 +10,7 @@ numpy model below performs exactly those float32 operations (one vectorised
 representable, so results must be bit-identical. (A GPU may sum in another order or fuse
 multiply-adds: a test on a Mac would need a float32 summation tolerance.)
 
-Kernel tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+Kernel tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
 a device created with gpu_family="apple10"; outputs start poisoned (NaN), shapes do not
 divide the tiles.
@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from seeding import fresh_rng
 from simdev import ORDERS, THREAD_ORDERS
+from harness import run  # noqa: E402
 
 from lily import _core
 
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 
@@ -89,15 +90,6 @@ def mm_model(a, b, c0=None):
 
 def args(M, N, K, lda=None):
     return constant(M, N, K, K if lda is None else lda)
-
-
-def run(dev, kernel, groups, tg, buffers, cst, reads, writes):
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, groups, tg, buffers=buffers, constants=cst, reads=reads, writes=writes,
-                               threadgroups=True)
-    cb.commit()
-    cb.wait()
-    return cb
 
 
 def cdiv(a, b):

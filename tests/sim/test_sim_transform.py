@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"
 CXX = shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 

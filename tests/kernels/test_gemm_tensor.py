@@ -1,7 +1,7 @@
 """Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal), on the Metal
 simulator with gpu_family="apple10".
 
-1. h-gemm's suite, unchanged, on the twins: every test of tests/test_kernels_prefill_gemm.py
+1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
    (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
    grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
    a real-model-shaped layer) is collected here again with its own parametrisation, inputs
@@ -9,7 +9,7 @@ simulator with gpu_family="apple10".
    ``_tensor`` twin (same bindings, grids, outputs). Its tolerances are the float32 bounds
    documented in that module (``(K + 8) u M`` per output, first-order SwiGLU propagation),
    which hold for any summation order, so they are also what a GPU must meet. Excluded: its
-   simulator-timing test and its simdgroup_matrix simulator test (not GEMM kernels).
+   simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
    product and adds it in increasing k order (docs/device-layer.md), as does its
    simdgroup_matrix multiply-accumulate, and both paths dequantize with the same fp32
@@ -20,7 +20,7 @@ simulator with gpu_family="apple10".
 3. The twins' bindings match gemm.metal's, they exist only on apple10 devices, and the
    Metal backend's start-up probe kernel computes what it should.
 
-Correctness tests run in the three simulator modes of tests/test_kernels_mixers.py (forward;
+Correctness tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
 poisoned (NaN) outputs; the extra exactness checks of part 2 run in forward order.
 """
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS
+from harness import ORDERS, THREAD_ORDERS
 
 from lily import _core
 
@@ -41,9 +41,9 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
-import test_kernels_prefill_gemm as simd_suite  # noqa: E402
+import test_gemm as simd_suite  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 U = 2.0**-24
 BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
 
@@ -94,7 +94,7 @@ def fwd():
 
 
 # ---- part 1: h-gemm's suite on the twins (module docstring)
-_NOT_GEMM = {"test_time_lm_head_shape", "test_sim_matrix_products_per_lane"}
+_NOT_GEMM = {"test_time_lm_head_shape"}
 for _name, _fn in list(vars(simd_suite).items()):
     if _name.startswith("test_") and callable(_fn) and _name not in _NOT_GEMM:
         globals()[_name + "_tensor"] = _fn
@@ -119,7 +119,8 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES, magnitude, rand_quant, to_bf16_bits  # noqa: E402,F401
+from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES  # noqa: E402,F401
+from harness import magnitude, rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
 def seq_model(x, w):
@@ -141,16 +142,6 @@ def check_bound(got, x, qt, index=None, extra=None):
     err = np.abs(got - (exact if extra is None else extra(exact)))
     assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
     return exact, tol
-
-
-def dispatch(dev, kernel, groups, tg, buffers, cst, reads, writes):
-    """buffers bound at 0.., then the argument struct `cst` (if any) at the next index."""
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, groups, tg, buffers=list(enumerate(buffers)),
-                               constants=[(len(buffers), cst)] if cst is not None else [],
-                               reads=reads, writes=writes, threadgroups=True)
-    cb.commit()
-    cb.wait()
 
 
 def cdiv(a, b):

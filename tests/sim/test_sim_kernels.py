@@ -6,8 +6,12 @@ geometries that do not divide evenly into threadgroups or simdgroups.
 
 from __future__ import annotations
 
+import functools
+
+import harness
 import numpy as np
 import pytest
+from seeding import fresh_rng
 
 from lily import _core
 
@@ -23,15 +27,8 @@ def dev(request):
     return sim_device(thread_order=request.param, seed=11)
 
 
-def run(dev, kernel, grid, tg, buffers=(), constants=(), tgmem=(), reads=(), writes=(), threadgroups=False):
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-               threadgroup_memory=list(tgmem), reads=list(reads), writes=list(writes),
-               threadgroups=threadgroups)
-    cb.commit()
-    cb.wait()
-    return cb
+# dispatchThreads unless a test says threadgroups=True
+run = functools.partial(harness.run, threadgroups=False)
 
 
 def bf16_round(x):
@@ -375,3 +372,26 @@ def test_quad_and_shuffle_fill(dev):
             want7[s0 + i] = x[s0 + b + j] if j >= 0 else -x[s0 + b + j + 8]
     np.testing.assert_array_equal(got[6], want6)
     np.testing.assert_array_equal(got[7], want7)
+
+
+@pytest.mark.parametrize("same", [1, 0])
+@pytest.mark.parametrize("threads", [32, 40, 96])
+def test_sim_matrix_products_per_lane(dev, same, threads):
+    """The simulator computes a simdgroup_matrix product once per simdgroup and copies it to
+    the lanes whose operands are byte-identical (runtime.h, simd_matrix_op); a lane with
+    other operands (here: lane-dependent loads, undefined on a GPU) still gets its own
+    product, including in a partial last simdgroup (40 threads: 32 + 8 lanes)."""
+    rng = fresh_rng(threads, same)
+    A = rng.standard_normal((threads, 8, 8)).astype(np.float32)
+    B = rng.standard_normal((8, 8)).astype(np.float32)
+    Ab, Bb, C = upload(dev, A), upload(dev, B), dev.buffer(4 * 64 * threads)
+    cb = dev.command_buffer()
+    cb.compute_pass().dispatch("st_matmul_lanes", threads, threads, buffers=[(0, Ab), (1, Bb), (2, C)],
+                               constants=[(3, constant(same))], reads=[Ab, Bb], writes=[C])
+    cb.commit()
+    cb.wait()
+    got = download(C, np.float32).reshape(threads, 8, 8)
+    for t in range(threads):
+        a = A[0 if same else t].astype(np.float64)
+        want = 1.0 + 3 * (a @ B.astype(np.float64))
+        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5, err_msg=f"thread {t}")

@@ -1,17 +1,11 @@
-"""Mixer and sampling kernels on the Metal simulator against the numpy reference.
+"""metal/attention.metal (q/k prep, decode attention, split + combine, fused prep + decode;
+docs/kernels.md) on the Metal simulator against the numpy reference, and the decode mixers
+(GDN step, attention, greedy pick) composed in one pass.
 
-metal/gdn.metal (Gated DeltaNet decode step), metal/attention.metal (q/k prep, decode
-attention, split + combine), metal/sample.metal (greedy and sampled token selection).
 Every output buffer starts poisoned (the simulator fills new buffers with NaN), so an
 element a kernel forgets to write fails the comparison.
 
 Tolerances (all float32 arithmetic on both sides unless noted):
-* GDN step: the kernel sums in a different order (simd_sum trees vs numpy einsum) over
-  Dk = 128 products of O(1) values: a few float32 ulps, so rtol 1e-4 / atol 1e-5 on one
-  step. The 512-step drift test allows 5e-5 absolute on the state (|S| <= ~0.7) and the
-  outputs (|o| <= ~4); measured 2.4e-7 and 5.7e-6. The delta rule with unit-norm k, beta in
-  (0, 1) and g <= 1 is a contraction, so rounding differences do not accumulate beyond a
-  small multiple of one step's.
 * attention: the cache holds bf16 values that both sides read exactly; the remaining
   difference is float32 summation order over <= 256-element dot products and a softmax
   over <= a few hundred rows: rtol/atol 2e-5 against a float64 evaluation. Cache rows
@@ -26,12 +20,6 @@ Tolerances (all float32 arithmetic on both sides unless noted):
   in float64; at positions < 5000 the angle error is < 5000 * 2^-24 * few ~ 1e-3 rad at
   most for the fastest pair, so q/k after RoPE are compared with atol 2e-3 (values are
   O(1) after RMSNorm). Position 0..64 is tight (1e-5).
-* sampling: greedy exactly. The sampled path: exactly where the draw is determined
-  (top_k = 1, temperature 0); draw by draw against a numpy model of the kernel (Philox u,
-  crossing of u * Z in the kernel's order), where float32 (kernel) and float64 (model)
-  cumulative masses may disagree only when u lies within 1e-5 of a boundary; and
-  statistically (chi-square, alpha 0.001) against lily.sampling's filtered softmax.
-  Log-probabilities: atol 1e-4 (float32 log-sum-exp over up to 4000 terms).
 
 Kernel correctness tests run in three simulator modes (fixture ``dev``): forward order,
 reverse thread/threadgroup order with undeclared-read detection, random order; all with
@@ -40,11 +28,10 @@ out-of-range write detection.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401 (fixtures)
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
 import pytest
 
 from lily import _core
@@ -53,64 +40,13 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, upload  # noqa: E402
 from lily.reference import ReferenceState, round_bf16  # noqa: E402
-from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
-from lily.kernel_check import (  # noqa: E402,F401
-    PENALTIES, THETA, StubOracle, attention_reference, attn_cfg, count_buffer, expected_draws, filtered_probs,
-    gdn_cfg, heads_per_group, philox_u, qk_prep_reference, run, sample_args, sample_many, sampler_for, sorted_order, thread_order)
+from lily.kernel_check import (  # noqa: E402
+    THETA, StubOracle, attention_reference, attn_cfg, qk_prep_reference)
 
 
-# ------------------------------------------------------------------------------ helpers
-
-# ------------------------------------------------------------------------------ Gated DeltaNet
-
-GDN_DIMS = {
-    "real": (16, 32, 128, 128),
-    "dims": (2, 4, 128, 128),
-    "tiny": (2, 4, 32, 32),
-}
-
-
-class GdnLayer(kernel_check.GdnLayer):
-    """kernel_check.GdnLayer on fresh random inputs (tests/seeding.py)."""
-
-    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0):
-        super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed))
-
-
-@pytest.mark.parametrize("dims", list(GDN_DIMS))
-def test_gdn_decode_step_matches_reference(dev, dims):
-    Hk, Hv, Dk, Dv = GDN_DIMS[dims]
-    L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=1)
-    r = L.rng
-    # a non-trivial starting point: random conv history and recurrent state
-    L.set_state(r.standard_normal((3, L.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)))
-    for _ in range(2):
-        inp = L.random_inputs()
-        got = L.step_device(*inp)
-        want = L.step_reference(*inp)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-        conv, S = L.device_state()
-        np.testing.assert_array_equal(conv, L.st.conv[0])  # a copy: exact
-        np.testing.assert_allclose(S, L.st.recurrent[0], rtol=1e-4, atol=1e-5)
-
-
-def test_gdn_decode_drift_512_steps(fwd_dev):
-    """512 decode steps from a zero state (dims preset: Dk = Dv = 128) vs the reference."""
-    Hk, Hv, Dk, Dv = GDN_DIMS["dims"]
-    L = GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, seed=7)
-    worst_out = worst_state = 0.0
-    for t in range(512):
-        inp = L.random_inputs()
-        got = L.step_device(*inp)
-        want = L.step_reference(*inp)
-        worst_out = max(worst_out, float(np.abs(got - want).max()))
-        if t % 64 == 63 or t == 511:
-            _, S = L.device_state()
-            worst_state = max(worst_state, float(np.abs(S - L.st.recurrent[0]).max()))
-    assert worst_out < 5e-5, worst_out
-    assert worst_state < 5e-5, worst_state
+from test_gdn import GDN_DIMS, GdnLayer  # noqa: E402 (the composition test)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -339,189 +275,6 @@ def test_attn_fused_steps_in_one_pass(dev, split):
         np.testing.assert_array_equal(download(outs[t][1], np.float32), want)
     for C1, C2 in ((A.KC, B.KC), (A.VC, B.VC)):
         np.testing.assert_array_equal(download(C1, np.uint16), download(C2, np.uint16))
-
-
-# ------------------------------------------------------------------------------ sampling
-
-
-@pytest.mark.parametrize("V", [1, 31, 1000, 248320])
-def test_sample_greedy(dev, V):
-    rng = fresh_rng(V)
-    logits = f32(rng.standard_normal(V) * 3)
-    if V > 10:
-        logits[[V // 3, V // 2, V - 1]] = logits.max() + 1  # ties -> lowest index
-        logits[V // 4] = np.nan                            # NaN never wins
-    L, TOK = upload(dev, logits), dev.buffer(4)
-    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, constant(V))],
-        reads=[L], writes=[TOK])
-    want = int(np.nanargmax(logits))
-    assert download(TOK, np.uint32)[0] == want
-
-
-@pytest.mark.parametrize("V,slice_", [(1, 64), (31, 64), (1000, 64), (1000, 4096), (248320, 4096), (5000, 96)])
-def test_argmax_two_stage(dev, V, slice_):
-    """argmax_partial (one threadgroup per slice) + sample_greedy_combine, as the runtime runs
-    the greedy argmax: the token of sample_greedy (largest logit, lowest index among ties,
-    NaN never) with ties across slices, a slice of NaN only, and a ragged last slice."""
-    rng = fresh_rng(V, slice_)
-    logits = f32(rng.standard_normal(V) * 3)
-    if V > 10:
-        top = logits.max() + 1
-        logits[[V // 3, V // 2, V - 1]] = top  # ties in different slices -> lowest index
-        logits[V // 4] = np.nan                 # NaN never wins
-    if V > 2 * slice_:
-        logits[slice_:2 * slice_] = np.nan      # a slice with no number at all
-    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_)
-    assert stages == 2
-    assert token == int(np.nanargmax(logits))
-
-
-PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3)
-
-
-def _penalty_case(V, seed, fixed=False):
-    # fixed: statistical tests keep their inputs, so their false-alarm rate stays alpha per case
-    rng = np.random.default_rng(seed) if fixed else fresh_rng(seed)
-    logits = f32(rng.standard_normal(V) * 2)
-    prompt = rng.choice(V, 5, replace=False)
-    generated = rng.choice(V, 8)
-    return logits, prompt, generated
-
-
-def test_sample_token_temperature0_is_penalised_argmax(dev):
-    V = 3000
-    logits, prompt, generated = _penalty_case(V, 0)
-    top = np.argsort(-logits)[:6]
-    generated = np.concatenate([generated, top[:3], top[:3]])   # penalise the leaders
-    params = SamplingParams(temperature=0.0, **PENALTIES)
-    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, [1], [5])
-    want = int(np.argmax(sampler_for(params, prompt, generated).process(logits)))
-    assert toks[0] == want and want not in top[:3]
-
-
-def test_sample_token_top_k1_equals_greedy(dev):
-    V = 5000
-    logits = f32(fresh_rng(1).standard_normal(V))
-    params = SamplingParams(temperature=0.8, top_k=1)
-    toks, *_ = sample_many(dev, logits, count_buffer(V), params, list(range(8)), list(range(8)))
-    assert (toks == np.argmax(logits)).all()
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES),
-    SamplingParams(temperature=1.0),
-    SamplingParams(temperature=1.3, top_p=0.6),
-    SamplingParams(temperature=0.9, min_p=0.1),
-])
-def test_sample_token_exact_draws_fast_path(dev, params):
-    """V = 50 (all tokens are candidates): the token is where the cumulative filtered mass,
-    in (probability desc, id asc) order, first exceeds u * Z; u from the numpy Philox model."""
-    V = 50
-    logits, prompt, generated = _penalty_case(V, 2)
-    probs = filtered_probs(params, logits, prompt, generated)
-    seeds = [int(s) for s in fresh_rng(3).integers(0, 2**63, 200)]
-    positions = list(range(100, 300))
-    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
-    assert (probs[toks] > 0).all()
-    for tok, (want, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions)):
-        assert tok == want or near  # float32 vs float64 mass can differ only next to a boundary
-
-
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0, top_p=0.995),           # nucleus of ~2900 tokens > 1024
-    SamplingParams(temperature=1.0, top_k=2000, min_p=0.5),  # top_k > 1024, no top-p
-    SamplingParams(temperature=0.5),                         # no filter at all
-])
-def test_sample_token_exact_draws_slow_path(dev, params):
-    """Filtered sets wider than the 1024 candidates: draws in (thread, element) order."""
-    V, tg = 3000, 64
-    rng = fresh_rng(11)
-    logits = f32(rng.standard_normal(V) * 0.3)
-    probs = filtered_probs(params, logits)
-    assert (probs > 0).sum() > 1024 or params.min_p > 0
-    seeds = list(range(60))
-    positions = [5] * 60
-    toks, *_ = sample_many(dev, logits, count_buffer(V), params, seeds, positions, tg=tg)
-    assert (probs[toks] > 0).all()
-    for tok, (want, near) in zip(toks, expected_draws(probs, thread_order(V, tg), seeds, positions)):
-        assert tok == want or near
-
-
-def _chi2_critical(df, z=3.09):  # alpha = 0.001, Wilson-Hilferty
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-@pytest.mark.parametrize("tg,N", [(1024, 400), (128, 3000)])
-def test_sample_token_distribution_chi_square(fwd_dev, tg, N):
-    """N seeds (1024 threads as in production; 128 threads for a larger sample at the
-    simulator's cost), several elements per thread (V = 3000): the empirical distribution matches
-    the filtered softmax of lily.sampling (chi-square, alpha 0.001); tokens outside the
-    filtered support never appear."""
-    V = 3000
-    logits, prompt, generated = _penalty_case(V, 4, fixed=True)
-    logits[:40] += 4.0  # a head of ~40 plausible tokens
-    params = SamplingParams(temperature=0.8, top_k=30, top_p=0.92, min_p=0.01, **PENALTIES)
-    probs = filtered_probs(params, logits, prompt, generated)
-    seeds = list(range(1, N + 1))
-    toks, *_ = sample_many(fwd_dev, logits, count_buffer(V, prompt, generated), params, seeds, [7] * N, tg=tg)
-    assert (probs[toks] > 0).all()
-    obs = np.bincount(toks, minlength=V).astype(np.float64)
-    exp_ = probs * N
-    big = exp_ >= 5
-    stat = ((obs[big] - exp_[big]) ** 2 / exp_[big]).sum()
-    rest_o, rest_e = obs[~big].sum(), exp_[~big].sum()
-    df = int(big.sum()) - 1
-    if rest_e >= 5:
-        stat += (rest_o - rest_e) ** 2 / rest_e
-        df += 1
-    assert stat < _chi2_critical(df), (stat, df)
-
-
-def test_sample_token_reproducible_and_counts(fwd_dev):
-    V = 2000
-    logits = f32(fresh_rng(5).standard_normal(V))
-    params = SamplingParams(temperature=1.0, top_p=0.95)
-    a, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, [42, 42, 43, 42], [10, 10, 10, 11])
-    assert a[0] == a[1]
-    b, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, [42], [10])
-    assert b[0] == a[0]
-    many, *_ = sample_many(fwd_dev, logits, count_buffer(V), params, list(range(40)), [10] * 40)
-    assert len(set(many.tolist())) > 5
-    # the per-session count buffer gets +1 at the drawn token
-    counts = count_buffer(V, prompt=[3])
-    toks, _, _, C, _ = sample_many(fwd_dev, logits, counts, params, [9], [0], update_counts=True)
-    want = counts.copy()
-    want[toks[0]] += 1
-    np.testing.assert_array_equal(download(C, np.uint32), want)
-
-
-def test_sample_token_logprobs(dev):
-    V = 4000
-    logits = f32(fresh_rng(6).standard_normal(V) * 4)
-    params = SamplingParams(temperature=0.9, top_k=50, top_logprobs=5, logprobs=True)
-    toks, lps, ids, *_ = sample_many(dev, logits, count_buffer(V), params, [11, 12], [1, 2], logprobs=True)
-    for tok, lp, ii in zip(toks, lps, ids):
-        want = sampler_for(params).logprob(logits, int(tok))
-        assert abs(lp[0] - want.logprob) < 1e-4
-        np.testing.assert_array_equal(ii, [t for t, _ in want.top])
-        np.testing.assert_allclose(lp[1:], [v for _, v in want.top], atol=1e-4)
-
-
-def test_sample_token_real_vocab(fwd_dev):
-    """The real vocabulary (248320), Qwen-style settings: the token is in the nucleus and the
-    draw is the one the numpy model of the kernel's order predicts."""
-    V = 248320
-    rng = fresh_rng(8)
-    logits = f32(rng.standard_normal(V) * 2)
-    logits[rng.choice(V, 30, replace=False)] += 9
-    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8, top_logprobs=3, logprobs=True)
-    probs = filtered_probs(params, logits)
-    toks, lps, ids, _, dt = sample_many(fwd_dev, logits, count_buffer(V), params, [1, 2, 3], [0, 0, 0],
-                                        logprobs=True)
-    assert (probs[toks] > 0).all()
-    np.testing.assert_array_equal(ids[0], np.argsort(-logits, kind="stable")[:3])
-    lsm = log_softmax(logits)
-    np.testing.assert_allclose(lps[:, 0], lsm[toks], atol=1e-4)
 
 
 # ------------------------------------------------------------------------------ composition

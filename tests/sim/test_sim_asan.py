@@ -1,5 +1,5 @@
 """The simulator tests under AddressSanitizer (docs/verification.md): builds lily._core with
--DLILY_SANITIZE=address (tools/run_sim_asan.sh) and runs tests/test_sim_*.py against it.
+-DLILY_SANITIZE=address (tools/run_sim_asan.sh) and runs the simulator and kernel tests (tests/sim/, tests/kernels/) against it.
 
 Needs cmake, a C++ compiler with ASan and nanobind in this environment; skipped otherwise.
 The build directory (build/asan) is reused, so later runs only rebuild what changed.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "run_sim_asan.sh"
 
 

@@ -5,9 +5,9 @@ row strides lda / ldy, column blocks of wider matrices). Grouped expert GEMMs ov
 map: moe_gemm_gate_up_q4_t{16,32}, moe_gemm_down_q4_t{16,32} (skewed expert loads, empty
 experts, arbitrary slot order inside an expert, tile_count < max_tiles with plausible but
 stale tile entries past it, a real-model-shaped layer). Weights are random MLX-layout
-tensors (``rand_quant`` of test_kernels_gemv_moe.py: uniform codes, realistic bf16 scales
+tensors (``rand_quant`` of lily.kernel_check: uniform codes, realistic bf16 scales
 and biases) and the reference dequantizes them with ``QuantizedTensor.dequantize``. Every
-correctness test runs in the three simulator modes of test_kernels_mixers.py (forward;
+correctness test runs in the three simulator modes of tests/simdev.py (forward;
 reverse thread/threadgroup order with undeclared-read detection; random order), always with
 out-of-range write detection, on poisoned (NaN) outputs: bytes a dispatch must not write are
 checked to still be NaN.
@@ -26,7 +26,7 @@ Tolerances (fp32 arithmetic; ``exact`` is float64 from the fp32-dequantized weig
   indexing, stride or tile error, which change many terms;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
-  a few roundings of the activation (``_swiglu_bound`` of test_kernels_gemv_moe.py);
+  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check);
 * down projection of the grouped chain: hx is the kernel's own gate/up output, so the down
   kernel is checked with the plain bound above on exactly the values it read.
 """
@@ -39,14 +39,14 @@ import time
 import numpy as np
 import pytest
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev  # noqa: F401 (fixtures)
+from harness import ORDERS, THREAD_ORDERS  # noqa: F401
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, upload  # noqa: E402
-from test_kernels_gemv_moe import magnitude, rand_quant  # noqa: E402
+from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
 from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
@@ -56,34 +56,9 @@ U = 2.0**-24
 BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
 DENSE_BM = 32    # rows per threadgroup of the dense kernels
 DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
-TIMES: dict[str, float] = {}
-
-
-def teardown_module(module):
-    for k, v in sorted(TIMES.items()):
-        print(f"  sim time {k}: {v:.2f} s")
 
 
 # ------------------------------------------------------------------------------ helpers
-
-
-def check(got, exact, tol, what):
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all(), f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(got))[:5].tolist()}"
-    err = np.abs(got - exact)
-    bad = err > tol
-    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} outputs out of tolerance; worst err/tol "
-                           f"{(err / tol).max():.3g} at {np.unravel_index(np.argmax(err / tol), err.shape)}")
-    ratio = float((err / tol).max())
-    print(f"{what}: worst err/tol {ratio:.3g}")
-    return ratio
-
-
-def commit(cb, label):
-    t0 = time.perf_counter()
-    cb.commit()
-    cb.wait()
-    TIMES[label] = TIMES.get(label, 0.0) + time.perf_counter() - t0
 
 
 def qbufs(dev, qt):
@@ -352,29 +327,3 @@ def test_time_lm_head_shape(fwd_dev):
     x64 = x.astype(np.float64)
     exact = x64 @ qt.dequantize(cols).astype(np.float64).T
     check(y[:, cols], exact, bound(k) * (np.abs(x64) @ magnitude(qt, cols).T), "lm_head shape")
-
-
-# ------------------------------------------------------------------------------ simulator
-
-
-@pytest.mark.parametrize("same", [1, 0])
-@pytest.mark.parametrize("threads", [32, 40, 96])
-def test_sim_matrix_products_per_lane(dev, same, threads):
-    """The simulator computes a simdgroup_matrix product once per simdgroup and copies it to
-    the lanes whose operands are byte-identical (runtime.h, simd_matrix_op); a lane with
-    other operands (here: lane-dependent loads, undefined on a GPU) still gets its own
-    product, including in a partial last simdgroup (40 threads: 32 + 8 lanes)."""
-    rng = fresh_rng(threads, same)
-    A = rng.standard_normal((threads, 8, 8)).astype(np.float32)
-    B = rng.standard_normal((8, 8)).astype(np.float32)
-    Ab, Bb, C = upload(dev, A), upload(dev, B), dev.buffer(4 * 64 * threads)
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch("st_matmul_lanes", threads, threads, buffers=[(0, Ab), (1, Bb), (2, C)],
-                               constants=[(3, constant(same))], reads=[Ab, Bb], writes=[C])
-    cb.commit()
-    cb.wait()
-    got = download(C, np.float32).reshape(threads, 8, 8)
-    for t in range(threads):
-        a = A[0 if same else t].astype(np.float64)
-        want = 1.0 + 3 * (a @ B.astype(np.float64))
-        np.testing.assert_allclose(got[t], want, rtol=1e-5, atol=1e-5, err_msg=f"thread {t}")

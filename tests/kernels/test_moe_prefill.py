@@ -39,7 +39,7 @@ import math
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev  # noqa: F401 (fixtures)
+from harness import ORDERS, THREAD_ORDERS, run_encoder as run1  # noqa: F401
 import pytest
 
 from lily import _core
@@ -123,16 +123,6 @@ def check_grouping(ids, perm, tiles, tile_count, counts, E, T, tails=True):
     slot_expert = np.repeat(got[:, 0], got[:, 2])
     np.testing.assert_array_equal(slot_expert, pe, err_msg="a slot in another expert's tile")
     np.testing.assert_array_equal(got, want, err_msg="tile map")
-
-
-# ------------------------------------------------------------------------------ encoders
-
-def run1(dev, enc, *a, **kw):
-    cb = dev.command_buffer()
-    enc(cb.compute_pass(), *a, **kw)
-    cb.commit()
-    cb.wait()
-    return cb
 
 
 # ------------------------------------------------------------------------------ top-k

@@ -48,7 +48,7 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
-from simdev import ORDERS, THREAD_ORDERS, dev, fwd_dev, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401 (fixtures)
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
 import pytest
 
 from lily import _core

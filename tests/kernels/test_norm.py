@@ -1,0 +1,57 @@
+"""metal/norm.metal (``rms_norm``, docs/kernels.md) on the Metal simulator against a float64
+RMSNorm.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from seeding import fresh_rng
+import pytest
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, upload  # noqa: E402
+from lily.checkpoint import bf16_to_f32  # noqa: E402
+# the reference helpers and bounds live with lily doctor's kernel checks (one home)
+from lily.kernel_check import (  # noqa: E402
+    DEPTH, U, to_bf16_bits)
+from harness import assert_within, forward_sim, run_bound  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def dev():
+    return forward_sim()
+
+
+# ----------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("rows,n,tg", [(1, 2048, 256), (1, 2048, 1024), (1, 256, 256), (16, 256, 64),
+                                       (32, 128, 128), (2, 100, 96), (3, 33, 32), (1, 4096, 256)])
+def test_rms_norm(dev, rows, n, tg):
+    rng = fresh_rng(rows * n + tg)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
+    eps = 1e-6
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
+    args = constant(n) + np.float32(eps).tobytes()
+    run_bound(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
+    # sum of n positive squares (depth <= n/tg + 5 + 32) feeds rsqrt (halves the relative
+    # error), then two products: 64 u relative is a safe first-order bound
+    assert_within(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm")
+
+
+def test_rms_norm_in_place(dev):
+    rng = fresh_rng(11)
+    n = 2048
+    x = rng.standard_normal(n).astype(np.float32)
+    w = to_bf16_bits(rng.standard_normal(n))
+    X, Wt = upload(dev, x), upload(dev, w)
+    run_bound(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
+    assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
