@@ -1,122 +1,120 @@
 // Gated DeltaNet prefill: one chunk of M tokens (docs/model.md, "Gated DeltaNet"; docs/goals.md
 // section 3, "Register-resident Gated DeltaNet scan"; docs/prefill.md).
 //
-// Two dispatches per layer and chunk, after the projections (qkv, z, b, a: fp32 [M, ...]):
+// Three dispatches per layer and chunk, after the projections (qkv, z, b, a: fp32 [M, ...]):
 //
-//   gdn_conv_chunk   causal depthwise conv of every channel over [conv state | qkv rows],
-//                    SiLU, new conv state. One thread per (channel, block of RB rows);
-//                    the thread of the first row block owns the channel's conv state: it
-//                    reads the state column before writing it, so the state may be updated
-//                    in place (input and output the same bytes).
-//   gdn_scan         one threadgroup (32 simdgroups) per value head h, for the whole chunk.
-//                    Simdgroup s owns state rows s*R .. s*R+R-1 (R = Dv/32) of head h; lane l
-//                    holds elements l, l+32, ... of each row (Dk/32 of them). The state is
-//                    loaded into registers once, carried through all M tokens (dot products
-//                    exchanged with simd_sum, never through threadgroup memory) and written
-//                    back once. Threadgroup memory holds only activations, in blocks of TB
-//                    tokens: normalised q and k, v, g, beta (staged, coalesced) and the
-//                    per-row outputs y for the gated RMSNorm. Per block:
-//                      | gated RMSNorm of block j-1 (y -> out)  and  stage block j |
+//   gdn_scan         causal conv + SiLU of the channels it needs (inline, from qkv and the
+//                    conv state: the conv output never goes through device memory), L2 norms,
+//                    gates and the delta rule over the whole chunk. Value head h is split into
+//                    DV / RV threadgroups of RV state rows each (rows of S are independent:
+//                    row v only sees v[v]), so the model's 32 heads give 128 threadgroups.
+//                    Eight adjacent lanes share a row (three shuffle-add levels per dot
+//                    product instead of a 32-lane simd_sum). The state is loaded into
+//                    registers once, carried through all M tokens and written back once.
+//                    Threadgroup memory holds only activations, in blocks of TB tokens:
+//                    normalised q and k, v of the threadgroup's rows, g, beta and y = S q:
+//                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
+//   gdn_gated_norm   gated RMSNorm over each head's Dv values of y, in place (the RMS needs
+//                    the whole head, which no scan threadgroup holds).
+//   gdn_conv_state   the next conv state (the last K-1 rows of [conv state | qkv]); after the
+//                    scan, which reads the old one (they may be the same bytes).
 //
-// Per token the arithmetic is gdn_decode_step's (metal/gdn.metal), operation for operation and
-// in the same order (same lane distribution, same simd_sum reductions), so on the simulator a
-// chunk of M tokens gives bit for bit the outputs and states of M decode steps.
+// The conv is gdn_decode_step's (metal/gdn.metal) operation for operation; the scan sums its
+// dot products in another order, so a chunk agrees with decode steps to float32 rounding, and
+// two chunks equal one chunk of the same tokens bit for bit (the arithmetic per token does
+// not depend on where a chunk starts).
 #include <metal_stdlib>
 #include "common.h"  // silu, softplus: the decode step's (metal/gdn.metal)
 #include "prefill_args.h"
 using namespace metal;
 
-// ---------------------------------------------------------------- gdn_conv_chunk
+// ---------------------------------------------------------------- causal conv
 
-// out[t, c] = silu(sum_j w[c, j] * x[t - (K-1) + j, c]), x = [conv_in | qkv] along rows;
-// conv_out = the last K-1 rows of [conv_in | qkv]. Thread (c, y) convolves rows
-// [y*RB, min((y+1)*RB, M)) of channel c with a K-1 value window in registers; adjacent threads
-// take adjacent channels, so every row access of a simdgroup is 128 contiguous bytes.
+// silu(sum_j w[ch, j] * x[t - (K-1) + j, ch]) with x = [conv state (K-1 rows) | qkv rows]: the
+// conv output of channel ch at chunk row t, in gdn_decode_step's order (the newest tap first,
+// then the window oldest first), so it equals the decode step's bit for bit on the simulator.
 template <uint K>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_chunk(device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output, q | k | v
-                           device const bfloat* conv_w [[buffer(1)]],  // [C, K] conv1d.weight
-                           device const float* conv_in [[buffer(2)]],  // [K-1, C] conv state (oldest first)
-                           device float* conv_out [[buffer(3)]],       // [K-1, C] next conv state; may be conv_in
-                           device float* out [[buffer(4)]],            // [M, C] silu(conv)
-                           constant GdnConvChunkArgs& args [[buffer(5)]],
-                           uint2 gid [[thread_position_in_grid]]) {
+inline float conv_silu(device const float* qkv, device const float* conv_in, device const bfloat* conv_w,
+                       uint C, uint t, uint ch) {
+  float acc = qkv[ulong(t) * C + ch] * float(conv_w[ch * K + K - 1]);
+  for (uint j = 0; j + 1 < K; ++j) {
+    const uint row = t + j;  // row of x: [0, K-1) the state, then qkv row - (K-1)
+    const float x = row >= K - 1 ? qkv[ulong(row - (K - 1)) * C + ch] : conv_in[row * C + ch];
+    acc += x * float(conv_w[ch * K + j]);
+  }
+  return silu(acc);
+}
+
+// ---------------------------------------------------------------- gdn_conv_state
+
+// conv_out = the last K-1 rows of [conv_in | qkv] (for M < K-1 it keeps old rows). One thread
+// per channel reads its whole new column before writing it, so conv_out may be conv_in.
+template <uint K>
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_state(
+    device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output
+    device const float* conv_in [[buffer(1)]],  // [K-1, C] conv state (oldest first)
+    device float* conv_out [[buffer(2)]],       // [K-1, C] next conv state; may be conv_in
+    constant GdnConvStateArgs& args [[buffer(3)]],
+    uint c [[thread_position_in_grid]]) {
   static_assert(K >= 2, "the conv state holds K-1 >= 1 rows");
   const uint C = args.conv_dim;
   const uint M = args.rows;
-  const uint RB = max(args.rows_per_thread, K - 1);
-  const uint c = gid.x;
-  const uint r0 = gid.y * RB;
-  if (c >= C || r0 >= M) {
+  if (c >= C) {
     return;
   }
-  const uint r1 = min(r0 + RB, M);
-
-  float w[K];
-  for (uint j = 0; j < K; ++j) {
-    w[j] = float(conv_w[c * K + j]);
-  }
-  // win[j] = input row r0 - (K-1) + j: from the state for the first block (the only reader
-  // and the only writer of the state column), else from qkv (r0 >= RB >= K-1).
-  float win[K - 1];
+  float next[K - 1];
   for (uint j = 0; j + 1 < K; ++j) {
-    win[j] = r0 == 0 ? conv_in[j * C + c] : qkv[(r0 - (K - 1) + j) * C + c];
+    const uint row = M + j;  // row of [conv_in | qkv]
+    next[j] = row >= K - 1 ? qkv[ulong(row - (K - 1)) * C + c] : conv_in[row * C + c];
   }
-  for (uint t = r0; t < r1; ++t) {
-    const float x = qkv[t * C + c];
-    // gdn_decode_step's order: the newest tap first, then the window oldest first.
-    float acc = x * w[K - 1];
-    for (uint j = 0; j + 1 < K; ++j) {
-      acc += win[j] * w[j];
-    }
-    out[t * C + c] = silu(acc);
-    for (uint j = 0; j + 2 < K; ++j) {
-      win[j] = win[j + 1];
-    }
-    win[K - 2] = x;
-  }
-  if (r0 == 0) {
-    // The state column has been read (all of it, above): now replace it.
-    for (uint j = 0; j + 1 < K; ++j) {
-      conv_out[j * C + c] = r1 == M ? win[j] : qkv[(M - (K - 1) + j) * C + c];
-    }
+  for (uint j = 0; j + 1 < K; ++j) {
+    conv_out[j * C + c] = next[j];
   }
 }
 
-template [[host_name("gdn_conv_chunk")]] [[kernel]] decltype(gdn_conv_chunk<4>) gdn_conv_chunk<4>;
+template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdnConvTaps>) gdn_conv_state<kGdnConvTaps>;
 
 // ---------------------------------------------------------------- gdn_scan
 
-constant constexpr uint kGdnScanSimdgroups = 32;  // threadgroup = 1024 threads
-
-// DK, DV: head dims (multiples of 32). TB: tokens per threadgroup-memory block, <= 16 so the
-// 2*TB tasks of an interval (TB norms, TB stagings) need at most one pass of the 32
-// simdgroups when DK = DV = 128 (threadgroup memory: TB * (2*DK + 2*DV + 2) * 4 bytes).
-template <uint DK, uint DV, uint TB>
-[[max_total_threads_per_threadgroup(1024)]] kernel void gdn_scan(device const float* conv [[buffer(0)]],       // [M, C] gdn_conv_chunk output, q | k | v
-                     device const float* z [[buffer(1)]],          // [M, Hv*Dv] in_proj_z output
-                     device const float* b [[buffer(2)]],          // [M, Hv] in_proj_b output
-                     device const float* a [[buffer(3)]],          // [M, Hv] in_proj_a output
-                     device const float* A_log [[buffer(4)]],      // [Hv]
-                     device const bfloat* dt_bias [[buffer(5)]],   // [Hv]
-                     device const bfloat* norm_w [[buffer(6)]],    // [Dv] norm.weight
-                     device float* state [[buffer(7)]],            // [Hv, Dv, Dk] recurrent state, in place
-                     device float* out [[buffer(8)]],              // [M, Hv*Dv] gated RMSNorm output
-                     constant GdnScanArgs& args [[buffer(9)]],
-                     uint h [[threadgroup_position_in_grid]],
-                     uint sg [[simdgroup_index_in_threadgroup]],
-                     uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(DK % 32 == 0 && DV % kGdnScanSimdgroups == 0, "head dims are multiples of 32");
-  constexpr uint E = DK / 32;                   // state elements per lane per row
-  constexpr uint R = DV / kGdnScanSimdgroups;   // state rows per simdgroup
-  constexpr uint EV = DV / 32;                  // v / y / out elements per lane of a token row
-  threadgroup float q_s[TB * DK];               // normalised q (also / sqrt(Dk)) per token
-  threadgroup float k_s[TB * DK];               // normalised k
-  threadgroup float v_s[TB * DV];               // v of head h
-  threadgroup float y_s[TB * DV];               // S q per row, for the gated RMSNorm
+// DK, DV: head dims; RV: state rows (value dims) per threadgroup, so a head is DV / RV
+// threadgroups. kGdnScanLanesPerRow (L = 8) adjacent lanes share one state row: lane j of a
+// row holds the float4 columns j, j + L, j + 2L, ... of it (DK / (4L) float4s), so a dot
+// product over the row is a per-lane partial plus log2(L) = 3 shuffle-add levels, and the
+// lanes of a row read k and q from threadgroup memory as consecutive float4s (no bank
+// conflict; the row groups of a simdgroup read the same addresses). Threadgroup memory:
+// TB * (2*DK + 2*RV + 2) * 4 bytes (10.1 KiB at DK = 128, RV = 32, TB = 8).
+template <uint DK, uint DV, uint RV, uint TB, uint K>
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_scan(  // RV * 8 <= 256
+    device const float* qkv [[buffer(0)]],        // [M, C] in_proj_qkv output, q | k | v (before the conv)
+    device const bfloat* conv_w [[buffer(1)]],    // [C, K] conv1d.weight
+    device const float* conv_in [[buffer(2)]],    // [K-1, C] conv state at the chunk's start
+    device const float* b [[buffer(3)]],          // [M, Hv] in_proj_b output
+    device const float* a [[buffer(4)]],          // [M, Hv] in_proj_a output
+    device const float* A_log [[buffer(5)]],      // [Hv]
+    device const bfloat* dt_bias [[buffer(6)]],   // [Hv]
+    device float* state [[buffer(7)]],            // [Hv, Dv, Dk] recurrent state, in place
+    device float* y [[buffer(8)]],                // [M, Hv*Dv] S q per value dim (gdn_gated_norm's input)
+    constant GdnScanArgs& args [[buffer(9)]],
+    uint2 tgp [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint L = kGdnScanLanesPerRow;
+  constexpr uint NT = RV * L;                   // threads
+  constexpr uint NS = NT / 32;                  // simdgroups
+  constexpr uint E4 = DK / (4 * L);             // float4s of the row per lane
+  constexpr uint EQ = DK / 32;                  // q / k elements per lane when staging a token
+  static_assert(DK % (4 * L) == 0 && DV % RV == 0 && NT % 32 == 0 && NT <= 256, "scan shape");
+  threadgroup float4 q_s[TB * DK / 4];          // normalised q (also / sqrt(Dk)) per token
+  threadgroup float4 k_s[TB * DK / 4];          // normalised k
+  threadgroup float v_s[TB * RV];               // v of this threadgroup's rows
+  threadgroup float y_s[TB * RV];               // S q of this threadgroup's rows
   threadgroup float g_s[TB];                    // decay g
   threadgroup float beta_s[TB];                 // beta
 
+  const uint h = tgp.x;
+  const uint v0 = tgp.y * RV;                   // first value dim (state row) of the threadgroup
   const uint Hk = args.num_k_heads;
   const uint Hv = args.num_v_heads;
   const uint M = args.rows;
@@ -125,73 +123,63 @@ template <uint DK, uint DV, uint TB>
   const uint HVD = Hv * DV;
   const float A = exp(A_log[h]);
   const float dtb = float(dt_bias[h]);
+  const uint r = tid / L;                       // state row of this lane within the threadgroup
+  const uint j = tid % L;
 
-  // ---- the state rows of this simdgroup, into registers (once) ---------------------------
-  device float* rows = state + (ulong(h) * DV + sg * R) * DK;
-  float s[R][E];
-  for (uint r = 0; r < R; ++r) {
-    for (uint e = 0; e < E; ++e) {
-      s[r][e] = rows[r * DK + e * 32 + lane];
-    }
+  // ---- this lane's part of its state row, into registers (once) ---------------------------
+  device float4* row = (device float4*)(state + (ulong(h) * DV + v0 + r) * DK);
+  float4 s[E4];
+  for (uint e = 0; e < E4; ++e) {
+    s[e] = row[j + e * L];
   }
 
   const uint nblocks = (M + TB - 1) / TB;
   for (uint blk = 0;; ++blk) {
-    // ---- gated RMSNorm of block blk-1 (tasks 0..TB-1) and staging of block blk (TB..2TB-1),
-    //      one token per simdgroup and task: no dependency between the tasks of an interval.
-    for (uint task = sg; task < 2 * TB; task += kGdnScanSimdgroups) {
-      if (task < TB) {
-        if (blk == 0 || (blk - 1) * TB + task >= M) {
-          continue;
-        }
-        const uint i = task;
-        const uint t = (blk - 1) * TB + i;
-        float ss = 0.0f;
-        for (uint j = lane; j < DV; j += 32) {
-          ss += y_s[i * DV + j] * y_s[i * DV + j];
-        }
-        ss = simd_sum(ss);
-        const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
-        const uint o = t * HVD + h * DV;
-        for (uint j = lane; j < DV; j += 32) {
-          out[o + j] = y_s[i * DV + j] * inv * float(norm_w[j]) * silu(z[o + j]);
-        }
-      } else {
-        const uint i = task - TB;
-        const uint t = blk * TB + i;
-        if (blk == nblocks || t >= M) {
-          continue;
-        }
-        device const float* row = conv + ulong(t) * C;
-        float qr[E];
-        float kr[E];
-        float sq = 0.0f;
-        float sk = 0.0f;
-        for (uint e = 0; e < E; ++e) {
-          qr[e] = row[kh * DK + e * 32 + lane];
-          kr[e] = row[Hk * DK + kh * DK + e * 32 + lane];
-          sq += qr[e] * qr[e];
-          sk += kr[e] * kr[e];
-        }
-        sq = simd_sum(sq);
-        sk = simd_sum(sk);
-        const float qscale = 1.0f / (sqrt(sq + args.l2_eps) * sqrt(float(DK)));
-        const float kscale = 1.0f / sqrt(sk + args.l2_eps);
-        for (uint e = 0; e < E; ++e) {
-          q_s[i * DK + e * 32 + lane] = qr[e] * qscale;
-          k_s[i * DK + e * 32 + lane] = kr[e] * kscale;
-        }
-        for (uint e = 0; e < EV; ++e) {
-          v_s[i * DV + e * 32 + lane] = row[2 * Hk * DK + h * DV + e * 32 + lane];
-        }
-        if (lane == 0) {
-          g_s[i] = exp(-A * softplus(a[t * Hv + h] + dtb));
-          beta_s[i] = 1.0f / (1.0f + exp(-b[t * Hv + h]));
+    // ---- y of block blk-1 out (coalesced rows of RV) and staging of block blk (one token
+    //      per simdgroup and task); the two touch different threadgroup arrays.
+    if (blk > 0) {
+      const uint t0 = (blk - 1) * TB;
+      for (uint i = tid; i < TB * RV; i += NT) {
+        if (t0 + i / RV < M) {
+          y[ulong(t0 + i / RV) * HVD + h * DV + v0 + i % RV] = y_s[i];
         }
       }
     }
     if (blk == nblocks) {
       break;
+    }
+    for (uint i = sg; i < TB; i += NS) {
+      const uint t = blk * TB + i;
+      if (t >= M) {
+        continue;
+      }
+      float qr[EQ];
+      float kr[EQ];
+      float sq = 0.0f;
+      float sk = 0.0f;
+      for (uint e = 0; e < EQ; ++e) {
+        qr[e] = conv_silu<K>(qkv, conv_in, conv_w, C, t, kh * DK + e * 32 + lane);
+        kr[e] = conv_silu<K>(qkv, conv_in, conv_w, C, t, Hk * DK + kh * DK + e * 32 + lane);
+        sq += qr[e] * qr[e];
+        sk += kr[e] * kr[e];
+      }
+      sq = simd_sum(sq);
+      sk = simd_sum(sk);
+      const float qscale = 1.0f / (sqrt(sq + args.l2_eps) * sqrt(float(DK)));
+      const float kscale = 1.0f / sqrt(sk + args.l2_eps);
+      threadgroup float* qf = (threadgroup float*)q_s;
+      threadgroup float* kf = (threadgroup float*)k_s;
+      for (uint e = 0; e < EQ; ++e) {
+        qf[i * DK + e * 32 + lane] = qr[e] * qscale;
+        kf[i * DK + e * 32 + lane] = kr[e] * kscale;
+      }
+      if (lane < RV) {
+        v_s[i * RV + lane] = conv_silu<K>(qkv, conv_in, conv_w, C, t, 2 * Hk * DK + h * DV + v0 + lane);
+      }
+      if (lane == 0) {
+        g_s[i] = exp(-A * softplus(a[t * Hv + h] + dtb));
+        beta_s[i] = 1.0f / (1.0f + exp(-b[t * Hv + h]));
+      }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
 
@@ -199,52 +187,80 @@ template <uint DK, uint DV, uint TB>
     const uint n = min(TB, M - blk * TB);
     for (uint i = 0; i < n; ++i) {
       const float g = g_s[i];
-      const float beta = beta_s[i];
-      float qr[E];
-      float kr[E];
-      for (uint e = 0; e < E; ++e) {
-        qr[e] = q_s[i * DK + e * 32 + lane];
-        kr[e] = k_s[i * DK + e * 32 + lane];
+      threadgroup const float4* kq = k_s + i * (DK / 4) + j;
+      threadgroup const float4* qq = q_s + i * (DK / 4) + j;
+      float4 acc = float4(0.0f);
+      for (uint e = 0; e < E4; ++e) {
+        s[e] *= g;
+        acc += s[e] * kq[e * L];
       }
-      float sk_dot[R];
-      for (uint r = 0; r < R; ++r) {
-        sk_dot[r] = 0.0f;
-        for (uint e = 0; e < E; ++e) {
-          s[r][e] *= g;
-          sk_dot[r] += s[r][e] * kr[e];
-        }
+      float sk = (acc.x + acc.y) + (acc.z + acc.w);
+      sk += simd_shuffle_xor(sk, ushort(1));
+      sk += simd_shuffle_xor(sk, ushort(2));
+      sk += simd_shuffle_xor(sk, ushort(4));
+      const float delta = (v_s[i * RV + r] - sk) * beta_s[i];
+      acc = float4(0.0f);
+      for (uint e = 0; e < E4; ++e) {
+        s[e] += delta * kq[e * L];
+        acc += s[e] * qq[e * L];
       }
-      for (uint r = 0; r < R; ++r) {
-        sk_dot[r] = simd_sum(sk_dot[r]);
-      }
-      float y[R];
-      for (uint r = 0; r < R; ++r) {
-        const float delta = (v_s[i * DV + sg * R + r] - sk_dot[r]) * beta;
-        y[r] = 0.0f;
-        for (uint e = 0; e < E; ++e) {
-          s[r][e] += delta * kr[e];
-          y[r] += s[r][e] * qr[e];
-        }
-      }
-      for (uint r = 0; r < R; ++r) {
-        y[r] = simd_sum(y[r]);
-        if (lane == r) {
-          y_s[i * DV + sg * R + r] = y[r];
-        }
+      float yr = (acc.x + acc.y) + (acc.z + acc.w);
+      yr += simd_shuffle_xor(yr, ushort(1));
+      yr += simd_shuffle_xor(yr, ushort(2));
+      yr += simd_shuffle_xor(yr, ushort(4));
+      if (j == 0) {
+        y_s[i * RV + r] = yr;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
 
   // ---- the state back (once) ---------------------------------------------------------------
-  for (uint r = 0; r < R; ++r) {
-    for (uint e = 0; e < E; ++e) {
-      rows[r * DK + e * 32 + lane] = s[r][e];
-    }
+  for (uint e = 0; e < E4; ++e) {
+    row[j + e * L] = s[e];
   }
 }
 
-// The model (Hk=16, Hv=32) and the "dims" preset: TB = 12 (24.1 KiB of threadgroup memory);
-// the "tiny" preset: TB = 32 (16.3 KiB).
-template [[host_name("gdn_scan_k128_v128")]] [[kernel]] decltype(gdn_scan<128, 128, 12>) gdn_scan<128, 128, 12>;
-template [[host_name("gdn_scan_k32_v32")]] [[kernel]] decltype(gdn_scan<32, 32, 32>) gdn_scan<32, 32, 32>;
+// The model (Hk=16, Hv=32) and the "dims" preset: 4 threadgroups of 256 threads per head
+// (128 for the model: 3.2 per M5 Max core); the "tiny" preset: 2 of 128 per head.
+template [[host_name("gdn_scan_k128_v128_r32")]] [[kernel]] decltype(gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>;
+template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>;
+
+// ---------------------------------------------------------------- gdn_gated_norm
+
+// out[t, h*DV + i] = y[t, h*DV + i] / sqrt(mean_i y^2 + eps) * norm_w[i] * silu(z[t, h*DV + i]),
+// in place (out may be y). One simdgroup per (token, head): lane l reads and writes the
+// elements l, l+32, ... of its head's row, so the in-place update needs no barrier.
+template <uint DV>
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_gated_norm(
+    device const float* y [[buffer(0)]],          // [M, Hv*Dv] gdn_scan output
+    device const float* z [[buffer(1)]],          // [M, Hv*Dv] in_proj_z output
+    device const bfloat* norm_w [[buffer(2)]],    // [Dv] norm.weight
+    device float* out [[buffer(3)]],              // [M, Hv*Dv]; may be y
+    constant GdnScanArgs& args [[buffer(4)]],
+    uint tg [[threadgroup_position_in_grid]],
+    uint sg [[simdgroup_index_in_threadgroup]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  static_assert(DV % 32 == 0, "Dv is a multiple of 32");
+  constexpr uint EV = DV / 32;
+  const uint pair = tg * 8 + sg;                // (token, head) = (pair / Hv, pair % Hv)
+  if (pair >= args.rows * args.num_v_heads) {
+    return;
+  }
+  const ulong o = ulong(pair) * DV;             // rows are Hv*Dv floats: (t*Hv + h)*Dv
+  float yr[EV];
+  float ss = 0.0f;
+  for (uint e = 0; e < EV; ++e) {
+    yr[e] = y[o + e * 32 + lane];
+    ss += yr[e] * yr[e];
+  }
+  ss = simd_sum(ss);
+  const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
+  for (uint e = 0; e < EV; ++e) {
+    const uint i = e * 32 + lane;
+    out[o + i] = yr[e] * inv * float(norm_w[i]) * silu(z[o + i]);
+  }
+}
+
+template [[host_name("gdn_gated_norm_v128")]] [[kernel]] decltype(gdn_gated_norm<128>) gdn_gated_norm<128>;
+template [[host_name("gdn_gated_norm_v32")]] [[kernel]] decltype(gdn_gated_norm<32>) gdn_gated_norm<32>;

@@ -69,17 +69,19 @@ struct MoeCombineArgs {
 
 // ---- Gated DeltaNet --------------------------------------------------------------------
 
-// gdn_conv_chunk (metal/gdn_prefill.metal): causal depthwise conv (K = 4 taps) of one chunk
-// over [conv state | qkv rows], then SiLU; the conv state is carried in and out (the output
-// may be the input state's own bytes). Grid: ceil(C / tg) x ceil(M / RB) threadgroups.
-struct GdnConvChunkArgs {
-  uint conv_dim;         // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv and out
-  uint rows;             // M: tokens in the chunk, >= 1; M * C < 2^32
-  uint rows_per_thread;  // RB: consecutive rows one thread convolves (grid y = ceil(M / RB)); < K-1 acts as K-1
+// gdn_conv_state (metal/gdn_prefill.metal): the conv state after a chunk, the last K-1 rows
+// of [conv state | qkv rows] (the output may be the input state's own bytes). Grid: C threads.
+struct GdnConvStateArgs {
+  uint conv_dim;  // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv
+  uint rows;      // M: tokens in the chunk, >= 1; M * C < 2^32
 };
+// Causal conv taps of the prefill kernels (the model's linear_conv_kernel_dim).
+enum : uint { kGdnConvTaps = 4 };
 
-// gdn_scan_k<Dk>_v<Dv> (metal/gdn_prefill.metal): L2 norms, gates, delta rule over the chunk
-// with the recurrent state held in registers, gated RMSNorm. Grid: Hv threadgroups x 1024.
+// gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): causal conv + SiLU, L2 norms, gates,
+// delta rule over the chunk with the recurrent state held in registers; writes y = S q. Grid: Hv x Dv/RV
+// threadgroups of RV * kGdnScanLanesPerRow threads. gdn_gated_norm_v<Dv>: gated RMSNorm of y
+// per (token, head), in place; grid ceil(M*Hv / 8) threadgroups of 256 threads.
 struct GdnScanArgs {
   uint num_k_heads;  // Hk: key heads (16)
   uint num_v_heads;  // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)
@@ -87,6 +89,9 @@ struct GdnScanArgs {
   float norm_eps;    // eps of the gated RMSNorm over Dv (1e-6)
   float l2_eps;      // eps added to the sum of squares in the q/k L2 norm (1e-6)
 };
+// gdn_scan: lanes sharing one state row (a dot product is 3 shuffle-add levels) and tokens
+// per threadgroup-memory block (one staged token per simdgroup at RV = 32).
+enum : uint { kGdnScanLanesPerRow = 8, kGdnScanTokensPerBlock = 8 };
 
 // ---- attention -------------------------------------------------------------------------
 // metal/attention_prefill.metal; host facts in docs/prefill.md ("Attention: chunk q/k

@@ -3,10 +3,11 @@ self-test kernel tests (tests/sim/).
 
 * devices: the simulator modes and the Metal GPU (tests/simdev.py; the ``dev`` and
   ``fwd_dev`` fixtures are in tests/kernels/conftest.py);
-* one dispatch on a device: :func:`run` (explicit bindings), :func:`run_bound` (buffers at
-  0.., the argument struct at the next index), :func:`run_encoder` (an encoder function of
-  lily.kernel_check on a fresh command buffer), :func:`commit` (wait, and add the wall time
-  to :data:`TIMES`, printed at the end of a verbose run);
+* one dispatch on a device, with lily.kernel_check's helpers (``lily doctor`` uses them):
+  :func:`run` (explicit bindings) and :func:`run_bound` (buffers at 0.., the argument
+  struct at the next index) add their wall time to :data:`TIMES` (printed at the end of a
+  verbose run), as :func:`commit` does for a command buffer a test encoded itself;
+  :func:`run_encoder` runs an ``enc_*`` encoder of lily.kernel_check;
 * the numpy twins' helpers (random MLX-quantized tensors, bf16 encoding, magnitude bounds,
   references): their home is :mod:`lily.kernel_check`, which ``lily doctor`` runs on an
   installed package; they are re-exported here so a test imports one module;
@@ -20,9 +21,10 @@ import time
 import numpy as np
 from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 
+from lily import kernel_check
 from lily._device import constant, download, sim_device, upload  # noqa: F401
 from lily.kernel_check import (  # noqa: F401
-    U, args_bytes, bf16_bits, f32, from_bf16, magnitude, rand_quant, to_bf16_bits, upload_q)
+    U, args_bytes, bf16_bits, f32, from_bf16, magnitude, rand_quant, run_encoder, to_bf16_bits, upload_q)
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -39,30 +41,20 @@ def commit(cb, label):
 
 def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,
         tgmem=(), label=""):
-    """One dispatch of ``kernel`` in its own command buffer, committed and waited for.
-
-    ``buffers`` and ``constants`` are ``(index, buffer[, offset])`` / ``(index, bytes)``
-    bindings; ``grid`` counts threadgroups when ``threadgroups`` else threads."""
-    cb = dev.command_buffer()
-    cb.compute_pass().dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-                               threadgroup_memory=list(tgmem), reads=list(reads), writes=list(writes),
-                               threadgroups=threadgroups, label=label)
-    return commit(cb, label or kernel)
+    """:func:`lily.kernel_check.run` (one dispatch, committed and waited for), its wall time
+    added to ``TIMES``."""
+    t0 = time.perf_counter()
+    cb = kernel_check.run(dev, kernel, grid, tg, buffers, constants, reads, writes, threadgroups, tgmem, label)
+    TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
+    return cb
 
 
 def run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
-    """:func:`run` with ``buffers`` bound at 0, 1, ... and the argument struct ``args``
-    (bytes, or None for none) at the next index."""
-    return run(dev, kernel, grid, tg, list(enumerate(buffers)),
-               [] if args is None else [(len(buffers), args)], reads, writes, threadgroups, label=label)
-
-
-def run_encoder(dev, enc, *a, **kw):
-    """``enc(compute_pass, *a, **kw)`` on a fresh command buffer, committed and waited for."""
-    cb = dev.command_buffer()
-    enc(cb.compute_pass(), *a, **kw)
-    cb.commit()
-    cb.wait()
+    """:func:`lily.kernel_check.run_bound` (buffers bound at 0, 1, ..., the argument struct
+    next), its wall time added to ``TIMES``."""
+    t0 = time.perf_counter()
+    cb = kernel_check.run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups, label)
+    TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
     return cb
 
 

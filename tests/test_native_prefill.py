@@ -190,14 +190,14 @@ def test_full_size_prefill_chunk_counters(rows, position):
     print(f"\nchunk {rows} at {position}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "
           f"{c['weight_bytes'] / 1e9:.2f} GB weights (reachable experts once), {c['kv_bytes'] / 1e6:.1f} MB KV")
     gdn, attn = 30, 10
-    per_gdn = 1 + 4 + 1 + 1 + 1        # norm, 4 projections, conv, scan, out_proj
+    per_gdn = 1 + 4 + 1 + 2 + 1        # norm, 4 projections, scan, gated norm + conv state, out_proj
     per_attn = 1 + 3 + 1 + 1 + 1 + split  # norm, 3 projections, prep, attention (+ combine), o_proj
     per_moe = 1 + 2 + 3 + 2 + 2 + 1    # norm, router + shared gate, clear/top-k/scatter, shared, experts, combine
     assert c["dispatches"] == 1 + gdn * per_gdn + attn * per_attn + 40 * per_moe + 1
-    # Stages: every layer is a chain of 13 (input norm, projections, conv | prep, scan |
-    # attention (+ combine), output projection, post-attention norm, router, shared gate +
-    # routing clear, top-k, scatter + shared gate/up, shared down + experts gate/up, experts
-    # down, combine), plus the embedding and the head.
+    # Stages: every layer is a chain of 13 (input norm, projections, scan | prep, gated norm +
+    # conv state | attention (+ combine), output projection, post-attention norm, router,
+    # shared gate + routing clear, top-k, scatter + shared gate/up, shared down + experts
+    # gate/up, experts down, combine), plus the embedding and the head.
     assert c["barrier_stages"] == 1 + 40 * 13 + attn * split + 1
 
 

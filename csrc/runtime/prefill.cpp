@@ -34,8 +34,13 @@ MoeGeometry moe_geometry(uint32_t T) {
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// gdn_conv_chunk: threads per threadgroup (channels) and rows per thread.
-constexpr uint32_t kConvThreads = 256, kConvRowsPerThread = 16;
+// gdn_conv_state: threads per threadgroup (one channel each).
+constexpr uint32_t kConvThreads = 256;
+// gdn_scan: state rows per threadgroup (the instantiations of metal/gdn_prefill.metal): 32 for
+// Dv = 128, so the model's 32 heads run as 128 threadgroups (>= 2x a 40-core GPU).
+uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
+// gdn_gated_norm: (token, head) pairs per threadgroup, one simdgroup each.
+constexpr uint32_t kGdnNormPairs = 8;
 // attention: 256 threads, 32 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
@@ -70,7 +75,6 @@ void Runtime::allocate_chunk_buffers() {
   c.z = scratch(C * vdim * f, "chunk gdn z");
   c.b = scratch(C * d.linear_num_value_heads * f, "chunk gdn b");
   c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
-  c.conv = scratch(C * d.conv_dim() * f, "chunk gdn conv");
   c.o = scratch(C * vdim * f, "chunk gdn out");
   const size_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
   c.qg = scratch(C * Hq * 2 * D * f, "chunk attn q|gate");
@@ -156,9 +160,12 @@ void Runtime::resolve_prefill_kernels() {
   k.rms_norm = &dev.pipeline("rms_norm");
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
-  k.gdn_conv = &dev.pipeline("gdn_conv_chunk");
+  // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                             std::to_string(d.linear_value_head_dim));
+                             std::to_string(d.linear_value_head_dim) + "_r" +
+                             std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
+  k.gdn_gated_norm = &dev.pipeline("gdn_gated_norm_v" + std::to_string(d.linear_value_head_dim));
+  k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds);
   k.attn = &dev.pipeline("attn_prefill" + attn_suffix);
   if (chunk_bufs_.attn_splits) {
@@ -235,24 +242,32 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gpu::Buffer& conv_in = *conv_[p0 % 2][l];
       gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
-      {
-        Op op(*K.gdn_conv, labels_(l, "conv"));
-        op.groups(tg(ceil_div(C, kConvThreads), ceil_div(M, kConvRowsPerThread)), tg(kConvThreads))
-            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
-            .in(2, conv_in, 0, conv_bytes);
-        if (&conv_in == &conv_out) op.inout(3, conv_out, 0, conv_bytes); else op.out(3, conv_out, 0, conv_bytes);
-        op.out(4, *c.conv, 0, size_t(M) * C * f)
-            .args(5, args::GdnConvChunkArgs{C, M, kConvRowsPerThread}).run(pass);
-      }
       const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
-      Op(*K.gdn_scan, labels_(l, "scan"))
-          .groups(tg(Hv), tg(1024))
-          .in(0, *c.conv, 0, size_t(M) * C * f).in(1, *c.z, 0, size_t(M) * Hv * Dv * f)
-          .in(2, *c.b, 0, size_t(M) * Hv * f).in(3, *c.a, 0, size_t(M) * Hv * f)
-          .in(4, *g.A_log, &t.weight_bytes).in(5, *g.dt_bias, &t.weight_bytes)
-          .in(6, *g.norm, &t.weight_bytes).inout(7, *state_[l], 0, state_bytes)
-          .out(8, *c.o, 0, size_t(M) * Hv * Dv * f)
-          .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      const size_t o_bytes = size_t(M) * Hv * Dv * f;
+      {
+        // Conv inline; each head split into Dv / RV threadgroups of RV state rows (docs/prefill.md).
+        const uint32_t RV = gdn_scan_rows(Dv);
+        Op op(*K.gdn_scan, labels_(l, "conv + scan"));
+        op.groups(tg(Hv, Dv / RV), tg(RV * args::kGdnScanLanesPerRow))
+            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
+            .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
+            .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
+            .inout(7, *state_[l], 0, state_bytes).out(8, *c.o, 0, o_bytes)
+            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      }
+      Op(*K.gdn_gated_norm, labels_(l, "gated norm"))
+          .groups(tg(ceil_div(uint64_t(M) * Hv, kGdnNormPairs)), tg(kGdnNormPairs * 32))
+          .in(1, *c.z, 0, o_bytes).in(2, *g.norm, &t.weight_bytes).inout(3, *c.o, 0, o_bytes).bind(0, *c.o)
+          .args(4, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      {
+        // After the scan, which reads the old state (the same bytes when M is even).
+        Op op(*K.gdn_conv_state, labels_(l, "conv state"));
+        const uint32_t tail = std::min(M, d.linear_conv_kernel_dim - 1);  // the qkv rows it copies
+        op.threads(tg(C), tg(kConvThreads)).bind(0, *c.qkv).read(*c.qkv, size_t(M - tail) * C * f, size_t(tail) * C * f);
+        if (&conv_in == &conv_out) op.inout(2, conv_out, 0, conv_bytes).bind(1, conv_in);
+        else op.in(1, conv_in, 0, conv_bytes).out(2, conv_out, 0, conv_bytes);
+        op.args(3, args::GdnConvStateArgs{C, M}).run(pass);
+      }
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
       gemm(g.out_proj, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"));
     } else {

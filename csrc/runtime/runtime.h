@@ -139,7 +139,7 @@ struct DecodeKernels {
 struct PrefillKernels {
   const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
   ByBits gemm, gemm_add;
-  const gpu::Pipeline *gdn_conv = nullptr, *gdn_scan = nullptr;
+  const gpu::Pipeline *gdn_scan = nullptr, *gdn_gated_norm = nullptr, *gdn_conv_state = nullptr;
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
@@ -307,7 +307,7 @@ class Runtime {
   uint64_t chunk_bytes_ = 0;
   bool tensor_ops_ = false;
   struct ChunkBuffers {
-    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, conv, o, qg, k, v, q, attn, router, ids, w,
+    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, o, qg, k, v, q, attn, router, ids, w,
         block_counts, perm, tiles, tile_count, hx, yx, hs, ys, part_ml, part_o, logits;
     std::vector<gpu::BufferPtr> hist[2];
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)

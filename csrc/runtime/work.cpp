@@ -147,24 +147,48 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     return w;
   }
-  // ---- Gated DeltaNet: per token and value head ~9 Dk Dv (decay, k.S, rank-1 update, q.S)
-  if (starts(k, "gdn_decode_step_k") || starts(k, "gdn_scan_k")) {
+  // ---- Gated DeltaNet. Decode step: per token and value head ~9 Dk Dv (decay, k.S, rank-1
+  // update, q.S: 7, plus two 32-lane simd_sums over every row).
+  if (starts(k, "gdn_decode_step_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
-    const bool scan = starts(k, "gdn_scan");
-    const uint32_t Hv = scan ? arg<args::GdnScanArgs>(r).num_v_heads : arg<args::GdnDecodeArgs>(r).num_v_heads;
-    const uint32_t rows = scan ? arg<args::GdnScanArgs>(r).rows : 1;
+    const uint32_t Hv = arg<args::GdnDecodeArgs>(r).num_v_heads;
     Work w = make("gated deltanet");
-    add(w, Path::alu_f32, double(rows) * Hv * (9.0 * Dk * Dv + 12.0 * (Dk + Dv)));
+    add(w, Path::alu_f32, double(Hv) * (9.0 * Dk * Dv + 12.0 * (Dk + Dv)));
     w.bytes = declared(r);
     return w;
   }
-  if (k == "gdn_conv_chunk") {
-    const auto a = arg<args::GdnConvChunkArgs>(r);
+  // Prefill scan (gdn_prefill.metal): per token and value head 7 Dk Dv for the state, per
+  // row two dot products over L lanes (per lane 3 adds folding its float4 partial and log2(L)
+  // shuffle-add levels) and delta; per token and threadgroup (grid y of them per head) the
+  // staging: the conv of its 2 Dk + RV channels (K taps and SiLU: 2K + 4 each), q and k sums
+  // of squares and scaling (6 Dk) and the gates (~40).
+  if (starts(k, "gdn_scan_k")) {
+    const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
+    const auto a = arg<args::GdnScanArgs>(r);
+    const double L = args::kGdnScanLanesPerRow;
+    const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0;
     Work w = make("gated deltanet");
-    add(w, Path::alu_f32, 12.0 * a.rows * a.conv_dim);  // 4 taps + SiLU
+    const double RV = param(k, "_r"), conv = (2.0 * Dk + RV) * (2.0 * args::kGdnConvTaps + 4.0);
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * (7.0 * Dk * Dv + per_row * Dv +
+                                                            r.groups.y * (conv + 6.0 * Dk + 40.0)));
+    w.bytes = declared(r);
+    w.threadgroup_memory = uint64_t(args::kGdnScanTokensPerBlock) * (2 * Dk + 2 * param(k, "_r") + 2) * 4;
+    return w;
+  }
+  if (starts(k, "gdn_gated_norm_v")) {
+    const auto a = arg<args::GdnScanArgs>(r);
+    Work w = make("gated deltanet");
+    // per value: square-add, scale, weight, SiLU (~4) and the gate product
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * param(k, "_v") * 10.0);
     w.bytes = declared(r);
     return w;
   }
+  if (k == "gdn_conv_state") {  // a copy of K-1 rows
+    Work w = make("gated deltanet");
+    w.bytes = declared(r);
+    return w;
+  }
+
   // ---- attention
   if (starts(k, "attn_decode_fused_d") || starts(k, "attn_decode_split_fused_d")) {
     const uint32_t D = param(k, "_d");

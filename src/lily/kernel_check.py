@@ -128,11 +128,34 @@ def args_bytes(*fields) -> bytes:
 
 # ----------------------------------------------------------------------------- layer harnesses
 
-def run(dev, kernel, grid, tg, buffers, constants=(), reads=(), writes=(), threadgroups=True):
+def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,
+        tgmem=(), label=""):
+    """One dispatch of ``kernel`` in its own command buffer, committed and waited for.
+
+    ``buffers`` and ``constants`` are ``(index, buffer[, offset])`` / ``(index, bytes)``
+    bindings, ``tgmem`` ``(index, bytes)`` of threadgroup memory; ``grid`` counts
+    threadgroups when ``threadgroups`` else threads. Returns the command buffer."""
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants),
-               reads=list(reads), writes=list(writes), threadgroups=threadgroups)
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants), threadgroup_memory=list(tgmem),
+               reads=list(reads), writes=list(writes), threadgroups=threadgroups, label=label)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+def run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
+    """:func:`run` with ``buffers`` bound at 0, 1, ... and the argument struct ``args`` (bytes,
+    or None for none) at the next index."""
+    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [] if args is None else [(len(buffers), args)],
+               reads, writes, threadgroups, label=label)
+
+
+def run_encoder(dev, enc, *a, **kw):
+    """``enc(compute_pass, *a, **kw)`` (an ``enc_*`` encoder of this module) on a fresh
+    command buffer, committed and waited for; returns the command buffer."""
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a, **kw)
     cb.commit()
     cb.wait()
     return cb
@@ -623,7 +646,10 @@ class GdnPrefillLayer:
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
         self.S = dev.buffer(Hv * Dv * Dk * 4)
-        self.scan_kernel = f"gdn_scan_k{Dk}_v{Dv}"
+        # the library's scan for these dims; its name gives RV, the state rows per threadgroup
+        self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
+        self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
+        self.norm_kernel = f"gdn_gated_norm_v{Dv}"
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
 
     # ---- state and inputs
@@ -650,43 +676,46 @@ class GdnPrefillLayer:
                 f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
 
     # ---- encoders (declared ranges as the runtime will declare them)
-    def encode_conv(self, p, qkv, M, cin, cout, out, rb=16, tg=256):
-        """``qkv`` / ``out``: (buffer, declared range) pairs from rows_buffer / out_buffer."""
-        (Q, q_rng), (O, o_rng) = qkv, out
-        rb_eff = max(rb, GDN_K - 1)
-        grid = (-(-self.C // tg), -(-M // rb_eff), 1)
-        p.dispatch("gdn_conv_chunk", grid, (tg, 1, 1),
-                   buffers=[(0, Q), (1, self.W[0]), (2, cin), (3, cout), (4, O)],
-                   constants=[(5, args_bytes(self.C, M, rb))],
-                   reads=[q_rng, self.W[0], cin], writes=[cout, o_rng], threadgroups=True,
-                   label="gdn_conv_chunk")
-
-    def encode_scan(self, p, conv, z, b, a, out, M):
-        bufs = [conv[0], z[0], b[0], a[0], self.W[1], self.W[2], self.W[3], self.S, out[0]]
-        p.dispatch(self.scan_kernel, self.Hv, 1024,
-                   buffers=list(enumerate(bufs)),
+    def encode_scan(self, p, qkv, cin, z, b, a, out, M):
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; y = S q into ``out``)
+        then gdn_gated_norm in place, as the runtime does. ``qkv``, ``z``, ``b``, ``a``,
+        ``out``: (buffer, declared range) pairs from rows_buffer / rows_out_buffer."""
+        (O, o_rng) = out
+        # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
+        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
+                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O])),
                    constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[conv[1], z[1], b[1], a[1], self.W[1], self.W[2], self.W[3], self.S],
-                   writes=[self.S, out[1]], threadgroups=True, label=self.scan_kernel)
+                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S],
+                   writes=[self.S, o_rng], threadgroups=True, label=self.scan_kernel)
+        p.dispatch(self.norm_kernel, -(-M * self.Hv // 8), 256,
+                   buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, O)],
+                   constants=[(4, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[o_rng, z[1], self.W[3]], writes=[o_rng], threadgroups=True, label=self.norm_kernel)
 
-    def chunk(self, qkv, z, b, a, p0, rb=16):
-        """One chunk at positions p0 .. p0+M-1: conv (state buffer p0 % 2 -> (p0+M) % 2) then
-        the scan, in one concurrent pass (the barrier comes from the declared ranges).
-        Returns the scan output [M, Hv*Dv] and the conv output [M, C]."""
+    def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
+        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
+        tail = min(M, GDN_K - 1) * self.C * 4  # declared: only the last K-1 rows it copies
+        p.dispatch("gdn_conv_state", -(-self.C // tg), tg,
+                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, args_bytes(self.C, M))],
+                   reads=[(qkv[0], M * self.C * 4 - tail, tail), cin], writes=[cout], threadgroups=True,
+                   label="gdn_conv_state")
+
+    def chunk(self, qkv, z, b, a, p0):
+        """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the gated
+        norm and the next conv state (buffer (p0+M) % 2), in one concurrent pass (barriers
+        from the declared ranges). Returns the output [M, Hv*Dv]."""
         dev, M = self.dev, len(qkv)
-        Q = rows_buffer(dev, qkv)
-        CO = rows_out_buffer(dev, M, self.C)
-        Z, B, A = rows_buffer(dev, z), rows_buffer(dev, b), rows_buffer(dev, a)
+        Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
         O = rows_out_buffer(dev, M, self.Hv * self.Dv)
+        cin, cout = self.CS[p0 % 2], self.CS[(p0 + M) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        self.encode_conv(p, Q, M, self.CS[p0 % 2], self.CS[(p0 + M) % 2], CO, rb=rb)
-        self.encode_scan(p, CO, Z, B, A, O, M)
+        self.encode_scan(p, Q, cin, Z, B, A, O, M)
+        self.encode_conv_state(p, Q, M, cin, cout)
         cb.commit()
         cb.wait()
-        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1]
-        return (download(O[0], np.float32, (M, self.Hv * self.Dv)),
-                download(CO[0], np.float32, (M, self.C)))
+        assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 1]
+        return download(O[0], np.float32, (M, self.Hv * self.Dv))
 
     def decode_step(self, qkv, z, b, a, pos):
         """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
@@ -1273,11 +1302,6 @@ def ratio(got, exact, tol, what: str) -> float:
     return worst
 
 
-def _run(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True):
-    """``run`` with buffers bound at 0, 1, ... and the constant bytes ``args`` after them."""
-    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [(len(buffers), args)], reads, writes, threadgroups)
-
-
 def _close(got, want, rtol, atol, what):
     """Worst error ratio against numpy's allclose tolerance atol + rtol * |want|."""
     want = np.asarray(want, np.float64)
@@ -1308,7 +1332,7 @@ def _gemv(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
-    _run(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64))
@@ -1324,7 +1348,7 @@ def _embed(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     tok = int(rng.integers(vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
-    _run(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
          threadgroups=False)
     return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
                  f"{kernel} row {tok}")
@@ -1336,7 +1360,7 @@ def _rms_norm(dev, rng, kernel):
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
-    _run(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     return ratio(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, kernel)
@@ -1351,7 +1375,7 @@ def _moe_route(dev, rng, kernel):
     L, X = upload(dev, logits), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    _run(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
+    run_bound(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
          reads=[L, X, GW, GS, GB], writes=[ids, wts])
     top, w = route_ref(logits, k)
     got_ids, got_w = download(ids, np.uint32), download(wts, np.float32)
@@ -1370,7 +1394,7 @@ def _sample_greedy(dev, rng, kernel):
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    _run(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    run_bound(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
     got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
@@ -1417,7 +1441,7 @@ def _gemm(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
-    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
+    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     x64 = x.astype(np.float64)
     exact = x64 @ qt.dequantize().astype(np.float64).T
@@ -1583,7 +1607,7 @@ def _embed_rows(dev, rng, kernel):
     toks = rng.integers(0, vocab, M).astype(np.uint32)
     W, S, B = upload_q(dev, qt)
     T, O = upload(dev, toks), dev.buffer(4 * M * cols)
-    _run(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
          threadgroups=False)
     want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
     tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
@@ -1597,7 +1621,7 @@ def _gemm_swiglu(dev, rng, kernel):
     x = rng.standard_normal((m, k)).astype(np.float32)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
     X, Y = upload(dev, x), dev.buffer(4 * m * n)
-    _run(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
+    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
          reads=[*bufs, X], writes=[Y])
     want, tol = swiglu_ref(x, gq, uq)
     return ratio(download(Y, np.float32, (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
@@ -1694,20 +1718,13 @@ def _moe_route_gate_up(dev, rng, kernel):
     return max(r, ratio(download(H, np.float32), want, tol, f"{kernel} h"))
 
 
-def _run1(dev, enc, *a, **kw):
-    cb = dev.command_buffer()
-    enc(cb.compute_pass(), *a, **kw)
-    cb.commit()
-    cb.wait()
-
-
 @check("moe_route_clear")
 def _moe_route_clear(dev, rng, kernel):
     M, E, k, R, T = 40, 32, 4, 16, 16
     n = nblocks(M, R) * E
     bc = dev.buffer(4 * n)  # poisoned on the simulator; garbage on a GPU
     bc.write(np.full(n, 0xFFFFFFFF, np.uint32).view(np.uint8))
-    _run1(dev, enc_clear, bc, M, E, k, R, T)
+    run_encoder(dev, enc_clear, bc, M, E, k, R, T)
     got = download(bc, np.uint32)
     if got.any():
         raise Mismatch(f"{kernel}: {int((got != 0).sum())} of {n} counters not cleared", 1.0)
@@ -1721,7 +1738,7 @@ def _moe_route_topk(dev, rng, kernel):
     logits = (np.round(rng.standard_normal((M, E + 1)) * 32) / 16).astype(np.float32)  # on a grid: no near-ties
     L, ids, w = upload(dev, logits), dev.buffer(4 * M * k), dev.buffer(4 * M * (k + 1))
     bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
-    _run1(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
+    run_encoder(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
     top, wr = route_ref_rows(logits, k)
     got_ids = download(ids, np.uint32, (M, k))
     if not np.array_equal(got_ids, top):
@@ -1742,7 +1759,7 @@ def _moe_route_scatter(dev, rng, kernel):
     I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
     perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)), dev.buffer(4),
                                    dev.buffer(4 * E))
-    _run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
+    run_encoder(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
     want_counts = np.bincount(ids.ravel(), minlength=E).astype(np.uint32)
     got_counts = download(counts, np.uint32)
     p = download(perm, np.uint32)
@@ -1771,7 +1788,7 @@ def _moe_combine(dev, rng, kernel):
     ys = rng.standard_normal((M, H)).astype(np.float32)
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
-    _run1(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+    run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
     return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
 
@@ -1881,38 +1898,36 @@ def _attn_prefill_split(dev, rng, kernel):
     return _close(got, attention64(q, qg, K, V, p0), 2e-5, 2e-5, f"{kernel} (split + combine)")
 
 
-@check("gdn_conv_chunk")
-def _gdn_conv_chunk(dev, rng, kernel):
+@check("gdn_conv_state")
+def _gdn_conv_state(dev, rng, kernel):
     L = GdnPrefillLayer(dev, "tiny", rng=rng)
-    M = 7
-    state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
-    L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
-    qkv = L.inputs(M)[0]
-    Q, CO = rows_buffer(dev, qkv), rows_out_buffer(dev, M, L.C)
-    cb = dev.command_buffer()
-    L.encode_conv(cb.compute_pass(), Q, M, L.CS[0], L.CS[1], CO, rb=3, tg=96)
-    cb.commit()
-    cb.wait()
-    want, want_state, mag = L.conv_reference(qkv, state_in)
-    r = ratio(download(CO[0], np.float32, (M + SPARE_ROWS, L.C))[:M], want, 2.0**-20 * (mag + np.abs(want)),
-              f"{kernel} output")
-    return max(r, ratio(L.conv_state(1), want_state, 0, f"{kernel} new conv state"))
+    worst = 0.0
+    for M, out in ((2, 0), (7, 1)):  # in place (M < K-1 keeps old rows) and into the other buffer
+        state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
+        L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
+        qkv = L.inputs(M)[0]
+        cb = dev.command_buffer()
+        L.encode_conv_state(cb.compute_pass(), rows_buffer(dev, qkv), M, L.CS[0], L.CS[out], tg=96)
+        cb.commit()
+        cb.wait()
+        worst = max(worst, ratio(L.conv_state(out), L.conv_reference(qkv, state_in)[1], 0, f"{kernel} (M = {M})"))
+    return worst
 
 
-@check("gdn_scan_k128_v128", "gdn_scan_k32_v32")
+@check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_gated_norm_v128", "gdn_gated_norm_v32")
 def _gdn_scan(dev, rng, kernel):
-    L = GdnPrefillLayer(dev, "dims" if "k128" in kernel else "tiny", rng=rng)
+    """The scan (conv inline) and the gated norm run together (the norm's input is the scan's y)."""
+    L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
     M = 9
-    _, S0 = L.random_state()
-    conv = f32(silu(rng.standard_normal((M, L.C))))
-    _, z, b, a = L.inputs(M)
-    CO, Z, B, A = (rows_buffer(dev, x) for x in (conv, z, b, a))
+    conv0, S0 = L.random_state()
+    qkv, z, b, a = L.inputs(M)
+    Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
     O = rows_out_buffer(dev, M, L.Hv * L.Dv)
     cb = dev.command_buffer()
-    L.encode_scan(cb.compute_pass(), CO, Z, B, A, O, M)
+    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, M)
     cb.commit()
     cb.wait()
-    want_o, want_S, scale = L.scan_reference(conv, z, b, a, S0)
+    want_o, want_S, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
     got = download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))[:M]
     r = ratio(got, want_o, 64 * U * scale, f"{kernel} outputs")
     return max(r, ratio(L.state(), want_S, 1e-5, f"{kernel} state"))
