@@ -219,13 +219,13 @@ def test_full_size_expert_tiles(rows, T):
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model at the default 2048-row chunk: sized by the chunk,
     not by the context or the prompt (docs/prefill.md states the figure)."""
-    from lily.native import PREFILL_CHUNK, _runtime, _virtual_tensors, make_device
+    from lily.native import _counting_runtime
+    PREFILL_CHUNK = _core.RuntimeOptions().prefill_chunk
     cfg = parse_config(REAL)
     assert PREFILL_CHUNK >= 2048
     sizes = []
     for context in (8192, 131072):
-        rt = _runtime(make_device("sim", record_only=True), cfg, _virtual_tensors(cfg, 4, 8), context, 256, 0,
-                      virtual_weights=True)
+        rt = _counting_runtime(cfg, 4, 8, context)
         assert rt.prefill_chunk == PREFILL_CHUNK
         sizes.append(rt.prefill_scratch_bytes)
     print(f"\nprefill scratch at chunk {PREFILL_CHUNK}: {sizes[0] / 2**20:.0f} MiB")
