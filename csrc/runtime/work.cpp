@@ -155,9 +155,10 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::MoeRouteArgs>(r);
     Work w = make("routed experts");
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
-    // router softmax + top-k rounds replayed by every threadgroup
+    // router softmax + top-k rounds replayed by every simdgroup of a routed slot
+    const double routing_simdgroups = double(r.groups.x) * a.top_k * (r.threads.count() / 32);
     add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
-                              groups * a.experts * (4.0 + a.top_k));
+                              routing_simdgroups * a.experts * (4.0 + a.top_k));
     w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     return w;
   }

@@ -43,7 +43,9 @@ from lily.sampling import Sampler, SamplingParams
 
 U = 2.0**-24          # fp32 unit roundoff
 DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
-GEMV_ROWS_PER_SG = 8  # kGemvRowsPerSimdgroup (metal/common.h)
+GEMV_ROWS_PER_SG = 4  # kGemvRowsPerSimdgroup (metal/common.h)
+COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
+NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
 GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
@@ -371,7 +373,7 @@ class AttnLayer:
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
                    constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
                    constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
                    threadgroups=True)
@@ -421,7 +423,7 @@ class AttnLayer:
                    reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
                    label=label)
         # gate straight from the q_proj output: byte offset 4*D, stride 2*D
-        p.dispatch(f"attn_combine_d{D}", Hq, D,
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
                    constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
                    reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
@@ -876,23 +878,25 @@ class GdnPrefillLayer:
 NORM_EPS = 1e-6
 
 
-def norm_gemv_grid(rows, tg=TG):
-    """Threadgroups of a norm_gemv dispatch: each matrix padded to whole threadgroups."""
-    per = GEMV_ROWS_PER_SG * tg // 32
+def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG):
+    """Threadgroups of a norm_gemv dispatch with ``rps`` rows per simdgroup: each matrix
+    padded to whole threadgroups."""
+    per = rps * tg // 32
     return sum(-(-r // per) for r in rows)
 
 
-def norm_gemv_args(rows, cols, eps, write_xn):
-    """NormGemvArgs {rows[4], cols, eps, write_xn} (28 bytes)."""
+def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG):
+    """NormGemvArgs {rows[4], cols, eps, write_xn, rows_per_simdgroup} (32 bytes)."""
     rows = list(rows) + [0] * (4 - len(rows))
-    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn))
+    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn), rps)
 
 
 def _bind(i, spec):
     return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
 
 
-def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None):
+def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None,
+                  rps=NORM_GEMV_ROWS_PER_SG):
     """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
     mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
     Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
@@ -910,8 +914,8 @@ def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, t
         else:
             specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
         buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg) + extra, tg, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn))], reads=reads, writes=writes,
+    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg, rps) + extra, tg, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps))], reads=reads, writes=writes,
                threadgroups=True, label=label or f"norm_gemv_q{bits}")
 
 
@@ -1663,7 +1667,9 @@ def _norm_gemv(dev, rng, kernel):
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
     cb = dev.command_buffer()
-    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True)
+    # q8: the router's geometry (one row per simdgroup, csrc/runtime/decode.cpp kRouterRows)
+    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True,
+                  rps=1 if bits == 8 else NORM_GEMV_ROWS_PER_SG)
     cb.commit()
     cb.wait()
     return _norm_gemv_ratio(kernel, x, nw, XN, qts, mats)
