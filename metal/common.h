@@ -28,6 +28,36 @@ constant constexpr uint kGemvRowsPerSimdgroup = 4;
 // Rows handled by one simdgroup in moe_gate_up_swiglu_q4 (each row: a gate and an up dot).
 constant constexpr uint kGateUpRowsPerSimdgroup = 4;
 
+// ---------------------------------------------------------------- half activations
+// The prefill GEMMs (gemm_tiles.h) take half activations, which their producers
+// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*) write once with gemm_half: values
+// are clamped to +-kGemmHalfMax (the largest finite half) before the conversion, so an
+// activation beyond the half range (|x| > 65504, far outside what RMS-normalised inputs
+// reach) becomes the largest half instead of inf and cannot turn a whole output row into
+// inf/NaN. bf16 (MLX-LM's activations) has fp32's range with 8 mantissa bits; half has 11
+// bits and this range limit (docs/prefill.md, "Operand precision").
+constant constexpr float kGemmHalfMax = 65504.0f;
+
+inline half4 gemm_half(float4 v) {
+  return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
+}
+inline half gemm_half(float v) {
+  return half(clamp(v, -kGemmHalfMax, kGemmHalfMax));
+}
+// Half activations were converted by their producer: staged as they are.
+inline half4 gemm_half(half4 v) {
+  return v;
+}
+
+// A GEMM output element: fp32 (ADD: y += v), or half with the saturating conversion (the
+// half activations of a following GEMM: hs, hx; never ADD).
+inline void gemm_put(device float* dst, float v, bool add) {
+  *dst = add ? *dst + v : v;
+}
+inline void gemm_put(device half* dst, float v, bool) {
+  *dst = gemm_half(v);
+}
+
 // ---------------------------------------------------------------- argument structs
 // In decode_args.h (host-includable); limits of the kernels that take them:
 constant constexpr uint kRouteMaxExperts = 1024;     // moe_route*: router logits at most

@@ -21,10 +21,10 @@ using namespace metal;
 // Grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * SM * SN threads: threadgroup
 // (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
 // NB = 1: y = x W^T (ADD: y += x W^T); NB = 2: y = silu(x W0^T) * (x W1^T).
-template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN>
+template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN, typename X4, typename Y>
 inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                        device const bfloat* b0, device const uint* w1, device const bfloat* s1,
-                       device const bfloat* b1, device const float4* x, device float* y,
+                       device const bfloat* b1, device const X4* x, device Y* y,
                        constant GemmArgs& args, uint2 tgp, uint tid, uint sg) {
   constexpr uint NT = 32 * SM * SN;
   const uint n0 = tgp.x * BN;
@@ -42,8 +42,7 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
     const uint c = i % BN;
     if (r < rows && n0 + c < args.n) {
       const float v = gemm_staged<NB, BM, BN>(smem, r, c);
-      device float* dst = y + (m0 + r) * args.ldy + n0 + c;
-      *dst = ADD ? *dst + v : v;
+      gemm_put(y + (m0 + r) * args.ldy + n0 + c, v, ADD);
     }
   }
 }
@@ -55,11 +54,13 @@ constant constexpr uint kGemmBM = 64;
 constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
 
-template <int BITS, bool ADD>
+// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs) or float4
+// (gemm_q4_add: the fp32 attention / GDN outputs, converted while staged).
+template <int BITS, bool ADD, typename X4>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                    device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                   device const float4* x [[buffer(3)]],       // fp32 [m, lda]
+                   device const X4* x [[buffer(3)]],           // half or fp32 [m, lda]
                    device float* y [[buffer(4)]],              // fp32 [m, ldy] (read too when ADD)
                    constant GemmArgs& args [[buffer(5)]],
                    uint2 tgp [[threadgroup_position_in_grid]],
@@ -70,9 +71,9 @@ template <int BITS, bool ADD>
   gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>(smem4, wu, scales, biases, wu, scales, biases,
                                                   x, y, args, tgp, tid, sg);
 }
-template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false>) gemm_q<4, false>;
-template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false>) gemm_q<8, false>;
-template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true>) gemm_q<4, true>;
+template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false, half4>) gemm_q<4, false, half4>;
+template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) gemm_q<8, false, half4>;
+template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true, float4>) gemm_q<4, true, float4>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
@@ -81,8 +82,8 @@ template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true>) gemm_
                            device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
                            device const bfloat* us [[buffer(4)]],      // up_proj.scales
                            device const bfloat* ub [[buffer(5)]],      // up_proj.biases
-                           device const float4* x [[buffer(6)]],       // fp32 [m, lda]
-                           device float* y [[buffer(7)]],              // fp32 [m, ldy]
+                           device const half4* x [[buffer(6)]],        // half [m, lda]
+                           device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
                            constant GemmArgs& args [[buffer(8)]],
                            uint2 tgp [[threadgroup_position_in_grid]],
                            uint tid [[thread_index_in_threadgroup]],

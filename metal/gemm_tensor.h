@@ -45,8 +45,8 @@ inline tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline> gemm_t
 // rows [n0, n0 + BN) of (w_b, s_b, b_b), b < NB, over the whole of k. Leaves the fp32
 // results in smem (as float): block b, row r, column c at b * BM * ldc + r * ldc + c (rows
 // past the tile's and columns past n - n0 are zero), after a barrier.
-template <int BITS, uint NB, uint BM, uint BN, uint NSG>
-inline void gemm_tensor_accumulate(threadgroup float4* smem4, device const float4* x,
+template <int BITS, uint NB, uint BM, uint BN, uint NSG, typename X4>
+inline void gemm_tensor_accumulate(threadgroup float4* smem4, device const X4* x,
                                    thread const GemmARows<BM, 32 * NSG>& a, device const uint* w0,
                                    device const bfloat* s0, device const bfloat* b0,
                                    device const uint* w1, device const bfloat* s1,

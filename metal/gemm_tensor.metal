@@ -16,10 +16,10 @@ using namespace metal;
 // ---- dense GEMMs -------------------------------------------------------------------------
 // As gemm_dense (gemm.metal): grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * NSG
 // threads; threadgroup (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
-template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG>
+template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG, typename X4, typename Y>
 inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                               device const bfloat* b0, device const uint* w1, device const bfloat* s1,
-                              device const bfloat* b1, device const float4* x, device float* y,
+                              device const bfloat* b1, device const X4* x, device Y* y,
                               constant GemmArgs& args, uint2 tgp, uint tid) {
   constexpr uint NT = 32 * NSG;
   const uint n0 = tgp.x * BN;
@@ -37,8 +37,7 @@ inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, 
     const uint c = i % BN;
     if (r < rows && n0 + c < args.n) {
       const float v = gemm_staged<NB, BM, BN>(smem, r, c);
-      device float* dst = y + (m0 + r) * args.ldy + n0 + c;
-      *dst = ADD ? *dst + v : v;
+      gemm_put(y + (m0 + r) * args.ldy + n0 + c, v, ADD);
     }
   }
 }
@@ -49,11 +48,13 @@ constant constexpr uint kGemmTensorBM = 64;
 constant constexpr uint kGemmTensorBN = 64;
 constant constexpr uint kGemmTensorSwigluBN = 32;
 
-template <int BITS, bool ADD>
+// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs) or float4
+// (gemm_q4_add: the fp32 attention / GDN outputs, converted while staged).
+template <int BITS, bool ADD, typename X4>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                          device const float4* x [[buffer(3)]],       // fp32 [m, lda]
+                          device const X4* x [[buffer(3)]],           // half or fp32 [m, lda]
                           device float* y [[buffer(4)]],              // fp32 [m, ldy] (read too when ADD)
                           constant GemmArgs& args [[buffer(5)]],
                           uint2 tgp [[threadgroup_position_in_grid]],
@@ -63,9 +64,9 @@ template <int BITS, bool ADD>
   gemm_dense_tensor<BITS, 1, ADD, kGemmTensorBM, kGemmTensorBN, 4>(smem4, wu, scales, biases, wu, scales, biases,
                                                                    x, y, args, tgp, tid);
 }
-template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false>) gemm_q_tensor<4, false>;
-template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false>) gemm_q_tensor<8, false>;
-template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true>) gemm_q_tensor<4, true>;
+template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4>) gemm_q_tensor<4, false, half4>;
+template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
+template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, float4>) gemm_q_tensor<4, true, float4>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
@@ -74,8 +75,8 @@ template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4
                                   device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
                                   device const bfloat* us [[buffer(4)]],      // up_proj.scales
                                   device const bfloat* ub [[buffer(5)]],      // up_proj.biases
-                                  device const float4* x [[buffer(6)]],       // fp32 [m, lda]
-                                  device float* y [[buffer(7)]],              // fp32 [m, ldy]
+                                  device const half4* x [[buffer(6)]],        // half [m, lda]
+                                  device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
                                   constant GemmArgs& args [[buffer(8)]],
                                   uint2 tgp [[threadgroup_position_in_grid]],
                                   uint tid [[thread_index_in_threadgroup]]) {

@@ -5,9 +5,10 @@
 //
 // A GEMM step covers kGemmBK = 64 consecutive k (one quantization group, so one scale and
 // one bias per weight row and step):
-//   * A tile  [BM][kGemmLd] half: BM activation rows (fp32 in device memory, converted to
-//     half with saturation while staged: gemm_half), rows gathered through per-thread row
-//     offsets (GemmARows), rows past the tile zero;
+//   * A tile  [BM][kGemmLd] half: BM activation rows, copied as they are from half rows in
+//     device memory (their producers wrote them with the saturating conversion gemm_half),
+//     or, for the fp32 inputs of o_proj / out_proj, converted with gemm_half while staged;
+//     rows gathered through per-thread row offsets (GemmARows), rows past the tile zero;
 //   * W tile  [BN][kGemmLd] half: BN weight rows dequantized from the MLX affine layout
 //     (w = scale * q + bias in fp32, then rounded to half), row n of the tile = output column
 //     n0 + n, rows past the matrix zero. The dequantized weight exists only here.
@@ -36,21 +37,14 @@ constant constexpr uint kGemmChunk = 16;
 constant constexpr uint kGemmChunks = kGemmBK / kGemmChunk;
 // GemmARows offset of a tile row with no source row (the row is zero-filled).
 constant constexpr uint kGemmNoRow = 0xFFFFFFFFu;
-// Largest finite half. Operands are clamped to +-kGemmHalfMax before the conversion: an
-// activation beyond the half range (|x| > 65504, far outside what RMS-normalised inputs
-// reach) becomes the largest half instead of inf, so it cannot turn a whole output row into
-// inf/NaN. bf16 (MLX-LM's activations) has fp32's range with 8 mantissa bits; half has 11
-// bits and this range limit (docs/prefill.md, "Operand precision").
-constant constexpr float kGemmHalfMax = 65504.0f;
-
-inline half4 gemm_half(float4 v) {
-  return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
-}
+// kGemmHalfMax, gemm_half (the saturating conversion to half) and gemm_put: common.h.
 
 // ---- A tile: activation rows ------------------------------------------------------------
-// Thread tid loads, for i < per, float4 (tid % kGemmRow4) of tile row (tid + i * NT) /
-// kGemmRow4: consecutive threads read consecutive 16-byte pieces of a row (256 contiguous
-// bytes per row and step). off[i] is that row's start in x in float4 units (row * lda / 4),
+// X4 = half4 (activations stored as half) or float4 (fp32 activations, converted here).
+// Thread tid loads, for i < per, X4 (tid % kGemmRow4) of tile row (tid + i * NT) /
+// kGemmRow4: consecutive threads read consecutive 8-byte (half) or 16-byte (fp32) pieces of a
+// row (128 or 256 contiguous bytes per row and step). off[i] is that row's start in x in X4
+// units (row * lda / 4),
 // or kGemmNoRow. The offsets are fixed for the whole k loop: a kernel fills them once.
 template <uint BM, uint NT>
 struct GemmARows {
@@ -94,13 +88,13 @@ inline GemmARows<BM, NT> gemm_a_rows_tile(device const uint* perm, uint begin, u
 }
 
 // Copies the A tile of step k0 (columns [k0, k0 + kGemmBK)) into As [BM][kGemmLd] as half.
-template <uint BM, uint NT>
-inline void gemm_load_a(threadgroup half* As, device const float4* x, thread const GemmARows<BM, NT>& a,
+template <uint BM, uint NT, typename X4>
+inline void gemm_load_a(threadgroup half* As, device const X4* x, thread const GemmARows<BM, NT>& a,
                         uint k0, uint tid) {
   const uint c4 = tid % kGemmRow4;
   for (uint i = 0; i < GemmARows<BM, NT>::per; ++i) {
     const uint r = gemm_a_row<BM, NT>(tid, i);
-    const float4 v = a.off[i] != kGemmNoRow ? x[a.off[i] + k0 / 4 + c4] : float4(0.0f);
+    const X4 v = a.off[i] != kGemmNoRow ? x[a.off[i] + k0 / 4 + c4] : X4(0.0f);
     *(threadgroup half4*)(As + r * kGemmLd + 4 * c4) = gemm_half(v);
   }
 }
@@ -156,8 +150,8 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
 
 // Fills the tiles of step k0: the A tile, then the NB weight tiles (consecutive in Ws at a
 // stride of BN * kGemmLd halves). The caller places the barrier.
-template <int BITS, uint NB, uint BM, uint BN, uint NT>
-inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device const float4* x,
+template <int BITS, uint NB, uint BM, uint BN, uint NT, typename X4>
+inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device const X4* x,
                            thread const GemmARows<BM, NT>& a, device const uint* w0,
                            device const bfloat* s0, device const bfloat* b0, device const uint* w1,
                            device const bfloat* s1, device const bfloat* b1, uint n0, uint n, uint k,
@@ -278,8 +272,8 @@ struct GemmFragments {
 // tile rows. Leaves the fp32 results in smem (as float): block b, row r, column c at
 // b * BM * ldc + r * ldc + c (only rows < rows and columns < n - n0 are meaningful), after
 // a barrier.
-template <int BITS, uint NB, uint BM, uint BN, uint SM, uint SN>
-inline void gemm_accumulate(threadgroup float4* smem4, device const float4* x,
+template <int BITS, uint NB, uint BM, uint BN, uint SM, uint SN, typename X4>
+inline void gemm_accumulate(threadgroup float4* smem4, device const X4* x,
                             thread const GemmARows<BM, 32 * SM * SN>& a,
                             device const uint* w0, device const bfloat* s0, device const bfloat* b0,
                             device const uint* w1, device const bfloat* s1, device const bfloat* b1,

@@ -16,7 +16,7 @@ using namespace metal;
 // threads; threadgroup (t, j) computes output columns [j BN, j BN + BN) of the slots of tile
 // t; threadgroups with t >= tile_count return at once. BM = T, the tile height.
 template <uint T, uint BN, uint NSG>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4_tensor(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4_tensor(device const half4* x [[buffer(0)]],         // half [m, lda] (xn)
                                        device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                        device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
                                        device const uint* tile_count [[buffer(3)]],  // [1]
@@ -26,7 +26,7 @@ template <uint T, uint BN, uint NSG>
                                        device const uint4* wu [[buffer(7)]],         // up_proj.weight [E, n, k/8]
                                        device const bfloat* us [[buffer(8)]],        // up_proj.scales
                                        device const bfloat* ub [[buffer(9)]],        // up_proj.biases
-                                       device float* hx [[buffer(10)]],              // fp32 [m * top_k, ldy], slot order
+                                       device half* hx [[buffer(10)]],               // half [m * top_k, ldy], slot order (saturated)
                                        constant MoeGemmArgs& args [[buffer(11)]],
                                        uint2 tgp [[threadgroup_position_in_grid]],
                                        uint tid [[thread_index_in_threadgroup]]) {
@@ -50,13 +50,13 @@ template <uint T, uint BN, uint NSG>
     const uint r = i / BN;
     const uint c = i % BN;
     if (r < tile.rows && n0 + c < args.n) {
-      hx[(tile.begin + r) * args.ldy + n0 + c] = gemm_staged<2, T, BN>(smem, r, c);
+      gemm_put(hx + (tile.begin + r) * args.ldy + n0 + c, gemm_staged<2, T, BN>(smem, r, c), false);
     }
   }
 }
 
 template <uint T, uint BN, uint NSG>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4_tensor(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4_tensor(device const half4* hx [[buffer(0)]],        // half [m * top_k, lda], slot order
                                     device const uint* perm [[buffer(1)]],       // [m * top_k]
                                     device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
                                     device const uint* tile_count [[buffer(3)]], // [1]

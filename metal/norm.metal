@@ -1,4 +1,6 @@
-// RMSNorm for the decode step: fp32 activations, bf16 weight, fp32 out.
+// RMSNorm: fp32 activations, bf16 weight; fp32 out (rms_norm: decode) or half out with the
+// saturating conversion gemm_half (rms_norm_half: prefill's xn, the half input of the
+// prefill GEMMs).
 // Host-side facts: docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -8,10 +10,11 @@ using namespace metal;
 // out[r, i] = x[r, i] * rsqrt(mean_i(x[r, :]^2) + eps) * w[i]. One threadgroup per row r
 // (grid = rows threadgroups, e.g. 1 for the hidden state, heads for a per-head norm), any
 // threadgroup size up to 1024 (256 recommended). out may alias x (each element is read
-// and written by the same thread).
-[[max_total_threads_per_threadgroup(1024)]] kernel void rms_norm(device const float* x [[buffer(0)]],    // [rows, n] fp32
+// and written by the same thread; rms_norm only).
+template <typename T>
+[[max_total_threads_per_threadgroup(1024)]] kernel void rms_norm_t(device const float* x [[buffer(0)]],    // [rows, n] fp32
                      device const bfloat* w [[buffer(1)]],   // [n] bf16, shared by all rows
-                     device float* out [[buffer(2)]],        // [rows, n] fp32
+                     device T* out [[buffer(2)]],            // [rows, n] fp32 or half
                      constant NormArgs& args [[buffer(3)]],
                      uint row [[threadgroup_position_in_grid]],
                      uint tid [[thread_position_in_threadgroup]],
@@ -21,7 +24,7 @@ using namespace metal;
                      uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[32];
   device const float* xr = x + row * args.n;
-  device float* outr = out + row * args.n;
+  device T* outr = out + row * args.n;
   float ss = 0.0f;
   for (uint i = tid; i < args.n; i += tcount) {
     const float v = xr[i];
@@ -30,6 +33,8 @@ using namespace metal;
   ss = threadgroup_sum(ss, scratch, sg, lane, nsg);
   const float inv = rsqrt(ss / float(args.n) + args.eps);
   for (uint i = tid; i < args.n; i += tcount) {
-    outr[i] = xr[i] * inv * float(w[i]);
+    gemm_put(outr + i, xr[i] * inv * float(w[i]), false);
   }
 }
+template [[host_name("rms_norm")]] [[kernel]] decltype(rms_norm_t<float>) rms_norm_t<float>;
+template [[host_name("rms_norm_half")]] [[kernel]] decltype(rms_norm_t<half>) rms_norm_t<half>;

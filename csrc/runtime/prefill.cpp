@@ -60,7 +60,7 @@ uint32_t max_tiles_for(uint32_t assignments, uint32_t experts, uint32_t T) {
 void Runtime::allocate_chunk_buffers() {
   const ModelDims& d = dims_;
   chunk_ = std::max<uint32_t>(1, std::min(opt_.prefill_chunk, opt_.max_context));
-  const size_t C = chunk_, f = sizeof(float), u32 = sizeof(uint32_t);
+  const size_t C = chunk_, f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const size_t H = d.hidden_size, k = d.num_experts_per_tok, E = d.num_experts;
   const uint64_t before = [&] {
     uint64_t s = 0;
@@ -71,7 +71,7 @@ void Runtime::allocate_chunk_buffers() {
   c.tok[0] = scratch(C * u32, "chunk tokens A");
   c.tok[1] = scratch(C * u32, "chunk tokens B");
   c.h = scratch(C * H * f, "chunk h (residual)");
-  c.xn = scratch(C * H * f, "chunk xn (normed)");
+  c.xn = scratch(C * H * hf, "chunk xn (normed, half)");
   const size_t vdim = size_t(d.linear_num_value_heads) * d.linear_value_head_dim;
   c.qkv = scratch(C * d.conv_dim() * f, "chunk gdn qkv");
   c.z = scratch(C * vdim * f, "chunk gdn z");
@@ -92,9 +92,9 @@ void Runtime::allocate_chunk_buffers() {
   c.max_tiles = max_tiles_for(uint32_t(C * k), uint32_t(E), 16);
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile map");
   c.tile_count = scratch(u32, "chunk tile count");
-  c.hx = scratch(C * k * d.moe_intermediate_size * f, "chunk expert hidden");
+  c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
   c.yx = scratch(C * k * H * f, "chunk expert outputs");
-  c.hs = scratch(C * d.shared_expert_intermediate_size * f, "chunk shared hidden");
+  c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
   c.ys = scratch(C * H * f, "chunk shared output");
   for (int p = 0; p < 2; ++p) {
     c.hist[p].resize(d.num_hidden_layers);
@@ -159,7 +159,7 @@ void Runtime::resolve_prefill_kernels() {
   const std::string Ds = "_d" + std::to_string(d.head_dim);
   const std::string attn_suffix = Ds + "_g" + std::to_string(attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads));
   k.embed_rows = &dev.pipeline("embed_rows_q4");
-  k.rms_norm = &dev.pipeline("rms_norm");
+  k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
@@ -193,7 +193,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
   Traffic& t = tr ? *tr : local;
-  const size_t f = sizeof(float), u32 = sizeof(uint32_t);
+  const size_t f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
   // A routed-expert stack is declared whole (the experts are only known on the GPU); the
@@ -204,12 +204,13 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     t.weight_bytes += stack / E * std::min<uint64_t>(E, uint64_t(M) * k);
     return op;
   };
-  // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (floats).
+  // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
+  // x is half (xn, hs), or fp32 for the residual updates (add: the attention / GDN output).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label) {
     Op op(add ? K.gemm_add[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * f);
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (add ? f : hf));
     const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
     if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
@@ -217,7 +218,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
     Op(*K.rms_norm, label)
         .groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
-        .out(2, out, 0, size_t(M) * H * f).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
+        .out(2, out, 0, size_t(M) * H * hf).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
   };
 
   // embed: the chunk's token ids were written to tok[parity] by the host.
@@ -369,7 +370,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
         .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
-        .in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
+        .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
     gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"));
     // routed experts over the tile map
@@ -378,17 +379,17 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     {
       Op op(*K.experts_gate_up[tile_index(T)], labels_(l, "experts gate|up"));
       op.groups(tg(max_tiles, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
-          .in(0, *c.xn, 0, size_t(M) * H * f).in(1, *c.perm, 0, size_t(M) * k * u32)
+          .in(0, *c.xn, 0, size_t(M) * H * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m.experts_gate_proj);
       expert_stack(op, 7, m.experts_up_proj);
-      op.out(10, *c.hx, 0, size_t(M) * k * I * f)
+      op.out(10, *c.hx, 0, size_t(M) * k * I * hf)
           .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I}).run(pass);
     }
     {
       Op op(*K.experts_down[tile_index(T)], labels_(l, "experts down"));
       op.groups(tg(max_tiles, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
-          .in(0, *c.hx, 0, size_t(M) * k * I * f).in(1, *c.perm, 0, size_t(M) * k * u32)
+          .in(0, *c.hx, 0, size_t(M) * k * I * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
           .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
       expert_stack(op, 4, m.experts_down_proj);
       op.out(7, *c.yx, 0, size_t(M) * k * H * f)
@@ -411,11 +412,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
 
 void Runtime::encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t R) {
   const ModelDims& d = dims_;
-  const size_t f = sizeof(float), H = d.hidden_size, V = d.vocab_size;
+  const size_t f = sizeof(float), hf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
   Op(prefill_kernels_.gemm[model_.lm_head.bits], "lm_head (all positions)")
       .groups({ceil_div(V, kGemmBN), ceil_div(R, kGemmBM), 1}, {kGemmThreads, 1, 1})
-      .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * f, size_t(R) * H * f)
+      .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
       .out(4, *chunk_bufs_.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
   pass.end();

@@ -23,9 +23,12 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU: every staged activation
-// is clamped to the half range and converted (min, max, convert: 3 operations), every
-// dequantized weight converted (1; the clamp is decided once per row and group).
+// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU. Their activations are
+// half in device memory (xn, hs, hx), clamped to the half range and converted (min, max,
+// convert: 3 operations) once per element by the kernel that writes them (rms_norm_half,
+// gemm_swiglu_q4, moe_gemm_gate_up_q4_*); only the fp32 input of gemm_q4_add (the attention
+// and GDN outputs) is converted while staged, by every column block of its grid. Every
+// dequantized weight is converted (1; the clamp is decided once per row and group).
 constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd).
@@ -89,14 +92,17 @@ Work make(const char* family) {
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
+// fp32_x: the activations are fp32 (gemm_q4_add), else half; NB = 2 writes half (hs).
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes and converts the weight rows it
-  // multiplies; every column block (grid x) converts its activation rows.
+  // multiplies; every column block (grid x) converts fp32 activation rows (half ones are
+  // copied); SwiGLU: silu(g) * u and the conversion of its half output.
   add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * r.groups.y * double(a.n) * a.k +
-                            kHalfConvOps * r.groups.x * double(a.m) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
+                            (fp32_x ? kHalfConvOps * r.groups.x * double(a.m) * a.k : 0.0) +
+                            (nb == 2 ? (4.0 + kHalfConvOps) * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
   return w;
@@ -115,8 +121,9 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
+  // half activations are copied; gate/up: silu(g) * u and the conversion of its half output
   add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
-                            kHalfConvOps * rows * a.k * r.groups.y + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+                            (nb == 2 ? (4.0 + kHalfConvOps) * rows * a.n : 0.0));
   w.threadgroup_memory = gemm_smem(T, bn, nb);
   const double stack = double(a.n) * a.k * quant_bytes(4);
   w.bytes = declared(r) - nb * (a.experts - reached) * stack;
@@ -278,8 +285,8 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   // ---- prefill GEMMs
-  if (k == "gemm_q4" || k == "gemm_q4_add" || k == "gemm_q4_tensor" || k == "gemm_q4_add_tensor")
-    return dense_gemm(r, 1, tensor);
+  if (k == "gemm_q4" || k == "gemm_q4_tensor") return dense_gemm(r, 1, tensor);
+  if (k == "gemm_q4_add" || k == "gemm_q4_add_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";
@@ -301,10 +308,10 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r);
     return w;
   }
-  if (k == "rms_norm") {
+  if (k == "rms_norm" || k == "rms_norm_half") {
     const auto a = arg<args::NormArgs>(r);
     Work w = make("norms, embedding, combine");
-    add(w, Path::alu_f32, 4.0 * groups * a.n);
+    add(w, Path::alu_f32, (k == "rms_norm_half" ? 4.0 + kHalfConvOps : 4.0) * groups * a.n);
     w.bytes = declared(r);
     return w;
   }

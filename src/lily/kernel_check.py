@@ -104,7 +104,20 @@ def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
 def half_operand(x) -> np.ndarray:
     """x as the prefill GEMMs stage it (gemm_half, metal/gemm_tiles.h): clamped to +-65504,
     rounded to half (nearest even); float64."""
-    return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16).astype(np.float64)
+    return half_activations(x).astype(np.float64)
+
+
+def half_activations(x) -> np.ndarray:
+    """x as the producers of the prefill GEMMs' inputs store it (rms_norm_half, the SwiGLU
+    GEMMs: gemm_half of metal/common.h): clamped to +-65504, rounded to half; float16."""
+    return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16)
+
+
+def half_stored(want, tol):
+    """(want, tol) of an fp32 result within tol of want, stored as half (nearest): the
+    rounding adds at most 2**-11 of the stored magnitude, or 2**-25 for subnormals."""
+    want = np.asarray(want, np.float64)
+    return want, tol + 2.0**-11 * (np.abs(want) + tol) + 2.0**-25
 
 
 def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
@@ -1337,8 +1350,8 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
     p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
                buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
                constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
-               reads=[(X, 0, 4 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
-               writes=[(HX, 0, 4 * ((M * k - 1) * ldy + I))], threadgroups=True, label=kernel)
+               reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
+               writes=[(HX, 0, 2 * ((M * k - 1) * ldy + I))], threadgroups=True, label=kernel)
 
 
 def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
@@ -1347,7 +1360,7 @@ def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda
     p.dispatch(kernel, (max_tiles, -(-H // MOE_DOWN_BN[T])), MOE_TG[T],
                buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
                constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
-               reads=[(HX, 0, 4 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
+               reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
                writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H))], threadgroups=True, label=kernel)
 
 

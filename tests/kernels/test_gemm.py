@@ -13,8 +13,10 @@ reverse thread/threadgroup order with undeclared-read detection; random order), 
 out-of-range write detection, on poisoned (NaN) outputs: bytes a dispatch must not write are
 checked to still be NaN.
 
-Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x
-clamped to +-65504 and rounded to half, the weight dequantized in fp32 (``s q + b``) and
+Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x is
+half in device memory (written by its producer clamped to +-65504 and rounded to half:
+``half_activations``), except gemm_q4_add's fp32 x, clamped and rounded while staged; the
+weight dequantized in fp32 (``s q + b``) and
 rounded to half; products of halves are exact in fp32 and accumulate in fp32. The reference
 (``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
 same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
@@ -29,7 +31,8 @@ same values) and multiplies in float64, so what is left to tolerate is an fp32 G
   the fp32 kernels' was;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
-  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check);
+  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check), then the half
+  rounding of the stored output (hs, hx: ``half_stored``);
 * down projection of the grouped chain: hx is the kernel's own gate/up output, so the down
   kernel is checked with the plain bound above on exactly the values it read.
 """
@@ -55,6 +58,7 @@ from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
+from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 
 U = 2.0**-24
 
@@ -66,9 +70,10 @@ def qbufs(dev, qt):
     return [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
 
 
-def row_ranges(buf, offset, rows, stride, width):
-    """Byte ranges of a column block: `rows` rows of `width` floats, `stride` floats apart."""
-    return [(buf, offset + 4 * r * stride, 4 * width) for r in range(rows)]
+def row_ranges(buf, offset, rows, stride, width, size=4):
+    """Byte ranges of a column block: `rows` rows of `width` elements of `size` bytes,
+    `stride` elements apart."""
+    return [(buf, offset + size * r * stride, size * width) for r in range(rows)]
 
 
 def dense_grid(m, n, bn=GEMM_BN):
@@ -88,8 +93,9 @@ DENSE_SHAPES = [  # m, n, k
 
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
-    reads = [*wb, (X, x_off, 4 * ((m - 1) * lda + k))]
-    ys = row_ranges(Y, y_off, m, ldy, n)
+    """x is half except for gemm_q4_add (fp32); y is half for gemm_swiglu_q4."""
+    reads = [*wb, (X, x_off, (4 if add else 2) * ((m - 1) * lda + k))]
+    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
                constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy))],
@@ -101,7 +107,7 @@ def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False
 def test_gemm(dev, bits, m, n, k):
     rng = fresh_rng(m, n, k, bits)
     qt = rand_quant(rng, (), n, k, bits)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = hact(rng.standard_normal((m, k)))
     wb = qbufs(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * (m * n + 16))  # poisoned; 16 floats of pad
     cb = dev.command_buffer()
@@ -121,11 +127,11 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
     qt = rand_quant(rng, (), n, k, 4)
     lda, xc = k + 12, 8            # x: columns [8, 8 + k) of an [m, k + 12] matrix
     ldy, yc = n + 7, 3             # y: columns [3, 3 + n) of an [m, n + 7] matrix
-    xw = rng.standard_normal((m, lda)).astype(np.float32)
+    xw = hact(rng.standard_normal((m, lda)))
     wb = qbufs(dev, qt)
     X, Y = upload(dev, xw), dev.buffer(4 * m * ldy)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, lda, ldy, x_off=4 * xc, y_off=4 * yc)
+    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, lda, ldy, x_off=2 * xc, y_off=4 * yc)
     commit(cb, "gemm_q4 strided")
     out = download(Y, np.float32).reshape(m, ldy)
     exact, tol = gemm_ref(xw[:, xc:xc + k], qt)
@@ -137,7 +143,7 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
 
 @pytest.mark.parametrize("m,n,k", [(33, 100, 256), (64, 2048, 128), (1, 5, 64), (100, 64, 512)])
 def test_gemm_add(dev, m, n, k):
-    """y += x W^T onto an existing residual (o_proj / out_proj), with ldy > n."""
+    """y += x W^T onto an existing residual (o_proj / out_proj: fp32 x), with ldy > n."""
     rng = fresh_rng(m, n, k, 5)
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -160,14 +166,14 @@ def test_gemm_add(dev, m, n, k):
 def test_gemm_swiglu(dev, m, n, k):
     rng = fresh_rng(m, n, k, 9)
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = hact(rng.standard_normal((m, k)))
     wb = qbufs(dev, gq) + qbufs(dev, uq)
-    X, Y = upload(dev, x), dev.buffer(4 * (m * n + 16))
+    X, Y = upload(dev, x), dev.buffer(2 * (m * n + 16))  # half output
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n)
     commit(cb, "gemm_swiglu_q4")
-    out = download(Y, np.float32)
-    want, tol = swiglu_ref(x, gq, uq)
+    out = download(Y, np.float16).astype(np.float32)
+    want, tol = half_stored(*swiglu_ref(x, gq, uq))
     check(out[:m * n].reshape(m, n), want, tol, f"gemm_swiglu_q4 {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all()
 
@@ -179,7 +185,7 @@ def test_router_and_shared_gate_one_buffer(dev):
     rng = fresh_rng(123)
     m, E, hidden = 45, 32, 256
     router, sgate = rand_quant(rng, (), E, hidden, 8), rand_quant(rng, (), 1, hidden, 8)
-    x = rng.standard_normal((m, hidden)).astype(np.float32)
+    x = hact(rng.standard_normal((m, hidden)))
     X, L = upload(dev, x), dev.buffer(4 * m * (E + 1))
     cb = dev.command_buffer()
     p = cb.compute_pass()
@@ -196,15 +202,17 @@ def test_router_and_shared_gate_one_buffer(dev):
 def test_half_rounding_is_modelled(dev):
     """The reference's half rounding is what keeps the bound tight: x = 1 + 2**-12 (between
     two halves: it rounds to 1) on a single k block, against the same reference without the
-    rounding of x, fails the tolerance; with it, passes."""
+    rounding of x, fails the tolerance; with it, passes. gemm_q4_add onto zeros: its fp32 x is
+    rounded while staged (the half inputs of the other GEMMs are rounded by their producers:
+    test_norm.py, the SwiGLU tests)."""
     rng = fresh_rng(4242)
     m, n, k = 8, 64, GEMM_BK
     qt = rand_quant(rng, (), n, k, 4)
     x = np.full((m, k), 1 + 2.0**-12, np.float32)
     wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
+    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, n, add=True)
     commit(cb, "gemm_q4 rounding")
     out = download(Y, np.float32).reshape(m, n)
     exact, tol = gemm_ref(x, qt)
@@ -216,8 +224,8 @@ def test_half_rounding_is_modelled(dev):
 
 def test_saturating_half_operands(dev):
     """Operands beyond the half range are clamped to +-65504 (gemm_half), never inf: an
-    outlier activation, or a weight group beyond the half range, gives finite outputs equal
-    to the clamped product."""
+    outlier fp32 activation (gemm_q4_add stages it), or a weight group beyond the half range,
+    gives finite outputs equal to the clamped product."""
     rng = fresh_rng(65504)
     m, n, k = 5, 40, 128
     qt = rand_quant(rng, (), n, k, 4)
@@ -225,10 +233,10 @@ def test_saturating_half_operands(dev):
     x[1, 3], x[2, :] = 1e6, -7e4
     qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
     wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
-    commit(cb, "gemm_q4 saturation")
+    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, n, add=True)
+    commit(cb, "gemm_q4_add saturation")
     out = download(Y, np.float32).reshape(m, n)
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "saturated operands")
@@ -250,20 +258,20 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew)
     ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
-    x = rng.standard_normal((M, H)).astype(np.float32)
+    x = hact(rng.standard_normal((M, H)))
     count = len(tiles) - 2  # the last two tiles are not in the map: their slots stay unwritten
     X, P = upload(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
-    HX = dev.buffer(4 * M * k * I)
+    HX = dev.buffer(2 * M * k * I)  # half
     cb = dev.command_buffer()
     enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I)
     commit(cb, f"moe_gemm_gate_up_q4_t{T}")
-    hx = download(HX, np.float32).reshape(M * k, I)
+    hx = download(HX, np.float16).reshape(M * k, I).astype(np.float32)
     covered = np.zeros(M * k, bool)
     for e, begin, rows, _ in tiles[:count]:
         covered[begin:begin + rows] = True
         a = perm[begin:begin + rows]
-        want, tol = swiglu_ref(x[a // k], gq, uq, int(e))
+        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
         assert (ids.reshape(-1)[a] == e).all()
         check(hx[begin:begin + rows], want, tol, f"gate/up T={T} expert {e}")
     assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
@@ -275,7 +283,7 @@ def test_moe_down(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew, 2)
     ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     dq = rand_quant(rng, (E,), H, I, 4)
-    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
+    hx = hact(rng.standard_normal((M * k, I)) * 0.1)
     count = len(tiles) - 1
     HX, P = upload(dev, hx), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
@@ -300,24 +308,24 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4),
                   rand_quant(rng, (E,), H, I, 4))
     lda = H + lda_pad
-    x = rng.standard_normal((M, lda)).astype(np.float32)
+    x = hact(rng.standard_normal((M, lda)))
     X, P = upload(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    HX, YX = dev.buffer(4 * M * k * I), dev.buffer(4 * M * k * H)
+    HX, YX = dev.buffer(2 * M * k * I), dev.buffer(4 * M * k * H)
     cb = dev.command_buffer()
     p = cb.compute_pass()
     enc_gate_up(p, T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I, lda=lda)
     enc_down(p, T, HX, P, TL, TC, max_tiles, qbufs(dev, dq), YX, M, k, E, H, I)
     commit(cb, f"moe chain T={T} {H}x{I}")
     assert cb.counters["barrier_stages"] == 2
-    hx = download(HX, np.float32).reshape(M * k, I)
+    hx = download(HX, np.float16).reshape(M * k, I)
     yx = download(YX, np.float32).reshape(M * k, H)
     flat = ids.reshape(-1)
     # gate/up per expert, then down on the kernel's own hx
     for e in np.unique(flat):
         slots = np.nonzero(flat[perm] == e)[0]
         a = perm[slots]
-        want, tol = swiglu_ref(x[a // k, :H], gq, uq, int(e))
+        want, tol = half_stored(*swiglu_ref(x[a // k, :H], gq, uq, int(e)))
         check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
         exact, tol = gemm_ref(hx[slots], dq, int(e))
         check(yx[a], exact, tol, f"chain down T={T} expert {e}")
@@ -347,7 +355,7 @@ def test_time_lm_head_shape(fwd_dev):
     n = n_full if os.environ.get("LILY_GEMM_LM_HEAD") else n_full // 32
     rng = fresh_rng(7)
     qt = rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = hact(rng.standard_normal((m, k)))
     wb = qbufs(fwd_dev, qt)
     X, Y = upload(fwd_dev, x), fwd_dev.buffer(4 * m * n)
     cb = fwd_dev.command_buffer()

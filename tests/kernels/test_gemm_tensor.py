@@ -124,6 +124,7 @@ def test_suite_reaches_the_twins(dev):
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, MOE_BN, MOE_DOWN_BN,  # noqa: E402,F401
                                MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, swiglu_ref)
+from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
@@ -153,7 +154,7 @@ def cdiv(a, b):
 
 
 def pitched(a, ld, fill=np.nan):
-    out = np.full((a.shape[0], ld), fill, np.float32)
+    out = np.full((a.shape[0], ld), fill, a.dtype)
     out[:, :a.shape[1]] = a
     return out
 
@@ -161,10 +162,12 @@ def pitched(a, ld, fill=np.nan):
 # ----------------------------------------------------------------------------- dense
 
 def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
-    """Runs a dense GEMM kernel; returns y [m, ldy]."""
+    """Runs a dense GEMM kernel on x (stored as half, as the producers do, except for _add's
+    fp32 x); returns y [m, ldy] (half for SwiGLU, widened to float32)."""
     m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(x, lda, 0.0))
-    Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * 4)
+    X = upload(dev, pitched(x if "_add" in kernel else hact(x), lda, 0.0))
+    ysize = 2 if "swiglu" in kernel else 4
+    Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * ysize)
     bufs = []
     for qt in qts:
         bufs += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
@@ -172,7 +175,7 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
     bn = GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN
     dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, GEMM_BM)), GEMM_TG, bufs, constant(m, n, k, lda, ldy),
              reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
-    return download(Y, np.float32, (m, ldy))
+    return download(Y, np.float16 if ysize == 2 else np.float32, (m, ldy)).astype(np.float32)
 
 
 # ---- part 2: bit-exactness in the simulator (forward order)
@@ -209,8 +212,9 @@ def test_gemm_q4_add_exact(fwd):
 
 
 def swiglu_check(got, x, g_qt, u_qt, index=None):
-    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (module docstring)."""
-    want, tol = swiglu_ref(x, g_qt, u_qt, index)
+    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) stored as half (module
+    docstring)."""
+    want, tol = half_stored(*swiglu_ref(x, g_qt, u_qt, index))
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - want)
@@ -227,7 +231,8 @@ def test_gemm_swiglu_q4_exact(fwd, m, n, k):
     y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy)
     np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy))
     g, u = seq_model(x, gq), seq_model(x, uq)
-    np.testing.assert_allclose(y[:, :n], silu(g) * u, rtol=1e-6, atol=1e-7)  # silu's float32 rounding only
+    # silu's float32 rounding, then the half store
+    np.testing.assert_allclose(y[:, :n], silu(g) * u, rtol=2.0**-11 + 1e-6, atol=2.0**-25)
     swiglu_check(y[:, :n], x, gq, uq)
 
 
@@ -274,15 +279,15 @@ MOE_SHAPES = [  # (m, experts, top_k, hidden, inter): the tiny and dims presets,
 
 def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
     m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(x, lda, 0.0))
+    X = upload(dev, pitched(hact(x), lda, 0.0))
     P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
     W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
-    HX = dev.buffer(m * top_k * ldy * 4)
+    HX = dev.buffer(m * top_k * ldy * 2)  # half
     bufs = [X, P, Ti, C, *W, HX]
     threads, bn = MOE_TG[T], MOE_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
-    return download(HX, np.float32, (m * top_k, ldy))
+    return download(HX, np.float16, (m * top_k, ldy)).astype(np.float32)
 
 
 def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
@@ -328,7 +333,7 @@ def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     perm, tiles, count, max_tiles = tile_map(ids, experts, T)
     dq = rand_quant(rng, (experts,), hidden, inter, 4)
     lda, ldy = inter + 4, hidden + 4
-    hx = pitched(rng.standard_normal((m * top_k, inter), dtype=np.float32), lda, 0.0)
+    hx = pitched(hact(rng.standard_normal((m * top_k, inter))), lda, 0.0)
     kern = f"moe_gemm_down_q4_t{T}"
     yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
                   ldy, m)

@@ -1,5 +1,5 @@
-"""metal/norm.metal (``rms_norm``, docs/kernels.md) on the Metal simulator against a float64
-RMSNorm.
+"""metal/norm.metal (``rms_norm``, docs/kernels.md; ``rms_norm_half``, the half xn of
+prefill, docs/prefill.md) on the Metal simulator against a float64 RMSNorm.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from lily._device import constant, download, upload  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (  # noqa: E402
-    DEPTH, U, to_bf16_bits)
+    DEPTH, U, half_stored, to_bf16_bits)
 from harness import assert_within, forward_sim, run_bound  # noqa: E402
 
 
@@ -55,3 +55,26 @@ def test_rms_norm_in_place(dev):
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
     assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
+
+
+@pytest.mark.parametrize("rows,n,tg", [(5, 2048, 256), (3, 33, 32), (16, 256, 64)])
+def test_rms_norm_half(dev, rows, n, tg):
+    """rms_norm_half stores the normed rows as half with the saturating conversion (the
+    prefill GEMMs' input): within the fp32 bound plus the half rounding, and a weight that
+    takes a row beyond +-65504 gives +-65504, not inf."""
+    rng = fresh_rng(rows, n, tg, 16)
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    wf = 1 + 0.3 * rng.standard_normal(n)
+    wf[1] = 3e5  # beyond the half range after the norm
+    w = to_bf16_bits(wf)
+    eps = 1e-6
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(2 * rows * n)
+    run_bound(dev, "rms_norm_half", rows, tg, [X, Wt, O], constant(n) + np.float32(eps).tobytes(),
+              reads=[X, Wt], writes=[O], label="rms_norm_half")
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
+    got = download(O, np.float16, (rows, n)).astype(np.float64)
+    big = np.abs(want) > 65504
+    assert big[:, 1].any() and (got[big] == np.sign(want[big]) * 65504).all(), "not saturated"
+    want, tol = half_stored(want[~big], DEPTH * U * np.abs(want[~big]) + 1e-30)
+    assert_within(got[~big], want, tol, "rms_norm_half")
