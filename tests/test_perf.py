@@ -208,3 +208,26 @@ def test_prefill_attention_runs_on_half_operands():
             assert r["groups"] == groups and r["threads"] == (threads, 1, 1)
             assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32")), f
             assert exact <= f[mm] <= 1.05 * exact
+
+
+def test_prefill_gemm_activations_are_half():
+    """Issue 11, item 4: the prefill GEMMs' activations are half in device memory (xn from
+    rms_norm_half, the shared hidden hs, the expert hidden hx), converted once by the kernel
+    that writes them; only gemm_q4_add (o_proj / out_proj) stages an fp32 input."""
+    M, H, I, k, layers = 512, 2048, 512, 8, 40  # the real model (perf.model_config)
+    recs = count_prefill_chunk(CFG, M, 0)["records"]
+    qkv = next(r for r in recs if r["kernel"] == "gemm_q4" and "in_proj_qkv" in r["label"])
+    n, gy = 8192, qkv["groups"][1]
+    assert qkv["bytes_read"] == n * H * (4 / 8 + 4 / 64) + 2 * M * H  # weight + half xn
+    # the weight's dequantization and conversion only: no activation conversion
+    assert qkv["work"]["flops"]["alu_f32"] == 4 * gy * n * H
+    oproj = next(r for r in recs if r["kernel"] == "gemm_q4_add" and "o_proj" in r["label"])
+    gx, gy = oproj["groups"][:2]
+    assert oproj["work"]["flops"]["alu_f32"] == 4 * gy * H * 4096 + 3 * gx * M * 4096  # fp32 x staged
+    norms = [r for r in recs if r["kernel"] == "rms_norm_half"]
+    assert len(norms) == 2 * layers and all(r["bytes_written"] == 2 * M * H for r in norms)
+    assert not [r for r in recs if r["kernel"] == "rms_norm"]
+    gate_up = [r for r in recs if r["kernel"].startswith("moe_gemm_gate_up")]
+    shared = [r for r in recs if r["kernel"] == "gemm_swiglu_q4"]
+    assert gate_up and all(r["bytes_written"] == 2 * M * k * I for r in gate_up)  # hx written as half
+    assert all(r["bytes_written"] == 2 * M * I for r in shared)  # hs written as half
