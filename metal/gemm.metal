@@ -7,9 +7,9 @@
 // BM half activation rows (gemm_q4_add: converts fp32 rows) and dequantizes BN weight rows
 // (gate and up: two weight tiles) to half in threadgroup memory (gemm_tiles.h), then each
 // simdgroup multiplies its (8 FM) x (8 FN) block with 8x8 half simdgroup_matrix products
-// accumulated in fp32 registers. The dequantized weight never leaves threadgroup memory. At the end the
-// accumulators are staged through threadgroup memory and stored as scalars (any row stride,
-// edges, scatter; gemm_swiglu_q4 stores half with gemm_half).
+// accumulated in fp32 registers. The dequantized weight never leaves threadgroup memory. At
+// the end the accumulators are staged through threadgroup memory and stored as scalars (any
+// row stride, edges, scatter; gemm_swiglu_q4 stores half with gemm_half).
 #include <metal_stdlib>
 using namespace metal;
 
