@@ -101,17 +101,23 @@ def _poison_rows(A, n):
     return from_bf16(k), from_bf16(v)
 
 
+def _decode_case(dev, dims, n, capacity):
+    """A layer at position n-1 (seed n; cache rows >= n poisoned), its float32 history K, V
+    and one token's q and gate (Hq, D) for attn_decode."""
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=capacity, seed=n)
+    K, V = _poison_rows(A, n)
+    q, gate = f32(A.rng.standard_normal((Hq, D))), f32(A.rng.standard_normal((Hq, D)))
+    A.set_position(n - 1)
+    return A, K, V, q, gate
+
+
 @pytest.mark.parametrize("dims", list(ATTN_DIMS))
 @pytest.mark.parametrize("n", [1, 31, 33, 200])
 def test_attn_decode(dev, dims, n):
-    Hq, Hkv, D, rot = ATTN_DIMS[dims]
-    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=256, seed=n)
-    K, V = _poison_rows(A, n)
-    r = A.rng
-    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
-    A.set_position(n - 1)
+    A, K, V, q, gate = _decode_case(dev, dims, n, capacity=256)
     got = A.decode(upload(dev, q), upload(dev, gate), n)
-    want = attention_reference(q, gate, K, V, n, D)
+    want = attention_reference(q, gate, K, V, n, A.D)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -120,15 +126,10 @@ def test_attn_decode(dev, dims, n):
 def test_attn_decode_split(dev, dims, n, block_rows, extra):
     """The long-context path (threshold 64 here): several blocks, a ragged last block,
     surplus blocks in the grid that must return without writing."""
-    Hq, Hkv, D, rot = ATTN_DIMS[dims]
-    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=1024, seed=n)
-    K, V = _poison_rows(A, n)
-    r = A.rng
-    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
-    A.set_position(n - 1)
+    A, K, V, q, gate = _decode_case(dev, dims, n, capacity=1024)
     Q, GT = upload(dev, q), upload(dev, gate)
     got = A.decode(Q, GT, n, split_threshold=64, block_rows=block_rows, extra_blocks=extra)
-    want = attention_reference(q, gate, K, V, n, D)
+    want = attention_reference(q, gate, K, V, n, A.D)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # the general path on the same inputs agrees to float32 rounding
     general = A.decode(Q, GT, n)
