@@ -45,6 +45,7 @@ target_compile_options(lily_sim_kernels PRIVATE -ffp-contract=off)
 
 add_library(lily_sim OBJECT
   "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/executor.cpp"
+  "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/fibers.cpp"
   "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/sim_device.cpp"
   "${CMAKE_SOURCE_DIR}/csrc/gpu/sim/tensor_ops.cpp")
 # The simulator's own arithmetic (tensor-op reference products, collectives) rounds each

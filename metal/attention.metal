@@ -324,7 +324,13 @@ template <uint D, uint G>
 }
 
 // ---- attn_combine ------------------------------------------------------------------------------
-// Grid: Hq threadgroups of D threads. Reads the ceil((pos+1)/B) partials of head h.
+// Grid (Hq, D / 32) threadgroups of up to 256 threads (8 simdgroups): threadgroup (h, c) merges
+// columns [32 c, 32 c + 32) of head h from the ceil((pos+1)/B) partials. Simdgroup s sums the
+// blocks b = s, s + 8, ... (lane = column), then simdgroup 0 adds the 8 sums in order: the
+// partials are read by 8x as many threads as with one thread per column, so the dispatch fills
+// the GPU (16 heads x 256 columns would be 4096 threads).
+constant constexpr uint kCombineSimdgroups = 8;
+
 template <uint D>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
                          device const float* part_acc [[buffer(1)]],  // [Hq, max_blocks, D]
@@ -332,8 +338,17 @@ template <uint D>
                          device const uint* position [[buffer(3)]],   // [1]
                          device float* out [[buffer(4)]],             // [Hq, D]
                          constant AttnCombineArgs& args [[buffer(5)]],
-                         uint h [[threadgroup_position_in_grid]],
-                         uint d [[thread_index_in_threadgroup]]) {
+                         uint2 tg [[threadgroup_position_in_grid]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint nsg [[simdgroups_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float o_part[kCombineSimdgroups][32];
+  threadgroup float l_part[kCombineSimdgroups];
+  const uint h = tg.x;
+  const uint d = tg.y * 32 + lane;
+  if (tg.y * 32 >= D) {
+    return;  // the whole threadgroup: past the head's columns
+  }
   const uint n = position[0] + 1;
   const uint nb = min((n + args.block_rows - 1) / args.block_rows, args.max_blocks);
   const ulong base = ulong(h) * args.max_blocks;
@@ -343,12 +358,25 @@ template <uint D>
   }
   float L = 0.0f;
   float o = 0.0f;
-  for (uint b = 0; b < nb; ++b) {
+  for (uint b = sg; b < nb; b += nsg) {
     const float w = exp(part_ml[2 * (base + b)] - M);
     L += part_ml[2 * (base + b) + 1] * w;
     o += part_acc[(base + b) * D + d] * w;
   }
-  out[h * D + d] = o / L * sigmoid(gate[h * args.gate_stride + d]);
+  o_part[sg][lane] = o;
+  if (lane == 0) {
+    l_part[sg] = L;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (sg == 0) {
+    float Lt = 0.0f;
+    float ot = 0.0f;
+    for (uint s = 0; s < nsg; ++s) {
+      Lt += l_part[s];
+      ot += o_part[s][lane];
+    }
+    out[h * D + d] = ot / Lt * sigmoid(gate[h * args.gate_stride + d]);
+  }
 }
 
 // ---- fused prep + decode -----------------------------------------------------------------------

@@ -8,9 +8,11 @@
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
 //                             online softmax in fp32, output * sigmoid(gate) -> fp32 [M, Hq*D].
-//                             One threadgroup per (block of 32/G chunk rows, G query heads of one
-//                             KV head): every K/V tile is loaded once into threadgroup memory for
-//                             all 32 (row, head) pairs; Q K^T and P V on simdgroup_matrix.
+//                             One threadgroup per (block of 64/G chunk rows, G query heads of one
+//                             KV head): every 32-row K/V tile is loaded once into threadgroup
+//                             memory as half for all 64 (row, head) pairs; Q K^T and P V on
+//                             half simdgroup_matrix operands (q * scale and P rounded to half,
+//                             K/V bf16 -> half exact) with fp32 accumulation.
 //   attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>
 //                             the same with the KV range cut into splits of S rows (a third grid
 //                             dimension) writing partials (max, sum, unnormalised output); the
@@ -22,6 +24,7 @@
 #include <metal_stdlib>
 #include "common.h"  // sigmoid
 #include "prefill_args.h"
+#include "attention_prefill.h"
 using namespace metal;
 
 namespace attn_prefill_detail {
@@ -32,228 +35,191 @@ constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgr
 
 // ---- attention ----
 constant constexpr uint kThreads = 256;  // 8 simdgroups
-constant constexpr uint kRows = 32;      // (chunk row, head) pairs per threadgroup: 4 slabs of 8
-constant constexpr uint kTile = 16;      // KV rows per tile
+constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: 8 per simdgroup
+using namespace attn_prefill_shared;
 
-// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D] as float; rows >= kend are
-// zero (they are masked, and a zero row keeps 0 * v finite in P V). Lane-adjacent threads read
-// adjacent 8-byte chunks of a row: each load instruction of a simdgroup covers 256 bytes.
-template <uint D>
-static inline void load_tile(device const bfloat* head, uint t0, uint kend, threadgroup float* kv,
-                             uint tid) {
-  constexpr uint N4 = kTile * D / 4;
-  threadgroup float4* kv4 = (threadgroup float4*)kv;
-  for (uint e = tid; e < N4; e += kThreads) {
-    const uint r = (4 * e) / D;
-    const uint d = (4 * e) % D;
-    const uint key = t0 + r;
-    float4 x = float4(0.0f);
-    if (key < kend) {
-      x = float4(((device const bfloat4*)(head + ulong(key) * D))[d / 4]);
-    }
-    kv4[e] = x;
-  }
-}
-
-// Row r of the threadgroup's query matrix (r < kRows) is chunk row row0 + r % BQ of query head
-// h0 + r / BQ (BQ = kRows / G); slab s = rows 8s .. 8s+7 (G <= 4: one head, 8 consecutive chunk
-// rows; G = 8: two heads, 4 rows each).
+// Chunk rows per threadgroup: pair r is chunk row r % BQ of the block, head r / BQ.
 template <uint G>
 struct QRows {
   static constant constexpr uint BQ = kRows / G;
+};
+
+// Per-simdgroup scratch (threadgroup memory, private to one simdgroup: only simdgroup
+// barriers order it): scores, P as half, diag(corr), staging of Q and O fragments.
+struct SgScratch {
+  static constant constexpr uint s = 0;                 // float [8, kTile] scores
+  static constant constexpr uint d = 8 * kTile;         // float [8, 8] diag(corr), off-diagonal 0
+  static constant constexpr uint l = d + 64;            // float [8] row sums, then 1 / l
+  static constant constexpr uint m = l + 8;             // float [8] row reference max
+  static constant constexpr uint floats = m + 8;
+  static constant constexpr uint halves = 8 * kTile;    // half [8, kTile] P, also Q staging
 };
 
 // The attention of one threadgroup over cache rows [kbeg, kend) (clipped per row to the causal
 // limit). SPLIT = false: writes out = O / l * sigmoid(gate); SPLIT = true: writes the partials
 // of split `split`.
 //
-// Work split (8 simdgroups, slab = sg / 2, kh = sg % 2):
-//   S = Q K^T   simdgroup sg computes the 8 x 8 block (slab, keys 8*kh .. 8*kh+7) of the
-//               32 x 16 score tile over all D (Q of its slab in registers, K^T from the tile);
-//   softmax     thread t owns row t / 8, columns 2*(t % 8), +1 of the tile; row max and sum
-//               by xor shuffles over the 8 lanes of the row; m, l stay in those lanes' registers;
-//   P V         simdgroup sg owns columns [kh*D/2, (kh+1)*D/2) of O for its slab's 8 rows
-//               (D/16 8x8 accumulators in registers); the running rescale diag(corr) * O is an
-//               8x8 product, skipped when no row of the slab changed its max (exactly diag(1)).
+// Pair r < kRows of the threadgroup is chunk row row0 + r % BQ of query head h0 + r / BQ
+// (BQ = kRows / G >= 8): simdgroup sg owns pairs 8 sg .. 8 sg + 7 (one head, 8 consecutive
+// chunk rows) for the whole tile loop, so only the K/V tile is shared. Per tile:
+//   load K (all threads), barrier;
+//   S = Q K^T   each simdgroup its 8 x kTile block over all D (Q in half registers), into its
+//               scratch; barrier (K no longer read), then V is loaded into the same buffer
+//               while each simdgroup runs its online softmax:
+//   softmax     lane owns row lane / 4, columns 8 (lane % 4) .. +7; row max and sum by xor
+//               shuffles over 4 lanes; m, l in those lanes' registers; P rounded to half;
+//   barrier (V complete); O (8 x D, fp32, in registers) = diag(corr) O + P V; barrier.
+// Four threadgroup barriers per 32 KV rows (two per 16, half of the fp32 16-row design).
 template <uint D, uint G, bool SPLIT>
 static inline void attend(device const float* q, device const float* qg,
                           device const bfloat* k_cache, device const bfloat* v_cache,
                           device float* out, device float* part_ml, device float* part_o,
                           constant AttnPrefillArgs& args, uint block, uint h0, uint split,
-                          threadgroup float* kv,     // [kTile * D]: Q staging, K or V tile, O staging
-                          threadgroup float* sbuf,   // [kRows * kTile]: scores, then P
-                          threadgroup float* diag,   // [4 * 64]: diag(corr) per slab
-                          threadgroup float* mrow,   // [kRows]
-                          threadgroup float* lrow,   // [kRows]
+                          threadgroup half* kv,        // [kTile * D] K or V tile
+                          threadgroup float* scratch,  // [8 * SgScratch::floats]
+                          threadgroup half* pscratch,  // [8 * SgScratch::halves]
                           uint tid, uint sg, uint lane) {
   constexpr uint BQ = QRows<G>::BQ;
-  constexpr uint NQF = D / 8;   // Q fragments of a slab
-  constexpr uint NOF = D / 16;  // O fragments of a simdgroup
+  constexpr uint NF = D / 8;  // Q and O fragments of a simdgroup
+  constexpr uint KB = kTile / 8;
   const uint Hq = args.num_q_heads;
   const uint M = args.rows;
   const uint group = Hq / args.num_kv_heads;
   const uint kvh = h0 / group;
   const uint row0 = block * BQ;
   const uint last = min(row0 + BQ, M) - 1;  // last chunk row of the block
-  uint kbeg = 0;
-  uint kend = args.p0 + last + 1;           // keys needed by the block's last row
-  if (SPLIT) {
-    kbeg = split * args.split_rows;
-    if (kbeg >= kend) {
-      return;  // uniform: no row of this block reaches split `split`
-    }
-    kend = min(kend, kbeg + args.split_rows);
+  uint kbeg;
+  uint kend;
+  if (!kv_range<SPLIT>(args, last, split, kbeg, kend)) {
+    return;  // uniform: no row of this block reaches split `split`
   }
-  const uint slab = sg / 2;
-  const uint kh = sg % 2;    // S: key block of the tile; P V: column half of O
+  const uint h = h0 + (8 * sg) / BQ;        // the simdgroup's head
+  const uint srow0 = row0 + (8 * sg) % BQ;  // its first chunk row
+  threadgroup float* sc = scratch + sg * SgScratch::floats;
+  threadgroup half* ph = pscratch + sg * SgScratch::halves;
 
-  // Q of the slab (pre-multiplied by the scale, as attend_rows) into registers, staged through
-  // kv in two passes of 16 rows; rows past the chunk are zero.
-  simdgroup_float8x8 qf[NQF];
-  for (uint pass = 0; pass < 2; ++pass) {
-    for (uint e = tid; e < 16 * D / 4; e += kThreads) {
-      const uint r = pass * 16 + (4 * e) / D;
-      const uint d = (4 * e) % D;
-      const uint row = row0 + r % BQ;
-      const uint h = h0 + r / BQ;
-      float4 x = float4(0.0f);
+  // Q (times the scale, as attend_rows) into half registers, one 8x8 fragment at a time
+  // through the simdgroup's scratch; rows past the chunk are zero.
+  simdgroup_half8x8 qf[NF];
+  {
+    const uint r = lane / 4;
+    const uint c2 = 2 * (lane % 4);
+    const uint row = srow0 + r;
+    for (uint c = 0; c < NF; ++c) {
+      float2 x = float2(0.0f);
       if (row < M) {
-        x = ((device const float4*)(q + (ulong(row) * Hq + h) * D))[d / 4] * args.scale;
+        x = float2(*(device const float2*)(q + (ulong(row) * Hq + h) * D + c * 8 + c2)) * args.scale;
       }
-      ((threadgroup float4*)kv)[e] = x;
+      ph[r * 8 + c2] = half(x.x);
+      ph[r * 8 + c2 + 1] = half(x.y);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
+      simdgroup_load(qf[c], ph, 8);
+      simdgroup_barrier(mem_flags::mem_threadgroup);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (slab / 2 == pass) {
-      for (uint c = 0; c < NQF; ++c) {
-        simdgroup_load(qf[c], kv + (slab % 2) * 8 * D + c * 8, D);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint e = lane; e < 64; e += 32) {
+    sc[SgScratch::d + e] = 0.0f;  // diag(corr): the diagonal is rewritten every tile
   }
 
-  // softmax role: row sr, columns 2*su, 2*su + 1 of the tile
-  const uint sr = tid / 8;
-  const uint su = tid % 8;
-  const uint srow = min(row0 + sr % BQ, M - 1);  // rows past the chunk copy the last one
-  const uint spos = args.p0 + srow;              // keys <= spos are attended
+  // softmax role: row sr of the slab, columns 8*su .. 8*su+7 of the tile
+  const uint sr = lane / 4;
+  const uint su = lane % 4;
+  const uint srow = min(srow0 + sr, M - 1);  // rows past the chunk copy the last one
+  const uint spos = args.p0 + srow;          // keys <= spos are attended
   float m = -INFINITY;
   float l = 0.0f;
 
-  simdgroup_float8x8 of[NOF];
-  for (uint i = 0; i < NOF; ++i) {
+  simdgroup_float8x8 of[NF];
+  for (uint i = 0; i < NF; ++i) {
     of[i] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
   }
   device const bfloat* khead = k_cache + ulong(kvh) * args.capacity * D;
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
 
   for (uint t0 = kbeg; t0 < kend; t0 += kTile) {
-    load_tile<D>(khead, t0, kend, kv, tid);
+    load_tile<D, kThreads>(khead, t0, kend, kv, tid);
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    {  // S block (slab, kh) = Q_slab K_kh^T
+    for (uint kb = 0; kb < KB; ++kb) {  // S[:, 8 kb .. 8 kb + 7] = Q K_kb^T
       simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      threadgroup const float* kb = kv + kh * 8 * D;
-      for (uint c = 0; c < NQF; ++c) {
-        simdgroup_float8x8 kt;
-        simdgroup_load(kt, kb + c * 8, D, ulong2(0, 0), true);  // kt[d][key] = K[key][c*8 + d]
+      threadgroup const half* kt0 = kv + kb * 8 * D;
+      for (uint c = 0; c < NF; ++c) {
+        simdgroup_half8x8 kt;
+        simdgroup_load(kt, kt0 + c * 8, D, ulong2(0, 0), true);  // kt[d][key] = K[key][c*8 + d]
         simdgroup_multiply_accumulate(acc, qf[c], kt, acc);
       }
-      simdgroup_store(acc, sbuf + slab * 8 * kTile + kh * 8, kTile);
+      simdgroup_store(acc, sc + SgScratch::s + kb * 8, kTile);
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // scores complete, K no longer read
-    load_tile<D>(vhead, t0, kend, kv, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // every simdgroup is done with K
+    load_tile<D, kThreads>(vhead, t0, kend, kv, tid);
+    simdgroup_barrier(mem_flags::mem_threadgroup);    // this simdgroup's scores are visible
+    float corr;
     {  // online softmax of row sr over the tile
-      const uint key = t0 + 2 * su;
-      float s0 = sbuf[sr * kTile + 2 * su];
-      float s1 = sbuf[sr * kTile + 2 * su + 1];
-      s0 = (key <= spos && key < kend) ? s0 : -INFINITY;
-      s1 = (key + 1 <= spos && key + 1 < kend) ? s1 : -INFINITY;
-      float mx = max(s0, s1);
-      mx = max(mx, simd_shuffle_xor(mx, ushort(1)));
-      mx = max(mx, simd_shuffle_xor(mx, ushort(2)));
-      mx = max(mx, simd_shuffle_xor(mx, ushort(4)));
-      const float mn = max(m, mx);
-      const float mref = mn == -INFINITY ? 0.0f : mn;  // a row with nothing attended yet
-      const float corr = exp(m - mref);
-      const float p0 = exp(s0 - mref);
-      const float p1 = exp(s1 - mref);
-      float ps = p0 + p1;
-      ps += simd_shuffle_xor(ps, ushort(1));
-      ps += simd_shuffle_xor(ps, ushort(2));
-      ps += simd_shuffle_xor(ps, ushort(4));
-      l = l * corr + ps;
-      m = mn;
-      sbuf[sr * kTile + 2 * su] = p0;
-      sbuf[sr * kTile + 2 * su + 1] = p1;
-      diag[(sr / 8) * 64 + (sr % 8) * 8 + su] = su == sr % 8 ? corr : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, diag and the V tile complete
-    {  // O_slab[:, kh] = diag(corr) O + P V
-      threadgroup const float* dg = diag + slab * 64;
-      bool rescale = false;
+      float s[8];
       for (uint j = 0; j < 8; ++j) {
-        rescale = rescale || dg[j * 9] != 1.0f;
+        const uint key = t0 + 8 * su + j;
+        const float x = sc[SgScratch::s + sr * kTile + 8 * su + j];
+        s[j] = (key <= spos && key < kend) ? x : -INFINITY;
       }
-      if (rescale) {  // uniform across the simdgroup
-        simdgroup_float8x8 dm;
-        simdgroup_load(dm, dg, 8);
-        for (uint i = 0; i < NOF; ++i) {
-          simdgroup_multiply(of[i], dm, of[i]);
-        }
-      }
-      simdgroup_float8x8 pf0;
-      simdgroup_float8x8 pf1;
-      simdgroup_load(pf0, sbuf + slab * 8 * kTile, kTile);
-      simdgroup_load(pf1, sbuf + slab * 8 * kTile + 8, kTile);
-      for (uint i = 0; i < NOF; ++i) {
-        const uint col = (kh * NOF + i) * 8;
-        simdgroup_float8x8 vf0;
-        simdgroup_float8x8 vf1;
-        simdgroup_load(vf0, kv + col, D);
-        simdgroup_load(vf1, kv + 8 * D + col, D);
-        simdgroup_multiply_accumulate(of[i], pf0, vf0, of[i]);
-        simdgroup_multiply_accumulate(of[i], pf1, vf1, of[i]);
+      corr = softmax_row<8, 4>(s, m, l, ph + sr * kTile + 8 * su);
+      if (su == 0) {
+        sc[SgScratch::d + sr * 9] = corr;
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // kv, sbuf and diag free for the next tile
+    const bool rescale = simd_any(corr != 1.0f);
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // P and diag(corr) are visible
+    if (rescale) {  // uniform across the simdgroup
+      simdgroup_float8x8 dm;
+      simdgroup_load(dm, sc + SgScratch::d, 8);
+      for (uint i = 0; i < NF; ++i) {
+        simdgroup_multiply(of[i], dm, of[i]);
+      }
+    }
+    simdgroup_half8x8 pf[KB];
+    for (uint kb = 0; kb < KB; ++kb) {
+      simdgroup_load(pf[kb], ph + kb * 8, kTile);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the V tile is complete
+    for (uint i = 0; i < NF; ++i) {  // O[:, 8i .. 8i+7] += P V[:, 8i .. 8i+7]
+      for (uint kb = 0; kb < KB; ++kb) {
+        simdgroup_half8x8 vf;
+        simdgroup_load(vf, kv + kb * 8 * D + i * 8, D);
+        simdgroup_multiply_accumulate(of[i], pf[kb], vf, of[i]);
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // kv free for the next tile
   }
 
+  // O out one 8x8 fragment at a time through the simdgroup's scratch (no threadgroup barrier)
   if (su == 0) {
-    mrow[sr] = m;
-    lrow[sr] = l;
+    sc[SgScratch::l + sr] = SPLIT ? l : 1.0f / l;
+    sc[SgScratch::m + sr] = m;
   }
-  // O out through kv in two passes of 16 rows (slabs 0-1, then 2-3)
-  for (uint pass = 0; pass < 2; ++pass) {
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (slab / 2 == pass) {
-      for (uint i = 0; i < NOF; ++i) {
-        simdgroup_store(of[i], kv + (slab % 2) * 8 * D + (kh * NOF + i) * 8, D);
-      }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint e = tid; e < 16 * D / 4; e += kThreads) {
-      const uint r = pass * 16 + (4 * e) / D;
-      const uint d = (4 * e) % D;
-      const uint row = row0 + r % BQ;
-      const uint h = h0 + r / BQ;
-      if (row >= M) {
-        continue;
-      }
-      const float4 o = ((threadgroup const float4*)kv)[e];
+  const uint r = lane / 4;
+  const uint c2 = 2 * (lane % 4);
+  const uint row = srow0 + r;
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  if (SPLIT && row < M && lane % 4 == 0) {
+    const ulong slot = (ulong(split) * M + row) * Hq + h;
+    part_ml[2 * slot] = sc[SgScratch::m + r];
+    part_ml[2 * slot + 1] = sc[SgScratch::l + r];
+  }
+  for (uint i = 0; i < NF; ++i) {
+    simdgroup_store(of[i], sc + SgScratch::s, 8);
+    simdgroup_barrier(mem_flags::mem_threadgroup);
+    const float2 o = float2(sc[SgScratch::s + r * 8 + c2], sc[SgScratch::s + r * 8 + c2 + 1]);
+    if (row < M) {
+      const uint d = i * 8 + c2;
       if (SPLIT) {
         const ulong slot = (ulong(split) * M + row) * Hq + h;
-        ((device float4*)(part_o + slot * D))[d / 4] = o;
-        if (d == 0) {
-          part_ml[2 * slot] = mrow[r];
-          part_ml[2 * slot + 1] = lrow[r];
-        }
+        *(device float2*)(part_o + slot * D + d) = o;
       } else {
-        const float4 gate = ((device const float4*)(qg + (ulong(row) * Hq + h) * 2 * D + D))[d / 4];
-        const float4 y = o / lrow[r];
-        ((device float4*)(out + (ulong(row) * Hq + h) * D))[d / 4] =
-            float4(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y), y.z * sigmoid(gate.z),
-                   y.w * sigmoid(gate.w));
+        const float2 gate = *(device const float2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d);
+        const float2 y = o * sc[SgScratch::l + r];
+        *(device float2*)(out + (ulong(row) * Hq + h) * D + d) =
+            float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y));
       }
     }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // the fragment is read before the next store
   }
 }
 
@@ -333,7 +299,7 @@ template <uint D>
 }
 
 // ---- attn_prefill ------------------------------------------------------------------------------
-// Grid: (ceil(M / BQ), Hq / G) threadgroups of 256 threads, BQ = 32 / G chunk rows per
+// Grid: (ceil(M / BQ), Hq / G) threadgroups of 256 threads, BQ = 64 / G chunk rows per
 // threadgroup. Threadgroup (x, y): query heads y*G .. y*G+G-1 (KV head y*G / (Hq/Hkv)), chunk
 // rows block*BQ .. block*BQ+BQ-1 with block = ceil(M/BQ) - 1 - x (the longest causal ranges
 // are dispatched first).
@@ -351,21 +317,15 @@ template <uint D, uint G>
   using namespace attn_prefill_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
-  constexpr uint NKV = kTile * D;
-  constexpr uint NS = kRows * kTile;
-  constexpr uint ND = 4 * 64;
-  threadgroup float4 kv4[NKV / 4];  // float4: load_tile writes it as float4
-  threadgroup float* kv = (threadgroup float*)kv4;
-  threadgroup float sbuf[NS];
-  threadgroup float diag[ND];
-  threadgroup float mrow[kRows];
-  threadgroup float lrow[kRows];
+  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup float scratch[8 * SgScratch::floats];
+  threadgroup half pscratch[8 * SgScratch::halves];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks) {
     return;
   }
   attend<D, G, false>(q, qg, k_cache, v_cache, out, out, out, args, nblocks - 1 - tg.x, tg.y * G,
-                      0, kv, sbuf, diag, mrow, lrow, tid, sg, lane);
+                      0, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
 // ---- attn_prefill_split ----------------------------------------------------------------------
@@ -388,21 +348,15 @@ template <uint D, uint G>
   using namespace attn_prefill_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
-  constexpr uint NKV = kTile * D;
-  constexpr uint NS = kRows * kTile;
-  constexpr uint ND = 4 * 64;
-  threadgroup float4 kv4[NKV / 4];  // float4: load_tile writes it as float4
-  threadgroup float* kv = (threadgroup float*)kv4;
-  threadgroup float sbuf[NS];
-  threadgroup float diag[ND];
-  threadgroup float mrow[kRows];
-  threadgroup float lrow[kRows];
+  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup float scratch[8 * SgScratch::floats];
+  threadgroup half pscratch[8 * SgScratch::halves];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
   attend<D, G, true>(q, q, k_cache, v_cache, part_o, part_ml, part_o, args, nblocks - 1 - tg.x,
-                     tg.y * G, tg.z, kv, sbuf, diag, mrow, lrow, tid, sg, lane);
+                     tg.y * G, tg.z, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
 // ---- attn_prefill_combine --------------------------------------------------------------------

@@ -21,8 +21,10 @@ using namespace metal;
 
 // MLX affine quantization: 64 consecutive weights of a row share one scale and one bias.
 constant constexpr uint kQuantGroup = 64;
-// Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size).
-constant constexpr uint kGemvRowsPerSimdgroup = 8;
+// Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size). 4, not
+// 8: a 2048-row GEMV then runs 512 simdgroups, enough threads to keep every core of a
+// 40-core GPU loading (docs/performance.md); norm_gemv_q* take theirs from NormGemvArgs.
+constant constexpr uint kGemvRowsPerSimdgroup = 4;
 // Rows handled by one simdgroup in moe_gate_up_swiglu_q4 (each row: a gate and an up dot).
 constant constexpr uint kGateUpRowsPerSimdgroup = 4;
 

@@ -1,18 +1,21 @@
-// Tile loaders of the prefill GEMMs (metal/gemm.metal; docs/prefill.md, "GEMM"), shared by
-// the simdgroup_matrix kernels and the Metal 4 tensor-operation variants (*_tensor): the
-// same threadgroup tiles, filled the same way, consumed by different multiply paths.
+// Threadgroup tiles of the prefill GEMMs (docs/prefill.md, "GEMM"), shared by the dense
+// kernels (metal/gemm.metal, gemm_tensor.metal) and the grouped expert kernels
+// (metal/moe_prefill.metal, moe_prefill_tensor.metal): the same half tiles, filled the same
+// way, consumed by 8x8 simdgroup_matrix products (M1-M4) or Metal 4 tensor operations (M5).
 //
-// A GEMM step covers kGemmBK = 32 consecutive k (half a quantization group, so one scale
-// and one bias per weight row and step):
-//   * A tile  [BM][kGemmLd]: BM activation rows (fp32 in device memory), rows gathered
-//     through per-thread row offsets (GemmARows), rows past the tile zero;
-//   * W tile  [BN][kGemmLd]: BN weight rows dequantized from the MLX affine layout
-//     (w = scale * q + bias, fp32), row n of the tile = output column n0 + n, rows past the
-//     matrix zero. The dequantized weight exists only here, one step at a time.
-// Tiles are row-major with a row stride of kGemmLd = kGemmBK + 4 elements: the 4 padding
-// elements spread the rows of an 8x8 fragment load over the memory banks and keep every row
-// 16-byte aligned for float4 stores. The element type T is a template parameter (float in
-// gemm.metal; see docs/prefill.md for why).
+// A GEMM step covers kGemmBK = 64 consecutive k (one quantization group, so one scale and
+// one bias per weight row and step):
+//   * A tile  [BM][kGemmLd] half: BM activation rows (fp32 in device memory, converted to
+//     half with saturation while staged: gemm_half), rows gathered through per-thread row
+//     offsets (GemmARows), rows past the tile zero;
+//   * W tile  [BN][kGemmLd] half: BN weight rows dequantized from the MLX affine layout
+//     (w = scale * q + bias in fp32, then rounded to half), row n of the tile = output column
+//     n0 + n, rows past the matrix zero. The dequantized weight exists only here.
+// Products accumulate in fp32 (simdgroup_float8x8 / float cooperative tensors): a product
+// of two halves is exact in fp32, so the only roundings are the operands' and the fp32 sum.
+// Tiles are row-major with a row stride of kGemmLd = kGemmBK + 8 halves (144 bytes): the 16
+// padding bytes shift consecutive rows across the memory banks for the 8x8 fragment loads
+// and keep every row 16-byte aligned.
 #pragma once
 
 #include <metal_stdlib>
@@ -21,21 +24,32 @@ using namespace metal;
 #include "common.h"
 #include "prefill_args.h"
 
-// k elements per GEMM step (kGemmBK divides kQuantGroup: one scale/bias per row and step).
-constant constexpr uint kGemmBK = 32;
-// Row stride of the A and W tiles, in elements.
-constant constexpr uint kGemmLd = kGemmBK + 4;
+// k elements per GEMM step (= kQuantGroup: one scale/bias per row and step).
+constant constexpr uint kGemmBK = 64;
+// Row stride of the A and W tiles, in halves.
+constant constexpr uint kGemmLd = kGemmBK + 8;
 // Float4s per tile row (one float4 = 4 consecutive k).
 constant constexpr uint kGemmRow4 = kGemmBK / 4;
 // Codes dequantized by one loader work item (one row, 16 consecutive k: 8 bytes at 4 bits,
-// 16 bytes at 8 bits).
+// 16 bytes at 8 bits); kGemmBK / kGemmChunk items per row and step.
 constant constexpr uint kGemmChunk = 16;
+constant constexpr uint kGemmChunks = kGemmBK / kGemmChunk;
 // GemmARows offset of a tile row with no source row (the row is zero-filled).
 constant constexpr uint kGemmNoRow = 0xFFFFFFFFu;
+// Largest finite half. Operands are clamped to +-kGemmHalfMax before the conversion: an
+// activation beyond the half range (|x| > 65504, far outside what RMS-normalised inputs
+// reach) becomes the largest half instead of inf, so it cannot turn a whole output row into
+// inf/NaN. bf16 (MLX-LM's activations) has fp32's range with 8 mantissa bits; half has 11
+// bits and this range limit (docs/prefill.md, "Operand precision").
+constant constexpr float kGemmHalfMax = 65504.0f;
+
+inline half4 gemm_half(float4 v) {
+  return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
+}
 
 // ---- A tile: activation rows ------------------------------------------------------------
 // Thread tid loads, for i < per, float4 (tid % kGemmRow4) of tile row (tid + i * NT) /
-// kGemmRow4: consecutive threads read consecutive 16-byte pieces of a row (128 contiguous
+// kGemmRow4: consecutive threads read consecutive 16-byte pieces of a row (256 contiguous
 // bytes per row and step). off[i] is that row's start in x in float4 units (row * lda / 4),
 // or kGemmNoRow. The offsets are fixed for the whole k loop: a kernel fills them once.
 template <uint BM, uint NT>
@@ -79,63 +93,123 @@ inline GemmARows<BM, NT> gemm_a_rows_tile(device const uint* perm, uint begin, u
   return a;
 }
 
-// Copies the A tile of step k0 (columns [k0, k0 + kGemmBK)) into As [BM][kGemmLd].
-template <typename T, uint BM, uint NT>
-inline void gemm_load_a(threadgroup T* As, device const float4* x, thread const GemmARows<BM, NT>& a,
+// Copies the A tile of step k0 (columns [k0, k0 + kGemmBK)) into As [BM][kGemmLd] as half.
+template <uint BM, uint NT>
+inline void gemm_load_a(threadgroup half* As, device const float4* x, thread const GemmARows<BM, NT>& a,
                         uint k0, uint tid) {
   const uint c4 = tid % kGemmRow4;
   for (uint i = 0; i < GemmARows<BM, NT>::per; ++i) {
     const uint r = gemm_a_row<BM, NT>(tid, i);
     const float4 v = a.off[i] != kGemmNoRow ? x[a.off[i] + k0 / 4 + c4] : float4(0.0f);
-    *(threadgroup vec<T, 4>*)(As + r * kGemmLd + 4 * c4) = vec<T, 4>(v);
+    *(threadgroup half4*)(As + r * kGemmLd + 4 * c4) = gemm_half(v);
   }
 }
 
 // ---- W tile: dequantized weight rows ------------------------------------------------------
-// Work item c < BN * 2 of a step: weight row n0 + c / 2, codes [k0 + 16 (c % 2), +16); thread
-// tid takes c = tid, tid + NT, ... (two adjacent threads read one row's 8 or 16 contiguous
-// bytes of the step; the next row of the tile is the next pair of threads).
+// Work item c < BN * kGemmChunks of a step: weight row n0 + c / kGemmChunks, codes
+// [k0 + 16 (c % kGemmChunks), +16); thread tid takes c = tid, tid + NT, ... (four adjacent
+// threads read one row's 32 or 64 contiguous bytes of the step).
 //   w       the matrix (one expert of a stack: already offset) as uint32 [n, k * BITS / 32]
 //   scales  bf16 [n, k / 64], biases likewise
-template <int BITS, typename T, uint BN, uint NT>
-inline void gemm_load_w(threadgroup T* Ws, device const uint* w, device const bfloat* scales,
+template <int BITS, uint BN, uint NT>
+inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const bfloat* scales,
                         device const bfloat* biases, uint n0, uint n, uint k, uint k0, uint tid) {
-  constexpr uint items = BN * (kGemmBK / kGemmChunk);
+  constexpr uint items = BN * kGemmChunks;
   const uint words = k * BITS / 32;    // uint32 per weight row
   const uint groups = k / kQuantGroup;
   for (uint c = tid; c < items; c += NT) {
-    const uint r = c / 2;
-    const uint h = c % 2;
+    const uint r = c / kGemmChunks;
+    const uint h = c % kGemmChunks;
     const uint row = n0 + r;
-    threadgroup vec<T, 4>* dst = (threadgroup vec<T, 4>*)(Ws + r * kGemmLd + kGemmChunk * h);
+    threadgroup half4* dst = (threadgroup half4*)(Ws + r * kGemmLd + kGemmChunk * h);
     if (row >= n) {
       for (uint j = 0; j < kGemmChunk / 4; ++j) {
-        dst[j] = vec<T, 4>(0.0f);
+        dst[j] = half4(0.0h);
       }
       continue;
     }
     const uint g = row * groups + k0 / kQuantGroup;
     const float s = float(scales[g]);
     const float b = float(biases[g]);
+    // s q + b is monotone in q: its extremes are b and s (2^BITS - 1) + b. Only a group whose
+    // extremes leave the half range (a malformed checkpoint) takes the per-weight clamp.
+    const bool sat = max(fabs(b), fabs(s * float((1u << BITS) - 1u) + b)) > kGemmHalfMax;
     const uint base = row * words + (k0 + kGemmChunk * h) * BITS / 32;
     if (BITS == 4) {
       const uint2 q = *(device const uint2*)(w + base);  // 16 codes, low nibble first
       for (uint j = 0; j < 4; ++j) {
         const uint word = j < 2 ? q.x : q.y;
         const uint4 f = (uint4(word) >> (uint4(16 * (j % 2)) + uint4(0, 4, 8, 12))) & 15u;
-        dst[j] = vec<T, 4>(float4(f) * s + b);
+        const float4 v = float4(f) * s + b;
+        dst[j] = sat ? gemm_half(v) : half4(v);
       }
     } else {
       const uint4 q = *(device const uint4*)(w + base);  // 16 codes, low byte first
       for (uint j = 0; j < 4; ++j) {
         const uint4 f = (uint4(q[j]) >> uint4(0, 8, 16, 24)) & 255u;
-        dst[j] = vec<T, 4>(float4(f) * s + b);
+        const float4 v = float4(f) * s + b;
+        dst[j] = sat ? gemm_half(v) : half4(v);
       }
     }
   }
 }
 
-// ---- fragments -----------------------------------------------------------------------------
+// Fills the tiles of step k0: the A tile, then the NB weight tiles (consecutive in Ws at a
+// stride of BN * kGemmLd halves). The caller places the barrier.
+template <int BITS, uint NB, uint BM, uint BN, uint NT>
+inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device const float4* x,
+                           thread const GemmARows<BM, NT>& a, device const uint* w0,
+                           device const bfloat* s0, device const bfloat* b0, device const uint* w1,
+                           device const bfloat* s1, device const bfloat* b1, uint n0, uint n, uint k,
+                           uint k0, uint tid) {
+  gemm_load_a<BM, NT>(As, x, a, k0, tid);
+  gemm_load_w<BITS, BN, NT>(Ws, w0, s0, b0, n0, n, k, k0, tid);
+  if (NB == 2) {
+    gemm_load_w<BITS, BN, NT>(Ws + BN * kGemmLd, w1, s1, b1, n0, n, k, k0, tid);
+  }
+}
+
+// ---- threadgroup memory ------------------------------------------------------------------
+// Bytes of a GEMM with NB weight tiles: the half A and W tiles of a step, reused at the end
+// for the NB staged fp32 BM x (BN + 4) output blocks. Declared as float4 (16-byte aligned).
+template <uint BM, uint BN, uint NB>
+struct GemmSmem {
+  static constant constexpr uint ldc = BN + 4;
+  static constant constexpr uint tiles = (BM + NB * BN) * kGemmLd * 2;
+  static constant constexpr uint staged = NB * BM * ldc * 4;
+  static constant constexpr uint bytes = tiles > staged ? tiles : staged;
+  static constant constexpr uint float4s = (bytes + 15) / 16;
+  static_assert(bytes <= 32768, "a GEMM's threadgroup memory must fit 32 KiB");
+};
+
+// Staged result of tile row r, column c: the product, or silu(gate) * up for NB = 2.
+template <uint NB, uint BM, uint BN>
+inline float gemm_staged(const threadgroup float* smem, uint r, uint c) {
+  constexpr uint ldc = GemmSmem<BM, BN, NB>::ldc;
+  const float v = smem[r * ldc + c];
+  return NB == 2 ? silu(v) * smem[BM * ldc + r * ldc + c] : v;
+}
+
+// ---- grouped expert tiles ------------------------------------------------------------------
+struct GemmTileInfo {
+  uint expert;
+  uint begin;
+  uint rows;
+};
+
+inline GemmTileInfo gemm_tile_info(device const MoeTile* tiles, uint t, uint T,
+                                   constant MoeGemmArgs& args) {
+  const MoeTile tile = tiles[t];
+  GemmTileInfo info;
+  info.expert = min(tile.expert, args.experts - 1u);
+  info.begin = tile.begin;
+  // clamp to the tile height and to the slots of the chunk (a malformed map reads no further)
+  const uint slots = args.m * args.top_k;
+  info.rows = tile.begin < slots ? min(min(tile.rows, T), slots - tile.begin) : 0u;
+  return info;
+}
+
+// ---- simdgroup_matrix path -----------------------------------------------------------------
 // A simdgroup owns an (8 FM) x (8 FN) block of the threadgroup's output, at tile row row0 and
 // tile column col0. Fragments whose rows (columns) all lie past the valid rows (columns) are
 // skipped: live_m / live_n are the live fragment counts (uniform over the simdgroup).
@@ -145,8 +219,8 @@ inline uint gemm_live(uint valid, uint origin, uint frags) {
 
 // The simdgroup's accumulators of NB products (NB = 2: gate then up, sharing the A tile):
 // acc[(b * FM + i) * FN + j] is the fp32 8x8 block of rows row0 + 8i, columns col0 + 8j of
-// product b. The NB weight tiles are consecutive in Ws at a stride of BN * kGemmLd elements.
-template <typename T, uint FM, uint FN, uint NB, uint BN>
+// product b. The NB weight tiles are consecutive in Ws at a stride of BN * kGemmLd halves.
+template <uint FM, uint FN, uint NB, uint BN>
 struct GemmFragments {
   simdgroup_float8x8 acc[NB * FM * FN];
 
@@ -156,12 +230,13 @@ struct GemmFragments {
     }
   }
 
-  // One step: acc_b += A[rows] * W_b[cols]^T over the kGemmBK columns of the tiles. Each A
-  // fragment is loaded once for all NB products and FN column fragments.
-  void step(const threadgroup T* As, const threadgroup T* Ws, uint row0, uint col0, uint live_m,
+  // One step: acc_b += A[rows] * W_b[cols]^T over the kGemmBK columns of the tiles (half
+  // operands, fp32 accumulation). Each A fragment is loaded once for all NB products and FN
+  // column fragments.
+  void step(const threadgroup half* As, const threadgroup half* Ws, uint row0, uint col0, uint live_m,
             uint live_n) {
     for (uint kk = 0; kk < kGemmBK; kk += 8) {
-      simdgroup_matrix<T, 8, 8> a[FM];
+      simdgroup_half8x8 a[FM];
       for (uint i = 0; i < FM; ++i) {
         if (i < live_m) {
           simdgroup_load(a[i], As, kGemmLd, ulong2(kk, row0 + 8 * i));
@@ -170,7 +245,7 @@ struct GemmFragments {
       for (uint b = 0; b < NB; ++b) {
         for (uint j = 0; j < FN; ++j) {
           if (j < live_n) {
-            simdgroup_matrix<T, 8, 8> wt;  // W^T fragment: rows = k, columns = output columns
+            simdgroup_half8x8 wt;  // W^T fragment: rows = k, columns = output columns
             simdgroup_load(wt, Ws + b * BN * kGemmLd + (col0 + 8 * j) * kGemmLd + kk, kGemmLd, ulong2(0, 0), true);
             for (uint i = 0; i < FM; ++i) {
               if (i < live_m) {
@@ -197,3 +272,39 @@ struct GemmFragments {
     }
   }
 };
+
+// The k loop of one threadgroup of SM x SN simdgroups: NB products of the A rows `a` with
+// weight rows [n0, n0 + BN) of (w_b, s_b, b_b), b < NB, over the whole of k; `rows` = valid
+// tile rows. Leaves the fp32 results in smem (as float): block b, row r, column c at
+// b * BM * ldc + r * ldc + c (only rows < rows and columns < n - n0 are meaningful), after
+// a barrier.
+template <int BITS, uint NB, uint BM, uint BN, uint SM, uint SN>
+inline void gemm_accumulate(threadgroup float4* smem4, device const float4* x,
+                            thread const GemmARows<BM, 32 * SM * SN>& a,
+                            device const uint* w0, device const bfloat* s0, device const bfloat* b0,
+                            device const uint* w1, device const bfloat* s1, device const bfloat* b1,
+                            uint n0, uint n, uint k, uint rows, uint tid, uint sg) {
+  constexpr uint NT = 32 * SM * SN;
+  constexpr uint FM = BM / (8 * SM);
+  constexpr uint FN = BN / (8 * SN);
+  constexpr uint ldc = GemmSmem<BM, BN, NB>::ldc;
+  threadgroup half* As = (threadgroup half*)smem4;
+  threadgroup half* Ws = As + BM * kGemmLd;
+  const uint row0 = (sg / SN) * 8 * FM;
+  const uint col0 = (sg % SN) * 8 * FN;
+  const uint live_m = gemm_live(rows, row0, FM);
+  const uint live_n = gemm_live(min(BN, n - n0), col0, FN);
+
+  GemmFragments<FM, FN, NB, BN> frags;
+  frags.clear();
+  for (uint k0 = 0; k0 < k; k0 += kGemmBK) {
+    gemm_load_step<BITS, NB, BM, BN, NT>(As, Ws, x, a, w0, s0, b0, w1, s1, b1, n0, n, k, k0, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (live_m > 0 && live_n > 0) {  // uniform over the simdgroup
+      frags.step(As, Ws, row0, col0, live_m, live_n);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  frags.store((threadgroup float*)smem4, BM, ldc, row0, col0, live_m, live_n);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}

@@ -8,14 +8,14 @@ using namespace metal;
 #include "common.h"
 
 // ---- gemv_q<BITS>: row-parallel GEMV ------------------------------------------------
-// Each simdgroup owns kGemvRowsPerSimdgroup (8) consecutive rows. It splits into teams of
-// T lanes (T = the largest power of two <= the chunks per row, in [4, 32]); a team owns
-// T/4 of the rows, its lanes read consecutive 16-byte chunks of those rows (adjacent lanes,
-// adjacent bytes) and load each x chunk once for all the team's rows. fp32 accumulation,
-// dequantisation in registers, a butterfly (simd_shuffle_xor) sum over the team; lane r
-// of a team stores row r. ADD: y[row] += W x (residual update for o_proj/out_proj).
+// Each simdgroup owns R = kGemvRowsPerSimdgroup (4) consecutive rows. It splits into teams
+// of T lanes (T = the largest power of two <= the chunks per row, in [32 / R, 32]); a team
+// owns R T / 32 of the rows, its lanes read consecutive 16-byte chunks of those rows
+// (adjacent lanes, adjacent bytes) and load each x chunk once for all the team's rows. fp32
+// accumulation, dequantisation in registers, a butterfly (simd_shuffle_xor) sum over the
+// team; lane r of a team stores row r. ADD: y[row] += W x (residual update for o_proj/out_proj).
 // Threadgroup: a multiple of 32 threads (64 recommended); any number of threadgroups
-// >= ceil(rows / (8 * simdgroups)); rows past `rows` are skipped.
+// >= ceil(rows / (R * simdgroups)); rows past `rows` are skipped.
 template <int BITS, bool ADD>
 [[max_total_threads_per_threadgroup(256)]] kernel void gemv_q(device const uint4* w [[buffer(0)]],         // weight [rows, cols*BITS/32] uint32
                    device const bfloat* scales [[buffer(1)]],   // [rows, cols/64]
@@ -56,11 +56,13 @@ template [[host_name("gemv_q8_add")]] [[kernel]] decltype(gemv_q<8, true>) gemv_
 // y_m = W_m xn for m < 4, xn = x * rsqrt(mean(x^2) + eps) * w, from the raw residual x.
 // The rows of the matrices are laid out one after another in the grid, each matrix padded
 // to whole threadgroups (a threadgroup's rows belong to one matrix): matrix m owns
-// t_m = ceil(rows[m] / (8 * simdgroups)) threadgroups, starting after those of matrices
+// t_m = ceil(rows[m] / (R * simdgroups)) threadgroups, R = args.rows_per_simdgroup (1, 2, 4
+// or 8: 8 amortises each x chunk over more rows, 1 spreads a small matrix such as the
+// 257-row router over enough simdgroups to fill the GPU), starting after those of matrices
 // < m. Every threadgroup computes sum(x^2) itself (one pass over x, then a threadgroup
 // sum: the same order in every threadgroup, so all of them use the same rsqrt) and applies
 // (x * inv) * w while loading each x chunk; the GEMV itself is gemv_q's (teams of lanes,
-// 8 rows per simdgroup). With write_xn, threadgroup 0 also stores the whole normalised
+// R rows per simdgroup). With write_xn, threadgroup 0 also stores the whole normalised
 // vector to xn (the values the dots used, bit for bit) for later kernels. Bindings of an
 // unused slot (rows = 0) are never accessed (bind any buffer; the simulator requires every
 // argument to be bound). xn must not overlap x.
@@ -76,7 +78,8 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
                            device float* y3, constant NormGemvArgs& args, threadgroup float* scratch,
                            uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
   // the matrix this threadgroup works on (uniform over the threadgroup)
-  const uint tg_rows = kGemvRowsPerSimdgroup * nsg;
+  const uint rps = clamp(args.rows_per_simdgroup, 1u, 8u);  // 1, 2, 4 or 8 (checked by the host)
+  const uint tg_rows = rps * nsg;
   uint m = 0;
   uint first = 0;  // first threadgroup of matrix m
   uint tiles = (args.rows[0] + tg_rows - 1) / tg_rows;
@@ -115,8 +118,8 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
   const uint rows = args.rows[m];
   const uint chunks = args.cols * BITS / 128;
   const uint groups = args.cols / kQuantGroup;
-  const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
-  const uint row0 = ((tg - first) * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const QTeam t = q_team(chunks, rps, lane);
+  const uint row0 = ((tg - first) * nsg + sg) * rps + t.team * t.rows;
   const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};

@@ -4,14 +4,14 @@
 //   moe_gate_up_swiglu_q4  h_j = silu(Wg_j x) * (Wu_j x) for the k experts and the shared one
 //   moe_down_q4            residual += sum_j w_j Wd_j h_j + sigmoid(g_s) Wd_s h_s
 // or in two after norm_gemv_q8 (router + shared gate rows, xn out):
-//   moe_route_gate_up_swiglu_q4  the routing recomputed per threadgroup, then gate/up
+//   moe_route_gate_up_swiglu_q4  the routing recomputed per simdgroup (no barrier), then gate/up
 //   moe_down_q4
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
 
 #include "common.h"
-#include "route.h"  // route_topk: router softmax + top-k (shared with prefill)
+#include "route.h"  // route_topk (shared with prefill), route_topk_simd: router softmax + top-k
 
 // ---- moe_route ------------------------------------------------------------------------
 // One threadgroup of 32..1024 threads (>= top_k; round_up(experts, 32) recommended).
@@ -146,13 +146,15 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 
 // ---- moe_route_gate_up_swiglu_q4 ------------------------------------------------------
 // moe_route fused into moe_gate_up_swiglu_q4 (one dispatch and one barrier stage fewer).
-// Same grid and hbuf as moe_gate_up_swiglu_q4. A threadgroup of routed slot j recomputes
-// the router softmax and the first j+1 top-k rounds from the logits (E <= 1024 floats, in
-// threadgroup memory) to find its expert; the shared-slot threadgroups skip the routing.
-// Threadgroup (0, 0) runs all k rounds and stores ids [k] and weights [k+1] for
-// moe_down_q4, with weights[k] = sigmoid(logits[experts]): the shared-expert gate logit is
-// row E of the router output (norm_gemv_q8 with mlp.gate and mlp.shared_expert_gate).
-// The picks and weights are bit-identical to moe_route's on the same logits.
+// Same grid and hbuf as moe_gate_up_swiglu_q4. Every simdgroup of routed slot j computes
+// the router softmax and the first j+1 top-k rounds from the logits itself
+// (route_topk_simd: registers and shuffles, no threadgroup memory, no barrier), so its
+// first weight load waits for no other simdgroup; the shared-slot threadgroups skip the
+// routing. Simdgroup 0 of threadgroup (0, 0) runs all k rounds and stores ids [k] and
+// weights [k+1] for moe_down_q4, with weights[k] = sigmoid(logits[experts]): the
+// shared-expert gate logit is row E of the router output (norm_gemv_q8 with mlp.gate and
+// mlp.shared_expert_gate). The picks and weights are bit-identical to moe_route's on the
+// same logits.
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_route_gate_up_swiglu_q4(
     device const float4* x [[buffer(0)]],        // [hidden] normalised input (xn)
     device const float* logits [[buffer(1)]],    // [experts + 1] router logits, then the shared gate logit
@@ -173,33 +175,25 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
     device float* weights [[buffer(16)]],        // [top_k + 1] routing weights, shared gate (threadgroup (0, 0))
     constant MoeRouteArgs& args [[buffer(17)]],
     uint2 tg [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]],
-    uint2 tsize [[threads_per_threadgroup]],  // uint2 like tg: position attributes match in components
     uint sg [[simdgroup_index_in_threadgroup]],
     uint nsg [[simdgroups_per_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float probs[kRouteMaxExperts];
-  threadgroup float rowsum[32];
-  threadgroup float scratch[32];
-  threadgroup float best_p[32];
-  threadgroup uint best_i[32];
   const uint n = min(args.experts, kRouteMaxExperts);
   const uint k = args.top_k;
   const uint slot = tg.y;
   const bool shared = slot >= k;
   const bool leader = tg.x == 0 && tg.y == 0;
-  // rounds are uniform over the threadgroup (barriers inside)
-  const uint rounds = leader ? k : (shared ? 0u : slot + 1);
+  // uniform over each simdgroup (its shuffles); only the leader's simdgroup 0 needs all k
+  const uint rounds = shared ? 0u : (leader && sg == 0 ? k : slot + 1);
   uint e = 0;
   if (rounds > 0) {
-    const RoutePicks pk = route_topk(logits, n, rounds, slot, probs, rowsum, scratch, best_p,
-                                     best_i, tid, tsize.x, sg, lane, nsg);
-    if (leader) {
-      if (tid < k) {
-        ids[tid] = pk.my_id;
-        weights[tid] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
+    const RoutePicks pk = route_topk_simd(logits, n, rounds, slot, lane);
+    if (leader && sg == 0) {
+      if (lane < k) {
+        ids[lane] = pk.my_id;
+        weights[lane] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
       }
-      if (tid == 0) {
+      if (lane == 0) {
         weights[k] = sigmoid(logits[args.experts]);
       }
     }
@@ -215,7 +209,8 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
-// ceil(hidden / (8 * simdgroups)); each simdgroup owns 8 rows of the residual.
+// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups)); each simdgroup owns
+// kGemvRowsPerSimdgroup (4) rows of the residual.
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
                         device const uint* ids [[buffer(1)]],          // [top_k]
                         device const float* weights [[buffer(2)]],     // [top_k + 1]

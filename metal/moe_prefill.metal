@@ -9,7 +9,8 @@
 //                      (expert starts, tile starts), the block's assignments scattered into
 //                      the grouped order (stable: increasing row within an expert), the
 //                      tile map and its count, the per-expert counts for the host
-// and after the expert GEMMs:
+// then the grouped expert GEMMs over the tile map (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*,
+// below), and after them:
 //   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
@@ -17,6 +18,7 @@
 using namespace metal;
 
 #include "common.h"
+#include "gemm_tiles.h"
 #include "prefill_args.h"
 #include "route.h"  // route_topk: router softmax + top-k (shared with decode)
 
@@ -251,3 +253,109 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   acc += wr[k] * ys[row * c4 + gid.x];
   h[row * c4 + gid.x] += acc;
 }
+
+// ---- grouped expert GEMMs ------------------------------------------------------------------
+// moe_gemm_gate_up_q4_t{16,32,64}  hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
+// moe_gemm_down_q4_t{16,32,64}     yx[perm[s]] = hx[s] Wd_e^T
+// simdgroup_matrix path with half operands and fp32 accumulation (gemm_tiles.h; the dense
+// GEMMs of metal/gemm.metal use the same k loop; the tensor-op twins are in
+// moe_prefill_tensor.metal).
+// Grid (max_tiles, ceil(n / BN)) threadgroups of 32 * SM * SN threads: threadgroup (t, j)
+// computes output columns [j BN, j BN + BN) of the slots of tile t; threadgroups with
+// t >= tile_count return at once. BM = T, the tile height.
+template <uint T, uint BN, uint SM, uint SN>
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const float4* x [[buffer(0)]],        // fp32 [m, lda]
+                                device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
+                                device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
+                                device const uint* tile_count [[buffer(3)]],  // [1]
+                                device const uint4* wg [[buffer(4)]],         // gate_proj.weight [E, n, k/8]
+                                device const bfloat* gs [[buffer(5)]],        // gate_proj.scales [E, n, k/64]
+                                device const bfloat* gb [[buffer(6)]],        // gate_proj.biases [E, n, k/64]
+                                device const uint4* wu [[buffer(7)]],         // up_proj.weight [E, n, k/8]
+                                device const bfloat* us [[buffer(8)]],        // up_proj.scales
+                                device const bfloat* ub [[buffer(9)]],        // up_proj.biases
+                                device float* hx [[buffer(10)]],              // fp32 [m * top_k, ldy], slot order
+                                constant MoeGemmArgs& args [[buffer(11)]],
+                                uint2 tgp [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint NT = 32 * SM * SN;
+  threadgroup float4 smem4[GemmSmem<T, BN, 2>::float4s];
+  const uint n0 = tgp.y * BN;
+  if (tgp.x >= tile_count[0] || n0 >= args.n) {
+    return;  // the whole threadgroup
+  }
+  const GemmTileInfo tile = gemm_tile_info(tiles, tgp.x, T, args);
+  const uint wstride = args.n * (args.k / 8);  // uint32 per expert
+  const uint gstride = args.n * (args.k / kQuantGroup);
+  const GemmARows<T, NT> a = gemm_a_rows_tile<T, NT, true>(perm, tile.begin, tile.rows, args.top_k,
+                                                           args.m, args.lda, tid);
+  const uint e = tile.expert;
+  gemm_accumulate<4, 2, T, BN, SM, SN>(smem4, x, a, (device const uint*)wg + e * wstride,
+                                       gs + e * gstride, gb + e * gstride,
+                                       (device const uint*)wu + e * wstride, us + e * gstride,
+                                       ub + e * gstride, n0, args.n, args.k, tile.rows, tid, sg);
+  const threadgroup float* smem = (const threadgroup float*)smem4;
+  for (uint i = tid; i < T * BN; i += NT) {
+    const uint r = i / BN;
+    const uint c = i % BN;
+    if (r < tile.rows && n0 + c < args.n) {
+      hx[(tile.begin + r) * args.ldy + n0 + c] = gemm_staged<2, T, BN>(smem, r, c);
+    }
+  }
+}
+
+template <uint T, uint BN, uint SM, uint SN>
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const float4* hx [[buffer(0)]],       // fp32 [m * top_k, lda], slot order
+                             device const uint* perm [[buffer(1)]],       // [m * top_k]
+                             device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
+                             device const uint* tile_count [[buffer(3)]], // [1]
+                             device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
+                             device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
+                             device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]
+                             device float* yx [[buffer(7)]],              // fp32 [m * top_k, ldy], by row * top_k + j
+                             constant MoeGemmArgs& args [[buffer(8)]],
+                             uint2 tgp [[threadgroup_position_in_grid]],
+                             uint tid [[thread_index_in_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint NT = 32 * SM * SN;
+  threadgroup float4 smem4[GemmSmem<T, BN, 1>::float4s];
+  const uint n0 = tgp.y * BN;
+  if (tgp.x >= tile_count[0] || n0 >= args.n) {
+    return;  // the whole threadgroup
+  }
+  const GemmTileInfo tile = gemm_tile_info(tiles, tgp.x, T, args);
+  const uint wstride = args.n * (args.k / 8);
+  const uint gstride = args.n * (args.k / kQuantGroup);
+  const GemmARows<T, NT> a = gemm_a_rows_tile<T, NT, false>(perm, tile.begin, tile.rows,
+                                                            args.top_k, args.m, args.lda, tid);
+  const uint e = tile.expert;
+  device const uint* w = (device const uint*)wd + e * wstride;
+  gemm_accumulate<4, 1, T, BN, SM, SN>(smem4, hx, a, w, sd + e * gstride, bd + e * gstride, w,
+                                       sd, bd, n0, args.n, args.k, tile.rows, tid, sg);
+  const threadgroup float* smem = (const threadgroup float*)smem4;
+  const uint slots = args.m * args.top_k;
+  for (uint i = tid; i < T * BN; i += NT) {
+    const uint r = i / BN;
+    const uint c = i % BN;
+    if (r < tile.rows && n0 + c < args.n) {
+      const uint dst = perm[tile.begin + r];
+      if (dst < slots) {  // a malformed perm entry writes nothing
+        yx[dst * args.ldy + n0 + c] = gemm_staged<1, T, BN>(smem, r, c);
+      }
+    }
+  }
+}
+
+// T = 16: 16 x 64 blocks, 1 x 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 2 x 2
+// simdgroups (128 threads); T = 64: gate/up 64 x 32 blocks of gate and of up, 4 x 1
+// simdgroups (two staged 64 x 64 fp32 blocks would exceed 32 KiB), down 64 x 64 blocks,
+// 2 x 2 simdgroups (128 threads, the kernels' declared maximum). Every simdgroup owns a
+// 16 x 32 block (2 x 4 fragments) of each product, the down projection at T = 64 a 32 x 32
+// block (4 x 4).
+template [[host_name("moe_gemm_gate_up_q4_t16")]] [[kernel]] decltype(moe_gemm_gate_up_q4<16, 64, 1, 2>) moe_gemm_gate_up_q4<16, 64, 1, 2>;
+template [[host_name("moe_gemm_gate_up_q4_t32")]] [[kernel]] decltype(moe_gemm_gate_up_q4<32, 64, 2, 2>) moe_gemm_gate_up_q4<32, 64, 2, 2>;
+template [[host_name("moe_gemm_gate_up_q4_t64")]] [[kernel]] decltype(moe_gemm_gate_up_q4<64, 32, 4, 1>) moe_gemm_gate_up_q4<64, 32, 4, 1>;
+template [[host_name("moe_gemm_down_q4_t16")]] [[kernel]] decltype(moe_gemm_down_q4<16, 64, 1, 2>) moe_gemm_down_q4<16, 64, 1, 2>;
+template [[host_name("moe_gemm_down_q4_t32")]] [[kernel]] decltype(moe_gemm_down_q4<32, 64, 2, 2>) moe_gemm_down_q4<32, 64, 2, 2>;
+template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64, 64, 2, 2>) moe_gemm_down_q4<64, 64, 2, 2>;

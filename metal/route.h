@@ -23,6 +23,16 @@ struct RoutePicks {
   uint want_id;   // every thread: the expert of round `want` (0xFFFFFFFF if not run)
 };
 
+// Records round j's pick (expert wi, probability wp) in the picks of thread `me`.
+inline void route_take(thread RoutePicks& out, uint j, uint want, uint me, uint wi, float wp) {
+  if (me == j) {
+    out.my_id = wi;
+    out.my_p = wp;
+  }
+  out.top_sum += wp;
+  out.want_id = j == want ? wi : out.want_id;
+}
+
 inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, uint want,
                              threadgroup float* probs, threadgroup float* rowsum,
                              threadgroup float* scratch, threadgroup float* best_p,
@@ -60,11 +70,7 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  RoutePicks out;
-  out.my_id = 0;
-  out.my_p = 0.0f;
-  out.top_sum = 0.0f;
-  out.want_id = 0xFFFFFFFFu;
+  RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
   for (uint j = 0; j < rounds; ++j) {
     float bp = -1.0f;
     uint bi = 0xFFFFFFFFu;
@@ -90,16 +96,70 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
         wi = best_i[g];
       }
     }
-    if (tid == j) {
-      out.my_id = wi;
-      out.my_p = wp;
-    }
-    out.top_sum += wp;
-    out.want_id = j == want ? wi : out.want_id;
+    route_take(out, j, want, tid, wi, wp);
     if (tid == 0 && wi < n) {
       probs[wi] = -1.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return out;
+}
+
+// ---- router softmax + top-k in one simdgroup ------------------------------------------
+// route_topk's arithmetic without threadgroup memory or barriers: each simdgroup computes
+// the routing on its own, lane l holding the probabilities of experts r * 32 + l in
+// registers. The maximum is exact whatever the order, the row sums are the same simd_sums
+// added in the same row order, and a round's winner (largest p, ties to the lower index)
+// does not depend on how the search is split, so the picks and weights are bit-identical
+// to route_topk's. Used by the decode gate/up kernel, whose every simdgroup needs its
+// slot's expert before its first weight load: a few shuffles per round instead of
+// barrier-separated threadgroup rounds. n <= kRouteMaxExperts; `rounds` is uniform over
+// the simdgroup.
+constant constexpr uint kRouteRowsPerLane = kRouteMaxExperts / 32;
+
+inline RoutePicks route_topk_simd(device const float* logits, uint n, uint rounds, uint want,
+                                  uint lane) {
+  const uint nrow = (n + 31) / 32;
+  float p[kRouteRowsPerLane];
+  float m = -INFINITY;
+  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+    const uint i = r * 32 + lane;
+    p[r] = (r < nrow && i < n) ? logits[i] : -INFINITY;
+    m = max(m, p[r]);
+  }
+  m = simd_max(m);
+  float s = 0.0f;
+  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+    if (r < nrow) {  // uniform over the simdgroup
+      const uint i = r * 32 + lane;
+      const float e = i < n ? exp(p[r] - m) : 0.0f;
+      p[r] = e;
+      s += simd_sum(e);
+    }
+  }
+  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+    const uint i = r * 32 + lane;
+    p[r] = (r < nrow && i < n) ? p[r] / s : -1.0f;  // past n: never picked
+  }
+
+  RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
+  for (uint j = 0; j < rounds; ++j) {
+    float bp = -1.0f;
+    uint bi = 0xFFFFFFFFu;
+    for (uint r = 0; r < kRouteRowsPerLane; ++r) {  // increasing index: the lowest on ties
+      if (p[r] > bp) {
+        bp = p[r];
+        bi = r * 32 + lane;
+      }
+    }
+    const float wp = simd_max(bp);
+    const uint wi = simd_min(bp == wp ? bi : 0xFFFFFFFFu);
+    if (wi < n && wi % 32 == lane) {
+      for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+        p[r] = r == wi / 32 ? -1.0f : p[r];
+      }
+    }
+    route_take(out, j, want, lane, wi, wp);
   }
   return out;
 }

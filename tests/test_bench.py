@@ -112,6 +112,28 @@ def test_lily_bench_command_runs_both_engines(tmp_path):
     assert rep["consistency"]["top1_agreement"] >= 0.6  # a trained model, same bytes (bf16 peer)
 
 
+def test_lily_bench_agent_command(tmp_path, monkeypatch, capsys):
+    """`lily bench --agent` shares the plain bench's device options, report and --json file.
+    The scenario itself (agent_bench.run, minutes on a CPU) is tested in test_prompt_cache;
+    here it is replaced by one that records what the command hands it."""
+    from lily import agent_bench, cli
+    from lily import engine as engine_mod
+    loads, runs = [], []
+    monkeypatch.setattr(engine_mod.Engine, "load", classmethod(lambda cls, model, **kw: loads.append(kw) or kw))
+    monkeypatch.setattr(agent_bench, "run", lambda engine, cold, **kw: runs.append((engine, cold, kw)) or {"turns": []})
+    monkeypatch.setattr(agent_bench, "format_report", lambda rep: "agent report")
+    out = tmp_path / "agent.json"
+    assert cli.main(["bench", "--agent", "--device", "sim", "--prefill-chunk", "16", "--turns", "2",
+                     "--decode-tokens", "3", "--json", str(out)]) == 0
+    assert [kw["device_options"] for kw in loads] == [{"prefill_chunk": 16}] * 2
+    assert loads[1]["prompt_cache_bytes"] == 0  # the cold engine
+    (engine, cold, kw), = runs
+    assert (engine, cold) == (loads[0], loads[1]) and kw["turns"] == 2 and kw["max_tokens"] == 3
+    assert json.loads(out.read_text()) == {"turns": []}
+    captured = capsys.readouterr()
+    assert "agent report" in captured.out and f"written: {out}" in captured.err
+
+
 def test_lily_bench_argument_errors():
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--lengths", "0,5"], capture_output=True, text=True)
     assert r.returncode == 2 and "positive integers" in r.stderr

@@ -27,6 +27,50 @@ def test_invalid_native_options(demo_path, options, match):
         Engine.load(demo_path, device="sim", device_options=options)
 
 
+@pytest.mark.parametrize("name, value, match", [
+    ("prefill_chunk", 0, "prefill_chunk must be a positive integer, got 0"),
+    ("split_threshold", 0, "split_threshold must be a positive integer, got 0"),
+    ("prefill_chunk", True, "prefill_chunk must be a non-negative integer, got True"),
+    ("split_block", -1, "split_block must be a non-negative integer, got -1"),
+    ("prefill_chunk", 2.5, "prefill_chunk must be a non-negative integer, got 2.5"),
+    ("max_context", 2**32, "max_context must be a non-negative integer"),
+    ("gemm_path", "fast", "gemm_path must be one of auto, simdgroup, tensor, got 'fast'"),
+    ("virtual_weights", 1, "virtual_weights must be True or False, got 1"),
+])
+def test_runtime_options_name_the_invalid_option(name, value, match):
+    """RuntimeOptions (csrc/runtime/runtime.h) is the one home of the options' rules: the
+    binding, lily.native.runtime_options and the Runtime itself give the same message."""
+    from lily.native import make_device, model_dims, runtime_options
+    from lily.testing import PRESETS
+    with pytest.raises(InvalidParameterError, match=match):
+        runtime_options(**{"max_context": 16, name: value})
+    o = _core.RuntimeOptions()
+    if match.endswith("got 0"):  # a value of the right type: set, refused by validate()
+        setattr(o, name, value)
+        with pytest.raises(ValueError, match=match):
+            o.validate()
+        # the Runtime checks it before it allocates anything
+        from lily.checkpoint import parse_config
+        dims = model_dims(parse_config(PRESETS["tiny"].config()))
+        with pytest.raises(ValueError, match=match):
+            _core.Runtime(make_device("sim", record_only=True), dims, [], o)
+    else:
+        with pytest.raises(ValueError, match=match):
+            setattr(o, name, value)
+
+
+def test_runtime_options_defaults_and_names():
+    from lily.native import runtime_options
+    o = _core.RuntimeOptions()
+    assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "virtual_weights")
+    assert (o.split_threshold, o.split_block, o.prefill_chunk, o.gemm_path, o.virtual_weights) == (
+        256, 0, 2048, "auto", False)
+    o = runtime_options(64, prefill_chunk=8, gemm_path="simdgroup")
+    assert (o.max_context, o.prefill_chunk, o.gemm_path) == (64, 8, "simdgroup")
+    with pytest.raises(InvalidParameterError, match="unknown runtime option 'bogus'"):
+        runtime_options(64, bogus=1)
+
+
 def test_reference_takes_no_device_options(demo_path):
     with pytest.raises(InvalidParameterError, match="applies only to the native devices"):
         Engine.load(demo_path, device="reference", device_options={"prefill_chunk": 4})
@@ -139,9 +183,10 @@ def test_missing_tensor_fails_at_load_naming_it(missing):
     the first dispatch: a table without one tensor is refused naming it (Engine.load checks the
     checkpoint first, with the same words: test_checkpoint.test_missing_tensor)."""
     from lily import perf
-    from lily.native import _runtime, _virtual_tensors, make_device
+    from lily.native import _virtual_tensors, make_device, model_dims, runtime_options
     cfg = perf.model_config()
     tensors = [t for t in _virtual_tensors(cfg, 4, 8) if t[0] != missing]
     assert len(tensors) == len(_virtual_tensors(cfg, 4, 8)) - 1
     with pytest.raises(ValueError, match=f"missing tensor {missing}$"):
-        _runtime(make_device("sim", record_only=True), cfg, tensors, 64, 256, 0, virtual_weights=True)
+        _core.Runtime(make_device("sim", record_only=True), model_dims(cfg), tensors,
+                      runtime_options(64, virtual_weights=True))

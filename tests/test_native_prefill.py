@@ -6,13 +6,16 @@ the hand-off of the first generated token from the last chunk to the decode pipe
 GEMM paths, hazard checking with shuffled stages, bounded scratch memory, and the
 record-only counters of one chunk of the full-size model (docs/prefill.md).
 
-Tolerance: like decode, prefill keeps activations in fp32 and stores the KV cache in bf16
-(as MLX-LM does), so logits differ from the fp32 reference by ~1e-4 relative per position:
-5e-3 is the bound. A position where the router's 8th and 9th experts are within ~1e-5 in
-probability may pick the other expert under that rounding (seen: demo, position 35, layer 6,
-gap 1.7e-6, 1.9e-2 relative error at that position, on the decode path exactly as on the
-prefill path), so up to 10% of positions may exceed 5e-3 but none 5e-2, and top-1 must agree
-wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). Prefill and decode
+Tolerance: prefill keeps activations in fp32 between kernels, multiplies half GEMM operands
+with fp32 accumulation (docs/prefill.md, "Operand precision") and stores the KV cache in
+bf16 (as MLX-LM does), so logits differ from the fp32 reference by ~1e-4 to 1e-3 relative
+per position: 5e-3 is the bound. A position where the router's 8th and 9th experts are
+within ~1e-5 in probability may pick the other expert under that rounding (seen with fp32
+operands: demo, position 35, layer 6, gap 1.7e-6, 1.9e-2 relative error at that position,
+on the decode path exactly as on the prefill path; with half operands: demo, position 27 of
+the 12-row chunks, 2.6e-2, and the later positions that attend to it stay above 5e-3,
+decaying to ~4e-3), so up to 25% of positions may exceed 5e-3 but none 5e-2, and top-1 must
+agree wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). Prefill and decode
 steps of the same tokens sum in different orders (GEMM tiles vs GEMV teams) but read the
 same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
 """
@@ -30,6 +33,7 @@ from lily.perf import QWEN36_35B_A3B
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 REL_TOL = 5e-3
+INSIDE_MIN = 0.75  # share of positions within REL_TOL (module docstring: router near-ties)
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
         "is the sun. Arise, fair sun, and kill the envious moon, who is already sick and pale. ") * 3
 PROMPT = 40  # tokens
@@ -48,7 +52,7 @@ def _check(got, want, what):
     got, want = np.atleast_2d(got), np.atleast_2d(want)
     err = _rel(got, want)
     inside = err < REL_TOL
-    assert inside.mean() >= 0.9 and err.max() < 10 * REL_TOL, f"{what}: relative errors {np.round(err, 4)}"
+    assert inside.mean() >= INSIDE_MIN and err.max() < 10 * REL_TOL, f"{what}: relative errors {np.round(err, 4)}"
     top2 = np.sort(want, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
     clear = np.where(inside, margin > 0.05, margin > 0.5)
@@ -186,7 +190,7 @@ def test_full_size_prefill_chunk_counters(rows, position):
     from lily.native import count_prefill_chunk
     cfg = parse_config(REAL)
     c = count_prefill_chunk(cfg, rows, position)
-    split = position + rows > 32768 and rows < 128  # a grid of < 256 threadgroups (rows / 4 x 2)
+    split = position + rows > 32768 and rows < 1024  # a grid of < 256 threadgroups (rows / 8 x 2)
     print(f"\nchunk {rows} at {position}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "
           f"{c['weight_bytes'] / 1e9:.2f} GB weights (reachable experts once), {c['kv_bytes'] / 1e6:.1f} MB KV")
     gdn, attn = 30, 10
@@ -204,28 +208,29 @@ def test_full_size_prefill_chunk_counters(rows, position):
 @pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64)])
 def test_full_size_expert_tiles(rows, T):
     """The grouped expert GEMMs' tile height follows the rows per expert (rows * 8 / 256 on
-    average: 0.5, 32, 64): 64-row tiles (64 x 32 blocks) at the default 2048-row chunk, so
-    each expert's weights are read about once per chunk."""
+    average: 0.5, 32, 64): 64-row tiles at the default 2048-row chunk (gate/up 64 x 32 blocks
+    of gate and of up, down 64 x 64), so each expert's weights are read about once per chunk."""
     from lily.native import count_prefill_chunk
     c = count_prefill_chunk(parse_config(REAL), rows)
     tiles = -(-rows * 8 // T) + min(256, rows * 8)  # max_tiles of the map
-    bn = 32 if T == 64 else 64
+    from lily.kernel_check import MOE_BN, MOE_DOWN_BN
     groups = {r["label"].split(" ", 1)[1].rsplit(" (", 1)[0]: int(np.prod(r["groups"]))
               for r in c["records"] if r["label"].startswith("L0 ")}
-    assert groups["experts gate|up"] == tiles * (512 // bn)
-    assert groups["experts down"] == tiles * (2048 // bn)
+    assert (MOE_BN[T], MOE_DOWN_BN[T]) == ((32, 64) if T == 64 else (64, 64))
+    assert groups["experts gate|up"] == tiles * (512 // MOE_BN[T])
+    assert groups["experts down"] == tiles * (2048 // MOE_DOWN_BN[T])
 
 
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model at the default 2048-row chunk: sized by the chunk,
     not by the context or the prompt (docs/prefill.md states the figure)."""
-    from lily.native import PREFILL_CHUNK, _runtime, _virtual_tensors, make_device
+    from lily.native import _counting_runtime
+    PREFILL_CHUNK = _core.RuntimeOptions().prefill_chunk
     cfg = parse_config(REAL)
     assert PREFILL_CHUNK >= 2048
     sizes = []
     for context in (8192, 131072):
-        rt = _runtime(make_device("sim", record_only=True), cfg, _virtual_tensors(cfg, 4, 8), context, 256, 0,
-                      virtual_weights=True)
+        rt = _counting_runtime(cfg, 4, 8, context)
         assert rt.prefill_chunk == PREFILL_CHUNK
         sizes.append(rt.prefill_scratch_bytes)
     print(f"\nprefill scratch at chunk {PREFILL_CHUNK}: {sizes[0] / 2**20:.0f} MiB")

@@ -29,6 +29,10 @@ TOP1_MIN = {"demo": 0.85, "tiny": 0.74, "dims": 0.70}
 PPL_RATIO_TOL = 0.02
 LAST_LOGITS_REL_ERR = 0.10
 CLEAR_MARGIN = 0.75  # logits; bf16 noise moves single logits by up to ~0.4 here
+# The native prefill against the float32 reference: bf16 KV cache (as MLX-LM) and half GEMM
+# operands (docs/prefill.md, "Operand precision"); measured 6.0e-3 on dims (relative L2
+# error of all-position logits; 1.5e-4 with fp32 GEMM operands, whose bound was 5e-3).
+NATIVE_REL_ERR = 1e-2
 
 
 def _conversation(engine: Engine) -> list[int]:
@@ -125,12 +129,13 @@ def test_demo_greedy_vs_bf16_peer_where_margin_is_clear(demo_path):
 def test_native_sim_teacher_forced(case):
     """The native path on the simulator (chunked prefill: 201 tokens in chunks of 64, so
     three chunk boundaries inside the prompt), same protocol: it must track the reference
-    (bf16 KV cache: relative error < 5e-3) and agree with MLX-LM as well as the reference does."""
+    (bf16 KV cache and half GEMM operands: relative error < NATIVE_REL_ERR) and agree with
+    MLX-LM as well as the reference does."""
     name, path, engine, ids, ref = case
     native = Engine.load(path, device="sim", max_context=len(ids) + 1, device_options={"prefill_chunk": 64})
     nat = native.prefill(ids, all_logits=True)
     err = rel_err(nat, ref)
-    assert err < 5e-3, f"{name}: native vs reference relative error {err:.2e}"
+    assert err < NATIVE_REL_ERR, f"{name}: native vs reference relative error {err:.2e}"
     peer = _bf16_peer_logits(path, ids)
     stats = teacher_forced(nat[:-1], peer[:-1], np.asarray(ids[1:]))
     print(f"\n{name} (sim): {len(ids) - 1} positions, {stats}")

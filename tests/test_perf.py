@@ -50,13 +50,20 @@ def test_unknown_kernel_fails_loudly():
 def test_records_carry_geometry_and_work():
     c = count_prefill_chunk(CFG, 512, 0)
     gemm = next(r for r in c["records"] if r["kernel"] == "gemm_q4" and "in_proj_qkv" in r["label"])
-    # conv_dim 8192 columns in 64-wide blocks, 512 rows in 32-row blocks, k = 2048
-    assert gemm["groups"] == (128, 16, 1) and gemm["threads"] == (128, 1, 1)
-    assert gemm["work"]["flops"]["sgmm_f32"] == 2 * 512 * 8192 * 2048
-    assert gemm["threadgroup_memory"] > 0
-    t = next(r for r in count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"]
-             if r["kernel"] == "gemm_q4_tensor")
-    assert t["work"]["flops"]["tensor_f32"] > 0 and t["work"]["flops"]["sgmm_f32"] == 0
+    # conv_dim 8192 columns in 64-wide blocks, 512 rows in 64-row blocks, k = 2048; half
+    # operands (metal/gemm_tiles.h): the products are counted on the half paths only
+    assert gemm["groups"] == (128, 8, 1) and gemm["threads"] == (128, 1, 1)
+    assert gemm["work"]["flops"]["sgmm_f16"] == 2 * 512 * 8192 * 2048
+    assert gemm["work"]["flops"]["sgmm_f32"] == 0
+    assert gemm["threadgroup_memory"] == (64 + 64) * 72 * 2  # half A and W tiles
+    prefill_tensor = count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"]
+    t = next(r for r in prefill_tensor if r["kernel"] == "gemm_q4_tensor")
+    assert t["work"]["flops"]["tensor_f16"] > 0 and t["work"]["flops"]["sgmm_f32"] == 0
+    # no prefill GEMM (dense or grouped, either path) multiplies fp32 operands
+    for r in c["records"] + prefill_tensor:
+        if "gemm" in r["kernel"]:
+            f = r["work"]["flops"]
+            assert f["sgmm_f32"] == f["tensor_f32"] == 0 and f["sgmm_f16"] + f["tensor_f16"] > 0, r["kernel"]
     # decode attention work grows with the keys it reads
     def attn(ctx):
         return sum(r["work"]["flops"]["alu_f32"] for r in count_decode_step(CFG, ctx)["records"]
@@ -183,3 +190,21 @@ def test_estimate_of_another_checkpoint_config():
                         breakdown_at=64)
     assert rep["decode"][0]["tok_s"] < rep["decode"][0]["raw_bandwidth_ceiling_tok_s"]
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]
+
+
+def test_prefill_attention_runs_on_half_operands():
+    """Prefill attention (issue 11, item 5): Q K^T and P V on half operands on both paths
+    (sgmm_f16 / tensor_f16; no fp32 matrix work), the *_tensor variant on the tensor path,
+    and matrix flops of the causal (row, key) pairs plus only the partial tiles the kernel
+    walks (a 2048-row chunk after 4096 rows: under 5% over)."""
+    exact = 4 * 256 * 16 * (2048 * 4096 + 2048 * 2049 / 2)  # 4 D Hq per causal pair
+    for path, kernel, mm, groups, threads in (("simdgroup", "attn_prefill_d256_g8", "sgmm_f16", (256, 2, 1), 256),
+                                             ("tensor", "attn_prefill_d256_g8_tensor", "tensor_f16", (1024, 2, 1), 128)):
+        recs = [r for r in count_prefill_chunk(CFG, 2048, 4096, gemm_path=path)["records"]
+                if r["kernel"].startswith("attn_prefill_d")]
+        assert {r["kernel"] for r in recs} == {kernel} and len(recs) == CFG.num_hidden_layers // 4
+        for r in recs:
+            f = r["work"]["flops"]
+            assert r["groups"] == groups and r["threads"] == (threads, 1, 1)
+            assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32")), f
+            assert exact <= f[mm] <= 1.05 * exact

@@ -61,6 +61,25 @@ def test_presets_dimensions():
     assert t.content_hash() != d.content_hash()
 
 
+def test_preset_fields_come_from_model_config():
+    """Preset's fields are ModelConfig's (the one list) less those the factory fixes, plus
+    its own three; every preset's config.json parses back to the values it names."""
+    import dataclasses
+
+    from lily.checkpoint import ModelConfig, parse_config
+    preset = {f.name for f in dataclasses.fields(Preset)}
+    config = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert preset - config == {"name", "full_attention_interval", "mtp_num_hidden_layers"}
+    assert config - preset == {"layer_types", "tie_word_embeddings", "norm_topk_prob", "model_type",
+                               "eos_token_ids"}
+    for p in PRESETS.values():
+        c = parse_config(p.config())
+        assert {n: getattr(c, n) for n in preset & config} == {n: getattr(p, n) for n in preset & config}
+        assert list(c.layer_types) == p.layer_types
+    with pytest.raises(TypeError, match="head_dim"):  # a ModelConfig field a preset must choose
+        Preset(**{k: v for k, v in dataclasses.asdict(PRESETS["tiny"]).items() if k != "head_dim"})
+
+
 def test_transformers_accepts_config(tiny_hf_checkpoint):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.from_pretrained(str(tiny_hf_checkpoint))

@@ -43,8 +43,8 @@ for mm in "$ROOT"/csrc/gpu/metal/*.mm; do
     -Werror=objc-method-access "$mm" || status=1
 done
 # Plain C++ that is also compiled on macOS: the device interface, the simulator, the runtime.
-for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/sim_device.cpp \
-           "$ROOT"/csrc/gpu/sim/tensor_ops.cpp \
+for cpp in "$ROOT"/csrc/gpu/device.cpp "$ROOT"/csrc/gpu/sim/executor.cpp "$ROOT"/csrc/gpu/sim/fibers.cpp \
+           "$ROOT"/csrc/gpu/sim/sim_device.cpp "$ROOT"/csrc/gpu/sim/tensor_ops.cpp \
            "$ROOT"/csrc/runtime/model.cpp "$ROOT"/csrc/runtime/runtime.cpp "$ROOT"/csrc/runtime/decode.cpp \
            "$ROOT"/csrc/runtime/prefill.cpp; do
   echo "check_objc: $cpp (C++, macOS target)"

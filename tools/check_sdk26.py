@@ -17,7 +17,7 @@ a Mac). Never commit SDK files.
 2. Tensor API: the matmul2d_descriptor constructor, the matmul2d template and its run /
    get_destination_cooperative_tensor members as Apple declares them, against the
    simulator's stand-in (csrc/gpu/sim/msl/MetalPerformancePrimitives/), and the operand
-   element types metal/*_tensor.metal uses against the types Apple's header maps (bfloat
+   element types metal/*_tensor.metal and *_tensor.h use against the types Apple's header maps (bfloat
    only under __HAVE_BFLOAT__) and against the operand table in its header comment.
 3. --compile (needs --sdk12 and a complete Metal.framework in the overlay): assembles the
    overlay on top of the macOS 12 SDK and runs tools/check_objc.sh on the result with
@@ -48,6 +48,13 @@ def headers(root: Path, framework: str) -> list[Path]:
     found = {p.name: p for p in sorted(base.glob("Versions/*/Headers/**/*.h"))}
     found.update({p.name: p for p in sorted(base.glob("Headers/**/*.h"))})
     return list(found.values())
+
+
+def tensor_sources() -> list[Path]:
+    """Lily's Metal 4 tensor-op sources: metal/*_tensor.metal and the headers only they
+    include (metal/*_tensor.h)."""
+    metal = ROOT / "metal"
+    return sorted([*metal.glob("*_tensor.metal"), *metal.glob("*_tensor.h")])
 
 
 # ---- declarations -------------------------------------------------------------------------
@@ -290,7 +297,7 @@ def tensor_check(newest: Path) -> bool:
         bf_gated = bool(re.search(r"#if __HAVE_BFLOAT__\s*else if constexpr \(__is_same_v<ElementType, bfloat>", tt))
     table = set(re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE))
     used = set()
-    for f in sorted((ROOT / "metal").glob("*_tensor.metal")):
+    for f in tensor_sources():
         src = f.read_text(encoding="utf-8")
         used |= set(re.findall(r"tensor<\s*(?:device|threadgroup)\s+(?:const\s+)?(float|half|bfloat)\b", src))
         for a, b in re.findall(r'host_name\("st_tensor_mm_\w+?_(f16|f32|bf16)_(f16|f32|bf16)', src):
@@ -308,7 +315,7 @@ def tensor_check(newest: Path) -> bool:
     print("  floating operand rows of the header comment's table (A, B, C): "
           + (", ".join(" x ".join(r) for r in floating) or "none"))
     cp = [h for h in headers(newest, "Metal") if h.name == "MTLComputePipeline.h"]
-    coop = any("cooperative_tensor" in f.read_text(encoding="utf-8") for f in (ROOT / "metal").glob("*_tensor.metal"))
+    coop = any("cooperative_tensor" in f.read_text(encoding="utf-8") for f in tensor_sources())
     if cp and coop and re.search(r"CooperativeTensors in which case this must be set", cp[0].read_text(encoding="utf-8")):
         sets = "requiredThreadsPerThreadgroup" in MM.read_text(encoding="utf-8")
         ok &= sets

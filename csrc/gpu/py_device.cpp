@@ -137,6 +137,32 @@ void do_dispatch(ComputePass& pass, const std::string& kernel, nb::handle grid,
 
 }  // namespace
 
+nb::dict counters_dict(const Counters& c, bool declared) {
+  nb::dict d;
+  d["dispatches"] = c.dispatches;
+  d["barrier_stages"] = c.barrier_stages;
+  d[declared ? "declared_bytes_read" : "bytes_read"] = c.bytes_read;
+  d[declared ? "declared_bytes_written" : "bytes_written"] = c.bytes_written;
+  d["passes"] = c.passes;
+  d["copies"] = c.copies;
+  d["bytes_copied"] = c.bytes_copied;
+  return d;
+}
+
+nb::dict record_dict(const DispatchRecord& r) {
+  nb::dict d;
+  d["label"] = r.label;
+  d["kernel"] = r.kernel;
+  d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
+  d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
+  d["threadgroup_memory"] = r.threadgroup_memory;
+  d["pass"] = r.pass;
+  d["stage"] = r.stage;
+  d["bytes_read"] = r.bytes_read;
+  d["bytes_written"] = r.bytes_written;
+  return d;
+}
+
 void bind_device(nb::module_& m) {
   nb::exception<HazardError>(m, "HazardError", PyExc_RuntimeError);
 
@@ -210,33 +236,10 @@ void bind_device(nb::module_& m) {
            },
            "fn"_a, "fn(status: str, error: str) runs on the main thread after completion (by the next wait()).")
       .def_prop_ro("status", [](CommandBuffer& cb) { return status_name(cb.status()); })
-      .def_prop_ro("counters", [](CommandBuffer& cb) {
-        const Counters& c = cb.counters();
-        nb::dict d;
-        d["dispatches"] = c.dispatches;
-        d["barrier_stages"] = c.barrier_stages;
-        d["bytes_read"] = c.bytes_read;
-        d["bytes_written"] = c.bytes_written;
-        d["passes"] = c.passes;
-        d["copies"] = c.copies;
-        d["bytes_copied"] = c.bytes_copied;
-        return d;
-      })
+      .def_prop_ro("counters", [](CommandBuffer& cb) { return counters_dict(cb.counters()); })
       .def_prop_ro("dispatch_log", [](CommandBuffer& cb) {
         nb::list out;
-        for (const DispatchRecord& r : cb.counters().log) {
-          nb::dict d;
-          d["label"] = r.label;
-          d["kernel"] = r.kernel;
-          d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
-          d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
-          d["threadgroup_memory"] = r.threadgroup_memory;
-          d["pass"] = r.pass;
-          d["stage"] = r.stage;
-          d["bytes_read"] = r.bytes_read;
-          d["bytes_written"] = r.bytes_written;
-          out.append(d);
-        }
+        for (const DispatchRecord& r : cb.counters().log) out.append(record_dict(r));
         return out;
       }, "Per-dispatch counters: label, kernel, threadgroups, threads per threadgroup, dynamic threadgroup "
          "memory, pass, barrier stage, declared bytes read/written.");

@@ -18,8 +18,13 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kGemvThreads = 64;        // 2 simdgroups x 8 rows = 16 rows per threadgroup
-constexpr uint32_t kGemvRowsPerGroup = 16;
+constexpr uint32_t kGemvThreads = 64;            // 2 simdgroups
+constexpr uint32_t kGemvRowsPerSimdgroup = 4;    // gemv_q*, moe_down_q4 (metal/common.h)
+constexpr uint32_t kGemvRowsPerGroup = kGemvRowsPerSimdgroup * kGemvThreads / 32;
+// norm_gemv_q* rows per simdgroup (NormGemvArgs): 8 for the wide projections and lm_head,
+// 1 for the 257-row router so that it spans ~130 threadgroups instead of 17.
+constexpr uint32_t kNormGemvRows = 8;
+constexpr uint32_t kRouterRows = 1;
 constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
 constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
 
@@ -78,10 +83,10 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
   struct Proj { const QuantLinear& w; gpu::Buffer* out; size_t offset; uint32_t rows; };
   // With `embed`, the step's embedding lookup is fused in (embed_norm_gemv_q4): the row of
   // the token in this step's slot becomes h (written) and the norm's input.
-  auto norm_gemv = [&](const TensorRef& norm_w, std::initializer_list<Proj> projs, bool xn_out,
+  auto norm_gemv = [&](const TensorRef& norm_w, std::initializer_list<Proj> projs, bool xn_out, uint32_t rps,
                        const std::string& label, bool embed = false) {
-    const uint32_t per_group = 8 * kGemvThreads / 32;
-    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u};
+    const uint32_t per_group = rps * kGemvThreads / 32;
+    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps};
     uint32_t groups = 0;
     Op op(embed ? *K.embed_norm_gemv : K.norm_gemv[projs.begin()->w.bits], label);
     if (embed) {
@@ -122,8 +127,8 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
                                     {g.in_proj_z, z_.get(), 0, Hv * Dv},
                                     {g.in_proj_b, b_.get(), 0, Hv},
                                     {g.in_proj_a, a_.get(), 0, Hv}},
-                false, labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"),
-                first);
+                false, kNormGemvRows,
+                labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
       gpu::Buffer& conv_in = *conv_[position % 2][l];
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
@@ -147,7 +152,8 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       norm_gemv(*layer.input_norm, {{a.q_proj, qg_.get(), 0, Hq * D * 2},
                                     {a.k_proj, k_.get(), 0, Hkv * D},
                                     {a.v_proj, v_.get(), 0, Hkv * D}},
-                false, labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"), first);
+                false, kNormGemvRows, labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"),
+                first);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
       // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
@@ -180,7 +186,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       } else {
         op.out(8, *part_ml_, 0, part_ml_->size()).out(9, *part_acc_, 0, part_acc_->size()).args(10, af).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq), tg(D))
+            .groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
             .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
             .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
             .out(4, *attn_, 0, size_t(Hq) * D * f)
@@ -195,7 +201,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
     const uint32_t E = d.num_experts, k = d.num_experts_per_tok;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
     norm_gemv(*layer.post_attention_norm, {{m.gate, router_.get(), 0, E}, {m.shared_expert_gate, router_.get(), E * f, 1}},
-              true, labels_(l, "post-attention norm + router|shared gate"));
+              true, kRouterRows, labels_(l, "post-attention norm + router|shared gate"));
     const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
@@ -227,7 +233,7 @@ void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset,
   const uint32_t H = d.hidden_size;
   // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
   {
-    const uint32_t per_group = 8 * kLmHeadThreads / 32;
+    const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
     Op op(decode_kernels_.norm_gemv[model_.lm_head.bits], "final norm + lm_head");
     op.in(0, x, offset, H * f).in(1, *model_.final_norm, &t.weight_bytes).bind(2, *xn_)
         .in(3, model_.lm_head, &t.weight_bytes).out(6, *logits_, 0, size_t(d.vocab_size) * f);
@@ -236,7 +242,7 @@ void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset,
       op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
     }
     op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u}).run(pass);
+        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows}).run(pass);
     t.other_bytes += H * f + size_t(d.vocab_size) * f;
   }
   if (sample) encode_sample(pass, slot);

@@ -17,17 +17,17 @@ namespace args = lily::kernels;
 
 namespace {
 
-// GEMM blocks (metal/gemm.metal): dense 32 x 64 output blocks of 128 threads; grouped
-// expert tiles of T rows x 64 columns, 64 threads (T = 16) or 128 (T = 32).
-constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmThreads = 128;
-// Grouped expert GEMMs (metal/gemm.metal): threads and output columns per threadgroup of
-// gate/up and of down for tile height T (T = 64: 64 x 32 blocks, so that gate/up's two
-// staged result blocks fit threadgroup memory within the kernels' 128 threads).
+// GEMM blocks (metal/gemm.metal, gemm_tiles.h): dense 64 x 64 output blocks of 128 threads,
+// the shared expert's SwiGLU 64 x 32 (gate and up: 64 weight rows per step as well).
+constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
+// Grouped expert GEMMs (metal/moe_prefill.metal): threads and output columns per threadgroup
+// of gate/up and of down for tile height T (T = 64: gate/up 64 x 32 blocks, so that its two
+// staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64).
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
 MoeGeometry moe_geometry(uint32_t T) {
-  if (T == 64) return {128, 32, 128, 32};
+  if (T == 64) return {128, 32, 128, 64};
   const uint32_t threads = T == 32 ? 128 : 64;
   return {threads, 64, threads, 64};
 }
@@ -41,8 +41,10 @@ constexpr uint32_t kConvThreads = 256;
 uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
 // gdn_gated_norm: (token, head) pairs per threadgroup, one simdgroup each.
 constexpr uint32_t kGdnNormPairs = 8;
-// attention: 256 threads, 32 (row, head) pairs per threadgroup; prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 32, kPrepRows = 8;
+// attention: 256 threads and 64 (row, head) pairs per threadgroup (attention_prefill.metal),
+// 128 and 16 on the tensor-op path (attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64, kAttnTensorThreads = 128, kAttnTensorPairs = 16;
+constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
@@ -167,9 +169,9 @@ void Runtime::resolve_prefill_kernels() {
   k.gdn_gated_norm = &dev.pipeline("gdn_gated_norm_v" + std::to_string(d.linear_value_head_dim));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds);
-  k.attn = &dev.pipeline("attn_prefill" + attn_suffix);
+  k.attn = &dev.pipeline("attn_prefill" + attn_suffix + path);  // path: attention_prefill_tensor.metal
   if (chunk_bufs_.attn_splits) {
-    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix);
+    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + path);
     k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
   }
   k.route_clear = &dev.pipeline("moe_route_clear");
@@ -294,7 +296,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .run(pass);
       }
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
-      const uint32_t BQ = kAttnPairs / G;
+      const uint32_t BQ = (tensor_ops_ ? kAttnTensorPairs : kAttnPairs) / G;
+      const uint32_t attn_threads = tensor_ops_ ? kAttnTensorThreads : kAttnThreads;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
       // Split the KV range only when the plain grid is too small to fill the GPU (few query
       // rows after a long prefix; docs/prefill.md): above the layout threshold and with
@@ -310,7 +313,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
         Op op(*K.attn, labels_(l, "attention"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
+        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(attn_threads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
@@ -326,7 +329,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
         Op op(*K.attn_split, labels_(l, "attention split"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
+        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(attn_threads))
             .in(0, *c.q, 0, size_t(M) * Hq * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
@@ -364,7 +367,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .out(4, *c.tile_count, 0, u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
+        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * f).out(7, *c.hs, 0, size_t(M) * Is * f)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);

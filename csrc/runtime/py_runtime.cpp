@@ -1,6 +1,7 @@
 #include "runtime/py_runtime.h"
 
 #include <optional>
+#include <type_traits>
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
@@ -11,6 +12,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include "gpu/py_device.h"
 #include "runtime/runtime.h"
 #include "runtime/work.h"
 
@@ -21,29 +23,43 @@ namespace lily::runtime {
 namespace {
 
 // A bound struct with a read-write attribute per X-list field, and FIELDS naming them.
+// `strict`: a setter that refuses a bool for a number (nanobind takes True as 1) and names
+// the field in its ValueError, for options a user types.
 template <class S>
 struct FieldBinder {
   nb::class_<S>& cls;
   nb::list names;
+  bool strict = false;
   template <class T>
   void add(const char* name, T S::*member) {
-    cls.def_rw(name, member);
     names.append(name);
+    if (!strict) {
+      cls.def_rw(name, member);
+      return;
+    }
+    const std::string type = std::is_same_v<T, bool> ? "bool" : std::is_integral_v<T> ? "int" : "float";
+    cls.def_prop_rw(
+        name, [member](const S& s) { return s.*member; },
+        [member, name](S& s, nb::handle v) {
+          const bool is_bool = PyBool_Check(v.ptr());
+          T out{};
+          if (std::is_same_v<T, bool> != is_bool || !nb::try_cast<T>(v, out))
+            throw std::invalid_argument(std::string(name) + " must be " +
+                                        (std::is_same_v<T, bool> ? "True or False"
+                                         : std::is_unsigned_v<T> ? "a non-negative integer"
+                                         : std::is_integral_v<T> ? "an integer"
+                                                                 : "a number") +
+                                        ", got " + nb::repr(v).c_str());
+          s.*member = out;
+        },
+        nb::for_setter(nb::sig(("def " + std::string(name) + "(self, arg: " + type + ", /) -> None").c_str())));
   }
 };
 
-// One dispatch for the performance model (lily.perf): geometry, declared bytes and the work
+// One dispatch for the performance model (lily.perf): the device's record plus the work
 // table's entry (None for a kernel the table does not know).
-nb::dict record_dict(const gpu::DispatchRecord& r) {
-  nb::dict d;
-  d["label"] = r.label;
-  d["kernel"] = r.kernel;
-  d["pass"] = r.pass;
-  d["stage"] = r.stage;
-  d["groups"] = nb::make_tuple(r.groups.x, r.groups.y, r.groups.z);
-  d["threads"] = nb::make_tuple(r.threads.x, r.threads.y, r.threads.z);
-  d["bytes_read"] = r.bytes_read;
-  d["bytes_written"] = r.bytes_written;
+nb::dict runtime_record_dict(const gpu::DispatchRecord& r) {
+  nb::dict d = gpu::record_dict(r);
   const std::optional<Work> w = dispatch_work(r);
   d["threadgroup_memory"] = r.threadgroup_memory + (w ? w->threadgroup_memory : 0);
   if (!w) {
@@ -59,12 +75,8 @@ nb::dict record_dict(const gpu::DispatchRecord& r) {
   return d;
 }
 
-nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
-  nb::dict d;
-  d["dispatches"] = c.dispatches;
-  d["barrier_stages"] = c.barrier_stages;
-  d["declared_bytes_read"] = c.bytes_read;
-  d["declared_bytes_written"] = c.bytes_written;
+nb::dict runtime_counters_dict(const gpu::Counters& c, const Traffic& t) {
+  nb::dict d = gpu::counters_dict(c, true);
   d["weight_bytes"] = t.weight_bytes;
   d["kv_bytes"] = t.kv_bytes;
   d["state_bytes"] = t.state_bytes;
@@ -73,7 +85,7 @@ nb::dict counters_dict(const gpu::Counters& c, const Traffic& t) {
   for (const auto& r : c.log) log.append(nb::make_tuple(r.label, r.stage));
   d["log"] = log;
   nb::list records;
-  for (const auto& r : c.log) records.append(record_dict(r));
+  for (const auto& r : c.log) records.append(runtime_record_dict(r));
   d["records"] = records;
   return d;
 }
@@ -105,7 +117,6 @@ void bind_runtime(nb::module_& m) {
     using Struct = SamplingConfig;
     LILY_SAMPLING_CONFIG(LILY_BIND_FIELD)
   }
-#undef LILY_BIND_FIELD
   sampling.attr("FIELDS") = nb::tuple(sampling_fields.names);
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
                               "A Runtime's session state in a buffer of its device (Runtime.snapshot / restore).")
@@ -132,33 +143,38 @@ void bind_runtime(nb::module_& m) {
            },
            "The state as bytes (read from the device buffer), one item per attention layer's K or V "
            "rows or DeltaNet layer's conv or recurrent state.");
+  nb::class_<RuntimeOptions> options(m, "RuntimeOptions",
+                                     "A Runtime's options (csrc/runtime/runtime.h; FIELDS lists them but "
+                                     "gemm_path). Setting a wrong type, an unknown gemm_path, or validate() "
+                                     "on a zero max_context/split_threshold/prefill_chunk raises ValueError "
+                                     "naming the option.");
+  options.def(nb::init<>());
+  FieldBinder<RuntimeOptions> options_fields{options, {}, true};
+  {
+    auto& binder = options_fields;
+    using Struct = RuntimeOptions;
+    LILY_RUNTIME_OPTIONS(LILY_BIND_FIELD)
+  }
+#undef LILY_BIND_FIELD
+  options.attr("FIELDS") = nb::tuple(options_fields.names);
+  options.def_prop_rw(
+      "gemm_path", [](const RuntimeOptions& o) { return std::string(RuntimeOptions::gemm_path_names[int(o.gemm_path)]); },
+      [](RuntimeOptions& o, const std::string& name) { o.gemm_path = RuntimeOptions::parse_gemm_path(name); },
+      "The prefill GEMM kernels: 'auto' (ask the device), 'simdgroup' or 'tensor'.");
+  options.def("validate", &RuntimeOptions::validate, "ValueError naming the first invalid option.");
   nb::class_<Runtime>(m, "Runtime",
                             "One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).")
       .def("__init__",
            [](Runtime* self, std::shared_ptr<gpu::Device> device, const ModelDims& dims,
-              const std::vector<Tensor>& tensors, uint32_t max_context, uint32_t split_threshold,
-              uint32_t split_block, bool virtual_weights, uint32_t prefill_chunk, const std::string& gemm_path) {
+              const std::vector<Tensor>& tensors, const RuntimeOptions& options) {
              std::vector<TensorDesc> descs;
              descs.reserve(tensors.size());
              for (const auto& [name, file, offset, nbytes] : tensors) descs.push_back({name, file, offset, nbytes});
-             RuntimeOptions o;
-             o.max_context = max_context;
-             o.split_threshold = split_threshold;
-             o.split_block = split_block;
-             o.virtual_weights = virtual_weights;
-             o.prefill_chunk = prefill_chunk;
-             if (gemm_path == "auto") o.gemm_path = GemmPath::automatic;
-             else if (gemm_path == "simdgroup") o.gemm_path = GemmPath::simdgroup;
-             else if (gemm_path == "tensor") o.gemm_path = GemmPath::tensor;
-             else throw std::invalid_argument("gemm_path must be 'auto', 'simdgroup' or 'tensor', got '" +
-                                              gemm_path + "'");
-             if (prefill_chunk == 0) throw std::invalid_argument("prefill_chunk must be positive");
-             new (self) Runtime(std::move(device), dims, descs, o);
+             new (self) Runtime(std::move(device), dims, descs, options);
            },
-           "device"_a, "dims"_a, "tensors"_a, "max_context"_a, "split_threshold"_a = 256,
-           "split_block"_a = 0, "virtual_weights"_a = false, "prefill_chunk"_a = 2048,
-           "gemm_path"_a = "auto",
-           "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.")
+           "device"_a, "dims"_a, "tensors"_a, "options"_a,
+           "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims; options: a "
+           "RuntimeOptions.")
       .def("reset", &Runtime::reset)
       .def("snapshot", &Runtime::snapshot, nb::call_guard<nb::gil_scoped_release>(),
            "A copy of the session state (waits for work in flight).")
@@ -263,14 +279,14 @@ void bind_runtime(nb::module_& m) {
            [](Runtime& rt, uint32_t position) {
              Traffic t;
              gpu::Counters c = rt.count_step(position, &t);
-             return counters_dict(c, t);
+             return runtime_counters_dict(c, t);
            },
            "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.")
       .def("count_chunk",
            [](Runtime& rt, uint32_t position, uint32_t rows) {
              Traffic t;
              gpu::Counters c = rt.count_chunk(position, rows, &t);
-             return counters_dict(c, t);
+             return runtime_counters_dict(c, t);
            },
            "position"_a, "rows"_a, "Encodes (and on a real device runs) one prefill chunk; counters and traffic.");
 }

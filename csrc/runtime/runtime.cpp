@@ -22,7 +22,7 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
       dims_(std::move(dims)),
       opt_(options) {
   dims_.validate();
-  if (opt_.max_context == 0) throw std::invalid_argument("max_context must be positive");
+  opt_.validate();
   const auto& d = dims_;
   const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
   if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");

@@ -14,7 +14,9 @@
 #include <cstdint>
 #include <memory>
 #include <set>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gpu/device.h"
@@ -30,13 +32,32 @@ enum class GemmPath { automatic, simdgroup, tensor };
 // What forward() returns.
 enum class Logits { none, last, all };
 
+// A session's options, listed once for the struct and its binding (lily._core.RuntimeOptions,
+// which lily.native builds from Engine.load's device options). X(type, name, default).
+#define LILY_RUNTIME_OPTIONS(X)                                                                \
+  X(uint32_t, max_context, 4096)     /* KV-cache rows per attention layer */                   \
+  X(uint32_t, split_threshold, 256)  /* context above which decode attention splits the KV */ \
+  X(uint32_t, split_block, 0)        /* KV rows per split block; 0: by context (split_rows) */  \
+  X(uint32_t, prefill_chunk, 2048)   /* tokens per prefill chunk (scratch is sized for one) */ \
+  X(bool, virtual_weights, false)    /* record-only counting: weights need not exist on disk */
+
 struct RuntimeOptions {
-  uint32_t max_context = 4096;         // KV-cache rows per attention layer
-  uint32_t split_threshold = 256;      // context (rows attended) above which decode attention splits the KV rows
-  uint32_t split_block = 0;            // KV rows per split block; 0: chosen by context (Runtime::split_rows)
-  bool virtual_weights = false;        // record-only counting: weights need not exist on disk
-  uint32_t prefill_chunk = 2048;       // tokens per prefill chunk (scratch is sized for one chunk)
-  GemmPath gemm_path = GemmPath::automatic;
+  LILY_RUNTIME_OPTIONS(LILY_DECLARE_FIELD)
+  GemmPath gemm_path = GemmPath::automatic;  // bound as its name (gemm_path_names)
+
+  static constexpr const char* gemm_path_names[3] = {"auto", "simdgroup", "tensor"};
+  // The one home of the options' rules: throws std::invalid_argument naming the option.
+  static GemmPath parse_gemm_path(const std::string& name) {
+    for (int i = 0; i < 3; ++i)
+      if (name == gemm_path_names[i]) return GemmPath(i);
+    throw std::invalid_argument("gemm_path must be one of auto, simdgroup, tensor, got '" + name + "'");
+  }
+  void validate() const {
+    const std::pair<const char*, uint32_t> positive[] = {
+        {"max_context", max_context}, {"split_threshold", split_threshold}, {"prefill_chunk", prefill_chunk}};
+    for (const auto& [name, value] : positive)
+      if (value == 0) throw std::invalid_argument(std::string(name) + " must be a positive integer, got 0");
+  }
 };
 
 // Bytes a step actually moves (the routed experts it selects, not the whole stacks that

@@ -1,9 +1,11 @@
 // The work table (work.h). Counts are per dispatch, from what the record holds; an FMA is
 // 2 operations. Unpacking a 4/8-bit weight and applying its scale and bias counts 3 ALU
 // operations per weight each time a threadgroup dequantizes it. Tile shapes are those of
-// metal/gemm.metal, gemm_tensor.metal, gemm_tiles.h and attention_prefill.metal.
+// metal/gemm_tiles.h (gemm.metal, gemm_tensor.metal, moe_prefill*.metal) and
+// attention_prefill.metal.
 #include "runtime/work.h"
 
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstring>
@@ -21,8 +23,21 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-constexpr uint32_t kGemmBM = 32, kGemmBN = 64, kGemmLd = 36;  // dense tiles: gemm.metal / gemm_tiles.h
-constexpr uint32_t kAttnRows = 32, kAttnTile = 16;           // attention_prefill.metal kRows, kTile
+// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU: every staged activation
+// is clamped to the half range and converted (min, max, convert: 3 operations), every
+// dequantized weight converted (1; the clamp is decided once per row and group).
+constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
+// Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
+// stride of 64 + 8 halves (kGemmLd).
+constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
+// Threadgroup memory of a GEMM block (GemmSmem of gemm_tiles.h): half A and NB W tiles,
+// reused for NB staged fp32 BM x (BN + 4) result blocks.
+uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb) {
+  return std::max<uint64_t>(uint64_t(bm + nb * bn) * kGemmLd * 2, uint64_t(nb) * bm * (bn + 4) * 4);
+}
+constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
+// (row, head) pairs per threadgroup: attention_prefill.metal / attention_prefill_tensor.metal kRows
+constexpr uint32_t kAttnRows = 64, kAttnTensorRows = 16;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -73,19 +88,22 @@ Work make(const char* family) {
 }
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
-// Dense quantized GEMM tiles (32 x 64 per threadgroup; NB weight matrices sharing x).
+// Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
-  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies.
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * a.m * a.n * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * r.groups.y * double(a.n) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
+  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
+  // Every row block of the grid (grid y) dequantizes and converts the weight rows it
+  // multiplies; every column block (grid x) converts its activation rows.
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * r.groups.y * double(a.n) * a.k +
+                            kHalfConvOps * r.groups.x * double(a.m) * a.k + (nb == 2 ? 4.0 * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = uint64_t(kGemmBM + nb * kGemmBN) * kGemmLd * 4;
+  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
   return w;
 }
 
-// Grouped expert GEMMs over the tile map (T-row tiles x 64 columns).
+// Grouped expert GEMMs over the tile map (T-row tiles x 32 or 64 columns); half operands,
+// fp32 sums.
 Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
   const uint32_t T = param(r.kernel, "_t");
@@ -94,8 +112,12 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // Each reached expert's last tile is on average half padding.
   const double rows = std::min(double(a.m) * a.top_k + reached * (T - 1) / 2.0, double(r.groups.x) * T);
   const double tiles = rows / T;  // each tile dequantizes its expert's n x k weights
-  add(w, tensor ? Path::tensor_f32 : Path::sgmm_f32, 2.0 * nb * rows * a.n * a.k);
-  add(w, Path::alu_f32, kDequantOps * nb * tiles * double(a.n) * a.k + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
+  const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
+  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
+  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
+                            kHalfConvOps * rows * a.k * r.groups.y + (nb == 2 ? 4.0 * rows * a.n : 0.0));
+  w.threadgroup_memory = gemm_smem(T, bn, nb);
   const double stack = double(a.n) * a.k * quant_bytes(4);
   w.bytes = declared(r) - nb * (a.experts - reached) * stack;
   return w;
@@ -133,9 +155,10 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::MoeRouteArgs>(r);
     Work w = make("routed experts");
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
-    // router softmax + top-k rounds replayed by every threadgroup
+    // router softmax + top-k rounds replayed by every simdgroup of a routed slot
+    const double routing_simdgroups = double(r.groups.x) * a.top_k * (r.threads.count() / 32);
     add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
-                              groups * a.experts * (4.0 + a.top_k));
+                              routing_simdgroups * a.experts * (4.0 + a.top_k));
     w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     return w;
   }
@@ -215,18 +238,36 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   if (starts(k, "attn_prefill_d") || starts(k, "attn_prefill_split_d")) {
-    const uint32_t D = param(k, "_d");
+    const uint32_t D = param(k, "_d"), G = param(k, "_g");
     const auto a = arg<args::AttnPrefillArgs>(r);
-    // causal (row, key) pairs, with the partial diagonal tile of each 16-row KV tile
-    const double pairs = double(a.rows) * a.p0 + 0.5 * double(a.rows) * a.rows + double(a.rows) * kAttnTile;
-    const double heads = a.num_q_heads;
+    // KV tiles the threadgroups run, exactly as the kernel walks them: block b (BQ chunk rows)
+    // covers keys [0, p0 + its last row], cut at split boundaries on the split path, in
+    // kAttnTile-row tiles (the last one partial, masked, but computed in full).
+    const uint32_t rows = tensor ? kAttnTensorRows : kAttnRows;
+    const uint32_t BQ = rows / G, M = a.rows;
+    double tiles = 0;
+    for (uint32_t row0 = 0; row0 < M; row0 += BQ) {
+      const uint64_t kend = uint64_t(a.p0) + std::min(row0 + BQ, M);
+      if (a.num_splits == 0) {
+        tiles += double((kend + kAttnTile - 1) / kAttnTile);
+        continue;
+      }
+      for (uint64_t kbeg = 0; kbeg < kend && kbeg < uint64_t(a.num_splits) * a.split_rows; kbeg += a.split_rows)
+        tiles += double((std::min<uint64_t>(kend - kbeg, a.split_rows) + kAttnTile - 1) / kAttnTile);
+    }
+    tiles *= double(a.num_q_heads / G);  // threadgroup columns
+    const double scores = tiles * rows * kAttnTile;
     Work w = make("attention");
-    add(w, Path::sgmm_f32, 4.0 * D * heads * pairs);  // QK^T and PV, 8x8 fp32 simdgroup_matrix
-    // online softmax per score, and the bf16 -> fp32 staging of K and V per threadgroup
-    const double kv_rows = double(a.p0) + a.rows;
-    add(w, Path::alu_f32, 8.0 * heads * pairs + 2.0 * groups * kv_rows * D / std::max(1u, r.groups.z));
+    // Q K^T and P V: 2 D flops each per score, half operands, fp32 accumulation
+    add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 4.0 * D * scores);
+    // online softmax per score (mask, max, subtract, exp, half rounding, sum); per tile the
+    // bf16 -> half conversion of K and V; per threadgroup the scaling of Q. The rare
+    // diag(corr) O rescale (a row's max grew by > 8) is not counted.
+    add(w, Path::alu_f32, 8.0 * scores + 2.0 * tiles * kAttnTile * D + groups * rows * D);
     w.bytes = declared(r);
-    w.threadgroup_memory = 4 * (kAttnTile * D + kAttnRows * kAttnTile + 256 + 2 * kAttnRows);
+    w.threadgroup_memory = tensor ? 2 * (kAttnTensorRows + kAttnTile) * D + 6 * kAttnTensorRows * kAttnTile +
+                                        12 * kAttnTensorRows + 16
+                                  : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
     return w;
   }
   if (starts(k, "attn_prefill_combine_d")) {

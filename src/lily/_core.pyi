@@ -384,14 +384,65 @@ class SessionSnapshot:
         The state as bytes (read from the device buffer), one item per attention layer's K or V rows or DeltaNet layer's conv or recurrent state.
         """
 
+class RuntimeOptions:
+    """
+    A Runtime's options (csrc/runtime/runtime.h; FIELDS lists them but gemm_path). Setting a wrong type, an unknown gemm_path, or validate() on a zero max_context/split_threshold/prefill_chunk raises ValueError naming the option.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def max_context(self) -> int: ...
+
+    @max_context.setter
+    def max_context(self, arg: int, /) -> None: ...
+
+    @property
+    def split_threshold(self) -> int: ...
+
+    @split_threshold.setter
+    def split_threshold(self, arg: int, /) -> None: ...
+
+    @property
+    def split_block(self) -> int: ...
+
+    @split_block.setter
+    def split_block(self, arg: int, /) -> None: ...
+
+    @property
+    def prefill_chunk(self) -> int: ...
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, arg: int, /) -> None: ...
+
+    @property
+    def virtual_weights(self) -> bool: ...
+
+    @virtual_weights.setter
+    def virtual_weights(self, arg: bool, /) -> None: ...
+
+    FIELDS: tuple[str, ...]
+
+    @property
+    def gemm_path(self) -> str:
+        """
+        The prefill GEMM kernels: 'auto' (ask the device), 'simdgroup' or 'tensor'.
+        """
+
+    @gemm_path.setter
+    def gemm_path(self, arg: str, /) -> None: ...
+
+    def validate(self) -> None:
+        """ValueError naming the first invalid option."""
+
 class Runtime:
     """
     One session of the model on a device: chunked prefill and pipelined decode (csrc/runtime/runtime.h).
     """
 
-    def __init__(self, device: Device, dims: ModelDims, tensors: Sequence[tuple[str, str, int, int]], max_context: int, split_threshold: int = 256, split_block: int = 0, virtual_weights: bool = False, prefill_chunk: int = 2048, gemm_path: str = 'auto') -> None:
+    def __init__(self, device: Device, dims: ModelDims, tensors: Sequence[tuple[str, str, int, int]], options: RuntimeOptions) -> None:
         """
-        tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims.
+        tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims; options: a RuntimeOptions.
         """
 
     def reset(self) -> None: ...

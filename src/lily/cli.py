@@ -442,32 +442,26 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
-def cmd_bench_agent(args) -> int:
-    from lily import agent_bench
-    from lily.engine import Engine
-    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
-    load = dict(device=args.device, device_options=options, max_context=args.max_context)
-    engine = Engine.load(args.model, **load)
-    cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
-    rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
-                          turn_tokens=args.turn_tokens, max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
-                          on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
-    print(agent_bench.format_report(rep))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rep, f, indent=2)
-        print(f"\nwritten: {args.json}", file=sys.stderr)
-    return 0
-
-
 def cmd_bench(args) -> int:
-    if args.agent:
-        return cmd_bench_agent(args)
-    from lily.bench import bench, format_report
+    """``lily bench`` (against MLX-LM) and ``lily bench --agent`` (multi-turn, prompt cache):
+    the same device options, report and --json file."""
     options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
-    rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
-                rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
-    print(format_report(rep))
+    if args.agent:
+        from lily import agent_bench
+        from lily.engine import Engine
+        load = dict(device=args.device, device_options=options, max_context=args.max_context)
+        engine = Engine.load(args.model, **load)
+        cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
+        rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
+                              turn_tokens=args.turn_tokens,
+                              max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                              on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
+        print(agent_bench.format_report(rep))
+    else:
+        from lily.bench import bench, format_report
+        rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
+                    rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
+        print(format_report(rep))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(rep, f, indent=2)

@@ -16,10 +16,6 @@ from lily.errors import CheckpointError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
-SPLIT_THRESHOLD = 256    # context above which decode attention splits the KV rows across threadgroups
-SPLIT_BLOCK = 0          # KV rows per split block; 0: chosen by context (~128 threadgroups)
-PREFILL_CHUNK = 2048     # default tokens per prefill chunk (scratch memory is sized for one chunk)
-GEMM_PATHS = ("auto", "simdgroup", "tensor")
 
 
 def model_dims(c: ModelConfig):
@@ -43,6 +39,24 @@ def sampling_config(params):
     seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
     s.seed = int(seed) % (1 << 64)
     return s
+
+
+def runtime_options(max_context: int, **options):
+    """The runtime's ``lily._core.RuntimeOptions`` (csrc/runtime/runtime.h holds the fields,
+    their defaults and their rules): ``max_context`` plus any of ``split_threshold``,
+    ``split_block``, ``prefill_chunk`` (ints), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
+    ``"tensor"``) and ``virtual_weights``. Raises :class:`InvalidParameterError` naming an
+    unknown or invalid option."""
+    from lily import _core
+    o = _core.RuntimeOptions()
+    reject_unknown_options(options, [f for f in (*o.FIELDS, "gemm_path") if f != "max_context"], "runtime option")
+    try:
+        for name, value in {"max_context": max_context, **options}.items():
+            setattr(o, name, value)
+        o.validate()
+    except ValueError as e:
+        raise InvalidParameterError(str(e)) from None
+    return o
 
 
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
@@ -103,16 +117,12 @@ class NativeBackend:
                "device_options")  # Engine.load's device_options
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
-                 split_threshold: int = SPLIT_THRESHOLD, split_block: int = SPLIT_BLOCK,
-                 prefill_chunk: int = PREFILL_CHUNK, gemm_path: str = "auto",
-                 weight_cache: bool | str = True, device_options: dict | None = None):
-        for name, v, low in (("split_threshold", split_threshold, 1), ("split_block", split_block, 0),
-                             ("prefill_chunk", prefill_chunk, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                what = "a positive integer" if low else "a non-negative integer"
-                raise InvalidParameterError(f"{name} must be {what}, got {v!r}")
-        if gemm_path not in GEMM_PATHS:
-            raise InvalidParameterError(f"gemm_path must be one of {', '.join(GEMM_PATHS)}, got {gemm_path!r}")
+                 weight_cache: bool | str = True, device_options: dict | None = None, **options):
+        """``options``: the runtime's (:func:`runtime_options`) but ``virtual_weights``."""
+        from lily import _core
+        reject_unknown_options(options, [o for o in self.OPTIONS if o not in ("weight_cache", "device_options")],
+                               "device option")
+        opts = runtime_options(max_context, **options)
         if not isinstance(weight_cache, (bool, str, os.PathLike)):
             raise InvalidParameterError(f"weight_cache must be True, False or a directory, got {weight_cache!r}")
         if (device_options or {}).get("record_only"):
@@ -127,9 +137,7 @@ class NativeBackend:
         if weight_cache is not False:
             tensors = aligned_table(tensors, None if weight_cache is True else weight_cache)
         try:
-            self.runtime = _runtime(self.device, ck.config, tensors, max_context,
-                                    split_threshold, split_block, prefill_chunk=prefill_chunk,
-                                    gemm_path=gemm_path)
+            self.runtime = _core.Runtime(self.device, model_dims(ck.config), tensors, opts)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
         self.prefill_chunk: int = self.runtime.prefill_chunk
@@ -190,12 +198,14 @@ class NativeBackend:
             raise InvalidParameterError(str(e)) from None
 
 
-def _runtime(device, config: ModelConfig, tensors, max_context: int, split_threshold: int,
-             split_block: int, virtual_weights: bool = False, prefill_chunk: int = PREFILL_CHUNK,
-             gemm_path: str = "auto"):
+def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
+    """A runtime on a record-only simulator over virtual weights (:func:`_virtual_tensors`);
+    ``options``: :func:`runtime_options`', plus ``gpu_family`` for the device."""
     from lily import _core
-    return _core.Runtime(device, model_dims(config), tensors, max_context, split_threshold,
-                         split_block, virtual_weights, prefill_chunk, gemm_path)
+    family = options.pop("gpu_family", None)
+    dev = make_device("sim", record_only=True, **({"gpu_family": family} if family else {}))
+    return _core.Runtime(dev, model_dims(config), _virtual_tensors(config, bits, router_bits),
+                         runtime_options(max_context, virtual_weights=True, **options))
 
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
@@ -220,25 +230,23 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
 
 
 def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
-                      split_threshold: int = SPLIT_THRESHOLD) -> dict:
+                      split_threshold: int | None = None) -> dict:
     """Simulator counters of one decode step at ``context`` tokens for a model that need not
     exist on disk (record-only device, virtual weights laid out as MLX writes them).
 
     Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
     (weights of the selected experts, KV rows, state)."""
-    dev = make_device("sim", record_only=True)
-    rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), context + 1, split_threshold,
-                  SPLIT_BLOCK, virtual_weights=True, prefill_chunk=1)
-    return rt.count_step(context)
+    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
+    return _counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
 
 
 def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,
-                        router_bits: int = 8, split_threshold: int = SPLIT_THRESHOLD,
+                        router_bits: int = 8, split_threshold: int | None = None,
                         gemm_path: str = "simdgroup") -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
     (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
     counts on a simulator of an apple10 (M5) GPU, the family that has them."""
-    dev = make_device("sim", record_only=True, **({"gpu_family": "apple10"} if gemm_path == "tensor" else {}))
-    rt = _runtime(dev, config, _virtual_tensors(config, bits, router_bits), position + rows, split_threshold,
-                  SPLIT_BLOCK, virtual_weights=True, prefill_chunk=rows, gemm_path=gemm_path)
+    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
+    rt = _counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
+                           gpu_family="apple10" if gemm_path == "tensor" else None, **extra)
     return rt.count_chunk(position, rows)

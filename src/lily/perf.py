@@ -342,12 +342,12 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
     one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
     :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
-    ``chunk``: prefill rows per chunk (default: the runtime's ``PREFILL_CHUNK``).
+    ``chunk``: prefill rows per chunk (default: the runtime's, ``RuntimeOptions().prefill_chunk``).
 
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
     and :class:`UnknownKernelError` if the plan uses a kernel the work table lacks."""
-    from lily.native import PREFILL_CHUNK
+    from lily import _core
     m = machine(machine_key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
@@ -356,7 +356,7 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     for p in prompts:
         check_length("prompts", p, limit)
     check_length("breakdown_at", breakdown_at, limit, kind="context")
-    chunk = PREFILL_CHUNK if chunk is None else chunk
+    chunk = _core.RuntimeOptions().prefill_chunk if chunk is None else chunk
     check_length("chunk", chunk, limit, kind="chunk")
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:

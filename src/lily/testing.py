@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from lily.checkpoint import f32_to_bf16
+from lily.checkpoint import ModelConfig, f32_to_bf16
 
 __all__ = [
     "PRESETS",
@@ -87,38 +87,33 @@ _DEFAULT_SHARD_BYTES = 96 * 1024 * 1024
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Preset:
-    """Dimensions of a random test model (field names follow ``text_config``).
+# A preset chooses ModelConfig's fields (lily.checkpoint, the one list of them) but those the
+# factory fixes: layer_types follows full_attention_interval, and the rest are the real
+# model's settings that text_config writes. Two fields of config.json that ModelConfig does
+# not read are added; the defaults are the real model's.
+_FIXED_FIELDS = ("layer_types", "tie_word_embeddings", "norm_topk_prob", "model_type", "eos_token_ids")
+_PRESET_DEFAULTS = {"linear_conv_kernel_dim": 4, "vocab_size": REAL_VOCAB_SIZE, "rms_norm_eps": 1e-6,
+                    "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                    "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1}
+_config_fields = [(f.name, f.type) for f in dataclasses.fields(ModelConfig) if f.name not in _FIXED_FIELDS]
+_PresetFields = dataclasses.make_dataclass(
+    "_PresetFields",
+    [("name", str), *[f for f in _config_fields if f[0] not in _PRESET_DEFAULTS], ("full_attention_interval", int),
+     *[(n, t, dataclasses.field(default=_PRESET_DEFAULTS[n])) for n, t in _config_fields if n in _PRESET_DEFAULTS],
+     ("mtp_num_hidden_layers", int, dataclasses.field(default=_PRESET_DEFAULTS["mtp_num_hidden_layers"]))],
+    frozen=True)
+
+
+class Preset(_PresetFields):
+    """Dimensions of a random test model (field names follow ``text_config``): ``name``,
+    :class:`lily.checkpoint.ModelConfig`'s fields but ``layer_types`` (from
+    ``full_attention_interval``) and the fixed settings, and ``mtp_num_hidden_layers``.
 
     Every quantized matmul's input dimension (hidden_size, GDN value_dim, attention
     ``num_attention_heads * head_dim``, ``moe_intermediate_size``,
     ``shared_expert_intermediate_size``) must be a multiple of the quantization group size
     64, otherwise MLX-LM would leave that linear unquantized; :meth:`validate` checks this.
     """
-
-    name: str
-    hidden_size: int
-    num_hidden_layers: int
-    full_attention_interval: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    num_experts: int
-    num_experts_per_tok: int
-    moe_intermediate_size: int
-    shared_expert_intermediate_size: int
-    linear_conv_kernel_dim: int = 4
-    vocab_size: int = REAL_VOCAB_SIZE
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10_000_000.0
-    partial_rotary_factor: float = 0.25
-    max_position_embeddings: int = 262144
-    mtp_num_hidden_layers: int = 1
 
     # -- derived sizes -------------------------------------------------------------
     @property

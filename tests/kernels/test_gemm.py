@@ -1,4 +1,5 @@
-"""Prefill GEMMs of metal/gemm.metal on the Metal simulator against numpy.
+"""Prefill GEMMs (metal/gemm.metal; the grouped expert GEMMs of metal/moe_prefill.metal)
+on the Metal simulator against numpy.
 
 Dense: gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k],
 row strides lda / ldy, column blocks of wider matrices). Grouped expert GEMMs over a tile
@@ -12,18 +13,20 @@ reverse thread/threadgroup order with undeclared-read detection; random order), 
 out-of-range write detection, on poisoned (NaN) outputs: bytes a dispatch must not write are
 checked to still be NaN.
 
-Tolerances (fp32 arithmetic; ``exact`` is float64 from the fp32-dequantized weights):
-* every output of a product is a sum of K products ``w x``; the kernels dequantize
-  ``w = s q + b`` in fp32 (the same value as ``dequantize``, or one rounding away where a GPU
-  compiler contracts it to an fma) and accumulate in fp32 in an order that differs from
-  numpy's (simdgroup_matrix 8x8 products, sequential over k on the simulator, unspecified
-  inside a product on a GPU). The first-order bound of a K-term fp32 sum in any order is
-  ``(K - 1) u M`` with ``u = 2**-24`` and ``M = sum_i (|s| q_i + |b|) |x_i|`` (the summed
-  magnitudes), plus ``u M`` for the products and ``2 u M`` for a contracted dequantization:
-  we check ``|got - exact| <= (K + 8) u M`` per output. Typical errors are ~sqrt(K) u M
-  (measured worst err/tol is printed by each test: ~0.01-0.1). For K <= 512 the bound is
-  below the effect of one wrong 4-bit code (~M / (15 K)); at K = 2048 it still catches any
-  indexing, stride or tile error, which change many terms;
+Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x
+clamped to +-65504 and rounded to half, the weight dequantized in fp32 (``s q + b``) and
+rounded to half; products of halves are exact in fp32 and accumulate in fp32. The reference
+(``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
+same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
+* every output is a sum of K exact products ``wh xh`` in an order that differs from numpy's
+  (8x8 products, sequential over k on the simulator, unspecified inside a product on a
+  GPU). The first-order bound of a K-term fp32 sum in any order is ``(K - 1) u M`` with
+  ``u = 2**-24`` and ``M = sum_i |wh_i| |xh_i|``: we check ``|got - exact| <= (K + 8) u M``,
+  plus ``|xh| dw`` where a GPU compiler's fma in the dequantization can round a weight to the
+  neighbouring half (``dw``, zero on the simulator's and numpy's stepwise arithmetic).
+  Typical errors are ~sqrt(K) u M (worst err/tol is printed: ~0.01-0.1). Not modelling the
+  half rounding fails this bound (test_half_rounding_is_modelled), so it stays as tight as
+  the fp32 kernels' was;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
   a few roundings of the activation (``swiglu_bound`` of lily.kernel_check);
@@ -50,12 +53,10 @@ from harness import TIMES, assert_within as check, commit, magnitude, rand_quant
 
 from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
 from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
-from lily.kernel_check import gemm_bound as bound  # noqa: E402
+from lily.kernel_check import to_bf16_bits  # noqa: E402
+from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
 
 U = 2.0**-24
-BN = 64          # output columns per threadgroup of the dense GEMM kernels (metal/gemm.metal)
-DENSE_BM = 32    # rows per threadgroup of the dense kernels
-DENSE_TG = 128   # threads of the dense kernels (2 x 2 simdgroups)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -70,8 +71,8 @@ def row_ranges(buf, offset, rows, stride, width):
     return [(buf, offset + 4 * r * stride, 4 * width) for r in range(rows)]
 
 
-def dense_grid(m, n):
-    return (-(-n // BN), -(-m // DENSE_BM))
+def dense_grid(m, n, bn=GEMM_BN):
+    return (-(-n // bn), -(-m // GEMM_BM))
 
 
 def gemm_args(m, n, k, lda, ldy):
@@ -89,7 +90,7 @@ DENSE_SHAPES = [  # m, n, k
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
     reads = [*wb, (X, x_off, 4 * ((m - 1) * lda + k))]
     ys = row_ranges(Y, y_off, m, ldy, n)
-    p.dispatch(kernel, dense_grid(m, n), DENSE_TG,
+    p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
                constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy))],
                reads=reads + (ys if add else []), writes=ys, threadgroups=True, label=kernel)
@@ -107,9 +108,7 @@ def test_gemm(dev, bits, m, n, k):
     enc_gemm(cb.compute_pass(), f"gemm_q{bits}", wb, X, Y, m, n, k, k, n)
     commit(cb, f"gemm_q{bits}")
     out = download(Y, np.float32)
-    x64 = x.astype(np.float64)
-    exact = x64 @ qt.dequantize().astype(np.float64).T
-    tol = bound(k) * (np.abs(x64) @ magnitude(qt).T)
+    exact, tol = gemm_ref(x, qt)
     check(out[:m * n].reshape(m, n), exact, tol, f"gemm_q{bits} {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all(), "wrote past the output"
 
@@ -129,9 +128,8 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
     enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, lda, ldy, x_off=4 * xc, y_off=4 * yc)
     commit(cb, "gemm_q4 strided")
     out = download(Y, np.float32).reshape(m, ldy)
-    x64 = xw[:, xc:xc + k].astype(np.float64)
-    exact = x64 @ qt.dequantize().astype(np.float64).T
-    check(out[:, yc:yc + n], exact, bound(k) * (np.abs(x64) @ magnitude(qt).T), f"gemm_q4 strided {m}x{n}x{k}")
+    exact, tol = gemm_ref(xw[:, xc:xc + k], qt)
+    check(out[:, yc:yc + n], exact, tol, f"gemm_q4 strided {m}x{n}x{k}")
     rest = np.ones(ldy, bool)
     rest[yc:yc + n] = False
     assert np.isnan(out[:, rest]).all(), "wrote outside the column block"
@@ -151,9 +149,9 @@ def test_gemm_add(dev, m, n, k):
     enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, ldy, add=True)
     commit(cb, "gemm_q4_add")
     out = download(Y, np.float32).reshape(m, ldy)
-    x64 = x.astype(np.float64)
-    exact = y0[:, :n].astype(np.float64) + x64 @ qt.dequantize().astype(np.float64).T
-    tol = bound(k) * (np.abs(x64) @ magnitude(qt).T) + 2 * U * np.abs(exact)
+    v, tol = gemm_ref(x, qt)
+    exact = y0[:, :n].astype(np.float64) + v
+    tol = tol + 2 * U * np.abs(exact)
     check(out[:, :n], exact, tol, f"gemm_q4_add {m}x{n}x{k}")
     np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
 
@@ -190,10 +188,50 @@ def test_router_and_shared_gate_one_buffer(dev):
     commit(cb, "router gemm_q8")
     assert cb.counters["barrier_stages"] == 1
     out = download(L, np.float32).reshape(m, E + 1)
-    x64 = x.astype(np.float64)
     for q, cols in ((router, slice(0, E)), (sgate, slice(E, E + 1))):
-        exact = x64 @ q.dequantize().astype(np.float64).T
-        check(out[:, cols], exact, bound(hidden) * (np.abs(x64) @ magnitude(q).T), "router logits")
+        exact, tol = gemm_ref(x, q)
+        check(out[:, cols], exact, tol, "router logits")
+
+
+def test_half_rounding_is_modelled(dev):
+    """The reference's half rounding is what keeps the bound tight: x = 1 + 2**-12 (between
+    two halves: it rounds to 1) on a single k block, against the same reference without the
+    rounding of x, fails the tolerance; with it, passes."""
+    rng = fresh_rng(4242)
+    m, n, k = 8, 64, GEMM_BK
+    qt = rand_quant(rng, (), n, k, 4)
+    x = np.full((m, k), 1 + 2.0**-12, np.float32)
+    wb = qbufs(dev, qt)
+    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
+    commit(cb, "gemm_q4 rounding")
+    out = download(Y, np.float32).reshape(m, n)
+    exact, tol = gemm_ref(x, qt)
+    check(out, exact, tol, "half operands")
+    wh, _ = half_weights(qt)
+    wide = x.astype(np.float64) @ wh.T  # x not rounded (fp32 operand)
+    assert (np.abs(wide - exact) > tol).mean() > 0.9, "the reference without x's rounding would pass too"
+
+
+def test_saturating_half_operands(dev):
+    """Operands beyond the half range are clamped to +-65504 (gemm_half), never inf: an
+    outlier activation, or a weight group beyond the half range, gives finite outputs equal
+    to the clamped product."""
+    rng = fresh_rng(65504)
+    m, n, k = 5, 40, 128
+    qt = rand_quant(rng, (), n, k, 4)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x[1, 3], x[2, :] = 1e6, -7e4
+    qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
+    wb = qbufs(dev, qt)
+    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
+    commit(cb, "gemm_q4 saturation")
+    out = download(Y, np.float32).reshape(m, n)
+    exact, tol = gemm_ref(x, qt)
+    check(out, exact, tol, "saturated operands")
 
 
 # ------------------------------------------------------------------------------ grouped
@@ -250,9 +288,8 @@ def test_moe_down(dev, T, M, E, k, H, I, skew):
     for e, begin, rows, _ in tiles[:count]:
         a = perm[begin:begin + rows]
         written[a] = True
-        h64 = hx[begin:begin + rows].astype(np.float64)
-        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
-        check(yx[a], exact, bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"down T={T} expert {e}")
+        exact, tol = gemm_ref(hx[begin:begin + rows], dq, int(e))
+        check(yx[a], exact, tol, f"down T={T} expert {e}")
     assert np.isnan(yx[~written]).all(), "wrote rows of tiles past tile_count"
 
 
@@ -282,9 +319,8 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
         a = perm[slots]
         want, tol = swiglu_ref(x[a // k, :H], gq, uq, int(e))
         check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
-        h64 = hx[slots].astype(np.float64)
-        exact = h64 @ dq.dequantize(int(e)).astype(np.float64).T
-        check(yx[a], exact, bound(I) * (np.abs(h64) @ magnitude(dq, int(e)).T), f"chain down T={T} expert {e}")
+        exact, tol = gemm_ref(hx[slots], dq, int(e))
+        check(yx[a], exact, tol, f"chain down T={T} expert {e}")
     return tiles
 
 
@@ -324,6 +360,5 @@ def test_time_lm_head_shape(fwd_dev):
           f"full n={n_full}: ~{wall * n_full / n:.1f} s wall, ~{cpu * n_full / n:.1f} s CPU")
     y = download(Y, np.float32).reshape(m, n)
     cols = rng.choice(n, 64, replace=False)  # spot check
-    x64 = x.astype(np.float64)
-    exact = x64 @ qt.dequantize(cols).astype(np.float64).T
-    check(y[:, cols], exact, bound(k) * (np.abs(x64) @ magnitude(qt, cols).T), "lm_head shape")
+    exact, tol = gemm_ref(x, qt, cols)
+    check(y[:, cols], exact, tol, "lm_head shape")

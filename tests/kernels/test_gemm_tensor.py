@@ -1,24 +1,28 @@
-"""Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal), on the Metal
-simulator with gpu_family="apple10".
+"""Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal,
+moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with gpu_family="apple10".
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
    (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
    grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
    a real-model-shaped layer) is collected here again with its own parametrisation, inputs
    and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
-   ``_tensor`` twin (same bindings, grids, outputs). Its tolerances are the float32 bounds
-   documented in that module (``(K + 8) u M`` per output, first-order SwiGLU propagation),
-   which hold for any summation order, so they are also what a GPU must meet. Excluded: its
+   ``_tensor`` twin (same bindings, grids, outputs). Its references model the half operands
+   (``gemm_ref``) and its tolerances are the float32 bounds documented in that module
+   (``(K + 8) u M`` per output, first-order SwiGLU propagation), which hold for any
+   summation order, so they are also what a GPU must meet. Excluded: its
    simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
    product and adds it in increasing k order (docs/device-layer.md), as does its
-   simdgroup_matrix multiply-accumulate, and both paths dequantize with the same fp32
-   operations as ``QuantizedTensor.dequantize`` (``q * s``, then ``+ b``). So every output of
+   simdgroup_matrix multiply-accumulate; both paths stage the same half operands (x clamped
+   and rounded, the weight dequantized with the fp32 operations of
+   ``QuantizedTensor.dequantize``, ``q * s`` then ``+ b``, and rounded). So every output of
    a twin equals its simdgroup kernel's bit for bit (SwiGLU included: the same ``silu`` on
    the same values), and the plain products equal a numpy float32 model that accumulates
-   ``acc = acc + x[:, k] * w[:, k]`` in k order. (Not so on a GPU: other order, fma.)
-3. The twins' bindings match gemm.metal's, they exist only on apple10 devices, and the
-   Metal backend's start-up probe kernel computes what it should.
+   ``acc = acc + xh[:, k] * wh[:, k]`` in k order on the half operands (products of halves
+   are exact in fp32). (Not so on a GPU: other order, fma.)
+3. The twins' bindings match the simdgroup kernels', they exist only on apple10 devices, the
+   Metal backend's start-up probe kernel computes what it should, and the structure is
+   pinned: half x half -> float tensor operands, the tile geometry.
 
 Correctness tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
@@ -45,10 +49,9 @@ import test_gemm as simd_suite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 U = 2.0**-24
-BM, BN = 32, 64  # dense tile (gemm.metal / gemm_tensor.metal)
 
 
-# The GEMM kernels of metal/gemm.metal, whose twins are `<name>_tensor`.
+# The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`.
 TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
          *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in simd_suite.MOE_TILES)}
 
@@ -119,29 +122,30 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import MOE_BN, MOE_TG, MOE_TILES  # noqa: E402,F401
-from harness import magnitude, rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
+from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, MOE_BN, MOE_DOWN_BN,  # noqa: E402,F401
+                               MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, swiglu_ref)
+from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
-def seq_model(x, w):
-    """y = x w^T in float32, products rounded, added in increasing k (the simulator's order)."""
-    acc = np.zeros((x.shape[0], w.shape[0]), np.float32)
-    for k in range(x.shape[1]):
-        acc = acc + x[:, k:k + 1] * w[None, :, k]
+def seq_model(x, qt=None, index=None, w=None):
+    """y = xh wh^T in float32 on the GEMMs' half operands (half_operand of x, half_weights of
+    qt[index], or the given half-valued w), products exact, added in increasing k (the
+    simulator's order)."""
+    xh = half_operand(x).astype(np.float32)
+    wh = (half_weights(qt, index)[0] if w is None else w).astype(np.float32)
+    acc = np.zeros((xh.shape[0], wh.shape[0]), np.float32)
+    for k in range(xh.shape[1]):
+        acc = acc + xh[:, k:k + 1] * wh[None, :, k]
     return acc
 
 
-def check_bound(got, x, qt, index=None, extra=None):
-    """|got - x W^T (float64)| <= k u M (module docstring); returns the exact product."""
-    w = qt.dequantize(index).astype(np.float64)
-    exact = x.astype(np.float64) @ w.T
-    k = x.shape[1]
-    tol = k * U * (np.abs(x).astype(np.float64) @ magnitude(qt, index).T) + 1e-30
+def check_bound(got, x, qt, index=None):
+    """|got - xh wh^T (float64)| within gemm_ref's bound (module docstring)."""
+    exact, tol = gemm_ref(x, qt, index)
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
-    err = np.abs(got - (exact if extra is None else extra(exact)))
-    assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
-    return exact, tol
+    err = np.abs(got - exact)
+    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
 
 
 def cdiv(a, b):
@@ -165,7 +169,8 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
     for qt in qts:
         bufs += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
     bufs += [X, Y]
-    dispatch(dev, kernel, (cdiv(n, BN), cdiv(m, BM)), 128, bufs, constant(m, n, k, lda, ldy),
+    bn = GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN
+    dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, GEMM_BM)), GEMM_TG, bufs, constant(m, n, k, lda, ldy),
              reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
     return download(Y, np.float32, (m, ldy))
 
@@ -182,7 +187,7 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
     ldy = n + 3
     kernel = f"gemm_q{bits}"
     y = run_dense(dev, kernel + "_tensor", [qt], x, n, k, ldy)
-    np.testing.assert_array_equal(y[:, :n], seq_model(x, qt.dequantize()))
+    np.testing.assert_array_equal(y[:, :n], seq_model(x, qt))
     assert np.isnan(y[:, n:]).all()  # nothing written past n
     np.testing.assert_array_equal(y, run_dense(dev, kernel, [qt], x, n, k, ldy))
     check_bound(y[:, :n], x, qt)
@@ -197,29 +202,19 @@ def test_gemm_q4_add_exact(fwd):
     ldy = n + 1
     y0 = rng.standard_normal((m, ldy), dtype=np.float32)
     y = run_dense(dev, "gemm_q4_add_tensor", [qt], x, n, k, ldy, y0)
-    np.testing.assert_array_equal(y[:, :n], y0[:, :n] + seq_model(x, qt.dequantize()))
+    np.testing.assert_array_equal(y[:, :n], y0[:, :n] + seq_model(x, qt))
     np.testing.assert_array_equal(y[:, n:], y0[:, n:])
     np.testing.assert_array_equal(y, run_dense(dev, "gemm_q4_add", [qt], x, n, k, ldy, y0))
     check_bound(y[:, :n] - y0[:, :n].astype(np.float64), x, qt)
 
 
-def swiglu_check(got, x, g_qt, u_qt, gi=None, ui=None):
-    """The float64 bound of silu(x Wg^T) * (x Wu^T) (module docstring)."""
-    wg = g_qt.dequantize(gi).astype(np.float64)
-    wu = u_qt.dequantize(ui).astype(np.float64)
-    x64 = x.astype(np.float64)
-    g, u = x64 @ wg.T, x64 @ wu.T
-    k = x.shape[1]
-    eg = k * U * (np.abs(x64) @ magnitude(g_qt, gi).T)
-    eu = k * U * (np.abs(x64) @ magnitude(u_qt, ui).T)
-    sg = 1.0 / (1.0 + np.exp(-g))
-    dsilu = np.abs(sg * (1.0 + g * (1.0 - sg)))
-    want = g * sg * u
-    tol = dsilu * np.abs(u) * eg + np.abs(g * sg) * eu + 4 * U * np.abs(want) + 1e-30
+def swiglu_check(got, x, g_qt, u_qt, index=None):
+    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (module docstring)."""
+    want, tol = swiglu_ref(x, g_qt, u_qt, index)
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - want)
-    assert (err <= tol).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
+    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
 
 
 @pytest.mark.parametrize("m,n,k", [(33, 70, 128), (5, 64, 256)])
@@ -231,7 +226,7 @@ def test_gemm_swiglu_q4_exact(fwd, m, n, k):
     ldy = n + 2
     y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy)
     np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy))
-    g, u = seq_model(x, gq.dequantize()), seq_model(x, uq.dequantize())
+    g, u = seq_model(x, gq), seq_model(x, uq)
     np.testing.assert_allclose(y[:, :n], silu(g) * u, rtol=1e-6, atol=1e-7)  # silu's float32 rounding only
     swiglu_check(y[:, :n], x, gq, uq)
 
@@ -243,7 +238,7 @@ def test_gemm_q4_real_size_exact(fwd):
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k), dtype=np.float32)
     y = run_dense(fwd, "gemm_q4_tensor", [qt], x, n, k, n)
-    np.testing.assert_array_equal(y, seq_model(x, qt.dequantize()))
+    np.testing.assert_array_equal(y, seq_model(x, qt))
     check_bound(y, x, qt)
 
 
@@ -297,7 +292,7 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
     YX = dev.buffer(m * top_k * ldy * 4)
     bufs = [H, P, Ti, C, *W, YX]
-    threads, bn = MOE_TG[T], MOE_BN[T]
+    threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
     return download(YX, np.float32, (m * top_k, ldy))
@@ -321,7 +316,7 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     assert np.isnan(hx[:, inter:]).all()
     for s, a in enumerate(perm):
         row, e = a // top_k, ids.reshape(-1)[a]
-        swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, e, e)
+        swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, int(e))
 
 
 @pytest.mark.parametrize("T", MOE_TILES)
@@ -343,9 +338,9 @@ def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     flat = ids.reshape(-1)
     for s, a in enumerate(perm):
         e = flat[a]
-        want = seq_model(hx[s:s + 1, :inter], dq.dequantize(e))
+        want = seq_model(hx[s:s + 1, :inter], dq, int(e))
         np.testing.assert_array_equal(yx[a:a + 1, :hidden], want)
-        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, e)
+        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, int(e))
 
 
 # ---- part 3: twins and probe
@@ -360,23 +355,36 @@ def kernel_bindings(path):
     return out
 
 
+SIMD_FILES = ("gemm.metal", "moe_prefill.metal")
+TENSOR_FILES = ("gemm_tensor.metal", "moe_prefill_tensor.metal")
+
+
+def _gemm_kernels(files):
+    out = {}
+    for f in files:
+        out.update({k: v for k, v in kernel_bindings(ROOT / "metal" / f).items() if "gemm" in k})
+    return out
+
+
 def test_tensor_twins_have_the_simdgroup_bindings():
-    """Every kernel of gemm.metal has a twin f_tensor with the same [[buffer(n)]] parameters,
-    and every host name h an instantiation h_tensor."""
-    simd = kernel_bindings(ROOT / "metal" / "gemm.metal")
-    tensor = kernel_bindings(ROOT / "metal" / "gemm_tensor.metal")
+    """Every GEMM kernel of gemm.metal / moe_prefill.metal has a twin f_tensor with the same
+    [[buffer(n)]] parameters, and every host name h an instantiation h_tensor."""
+    simd, tensor = _gemm_kernels(SIMD_FILES), _gemm_kernels(TENSOR_FILES)
     assert len(simd) == 4, sorted(simd)
+    assert sorted(tensor) == sorted(name + "_tensor" for name in simd)
     for name, params in simd.items():
         assert tensor.get(name + "_tensor") == params, f"{name}_tensor: bindings differ from {name}'s"
-    host = re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / "gemm.metal").read_text())
+    host = [h for f in SIMD_FILES for h in re.findall(r'host_name\("(\w*gemm\w*)"\)', (ROOT / "metal" / f).read_text())]
     host += ["gemm_swiglu_q4"]  # a non-template kernel: registered under its own name
-    host_t = re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / "gemm_tensor.metal").read_text())
+    host_t = [h for f in TENSOR_FILES for h in re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / f).read_text())]
     assert sorted(h + "_tensor" for h in host) == sorted(host_t + ["gemm_swiglu_q4_tensor"])
+    assert not re.search(r"moe_gemm", (ROOT / "metal" / "gemm.metal").read_text().split("#include")[-1]), \
+        "the grouped expert GEMMs live in the MoE prefill family (moe_prefill*.metal)"
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
-    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4", "moe_gemm_gate_up_q4_t16",
-                                     "moe_gemm_gate_up_q4_t32", "moe_gemm_down_q4_t16", "moe_gemm_down_q4_t32")]
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
+                                     *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES))]
     d9 = sim_device(gpu_family="apple9")
     for name in names:
         assert fwd.has_kernel(name) and not d9.has_kernel(name), name
@@ -384,7 +392,52 @@ def test_tensor_kernels_only_on_apple10(fwd):
 
 
 def test_probe_kernel(fwd):
-    x = fresh_rng(17).standard_normal((64, 32), dtype=np.float32)
+    x = fresh_rng(17).standard_normal((64, GEMM_BK), dtype=np.float32)
     X, O = upload(fwd, x), fwd.buffer(32 * 64 * 4)
     dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
-    np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], x))
+    np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], w=half_operand(x)))
+
+
+def _constants(path, *names):
+    src = (ROOT / path).read_text()
+    return [int(re.search(rf"\b{n}\s*=\s*(\d+)", src).group(1)) for n in names]
+
+
+def test_structure_half_operands_and_tiles():
+    """Pins the design (docs/prefill.md, "GEMM"): the tensor operations' operands are half
+    threadgroup tensors with a float destination (Apple's operand table: half x half ->
+    float), the simdgroup_matrix operands half with fp32 accumulators; k steps of 64 (one
+    quantization group); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up);
+    every configuration within 32 KiB of threadgroup memory; the host, the work table and
+    the tests agree on the geometry."""
+    tiles = (ROOT / "metal" / "gemm_tiles.h").read_text()
+    tensor = (ROOT / "metal" / "gemm_tensor.h").read_text()
+    assert re.search(r"using GemmTensorTile = tensor<threadgroup half,", tensor)
+    assert re.search(r"get_destination_cooperative_tensor<GemmTensorTile<BM>, GemmTensorTile<BN>, float>", tensor)
+    assert not re.search(r"tensor<threadgroup (float|bfloat), extents<int32_t, kGemmBK", tensor)
+    assert re.search(r"simdgroup_half8x8 a\[FM\]", tiles) and re.search(r"simdgroup_half8x8 wt;", tiles)
+    assert re.search(r"simdgroup_float8x8 acc\[", tiles)
+    (bk,) = _constants("metal/gemm_tiles.h", "kGemmBK")
+    assert bk == GEMM_BK == 64
+    assert _constants("metal/gemm.metal", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN] == [64, 64, 32]
+    assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
+    assert _constants("csrc/runtime/work.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8]
+
+    def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: half tiles, or the staged fp32 results
+        return max((bm + nb * bn) * (GEMM_BK + 8) * 2, nb * bm * (bn + 4) * 4)
+
+    assert smem(GEMM_BM, GEMM_BN, 1) <= 32768 and smem(GEMM_BM, GEMM_SWIGLU_BN, 2) <= 32768
+    for T in MOE_TILES:
+        assert smem(T, MOE_BN[T], 2) <= 32768 and smem(T, MOE_DOWN_BN[T], 1) <= 32768
+    # the grouped host names carry the same (T, BN) on both paths
+    for kind, bns in (("gate_up", MOE_BN), ("down", MOE_DOWN_BN)):
+        for f, suffix in (("moe_prefill.metal", ""), ("moe_prefill_tensor.metal", "_tensor")):
+            src = (ROOT / "metal" / f).read_text()
+            for T in MOE_TILES:
+                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), (\d+)', src)
+                assert m and (int(m.group(1)), int(m.group(2))) == (T, bns[T]), (f, kind, T)

@@ -22,8 +22,8 @@ from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (  # noqa: E402
-    DEPTH, NORM_EPS, TG, U, enc_embed_norm_gemv, enc_norm_gemv, gemv_grid, magnitude, rand_quant, rms_ref64,
-    to_bf16_bits, upload_q)
+    DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, TG, U, enc_embed_norm_gemv, enc_norm_gemv, gemv_grid, magnitude, rand_quant,
+    rms_ref64, to_bf16_bits, upload_q)
 from harness import assert_within, commit, forward_sim, run_bound  # noqa: E402
 
 
@@ -79,14 +79,14 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 
 @pytest.mark.parametrize("tg", [32, 128, 256])
 def test_gemv_threadgroup_sizes(dev, tg):
-    """Any multiple of 32 threads works; the grid is ceil(rows / (8 * tg / 32))."""
+    """Any multiple of 32 threads works; the grid is ceil(rows / (R * tg / 32))."""
     rows, cols = 300, 1024
     rng = fresh_rng(tg)
     qt = rand_quant(rng, (), rows, cols, 4)
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
-    run_bound(dev, "gemv_q4", -(-rows // (8 * tg // 32)), tg, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, "gemv_q4", -(-rows // (GEMV_ROWS_PER_SG * tg // 32)), tg, [W, S, B, X, Y], constant(rows, cols),
         reads=[W, S, B, X], writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt) @ np.abs(x)), "gemv_q4 tg")

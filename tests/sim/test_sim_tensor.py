@@ -138,6 +138,25 @@ def test_transform_marks_tensor_files(tmp_path):
     assert r.returncode == 1 and "plain.metal:2: error: <metal_tensor>: Metal 4 tensor operations belong in" in r.stderr
 
 
+
+def test_transform_tensor_headers(tmp_path):
+    """A header with tensor code (*_tensor.h, e.g. metal/gemm_tensor.h) may include the
+    tensor headers (its *_tensor.metal includer names them too, hoisted out of the kernel
+    namespace); a plain .metal file including such a header is rejected."""
+    hdr = ("#pragma once\n#include <metal_stdlib>\n#include <metal_tensor>\n"
+           "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\ninline int g() { return 1; }\n")
+    (tmp_path / "k_tensor.h").write_text(hdr)
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "k_tensor.h")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    body = (tmp_path / "o" / "k_tensor.h").read_text()
+    assert "#include <metal_tensor>" not in body and "inline int g()" in body
+    (tmp_path / "user.metal").write_text('#include <metal_stdlib>\n#include "k_tensor.h"\n')
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "user.metal")],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and 'user.metal:2: error: #include "k_tensor.h": tensor-operation headers' in r.stderr
+
+
 # ------------------------------------------------------------------------------ kernels
 
 @pytest.mark.parametrize("ta,tb", [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("f32", "f16"),

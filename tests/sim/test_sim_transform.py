@@ -243,7 +243,8 @@ def test_threadgroup_size_expression_is_shared_when_run(tmp_path):
     main.write_text(DRIVER)
     exe = tmp_path / "run"
     c = subprocess.run([CXX, "-std=c++17", "-O1", "-I", str(ROOT / "csrc"), "-I", str(ROOT / "csrc" / "gpu" / "sim" / "msl"),
-                        "-I", str(out.parent), str(out), str(ROOT / "csrc" / "gpu" / "sim" / "executor.cpp"), str(main),
+                        "-I", str(out.parent), str(out), str(ROOT / "csrc" / "gpu" / "sim" / "executor.cpp"),
+                        str(ROOT / "csrc" / "gpu" / "sim" / "fibers.cpp"), str(main),
                         "-o", str(exe), "-pthread"], capture_output=True, text=True, timeout=280)
     assert c.returncode == 0, c.stderr[-3000:]
     env = {k: v for k, v in __import__("os").environ.items() if k != "LD_PRELOAD"}  # not instrumented

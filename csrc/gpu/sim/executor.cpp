@@ -1,9 +1,6 @@
-// Fibers, the per-threadgroup scheduler, barriers, simd collectives and threadgroup
-// memory for the Metal simulator.
-#if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
-#define _XOPEN_SOURCE 600  // ucontext (deprecated on macOS, but available)
-#define _DARWIN_C_SOURCE 1
-#endif
+// The Metal execution model on top of the fibers (fibers.h): threadgroups of simulated
+// threads, the scheduler that orders them, barriers, simd collectives, simdgroup_matrix
+// sharing, threadgroup memory with its guard zones, and the kernel registry.
 #include "gpu/sim/executor.h"
 
 #include <algorithm>
@@ -11,37 +8,13 @@
 #include <cstring>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <stdexcept>
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include "gpu/device.h"
-
-#if defined(__SANITIZE_ADDRESS__)
-#define LILY_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define LILY_ASAN 1
-#endif
-#endif
-#ifdef LILY_ASAN
-#include <sanitizer/asan_interface.h>
-#include <sanitizer/common_interface_defs.h>
-#endif
-
-#if defined(__x86_64__) && defined(__linux__)
-#define LILY_ASM_SWITCH 1
-#else
-#include <ucontext.h>
-#if defined(__clang__)
-#pragma clang diagnostic ignored "-Wdeprecated-declarations"  // ucontext on macOS
-#endif
-#endif
+#include "gpu/sim/fibers.h"
 
 namespace lily::sim {
 
@@ -100,77 +73,24 @@ const char* op_name(Op op) {
   return "?";
 }
 
-// ------------------------------------------------------------------ context switch
-#ifdef LILY_ASM_SWITCH
-extern "C" void lily_sim_switch(void** save_sp, void* new_sp);
-asm(R"(
-  .text
-  .globl lily_sim_switch
-  .hidden lily_sim_switch
-  .type lily_sim_switch,@function
-lily_sim_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size lily_sim_switch,.-lily_sim_switch
-  .section .note.GNU-stack,"",@progbits
-  .text
-)");
-#endif
-
 namespace {
 
-#ifdef LILY_ASAN
-constexpr size_t kStackSize = 1024 * 1024;
-#else
-constexpr size_t kStackSize = 256 * 1024;
-#endif
-
+// Thrown on a fiber for a kernel error; "aborted" unwinds a thread whose threadgroup has
+// already failed (its message is the first error, kept in Threadgroup::error).
 struct KernelFault : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct Stack {
-  unsigned char* base = nullptr;  // lowest usable address (above the guard page)
-  size_t size = 0;
-};
-
-struct Fiber {
+// One simulated GPU thread: a fiber plus what Metal says about it.
+struct Thread {
   enum class State { runnable, blocked, done };
   State state = State::runnable;
-  bool started = false;
   ThreadCoords c;
   int simd = 0, lane = 0;
   bool at_barrier = false;
   bool at_rendezvous = false;
   uint64_t matrix_ops = 0;  // simdgroup_matrix operations this thread has performed
-  Stack stack;
-#ifdef LILY_ASM_SWITCH
-  void* sp = nullptr;
-#else
-  ucontext_t ctx;
-#endif
-#ifdef LILY_ASAN
-  void* fake_stack = nullptr;
-#endif
+  Fiber fiber;
 };
 
 // One simdgroup_matrix operation computed by the first lane that reached it (simd_matrix_op),
@@ -184,6 +104,8 @@ struct MatrixMemo {
   MatrixMemo() {}  // user-provided: emplace_back() leaves the byte arrays uninitialised
 };
 
+// A simdgroup's collective in progress: lanes deposit operands in `in` and wait until
+// every live lane has arrived; the last one computes every result (complete_collective).
 struct SimdState {
   int lanes = 0, live = 0, arrived = 0;
   // Matrix operations [memo_head, memo_tail) of simd_matrix_op, operation i at
@@ -199,6 +121,7 @@ struct SimdState {
   alignas(16) unsigned char out[kSimdWidth][kCollectiveSlot];
 };
 
+// A `threadgroup T x;` declaration's storage, found by the address of the declaration.
 struct TgVar {
   const void* key;
   void* ptr;
@@ -206,18 +129,20 @@ struct TgVar {
   void* base;   // the allocation (ptr is inside it: see threadgroup_var)
 };
 
+// One threadgroup being run: its threads, the run queue, and what they wait for. Threads
+// run one at a time until they block, so no locks are needed.
 struct Threadgroup {
-  std::vector<Fiber> fibers;
+  std::vector<Thread> threads;
   std::vector<SimdState> simds;
-  std::deque<int> runq;
+  std::deque<int> runq;  // runnable threads, in the dispatch's thread order
   int n = 0, done = 0, barrier_arrived = 0;
   int rendezvous_arrived = 0;
   const char* rendezvous_what = nullptr;
   std::vector<TgVar> vars;
   std::vector<std::pair<const void*, std::unique_ptr<ThreadgroupExtension>>> extensions;
   unsigned char* dyn[kMaxBindings] = {};
-  size_t bytes = 0;
-  bool failed = false;
+  size_t bytes = 0;     // threadgroup memory in use (limit kMaxThreadgroupMemory)
+  bool failed = false;  // the first error stops the threadgroup; the rest unwind
   std::string error;
   int order_mode = 0;
   std::mt19937_64* rng = nullptr;
@@ -229,46 +154,12 @@ struct Threadgroup {
   }
 };
 
+// The executor on one OS thread: the fibers' host and the running dispatch.
 struct Worker {
-  std::vector<Stack> pool;
+  FiberHost host;
   const ExecDispatch* d = nullptr;
   Threadgroup* tg = nullptr;
-  Fiber* cur = nullptr;
-#ifdef LILY_ASM_SWITCH
-  void* sched_sp = nullptr;
-#else
-  ucontext_t sched_ctx;
-#endif
-#ifdef LILY_ASAN
-  void* sched_fake = nullptr;
-  const void* sched_bottom = nullptr;
-  size_t sched_size = 0;
-#endif
-  ~Worker() {
-    for (Stack& s : pool) {
-#ifdef LILY_ASAN
-      // The pages go back to the system with the redzones of the fibers' last frames still
-      // in ASan's shadow; whoever maps them next (the interpreter's allocator) would be
-      // reported for writing "stack redzones".
-      __asan_unpoison_memory_region(s.base, s.size);
-#endif
-      ::munmap(s.base - page_size_(), s.size + page_size_());
-    }
-  }
-  static size_t page_size_() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
-  Stack get_stack() {
-    if (!pool.empty()) {
-      Stack s = pool.back();
-      pool.pop_back();
-      return s;
-    }
-    size_t ps = page_size_();
-    void* p = ::mmap(nullptr, kStackSize + ps, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) throw gpu::Error("simulator: cannot allocate a fiber stack");
-    ::mprotect(p, ps, PROT_NONE);  // guard page: a stack overflow faults instead of corrupting
-    return Stack{static_cast<unsigned char*>(p) + ps, kStackSize};
-  }
+  Thread* cur = nullptr;
 };
 
 thread_local Worker* t_worker = nullptr;
@@ -278,40 +169,14 @@ Worker& worker() {
   return *t_worker;
 }
 
-// Switch from the scheduler into fiber f / from the running fiber back to the scheduler.
-void switch_to_fiber(Worker& w, Fiber& f) {
-  w.cur = &f;
-#ifdef LILY_ASAN
-  __sanitizer_start_switch_fiber(&w.sched_fake, f.stack.base, f.stack.size);
-#endif
-#ifdef LILY_ASM_SWITCH
-  lily_sim_switch(&w.sched_sp, f.sp);
-#else
-  swapcontext(&w.sched_ctx, &f.ctx);
-#endif
-#ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(w.sched_fake, nullptr, nullptr);
-#endif
+// Runs thread t until it blocks or returns.
+void run(Worker& w, Thread& t) {
+  w.cur = &t;
+  w.host.resume(t.fiber);
   w.cur = nullptr;
 }
 
-void switch_to_scheduler(Worker& w, Fiber& f, bool exiting) {
-#ifdef LILY_ASAN
-  __sanitizer_start_switch_fiber(exiting ? nullptr : &f.fake_stack, w.sched_bottom, w.sched_size);
-#else
-  (void)exiting;
-#endif
-#ifdef LILY_ASM_SWITCH
-  lily_sim_switch(&f.sp, w.sched_sp);
-#else
-  swapcontext(&f.ctx, &w.sched_ctx);
-#endif
-#ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(f.fake_stack, nullptr, nullptr);
-#endif
-}
-
-std::string where(const Fiber& f) {
+std::string where(const Thread& f) {
   std::ostringstream s;
   const ThreadCoords& c = f.c;
   s << "threadgroup (" << c.threadgroup_position_in_grid.x << "," << c.threadgroup_position_in_grid.y
@@ -342,9 +207,9 @@ void complete_collective(Threadgroup& tg, SimdState& s, int base) {
   for (int l = 0; l < s.lanes; ++l)
     if (s.waiting[l]) {
       s.waiting[l] = false;
-      Fiber& f = tg.fibers[base + l];
-      if (&f != w.cur && f.state == Fiber::State::blocked) {
-        f.state = Fiber::State::runnable;
+      Thread& f = tg.threads[base + l];
+      if (&f != w.cur && f.state == Thread::State::blocked) {
+        f.state = Thread::State::runnable;
         woken.push_back(base + l);
       }
     }
@@ -354,16 +219,42 @@ void complete_collective(Threadgroup& tg, SimdState& s, int base) {
   s.fn = nullptr;
 }
 
+// The running thread waits (its state says for what) until another thread wakes it.
 void block(Worker& w) {
-  Fiber& f = *w.cur;
-  f.state = Fiber::State::blocked;
-  switch_to_scheduler(w, f, false);
+  Thread& t = *w.cur;
+  t.state = Thread::State::blocked;
+  w.host.suspend(t.fiber);
   if (w.tg->failed) throw KernelFault("aborted");  // unwinds this fiber's stack
 }
 
-void thread_exit(Worker& w, Fiber& f) {
+// The calling thread arrives where the whole threadgroup meets (a barrier, a rendezvous):
+// the last to arrive wakes those waiting (marked by `waits`), the others wait.
+void meet(Worker& w, int& arrived, bool Thread::*waits) {
   Threadgroup& tg = *w.tg;
-  f.state = Fiber::State::done;
+  arrived += 1;
+  if (arrived < tg.n) {
+    w.cur->*waits = true;
+    block(w);
+    return;
+  }
+  arrived = 0;
+  std::vector<int> woken;
+  for (int t = 0; t < tg.n; ++t) {
+    Thread& o = tg.threads[t];
+    if (o.*waits) {
+      o.*waits = false;
+      o.state = Thread::State::runnable;
+      woken.push_back(t);
+    }
+  }
+  tg.schedule(woken);
+}
+
+// A returning thread: threads still waiting for it at a barrier are an error, and a
+// collective its simdgroup's other lanes wait in may now be complete.
+void thread_exit(Worker& w, Thread& f) {
+  Threadgroup& tg = *w.tg;
+  f.state = Thread::State::done;
   tg.done += 1;
   SimdState& s = tg.simds[f.simd];
   s.live -= 1;
@@ -376,13 +267,10 @@ void thread_exit(Worker& w, Fiber& f) {
   if (s.arrived > 0 && s.arrived == s.live && !tg.failed) complete_collective(tg, s, f.simd * kSimdWidth);
 }
 
-[[noreturn]] void fiber_main() {
-  Worker& w = *t_worker;
-  Fiber& f = *w.cur;
-#ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &w.sched_bottom, &w.sched_size);
-#endif
-  f.started = true;
+// A thread's body, on its fiber: the kernel, then the checks of a returning thread.
+void thread_main(void* arg) {
+  Worker& w = *static_cast<Worker*>(arg);
+  Thread& f = *w.cur;
   try {
     w.d->kernel->invoke(w.d->kernel->fn, *w.d->kernel);
   } catch (const KernelFault& e) {
@@ -393,34 +281,6 @@ void thread_exit(Worker& w, Fiber& f) {
     fail_tg(w, where(f) + ": unknown exception");
   }
   thread_exit(w, f);
-  switch_to_scheduler(w, f, true);
-  std::abort();  // unreachable: a finished fiber is never resumed
-}
-
-#ifndef LILY_ASM_SWITCH
-void fiber_entry_ucontext() { fiber_main(); }
-#endif
-
-void prepare_fiber(Fiber& f) {
-#ifdef LILY_ASAN
-  // A reused stack still carries the redzones of the frames of the fiber that ran on it.
-  __asan_unpoison_memory_region(f.stack.base, f.stack.size);
-#endif
-#ifdef LILY_ASM_SWITCH
-  uintptr_t top = reinterpret_cast<uintptr_t>(f.stack.base + f.stack.size) & ~uintptr_t(15);
-  uint64_t* sp = reinterpret_cast<uint64_t*>(top);
-  *--sp = 0;                                                  // fake return address
-  *--sp = reinterpret_cast<uint64_t>(&fiber_main);            // popped by ret
-  for (int i = 0; i < 6; ++i) *--sp = 0;                      // rbp rbx r12 r13 r14 r15
-  *--sp = uint64_t(0x1F80) | (uint64_t(0x037F) << 32);        // mxcsr, x87 control word
-  f.sp = sp;
-#else
-  getcontext(&f.ctx);
-  f.ctx.uc_stack.ss_sp = f.stack.base;
-  f.ctx.uc_stack.ss_size = f.stack.size;
-  f.ctx.uc_link = nullptr;
-  makecontext(&f.ctx, &fiber_entry_ucontext, 0);
-#endif
 }
 
 std::string deadlock_report(const Threadgroup& tg) {
@@ -438,13 +298,15 @@ std::string deadlock_report(const Threadgroup& tg) {
   return s.str();
 }
 
-// Resumes every started, unfinished fiber of a failed threadgroup: each throws from its
+// Resumes every started, unfinished thread of a failed threadgroup: each throws from its
 // blocking point and unwinds, so no stack is left half-used.
 void unwind_all(Worker& w, Threadgroup& tg) {
-  for (Fiber& f : tg.fibers)
-    if (f.started && f.state != Fiber::State::done) switch_to_fiber(w, f);
+  for (Thread& t : tg.threads)
+    if (t.fiber.started && t.state != Thread::State::done) run(w, t);
 }
 
+// Runs threadgroup `tgpos` to the end; then checks for deadlock, guard zones and the
+// extensions' end-of-threadgroup rules. Throws gpu::Error naming the kernel.
 void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64& rng) {
   Threadgroup tg;
   tg.order_mode = d.thread_order;
@@ -473,8 +335,7 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     Worker& w;
     Threadgroup& tg;
     ~Cleanup() {
-      for (Fiber& f : tg.fibers)
-        if (f.stack.base) w.pool.push_back(f.stack);
+      for (Thread& t : tg.threads) w.host.release(t.fiber);
       for (unsigned char*& p : tg.dyn) std::free(p);  // posix_memalign
       for (TgVar& v : tg.vars) std::free(v.base);
       w.tg = nullptr;
@@ -492,9 +353,9 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
       tg.bytes += d.threadgroup_memory[i];
     }
 
-  tg.fibers.resize(tg.n);
+  tg.threads.resize(tg.n);
   for (int t = 0; t < tg.n; ++t) {
-    Fiber& f = tg.fibers[t];
+    Thread& f = tg.threads[t];
     ThreadCoords& c = f.c;
     c.thread_position_in_threadgroup = U3{uint32_t(t) % actual.x, (uint32_t(t) / actual.x) % actual.y,
                                           uint32_t(t) / (actual.x * actual.y)};
@@ -513,8 +374,7 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     c.threads_per_simdgroup = kSimdWidth;
     f.simd = t / kSimdWidth;
     f.lane = t % kSimdWidth;
-    f.stack = w.get_stack();
-    prepare_fiber(f);
+    w.host.start(f.fiber, &thread_main, &w);
   }
   {
     std::vector<int> all(tg.n);
@@ -522,12 +382,13 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
     tg.schedule(all);
   }
 
+  // Each thread runs until it blocks or returns; an empty queue with threads left is a deadlock.
   while (!tg.runq.empty()) {
     int t = tg.runq.front();
     tg.runq.pop_front();
-    Fiber& f = tg.fibers[t];
-    if (f.state != Fiber::State::runnable) continue;
-    switch_to_fiber(w, f);
+    Thread& f = tg.threads[t];
+    if (f.state != Thread::State::runnable) continue;
+    run(w, f);
     if (tg.failed) break;
   }
   if (tg.failed) {
@@ -610,36 +471,18 @@ void* threadgroup_var(const void* key, size_t size, size_t align) {
 void threadgroup_barrier() {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
-  Fiber& f = *w.cur;
   if (tg.done > 0)
     kernel_fail("threadgroup_barrier reached after " + std::to_string(tg.done) +
                 " thread(s) of the threadgroup returned (every thread must reach it)");
   if (tg.rendezvous_arrived > 0)
     kernel_fail("threadgroup_barrier reached while " + std::to_string(tg.rendezvous_arrived) +
                 " thread(s) of the threadgroup wait in " + tg.rendezvous_what + " (divergent control flow?)");
-  tg.barrier_arrived += 1;
-  if (tg.barrier_arrived == tg.n) {
-    tg.barrier_arrived = 0;
-    std::vector<int> woken;
-    for (int t = 0; t < tg.n; ++t) {
-      Fiber& o = tg.fibers[t];
-      if (o.at_barrier) {
-        o.at_barrier = false;
-        o.state = Fiber::State::runnable;
-        woken.push_back(t);
-      }
-    }
-    tg.schedule(woken);
-    return;
-  }
-  f.at_barrier = true;
-  block(w);
+  meet(w, tg.barrier_arrived, &Thread::at_barrier);
 }
 
 void threadgroup_rendezvous(const char* what) {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
-  Fiber& f = *w.cur;
   if (tg.done > 0)
     kernel_fail(std::string(what) + " reached after " + std::to_string(tg.done) +
                 " thread(s) of the threadgroup returned (every thread of the execution scope must call it)");
@@ -650,23 +493,7 @@ void threadgroup_rendezvous(const char* what) {
     kernel_fail(std::string("divergent tensor operations: this thread calls ") + what + " while " +
                 std::to_string(tg.rendezvous_arrived) + " thread(s) wait in " + tg.rendezvous_what);
   tg.rendezvous_what = what;
-  tg.rendezvous_arrived += 1;
-  if (tg.rendezvous_arrived == tg.n) {
-    tg.rendezvous_arrived = 0;
-    std::vector<int> woken;
-    for (int t = 0; t < tg.n; ++t) {
-      Fiber& o = tg.fibers[t];
-      if (o.at_rendezvous) {
-        o.at_rendezvous = false;
-        o.state = Fiber::State::runnable;
-        woken.push_back(t);
-      }
-    }
-    tg.schedule(woken);
-    return;
-  }
-  f.at_rendezvous = true;
-  block(w);
+  meet(w, tg.rendezvous_arrived, &Thread::at_rendezvous);
 }
 
 ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtension* (*make)()) {
@@ -680,7 +507,7 @@ ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtensio
 const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg, CollectiveFn fn) {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
-  Fiber& f = *w.cur;
+  Thread& f = *w.cur;
   SimdState& s = tg.simds[f.simd];
   if (s.arrived > 0 && (s.op != op || s.fn != fn))
     kernel_fail(std::string("divergent simd collectives in simdgroup ") + std::to_string(f.simd) + ": lane " +
@@ -706,7 +533,7 @@ const unsigned char* simd_collective(Op op, const void* operand, size_t size, ui
 void simd_matrix_op(MatrixFn fn, const void* a, size_t a_size, const void* b, size_t b_size,
                     const void* c, size_t c_size, void* d, size_t d_size) {
   Worker& w = worker();
-  Fiber& f = *w.cur;
+  Thread& f = *w.cur;
   SimdState& s = w.tg->simds[f.simd];
   const uint64_t n = f.matrix_ops++;
   if (n >= s.memo_head && n < s.memo_tail) {  // an earlier lane computed operation n
@@ -756,6 +583,8 @@ void misaligned_arg(const char* kind, uint32_t index, size_t align) {
 }
 
 // ------------------------------------------------------------------ dispatch
+// Threadgroups run one after another (Metal gives no order among them): a forward, reverse
+// or shuffled order shows kernels that depend on one.
 void execute(const ExecDispatch& d) {
   Worker* prev = t_worker;
   thread_local std::unique_ptr<Worker> own;

@@ -73,6 +73,9 @@ SWIZZLE_INDEX = {"x": 0, "y": 1, "z": 2, "w": 3, "r": 0, "g": 1, "b": 2, "a": 3}
 # Metal 4 tensor-operation headers the shim provides (hoisted out of the kernel namespace).
 TENSOR_INCLUDES = ("metal_tensor", "MetalPerformancePrimitives/MetalPerformancePrimitives.h")
 TENSOR_SUFFIX = "_tensor.metal"
+# Headers with tensor code (included only by *_tensor.metal files, which name the tensor
+# headers themselves so that the shim's are hoisted out of the kernel namespace).
+TENSOR_HEADER_SUFFIX = "_tensor.h"
 
 
 class TransformError(Exception):
@@ -111,7 +114,7 @@ class Transformer:
         self.path = path
         self.name = os.path.basename(path)
         self.is_header = is_header
-        self.tensor_file = path.endswith(TENSOR_SUFFIX)
+        self.tensor_file = path.endswith(TENSOR_SUFFIX) or path.endswith(TENSOR_HEADER_SUFFIX)
         self.hoisted = []  # tensor headers to include before the file's namespace
         self.toks = lex(open(path, encoding="utf-8").read())
         self.counter = 0
@@ -222,6 +225,10 @@ class Transformer:
                     t.text = "\n" * t.text.count("\n")
                 elif re.match(r"^\s*#\s*include\s*<metal_\w+>", t.text):
                     t.text = ""
+                elif re.match(r'^\s*#\s*include\s*"\w+' + re.escape(TENSOR_HEADER_SUFFIX) + '"', t.text) \
+                        and not self.tensor_file:
+                    self.err(t, f"{t.text.strip()}: tensor-operation headers (*{TENSOR_HEADER_SUFFIX}) belong in "
+                                f"metal/*{TENSOR_SUFFIX} files")
                 elif re.match(r"^\s*#\s*define\b", t.text) and re.search(r"\bthreadgroup\b", t.text):
                     self.err(t, "'threadgroup' inside a macro: the transform cannot classify it; "
                                 "write the declaration out")

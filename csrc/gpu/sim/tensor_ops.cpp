@@ -357,48 +357,42 @@ void run(const Matmul& op, Scope s, const View& left, const View& right, const V
   release(key);
 }
 
-void coop_load(const Matmul& op, Scope s, float* coop, const View& src) {
+namespace {
+// A cooperative tensor's load or store: the scope's threads meet on one signature, then
+// each moves the elements it holds, move(i, row, column) for its element i.
+template <class Move>
+void coop_transfer(const Matmul& op, Scope s, Signature::Kind kind, const View& view, const char* what, Move move) {
   int t = scope_index(s);
   int T = scope_threads(s);
   Signature sig;
-  sig.kind = Signature::Kind::load;
+  sig.kind = kind;
   sig.op = op;
   sig.scope = s;
-  sig.a = src;
+  sig.a = view;
   bool first;
   InstKey key;
   arrive(s, sig, &first, &key);
-  rendezvous(s, "cooperative_tensor::load");
+  rendezvous(s, what);
   check_complete(state().inst.at(key));
   int cap = coop_capacity(op.m, op.n, T);
   for (int i = 0; i < cap; ++i) {
     if (!coop_valid(op.m, op.n, T, t, i)) continue;
-    int r = coop_row(op.m, T, t, i), c = coop_col(op.m, T, t, i);
-    coop[i] = r < src.ext1 && c < src.ext0 ? load_elem(src, c, r) : poison();
+    move(i, coop_row(op.m, T, t, i), coop_col(op.m, T, t, i));
   }
   release(key);
 }
+}  // namespace
+
+void coop_load(const Matmul& op, Scope s, float* coop, const View& src) {
+  coop_transfer(op, s, Signature::Kind::load, src, "cooperative_tensor::load", [&](int i, int r, int c) {
+    coop[i] = r < src.ext1 && c < src.ext0 ? load_elem(src, c, r) : poison();
+  });
+}
 
 void coop_store(const Matmul& op, Scope s, const float* coop, const View& dst) {
-  int t = scope_index(s);
-  int T = scope_threads(s);
-  Signature sig;
-  sig.kind = Signature::Kind::store;
-  sig.op = op;
-  sig.scope = s;
-  sig.a = dst;
-  bool first;
-  InstKey key;
-  arrive(s, sig, &first, &key);
-  rendezvous(s, "cooperative_tensor::store");
-  check_complete(state().inst.at(key));
-  int cap = coop_capacity(op.m, op.n, T);
-  for (int i = 0; i < cap; ++i) {
-    if (!coop_valid(op.m, op.n, T, t, i)) continue;
-    int r = coop_row(op.m, T, t, i), c = coop_col(op.m, T, t, i);
+  coop_transfer(op, s, Signature::Kind::store, dst, "cooperative_tensor::store", [&](int i, int r, int c) {
     if (r < dst.ext1 && c < dst.ext0) store_f32(dst, c, r, coop[i]);
-  }
-  release(key);
+  });
 }
 
 }  // namespace lily::sim::tensor_ops

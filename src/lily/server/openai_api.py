@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -222,19 +223,47 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
             "usage": openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)}
 
 
-async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bool, finish_reason,
-                       want_logprobs: bool, t_start: float):
-    tok = state.engine.tokenizer
-    job = run.job
+def _chunk(base: dict, include_usage: bool, choice: dict) -> str:
+    """One chunk of a stream: ``base`` with one choice (and a null usage when usage is asked for)."""
+    obj = dict(base)
+    obj["choices"] = [choice]
+    if include_usage:
+        obj["usage"] = None
+    return sse(obj)
 
-    def chunk(delta: dict, finish=None, logprobs=None) -> str:
-        obj = dict(base)
-        obj["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
-        if include_usage:
-            obj["usage"] = None
-        return sse(obj)
 
+async def _openai_stream(what: str, state: ServerState, job, base: dict, include_usage: bool, t_start: float,
+                         body, last, final_choice, usage):
+    """The stream of both endpoints: ``body``'s chunks; then, unless it was cancelled before
+    its first event (``last()`` is None), the chunk of ``final_choice(last)``, the usage chunk
+    when asked for and ``[DONE]``. A failure after the start ends it with an error event."""
     try:
+        async with contextlib.aclosing(body):
+            async for text in body:
+                yield text
+        end = last()
+        if end is None:
+            return
+        yield _chunk(base, include_usage, final_choice(end))
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage(end)})
+        yield "data: [DONE]\n\n"
+        state.log_done(what, job, end, t_start)
+    except Exception as exc:
+        yield sse(stream_failed(what, job, exc).body())
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel.set()
+
+
+def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bool, finish_reason,
+                 want_logprobs: bool, t_start: float):
+    tok = state.engine.tokenizer
+
+    def chunk(delta: dict, logprobs=None, finish=None) -> str:
+        return _chunk(base, include_usage, {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+
+    async def body():
         yield chunk({"role": "assistant", "content": ""})
         async for deltas, ev in run.steps(None, core.KEEPALIVE_S):
             if ev is None:
@@ -244,22 +273,11 @@ async def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usa
             lp = {"content": chat_logprobs(tok, ev.logprobs)} if (want_logprobs and ev.logprobs) else None
             if delta or lp:
                 yield chunk(delta, logprobs=lp)
-        last = run.last
-        if last is None:  # cancelled before it started
-            return
-        yield chunk({}, finish=finish_reason(last.finish_reason))
-        if include_usage:
-            obj = dict(base)
-            obj["choices"] = []
-            obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens)
-            yield sse(obj)
-        yield "data: [DONE]\n\n"
-        state.log_done("chat (stream)", job, last, t_start)
-    except Exception as exc:
-        yield sse(stream_failed("chat (stream)", job, exc).body())
-        yield "data: [DONE]\n\n"
-    finally:
-        job.cancel.set()
+
+    return _openai_stream(
+        "chat (stream)", state, run.job, base, include_usage, t_start, body(), lambda: run.last,
+        lambda last: {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(last.finish_reason)},
+        lambda last: openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens))
 
 
 # ----------------------------------------------------------------------------------------
@@ -329,50 +347,35 @@ async def completions(req: CompletionRequest, request: Request):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-        async def gen():
-            last = None
+        seen: list = []  # the last event so far
+
+        def chunk(text, logprobs=None) -> str:
+            return _chunk(base, include_usage, {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None})
+
+        async def body():
             offset = len(echo_text)
+            if echo_text and not score_prompt:
+                yield chunk(echo_text)
+            async for ev in job_events(job, None, core.KEEPALIVE_S):
+                if ev is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                if not seen and score_prompt:  # the prompt has been scored by now
+                    yield chunk(echo_text, logprobs=echo_logprobs())
+                lp = None
+                if n_lp is not None and ev.logprobs:
+                    lp = legacy_logprobs(ev.logprobs, offset)
+                offset += len(ev.text)
+                if ev.text or lp:
+                    yield chunk(ev.text, logprobs=lp)
+                seen[:] = [ev]
 
-            def chunk(text, finish=None, logprobs=None) -> str:
-                obj = dict(base)
-                obj["choices"] = [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
-                if include_usage:
-                    obj["usage"] = None
-                return sse(obj)
-
-            try:
-                if echo_text and not score_prompt:
-                    yield chunk(echo_text)
-                async for ev in job_events(job, None, core.KEEPALIVE_S):
-                    if ev is None:
-                        yield ": keep-alive\n\n"
-                        continue
-                    if last is None and score_prompt:  # the prompt has been scored by now
-                        yield chunk(echo_text, logprobs=echo_logprobs())
-                    lp = None
-                    if n_lp is not None and ev.logprobs:
-                        lp = legacy_logprobs(ev.logprobs, offset)
-                    offset += len(ev.text)
-                    if ev.text or lp:
-                        yield chunk(ev.text, logprobs=lp)
-                    last = ev
-                if last is None:
-                    return
-                yield chunk("", finish=finish(last))
-                if include_usage:
-                    obj = dict(base)
-                    obj["choices"] = []
-                    obj["usage"] = openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens)
-                    yield sse(obj)
-                yield "data: [DONE]\n\n"
-                state.log_done("completion (stream)", job, last, t_start)
-            except Exception as exc:
-                yield sse(stream_failed("completion (stream)", job, exc).body())
-                yield "data: [DONE]\n\n"
-            finally:
-                job.cancel.set()
-
-        return JobStream(gen(), job, "completion (stream)")
+        gen = _openai_stream(
+            "completion (stream)", state, job, base, include_usage, t_start, body(),
+            lambda: seen[0] if seen else None,
+            lambda last: {"index": 0, "text": "", "logprobs": None, "finish_reason": finish(last)},
+            lambda last: openai_usage(last.prompt_tokens, last.completion_tokens, cached_tokens=last.cached_tokens))
+        return JobStream(gen, job, "completion (stream)")
 
     texts: list[str] = []
     lps: list = []
