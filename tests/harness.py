@@ -11,7 +11,12 @@ self-test kernel tests (tests/sim/).
 * the numpy twins' helpers (random MLX-quantized tensors, bf16 encoding, magnitude bounds,
   references): their home is :mod:`lily.kernel_check`, which ``lily doctor`` runs on an
   installed package; they are re-exported here so a test imports one module;
-* :func:`assert_within`: the per-output first-order error bound check.
+* :func:`assert_within`: the per-output first-order error bound check;
+* the prefill GEMMs' Metal 4 tensor-operation twins (tests/kernels/test_*_tensor.py):
+  :class:`TwinDevice` dispatches a GEMM kernel's ``_tensor`` twin under its name, so a
+  family's simdgroup suite runs again on the twins; :func:`seq_model` is the simulator's
+  exact float32 result on the half operands; :func:`check_bound` / :func:`swiglu_check`
+  the GEMM bounds of ``gemm_ref`` / ``swiglu_ref``.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 from lily import kernel_check
 from lily._device import constant, download, sim_device, upload  # noqa: F401
 from lily.kernel_check import (  # noqa: F401
-    U, args_bytes, bf16_bits, f32, from_bf16, magnitude, rand_quant, run_encoder, to_bf16_bits, upload_q)
+    MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_ref, half_operand, half_weights, magnitude, rand_quant,
+    run_encoder, swiglu_ref, to_bf16_bits, upload_q)
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -74,3 +80,75 @@ def forward_sim():
     """The simulator in dispatch order with out-of-range write detection (``verify_writes``):
     the device of the decode GEMV / norm / embedding / MoE tests."""
     return sim_device(verify_writes=True)
+
+
+# ----------------------------------------------------------------------------- tensor-operation twins
+
+# The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`.
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
+         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES)}
+
+
+class _Proxy:
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        return getattr(self._obj, name)
+
+
+class _TwinPass(_Proxy):
+    def dispatch(self, kernel, *args, **kwargs):
+        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, *args, **kwargs)
+
+
+class _TwinCommandBuffer(_Proxy):
+    def compute_pass(self, *args, **kwargs):
+        return _TwinPass(self._obj.compute_pass(*args, **kwargs))
+
+
+class TwinDevice(_Proxy):
+    """A simulator device on which dispatching a GEMM kernel runs its *_tensor twin."""
+
+    def command_buffer(self):
+        return _TwinCommandBuffer(self._obj.command_buffer())
+
+
+def seq_model(x, qt=None, index=None, w=None):
+    """y = xh wh^T in float32 on the GEMMs' half operands (half_operand of x, half_weights of
+    qt[index], or the given half-valued w), products exact, added in increasing k (the
+    simulator's order)."""
+    xh = half_operand(x).astype(np.float32)
+    wh = (half_weights(qt, index)[0] if w is None else w).astype(np.float32)
+    acc = np.zeros((xh.shape[0], wh.shape[0]), np.float32)
+    for k in range(xh.shape[1]):
+        acc = acc + xh[:, k:k + 1] * wh[None, :, k]
+    return acc
+
+
+def check_bound(got, x, qt, index=None):
+    """|got - xh wh^T (float64)| within gemm_ref's bound (tests/kernels/test_gemm.py's docstring)."""
+    exact, tol = gemm_ref(x, qt, index)
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - exact)
+    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pitched(a, ld, fill=np.nan):
+    out = np.full((a.shape[0], ld), fill, np.float32)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+def swiglu_check(got, x, g_qt, u_qt, index=None):
+    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (tests/kernels/test_gemm.py's docstring)."""
+    want, tol = swiglu_ref(x, g_qt, u_qt, index)
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all()
+    err = np.abs(got - want)
+    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"

@@ -1,17 +1,14 @@
-"""Prefill GEMMs (metal/gemm.metal; the grouped expert GEMMs of metal/moe_prefill.metal)
-on the Metal simulator against numpy.
+"""Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-Dense: gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k],
-row strides lda / ldy, column blocks of wider matrices). Grouped expert GEMMs over a tile
-map: moe_gemm_gate_up_q4_t{16,32}, moe_gemm_down_q4_t{16,32} (skewed expert loads, empty
-experts, arbitrary slot order inside an expert, tile_count < max_tiles with plausible but
-stale tile entries past it, a real-model-shaped layer). Weights are random MLX-layout
-tensors (``rand_quant`` of lily.kernel_check: uniform codes, realistic bf16 scales
-and biases) and the reference dequantizes them with ``QuantizedTensor.dequantize``. Every
-correctness test runs in the three simulator modes of tests/simdev.py (forward;
-reverse thread/threadgroup order with undeclared-read detection; random order), always with
-out-of-range write detection, on poisoned (NaN) outputs: bytes a dispatch must not write are
-checked to still be NaN.
+gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
+(moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
+the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
+lily.kernel_check: uniform codes, realistic bf16 scales and biases) and the reference
+dequantizes them with ``QuantizedTensor.dequantize``. Every correctness test runs in the
+three simulator modes of tests/simdev.py (forward; reverse thread/threadgroup order with
+undeclared-read detection; random order), always with out-of-range write detection, on
+poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be NaN.
 
 Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x
 clamped to +-65504 and rounded to half, the weight dequantized in fp32 (``s q + b``) and
@@ -29,9 +26,7 @@ same values) and multiplies in float64, so what is left to tolerate is an fp32 G
   the fp32 kernels' was;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
-  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check);
-* down projection of the grouped chain: hx is the kernel's own gate/up output, so the down
-  kernel is checked with the plain bound above on exactly the values it read.
+  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check).
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, upload  # noqa: E402
 from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
-from lily.kernel_check import MOE_TILES, MOE_TG, make_routing, moe_args, swiglu_ref, tile_buffers  # noqa: E402,F401
-from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
+from lily.kernel_check import swiglu_ref  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
 
@@ -232,108 +226,6 @@ def test_saturating_half_operands(dev):
     out = download(Y, np.float32).reshape(m, n)
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "saturated operands")
-
-
-# ------------------------------------------------------------------------------ grouped
-
-
-MOE_CASES = [  # M, E, k, hidden, inter, skew
-    pytest.param(37, 16, 4, 128, 64, False, id="tiny"),
-    pytest.param(50, 32, 8, 256, 128, True, id="dims-skewed"),
-    pytest.param(70, 16, 4, 128, 192, True, id="ragged-skewed"),
-]
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
-def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
-    rng = fresh_rng(M, E, k, H, I, T, skew)
-    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
-    gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
-    x = rng.standard_normal((M, H)).astype(np.float32)
-    count = len(tiles) - 2  # the last two tiles are not in the map: their slots stay unwritten
-    X, P = upload(dev, x), upload(dev, perm)
-    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
-    HX = dev.buffer(4 * M * k * I)
-    cb = dev.command_buffer()
-    enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I)
-    commit(cb, f"moe_gemm_gate_up_q4_t{T}")
-    hx = download(HX, np.float32).reshape(M * k, I)
-    covered = np.zeros(M * k, bool)
-    for e, begin, rows, _ in tiles[:count]:
-        covered[begin:begin + rows] = True
-        a = perm[begin:begin + rows]
-        want, tol = swiglu_ref(x[a // k], gq, uq, int(e))
-        assert (ids.reshape(-1)[a] == e).all()
-        check(hx[begin:begin + rows], want, tol, f"gate/up T={T} expert {e}")
-    assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
-def test_moe_down(dev, T, M, E, k, H, I, skew):
-    rng = fresh_rng(M, E, k, H, I, T, skew, 2)
-    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
-    dq = rand_quant(rng, (E,), H, I, 4)
-    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
-    count = len(tiles) - 1
-    HX, P = upload(dev, hx), upload(dev, perm)
-    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
-    YX = dev.buffer(4 * M * k * H)
-    cb = dev.command_buffer()
-    enc_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, qbufs(dev, dq), YX, M, k, E, H, I)
-    commit(cb, f"moe_gemm_down_q4_t{T}")
-    yx = download(YX, np.float32).reshape(M * k, H)
-    written = np.zeros(M * k, bool)
-    for e, begin, rows, _ in tiles[:count]:
-        a = perm[begin:begin + rows]
-        written[a] = True
-        exact, tol = gemm_ref(hx[begin:begin + rows], dq, int(e))
-        check(yx[a], exact, tol, f"down T={T} expert {e}")
-    assert np.isnan(yx[~written]).all(), "wrote rows of tiles past tile_count"
-
-
-def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
-    """gate/up then down in one concurrent pass (a barrier derived from the declared ranges),
-    every tile in the map; returns what the checks need."""
-    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
-    gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4),
-                  rand_quant(rng, (E,), H, I, 4))
-    lda = H + lda_pad
-    x = rng.standard_normal((M, lda)).astype(np.float32)
-    X, P = upload(dev, x), upload(dev, perm)
-    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    HX, YX = dev.buffer(4 * M * k * I), dev.buffer(4 * M * k * H)
-    cb = dev.command_buffer()
-    p = cb.compute_pass()
-    enc_gate_up(p, T, X, P, TL, TC, max_tiles, qbufs(dev, gq), qbufs(dev, uq), HX, M, k, E, H, I, lda=lda)
-    enc_down(p, T, HX, P, TL, TC, max_tiles, qbufs(dev, dq), YX, M, k, E, H, I)
-    commit(cb, f"moe chain T={T} {H}x{I}")
-    assert cb.counters["barrier_stages"] == 2
-    hx = download(HX, np.float32).reshape(M * k, I)
-    yx = download(YX, np.float32).reshape(M * k, H)
-    flat = ids.reshape(-1)
-    # gate/up per expert, then down on the kernel's own hx
-    for e in np.unique(flat):
-        slots = np.nonzero(flat[perm] == e)[0]
-        a = perm[slots]
-        want, tol = swiglu_ref(x[a // k, :H], gq, uq, int(e))
-        check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
-        exact, tol = gemm_ref(hx[slots], dq, int(e))
-        check(yx[a], exact, tol, f"chain down T={T} expert {e}")
-    return tiles
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-def test_moe_chain(dev, T):
-    run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-def test_moe_chain_real_shape(dev, T):
-    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
-    tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
-    assert len(tiles) >= 4
 
 
 # ------------------------------------------------------------------------------ timing

@@ -1,14 +1,15 @@
-"""Prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal,
-moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with gpu_family="apple10".
+"""Dense prefill GEMMs, Metal 4 tensor-operation path (metal/gemm_tensor.metal,
+gemm_tensor.h), on the Metal simulator with gpu_family="apple10"; the grouped expert GEMMs'
+twins (metal/moe_prefill_tensor.metal) are tested in tests/kernels/test_moe_prefill_tensor.py
+with the same device, and the checks of part 3 cover both families.
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
-   (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout,
-   grouped gate/up and down over skewed / empty / stale tile maps, the gate/up -> down chain,
-   a real-model-shaped layer) is collected here again with its own parametrisation, inputs
-   and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
-   ``_tensor`` twin (same bindings, grids, outputs). Its references model the half operands
-   (``gemm_ref``) and its tolerances are the float32 bounds documented in that module
-   (``(K + 8) u M`` per output, first-order SwiGLU propagation), which hold for any
+   (dense shapes, strides and column blocks, _add, SwiGLU, the router/shared-gate layout)
+   is collected here again with its own parametrisation, inputs and tolerances, on a device
+   whose dispatches of a GEMM kernel name go to the name's ``_tensor`` twin
+   (``harness.TwinDevice``: same bindings, grids, outputs). Its references model the half
+   operands (``gemm_ref``) and its tolerances are the float32 bounds documented in that
+   module (``(K + 8) u M`` per output, first-order SwiGLU propagation), which hold for any
    summation order, so they are also what a GPU must meet. Excluded: its
    simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
@@ -45,40 +46,11 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
+from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
 import test_gemm as simd_suite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 U = 2.0**-24
-
-
-# The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`.
-TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_swiglu_q4",
-         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in simd_suite.MOE_TILES)}
-
-
-class _Proxy:
-    def __init__(self, obj):
-        self._obj = obj
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-
-class _TwinPass(_Proxy):
-    def dispatch(self, kernel, *args, **kwargs):
-        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, *args, **kwargs)
-
-
-class _TwinCommandBuffer(_Proxy):
-    def compute_pass(self, *args, **kwargs):
-        return _TwinPass(self._obj.compute_pass(*args, **kwargs))
-
-
-class TwinDevice(_Proxy):
-    """A simulator device on which dispatching a GEMM kernel runs its *_tensor twin."""
-
-    def command_buffer(self):
-        return _TwinCommandBuffer(self._obj.command_buffer())
 
 
 @pytest.fixture(scope="module", params=ORDERS)
@@ -125,37 +97,6 @@ def test_suite_reaches_the_twins(dev):
 from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, MOE_BN, MOE_DOWN_BN,  # noqa: E402,F401
                                MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, swiglu_ref)
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
-
-
-def seq_model(x, qt=None, index=None, w=None):
-    """y = xh wh^T in float32 on the GEMMs' half operands (half_operand of x, half_weights of
-    qt[index], or the given half-valued w), products exact, added in increasing k (the
-    simulator's order)."""
-    xh = half_operand(x).astype(np.float32)
-    wh = (half_weights(qt, index)[0] if w is None else w).astype(np.float32)
-    acc = np.zeros((xh.shape[0], wh.shape[0]), np.float32)
-    for k in range(xh.shape[1]):
-        acc = acc + xh[:, k:k + 1] * wh[None, :, k]
-    return acc
-
-
-def check_bound(got, x, qt, index=None):
-    """|got - xh wh^T (float64)| within gemm_ref's bound (module docstring)."""
-    exact, tol = gemm_ref(x, qt, index)
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all()
-    err = np.abs(got - exact)
-    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def pitched(a, ld, fill=np.nan):
-    out = np.full((a.shape[0], ld), fill, np.float32)
-    out[:, :a.shape[1]] = a
-    return out
 
 
 # ----------------------------------------------------------------------------- dense
@@ -208,15 +149,6 @@ def test_gemm_q4_add_exact(fwd):
     check_bound(y[:, :n] - y0[:, :n].astype(np.float64), x, qt)
 
 
-def swiglu_check(got, x, g_qt, u_qt, index=None):
-    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (module docstring)."""
-    want, tol = swiglu_ref(x, g_qt, u_qt, index)
-    got = np.asarray(got, np.float64)
-    assert np.isfinite(got).all()
-    err = np.abs(got - want)
-    assert (err <= tol + 1e-30).all(), f"{(err > tol).sum()} outputs out of tolerance, worst err/tol {(err / tol).max():.3g}"
-
-
 @pytest.mark.parametrize("m,n,k", [(33, 70, 128), (5, 64, 256)])
 def test_gemm_swiglu_q4_exact(fwd, m, n, k):
     dev = fwd
@@ -240,107 +172,6 @@ def test_gemm_q4_real_size_exact(fwd):
     y = run_dense(fwd, "gemm_q4_tensor", [qt], x, n, k, n)
     np.testing.assert_array_equal(y, seq_model(x, qt))
     check_bound(y, x, qt)
-
-
-# ----------------------------------------------------------------------------- grouped
-
-def tile_map(ids, experts, T):
-    """Host model of the routing stage: perm (slots grouped by expert, increasing), the
-    MoeTile list {expert, begin, rows, 0} and max_tiles (docs/prefill.md)."""
-    flat = ids.reshape(-1)
-    order = np.argsort(flat, kind="stable").astype(np.uint32)  # slot -> row * top_k + j
-    tiles = []
-    begin = 0
-    for e in range(experts):
-        cnt = int((flat == e).sum())
-        for off in range(0, cnt, T):
-            tiles.append((e, begin + off, min(T, cnt - off), 0))
-        begin += cnt
-    max_tiles = cdiv(flat.size, T) + min(experts, flat.size)
-    arr = np.full((max_tiles, 4), 0xFFFFFFFF, np.uint32)  # entries past tile_count: garbage
-    arr[:len(tiles)] = np.array(tiles, np.uint32)
-    return order, arr, len(tiles), max_tiles
-
-
-def routed(rng, m, experts, top_k):
-    return np.stack([rng.choice(experts, top_k, replace=False) for _ in range(m)]).astype(np.uint32)
-
-
-MOE_SHAPES = [  # (m, experts, top_k, hidden, inter): the tiny and dims presets, ragged m
-    (21, 16, 4, 128, 64),
-    (13, 32, 8, 256, 128),
-]
-
-
-def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
-    m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(x, lda, 0.0))
-    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
-    W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
-    HX = dev.buffer(m * top_k * ldy * 4)
-    bufs = [X, P, Ti, C, *W, HX]
-    threads, bn = MOE_TG[T], MOE_BN[T]
-    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
-    return download(HX, np.float32, (m * top_k, ldy))
-
-
-def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
-    lda = hx.shape[1]
-    H = upload(dev, hx)
-    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
-    W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
-    YX = dev.buffer(m * top_k * ldy * 4)
-    bufs = [H, P, Ti, C, *W, YX]
-    threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
-    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
-    return download(YX, np.float32, (m * top_k, ldy))
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
-def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
-    dev = fwd
-    rng = fresh_rng(15, T, m, experts)
-    ids = routed(rng, m, experts, top_k)
-    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
-    gq, uq = rand_quant(rng, (experts,), inter, hidden, 4), rand_quant(rng, (experts,), inter, hidden, 4)
-    x = rng.standard_normal((m, hidden), dtype=np.float32)
-    ldy = inter + 4
-    kern = f"moe_gemm_gate_up_q4_t{T}"
-    hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
-                     experts, ldy)
-    np.testing.assert_array_equal(hx, run_gate_up(dev, kern, T, x, perm, tiles, count, max_tiles, gq, uq, inter,
-                                                  hidden, top_k, experts, ldy))
-    assert np.isnan(hx[:, inter:]).all()
-    for s, a in enumerate(perm):
-        row, e = a // top_k, ids.reshape(-1)[a]
-        swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, int(e))
-
-
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
-def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
-    dev = fwd
-    rng = fresh_rng(16, T, m, experts)
-    ids = routed(rng, m, experts, top_k)
-    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
-    dq = rand_quant(rng, (experts,), hidden, inter, 4)
-    lda, ldy = inter + 4, hidden + 4
-    hx = pitched(rng.standard_normal((m * top_k, inter), dtype=np.float32), lda, 0.0)
-    kern = f"moe_gemm_down_q4_t{T}"
-    yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
-                  ldy, m)
-    np.testing.assert_array_equal(yx, run_down(dev, kern, T, hx, perm, tiles, count, max_tiles, dq, hidden, inter,
-                                               top_k, experts, ldy, m))
-    assert np.isnan(yx[:, hidden:]).all()
-    flat = ids.reshape(-1)
-    for s, a in enumerate(perm):
-        e = flat[a]
-        want = seq_model(hx[s:s + 1, :inter], dq, int(e))
-        np.testing.assert_array_equal(yx[a:a + 1, :hidden], want)
-        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, int(e))
 
 
 # ---- part 3: twins and probe

@@ -1,13 +1,17 @@
 """metal/gemv.metal on the Metal simulator (docs/kernels.md "GEMV, MoE, norm, embedding"):
-``gemv_q*`` (+ ``_add``), ``norm_gemv_q*`` and ``embed_norm_gemv_q4``, each compared with
-numpy on fresh random inputs (random packed codes, random bf16 scales and biases, outputs
-pre-poisoned with NaN by the simulator).
+``gemv_q*`` (+ ``_add``), ``norm_gemv_q*`` (at every rows-per-simdgroup setting; the router's
+logits unchanged by it) and ``embed_norm_gemv_q4``, each compared with numpy on fresh random
+inputs (random packed codes, random bf16 scales and biases, outputs pre-poisoned with NaN by
+the simulator, which runs with verify_writes), and the geometry of the decode dispatches
+pinned on the recorded plan of the real model.
 
 Tolerances: the first-order float32 bound ``|got - exact| <= 64 u M`` per output, derived
 in tests/kernels/test_moe.py's docstring (which shares the GEMV layout).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from seeding import fresh_rng
@@ -22,9 +26,9 @@ from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (  # noqa: E402
-    DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, TG, U, enc_embed_norm_gemv, enc_norm_gemv, gemv_grid, magnitude, rand_quant,
-    rms_ref64, to_bf16_bits, upload_q)
-from harness import assert_within, commit, forward_sim, run_bound  # noqa: E402
+    DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, U, _norm_gemv_ratio, enc_embed_norm_gemv,
+    enc_norm_gemv, gemv_grid, magnitude, norm_gemv_grid, rand_quant, rms_ref64, to_bf16_bits, upload_q)
+from harness import assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +301,58 @@ def test_norm_gemv_demo_checkpoint(dev, demo_path):
             assert_within(got, want, tol, f"{m} vs ReferenceModel")
 
 
+# ----------------------------------------------------------------------------- norm_gemv rows per simdgroup
+#
+# NormGemvArgs carries the rows each simdgroup computes (the router runs 1, the wide
+# projections and lm_head NORM_GEMV_ROWS_PER_SG): same bound at every setting.
+
+
+def run_norm_gemv(dev, bits, x, nw, qts, rps, tg=64):
+    cols = x.size
+    X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
+    mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
+    run_encoder(dev, enc_norm_gemv, bits, X, NW, XN, mats, cols, write_xn=True, tg=tg, rps=rps)
+    return X, NW, XN, mats
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rps", [1, 2, 4, 8])
+@pytest.mark.parametrize("tg", [32, 64, 256])
+def test_norm_gemv_rows_per_simdgroup(dev, bits, rps, tg):
+    """Router-shaped matrices (E rows plus the one-row shared gate) and a ragged third at
+    every rows-per-simdgroup setting and threadgroup size: within 64 u M of float64."""
+    rng = fresh_rng(bits * 100 + rps * 10 + tg)
+    cols = 256
+    x = (rng.standard_normal(cols) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) for r in (96, 1, 37)]
+    _, _, XN, mats = run_norm_gemv(dev, bits, x, nw, qts, rps, tg)
+    assert _norm_gemv_ratio(f"norm_gemv_q{bits} rps={rps} tg={tg}", x, nw, XN, qts, mats) <= 1.0
+
+
+def test_router_logits_independent_of_rows_per_simdgroup(dev):
+    """With >= 32 chunks per row every lane of a team strides the same chunks whatever the
+    rows per simdgroup, so the router's logits (and the experts they pick) are bit-identical
+    at 1 and at 8 rows per simdgroup."""
+    rng = fresh_rng(257)
+    cols = 512  # q8: 32 chunks of 16 bytes per row
+    x = (rng.standard_normal(cols) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), 64, cols, 8), rand_quant(rng, (), 1, cols, 8)]
+    outs = []
+    for rps in (1, NORM_GEMV_ROWS_PER_SG):
+        _, _, XN, mats = run_norm_gemv(dev, 8, x, nw, qts, rps)
+        outs.append([download(XN, np.float32)] + [download(m[2], np.float32) for m in mats])
+    for a, b in zip(*outs):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_norm_gemv_grid_follows_rows_per_simdgroup():
+    assert norm_gemv_grid([256, 1], 64, 1) == 128 + 1
+    assert norm_gemv_grid([256, 1], 64, 8) == 16 + 1
+    assert norm_gemv_grid([300], 256, 4) == math.ceil(300 / 32)
+
+
 # ----------------------------------------------------------------------------- embed + norm_gemv
 #
 # embed_norm_gemv_q4 (layer 0's first dispatch of the decode step): the embedding lookup
@@ -341,3 +397,42 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
     np.testing.assert_allclose(got[0], emb.dequantize()[tok], rtol=1e-6, atol=1e-7)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+# ----------------------------------------------------------------------------- decode dispatch geometry
+#
+# Structure pinned on the recorded decode plan of the real model (lily.native.count_decode_step):
+# the router's norm_gemv_q8 spans the GPU, every bandwidth-heavy dispatch fills an M5 Max.
+
+
+@pytest.fixture(scope="module")
+def step():
+    from lily.native import count_decode_step
+    from lily.perf import model_config
+    return count_decode_step(model_config(), 4096)["records"]
+
+
+def occupancy_m5max(rec):
+    from lily.perf import machine, occupancy
+    return occupancy(machine("m5max"), math.prod(rec["groups"]), math.prod(rec["threads"]))
+
+
+def test_router_dispatch_spans_the_gpu(step):
+    """The router (norm_gemv_q8, 257 rows) runs one row per simdgroup: >= 3x the M5 Max's
+    40 cores in threadgroups (17 at 8 rows per simdgroup)."""
+    routers = [r for r in step if "router" in r["label"]]
+    assert len(routers) == 40
+    for r in routers:
+        assert r["kernel"] == "norm_gemv_q8"
+        assert math.prod(r["groups"]) >= 3 * 40
+        assert occupancy_m5max(r) >= 0.8
+
+
+def test_bandwidth_heavy_decode_dispatches_fill_an_m5max(step):
+    """Every decode dispatch moving >= 1 MB keeps all 40 cores of an M5 Max at >= 256
+    threads (lily.perf.occupancy 1.0), except the Gated DeltaNet recurrence: one
+    threadgroup per value head (32) keeps its 64 KB state in registers."""
+    for r in step:
+        if r["work"]["bytes"] < 1e6 or r["kernel"].startswith("gdn_decode_step"):
+            continue
+        assert occupancy_m5max(r) == 1.0, (r["label"], r["groups"], r["threads"])

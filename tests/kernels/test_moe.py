@@ -2,7 +2,8 @@
 Metal simulator, each compared with numpy on fresh random inputs (random packed codes, random
 bf16 scales and biases, outputs pre-poisoned with NaN by the simulator), and the whole MoE
 block (unfused: rms_norm, gemv_q8, moe_route, gate/up, down; fused: norm_gemv_q8,
-moe_route_gate_up_swiglu_q4, down) compared with ``lily.reference.ReferenceModel.moe``.
+moe_route_gate_up_swiglu_q4, down) compared with ``lily.reference.ReferenceModel.moe``;
+the fused gate/up kernel's routing pinned to registers (no threadgroup barrier).
 The GEMV, norm and embedding kernels are in test_gemv.py, test_norm.py and test_embed.py.
 
 Tolerances (fp32 accumulation order only). Every kernel output is a sum of products that
@@ -19,6 +20,8 @@ propagate the bound to first order (see ``_swiglu_bound`` and ``test_moe_block_*
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -38,6 +41,8 @@ from lily.kernel_check import (  # noqa: E402
     swiglu_bound as _swiglu_bound, enc_norm_gemv, gemv_grid, magnitude, rand_quant, rms_ref64, route_ref,
     to_bf16_bits, upload_q)
 from harness import assert_within, commit, run_bound  # noqa: E402
+
+METAL_SRC = Path(__file__).resolve().parents[2] / "metal"
 
 
 @pytest.fixture(scope="module")
@@ -472,3 +477,31 @@ def test_fused_moe_block_orders(moe_cache, opts):
         outs.append([download(b, np.uint32) for b in (R, XN, ids, wts)])
     for a, b in zip(*outs):
         np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- structure
+
+
+def _body(src: str, start: str) -> str:
+    """The text of the braced body that follows `start` in `src`."""
+    i = src.index("{", src.index(start))
+    depth = 0
+    for j in range(i, len(src)):
+        depth += {"{": 1, "}": -1}.get(src[j], 0)
+        if depth == 0:
+            return src[i:j + 1]
+    raise AssertionError(f"unbalanced braces after {start!r}")
+
+
+def test_fused_gate_up_routes_without_barriers():
+    """Each simdgroup of moe_route_gate_up_swiglu_q4 computes its routing in registers
+    (route_topk_simd): no threadgroup barrier or threadgroup array stands between a
+    threadgroup's start and its first expert weight load."""
+    moe = (METAL_SRC / "moe.metal").read_text()
+    route = (METAL_SRC / "route.h").read_text()
+    kernel = _body(moe, "kernel void moe_route_gate_up_swiglu_q4(")
+    simd = _body(route, "inline RoutePicks route_topk_simd(")
+    assert "route_topk_simd(" in kernel and not re.search(r"\broute_topk\(", kernel)
+    for text in (kernel, simd, _body(moe, "inline void gate_up_slot(")):
+        assert "threadgroup_barrier" not in text
+        assert not re.search(r"\bthreadgroup\s+\w+\s*[\*\w]", text)

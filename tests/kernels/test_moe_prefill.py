@@ -1,6 +1,7 @@
-"""Expert routing of a prefill chunk (metal/moe_prefill.metal) on the Metal simulator.
+"""The MoE prefill family (metal/moe_prefill.metal) on the Metal simulator: expert routing
+of a chunk and the grouped expert GEMMs.
 
-``moe_route_clear``, ``moe_route_topk`` (softmax, top-k, weights, shared gate, block
+Routing: ``moe_route_clear``, ``moe_route_topk`` (softmax, top-k, weights, shared gate, block
 histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, tile map,
 per-expert counts) and ``moe_combine``, each against numpy on fresh random inputs, then the
 whole chain in one command buffer (one concurrent pass, barriers derived from the declared
@@ -27,6 +28,16 @@ Tolerances and exactness:
   first-order bound of recursive summation is (k+2) u sum|terms|; we allow (k+3) u
   sum|terms| per element against float64.
 
+Grouped expert GEMMs ``moe_gemm_gate_up_q4_t{T}``, ``moe_gemm_down_q4_t{T}`` over a tile map
+(skewed expert loads, empty experts, arbitrary slot order inside an expert, tile_count <
+max_tiles with plausible but stale tile entries past it, a real-model-shaped layer), and
+the gate/up -> down chain in one concurrent pass. Random MLX-layout weights
+(``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.kernel_check, which model
+the half operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
+docstring (the same tiles, metal/gemm_tiles.h). In the chain, hx is the kernel's own
+gate/up output, so the down kernel is checked with the plain bound on exactly the values it
+read. Slots of tiles past tile_count must stay poisoned (NaN).
+
 Kernel tests run in the three simulator modes of the ``dev`` fixture (forward; reverse
 thread/threadgroup order with undeclared-read detection; random order), all with
 out-of-range write detection; the chain test also runs the dispatches of each barrier
@@ -52,6 +63,9 @@ from lily.kernel_check import (  # noqa: E402,F401
     block_hist, combine_ref, enc_clear, enc_combine, enc_scatter, enc_topk, max_tiles, nblocks, route_args,
     route_tg, tiles_ref)
 from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
+from lily.kernel_check import MOE_TILES, gemm_ref, make_routing, swiglu_ref, tile_buffers  # noqa: E402
+from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
+from harness import assert_within as check, commit, rand_quant, upload_q  # noqa: E402
 
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)
@@ -433,3 +447,105 @@ def test_chain_two_chunks(chain_dev):
     # first run's bit for bit (same inputs, deterministic kernels)
     np.testing.assert_array_equal(download(h1, np.float32).reshape(M1, H).view(np.uint32),
                                   h_first.view(np.uint32))
+
+
+# ------------------------------------------------------------------------------ grouped expert GEMMs
+
+
+MOE_CASES = [  # M, E, k, hidden, inter, skew
+    pytest.param(37, 16, 4, 128, 64, False, id="tiny"),
+    pytest.param(50, 32, 8, 256, 128, True, id="dims-skewed"),
+    pytest.param(70, 16, 4, 128, 192, True, id="ragged-skewed"),
+]
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
+def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
+    rng = fresh_rng(M, E, k, H, I, T, skew)
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
+    x = rng.standard_normal((M, H)).astype(np.float32)
+    count = len(tiles) - 2  # the last two tiles are not in the map: their slots stay unwritten
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
+    HX = dev.buffer(4 * M * k * I)
+    cb = dev.command_buffer()
+    enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, upload_q(dev, gq), upload_q(dev, uq), HX, M, k, E, H, I)
+    commit(cb, f"moe_gemm_gate_up_q4_t{T}")
+    hx = download(HX, np.float32).reshape(M * k, I)
+    covered = np.zeros(M * k, bool)
+    for e, begin, rows, _ in tiles[:count]:
+        covered[begin:begin + rows] = True
+        a = perm[begin:begin + rows]
+        want, tol = swiglu_ref(x[a // k], gq, uq, int(e))
+        assert (ids.reshape(-1)[a] == e).all()
+        check(hx[begin:begin + rows], want, tol, f"gate/up T={T} expert {e}")
+    assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+@pytest.mark.parametrize("M,E,k,H,I,skew", MOE_CASES)
+def test_moe_down(dev, T, M, E, k, H, I, skew):
+    rng = fresh_rng(M, E, k, H, I, T, skew, 2)
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    dq = rand_quant(rng, (E,), H, I, 4)
+    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
+    count = len(tiles) - 1
+    HX, P = upload(dev, hx), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
+    YX = dev.buffer(4 * M * k * H)
+    cb = dev.command_buffer()
+    enc_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, upload_q(dev, dq), YX, M, k, E, H, I)
+    commit(cb, f"moe_gemm_down_q4_t{T}")
+    yx = download(YX, np.float32).reshape(M * k, H)
+    written = np.zeros(M * k, bool)
+    for e, begin, rows, _ in tiles[:count]:
+        a = perm[begin:begin + rows]
+        written[a] = True
+        exact, tol = gemm_ref(hx[begin:begin + rows], dq, int(e))
+        check(yx[a], exact, tol, f"down T={T} expert {e}")
+    assert np.isnan(yx[~written]).all(), "wrote rows of tiles past tile_count"
+
+
+def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
+    """gate/up then down in one concurrent pass (a barrier derived from the declared ranges),
+    every tile in the map; returns what the checks need."""
+    ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
+    gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4),
+                  rand_quant(rng, (E,), H, I, 4))
+    lda = H + lda_pad
+    x = rng.standard_normal((M, lda)).astype(np.float32)
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    HX, YX = dev.buffer(4 * M * k * I), dev.buffer(4 * M * k * H)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_gate_up(p, T, X, P, TL, TC, max_tiles, upload_q(dev, gq), upload_q(dev, uq), HX, M, k, E, H, I, lda=lda)
+    enc_down(p, T, HX, P, TL, TC, max_tiles, upload_q(dev, dq), YX, M, k, E, H, I)
+    commit(cb, f"moe chain T={T} {H}x{I}")
+    assert cb.counters["barrier_stages"] == 2
+    hx = download(HX, np.float32).reshape(M * k, I)
+    yx = download(YX, np.float32).reshape(M * k, H)
+    flat = ids.reshape(-1)
+    # gate/up per expert, then down on the kernel's own hx
+    for e in np.unique(flat):
+        slots = np.nonzero(flat[perm] == e)[0]
+        a = perm[slots]
+        want, tol = swiglu_ref(x[a // k, :H], gq, uq, int(e))
+        check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
+        exact, tol = gemm_ref(hx[slots], dq, int(e))
+        check(yx[a], exact, tol, f"chain down T={T} expert {e}")
+    return tiles
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+def test_moe_chain(dev, T):
+    run_chain(dev, T, 41, 16, 4, 128, 64, True, fresh_rng(T, 31), lda_pad=8)
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+def test_moe_chain_real_shape(dev, T):
+    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
+    tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
+    assert len(tiles) >= 4

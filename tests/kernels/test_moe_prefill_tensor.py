@@ -1,0 +1,156 @@
+"""The grouped expert GEMMs of the MoE prefill family, Metal 4 tensor-operation path
+(metal/moe_prefill_tensor.metal, gemm_tensor.h), on the Metal simulator with
+gpu_family="apple10". The dense GEMMs' twins, the bindings / probe / structure checks shared
+by both families are in tests/kernels/test_gemm_tensor.py, whose docstring this mirrors.
+
+1. The grouped GEMM tests of tests/kernels/test_moe_prefill.py (gate/up and down over
+   skewed / empty / stale tile maps, the gate/up -> down chain, a real-model-shaped layer),
+   unchanged, on a device whose dispatches of a GEMM kernel name go to the name's
+   ``_tensor`` twin (``harness.TwinDevice``: same bindings, grids, outputs). Their
+   tolerances are the float32 bounds of tests/kernels/test_gemm.py's docstring, which hold
+   for any summation order. The routing tests of that file dispatch no GEMM and are not
+   repeated.
+2. Simulator exactness, in addition (forward order): every output of a twin equals its
+   simdgroup kernel's bit for bit, and the down projection equals the float32 model
+   ``harness.seq_model`` (products of the half operands added in increasing k), for the
+   reasons given in test_gemm_tensor.py.
+
+Correctness tests run in the three simulator modes of tests/simdev.py (forward; reverse
+with undeclared-read detection; random), all with out-of-range write detection, on
+poisoned (NaN) outputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from seeding import fresh_rng
+from harness import ORDERS, THREAD_ORDERS
+
+from lily import _core
+
+pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
+
+from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.kernel_check import MOE_BN, MOE_DOWN_BN, MOE_TG, MOE_TILES  # noqa: E402
+from harness import rand_quant, run_bound as dispatch  # noqa: E402
+from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
+import test_moe_prefill as simd_suite  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=ORDERS)
+def dev(request):
+    return TwinDevice(sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param]))
+
+
+@pytest.fixture(scope="module")
+def fwd():
+    return sim_device(gpu_family="apple10", verify_writes=True)
+
+
+# ---- part 1: the grouped GEMM tests of test_moe_prefill.py on the twins (module docstring)
+_GROUPED = ("test_moe_gate_up", "test_moe_down", "test_moe_chain", "test_moe_chain_real_shape")
+for _name in _GROUPED:
+    globals()[_name + "_tensor"] = getattr(simd_suite, _name)
+del _name
+
+
+# ---- part 2: bit-exactness in the simulator (forward order)
+
+def tile_map(ids, experts, T):
+    """Host model of the routing stage: perm (slots grouped by expert, increasing), the
+    MoeTile list {expert, begin, rows, 0} and max_tiles (docs/prefill.md)."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable").astype(np.uint32)  # slot -> row * top_k + j
+    tiles = []
+    begin = 0
+    for e in range(experts):
+        cnt = int((flat == e).sum())
+        for off in range(0, cnt, T):
+            tiles.append((e, begin + off, min(T, cnt - off), 0))
+        begin += cnt
+    max_tiles = cdiv(flat.size, T) + min(experts, flat.size)
+    arr = np.full((max_tiles, 4), 0xFFFFFFFF, np.uint32)  # entries past tile_count: garbage
+    arr[:len(tiles)] = np.array(tiles, np.uint32)
+    return order, arr, len(tiles), max_tiles
+
+
+def routed(rng, m, experts, top_k):
+    return np.stack([rng.choice(experts, top_k, replace=False) for _ in range(m)]).astype(np.uint32)
+
+
+MOE_SHAPES = [  # (m, experts, top_k, hidden, inter): the tiny and dims presets, ragged m
+    (21, 16, 4, 128, 64),
+    (13, 32, 8, 256, 128),
+]
+
+
+def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
+    m, lda = x.shape[0], k + 4
+    X = upload(dev, pitched(x, lda, 0.0))
+    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
+    W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
+    HX = dev.buffer(m * top_k * ldy * 4)
+    bufs = [X, P, Ti, C, *W, HX]
+    threads, bn = MOE_TG[T], MOE_BN[T]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
+             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
+    return download(HX, np.float32, (m * top_k, ldy))
+
+
+def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
+    lda = hx.shape[1]
+    H = upload(dev, hx)
+    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
+    W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
+    YX = dev.buffer(m * top_k * ldy * 4)
+    bufs = [H, P, Ti, C, *W, YX]
+    threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
+    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
+             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
+    return download(YX, np.float32, (m * top_k, ldy))
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
+    rng = fresh_rng(15, T, m, experts)
+    ids = routed(rng, m, experts, top_k)
+    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
+    gq, uq = rand_quant(rng, (experts,), inter, hidden, 4), rand_quant(rng, (experts,), inter, hidden, 4)
+    x = rng.standard_normal((m, hidden), dtype=np.float32)
+    ldy = inter + 4
+    kern = f"moe_gemm_gate_up_q4_t{T}"
+    hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
+                     experts, ldy)
+    np.testing.assert_array_equal(hx, run_gate_up(dev, kern, T, x, perm, tiles, count, max_tiles, gq, uq, inter,
+                                                  hidden, top_k, experts, ldy))
+    assert np.isnan(hx[:, inter:]).all()
+    for s, a in enumerate(perm):
+        row, e = a // top_k, ids.reshape(-1)[a]
+        swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, int(e))
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
+    dev = fwd
+    rng = fresh_rng(16, T, m, experts)
+    ids = routed(rng, m, experts, top_k)
+    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
+    dq = rand_quant(rng, (experts,), hidden, inter, 4)
+    lda, ldy = inter + 4, hidden + 4
+    hx = pitched(rng.standard_normal((m * top_k, inter), dtype=np.float32), lda, 0.0)
+    kern = f"moe_gemm_down_q4_t{T}"
+    yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
+                  ldy, m)
+    np.testing.assert_array_equal(yx, run_down(dev, kern, T, hx, perm, tiles, count, max_tiles, dq, hidden, inter,
+                                               top_k, experts, ldy, m))
+    assert np.isnan(yx[:, hidden:]).all()
+    flat = ids.reshape(-1)
+    for s, a in enumerate(perm):
+        e = flat[a]
+        want = seq_model(hx[s:s + 1, :inter], dq, int(e))
+        np.testing.assert_array_equal(yx[a:a + 1, :hidden], want)
+        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, int(e))
