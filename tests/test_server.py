@@ -29,6 +29,7 @@ import uvicorn
 from lily.engine import Engine
 from lily.server import create_app
 from scripted import ScriptedBackend
+from server_process import free_port, running_server, serve_argv
 from lily.chat_output import (ChatAccumulator, ChatOutputParser, convert_value, parse_complete,
                                 prompt_opens_reasoning)
 
@@ -672,33 +673,12 @@ def test_keepalive_comments_while_waiting(forced, forced_engine, monkeypatch):
 
 def test_serve_entry_point(tmp_path):
     """``lily.server.serve`` as the CLI calls it: loopback, given port, API key."""
-    import subprocess
-    import sys
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    code = ("from lily.engine import Engine\nfrom lily.server import serve\n"
-            f"serve(Engine.load(), port={port}, api_key='k', log_level='warning')\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        t0 = time.time()
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() - t0 < 30, proc.stdout.read().decode() if proc.poll() is not None else "timeout"
-            time.sleep(0.1)
-        assert httpx.get(base + "/v1/models").status_code == 401
-        r = httpx.get(base + "/v1/models", headers={"Authorization": "Bearer k"})
+    port = free_port()
+    argv = serve_argv(port, api_key="k", log_level="warning")
+    with running_server(argv, port, tmp_path / "server.log", timeout=30) as server:
+        assert httpx.get(server.base + "/v1/models").status_code == 401
+        r = httpx.get(server.base + "/v1/models", headers={"Authorization": "Bearer k"})
         assert r.json()["data"][0]["id"] == MODEL
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_modes_agree_at_every_truncation_point(forced, forced_engine):

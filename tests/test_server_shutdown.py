@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+from server_process import free_port, lily_serve_argv, running_server
+
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")]
 
@@ -26,41 +28,14 @@ HI = [{"role": "user", "content": "Hi"}]
 NOT_CLEAN = ("Traceback", "Exception in ASGI application", "CancelledError", "graceful shutdown exceeded")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _lily_serve(port: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "lily", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _wait_up(proc: subprocess.Popen, base: str) -> None:
-    t0 = time.time()
-    while True:
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            pytest.fail(f"server exited: {proc.stderr.read()[-2000:]}")
-        assert time.time() - t0 < 60, "server did not start"
-        time.sleep(0.1)
-
-
-def test_sigint_while_streaming_ends_everything_cleanly():
+def test_sigint_while_streaming_ends_everything_cleanly(tmp_path):
     """SIGINT with one stream generating and one request queued: the stream gets a final
     OpenAI error event and ``[DONE]``, the queued request a 503, and the process exits 0
     promptly without a traceback (before the fix: a 5 s wait, then uvicorn cancelled the
     stream task with a CancelledError traceback and the stream was cut)."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _lily_serve(port)
-    try:
-        _wait_up(proc, base)
+    port = free_port()
+    with running_server(lily_serve_argv(port), port, tmp_path / "server.log") as server:
+        base, proc = server.base, server.proc
         queued: dict = {}
 
         def queued_request():
@@ -91,12 +66,9 @@ def test_sigint_while_streaming_ends_everything_cleanly():
             lines += [line for line in it if line.startswith("data: ")]
             t_stream = time.time() - t_sig
         t.join(10)
-        _, stderr = proc.communicate(timeout=15)
+        proc.wait(15)
         t_exit = time.time() - t_sig
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+        stderr = server.log_text()
     print(f"stream ended {t_stream:.2f}s and the process exited {t_exit:.2f}s after SIGINT")
     assert lines[-1] == "data: [DONE]", lines[-3:]
     err = json.loads(lines[-2][len("data: "):])["error"]
@@ -117,27 +89,19 @@ def test_port_taken_is_an_error_without_a_serving_line():
         holder.bind(("127.0.0.1", 0))
         holder.listen(1)
         port = holder.getsockname()[1]
-        proc = _lily_serve(port)
-        try:
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(5)
-    assert proc.returncode == 1, err[-2000:]
+        r = subprocess.run(lily_serve_argv(port), capture_output=True, text=True, timeout=60)
+    out, err = r.stdout, r.stderr
+    assert r.returncode == 1, err[-2000:]
     assert "cannot listen on 127.0.0.1" in err and "address already in use" in err.lower(), err[-2000:]
     assert "serving lily-demo-shakespeare" not in err + out and "Traceback" not in err
 
 
-def test_default_max_tokens_flag():
+def test_default_max_tokens_flag(tmp_path):
     """``--default-max-tokens`` caps chat requests that set no max_tokens; an explicit one
     wins (completions keep OpenAI's own default of 16)."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    proc = _lily_serve(port, "--default-max-tokens", "3")
-    try:
-        _wait_up(proc, base)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    port = free_port()
+    with running_server(lily_serve_argv(port, "--default-max-tokens", "3"), port, tmp_path / "server.log") as server:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
         kw = dict(model="lily-demo-shakespeare", messages=HI, temperature=0,
                   extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         capped = client.chat.completions.create(**kw)
@@ -145,9 +109,6 @@ def test_default_max_tokens_flag():
         assert capped.usage.completion_tokens == 3 or capped.choices[0].finish_reason == "stop"
         longer = client.chat.completions.create(**kw, max_tokens=6)
         assert longer.usage.completion_tokens > 3 or longer.choices[0].finish_reason == "stop"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
 
 
 @pytest.mark.parametrize("flags, match", [(["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),

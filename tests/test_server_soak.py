@@ -10,15 +10,14 @@ reads the server's resident set size, thread count and open file descriptors fro
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from server_process import free_port, running_server, serve_argv
 
 pytestmark = [pytest.mark.timeout(150),
               pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc (Linux)")]
@@ -46,35 +45,11 @@ def _status(pid: int) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def served():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    code = ("from lily.engine import Engine\nfrom lily.server import serve\n"
-            f"serve(Engine.load(), port={port}, log_level='warning')\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        t0 = time.time()
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None:
-                pytest.fail(f"server exited: {proc.stderr.read().decode()[-2000:]}")
-            assert time.time() - t0 < 60, "server did not start"
-            time.sleep(0.1)
-        yield proc, base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+def served(tmp_path_factory):
+    port = free_port()
+    log = tmp_path_factory.mktemp("soak") / "server.log"
+    with running_server(serve_argv(port, log_level="warning"), port, log) as server:
+        yield server.proc, server.base
 
 
 def _one(client: openai.OpenAI, i: int) -> None:

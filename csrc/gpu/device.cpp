@@ -15,39 +15,24 @@ namespace lily::gpu {
 
 namespace {
 
-std::string describe(const StageTracker::Span& r) {
+// "buffer #<id> '<label>' bytes [a, b)"; the label is read from the live buffer.
+std::string describe(const Buffer& buffer, size_t offset, size_t size) {
   std::ostringstream s;
-  s << "buffer #" << r.buffer_id;
-  if (!r.buffer_label.empty()) s << " '" << r.buffer_label << "'";
-  s << " bytes [" << r.offset << ", " << r.offset + r.size << ")";
+  s << "buffer #" << buffer.id();
+  std::string label = buffer.label();
+  if (!label.empty()) s << " '" << label << "'";
+  s << " bytes [" << offset << ", " << offset + size << ")";
   return s.str();
 }
 
-std::vector<StageTracker::Span> spans(const std::vector<Range>& rs) {
-  std::vector<StageTracker::Span> v;
-  v.reserve(rs.size());
-  for (const Range& r : rs) v.push_back(StageTracker::span(r));
-  return v;
-}
-
-bool first_overlap(const std::vector<StageTracker::Span>& a, const std::vector<StageTracker::Span>& b,
-                   StageTracker::Span* mine, StageTracker::Span* theirs) {
-  for (const auto& x : a)
-    for (const auto& y : b)
-      if (x.overlaps(y)) {
-        *mine = x;
-        *theirs = y;
-        return true;
-      }
-  return false;
-}
-
-void check_range(const Dispatch& d, const Range& r, const char* what) {
+// label() gives the dispatch's display label; called only to build a message.
+template <class Label>
+void check_range(const Label& label, const Range& r, const char* what) {
   if (!r.buffer)
-    throw UsageError("dispatch '" + d.label + "': declared " + what + " range has no buffer");
+    throw UsageError("dispatch '" + label() + "': declared " + what + " range has no buffer");
   if (r.offset > r.buffer->size() || r.size > r.buffer->size() - r.offset) {
     std::ostringstream s;
-    s << "dispatch '" << d.label << "': declared " << what << " range [" << r.offset << ", "
+    s << "dispatch '" << label() << "': declared " << what << " range [" << r.offset << ", "
       << r.offset + r.size << ") exceeds buffer #" << r.buffer->id() << " of "
       << r.buffer->size() << " bytes";
     throw UsageError(s.str());
@@ -56,17 +41,24 @@ void check_range(const Dispatch& d, const Range& r, const char* what) {
 
 // Metal requires a buffer bound at [[buffer(n)]] to be aligned to the parameter's pointee
 // type at its offset; the simulator would fault on a misaligned vector access.
-void check_alignment(const Dispatch& d, const Binding& b) {
+template <class Label>
+void check_alignment(const Label& label, const Dispatch& d, const Binding& b) {
   if (b.kind != Binding::Kind::buffer) return;
   BufferParameter p = d.pipeline->buffer_parameter(b.index);
   if (p.alignment <= 1 || b.offset % p.alignment == 0) return;
   std::ostringstream s;
-  s << "kernel '" << d.pipeline->name() << "' (dispatch '" << d.label << "'): buffer(" << b.index
+  s << "kernel '" << d.pipeline->name() << "' (dispatch '" << label() << "'): buffer(" << b.index
     << ") is bound at offset " << b.offset << ", which is not a multiple of " << p.alignment
     << ", the required alignment of parameter ";
   if (!p.declaration.empty()) s << "'" << p.declaration << "'";
   else s << b.index;
   throw UsageError(s.str());
+}
+
+const std::string& given_label(const Dispatch& d) { return d.label.empty() ? d.pipeline->name() : d.label; }
+
+std::string display(const std::string& label, uint64_t index) {
+  return label + " (#" + std::to_string(index) + ")";
 }
 
 }  // namespace
@@ -76,18 +68,30 @@ StageTracker::Span StageTracker::span(const Range& r) {
   s.buffer_id = r.buffer->id();
   s.offset = r.offset;
   s.size = r.size;
-  s.buffer_label = r.buffer->label();
   return s;
 }
 
 StageTracker::Conflict StageTracker::conflict(const Dispatch& d) const {
   Conflict c;
-  if (current_.empty()) return c;
-  std::vector<Span> reads = spans(d.reads), writes = spans(d.writes);
-  for (const Entry& e : current_) {
-    if (first_overlap(reads, e.writes, &c.mine, &c.theirs)) c.kind = "read-after-write";
-    else if (first_overlap(writes, e.reads, &c.mine, &c.theirs)) c.kind = "write-after-read";
-    else if (first_overlap(writes, e.writes, &c.mine, &c.theirs)) c.kind = "write-after-write";
+  // The first of d's ranges that overlaps one of the spans [first, first + n).
+  auto overlap = [&](const std::vector<Range>& mine, size_t first, size_t n) {
+    for (const Range& r : mine) {
+      const Span x = span(r);
+      for (size_t i = first; i < first + n; ++i)
+        if (x.overlaps(spans_[i])) {
+          c.mine = &r;
+          c.theirs = spans_[i];
+          return true;
+        }
+    }
+    return false;
+  };
+  for (size_t i = 0; i < used_; ++i) {
+    const Entry& e = entries_[i];
+    const size_t writes = e.first + e.n_reads;
+    if (overlap(d.reads, writes, e.n_writes)) c.kind = "read-after-write";
+    else if (overlap(d.writes, e.first, e.n_reads)) c.kind = "write-after-read";
+    else if (overlap(d.writes, writes, e.n_writes)) c.kind = "write-after-write";
     if (c.kind) {
       c.entry = &e;
       return c;
@@ -96,28 +100,32 @@ StageTracker::Conflict StageTracker::conflict(const Dispatch& d) const {
   return c;
 }
 
-void StageTracker::add(const Dispatch& d) {
-  current_.push_back(Entry{d.label, spans(d.reads), spans(d.writes)});
+void StageTracker::add(const Dispatch& d, uint64_t index) {
+  if (used_ == entries_.size()) entries_.emplace_back();
+  Entry& e = entries_[used_++];
+  e.label = given_label(d);  // reuses the entry's storage from an earlier stage
+  e.index = index;
+  e.first = spans_.size();
+  e.n_reads = d.reads.size();
+  e.n_writes = d.writes.size();
+  for (const Range& r : d.reads) spans_.push_back(span(r));
+  for (const Range& r : d.writes) spans_.push_back(span(r));
 }
+
+std::string ComputePass::display_label(const Dispatch& d) const { return display(given_label(d), dispatch_index_); }
 
 void ComputePass::start_stage() {
   tracker_.new_stage();
   if (counters_) counters_->barrier_stages += 1;
 }
 
-void ComputePass::dispatch(const Dispatch& d_in) {
+void ComputePass::dispatch(const Dispatch& d) {
   if (ended_) throw UsageError("dispatch on a compute pass that has ended");
-  if (!d_in.pipeline) throw UsageError("dispatch without a pipeline");
-  Dispatch d = d_in;
-  if (d.label.empty()) d.label = d.pipeline->name();
-  {
-    std::ostringstream s;
-    s << d.label << " (#" << dispatch_index_ << ")";
-    d.label = s.str();
-  }
-  for (const Range& r : d.reads) check_range(d, r, "read");
-  for (const Range& r : d.writes) check_range(d, r, "write");
-  for (const Binding& b : d.bindings) check_alignment(d, b);
+  if (!d.pipeline) throw UsageError("dispatch without a pipeline");
+  auto label = [&] { return display_label(d); };
+  for (const Range& r : d.reads) check_range(label, r, "read");
+  for (const Range& r : d.writes) check_range(label, r, "write");
+  for (const Binding& b : d.bindings) check_alignment(label, d, b);
   validate(d);
 
   if (!any_dispatch_) {
@@ -130,43 +138,45 @@ void ComputePass::dispatch(const Dispatch& d_in) {
       encode_barrier();
       start_stage();
     } else {
-      // Name both dispatches and the overlapping ranges.
+      // Name both dispatches and the overlapping ranges (theirs lies in mine's buffer).
       std::ostringstream s;
-      s << "hazard (" << c.kind << ") without a barrier: dispatch '" << d.label << "' "
-        << describe(c.mine) << " conflicts with dispatch '" << c.entry->label << "' "
-        << describe(c.theirs) << " in the same barrier stage";
+      s << "hazard (" << c.kind << ") without a barrier: dispatch '" << label() << "' "
+        << describe(*c.mine->buffer, c.mine->offset, c.mine->size) << " conflicts with dispatch '"
+        << display(c.entry->label, c.entry->index) << "' "
+        << describe(*c.mine->buffer, c.theirs.offset, c.theirs.size) << " in the same barrier stage";
       throw HazardError(s.str());
     }
   }
-  tracker_.add(d);
+  tracker_.add(d, dispatch_index_);
   if (counters_) {
-    DispatchRecord rec;
-    rec.label = d.label;
-    rec.pass = static_cast<uint32_t>(counters_->passes);
-    rec.stage = static_cast<uint32_t>(counters_->barrier_stages - 1);
-    rec.kernel = d.pipeline->name();
-    for (const Range& r : d.reads) {
-      rec.bytes_read += r.size;
-      rec.reads.emplace_back(r.buffer->label(), r.size);
-    }
-    for (const Range& r : d.writes) {
-      rec.bytes_written += r.size;
-      rec.writes.emplace_back(r.buffer->label(), r.size);
-    }
-    rec.threads = d.threadgroup;
-    rec.groups = d.grid_is_threadgroups
-                     ? d.grid
-                     : Size3{(d.grid.x + d.threadgroup.x - 1) / d.threadgroup.x,
-                             (d.grid.y + d.threadgroup.y - 1) / d.threadgroup.y,
-                             (d.grid.z + d.threadgroup.z - 1) / d.threadgroup.z};
-    for (const Binding& b : d.bindings) {
-      if (b.kind == Binding::Kind::threadgroup_memory) rec.threadgroup_memory += b.length;
-      if (b.kind == Binding::Kind::bytes) rec.args.emplace_back(b.index, b.bytes);
-    }
+    uint64_t bytes_read = 0, bytes_written = 0;
+    for (const Range& r : d.reads) bytes_read += r.size;
+    for (const Range& r : d.writes) bytes_written += r.size;
     counters_->dispatches += 1;
-    counters_->bytes_read += rec.bytes_read;
-    counters_->bytes_written += rec.bytes_written;
-    counters_->log.push_back(std::move(rec));
+    counters_->bytes_read += bytes_read;
+    counters_->bytes_written += bytes_written;
+    if (log_) {
+      DispatchRecord rec;
+      rec.label = label();
+      rec.pass = static_cast<uint32_t>(counters_->passes);
+      rec.stage = static_cast<uint32_t>(counters_->barrier_stages - 1);
+      rec.kernel = d.pipeline->name();
+      rec.bytes_read = bytes_read;
+      rec.bytes_written = bytes_written;
+      for (const Range& r : d.reads) rec.reads.emplace_back(r.buffer->label(), r.size);
+      for (const Range& r : d.writes) rec.writes.emplace_back(r.buffer->label(), r.size);
+      rec.threads = d.threadgroup;
+      rec.groups = d.grid_is_threadgroups
+                       ? d.grid
+                       : Size3{(d.grid.x + d.threadgroup.x - 1) / d.threadgroup.x,
+                               (d.grid.y + d.threadgroup.y - 1) / d.threadgroup.y,
+                               (d.grid.z + d.threadgroup.z - 1) / d.threadgroup.z};
+      for (const Binding& b : d.bindings) {
+        if (b.kind == Binding::Kind::threadgroup_memory) rec.threadgroup_memory += b.length;
+        if (b.kind == Binding::Kind::bytes) rec.args.emplace_back(b.index, b.bytes);
+      }
+      counters_->log.push_back(std::move(rec));
+    }
   }
   ++dispatch_index_;
   encode_dispatch(d);

@@ -164,7 +164,9 @@ struct Counters {
   uint64_t passes = 0;
   uint64_t copies = 0;          // CommandBuffer::copy calls (not counted in bytes_read/written)
   uint64_t bytes_copied = 0;
-  std::vector<DispatchRecord> log;  // one entry per dispatch, in encoding order
+  // One entry per dispatch, in encoding order, when the command buffer records dispatches
+  // (CommandBuffer::record_dispatches); empty otherwise.
+  std::vector<DispatchRecord> log;
   Counters& operator+=(const Counters& o) {
     log.insert(log.end(), o.log.begin(), o.log.end());
     dispatches += o.dispatches; barrier_stages += o.barrier_stages;
@@ -175,36 +177,48 @@ struct Counters {
 };
 
 // Derives barriers from declared ranges. Shared by every backend. Entries hold buffer ids,
-// not pointers, so a buffer released mid-pass cannot alias a new one.
+// not pointers, so a buffer released mid-pass cannot alias a new one. Storage is reused
+// from stage to stage: tracking a dispatch formats nothing and, once the stage's vectors
+// have grown, allocates nothing (a label longer than the string's small buffer excepted).
 class StageTracker {
  public:
   struct Span {
     uint64_t buffer_id = 0;
     size_t offset = 0, size = 0;
-    std::string buffer_label;
     bool overlaps(const Span& o) const {
       return buffer_id == o.buffer_id && size && o.size && offset < o.offset + o.size &&
              o.offset < offset + size;
     }
   };
+  // A dispatch of the current stage, for hazard messages: its label as given (the kernel
+  // name when none was) and its index in the pass; its spans are
+  // spans_[first, first + n_reads) (reads) then n_writes more (writes).
   struct Entry {
     std::string label;
-    std::vector<Span> reads, writes;
+    uint64_t index = 0;
+    size_t first = 0, n_reads = 0, n_writes = 0;
   };
-  // The first conflict of d with an entry of the current stage: RAW, WAR or WAW.
+  // The first conflict of d with an entry of the current stage: RAW, WAR or WAW. mine is
+  // d's declared range (its buffer is alive); theirs lies in the same buffer.
   struct Conflict {
     const Entry* entry = nullptr;
     const char* kind = nullptr;  // "read-after-write", "write-after-read", "write-after-write"
-    Span mine, theirs;
+    const Range* mine = nullptr;
+    Span theirs;
   };
   Conflict conflict(const Dispatch& d) const;
-  void add(const Dispatch& d);
-  void new_stage() { current_.clear(); }
-  bool empty() const { return current_.empty(); }
+  void add(const Dispatch& d, uint64_t index);
+  void new_stage() {
+    used_ = 0;
+    spans_.clear();
+  }
+  bool empty() const { return used_ == 0; }
   static Span span(const Range& r);
 
  private:
-  std::vector<Entry> current_;
+  std::vector<Entry> entries_;  // entries_[0, used_) are the current stage's; the rest keep their storage
+  size_t used_ = 0;
+  std::vector<Span> spans_;
 };
 
 enum class BarrierMode {
@@ -218,6 +232,8 @@ class ComputePass {
   // Validates (declared ranges inside their buffers; buffer offsets aligned to the
   // kernel parameters' types; then the backend's validate()), derives a barrier if needed,
   // records counters, then encodes.
+  // Works on d in place: it formats the "<label> (#<index>)" display label only for an
+  // error message or a DispatchRecord.
   void dispatch(const Dispatch& d);
   // Hand-placed barrier (only meaningful with BarrierMode::manual; harmless otherwise).
   void barrier();
@@ -227,8 +243,12 @@ class ComputePass {
   class Device& device() const { return *device_; }
 
  protected:
-  ComputePass(class Device* device, BarrierMode mode, Counters* counters)
-      : device_(device), mode_(mode), counters_(counters) {}
+  // counters (may be null) receives the scalar counts; with log, a DispatchRecord per
+  // dispatch too (CommandBuffer::record_dispatches).
+  ComputePass(class Device* device, BarrierMode mode, Counters* counters, bool log)
+      : device_(device), mode_(mode), counters_(counters), log_(log) {}
+  // "<label or kernel> (#<index in pass>)" of the dispatch being validated, for messages (DispatchRecord::label has the same form).
+  std::string display_label(const Dispatch& d) const;
   // Checks geometry and bindings; throws UsageError. Runs before anything is recorded,
   // so a rejected dispatch leaves the pass and its counters unchanged.
   virtual void validate(const Dispatch& d) = 0;
@@ -241,6 +261,7 @@ class ComputePass {
   class Device* device_;
   BarrierMode mode_;
   Counters* counters_;
+  bool log_;
   StageTracker tracker_;
   bool ended_ = false;
   bool any_dispatch_ = false;
@@ -262,6 +283,12 @@ class CommandBuffer {
   virtual void on_completed(std::function<void(Status, const std::string&)> fn) = 0;
   virtual Status status() const = 0;
   virtual const Counters& counters() const = 0;
+  // Keep a DispatchRecord per dispatch in counters().log, for the passes begun after this
+  // call. Off by default: building records costs strings and vectors on every dispatch, and
+  // only estimates, load-time checks and inspection read them; the scalar counters are
+  // always kept.
+  void record_dispatches(bool on = true) { log_dispatches_ = on; }
+  bool records_dispatches() const { return log_dispatches_; }
   // Copies [src_offset, src_offset+size) of src to dst at dst_offset on the device (Metal:
   // MTLBlitCommandEncoder copyFromBuffer), after all work encoded before it in this command
   // buffer and before all work encoded after it (it ends the current compute pass: passes
@@ -276,6 +303,9 @@ class CommandBuffer {
   // After copy() checked the ranges; counts the copy in counters() and encodes it.
   virtual void encode_copy(const Buffer& src, size_t src_offset, const Buffer& dst, size_t dst_offset,
                            size_t size) = 0;
+
+ private:
+  bool log_dispatches_ = false;
 };
 
 class Device {

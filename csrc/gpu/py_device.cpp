@@ -300,11 +300,15 @@ void bind_device(nb::module_& m) {
                    "Bytes: working_set (Metal recommendedMaxWorkingSetSize) and max_buffer (maxBufferLength);\n"
                    "0 = no limit (the simulator's unless created with a budget).")
       .def("command_buffer",
-           [](Device& d) {
+           [](Device& d, bool dispatch_log) {
              nb::gil_scoped_release g;
-             return d.new_command_buffer();
+             auto cb = d.new_command_buffer();
+             cb->record_dispatches(dispatch_log);
+             return cb;
            },
-           nb::keep_alive<0, 1>())
+           "dispatch_log"_a = true, nb::keep_alive<0, 1>(),
+           "A new command buffer; with dispatch_log (the default) it keeps the per-dispatch records\n"
+           "CommandBuffer.dispatch_log reads (the scalar counters are always kept).")
       ;
 
 #ifdef LILY_HAVE_SIM

@@ -154,6 +154,14 @@ void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
   }
 }
 
+// A command buffer that keeps a DispatchRecord per dispatch, for load-time checks and
+// estimates (a generation step keeps only the scalar counters).
+std::unique_ptr<gpu::CommandBuffer> Runtime::logged_command_buffer() {
+  auto cmd = device_->new_command_buffer();
+  cmd->record_dispatches();
+  return cmd;
+}
+
 void Runtime::preflight() {
   std::map<std::string, uint32_t> threads;
   auto collect = [&](gpu::CommandBuffer& cmd) {
@@ -177,12 +185,12 @@ void Runtime::preflight() {
     // decode: plain and (when the context reaches it) split attention, each sampler
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
       if (pos && !uses_split_attention(pos)) continue;
-      auto cmd = device_->new_command_buffer();
+      auto cmd = logged_command_buffer();
       encode_step(*cmd, 0, pos, nullptr);
       collect(*cmd);
     }
     {
-      auto cmd = device_->new_command_buffer();
+      auto cmd = logged_command_buffer();
       gpu::ComputePass& pass = cmd->compute_pass();
       sampling_ = SamplingConfig{};
       sampling_.temperature = 1.0f;
@@ -195,18 +203,18 @@ void Runtime::preflight() {
     // the context (split attention when the context reaches it)
     for (uint32_t tile : {16u, 32u, 64u}) {
       force_tile_rows_ = tile;
-      auto cmd = device_->new_command_buffer();
+      auto cmd = logged_command_buffer();
       encode_chunk(*cmd, 0, 0, chunk_, Logits::last, true, nullptr);
       collect(*cmd);
     }
     force_tile_rows_ = 0;
     if (opt_.max_context > 1) {
-      auto cmd = device_->new_command_buffer();
+      auto cmd = logged_command_buffer();
       encode_chunk(*cmd, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
       collect(*cmd);
     }
     {  // every-position logits
-      auto cmd = device_->new_command_buffer();
+      auto cmd = logged_command_buffer();
       encode_lm_head_rows(*cmd, 0, chunk_bufs_.logits_rows);
       collect(*cmd);
     }
@@ -559,7 +567,7 @@ gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* tr
     throw std::invalid_argument("count_chunk: " + std::to_string(rows) + " rows at position " +
                                 std::to_string(position) + " do not fit the chunk of " + std::to_string(chunk_) +
                                 " rows or the context window of " + std::to_string(opt_.max_context));
-  auto cmd = device_->new_command_buffer();
+  auto cmd = logged_command_buffer();
   encode_chunk(*cmd, 0, position, rows, Logits::last, false, traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
@@ -571,7 +579,7 @@ gpu::Counters Runtime::count_step(uint32_t position, Traffic* traffic) {
   if (position >= opt_.max_context)
     throw std::invalid_argument("count_step: position " + std::to_string(position) +
                                 " is outside the context window of " + std::to_string(opt_.max_context));
-  auto cmd = device_->new_command_buffer();
+  auto cmd = logged_command_buffer();
   encode_step(*cmd, position % 2, position, traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();

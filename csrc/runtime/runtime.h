@@ -289,6 +289,7 @@ class Runtime {
   // library or a threadgroup above its pipeline's limit fails at load naming the kernel;
   // fills kernels_.
   void preflight();
+  std::unique_ptr<gpu::CommandBuffer> logged_command_buffer();
   void check_feed(const std::vector<uint32_t>& tokens, const char* what) const;
   std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
                                                  Logits last_logits, bool sample, bool keep_last);

@@ -138,7 +138,11 @@ class Device:
         0 = no limit (the simulator's unless created with a budget).
         """
 
-    def command_buffer(self) -> CommandBuffer: ...
+    def command_buffer(self, dispatch_log: bool = True) -> CommandBuffer:
+        """
+        A new command buffer; with dispatch_log (the default) it keeps the per-dispatch records
+        CommandBuffer.dispatch_log reads (the scalar counters are always kept).
+        """
 
 def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0) -> Device:
     """

@@ -101,17 +101,23 @@ def _poison_rows(A, n):
     return from_bf16(k), from_bf16(v)
 
 
+def _decode_case(dev, dims, n, capacity):
+    """A layer at position n-1 (seed n; cache rows >= n poisoned), its float32 history K, V
+    and one token's q and gate (Hq, D) for attn_decode."""
+    Hq, Hkv, D, rot = ATTN_DIMS[dims]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=capacity, seed=n)
+    K, V = _poison_rows(A, n)
+    q, gate = f32(A.rng.standard_normal((Hq, D))), f32(A.rng.standard_normal((Hq, D)))
+    A.set_position(n - 1)
+    return A, K, V, q, gate
+
+
 @pytest.mark.parametrize("dims", list(ATTN_DIMS))
 @pytest.mark.parametrize("n", [1, 31, 33, 200])
 def test_attn_decode(dev, dims, n):
-    Hq, Hkv, D, rot = ATTN_DIMS[dims]
-    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=256, seed=n)
-    K, V = _poison_rows(A, n)
-    r = A.rng
-    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
-    A.set_position(n - 1)
+    A, K, V, q, gate = _decode_case(dev, dims, n, capacity=256)
     got = A.decode(upload(dev, q), upload(dev, gate), n)
-    want = attention_reference(q, gate, K, V, n, D)
+    want = attention_reference(q, gate, K, V, n, A.D)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
@@ -120,19 +126,27 @@ def test_attn_decode(dev, dims, n):
 def test_attn_decode_split(dev, dims, n, block_rows, extra):
     """The long-context path (threshold 64 here): several blocks, a ragged last block,
     surplus blocks in the grid that must return without writing."""
-    Hq, Hkv, D, rot = ATTN_DIMS[dims]
-    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity=1024, seed=n)
-    K, V = _poison_rows(A, n)
-    r = A.rng
-    q, gate = f32(r.standard_normal((Hq, D))), f32(r.standard_normal((Hq, D)))
-    A.set_position(n - 1)
+    A, K, V, q, gate = _decode_case(dev, dims, n, capacity=1024)
     Q, GT = upload(dev, q), upload(dev, gate)
     got = A.decode(Q, GT, n, split_threshold=64, block_rows=block_rows, extra_blocks=extra)
-    want = attention_reference(q, gate, K, V, n, D)
+    want = attention_reference(q, gate, K, V, n, A.D)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # the general path on the same inputs agrees to float32 rounding
     general = A.decode(Q, GT, n)
     np.testing.assert_allclose(got, general, rtol=1e-5, atol=1e-6)
+
+
+def _check_oracle(A, got, qg, k, v, K, V, n):
+    """got (one token at position n-1 of layer A, from projections qg, k, v over the history
+    K, V) vs ReferenceModel.attention. The oracle keeps the new token's k/v in float32, the
+    kernels in bf16 (relative rounding <= 2^-9): atol 1e-2 on O(1) outputs."""
+    oracle = StubOracle(attn_cfg(A.Hq, A.Hkv, A.D, A.rot), {"q_norm.weight": from_bf16(A.qn),
+                                                           "k_norm.weight": from_bf16(A.kn)})
+    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
+    st = ReferenceState(max_context=A.cap, position=n - 1)
+    st.keys[0], st.values[0] = K.copy(), V.copy()
+    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("dims", ["real", "tiny"])
@@ -155,14 +169,7 @@ def test_attention_prep_and_decode_vs_oracle(dev, dims):
     gate_view.write(np.concatenate([qg.reshape(-1)[D:], np.zeros(D, np.float32)]).view(np.uint8))
     got = A.decode(Q, gate_view, n, gate_stride=2 * D)
     del QG
-
-    oracle = StubOracle(attn_cfg(Hq, Hkv, D, rot), {"q_norm.weight": from_bf16(A.qn),
-                                                   "k_norm.weight": from_bf16(A.kn)})
-    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
-    st = ReferenceState(max_context=A.cap, position=n - 1)
-    st.keys[0], st.values[0] = K.copy(), V.copy()
-    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    _check_oracle(A, got, qg, k, v, K, V, n)
 
 
 # ------------------------------------------------------------------------------ fused prep + decode
@@ -184,7 +191,7 @@ def _fused_case(dev, dims, n, capacity, seed):
 def _check_fused(A, B, got, want_pair, Q, qg, k, v, K, V, n):
     """got (fused) == prep + decode on B, caches identical (row pos is what attn_qk_prep
     writes, nothing else touched), and got vs float64 attention and ReferenceModel.attention."""
-    Hq, Hkv, D, rot = A.Hq, A.Hkv, A.D, A.rot
+    Hkv, D = A.Hkv, A.D
     # the same float32 operations in the same order: equal bit for bit on the simulator
     np.testing.assert_array_equal(got, want_pair)
     kc_a, kc_b = download(A.KC, np.uint16, (Hkv, A.cap, D)), download(B.KC, np.uint16, (Hkv, A.cap, D))
@@ -198,14 +205,7 @@ def _check_fused(A, B, got, want_pair, Q, qg, k, v, K, V, n):
     # float64 attention over the cache as written (q from attn_qk_prep)
     want64 = attention_reference(Q, qg[:, D:], from_bf16(kc_a), from_bf16(vc_a), n, D)
     np.testing.assert_allclose(got, want64, rtol=2e-5, atol=2e-5)
-    # the oracle (new k/v in float32, not bf16): atol 1e-2 as for prep + decode
-    oracle = StubOracle(attn_cfg(Hq, Hkv, D, rot), {"q_norm.weight": from_bf16(A.qn),
-                                                   "k_norm.weight": from_bf16(A.kn)})
-    oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
-    st = ReferenceState(max_context=A.cap, position=n - 1)
-    st.keys[0], st.values[0] = K.copy(), V.copy()
-    want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    _check_oracle(A, got, qg, k, v, K, V, n)
 
 
 @pytest.mark.parametrize("dims", list(ATTN_DIMS))

@@ -65,6 +65,23 @@ def test_barriers_derived_from_declared_ranges():
     assert all(r["bytes_read"] == 8 * N and r["bytes_written"] == 4 * N for r in log)
 
 
+def test_dispatch_log_is_opt_in_and_counters_are_not():
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    C, D = dev.buffer(4 * N), dev.buffer(4 * N)
+    counted = []
+    for keep in (True, False):
+        cb = dev.command_buffer(dispatch_log=keep)
+        p = cb.compute_pass()
+        add(p, A, B, C)
+        add(p, C, B, D)
+        cb.commit()
+        cb.wait()
+        counted.append(cb.counters)
+        assert len(cb.dispatch_log) == (2 if keep else 0)
+    assert counted[0] == counted[1] and counted[1]["dispatches"] == 2 and counted[1]["barrier_stages"] == 2
+
+
 def test_write_after_read_starts_a_stage():
     dev = sim_device()
     _, (A, B) = vecs(dev, 2)
@@ -107,6 +124,26 @@ def test_hazard_checker_catches_missing_barrier():
                        match=r"read-after-write.*'consumer \(#1\)' buffer #\d+ 'activations' bytes \[0, 400\)"
                              r".*'producer \(#0\)' buffer #\d+ 'activations'"):
         add(p, C, B, D, label="consumer")
+
+
+def test_hazard_names_dispatches_of_a_later_stage():
+    # The tracker reuses its storage from stage to stage: a conflict in the third stage names
+    # that stage's dispatch by its own label and index, not an earlier stage's.
+    dev = sim_device()
+    _, (A, B) = vecs(dev, 2)
+    C, D, E = dev.buffer(4 * N), dev.buffer(4 * N), dev.buffer(4 * N)
+    cb = dev.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    add(p, A, B, C, label="first")
+    add(p, A, B, D, label="second")
+    p.barrier()
+    add(p, C, D, E)
+    p.barrier()
+    add(p, E, B, C, label="a long label that does not fit a small string")
+    with pytest.raises(_core.HazardError,
+                       match=r"write-after-read.*'overwriter \(#4\)' buffer #\d+ bytes \[0, 400\)"
+                             r".*'a long label that does not fit a small string \(#3\)' buffer #\d+ bytes"):
+        add(p, A, B, E, label="overwriter")
 
 
 @pytest.mark.parametrize("kind", ["write-after-read", "write-after-write"])

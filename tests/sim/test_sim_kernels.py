@@ -378,7 +378,7 @@ def test_quad_and_shuffle_fill(dev):
 @pytest.mark.parametrize("threads", [32, 40, 96])
 def test_sim_matrix_products_per_lane(dev, same, threads):
     """The simulator computes a simdgroup_matrix product once per simdgroup and copies it to
-    the lanes whose operands are byte-identical (runtime.h, simd_matrix_op); a lane with
+    the lanes whose operands are byte-identical (kernel_runtime.h, simd_matrix_op); a lane with
     other operands (here: lane-dependent loads, undefined on a GPU) still gets its own
     product, including in a partial last simdgroup (40 threads: 32 + 8 lanes)."""
     rng = fresh_rng(threads, same)

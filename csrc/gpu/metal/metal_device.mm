@@ -168,14 +168,14 @@ struct Keepalive {
 
 class MetalPass : public gpu::ComputePass {
  public:
-  MetalPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, id<MTLComputeCommandEncoder> enc,
+  MetalPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, bool log, id<MTLComputeCommandEncoder> enc,
             Keepalive* keep)
-      : ComputePass(dev, mode, counters), enc_(enc), keep_(keep) {}
+      : ComputePass(dev, mode, counters, log), enc_(enc), keep_(keep) {}
 
  protected:
   void validate(const Dispatch& d) override {
     const auto* p = dynamic_cast<const MetalPipeline*>(d.pipeline);
-    if (!p) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the Metal device");
+    if (!p) throw UsageError("dispatch '" + display_label(d) + "': the pipeline does not belong to the Metal device");
     const uint64_t tg = d.threadgroup.count();
     if (!d.threadgroup.x || !d.threadgroup.y || !d.threadgroup.z || !d.grid.x || !d.grid.y || !d.grid.z)
       throw UsageError("kernel '" + p->name() + "': grid and threadgroup sizes must be non-zero");
@@ -615,7 +615,7 @@ gpu::ComputePass& MetalCommandBuffer::compute_pass(gpu::BarrierMode mode) {
   end_blit();
   id<MTLComputeCommandEncoder> enc = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
   if (!enc) throw Error("cannot create a concurrent compute encoder");
-  encoders_.push_back(std::make_unique<MetalPass>(dev_, mode, &counters_, enc, keep_.get()));
+  encoders_.push_back(std::make_unique<MetalPass>(dev_, mode, &counters_, records_dispatches(), enc, keep_.get()));
   return *encoders_.back();
 }
 

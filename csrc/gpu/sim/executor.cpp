@@ -28,47 +28,47 @@ std::vector<KernelInfo>& registry() {
 void register_kernel(KernelInfo info) { registry().push_back(std::move(info)); }
 const std::vector<KernelInfo>& registered_kernels() { return registry(); }
 
-const char* op_name(Op op) {
+const char* simdgroup_op_name(SimdgroupOp op) {
   switch (op) {
-    case Op::none: return "none";
-    case Op::barrier: return "simdgroup_barrier";
-    case Op::sum: return "simd_sum";
-    case Op::product: return "simd_product";
-    case Op::min: return "simd_min";
-    case Op::max: return "simd_max";
-    case Op::band: return "simd_and";
-    case Op::bor: return "simd_or";
-    case Op::bxor: return "simd_xor";
-    case Op::prefix_incl_sum: return "simd_prefix_inclusive_sum";
-    case Op::prefix_excl_sum: return "simd_prefix_exclusive_sum";
-    case Op::prefix_incl_product: return "simd_prefix_inclusive_product";
-    case Op::prefix_excl_product: return "simd_prefix_exclusive_product";
-    case Op::shuffle: return "simd_shuffle";
-    case Op::shuffle_xor: return "simd_shuffle_xor";
-    case Op::shuffle_up: return "simd_shuffle_up";
-    case Op::shuffle_down: return "simd_shuffle_down";
-    case Op::broadcast: return "simd_broadcast";
-    case Op::ballot: return "simd_ballot";
-    case Op::any: return "simd_any";
-    case Op::all: return "simd_all";
-    case Op::shuffle_rotate_down: return "simd_shuffle_rotate_down";
-    case Op::shuffle_rotate_up: return "simd_shuffle_rotate_up";
-    case Op::broadcast_first: return "simd_broadcast_first";
-    case Op::is_first: return "simd_is_first";
-    case Op::shuffle_and_fill_up: return "simd_shuffle_and_fill_up";
-    case Op::shuffle_and_fill_down: return "simd_shuffle_and_fill_down";
-    case Op::quad_sum: return "quad_sum";
-    case Op::quad_product: return "quad_product";
-    case Op::quad_min: return "quad_min";
-    case Op::quad_max: return "quad_max";
-    case Op::quad_prefix_incl_sum: return "quad_prefix_inclusive_sum";
-    case Op::quad_prefix_excl_sum: return "quad_prefix_exclusive_sum";
-    case Op::quad_shuffle: return "quad_shuffle";
-    case Op::quad_shuffle_xor: return "quad_shuffle_xor";
-    case Op::quad_shuffle_up: return "quad_shuffle_up";
-    case Op::quad_shuffle_down: return "quad_shuffle_down";
-    case Op::quad_broadcast: return "quad_broadcast";
-    case Op::tensor_op: return "a tensor operation (execution_simdgroup)";
+    case SimdgroupOp::none: return "none";
+    case SimdgroupOp::barrier: return "simdgroup_barrier";
+    case SimdgroupOp::sum: return "simd_sum";
+    case SimdgroupOp::product: return "simd_product";
+    case SimdgroupOp::min: return "simd_min";
+    case SimdgroupOp::max: return "simd_max";
+    case SimdgroupOp::band: return "simd_and";
+    case SimdgroupOp::bor: return "simd_or";
+    case SimdgroupOp::bxor: return "simd_xor";
+    case SimdgroupOp::prefix_incl_sum: return "simd_prefix_inclusive_sum";
+    case SimdgroupOp::prefix_excl_sum: return "simd_prefix_exclusive_sum";
+    case SimdgroupOp::prefix_incl_product: return "simd_prefix_inclusive_product";
+    case SimdgroupOp::prefix_excl_product: return "simd_prefix_exclusive_product";
+    case SimdgroupOp::shuffle: return "simd_shuffle";
+    case SimdgroupOp::shuffle_xor: return "simd_shuffle_xor";
+    case SimdgroupOp::shuffle_up: return "simd_shuffle_up";
+    case SimdgroupOp::shuffle_down: return "simd_shuffle_down";
+    case SimdgroupOp::broadcast: return "simd_broadcast";
+    case SimdgroupOp::ballot: return "simd_ballot";
+    case SimdgroupOp::any: return "simd_any";
+    case SimdgroupOp::all: return "simd_all";
+    case SimdgroupOp::shuffle_rotate_down: return "simd_shuffle_rotate_down";
+    case SimdgroupOp::shuffle_rotate_up: return "simd_shuffle_rotate_up";
+    case SimdgroupOp::broadcast_first: return "simd_broadcast_first";
+    case SimdgroupOp::is_first: return "simd_is_first";
+    case SimdgroupOp::shuffle_and_fill_up: return "simd_shuffle_and_fill_up";
+    case SimdgroupOp::shuffle_and_fill_down: return "simd_shuffle_and_fill_down";
+    case SimdgroupOp::quad_sum: return "quad_sum";
+    case SimdgroupOp::quad_product: return "quad_product";
+    case SimdgroupOp::quad_min: return "quad_min";
+    case SimdgroupOp::quad_max: return "quad_max";
+    case SimdgroupOp::quad_prefix_incl_sum: return "quad_prefix_inclusive_sum";
+    case SimdgroupOp::quad_prefix_excl_sum: return "quad_prefix_exclusive_sum";
+    case SimdgroupOp::quad_shuffle: return "quad_shuffle";
+    case SimdgroupOp::quad_shuffle_xor: return "quad_shuffle_xor";
+    case SimdgroupOp::quad_shuffle_up: return "quad_shuffle_up";
+    case SimdgroupOp::quad_shuffle_down: return "quad_shuffle_down";
+    case SimdgroupOp::quad_broadcast: return "quad_broadcast";
+    case SimdgroupOp::tensor_op: return "a tensor operation (execution_simdgroup)";
   }
   return "?";
 }
@@ -112,7 +112,7 @@ struct SimdState {
   // memo[i & (memo.size() - 1)] (a ring; the size is 0 or a power of two).
   std::vector<MatrixMemo> memo;
   uint64_t memo_head = 0, memo_tail = 0;
-  Op op = Op::none;
+  SimdgroupOp op = SimdgroupOp::none;
   CollectiveFn fn = nullptr;
   int first_lane_in = -1;
   bool waiting[kSimdWidth] = {};
@@ -215,7 +215,7 @@ void complete_collective(Threadgroup& tg, SimdState& s, int base) {
     }
   tg.schedule(woken);
   s.arrived = 0;
-  s.op = Op::none;
+  s.op = SimdgroupOp::none;
   s.fn = nullptr;
 }
 
@@ -292,7 +292,7 @@ std::string deadlock_report(const Threadgroup& tg) {
     const SimdState& sg = tg.simds[i];
     if (sg.arrived)
       s << "; simdgroup " << i << ": " << sg.arrived << " of " << sg.live << " live lanes wait in "
-        << op_name(sg.op);
+        << simdgroup_op_name(sg.op);
   }
   s << " (a barrier or simd collective in divergent control flow?)";
   return s.str();
@@ -504,15 +504,17 @@ ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtensio
   return *tg.extensions.back().second;
 }
 
-const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg, CollectiveFn fn) {
+const unsigned char* simd_collective(SimdgroupOp op, const void* operand, size_t size, uint32_t arg,
+                                     CollectiveFn fn) {
   Worker& w = worker();
   Threadgroup& tg = *w.tg;
   Thread& f = *w.cur;
   SimdState& s = tg.simds[f.simd];
   if (s.arrived > 0 && (s.op != op || s.fn != fn))
     kernel_fail(std::string("divergent simd collectives in simdgroup ") + std::to_string(f.simd) + ": lane " +
-                std::to_string(f.lane) + " calls " + op_name(op) + " while lane " + std::to_string(s.first_lane_in) +
-                " waits in " + op_name(s.op) + (s.op == op ? " with another operand type" : ""));
+                std::to_string(f.lane) + " calls " + simdgroup_op_name(op) + " while lane " +
+                std::to_string(s.first_lane_in) + " waits in " + simdgroup_op_name(s.op) +
+                (s.op == op ? " with another operand type" : ""));
   if (s.arrived == 0) {
     s.op = op;
     s.fn = fn;

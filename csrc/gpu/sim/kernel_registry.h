@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "gpu/sim/runtime.h"
+#include "gpu/sim/kernel_runtime.h"
 
 namespace lily::sim {
 

@@ -156,8 +156,8 @@ class SimCommandBuffer;
 
 class SimPass : public gpu::ComputePass {
  public:
-  SimPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, PassRecord* rec, bool record_only)
-      : ComputePass(dev, mode, counters), rec_(rec), record_only_(record_only) {}
+  SimPass(gpu::Device* dev, gpu::BarrierMode mode, Counters* counters, bool log, PassRecord* rec, bool record_only)
+      : ComputePass(dev, mode, counters, log), rec_(rec), record_only_(record_only) {}
 
  protected:
   void validate(const Dispatch& d) override;
@@ -176,7 +176,7 @@ std::string kernel_where(const KernelInfo& k) { return "kernel '" + k.name + "' 
 void SimPass::validate(const Dispatch& d) {
   pending_.reset();
   const auto* pipe = dynamic_cast<const SimPipeline*>(d.pipeline);
-  if (!pipe) throw UsageError("dispatch '" + d.label + "': the pipeline does not belong to the simulator");
+  if (!pipe) throw UsageError("dispatch '" + display_label(d) + "': the pipeline does not belong to the simulator");
   const KernelInfo& k = pipe->kernel();
   auto fail = [&](const std::string& m) { throw UsageError(kernel_where(k) + ": " + m); };
   auto size3 = [](gpu::Size3 s) {
@@ -195,7 +195,7 @@ void SimPass::validate(const Dispatch& d) {
   auto rp = std::make_unique<Recorded>();
   Recorded& r = *rp;
   r.kernel = &k;
-  r.label = d.label;
+  if (!record_only_) r.label = display_label(d);  // for the executor's messages; a record-only pass runs nothing
   r.tg_size = U3{d.threadgroup.x, d.threadgroup.y, d.threadgroup.z};
   uint64_t threads[3], groups[3];
   uint32_t g[3] = {d.grid.x, d.grid.y, d.grid.z}, t[3] = {d.threadgroup.x, d.threadgroup.y, d.threadgroup.z};
@@ -381,7 +381,7 @@ class SimCommandBuffer : public gpu::CommandBuffer {
     if (status_ != Status::encoding) throw UsageError("compute_pass: the command buffer was already committed");
     if (!encoders_.empty()) encoders_.back()->end();
     passes_.emplace_back(std::make_unique<PassRecord>());
-    encoders_.push_back(std::make_unique<SimPass>(static_cast<gpu::Device*>(dev_), mode, &counters_, passes_.back().get(), dev_->options().record_only));
+    encoders_.push_back(std::make_unique<SimPass>(static_cast<gpu::Device*>(dev_), mode, &counters_, records_dispatches(), passes_.back().get(), dev_->options().record_only));
     return *encoders_.back();
   }
   void commit() override {

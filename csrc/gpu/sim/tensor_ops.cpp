@@ -9,7 +9,7 @@
 #include <tuple>
 #include <vector>
 
-#include "gpu/sim/runtime.h"
+#include "gpu/sim/kernel_runtime.h"
 
 namespace lily::sim::tensor_ops {
 namespace {
@@ -229,7 +229,7 @@ float dot(const Instance& in, int r, int c, float acc) {
 
 void rendezvous(Scope s, const char* what) {
   if (s.kind == ScopeKind::simdgroup)
-    simd_collective(Op::tensor_op, nullptr, 0, 0, [](CollectiveView&) {});
+    simd_collective(SimdgroupOp::tensor_op, nullptr, 0, 0, [](CollectiveView&) {});
   else if (s.kind == ScopeKind::simdgroups)
     threadgroup_rendezvous(what);
 }

@@ -1,7 +1,7 @@
 // Reference semantics of the Metal 4 tensor-operation subset (docs/device-layer.md,
 // "Metal 4 tensor operations"): the type-erased engine behind the <metal_tensor> and
 // <MetalPerformancePrimitives/MetalPerformancePrimitives.h> shims. Implemented in
-// tensor_ops.cpp on top of the executor (runtime.h).
+// tensor_ops.cpp on top of the executor (kernel_runtime.h).
 //
 // Model of one operation (matmul2d::run, cooperative_tensor::load/store) with an
 // execution scope of T threads (execution_thread: 1, execution_simdgroup: the 32 lanes of

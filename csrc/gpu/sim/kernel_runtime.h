@@ -44,7 +44,10 @@ struct CollectiveView {
 };
 using CollectiveFn = void (*)(CollectiveView&);
 
-enum class Op : int {
+// The operations at which a simdgroup's lanes meet: simdgroup_barrier, the simd_* and quad_*
+// collectives, and simdgroup-scoped tensor operations. A lane arriving at a different one
+// than its waiting lanes is reported as divergence, named by simdgroup_op_name.
+enum class SimdgroupOp : int {
   none = 0, barrier, sum, product, min, max, band, bor, bxor, prefix_incl_sum,
   prefix_excl_sum, prefix_incl_product, prefix_excl_product, shuffle, shuffle_xor,
   shuffle_up, shuffle_down, broadcast, ballot, any, all, shuffle_rotate_down,
@@ -53,7 +56,7 @@ enum class Op : int {
   quad_shuffle, quad_shuffle_xor, quad_shuffle_up, quad_shuffle_down, quad_broadcast,
   tensor_op,  // a Metal 4 tensor operation with execution_simdgroup scope (see tensor_ops.h)
 };
-const char* op_name(Op op);
+const char* simdgroup_op_name(SimdgroupOp op);
 
 // Current thread (valid only while a kernel runs on the executor).
 const ThreadCoords& coords();
@@ -83,8 +86,8 @@ struct ThreadgroupExtension {
 ThreadgroupExtension& threadgroup_extension(const void* key, ThreadgroupExtension* (*make)());
 // Deposits this lane's operand, waits for the simdgroup's active lanes, and returns this
 // lane's result slot (valid until this lane's next collective).
-const unsigned char* simd_collective(Op op, const void* operand, size_t size, uint32_t arg,
-                                     CollectiveFn fn);
+const unsigned char* simd_collective(SimdgroupOp op, const void* operand, size_t size,
+                                     uint32_t arg, CollectiveFn fn);
 // simdgroup_matrix arithmetic. The shim keeps the whole matrix in every lane, so every lane
 // of a simdgroup performs the same product on the same values; `fn(a, b, c, d)` (d may alias
 // c) is a pure function of the operand bytes. The first lane of the simdgroup to reach its
