@@ -201,3 +201,11 @@ def test_machine_info_names_the_native_device():
     info = machine_info(SimpleNamespace(device="metal", backend=SimpleNamespace(device=dev)))
     assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "metal"
     assert info["chip"] and info["memory_bytes"] > 0 and info["arch"]
+
+
+@pytest.mark.parametrize("kw", [{"rounds": 0}, {"decode_tokens": 1}])
+def test_bench_refuses_bad_counts_before_loading(tmp_path, kw):
+    """Bad counts are refused before any model loads (the path does not even exist)."""
+    from lily.bench import bench
+    with pytest.raises(InvalidParameterError, match="rounds >= 1"):
+        bench(tmp_path / "no-such-model", **kw)

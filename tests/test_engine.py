@@ -187,6 +187,13 @@ def test_prompt_longer_than_context(demo_path):
     assert engine.position == 0
     r = engine.generate(_prompt(engine, 10), max_tokens=100, temperature=0.0, ignore_eos=True)
     assert r.finish_reason == "length" and r.prompt_tokens + r.completion_tokens <= 17
+    engine.reset()
+    with pytest.raises(ContextLengthError, match="the input is 17 tokens long but the context window is 16"):
+        engine.prefill(_prompt(engine, 17))
+    # the one rule (Engine.check_tokens, the server's too): a prompt filling the window is
+    # accepted and ends at once for length
+    r = engine.generate(_prompt(engine, 16), max_tokens=5)
+    assert (r.finish_reason, r.prompt_tokens, r.completion_tokens) == ("length", 16, 0)
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -202,6 +209,7 @@ def test_prompt_longer_than_context(demo_path):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"top_logprobs": 50}, "top_logprobs"),
     ({"stop": [""]}, "stop"),
+    ({"stop": 3}, "stop=3: must be a string or a list of strings"),
     ({"seed": "abc"}, "seed"),
     ({"bogus": 1}, "bogus"),
 ])
@@ -217,6 +225,13 @@ def test_bad_tokens_and_device(demo_engine, demo_path):
         demo_engine.prefill([])
     with pytest.raises(InvalidParameterError):
         demo_engine.prefill([[1, 2]])
+    for call, name in ((lambda: demo_engine.decode(None), "token must be an integer"),
+                       (lambda: demo_engine.decode("a"), "token must be an integer"),
+                       (lambda: demo_engine.generate(None), "prompt must be a string or a sequence"),
+                       (lambda: demo_engine.prefill(None), "the input must be a sequence"),
+                       (lambda: demo_engine.check_tokens("abc"), "the prompt must be a sequence")):
+        with pytest.raises(InvalidParameterError, match=name):
+            call()
     with pytest.raises(DeviceError, match="unknown device"):
         Engine.load(demo_path, device="cuda")
     with pytest.raises(InvalidParameterError, match="max_context"):
@@ -374,3 +389,23 @@ def test_final_event_carries_the_decode_time(demo_engine):
     assert ev.completion_tokens == 6
     assert ev.timings.prefill_s > 0 and ev.timings.decode_s > 0 and ev.timings.decode_tokens_per_s > 0
     events.close()
+
+
+def test_prefill_chunked_scores_like_prefill_and_cancels(demo_path):
+    """Engine.prefill_chunked (the one chunked-prefill loop, shared with the server's prompt
+    scoring): the same logits as one prefill, in prefill_chunk pieces; a cancel empties the
+    session."""
+    engine = Engine.load(demo_path, max_context=512, device="reference", prompt_cache_bytes=0)
+    ids = (_prompt(engine, 60) * 5)[:300]  # three chunks of the reference's 128
+    whole = engine.prefill(ids, all_logits=True)
+    engine.reset()
+    rows = []
+    assert engine.prefill_chunked(ids, on_logits=rows.append)
+    assert [len(r) for r in rows] == [128, 128, 44] and engine.tokens == ids
+    np.testing.assert_allclose(np.concatenate(rows), whole, rtol=1e-4, atol=1e-4)
+    engine.reset()
+    cancel = threading.Event()
+    cancel.set()
+    assert not engine.prefill_chunked(ids, cancel=cancel) and engine.position == 0
+    with pytest.raises(ContextLengthError):
+        engine.prefill_chunked(ids + ids)

@@ -30,10 +30,12 @@ def test_invalid_native_options(demo_path, options, match):
 @pytest.mark.parametrize("name, value, match", [
     ("prefill_chunk", 0, "prefill_chunk must be a positive integer, got 0"),
     ("split_threshold", 0, "split_threshold must be a positive integer, got 0"),
-    ("prefill_chunk", True, "prefill_chunk must be a non-negative integer, got True"),
+    # one rule per option: a positive one says "positive" for 0, -1 and a wrong type alike
+    ("prefill_chunk", -1, "prefill_chunk must be a positive integer, got -1"),
+    ("prefill_chunk", True, "prefill_chunk must be a positive integer, got True"),
     ("split_block", -1, "split_block must be a non-negative integer, got -1"),
-    ("prefill_chunk", 2.5, "prefill_chunk must be a non-negative integer, got 2.5"),
-    ("max_context", 2**32, "max_context must be a non-negative integer"),
+    ("prefill_chunk", 2.5, "prefill_chunk must be a positive integer, got 2.5"),
+    ("max_context", 2**32, "max_context must be a positive integer"),
     ("gemm_path", "fast", "gemm_path must be one of auto, simdgroup, tensor, got 'fast'"),
     ("virtual_weights", 1, "virtual_weights must be True or False, got 1"),
 ])

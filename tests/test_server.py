@@ -641,6 +641,17 @@ def test_context_length_and_echo(forced, forced_engine):
     r = httpx.post(forced.base + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "word " * 5000}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "messages"
+    # the engine's one rule: a prompt filling the window (4096) is served, ending for length
+    ids = forced_engine.tokenizer.encode("word " * 5000)[:4096]
+    r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids + ids[:1]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "prompt"
+    r = httpx.post(forced.base + "/v1/completions", json={"prompt": [10**7]})
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]
     c = forced.client()
     r = c.completions.create(model="forced", prompt="Hello", echo=True, max_tokens=5)
     assert r.choices[0].text == "Helloabc" and r.choices[0].finish_reason == "stop"

@@ -43,10 +43,12 @@ struct FieldBinder {
         [member, name](S& s, nb::handle v) {
           const bool is_bool = PyBool_Check(v.ptr());
           T out{};
+          std::string unsigned_rule = "a non-negative integer";
+          if constexpr (std::is_same_v<S, RuntimeOptions>) unsigned_rule = RuntimeOptions::rule(name);
           if (std::is_same_v<T, bool> != is_bool || !nb::try_cast<T>(v, out))
             throw std::invalid_argument(std::string(name) + " must be " +
                                         (std::is_same_v<T, bool> ? "True or False"
-                                         : std::is_unsigned_v<T> ? "a non-negative integer"
+                                         : std::is_unsigned_v<T> ? unsigned_rule
                                          : std::is_integral_v<T> ? "an integer"
                                                                  : "a number") +
                                         ", got " + nb::repr(v).c_str());

@@ -52,11 +52,20 @@ struct RuntimeOptions {
       if (name == gemm_path_names[i]) return GemmPath(i);
     throw std::invalid_argument("gemm_path must be one of auto, simdgroup, tensor, got '" + name + "'");
   }
+  // The options that must be positive (the other integers: non-negative); one rule and one
+  // message for 0 (validate) and for a negative value (the binding's setter).
+  static bool positive(const std::string& name) {
+    return name == "max_context" || name == "split_threshold" || name == "prefill_chunk";
+  }
+  static std::string rule(const std::string& name) {
+    return positive(name) ? "a positive integer" : "a non-negative integer";
+  }
   void validate() const {
-    const std::pair<const char*, uint32_t> positive[] = {
+    const std::pair<const char*, uint32_t> values[] = {
         {"max_context", max_context}, {"split_threshold", split_threshold}, {"prefill_chunk", prefill_chunk}};
-    for (const auto& [name, value] : positive)
-      if (value == 0) throw std::invalid_argument(std::string(name) + " must be a positive integer, got 0");
+    for (const auto& [name, value] : values)
+      if (positive(name) && value == 0)
+        throw std::invalid_argument(std::string(name) + " must be " + rule(name) + ", got 0");
   }
 };
 

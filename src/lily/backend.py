@@ -54,6 +54,12 @@ class Backend(Protocol):
     def finish(self) -> None: ...
     def snapshot(self) -> object: ...
     def restore(self, snap: object) -> None: ...
+    def snapshot_arrays(self, snap: object) -> tuple[dict[str, np.ndarray], dict]:
+        """``snap`` (from :meth:`snapshot`) as named arrays plus JSON metadata with its
+        ``kind`` and ``position``: the form a prompt cache file stores."""
+    def snapshot_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict) -> object:
+        """The snapshot :meth:`snapshot_arrays` stored, ready for :meth:`restore`. Raises
+        ``ValueError`` or ``KeyError`` for arrays of another form."""
 
 
 class HostGeneration:

@@ -445,7 +445,7 @@ def _int_list(text: str) -> list[int]:
 def cmd_bench(args) -> int:
     """``lily bench`` (against MLX-LM) and ``lily bench --agent`` (multi-turn, prompt cache):
     the same device options, report and --json file."""
-    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else None
+    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else None
     if args.agent:
         from lily import agent_bench
         from lily.engine import Engine

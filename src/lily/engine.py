@@ -283,16 +283,22 @@ class Engine:
     @property
     def prefill_chunk(self) -> int:
         """Tokens per prefill chunk on this device (the reference: 128; native devices: the
-        ``prefill_chunk`` device option, default 512). Generation checks ``cancel`` between
+        ``prefill_chunk`` device option, whose default is ``lily._core.RuntimeOptions``'s,
+        declared once in csrc/runtime/runtime.h). Generation checks ``cancel`` between
         chunks, so this is also the cancellation granularity of a prompt."""
         return self.backend.prefill_chunk
 
-    def _check_tokens(self, tokens, what: str, after: int) -> np.ndarray:
-        """The one input check before anything reaches a backend: ``tokens`` as int64
-        ``[T]``, T >= 1, every id in ``[0, vocab_size)``, and ``after + T <= max_context``
-        (``after``: the tokens they follow in the session).
+    def check_tokens(self, tokens, what: str = "the prompt", after: int = 0) -> np.ndarray:
+        """The one input check before anything reaches a backend (the server uses it too):
+        ``tokens`` as int64 ``[T]``, T >= 1, every id in ``[0, vocab_size)``, and
+        ``after + T <= max_context`` (``after``: the tokens they follow in the session). A
+        prompt of exactly ``max_context`` tokens is accepted; its generation ends at once
+        with ``finish_reason="length"``.
 
         Raises :class:`InvalidParameterError` (naming ``what``) or :class:`ContextLengthError`."""
+        if tokens is None or isinstance(tokens, (str, bytes)):
+            raise InvalidParameterError(f"{what} must be a sequence of integer token ids, got "
+                                        f"{type(tokens).__name__}")
         arr = np.asarray(tokens)
         if arr.size == 0:
             raise InvalidParameterError(f"{what} must contain at least one token id")
@@ -308,7 +314,7 @@ class Engine:
                 n = "1 more token does" if arr.size == 1 else f"{arr.size} more tokens do"
                 raise ContextLengthError(f"{n} not fit: {after} tokens are already in the "
                                          f"session and the context window is {self.max_context}")
-            raise ContextLengthError(f"{what} has {arr.size} tokens but the context window "
+            raise ContextLengthError(f"{what} is {arr.size} tokens long but the context window "
                                      f"is {self.max_context} tokens")
         return arr.astype(np.int64)
 
@@ -325,7 +331,7 @@ class Engine:
         InvalidParameterError
             Empty input, non-integer or out-of-vocabulary ids.
         """
-        arr = self._check_tokens(tokens, "tokens", self.position)
+        arr = self.check_tokens(tokens, "the input", self.position)
         out = self.backend.forward(arr, all_logits=all_logits)
         self._tokens.extend(arr.tolist())
         return out
@@ -333,6 +339,8 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """Feed one token (usually the previously sampled one); returns float32 logits
         ``[vocab_size]`` for the next position. Raises like :meth:`prefill`."""
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise InvalidParameterError(f"token must be an integer token id, got {token!r}")
         return self.prefill([int(token)])
 
     def snapshot(self):
@@ -367,10 +375,13 @@ class Engine:
         Raises :class:`InvalidParameterError` for an empty prompt, ids that are not integers
         or outside the vocabulary, and :class:`ContextLengthError` for a prompt longer than
         the context window."""
+        if prompt is None or isinstance(prompt, bytes):
+            raise InvalidParameterError(f"prompt must be a string or a sequence of token ids, got "
+                                        f"{type(prompt).__name__}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         if len(ids) == 0:
             raise InvalidParameterError("the prompt is empty")
-        return self._check_tokens(ids, "the prompt", 0).tolist()
+        return self.check_tokens(ids, "the prompt", 0).tolist()
 
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
@@ -412,6 +423,46 @@ class Engine:
                 e = min(p - base, s + chunk)
                 yield new[s:e]
                 s = e
+
+    def _run_pieces(self, pieces, cancel: threading.Event | None, on_logits=None,
+                    snapshot: bool = True) -> bool:
+        """The one chunked-prefill loop: run ``pieces`` (lists of checked ids) into the
+        session in order, ``cancel`` checked before each; with ``snapshot`` the prompt cache
+        stores the session at the planned positions. ``on_logits``: each piece then runs
+        with every position's logits, passed on as float32 ``[len(piece), vocab_size]``.
+        Returns False when cancelled; a cancel or a failure leaves an empty session (a
+        partial prefill is no usable state)."""
+        try:
+            for piece in pieces:
+                if cancel is not None and cancel.is_set():
+                    self.reset()
+                    return False
+                arr = np.asarray(piece, dtype=np.int64)
+                if on_logits is None:
+                    self.backend.prefill(arr)
+                else:
+                    logits = self.backend.forward(arr, all_logits=True)
+                self._tokens.extend(arr.tolist())
+                if on_logits is not None:
+                    on_logits(logits)
+                if snapshot:
+                    self._snapshot_if_planned()
+        except BaseException:
+            self.reset()
+            raise
+        return True
+
+    def prefill_chunked(self, tokens: Sequence[int], *, cancel: threading.Event | None = None,
+                        on_logits=None) -> bool:
+        """:meth:`prefill` in pieces of :attr:`prefill_chunk` tokens with ``cancel`` checked
+        between them (the loop generation uses). ``on_logits(rows)`` receives float32
+        ``[piece, vocab_size]`` logits of every position of each piece (teacher-forced
+        scoring); without it no logits are computed. Returns False when cancelled. A
+        cancel or a failure leaves an empty session. Raises like :meth:`prefill`."""
+        ids = self.check_tokens(tokens, "the input", self.position).tolist()
+        chunk = self.prefill_chunk
+        return self._run_pieces((ids[s:s + chunk] for s in range(0, len(ids), chunk)), cancel,
+                                on_logits, snapshot=False)
 
     def _snapshot_if_planned(self) -> None:
         """After a prefill piece: store the session in the prompt cache at a planned position."""
@@ -489,18 +540,9 @@ class Engine:
         tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
         if self._snap_points:  # every snapshot position inside the pieces run here
             tail = max(tail, self._snap_points[-1] - len(self._tokens))
-        try:
-            for piece in self._pieces(new[:tail], chunk):
-                if cancel is not None and cancel.is_set():
-                    self.reset()  # a partial prefill leaves no usable session
-                    yield done("cancelled")
-                    return
-                backend.prefill(np.asarray(piece, dtype=np.int64))
-                self._tokens.extend(piece)
-                self._snapshot_if_planned()
-        except BaseException:
-            self.reset()
-            raise
+        if not self._run_pieces(self._pieces(new[:tail], chunk), cancel):
+            yield done("cancelled")
+            return
         feed = new[tail:]
         start_pos = backend.position
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
@@ -637,14 +679,7 @@ class Engine:
         ids = self.encode_prompt(prompt)
         new = self._start(ids)
         self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
-        try:
-            for piece in self._pieces(new, self.prefill_chunk):
-                self.backend.prefill(np.asarray(piece, dtype=np.int64))
-                self._tokens.extend(piece)
-                self._snapshot_if_planned()
-        except BaseException:
-            self.reset()
-            raise
+        self._run_pieces(self._pieces(new, self.prefill_chunk), None)
         self._cache_session()
         return len(new)
 

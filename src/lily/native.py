@@ -197,6 +197,20 @@ class NativeBackend:
         except ValueError as e:
             raise InvalidParameterError(str(e)) from None
 
+    def snapshot_arrays(self, snap) -> tuple[dict[str, np.ndarray], dict]:
+        """The snapshot's device buffer as byte arrays (its parts)."""
+        parts = snap.parts()
+        return ({f"part.{i}": np.frombuffer(p, dtype=np.uint8) for i, p in enumerate(parts)},
+                {"kind": "native", "position": int(snap.position), "parts": len(parts)})
+
+    def snapshot_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict):
+        """The parts uploaded into a buffer of this backend's device."""
+        from lily import _core
+        if meta["kind"] != "native":
+            raise ValueError(f"a {meta['kind']!r} snapshot, not a native one")
+        return _core.SessionSnapshot(int(meta["position"]),
+                                     [arrays[f"part.{i}"].tobytes() for i in range(int(meta["parts"]))], self.device)
+
 
 def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
     """A runtime on a record-only simulator over virtual weights (:func:`_virtual_tensors`);

@@ -308,37 +308,6 @@ def _differences(want: dict, got: dict) -> list[str]:
     return out
 
 
-def _state_arrays(state) -> tuple[dict[str, np.ndarray], dict]:
-    """A backend snapshot as named arrays plus JSON metadata (inverse: :func:`_state_from`)."""
-    from lily.reference import ReferenceState
-    if isinstance(state, ReferenceState):
-        arrays = {}
-        for kind in ("keys", "values", "conv", "recurrent"):
-            for layer, a in getattr(state, kind).items():
-                arrays[f"{kind}.{layer}"] = np.ascontiguousarray(a)
-        return arrays, {"kind": "reference", "position": state.position}
-    parts = state.parts()
-    return ({f"part.{i}": np.frombuffer(p, dtype=np.uint8) for i, p in enumerate(parts)},
-            {"kind": "native", "position": int(state.position), "parts": len(parts)})
-
-
-def _state_from(arrays: dict[str, np.ndarray], meta: dict, max_context: int, device=None):
-    """The snapshot stored by :func:`_state_arrays`; a native one is uploaded into a buffer of
-    ``device`` (the engine's ``lily._core`` device)."""
-    if meta["kind"] == "reference":
-        from lily.reference import ReferenceState
-        st = ReferenceState(max_context=max_context, position=int(meta["position"]))
-        for name, a in arrays.items():
-            kind, layer = name.split(".")
-            getattr(st, kind)[int(layer)] = np.array(a, dtype=np.float32)
-        return st
-    from lily import _core
-    if device is None:
-        raise PromptCacheError("a native device's prompt cache file needs an engine on a native device")
-    return _core.SessionSnapshot(int(meta["position"]),
-                                 [arrays[f"part.{i}"].tobytes() for i in range(int(meta["parts"]))], device)
-
-
 def save(cache: PromptCache, engine, path: str | os.PathLike) -> int:
     """Write every entry of ``cache`` (snapshots of ``engine``'s model and device) to
     ``path`` as one safetensors file with the model identity and a SHA-256 of the data in
@@ -347,7 +316,7 @@ def save(cache: PromptCache, engine, path: str | os.PathLike) -> int:
     from safetensors.numpy import save_file
     tensors, index = {}, []
     for i, e in enumerate(cache.entries()):
-        arrays, meta = _state_arrays(e.state)
+        arrays, meta = engine.backend.snapshot_arrays(e.state)
         tensors[f"{i}/tokens"] = e.tokens
         for name, a in arrays.items():
             tensors[f"{i}/{name}"] = a
@@ -411,8 +380,7 @@ def load(cache: PromptCache, engine, path: str | os.PathLike) -> int:
                 raise PromptCacheError(f"{path}: entry {i} holds {tokens.size} tokens, more than this "
                                        f"engine's context window of {engine.max_context}")
             arrays = {name: tensors[f"{i}/{name}"] for name in m["names"]}
-            entries.append((tokens, _state_from(arrays, m, engine.max_context,
-                                                getattr(engine.backend, "device", None))))
+            entries.append((tokens, engine.backend.snapshot_from_arrays(arrays, m)))
     except (KeyError, ValueError, TypeError) as e:
         raise PromptCacheError(f"{path}: damaged prompt cache file ({type(e).__name__}: {e})") from None
     need = sum(state_nbytes(s) + t.nbytes for t, s in entries)

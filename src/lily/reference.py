@@ -396,3 +396,17 @@ class ReferenceBackend:
         if not isinstance(snap, ReferenceState):
             raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
         self.state = snap.copy()
+
+    def snapshot_arrays(self, snap: ReferenceState) -> tuple[dict[str, np.ndarray], dict]:
+        arrays = {f"{kind}.{layer}": np.ascontiguousarray(a)
+                  for kind in ("keys", "values", "conv", "recurrent") for layer, a in getattr(snap, kind).items()}
+        return arrays, {"kind": "reference", "position": snap.position}
+
+    def snapshot_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict) -> ReferenceState:
+        if meta["kind"] != "reference":
+            raise ValueError(f"a {meta['kind']!r} snapshot, not a reference one")
+        st = ReferenceState(max_context=self.max_context, position=int(meta["position"]))
+        for name, a in arrays.items():
+            kind, layer = name.split(".")
+            getattr(st, kind)[int(layer)] = np.array(a, dtype=np.float32)
+        return st

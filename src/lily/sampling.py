@@ -71,6 +71,9 @@ class SamplingParams:
             stop = (stop,)
         elif stop is None:
             stop = ()
+        elif not isinstance(stop, (list, tuple)):
+            raise InvalidParameterError(f"invalid sampling parameter stop={stop!r}: must be a string "
+                                        "or a list of strings")
         object.__setattr__(self, "stop", tuple(stop))
         self.validate()
 

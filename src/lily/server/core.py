@@ -106,12 +106,6 @@ class ServerState:
         self.worker = Worker(max_queue)
         self.created = int(time.time())
         self.default_max_tokens = default_max_tokens
-        tok = engine.tokenizer
-        vocab = getattr(tok, "vocab_size", None)
-        cfg = getattr(engine, "config", None)
-        if cfg is not None and getattr(cfg, "vocab_size", None):
-            vocab = min(vocab or cfg.vocab_size, cfg.vocab_size)
-        self.vocab_size = vocab
 
     def begin_shutdown(self) -> None:
         """Take no more generations and end the running and queued ones now: their requests
@@ -177,19 +171,16 @@ class ServerState:
             raise APIError(400, msg, param=param_of(msg), code="invalid_value") from None
 
     def check_prompt_ids(self, ids: list[int], param: str) -> None:
-        """400 for an empty prompt, a token id outside the vocabulary, or a prompt that
-        fills the context window (``context_length_exceeded``)."""
-        if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
-        if self.vocab_size is not None:
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                               param="prompt", code="invalid_value")
-        if len(ids) >= self.engine.max_context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the context window is "
-                                f"{self.engine.max_context} tokens", param=param,
-                           code="context_length_exceeded")
+        """The engine's input check (:meth:`lily.engine.Engine.check_tokens`, one rule for
+        the library and the server) as API errors: 400 ``invalid_value`` for an empty prompt
+        or a token id outside the vocabulary, 400 ``context_length_exceeded`` naming
+        ``param`` for a prompt longer than the context window."""
+        try:
+            self.engine.check_tokens(ids, "the prompt")
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except InvalidParameterError as exc:
+            raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
                           param: str = "messages") -> tuple[str, list[int]]:
@@ -411,30 +402,24 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     ``job.prompt_logprobs`` gets one entry per prompt token, ``None`` for the first and
     otherwise the :class:`~lily.sampling.TokenLogprob` of ``ids[i]`` under the model's
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
-    generated tokens). The pass prefills ``ids[:-1]`` with ``all_logits=True`` into a fresh
-    session (the engine's ``prefill`` appends to whatever the session holds) in
-    ``engine.prefill_chunk`` pieces, checking ``cancel`` between them; the generation then extends
-    that session, so only the last prompt token is prefilled again. A cancelled or failed
+    generated tokens). The pass prefills ``ids[:-1]`` into a fresh session (the engine's
+    ``prefill`` appends to whatever the session holds) with
+    :meth:`~lily.engine.Engine.prefill_chunked`, checking ``cancel`` between chunks; the
+    generation then extends that session, so only the last prompt token is prefilled again. A cancelled or failed
     pass leaves an empty session.
     """
     from lily.sampling import Sampler, SamplingParams
 
-    chunk = engine.prefill_chunk
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]
-    head = ids[:-1]
+
+    def score(rows) -> None:  # row j of a piece predicts the token after it
+        for row in rows:
+            scored.append(scorer.logprob(row, ids[len(scored)]))
+
     engine.reset()
-    try:
-        for s in range(0, len(head), chunk):
-            if cancel.is_set():
-                engine.reset()
-                return
-            logits = engine.prefill(head[s:s + chunk], all_logits=True)
-            for j, row in enumerate(logits):
-                scored.append(scorer.logprob(row, ids[s + j + 1]))
-    except BaseException:
-        engine.reset()
-        raise
+    if len(ids) > 1 and not engine.prefill_chunked(ids[:-1], cancel=cancel, on_logits=score):
+        return
     job.prompt_logprobs = scored
     yield from engine.stream(ids, params, cancel=cancel)
 
