@@ -1463,16 +1463,22 @@ def _embed(dev, rng, kernel):
                  f"{kernel} row {tok}")
 
 
-@check("rms_norm")
+@check("rms_norm", "rms_norm_half")
 def _rms_norm(dev, rng, kernel):
+    """rms_norm_half: the same norm stored as half (prefill's xn)."""
     rows, n, eps = 3, 256, 1e-6
+    half = kernel.endswith("_half")
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
-    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer((2 if half else 4) * rows * n)
     run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
-    return ratio(download(O, np.float32, (rows, n)), want, DEPTH * U * np.abs(want) + 1e-30, kernel)
+    tol = DEPTH * U * np.abs(want) + 1e-30
+    if half:
+        want, tol = half_stored(want, tol)
+    got = download(O, np.float16 if half else np.float32, (rows, n)).astype(np.float32)
+    return ratio(got, want, tol, kernel)
 
 
 @check("moe_route")
@@ -1546,6 +1552,8 @@ def _gemm(dev, rng, kernel):
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = rng.standard_normal((m, k)).astype(np.float32)
+    if not add:  # gemm_q4 / gemm_q8 read half activations (their producers convert)
+        x = half_activations(x)
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
@@ -1725,13 +1733,13 @@ def _embed_rows(dev, rng, kernel):
 def _gemm_swiglu(dev, rng, kernel):
     m, n, k = 21, 70, 128
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = half_activations(rng.standard_normal((m, k)))
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
-    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
     run_bound(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
          reads=[*bufs, X], writes=[Y])
-    want, tol = swiglu_ref(x, gq, uq)
-    return ratio(download(Y, np.float32, (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
+    want, tol = half_stored(*swiglu_ref(x, gq, uq))
+    return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
 
 
 @check("sample_token")
@@ -1912,19 +1920,19 @@ def _moe_gemm_gate_up(dev, rng, kernel):
     T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
-    x = rng.standard_normal((M, H)).astype(np.float32)
+    x = half_activations(rng.standard_normal((M, H)))
     X, P = upload(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    HX = dev.buffer(4 * M * k * I)
+    HX = dev.buffer(2 * M * k * I)  # half
     cb = dev.command_buffer()
     enc_moe_gemm_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, list(upload_q(dev, gq)), list(upload_q(dev, uq)),
                          HX, M, k, E, H, I, kernel=kernel)
     cb.commit()
     cb.wait()
-    hx = download(HX, np.float32, (M * k, I))
+    hx = download(HX, np.float16, (M * k, I)).astype(np.float32)
     r = 0.0
     for e, begin, rows, _ in tiles:
-        want, tol = swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e))
+        want, tol = half_stored(*swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e)))
         r = max(r, ratio(hx[begin:begin + rows], want, tol, f"{kernel} expert {e}"))
     return r
 
@@ -1934,7 +1942,7 @@ def _moe_gemm_down(dev, rng, kernel):
     T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
     dq = rand_quant(rng, (E,), H, I, 4)
-    hx = (rng.standard_normal((M * k, I)) * 0.1).astype(np.float32)
+    hx = half_activations(rng.standard_normal((M * k, I)) * 0.1)
     HX, P = upload(dev, hx), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
     YX = dev.buffer(4 * M * k * H)
