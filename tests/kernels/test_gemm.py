@@ -193,6 +193,17 @@ def test_router_and_shared_gate_one_buffer(dev):
         check(out[:, cols], exact, tol, "router logits")
 
 
+def _gemm_q4_add_onto_zeros(dev, qt, x, n, label):
+    """float32 [m, n]: 0 + x W^T through gemm_q4_add, the GEMM that stages fp32 activations
+    as half (x [m, k] float32)."""
+    m, k = x.shape
+    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4_add", qbufs(dev, qt), X, Y, m, n, k, k, n, add=True)
+    commit(cb, label)
+    return download(Y, np.float32).reshape(m, n)
+
+
 def test_half_rounding_is_modelled(dev):
     """The reference's half rounding is what keeps the bound tight: x = 1 + 2**-12 (between
     two halves: it rounds to 1) on a single k block, against the same reference without the
@@ -203,12 +214,7 @@ def test_half_rounding_is_modelled(dev):
     m, n, k = 8, 64, GEMM_BK
     qt = rand_quant(rng, (), n, k, 4)
     x = np.full((m, k), 1 + 2.0**-12, np.float32)
-    wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
-    cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, n, add=True)
-    commit(cb, "gemm_q4 rounding")
-    out = download(Y, np.float32).reshape(m, n)
+    out = _gemm_q4_add_onto_zeros(dev, qt, x, n, "gemm_q4 rounding")
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "half operands")
     wh, _ = half_weights(qt)
@@ -226,12 +232,7 @@ def test_saturating_half_operands(dev):
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[1, 3], x[2, :] = 1e6, -7e4
     qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
-    wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
-    cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, n, add=True)
-    commit(cb, "gemm_q4_add saturation")
-    out = download(Y, np.float32).reshape(m, n)
+    out = _gemm_q4_add_onto_zeros(dev, qt, x, n, "gemm_q4_add saturation")
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "saturated operands")
 
