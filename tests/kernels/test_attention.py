@@ -139,14 +139,16 @@ def test_attn_decode_split(dev, dims, n, block_rows, extra):
 def _check_oracle(A, got, qg, k, v, K, V, n):
     """got (one token at position n-1 of layer A, from projections qg, k, v over the history
     K, V) vs ReferenceModel.attention. The oracle keeps the new token's k/v in float32, the
-    kernels in bf16 (relative rounding <= 2^-9): atol 1e-2 on O(1) outputs."""
+    kernels in bf16 (relative rounding <= 2^-9): at n = 1 the output is the rounded v times
+    sigmoid(gate), off by up to 2^-9 of itself, and v reaches ~5 over thousands of normal
+    draws, so rtol 2^-8 on top of atol 1e-2 (the softmax weights' share on O(1) outputs)."""
     oracle = StubOracle(attn_cfg(A.Hq, A.Hkv, A.D, A.rot), {"q_norm.weight": from_bf16(A.qn),
                                                            "k_norm.weight": from_bf16(A.kn)})
     oracle.proj = {"q_proj": qg.reshape(1, -1), "k_proj": k.reshape(1, -1), "v_proj": v.reshape(1, -1)}
     st = ReferenceState(max_context=A.cap, position=n - 1)
     st.keys[0], st.values[0] = K.copy(), V.copy()
     want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
 
 
 @pytest.mark.parametrize("dims", ["real", "tiny"])
@@ -341,5 +343,5 @@ def test_mixers_in_one_pass_with_derived_barriers(dev):
     st.keys[0], st.values[0] = K.copy(), V.copy()
     want = oracle.attention(0, np.zeros((1, 1), np.float32), st)[0]
     got = download(OUT, np.float32)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
     assert download(TOK, np.uint32)[0] == int(np.argmax(got))

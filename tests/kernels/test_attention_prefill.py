@@ -35,8 +35,8 @@ Tolerances:
   4e-3. Split vs plain differ because each split keeps its own reference max, so P rounds
   differently.
 * prep + attention vs ReferenceModel.attention: the oracle keeps the chunk's k/v in float32,
-  the cache holds them in bf16 (relative rounding <= 2^-9): atol 1e-2 on O(1) outputs (as
-  decode).
+  the cache holds them in bf16 (relative rounding <= 2^-9): rtol 2^-8 plus atol 1e-2 (as
+  decode: a row that attends mostly to its own v is off by up to 2^-9 of itself, |v| ~5).
 * a chunk of M rows vs M one-row chunks: every (row, head) sees the same KV tiles in the same
   order, extra fully masked tiles contribute exact zeros (and an exact identity rescale), and
   rows of the query matrix are independent in the products, so the results agree to float32
@@ -254,7 +254,7 @@ def test_prefill_chunk_vs_oracle(dev, dims, p0, M, split):
                                **twin_tol(dev))
     assert np.isnan(from_bf16(kc[:, p0 + M:])).all()  # rows past the chunk still poisoned
     want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
 
 
 @pytest.mark.parametrize("dims", ["real", "wide64", "tiny"])
@@ -385,4 +385,4 @@ def test_prefill_chunk_tensor_vs_oracle(tdev):
     kc, vc = L.cache()
     np.testing.assert_allclose(got, attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0), **twin_tol(tdev))
     want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
