@@ -5,9 +5,9 @@
 //                             K and V rows p0 + i written to the KV cache, q out fp32 [M, Hq, D].
 //                             The float32 arithmetic of attn_qk_prep term for term, so the cache
 //                             rows (and q) equal the ones decode writes, bit for bit.
-//   attn_prefill_prep_d<D>_qh the same with q out as the tensor-op attention's operand
-//                             (attention_prefill_tensor.metal): half(q * q_scale), saturated,
-//                             laid out [Hq / G, M, G, D] (G = q_group).
+//   attn_prefill_prep_d<D>_qbf the same with q out as the tensor-op attention's operand
+//                             (attention_prefill_tensor.metal): bfloat(q * q_scale), laid out
+//                             [Hq / G, M, G, D] (G = q_group).
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
 //                             online softmax in fp32, output * sigmoid(gate) -> fp32 [M, Hq*D].
@@ -15,7 +15,7 @@
 //                             KV head): every 32-row K/V tile is loaded once into threadgroup
 //                             memory as half for all 64 (row, head) pairs; Q K^T and P V on
 //                             half simdgroup_matrix operands (q * scale and P rounded to half,
-//                             K/V bf16 -> half exact) with fp32 accumulation.
+//                             K/V bf16 -> half, saturated) with fp32 accumulation.
 //   attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>
 //                             the same with the KV range cut into splits of S rows (a third grid
 //                             dimension) writing partials (max, sum, unnormalised output); the
@@ -36,14 +36,15 @@ namespace attn_prefill_detail {
 // ---- prep ----
 constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgroup per row
 
-// Element i of query head h of chunk row `row` out: fp32 [M, Hq, D] as computed, or half q *
-// q_scale with the GEMMs' saturating conversion in the tensor-op layout [Hq / G, M, G, D].
+// Element i of query head h of chunk row `row` out: fp32 [M, Hq, D] as computed, or bfloat
+// q * q_scale (round to nearest even; bf16 has fp32's range: no clamp) in the tensor-op
+// layout [Hq / G, M, G, D].
 inline void prep_q_out(device float* q, constant AttnPrefillPrepArgs& args, uint D, uint row, uint h, uint i, float y) {
   q[(ulong(row) * args.num_q_heads + h) * D + i] = y;
 }
-inline void prep_q_out(device half* q, constant AttnPrefillPrepArgs& args, uint D, uint row, uint h, uint i, float y) {
+inline void prep_q_out(device bfloat* q, constant AttnPrefillPrepArgs& args, uint D, uint row, uint h, uint i, float y) {
   const uint G = args.q_group;
-  q[((ulong(h / G) * args.rows + row) * G + h % G) * D + i] = gemm_half(y * args.q_scale);
+  q[((ulong(h / G) * args.rows + row) * G + h % G) * D + i] = bfloat(y * args.q_scale);
 }
 
 // ---- attention ----
@@ -411,8 +412,8 @@ template <uint D>
 // head), D = 64 (the "tiny" preset, G = 2); every G in {8, 4, 2} for both head dims.
 template [[host_name("attn_prefill_prep_d256")]] [[kernel]] decltype(attn_prefill_prep<256, float>) attn_prefill_prep<256, float>;
 template [[host_name("attn_prefill_prep_d64")]] [[kernel]] decltype(attn_prefill_prep<64, float>) attn_prefill_prep<64, float>;
-template [[host_name("attn_prefill_prep_d256_qh")]] [[kernel]] decltype(attn_prefill_prep<256, half>) attn_prefill_prep<256, half>;
-template [[host_name("attn_prefill_prep_d64_qh")]] [[kernel]] decltype(attn_prefill_prep<64, half>) attn_prefill_prep<64, half>;
+template [[host_name("attn_prefill_prep_d256_qbf")]] [[kernel]] decltype(attn_prefill_prep<256, bfloat>) attn_prefill_prep<256, bfloat>;
+template [[host_name("attn_prefill_prep_d64_qbf")]] [[kernel]] decltype(attn_prefill_prep<64, bfloat>) attn_prefill_prep<64, bfloat>;
 template [[host_name("attn_prefill_d256_g8")]] [[kernel]] decltype(attn_prefill<256, 8>) attn_prefill<256, 8>;
 template [[host_name("attn_prefill_d256_g4")]] [[kernel]] decltype(attn_prefill<256, 4>) attn_prefill<256, 4>;
 template [[host_name("attn_prefill_d256_g2")]] [[kernel]] decltype(attn_prefill<256, 2>) attn_prefill<256, 2>;

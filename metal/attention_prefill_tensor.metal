@@ -1,26 +1,29 @@
 // Prefill attention, Metal 4 tensor-operation path for apple10-family GPUs (M5: per-core
 // neural accelerators) (docs/prefill.md, "Attention"). Twins of attn_prefill_d<D>_g<G> and
-// attn_prefill_split_d<D>_g<G> (attention_prefill.metal) with the same K/V, gate, output and
-// argument bindings; the query operand differs: half q * scale, saturated, laid out
-// [Hq / G, M, G, D] by attn_prefill_prep_d<D>_qh, so the 64 (chunk row, head) pairs of a
-// threadgroup are 64 consecutive rows of D halves and Q is read by the matmul straight from
-// device memory (not staged: 64 x 256 halves alone would fill the 32 KiB of threadgroup
-// memory). The combine kernel is shared. Grid: (ceil(M / BQ), Hq / G[, splits]) threadgroups
-// of 256 threads, BQ = 64 / G chunk rows: pair r < 64 of a threadgroup is chunk row
-// block * BQ + r / G of query head y * G + r % G.
+// attn_prefill_split_d<D>_g<G> (attention_prefill.metal) with the same tiles, fp32 online
+// softmax, gate, output and argument bindings; the matrix operands are bfloat (as MLX's NAX
+// attention): q * scale rounded to bf16 by attn_prefill_prep_d<D>_qbf in the layout
+// [Hq / G, M, G, D], so the 64 (chunk row, head) pairs of a threadgroup are 64 consecutive
+// rows of D bfloats read by the matmul straight from device memory (64 x 256 operands alone
+// would fill the 32 KiB of threadgroup memory); K read straight from the bf16 cache as well
+// (no conversion, no staging); V staged as a plain bf16 copy (rows past the range zeroed);
+// P rounded to bf16. The combine kernel is shared. Grid: (ceil(M / BQ), Hq / G[, splits])
+// threadgroups of 256 threads, BQ = 64 / G chunk rows: pair r < 64 of a threadgroup is chunk
+// row block * BQ + r / G of query head y * G + r % G.
 //
-// Per 32-row KV tile (attention_prefill.h: the same tiles, saturating K/V conversion and
-// online softmax as the simdgroup kernels):
-//   load K as half (all threads), barrier;
-//   S = Q K^T   one matmul2d (64 x 32, k = D, half x half -> fp32) over the 8 simdgroups;
-//   barrier; load V as half while 4 threads per pair run the fp32 online softmax (P -> half);
+// Per 32-row KV tile (attention_prefill.h: the tiles, the V loader and the online softmax
+// shared with the simdgroup kernels):
+//   S = Q K^T   one matmul2d (64 x 32, k = D, bfloat x bfloat -> fp32) over the 8 simdgroups,
+//               K the tile's cache rows (an extent of the rows before kend: S columns past it
+//               are unspecified and masked by the softmax), while all threads load V;
+//   barrier; 4 threads per pair run the fp32 online softmax (P -> bfloat);
 //   barrier; O (64 x D fp32, a cooperative tensor: registers) *= corr per pair, when a pair's
 //               reference max moved (a flag per simdgroup);
 //   O += P V    one matmul2d (64 x D, k = 32); barrier.
-// Threadgroup memory (D = 256): K/V tile 16 KiB + S 8 KiB + P 4 KiB + 800 B of per-pair
-// values: 29,472 bytes of the 32 KiB limit.
-// MSL 4.0: built into lily_tensor.metallib (half x half -> float: MacOSX 26.0 SDK
-// MPPTensorOpsMatMul2d.h operand table).
+// Three threadgroup barriers per tile. Threadgroup memory (D = 256): V tile 16 KiB + S 8 KiB +
+// P 4 KiB + 800 B of per-pair values: 29,472 bytes of the 32 KiB limit.
+// MSL 4.0: built into lily_tensor.metallib (bfloat x bfloat -> float: the operand table of
+// MacOSX 26.1 SDK's MPPTensorOpsMatMul2d.h; 26.0's header maps bfloat under __HAVE_BFLOAT__).
 #include <metal_stdlib>
 #include <metal_tensor>
 #include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>
@@ -38,13 +41,13 @@ constant constexpr uint kThreads = 256;  // 8 simdgroups: the scope of every ten
 constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: the matmuls' m
 
 template <uint D, uint G, bool SPLIT>
-static inline void attend(device half* qh, device const float* qg, device const bfloat* k_cache,
+static inline void attend(device bfloat* qb, device const float* qg, device const bfloat* k_cache,
                           device const bfloat* v_cache, device float* out, device float* part_ml,
                           device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
                           uint split,
-                          threadgroup half* kv,    // [kTile, D] K or V tile
+                          threadgroup bfloat* kv,  // [kTile, D] V tile
                           threadgroup float* ss,   // [kRows, kTile] scores
-                          threadgroup half* ps,    // [kRows, kTile] P
+                          threadgroup bfloat* ps,  // [kRows, kTile] P
                           threadgroup float* rowv, // [3 * kRows + 8] corr, then 1 / l (or l) and m; rescale flags
                           uint tid) {
   constexpr uint BQ = kRows / G;
@@ -63,12 +66,12 @@ static inline void attend(device half* qh, device const float* qg, device const 
   // Q: rows [row0 * G, row0 * G + pairs) of head group y's [M * G, D] matrix. Its extent is
   // the pairs of chunk rows: the matmul leaves S rows past it undefined, and the softmax
   // masks those rows whole.
-  using QRowsT = tensor<device half, dextents<int32_t, 2>, tensor_inline>;
-  using KVTile = tensor<threadgroup half, extents<int32_t, D, kTile>, tensor_inline>;
-  using PTile = tensor<threadgroup half, extents<int32_t, kTile, kRows>, tensor_inline>;
+  using QRowsT = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  using VTile = tensor<threadgroup bfloat, extents<int32_t, D, kTile>, tensor_inline>;
+  using PTile = tensor<threadgroup bfloat, extents<int32_t, kTile, kRows>, tensor_inline>;
   using STile = tensor<threadgroup float, extents<int32_t, kTile, kRows>, tensor_inline>;
-  QRowsT tQ(qh + (ulong(y) * M + row0) * G * D, dextents<int32_t, 2>(D, pairs));
-  KVTile tKV(kv, extents<int32_t, D, kTile>());
+  QRowsT tQ(qb + (ulong(y) * M + row0) * G * D, dextents<int32_t, 2>(D, pairs));
+  VTile tV(kv, extents<int32_t, D, kTile>());
   PTile tP(ps, extents<int32_t, kTile, kRows>());
   STile tS(ss, extents<int32_t, kTile, kRows>());
   // S (kRows x kTile) = Q K^T: K's rows are the right operand's columns (transpose_right)
@@ -78,7 +81,7 @@ static inline void attend(device half* qh, device const float* qg, device const 
       matmul2d_descriptor(kRows, D, kTile, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<qk_desc, execution_simdgroups<kThreads / 32>> qk;
   matmul2d<pv_desc, execution_simdgroups<kThreads / 32>> pv;
-  auto o = pv.template get_destination_cooperative_tensor<PTile, KVTile, float>();
+  auto o = pv.template get_destination_cooperative_tensor<PTile, VTile, float>();
   for (uint16_t i = 0; i < o.get_capacity(); ++i) {
     if (o.is_valid_element(i)) {
       o[i] = 0.0f;
@@ -86,8 +89,7 @@ static inline void attend(device half* qh, device const float* qg, device const 
   }
 
   // softmax role: pair sr, columns 8 su .. 8 su + 7, 4 threads per pair: the simdgroup
-  // kernel's layout, so l is summed in the same order and both paths agree bit for bit on
-  // the simulator
+  // kernel's layout, so l is summed in the same order
   const uint sr = tid / 4;
   const uint su = tid % 4;
   const bool live = sr < pairs;                   // uniform per group of 4 lanes
@@ -98,11 +100,12 @@ static inline void attend(device half* qh, device const float* qg, device const 
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
 
   for (uint t0 = kbeg; t0 < kend; t0 += kTile) {
-    load_tile<D, kThreads>(khead, t0, kend, kv, tid);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // K complete
-    qk.run(tQ, tKV, tS);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // S complete, K no longer read
+    // K rows [t0, min(t0 + kTile, kend)) from the cache (only read: no barrier orders it;
+    // tensor elements are non-const, as Apple's examples)
+    QRowsT tK((device bfloat*)(khead + ulong(t0) * D), dextents<int32_t, 2>(D, min(kTile, kend - t0)));
+    qk.run(tQ, tK, tS);
     load_tile<D, kThreads>(vhead, t0, kend, kv, tid);
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // S and the V tile complete
     float s[8];
     for (uint j = 0; j < 8; ++j) {
       const uint key = t0 + 8 * su + j;
@@ -117,7 +120,7 @@ static inline void attend(device half* qh, device const float* qg, device const 
     if (tid % 32 == 0) {
       rowv[3 * kRows + tid / 32] = moved ? 1.0f : 0.0f;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr, the flags and the V tile complete
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr and the flags complete
     bool rescale = false;  // uniform: every thread reads the same flags
     for (uint g = 0; g < kThreads / 32; ++g) {
       rescale = rescale || rowv[3 * kRows + g] != 0.0f;
@@ -129,7 +132,7 @@ static inline void attend(device half* qh, device const float* qg, device const 
         }
       }
     }
-    pv.run(tP, tKV, o);
+    pv.run(tP, tV, o);
     threadgroup_barrier(mem_flags::mem_threadgroup);  // kv, S, P and corr free for the next tile
   }
 
@@ -169,7 +172,7 @@ static inline void attend(device half* qh, device const float* qg, device const 
 
 // ---- attn_prefill_tensor: as attn_prefill (attention_prefill.metal)
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_tensor(device half* qh [[buffer(0)]],               // [Hq/G, M, G, D] q * scale (attn_prefill_prep_d<D>_qh); read only
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale (attn_prefill_prep_d<D>_qbf); read only
                                 device const float* qg [[buffer(1)]],        // [M, Hq*2*D] (gate: second D of each head)
                                 device const bfloat* k_cache [[buffer(2)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
                                 device const bfloat* v_cache [[buffer(3)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
@@ -180,21 +183,21 @@ template <uint D, uint G>
   using namespace attn_prefill_tensor_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 32 == 0 && D <= 256, "D: a multiple of 32, at most 256");
-  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
   threadgroup float ss[kRows * kTile];
-  threadgroup half ps[kRows * kTile];
+  threadgroup bfloat ps[kRows * kTile];
   threadgroup float rowv[3 * kRows + kThreads / 32];
   const uint nblocks = (args.rows + kRows / G - 1) / (kRows / G);
   if (tg.x >= nblocks) {
     return;
   }
-  attend<D, G, false>(qh, qg, k_cache, v_cache, out, out, out, args, nblocks - 1 - tg.x, tg.y, 0,
-                      (threadgroup half*)kv4, ss, ps, rowv, tid);
+  attend<D, G, false>(qb, qg, k_cache, v_cache, out, out, out, args, nblocks - 1 - tg.x, tg.y, 0,
+                      (threadgroup bfloat*)kv4, ss, ps, rowv, tid);
 }
 
 // ---- attn_prefill_split_tensor: as attn_prefill_split (partials for attn_prefill_combine)
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_split_tensor(device half* qh [[buffer(0)]],               // [Hq/G, M, G, D] q * scale; read only
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_split_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale; read only
                                       device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                                       device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                                       device float* part_ml [[buffer(3)]],         // [num_splits, M, Hq, 2]
@@ -205,16 +208,16 @@ template <uint D, uint G>
   using namespace attn_prefill_tensor_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 32 == 0 && D <= 256, "D: a multiple of 32, at most 256");
-  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
   threadgroup float ss[kRows * kTile];
-  threadgroup half ps[kRows * kTile];
+  threadgroup bfloat ps[kRows * kTile];
   threadgroup float rowv[3 * kRows + kThreads / 32];
   const uint nblocks = (args.rows + kRows / G - 1) / (kRows / G);
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
-  attend<D, G, true>(qh, nullptr, k_cache, v_cache, part_o, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
-                     tg.z, (threadgroup half*)kv4, ss, ps, rowv, tid);
+  attend<D, G, true>(qb, nullptr, k_cache, v_cache, part_o, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
+                     tg.z, (threadgroup bfloat*)kv4, ss, ps, rowv, tid);
 }
 
 // Instantiations: as attention_prefill.metal.

@@ -192,42 +192,45 @@ def test_estimate_of_another_checkpoint_config():
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]
 
 
-def test_prefill_attention_runs_on_half_operands():
-    """Prefill attention (issue 11, item 5): Q K^T and P V on half operands on both paths
-    (sgmm_f16 / tensor_f16; no fp32 matrix work), the *_tensor variant on the tensor path,
-    and matrix flops of the causal (row, key) pairs plus only the partial tiles the kernel
-    walks (a 2048-row chunk after 4096 rows: under 5% over)."""
+def test_prefill_attention_operands():
+    """Prefill attention (issue 11, item 5): Q K^T and P V on half operands on the simdgroup
+    path (sgmm_f16) and bf16 operands on the tensor path (tensor_bf16, the *_tensor variant);
+    no fp32 matrix work; matrix flops of the causal (row, key) pairs plus only the partial
+    tiles the kernel walks (a 2048-row chunk after 4096 rows: under 5% over). The simdgroup
+    path clamps its K/V tiles in half: 2 fp16 operations per K and per V element, 4 D per key
+    of a tile shared by 64 (row, head) pairs whose scores cost 4 D matrix flops each, so
+    alu_f16 = sgmm_f16 / 64; the tensor path has no half/bfloat ALU work."""
     exact = 4 * 256 * 16 * (2048 * 4096 + 2048 * 2049 / 2)  # 4 D Hq per causal pair
-    for path, kernel, mm, groups, threads in (("simdgroup", "attn_prefill_d256_g8", "sgmm_f16", (256, 2, 1), 256),
-                                             ("tensor", "attn_prefill_d256_g8_tensor", "tensor_f16", (256, 2, 1), 256)):
+    for path, kernel, mm, f16 in (("simdgroup", "attn_prefill_d256_g8", "sgmm_f16", 1 / 64),
+                                  ("tensor", "attn_prefill_d256_g8_tensor", "tensor_bf16", 0.0)):
         recs = [r for r in count_prefill_chunk(CFG, 2048, 4096, gemm_path=path)["records"]
                 if r["kernel"].startswith("attn_prefill_d")]
         assert {r["kernel"] for r in recs} == {kernel} and len(recs) == CFG.num_hidden_layers // 4
         for r in recs:
             f = r["work"]["flops"]
-            assert r["groups"] == groups and r["threads"] == (threads, 1, 1)
-            assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32")), f
+            assert r["groups"] == (256, 2, 1) and r["threads"] == (256, 1, 1)
+            assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32", "alu_f16")), f
             assert exact <= f[mm] <= 1.05 * exact
+            assert f["alu_f16"] == pytest.approx(f16 * f[mm], rel=1e-12)
 
 
 def test_prefill_attention_tensor_geometry():
-    """The tensor-op prefill attention: 64 (chunk row, head) pairs share each K/V tile (8 chunk
-    rows x the 8 query heads of a KV head), so per score the ALU work is the online softmax (8)
-    plus the saturating bf16 -> half conversion of the K and V tiles (2 x 3 operations per
-    element over 64 pairs); q arrives as half from attn_prefill_prep_d256_qh, so no Q
-    conversion; threadgroup memory 16 KiB K/V + 8 KiB S + 4 KiB P + 800 B, within the limit."""
+    """The tensor-op prefill attention: 64 (chunk row, head) pairs share each V tile (8 chunk
+    rows x the 8 query heads of a KV head); K and V are bf16 operands as cached and q arrives
+    as bf16 from attn_prefill_prep_d256_qbf, so per score the ALU work is the online softmax
+    alone (8); threadgroup memory 16 KiB V + 8 KiB S + 4 KiB P + 800 B, within the limit."""
     D = 256
     recs = count_prefill_chunk(CFG, 4096, 126976, gemm_path="tensor")["records"]
     attn = [r for r in recs if r["kernel"] == "attn_prefill_d256_g8_tensor"]
     prep = [r for r in recs if r["kernel"].startswith("attn_prefill_prep")]
-    assert attn and {r["kernel"] for r in prep} == {"attn_prefill_prep_d256_qh"}
+    assert attn and {r["kernel"] for r in prep} == {"attn_prefill_prep_d256_qbf"}
     for r in attn:
         f = r["work"]["flops"]
         assert r["groups"] == (4096 // 8, 2, 1) and r["threads"] == (256, 1, 1)
-        assert f["alu_f32"] == pytest.approx(f["tensor_f16"] * (8 + 2 * 3 * D / 64) / (4 * D), rel=1e-12)
+        assert f["alu_f32"] == pytest.approx(f["tensor_bf16"] * 8 / (4 * D), rel=1e-12)
         assert r["threadgroup_memory"] == 2 * 32 * D + 6 * 64 * 32 + 4 * (3 * 64 + 8) == 29472
-    for r in prep:  # the q read by the attention is half
-        assert r["bytes_written"] - 2 * 2 * 2 * 4096 * D == 2 * 4096 * 16 * D  # K/V rows + half q
+    for r in prep:  # the q read by the attention is bf16
+        assert r["bytes_written"] - 2 * 2 * 2 * 4096 * D == 2 * 4096 * 16 * D  # K/V rows + bf16 q
 
 
 def test_threadgroup_memory_within_the_limit():

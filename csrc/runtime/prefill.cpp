@@ -168,8 +168,8 @@ void Runtime::resolve_prefill_kernels() {
                              std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
   k.gdn_gated_norm = &dev.pipeline("gdn_gated_norm_v" + std::to_string(d.linear_value_head_dim));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
-  // the tensor-op attention reads q as half * scale in its own layout (attn_prefill_prep_d<D>_qh)
-  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_ops_ ? "_qh" : ""));
+  // the tensor-op attention reads q as bfloat * scale in its own layout (attn_prefill_prep_d<D>_qbf)
+  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_ops_ ? "_qbf" : ""));
   k.attn = &dev.pipeline("attn_prefill" + attn_suffix + path);  // path: attention_prefill_tensor.metal
   if (chunk_bufs_.attn_splits) {
     k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + path);
@@ -284,7 +284,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const size_t q_bytes = size_t(M) * Hq * D * (tensor_ops_ ? 2 : f);  // half q on the tensor path
+      const size_t q_bytes = size_t(M) * Hq * D * (tensor_ops_ ? 2 : f);  // bfloat q on the tensor path
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))

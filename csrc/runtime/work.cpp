@@ -240,9 +240,9 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "attn_prefill_prep_d")) {
     const auto a = arg<args::AttnPrefillPrepArgs>(r);
     Work w = make("attention");
-    // _qh: q * scale converted to half with the clamp (1 + kHalfConvOps per q element)
+    // _qbf: q * scale rounded to bfloat (2 operations per q element)
     add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d") +
-                              (ends(k, "_qh") ? (1 + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d") : 0.0));
+                              (ends(k, "_qbf") ? 2.0 * a.rows * a.num_q_heads * param(k, "_d") : 0.0));
     w.bytes = declared(r);
     return w;
   }
@@ -267,17 +267,18 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     tiles *= double(a.num_q_heads / G);  // threadgroup columns
     const double scores = tiles * rows * kAttnTile;
     Work w = make("attention");
-    // Q K^T and P V: 2 D flops each per score, half operands, fp32 accumulation
-    add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 4.0 * D * scores);
-    // online softmax per score (mask, max, subtract, exp, half rounding, sum); per tile the
-    // saturating bf16 -> half conversion of K and V (kHalfConvOps per element: gemm_half);
-    // per threadgroup the scaling and conversion of Q on the simdgroup path (the tensor path
-    // reads the half q its prep wrote). The rare diag(corr) O rescale (a row's max grew by
-    // > 8) is not counted.
-    add(w, Path::alu_f32,
-        8.0 * scores + 2.0 * kHalfConvOps * tiles * kAttnTile * D + (tensor ? 0.0 : groups * rows * D));
+    // Q K^T and P V: 2 D flops each per score, fp32 accumulation; bfloat operands on the
+    // tensor path, half on the simdgroup path
+    add(w, tensor ? Path::tensor_bf16 : Path::sgmm_f16, 4.0 * D * scores);
+    // online softmax per score (mask, max, subtract, exp, operand rounding, sum). The tensor
+    // path takes K and V as cached (a plain copy of V) and the bfloat q its prep wrote; the
+    // simdgroup path converts each K and V tile element to half in fp32 (1) and clamps it in
+    // half (2: kv_operand), and scales and converts Q per threadgroup. The rare diag(corr) O
+    // rescale (a row's max grew by > 8) is not counted.
+    add(w, Path::alu_f32, 8.0 * scores + (tensor ? 0.0 : 2.0 * tiles * kAttnTile * D + groups * rows * D));
+    if (!tensor) add(w, Path::alu_f16, 2.0 * 2.0 * tiles * kAttnTile * D);
     w.bytes = declared(r);
-    // tensor: half K/V tile, fp32 S and half P [rows, kTile], fp32 corr, l, m per pair and
+    // tensor: bfloat V tile, fp32 S and bfloat P [rows, kTile], fp32 corr, l, m per pair and
     // a rescale flag per simdgroup (8); simdgroup: half K/V tile and per-simdgroup scratch
     w.threadgroup_memory = tensor ? 2 * kAttnTile * D + 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
                                   : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;

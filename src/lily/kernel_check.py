@@ -497,24 +497,23 @@ PREFILL_EPS = 1e-6
 TILE = 32  # KV rows per tile (kTile)
 QROWS = 64  # (row, head) pairs per threadgroup (kRows)
 RESCALE = 8.0  # lazy rescale threshold (kRescale)
-HALF_MAX = 65504.0  # the largest finite half: gemm_half's clamp (metal/common.h)
 
 
-def pack_half_q(q, G):
-    """The tensor-op attention's query operand (attn_prefill_prep_d<D>_qh): q [M, Hq, D] fp32
-    times the softmax scale D^-0.5 in fp32, clamped to +-HALF_MAX and rounded to half, laid
-    out [Hq / G, M, G, D] (a threadgroup's pairs are consecutive rows)."""
+def pack_bf16_q(q, G):
+    """The tensor-op attention's query operand (attn_prefill_prep_d<D>_qbf): q [M, Hq, D] fp32
+    times the softmax scale D^-0.5 in fp32, rounded to bf16 (nearest even), as bf16 bit
+    patterns (uint16) laid out [Hq / G, M, G, D] (a threadgroup's pairs are consecutive rows)."""
     M, Hq, D = q.shape
-    qs = np.clip(f32(q) * np.float32(float(D) ** -0.5), -HALF_MAX, HALF_MAX).astype(np.float16)
+    qs = bf16_bits(f32(q) * np.float32(float(D) ** -0.5))
     return np.ascontiguousarray(qs.reshape(M, Hq // G, G, D).transpose(1, 0, 2, 3))
 
 
-def unpack_half_q(qh, G):
-    """pack_half_q's inverse up to its rounding: [Hq / G, M, G, D] half -> q [M, Hq, D] fp32
-    (divided by the scale, a power of two for D = 64 and 256: exact), so that the twin's
-    half(q * scale) gives back the kernel's operand."""
-    Hg, M, _, D = qh.shape
-    return f32(qh.astype(np.float32) / np.float32(float(D) ** -0.5)).transpose(1, 0, 2, 3).reshape(M, Hg * G, D)
+def unpack_bf16_q(qb, G):
+    """pack_bf16_q's inverse up to its rounding: [Hq / G, M, G, D] bf16 bits -> q [M, Hq, D]
+    fp32 (divided by the scale, a power of two for D = 64 and 256: exact), so that the twin's
+    bf16(q * scale) gives back the kernel's operand."""
+    Hg, M, _, D = qb.shape
+    return f32(from_bf16(qb) / np.float32(float(D) ** -0.5)).transpose(1, 0, 2, 3).reshape(M, Hg * G, D)
 
 
 def chunk_inputs(rng, M, Hq, Hkv, D):
@@ -570,7 +569,7 @@ class PrefillAttnLayer:
         Q = self.dev.buffer(M * Hq * D * (2 if self.tensor else 4))
         args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)),
                           float(D) ** -0.5, self.G)
-        sfx = "_qh" if self.tensor else ""  # the tensor-op attention's half q (pack_half_q)
+        sfx = "_qbf" if self.tensor else ""  # the tensor-op attention's bfloat q (pack_bf16_q)
         p.dispatch(f"attn_prefill_prep_d{D}{sfx}", (-(-M // 8), Hq + Hkv), 256,
                    buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
                             (6, self.VC), (7, Q)],
@@ -632,14 +631,14 @@ class PrefillAttnLayer:
         return download(OUT, np.float32, (M, self.Hq * self.D)), self.download_q(Q, M), cb
 
     def download_q(self, Q, M):
-        """The prep's q as fp32 [M, Hq, D] (on the tensor path: unpack_half_q)."""
+        """The prep's q as fp32 [M, Hq, D] (on the tensor path: unpack_bf16_q)."""
         if not self.tensor:
             return download(Q, np.float32, (M, self.Hq, self.D))
-        return unpack_half_q(download(Q, np.float16, (self.Hq // self.G, M, self.G, self.D)), self.G)
+        return unpack_bf16_q(download(Q, np.uint16, (self.Hq // self.G, M, self.G, self.D)), self.G)
 
     def attention_only(self, q, qg, p0, split=None):
         M = q.shape[0]
-        Q, QG = upload(self.dev, pack_half_q(q, self.G) if self.tensor else q), upload(self.dev, qg)
+        Q, QG = upload(self.dev, pack_bf16_q(q, self.G) if self.tensor else q), upload(self.dev, qg)
         _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
         return download(OUT, np.float32, (M, self.Hq * self.D))
 
@@ -662,29 +661,37 @@ def attention64(q, qg, K, V, p0):
     return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
 
 
-def attention_twin(q, qg, K, V, p0, split_rows=None):
-    """The prefill attention kernels' arithmetic (metal/attention_prefill.metal): row i of
-    q [M, Hq, D] over K, V [Hkv, >= p0+M, D] (bf16 values) rows [0, p0 + i], gated, as
-    [M, Hq*D]. Modelled as the kernel computes it: q * scale rounded to half (K, V bf16 ->
-    half, exact), each score an fp32 sum of the exact half x half products in order over D
-    (the simulator's simdgroup product order), keys walked in tiles of TILE from the start of
-    each split of ``split_rows`` keys (None: one range), a row's reference max moved only when
-    a tile's max exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to half, l the
-    sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the gate)
-    in float64, where the kernel's fp32 accumulation differs from it by float32 rounding."""
+def attention_twin(q, qg, K, V, p0, split_rows=None, *, bf16=False):
+    """The prefill attention kernels' arithmetic (metal/attention_prefill.metal, bf16=False;
+    attention_prefill_tensor.metal, bf16=True): row i of q [M, Hq, D] over K, V [Hkv, >= p0+M,
+    D] (bf16 values; within the half range for bf16=False, else clipped to it first, as the
+    kernel's tiles are) rows [0, p0 + i], gated, as [M, Hq*D]. Modelled as the kernel
+    computes it: q * scale rounded to the operand type (half, or bf16 with bf16=True; K, V
+    bf16 -> half exact, or taken as they are), each score an fp32 sum of the exact products
+    (11 x 11 or 8 x 8 significant bits fit in fp32's 24) in order over D (the simulator's
+    product order), keys walked in tiles of TILE from the start of each split of
+    ``split_rows`` keys (None: one range), a row's reference max moved only when a tile's max
+    exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to the operand type, l
+    the sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the
+    gate) in float64, where the kernel's fp32 accumulation differs from it by float32
+    rounding."""
     M, Hq, D = q.shape
     Hkv = K.shape[0]
     group = Hq // Hkv
     n = p0 + M
     f16, f32_ = np.float16, np.float32
-    qh = (q.astype(f32_) * f32_(1.0 / np.sqrt(D))).astype(f16).astype(f32_)
+
+    def operand(x):  # fp32 -> the matrix operand type, as fp32 values
+        return round_bf16(x) if bf16 else x.astype(f16).astype(f32_)
+
+    qh = operand(q.astype(f32_) * f32_(1.0 / np.sqrt(D)))
     S = split_rows or n
     segments = [(b, min(b + S, n)) for b in range(0, n, S)]
     pos = p0 + np.arange(M)
     gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
     out = np.empty((M, Hq, D))
     for h in range(Hq):
-        k = K[h // group, :n].astype(f16).astype(f32_)
+        k = f32(K[h // group, :n]) if bf16 else K[h // group, :n].astype(f16).astype(f32_)
         v = V[h // group, :n].astype(np.float64)
         prod = qh[:, h, None, :] * k[None, :, :]  # exact in fp32
         s = np.zeros((M, n), f32_)
@@ -703,7 +710,7 @@ def attention_twin(q, qg, K, V, p0, split_rows=None):
                     corr = np.where(jump & (m != -np.inf), np.exp((m - mx).astype(np.float64)), 1.0)
                 m = np.where(jump, mx, m)
                 mref = np.where(m == -np.inf, f32_(0), m)
-                p = np.exp((st - mref[:, None]).astype(np.float64)).astype(f32_).astype(f16).astype(np.float64)
+                p = operand(np.exp((st - mref[:, None]).astype(np.float64)).astype(f32_)).astype(np.float64)
                 l = l * corr + p.sum(axis=1)
                 o = o * corr[:, None] + p @ v[t0:t0 + st.shape[1]]
             parts.append((m.astype(np.float64), l, o))
@@ -1985,10 +1992,13 @@ def _moe_gemm_down(dev, rng, kernel):
     return r
 
 
-# Prefill attention vs its twin on any device: a GPU sums the half x half score products in
-# another order than the twin, so a P value may round to the neighbouring half (<= 2^-10 of
-# a weight of a convex combination of V rows, |v| < 5 here); tests/kernels/test_attention_prefill.py.
+# Prefill attention vs its twin on any device: a GPU sums the score products in another order
+# than the twin, so a P value may round to the neighbouring operand value: <= 2^-10 of a
+# weight of a convex combination of V rows with half operands (the simdgroup kernels), <= 2^-8
+# with bf16 (the tensor-op kernels); |v| < 5 here: 5 * 2^-10 ~ 4.9e-3 and 5 * 2^-8 ~ 2e-2
+# (tests/kernels/test_attention_prefill.py).
 ATTN_HALF_ATOL = 4e-3
+ATTN_BF16_ATOL = 2e-2
 # one shape per prefill attention variant (head dim D, query heads per threadgroup G)
 _PREFILL_DIMS = {256: "real", 64: "wide64"}
 
@@ -2002,18 +2012,18 @@ def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
     return L, q, qg, from_bf16(kc), from_bf16(vc)
 
 
-@check("attn_prefill_prep_d256", "attn_prefill_prep_d64", "attn_prefill_prep_d256_qh", "attn_prefill_prep_d64_qh")
+@check("attn_prefill_prep_d256", "attn_prefill_prep_d64", "attn_prefill_prep_d256_qbf", "attn_prefill_prep_d64_qbf")
 def _attn_prefill_prep(dev, rng, kernel):
-    half_q = kernel.endswith("_qh")
-    D, _ = _variant(kernel.removesuffix("_qh"))
+    bf16_q = kernel.endswith("_qbf")
+    D, _ = _variant(kernel.removesuffix("_qbf"))
     p0, M = 11, 6
-    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=half_q)
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=bf16_q)
     qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
     QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
     _, Q = L.run(lambda p: L.encode_prep(p, QG, K, V, p0, M))
     q_ref, k_ref = prep_reference(L, qg, k, p0)
-    # _qh: q rounded to half (relative error <= 2^-11; twice that as the bound)
-    r = _close(L.download_q(Q, M), q_ref, 2**-10 if half_q else 1e-5, 1e-5, f"{kernel} q")
+    # _qbf: q rounded to bf16 (relative error <= 2^-9; twice that as the bound)
+    r = _close(L.download_q(Q, M), q_ref, 2**-8 if bf16_q else 1e-5, 1e-5, f"{kernel} q")
     kc, vc = L.cache()
     rows = slice(p0, p0 + M)
     r = max(r, _close(from_bf16(vc[:, rows]), from_bf16(bf16_bits(v.reshape(M, L.Hkv, L.D)).transpose(1, 0, 2)),
@@ -2027,8 +2037,10 @@ def _attn_prefill(dev, rng, kernel):
     import re
     D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)", kernel).groups())
     p0, M = 13, 11
-    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=kernel.endswith("_tensor"))
-    return _close(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0), 0, ATTN_HALF_ATOL, kernel)
+    tensor = kernel.endswith("_tensor")
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
+    return _close(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, bf16=tensor), 0,
+                  ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, kernel)
 
 
 @check(*[f"attn_prefill_split_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
@@ -2039,9 +2051,11 @@ def _attn_prefill_split(dev, rng, kernel):
     g = re.search(r"_g(\d+)", kernel)
     G = int(g.group(1)) if g else 8
     p0, M, S, ns = 13, 11, 16, 3
-    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=kernel.endswith("_tensor"))
+    tensor = kernel.endswith("_tensor")
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
     got = L.attention_only(q, qg, p0, split=(S, ns))
-    return _close(got, attention_twin(q, qg, K, V, p0, split_rows=S), 0, ATTN_HALF_ATOL, f"{kernel} (split + combine)")
+    return _close(got, attention_twin(q, qg, K, V, p0, split_rows=S, bf16=tensor), 0,
+                  ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, f"{kernel} (split + combine)")
 
 
 @check("gdn_conv_state")

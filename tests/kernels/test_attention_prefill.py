@@ -24,19 +24,29 @@ Tolerances:
   Cache rows: the bf16 rounding of the reference, with one bf16 ulp (rtol 2^-7) where a
   float32 difference can flip the rounding.
 * attention vs kernel_check.attention_twin (the numpy twin) over the cache as written: the
-  kernels run Q K^T and P V on half operands with fp32 accumulation; the twin rounds q *
-  scale and P to half as the kernel does, takes K/V bf16 -> half (exact), sums each score in
-  fp32 in the simulator's order over D, walks the keys in the kernel's 32-row tiles (per
-  split) with its lazy rescale threshold; the rest in float64: rtol/atol 2e-5 on the
-  simulator (measured <= 3.3e-7). On a GPU the score sums run in another order and a P value
-  may round to the neighbouring half: HALF_ATOL.
+  simdgroup kernels run Q K^T and P V on half operands with fp32 accumulation, the tensor-op
+  kernels (M5) on bf16 operands (as MLX's NAX attention); the twin rounds q * scale and P to
+  the operand type as the kernel does, takes K/V bf16 -> half (exact within the half range)
+  or as they are, sums each score in fp32 in the simulator's order over D (every product is
+  exact in fp32), walks the keys in the kernel's 32-row tiles (per split) with its lazy
+  rescale threshold; the rest in float64: rtol/atol 2e-5 on the simulator (measured <= 3.3e-7
+  with half operands, <= 2.7e-7 with bf16). On a GPU the score sums run in another order and
+  a P value may round to the neighbouring operand value: HALF_ATOL, or ATTN_BF16_ATOL
+  (kernel_check: |v| < 5 times bf16's 2^-8).
 * the twin vs float64 attention (and split vs plain, and prefill vs the fp32 decode kernel):
   the half rounding of q and P, measured <= 6.1e-4 on O(1) outputs with |v| < 5; HALF_ATOL
   4e-3. Split vs plain differ because each split keeps its own reference max, so P rounds
-  differently.
+  differently. With bf16 operands (3 significant bits fewer) the errors are 8x larger:
+  BF16_ATOL = 8 * HALF_ATOL (measured <= 5.4e-3).
+* tensor-op vs simdgroup kernels on the same inputs: no longer the same operations (bf16 vs
+  half operands), so they are compared through float64: HALF_ATOL + BF16_ATOL (measured
+  <= 5.2e-3).
 * prep + attention vs ReferenceModel.attention: the oracle keeps the chunk's k/v in float32,
   the cache holds them in bf16 (relative rounding <= 2^-9): rtol 2^-8 plus atol 1e-2 (as
   decode: a row that attends mostly to its own v is off by up to 2^-9 of itself, |v| ~5).
+  The tensor-op path adds its operand rounding: atol 1e-2 + BF16_ATOL.
+* attn_prefill_prep_d<D>_qbf vs the fp32 prep: exactly pack_bf16_q of its q (bf16 rounding
+  of q * scale in fp32, nearest even).
 * a chunk of M rows vs M one-row chunks: every (row, head) sees the same KV tiles in the same
   order, extra fully masked tiles contribute exact zeros (and an exact identity rescale), and
   rows of the query matrix are independent in the products, so the results agree to float32
@@ -67,7 +77,7 @@ from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    HALF_MAX, QROWS, THETA, TILE, attention64, attention_twin, chunk_inputs, pack_half_q, prep_reference)
+    HALF_MAX, QROWS, THETA, TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference)
 from lily.kernel_check import PREFILL_EPS as EPS  # noqa: E402
 
 
@@ -75,14 +85,20 @@ from lily.kernel_check import PREFILL_EPS as EPS  # noqa: E402
 # (|v| < 5); the rounding errors of q and P are independent and average out over D and the
 # keys, so a statistical margin of ~6x.
 HALF_ATOL = 4e-3
+# bf16 operands (the tensor-op kernels) vs float64: bf16 keeps 3 significant bits fewer than
+# half, so the same rounding errors of q and P are 8x larger: 8 * HALF_ATOL (measured <= 5.4e-3
+# on these shapes).
+BF16_ATOL = 8 * HALF_ATOL
 
 
-def twin_tol(dev):
+def twin_tol(dev, bf16=False):
     """Kernel vs attention_twin: on the simulator the same fp32 operations in the same order
     (float32 accumulation vs the twin's float64: 2e-5); on a GPU the score sums run in
-    another order, so a P value may round to the neighbouring half (up to 2^-10 of a weight):
-    the half bound."""
-    return dict(rtol=2e-5, atol=2e-5) if dev.name == "sim" else dict(rtol=0, atol=HALF_ATOL)
+    another order, so a P value may round to the neighbouring operand value (up to 2^-10 of a
+    weight with half operands, 2^-8 with bf16): kernel_check's ATTN_HALF_ATOL / ATTN_BF16_ATOL."""
+    if dev.name == "sim":
+        return dict(rtol=2e-5, atol=2e-5)
+    return dict(rtol=0, atol=kernel_check.ATTN_BF16_ATOL if bf16 else HALF_ATOL)
 
 
 class Layer(kernel_check.PrefillAttnLayer):
@@ -171,11 +187,11 @@ def test_attn_prefill_prep(dev, dims, p0, M):
 
 @pytest.mark.parametrize("dims,G", [("real", 8), ("real", 2), ("tiny", 2)])
 @pytest.mark.parametrize("p0,M", [(0, 13), (37, 9)])
-def test_attn_prefill_prep_half_q(dev, dims, G, p0, M):
-    """attn_prefill_prep_d<D>_qh (the tensor-op attention's query operand) writes exactly
-    pack_half_q of the fp32 variant's q: q * scale rounded to half in the [Hq / G, M, G, D]
-    layout, with q elements beyond the half range (a large q_norm weight) clamped to +-65504,
-    and the same cache rows bit for bit."""
+def test_attn_prefill_prep_bf16_q(dev, dims, G, p0, M):
+    """attn_prefill_prep_d<D>_qbf (the tensor-op attention's query operand) writes exactly
+    pack_bf16_q of the fp32 variant's q: q * scale rounded to bf16 in the [Hq / G, M, G, D]
+    layout, q elements beyond the half range (a large q_norm weight) included (bf16 has fp32's
+    range: no clamp), and the same cache rows bit for bit."""
     cap = p0 + M + 5
     A = Layer(dev, dims, cap, seed=p0 + M, G=G)
     B = Layer(dev, dims, cap, seed=p0 + M, G=G)  # same weights and history
@@ -186,11 +202,11 @@ def test_attn_prefill_prep_half_q(dev, dims, G, p0, M):
     qg, k, v = chunk_inputs(fresh_rng(8, p0, M), M, A.Hq, A.Hkv, A.D)
     QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
     _, Q = A.run(lambda p: A.encode_prep(p, QG, K, V, p0, M))
-    _, QH = B.run(lambda p: B.encode_prep(p, QG, K, V, p0, M))
+    _, QB = B.run(lambda p: B.encode_prep(p, QG, K, V, p0, M))
     q = download(Q, np.float32, (M, A.Hq, A.D))
-    qh = download(QH, np.float16, (A.Hq // G, M, G, A.D))
-    assert (np.abs(q[:, :, 3]) * A.D ** -0.5 > HALF_MAX).any()  # the clamp is exercised
-    np.testing.assert_array_equal(qh.view(np.uint16), pack_half_q(q, G).view(np.uint16))
+    qb = download(QB, np.uint16, (A.Hq // G, M, G, A.D))
+    assert (np.abs(q[:, :, 3]) * A.D ** -0.5 > 2 * HALF_MAX).any()  # values half could not hold
+    np.testing.assert_array_equal(qb, pack_bf16_q(q, G))
     for a, b in zip(A.cache(), B.cache()):
         np.testing.assert_array_equal(a, b)
 
@@ -385,18 +401,19 @@ def tdev(request):
     ("real", 8, 0, 1, None), ("real", 8, 61, 70, None), ("real", 8, 29, 19, (20, 4)), ("real", 2, 100, 5, (64, 2)),
     ("real", 4, 0, 37, None), ("wide64", 4, 29, 19, (20, 4)), ("tiny", 2, 61, 70, None), ("tiny", 2, 100, 5, (24, 6))])
 def test_attn_prefill_tensor(tdev, dims, G, p0, M, split):
-    """attn_prefill[_split]_d<D>_g<G>_tensor (+ combine) vs the twin (the same tiles and
-    softmax as the simdgroup kernels: the same tolerance), and vs the simdgroup kernels on the
-    same inputs (the same fp32 operations in the same order on the simulator: equal bit for
-    bit; on a GPU the half tolerance)."""
+    """attn_prefill[_split]_d<D>_g<G>_tensor (+ combine) vs the bf16-operand twin (the same
+    tiles and softmax as the simdgroup kernels: the same tolerance on the simulator), the twin
+    vs float64 attention (BF16_ATOL), and the simdgroup kernels on the same inputs (half vs
+    bf16 operands: HALF_ATOL + BF16_ATOL)."""
     L, q, qg, K, V = _attn_case(tdev, dims, G, p0, M, seed=13 * G + p0 + M)
     S = None if split is None else split[0]
     L.tensor = True
     got = L.attention_only(q, qg, p0, split=split)
-    np.testing.assert_allclose(got, attention_twin(q, qg, K, V, p0, split_rows=S), **twin_tol(tdev))
+    twin = attention_twin(q, qg, K, V, p0, split_rows=S, bf16=True)
+    np.testing.assert_allclose(got, twin, **twin_tol(tdev, bf16=True))
+    np.testing.assert_allclose(twin, attention64(q, qg, K, V, p0), rtol=0, atol=BF16_ATOL)
     L.tensor = False
-    np.testing.assert_allclose(got, L.attention_only(q, qg, p0, split=split), rtol=0,
-                               atol=0 if tdev.name == "sim" else HALF_ATOL)
+    np.testing.assert_allclose(got, L.attention_only(q, qg, p0, split=split), rtol=0, atol=HALF_ATOL + BF16_ATOL)
 
 
 def test_prefill_chunk_tensor_vs_oracle(tdev):
@@ -409,9 +426,10 @@ def test_prefill_chunk_tensor_vs_oracle(tdev):
     qg, k, v = chunk_inputs(fresh_rng(7, p0, M), M, L.Hq, L.Hkv, L.D)
     got, q, _ = L.prefill(qg, k, v, p0)
     kc, vc = L.cache()
-    np.testing.assert_allclose(got, attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0), **twin_tol(tdev))
+    np.testing.assert_allclose(got, attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0, bf16=True),
+                               **twin_tol(tdev, bf16=True))
     want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
-    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2 + BF16_ATOL)
 
 
 # ------------------------------------------------------------------------------ half range
@@ -419,27 +437,35 @@ def test_prefill_chunk_tensor_vs_oracle(tdev):
 def _beyond_half(L, p0, M):
     """Cache values beyond the half range (|x| > 65504; bf16 holds up to ~3.4e38): V row 5 of
     KV head 0 all 1e6 (and row 6 exactly 65536, the first bf16 above half's maximum), K
-    elements of rows 2 and p0 + M - 1 at +-3e5. Returns the float K, V and their clamp."""
+    elements of rows 2 and p0 + M - 1 at +-3e5. Returns the float K, V."""
     big = bf16_bits(np.array([1e6, 65536.0, 3e5, -3e5]))
     L.v_hist[0, 5], L.v_hist[0, 6] = big[0], big[1]
     L.k_hist[:, 2, :4] = big[2]
     L.k_hist[:, p0 + M - 1, 4:8] = big[3]
     L.KC.write(L.k_hist.view(np.uint8).reshape(-1))
     L.VC.write(L.v_hist.view(np.uint8).reshape(-1))
-    K, V = (from_bf16(c) for c in L.cache())
-    return np.clip(K, -HALF_MAX, HALF_MAX), np.clip(V, -HALF_MAX, HALF_MAX)
+    return tuple(from_bf16(c) for c in L.cache())
 
 
-def _check_saturates(d, tensor, dims, G, p0, M, split):
+def _check_large_values(d, tensor, dims, G, p0, M, split):
+    """Finite outputs equal to the twin: on the cache clamped to +-65504 for the simdgroup
+    kernels (their half tiles saturate), on the cache as it is for the tensor-op kernels
+    (bf16 operands hold it)."""
     L, q, qg, _, _ = _attn_case(d, dims, G, p0, M, seed=17 * G + p0 + M)
     L.tensor = tensor
     K, V = _beyond_half(L, p0, M)
+    if not tensor:
+        K, V = np.clip(K, -HALF_MAX, HALF_MAX), np.clip(V, -HALF_MAX, HALF_MAX)
     got = L.attention_only(q, qg, p0, split=split)
     assert np.isfinite(got).all()
     S = None if split is None else split[0]
-    want = attention_twin(q, qg, K, V, p0, split_rows=S)
+    want = attention_twin(q, qg, K, V, p0, split_rows=S, bf16=tensor)
     assert np.abs(want).max() > 1000  # rows attending to the large V rows see them
-    np.testing.assert_allclose(got, want, **twin_tol(d))
+    if tensor:  # not clamped: the large values move outputs away from the clamped cache's
+        clamped = attention_twin(q, qg, np.clip(K, -HALF_MAX, HALF_MAX), np.clip(V, -HALF_MAX, HALF_MAX), p0,
+                                 split_rows=S, bf16=True)
+        assert np.abs(want - clamped).max() > 100
+    np.testing.assert_allclose(got, want, **twin_tol(d, bf16=tensor))
 
 
 SATURATION = [("real", 8, 29, 19, None), ("real", 8, 29, 19, (20, 4)), ("tiny", 2, 61, 70, None)]
@@ -448,11 +474,13 @@ SATURATION = [("real", 8, 29, 19, None), ("real", 8, 29, 19, (20, 4)), ("tiny", 
 @pytest.mark.parametrize("dims,G,p0,M,split", SATURATION)
 def test_attn_prefill_saturates(dev, dims, G, p0, M, split):
     """A K/V cache value beyond the half range becomes +-65504 in the simdgroup kernels'
-    tiles (gemm_half), not inf: finite outputs equal to the twin on the clamped cache."""
-    _check_saturates(dev, False, dims, G, p0, M, split)
+    tiles (kv_operand: converted, then clamped in half), not inf: finite outputs equal to the
+    twin on the clamped cache."""
+    _check_large_values(dev, False, dims, G, p0, M, split)
 
 
 @pytest.mark.parametrize("dims,G,p0,M,split", SATURATION)
-def test_attn_prefill_tensor_saturates(tdev, dims, G, p0, M, split):
-    """As test_attn_prefill_saturates on the tensor-op kernels."""
-    _check_saturates(tdev, True, dims, G, p0, M, split)
+def test_attn_prefill_tensor_large_values(tdev, dims, G, p0, M, split):
+    """The tensor-op kernels take the same cache values as bf16 operands as they are: finite
+    outputs equal to the bf16 twin on the unclamped cache."""
+    _check_large_values(tdev, True, dims, G, p0, M, split)
