@@ -240,7 +240,10 @@ def test_full_size_prefill_scratch_is_bounded():
 def test_tensor_op_gemm_path(demo_path, demo_engine):
     """On an Apple10-family GPU (M5; the simulator told so) prefill's GEMMs are the Metal 4
     tensor-operation twins; on earlier families the simdgroup_matrix kernels. Both give the
-    reference's logits (on the simulator the twins are bit-identical to the simdgroup path)."""
+    reference's logits. On the simulator the GEMM twins are bit-identical to the simdgroup
+    path; the attention is not (bf16 operands on the tensor path, half on the simdgroup path:
+    tests/kernels/test_attention_prefill.py), so the two paths' logits agree within 2e-3
+    relative per position (measured <= 3.2e-4 on this prompt)."""
     from lily.errors import DeviceError
     m5 = {"gpu_family": "apple10"}
     ids = demo_engine.tokenizer.encode(TEXT)[:20]
@@ -255,7 +258,7 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     assert not simd.backend.runtime.uses_tensor_ops
     lt = tensor.prefill(ids, all_logits=True)
     _check(lt, want, "tensor-op path")
-    np.testing.assert_allclose(lt, simd.prefill(ids, all_logits=True), rtol=1e-6, atol=1e-6)
+    assert (_rel(lt, simd.prefill(ids, all_logits=True)) < 2e-3).all()
     plain = Engine.load(demo_path, device="sim", max_context=64)  # apple9
     assert not plain.backend.runtime.uses_tensor_ops
     with pytest.raises(DeviceError, match="tensor"):
