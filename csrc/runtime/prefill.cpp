@@ -388,36 +388,39 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
     // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
     // weight traffic is counted once per projection.
-    for (uint32_t cl = 0; cl < classes; ++cl) {
-      const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
-      if (!tiles_c) continue;  // too few assignments for a tile of this class
-      const MoeGeometry mg = moe_geometry(Tc);
-      const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
-      uint64_t uncounted = 0;
-      Op op(*K.experts_gate_up[tile_index(Tc)], labels_(l, kGateUpLabel[cl]));
-      op.groups(tg(tiles_c, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
-          .in(0, *c.xn, 0, size_t(M) * H * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
-          .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
-      if (cl == 0) expert_stack(op, 4, m.experts_gate_proj), expert_stack(op, 7, m.experts_up_proj);
-      else op.in(4, m.experts_gate_proj, &uncounted).in(7, m.experts_up_proj, &uncounted);
-      op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * hf, kTileClassWrites)
-          .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I, T}).run(pass);
-    }
-    for (uint32_t cl = 0; cl < classes; ++cl) {
-      const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
-      if (!tiles_c) continue;  // too few assignments for a tile of this class
-      const MoeGeometry mg = moe_geometry(Tc);
-      const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
-      uint64_t uncounted = 0;
-      Op op(*K.experts_down[tile_index(Tc)], labels_(l, kDownLabel[cl]));
-      op.groups(tg(tiles_c, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
-          .in(0, *c.hx, 0, size_t(M) * k * I * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
-          .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
-      if (cl == 0) expert_stack(op, 4, m.experts_down_proj);
-      else op.in(4, m.experts_down_proj, &uncounted);
-      op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * f, kTileClassWrites)
-          .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T}).run(pass);
-    }
+    auto experts = [&](bool down) {
+      for (uint32_t cl = 0; cl < classes; ++cl) {
+        const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
+        if (!tiles_c) continue;  // too few assignments for a tile of this class
+        const MoeGeometry mg = moe_geometry(Tc);
+        const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
+        Op op(*(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
+              labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]));
+        op.groups(tg(tiles_c, down ? ceil_div(H, mg.down_bn) : ceil_div(I, mg.gate_up_bn)),
+                  tg(down ? mg.down_threads : mg.gate_up_threads))
+            .in(0, down ? *c.hx : *c.xn, 0, down ? size_t(M) * k * I * hf : size_t(M) * H * hf)
+            .in(1, *c.perm, 0, size_t(M) * k * u32)
+            .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
+        uint64_t uncounted = 0;
+        auto stack = [&](uint32_t i, const QuantLinear& w) {
+          if (cl == 0) expert_stack(op, i, w);
+          else op.in(i, w, &uncounted);
+        };
+        if (down) {
+          stack(4, m.experts_down_proj);
+          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * f, kTileClassWrites)
+              .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T});
+        } else {
+          stack(4, m.experts_gate_proj);
+          stack(7, m.experts_up_proj);
+          op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * hf, kTileClassWrites)
+              .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I, T});
+        }
+        op.run(pass);
+      }
+    };
+    experts(false);
+    experts(true);
     Op(*K.moe_combine, labels_(l, "combine"))
         .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
         .in(1, *c.yx, 0, size_t(M) * k * H * f).in(2, *c.ys, 0, size_t(M) * H * f)

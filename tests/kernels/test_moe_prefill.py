@@ -2,15 +2,18 @@
 of a chunk and the grouped expert GEMMs.
 
 Routing: ``moe_route_clear``, ``moe_route_topk`` (softmax, top-k, weights, shared gate, block
-histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, tile map,
-per-expert counts) and ``moe_combine``, each against numpy on fresh random inputs, then the
+histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, the tile map
+and count of every tile class, per-expert counts) and ``moe_combine``, each against numpy on
+fresh random inputs (and, for the scatter, loads with a remainder at every class edge, one
+expert taking every row, every expert reached, empty experts), then the
 whole chain in one command buffer (one concurrent pass, barriers derived from the declared
 ranges), run as two chunks encoded ahead on the same buffers. Every output buffer starts
 poisoned (NaN / 0xFFFFFFFF), and has a poisoned tail that must stay untouched.
 
 Tolerances and exactness:
-* expert ids, the histogram, ``perm``, the tile map and ``tile_count`` are integers and are
-  compared exactly (``perm`` is deterministic: within an expert, increasing assignment
+* expert ids, the histogram, ``perm``, the tile maps and ``tile_count`` of every tile class
+  (``lily.kernel_check.tiles_ref``: full T-row tiles in class 0, each expert's remainder in
+  the smallest class T >> c holding it) are integers and are compared exactly (``perm`` is deterministic: within an expert, increasing assignment
   index, i.e. numpy ``argsort(ids.ravel(), kind="stable")``).
 * Top-k picks are compared exactly with ``lily.reference``'s routing (float32 softmax,
   ``argsort(-p, kind="stable")``). To make that comparison well posed, the random logits lie
@@ -31,7 +34,10 @@ Tolerances and exactness:
 Grouped expert GEMMs ``moe_gemm_gate_up_q4_t{T}``, ``moe_gemm_down_q4_t{T}`` over a tile map
 (skewed expert loads, empty experts, arbitrary slot order inside an expert, tile_count <
 max_tiles with plausible but stale tile entries past it, a real-model-shaped layer), and
-the gate/up -> down chain in one concurrent pass. Random MLX-layout weights
+the gate/up -> down chain in one concurrent pass; and the tile classes end to end: the
+scatter's maps, then one gate/up and one down dispatch per class, the classes of a projection
+in one barrier stage (their writes share a disjoint-write tag), also with the dispatches of
+each stage run in reverse / random order. Random MLX-layout weights
 (``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.kernel_check, which model
 the half operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
 docstring (the same tiles, metal/gemm_tiles.h). In the chain, hx is the kernel's own
@@ -587,16 +593,21 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     assert cb.counters["barrier_stages"] == 2
     hx = download(HX, np.float16).reshape(M * k, I)
     yx = download(YX, np.float32).reshape(M * k, H)
+    check_experts(ids, perm, x[:, :H], hx, yx, gq, uq, dq, f"chain T={T}")
+    return tiles
+
+
+def check_experts(ids, perm, x, hx, yx, gq, uq, dq, what):
+    """gate/up of every expert's slots against numpy, then down on the kernel's own hx."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)
-    # gate/up per expert, then down on the kernel's own hx
     for e in np.unique(flat):
         slots = np.nonzero(flat[perm] == e)[0]
         a = perm[slots]
-        want, tol = half_stored(*swiglu_ref(x[a // k, :H], gq, uq, int(e)))
-        check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
+        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
+        check(hx[slots], want, tol, f"{what} gate/up expert {e}")
         exact, tol = gemm_ref(hx[slots], dq, int(e))
-        check(yx[a], exact, tol, f"chain down T={T} expert {e}")
-    return tiles
+        check(yx[a], exact, tol, f"{what} down expert {e}")
 
 
 @pytest.mark.parametrize("T", MOE_TILES)
@@ -649,14 +660,7 @@ def run_class_chain(dev, T, counts, k, H, I, rng):
                           download(cnt, np.uint32), E, T, tails=False)
     hx = download(HX, np.float16).reshape(n, I)
     yx = download(YX, np.float32).reshape(n, H)
-    flat = ids.reshape(-1)
-    for e in np.unique(flat):
-        slots = np.nonzero(flat[pm] == e)[0]
-        a = pm[slots]
-        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
-        check(hx[slots], want, tol, f"class chain gate/up T={T} expert {e}")
-        exact, tol = gemm_ref(hx[slots], dq, int(e))
-        check(yx[a], exact, tol, f"class chain down T={T} expert {e}")
+    check_experts(ids, pm[:n], x, hx, yx, gq, uq, dq, f"class chain T={T}")
     return maps
 
 
