@@ -13,8 +13,9 @@ poisoned (NaN / 0xFFFFFFFF), and has a poisoned tail that must stay untouched.
 Tolerances and exactness:
 * expert ids, the histogram, ``perm``, the tile maps and ``tile_count`` of every tile class
   (``lily.kernel_check.tiles_ref``: full T-row tiles in class 0, each expert's remainder in
-  the smallest class T >> c holding it) are integers and are compared exactly (``perm`` is deterministic: within an expert, increasing assignment
-  index, i.e. numpy ``argsort(ids.ravel(), kind="stable")``).
+  the smallest class T >> c holding it) are integers and are compared exactly (``perm`` is
+  deterministic: within an expert, increasing assignment index, i.e. numpy
+  ``argsort(ids.ravel(), kind="stable")``).
 * Top-k picks are compared exactly with ``lily.reference``'s routing (float32 softmax,
   ``argsort(-p, kind="stable")``). To make that comparison well posed, the random logits lie
   on a grid of 1/16: two distinct logits then differ by a factor >= e^(1/16) in p, far beyond
