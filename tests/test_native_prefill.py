@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from lily import _core
-from lily.checkpoint import parse_config
+from lily.checkpoint import load_config, parse_config
 from lily.engine import Engine
 from lily.perf import QWEN36_35B_A3B
 
@@ -98,6 +98,25 @@ def test_prefill_matches_reference(model, chunk, native_device):
     got = np.stack([native.decode(t) for t in cont])
     err_d = _check(got, after, f"{name} decode after chunk {chunk}")
     print(f"\n{name} chunk {chunk}: median relative error prefill {err:.2e}, decode after {err_d:.2e}")
+
+
+def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
+    """One 240-row chunk of the tiny model (16 experts, top-4: 60 rows per expert) runs its
+    experts in 64-row tiles with the remainders in the 64 / 32 / 16-row classes, one dispatch
+    per class in one barrier stage; its last logits match the reference."""
+    from lily.native import count_prefill_chunk
+    rows = 240
+    recs = count_prefill_chunk(load_config(tiny_checkpoint)[0], rows)["records"]
+    gate_up = [r for r in recs if r["label"].startswith("L0 experts gate|up")]
+    assert [re.search(r"_t(\d+)", r["kernel"]).group(1) for r in gate_up] == ["64", "32", "16"]
+    assert len({r["stage"] for r in gate_up}) == 1
+    ref = Engine.load(tiny_checkpoint, max_context=rows, device="reference")
+    ids = (ref.tokenizer.encode(TEXT) * 4)[:rows]
+    assert len(ids) == rows
+    native = Engine.load(tiny_checkpoint, device=native_device, max_context=rows, device_options={"prefill_chunk": rows})
+    _check(native.prefill(ids), ref.prefill(ids), "tiny, one 240-row chunk")
+    counts = np.array([native.backend.runtime.expert_histogram(layer) for layer in range(4)])
+    assert (counts.sum(1) == rows * 4).all() and (counts % 64 != 0).any()  # tails were there to place
 
 
 def test_prefill_equals_decode_steps(demo_path, native_device):
