@@ -193,6 +193,18 @@ def test_disjoint_write_tag():
     with pytest.raises(_core.HazardError, match="read-after-write"):
         p.dispatch("st_add_f32", N, 32, buffers=[(0, O), (1, O), (2, A)], constants=[(3, constant(N))],
                    reads=[(O, 0, 4 * N)], writes=[(A, 0, 4 * N)], label="reader")
+    # verify_writes: a byte written twice under one tag in a stage is a hazard
+    checked = sim_device(verify_writes=True)
+    (_, _), (A, B) = vecs(checked, 2, n=2 * N)
+    O = checked.buffer(8 * N)
+    cb = checked.command_buffer()
+    p = cb.compute_pass(manual_barriers=True)
+    half(p, 0, 5, "class 0")
+    p.dispatch("st_add_f32", N, 32, buffers=[(0, A, 4 * N), (1, B, 4 * N), (2, O)],  # other values, same bytes
+               constants=[(3, constant(N))], reads=[A, B], writes=[(O, 0, 8 * N, 5)], label="class 0 again")
+    cb.commit()
+    with pytest.raises(_core.HazardError, match=r"'class 0 again.*which 'class 0.*wrote too \(declared disjoint\)"):
+        cb.wait()
 
 
 def test_hazard_checker_accepts_correct_barrier():
