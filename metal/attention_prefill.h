@@ -8,6 +8,7 @@
 #include <metal_stdlib>
 using namespace metal;
 
+#include "common.h"  // gemm_half
 #include "prefill_args.h"
 
 namespace attn_prefill_shared {
@@ -19,9 +20,11 @@ constant constexpr uint kTile = 32;  // KV rows per tile
 // O / l is the same for any reference: both carry the same factor exp(-m).
 constant constexpr float kRescale = 8.0f;
 
-// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D] as half (bf16 -> half is
-// exact for |x| in [2^-14, 65504]: 8 significant bits fit in 11; smaller values keep an
-// absolute error <= 2^-25); rows >= kend are zero (masked, and a zero row keeps 0 * v finite
+// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D] as half with the GEMMs'
+// saturating conversion (common.h gemm_half: bf16 -> half is exact for |x| in [2^-14, 65504],
+// 8 significant bits fit in 11; smaller values keep an absolute error <= 2^-25; a bf16 value
+// beyond the half range becomes +-65504, not inf, so one outlier cannot turn a score or an
+// output row into inf/NaN); rows >= kend are zero (masked, and a zero row keeps 0 * v finite
 // in P V). NT threads; lane-adjacent threads read adjacent 8-byte chunks of a row.
 template <uint D, uint NT>
 static inline void load_tile(device const bfloat* head, uint t0, uint kend, threadgroup half* kv, uint tid) {
@@ -33,7 +36,7 @@ static inline void load_tile(device const bfloat* head, uint t0, uint kend, thre
     const uint key = t0 + r;
     half4 x = half4(0.0f);
     if (key < kend) {
-      x = half4(float4(((device const bfloat4*)(head + ulong(key) * D))[d / 4]));
+      x = gemm_half(float4(((device const bfloat4*)(head + ulong(key) * D))[d / 4]));
     }
     kv4[e] = x;
   }

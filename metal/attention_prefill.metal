@@ -5,6 +5,9 @@
 //                             K and V rows p0 + i written to the KV cache, q out fp32 [M, Hq, D].
 //                             The float32 arithmetic of attn_qk_prep term for term, so the cache
 //                             rows (and q) equal the ones decode writes, bit for bit.
+//   attn_prefill_prep_d<D>_qh the same with q out as the tensor-op attention's operand
+//                             (attention_prefill_tensor.metal): half(q * q_scale), saturated,
+//                             laid out [Hq / G, M, G, D] (G = q_group).
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
 //                             online softmax in fp32, output * sigmoid(gate) -> fp32 [M, Hq*D].
@@ -32,6 +35,16 @@ namespace attn_prefill_detail {
 
 // ---- prep ----
 constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgroup per row
+
+// Element i of query head h of chunk row `row` out: fp32 [M, Hq, D] as computed, or half q *
+// q_scale with the GEMMs' saturating conversion in the tensor-op layout [Hq / G, M, G, D].
+inline void prep_q_out(device float* q, constant AttnPrefillPrepArgs& args, uint D, uint row, uint h, uint i, float y) {
+  q[(ulong(row) * args.num_q_heads + h) * D + i] = y;
+}
+inline void prep_q_out(device half* q, constant AttnPrefillPrepArgs& args, uint D, uint row, uint h, uint i, float y) {
+  const uint G = args.q_group;
+  q[((ulong(h / G) * args.rows + row) * G + h % G) * D + i] = gemm_half(y * args.q_scale);
+}
 
 // ---- attention ----
 constant constexpr uint kThreads = 256;  // 8 simdgroups
@@ -231,7 +244,7 @@ static inline void attend(device const float* q, device const float* qg,
 // t - Hq). Lane l holds elements l, l + 32, ... of the row's vector (coalesced), so each
 // simd_sum covers the same 32 consecutive elements as attn_qk_prep's simdgroups and the
 // partial sums are added in the same order: the results are attn_qk_prep's bit for bit.
-template <uint D>
+template <uint D, typename QT>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const float* qg [[buffer(0)]],         // [M, Hq*2*D] q_proj output: query | gate per head
                               device const float* k [[buffer(1)]],          // [M, Hkv*D] k_proj output
                               device const float* v [[buffer(2)]],          // [M, Hkv*D] v_proj output
@@ -239,7 +252,7 @@ template <uint D>
                               device const bfloat* k_norm_w [[buffer(4)]],  // [D]
                               device bfloat* k_cache [[buffer(5)]],         // [Hkv, capacity, D], rows p0 .. p0+M-1 written
                               device bfloat* v_cache [[buffer(6)]],         // [Hkv, capacity, D], rows p0 .. p0+M-1 written
-                              device float* q_out [[buffer(7)]],            // [M, Hq, D] normed, rotated queries
+                              device QT* q_out [[buffer(7)]],               // normed, rotated queries (prep_q_out)
                               constant AttnPrefillPrepArgs& args [[buffer(8)]],
                               uint2 tg [[threadgroup_position_in_grid]],
                               uint sg [[simdgroup_index_in_threadgroup]],
@@ -289,7 +302,7 @@ template <uint D>
       y = i < half_rot ? xn[c] * cs - xr[i + half_rot] * sn : xn[c] * cs + xr[i - half_rot] * sn;
     }
     if (is_q) {
-      q_out[(ulong(row) * Hq + head) * D + i] = y;
+      attn_prefill_detail::prep_q_out(q_out, args, D, row, head, i, y);
     } else if (pos < args.capacity) {
       const ulong crow = (ulong(kvh) * args.capacity + pos) * D;
       k_cache[crow + i] = bfloat(y);
@@ -396,8 +409,10 @@ template <uint D>
 
 // Instantiations: D = 256 (the model and the "dims" preset: G = 8, one threadgroup column per KV
 // head), D = 64 (the "tiny" preset, G = 2); every G in {8, 4, 2} for both head dims.
-template [[host_name("attn_prefill_prep_d256")]] [[kernel]] decltype(attn_prefill_prep<256>) attn_prefill_prep<256>;
-template [[host_name("attn_prefill_prep_d64")]] [[kernel]] decltype(attn_prefill_prep<64>) attn_prefill_prep<64>;
+template [[host_name("attn_prefill_prep_d256")]] [[kernel]] decltype(attn_prefill_prep<256, float>) attn_prefill_prep<256, float>;
+template [[host_name("attn_prefill_prep_d64")]] [[kernel]] decltype(attn_prefill_prep<64, float>) attn_prefill_prep<64, float>;
+template [[host_name("attn_prefill_prep_d256_qh")]] [[kernel]] decltype(attn_prefill_prep<256, half>) attn_prefill_prep<256, half>;
+template [[host_name("attn_prefill_prep_d64_qh")]] [[kernel]] decltype(attn_prefill_prep<64, half>) attn_prefill_prep<64, half>;
 template [[host_name("attn_prefill_d256_g8")]] [[kernel]] decltype(attn_prefill<256, 8>) attn_prefill<256, 8>;
 template [[host_name("attn_prefill_d256_g4")]] [[kernel]] decltype(attn_prefill<256, 4>) attn_prefill<256, 4>;
 template [[host_name("attn_prefill_d256_g2")]] [[kernel]] decltype(attn_prefill<256, 2>) attn_prefill<256, 2>;

@@ -136,8 +136,9 @@ enum : uint { kGdnScanLanesPerRow = 8, kGdnScanTokensPerBlock = 8 };
 // preparation and causal flash attention"). The chunk is M rows at absolute positions
 // p0 .. p0 + M - 1; D (head_dim) and G (query heads per threadgroup) are template parameters.
 
-// attn_prefill_prep_d<D>: q/k RMSNorm + partial RoPE per row, bf16 K/V rows p0 .. p0+M-1
-// written to the cache, q out fp32 [M, Hq, D]. Same float32 arithmetic as attn_qk_prep.
+// attn_prefill_prep_d<D>[_qh]: q/k RMSNorm + partial RoPE per row, bf16 K/V rows p0 .. p0+M-1
+// written to the cache, q out fp32 [M, Hq, D] (_qh: half q * q_scale [Hq/G, M, G, D]). Same
+// float32 arithmetic as attn_qk_prep.
 struct AttnPrefillPrepArgs {
   uint num_q_heads;   // Hq (16)
   uint num_kv_heads;  // Hkv (2)
@@ -147,6 +148,8 @@ struct AttnPrefillPrepArgs {
   uint rows;          // M: rows in the chunk (>= 1)
   float norm_eps;     // q_norm / k_norm epsilon (1e-6)
   float log2_theta;   // log2(rope_theta) (log2(1e7)); frequency of pair i: theta^(-2i/rotary_dim)
+  float q_scale;      // _qh only: factor of q before its half conversion (the softmax scale, head_dim^-0.5)
+  uint q_group;       // _qh only: G, the query heads of one tensor-op attention threadgroup (2, 4 or 8)
 };
 
 // attn_prefill_d<D>_g<G>, attn_prefill_split_d<D>_g<G>, attn_prefill_combine_d<D>: causal

@@ -199,7 +199,7 @@ def test_prefill_attention_runs_on_half_operands():
     walks (a 2048-row chunk after 4096 rows: under 5% over)."""
     exact = 4 * 256 * 16 * (2048 * 4096 + 2048 * 2049 / 2)  # 4 D Hq per causal pair
     for path, kernel, mm, groups, threads in (("simdgroup", "attn_prefill_d256_g8", "sgmm_f16", (256, 2, 1), 256),
-                                             ("tensor", "attn_prefill_d256_g8_tensor", "tensor_f16", (1024, 2, 1), 128)):
+                                             ("tensor", "attn_prefill_d256_g8_tensor", "tensor_f16", (256, 2, 1), 256)):
         recs = [r for r in count_prefill_chunk(CFG, 2048, 4096, gemm_path=path)["records"]
                 if r["kernel"].startswith("attn_prefill_d")]
         assert {r["kernel"] for r in recs} == {kernel} and len(recs) == CFG.num_hidden_layers // 4
@@ -208,6 +208,35 @@ def test_prefill_attention_runs_on_half_operands():
             assert r["groups"] == groups and r["threads"] == (threads, 1, 1)
             assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32")), f
             assert exact <= f[mm] <= 1.05 * exact
+
+
+def test_prefill_attention_tensor_geometry():
+    """The tensor-op prefill attention: 64 (chunk row, head) pairs share each K/V tile (8 chunk
+    rows x the 8 query heads of a KV head), so per score the ALU work is the online softmax (8)
+    plus the saturating bf16 -> half conversion of the K and V tiles (2 x 3 operations per
+    element over 64 pairs); q arrives as half from attn_prefill_prep_d256_qh, so no Q
+    conversion; threadgroup memory 16 KiB K/V + 8 KiB S + 4 KiB P + 800 B, within the limit."""
+    D = 256
+    recs = count_prefill_chunk(CFG, 4096, 126976, gemm_path="tensor")["records"]
+    attn = [r for r in recs if r["kernel"] == "attn_prefill_d256_g8_tensor"]
+    prep = [r for r in recs if r["kernel"].startswith("attn_prefill_prep")]
+    assert attn and {r["kernel"] for r in prep} == {"attn_prefill_prep_d256_qh"}
+    for r in attn:
+        f = r["work"]["flops"]
+        assert r["groups"] == (4096 // 8, 2, 1) and r["threads"] == (256, 1, 1)
+        assert f["alu_f32"] == pytest.approx(f["tensor_f16"] * (8 + 2 * 3 * D / 64) / (4 * D), rel=1e-12)
+        assert r["threadgroup_memory"] == 2 * 32 * D + 6 * 64 * 32 + 4 * (3 * 64 + 8) == 29472
+    for r in prep:  # the q read by the attention is half
+        assert r["bytes_written"] - 2 * 2 * 2 * 4096 * D == 2 * 4096 * 16 * D  # K/V rows + half q
+
+
+def test_threadgroup_memory_within_the_limit():
+    """No dispatch of any path asks for more threadgroup memory than Apple GPUs have (32 KiB,
+    the machine table's figure)."""
+    limit = min(m.threadgroup_memory for m in perf.MACHINES.values())
+    for what, c in _plans():
+        for r in c["records"]:
+            assert r["threadgroup_memory"] <= limit, (what, r["kernel"], r["threadgroup_memory"])
 
 
 def test_prefill_gemm_activations_are_half():

@@ -41,9 +41,9 @@ constexpr uint32_t kConvThreads = 256;
 uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
 // gdn_gated_norm: (token, head) pairs per threadgroup, one simdgroup each.
 constexpr uint32_t kGdnNormPairs = 8;
-// attention: 256 threads and 64 (row, head) pairs per threadgroup (attention_prefill.metal),
-// 128 and 16 on the tensor-op path (attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64, kAttnTensorThreads = 128, kAttnTensorPairs = 16;
+// attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
+// (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
 constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
@@ -178,7 +178,8 @@ void Runtime::resolve_prefill_kernels() {
                              std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
   k.gdn_gated_norm = &dev.pipeline("gdn_gated_norm_v" + std::to_string(d.linear_value_head_dim));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
-  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds);
+  // the tensor-op attention reads q as half * scale in its own layout (attn_prefill_prep_d<D>_qh)
+  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_ops_ ? "_qh" : ""));
   k.attn = &dev.pipeline("attn_prefill" + attn_suffix + path);  // path: attention_prefill_tensor.metal
   if (chunk_bufs_.attn_splits) {
     k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + path);
@@ -291,6 +292,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"));
       gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"));
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
+      const uint32_t G = attn_heads_per_group(Hq / Hkv);
+      const float scale = float(1.0 / std::sqrt(double(D)));
+      const size_t q_bytes = size_t(M) * Hq * D * (tensor_ops_ ? 2 : f);  // half q on the tensor path
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
@@ -301,14 +305,12 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
           for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()})
             op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
-        op.out(7, *c.q, 0, size_t(M) * Hq * D * f)
-            .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M,
-                                               d.rms_norm_eps, float(std::log2(double(d.rope_theta)))})
+        op.out(7, *c.q, 0, q_bytes)
+            .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M, d.rms_norm_eps,
+                                               float(std::log2(double(d.rope_theta))), scale, G})
             .run(pass);
       }
-      const uint32_t G = attn_heads_per_group(Hq / Hkv);
-      const uint32_t BQ = (tensor_ops_ ? kAttnTensorPairs : kAttnPairs) / G;
-      const uint32_t attn_threads = tensor_ops_ ? kAttnTensorThreads : kAttnThreads;
+      const uint32_t BQ = kAttnPairs / G;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
       // Split the KV range only when the plain grid is too small to fill the GPU (few query
       // rows after a long prefix; docs/prefill.md): above the layout threshold and with
@@ -316,7 +318,6 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
                          end >= 2 * prefill_split_rows();
-      const float scale = float(1.0 / std::sqrt(double(D)));
       auto declare_kv = [&](Op& op) {
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
           for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) op.read(*cache, kvh * head_rows, size_t(end) * row);
@@ -324,8 +325,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
         Op op(*K.attn, labels_(l, "attention"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(attn_threads))
-            .in(0, *c.q, 0, size_t(M) * Hq * D * f).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
+        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
+            .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
         op.out(4, *c.attn, 0, size_t(M) * Hq * D * f)
@@ -340,8 +341,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
         Op op(*K.attn_split, labels_(l, "attention split"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(attn_threads))
-            .in(0, *c.q, 0, size_t(M) * Hq * D * f).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
+        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
+            .in(0, *c.q, 0, q_bytes).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))

@@ -39,8 +39,8 @@ uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb) {
   return std::max<uint64_t>(uint64_t(bm + nb * bn) * kGemmLd * 2, uint64_t(nb) * bm * (bn + 4) * 4);
 }
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
-// (row, head) pairs per threadgroup: attention_prefill.metal / attention_prefill_tensor.metal kRows
-constexpr uint32_t kAttnRows = 64, kAttnTensorRows = 16;
+// (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
+constexpr uint32_t kAttnRows = 64;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -257,7 +257,9 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "attn_prefill_prep_d")) {
     const auto a = arg<args::AttnPrefillPrepArgs>(r);
     Work w = make("attention");
-    add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d"));
+    // _qh: q * scale converted to half with the clamp (1 + kHalfConvOps per q element)
+    add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d") +
+                              (ends(k, "_qh") ? (1 + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d") : 0.0));
     w.bytes = declared(r);
     return w;
   }
@@ -267,7 +269,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     // KV tiles the threadgroups run, exactly as the kernel walks them: block b (BQ chunk rows)
     // covers keys [0, p0 + its last row], cut at split boundaries on the split path, in
     // kAttnTile-row tiles (the last one partial, masked, but computed in full).
-    const uint32_t rows = tensor ? kAttnTensorRows : kAttnRows;
+    const uint32_t rows = kAttnRows;
     const uint32_t BQ = rows / G, M = a.rows;
     double tiles = 0;
     for (uint32_t row0 = 0; row0 < M; row0 += BQ) {
@@ -285,12 +287,16 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     // Q K^T and P V: 2 D flops each per score, half operands, fp32 accumulation
     add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 4.0 * D * scores);
     // online softmax per score (mask, max, subtract, exp, half rounding, sum); per tile the
-    // bf16 -> half conversion of K and V; per threadgroup the scaling of Q. The rare
-    // diag(corr) O rescale (a row's max grew by > 8) is not counted.
-    add(w, Path::alu_f32, 8.0 * scores + 2.0 * tiles * kAttnTile * D + groups * rows * D);
+    // saturating bf16 -> half conversion of K and V (kHalfConvOps per element: gemm_half);
+    // per threadgroup the scaling and conversion of Q on the simdgroup path (the tensor path
+    // reads the half q its prep wrote). The rare diag(corr) O rescale (a row's max grew by
+    // > 8) is not counted.
+    add(w, Path::alu_f32,
+        8.0 * scores + 2.0 * kHalfConvOps * tiles * kAttnTile * D + (tensor ? 0.0 : groups * rows * D));
     w.bytes = declared(r);
-    w.threadgroup_memory = tensor ? 2 * (kAttnTensorRows + kAttnTile) * D + 6 * kAttnTensorRows * kAttnTile +
-                                        12 * kAttnTensorRows + 16
+    // tensor: half K/V tile, fp32 S and half P [rows, kTile], fp32 corr, l, m per pair and
+    // a rescale flag per simdgroup (8); simdgroup: half K/V tile and per-simdgroup scratch
+    w.threadgroup_memory = tensor ? 2 * kAttnTile * D + 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
                                   : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
     return w;
   }

@@ -497,7 +497,24 @@ PREFILL_EPS = 1e-6
 TILE = 32  # KV rows per tile (kTile)
 QROWS = 64  # (row, head) pairs per threadgroup (kRows)
 RESCALE = 8.0  # lazy rescale threshold (kRescale)
-TENSOR_QROWS, TENSOR_THREADS = 16, 128  # attention_prefill_tensor.metal kRows, kThreads
+HALF_MAX = 65504.0  # the largest finite half: gemm_half's clamp (metal/common.h)
+
+
+def pack_half_q(q, G):
+    """The tensor-op attention's query operand (attn_prefill_prep_d<D>_qh): q [M, Hq, D] fp32
+    times the softmax scale D^-0.5 in fp32, clamped to +-HALF_MAX and rounded to half, laid
+    out [Hq / G, M, G, D] (a threadgroup's pairs are consecutive rows)."""
+    M, Hq, D = q.shape
+    qs = np.clip(f32(q) * np.float32(float(D) ** -0.5), -HALF_MAX, HALF_MAX).astype(np.float16)
+    return np.ascontiguousarray(qs.reshape(M, Hq // G, G, D).transpose(1, 0, 2, 3))
+
+
+def unpack_half_q(qh, G):
+    """pack_half_q's inverse up to its rounding: [Hq / G, M, G, D] half -> q [M, Hq, D] fp32
+    (divided by the scale, a power of two for D = 64 and 256: exact), so that the twin's
+    half(q * scale) gives back the kernel's operand."""
+    Hg, M, _, D = qh.shape
+    return f32(qh.astype(np.float32) / np.float32(float(D) ** -0.5)).transpose(1, 0, 2, 3).reshape(M, Hg * G, D)
 
 
 def chunk_inputs(rng, M, Hq, Hkv, D):
@@ -550,9 +567,11 @@ class PrefillAttnLayer:
 
     def encode_prep(self, p, QG, K, V, p0, M, label=""):
         Hq, Hkv, D = self.Hq, self.Hkv, self.D
-        Q = self.dev.buffer(M * Hq * D * 4)
-        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)))
-        p.dispatch(f"attn_prefill_prep_d{D}", (-(-M // 8), Hq + Hkv), 256,
+        Q = self.dev.buffer(M * Hq * D * (2 if self.tensor else 4))
+        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)),
+                          float(D) ** -0.5, self.G)
+        sfx = "_qh" if self.tensor else ""  # the tensor-op attention's half q (pack_half_q)
+        p.dispatch(f"attn_prefill_prep_d{D}{sfx}", (-(-M // 8), Hq + Hkv), 256,
                    buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
                             (6, self.VC), (7, Q)],
                    constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
@@ -567,8 +586,9 @@ class PrefillAttnLayer:
         """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
         Hq, D, G = self.Hq, self.D, self.G
         OUT = self.dev.buffer(M * Hq * D * 4)
-        sfx, threads = ("_tensor", TENSOR_THREADS) if self.tensor else ("", 256)
-        blocks = -(-M // ((TENSOR_QROWS if self.tensor else QROWS) // G))
+        sfx = "_tensor" if self.tensor else ""
+        threads = 256  # both paths (kThreads)
+        blocks = -(-M // (QROWS // G))
         reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
             p.dispatch(f"attn_prefill_d{D}_g{G}{sfx}", (blocks, Hq // G), threads,
@@ -609,12 +629,17 @@ class PrefillAttnLayer:
             return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
 
         cb, (Q, OUT) = self.run(enc)
-        return (download(OUT, np.float32, (M, self.Hq * self.D)),
-                download(Q, np.float32, (M, self.Hq, self.D)), cb)
+        return download(OUT, np.float32, (M, self.Hq * self.D)), self.download_q(Q, M), cb
+
+    def download_q(self, Q, M):
+        """The prep's q as fp32 [M, Hq, D] (on the tensor path: unpack_half_q)."""
+        if not self.tensor:
+            return download(Q, np.float32, (M, self.Hq, self.D))
+        return unpack_half_q(download(Q, np.float16, (self.Hq // self.G, M, self.G, self.D)), self.G)
 
     def attention_only(self, q, qg, p0, split=None):
         M = q.shape[0]
-        Q, QG = upload(self.dev, q), upload(self.dev, qg)
+        Q, QG = upload(self.dev, pack_half_q(q, self.G) if self.tensor else q), upload(self.dev, qg)
         _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
         return download(OUT, np.float32, (M, self.Hq * self.D))
 
@@ -674,7 +699,7 @@ def attention_twin(q, qg, K, V, p0, split_rows=None):
                 st = s[:, t0:min(t0 + TILE, e)]
                 mx = st.max(axis=1)
                 jump = mx > m + f32_(RESCALE)
-                with np.errstate(invalid="ignore"):
+                with np.errstate(invalid="ignore", over="ignore"):  # entries np.where drops
                     corr = np.where(jump & (m != -np.inf), np.exp((m - mx).astype(np.float64)), 1.0)
                 m = np.where(jump, mx, m)
                 mref = np.where(m == -np.inf, f32_(0), m)
@@ -2029,16 +2054,18 @@ def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
     return L, q, qg, from_bf16(kc), from_bf16(vc)
 
 
-@check("attn_prefill_prep_d256", "attn_prefill_prep_d64")
+@check("attn_prefill_prep_d256", "attn_prefill_prep_d64", "attn_prefill_prep_d256_qh", "attn_prefill_prep_d64_qh")
 def _attn_prefill_prep(dev, rng, kernel):
-    D, _ = _variant(kernel)
+    half_q = kernel.endswith("_qh")
+    D, _ = _variant(kernel.removesuffix("_qh"))
     p0, M = 11, 6
-    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng)
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=half_q)
     qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
     QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
     _, Q = L.run(lambda p: L.encode_prep(p, QG, K, V, p0, M))
     q_ref, k_ref = prep_reference(L, qg, k, p0)
-    r = _close(download(Q, np.float32, (M, L.Hq, L.D)), q_ref, 1e-5, 1e-5, f"{kernel} q")
+    # _qh: q rounded to half (relative error <= 2^-11; twice that as the bound)
+    r = _close(L.download_q(Q, M), q_ref, 2**-10 if half_q else 1e-5, 1e-5, f"{kernel} q")
     kc, vc = L.cache()
     rows = slice(p0, p0 + M)
     r = max(r, _close(from_bf16(vc[:, rows]), from_bf16(bf16_bits(v.reshape(M, L.Hkv, L.D)).transpose(1, 0, 2)),

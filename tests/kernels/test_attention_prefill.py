@@ -67,7 +67,7 @@ from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    QROWS, THETA, TILE, attention64, attention_twin, chunk_inputs, prep_reference)
+    HALF_MAX, QROWS, THETA, TILE, attention64, attention_twin, chunk_inputs, pack_half_q, prep_reference)
 from lily.kernel_check import PREFILL_EPS as EPS  # noqa: E402
 
 
@@ -167,6 +167,32 @@ def test_attn_prefill_prep(dev, dims, p0, M):
     kb, vb = B.cache()
     np.testing.assert_array_equal(kc, kb)
     np.testing.assert_array_equal(vc, vb)
+
+
+@pytest.mark.parametrize("dims,G", [("real", 8), ("real", 2), ("tiny", 2)])
+@pytest.mark.parametrize("p0,M", [(0, 13), (37, 9)])
+def test_attn_prefill_prep_half_q(dev, dims, G, p0, M):
+    """attn_prefill_prep_d<D>_qh (the tensor-op attention's query operand) writes exactly
+    pack_half_q of the fp32 variant's q: q * scale rounded to half in the [Hq / G, M, G, D]
+    layout, with q elements beyond the half range (a large q_norm weight) clamped to +-65504,
+    and the same cache rows bit for bit."""
+    cap = p0 + M + 5
+    A = Layer(dev, dims, cap, seed=p0 + M, G=G)
+    B = Layer(dev, dims, cap, seed=p0 + M, G=G)  # same weights and history
+    for L in (A, B):  # q element 3 of every head ~ +-1e7 * N(0, 1) before the scale: mostly beyond half
+        L.qn[3] = bf16_bits(np.array([1e7]))[0]
+        L.QN.write(L.qn.view(np.uint8).reshape(-1))
+    B.tensor = True
+    qg, k, v = chunk_inputs(fresh_rng(8, p0, M), M, A.Hq, A.Hkv, A.D)
+    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    _, Q = A.run(lambda p: A.encode_prep(p, QG, K, V, p0, M))
+    _, QH = B.run(lambda p: B.encode_prep(p, QG, K, V, p0, M))
+    q = download(Q, np.float32, (M, A.Hq, A.D))
+    qh = download(QH, np.float16, (A.Hq // G, M, G, A.D))
+    assert (np.abs(q[:, :, 3]) * A.D ** -0.5 > HALF_MAX).any()  # the clamp is exercised
+    np.testing.assert_array_equal(qh.view(np.uint16), pack_half_q(q, G).view(np.uint16))
+    for a, b in zip(A.cache(), B.cache()):
+        np.testing.assert_array_equal(a, b)
 
 
 # ------------------------------------------------------------------------------ attention
@@ -386,3 +412,47 @@ def test_prefill_chunk_tensor_vs_oracle(tdev):
     np.testing.assert_allclose(got, attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0), **twin_tol(tdev))
     want = _oracle(L, qg, k, v, np.nan_to_num(K0), np.nan_to_num(V0), p0)
     np.testing.assert_allclose(got, want, rtol=2 ** -8, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------ half range
+
+def _beyond_half(L, p0, M):
+    """Cache values beyond the half range (|x| > 65504; bf16 holds up to ~3.4e38): V row 5 of
+    KV head 0 all 1e6 (and row 6 exactly 65536, the first bf16 above half's maximum), K
+    elements of rows 2 and p0 + M - 1 at +-3e5. Returns the float K, V and their clamp."""
+    big = bf16_bits(np.array([1e6, 65536.0, 3e5, -3e5]))
+    L.v_hist[0, 5], L.v_hist[0, 6] = big[0], big[1]
+    L.k_hist[:, 2, :4] = big[2]
+    L.k_hist[:, p0 + M - 1, 4:8] = big[3]
+    L.KC.write(L.k_hist.view(np.uint8).reshape(-1))
+    L.VC.write(L.v_hist.view(np.uint8).reshape(-1))
+    K, V = (from_bf16(c) for c in L.cache())
+    return np.clip(K, -HALF_MAX, HALF_MAX), np.clip(V, -HALF_MAX, HALF_MAX)
+
+
+def _check_saturates(d, tensor, dims, G, p0, M, split):
+    L, q, qg, _, _ = _attn_case(d, dims, G, p0, M, seed=17 * G + p0 + M)
+    L.tensor = tensor
+    K, V = _beyond_half(L, p0, M)
+    got = L.attention_only(q, qg, p0, split=split)
+    assert np.isfinite(got).all()
+    S = None if split is None else split[0]
+    want = attention_twin(q, qg, K, V, p0, split_rows=S)
+    assert np.abs(want).max() > 1000  # rows attending to the large V rows see them
+    np.testing.assert_allclose(got, want, **twin_tol(d))
+
+
+SATURATION = [("real", 8, 29, 19, None), ("real", 8, 29, 19, (20, 4)), ("tiny", 2, 61, 70, None)]
+
+
+@pytest.mark.parametrize("dims,G,p0,M,split", SATURATION)
+def test_attn_prefill_saturates(dev, dims, G, p0, M, split):
+    """A K/V cache value beyond the half range becomes +-65504 in the simdgroup kernels'
+    tiles (gemm_half), not inf: finite outputs equal to the twin on the clamped cache."""
+    _check_saturates(dev, False, dims, G, p0, M, split)
+
+
+@pytest.mark.parametrize("dims,G,p0,M,split", SATURATION)
+def test_attn_prefill_tensor_saturates(tdev, dims, G, p0, M, split):
+    """As test_attn_prefill_saturates on the tensor-op kernels."""
+    _check_saturates(tdev, True, dims, G, p0, M, split)
