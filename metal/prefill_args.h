@@ -66,11 +66,15 @@ inline uint moe_tail_class(uint T, uint r) {
   }
   return c;
 }
+// The fewest rows a tile of class c holds: one more than the next smaller class, else 1.
+inline uint moe_class_min_rows(uint T, uint c) {
+  return c + 1 < moe_tile_classes(T) ? (T >> (c + 1)) + 1u : 1u;
+}
 // Tiles of class c that a chunk of n assignments over E experts can hold at most: each holds
-// at least lo rows (one more than the next smaller class, else 1); every class but 0 holds
-// at most one tile per expert, class 0 also the n / T full tiles.
+// at least moe_class_min_rows; every class but 0 holds at most one tile per expert, class 0
+// also the n / T full tiles.
 inline uint moe_class_capacity(uint n, uint E, uint T, uint c) {
-  const uint lo = c + 1 < moe_tile_classes(T) ? (T >> (c + 1)) + 1u : 1u;
+  const uint lo = moe_class_min_rows(T, c);
   const uint tails = E < n / lo ? E : n / lo;
   return c > 0 ? tails : (n / lo < n / T + tails ? n / lo : n / T + tails);
 }

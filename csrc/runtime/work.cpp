@@ -119,10 +119,9 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x =
 Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
   const uint32_t h = param(r.kernel, "_t"), T = std::max(a.tile_rows, h);
-  const uint32_t classes = args::moe_tile_classes(T);
   uint32_t c = 0;
   while ((T >> c) > h) ++c;
-  const uint32_t lo = c + 1 < classes ? (T >> (c + 1)) + 1 : 1;
+  const uint32_t lo = args::moe_class_min_rows(T, c);
   Work w = make("routed experts");
   const double reached = expected_experts(a.m, a.top_k, a.experts);
   const double assignments = double(a.m) * a.top_k;
