@@ -158,11 +158,11 @@ def test_native_device_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("LILY_CACHE_DIR", str(tmp_path / "wc"))  # a fresh cache: its notice shows
     default = run(*base, "--device", "sim")
     chunked = run(*base, "--device", "sim", "--prefill-chunk", "1", "--no-weight-cache")
-    bad = run(*base, "--device", "sim", "--prefill-chunk", "0")
+    bad = run(*base, "--device", "sim", "--prefill-chunk", "-1")
     assert default.returncode == 0 and chunked.returncode == 0, default.stderr + chunked.stderr
     assert default.stdout == chunked.stdout and default.stdout.strip()
     assert "writing an aligned copy" in default.stderr and "aligned copy" not in chunked.stderr
-    assert bad.returncode == 1 and "prefill_chunk must be a positive integer" in bad.stderr
+    assert bad.returncode == 1 and "prefill_chunk must be a non-negative integer" in bad.stderr
 
 
 def test_closed_pipe_ends_quietly():

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
     ({"device_options": {"order": "sideways"}}, "order must be"),
     ({"device_options": {"gpu_family": "apple3"}}, "gpu_family must be"),
     ({"device_options": {"record_only": True}}, "record-only simulator executes nothing"),
-    ({"prefill_chunk": 0}, "prefill_chunk must be a positive integer"),
+    ({"prefill_chunk": -1}, "prefill_chunk must be a non-negative integer"),
     ({"gemm_path": "fast"}, "gemm_path must be one of"),
     ({"weight_cache": 3}, "weight_cache must be"),
 ])
@@ -28,13 +28,14 @@ def test_invalid_native_options(demo_path, options, match):
 
 
 @pytest.mark.parametrize("name, value, match", [
-    ("prefill_chunk", 0, "prefill_chunk must be a positive integer, got 0"),
+    ("max_context", 0, "max_context must be a positive integer, got 0"),
     ("split_threshold", 0, "split_threshold must be a positive integer, got 0"),
     # one rule per option: a positive one says "positive" for 0, -1 and a wrong type alike
-    ("prefill_chunk", -1, "prefill_chunk must be a positive integer, got -1"),
-    ("prefill_chunk", True, "prefill_chunk must be a positive integer, got True"),
+    ("split_threshold", -1, "split_threshold must be a positive integer, got -1"),
+    ("prefill_chunk", -1, "prefill_chunk must be a non-negative integer, got -1"),
+    ("prefill_chunk", True, "prefill_chunk must be a non-negative integer, got True"),
     ("split_block", -1, "split_block must be a non-negative integer, got -1"),
-    ("prefill_chunk", 2.5, "prefill_chunk must be a positive integer, got 2.5"),
+    ("prefill_chunk", 2.5, "prefill_chunk must be a non-negative integer, got 2.5"),
     ("max_context", 2**32, "max_context must be a positive integer"),
     ("gemm_path", "fast", "gemm_path must be one of auto, simdgroup, tensor, got 'fast'"),
     ("virtual_weights", 1, "virtual_weights must be True or False, got 1"),
@@ -66,7 +67,8 @@ def test_runtime_options_defaults_and_names():
     o = _core.RuntimeOptions()
     assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "virtual_weights")
     assert (o.split_threshold, o.split_block, o.prefill_chunk, o.gemm_path, o.virtual_weights) == (
-        256, 0, 2048, "auto", False)
+        256, 0, 0, "auto", False)
+    assert o.AUTO_PREFILL_CHUNKS == (4096, 2048, 1024, 512)
     o = runtime_options(64, prefill_chunk=8, gemm_path="simdgroup")
     assert (o.max_context, o.prefill_chunk, o.gemm_path) == (64, 8, "simdgroup")
     with pytest.raises(InvalidParameterError, match="unknown runtime option 'bogus'"):
@@ -121,8 +123,9 @@ def test_native_devices_need_the_kernels_dtypes(tmp_path, demo_path):
 
 # ---- checked at load (docs/device-layer.md "Checked at load, not at first dispatch")
 
-def _load_sim(path, max_context, **sim):
-    return Engine.load(path, device="sim", max_context=max_context, device_options={"device_options": sim})
+def _load_sim(path, max_context, chunk=2048, **sim):
+    return Engine.load(path, device="sim", max_context=max_context,
+                       device_options={"prefill_chunk": chunk, "device_options": sim})
 
 
 def test_memory_budget_is_checked_at_load_with_a_suggested_context(demo_path):
@@ -131,7 +134,7 @@ def test_memory_budget_is_checked_at_load_with_a_suggested_context(demo_path):
     import re
 
     from lily.errors import DeviceError
-    use = Engine.load(demo_path, device="sim", max_context=2048).backend.runtime.memory_use
+    use = _load_sim(demo_path, 2048).backend.runtime.memory_use
     assert use["total"] == use["weights"] + use["kv_cache"] + use["state"] + use["scratch"]
     assert use["kv_cache"] > 0 and use["weights"] > 0 and use["max_context"] == 2048
     budget = use["total"] - use["kv_cache"] // 2  # room for about half the context
@@ -146,6 +149,27 @@ def test_memory_budget_is_checked_at_load_with_a_suggested_context(demo_path):
     assert e.backend.device.memory_limits == {"working_set": budget, "max_buffer": 0}
     with pytest.raises(DeviceError, match="does not fit this device"):  # not even the weights
         _load_sim(demo_path, 256, working_set_bytes=use["weights"] // 2)
+
+
+def test_automatic_prefill_chunk_is_the_largest_that_fits(demo_path):
+    """prefill_chunk 0 (the default) takes the first of AUTO_PREFILL_CHUNKS, capped at
+    max_context, whose memory fits the working set; when none fits, the load is refused with
+    the numbers of the smallest."""
+    from lily.errors import DeviceError
+    use = {c: _load_sim(demo_path, 8192, c).backend.runtime.memory_use for c in (4096, 2048, 1024, 512)}
+    assert use[4096]["scratch"] > use[2048]["scratch"] > use[1024]["scratch"] > use[512]["scratch"]
+    auto = _load_sim(demo_path, 8192, 0).backend.runtime
+    assert auto.prefill_chunk == 4096 and auto.memory_use == use[4096]
+    assert Engine.load(demo_path, device="sim", max_context=1000).prefill_chunk == 1000  # capped
+    for budget, want in ((use[2048]["total"], 2048), (use[1024]["total"] + 1, 1024), (use[512]["total"], 512)):
+        rt = _load_sim(demo_path, 8192, 0, working_set_bytes=budget).backend.runtime
+        assert (rt.prefill_chunk, rt.memory_use) == (want, use[want])
+    with pytest.raises(DeviceError, match="recommended working set") as err:
+        _load_sim(demo_path, 8192, 0, working_set_bytes=use[512]["total"] - 1)
+    assert f"scratch {use[512]['scratch'] / 2**20:.1f} MiB" in str(err.value)
+    # an explicit chunk is taken as it is: refused rather than shrunk
+    with pytest.raises(DeviceError, match="recommended working set"):
+        _load_sim(demo_path, 8192, 4096, working_set_bytes=use[2048]["total"])
 
 
 def test_largest_buffer_is_checked_at_load(demo_path):

@@ -67,7 +67,7 @@ static_assert(sizeof(kGateUpLabel) / sizeof(kGateUpLabel[0]) == args::kMoeTileCl
 
 void Runtime::allocate_chunk_buffers() {
   const ModelDims& d = dims_;
-  chunk_ = std::max<uint32_t>(1, std::min(opt_.prefill_chunk, opt_.max_context));
+  // chunk_: chosen by the constructor (the option, or the automatic choice)
   const size_t C = chunk_, f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const size_t H = d.hidden_size, k = d.num_experts_per_tok, E = d.num_experts;
   const uint64_t before = [&] {

@@ -148,8 +148,9 @@ void bind_runtime(nb::module_& m) {
   nb::class_<RuntimeOptions> options(m, "RuntimeOptions",
                                      "A Runtime's options (csrc/runtime/runtime.h; FIELDS lists them but "
                                      "gemm_path). Setting a wrong type, an unknown gemm_path, or validate() "
-                                     "on a zero max_context/split_threshold/prefill_chunk raises ValueError "
-                                     "naming the option.");
+                                     "on a zero max_context/split_threshold raises ValueError naming the option. "
+                                     "prefill_chunk 0 (the default) is the automatic choice: the first of "
+                                     "AUTO_PREFILL_CHUNKS, capped at max_context, that fits the device's memory.");
   options.def(nb::init<>());
   FieldBinder<RuntimeOptions> options_fields{options, {}, true};
   {
@@ -159,6 +160,8 @@ void bind_runtime(nb::module_& m) {
   }
 #undef LILY_BIND_FIELD
   options.attr("FIELDS") = nb::tuple(options_fields.names);
+  options.attr("AUTO_PREFILL_CHUNKS") = nb::tuple(nb::cast(std::vector<uint32_t>(
+      std::begin(kAutoPrefillChunks), std::end(kAutoPrefillChunks))));
   options.def_prop_rw(
       "gemm_path", [](const RuntimeOptions& o) { return std::string(RuntimeOptions::gemm_path_names[int(o.gemm_path)]); },
       [](RuntimeOptions& o, const std::string& name) { o.gemm_path = RuntimeOptions::parse_gemm_path(name); },

@@ -34,16 +34,29 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
       (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
     throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
 
-  // Size everything first and refuse what does not fit the device before allocating.
-  memory_.max_context = opt_.max_context;
+  // Size everything first and refuse what does not fit the device before allocating; the
+  // automatic prefill chunk is the largest candidate that fits (the last one is refused with
+  // the numbers if none does).
+  MemoryUse weights;
+  weights.max_context = opt_.max_context;
   for (const auto& [file, bytes] : WeightTable::file_extents(tensors)) {
-    memory_.weights += bytes;
-    if (bytes > memory_.largest_buffer) memory_.largest_buffer = bytes, memory_.largest_label = "weights " + file;
+    weights.weights += bytes;
+    if (bytes > weights.largest_buffer) weights.largest_buffer = bytes, weights.largest_label = "weights " + file;
   }
-  sizing_ = true;
-  allocate_buffers();
-  sizing_ = false;
-  check_memory(memory_, device_->memory_limits());
+  const gpu::MemoryLimits limits = device_->memory_limits();
+  const std::vector<uint32_t> chunks = opt_.prefill_chunk
+                                           ? std::vector<uint32_t>{opt_.prefill_chunk}
+                                           : std::vector<uint32_t>(std::begin(kAutoPrefillChunks),
+                                                                   std::end(kAutoPrefillChunks));
+  for (uint32_t want : chunks) {
+    chunk_ = std::max<uint32_t>(1, std::min(want, opt_.max_context));
+    memory_ = weights;
+    sizing_ = true;
+    allocate_buffers();
+    sizing_ = false;
+    if (fits_memory(memory_, limits)) break;
+  }
+  check_memory(memory_, limits);
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
   model_ = ModelWeights::bind(weights_, dims_);
   labels_ = LayerLabels(d.num_hidden_layers);
@@ -122,6 +135,11 @@ std::string gib(uint64_t bytes) {
   return b;
 }
 }  // namespace
+
+bool fits_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
+  return (!limits.working_set || use.total() <= limits.working_set) &&
+         (!limits.max_buffer || use.largest_buffer <= limits.max_buffer);
+}
 
 void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
   // KV bytes per token of context: what a smaller max_context saves.

@@ -38,8 +38,14 @@ enum class Logits { none, last, all };
   X(uint32_t, max_context, 4096)     /* KV-cache rows per attention layer */                   \
   X(uint32_t, split_threshold, 256)  /* context above which decode attention splits the KV */ \
   X(uint32_t, split_block, 0)        /* KV rows per split block; 0: by context (split_rows) */  \
-  X(uint32_t, prefill_chunk, 2048)   /* tokens per prefill chunk (scratch is sized for one) */ \
+  X(uint32_t, prefill_chunk, 0)      /* tokens per prefill chunk; 0: automatic (kAutoPrefillChunks) */ \
   X(bool, virtual_weights, false)    /* record-only counting: weights need not exist on disk */
+
+// The automatic prefill chunk (prefill_chunk 0): the first of these, capped at max_context,
+// whose memory fits the device's working set. Larger chunks read each expert's weights for
+// more rows (docs/prefill.md "Chunks"); scratch is sized for one chunk (~0.55 GiB per 2048
+// rows at Qwen3.6-35B-A3B's dimensions), so smaller Macs fall back rather than fail.
+inline constexpr uint32_t kAutoPrefillChunks[] = {4096, 2048, 1024, 512};
 
 struct RuntimeOptions {
   LILY_RUNTIME_OPTIONS(LILY_DECLARE_FIELD)
@@ -55,14 +61,14 @@ struct RuntimeOptions {
   // The options that must be positive (the other integers: non-negative); one rule and one
   // message for 0 (validate) and for a negative value (the binding's setter).
   static bool positive(const std::string& name) {
-    return name == "max_context" || name == "split_threshold" || name == "prefill_chunk";
+    return name == "max_context" || name == "split_threshold";
   }
   static std::string rule(const std::string& name) {
     return positive(name) ? "a positive integer" : "a non-negative integer";
   }
   void validate() const {
     const std::pair<const char*, uint32_t> values[] = {
-        {"max_context", max_context}, {"split_threshold", split_threshold}, {"prefill_chunk", prefill_chunk}};
+        {"max_context", max_context}, {"split_threshold", split_threshold}};
     for (const auto& [name, value] : values)
       if (positive(name) && value == 0)
         throw std::invalid_argument(std::string(name) + " must be " + rule(name) + ", got 0");
@@ -115,6 +121,8 @@ struct MemoryUse {
 // total exceeds limits.working_set or a buffer exceeds limits.max_buffer (0 = no limit).
 // The one place the load-time memory decision is made; pure, so it is tested with fake limits.
 void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits);
+// Whether `use` is within `limits` (what check_memory refuses otherwise).
+bool fits_memory(const MemoryUse& use, const gpu::MemoryLimits& limits);
 
 // A kernel the runtime dispatches (Runtime::kernel_table()): the most threads per
 // threadgroup it asks for and what its pipeline allows.

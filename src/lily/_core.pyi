@@ -387,7 +387,7 @@ class SessionSnapshot:
 
 class RuntimeOptions:
     """
-    A Runtime's options (csrc/runtime/runtime.h; FIELDS lists them but gemm_path). Setting a wrong type, an unknown gemm_path, or validate() on a zero max_context/split_threshold/prefill_chunk raises ValueError naming the option.
+    A Runtime's options (csrc/runtime/runtime.h; FIELDS lists them but gemm_path). Setting a wrong type, an unknown gemm_path, or validate() on a zero max_context/split_threshold raises ValueError naming the option. prefill_chunk 0 (the default) is the automatic choice: the first of AUTO_PREFILL_CHUNKS, capped at max_context, that fits the device's memory.
     """
 
     def __init__(self) -> None: ...
@@ -423,6 +423,8 @@ class RuntimeOptions:
     def virtual_weights(self, arg: bool, /) -> None: ...
 
     FIELDS: tuple[str, ...]
+
+    AUTO_PREFILL_CHUNKS: tuple = (4096, 2048, 1024, 512)
 
     @property
     def gemm_path(self) -> str:

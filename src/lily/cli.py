@@ -42,7 +42,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")
     g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prompt tokens per prefill chunk (default 2048; scratch memory is sized for one chunk)")
+                   help="prompt tokens per prefill chunk (default 0: automatic, 4096 or less when memory is "
+                        "short; scratch memory is sized for one chunk)")
     g.add_argument("--no-weight-cache", action="store_true",
                    help="do not write or use aligned copies of the checkpoint files (see `lily info`); "
                         "the weights are then copied into memory at every load")
@@ -626,7 +627,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--positions", type=int, default=None, metavar="N",
                    help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
     b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="Lily's prefill chunk on the native devices (default 2048)")
+                   help="Lily's prefill chunk on the native devices (default 0: automatic, 4096 or less)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
     a.add_argument("--agent", action="store_true",
@@ -676,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--at", type=int, default=4096, metavar="L",
                    help="context / prompt length of the per-family breakdown (default 4096)")
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prefill chunk rows (default: the runtime's)")
+                   help="prefill chunk rows (default: the runtime's automatic choice with memory to spare, 4096)")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
     e.set_defaults(func=cmd_estimate, check=lambda a: _check_estimate(e, a))
 

@@ -211,8 +211,9 @@ class Engine:
         progress : bool
             Show a progress bar while validating and mapping the weights.
         device_options : dict | None
-            Native devices only: ``prefill_chunk`` (tokens per prefill chunk, default 2048;
-            scratch memory is sized for one chunk), ``gemm_path`` (``"auto"``,
+            Native devices only: ``prefill_chunk`` (tokens per prefill chunk; scratch memory
+            is sized for one chunk; default 0: automatic, the first of 4096, 2048, 1024, 512,
+            capped at ``max_context``, whose memory fits the device), ``gemm_path`` (``"auto"``,
             ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
             (context above which decode attention splits the KV rows across threadgroups,
             default 256), ``split_block`` (rows per split block, default 0: chosen by
@@ -283,8 +284,8 @@ class Engine:
     @property
     def prefill_chunk(self) -> int:
         """Tokens per prefill chunk on this device (the reference: 128; native devices: the
-        ``prefill_chunk`` device option, whose default is ``lily._core.RuntimeOptions``'s,
-        declared once in csrc/runtime/runtime.h). Generation checks ``cancel`` between
+        ``prefill_chunk`` device option, or the runtime's automatic choice when it is 0, the
+        default; csrc/runtime/runtime.h kAutoPrefillChunks). Generation checks ``cancel`` between
         chunks, so this is also the cancellation granularity of a prompt."""
         return self.backend.prefill_chunk
 

@@ -44,7 +44,7 @@ def sampling_config(params):
 def runtime_options(max_context: int, **options):
     """The runtime's ``lily._core.RuntimeOptions`` (csrc/runtime/runtime.h holds the fields,
     their defaults and their rules): ``max_context`` plus any of ``split_threshold``,
-    ``split_block``, ``prefill_chunk`` (ints), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
+    ``split_block``, ``prefill_chunk`` (ints; ``prefill_chunk`` 0 is the automatic choice), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
     ``"tensor"``) and ``virtual_weights``. Raises :class:`InvalidParameterError` naming an
     unknown or invalid option."""
     from lily import _core

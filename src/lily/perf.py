@@ -342,7 +342,8 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
     one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
     :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
-    ``chunk``: prefill rows per chunk (default: the runtime's, ``RuntimeOptions().prefill_chunk``).
+    ``chunk``: prefill rows per chunk (default: the runtime's automatic choice on a Mac with the
+    memory for it, ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has it).
 
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
@@ -356,7 +357,7 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     for p in prompts:
         check_length("prompts", p, limit)
     check_length("breakdown_at", breakdown_at, limit, kind="context")
-    chunk = _core.RuntimeOptions().prefill_chunk if chunk is None else chunk
+    chunk = _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0] if chunk is None else chunk
     check_length("chunk", chunk, limit, kind="chunk")
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:
