@@ -6,11 +6,11 @@
 //                      route_topk, bit-identical picks and weights), shared-expert gate,
 //                      and the row's k assignments counted into its block of the histogram
 //   moe_route_scatter  one block of rows per threadgroup: prefix scans of the histogram
-//                      (expert starts, tile starts), the block's assignments scattered into
-//                      the grouped order (stable: increasing row within an expert), the
-//                      tile map and its count, the per-expert counts for the host
-// then the grouped expert GEMMs over the tile map (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*,
-// below), and after them:
+//                      (expert starts, tile starts per tile class), the block's assignments
+//                      scattered into the grouped order (stable: increasing row within an
+//                      expert), the tile map and count of each class, the per-expert counts
+// then the grouped expert GEMMs over the tile maps, one dispatch per tile class in one barrier
+// stage (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*, below), and after them:
 //   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
@@ -110,20 +110,23 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 // blocks = ceil(rows / block_rows): the assignments a = row*k + j of rows
 // [b*block_rows, (b+1)*block_rows).
 //   * Every threadgroup sums the histogram columns itself (count[e] over all blocks, pre[e]
-//     over the blocks before b) and scans them: start[e] = sum_{e'<e} count[e'],
-//     tile_end[e] = sum_{e'<=e} ceil(count[e'] / T). No grid-wide step, so the scan costs no
-//     dispatch and no barrier stage (blocks * experts reads per threadgroup).
+//     over the blocks before b) and scans them: start[e] = sum_{e'<e} count[e'], and per tile
+//     class c (prefill_args.h) tile_end[c][e] = the class-c tiles of experts 0..e. No
+//     grid-wide step, so the scans cost no dispatch and no barrier stage (blocks * experts
+//     reads per threadgroup).
 //   * perm[start[e] + pre[e] + r] = a, r = the assignments of expert e before a in the block:
 //     slots of an expert hold increasing assignment indices (deterministic; perm equals
 //     numpy argsort(ids.ravel(), kind="stable")).
-//   * tiles[i] for i < tile_count, spread over the threadgroups: tile i belongs to the first
-//     expert with tile_end[e] > i, {e, start[e] + t*T, min(T, count[e] - t*T), 0} for its
-//     t-th tile; tile_count[0] = tile_end[E-1] and counts[e] = count[e] (threadgroup 0).
+//   * The tile maps, spread over the threadgroups: expert e's slots are cut into count[e] / T
+//     full tiles, {e, start[e] + t*T, T, 0}, in class 0, and the remainder r = count[e] % T
+//     (if any) into one tile {e, start[e] + count[e] - r, r, 0} of class
+//     moe_tail_class(T, r). Class c's map is at entries [moe_class_base(c), ...) of `tiles`,
+//     in expert order; tile_count[c] = its tiles and counts[e] = count[e] (threadgroup 0).
 [[max_total_threads_per_threadgroup(1024)]] kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
                               device const uint* block_counts [[buffer(1)]],  // [blocks, experts] from moe_route_topk
                               device uint* perm [[buffer(2)]],                // [rows * top_k] grouped order: slot -> assignment
-                              device MoeTile* tiles [[buffer(3)]],            // [max_tiles] tile map
-                              device uint* tile_count [[buffer(4)]],          // [1] tiles in the map
+                              device MoeTile* tiles [[buffer(3)]],            // the class maps, moe_class_base / _capacity
+                              device uint* tile_count [[buffer(4)]],          // [moe_tile_classes(T)] tiles per class map
                               device uint* counts [[buffer(5)]],              // [experts] assignments per expert
                               constant MoeRoutePrefillArgs& args [[buffer(6)]],
                               uint b [[threadgroup_position_in_grid]],
@@ -132,10 +135,10 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]],
                               uint nsg [[simdgroups_per_threadgroup]]) {
-  threadgroup uint start[kRouteMaxExperts + 1];  // first slot of expert e; start[E] = rows * k
-  threadgroup uint tile_end[kRouteMaxExperts];   // tiles of experts 0..e
-  threadgroup uint cursor[kRouteMaxExperts];     // first slot of expert e in this block
-  threadgroup uint blk[kMoeRouteMaxBlockSlots];  // the block's expert ids
+  threadgroup uint start[kRouteMaxExperts + 1];                 // first slot of expert e; start[E] = rows * k
+  threadgroup uint tile_end[kMoeTileClasses][kRouteMaxExperts];  // class-c tiles of experts 0..e
+  threadgroup uint cursor[kRouteMaxExperts];                    // first slot of expert e in this block
+  threadgroup uint blk[kMoeRouteMaxBlockSlots];                 // the block's expert ids
   threadgroup uint sums[32];
   const uint nblocks = route_blocks(args);
   if (b >= nblocks) {  // uniform over the threadgroup
@@ -144,10 +147,11 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   const uint E = min(args.experts, kRouteMaxExperts);
   const uint k = args.top_k;
   const uint T = args.tile_rows;
+  const uint classes = moe_tile_classes(T);
 
-  // histogram columns and the two scans, tcount experts per round
-  uint base = 0;   // assignments of the experts before this round
-  uint tbase = 0;  // tiles of the experts before this round
+  // histogram columns and the scans, tcount experts per round
+  uint base = 0;                          // assignments of the experts before this round
+  uint tbase[kMoeTileClasses] = {0, 0, 0};  // tiles of each class of the experts before this round
   for (uint e0 = 0; e0 < E; e0 += tcount) {  // uniform: barriers inside
     const uint e = e0 + tid;
     uint total = 0;
@@ -159,31 +163,40 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
         before += bb < b ? c : 0u;
       }
     }
-    const uint tiles_e = (total + T - 1) / T;
     uint round_n = 0;
-    uint round_t = 0;
     const uint s = base + route_exclusive_sum(total, sums, sg, lane, nsg, round_n);
-    const uint t = tbase + route_exclusive_sum(tiles_e, sums, sg, lane, nsg, round_t);
+    const uint r = total % T;
+    const uint tail = r > 0 ? moe_tail_class(T, r) : kMoeTileClasses;
+    for (uint c = 0; c < classes; ++c) {  // uniform
+      const uint tiles_c = (c == 0 ? total / T : 0u) + (tail == c ? 1u : 0u);
+      uint round_t = 0;
+      const uint t = tbase[c] + route_exclusive_sum(tiles_c, sums, sg, lane, nsg, round_t);
+      if (e < E) {
+        tile_end[c][e] = t + tiles_c;
+      }
+      tbase[c] += round_t;
+    }
     if (e < E) {
       start[e] = s;
-      tile_end[e] = t + tiles_e;
       cursor[e] = s + before;
       if (b == 0) {
         counts[e] = total;
       }
     }
     base += round_n;
-    tbase += round_t;
   }
   // Bounds of perm and tiles: never exceeded by a histogram of these ids; they only keep
   // the stores inside the buffers if the histogram was not cleared (a host error).
   const uint n = args.rows * k;
-  const uint ntiles = min(tbase, (n + T - 1) / T + min(E, n));
+  uint ntiles[kMoeTileClasses];
+  for (uint c = 0; c < classes; ++c) {
+    ntiles[c] = min(tbase[c], moe_class_capacity(n, E, T, c));
+  }
   if (tid == 0) {
     start[E] = base;
-    if (b == 0) {
-      tile_count[0] = ntiles;
-    }
+  }
+  if (b == 0 && tid < classes) {
+    tile_count[tid] = ntiles[tid];
   }
   const uint a0 = b * args.block_rows * k;
   const uint na = min(args.block_rows * k, n - a0);
@@ -192,26 +205,31 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  // tile map: tile i by threadgroup (i / tcount) % blocks, coalesced 16-byte stores
-  for (uint i = b * tcount + tid; i < ntiles; i += nblocks * tcount) {
-    uint lo = 0;
-    uint hi = E - 1;
-    while (lo < hi) {  // the first expert with tile_end > i (never an empty one)
-      const uint mid = (lo + hi) / 2;
-      if (tile_end[mid] > i) {
-        hi = mid;
-      } else {
-        lo = mid + 1;
+  // tile maps: tile i of class c by threadgroup (i / tcount) % blocks, coalesced 16-byte stores
+  for (uint c = 0; c < classes; ++c) {
+    device MoeTile* map = tiles + moe_class_base(n, E, T, c);
+    for (uint i = b * tcount + tid; i < ntiles[c]; i += nblocks * tcount) {
+      uint lo = 0;
+      uint hi = E - 1;
+      while (lo < hi) {  // the first expert with tile_end > i (never one without class-c tiles)
+        const uint mid = (lo + hi) / 2;
+        if (tile_end[c][mid] > i) {
+          hi = mid;
+        } else {
+          lo = mid + 1;
+        }
       }
+      const uint first_tile = lo > 0 ? tile_end[c][lo - 1] : 0u;
+      const uint count_e = start[lo + 1] - start[lo];
+      // class 0: the t-th full tile (or the remainder after them); others: the remainder
+      const uint begin = start[lo] + (c == 0 ? (i - first_tile) * T : count_e - count_e % T);
+      MoeTile tile;
+      tile.expert = lo;
+      tile.begin = begin;
+      tile.rows = min(T, start[lo + 1] - begin);
+      tile.pad = 0u;
+      map[i] = tile;
     }
-    const uint first_tile = lo > 0 ? tile_end[lo - 1] : 0u;
-    const uint begin = start[lo] + (i - first_tile) * T;
-    MoeTile tile;
-    tile.expert = lo;
-    tile.begin = begin;
-    tile.rows = min(T, start[lo + 1] - begin);
-    tile.pad = 0u;
-    tiles[i] = tile;
   }
 
   // stable scatter: rank among the block's earlier assignments of the same expert
@@ -260,14 +278,16 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 // simdgroup_matrix path with half operands and fp32 accumulation (gemm_tiles.h; the dense
 // GEMMs of metal/gemm.metal use the same k loop; the tensor-op twins are in
 // moe_prefill_tensor.metal).
-// Grid (max_tiles, ceil(n / BN)) threadgroups of 32 * SM * SN threads: threadgroup (t, j)
-// computes output columns [j BN, j BN + BN) of the slots of tile t; threadgroups with
-// t >= tile_count return at once. BM = T, the tile height.
+// One dispatch per tile class (prefill_args.h), bound to that class's map and count; the
+// classes of a chunk write disjoint slots and share a barrier stage. Grid (max_tiles,
+// ceil(n / BN)) threadgroups of 32 * SM * SN threads, max_tiles the class capacity:
+// threadgroup (t, j) computes output columns [j BN, j BN + BN) of the slots of tile t;
+// threadgroups with t >= tile_count return at once. BM = T, the class height.
 template <uint T, uint BN, uint SM, uint SN>
 [[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const half4* x [[buffer(0)]],         // half [m, lda] (xn)
                                 device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
-                                device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
-                                device const uint* tile_count [[buffer(3)]],  // [1]
+                                device const MoeTile* tiles [[buffer(2)]],    // [max_tiles] the class's map
+                                device const uint* tile_count [[buffer(3)]],  // [1] the class's count
                                 device const uint4* wg [[buffer(4)]],         // gate_proj.weight [E, n, k/8]
                                 device const bfloat* gs [[buffer(5)]],        // gate_proj.scales [E, n, k/64]
                                 device const bfloat* gb [[buffer(6)]],        // gate_proj.biases [E, n, k/64]
@@ -308,8 +328,8 @@ template <uint T, uint BN, uint SM, uint SN>
 template <uint T, uint BN, uint SM, uint SN>
 [[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const half4* hx [[buffer(0)]],        // half [m * top_k, lda], slot order
                              device const uint* perm [[buffer(1)]],       // [m * top_k]
-                             device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
-                             device const uint* tile_count [[buffer(3)]], // [1]
+                             device const MoeTile* tiles [[buffer(2)]],   // [max_tiles] the class's map
+                             device const uint* tile_count [[buffer(3)]], // [1] the class's count
                              device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
                              device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
                              device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]

@@ -12,14 +12,15 @@ using namespace metal;
 
 #include "gemm_tensor.h"
 
-// As moe_gemm_*_q4 (moe_prefill.metal): grid (max_tiles, ceil(n / BN)) threadgroups of 32 * NSG
-// threads; threadgroup (t, j) computes output columns [j BN, j BN + BN) of the slots of tile
-// t; threadgroups with t >= tile_count return at once. BM = T, the tile height.
+// As moe_gemm_*_q4 (moe_prefill.metal), one dispatch per tile class: grid (max_tiles, ceil(n /
+// BN)) threadgroups of 32 * NSG threads, max_tiles the class capacity; threadgroup (t, j)
+// computes output columns [j BN, j BN + BN) of the slots of tile t; threadgroups with
+// t >= tile_count return at once. BM = T, the class height.
 template <uint T, uint BN, uint NSG>
 [[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4_tensor(device const half4* x [[buffer(0)]],         // half [m, lda] (xn)
                                        device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
-                                       device const MoeTile* tiles [[buffer(2)]],    // [max_tiles]
-                                       device const uint* tile_count [[buffer(3)]],  // [1]
+                                       device const MoeTile* tiles [[buffer(2)]],    // [max_tiles] the class's map
+                                       device const uint* tile_count [[buffer(3)]],  // [1] the class's count
                                        device const uint4* wg [[buffer(4)]],         // gate_proj.weight [E, n, k/8]
                                        device const bfloat* gs [[buffer(5)]],        // gate_proj.scales [E, n, k/64]
                                        device const bfloat* gb [[buffer(6)]],        // gate_proj.biases [E, n, k/64]
@@ -58,8 +59,8 @@ template <uint T, uint BN, uint NSG>
 template <uint T, uint BN, uint NSG>
 [[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4_tensor(device const half4* hx [[buffer(0)]],        // half [m * top_k, lda], slot order
                                     device const uint* perm [[buffer(1)]],       // [m * top_k]
-                                    device const MoeTile* tiles [[buffer(2)]],   // [max_tiles]
-                                    device const uint* tile_count [[buffer(3)]], // [1]
+                                    device const MoeTile* tiles [[buffer(2)]],   // [max_tiles] the class's map
+                                    device const uint* tile_count [[buffer(3)]], // [1] the class's count
                                     device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
                                     device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
                                     device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]

@@ -32,6 +32,8 @@ struct MoeGemmArgs {
   uint experts;  // experts stacked in the weight tensors; tile expert ids are clamped below it
   uint lda;      // row stride in floats of the A operand (gate/up: x; down: hx); multiple of 4, >= k
   uint ldy;      // row stride in floats of the output (gate/up: hx; down: yx); >= n
+  uint tile_rows;  // T of the chunk's tiling (MoeRoutePrefillArgs::tile_rows): which tile class
+                   // this dispatch runs; read by the performance model (work.cpp), not the kernel
 };
 
 // ---- expert routing --------------------------------------------------------------------
@@ -45,6 +47,46 @@ struct MoeTile {
   uint pad;  // 0; keeps the struct 16 bytes
 };
 
+// Tile classes (docs/prefill.md, "Tile classes"): an expert's assignments are cut into full
+// tiles of the chunk's height T (16, 32 or 64) and one last tile of the remainder r
+// (1 <= r <= T), which goes to the smallest class that holds it. Class c has height T >> c,
+// c < moe_tile_classes(T): with T = 64 the classes are 64, 32, 16 (the heights the grouped
+// GEMMs are built for). Each class has its own tile map and count and runs as its own
+// dispatch of the moe_gemm_*_t<T >> c> kernels. With r uniform in 1..64 (routing skewed
+// enough that counts spread over many tile heights), the last tile holds 11.5 padded rows
+// on average instead of 31.5 with 64-row tiles only. Shared by moe_route_scatter and the
+// host (prefill.cpp), the one home of the rule.
+enum : uint { kMoeTileClasses = 3 };  // at most
+inline uint moe_tile_classes(uint T) { return T >= 64 ? 3u : T >= 32 ? 2u : 1u; }
+// The class of an expert's last tile of r rows, 1 <= r <= T.
+inline uint moe_tail_class(uint T, uint r) {
+  uint c = 0;
+  while (c + 1 < moe_tile_classes(T) && r <= (T >> (c + 1))) {
+    ++c;
+  }
+  return c;
+}
+// The fewest rows a tile of class c holds: one more than the next smaller class, else 1.
+inline uint moe_class_min_rows(uint T, uint c) {
+  return c + 1 < moe_tile_classes(T) ? (T >> (c + 1)) + 1u : 1u;
+}
+// Tiles of class c that a chunk of n assignments over E experts can hold at most: each holds
+// at least moe_class_min_rows; every class but 0 holds at most one tile per expert, class 0
+// also the n / T full tiles.
+inline uint moe_class_capacity(uint n, uint E, uint T, uint c) {
+  const uint lo = moe_class_min_rows(T, c);
+  const uint tails = E < n / lo ? E : n / lo;
+  return c > 0 ? tails : (n / lo < n / T + tails ? n / lo : n / T + tails);
+}
+// First entry of class c's map in the tile-map buffer (the maps lie back to back, by class).
+inline uint moe_class_base(uint n, uint E, uint T, uint c) {
+  uint base = 0;
+  for (uint i = 0; i < c; ++i) {
+    base += moe_class_capacity(n, E, T, i);
+  }
+  return base;
+}
+
 // Assignments of one block of the routing histogram, at most (threadgroup memory of
 // moe_route_scatter): block_rows * top_k <= kMoeRouteMaxBlockSlots.
 enum : uint { kMoeRouteMaxBlockSlots = 1024 };
@@ -57,7 +99,7 @@ struct MoeRoutePrefillArgs {
   uint top_k;       // k: experts per row (8); 1..32 and <= experts
   uint norm_topk;   // 1: weights renormalised over the k kept experts (norm_topk_prob)
   uint block_rows;  // rows per histogram block / moe_route_scatter threadgroup (64); >= 1
-  uint tile_rows;   // T: tile height of the grouped GEMMs (16 or 32); >= 1
+  uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32 or 64 (tile classes above)
 };
 
 // moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row].

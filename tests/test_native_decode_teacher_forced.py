@@ -6,6 +6,11 @@ Every position runs as a decode step (one token per step: the decode kernels, no
 prefill GEMMs), against MLX-LM with float32 activations on the same weights. Thresholds:
 the bf16 KV cache moves logits by ~1.5e-4 relative (bound 5e-3); top-1 agreement >= 0.97
 and perplexity ratio within 0.5% (measured 1.000 and 1 +- 2e-5 on both presets).
+
+It runs on the dims preset (the real model's per-layer dimensions) only: the tiny preset's
+kernel instantiations (head_dim 64, DeltaNet heads of 32) are compared with the reference
+step by step in tests/test_native_decode.py, and 200 more simulated decode steps of them
+cost the suite ~3 minutes of its 25.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 REL_TOL = 5e-3
 
 
-@pytest.mark.parametrize("which", ["tiny", "dims"])
+@pytest.mark.parametrize("which", ["dims"])
 def test_decode_steps_teacher_forced_vs_peer(which, request, native_device):
     """Every position of a 201-token chat-template prompt through native decode steps (one
     token per step: the decode kernels, not the prefill GEMMs) against MLX-LM with float32

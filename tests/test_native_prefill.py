@@ -22,11 +22,14 @@ same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+
 import pytest
 
 from lily import _core
-from lily.checkpoint import parse_config
+from lily.checkpoint import load_config, parse_config
 from lily.engine import Engine
 from lily.perf import QWEN36_35B_A3B
 
@@ -95,6 +98,25 @@ def test_prefill_matches_reference(model, chunk, native_device):
     got = np.stack([native.decode(t) for t in cont])
     err_d = _check(got, after, f"{name} decode after chunk {chunk}")
     print(f"\n{name} chunk {chunk}: median relative error prefill {err:.2e}, decode after {err_d:.2e}")
+
+
+def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
+    """One 240-row chunk of the tiny model (16 experts, top-4: 60 rows per expert) runs its
+    experts in 64-row tiles with the remainders in the 64 / 32 / 16-row classes, one dispatch
+    per class in one barrier stage; its last logits match the reference."""
+    from lily.native import count_prefill_chunk
+    rows = 240
+    recs = count_prefill_chunk(load_config(tiny_checkpoint)[0], rows)["records"]
+    gate_up = [r for r in recs if r["label"].startswith("L0 experts gate|up")]
+    assert [re.search(r"_t(\d+)", r["kernel"]).group(1) for r in gate_up] == ["64", "32", "16"]
+    assert len({r["stage"] for r in gate_up}) == 1
+    ref = Engine.load(tiny_checkpoint, max_context=rows, device="reference")
+    ids = (ref.tokenizer.encode(TEXT) * 4)[:rows]
+    assert len(ids) == rows
+    native = Engine.load(tiny_checkpoint, device=native_device, max_context=rows, device_options={"prefill_chunk": rows})
+    _check(native.prefill(ids), ref.prefill(ids), "tiny, one 240-row chunk")
+    counts = np.array([native.backend.runtime.expert_histogram(layer) for layer in range(4)])
+    assert (counts.sum(1) == rows * 4).all() and (counts % 64 != 0).any()  # tails were there to place
 
 
 def test_prefill_equals_decode_steps(demo_path, native_device):
@@ -185,8 +207,9 @@ REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
 @pytest.mark.parametrize("rows,position", [(512, 0), (2048, 0), (512, 32768), (16, 65536)])
 def test_full_size_prefill_chunk_counters(rows, position):
     """Record-only counting of one prefill chunk of the real 40-layer model (docs/prefill.md
-    reports these numbers): dispatches and barrier stages per chunk do not depend on the
-    chunk's length; per layer they are fixed by the stage list."""
+    reports these numbers): barrier stages per chunk do not depend on the chunk's length,
+    per layer they are fixed by the stage list; dispatches only by the expert tile classes
+    (one gate/up and one down per class, all classes of a projection in one stage)."""
     from lily.native import count_prefill_chunk
     cfg = parse_config(REAL)
     c = count_prefill_chunk(cfg, rows, position)
@@ -196,7 +219,12 @@ def test_full_size_prefill_chunk_counters(rows, position):
     gdn, attn = 30, 10
     per_gdn = 1 + 4 + 1 + 2 + 1        # norm, 4 projections, scan, gated norm + conv state, out_proj
     per_attn = 1 + 3 + 1 + 1 + 1 + split  # norm, 3 projections, prep, attention (+ combine), o_proj
-    per_moe = 1 + 2 + 3 + 2 + 2 + 1    # norm, router + shared gate, clear/top-k/scatter, shared, experts, combine
+    from lily.kernel_check import tile_classes
+    gate_up = [r for r in c["records"] if r["label"].startswith("L0 experts gate|up")]
+    T = int(re.search(r"_t(\d+)", gate_up[0]["kernel"]).group(1))  # class 0: the full tiles
+    classes = tile_classes(T)
+    assert len(gate_up) == classes and len({r["stage"] for r in gate_up}) == 1
+    per_moe = 1 + 2 + 3 + 2 + 2 * classes + 1  # norm, router + shared gate, clear/top-k/scatter, shared, experts, combine
     assert c["dispatches"] == 1 + gdn * per_gdn + attn * per_attn + 40 * per_moe + 1
     # Stages: every layer is a chain of 13 (input norm, projections, scan | prep, gated norm +
     # conv state | attention (+ combine), output projection, post-attention norm, router,
@@ -205,20 +233,29 @@ def test_full_size_prefill_chunk_counters(rows, position):
     assert c["barrier_stages"] == 1 + 40 * 13 + attn * split + 1
 
 
-@pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64)])
+@pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64), (4096, 64)])
 def test_full_size_expert_tiles(rows, T):
     """The grouped expert GEMMs' tile height follows the rows per expert (rows * 8 / 256 on
-    average: 0.5, 32, 64): 64-row tiles at the default 2048-row chunk (gate/up 64 x 32 blocks
-    of gate and of up, down 64 x 64), so each expert's weights are read about once per chunk."""
+    average: 0.5, 32, 64, 128): 64-row full tiles from the default 2048-row chunk on (gate/up
+    64 x 32 blocks of gate and of up, down 64 x 64), so each expert's weights are read about
+    once per chunk; each expert's remainder runs in the smallest tile class holding it (T, T/2,
+    T/4 down to 16), one dispatch per class, each grid the class's capacity."""
     from lily.native import count_prefill_chunk
+    from lily.kernel_check import MOE_BN, MOE_DOWN_BN, class_capacity, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows)
-    tiles = -(-rows * 8 // T) + min(256, rows * 8)  # max_tiles of the map
-    from lily.kernel_check import MOE_BN, MOE_DOWN_BN
-    groups = {r["label"].split(" ", 1)[1].rsplit(" (", 1)[0]: int(np.prod(r["groups"]))
-              for r in c["records"] if r["label"].startswith("L0 ")}
-    assert (MOE_BN[T], MOE_DOWN_BN[T]) == ((32, 64) if T == 64 else (64, 64))
-    assert groups["experts gate|up"] == tiles * (512 // MOE_BN[T])
-    assert groups["experts down"] == tiles * (2048 // MOE_DOWN_BN[T])
+    n = rows * 8
+    recs = {r["label"].split(" ", 1)[1].rsplit(" (#", 1)[0]: r for r in c["records"] if r["label"].startswith("L0 ")}
+    assert (MOE_BN[64], MOE_DOWN_BN[64]) == (32, 64)
+    for cl in range(tile_classes(T)):
+        h, suffix = T >> cl, f" (class {cl})" if cl else ""
+        gate_up, down = recs["experts gate|up" + suffix], recs["experts down" + suffix]
+        assert gate_up["kernel"].startswith(f"moe_gemm_gate_up_q4_t{h}") and down["kernel"].startswith(f"moe_gemm_down_q4_t{h}")
+        tiles = class_capacity(n, 256, T, cl)
+        assert tiles <= (n // T + 256 if cl == 0 else 256)
+        assert int(np.prod(gate_up["groups"])) == tiles * (512 // MOE_BN[h])
+        assert int(np.prod(down["groups"])) == tiles * (2048 // MOE_DOWN_BN[h])
+        assert gate_up["stage"] != down["stage"]
+    assert f"experts gate|up (class {tile_classes(T)})" not in recs
 
 
 def test_full_size_prefill_scratch_is_bounded():

@@ -263,3 +263,30 @@ def test_prefill_gemm_activations_are_half():
     shared = [r for r in recs if r["kernel"] == "gemm_swiglu_q4"]
     assert gate_up and all(r["bytes_written"] == 2 * M * k * I for r in gate_up)  # hx written as half
     assert all(r["bytes_written"] == 2 * M * I for r in shared)  # hs written as half
+
+
+@pytest.mark.parametrize("rows,T,pad", [(2048, 64, 11.5), (4096, 64, 11.5), (1024, 32, 7.5), (512, 16, 7.5)])
+def test_routed_expert_tiles_count_each_class(rows, T, pad):
+    """Grouped expert GEMMs, one dispatch per tile class (docs/performance.md, "Routed-expert
+    tiles"): over a layer's classes the rows computed are the real rows plus the expected
+    padding of each reached expert's last tile under uniform remainders (11.5 rows at T = 64
+    with classes 64 / 32 / 16, 7.5 at T = 32 and 16), the dequantization counts one pass over
+    the weights per tile, and the weights read are each reached expert's once plus once more
+    per tail in a class of its own."""
+    E, k, H, I = CFG.num_experts, CFG.num_experts_per_tok, CFG.hidden_size, CFG.moe_intermediate_size
+    reached = E * (1 - (1 - k / E) ** rows)
+    recs = [r for r in count_prefill_chunk(CFG, rows, 0, gemm_path="tensor")["records"]
+            if r["label"].startswith("L0 experts gate|up")]
+    heights = [T >> c for c in range(len(recs))]
+    assert [r["kernel"] for r in recs] == [f"moe_gemm_gate_up_q4_t{h}_tensor" for h in heights]
+    assert heights[-1] == 16 and len({r["stage"] for r in recs}) == 1
+    computed = sum(r["work"]["flops"]["tensor_f16"] for r in recs) / (2 * 2 * I * H)
+    assert computed == pytest.approx(rows * k + reached * pad, rel=1e-9)
+    tiles = sum(computed_c / h for computed_c, h in
+                zip((r["work"]["flops"]["tensor_f16"] / (2 * 2 * I * H) for r in recs), heights))
+    dequant = sum(r["work"]["flops"]["alu_f32"] for r in recs) - (4 + 3) * computed * I
+    assert dequant == pytest.approx(4 * 2 * tiles * I * H, rel=1e-9)  # unpack + scale + bias + convert
+    stack = 2 * I * H * (4 / 8 + 4 / 64)  # gate and up of one expert
+    weights = sum(r["work"]["bytes"] for r in recs) - (2 * rows * H + 4 * rows * k + 2 * rows * k * I)
+    tails = 0.5 if T > 16 else 0.0  # the remainders r <= T/2 (half of them) go to the smaller classes
+    assert 0.98 * reached * (1 + tails) * stack <= weights <= 1.01 * reached * (1 + tails) * stack

@@ -68,17 +68,19 @@ StageTracker::Span StageTracker::span(const Range& r) {
   s.buffer_id = r.buffer->id();
   s.offset = r.offset;
   s.size = r.size;
+  s.disjoint = r.disjoint;
   return s;
 }
 
 StageTracker::Conflict StageTracker::conflict(const Dispatch& d) const {
   Conflict c;
   // The first of d's ranges that overlaps one of the spans [first, first + n).
-  auto overlap = [&](const std::vector<Range>& mine, size_t first, size_t n) {
+  // waw: writes against writes, where equal nonzero disjoint tags do not conflict.
+  auto overlap = [&](const std::vector<Range>& mine, size_t first, size_t n, bool waw = false) {
     for (const Range& r : mine) {
       const Span x = span(r);
       for (size_t i = first; i < first + n; ++i)
-        if (x.overlaps(spans_[i])) {
+        if (x.overlaps(spans_[i]) && !(waw && x.disjoint && x.disjoint == spans_[i].disjoint)) {
           c.mine = &r;
           c.theirs = spans_[i];
           return true;
@@ -91,7 +93,7 @@ StageTracker::Conflict StageTracker::conflict(const Dispatch& d) const {
     const size_t writes = e.first + e.n_reads;
     if (overlap(d.reads, writes, e.n_writes)) c.kind = "read-after-write";
     else if (overlap(d.writes, e.first, e.n_reads)) c.kind = "write-after-read";
-    else if (overlap(d.writes, writes, e.n_writes)) c.kind = "write-after-write";
+    else if (overlap(d.writes, writes, e.n_writes, true)) c.kind = "write-after-write";
     if (c.kind) {
       c.entry = &e;
       return c;

@@ -95,6 +95,10 @@ struct Range {
   const Buffer* buffer = nullptr;
   size_t offset = 0;
   size_t size = 0;
+  // Write ranges only. Nonzero: dispatches declaring writes with the same tag write disjoint
+  // elements of the range (e.g. the tile classes of one grouped expert GEMM, each over its own
+  // tiles), so two such writes are no write-after-write conflict; reads still conflict.
+  uint32_t disjoint = 0;
   bool overlaps(const Range& o) const {
     return buffer == o.buffer && size && o.size && offset < o.offset + o.size &&
            o.offset < offset + size;
@@ -185,6 +189,7 @@ class StageTracker {
   struct Span {
     uint64_t buffer_id = 0;
     size_t offset = 0, size = 0;
+    uint32_t disjoint = 0;  // Range::disjoint
     bool overlaps(const Span& o) const {
       return buffer_id == o.buffer_id && size && o.size && offset < o.offset + o.size &&
              o.offset < offset + size;

@@ -55,13 +55,19 @@ Range to_range(nb::handle h) {
     return r;
   }
   nb::tuple t = nb::cast<nb::tuple>(h);
-  if (t.size() != 3) throw std::invalid_argument("a declared range is a Buffer or a (Buffer, offset, size) tuple");
+  if (t.size() != 3 && t.size() != 4)
+    throw std::invalid_argument("a declared range is a Buffer or a (Buffer, offset, size[, disjoint tag]) tuple");
   Buffer& b = nb::cast<Buffer&>(t[0]);
   long long off = nb::cast<long long>(t[1]), size = nb::cast<long long>(t[2]);
   if (off < 0 || size < 0) throw std::invalid_argument("declared range offset/size must be >= 0");
   r.buffer = &b;
   r.offset = size_t(off);
   r.size = size_t(size);
+  if (t.size() == 4) {
+    const long long tag = nb::cast<long long>(t[3]);
+    if (tag < 0 || tag > 0xFFFFFFFFll) throw std::invalid_argument("a range's disjoint tag must be in [0, 2^32)");
+    r.disjoint = uint32_t(tag);
+  }
   return r;
 }
 
@@ -196,7 +202,8 @@ void bind_device(nb::module_& m) {
            "writes"_a = nb::none(), "threadgroups"_a = false, "label"_a = "",
            "Encodes one dispatch of a kernel (by host name). grid counts threads, or threadgroups\n"
            "when threadgroups=True. buffers: [(index, Buffer[, offset])]; constants: [(index, bytes)];\n"
-           "threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)].")
+           "threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)]; a write may\n"
+           "carry a 4th item, a nonzero tag: writes with equal tags are disjoint by construction (no barrier).")
       .def("barrier", &ComputePass::barrier)
       .def("end", &ComputePass::end)
       .def_prop_ro("manual_barriers", [](ComputePass& p) { return p.mode() == BarrierMode::manual; });

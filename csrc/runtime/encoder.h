@@ -104,6 +104,13 @@ class Op {
     d_.writes.push_back(gpu::Range{&b, off, n});
     return *this;
   }
+  // As out(), for a dispatch of a group that writes disjoint elements of one range (tag:
+  // Range::disjoint, nonzero); the group shares a barrier stage.
+  Op& out_disjoint(uint32_t i, gpu::Buffer& b, size_t off, size_t n, uint32_t tag) {
+    out(i, b, off, n);
+    d_.writes.back().disjoint = tag;
+    return *this;
+  }
   Op& inout(uint32_t i, gpu::Buffer& b, size_t off, size_t n) {
     out(i, b, off, n);
     d_.reads.push_back(gpu::Range{&b, off, n});

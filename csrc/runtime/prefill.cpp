@@ -51,9 +51,17 @@ constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
-uint32_t max_tiles_for(uint32_t assignments, uint32_t experts, uint32_t T) {
-  return ceil_div(assignments, T) + std::min(experts, assignments);
+// Entries of the tile maps of all tile classes of height-T tiling (prefill_args.h).
+uint32_t map_entries(uint32_t assignments, uint32_t experts, uint32_t T) {
+  return args::moe_class_base(assignments, experts, T, args::moe_tile_classes(T));
 }
+// The expert GEMM dispatches of the tile classes write disjoint slots of one output (hx, yx)
+// in one barrier stage: their write ranges carry this tag (gpu::Range::disjoint).
+constexpr uint32_t kTileClassWrites = 1;
+// Dispatch labels by tile class (class 0: the full tiles of height T).
+constexpr const char* kGateUpLabel[] = {"experts gate|up", "experts gate|up (class 1)", "experts gate|up (class 2)"};
+constexpr const char* kDownLabel[] = {"experts down", "experts down (class 1)", "experts down (class 2)"};
+static_assert(sizeof(kGateUpLabel) / sizeof(kGateUpLabel[0]) == args::kMoeTileClasses, "a label per class");
 
 }  // namespace
 
@@ -89,9 +97,11 @@ void Runtime::allocate_chunk_buffers() {
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
   c.block_counts = scratch(ceil_div(C, route_block_rows(uint32_t(k))) * E * u32, "chunk routing histogram blocks");
   c.perm = scratch(C * k * u32, "chunk grouped order");
-  c.max_tiles = max_tiles_for(uint32_t(C * k), uint32_t(E), 16);
-  c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile map");
-  c.tile_count = scratch(u32, "chunk tile count");
+  // the class maps of the tile height with the most entries (a few KB; bounded by the chunk)
+  c.max_tiles = 0;
+  for (uint32_t T : {16u, 32u, 64u}) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
+  c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
+  c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
   c.yx = scratch(C * k * H * f, "chunk expert outputs");
   c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
@@ -360,13 +370,14 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .groups(tg(M), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
         .in(0, *c.router, 0, size_t(M) * (E + 1) * f).out(1, *c.ids, 0, size_t(M) * k * u32)
         .out(2, *c.w, 0, size_t(M) * (k + 1) * f).inout(3, *c.block_counts, 0, bc_bytes).args(4, ra).run(pass);
-    const uint32_t max_tiles = max_tiles_for(M * k, E, T);
+    const uint32_t classes = args::moe_tile_classes(T);
+    const size_t tile_bytes = sizeof(args::MoeTile);
     gpu::Buffer& hist = *c.hist[parity][l];
-    Op(*K.route_scatter, labels_(l, "route scan + scatter + tile map"))
+    Op(*K.route_scatter, labels_(l, "route scan + scatter + tile maps"))
         .groups(tg(blocks), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
         .in(0, *c.ids, 0, size_t(M) * k * u32).in(1, *c.block_counts, 0, bc_bytes)
-        .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, max_tiles * sizeof(args::MoeTile))
-        .out(4, *c.tile_count, 0, u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
+        .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, map_entries(M * k, E, T) * tile_bytes)
+        .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
         .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
@@ -374,28 +385,43 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
     gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"));
-    // routed experts over the tile map
-    const MoeGeometry mg = moe_geometry(T);
-    const size_t tiles_bytes = max_tiles * sizeof(args::MoeTile);
-    {
-      Op op(*K.experts_gate_up[tile_index(T)], labels_(l, "experts gate|up"));
-      op.groups(tg(max_tiles, ceil_div(I, mg.gate_up_bn)), tg(mg.gate_up_threads))
-          .in(0, *c.xn, 0, size_t(M) * H * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
-          .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      expert_stack(op, 4, m.experts_gate_proj);
-      expert_stack(op, 7, m.experts_up_proj);
-      op.out(10, *c.hx, 0, size_t(M) * k * I * hf)
-          .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I}).run(pass);
-    }
-    {
-      Op op(*K.experts_down[tile_index(T)], labels_(l, "experts down"));
-      op.groups(tg(max_tiles, ceil_div(H, mg.down_bn)), tg(mg.down_threads))
-          .in(0, *c.hx, 0, size_t(M) * k * I * hf).in(1, *c.perm, 0, size_t(M) * k * u32)
-          .in(2, *c.tiles, 0, tiles_bytes).in(3, *c.tile_count, 0, u32);
-      expert_stack(op, 4, m.experts_down_proj);
-      op.out(7, *c.yx, 0, size_t(M) * k * H * f)
-          .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H}).run(pass);
-    }
+    // routed experts: one dispatch per tile class over its own map and count, the classes of
+    // a projection in one barrier stage (disjoint slots); grids sized for each class's
+    // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
+    // weight traffic is counted once per projection.
+    auto experts = [&](bool down) {
+      for (uint32_t cl = 0; cl < classes; ++cl) {
+        const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
+        if (!tiles_c) continue;  // too few assignments for a tile of this class
+        const MoeGeometry mg = moe_geometry(Tc);
+        const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
+        Op op(*(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
+              labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]));
+        op.groups(tg(tiles_c, down ? ceil_div(H, mg.down_bn) : ceil_div(I, mg.gate_up_bn)),
+                  tg(down ? mg.down_threads : mg.gate_up_threads))
+            .in(0, down ? *c.hx : *c.xn, 0, down ? size_t(M) * k * I * hf : size_t(M) * H * hf)
+            .in(1, *c.perm, 0, size_t(M) * k * u32)
+            .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
+        uint64_t uncounted = 0;
+        auto stack = [&](uint32_t i, const QuantLinear& w) {
+          if (cl == 0) expert_stack(op, i, w);
+          else op.in(i, w, &uncounted);
+        };
+        if (down) {
+          stack(4, m.experts_down_proj);
+          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * f, kTileClassWrites)
+              .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T});
+        } else {
+          stack(4, m.experts_gate_proj);
+          stack(7, m.experts_up_proj);
+          op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * hf, kTileClassWrites)
+              .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I, T});
+        }
+        op.run(pass);
+      }
+    };
+    experts(false);
+    experts(true);
     Op(*K.moe_combine, labels_(l, "combine"))
         .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
         .in(1, *c.yx, 0, size_t(M) * k * H * f).in(2, *c.ys, 0, size_t(M) * H * f)

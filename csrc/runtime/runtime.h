@@ -350,7 +350,7 @@ class Runtime {
         block_counts, perm, tiles, tile_count, hx, yx, hs, ys, part_ml, part_o, logits;
     std::vector<gpu::BufferPtr> hist[2];
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)
-    uint32_t max_tiles = 0;     // capacity of `tiles` (16-row tiles, the most)
+    uint32_t max_tiles = 0;     // entries of `tiles`: every tile class map of the largest tiling
     uint32_t attn_splits = 0;   // capacity of the split-attention partials
   } chunk_bufs_;
   uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)

@@ -108,25 +108,41 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x =
   return w;
 }
 
-// Grouped expert GEMMs over the tile map (T-row tiles x 32 or 64 columns); half operands,
-// fp32 sums.
+// Grouped expert GEMMs: one dispatch per tile class (prefill_args.h, "Tile classes"), class c
+// of height h = T >> c; half operands, fp32 sums. Expected tiles of the class under one
+// assumption, stated in docs/performance.md: the reached experts' remainders r (the rows of
+// their last tile, 1..T) are uniform, so a fraction (h - lo + 1) / T of them lands in class c
+// (lo: its fewest rows) with (lo + h) / 2 real rows on average; class 0 also runs the full
+// tiles, (m k - reached (T + 1) / 2) / T of them. Every tile computes h rows (its padding
+// included), dequantizes its expert's n x k weights once, and reads them: the experts a
+// class reaches are counted (class 0: at most every reached one; class c > 0: one per tail).
 Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
-  const uint32_t T = param(r.kernel, "_t");
+  const uint32_t h = param(r.kernel, "_t"), T = std::max(a.tile_rows, h);
+  uint32_t c = 0;
+  while ((T >> c) > h) ++c;
+  const uint32_t lo = args::moe_class_min_rows(T, c);
   Work w = make("routed experts");
   const double reached = expected_experts(a.m, a.top_k, a.experts);
-  // Each reached expert's last tile is on average half padding.
-  const double rows = std::min(double(a.m) * a.top_k + reached * (T - 1) / 2.0, double(r.groups.x) * T);
-  const double tiles = rows / T;  // each tile dequantizes its expert's n x k weights
+  const double assignments = double(a.m) * a.top_k;
+  const double tails = reached * (h - lo + 1) / T;
+  const double full = c == 0 ? std::max(0.0, (assignments - reached * (T + 1) / 2.0) / T) : 0.0;
+  const double tiles = std::min(full + tails, double(r.groups.x));
+  const double rows = tiles * h;  // computed, padding included
+  const double real = std::min(assignments, full * T + tails * (lo + h) / 2.0);
+  const double experts_read = std::min(reached, full + tails);
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
   // half activations are copied; gate/up: silu(g) * u and the conversion of its half output
   add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
                             (nb == 2 ? (4.0 + kHalfConvOps) * rows * a.n : 0.0));
-  w.threadgroup_memory = gemm_smem(T, bn, nb);
-  const double stack = double(a.n) * a.k * quant_bytes(4);
-  w.bytes = declared(r) - nb * (a.experts - reached) * stack;
+  w.threadgroup_memory = gemm_smem(h, bn, nb);
+  // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
+  // whole by every class), the class's share of the real rows.
+  const double stacks = nb * double(a.experts) * double(a.n) * a.k * quant_bytes(4);
+  const double share = assignments > 0 ? real / assignments : 0.0;
+  w.bytes = stacks / a.experts * experts_read + share * std::max(0.0, declared(r) - stacks);
   return w;
 }
 

@@ -48,7 +48,8 @@ class ComputePass:
         """
         Encodes one dispatch of a kernel (by host name). grid counts threads, or threadgroups
         when threadgroups=True. buffers: [(index, Buffer[, offset])]; constants: [(index, bytes)];
-        threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)].
+        threadgroup_memory: [(index, length)]; reads/writes: [Buffer | (Buffer, offset, size)]; a write may
+        carry a 4th item, a nonzero tag: writes with equal tags are disjoint by construction (no barrier).
         """
 
     def barrier(self) -> None: ...

@@ -1157,8 +1157,34 @@ def nblocks(M, R):
     return -(-M // R)
 
 
+# Tile classes of the grouped expert GEMMs (metal/prefill_args.h, "Tile classes"; mirrored
+# here as the oracle of moe_route_scatter): class c of a height-T tiling has height T >> c.
+
+def tile_classes(T):
+    return 3 if T >= 64 else 2 if T >= 32 else 1
+
+
+def tail_class(T, r):
+    """The class of an expert's last tile of r rows (1 <= r <= T): the smallest that holds it."""
+    heights = [T >> c for c in range(tile_classes(T))]
+    return max(c for c, h in enumerate(heights) if r <= h)
+
+
+def class_capacity(n, E, T, c):
+    """Most tiles class c can hold for n assignments over E experts."""
+    lo = (T >> (c + 1)) + 1 if c + 1 < tile_classes(T) else 1
+    tails = min(E, n // lo)
+    return tails if c > 0 else min(n // lo, n // T + tails)
+
+
+def class_base(n, E, T, c):
+    """First entry of class c's map in the tile-map buffer."""
+    return sum(class_capacity(n, E, T, i) for i in range(c))
+
+
 def max_tiles(M, k, E, T):
-    return -(-(M * k) // T) + min(E, M * k)
+    """Entries of all class maps of a height-T tiling of M rows."""
+    return class_base(M * k, E, T, tile_classes(T))
 
 
 def route_ref_rows(logits, k, norm=True):
@@ -1182,11 +1208,17 @@ def block_hist(ids, E, R):
 
 
 def tiles_ref(counts, T):
-    """The tile map [n, 4] of the grouped order (experts in order, T-row tiles)."""
-    start = np.concatenate([[0], np.cumsum(counts)])
-    rows = [(e, start[e] + t * T, min(T, c - t * T), 0)
-            for e, c in enumerate(counts) for t in range(-(-int(c) // T))]
-    return np.array(rows, np.uint32).reshape(-1, 4)
+    """The tile maps of the grouped order, one [n_c, 4] array per class c: each expert's
+    full T-row tiles in class 0, its remainder r (if any) as one tile of class tail_class(T, r);
+    experts in order within a class."""
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    maps = [[] for _ in range(tile_classes(T))]
+    for e, c in enumerate(int(x) for x in counts):
+        for t in range(c // T):
+            maps[0].append((e, start[e] + t * T, T, 0))
+        if c % T:
+            maps[tail_class(T, c % T)].append((e, start[e] + c - c % T, c % T, 0))
+    return [np.array(m, np.uint32).reshape(-1, 4) for m in maps]
 
 
 def enc_clear(p, bc, M, E, k, R, T):
@@ -1209,7 +1241,7 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
                buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
                constants=[(6, route_args(M, E, k, True, R, T))],
                reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
-               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4),
+               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4 * tile_classes(T)),
                        (counts, 0, 4 * E)],
                threadgroups=True, label="moe_route_scatter")
 
@@ -1372,28 +1404,45 @@ def tile_buffers(dev, tiles, count, M, E, k, T):
     return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
 
 
-def moe_args(n, k, M, top_k, E, lda, ldy):
-    return constant(n, k, M, top_k, E, lda, ldy)
+def moe_args(n, k, M, top_k, E, lda, ldy, tile_rows):
+    return constant(n, k, M, top_k, E, lda, ldy, tile_rows)
 
 
-def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
+def _map_ranges(TL, TC, max_tiles, cls):
+    """Bindings and read ranges of one class map: cls = None (the whole buffers, one map) or
+    (class c, first entry): the map at that entry, its count at TC[c]."""
+    if cls is None:
+        return [(2, TL), (3, TC)], [TL, TC]
+    c, base = cls
+    return [(2, TL, 16 * base), (3, TC, 4 * c)], [(TL, 16 * base, 16 * max_tiles), (TC, 4 * c, 4)]
+
+
+def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
+                         cls=None, tile_rows=None, tag=0):
+    """moe_gemm_gate_up_q4_t{T} over max_tiles tiles. cls: (class, first map entry) to read one
+    class map of moe_route_scatter's buffers (tile_rows: the tiling's T; tag: the disjoint
+    write tag shared by the classes of one projection)."""
     lda, ldy = lda or H, ldy or I
     kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
+    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
     p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
-               buffers=[(0, X), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
-               constants=[(11, moe_args(I, H, M, k, E, lda, ldy))],
-               reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, TL, TC, *gb, *ub],
-               writes=[(HX, 0, 2 * ((M * k - 1) * ldy + I))], threadgroups=True, label=kernel)
+               buffers=[(0, X), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
+               constants=[(11, moe_args(I, H, M, k, E, lda, ldy, tile_rows or T))],
+               reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, *map_reads, *gb, *ub],
+               writes=[(HX, 0, 2 * ((M * k - 1) * ldy + I), tag)], threadgroups=True, label=kernel)
 
 
-def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None):
+def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
+                      cls=None, tile_rows=None, tag=0):
+    """moe_gemm_down_q4_t{T}; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
     lda, ldy = lda or I, ldy or H
     kernel = kernel or f"moe_gemm_down_q4_t{T}"
+    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
     p.dispatch(kernel, (max_tiles, -(-H // MOE_DOWN_BN[T])), MOE_TG[T],
-               buffers=[(0, HX), (1, P), (2, TL), (3, TC), *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
-               constants=[(8, moe_args(H, I, M, k, E, lda, ldy))],
-               reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, TL, TC, *db],
-               writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H))], threadgroups=True, label=kernel)
+               buffers=[(0, HX), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
+               constants=[(8, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T))],
+               reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, *map_reads, *db],
+               writes=[(YX, 0, 4 * ((M * k - 1) * ldy + H), tag)], threadgroups=True, label=kernel)
 
 
 # ----------------------------------------------------------------------------- results
@@ -1901,19 +1950,20 @@ def _moe_route_topk(dev, rng, kernel):
 
 @check("moe_route_scatter")
 def _moe_route_scatter(dev, rng, kernel):
-    M, E, k, R, T = 37, 16, 4, 8, 16
+    M, E, k, R, T = 37, 8, 4, 8, 32  # ~18 rows per expert: full tiles and both tail classes
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.uint32)
     n = M * k
     I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
-    perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)), dev.buffer(4),
-                                   dev.buffer(4 * E))
+    perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)),
+                                   dev.buffer(4 * tile_classes(T)), dev.buffer(4 * E))
     run_encoder(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
     want_counts = np.bincount(ids.ravel(), minlength=E).astype(np.uint32)
     got_counts = download(counts, np.uint32)
     p = download(perm, np.uint32)
     flat = ids.ravel()
-    want_tiles = tiles_ref(want_counts, T)
-    nt = int(download(tcount, np.uint32)[0])
+    want_maps = tiles_ref(want_counts, T)
+    nts = download(tcount, np.uint32)
+    got_tiles = download(tiles, np.uint32).reshape(-1, 4)
     problems = []
     if not np.array_equal(got_counts, want_counts):
         problems.append("expert counts")
@@ -1921,8 +1971,10 @@ def _moe_route_scatter(dev, rng, kernel):
         problems.append("perm is not a permutation of the assignments")
     elif (np.diff(flat[p].astype(np.int64)) < 0).any():
         problems.append("perm does not group the assignments by expert")
-    if nt != len(want_tiles) or not np.array_equal(download(tiles, np.uint32)[:4 * nt].reshape(-1, 4), want_tiles):
-        problems.append(f"tile map ({nt} tiles, expected {len(want_tiles)})")
+    for c, want in enumerate(want_maps):
+        base, nt = class_base(n, E, T, c), int(nts[c])
+        if nt != len(want) or not np.array_equal(got_tiles[base:base + nt], want):
+            problems.append(f"tile map of class {c} ({nt} tiles, expected {len(want)})")
     if problems:
         raise Mismatch(f"{kernel}: " + "; ".join(problems), 1.0)
     return 0.0

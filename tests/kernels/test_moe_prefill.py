@@ -2,16 +2,20 @@
 of a chunk and the grouped expert GEMMs.
 
 Routing: ``moe_route_clear``, ``moe_route_topk`` (softmax, top-k, weights, shared gate, block
-histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, tile map,
-per-expert counts) and ``moe_combine``, each against numpy on fresh random inputs, then the
+histogram), ``moe_route_scatter`` (scans, stable scatter into the grouped order, the tile map
+and count of every tile class, per-expert counts) and ``moe_combine``, each against numpy on
+fresh random inputs (and, for the scatter, loads with a remainder at every class edge, one
+expert taking every row, every expert reached, empty experts), then the
 whole chain in one command buffer (one concurrent pass, barriers derived from the declared
 ranges), run as two chunks encoded ahead on the same buffers. Every output buffer starts
 poisoned (NaN / 0xFFFFFFFF), and has a poisoned tail that must stay untouched.
 
 Tolerances and exactness:
-* expert ids, the histogram, ``perm``, the tile map and ``tile_count`` are integers and are
-  compared exactly (``perm`` is deterministic: within an expert, increasing assignment
-  index, i.e. numpy ``argsort(ids.ravel(), kind="stable")``).
+* expert ids, the histogram, ``perm``, the tile maps and ``tile_count`` of every tile class
+  (``lily.kernel_check.tiles_ref``: full T-row tiles in class 0, each expert's remainder in
+  the smallest class T >> c holding it) are integers and are compared exactly (``perm`` is
+  deterministic: within an expert, increasing assignment index, i.e. numpy
+  ``argsort(ids.ravel(), kind="stable")``).
 * Top-k picks are compared exactly with ``lily.reference``'s routing (float32 softmax,
   ``argsort(-p, kind="stable")``). To make that comparison well posed, the random logits lie
   on a grid of 1/16: two distinct logits then differ by a factor >= e^(1/16) in p, far beyond
@@ -31,7 +35,10 @@ Tolerances and exactness:
 Grouped expert GEMMs ``moe_gemm_gate_up_q4_t{T}``, ``moe_gemm_down_q4_t{T}`` over a tile map
 (skewed expert loads, empty experts, arbitrary slot order inside an expert, tile_count <
 max_tiles with plausible but stale tile entries past it, a real-model-shaped layer), and
-the gate/up -> down chain in one concurrent pass. Random MLX-layout weights
+the gate/up -> down chain in one concurrent pass; and the tile classes end to end: the
+scatter's maps, then one gate/up and one down dispatch per class, the classes of a projection
+in one barrier stage (their writes share a disjoint-write tag), also with the dispatches of
+each stage run in reverse / random order. Random MLX-layout weights
 (``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.kernel_check, which model
 the half operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
 docstring (the same tiles, metal/gemm_tiles.h). In the chain, hx is the kernel's own
@@ -60,8 +67,8 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import sigmoid  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    block_hist, combine_ref, enc_clear, enc_combine, enc_scatter, enc_topk, max_tiles, nblocks, route_args,
-    route_tg, tiles_ref)
+    block_hist, class_base, class_capacity, combine_ref, enc_clear, enc_combine, enc_scatter, enc_topk, max_tiles,
+    nblocks, route_args, route_tg, tile_classes, tiles_ref)
 from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
 from lily.kernel_check import MOE_TILES, gemm_ref, make_routing, swiglu_ref, tile_buffers  # noqa: E402
 from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
@@ -101,15 +108,18 @@ def assert_untouched(arr, n, what):
 
 
 def check_grouping(ids, perm, tiles, tile_count, counts, E, T, tails=True):
-    """perm, the tile map and the histogram against numpy and their invariants. tails:
-    the poisoned elements past each output (and tiles past tile_count) are untouched."""
+    """perm, the tile maps of every class and the histogram against numpy and their
+    invariants. tails: the poisoned elements past each output (and map entries past each
+    class's tile_count) are untouched. Returns the maps by class."""
     M, k = ids.shape
     n = M * k
     flat = ids.ravel()
+    classes = tile_classes(T)
     if tails:
         assert_untouched(perm, n, "perm")
         assert_untouched(counts, E, "counts")
-        assert_untouched(tile_count, 1, "tile_count")
+        assert_untouched(tile_count, classes, "tile_count")
+        assert_untouched(tiles, 4 * max_tiles(M, k, E, T), "tiles")
     perm = perm[:n]
     np.testing.assert_array_equal(counts[:E], np.bincount(flat, minlength=E), err_msg="counts")
     # perm: a permutation; experts contiguous and increasing; increasing within an expert
@@ -119,25 +129,31 @@ def check_grouping(ids, perm, tiles, tile_count, counts, E, T, tails=True):
     same = pe[1:] == pe[:-1]
     assert (perm[1:][same] > perm[:-1][same]).all(), "order within an expert not increasing"
     np.testing.assert_array_equal(perm, np.argsort(flat, kind="stable"), err_msg="perm")
-    # tile map
-    nt = int(tile_count[0])
+    # tile maps, class c (height T >> c) at its own entries of the buffer
     want = tiles_ref(np.bincount(flat, minlength=E), T)
-    assert nt == len(want), f"tile_count {nt}, want {len(want)}"
-    assert nt <= max_tiles(M, k, E, T)
-    got = tiles.reshape(-1, 4)
-    if tails:
-        assert (got[nt:].view(np.uint32) == POISON).all(), "tiles past tile_count written"
-    got = got[:nt]
-    assert ((got[:, 2] >= 1) & (got[:, 2] <= T)).all(), "tile rows outside [1, T]"
-    assert (got[:, 3] == 0).all(), "pad not 0"
-    assert (np.diff(got[:, 0].astype(np.int64)) >= 0).all(), "tiles not in expert order"
-    # every slot in exactly one tile, in order: tile i starts where tile i-1 ends
-    ends = np.cumsum(got[:, 2].astype(np.int64))
-    np.testing.assert_array_equal(got[:, 1], np.concatenate([[0], ends[:-1]]), err_msg="tile begins")
-    assert nt == 0 or ends[-1] == n, "tiles do not cover every slot"
-    slot_expert = np.repeat(got[:, 0], got[:, 2])
-    np.testing.assert_array_equal(slot_expert, pe, err_msg="a slot in another expert's tile")
-    np.testing.assert_array_equal(got, want, err_msg="tile map")
+    every = tiles.reshape(-1, 4)
+    maps = []
+    for c in range(classes):
+        base, cap, nt, h = class_base(n, E, T, c), class_capacity(n, E, T, c), int(tile_count[c]), T >> c
+        lo = (T >> (c + 1)) + 1 if c + 1 < classes else 1  # fewer rows belong to a smaller class
+        assert nt == len(want[c]), f"class {c}: tile_count {nt}, want {len(want[c])}"
+        assert nt <= cap, f"class {c}: {nt} tiles over its capacity {cap}"
+        got = every[base:base + nt]
+        if tails:
+            assert (every[base + nt:base + cap].view(np.uint32) == POISON).all(), f"class {c}: tiles past tile_count"
+        assert ((got[:, 2] >= lo) & (got[:, 2] <= h)).all(), f"class {c}: tile rows outside [{lo}, {h}]"
+        assert (got[:, 3] == 0).all(), "pad not 0"
+        assert (np.diff(got[:, 0].astype(np.int64)) >= (0 if c == 0 else 1)).all(), f"class {c}: not in expert order"
+        np.testing.assert_array_equal(got, want[c], err_msg=f"tile map of class {c}")
+        maps.append(got)
+    # every slot in exactly one tile of one class: tiles abut in slot order and cover [0, n)
+    allt = np.concatenate(maps) if maps else np.zeros((0, 4), np.uint32)
+    allt = allt[np.argsort(allt[:, 1], kind="stable")]
+    ends = np.cumsum(allt[:, 2].astype(np.int64))
+    np.testing.assert_array_equal(allt[:, 1], np.concatenate([[0], ends[:-1]]), err_msg="tile begins")
+    assert ends[-1] == n, "tiles do not cover every slot"
+    np.testing.assert_array_equal(np.repeat(allt[:, 0], allt[:, 2]), pe, err_msg="a slot in another expert's tile")
+    return maps
 
 
 # ------------------------------------------------------------------------------ top-k
@@ -269,6 +285,25 @@ def ids_same(rng, M, E, k):
     return np.array([rng.permutation(e) for _ in range(M)], np.uint32).reshape(M, k)
 
 
+def ids_with_counts(rng, counts, k):
+    """ids [M, k] whose expert e appears counts[e] times, k distinct experts per row
+    (sum(counts) a multiple of k, no count above M): the assignments sorted by expert are dealt
+    out column by column, so a row's k entries lie M apart in that order; rows shuffled."""
+    counts = np.asarray(counts)
+    n = int(counts.sum())
+    M = n // k
+    assert n == M * k and counts.max() <= M
+    order = np.repeat(np.arange(len(counts)), counts)
+    ids = order.reshape(k, M).T
+    return ids[rng.permutation(M)].astype(np.uint32)
+
+
+# Expert loads with a remainder at every class edge of T = 64 (classes 64, 32, 16), empty
+# experts, full tiles with and without remainders; sum 1400 (k = 2, 4, 8 divide it).
+EDGE_COUNTS = [0, 1, 16, 17, 0, 32, 33, 63, 64, 65, 80, 81, 96, 97, 128, 0, 129, 144, 145, 2, 15, 31, 48, 40]
+EDGE_COUNTS[-1] += 1400 - sum(EDGE_COUNTS)
+
+
 IDS = {"random": ids_random, "skewed": ids_skewed, "same": ids_same}
 
 
@@ -278,7 +313,7 @@ def run_scatter(dev, ids, E, R, T, tg=None):
     bc = upload(dev, block_hist(ids, E, R))
     perm = out_buffer(dev, M * k)
     tiles = out_buffer(dev, 4 * max_tiles(M, k, E, T))
-    tcount = out_buffer(dev, 1)
+    tcount = out_buffer(dev, tile_classes(T))
     counts = out_buffer(dev, E)
     run1(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg)
     np.testing.assert_array_equal(download(bc, np.uint32), block_hist(ids, E, R).ravel())  # read only
@@ -300,6 +335,9 @@ SCATTER_CASES = [
     pytest.param(50, 8, 8, 1, 32, None, "random", id="k=E-block1"),
     pytest.param(70, 1024, 32, 32, 32, 256, "skewed", id="E1024-k32-full-block"),
     pytest.param(29, 100, 3, 7, 16, 32, "skewed", id="ragged"),
+    pytest.param(256, 256, 8, 64, 64, None, "random", id="E256-random-T64"),
+    pytest.param(300, 64, 8, 64, 64, 64, "skewed", id="E64-skewed-T64-tg<E"),
+    pytest.param(45, 32, 8, 45, 64, 1024, "same", id="same-T64"),
 ]
 
 
@@ -315,7 +353,32 @@ def test_scatter(dev, M, E, k, R, T, tg, kind):
 
 
 @pytest.mark.parametrize("T", [16, 32, 64])
-@pytest.mark.parametrize("kind", ["skewed", "same"])
+@pytest.mark.parametrize("k", [2, 8])
+def test_scatter_class_edges(dev, T, k):
+    """Remainders at every class edge (r = 1, 16, 17, 32, 33, 63, 64 of T = 64, and their
+    halvings' edges for T = 32 and 16), empty experts, loads of several full tiles."""
+    E = len(EDGE_COUNTS)
+    ids = ids_with_counts(fresh_rng(T, k, 40), EDGE_COUNTS, k)
+    perm, tiles, tcount, counts = run_scatter(dev, ids, E, 64 // k, T)
+    maps = check_grouping(ids, perm, tiles, tcount, counts, E, T)
+    assert all(len(m) for m in maps), "a class without tiles"
+    # the padding the classes leave: less than half of each tail's class height
+    pad = sum(int(((T >> c) - m[:, 2].astype(np.int64)).sum()) for c, m in enumerate(maps))
+    tails = sum(1 for x in EDGE_COUNTS if x % T)
+    assert pad < tails * T / 2 or T == 16
+
+
+def test_scatter_one_expert(dev):
+    """k = 1, every row routed to one expert: full tiles and one tail of the chunk."""
+    M, E, k, T = 200, 64, 1, 64
+    ids = np.full((M, k), 37, np.uint32)
+    perm, tiles, tcount, counts = run_scatter(dev, ids, E, 64, T)
+    maps = check_grouping(ids, perm, tiles, tcount, counts, E, T)
+    assert [len(m) for m in maps] == [3, 0, 1]  # 200 = 3 x 64 + 8
+
+
+@pytest.mark.parametrize("T,kind", [(16, "skewed"), (32, "skewed"), (64, "skewed"), (16, "same"), (64, "same"),
+                                    (64, "random")])
 def test_scatter_real_size(dev, T, kind):
     """A 2K-token chunk: M*k = 16K assignments over 256 experts, 32 blocks of 64 rows."""
     M, E, k, R = 2048, 256, 8, 64
@@ -357,7 +420,7 @@ class Chunk:
         self.w = dev.buffer(4 * max_rows * (k + 1))
         self.perm = dev.buffer(4 * max_rows * k)
         self.tiles = dev.buffer(16 * max_tiles(max_rows, k, E, T))
-        self.tcount = dev.buffer(4)
+        self.tcount = dev.buffer(4 * tile_classes(T))
         self.counts = dev.buffer(4 * E)
 
     def encode(self, cb, M, L, h, yx, ys):
@@ -397,8 +460,11 @@ def check_chunk(ch, M, logits, h, yx, ys, hbuf, fresh):
     np.testing.assert_array_equal(ids, top)
     np.testing.assert_allclose(w[:, :k], wr, rtol=16 * U * math.log2(E) + 8 * U, atol=0)
     assert np.abs(w[:, k] - sigmoid(logits[:, E].astype(np.float64))).max() <= 8 * U
-    if fresh:  # no tails in these buffers: check that the tiles past tile_count are poisoned
-        assert (tiles.reshape(-1, 4)[int(tcount[0]):] == POISON).all()
+    if fresh:  # no tails in these buffers: check that the tiles past each tile_count are poisoned
+        n = M * k
+        for c in range(tile_classes(T)):
+            base, cap = class_base(n, E, T, c), class_capacity(n, E, T, c)
+            assert (tiles.reshape(-1, 4)[base + int(tcount[c]):base + cap] == POISON).all()
     check_grouping(ids, perm, tiles, tcount, counts, E, T, tails=False)
     nb = nblocks(M, ch.R)
     np.testing.assert_array_equal(download(ch.bc, np.uint32)[:nb * E].reshape(nb, E),
@@ -528,16 +594,21 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     assert cb.counters["barrier_stages"] == 2
     hx = download(HX, np.float16).reshape(M * k, I)
     yx = download(YX, np.float32).reshape(M * k, H)
+    check_experts(ids, perm, x[:, :H], hx, yx, gq, uq, dq, f"chain T={T}")
+    return tiles
+
+
+def check_experts(ids, perm, x, hx, yx, gq, uq, dq, what):
+    """gate/up of every expert's slots against numpy, then down on the kernel's own hx."""
+    k = ids.shape[1]
     flat = ids.reshape(-1)
-    # gate/up per expert, then down on the kernel's own hx
     for e in np.unique(flat):
         slots = np.nonzero(flat[perm] == e)[0]
         a = perm[slots]
-        want, tol = half_stored(*swiglu_ref(x[a // k, :H], gq, uq, int(e)))
-        check(hx[slots], want, tol, f"chain gate/up T={T} expert {e}")
+        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
+        check(hx[slots], want, tol, f"{what} gate/up expert {e}")
         exact, tol = gemm_ref(hx[slots], dq, int(e))
-        check(yx[a], exact, tol, f"chain down T={T} expert {e}")
-    return tiles
+        check(yx[a], exact, tol, f"{what} down expert {e}")
 
 
 @pytest.mark.parametrize("T", MOE_TILES)
@@ -550,3 +621,57 @@ def test_moe_chain_real_shape(dev, T):
     """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
     assert len(tiles) >= 4
+
+
+# ------------------------------------------------------------------------------ tile classes end to end
+
+CLASS_COUNTS = [0, 5, 16, 17, 32, 33, 64, 65, 100, 20]  # tails in every class of T = 64, empty experts
+
+
+def run_class_chain(dev, T, counts, k, H, I, rng):
+    """moe_route_scatter's tile maps for expert loads `counts`, then gate/up and down as one
+    dispatch per tile class (each over its own map and count, its grid the class capacity), in
+    one concurrent pass: the classes of a projection write disjoint slots under one tag, so they
+    share a barrier stage and the pass has three (scatter | gate/up | down). Every expert's
+    outputs against numpy; returns the maps by class."""
+    E = len(counts)
+    ids = ids_with_counts(rng, counts, k)
+    M, n, R, classes = ids.shape[0], int(sum(counts)), max(1, 64 // k), tile_classes(T)
+    gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), H, I, 4))
+    x = hact(rng.standard_normal((M, H)))
+    Ib, bc, X = upload(dev, ids), upload(dev, block_hist(ids, E, R)), upload(dev, x)
+    perm, tiles, tcount, cnt = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)),
+                                dev.buffer(4 * classes), dev.buffer(4 * E))
+    HX, YX = dev.buffer(2 * n * I), dev.buffer(4 * n * H)
+    G, Up, D = upload_q(dev, gq), upload_q(dev, uq), upload_q(dev, dq)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_scatter(p, Ib, bc, perm, tiles, tcount, cnt, M, E, k, R, T)
+    for c in range(classes):
+        enc_gate_up(p, T >> c, X, perm, tiles, tcount, class_capacity(n, E, T, c), G, Up, HX, M, k, E, H, I,
+                    cls=(c, class_base(n, E, T, c)), tile_rows=T, tag=1)
+    for c in range(classes):
+        enc_down(p, T >> c, HX, perm, tiles, tcount, class_capacity(n, E, T, c), D, YX, M, k, E, H, I,
+                 cls=(c, class_base(n, E, T, c)), tile_rows=T, tag=1)
+    commit(cb, f"moe class chain T={T}")
+    assert cb.counters["barrier_stages"] == 3
+    assert [d["stage"] for d in cb.dispatch_log] == [0] + [1] * classes + [2] * classes
+    pm = download(perm, np.uint32)
+    maps = check_grouping(ids, pm, download(tiles, np.uint32), download(tcount, np.uint32),
+                          download(cnt, np.uint32), E, T, tails=False)
+    hx = download(HX, np.float16).reshape(n, I)
+    yx = download(YX, np.float32).reshape(n, H)
+    check_experts(ids, pm[:n], x, hx, yx, gq, uq, dq, f"class chain T={T}")
+    return maps
+
+
+@pytest.mark.parametrize("T", MOE_TILES)
+def test_moe_class_chain(dev, T):
+    maps = run_class_chain(dev, T, CLASS_COUNTS, 2, 128, 64, fresh_rng(T, 64))
+    assert all(len(m) for m in maps), "a class without tiles"
+
+
+def test_moe_class_chain_stage_orders(chain_dev):
+    """The same with the dispatches of each stage run in reverse / random order: a slot
+    written by two classes would differ between orders."""
+    run_class_chain(chain_dev, 64, CLASS_COUNTS[::-1], 2, 128, 64, fresh_rng(65))

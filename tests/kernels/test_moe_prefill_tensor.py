@@ -5,6 +5,7 @@ by both families are in tests/kernels/test_gemm_tensor.py, whose docstring this 
 
 1. The grouped GEMM tests of tests/kernels/test_moe_prefill.py (gate/up and down over
    skewed / empty / stale tile maps, the gate/up -> down chain, a real-model-shaped layer),
+   and the tile classes end to end (scatter, then one dispatch per class in one stage),
    unchanged, on a device whose dispatches of a GEMM kernel name go to the name's
    ``_tensor`` twin (``harness.TwinDevice``: same bindings, grids, outputs). Their
    tolerances are the float32 bounds of tests/kernels/test_gemm.py's docstring, which hold
@@ -50,7 +51,7 @@ def fwd():
 
 
 # ---- part 1: the grouped GEMM tests of test_moe_prefill.py on the twins (module docstring)
-_GROUPED = ("test_moe_gate_up", "test_moe_down", "test_moe_chain", "test_moe_chain_real_shape")
+_GROUPED = ("test_moe_gate_up", "test_moe_down", "test_moe_chain", "test_moe_chain_real_shape", "test_moe_class_chain")
 for _name in _GROUPED:
     globals()[_name + "_tensor"] = getattr(simd_suite, _name)
 del _name
@@ -95,7 +96,7 @@ def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, 
     bufs = [X, P, Ti, C, *W, HX]
     threads, bn = MOE_TG[T], MOE_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[HX])
+             constant(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[HX])
     return download(HX, np.float16, (m * top_k, ldy)).astype(np.float32)
 
 
@@ -108,7 +109,7 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     bufs = [H, P, Ti, C, *W, YX]
     threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy), reads=bufs[:-1], writes=[YX])
+             constant(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[YX])
     return download(YX, np.float32, (m * top_k, ldy))
 
 

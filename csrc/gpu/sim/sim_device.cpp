@@ -356,7 +356,10 @@ class SimDevice : public gpu::Device {
   friend class SimCommandBuffer;
   void run();
   void execute(SimCommandBuffer* cb);
-  void run_verified(const Recorded& r, const ExecDispatch& d);
+  // Bytes of disjoint-tagged write ranges (gpu::Range::disjoint) changed so far in the current
+  // barrier stage: per buffer, the label of the dispatch that changed each (verify_writes).
+  using TaggedWrites = std::map<const SimBuffer*, std::vector<const std::string*>>;
+  void run_verified(const Recorded& r, const ExecDispatch& d, TaggedWrites& tagged);
 
   SimOptions opt_;
   std::shared_ptr<std::atomic<uint64_t>> live_ = std::make_shared<std::atomic<uint64_t>>(0);
@@ -505,9 +508,9 @@ void SimDevice::run() {
 }
 
 namespace {
-bool covered(const std::vector<gpu::Range>& rs, const SimBuffer* buf, size_t i) {
+bool covered(const std::vector<gpu::Range>& rs, const SimBuffer* buf, size_t i, bool tagged_only = false) {
   for (const gpu::Range& w : rs)
-    if (w.buffer == buf && i >= w.offset && i < w.offset + w.size) return true;
+    if (w.buffer == buf && i >= w.offset && i < w.offset + w.size && (!tagged_only || w.disjoint)) return true;
   return false;
 }
 std::string buffer_name(const SimBuffer* buf) {
@@ -525,7 +528,9 @@ std::string buffer_name(const SimBuffer* buf) {
 //    orders the dispatch against every other access to those bytes, so reading them is
 //    covered too; and an output byte the dispatch legitimately leaves unwritten must not
 //    look like an undeclared read.)
-void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d) {
+//  * disjoint writes: no byte of a disjoint-tagged write range that an earlier dispatch of the
+//    same stage changed is changed again (the group's promise of disjoint elements).
+void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d, TaggedWrites& tagged) {
   std::vector<SimBuffer*> bufs;
   for (uint32_t i = 0; i < kMaxBindings; ++i) {
     SimBuffer* b = r.bufs[i].buffer.get();
@@ -537,10 +542,20 @@ void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d) {
   if (opt_.verify_writes)
     for (size_t k = 0; k < bufs.size(); ++k) {
       const unsigned char* now = bufs[k]->data();
-      for (size_t i = 0; i < before[k].size(); ++i)
-        if (now[i] != before[k][i] && !covered(r.writes, bufs[k], i))
+      for (size_t i = 0; i < before[k].size(); ++i) {
+        if (now[i] == before[k][i]) continue;
+        if (!covered(r.writes, bufs[k], i))
           throw gpu::HazardError("dispatch '" + r.label + "' wrote byte " + std::to_string(i) + " of " +
                                  buffer_name(bufs[k]) + " outside its declared write ranges");
+        if (!covered(r.writes, bufs[k], i, true)) continue;
+        auto& by = tagged[bufs[k]];
+        by.resize(before[k].size(), nullptr);
+        if (by[i] && by[i] != &r.label)
+          throw gpu::HazardError("dispatch '" + r.label + "' wrote byte " + std::to_string(i) + " of " +
+                                 buffer_name(bufs[k]) + ", which '" + *by[i] +
+                                 "' of the same stage wrote too (declared disjoint)");
+        by[i] = &r.label;
+      }
     }
   if (!opt_.verify_reads) return;
   std::vector<std::vector<unsigned char>> after;
@@ -579,6 +594,7 @@ void SimDevice::execute(SimCommandBuffer* cb) {
   try {
     for (auto& pass : cb->passes_) {
       for (auto& stage : pass->stages) {
+        TaggedWrites tagged;
         std::vector<Recorded*> order;
         for (Recorded& r : stage) order.push_back(&r);
         if (opt_.order == StageOrder::reverse) std::reverse(order.begin(), order.end());
@@ -606,7 +622,7 @@ void SimDevice::execute(SimCommandBuffer* cb) {
               d.buffers[i].available = b.bytes.size;
             }
           }
-          if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d);
+          if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d, tagged);
           else sim::execute(d);
           for (uint32_t i = 0; i < kMaxBindings; ++i) {
             SimBuffer* b = r->bufs[i].buffer.get();

@@ -25,7 +25,8 @@ struct SimOptions {
   // Fill new buffers and threadgroup memory with 0xFF bytes (NaN in every float type).
   bool poison = true;
   // After each dispatch, check that no byte outside its declared write ranges changed
-  // in any buffer it binds (HazardError otherwise).
+  // in any buffer it binds, and that no byte of a disjoint-tagged write range changed by an
+  // earlier dispatch of the same barrier stage changed again (HazardError otherwise).
   bool verify_writes = false;
   // After each dispatch, run it again with every byte of its buffers outside the declared
   // read ranges zeroed; a different result in its declared write ranges is a HazardError
