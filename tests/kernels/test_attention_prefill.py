@@ -42,8 +42,8 @@ Tolerances:
   half operands), so they are compared through float64: HALF_ATOL + BF16_ATOL (measured
   <= 5.2e-3).
 * prep + attention vs ReferenceModel.attention: the oracle keeps the chunk's k/v in float32,
-  the cache holds them in bf16 (relative rounding <= 2^-9): rtol 2^-8 plus atol 1e-2 (as
-  decode: a row that attends mostly to its own v is off by up to 2^-9 of itself, |v| ~5).
+  the cache holds them in bf16 (relative rounding <= 2^-8): rtol 2^-8 plus atol 1e-2 (as
+  decode: a row that attends mostly to its own v is off by up to 2^-8 of itself, |v| ~5).
   The tensor-op path adds its operand rounding: atol 1e-2 + BF16_ATOL.
 * attn_prefill_prep_d<D>_qbf vs the fp32 prep: exactly pack_bf16_q of its q (bf16 rounding
   of q * scale in fp32, nearest even).
