@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from lily import Engine
 from lily.bench import LengthResult, Sample, _timed, format_report, report, run_bench, teacher_forced
 from lily.errors import InvalidParameterError
 
@@ -193,14 +194,17 @@ def test_lily_bench_pplx_protocol(tmp_path):
     assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr
 
 
-def test_machine_info_names_the_native_device():
-    from types import SimpleNamespace
-
+def test_machine_info_names_the_native_device(demo_path):
+    """The report names the device and the plan it ran (the chunk chosen at load, the GEMM
+    path), so a Mac run's figures can be set against the estimate of the same plan."""
     from lily.bench import machine_info
-    dev = SimpleNamespace(name="Apple M5 Max", gpu_family="apple10", supports_tensor_ops=True)
-    info = machine_info(SimpleNamespace(device="metal", backend=SimpleNamespace(device=dev)))
-    assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "metal"
+    engine = Engine.load(demo_path, device="sim", max_context=1000,
+                         device_options={"device_options": {"gpu_family": "apple10"}})
+    info = machine_info(engine)
+    assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "sim"
+    assert info["prefill_chunk"] == 1000 and info["gemm_path"] == "tensor"  # automatic, capped at the context
     assert info["chip"] and info["memory_bytes"] > 0 and info["arch"]
+    assert "prefill_chunk" not in machine_info(Engine.load(demo_path, device="reference"))
 
 
 @pytest.mark.parametrize("kw", [{"rounds": 0}, {"decode_tokens": 1}])

@@ -167,9 +167,14 @@ def test_automatic_prefill_chunk_is_the_largest_that_fits(demo_path):
     with pytest.raises(DeviceError, match="recommended working set") as err:
         _load_sim(demo_path, 8192, 0, working_set_bytes=use[512]["total"] - 1)
     assert f"scratch {use[512]['scratch'] / 2**20:.1f} MiB" in str(err.value)
-    # an explicit chunk is taken as it is: refused rather than shrunk
-    with pytest.raises(DeviceError, match="recommended working set"):
+    # an explicit chunk is taken as it is: refused rather than shrunk, naming one that fits
+    with pytest.raises(DeviceError, match="recommended working set") as err:
         _load_sim(demo_path, 8192, 4096, working_set_bytes=use[2048]["total"])
+    assert f"A smaller prefill_chunk also fits: 2048 (its scratch is {use[2048]['scratch'] / 2**20:.1f} MiB" \
+        in str(err.value)
+    with pytest.raises(DeviceError) as err:  # nothing smaller fits: no such hint
+        _load_sim(demo_path, 8192, 1024, working_set_bytes=use[512]["total"] - 1)
+    assert "recommended working set" in str(err.value) and "smaller prefill_chunk" not in str(err.value)
 
 
 def test_largest_buffer_is_checked_at_load(demo_path):

@@ -13,7 +13,7 @@ import sys
 import jsonschema
 import pytest
 
-from lily import perf
+from lily import _core, perf
 from lily.errors import InvalidParameterError
 from lily.native import count_decode_step, count_prefill_chunk
 
@@ -130,7 +130,7 @@ def test_machine_table_has_sources():
         perf.machine("m9")
     with pytest.raises(InvalidParameterError, match="contexts must be a positive"):
         perf.estimate("m5max", contexts=(0,), prompts=(256,))
-    for kw, what in ((dict(chunk=0), "chunk must be"), (dict(chunk=-3), "chunk must be"),
+    for kw, what in ((dict(chunk=-3), "chunk must be"),
                      (dict(prompts=(262145,)), "prompts 262145 is beyond the model's limit"),
                      (dict(contexts=(262144,)), "contexts 262144 is beyond"),
                      (dict(breakdown_at=999999), "breakdown_at 999999 is beyond")):
@@ -163,13 +163,19 @@ def test_estimate_command_json_and_text():
     jsonschema.validate(rep, SCHEMA)
     assert [d["context"] for d in rep["decode"]] == [256, 4096]
     assert rep["plan"]["gemm_path"] == "simdgroup" and all(math.isfinite(d["tok_s"]) for d in rep["decode"])
+    # the automatic chunk (0, as everywhere) with memory to spare, and the scratch it needs
+    assert rep["plan"]["prefill_chunk"] == _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0] == 4096
+    assert 1000 * 2**20 < rep["plan"]["prefill_scratch_bytes"] < 1200 * 2**20
+    r = subprocess.run(args + ["--json", "--prefill-chunk", "0"], capture_output=True, text=True, timeout=300,
+                       check=False)
+    assert r.returncode == 0 and json.loads(r.stdout)["plan"] == rep["plan"], r.stderr
     r = subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("*** ESTIMATE") and "by kernel family" in r.stdout
+    assert f"prefill chunk 4096 (scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB)" in r.stdout
     assert f"model: {perf.DEFAULT_MODEL_NAME}" in r.stdout and rep["model"]["name"] == perf.DEFAULT_MODEL_NAME
     # bad values are usage errors (exit 2) naming the flag, before anything is encoded
     for bad, what in ((["--prefill-chunk", "-3"], "--prefill-chunk must be a positive"),
-                      (["--prefill-chunk", "0"], "--prefill-chunk must be a positive"),
                       (["--at", "0"], "--at must be a positive"),
                       (["--at", "999999"], "--at 999999 is beyond the model's limit"),
                       (["--contexts", "300000"], "--contexts 300000 is beyond the model's limit"),

@@ -16,6 +16,15 @@
 
 namespace lily::runtime {
 
+namespace {
+std::string gib(uint64_t bytes) {
+  char b[32];
+  if (bytes >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", double(bytes) / double(1ull << 30));
+  else std::snprintf(b, sizeof b, "%.1f MiB", double(bytes) / double(1ull << 20));
+  return b;
+}
+}  // namespace
+
 Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                              const std::vector<TensorDesc>& tensors, RuntimeOptions options)
     : device_(std::move(device)),
@@ -36,7 +45,8 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
 
   // Size everything first and refuse what does not fit the device before allocating; the
   // automatic prefill chunk is the largest candidate that fits (the last one is refused with
-  // the numbers if none does).
+  // the numbers if none does); an explicit chunk that does not fit is refused naming the
+  // largest candidate below it that would.
   MemoryUse weights;
   weights.max_context = opt_.max_context;
   for (const auto& [file, bytes] : WeightTable::file_extents(tensors)) {
@@ -44,17 +54,36 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
     if (bytes > weights.largest_buffer) weights.largest_buffer = bytes, weights.largest_label = "weights " + file;
   }
   const gpu::MemoryLimits limits = device_->memory_limits();
-  const std::vector<uint32_t> chunks = opt_.prefill_chunk
-                                           ? std::vector<uint32_t>{opt_.prefill_chunk}
-                                           : std::vector<uint32_t>(std::begin(kAutoPrefillChunks),
-                                                                   std::end(kAutoPrefillChunks));
-  for (uint32_t want : chunks) {
+  auto size_for = [&](uint32_t want) {
     chunk_ = std::max<uint32_t>(1, std::min(want, opt_.max_context));
     memory_ = weights;
     sizing_ = true;
     allocate_buffers();
     sizing_ = false;
-    if (fits_memory(memory_, limits)) break;
+    return fits_memory(memory_, limits);
+  };
+  if (opt_.prefill_chunk) {
+    if (!size_for(opt_.prefill_chunk)) {
+      const MemoryUse asked = memory_;
+      std::string hint;
+      for (uint32_t c : kAutoPrefillChunks) {
+        if (c < asked.max_context && c < opt_.prefill_chunk && size_for(c)) {
+          hint = " A smaller prefill_chunk also fits: " + std::to_string(c) + " (its scratch is " +
+                 gib(memory_.scratch) + "; 0 picks the largest that fits).";
+          break;
+        }
+      }
+      memory_ = asked;
+      chunk_ = std::max<uint32_t>(1, std::min(opt_.prefill_chunk, opt_.max_context));
+      try {
+        check_memory(memory_, limits);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(e.what() + hint);
+      }
+    }
+  } else {
+    for (uint32_t c : kAutoPrefillChunks)
+      if (size_for(c)) break;
   }
   check_memory(memory_, limits);
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
@@ -127,14 +156,6 @@ void Runtime::allocate_buffers() {
   allocate_chunk_buffers();
 }
 
-namespace {
-std::string gib(uint64_t bytes) {
-  char b[32];
-  if (bytes >= (1ull << 30)) std::snprintf(b, sizeof b, "%.2f GiB", double(bytes) / double(1ull << 30));
-  else std::snprintf(b, sizeof b, "%.1f MiB", double(bytes) / double(1ull << 20));
-  return b;
-}
-}  // namespace
 
 bool fits_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
   return (!limits.working_set || use.total() <= limits.working_set) &&
@@ -158,7 +179,8 @@ void check_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
                       gib(use.kv_cache) + ", recurrent state " + gib(use.state) + ", scratch " + gib(use.scratch) +
                       "), more than this GPU's recommended working set of " + gib(limits.working_set) + ".";
     if (fixed >= limits.working_set)
-      msg += " The weights, state and scratch alone (" + gib(fixed) + ") exceed it: this model does not fit this device.";
+      msg += " The weights, state and scratch alone (" + gib(fixed) + ") exceed it" +
+             (use.weights + use.state >= limits.working_set ? ": this model does not fit this device." : ".");
     else
       msg += suggest(limits.working_set - fixed);
     throw std::invalid_argument(msg);

@@ -497,7 +497,7 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     checks = [("--contexts", n, "context") for n in args.contexts]
     checks += [("--prompts", n, "prompt") for n in args.prompts]
     checks.append(("--at", args.at, "context"))
-    if args.prefill_chunk is not None:
+    if args.prefill_chunk:  # 0: automatic, as everywhere
         checks.append(("--prefill-chunk", args.prefill_chunk, "chunk"))
     for flag, n, kind in checks:
         try:
@@ -677,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--at", type=int, default=4096, metavar="L",
                    help="context / prompt length of the per-family breakdown (default 4096)")
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
-                   help="prefill chunk rows (default: the runtime's automatic choice with memory to spare, 4096)")
+                   help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
     e.add_argument("--json", action="store_true", help="print the report as JSON")
     e.set_defaults(func=cmd_estimate, check=lambda a: _check_estimate(e, a))
 

@@ -342,8 +342,9 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
     one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
     :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
-    ``chunk``: prefill rows per chunk (default: the runtime's automatic choice on a Mac with the
-    memory for it, ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has it).
+    ``chunk``: prefill rows per chunk (None or 0: the runtime's automatic choice on a Mac with
+    the memory for it, ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has
+    it). The plan reports the prefill scratch that chunk needs (bytes, the runtime's sizing).
 
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
@@ -357,8 +358,10 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     for p in prompts:
         check_length("prompts", p, limit)
     check_length("breakdown_at", breakdown_at, limit, kind="context")
-    chunk = _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0] if chunk is None else chunk
+    chunk = chunk or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
     check_length("chunk", chunk, limit, kind="chunk")
+    from lily.native import _counting_runtime
+    scratch = _counting_runtime(cfg, 4, 8, chunk, prefill_chunk=chunk).prefill_scratch_bytes
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:
         t = decode_step(m, cfg, c)
@@ -386,7 +389,7 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
                     "tflops": {k: v / 1e12 for k, v in m.rates.items()},
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
                     "gpu_family": m.gpu_family, "sources": m.sources},
-        "plan": {"prefill_chunk": chunk, "gemm_path": gemm_path(m)},
+        "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m)},
         "calibration": {"bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "path_efficiency": PATH_EFFICIENCY,
                         "saturation_threads": SATURATION_THREADS, "stage_gap_us": STAGE_GAP * 1e6,
                         "stage_gap_from": CALIBRATION},
@@ -404,7 +407,8 @@ def format_report(rep: dict) -> str:
     lines = [f"*** {rep['notice']} ***",
              f"model: {rep['model']['name']}",
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
-              f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']}, "
+              f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
+              f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
               f"GEMM path {rep['plan']['gemm_path']}"), "",
              f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'raw-BW ceiling':>15}"]
     for r in rep["decode"]:
