@@ -103,6 +103,13 @@ def test_doctor_json(capsys):
     assert all(p["built"] and 32 <= p["max_threads_per_threadgroup"] <= 1024 for p in pipes), pipes[:3]
     assert report["summary"]["ok"] is True
     assert report["model"]["weights"] > 0 and report["model"]["kv_cache"] > 0
+    # sized as Engine.load sizes it: the prefill scratch is counted, with the chunk chosen (the
+    # weights differ by the weight cache's layout of the unaligned demo files: < 1%)
+    from lily import Engine
+    use = Engine.load(device="sim").backend.runtime.memory_use
+    m = report["model"]
+    assert (m["kv_cache"], m["scratch"], m["prefill_chunk"]) == (use["kv_cache"] + use["state"], use["scratch"], 4096)
+    assert abs(m["weights"] - use["weights"]) < 0.01 * use["weights"] and m["fits"]
 
 
 def test_doctor_text_report(capsys):

@@ -98,32 +98,38 @@ def open_device(name: str):
         return name, None, f"{type(e).__name__}: {e}"
 
 
-def model_memory(model: str | None, max_context: int | None) -> dict:
-    """Weights and KV cache of a checkpoint (the embedded demo model by default), in bytes.
-
-    KV cache (an estimate): full-attention layers x (K and V) x KV heads x head dim x
-    max_context (default: Engine.load's) x 2 bytes (bf16 cache rows), plus the Gated
-    DeltaNet state (float32 S of Hv x Dk x Dv and the conv window) per linear-attention layer.
-    Activation and prefill scratch are not counted (the runtime reports them once loaded:
-    ``Runtime.memory_use``). Raises InvalidParameterError for a ``max_context`` that
-    Engine.load refuses (not an integer in [1, max_position_embeddings]), CheckpointError
-    for a path that is not a checkpoint.
+def model_memory(model: str | None, max_context: int | None, budget: int | None = None) -> dict:
+    """The memory a native session of a checkpoint (the embedded demo model by default) needs
+    at ``max_context`` (default: Engine.load's), in bytes, as the runtime sizes it at load
+    (:func:`lily.native.memory_plan`): ``weights``, ``kv_cache`` (KV rows and Gated DeltaNet
+    state), ``scratch`` (activations and one prefill chunk), ``total``, the ``prefill_chunk``
+    the automatic choice takes under ``budget`` bytes (None: no limit), and ``fits`` (False
+    when even the smallest chunk does not fit; ``refusal`` then holds the runtime's message).
+    Raises InvalidParameterError for a ``max_context`` that Engine.load refuses (not an
+    integer in [1, max_position_embeddings]), CheckpointError for a path that is not a
+    checkpoint, DeviceError when this build has no simulator to size it with.
     """
+    from lily import _core
     from lily.checkpoint import open_checkpoint
     from lily.engine import DEFAULT_MAX_CONTEXT, default_model_path
+    from lily.native import memory_plan
     path = Path(model) if model else default_model_path()
     ck = open_checkpoint(path)
-    c = ck.config
-    limit = c.max_position_embeddings
+    limit = ck.config.max_position_embeddings
     ctx = min(DEFAULT_MAX_CONTEXT, limit) if max_context is None else max_context  # Engine.load's default
     if isinstance(ctx, bool) or not isinstance(ctx, int) or not 0 < ctx <= limit:
         raise InvalidParameterError(f"max_context must be an integer in [1, {limit}] for {path.name}, got {ctx!r}")
-    kv = len(c.full_attention_layers) * 2 * c.num_key_value_heads * c.head_dim * ctx * 2
-    linear = c.num_hidden_layers - len(c.full_attention_layers)
-    state = linear * (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-                      + c.conv_dim * c.linear_conv_kernel_dim * 4)
-    return {"path": str(path), "name": path.name, "weights": ck.nbytes, "max_context": ctx, "kv_cache": kv + state,
-            "total": ck.nbytes + kv + state}
+    if "sim" not in _core.compiled_devices():
+        raise DeviceError("sizing the session needs the simulator, which this build left out (LILY_SIM=OFF)")
+    refusal = None
+    try:
+        plan = memory_plan(ck, ctx, budget or 0)
+    except DeviceError as e:
+        refusal, plan = str(e), memory_plan(ck, ctx, 0)
+    return {"path": str(path), "name": path.name, "weights": plan["weights"], "max_context": ctx,
+            "kv_cache": plan["kv_cache"] + plan["state"], "scratch": plan["scratch"],
+            "prefill_chunk": plan["prefill_chunk"], "total": plan["total"], "fits": refusal is None,
+            **({"refusal": refusal} if refusal else {})}
 
 
 def _pipeline(dev, kernel: str) -> dict:
@@ -161,8 +167,10 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             hint = (f"; did you mean {', '.join(close)}?" if close
                     else " (`lily doctor --json` lists every kernel of the library under \"pipelines\")")
             raise InvalidParameterError(f"unknown kernel(s) {', '.join(unknown)}{hint}")
+    limits = dict(dev.memory_limits) if dev is not None else {}  # 0 = no limit known (the simulator's)
+    budget = limits.get("working_set") or sysi["memory_bytes"]
     try:  # a max_context out of range is an error before any output, like a typo in --kernels
-        mem = model_memory(model, max_context)
+        mem = model_memory(model, max_context, budget)
     except InvalidParameterError:
         raise
     except Exception as e:  # noqa: BLE001 (a bad checkpoint is a line in the report and a failure)
@@ -213,7 +221,6 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             if p["built"]:
                 say(f"  {'':<15} {p['kernel']:<34} {p['max_threads_per_threadgroup']:>11} "
                     f"{p['thread_execution_width']:>10} {_or_dash(p['static_threadgroup_memory']):>10}")
-        limits = dict(dev.memory_limits)  # 0 = no limit known (the simulator's)
         report["device"]["memory_limits"] = limits
         if limits.get("working_set"):
             say(f"  {'GPU memory':<15} working set {_gib(limits['working_set'])}, largest buffer "
@@ -224,17 +231,16 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     if "error" in mem:
         say(f"  FAILED: {mem['error']}")
     else:
-        limits = report["device"].get("memory_limits") or {}
-        budget = limits.get("working_set") or sysi["memory_bytes"]
         mem["budget"] = budget
         mem["budget_kind"] = "GPU working set" if limits.get("working_set") else "memory"
-        mem["fits"] = budget is None or mem["total"] <= budget
         say(f"  {'checkpoint':<15} {mem['path']}")
         say(f"  {'weights':<15} {_gib(mem['weights'])}")
         say(f"  {'kv cache':<15} {_gib(mem['kv_cache'])} at max_context {mem['max_context']} (KV + state)")
+        say(f"  {'scratch':<15} {_gib(mem['scratch'])} (activations and one prefill chunk of "
+            f"{mem['prefill_chunk']} rows, the automatic choice)")
         say(f"  {'total':<15} {_gib(mem['total'])} of {_gib(budget)} {mem['budget_kind']}"
-            + ("" if mem["fits"] else "  TOO LARGE: pass a smaller --max-context"))
-        say(f"  {'':<15} (an estimate: weights + KV cache + state; activation and prefill scratch not counted)")
+            + ("" if mem["fits"] else f"  TOO LARGE: {mem['refusal']}"))
+        say(f"  {'':<15} (as the runtime sizes it at load)")
 
     results = []
     if dev is not None:
@@ -271,8 +277,9 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"memory: FAILED: {_short(mem['error'])}")
     else:
         say(f"memory: {mem['name']} weights {_gib(mem['weights'])} + KV/state {_gib(mem['kv_cache'])} "
-            f"(max_context {mem['max_context']}) = {_gib(mem['total'])} of {_gib(mem['budget'])} "
-            f"{mem['budget_kind']}: {'fits' if mem['fits'] else 'TOO LARGE'} (estimate, scratch not counted)")
+            f"(max_context {mem['max_context']}) + scratch {_gib(mem['scratch'])} (prefill chunk "
+            f"{mem['prefill_chunk']}) = {_gib(mem['total'])} of {_gib(mem['budget'])} "
+            f"{mem['budget_kind']}: {'fits' if mem['fits'] else 'TOO LARGE'}")
     say(f"seed: {seed}")
     pipes = report.get("pipelines", [])
     if pipes:

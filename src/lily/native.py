@@ -212,6 +212,23 @@ class NativeBackend:
                                      [arrays[f"part.{i}"].tobytes() for i in range(int(meta["parts"]))], self.device)
 
 
+def memory_plan(ck: Checkpoint, max_context: int, working_set: int = 0) -> dict:
+    """The device memory a native session of ``ck`` at ``max_context`` needs, as the runtime
+    sizes it at load (``Runtime.memory_use``: ``weights``, ``kv_cache``, ``state``,
+    ``scratch``, ``total`` in bytes) with the ``prefill_chunk`` its automatic choice takes
+    under a ``working_set`` budget (bytes; 0: none, the largest chunk). Sized on a record-only
+    simulator: nothing is read or allocated. Raises :class:`DeviceError` with the runtime's
+    numbers when nothing fits the budget."""
+    from lily import _core
+    dev = make_device("sim", record_only=True, working_set_bytes=int(working_set))
+    try:
+        rt = _core.Runtime(dev, model_dims(ck.config), _packed((n, f, b) for n, f, _, b in tensor_table(ck)),
+                           runtime_options(max_context, virtual_weights=True))
+    except ValueError as e:
+        raise DeviceError(str(e)) from None
+    return {**rt.memory_use, "prefill_chunk": rt.prefill_chunk}
+
+
 def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
     """A runtime on a record-only simulator over virtual weights (:func:`_virtual_tensors`);
     ``options``: :func:`runtime_options`', plus ``gpu_family`` for the device."""
@@ -227,7 +244,7 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
     (as the weight cache places them; small models' tensors are not aligned otherwise)."""
     from lily.checkpoint import expected_tensors
-    tensors, offset = [], 0
+    tensors = []
     for kind, name, shape in expected_tensors(config):
         if kind == "linear":
             *lead, out_f, in_f = shape
@@ -237,10 +254,19 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
                      ".scales": lead_n * out_f * (in_f // 64) * 2, ".biases": lead_n * out_f * (in_f // 64) * 2}
         else:
             parts = {"": int(np.prod(shape)) * (4 if kind == "f32" else 2)}
-        for suffix, nbytes in parts.items():
-            tensors.append((name + suffix, "virtual.safetensors", offset, nbytes))
-            offset += -(-nbytes // 16) * 16
-    return tensors
+        tensors += [(name + suffix, "virtual.safetensors", nbytes) for suffix, nbytes in parts.items()]
+    return _packed(tensors)
+
+
+def _packed(entries) -> list[tuple[str, str, int, int]]:
+    """(name, file, nbytes) entries laid out per file at 16-byte aligned offsets, in order:
+    where the runtime's repacking (or the weight cache) puts unaligned files' tensors."""
+    out, end = [], {}
+    for name, file, nbytes in entries:
+        offset = -(-end.get(file, 0) // 16) * 16
+        out.append((name, file, offset, nbytes))
+        end[file] = offset + nbytes
+    return out
 
 
 def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
