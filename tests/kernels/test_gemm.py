@@ -219,7 +219,9 @@ def test_half_rounding_is_modelled(dev):
     check(out, exact, tol, "half operands")
     wh, _ = half_weights(qt)
     wide = x.astype(np.float64) @ wh.T  # x not rounded (fp32 operand)
-    assert (np.abs(wide - exact) > tol).mean() > 0.9, "the reference without x's rounding would pass too"
+    # most outputs, not all: an output whose random weights nearly cancel moves by less than
+    # its tolerance (0.875 to 1.0 of them over seeds)
+    assert (np.abs(wide - exact) > tol).mean() > 0.5, "the reference without x's rounding would pass too"
 
 
 def test_saturating_half_operands(dev):
