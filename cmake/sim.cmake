@@ -56,11 +56,12 @@ list(APPEND LILY_DEVICES "sim")
 
 # Half <-> float conversions are exact either way, but GCC on x86-64 lowers them to libgcc
 # calls unless F16C is enabled (they were a quarter of a simulated prefill). Enabled when
-# the compiler takes -mf16c and the building CPU has it (the simulator is built where it runs).
+# the compiler takes -mf16c and the building CPU has it (the simulator is built where it runs;
+# a cross build cannot ask the CPU, so it keeps the library calls).
 include(CheckCXXCompilerFlag)
 include(CheckCXXSourceRuns)
 check_cxx_compiler_flag(-mf16c LILY_CXX_HAS_MF16C)
-if(LILY_CXX_HAS_MF16C)
+if(LILY_CXX_HAS_MF16C AND NOT CMAKE_CROSSCOMPILING)
   check_cxx_source_runs("int main() { return __builtin_cpu_supports(\"f16c\") ? 0 : 1; }" LILY_HOST_HAS_F16C)
   if(LILY_HOST_HAS_F16C)
     target_compile_options(lily_sim_kernels PRIVATE -mf16c)
