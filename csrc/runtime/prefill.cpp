@@ -99,7 +99,7 @@ void Runtime::allocate_chunk_buffers() {
   c.perm = scratch(C * k * u32, "chunk grouped order");
   // the class maps of the tile height with the most entries (a few KB; bounded by the chunk)
   c.max_tiles = 0;
-  for (uint32_t T : {16u, 32u, 64u}) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
+  for (uint32_t T : kExpertTileRows) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
   c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
@@ -158,8 +158,12 @@ std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
   return std::vector<uint32_t>(h, h + dims_.num_experts);
 }
 
-// Index of tile height T in PrefillKernels' expert GEMMs.
-static uint32_t tile_index(uint32_t T) { return T == 16 ? 0 : T == 32 ? 1 : 2; }
+// Index of tile height T in PrefillKernels' expert GEMMs (kExpertTileRows).
+static uint32_t tile_index(uint32_t T) {
+  uint32_t i = 0;
+  while (kExpertTileRows[i] != T) ++i;
+  return i;
+}
 
 void Runtime::resolve_prefill_kernels() {
   const ModelDims& d = dims_;
@@ -189,7 +193,7 @@ void Runtime::resolve_prefill_kernels() {
   k.route_topk = &dev.pipeline("moe_route_topk");
   k.route_scatter = &dev.pipeline("moe_route_scatter");
   k.shared_gate_up = &dev.pipeline("gemm_swiglu_q4" + path);
-  for (uint32_t T : {16u, 32u, 64u}) {
+  for (uint32_t T : kExpertTileRows) {
     k.experts_gate_up[tile_index(T)] = &dev.pipeline("moe_gemm_gate_up_q4_t" + std::to_string(T) + path);
     k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
   }

@@ -62,28 +62,25 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
     sizing_ = false;
     return fits_memory(memory_, limits);
   };
-  if (opt_.prefill_chunk) {
-    if (!size_for(opt_.prefill_chunk)) {
-      const MemoryUse asked = memory_;
-      std::string hint;
-      for (uint32_t c : kAutoPrefillChunks) {
-        if (c < asked.max_context && c < opt_.prefill_chunk && size_for(c)) {
-          hint = " A smaller prefill_chunk also fits: " + std::to_string(c) + " (its scratch is " +
-                 gib(memory_.scratch) + "; 0 picks the largest that fits).";
-          break;
-        }
-      }
-      memory_ = asked;
-      chunk_ = std::max<uint32_t>(1, std::min(opt_.prefill_chunk, opt_.max_context));
-      try {
-        check_memory(memory_, limits);
-      } catch (const std::invalid_argument& e) {
-        throw std::invalid_argument(e.what() + hint);
-      }
-    }
-  } else {
+  if (!opt_.prefill_chunk) {
     for (uint32_t c : kAutoPrefillChunks)
       if (size_for(c)) break;
+  } else if (!size_for(opt_.prefill_chunk)) {
+    const uint32_t asked = chunk_;
+    std::string hint;
+    for (uint32_t c : kAutoPrefillChunks) {
+      if (c < asked && size_for(c)) {
+        hint = " A smaller prefill_chunk also fits: " + std::to_string(c) + " (its scratch is " +
+               gib(memory_.scratch) + "; 0 picks the largest that fits).";
+        break;
+      }
+    }
+    size_for(asked);  // the numbers of the chunk asked for
+    try {
+      check_memory(memory_, limits);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument(e.what() + hint);
+    }
   }
   check_memory(memory_, limits);
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
@@ -241,7 +238,7 @@ void Runtime::preflight() {
     }
     // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
     // the context (split attention when the context reaches it)
-    for (uint32_t tile : {16u, 32u, 64u}) {
+    for (uint32_t tile : kExpertTileRows) {
       force_tile_rows_ = tile;
       auto cmd = logged_command_buffer();
       encode_chunk(*cmd, 0, 0, chunk_, Logits::last, true, nullptr);

@@ -47,6 +47,9 @@ enum class Logits { none, last, all };
 // rows at Qwen3.6-35B-A3B's dimensions), so smaller Macs fall back rather than fail.
 inline constexpr uint32_t kAutoPrefillChunks[] = {4096, 2048, 1024, 512};
 
+// Heights of the grouped expert GEMMs' tiles (moe_gemm_*_t<T>; Runtime::moe_tile_rows picks one).
+inline constexpr uint32_t kExpertTileRows[] = {16, 32, 64};
+
 struct RuntimeOptions {
   LILY_RUNTIME_OPTIONS(LILY_DECLARE_FIELD)
   GemmPath gemm_path = GemmPath::automatic;  // bound as its name (gemm_path_names)
@@ -67,11 +70,11 @@ struct RuntimeOptions {
     return positive(name) ? "a positive integer" : "a non-negative integer";
   }
   void validate() const {
-    const std::pair<const char*, uint32_t> values[] = {
-        {"max_context", max_context}, {"split_threshold", split_threshold}};
-    for (const auto& [name, value] : values)
-      if (positive(name) && value == 0)
-        throw std::invalid_argument(std::string(name) + " must be " + rule(name) + ", got 0");
+#define LILY_CHECK_POSITIVE(type, name, def)                                                    \
+  if (positive(#name) && name == type{})                                                        \
+    throw std::invalid_argument(std::string(#name) + " must be " + rule(#name) + ", got 0");
+    LILY_RUNTIME_OPTIONS(LILY_CHECK_POSITIVE)
+#undef LILY_CHECK_POSITIVE
   }
 };
 
@@ -181,7 +184,7 @@ struct PrefillKernels {
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
-  // grouped expert GEMMs by tile height 16, 32, 64 (moe_tile_rows)
+  // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
   const gpu::Pipeline *experts_gate_up[3] = {}, *experts_down[3] = {};
   const gpu::Pipeline* moe_combine = nullptr;
 };

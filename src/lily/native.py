@@ -219,24 +219,29 @@ def memory_plan(ck: Checkpoint, max_context: int, working_set: int = 0) -> dict:
     under a ``working_set`` budget (bytes; 0: none, the largest chunk). Sized on a record-only
     simulator: nothing is read or allocated. Raises :class:`DeviceError` with the runtime's
     numbers when nothing fits the budget."""
-    from lily import _core
-    dev = make_device("sim", record_only=True, working_set_bytes=int(working_set))
     try:
-        rt = _core.Runtime(dev, model_dims(ck.config), _packed((n, f, b) for n, f, _, b in tensor_table(ck)),
-                           runtime_options(max_context, virtual_weights=True))
+        rt = _record_only_runtime(ck.config, _packed((n, f, b) for n, f, _, b in tensor_table(ck)), max_context,
+                                  working_set_bytes=int(working_set))
     except ValueError as e:
         raise DeviceError(str(e)) from None
     return {**rt.memory_use, "prefill_chunk": rt.prefill_chunk}
 
 
-def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
-    """A runtime on a record-only simulator over virtual weights (:func:`_virtual_tensors`);
-    ``options``: :func:`runtime_options`', plus ``gpu_family`` for the device."""
+def _record_only_runtime(config: ModelConfig, tensors, max_context: int, *, gpu_family: str | None = None,
+                         working_set_bytes: int = 0, **options):
+    """A runtime of ``config`` over ``tensors`` (virtual weights: nothing is read) on a
+    record-only simulator of ``gpu_family`` with a ``working_set_bytes`` budget; ``options``:
+    :func:`runtime_options`'."""
     from lily import _core
-    family = options.pop("gpu_family", None)
-    dev = make_device("sim", record_only=True, **({"gpu_family": family} if family else {}))
-    return _core.Runtime(dev, model_dims(config), _virtual_tensors(config, bits, router_bits),
-                         runtime_options(max_context, virtual_weights=True, **options))
+    dev = make_device("sim", record_only=True, working_set_bytes=working_set_bytes,
+                      **({"gpu_family": gpu_family} if gpu_family else {}))
+    return _core.Runtime(dev, model_dims(config), tensors, runtime_options(max_context, virtual_weights=True, **options))
+
+
+def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
+    """A record-only runtime over virtual weights (:func:`_virtual_tensors`); ``options``:
+    :func:`runtime_options`', plus ``gpu_family`` for the device."""
+    return _record_only_runtime(config, _virtual_tensors(config, bits, router_bits), max_context, **options)
 
 
 def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
