@@ -15,8 +15,9 @@
 //                    normalised q and k, v of the threadgroup's rows, g, beta and y = S q:
 //                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
-//   gdn_gated_norm   gated RMSNorm over each head's Dv values of y, in place (the RMS needs
-//                    the whole head, which no scan threadgroup holds).
+//   gdn_gated_norm   gated RMSNorm over each head's Dv values of y (the RMS needs the whole
+//                    head, which no scan threadgroup holds), stored as half with gemm_half:
+//                    the input of out_proj (gemm_q4_add_h), converted once here.
 //   gdn_conv_state   the next conv state (the last K-1 rows of [conv state | qkv]); after the
 //                    scan, which reads the old one (they may be the same bytes).
 //
@@ -228,15 +229,15 @@ template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 
 
 // ---------------------------------------------------------------- gdn_gated_norm
 
-// out[t, h*DV + i] = y[t, h*DV + i] / sqrt(mean_i y^2 + eps) * norm_w[i] * silu(z[t, h*DV + i]),
-// in place (out may be y). One simdgroup per (token, head): lane l reads and writes the
-// elements l, l+32, ... of its head's row, so the in-place update needs no barrier.
+// out[t, h*DV + i] = gemm_half(y[t, h*DV + i] / sqrt(mean_i y^2 + eps) * norm_w[i] *
+// silu(z[t, h*DV + i])): half, clamped to the half range (common.h). One simdgroup per
+// (token, head): lane l reads and writes the elements l, l+32, ... of its head's row.
 template <uint DV>
 [[max_total_threads_per_threadgroup(256)]] kernel void gdn_gated_norm(
     device const float* y [[buffer(0)]],          // [M, Hv*Dv] gdn_scan output
     device const float* z [[buffer(1)]],          // [M, Hv*Dv] in_proj_z output
     device const bfloat* norm_w [[buffer(2)]],    // [Dv] norm.weight
-    device float* out [[buffer(3)]],              // [M, Hv*Dv]; may be y
+    device half* out [[buffer(3)]],               // [M, Hv*Dv] half (out_proj's input)
     constant GdnScanArgs& args [[buffer(4)]],
     uint tg [[threadgroup_position_in_grid]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -247,7 +248,7 @@ template <uint DV>
   if (pair >= args.rows * args.num_v_heads) {
     return;
   }
-  const ulong o = ulong(pair) * DV;             // rows are Hv*Dv floats: (t*Hv + h)*Dv
+  const ulong o = ulong(pair) * DV;             // rows are Hv*Dv values: (t*Hv + h)*Dv
   float yr[EV];
   float ss = 0.0f;
   for (uint e = 0; e < EV; ++e) {
@@ -258,7 +259,7 @@ template <uint DV>
   const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
   for (uint e = 0; e < EV; ++e) {
     const uint i = e * 32 + lane;
-    out[o + i] = yr[e] * inv * float(norm_w[i]) * silu(z[o + i]);
+    out[o + i] = gemm_half(yr[e] * inv * float(norm_w[i]) * silu(z[o + i]));
   }
 }
 

@@ -1,7 +1,7 @@
 // Prefill GEMMs on MLX affine-quantized weights, simdgroup_matrix path (docs/prefill.md,
 // "GEMM: dense and grouped expert GEMM"):
-//   gemm_q4, gemm_q8, gemm_q4_add   y[m, n] (=|+=) x[m, k] W[n, k]^T
-//   gemm_swiglu_q4                  y = silu(x Wg^T) * (x Wu^T)
+//   gemm_q4, gemm_q8, gemm_q4_add(_h)   y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_swiglu_q4                      y = silu(x Wg^T) * (x Wu^T)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
 // computes a BM x BN block of the output. Per step of kGemmBK = 64 columns of k it copies
 // BM half activation rows (gemm_q4_add: converts fp32 rows) and dequantizes BN weight rows
@@ -54,8 +54,9 @@ constant constexpr uint kGemmBM = 64;
 constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
 
-// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs) or float4
-// (gemm_q4_add: the fp32 attention / GDN outputs, converted while staged).
+// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
+// GDN gated-norm output) or float4 (gemm_q4_add: the fp32 attention output, converted while
+// staged).
 template <int BITS, bool ADD, typename X4>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
@@ -74,6 +75,7 @@ template <int BITS, bool ADD, typename X4>
 template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false, half4>) gemm_q<4, false, half4>;
 template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) gemm_q<8, false, half4>;
 template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true, float4>) gemm_q<4, true, float4>;
+template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true, half4>) gemm_q<4, true, half4>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]

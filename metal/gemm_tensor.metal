@@ -2,8 +2,8 @@
 // apple10-family GPUs (M5: per-core neural accelerators) (docs/prefill.md, "GEMM: Metal 4
 // tensor-operation path"). Twins of metal/gemm.metal with identical bindings, argument
 // structs, grids and outputs:
-//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_tensor   y[m, n] (=|+=) x[m, k] W[n, k]^T
-//   gemm_swiglu_q4_tensor                                y = silu(x Wg^T) * (x Wu^T)
+//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add(_h)_tensor   y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_swiglu_q4_tensor                                   y = silu(x Wg^T) * (x Wu^T)
 // The k loop (half tiles, half x half -> float matmul2d) is gemm_tensor.h's, shared with the
 // grouped expert twins in moe_prefill_tensor.metal. MSL 4.0: built into lily_tensor.metallib.
 #include <metal_stdlib>
@@ -48,8 +48,9 @@ constant constexpr uint kGemmTensorBM = 64;
 constant constexpr uint kGemmTensorBN = 64;
 constant constexpr uint kGemmTensorSwigluBN = 32;
 
-// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs) or float4
-// (gemm_q4_add: the fp32 attention / GDN outputs, converted while staged).
+// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
+// GDN gated-norm output) or float4 (gemm_q4_add: the fp32 attention output, converted while
+// staged).
 template <int BITS, bool ADD, typename X4>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
@@ -67,6 +68,7 @@ template <int BITS, bool ADD, typename X4>
 template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4>) gemm_q_tensor<4, false, half4>;
 template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
 template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, float4>) gemm_q_tensor<4, true, float4>;
+template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, half4>) gemm_q_tensor<4, true, half4>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]

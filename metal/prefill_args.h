@@ -123,7 +123,7 @@ enum : uint { kGdnConvTaps = 4 };
 // gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): causal conv + SiLU, L2 norms, gates,
 // delta rule over the chunk with the recurrent state held in registers; writes y = S q. Grid: Hv x Dv/RV
 // threadgroups of RV * kGdnScanLanesPerRow threads. gdn_gated_norm_v<Dv>: gated RMSNorm of y
-// per (token, head), in place; grid ceil(M*Hv / 8) threadgroups of 256 threads.
+// per (token, head), written as half; grid ceil(M*Hv / 8) threadgroups of 256 threads.
 struct GdnScanArgs {
   uint num_k_heads;  // Hk: key heads (16)
   uint num_v_heads;  // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)

@@ -250,8 +250,9 @@ def test_threadgroup_memory_within_the_limit():
 
 def test_prefill_gemm_activations_are_half():
     """Issue 11, item 4: the prefill GEMMs' activations are half in device memory (xn from
-    rms_norm_half, the shared hidden hs, the expert hidden hx), converted once by the kernel
-    that writes them; only gemm_q4_add (o_proj / out_proj) stages an fp32 input."""
+    rms_norm_half, the shared hidden hs, the expert hidden hx, the GDN gated-norm output),
+    converted once by the kernel that writes them; only gemm_q4_add (o_proj) stages an fp32
+    input, while out_proj (gemm_q4_add_h) reads the half rows gdn_gated_norm wrote."""
     M, H, I, k, layers = 512, 2048, 512, 8, 40  # the real model (perf.model_config)
     recs = count_prefill_chunk(CFG, M, 0)["records"]
     qkv = next(r for r in recs if r["kernel"] == "gemm_q4" and "in_proj_qkv" in r["label"])
@@ -262,6 +263,13 @@ def test_prefill_gemm_activations_are_half():
     oproj = next(r for r in recs if r["kernel"] == "gemm_q4_add" and "o_proj" in r["label"])
     gx, gy = oproj["groups"][:2]
     assert oproj["work"]["flops"]["alu_f32"] == 4 * gy * H * 4096 + 3 * gx * M * 4096  # fp32 x staged
+    outs = [r for r in recs if "out_proj" in r["label"]]
+    assert len(outs) == 30 and {r["kernel"] for r in outs} == {"gemm_q4_add_h"}
+    assert outs[0]["work"]["flops"]["alu_f32"] == 4 * gy * H * 4096  # half x copied
+    assert outs[0]["bytes_read"] == H * 4096 * (4 / 8 + 4 / 64) + 2 * M * 4096 + 4 * M * H  # W, half x, h
+    gnorms = [r for r in recs if r["kernel"].startswith("gdn_gated_norm")]
+    assert len(gnorms) == 30 and all(r["bytes_written"] == 2 * M * 4096 for r in gnorms)
+    assert gnorms[0]["work"]["flops"]["alu_f32"] == (10 + 3) * M * 4096  # the half conversion
     norms = [r for r in recs if r["kernel"] == "rms_norm_half"]
     assert len(norms) == 2 * layers and all(r["bytes_written"] == 2 * M * H for r in norms)
     assert not [r for r in recs if r["kernel"] == "rms_norm"]

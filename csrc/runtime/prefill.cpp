@@ -92,6 +92,9 @@ void Runtime::allocate_chunk_buffers() {
   c.v = scratch(C * Hkv * D * f, "chunk attn v");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
   c.attn = scratch(C * Hq * D * f, "chunk attn out");
+  // The GDN out_proj input (half) is dead in attention layers and attn in GDN layers: one set
+  // of bytes when the model's dims allow (the real model: half of attn).
+  c.oh = Hq * D * f >= vdim * hf ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
   c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
   c.ids = scratch(C * k * u32, "chunk expert ids");
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
@@ -176,6 +179,7 @@ void Runtime::resolve_prefill_kernels() {
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
+  k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
                              std::to_string(d.linear_value_head_dim) + "_r" +
@@ -220,12 +224,12 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs), or fp32 for the residual updates (add: the attention / GDN output).
+  // x is half (xn, hs, oh), or fp32 (fp32_x: the attention output, o_proj's residual update).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label) {
-    Op op(add ? K.gemm_add[w.bits] : K.gemm[w.bits], label);
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool fp32_x = false) {
+    Op op(!add ? K.gemm[w.bits] : fp32_x ? K.gemm_add[w.bits] : K.gemm_add_h[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (add ? f : hf));
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (fp32_x ? f : hf));
     const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
     if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
@@ -275,7 +279,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       }
       Op(*K.gdn_gated_norm, labels_(l, "gated norm"))
           .groups(tg(ceil_div(uint64_t(M) * Hv, kGdnNormPairs)), tg(kGdnNormPairs * 32))
-          .in(1, *c.z, 0, o_bytes).in(2, *g.norm, &t.weight_bytes).inout(3, *c.o, 0, o_bytes).bind(0, *c.o)
+          .in(0, *c.o, 0, o_bytes).in(1, *c.z, 0, o_bytes).in(2, *g.norm, &t.weight_bytes)
+          .out(3, *c.oh, 0, size_t(M) * Hv * Dv * hf)
           .args(4, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
       {
         // After the scan, which reads the old state (the same bytes when M is even).
@@ -287,7 +292,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         op.args(3, args::GdnConvStateArgs{C, M}).run(pass);
       }
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
-      gemm(g.out_proj, true, *c.o, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"));
+      gemm(g.out_proj, true, *c.oh, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"));
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;
@@ -354,7 +359,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .out(3, *c.attn, 0, size_t(M) * Hq * D * f).args(4, aa).run(pass);
       }
-      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
+      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"), true);
     }
 
     // ---- MoE

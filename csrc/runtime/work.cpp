@@ -24,11 +24,12 @@ namespace args = lily::kernels;
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
 // The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU. Their activations are
-// half in device memory (xn, hs, hx), clamped to the half range and converted (min, max,
-// convert: 3 operations) once per element by the kernel that writes them (rms_norm_half,
-// gemm_swiglu_q4, moe_gemm_gate_up_q4_*); only the fp32 input of gemm_q4_add (the attention
-// and GDN outputs) is converted while staged, by every column block of its grid. Every
-// dequantized weight is converted (1; the clamp is decided once per row and group).
+// half in device memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range
+// and converted (min, max, convert: 3 operations) once per element by the kernel that writes
+// them (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*); only the
+// fp32 input of gemm_q4_add (the attention output) is converted while staged, by every column
+// block of its grid. Every dequantized weight is converted (1; the clamp is decided once per
+// row and group).
 constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd).
@@ -92,7 +93,8 @@ Work make(const char* family) {
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
-// fp32_x: the activations are fp32 (gemm_q4_add), else half; NB = 2 writes half (hs).
+// fp32_x: the activations are fp32 (gemm_q4_add), else half (gemm_q4_add_h too); NB = 2
+// writes half (hs).
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
@@ -223,8 +225,9 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "gdn_gated_norm_v")) {
     const auto a = arg<args::GdnScanArgs>(r);
     Work w = make("gated deltanet");
-    // per value: square-add, scale, weight, SiLU (~4) and the gate product
-    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * param(k, "_v") * 10.0);
+    // per value: square-add, scale, weight, SiLU (~4), the gate product and the conversion
+    // of its half output
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * param(k, "_v") * (10.0 + kHalfConvOps));
     w.bytes = declared(r);
     return w;
   }
@@ -308,7 +311,8 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   // ---- prefill GEMMs
-  if (k == "gemm_q4" || k == "gemm_q4_tensor") return dense_gemm(r, 1, tensor);
+  if (k == "gemm_q4" || k == "gemm_q4_tensor" || k == "gemm_q4_add_h" || k == "gemm_q4_add_h_tensor")
+    return dense_gemm(r, 1, tensor);
   if (k == "gemm_q4_add" || k == "gemm_q4_add_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate

@@ -113,6 +113,12 @@ def half_activations(x) -> np.ndarray:
     return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16)
 
 
+def gemm_x_fp32(kernel: str) -> bool:
+    """Whether dense GEMM ``kernel`` reads fp32 activations (gemm_q4_add(_tensor): the
+    attention output, converted while staged); the others read half ones."""
+    return kernel in ("gemm_q4_add", "gemm_q4_add_tensor")
+
+
 def half_stored(want, tol):
     """(want, tol) of an fp32 result within tol of want, stored as half (nearest): the
     rounding adds at most 2**-11 of the stored magnitude, or 2**-25 for subnormals."""
@@ -756,9 +762,9 @@ def rows_buffer(dev, x, spare=SPARE_ROWS):
     return buf, (buf, 0, x.nbytes)
 
 
-def rows_out_buffer(dev, rows, width, spare=SPARE_ROWS):
-    buf = dev.buffer((rows + spare) * width * 4)
-    return buf, (buf, 0, rows * width * 4)
+def rows_out_buffer(dev, rows, width, spare=SPARE_ROWS, itemsize=4):
+    buf = dev.buffer((rows + spare) * width * itemsize)
+    return buf, (buf, 0, rows * width * itemsize)
 
 
 class GdnPrefillLayer:
@@ -808,11 +814,12 @@ class GdnPrefillLayer:
                 f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
 
     # ---- encoders (declared ranges as the runtime will declare them)
-    def encode_scan(self, p, qkv, cin, z, b, a, out, M):
-        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; y = S q into ``out``)
-        then gdn_gated_norm in place, as the runtime does. ``qkv``, ``z``, ``b``, ``a``,
-        ``out``: (buffer, declared range) pairs from rows_buffer / rows_out_buffer."""
-        (O, o_rng) = out
+    def encode_scan(self, p, qkv, cin, z, b, a, out, normed, M):
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; y = S q into ``out``,
+        fp32) then gdn_gated_norm from ``out`` into ``normed`` (half), as the runtime does.
+        ``qkv``, ``z``, ``b``, ``a``, ``out``, ``normed``: (buffer, declared range) pairs from
+        rows_buffer / rows_out_buffer."""
+        (O, o_rng), (N, n_rng) = out, normed
         # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
         p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
                    buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O])),
@@ -820,9 +827,9 @@ class GdnPrefillLayer:
                    reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S],
                    writes=[self.S, o_rng], threadgroups=True, label=self.scan_kernel)
         p.dispatch(self.norm_kernel, -(-M * self.Hv // 8), 256,
-                   buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, O)],
+                   buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, N)],
                    constants=[(4, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[o_rng, z[1], self.W[3]], writes=[o_rng], threadgroups=True, label=self.norm_kernel)
+                   reads=[o_rng, z[1], self.W[3]], writes=[n_rng], threadgroups=True, label=self.norm_kernel)
 
     def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
         """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
@@ -835,19 +842,29 @@ class GdnPrefillLayer:
     def chunk(self, qkv, z, b, a, p0):
         """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the gated
         norm and the next conv state (buffer (p0+M) % 2), in one concurrent pass (barriers
-        from the declared ranges). Returns the output [M, Hv*Dv]."""
+        from the declared ranges). Returns the gated-norm output [M, Hv*Dv] (half values, as
+        float32)."""
         dev, M = self.dev, len(qkv)
         Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
-        O = rows_out_buffer(dev, M, self.Hv * self.Dv)
+        O, N = self.out_buffers(M)
         cin, cout = self.CS[p0 % 2], self.CS[(p0 + M) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        self.encode_scan(p, Q, cin, Z, B, A, O, M)
+        self.encode_scan(p, Q, cin, Z, B, A, O, N, M)
         self.encode_conv_state(p, Q, M, cin, cout)
         cb.commit()
         cb.wait()
         assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 1]
-        return download(O[0], np.float32, (M, self.Hv * self.Dv))
+        return self.normed(N, M)[:M]
+
+    def out_buffers(self, M):
+        """The scan's y (fp32) and the gated norm's output (half) for M rows, with spare rows."""
+        return (rows_out_buffer(self.dev, M, self.Hv * self.Dv),
+                rows_out_buffer(self.dev, M, self.Hv * self.Dv, itemsize=2))
+
+    def normed(self, N, M):
+        """The gated-norm output buffer ``N`` (from out_buffers) as float32 [M + SPARE_ROWS, Hv*Dv]."""
+        return download(N[0], np.float16, (M + SPARE_ROWS, self.Hv * self.Dv)).astype(np.float32)
 
     def decode_step(self, qkv, z, b, a, pos):
         """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
@@ -1627,13 +1644,14 @@ def _argmax_two_stage(dev, rng, kernel):
     return 0.0
 
 
-@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_tensor", "gemm_q8_tensor", "gemm_q4_add_tensor")
+@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_tensor", "gemm_q4_add_h_tensor")
 def _gemm(dev, rng, kernel):
     bits, add = int(kernel[6]), "_add" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    if not add:  # gemm_q4 / gemm_q8 read half activations (their producers convert)
+    if not gemm_x_fp32(kernel):  # half activations (their producers convert)
         x = half_activations(x)
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     W, S, B = upload_q(dev, qt)
@@ -2135,14 +2153,13 @@ def _gdn_scan(dev, rng, kernel):
     conv0, S0 = L.random_state()
     qkv, z, b, a = L.inputs(M)
     Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
-    O = rows_out_buffer(dev, M, L.Hv * L.Dv)
+    O, N = L.out_buffers(M)
     cb = dev.command_buffer()
-    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, M)
+    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, N, M)
     cb.commit()
     cb.wait()
     want_o, want_S, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
-    got = download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))[:M]
-    r = ratio(got, want_o, 64 * U * scale, f"{kernel} outputs")
+    r = ratio(L.normed(N, M)[:M], *half_stored(want_o, 64 * U * scale), f"{kernel} outputs")
     return max(r, ratio(L.state(), want_S, 1e-5, f"{kernel} state"))
 
 

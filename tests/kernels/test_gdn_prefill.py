@@ -2,7 +2,8 @@
 
 ``gdn_scan_k{Dk}_v{Dv}_r{RV}`` (causal conv + SiLU inline from qkv and the conv state, L2
 norms, gates, delta rule with the recurrent state in registers, each head split over Dv / RV
-threadgroups), ``gdn_gated_norm_v{Dv}`` (gated RMSNorm, in place) and ``gdn_conv_state``
+threadgroups), ``gdn_gated_norm_v{Dv}`` (gated RMSNorm, stored as half: out_proj's input)
+and ``gdn_conv_state``
 (the next conv state, possibly in place) against numpy references built from
 ``lily.reference`` (its ``silu``, ``sigmoid``, ``l2_norm`` and, for the whole layer,
 ``ReferenceModel.gated_deltanet`` itself with the projections stubbed), and against the decode
@@ -23,7 +24,9 @@ Tolerances:
   kappa = rms_v(sum_k |S_vk q_k|) / rms_v(y_v) (up to ~200 on the tiny preset, where Dk = 32
   and a fresh state is rank one), plus the relative error of rms(y). So each output must be
   within ``64 u kappa (|o| + |w silu(z)|)`` (u = 2^-24; measured <= 10 u kappa (...) over
-  many seeds). The state update S -> g S (I - beta k k^T) + ... is non-expansive (unit-norm
+  many seeds), then the half rounding of the stored output: clamped to +-65504 and rounded to
+  nearest, at most 2^-11 of its magnitude more (``half_stored``; test_gated_norm_saturates
+  drives outputs past the half range). The state update S -> g S (I - beta k k^T) + ... is non-expansive (unit-norm
   k, beta in (0, 1)) and damped by g < 1 (typically 0.6 .. 0.97 with these A_log and
   dt_bias, as in the model), so a state error stays within a few per-step roundings /
   (1 - g) however long the chunk: the state within ``1e-5`` absolute (~170 u at |S| ~ 1;
@@ -37,7 +40,8 @@ Tolerances:
   and three shuffle-add levels over the 8 lanes of a row (the decode step: 32-lane
   simd_sum), so outputs and state are held to twice the float64 bounds. Two chunks equal one
   chunk of the same tokens exactly (the arithmetic of a token does not depend on where its
-  chunk starts).
+  chunk starts). The decode step's output stays fp32, so the chunk's half output differs from
+  it by the half rounding as well.
 
 Correctness tests run in three simulator modes (fixture ``dev``): forward order, reverse
 thread/threadgroup order with undeclared-read detection, random order; all with
@@ -56,13 +60,14 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download  # noqa: E402
+from lily._device import download, upload  # noqa: E402
 from lily.reference import ReferenceState, silu  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily import kernel_check  # noqa: E402
 from lily.kernel_check import SPARE_ROWS, U, rows_buffer  # noqa: E402,F401
 from lily.kernel_check import GDN_EPS as EPS, GDN_K as K, GDN_PREFILL_DIMS as GDN_DIMS  # noqa: E402,F401
 from lily.kernel_check import StubOracle, rows_out_buffer as out_buffer  # noqa: E402,F401
+from lily.kernel_check import HALF_MAX, half_stored  # noqa: E402
 
 
 class Layer(kernel_check.GdnPrefillLayer):
@@ -75,9 +80,11 @@ class Layer(kernel_check.GdnPrefillLayer):
 # ------------------------------------------------------------------------------ helpers
 
 def assert_outputs_close(got, want, scale, c=64, what="outputs"):
-    """|got - want| <= c u scale per element (scale from scan_reference)."""
+    """|got - want| <= c u scale per element (scale from scan_reference), for the gated
+    norm's half output: want clamped to the half range, plus the half rounding."""
+    want, bound = half_stored(np.clip(want, -HALF_MAX, HALF_MAX), c * U * scale)
+    assert np.isfinite(got).all(), f"{what}: non-finite outputs"
     err = np.abs(got - want)
-    bound = c * U * scale
     assert np.all(err <= bound), f"{what}: worst error / bound = {float((err / bound).max()):.3g}"
 
 
@@ -123,18 +130,33 @@ def test_scan_matches_float64(dev, dims, M):
     conv0, S0 = L.random_state()
     qkv, z, b, a = L.inputs(M)
     Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
-    O = out_buffer(dev, M, L.Hv * L.Dv)
+    O, N = L.out_buffers(M)
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    L.encode_scan(p, Q, L.CS[0], Z, B, A, O, M)
+    L.encode_scan(p, Q, L.CS[0], Z, B, A, O, N, M)
     cb.commit()
     cb.wait()
-    got = download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))
+    got = L.normed(N, M)
     want_o, want_S, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
     assert_outputs_close(got[:M], want_o, scale)
     assert_state_close(L.state(), want_S)
     assert np.isnan(got[M:]).all()
+    assert np.isnan(download(O[0], np.float32, (M + SPARE_ROWS, L.Hv * L.Dv))[M:]).all()
     np.testing.assert_array_equal(L.conv_state(0), conv0)   # the scan only reads the conv state
+
+
+def test_gated_norm_saturates(dev):
+    """Gated-norm outputs beyond the half range (a norm weight of 2^15) are stored as
+    +-65504 (gemm_half), never inf; the others as the rounded value."""
+    L = Layer(dev, "tiny", seed=17)
+    L.norm_w = bf16_bits(np.full(L.Dv, 2.0**15))
+    L.W[3] = upload(dev, L.norm_w)
+    conv0, S0 = L.random_state()
+    inp = L.inputs(5)
+    got = L.chunk(*inp, p0=0)
+    want, _, scale = L.scan_reference(L.conv_reference(inp[0], conv0)[0], *inp[1:], S0)
+    assert (np.abs(want) > HALF_MAX).mean() > 0.1 and (np.abs(got) == HALF_MAX).any()
+    assert_outputs_close(got, want, scale)
 
 
 @pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 5), ("tiny", 33),

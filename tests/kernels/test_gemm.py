@@ -1,6 +1,6 @@
 """Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+gemm_q4, gemm_q8, gemm_q4_add, gemm_q4_add_h, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
@@ -12,7 +12,8 @@ poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be 
 
 Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x is
 half in device memory (written by its producer clamped to +-65504 and rounded to half:
-``half_activations``), except gemm_q4_add's fp32 x, clamped and rounded while staged; the
+``half_activations``; gemm_q4_add_h: the GDN gated norm's output), except gemm_q4_add's fp32
+x (the attention output), clamped and rounded while staged; the
 weight dequantized in fp32 (``s q + b``) and
 rounded to half; products of halves are exact in fp32 and accumulate in fp32. The reference
 (``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
@@ -52,7 +53,7 @@ from harness import TIMES, assert_within as check, commit, magnitude, rand_quant
 from lily.kernel_check import swiglu_ref  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
-from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
+from lily.kernel_check import gemm_x_fp32, half_activations as hact, half_stored  # noqa: E402
 
 U = 2.0**-24
 
@@ -88,7 +89,7 @@ DENSE_SHAPES = [  # m, n, k
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
     """x is half except for gemm_q4_add (fp32); y is half for gemm_swiglu_q4."""
-    reads = [*wb, (X, x_off, (4 if add else 2) * ((m - 1) * lda + k))]
+    reads = [*wb, (X, x_off, (4 if gemm_x_fp32(kernel) else 2) * ((m - 1) * lda + k))]
     ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
@@ -135,24 +136,29 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
     assert np.isnan(out[:, rest]).all(), "wrote outside the column block"
 
 
-@pytest.mark.parametrize("m,n,k", [(33, 100, 256), (64, 2048, 128), (1, 5, 64), (100, 64, 512)])
-def test_gemm_add(dev, m, n, k):
-    """y += x W^T onto an existing residual (o_proj / out_proj: fp32 x), with ldy > n."""
+@pytest.mark.parametrize("kernel,m,n,k", [
+    ("gemm_q4_add", 33, 100, 256), ("gemm_q4_add", 64, 2048, 128), ("gemm_q4_add", 1, 5, 64),
+    ("gemm_q4_add", 100, 64, 512), ("gemm_q4_add_h", 33, 100, 256), ("gemm_q4_add_h", 1, 5, 64)])
+def test_gemm_add(dev, kernel, m, n, k):
+    """y += x W^T onto an existing residual, with ldy > n: o_proj's fp32 x (gemm_q4_add) or
+    out_proj's half x (gemm_q4_add_h)."""
     rng = fresh_rng(m, n, k, 5)
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k)).astype(np.float32)
+    if not gemm_x_fp32(kernel):
+        x = hact(x)
     ldy = n + 4
     y0 = rng.standard_normal((m, ldy)).astype(np.float32)
     wb = qbufs(dev, qt)
     X, Y = upload(dev, x), upload(dev, y0)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_add", wb, X, Y, m, n, k, k, ldy, add=True)
-    commit(cb, "gemm_q4_add")
+    enc_gemm(cb.compute_pass(), kernel, wb, X, Y, m, n, k, k, ldy, add=True)
+    commit(cb, kernel)
     out = download(Y, np.float32).reshape(m, ldy)
     v, tol = gemm_ref(x, qt)
     exact = y0[:, :n].astype(np.float64) + v
     tol = tol + 2 * U * np.abs(exact)
-    check(out[:, :n], exact, tol, f"gemm_q4_add {m}x{n}x{k}")
+    check(out[:, :n], exact, tol, f"{kernel} {m}x{n}x{k}")
     np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
 
 
