@@ -146,10 +146,10 @@ def test_scan_matches_float64(dev, dims, M):
 
 
 def test_gated_norm_saturates(dev):
-    """Gated-norm outputs beyond the half range (a norm weight of 2^15) are stored as
+    """Gated-norm outputs beyond the half range (a norm weight of 2^17) are stored as
     +-65504 (gemm_half), never inf; the others as the rounded value."""
     L = Layer(dev, "tiny", seed=17)
-    L.norm_w = bf16_bits(np.full(L.Dv, 2.0**15))
+    L.norm_w = bf16_bits(np.full(L.Dv, 2.0**17))
     L.W[3] = upload(dev, L.norm_w)
     conv0, S0 = L.random_state()
     inp = L.inputs(5)
