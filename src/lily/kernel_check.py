@@ -128,13 +128,24 @@ def half_stored(want, tol):
 
 def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
     """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
-    them, wh = half(fp32(fp32(s q) + b)) (the simulator and numpy round the product and the
-    sum), and dw = |wh - half(fp32(s q + b))|, the change where a GPU compiler contracts the
-    dequantization to an fma (its fp32 value can round to the neighbouring half)."""
+    them (gemm_load_w, metal/gemm_tiles.h), and dw = |wh - wf|, where wf is the weight a GPU
+    gives and wh may not: a group whose extremes b and s (2^bits - 1) + b stay within
+    +-65504 is dequantized as fma(q, half(s), half(b)) in half, which a GPU rounds once
+    (wf = half(q s_h + b_h)) and the simulator and numpy round through fp32 first (wh =
+    half(fp32(q s_h + b_h)); q s_h is exact in fp32); any other group in fp32 and clamped,
+    wh = half(clamp(fp32(fp32(s q) + b))) stepwise, wf with the fp32 fma a GPU compiler may
+    contract it to."""
     q, s, b = _codes(qt, index)
-    stepwise = ((q * s).astype(np.float32) + b.astype(np.float32)).astype(np.float32)
-    fused = (q * s + b).astype(np.float32)  # q s + b is exact in float64 (8-bit q and s)
-    wh, wf = half_operand(stepwise), half_operand(fused)
+    top = float((1 << qt.bits) - 1)
+    s32, b32 = s.astype(np.float32), b.astype(np.float32)
+    sat = np.maximum(np.abs(b32), np.abs(s32 * np.float32(top) + b32)) > HALF_MAX
+    with np.errstate(over="ignore"):
+        sh, bh = s32.astype(np.float16).astype(np.float64), b32.astype(np.float16).astype(np.float64)
+    in_half = np.where(sat, 0.0, q * sh + bh)  # exact in float64
+    stepwise = np.where(sat, half_operand((q * s).astype(np.float32) + b32),
+                        in_half.astype(np.float32).astype(np.float16))
+    fused = np.where(sat, half_operand((q * s + b).astype(np.float32)), in_half.astype(np.float16))
+    wh, wf = stepwise.astype(np.float64), fused.astype(np.float64)
     return wh.reshape(*q.shape[:-2], -1), np.abs(wh - wf).reshape(*q.shape[:-2], -1)
 
 
