@@ -1875,14 +1875,20 @@ def _sample_token(dev, rng, kernel):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel):
-    """out[32, 64] = h(x[:32]) h(x[:64])^T for x float32 [64, 64], h = half_operand
-    (metal/gemm_tensor.metal)."""
+    """For x float32 [64, 64] and xb its bfloat rounding (metal/gemm_tensor.metal):
+    out = h(x[:32]) h(x)^T (h = half_operand), out_qk = xb[:32] xb^T, out_pv = xb[:32] xb;
+    the worst of the three against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
-    X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
-    run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
-    xh = half_operand(x)
-    return ratio(download(O, np.float32, (32, 64)), xh[:32] @ xh.T,
-                 gemm_bound(GEMM_BK) * (np.abs(xh[:32]) @ np.abs(xh).T), kernel)
+    bits = f32_to_bf16(x)
+    X, XB = upload(dev, x), upload(dev, bits)
+    O, QK, PV = (dev.buffer(32 * 64 * 4) for _ in range(3))
+    run(dev, kernel, 1, 128, [(0, X), (1, O), (2, XB), (3, QK), (4, PV)], reads=[X, XB], writes=[O, QK, PV])
+    xh, xb = half_operand(x), bf16_to_f32(bits).astype(np.float64)
+    worst = 0.0
+    for name, out, a, b in (("out", O, xh[:32], xh.T), ("out_qk", QK, xb[:32], xb.T), ("out_pv", PV, xb[:32], xb)):
+        worst = max(worst, ratio(download(out, np.float32, (32, 64)), a @ b,
+                                 gemm_bound(GEMM_BK) * (np.abs(a) @ np.abs(b)), f"{kernel} {name}"))
+    return worst
 
 
 def _moe_case(dev, rng):
