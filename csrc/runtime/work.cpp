@@ -26,7 +26,8 @@ constexpr double kDequantOps = 3;
 // The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU. Their activations are
 // half in device memory (xn, hs, hx), clamped to the half range and converted (min, max,
 // convert: 3 operations) once per element by the kernel that writes them (rms_norm_half,
-// gemm_swiglu_q4, moe_gemm_gate_up_q4_*); only the fp32 input of gemm_q4_add (the attention
+// gemm_swiglu_q4, moe_gemm_gate_up_q4_*; the routed experts' outputs yx, which
+// moe_gemm_down_q4_* store the same way for moe_combine, too); only the fp32 input of gemm_q4_add (the attention
 // and GDN outputs) is converted while staged, by every column block of its grid. Every
 // dequantized weight is converted (1; the clamp is decided once per row and group).
 constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
@@ -134,9 +135,10 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
-  // half activations are copied; gate/up: silu(g) * u and the conversion of its half output
+  // half activations are copied; both outputs are stored as half (the conversion), gate/up
+  // after silu(g) * u
   add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
-                            (nb == 2 ? (4.0 + kHalfConvOps) * rows * a.n : 0.0));
+                            ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
   w.threadgroup_memory = gemm_smem(h, bn, nb);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
   // whole by every class), the class's share of the real rows.
