@@ -298,11 +298,11 @@ def test_full_size_expert_tiles(rows, T):
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model: sized by the chunk, not by the context or the
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states
-    the figures: under 1.2 GiB at 4096, under 700 MiB at 2048)."""
+    the figures: under 1 GiB at 4096, under 600 MiB at 2048)."""
     from lily.native import _counting_runtime
     cfg = parse_config(REAL)
     assert _core.RuntimeOptions().prefill_chunk == 0  # automatic
-    for chunk, bound in ((0, 1200), (2048, 700)):
+    for chunk, bound in ((0, 1000), (2048, 600)):
         sizes = []
         for context in (8192, 131072):
             rt = _counting_runtime(cfg, 4, 8, context, prefill_chunk=chunk)
