@@ -10,8 +10,9 @@
 //     or, for the fp32 inputs of o_proj / out_proj, converted with gemm_half while staged;
 //     rows gathered through per-thread row offsets (GemmARows), rows past the tile zero;
 //   * W tile  [BN][kGemmLd] half: BN weight rows dequantized from the MLX affine layout
-//     (w = scale * q + bias in fp32, then rounded to half), row n of the tile = output column
-//     n0 + n, rows past the matrix zero. The dequantized weight exists only here.
+//     (w = fma(q, half(scale), half(bias)) in half; fp32 and clamped for a group whose values
+//     leave the half range), row n of the tile = output column n0 + n, rows past the matrix
+//     zero. The dequantized weight exists only here.
 // Products accumulate in fp32 (simdgroup_float8x8 / float cooperative tensors): a product
 // of two halves is exact in fp32, so the only roundings are the operands' and the fp32 sum.
 // Tiles are row-major with a row stride of kGemmLd = kGemmBK + 8 halves (144 bytes): the 16
@@ -125,25 +126,27 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
     const uint g = row * groups + k0 / kQuantGroup;
     const float s = float(scales[g]);
     const float b = float(biases[g]);
-    // s q + b is monotone in q: its extremes are b and s (2^BITS - 1) + b. Only a group whose
-    // extremes leave the half range (a malformed checkpoint) takes the per-weight clamp.
+    // s q + b is monotone in q: its extremes are b and s (2^BITS - 1) + b. A group whose
+    // extremes stay in the half range (s and b then do too) is dequantized with half FMAs:
+    // the weight is staged as half anyway, and half arithmetic is the cheaper ALU path
+    // (docs/prefill.md, "GEMM"). Only a malformed group takes fp32 and the per-weight clamp.
     const bool sat = max(fabs(b), fabs(s * float((1u << BITS) - 1u) + b)) > kGemmHalfMax;
+    const half4 hs = half4(half(s)), hb = half4(half(b));
     const uint base = row * words + (k0 + kGemmChunk * h) * BITS / 32;
+    uint4 codes[4];
     if (BITS == 4) {
       const uint2 q = *(device const uint2*)(w + base);  // 16 codes, low nibble first
       for (uint j = 0; j < 4; ++j) {
-        const uint word = j < 2 ? q.x : q.y;
-        const uint4 f = (uint4(word) >> (uint4(16 * (j % 2)) + uint4(0, 4, 8, 12))) & 15u;
-        const float4 v = float4(f) * s + b;
-        dst[j] = sat ? gemm_half(v) : half4(v);
+        codes[j] = (uint4(j < 2 ? q.x : q.y) >> (uint4(16 * (j % 2)) + uint4(0, 4, 8, 12))) & 15u;
       }
     } else {
       const uint4 q = *(device const uint4*)(w + base);  // 16 codes, low byte first
       for (uint j = 0; j < 4; ++j) {
-        const uint4 f = (uint4(q[j]) >> uint4(0, 8, 16, 24)) & 255u;
-        const float4 v = float4(f) * s + b;
-        dst[j] = sat ? gemm_half(v) : half4(v);
+        codes[j] = (uint4(q[j]) >> uint4(0, 8, 16, 24)) & 255u;
       }
+    }
+    for (uint j = 0; j < 4; ++j) {
+      dst[j] = sat ? gemm_half(float4(codes[j]) * s + b) : fma(half4(codes[j]), hs, hb);
     }
   }
 }

@@ -23,14 +23,16 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-// The prefill GEMMs stage half operands (gemm_tiles.h), in fp32 ALU. Their activations are
-// half in device memory (xn, hs, hx), clamped to the half range and converted (min, max,
+// The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
+// memory (xn, hs, hx), clamped to the half range and converted in fp32 ALU (min, max,
 // convert: 3 operations) once per element by the kernel that writes them (rms_norm_half,
 // gemm_swiglu_q4, moe_gemm_gate_up_q4_*; the routed experts' outputs yx, which
-// moe_gemm_down_q4_* store the same way for moe_combine, too); only the fp32 input of gemm_q4_add (the attention
-// and GDN outputs) is converted while staged, by every column block of its grid. Every
-// dequantized weight is converted (1; the clamp is decided once per row and group).
-constexpr double kHalfConvOps = 3, kWeightConvOps = 1;
+// moe_gemm_down_q4_* store the same way for moe_combine, too); only the fp32 input of
+// gemm_q4_add (the attention and GDN outputs) is converted while staged, by every column
+// block of its grid. Weights are dequantized in half ALU (code to half, then a half FMA:
+// kDequantOps), so no conversion follows (groups beyond the half range take fp32:
+// malformed, not counted).
+constexpr double kHalfConvOps = 3;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd).
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
@@ -98,11 +100,11 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x =
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
-  // Every row block of the grid (grid y) dequantizes and converts the weight rows it
-  // multiplies; every column block (grid x) converts fp32 activation rows (half ones are
-  // copied); SwiGLU: silu(g) * u and the conversion of its half output.
-  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * r.groups.y * double(a.n) * a.k +
-                            (fp32_x ? kHalfConvOps * r.groups.x * double(a.m) * a.k : 0.0) +
+  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
+  // ALU); every column block (grid x) converts fp32 activation rows (half ones are copied);
+  // SwiGLU: silu(g) * u and the conversion of its half output.
+  add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
+  add(w, Path::alu_f32, (fp32_x ? kHalfConvOps * r.groups.x * double(a.m) * a.k : 0.0) +
                             (nb == 2 ? (4.0 + kHalfConvOps) * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
@@ -135,10 +137,10 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
-  // half activations are copied; both outputs are stored as half (the conversion), gate/up
-  // after silu(g) * u
-  add(w, Path::alu_f32, (kDequantOps + kWeightConvOps) * nb * tiles * double(a.n) * a.k +
-                            ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
+  // weights dequantized in half ALU; half activations are copied; both outputs are stored
+  // as half (the conversion), gate/up after silu(g) * u
+  add(w, Path::alu_f16, kDequantOps * nb * tiles * double(a.n) * a.k);
+  add(w, Path::alu_f32, ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
   w.threadgroup_memory = gemm_smem(h, bn, nb);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
   // whole by every class), the class's share of the real rows.

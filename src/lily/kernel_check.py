@@ -122,13 +122,24 @@ def half_stored(want, tol):
 
 def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
     """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
-    them, wh = half(fp32(fp32(s q) + b)) (the simulator and numpy round the product and the
-    sum), and dw = |wh - half(fp32(s q + b))|, the change where a GPU compiler contracts the
-    dequantization to an fma (its fp32 value can round to the neighbouring half)."""
+    them (gemm_load_w, metal/gemm_tiles.h), and dw = |wh - wf|, where wf is the weight a GPU
+    gives and wh may not: a group whose extremes b and s (2^bits - 1) + b stay within
+    +-65504 is dequantized as fma(q, half(s), half(b)) in half, which a GPU rounds once
+    (wf = half(q s_h + b_h)) and the simulator and numpy round through fp32 first (wh =
+    half(fp32(q s_h + b_h)); q s_h is exact in fp32); any other group in fp32 and clamped,
+    wh = half(clamp(fp32(fp32(s q) + b))) stepwise, wf with the fp32 fma a GPU compiler may
+    contract it to."""
     q, s, b = _codes(qt, index)
-    stepwise = ((q * s).astype(np.float32) + b.astype(np.float32)).astype(np.float32)
-    fused = (q * s + b).astype(np.float32)  # q s + b is exact in float64 (8-bit q and s)
-    wh, wf = half_operand(stepwise), half_operand(fused)
+    top = float((1 << qt.bits) - 1)
+    s32, b32 = s.astype(np.float32), b.astype(np.float32)
+    sat = np.maximum(np.abs(b32), np.abs(s32 * np.float32(top) + b32)) > HALF_MAX
+    with np.errstate(over="ignore"):
+        sh, bh = s32.astype(np.float16).astype(np.float64), b32.astype(np.float16).astype(np.float64)
+    in_half = np.where(sat, 0.0, q * sh + bh)  # exact in float64
+    stepwise = np.where(sat, half_operand((q * s).astype(np.float32) + b32),
+                        in_half.astype(np.float32).astype(np.float16))
+    fused = np.where(sat, half_operand((q * s + b).astype(np.float32)), in_half.astype(np.float16))
+    wh, wf = stepwise.astype(np.float64), fused.astype(np.float64)
     return wh.reshape(*q.shape[:-2], -1), np.abs(wh - wf).reshape(*q.shape[:-2], -1)
 
 
@@ -1849,14 +1860,20 @@ def _sample_token(dev, rng, kernel):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel):
-    """out[32, 64] = h(x[:32]) h(x[:64])^T for x float32 [64, 64], h = half_operand
-    (metal/gemm_tensor.metal)."""
+    """For x float32 [64, 64] and xb its bfloat rounding (metal/gemm_tensor.metal):
+    out = h(x[:32]) h(x)^T (h = half_operand), out_qk = xb[:32] xb^T, out_pv = xb[:32] xb;
+    the worst of the three against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
-    X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
-    run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
-    xh = half_operand(x)
-    return ratio(download(O, np.float32, (32, 64)), xh[:32] @ xh.T,
-                 gemm_bound(GEMM_BK) * (np.abs(xh[:32]) @ np.abs(xh).T), kernel)
+    bits = f32_to_bf16(x)
+    X, XB = upload(dev, x), upload(dev, bits)
+    O, QK, PV = (dev.buffer(32 * 64 * 4) for _ in range(3))
+    run(dev, kernel, 1, 128, [(0, X), (1, O), (2, XB), (3, QK), (4, PV)], reads=[X, XB], writes=[O, QK, PV])
+    xh, xb = half_operand(x), bf16_to_f32(bits).astype(np.float64)
+    worst = 0.0
+    for name, out, a, b in (("out", O, xh[:32], xh.T), ("out_qk", QK, xb[:32], xb.T), ("out_pv", PV, xb[:32], xb)):
+        worst = max(worst, ratio(download(out, np.float32, (32, 64)), a @ b,
+                                 gemm_bound(GEMM_BK) * (np.abs(a) @ np.abs(b)), f"{kernel} {name}"))
+    return worst
 
 
 def _moe_case(dev, rng):

@@ -52,6 +52,7 @@ from harness import TIMES, assert_within as check, commit, magnitude, rand_quant
 from lily.kernel_check import swiglu_ref  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
+from lily.kernel_check import _codes, half_operand  # noqa: E402
 from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 
 U = 2.0**-24
@@ -222,6 +223,30 @@ def test_half_rounding_is_modelled(dev):
     # most outputs, not all: an output whose random weights nearly cancel moves by less than
     # its tolerance (0.875 to 1.0 of them over seeds)
     assert (np.abs(wide - exact) > tol).mean() > 0.5, "the reference without x's rounding would pass too"
+
+
+def test_weights_dequantized_in_half(dev):
+    """Weight groups in the half range are dequantized in half arithmetic, fma(q, half(s),
+    half(b)) (gemm_load_w): with scales and biases below half's normal range (~1e-6: half
+    subnormals, so half(s) != s) the outputs match the reference that rounds s and b to half
+    first, and most miss the tolerance of one that dequantizes in fp32."""
+    rng = fresh_rng(16384)
+    m, n, k = 8, 64, GEMM_BK
+    qt = rand_quant(rng, (), n, k, 4)
+    s = rng.uniform(2e-7, 1e-6, qt.scales.shape).astype(np.float32)
+    qt.scales[...], qt.biases[...] = to_bf16_bits(s), to_bf16_bits(-7.5 * s)
+    x = hact(rng.standard_normal((m, k)))
+    X, Y = upload(dev, x), dev.buffer(4 * m * n)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4", qbufs(dev, qt), X, Y, m, n, k, k, n)
+    commit(cb, "gemm_q4 tiny scales")
+    out = download(Y, np.float32).reshape(m, n)
+    exact, tol = gemm_ref(x, qt)
+    check(out, exact, tol, "weights dequantized in half")
+    q, s64, b64 = (np.asarray(v, np.float64) for v in _codes(qt))
+    w32 = half_operand((q * s64).astype(np.float32) + b64.astype(np.float32)).reshape(n, k)
+    assert (np.abs(x.astype(np.float64) @ w32.T - exact) > tol).mean() > 0.5, \
+        "an fp32 dequantization would pass too"
 
 
 def test_saturating_half_operands(dev):

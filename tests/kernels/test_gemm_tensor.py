@@ -46,6 +46,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
+from lily.checkpoint import bf16_to_f32  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
 import test_gemm as simd_suite  # noqa: E402
 
@@ -227,10 +228,26 @@ def test_tensor_kernels_only_on_apple10(fwd):
 
 
 def test_probe_kernel(fwd):
+    """The start-up probe runs each kind of tensor operation of the kernels (the GEMMs' half
+    tiles, the attention's bfloat QK^T from device memory and PV from threadgroup tiles),
+    each exactly as the simulator's sequential fp32 model of its operands."""
     x = fresh_rng(17).standard_normal((64, GEMM_BK), dtype=np.float32)
-    X, O = upload(fwd, x), fwd.buffer(32 * 64 * 4)
-    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
+    bits = to_bf16_bits(x)
+    xb = bf16_to_f32(bits)
+    X, XB = upload(fwd, x), upload(fwd, bits)
+    O, QK, PV = (fwd.buffer(32 * 64 * 4) for _ in range(3))
+    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O, XB, QK, PV], None, reads=[X, XB], writes=[O, QK, PV])
     np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], w=half_operand(x)))
+    np.testing.assert_array_equal(download(QK, np.float32, (32, 64)), _seq(xb[:32], xb))
+    np.testing.assert_array_equal(download(PV, np.float32, (32, 64)), _seq(xb[:32], xb.T))
+
+
+def _seq(a, b):
+    """a b^T in float32, products exact (bfloat operands), added in increasing k."""
+    acc = np.zeros((a.shape[0], b.shape[0]), np.float32)
+    for k in range(a.shape[1]):
+        acc = acc + a[:, k:k + 1] * b[None, :, k]
+    return acc
 
 
 def _constants(path, *names):
