@@ -249,9 +249,10 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 // ---- moe_combine -----------------------------------------------------------------------
 // dispatchThreads grid (hidden / 4, rows): thread (c, row) owns float4 c of the row.
 //   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
-// with w_j = w[row, j], summed in that order (j increasing, the shared expert last).
+// with w_j = w[row, j], summed in that order (j increasing, the shared expert last), in fp32;
+// yx is half (the down projections' stored outputs), ys and h fp32.
 [[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
-                        device const float4* yx [[buffer(1)]],   // [rows * top_k, hidden] expert outputs, row*k + j
+                        device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
                         device const float4* ys [[buffer(2)]],   // [rows, hidden] shared expert output
                         device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
                         constant MoeCombineArgs& args [[buffer(4)]],
@@ -263,10 +264,10 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   const uint row = gid.y;
   const uint k = args.top_k;
   device const float* wr = w + row * (k + 1);
-  device const float4* y = yx + row * k * c4 + gid.x;
-  float4 acc = wr[0] * y[0];
+  device const half4* y = yx + row * k * c4 + gid.x;
+  float4 acc = wr[0] * float4(y[0]);
   for (uint j = 1; j < k; ++j) {
-    acc += wr[j] * y[j * c4];
+    acc += wr[j] * float4(y[j * c4]);
   }
   acc += wr[k] * ys[row * c4 + gid.x];
   h[row * c4 + gid.x] += acc;
@@ -274,7 +275,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 
 // ---- grouped expert GEMMs ------------------------------------------------------------------
 // moe_gemm_gate_up_q4_t{16,32,64}  hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
-// moe_gemm_down_q4_t{16,32,64}     yx[perm[s]] = hx[s] Wd_e^T
+// moe_gemm_down_q4_t{16,32,64}     yx[perm[s]] = half(hx[s] Wd_e^T)  (saturated, read by moe_combine)
 // simdgroup_matrix path with half operands and fp32 accumulation (gemm_tiles.h; the dense
 // GEMMs of metal/gemm.metal use the same k loop; the tensor-op twins are in
 // moe_prefill_tensor.metal).
@@ -333,7 +334,7 @@ template <uint T, uint BN, uint SM, uint SN>
                              device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
                              device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
                              device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]
-                             device float* yx [[buffer(7)]],              // fp32 [m * top_k, ldy], by row * top_k + j
+                             device half* yx [[buffer(7)]],               // half [m * top_k, ldy], by row * top_k + j (saturated)
                              constant MoeGemmArgs& args [[buffer(8)]],
                              uint2 tgp [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
@@ -361,7 +362,7 @@ template <uint T, uint BN, uint SM, uint SN>
     if (r < tile.rows && n0 + c < args.n) {
       const uint dst = perm[tile.begin + r];
       if (dst < slots) {  // a malformed perm entry writes nothing
-        yx[dst * args.ldy + n0 + c] = gemm_staged<1, T, BN>(smem, r, c);
+        gemm_put(yx + dst * args.ldy + n0 + c, gemm_staged<1, T, BN>(smem, r, c), false);
       }
     }
   }

@@ -3,7 +3,7 @@
 // kernels of metal/moe_prefill.metal with identical bindings, argument structs, grids and
 // outputs, on the k loop of gemm_tensor.h (half operands, fp32 accumulation):
 //   moe_gemm_gate_up_q4_t{16,32,64}_tensor  hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
-//   moe_gemm_down_q4_t{16,32,64}_tensor     yx[perm[s]] = hx[s] Wd_e^T
+//   moe_gemm_down_q4_t{16,32,64}_tensor     yx[perm[s]] = half(hx[s] Wd_e^T)  (saturated)
 // MSL 4.0: built into lily_tensor.metallib.
 #include <metal_stdlib>
 #include <metal_tensor>
@@ -64,7 +64,7 @@ template <uint T, uint BN, uint NSG>
                                     device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
                                     device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
                                     device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]
-                                    device float* yx [[buffer(7)]],              // fp32 [m * top_k, ldy], by row * top_k + j
+                                    device half* yx [[buffer(7)]],               // half [m * top_k, ldy], by row * top_k + j (saturated)
                                     constant MoeGemmArgs& args [[buffer(8)]],
                                     uint2 tgp [[threadgroup_position_in_grid]],
                                     uint tid [[thread_index_in_threadgroup]]) {
@@ -91,7 +91,7 @@ template <uint T, uint BN, uint NSG>
     if (r < tile.rows && n0 + c < args.n) {
       const uint dst = perm[tile.begin + r];
       if (dst < slots) {  // a malformed perm entry writes nothing
-        yx[dst * args.ldy + n0 + c] = gemm_staged<1, T, BN>(smem, r, c);
+        gemm_put(yx + dst * args.ldy + n0 + c, gemm_staged<1, T, BN>(smem, r, c), false);
       }
     }
   }

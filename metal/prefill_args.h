@@ -23,7 +23,7 @@ struct GemmArgs {
 // GEMMs over the tile map (MoeTile below; docs/prefill.md). Slot s of a tile holds the
 // assignment perm[s] = row * top_k + j of expert tile.expert.
 //   gate/up: hx[s, :n] = silu(x[perm[s] / top_k] Wg_e^T) * (x[perm[s] / top_k] Wu_e^T)
-//   down:    yx[perm[s], :n] = hx[s] Wd_e^T
+//   down:    yx[perm[s], :n] = hx[s] Wd_e^T  (fp32 sums, stored as half with gemm_half)
 struct MoeGemmArgs {
   uint n;        // output columns: inter (gate/up) or hidden (down); any >= 1
   uint k;        // inner dimension: hidden (gate/up) or inter (down); a multiple of 64
@@ -102,7 +102,8 @@ struct MoeRoutePrefillArgs {
   uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32 or 64 (tile classes above)
 };
 
-// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row].
+// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row] (yx half, the
+// rest fp32; summed in fp32).
 struct MoeCombineArgs {
   uint rows;    // M: rows of the chunk
   uint hidden;  // H: row length (2048); a multiple of 4

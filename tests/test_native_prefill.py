@@ -6,16 +6,26 @@ the hand-off of the first generated token from the last chunk to the decode pipe
 GEMM paths, hazard checking with shuffled stages, bounded scratch memory, and the
 record-only counters of one chunk of the full-size model (docs/prefill.md).
 
-Tolerance: prefill keeps activations in fp32 between kernels, multiplies half GEMM operands
-with fp32 accumulation (docs/prefill.md, "Operand precision") and stores the KV cache in
-bf16 (as MLX-LM does), so logits differ from the fp32 reference by ~1e-4 to 1e-3 relative
-per position: 5e-3 is the bound. A position where the router's 8th and 9th experts are
-within ~1e-5 in probability may pick the other expert under that rounding (seen with fp32
+Tolerance: prefill keeps activations in fp32 between kernels except the half GEMM inputs and
+the routed experts' half outputs, multiplies half GEMM operands with fp32 accumulation
+(docs/prefill.md, "Operand precision", "Routed expert outputs in half") and stores the KV
+cache in bf16 (as MLX-LM does), so logits differ from the fp32 reference by ~1e-4 to 1e-3
+relative per position: 5e-3 is the bound. A position where the router's k-th and (k+1)-th
+experts are nearly tied may pick the other expert under that rounding (seen with fp32
 operands: demo, position 35, layer 6, gap 1.7e-6, 1.9e-2 relative error at that position,
 on the decode path exactly as on the prefill path; with half operands: demo, position 27 of
 the 12-row chunks, 2.6e-2, and the later positions that attend to it stay above 5e-3,
 decaying to ~4e-3), so up to 25% of positions may exceed 5e-3 but none 5e-2, and top-1 must
-agree wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). Prefill and decode
+agree wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). The 5e-2
+cap is waived at a position whose reference routing has a near-tie: at some layer the
+router logits of the k-th and (k+1)-th expert differ by less than NEAR_TIE = REL_TOL (their
+probability ratio is exp of that difference). Derivation: the router logits of these models
+are O(1) (median |l_k| ~1.1, max ~6 on this prompt for tiny and dims) and computed from
+activations that carry the prefill's ~1e-3 relative error, so a logit difference below ~5e-3
+can change sign; a changed pick swaps a whole expert's output, whose effect on a
+random-weight model has no small bound (tiny, position 38 of the 12-row chunks: layer 2, gap
+1.3e-3, 0.12 relative; it appeared when the routed experts' outputs became half, which moves
+the reference's logits by ~1e-4 on its own). Prefill and decode
 steps of the same tokens sum in different orders (GEMM tiles vs GEMV teams) but read the
 same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
 """
@@ -36,6 +46,7 @@ from lily.perf import QWEN36_35B_A3B
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 REL_TOL = 5e-3
+NEAR_TIE = REL_TOL  # router logit gap below which a pick may flip (module docstring)
 INSIDE_MIN = 0.75  # share of positions within REL_TOL (module docstring: router near-ties)
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
         "is the sun. Arise, fair sun, and kill the envious moon, who is already sick and pale. ") * 3
@@ -50,17 +61,36 @@ def _rel(a, b):
     return np.linalg.norm(a - b, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
-def _check(got, want, what):
-    """Per-position relative errors against the reference (module docstring); returns the median."""
+def _check(got, want, what, tie=None):
+    """Per-position relative errors against the reference (module docstring); tie: bool per
+    position, a router near-tie (no 10 * REL_TOL cap there). Returns the median."""
     got, want = np.atleast_2d(got), np.atleast_2d(want)
     err = _rel(got, want)
     inside = err < REL_TOL
-    assert inside.mean() >= INSIDE_MIN and err.max() < 10 * REL_TOL, f"{what}: relative errors {np.round(err, 4)}"
+    capped = err if tie is None else err[~np.asarray(tie)]
+    assert inside.mean() >= INSIDE_MIN and (capped < 10 * REL_TOL).all(), f"{what}: relative errors {np.round(err, 4)}"
     top2 = np.sort(want, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
     clear = np.where(inside, margin > 0.05, margin > 0.5)
     assert (got.argmax(-1) == want.argmax(-1))[clear].all(), f"{what}: top-1 differs at a clear margin"
     return float(np.median(err))
+
+
+def _router_gaps(model):
+    """Wrap model.moe (a lily.reference.ReferenceModel) to record, per call and row, the
+    smallest router logit difference between the k-th and (k+1)-th expert; returns the list
+    of [rows] arrays (one per layer call) and the undo."""
+    gaps, moe = [], model.moe
+
+    def recording(i, x):
+        lg = x @ model.weight(f"model.layers.{i}.mlp.gate").T
+        k = model.cfg.num_experts_per_tok
+        top = -np.sort(-lg, axis=-1)
+        gaps.append((i, top[:, k - 1] - top[:, k]))
+        return moe(i, x)
+
+    model.moe = recording
+    return gaps, lambda: delattr(model, "moe")
 
 
 @pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
@@ -69,12 +99,19 @@ def model(request, demo_path):
     ref = Engine.load(path, max_context=96, device="reference")
     ids = ref.tokenizer.encode(TEXT)[:PROMPT]
     assert len(ids) == PROMPT
+    gaps, undo = _router_gaps(ref.backend.model)
     logits = ref.prefill(ids, all_logits=True)
+    undo()
+    by_layer = {}
+    for i, g in gaps:
+        by_layer.setdefault(i, []).append(g)
+    tie = np.min([np.concatenate(g) for g in by_layer.values()], axis=0) < NEAR_TIE
+    assert tie.shape == (PROMPT,)
     cont = [int(logits[-1].argmax()), 17, 101]
     after = [ref.decode(t) for t in cont]
     from peer import load_peer, peer_logits
     peer = peer_logits(load_peer(path, float32=True)[0], ids)  # MLX-LM, float32 activations
-    return request.param, path, ids, logits, cont, np.stack(after), peer
+    return request.param, path, ids, logits, cont, np.stack(after), peer, tie
 
 
 @pytest.mark.parametrize("chunk", [64, PROMPT, 12], ids=["shorter", "equal", "several"])
@@ -84,17 +121,17 @@ def test_prefill_matches_reference(model, chunk, native_device):
     prompt); then decode steps continue the same session. Every position's logits are
     compared for the multi-chunk case, the last position's otherwise (lm_head over 248,320
     rows costs the simulator ~0.3 s per position)."""
-    name, path, ids, want, cont, after, peer = model
+    name, path, ids, want, cont, after, peer, tie = model
     native = Engine.load(path, device=native_device, max_context=96, device_options={"prefill_chunk": chunk})
     assert native.backend.prefill_chunk == chunk
     if chunk < PROMPT:
         got = native.prefill(ids, all_logits=True)
-        err = _check(got, want, f"{name} chunk {chunk}")
-        _check(got, peer, f"{name} chunk {chunk} vs MLX-LM")
+        err = _check(got, want, f"{name} chunk {chunk}", tie)
+        _check(got, peer, f"{name} chunk {chunk} vs MLX-LM", tie)
     else:
         got = native.prefill(ids)
-        err = _check(got, want[-1], f"{name} chunk {chunk}")
-        _check(got, peer[-1], f"{name} chunk {chunk} vs MLX-LM")
+        err = _check(got, want[-1], f"{name} chunk {chunk}", tie[-1:])
+        _check(got, peer[-1], f"{name} chunk {chunk} vs MLX-LM", tie[-1:])
     got = np.stack([native.decode(t) for t in cont])
     err_d = _check(got, after, f"{name} decode after chunk {chunk}")
     print(f"\n{name} chunk {chunk}: median relative error prefill {err:.2e}, decode after {err_d:.2e}")
@@ -261,11 +298,11 @@ def test_full_size_expert_tiles(rows, T):
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model: sized by the chunk, not by the context or the
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states
-    the figures: under 1.2 GiB at 4096, under 700 MiB at 2048)."""
+    the figures: under 1 GiB at 4096, under 600 MiB at 2048)."""
     from lily.native import _counting_runtime
     cfg = parse_config(REAL)
     assert _core.RuntimeOptions().prefill_chunk == 0  # automatic
-    for chunk, bound in ((0, 1200), (2048, 700)):
+    for chunk, bound in ((0, 1000), (2048, 600)):
         sizes = []
         for context in (8192, 131072):
             rt = _counting_runtime(cfg, 4, 8, context, prefill_chunk=chunk)

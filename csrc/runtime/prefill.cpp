@@ -106,7 +106,7 @@ void Runtime::allocate_chunk_buffers() {
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
   c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
-  c.yx = scratch(C * k * H * f, "chunk expert outputs");
+  c.yx = scratch(C * k * H * hf, "chunk expert outputs (half)");
   c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
   c.ys = scratch(C * H * f, "chunk shared output");
   for (int p = 0; p < 2; ++p) {
@@ -418,7 +418,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         };
         if (down) {
           stack(4, m.experts_down_proj);
-          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * f, kTileClassWrites)
+          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * hf, kTileClassWrites)
               .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T});
         } else {
           stack(4, m.experts_gate_proj);
@@ -433,7 +433,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     experts(true);
     Op(*K.moe_combine, labels_(l, "combine"))
         .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * f).in(2, *c.ys, 0, size_t(M) * H * f)
+        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * f)
         .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
   }
 

@@ -26,11 +26,12 @@ constexpr double kDequantOps = 3;
 // The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
-// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*); only the fp32
-// input of gemm_q4_add (the attention output) is converted while staged, by every column
-// block of its grid. Weights are dequantized in half ALU (code to half, then a half FMA:
-// kDequantOps), so no conversion follows (groups beyond the half range take fp32: malformed,
-// not counted).
+// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*; the routed
+// experts' outputs yx, which moe_gemm_down_q4_* store the same way for moe_combine, too);
+// only the fp32 input of gemm_q4_add (the attention output) is converted while staged, by
+// every column block of its grid. Weights are dequantized in half ALU (code to half, then a
+// half FMA: kDequantOps), so no conversion follows (groups beyond the half range take fp32:
+// malformed, not counted).
 constexpr double kHalfConvOps = 3;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd).
@@ -137,10 +138,10 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
-  // weights dequantized in half ALU; half activations are copied; gate/up: silu(g) * u and
-  // the conversion of its half output
+  // weights dequantized in half ALU; half activations are copied; both outputs are stored
+  // as half (the conversion), gate/up after silu(g) * u
   add(w, Path::alu_f16, kDequantOps * nb * tiles * double(a.n) * a.k);
-  add(w, Path::alu_f32, nb == 2 ? (4.0 + kHalfConvOps) * rows * a.n : 0.0);
+  add(w, Path::alu_f32, ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
   w.threadgroup_memory = gemm_smem(h, bn, nb);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
   // whole by every class), the class's share of the real rows.
