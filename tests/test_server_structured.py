@@ -142,3 +142,81 @@ def test_responses_text_format_validates(client):
     bad = client.post("/v1/responses", json={"model": "demo", "input": "x", "text": {"format": {
         "type": "json_schema", "name": "m", "schema": {"type": "strng"}}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format", bad.text
+
+
+# ----------------------------------------------------------------------------------------
+# invalid tool definitions: a 400 in the API's own shape before anything is generated
+# ----------------------------------------------------------------------------------------
+
+BAD_SCHEMAS = [  # (parameters, what the message must name)
+    ({"type": "nonsense"}, "'nonsense' is not valid"),
+    ({"type": "object", "properties": {"n": {"type": "integer", "minimum": "3"}}}, "properties/n/minimum"),
+    ({"type": "object", "required": "city"}, "'city' is not of type 'array'"),
+]
+
+
+@pytest.fixture
+def no_generation(client, monkeypatch):
+    """Fails a test whose request reaches the generation queue."""
+    queued = []
+    monkeypatch.setattr(client.app.state.lily, "submit", lambda *a, **kw: queued.append(a) or 1 / 0)
+    yield
+    assert not queued, "a refused request was queued for generation"
+
+
+def _fn(name="get_weather", parameters=None):
+    return {"type": "function", "function": {"name": name, "description": "d",
+                                             "parameters": {} if parameters is None else parameters}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("params, needle", BAD_SCHEMAS)
+def test_chat_invalid_tool_schema_is_a_400(client, no_generation, params, needle, stream):
+    # the bad tool is second, and tool_choice "auto" builds no grammar: only the check refuses it
+    r = chat(client, tools=[TOOLS[0], _fn("lookup", params)], stream=stream)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.1.function.parameters" and err["type"] == "invalid_request_error"
+    assert "'lookup'" in err["message"] and needle in err["message"], err
+
+
+@pytest.mark.parametrize("name", ["", "get.weather", "get weather", "x" * 65, "<tool>"])
+def test_chat_invalid_tool_name_is_a_400(client, no_generation, name):
+    r = chat(client, tools=[_fn(name)], tool_choice="none")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.0.function.name" and "letters, digits, underscores or dashes" in err["message"]
+    assert repr(name) in err["message"]
+
+
+def test_chat_valid_tool_edge_cases_are_accepted(client):
+    """What the check must not refuse: a 64-character name with dashes, no parameters, a
+    pattern Python's re cannot compile (ECMA's \\p{L}), an older draft named by $schema."""
+    ok = [_fn("a-" + "b" * 62), {"type": "function", "function": {"name": "bare"}},
+          _fn("word", {"type": "object", "properties": {"w": {"type": "string", "pattern": "^\\p{L}+$"}}}),
+          _fn("old", {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object",
+                      "properties": {"a": {"type": "string"}}, "dependencies": {"a": ["b"]}})]
+    r = chat(client, tools=ok, max_tokens=2)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_invalid_tool_is_a_400_in_anthropic_shape(client, no_generation, stream):
+    good = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+    body = {"model": "demo", "max_tokens": 8, "messages": USER, "stream": stream}
+    for tools, needle in [([good, {"name": "lookup", "input_schema": {"type": "nonsense"}}],
+                           "tools.1.input_schema (tool 'lookup'): invalid JSON schema"),
+                          ([{"name": "look.up", "input_schema": {"type": "object"}}], "tools.0.name: tool name 'look.up'")]:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={**body, "tools": tools})
+            assert r.status_code == 400, r.text
+            assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+            assert needle in r.json()["error"]["message"], r.text
+
+
+def test_responses_invalid_tool_is_a_400(client, no_generation):
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "required": "city"}}
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters", r.text
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [dict(tool, parameters=[1])]})
+    assert r.status_code == 400 and "must be an object" in r.json()["error"]["message"], r.text

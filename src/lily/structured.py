@@ -86,6 +86,41 @@ def _json_rule(schema: Any) -> str:
     return "%json " + json.dumps(s, ensure_ascii=False)
 
 
+def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
+    """``schema`` (a dict, ``True`` or JSON text) parsed and checked against the JSON Schema
+    metaschema it names with ``$schema`` (draft 2020-12 when it names none), before any
+    grammar is compiled; returns the parsed schema. The one check of every schema a request
+    carries: ``response_format``, tool parameters (used even when no grammar is built).
+
+    Raises :class:`InvalidParameterError` starting with ``what`` (``"JSON schema"``, or e.g.
+    which tool's parameters) and naming the keyword at fault (e.g. ``"type": "strng"``,
+    ``"required": "a"``, a schema that is not an object).
+    String formats (``"format": "regex"`` on ``pattern``) are not checked here: Python's
+    ``re`` is not ECMA 262 (it rejects ``\\p{L}``); llguidance checks patterns it compiles.
+    """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise InvalidParameterError(f"{what}: not valid JSON: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidParameterError(f"{what}: a JSON schema must be an object, got {type(schema).__name__}")
+    if schema is False:
+        raise InvalidParameterError(f"{what}: the JSON schema `false` accepts no value")
+    try:
+        import jsonschema
+    except ImportError as e:  # a dependency, but say what to do if it is missing
+        raise LilyError("checking JSON schemas needs jsonschema: pip install 'jsonschema>=4.18'") from e
+    validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        validator.check_schema(schema, format_checker=None)
+    except jsonschema.SchemaError as e:
+        where = "/".join(str(p) for p in e.absolute_path)
+        raise InvalidParameterError(f"{what}: invalid JSON schema: {e.message}"
+                                    + (f" (at {where})" if where else "")) from None
+    return schema
+
+
 def _check(grammar_text: str, what: str) -> None:
     """Raise InvalidParameterError with llguidance's message when ``grammar_text`` is invalid."""
     llg = _llg()
@@ -115,19 +150,11 @@ class Grammar:
         """A JSON value valid against ``schema`` (a dict, ``True``, or JSON text).
 
         Raises :class:`InvalidParameterError` when the schema is malformed (e.g. ``"type":
-        "strng"``, ``"required": "a"``), unsatisfiable (``minimum`` > ``maximum``) or uses
-        what llguidance cannot enforce (look-around in ``pattern``, unknown ``format``,
-        remote ``$ref``); the message is llguidance's.
+        "strng"``, ``"required": "a"``: :func:`check_schema`), unsatisfiable (``minimum`` >
+        ``maximum``) or uses what llguidance cannot enforce (look-around in ``pattern``,
+        unknown ``format``, remote ``$ref``); the message is then llguidance's.
         """
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except ValueError as e:
-                raise InvalidParameterError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidParameterError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        if schema is False:
-            raise InvalidParameterError("the JSON schema `false` accepts no value")
+        schema = check_schema(schema)
         body = "body: " + _json_rule(schema) + "\n"
         _check(_llg().LLMatcher.grammar_from_lark(body.replace("body:", "start:", 1)), "invalid JSON schema")
         return cls("json_schema", body)
@@ -329,7 +356,7 @@ def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
             params = {}
         if not isinstance(params, dict):
             raise InvalidParameterError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object")
-        out[fn["name"]] = params
+        out[fn["name"]] = check_schema(params, f"tools[{i}] ({fn['name']}): parameters")
     return out
 
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, collect, dumps,
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps,
                               register_error_shape, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
@@ -183,6 +183,7 @@ def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | 
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}}
              for t in req.tools] if req.tools else None
+    check_tools(tools, lambda i, field: f"tools.{i}.{'input_schema' if field == 'parameters' else field}")
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
         return tools, tools is not None, None

@@ -29,7 +29,7 @@ from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
-from lily.structured import grammar_for_request
+from lily.structured import check_schema, grammar_for_request
 
 log = logging.getLogger("lily.server")
 
@@ -41,6 +41,9 @@ _MIN_LOGPROB = -9999.0
 _DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
 KEEPALIVE_S = 10.0  # SSE comment while a stream waits (queue, long prefill)
+# Tool names: OpenAI's function-definition reference ("a-z, A-Z, 0-9, underscores and
+# dashes, at most 64") and Anthropic's tool reference (the regex ^[a-zA-Z0-9_-]{1,64}$) agree
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -290,6 +293,14 @@ class ClientGone(Exception):
     pass
 
 
+def _auth_hint(path: str) -> str:
+    """The 401 message: both headers work on every path (see :class:`Gate`); Anthropic's
+    clients send ``x-api-key``, so its API names that one first."""
+    bearer, x_key = "'Authorization: Bearer <key>'", "'x-api-key: <key>'"
+    first, second = (x_key, bearer) if path.startswith("/v1/messages") else (bearer, x_key)
+    return f"invalid or missing API key: send it as {first} or {second}"
+
+
 class Gate:
     """ASGI middleware in front of ``/v1/``: checks the API key (``Authorization: Bearer``
     or ``x-api-key``) before anything else is looked at, and reads POST bodies as JSON
@@ -312,8 +323,7 @@ class Gate:
                     token = next((v for k, v in headers if k == b"x-api-key"), b"")
                 if not token.strip() or not hmac.compare_digest(token.strip(), self.api_key):
                     log.info("%s %s -> 401 bad or missing API key", scope.get("method"), scope.get("path"))
-                    err = APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                   code="invalid_api_key")
+                    err = APIError(401, _auth_hint(scope.get("path", "")), code="invalid_api_key")
                     body = dumps(error_payload(scope.get("path", ""), err)).encode()
                     await send({"type": "http.response.start", "status": 401,
                                 "headers": [(b"content-type", b"application/json"),
@@ -658,6 +668,28 @@ class BlockSequencer:
 # ----------------------------------------------------------------------------------------
 # the structured-output hook
 # ----------------------------------------------------------------------------------------
+
+
+def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:
+    """400 for the first tool (OpenAI's chat form, as the APIs' ``tool_setup`` make them)
+    whose name breaks :data:`TOOL_NAME` or whose parameters are not a valid JSON schema
+    (:func:`lily.structured.check_schema`, the check ``response_format`` gets), before
+    anything is rendered or queued. The message and ``param`` name the tool;
+    ``param(i, field)`` spells tool ``i``'s ``"name"`` or ``"parameters"`` field in the
+    request's own form (e.g. ``tools.0.input_schema``)."""
+    for i, tool in enumerate(tools or ()):
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            where = param(i, "name")
+            raise APIError(400, f"{where}: tool name {name!r} is invalid: it must be 1 to 64 letters, "
+                                "digits, underscores or dashes", param=where, code="invalid_value")
+        where = param(i, "parameters")
+        try:
+            params = fn.get("parameters")
+            check_schema({} if params is None else params, f"{where} (tool {name!r})")
+        except InvalidParameterError as exc:
+            raise APIError(400, str(exc), param=where, code="invalid_value") from None
 
 
 def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,

@@ -14,9 +14,9 @@ from fastapi import APIRouter, Request
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_unicode,
-                              collect, dumps, engine_error, finite, job_events, log_gone, openai_usage,
-                              request_constraint, sse, state_of, stream_failed)
+from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_tools,
+                              check_unicode, collect, dumps, engine_error, finite, job_events, log_gone,
+                              openai_usage, request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.tokenizer import tool_call_arguments
 
@@ -80,6 +80,7 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
 def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """Tools to render and whether to parse tool calls."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    check_tools(tools, lambda i, field: f"tools.{i}.function.{field}")
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None

@@ -21,8 +21,8 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, cache_key, collect, dumps,
-                              request_constraint, state_of, stream_failed)
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
+                              dumps, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
 
@@ -186,12 +186,10 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
                 raise APIError(400, f"tools.{i}: only function tools with a name are supported, got type "
                                     f"{t.get('type')!r}", param=f"tools.{i}", code="invalid_value")
             params = t.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise APIError(400, f"tools.{i}.parameters must be a JSON schema object",
-                               param=f"tools.{i}.parameters", code="invalid_value")
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description") or "",
-                "parameters": params or {"type": "object", "properties": {}}}})
+                "parameters": {"type": "object", "properties": {}} if params is None else params}})
+        check_tools(tools, lambda i, field: f"tools.{i}.{field}")
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None, None
