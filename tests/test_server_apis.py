@@ -253,9 +253,19 @@ def test_messages_auth_queue_and_strict_model(engine):
     try:
         url = s.base + "/v1/messages"
         body = {"model": "forced", "max_tokens": 50, "messages": ASK, "stream": True}
-        _anthropic_error(httpx.post(url, json=body), 401, "authentication_error")
+        msg = _anthropic_error(httpx.post(url, json=body), 401, "authentication_error")
+        assert "'x-api-key: <key>' or 'Authorization: Bearer <key>'" in msg  # what the gate takes
         with pytest.raises(anthropic.AuthenticationError):
             aclient(s, api_key="wrong").messages.create(model="forced", max_tokens=5, messages=ASK)
+        for headers in ({"x-api-key": "wrong"}, {"Authorization": "Bearer wrong"}):
+            _anthropic_error(httpx.post(url + "/count_tokens", json=body, headers=headers), 401,
+                             "authentication_error")
+        # both headers work here as on every /v1/ path; OpenAI's message names Bearer first
+        r = httpx.post(url + "/count_tokens", json=body, headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200, r.text
+        r = httpx.post(s.base + "/v1/chat/completions", json={"messages": ASK}, headers={"x-api-key": "wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "'Authorization: Bearer <key>' or 'x-api-key: <key>'" in r.json()["error"]["message"]
         with pytest.raises(anthropic.NotFoundError) as e:  # --strict-model-name
             aclient(s, api_key="k").messages.create(model="claude-x", max_tokens=5, messages=ASK)
         assert e.value.body["error"]["type"] == "not_found_error"
