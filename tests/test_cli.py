@@ -93,6 +93,7 @@ def test_chat_interactive_session():
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.strip()) > 0
     assert "[conversation reset]" in r.stderr
+    assert "lily chat - lily-demo-shakespeare on " in r.stderr  # the server's model id (model_display_name)
 
 
 def test_chat_eof_ends_the_prompt_line():

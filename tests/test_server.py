@@ -1169,3 +1169,29 @@ def test_echo_logprobs_include_the_prompt(real, demo_engine):
                                echo=True).choices[0]
     assert one.logprobs.token_logprobs[0] is None and len(one.logprobs.tokens) == 3
     assert c.completions.create(**kw).choices[0].text == plain.text
+
+
+def test_model_name_is_one_rule_with_the_chat_banner(forced_engine, tmp_path, monkeypatch):
+    """The served model id and `lily chat`'s banner come from lily.engine.model_display_name:
+    the demo model's name, else the checkpoint directory's (absolute: `--model .` names it;
+    a symlink keeps its name); --served-model-name replaces it for the server only."""
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+
+    from lily.engine import default_model_path, model_display_name
+    ck = tmp_path / "Qwen3.6-35B-A3B-4bit"
+    ck.mkdir()
+    (tmp_path / "qwen").symlink_to(ck)
+    monkeypatch.chdir(ck)
+    assert model_display_name(None) == model_display_name(default_model_path()) == MODEL
+    assert model_display_name(".") == model_display_name(f"{ck}/") == ck.name
+    assert model_display_name(tmp_path / "qwen") == "qwen"
+    assert forced_engine.name == MODEL
+    monkeypatch.setattr(forced_engine, "path", Path("."))
+    assert forced_engine.name == ck.name
+    with TestClient(create_app(forced_engine)) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == ck.name
+        assert c.get("/health").json()["model"] == ck.name
+    with TestClient(create_app(forced_engine, model_name="served")) as c:
+        assert c.get("/v1/models").json()["data"][0]["id"] == "served"

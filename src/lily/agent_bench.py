@@ -114,7 +114,7 @@ def run(engine, cold_engine=None, *, system_tokens: int = 4096, turns: int = 8, 
                                               int(turn_tokens * 0.2))}]
     later = rows[1:]
     summary = {
-        "device": engine.device, "model": engine.path.name, "system_tokens": rows[0]["prompt_tokens"],
+        "device": engine.device, "model": engine.name, "system_tokens": rows[0]["prompt_tokens"],
         "turns": turns,
         "computed_with_cache": sum(r["computed"] for r in rows),
         "computed_without_cache": sum(r["prompt_tokens"] for r in rows),

@@ -8,6 +8,7 @@ The engine checks its input once, here; it has one generation loop for every dev
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -30,11 +31,27 @@ from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
+DEMO_MODEL_NAME = "lily-demo-shakespeare"
 
 
 def default_model_path() -> Path:
     """The embedded demo checkpoint (``lily-demo-shakespeare``) shipped inside the package."""
     return Path(__file__).resolve().parent / "demo_model"
+
+
+def model_display_name(path: str | Path | None) -> str:
+    """The model's name wherever Lily shows one (the ``lily chat`` banner, the server's model
+    id unless ``--served-model-name`` replaces it): ``lily-demo-shakespeare`` for the
+    embedded demo model (None or its directory), otherwise the checkpoint directory's name
+    as given (a symlink keeps its own name), made absolute first so that ``--model .`` still
+    names the directory. MLX checkpoints' config.json carries no model name, so the
+    directory is the name."""
+    if path is None:
+        return DEMO_MODEL_NAME
+    p = Path(os.path.abspath(Path(path).expanduser()))
+    if p.resolve() == default_model_path():
+        return DEMO_MODEL_NAME
+    return p.name or str(p)
 
 
 def available_devices() -> list[str]:
@@ -188,6 +205,11 @@ class Engine:
         self._im_start = tokenizer.token_to_id("<|im_start|>")
         self._snap_points: list[int] = []  # positions of the running prefill to snapshot
         self._cache_key: str | None = None  # the running request's prompt_cache_key
+
+    @property
+    def name(self) -> str:
+        """The model's display name (:func:`model_display_name` of :attr:`path`)."""
+        return model_display_name(self.path)
 
     # ------------------------------------------------------------------ construction
 

@@ -14,22 +14,18 @@ import logging
 
 from fastapi import FastAPI
 
+from lily.engine import DEMO_MODEL_NAME, model_display_name
 from lily.server import anthropic_api, models, openai_api, responses_api
-from lily.server.core import (DEMO_MODEL_NAME, Gate, JSONOut, ServerState, install_error_handlers,
-                              log)
+from lily.server.core import Gate, JSONOut, ServerState, install_error_handlers, log
 
 __all__ = ["DEMO_MODEL_NAME", "create_app", "serve"]
 
 
 def _default_model_name(engine) -> str:
-    try:
-        from lily.engine import default_model_path
-        if engine.path is not None and str(engine.path) == str(default_model_path()):
-            return DEMO_MODEL_NAME
-    except Exception:
-        pass
+    """:attr:`lily.engine.Engine.name` (one rule with the chat banner); "lily" for an engine
+    stand-in without a path."""
     path = getattr(engine, "path", None)
-    return getattr(path, "name", None) or "lily"
+    return model_display_name(path) if path is not None else "lily"
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
@@ -44,8 +40,9 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         A loaded engine (anything with the same ``stream``/``tokenizer``/``max_context``/
         ``generation_defaults`` interface).
     model_name : str | None
-        The model id the server advertises (default: ``lily-demo-shakespeare`` for the
-        embedded demo model, otherwise the checkpoint directory's name).
+        The model id the server advertises (default:
+        :func:`lily.engine.model_display_name`: ``lily-demo-shakespeare`` for the embedded
+        demo model, otherwise the checkpoint directory's name).
     api_key : str | None
         When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (or
         ``x-api-key: <api_key>``, as Anthropic clients send it).

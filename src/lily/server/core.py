@@ -33,7 +33,6 @@ from lily.structured import check_schema, grammar_for_request
 
 log = logging.getLogger("lily.server")
 
-DEMO_MODEL_NAME = "lily-demo-shakespeare"
 _INT32_MAX = (1 << 31) - 1
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed")
