@@ -3,6 +3,7 @@ guards against. Outputs are compared token for token with a cold engine (greedy)
 
 from __future__ import annotations
 
+import re
 import threading
 
 import numpy as np
@@ -412,3 +413,74 @@ def test_agent_bench_scenario(cold):
     assert all(r["cold_computed"] == r["prompt_tokens"] for r in rep["turns"])
     assert rep["summary"]["outputs_identical"]
     assert "outputs identical: True" in agent_bench.format_report(rep)
+
+
+def _chat(args, monkeypatch, capsys, lines="Hail.\n/stats\n\n"):
+    """`lily chat ARGS` in this process on the demo model: (exit code, stderr)."""
+    import io
+
+    from lily.cli import main
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    code = main(["chat", "-n", "2", "-t", "0", *args])
+    return code, capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def cache_files(tmp_path_factory):
+    """Files of `lily cache-prompt`: SYSTEM, SYSTEM with a tool, and a raw prompt."""
+    from lily.cli import main
+    d = tmp_path_factory.mktemp("cachefiles")
+    tools = d / "tools.json"
+    tools.write_text('[{"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object"}}}]')
+    files = {"system": d / "sys.lilycache", "tools": d / "tools.lilycache", "raw": d / "raw.lilycache"}
+    assert main(["cache-prompt", str(files["system"]), "--system", SYSTEM]) == 0
+    assert main(["cache-prompt", str(files["tools"]), "--system", SYSTEM, "--tools", str(tools)]) == 0
+    assert main(["cache-prompt", str(files["raw"]), "--prompt", "ROMEO. Good morrow"]) == 0
+    return files
+
+
+@pytest.mark.parametrize("case, args, needle", [
+    ("system", ["--system", "You are a pirate."],
+     "written for another system prompt: the file has '...You are a careful assistant.<|im_end|>\\n' (15 tokens), "
+     "this chat '...You are a pirate.<|im_end|>\\n' ("),
+    ("system", [], "written for a system prompt (15 tokens), this chat has none: the file has "
+                   "'<|im_start|>system\\nYou are a careful ass...'; give the same --system;"),
+    ("tools", ["--system", SYSTEM], "the file holds tool definitions, which lily chat cannot give"),
+    ("raw", ["--system", SYSTEM], "written for a raw prompt (lily cache-prompt --prompt)"),
+])
+def test_cli_chat_says_when_its_cache_file_cannot_be_reused(cache_files, monkeypatch, capsys, case, args, needle):
+    """`lily chat --prompt-cache-file F` whose conversation cannot start from F's snapshots
+    (another --system, none, tools, a raw prompt) says so in one line, names both sides, and
+    chats anyway without reusing anything."""
+    path = cache_files[case]
+    code, err = _chat(["--prompt-cache-file", str(path), *args], monkeypatch, capsys)
+    assert code == 0, err
+    warning = [ln for ln in err.splitlines() if ln.startswith("lily: warning: ")]
+    assert len(warning) == 1 and warning[0].startswith(f"lily: warning: {path}: written for "), err
+    assert needle in warning[0] and warning[0].endswith("not reused, running without it")
+    assert "loaded" not in err and "0 prompt tokens reused" in err
+
+
+def test_cli_chat_with_its_cache_file_reuses_it(cache_files, monkeypatch, capsys):
+    code, err = _chat(["--prompt-cache-file", str(cache_files["system"]), "--system", SYSTEM], monkeypatch, capsys)
+    assert code == 0, err
+    assert f"lily: loaded 1 prompt cache entry from {cache_files['system']}" in err and "warning" not in err
+    assert re.search(r"; [1-9]\d* prompt tokens reused", err), err
+
+
+def test_cli_chat_refuses_another_models_cache_file(cache_files, monkeypatch, capsys, tmp_path):
+    """A file of another model is an error before the chat starts (exit 1, the same
+    'FILE: written for another ...: the file has ..., this ...' shape), not a warning."""
+    from lily import prompt_cache
+    from lily.cli import main
+    real = prompt_cache.model_identity
+    monkeypatch.setattr(prompt_cache, "model_identity",
+                        lambda e: {**real(e), "model": {**real(e)["model"], "num_hidden_layers": 99}})
+    path = tmp_path / "other.lilycache"
+    assert main(["cache-prompt", str(path), "--system", SYSTEM]) == 0
+    monkeypatch.setattr(prompt_cache, "model_identity", real)
+    capsys.readouterr()
+    code, err = _chat(["--prompt-cache-file", str(path), "--system", SYSTEM], monkeypatch, capsys)
+    assert code == 1
+    assert f"lily: error: {path}: written for another model or device: model differs: " \
+           "num_hidden_layers=99 (this engine: " in err and "lily chat -" not in err

@@ -126,7 +126,12 @@ def _add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="load snapshots written by `lily cache-prompt` (kept for the whole run)")
 
 
-def _load(args):
+def _load(args, conversation_start=None):
+    """The engine for ``args`` with its ``--prompt-cache-file`` loaded. A file of another
+    model, quantization or device, or a damaged one, is refused (PromptCacheError, exit 1).
+    ``conversation_start(engine)``: the tokens every conversation of this run starts with
+    (``lily chat``: its system message); a file none of whose snapshots they begin with is
+    reported in one line on stderr, dropped, and the run goes on without it."""
     from lily.engine import Engine
     _check_model_path(args.model)
     options, flags = {}, []
@@ -147,8 +152,59 @@ def _load(args):
     cache_file = getattr(args, "prompt_cache_file", None)
     if cache_file:
         n = engine.load_prompt_cache(cache_file)
-        print(f"lily: loaded {n} prompt cache entr{'y' if n == 1 else 'ies'} from {cache_file}", file=sys.stderr)
+        why = _cache_mismatch(engine, conversation_start(engine)) if conversation_start else None
+        if why:
+            print(f"lily: warning: {cache_file}: {why}; not reused, running without it", file=sys.stderr)
+        else:
+            print(f"lily: loaded {n} prompt cache entr{'y' if n == 1 else 'ies'} from {cache_file}",
+                  file=sys.stderr)
     return engine
+
+
+def _excerpts(a: str, b: str, width: int = 40) -> tuple[str, str]:
+    """``a`` and ``b`` shown from a word or two before their first differing character, cut
+    to about ``width`` characters each."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    back = max(0, k - 8)
+    start = max(a.rfind(" ", 0, back), a.rfind("\n", 0, back)) + 1  # whole words
+    k = start if k - start <= 30 else back
+
+    def cut(t: str) -> str:
+        t = ("..." if k else "") + t[k:]
+        return t if len(t) <= width + 3 else t[:width] + "..."
+    return cut(a), cut(b)
+
+
+def _cache_mismatch(engine, start: list[int]) -> str | None:
+    """Why no snapshot loaded from a prompt cache file (the cache's pinned entries) can
+    begin a conversation whose prompt starts with ``start``, having dropped them all (they
+    would hold memory for nothing); None when one can. The engine reuses an entry only when
+    its tokens are a prefix of the prompt (:meth:`lily.prompt_cache.PromptCache.lookup`)."""
+    cache = engine.prompt_cache
+    pinned = [e for e in cache.entries() if e.pinned]
+    if not pinned or any(e.length <= len(start) and e.tokens.tolist() == start[:e.length] for e in pinned):
+        return None
+    for e in pinned:
+        cache.discard(e)
+    held = max(pinned, key=lambda e: e.length).tokens.tolist()
+    if held[0] != engine._im_start:
+        return (f"written for a raw prompt (lily cache-prompt --prompt) of {len(held)} tokens, which a chat "
+                f"never starts with: the file has {_excerpts(engine.tokenizer.decode(held), '')[0]!r}")
+    if not start:
+        return (f"written for a system prompt ({len(held)} tokens), this chat has none: the file has "
+                f"{_excerpts(engine.tokenizer.decode(held), '')[0]!r}; give the same --system")
+    theirs, ours = engine.tokenizer.decode(held), engine.tokenizer.decode(start)
+    if theirs == ours:
+        return ("written for the same system prompt rendered differently (another chat template or "
+                "tokenizer)")
+    a, b = _excerpts(theirs, ours)
+    tools = "<tools>" in theirs and "<tools>" not in ours  # Qwen's template renders tools into the system message
+    return (f"written for another system prompt: the file has {a!r} ({len(held)} tokens), this chat "
+            f"{b!r} ({len(start)} tokens); "
+            + ("the file holds tool definitions, which lily chat cannot give" if tools
+               else "give the --system the file was written with"))
 
 
 def peak_memory_bytes() -> int:
@@ -283,12 +339,12 @@ def _line_editing() -> None:
 
 def cmd_chat(args) -> int:
     overrides = _overrides(args)
-    engine = _load(args)
     messages: list[dict] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
-    print(f"lily chat - {engine.path.name} on {engine.device}. Empty line or Ctrl-D to quit, "
+    engine = _load(args, lambda e: _system_prefix(e, args.system, None, kwargs) if args.system else [])
+    print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, "
           "/reset to start over, /help for the commands.", file=sys.stderr)
     _line_editing()
     last_turn = None  # the final event of the last reply (/stats)
@@ -356,12 +412,12 @@ def cmd_chat(args) -> int:
             _context_notice(engine, "; /reset to start over")
 
 
-def _system_prefix(engine, system: str | None, tools: list | None) -> list[int]:
+def _system_prefix(engine, system: str | None, tools: list | None, template_kwargs: dict | None = None) -> list[int]:
     """The tokens of the system message (with the tool definitions) exactly as the chat
     template renders them at the start of every conversation: the conversation is rendered
     with a placeholder user message and cut before it."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "."}]
-    ids = engine.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=False)
+    ids = engine.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=False, **(template_kwargs or {}))
     starts = [i for i, t in enumerate(ids) if t == engine._im_start]
     if len(starts) < 2:
         raise InvalidParameterError("the chat template rendered no system message to cache "
@@ -692,7 +748,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
     s.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
-                   help="model id the server advertises (default: directory name); requests may name any model "
+                   help="model id the server advertises (default: the name lily chat shows, lily-demo-shakespeare "
+                        "for the demo model, else the checkpoint directory's name); requests may name any model "
                         "unless --strict-model-name")
     s.add_argument("--strict-model-name", action="store_true",
                    help="refuse requests naming another model (404 model_not_found)")
