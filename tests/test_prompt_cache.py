@@ -484,3 +484,23 @@ def test_cli_chat_refuses_another_models_cache_file(cache_files, monkeypatch, ca
     assert code == 1
     assert f"lily: error: {path}: written for another model or device: model differs: " \
            "num_hidden_layers=99 (this engine: " in err and "lily chat -" not in err
+
+
+def test_cli_cache_mismatch_same_text_other_rendering():
+    """A file whose snapshot holds the chat's system message as the same text but other
+    tokens (another chat template or tokenizer) is named as such, and dropped."""
+    from types import SimpleNamespace
+
+    from lily.cli import _cache_mismatch, _system_prefix
+    eng = Engine.load(device="reference")
+    start = _system_prefix(eng, SYSTEM, None)
+    text = eng.tokenizer.decode(start)
+    cut = text.index("careful") + 3
+    other = eng.tokenizer.encode(text[:cut]) + eng.tokenizer.encode(text[cut:])
+    assert other != start and eng.tokenizer.decode(other) == text
+    eng.prompt_cache.insert(other, SimpleNamespace(nbytes=0), pinned=True)
+    assert _cache_mismatch(eng, start) == ("written for the same system prompt rendered differently "
+                                           "(another chat template or tokenizer)")
+    assert len(eng.prompt_cache) == 0
+    eng.prompt_cache.insert(start[:-1], SimpleNamespace(nbytes=0), pinned=True)
+    assert _cache_mismatch(eng, start) is None and len(eng.prompt_cache) == 1  # a prefix: reused, kept
