@@ -15,7 +15,7 @@ Layouts
 Tensors are read through ``numpy.memmap``: nothing is copied into RAM until a consumer
 dequantizes it. Floating tensors (bf16 scales and biases, norm and conv weights, ``A_log``,
 ``dt_bias``) are scanned for NaN and Inf by :func:`check_finite` wherever a loader reads
-them (docs/usage.md, "Loading errors"). The safetensors header is parsed here rather than through
+them (docs/usage.md, "Corrupt weights: NaN and Inf"). The safetensors header is parsed here rather than through
 ``safetensors.safe_open`` because its numpy front end cannot represent bf16.
 """
 
@@ -378,8 +378,9 @@ def check_finite(name: str, dtype: str, data, shape: tuple[int, ...], *, byte_of
     where : str
         Prefix of the message (e.g. the file name).
 
-    Works on the bit patterns in chunks of 2**18 elements (no float conversion); about
-    the cost of one memory copy of ``data`` (docs/usage.md gives the measured rate).
+    Works on the bit patterns in chunks of 2**18 elements (no float conversion), which
+    keeps the temporaries in the CPU cache: measured ~10 GB/s, less than a memory copy of
+    ``data`` (docs/usage.md, "Corrupt weights: NaN and Inf").
 
     Raises
     ------
