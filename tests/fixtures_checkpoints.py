@@ -72,6 +72,8 @@ def tiny_hf_checkpoint(tokenizer_dir, tmp_path_factory) -> Path:
 
 
 BF16_NAN, BF16_INF, BF16_NEG_INF = 0x7FC0, 0x7F80, 0xFF80
+DEMO_SCALE = "model.layers.1.mlp.switch_mlp.up_proj.scales"  # bf16 [32, 128, 4] in the demo model
+DEMO_NORM = "model.layers.2.input_layernorm.weight"          # bf16 [256]
 
 
 def poison_tensor(model_dir: Path, name: str, index: tuple[int, ...], bits: int) -> None:

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from fixtures_checkpoints import BF16_INF, BF16_NAN, BF16_NEG_INF, poison_tensor
+from fixtures_checkpoints import BF16_INF, BF16_NAN, BF16_NEG_INF, DEMO_NORM, DEMO_SCALE, poison_tensor
 from lily.checkpoint import (
     bf16_to_f32,
     check_finite,
@@ -273,10 +273,6 @@ def test_config_value_types(demo_path, where, key, value, match):
 
 # --------------------------------------------------------------------------- NaN / Inf
 
-SCALE = "model.layers.1.mlp.switch_mlp.up_proj.scales"  # bf16 [32, 128, 4] in the demo
-NORM = "model.layers.2.input_layernorm.weight"          # bf16 [256]
-
-
 @pytest.mark.parametrize("dtype, bits, what", [
     ("BF16", BF16_NAN, "NaN"), ("BF16", BF16_INF, "Inf"), ("BF16", BF16_NEG_INF, "Inf"),
     ("BF16", 0xFFC1, "NaN"), ("F16", 0x7C00, "Inf"), ("F16", 0x7E00, "NaN"),
@@ -306,8 +302,8 @@ def test_check_finite_passes_extreme_finite_values_and_integer_codes():
     check_finite("q", "U32", np.full(8, 0xFFFFFFFF, dtype=np.uint32), (8,))  # packed codes: never floats
 
 
-@pytest.mark.parametrize("name, index, bits, what", [(SCALE, (17, 100, 3), BF16_NAN, "NaN"),
-                                                      (NORM, (200,), BF16_INF, "Inf")])
+@pytest.mark.parametrize("name, index, bits, what", [(DEMO_SCALE, (17, 100, 3), BF16_NAN, "NaN"),
+                                                      (DEMO_NORM, (200,), BF16_INF, "Inf")])
 def test_non_finite_weights_are_refused_on_the_reference_device(demo_copy, name, index, bits, what):
     poison_tensor(demo_copy, name, index, bits)
     open_checkpoint(demo_copy)  # the headers are fine: nothing is read yet

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import lily.checkpoint
-from fixtures_checkpoints import BF16_INF, BF16_NAN, poison_tensor
+from fixtures_checkpoints import BF16_INF, BF16_NAN, DEMO_NORM, DEMO_SCALE, poison_tensor
 from lily import Engine, _core
 from lily.checkpoint import open_checkpoint
 from lily.errors import CheckpointError, InvalidParameterError
@@ -175,10 +175,6 @@ def test_weight_cache_option_is_validated(demo_path, bad):
 
 # --------------------------------------------------------------------------- NaN / Inf
 
-SCALE = "model.layers.1.mlp.switch_mlp.up_proj.scales"  # bf16 [32, 128, 4] in the demo
-NORM = "model.layers.2.input_layernorm.weight"          # bf16 [256]
-
-
 @pytest.fixture
 def scans(monkeypatch):
     """The names lily.checkpoint.check_finite is called with (every loader's one check)."""
@@ -189,8 +185,8 @@ def scans(monkeypatch):
 
 
 @pytest.mark.parametrize("cache", ["dir", False])
-@pytest.mark.parametrize("name, index, bits, what", [(SCALE, (17, 100, 3), BF16_NAN, "NaN"),
-                                                      (NORM, (200,), BF16_INF, "Inf")])
+@pytest.mark.parametrize("name, index, bits, what", [(DEMO_SCALE, (17, 100, 3), BF16_NAN, "NaN"),
+                                                      (DEMO_NORM, (200,), BF16_INF, "Inf")])
 def test_non_finite_weights_are_refused_on_the_sim_device(tmp_path, demo_copy, cache, name, index, bits, what):
     poison_tensor(demo_copy, name, index, bits)
     wc = tmp_path / "wc"
