@@ -16,6 +16,8 @@ Usage in ``tests/conftest.py``::
   them as read-only.
 * ``tiny_hf_checkpoint``: the Hugging Face original-layout (bf16) checkpoint of the tiny
   preset, written fresh into a session temp dir (~2 s).
+* ``poison_tensor(model_dir, name, index, bits)``: overwrite one element of a stored tensor
+  in place (a corrupt download), e.g. a bf16 NaN in a scale; on a private copy only.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from lily.checkpoint import open_checkpoint
 from lily.testing import cached_checkpoint, make_hf_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -65,3 +69,19 @@ def tiny_hf_checkpoint(tokenizer_dir, tmp_path_factory) -> Path:
     return make_hf_checkpoint(
         "tiny", tmp_path_factory.mktemp("hf") / "tiny-hf", tokenizer_dir=tokenizer_dir
     )
+
+
+BF16_NAN, BF16_INF, BF16_NEG_INF = 0x7FC0, 0x7F80, 0xFF80
+DEMO_SCALE = "model.layers.1.mlp.switch_mlp.up_proj.scales"  # bf16 [32, 128, 4] in the demo model
+DEMO_NORM = "model.layers.2.input_layernorm.weight"          # bf16 [256]
+
+
+def poison_tensor(model_dir: Path, name: str, index: tuple[int, ...], bits: int) -> None:
+    """Write the bit pattern ``bits`` over element ``index`` of tensor ``name`` (canonical
+    name) in its safetensors file."""
+    t = open_checkpoint(model_dir).tensors[name]
+    size = {"BF16": 2, "F16": 2, "F32": 4}[t.dtype]
+    flat = int(np.ravel_multi_index(index, t.shape))
+    with open(t.file, "r+b") as f:
+        f.seek(t.start + flat * size)
+        f.write(int(bits).to_bytes(size, "little"))

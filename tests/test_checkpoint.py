@@ -10,8 +10,11 @@ import struct
 import numpy as np
 import pytest
 
+from fixtures_checkpoints import BF16_INF, BF16_NAN, BF16_NEG_INF, DEMO_NORM, DEMO_SCALE, poison_tensor
 from lily.checkpoint import (
     bf16_to_f32,
+    check_finite,
+    f32_to_bf16,
     open_checkpoint,
     parse_config,
     quantization_for,
@@ -266,3 +269,58 @@ def test_config_value_types(demo_path, where, key, value, match):
     (raw["text_config"] if where == "text" else raw)[key] = value
     with pytest.raises(ConfigError, match=match):
         parse_config(raw)
+
+
+# --------------------------------------------------------------------------- NaN / Inf
+
+@pytest.mark.parametrize("dtype, bits, what", [
+    ("BF16", BF16_NAN, "NaN"), ("BF16", BF16_INF, "Inf"), ("BF16", BF16_NEG_INF, "Inf"),
+    ("BF16", 0xFFC1, "NaN"), ("F16", 0x7C00, "Inf"), ("F16", 0x7E00, "NaN"),
+    ("F32", 0x7F800000, "Inf"), ("F32", 0xFFC00000, "NaN"), ("F32", 0x7F800001, "NaN"),
+])
+def test_check_finite_finds_the_first_non_finite_element(dtype, bits, what):
+    shape = (3, 5, 70000)  # more than one scan chunk
+    udt = np.uint32 if dtype == "F32" else np.uint16
+    a = np.zeros(shape, dtype=udt)
+    a[2, 4, 69999] = a[2, 1, 7] = bits
+    with pytest.raises(CheckpointError, match=rf"tensor w \({dtype} \[3, 5, 70000\]\) holds {what} "
+                                              r"at index \[2, 1, 7\]"):
+        check_finite("w", dtype, a, shape)
+    # a later block of the same tensor: the index is the tensor's, not the block's
+    data, cut = a.tobytes(), a[:2].nbytes
+    check_finite("w", dtype, data[:cut], shape)
+    with pytest.raises(CheckpointError, match=r"at index \[2, 1, 7\]"):
+        check_finite("w", dtype, data[cut:], shape, byte_offset=cut)
+
+
+def test_check_finite_passes_extreme_finite_values_and_integer_codes():
+    big = np.array([np.finfo(np.float32).max, -np.finfo(np.float32).max, np.finfo(np.float32).tiny, 0.0, -0.0],
+                   dtype=np.float32)
+    check_finite("f", "F32", big, big.shape)
+    check_finite("b", "BF16", f32_to_bf16(big[[2, 3, 4]]), (3,))
+    check_finite("b", "BF16", np.array([0x7F7F, 0xFF7F, 0x0001], dtype=np.uint16), (3,))  # +-max, subnormal
+    check_finite("q", "U32", np.full(8, 0xFFFFFFFF, dtype=np.uint32), (8,))  # packed codes: never floats
+
+
+@pytest.mark.parametrize("name, index, bits, what", [(DEMO_SCALE, (17, 100, 3), BF16_NAN, "NaN"),
+                                                      (DEMO_NORM, (200,), BF16_INF, "Inf")])
+def test_non_finite_weights_are_refused_on_the_reference_device(demo_copy, name, index, bits, what):
+    poison_tensor(demo_copy, name, index, bits)
+    open_checkpoint(demo_copy)  # the headers are fine: nothing is read yet
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor {name} \(BF16 .*\) holds {what} "
+                                              rf"at index \[{', '.join(map(str, index))}\]"):
+        Engine.load(demo_copy, device="reference")
+
+
+def test_clean_checkpoint_scans_every_floating_tensor_once(demo_path, monkeypatch):
+    import lily.checkpoint as ckmod
+    seen = []
+    real = ckmod.check_finite
+    monkeypatch.setattr(ckmod, "check_finite", lambda name, *a, **k: (seen.append(name), real(name, *a, **k)))
+    ck = open_checkpoint(demo_path)
+    ck.check_floats()
+    floats = sorted(n for n, t in ck.tensors.items() if t.dtype in ("BF16", "F32"))
+    assert sorted(seen) == floats and any(n.endswith(".scales") for n in seen)
+    assert not any(ck.tensors[n].dtype == "U32" for n in seen)
+    ck.check_floats()  # once per Checkpoint
+    assert len(seen) == len(floats)

@@ -11,8 +11,11 @@ import threading
 import numpy as np
 import pytest
 
+import lily.checkpoint
+from fixtures_checkpoints import BF16_INF, BF16_NAN, DEMO_NORM, DEMO_SCALE, poison_tensor
 from lily import Engine, _core
-from lily.errors import InvalidParameterError
+from lily.checkpoint import open_checkpoint
+from lily.errors import CheckpointError, InvalidParameterError
 from lily.native import tensor_table
 from lily.weight_cache import ALIGN, MAGIC, aligned_table
 
@@ -168,3 +171,62 @@ def test_concurrent_loads_agree(tmp_path, demo_copy):
 def test_weight_cache_option_is_validated(demo_path, bad):
     with pytest.raises(InvalidParameterError, match="weight_cache"):
         _sim(demo_path, bad)
+
+
+# --------------------------------------------------------------------------- NaN / Inf
+
+@pytest.fixture
+def scans(monkeypatch):
+    """The names lily.checkpoint.check_finite is called with (every loader's one check)."""
+    seen = []
+    real = lily.checkpoint.check_finite
+    monkeypatch.setattr(lily.checkpoint, "check_finite", lambda name, *a, **k: (seen.append(name), real(name, *a, **k)))
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["dir", False])
+@pytest.mark.parametrize("name, index, bits, what", [(DEMO_SCALE, (17, 100, 3), BF16_NAN, "NaN"),
+                                                      (DEMO_NORM, (200,), BF16_INF, "Inf")])
+def test_non_finite_weights_are_refused_on_the_sim_device(tmp_path, demo_copy, cache, name, index, bits, what):
+    poison_tensor(demo_copy, name, index, bits)
+    wc = tmp_path / "wc"
+    with pytest.raises(CheckpointError, match=rf"model.safetensors: tensor {name} \(BF16 .*\) holds {what} "
+                                              rf"at index \[{', '.join(map(str, index))}\]"):
+        _sim(demo_copy, str(wc) if cache else False)
+    assert not wc.exists() or list(wc.iterdir()) == []  # no cache of corrupt data, no temporary file
+
+
+def test_a_written_cache_is_not_scanned_again(tmp_path, demo_copy, scans):
+    _sim(demo_copy, str(tmp_path))
+    ck = open_checkpoint(demo_copy)
+    floats = {n for n, t in ck.tensors.items() if t.dtype in ("BF16", "F32")}
+    assert floats <= set(scans)  # every floating tensor (and the codes: no-ops), while the cache was written
+    scans.clear()
+    engine = _sim(demo_copy, str(tmp_path))
+    assert scans == [] and engine.backend.runtime.repacked_bytes == 0  # mapped, not read
+    scans.clear()
+    _sim(demo_copy, False)  # no cache: the runtime copies from the checkpoint, checked first
+    assert sorted(scans) == sorted(floats)
+
+
+def test_a_cache_written_without_the_check_is_rewritten_with_it(tmp_path, demo_copy, scans):
+    table = tensor_table(open_checkpoint(demo_copy))
+    first = aligned_table(table, tmp_path, notice=lambda m: None)  # no check given
+    assert scans == []
+    said = []
+    ck = open_checkpoint(demo_copy)
+    again = aligned_table(table, tmp_path, notice=said.append, check=ck.check_finite)
+    assert again == first and len(said) == 1 and "writing" in said[0] and scans
+    assert aligned_table(table, tmp_path, notice=pytest.fail, check=pytest.fail) == first
+
+
+def test_the_check_sees_every_byte_of_every_tensor(tmp_path):
+    src = tmp_path / "bad.bin"
+    src.write_bytes(bytes(range(256)) * 2)
+    table = [("a", str(src), 2, 100), ("b", str(src), 102, 300)]
+    got = {}
+    aligned_table(table, tmp_path / "wc", notice=lambda m: None,
+                  check=lambda name, block, at: got.setdefault(name, []).append((at, bytes(block))))
+    data = src.read_bytes()
+    for name, _, offset, nbytes in table:
+        assert b"".join(b for _, b in got[name]) == data[offset:offset + nbytes] and got[name][0][0] == 0

@@ -12,10 +12,11 @@ class LilyError(Exception):
 
 
 class CheckpointError(LilyError):
-    """A checkpoint directory is missing, truncated, mis-shaped or of an unknown architecture.
+    """A checkpoint directory is missing, truncated, mis-shaped or of an unknown architecture,
+    or a floating tensor holds NaN or Inf.
 
     The message names the file and, where relevant, the tensor with its expected and
-    actual shape or dtype.
+    actual shape or dtype, or the index of its first non-finite element.
     """
 
 

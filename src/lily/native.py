@@ -118,7 +118,12 @@ class NativeBackend:
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  weight_cache: bool | str = True, device_options: dict | None = None, **options):
-        """``options``: the runtime's (:func:`runtime_options`) but ``virtual_weights``."""
+        """``options``: the runtime's (:func:`runtime_options`) but ``virtual_weights``.
+
+        Raises :class:`CheckpointError` for a NaN or Inf in a floating tensor, found while
+        the weight cache is written or, for tensors used from the checkpoint file itself
+        (no cache, or an aligned file), by a scan here; a cache reused from an earlier load
+        was checked when written and is not read again."""
         from lily import _core
         reject_unknown_options(options, [o for o in self.OPTIONS if o not in ("weight_cache", "device_options")],
                                "device option")
@@ -133,9 +138,12 @@ class NativeBackend:
         self.config = ck.config
         self.max_context = max_context
         self.device = make_device(device, **(device_options or {}))
-        tensors = tensor_table(ck)
+        table = tensors = tensor_table(ck)
         if weight_cache is not False:
-            tensors = aligned_table(tensors, None if weight_cache is True else weight_cache)
+            # a cache file's floats are checked while it is written, never again when reused
+            tensors = aligned_table(table, None if weight_cache is True else weight_cache, check=ck.check_finite)
+        # what the runtime maps or copies from the checkpoint itself: checked here
+        ck.check_floats(old[0] for old, new in zip(table, tensors) if new == old)
         try:
             self.runtime = _core.Runtime(self.device, model_dims(ck.config), tensors, opts)
         except ValueError as e:

@@ -362,6 +362,10 @@ class ReferenceBackend:
     prefill_chunk = 128  # no device limit: the engine's cancellation granularity here
 
     def __init__(self, ck: Checkpoint, max_context: int, **kw):
+        """Raises :class:`CheckpointError` for a NaN or Inf in a floating tensor: the model
+        reads weights lazily, so the floats (about 6% of an MLX 4-bit checkpoint) are
+        scanned here, where a refusal is a load error rather than a failure mid-forward."""
+        ck.check_floats()
         self.model = ReferenceModel(ck, **kw)
         self.max_context = max_context
         self.state: ReferenceState = self.model.new_state(max_context)

@@ -17,6 +17,13 @@ The header records the source file's resolved path, size and modification time; 
 whose record does not match (the checkpoint changed) or whose size is wrong (a damaged
 file) is rewritten. Writes go to a temporary file renamed into place, so concurrent loads
 and interrupted writes never leave a partial cache behind.
+
+Corruption check: the data is read once, when the cache file is written, so that is when
+the caller's ``check`` (the native backend passes :meth:`lily.checkpoint.Checkpoint.check_finite`:
+no NaN or Inf in a floating tensor) sees every block; the header then records
+``"checked": true``. Later loads map a checked cache without reading it again: its bytes
+were checked when written, and a changed source gets a new cache. A cache written without a
+check does not count as checked and is rewritten when a check is asked for.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import shutil
 import struct
 import sys
 from pathlib import Path
+from typing import Callable
 
 MAGIC = b"LILYWC01"
 ALIGN = 16          # what the kernels need
@@ -44,6 +52,7 @@ def default_dir() -> Path:
 
 
 Entry = tuple[str, str, int, int]  # (tensor name, file, byte offset, nbytes)
+Check = Callable[[str, bytes, int], None]  # (tensor name, block of its bytes, block's byte offset)
 
 
 def _source_record(path: Path) -> dict:
@@ -76,10 +85,11 @@ def _read_header(path: Path) -> dict | None:
         return None
 
 
-def _valid(path: Path, source: dict, entries: list[Entry]) -> dict[str, int] | None:
-    """The cache's tensor offsets if ``path`` is a complete cache of exactly ``entries``."""
+def _valid(path: Path, source: dict, entries: list[Entry], checked: bool) -> dict[str, int] | None:
+    """The cache's tensor offsets if ``path`` is a complete cache of exactly ``entries``
+    (and, if ``checked``, one whose data was checked when written)."""
     meta = _read_header(path)
-    if meta is None or meta.get("source") != source:
+    if meta is None or meta.get("source") != source or (checked and meta.get("checked") is not True):
         return None
     tensors = meta.get("tensors")
     if not isinstance(tensors, dict) or set(tensors) != {e[0] for e in entries}:
@@ -94,7 +104,8 @@ def _valid(path: Path, source: dict, entries: list[Entry]) -> dict[str, int] | N
         return None
 
 
-def _write(path: Path, source_file: Path, source: dict, entries: list[Entry]) -> dict[str, int]:
+def _write(path: Path, source_file: Path, source: dict, entries: list[Entry],
+           check: Check | None) -> dict[str, int]:
     # the header lists the offsets, which depend on the header's length: start with one page
     # and grow it until the header fits
     data_start = HEADER_ALIGN
@@ -103,7 +114,7 @@ def _write(path: Path, source_file: Path, source: dict, entries: list[Entry]) ->
         for name, _, _, nbytes in entries:
             offsets[name] = at
             at += _round_up(nbytes, TENSOR_ALIGN)
-        meta = json.dumps({"source": source,
+        meta = json.dumps({"source": source, "checked": check is not None,
                            "tensors": {n: [offsets[n], nb] for n, _, _, nb in entries}}).encode()
         if 16 + len(meta) <= data_start:
             break
@@ -125,6 +136,8 @@ def _write(path: Path, source_file: Path, source: dict, entries: list[Entry]) ->
                     block = src.read(min(left, 64 << 20))
                     if not block:
                         raise OSError(f"{source_file} ended inside tensor {name}")
+                    if check is not None:
+                        check(name, block, nbytes - left)
                     out.write(block)
                     left -= len(block)
             out.truncate(end)
@@ -135,7 +148,7 @@ def _write(path: Path, source_file: Path, source: dict, entries: list[Entry]) ->
 
 
 def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
-                  *, notice=None) -> list[Entry]:
+                  *, notice=None, check: Check | None = None) -> list[Entry]:
     """``entries`` with every tensor of an unaligned file redirected into its cache file.
 
     Parameters
@@ -146,12 +159,19 @@ def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
         Where cache files live (default :func:`default_dir`); created if missing.
     notice : callable(str) | None
         Receives one line per cache file written and per fallback (default: stderr).
+    check : callable(name, block, byte offset) | None
+        Called on every block of every tensor copied into a new cache file (the blocks of
+        a tensor in order; ``byte offset`` into the tensor, a multiple of 64 MiB); it
+        raises to refuse the data. Only a cache written with a check is reused when one is
+        given; an existing checked cache is not read again.
 
     Returns
     -------
     The table to map. Files already aligned are left as they are. A file whose cache cannot
     be written (read-only or full disk) keeps its entries too, after a notice: the runtime
-    then copies it into device memory at load, as without a cache. Never raises OSError.
+    then copies it into device memory at load, as without a cache: its entries are not
+    passed to ``check``. Never raises OSError; what ``check`` raises propagates (no cache
+    file is left behind).
     """
     notice = notice or (lambda msg: print(msg, file=sys.stderr))
     by_file: dict[str, list[Entry]] = {}
@@ -166,13 +186,13 @@ def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
         try:
             source = _source_record(source_file)
             path = _cache_path(cache_dir, source, group)
-            offsets = _valid(path, source, group)
+            offsets = _valid(path, source, group, check is not None)
             if offsets is None:
                 cache_dir.mkdir(parents=True, exist_ok=True)
                 size = sum(e[3] for e in group)
                 notice(f"lily: writing an aligned copy of {source_file.name} ({size / 2**20:.0f} MiB) "
                        f"to {path} (once; weight_cache=False copies into memory at each load instead)")
-                offsets = _write(path, source_file, source, group)
+                offsets = _write(path, source_file, source, group, check)
         except OSError as e:
             notice(f"lily: cannot use the weight cache in {cache_dir} for {source_file.name} ({e}); "
                    "copying its tensors into memory instead")
