@@ -68,3 +68,14 @@ if(LILY_CXX_HAS_MF16C AND NOT CMAKE_CROSSCOMPILING)
     target_compile_options(lily_sim PRIVATE -mf16c)
   endif()
 endif()
+# Likewise fma (the kernels' explicit fma, e.g. the half-FMA weight dequantization): a libm
+# call per element without FMA, one instruction with it; exact either way, and
+# -ffp-contract=off keeps the compiler from fusing anything else.
+check_cxx_compiler_flag(-mfma LILY_CXX_HAS_MFMA)
+if(LILY_CXX_HAS_MFMA AND NOT CMAKE_CROSSCOMPILING)
+  check_cxx_source_runs("int main() { return __builtin_cpu_supports(\"fma\") ? 0 : 1; }" LILY_HOST_HAS_FMA)
+  if(LILY_HOST_HAS_FMA)
+    target_compile_options(lily_sim_kernels PRIVATE -mfma)
+    target_compile_options(lily_sim PRIVATE -mfma)
+  endif()
+endif()
