@@ -54,28 +54,23 @@ target_compile_options(lily_sim PRIVATE -ffp-contract=off)
 target_include_directories(lily_sim PRIVATE "${CMAKE_SOURCE_DIR}/csrc")
 list(APPEND LILY_DEVICES "sim")
 
-# Half <-> float conversions are exact either way, but GCC on x86-64 lowers them to libgcc
-# calls unless F16C is enabled (they were a quarter of a simulated prefill). Enabled when
-# the compiler takes -mf16c and the building CPU has it (the simulator is built where it runs;
-# a cross build cannot ask the CPU, so it keeps the library calls).
+# Instruction sets the simulator uses when the compiler takes the flag and the building CPU
+# has them (the simulator is built where it runs; a cross build cannot ask the CPU, so it
+# keeps the library calls). Results are exact either way, and -ffp-contract=off keeps the
+# compiler from fusing anything itself:
+#   f16c  half <-> float conversions, otherwise libgcc calls (a quarter of a simulated prefill)
+#   fma   the kernels' explicit fma (e.g. the half-FMA weight dequantization), otherwise a
+#         libm call per element
 include(CheckCXXCompilerFlag)
 include(CheckCXXSourceRuns)
-check_cxx_compiler_flag(-mf16c LILY_CXX_HAS_MF16C)
-if(LILY_CXX_HAS_MF16C AND NOT CMAKE_CROSSCOMPILING)
-  check_cxx_source_runs("int main() { return __builtin_cpu_supports(\"f16c\") ? 0 : 1; }" LILY_HOST_HAS_F16C)
-  if(LILY_HOST_HAS_F16C)
-    target_compile_options(lily_sim_kernels PRIVATE -mf16c)
-    target_compile_options(lily_sim PRIVATE -mf16c)
+foreach(isa f16c fma)
+  string(TOUPPER ${isa} ISA)
+  check_cxx_compiler_flag(-m${isa} LILY_CXX_HAS_M${ISA})
+  if(LILY_CXX_HAS_M${ISA} AND NOT CMAKE_CROSSCOMPILING)
+    check_cxx_source_runs("int main() { return __builtin_cpu_supports(\"${isa}\") ? 0 : 1; }" LILY_HOST_HAS_${ISA})
+    if(LILY_HOST_HAS_${ISA})
+      target_compile_options(lily_sim_kernels PRIVATE -m${isa})
+      target_compile_options(lily_sim PRIVATE -m${isa})
+    endif()
   endif()
-endif()
-# Likewise fma (the kernels' explicit fma, e.g. the half-FMA weight dequantization): a libm
-# call per element without FMA, one instruction with it; exact either way, and
-# -ffp-contract=off keeps the compiler from fusing anything else.
-check_cxx_compiler_flag(-mfma LILY_CXX_HAS_MFMA)
-if(LILY_CXX_HAS_MFMA AND NOT CMAKE_CROSSCOMPILING)
-  check_cxx_source_runs("int main() { return __builtin_cpu_supports(\"fma\") ? 0 : 1; }" LILY_HOST_HAS_FMA)
-  if(LILY_HOST_HAS_FMA)
-    target_compile_options(lily_sim_kernels PRIVATE -mfma)
-    target_compile_options(lily_sim PRIVATE -mfma)
-  endif()
-endif()
+endforeach()
