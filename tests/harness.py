@@ -29,8 +29,8 @@ from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 from lily import kernel_check
 from lily._device import constant, download, sim_device, upload  # noqa: F401
 from lily.kernel_check import (  # noqa: F401
-    GEMM_BM, GEMM_TG, MOE_TENSOR_TILES, MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_ref, half_operand, half_weights, magnitude, rand_quant,
-    gemm_geometry, half_stored, run_encoder, swiglu_ref, to_bf16_bits, upload_q)
+    GEMM_BM, GEMM_TG, MOE_TENSOR_TILES, MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_geometry, gemm_ref,
+    half_operand, half_weights, half_stored, magnitude, rand_quant, run_encoder, swiglu_ref, to_bf16_bits, upload_q)
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}

@@ -60,7 +60,7 @@ del _name
 
 # Expert loads for T = 128 (tensor-op path only, one class): empty, one band, band edges,
 # exactly one tile, a tile and a row, full tiles plus partial bands.
-T128_COUNTS = [0, 5, 16, 17, 100, 128, 129, 200, 300, 20]
+T128_COUNTS = [0, 6, 16, 17, 100, 128, 129, 200, 300, 20]  # an even sum: 2 experts per row
 
 
 def test_moe_class_chain_t128(dev):
