@@ -32,6 +32,23 @@ class InvalidParameterError(LilyError, ValueError):
     """A sampling or engine parameter is out of range or of the wrong type."""
 
 
+class ToolSchemaError(InvalidParameterError):
+    """A forced tool call's grammar cannot be built from one tool's parameters schema: it is
+    valid JSON Schema but unsatisfiable (``minimum`` > ``maximum``) or uses what the grammar
+    engine cannot enforce (look-around in ``pattern``, an unknown ``format``, a ``$ref``
+    that does not resolve).
+
+    ``index`` is the tool's position in the ``tools`` list given, ``name`` its name and
+    ``reason`` why, in one line (no grammar listing).
+    """
+
+    def __init__(self, index: int, name: str, reason: str):
+        super().__init__(f"tools[{index}] ({name}): parameters cannot be enforced: {reason}")
+        self.index = index
+        self.name = name
+        self.reason = reason
+
+
 class ContextLengthError(LilyError, ValueError):
     """A prompt or generation does not fit in the session's context window."""
 

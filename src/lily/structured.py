@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import weakref
 from collections.abc import Iterable
@@ -51,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from lily.errors import InvalidParameterError, LilyError
+from lily.errors import InvalidParameterError, LilyError, ToolSchemaError
 
 #: llguidance's JSON layout options: one line, separated as ``json.dumps`` does. Free
 #: whitespace lets a model pad the answer with blank lines until max_tokens (the
@@ -121,12 +122,32 @@ def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
     return schema
 
 
-def _check(grammar_text: str, what: str) -> None:
-    """Raise InvalidParameterError with llguidance's message when ``grammar_text`` is invalid."""
+_LISTING = re.compile(r"\s*\d+ \| ")  # a line of the grammar listing in llguidance's errors
+
+
+def short_reason(message: str) -> str:
+    """llguidance's error ``message`` as one line: without its position (``at 5(11):``), its
+    "failed to compile JSON schema" preamble, the regex carets and the listing of the whole
+    generated grammar that follows (our Lark rules, of no use to whoever sent the schema)."""
+    parts = []
+    for line in message.splitlines():
+        if _LISTING.match(line):
+            break
+        line = line.strip()
+        if line and set(line) != {"^"}:
+            parts.append(line)
+    text = re.sub(r"^at \d+\(\d+\):\s*", "", " ".join(parts))
+    return text.removeprefix("failed to compile JSON schema: ") or "invalid grammar"
+
+
+def _grammar_error(lark: str) -> str | None:
+    """The short reason (:func:`short_reason`) why the Lark grammar ``lark`` (start symbol
+    ``start``) does not compile, or None when it does."""
     llg = _llg()
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text, None)
-    if is_error:
-        raise InvalidParameterError(f"{what}: {messages[0] if messages else 'invalid grammar'}")
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(llg.LLMatcher.grammar_from_lark(lark), None)
+    if not is_error:
+        return None
+    return short_reason(messages[0]) if messages else "invalid grammar"
 
 
 class Grammar:
@@ -152,11 +173,14 @@ class Grammar:
         Raises :class:`InvalidParameterError` when the schema is malformed (e.g. ``"type":
         "strng"``, ``"required": "a"``: :func:`check_schema`), unsatisfiable (``minimum`` >
         ``maximum``) or uses what llguidance cannot enforce (look-around in ``pattern``,
-        unknown ``format``, remote ``$ref``); the message is then llguidance's.
+        unknown ``format``, remote ``$ref``); the message then starts "JSON schema cannot be
+        enforced" and gives llguidance's reason in one line (:func:`short_reason`).
         """
         schema = check_schema(schema)
         body = "body: " + _json_rule(schema) + "\n"
-        _check(_llg().LLMatcher.grammar_from_lark(body.replace("body:", "start:", 1)), "invalid JSON schema")
+        err = _grammar_error(body.replace("body:", "start:", 1))
+        if err is not None:
+            raise InvalidParameterError(f"JSON schema cannot be enforced: {err}")
         return cls("json_schema", body)
 
     @classmethod
@@ -173,7 +197,8 @@ class Grammar:
         ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {"name",
         "parameters"}}``) or bare functions (``{"name", "parameters"}``). Raises
         :class:`InvalidParameterError` when there is no tool, ``name`` is not one of them,
-        or a parameter schema is invalid.
+        or a parameter schema is invalid; :class:`~lily.errors.ToolSchemaError` (naming the
+        tool) when a forced tool's valid schema cannot be enforced.
         """
         fns = _functions(tools)
         if not fns:
@@ -184,15 +209,28 @@ class Grammar:
             fns = {name: fns[name]}
         rules: list[str] = []
         alts = []
-        for i, (fname, params) in enumerate(fns.items()):
-            alts.append(f"fn{i}")
-            rules.extend(_function_rules(f"fn{i}", fname, params))
+        per_tool: list[tuple[int, str, list[str]]] = []
+        for k, (fname, (index, params)) in enumerate(fns.items()):
+            alts.append(f"fn{k}")
+            try:
+                fn_rules = _function_rules(f"fn{k}", fname, params)
+            except InvalidParameterError as exc:
+                raise ToolSchemaError(index, fname, str(exc)) from None
+            per_tool.append((index, fname, fn_rules))
+            rules.extend(fn_rules)
         rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
         first = "body: call" if name is not None or not parallel else "body: call (\"\\n\" call)*"
         body = "\n".join([first, *rules]) + "\n"
-        _check(_llg().LLMatcher.grammar_from_lark(
-            body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
-            .replace("</tool_call>", '"</tool_call>"')), "invalid tool parameters schema")
+        err = _grammar_error(body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
+                             .replace("</tool_call>", '"</tool_call>"'))
+        if err is not None:
+            # compile each tool alone to say which one cannot be enforced (only on failure:
+            # one compilation when all is well)
+            for k, (index, fname, fn_rules) in enumerate(per_tool):
+                alone = _grammar_error("\n".join([f"start: fn{k}", *fn_rules]) + "\n")
+                if alone is not None:
+                    raise ToolSchemaError(index, fname, alone)
+            raise InvalidParameterError(f"the tool-call grammar cannot be built: {err}")
         return cls("tool_calls", body)
 
     # -- binding -----------------------------------------------------------------------
@@ -342,9 +380,9 @@ def _ll_tokenizer(tokenizer, eos: tuple[int, ...]):
 # ----------------------------------------------------------------------------------------
 
 
-def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
-    """name -> parameters schema ({} when absent), in the order given."""
-    out: dict[str, dict] = {}
+def _functions(tools: Iterable[dict] | None) -> dict[str, tuple[int, dict]]:
+    """name -> (position in ``tools``, parameters schema ({} when absent)), in the order given."""
+    out: dict[str, tuple[int, dict]] = {}
     if tools is None or isinstance(tools, (str, bytes, dict)):
         raise InvalidParameterError("tools must be a list of tool definitions")
     for i, tool in enumerate(tools):
@@ -356,7 +394,7 @@ def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
             params = {}
         if not isinstance(params, dict):
             raise InvalidParameterError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object")
-        out[fn["name"]] = check_schema(params, f"tools[{i}] ({fn['name']}): parameters")
+        out[fn["name"]] = (i, check_schema(params, f"tools[{i}] ({fn['name']}): parameters"))
     return out
 
 

@@ -177,13 +177,19 @@ def template_messages(req: CountTokensRequest) -> list[dict]:
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a Messages request spells it (``parameters`` is
+    ``input_schema``), for error messages."""
+    return f"tools.{i}.{'input_schema' if field == 'parameters' else field}"
+
+
 def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None]:
     """``(tools in OpenAI's form, parse tool calls, forced tool)``: ``forced`` is
     ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``."""
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}}
              for t in req.tools] if req.tools else None
-    check_tools(tools, lambda i, field: f"tools.{i}.{'input_schema' if field == 'parameters' else field}")
+    check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
         return tools, tools is not None, None
@@ -268,7 +274,7 @@ async def messages(req: MessagesRequest, request: Request):
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
     tools, parse_tools, forced = tool_setup(req)
-    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice",
+    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=tool_param,
                                     parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
-from lily.errors import ContextLengthError, InvalidParameterError, LilyError
+from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolSchemaError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
 from lily.structured import check_schema, grammar_for_request
@@ -692,7 +692,8 @@ def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> N
 
 
 def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,
-                       tools: list[dict] | None = None, param: str = "response_format", parallel: bool = True):
+                       tools: list[dict] | None = None, param: str = "response_format", parallel: bool = True,
+                       tool_param: Callable[[int, str], str] | None = None):
     """The decoding constraint a request asks for, handed to the engine as ``constraint=``
     (``None``: unconstrained). The one place every API's output-format options meet:
 
@@ -701,12 +702,18 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
     "json_schema": {...}}``; the Responses API's ``text.format`` is converted to it by the
     caller); ``tool_choice`` is ``"required"`` or a function name when the request forces a
     tool call, with ``tools`` in OpenAI's chat form (``parallel=False``: exactly one call).
-    The result is a :class:`lily.structured.Grammar` (checked here: an invalid schema is a
-    400 naming ``param``); the engine binds it to the prompt (thinking first when the
-    prompt leaves a ``<think>`` block open).
+    The result is a :class:`lily.structured.Grammar` (checked here: an invalid or
+    unenforceable format schema is a 400 naming ``param``; a forced tool whose schema
+    cannot be enforced is a 400 naming the tool and ``tool_param(i, "parameters")``, the
+    spelling :func:`check_tools` uses); the engine binds it to the prompt (thinking first
+    when the prompt leaves a ``<think>`` block open).
     """
     try:
         return grammar_for_request(format=format, tool_choice=tool_choice, tools=tools, parallel=parallel)
+    except ToolSchemaError as exc:
+        where = tool_param(exc.index, "parameters") if tool_param else f"tools.{exc.index}"
+        raise APIError(400, f"{where} (tool {exc.name!r}): the schema is valid but a forced call of this "
+                            f"tool cannot be enforced: {exc.reason}", param=where, code="invalid_value") from None
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
 

@@ -77,10 +77,15 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a chat request spells it (for error params)."""
+    return f"tools.{i}.function.{field}"
+
+
 def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """Tools to render and whether to parse tool calls."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    check_tools(tools, lambda i, field: f"tools.{i}.function.{field}")
+    check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None
@@ -172,7 +177,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if isinstance(forced, dict):
         forced = (forced.get("function") or {}).get("name")
     constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools,
-                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
+                                    parallel=getattr(req, "parallel_tool_calls", None) is not False,
+                                    tool_param=tool_param)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
         max_tokens = state.default_max_tokens_for(len(ids))

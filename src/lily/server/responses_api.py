@@ -175,6 +175,11 @@ def template_messages(instructions: str | None, items: list[dict]) -> list[dict]
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a Responses request spells it (for error params)."""
+    return f"tools.{i}.{field}"
+
+
 def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | None]:
     """``(tools in the chat form, parse tool calls, forced)`` with ``forced`` ``"required"``
     or a function's name when ``tool_choice`` forces a call."""
@@ -189,7 +194,7 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description") or "",
                 "parameters": {"type": "object", "properties": {}} if params is None else params}})
-        check_tools(tools, lambda i, field: f"tools.{i}.{field}")
+        check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None, None
@@ -293,7 +298,7 @@ async def responses(req: ResponsesRequest, request: Request):
         raise APIError(400, "input is empty", param="input", code="invalid_value")
     tools, parse_tools, forced = tool_setup(req)
     constraint = request_constraint(state, format=response_format(req), tool_choice=forced, tools=tools,
-                                    param="text.format",
+                                    param="text.format", tool_param=tool_param,
                                     parallel=getattr(req, "parallel_tool_calls", None) is not False)
     prompt_text, ids = await state.render_chat(messages, tools, _enable_thinking(req), param="input")
     max_tokens = req.max_output_tokens or state.default_max_tokens_for(len(ids))
