@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lily import Engine, InvalidParameterError, parse_chat_output
-from lily.errors import ToolSchemaError
+from lily.errors import ToolError
 from lily.sampling import Sampler, SamplingParams
 from lily.structured import Grammar
 
@@ -237,10 +237,10 @@ def test_invalid_tool_choices_are_refused():
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 3, "maximum": 1}}}}}
     for tools in ([bad], [*WEATHER, bad]):  # the culprit is named, wherever it stands
-        with pytest.raises(ToolSchemaError) as e:
+        with pytest.raises(ToolError) as e:
             Grammar.tool_calls(tools)
-        assert (e.value.index, e.value.name) == (len(tools) - 1, "f")
-        assert e.value.reason == "Unsatisfiable schema: minimum (3) is greater than maximum (1)"
+        assert (e.value.index, e.value.name, e.value.field) == (len(tools) - 1, "f", "parameters")
+        assert e.value.reason.endswith("cannot be enforced: Unsatisfiable schema: minimum (3) is greater than maximum (1)")
     Grammar.tool_calls([*WEATHER, bad], WEATHER[0]["function"]["name"])  # only the named tool is compiled
 
 

@@ -47,12 +47,12 @@ import json
 import re
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from lily.errors import InvalidParameterError, LilyError, ToolSchemaError
+from lily.errors import InvalidParameterError, LilyError, ToolError
 
 #: llguidance's JSON layout options: one line, separated as ``json.dumps`` does. Free
 #: whitespace lets a model pad the answer with blank lines until max_tokens (the
@@ -99,15 +99,23 @@ def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
     String formats (``"format": "regex"`` on ``pattern``) are not checked here: Python's
     ``re`` is not ECMA 262 (it rejects ``\\p{L}``); llguidance checks patterns it compiles.
     """
+    parsed, problem = _schema_problem(schema)
+    if problem is not None:
+        raise InvalidParameterError(f"{what}: {problem}")
+    return parsed
+
+
+def _schema_problem(schema: Any) -> tuple[Any, str | None]:
+    """``(parsed schema, None)``, or ``(None, what is wrong)`` (see :func:`check_schema`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as e:
-            raise InvalidParameterError(f"{what}: not valid JSON: {e}") from None
+            return None, f"not valid JSON: {e}"
     if not isinstance(schema, (dict, bool)):
-        raise InvalidParameterError(f"{what}: a JSON schema must be an object, got {type(schema).__name__}")
+        return None, f"a JSON schema must be an object, got {type(schema).__name__}"
     if schema is False:
-        raise InvalidParameterError(f"{what}: the JSON schema `false` accepts no value")
+        return None, "the JSON schema `false` accepts no value"
     try:
         import jsonschema
     except ImportError as e:  # a dependency, but say what to do if it is missing
@@ -117,9 +125,48 @@ def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
         validator.check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise InvalidParameterError(f"{what}: invalid JSON schema: {e.message}"
-                                    + (f" (at {where})" if where else "")) from None
-    return schema
+        return None, f"invalid JSON schema: {e.message}" + (f" (at {where})" if where else "")
+    return schema, None
+
+
+# Tool names: OpenAI's function-definition reference ("a-z, A-Z, 0-9, underscores and
+# dashes, at most 64") and Anthropic's tool reference (the regex ^[a-zA-Z0-9_-]{1,64}$) agree
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> None:
+    """The check of every tool list before it is rendered or compiled, whatever the tool
+    choice (the server's three APIs and ``lily cache-prompt --tools``): ``tools`` (None: no
+    tools) must be a list of OpenAI chat-form tools ``{"type": "function", "function":
+    {"name", "description", "parameters"}}``, each name 1 to 64 letters, digits, ``_`` or
+    ``-`` (:data:`TOOL_NAME`), each description a string, each ``parameters`` a valid JSON
+    Schema (:func:`check_schema`, the check ``response_format`` gets).
+
+    Raises :class:`InvalidParameterError` when ``tools`` is not a list, and
+    :class:`~lily.errors.ToolError` for the first tool at fault, its ``param`` spelled by
+    ``param(i, field)`` (e.g. ``tools.0.input_schema``; default ``tools[i].function.field``).
+    Unsatisfiable schemas pass: only a forced call compiles them (:meth:`Grammar.tool_calls`).
+    """
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidParameterError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    spell = param or (lambda i, field: f"tools[{i}].function.{field}")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise ToolError(i, None, "", 'a tool must be an object {"type": "function", "function": '
+                                         '{"name": ..., "description": ..., "parameters": {...}}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ToolError(i, None, "name", f"tool name {name!r} is invalid: it must be 1 to 64 letters, digits, "
+                                             "underscores or dashes", spell(i, "name"))
+        if not isinstance(fn.get("description", ""), (str, type(None))):
+            raise ToolError(i, name, "description", "the description must be a string", spell(i, "description"))
+        params = fn.get("parameters")
+        _, problem = _schema_problem({} if params is None else params)
+        if problem is not None:
+            raise ToolError(i, name, "parameters", problem, spell(i, "parameters"))
 
 
 _LISTING = re.compile(r"\s*\d+ \| ")  # a line of the grammar listing in llguidance's errors
@@ -197,8 +244,8 @@ class Grammar:
         ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {"name",
         "parameters"}}``) or bare functions (``{"name", "parameters"}``). Raises
         :class:`InvalidParameterError` when there is no tool, ``name`` is not one of them,
-        or a parameter schema is invalid; :class:`~lily.errors.ToolSchemaError` (naming the
-        tool) when a forced tool's valid schema cannot be enforced.
+        or a parameter schema is invalid; :class:`~lily.errors.ToolError` (naming the tool,
+        ``field`` ``"parameters"``) when a forced tool's valid schema cannot be enforced.
         """
         fns = _functions(tools)
         if not fns:
@@ -215,7 +262,7 @@ class Grammar:
             try:
                 fn_rules = _function_rules(f"fn{k}", fname, params)
             except InvalidParameterError as exc:
-                raise ToolSchemaError(index, fname, str(exc)) from None
+                raise _unenforceable(index, fname, str(exc)) from None
             per_tool.append((index, fname, fn_rules))
             rules.extend(fn_rules)
         rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
@@ -229,7 +276,7 @@ class Grammar:
             for k, (index, fname, fn_rules) in enumerate(per_tool):
                 alone = _grammar_error("\n".join([f"start: fn{k}", *fn_rules]) + "\n")
                 if alone is not None:
-                    raise ToolSchemaError(index, fname, alone)
+                    raise _unenforceable(index, fname, alone)
             raise InvalidParameterError(f"the tool-call grammar cannot be built: {err}")
         return cls("tool_calls", body)
 
@@ -378,6 +425,11 @@ def _ll_tokenizer(tokenizer, eos: tuple[int, ...]):
 # ----------------------------------------------------------------------------------------
 # Tool-call grammar
 # ----------------------------------------------------------------------------------------
+
+
+def _unenforceable(index: int, name: str, reason: str) -> ToolError:
+    return ToolError(index, name, "parameters", f"the schema is valid but a forced call of this tool cannot be "
+                                                f"enforced: {reason}")
 
 
 def _functions(tools: Iterable[dict] | None) -> dict[str, tuple[int, dict]]:

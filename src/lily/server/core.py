@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
-from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolSchemaError
+from lily import structured
+from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
-from lily.structured import check_schema, grammar_for_request
+from lily.structured import grammar_for_request
 
 log = logging.getLogger("lily.server")
 
@@ -40,9 +41,6 @@ _MIN_LOGPROB = -9999.0
 _DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
 KEEPALIVE_S = 10.0  # SSE comment while a stream waits (queue, long prefill)
-# Tool names: OpenAI's function-definition reference ("a-z, A-Z, 0-9, underscores and
-# dashes, at most 64") and Anthropic's tool reference (the regex ^[a-zA-Z0-9_-]{1,64}$) agree
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -670,25 +668,13 @@ class BlockSequencer:
 
 
 def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:
-    """400 for the first tool (OpenAI's chat form, as the APIs' ``tool_setup`` make them)
-    whose name breaks :data:`TOOL_NAME` or whose parameters are not a valid JSON schema
-    (:func:`lily.structured.check_schema`, the check ``response_format`` gets), before
-    anything is rendered or queued. The message and ``param`` name the tool;
-    ``param(i, field)`` spells tool ``i``'s ``"name"`` or ``"parameters"`` field in the
-    request's own form (e.g. ``tools.0.input_schema``)."""
-    for i, tool in enumerate(tools or ()):
-        fn = tool["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            where = param(i, "name")
-            raise APIError(400, f"{where}: tool name {name!r} is invalid: it must be 1 to 64 letters, "
-                                "digits, underscores or dashes", param=where, code="invalid_value")
-        where = param(i, "parameters")
-        try:
-            params = fn.get("parameters")
-            check_schema({} if params is None else params, f"{where} (tool {name!r})")
-        except InvalidParameterError as exc:
-            raise APIError(400, str(exc), param=where, code="invalid_value") from None
+    """:func:`lily.structured.check_tools` (tool names and parameters schemas, before anything
+    is rendered or queued) as a 400 naming the tool; ``param(i, field)`` spells tool ``i``'s
+    field in the request's own form (e.g. ``tools.0.input_schema``)."""
+    try:
+        structured.check_tools(tools, param)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
 def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,
@@ -710,10 +696,10 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
     """
     try:
         return grammar_for_request(format=format, tool_choice=tool_choice, tools=tools, parallel=parallel)
-    except ToolSchemaError as exc:
-        where = tool_param(exc.index, "parameters") if tool_param else f"tools.{exc.index}"
-        raise APIError(400, f"{where} (tool {exc.name!r}): the schema is valid but a forced call of this "
-                            f"tool cannot be enforced: {exc.reason}", param=where, code="invalid_value") from None
+    except ToolError as exc:
+        if tool_param is not None:
+            exc = exc.spelled(tool_param)
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
 
