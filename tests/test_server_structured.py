@@ -291,3 +291,33 @@ def test_anthropic_forced_unenforceable_tool_is_a_400_naming_it(client, no_gener
         assert err["type"] == "invalid_request_error" and UNENFORCEABLE[1][1] in err["message"], err
         assert err["message"].startswith("tools.1.input_schema (tool 'lookup'): ")
         assert_short(err["message"])
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_duplicate_tool_names_are_a_400_in_every_api(client, no_generation, choice):
+    """Two tools of one name: which schema a call of it follows would be a guess."""
+    r = chat(client, tools=[TOOLS[0], _fn("lookup"), _fn("get_weather")], tool_choice=choice)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.2.function.name", r.text
+    assert "'get_weather' is already used by tools.0.function.name" in r.json()["error"]["message"]
+    tool = {"type": "function", "name": "f"}
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool, tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.name", r.text
+    body = {"model": "demo", "max_tokens": 8, "messages": USER, "tools": [{"name": "f", "input_schema": {}}] * 2}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and "tools.1.name: tool name 'f' is already used by tools.0.name" \
+            in r.json()["error"]["message"], r.text
+
+
+def test_a_forced_tool_without_a_name_is_a_clear_400(client, no_generation):
+    for choice in ({"type": "function"}, {"type": "function", "function": {}}):
+        r = chat(client, tools=TOOLS, tool_choice=choice)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name", r.text
+        assert "is missing" in r.json()["error"]["message"]
+    tool = {"type": "function", "name": "f"}
+    for choice, param in [({"type": "function"}, "tool_choice.name"), ({"type": "web_search"}, "tool_choice.type")]:
+        r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool], "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "tool"},
+                                          "tools": [{"name": "f", "input_schema": {}}]})
+    assert r.status_code == 400 and "tool_choice.name is missing" in r.json()["error"]["message"], r.text

@@ -139,8 +139,10 @@ def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> N
     choice (the server's three APIs and ``lily cache-prompt --tools``): ``tools`` (None: no
     tools) must be a list of OpenAI chat-form tools ``{"type": "function", "function":
     {"name", "description", "parameters"}}``, each name 1 to 64 letters, digits, ``_`` or
-    ``-`` (:data:`TOOL_NAME`), each description a string, each ``parameters`` a valid JSON
-    Schema (:func:`check_schema`, the check ``response_format`` gets).
+    ``-`` (:data:`TOOL_NAME`) and used by no other tool (a call names its tool: two of one
+    name would leave the call's schema ambiguous), each description a string, each
+    ``parameters`` a valid JSON Schema (:func:`check_schema`, the check ``response_format``
+    gets).
 
     Raises :class:`InvalidParameterError` when ``tools`` is not a list, and
     :class:`~lily.errors.ToolError` for the first tool at fault, its ``param`` spelled by
@@ -152,6 +154,7 @@ def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> N
     if not isinstance(tools, list):
         raise InvalidParameterError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
     spell = param or (lambda i, field: f"tools[{i}].function.{field}")
+    seen: dict[str, int] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or tool.get("type", "function") != "function":
@@ -161,6 +164,10 @@ def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> N
         if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
             raise ToolError(i, None, "name", f"tool name {name!r} is invalid: it must be 1 to 64 letters, digits, "
                                              "underscores or dashes", spell(i, "name"))
+        if name in seen:
+            raise ToolError(i, None, "name", f"tool name {name!r} is already used by {spell(seen[name], 'name')}: "
+                                             "tool names must be unique", spell(i, "name"))
+        seen[name] = i
         if not isinstance(fn.get("description", ""), (str, type(None))):
             raise ToolError(i, name, "description", "the description must be a string", spell(i, "description"))
         params = fn.get("parameters")

@@ -199,7 +199,10 @@ def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | 
         raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "any":
         return tools, True, "required"
-    if not choice.name or choice.name not in {t.name for t in req.tools}:
+    if not choice.name:
+        raise APIError(400, "tool_choice.name is missing: tool_choice 'tool' names the tool to call",
+                       param="tool_choice.name")
+    if choice.name not in {t.name for t in req.tools}:
         raise APIError(400, f"tool_choice names a tool that is not in tools: {choice.name!r}",
                        param="tool_choice.name")
     return tools, True, choice.name

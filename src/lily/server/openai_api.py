@@ -97,6 +97,10 @@ def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
         if isinstance(choice, dict):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
+            if name is None:
+                raise APIError(400, 'tool_choice.function.name is missing: a forced function is named as '
+                                    '{"type": "function", "function": {"name": ...}}', param="tool_choice.function.name",
+                               code="invalid_value")
             if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
                 raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                                param="tool_choice", code="invalid_value")

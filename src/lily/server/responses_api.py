@@ -206,7 +206,13 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
         if choice == "required":
             return tools, True, "required"
         name = choice.get("name")
-        if choice.get("type") != "function" or name not in {t["function"]["name"] for t in tools}:
+        if choice.get("type") != "function":
+            raise APIError(400, f"tool_choice.type must be 'function' (Lily has function tools only), got "
+                                f"{choice.get('type')!r}", param="tool_choice.type", code="invalid_value")
+        if name is None:
+            raise APIError(400, 'tool_choice.name is missing: a forced function is named as {"type": "function", '
+                                '"name": ...}', param="tool_choice.name", code="invalid_value")
+        if name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                            param="tool_choice", code="invalid_value")
         return tools, True, name
