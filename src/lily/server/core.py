@@ -34,7 +34,7 @@ from lily.structured import grammar_for_request
 
 log = logging.getLogger("lily.server")
 
-_INT32_MAX = (1 << 31) - 1
+INT32_MAX = (1 << 31) - 1
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed")
 _MIN_LOGPROB = -9999.0
@@ -152,9 +152,9 @@ class ServerState:
             if v is not None:
                 kw[name] = v
         top_k = kw.get("top_k")
-        if top_k is not None and not -1 <= top_k <= _INT32_MAX:
+        if top_k is not None and not -1 <= top_k <= INT32_MAX:
             raise APIError(400, f"invalid sampling parameter top_k={top_k}: must be -1 or 0 (both disable "
-                                f"top-k) or a count in [1, {_INT32_MAX}]", param="top_k", code="invalid_value")
+                                f"top-k) or a count in [1, {INT32_MAX}]", param="top_k", code="invalid_value")
         if top_k == -1:  # vLLM's "disabled"
             kw["top_k"] = 0
         req_stop = getattr(req, "stop", None) if stop is None else stop

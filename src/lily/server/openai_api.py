@@ -181,7 +181,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if isinstance(forced, dict):
         forced = (forced.get("function") or {}).get("name")
     constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools,
-                                    parallel=getattr(req, "parallel_tool_calls", None) is not False,
+                                    parallel=req.parallel_tool_calls is not False,
                                     tool_param=tool_param)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
