@@ -443,6 +443,20 @@ def test_request_fields_are_named_as_the_api_spells_them(srv, engine, path, extr
     assert "response_format" not in err["message"] and "max_tokens" not in err["message"], err
 
 
+def test_malformed_bodies_say_what_is_wrong(srv, engine):
+    engine.set_script("ok")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                 "/v1/messages/count_tokens"):
+        for body in (b"[1, 2]", b'"x"', b"7", b"null"):
+            r = httpx.post(srv.base + path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "the request body must be a JSON object" in r.text, (path, body, r.text)
+    # the stop list is named, not echoed (17 strings of 1000 characters)
+    err = _openai_error(httpx.post(srv.base + "/v1/chat/completions", json={"messages": ASK, "stop": ["x" * 1000] * 17}), 400)
+    assert err["param"] == "stop" and "at most 16 stop strings" in err["message"] and len(err["message"]) < 200, err
+    err = _openai_error(httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "stop": ["y" * 1000, ""]}), 400)
+    assert err["param"] == "stop" and "stop string 1" in err["message"] and len(err["message"]) < 200, err
+
+
 def test_responses_echo_parallel_tool_calls(srv, engine):
     engine.set_script("ok")
     for sent in (None, False, True):

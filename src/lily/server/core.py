@@ -468,6 +468,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ())
            if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
     param = ".".join(loc) or None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object", code="invalid_value")
     if first.get("type") == "json_invalid":
         msg = "the request body is not valid JSON"
         detail = (first.get("ctx") or {}).get("error")
