@@ -321,3 +321,13 @@ def test_a_forced_tool_without_a_name_is_a_clear_400(client, no_generation):
     r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "tool"},
                                           "tools": [{"name": "f", "input_schema": {}}]})
     assert r.status_code == 400 and "tool_choice.name is missing" in r.json()["error"]["message"], r.text
+
+
+def test_anthropic_server_tools_are_a_clear_400(client, no_generation):
+    body = {"model": "demo", "max_tokens": 8, "messages": USER}
+    for tools, needle in [([{"type": "web_search_20250305", "name": "web_search"}], "tool type 'web_search_20250305' is "
+                                                                                    "not supported"),
+                          ([{"name": "f"}], "tools.0.input_schema: required")]:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={**body, "tools": tools})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

@@ -70,9 +70,10 @@ class InputMessage(_Open):
 
 
 class ToolDef(_Open):
+    type: Optional[str] = None  # "custom" (or absent); Anthropic's server tools have their own types
     name: str = Field(min_length=1)
     description: Optional[str] = None
-    input_schema: dict[str, Any]
+    input_schema: Optional[dict[str, Any]] = None  # required of custom tools (tool_setup says so)
 
 
 class ToolChoice(_Open):
@@ -186,6 +187,13 @@ def tool_param(i: int, field: str) -> str:
 def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None]:
     """``(tools in OpenAI's form, parse tool calls, forced tool)``: ``forced`` is
     ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``."""
+    for i, t in enumerate(req.tools or ()):
+        if t.type not in (None, "custom"):
+            raise APIError(400, f"tools.{i}: tool type {t.type!r} is not supported: this server runs custom tools "
+                                "only (name, description, input_schema), no server tools", param=f"tools.{i}.type")
+        if t.input_schema is None:
+            raise APIError(400, f"tools.{i}.input_schema: required (the JSON schema of tool {t.name!r}'s input)",
+                           param=f"tools.{i}.input_schema")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}}
              for t in req.tools] if req.tools else None
