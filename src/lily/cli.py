@@ -428,7 +428,7 @@ def _system_prefix(engine, system: str | None, tools: list | None, template_kwar
 def cmd_cache_prompt(args) -> int:
     from pathlib import Path
 
-    from lily.structured import check_tools
+    from lily.structured import check_tools, template_tools
     tools = None
     if args.tools:
         try:
@@ -443,6 +443,7 @@ def cmd_cache_prompt(args) -> int:
             check_tools(tools, lambda i, field: f"tools[{i}].function{'.' + field if field else ''}")
         except InvalidParameterError as e:
             raise InvalidParameterError(f"--tools {args.tools}: {e}") from None
+        tools = template_tools(tools)  # rendered as a chat request's tools are
     system = args.system
     if args.system_file:
         try:

@@ -176,6 +176,26 @@ def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> N
             raise ToolError(i, name, "parameters", problem, spell(i, "parameters"))
 
 
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """OpenAI chat-form tools (as :func:`check_tools` accepts them) in the one layout the
+    chat template renders, whatever the key order and ``null`` fields of the input:
+    ``{"type": "function", "function": {"name", "description", "parameters", then the
+    function's other fields in their order}}`` followed by the tool's other fields, with
+    ``null`` fields left out. The chat completions API and ``lily cache-prompt --tools``
+    both render through it, so the tokens of a cache file written from a tools file are
+    those of a chat request carrying the same tools (reuse is decided by token equality)."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        f = {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
+        f.update((k, v) for k, v in fn.items() if k not in f and v is not None)
+        rest = {k: v for k, v in tool.items() if k not in ("type", "function") and v is not None}
+        out.append({"type": "function", "function": f, **rest})
+    return out
+
+
 _LISTING = re.compile(r"\s*\d+ \| ")  # a line of the grammar listing in llguidance's errors
 
 

@@ -18,6 +18,7 @@ from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerSta
                               check_unicode, collect, dumps, engine_error, finite, job_events, log_gone,
                               openai_usage, request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
 router = APIRouter()
@@ -84,7 +85,7 @@ def tool_param(i: int, field: str) -> str:
 
 def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """Tools to render and whether to parse tool calls."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    tools = template_tools([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None
     check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice == "auto":
