@@ -251,6 +251,7 @@ def test_chat_forced_unenforceable_tool_is_a_400_naming_it(client, no_generation
     err = r.json()["error"]
     assert err["param"] == "tools.1.function.parameters" and err["type"] == "invalid_request_error", err
     assert err["message"].startswith("tools.1.function.parameters (tool 'lookup'): ") and needle in err["message"]
+    assert f"parameter {next(iter(props))!r}: " in err["message"]  # the parameter at fault
     assert_short(err["message"])
 
 

@@ -240,7 +240,8 @@ def test_invalid_tool_choices_are_refused():
         with pytest.raises(ToolError) as e:
             Grammar.tool_calls(tools)
         assert (e.value.index, e.value.name, e.value.field) == (len(tools) - 1, "f", "parameters")
-        assert e.value.reason.endswith("cannot be enforced: Unsatisfiable schema: minimum (3) is greater than maximum (1)")
+        assert e.value.reason.endswith("cannot be enforced: parameter 'n': Unsatisfiable schema: minimum (3) is "
+                                       "greater than maximum (1)")
     Grammar.tool_calls([*WEATHER, bad], WEATHER[0]["function"]["name"])  # only the named tool is compiled
 
 

@@ -283,14 +283,14 @@ class Grammar:
             fns = {name: fns[name]}
         rules: list[str] = []
         alts = []
-        per_tool: list[tuple[int, str, list[str]]] = []
+        per_tool: list[tuple[int, str, list[str], list[tuple[str, str, list[str]]]]] = []
         for k, (fname, (index, params)) in enumerate(fns.items()):
             alts.append(f"fn{k}")
             try:
-                fn_rules = _function_rules(f"fn{k}", fname, params)
+                fn_rules, values = _function_rules(f"fn{k}", fname, params)
             except InvalidParameterError as exc:
                 raise _unenforceable(index, fname, str(exc)) from None
-            per_tool.append((index, fname, fn_rules))
+            per_tool.append((index, fname, fn_rules, values))
             rules.extend(fn_rules)
         rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
         first = "body: call" if name is not None or not parallel else "body: call (\"\\n\" call)*"
@@ -298,12 +298,17 @@ class Grammar:
         err = _grammar_error(body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
                              .replace("</tool_call>", '"</tool_call>"'))
         if err is not None:
-            # compile each tool alone to say which one cannot be enforced (only on failure:
-            # one compilation when all is well)
-            for k, (index, fname, fn_rules) in enumerate(per_tool):
+            # compile each tool alone, then its parameters, to say which one cannot be
+            # enforced (only on failure: one compilation when all is well)
+            for k, (index, fname, fn_rules, values) in enumerate(per_tool):
                 alone = _grammar_error("\n".join([f"start: fn{k}", *fn_rules]) + "\n")
-                if alone is not None:
-                    raise _unenforceable(index, fname, alone)
+                if alone is None:
+                    continue
+                for key, v, value_rules in values:
+                    err = _grammar_error("\n".join([f"start: {v}", *value_rules]) + "\n")
+                    if err is not None:
+                        raise _unenforceable(index, fname, f"parameter {key!r}: {err}")
+                raise _unenforceable(index, fname, alone)
             raise InvalidParameterError(f"the tool-call grammar cannot be built: {err}")
         return cls("tool_calls", body)
 
@@ -592,7 +597,9 @@ def _value_rules(rule: str, schema: Any, root: dict) -> list[str]:
     return [f"{rule}: " + " | ".join(alts), *rules]
 
 
-def _function_rules(rule: str, name: str, params: dict) -> list[str]:
+def _function_rules(rule: str, name: str, params: dict) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """The rules of one function's call named ``rule``, and per parameter ``(name, value
+    rule, its rules)`` (to compile a parameter alone when the whole fails)."""
     props = params.get("properties")
     if props is not None and not isinstance(props, dict):
         raise InvalidParameterError(f"function {name!r}: parameters.properties must be an object")
@@ -602,6 +609,7 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
     if "\n" in name or ">" in name:
         raise InvalidParameterError(f"function name {name!r} cannot appear in a tool call")
     rules: list[str] = []
+    values: list[tuple[str, str, list[str]]] = []
     seq: list[str] = []
     names = list(props or {}) + [r for r in required if r not in (props or {})]
     for j, key in enumerate(names):
@@ -610,7 +618,12 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
         p = f"{rule}_p{j}"
         v = f"{rule}_v{j}"
         rules.append(f"{p}: " + _lark_str(f"<parameter={key}>\n") + f" {v} \"\\n\"")
-        rules.extend(_value_rules(v, (props or {}).get(key, {}), params))
+        try:
+            value_rules = _value_rules(v, (props or {}).get(key, {}), params)
+        except InvalidParameterError as exc:
+            raise InvalidParameterError(f"parameter {key!r}: {exc}") from None
+        rules.extend(value_rules)
+        values.append((key, v, value_rules))
         seq.append(p if key in required else f"{p}?")
     if props is None and params.get("additionalProperties", True) is not False:
         # no declared parameters: any names, free values
@@ -619,7 +632,7 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
         seq.append(f"{rule}_any*")
     head = _lark_str(f"<function={name}>\n")
     rules.insert(0, f"{rule}: {head} {' '.join(seq)} \"</function>\\n\"")
-    return rules
+    return rules, values
 
 
 # ----------------------------------------------------------------------------------------
