@@ -285,13 +285,14 @@ def test_anthropic_forced_unenforceable_tool_is_a_400_naming_it(client, no_gener
     good = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
     bad = {"name": "lookup", "input_schema": {"type": "object", "properties": UNENFORCEABLE[1][0]}}
     for choice in ({"type": "any"}, {"type": "tool", "name": "lookup"}):
-        r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "stream": stream,
-                                              "tools": [good, bad], "tool_choice": choice})
-        assert r.status_code == 400 and r.json()["type"] == "error", r.text
-        err = r.json()["error"]
-        assert err["type"] == "invalid_request_error" and UNENFORCEABLE[1][1] in err["message"], err
-        assert err["message"].startswith("tools.1.input_schema (tool 'lookup'): ")
-        assert_short(err["message"])
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={"model": "demo", "max_tokens": 8, "messages": USER, "stream": stream,
+                                        "tools": [good, bad], "tool_choice": choice})
+            assert r.status_code == 400 and r.json()["type"] == "error", r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and UNENFORCEABLE[1][1] in err["message"], err
+            assert err["message"].startswith("tools.1.input_schema (tool 'lookup'): ")
+            assert_short(err["message"])
 
 
 @pytest.mark.parametrize("choice", ["auto", "required"])

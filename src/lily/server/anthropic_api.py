@@ -231,9 +231,17 @@ def template_kwargs(req: CountTokensRequest) -> dict:
 async def count_tokens(req: CountTokensRequest, request: Request):
     state = state_of(request)
     state.check_model(req.model)
-    tools, _, _ = tool_setup(req)
+    tools, _, forced = tool_setup(req)
+    forced_tools(state, req, tools, forced)  # what /v1/messages refuses, this refuses too
     _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     return {"input_tokens": len(ids)}
+
+
+def forced_tools(state: ServerState, req: CountTokensRequest, tools: list[dict] | None, forced: str | None):
+    """The constraint of a forcing ``tool_choice`` (400 naming the tool whose schema cannot
+    be enforced), or None."""
+    return request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=tool_param,
+                              parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
 
 
 def _usage(state: ServerState, run: ChatRun) -> dict:
@@ -285,8 +293,7 @@ async def messages(req: MessagesRequest, request: Request):
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
     tools, parse_tools, forced = tool_setup(req)
-    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=tool_param,
-                                    parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
+    constraint = forced_tools(state, req, tools, forced)
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())
     params = state.sampling_params(req, req.max_tokens, stop=stops)
