@@ -26,10 +26,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
-from lily import structured
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
+from lily.structured import check_tools as check_tool_list
 from lily.structured import grammar_for_request
 
 log = logging.getLogger("lily.server")
@@ -674,7 +674,7 @@ def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> N
     is rendered or queued) as a 400 naming the tool; ``param(i, field)`` spells tool ``i``'s
     field in the request's own form (e.g. ``tools.0.input_schema``)."""
     try:
-        structured.check_tools(tools, param)
+        check_tool_list(tools, param)
     except ToolError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
