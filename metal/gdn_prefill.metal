@@ -8,7 +8,7 @@
 //                    gates and the delta rule over the whole chunk. Value head h is split into
 //                    DV / RV threadgroups of RV state rows each (rows of S are independent:
 //                    row v only sees v[v]), so the model's 32 heads give 128 threadgroups.
-//                    Eight adjacent lanes share a row (three shuffle-add levels per dot
+//                    Four adjacent lanes share a row (two shuffle-add levels per dot
 //                    product instead of a 32-lane simd_sum). The state is loaded into
 //                    registers once, carried through all M tokens and written back once.
 //                    Threadgroup memory holds only activations, in blocks of TB tokens:
@@ -79,14 +79,17 @@ template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdn
 // ---------------------------------------------------------------- gdn_scan
 
 // DK, DV: head dims; RV: state rows (value dims) per threadgroup, so a head is DV / RV
-// threadgroups. kGdnScanLanesPerRow (L = 8) adjacent lanes share one state row: lane j of a
-// row holds the float4 columns j, j + L, j + 2L, ... of it (DK / (4L) float4s), so a dot
-// product over the row is a per-lane partial plus log2(L) = 3 shuffle-add levels, and the
-// lanes of a row read k and q from threadgroup memory as consecutive float4s (no bank
-// conflict; the row groups of a simdgroup read the same addresses). Threadgroup memory:
+// threadgroups. kGdnScanLanesPerRow (L = 4) adjacent lanes share one state row; lane j of a
+// row holds its float4 columns j, j + L, j + 2L, ... (E4 = DK / (4L) float4s: 8 at DK = 128),
+// so a dot product over the row is a per-lane float4 partial and log2(L) = 2 shuffle-add
+// levels. Fewer lanes per row means fewer reduction steps per row and token; more columns
+// per lane only lengthens the per-lane loop, which is work the row needs anyway.
+// Threadgroup memory reads stay conflict-free: at step e the L lanes of a row read the L
+// consecutive float4s j + e*L of k (or q), i.e. 4L = 16 consecutive words, and the 32 / L = 8
+// rows of a simdgroup read those same words (one broadcast). Threadgroup memory:
 // TB * (2*DK + 2*RV + 2) * 4 bytes (10.1 KiB at DK = 128, RV = 32, TB = 8).
 template <uint DK, uint DV, uint RV, uint TB, uint K>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_scan(  // RV * 8 <= 256
+[[max_total_threads_per_threadgroup(128)]] kernel void gdn_scan(  // RV * L <= 128
     device const float* qkv [[buffer(0)]],        // [M, C] in_proj_qkv output, q | k | v (before the conv)
     device const bfloat* conv_w [[buffer(1)]],    // [C, K] conv1d.weight
     device const float* conv_in [[buffer(2)]],    // [K-1, C] conv state at the chunk's start
@@ -106,7 +109,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   constexpr uint NS = NT / 32;                  // simdgroups
   constexpr uint E4 = DK / (4 * L);             // float4s of the row per lane
   constexpr uint EQ = DK / 32;                  // q / k elements per lane when staging a token
-  static_assert(DK % (4 * L) == 0 && DV % RV == 0 && NT % 32 == 0 && NT <= 256, "scan shape");
+  static_assert(DK % (4 * L) == 0 && DV % RV == 0 && NT % 32 == 0 && NT <= 128, "scan shape");
+  static_assert((L & (L - 1)) == 0 && L <= 32, "the lanes of a row are a power-of-2 block of a simdgroup");
+  static_assert(DK % 32 == 0 && RV <= 32, "staging: EQ q/k elements per lane, v by lanes < RV");
   threadgroup float4 q_s[TB * DK / 4];          // normalised q (also / sqrt(Dk)) per token
   threadgroup float4 k_s[TB * DK / 4];          // normalised k
   threadgroup float v_s[TB * RV];               // v of this threadgroup's rows
@@ -137,7 +142,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   const uint nblocks = (M + TB - 1) / TB;
   for (uint blk = 0;; ++blk) {
     // ---- y of block blk-1 out (coalesced rows of RV) and staging of block blk (one token
-    //      per simdgroup and task); the two touch different threadgroup arrays.
+    //      per simdgroup at a time, TB / NS each); the two touch different threadgroup arrays.
     if (blk > 0) {
       const uint t0 = (blk - 1) * TB;
       for (uint i = tid; i < TB * RV; i += NT) {
@@ -196,9 +201,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
         acc += s[e] * kq[e * L];
       }
       float sk = (acc.x + acc.y) + (acc.z + acc.w);
-      sk += simd_shuffle_xor(sk, ushort(1));
-      sk += simd_shuffle_xor(sk, ushort(2));
-      sk += simd_shuffle_xor(sk, ushort(4));
+      for (ushort m = 1; m < L; m <<= 1) {
+        sk += simd_shuffle_xor(sk, m);
+      }
       const float delta = (v_s[i * RV + r] - sk) * beta_s[i];
       acc = float4(0.0f);
       for (uint e = 0; e < E4; ++e) {
@@ -206,9 +211,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
         acc += s[e] * qq[e * L];
       }
       float yr = (acc.x + acc.y) + (acc.z + acc.w);
-      yr += simd_shuffle_xor(yr, ushort(1));
-      yr += simd_shuffle_xor(yr, ushort(2));
-      yr += simd_shuffle_xor(yr, ushort(4));
+      for (ushort m = 1; m < L; m <<= 1) {
+        yr += simd_shuffle_xor(yr, m);
+      }
       if (j == 0) {
         y_s[i * RV + r] = yr;
       }
@@ -222,8 +227,8 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   }
 }
 
-// The model (Hk=16, Hv=32) and the "dims" preset: 4 threadgroups of 256 threads per head
-// (128 for the model: 3.2 per M5 Max core); the "tiny" preset: 2 of 128 per head.
+// The model (Hk=16, Hv=32) and the "dims" preset: 4 threadgroups of 128 threads per head
+// (128 threadgroups for the model: 3.2 per M5 Max core); the "tiny" preset: 2 of 64 per head.
 template [[host_name("gdn_scan_k128_v128_r32")]] [[kernel]] decltype(gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>;
 template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>;
 

@@ -134,9 +134,9 @@ struct GdnScanArgs {
   float norm_eps;    // eps of the gated RMSNorm over Dv (1e-6)
   float l2_eps;      // eps added to the sum of squares in the q/k L2 norm (1e-6)
 };
-// gdn_scan: lanes sharing one state row (a dot product is 3 shuffle-add levels) and tokens
-// per threadgroup-memory block (one staged token per simdgroup at RV = 32).
-enum : uint { kGdnScanLanesPerRow = 8, kGdnScanTokensPerBlock = 8 };
+// gdn_scan: lanes sharing one state row (a dot product is log2 4 = 2 shuffle-add levels) and
+// tokens per threadgroup-memory block (two staged tokens per simdgroup at RV = 32).
+enum : uint { kGdnScanLanesPerRow = 4, kGdnScanTokensPerBlock = 8 };
 
 // ---- attention -------------------------------------------------------------------------
 // metal/attention_prefill.metal; host facts in docs/prefill.md ("Attention: chunk q/k

@@ -769,6 +769,7 @@ GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
 }
 GDN_K = 4          # conv taps (the model's and every preset's linear_conv_kernel_dim)
 GDN_EPS = 1e-6     # rms_norm_eps and the L2-norm eps
+GDN_SCAN_LANES = 4  # lanes per state row of gdn_scan (kGdnScanLanesPerRow, metal/prefill_args.h)
 SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
@@ -841,7 +842,7 @@ class GdnPrefillLayer:
         rows_buffer / rows_out_buffer."""
         (O, o_rng), (N, n_rng) = out, normed
         # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
-        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * 8, 1, 1),
+        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * GDN_SCAN_LANES, 1, 1),
                    buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O])),
                    constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
                    reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S],
