@@ -11,7 +11,7 @@
 //                      expert), the tile map and count of each class, the per-expert counts
 // then the grouped expert GEMMs over the tile maps, one dispatch per tile class in one barrier
 // stage (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*, below), and after them:
-//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]
+//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]  (yx, ys half)
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
 #include <metal_stdlib>
@@ -250,10 +250,10 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 // dispatchThreads grid (hidden / 4, rows): thread (c, row) owns float4 c of the row.
 //   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
 // with w_j = w[row, j], summed in that order (j increasing, the shared expert last), in fp32;
-// yx is half (the down projections' stored outputs), ys and h fp32.
+// yx and ys are half (the down projections' stored outputs), h fp32.
 [[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
                         device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
-                        device const float4* ys [[buffer(2)]],   // [rows, hidden] shared expert output
+                        device const half4* ys [[buffer(2)]],    // half [rows, hidden] shared expert output
                         device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
                         constant MoeCombineArgs& args [[buffer(4)]],
                         uint2 gid [[thread_position_in_grid]]) {
@@ -269,7 +269,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   for (uint j = 1; j < k; ++j) {
     acc += wr[j] * float4(y[j * c4]);
   }
-  acc += wr[k] * ys[row * c4 + gid.x];
+  acc += wr[k] * float4(ys[row * c4 + gid.x]);
   h[row * c4 + gid.x] += acc;
 }
 

@@ -108,7 +108,7 @@ void Runtime::allocate_chunk_buffers() {
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
   c.yx = scratch(C * k * H * hf, "chunk expert outputs (half)");
   c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
-  c.ys = scratch(C * H * f, "chunk shared output");
+  c.ys = scratch(C * H * hf, "chunk shared output (half)");
   for (int p = 0; p < 2; ++p) {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
@@ -180,6 +180,7 @@ void Runtime::resolve_prefill_kernels() {
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
+  k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
                              std::to_string(d.linear_value_head_dim) + "_r" +
@@ -224,14 +225,17 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh), or fp32 (fp32_x: the attention output, o_proj's residual update).
+  // x is half (xn, hs, oh), or fp32 (fp32_x: the attention output, o_proj's residual update);
+  // y fp32, or half (half_y: the shared expert's ys; not with add).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool fp32_x = false) {
-    Op op(!add ? K.gemm[w.bits] : fp32_x ? K.gemm_add[w.bits] : K.gemm_add_h[w.bits], label);
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool fp32_x = false,
+                  bool half_y = false) {
+    Op op(half_y ? K.gemm_half[w.bits] : !add ? K.gemm[w.bits] : fp32_x ? K.gemm_add[w.bits] : K.gemm_add_h[w.bits],
+          label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (fp32_x ? f : hf));
-    const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
-    if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
+    const size_t ys = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * ys;
+    if (add) op.inout(4, y, col0 * ys, y_bytes); else op.out(4, y, col0 * ys, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
@@ -393,7 +397,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
-    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"));
+    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"), false, true);
     // routed experts: one dispatch per tile class over its own map and count, the classes of
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
     // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
@@ -433,7 +437,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     experts(true);
     Op(*K.moe_combine, labels_(l, "combine"))
         .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * f)
+        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * hf)
         .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
   }
 

@@ -26,8 +26,9 @@ constexpr double kDequantOps = 3;
 // The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
-// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*; the routed
-// experts' outputs yx, which moe_gemm_down_q4_* store the same way for moe_combine, too);
+// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*; the experts'
+// outputs yx and ys, which moe_gemm_down_q4_* and gemm_q4_half store the same way for
+// moe_combine, too);
 // only the fp32 input of gemm_q4_add (the attention output) is converted while staged, by
 // every column block of its grid. Weights are dequantized in half ALU (code to half, then a
 // half FMA: kDequantOps), so no conversion follows (groups beyond the half range take fp32:
@@ -96,17 +97,17 @@ void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // fp32_x: the activations are fp32 (gemm_q4_add), else half (gemm_q4_add_h too); NB = 2
-// writes half (hs).
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x = false) {
+// writes half (hs), as does half_y (gemm_q4_half: ys).
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x = false, bool half_y = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
   // ALU); every column block (grid x) converts fp32 activation rows (half ones are copied);
-  // SwiGLU: silu(g) * u and the conversion of its half output.
+  // SwiGLU: silu(g) * u; a half output: its conversion.
   add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
   add(w, Path::alu_f32, (fp32_x ? kHalfConvOps * r.groups.x * double(a.m) * a.k : 0.0) +
-                            (nb == 2 ? (4.0 + kHalfConvOps) * a.m * a.n : 0.0));
+                            (nb == 2 ? 4.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
   return w;
@@ -317,6 +318,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (k == "gemm_q4" || k == "gemm_q4_tensor" || k == "gemm_q4_add_h" || k == "gemm_q4_add_h_tensor")
     return dense_gemm(r, 1, tensor);
   if (k == "gemm_q4_add" || k == "gemm_q4_add_tensor") return dense_gemm(r, 1, tensor, true);
+  if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, false, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";

@@ -1275,15 +1275,15 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
 
 
 def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
-    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], ys fp32 [M, H], w fp32 [M, k+1]."""
+    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], ys half [M, H], w fp32 [M, k+1]."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
                buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 4 * M * H), (w, 0, 4 * M * (k + 1))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1))],
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
 
 def combine_ref(h, yx, ys, w):
-    """(want, tol) of moe_combine on the values it reads (yx: the half outputs as stored);
+    """(want, tol) of moe_combine on the values it reads (yx, ys: the half outputs as stored);
     float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
     M, k = w.shape[0], w.shape[1] - 1
     H = h.shape[1]
@@ -1658,10 +1658,11 @@ def _argmax_two_stage(dev, rng, kernel):
     return 0.0
 
 
-@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_tensor", "gemm_q8_tensor",
-       "gemm_q4_add_tensor", "gemm_q4_add_h_tensor")
+@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_tensor", "gemm_q4_add_h_tensor", "gemm_q4_half_tensor")
 def _gemm(dev, rng, kernel):
-    bits, add = int(kernel[6]), "_add" in kernel
+    """gemm_q4_half: y stored as half (the shared expert's ys)."""
+    bits, add, half_y = int(kernel[6]), "_add" in kernel, "_half" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = rng.standard_normal((m, k)).astype(np.float32)
@@ -1670,14 +1671,17 @@ def _gemm(dev, rng, kernel):
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
-    Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
+    Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
     run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact, tol = gemm_ref(x, qt)
     if add:
         exact = exact + y0
         tol = tol + 2 * U * np.abs(exact)
-    return ratio(download(Y, np.float32, (m, n)), exact, tol, f"{kernel} {m}x{n}x{k}")
+    if half_y:
+        exact, tol = half_stored(exact, tol)
+    got = download(Y, np.float16 if half_y else np.float32, (m, n)).astype(np.float32)
+    return ratio(got, exact, tol, f"{kernel} {m}x{n}x{k}")
 
 
 @check("gdn_decode_step_k128_v128", "gdn_decode_step_k32_v32")
@@ -2023,7 +2027,7 @@ def _moe_combine(dev, rng, kernel):
     M, H, k = 9, 128, 4
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = half_activations(rng.standard_normal((M * k, H)))
-    ys = rng.standard_normal((M, H)).astype(np.float32)
+    ys = half_activations(rng.standard_normal((M, H)))
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
     run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)

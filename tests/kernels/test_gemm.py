@@ -1,6 +1,6 @@
 """Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-gemm_q4, gemm_q8, gemm_q4_add, gemm_q4_add_h, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+gemm_q4, gemm_q8, gemm_q4_add, gemm_q4_add_h, gemm_q4_half, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
@@ -30,7 +30,9 @@ same values) and multiplies in float64, so what is left to tolerate is an fp32 G
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
   a few roundings of the activation (``swiglu_bound`` of lily.kernel_check), then the half
-  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``).
+  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``);
+* gemm_q4_half: the plain bound, then the half rounding of the stored output (``half_stored``),
+  sums beyond +-65504 stored as +-65504.
 """
 
 from __future__ import annotations
@@ -89,9 +91,9 @@ DENSE_SHAPES = [  # m, n, k
 
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
-    """x is half except for gemm_q4_add (fp32); y is half for gemm_swiglu_q4."""
+    """x is half except for gemm_q4_add (fp32); y is half for gemm_swiglu_q4 and gemm_q4_half."""
     reads = [*wb, (X, x_off, (4 if gemm_x_fp32(kernel) else 2) * ((m - 1) * lda + k))]
-    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel else 4)
+    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "half" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
                constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy))],
@@ -113,6 +115,31 @@ def test_gemm(dev, bits, m, n, k):
     exact, tol = gemm_ref(x, qt)
     check(out[:m * n].reshape(m, n), exact, tol, f"gemm_q{bits} {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all(), "wrote past the output"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (33, 64, 256), (100, 300, 128), (13, 32, 2048)])
+def test_gemm_half_output(dev, m, n, k):
+    """gemm_q4_half (the shared expert's down projection): the fp32 sums stored as half with
+    the saturating conversion, ldy > n (only the block is written), and a row driven past the
+    half range stored as +-65504, not inf."""
+    rng = fresh_rng(m, n, k, 16)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = hact(rng.standard_normal((m, k)))
+    if k >= 256:  # the last row aligned with weight row 0: y[-1, 0] = 6e4 sum|w| ~ 6e4 k / 64
+        x[-1] = hact(6e4 * np.sign(half_weights(qt)[0][0]))
+    ldy = n + 3
+    X, Y = upload(dev, x), dev.buffer(2 * m * ldy)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4_half", qbufs(dev, qt), X, Y, m, n, k, k, ldy)
+    commit(cb, "gemm_q4_half")
+    out = download(Y, np.float16).reshape(m, ldy).astype(np.float32)
+    assert np.isnan(out[:, n:]).all(), "wrote outside the block"
+    exact, tol = gemm_ref(x, qt)
+    big = np.abs(exact) > 65504 + tol
+    assert big[-1, 0] == (k >= 256)
+    assert np.array_equal(out[:, :n][big], np.sign(exact[big]) * 65504), "not saturated"
+    want, tol = half_stored(np.clip(exact, -65504, 65504), tol)
+    check(out[:, :n], want, tol, f"gemm_q4_half {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize("m,n,k", [(37, 100, 256), (64, 64, 64), (3, 200, 512)])

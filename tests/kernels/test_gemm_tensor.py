@@ -4,7 +4,7 @@ twins (metal/moe_prefill_tensor.metal) are tested in tests/kernels/test_moe_pref
 with the same device, and the checks of part 3 cover both families.
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
-   (dense shapes, strides and column blocks, _add and _add_h, SwiGLU, the router/shared-gate layout)
+   (dense shapes, strides and column blocks, _add and _add_h, _half, SwiGLU, the router/shared-gate layout)
    is collected here again with its own parametrisation, inputs and tolerances, on a device
    whose dispatches of a GEMM kernel name go to the name's ``_tensor`` twin
    (``harness.TwinDevice``: same bindings, grids, outputs). Its references model the half
@@ -222,7 +222,7 @@ def test_tensor_twins_have_the_simdgroup_bindings():
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
-    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_swiglu_q4",
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
                                      *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES))]
     d9 = sim_device(gpu_family="apple9")
     for name in names:

@@ -28,8 +28,9 @@ Tolerances and exactness:
   rtol 16 u log2(E) + 8 u (the decode kernel test's bound). Against the decode kernel
   ``moe_route`` the picks and weights are compared bit for bit (same route_topk code).
 * Shared gate ``w[:, k] = sigmoid(logit)``: float32 exp and division, |error| <= 8 u.
-* ``moe_combine``: reads the expert outputs ``yx`` as half (as the down projections store
-  them; each value converts to float32 exactly) and the rest as float32; k+1 products and
+* ``moe_combine``: reads the expert outputs ``yx`` and ``ys`` as half (as the routed down
+  projections and gemm_q4_half store them; each value converts to float32 exactly) and h, w
+  as float32; k+1 products and
   k+2 terms summed in float32 in a fixed order; the first-order bound of recursive
   summation is (k+2) u sum|terms|; we allow (k+3) u sum|terms| per element against float64
   on the half values it read.
@@ -399,7 +400,7 @@ def test_combine(dev, M, H, k, tg):
     rng = fresh_rng(M * 3 + H + k)
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half, as the down projections store it
-    ys = rng.standard_normal((M, H)).astype(np.float32)
+    ys = hact(rng.standard_normal((M, H)))  # half, as gemm_q4_half stores it
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb = dev.buffer(4 * (M * H + PAD))
     Hb.write(h.reshape(-1).view(np.uint8))
@@ -451,7 +452,7 @@ def chunk_inputs(dev, rng, M, E, k, H, hot=None):
         logits[:, hot] += 16.0
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half
-    ys = rng.standard_normal((M, H)).astype(np.float32)
+    ys = hact(rng.standard_normal((M, H)))  # half
     return logits, h, yx, ys, [upload(dev, a) for a in (logits, h, yx, ys)]
 
 
