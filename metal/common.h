@@ -97,6 +97,26 @@ inline float threadgroup_sum(float v, threadgroup float* scratch, uint sg, uint 
   return t;
 }
 
+// RMSNorm of one row by a whole threadgroup: out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i]
+// (T: float, or half with gemm_half). Thread tid squares and adds x[tid], x[tid + tcount],
+// ... in that order, then threadgroup_sum: the same thread count gives the same bits
+// (rms_norm_t of norm.metal, and moe_combine_norm, which normalises the residual it just
+// updated). XPtr: a device pointer to x.
+template <typename XPtr, typename T>
+inline void rms_row(XPtr x, device const bfloat* w, device T* out, uint n, float eps,
+                    threadgroup float* scratch, uint tid, uint tcount, uint sg, uint lane, uint nsg) {
+  float ss = 0.0f;
+  for (uint i = tid; i < n; i += tcount) {
+    const float v = x[i];
+    ss += v * v;
+  }
+  ss = threadgroup_sum(ss, scratch, sg, lane, nsg);
+  const float inv = rsqrt(ss / float(n) + eps);
+  for (uint i = tid; i < n; i += tcount) {
+    gemm_put(out + i, x[i] * inv * float(w[i]), false);
+  }
+}
+
 inline float threadgroup_max(float v, threadgroup float* scratch, uint sg, uint lane, uint nsg) {
   v = simd_max(v);
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -48,6 +48,9 @@ constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
+// Threads per row of the prefill RMSNorms (rms_norm_half, moe_combine_norm): one count for
+// both, so the fused norm gives the standalone kernel's bits (metal/moe_prefill.metal).
+constexpr uint32_t kNormThreads = 256;
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
@@ -203,6 +206,7 @@ void Runtime::resolve_prefill_kernels() {
     k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
   }
   k.moe_combine = &dev.pipeline("moe_combine");
+  k.moe_combine_norm = &dev.pipeline("moe_combine_norm");
 }
 
 void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t M, Logits logits,
@@ -240,7 +244,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
     Op(*K.rms_norm, label)
-        .groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
+        .groups(tg(M), tg(kNormThreads)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
         .out(2, out, 0, size_t(M) * H * hf).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
   };
 
@@ -253,7 +257,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
 
   for (const Layer& layer : model_.layers) {
     const uint32_t l = layer.index;
-    rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
+    // the other layers' input norm is fused into the previous layer's combine
+    if (l == 0) rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
@@ -435,10 +440,18 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     };
     experts(false);
     experts(true);
-    Op(*K.moe_combine, labels_(l, "combine"))
-        .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
+    // combine; but for the last layer, fused with the next layer's input norm (h -> xn)
+    const bool last = l + 1 == model_.layers.size();
+    Op op(last ? *K.moe_combine : *K.moe_combine_norm, labels_(l, last ? "combine" : "combine + next input norm"));
+    if (last) op.threads(tg(H / 4, M), tg(64));
+    else op.groups(tg(M), tg(kNormThreads));
+    op.inout(0, *c.h, 0, size_t(M) * H * f)
         .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * hf)
-        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
+        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k});
+    if (!last)
+      op.in(5, *model_.layers[l + 1].input_norm, &t.weight_bytes).out(6, *c.xn, 0, size_t(M) * H * hf)
+          .args(7, args::NormArgs{H, d.rms_norm_eps});
+    op.run(pass);
   }
 
   if (logits == Logits::all) {

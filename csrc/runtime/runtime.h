@@ -187,7 +187,7 @@ struct PrefillKernels {
   const gpu::Pipeline* shared_gate_up = nullptr;
   // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
   const gpu::Pipeline *experts_gate_up[3] = {}, *experts_down[3] = {};
-  const gpu::Pipeline* moe_combine = nullptr;
+  const gpu::Pipeline *moe_combine = nullptr, *moe_combine_norm = nullptr;  // the latter: + next input norm
 };
 
 class Runtime {

@@ -355,10 +355,12 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r) - (double(a.vocab) - rows) * a.cols * quant_bytes(4);  // table declared whole
     return w;
   }
-  if (k == "moe_combine") {
+  if (k == "moe_combine" || k == "moe_combine_norm") {
     const auto a = arg<args::MoeCombineArgs>(r);
     Work w = make("norms, embedding, combine");
-    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2));
+    // _norm: plus rms_norm_half's work on the updated rows
+    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2) +
+                              (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
     w.bytes = declared(r);
     return w;
   }

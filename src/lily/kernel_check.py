@@ -1282,6 +1282,26 @@ def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
 
+def enc_combine_norm(p, h, yx, ys, w, nw, xn, M, H, k, eps=1e-6, tg=256):
+    """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
+    [H]); one threadgroup of tg threads per row."""
+    p.dispatch("moe_combine_norm", M, tg,
+               buffers=[(0, h), (1, yx), (2, ys), (3, w), (5, nw), (6, xn)],
+               constants=[(4, constant(M, H, k)), (7, constant(H) + np.float32(eps).tobytes())],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1)),
+                      (nw, 0, 2 * H)],
+               writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
+
+
+def norm_half_ref(x, nw_bits, eps=1e-6):
+    """(want, tol) of rms_norm_half / moe_combine_norm's xn on the fp32 rows x it normalised:
+    float64 RMSNorm, the fp32 bound DEPTH u |want| plus the half rounding (half_stored);
+    values beyond +-65504 are stored as +-65504 (want clipped, no extra tolerance)."""
+    x64 = np.asarray(x, np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(nw_bits)
+    return half_stored(np.clip(want, -HALF_MAX, HALF_MAX), DEPTH * U * np.abs(want) + 1e-30)
+
+
 def combine_ref(h, yx, ys, w):
     """(want, tol) of moe_combine on the values it reads (yx, ys: the half outputs as stored);
     float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
@@ -2033,6 +2053,25 @@ def _moe_combine(dev, rng, kernel):
     run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
     return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
+
+
+@check("moe_combine_norm")
+def _moe_combine_norm(dev, rng, kernel):
+    """h as moe_combine; xn: the RMSNorm of the h it wrote, stored as half."""
+    M, H, k = 5, 256, 4
+    h = rng.standard_normal((M, H)).astype(np.float32)
+    yx = half_activations(rng.standard_normal((M * k, H)))
+    ys = half_activations(rng.standard_normal((M, H)))
+    w = rng.random((M, k + 1)).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(H))
+    Hb, Y, S, Wt, NW, XN = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w), upload(dev, nw), \
+        dev.buffer(2 * M * H)
+    run_encoder(dev, enc_combine_norm, Hb, Y, S, Wt, NW, XN, M, H, k)
+    hout = download(Hb, np.float32, (M, H))
+    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    r = ratio(hout, want, tol, kernel + " h")
+    want, tol = norm_half_ref(hout, nw)
+    return max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
 
 
 def _grouped(kernel):
