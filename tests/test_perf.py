@@ -250,7 +250,8 @@ def test_threadgroup_memory_within_the_limit():
 
 def test_prefill_gemm_activations_are_half():
     """Issue 11, item 4: the prefill GEMMs' activations are half in device memory (xn from
-    rms_norm_half, the shared hidden hs, the expert hidden hx, the GDN gated-norm output),
+    rms_norm_half or moe_combine_norm, the shared hidden hs, the expert hidden hx, the GDN
+    gated-norm output; the experts' outputs yx and ys too),
     converted once by the kernel that writes them; only gemm_q4_add (o_proj) stages an fp32
     input, while out_proj (gemm_q4_add_h) reads the half rows gdn_gated_norm wrote. Weights
     are dequantized in half arithmetic (gemm_tiles.h gemm_load_w)."""
@@ -273,9 +274,19 @@ def test_prefill_gemm_activations_are_half():
     gnorms = [r for r in recs if r["kernel"].startswith("gdn_gated_norm")]
     assert len(gnorms) == 30 and all(r["bytes_written"] == 2 * M * 4096 for r in gnorms)
     assert gnorms[0]["work"]["flops"]["alu_f32"] == (10 + 3) * M * 4096  # the half conversion
+    # layer 0's input norm and every post-attention norm; layers 1..39 get their input xn from
+    # the previous layer's combine (moe_combine_norm), the last layer's combine writes h only
     norms = [r for r in recs if r["kernel"] == "rms_norm_half"]
-    assert len(norms) == 2 * layers and all(r["bytes_written"] == 2 * M * H for r in norms)
+    assert len(norms) == layers + 1 and all(r["bytes_written"] == 2 * M * H for r in norms)
     assert not [r for r in recs if r["kernel"] == "rms_norm"]
+    fused = [r for r in recs if r["kernel"] == "moe_combine_norm"]
+    assert len(fused) == layers - 1 and [r["kernel"] for r in recs if "combine" in r["label"]][-1] == "moe_combine"
+    # h in and out, half xn out; half yx and ys, the weights and the norm weight in
+    assert all(r["bytes_written"] == 4 * M * H + 2 * M * H for r in fused)
+    assert all(r["bytes_read"] == 4 * M * H + 2 * M * k * H + 2 * M * H + 4 * M * (k + 1) + 2 * H for r in fused)
+    ysd = [r for r in recs if "shared expert down" in r["label"]]
+    assert {r["kernel"] for r in ysd} == {"gemm_q4_half"} and all(r["bytes_written"] == 2 * M * H for r in ysd)
+    assert ysd[0]["work"]["flops"]["alu_f32"] == 3 * M * H  # the half conversion of ys
     gate_up = [r for r in recs if r["kernel"].startswith("moe_gemm_gate_up")]
     shared = [r for r in recs if r["kernel"] == "gemm_swiglu_q4"]
     assert gate_up and all(r["bytes_written"] == 2 * M * k * I for r in gate_up)  # hx written as half
