@@ -41,6 +41,9 @@ constant constexpr float kGemmHalfMax = 65504.0f;
 inline half4 gemm_half(float4 v) {
   return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
 }
+inline half2 gemm_half(float2 v) {
+  return half2(clamp(v, float2(-kGemmHalfMax), float2(kGemmHalfMax)));
+}
 inline half gemm_half(float v) {
   return half(clamp(v, -kGemmHalfMax, kGemmHalfMax));
 }

@@ -2,7 +2,7 @@
 // apple10-family GPUs (M5: per-core neural accelerators) (docs/prefill.md, "GEMM: Metal 4
 // tensor-operation path"). Twins of metal/gemm.metal with identical bindings, argument
 // structs, grids and outputs:
-//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add(_h)_tensor   y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_h_tensor     y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_q4_half_tensor                                     y = half(x W^T)  (saturated)
 //   gemm_swiglu_q4_tensor                                   y = silu(x Wg^T) * (x Wu^T)
 // The k loop (half tiles, half x half -> float matmul2d) is gemm_tensor.h's, shared with the
@@ -50,13 +50,13 @@ constant constexpr uint kGemmTensorBN = 64;
 constant constexpr uint kGemmTensorSwigluBN = 32;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// GDN gated-norm output) or float4 (gemm_q4_add: the fp32 attention output, converted while
-// staged). Y: float, or half (gemm_q4_half: stored with gemm_half; never ADD).
+// GDN gated-norm output and the attention output). Y: float, or half (gemm_q4_half: stored
+// with gemm_half; never ADD).
 template <int BITS, bool ADD, typename X4, typename Y = float>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                          device const X4* x [[buffer(3)]],           // half or fp32 [m, lda]
+                          device const X4* x [[buffer(3)]],           // half [m, lda]
                           device Y* y [[buffer(4)]],                  // fp32 or half [m, ldy] (read too when ADD)
                           constant GemmArgs& args [[buffer(5)]],
                           uint2 tgp [[threadgroup_position_in_grid]],
@@ -68,7 +68,6 @@ template <int BITS, bool ADD, typename X4, typename Y = float>
 }
 template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4>) gemm_q_tensor<4, false, half4>;
 template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
-template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, float4>) gemm_q_tensor<4, true, float4>;
 template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, half4>) gemm_q_tensor<4, true, half4>;
 template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4, half>) gemm_q_tensor<4, false, half4, half>;
 

@@ -85,7 +85,7 @@ def forward_sim():
 # ----------------------------------------------------------------------------- tensor-operation twins
 
 # The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`.
-TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
          *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES)}
 
 

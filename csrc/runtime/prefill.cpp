@@ -94,10 +94,10 @@ void Runtime::allocate_chunk_buffers() {
   c.k = scratch(C * Hkv * D * f, "chunk attn k");
   c.v = scratch(C * Hkv * D * f, "chunk attn v");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
-  c.attn = scratch(C * Hq * D * f, "chunk attn out");
+  c.attn = scratch(C * Hq * D * hf, "chunk attn out (half)");
   // The GDN out_proj input (half) is dead in attention layers and attn in GDN layers: one set
-  // of bytes when the model's dims allow (the real model: half of attn).
-  c.oh = Hq * D * f >= vdim * hf ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
+  // of bytes when the model's dims allow (the real model: the same size).
+  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
   c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
   c.ids = scratch(C * k * u32, "chunk expert ids");
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
@@ -181,7 +181,6 @@ void Runtime::resolve_prefill_kernels() {
   k.embed_rows = &dev.pipeline("embed_rows_q4");
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
-  k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
   k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
@@ -229,15 +228,12 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh), or fp32 (fp32_x: the attention output, o_proj's residual update);
-  // y fp32, or half (half_y: the shared expert's ys; not with add).
+  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys; not with add).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool fp32_x = false,
-                  bool half_y = false) {
-    Op op(half_y ? K.gemm_half[w.bits] : !add ? K.gemm[w.bits] : fp32_x ? K.gemm_add[w.bits] : K.gemm_add_h[w.bits],
-          label);
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
+    Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (fp32_x ? f : hf));
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
     const size_t ys = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * ys;
     if (add) op.inout(4, y, col0 * ys, y_bytes); else op.out(4, y, col0 * ys, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
@@ -347,7 +343,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
-        op.out(4, *c.attn, 0, size_t(M) * Hq * D * f)
+        op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
             .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
       } else {
         // Few query rows after a long prefix: cut the KV range into splits so the grid fills
@@ -366,9 +362,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, M), tg(D))
             .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
-            .out(3, *c.attn, 0, size_t(M) * Hq * D * f).args(4, aa).run(pass);
+            .out(3, *c.attn, 0, size_t(M) * Hq * D * hf).args(4, aa).run(pass);
       }
-      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"), true);
+      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
 
     // ---- MoE
@@ -402,7 +398,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
-    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"), false, true);
+    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"), true);
     // routed experts: one dispatch per tile class over its own map and count, the classes of
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
     // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
