@@ -165,7 +165,7 @@ def test_estimate_command_json_and_text():
     assert rep["plan"]["gemm_path"] == "simdgroup" and all(math.isfinite(d["tok_s"]) for d in rep["decode"])
     # the automatic chunk (0, as everywhere) with memory to spare, and the scratch it needs
     assert rep["plan"]["prefill_chunk"] == _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0] == 4096
-    assert 900 * 2**20 < rep["plan"]["prefill_scratch_bytes"] < 1000 * 2**20  # 967 MiB (docs/prefill.md)
+    assert 900 * 2**20 < rep["plan"]["prefill_scratch_bytes"] < 925 * 2**20  # 919 MiB (docs/prefill.md)
     r = subprocess.run(args + ["--json", "--prefill-chunk", "0"], capture_output=True, text=True, timeout=300,
                        check=False)
     assert r.returncode == 0 and json.loads(r.stdout)["plan"] == rep["plan"], r.stderr

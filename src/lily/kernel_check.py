@@ -1280,6 +1280,13 @@ def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
 
+def combine_inputs(rng, M, H, k):
+    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] and ys half
+    [M, H] (as the down projections store them), w fp32 [M, k+1] in [0, 1)."""
+    return (rng.standard_normal((M, H)).astype(np.float32), half_activations(rng.standard_normal((M * k, H))),
+            half_activations(rng.standard_normal((M, H))), rng.random((M, k + 1)).astype(np.float32))
+
+
 def enc_combine_norm(p, h, yx, ys, w, nw, xn, M, H, k, eps=1e-6, tg=256):
     """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
     [H]); one threadgroup of tg threads per row."""
@@ -2038,36 +2045,25 @@ def _moe_route_scatter(dev, rng, kernel):
     return 0.0
 
 
-@check("moe_combine")
+@check("moe_combine", "moe_combine_norm")
 def _moe_combine(dev, rng, kernel):
-    M, H, k = 9, 128, 4
-    h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = half_activations(rng.standard_normal((M * k, H)))
-    ys = half_activations(rng.standard_normal((M, H)))
-    w = rng.random((M, k + 1)).astype(np.float32)
-    Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
-    run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
-    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
-    return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
-
-
-@check("moe_combine_norm")
-def _moe_combine_norm(dev, rng, kernel):
-    """h as moe_combine; xn: the RMSNorm of the h it wrote, stored as half."""
-    M, H, k = 5, 256, 4
-    h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = half_activations(rng.standard_normal((M * k, H)))
-    ys = half_activations(rng.standard_normal((M, H)))
-    w = rng.random((M, k + 1)).astype(np.float32)
-    nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(H))
-    Hb, Y, S, Wt, NW, XN = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w), upload(dev, nw), \
-        dev.buffer(2 * M * H)
-    run_encoder(dev, enc_combine_norm, Hb, Y, S, Wt, NW, XN, M, H, k)
+    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as half."""
+    norm = kernel.endswith("_norm")
+    M, H, k = 9, 256, 4
+    h, yx, ys, w = combine_inputs(rng, M, H, k)
+    Hb, Y, S, Wt = (upload(dev, a) for a in (h, yx, ys, w))
+    if norm:
+        nw, XN = to_bf16_bits(1 + 0.3 * rng.standard_normal(H)), dev.buffer(2 * M * H)
+        run_encoder(dev, enc_combine_norm, Hb, Y, S, Wt, upload(dev, nw), XN, M, H, k)
+    else:
+        run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
     hout = download(Hb, np.float32, (M, H))
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
     r = ratio(hout, want, tol, kernel + " h")
-    want, tol = norm_half_ref(hout, nw)
-    return max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
+    if norm:
+        want, tol = norm_half_ref(hout, nw)
+        r = max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
+    return r
 
 
 def _grouped(kernel):

@@ -76,7 +76,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import sigmoid  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    block_hist, class_base, class_capacity, combine_ref, enc_clear, enc_combine, enc_combine_norm, enc_scatter,
+    block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine, enc_combine_norm, enc_scatter,
     enc_topk, max_tiles, nblocks, norm_half_ref, route_args, route_tg, tile_classes, to_bf16_bits, tiles_ref)
 from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
 from lily.kernel_check import MOE_TILES, gemm_ref, make_routing, swiglu_ref, tile_buffers  # noqa: E402
@@ -418,10 +418,7 @@ def test_combine(dev, M, H, k, tg):
 
 
 def combine_norm_inputs(rng, M, H, k, big_weight=False):
-    h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = hact(rng.standard_normal((M * k, H)))
-    ys = hact(rng.standard_normal((M, H)))
-    w = rng.random((M, k + 1)).astype(np.float32)
+    h, yx, ys, w = combine_inputs(rng, M, H, k)
     nw = 1 + 0.3 * rng.standard_normal(H)
     if big_weight:  # column 1 far beyond the half range after the norm: xn saturates
         h[:, 1], nw[1] = 8.0, 3e7
