@@ -234,8 +234,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
-    const size_t ys = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * ys;
-    if (add) op.inout(4, y, col0 * ys, y_bytes); else op.out(4, y, col0 * ys, y_bytes);
+    const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
+    if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out(4, y, col0 * yb, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
