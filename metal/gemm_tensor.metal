@@ -1,7 +1,7 @@
 // Prefill GEMMs on MLX affine-quantized weights, Metal 4 tensor-operation path for
 // apple10-family GPUs (M5: per-core neural accelerators) (docs/prefill.md, "GEMM: Metal 4
 // tensor-operation path"). Twins of metal/gemm.metal with identical bindings, argument
-// structs, grids and outputs:
+// structs and outputs, on 128-row blocks of 256 threads (gemm.metal: 64 rows, 128 threads):
 //   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_h_tensor     y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_q4_half_tensor                                     y = half(x W^T)  (saturated)
 //   gemm_swiglu_q4_tensor                                   y = silu(x Wg^T) * (x Wu^T)
@@ -15,13 +15,14 @@ using namespace metal;
 #include "gemm_tensor.h"
 
 // ---- dense GEMMs -------------------------------------------------------------------------
-// As gemm_dense (gemm.metal): grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * NSG
-// threads; threadgroup (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
+// As gemm_dense (gemm.metal), in taller blocks: grid (ceil(n / BN), ceil(m / BM))
+// threadgroups of 32 * NSG threads; threadgroup (i, j) computes y rows [j BM, j BM + BM) x
+// columns [i BN, i BN + BN), each simdgroup a band of BM / NSG rows.
 template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG, typename X4, typename Y>
 inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                               device const bfloat* b0, device const uint* w1, device const bfloat* s1,
                               device const bfloat* b1, device const X4* x, device Y* y,
-                              constant GemmArgs& args, uint2 tgp, uint tid) {
+                              constant GemmArgs& args, uint2 tgp, uint tid, uint sg) {
   constexpr uint NT = 32 * NSG;
   const uint n0 = tgp.x * BN;
   const uint m0 = tgp.y * BM;
@@ -30,41 +31,37 @@ inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, 
   }
   const uint rows = min(BM, args.m - m0);
   const GemmARows<BM, NT> a = gemm_a_rows_dense<BM, NT>(m0, args.m, args.lda, tid);
-  gemm_tensor_accumulate<BITS, NB, BM, BN, NSG>(smem4, x, a, w0, s0, b0, w1, s1, b1, n0, args.n, args.k,
-                                                tid);
-  const threadgroup float* smem = (const threadgroup float*)smem4;
-  for (uint i = tid; i < BM * BN; i += NT) {
-    const uint r = i / BN;
-    const uint c = i % BN;
-    if (r < rows && n0 + c < args.n) {
-      const float v = gemm_staged<NB, BM, BN>(smem, r, c);
-      gemm_put(y + (m0 + r) * args.ldy + n0 + c, v, ADD);
-    }
-  }
+  const GemmRowSink<ADD, Y> sink{y + m0 * args.ldy + n0, args.ldy};
+  gemm_tensor_gemm<BITS, NB, BM, BN, NSG, true>(smem4, x, a, w0, s0, b0, w1, s1, b1, n0, args.n, args.k, rows,
+                                                tid, sg, sink);
 }
 
-// Dense configuration, as gemm.metal: 64 x 64 output blocks, SwiGLU 64 x 32 blocks of gate
-// and of up; 4 simdgroups (128 threads).
-constant constexpr uint kGemmTensorBM = 64;
+// Dense configuration: 128-row blocks of 8 simdgroups (256 threads), a 16-row band each;
+// 64 output columns, SwiGLU 32 of gate and of up. Twice the rows of gemm.metal's 64 x 64
+// blocks: every weight tile is dequantized half as often (docs/prefill.md), and the tiles
+// take 27 KiB of threadgroup memory (GemmTensorSmem).
+constant constexpr uint kGemmTensorBM = 128;
 constant constexpr uint kGemmTensorBN = 64;
 constant constexpr uint kGemmTensorSwigluBN = 32;
+constant constexpr uint kGemmTensorSimdgroups = 8;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
 // GDN gated-norm output and the attention output). Y: float, or half (gemm_q4_half: stored
 // with gemm_half; never ADD).
 template <int BITS, bool ADD, typename X4, typename Y = float>
-[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
+[[max_total_threads_per_threadgroup(256)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                           device const X4* x [[buffer(3)]],           // half [m, lda]
                           device Y* y [[buffer(4)]],                  // fp32 or half [m, ldy] (read too when ADD)
                           constant GemmArgs& args [[buffer(5)]],
                           uint2 tgp [[threadgroup_position_in_grid]],
-                          uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 smem4[GemmSmem<kGemmTensorBM, kGemmTensorBN, 1>::float4s];
+                          uint tid [[thread_index_in_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 smem4[GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 1>::float4s];
   device const uint* wu = (device const uint*)w;
-  gemm_dense_tensor<BITS, 1, ADD, kGemmTensorBM, kGemmTensorBN, 4>(smem4, wu, scales, biases, wu, scales, biases,
-                                                                   x, y, args, tgp, tid);
+  gemm_dense_tensor<BITS, 1, ADD, kGemmTensorBM, kGemmTensorBN, kGemmTensorSimdgroups>(
+      smem4, wu, scales, biases, wu, scales, biases, x, y, args, tgp, tid, sg);
 }
 template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4>) gemm_q_tensor<4, false, half4>;
 template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
@@ -72,7 +69,7 @@ template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor
 template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4, half>) gemm_q_tensor<4, false, half4, half>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
-[[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
+[[max_total_threads_per_threadgroup(256)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                                   device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                                   device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
                                   device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
@@ -82,11 +79,11 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
                                   device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
                                   constant GemmArgs& args [[buffer(8)]],
                                   uint2 tgp [[threadgroup_position_in_grid]],
-                                  uint tid [[thread_index_in_threadgroup]]) {
-  threadgroup float4 smem4[GemmSmem<kGemmTensorBM, kGemmTensorSwigluBN, 2>::float4s];
-  gemm_dense_tensor<4, 2, false, kGemmTensorBM, kGemmTensorSwigluBN, 4>(smem4, (device const uint*)wg, gs, gb,
-                                                                  (device const uint*)wu, us, ub, x, y, args,
-                                                                  tgp, tid);
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 smem4[GemmTensorSmem<kGemmTensorBM, kGemmTensorSwigluBN, 2>::float4s];
+  gemm_dense_tensor<4, 2, false, kGemmTensorBM, kGemmTensorSwigluBN, kGemmTensorSimdgroups>(
+      smem4, (device const uint*)wg, gs, gb, (device const uint*)wu, us, ub, x, y, args, tgp, tid, sg);
 }
 
 
@@ -97,7 +94,9 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
 // runs the simdgroup_matrix kernels, instead of failing at load. As a kernel (one
 // threadgroup of 128 threads; x fp32 [64, 64], xb = x as bfloat, h = gemm_half):
 //   out[32, 64]    = h(x[0:32]) h(x)^T   the GEMMs': half threadgroup tiles, transpose_right,
-//                                        multiply_accumulate into an fp32 cooperative tensor
+//                                        multiply_accumulate into an fp32 cooperative tensor,
+//                                        by the whole threadgroup, then again by 16-row bands
+//                                        of one simdgroup each, written from the registers
 //   out_qk[32, 64] = xb[0:32] xb^T       the attention's S = Q K^T: bfloat device tensors,
 //                                        multiply into a threadgroup fp32 tensor
 //   out_pv[32, 64] = xb[0:32] xb         the attention's O += P V: bfloat threadgroup tiles,
@@ -130,6 +129,21 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
     }
   }
   op.run(tA, tW, acc);
+  // the same product by 16-row bands (simdgroups 0 and 1, each on execution_simdgroup), kept
+  // in registers and written over out below: the banded GEMMs' form (gemm_tensor_gemm)
+  constexpr auto band_desc = matmul2d_descriptor(16, BN, kGemmBK, false, true, false,
+                                                 matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<band_desc, execution_simdgroup> band;
+  auto tB = gemm_tensor_tile<16>(As + (tid / 32 % 2) * 16 * kGemmLd);
+  auto bacc = band.get_destination_cooperative_tensor<decltype(tB), decltype(tW), float>();
+  for (uint16_t i = 0; i < bacc.get_capacity(); ++i) {
+    if (bacc.is_valid_element(i)) {
+      bacc[i] = 0.0f;
+    }
+  }
+  if (tid < 64) {
+    band.run(tB, tW, bacc);
+  }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   threadgroup float* smem = (threadgroup float*)smem4;
   auto st = gemm_tensor_stage<BM, BN, 1>(smem, 0);
@@ -137,6 +151,13 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < BM * BN; i += 128) {
     out[i] = smem[(i / BN) * GemmSmem<BM, BN, 1>::ldc + i % BN];
+  }
+  threadgroup_barrier(mem_flags::mem_device);  // those writes of out ordered before the bands'
+  for (uint16_t i = 0; tid < 64 && i < bacc.get_capacity(); ++i) {
+    if (bacc.is_valid_element(i)) {
+      const auto at = bacc.get_multidimensional_index(i);  // {column, row}
+      out[(tid / 32 * 16 + uint(at[1])) * BN + uint(at[0])] = bacc[i];
+    }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 

@@ -48,16 +48,18 @@ struct MoeTile {
 };
 
 // Tile classes (docs/prefill.md, "Tile classes"): an expert's assignments are cut into full
-// tiles of the chunk's height T (16, 32 or 64) and one last tile of the remainder r
+// tiles of the chunk's height T (16, 32, 64 or 128) and one last tile of the remainder r
 // (1 <= r <= T), which goes to the smallest class that holds it. Class c has height T >> c,
 // c < moe_tile_classes(T): with T = 64 the classes are 64, 32, 16 (the heights the grouped
 // GEMMs are built for). Each class has its own tile map and count and runs as its own
 // dispatch of the moe_gemm_*_t<T >> c> kernels. With r uniform in 1..64 (routing skewed
 // enough that counts spread over many tile heights), the last tile holds 11.5 padded rows
-// on average instead of 31.5 with 64-row tiles only. Shared by moe_route_scatter and the
-// host (prefill.cpp), the one home of the rule.
+// on average instead of 31.5 with 64-row tiles only. T = 128 (tensor-op path only) has one
+// class: its kernels compute a partial tile's live 16-row bands only (moe_prefill_tensor.metal),
+// so a last tile pads 7.5 rows on average without smaller classes. Shared by
+// moe_route_scatter and the host (prefill.cpp), the one home of the rule.
 enum : uint { kMoeTileClasses = 3 };  // at most
-inline uint moe_tile_classes(uint T) { return T >= 64 ? 3u : T >= 32 ? 2u : 1u; }
+inline uint moe_tile_classes(uint T) { return T >= 128 ? 1u : T >= 64 ? 3u : T >= 32 ? 2u : 1u; }
 // The class of an expert's last tile of r rows, 1 <= r <= T.
 inline uint moe_tail_class(uint T, uint r) {
   uint c = 0;
@@ -99,7 +101,7 @@ struct MoeRoutePrefillArgs {
   uint top_k;       // k: experts per row (8); 1..32 and <= experts
   uint norm_topk;   // 1: weights renormalised over the k kept experts (norm_topk_prob)
   uint block_rows;  // rows per histogram block / moe_route_scatter threadgroup (64); >= 1
-  uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32 or 64 (tile classes above)
+  uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32, 64 or 128 (tile classes above)
 };
 
 // moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row] (yx and ys half,

@@ -29,8 +29,8 @@ from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 from lily import kernel_check
 from lily._device import constant, download, sim_device, upload  # noqa: F401
 from lily.kernel_check import (  # noqa: F401
-    MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_ref, half_operand, half_weights, magnitude, rand_quant,
-    half_stored, run_encoder, swiglu_ref, to_bf16_bits, upload_q)
+    GEMM_BM, GEMM_TG, MOE_TENSOR_TILES, MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_geometry, gemm_ref,
+    half_operand, half_weights, half_stored, magnitude, rand_quant, run_encoder, swiglu_ref, to_bf16_bits, upload_q)
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -84,9 +84,11 @@ def forward_sim():
 
 # ----------------------------------------------------------------------------- tensor-operation twins
 
-# The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`.
+# The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`,
+# and the names of the tensor-op path's own 128-row expert tiles without their suffix (so a
+# tile-class chain at T = 128 runs on this device).
 TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
-         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES)}
+         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
 
 
 class _Proxy:
@@ -97,9 +99,19 @@ class _Proxy:
         return getattr(self._obj, name)
 
 
+# The dense ones, whose twins take 128-row blocks of 256 threads (gemm_tensor.metal) where
+# they take 64 rows and 128 threads: the proxy regrids their dispatches (ceil(ceil(m / 64) /
+# 2) = ceil(m / 128) row blocks).
+DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4"}
+
+
 class _TwinPass(_Proxy):
-    def dispatch(self, kernel, *args, **kwargs):
-        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, *args, **kwargs)
+    def dispatch(self, kernel, grid, threads, *args, **kwargs):
+        if kernel in DENSE_TWINS:
+            assert threads == GEMM_TG and kwargs.get("threadgroups"), "dense GEMMs: 128-thread threadgroups"
+            bm, threads = gemm_geometry(kernel + "_tensor")
+            grid = (grid[0], -(-grid[1] // (bm // GEMM_BM)))
+        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, grid, threads, *args, **kwargs)
 
 
 class _TwinCommandBuffer(_Proxy):

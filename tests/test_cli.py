@@ -132,6 +132,8 @@ def test_generate_context_full_notice():
     (("generate", "x", "--temperature", "-1"), "temperature"),
     (("generate", "x", "--model", "/nonexistent/model"), "/nonexistent/model: the path does not exist"),
     (("chat", "--model", "./no-such-dir"), "does not exist"),
+    (("cache-prompt", "never-written.lilycache", "--system-file", "/nonexistent/sys.txt"),
+     "--system-file /nonexistent/sys.txt: [Errno 2]"),
     pytest.param(("generate", "x", "--device", "metal"), "not available in this build",
                  marks=pytest.mark.skipif("metal" in devices(), reason="this build has the Metal device")),
 ])
@@ -139,6 +141,28 @@ def test_bad_input_is_a_clear_error(args, needle):
     r = run(*args)
     assert r.returncode == 1
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+_TOOL = {"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("tools, needle", [
+    ([{"type": "function", "function": {"name": "get.weather"}}], "tools[0].function.name: tool name 'get.weather' is invalid"),
+    ([_TOOL, {"type": "function", "function": {"name": "lookup", "parameters": {"type": "nonsense"}}}],
+     "tools[1].function.parameters (tool 'lookup'): invalid JSON schema: 'nonsense' is not valid"),
+    ([{"type": "function", "function": {"name": "f", "description": 5}}], "tools[0].function.description (tool 'f')"),
+    ([{"name": "bare", "parameters": {}}], "tools[0]: a tool must be an object"),
+    ({"tools": "ring_bell"}, "expected a JSON list of tool definitions"),
+])
+def test_cache_prompt_refuses_tools_the_server_refuses(tmp_path, tools, needle):
+    """The server's tool check (lily.structured.check_tools) before the model is loaded:
+    exit 1, one line naming the file, the tool and the fault, and no cache file."""
+    spec, out = tmp_path / "tools.json", tmp_path / "sys.lilycache"
+    spec.write_text(json.dumps(tools))
+    r = run("cache-prompt", str(out), "--system", "Be brief.", "--tools", str(spec))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"lily: error: --tools {spec}: ") and needle in r.stderr, r.stderr
+    assert not out.exists()
 
 
 def test_default_device_is_auto():

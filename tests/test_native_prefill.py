@@ -297,6 +297,34 @@ def test_full_size_expert_tiles(rows, T):
     assert f"experts gate|up (class {tile_classes(T)})" not in recs
 
 
+@pytest.mark.parametrize("rows,T", [(1024, 32), (2048, 128), (4096, 128)])
+def test_full_size_tensor_op_tiles(rows, T):
+    """The tensor-op path (M5): dense GEMMs on 128-row blocks of 256 threads (half as many row
+    blocks as the simdgroup path, so each weight tile is dequantized once per 128 rows), and
+    128-row expert tiles from 64 rows per expert on (a 2048-row chunk), one class of 256-thread
+    threadgroups (128 x 32 blocks of gate and of up, down 128 x 64) whose grid is the class's
+    capacity; below that the simdgroup path's tile heights."""
+    from lily.native import count_prefill_chunk
+    from lily.kernel_check import GEMM_TENSOR_BM, GEMM_TENSOR_TG, MOE_BN, MOE_DOWN_BN, MOE_TG, class_capacity, tile_classes
+    c = count_prefill_chunk(parse_config(REAL), rows, gemm_path="tensor")
+    recs = {r["label"].split(" ", 1)[1].rsplit(" (#", 1)[0]: r for r in c["records"] if r["label"].startswith("L0 ")}
+    qkv = recs["in_proj_qkv"]
+    assert qkv["kernel"] == "gemm_q4_tensor" and qkv["groups"] == (8192 // 64, rows // GEMM_TENSOR_BM, 1)
+    assert qkv["threads"] == (GEMM_TENSOR_TG, 1, 1) == (256, 1, 1)
+    shared = recs["shared expert gate|up"]
+    assert shared["kernel"] == "gemm_swiglu_q4_tensor" and shared["groups"] == (512 // 32, rows // 128, 1)
+    n = rows * 8
+    for cl in range(tile_classes(T)):
+        h, suffix = T >> cl, f" (class {cl})" if cl else ""
+        gate_up, down = recs["experts gate|up" + suffix], recs["experts down" + suffix]
+        assert gate_up["kernel"] == f"moe_gemm_gate_up_q4_t{h}_tensor" and down["kernel"] == f"moe_gemm_down_q4_t{h}_tensor"
+        tiles = class_capacity(n, 256, T, cl)
+        assert gate_up["groups"] == (tiles, 512 // MOE_BN[h], 1) and down["groups"] == (tiles, 2048 // MOE_DOWN_BN[h], 1)
+        assert gate_up["threads"] == down["threads"] == (MOE_TG[h], 1, 1)
+    assert f"experts gate|up (class {tile_classes(T)})" not in recs
+    assert T != 128 or tile_classes(T) == 1
+
+
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model: sized by the chunk, not by the context or the
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states

@@ -57,8 +57,13 @@ def test_records_carry_geometry_and_work():
     assert gemm["work"]["flops"]["sgmm_f32"] == 0
     assert gemm["threadgroup_memory"] == (64 + 64) * 72 * 2  # half A and W tiles
     prefill_tensor = count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"]
-    t = next(r for r in prefill_tensor if r["kernel"] == "gemm_q4_tensor")
-    assert t["work"]["flops"]["tensor_f16"] > 0 and t["work"]["flops"]["sgmm_f32"] == 0
+    t = next(r for r in prefill_tensor if r["kernel"] == "gemm_q4_tensor" and "in_proj_qkv" in r["label"])
+    assert t["work"]["flops"]["tensor_f16"] == 2 * 512 * 8192 * 2048 and t["work"]["flops"]["sgmm_f32"] == 0
+    # the tensor-op twins: 128-row blocks of 256 threads, so each weight tile is dequantized
+    # once per 128 rows; half A and W tiles only (results written from registers)
+    assert t["groups"] == (128, 4, 1) and t["threads"] == (256, 1, 1)
+    assert t["work"]["flops"]["alu_f16"] == 3 * 4 * 8192 * 2048 == gemm["work"]["flops"]["alu_f16"] / 2
+    assert t["threadgroup_memory"] == (128 + 64) * 72 * 2
     # no prefill GEMM (dense or grouped, either path) multiplies fp32 operands
     for r in c["records"] + prefill_tensor:
         if "gemm" in r["kernel"]:
@@ -300,30 +305,35 @@ def test_prefill_gemm_activations_are_half():
     assert all(r["bytes_written"] == 2 * M * I for r in shared)  # hs written as half
 
 
-@pytest.mark.parametrize("rows,T,pad", [(2048, 64, 11.5), (4096, 64, 11.5), (1024, 32, 7.5), (512, 16, 7.5)])
+@pytest.mark.parametrize("rows,T,pad", [(4096, 128, 7.5), (3072, 128, 7.5), (1536, 64, 11.5), (1024, 32, 7.5),
+                                        (512, 16, 7.5)])
 def test_routed_expert_tiles_count_each_class(rows, T, pad):
-    """Grouped expert GEMMs, one dispatch per tile class (docs/performance.md, "Routed-expert
-    tiles"): over a layer's classes the rows computed are the real rows plus the expected
-    padding of each reached expert's last tile under uniform remainders (11.5 rows at T = 64
-    with classes 64 / 32 / 16, 7.5 at T = 32 and 16), the dequantization counts one pass over
-    the weights per tile, and the weights read are each reached expert's once plus once more
-    per tail in a class of its own."""
+    """Grouped expert GEMMs on the tensor-op path, one dispatch per tile class
+    (docs/performance.md, "Routed-expert tiles"): over a layer's classes the rows computed
+    are the real rows plus the expected padding of each reached expert's last tile under
+    uniform remainders (11.5 rows at T = 64 with classes 64 / 32 / 16, 7.5 at T = 32 and 16,
+    7.5 at T = 128: one class whose tiles compute their live 16-row bands only), the
+    dequantization counts one pass over the weights per tile (full tiles plus one tail per
+    reached expert), and the weights read are each reached expert's once (at most the tiles
+    of class 0) plus once more per tail in a class of its own. 128-row tiles from 64 rows per
+    expert (a 2048-row chunk)."""
     E, k, H, I = CFG.num_experts, CFG.num_experts_per_tok, CFG.hidden_size, CFG.moe_intermediate_size
     reached = E * (1 - (1 - k / E) ** rows)
     recs = [r for r in count_prefill_chunk(CFG, rows, 0, gemm_path="tensor")["records"]
             if r["label"].startswith("L0 experts gate|up")]
     heights = [T >> c for c in range(len(recs))]
     assert [r["kernel"] for r in recs] == [f"moe_gemm_gate_up_q4_t{h}_tensor" for h in heights]
-    assert heights[-1] == 16 and len({r["stage"] for r in recs}) == 1
+    assert heights[-1] == (128 if T == 128 else 16) and len({r["stage"] for r in recs}) == 1
+    assert all(r["threads"] == ((256 if T == 128 else 64 if h == 16 else 128), 1, 1) for r, h in zip(recs, heights))
     computed = sum(r["work"]["flops"]["tensor_f16"] for r in recs) / (2 * 2 * I * H)
     assert computed == pytest.approx(rows * k + reached * pad, rel=1e-9)
-    tiles = sum(computed_c / h for computed_c, h in
-                zip((r["work"]["flops"]["tensor_f16"] / (2 * 2 * I * H) for r in recs), heights))
+    tiles = (rows * k - reached * (T + 1) / 2) / T + reached  # full tiles and one tail per reached expert
     swiglu = sum(r["work"]["flops"]["alu_f32"] for r in recs)
     assert swiglu == pytest.approx((4 + 3) * computed * I, rel=1e-9)  # silu(g) u, half output
     dequant = sum(r["work"]["flops"]["alu_f16"] for r in recs)
     assert dequant == pytest.approx(3 * 2 * tiles * I * H, rel=1e-9)  # code to half + half fma
     stack = 2 * I * H * (4 / 8 + 4 / 64)  # gate and up of one expert
     weights = sum(r["work"]["bytes"] for r in recs) - (2 * rows * H + 4 * rows * k + 2 * rows * k * I)
-    tails = 0.5 if T > 16 else 0.0  # the remainders r <= T/2 (half of them) go to the smaller classes
-    assert 0.98 * reached * (1 + tails) * stack <= weights <= 1.01 * reached * (1 + tails) * stack
+    tails = 0.5 if 16 < T < 128 else 0.0  # the remainders r <= T/2 (half of them) go to the smaller classes
+    read = min(reached, tiles - reached * tails) + reached * tails
+    assert 0.98 * read * stack <= weights <= 1.01 * read * stack

@@ -403,6 +403,34 @@ def test_cli_cache_prompt_then_chat_reuses_system(tmp_path, cold):
     assert main(["cache-prompt", str(path)]) == 1  # nothing to cache: a clear error, exit 1
 
 
+def test_cli_cache_prompt_tools_are_reused_by_a_chat_request(tmp_path):
+    """A tools file in its own key order, with nulls, caches the tokens a chat completions
+    request with the same tools renders (both go through lily.structured.template_tools)."""
+    import json
+
+    fastapi = pytest.importorskip("fastapi")  # noqa: F841
+    from fastapi.testclient import TestClient
+
+    from lily.cli import main
+    from lily.server import create_app
+    params = {"type": "object", "properties": {"loud": {"type": "boolean"}}, "required": ["loud"]}
+    spec = tmp_path / "tools.json"
+    spec.write_text(json.dumps([{"function": {"parameters": params, "strict": True, "description": None,
+                                              "name": "ring_bell"}, "type": "function"}]))
+    path = tmp_path / "tools.lilycache"
+    assert main(["cache-prompt", str(path), "--system", SYSTEM, "--tools", str(spec)]) == 0
+    eng = Engine.load()
+    assert eng.load_prompt_cache(path) == 1
+    held = len(next(iter(eng.prompt_cache.entries())).tokens)
+    tools = [{"type": "function", "function": {"name": "ring_bell", "parameters": params, "strict": True}}]
+    with TestClient(create_app(eng, model_name="demo")) as c:
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": SYSTEM},
+                                                              {"role": "user", "content": "Hail."}],
+                                                 "tools": tools, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == held
+
+
 def test_agent_bench_scenario(cold):
     """`lily bench --agent` on a small conversation: every later turn computes only its new
     tokens plus the generation prompt's header, and the outputs equal the cold runs."""

@@ -425,6 +425,46 @@ def test_responses_errors_have_openai_shape(srv, engine):
         oclient(srv).responses.create(model="m", input=[{"role": "user", "content": [{"type": "input_file"}]}])
 
 
+@pytest.mark.parametrize("path, extra, param, needle", [
+    ("/v1/responses", {"text": {"format": "json"}}, "text.format", "must be an object"),
+    ("/v1/responses", {"text": {"format": {"type": "yaml"}}}, "text.format.type", "got 'yaml'"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "missing"),
+    ("/v1/responses", {"max_output_tokens": 2**40}, "max_output_tokens", "in [1, 2147483647]"),
+    ("/v1/responses", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "valid boolean"),
+    ("/v1/chat/completions", {"parallel_tool_calls": "no"}, "parallel_tool_calls", "valid boolean"),
+])
+def test_request_fields_are_named_as_the_api_spells_them(srv, engine, path, extra, param, needle):
+    """Each API's errors name its own fields (not another API's response_format or max_tokens),
+    and a field of the wrong type is a 400, not silently taken."""
+    engine.set_script("ok")
+    body = {"input": "hi"} if path == "/v1/responses" else {"messages": ASK}
+    err = _openai_error(httpx.post(srv.base + path, json={**body, **extra}), 400)
+    assert err["param"] == param and needle in err["message"], err
+    assert "response_format" not in err["message"] and "max_tokens" not in err["message"], err
+
+
+def test_malformed_bodies_say_what_is_wrong(srv, engine):
+    engine.set_script("ok")
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                 "/v1/messages/count_tokens"):
+        for body in (b"[1, 2]", b'"x"', b"7", b"null"):
+            r = httpx.post(srv.base + path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "the request body must be a JSON object" in r.text, (path, body, r.text)
+    # the stop list is named, not echoed (17 strings of 1000 characters)
+    err = _openai_error(httpx.post(srv.base + "/v1/chat/completions", json={"messages": ASK, "stop": ["x" * 1000] * 17}), 400)
+    assert err["param"] == "stop" and "at most 16 stop strings" in err["message"] and len(err["message"]) < 200, err
+    err = _openai_error(httpx.post(srv.base + "/v1/completions", json={"prompt": "x", "stop": ["y" * 1000, ""]}), 400)
+    assert err["param"] == "stop" and "stop string 1" in err["message"] and len(err["message"]) < 200, err
+
+
+def test_responses_echo_parallel_tool_calls(srv, engine):
+    engine.set_script("ok")
+    for sent in (None, False, True):
+        extra = {} if sent is None else {"parallel_tool_calls": sent}
+        r = httpx.post(srv.base + "/v1/responses", json={"input": "hi", **extra})
+        assert r.status_code == 200 and r.json()["parallel_tool_calls"] is (sent is not False), r.text
+
+
 # ----------------------------------------------------------------------------------------
 # model names
 # ----------------------------------------------------------------------------------------

@@ -109,6 +109,12 @@ def test_invalid_format_is_a_400_in_openai_shape(client, fmt, needle):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["param"] == "response_format" and err["type"] == "invalid_request_error"
+    assert_short(err["message"])
+
+
+def assert_short(message: str) -> None:
+    """An error message with the reason alone: one line, no listing of the generated grammar."""
+    assert "\n" not in message and "%json" not in message and "x-guidance" not in message, message
 
 
 def test_anthropic_forced_tool_use_validates(client):
@@ -220,3 +226,110 @@ def test_responses_invalid_tool_is_a_400(client, no_generation):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.parameters", r.text
     r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [dict(tool, parameters=[1])]})
     assert r.status_code == 400 and "must be an object" in r.json()["error"]["message"], r.text
+
+
+# ----------------------------------------------------------------------------------------
+# forced tool calls whose (valid) schema cannot be enforced: a 400 naming the tool
+# ----------------------------------------------------------------------------------------
+
+UNENFORCEABLE = [  # (the tool's properties, what the reason must say): each passes the metaschema
+    ({"d": {"type": "integer", "minimum": 5, "maximum": 1}}, "minimum (5) is greater than maximum (1)"),
+    ({"u": {"type": "string", "pattern": "(?<=a)b"}}, "look-around"),
+    ({"u": {"type": "string", "enum": [1, 2]}}, "enum has no string value"),
+    ({"u": {"$ref": "#/$defs/Missing"}}, "unresolvable $ref"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("named", [False, True])
+@pytest.mark.parametrize("props, needle", UNENFORCEABLE)
+def test_chat_forced_unenforceable_tool_is_a_400_naming_it(client, no_generation, props, needle, named, stream):
+    choice = {"type": "function", "function": {"name": "lookup"}} if named else "required"
+    r = chat(client, tools=[TOOLS[0], _fn("lookup", {"type": "object", "properties": props})], tool_choice=choice,
+             stream=stream)
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.1.function.parameters" and err["type"] == "invalid_request_error", err
+    assert err["message"].startswith("tools.1.function.parameters (tool 'lookup'): ") and needle in err["message"]
+    assert f"parameter {next(iter(props))!r}: " in err["message"]  # the parameter at fault
+    assert_short(err["message"])
+
+
+def test_chat_named_tool_ignores_an_unenforceable_other_tool(client):
+    """Only the forced tool's schema becomes a grammar: naming a good tool next to an
+    unenforceable one is served."""
+    bad = _fn("lookup", {"type": "object", "properties": UNENFORCEABLE[0][0]})
+    r = chat(client, tools=[TOOLS[0], bad], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+             max_tokens=2)
+    assert r.status_code == 200, r.text
+
+
+def test_responses_forced_unenforceable_tool_is_a_400_naming_it(client, no_generation):
+    tool = {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": UNENFORCEABLE[0][0]}}
+    for choice in ("required", {"type": "function", "name": "lookup"}):
+        r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool], "tool_choice": choice})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "tools.0.parameters" and "(tool 'lookup')" in err["message"], err
+        assert UNENFORCEABLE[0][1] in err["message"]
+        assert_short(err["message"])
+    fmt = {"type": "json_schema", "name": "m", "schema": UNENFORCEABLE[0][0]["d"]}
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "text": {"format": fmt}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert UNENFORCEABLE[0][1] in r.json()["error"]["message"]
+    assert_short(r.json()["error"]["message"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_forced_unenforceable_tool_is_a_400_naming_it(client, no_generation, stream):
+    good = {"name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}
+    bad = {"name": "lookup", "input_schema": {"type": "object", "properties": UNENFORCEABLE[1][0]}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "lookup"}):
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={"model": "demo", "max_tokens": 8, "messages": USER, "stream": stream,
+                                        "tools": [good, bad], "tool_choice": choice})
+            assert r.status_code == 400 and r.json()["type"] == "error", r.text
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and UNENFORCEABLE[1][1] in err["message"], err
+            assert err["message"].startswith("tools.1.input_schema (tool 'lookup'): ")
+            assert_short(err["message"])
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_duplicate_tool_names_are_a_400_in_every_api(client, no_generation, choice):
+    """Two tools of one name: which schema a call of it follows would be a guess."""
+    r = chat(client, tools=[TOOLS[0], _fn("lookup"), _fn("get_weather")], tool_choice=choice)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.2.function.name", r.text
+    assert "'get_weather' is already used by tools.0.function.name" in r.json()["error"]["message"]
+    tool = {"type": "function", "name": "f"}
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool, tool]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.1.name", r.text
+    body = {"model": "demo", "max_tokens": 8, "messages": USER, "tools": [{"name": "f", "input_schema": {}}] * 2}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and "tools.1.name: tool name 'f' is already used by tools.0.name" \
+            in r.json()["error"]["message"], r.text
+
+
+def test_a_forced_tool_without_a_name_is_a_clear_400(client, no_generation):
+    for choice in ({"type": "function"}, {"type": "function", "function": {}}):
+        r = chat(client, tools=TOOLS, tool_choice=choice)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice.function.name", r.text
+        assert "is missing" in r.json()["error"]["message"]
+    tool = {"type": "function", "name": "f"}
+    for choice, param in [({"type": "function"}, "tool_choice.name"), ({"type": "web_search"}, "tool_choice.type")]:
+        r = client.post("/v1/responses", json={"model": "demo", "input": "x", "tools": [tool], "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "tool_choice": {"type": "tool"},
+                                          "tools": [{"name": "f", "input_schema": {}}]})
+    assert r.status_code == 400 and "tool_choice.name is missing" in r.json()["error"]["message"], r.text
+
+
+def test_anthropic_server_tools_are_a_clear_400(client, no_generation):
+    body = {"model": "demo", "max_tokens": 8, "messages": USER}
+    for tools, needle in [([{"type": "web_search_20250305", "name": "web_search"}], "tool type 'web_search_20250305' is "
+                                                                                    "not supported"),
+                          ([{"name": "f"}], "tools.0.input_schema: required")]:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            r = client.post(path, json={**body, "tools": tools})
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

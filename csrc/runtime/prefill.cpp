@@ -18,19 +18,26 @@ namespace args = lily::kernels;
 namespace {
 
 // GEMM blocks (metal/gemm.metal, gemm_tiles.h): dense 64 x 64 output blocks of 128 threads,
-// the shared expert's SwiGLU 64 x 32 (gate and up: 64 weight rows per step as well).
+// the shared expert's SwiGLU 64 x 32 (gate and up: 64 weight rows per step as well). The
+// tensor-op twins (gemm_tensor.metal) take 128-row blocks of 256 threads, same columns.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
+constexpr uint32_t kGemmTensorBM = 128, kGemmTensorThreads = 256;
 // Grouped expert GEMMs (metal/moe_prefill.metal): threads and output columns per threadgroup
 // of gate/up and of down for tile height T (T = 64: gate/up 64 x 32 blocks, so that its two
-// staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64).
+// staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64; T = 128, tensor
+// ops only: 128 x 32 and 128 x 64 blocks of 256 threads, half tiles of 27 KiB).
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
 MoeGeometry moe_geometry(uint32_t T) {
+  if (T == 128) return {256, 32, 256, 64};
   if (T == 64) return {128, 32, 128, 64};
   const uint32_t threads = T == 32 ? 128 : 64;
   return {threads, 64, threads, 64};
 }
+// Rows per active expert from which the tensor-op path takes 128-row expert tiles
+// (moe_tile_rows; chosen from lily estimate, docs/performance.md).
+constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
@@ -136,6 +143,8 @@ void Runtime::allocate_chunk_buffers() {
 // and win once experts carry >= 24 rows on average (docs/goals.md: +13.2% at 2K tokens, 64 rows
 // per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
 // halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
+// On the tensor-op path 128-row tiles (which compute only the live 16-row bands of a partial
+// tile) halve the dequantization again from kTile128Rows rows per expert on (docs/prefill.md).
 uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
   if (force_tile_rows_) return force_tile_rows_;
   const ModelDims& d = dims_;
@@ -154,6 +163,7 @@ uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
     }
   }
   const double per_expert = assignments / std::max(1.0, active);
+  if (expert_tile_available(128) && per_expert >= kTile128Rows) return 128;
   return per_expert >= 48.0 ? 64 : per_expert >= 24.0 ? 32 : 16;
 }
 
@@ -201,6 +211,7 @@ void Runtime::resolve_prefill_kernels() {
   k.route_scatter = &dev.pipeline("moe_route_scatter");
   k.shared_gate_up = &dev.pipeline("gemm_swiglu_q4" + path);
   for (uint32_t T : kExpertTileRows) {
+    if (!expert_tile_available(T)) continue;
     k.experts_gate_up[tile_index(T)] = &dev.pipeline("moe_gemm_gate_up_q4_t" + std::to_string(T) + path);
     k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
   }
@@ -219,6 +230,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   const size_t f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
+  const uint32_t gemm_bm = tensor_ops_ ? kGemmTensorBM : kGemmBM;  // dense GEMM rows per threadgroup
+  const uint32_t gemm_threads = tensor_ops_ ? kGemmTensorThreads : kGemmThreads;
   // A routed-expert stack is declared whole (the experts are only known on the GPU); the
   // traffic counts the experts the chunk can reach, min(E, M*k) of them.
   auto expert_stack = [&](Op& op, uint32_t i, const QuantLinear& w) -> Op& {
@@ -232,7 +245,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
     Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
-    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, kGemmBM)), tg(kGemmThreads));
+    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gemm_bm)), tg(gemm_threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
     const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
     if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out(4, y, col0 * yb, y_bytes);
@@ -394,7 +407,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, kGemmBM)), tg(kGemmThreads))
+        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gemm_bm)), tg(gemm_threads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
@@ -464,7 +477,8 @@ void Runtime::encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t
   const size_t f = sizeof(float), hf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
   Op(prefill_kernels_.gemm[model_.lm_head.bits], "lm_head (all positions)")
-      .groups({ceil_div(V, kGemmBN), ceil_div(R, kGemmBM), 1}, {kGemmThreads, 1, 1})
+      .groups({ceil_div(V, kGemmBN), ceil_div(R, tensor_ops_ ? kGemmTensorBM : kGemmBM), 1},
+              {tensor_ops_ ? kGemmTensorThreads : kGemmThreads, 1, 1})
       .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
       .out(4, *chunk_bufs_.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);

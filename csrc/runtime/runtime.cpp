@@ -239,6 +239,7 @@ void Runtime::preflight() {
     // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
     // the context (split attention when the context reaches it)
     for (uint32_t tile : kExpertTileRows) {
+      if (!expert_tile_available(tile)) continue;
       force_tile_rows_ = tile;
       auto cmd = logged_command_buffer();
       encode_chunk(*cmd, 0, 0, chunk_, Logits::last, true, nullptr);

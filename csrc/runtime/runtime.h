@@ -48,7 +48,8 @@ enum class Logits { none, last, all };
 inline constexpr uint32_t kAutoPrefillChunks[] = {4096, 2048, 1024, 512};
 
 // Heights of the grouped expert GEMMs' tiles (moe_gemm_*_t<T>; Runtime::moe_tile_rows picks one).
-inline constexpr uint32_t kExpertTileRows[] = {16, 32, 64};
+// 128: the tensor-op path only (Runtime::expert_tile_available).
+inline constexpr uint32_t kExpertTileRows[] = {16, 32, 64, 128};
 
 struct RuntimeOptions {
   LILY_RUNTIME_OPTIONS(LILY_DECLARE_FIELD)
@@ -185,7 +186,7 @@ struct PrefillKernels {
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
   // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
-  const gpu::Pipeline *experts_gate_up[3] = {}, *experts_down[3] = {};
+  const gpu::Pipeline *experts_gate_up[4] = {}, *experts_down[4] = {};
   const gpu::Pipeline *moe_combine = nullptr, *moe_combine_norm = nullptr;  // the latter: + next input norm
 };
 
@@ -306,6 +307,8 @@ class Runtime {
                                                  Logits last_logits, bool sample, bool keep_last);
   void wait_pending();
   uint32_t moe_tile_rows(uint32_t layer, uint32_t rows) const;
+  // Whether this runtime's GEMM path has expert tiles of height T (128: tensor ops only).
+  bool expert_tile_available(uint32_t T) const { return T < 128 || tensor_ops_; }
   void submit_next();
   void write_token(int slot, uint32_t token, uint32_t position);
   enum class Mem { scratch, kv_cache, state };

@@ -33,12 +33,20 @@ constexpr double kDequantOps = 3;
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
-// stride of 64 + 8 halves (kGemmLd).
+// stride of 64 + 8 halves (kGemmLd). The tensor-op twins (gemm_tensor.metal): 128 rows.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
-// Threadgroup memory of a GEMM block (GemmSmem of gemm_tiles.h): half A and NB W tiles,
-// reused for NB staged fp32 BM x (BN + 4) result blocks.
-uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb) {
-  return std::max<uint64_t>(uint64_t(bm + nb * bn) * kGemmLd * 2, uint64_t(nb) * bm * (bn + 4) * 4);
+constexpr uint32_t kGemmTensorBM = 128;
+// Rows of one tensor operation of the banded tensor-op GEMMs (the dense twins and the 128-row
+// expert tiles: a simdgroup's band, gemm_tensor.h), the granularity at which a partial
+// tile's padding rows are skipped.
+constexpr uint32_t kTensorBand = 16;
+// Threadgroup memory of a GEMM block: half A and NB W tiles; on the simdgroup_matrix path
+// (GemmSmem of gemm_tiles.h) reused for NB staged fp32 BM x (BN + 4) result blocks, on the
+// tensor-op path (GemmTensorSmem of gemm_tensor.h) the tiles alone (results leave from
+// registers).
+uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
+  const uint64_t tiles = uint64_t(bm + nb * bn) * kGemmLd * 2;
+  return tensor ? tiles : std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
 }
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
 // (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
@@ -105,7 +113,7 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y =
   add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
   add(w, Path::alu_f32, (nb == 2 ? 4.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb);
+  w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
   return w;
 }
 
@@ -115,8 +123,10 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y =
 // their last tile, 1..T) are uniform, so a fraction (h - lo + 1) / T of them lands in class c
 // (lo: its fewest rows) with (lo + h) / 2 real rows on average; class 0 also runs the full
 // tiles, (m k - reached (T + 1) / 2) / T of them. Every tile computes h rows (its padding
-// included), dequantizes its expert's n x k weights once, and reads them: the experts a
-// class reaches are counted (class 0: at most every reached one; class c > 0: one per tail).
+// included; the banded 128-row tensor-op tiles only their live kTensorBand-row bands: a
+// tail of r rows computes r rounded up to the band), dequantizes its expert's n x k weights
+// once, and reads them: the experts a class reaches are counted (class 0: at most every
+// reached one; class c > 0: one per tail).
 Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
   const uint32_t h = param(r.kernel, "_t"), T = std::max(a.tile_rows, h);
@@ -129,17 +139,21 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const double tails = reached * (h - lo + 1) / T;
   const double full = c == 0 ? std::max(0.0, (assignments - reached * (T + 1) / 2.0) / T) : 0.0;
   const double tiles = std::min(full + tails, double(r.groups.x));
-  const double rows = tiles * h;  // computed, padding included
+  const uint32_t band = tensor && h == 128 ? kTensorBand : h;
+  double tail_rows = 0;  // computed rows of a tail, on average over r = lo..h
+  for (uint32_t rr = lo; rr <= h; ++rr) tail_rows += double((rr + band - 1) / band * band) / (h - lo + 1);
+  // computed, padding included
+  const double rows = full + tails > 0 ? tiles * (full * h + tails * tail_rows) / (full + tails) : 0.0;
   const double real = std::min(assignments, full * T + tails * (lo + h) / 2.0);
   const double experts_read = std::min(reached, full + tails);
-  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T = 64)
+  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T >= 64)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
   // weights dequantized in half ALU; half activations are copied; both outputs are stored
   // as half (the conversion), gate/up after silu(g) * u
   add(w, Path::alu_f16, kDequantOps * nb * tiles * double(a.n) * a.k);
   add(w, Path::alu_f32, ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
-  w.threadgroup_memory = gemm_smem(h, bn, nb);
+  w.threadgroup_memory = gemm_smem(h, bn, nb, tensor);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
   // whole by every class), the class's share of the real rows.
   const double stacks = nb * double(a.experts) * double(a.n) * a.k * quant_bytes(4);

@@ -427,6 +427,8 @@ def _system_prefix(engine, system: str | None, tools: list | None, template_kwar
 
 def cmd_cache_prompt(args) -> int:
     from pathlib import Path
+
+    from lily.structured import check_tools, template_tools
     tools = None
     if args.tools:
         try:
@@ -437,9 +439,17 @@ def cmd_cache_prompt(args) -> int:
             tools = tools["tools"]
         if not isinstance(tools, list):
             raise InvalidParameterError(f"--tools {args.tools}: expected a JSON list of tool definitions")
+        try:  # the server's check: a cache for tools every request would be refused with is no use
+            check_tools(tools, lambda i, field: f"tools[{i}].function{'.' + field if field else ''}")
+        except InvalidParameterError as e:
+            raise InvalidParameterError(f"--tools {args.tools}: {e}") from None
+        tools = template_tools(tools)  # rendered as a chat request's tools are
     system = args.system
     if args.system_file:
-        system = Path(args.system_file).read_text(encoding="utf-8") if args.system_file != "-" else sys.stdin.read()
+        try:
+            system = Path(args.system_file).read_text(encoding="utf-8") if args.system_file != "-" else sys.stdin.read()
+        except (OSError, ValueError) as e:
+            raise InvalidParameterError(f"--system-file {args.system_file}: {e}") from None
     engine = _load(args)
     ids = engine.encode_prompt(args.prompt) if args.prompt is not None else _system_prefix(engine, system, tools)
     computed = engine.cache_prompt(ids)

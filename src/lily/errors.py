@@ -32,6 +32,31 @@ class InvalidParameterError(LilyError, ValueError):
     """A sampling or engine parameter is out of range or of the wrong type."""
 
 
+class ToolError(InvalidParameterError):
+    """A tool definition that cannot be used: not an object of the expected form, a name
+    that breaks the tool-name rule, parameters that are not a valid JSON Schema, or (in a
+    forced tool call) a valid schema that is unsatisfiable (``minimum`` > ``maximum``) or
+    uses what the grammar engine cannot enforce (look-around in ``pattern``, a ``$ref``
+    that does not resolve).
+
+    ``index`` is the tool's position in the ``tools`` list given, ``name`` its name (None
+    when it has none), ``field`` the field at fault (``"name"``, ``"parameters"`` or
+    ``""``: the whole tool), ``reason`` what is wrong in one line, and ``param`` the field
+    as the caller's input spells it (``tools[i].field`` by default; see :meth:`spelled`).
+    The message is ``"<param> (tool 'NAME'): <reason>"``.
+    """
+
+    def __init__(self, index: int, name: str | None, field: str, reason: str, param: str | None = None):
+        self.index, self.name, self.field, self.reason = index, name, field, reason
+        self.param = param or (f"tools[{index}].{field}" if field else f"tools[{index}]")
+        super().__init__(f"{self.param}{f' (tool {name!r})' if name is not None else ''}: {reason}")
+
+    def spelled(self, param) -> ToolError:
+        """The same error with ``param(index, field)`` as its ``param`` (e.g. an API's
+        ``tools.1.function.parameters``)."""
+        return ToolError(self.index, self.name, self.field, self.reason, param(self.index, self.field))
+
+
 class ContextLengthError(LilyError, ValueError):
     """A prompt or generation does not fit in the session's context window."""
 

@@ -48,16 +48,19 @@ COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/att
 NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
 TG = 64               # threads per threadgroup used for the GEMV-like kernels
 GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
-GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal, gemm_tensor.metal)
+GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal)
+GEMM_TENSOR_BM, GEMM_TENSOR_TG = 128, 256  # rows and threads of their tensor-op twins (gemm_tensor.metal)
 GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
 GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
 HALF_MAX = 65504.0   # the GEMMs clamp their half operands to +-HALF_MAX (kGemmHalfMax)
 # Grouped GEMM kernels per tile height T: threads of both kernels, output columns per
-# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry).
-MOE_TG = {16: 64, 32: 128, 64: 128}
-MOE_BN = {16: 64, 32: 64, 64: 32}
-MOE_DOWN_BN = {16: 64, 32: 64, 64: 64}
+# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry). T = 128: the
+# tensor-op path only (moe_gemm_*_q4_t128_tensor, no simdgroup_matrix twin).
+MOE_TG = {16: 64, 32: 128, 64: 128, 128: 256}
+MOE_BN = {16: 64, 32: 64, 64: 32, 128: 32}
+MOE_DOWN_BN = {16: 64, 32: 64, 64: 64, 128: 64}
 MOE_TILES = (16, 32, 64)
+MOE_TENSOR_TILES = MOE_TILES + (128,)
 
 SELFTEST_PREFIX = "st_"
 
@@ -111,6 +114,12 @@ def half_activations(x) -> np.ndarray:
     """x as the producers of the prefill GEMMs' inputs store it (rms_norm_half, the SwiGLU
     GEMMs: gemm_half of metal/common.h): clamped to +-65504, rounded to half; float16."""
     return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16)
+
+
+def gemm_geometry(kernel: str) -> tuple[int, int]:
+    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: 64 and 128
+    (gemm.metal), 128 and 256 for the tensor-op twins (``*_tensor``, gemm_tensor.metal)."""
+    return (GEMM_TENSOR_BM, GEMM_TENSOR_TG) if kernel.endswith("_tensor") else (GEMM_BM, GEMM_TG)
 
 
 def half_stored(want, tol):
@@ -1187,7 +1196,7 @@ def nblocks(M, R):
 # here as the oracle of moe_route_scatter): class c of a height-T tiling has height T >> c.
 
 def tile_classes(T):
-    return 3 if T >= 64 else 2 if T >= 32 else 1
+    return 1 if T >= 128 else 3 if T >= 64 else 2 if T >= 32 else 1
 
 
 def tail_class(T, r):
@@ -1695,7 +1704,8 @@ def _gemm(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
-    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // GEMM_BM)), GEMM_TG, [W, S, B, X, Y], constant(m, n, k, k, n),
+    bm, tg = gemm_geometry(kernel)
+    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact, tol = gemm_ref(x, qt)
     if add:
@@ -1876,7 +1886,8 @@ def _gemm_swiglu(dev, rng, kernel):
     x = half_activations(rng.standard_normal((m, k)))
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
     X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
-    run_bound(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // GEMM_BM)), GEMM_TG, [*bufs, X, Y], constant(m, n, k, k, n),
+    bm, tg = gemm_geometry(kernel)
+    run_bound(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*bufs, X, Y], constant(m, n, k, k, n),
          reads=[*bufs, X], writes=[Y])
     want, tol = half_stored(*swiglu_ref(x, gq, uq))
     return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
@@ -2072,9 +2083,16 @@ def _grouped(kernel):
     return int(re.search(r"_t(\d+)", kernel).group(1))
 
 
-@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
+def _moe_rows(T):
+    """Rows of a grouped GEMM check: 23 (every tile partial below T = 32), 80 at T = 128 (~40
+    rows per expert: tiles of several 16-row bands, all partial)."""
+    return 80 if T == 128 else 23
+
+
+@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_gate_up_q4_t128_tensor")
 def _moe_gemm_gate_up(dev, rng, kernel):
-    T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
+    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
+    M = _moe_rows(T)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
     x = half_activations(rng.standard_normal((M, H)))
@@ -2094,9 +2112,10 @@ def _moe_gemm_gate_up(dev, rng, kernel):
     return r
 
 
-@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")])
+@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_down_q4_t128_tensor")
 def _moe_gemm_down(dev, rng, kernel):
-    T, M, E, k, H, I = _grouped(kernel), 23, 8, 4, 128, 64
+    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
+    M = _moe_rows(T)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
     dq = rand_quant(rng, (E,), H, I, 4)
     hx = half_activations(rng.standard_normal((M * k, I)) * 0.1)

@@ -72,7 +72,7 @@ def check_kernel_dtypes(ck: Checkpoint) -> None:
         want = {"bf16": "BF16", "f32": "F32"}.get(kind)
         t = ck.tensors.get(name)
         if want and t is not None and t.dtype != want:
-            raise CheckpointError(f"{t.file.name}: tensor {name} is {t.dtype}; the native kernels read it as "
+            raise CheckpointError(f"{t.where}: tensor {t.name} is {t.dtype}; the native kernels read it as "
                                   f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 

@@ -108,12 +108,14 @@ class SamplingParams:
         integer("top_logprobs", 0, 20)
         if self.seed is not None:
             integer("seed", -(1 << 63), (1 << 64) - 1)
-        for s in self.stop:
+        # the list is not echoed: a client may send many or long strings
+        for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
-                raise InvalidParameterError(f"invalid sampling parameter stop={self.stop!r}: "
+                raise InvalidParameterError(f"invalid sampling parameter stop={s!r}"[:80] + f" (stop string {i}): "
                                             "stop strings must be non-empty strings")
         if len(self.stop) > 16:
-            bad("stop", "at most 16 stop strings")
+            raise InvalidParameterError(f"invalid sampling parameter stop=[{len(self.stop)} strings]: "
+                                        "at most 16 stop strings")
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied (validated). Unknown names raise

@@ -44,14 +44,15 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 
-from lily.errors import InvalidParameterError, LilyError
+from lily.errors import InvalidParameterError, LilyError, ToolError
 
 #: llguidance's JSON layout options: one line, separated as ``json.dumps`` does. Free
 #: whitespace lets a model pad the answer with blank lines until max_tokens (the
@@ -98,15 +99,23 @@ def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
     String formats (``"format": "regex"`` on ``pattern``) are not checked here: Python's
     ``re`` is not ECMA 262 (it rejects ``\\p{L}``); llguidance checks patterns it compiles.
     """
+    parsed, problem = _schema_problem(schema)
+    if problem is not None:
+        raise InvalidParameterError(f"{what}: {problem}")
+    return parsed
+
+
+def _schema_problem(schema: Any) -> tuple[Any, str | None]:
+    """``(parsed schema, None)``, or ``(None, what is wrong)`` (see :func:`check_schema`)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except ValueError as e:
-            raise InvalidParameterError(f"{what}: not valid JSON: {e}") from None
+            return None, f"not valid JSON: {e}"
     if not isinstance(schema, (dict, bool)):
-        raise InvalidParameterError(f"{what}: a JSON schema must be an object, got {type(schema).__name__}")
+        return None, f"a JSON schema must be an object, got {type(schema).__name__}"
     if schema is False:
-        raise InvalidParameterError(f"{what}: the JSON schema `false` accepts no value")
+        return None, "the JSON schema `false` accepts no value"
     try:
         import jsonschema
     except ImportError as e:  # a dependency, but say what to do if it is missing
@@ -116,17 +125,103 @@ def check_schema(schema: Any, what: str = "JSON schema") -> dict | bool:
         validator.check_schema(schema, format_checker=None)
     except jsonschema.SchemaError as e:
         where = "/".join(str(p) for p in e.absolute_path)
-        raise InvalidParameterError(f"{what}: invalid JSON schema: {e.message}"
-                                    + (f" (at {where})" if where else "")) from None
-    return schema
+        return None, f"invalid JSON schema: {e.message}" + (f" (at {where})" if where else "")
+    return schema, None
 
 
-def _check(grammar_text: str, what: str) -> None:
-    """Raise InvalidParameterError with llguidance's message when ``grammar_text`` is invalid."""
+# Tool names: OpenAI's function-definition reference ("a-z, A-Z, 0-9, underscores and
+# dashes, at most 64") and Anthropic's tool reference (the regex ^[a-zA-Z0-9_-]{1,64}$) agree
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+def check_tools(tools: Any, param: Callable[[int, str], str] | None = None) -> None:
+    """The check of every tool list before it is rendered or compiled, whatever the tool
+    choice (the server's three APIs and ``lily cache-prompt --tools``): ``tools`` (None: no
+    tools) must be a list of OpenAI chat-form tools ``{"type": "function", "function":
+    {"name", "description", "parameters"}}``, each name 1 to 64 letters, digits, ``_`` or
+    ``-`` (:data:`TOOL_NAME`) and used by no other tool (a call names its tool: two of one
+    name would leave the call's schema ambiguous), each description a string, each
+    ``parameters`` a valid JSON Schema (:func:`check_schema`, the check ``response_format``
+    gets).
+
+    Raises :class:`InvalidParameterError` when ``tools`` is not a list, and
+    :class:`~lily.errors.ToolError` for the first tool at fault, its ``param`` spelled by
+    ``param(i, field)`` (e.g. ``tools.0.input_schema``; default ``tools[i].function.field``).
+    Unsatisfiable schemas pass: only a forced call compiles them (:meth:`Grammar.tool_calls`).
+    """
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidParameterError(f"tools must be a list of tool definitions, got {type(tools).__name__}")
+    spell = param or (lambda i, field: f"tools[{i}].function.{field}")
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type", "function") != "function":
+            raise ToolError(i, None, "", 'a tool must be an object {"type": "function", "function": '
+                                         '{"name": ..., "description": ..., "parameters": {...}}}')
+        name = fn.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise ToolError(i, None, "name", f"tool name {name!r} is invalid: it must be 1 to 64 letters, digits, "
+                                             "underscores or dashes", spell(i, "name"))
+        if name in seen:
+            raise ToolError(i, None, "name", f"tool name {name!r} is already used by {spell(seen[name], 'name')}: "
+                                             "tool names must be unique", spell(i, "name"))
+        seen[name] = i
+        if not isinstance(fn.get("description", ""), (str, type(None))):
+            raise ToolError(i, name, "description", "the description must be a string", spell(i, "description"))
+        params = fn.get("parameters")
+        _, problem = _schema_problem({} if params is None else params)
+        if problem is not None:
+            raise ToolError(i, name, "parameters", problem, spell(i, "parameters"))
+
+
+def template_tools(tools: list[dict] | None) -> list[dict] | None:
+    """OpenAI chat-form tools (as :func:`check_tools` accepts them) in the one layout the
+    chat template renders, whatever the key order and ``null`` fields of the input:
+    ``{"type": "function", "function": {"name", "description", "parameters", then the
+    function's other fields in their order}}`` followed by the tool's other fields, with
+    ``null`` fields left out. The chat completions API and ``lily cache-prompt --tools``
+    both render through it, so the tokens of a cache file written from a tools file are
+    those of a chat request carrying the same tools (reuse is decided by token equality)."""
+    if tools is None:
+        return None
+    out = []
+    for tool in tools:
+        fn = tool["function"]
+        f = {k: fn[k] for k in ("name", "description", "parameters") if fn.get(k) is not None}
+        f.update((k, v) for k, v in fn.items() if k not in f and v is not None)
+        rest = {k: v for k, v in tool.items() if k not in ("type", "function") and v is not None}
+        out.append({"type": "function", "function": f, **rest})
+    return out
+
+
+_LISTING = re.compile(r"\s*\d+ \| ")  # a line of the grammar listing in llguidance's errors
+
+
+def short_reason(message: str) -> str:
+    """llguidance's error ``message`` as one line: without its position (``at 5(11):``), its
+    "failed to compile JSON schema" preamble, the regex carets and the listing of the whole
+    generated grammar that follows (our Lark rules, of no use to whoever sent the schema)."""
+    parts = []
+    for line in message.splitlines():
+        if _LISTING.match(line):
+            break
+        line = line.strip()
+        if line and set(line) != {"^"}:
+            parts.append(line)
+    text = re.sub(r"^at \d+\(\d+\):\s*", "", " ".join(parts))
+    return text.removeprefix("failed to compile JSON schema: ") or "invalid grammar"
+
+
+def _grammar_error(lark: str) -> str | None:
+    """The short reason (:func:`short_reason`) why the Lark grammar ``lark`` (start symbol
+    ``start``) does not compile, or None when it does."""
     llg = _llg()
-    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar_text, None)
-    if is_error:
-        raise InvalidParameterError(f"{what}: {messages[0] if messages else 'invalid grammar'}")
+    is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(llg.LLMatcher.grammar_from_lark(lark), None)
+    if not is_error:
+        return None
+    return short_reason(messages[0]) if messages else "invalid grammar"
 
 
 class Grammar:
@@ -152,11 +247,14 @@ class Grammar:
         Raises :class:`InvalidParameterError` when the schema is malformed (e.g. ``"type":
         "strng"``, ``"required": "a"``: :func:`check_schema`), unsatisfiable (``minimum`` >
         ``maximum``) or uses what llguidance cannot enforce (look-around in ``pattern``,
-        unknown ``format``, remote ``$ref``); the message is then llguidance's.
+        unknown ``format``, remote ``$ref``); the message then starts "JSON schema cannot be
+        enforced" and gives llguidance's reason in one line (:func:`short_reason`).
         """
         schema = check_schema(schema)
         body = "body: " + _json_rule(schema) + "\n"
-        _check(_llg().LLMatcher.grammar_from_lark(body.replace("body:", "start:", 1)), "invalid JSON schema")
+        err = _grammar_error(body.replace("body:", "start:", 1))
+        if err is not None:
+            raise InvalidParameterError(f"JSON schema cannot be enforced: {err}")
         return cls("json_schema", body)
 
     @classmethod
@@ -173,7 +271,8 @@ class Grammar:
         ``tools`` are OpenAI tool definitions (``{"type": "function", "function": {"name",
         "parameters"}}``) or bare functions (``{"name", "parameters"}``). Raises
         :class:`InvalidParameterError` when there is no tool, ``name`` is not one of them,
-        or a parameter schema is invalid.
+        or a parameter schema is invalid; :class:`~lily.errors.ToolError` (naming the tool,
+        ``field`` ``"parameters"``) when a forced tool's valid schema cannot be enforced.
         """
         fns = _functions(tools)
         if not fns:
@@ -184,15 +283,33 @@ class Grammar:
             fns = {name: fns[name]}
         rules: list[str] = []
         alts = []
-        for i, (fname, params) in enumerate(fns.items()):
-            alts.append(f"fn{i}")
-            rules.extend(_function_rules(f"fn{i}", fname, params))
+        per_tool: list[tuple[int, str, list[str], list[tuple[str, str, list[str]]]]] = []
+        for k, (fname, (index, params)) in enumerate(fns.items()):
+            alts.append(f"fn{k}")
+            try:
+                fn_rules, values = _function_rules(f"fn{k}", fname, params)
+            except InvalidParameterError as exc:
+                raise _unenforceable(index, fname, str(exc)) from None
+            per_tool.append((index, fname, fn_rules, values))
+            rules.extend(fn_rules)
         rules.append("call: <tool_call> \"\\n\" (" + " | ".join(alts) + ") </tool_call>")
         first = "body: call" if name is not None or not parallel else "body: call (\"\\n\" call)*"
         body = "\n".join([first, *rules]) + "\n"
-        _check(_llg().LLMatcher.grammar_from_lark(
-            body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
-            .replace("</tool_call>", '"</tool_call>"')), "invalid tool parameters schema")
+        err = _grammar_error(body.replace("body:", "start:", 1).replace("<tool_call>", '"<tool_call>"')
+                             .replace("</tool_call>", '"</tool_call>"'))
+        if err is not None:
+            # compile each tool alone, then its parameters, to say which one cannot be
+            # enforced (only on failure: one compilation when all is well)
+            for k, (index, fname, fn_rules, values) in enumerate(per_tool):
+                alone = _grammar_error("\n".join([f"start: fn{k}", *fn_rules]) + "\n")
+                if alone is None:
+                    continue
+                for key, v, value_rules in values:
+                    err = _grammar_error("\n".join([f"start: {v}", *value_rules]) + "\n")
+                    if err is not None:
+                        raise _unenforceable(index, fname, f"parameter {key!r}: {err}")
+                raise _unenforceable(index, fname, alone)
+            raise InvalidParameterError(f"the tool-call grammar cannot be built: {err}")
         return cls("tool_calls", body)
 
     # -- binding -----------------------------------------------------------------------
@@ -342,9 +459,14 @@ def _ll_tokenizer(tokenizer, eos: tuple[int, ...]):
 # ----------------------------------------------------------------------------------------
 
 
-def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
-    """name -> parameters schema ({} when absent), in the order given."""
-    out: dict[str, dict] = {}
+def _unenforceable(index: int, name: str, reason: str) -> ToolError:
+    return ToolError(index, name, "parameters", f"the schema is valid but a forced call of this tool cannot be "
+                                                f"enforced: {reason}")
+
+
+def _functions(tools: Iterable[dict] | None) -> dict[str, tuple[int, dict]]:
+    """name -> (position in ``tools``, parameters schema ({} when absent)), in the order given."""
+    out: dict[str, tuple[int, dict]] = {}
     if tools is None or isinstance(tools, (str, bytes, dict)):
         raise InvalidParameterError("tools must be a list of tool definitions")
     for i, tool in enumerate(tools):
@@ -356,7 +478,7 @@ def _functions(tools: Iterable[dict] | None) -> dict[str, dict]:
             params = {}
         if not isinstance(params, dict):
             raise InvalidParameterError(f"tools[{i}] ({fn['name']}): parameters must be a JSON schema object")
-        out[fn["name"]] = check_schema(params, f"tools[{i}] ({fn['name']}): parameters")
+        out[fn["name"]] = (i, check_schema(params, f"tools[{i}] ({fn['name']}): parameters"))
     return out
 
 
@@ -475,7 +597,9 @@ def _value_rules(rule: str, schema: Any, root: dict) -> list[str]:
     return [f"{rule}: " + " | ".join(alts), *rules]
 
 
-def _function_rules(rule: str, name: str, params: dict) -> list[str]:
+def _function_rules(rule: str, name: str, params: dict) -> tuple[list[str], list[tuple[str, str, list[str]]]]:
+    """The rules of one function's call named ``rule``, and per parameter ``(name, value
+    rule, its rules)`` (to compile a parameter alone when the whole fails)."""
     props = params.get("properties")
     if props is not None and not isinstance(props, dict):
         raise InvalidParameterError(f"function {name!r}: parameters.properties must be an object")
@@ -485,6 +609,7 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
     if "\n" in name or ">" in name:
         raise InvalidParameterError(f"function name {name!r} cannot appear in a tool call")
     rules: list[str] = []
+    values: list[tuple[str, str, list[str]]] = []
     seq: list[str] = []
     names = list(props or {}) + [r for r in required if r not in (props or {})]
     for j, key in enumerate(names):
@@ -493,7 +618,12 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
         p = f"{rule}_p{j}"
         v = f"{rule}_v{j}"
         rules.append(f"{p}: " + _lark_str(f"<parameter={key}>\n") + f" {v} \"\\n\"")
-        rules.extend(_value_rules(v, (props or {}).get(key, {}), params))
+        try:
+            value_rules = _value_rules(v, (props or {}).get(key, {}), params)
+        except InvalidParameterError as exc:
+            raise InvalidParameterError(f"parameter {key!r}: {exc}") from None
+        rules.extend(value_rules)
+        values.append((key, v, value_rules))
         seq.append(p if key in required else f"{p}?")
     if props is None and params.get("additionalProperties", True) is not False:
         # no declared parameters: any names, free values
@@ -502,7 +632,7 @@ def _function_rules(rule: str, name: str, params: dict) -> list[str]:
         seq.append(f"{rule}_any*")
     head = _lark_str(f"<function={name}>\n")
     rules.insert(0, f"{rule}: {head} {' '.join(seq)} \"</function>\\n\"")
-    return rules
+    return rules, values
 
 
 # ----------------------------------------------------------------------------------------

@@ -95,8 +95,9 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, MOE_BN, MOE_DOWN_BN,  # noqa: E402,F401
-                               MOE_TG, MOE_TILES, gemm_ref, half_operand, half_weights, swiglu_ref)
+from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG,  # noqa: E402,F401
+                               GEMM_TG, MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, gemm_geometry,
+                               gemm_ref, half_operand, half_weights, swiglu_ref)
 from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
@@ -115,7 +116,8 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
         bufs += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
     bufs += [X, Y]
     bn = GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN
-    dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, GEMM_BM)), GEMM_TG, bufs, constant(m, n, k, lda, ldy),
+    bm, tg = gemm_geometry(kernel)
+    dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, constant(m, n, k, lda, ldy),
              reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
     return download(Y, np.float16 if ysize == 2 else np.float32, (m, ldy)).astype(np.float32)
 
@@ -123,7 +125,7 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
 # ---- part 2: bit-exactness in the simulator (forward order)
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("m,n,k", [(45, 100, 128), (1, 64, 64), (64, 130, 192)])
+@pytest.mark.parametrize("m,n,k", [(45, 100, 128), (1, 64, 64), (64, 130, 192), (150, 70, 128)])
 def test_gemm_q_exact(fwd, bits, m, n, k):
     dev = fwd
     rng = fresh_rng(11, bits, m, n, k)
@@ -214,18 +216,21 @@ def test_tensor_twins_have_the_simdgroup_bindings():
     host = [h for f in SIMD_FILES for h in re.findall(r'host_name\("(\w*gemm\w*)"\)', (ROOT / "metal" / f).read_text())]
     host += ["gemm_swiglu_q4"]  # a non-template kernel: registered under its own name
     host_t = [h for f in TENSOR_FILES for h in re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / f).read_text())]
-    assert sorted(h + "_tensor" for h in host) == sorted(host_t + ["gemm_swiglu_q4_tensor"])
+    # the 128-row expert tiles exist on the tensor-op path only
+    own = [f"moe_gemm_{kind}_q4_t128_tensor" for kind in ("gate_up", "down")]
+    assert sorted([h + "_tensor" for h in host] + own) == sorted(host_t + ["gemm_swiglu_q4_tensor"])
     assert not re.search(r"moe_gemm", (ROOT / "metal" / "gemm.metal").read_text().split("#include")[-1]), \
         "the grouped expert GEMMs live in the MoE prefill family (moe_prefill*.metal)"
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
     names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
-                                     *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TILES))]
+                                     *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down")
+                                       for T in MOE_TENSOR_TILES))]
     d9 = sim_device(gpu_family="apple9")
     for name in names:
         assert fwd.has_kernel(name) and not d9.has_kernel(name), name
-        assert d9.has_kernel(name[:-len("_tensor")])
+        assert d9.has_kernel(name[:-len("_tensor")]) == ("_t128" not in name), name
 
 
 def test_probe_kernel(fwd):
@@ -260,37 +265,58 @@ def test_structure_half_operands_and_tiles():
     """Pins the design (docs/prefill.md, "GEMM"): the tensor operations' operands are half
     threadgroup tensors with a float destination (Apple's operand table: half x half ->
     float), the simdgroup_matrix operands half with fp32 accumulators; k steps of 64 (one
-    quantization group); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up);
-    every configuration within 32 KiB of threadgroup memory; the host, the work table and
+    quantization group); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up), 128
+    x 64 (128 x 32) on the tensor-op path in 16-row simdgroup bands; the 128-row expert tiles
+    on that path only, also banded; the tensor-op results leave from registers (no staging),
+    so every configuration fits 32 KiB of threadgroup memory; the host, the work table and
     the tests agree on the geometry."""
     tiles = (ROOT / "metal" / "gemm_tiles.h").read_text()
     tensor = (ROOT / "metal" / "gemm_tensor.h").read_text()
     assert re.search(r"using GemmTensorTile = tensor<threadgroup half,", tensor)
-    assert re.search(r"get_destination_cooperative_tensor<GemmTensorTile<BM>, GemmTensorTile<BN>, float>", tensor)
+    assert re.search(r"get_destination_cooperative_tensor<GemmTensorTile<R>, GemmTensorTile<BN>, float>", tensor)
     assert not re.search(r"tensor<threadgroup (float|bfloat), extents<int32_t, kGemmBK", tensor)
+    body = tensor[tensor.index("inline void gemm_tensor_gemm"):]
+    assert ".store(" not in body and "sink.put(" in body  # results written from the registers
     assert re.search(r"simdgroup_half8x8 a\[FM\]", tiles) and re.search(r"simdgroup_half8x8 wt;", tiles)
     assert re.search(r"simdgroup_float8x8 acc\[", tiles)
     (bk,) = _constants("metal/gemm_tiles.h", "kGemmBK")
     assert bk == GEMM_BK == 64
     assert _constants("metal/gemm.metal", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
-    assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN] == [64, 64, 32]
-    assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
-    assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
-    assert _constants("csrc/runtime/work.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8]
+    assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
+    dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
+    assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
+                      "kGemmTensorSimdgroups") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_TG // 32]
+    assert re.search(r"gemm_tensor_gemm<BITS, NB, BM, BN, NSG, true>", dense)  # banded
+    assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads",
+                      "kGemmTensorBM", "kGemmTensorThreads") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, GEMM_TENSOR_BM, GEMM_TENSOR_TG]
+    assert _constants("csrc/runtime/work.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd", "kGemmTensorBM",
+                      "kTensorBand") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8, GEMM_TENSOR_BM,
+                                         GEMM_TENSOR_BM // (GEMM_TENSOR_TG // 32)]
 
     def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: half tiles, or the staged fp32 results
         return max((bm + nb * bn) * (GEMM_BK + 8) * 2, nb * bm * (bn + 4) * 4)
 
+    def tensor_smem(bm, bn, nb):  # GemmTensorSmem of gemm_tensor.h: the half tiles only
+        return (bm + nb * bn) * (GEMM_BK + 8) * 2
+
     assert smem(GEMM_BM, GEMM_BN, 1) <= 32768 and smem(GEMM_BM, GEMM_SWIGLU_BN, 2) <= 32768
+    assert tensor_smem(GEMM_TENSOR_BM, GEMM_BN, 1) <= 32768 and tensor_smem(GEMM_TENSOR_BM, GEMM_SWIGLU_BN, 2) <= 32768
+    assert smem(GEMM_TENSOR_BM, GEMM_BN, 1) > 32768  # why the tensor-op path does not stage its results
     for T in MOE_TILES:
         assert smem(T, MOE_BN[T], 2) <= 32768 and smem(T, MOE_DOWN_BN[T], 1) <= 32768
-    # the grouped host names carry the same (T, BN) on both paths
+    for T in MOE_TENSOR_TILES:
+        assert tensor_smem(T, MOE_BN[T], 2) <= 32768 and tensor_smem(T, MOE_DOWN_BN[T], 1) <= 32768
+    # the grouped host names carry the same (T, BN) on both paths; 16-row bands at T = 128
     for kind, bns in (("gate_up", MOE_BN), ("down", MOE_DOWN_BN)):
-        for f, suffix in (("moe_prefill.metal", ""), ("moe_prefill_tensor.metal", "_tensor")):
+        for f, suffix, heights in (("moe_prefill.metal", "", MOE_TILES),
+                                   ("moe_prefill_tensor.metal", "_tensor", MOE_TENSOR_TILES)):
             src = (ROOT / "metal" / f).read_text()
-            for T in MOE_TILES:
-                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), (\d+)', src)
+            for T in heights:
+                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), (\d+)'
+                              r"(?:, (\d+), (true|false))?", src)
                 assert m and (int(m.group(1)), int(m.group(2))) == (T, bns[T]), (f, kind, T)
+                if suffix:
+                    nsg, banded = int(m.group(3)), m.group(4) == "true"
+                    assert 32 * nsg == MOE_TG[T] and banded == (T == 128), (kind, T)
+                    assert not banded or T // nsg == 16

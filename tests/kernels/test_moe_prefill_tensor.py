@@ -34,7 +34,7 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.kernel_check import MOE_BN, MOE_DOWN_BN, MOE_TG, MOE_TILES  # noqa: E402
+from lily.kernel_check import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
 from lily.kernel_check import half_activations as hact  # noqa: E402
 from harness import rand_quant, run_bound as dispatch  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
@@ -56,6 +56,19 @@ _GROUPED = ("test_moe_gate_up", "test_moe_down", "test_moe_chain", "test_moe_cha
 for _name in _GROUPED:
     globals()[_name + "_tensor"] = getattr(simd_suite, _name)
 del _name
+
+
+# Expert loads for T = 128 (tensor-op path only, one class): empty, one band, band edges,
+# exactly one tile, a tile and a row, full tiles plus partial bands.
+T128_COUNTS = [0, 6, 16, 17, 100, 128, 129, 200, 300, 20]  # an even sum: 2 experts per row
+
+
+def test_moe_class_chain_t128(dev):
+    """T = 128 end to end as test_moe_prefill.py's class chain: moe_route_scatter's single
+    class map, then the banded 128-row gate/up and down kernels (a partial tile computes its
+    live 16-row bands only), every expert's outputs against numpy."""
+    maps = simd_suite.run_class_chain(dev, 128, T128_COUNTS, 2, 128, 64, fresh_rng(128, 64))
+    assert len(maps) == 1 and len(maps[0]) == sum(-(-c // 128) for c in T128_COUNTS)
 
 
 # ---- part 2: bit-exactness in the simulator (forward order)
@@ -86,6 +99,15 @@ MOE_SHAPES = [  # (m, experts, top_k, hidden, inter): the tiny and dims presets,
     (21, 16, 4, 128, 64),
     (13, 32, 8, 256, 128),
 ]
+# T = 128 also on ~150 rows per expert: a full tile and a tail of several 16-row bands each
+EXACT_CASES = [(T, *shape) for T in MOE_TENSOR_TILES for shape in MOE_SHAPES] + [(128, 150, 4, 4, 128, 64)]
+
+
+def twin_of(kernel, T):
+    """The simdgroup_matrix kernel whose outputs a tensor-op kernel of height T must equal,
+    and its height: its twin, or for T = 128 (no twin) the 64-row kernel on its own tiling of
+    the same grouped order (a slot's output does not depend on the tiling)."""
+    return (kernel, T) if T in MOE_TILES else (kernel.replace(f"_t{T}", "_t64"), 64)
 
 
 def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
@@ -114,8 +136,7 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     return download(YX, np.float16, (m * top_k, ldy)).astype(np.float32)
 
 
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+@pytest.mark.parametrize("T,m,experts,top_k,hidden,inter", EXACT_CASES)
 def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd
     rng = fresh_rng(15, T, m, experts)
@@ -127,7 +148,9 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     kern = f"moe_gemm_gate_up_q4_t{T}"
     hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
                      experts, ldy)
-    np.testing.assert_array_equal(hx, run_gate_up(dev, kern, T, x, perm, tiles, count, max_tiles, gq, uq, inter,
+    twin, Tt = twin_of(kern, T)
+    _, tiles_t, count_t, max_t = tile_map(ids, experts, Tt)
+    np.testing.assert_array_equal(hx, run_gate_up(dev, twin, Tt, x, perm, tiles_t, count_t, max_t, gq, uq, inter,
                                                   hidden, top_k, experts, ldy))
     assert np.isnan(hx[:, inter:]).all()
     for s, a in enumerate(perm):
@@ -135,8 +158,7 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
         swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, int(e))
 
 
-@pytest.mark.parametrize("T", MOE_TILES)
-@pytest.mark.parametrize("m,experts,top_k,hidden,inter", MOE_SHAPES)
+@pytest.mark.parametrize("T,m,experts,top_k,hidden,inter", EXACT_CASES)
 def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     dev = fwd
     rng = fresh_rng(16, T, m, experts)
@@ -148,7 +170,9 @@ def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     kern = f"moe_gemm_down_q4_t{T}"
     yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
                   ldy, m)
-    np.testing.assert_array_equal(yx, run_down(dev, kern, T, hx, perm, tiles, count, max_tiles, dq, hidden, inter,
+    twin, Tt = twin_of(kern, T)
+    _, tiles_t, count_t, max_t = tile_map(ids, experts, Tt)
+    np.testing.assert_array_equal(yx, run_down(dev, twin, Tt, hx, perm, tiles_t, count_t, max_t, dq, hidden, inter,
                                                top_k, experts, ldy, m))
     assert np.isnan(yx[:, hidden:]).all()
     flat = ids.reshape(-1)

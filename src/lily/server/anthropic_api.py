@@ -70,9 +70,10 @@ class InputMessage(_Open):
 
 
 class ToolDef(_Open):
+    type: Optional[str] = None  # "custom" (or absent); Anthropic's server tools have their own types
     name: str = Field(min_length=1)
     description: Optional[str] = None
-    input_schema: dict[str, Any]
+    input_schema: Optional[dict[str, Any]] = None  # required of custom tools (tool_setup says so)
 
 
 class ToolChoice(_Open):
@@ -177,13 +178,26 @@ def template_messages(req: CountTokensRequest) -> list[dict]:
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a Messages request spells it (``parameters`` is
+    ``input_schema``), for error messages."""
+    return f"tools.{i}.{'input_schema' if field == 'parameters' else field}"
+
+
 def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None]:
     """``(tools in OpenAI's form, parse tool calls, forced tool)``: ``forced`` is
     ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``."""
+    for i, t in enumerate(req.tools or ()):
+        if t.type not in (None, "custom"):
+            raise APIError(400, f"tools.{i}: tool type {t.type!r} is not supported: this server runs custom tools "
+                                "only (name, description, input_schema), no server tools", param=f"tools.{i}.type")
+        if t.input_schema is None:
+            raise APIError(400, f"tools.{i}.input_schema: required (the JSON schema of tool {t.name!r}'s input)",
+                           param=f"tools.{i}.input_schema")
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
                                                "parameters": t.input_schema}}
              for t in req.tools] if req.tools else None
-    check_tools(tools, lambda i, field: f"tools.{i}.{'input_schema' if field == 'parameters' else field}")
+    check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
         return tools, tools is not None, None
@@ -193,7 +207,10 @@ def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | 
         raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "any":
         return tools, True, "required"
-    if not choice.name or choice.name not in {t.name for t in req.tools}:
+    if not choice.name:
+        raise APIError(400, "tool_choice.name is missing: tool_choice 'tool' names the tool to call",
+                       param="tool_choice.name")
+    if choice.name not in {t.name for t in req.tools}:
         raise APIError(400, f"tool_choice names a tool that is not in tools: {choice.name!r}",
                        param="tool_choice.name")
     return tools, True, choice.name
@@ -214,9 +231,17 @@ def template_kwargs(req: CountTokensRequest) -> dict:
 async def count_tokens(req: CountTokensRequest, request: Request):
     state = state_of(request)
     state.check_model(req.model)
-    tools, _, _ = tool_setup(req)
+    tools, _, forced = tool_setup(req)
+    forced_tools(state, req, tools, forced)  # what /v1/messages refuses, this refuses too
     _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     return {"input_tokens": len(ids)}
+
+
+def forced_tools(state: ServerState, req: CountTokensRequest, tools: list[dict] | None, forced: str | None):
+    """The constraint of a forcing ``tool_choice`` (400 naming the tool whose schema cannot
+    be enforced), or None."""
+    return request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=tool_param,
+                              parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
 
 
 def _usage(state: ServerState, run: ChatRun) -> dict:
@@ -268,8 +293,7 @@ async def messages(req: MessagesRequest, request: Request):
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
     tools, parse_tools, forced = tool_setup(req)
-    constraint = request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice",
-                                    parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
+    constraint = forced_tools(state, req, tools, forced)
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())
     params = state.sampling_params(req, req.max_tokens, stop=stops)

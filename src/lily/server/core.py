@@ -26,23 +26,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
-from lily.errors import ContextLengthError, InvalidParameterError, LilyError
+from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
-from lily.structured import check_schema, grammar_for_request
+from lily.structured import check_tools as check_tool_list
+from lily.structured import grammar_for_request
 
 log = logging.getLogger("lily.server")
 
-_INT32_MAX = (1 << 31) - 1
+INT32_MAX = (1 << 31) - 1
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed")
 _MIN_LOGPROB = -9999.0
 _DISCONNECT_POLL_S = 0.25
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
 KEEPALIVE_S = 10.0  # SSE comment while a stream waits (queue, long prefill)
-# Tool names: OpenAI's function-definition reference ("a-z, A-Z, 0-9, underscores and
-# dashes, at most 64") and Anthropic's tool reference (the regex ^[a-zA-Z0-9_-]{1,64}$) agree
-TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -154,9 +152,9 @@ class ServerState:
             if v is not None:
                 kw[name] = v
         top_k = kw.get("top_k")
-        if top_k is not None and not -1 <= top_k <= _INT32_MAX:
+        if top_k is not None and not -1 <= top_k <= INT32_MAX:
             raise APIError(400, f"invalid sampling parameter top_k={top_k}: must be -1 or 0 (both disable "
-                                f"top-k) or a count in [1, {_INT32_MAX}]", param="top_k", code="invalid_value")
+                                f"top-k) or a count in [1, {INT32_MAX}]", param="top_k", code="invalid_value")
         if top_k == -1:  # vLLM's "disabled"
             kw["top_k"] = 0
         req_stop = getattr(req, "stop", None) if stop is None else stop
@@ -470,6 +468,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     loc = [str(p) for p in first.get("loc", ())
            if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
     param = ".".join(loc) or None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object", code="invalid_value")
     if first.get("type") == "json_invalid":
         msg = "the request body is not valid JSON"
         detail = (first.get("ctx") or {}).get("error")
@@ -670,29 +670,18 @@ class BlockSequencer:
 
 
 def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:
-    """400 for the first tool (OpenAI's chat form, as the APIs' ``tool_setup`` make them)
-    whose name breaks :data:`TOOL_NAME` or whose parameters are not a valid JSON schema
-    (:func:`lily.structured.check_schema`, the check ``response_format`` gets), before
-    anything is rendered or queued. The message and ``param`` name the tool;
-    ``param(i, field)`` spells tool ``i``'s ``"name"`` or ``"parameters"`` field in the
-    request's own form (e.g. ``tools.0.input_schema``)."""
-    for i, tool in enumerate(tools or ()):
-        fn = tool["function"]
-        name = fn.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
-            where = param(i, "name")
-            raise APIError(400, f"{where}: tool name {name!r} is invalid: it must be 1 to 64 letters, "
-                                "digits, underscores or dashes", param=where, code="invalid_value")
-        where = param(i, "parameters")
-        try:
-            params = fn.get("parameters")
-            check_schema({} if params is None else params, f"{where} (tool {name!r})")
-        except InvalidParameterError as exc:
-            raise APIError(400, str(exc), param=where, code="invalid_value") from None
+    """:func:`lily.structured.check_tools` (tool names and parameters schemas, before anything
+    is rendered or queued) as a 400 naming the tool; ``param(i, field)`` spells tool ``i``'s
+    field in the request's own form (e.g. ``tools.0.input_schema``)."""
+    try:
+        check_tool_list(tools, param)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
 
 
 def request_constraint(state: ServerState, *, format: dict | None = None, tool_choice: str | None = None,
-                       tools: list[dict] | None = None, param: str = "response_format", parallel: bool = True):
+                       tools: list[dict] | None = None, param: str = "response_format", parallel: bool = True,
+                       tool_param: Callable[[int, str], str] | None = None):
     """The decoding constraint a request asks for, handed to the engine as ``constraint=``
     (``None``: unconstrained). The one place every API's output-format options meet:
 
@@ -701,12 +690,18 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
     "json_schema": {...}}``; the Responses API's ``text.format`` is converted to it by the
     caller); ``tool_choice`` is ``"required"`` or a function name when the request forces a
     tool call, with ``tools`` in OpenAI's chat form (``parallel=False``: exactly one call).
-    The result is a :class:`lily.structured.Grammar` (checked here: an invalid schema is a
-    400 naming ``param``); the engine binds it to the prompt (thinking first when the
-    prompt leaves a ``<think>`` block open).
+    The result is a :class:`lily.structured.Grammar` (checked here: an invalid or
+    unenforceable format schema is a 400 naming ``param``; a forced tool whose schema
+    cannot be enforced is a 400 naming the tool and ``tool_param(i, "parameters")``, the
+    spelling :func:`check_tools` uses); the engine binds it to the prompt (thinking first
+    when the prompt leaves a ``<think>`` block open).
     """
     try:
         return grammar_for_request(format=format, tool_choice=tool_choice, tools=tools, parallel=parallel)
+    except ToolError as exc:
+        if tool_param is not None:
+            exc = exc.spelled(tool_param)
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
 

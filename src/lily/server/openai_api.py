@@ -18,6 +18,7 @@ from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerSta
                               check_unicode, collect, dumps, engine_error, finite, job_events, log_gone,
                               openai_usage, request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
 router = APIRouter()
@@ -77,10 +78,15 @@ def template_messages(req: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a chat request spells it (for error params)."""
+    return f"tools.{i}.function.{field}"
+
+
 def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
     """Tools to render and whether to parse tool calls."""
-    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    check_tools(tools, lambda i, field: f"tools.{i}.function.{field}")
+    tools = template_tools([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools else None
+    check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None
@@ -92,6 +98,10 @@ def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
         if isinstance(choice, dict):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
+            if name is None:
+                raise APIError(400, 'tool_choice.function.name is missing: a forced function is named as '
+                                    '{"type": "function", "function": {"name": ...}}', param="tool_choice.function.name",
+                               code="invalid_value")
             if not isinstance(name, str) or name not in {t["function"]["name"] for t in tools}:
                 raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                                param="tool_choice", code="invalid_value")
@@ -172,7 +182,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if isinstance(forced, dict):
         forced = (forced.get("function") or {}).get("name")
     constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools,
-                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
+                                    parallel=req.parallel_tool_calls is not False,
+                                    tool_param=tool_param)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     if max_tokens is None:
         max_tokens = state.default_max_tokens_for(len(ids))

@@ -1,7 +1,7 @@
 """Request models of the OpenAI-compatible API and the OpenAI error object.
 
 Only the fields Lily acts on are declared with types; other fields OpenAI clients send
-(``user``, ``metadata``, ``parallel_tool_calls``, ...) are accepted and ignored. Numbers and
+(``user``, ``metadata``, ...) are accepted and ignored. Numbers and
 booleans are strict, as OpenAI's API is: ``"max_tokens": "2"`` or ``"stream": "yes"`` is a 400.
 """
 
@@ -104,6 +104,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: Optional[StrictBool] = False
     top_logprobs: Optional[StrictInt] = None
     response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 class CompletionRequest(_Sampling):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
+from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
                               dumps, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.tokenizer import tool_call_arguments
@@ -83,6 +83,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[str] = None
     reasoning: Optional[dict[str, Any]] = None
     text: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -175,6 +176,11 @@ def template_messages(instructions: str | None, items: list[dict]) -> list[dict]
     return out
 
 
+def tool_param(i: int, field: str) -> str:
+    """Tool ``i``'s ``field`` as a Responses request spells it (for error params)."""
+    return f"tools.{i}.{field}"
+
+
 def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | None]:
     """``(tools in the chat form, parse tool calls, forced)`` with ``forced`` ``"required"``
     or a function's name when ``tool_choice`` forces a call."""
@@ -189,7 +195,7 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description") or "",
                 "parameters": {"type": "object", "properties": {}} if params is None else params}})
-        check_tools(tools, lambda i, field: f"tools.{i}.{field}")
+        check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None, None
@@ -201,7 +207,13 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
         if choice == "required":
             return tools, True, "required"
         name = choice.get("name")
-        if choice.get("type") != "function" or name not in {t["function"]["name"] for t in tools}:
+        if choice.get("type") != "function":
+            raise APIError(400, f"tool_choice.type must be 'function' (Lily has function tools only), got "
+                                f"{choice.get('type')!r}", param="tool_choice.type", code="invalid_value")
+        if name is None:
+            raise APIError(400, 'tool_choice.name is missing: a forced function is named as {"type": "function", '
+                                '"name": ...}', param="tool_choice.name", code="invalid_value")
+        if name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                            param="tool_choice", code="invalid_value")
         return tools, True, name
@@ -210,13 +222,26 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
 
 
 def response_format(req: ResponsesRequest) -> dict | None:
-    """``text.format`` in ``response_format``'s form (for :func:`request_constraint`)."""
+    """``text.format`` in ``response_format``'s form (for :func:`request_constraint`); 400
+    naming the ``text.format`` field when it is not an object, of an unknown type, or a
+    ``json_schema`` without ``schema``."""
     fmt = (req.text or {}).get("format")
-    if not isinstance(fmt, dict):
+    if fmt is None:
         return None
-    if fmt.get("type") == "json_schema":  # the Responses API flattens the schema's fields
-        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    return fmt
+    if not isinstance(fmt, dict):
+        raise APIError(400, 'text.format must be an object such as {"type": "json_schema", "name": ..., '
+                            f'"schema": {{...}}}}, got {type(fmt).__name__}', param="text.format", code="invalid_value")
+    kind = fmt.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise APIError(400, f"text.format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                       param="text.format.type", code="invalid_value")
+    if kind != "json_schema":
+        return fmt
+    if "schema" not in fmt:
+        raise APIError(400, "text.format.schema is missing: a json_schema format carries its schema",
+                       param="text.format.schema", code="invalid_value")
+    # the Responses API flattens the schema's fields
+    return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
 def _enable_thinking(req: ResponsesRequest) -> dict:
@@ -281,8 +306,8 @@ async def responses(req: ResponsesRequest, request: Request):
     state = state_of(request)
     t_start = time.perf_counter()
     state.check_model(req.model)
-    if req.max_output_tokens is not None and req.max_output_tokens < 1:
-        raise APIError(400, f"max_output_tokens must be at least 1, got {req.max_output_tokens}",
+    if req.max_output_tokens is not None and not 1 <= req.max_output_tokens <= INT32_MAX:
+        raise APIError(400, f"max_output_tokens must be in [1, {INT32_MAX}], got {req.max_output_tokens}",
                        param="max_output_tokens", code="invalid_value")
     history: list[dict] = []
     if req.previous_response_id is not None:
@@ -293,8 +318,8 @@ async def responses(req: ResponsesRequest, request: Request):
         raise APIError(400, "input is empty", param="input", code="invalid_value")
     tools, parse_tools, forced = tool_setup(req)
     constraint = request_constraint(state, format=response_format(req), tool_choice=forced, tools=tools,
-                                    param="text.format",
-                                    parallel=getattr(req, "parallel_tool_calls", None) is not False)
+                                    param="text.format", tool_param=tool_param,
+                                    parallel=req.parallel_tool_calls is not False)
     prompt_text, ids = await state.render_chat(messages, tools, _enable_thinking(req), param="input")
     max_tokens = req.max_output_tokens or state.default_max_tokens_for(len(ids))
     params = state.sampling_params(req, max_tokens, stop=())
@@ -306,7 +331,7 @@ async def responses(req: ResponsesRequest, request: Request):
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": state.model_name, "output": [], "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-            "parallel_tool_calls": True, "previous_response_id": req.previous_response_id,
+            "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": req.previous_response_id,
             "temperature": req.temperature, "top_p": req.top_p,
             "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
             "tools": req.tools or [], "reasoning": req.reasoning or {"effort": None, "summary": None},
