@@ -10,7 +10,8 @@
 //                             [Hq / G, M, G, D] (G = q_group).
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
-//                             online softmax in fp32, output * sigmoid(gate) -> fp32 [M, Hq*D].
+//                             online softmax in fp32, output * sigmoid(gate) -> half [M, Hq*D]
+//                             (gemm_half: o_proj's half input).
 //                             One threadgroup per (block of 64/G chunk rows, G query heads of one
 //                             KV head): every 32-row K/V tile is loaded once into threadgroup
 //                             memory as half for all 64 (row, head) pairs; Q K^T and P V on
@@ -19,7 +20,7 @@
 //   attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>
 //                             the same with the KV range cut into splits of S rows (a third grid
 //                             dimension) writing partials (max, sum, unnormalised output); the
-//                             combine merges them per (row, head) and applies the gate. For
+//                             combine merges them per (row, head) and applies the gate (half out). For
 //                             short chunks after a long prefix, where the plain grid has too few
 //                             threadgroups to fill the GPU.
 //
@@ -87,7 +88,7 @@ struct SgScratch {
 template <uint D, uint G, bool SPLIT>
 static inline void attend(device const float* q, device const float* qg,
                           device const bfloat* k_cache, device const bfloat* v_cache,
-                          device float* out, device float* part_ml, device float* part_o,
+                          device half* out, device float* part_ml, device float* part_o,
                           constant AttnPrefillArgs& args, uint block, uint h0, uint split,
                           threadgroup half* kv,        // [kTile * D] K or V tile
                           threadgroup float* scratch,  // [8 * SgScratch::floats]
@@ -229,8 +230,8 @@ static inline void attend(device const float* q, device const float* qg,
       } else {
         const float2 gate = *(device const float2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d);
         const float2 y = o * sc[SgScratch::l + r];
-        *(device float2*)(out + (ulong(row) * Hq + h) * D + d) =
-            float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y));
+        *(device half2*)(out + (ulong(row) * Hq + h) * D + d) =
+            gemm_half(float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y)));
       }
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // the fragment is read before the next store
@@ -322,7 +323,7 @@ template <uint D, uint G>
                          device const float* qg [[buffer(1)]],         // [M, Hq*2*D] q_proj output (gate: second D of each head)
                          device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
-                         device float* out [[buffer(4)]],              // [M, Hq*D] attention * sigmoid(gate)
+                         device half* out [[buffer(4)]],               // half [M, Hq*D] attention * sigmoid(gate) (saturated)
                          constant AttnPrefillArgs& args [[buffer(5)]],
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -338,7 +339,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks) {
     return;
   }
-  attend<D, G, false>(q, qg, k_cache, v_cache, out, out, out, args, nblocks - 1 - tg.x, tg.y * G,
+  attend<D, G, false>(q, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y * G,
                       0, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
@@ -369,7 +370,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
-  attend<D, G, true>(q, q, k_cache, v_cache, part_o, part_ml, part_o, args, nblocks - 1 - tg.x,
+  attend<D, G, true>(q, q, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x,
                      tg.y * G, tg.z, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
@@ -380,7 +381,7 @@ template <uint D>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // [num_splits, M, Hq, 2]
                                  device const float* part_o [[buffer(1)]],   // [num_splits, M, Hq, D]
                                  device const float* qg [[buffer(2)]],       // [M, Hq*2*D] (gate)
-                                 device float* out [[buffer(3)]],            // [M, Hq*D]
+                                 device half* out [[buffer(3)]],             // half [M, Hq*D] (saturated)
                                  constant AttnPrefillArgs& args [[buffer(4)]],
                                  uint2 tg [[threadgroup_position_in_grid]],
                                  uint d [[thread_index_in_threadgroup]]) {
@@ -405,7 +406,7 @@ template <uint D>
     o += part_o[slot * D + d] * w;
   }
   const float gate = qg[(ulong(row) * Hq + h) * 2 * D + D + d];
-  out[(ulong(row) * Hq + h) * D + d] = o / L * sigmoid(gate);
+  out[(ulong(row) * Hq + h) * D + d] = gemm_half(o / L * sigmoid(gate));
 }
 
 // Instantiations: D = 256 (the model and the "dims" preset: G = 8, one threadgroup column per KV

@@ -42,7 +42,7 @@ constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgr
 
 template <uint D, uint G, bool SPLIT>
 static inline void attend(device bfloat* qb, device const float* qg, device const bfloat* k_cache,
-                          device const bfloat* v_cache, device float* out, device float* part_ml,
+                          device const bfloat* v_cache, device half* out, device float* part_ml,
                           device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
                           uint split,
                           threadgroup bfloat* kv,  // [kTile, D] V tile
@@ -163,7 +163,7 @@ static inline void attend(device bfloat* qb, device const float* qg, device cons
       }
     } else {
       const float gate = qg[(ulong(row) * Hq + h) * 2 * D + D + d];
-      out[(ulong(row) * Hq + h) * D + d] = o[i] * rowv[kRows + r] * sigmoid(gate);
+      out[(ulong(row) * Hq + h) * D + d] = gemm_half(o[i] * rowv[kRows + r] * sigmoid(gate));
     }
   }
 }
@@ -176,7 +176,7 @@ template <uint D, uint G>
                                 device const float* qg [[buffer(1)]],        // [M, Hq*2*D] (gate: second D of each head)
                                 device const bfloat* k_cache [[buffer(2)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
                                 device const bfloat* v_cache [[buffer(3)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
-                                device float* out [[buffer(4)]],             // [M, Hq*D] attention * sigmoid(gate)
+                                device half* out [[buffer(4)]],              // half [M, Hq*D] attention * sigmoid(gate) (saturated)
                                 constant AttnPrefillArgs& args [[buffer(5)]],
                                 uint2 tg [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]]) {
@@ -191,7 +191,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks) {
     return;
   }
-  attend<D, G, false>(qb, qg, k_cache, v_cache, out, out, out, args, nblocks - 1 - tg.x, tg.y, 0,
+  attend<D, G, false>(qb, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y, 0,
                       (threadgroup bfloat*)kv4, ss, ps, rowv, tid);
 }
 
@@ -216,7 +216,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
-  attend<D, G, true>(qb, nullptr, k_cache, v_cache, part_o, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
+  attend<D, G, true>(qb, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
                      tg.z, (threadgroup bfloat*)kv4, ss, ps, rowv, tid);
 }
 

@@ -41,6 +41,9 @@ constant constexpr float kGemmHalfMax = 65504.0f;
 inline half4 gemm_half(float4 v) {
   return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
 }
+inline half2 gemm_half(float2 v) {
+  return half2(clamp(v, float2(-kGemmHalfMax), float2(kGemmHalfMax)));
+}
 inline half gemm_half(float v) {
   return half(clamp(v, -kGemmHalfMax, kGemmHalfMax));
 }
@@ -50,8 +53,8 @@ inline half4 gemm_half(half4 v) {
 }
 
 // A GEMM output element: fp32 (ADD: y += v), or half with the saturating conversion (the
-// half activations of a following GEMM: hs, hx; the routed experts' outputs yx, which
-// moe_combine sums in fp32; never ADD).
+// half activations of a following GEMM: hs, hx; the routed and shared experts' outputs yx,
+// ys, which moe_combine sums in fp32; never ADD).
 inline void gemm_put(device float* dst, float v, bool add) {
   *dst = add ? *dst + v : v;
 }
@@ -95,6 +98,26 @@ inline float threadgroup_sum(float v, threadgroup float* scratch, uint sg, uint 
     t += scratch[i];
   }
   return t;
+}
+
+// RMSNorm of one row by a whole threadgroup: out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i]
+// (T: float, or half with gemm_half). Thread tid squares and adds x[tid], x[tid + tcount],
+// ... in that order, then threadgroup_sum: the same thread count gives the same bits
+// (rms_norm_t of norm.metal, and moe_combine_norm, which normalises the residual it just
+// updated). XPtr: a device pointer to x.
+template <typename XPtr, typename T>
+inline void rms_row(XPtr x, device const bfloat* w, device T* out, uint n, float eps,
+                    threadgroup float* scratch, uint tid, uint tcount, uint sg, uint lane, uint nsg) {
+  float ss = 0.0f;
+  for (uint i = tid; i < n; i += tcount) {
+    const float v = x[i];
+    ss += v * v;
+  }
+  ss = threadgroup_sum(ss, scratch, sg, lane, nsg);
+  const float inv = rsqrt(ss / float(n) + eps);
+  for (uint i = tid; i < n; i += tcount) {
+    gemm_put(out + i, x[i] * inv * float(w[i]), false);
+  }
 }
 
 inline float threadgroup_max(float v, threadgroup float* scratch, uint sg, uint lane, uint nsg) {

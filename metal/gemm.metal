@@ -1,15 +1,16 @@
 // Prefill GEMMs on MLX affine-quantized weights, simdgroup_matrix path (docs/prefill.md,
 // "GEMM: dense and grouped expert GEMM"):
-//   gemm_q4, gemm_q8, gemm_q4_add(_h)   y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4, gemm_q8, gemm_q4_add_h     y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_half                        y = half(x W^T)  (saturated: the shared expert's ys)
 //   gemm_swiglu_q4                      y = silu(x Wg^T) * (x Wu^T)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
 // computes a BM x BN block of the output. Per step of kGemmBK = 64 columns of k it copies
-// BM half activation rows (gemm_q4_add: converts fp32 rows) and dequantizes BN weight rows
+// BM half activation rows and dequantizes BN weight rows
 // (gate and up: two weight tiles) to half in threadgroup memory (gemm_tiles.h), then each
 // simdgroup multiplies its (8 FM) x (8 FN) block with 8x8 half simdgroup_matrix products
 // accumulated in fp32 registers. The dequantized weight never leaves threadgroup memory. At
 // the end the accumulators are staged through threadgroup memory and stored as scalars (any
-// row stride, edges, scatter; gemm_swiglu_q4 stores half with gemm_half).
+// row stride, edges, scatter; gemm_swiglu_q4 and gemm_q4_half store half with gemm_half).
 #include <metal_stdlib>
 using namespace metal;
 
@@ -55,14 +56,15 @@ constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// GDN gated-norm output) or float4 (gemm_q4_add: the fp32 attention output, converted while
-// staged).
-template <int BITS, bool ADD, typename X4>
+// GDN gated-norm output and the attention output; gemm_tiles.h also takes float4, converted
+// while staged, which no kernel uses). Y: float, or half (gemm_q4_half: the sums stored with
+// gemm_half; never ADD).
+template <int BITS, bool ADD, typename X4, typename Y = float>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                    device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                   device const X4* x [[buffer(3)]],           // half or fp32 [m, lda]
-                   device float* y [[buffer(4)]],              // fp32 [m, ldy] (read too when ADD)
+                   device const X4* x [[buffer(3)]],           // half [m, lda]
+                   device Y* y [[buffer(4)]],                  // fp32 or half [m, ldy] (read too when ADD)
                    constant GemmArgs& args [[buffer(5)]],
                    uint2 tgp [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
@@ -74,8 +76,8 @@ template <int BITS, bool ADD, typename X4>
 }
 template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false, half4>) gemm_q<4, false, half4>;
 template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) gemm_q<8, false, half4>;
-template [[host_name("gemm_q4_add")]] [[kernel]] decltype(gemm_q<4, true, float4>) gemm_q<4, true, float4>;
 template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true, half4>) gemm_q<4, true, half4>;
+template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half4, half>) gemm_q<4, false, half4, half>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]

@@ -2,7 +2,8 @@
 // apple10-family GPUs (M5: per-core neural accelerators) (docs/prefill.md, "GEMM: Metal 4
 // tensor-operation path"). Twins of metal/gemm.metal with identical bindings, argument
 // structs and outputs, on 128-row blocks of 256 threads (gemm.metal: 64 rows, 128 threads):
-//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add(_h)_tensor   y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_h_tensor     y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_half_tensor                                     y = half(x W^T)  (saturated)
 //   gemm_swiglu_q4_tensor                                   y = silu(x Wg^T) * (x Wu^T)
 // The k loop (half tiles, half x half -> float matmul2d) is gemm_tensor.h's, shared with the
 // grouped expert twins in moe_prefill_tensor.metal. MSL 4.0: built into lily_tensor.metallib.
@@ -45,14 +46,14 @@ constant constexpr uint kGemmTensorSwigluBN = 32;
 constant constexpr uint kGemmTensorSimdgroups = 8;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// GDN gated-norm output) or float4 (gemm_q4_add: the fp32 attention output, converted while
-// staged).
-template <int BITS, bool ADD, typename X4>
+// GDN gated-norm output and the attention output). Y: float, or half (gemm_q4_half: stored
+// with gemm_half; never ADD).
+template <int BITS, bool ADD, typename X4, typename Y = float>
 [[max_total_threads_per_threadgroup(256)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                          device const X4* x [[buffer(3)]],           // half or fp32 [m, lda]
-                          device float* y [[buffer(4)]],              // fp32 [m, ldy] (read too when ADD)
+                          device const X4* x [[buffer(3)]],           // half [m, lda]
+                          device Y* y [[buffer(4)]],                  // fp32 or half [m, ldy] (read too when ADD)
                           constant GemmArgs& args [[buffer(5)]],
                           uint2 tgp [[threadgroup_position_in_grid]],
                           uint tid [[thread_index_in_threadgroup]],
@@ -64,8 +65,8 @@ template <int BITS, bool ADD, typename X4>
 }
 template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4>) gemm_q_tensor<4, false, half4>;
 template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
-template [[host_name("gemm_q4_add_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, float4>) gemm_q_tensor<4, true, float4>;
 template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, half4>) gemm_q_tensor<4, true, half4>;
+template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4, half>) gemm_q_tensor<4, false, half4, half>;
 
 // The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
 [[max_total_threads_per_threadgroup(256)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]

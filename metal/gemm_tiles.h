@@ -6,8 +6,8 @@
 // A GEMM step covers kGemmBK = 64 consecutive k (one quantization group, so one scale and
 // one bias per weight row and step):
 //   * A tile  [BM][kGemmLd] half: BM activation rows, copied as they are from half rows in
-//     device memory (their producers wrote them with the saturating conversion gemm_half),
-//     or, for the fp32 inputs of o_proj / out_proj, converted with gemm_half while staged;
+//     device memory (their producers wrote them with the saturating conversion gemm_half;
+//     fp32 rows would be converted with gemm_half while staged: no kernel has them now);
 //     rows gathered through per-thread row offsets (GemmARows), rows past the tile zero;
 //   * W tile  [BN][kGemmLd] half: BN weight rows dequantized from the MLX affine layout
 //     (w = fma(q, half(scale), half(bias)) in half; fp32 and clamped for a group whose values

@@ -11,7 +11,8 @@
 //                      expert), the tile map and count of each class, the per-expert counts
 // then the grouped expert GEMMs over the tile maps, one dispatch per tile class in one barrier
 // stage (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*, below), and after them:
-//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]
+//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]  (yx, ys half)
+//   moe_combine_norm   the same, then xn[row] = the next layer's input RMSNorm of h[row] (half)
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
 #include <metal_stdlib>
@@ -246,31 +247,70 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
   }
 }
 
-// ---- moe_combine -----------------------------------------------------------------------
-// dispatchThreads grid (hidden / 4, rows): thread (c, row) owns float4 c of the row.
+// ---- moe_combine, moe_combine_norm ---------------------------------------------------------
 //   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
 // with w_j = w[row, j], summed in that order (j increasing, the shared expert last), in fp32;
-// yx is half (the down projections' stored outputs), ys and h fp32.
-[[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
-                        device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
-                        device const float4* ys [[buffer(2)]],   // [rows, hidden] shared expert output
-                        device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
-                        constant MoeCombineArgs& args [[buffer(4)]],
-                        uint2 gid [[thread_position_in_grid]]) {
+// yx and ys are half (the down projections' stored outputs), h fp32. Float4 c of a row:
+inline void combine4(device float4* h, device const half4* yx, device const half4* ys,
+                     device const float* w, constant MoeCombineArgs& args, uint row, uint c) {
   const uint c4 = args.hidden / 4;
-  if (gid.x >= c4 || gid.y >= args.rows) {
-    return;
-  }
-  const uint row = gid.y;
   const uint k = args.top_k;
   device const float* wr = w + row * (k + 1);
-  device const half4* y = yx + row * k * c4 + gid.x;
+  device const half4* y = yx + row * k * c4 + c;
   float4 acc = wr[0] * float4(y[0]);
   for (uint j = 1; j < k; ++j) {
     acc += wr[j] * float4(y[j * c4]);
   }
-  acc += wr[k] * ys[row * c4 + gid.x];
-  h[row * c4 + gid.x] += acc;
+  acc += wr[k] * float4(ys[row * c4 + c]);
+  h[row * c4 + c] += acc;
+}
+
+// moe_combine (the last layer): dispatchThreads grid (hidden / 4, rows), thread (c, row)
+// owns float4 c of the row.
+[[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
+                        device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
+                        device const half4* ys [[buffer(2)]],    // half [rows, hidden] shared expert output
+                        device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
+                        constant MoeCombineArgs& args [[buffer(4)]],
+                        uint2 gid [[thread_position_in_grid]]) {
+  if (gid.x >= args.hidden / 4 || gid.y >= args.rows) {
+    return;
+  }
+  combine4(h, yx, ys, w, args, gid.y, gid.x);
+}
+
+// moe_combine_norm (layers 0 .. L-2): the combine, then the next layer's input RMSNorm of the
+// updated row, xn[row] = half(h * rsqrt(mean(h^2) + eps) * norm_w) (rms_row of common.h), so
+// no separate rms_norm_half dispatch re-reads h. One threadgroup per row: its threads update
+// float4s tid, tid + tcount, ... of h, then (the device barrier makes the row's new values
+// visible to the whole threadgroup) normalise it exactly as rms_norm_half does with the same
+// thread count: with tcount = rms_norm_half's (256 in prefill.cpp), h and xn are
+// bit-identical to moe_combine followed by rms_norm_half. Any threadgroup size that is a
+// multiple of 32, up to 1024.
+[[max_total_threads_per_threadgroup(1024)]] kernel void moe_combine_norm(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
+                             device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
+                             device const half4* ys [[buffer(2)]],    // half [rows, hidden] shared expert output
+                             device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
+                             constant MoeCombineArgs& args [[buffer(4)]],
+                             device const bfloat* norm_w [[buffer(5)]],  // [hidden] next layer's input_layernorm.weight
+                             device half* xn [[buffer(6)]],           // half [rows, hidden] normed (saturated)
+                             constant NormArgs& norm [[buffer(7)]],   // n = hidden, eps
+                             uint row [[threadgroup_position_in_grid]],
+                             uint tid [[thread_position_in_threadgroup]],
+                             uint tcount [[threads_per_threadgroup]],
+                             uint sg [[simdgroup_index_in_threadgroup]],
+                             uint lane [[thread_index_in_simdgroup]],
+                             uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float scratch[32];
+  if (row >= args.rows) {
+    return;  // the whole threadgroup
+  }
+  for (uint c = tid; c < args.hidden / 4; c += tcount) {
+    combine4(h, yx, ys, w, args, row, c);
+  }
+  threadgroup_barrier(mem_flags::mem_device);
+  rms_row((device const float*)(h + row * (args.hidden / 4)), norm_w, xn + row * args.hidden, args.hidden,
+          norm.eps, scratch, tid, tcount, sg, lane, nsg);
 }
 
 // ---- grouped expert GEMMs ------------------------------------------------------------------

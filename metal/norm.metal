@@ -1,6 +1,7 @@
 // RMSNorm: fp32 activations, bf16 weight; fp32 out (rms_norm: decode) or half out with the
 // saturating conversion gemm_half (rms_norm_half: prefill's xn, the half input of the
-// prefill GEMMs).
+// prefill GEMMs, for layer 0 and the final norm; the other layers' xn comes from
+// moe_combine_norm, metal/moe_prefill.metal, on the same row code: rms_row of common.h).
 // Host-side facts: docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -23,18 +24,7 @@ template <typename T>
                      uint lane [[thread_index_in_simdgroup]],
                      uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float scratch[32];
-  device const float* xr = x + row * args.n;
-  device T* outr = out + row * args.n;
-  float ss = 0.0f;
-  for (uint i = tid; i < args.n; i += tcount) {
-    const float v = xr[i];
-    ss += v * v;
-  }
-  ss = threadgroup_sum(ss, scratch, sg, lane, nsg);
-  const float inv = rsqrt(ss / float(args.n) + args.eps);
-  for (uint i = tid; i < args.n; i += tcount) {
-    gemm_put(outr + i, xr[i] * inv * float(w[i]), false);
-  }
+  rms_row(x + row * args.n, w, out + row * args.n, args.n, args.eps, scratch, tid, tcount, sg, lane, nsg);
 }
 template [[host_name("rms_norm")]] [[kernel]] decltype(rms_norm_t<float>) rms_norm_t<float>;
 template [[host_name("rms_norm_half")]] [[kernel]] decltype(rms_norm_t<half>) rms_norm_t<half>;

@@ -7,9 +7,9 @@
 
 // ---- GEMM (metal/gemm.metal, tensor-op path) ------------------------------------------
 
-// gemm_q4, gemm_q8, gemm_q4_add, gemm_swiglu_q4 (and their *_tensor twins): dense GEMMs over
+// gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_half, gemm_swiglu_q4 (and their *_tensor twins): dense GEMMs over
 // a quantized weight W [n, k] (MLX affine layout): y[m, n] (=|+=) x[m, k] W^T, or
-// y = silu(x Wg^T) * (x Wu^T). x and y are fp32 row-major with their own row strides, so a
+// y = silu(x Wg^T) * (x Wu^T). x (half) and y (fp32, or half) are row-major with their own row strides, so a
 // dispatch may read a column block of a wider matrix and write a column block of another.
 struct GemmArgs {
   uint m;    // rows of x and y (tokens of the chunk); any >= 1
@@ -104,8 +104,8 @@ struct MoeRoutePrefillArgs {
   uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32, 64 or 128 (tile classes above)
 };
 
-// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row] (yx half, the
-// rest fp32; summed in fp32).
+// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row] (yx and ys half,
+// h and w fp32; summed in fp32).
 struct MoeCombineArgs {
   uint rows;    // M: rows of the chunk
   uint hidden;  // H: row length (2048); a multiple of 4

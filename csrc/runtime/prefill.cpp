@@ -55,6 +55,9 @@ constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
+// Threads per row of the prefill RMSNorms (rms_norm_half, moe_combine_norm): one count for
+// both, so the fused norm gives the standalone kernel's bits (metal/moe_prefill.metal).
+constexpr uint32_t kNormThreads = 256;
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
@@ -98,10 +101,10 @@ void Runtime::allocate_chunk_buffers() {
   c.k = scratch(C * Hkv * D * f, "chunk attn k");
   c.v = scratch(C * Hkv * D * f, "chunk attn v");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
-  c.attn = scratch(C * Hq * D * f, "chunk attn out");
+  c.attn = scratch(C * Hq * D * hf, "chunk attn out (half)");
   // The GDN out_proj input (half) is dead in attention layers and attn in GDN layers: one set
-  // of bytes when the model's dims allow (the real model: half of attn).
-  c.oh = Hq * D * f >= vdim * hf ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
+  // of bytes when the model's dims allow (the real model: the same size).
+  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
   c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
   c.ids = scratch(C * k * u32, "chunk expert ids");
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
@@ -115,7 +118,7 @@ void Runtime::allocate_chunk_buffers() {
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
   c.yx = scratch(C * k * H * hf, "chunk expert outputs (half)");
   c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
-  c.ys = scratch(C * H * f, "chunk shared output");
+  c.ys = scratch(C * H * hf, "chunk shared output (half)");
   for (int p = 0; p < 2; ++p) {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
@@ -188,8 +191,8 @@ void Runtime::resolve_prefill_kernels() {
   k.embed_rows = &dev.pipeline("embed_rows_q4");
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
-  k.gemm_add = ByBits(dev, "gemm", "_add" + path, {4});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
+  k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
                              std::to_string(d.linear_value_head_dim) + "_r" +
@@ -213,6 +216,7 @@ void Runtime::resolve_prefill_kernels() {
     k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
   }
   k.moe_combine = &dev.pipeline("moe_combine");
+  k.moe_combine_norm = &dev.pipeline("moe_combine_norm");
 }
 
 void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t M, Logits logits,
@@ -237,19 +241,19 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh), or fp32 (fp32_x: the attention output, o_proj's residual update).
+  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys; not with add).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool fp32_x = false) {
-    Op op(!add ? K.gemm[w.bits] : fp32_x ? K.gemm_add[w.bits] : K.gemm_add_h[w.bits], label);
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
+    Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gemm_bm)), tg(gemm_threads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * (fp32_x ? f : hf));
-    const size_t y_bytes = (size_t(M - 1) * ldy + n) * f;
-    if (add) op.inout(4, y, col0 * f, y_bytes); else op.out(4, y, col0 * f, y_bytes);
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
+    const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
+    if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out(4, y, col0 * yb, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
     Op(*K.rms_norm, label)
-        .groups(tg(M), tg(256)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
+        .groups(tg(M), tg(kNormThreads)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
         .out(2, out, 0, size_t(M) * H * hf).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
   };
 
@@ -262,7 +266,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
 
   for (const Layer& layer : model_.layers) {
     const uint32_t l = layer.index;
-    rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
+    // the other layers' input norm is fused into the previous layer's combine
+    if (l == 0) rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
@@ -351,7 +356,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
-        op.out(4, *c.attn, 0, size_t(M) * Hq * D * f)
+        op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
             .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
       } else {
         // Few query rows after a long prefix: cut the KV range into splits so the grid fills
@@ -370,9 +375,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, M), tg(D))
             .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
-            .out(3, *c.attn, 0, size_t(M) * Hq * D * f).args(4, aa).run(pass);
+            .out(3, *c.attn, 0, size_t(M) * Hq * D * hf).args(4, aa).run(pass);
       }
-      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"), true);
+      gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
 
     // ---- MoE
@@ -406,7 +411,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
-    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"));
+    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"), true);
     // routed experts: one dispatch per tile class over its own map and count, the classes of
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
     // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
@@ -444,10 +449,18 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     };
     experts(false);
     experts(true);
-    Op(*K.moe_combine, labels_(l, "combine"))
-        .threads(tg(H / 4, M), tg(64)).inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * f)
-        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k}).run(pass);
+    // combine; but for the last layer, fused with the next layer's input norm (h -> xn)
+    const bool last = l + 1 == model_.layers.size();
+    Op op(last ? *K.moe_combine : *K.moe_combine_norm, labels_(l, last ? "combine" : "combine + next input norm"));
+    if (last) op.threads(tg(H / 4, M), tg(64));
+    else op.groups(tg(M), tg(kNormThreads));
+    op.inout(0, *c.h, 0, size_t(M) * H * f)
+        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * hf)
+        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k});
+    if (!last)
+      op.in(5, *model_.layers[l + 1].input_norm, &t.weight_bytes).out(6, *c.xn, 0, size_t(M) * H * hf)
+          .args(7, args::NormArgs{H, d.rms_norm_eps});
+    op.run(pass);
   }
 
   if (logits == Logits::all) {

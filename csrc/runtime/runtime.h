@@ -180,14 +180,14 @@ struct DecodeKernels {
 // device's path (simdgroup matrices or tensor operations).
 struct PrefillKernels {
   const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
-  ByBits gemm, gemm_add, gemm_add_h;  // gemm_add: fp32 x (o_proj); gemm_add_h: half x (out_proj)
+  ByBits gemm, gemm_add_h, gemm_half;  // gemm_add_h: y += x W^T (o_proj, out_proj); gemm_half: half y (ys)
   const gpu::Pipeline *gdn_scan = nullptr, *gdn_gated_norm = nullptr, *gdn_conv_state = nullptr;
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
   // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
   const gpu::Pipeline *experts_gate_up[4] = {}, *experts_down[4] = {};
-  const gpu::Pipeline* moe_combine = nullptr;
+  const gpu::Pipeline *moe_combine = nullptr, *moe_combine_norm = nullptr;  // the latter: + next input norm
 };
 
 class Runtime {

@@ -26,12 +26,11 @@ constexpr double kDequantOps = 3;
 // The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
-// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*; the routed
-// experts' outputs yx, which moe_gemm_down_q4_* store the same way for moe_combine, too);
-// only the fp32 input of gemm_q4_add (the attention output) is converted while staged, by
-// every column block of its grid. Weights are dequantized in half ALU (code to half, then a
-// half FMA: kDequantOps), so no conversion follows (groups beyond the half range take fp32:
-// malformed, not counted).
+// (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*,
+// attn_prefill*: every GEMM input; the experts' outputs yx and ys, which moe_gemm_down_q4_*
+// and gemm_q4_half store the same way for moe_combine, too). Weights are dequantized in half
+// ALU (code to half, then a half FMA: kDequantOps), so no conversion follows (groups beyond
+// the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd). The tensor-op twins (gemm_tensor.metal): 128 rows.
@@ -103,18 +102,16 @@ Work make(const char* family) {
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
-// fp32_x: the activations are fp32 (gemm_q4_add), else half (gemm_q4_add_h too); NB = 2
-// writes half (hs).
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool fp32_x = false) {
+// The activations are half (copied into the tiles); NB = 2 writes half (hs), as does half_y
+// (gemm_q4_half: ys).
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
-  // ALU); every column block (grid x) converts fp32 activation rows (half ones are copied);
-  // SwiGLU: silu(g) * u and the conversion of its half output.
+  // ALU); SwiGLU: silu(g) * u; a half output: its conversion.
   add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
-  add(w, Path::alu_f32, (fp32_x ? kHalfConvOps * r.groups.x * double(a.m) * a.k : 0.0) +
-                            (nb == 2 ? (4.0 + kHalfConvOps) * a.m * a.n : 0.0));
+  add(w, Path::alu_f32, (nb == 2 ? 4.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
   return w;
@@ -311,7 +308,9 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     // simdgroup path converts each K and V tile element to half in fp32 (1) and clamps it in
     // half (2: kv_operand), and scales and converts Q per threadgroup. The rare diag(corr) O
     // rescale (a row's max grew by > 8) is not counted.
-    add(w, Path::alu_f32, 8.0 * scores + (tensor ? 0.0 : 2.0 * tiles * kAttnTile * D + groups * rows * D));
+    // plain kernel: the gated output stored as half (the conversion; the split partials stay fp32)
+    add(w, Path::alu_f32, 8.0 * scores + (tensor ? 0.0 : 2.0 * tiles * kAttnTile * D + groups * rows * D) +
+                              (a.num_splits == 0 ? kHalfConvOps * double(M) * a.num_q_heads * D : 0.0));
     if (!tensor) add(w, Path::alu_f16, 2.0 * 2.0 * tiles * kAttnTile * D);
     w.bytes = declared(r);
     // tensor: bfloat V tile, fp32 S and bfloat P [rows, kTile], fp32 corr, l, m per pair and
@@ -323,14 +322,14 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "attn_prefill_combine_d")) {
     const auto a = arg<args::AttnPrefillArgs>(r);
     Work w = make("attention");
-    add(w, Path::alu_f32, 4.0 * a.rows * a.num_q_heads * a.num_splits * param(k, "_d"));
+    add(w, Path::alu_f32, (4.0 * a.num_splits + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d"));
     w.bytes = declared(r);
     return w;
   }
   // ---- prefill GEMMs
   if (k == "gemm_q4" || k == "gemm_q4_tensor" || k == "gemm_q4_add_h" || k == "gemm_q4_add_h_tensor")
     return dense_gemm(r, 1, tensor);
-  if (k == "gemm_q4_add" || k == "gemm_q4_add_tensor") return dense_gemm(r, 1, tensor, true);
+  if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";
@@ -367,10 +366,12 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r) - (double(a.vocab) - rows) * a.cols * quant_bytes(4);  // table declared whole
     return w;
   }
-  if (k == "moe_combine") {
+  if (k == "moe_combine" || k == "moe_combine_norm") {
     const auto a = arg<args::MoeCombineArgs>(r);
     Work w = make("norms, embedding, combine");
-    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2));
+    // _norm: plus rms_norm_half's work on the updated rows
+    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2) +
+                              (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
     w.bytes = declared(r);
     return w;
   }

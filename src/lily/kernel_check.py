@@ -122,12 +122,6 @@ def gemm_geometry(kernel: str) -> tuple[int, int]:
     return (GEMM_TENSOR_BM, GEMM_TENSOR_TG) if kernel.endswith("_tensor") else (GEMM_BM, GEMM_TG)
 
 
-def gemm_x_fp32(kernel: str) -> bool:
-    """Whether dense GEMM ``kernel`` reads fp32 activations (gemm_q4_add(_tensor): the
-    attention output, converted while staged); the others read half ones."""
-    return kernel in ("gemm_q4_add", "gemm_q4_add_tensor")
-
-
 def half_stored(want, tol):
     """(want, tol) of an fp32 result within tol of want, stored as half (nearest): the
     rounding adds at most 2**-11 of the stored magnitude, or 2**-25 for subnormals."""
@@ -610,7 +604,7 @@ class PrefillAttnLayer:
     def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
         """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
         Hq, D, G = self.Hq, self.D, self.G
-        OUT = self.dev.buffer(M * Hq * D * 4)
+        OUT = self.dev.buffer(M * Hq * D * 2)  # half (o_proj's input)
         sfx = "_tensor" if self.tensor else ""
         threads = 256  # both paths (kThreads)
         blocks = -(-M // (QROWS // G))
@@ -654,7 +648,11 @@ class PrefillAttnLayer:
             return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
 
         cb, (Q, OUT) = self.run(enc)
-        return download(OUT, np.float32, (M, self.Hq * self.D)), self.download_q(Q, M), cb
+        return self.download_out(OUT, M), self.download_q(Q, M), cb
+
+    def download_out(self, OUT, M):
+        """The attention output (stored half) as float32 [M, Hq*D]."""
+        return download(OUT, np.float16, (M, self.Hq * self.D)).astype(np.float32)
 
     def download_q(self, Q, M):
         """The prep's q as fp32 [M, Hq, D] (on the tensor path: unpack_bf16_q)."""
@@ -666,7 +664,7 @@ class PrefillAttnLayer:
         M = q.shape[0]
         Q, QG = upload(self.dev, pack_bf16_q(q, self.G) if self.tensor else q), upload(self.dev, qg)
         _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
-        return download(OUT, np.float32, (M, self.Hq * self.D))
+        return self.download_out(OUT, M)
 
 
 def attention64(q, qg, K, V, p0):
@@ -700,7 +698,7 @@ def attention_twin(q, qg, K, V, p0, split_rows=None, *, bf16=False):
     exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to the operand type, l
     the sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the
     gate) in float64, where the kernel's fp32 accumulation differs from it by float32
-    rounding."""
+    rounding. Not modelled: the kernels store the result as half (ATTN_OUT_RTOL)."""
     M, Hq, D = q.shape
     Hkv = K.shape[0]
     group = Hq // Hkv
@@ -1285,15 +1283,42 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
 
 
 def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
-    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], ys fp32 [M, H], w fp32 [M, k+1]."""
+    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], ys half [M, H], w fp32 [M, k+1]."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
                buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 4 * M * H), (w, 0, 4 * M * (k + 1))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1))],
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
 
+def combine_inputs(rng, M, H, k):
+    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] and ys half
+    [M, H] (as the down projections store them), w fp32 [M, k+1] in [0, 1)."""
+    return (rng.standard_normal((M, H)).astype(np.float32), half_activations(rng.standard_normal((M * k, H))),
+            half_activations(rng.standard_normal((M, H))), rng.random((M, k + 1)).astype(np.float32))
+
+
+def enc_combine_norm(p, h, yx, ys, w, nw, xn, M, H, k, eps=1e-6, tg=256):
+    """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
+    [H]); one threadgroup of tg threads per row."""
+    p.dispatch("moe_combine_norm", M, tg,
+               buffers=[(0, h), (1, yx), (2, ys), (3, w), (5, nw), (6, xn)],
+               constants=[(4, constant(M, H, k)), (7, constant(H) + np.float32(eps).tobytes())],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1)),
+                      (nw, 0, 2 * H)],
+               writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
+
+
+def norm_half_ref(x, nw_bits, eps=1e-6):
+    """(want, tol) of rms_norm_half / moe_combine_norm's xn on the fp32 rows x it normalised:
+    float64 RMSNorm, the fp32 bound DEPTH u |want| plus the half rounding (half_stored);
+    values beyond +-65504 are stored as +-65504 (want clipped, no extra tolerance)."""
+    x64 = np.asarray(x, np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(nw_bits)
+    return half_stored(np.clip(want, -HALF_MAX, HALF_MAX), DEPTH * U * np.abs(want) + 1e-30)
+
+
 def combine_ref(h, yx, ys, w):
-    """(want, tol) of moe_combine on the values it reads (yx: the half outputs as stored);
+    """(want, tol) of moe_combine on the values it reads (yx, ys: the half outputs as stored);
     float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
     M, k = w.shape[0], w.shape[1] - 1
     H = h.shape[1]
@@ -1668,19 +1693,18 @@ def _argmax_two_stage(dev, rng, kernel):
     return 0.0
 
 
-@check("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_q4_tensor", "gemm_q8_tensor",
-       "gemm_q4_add_tensor", "gemm_q4_add_h_tensor")
+@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_h_tensor", "gemm_q4_half_tensor")
 def _gemm(dev, rng, kernel):
-    bits, add = int(kernel[6]), "_add" in kernel
+    """gemm_q4_half: y stored as half (the shared expert's ys)."""
+    bits, add, half_y = int(kernel[6]), "_add" in kernel, "_half" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    if not gemm_x_fp32(kernel):  # half activations (their producers convert)
-        x = half_activations(x)
+    x = half_activations(rng.standard_normal((m, k)))  # half activations (their producers convert)
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
-    Y = upload(dev, y0) if add else dev.buffer(4 * m * n)
+    Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
     bm, tg = gemm_geometry(kernel)
     run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, [W, S, B, X, Y], constant(m, n, k, k, n),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
@@ -1688,7 +1712,10 @@ def _gemm(dev, rng, kernel):
     if add:
         exact = exact + y0
         tol = tol + 2 * U * np.abs(exact)
-    return ratio(download(Y, np.float32, (m, n)), exact, tol, f"{kernel} {m}x{n}x{k}")
+    if half_y:
+        exact, tol = half_stored(exact, tol)
+    got = download(Y, np.float16 if half_y else np.float32, (m, n)).astype(np.float32)
+    return ratio(got, exact, tol, f"{kernel} {m}x{n}x{k}")
 
 
 @check("gdn_decode_step_k128_v128", "gdn_decode_step_k32_v32")
@@ -2030,17 +2057,25 @@ def _moe_route_scatter(dev, rng, kernel):
     return 0.0
 
 
-@check("moe_combine")
+@check("moe_combine", "moe_combine_norm")
 def _moe_combine(dev, rng, kernel):
-    M, H, k = 9, 128, 4
-    h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = half_activations(rng.standard_normal((M * k, H)))
-    ys = rng.standard_normal((M, H)).astype(np.float32)
-    w = rng.random((M, k + 1)).astype(np.float32)
-    Hb, Y, S, Wt = upload(dev, h), upload(dev, yx), upload(dev, ys), upload(dev, w)
-    run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as half."""
+    norm = kernel.endswith("_norm")
+    M, H, k = 9, 256, 4
+    h, yx, ys, w = combine_inputs(rng, M, H, k)
+    Hb, Y, S, Wt = (upload(dev, a) for a in (h, yx, ys, w))
+    if norm:
+        nw, XN = to_bf16_bits(1 + 0.3 * rng.standard_normal(H)), dev.buffer(2 * M * H)
+        run_encoder(dev, enc_combine_norm, Hb, Y, S, Wt, upload(dev, nw), XN, M, H, k)
+    else:
+        run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+    hout = download(Hb, np.float32, (M, H))
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
-    return ratio(download(Hb, np.float32, (M, H)), want, tol, kernel)
+    r = ratio(hout, want, tol, kernel + " h")
+    if norm:
+        want, tol = norm_half_ref(hout, nw)
+        r = max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
+    return r
 
 
 def _grouped(kernel):
@@ -2109,6 +2144,9 @@ def _moe_gemm_down(dev, rng, kernel):
 # (tests/kernels/test_attention_prefill.py).
 ATTN_HALF_ATOL = 4e-3
 ATTN_BF16_ATOL = 8 * ATTN_HALF_ATOL
+# The output is stored as half (gemm_half: o_proj's input), which the twin leaves in float64:
+# one rounding, at most 2^-11 of the value (relative; values stay far inside the half range).
+ATTN_OUT_RTOL = 2.0**-11
 # one shape per prefill attention variant (head dim D, query heads per threadgroup G)
 _PREFILL_DIMS = {256: "real", 64: "wide64"}
 
@@ -2150,7 +2188,7 @@ def _attn_prefill(dev, rng, kernel):
     p0, M = 13, 11
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
-    return _close(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, bf16=tensor), 0,
+    return _close(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, bf16=tensor), ATTN_OUT_RTOL,
                   ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, kernel)
 
 
@@ -2165,7 +2203,7 @@ def _attn_prefill_split(dev, rng, kernel):
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
     got = L.attention_only(q, qg, p0, split=(S, ns))
-    return _close(got, attention_twin(q, qg, K, V, p0, split_rows=S, bf16=tensor), 0,
+    return _close(got, attention_twin(q, qg, K, V, p0, split_rows=S, bf16=tensor), ATTN_OUT_RTOL,
                   ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, f"{kernel} (split + combine)")
 
 

@@ -1,6 +1,6 @@
 """Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-gemm_q4, gemm_q8, gemm_q4_add, gemm_q4_add_h, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_half, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
@@ -12,10 +12,8 @@ poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be 
 
 Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x is
 half in device memory (written by its producer clamped to +-65504 and rounded to half:
-``half_activations``; gemm_q4_add_h: the GDN gated norm's output), except gemm_q4_add's fp32
-x (the attention output), clamped and rounded while staged; the
-weight dequantized in fp32 (``s q + b``) and
-rounded to half; products of halves are exact in fp32 and accumulate in fp32. The reference
+``half_activations``; gemm_q4_add_h: the GDN gated norm's and the attention's outputs); the
+weight dequantized in half (``fma(q, half(s), half(b))``); products of halves are exact in fp32 and accumulate in fp32. The reference
 (``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
 same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
 * every output is a sum of K exact products ``wh xh`` in an order that differs from numpy's
@@ -30,7 +28,9 @@ same values) and multiplies in float64, so what is left to tolerate is an fp32 G
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
   a few roundings of the activation (``swiglu_bound`` of lily.kernel_check), then the half
-  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``).
+  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``);
+* gemm_q4_half: the plain bound, then the half rounding of the stored output (``half_stored``),
+  sums beyond +-65504 stored as +-65504.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from lily.kernel_check import swiglu_ref  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
 from lily.kernel_check import _codes, half_operand  # noqa: E402
-from lily.kernel_check import gemm_x_fp32, half_activations as hact, half_stored  # noqa: E402
+from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 
 U = 2.0**-24
 
@@ -89,9 +89,9 @@ DENSE_SHAPES = [  # m, n, k
 
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False):
-    """x is half except for gemm_q4_add (fp32); y is half for gemm_swiglu_q4."""
-    reads = [*wb, (X, x_off, (4 if gemm_x_fp32(kernel) else 2) * ((m - 1) * lda + k))]
-    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel else 4)
+    """x is half; y is half for gemm_swiglu_q4 and gemm_q4_half."""
+    reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k))]
+    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "half" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)],
                constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy))],
@@ -113,6 +113,31 @@ def test_gemm(dev, bits, m, n, k):
     exact, tol = gemm_ref(x, qt)
     check(out[:m * n].reshape(m, n), exact, tol, f"gemm_q{bits} {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all(), "wrote past the output"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (33, 64, 256), (100, 300, 128), (13, 32, 2048)])
+def test_gemm_half_output(dev, m, n, k):
+    """gemm_q4_half (the shared expert's down projection): the fp32 sums stored as half with
+    the saturating conversion, ldy > n (only the block is written), and a row driven past the
+    half range stored as +-65504, not inf."""
+    rng = fresh_rng(m, n, k, 16)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = hact(rng.standard_normal((m, k)))
+    if k >= 256:  # the last row aligned with weight row 0: y[-1, 0] = 6e4 sum|w| ~ 6e4 k / 64
+        x[-1] = hact(6e4 * np.sign(half_weights(qt)[0][0]))
+    ldy = n + 3
+    X, Y = upload(dev, x), dev.buffer(2 * m * ldy)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4_half", qbufs(dev, qt), X, Y, m, n, k, k, ldy)
+    commit(cb, "gemm_q4_half")
+    out = download(Y, np.float16).reshape(m, ldy).astype(np.float32)
+    assert np.isnan(out[:, n:]).all(), "wrote outside the block"
+    exact, tol = gemm_ref(x, qt)
+    big = np.abs(exact) > 65504 + tol
+    assert big[-1, 0] == (k >= 256)
+    assert np.array_equal(out[:, :n][big], np.sign(exact[big]) * 65504), "not saturated"
+    want, tol = half_stored(np.clip(exact, -65504, 65504), tol)
+    check(out[:, :n], want, tol, f"gemm_q4_half {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize("m,n,k", [(37, 100, 256), (64, 64, 64), (3, 200, 512)])
@@ -138,16 +163,14 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
 
 
 @pytest.mark.parametrize("kernel,m,n,k", [
-    ("gemm_q4_add", 33, 100, 256), ("gemm_q4_add", 64, 2048, 128), ("gemm_q4_add", 1, 5, 64),
-    ("gemm_q4_add", 100, 64, 512), ("gemm_q4_add_h", 33, 100, 256), ("gemm_q4_add_h", 1, 5, 64)])
+    ("gemm_q4_add_h", 33, 100, 256), ("gemm_q4_add_h", 64, 2048, 128), ("gemm_q4_add_h", 1, 5, 64),
+    ("gemm_q4_add_h", 100, 64, 512)])
 def test_gemm_add(dev, kernel, m, n, k):
-    """y += x W^T onto an existing residual, with ldy > n: o_proj's fp32 x (gemm_q4_add) or
-    out_proj's half x (gemm_q4_add_h)."""
+    """y += x W^T onto an existing residual, with ldy > n: o_proj's and out_proj's half x
+    (gemm_q4_add_h)."""
     rng = fresh_rng(m, n, k, 5)
     qt = rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    if not gemm_x_fp32(kernel):
-        x = hact(x)
+    x = hact(rng.standard_normal((m, k)))
     ldy = n + 4
     y0 = rng.standard_normal((m, ldy)).astype(np.float32)
     wb = qbufs(dev, qt)
@@ -200,13 +223,13 @@ def test_router_and_shared_gate_one_buffer(dev):
         check(out[:, cols], exact, tol, "router logits")
 
 
-def _gemm_q4_add_onto_zeros(dev, qt, x, n, label):
-    """float32 [m, n]: 0 + x W^T through gemm_q4_add, the GEMM that stages fp32 activations
-    as half (x [m, k] float32)."""
+def _gemm_q4_stored_half(dev, qt, x, n, label):
+    """float32 [m, n]: x W^T through gemm_q4 on x [m, k] float32 stored as its producers
+    store it (half_activations: clamped, rounded)."""
     m, k = x.shape
-    X, Y = upload(dev, x), upload(dev, np.zeros((m, n), np.float32))
+    X, Y = upload(dev, hact(x)), dev.buffer(4 * m * n)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_add", qbufs(dev, qt), X, Y, m, n, k, k, n, add=True)
+    enc_gemm(cb.compute_pass(), "gemm_q4", qbufs(dev, qt), X, Y, m, n, k, k, n)
     commit(cb, label)
     return download(Y, np.float32).reshape(m, n)
 
@@ -214,14 +237,14 @@ def _gemm_q4_add_onto_zeros(dev, qt, x, n, label):
 def test_half_rounding_is_modelled(dev):
     """The reference's half rounding is what keeps the bound tight: x = 1 + 2**-12 (between
     two halves: it rounds to 1) on a single k block, against the same reference without the
-    rounding of x, fails the tolerance; with it, passes. gemm_q4_add onto zeros: its fp32 x is
-    rounded while staged (the half inputs of the other GEMMs are rounded by their producers:
-    test_norm.py, the SwiGLU tests)."""
+    rounding of x, fails the tolerance; with it, passes. x is stored rounded by its producer
+    (every GEMM input is half: test_norm.py, the SwiGLU tests, the attention and GDN
+    outputs); gemm_ref rounds the float32 value the same way."""
     rng = fresh_rng(4242)
     m, n, k = 8, 64, GEMM_BK
     qt = rand_quant(rng, (), n, k, 4)
     x = np.full((m, k), 1 + 2.0**-12, np.float32)
-    out = _gemm_q4_add_onto_zeros(dev, qt, x, n, "gemm_q4 rounding")
+    out = _gemm_q4_stored_half(dev, qt, x, n, "gemm_q4 rounding")
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "half operands")
     wh, _ = half_weights(qt)
@@ -257,15 +280,16 @@ def test_weights_dequantized_in_half(dev):
 
 def test_saturating_half_operands(dev):
     """Operands beyond the half range are clamped to +-65504 (gemm_half), never inf: an
-    outlier fp32 activation (gemm_q4_add stages it), or a weight group beyond the half range,
-    gives finite outputs equal to the clamped product."""
+    outlier activation (clamped by its producer), or a weight group beyond the half range
+    (dequantized in fp32 and clamped while staged), gives finite outputs equal to the
+    clamped product."""
     rng = fresh_rng(65504)
     m, n, k = 5, 40, 128
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[1, 3], x[2, :] = 1e6, -7e4
     qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
-    out = _gemm_q4_add_onto_zeros(dev, qt, x, n, "gemm_q4_add saturation")
+    out = _gemm_q4_stored_half(dev, qt, x, n, "gemm_q4 saturation")
     exact, tol = gemm_ref(x, qt)
     check(out, exact, tol, "saturated operands")
 

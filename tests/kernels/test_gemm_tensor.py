@@ -4,7 +4,7 @@ twins (metal/moe_prefill_tensor.metal) are tested in tests/kernels/test_moe_pref
 with the same device, and the checks of part 3 cover both families.
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
-   (dense shapes, strides and column blocks, _add and _add_h, SwiGLU, the router/shared-gate layout)
+   (dense shapes, strides and column blocks, _add_h, _half, SwiGLU, the router/shared-gate layout)
    is collected here again with its own parametrisation, inputs and tolerances, on a device
    whose dispatches of a GEMM kernel name go to the name's ``_tensor`` twin
    (``harness.TwinDevice``: same bindings, grids, outputs). Its references model the half
@@ -98,17 +98,17 @@ def test_suite_reaches_the_twins(dev):
 from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG,  # noqa: E402,F401
                                GEMM_TG, MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, gemm_geometry,
                                gemm_ref, half_operand, half_weights, swiglu_ref)
-from lily.kernel_check import gemm_x_fp32, half_activations as hact, half_stored  # noqa: E402
+from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- dense
 
 def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None):
-    """Runs a dense GEMM kernel on x (stored as half, as the producers do, except for
-    gemm_q4_add's fp32 x); returns y [m, ldy] (half for SwiGLU, widened to float32)."""
+    """Runs a dense GEMM kernel on x (stored as half, as the producers do); returns y [m, ldy]
+    (half for SwiGLU, widened to float32)."""
     m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(x if gemm_x_fp32(kernel) else hact(x), lda, 0.0))
+    X = upload(dev, pitched(hact(x), lda, 0.0))
     ysize = 2 if "swiglu" in kernel else 4
     Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * ysize)
     bufs = []
@@ -140,11 +140,9 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
     check_bound(y[:, :n], x, qt)
 
 
-@pytest.mark.parametrize("kernel", ["gemm_q4_add", "gemm_q4_add_h"])
-def test_gemm_q4_add_exact(fwd, kernel):
-    """fp32 x (gemm_q4_add, rounded while staged) or half x (gemm_q4_add_h, stored rounded):
-    the same half operands, so the same outputs."""
-    dev = fwd
+def test_gemm_q4_add_exact(fwd):
+    """y += x W^T on half x (gemm_q4_add_h: o_proj, out_proj)."""
+    dev, kernel = fwd, "gemm_q4_add_h"
     m, n, k = 37, 90, 128
     rng = fresh_rng(12)
     qt = rand_quant(rng, (), n, k, 4)
@@ -226,7 +224,7 @@ def test_tensor_twins_have_the_simdgroup_bindings():
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
-    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add", "gemm_q4_add_h", "gemm_swiglu_q4",
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
                                      *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down")
                                        for T in MOE_TENSOR_TILES))]
     d9 = sim_device(gpu_family="apple9")

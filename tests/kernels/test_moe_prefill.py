@@ -28,8 +28,13 @@ Tolerances and exactness:
   rtol 16 u log2(E) + 8 u (the decode kernel test's bound). Against the decode kernel
   ``moe_route`` the picks and weights are compared bit for bit (same route_topk code).
 * Shared gate ``w[:, k] = sigmoid(logit)``: float32 exp and division, |error| <= 8 u.
-* ``moe_combine``: reads the expert outputs ``yx`` as half (as the down projections store
-  them; each value converts to float32 exactly) and the rest as float32; k+1 products and
+* ``moe_combine_norm``: h as ``moe_combine``; xn, the RMSNorm of the h it wrote, within
+  rms_norm_half's bound (``norm_half_ref``: DEPTH u |want| plus the half rounding); and bit
+  for bit moe_combine followed by rms_norm_half at the same thread count (the row code is
+  shared: rms_row of metal/common.h).
+* ``moe_combine``: reads the expert outputs ``yx`` and ``ys`` as half (as the routed down
+  projections and gemm_q4_half store them; each value converts to float32 exactly) and h, w
+  as float32; k+1 products and
   k+2 terms summed in float32 in a fixed order; the first-order bound of recursive
   summation is (k+2) u sum|terms|; we allow (k+3) u sum|terms| per element against float64
   on the half values it read.
@@ -71,8 +76,8 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import sigmoid  # noqa: E402
 from lily.kernel_check import (  # noqa: E402,F401
-    block_hist, class_base, class_capacity, combine_ref, enc_clear, enc_combine, enc_scatter, enc_topk, max_tiles,
-    nblocks, route_args, route_tg, tile_classes, tiles_ref)
+    block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine, enc_combine_norm, enc_scatter,
+    enc_topk, max_tiles, nblocks, norm_half_ref, route_args, route_tg, tile_classes, to_bf16_bits, tiles_ref)
 from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
 from lily.kernel_check import MOE_TILES, gemm_ref, make_routing, swiglu_ref, tile_buffers  # noqa: E402
 from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
@@ -399,7 +404,7 @@ def test_combine(dev, M, H, k, tg):
     rng = fresh_rng(M * 3 + H + k)
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half, as the down projections store it
-    ys = rng.standard_normal((M, H)).astype(np.float32)
+    ys = hact(rng.standard_normal((M, H)))  # half, as gemm_q4_half stores it
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb = dev.buffer(4 * (M * H + PAD))
     Hb.write(h.reshape(-1).view(np.uint8))
@@ -410,6 +415,63 @@ def test_combine(dev, M, H, k, tg):
     want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
     err = np.abs(got[:M * H].reshape(M, H) - want)
     assert (err <= tol).all(), f"moe_combine: worst err/tol {(err / tol).max():.3g}"
+
+
+def combine_norm_inputs(rng, M, H, k, big_weight=False):
+    h, yx, ys, w = combine_inputs(rng, M, H, k)
+    nw = 1 + 0.3 * rng.standard_normal(H)
+    if big_weight:  # column 1 far beyond the half range after the norm: xn saturates
+        h[:, 1], nw[1] = 8.0, 3e7
+    return h, yx, ys, w, to_bf16_bits(nw)
+
+
+def run_combine_norm(dev, h, yx, ys, w, nw, tg):
+    M, H, k = h.shape[0], h.shape[1], w.shape[1] - 1
+    Hb, XN = dev.buffer(4 * (M * H + PAD)), out_buffer(dev, M * H, 2)
+    Hb.write(h.reshape(-1).view(np.uint8))
+    run1(dev, enc_combine_norm, Hb, upload(dev, yx), upload(dev, ys), upload(dev, w), upload(dev, nw), XN,
+         M, H, k, tg=tg)
+    hout, xn = download(Hb, np.float32), download(XN, np.float16)
+    assert_untouched(hout, M * H, "h")
+    assert (xn.view(np.uint16)[M * H:] == 0xFFFF).all(), "xn: wrote past its rows"
+    return hout[:M * H].reshape(M, H), xn[:M * H].reshape(M, H)
+
+
+@pytest.mark.parametrize("M,H,k,tg", [(37, 128, 4, 32), (5, 2048, 8, 256), (1, 256, 8, 1024), (3, 192, 1, 64),
+                                      (9, 2048, 32, 128)])
+def test_combine_norm(dev, M, H, k, tg):
+    """moe_combine_norm: h within moe_combine's bound; xn the RMSNorm of the h it wrote,
+    within rms_norm_half's bound (norm_half_ref), a row beyond +-65504 stored as +-65504."""
+    rng = fresh_rng(M * 5 + H + k + tg)
+    h, yx, ys, w, nw = combine_norm_inputs(rng, M, H, k, big_weight=True)
+    hout, xn = run_combine_norm(dev, h, yx, ys, w, nw, tg)
+    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    check(hout, want, tol, "moe_combine_norm h")
+    want, tol = norm_half_ref(hout, nw)
+    assert (np.abs(want[:, 1]) == 65504).all()  # the test drives column 1 past the half range
+    check(xn.astype(np.float64), want, tol, "moe_combine_norm xn")
+
+
+@pytest.mark.parametrize("M,H,k", [(6, 2048, 8), (3, 320, 4)])
+def test_combine_norm_bit_identical(dev, M, H, k):
+    """With rms_norm_half's thread count (256, prefill.cpp kNormThreads), moe_combine_norm
+    gives the bits of moe_combine followed by rms_norm_half: the fused prefill path changes
+    no value."""
+    rng = fresh_rng(M, H, k, 99)
+    h, yx, ys, w, nw = combine_norm_inputs(rng, M, H, k)
+    hout, xn = run_combine_norm(dev, h, yx, ys, w, nw, 256)
+    Hb, XN = upload(dev, h), dev.buffer(2 * M * H)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    enc_combine(p, Hb, upload(dev, yx), upload(dev, ys), upload(dev, w), M, H, k)
+    NW = upload(dev, nw)
+    p.dispatch("rms_norm_half", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
+               constants=[(3, constant(H) + np.float32(1e-6).tobytes())],
+               reads=[(Hb, 0, 4 * M * H), (NW, 0, 2 * H)], writes=[(XN, 0, 2 * M * H)], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    np.testing.assert_array_equal(hout, download(Hb, np.float32, (M, H)))
+    np.testing.assert_array_equal(xn.view(np.uint16), download(XN, np.uint16, (M, H)))
 
 
 # ------------------------------------------------------------------------------ the chain
@@ -451,7 +513,7 @@ def chunk_inputs(dev, rng, M, E, k, H, hot=None):
         logits[:, hot] += 16.0
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half
-    ys = rng.standard_normal((M, H)).astype(np.float32)
+    ys = hact(rng.standard_normal((M, H)))  # half
     return logits, h, yx, ys, [upload(dev, a) for a in (logits, h, yx, ys)]
 
 
