@@ -1,7 +1,8 @@
 // Gated DeltaNet prefill: one chunk of M tokens (docs/model.md, "Gated DeltaNet"; docs/goals.md
 // section 3, "Register-resident Gated DeltaNet scan"; docs/prefill.md).
 //
-// Three dispatches per layer and chunk, after the projections (qkv, z, b, a: fp32 [M, ...]):
+// Three dispatches per layer and chunk, after the projections (qkv, b, a: fp32 [M, ...]; z:
+// half [M, Hv*Dv], stored saturated to +-65504 by gemm_q4_half):
 //
 //   gdn_scan         causal conv + SiLU of the channels it needs (inline, from qkv and the
 //                    conv state: the conv output never goes through device memory), L2 norms,
@@ -16,8 +17,10 @@
 //                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
 //   gdn_gated_norm   gated RMSNorm over each head's Dv values of y (the RMS needs the whole
-//                    head, which no scan threadgroup holds), stored as half with gemm_half:
-//                    the input of out_proj (gemm_q4_add_h), converted once here.
+//                    head, which no scan threadgroup holds) times silu(z), z read as half
+//                    (in_proj_z is gemm_q4_half), stored as half with gemm_half: the input
+//                    of out_proj (gemm_q4_add_h), converted once here. y stays fp32: its
+//                    range is not bounded before the norm.
 //   gdn_conv_state   the next conv state (the last K-1 rows of [conv state | qkv]); after the
 //                    scan, which reads the old one (they may be the same bytes).
 //
@@ -235,12 +238,13 @@ template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 
 // ---------------------------------------------------------------- gdn_gated_norm
 
 // out[t, h*DV + i] = gemm_half(y[t, h*DV + i] / sqrt(mean_i y^2 + eps) * norm_w[i] *
-// silu(z[t, h*DV + i])): half, clamped to the half range (common.h). One simdgroup per
-// (token, head): lane l reads and writes the elements l, l+32, ... of its head's row.
+// silu(z[t, h*DV + i])): fp32 math, half out, clamped to the half range (common.h). z is half
+// (a saturated +-65504 is finite: silu gives 65504 or -0). One simdgroup per (token, head):
+// lane l reads and writes the elements l, l+32, ... of its head's row.
 template <uint DV>
 [[max_total_threads_per_threadgroup(256)]] kernel void gdn_gated_norm(
     device const float* y [[buffer(0)]],          // [M, Hv*Dv] gdn_scan output
-    device const float* z [[buffer(1)]],          // [M, Hv*Dv] in_proj_z output
+    device const half* z [[buffer(1)]],           // [M, Hv*Dv] in_proj_z output (half)
     device const bfloat* norm_w [[buffer(2)]],    // [Dv] norm.weight
     device half* out [[buffer(3)]],               // [M, Hv*Dv] half (out_proj's input)
     constant GdnScanArgs& args [[buffer(4)]],
@@ -264,7 +268,7 @@ template <uint DV>
   const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
   for (uint e = 0; e < EV; ++e) {
     const uint i = e * 32 + lane;
-    out[o + i] = gemm_half(yr[e] * inv * float(norm_w[i]) * silu(z[o + i]));
+    out[o + i] = gemm_half(yr[e] * inv * float(norm_w[i]) * silu(float(z[o + i])));
   }
 }
 

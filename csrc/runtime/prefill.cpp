@@ -92,7 +92,7 @@ void Runtime::allocate_chunk_buffers() {
   c.xn = scratch(C * H * hf, "chunk xn (normed, half)");
   const size_t vdim = size_t(d.linear_num_value_heads) * d.linear_value_head_dim;
   c.qkv = scratch(C * d.conv_dim() * f, "chunk gdn qkv");
-  c.z = scratch(C * vdim * f, "chunk gdn z");
+  c.z = scratch(C * vdim * hf, "chunk gdn z (half)");
   c.b = scratch(C * d.linear_num_value_heads * f, "chunk gdn b");
   c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
   c.o = scratch(C * vdim * f, "chunk gdn out");
@@ -241,7 +241,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys; not with add).
+  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys, the GDN z; not with add).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
     Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
@@ -274,7 +274,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
       const uint32_t Dk = d.linear_key_head_dim, Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
-      gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"));
+      // z only gates the norm: stored half (saturated), read by gdn_gated_norm
+      gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
       gemm(g.in_proj_b, false, *c.xn, H, H, *c.b, Hv, Hv, 0, labels_(l, "in_proj_b"));
       gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
       // The chunk reads the conv state of its start parity and leaves the one of its end
@@ -297,7 +298,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       }
       Op(*K.gdn_gated_norm, labels_(l, "gated norm"))
           .groups(tg(ceil_div(uint64_t(M) * Hv, kGdnNormPairs)), tg(kGdnNormPairs * 32))
-          .in(0, *c.o, 0, o_bytes).in(1, *c.z, 0, o_bytes).in(2, *g.norm, &t.weight_bytes)
+          .in(0, *c.o, 0, o_bytes).in(1, *c.z, 0, size_t(M) * Hv * Dv * hf).in(2, *g.norm, &t.weight_bytes)
           .out(3, *c.oh, 0, size_t(M) * Hv * Dv * hf)
           .args(4, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
       {

@@ -771,10 +771,10 @@ GDN_SCAN_LANES = 4  # lanes per state row of gdn_scan (kGdnScanLanesPerRow, meta
 SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
-def rows_buffer(dev, x, spare=SPARE_ROWS):
-    """A device buffer holding the rows of ``x`` followed by ``spare`` poisoned rows, and the
-    declared range of the real rows."""
-    x = f32(x)
+def rows_buffer(dev, x, spare=SPARE_ROWS, dtype=np.float32):
+    """A device buffer holding the rows of ``x`` (as ``dtype``) followed by ``spare`` poisoned
+    rows, and the declared range of the real rows."""
+    x = np.ascontiguousarray(x, dtype)
     row = x[0].nbytes if x.ndim > 1 else x.itemsize
     buf = dev.buffer(x.nbytes + spare * row)
     buf.write(x.reshape(-1).view(np.uint8))
@@ -828,9 +828,17 @@ class GdnPrefillLayer:
         return download(self.S, np.float32, (self.Hv, self.Dv, self.Dk))
 
     def inputs(self, M):
+        """Random projections qkv, z, b, a (float32); z holds half values (in_proj_z stores
+        half), so the decode step's fp32 z and the chunk's half z are the same numbers."""
         r = self.rng
-        return (f32(r.standard_normal((M, self.C))), f32(r.standard_normal((M, self.Hv * self.Dv))),
+        return (f32(r.standard_normal((M, self.C))), half_operand(r.standard_normal((M, self.Hv * self.Dv))).astype(np.float32),
                 f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
+
+    def input_buffers(self, qkv, z, b, a):
+        """The projections as the chunk kernels read them (rows_buffer pairs): z half, the
+        others fp32."""
+        return (rows_buffer(self.dev, qkv), rows_buffer(self.dev, z, dtype=np.float16),
+                rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
     # ---- encoders (declared ranges as the runtime will declare them)
     def encode_scan(self, p, qkv, cin, z, b, a, out, normed, M):
@@ -864,7 +872,7 @@ class GdnPrefillLayer:
         from the declared ranges). Returns the gated-norm output [M, Hv*Dv] (half values, as
         float32)."""
         dev, M = self.dev, len(qkv)
-        Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
+        Q, Z, B, A = self.input_buffers(qkv, z, b, a)
         O, N = self.out_buffers(M)
         cin, cout = self.CS[p0 % 2], self.CS[(p0 + M) % 2]
         cb = dev.command_buffer()
@@ -2230,7 +2238,7 @@ def _gdn_scan(dev, rng, kernel):
     M = 9
     conv0, S0 = L.random_state()
     qkv, z, b, a = L.inputs(M)
-    Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
+    Q, Z, B, A = L.input_buffers(qkv, z, b, a)
     O, N = L.out_buffers(M)
     cb = dev.command_buffer()
     L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, N, M)

@@ -8,9 +8,10 @@ and ``gdn_conv_state``
 ``lily.reference`` (its ``silu``, ``sigmoid``, ``l2_norm`` and, for the whole layer,
 ``ReferenceModel.gated_deltanet`` itself with the projections stubbed), and against the decode
 kernel ``gdn_decode_step`` run token by token. Inputs are fresh random draws per run
-(``fresh_rng``). Every output buffer starts poisoned (NaN); chunk buffers are allocated for
-more rows than the chunk uses and only the chunk's rows are declared, so a read or write
-past row M is caught (``verify_reads`` / ``verify_writes``).
+(``fresh_rng``); z is half, as in_proj_z (gemm_q4_half) stores it, the other projections
+fp32. Every output buffer starts poisoned (NaN); chunk buffers are allocated for more rows
+than the chunk uses and only the chunk's rows are declared, so a read or write past row M
+is caught (``verify_reads`` / ``verify_writes``).
 
 Tolerances:
 * conv: the new conv state is a copy, exact. The conv output is internal to the scan: four
@@ -129,7 +130,7 @@ def test_scan_matches_float64(dev, dims, M):
     L = Layer(dev, dims, seed=12)
     conv0, S0 = L.random_state()
     qkv, z, b, a = L.inputs(M)
-    Q, Z, B, A = (rows_buffer(dev, x) for x in (qkv, z, b, a))
+    Q, Z, B, A = L.input_buffers(qkv, z, b, a)
     O, N = L.out_buffers(M)
     cb = dev.command_buffer()
     p = cb.compute_pass()
@@ -156,6 +157,22 @@ def test_gated_norm_saturates(dev):
     got = L.chunk(*inp, p0=0)
     want, _, scale = L.scan_reference(L.conv_reference(inp[0], conv0)[0], *inp[1:], S0)
     assert (np.abs(want) > HALF_MAX).mean() > 0.1 and (np.abs(got) == HALF_MAX).any()
+    assert_outputs_close(got, want, scale)
+
+
+def test_gated_norm_reads_saturated_z(dev):
+    """z as in_proj_z (gemm_q4_half) leaves it: half, +-65504 where a sum overflowed the half
+    range. silu of those stays finite (65504 and -0): the outputs match the reference on the
+    same z, stored as +-65504 past the half range, and are zero where z = -65504."""
+    L = Layer(dev, "dims", seed=18)
+    conv0, S0 = L.random_state()
+    qkv, z, b, a = L.inputs(5)
+    sat = L.rng.random(z.shape) < 0.25
+    z = np.where(sat, np.where(L.rng.random(z.shape) < 0.5, -HALF_MAX, HALF_MAX), z).astype(np.float32)
+    got = L.chunk(qkv, z, b, a, p0=0)
+    with np.errstate(over="ignore"):  # exp(65504) in the reference's silu: inf, silu = -0
+        want, _, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
+    assert (np.abs(got) == HALF_MAX).any() and (got[z == -HALF_MAX] == 0).all()
     assert_outputs_close(got, want, scale)
 
 
