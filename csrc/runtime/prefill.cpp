@@ -22,6 +22,13 @@ namespace {
 // tensor-op twins (gemm_tensor.metal) take 128-row blocks of 256 threads, same columns.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
 constexpr uint32_t kGemmTensorBM = 128, kGemmTensorThreads = 256;
+// Rows and threads per threadgroup of a dense prefill GEMM on the device's path.
+struct GemmBlock {
+  uint32_t rows, threads;
+};
+constexpr GemmBlock gemm_block(bool tensor_ops) {
+  return tensor_ops ? GemmBlock{kGemmTensorBM, kGemmTensorThreads} : GemmBlock{kGemmBM, kGemmThreads};
+}
 // Grouped expert GEMMs (metal/moe_prefill.metal): threads and output columns per threadgroup
 // of gate/up and of down for tile height T (T = 64: gate/up 64 x 32 blocks, so that its two
 // staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64; T = 128, tensor
@@ -230,8 +237,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   const size_t f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
-  const uint32_t gemm_bm = tensor_ops_ ? kGemmTensorBM : kGemmBM;  // dense GEMM rows per threadgroup
-  const uint32_t gemm_threads = tensor_ops_ ? kGemmTensorThreads : kGemmThreads;
+  const GemmBlock gb = gemm_block(tensor_ops_);
   // A routed-expert stack is declared whole (the experts are only known on the GPU); the
   // traffic counts the experts the chunk can reach, min(E, M*k) of them.
   auto expert_stack = [&](Op& op, uint32_t i, const QuantLinear& w) -> Op& {
@@ -245,7 +251,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
     Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
-    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gemm_bm)), tg(gemm_threads));
+    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
     const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
     if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out(4, y, col0 * yb, y_bytes);
@@ -408,7 +414,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gemm_bm)), tg(gemm_threads))
+        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gb.rows)), tg(gb.threads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
         .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
@@ -477,9 +483,9 @@ void Runtime::encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t
   const ModelDims& d = dims_;
   const size_t f = sizeof(float), hf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
+  const GemmBlock gb = gemm_block(tensor_ops_);
   Op(prefill_kernels_.gemm[model_.lm_head.bits], "lm_head (all positions)")
-      .groups({ceil_div(V, kGemmBN), ceil_div(R, tensor_ops_ ? kGemmTensorBM : kGemmBM), 1},
-              {tensor_ops_ ? kGemmTensorThreads : kGemmThreads, 1, 1})
+      .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
       .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
       .out(4, *chunk_bufs_.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
