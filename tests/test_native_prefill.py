@@ -264,12 +264,14 @@ def test_full_size_prefill_chunk_counters(rows, position):
     per_moe = 1 + 2 + 3 + 2 + 2 * classes + 1  # norm, router + shared gate, clear/top-k/scatter, shared, experts, combine
     # layers 1..39: the input norm is fused into the previous layer's combine (moe_combine_norm)
     assert c["dispatches"] == 1 + gdn * per_gdn + attn * per_attn + 40 * per_moe + 1 - 39
-    # Stages: every layer is a chain of 13 (input norm, projections, scan | prep, gated norm +
-    # conv state | attention (+ combine), output projection, post-attention norm, router,
-    # shared gate + routing clear, top-k, scatter + shared gate/up, shared down + experts
-    # gate/up, experts down, combine), plus the embedding and the head; layers 1..39 have 12
-    # (their input norm is the previous layer's combine).
-    assert c["barrier_stages"] == 1 + 40 * 13 - 39 + attn * split + 1
+    # Stages: every layer is a chain of 12 (input norm, projections, scan | prep, gated norm +
+    # conv state | attention (+ combine), output projection, post-attention norm, router +
+    # shared gate (disjoint columns) + routing clear, top-k, scatter + shared gate/up, shared
+    # down + experts gate/up, experts down, combine), plus the embedding and the head; layers
+    # 1..39 have 11 (their input norm is the previous layer's combine).
+    assert c["barrier_stages"] == 1 + 40 * 12 - 39 + attn * split + 1
+    router = [r for r in c["records"] if r["label"].split(" (#")[0] in ("L0 router", "L0 shared gate", "L0 route clear")]
+    assert len(router) == 3 and len({r["stage"] for r in router}) == 1
 
 
 @pytest.mark.parametrize("rows,T", [(16, 16), (1024, 32), (2048, 64), (4096, 64)])

@@ -75,6 +75,9 @@ uint32_t map_entries(uint32_t assignments, uint32_t experts, uint32_t T) {
 // The expert GEMM dispatches of the tile classes write disjoint slots of one output (hx, yx)
 // in one barrier stage: their write ranges carry this tag (gpu::Range::disjoint).
 constexpr uint32_t kTileClassWrites = 1;
+// The router and the shared expert gate write disjoint columns of one logits buffer
+// ([M, E + 1]): tagged, they share a barrier stage.
+constexpr uint32_t kRouterWrites = 2;
 // Dispatch labels by tile class (class 0: the full tiles of height T).
 constexpr const char* kGateUpLabel[] = {"experts gate|up", "experts gate|up (class 1)", "experts gate|up (class 2)"};
 constexpr const char* kDownLabel[] = {"experts down", "experts down (class 1)", "experts down (class 2)"};
@@ -248,13 +251,15 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
   // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys, the GDN z; not with add).
+  // tag: nonzero for GEMMs that write disjoint columns of one y in one stage (gpu::Range::disjoint).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false) {
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false,
+                  uint32_t tag = 0) {
     Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
     const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
-    if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out(4, y, col0 * yb, y_bytes);
+    if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
@@ -391,8 +396,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     const MoeBlock& m = layer.moe;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
     rms_rows(*layer.post_attention_norm, *c.h, *c.xn, labels_(l, "post-attention norm"));
-    gemm(m.gate, false, *c.xn, H, H, *c.router, E, E + 1, 0, labels_(l, "router"));
-    gemm(m.shared_expert_gate, false, *c.xn, H, H, *c.router, 1, E + 1, E, labels_(l, "shared gate"));
+    gemm(m.gate, false, *c.xn, H, H, *c.router, E, E + 1, 0, labels_(l, "router"), false, kRouterWrites);
+    gemm(m.shared_expert_gate, false, *c.xn, H, H, *c.router, 1, E + 1, E, labels_(l, "shared gate"), false,
+         kRouterWrites);
     const uint32_t T = moe_tile_rows(l, M);
     const uint32_t block_rows = route_block_rows(k);
     const uint32_t blocks = ceil_div(M, block_rows);
