@@ -2,7 +2,7 @@
 // "GEMM: dense and grouped expert GEMM"):
 //   gemm_q4, gemm_q8, gemm_q4_add_h     y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_q4_half                        y = half(x W^T)  (saturated: the shared expert's ys)
-//   gemm_swiglu_q4                      y = silu(x Wg^T) * (x Wu^T)
+//   gemm_swiglu_q4                      y = half(g[m] * silu(x Wg^T) * (x Wu^T))  (g: a row scale)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
 // computes a BM x BN block of the output. Per step of kGemmBK = 64 columns of k it copies
 // BM half activation rows and dequantizes BN weight rows
@@ -21,12 +21,14 @@ using namespace metal;
 // ---- dense GEMMs -------------------------------------------------------------------------
 // Grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * SM * SN threads: threadgroup
 // (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
-// NB = 1: y = x W^T (ADD: y += x W^T); NB = 2: y = silu(x W0^T) * (x W1^T).
+// NB = 1: y = x W^T (ADD: y += x W^T); NB = 2: y = silu(x W0^T) * (x W1^T). With a row
+// scale g (not null), each result of row r is multiplied by g[r * ldg] before it is stored.
 template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN, typename X4, typename Y>
 inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                        device const bfloat* b0, device const uint* w1, device const bfloat* s1,
                        device const bfloat* b1, device const X4* x, device Y* y,
-                       constant GemmArgs& args, uint2 tgp, uint tid, uint sg) {
+                       constant GemmArgs& args, uint2 tgp, uint tid, uint sg,
+                       device const float* g = nullptr, uint ldg = 0) {
   constexpr uint NT = 32 * SM * SN;
   const uint n0 = tgp.x * BN;
   const uint m0 = tgp.y * BM;
@@ -42,7 +44,10 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
     const uint r = i / BN;
     const uint c = i % BN;
     if (r < rows && n0 + c < args.n) {
-      const float v = gemm_staged<NB, BM, BN>(smem, r, c);
+      float v = gemm_staged<NB, BM, BN>(smem, r, c);
+      if (g) {
+        v *= g[(m0 + r) * ldg];
+      }
       gemm_put(y + (m0 + r) * args.ldy + n0 + c, v, ADD);
     }
   }
@@ -79,7 +84,10 @@ template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) g
 template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true, half4>) gemm_q<4, true, half4>;
 template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half4, half>) gemm_q<4, false, half4, half>;
 
-// The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
+// The shared expert's gate/up, scaled per row by the shared expert gate:
+// y = half(g[m * ldg] * silu(x Wg^T) * (x Wu^T)), Wg and Wu both [n, k]. g is the routing
+// weights' last column (sigmoid of the shared gate logit, written by moe_route_topk), so the
+// shared down projection can add its product straight into the residual (gemm_q4_add_h).
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                            device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                            device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
@@ -89,12 +97,13 @@ template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half
                            device const half4* x [[buffer(6)]],        // half [m, lda]
                            device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
                            constant GemmArgs& args [[buffer(8)]],
+                           device const float* g [[buffer(9)]],        // row scale, row r at g[r * ldg]
+                           constant GemmRowScaleArgs& gs_args [[buffer(10)]],
                            uint2 tgp [[threadgroup_position_in_grid]],
                            uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmSwigluBN, 2>::float4s];
   gemm_dense<4, 2, false, kGemmBM, kGemmSwigluBN, 4, 1>(smem4, (device const uint*)wg, gs, gb,
                                                  (device const uint*)wu, us, ub, x, y, args, tgp,
-                                                 tid, sg);
+                                                 tid, sg, g, gs_args.ldg);
 }
-

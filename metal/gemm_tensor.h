@@ -71,13 +71,17 @@ struct GemmTensorScope<true, NSG> {
 // Where the results go: a GEMM kernel passes a sink whose put(r, c, v) stores result v of
 // tile row r < rows, tile column c < min(BN, n - n0).
 //   GemmRowSink: row r at y + r * ldy, column c at + c (y already at the tile's first row
-//                and column); ADD: y += v (fp32), else gemm_put (half: saturating).
+//                and column); ADD: y += v (fp32), else gemm_put (half: saturating). With a
+//                row scale g (not null, at the tile's first row), v is first multiplied by
+//                g[r * ldg].
 template <bool ADD, typename Y>
 struct GemmRowSink {
   device Y* y;
   uint ldy;
+  device const float* g = nullptr;
+  uint ldg = 0;
   void put(uint r, uint c, float v) const {
-    gemm_put(y + r * ldy + c, v, ADD);
+    gemm_put(y + r * ldy + c, g ? v * g[r * ldg] : v, ADD);
   }
 };
 

@@ -4,7 +4,7 @@
 // structs and outputs, on 128-row blocks of 256 threads (gemm.metal: 64 rows, 128 threads):
 //   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_h_tensor     y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_q4_half_tensor                                     y = half(x W^T)  (saturated)
-//   gemm_swiglu_q4_tensor                                   y = silu(x Wg^T) * (x Wu^T)
+//   gemm_swiglu_q4_tensor                                   y = half(g[m] * silu(x Wg^T) * (x Wu^T))
 // The k loop (half tiles, half x half -> float matmul2d) is gemm_tensor.h's, shared with the
 // grouped expert twins in moe_prefill_tensor.metal. MSL 4.0: built into lily_tensor.metallib.
 #include <metal_stdlib>
@@ -22,7 +22,8 @@ template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG, typename X4, 
 inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                               device const bfloat* b0, device const uint* w1, device const bfloat* s1,
                               device const bfloat* b1, device const X4* x, device Y* y,
-                              constant GemmArgs& args, uint2 tgp, uint tid, uint sg) {
+                              constant GemmArgs& args, uint2 tgp, uint tid, uint sg,
+                              device const float* g = nullptr, uint ldg = 0) {
   constexpr uint NT = 32 * NSG;
   const uint n0 = tgp.x * BN;
   const uint m0 = tgp.y * BM;
@@ -31,7 +32,7 @@ inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, 
   }
   const uint rows = min(BM, args.m - m0);
   const GemmARows<BM, NT> a = gemm_a_rows_dense<BM, NT>(m0, args.m, args.lda, tid);
-  const GemmRowSink<ADD, Y> sink{y + m0 * args.ldy + n0, args.ldy};
+  const GemmRowSink<ADD, Y> sink{y + m0 * args.ldy + n0, args.ldy, g ? g + m0 * ldg : nullptr, ldg};
   gemm_tensor_gemm<BITS, NB, BM, BN, NSG, true>(smem4, x, a, w0, s0, b0, w1, s1, b1, n0, args.n, args.k, rows,
                                                 tid, sg, sink);
 }
@@ -68,7 +69,7 @@ template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, fa
 template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, half4>) gemm_q_tensor<4, true, half4>;
 template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4, half>) gemm_q_tensor<4, false, half4, half>;
 
-// The shared expert's gate/up: y = silu(x Wg^T) * (x Wu^T), Wg and Wu both [n, k].
+// The shared expert's gate/up times the shared expert gate, as gemm_swiglu_q4 (gemm.metal).
 [[max_total_threads_per_threadgroup(256)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                                   device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                                   device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
@@ -78,12 +79,15 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
                                   device const half4* x [[buffer(6)]],        // half [m, lda]
                                   device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
                                   constant GemmArgs& args [[buffer(8)]],
+                                  device const float* g [[buffer(9)]],        // row scale, row r at g[r * ldg]
+                                  constant GemmRowScaleArgs& gs_args [[buffer(10)]],
                                   uint2 tgp [[threadgroup_position_in_grid]],
                                   uint tid [[thread_index_in_threadgroup]],
                                   uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float4 smem4[GemmTensorSmem<kGemmTensorBM, kGemmTensorSwigluBN, 2>::float4s];
   gemm_dense_tensor<4, 2, false, kGemmTensorBM, kGemmTensorSwigluBN, kGemmTensorSimdgroups>(
-      smem4, (device const uint*)wg, gs, gb, (device const uint*)wu, us, ub, x, y, args, tgp, tid, sg);
+      smem4, (device const uint*)wg, gs, gb, (device const uint*)wu, us, ub, x, y, args, tgp, tid, sg, g,
+      gs_args.ldg);
 }
 
 

@@ -11,7 +11,8 @@
 //                      expert), the tile map and count of each class, the per-expert counts
 // then the grouped expert GEMMs over the tile maps, one dispatch per tile class in one barrier
 // stage (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*, below), and after them:
-//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row]  (yx, ys half)
+//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j]  (yx half; the shared expert
+//                      was added into h by its down projection)
 //   moe_combine_norm   the same, then xn[row] = the next layer's input RMSNorm of h[row] (half)
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
@@ -248,11 +249,13 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 }
 
 // ---- moe_combine, moe_combine_norm ---------------------------------------------------------
-//   h[row] += ((w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]) + w_k ys[row])
-// with w_j = w[row, j], summed in that order (j increasing, the shared expert last), in fp32;
-// yx and ys are half (the down projections' stored outputs), h fp32. Float4 c of a row:
-inline void combine4(device float4* h, device const half4* yx, device const half4* ys,
-                     device const float* w, constant MoeCombineArgs& args, uint row, uint c) {
+//   h[row] += w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]
+// with w_j = w[row, j], summed in that order (j increasing), in fp32; yx is half (the down
+// projections' stored outputs), h fp32. The shared expert is already in h: its down
+// projection adds into h (gemm_q4_add_h, its hidden scaled by the shared gate w[row, k]).
+// Float4 c of a row:
+inline void combine4(device float4* h, device const half4* yx, device const float* w,
+                     constant MoeCombineArgs& args, uint row, uint c) {
   const uint c4 = args.hidden / 4;
   const uint k = args.top_k;
   device const float* wr = w + row * (k + 1);
@@ -261,7 +264,6 @@ inline void combine4(device float4* h, device const half4* yx, device const half
   for (uint j = 1; j < k; ++j) {
     acc += wr[j] * float4(y[j * c4]);
   }
-  acc += wr[k] * float4(ys[row * c4 + c]);
   h[row * c4 + c] += acc;
 }
 
@@ -269,14 +271,13 @@ inline void combine4(device float4* h, device const half4* yx, device const half
 // owns float4 c of the row.
 [[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
                         device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
-                        device const half4* ys [[buffer(2)]],    // half [rows, hidden] shared expert output
-                        device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
-                        constant MoeCombineArgs& args [[buffer(4)]],
+                        device const float* w [[buffer(2)]],     // [rows, top_k + 1] routing weights, shared gate
+                        constant MoeCombineArgs& args [[buffer(3)]],
                         uint2 gid [[thread_position_in_grid]]) {
   if (gid.x >= args.hidden / 4 || gid.y >= args.rows) {
     return;
   }
-  combine4(h, yx, ys, w, args, gid.y, gid.x);
+  combine4(h, yx, w, args, gid.y, gid.x);
 }
 
 // moe_combine_norm (layers 0 .. L-2): the combine, then the next layer's input RMSNorm of the
@@ -289,12 +290,11 @@ inline void combine4(device float4* h, device const half4* yx, device const half
 // multiple of 32, up to 1024.
 [[max_total_threads_per_threadgroup(1024)]] kernel void moe_combine_norm(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
                              device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
-                             device const half4* ys [[buffer(2)]],    // half [rows, hidden] shared expert output
-                             device const float* w [[buffer(3)]],     // [rows, top_k + 1] routing weights, shared gate
-                             constant MoeCombineArgs& args [[buffer(4)]],
-                             device const bfloat* norm_w [[buffer(5)]],  // [hidden] next layer's input_layernorm.weight
-                             device half* xn [[buffer(6)]],           // half [rows, hidden] normed (saturated)
-                             constant NormArgs& norm [[buffer(7)]],   // n = hidden, eps
+                             device const float* w [[buffer(2)]],     // [rows, top_k + 1] routing weights, shared gate
+                             constant MoeCombineArgs& args [[buffer(3)]],
+                             device const bfloat* norm_w [[buffer(4)]],  // [hidden] next layer's input_layernorm.weight
+                             device half* xn [[buffer(5)]],           // half [rows, hidden] normed (saturated)
+                             constant NormArgs& norm [[buffer(6)]],   // n = hidden, eps
                              uint row [[threadgroup_position_in_grid]],
                              uint tid [[thread_position_in_threadgroup]],
                              uint tcount [[threads_per_threadgroup]],
@@ -306,7 +306,7 @@ inline void combine4(device float4* h, device const half4* yx, device const half
     return;  // the whole threadgroup
   }
   for (uint c = tid; c < args.hidden / 4; c += tcount) {
-    combine4(h, yx, ys, w, args, row, c);
+    combine4(h, yx, w, args, row, c);
   }
   threadgroup_barrier(mem_flags::mem_device);
   rms_row((device const float*)(h + row * (args.hidden / 4)), norm_w, xn + row * args.hidden, args.hidden,

@@ -19,6 +19,12 @@ struct GemmArgs {
   uint ldy;  // row stride of y in floats; >= n (y[r, c] is at y[r * ldy + c])
 };
 
+// gemm_swiglu_q4 (and its tensor twin): the row scale g's stride, row r at g[r * ldg]
+// (the routing weights [m, top_k + 1] bound at column top_k: ldg = top_k + 1).
+struct GemmRowScaleArgs {
+  uint ldg;
+};
+
 // moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t* (and their *_tensor twins): grouped expert
 // GEMMs over the tile map (MoeTile below; docs/prefill.md). Slot s of a tile holds the
 // assignment perm[s] = row * top_k + j of expert tile.expert.

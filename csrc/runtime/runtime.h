@@ -180,7 +180,7 @@ struct DecodeKernels {
 // device's path (simdgroup matrices or tensor operations).
 struct PrefillKernels {
   const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
-  ByBits gemm, gemm_add_h, gemm_half;  // gemm_add_h: y += x W^T (o_proj, out_proj); gemm_half: half y (ys)
+  ByBits gemm, gemm_add_h, gemm_half;  // gemm_add_h: y += x W^T (o_proj, out_proj, shared down); gemm_half: half y (z)
   const gpu::Pipeline *gdn_scan = nullptr, *gdn_gated_norm = nullptr, *gdn_conv_state = nullptr;
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
@@ -353,7 +353,7 @@ class Runtime {
   bool tensor_ops_ = false;
   struct ChunkBuffers {
     gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, o, qg, k, v, q, attn, router, ids, w,
-        block_counts, perm, tiles, tile_count, hx, yx, hs, ys, part_ml, part_o, logits;
+        block_counts, perm, tiles, tile_count, hx, yx, hs, part_ml, part_o, logits;
     gpu::BufferPtr oh;          // the GDN gated-norm output (half): attn's bytes when they fit
     std::vector<gpu::BufferPtr> hist[2];
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)

@@ -27,8 +27,8 @@ constexpr double kDequantOps = 3;
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
 // (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*,
-// attn_prefill*: every GEMM input; the experts' outputs yx and ys, which moe_gemm_down_q4_*
-// and gemm_q4_half store the same way for moe_combine, too). Weights are dequantized in half
+// attn_prefill*: every GEMM input; the experts' outputs yx, which moe_gemm_down_q4_* store
+// the same way for moe_combine, and the GDN z of gemm_q4_half, too). Weights are dequantized in half
 // ALU (code to half, then a half FMA: kDequantOps), so no conversion follows (groups beyond
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
@@ -102,16 +102,16 @@ Work make(const char* family) {
 void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
-// The activations are half (copied into the tiles); NB = 2 writes half (hs), as does half_y
-// (gemm_q4_half: ys).
+// The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
+// shared gate), as does half_y (gemm_q4_half: z).
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
-  // ALU); SwiGLU: silu(g) * u; a half output: its conversion.
+  // ALU); SwiGLU: silu(g) * u times the row scale; a half output: its conversion.
   add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
-  add(w, Path::alu_f32, (nb == 2 ? 4.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
+  add(w, Path::alu_f32, (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
   return w;
@@ -370,7 +370,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::MoeCombineArgs>(r);
     Work w = make("norms, embedding, combine");
     // _norm: plus rms_norm_half's work on the updated rows
-    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 2) +
+    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 1) +
                               (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
     w.bytes = declared(r);
     return w;

@@ -1059,12 +1059,26 @@ def swiglu_bound(g, u, dg, du):
     return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
 
 
-def swiglu_ref(x, g_q, u_q, index=None):
+def swiglu_ref(x, g_q, u_q, index=None, scale=None):
     """silu(x Wg^T) * (x Wu^T) in float64 from the prefill GEMMs' half operands (gemm_ref)
-    and its first-order error bound."""
+    and its first-order error bound; with ``scale`` (fp32 [m], gemm_swiglu_q4's row scale)
+    each row times its scale, one more fp32 rounding."""
     g, dg = gemm_ref(x, g_q, index)
     u, du = gemm_ref(x, u_q, index)
-    return swiglu_bound(g, u, dg, du)
+    h, tol = swiglu_bound(g, u, dg, du)
+    if scale is None:
+        return h, tol
+    s = np.asarray(scale, np.float64)[:, None]
+    h = h * s
+    return h, tol * np.abs(s) + U * np.abs(h)
+
+
+def row_scale(rng, m, ld=3, col=2):
+    """A row scale as gemm_swiglu_q4 reads it: column ``col`` of fp32 [m, ld] in [0, 1) (the
+    routing weights' shared-gate column), returned as (the [m, ld] array, its [m] column,
+    the byte offset of the column, GemmRowScaleArgs)."""
+    w = rng.random((m, ld)).astype(np.float32)
+    return w, w[:, col], 4 * col, constant(ld)
 
 
 # ----------------------------------------------------------------------------- decode MoE
@@ -1290,29 +1304,29 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
                threadgroups=True, label="moe_route_scatter")
 
 
-def enc_combine(p, h, yx, ys, w, M, H, k, tg=64):
-    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], ys half [M, H], w fp32 [M, k+1]."""
+def enc_combine(p, h, yx, w, M, H, k, tg=64):
+    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], w fp32 [M, k+1] (its last
+    column, the shared gate, is not read: the shared expert is already in h)."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
-               buffers=[(0, h), (1, yx), (2, ys), (3, w)], constants=[(4, constant(M, H, k))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1))],
+               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, constant(M, H, k))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1))],
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
 
 def combine_inputs(rng, M, H, k):
-    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] and ys half
-    [M, H] (as the down projections store them), w fp32 [M, k+1] in [0, 1)."""
+    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] (as the down
+    projections store it), w fp32 [M, k+1] in [0, 1)."""
     return (rng.standard_normal((M, H)).astype(np.float32), half_activations(rng.standard_normal((M * k, H))),
-            half_activations(rng.standard_normal((M, H))), rng.random((M, k + 1)).astype(np.float32))
+            rng.random((M, k + 1)).astype(np.float32))
 
 
-def enc_combine_norm(p, h, yx, ys, w, nw, xn, M, H, k, eps=1e-6, tg=256):
+def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
     """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
     [H]); one threadgroup of tg threads per row."""
     p.dispatch("moe_combine_norm", M, tg,
-               buffers=[(0, h), (1, yx), (2, ys), (3, w), (5, nw), (6, xn)],
-               constants=[(4, constant(M, H, k)), (7, constant(H) + np.float32(eps).tobytes())],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (ys, 0, 2 * M * H), (w, 0, 4 * M * (k + 1)),
-                      (nw, 0, 2 * H)],
+               buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
+               constants=[(3, constant(M, H, k)), (6, constant(H) + np.float32(eps).tobytes())],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1)), (nw, 0, 2 * H)],
                writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
 
 
@@ -1325,16 +1339,16 @@ def norm_half_ref(x, nw_bits, eps=1e-6):
     return half_stored(np.clip(want, -HALF_MAX, HALF_MAX), DEPTH * U * np.abs(want) + 1e-30)
 
 
-def combine_ref(h, yx, ys, w):
-    """(want, tol) of moe_combine on the values it reads (yx, ys: the half outputs as stored);
+def combine_ref(h, yx, w):
+    """(want, tol) of moe_combine on the values it reads (yx: the half outputs as stored);
     float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
     M, k = w.shape[0], w.shape[1] - 1
     H = h.shape[1]
     y3 = yx.astype(np.float64).reshape(M, k, H)
     w64 = w.astype(np.float64)
-    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3)) + np.abs(w64[:, k:]) * np.abs(ys)
-    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3) + w64[:, k:] * ys
-    return want, (k + 3) * U * terms
+    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3))
+    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3)
+    return want, (k + 2) * U * terms
 
 
 # ----------------------------------------------------------------------------- sampling
@@ -1893,12 +1907,13 @@ def _gemm_swiglu(dev, rng, kernel):
     m, n, k = 21, 70, 128
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = half_activations(rng.standard_normal((m, k)))
+    w, scale, off, ga = row_scale(rng, m)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
-    X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
+    X, Y, G = upload(dev, x), dev.buffer(2 * m * n), upload(dev, w)  # half in, half out
     bm, tg = gemm_geometry(kernel)
-    run_bound(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*bufs, X, Y], constant(m, n, k, k, n),
-         reads=[*bufs, X], writes=[Y])
-    want, tol = half_stored(*swiglu_ref(x, gq, uq))
+    run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), (9, G, off)],
+        [(8, constant(m, n, k, k, n)), (10, ga)], reads=[*bufs, X, (G, off, 4 * ((m - 1) * 3 + 1))], writes=[Y])
+    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=scale))
     return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
 
 
@@ -2070,15 +2085,15 @@ def _moe_combine(dev, rng, kernel):
     """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as half."""
     norm = kernel.endswith("_norm")
     M, H, k = 9, 256, 4
-    h, yx, ys, w = combine_inputs(rng, M, H, k)
-    Hb, Y, S, Wt = (upload(dev, a) for a in (h, yx, ys, w))
+    h, yx, w = combine_inputs(rng, M, H, k)
+    Hb, Y, Wt = (upload(dev, a) for a in (h, yx, w))
     if norm:
         nw, XN = to_bf16_bits(1 + 0.3 * rng.standard_normal(H)), dev.buffer(2 * M * H)
-        run_encoder(dev, enc_combine_norm, Hb, Y, S, Wt, upload(dev, nw), XN, M, H, k)
+        run_encoder(dev, enc_combine_norm, Hb, Y, Wt, upload(dev, nw), XN, M, H, k)
     else:
-        run_encoder(dev, enc_combine, Hb, Y, S, Wt, M, H, k)
+        run_encoder(dev, enc_combine, Hb, Y, Wt, M, H, k)
     hout = download(Hb, np.float32, (M, H))
-    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    want, tol = combine_ref(h.astype(np.float64), yx, w)
     r = ratio(hout, want, tol, kernel + " h")
     if norm:
         want, tol = norm_half_ref(hout, nw)

@@ -32,12 +32,11 @@ Tolerances and exactness:
   rms_norm_half's bound (``norm_half_ref``: DEPTH u |want| plus the half rounding); and bit
   for bit moe_combine followed by rms_norm_half at the same thread count (the row code is
   shared: rms_row of metal/common.h).
-* ``moe_combine``: reads the expert outputs ``yx`` and ``ys`` as half (as the routed down
-  projections and gemm_q4_half store them; each value converts to float32 exactly) and h, w
-  as float32; k+1 products and
-  k+2 terms summed in float32 in a fixed order; the first-order bound of recursive
-  summation is (k+2) u sum|terms|; we allow (k+3) u sum|terms| per element against float64
-  on the half values it read.
+* ``moe_combine``: reads the routed expert outputs ``yx`` as half (as the down projections
+  store them; each value converts to float32 exactly) and h, w as float32 (the shared
+  expert is already in h); k products and k+1 terms summed in float32 in a fixed order; the
+  first-order bound of recursive summation is (k+1) u sum|terms|; we allow (k+2) u
+  sum|terms| per element against float64 on the half values it read.
 
 Grouped expert GEMMs ``moe_gemm_gate_up_q4_t{T}``, ``moe_gemm_down_q4_t{T}`` over a tile map
 (skewed expert loads, empty experts, arbitrary slot order inside an expert, tile_count <
@@ -404,32 +403,31 @@ def test_combine(dev, M, H, k, tg):
     rng = fresh_rng(M * 3 + H + k)
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half, as the down projections store it
-    ys = hact(rng.standard_normal((M, H)))  # half, as gemm_q4_half stores it
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb = dev.buffer(4 * (M * H + PAD))
     Hb.write(h.reshape(-1).view(np.uint8))
-    Y, S, Wt = upload(dev, yx), upload(dev, ys), upload(dev, w)
-    run1(dev, enc_combine, Hb, Y, S, Wt, M, H, k, tg)
+    Y, Wt = upload(dev, yx), upload(dev, w)
+    run1(dev, enc_combine, Hb, Y, Wt, M, H, k, tg)
     got = download(Hb, np.float32)
     assert_untouched(got, M * H, "h")
-    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    want, tol = combine_ref(h.astype(np.float64), yx, w)
     err = np.abs(got[:M * H].reshape(M, H) - want)
     assert (err <= tol).all(), f"moe_combine: worst err/tol {(err / tol).max():.3g}"
 
 
 def combine_norm_inputs(rng, M, H, k, big_weight=False):
-    h, yx, ys, w = combine_inputs(rng, M, H, k)
+    h, yx, w = combine_inputs(rng, M, H, k)
     nw = 1 + 0.3 * rng.standard_normal(H)
     if big_weight:  # column 1 far beyond the half range after the norm: xn saturates
         h[:, 1], nw[1] = 8.0, 3e7
-    return h, yx, ys, w, to_bf16_bits(nw)
+    return h, yx, w, to_bf16_bits(nw)
 
 
-def run_combine_norm(dev, h, yx, ys, w, nw, tg):
+def run_combine_norm(dev, h, yx, w, nw, tg):
     M, H, k = h.shape[0], h.shape[1], w.shape[1] - 1
     Hb, XN = dev.buffer(4 * (M * H + PAD)), out_buffer(dev, M * H, 2)
     Hb.write(h.reshape(-1).view(np.uint8))
-    run1(dev, enc_combine_norm, Hb, upload(dev, yx), upload(dev, ys), upload(dev, w), upload(dev, nw), XN,
+    run1(dev, enc_combine_norm, Hb, upload(dev, yx), upload(dev, w), upload(dev, nw), XN,
          M, H, k, tg=tg)
     hout, xn = download(Hb, np.float32), download(XN, np.float16)
     assert_untouched(hout, M * H, "h")
@@ -443,9 +441,9 @@ def test_combine_norm(dev, M, H, k, tg):
     """moe_combine_norm: h within moe_combine's bound; xn the RMSNorm of the h it wrote,
     within rms_norm_half's bound (norm_half_ref), a row beyond +-65504 stored as +-65504."""
     rng = fresh_rng(M * 5 + H + k + tg)
-    h, yx, ys, w, nw = combine_norm_inputs(rng, M, H, k, big_weight=True)
-    hout, xn = run_combine_norm(dev, h, yx, ys, w, nw, tg)
-    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    h, yx, w, nw = combine_norm_inputs(rng, M, H, k, big_weight=True)
+    hout, xn = run_combine_norm(dev, h, yx, w, nw, tg)
+    want, tol = combine_ref(h.astype(np.float64), yx, w)
     check(hout, want, tol, "moe_combine_norm h")
     want, tol = norm_half_ref(hout, nw)
     assert (np.abs(want[:, 1]) == 65504).all()  # the test drives column 1 past the half range
@@ -458,12 +456,12 @@ def test_combine_norm_bit_identical(dev, M, H, k):
     gives the bits of moe_combine followed by rms_norm_half: the fused prefill path changes
     no value."""
     rng = fresh_rng(M, H, k, 99)
-    h, yx, ys, w, nw = combine_norm_inputs(rng, M, H, k)
-    hout, xn = run_combine_norm(dev, h, yx, ys, w, nw, 256)
+    h, yx, w, nw = combine_norm_inputs(rng, M, H, k)
+    hout, xn = run_combine_norm(dev, h, yx, w, nw, 256)
     Hb, XN = upload(dev, h), dev.buffer(2 * M * H)
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    enc_combine(p, Hb, upload(dev, yx), upload(dev, ys), upload(dev, w), M, H, k)
+    enc_combine(p, Hb, upload(dev, yx), upload(dev, w), M, H, k)
     NW = upload(dev, nw)
     p.dispatch("rms_norm_half", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
                constants=[(3, constant(H) + np.float32(1e-6).tobytes())],
@@ -489,7 +487,7 @@ class Chunk:
         self.tcount = dev.buffer(4 * tile_classes(T))
         self.counts = dev.buffer(4 * E)
 
-    def encode(self, cb, M, L, h, yx, ys):
+    def encode(self, cb, M, L, h, yx):
         """moe_route_clear, moe_route_topk, moe_route_scatter, moe_combine in one
         concurrent pass; the barriers come from the declared ranges."""
         E, k, R, T = self.E, self.k, self.R, self.T
@@ -497,7 +495,7 @@ class Chunk:
         enc_clear(p, self.bc, M, E, k, R, T)
         enc_topk(p, L, self.ids, self.w, self.bc, M, E, k, True, R, T)
         enc_scatter(p, self.ids, self.bc, self.perm, self.tiles, self.tcount, self.counts, M, E, k, R, T)
-        enc_combine(p, h, yx, ys, self.w, M, self.H, k)
+        enc_combine(p, h, yx, self.w, M, self.H, k)
 
     def results(self, M):
         k = self.k
@@ -513,11 +511,10 @@ def chunk_inputs(dev, rng, M, E, k, H, hot=None):
         logits[:, hot] += 16.0
     h = rng.standard_normal((M, H)).astype(np.float32)
     yx = hact(rng.standard_normal((M * k, H)))  # half
-    ys = hact(rng.standard_normal((M, H)))  # half
-    return logits, h, yx, ys, [upload(dev, a) for a in (logits, h, yx, ys)]
+    return logits, h, yx, [upload(dev, a) for a in (logits, h, yx)]
 
 
-def check_chunk(ch, M, logits, h, yx, ys, hbuf, fresh):
+def check_chunk(ch, M, logits, h, yx, hbuf, fresh):
     """All outputs of one chunk; fresh: the buffers were poisoned before this chunk (else
     the elements past this chunk's outputs hold an earlier chunk's values)."""
     E, k, T = ch.E, ch.k, ch.T
@@ -536,7 +533,7 @@ def check_chunk(ch, M, logits, h, yx, ys, hbuf, fresh):
     np.testing.assert_array_equal(download(ch.bc, np.uint32)[:nb * E].reshape(nb, E),
                                   block_hist(ids, E, ch.R), err_msg="block histogram")
     hout = download(hbuf, np.float32).reshape(M, -1)
-    want, tol = combine_ref(h.astype(np.float64), yx, ys.astype(np.float64), w)
+    want, tol = combine_ref(h.astype(np.float64), yx, w)
     assert (np.abs(hout - want) <= tol).all(), "moe_combine in the chain"
     return counts, hout
 
@@ -555,10 +552,10 @@ def test_chain_two_chunks(chain_dev):
 
     # chunk 1 alone: every output checked
     cb = dev.command_buffer()
-    ch.encode(cb, M1, *first[4])
+    ch.encode(cb, M1, *first[3])
     cb.commit()
     cb.wait()
-    _, h_first = check_chunk(ch, M1, *first[:4], first[4][1], fresh=True)
+    _, h_first = check_chunk(ch, M1, *first[:3], first[3][1], fresh=True)
     log = cb.dispatch_log
     assert cb.counters["barrier_stages"] == 3
     assert [d["stage"] for d in log] == [0, 1, 2, 2], log
@@ -568,13 +565,13 @@ def test_chain_two_chunks(chain_dev):
     h1 = upload(dev, first[1])
     h2 = upload(dev, second[1])
     cb1, cb2 = dev.command_buffer(), dev.command_buffer()
-    ch.encode(cb1, M1, first[4][0], h1, first[4][2], first[4][3])
-    ch.encode(cb2, M2, second[4][0], h2, second[4][2], second[4][3])
+    ch.encode(cb1, M1, first[3][0], h1, first[3][2])
+    ch.encode(cb2, M2, second[3][0], h2, second[3][2])
     cb1.commit()
     cb2.commit()
     cb1.wait()
     cb2.wait()
-    counts, _ = check_chunk(ch, M2, *second[:4], h2, fresh=False)
+    counts, _ = check_chunk(ch, M2, *second[:3], h2, fresh=False)
     assert counts.sum() == M2 * k and (counts[[200, 3, 77, 150]] == M2).all()
     # chunk 1's routing was overwritten by chunk 2; its residual update must equal the
     # first run's bit for bit (same inputs, deterministic kernels)
