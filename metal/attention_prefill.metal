@@ -3,15 +3,17 @@
 //
 //   attn_prefill_prep_d<D>    per row: q/k RMSNorm, partial RoPE at the row's position, bf16
 //                             K and V rows p0 + i written to the KV cache, q out fp32 [M, Hq, D].
-//                             The float32 arithmetic of attn_qk_prep term for term, so the cache
-//                             rows (and q) equal the ones decode writes, bit for bit.
+//                             Reads the projections as half (q_proj, k_proj, v_proj store them
+//                             with gemm_half), then the float32 arithmetic of attn_qk_prep term
+//                             for term: on the same values the cache rows (and q) equal the ones
+//                             decode writes, bit for bit.
 //   attn_prefill_prep_d<D>_qbf the same with q out as the tensor-op attention's operand
 //                             (attention_prefill_tensor.metal): bfloat(q * q_scale), laid out
 //                             [Hq / G, M, G, D] (G = q_group).
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
 //                             online softmax in fp32, output * sigmoid(gate) -> half [M, Hq*D]
-//                             (gemm_half: o_proj's half input).
+//                             (gemm_half: o_proj's half input); the gate read as half (qg).
 //                             One threadgroup per (block of 64/G chunk rows, G query heads of one
 //                             KV head): every 32-row K/V tile is loaded once into threadgroup
 //                             memory as half for all 64 (row, head) pairs; Q K^T and P V on
@@ -86,7 +88,7 @@ struct SgScratch {
 //   barrier (V complete); O (8 x D, fp32, in registers) = diag(corr) O + P V; barrier.
 // Four threadgroup barriers per 32 KV rows (two per 16, half of the fp32 16-row design).
 template <uint D, uint G, bool SPLIT>
-static inline void attend(device const float* q, device const float* qg,
+static inline void attend(device const float* q, device const half* qg,
                           device const bfloat* k_cache, device const bfloat* v_cache,
                           device half* out, device float* part_ml, device float* part_o,
                           constant AttnPrefillArgs& args, uint block, uint h0, uint split,
@@ -228,7 +230,7 @@ static inline void attend(device const float* q, device const float* qg,
         const ulong slot = (ulong(split) * M + row) * Hq + h;
         *(device float2*)(part_o + slot * D + d) = o;
       } else {
-        const float2 gate = *(device const float2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d);
+        const float2 gate = float2(*(device const half2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d));
         const float2 y = o * sc[SgScratch::l + r];
         *(device half2*)(out + (ulong(row) * Hq + h) * D + d) =
             gemm_half(float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y)));
@@ -247,9 +249,9 @@ static inline void attend(device const float* q, device const float* qg,
 // simd_sum covers the same 32 consecutive elements as attn_qk_prep's simdgroups and the
 // partial sums are added in the same order: the results are attn_qk_prep's bit for bit.
 template <uint D, typename QT>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const float* qg [[buffer(0)]],         // [M, Hq*2*D] q_proj output: query | gate per head
-                              device const float* k [[buffer(1)]],          // [M, Hkv*D] k_proj output
-                              device const float* v [[buffer(2)]],          // [M, Hkv*D] v_proj output
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const half* qg [[buffer(0)]],          // half [M, Hq*2*D] q_proj output: query | gate per head
+                              device const half* k [[buffer(1)]],           // half [M, Hkv*D] k_proj output
+                              device const half* v [[buffer(2)]],           // half [M, Hkv*D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
                               device const bfloat* k_norm_w [[buffer(4)]],  // [D]
                               device bfloat* k_cache [[buffer(5)]],         // [Hkv, capacity, D], rows p0 .. p0+M-1 written
@@ -272,12 +274,12 @@ template <uint D, typename QT>
   const bool is_q = head < Hq;
   const uint kvh = head - Hq;
   const uint pos = args.p0 + row;
-  device const float* src = is_q ? qg + (ulong(row) * Hq + head) * 2 * D
+  device const half* src = is_q ? qg + (ulong(row) * Hq + head) * 2 * D
                                  : k + (ulong(row) * Hkv + kvh) * D;
   float x[NC];
   float total = 0.0f;
   for (uint c = 0; c < NC; ++c) {
-    x[c] = src[c * 32 + lane];
+    x[c] = float(src[c * 32 + lane]);
     total += simd_sum(x[c] * x[c]);
   }
   const float den = sqrt(total / float(D) + args.norm_eps);
@@ -308,7 +310,7 @@ template <uint D, typename QT>
     } else if (pos < args.capacity) {
       const ulong crow = (ulong(kvh) * args.capacity + pos) * D;
       k_cache[crow + i] = bfloat(y);
-      v_cache[crow + i] = bfloat(v[(ulong(row) * Hkv + kvh) * D + i]);
+      v_cache[crow + i] = bfloat(float(v[(ulong(row) * Hkv + kvh) * D + i]));
     }
   }
 }
@@ -320,7 +322,7 @@ template <uint D, typename QT>
 // are dispatched first).
 template <uint D, uint G>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
-                         device const float* qg [[buffer(1)]],         // [M, Hq*2*D] q_proj output (gate: second D of each head)
+                         device const half* qg [[buffer(1)]],          // half [M, Hq*2*D] q_proj output (gate: second D of each head)
                          device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device half* out [[buffer(4)]],               // half [M, Hq*D] attention * sigmoid(gate) (saturated)
@@ -370,7 +372,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
-  attend<D, G, true>(q, q, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x,
+  attend<D, G, true>(q, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x,
                      tg.y * G, tg.z, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
@@ -380,7 +382,7 @@ template <uint D, uint G>
 template <uint D>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // [num_splits, M, Hq, 2]
                                  device const float* part_o [[buffer(1)]],   // [num_splits, M, Hq, D]
-                                 device const float* qg [[buffer(2)]],       // [M, Hq*2*D] (gate)
+                                 device const half* qg [[buffer(2)]],        // half [M, Hq*2*D] (gate)
                                  device half* out [[buffer(3)]],             // half [M, Hq*D] (saturated)
                                  constant AttnPrefillArgs& args [[buffer(4)]],
                                  uint2 tg [[threadgroup_position_in_grid]],
@@ -405,7 +407,7 @@ template <uint D>
     L += part_ml[2 * slot + 1] * w;
     o += part_o[slot * D + d] * w;
   }
-  const float gate = qg[(ulong(row) * Hq + h) * 2 * D + D + d];
+  const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
   out[(ulong(row) * Hq + h) * D + d] = gemm_half(o / L * sigmoid(gate));
 }
 

@@ -41,7 +41,7 @@ constant constexpr uint kThreads = 256;  // 8 simdgroups: the scope of every ten
 constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: the matmuls' m
 
 template <uint D, uint G, bool SPLIT>
-static inline void attend(device bfloat* qb, device const float* qg, device const bfloat* k_cache,
+static inline void attend(device bfloat* qb, device const half* qg, device const bfloat* k_cache,
                           device const bfloat* v_cache, device half* out, device float* part_ml,
                           device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
                           uint split,
@@ -162,7 +162,7 @@ static inline void attend(device bfloat* qb, device const float* qg, device cons
         part_ml[2 * slot + 1] = rowv[kRows + r];
       }
     } else {
-      const float gate = qg[(ulong(row) * Hq + h) * 2 * D + D + d];
+      const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
       out[(ulong(row) * Hq + h) * D + d] = gemm_half(o[i] * rowv[kRows + r] * sigmoid(gate));
     }
   }
@@ -173,7 +173,7 @@ static inline void attend(device bfloat* qb, device const float* qg, device cons
 // ---- attn_prefill_tensor: as attn_prefill (attention_prefill.metal)
 template <uint D, uint G>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale (attn_prefill_prep_d<D>_qbf); read only
-                                device const float* qg [[buffer(1)]],        // [M, Hq*2*D] (gate: second D of each head)
+                                device const half* qg [[buffer(1)]],         // half [M, Hq*2*D] (gate: second D of each head)
                                 device const bfloat* k_cache [[buffer(2)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
                                 device const bfloat* v_cache [[buffer(3)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
                                 device half* out [[buffer(4)]],              // half [M, Hq*D] attention * sigmoid(gate) (saturated)

@@ -107,9 +107,9 @@ void Runtime::allocate_chunk_buffers() {
   c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
   c.o = scratch(C * vdim * f, "chunk gdn out");
   const size_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-  c.qg = scratch(C * Hq * 2 * D * f, "chunk attn q|gate");
-  c.k = scratch(C * Hkv * D * f, "chunk attn k");
-  c.v = scratch(C * Hkv * D * f, "chunk attn v");
+  c.qg = scratch(C * Hq * 2 * D * hf, "chunk attn q|gate (half)");
+  c.k = scratch(C * Hkv * D * hf, "chunk attn k (half)");
+  c.v = scratch(C * Hkv * D * hf, "chunk attn v (half)");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
   c.attn = scratch(C * Hq * D * hf, "chunk attn out (half)");
   // The GDN out_proj input (half) is dead in attention layers and attn in GDN layers: one set
@@ -249,7 +249,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the GDN z; not with add).
+  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the GDN z, the attention's q|gate,
+  // k, v; not with add).
   // tag: nonzero for GEMMs that write disjoint columns of one y in one stage (gpu::Range::disjoint).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false,
@@ -326,9 +327,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // ---- full attention
       const AttentionLayer& a = layer.attn;
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"));
-      gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"));
-      gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"));
+      // q|gate, k, v stored half (saturated): read by the prep (and the gate by the attention)
+      gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"), true);
+      gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"), true);
+      gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"), true);
+      const size_t qg_bytes = size_t(M) * Hq * 2 * D * hf, kv_rows = size_t(M) * Hkv * D * hf;
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
@@ -336,8 +339,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
-            .in(0, *c.qg, 0, size_t(M) * Hq * 2 * D * f).in(1, *c.k, 0, size_t(M) * Hkv * D * f)
-            .in(2, *c.v, 0, size_t(M) * Hkv * D * f)
+            .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_rows).in(2, *c.v, 0, kv_rows)
             .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
             .bind(5, *k_cache_[l]).bind(6, *v_cache_[l]);
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
@@ -364,7 +366,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       if (!split) {
         Op op(*K.attn, labels_(l, "attention"));
         op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
+            .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
             .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
         declare_kv(op);
         op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
@@ -385,7 +387,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, M), tg(D))
-            .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, size_t(M) * Hq * 2 * D * f)
+            .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, qg_bytes)
             .out(3, *c.attn, 0, size_t(M) * Hq * D * hf).args(4, aa).run(pass);
       }
       gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));

@@ -27,8 +27,9 @@ constexpr double kDequantOps = 3;
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
 // (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*,
-// attn_prefill*: every GEMM input; the experts' outputs yx, which moe_gemm_down_q4_* store
-// the same way for moe_combine, and the GDN z of gemm_q4_half, too). Weights are dequantized in half
+// attn_prefill*: every GEMM input; the routed experts' outputs yx, the GDN z and the
+// attention's q|gate, k and v, which moe_gemm_down_q4_* and gemm_q4_half store the same way
+// for moe_combine, gdn_gated_norm_v* and attn_prefill*, too). Weights are dequantized in half
 // ALU (code to half, then a half FMA: kDequantOps), so no conversion follows (groups beyond
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
@@ -103,7 +104,7 @@ void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
-// shared gate), as does half_y (gemm_q4_half: z).
+// shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
 Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
@@ -270,7 +271,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r);
     return w;
   }
-  if (starts(k, "attn_prefill_prep_d")) {
+  if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)
     const auto a = arg<args::AttnPrefillPrepArgs>(r);
     Work w = make("attention");
     // _qbf: q * scale rounded to bfloat (2 operations per q element)

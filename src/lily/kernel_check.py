@@ -537,9 +537,11 @@ def unpack_bf16_q(qb, G):
 
 
 def chunk_inputs(rng, M, Hq, Hkv, D):
-    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D]."""
-    return (f32(rng.standard_normal((M, Hq * 2 * D))), f32(rng.standard_normal((M, Hkv * D))),
-            f32(rng.standard_normal((M, Hkv * D))))
+    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D], float32 holding half
+    values (q_proj, k_proj, v_proj store half: gemm_q4_half), so the decode kernels' fp32
+    inputs and the chunk kernels' half inputs are the same numbers."""
+    return tuple(half_operand(rng.standard_normal((M, n))).astype(np.float32)
+                 for n in (Hq * 2 * D, Hkv * D, Hkv * D))
 
 
 class PrefillAttnLayer:
@@ -581,6 +583,10 @@ class PrefillAttnLayer:
             return []
         return [(C, (h * self.cap + r0) * row, (r1 - r0) * row) for C in (self.KC, self.VC)
                 for h in range(self.Hkv)]
+
+    def input_buffers(self, qg, k, v):
+        """The projections as the chunk kernels read them: half buffers (saturated)."""
+        return tuple(upload(self.dev, half_activations(x)) for x in (qg, k, v))
 
     # ---- encoders (into a compute pass p)
 
@@ -641,7 +647,7 @@ class PrefillAttnLayer:
     def prefill(self, qg, k, v, p0, split=None):
         """prep + attention of one chunk in one pass; returns (out [M, Hq*D], q [M, Hq, D], cb)."""
         M = qg.shape[0]
-        QG, K, V = upload(self.dev, qg), upload(self.dev, k), upload(self.dev, v)
+        QG, K, V = self.input_buffers(qg, k, v)
 
         def enc(p):
             Q = self.encode_prep(p, QG, K, V, p0, M, label="prep")
@@ -662,7 +668,7 @@ class PrefillAttnLayer:
 
     def attention_only(self, q, qg, p0, split=None):
         M = q.shape[0]
-        Q, QG = upload(self.dev, pack_bf16_q(q, self.G) if self.tensor else q), upload(self.dev, qg)
+        Q, QG = upload(self.dev, pack_bf16_q(q, self.G) if self.tensor else q), upload(self.dev, half_activations(qg))
         _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
         return self.download_out(OUT, M)
 
@@ -2178,7 +2184,7 @@ def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
     L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 9, G=G, rng=rng, tensor=tensor)
     L.poison_from(p0 + M)
     q = f32(rng.standard_normal((M, L.Hq, L.D)))
-    qg = f32(rng.standard_normal((M, L.Hq * 2 * L.D)))
+    qg = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)[0]
     kc, vc = L.cache()
     return L, q, qg, from_bf16(kc), from_bf16(vc)
 
@@ -2190,7 +2196,7 @@ def _attn_prefill_prep(dev, rng, kernel):
     p0, M = 11, 6
     L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=bf16_q)
     qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
-    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    QG, K, V = L.input_buffers(qg, k, v)
     _, Q = L.run(lambda p: L.encode_prep(p, QG, K, V, p0, M))
     q_ref, k_ref = prep_reference(L, qg, k, p0)
     # _qbf: q rounded to bf16 (relative error <= 2^-8, bf16's unit roundoff; twice that as

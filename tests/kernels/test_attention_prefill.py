@@ -6,7 +6,10 @@ cache), attn_prefill_d<D>_g<G>[_tensor] (causal flash attention of the chunk ove
 gated) and the KV-split path attn_prefill_split_d<D>_g<G>[_tensor] + attn_prefill_combine_d<D>,
 against their numpy twin (kernel_check.attention_twin), float64 numpy attention,
 lily.reference's rms_norm / rope / ReferenceModel.attention, and the decode kernels
-(attn_qk_prep, attn_decode). Every output buffer starts poisoned (the simulator fills
+(attn_qk_prep, attn_decode). The projections qg, k, v are fresh random half values
+(kernel_check.chunk_inputs): the chunk kernels read them as half, as q_proj, k_proj and v_proj
+store them (gemm_q4_half), the decode kernels and the references as the same fp32 numbers.
+Every output buffer starts poisoned (the simulator fills
 new buffers with NaN) and cache rows past the chunk are NaN, so an element a kernel forgets
 to write, or a row it reads past the causal range, fails the comparison. Shapes are chosen so
 that M is not a multiple of the query block (64/G rows) and p0 + M is not a multiple of the
@@ -166,7 +169,7 @@ def test_attn_prefill_prep(dev, dims, p0, M):
     A = Layer(dev, dims, cap, seed=p0 + M)
     B = Layer(dev, dims, cap, seed=p0 + M)  # same weights and history
     qg, k, v = chunk_inputs(fresh_rng(1, p0, M), M, A.Hq, A.Hkv, A.D)
-    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    QG, K, V = A.input_buffers(qg, k, v)
     _, Q = A.run(lambda p: A.encode_prep(p, QG, K, V, p0, M))
     q = download(Q, np.float32, (M, A.Hq, A.D))
     kc, vc = A.cache()
@@ -207,7 +210,7 @@ def test_attn_prefill_prep_bf16_q(dev, dims, G, p0, M):
         L.QN.write(L.qn.view(np.uint8).reshape(-1))
     B.tensor = True
     qg, k, v = chunk_inputs(fresh_rng(8, p0, M), M, A.Hq, A.Hkv, A.D)
-    QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+    QG, K, V = A.input_buffers(qg, k, v)
     _, Q = A.run(lambda p: A.encode_prep(p, QG, K, V, p0, M))
     _, QB = B.run(lambda p: B.encode_prep(p, QG, K, V, p0, M))
     q = download(Q, np.float32, (M, A.Hq, A.D))
@@ -221,12 +224,12 @@ def test_attn_prefill_prep_bf16_q(dev, dims, G, p0, M):
 # ------------------------------------------------------------------------------ attention
 
 def _attn_case(dev, dims, G, p0, M, seed):
-    """A layer with random bf16 cache rows [0, p0 + M) (NaN beyond) and random q, qg."""
+    """A layer with random bf16 cache rows [0, p0 + M) (NaN beyond), random q and random half qg."""
     L = Layer(dev, dims, p0 + M + 9, seed=seed, G=G)
     L.poison_from(p0 + M)
     r = fresh_rng(2, seed)
     q = f32(r.standard_normal((M, L.Hq, L.D)))
-    qg = f32(r.standard_normal((M, L.Hq * 2 * L.D)))
+    qg = chunk_inputs(r, M, L.Hq, L.Hkv, L.D)[0]
     kc, vc = L.cache()
     return L, q, qg, from_bf16(kc), from_bf16(vc)
 
@@ -371,7 +374,7 @@ def test_consecutive_chunks_in_one_pass(dev):
     outs, p0 = [], 0
     for t, (qg, k, v) in enumerate(chunks):
         M = qg.shape[0]
-        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        QG, K, V = A.input_buffers(qg, k, v)
         Q = A.encode_prep(p, QG, K, V, p0, M, label=f"prep {t}")
         outs.append(A.encode_attn(p, Q, QG, p0, M, label=f"attn {t}"))
         p0 += M
@@ -495,3 +498,41 @@ def test_attn_prefill_tensor_large_values(tdev, dims, G, p0, M, split):
     """The tensor-op kernels take the same cache values as bf16 operands as they are: finite
     outputs equal to the bf16 twin on the unclamped cache."""
     _check_large_values(tdev, True, dims, G, p0, M, split)
+
+
+# ------------------------------------------------------------------------------ saturated projections
+
+def _check_saturated_projections(d, tensor):
+    """q_proj and k_proj outputs as gemm_q4_half leaves them where a sum overflowed the half
+    range: a quarter of the elements of qg (query and gate) and k at +-65504. The prep's
+    RMSNorm stays finite (sum of squares <= D * 65504^2 ~ 1.1e12 in fp32) and its q matches
+    lily.reference on the same values (the normed elements are O(2): atol 1e-4); a gate of
+    -65504 zeroes its output element (sigmoid = 0), +65504 passes it; the output matches the
+    twin over the cache as written."""
+    p0, M = 29, 19
+    L = Layer(d, "real", p0 + M + 5, seed=19 + tensor)
+    L.tensor = tensor
+    L.poison_from(p0)
+    r = fresh_rng(9, tensor)
+    qg, k, v = chunk_inputs(r, M, L.Hq, L.Hkv, L.D)
+    for x in (qg, k):
+        sat = r.random(x.shape) < 0.25
+        x[sat] = np.where(r.random(sat.sum()) < 0.5, -HALF_MAX, HALF_MAX)
+    got, q, _ = L.prefill(qg, k, v, p0)
+    assert np.isfinite(got).all() and np.isfinite(q).all()
+    q_ref, _ = prep_reference(L, qg, k, p0)
+    np.testing.assert_allclose(q, q_ref, rtol=2 ** -7 if tensor else 1e-5, atol=1e-4)
+    kc, vc = L.cache()
+    with np.errstate(over="ignore"):  # exp(65504) in the twin's sigmoid: inf, sigmoid = 0
+        want = attention_twin(q, qg, from_bf16(kc), from_bf16(vc), p0, bf16=tensor)
+    np.testing.assert_allclose(got, want, **twin_tol(d, bf16=tensor))
+    gate = qg.reshape(M, L.Hq, 2 * L.D)[:, :, L.D:].reshape(M, -1)
+    assert (got[gate == -HALF_MAX] == 0).all() and (got[gate == HALF_MAX] != 0).any()
+
+
+def test_prefill_reads_saturated_projections(dev):
+    _check_saturated_projections(dev, False)
+
+
+def test_prefill_tensor_reads_saturated_projections(tdev):
+    _check_saturated_projections(tdev, True)
