@@ -101,6 +101,28 @@ inline void gemm_load_a(threadgroup half* As, device const X4* x, thread const G
 }
 
 // ---- W tile: dequantized weight rows ------------------------------------------------------
+// Codes to half without a conversion per code: OR-ing a code into the mantissa of a half whose
+// mantissa step is 1 (0x6400 = 1024) or 1/16 (0x5400 = 64, the code 4 bits up) gives
+// 1024 + q or 64 + q exactly, and one half subtraction leaves q. Two codes per 32-bit
+// operation: 17 operations for 8 4-bit codes (shift, 4 and, 4 or, 4 half2 subtractions, 4
+// half2 FMAs with the dequantization), against a shift, mask, conversion and FMA per code.
+// The values are the same exact integers, so the results are bit-identical.
+constant constexpr uint kHalfMagic1024 = 0x64006400u;  // half2(1024, 1024)
+constant constexpr uint kHalfMagic64 = 0x54005400u;    // half2(64, 64)
+// Codes 0-7 (low nibble first) of one word: p[i] = (q_i, q_{i+4}), i < 4.
+inline void gemm_codes4(uint x, thread half2* p) {
+  const uint y = x >> 8;
+  p[0] = as_type<half2>((x & 0x000F000Fu) | kHalfMagic1024) - half2(1024.0h);
+  p[1] = as_type<half2>((x & 0x00F000F0u) | kHalfMagic64) - half2(64.0h);
+  p[2] = as_type<half2>((y & 0x000F000Fu) | kHalfMagic1024) - half2(1024.0h);
+  p[3] = as_type<half2>((y & 0x00F000F0u) | kHalfMagic64) - half2(64.0h);
+}
+// Codes 0-3 (low byte first) of one word: p[0] = (q0, q2), p[1] = (q1, q3).
+inline void gemm_codes8(uint x, thread half2* p) {
+  p[0] = as_type<half2>((x & 0x00FF00FFu) | kHalfMagic1024) - half2(1024.0h);
+  p[1] = as_type<half2>(((x >> 8) & 0x00FF00FFu) | kHalfMagic1024) - half2(1024.0h);
+}
+
 // Work item c < BN * kGemmChunks of a step: weight row n0 + c / kGemmChunks, codes
 // [k0 + 16 (c % kGemmChunks), +16); thread tid takes c = tid, tid + NT, ... (four adjacent
 // threads read one row's 32 or 64 contiguous bytes of the step).
@@ -133,20 +155,25 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
     const bool sat = max(fabs(b), fabs(s * float((1u << BITS) - 1u) + b)) > kGemmHalfMax;
     const half4 hs = half4(half(s)), hb = half4(half(b));
     const uint base = row * words + (k0 + kGemmChunk * h) * BITS / 32;
-    uint4 codes[4];
+    half4 codes[4];  // the 16 codes as exact half integers, in order
     if (BITS == 4) {
       const uint2 q = *(device const uint2*)(w + base);  // 16 codes, low nibble first
-      for (uint j = 0; j < 4; ++j) {
-        codes[j] = (uint4(j < 2 ? q.x : q.y) >> (uint4(16 * (j % 2)) + uint4(0, 4, 8, 12))) & 15u;
+      for (uint j = 0; j < 2; ++j) {
+        half2 p[4];
+        gemm_codes4(j == 0 ? q.x : q.y, p);
+        codes[2 * j] = half4(p[0].x, p[1].x, p[2].x, p[3].x);
+        codes[2 * j + 1] = half4(p[0].y, p[1].y, p[2].y, p[3].y);
       }
     } else {
       const uint4 q = *(device const uint4*)(w + base);  // 16 codes, low byte first
       for (uint j = 0; j < 4; ++j) {
-        codes[j] = (uint4(q[j]) >> uint4(0, 8, 16, 24)) & 255u;
+        half2 p[2];
+        gemm_codes8(q[j], p);
+        codes[j] = half4(p[0].x, p[1].x, p[0].y, p[1].y);
       }
     }
     for (uint j = 0; j < 4; ++j) {
-      dst[j] = sat ? gemm_half(float4(codes[j]) * s + b) : fma(half4(codes[j]), hs, hb);
+      dst[j] = sat ? gemm_half(float4(codes[j]) * s + b) : fma(codes[j], hs, hb);
     }
   }
 }

@@ -62,7 +62,8 @@ def test_records_carry_geometry_and_work():
     # the tensor-op twins: 128-row blocks of 256 threads, so each weight tile is dequantized
     # once per 128 rows; half A and W tiles only (results written from registers)
     assert t["groups"] == (128, 4, 1) and t["threads"] == (256, 1, 1)
-    assert t["work"]["flops"]["alu_f16"] == 3 * 4 * 8192 * 2048 == gemm["work"]["flops"]["alu_f16"] / 2
+    # dequantization: 17 half operations per 8 codes (gemm_tiles.h gemm_codes4 + the FMA)
+    assert t["work"]["flops"]["alu_f16"] == 17 / 8 * 4 * 8192 * 2048 == gemm["work"]["flops"]["alu_f16"] / 2
     assert t["threadgroup_memory"] == (128 + 64) * 72 * 2
     # no prefill GEMM (dense or grouped, either path) multiplies fp32 operands
     for r in c["records"] + prefill_tensor:
@@ -268,20 +269,20 @@ def test_prefill_gemm_activations_are_half():
     n, gy = 8192, qkv["groups"][1]
     assert qkv["bytes_read"] == n * H * (4 / 8 + 4 / 64) + 2 * M * H  # weight + half xn
     # the weight's dequantization (half ALU: convert + fma) only: no activation conversion
-    assert qkv["work"]["flops"]["alu_f16"] == 3 * gy * n * H and qkv["work"]["flops"]["alu_f32"] == 0
+    assert qkv["work"]["flops"]["alu_f16"] == 17 / 8 * gy * n * H and qkv["work"]["flops"]["alu_f32"] == 0
     # o_proj reads the half attention output (written with its conversion), as out_proj the
     # half rows gdn_gated_norm wrote: no GEMM stages fp32 activations
     oprojs = [r for r in recs if "o_proj" in r["label"]]
     assert len(oprojs) == 10 and {r["kernel"] for r in oprojs} == {"gemm_q4_add_h"}
     gy = oprojs[0]["groups"][1]
-    assert oprojs[0]["work"]["flops"]["alu_f16"] == 3 * gy * H * 4096 and oprojs[0]["work"]["flops"]["alu_f32"] == 0
+    assert oprojs[0]["work"]["flops"]["alu_f16"] == 17 / 8 * gy * H * 4096 and oprojs[0]["work"]["flops"]["alu_f32"] == 0
     assert oprojs[0]["bytes_read"] == H * 4096 * (4 / 8 + 4 / 64) + 2 * M * 4096 + 4 * M * H  # W, half x, h
     attns = [r for r in recs if r["kernel"].startswith("attn_prefill_d")]
     assert len(attns) == 10 and all(r["bytes_written"] == 2 * M * 4096 for r in attns)
     assert not [r for r in recs if r["kernel"].startswith("gemm_q4_add") and not r["kernel"].startswith("gemm_q4_add_h")]
     outs = [r for r in recs if "out_proj" in r["label"]]
     assert len(outs) == 30 and {r["kernel"] for r in outs} == {"gemm_q4_add_h"}
-    assert outs[0]["work"]["flops"]["alu_f16"] == 3 * gy * H * 4096
+    assert outs[0]["work"]["flops"]["alu_f16"] == 17 / 8 * gy * H * 4096
     assert outs[0]["work"]["flops"]["alu_f32"] == 0  # half x copied
     assert outs[0]["bytes_read"] == H * 4096 * (4 / 8 + 4 / 64) + 2 * M * 4096 + 4 * M * H  # W, half x, h
     gnorms = [r for r in recs if r["kernel"].startswith("gdn_gated_norm")]
@@ -353,7 +354,7 @@ def test_routed_expert_tiles_count_each_class(rows, T, pad):
     swiglu = sum(r["work"]["flops"]["alu_f32"] for r in recs)
     assert swiglu == pytest.approx((4 + 3) * computed * I, rel=1e-9)  # silu(g) u, half output
     dequant = sum(r["work"]["flops"]["alu_f16"] for r in recs)
-    assert dequant == pytest.approx(3 * 2 * tiles * I * H, rel=1e-9)  # code to half + half fma
+    assert dequant == pytest.approx(17 / 8 * 2 * tiles * I * H, rel=1e-9)  # codes to half + half fma
     stack = 2 * I * H * (4 / 8 + 4 / 64)  # gate and up of one expert
     weights = sum(r["work"]["bytes"] for r in recs) - (2 * rows * H + 4 * rows * k + 2 * rows * k * I)
     tails = 0.5 if 16 < T < 128 else 0.0  # the remainders r <= T/2 (half of them) go to the smaller classes

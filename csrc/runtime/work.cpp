@@ -23,6 +23,10 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
+// The prefill GEMMs' weight tiles (gemm_tiles.h gemm_load_w): codes turned into half by the
+// magic-number OR, two per 32-bit operation, then a half FMA: per 8 4-bit codes one shift,
+// 4 masks, 4 ORs, 4 half2 subtractions and 4 half2 FMAs (17); per 4 8-bit codes 9.
+double prefill_dequant_ops(int bits) { return bits == 8 ? 9.0 / 4 : 17.0 / 8; }
 // The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
 // memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
@@ -30,7 +34,7 @@ constexpr double kDequantOps = 3;
 // attn_prefill*: every GEMM input; the routed experts' outputs yx, the GDN z and the
 // attention's q|gate, k and v, which moe_gemm_down_q4_* and gemm_q4_half store the same way
 // for moe_combine, gdn_gated_norm_v* and attn_prefill*, too). Weights are dequantized in half
-// ALU (code to half, then a half FMA: kDequantOps), so no conversion follows (groups beyond
+// ALU (code to half, then a half FMA: prefill_dequant_ops), so no conversion follows (groups beyond
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
@@ -105,13 +109,13 @@ void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
 // shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false) {
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
   // ALU); SwiGLU: silu(g) * u times the row scale; a half output: its conversion.
-  add(w, Path::alu_f16, kDequantOps * nb * r.groups.y * double(a.n) * a.k);
+  add(w, Path::alu_f16, prefill_dequant_ops(bits) * nb * r.groups.y * double(a.n) * a.k);
   add(w, Path::alu_f32, (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
@@ -152,7 +156,7 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
   // weights dequantized in half ALU; half activations are copied; both outputs are stored
   // as half (the conversion), gate/up after silu(g) * u
-  add(w, Path::alu_f16, kDequantOps * nb * tiles * double(a.n) * a.k);
+  add(w, Path::alu_f16, prefill_dequant_ops(4) * nb * tiles * double(a.n) * a.k);
   add(w, Path::alu_f32, ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
   w.threadgroup_memory = gemm_smem(h, bn, nb, tensor);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
@@ -332,7 +336,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return dense_gemm(r, 1, tensor);
   if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
-    Work w = dense_gemm(r, 1, tensor);  // the 8-bit matrices are the router and shared-expert gate
+    Work w = dense_gemm(r, 1, tensor, false, 8);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";
     return w;
   }
