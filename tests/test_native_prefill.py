@@ -52,6 +52,9 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 REL_TOL = 5e-3
 NEAR_TIE = REL_TOL  # router logit gap below which a pick may flip (module docstring)
+# ... between two native paths (prefill vs decode steps, tensor vs simdgroup GEMMs), whose
+# activations differ by ~1e-4 relative (logits <= 3.2e-4 on the demo prompt), not ~1e-3
+PATHS_NEAR_TIE = 1e-3
 INSIDE_MIN = 0.75  # share of positions within REL_TOL (module docstring: router near-ties)
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
         "is the sun. Arise, fair sun, and kill the envious moon, who is already sick and pale. ") * 3
@@ -103,20 +106,27 @@ def _router_gaps(model):
     return gaps, lambda: delattr(model, "moe")
 
 
-@pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
-def model(request, demo_path):
-    path = _path(request.param, demo_path, request)
-    ref = Engine.load(path, max_context=96, device="reference")
-    ids = ref.tokenizer.encode(TEXT)[:PROMPT]
-    assert len(ids) == PROMPT
+def _reference_with_ties(ref, ids, near=NEAR_TIE):
+    """The reference engine's logits of every position of ``ids`` (from its current state)
+    and, per position, whether its routing has a near-tie at some layer (a gap < near)."""
     gaps, undo = _router_gaps(ref.backend.model)
     logits = ref.prefill(ids, all_logits=True)
     undo()
     by_layer = {}
     for i, g in gaps:
         by_layer.setdefault(i, []).append(g)
-    tie = np.min([np.concatenate(g) for g in by_layer.values()], axis=0) < NEAR_TIE
-    assert tie.shape == (PROMPT,)
+    tie = np.min([np.concatenate(g) for g in by_layer.values()], axis=0) < near
+    assert tie.shape == (len(ids),)
+    return logits, tie
+
+
+@pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
+def model(request, demo_path):
+    path = _path(request.param, demo_path, request)
+    ref = Engine.load(path, max_context=96, device="reference")
+    ids = ref.tokenizer.encode(TEXT)[:PROMPT]
+    assert len(ids) == PROMPT
+    logits, tie = _reference_with_ties(ref, ids)
     cont = [int(logits[-1].argmax()), 17, 101]
     after = [ref.decode(t) for t in cont]
     from peer import load_peer, peer_logits
@@ -166,15 +176,20 @@ def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
     assert (counts.sum(1) == rows * 4).all() and (counts % 64 != 0).any()  # tails were there to place
 
 
-def test_prefill_equals_decode_steps(demo_path, native_device):
-    """The same tokens through prefill chunks and through decode steps: same session."""
+def test_prefill_equals_decode_steps(demo_path, demo_engine, native_device):
+    """The same tokens through prefill chunks and through decode steps: same session, within
+    2e-3 per position but at router near-ties closer than the two paths' difference
+    (PATHS_NEAR_TIE: demo, position 5, layer 5, gap 3.5e-4, flips between the two orders of
+    summation: 4.7e-3)."""
     a = Engine.load(demo_path, device=native_device, max_context=64, device_options={"prefill_chunk": 8})
     b = Engine.load(demo_path, device=native_device, max_context=64)
     ids = a.tokenizer.encode(TEXT)[:21]
+    demo_engine.reset()
+    _, tie = _reference_with_ties(demo_engine, ids, PATHS_NEAR_TIE)
     la = a.prefill(ids, all_logits=True)
     lb = b.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
     assert lb.shape == la.shape
-    assert _rel(la, lb).max() < 2e-3
+    assert _rel(la, lb)[~tie].max() < 2e-3 and tie.mean() < 0.25
     assert a.position == b.backend.position == 21
     np.testing.assert_allclose(a.decode(5), b.decode(5), rtol=0, atol=0.05)
 
@@ -361,12 +376,15 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     reference's logits. On the simulator the GEMM twins are bit-identical to the simdgroup
     path; the attention is not (bf16 operands on the tensor path, half on the simdgroup path:
     tests/kernels/test_attention_prefill.py), so the two paths' logits agree within 2e-3
-    relative per position (measured <= 3.2e-4 on this prompt)."""
+    relative per position (measured <= 3.2e-4 on this prompt) but at router near-ties
+    (position 5: 4.7e-3)."""
     from lily.errors import DeviceError
     m5 = {"gpu_family": "apple10"}
     ids = demo_engine.tokenizer.encode(TEXT)[:20]
     demo_engine.reset()
-    want = demo_engine.prefill(ids, all_logits=True)
+    want, tie = _reference_with_ties(demo_engine, ids)
+    demo_engine.reset()
+    _, paths_tie = _reference_with_ties(demo_engine, ids, PATHS_NEAR_TIE)
     demo_engine.reset()
     tensor = Engine.load(demo_path, device="sim", max_context=64,
                          device_options={"prefill_chunk": 8, "device_options": m5})
@@ -375,8 +393,8 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
                        device_options={"prefill_chunk": 8, "gemm_path": "simdgroup", "device_options": m5})
     assert not simd.backend.runtime.uses_tensor_ops
     lt = tensor.prefill(ids, all_logits=True)
-    _check(lt, want, "tensor-op path")
-    assert (_rel(lt, simd.prefill(ids, all_logits=True)) < 2e-3).all()
+    _check(lt, want, "tensor-op path", tie)
+    assert (_rel(lt, simd.prefill(ids, all_logits=True))[~paths_tie] < 2e-3).all() and paths_tie.mean() < 0.25
     plain = Engine.load(demo_path, device="sim", max_context=64)  # apple9
     assert not plain.backend.runtime.uses_tensor_ops
     with pytest.raises(DeviceError, match="tensor"):
