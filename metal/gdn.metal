@@ -14,7 +14,10 @@
 //      v = s*R .. s*R+R-1 (R = Dv/32) of head h; lane l holds elements l, l+32, ... of each
 //      row (Dk/32 of them), so every load/store instruction of a simdgroup touches 128
 //      contiguous bytes. S = g*S; delta = (v - S k) * beta; S += delta k^T; y = S q, the dot
-//      products as simd_sum; the state is read once and written once.
+//      products as simd_sum; the state is read once and written once. The state buffer
+//      holds S' and a pending decay c per row (S = c S', gdn_scan's lazy decay,
+//      metal/gdn_prefill.metal): the step decays by c*g instead of g and writes S back with
+//      c = 1, so it costs no extra pass (c = 0, a zeroed state, gives S = 0).
 //   4. gated RMSNorm over the head's Dv outputs, times silu(z).
 #include <metal_stdlib>
 #include "common.h"  // silu, softplus (shared with gdn_prefill.metal: same results bit for bit)
@@ -34,7 +37,7 @@ template <uint DK, uint DV>
                             device const bfloat* norm_w [[buffer(7)]],    // [Dv] norm.weight
                             device const float* conv_in [[buffer(8)]],    // [K-1, conv_dim] conv state (oldest first)
                             device float* conv_out [[buffer(9)]],         // [K-1, conv_dim] next conv state
-                            device float* state [[buffer(10)]],           // [Hv, Dv, Dk] recurrent state, in place
+                            device float* state [[buffer(10)]],           // [Hv, Dv, Dk] S' then [Hv, Dv] c (S = c S'), in place
                             device float* out [[buffer(11)]],             // [Hv*Dv] gated RMSNorm output
                             constant GdnDecodeArgs& args [[buffer(12)]],
                             uint h [[threadgroup_position_in_grid]],
@@ -106,13 +109,15 @@ template <uint DK, uint DV>
   const float beta = 1.0f / (1.0f + exp(-b[h]));
 
   // ---- 3. delta rule on this simdgroup's rows ----------------------------------------------
+  device float* c_head = state + ulong(Hv) * DV * DK + h * DV;  // c of the head's rows
   for (uint r = 0; r < R; ++r) {
     const uint v = sg * R + r;
     device float* row = state + (ulong(h) * DV + v) * DK;
+    const float decay = c_head[v] * g;
     float s[E];
     float sk_dot = 0.0f;
     for (uint e = 0; e < E; ++e) {
-      s[e] = row[e * 32 + lane] * g;
+      s[e] = row[e * 32 + lane] * decay;
       sk_dot += s[e] * kr[e];
     }
     sk_dot = simd_sum(sk_dot);
@@ -129,6 +134,9 @@ template <uint DK, uint DV>
     }
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < DV) {  // after the barrier: every c of the head has been read
+    c_head[tid] = 1.0f;
+  }
 
   // ---- 4. gated RMSNorm: rmsnorm(y, norm_w) * silu(z) ------------------------------------
   if (sg < DV / 32) {

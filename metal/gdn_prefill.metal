@@ -11,7 +11,8 @@
 //                    row v only sees v[v]), so the model's 32 heads give 128 threadgroups.
 //                    Four adjacent lanes share a row (two shuffle-add levels per dot
 //                    product instead of a 32-lane simd_sum). The state is loaded into
-//                    registers once, carried through all M tokens and written back once.
+//                    registers once, carried through all M tokens and written back once,
+//                    with the decay applied lazily (S = c S', below).
 //                    Threadgroup memory holds only activations, in blocks of TB tokens:
 //                    normalised q and k, v of the threadgroup's rows, g, beta and y = S q:
 //                      | y of block j-1 out  and  stage block j |
@@ -81,6 +82,20 @@ template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdn
 
 // ---------------------------------------------------------------- gdn_scan
 
+// Lazy decay. The state buffer is [Hv, Dv, Dk] S' followed by [Hv, Dv] c: row v of head h is
+// S = c * S'. A token's decay g only multiplies the row's scalar c; S' is scaled (the fold:
+// S' *= c g, c = 1) only once c g < kGdnScanFold. Per token and row, with c the new c g:
+//   sk = c (S'.k);  delta = (v - sk) beta;  S' += (delta / c) k;  y = c (S'.q)
+// i.e. 3 FMAs per state element instead of a multiply and 3 FMAs. The fold depends only on c
+// and g, both carried exactly across chunks, so two chunks still equal one bit for bit. c = 0
+// (a zeroed state) means S = 0: the first token folds (S' *= 0). gdn_decode_step applies c
+// with its own decay and leaves c = 1.
+// kGdnScanFold = 2^-40: |S'| = |S| / c < |S| 2^40, and |S| <= sum |v| over the context (unit
+// k, beta < 1, g <= 1: ~1e9 at 128K tokens even with |v| ~ 1e4), so S' and its dot products
+// stay ~1e15 inside the float32 range; c g reaches 2^-40 only after the row has decayed by
+// e^-27.7, so heads that keep memory rarely fold.
+constant constexpr float kGdnScanFold = 0x1p-40f;
+
 // DK, DV: head dims; RV: state rows (value dims) per threadgroup, so a head is DV / RV
 // threadgroups. kGdnScanLanesPerRow (L = 4) adjacent lanes share one state row; lane j of a
 // row holds its float4 columns j, j + L, j + 2L, ... (E4 = DK / (4L) float4s: 8 at DK = 128),
@@ -100,7 +115,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
     device const float* a [[buffer(4)]],          // [M, Hv] in_proj_a output
     device const float* A_log [[buffer(5)]],      // [Hv]
     device const bfloat* dt_bias [[buffer(6)]],   // [Hv]
-    device float* state [[buffer(7)]],            // [Hv, Dv, Dk] recurrent state, in place
+    device float* state [[buffer(7)]],            // [Hv, Dv, Dk] S' then [Hv, Dv] c (S = c S'), in place
     device float* y [[buffer(8)]],                // [M, Hv*Dv] S q per value dim (gdn_gated_norm's input)
     constant GdnScanArgs& args [[buffer(9)]],
     uint2 tgp [[threadgroup_position_in_grid]],
@@ -141,6 +156,8 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   for (uint e = 0; e < E4; ++e) {
     s[e] = row[j + e * L];
   }
+  device float* c_row = state + ulong(Hv) * DV * DK + h * DV + v0 + r;  // this row's c
+  float c = *c_row;  // read before the first barrier, written after the last
 
   const uint nblocks = (M + TB - 1) / TB;
   for (uint blk = 0;; ++blk) {
@@ -195,22 +212,27 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
     // ---- delta rule over the tokens of block blk, state in registers ----------------------
     const uint n = min(TB, M - blk * TB);
     for (uint i = 0; i < n; ++i) {
-      const float g = g_s[i];
       threadgroup const float4* kq = k_s + i * (DK / 4) + j;
       threadgroup const float4* qq = q_s + i * (DK / 4) + j;
+      c *= g_s[i];
+      if (c < kGdnScanFold) {  // the fold (uniform over the head: c and g are per head)
+        for (uint e = 0; e < E4; ++e) {
+          s[e] *= c;
+        }
+        c = 1.0f;
+      }
       float4 acc = float4(0.0f);
       for (uint e = 0; e < E4; ++e) {
-        s[e] *= g;
         acc += s[e] * kq[e * L];
       }
       float sk = (acc.x + acc.y) + (acc.z + acc.w);
       for (ushort m = 1; m < L; m <<= 1) {
         sk += simd_shuffle_xor(sk, m);
       }
-      const float delta = (v_s[i * RV + r] - sk) * beta_s[i];
+      const float dc = (v_s[i * RV + r] - c * sk) * beta_s[i] / c;  // delta / c
       acc = float4(0.0f);
       for (uint e = 0; e < E4; ++e) {
-        s[e] += delta * kq[e * L];
+        s[e] += dc * kq[e * L];
         acc += s[e] * qq[e * L];
       }
       float yr = (acc.x + acc.y) + (acc.z + acc.w);
@@ -218,7 +240,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
         yr += simd_shuffle_xor(yr, m);
       }
       if (j == 0) {
-        y_s[i * RV + r] = yr;
+        y_s[i * RV + r] = c * yr;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -227,6 +249,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   // ---- the state back (once) ---------------------------------------------------------------
   for (uint e = 0; e < E4; ++e) {
     row[j + e * L] = s[e];
+  }
+  if (j == 0) {
+    *c_row = c;
   }
 }
 

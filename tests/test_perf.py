@@ -360,3 +360,23 @@ def test_routed_expert_tiles_count_each_class(rows, T, pad):
     tails = 0.5 if 16 < T < 128 else 0.0  # the remainders r <= T/2 (half of them) go to the smaller classes
     read = min(reached, tiles - reached * tails) + reached * tails
     assert 0.98 * read * stack <= weights <= 1.01 * read * stack
+
+
+def test_gdn_scan_work_is_the_lazy_decay():
+    """gdn_scan's work table entry (csrc/runtime/work.cpp): per token, value head and state
+    element 6 flops (3 FMAs: the lazy decay moves the decay into a per-row scalar c) plus the
+    fold allowance of 1/3 multiply; per row the two 4-lane dot products, delta and the lazy
+    decay's 6 scalar operations per lane; per token and threadgroup the staging. The state
+    bytes are S' and c (Hv Dv (Dk + 1) floats), read and written once."""
+    M, Hv, Dk, Dv, L, K = 512, 32, 128, 128, 4, 4
+    recs = count_prefill_chunk(CFG, M, 0)["records"]
+    scans = [r for r in recs if r["kernel"].startswith("gdn_scan_")]
+    assert len(scans) == 30
+    r = scans[0]
+    gy, RV = r["groups"][1], 32
+    per_row = 2 * L * (3 + math.log2(L)) + 3 + 6 * L
+    staging = gy * ((2 * Dk + RV) * (2 * K + 4) + 6 * Dk + 40)
+    want = M * Hv * ((6 + 1 / 3) * Dk * Dv + per_row * Dv + staging)
+    assert r["work"]["flops"]["alu_f32"] == pytest.approx(want, rel=1e-12)
+    state = 4 * Hv * Dv * (Dk + 1)
+    assert r["bytes_written"] == state + 4 * M * Hv * Dv  # the state and y

@@ -238,8 +238,9 @@ def test_budget_and_accounting():
 
 
 def test_native_snapshot_bytes_formula():
-    """The documented memory formula: 20 KiB per token plus 65.9 MB for Qwen3.6-35B-A3B,
-    and the simulator's real snapshots of the demo model."""
+    """The documented memory formula: 20 KiB per token plus 66.4 MB for Qwen3.6-35B-A3B
+    (the recurrent state with its pending decay c per row), and the simulator's real
+    snapshots of the demo model."""
     from lily.checkpoint import load_config
     from lily.engine import default_model_path
     cfg, _ = load_config(default_model_path())
@@ -248,7 +249,7 @@ def test_native_snapshot_bytes_formula():
         "num_key_value_heads": 2, "linear_num_key_heads": 16, "linear_num_value_heads": 32})
     per_token = native_snapshot_bytes(full, 1) - native_snapshot_bytes(full, 0)
     assert per_token == 20 * 1024
-    assert native_snapshot_bytes(full, 0) == 30 * (32 * 128 * 128 * 4 + 3 * 8192 * 4) == 65_863_680
+    assert native_snapshot_bytes(full, 0) == 30 * (32 * 128 * (128 + 1) * 4 + 3 * 8192 * 4) == 66_355_200
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +312,22 @@ def test_save_load_round_trip_and_refusals(sim_engines, tmp_path, warm, cold):
         Engine.load(device="sim", max_context=8).load_prompt_cache(path)
     with pytest.raises(PromptCacheError, match="budget"):
         Engine.load(device="sim", max_context=256, prompt_cache_bytes=1000).load_prompt_cache(path)
+
+
+def test_version_1_file_refused(tmp_path, monkeypatch):
+    """A file of format version 1 (native recurrent state without the pending decay c, a
+    smaller part) is refused by its version, naming both versions; nothing is loaded."""
+    from lily import prompt_cache
+    old = Engine.load(device="sim", max_context=64)
+    old.cache_prompt("To be, or not")
+    path = tmp_path / "v1.lilycache"
+    monkeypatch.setattr(prompt_cache, "FORMAT_VERSION", 1)
+    old.save_prompt_cache(path)
+    monkeypatch.undo()
+    fresh = Engine.load(device="sim", max_context=64)
+    with pytest.raises(PromptCacheError, match="format version 1, this Lily reads version 2"):
+        fresh.load_prompt_cache(path)
+    assert len(fresh.prompt_cache) == 0
 
 
 def test_reference_file_from_another_model(warm, tmp_path, monkeypatch):

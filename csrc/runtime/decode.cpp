@@ -122,7 +122,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
-      const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, Dk = d.linear_key_head_dim;
+      const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
       norm_gemv(*layer.input_norm, {{g.in_proj_qkv, qkv_.get(), 0, d.conv_dim()},
                                     {g.in_proj_z, z_.get(), 0, Hv * Dv},
                                     {g.in_proj_b, b_.get(), 0, Hv},
@@ -132,7 +132,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       gpu::Buffer& conv_in = *conv_[position % 2][l];
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
+      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
       Op(*K.gdn_step, labels_(l, "gdn step"))
           .groups(tg(Hv), tg(1024))
           .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *z_, 0, size_t(Hv) * Dv * f)

@@ -35,6 +35,11 @@ struct ModelDims {
   uint32_t conv_dim() const {
     return 2 * linear_num_key_heads * linear_key_head_dim + linear_num_value_heads * linear_value_head_dim;
   }
+  // Floats of one GDN layer's recurrent state: S' [Hv, Dv, Dk] then the pending decay c
+  // [Hv, Dv] (S = c S' per row; metal/gdn_prefill.metal, "Lazy decay").
+  size_t gdn_state_floats() const {
+    return size_t(linear_num_value_heads) * linear_value_head_dim * (linear_key_head_dim + 1);
+  }
   // Throws std::invalid_argument naming the first inconsistent field.
   void validate() const;
 };

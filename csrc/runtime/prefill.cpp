@@ -283,7 +283,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
       const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
-      const uint32_t Dk = d.linear_key_head_dim, Dv = d.linear_value_head_dim, C = d.conv_dim();
+      const uint32_t Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
       // z only gates the norm: stored half (saturated), read by gdn_gated_norm
       gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
@@ -294,7 +294,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gpu::Buffer& conv_in = *conv_[p0 % 2][l];
       gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = size_t(Hv) * Dv * Dk * f;
+      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
       const size_t o_bytes = size_t(M) * Hv * Dv * f;
       {
         // Conv inline; each head split into Dv / RV threadgroups of RV state rows (docs/prefill.md).

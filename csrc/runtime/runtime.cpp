@@ -143,8 +143,7 @@ void Runtime::allocate_buffers() {
       const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
       conv_[0][l] = scratch(conv, "conv state A", Mem::state);
       conv_[1][l] = scratch(conv, "conv state B", Mem::state);
-      state_[l] = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim *
-                              d.linear_key_head_dim * f, "recurrent state", Mem::state);
+      state_[l] = scratch(d.gdn_state_floats() * f, "recurrent state", Mem::state);
     }
   }
   counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
@@ -286,8 +285,9 @@ void Runtime::reset() {
   position_ = 0;
   chunks_done_ = 0;
   if (record_only_) return;
-  // The recurrent and conv state start at zero; the KV cache needs no clearing (rows past
-  // the position are never read).
+  // The recurrent and conv state start at zero (a recurrent state's c = 0 means S = 0: the
+  // kernels need no special case); the KV cache needs no clearing (rows past the position
+  // are never read).
   for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
     if (dims_.full_attention[l]) continue;
     for (auto* buf : {conv_[0][l].get(), conv_[1][l].get(), state_[l].get()})

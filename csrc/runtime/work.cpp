@@ -37,6 +37,13 @@ double prefill_dequant_ops(int bits) { return bits == 8 ? 9.0 / 4 : 17.0 / 8; }
 // ALU (code to half, then a half FMA: prefill_dequant_ops), so no conversion follows (groups beyond
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
+// gdn_scan's lazy decay folds (one multiply per state element) on this share of a head's
+// tokens: a fold comes once the decays since the last one multiply to < 2^-40 (e^-27.7), so
+// a head with mean -ln g = x folds on x / 27.7 of its tokens. The demo checkpoint (the one
+// trained model here) measures 0.33 over its heads (mean -ln g ~ 9: heads that keep almost
+// nothing); a long-context model's memory heads (g near 1) fold far less often, so 1/3 is
+// on the pessimistic side. Every token folding would be 7, the eager scan's count.
+constexpr double kGdnScanFolds = 1.0 / 3.0;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd). The tensor-op twins (gemm_tensor.metal): 128 rows.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
@@ -223,19 +230,22 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r);
     return w;
   }
-  // Prefill scan (gdn_prefill.metal): per token and value head 7 Dk Dv for the state, per
-  // row two dot products over L lanes (per lane 3 adds folding its float4 partial and log2(L)
-  // shuffle-add levels) and delta; per token and threadgroup (grid y of them per head) the
-  // staging: the conv of its 2 Dk + RV channels (K taps and SiLU: 2K + 4 each), q and k sums
-  // of squares and scaling (6 Dk) and the gates (~40).
+  // Prefill scan (gdn_prefill.metal): per token and value head (6 + kGdnScanFolds) Dk Dv for
+  // the state (3 FMAs with the lazy decay, plus the fold's multiply on a share of the tokens),
+  // per row two dot products over L lanes (per lane 3 adds folding its float4 partial and
+  // log2(L) shuffle-add levels), delta, and on each lane the lazy decay's scalars (c *= g,
+  // the fold test, c (S'k), / c as reciprocal and multiply, c (S'q): 6); per token and
+  // threadgroup (grid y of them per head) the staging: the conv of its 2 Dk + RV channels
+  // (K taps and SiLU: 2K + 4 each), q and k sums of squares and scaling (6 Dk) and the gates
+  // (~40).
   if (starts(k, "gdn_scan_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
     const auto a = arg<args::GdnScanArgs>(r);
     const double L = args::kGdnScanLanesPerRow;
-    const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0;
+    const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0 + 6.0 * L;
     Work w = make("gated deltanet");
     const double RV = param(k, "_r"), conv = (2.0 * Dk + RV) * (2.0 * args::kGdnConvTaps + 4.0);
-    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * (7.0 * Dk * Dv + per_row * Dv +
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + per_row * Dv +
                                                             r.groups.y * (conv + 6.0 * Dk + 40.0)));
     w.bytes = declared(r);
     w.threadgroup_memory = uint64_t(args::kGdnScanTokensPerBlock) * (2 * Dk + 2 * param(k, "_r") + 2) * 4;

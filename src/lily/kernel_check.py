@@ -253,6 +253,35 @@ def gdn_cfg(Hk, Hv, Dk, Dv, K=4):
                                  conv_dim=2 * Hk * Dk + Hv * Dv)
 
 
+GDN_SCAN_FOLD = 2.0**-40  # gdn_scan folds its pending decay once c * g < this (kGdnScanFold)
+
+
+def gdn_state_bytes(S, c=None):
+    """The device layout of a GDN recurrent state (metal/gdn_prefill.metal, "Lazy decay"):
+    S' float32 [Hv, Dv, Dk] then the pending decay c float32 [Hv, Dv] (the state is
+    c * S' per row), as bytes. ``c``: scalar, [Hv] or [Hv, Dv] (default 1)."""
+    S = f32(S)
+    return np.concatenate([S.reshape(-1), gdn_rows(c, S.shape[:2]).reshape(-1)]).view(np.uint8)
+
+
+def gdn_rows(c, shape):
+    """A pending decay given as a scalar, per head [Hv] or per row [Hv, Dv] (None: 1), as
+    float32 [Hv, Dv]."""
+    c = np.asarray(1.0 if c is None else c, np.float64)
+    return f32(np.broadcast_to(c[:, None] if c.ndim == 1 else c, shape))
+
+
+def gdn_state_parts(buf, Hv, Dv, Dk):
+    """S' [Hv, Dv, Dk] and c [Hv, Dv] (float32) of a device state buffer ``buf``."""
+    raw = download(buf, np.float32, (Hv * Dv * (Dk + 1),))
+    return raw[:Hv * Dv * Dk].reshape(Hv, Dv, Dk), raw[Hv * Dv * Dk:].reshape(Hv, Dv)
+
+
+def gdn_folded(Sp, c):
+    """The recurrent state c * S' in float64 (exact: a product of two float32)."""
+    return np.asarray(c, np.float64)[..., None] * Sp
+
+
 class GdnLayer:
     """Device buffers of one GDN layer plus the oracle with the same weights."""
 
@@ -270,7 +299,7 @@ class GdnLayer:
             "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
         self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
         self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
-        self.state = upload(dev, np.zeros((Hv, Dv, Dk), np.float32))
+        self.state = upload(dev, np.zeros(Hv * Dv * (Dk + 1), np.float32))  # S' and c: zero, S = 0
         self.st = ReferenceState(max_context=1 << 20)
         self.st.conv[0] = np.zeros((K - 1, C), np.float32)
         self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
@@ -283,11 +312,14 @@ class GdnLayer:
         return (f32(r.standard_normal(self.conv_dim) * scale), f32(r.standard_normal(self.Hv * self.Dv)),
                 f32(r.standard_normal(self.Hv)), f32(r.standard_normal(self.Hv)))
 
-    def set_state(self, conv, S):
+    def set_state(self, conv, S, c=None):
+        """Conv state and recurrent state S' = ``S`` with pending decay ``c`` (scalar, [Hv]
+        or [Hv, Dv]; default 1) on the device; the oracle starts from c * S'."""
         self.conv[self.parity].write(f32(conv).view(np.uint8).reshape(-1))
-        self.state.write(f32(S).view(np.uint8).reshape(-1))
+        raw = gdn_state_bytes(S, c)
+        self.state.write(raw)
         self.st.conv[0] = f32(conv).copy()
-        self.st.recurrent[0] = f32(S).copy()
+        self.st.recurrent[0] = f32(gdn_folded(*self.state_parts()))
 
     def step_device(self, qkv, z, b, a):
         dev = self.dev
@@ -310,10 +342,14 @@ class GdnLayer:
         o.proj = {"in_proj_qkv": qkv[None], "in_proj_z": z[None], "in_proj_b": b[None], "in_proj_a": a[None]}
         return o.gated_deltanet(0, np.zeros((1, 1), np.float32), self.st)[0]
 
+    def state_parts(self):
+        """S' [Hv, Dv, Dk] and c [Hv, Dv] as the device holds them."""
+        return gdn_state_parts(self.state, self.Hv, self.Dv, self.Dk)
+
     def device_state(self):
+        """The conv state and the recurrent state c * S' (float64)."""
         C, K = self.conv_dim, self.K
-        return (download(self.conv[self.parity], np.float32, (K - 1, C)),
-                download(self.state, np.float32, (self.Hv, self.Dv, self.Dk)))
+        return download(self.conv[self.parity], np.float32, (K - 1, C)), gdn_folded(*self.state_parts())
 
 
 THETA = 1e7
@@ -808,7 +844,7 @@ class GdnPrefillLayer:
         self.W = [upload(dev, self.conv_w), upload(dev, self.A_log), upload(dev, self.dt_bias),
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
-        self.S = dev.buffer(Hv * Dv * Dk * 4)
+        self.S = dev.buffer(Hv * Dv * (Dk + 1) * 4)  # S' then c (gdn_state_bytes)
         # the library's scan for these dims; its name gives RV, the state rows per threadgroup
         self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
         self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
@@ -816,22 +852,36 @@ class GdnPrefillLayer:
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
 
     # ---- state and inputs
-    def set_state(self, conv, S, parity=0):
+    def set_state(self, conv, S, parity=0, c=None):
+        """Conv state (buffer ``parity``) and recurrent state S' = ``S`` with pending decay
+        ``c`` (scalar, [Hv] or [Hv, Dv]; default 1): the state is c * S'
+        (:meth:`state`)."""
         self.CS[parity].write(f32(conv).view(np.uint8).reshape(-1))
-        self.S.write(f32(S).view(np.uint8).reshape(-1))
+        self.S.write(gdn_state_bytes(S, c))
 
-    def random_state(self, parity=0):
+    def random_state(self, parity=0, c=None):
+        """A random conv state and S' (|S| ~ 0.3 / c), pending decay ``c`` (default 1).
+        Returns the conv state and the recurrent state c * S' (float32 S' itself when c is
+        None; float64 otherwise)."""
         r = self.rng
         conv = f32(r.standard_normal((GDN_K - 1, self.C)))
         S = f32(0.3 * r.standard_normal((self.Hv, self.Dv, self.Dk)))
-        self.set_state(conv, S, parity)
-        return conv, S
+        if c is not None:  # S' = S / c (rows with c = 0 hold S = 0 whatever S' is)
+            cr = gdn_rows(c, S.shape[:2])[..., None]
+            S = f32(np.where(cr > 0, S / np.where(cr > 0, cr, 1), S))
+        self.set_state(conv, S, parity, c)
+        return conv, (S if c is None else self.state())
 
     def conv_state(self, parity):
         return download(self.CS[parity], np.float32, (GDN_K - 1, self.C))
 
+    def state_parts(self):
+        """S' [Hv, Dv, Dk] and c [Hv, Dv] as the device holds them."""
+        return gdn_state_parts(self.S, self.Hv, self.Dv, self.Dk)
+
     def state(self):
-        return download(self.S, np.float32, (self.Hv, self.Dv, self.Dk))
+        """The recurrent state c * S' (float64; exact from the device's float32 parts)."""
+        return gdn_folded(*self.state_parts())
 
     def inputs(self, M):
         """Random projections qkv, z, b, a (float32); z holds half values (in_proj_z stores
@@ -1750,7 +1800,8 @@ def _gemm(dev, rng, kernel):
 def _gdn_decode_step(dev, rng, kernel):
     Dk = int(kernel.split("_k")[1].split("_")[0])
     L = GdnLayer(dev, 2, 4, Dk, Dk, rng=rng)
-    L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)))
+    c = 2.0 ** -rng.uniform(0, 40, 4)  # pending decays (S = c S', S ~ 0.3): the step applies c
+    L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)) / c[:, None, None], c)
     inp = L.random_inputs()
     got = L.step_device(*inp)
     want = L.step_reference(*inp)
@@ -2257,7 +2308,7 @@ def _gdn_scan(dev, rng, kernel):
     """The scan (conv inline) and the gated norm run together (the norm's input is the scan's y)."""
     L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
     M = 9
-    conv0, S0 = L.random_state()
+    conv0, S0 = L.random_state(c=2.0 ** -rng.uniform(0, 40, L.Hv))  # pending decays: folds too
     qkv, z, b, a = L.inputs(M)
     Q, Z, B, A = L.input_buffers(qkv, z, b, a)
     O, N = L.out_buffers(M)

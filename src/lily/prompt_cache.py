@@ -14,11 +14,13 @@ back on the device) holding, per attention layer, the K and V rows in use (bf16)
 Gated DeltaNet layer, the conv and recurrent state::
 
     kv    = tokens * attention_layers * 2 * num_key_value_heads * head_dim * 2 bytes
-    state = deltanet_layers * (Hv * Dv * Dk * 4 + (conv_kernel - 1) * conv_dim * 4) bytes
+    state = deltanet_layers * (Hv * Dv * (Dk + 1) * 4 + (conv_kernel - 1) * conv_dim * 4) bytes
 
-For Qwen3.6-35B-A3B (10 attention layers, 2 KV heads of 256; 30 DeltaNet layers with 32
-value heads of 128 x 128 and conv_dim 8192) that is 20 KiB per token plus 30 x (2 MiB +
-96 KiB) = 65.9 MB. The reference device keeps float32 KV (twice the bytes per token).
+(the recurrent state is S' [Hv, Dv, Dk] plus the scan's pending decay c per row, S = c S':
+metal/gdn_prefill.metal, "Lazy decay"). For Qwen3.6-35B-A3B (10 attention layers, 2 KV
+heads of 256; 30 DeltaNet layers with 32 value heads of 128 x 128 and conv_dim 8192) that
+is 20 KiB per token plus 30 x (2 MiB + 16 KiB + 96 KiB) = 66.4 MB. The reference device
+keeps float32 KV (twice the bytes per token) and S itself.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from lily.errors import InvalidParameterError, LilyError
 
 DEFAULT_MAX_BYTES = 4 << 30  # 4 GiB: about 28 snapshots of a 4K-token prompt on the full model
 FORMAT = "lily-prompt-cache"
-FORMAT_VERSION = 1
+# 2: native snapshots carry the recurrent state's pending decay (Hv * Dv floats more per
+# DeltaNet layer); a version-1 file is refused by its version, never restored as garbage.
+FORMAT_VERSION = 2
 
 
 class PromptCacheError(LilyError):
@@ -84,7 +88,7 @@ def native_snapshot_bytes(config, tokens: int) -> int:
     attn = sum(config.is_full_attention(i) for i in range(config.num_hidden_layers))
     gdn = config.num_hidden_layers - attn
     kv = tokens * attn * 2 * config.num_key_value_heads * config.head_dim * 2
-    state = (config.linear_num_value_heads * config.linear_value_head_dim * config.linear_key_head_dim
+    state = (config.linear_num_value_heads * config.linear_value_head_dim * (config.linear_key_head_dim + 1)
              + (config.linear_conv_kernel_dim - 1) * config.conv_dim) * 4
     return kv + gdn * state
 

@@ -7,10 +7,13 @@ element a kernel forgets to write fails the comparison.
 Tolerances (all float32 arithmetic on both sides unless noted):
 * GDN step: the kernel sums in a different order (simd_sum trees vs numpy einsum) over
   Dk = 128 products of O(1) values: a few float32 ulps, so rtol 1e-4 / atol 1e-5 on one
-  step. The 512-step drift test allows 5e-5 absolute on the state (|S| <= ~0.7) and the
-  outputs (|o| <= ~4); measured 2.4e-7 and 5.7e-6. The delta rule with unit-norm k, beta in
-  (0, 1) and g <= 1 is a contraction, so rounding differences do not accumulate beyond a
-  small multiple of one step's.
+  step. The device state is S' and a pending decay c per row (S = c S', gdn_scan's lazy
+  decay); the step decays by c g and leaves c = 1, so it starts from random c here (0, i.e.
+  S = 0, and tiny ones included) against the reference started from c S'. The 512-step
+  drift test allows 5e-5 absolute on the state (|S| <= ~0.7) and the outputs (|o| <= ~4);
+  measured 2.4e-7 and 5.7e-6. The delta rule with unit-norm k, beta in (0, 1) and g <= 1
+  is a contraction, so rounding differences do not accumulate beyond a small multiple of
+  one step's.
 
 Kernel correctness tests run in three simulator modes (fixture ``dev``): forward order,
 reverse thread/threadgroup order with undeclared-read detection, random order; all with
@@ -56,8 +59,13 @@ def test_gdn_decode_step_matches_reference(dev, dims):
     Hk, Hv, Dk, Dv = GDN_DIMS[dims]
     L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=1)
     r = L.rng
-    # a non-trivial starting point: random conv history and recurrent state
-    L.set_state(r.standard_normal((3, L.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)))
+    # a non-trivial starting point: random conv history, recurrent state S' and pending decay
+    # c per head (one head 0: S = 0; one tiny, S' large), S = c S' ~ 0.3
+    c = 2.0 ** -r.uniform(0, 40, Hv)
+    c[0], c[-1] = 0.0, 2.0**-40
+    Sp = 0.3 * r.standard_normal((Hv, Dv, Dk)) / np.where(c > 0, c, 1)[:, None, None]
+    L.set_state(r.standard_normal((3, L.conv_dim)), Sp, c)
+    assert not L.st.recurrent[0][0].any()
     for _ in range(2):
         inp = L.random_inputs()
         got = L.step_device(*inp)
@@ -66,6 +74,7 @@ def test_gdn_decode_step_matches_reference(dev, dims):
         conv, S = L.device_state()
         np.testing.assert_array_equal(conv, L.st.conv[0])  # a copy: exact
         np.testing.assert_allclose(S, L.st.recurrent[0], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(L.state_parts()[1], 1.0)  # the step leaves S itself
 
 
 def test_gdn_decode_drift_512_steps(fwd_dev):

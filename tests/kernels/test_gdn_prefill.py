@@ -43,6 +43,11 @@ Tolerances:
   chunk of the same tokens exactly (the arithmetic of a token does not depend on where its
   chunk starts). The decode step's output stays fp32, so the chunk's half output differs from
   it by the half rounding as well.
+* the lazy decay (the device state is S' and a pending decay c per row, S = c S'; read as
+  the float64 product c S', exact): the tests that start from c != 1 (c = 0 meaning S = 0,
+  c near the fold threshold 2^-40) and drive folds (g ~ e^-15, g = 0) hold the same float64
+  bounds: a fold or a product by c is one more float32 rounding per scalar, not per state
+  element. Two chunks equal one in S' and c bit for bit.
 
 Correctness tests run in three simulator modes (fixture ``dev``): forward order, reverse
 thread/threadgroup order with undeclared-read detection, random order; all with
@@ -226,16 +231,81 @@ def test_two_chunks_equal_one(dev, dims, split):
     whole = L.chunk(*inp, p0=0)
     whole_S, whole_conv = L.state(), L.conv_state(M % 2)
 
+    whole_parts = L.state_parts()
+
     L.set_state(conv0, S0, parity=0)
     parts, p0 = [], 0
     for m in split:
         parts.append(L.chunk(*(x[p0:p0 + m] for x in inp), p0=p0))
         p0 += m
+        if p0 < M:  # the cut carries pending decays c != 1 (c = 1 only on a head that folded
+            assert (L.state_parts()[1] < 1).any()  # at the chunk's last token)
     np.testing.assert_array_equal(np.concatenate(parts), whole)
-    np.testing.assert_array_equal(L.state(), whole_S)
+    for got, want in zip(L.state_parts(), whole_parts):  # S' and c, bit for bit
+        np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(L.conv_state(M % 2), whole_conv)
 
     check_vs_oracle(L, inp, conv0, S0, whole, whole_S, whole_conv)
+
+
+def fold_inputs(L, M, zero_at=()):
+    """Random projections whose gates make the lazy decay fold: per head a target -ln g
+    (head 0 ~0.1, the model's usual memory; head 1 ~15, so c g falls below 2^-40 every
+    second token; the others as drawn) and g = 0 exactly (softplus(1e4) A) on head 2 at the
+    tokens ``zero_at``."""
+    qkv, z, b, a = L.inputs(M)
+    A = np.exp(L.A_log.astype(np.float64))
+    dtb = from_bf16(L.dt_bias).astype(np.float64)
+    for h, target in ((0, 0.1), (1, 15.0)):  # softplus(x) ~ x for x >> 1, log1p(e^x) otherwise
+        x = np.log(np.expm1(target * np.maximum(1 + 0.2 * L.rng.standard_normal(M), 0.2) / A[h]))
+        a[:, h] = x - dtb[h]
+    a[list(zero_at), 2] = 1e4
+    return qkv, z, b, a
+
+
+@pytest.mark.parametrize("dims,M", [("tiny", 1), ("tiny", 40), ("dims", 2), ("dims", 21)])
+def test_lazy_decay_folds(dev, dims, M):
+    """The lazy decay from pending decays c != 1 (c = 0 on head 0: S = 0 whatever S' holds;
+    2^-39, one step from a fold, on head 1) with gates that fold (head 1 every second token,
+    g = 0 on head 2) against the float64 scan from S = c S'; c stays in [2^-40, 1] and is 1
+    after a fold."""
+    L = Layer(dev, dims, seed=19)
+    c0 = np.array([0.0, 2.0**-39, 0.5, 2.0**-20] + [1.0] * (L.Hv - 4))
+    conv0, S0 = L.random_state(c=c0)
+    assert not S0[0].any()
+    inp = fold_inputs(L, M, zero_at=[M // 2])
+    got = L.chunk(*inp, p0=0)
+    want_o, want_S, scale = L.scan_reference(L.conv_reference(inp[0], conv0)[0], *inp[1:], S0)
+    assert_outputs_close(got, want_o, scale)
+    assert_state_close(L.state(), want_S)
+    c = L.state_parts()[1]
+    assert (c >= kernel_check.GDN_SCAN_FOLD).all() and (c <= 1).all()
+    assert (c[0] < 1).all() if M > 1 else (c[0] == 1).all()  # folded at token 0 (c = 0), then lazy
+    if M == 1:
+        assert (c[1] == 1).all() and (c[2] == 1).all()       # 2^-39 g and 0 g both fold
+
+
+@pytest.mark.parametrize("dims,m1,n,m2", [("tiny", 9, 3, 20), ("dims", 5, 2, 7)])
+def test_prefill_decode_prefill(dev, dims, m1, n, m2):
+    """A chunk (leaving pending decays c != 1), n decode steps (which apply c and leave
+    c = 1), another chunk, from a state with pending decays, on folding gates: every output
+    and the state against the float64 scan over all m1 + n + m2 tokens (chunk outputs are
+    half, decode outputs fp32: both within the float64 bounds of both sides)."""
+    L = Layer(dev, dims, seed=20)
+    c0 = 2.0 ** -L.rng.uniform(0, 40, L.Hv)
+    c0[0] = 0.5  # head 0 (slow decay) does not fold in the first chunk: c < 1 at the cut
+    conv0, S0 = L.random_state(parity=1, c=c0)
+    M = m1 + n + m2
+    inp = fold_inputs(L, M, zero_at=[m1 + n + 1])
+    outs = [L.chunk(*(x[:m1] for x in inp), p0=1)]
+    assert (L.state_parts()[1][0] < 1).all()
+    for t in range(m1, m1 + n):
+        outs.append(L.decode_step(*(x[t] for x in inp), pos=1 + t)[None])
+        np.testing.assert_array_equal(L.state_parts()[1], 1.0)
+    outs.append(L.chunk(*(x[m1 + n:] for x in inp), p0=1 + m1 + n))
+    want_o, want_S, scale = L.scan_reference(L.conv_reference(inp[0], conv0)[0], *inp[1:], S0)
+    assert_outputs_close(np.concatenate(outs), want_o, scale, c=128, what="chunk, decode steps, chunk")
+    assert_state_close(L.state(), want_S, atol=2e-5)
 
 
 def test_chunk_vs_oracle_real_dims(dev):
