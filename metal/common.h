@@ -53,8 +53,8 @@ inline half4 gemm_half(half4 v) {
 }
 
 // A GEMM output element: fp32 (ADD: y += v), or half with the saturating conversion (the
-// half activations of a following GEMM: hs, hx; the routed and shared experts' outputs yx,
-// ys, which moe_combine sums in fp32; never ADD).
+// half activations of a following GEMM: hs, hx; the routed experts' outputs yx, which
+// moe_combine sums in fp32; the GDN z, the attention's q|gate, k, v; never ADD).
 inline void gemm_put(device float* dst, float v, bool add) {
   *dst = add ? *dst + v : v;
 }

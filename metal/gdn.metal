@@ -133,7 +133,8 @@ template <uint DK, uint DV>
       y_s[v] = y;
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // device too: it orders the c reads above before the c writes below
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
   if (tid < DV) {  // after the barrier: every c of the head has been read
     c_head[tid] = 1.0f;
   }

@@ -92,9 +92,11 @@ template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdn
 // with its own decay and leaves c = 1.
 // kGdnScanFold = 2^-40: |S'| = |S| / c < |S| 2^40, and |S| <= sum |v| over the context (unit
 // k, beta < 1, g <= 1: ~1e9 at 128K tokens even with |v| ~ 1e4), so S' and its dot products
-// stay ~1e15 inside the float32 range; c g reaches 2^-40 only after the row has decayed by
-// e^-27.7, so heads that keep memory rarely fold.
-constant constexpr float kGdnScanFold = 0x1p-40f;
+// stay below ~1.1e21, ~3e17 inside the float32 range; c g reaches 2^-40 only after the row
+// has decayed by e^-27.7, so heads that keep memory rarely fold. c is per row, not per head:
+// a head's rows are split over threadgroups, and one c per head would be written by one of
+// them while the others still read it.
+constant constexpr float kGdnScanFold = 1.0f / 1099511627776.0f;  // 2^-40 exactly (no hex float in C++14)
 
 // DK, DV: head dims; RV: state rows (value dims) per threadgroup, so a head is DV / RV
 // threadgroups. kGdnScanLanesPerRow (L = 4) adjacent lanes share one state row; lane j of a

@@ -1,7 +1,7 @@
 // Prefill GEMMs on MLX affine-quantized weights, simdgroup_matrix path (docs/prefill.md,
 // "GEMM: dense and grouped expert GEMM"):
 //   gemm_q4, gemm_q8, gemm_q4_add_h     y[m, n] (=|+=) x[m, k] W[n, k]^T
-//   gemm_q4_half                        y = half(x W^T)  (saturated: the shared expert's ys)
+//   gemm_q4_half                        y = half(x W^T)  (saturated: the GDN z, the attention's q|gate, k, v)
 //   gemm_swiglu_q4                      y = half(g[m] * silu(x Wg^T) * (x Wu^T))  (g: a row scale)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
 // computes a BM x BN block of the output. Per step of kGemmBK = 64 columns of k it copies
@@ -40,15 +40,12 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
   gemm_accumulate<BITS, NB, BM, BN, SM, SN>(smem4, x, a, w0, s0, b0, w1, s1, b1, n0, args.n,
                                             args.k, rows, tid, sg);
   const threadgroup float* smem = (const threadgroup float*)smem4;
+  const GemmRowSink<ADD, Y> sink{y + m0 * args.ldy + n0, args.ldy, g ? g + m0 * ldg : nullptr, ldg};
   for (uint i = tid; i < BM * BN; i += NT) {
     const uint r = i / BN;
     const uint c = i % BN;
     if (r < rows && n0 + c < args.n) {
-      float v = gemm_staged<NB, BM, BN>(smem, r, c);
-      if (g) {
-        v *= g[(m0 + r) * ldg];
-      }
-      gemm_put(y + (m0 + r) * args.ldy + n0 + c, v, ADD);
+      sink.put(r, c, gemm_staged<NB, BM, BN>(smem, r, c));
     }
   }
 }

@@ -68,22 +68,7 @@ struct GemmTensorScope<true, NSG> {
   using type = execution_simdgroup;
 };
 
-// Where the results go: a GEMM kernel passes a sink whose put(r, c, v) stores result v of
-// tile row r < rows, tile column c < min(BN, n - n0).
-//   GemmRowSink: row r at y + r * ldy, column c at + c (y already at the tile's first row
-//                and column); ADD: y += v (fp32), else gemm_put (half: saturating). With a
-//                row scale g (not null, at the tile's first row), v is first multiplied by
-//                g[r * ldg].
-template <bool ADD, typename Y>
-struct GemmRowSink {
-  device Y* y;
-  uint ldy;
-  device const float* g = nullptr;
-  uint ldg = 0;
-  void put(uint r, uint c, float v) const {
-    gemm_put(y + r * ldy + c, g ? v * g[r * ldg] : v, ADD);
-  }
-};
+// Where the results go: GemmRowSink (gemm_tiles.h), shared with the simdgroup_matrix GEMMs.
 
 // One threadgroup's GEMM: NB products of the A rows `a` (rows valid rows) with weight rows
 // [n0, n0 + BN) of (w_b, s_b, b_b), b < NB, over the whole of k, in fp32 cooperative tensors

@@ -193,6 +193,23 @@ inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device co
   }
 }
 
+// Where the results go: a GEMM kernel passes a sink whose put(r, c, v) stores result v of
+// tile row r < rows, tile column c < min(BN, n - n0).
+//   GemmRowSink: row r at y + r * ldy, column c at + c (y already at the tile's first row
+//                and column); ADD: y += v (fp32), else gemm_put (half: saturating). With a
+//                row scale g (not null, at the tile's first row), v is first multiplied by
+//                g[r * ldg].
+template <bool ADD, typename Y>
+struct GemmRowSink {
+  device Y* y;
+  uint ldy;
+  device const float* g = nullptr;
+  uint ldg = 0;
+  void put(uint r, uint c, float v) const {
+    gemm_put(y + r * ldy + c, g ? v * g[r * ldg] : v, ADD);
+  }
+};
+
 // ---- threadgroup memory ------------------------------------------------------------------
 // Bytes of a GEMM with NB weight tiles: the half A and W tiles of a step, reused at the end
 // for the NB staged fp32 BM x (BN + 4) output blocks. Declared as float4 (16-byte aligned).

@@ -110,8 +110,8 @@ struct MoeRoutePrefillArgs {
   uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32, 64 or 128 (tile classes above)
 };
 
-// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] + w[row, k] ys[row] (yx and ys half,
-// h and w fp32; summed in fp32).
+// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] (yx half, h and w fp32; summed in
+// fp32; the shared expert is already in h).
 struct MoeCombineArgs {
   uint rows;    // M: rows of the chunk
   uint hidden;  // H: row length (2048); a multiple of 4

@@ -140,9 +140,8 @@ def _minimum_bytes(cfg, context):
             total += out_f * per_row
     kv = cfg.full_attention_layers.__len__() * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 * (context + 1 + 1)
     gdn = cfg.num_hidden_layers - len(cfg.full_attention_layers)
-    # the recurrent state with gdn_scan's pending decay per row (S = c S'): Hv Dv (Dk + 1)
-    state = gdn * 2 * 4 * (cfg.linear_num_value_heads * cfg.linear_value_head_dim * (cfg.linear_key_head_dim + 1)
-                           + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
+    # the recurrent state with gdn_scan's pending decay per row (S = c S'), and the conv state
+    state = gdn * 2 * 4 * (cfg.gdn_state_floats + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
     return total, kv, state
 
 

@@ -29,8 +29,8 @@ the reference's logits by ~1e-4 on its own). A flipped pick also reaches every l
 (attention and the recurrent state carry it), without a small bound either: tiny, the 12-row
 chunks, position 31's pick flipped at layer 1 (gap 5e-4) once the shared expert's output
 stopped being rounded to half, and position 36 then had 0.06. So the cap is also waived at
-the positions after a near-tie whose pick flipped (its own error above REL_TOL); they still
-count in the 75%. Prefill and decode
+the AFTER_FLIP = 8 positions after a near-tie whose pick flipped (its own error above
+REL_TOL); they still count in the 75%. Prefill and decode
 steps of the same tokens sum in different orders (GEMM tiles vs GEMV teams) but read the
 same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
 """
@@ -56,6 +56,7 @@ NEAR_TIE = REL_TOL  # router logit gap below which a pick may flip (module docst
 # activations differ by ~1e-4 relative (logits <= 3.2e-4 on the demo prompt), not ~1e-3
 PATHS_NEAR_TIE = 1e-3
 INSIDE_MIN = 0.75  # share of positions within REL_TOL (module docstring: router near-ties)
+AFTER_FLIP = 8  # positions after a flipped near-tie whose cap is waived (module docstring)
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
         "is the sun. Arise, fair sun, and kill the envious moon, who is already sick and pale. ") * 3
 PROMPT = 40  # tokens
@@ -77,10 +78,13 @@ def _check(got, want, what, tie=None):
     inside = err < REL_TOL
     if tie is None:
         capped = err
-    else:  # waived: near-ties, and every position after a near-tie whose pick flipped
+    else:  # waived: near-ties, and the AFTER_FLIP positions after a near-tie whose pick flipped
         tie = np.asarray(tie)
-        flipped = np.maximum.accumulate(tie & ~inside)
-        capped = err[~(tie | np.concatenate([[False], flipped[:-1]]))]
+        flipped = np.flatnonzero(tie & ~inside)
+        after = np.zeros_like(tie)
+        for f in flipped:
+            after[f + 1:f + 1 + AFTER_FLIP] = True
+        capped = err[~(tie | after)]
     assert inside.mean() >= INSIDE_MIN and (capped < 10 * REL_TOL).all(), f"{what}: relative errors {np.round(err, 4)}"
     top2 = np.sort(want, axis=-1)[..., -2:]
     margin = top2[..., 1] - top2[..., 0]

@@ -380,3 +380,23 @@ def test_gdn_scan_work_is_the_lazy_decay():
     assert r["work"]["flops"]["alu_f32"] == pytest.approx(want, rel=1e-12)
     state = 4 * Hv * Dv * (Dk + 1)
     assert r["bytes_written"] == state + 4 * M * Hv * Dv  # the state and y
+
+
+def test_estimate_kernels_tool_splits_the_estimate():
+    """tools/estimate_kernels.py (the per-kernel split docs/performance.md quotes) adds up to
+    the estimate's own time, stages and bytes of a prefill chunk and of a decode step."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "estimate_kernels", Path(__file__).resolve().parents[1] / "tools" / "estimate_kernels.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    m = perf.machine("m5max")
+    for records in (count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"],
+                    count_decode_step(CFG, 4096)["records"]):
+        want = perf.time_records(m, records)
+        total, stages, per = tool.by_kernel(m, records)
+        assert total == pytest.approx(want.seconds, rel=1e-12) and stages == want.stages
+        assert sum(s for s, _, _ in per.values()) == pytest.approx(want.seconds, rel=1e-9)
+        assert sum(n for _, n, _ in per.values()) == len(records)
+        assert sum(b for _, _, b in per.values()) == pytest.approx(want.bytes, rel=1e-12)

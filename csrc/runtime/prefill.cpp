@@ -259,7 +259,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
     const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
-    if (add) op.inout(4, y, col0 * yb, y_bytes); else op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
+    if (add) op.inout(4, y, col0 * yb, y_bytes);
+    else if (tag) op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
+    else op.out(4, y, col0 * yb, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
@@ -331,7 +333,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"), true);
       gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"), true);
       gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"), true);
-      const size_t qg_bytes = size_t(M) * Hq * 2 * D * hf, kv_rows = size_t(M) * Hkv * D * hf;
+      const size_t qg_bytes = size_t(M) * Hq * 2 * D * hf, kv_proj_bytes = size_t(M) * Hkv * D * hf;
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
@@ -339,7 +341,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
-            .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_rows).in(2, *c.v, 0, kv_rows)
+            .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_proj_bytes).in(2, *c.v, 0, kv_proj_bytes)
             .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
             .bind(5, *k_cache_[l]).bind(6, *v_cache_[l]);
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)

@@ -65,6 +65,13 @@ _IGNORED_KEYS = {
 # --------------------------------------------------------------------------- config
 
 
+def gdn_state_floats(Hv: int, Dv: int, Dk: int) -> int:
+    """float32 values of a native device's Gated DeltaNet recurrent state per layer: S' [Hv,
+    Dv, Dk] and then the pending decay c [Hv, Dv] (S = c S' per row; docs/prefill.md, "Lazy
+    decay"; csrc/runtime ``ModelDims::gdn_state_floats``)."""
+    return Hv * Dv * (Dk + 1)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Text-model hyperparameters of a ``qwen3_5_moe`` checkpoint (docs/model.md, "Config").
@@ -102,6 +109,12 @@ class ModelConfig:
     def rotary_dim(self) -> int:
         """Number of leading head dimensions that get RoPE (64 for the real model)."""
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_state_floats(self) -> int:
+        """float32 values of one Gated DeltaNet layer's recurrent state on a native device
+        (:func:`gdn_state_floats`)."""
+        return gdn_state_floats(self.linear_num_value_heads, self.linear_value_head_dim, self.linear_key_head_dim)
 
     @property
     def conv_dim(self) -> int:

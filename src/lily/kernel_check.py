@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lily._device import constant, download, upload
-from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
+from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16, gdn_state_floats
 from lily.errors import InvalidParameterError
 from lily.reference import (
     ReferenceModel,
@@ -273,7 +273,7 @@ def gdn_rows(c, shape):
 
 def gdn_state_parts(buf, Hv, Dv, Dk):
     """S' [Hv, Dv, Dk] and c [Hv, Dv] (float32) of a device state buffer ``buf``."""
-    raw = download(buf, np.float32, (Hv * Dv * (Dk + 1),))
+    raw = download(buf, np.float32, (gdn_state_floats(Hv, Dv, Dk),))
     return raw[:Hv * Dv * Dk].reshape(Hv, Dv, Dk), raw[Hv * Dv * Dk:].reshape(Hv, Dv)
 
 
@@ -299,7 +299,7 @@ class GdnLayer:
             "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
         self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
         self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
-        self.state = upload(dev, np.zeros(Hv * Dv * (Dk + 1), np.float32))  # S' and c: zero, S = 0
+        self.state = upload(dev, np.zeros(gdn_state_floats(Hv, Dv, Dk), np.float32))  # S' and c: zero, S = 0
         self.st = ReferenceState(max_context=1 << 20)
         self.st.conv[0] = np.zeros((K - 1, C), np.float32)
         self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
@@ -844,7 +844,7 @@ class GdnPrefillLayer:
         self.W = [upload(dev, self.conv_w), upload(dev, self.A_log), upload(dev, self.dt_bias),
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
-        self.S = dev.buffer(Hv * Dv * (Dk + 1) * 4)  # S' then c (gdn_state_bytes)
+        self.S = dev.buffer(gdn_state_floats(Hv, Dv, Dk) * 4)  # S' then c
         # the library's scan for these dims; its name gives RV, the state rows per threadgroup
         self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
         self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
@@ -1774,7 +1774,7 @@ def _argmax_two_stage(dev, rng, kernel):
 @check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_tensor", "gemm_q8_tensor",
        "gemm_q4_add_h_tensor", "gemm_q4_half_tensor")
 def _gemm(dev, rng, kernel):
-    """gemm_q4_half: y stored as half (the shared expert's ys)."""
+    """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v)."""
     bits, add, half_y = int(kernel[6]), "_add" in kernel, "_half" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)

@@ -88,8 +88,7 @@ def native_snapshot_bytes(config, tokens: int) -> int:
     attn = sum(config.is_full_attention(i) for i in range(config.num_hidden_layers))
     gdn = config.num_hidden_layers - attn
     kv = tokens * attn * 2 * config.num_key_value_heads * config.head_dim * 2
-    state = (config.linear_num_value_heads * config.linear_value_head_dim * (config.linear_key_head_dim + 1)
-             + (config.linear_conv_kernel_dim - 1) * config.conv_dim) * 4
+    state = (config.gdn_state_floats + (config.linear_conv_kernel_dim - 1) * config.conv_dim) * 4
     return kv + gdn * state
 
 
@@ -365,7 +364,8 @@ def load(cache: PromptCache, engine, path: str | os.PathLike) -> int:
         raise PromptCacheError(f"{path}: not a Lily prompt cache file")
     if meta.get("version") != str(FORMAT_VERSION):
         raise PromptCacheError(f"{path}: prompt cache format version {meta.get('version')}, "
-                               f"this Lily reads version {FORMAT_VERSION}")
+                               f"this Lily reads version {FORMAT_VERSION}: re-create it "
+                               "(lily cache-prompt, or Engine.save_prompt_cache)")
     try:
         got = json.loads(meta["identity"])
         index = json.loads(meta["entries"])
