@@ -1129,12 +1129,24 @@ def swiglu_ref(x, g_q, u_q, index=None, scale=None):
     return h, tol * np.abs(s) + U * np.abs(h)
 
 
+ROW_SCALE_BINDING = 9  # gemm_swiglu_q4(_tensor): g at buffer(9), GemmRowScaleArgs at buffer(10)
+
+
 def row_scale(rng, m, ld=3, col=2):
     """A row scale as gemm_swiglu_q4 reads it: column ``col`` of fp32 [m, ld] in [0, 1) (the
-    routing weights' shared-gate column), returned as (the [m, ld] array, its [m] column,
-    the byte offset of the column, GemmRowScaleArgs)."""
-    w = rng.random((m, ld)).astype(np.float32)
-    return w, w[:, col], 4 * col, constant(ld)
+    routing weights' shared-gate column). Returns (the [m, ld] array, the column index)."""
+    return rng.random((m, ld)).astype(np.float32), col
+
+
+def row_scale_bindings(dev, w, col):
+    """gemm_swiglu_q4's row-scale bindings for column ``col`` of ``w`` fp32 [m, ld]: the
+    buffer bound at the column (ROW_SCALE_BINDING), GemmRowScaleArgs {ld} after it, and the
+    range the kernel reads. Returns (buffers, constants, reads) for :func:`run` or a pass's
+    dispatch."""
+    m, ld = w.shape
+    G, off = upload(dev, w), 4 * col
+    return ([(ROW_SCALE_BINDING, G, off)], [(ROW_SCALE_BINDING + 1, constant(ld))],
+            [(G, off, 4 * ((m - 1) * ld + 1))])
 
 
 # ----------------------------------------------------------------------------- decode MoE
@@ -1964,13 +1976,14 @@ def _gemm_swiglu(dev, rng, kernel):
     m, n, k = 21, 70, 128
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = half_activations(rng.standard_normal((m, k)))
-    w, scale, off, ga = row_scale(rng, m)
+    w, col = row_scale(rng, m)
+    sb, sc, sr = row_scale_bindings(dev, w, col)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
-    X, Y, G = upload(dev, x), dev.buffer(2 * m * n), upload(dev, w)  # half in, half out
+    X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
     bm, tg = gemm_geometry(kernel)
-    run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), (9, G, off)],
-        [(8, constant(m, n, k, k, n)), (10, ga)], reads=[*bufs, X, (G, off, 4 * ((m - 1) * 3 + 1))], writes=[Y])
-    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=scale))
+    run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), *sb],
+        [(8, constant(m, n, k, k, n)), *sc], reads=[*bufs, X, *sr], writes=[Y])
+    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
     return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
 
 

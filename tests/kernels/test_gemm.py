@@ -50,7 +50,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily._device import constant, download, upload  # noqa: E402
 from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
-from lily.kernel_check import row_scale, swiglu_ref  # noqa: E402
+from lily.kernel_check import row_scale, row_scale_bindings, swiglu_ref  # noqa: E402
 from lily.kernel_check import to_bf16_bits  # noqa: E402
 from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
 from lily.kernel_check import _codes, half_operand  # noqa: E402
@@ -88,20 +88,14 @@ DENSE_SHAPES = [  # m, n, k
 ]
 
 
-def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False, scale=None):
+def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False, scale=((), (), ())):
     """x is half; y is half for gemm_swiglu_q4 and gemm_q4_half. scale: gemm_swiglu_q4's row
-    scale as (buffer, byte offset, row stride in floats)."""
-    reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k))]
+    scale bindings (row_scale_bindings)."""
+    reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k)), *scale[2]]
     ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "half" in kernel else 4)
-    buffers = [*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off)]
-    constants = [(len(wb) + 2, gemm_args(m, n, k, lda, ldy))]
-    if scale is not None:
-        G, g_off, ldg = scale
-        buffers.append((len(wb) + 3, G, g_off))
-        constants.append((len(wb) + 4, constant(ldg)))
-        reads.append((G, g_off, 4 * ((m - 1) * ldg + 1)))
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
-               buffers=buffers, constants=constants,
+               buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off), *scale[0]],
+               constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy)), *scale[1]],
                reads=reads + (ys if add else []), writes=ys, threadgroups=True, label=kernel)
 
 
@@ -200,14 +194,14 @@ def test_gemm_swiglu(dev, m, n, k):
     rng = fresh_rng(m, n, k, 9)
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = hact(rng.standard_normal((m, k)))
-    w, scale, g_off, _ = row_scale(rng, m)
+    w, col = row_scale(rng, m)
     wb = qbufs(dev, gq) + qbufs(dev, uq)
     X, Y = upload(dev, x), dev.buffer(2 * (m * n + 16))  # half output
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n, scale=(upload(dev, w), g_off, w.shape[1]))
+    enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n, scale=row_scale_bindings(dev, w, col))
     commit(cb, "gemm_swiglu_q4")
     out = download(Y, np.float16).astype(np.float32)
-    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=scale))
+    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
     check(out[:m * n].reshape(m, n), want, tol, f"gemm_swiglu_q4 {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all()
 

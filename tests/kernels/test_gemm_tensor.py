@@ -97,7 +97,8 @@ def test_suite_reaches_the_twins(dev):
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG,  # noqa: E402,F401
                                GEMM_TG, MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, gemm_geometry,
-                               gemm_ref, half_operand, half_weights, row_scale, run, swiglu_ref)
+                               gemm_ref, half_operand, half_weights, row_scale, row_scale_bindings, run,
+                               swiglu_ref)
 from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
@@ -106,8 +107,7 @@ from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E40
 
 def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
     """Runs a dense GEMM kernel on x (stored as half, as the producers do); returns y [m, ldy]
-    (half for SwiGLU, widened to float32). scale: SwiGLU's row scale (row_scale's first
-    three items: the [m, ld] array, unused, the byte offset of its column)."""
+    (half for SwiGLU, widened to float32). scale: SwiGLU's row scale as row_scale returns it."""
     m, lda = x.shape[0], k + 4
     X = upload(dev, pitched(hact(x), lda, 0.0))
     ysize = 2 if "swiglu" in kernel else 4
@@ -119,11 +119,9 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
     bn = GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN
     bm, tg = gemm_geometry(kernel)
     if scale is not None:
-        w, _, g_off = scale
-        G = upload(dev, w)
-        run(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, [*enumerate(bufs), (len(bufs) + 1, G, g_off)],
-            [(len(bufs), constant(m, n, k, lda, ldy)), (len(bufs) + 2, constant(w.shape[1]))],
-            reads=bufs[:-1] + [(G, g_off, 4 * ((m - 1) * w.shape[1] + 1))], writes=[Y])
+        sb, sc, sr = row_scale_bindings(dev, *scale)
+        run(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, [*enumerate(bufs), *sb],
+            [(len(bufs), constant(m, n, k, lda, ldy)), *sc], reads=bufs[:-1] + sr, writes=[Y])
     else:
         dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, constant(m, n, k, lda, ldy),
                  reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
@@ -171,13 +169,13 @@ def test_gemm_swiglu_q4_exact(fwd, m, n, k):
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k), dtype=np.float32)
     ldy = n + 2
-    sc = row_scale(rng, m)
-    y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy, scale=sc[:3])
-    np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy, scale=sc[:3]))
+    w, col = row_scale(rng, m)
+    y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy, scale=(w, col))
+    np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy, scale=(w, col)))
     g, u = seq_model(x, gq), seq_model(x, uq)
     # silu's and the row scale's float32 roundings, then the half store
-    np.testing.assert_allclose(y[:, :n], silu(g) * u * sc[1][:, None], rtol=2.0**-11 + 2e-6, atol=2.0**-25)
-    swiglu_check(y[:, :n], x, gq, uq, scale=sc[1])
+    np.testing.assert_allclose(y[:, :n], silu(g) * u * w[:, col, None], rtol=2.0**-11 + 2e-6, atol=2.0**-25)
+    swiglu_check(y[:, :n], x, gq, uq, scale=w[:, col])
 
 
 def test_gemm_q4_real_size_exact(fwd):
