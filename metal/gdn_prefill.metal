@@ -217,7 +217,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
       threadgroup const float4* kq = k_s + i * (DK / 4) + j;
       threadgroup const float4* qq = q_s + i * (DK / 4) + j;
       c *= g_s[i];
-      if (c < kGdnScanFold) {  // the fold (uniform over the head: c and g are per head)
+      if (c < kGdnScanFold) {  // the fold: uniform over a head's rows (same g, and c equal since reset)
         for (uint e = 0; e < E4; ++e) {
           s[e] *= c;
         }
