@@ -110,18 +110,19 @@ def _router_gaps(model):
     return gaps, lambda: delattr(model, "moe")
 
 
-def _reference_with_ties(ref, ids, near=NEAR_TIE):
+def _reference_with_gaps(ref, ids):
     """The reference engine's logits of every position of ``ids`` (from its current state)
-    and, per position, whether its routing has a near-tie at some layer (a gap < near)."""
+    and, per position, its smallest router gap over the layers (a near-tie where it is below
+    NEAR_TIE, or PATHS_NEAR_TIE between two native paths)."""
     gaps, undo = _router_gaps(ref.backend.model)
     logits = ref.prefill(ids, all_logits=True)
     undo()
     by_layer = {}
     for i, g in gaps:
         by_layer.setdefault(i, []).append(g)
-    tie = np.min([np.concatenate(g) for g in by_layer.values()], axis=0) < near
-    assert tie.shape == (len(ids),)
-    return logits, tie
+    gap = np.min([np.concatenate(g) for g in by_layer.values()], axis=0)
+    assert gap.shape == (len(ids),)
+    return logits, gap
 
 
 @pytest.fixture(scope="module", params=["demo", "tiny", "dims"])
@@ -130,7 +131,8 @@ def model(request, demo_path):
     ref = Engine.load(path, max_context=96, device="reference")
     ids = ref.tokenizer.encode(TEXT)[:PROMPT]
     assert len(ids) == PROMPT
-    logits, tie = _reference_with_ties(ref, ids)
+    logits, gap = _reference_with_gaps(ref, ids)
+    tie = gap < NEAR_TIE
     cont = [int(logits[-1].argmax()), 17, 101]
     after = [ref.decode(t) for t in cont]
     from peer import load_peer, peer_logits
@@ -189,7 +191,7 @@ def test_prefill_equals_decode_steps(demo_path, demo_engine, native_device):
     b = Engine.load(demo_path, device=native_device, max_context=64)
     ids = a.tokenizer.encode(TEXT)[:21]
     demo_engine.reset()
-    _, tie = _reference_with_ties(demo_engine, ids, PATHS_NEAR_TIE)
+    tie = _reference_with_gaps(demo_engine, ids)[1] < PATHS_NEAR_TIE
     la = a.prefill(ids, all_logits=True)
     lb = b.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
     assert lb.shape == la.shape
@@ -386,9 +388,8 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     m5 = {"gpu_family": "apple10"}
     ids = demo_engine.tokenizer.encode(TEXT)[:20]
     demo_engine.reset()
-    want, tie = _reference_with_ties(demo_engine, ids)
-    demo_engine.reset()
-    _, paths_tie = _reference_with_ties(demo_engine, ids, PATHS_NEAR_TIE)
+    want, gap = _reference_with_gaps(demo_engine, ids)
+    tie, paths_tie = gap < NEAR_TIE, gap < PATHS_NEAR_TIE
     demo_engine.reset()
     tensor = Engine.load(demo_path, device="sim", max_context=64,
                          device_options={"prefill_chunk": 8, "device_options": m5})
