@@ -18,7 +18,11 @@ a Mac). Never commit SDK files.
    get_destination_cooperative_tensor members as Apple declares them, against the
    simulator's stand-in (csrc/gpu/sim/msl/MetalPerformancePrimitives/), and the operand
    element types metal/*_tensor.metal and *_tensor.h use against the types Apple's header maps (bfloat
-   only under __HAVE_BFLOAT__) and against the operand table in its header comment.
+   only under __HAVE_BFLOAT__). Each matmul2d run() of the shipped kernels is read as an
+   (A, B, C) combination (element types, address spaces) and checked against the operand
+   table in Apple's header comment; one the table lacks passes only if the load-time
+   pipeline tensor_ops_probe (gemm_tensor.metal) runs the same combination, so that an OS
+   without it falls back to the simdgroup_matrix kernels instead of failing.
 3. --compile (needs --sdk12 and a complete Metal.framework in the overlay): assembles the
    overlay on top of the macOS 12 SDK and runs tools/check_objc.sh on the result with
    deprecations as errors.
@@ -147,10 +151,12 @@ def availability(decl: str) -> tuple[str, str]:
 
 def newest_sdk_branch(source: str) -> str:
     """source as a macOS 26 SDK compiles it: the `#else` branches of `#if
-    defined(MAC_OS_VERSION_x)` / `#ifdef MAC_OS_VERSION_x` blocks (the fallbacks for older
-    SDKs, which define no such macro) are dropped."""
+    defined(MAC_OS_VERSION_x)` / `#ifdef MAC_OS_VERSION_x` / `#if defined(__MAC_x)` blocks
+    (the fallbacks for older SDKs, which define no such macro) are dropped."""
     out, stack = [], []  # stack: per open #if, whether lines are dropped inside it
-    sdk_macros = {r"MAC_OS_VERSION_\d+(?:_\d+)*"}  # and the macros defined only under such a guard
+    # MAC_OS_VERSION_x_y (Foundation) and __MAC_x_y (Availability.h), and the macros defined
+    # only under such a guard
+    sdk_macros = {r"MAC_OS_VERSION_\d+(?:_\d+)*", r"__MAC_\d+(?:_\d+)*"}
     for line in source.splitlines():
         t = line.strip()
         if re.match(r"#\s*if", t):
@@ -168,6 +174,23 @@ def newest_sdk_branch(source: str) -> str:
     return "\n".join(out)
 
 
+def _top_level(inner: str) -> str:
+    """The top level of a message send's text: each nested (...), [...] or {...} group (a
+    cast, a nested send as receiver or argument, a block's body) becomes one `_`, so
+    `[(id<P>)b foo]` and `[[x y] foo:a bar:b]` read as `_b foo` and `_ foo:a bar:b`."""
+    out, depth = [], 0
+    for c in inner:
+        if c in "([{":
+            depth += 1
+            if depth == 1:
+                out.append("_")
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0:
+            out.append(c)
+    return "".join(out)
+
+
 def used_apis(source: str) -> list[str]:
     """Selectors of the Objective-C messages, property names after '.', and MTL* names, in
     the code a macOS 26 SDK compiles."""
@@ -180,18 +203,12 @@ def used_apis(source: str) -> list[str]:
             stack.append(i)
         elif ch == "]" and stack:
             start = stack.pop()
-            inner = src[start + 1:i]
-            depth, flat = 0, []
-            for c in inner:  # the top level of this send only
-                depth += c in "[("
-                depth -= c in "])"
-                flat.append(c if depth == 0 or c in "[(" and depth == 1 else " ")
-            flat_s = "".join(flat)
-            m = re.match(r"\s*[\w.>()\-]+\s+(\w+)\s*(:?)", flat_s)
+            flat_s = _top_level(src[start + 1:i])
+            m = re.match(r"\s*[\w.>\-]+\s+(\w+)\s*(:?)", flat_s)
             if not m:
                 continue
-            if m.group(2):
-                parts = re.findall(r"(\w+)\s*:", flat_s[m.start(1):])
+            if m.group(2):  # selector parts: `name:`, not C++'s `std::`
+                parts = re.findall(r"(?<![\w:])(\w+)\s*:(?!:)", flat_s[m.start(1):])
                 names.add("".join(p + ":" for p in parts))
             else:
                 names.add(m.group(1))
@@ -200,33 +217,55 @@ def used_apis(source: str) -> list[str]:
     return sorted(names)
 
 
-def api_audit(newest: Path, older: Path | None) -> bool:
-    new = {}
-    for h in headers(newest, "Metal"):
+NSOBJECT = {"alloc", "init", "new", "copy"}  # NSObject's, also redeclared (unavailable) by a few Metal classes
+
+
+def _all_declarations(root: Path) -> dict[str, list[tuple[str, str]]]:
+    """name -> [(declaration, header)] over a tree's Metal headers, in header order."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for h in headers(root, "Metal"):
         for k, v in declarations(h).items():
-            new.setdefault(k, (v, h.name))
-    old = {}
-    if older:
-        for h in headers(older, "Metal"):
-            for k, v in declarations(h).items():
-                old.setdefault(k, (v, h.name))
+            out.setdefault(k, []).append((v, h.name))
+    return out
+
+
+def api_audit(newest: Path, older: Path | None, source: str | None = None) -> bool:
+    """Prints where each API metal_device.mm (or `source`) uses is declared and its status;
+    False when a declaration in the newest headers deprecates one. Names are matched without
+    the receiver's type: the first declaration found rules, and a same-named one elsewhere
+    that is deprecated is named in a note. A setter `setX:` is matched to property x."""
+    new = _all_declarations(newest)
+    old = _all_declarations(older) if older else {}
     ok = True
-    rows = []
-    for name in used_apis(MM.read_text(encoding="utf-8")):
-        where = "26" if name in new else "12" if name in old else None
+    rows, notes = [], []
+    for name in used_apis(source if source is not None else MM.read_text(encoding="utf-8")):
+        if name in NSOBJECT:
+            continue
+        key = name
+        if name not in new and name not in old and (m := re.fullmatch(r"set([A-Z]\w*):", name)):
+            key = m.group(1)[0].lower() + m.group(1)[1:]  # the property's implicit setter
+        where = "26" if key in new else "12" if key in old else None
         if where is None:
             continue  # Foundation, a type name, or a declaration outside the headers given
-        decl, header = (new if where == "26" else old)[name]
+        decls = (new if where == "26" else old)[key]
+        decl, header = decls[0]
         since, dep = availability(decl)
         if dep and where == "26":
             ok = False
-        rows.append((name, f"{header} ({'macOS 26 overlay' if where == '26' else 'macOS 12 SDK'})",
+        others = sorted({h for d, h in decls[1:] if availability(d)[1]})
+        if others and not dep:
+            notes.append(f"  note: {name}: a same-named declaration in {', '.join(others)} is deprecated; "
+                         "check which one the receiver uses")
+        label = name if key == name else f"{name} (property {key})"
+        rows.append((label, f"{header} ({'macOS 26 overlay' if where == '26' else 'macOS 12 SDK'})",
                      since or "-", dep or "ok"))
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     print(f"{'API used by metal_device.mm':<{w0}}  {'declared in':<{w1}}  since  status")
     for r in rows:
         print(f"{r[0]:<{w0}}  {r[1]:<{w1}}  {r[2]:<5}  {r[3]}")
+    for n in notes:
+        print(n)
     return ok
 
 
@@ -261,7 +300,83 @@ def _member_template(text: str, member: str) -> list[str]:
             and n != "CoopArgs"]
 
 
-def tensor_check(newest: Path) -> bool:
+ELEMENT_TYPES = {"half", "float", "bfloat", "int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t"}
+_ELEM = r"(device|threadgroup|thread)\s+(?:const\s+)?(\w+)"
+PROBE = "tensor_ops_probe"  # gemm_tensor.metal: the load-time pipeline that tries every operand kind
+
+
+def _tensor_names(texts: list[str]) -> dict[str, tuple[str, str]]:
+    """Type aliases and functions that name a tensor type -> (element type, address space)."""
+    out: dict[str, tuple[str, str]] = {}
+    for t in texts:
+        for m in re.finditer(r"\busing\s+(\w+)\s*=\s*tensor<\s*" + _ELEM, t):
+            out[m.group(1)] = (m.group(3), m.group(2))
+    for t in texts:  # functions returning such a type (after the aliases are known)
+        for m in re.finditer(r"\btensor<\s*" + _ELEM + r"[^;{}()]*>\s+(\w+)\s*\(", t):
+            out[m.group(3)] = (m.group(2), m.group(1))
+        for m in re.finditer(r"\b(\w+)\s*<[^;{}()<>]*>\s+(\w+)\s*\(", t):
+            if m.group(1) in out:
+                out[m.group(2)] = out[m.group(1)]
+    return out
+
+
+def _operand(text: str, var: str, at: int, names: dict[str, tuple[str, str]], depth: int = 0) -> tuple[str, str]:
+    """(element type, address space or 'cooperative') of variable `var` as declared last
+    before offset `at` in text; the type parameter's name when a template leaves it open,
+    '?' when unknown."""
+    decl = None
+    for m in re.finditer(r"\bauto\s+" + var + r"\s*=\s*([^;]*);|\b(\w+)\s+" + var + r"\s*[({]", text[:at]):
+        decl = m
+    if decl is None or depth > 4:
+        return ("?", "?")
+    if decl.group(2):  # `Alias var(...)`
+        return names.get(decl.group(2), ("?", "?"))
+    e = " ".join(decl.group(1).split())
+    if m := re.match(r"tensor<\s*" + _ELEM, e):
+        return (m.group(2), m.group(1))
+    if m := re.search(r"get_destination_cooperative_tensor<(.*)>\s*\(\s*\)$", e):
+        args = [a.strip() for a in split_top(m.group(1).replace("<", "(").replace(">", ")"))]
+        return (args[2] if len(args) > 2 else "?", "cooperative")
+    if m := re.match(r"(\w+)\s*\.\s*(?:template\s+)?(?:slice|offset|static_slice)\b", e):
+        return _operand(text, m.group(1), decl.start(), names, depth + 1)
+    if m := re.match(r"(\w+)\s*[<(]", e):
+        return names.get(m.group(1), ("?", "?"))
+    return ("?", "?")
+
+
+def operand_combinations(files: list[Path]) -> list[tuple[tuple[str, ...], str]]:
+    """((A, A space, B, B space, C, C space or 'cooperative'), where) of every matmul2d run()
+    call in files; `where` is file:line, with the kernel tensor_ops_probe marked."""
+    texts = {f: strip_comments(f.read_text(encoding="utf-8")) for f in files}
+    names = _tensor_names(list(texts.values()))
+    out = []
+    for f, t in texts.items():
+        probe = re.search(r"\bkernel\s+void\s+" + PROBE + r"\b", t)
+        for m in re.finditer(r"\b\w+\s*\.\s*run\s*\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)", t):
+            ops = [_operand(t, v, m.start(), names) for v in m.groups()]
+            where = f"{f.name}:{t.count(chr(10), 0, m.start()) + 1}"
+            if probe and probe.start() < m.start() and _function_end(t, probe.start()) > m.start():
+                where += f" ({PROBE})"
+            out.append((tuple(x for op in ops for x in op), where))
+    return out
+
+
+def _function_end(text: str, start: int) -> int:
+    """Offset just past the body of the function whose head starts at `start`."""
+    i = text.index("{", start)
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return j + 1
+    return len(text)
+
+
+def _combo_text(c: tuple[str, ...]) -> str:
+    return f"{c[0]} ({c[1]}) x {c[2]} ({c[3]}) -> {c[4]} ({c[5]})"
+
+
+def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
     mpp = {h.name: h for h in headers(newest, "MetalPerformancePrimitives")}
     if "MPPTensorOpsMatMul2d.h" not in mpp:
         print("tensor API: SKIPPED (no MetalPerformancePrimitives.framework/.../MPPTensorOpsMatMul2d.h in the overlay)")
@@ -281,6 +396,10 @@ def tensor_check(newest: Path) -> bool:
     def dyn(ps):
         return [(t, "dynamic" if "dynamic" in d else re.sub(r"^mode::", "", d)) for t, d in ps]
     same("matmul2d_descriptor(...) parameters (type, default)", _ctor_params(apple), _ctor_params(ours), dyn)
+    ka, ks = _ctor_params(apple)[2][1], _ctor_params(ours)[2][1]
+    if ka != ks:  # both mean "k from the operands", but the sentinel values may differ
+        print(f"  note: k's default is spelled {ka} by Apple, {ks} by the stand-in: Lily's kernels pass k "
+              "explicitly or as static_cast<int>(dynamic_extent) (selftest_tensor.metal only)")
     same("matmul2d template parameters", _template_head(apple, "matmul2d"), _template_head(ours, "matmul2d"))
     same("get_destination_cooperative_tensor<...> parameters", _member_template(apple, "get_destination_cooperative_tensor"),
          _member_template(ours, "get_destination_cooperative_tensor"))
@@ -295,9 +414,13 @@ def tensor_check(newest: Path) -> bool:
         tt = types_h.read_text(encoding="utf-8", errors="replace")
         mapped = set(re.findall(r"__is_same_v<ElementType,\s*(\w+)>", tt))
         bf_gated = bool(re.search(r"#if __HAVE_BFLOAT__\s*else if constexpr \(__is_same_v<ElementType, bfloat>", tt))
-    table = set(re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE))
+    table = {r for r in re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE)
+             if set(r) <= ELEMENT_TYPES}
+    sources = tensor_sources() if sources is None else sources
+    selftest = [f for f in sources if f.name.startswith("selftest")]
+    shipped = [f for f in sources if f not in selftest]
     used = set()
-    for f in tensor_sources():
+    for f in sources:
         src = f.read_text(encoding="utf-8")
         used |= set(re.findall(r"tensor<\s*(?:device|threadgroup)\s+(?:const\s+)?(float|half|bfloat)\b", src))
         for a, b in re.findall(r'host_name\("st_tensor_mm_\w+?_(f16|f32|bf16)_(f16|f32|bf16)', src):
@@ -311,20 +434,49 @@ def tensor_check(newest: Path) -> bool:
     if missing:
         ok = False
         print(f"  NOT MAPPED by these headers: {', '.join(sorted(missing))}")
-    floating = sorted((a, b, c) for a, b, c in table if a in ("half", "float", "bfloat"))
-    print("  floating operand rows of the header comment's table (A, B, C): "
-          + (", ".join(" x ".join(r) for r in floating) or "none"))
+    floating = sorted((a, b, c) for a, b, c in table if a in ("half", "float", "bfloat") or b in ("half", "float", "bfloat"))
+    print("  floating operand rows of the header comment's table (A x B -> C): "
+          + (", ".join(f"{a} x {b} -> {c}" for a, b, c in floating) or "none"))
+    # the (A, B, C) combinations the shipped kernels run, against the table and the probe
+    combos = operand_combinations(shipped)
+    probe = {c for c, where in combos if PROBE in where}
+    by_combo: dict[tuple[str, ...], list[str]] = {}
+    for c, where in combos:
+        if PROBE not in where:
+            by_combo.setdefault(c, []).append(where)
+    print("  operand combinations of the shipped tensor kernels (A x B -> C, address spaces):")
+    for c, wheres in sorted(by_combo.items()):
+        listed = (c[0], c[2], c[4]) in table
+        covered = c in probe
+        unresolved = "?" in c or not {c[0], c[2], c[4]} <= ELEMENT_TYPES
+        status = ("UNRESOLVED (the check cannot read these operands' types)" if unresolved
+                  else "in the table" if listed
+                  else f"NOT in the table; {PROBE} runs it, so an OS without it falls back" if covered
+                  else f"NOT in the table and NOT run by {PROBE}")
+        ok &= not unresolved and (listed or covered)
+        print(f"    {_combo_text(c)}: {status} [{', '.join(wheres)}]")
+    not_probed = sorted(set(by_combo) - probe)
+    if not_probed:  # harmless where the table lists them; tests/test_check_sdk26.py requires none
+        print(f"  note: {PROBE} does not run " + "; ".join(_combo_text(c) for c in not_probed))
+    if selftest:  # never shipped: its compile check is skipped, with a notice, if the SDK rejects it
+        trip = {(c[0], c[2], c[4]) for c, _ in operand_combinations(selftest)}
+        for f in selftest:
+            trip |= {(names.get(a), names.get(b), "float") for a, b in
+                     re.findall(r'host_name\("st_tensor_mm_\w+?_(f16|f32|bf16)_(f16|f32|bf16)', f.read_text(encoding="utf-8"))}
+        extra = sorted(t for t in trip if set(t) <= ELEMENT_TYPES and t not in table)
+        print(f"  {', '.join(f.name for f in selftest)} (tests only, never shipped) also runs, not in the table: "
+              + (", ".join(f"{a} x {b} -> {c}" for a, b, c in extra) or "none"))
     cp = [h for h in headers(newest, "Metal") if h.name == "MTLComputePipeline.h"]
-    coop = any("cooperative_tensor" in f.read_text(encoding="utf-8") for f in tensor_sources())
+    coop = any("cooperative_tensor" in f.read_text(encoding="utf-8") for f in sources)
     if cp and coop and re.search(r"CooperativeTensors in which case this must be set", cp[0].read_text(encoding="utf-8")):
         sets = "requiredThreadsPerThreadgroup" in MM.read_text(encoding="utf-8")
         ok &= sets
         print("  MTLComputePipelineDescriptor.requiredThreadsPerThreadgroup (macOS 26) must be set for pipelines "
               "that use cooperative tensors, as *_tensor.metal do: metal_device.mm "
               + ("sets it" if sets else "does NOT set it"))
-    undocumented = sorted(u for u in used if u != "half")
+    undocumented = sorted(u for u in used if not any(u in (a, b) for a, b, _ in table))
     if undocumented:
-        print(f"  note: {', '.join(undocumented)} operands are not in that table: only Apple's compiler can say "
+        print(f"  note: {', '.join(undocumented)} operands are in no row of that table: only Apple's compiler can say "
               f"whether this SDK accepts them (cmake's Metal 4 probe compiles the real *_tensor.metal files)")
     return ok
 

@@ -1,0 +1,202 @@
+"""tools/check_sdk26.py on small made-up headers and sources (no Apple file is needed or
+committed), and its operand-combination reading of the real metal/*_tensor* sources."""
+
+from __future__ import annotations
+
+import importlib.util
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("check_sdk26", ROOT / "tools" / "check_sdk26.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(root: Path, framework: str, name: str, text: str) -> Path:
+    p = root / "System/Library/Frameworks" / f"{framework}.framework/Versions/A/Headers" / name
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(textwrap.dedent(text), encoding="utf-8")
+    return p
+
+
+def test_used_apis_reads_nested_receivers_casts_blocks_and_setters(tool):
+    src = textwrap.dedent("""
+        void f(id<MTLComputePipelineState> pso, id b, id<MTLBuffer> buf, id<MTLCommandBuffer> cb) {
+          id p = [[pso device] makeThingWithDescriptor:d options:MTLOptNone reflection:nil error:&e];
+          size_t a = [(id<MTLBufferBinding>)b bufferAlignment];
+          std::string s([[e localizedDescription] UTF8String] ?: "none");
+          [buf setLabel:@(name.c_str())];
+          [cb addCompletedHandler:^(id<MTLCommandBuffer> done) {
+            Status st = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
+            std::string m = std::string("x");
+          }];
+        }
+        """)
+    names = tool.used_apis(src)
+    for want in ("makeThingWithDescriptor:options:reflection:error:", "device", "bufferAlignment", "UTF8String",
+                 "localizedDescription", "setLabel:", "addCompletedHandler:", "status", "MTLCommandBufferStatusError"):
+        assert want in names, want
+    assert not [n for n in names if "std:" in n or "Status:" in n], names
+
+
+def test_newest_sdk_branch_drops_fallbacks_of_both_guard_spellings(tool):
+    src = textwrap.dedent("""
+        #if defined(__MAC_26_0)
+        [a newStyle];
+        #else
+        [a oldStyle];
+        #endif
+        #if defined(MAC_OS_VERSION_13_0)
+        #define HAVE_NEW 1
+        #else
+        [a olderStyle];
+        #endif
+        #ifdef HAVE_NEW
+        [a newer];
+        #else
+        [a oldest];
+        #endif
+        """)
+    names = tool.used_apis(src)
+    assert {"newStyle", "newer"} <= set(names)
+    assert not {"oldStyle", "olderStyle", "oldest"} & set(names)
+
+
+def test_api_audit_flags_a_deprecated_use_and_maps_setters_to_properties(tool, tmp_path, capsys):
+    _write(tmp_path, "Metal", "MTLThing.h", """
+        typedef NS_ENUM(NSUInteger, MTLThingKind) {
+            MTLThingKindPlain = 0,
+            MTLThingKindOld API_DEPRECATED_WITH_REPLACEMENT("MTLThingKindPlain", macos(10.11, 13.0)) = 1,
+        } API_AVAILABLE(macos(10.11));
+        @protocol MTLThing <NSObject>
+        @property (nullable, copy, atomic) NSString *label;
+        - (void)runWithCount:(NSUInteger)count API_AVAILABLE(macos(10.13));
+        - (void)runOldWay API_DEPRECATED("use runWithCount:", macos(10.11, 14.0));
+        @end
+        """)
+    good = "void f(id<MTLThing> t) { [t setLabel:@\"x\"]; [t runWithCount:2]; int k = MTLThingKindPlain; }"
+    assert tool.api_audit(tmp_path, None, source=good)
+    out = capsys.readouterr().out
+    assert "setLabel: (property label)" in out and "runWithCount:" in out and "10.13" in out
+    assert not tool.api_audit(tmp_path, None, source="void f(id<MTLThing> t) { [t runOldWay]; }")
+    assert "DEPRECATED in macOS 14.0" in capsys.readouterr().out
+    assert not tool.api_audit(tmp_path, None, source="int k = MTLThingKindOld;")
+    assert "DEPRECATED in macOS 13.0" in capsys.readouterr().out
+
+
+MATMUL_H = """
+    // Element types this operation accepts (A, B, C):
+    //   half     half     float
+    //   int8_t   int8_t   int32_t
+    #if defined(__METAL_VERSION__)
+    struct matmul2d_descriptor
+    {
+      enum class mode
+      {
+        multiply,
+        multiply_accumulate,
+      };
+      constexpr matmul2d_descriptor(int __m, int __n, int __k = dynamic_length_v<int>,
+                                    bool __transpose_left = false, bool __transpose_right = false,
+                                    bool __relaxed_precision = false, mode __matmul_mode = mode::multiply) thread
+          : m(__m) {}
+    };
+    template <matmul2d_descriptor Descriptor, typename Scope, class... Args>
+    class matmul2d
+    {
+      template <typename LeftOperandType, typename RightOperandType, typename ElementType, typename CoordType = int,
+                typename U = void, typename... CoopArgs>
+      int get_destination_cooperative_tensor() thread const;
+    };
+    #endif
+    """
+
+TYPES_H = """
+    template <typename ElementType> constexpr int datatype_of() {
+      if constexpr (__is_same_v<ElementType, float>) return 1;
+    #if __HAVE_BFLOAT__
+      else if constexpr (__is_same_v<ElementType, bfloat>) return 2;
+    #endif
+      else if constexpr (__is_same_v<ElementType, half>) return 3;
+    }
+    """
+
+
+def _kernels(tmp_path: Path, attention_operand: str, probe_operand: str) -> list[Path]:
+    k = tmp_path / "k"
+    k.mkdir()
+    (k / "tiles_tensor.h").write_text(textwrap.dedent("""
+        template <uint R>
+        using Tile = tensor<threadgroup half, extents<int32_t, 64, R>, tensor_inline>;
+        template <uint R>
+        inline Tile<R> tile_at(threadgroup half* p) { return Tile<R>(p, extents<int32_t, 64, R>()); }
+        inline void gemm(threadgroup half* a) {
+          matmul2d<desc, execution_simdgroups<4>> op;
+          auto acc = op.template get_destination_cooperative_tensor<Tile<32>, Tile<64>, float>();
+          auto tA = tile_at<32>(a);
+          auto tW = tile_at<64>(a + 32);
+          op.run(tA, tW, acc);
+        }
+        """))
+    (k / "attn_tensor.metal").write_text(textwrap.dedent(f"""
+        using Rows = tensor<device {attention_operand}, dextents<int32_t, 2>, tensor_inline>;
+        using S = tensor<threadgroup float, extents<int32_t, 32, 64>, tensor_inline>;
+        kernel void attn(device {attention_operand}* q) {{
+          Rows tQ(q, dextents<int32_t, 2>(64, 64));
+          Rows tK(q, dextents<int32_t, 2>(64, 32));
+          S tS(s, extents<int32_t, 32, 64>());
+          qk.run(tQ, tK, tS);
+        }}
+        """))
+    (k / "probe_tensor.metal").write_text(textwrap.dedent(f"""
+        kernel void tensor_ops_probe(device {probe_operand}* x) {{
+          auto a = tensor<device {probe_operand}, dextents<int32_t, 2>, tensor_inline>(x, dextents<int32_t, 2>(64, 32));
+          auto whole = tensor<device {probe_operand}, dextents<int32_t, 2>, tensor_inline>(x, dextents<int32_t, 2>(64, 64));
+          auto b = whole.slice(0, 32);
+          auto c = tensor<threadgroup float, extents<int32_t, 32, 64>, tensor_inline>(s, extents<int32_t, 32, 64>());
+          op.run(a, b, c);
+        }}
+        """))
+    return sorted(k.iterdir())
+
+
+def test_operand_combinations_resolve_aliases_functions_slices_and_cooperative_tensors(tool, tmp_path):
+    combos = dict((where.split(":")[0], c) for c, where in tool.operand_combinations(_kernels(tmp_path, "bfloat", "half")))
+    assert combos["tiles_tensor.h"] == ("half", "threadgroup", "half", "threadgroup", "float", "cooperative")
+    assert combos["attn_tensor.metal"] == ("bfloat", "device", "bfloat", "device", "float", "threadgroup")
+    assert combos["probe_tensor.metal"] == ("half", "device", "half", "device", "float", "threadgroup")
+
+
+@pytest.mark.parametrize("probe_operand, ok", [("bfloat", True), ("half", False)])
+def test_tensor_check_passes_a_combination_missing_from_the_table_only_when_the_probe_runs_it(
+        tool, tmp_path, capsys, probe_operand, ok):
+    sdk = tmp_path / "sdk"
+    _write(sdk, "MetalPerformancePrimitives", "MPPTensorOpsMatMul2d.h", MATMUL_H)
+    _write(sdk, "MetalPerformancePrimitives", "__impl/MPPTensorOpsTypes.h", TYPES_H)
+    assert tool.tensor_check(sdk, sources=_kernels(tmp_path, "bfloat", probe_operand)) is ok
+    out = capsys.readouterr().out
+    assert "half (threadgroup) x half (threadgroup) -> float (cooperative): in the table" in out
+    assert "bfloat (device) x bfloat (device) -> float (threadgroup): NOT in the table" in out
+    assert "matmul2d_descriptor(...) parameters (type, default): same" in out
+    assert "(bfloat only where the compiler defines __HAVE_BFLOAT__)" in out
+
+
+def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_the_probe(tool):
+    """The standing guarantee behind the check: whatever Apple's table says, an OS whose
+    tensor library lacks a combination the shipped kernels use fails tensor_ops_probe at
+    load (the device then uses the simdgroup_matrix kernels), never a shipped kernel."""
+    sources = [f for f in tool.tensor_sources() if not f.name.startswith("selftest")]
+    combos = tool.operand_combinations(sources)
+    shipped = {c for c, where in combos if tool.PROBE not in where}
+    probe = {c for c, where in combos if tool.PROBE in where}
+    assert shipped and probe
+    assert all(set(c[0:6:2]) <= tool.ELEMENT_TYPES for c in shipped | probe), shipped | probe
+    assert shipped <= probe, shipped - probe
