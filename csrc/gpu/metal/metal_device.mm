@@ -589,6 +589,14 @@ class MetalDevice : public gpu::Device {
                          (probe ? ": " + to_string([err localizedDescription]) : std::string(" (it is missing)"));
         return;
       }
+      // Also in the form the tensor kernels are dispatched with (MetalPipeline::pso_for: the
+      // threadgroup shape required, as macOS 26 asks of cooperative-tensor pipelines); the
+      // probe's shape is one threadgroup of 128 threads.
+      std::string sized_error;
+      if (MetalPipeline("tensor_ops_probe", pso, {}, probe).pso_for(gpu::Size3{128, 1, 1}, &sized_error) == nil) {
+        tensor_status_ = "the tensor-op probe kernel of " + path + " does not build on this system: " + sized_error;
+        return;
+      }
       tensor_lib_ = lib;
       tensor_path_ = path;
     } else {
