@@ -1,6 +1,7 @@
 // Prefill GEMMs on MLX affine-quantized weights, simdgroup_matrix path (docs/prefill.md,
 // "GEMM: dense and grouped expert GEMM"):
 //   gemm_q4, gemm_q8, gemm_q4_add_h     y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_add_hs                      y += (x * s) W^T  (s: a half scale per group of a row: the GDN out_proj)
 //   gemm_q4_half                        y = half(x W^T)  (saturated: the GDN z, the attention's q|gate, k, v)
 //   gemm_swiglu_q4                      y = half(g[m] * silu(x Wg^T) * (x Wu^T))  (g: a row scale)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
@@ -21,12 +22,13 @@ using namespace metal;
 // ---- dense GEMMs -------------------------------------------------------------------------
 // Grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * SM * SN threads: threadgroup
 // (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
+// x: an A source (gemm_tiles.h: half or fp32 rows, or GemmAScaled).
 // NB = 1: y = x W^T (ADD: y += x W^T); NB = 2: y = silu(x W0^T) * (x W1^T). With a row
 // scale g (not null), each result of row r is multiplied by g[r * ldg] before it is stored.
-template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN, typename X4, typename Y>
+template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN, typename XS, typename Y>
 inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                        device const bfloat* b0, device const uint* w1, device const bfloat* s1,
-                       device const bfloat* b1, device const X4* x, device Y* y,
+                       device const bfloat* b1, XS x, device Y* y,
                        constant GemmArgs& args, uint2 tgp, uint tid, uint sg,
                        device const float* g = nullptr, uint ldg = 0) {
   constexpr uint NT = 32 * SM * SN;
@@ -58,7 +60,7 @@ constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// GDN gated-norm output and the attention output; gemm_tiles.h also takes float4, converted
+// attention output and the shared expert's hidden; gemm_tiles.h also takes float4, converted
 // while staged, which no kernel uses). Y: float, or half (gemm_q4_half: the sums stored with
 // gemm_half; never ADD).
 template <int BITS, bool ADD, typename X4, typename Y = float>
@@ -80,6 +82,26 @@ template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false, half4>) g
 template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) gemm_q<8, false, half4>;
 template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true, half4>) gemm_q<4, true, half4>;
 template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half4, half>) gemm_q<4, false, half4, half>;
+
+// y += (x * s) W^T: x half [m, lda] whose element i is scaled by s[i >> shift] while staged
+// (GemmAScaled; prefill_args.h GemmAScaleArgs). The GDN out_proj: u times gdn_norm_scale's
+// factors, one per (token, head, scan split) (metal/gdn_prefill.metal).
+[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q4_add_hs(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
+                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
+                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
+                           device const half4* x [[buffer(3)]],        // half [m, lda]
+                           device float* y [[buffer(4)]],              // fp32 [m, ldy], read and written
+                           constant GemmArgs& args [[buffer(5)]],
+                           device const half* s [[buffer(6)]],         // half [m, lda >> shift]
+                           constant GemmAScaleArgs& sa [[buffer(7)]],
+                           uint2 tgp [[threadgroup_position_in_grid]],
+                           uint tid [[thread_index_in_threadgroup]],
+                           uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmBN, 1>::float4s];
+  device const uint* wu = (device const uint*)w;
+  gemm_dense<4, 1, true, kGemmBM, kGemmBN, 2, 2>(smem4, wu, scales, biases, wu, scales, biases,
+                                                GemmAScaled{x, s, sa.shift}, y, args, tgp, tid, sg);
+}
 
 // The shared expert's gate/up, scaled per row by the shared expert gate:
 // y = half(g[m * ldg] * silu(x Wg^T) * (x Wu^T)), Wg and Wu both [n, k]. g is the routing

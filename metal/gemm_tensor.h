@@ -70,14 +70,14 @@ struct GemmTensorScope<true, NSG> {
 
 // Where the results go: GemmRowSink (gemm_tiles.h), shared with the simdgroup_matrix GEMMs.
 
-// One threadgroup's GEMM: NB products of the A rows `a` (rows valid rows) with weight rows
+// One threadgroup's GEMM: NB products of the A rows `a` of source x (gemm_tiles.h; rows valid rows) with weight rows
 // [n0, n0 + BN) of (w_b, s_b, b_b), b < NB, over the whole of k, in fp32 cooperative tensors
 // (registers); then every thread hands its own valid elements to `sink`: the product, or
 // silu(gate) * up for NB = 2 (the same fp32 operations as the simdgroup_matrix twins'
 // gemm_staged). Results are never staged in threadgroup memory, so a tile needs only
 // GemmTensorSmem<BM, BN, NB> (a 128-row tile fits 32 KiB).
-template <int BITS, uint NB, uint BM, uint BN, uint NSG, bool BANDED, typename X4, typename Sink>
-inline void gemm_tensor_gemm(threadgroup float4* smem4, device const X4* x, thread const GemmARows<BM, 32 * NSG>& a,
+template <int BITS, uint NB, uint BM, uint BN, uint NSG, bool BANDED, typename XS, typename Sink>
+inline void gemm_tensor_gemm(threadgroup float4* smem4, XS x, thread const GemmARows<BM, 32 * NSG>& a,
                              device const uint* w0, device const bfloat* s0, device const bfloat* b0,
                              device const uint* w1, device const bfloat* s1, device const bfloat* b1, uint n0,
                              uint n, uint k, uint rows, uint tid, uint sg, thread const Sink& sink) {

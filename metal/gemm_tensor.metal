@@ -3,6 +3,7 @@
 // tensor-operation path"). Twins of metal/gemm.metal with identical bindings, argument
 // structs and outputs, on 128-row blocks of 256 threads (gemm.metal: 64 rows, 128 threads):
 //   gemm_q4_tensor, gemm_q8_tensor, gemm_q4_add_h_tensor     y[m, n] (=|+=) x[m, k] W[n, k]^T
+//   gemm_q4_add_hs_tensor                                   y += (x * s) W^T  (the GDN out_proj)
 //   gemm_q4_half_tensor                                     y = half(x W^T)  (saturated)
 //   gemm_swiglu_q4_tensor                                   y = half(g[m] * silu(x Wg^T) * (x Wu^T))
 // The k loop (half tiles, half x half -> float matmul2d) is gemm_tensor.h's, shared with the
@@ -18,10 +19,10 @@ using namespace metal;
 // As gemm_dense (gemm.metal), in taller blocks: grid (ceil(n / BN), ceil(m / BM))
 // threadgroups of 32 * NSG threads; threadgroup (i, j) computes y rows [j BM, j BM + BM) x
 // columns [i BN, i BN + BN), each simdgroup a band of BM / NSG rows.
-template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG, typename X4, typename Y>
+template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint NSG, typename XS, typename Y>
 inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, device const bfloat* s0,
                               device const bfloat* b0, device const uint* w1, device const bfloat* s1,
-                              device const bfloat* b1, device const X4* x, device Y* y,
+                              device const bfloat* b1, XS x, device Y* y,
                               constant GemmArgs& args, uint2 tgp, uint tid, uint sg,
                               device const float* g = nullptr, uint ldg = 0) {
   constexpr uint NT = 32 * NSG;
@@ -47,7 +48,7 @@ constant constexpr uint kGemmTensorSwigluBN = 32;
 constant constexpr uint kGemmTensorSimdgroups = 8;
 
 // X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// GDN gated-norm output and the attention output). Y: float, or half (gemm_q4_half: stored
+// attention output and the shared expert's hidden). Y: float, or half (gemm_q4_half: stored
 // with gemm_half; never ADD).
 template <int BITS, bool ADD, typename X4, typename Y = float>
 [[max_total_threads_per_threadgroup(256)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
@@ -68,6 +69,24 @@ template [[host_name("gemm_q4_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, fa
 template [[host_name("gemm_q8_tensor")]] [[kernel]] decltype(gemm_q_tensor<8, false, half4>) gemm_q_tensor<8, false, half4>;
 template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, true, half4>) gemm_q_tensor<4, true, half4>;
 template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, half4, half>) gemm_q_tensor<4, false, half4, half>;
+
+// y += (x * s) W^T, as gemm_q4_add_hs (gemm.metal): the GDN out_proj.
+[[max_total_threads_per_threadgroup(256)]] kernel void gemm_q4_add_hs_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
+                                  device const bfloat* scales [[buffer(1)]],  // [n, k/64]
+                                  device const bfloat* biases [[buffer(2)]],  // [n, k/64]
+                                  device const half4* x [[buffer(3)]],        // half [m, lda]
+                                  device float* y [[buffer(4)]],              // fp32 [m, ldy], read and written
+                                  constant GemmArgs& args [[buffer(5)]],
+                                  device const half* s [[buffer(6)]],         // half [m, lda >> shift]
+                                  constant GemmAScaleArgs& sa [[buffer(7)]],
+                                  uint2 tgp [[threadgroup_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint sg [[simdgroup_index_in_threadgroup]]) {
+  threadgroup float4 smem4[GemmTensorSmem<kGemmTensorBM, kGemmTensorBN, 1>::float4s];
+  device const uint* wu = (device const uint*)w;
+  gemm_dense_tensor<4, 1, true, kGemmTensorBM, kGemmTensorBN, kGemmTensorSimdgroups>(
+      smem4, wu, scales, biases, wu, scales, biases, GemmAScaled{x, s, sa.shift}, y, args, tgp, tid, sg);
+}
 
 // The shared expert's gate/up times the shared expert gate, as gemm_swiglu_q4 (gemm.metal).
 [[max_total_threads_per_threadgroup(256)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]

@@ -7,7 +7,8 @@
 // one bias per weight row and step):
 //   * A tile  [BM][kGemmLd] half: BM activation rows, copied as they are from half rows in
 //     device memory (their producers wrote them with the saturating conversion gemm_half;
-//     fp32 rows would be converted with gemm_half while staged: no kernel has them now);
+//     fp32 rows would be converted with gemm_half while staged: no kernel has them now), or
+//     times a half scale per group of a row's elements (GemmAScaled: the GDN out_proj);
 //     rows gathered through per-thread row offsets (GemmARows), rows past the tile zero;
 //   * W tile  [BN][kGemmLd] half: BN weight rows dequantized from the MLX affine layout
 //     (w = fma(q, half(scale), half(bias)) in half; fp32 and clamped for a group whose values
@@ -41,17 +42,33 @@ constant constexpr uint kGemmNoRow = 0xFFFFFFFFu;
 // kGemmHalfMax, gemm_half (the saturating conversion to half) and gemm_put: common.h.
 
 // ---- A tile: activation rows ------------------------------------------------------------
-// X4 = half4 (activations stored as half) or float4 (fp32 activations, converted here).
-// Thread tid loads, for i < per, X4 (tid % kGemmRow4) of tile row (tid + i * NT) /
-// kGemmRow4: consecutive threads read consecutive 8-byte (half) or 16-byte (fp32) pieces of a
-// row (128 or 256 contiguous bytes per row and step). off[i] is that row's start in x in X4
-// units (row * lda / 4),
+// The A source XS: device const half4* (activations stored as half), device const float4*
+// (fp32 activations, converted here; no kernel has them now) or GemmAScaled (half
+// activations times a half scale per group of elements: the GDN out_proj). Thread tid loads,
+// for i < per, the 4-element piece (tid % kGemmRow4) of tile row (tid + i * NT) / kGemmRow4:
+// consecutive threads read consecutive 8-byte (half) or 16-byte (fp32) pieces of a row (128
+// or 256 contiguous bytes per row and step). off[i] is that row's start in x in pieces (row *
+// lda / 4),
 // or kGemmNoRow. The offsets are fixed for the whole k loop: a kernel fills them once.
 template <uint BM, uint NT>
 struct GemmARows {
   static constant constexpr uint per = BM * kGemmRow4 / NT;
   uint off[per];
 };
+
+// Half rows x whose element i (from x's start) is taken times s[i >> shift] (prefill_args.h
+// GemmAScaleArgs): one half multiply per element, the product rounded to half. A group of
+// 2^shift >= 4 elements holds whole pieces, so a piece has one scale.
+struct GemmAScaled {
+  device const half4* x;
+  device const half* s;
+  uint shift;
+};
+
+// Piece j (in pieces from x's start) of the A rows, as half.
+inline half4 gemm_a_piece(device const half4* x, uint j) { return x[j]; }
+inline half4 gemm_a_piece(device const float4* x, uint j) { return gemm_half(x[j]); }
+inline half4 gemm_a_piece(GemmAScaled x, uint j) { return x.x[j] * x.s[(4 * j) >> x.shift]; }
 
 // Tile row of the i-th A element of thread tid.
 template <uint BM, uint NT>
@@ -89,14 +106,13 @@ inline GemmARows<BM, NT> gemm_a_rows_tile(device const uint* perm, uint begin, u
 }
 
 // Copies the A tile of step k0 (columns [k0, k0 + kGemmBK)) into As [BM][kGemmLd] as half.
-template <uint BM, uint NT, typename X4>
-inline void gemm_load_a(threadgroup half* As, device const X4* x, thread const GemmARows<BM, NT>& a,
-                        uint k0, uint tid) {
+template <uint BM, uint NT, typename XS>
+inline void gemm_load_a(threadgroup half* As, XS x, thread const GemmARows<BM, NT>& a, uint k0, uint tid) {
   const uint c4 = tid % kGemmRow4;
   for (uint i = 0; i < GemmARows<BM, NT>::per; ++i) {
     const uint r = gemm_a_row<BM, NT>(tid, i);
-    const X4 v = a.off[i] != kGemmNoRow ? x[a.off[i] + k0 / 4 + c4] : X4(0.0f);
-    *(threadgroup half4*)(As + r * kGemmLd + 4 * c4) = gemm_half(v);
+    *(threadgroup half4*)(As + r * kGemmLd + 4 * c4) =
+        a.off[i] != kGemmNoRow ? gemm_a_piece(x, a.off[i] + k0 / 4 + c4) : half4(0.0h);
   }
 }
 
@@ -180,8 +196,8 @@ inline void gemm_load_w(threadgroup half* Ws, device const uint* w, device const
 
 // Fills the tiles of step k0: the A tile, then the NB weight tiles (consecutive in Ws at a
 // stride of BN * kGemmLd halves). The caller places the barrier.
-template <int BITS, uint NB, uint BM, uint BN, uint NT, typename X4>
-inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, device const X4* x,
+template <int BITS, uint NB, uint BM, uint BN, uint NT, typename XS>
+inline void gemm_load_step(threadgroup half* As, threadgroup half* Ws, XS x,
                            thread const GemmARows<BM, NT>& a, device const uint* w0,
                            device const bfloat* s0, device const bfloat* b0, device const uint* w1,
                            device const bfloat* s1, device const bfloat* b1, uint n0, uint n, uint k,
@@ -319,8 +335,8 @@ struct GemmFragments {
 // tile rows. Leaves the fp32 results in smem (as float): block b, row r, column c at
 // b * BM * ldc + r * ldc + c (only rows < rows and columns < n - n0 are meaningful), after
 // a barrier.
-template <int BITS, uint NB, uint BM, uint BN, uint SM, uint SN, typename X4>
-inline void gemm_accumulate(threadgroup float4* smem4, device const X4* x,
+template <int BITS, uint NB, uint BM, uint BN, uint SM, uint SN, typename XS>
+inline void gemm_accumulate(threadgroup float4* smem4, XS x,
                             thread const GemmARows<BM, 32 * SM * SN>& a,
                             device const uint* w0, device const bfloat* s0, device const bfloat* b0,
                             device const uint* w1, device const bfloat* s1, device const bfloat* b1,

@@ -25,6 +25,14 @@ struct GemmRowScaleArgs {
   uint ldg;
 };
 
+// gemm_q4_add_hs (and its tensor twin): y += (x * s) W^T, x half with a half scale per group
+// of 2^shift consecutive elements of a row: element i of x (counted from x's start, rows at
+// the stride lda, a multiple of 2^shift) is multiplied by s[i >> shift] (s: [m, lda >>
+// shift]). The GDN out_proj: u times gdn_norm_scale's per (token, head, scan split) factor.
+struct GemmAScaleArgs {
+  uint shift;  // log2 of the elements per scale, >= 2 and <= 6 (a group inside one 64-wide k step)
+};
+
 // moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t* (and their *_tensor twins): grouped expert
 // GEMMs over the tile map (MoeTile below; docs/prefill.md). Slot s of a tile holds the
 // assignment perm[s] = row * top_k + j of expert tile.expert.

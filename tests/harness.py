@@ -87,7 +87,7 @@ def forward_sim():
 # The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`,
 # and the names of the tensor-op path's own 128-row expert tiles without their suffix (so a
 # tile-class chain at T = 128 runs on this device).
-TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half", "gemm_swiglu_q4",
          *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
 
 
@@ -102,7 +102,7 @@ class _Proxy:
 # The dense ones, whose twins take 128-row blocks of 256 threads (gemm_tensor.metal) where
 # they take 64 rows and 128 threads: the proxy regrids their dispatches (ceil(ceil(m / 64) /
 # 2) = ceil(m / 128) row blocks).
-DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4"}
+DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half", "gemm_swiglu_q4"}
 
 
 class _TwinPass(_Proxy):

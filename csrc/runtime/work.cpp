@@ -116,13 +116,17 @@ void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
 // shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4) {
+// scaled_a: A staged times a half scale (gemm_q4_add_hs).
+Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4,
+                bool scaled_a = false) {
   const auto a = arg<args::GemmArgs>(r);
   Work w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
-  // ALU); SwiGLU: silu(g) * u times the row scale; a half output: its conversion.
-  add(w, Path::alu_f16, prefill_dequant_ops(bits) * nb * r.groups.y * double(a.n) * a.k);
+  // ALU), and every column block (grid x) stages the A rows (scaled_a: a half multiply per
+  // element); SwiGLU: silu(g) * u times the row scale; a half output: its conversion.
+  add(w, Path::alu_f16, prefill_dequant_ops(bits) * nb * r.groups.y * double(a.n) * a.k +
+                            (scaled_a ? double(r.groups.x) * a.m * a.k : 0.0));
   add(w, Path::alu_f32, (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
@@ -345,6 +349,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (k == "gemm_q4" || k == "gemm_q4_tensor" || k == "gemm_q4_add_h" || k == "gemm_q4_add_h_tensor")
     return dense_gemm(r, 1, tensor);
   if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, true);
+  if (k == "gemm_q4_add_hs" || k == "gemm_q4_add_hs_tensor") return dense_gemm(r, 1, tensor, false, 4, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Work w = dense_gemm(r, 1, tensor, false, 8);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";

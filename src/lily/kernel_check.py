@@ -1783,11 +1783,12 @@ def _argmax_two_stage(dev, rng, kernel):
     return 0.0
 
 
-@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_tensor", "gemm_q8_tensor",
-       "gemm_q4_add_h_tensor", "gemm_q4_half_tensor")
+@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_h_tensor", "gemm_q4_half_tensor", "gemm_q4_add_hs_tensor")
 def _gemm(dev, rng, kernel):
-    """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v)."""
-    bits, add, half_y = int(kernel[6]), "_add" in kernel, "_half" in kernel
+    """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v);
+    gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj)."""
+    bits, add, half_y, scaled = int(kernel[6]), "_add" in kernel, "_half" in kernel, "_add_hs" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = half_activations(rng.standard_normal((m, k)))  # half activations (their producers convert)
@@ -1796,8 +1797,17 @@ def _gemm(dev, rng, kernel):
     X = upload(dev, x)
     Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
     bm, tg = gemm_geometry(kernel)
-    run_bound(dev, kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, [W, S, B, X, Y], constant(m, n, k, k, n),
-         reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    grid, bufs = (-(-n // GEMM_BN), -(-m // bm)), [W, S, B, X, Y]
+    if scaled:
+        shift = 5
+        f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
+        F = upload(dev, f)
+        run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, constant(m, n, k, k, n)), (7, constant(shift))],
+            reads=[W, S, B, X, Y, F], writes=[Y])
+        x = x * np.repeat(f, 1 << shift, axis=1)  # the staged half product (float16 x float16)
+    else:
+        run_bound(dev, kernel, grid, tg, bufs, constant(m, n, k, k, n),
+                  reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact, tol = gemm_ref(x, qt)
     if add:
         exact = exact + y0

@@ -1,6 +1,6 @@
 """Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_half, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_add_hs, gemm_q4_half, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
@@ -12,7 +12,9 @@ poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be 
 
 Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x is
 half in device memory (written by its producer clamped to +-65504 and rounded to half:
-``half_activations``; gemm_q4_add_h: the GDN gated norm's and the attention's outputs); the
+``half_activations``; gemm_q4_add_h: the attention's output; gemm_q4_add_hs: the GDN scan's u,
+staged times a half factor per group of a row's elements, a half product the reference forms
+the same way, numpy float16 x float16); the
 weight dequantized in half (``fma(q, half(s), half(b))``); products of halves are exact in fp32 and accumulate in fp32. The reference
 (``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
 same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
@@ -90,7 +92,7 @@ DENSE_SHAPES = [  # m, n, k
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False, scale=((), (), ())):
     """x is half; y is half for gemm_swiglu_q4 and gemm_q4_half. scale: gemm_swiglu_q4's row
-    scale bindings (row_scale_bindings)."""
+    scale bindings (row_scale_bindings), or gemm_q4_add_hs's (a_scale_bindings)."""
     reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k)), *scale[2]]
     ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "half" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
@@ -184,6 +186,44 @@ def test_gemm_add(dev, kernel, m, n, k):
     exact = y0[:, :n].astype(np.float64) + v
     tol = tol + 2 * U * np.abs(exact)
     check(out[:, :n], exact, tol, f"{kernel} {m}x{n}x{k}")
+    np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
+
+
+def a_scale_bindings(dev, F, m, lda, k, shift):
+    """gemm_q4_add_hs's A-scale bindings for enc_gemm's ``scale``: the factors F (half,
+    [m, lda >> shift]) at 6, GemmAScaleArgs at 7, F's read range (the rows' groups)."""
+    return [(6, F)], [(7, constant(shift))], [(F, 0, 2 * (((m - 1) * lda + k) >> shift))]
+
+
+@pytest.mark.parametrize("m,n,k,shift,lda", [
+    (33, 100, 256, 5, 256), (1, 5, 64, 4, 64), (100, 64, 512, 5, 512), (64, 130, 128, 2, 128),
+    (70, 2048, 128, 6, 192)])
+def test_gemm_add_scaled(dev, m, n, k, shift, lda):
+    """y += (x * f) W^T (gemm_q4_add_hs: the GDN out_proj on u and its norm factors): x half
+    with a half factor per group of 2^shift elements of a row (f <= 1, some subnormal or
+    zero), the product rounded to half while staged; lda > k once (the factors follow x's
+    stride). The reference stages the same half products (numpy float16 x float16)."""
+    rng = fresh_rng(m, n, k, shift, 21)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = hact(4 * rng.standard_normal((m, lda)))
+    f = rng.uniform(0.0, 1.0, (m, lda >> shift)).astype(np.float16)
+    f.flat[::7] = np.float16(2.0**-20)  # subnormal factors
+    f.flat[::11] = 0
+    ldy = n + 4
+    y0 = rng.standard_normal((m, ldy)).astype(np.float32)
+    wb = qbufs(dev, qt)
+    X, Y, F = upload(dev, x), upload(dev, y0), upload(dev, f)
+    cb = dev.command_buffer()
+    enc_gemm(cb.compute_pass(), "gemm_q4_add_hs", wb, X, Y, m, n, k, lda, ldy, add=True,
+             scale=a_scale_bindings(dev, F, m, lda, k, shift))
+    commit(cb, "gemm_q4_add_hs")
+    out = download(Y, np.float32).reshape(m, ldy)
+    xs = (x * np.repeat(f, 1 << shift, axis=1))[:, :k]  # float16: the staged products
+    assert xs.dtype == np.float16
+    v, tol = gemm_ref(xs, qt)
+    exact = y0[:, :n].astype(np.float64) + v
+    tol = tol + 2 * U * np.abs(exact)
+    check(out[:, :n], exact, tol, f"gemm_q4_add_hs {m}x{n}x{k}")
     np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
 
 

@@ -4,7 +4,7 @@ twins (metal/moe_prefill_tensor.metal) are tested in tests/kernels/test_moe_pref
 with the same device, and the checks of part 3 cover both families.
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
-   (dense shapes, strides and column blocks, _add_h, _half, SwiGLU, the router/shared-gate layout)
+   (dense shapes, strides and column blocks, _add_h, _add_hs, _half, SwiGLU, the router/shared-gate layout)
    is collected here again with its own parametrisation, inputs and tolerances, on a device
    whose dispatches of a GEMM kernel name go to the name's ``_tensor`` twin
    (``harness.TwinDevice``: same bindings, grids, outputs). Its references model the half
@@ -147,7 +147,7 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
 
 
 def test_gemm_q4_add_exact(fwd):
-    """y += x W^T on half x (gemm_q4_add_h: o_proj, out_proj)."""
+    """y += x W^T on half x (gemm_q4_add_h: o_proj, the shared expert's down)."""
     dev, kernel = fwd, "gemm_q4_add_h"
     m, n, k = 37, 90, 128
     rng = fresh_rng(12)
@@ -160,6 +160,34 @@ def test_gemm_q4_add_exact(fwd):
     np.testing.assert_array_equal(y[:, n:], y0[:, n:])
     np.testing.assert_array_equal(y, run_dense(dev, kernel, [qt], x, n, k, ldy, y0))
     check_bound(y[:, :n] - y0[:, :n].astype(np.float64), x, qt)
+
+
+def test_gemm_q4_add_hs_exact(fwd):
+    """y += (x * f) W^T (gemm_q4_add_hs: the GDN out_proj, u times a half factor per 32
+    elements of a row): the twin equals the simdgroup kernel bit for bit and the float32 model
+    on the staged half products."""
+    m, n, k, shift = 37, 90, 128, 5
+    rng = fresh_rng(15)
+    qt = rand_quant(rng, (), n, k, 4)
+    x = hact(4 * rng.standard_normal((m, k)))
+    f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
+    ldy = n + 1
+    y0 = rng.standard_normal((m, ldy), dtype=np.float32)
+
+    def go(kernel):
+        bufs = [upload(fwd, a) for a in (qt.weight, qt.scales, qt.biases, x, y0)]
+        F = upload(fwd, f)
+        bm, tg = gemm_geometry(kernel)
+        run(fwd, kernel, (cdiv(n, GEMM_BN), cdiv(m, bm)), tg, [*enumerate(bufs), (6, F)],
+            [(5, constant(m, n, k, k, ldy)), (7, constant(shift))], reads=bufs + [F], writes=[bufs[4]])
+        return download(bufs[4], np.float32, (m, ldy))
+
+    y = go("gemm_q4_add_hs_tensor")
+    xs = x * np.repeat(f, 1 << shift, axis=1)  # float16 x float16: the staged half products
+    np.testing.assert_array_equal(y[:, :n], y0[:, :n] + seq_model(xs, qt))
+    np.testing.assert_array_equal(y[:, n:], y0[:, n:])
+    np.testing.assert_array_equal(y, go("gemm_q4_add_hs"))
+    check_bound(y[:, :n] - y0[:, :n].astype(np.float64), xs, qt)
 
 
 @pytest.mark.parametrize("m,n,k", [(33, 70, 128), (5, 64, 256)])
@@ -216,22 +244,23 @@ def test_tensor_twins_have_the_simdgroup_bindings():
     """Every GEMM kernel of gemm.metal / moe_prefill.metal has a twin f_tensor with the same
     [[buffer(n)]] parameters, and every host name h an instantiation h_tensor."""
     simd, tensor = _gemm_kernels(SIMD_FILES), _gemm_kernels(TENSOR_FILES)
-    assert len(simd) == 4, sorted(simd)
+    assert len(simd) == 5, sorted(simd)
     assert sorted(tensor) == sorted(name + "_tensor" for name in simd)
     for name, params in simd.items():
         assert tensor.get(name + "_tensor") == params, f"{name}_tensor: bindings differ from {name}'s"
     host = [h for f in SIMD_FILES for h in re.findall(r'host_name\("(\w*gemm\w*)"\)', (ROOT / "metal" / f).read_text())]
-    host += ["gemm_swiglu_q4"]  # a non-template kernel: registered under its own name
+    host += ["gemm_swiglu_q4", "gemm_q4_add_hs"]  # non-template kernels: registered under their own names
     host_t = [h for f in TENSOR_FILES for h in re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / f).read_text())]
     # the 128-row expert tiles exist on the tensor-op path only
     own = [f"moe_gemm_{kind}_q4_t128_tensor" for kind in ("gate_up", "down")]
-    assert sorted([h + "_tensor" for h in host] + own) == sorted(host_t + ["gemm_swiglu_q4_tensor"])
+    assert sorted([h + "_tensor" for h in host] + own) == sorted(host_t + ["gemm_swiglu_q4_tensor", "gemm_q4_add_hs_tensor"])
     assert not re.search(r"moe_gemm", (ROOT / "metal" / "gemm.metal").read_text().split("#include")[-1]), \
         "the grouped expert GEMMs live in the MoE prefill family (moe_prefill*.metal)"
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
-    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_swiglu_q4",
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half",
+                                     "gemm_swiglu_q4",
                                      *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down")
                                        for T in MOE_TENSOR_TILES))]
     d9 = sim_device(gpu_family="apple9")
