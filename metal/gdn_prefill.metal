@@ -17,14 +17,25 @@
 //                    normalised q and k, v of the threadgroup's rows, g, beta and y = S q:
 //                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
-//   gdn_gated_norm   gated RMSNorm over each head's Dv values of y (the RMS needs the whole
-//                    head, which no scan threadgroup holds) times silu(z), z read as half
-//                    (in_proj_z is gemm_q4_half), stored as half with gemm_half: the input
-//                    of out_proj (gemm_q4_add_h), converted once here. y stays fp32: its
-//                    range is not bounded before the norm.
+//                    y leaves through the per-element part of the gated RMSNorm (below): u
+//                    (half, out_proj's input) and the sum of y^2 over the threadgroup's RV rows.
+//   gdn_norm_scale   per (token, head, split): the factor f that turns the split's u into the
+//                    head's gated RMSNorm (the RMS needs the whole head, which no scan
+//                    threadgroup holds); out_proj (gemm_q4_add_hs) multiplies u by f while
+//                    it stages its A tile, so the normed rows never go through device memory.
 //   gdn_conv_state   the next conv state (the last K-1 rows of [conv state | qkv]); after the
 //                    scan, which reads the old one (they may be the same bytes).
 //
+// The gated RMSNorm, split: for token t, head h and split s (rows [s RV, s RV + RV)) with
+// p_s = sum of y^2 over the split's rows (fp32) and P = p_0 + ... + p_{S-1}:
+//   scan:        a_s = 1 / sqrt(p_s / Dv + eps),  u = gemm_half(y * a_s * w * silu(z))
+//   norm scale:  f_s = half(sqrt(p_s / Dv + eps) * inv),  inv = 1 / sqrt(P / Dv + eps)  (f_s = inv / a_s <= 1)
+//   out_proj:    A = half(u * f_s)                                         (a half multiply)
+// i.e. y * inv * w * silu(z), the gated RMSNorm, as the fp32 math of one pass gives it but for three half roundings instead of one (u, f_s, the product: within ~1.5 half
+// ulps of the single-rounded half(y inv w silu z)). a_s keeps u in range: |y a_s| <= sqrt(Dv)
+// (as |y inv|), so u only saturates where |w silu(z)| is beyond ~65504 / sqrt(Dv); a
+// saturated u then gives 65504 f_s (f_s <= 1, so A never overflows) where a single rounding
+// gave 65504.
 // The conv is gdn_decode_step's (metal/gdn.metal) operation for operation; the scan sums its
 // dot products in another order, so a chunk agrees with decode steps to float32 rounding, and
 // two chunks equal one chunk of the same tokens bit for bit (the arithmetic per token does
@@ -118,8 +129,11 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
     device const float* A_log [[buffer(5)]],      // [Hv]
     device const bfloat* dt_bias [[buffer(6)]],   // [Hv]
     device float* state [[buffer(7)]],            // [Hv, Dv, Dk] S' then [Hv, Dv] c (S = c S'), in place
-    device float* y [[buffer(8)]],                // [M, Hv*Dv] S q per value dim (gdn_gated_norm's input)
+    device half* u [[buffer(8)]],                 // [M, Hv*Dv] gemm_half(y a_s w silu(z)) (header)
     constant GdnScanArgs& args [[buffer(9)]],
+    device const half* z [[buffer(10)]],          // [M, Hv*Dv] in_proj_z output (half)
+    device const bfloat* norm_w [[buffer(11)]],   // [Dv] norm.weight
+    device float* ss [[buffer(12)]],              // [M, Hv, Dv/RV] sum of y^2 over each split's rows
     uint2 tgp [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint sg [[simdgroup_index_in_threadgroup]],
@@ -132,6 +146,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   static_assert(DK % (4 * L) == 0 && DV % RV == 0 && NT % 32 == 0 && NT <= 128, "scan shape");
   static_assert((L & (L - 1)) == 0 && L <= 32, "the lanes of a row are a power-of-2 block of a simdgroup");
   static_assert(DK % 32 == 0 && RV <= 32, "staging: EQ q/k elements per lane, v by lanes < RV");
+  static_assert(32 % RV == 0 && (TB * RV) % NT == 0, "y out: a token's RV rows are an aligned block of one simdgroup");
   threadgroup float4 q_s[TB * DK / 4];          // normalised q (also / sqrt(Dk)) per token
   threadgroup float4 k_s[TB * DK / 4];          // normalised k
   threadgroup float v_s[TB * RV];               // v of this threadgroup's rows
@@ -163,13 +178,28 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
 
   const uint nblocks = (M + TB - 1) / TB;
   for (uint blk = 0;; ++blk) {
-    // ---- y of block blk-1 out (coalesced rows of RV) and staging of block blk (one token
-    //      per simdgroup at a time, TB / NS each); the two touch different threadgroup arrays.
+    // ---- y of block blk-1 out as u and the split's sums of squares (coalesced rows of RV;
+    //      a token's RV rows are RV aligned lanes of one simdgroup, every lane in the loop),
+    //      and staging of block blk (one token per simdgroup at a time, TB / NS each); the
+    //      two touch different threadgroup arrays.
     if (blk > 0) {
       const uint t0 = (blk - 1) * TB;
       for (uint i = tid; i < TB * RV; i += NT) {
-        if (t0 + i / RV < M) {
-          y[ulong(t0 + i / RV) * HVD + h * DV + v0 + i % RV] = y_s[i];
+        const uint t = t0 + i / RV;
+        const uint v = v0 + i % RV;               // value dim within the head
+        const bool live = t < M;
+        const float yv = live ? y_s[i] : 0.0f;
+        float p = yv * yv;
+        for (ushort m = 1; m < RV; m <<= 1) {
+          p += simd_shuffle_xor(p, m);
+        }
+        if (live) {
+          const ulong o = ulong(t) * HVD + h * DV + v;
+          const float a_s = 1.0f / sqrt(p / float(DV) + args.norm_eps);
+          u[o] = gemm_half(yv * a_s * float(norm_w[v]) * silu(float(z[o])));
+          if (i % RV == 0) {
+            ss[(ulong(t) * Hv + h) * (DV / RV) + tgp.y] = p;
+          }
         }
       }
     }
@@ -262,42 +292,33 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
 template [[host_name("gdn_scan_k128_v128_r32")]] [[kernel]] decltype(gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<128, 128, 32, kGdnScanTokensPerBlock, kGdnConvTaps>;
 template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>) gdn_scan<32, 32, 16, kGdnScanTokensPerBlock, kGdnConvTaps>;
 
-// ---------------------------------------------------------------- gdn_gated_norm
+// ---------------------------------------------------------------- gdn_norm_scale
 
-// out[t, h*DV + i] = gemm_half(y[t, h*DV + i] / sqrt(mean_i y^2 + eps) * norm_w[i] *
-// silu(z[t, h*DV + i])): fp32 math, half out, clamped to the half range (common.h). z is half
-// (a saturated +-65504 is finite: silu gives 65504 or -0). One simdgroup per (token, head):
-// lane l reads and writes the elements l, l+32, ... of its head's row.
-template <uint DV>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_gated_norm(
-    device const float* y [[buffer(0)]],          // [M, Hv*Dv] gdn_scan output
-    device const half* z [[buffer(1)]],           // [M, Hv*Dv] in_proj_z output (half)
-    device const bfloat* norm_w [[buffer(2)]],    // [Dv] norm.weight
-    device half* out [[buffer(3)]],               // [M, Hv*Dv] half (out_proj's input)
-    constant GdnScanArgs& args [[buffer(4)]],
-    uint tg [[threadgroup_position_in_grid]],
-    uint sg [[simdgroup_index_in_threadgroup]],
-    uint lane [[thread_index_in_simdgroup]]) {
-  static_assert(DV % 32 == 0, "Dv is a multiple of 32");
-  constexpr uint EV = DV / 32;
-  const uint pair = tg * 8 + sg;                // (token, head) = (pair / Hv, pair % Hv)
+// f[t, h, s] = half(sqrt(p_s / DV + eps) / sqrt(P / DV + eps)) from the scan's split sums p
+// (P: their sum in split order): the factor out_proj applies to split s of u (header). One
+// thread per (token, head).
+template <uint DV, uint RV>
+[[max_total_threads_per_threadgroup(256)]] kernel void gdn_norm_scale(
+    device const float* ss [[buffer(0)]],         // [M, Hv, DV/RV] gdn_scan's split sums of y^2
+    device half* f [[buffer(1)]],                 // [M, Hv, DV/RV] out_proj's A scale
+    constant GdnScanArgs& args [[buffer(2)]],
+    uint pair [[thread_position_in_grid]]) {      // t * Hv + h
+  constexpr uint S = DV / RV;
   if (pair >= args.rows * args.num_v_heads) {
     return;
   }
-  const ulong o = ulong(pair) * DV;             // rows are Hv*Dv values: (t*Hv + h)*Dv
-  float yr[EV];
-  float ss = 0.0f;
-  for (uint e = 0; e < EV; ++e) {
-    yr[e] = y[o + e * 32 + lane];
-    ss += yr[e] * yr[e];
+  float p[S];
+  float P = 0.0f;
+  for (uint s = 0; s < S; ++s) {
+    p[s] = ss[ulong(pair) * S + s];
+    P += p[s];
   }
-  ss = simd_sum(ss);
-  const float inv = 1.0f / sqrt(ss / float(DV) + args.norm_eps);
-  for (uint e = 0; e < EV; ++e) {
-    const uint i = e * 32 + lane;
-    out[o + i] = gemm_half(yr[e] * inv * float(norm_w[i]) * silu(float(z[o + i])));
+  const float inv = 1.0f / sqrt(P / float(DV) + args.norm_eps);
+  for (uint s = 0; s < S; ++s) {
+    f[ulong(pair) * S + s] = half(sqrt(p[s] / float(DV) + args.norm_eps) * inv);  // <= 1 (p_s <= P)
   }
 }
 
-template [[host_name("gdn_gated_norm_v128")]] [[kernel]] decltype(gdn_gated_norm<128>) gdn_gated_norm<128>;
-template [[host_name("gdn_gated_norm_v32")]] [[kernel]] decltype(gdn_gated_norm<32>) gdn_gated_norm<32>;
+// The scan's splits: Dv = 128 in 4 of 32 rows, Dv = 32 in 2 of 16.
+template [[host_name("gdn_norm_scale_v128_r32")]] [[kernel]] decltype(gdn_norm_scale<128, 32>) gdn_norm_scale<128, 32>;
+template [[host_name("gdn_norm_scale_v32_r16")]] [[kernel]] decltype(gdn_norm_scale<32, 16>) gdn_norm_scale<32, 16>;

@@ -138,9 +138,11 @@ struct GdnConvStateArgs {
 enum : uint { kGdnConvTaps = 4 };
 
 // gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): causal conv + SiLU, L2 norms, gates,
-// delta rule over the chunk with the recurrent state held in registers; writes y = S q. Grid: Hv x Dv/RV
-// threadgroups of RV * kGdnScanLanesPerRow threads. gdn_gated_norm_v<Dv>: gated RMSNorm of y
-// per (token, head), written as half; grid ceil(M*Hv / 8) threadgroups of 256 threads.
+// delta rule over the chunk with the recurrent state held in registers, then the per-element
+// part of the gated RMSNorm: writes u (half) and the sums of y^2 of each (token, head, split
+// of RV rows). Grid: Hv x Dv/RV threadgroups of RV * kGdnScanLanesPerRow threads.
+// gdn_norm_scale_v<Dv>_r<RV>: from those sums, the half factor per (token, head, split) that
+// out_proj (gemm_q4_add_hs) applies to u; grid M*Hv threads.
 struct GdnScanArgs {
   uint num_k_heads;  // Hk: key heads (16)
   uint num_v_heads;  // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)

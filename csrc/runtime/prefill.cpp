@@ -53,8 +53,8 @@ constexpr uint32_t kConvThreads = 256;
 // gdn_scan: state rows per threadgroup (the instantiations of metal/gdn_prefill.metal): 32 for
 // Dv = 128, so the model's 32 heads run as 128 threadgroups (>= 2x a 40-core GPU).
 uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
-// gdn_gated_norm: (token, head) pairs per threadgroup, one simdgroup each.
-constexpr uint32_t kGdnNormPairs = 8;
+// gdn_norm_scale: threads per threadgroup (one (token, head) each).
+constexpr uint32_t kGdnNormScaleThreads = 256;
 // attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
 // (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
@@ -105,16 +105,18 @@ void Runtime::allocate_chunk_buffers() {
   c.z = scratch(C * vdim * hf, "chunk gdn z (half)");
   c.b = scratch(C * d.linear_num_value_heads * f, "chunk gdn b");
   c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
-  c.o = scratch(C * vdim * f, "chunk gdn out");
+  const size_t gdn_splits = size_t(d.linear_num_value_heads) * (d.linear_value_head_dim / gdn_scan_rows(d.linear_value_head_dim));
+  c.gdn_ss = scratch(C * gdn_splits * f, "chunk gdn split sums of y^2");
+  c.gdn_f = scratch(C * gdn_splits * hf, "chunk gdn norm scale (half)");
   const size_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
   c.qg = scratch(C * Hq * 2 * D * hf, "chunk attn q|gate (half)");
   c.k = scratch(C * Hkv * D * hf, "chunk attn k (half)");
   c.v = scratch(C * Hkv * D * hf, "chunk attn v (half)");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
   c.attn = scratch(C * Hq * D * hf, "chunk attn out (half)");
-  // The GDN out_proj input (half) is dead in attention layers and attn in GDN layers: one set
-  // of bytes when the model's dims allow (the real model: the same size).
-  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * hf, "chunk gdn out (normed, half)");
+  // The GDN out_proj input u (half) is dead in attention layers and attn in GDN layers: one
+  // set of bytes when the model's dims allow (the real model: the same size).
+  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * hf, "chunk gdn u (half)");
   c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
   c.ids = scratch(C * k * u32, "chunk expert ids");
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
@@ -201,12 +203,14 @@ void Runtime::resolve_prefill_kernels() {
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
+  k.gemm_add_hs = ByBits(dev, "gemm", "_add_hs" + path, {4});
   k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
                              std::to_string(d.linear_value_head_dim) + "_r" +
                              std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
-  k.gdn_gated_norm = &dev.pipeline("gdn_gated_norm_v" + std::to_string(d.linear_value_head_dim));
+  k.gdn_norm_scale = &dev.pipeline("gdn_norm_scale_v" + std::to_string(d.linear_value_head_dim) + "_r" +
+                                    std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   // the tensor-op attention reads q as bfloat * scale in its own layout (attn_prefill_prep_d<D>_qbf)
   k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_ops_ ? "_qbf" : ""));
@@ -252,12 +256,16 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the GDN z, the attention's q|gate,
   // k, v; not with add).
   // tag: nonzero for GEMMs that write disjoint columns of one y in one stage (gpu::Range::disjoint).
+  // x_scale (add only): x's element i times x_scale[i >> x_shift] (gemm_q4_add_hs: out_proj).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false,
-                  uint32_t tag = 0) {
-    Op op(half_y ? K.gemm_half[w.bits] : add ? K.gemm_add_h[w.bits] : K.gemm[w.bits], label);
+                  uint32_t tag = 0, gpu::Buffer* x_scale = nullptr, uint32_t x_shift = 0) {
+    Op op(half_y ? K.gemm_half[w.bits] : !add ? K.gemm[w.bits] : x_scale ? K.gemm_add_hs[w.bits] : K.gemm_add_h[w.bits],
+          label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
+    if (x_scale)
+      op.in(6, *x_scale, 0, ((size_t(M - 1) * lda + cols) >> x_shift) * hf).args(7, args::GemmAScaleArgs{x_shift});
     const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
     if (add) op.inout(4, y, col0 * yb, y_bytes);
     else if (tag) op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
@@ -287,7 +295,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
       const uint32_t Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
-      // z only gates the norm: stored half (saturated), read by gdn_gated_norm
+      // z only gates the norm: stored half (saturated), read by gdn_scan
       gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
       gemm(g.in_proj_b, false, *c.xn, H, H, *c.b, Hv, Hv, 0, labels_(l, "in_proj_b"));
       gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
@@ -297,23 +305,27 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      const size_t o_bytes = size_t(M) * Hv * Dv * f;
+      const size_t u_bytes = size_t(M) * Hv * Dv * hf;
+      const uint32_t RV = gdn_scan_rows(Dv), splits = Hv * (Dv / RV);
+      const size_t ss_bytes = size_t(M) * splits * f, f_bytes = size_t(M) * splits * hf;
       {
-        // Conv inline; each head split into Dv / RV threadgroups of RV state rows (docs/prefill.md).
-        const uint32_t RV = gdn_scan_rows(Dv);
+        // Conv inline; each head split into Dv / RV threadgroups of RV state rows; y leaves as
+        // u and the splits' sums of y^2 (docs/prefill.md).
         Op op(*K.gdn_scan, labels_(l, "conv + scan"));
         op.groups(tg(Hv, Dv / RV), tg(RV * args::kGdnScanLanesPerRow))
             .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
             .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
             .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
-            .inout(7, *state_[l], 0, state_bytes).out(8, *c.o, 0, o_bytes)
-            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+            .inout(7, *state_[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
+            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f})
+            .in(10, *c.z, 0, size_t(M) * Hv * Dv * hf).in(11, *g.norm, &t.weight_bytes)
+            .out(12, *c.gdn_ss, 0, ss_bytes).run(pass);
       }
-      Op(*K.gdn_gated_norm, labels_(l, "gated norm"))
-          .groups(tg(ceil_div(uint64_t(M) * Hv, kGdnNormPairs)), tg(kGdnNormPairs * 32))
-          .in(0, *c.o, 0, o_bytes).in(1, *c.z, 0, size_t(M) * Hv * Dv * hf).in(2, *g.norm, &t.weight_bytes)
-          .out(3, *c.oh, 0, size_t(M) * Hv * Dv * hf)
-          .args(4, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
+      // the per-(token, head, split) factors of the norm, applied by out_proj
+      Op(*K.gdn_norm_scale, labels_(l, "norm scale"))
+          .threads(tg(M * Hv), tg(kGdnNormScaleThreads))
+          .in(0, *c.gdn_ss, 0, ss_bytes).out(1, *c.gdn_f, 0, f_bytes)
+          .args(2, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
       {
         // After the scan, which reads the old state (the same bytes when M is even).
         Op op(*K.gdn_conv_state, labels_(l, "conv state"));
@@ -324,7 +336,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         op.args(3, args::GdnConvStateArgs{C, M}).run(pass);
       }
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
-      gemm(g.out_proj, true, *c.oh, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"));
+      // u times the norm scale of its (token, head, split): one factor per RV elements of a row
+      uint32_t shift = 0;
+      while ((1u << shift) < RV) ++shift;
+      gemm(g.out_proj, true, *c.oh, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"), false, 0, c.gdn_f.get(),
+           shift);
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;

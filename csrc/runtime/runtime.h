@@ -180,8 +180,10 @@ struct DecodeKernels {
 // device's path (simdgroup matrices or tensor operations).
 struct PrefillKernels {
   const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
-  ByBits gemm, gemm_add_h, gemm_half;  // gemm_add_h: y += x W^T (o_proj, out_proj, shared down); gemm_half: half y (z)
-  const gpu::Pipeline *gdn_scan = nullptr, *gdn_gated_norm = nullptr, *gdn_conv_state = nullptr;
+  // gemm_add_h: y += x W^T (o_proj, shared down); gemm_add_hs: y += (x * s) W^T (out_proj:
+  // u times the GDN norm scale); gemm_half: half y (z, q|gate, k, v)
+  ByBits gemm, gemm_add_h, gemm_add_hs, gemm_half;
+  const gpu::Pipeline *gdn_scan = nullptr, *gdn_norm_scale = nullptr, *gdn_conv_state = nullptr;
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
@@ -352,9 +354,11 @@ class Runtime {
   uint64_t chunk_bytes_ = 0;
   bool tensor_ops_ = false;
   struct ChunkBuffers {
-    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, o, qg, k, v, q, attn, router, ids, w,
+    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, qg, k, v, q, attn, router, ids, w,
         block_counts, perm, tiles, tile_count, hx, yx, hs, part_ml, part_o, logits;
-    gpu::BufferPtr oh;          // the GDN gated-norm output (half): attn's bytes when they fit
+    gpu::BufferPtr oh;          // the GDN scan's u (half, out_proj's input): attn's bytes when they fit
+    gpu::BufferPtr gdn_ss;      // the GDN scan's sums of y^2 per (token, head, split), fp32
+    gpu::BufferPtr gdn_f;       // gdn_norm_scale's factors per (token, head, split), half
     std::vector<gpu::BufferPtr> hist[2];
     uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)
     uint32_t max_tiles = 0;     // entries of `tiles`: every tile class map of the largest tiling

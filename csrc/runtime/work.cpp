@@ -28,12 +28,14 @@ constexpr double kDequantOps = 3;
 // 4 masks, 4 ORs, 4 half2 subtractions and 4 half2 FMAs (17); per 4 8-bit codes 9.
 double prefill_dequant_ops(int bits) { return bits == 8 ? 9.0 / 4 : 17.0 / 8; }
 // The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
-// memory (xn, hs, hx, the GDN gated-norm output), clamped to the half range and converted in
+// memory (xn, hs, hx, the GDN scan's u), clamped to the half range and converted in
 // fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
-// (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_gated_norm_v*,
+// (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_scan_*,
 // attn_prefill*: every GEMM input; the routed experts' outputs yx, the GDN z and the
 // attention's q|gate, k and v, which moe_gemm_down_q4_* and gemm_q4_half store the same way
-// for moe_combine, gdn_gated_norm_v* and attn_prefill*, too). Weights are dequantized in half
+// for moe_combine, gdn_scan_* and attn_prefill*, too). The GDN out_proj (gemm_q4_add_hs)
+// multiplies each staged half element by its half scale: one half operation per element and
+// column block. Weights are dequantized in half
 // ALU (code to half, then a half FMA: prefill_dequant_ops), so no conversion follows (groups beyond
 // the half range take fp32: malformed, not counted).
 constexpr double kHalfConvOps = 3;
@@ -241,7 +243,9 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   // the fold test, c (S'k), / c as reciprocal and multiply, c (S'q): 6); per token and
   // threadgroup (grid y of them per head) the staging: the conv of its 2 Dk + RV channels
   // (K taps and SiLU: 2K + 4 each), q and k sums of squares and scaling (6 Dk) and the gates
-  // (~40).
+  // (~40). Per output value the gated norm's part: y^2 and its log2(RV) shuffle-add levels,
+  // z to fp32, SiLU (~4), three products and the conversion of u; per token and split a_s (~4
+  // per lane, every lane of the split computes it).
   if (starts(k, "gdn_scan_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
     const auto a = arg<args::GdnScanArgs>(r);
@@ -249,18 +253,19 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0 + 6.0 * L;
     Work w = make("gated deltanet");
     const double RV = param(k, "_r"), conv = (2.0 * Dk + RV) * (2.0 * args::kGdnConvTaps + 4.0);
-    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + per_row * Dv +
+    const double norm = 1.0 + std::log2(RV) + 1.0 + 4.0 + 3.0 + kHalfConvOps + 4.0;
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + (per_row + norm) * Dv +
                                                             r.groups.y * (conv + 6.0 * Dk + 40.0)));
     w.bytes = declared(r);
     w.threadgroup_memory = uint64_t(args::kGdnScanTokensPerBlock) * (2 * Dk + 2 * param(k, "_r") + 2) * 4;
     return w;
   }
-  if (starts(k, "gdn_gated_norm_v")) {
+  if (starts(k, "gdn_norm_scale_v")) {
     const auto a = arg<args::GdnScanArgs>(r);
+    const double S = double(param(k, "_v")) / param(k, "_r");
     Work w = make("gated deltanet");
-    // per value: square-add, scale, weight, SiLU (~4), the gate product and the conversion
-    // of its half output
-    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * param(k, "_v") * (10.0 + kHalfConvOps));
+    // per (token, head): the sum of S partials and inv (~5), per split its factor (~5)
+    add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * (S + 5.0 + 5.0 * S));
     w.bytes = declared(r);
     return w;
   }

@@ -129,6 +129,19 @@ def half_stored(want, tol):
     return want, tol + 2.0**-11 * (np.abs(want) + tol) + 2.0**-25
 
 
+def gdn_stored(want, tol, f=None):
+    """(want, tol) of a gated-norm output within tol of want (fp32 math) as out_proj stages it
+    (metal/gdn_prefill.metal): half(u * f_s) with u = gemm_half(want / f_s) and f_s rounded to
+    half, three half roundings (at most ~3 * 2**-11 of the magnitude, or 2**-25 each for
+    subnormals; a subnormal f_s, a split holding < 2**-28 of its head's y^2, is not met by
+    random inputs). ``f``: the splits' float64 factors per output (GdnPrefillLayer.scan_reference
+    with factors=True): u saturates at +-65504 before the factor (stored 65504 f_s); without
+    it the outputs are taken as not saturating."""
+    want = np.asarray(want, np.float64)
+    want = np.clip(want, -HALF_MAX, HALF_MAX) if f is None else np.clip(want / f, -HALF_MAX, HALF_MAX) * f
+    return want, tol + 3.01 * 2.0**-11 * (np.abs(want) + tol) + 3 * 2.0**-25
+
+
 def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
     """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
     them (gemm_load_w, metal/gemm_tiles.h), and dw = |wh - wf|, where wf is the weight a GPU
@@ -848,7 +861,8 @@ class GdnPrefillLayer:
         # the library's scan for these dims; its name gives RV, the state rows per threadgroup
         self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
         self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
-        self.norm_kernel = f"gdn_gated_norm_v{Dv}"
+        self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
+        self.norm_kernel = f"gdn_norm_scale_v{Dv}_r{self.RV}"
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
 
     # ---- state and inputs
@@ -897,22 +911,22 @@ class GdnPrefillLayer:
                 rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
     # ---- encoders (declared ranges as the runtime will declare them)
-    def encode_scan(self, p, qkv, cin, z, b, a, out, normed, M):
-        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; y = S q into ``out``,
-        fp32) then gdn_gated_norm from ``out`` into ``normed`` (half), as the runtime does.
-        ``qkv``, ``z``, ``b``, ``a``, ``out``, ``normed``: (buffer, declared range) pairs from
-        rows_buffer / rows_out_buffer."""
-        (O, o_rng), (N, n_rng) = out, normed
-        # RV * kGdnScanLanesPerRow threads; one simdgroup per (token, head) in the norm
+    def encode_scan(self, p, qkv, cin, z, b, a, outs, M):
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u (half) and the
+        splits' sums of y^2 (fp32)) then gdn_norm_scale (the splits' half factors), as the
+        runtime does. ``qkv``, ``z``, ``b``, ``a``: (buffer, declared range) pairs from
+        rows_buffer; ``outs``: out_buffers(M)."""
+        (O, o_rng), (SS, ss_rng), (F, f_rng) = outs
+        # RV * kGdnScanLanesPerRow threads; one thread per (token, head) in the norm scale
         p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * GDN_SCAN_LANES, 1, 1),
-                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O])),
+                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O]))
+                   + [(10, z[0]), (11, self.W[3]), (12, SS)],
                    constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S],
-                   writes=[self.S, o_rng], threadgroups=True, label=self.scan_kernel)
-        p.dispatch(self.norm_kernel, -(-M * self.Hv // 8), 256,
-                   buffers=[(0, O), (1, z[0]), (2, self.W[3]), (3, N)],
-                   constants=[(4, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[o_rng, z[1], self.W[3]], writes=[n_rng], threadgroups=True, label=self.norm_kernel)
+                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S, z[1], self.W[3]],
+                   writes=[self.S, o_rng, ss_rng], threadgroups=True, label=self.scan_kernel)
+        p.dispatch(self.norm_kernel, -(-M * self.Hv // 256), 256, buffers=[(0, SS), (1, F)],
+                   constants=[(2, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   reads=[ss_rng], writes=[f_rng], threadgroups=True, label=self.norm_kernel)
 
     def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
         """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
@@ -923,31 +937,37 @@ class GdnPrefillLayer:
                    label="gdn_conv_state")
 
     def chunk(self, qkv, z, b, a, p0):
-        """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the gated
-        norm and the next conv state (buffer (p0+M) % 2), in one concurrent pass (barriers
-        from the declared ranges). Returns the gated-norm output [M, Hv*Dv] (half values, as
-        float32)."""
+        """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the norm
+        scale and the next conv state (buffer (p0+M) % 2), in one concurrent pass (barriers
+        from the declared ranges). Returns the gated-norm output as out_proj stages it
+        [M, Hv*Dv] (:meth:`normed`)."""
         dev, M = self.dev, len(qkv)
         Q, Z, B, A = self.input_buffers(qkv, z, b, a)
-        O, N = self.out_buffers(M)
+        outs = self.out_buffers(M)
         cin, cout = self.CS[p0 % 2], self.CS[(p0 + M) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        self.encode_scan(p, Q, cin, Z, B, A, O, N, M)
+        self.encode_scan(p, Q, cin, Z, B, A, outs, M)
         self.encode_conv_state(p, Q, M, cin, cout)
         cb.commit()
         cb.wait()
         assert [rec["stage"] for rec in cb.dispatch_log] == [0, 1, 1]
-        return self.normed(N, M)[:M]
+        return self.normed(outs, M)[:M]
 
     def out_buffers(self, M):
-        """The scan's y (fp32) and the gated norm's output (half) for M rows, with spare rows."""
-        return (rows_out_buffer(self.dev, M, self.Hv * self.Dv),
-                rows_out_buffer(self.dev, M, self.Hv * self.Dv, itemsize=2))
+        """The scan's u (half) and sums of y^2 (fp32, per split) and the norm scale's factors
+        (half, per split) for M rows, with spare rows (rows_out_buffer pairs)."""
+        return (rows_out_buffer(self.dev, M, self.Hv * self.Dv, itemsize=2),
+                rows_out_buffer(self.dev, M, self.Hv * self.S_splits),
+                rows_out_buffer(self.dev, M, self.Hv * self.S_splits, itemsize=2))
 
-    def normed(self, N, M):
-        """The gated-norm output buffer ``N`` (from out_buffers) as float32 [M + SPARE_ROWS, Hv*Dv]."""
-        return download(N[0], np.float16, (M + SPARE_ROWS, self.Hv * self.Dv)).astype(np.float32)
+    def normed(self, outs, M):
+        """The gated-norm output as out_proj (gemm_q4_add_hs) stages it, half(u * f) per element
+        (numpy's float16 product: the GEMM's half multiply), from ``outs`` (out_buffers) as
+        float32 [M + SPARE_ROWS, Hv*Dv]."""
+        u = download(outs[0][0], np.float16, (M + SPARE_ROWS, self.Hv * self.Dv))
+        f = download(outs[2][0], np.float16, (M + SPARE_ROWS, self.Hv * self.S_splits))
+        return (u * np.repeat(f, self.RV, axis=1)).astype(np.float32)
 
     def decode_step(self, qkv, z, b, a, pos):
         """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
@@ -984,13 +1004,14 @@ class GdnPrefillLayer:
         terms = [seq[j:j + M] * w[:, j] for j in range(GDN_K)]
         return silu(sum(terms)), f32(seq[-(GDN_K - 1):]), sum(np.abs(t) for t in terms)
 
-    def scan_reference(self, conv, z, b, a, S):
+    def scan_reference(self, conv, z, b, a, S, factors=False):
         """float64 scan of one chunk from the conv output (docs/model.md; the reference's loop).
 
         Returns the outputs o [M, Hv*Dv], the new state, and per output the error scale
         ``kappa * (|o| + |norm_w * silu(z)|)`` where ``kappa = rms_v(sum_k |S_vk q_k|) /
         rms_v(y_v)`` is the cancellation factor of the head's y = S q (the RMSNorm divides by
-        rms(y), so an error relative to the terms of y is amplified by kappa)."""
+        rms(y), so an error relative to the terms of y is amplified by kappa). ``factors``: also
+        the splits' norm factors sqrt(p_s / Dv + eps) / rms(y) per output (gdn_stored)."""
         Hk, Hv, Dk, Dv, M = self.Hk, self.Hv, self.Dk, self.Dv, len(conv)
         conv = conv.astype(np.float64)
         q = conv[:, :Hk * Dk].reshape(M, Hk, Dk)
@@ -1015,7 +1036,12 @@ class GdnPrefillLayer:
         o = y / rms * gate
         kappa = np.sqrt(np.mean(mag * mag, axis=-1, keepdims=True)) / rms
         scale = kappa * (np.abs(o) + np.abs(gate))
-        return o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
+        out = o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
+        if not factors:
+            return out
+        p = (y * y).reshape(M, Hv, self.S_splits, self.RV).sum(-1)
+        f = np.repeat(np.sqrt(p / Dv + GDN_EPS), self.RV, axis=-1).reshape(M, Hv, Dv) / rms
+        return (*out, f.reshape(M, Hv * Dv))
 
 
 # ----------------------------------------------------------------------------- norm + GEMV
@@ -2326,21 +2352,22 @@ def _gdn_conv_state(dev, rng, kernel):
     return worst
 
 
-@check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_gated_norm_v128", "gdn_gated_norm_v32")
+@check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_norm_scale_v128_r32", "gdn_norm_scale_v32_r16")
 def _gdn_scan(dev, rng, kernel):
-    """The scan (conv inline) and the gated norm run together (the norm's input is the scan's y)."""
+    """The scan (conv inline) and the norm scale run together (the scale's input is the scan's
+    sums of y^2); the output checked is the gated norm as out_proj stages it."""
     L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
     M = 9
     conv0, S0 = L.random_state(c=2.0 ** -rng.uniform(0, 40, L.Hv))  # pending decays: folds too
     qkv, z, b, a = L.inputs(M)
     Q, Z, B, A = L.input_buffers(qkv, z, b, a)
-    O, N = L.out_buffers(M)
+    outs = L.out_buffers(M)
     cb = dev.command_buffer()
-    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, O, N, M)
+    L.encode_scan(cb.compute_pass(), Q, L.CS[0], Z, B, A, outs, M)
     cb.commit()
     cb.wait()
     want_o, want_S, scale = L.scan_reference(L.conv_reference(qkv, conv0)[0], z, b, a, S0)
-    r = ratio(L.normed(N, M)[:M], *half_stored(want_o, 64 * U * scale), f"{kernel} outputs")
+    r = ratio(L.normed(outs, M)[:M], *gdn_stored(want_o, 64 * U * scale), f"{kernel} outputs")
     return max(r, ratio(L.state(), want_S, 1e-5, f"{kernel} state"))
 
 
