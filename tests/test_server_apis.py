@@ -568,12 +568,33 @@ def test_a_limit_beyond_the_context_is_a_400_naming_the_numbers(srv, engine, pat
     assert r.status_code == 200, r.text
     r = httpx.post(srv.base + path, json={**body, field: room + 1, "stream": stream}, timeout=60)
     want = (f"This model's maximum context length is {CTX} tokens. However, you requested {CTX + 1} tokens "
-            f"({n} in the {words}, {room + 1} in {field}). Please reduce the length of the {words} or {field}.")
+            f"({n} in the {words}, {room + 1} in {field}). Please reduce the length of the {words} or {field} "
+            f"(or start the server with --clamp-max-tokens to cap {field} to the room left).")
     if path == "/v1/messages":
         assert _anthropic_error(r, 400, "invalid_request_error") == want
     else:
         err = _openai_error(r, 400)
         assert err["message"] == want and err["param"] == field and err["code"] == "context_length_exceeded", err
+
+
+@pytest.mark.parametrize("path, body, field, words", LIMITS)
+def test_clamp_max_tokens_serves_a_limit_beyond_the_context(engine, path, body, field, words):
+    """With clamp_max_tokens (lily serve --clamp-max-tokens) the same request is served,
+    capped to the room left: the generation ends for length when the window is full."""
+    tok = engine.tokenizer
+    engine.set_ids(tok.encode("</think>") + tok.encode("x")[:1] * CTX)  # never ends by itself
+    s = Server(create_app(engine, model_name="forced", clamp_max_tokens=True))
+    try:
+        n = _prompt_tokens(s, path, {**body, field: 5})
+        r = httpx.post(s.base + path, json={**body, field: CTX}, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        u = out["usage"]
+        assert u.get("completion_tokens", u.get("output_tokens")) == CTX - n, (u, n)
+        reason = out.get("stop_reason") or out.get("status") or out["choices"][0]["finish_reason"]
+        assert reason in ("length", "max_tokens", "incomplete"), reason
+    finally:
+        s.stop()
 
 
 @pytest.mark.parametrize("path, body, field, words", LIMITS)

@@ -97,7 +97,8 @@ class ServerState:
     name and the server-wide options. One per app, as ``app.state.lily``."""
 
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
-                 default_max_tokens: int | None, strict_model_name: bool = False):
+                 default_max_tokens: int | None, strict_model_name: bool = False,
+                 clamp_max_tokens: bool = False):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
@@ -106,6 +107,7 @@ class ServerState:
         self.worker = Worker(max_queue)
         self.created = int(time.time())
         self.default_max_tokens = default_max_tokens
+        self.clamp_max_tokens = clamp_max_tokens
 
     def begin_shutdown(self) -> None:
         """Take no more generations and end the running and queued ones now: their requests
@@ -181,7 +183,8 @@ class ServerState:
             return APIError(400, f"{head}your {prompt} resulted in {n_prompt} tokens. Please reduce the length "
                                  f"of the {prompt}.", param=prompt, code="context_length_exceeded")
         return APIError(400, f"{head}you requested {n_prompt + limit} tokens ({n_prompt} in the {prompt}, {limit} "
-                             f"in {field}). Please reduce the length of the {prompt} or {field}.", param=field,
+                             f"in {field}). Please reduce the length of the {prompt} or {field} (or start the server "
+                             f"with --clamp-max-tokens to cap {field} to the room left).", param=field,
                         code="context_length_exceeded")
 
     def check_prompt_ids(self, ids: list[int], param: str) -> None:
@@ -224,7 +227,8 @@ class ServerState:
         ``limit`` is what the request's ``field`` (``max_tokens``, ``max_output_tokens``,
         ...) asks for: prompt + limit must fit in the context window, or it is a 400
         (:meth:`context_error`; ``prompt`` is what the API calls the prompt), as OpenAI's
-        API and vLLM refuse it. A limit outside [1, 2^31 - 1] is returned as is:
+        API and vLLM refuse it; with ``--clamp-max-tokens`` it is capped to the room left
+        instead (for agent tools that send a fixed limit larger than a local window). A limit outside [1, 2^31 - 1] is returned as is:
         :meth:`sampling_params` refuses it naming those bounds. Without a limit, ``default``
         (else ``--default-max-tokens``, else none) capped to the room left, at least 1 (a
         prompt that fills the window ends at once for length)."""
@@ -233,6 +237,8 @@ class ServerState:
             cap = default if default is not None else self.default_max_tokens
             return max(1, room if cap is None else min(cap, room))
         if 1 <= limit <= INT32_MAX and limit > room:
+            if self.clamp_max_tokens:
+                return max(1, room)
             raise self.context_error(n_prompt, prompt, limit, field)
         return limit
 
