@@ -4,7 +4,7 @@
 // head h, so the recurrence spreads over Hv*NS threadgroups (NS = 4: 128, every core of a
 // 40-core GPU) instead of one per head. Its simdgroups own RV/simdgroups rows each. No
 // dependency crosses threadgroups: the gated RMSNorm, which needs all Dv outputs of a head,
-// is applied by the out_proj GEMV while it loads its input (gemv_q<BITS, ADD, true>,
+// is applied by the out_proj GEMV while it loads its input (gemv_gated_q<BITS>,
 // metal/gemv.metal) from y and the per-(head, split) sums of squares written here.
 //   1. conv: the Dk q + Dk k channels of key head h / (Hv/Hk) and the RV v channels of the
 //      slice: causal depthwise conv over [conv state | new input] + SiLU, into threadgroup

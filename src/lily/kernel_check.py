@@ -359,7 +359,7 @@ class GdnLayer:
 
     def step_encode(self, p, qkv, z, b, a, splits=GDN_DECODE_SPLITS, label=""):
         """Encodes one step on compute pass ``p`` (conv state parity flips); returns the y and
-        ssq buffers (gdn_decode_dispatch) and z as uploaded."""
+        ssq buffers (gdn_decode_dispatch). ``z`` is not read: out_proj applies it (:meth:`normed`)."""
         dev = self.dev
         Q, B, A = upload(dev, qkv), upload(dev, b), upload(dev, a)
         out, ssq = dev.buffer(self.Hv * self.Dv * 4), dev.buffer(self.Hv * splits * 4)
