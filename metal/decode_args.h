@@ -11,6 +11,16 @@ struct GemvArgs {
   uint cols;  // input length (W's in dimension); a multiple of 64
 };
 
+// gemv_gated_q4_add, gemv_gated_q8_add: gemv_q*_add on the Gated DeltaNet's gated RMSNorm
+// applied while x is loaded: x'[i] = y[i] / sqrt(ss(h) / head_dim + eps) * w[i % head_dim]
+// * silu(z[i]), h = i / head_dim, ss(h) = sum of the head's `splits` partial sums of y^2
+// (gdn_decode_step's ssq). cols = heads * head_dim.
+struct GatedNormArgs {
+  uint head_dim;  // Dv (128); a multiple of 32 (a 16-byte chunk of x lies inside one head)
+  uint splits;    // NS: partial sums of squares per head (gdn_decode_step's grid y)
+  float eps;      // added to the mean of squares (rms_norm_eps, 1e-6)
+};
+
 // embed_q4: out[cols] = dequantized row token[0] of the embedding table [vocab, cols];
 // embed_rows_q4: out[r, :] = row tokens[r], for each row r of the grid.
 struct EmbedArgs {

@@ -15,7 +15,73 @@ using namespace metal;
 // accumulation, dequantisation in registers, a butterfly (simd_shuffle_xor) sum over the
 // team; lane r of a team stores row r. ADD: y[row] += W x (residual update for o_proj/out_proj).
 // Threadgroup: a multiple of 32 threads (64 recommended); any number of threadgroups
-// >= ceil(rows / (R * simdgroups)); rows past `rows` are skipped.
+// >= ceil(rows / (R * simdgroups)); rows past `rows` are skipped. XSrc: where a chunk of x
+// comes from (PlainX, GatedNormX), its load(c, xs) is q_load_x's contract.
+template <int BITS, bool ADD, typename XSrc>
+inline void gemv_body(device const uint4* w, device const bfloat* scales, device const bfloat* biases,
+                      XSrc x, device float* y, constant GemvArgs& args, uint tg, uint sg, uint nsg,
+                      uint lane) {
+  const uint chunks = args.cols * BITS / 128;
+  const uint groups = args.cols / kQuantGroup;
+  const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
+  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < args.rows ? min(t.rows, args.rows - row0) : 0u;
+
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  if (nrows > 0) {
+    for (uint c = t.lane; c < chunks; c += t.size) {
+      float4 xs[QChunk<BITS>::float4s];
+      const float xsum = x.load(c, xs);
+      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
+    }
+  }
+  const float v = team_reduce_rows(acc, t);
+  if (t.lane < nrows) {
+    const uint row = row0 + t.lane;
+    y[row] = ADD ? y[row] + v : v;
+  }
+}
+
+// x as it is in device memory.
+template <int BITS>
+struct PlainX {
+  device const float4* x;
+  float load(uint c, thread float4* xs) const { return q_load_x<BITS>(x, c, 1.0f, xs); }
+};
+
+// The Gated DeltaNet's y with its gated RMSNorm (GatedNormArgs) applied on load: per chunk
+// (inside one head h) inv = 1 / sqrt(ss(h) / Dv + eps) from the head's NS partial sums of
+// squares, then ((y * inv) * norm_w) * silu(z): gdn_gated_norm's expression and order.
+template <int BITS>
+struct GatedNormX {
+  device const float4* y;   // [Hv*Dv] gdn_decode_step's y
+  device const float* ssq;  // [Hv, NS] partial sums of y^2
+  device const float4* z;   // [Hv*Dv] in_proj_z output
+  device const bfloat* nw;  // [Dv] norm.weight
+  uint dv;
+  uint ns;
+  float eps;
+  float load(uint c, thread float4* xs) const {
+    constexpr uint nf4 = QChunk<BITS>::float4s;
+    const uint f0 = c * nf4;  // first float4 of the chunk
+    const uint h = f0 * 4 / dv;
+    float ss = 0.0f;
+    for (uint j = 0; j < ns; ++j) {
+      ss += ssq[h * ns + j];
+    }
+    const float inv = 1.0f / sqrt(ss / float(dv) + eps);
+    float s = 0.0f;
+    for (uint i = 0; i < nf4; ++i) {
+      const float4 zz = z[f0 + i];
+      const float4 gate = float4(silu(zz.x), silu(zz.y), silu(zz.z), silu(zz.w));
+      const float4 v = rms_apply4(y[f0 + i], inv, nw, (f0 + i) % (dv / 4)) * gate;
+      s += (v.x + v.y) + (v.z + v.w);
+      xs[i] = q_position_scale<BITS>(v, i);
+    }
+    return s;
+  }
+};
+
 template <int BITS, bool ADD>
 [[max_total_threads_per_threadgroup(256)]] kernel void gemv_q(device const uint4* w [[buffer(0)]],         // weight [rows, cols*BITS/32] uint32
                    device const bfloat* scales [[buffer(1)]],   // [rows, cols/64]
@@ -27,30 +93,36 @@ template <int BITS, bool ADD>
                    uint sg [[simdgroup_index_in_threadgroup]],
                    uint nsg [[simdgroups_per_threadgroup]],
                    uint lane [[thread_index_in_simdgroup]]) {
-  const uint chunks = args.cols * BITS / 128;
-  const uint groups = args.cols / kQuantGroup;
-  const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
-  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
-  const uint nrows = row0 < args.rows ? min(t.rows, args.rows - row0) : 0u;
-
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
-      float4 xs[QChunk<BITS>::float4s];
-      const float xsum = q_load_x<BITS>(x, c, 1.0f, xs);
-      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
-    }
-  }
-  const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
-    const uint row = row0 + t.lane;
-    y[row] = ADD ? y[row] + v : v;
-  }
+  gemv_body<BITS, ADD>(w, scales, biases, PlainX<BITS>{x}, y, args, tg, sg, nsg, lane);
 }
 template [[host_name("gemv_q4")]] [[kernel]] decltype(gemv_q<4, false>) gemv_q<4, false>;
 template [[host_name("gemv_q8")]] [[kernel]] decltype(gemv_q<8, false>) gemv_q<8, false>;
 template [[host_name("gemv_q4_add")]] [[kernel]] decltype(gemv_q<4, true>) gemv_q<4, true>;
 template [[host_name("gemv_q8_add")]] [[kernel]] decltype(gemv_q<8, true>) gemv_q<8, true>;
+
+// ---- gemv_gated_q<BITS>: out_proj of a Gated DeltaNet layer, y += W gated_norm(x) ------
+// gemv_q_add whose x is gdn_decode_step's raw y, normalised on load (GatedNormX): the
+// norm needs a head's Dv outputs, which the step spreads over NS threadgroups.
+template <int BITS>
+[[max_total_threads_per_threadgroup(256)]] kernel void gemv_gated_q(device const uint4* w [[buffer(0)]],       // weight [rows, cols*BITS/32] uint32
+                         device const bfloat* scales [[buffer(1)]], // [rows, cols/64]
+                         device const bfloat* biases [[buffer(2)]], // [rows, cols/64]
+                         device const float4* x [[buffer(3)]],      // [cols] fp32 y = S q, cols = Hv*Dv
+                         device float* y [[buffer(4)]],             // [rows] fp32, y += W x'
+                         constant GemvArgs& args [[buffer(5)]],
+                         device const float* ssq [[buffer(6)]],     // [Hv, NS] partial sums of x^2 per head
+                         device const float4* z [[buffer(7)]],      // [cols] fp32 in_proj_z output
+                         device const bfloat* nw [[buffer(8)]],     // [Dv] norm.weight
+                         constant GatedNormArgs& gargs [[buffer(9)]],
+                         uint tg [[threadgroup_position_in_grid]],
+                         uint sg [[simdgroup_index_in_threadgroup]],
+                         uint nsg [[simdgroups_per_threadgroup]],
+                         uint lane [[thread_index_in_simdgroup]]) {
+  const GatedNormX<BITS> src{x, ssq, z, nw, gargs.head_dim, gargs.splits, gargs.eps};
+  gemv_body<BITS, true>(w, scales, biases, src, y, args, tg, sg, nsg, lane);
+}
+template [[host_name("gemv_gated_q4_add")]] [[kernel]] decltype(gemv_gated_q<4>) gemv_gated_q<4>;
+template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>) gemv_gated_q<8>;
 
 // ---- norm_gemv_q<BITS>: RMSNorm fused into up to four GEMVs ----------------------------
 // y_m = W_m xn for m < 4, xn = x * rsqrt(mean(x^2) + eps) * w, from the raw residual x.

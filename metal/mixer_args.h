@@ -7,12 +7,12 @@
 #define LILY_MIXER_ARGS_H
 
 // gdn_decode_step_k<Dk>_v<Dv>: one Gated DeltaNet decode step (conv, norms, gates,
-// delta-rule update, gated RMSNorm). Dk, Dv are template parameters of the kernel.
+// delta-rule update; y and its per-split sums of squares: the gated RMSNorm is out_proj's,
+// gemv_gated_q*_add). Dk, Dv are template parameters of the kernel; the grid's y is NS.
 struct GdnDecodeArgs {
   uint num_k_heads;   // Hk: key heads (16)
   uint num_v_heads;   // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)
   uint conv_kernel;   // K: causal conv taps (4), >= 2; conv state holds the last K-1 inputs
-  float norm_eps;     // eps of the gated RMSNorm over Dv (1e-6)
   float l2_eps;       // eps added to the sum of squares in the q/k L2 norm (1e-6)
 };
 

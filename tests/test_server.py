@@ -642,11 +642,15 @@ def test_context_length_and_echo(forced, forced_engine):
                    json={"messages": [{"role": "user", "content": "word " * 5000}]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "messages"
-    # the engine's one rule: a prompt filling the window (4096) is served, ending for length
+    # the engine's one rule: a prompt filling the window (4096) is served, ending for length,
+    # when the request sets no limit; a limit that does not fit after it is a 400
     ids = forced_engine.tokenizer.encode("word " * 5000)[:4096]
-    r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+    r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids, "max_tokens": 5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_tokens" and "4101 tokens (4096 in the prompt" in r.json()["error"]["message"]
     r = httpx.post(forced.base + "/v1/completions", json={"prompt": ids + ids[:1]})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "prompt"

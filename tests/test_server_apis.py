@@ -527,3 +527,211 @@ def test_demo_model_through_both_new_apis(real):
     assert events[-1].type in ("response.completed", "response.incomplete")
     cached = events[-1].response.usage.input_tokens_details.cached_tokens
     assert 0 < cached < events[-1].response.usage.input_tokens
+
+
+# ----------------------------------------------------------------------------------------
+# bad input in every API: a 400 naming what is wrong (context room, thinking budget, a
+# conversation without a user turn), and valid tools without a description
+# ----------------------------------------------------------------------------------------
+
+CTX = 4096  # the module engine's max_context
+
+
+def _prompt_tokens(srv: Server, path: str, body: dict) -> int:
+    """The prompt length of ``body`` (a request that fits), from its usage."""
+    r = httpx.post(srv.base + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    return u.get("prompt_tokens", u.get("input_tokens", 0) + u.get("cache_read_input_tokens", 0))
+
+
+# (path, the body without its limit, the API's limit field, its words for the prompt)
+LIMITS = [
+    ("/v1/chat/completions", {"messages": ASK}, "max_tokens", "messages"),
+    ("/v1/chat/completions", {"messages": ASK}, "max_completion_tokens", "messages"),
+    ("/v1/completions", {"prompt": "Weather in Paris?"}, "max_tokens", "prompt"),
+    ("/v1/responses", {"input": "Weather in Paris?"}, "max_output_tokens", "input"),
+    ("/v1/messages", {"model": "m", "messages": ASK}, "max_tokens", "messages"),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body, field, words", LIMITS)
+def test_a_limit_beyond_the_context_is_a_400_naming_the_numbers(srv, engine, path, body, field, words, stream):
+    """prompt + max_tokens > the context window: refused before anything is queued, as
+    OpenAI's API and vLLM do, with the prompt's tokens, the limit and the window named; a
+    limit that exactly fills the window is served."""
+    engine.set_script("</think>ok")
+    n = _prompt_tokens(srv, path, {**body, field: 5})
+    room = CTX - n
+    r = httpx.post(srv.base + path, json={**body, field: room, "stream": stream}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(srv.base + path, json={**body, field: room + 1, "stream": stream}, timeout=60)
+    want = (f"This model's maximum context length is {CTX} tokens. However, you requested {CTX + 1} tokens "
+            f"({n} in the {words}, {room + 1} in {field}). Please reduce the length of the {words} or {field} "
+            f"(or start the server with --clamp-max-tokens to cap {field} to the room left).")
+    if path == "/v1/messages":
+        assert _anthropic_error(r, 400, "invalid_request_error") == want
+    else:
+        err = _openai_error(r, 400)
+        assert err["message"] == want and err["param"] == field and err["code"] == "context_length_exceeded", err
+
+
+@pytest.mark.parametrize("path, body, field, words", LIMITS)
+def test_clamp_max_tokens_serves_a_limit_beyond_the_context(engine, path, body, field, words):
+    """With clamp_max_tokens (lily serve --clamp-max-tokens) the same request is served,
+    capped to the room left: the generation ends for length when the window is full."""
+    tok = engine.tokenizer
+    engine.set_ids(tok.encode("</think>") + tok.encode("x")[:1] * CTX)  # never ends by itself
+    s = Server(create_app(engine, model_name="forced", clamp_max_tokens=True))
+    try:
+        n = _prompt_tokens(s, path, {**body, field: 5})
+        r = httpx.post(s.base + path, json={**body, field: CTX}, timeout=300)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        u = out["usage"]
+        assert u.get("completion_tokens", u.get("output_tokens")) == CTX - n, (u, n)
+        reason = out.get("stop_reason") or out.get("status") or out["choices"][0]["finish_reason"]
+        assert reason in ("length", "max_tokens", "incomplete"), reason
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("path, body, field, words", LIMITS)
+def test_a_prompt_beyond_the_context_says_so_in_the_same_words(srv, engine, path, body, field, words):
+    """The prompt alone too long: the same sentence, without a limit (none was given)."""
+    engine.set_script("</think>ok")
+    long = "word " * 5000
+    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": long}]},
+            "/v1/completions": {"prompt": long}, "/v1/responses": {"input": long},
+            "/v1/messages": {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": long}]}}[path]
+    r = httpx.post(srv.base + path, json=body, timeout=60)
+    head = f"This model's maximum context length is {CTX} tokens. However, your {words} resulted in "
+    if path == "/v1/messages":
+        msg = _anthropic_error(r, 400, "invalid_request_error")
+    else:
+        err = _openai_error(r, 400)
+        msg = err["message"]
+        assert err["param"] == words and err["code"] == "context_length_exceeded", err
+    assert msg.startswith(head) and msg.endswith(f" tokens. Please reduce the length of the {words}."), msg
+    assert int(msg[len(head):].split()[0]) > CTX
+
+
+def test_no_limit_fills_the_context(srv, engine):
+    """Without a limit (chat, Responses: the room left; completions: 16, capped to it) a
+    prompt that fills the window is served and ends for length at once."""
+    engine.set_script("abc")
+    ids = engine.tokenizer.encode("word " * 5000)[:CTX]
+    r = httpx.post(srv.base + "/v1/completions", json={"prompt": ids}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length" and r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_thinking_budget_is_checked_as_anthropic_states(srv, engine):
+    """``thinking: {"type": "enabled"}`` needs ``budget_tokens`` >= 1024 and < max_tokens
+    (Anthropic's Messages API reference), in /v1/messages and count_tokens alike."""
+    engine.set_script("Let me think.</think>Hi!")
+    url = srv.base + "/v1/messages"
+    base = {"model": "m", "max_tokens": 2000, "messages": ASK}
+    for thinking, needle in [({"type": "enabled"}, "thinking.budget_tokens: required"),
+                             ({"type": "enabled", "budget_tokens": 1023}, "must be at least 1024, got 1023"),
+                             ({"type": "enabled", "budget_tokens": 0}, "must be at least 1024, got 0"),
+                             ({"type": "enabled", "budget_tokens": "2000"}, "thinking.budget_tokens"),
+                             ({"type": "enabled", "budget_tokens": 2000}, "must be less than max_tokens (2000), got 2000"),
+                             ({"type": "enabled", "budget_tokens": 4000}, "must be less than max_tokens (2000), got 4000")]:
+        msg = _anthropic_error(httpx.post(url, json={**base, "thinking": thinking}), 400, "invalid_request_error")
+        assert needle in msg, (thinking, msg)
+        if "max_tokens" not in needle:  # count_tokens has no max_tokens
+            msg = _anthropic_error(httpx.post(url + "/count_tokens", json={**base, "thinking": thinking}), 400,
+                                   "invalid_request_error")
+            assert needle in msg, (thinking, msg)
+    ok = {**base, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    r = httpx.post(url, json=ok)
+    assert r.status_code == 200 and [b["type"] for b in r.json()["content"]] == ["thinking", "text"], r.text
+    assert httpx.post(url + "/count_tokens", json={**ok, "max_tokens": None}).status_code == 200
+    for other in ({"type": "disabled", "budget_tokens": 5}, {"type": "adaptive"}):  # no budget to check
+        assert httpx.post(url, json={**base, "thinking": other}).status_code == 200, other
+
+
+NO_DESC_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                   "code": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_tools_without_a_description_work_in_every_api(srv, engine, forced):
+    """A tool without ``description`` is valid in all three APIs: it is rendered without one
+    (one layout: the three prompts are the same tokens) and its calls come back parsed."""
+    chat_tool = {"type": "function", "function": {"name": "get_weather", "parameters": NO_DESC_PARAMS}}
+    resp_tool = {"type": "function", "name": "get_weather", "parameters": NO_DESC_PARAMS}
+    msg_tool = {"name": "get_weather", "input_schema": NO_DESC_PARAMS}
+    calls = [
+        ("/v1/chat/completions", {"messages": ASK, "tools": [chat_tool], "max_tokens": 300,
+                                  **({"tool_choice": "required"} if forced else {})}),
+        ("/v1/responses", {"input": "Weather in Paris?", "tools": [resp_tool], "max_output_tokens": 300,
+                           **({"tool_choice": "required"} if forced else {})}),
+        ("/v1/messages", {"model": "m", "messages": ASK, "tools": [msg_tool], "max_tokens": 300,
+                          **({"tool_choice": {"type": "any"}} if forced else {})}),
+    ]
+    prompts = []
+    for path, body in calls:
+        engine.set_script(SCRIPT.replace("Let me check.\n\n", "") if forced else SCRIPT)  # forced: calls only
+        engine.reset()
+        r = httpx.post(srv.base + path, json=body, timeout=60)
+        assert r.status_code == 200, (path, r.text)
+        out = r.json()
+        if path == "/v1/chat/completions":
+            (call,) = out["choices"][0]["message"]["tool_calls"]
+            name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+        elif path == "/v1/responses":
+            (call,) = [o for o in out["output"] if o["type"] == "function_call"]
+            name, args = call["name"], json.loads(call["arguments"])
+        else:
+            (call,) = [b for b in out["content"] if b["type"] == "tool_use"]
+            name, args = call["name"], call["input"]
+        assert (name, args) == ("get_weather", ARGS), path
+        prompts.append(engine.prompt)
+        assert '{"type": "function", "function": {"name": "get_weather", "parameters": ' in engine.prompt
+        assert '"description"' not in engine.prompt, path
+    assert prompts[0] == prompts[1] == prompts[2]
+
+
+NO_USER = [  # (path, body): conversations without a user turn
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "Hello."}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "developer", "content": "x"}, {"role": "assistant", "content": "y"}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "tool_call_id": "c", "content": "sunny"}]}),
+    ("/v1/responses", {"input": [{"role": "system", "content": "Be brief."}]}),
+    ("/v1/responses", {"input": [], "instructions": "Be brief."}),
+    ("/v1/responses", {"input": [{"type": "message", "role": "assistant", "content": "Hello."}]}),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c", "output": "sunny"}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "assistant", "content": "Hello."}]}),
+    ("/v1/messages", {"model": "m", "max_tokens": 5, "system": "Be brief.", "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "sunny"}]}]}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "assistant", "content": "Hello."}]}),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", NO_USER)
+def test_a_conversation_without_a_user_turn_is_a_clear_400(srv, engine, path, body, stream):
+    engine.set_script("ok")
+    if stream and path.endswith("count_tokens"):
+        pytest.skip("count_tokens does not stream")
+    r = httpx.post(srv.base + path, json={**body, **({"stream": True} if stream else {})}, timeout=60)
+    field = "input" if path == "/v1/responses" else "messages"
+    if path.startswith("/v1/messages"):
+        msg = _anthropic_error(r, 400, "invalid_request_error")
+    else:
+        err = _openai_error(r, 400)
+        assert err["param"] == field and err["code"] == "invalid_value", err
+        msg = err["message"]
+    assert msg.startswith(f"{field} has no user message: "), msg
+    assert "template" not in msg, msg  # the fault in the request's terms, not the template's
+
+
+def test_an_anthropic_user_turn_without_blocks_is_a_clear_400(srv, engine):
+    engine.set_script("ok")
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": []}]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        msg = _anthropic_error(httpx.post(srv.base + path, json=body), 400, "invalid_request_error")
+        assert msg.startswith("messages.0.content: a user message needs at least one text or tool_result block"), msg

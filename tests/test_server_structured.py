@@ -333,3 +333,55 @@ def test_anthropic_server_tools_are_a_clear_400(client, no_generation):
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             r = client.post(path, json={**body, "tools": tools})
             assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+# ----------------------------------------------------------------------------------------
+# look-around in a pattern: llguidance's regular expressions have none; the 400 says so and
+# names the pattern and where it is
+# ----------------------------------------------------------------------------------------
+
+LOOKAROUND = ["^(?=a)a+$", "(?<!x)y", "a(?!b)", "x(?<=x)"]
+
+
+def assert_names_lookaround(message: str, pattern: str, where: str) -> None:
+    assert f"{where}: the pattern {json.dumps(pattern)} at properties.code.pattern uses look-around" in message, message
+    assert "not supported" in message and "regex parse error" not in message, message
+    assert "(?s:.*)" not in message, message  # our wrapping of an unanchored pattern is not shown
+    assert_short(message)
+
+
+@pytest.mark.parametrize("pattern", LOOKAROUND)
+def test_lookaround_pattern_in_a_format_is_a_clear_400(client, no_generation, pattern):
+    schema = {"type": "object", "properties": {"code": {"type": "string", "pattern": pattern}}}
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format", err
+    assert_names_lookaround(err["message"], pattern, "JSON schema cannot be enforced")
+    r = client.post("/v1/responses", json={"model": "demo", "input": "x", "text": {"format": {
+        "type": "json_schema", "name": "m", "schema": schema}}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text.format", r.text
+    assert_names_lookaround(r.json()["error"]["message"], pattern, "JSON schema cannot be enforced")
+
+
+@pytest.mark.parametrize("pattern", LOOKAROUND)
+def test_lookaround_pattern_in_a_forced_tool_is_a_clear_400(client, no_generation, pattern):
+    props = {"code": {"type": "string", "pattern": pattern}}
+    r = chat(client, tools=[_fn("lookup", {"type": "object", "properties": props})], tool_choice="required")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools.0.function.parameters" and "(tool 'lookup')" in err["message"], err
+    assert_names_lookaround(err["message"], pattern, "parameter 'code'")
+    tool = {"name": "lookup", "input_schema": {"type": "object", "properties": props}}
+    r = client.post("/v1/messages", json={"model": "demo", "max_tokens": 8, "messages": USER, "tools": [tool],
+                                          "tool_choice": {"type": "any"}})
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert_names_lookaround(r.json()["error"]["message"], pattern, "parameter 'code'")
+
+
+def test_lookalikes_of_lookaround_are_served(client):
+    """Escaped parentheses and character classes are not look-around: such patterns compile."""
+    schema = {"type": "string", "pattern": "^\\(\\?=[(?=]$", "maxLength": 5}
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+             max_tokens=8)
+    assert r.status_code == 200, r.text

@@ -45,6 +45,9 @@ void Runtime::resolve_decode_kernels() {
   k.embed_norm_gemv = &dev.pipeline("embed_norm_gemv_q4");
   k.norm_gemv = ByBits(dev, "norm_gemv", "", {4, 8});
   k.gemv_add = ByBits(dev, "gemv", "_add", {4});
+  k.gemv_gated_add = ByBits(dev, "gemv_gated", "_add", {4});
+  if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
+    throw gpu::UsageError("gdn_decode_step: linear_value_head_dim must be a multiple of 32 and of 4 x the splits");
   k.gdn_step = &dev.pipeline("gdn_decode_step_k" + std::to_string(d.linear_key_head_dim) + "_v" +
                              std::to_string(d.linear_value_head_dim));
   k.attn = &dev.pipeline("attn_decode_fused" + attn_suffix);
@@ -133,18 +136,32 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
+      // gdn_decode_step: NS threadgroups per head, each kGdnDecodeThreads threads (4 state
+      // rows per simdgroup); y and per-split sums of squares, the gated norm is out_proj's
+      const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
       Op(*K.gdn_step, labels_(l, "gdn step"))
-          .groups(tg(Hv), tg(1024))
-          .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *z_, 0, size_t(Hv) * Dv * f)
-          .in(2, *b_, 0, Hv * f).in(3, *a_, 0, Hv * f)
-          .in(4, *g.conv1d, &t.weight_bytes).in(5, *g.A_log, &t.weight_bytes)
-          .in(6, *g.dt_bias, &t.weight_bytes).in(7, *g.norm, &t.weight_bytes)
-          .in(8, conv_in, 0, conv_bytes).out(9, conv_out, 0, conv_bytes)
-          .inout(10, *state_[l], 0, state_bytes).out(11, *o_, 0, size_t(Hv) * Dv * f)
-          .args(12, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, d.rms_norm_eps, 1e-6f})
+          .groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
+          .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *b_, 0, Hv * f).in(2, *a_, 0, Hv * f)
+          .in(3, *g.conv1d, &t.weight_bytes).in(4, *g.A_log, &t.weight_bytes)
+          .in(5, *g.dt_bias, &t.weight_bytes)
+          .in(6, conv_in, 0, conv_bytes).out(7, conv_out, 0, conv_bytes)
+          .inout(8, *state_[l], 0, state_bytes).out(9, *o_, 0, size_t(Hv) * Dv * f)
+          .out(10, *o_ssq_, 0, ssq_bytes)
+          .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f})
           .run(pass);
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
-      gemv_add(g.out_proj, *o_, size_t(Hv) * Dv, *h_, H, labels_(l, "out_proj"));
+      t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
+      // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
+      {
+        const size_t cols = size_t(Hv) * Dv;
+        Op op(K.gemv_gated_add[g.out_proj.bits], labels_(l, "gated norm + out_proj"));
+        op.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads));
+        op.in(0, g.out_proj, &t.weight_bytes).in(3, *o_, 0, cols * f).inout(4, *h_, 0, H * f)
+            .in(6, *o_ssq_, 0, ssq_bytes).in(7, *z_, 0, cols * f).in(8, *g.norm, &t.weight_bytes);
+        op.args(5, args::GemvArgs{H, uint32_t(cols)})
+            .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps}).run(pass);
+        t.other_bytes += cols * f * 2 + H * f * 2;  // y and z in, the residual in and out
+      }
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;

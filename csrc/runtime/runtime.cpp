@@ -110,6 +110,7 @@ void Runtime::allocate_buffers() {
   b_ = scratch(d.linear_num_value_heads * f, "gdn b");
   a_ = scratch(d.linear_num_value_heads * f, "gdn a");
   o_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
+  o_ssq_ = scratch(size_t(d.linear_num_value_heads) * kGdnDecodeSplits * f, "gdn out sums of squares");
   qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
   k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
   v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");

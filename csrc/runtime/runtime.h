@@ -169,7 +169,7 @@ struct SessionSnapshot {
 // split-attention pair is null when the context never reaches the split path.
 struct DecodeKernels {
   const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
-  ByBits norm_gemv, gemv_add;
+  ByBits norm_gemv, gemv_add, gemv_gated_add;  // the last: out_proj with the GDN gated norm on load
   const gpu::Pipeline* gdn_step = nullptr;
   const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
@@ -274,6 +274,9 @@ class Runtime {
   uint32_t split_rows(uint32_t rows) const;
   static constexpr uint32_t kDecodeTargetGroups = 128;  // >= 3 per core of a 40-core GPU
   static constexpr uint32_t kDecodeMinBlock = 32;        // 4 rows per simdgroup
+  // gdn_decode_step: threadgroups per value head (Hv * 4 = 128 for the model, >= 3 per core
+  // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
+  static constexpr uint32_t kGdnDecodeSplits = 4;
   // Prefill: minimum KV rows per split of a chunk's attention (split_block, or 1024).
   uint32_t prefill_split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
 
@@ -336,7 +339,7 @@ class Runtime {
   // token slots [2] and positions [2] (one per command buffer in flight)
   gpu::BufferPtr tokens_, positions_;
   // activations (fp32)
-  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, qg_, k_, v_, attn_, router_, ids_,
+  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, o_ssq_, qg_, k_, v_, attn_, router_, ids_,
       route_w_, hbuf_, logits_, part_ml_, part_acc_;
   // session state per layer
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;

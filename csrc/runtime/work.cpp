@@ -193,6 +193,20 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r);
     return w;
   }
+  // out_proj of a GDN layer: gemv_q*_add plus the gated norm on load, per x value and
+  // simdgroup that loads it (each loads all of x: cols >= 32 chunks): scale, weight, SiLU
+  // (~4) and the gate product; per chunk the head's NS partial sums and 1/sqrt (~8).
+  if (k == "gemv_gated_q4_add" || k == "gemv_gated_q8_add") {
+    const auto a = arg<args::GemvArgs>(r);
+    const auto gn = arg<args::GatedNormArgs>(r);
+    Work w = make("dense projections");
+    const double simdgroups = groups * (r.threads.count() / 32);
+    const double per_chunk = 128.0 / (k == "gemv_gated_q4_add" ? 4 : 8);
+    add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols +
+                              simdgroups * a.cols * (8.0 + (8.0 + gn.splits) / per_chunk));
+    w.bytes = declared(r);
+    return w;
+  }
   if (k == "norm_gemv_q4" || k == "norm_gemv_q8" || k == "embed_norm_gemv_q4") {
     const auto a = arg<args::NormGemvArgs>(r);
     const bool head = r.label.find("lm_head") != std::string::npos;
@@ -227,12 +241,13 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   // ---- Gated DeltaNet. Decode step: per token and value head ~9 Dk Dv (decay, k.S, rank-1
-  // update, q.S: 7, plus two 32-lane simd_sums over every row).
+  // update, q.S: 7, plus two 32-lane simd_sums over every row) and 12 (Dk + Dv) for the
+  // conv, norms and gates; each of the NS threadgroups of a head (grid y) redoes the q/k part.
   if (starts(k, "gdn_decode_step_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
     const uint32_t Hv = arg<args::GdnDecodeArgs>(r).num_v_heads;
     Work w = make("gated deltanet");
-    add(w, Path::alu_f32, double(Hv) * (9.0 * Dk * Dv + 12.0 * (Dk + Dv)));
+    add(w, Path::alu_f32, double(Hv) * (9.0 * Dk * Dv + 12.0 * (double(r.groups.y) * Dk + Dv)));
     w.bytes = declared(r);
     return w;
   }

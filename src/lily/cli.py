@@ -582,7 +582,8 @@ def cmd_serve(args) -> int:
     try:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
               model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
-              default_max_tokens=args.default_max_tokens, log_level=args.log_level)
+              default_max_tokens=args.default_max_tokens, log_level=args.log_level,
+              clamp_max_tokens=args.clamp_max_tokens)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -766,6 +767,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
+    s.add_argument("--clamp-max-tokens", action="store_true",
+                   help="serve a request whose prompt + max_tokens exceeds the context with max_tokens capped to "
+                        "the room left (default: HTTP 400 context_length_exceeded, as OpenAI's and Anthropic's "
+                        "APIs); for agent tools that send a fixed limit larger than a local window")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_cache_args(s)
     s.set_defaults(func=cmd_serve, check=lambda a: _check_serve(s, a))

@@ -295,6 +295,41 @@ def gdn_folded(Sp, c):
     return np.asarray(c, np.float64)[..., None] * Sp
 
 
+GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (Runtime::kGdnDecodeSplits)
+
+
+def gdn_decode_dispatch(p, kernel, Hk, Hv, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq,
+                        splits=GDN_DECODE_SPLITS, label=""):
+    """Encodes gdn_decode_step on compute pass ``p`` as the runtime does (csrc/runtime/decode.cpp):
+    grid (Hv, splits), Dv / splits * 8 threads (4 state rows per simdgroup). ``weights``: the
+    conv_w, A_log and dt_bias buffers; ``out``: y = S q, fp32 [Hv*Dv]; ``ssq``: fp32 [Hv, splits],
+    each split's sum of y^2."""
+    p.dispatch(kernel, (Hv, splits, 1), (Dv // splits * 8, 1, 1),
+               buffers=list(enumerate([qkv, b, a, *weights, cin, cout, state, out, ssq])),
+               constants=[(11, args_bytes(Hk, Hv, K, 1e-6))],
+               reads=[qkv, b, a, *weights, cin, state], writes=[cout, state, out, ssq],
+               threadgroups=True, label=label or kernel)
+
+
+def gdn_gated_norm32(y, ssq, z, norm_w_bits, Dv, eps=1e-6):
+    """The gated RMSNorm gemv_gated_q*_add applies while loading out_proj's input, in float32
+    and its order: per head ss = the partials summed in order, inv = 1 / sqrt(ss / Dv + eps),
+    then ((y * inv) * norm_w) * silu(z). y, z: [Hv*Dv]; ssq: [Hv, NS]. Returns [Hv*Dv]."""
+    y, z = f32(y).reshape(-1, Dv), f32(z).reshape(-1, Dv)
+    parts = f32(ssq).reshape(len(y), -1)
+    ss = np.zeros(len(y), np.float32)
+    for j in range(parts.shape[1]):
+        ss = f32(ss + parts[:, j])
+    inv = f32(np.float32(1.0) / np.sqrt(f32(ss / np.float32(Dv) + np.float32(eps))))
+    gate = f32(z / (np.float32(1.0) + np.exp(-z)))
+    return f32(f32(f32(y * inv[:, None]) * from_bf16(norm_w_bits)) * gate).reshape(-1)
+
+
+def gdn_split_ssq(y, Dv, splits):
+    """float64 sum of y^2 over each split's Dv / splits rows: [Hv, splits]."""
+    return (np.asarray(y, np.float64).reshape(-1, splits, Dv // splits) ** 2).sum(-1)
+
+
 class GdnLayer:
     """Device buffers of one GDN layer plus the oracle with the same weights."""
 
@@ -311,6 +346,7 @@ class GdnLayer:
             "conv1d.weight": from_bf16(conv_w)[:, :, None],
             "dt_bias": from_bf16(dt_bias), "A_log": A_log, "norm.weight": from_bf16(norm_w)})
         self.w = [upload(dev, conv_w), upload(dev, A_log), upload(dev, dt_bias), upload(dev, norm_w)]
+        self.norm_w = norm_w
         self.conv = [upload(dev, np.zeros((K - 1, C), np.float32)), dev.buffer((K - 1) * C * 4)]
         self.state = upload(dev, np.zeros(gdn_state_floats(Hv, Dv, Dk), np.float32))  # S' and c: zero, S = 0
         self.st = ReferenceState(max_context=1 << 20)
@@ -334,21 +370,34 @@ class GdnLayer:
         self.st.conv[0] = f32(conv).copy()
         self.st.recurrent[0] = f32(gdn_folded(*self.state_parts()))
 
-    def step_device(self, qkv, z, b, a):
+    def step_encode(self, p, qkv, z, b, a, splits=GDN_DECODE_SPLITS, label=""):
+        """Encodes one step on compute pass ``p`` (conv state parity flips); returns the y and
+        ssq buffers (gdn_decode_dispatch). ``z`` is not read: out_proj applies it (:meth:`normed`)."""
         dev = self.dev
-        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
-        out = dev.buffer(self.Hv * self.Dv * 4)
+        Q, B, A = upload(dev, qkv), upload(dev, b), upload(dev, a)
+        out, ssq = dev.buffer(self.Hv * self.Dv * 4), dev.buffer(self.Hv * splits * 4)
         cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
-        args = args_bytes(self.Hk, self.Hv, self.K, 1e-6, 1e-6)
-        t = time.perf_counter()
-        run(dev, self.kernel, self.Hv, 1024,
-            buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.w[0]), (5, self.w[1]), (6, self.w[2]),
-                     (7, self.w[3]), (8, cin), (9, cout), (10, self.state), (11, out)],
-            constants=[(12, args)],
-            reads=[Q, Z, B, A, *self.w, cin, self.state], writes=[cout, self.state, out])
-        self.seconds += time.perf_counter() - t
+        gdn_decode_dispatch(p, self.kernel, self.Hk, self.Hv, self.Dv, self.K, Q, B, A, self.w[:3],
+                            cin, cout, self.state, out, ssq, splits, label)
         self.parity ^= 1
-        return download(out, np.float32)
+        return out, ssq
+
+    def normed(self, out, ssq, z):
+        """The gated-norm output (out_proj's input, gdn_gated_norm32) from a step's buffers;
+        also keeps y and ssq (float32) as ``last_y`` / ``last_ssq``."""
+        self.last_y, self.last_ssq = download(out, np.float32), download(ssq, np.float32)
+        return gdn_gated_norm32(self.last_y, self.last_ssq, z, self.norm_w, self.Dv)
+
+    def step_device(self, qkv, z, b, a, splits=GDN_DECODE_SPLITS):
+        """One step on the device; returns the gated-norm output [Hv*Dv] (:meth:`normed`)."""
+        cb = self.dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        out, ssq = self.step_encode(p, qkv, z, b, a, splits)
+        cb.commit()
+        cb.wait()
+        self.seconds += time.perf_counter() - t
+        return self.normed(out, ssq, z)
 
     def step_reference(self, qkv, z, b, a):
         o = self.oracle
@@ -970,21 +1019,19 @@ class GdnPrefillLayer:
         return (u * np.repeat(f, self.RV, axis=1)).astype(np.float32)
 
     def decode_step(self, qkv, z, b, a, pos):
-        """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2)."""
+        """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2),
+        then the gated norm out_proj applies on load (gdn_gated_norm32)."""
         dev = self.dev
-        Q, Z, B, A = upload(dev, qkv), upload(dev, z), upload(dev, b), upload(dev, a)
-        out = dev.buffer(self.Hv * self.Dv * 4)
+        Q, B, A = upload(dev, qkv), upload(dev, b), upload(dev, a)
+        out, ssq = dev.buffer(self.Hv * self.Dv * 4), dev.buffer(self.Hv * GDN_DECODE_SPLITS * 4)
         cin, cout = self.CS[pos % 2], self.CS[(pos + 1) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        p.dispatch(self.decode_kernel, self.Hv, 1024,
-                   buffers=[(0, Q), (1, Z), (2, B), (3, A), (4, self.W[0]), (5, self.W[1]),
-                            (6, self.W[2]), (7, self.W[3]), (8, cin), (9, cout), (10, self.S), (11, out)],
-                   constants=[(12, args_bytes(self.Hk, self.Hv, GDN_K, GDN_EPS, GDN_EPS))],
-                   reads=[Q, Z, B, A, *self.W, cin, self.S], writes=[cout, self.S, out], threadgroups=True)
+        gdn_decode_dispatch(p, self.decode_kernel, self.Hk, self.Hv, self.Dv, GDN_K, Q, B, A, self.W[:3],
+                            cin, cout, self.S, out, ssq)
         cb.commit()
         cb.wait()
-        return download(out, np.float32)
+        return gdn_gated_norm32(download(out, np.float32), download(ssq, np.float32), z, self.norm_w, self.Dv)
 
     # ---- references
     def oracle(self):
@@ -1713,6 +1760,44 @@ def _gemv(dev, rng, kernel):
     return ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{cols}")
 
 
+def gated_x64(y, ssq, z, norm_w_bits, Dv, eps=1e-6):
+    """float64 gated RMSNorm of y (docs/model.md): y / sqrt(ss / Dv + eps) * norm_w * silu(z),
+    ss of a head = the sum of its partials ``ssq`` [Hv, NS]."""
+    y, z = np.asarray(y, np.float64).reshape(-1, Dv), np.asarray(z, np.float64).reshape(-1, Dv)
+    ss = np.asarray(ssq, np.float64).reshape(len(y), -1).sum(1)
+    w = from_bf16(norm_w_bits).astype(np.float64)
+    return (y / np.sqrt(ss / Dv + eps)[:, None] * w * z / (1 + np.exp(-z))).reshape(-1)
+
+
+def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
+    """gemv_gated_q*_add on random weights, y (with each split's float32 sum of y^2 as ssq), z,
+    norm weight and residual, against float64; returns the worst error ratio. Bound: the GEMV's
+    DEPTH u per |W| |x'| term plus 8 u for x' itself (a square root, a division, three products
+    and the SiLU, each within an ulp or two) and 2 u of the residual."""
+    bits, cols = int(kernel.split("_q")[1][0]), Hv * Dv
+    qt = rand_quant(rng, (), rows, cols, bits)
+    y, z = f32(rng.standard_normal(cols) * 0.3), f32(rng.standard_normal(cols) * 2)
+    ssq = f32((f32(y).reshape(Hv, splits, Dv // splits) ** 2).sum(-1))
+    nw = f32_to_bf16(f32(1 + 0.1 * rng.standard_normal(Dv)))
+    r0 = f32(rng.standard_normal(rows))
+    W, S, B = upload_q(dev, qt)
+    Y, SSQ, Z, NW, R = upload(dev, y), upload(dev, ssq), upload(dev, z), upload(dev, nw), upload(dev, r0)
+    run(dev, kernel, -(-rows // (GEMV_ROWS_PER_SG * tg // 32)), tg,
+        buffers=list(enumerate([W, S, B, Y, R])) + [(6, SSQ), (7, Z), (8, NW)],
+        constants=[(5, constant(rows, cols)), (9, args_bytes(Dv, splits, eps))],
+        reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
+    x = gated_x64(y, ssq, z, nw, Dv, eps)
+    exact = qt.dequantize().astype(np.float64) @ x + r0
+    mag = magnitude(qt) @ np.abs(x)
+    tol = (DEPTH + 8) * U * mag + 2 * U * np.abs(exact)
+    return ratio(download(R, np.float32), exact, tol, f"{kernel} {rows}x{cols} Dv={Dv} NS={splits}")
+
+
+@check("gemv_gated_q4_add", "gemv_gated_q8_add")
+def _gemv_gated(dev, rng, kernel):
+    return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+
+
 @check("embed_q4")
 def _embed(dev, rng, kernel):
     vocab, cols = 100, 128
@@ -1854,6 +1939,8 @@ def _gdn_decode_step(dev, rng, kernel):
     got = L.step_device(*inp)
     want = L.step_reference(*inp)
     r = _close(got, want, 1e-4, 1e-5, f"{kernel} output")
+    ssq = gdn_split_ssq(L.last_y, Dk, GDN_DECODE_SPLITS)
+    r = max(r, _close(L.last_ssq.reshape(ssq.shape), ssq, 1e-5, 1e-6, f"{kernel} ssq"))
     return max(r, _close(L.device_state()[1], L.st.recurrent[0], 1e-4, 1e-5, f"{kernel} state"))
 
 

@@ -214,6 +214,63 @@ def short_reason(message: str) -> str:
     return text.removeprefix("failed to compile JSON schema: ") or "invalid grammar"
 
 
+_LOOKAROUND = re.compile(r"\(\?<?[=!]")  # (?=  (?!  (?<=  (?<!
+
+
+def _has_lookaround(pattern: str) -> bool:
+    """Whether the regular expression ``pattern`` opens a look-around group (outside escapes
+    and character classes)."""
+    i, in_class = 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            j = i + 1 + (pattern[i + 1:i + 2] == "^")
+            if pattern[j:j + 1] == "]":  # "[]...]" and "[^]...]": that "]" is a member
+                i = j
+        elif c == "(" and _LOOKAROUND.match(pattern, i):
+            return True
+        i += 1
+    return False
+
+
+def _lookaround_at(schema: Any, path: str = "") -> tuple[str, str] | None:
+    """``(where, pattern)`` of the first ``pattern`` in ``schema`` with look-around
+    (``where`` its dotted path, e.g. ``properties.code.pattern``), or None."""
+    items = schema.items() if isinstance(schema, dict) else enumerate(schema) if isinstance(schema, list) else ()
+    for key, v in items:
+        where = f"{path}.{key}" if path else str(key)
+        if key == "pattern" and isinstance(v, str) and _has_lookaround(v):
+            return where, v
+        found = _lookaround_at(v, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _explained(reason: str, *places: tuple[Any, str]) -> str:
+    """llguidance's ``reason`` for refusing a schema; for look-around (its regular
+    expressions have none) the pattern and its place instead of the regex parser's
+    listing, in which a tool's pattern appears wrapped in our own rules. ``places``:
+    ``(schema, its path)`` pairs searched in turn for the pattern."""
+    found = None
+    for schema, path in places if "look-around" in reason else ():
+        found = _lookaround_at(schema, path)
+        if found is not None:
+            break
+    if found is None:
+        return reason
+    where, pattern = found
+    return (f"the pattern {json.dumps(pattern)} at {where} uses look-around, which is not supported (the grammar "
+            "engine's regular expressions have no look-ahead (?= (?! or look-behind (?<= (?<!): rewrite the pattern "
+            "without it")
+
+
 def _grammar_error(lark: str) -> str | None:
     """The short reason (:func:`short_reason`) why the Lark grammar ``lark`` (start symbol
     ``start``) does not compile, or None when it does."""
@@ -248,13 +305,14 @@ class Grammar:
         "strng"``, ``"required": "a"``: :func:`check_schema`), unsatisfiable (``minimum`` >
         ``maximum``) or uses what llguidance cannot enforce (look-around in ``pattern``,
         unknown ``format``, remote ``$ref``); the message then starts "JSON schema cannot be
-        enforced" and gives llguidance's reason in one line (:func:`short_reason`).
+        enforced" and gives llguidance's reason in one line (:func:`short_reason`; for
+        look-around, the pattern and its path in the schema).
         """
         schema = check_schema(schema)
         body = "body: " + _json_rule(schema) + "\n"
         err = _grammar_error(body.replace("body:", "start:", 1))
         if err is not None:
-            raise InvalidParameterError(f"JSON schema cannot be enforced: {err}")
+            raise InvalidParameterError(f"JSON schema cannot be enforced: {_explained(err, (schema, ''))}")
         return cls("json_schema", body)
 
     @classmethod
@@ -307,6 +365,9 @@ class Grammar:
                 for key, v, value_rules in values:
                     err = _grammar_error("\n".join([f"start: {v}", *value_rules]) + "\n")
                     if err is not None:
+                        params = fns[fname][1]  # the parameter's own schema first, then the whole ($ref)
+                        prop = (params.get("properties") or {}).get(key)
+                        err = _explained(err, (prop, f"properties.{key}"), (params, ""))
                         raise _unenforceable(index, fname, f"parameter {key!r}: {err}")
                 raise _unenforceable(index, fname, alone)
             raise InvalidParameterError(f"the tool-call grammar cannot be built: {err}")

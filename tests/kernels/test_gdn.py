@@ -5,7 +5,11 @@ Every output buffer starts poisoned (the simulator fills new buffers with NaN), 
 element a kernel forgets to write fails the comparison.
 
 Tolerances (all float32 arithmetic on both sides unless noted):
-* GDN step: the kernel sums in a different order (simd_sum trees vs numpy einsum) over
+* GDN step: the kernel writes y = S q and each split's sum of y^2 (grid Hv x NS); the
+  gated RMSNorm is applied in float32 on the host as out_proj's load does
+  (kernel_check.gdn_gated_norm32; gemv_gated_q*_add has its own test in test_gemv.py). The
+  per-split sums of squares: rtol 1e-5 (32 or fewer squares, a different order). The
+  kernel sums in a different order (simd_sum trees vs numpy einsum) over
   Dk = 128 products of O(1) values: a few float32 ulps, so rtol 1e-4 / atol 1e-5 on one
   step. The device state is S' and a pending decay c per row (S = c S', gdn_scan's lazy
   decay); the step decays by c g and leaves c = 1, so it starts from random c here (0, i.e.
@@ -54,8 +58,12 @@ class GdnLayer(kernel_check.GdnLayer):
         super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed))
 
 
-@pytest.mark.parametrize("dims", list(GDN_DIMS))
-def test_gdn_decode_step_matches_reference(dev, dims):
+@pytest.mark.parametrize("dims,splits", [(d, kernel_check.GDN_DECODE_SPLITS) for d in GDN_DIMS] +
+                         [("dims", 1), ("dims", 2), ("tiny", 8)])
+def test_gdn_decode_step_matches_reference(dev, dims, splits):
+    """Each head's Dv state rows split over ``splits`` threadgroups (the runtime's 4, and
+    others): the output is y plus each split's sum of y^2, normalised here as out_proj does
+    (kernel_check.gdn_gated_norm32) and compared with the reference's gated-norm output."""
     Hk, Hv, Dk, Dv = GDN_DIMS[dims]
     L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=1)
     r = L.rng
@@ -68,9 +76,11 @@ def test_gdn_decode_step_matches_reference(dev, dims):
     assert not L.st.recurrent[0][0].any()
     for _ in range(2):
         inp = L.random_inputs()
-        got = L.step_device(*inp)
+        got = L.step_device(*inp, splits=splits)
         want = L.step_reference(*inp)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(L.last_ssq.reshape(Hv, splits), kernel_check.gdn_split_ssq(L.last_y, Dv, splits),
+                                   rtol=1e-5)
         conv, S = L.device_state()
         np.testing.assert_array_equal(conv, L.st.conv[0])  # a copy: exact
         np.testing.assert_allclose(S, L.st.recurrent[0], rtol=1e-4, atol=1e-5)

@@ -26,9 +26,10 @@ from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.kernel_check import (  # noqa: E402
-    DEPTH, GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, U, _norm_gemv_ratio, enc_embed_norm_gemv,
+    DEPTH, GEMV_ROWS_PER_SG, gemv_gated_ratio, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, U, _norm_gemv_ratio, enc_embed_norm_gemv,
     enc_norm_gemv, gemv_grid, magnitude, norm_gemv_grid, rand_quant, rms_ref64, to_bf16_bits, upload_q)
 from harness import assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
+from simdev import ORDERS, make_dev  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +80,24 @@ def test_gemv_add_residual(dev, bits, rows, cols):
     exact = r0.astype(np.float64) + qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64)) + np.abs(r0)
     assert_within(download(R, np.float32), exact, DEPTH * U * mag, f"gemv_q{bits}_add {rows}x{cols}")
+
+
+# gemv_gated_q*_add: out_proj of a GDN layer, the gated RMSNorm applied to x on load
+# (kernel_check.gemv_gated_ratio: bound and reference).
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows,Hv,Dv,splits,tg", [
+    (2048, 32, 128, 4, 64),                                       # the model's out_proj
+    (2048, 32, 128, 1, 64), (256, 4, 128, 2, 128), (33, 4, 32, 4, 32), (100, 2, 64, 8, 256),
+])
+def test_gemv_gated(dev, bits, rows, Hv, Dv, splits, tg):
+    rng = fresh_rng(rows * 31 + Hv * Dv + splits + bits)
+    assert gemv_gated_ratio(dev, rng, f"gemv_gated_q{bits}_add", rows, Hv, Dv, splits, tg) <= 1.0
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_gemv_gated_under_hazard_orders(order):
+    """The same in each of the simulator's orders (reverse: undeclared reads detected)."""
+    assert gemv_gated_ratio(make_dev(order), fresh_rng(5), "gemv_gated_q4_add", 300, 4, 128, 4) <= 1.0
 
 
 @pytest.mark.parametrize("tg", [32, 128, 256])
@@ -430,9 +449,10 @@ def test_router_dispatch_spans_the_gpu(step):
 
 def test_bandwidth_heavy_decode_dispatches_fill_an_m5max(step):
     """Every decode dispatch moving >= 1 MB keeps all 40 cores of an M5 Max at >= 256
-    threads (lily.perf.occupancy 1.0), except the Gated DeltaNet recurrence: one
-    threadgroup per value head (32) keeps its 64 KB state in registers."""
+    threads (lily.perf.occupancy 1.0), the Gated DeltaNet recurrence included (4
+    threadgroups per value head: 128)."""
+    assert any(r["kernel"].startswith("gdn_decode_step") for r in step)
     for r in step:
-        if r["work"]["bytes"] < 1e6 or r["kernel"].startswith("gdn_decode_step"):
+        if r["work"]["bytes"] < 1e6:
             continue
         assert occupancy_m5max(r) == 1.0, (r["label"], r["groups"], r["threads"])

@@ -5,7 +5,7 @@ and Anthropic Messages.
 :func:`serve` runs it with uvicorn. See ``docs/server.md``.
 """
 
-from lily.server.app import create_app, serve
 from lily.chat_output import ChatAccumulator, ChatOutputParser, parse_complete
+from lily.server.app import create_app, serve
 
 __all__ = ["ChatAccumulator", "ChatOutputParser", "create_app", "parse_complete", "serve"]

@@ -23,6 +23,7 @@ from lily.server import core
 from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps,
                               register_error_shape, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
+from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
 router = APIRouter()
@@ -168,6 +169,9 @@ def template_messages(req: CountTokensRequest) -> list[dict]:
                 raise APIError(400, f"{param}: content block type '{b.type}' is not supported in a "
                                     f"{m.role} message (this model takes text, tool_use, tool_result "
                                     "and thinking blocks)", param=param)
+        if m.role == "user" and not texts and not any(b.type == "tool_result" for b in m.content):
+            raise APIError(400, f"{where}: a user message needs at least one text or tool_result block",
+                           param=where)
         if texts or m.role == "assistant":
             d: dict[str, Any] = {"role": m.role, "content": "\n".join(texts)}
             if reasoning:
@@ -194,9 +198,10 @@ def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | 
         if t.input_schema is None:
             raise APIError(400, f"tools.{i}.input_schema: required (the JSON schema of tool {t.name!r}'s input)",
                            param=f"tools.{i}.input_schema")
-    tools = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                               "parameters": t.input_schema}}
-             for t in req.tools] if req.tools else None
+    # template_tools: the one rendered layout (a tool without a description is shown without one)
+    tools = template_tools([{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                              "parameters": t.input_schema}}
+                            for t in req.tools]) if req.tools else None
     check_tools(tools, tool_param)
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
@@ -216,10 +221,27 @@ def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | 
     return tools, True, choice.name
 
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's reference: budget_tokens >= 1024 and < max_tokens
+
+
 def template_kwargs(req: CountTokensRequest) -> dict:
-    # thinking: {"type": "disabled"} turns the template's reasoning block off; otherwise the
-    # template's default (Qwen3.5 thinks) - the budget is not enforced
-    return {"enable_thinking": False} if req.thinking is not None and req.thinking.type == "disabled" else {}
+    """The chat template's switches for ``thinking``: ``disabled`` turns the reasoning block
+    off; ``enabled``, ``adaptive`` or none leave the template's default (Qwen3.6 thinks).
+    ``enabled`` is checked as Anthropic's reference states (``budget_tokens`` given, at least
+    1024 and, when the request has ``max_tokens``, less than it); the budget is not a cap of
+    its own: thinking counts towards ``max_tokens``, which bounds it."""
+    t = req.thinking
+    if t is None or t.type != "enabled":
+        return {"enable_thinking": False} if t is not None and t.type == "disabled" else {}
+    budget, param = t.budget_tokens, "thinking.budget_tokens"
+    if budget is None:
+        raise APIError(400, f"{param}: required when thinking.type is 'enabled' (at least "
+                            f"{MIN_THINKING_BUDGET} and less than max_tokens)", param=param)
+    if budget < MIN_THINKING_BUDGET:
+        raise APIError(400, f"{param}: must be at least {MIN_THINKING_BUDGET}, got {budget}", param=param)
+    if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
+        raise APIError(400, f"{param}: must be less than max_tokens ({req.max_tokens}), got {budget}", param=param)
+    return {}
 
 
 # ----------------------------------------------------------------------------------------
@@ -296,7 +318,8 @@ async def messages(req: MessagesRequest, request: Request):
     constraint = forced_tools(state, req, tools, forced)
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())
-    params = state.sampling_params(req, req.max_tokens, stop=stops)
+    max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="messages")
+    params = state.sampling_params(req, max_tokens, stop=stops)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
     job = state.submit(ids, params, constraint=constraint)

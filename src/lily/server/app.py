@@ -30,7 +30,8 @@ def _default_model_name(engine) -> str:
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
                max_queue: int = 8, default_max_tokens: int | None = None,
-               strict_model_name: bool = False, max_stored_responses: int = 256) -> FastAPI:
+               strict_model_name: bool = False, max_stored_responses: int = 256,
+               clamp_max_tokens: bool = False) -> FastAPI:
     """An ASGI app serving ``engine`` through the OpenAI chat completions, completions and
     Responses APIs and the Anthropic Messages API.
 
@@ -56,9 +57,14 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         means the one model served.
     max_stored_responses : int
         Responses kept for ``previous_response_id`` (the oldest is dropped first).
+    clamp_max_tokens : bool
+        A request whose prompt + ``max_tokens`` (``max_output_tokens``, ...) exceeds the
+        context window is served with the limit capped to the room left instead of getting
+        HTTP 400 ``context_length_exceeded`` (the default, as OpenAI's and Anthropic's APIs
+        do). For agent tools that send a fixed limit larger than a local window.
     """
     state = ServerState(engine, model_name or _default_model_name(engine), api_key, max_queue,
-                        default_max_tokens, strict_model_name)
+                        default_max_tokens, strict_model_name, clamp_max_tokens)
     state.responses = responses_api.ResponseStore(max_stored_responses)
 
     @contextlib.asynccontextmanager
@@ -97,7 +103,8 @@ def _is_loopback(host: str) -> bool:
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
           model_name: str | None = None, strict_model_name: bool = False, max_queue: int = 8,
-          default_max_tokens: int | None = None, log_level: str = "info") -> None:
+          default_max_tokens: int | None = None, log_level: str = "info",
+          clamp_max_tokens: bool = False) -> None:
     """Serve ``engine`` over HTTP with uvicorn until interrupted (``lily serve``).
 
     Binds to loopback by default; binding another address without ``api_key`` logs a
@@ -121,7 +128,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
         log.warning("serving on %s without an API key: anyone who can reach this address can use "
                     "the model (pass --api-key)", host)
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
-                     default_max_tokens=default_max_tokens, strict_model_name=strict_model_name)
+                     default_max_tokens=default_max_tokens, strict_model_name=strict_model_name,
+                     clamp_max_tokens=clamp_max_tokens)
     state: ServerState = app.state.lily
 
     class Server(uvicorn.Server):

@@ -97,7 +97,8 @@ class ServerState:
     name and the server-wide options. One per app, as ``app.state.lily``."""
 
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
-                 default_max_tokens: int | None, strict_model_name: bool = False):
+                 default_max_tokens: int | None, strict_model_name: bool = False,
+                 clamp_max_tokens: bool = False):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
@@ -106,6 +107,7 @@ class ServerState:
         self.worker = Worker(max_queue)
         self.created = int(time.time())
         self.default_max_tokens = default_max_tokens
+        self.clamp_max_tokens = clamp_max_tokens
 
     def begin_shutdown(self) -> None:
         """Take no more generations and end the running and queued ones now: their requests
@@ -170,15 +172,30 @@ class ServerState:
             msg = str(exc)
             raise APIError(400, msg, param=param_of(msg), code="invalid_value") from None
 
+    def context_error(self, n_prompt: int, prompt: str, limit: int | None = None,
+                      field: str | None = None) -> APIError:
+        """400 ``context_length_exceeded`` in OpenAI's words (as vLLM gives them too): the
+        window, the prompt's ``n_prompt`` tokens (``prompt``: what the API calls it) and,
+        when the request's ``field`` set the ``limit`` that overflowed, that limit (then
+        ``param`` is ``field``, else ``prompt``)."""
+        head = f"This model's maximum context length is {self.engine.max_context} tokens. However, "
+        if limit is None:
+            return APIError(400, f"{head}your {prompt} resulted in {n_prompt} tokens. Please reduce the length "
+                                 f"of the {prompt}.", param=prompt, code="context_length_exceeded")
+        return APIError(400, f"{head}you requested {n_prompt + limit} tokens ({n_prompt} in the {prompt}, {limit} "
+                             f"in {field}). Please reduce the length of the {prompt} or {field} (or start the server "
+                             f"with --clamp-max-tokens to cap {field} to the room left).", param=field,
+                        code="context_length_exceeded")
+
     def check_prompt_ids(self, ids: list[int], param: str) -> None:
         """The engine's input check (:meth:`lily.engine.Engine.check_tokens`, one rule for
         the library and the server) as API errors: 400 ``invalid_value`` for an empty prompt
         or a token id outside the vocabulary, 400 ``context_length_exceeded`` naming
-        ``param`` for a prompt longer than the context window."""
+        ``param`` for a prompt longer than the context window (:meth:`context_error`)."""
         try:
             self.engine.check_tokens(ids, "the prompt")
-        except ContextLengthError as exc:
-            raise APIError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except ContextLengthError:
+            raise self.context_error(len(ids), param) from None
         except InvalidParameterError as exc:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
 
@@ -186,7 +203,9 @@ class ServerState:
                           param: str = "messages") -> tuple[str, list[int]]:
         """The chat template applied to template-form ``messages`` and OpenAI-form ``tools``
         (off the event loop): ``(prompt text, token ids)``, checked (400 naming ``param`` for
-        a template error, an unpaired surrogate, an empty or too long prompt)."""
+        a conversation without a user message, a template error, an unpaired surrogate, an
+        empty or too long prompt)."""
+        check_has_user_turn(messages, param)
         tok = self.engine.tokenizer
 
         def render():
@@ -201,10 +220,27 @@ class ServerState:
         self.check_prompt_ids(ids, param)
         return prompt_text, ids
 
-    def default_max_tokens_for(self, n_prompt: int) -> int:
-        """``max_tokens`` of a chat request that sets none: ``--default-max-tokens``, else
-        the room left in the context window."""
-        return self.default_max_tokens or max(1, self.engine.max_context - n_prompt)
+    def max_tokens_for(self, n_prompt: int, limit: int | None, *, field: str, prompt: str,
+                       default: int | None = None) -> int:
+        """The generation's token limit after a prompt of ``n_prompt`` tokens.
+
+        ``limit`` is what the request's ``field`` (``max_tokens``, ``max_output_tokens``,
+        ...) asks for: prompt + limit must fit in the context window, or it is a 400
+        (:meth:`context_error`; ``prompt`` is what the API calls the prompt), as OpenAI's
+        API and vLLM refuse it; with ``--clamp-max-tokens`` it is capped to the room left
+        instead (for agent tools that send a fixed limit larger than a local window). A limit outside [1, 2^31 - 1] is returned as is:
+        :meth:`sampling_params` refuses it naming those bounds. Without a limit, ``default``
+        (else ``--default-max-tokens``, else none) capped to the room left, at least 1 (a
+        prompt that fills the window ends at once for length)."""
+        room = self.engine.max_context - n_prompt
+        if limit is None:
+            cap = default if default is not None else self.default_max_tokens
+            return max(1, room if cap is None else min(cap, room))
+        if 1 <= limit <= INT32_MAX and limit > room:
+            if self.clamp_max_tokens:
+                return max(1, room)
+            raise self.context_error(n_prompt, prompt, limit, field)
+        return limit
 
     # -- generation ------------------------------------------------------------------------
 
@@ -243,6 +279,21 @@ class ServerState:
                  getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
                  last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
                  t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
+
+
+_ROLE_WORDS = {"system": "system", "assistant": "assistant", "tool": "tool result"}
+
+
+def check_has_user_turn(messages: list[dict], param: str) -> None:
+    """400 naming ``param`` for a conversation without a user message (template-form
+    ``messages``): the model answers a user's turn, and the Qwen chat template refuses a
+    conversation without one ("No user query found in messages")."""
+    if any(m.get("role") == "user" for m in messages):
+        return
+    roles = list(dict.fromkeys(_ROLE_WORDS.get(m.get("role"), str(m.get("role"))) for m in messages))
+    has = f"it has only {' and '.join(roles)} messages" if roles else "it is empty"
+    raise APIError(400, f"{param} has no user message: {has}, and the model answers a user's turn",
+                   param=param, code="invalid_value")
 
 
 def cache_key(req) -> str | None:

@@ -175,7 +175,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if top_lp is not None and top_lp > 0 and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs",
                        code="invalid_value")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    limit_field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     messages = template_messages(req)
     tools, parse_tools = tool_setup(req)
     forced = req.tool_choice if isinstance(req.tool_choice, dict) or req.tool_choice == "required" else None
@@ -185,8 +185,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                     parallel=req.parallel_tool_calls is not False,
                                     tool_param=tool_param)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
-    if max_tokens is None:
-        max_tokens = state.default_max_tokens_for(len(ids))
+    max_tokens = state.max_tokens_for(len(ids), getattr(req, limit_field), field=limit_field, prompt="messages")
     params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
@@ -322,7 +321,7 @@ async def completions(req: CompletionRequest, request: Request):
     if n_lp is not None and not 0 <= n_lp <= 20:
         raise APIError(400, f"logprobs must be in [0, 20], got {n_lp}", param="logprobs",
                        code="invalid_value")
-    max_tokens = req.max_tokens if req.max_tokens is not None else 16
+    max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="prompt", default=16)
     params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
     echo_text = tok.decode(ids) if req.echo else ""
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too

@@ -24,6 +24,7 @@ from lily.server import core
 from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
                               dumps, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
+from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
 router = APIRouter()
@@ -193,9 +194,10 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
                                     f"{t.get('type')!r}", param=f"tools.{i}", code="invalid_value")
             params = t.get("parameters")
             tools.append({"type": "function", "function": {
-                "name": t["name"], "description": t.get("description") or "",
+                "name": t["name"], "description": t.get("description"),
                 "parameters": {"type": "object", "properties": {}} if params is None else params}})
         check_tools(tools, tool_param)
+        tools = template_tools(tools)  # the one rendered layout (no description: none shown)
     choice = req.tool_choice
     if choice is None or choice == "auto":
         return tools, tools is not None, None
@@ -321,7 +323,7 @@ async def responses(req: ResponsesRequest, request: Request):
                                     param="text.format", tool_param=tool_param,
                                     parallel=req.parallel_tool_calls is not False)
     prompt_text, ids = await state.render_chat(messages, tools, _enable_thinking(req), param="input")
-    max_tokens = req.max_output_tokens or state.default_max_tokens_for(len(ids))
+    max_tokens = state.max_tokens_for(len(ids), req.max_output_tokens, field="max_output_tokens", prompt="input")
     params = state.sampling_params(req, max_tokens, stop=())
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
