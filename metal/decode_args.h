@@ -16,7 +16,7 @@ struct GemvArgs {
 // * silu(z[i]), h = i / head_dim, ss(h) = sum of the head's `splits` partial sums of y^2
 // (gdn_decode_step's ssq). cols = heads * head_dim.
 struct GatedNormArgs {
-  uint head_dim;  // Dv (128); a multiple of 32 (a 16-byte chunk of x lies inside one head)
+  uint head_dim;  // Dv (128); a multiple of 32 (the 32 (q4) / 16 (q8) x values of a chunk lie inside one head)
   uint splits;    // NS: partial sums of squares per head (gdn_decode_step's grid y)
   float eps;      // added to the mean of squares (rms_norm_eps, 1e-6)
 };

@@ -33,9 +33,9 @@
 //   out_proj:    A = half(u * f_s)                                         (a half multiply)
 // i.e. y * inv * w * silu(z), the gated RMSNorm, as the fp32 math of one pass gives it but for three half roundings instead of one (u, f_s, the product: within ~1.5 half
 // ulps of the single-rounded half(y inv w silu z)). a_s keeps u in range: |y a_s| <= sqrt(Dv)
-// (as |y inv|), so u only saturates where |w silu(z)| is beyond ~65504 / sqrt(Dv); a
-// saturated u then gives 65504 f_s (f_s <= 1, so A never overflows) where a single rounding
-// gave 65504.
+// (as |y inv|), so u only saturates where |w silu(z)| is beyond ~65504 / sqrt(Dv). It
+// saturates first, on |y a_s w silu(z)| > 65504, a band the one-pass norm kept in range when
+// f_s < 1: such an element is staged as 65504 f_s, below its value (A never overflows).
 // The conv is gdn_decode_step's (metal/gdn.metal) operation for operation; the scan sums its
 // dot products in another order, so a chunk agrees with decode steps to float32 rounding, and
 // two chunks equal one chunk of the same tokens bit for bit (the arithmetic per token does

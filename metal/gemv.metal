@@ -1,6 +1,7 @@
 // Decode GEMV on MLX affine-quantized weights (batch 1): y = W x, RMSNorm fused in front of
 // it (norm_gemv_q), and the embedding lookup fused into layer 0's first norm_gemv
-// (embed_norm_gemv_q; the plain lookups are in embed.metal).
+// (embed_norm_gemv_q; the plain lookups are in embed.metal), and the Gated DeltaNet out_proj
+// with the gated RMSNorm applied to its input (gemv_gated_q).
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -13,7 +14,7 @@ using namespace metal;
 // owns R T / 32 of the rows, its lanes read consecutive 16-byte chunks of those rows
 // (adjacent lanes, adjacent bytes) and load each x chunk once for all the team's rows. fp32
 // accumulation, dequantisation in registers, a butterfly (simd_shuffle_xor) sum over the
-// team; lane r of a team stores row r. ADD: y[row] += W x (residual update for o_proj/out_proj).
+// team; lane r of a team stores row r. ADD: y[row] += W x (residual update for o_proj).
 // Threadgroup: a multiple of 32 threads (64 recommended); any number of threadgroups
 // >= ceil(rows / (R * simdgroups)); rows past `rows` are skipped. XSrc: where a chunk of x
 // comes from (PlainX, GatedNormX), its load(c, xs) is q_load_x's contract.
@@ -51,7 +52,7 @@ struct PlainX {
 
 // The Gated DeltaNet's y with its gated RMSNorm (GatedNormArgs) applied on load: per chunk
 // (inside one head h) inv = 1 / sqrt(ss(h) / Dv + eps) from the head's NS partial sums of
-// squares, then ((y * inv) * norm_w) * silu(z): gdn_gated_norm's expression and order.
+// squares, then ((y * inv) * norm_w) * silu(z) (docs/model.md, "Gated DeltaNet").
 template <int BITS>
 struct GatedNormX {
   device const float4* y;   // [Hv*Dv] gdn_decode_step's y

@@ -136,8 +136,8 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      // gdn_decode_step: NS threadgroups per head, each kGdnDecodeThreads threads (4 state
-      // rows per simdgroup); y and per-split sums of squares, the gated norm is out_proj's
+      // gdn_decode_step: NS threadgroups per head, each Dv / NS * 8 threads (4 state rows per
+      // simdgroup); y and per-split sums of squares, the gated norm is out_proj's
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
       Op(*K.gdn_step, labels_(l, "gdn step"))
           .groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))

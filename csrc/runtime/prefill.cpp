@@ -339,6 +339,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // u times the norm scale of its (token, head, split): one factor per RV elements of a row
       uint32_t shift = 0;
       while ((1u << shift) < RV) ++shift;
+      if ((1u << shift) != RV) throw std::logic_error("gdn_scan rows per threadgroup must be a power of two");
       gemm(g.out_proj, true, *c.oh, Hv * Dv, Hv * Dv, *c.h, H, H, 0, labels_(l, "out_proj"), false, 0, c.gdn_f.get(),
            shift);
     } else {

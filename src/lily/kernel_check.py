@@ -1939,7 +1939,7 @@ def _gdn_decode_step(dev, rng, kernel):
     got = L.step_device(*inp)
     want = L.step_reference(*inp)
     r = _close(got, want, 1e-4, 1e-5, f"{kernel} output")
-    ssq = gdn_split_ssq(L.last_y, Dk, GDN_DECODE_SPLITS)
+    ssq = gdn_split_ssq(L.last_y, L.Dv, GDN_DECODE_SPLITS)
     r = max(r, _close(L.last_ssq.reshape(ssq.shape), ssq, 1e-5, 1e-6, f"{kernel} ssq"))
     return max(r, _close(L.device_state()[1], L.st.recurrent[0], 1e-4, 1e-5, f"{kernel} state"))
 
