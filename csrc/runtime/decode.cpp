@@ -72,15 +72,19 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
   const uint32_t H = d.hidden_size;
   const size_t u32 = sizeof(uint32_t);
   auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
-  // y (+)= W x with one row of W per simdgroup lane group (gemv_q*_add: y += W x).
-  auto gemv_add = [&](const QuantLinear& w, gpu::Buffer& x, size_t cols, gpu::Buffer& y, size_t rows,
-                      const std::string& label) {
-    Op op(K.gemv_add[w.bits], label);
+  // y += W x with one row of W per simdgroup lane group, by a kernel of `kernels`
+  // (gemv_q*_add, or gemv_gated_q*_add, whose extra bindings the caller adds); not yet run.
+  auto gemv_add_op = [&](const ByBits& kernels, const QuantLinear& w, gpu::Buffer& x, size_t cols,
+                         gpu::Buffer& y, size_t rows, const std::string& label) {
+    Op op(kernels[w.bits], label);
     op.groups(tg(ceil_div(rows, kGemvRowsPerGroup)), tg(kGemvThreads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, cols * f).inout(4, y, 0, rows * f);
-    op.args(5, args::GemvArgs{uint32_t(rows), uint32_t(cols)}).run(pass);
+    op.args(5, args::GemvArgs{uint32_t(rows), uint32_t(cols)});
     t.other_bytes += cols * f + rows * f * 2;
+    return op;
   };
+  auto gemv_add = [&](const QuantLinear& w, gpu::Buffer& x, size_t cols, gpu::Buffer& y, size_t rows,
+                      const std::string& label) { gemv_add_op(K.gemv_add, w, x, cols, y, rows, label).run(pass); };
   // RMSNorm of the residual fused into up to four GEMVs of one weight width that read the
   // normalised vector (norm_gemv_q*); `xn_out` also stores that vector for later kernels.
   struct Proj { const QuantLinear& w; gpu::Buffer* out; size_t offset; uint32_t rows; };
@@ -152,16 +156,12 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
       t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
-      {
-        const size_t cols = size_t(Hv) * Dv;
-        Op op(K.gemv_gated_add[g.out_proj.bits], labels_(l, "gated norm + out_proj"));
-        op.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads));
-        op.in(0, g.out_proj, &t.weight_bytes).in(3, *o_, 0, cols * f).inout(4, *h_, 0, H * f)
-            .in(6, *o_ssq_, 0, ssq_bytes).in(7, *z_, 0, cols * f).in(8, *g.norm, &t.weight_bytes);
-        op.args(5, args::GemvArgs{H, uint32_t(cols)})
-            .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps}).run(pass);
-        t.other_bytes += cols * f * 2 + H * f * 2;  // y and z in, the residual in and out
-      }
+      const size_t cols = size_t(Hv) * Dv;
+      gemv_add_op(K.gemv_gated_add, g.out_proj, *o_, cols, *h_, H, labels_(l, "gated norm + out_proj"))
+          .in(6, *o_ssq_, 0, ssq_bytes).in(7, *z_, 0, cols * f).in(8, *g.norm, &t.weight_bytes)
+          .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps})
+          .run(pass);
+      t.other_bytes += cols * f;  // z
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;
