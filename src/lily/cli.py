@@ -537,14 +537,17 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from lily.perf import estimate, format_report
-    rep = estimate(args.machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
-                   breakdown_at=args.at, chunk=args.prefill_chunk,
-                   model_name=str(args.model) if args.model else None)
+    from lily.perf import estimate, fit, format_fit, format_report
+    machine, fitted, chunk = args.machine or "m5max", None, args.prefill_chunk
+    if args.fit:
+        machine, fitted = fit(args.bench, machine_key=args.machine, config=args.config, source=args.fit)
+        chunk = chunk or fitted["plan"]["prefill_chunk"]  # the measured run's plan unless told otherwise
+    rep = estimate(machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
+                   breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None)
     if args.json:
-        print(json.dumps(rep, indent=2))
+        print(json.dumps({"fit": fitted, "estimate": rep} if fitted else rep, indent=2))
     else:
-        print(format_report(rep))
+        print((format_fit(fitted) + "\n\n" if fitted else "") + format_report(rep))
     return 0
 
 
@@ -556,6 +559,11 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
         args.config = load_config(args.model)[0] if args.model else model_config()
     except LilyError as e:
         parser.error(f"--model: {e}")
+    if args.fit:
+        try:
+            args.bench = json.loads(Path(args.fit).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            parser.error(f"--fit: cannot read {args.fit} as a `lily bench --json` report: {e}")
     limit = args.config.max_position_embeddings
     # the default lengths stop at the model's limit (the demo model's is small)
     args.contexts = args.contexts or [n for n in LENGTHS if n < limit] or [limit - 1]
@@ -733,8 +741,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "per prompt length, and where the time goes by kernel family. An estimate, "
                                    "not a measurement.")
     from lily.perf import MACHINES
-    e.add_argument("--machine", default="m5max", choices=list(MACHINES),
-                   help="the GPU modelled (default m5max)")
+    e.add_argument("--machine", default=None, choices=list(MACHINES),
+                   help="the GPU modelled (default m5max; with --fit, the measured run's chip)")
     e.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="take the dimensions from this checkpoint's config.json (default: Qwen3.6-35B-A3B)")
     e.add_argument("--contexts", type=_int_list, default=None, metavar="L1,L2,...",
@@ -745,7 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="context / prompt length of the per-family breakdown (default 4096)")
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
-    e.add_argument("--json", action="store_true", help="print the report as JSON")
+    e.add_argument("--fit", default=None, metavar="BENCH_JSON",
+                   help="calibrate the model on a Mac run first: fit its bandwidth efficiency, stage gap and "
+                        "matrix efficiency to Lily's figures in this `lily bench --json` file (docs/performance.md)")
+    e.add_argument("--json", action="store_true", help="print the report as JSON (with --fit: {fit, estimate})")
     e.set_defaults(func=cmd_estimate, check=lambda a: _check_estimate(e, a))
 
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",

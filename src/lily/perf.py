@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lily.checkpoint import ModelConfig, parse_config
 from lily.errors import InvalidParameterError, LilyError
@@ -84,7 +85,9 @@ class Machine:
     """An Apple GPU: ``cores``; ``bandwidth`` bytes/s; ``rates`` peak flop/s per execution
     path (absent: the path does not exist there); ``threadgroup_memory`` bytes per
     threadgroup; ``stage_gap`` seconds per barrier stage; ``gpu_family`` (MTLGPUFamilyAppleN);
-    ``sources``: where each figure comes from."""
+    ``sources``: where each figure comes from. The calibration (``stage_gap``,
+    ``bandwidth_efficiency``, ``path_efficiency``) is the published one unless
+    ``fitted_from`` names the measured run it was fitted to (:func:`fit`)."""
 
     key: str
     name: str
@@ -95,6 +98,9 @@ class Machine:
     gpu_family: int
     sources: dict
     stage_gap: float = STAGE_GAP
+    bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
+    path_efficiency: dict = field(default_factory=lambda: dict(PATH_EFFICIENCY))
+    fitted_from: str | None = None
 
     @property
     def tensor_ops(self) -> bool:
@@ -197,7 +203,7 @@ def _compute_seconds(m: Machine, flops: dict) -> float:
         rate = m.rates.get(path)
         if rate is None:
             raise InvalidParameterError(f"{m.name} has no {path} path (the plan for another GPU family?)")
-        s += f / (rate * PATH_EFFICIENCY[path])
+        s += f / (rate * m.path_efficiency[path])
     return s
 
 
@@ -205,7 +211,7 @@ def dispatch_seconds(m: Machine, rec: dict) -> float:
     """Roofline time of one dispatch record at its occupancy (no stage gap)."""
     w = _work(rec)
     occ = occupancy(m, math.prod(rec["groups"]), math.prod(rec["threads"]))
-    return max(w["bytes"] / (m.bandwidth * BANDWIDTH_EFFICIENCY), _compute_seconds(m, w["flops"])) / occ
+    return max(w["bytes"] / (m.bandwidth * m.bandwidth_efficiency), _compute_seconds(m, w["flops"])) / occ
 
 
 @dataclass
@@ -243,7 +249,7 @@ def time_records(m: Machine, records: list, skip_families: tuple = ()) -> Timing
         for r in recs:
             for p, f in _work(r)["flops"].items():
                 flops[p] += f
-        full = max(total_bytes / (m.bandwidth * BANDWIDTH_EFFICIENCY), _compute_seconds(m, flops))
+        full = max(total_bytes / (m.bandwidth * m.bandwidth_efficiency), _compute_seconds(m, flops))
         stage = max(max(each), full) + m.stage_gap
         t.seconds += stage
         t.stages += 1
@@ -278,21 +284,33 @@ def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
 _HEAD = ("lm head + sampling",)
 
 
-def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict) -> Timing:
-    key = (p0, rows, head)
-    if key not in cache:
+def _calibration_key(m: Machine) -> tuple:
+    return (m.key, m.stage_gap, m.bandwidth_efficiency, tuple(sorted(m.path_efficiency.items())))
+
+
+def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict, path: str) -> Timing:
+    # the records depend on the plan only, their timing on the machine and its calibration
+    rkey = (p0, rows, path)
+    records = cache.setdefault("records", {})
+    if rkey not in records:
         from lily.native import count_prefill_chunk
-        recs = count_prefill_chunk(cfg, rows, p0, gemm_path=gemm_path(m))["records"]
-        cache[key] = time_records(m, recs, () if head else _HEAD)
-    return cache[key]
+        records[rkey] = count_prefill_chunk(cfg, rows, p0, gemm_path=path)["records"]
+    timings = cache.setdefault("timings", {})
+    tkey = (_calibration_key(m), rkey, head)
+    if tkey not in timings:
+        timings[tkey] = time_records(m, records[rkey], () if head else _HEAD)
+    return timings[tkey]
 
 
-def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict | None = None) -> Timing:
+def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict | None = None,
+            path: str | None = None) -> Timing:
     """Estimated time to the first token of a ``prompt``-token prompt run as ``chunk``-row
-    chunks (the last with lm_head). Full chunks are encoded at a geometric sample of start
-    positions and interpolated linearly in between (their cost is linear in the start
-    position within a code path; docs/performance.md)."""
+    chunks (the last with lm_head) on GEMM ``path`` (default :func:`gemm_path`). Full chunks
+    are encoded at a geometric sample of start positions and interpolated linearly in
+    between (their cost is linear in the start position within a code path;
+    docs/performance.md). ``cache`` (a dict) keeps encoded chunks across calls."""
     cache = {} if cache is None else cache
+    path = path or gemm_path(m)
     total = Timing()
     starts = list(range(0, prompt, chunk))
     full = starts[:-1]  # every chunk but the last is full and has no head
@@ -300,15 +318,15 @@ def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict |
     samples = sorted({p for p in full if p < 8 * chunk or p in sampled} | set(full[-1:]))
     for p in full:
         if p in samples:
-            total.add(_chunk(m, cfg, p, chunk, False, cache))
+            total.add(_chunk(m, cfg, p, chunk, False, cache, path))
             continue
         i = bisect.bisect(samples, p)
         lo, hi = samples[i - 1], samples[i]
         a = (p - lo) / (hi - lo)
-        total.add(_chunk(m, cfg, lo, chunk, False, cache), 1 - a)
-        total.add(_chunk(m, cfg, hi, chunk, False, cache), a)
+        total.add(_chunk(m, cfg, lo, chunk, False, cache, path), 1 - a)
+        total.add(_chunk(m, cfg, hi, chunk, False, cache, path), a)
     last = starts[-1]
-    total.add(_chunk(m, cfg, last, prompt - last, True, cache))
+    total.add(_chunk(m, cfg, last, prompt - last, True, cache, path))
     return total
 
 
@@ -335,14 +353,15 @@ def check_length(name: str, n, limit: int, *, kind: str = "prompt") -> None:
                                                                     "position c)" if kind == "context" else ""))
 
 
-def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = None,
+def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict | None = None,
              contexts=LENGTHS, prompts=LENGTHS, breakdown_at: int = 4096, chunk: int | None = None,
              model_name: str | None = None) -> dict:
     """The estimate report (JSON-ready): decode tok/s at each of ``contexts``, prefill tok/s
     (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
     one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
     :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
-    ``chunk``: prefill rows per chunk (None or 0: the runtime's automatic choice on a Mac with
+    ``machine_key``: a :data:`MACHINES` key, or a :class:`Machine` (e.g. :func:`fit`'s,
+    calibrated on a measured run). ``chunk``: prefill rows per chunk (None or 0: the runtime's automatic choice on a Mac with
     the memory for it, ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has
     it). The plan reports the prefill scratch that chunk needs (bytes, the runtime's sizing).
 
@@ -350,7 +369,7 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
     and :class:`UnknownKernelError` if the plan uses a kernel the work table lacks."""
     from lily import _core
-    m = machine(machine_key)
+    m = machine_key if isinstance(machine_key, Machine) else machine(machine_key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
     for c in contexts:
@@ -390,9 +409,10 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
                     "gpu_family": m.gpu_family, "sources": m.sources},
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m)},
-        "calibration": {"bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "path_efficiency": PATH_EFFICIENCY,
-                        "saturation_threads": SATURATION_THREADS, "stage_gap_us": STAGE_GAP * 1e6,
-                        "stage_gap_from": CALIBRATION},
+        "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
+                        "saturation_threads": SATURATION_THREADS, "stage_gap_us": m.stage_gap * 1e6,
+                        "fitted_from": m.fitted_from,
+                        "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from},
         "decode": decode_rows,
         "prefill": prefill_rows,
         "breakdown": {"at": breakdown_at,
@@ -409,7 +429,12 @@ def format_report(rep: dict) -> str:
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
               f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
-              f"GEMM path {rep['plan']['gemm_path']}"), "",
+              f"GEMM path {rep['plan']['gemm_path']}")]
+    c = rep["calibration"]
+    if c.get("fitted_from"):
+        lines.append(f"calibration fitted to {c['fitted_from']}: bandwidth efficiency "
+                     f"{c['bandwidth_efficiency']:.3f}, stage gap {c['stage_gap_us']:.2f} us")
+    lines += ["",
              f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'raw-BW ceiling':>15}"]
     for r in rep["decode"]:
         lines.append(f"{r['context']:>8} {r['tok_s']:>13.1f} {r['ms_per_token']:>9.3f} {r['stages']:>7} "
@@ -425,4 +450,210 @@ def format_report(rep: dict) -> str:
         for f in b[phase]["families"]:
             lines.append(f"  {f['family']:<28} {f['ms']:>10.3f} ms {100 * f['share']:>6.1f}%")
     lines += ["", f"*** {rep['notice']} ***"]
+    return "\n".join(lines)
+
+
+# ---- calibration on a measured run (docs/performance.md, "Calibrating on a Mac run") ----
+
+#: The paths whose efficiency the prefill fit scales, per GEMM path of the measured run.
+MATRIX_PATHS = {"tensor": ("tensor_f16", "tensor_bf16"), "simdgroup": ("sgmm_f32", "sgmm_f16", "sgmm_bf16")}
+
+
+def machine_for_chip(chip: str | None) -> str | None:
+    """The :data:`MACHINES` key of a chip name such as ``"Apple M5 Max"`` (None if none is).
+    The table has one GPU configuration per chip (the largest); a binned chip needs
+    ``--machine`` naming a table entry and the fit absorbs the difference."""
+    hit = re.search(r"\bM(\d)\s+(Pro|Max)\b", chip or "")
+    key = f"m{hit.group(1)}{hit.group(2).lower()}" if hit else None
+    return key if key in MACHINES else None
+
+
+def _rms(values) -> float:
+    v = list(values)
+    return math.sqrt(sum(x * x for x in v) / len(v)) if v else 0.0
+
+
+def _search(cost, lo: float, hi: float, step: float):
+    """The argument in [lo, hi] minimising ``cost`` on a grid of ``step``, refined twice by 10x
+    around the best point (the costs here are smooth and unimodal in practice)."""
+    best = lo
+    for _ in range(3):
+        n = int(round((hi - lo) / step))
+        best = min((lo + i * step for i in range(n + 1)), key=cost)
+        lo, hi, step = max(lo, best - step), min(hi, best + step), step / 10
+    return best
+
+
+def _bench_lengths(bench: dict, what: str) -> list:
+    """(prompt tokens, Lily's measured tok/s) of a ``lily bench --json`` report for ``what``
+    (``"decode_tps"`` / ``"prefill_tps"``), lengths without a positive figure left out."""
+    out = []
+    for i, row in enumerate(bench.get("lengths") or []):
+        try:
+            L, tps = row["prompt_tokens"], row[what]["lily"]
+        except (KeyError, TypeError):
+            raise InvalidParameterError(f"lengths[{i}] of the bench report has no prompt_tokens or "
+                                        f"{what}.lily (not a `lily bench --json` file?)") from None
+        if isinstance(L, int) and not isinstance(L, bool) and L > 0 and isinstance(tps, (int, float)) \
+                and math.isfinite(tps) and tps > 0:
+            out.append((L, float(tps)))
+    return out
+
+
+def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | dict | None = None,
+        source: str = "the bench report") -> tuple[Machine, dict]:
+    """Fit the model's calibration to a measured ``lily bench --json`` report of Lily on a Mac's
+    GPU (either protocol), so its ESTIMATES for other lengths, machines or plans start from
+    that machine's numbers instead of the published calibration.
+
+    The plan is the one the run used (the model ``config``, default Qwen3.6-35B-A3B, the
+    report's ``prefill_chunk`` and ``gemm_path``) on ``machine_key`` (default: the report's
+    chip, :func:`machine_for_chip`). Three constants are fitted, minimising the relative
+    error of the modelled against the measured throughput:
+
+    * from decode (step time at the mean context of the timed steps, prompt + steps / 2):
+      the bandwidth efficiency and the stage gap. Bytes per step grow with the context while
+      the stages do not, so two or more lengths separate them; with one length only the gap
+      is fitted. The gap absorbs whatever per-step cost the stages do not show (host, command
+      buffer submission).
+    * from prefill (time to the first token), with those two fixed: the efficiency of the
+      run's matrix path (:data:`MATRIX_PATHS`), one factor for its operand types.
+
+    Returns the calibrated :class:`Machine` (for :func:`estimate`) and a JSON-ready report:
+    ``constants`` (published and fitted), per-length ``decode`` / ``prefill`` rows (measured,
+    published-model and fitted-model tok/s), ``rms_relative_error`` of both models, and
+    ``notes``. Raises
+    :class:`InvalidParameterError` for a report that is not a Metal run of Lily, has no usable
+    length, names an unknown chip without ``machine_key``, or lengths beyond the model."""
+    from lily import _core
+    from lily.native import count_decode_step
+    if not isinstance(bench, dict) or "lengths" not in bench:
+        raise InvalidParameterError(f"{source} is not a `lily bench --json` report (no 'lengths')")
+    info = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
+    if info.get("device") != "metal":
+        raise InvalidParameterError(f"{source} measured Lily on device={info.get('device')!r}: only a run on "
+                                    "the Metal device (a Mac's GPU) measures what the model describes")
+    key = machine_key or machine_for_chip(info.get("chip"))
+    if key is None:
+        raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
+                                    f"closest with --machine ({', '.join(MACHINES)})")
+    m0 = machine(key)
+    cfg = model_config(config)
+    limit = cfg.max_position_embeddings
+    steps = bench.get("decode_steps")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InvalidParameterError(f"{source}: decode_steps must be a positive integer, got {steps!r}")
+    chunk = info.get("prefill_chunk") or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
+    path = info.get("gemm_path") or gemm_path(m0)
+    if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
+        raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
+    decode = [(L, t) for L, t in _bench_lengths(bench, "decode_tps") if L + steps < limit]
+    pre = [(L, t) for L, t in _bench_lengths(bench, "prefill_tps") if L <= limit]
+    if not decode and not pre:
+        raise InvalidParameterError(f"{source} has no length with a measured throughput within the model's "
+                                    f"limit of {limit} tokens")
+    notes = []
+
+    # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form
+    ctx = {L: L + steps // 2 for L, _ in decode}
+    recs = {c: count_decode_step(cfg, c)["records"] for c in set(ctx.values())}
+
+    def decode_fit(e: float):
+        m = replace(m0, bandwidth_efficiency=e, stage_gap=0.0)
+        rows = [(time_records(m, recs[ctx[L]]), 1 / t) for L, t in decode]
+        num = sum(tm.stages * (t - tm.seconds) / t ** 2 for tm, t in rows)
+        den = sum(tm.stages ** 2 / t ** 2 for tm, t in rows)
+        gap = max(0.0, num / den) if den else m0.stage_gap
+        return gap, _rms((tm.seconds + tm.stages * gap - t) / t for tm, t in rows)
+
+    eff, gap = m0.bandwidth_efficiency, m0.stage_gap
+    if len({ctx[L] for L, _ in decode}) >= 2:
+        eff = _search(lambda e: decode_fit(e)[1], 0.30, 1.00, 0.01)
+        gap = decode_fit(eff)[0]
+        step_bytes = [time_records(m0, r).bytes for r in recs.values()]
+        if max(step_bytes) < 1.5 * min(step_bytes):
+            notes.append(f"the decode lengths move {min(step_bytes) / 1e9:.2f} to {max(step_bytes) / 1e9:.2f} GB per "
+                         "step: too narrow a spread to tell the bandwidth efficiency from the stage gap well "
+                         "(measure 64K and 128K contexts too)")
+        if eff in (0.30, 1.00):
+            notes.append(f"the bandwidth efficiency hit the bound of its search ({eff:.2f}): the measured decode "
+                         "does not scale with the bytes per step as the model does")
+    elif decode:
+        gap = decode_fit(eff)[0]
+        notes.append("one decode length: only the stage gap is fitted (the bandwidth efficiency needs two)")
+    else:
+        notes.append("no decode figures: the decode constants stay as published")
+    if decode and gap == 0.0:
+        notes.append("the fitted stage gap is 0: the measured decode is faster than the bytes allow at the fitted "
+                     "efficiency (check the report's lengths and steps)")
+    m1 = replace(m0, bandwidth_efficiency=eff, stage_gap=gap)
+
+    # prefill: one efficiency for the run's matrix path, the decode constants fixed
+    paths, cache = MATRIX_PATHS[path], {}
+
+    def with_matrix(x: float) -> Machine:
+        return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}})
+
+    def prefill_err(m: Machine) -> list:
+        return [(L / prefill(m, cfg, L, chunk, cache, path).seconds - t) / t for L, t in pre]
+
+    x = m1.path_efficiency[paths[0]]
+    if pre:
+        x = _search(lambda v: _rms(prefill_err(with_matrix(v))), 0.05, 1.00, 0.05)
+        if x in (0.05, 1.00):
+            notes.append(f"the matrix efficiency hit the bound of its search ({x:.2f})")
+    else:
+        notes.append("no prefill figures: the matrix path's efficiency stays as published")
+    fitted = replace(with_matrix(x), fitted_from=source)
+
+    def rows_for(pairs, rate):
+        return [{"prompt_tokens": L, "measured_tok_s": t, "published_model_tok_s": rate(m0, L),
+                 "fitted_model_tok_s": rate(fitted, L)} for L, t in pairs]
+
+    dec_rows = rows_for(decode, lambda m, L: 1 / time_records(m, recs[ctx[L]]).seconds)
+    pre_rows = rows_for(pre, lambda m, L: L / prefill(m, cfg, L, chunk, cache, path).seconds)
+    for r in dec_rows:
+        r["context"] = ctx[r["prompt_tokens"]]
+
+    def rms(rows, which):
+        return _rms((r[which] - r["measured_tok_s"]) / r["measured_tok_s"] for r in rows)
+
+    return fitted, {
+        "estimate": True, "notice": NOTICE, "source": source, "machine": {"key": fitted.key, "name": fitted.name},
+        "chip": info.get("chip"), "plan": {"prefill_chunk": chunk, "gemm_path": path, "decode_steps": steps},
+        "constants": {
+            "bandwidth_efficiency": {"published": m0.bandwidth_efficiency, "fitted": eff},
+            "stage_gap_us": {"published": m0.stage_gap * 1e6, "fitted": gap * 1e6},
+            "matrix_efficiency": {"paths": list(paths), "published": m0.path_efficiency[paths[0]], "fitted": x}},
+        "decode": dec_rows, "prefill": pre_rows,
+        "rms_relative_error": {"decode": {"published": rms(dec_rows, "published_model_tok_s"),
+                                          "fitted": rms(dec_rows, "fitted_model_tok_s")},
+                               "prefill": {"published": rms(pre_rows, "published_model_tok_s"),
+                                           "fitted": rms(pre_rows, "fitted_model_tok_s")}},
+        "notes": notes,
+    }
+
+
+def format_fit(f: dict) -> str:
+    """:func:`fit`'s result as text: the constants, then measured against modelled throughput."""
+    c = f["constants"]
+    lines = [f"calibration fitted to {f['source']} ({f['chip'] or 'unknown chip'}, modelled as "
+             f"{f['machine']['name']}; prefill chunk {f['plan']['prefill_chunk']}, GEMM path {f['plan']['gemm_path']})",
+             f"  bandwidth efficiency  {c['bandwidth_efficiency']['published']:.3f} published -> "
+             f"{c['bandwidth_efficiency']['fitted']:.3f} fitted",
+             f"  stage gap             {c['stage_gap_us']['published']:.2f} us published -> "
+             f"{c['stage_gap_us']['fitted']:.2f} us fitted",
+             f"  matrix efficiency     {c['matrix_efficiency']['published']:.3f} published -> "
+             f"{c['matrix_efficiency']['fitted']:.3f} fitted ({', '.join(c['matrix_efficiency']['paths'])})"]
+    for phase in ("decode", "prefill"):
+        if not f[phase]:
+            continue
+        e = f["rms_relative_error"][phase]
+        lines += ["", f"{phase} tok/s: measured vs model (rms relative error {100 * e['published']:.1f}% "
+                      f"published, {100 * e['fitted']:.1f}% fitted)",
+                  f"{'prompt':>8} {'measured':>10} {'published':>10} {'fitted':>10}"]
+        for r in f[phase]:
+            lines.append(f"{r['prompt_tokens']:>8} {r['measured_tok_s']:>10.1f} {r['published_model_tok_s']:>10.1f} "
+                         f"{r['fitted_model_tok_s']:>10.1f}")
+    lines += [f"note: {n}" for n in f["notes"]]
     return "\n".join(lines)

@@ -1,0 +1,161 @@
+"""`lily estimate --fit`: calibrating the performance model on a measured `lily bench --json`
+run. No Mac here, so the measured figures are made by the model itself from known constants
+(and then disturbed): the fit must give those constants back, describe the run better than
+the published calibration, and refuse reports that measure something else."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from lily import perf
+from lily.errors import InvalidParameterError
+from lily.native import count_decode_step
+
+CFG = perf.model_config()
+STEPS = 64
+LENGTHS = (256, 4096, 65536)  # 1.8 to 3.2 GB per decode step: efficiency and gap apart
+# an M5 Max faster at streaming and at stage boundaries than published, slower on matrices
+TRUE = {"bandwidth_efficiency": 0.86, "stage_gap": 2.1e-6, "matrix": 0.45}
+
+
+def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tensor"):
+    m = perf.machine(key)
+    eff = {**m.path_efficiency, **{p: matrix for p in perf.MATRIX_PATHS[path]}}
+    return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff)
+
+
+def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=()):
+    """A `lily bench --json`-shaped report of what ``m`` would measure; ``noise[i]`` scales
+    length i's two figures by (1 + noise)."""
+    rows, cache = [], {}
+    for i, L in enumerate(lengths):
+        k = 1 + (noise[i] if noise else 0.0)
+        decode = k / perf.time_records(m, count_decode_step(CFG, L + STEPS // 2)["records"]).seconds
+        prefill = k * L / perf.prefill(m, CFG, L, 4096, cache, path).seconds
+        rows.append({"prompt_tokens": L, "decode_tps": {"lily": decode, "mlx_lm": 1.0, "ratio": decode},
+                     "prefill_tps": {"lily": prefill, "mlx_lm": 1.0, "ratio": prefill}})
+    return {"protocol": "pplx", "decode_steps": STEPS, "lengths": rows,
+            "machine": {"chip": chip, "device": "metal", "gpu_family": 10, "prefill_chunk": 4096,
+                        "gemm_path": path}}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return _bench(_machine(**TRUE))
+
+
+def test_fit_recovers_the_constants_of_the_run(measured):
+    m, rep = perf.fit(measured, source="run.json")
+    c = rep["constants"]
+    assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
+    assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=2e-3)
+    assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], abs=1e-3)
+    assert c["matrix_efficiency"]["paths"] == ["tensor_f16", "tensor_bf16"]
+    assert c["bandwidth_efficiency"]["published"] == perf.BANDWIDTH_EFFICIENCY
+    assert m.key == "m5max" and m.fitted_from == "run.json" and m.stage_gap == pytest.approx(2.1e-6, rel=2e-3)
+    err = rep["rms_relative_error"]
+    for phase in ("decode", "prefill"):
+        assert err[phase]["fitted"] < 2e-3 < 0.05 < err[phase]["published"], (phase, err)
+    assert [r["prompt_tokens"] for r in rep["decode"]] == list(LENGTHS)
+    assert [r["context"] for r in rep["decode"]] == [L + STEPS // 2 for L in LENGTHS]
+    assert not rep["notes"], rep["notes"]
+    json.dumps(rep)  # JSON-ready
+
+
+def test_fit_tolerates_measurement_noise():
+    """A few percent of noise moves the constants a little, not to a bound; with lengths
+    whose bytes per step hardly differ the fit says it cannot separate two of them."""
+    m, rep = perf.fit(_bench(_machine(**TRUE), noise=(0.03, -0.02, 0.01)))
+    c = rep["constants"]
+    assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], rel=0.02)
+    assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=0.15)
+    assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], rel=0.02)
+    assert rep["rms_relative_error"]["decode"]["fitted"] < 0.03 and not rep["notes"]
+    _, rep = perf.fit(_bench(_machine(**TRUE), lengths=(256, 4096)))
+    assert any("too narrow a spread" in n for n in rep["notes"]), rep["notes"]
+
+
+def test_fit_on_the_simdgroup_path_of_an_m1_max():
+    truth = _machine("m1max", bandwidth_efficiency=0.7, stage_gap=5e-6, matrix=0.7, path="simdgroup")
+    m, rep = perf.fit(_bench(truth, path="simdgroup", chip="Apple M1 Max", lengths=(256, 8192)))
+    assert m.key == "m1max" and rep["constants"]["matrix_efficiency"]["paths"] == ["sgmm_f32", "sgmm_f16", "sgmm_bf16"]
+    assert rep["constants"]["matrix_efficiency"]["fitted"] == pytest.approx(0.7, abs=1e-3)
+    assert rep["constants"]["bandwidth_efficiency"]["fitted"] == pytest.approx(0.7, abs=2e-4)
+
+
+def test_one_decode_length_fits_only_the_gap():
+    truth = _machine(bandwidth_efficiency=perf.BANDWIDTH_EFFICIENCY, stage_gap=3e-6, matrix=0.6)
+    m, rep = perf.fit(_bench(truth, lengths=(4096,)))
+    assert rep["constants"]["bandwidth_efficiency"]["fitted"] == perf.BANDWIDTH_EFFICIENCY
+    assert m.stage_gap == pytest.approx(3e-6, rel=1e-6)
+    assert any("only the stage gap" in n for n in rep["notes"])
+
+
+def test_estimate_takes_the_fitted_machine(measured):
+    m, _ = perf.fit(measured, source="run.json")
+    fitted = perf.estimate(m, contexts=(4096,), prompts=(4096,))
+    published = perf.estimate("m5max", contexts=(4096,), prompts=(4096,))
+    assert fitted["calibration"]["fitted_from"] == "run.json" and published["calibration"]["fitted_from"] is None
+    assert fitted["calibration"]["stage_gap_us"] == pytest.approx(2.1, rel=2e-3)
+    assert fitted["decode"][0]["tok_s"] > published["decode"][0]["tok_s"]  # faster streaming and stages
+    assert fitted["prefill"][0]["tok_s"] < published["prefill"][0]["tok_s"]  # slower matrices
+    assert "calibration fitted to run.json" in perf.format_report(fitted)
+    # a Machine of the published calibration estimates exactly as its key does
+    assert perf.estimate(perf.machine("m5max"), contexts=(4096,), prompts=(4096,))["decode"] == published["decode"]
+
+
+def test_machine_for_chip():
+    assert perf.machine_for_chip("Apple M5 Max") == "m5max"
+    assert perf.machine_for_chip("Apple M1 Max") == "m1max"
+    assert perf.machine_for_chip("Apple M5 Pro") == "m5pro"
+    assert perf.machine_for_chip("Apple M2 Ultra") is None and perf.machine_for_chip(None) is None
+
+
+def test_fit_refuses_what_is_not_a_metal_run(measured):
+    def refused(report, match, **kw):
+        with pytest.raises(InvalidParameterError, match=match):
+            perf.fit(report, **kw)
+
+    refused([], "not a `lily bench --json` report")
+    refused({**measured, "machine": {**measured["machine"], "device": "sim"}}, "device='sim'")
+    refused({**measured, "machine": {**measured["machine"], "chip": "Apple M2 Ultra"}}, "--machine")
+    refused({**measured, "decode_steps": 0}, "decode_steps")
+    refused({**measured, "lengths": [{"prompt_tokens": 256}]}, r"lengths\[0\]")
+    refused({**measured, "lengths": []}, "no length")
+    refused({**measured, "machine": {**measured["machine"], "gemm_path": "tensor"}}, "not a path",
+            machine_key="m3max")
+    # an unknown chip is fine once the machine is named
+    m, _ = perf.fit({**measured, "lengths": measured["lengths"][:1],
+                     "machine": {**measured["machine"], "chip": "Apple M5 Ultra"}}, machine_key="m5max")
+    assert m.key == "m5max"
+
+
+def test_estimate_fit_command(measured, tmp_path):
+    run = tmp_path / "pplx.json"
+    run.write_text(json.dumps(measured))
+    base = [sys.executable, "-m", "lily", "estimate", "--fit", str(run), "--contexts", "4096", "--prompts", "4096"]
+    r = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["fit"]["constants"]["stage_gap_us"]["fitted"] == pytest.approx(2.1, rel=2e-3)
+    assert out["estimate"]["calibration"]["fitted_from"] == str(run)
+    assert out["estimate"]["plan"]["prefill_chunk"] == 4096
+    r = subprocess.run(base, capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("calibration fitted to") and "*** ESTIMATE" in r.stdout
+    assert "stage gap             3.67 us published -> 2.10 us fitted" in r.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(bad)], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "--fit: cannot read" in r.stderr and "Traceback" not in r.stderr
+    sim = tmp_path / "sim.json"
+    sim.write_text(json.dumps({**measured, "machine": {**measured["machine"], "device": "sim"}}))
+    r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(sim)], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 1 and "only a run on the Metal device" in r.stderr and "Traceback" not in r.stderr
