@@ -125,6 +125,7 @@ def test_fit_refuses_what_is_not_a_metal_run(measured):
     refused({**measured, "machine": {**measured["machine"], "device": "sim"}}, "device='sim'")
     refused({**measured, "machine": {**measured["machine"], "chip": "Apple M2 Ultra"}}, "--machine")
     refused({**measured, "decode_steps": 0}, "decode_steps")
+    refused({**measured, "machine": {**measured["machine"], "prefill_chunk": "big"}}, "machine.prefill_chunk")
     refused({**measured, "lengths": [{"prompt_tokens": 256}]}, r"lengths\[0\]")
     refused({**measured, "lengths": []}, "no length")
     refused({**measured, "machine": {**measured["machine"], "gemm_path": "tensor"}}, "not a path",

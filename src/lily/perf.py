@@ -544,6 +544,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InvalidParameterError(f"{source}: decode_steps must be a positive integer, got {steps!r}")
     chunk = info.get("prefill_chunk") or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
+    check_length(f"{source}: machine.prefill_chunk", chunk, limit, kind="chunk")
     path = info.get("gemm_path") or gemm_path(m0)
     if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
         raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
