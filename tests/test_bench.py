@@ -78,6 +78,13 @@ def test_sample_rates():
     s = Sample(prompt_tokens=100, tokens=11, first_s=0.5, decode_s=2.0)
     assert s.prefill_tps == 200 and s.decode_tps == 5
     assert Sample(10, 1, 0.1, 0.0).decode_tps == 0.0
+    assert s.gpu_prefill_tps is None and s.gpu_decode_tps is None  # no device time measured
+    g = Sample(100, 11, 0.5, 2.0, gpu_first_s=0.25, gpu_decode_s=1.0)
+    assert g.gpu_prefill_tps == 400 and g.gpu_decode_tps == 10
+    res = LengthResult(100, lily=[g, Sample(100, 11, 0.5, 2.0, gpu_first_s=0.5, gpu_decode_s=0.5)])
+    assert res.gpu_median("gpu_decode_tps") == 15
+    res.lily.append(s)  # one sample without device time: no median
+    assert res.gpu_median("gpu_decode_tps") is None
 
 
 def test_teacher_forced_statistic():
@@ -109,6 +116,12 @@ def test_lily_bench_command_runs_both_engines(tmp_path):
             assert [s["tokens"] for s in row["samples"][who]] == [4, 4]  # EOS ignored: exactly n
         p = row["prefill_tps"]
         assert p["ratio"] == pytest.approx(p["lily"] / p["mlx_lm"])
+        # the simulator's execution time of Lily's command buffers: never more than the wall time
+        g = row["lily_gpu_tps"]
+        assert g["prefill"] >= p["lily"] > 0 and g["decode"] >= row["decode_tps"]["lily"] > 0, row
+        for s in row["samples"]["lily"]:
+            assert 0 < s["gpu_first_s"] <= s["first_s"] and 0 < s["gpu_decode_s"] <= s["decode_s"]
+    assert "lily per second of device time" in r.stdout
     assert rep["consistency"]["positions"] == 48
     assert rep["consistency"]["top1_agreement"] >= 0.6  # a trained model, same bytes (bf16 peer)
 
@@ -189,6 +202,8 @@ def test_lily_bench_pplx_protocol(tmp_path):
         for who in ("lily", "mlx_lm"):
             assert [s["tokens"] for s in row["samples"][who]] == [65]  # first token + exactly 64 steps
     assert rep["consistency"] is None
+    assert rep["lengths"][0]["lily_gpu_tps"] == {"prefill": None, "decode": None}  # the reference: no device
+    assert "device time" not in r.stdout
     r = subprocess.run([sys.executable, "-m", "lily", "bench", "--protocol", "pplx", "--decode-tokens", "8"],
                        capture_output=True, text=True, check=False)
     assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr

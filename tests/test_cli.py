@@ -187,6 +187,8 @@ def test_native_device_flags(tmp_path, monkeypatch):
     assert default.returncode == 0 and chunked.returncode == 0, default.stderr + chunked.stderr
     assert default.stdout == chunked.stdout and default.stdout.strip()
     assert "writing an aligned copy" in default.stderr and "aligned copy" not in chunked.stderr
+    # a native device times itself: the speed line says how busy it kept the device
+    assert re.search(r"generation: 6 tokens, [\d.]+ tok/s \(GPU busy \d+%\) \|", default.stderr), default.stderr
     assert bad.returncode == 1 and "prefill_chunk must be a non-negative integer" in bad.stderr
 
 

@@ -146,3 +146,26 @@ def test_snapshot_upload_on_a_record_only_device_is_refused(sim_engine):
     state = sim_engine.snapshot()[0]
     with pytest.raises(ValueError, match="record-only"):
         _core.SessionSnapshot(state.position, state.parts(), _core.sim_device(record_only=True))
+
+
+def test_timings_carry_the_device_time_of_each_phase(sim_engine):
+    """Timings.gpu_prefill_s / gpu_decode_s: the device's execution time of the command
+    buffers of each phase (the simulator's own run time here), each counted once: together
+    they are exactly what the runtime's total grew by; a device phase never outlasts its
+    wall-clock phase. The reference device measures none."""
+    from lily.constraints import AllowedTokens
+    e = sim_engine
+    e.reset()
+    before = e.backend.runtime.gpu_seconds
+    r = e.generate(list(range(3, 15)), max_tokens=4, temperature=0.0, ignore_eos=True)  # 12 tokens, chunks of 5
+    t = r.timings
+    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s, t
+    assert e.backend.runtime.gpu_seconds - before == pytest.approx(t.gpu_prefill_s + t.gpu_decode_s, rel=1e-12)
+    # host-sampled (constrained): every step is a forward pass, split the same way
+    before = e.backend.runtime.gpu_seconds
+    r = e.generate([5, 6], max_tokens=3, temperature=0.0, constraint=AllowedTokens(e.config.vocab_size, [7, 8], 3))
+    t = r.timings
+    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s, t
+    assert e.backend.runtime.gpu_seconds - before == pytest.approx(t.gpu_prefill_s + t.gpu_decode_s, rel=1e-12)
+    ref = Engine.load(device="reference").generate("ROMEO.", max_tokens=2, temperature=0.0).timings
+    assert ref.gpu_prefill_s is None and ref.gpu_decode_s is None

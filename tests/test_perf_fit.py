@@ -29,16 +29,21 @@ def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tens
     return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff)
 
 
-def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=()):
+def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None):
     """A `lily bench --json`-shaped report of what ``m`` would measure; ``noise[i]`` scales
-    length i's two figures by (1 + noise)."""
+    length i's two figures by (1 + noise). With ``host`` (a share of the wall time) the GPU
+    is ``m`` and the wall-clock figures are slower by the host's share, as a Metal run with
+    device times reports them."""
     rows, cache = [], {}
     for i, L in enumerate(lengths):
         k = 1 + (noise[i] if noise else 0.0)
         decode = k / perf.time_records(m, count_decode_step(CFG, L + STEPS // 2)["records"]).seconds
         prefill = k * L / perf.prefill(m, CFG, L, 4096, cache, path).seconds
-        rows.append({"prompt_tokens": L, "decode_tps": {"lily": decode, "mlx_lm": 1.0, "ratio": decode},
-                     "prefill_tps": {"lily": prefill, "mlx_lm": 1.0, "ratio": prefill}})
+        wall = 1 - (host or 0.0)
+        rows.append({"prompt_tokens": L, "decode_tps": {"lily": wall * decode, "mlx_lm": 1.0, "ratio": decode},
+                     "prefill_tps": {"lily": wall * prefill, "mlx_lm": 1.0, "ratio": prefill},
+                     "lily_gpu_tps": {"decode": decode if host is not None else None,
+                                      "prefill": prefill if host is not None else None}})
     return {"protocol": "pplx", "decode_steps": STEPS, "lengths": rows,
             "machine": {"chip": chip, "device": "metal", "gpu_family": 10, "prefill_chunk": 4096,
                         "gemm_path": path}}
@@ -63,8 +68,28 @@ def test_fit_recovers_the_constants_of_the_run(measured):
         assert err[phase]["fitted"] < 2e-3 < 0.05 < err[phase]["published"], (phase, err)
     assert [r["prompt_tokens"] for r in rep["decode"]] == list(LENGTHS)
     assert [r["context"] for r in rep["decode"]] == [L + STEPS // 2 for L in LENGTHS]
+    assert rep["time_basis"] == {"decode": "wall", "prefill": "wall"}
     assert not rep["notes"], rep["notes"]
     json.dumps(rep)  # JSON-ready
+
+
+def test_fit_prefers_the_device_time():
+    """With the GPU's own time in the report (lily_gpu_tps), the host's share of the wall
+    time (here 20%) does not leak into the GPU constants; the wall figures stay beside."""
+    m, rep = perf.fit(_bench(_machine(**TRUE), host=0.2))
+    assert rep["time_basis"] == {"decode": "device", "prefill": "device"}
+    c = rep["constants"]
+    assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
+    assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=2e-3)
+    assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], abs=1e-3)
+    for r in rep["decode"] + rep["prefill"]:
+        assert r["wall_tok_s"] == pytest.approx(0.8 * r["measured_tok_s"])
+    assert "per second of GPU time" in perf.format_fit(rep)
+    # a length without device time: the whole phase falls back to wall time, and says so
+    bench = _bench(_machine(**TRUE), host=0.2)
+    bench["lengths"][0]["lily_gpu_tps"]["decode"] = None
+    _, rep = perf.fit(bench)
+    assert rep["time_basis"] == {"decode": "wall", "prefill": "device"}
 
 
 def test_fit_tolerates_measurement_noise():

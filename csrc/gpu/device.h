@@ -287,6 +287,10 @@ class CommandBuffer {
   // before commit. fn must not throw.
   virtual void on_completed(std::function<void(Status, const std::string&)> fn) = 0;
   virtual Status status() const = 0;
+  // Seconds the device spent executing this command buffer, once it completed (NaN before):
+  // on Metal GPUEndTime - GPUStartTime (the GPU's own clock, without the host's gaps between
+  // command buffers); on the simulator the wall time its worker took to run it.
+  virtual double gpu_seconds() const = 0;
   virtual const Counters& counters() const = 0;
   // Keep a DispatchRecord per dispatch in counters().log, for the passes begun after this
   // call. Off by default: building records costs strings and vectors on every dispatch, and

@@ -243,6 +243,9 @@ void bind_device(nb::module_& m) {
            },
            "fn"_a, "fn(status: str, error: str) runs on the main thread after completion (by the next wait()).")
       .def_prop_ro("status", [](CommandBuffer& cb) { return status_name(cb.status()); })
+      .def_prop_ro("gpu_seconds", &CommandBuffer::gpu_seconds,
+                   "Seconds the device spent executing it, once completed (NaN before): Metal's "
+                   "GPUEndTime - GPUStartTime; the simulator's execution wall time.")
       .def_prop_ro("counters", [](CommandBuffer& cb) { return counters_dict(cb.counters()); })
       .def_prop_ro("dispatch_log", [](CommandBuffer& cb) {
         nb::list out;

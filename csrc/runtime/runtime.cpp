@@ -452,17 +452,23 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
     position_ += M;
     pending_.push_back(std::move(cmd));
     if (pending_.size() > 2) {  // completed (creating this one waited for it): surface a fault
-      pending_.front()->wait();
+      wait_timed(*pending_.front());
       pending_.erase(pending_.begin());
     }
   }
   return kept;
 }
 
+void Runtime::wait_timed(gpu::CommandBuffer& cmd) {
+  cmd.wait();
+  const double s = cmd.gpu_seconds();
+  if (s == s) gpu_seconds_ += s;  // NaN: no device time
+}
+
 void Runtime::wait_pending() {
   auto pending = std::move(pending_);
   pending_.clear();
-  for (auto& cmd : pending) cmd->wait();  // in commit order; rethrows a kernel fault
+  for (auto& cmd : pending) wait_timed(*cmd);  // in commit order; rethrows a kernel fault
 }
 
 std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits logits, bool decode_steps) {
@@ -477,7 +483,7 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       auto cmd = device_->new_command_buffer();
       encode_step(*cmd, slot, position_, nullptr);
       cmd->commit();
-      cmd->wait();
+      wait_timed(*cmd);
       ++position_;
       if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
         std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), logits_->contents(), V * sizeof(float));
@@ -499,7 +505,7 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       auto cmd = device_->new_command_buffer();
       encode_lm_head_rows(*cmd, r0, R);
       cmd->commit();
-      cmd->wait();
+      wait_timed(*cmd);
       std::memcpy(out.data() + (s + r0) * V, chunk_bufs_.logits->contents(), size_t(R) * V * sizeof(float));
     }
     wait_pending();
@@ -559,7 +565,7 @@ bool Runtime::next(StepOutput* out) {
   // Encode step n+1 before waiting on step n, so the device never idles on the host.
   if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
   const int slot = (position_ + gen_done_) % 2;
-  inflight_[slot]->wait();
+  wait_timed(*inflight_[slot]);
   inflight_[slot].reset();
   ++gen_done_;
   out->token = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];

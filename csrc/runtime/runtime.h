@@ -253,6 +253,11 @@ class Runtime {
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
 
   uint32_t prefill_chunk() const { return chunk_; }
+  // Device seconds (gpu::CommandBuffer::gpu_seconds) of the work whose results the host has
+  // taken since construction: prefill chunks and forward passes once waited for, generation
+  // steps once next() returned their token (not the speculative step finish() drops). A
+  // total: the engine takes differences at the first token and at the end of a generation.
+  double gpu_seconds() const { return gpu_seconds_; }
   bool uses_tensor_ops() const { return tensor_ops_; }
   // Bytes of the prefill scratch buffers (sized for one chunk; independent of prompt length).
   uint64_t prefill_scratch_bytes() const { return chunk_bytes_; }
@@ -369,6 +374,9 @@ class Runtime {
   } chunk_bufs_;
   uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)
   std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
+  double gpu_seconds_ = 0;  // gpu_seconds()
+  // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
+  void wait_timed(gpu::CommandBuffer& cmd);
   // the generation in progress (start/next/finish)
   std::unique_ptr<gpu::CommandBuffer> inflight_[2];
   uint32_t gen_steps_ = 0, gen_encoded_ = 0, gen_done_ = 0;

@@ -82,6 +82,12 @@ class CommandBuffer:
     def status(self) -> str: ...
 
     @property
+    def gpu_seconds(self) -> float:
+        """
+        Seconds the device spent executing it, once completed (NaN before): Metal's GPUEndTime - GPUStartTime; the simulator's execution wall time.
+        """
+
+    @property
     def counters(self) -> dict: ...
 
     @property
@@ -475,6 +481,12 @@ class Runtime:
 
     @property
     def uses_tensor_ops(self) -> bool: ...
+
+    @property
+    def gpu_seconds(self) -> float:
+        """
+        Device seconds of the work whose results the host has taken since construction (prefill chunks, forward passes, generation steps whose token next() returned): a total, take differences.
+        """
 
     @property
     def memory_use(self) -> dict:

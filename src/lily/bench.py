@@ -103,13 +103,17 @@ class Runner(Protocol):
 @dataclass
 class Sample:
     """One timed request: ``prompt_tokens`` in, ``tokens`` generated; seconds from the request
-    to the first generated token (``first_s``) and from the first to the last (``decode_s``)."""
+    to the first generated token (``first_s``) and from the first to the last (``decode_s``);
+    for Lily on a native device also the device's execution time of the same two phases
+    (``gpu_first_s``, ``gpu_decode_s``: :class:`lily.engine.Timings`), else None."""
 
     prompt_tokens: int
     tokens: int
     first_s: float
     decode_s: float
     first_tokens: int = 1  # tokens that had arrived at first_s
+    gpu_first_s: float | None = None
+    gpu_decode_s: float | None = None
 
     @property
     def prefill_tps(self) -> float:
@@ -119,6 +123,17 @@ class Sample:
     def decode_tps(self) -> float:
         n = self.tokens - self.first_tokens
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
+
+    @property
+    def gpu_prefill_tps(self) -> float | None:
+        """Prompt tokens per second of device time (None when not measured)."""
+        return self.prompt_tokens / self.gpu_first_s if self.gpu_first_s else None
+
+    @property
+    def gpu_decode_tps(self) -> float | None:
+        """Decode tokens per second of device time (None when not measured)."""
+        n = self.tokens - self.first_tokens
+        return n / self.gpu_decode_s if n > 0 and self.gpu_decode_s else None
 
 
 def _timed(prompt_tokens: int, arrivals: Callable[[], "Sequence[int] | None"]) -> Sample:
@@ -153,11 +168,18 @@ class LilyRunner:
     def run(self, prompt: Sequence[int], n: int) -> Sample:
         self.engine.reset()
         it = self.engine.stream(list(prompt), max_tokens=n, temperature=0.0, ignore_eos=True)
+        last = []
 
         def arrivals():
             ev = next(it, None)
-            return None if ev is None else ev.token_ids
-        return _timed(len(prompt), arrivals)
+            if ev is None:
+                return None
+            last[:] = [ev]
+            return ev.token_ids
+        s = _timed(len(prompt), arrivals)
+        t = last[0].timings  # the final event's, refined when the stream closed
+        s.gpu_first_s, s.gpu_decode_s = t.gpu_prefill_s, t.gpu_decode_s
+        return s
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         self.engine.reset()
@@ -237,6 +259,11 @@ class LengthResult:
         p = self.median("peer", what)
         return self.median("lily", what) / p if p > 0 else float("nan")
 
+    def gpu_median(self, what: str) -> float | None:
+        """Median of Lily's device-time throughput ``what`` (None unless every sample has it)."""
+        v = [getattr(s, what) for s in self.lily]
+        return statistics.median(v) if v and None not in v else None
+
 
 def run_bench(lily: Runner, peer: Runner, tokens_for: Callable[[int], list[int]], *,
               lengths: Sequence[int], decode_tokens: int, rounds: int, exact_warmup: bool = False,
@@ -283,6 +310,9 @@ def report(results: list[LengthResult], lily: Runner, peer: Runner, meta: dict,
                             "ratio": res.ratio("prefill_tps")},
             "decode_tps": {"lily": res.median("lily", "decode_tps"), "mlx_lm": res.median("peer", "decode_tps"),
                            "ratio": res.ratio("decode_tps")},
+            # Lily per second of device time (what the GPU took, without the host's share)
+            "lily_gpu_tps": {"prefill": res.gpu_median("gpu_prefill_tps"),
+                             "decode": res.gpu_median("gpu_decode_tps")},
             "first": ["mlx_lm" if f == "peer" else f for f in res.first],
             "samples": {"lily": [asdict(s) for s in res.lily], "mlx_lm": [asdict(s) for s in res.peer]},
         })
@@ -317,6 +347,15 @@ def format_report(rep: dict) -> str:
                    f"{d['lily']:>9.1f} {d['mlx_lm']:>9.1f} {d['ratio']:>7.2f}x")
     out.append(f"{'geomean':>8}  {'':>19} {rep['geomean_prefill_ratio']:>7.2f}x  {'':>19} "
                f"{rep['geomean_decode_ratio']:>7.2f}x")
+    gpu = [r for r in rep["lengths"] if (r.get("lily_gpu_tps") or {}).get("decode")]
+    if gpu:
+        out += ["", "lily per second of device time (GPU timestamps; the rest of the wall time is the host's):",
+                f"{'prompt':>8}  {'prefill tok/s':>14} {'host share':>10}  {'decode tok/s':>13} {'host share':>10}"]
+        for r in gpu:
+            g, p, d = r["lily_gpu_tps"], r["prefill_tps"]["lily"], r["decode_tps"]["lily"]
+            gp = g["prefill"] or float("nan")
+            out.append(f"{r['prompt_tokens']:>8}  {gp:>14.1f} {100 * (1 - p / gp):>9.1f}%  {g['decode']:>13.1f} "
+                       f"{100 * (1 - d / g['decode']):>9.1f}%")
     c = rep.get("consistency")
     if c:
         out.append("")

@@ -225,9 +225,11 @@ def _print_stats(ev, file=None) -> None:
     t = ev.timings
     cached = getattr(ev, "cached_tokens", 0)
     reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
+    busy = t.decode_gpu_busy
+    busy = f" (GPU busy {100 * busy:.0f}%)" if busy is not None else ""  # the rest is the host's
     print(f"[prompt: {ev.prompt_tokens} tokens{reuse}, "
           f"{t.prefill_tokens_per_s:.1f} tok/s | "
-          f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s | "
+          f"generation: {ev.completion_tokens} tokens, {t.decode_tokens_per_s:.1f} tok/s{busy} | "
           f"peak memory: {peak_memory_bytes() / 1e9:.3f} GB | finish: {ev.finish_reason}]",
           file=file or sys.stderr)
 

@@ -108,12 +108,18 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
 
 @dataclass
 class Timings:
-    """Wall-clock timings of one generation, in seconds and tokens per second."""
+    """Wall-clock timings of one generation, in seconds and tokens per second; on a native
+    device also the device's own execution time of each phase (``gpu_prefill_s``,
+    ``gpu_decode_s``: Metal's GPU timestamps of the command buffers, the simulator's
+    execution time; None on the reference device). Wall time minus device time is what the
+    host added (Python, encoding, waiting)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    gpu_prefill_s: float | None = None
+    gpu_decode_s: float | None = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -122,6 +128,11 @@ class Timings:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def decode_gpu_busy(self) -> float | None:
+        """Share of the decode's wall time the device was executing (None when unmeasured)."""
+        return self.gpu_decode_s / self.decode_s if self.gpu_decode_s is not None and self.decode_s > 0 else None
 
 
 @dataclass
@@ -547,6 +558,17 @@ class Engine:
         ended = False  # finished (not cancelled): the session is worth a snapshot
         t1 = None  # when the first token arrived (the end of the prompt)
 
+        gpu = getattr(backend, "gpu_seconds", None) is not None  # device time measured
+        g0 = g1 = backend.gpu_seconds if gpu else 0.0
+
+        def gpu_split() -> None:
+            if gpu:
+                g = backend.gpu_seconds
+                if t1 is None:
+                    timings.gpu_prefill_s = g - g0
+                else:
+                    timings.gpu_decode_s = g - g1
+
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
             nonlocal ended
             ended = reason != "cancelled"
@@ -556,6 +578,7 @@ class Engine:
                 timings.prefill_s = now - t0
             else:
                 timings.decode_s = now - t1
+            gpu_split()
             return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         t0 = time.perf_counter()
@@ -579,6 +602,8 @@ class Engine:
                     return
                 step = backend.next()
                 if t1 is None:  # the first token: the prompt is done
+                    gpu_split()  # before t1: the prefill's device time
+                    g1 = backend.gpu_seconds if gpu else 0.0
                     t1 = time.perf_counter()
                     timings.prefill_s = t1 - t0
                 if step is None:  # max tokens or the context window reached
@@ -611,6 +636,7 @@ class Engine:
             raise
         finally:
             now = time.perf_counter()
+            gpu_split()
             if t1 is None:
                 t1 = now
                 timings.prefill_s = now - t0

@@ -155,6 +155,11 @@ class NativeBackend:
     def position(self) -> int:
         return self.runtime.position
 
+    @property
+    def gpu_seconds(self) -> float:
+        """Device seconds of the work whose results were taken so far (a total; ``Runtime.gpu_seconds``)."""
+        return self.runtime.gpu_seconds
+
     def reset(self) -> None:
         self.runtime.reset()
 

@@ -484,20 +484,27 @@ def _search(cost, lo: float, hi: float, step: float):
     return best
 
 
-def _bench_lengths(bench: dict, what: str) -> list:
-    """(prompt tokens, Lily's measured tok/s) of a ``lily bench --json`` report for ``what``
-    (``"decode_tps"`` / ``"prefill_tps"``), lengths without a positive figure left out."""
-    out = []
+def _usable(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
+    """(prompt tokens, Lily's tok/s, Lily's wall-clock tok/s) per length of a ``lily bench
+    --json`` report for ``phase`` (``"decode"`` / ``"prefill"``), lengths without a positive
+    figure left out, and whether the tok/s are per second of device time (the report's
+    ``lily_gpu_tps``, used when every length has it) rather than wall time."""
+    rows = []
     for i, row in enumerate(bench.get("lengths") or []):
         try:
-            L, tps = row["prompt_tokens"], row[what]["lily"]
+            L, wall = row["prompt_tokens"], row[f"{phase}_tps"]["lily"]
         except (KeyError, TypeError):
             raise InvalidParameterError(f"lengths[{i}] of the bench report has no prompt_tokens or "
-                                        f"{what}.lily (not a `lily bench --json` file?)") from None
-        if isinstance(L, int) and not isinstance(L, bool) and L > 0 and isinstance(tps, (int, float)) \
-                and math.isfinite(tps) and tps > 0:
-            out.append((L, float(tps)))
-    return out
+                                        f"{phase}_tps.lily (not a `lily bench --json` file?)") from None
+        gpu = (row.get("lily_gpu_tps") or {}).get(phase) if isinstance(row.get("lily_gpu_tps"), dict) else None
+        if isinstance(L, int) and not isinstance(L, bool) and L > 0 and _usable(wall):
+            rows.append((L, gpu, float(wall)))
+    device = bool(rows) and all(_usable(g) for _, g, _ in rows)
+    return [(L, float(g) if device else w, w) for L, g, w in rows], device
 
 
 def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | dict | None = None,
@@ -509,18 +516,21 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     The plan is the one the run used (the model ``config``, default Qwen3.6-35B-A3B, the
     report's ``prefill_chunk`` and ``gemm_path``) on ``machine_key`` (default: the report's
     chip, :func:`machine_for_chip`). Three constants are fitted, minimising the relative
-    error of the modelled against the measured throughput:
+    error of the modelled against the measured throughput: per second of device time (the
+    report's ``lily_gpu_tps``, GPU timestamps of Lily's command buffers) where every length
+    has it, else per second of wall time (the host's share then counts as GPU time):
 
     * from decode (step time at the mean context of the timed steps, prompt + steps / 2):
       the bandwidth efficiency and the stage gap. Bytes per step grow with the context while
       the stages do not, so two or more lengths separate them; with one length only the gap
-      is fitted. The gap absorbs whatever per-step cost the stages do not show (host, command
-      buffer submission).
+      is fitted. The gap absorbs whatever per-step cost the stages do not show (on wall time
+      also the host's).
     * from prefill (time to the first token), with those two fixed: the efficiency of the
       run's matrix path (:data:`MATRIX_PATHS`), one factor for its operand types.
 
     Returns the calibrated :class:`Machine` (for :func:`estimate`) and a JSON-ready report:
-    ``constants`` (published and fitted), per-length ``decode`` / ``prefill`` rows (measured,
+    ``constants`` (published and fitted), ``time_basis`` per phase (``"device"`` / ``"wall"``),
+    per-length ``decode`` / ``prefill`` rows (measured on that basis, wall-clock,
     published-model and fitted-model tok/s), ``rms_relative_error`` of both models, and
     ``notes``. Raises
     :class:`InvalidParameterError` for a report that is not a Metal run of Lily, has no usable
@@ -548,27 +558,29 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     path = info.get("gemm_path") or gemm_path(m0)
     if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
         raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
-    decode = [(L, t) for L, t in _bench_lengths(bench, "decode_tps") if L + steps < limit]
-    pre = [(L, t) for L, t in _bench_lengths(bench, "prefill_tps") if L <= limit]
+    decode, dev_decode = _bench_lengths(bench, "decode")
+    pre, dev_prefill = _bench_lengths(bench, "prefill")
+    decode = [r for r in decode if r[0] + steps < limit]
+    pre = [r for r in pre if r[0] <= limit]
     if not decode and not pre:
         raise InvalidParameterError(f"{source} has no length with a measured throughput within the model's "
                                     f"limit of {limit} tokens")
     notes = []
 
     # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form
-    ctx = {L: L + steps // 2 for L, _ in decode}
+    ctx = {L: L + steps // 2 for L, _, _ in decode}
     recs = {c: count_decode_step(cfg, c)["records"] for c in set(ctx.values())}
 
     def decode_fit(e: float):
         m = replace(m0, bandwidth_efficiency=e, stage_gap=0.0)
-        rows = [(time_records(m, recs[ctx[L]]), 1 / t) for L, t in decode]
+        rows = [(time_records(m, recs[ctx[L]]), 1 / t) for L, t, _ in decode]
         num = sum(tm.stages * (t - tm.seconds) / t ** 2 for tm, t in rows)
         den = sum(tm.stages ** 2 / t ** 2 for tm, t in rows)
         gap = max(0.0, num / den) if den else m0.stage_gap
         return gap, _rms((tm.seconds + tm.stages * gap - t) / t for tm, t in rows)
 
     eff, gap = m0.bandwidth_efficiency, m0.stage_gap
-    if len({ctx[L] for L, _ in decode}) >= 2:
+    if len(set(ctx.values())) >= 2:
         eff = _search(lambda e: decode_fit(e)[1], 0.30, 1.00, 0.01)
         gap = decode_fit(eff)[0]
         step_bytes = [time_records(m0, r).bytes for r in recs.values()]
@@ -596,7 +608,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}})
 
     def prefill_err(m: Machine) -> list:
-        return [(L / prefill(m, cfg, L, chunk, cache, path).seconds - t) / t for L, t in pre]
+        return [(L / prefill(m, cfg, L, chunk, cache, path).seconds - t) / t for L, t, _ in pre]
 
     x = m1.path_efficiency[paths[0]]
     if pre:
@@ -608,8 +620,8 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     fitted = replace(with_matrix(x), fitted_from=source)
 
     def rows_for(pairs, rate):
-        return [{"prompt_tokens": L, "measured_tok_s": t, "published_model_tok_s": rate(m0, L),
-                 "fitted_model_tok_s": rate(fitted, L)} for L, t in pairs]
+        return [{"prompt_tokens": L, "measured_tok_s": t, "wall_tok_s": w, "published_model_tok_s": rate(m0, L),
+                 "fitted_model_tok_s": rate(fitted, L)} for L, t, w in pairs]
 
     dec_rows = rows_for(decode, lambda m, L: 1 / time_records(m, recs[ctx[L]]).seconds)
     pre_rows = rows_for(pre, lambda m, L: L / prefill(m, cfg, L, chunk, cache, path).seconds)
@@ -626,6 +638,9 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
             "bandwidth_efficiency": {"published": m0.bandwidth_efficiency, "fitted": eff},
             "stage_gap_us": {"published": m0.stage_gap * 1e6, "fitted": gap * 1e6},
             "matrix_efficiency": {"paths": list(paths), "published": m0.path_efficiency[paths[0]], "fitted": x}},
+        # what measured_tok_s counts: the device time of Lily's command buffers (GPU timestamps,
+        # the report's lily_gpu_tps) or, when the report has none, wall-clock time (host included)
+        "time_basis": {"decode": "device" if dev_decode else "wall", "prefill": "device" if dev_prefill else "wall"},
         "decode": dec_rows, "prefill": pre_rows,
         "rms_relative_error": {"decode": {"published": rms(dec_rows, "published_model_tok_s"),
                                           "fitted": rms(dec_rows, "fitted_model_tok_s")},
@@ -649,12 +664,13 @@ def format_fit(f: dict) -> str:
     for phase in ("decode", "prefill"):
         if not f[phase]:
             continue
-        e = f["rms_relative_error"][phase]
-        lines += ["", f"{phase} tok/s: measured vs model (rms relative error {100 * e['published']:.1f}% "
-                      f"published, {100 * e['fitted']:.1f}% fitted)",
-                  f"{'prompt':>8} {'measured':>10} {'published':>10} {'fitted':>10}"]
+        e, basis = f["rms_relative_error"][phase], f["time_basis"][phase]
+        lines += ["", f"{phase} tok/s: measured ({'per second of GPU time' if basis == 'device' else 'wall clock'}) "
+                      f"vs model (rms relative error {100 * e['published']:.1f}% published, "
+                      f"{100 * e['fitted']:.1f}% fitted)",
+                  f"{'prompt':>8} {'measured':>10} {'wall':>10} {'published':>10} {'fitted':>10}"]
         for r in f[phase]:
-            lines.append(f"{r['prompt_tokens']:>8} {r['measured_tok_s']:>10.1f} {r['published_model_tok_s']:>10.1f} "
-                         f"{r['fitted_model_tok_s']:>10.1f}")
+            lines.append(f"{r['prompt_tokens']:>8} {r['measured_tok_s']:>10.1f} {r['wall_tok_s']:>10.1f} "
+                         f"{r['published_model_tok_s']:>10.1f} {r['fitted_model_tok_s']:>10.1f}")
     lines += [f"note: {n}" for n in f["notes"]]
     return "\n".join(lines)

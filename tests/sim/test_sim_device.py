@@ -4,6 +4,7 @@ buffers in flight with token slots, and errors that surface as Python exceptions
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -474,8 +475,10 @@ def test_kernel_fault_is_an_exception_and_device_survives():
     C = dev.buffer(4 * N)
     cb = dev.command_buffer()
     add(cb.compute_pass(), A, B, C)
+    assert math.isnan(cb.gpu_seconds)  # device time exists once the buffer ran
     cb.commit()
     cb.wait()
+    assert 0 < cb.gpu_seconds < 60
     np.testing.assert_allclose(download(C, np.float32), a + b, rtol=1e-6)
 
 

@@ -16,6 +16,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -280,6 +281,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     [cb_ addCompletedHandler:^(id<MTLCommandBuffer> done) {
       // Never throw from here: store the error; wait() rethrows it on the caller's thread.
       Status s = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
+      const double gpu = [done GPUEndTime] - [done GPUStartTime];
       std::string msg;
       if (s == Status::error) msg = "Metal command buffer failed: " + to_string([[done error] localizedDescription]);
       for (auto& h : handlers) {
@@ -293,6 +295,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
         std::lock_guard<std::mutex> g(st->mu);
         st->status = s;
         st->message = msg;
+        st->gpu_seconds = gpu;
         st->done = true;
       }
       st->cv.notify_all();
@@ -328,6 +331,10 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     std::lock_guard<std::mutex> g(state_->mu);
     return state_->status;
   }
+  double gpu_seconds() const override {
+    std::lock_guard<std::mutex> g(state_->mu);
+    return state_->gpu_seconds;
+  }
   const Counters& counters() const override { return counters_; }
   // Ends the open blit encoder of a run of copies, if any.
   void end_blit() {
@@ -358,6 +365,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     mutable std::mutex mu;
     std::condition_variable cv;
     Status status = Status::encoding;
+    double gpu_seconds = std::numeric_limits<double>::quiet_NaN();
     std::string message;
     bool done = false;
   };

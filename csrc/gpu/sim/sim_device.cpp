@@ -4,11 +4,13 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
@@ -402,6 +404,7 @@ class SimCommandBuffer : public gpu::CommandBuffer {
     handlers_.push_back(std::move(fn));
   }
   Status status() const override { return status_.load(); }
+  double gpu_seconds() const override { return gpu_seconds_.load(); }
   const Counters& counters() const override { return counters_; }
 
  protected:
@@ -428,6 +431,7 @@ class SimCommandBuffer : public gpu::CommandBuffer {
   Counters counters_;
   std::vector<std::function<void(Status, const std::string&)>> handlers_;
   std::atomic<Status> status_{Status::encoding};
+  std::atomic<double> gpu_seconds_{std::numeric_limits<double>::quiet_NaN()};
   std::exception_ptr error_;
   std::string error_message_;
   bool counted_ = true;
@@ -491,7 +495,9 @@ void SimDevice::run() {
       if (queue_.empty()) return;  // stop_ and drained
       cb = queue_.front();
     }
+    const auto t0 = std::chrono::steady_clock::now();
     execute(cb);
+    cb->gpu_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     Status st = cb->error_ ? Status::error : Status::completed;
     for (auto& h : cb->handlers_) h(st, cb->error_message_);
     {

@@ -274,11 +274,13 @@ class ServerState:
         job.logged = True
         t = last.timings
         wait = (job.started - job.submitted) if job.started else 0.0
+        busy = t.decode_gpu_busy if t else None
         log.info("%s: %d prompt (%d cached, %d computed) + %d completion tokens, finish=%s, queued %.2fs, "
-                 "prefill %.1f tok/s, decode %.1f tok/s, total %.2fs", kind, last.prompt_tokens,
+                 "prefill %.1f tok/s, decode %.1f tok/s%s, total %.2fs", kind, last.prompt_tokens,
                  getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
                  last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
-                 t.decode_tokens_per_s if t else 0.0, time.perf_counter() - started)
+                 t.decode_tokens_per_s if t else 0.0,
+                 f" (GPU busy {100 * busy:.0f}%)" if busy is not None else "", time.perf_counter() - started)
 
 
 _ROLE_WORDS = {"system": "system", "assistant": "assistant", "tool": "tool result"}
