@@ -735,3 +735,56 @@ def test_an_anthropic_user_turn_without_blocks_is_a_clear_400(srv, engine):
     for path in ("/v1/messages", "/v1/messages/count_tokens"):
         msg = _anthropic_error(httpx.post(srv.base + path, json=body), 400, "invalid_request_error")
         assert msg.startswith("messages.0.content: a user message needs at least one text or tool_result block"), msg
+
+
+def test_what_real_clients_send_is_honoured_or_refused(srv, engine):
+    """Fields the official clients send, as the API references define them: temperature in
+    OpenAI's [0, 2] and Anthropic's [0, 1]; a non-empty logit_bias (which the samplers cannot
+    apply) refused rather than ignored; reasoning_effort "none" turning thinking off as the
+    Responses API's reasoning.effort does; count_tokens counting beyond the window (agents
+    count to decide when to compact); the Responses usage's cache_write_tokens; a forced tool
+    call's stream starting with content null, as its non-streaming message has it."""
+    engine.set_script("</think>ok")
+    chat = srv.base + "/v1/chat/completions"
+    for t, status in ((2.0, 200), (2.5, 400), (-0.1, 400)):
+        r = httpx.post(chat, json={"messages": ASK, "max_tokens": 2, "temperature": t})
+        assert r.status_code == status, r.text
+        if status == 400:
+            assert r.json()["error"]["param"] == "temperature" and "[0, 2]" in r.json()["error"]["message"]
+    r = httpx.post(srv.base + "/v1/responses", json={"input": "hi", "max_output_tokens": 2, "temperature": 2.5})
+    assert _openai_error(r, 400)["param"] == "temperature"
+    msgs = srv.base + "/v1/messages"
+    base = {"model": "m", "max_tokens": 2, "messages": ASK}
+    assert httpx.post(msgs, json={**base, "temperature": 1.0}).status_code == 200
+    msg = _anthropic_error(httpx.post(msgs, json={**base, "temperature": 1.5}), 400, "invalid_request_error")
+    assert "temperature" in msg and "[0, 1]" in msg, msg
+    # logit_bias
+    for path, body in ((chat, {"messages": ASK}), (srv.base + "/v1/completions", {"prompt": "x"})):
+        assert httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": {}}).status_code == 200
+        err = _openai_error(httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": {"5": -100}}), 400)
+        assert err["param"] == "logit_bias" and "not supported" in err["message"], err
+    # reasoning_effort
+    engine.reset()
+    httpx.post(chat, json={"messages": ASK, "max_tokens": 2, "reasoning_effort": "none"}).raise_for_status()
+    assert engine.prompt.rstrip().endswith("<think>\n\n</think>"), engine.prompt[-80:]  # thinking closed
+    engine.reset()
+    httpx.post(chat, json={"messages": ASK, "max_tokens": 2, "reasoning_effort": "high"}).raise_for_status()
+    assert engine.prompt.rstrip().endswith("<think>"), engine.prompt[-80:]  # thinking stays on
+    err = _openai_error(httpx.post(chat, json={"messages": ASK, "reasoning_effort": "max"}), 400)
+    assert err["param"] == "reasoning_effort", err
+    # count_tokens beyond the window
+    long = [{"role": "user", "content": "word " * 5000}]
+    r = httpx.post(msgs + "/count_tokens", json={"model": "m", "messages": long})
+    assert r.status_code == 200 and r.json()["input_tokens"] > CTX, r.text
+    # Responses usage
+    u = httpx.post(srv.base + "/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()["usage"]
+    assert u["input_tokens_details"] == {"cached_tokens": u["input_tokens_details"]["cached_tokens"],
+                                         "cache_write_tokens": 0}
+    # a forced tool call's stream
+    engine.set_script("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                      "</tool_call>")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}}]
+    r = httpx.post(chat, json={"messages": ASK, "tools": tools, "tool_choice": "required", "stream": True,
+                               "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
+    first = json.loads(r.text.split("\n\n")[0][len("data: "):])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}, first

@@ -255,7 +255,8 @@ async def count_tokens(req: CountTokensRequest, request: Request):
     state.check_model(req.model)
     tools, _, forced = tool_setup(req)
     forced_tools(state, req, tools, forced)  # what /v1/messages refuses, this refuses too
-    _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
+    # counted even beyond the window: agents count to decide when to compact
+    _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req), fit=False)
     return {"input_tokens": len(ids)}
 
 
@@ -319,7 +320,7 @@ async def messages(req: MessagesRequest, request: Request):
     prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
     stops = tuple(req.stop_sequences or ())
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="messages")
-    params = state.sampling_params(req, max_tokens, stop=stops)
+    params = state.sampling_params(req, max_tokens, stop=stops, max_temperature=1.0)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
     job = state.submit(ids, params, constraint=constraint)

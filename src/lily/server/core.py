@@ -142,17 +142,30 @@ class ServerState:
             raise APIError(400, f"best_of={best_of} is not supported: only 1", param="best_of",
                            code="invalid_value")
 
+    @staticmethod
+    def check_logit_bias(bias) -> None:
+        """400 for a non-empty ``logit_bias``: the samplers (the GPU's and the host's) take no
+        per-token bias, and serving the request without it would quietly ignore a ban."""
+        if bias:
+            raise APIError(400, "logit_bias is not supported (an empty object or null is accepted)",
+                           param="logit_bias", code="invalid_value")
+
     def sampling_params(self, req, max_tokens: int | None, logprobs: bool = False, top_logprobs: int = 0,
-                        stop: tuple[str, ...] | None = None):
+                        stop: tuple[str, ...] | None = None, max_temperature: float = 2.0):
         """The engine's :class:`~lily.sampling.SamplingParams` for a request: the checkpoint's
         defaults with the request's sampling fields (those of ``_SAMPLING_FIELDS`` that ``req``
         has and sets), its ``stop`` strings (or ``stop``) and ``max_tokens``. 400 when a value
-        is out of range."""
+        is out of range: the API's own range for ``temperature`` (``max_temperature``: 2 in
+        OpenAI's reference, 1 in Anthropic's), the engine's for the rest."""
         kw: dict[str, Any] = {}
         for name in _SAMPLING_FIELDS:
             v = getattr(req, name, None)
             if v is not None:
                 kw[name] = v
+        t = kw.get("temperature")
+        if t is not None and not 0 <= t <= max_temperature:
+            raise APIError(400, f"invalid sampling parameter temperature={t}: must be in [0, {max_temperature:g}]",
+                           param="temperature", code="invalid_value")
         top_k = kw.get("top_k")
         if top_k is not None and not -1 <= top_k <= INT32_MAX:
             raise APIError(400, f"invalid sampling parameter top_k={top_k}: must be -1 or 0 (both disable "
@@ -200,11 +213,11 @@ class ServerState:
             raise APIError(400, str(exc), param="prompt", code="invalid_value") from None
 
     async def render_chat(self, messages: list[dict], tools: list[dict] | None, kwargs: dict,
-                          param: str = "messages") -> tuple[str, list[int]]:
+                          param: str = "messages", fit: bool = True) -> tuple[str, list[int]]:
         """The chat template applied to template-form ``messages`` and OpenAI-form ``tools``
         (off the event loop): ``(prompt text, token ids)``, checked (400 naming ``param`` for
         a conversation without a user message, a template error, an unpaired surrogate, an
-        empty or too long prompt)."""
+        empty prompt or, with ``fit``, one longer than the context window)."""
         check_has_user_turn(messages, param)
         tok = self.engine.tokenizer
 
@@ -217,7 +230,10 @@ class ServerState:
             prompt_text, ids = await asyncio.to_thread(render)
         except (LilyError, ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=param, code="invalid_value") from None
-        self.check_prompt_ids(ids, param)
+        if fit:
+            self.check_prompt_ids(ids, param)
+        elif not ids:
+            raise APIError(400, f"{param} rendered to an empty prompt", param=param, code="invalid_value")
         return prompt_text, ids
 
     def max_tokens_for(self, n_prompt: int, limit: int | None, *, field: str, prompt: str,

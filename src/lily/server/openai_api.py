@@ -27,6 +27,8 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "add_generation_prompt", "docu
 # switches that the Qwen3.5 chat template tests with `is false` / `if`: a string such as
 # "no" would be truthy (or not `false`) and silently leave the switch on
 _BOOL_TEMPLATE_KWARGS = {"enable_thinking", "add_vision_id"}
+#: reasoning_effort values of OpenAI's Chat Completions reference
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 # ----------------------------------------------------------------------------------------
@@ -164,13 +166,27 @@ def check_template_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
+def reasoning_effort_kwargs(effort) -> dict:
+    """Chat Completions' ``reasoning_effort``: ``"none"`` turns the template's reasoning block
+    off (as the Responses API's ``reasoning.effort``); the other levels of OpenAI's reference
+    leave Qwen3.6's thinking on (it has no levels); anything else is a 400."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {dumps(effort)}",
+                       param="reasoning_effort", code="invalid_value")
+    return {"enable_thinking": False} if effort == "none" else {}
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = state_of(request)
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n)
-    kwargs = check_template_kwargs(req.chat_template_kwargs)
+    state.check_logit_bias(getattr(req, "logit_bias", None))
+    kwargs = {**reasoning_effort_kwargs(getattr(req, "reasoning_effort", None)),
+              **check_template_kwargs(req.chat_template_kwargs)}  # explicit template switches win
     top_lp = req.top_logprobs
     if top_lp is not None and top_lp > 0 and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs",
@@ -205,7 +221,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return JobStream(_stream_chat(state, run, base, include_usage, finish_reason, bool(req.logprobs),
-                                      t_start), job, "chat (stream)")
+                                      t_start, tool_call_only=forced is not None), job, "chat (stream)")
 
     acc = ChatAccumulator()
     lps: list = []
@@ -268,14 +284,15 @@ async def _openai_stream(what: str, state: ServerState, job, base: dict, include
 
 
 def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bool, finish_reason,
-                 want_logprobs: bool, t_start: float):
+                 want_logprobs: bool, t_start: float, tool_call_only: bool = False):
     tok = state.engine.tokenizer
 
     def chunk(delta: dict, logprobs=None, finish=None) -> str:
         return _chunk(base, include_usage, {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
 
     async def body():
-        yield chunk({"role": "assistant", "content": ""})
+        # a forced tool call has no content: null, as the non-streaming message says
+        yield chunk({"role": "assistant", "content": None if tool_call_only else ""})
         async for deltas, ev in run.steps(None, core.KEEPALIVE_S):
             if ev is None:
                 yield ": keep-alive\n\n"
@@ -302,6 +319,7 @@ async def completions(req: CompletionRequest, request: Request):
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n, req.best_of)
+    state.check_logit_bias(getattr(req, "logit_bias", None))
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="invalid_value")
     prompt = req.prompt

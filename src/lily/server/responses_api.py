@@ -286,7 +286,9 @@ def _as_input(item: dict) -> dict:
 
 def _usage(run: ChatRun) -> dict:
     last = run.last
-    return {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": run.cached_tokens},
+    # the prompt cache is automatic: nothing is charged for writing it (Anthropic's usage says 0 too)
+    return {"input_tokens": last.prompt_tokens, "input_tokens_details": {"cached_tokens": run.cached_tokens,
+                                                                         "cache_write_tokens": 0},
             "output_tokens": last.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": run.n_reasoning},
             "total_tokens": last.prompt_tokens + last.completion_tokens}
