@@ -191,6 +191,7 @@ void bind_runtime(nb::module_& m) {
       .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
       .def_prop_ro("prefill_scratch_bytes", &Runtime::prefill_scratch_bytes)
       .def_prop_ro("uses_tensor_ops", &Runtime::uses_tensor_ops)
+      .def_prop_ro("uses_tensor_attention", &Runtime::uses_tensor_attention)
       .def_prop_ro("memory_use", [](const Runtime& r) {
         const MemoryUse& u = r.memory_use();
         nb::dict d;

@@ -98,7 +98,13 @@ class Machine:
 
     @property
     def tensor_ops(self) -> bool:
-        return "tensor_bf16" in self.rates
+        """The prefill GEMMs' tensor-op path (half operands)."""
+        return "tensor_f16" in self.rates
+
+    @property
+    def tensor_attention(self) -> bool:
+        """The prefill attention's tensor-op path (bfloat operands; needs the GEMMs' too)."""
+        return self.tensor_ops and "tensor_bf16" in self.rates
 
 
 def _alu(cores: int, ghz: float, lanes: int = 128) -> float:
@@ -282,7 +288,7 @@ def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: 
     key = (p0, rows, head)
     if key not in cache:
         from lily.native import count_prefill_chunk
-        recs = count_prefill_chunk(cfg, rows, p0, gemm_path=gemm_path(m))["records"]
+        recs = count_prefill_chunk(cfg, rows, p0, gemm_path=gemm_path(m), tensor_attention=m.tensor_attention)["records"]
         cache[key] = time_records(m, recs, () if head else _HEAD)
     return cache[key]
 
@@ -389,7 +395,8 @@ def estimate(machine_key: str = "m5max", *, config: ModelConfig | dict | None = 
                     "tflops": {k: v / 1e12 for k, v in m.rates.items()},
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
                     "gpu_family": m.gpu_family, "sources": m.sources},
-        "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m)},
+        "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
+                 "attention_path": "tensor" if m.tensor_attention else "simdgroup"},
         "calibration": {"bandwidth_efficiency": BANDWIDTH_EFFICIENCY, "path_efficiency": PATH_EFFICIENCY,
                         "saturation_threads": SATURATION_THREADS, "stage_gap_us": STAGE_GAP * 1e6,
                         "stage_gap_from": CALIBRATION},
@@ -409,7 +416,7 @@ def format_report(rep: dict) -> str:
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
               f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
-              f"GEMM path {rep['plan']['gemm_path']}"), "",
+              f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}"), "",
              f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'raw-BW ceiling':>15}"]
     for r in rep["decode"]:
         lines.append(f"{r['context']:>8} {r['tok_s']:>13.1f} {r['ms_per_token']:>9.3f} {r['stages']:>7} "
