@@ -233,3 +233,65 @@ template [[host_name("attn_prefill_split_d256_g2_tensor")]] [[kernel]] decltype(
 template [[host_name("attn_prefill_split_d64_g8_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 8>) attn_prefill_split_tensor<64, 8>;
 template [[host_name("attn_prefill_split_d64_g4_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 4>) attn_prefill_split_tensor<64, 4>;
 template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 2>) attn_prefill_split_tensor<64, 2>;
+
+// ---- start-up probe of the Metal backend: the attention's tensor operations -------------
+// The Metal device builds this pipeline after tensor_ops_probe (gemm_tensor.metal): the
+// attention's bfloat x bfloat -> float operations, which only MacOSX 26.1's operand table
+// lists. If it does not build, the GEMMs keep the tensor path and the attention runs the
+// simdgroup_matrix kernels (Device::supports_bfloat_tensor_ops). As a kernel (one
+// threadgroup of 128 threads; xb bfloat [64, 64]):
+//   out_qk[32, 64] = xb[0:32] xb^T   S = Q K^T: bfloat device tensors, multiply into a
+//                                    threadgroup fp32 tensor
+//   out_pv[32, 64] = xb[0:32] xb     O += P V: bfloat threadgroup tiles, multiply_accumulate
+//                                    into an fp32 cooperative tensor
+[[max_total_threads_per_threadgroup(128)]] kernel void tensor_ops_probe_bfloat(device const bfloat* xb [[buffer(0)]],
+                                    device float* out_qk [[buffer(1)]],
+                                    device float* out_pv [[buffer(2)]],
+                                    uint tid [[thread_index_in_threadgroup]]) {
+  constexpr uint BM = 32, BN = 64, K = 64;
+  threadgroup float smem[BM * BN];
+  threadgroup bfloat tiles[(BM + K) * BN];  // P [BM][K], then V [K][BN]
+
+  // S = Q K^T on bfloat device tensors (extents: k innermost), into threadgroup fp32
+  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  using Stage = tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline>;
+  DevRows tQ((device bfloat*)xb, dextents<int32_t, 2>(K, BM));
+  DevRows tK((device bfloat*)xb, dextents<int32_t, 2>(K, BN));
+  Stage tS(smem, extents<int32_t, BN, BM>());
+  constexpr auto qk_desc = matmul2d_descriptor(BM, BN, K, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<qk_desc, execution_simdgroups<4>> qk;
+  qk.run(tQ, tK, tS);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < BM * BN; i += 128) {
+    out_qk[i] = smem[i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // O += P V on bfloat threadgroup tiles P [BM][K] and V [K][BN], into fp32 registers
+  threadgroup bfloat* Ps = tiles;
+  threadgroup bfloat* Vs = tiles + BM * K;
+  for (uint i = tid; i < (BM + K) * K; i += 128) {  // Vs follows Ps
+    tiles[i] = xb[i < BM * K ? i : i - BM * K];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  using PTile = tensor<threadgroup bfloat, extents<int32_t, K, BM>, tensor_inline>;
+  using VTile = tensor<threadgroup bfloat, extents<int32_t, BN, K>, tensor_inline>;
+  PTile tP(Ps, extents<int32_t, K, BM>());
+  VTile tV(Vs, extents<int32_t, BN, K>());
+  constexpr auto pv_desc =
+      matmul2d_descriptor(BM, BN, K, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<pv_desc, execution_simdgroups<4>> pv;
+  auto o = pv.get_destination_cooperative_tensor<PTile, VTile, float>();
+  for (uint16_t i = 0; i < o.get_capacity(); ++i) {
+    if (o.is_valid_element(i)) {
+      o[i] = 0.0f;
+    }
+  }
+  pv.run(tP, tV, o);
+  Stage tO(smem, extents<int32_t, BN, BM>());  // smem: its last reads were before the barrier above
+  o.store(tO);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint i = tid; i < BM * BN; i += 128) {
+    out_pv[i] = smem[i];
+  }
+}

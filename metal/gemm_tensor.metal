@@ -110,25 +110,19 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
 }
 
 
-// ---- start-up probe of the Metal backend -------------------------------------------------
+// ---- start-up probe of the Metal backend: the GEMMs' tensor operations ------------------
 // The Metal device builds this pipeline when it loads lily_tensor.metallib: every kind of
-// tensor operation Lily's kernels use. If the OS's tensor-op library lacks one (bfloat
-// operands, say, on an early macOS 26), the tensor path is reported unavailable and prefill
-// runs the simdgroup_matrix kernels, instead of failing at load. As a kernel (one
-// threadgroup of 128 threads; x fp32 [64, 64], xb = x as bfloat, h = gemm_half):
-//   out[32, 64]    = h(x[0:32]) h(x)^T   the GEMMs': half threadgroup tiles, transpose_right,
-//                                        multiply_accumulate into an fp32 cooperative tensor,
-//                                        by the whole threadgroup, then again by 16-row bands
-//                                        of one simdgroup each, written from the registers
-//   out_qk[32, 64] = xb[0:32] xb^T       the attention's S = Q K^T: bfloat device tensors,
-//                                        multiply into a threadgroup fp32 tensor
-//   out_pv[32, 64] = xb[0:32] xb         the attention's O += P V: bfloat threadgroup tiles,
-//                                        multiply_accumulate into an fp32 cooperative tensor
+// tensor operation of the GEMMs (half operands; the attention's bfloat ones have their own
+// probe, tensor_ops_probe_bfloat in attention_prefill_tensor.metal). If it does not build,
+// the tensor path is reported unavailable and prefill runs the simdgroup_matrix kernels,
+// instead of failing at load. As a kernel (one threadgroup of 128 threads; x fp32 [64, 64],
+// h = gemm_half):
+//   out[32, 64] = h(x[0:32]) h(x)^T   half threadgroup tiles, transpose_right,
+//                                     multiply_accumulate into an fp32 cooperative tensor,
+//                                     by the whole threadgroup, then again by 16-row bands
+//                                     of one simdgroup each, written from the registers
 [[max_total_threads_per_threadgroup(128)]] kernel void tensor_ops_probe(device const float* x [[buffer(0)]],
                              device float* out [[buffer(1)]],
-                             device const bfloat* xb [[buffer(2)]],
-                             device float* out_qk [[buffer(3)]],
-                             device float* out_pv [[buffer(4)]],
                              uint tid [[thread_index_in_threadgroup]]) {
   constexpr uint BM = 32, BN = 64;
   threadgroup float4 smem4[GemmSmem<BM, BN, 1>::float4s];
@@ -181,51 +175,5 @@ template [[host_name("gemm_q4_half_tensor")]] [[kernel]] decltype(gemm_q_tensor<
       const auto at = bacc.get_multidimensional_index(i);  // {column, row}
       out[(tid / 32 * 16 + uint(at[1])) * BN + uint(at[0])] = bacc[i];
     }
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  // S = Q K^T on bfloat device tensors (extents: k innermost), into threadgroup fp32
-  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
-  using Stage = tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline>;
-  DevRows tQ((device bfloat*)xb, dextents<int32_t, 2>(kGemmBK, BM));
-  DevRows tK((device bfloat*)xb, dextents<int32_t, 2>(kGemmBK, BN));
-  Stage tS(smem, extents<int32_t, BN, BM>());
-  constexpr auto qk_desc = matmul2d_descriptor(BM, BN, kGemmBK, false, true, false,
-                                               matmul2d_descriptor::mode::multiply);
-  matmul2d<qk_desc, execution_simdgroups<4>> qk;
-  qk.run(tQ, tK, tS);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < BM * BN; i += 128) {
-    out_qk[i] = smem[i];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  // O += P V on bfloat threadgroup tiles P [BM][64] and V [64][BN], into fp32 registers
-  threadgroup bfloat* Ps = (threadgroup bfloat*)smem4;
-  threadgroup bfloat* Vs = Ps + BM * kGemmBK;
-  for (uint i = tid; i < (BM + kGemmBK) * kGemmBK; i += 128) {  // Vs follows Ps
-    Ps[i] = xb[i < BM * kGemmBK ? i : i - BM * kGemmBK];
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  using PTile = tensor<threadgroup bfloat, extents<int32_t, kGemmBK, BM>, tensor_inline>;
-  using VTile = tensor<threadgroup bfloat, extents<int32_t, BN, kGemmBK>, tensor_inline>;
-  PTile tP(Ps, extents<int32_t, kGemmBK, BM>());
-  VTile tV(Vs, extents<int32_t, BN, kGemmBK>());
-  constexpr auto pv_desc = matmul2d_descriptor(BM, BN, kGemmBK, false, false, false,
-                                               matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<pv_desc, execution_simdgroups<4>> pv;
-  auto o = pv.get_destination_cooperative_tensor<PTile, VTile, float>();
-  for (uint16_t i = 0; i < o.get_capacity(); ++i) {
-    if (o.is_valid_element(i)) {
-      o[i] = 0.0f;
-    }
-  }
-  pv.run(tP, tV, o);
-  threadgroup_barrier(mem_flags::mem_threadgroup);  // P and V read before the stage reuses them
-  Stage tO(smem, extents<int32_t, BN, BM>());
-  o.store(tO);
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint i = tid; i < BM * BN; i += 128) {
-    out_pv[i] = smem[i];
   }
 }

@@ -218,6 +218,7 @@ def test_machine_info_names_the_native_device(demo_path):
     info = machine_info(engine)
     assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "sim"
     assert info["prefill_chunk"] == 1000 and info["gemm_path"] == "tensor"  # automatic, capped at the context
+    assert info["bfloat_tensor_ops"] is True and info["attention_path"] == "tensor"
     assert info["chip"] and info["memory_bytes"] > 0 and info["arch"]
     assert "prefill_chunk" not in machine_info(Engine.load(demo_path, device="reference"))
 

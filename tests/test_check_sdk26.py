@@ -130,7 +130,8 @@ TYPES_H = """
     """
 
 
-def _kernels(tmp_path: Path, attention_operand: str, probe_operand: str) -> list[Path]:
+def _kernels(tmp_path: Path, attention_operand: str, probe_operand: str, probe: str = "tensor_ops_probe_bfloat"
+             ) -> list[Path]:
     k = tmp_path / "k"
     k.mkdir()
     (k / "tiles_tensor.h").write_text(textwrap.dedent("""
@@ -157,7 +158,7 @@ def _kernels(tmp_path: Path, attention_operand: str, probe_operand: str) -> list
         }}
         """))
     (k / "probe_tensor.metal").write_text(textwrap.dedent(f"""
-        kernel void tensor_ops_probe(device {probe_operand}* x) {{
+        kernel void {probe}(device {probe_operand}* x) {{
           auto a = tensor<device {probe_operand}, dextents<int32_t, 2>, tensor_inline>(x, dextents<int32_t, 2>(64, 32));
           auto whole = tensor<device {probe_operand}, dextents<int32_t, 2>, tensor_inline>(x, dextents<int32_t, 2>(64, 64));
           auto b = whole.slice(0, 32);
@@ -175,28 +176,45 @@ def test_operand_combinations_resolve_aliases_functions_slices_and_cooperative_t
     assert combos["probe_tensor.metal"] == ("half", "device", "half", "device", "float", "threadgroup")
 
 
-@pytest.mark.parametrize("probe_operand, ok", [("bfloat", True), ("half", False)])
-def test_tensor_check_passes_a_combination_missing_from_the_table_only_when_the_probe_runs_it(
-        tool, tmp_path, capsys, probe_operand, ok):
+@pytest.mark.parametrize("probe_operand, probe, ok", [("bfloat", "tensor_ops_probe_bfloat", True),
+                                                      ("half", "tensor_ops_probe_bfloat", False),
+                                                      ("bfloat", "tensor_ops_probe", False)])
+def test_tensor_check_passes_a_combination_missing_from_the_table_only_when_its_probe_runs_it(
+        tool, tmp_path, capsys, probe_operand, probe, ok):
+    """A bfloat combination the table lacks must be run by tensor_ops_probe_bfloat (whose
+    failure takes only the attention off the tensor path), not by tensor_ops_probe (whose
+    failure would take the GEMMs off too)."""
     sdk = tmp_path / "sdk"
     _write(sdk, "MetalPerformancePrimitives", "MPPTensorOpsMatMul2d.h", MATMUL_H)
     _write(sdk, "MetalPerformancePrimitives", "__impl/MPPTensorOpsTypes.h", TYPES_H)
-    assert tool.tensor_check(sdk, sources=_kernels(tmp_path, "bfloat", probe_operand)) is ok
+    assert tool.tensor_check(sdk, sources=_kernels(tmp_path, "bfloat", probe_operand, probe)) is ok
     out = capsys.readouterr().out
-    assert "half (threadgroup) x half (threadgroup) -> float (cooperative): in the table" in out
+    assert "half (threadgroup) x half (threadgroup) -> float (cooperative): in the table (guarded by " \
+           "tensor_ops_probe)" in out
     assert "bfloat (device) x bfloat (device) -> float (threadgroup): NOT in the table" in out
+    if ok:
+        assert "tensor_ops_probe_bfloat runs it, so on an OS without it the prefill attention falls back" in out
+    if probe == "tensor_ops_probe":
+        assert "tensor_ops_probe runs bfloat (device) x bfloat (device) -> float (threadgroup), which " \
+               "tensor_ops_probe_bfloat guards" in out
     assert "matmul2d_descriptor(...) parameters (type, default): same" in out
     assert "(bfloat only where the compiler defines __HAVE_BFLOAT__)" in out
 
 
-def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_the_probe(tool):
+def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_its_probe(tool):
     """The standing guarantee behind the check: whatever Apple's table says, an OS whose
-    tensor library lacks a combination the shipped kernels use fails tensor_ops_probe at
-    load (the device then uses the simdgroup_matrix kernels), never a shipped kernel."""
+    tensor library lacks a combination the shipped kernels use fails a probe at load (the
+    device then uses the simdgroup_matrix kernels), never a shipped kernel; and the GEMMs'
+    probe runs half operands only, so a library without bfloat ones (MacOSX 26.0's table)
+    fails only tensor_ops_probe_bfloat and keeps the tensor-op GEMMs."""
     sources = [f for f in tool.tensor_sources() if not f.name.startswith("selftest")]
     combos = tool.operand_combinations(sources)
-    shipped = {c for c, where in combos if tool.PROBE not in where}
-    probe = {c for c, where in combos if tool.PROBE in where}
-    assert shipped and probe
-    assert all(set(c[0:6:2]) <= tool.ELEMENT_TYPES for c in shipped | probe), shipped | probe
-    assert shipped <= probe, shipped - probe
+    shipped = {c for c, where in combos if tool.probe_of(where) is None}
+    probes = {p: {c for c, where in combos if tool.probe_of(where) == p} for p in tool.PROBES}
+    assert shipped and all(probes.values()), probes
+    assert all(set(c[0:6:2]) <= tool.ELEMENT_TYPES for c in shipped | set().union(*probes.values()))
+    for c in shipped:
+        assert c in probes[tool.guarding_probe(c)], c
+    assert all(tool.guarding_probe(c) == p for p, cs in probes.items() for c in cs), probes
+    assert {c[0] for c in probes["tensor_ops_probe"]} == {"half"}
+    assert {c[0] for c in probes["tensor_ops_probe_bfloat"]} == {"bfloat"}

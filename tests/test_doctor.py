@@ -98,6 +98,7 @@ def test_doctor_json(capsys):
     assert {k["kernel"]: k["status"] for k in report["kernels"]} == {
         "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
     assert report["device"]["name"] == "sim" and report["device"]["tensor_ops"] is True
+    assert report["device"]["bfloat_tensor_ops"] is True and report["device"]["bfloat_tensor_ops_status"] == ""
     pipes = report["pipelines"]
     assert len(pipes) == report["device"]["kernels"]
     assert all(p["built"] and 32 <= p["max_threads_per_threadgroup"] <= 1024 for p in pipes), pipes[:3]
@@ -202,6 +203,27 @@ def test_doctor_sim_report_details(capsys):
     row = next(line for line in out.splitlines() if line.split()[:1] == ["rms_norm"])
     assert row.split()[-1] == "-"  # threadgroup memory unknown on the simulator, not 0
     assert ("no Metal GPU in this build" in out) == ("metal" not in _core.compiled_devices())
+
+
+def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
+    """On a device whose tensor ops take no bfloat operands the doctor says the GEMMs keep
+    them and why the prefill attention does not (text, bug-report line and JSON); the
+    kernels it lists are the ones that device offers, so the report stays OK."""
+    import lily.native
+    make = lily.native.make_device
+    monkeypatch.setattr(lily.native, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
+    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor ops      yes" in out
+    assert "tensor bfloat   no: the simulator was created with bfloat_tensor_ops=False" in out
+    assert "the prefill attention runs simdgroup_matrix, the GEMMs keep tensor ops" in out
+    block = out.split("--- paste this into a bug report ---")[1]
+    assert "tensor ops: yes | tensor bfloat: the simulator was created with bfloat_tensor_ops=False" in block
+    assert main(["doctor", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"]["tensor_ops"] is True and report["device"]["bfloat_tensor_ops"] is False
+    assert "bfloat_tensor_ops=False" in report["device"]["bfloat_tensor_ops_status"]
+    assert report["summary"]["ok"] is True
 
 
 def test_doctor_unknown_kernel_suggests_close_names(capsys):

@@ -238,13 +238,18 @@ def test_seeded_sampling_after_chunked_prompt(demo_path, native_device):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
 
 
-def test_prefill_hazards_with_shuffled_stages(demo_path):
+@pytest.mark.parametrize("family", [{}, {"gpu_family": "apple10", "bfloat_tensor_ops": False}],
+                         ids=["simdgroup", "tensor-gemms-simdgroup-attention"])
+def test_prefill_hazards_with_shuffled_stages(demo_path, family):
     """Random order of the dispatches within each barrier stage and of threadgroups and
-    threads, every dispatch's writes checked against its declared ranges: same logits."""
+    threads, every dispatch's writes checked against its declared ranges: same logits. Also
+    with the tensor-op GEMMs and the simdgroup attention (a device without bfloat tensor ops),
+    whose q scratch is the simdgroup attention's fp32."""
     opts = {"prefill_chunk": 7,
-            "device_options": {"order": "random", "thread_order": "random", "seed": 5, "verify_writes": True}}
+            "device_options": {"order": "random", "thread_order": "random", "seed": 5, "verify_writes": True, **family}}
     shuffled = Engine.load(demo_path, device="sim", max_context=32, device_options=opts)
-    plain = Engine.load(demo_path, device="sim", max_context=32, device_options={"prefill_chunk": 7})
+    plain = Engine.load(demo_path, device="sim", max_context=32,
+                        device_options={"prefill_chunk": 7, "device_options": family})
     ids = plain.tokenizer.encode(TEXT)[:16]
     np.testing.assert_allclose(shuffled.prefill(ids, all_logits=True), plain.prefill(ids, all_logits=True),
                                rtol=1e-5, atol=1e-5)
@@ -383,9 +388,16 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     path; the attention is not (bf16 operands on the tensor path, half on the simdgroup path:
     tests/kernels/test_attention_prefill.py), so the two paths' logits agree within 2e-3
     relative per position (measured <= 3.2e-4 on this prompt) but at router near-ties
-    (position 5: 4.7e-3)."""
+    (position 5: 4.7e-3).
+
+    On a device whose tensor ops take no bfloat operands (sim_device(bfloat_tensor_ops=False):
+    MacOSX 26.0's operand table) the GEMMs keep the tensor path and the attention runs the
+    simdgroup kernels: the same logits as the simdgroup path, bit for bit on the simulator
+    (the GEMM twins are), so within the same bound of the tensor path's; gemm_path 'tensor'
+    is accepted there, 'simdgroup' still turns both off."""
     from lily.errors import DeviceError
     m5 = {"gpu_family": "apple10"}
+    m5_half = {"gpu_family": "apple10", "bfloat_tensor_ops": False}
     ids = demo_engine.tokenizer.encode(TEXT)[:20]
     demo_engine.reset()
     want, gap = _reference_with_gaps(demo_engine, ids)
@@ -393,14 +405,23 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     demo_engine.reset()
     tensor = Engine.load(demo_path, device="sim", max_context=64,
                          device_options={"prefill_chunk": 8, "device_options": m5})
-    assert tensor.backend.runtime.uses_tensor_ops  # gemm_path "auto"
+    assert tensor.backend.runtime.uses_tensor_ops and tensor.backend.runtime.uses_tensor_attention  # "auto"
     simd = Engine.load(demo_path, device="sim", max_context=64,
                        device_options={"prefill_chunk": 8, "gemm_path": "simdgroup", "device_options": m5})
-    assert not simd.backend.runtime.uses_tensor_ops
-    lt = tensor.prefill(ids, all_logits=True)
+    assert not simd.backend.runtime.uses_tensor_ops and not simd.backend.runtime.uses_tensor_attention
+    mixed = Engine.load(demo_path, device="sim", max_context=64,
+                        device_options={"prefill_chunk": 8, "gemm_path": "tensor", "device_options": m5_half})
+    assert mixed.backend.runtime.uses_tensor_ops and not mixed.backend.runtime.uses_tensor_attention
+    lt, ls, lm = (e.prefill(ids, all_logits=True) for e in (tensor, simd, mixed))
     _check(lt, want, "tensor-op path", tie)
-    assert (_rel(lt, simd.prefill(ids, all_logits=True))[~paths_tie] < 2e-3).all() and paths_tie.mean() < 0.25
+    _check(lm, want, "tensor-op GEMMs, simdgroup attention", tie)
+    assert (_rel(lt, ls)[~paths_tie] < 2e-3).all() and paths_tie.mean() < 0.25
+    np.testing.assert_array_equal(lm, ls)
+    assert (_rel(lt, lm)[~paths_tie] < 2e-3).all()
+    half_simd = Engine.load(demo_path, device="sim", max_context=64,
+                            device_options={"gemm_path": "simdgroup", "device_options": m5_half})
+    assert not half_simd.backend.runtime.uses_tensor_ops and not half_simd.backend.runtime.uses_tensor_attention
     plain = Engine.load(demo_path, device="sim", max_context=64)  # apple9
-    assert not plain.backend.runtime.uses_tensor_ops
+    assert not plain.backend.runtime.uses_tensor_ops and not plain.backend.runtime.uses_tensor_attention
     with pytest.raises(DeviceError, match="tensor"):
         Engine.load(demo_path, device="sim", max_context=64, device_options={"gemm_path": "tensor"})

@@ -129,7 +129,7 @@ def test_machine_table_has_sources():
     for key, m in perf.MACHINES.items():
         for what in ("cores", "bandwidth", "clock", "f16", "tensor", "threadgroup_memory"):
             assert m.sources.get(what), f"{key}: no source for {what}"
-        assert m.tensor_ops == (m.gpu_family >= 10)
+        assert m.tensor_ops == m.tensor_attention == (m.gpu_family >= 10)
         assert perf.gemm_path(m) == ("tensor" if m.tensor_ops else "simdgroup")
     assert {"m1max", "m3max", "m4max", "m5pro", "m5max"} <= set(perf.MACHINES)
     with pytest.raises(InvalidParameterError, match="unknown machine"):
@@ -224,6 +224,24 @@ def test_prefill_attention_operands():
             assert all(v == 0 for k, v in f.items() if k not in (mm, "alu_f32", "alu_f16")), f
             assert exact <= f[mm] <= 1.05 * exact
             assert f["alu_f16"] == pytest.approx(f16 * f[mm], rel=1e-12)
+
+
+def test_prefill_paths_follow_their_own_tensor_rates():
+    """The GEMMs' path follows the half tensor rate, the attention's the bfloat one: a machine
+    without bfloat tensor ops (an M5 under a tensor library without bfloat operands) is
+    estimated with the tensor-op GEMMs and the simdgroup attention (its fp32 q)."""
+    import dataclasses
+    m5 = perf.machine("m5max")
+    half_only = dataclasses.replace(m5, rates={k: v for k, v in m5.rates.items() if k != "tensor_bf16"})
+    assert (half_only.tensor_ops, half_only.tensor_attention) == (True, False)
+    assert perf.gemm_path(half_only) == "tensor"
+    kernels = {r["kernel"] for r in count_prefill_chunk(CFG, 512, 0, gemm_path="tensor",
+                                                        tensor_attention=False)["records"]}
+    assert "attn_prefill_d256_g8" in kernels and "attn_prefill_prep_d256" in kernels
+    assert not {k for k in kernels if k.startswith("attn_prefill") and k.endswith(("_tensor", "_qbf"))}
+    assert "gemm_q4_tensor" in kernels and "gemm_q4" not in kernels
+    t = perf.prefill(half_only, CFG, 512, 512)
+    assert 0 < perf.prefill(m5, CFG, 512, 512).seconds < t.seconds
 
 
 def test_prefill_attention_tensor_geometry():

@@ -155,6 +155,8 @@ def test_fit_refuses_what_is_not_a_metal_run(measured):
     refused({**measured, "lengths": []}, "no length")
     refused({**measured, "machine": {**measured["machine"], "gemm_path": "tensor"}}, "not a path",
             machine_key="m3max")
+    refused({**measured, "machine": {**measured["machine"], "gemm_path": "simdgroup", "attention_path": "tensor"}},
+            "attention_path 'tensor' is not a path")
     # an unknown chip is fine once the machine is named
     m, _ = perf.fit({**measured, "lengths": measured["lengths"][:1],
                      "machine": {**measured["machine"], "chip": "Apple M5 Ultra"}}, machine_key="m5max")

@@ -20,9 +20,13 @@ a Mac). Never commit SDK files.
    element types metal/*_tensor.metal and *_tensor.h use against the types Apple's header maps (bfloat
    only under __HAVE_BFLOAT__). Each matmul2d run() of the shipped kernels is read as an
    (A, B, C) combination (element types, address spaces) and checked against the operand
-   table in Apple's header comment; one the table lacks passes only if the load-time
-   pipeline tensor_ops_probe (gemm_tensor.metal) runs the same combination, so that an OS
-   without it falls back to the simdgroup_matrix kernels instead of failing.
+   table in Apple's header comment; one the table lacks passes only if the load-time probe
+   pipeline that guards it runs the same combination, so that an OS without it falls back
+   to the simdgroup_matrix kernels instead of failing: tensor_ops_probe (gemm_tensor.metal)
+   guards the GEMMs and must run every combination without bfloat and none with it,
+   tensor_ops_probe_bfloat (attention_prefill_tensor.metal) guards the attention and runs
+   the bfloat ones (MacOSX 26.0's table lists half x half only, 26.1's bfloat x bfloat too:
+   run the check against each to see which combinations each lists).
 3. --compile (needs --sdk12 and a complete Metal.framework in the overlay): assembles the
    overlay on top of the macOS 12 SDK and runs tools/check_objc.sh on the result with
    deprecations as errors.
@@ -302,7 +306,16 @@ def _member_template(text: str, member: str) -> list[str]:
 
 ELEMENT_TYPES = {"half", "float", "bfloat", "int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t"}
 _ELEM = r"(device|threadgroup|thread)\s+(?:const\s+)?(\w+)"
-PROBE = "tensor_ops_probe"  # gemm_tensor.metal: the load-time pipeline that tries every operand kind
+# The load-time probe pipelines (csrc/gpu/metal/metal_device.mm) -> what falls back to
+# simdgroup_matrix when one does not build: each guards the combinations of its operand kind.
+PROBES = {"tensor_ops_probe": "every tensor kernel",            # gemm_tensor.metal: half operands
+          "tensor_ops_probe_bfloat": "the prefill attention"}   # attention_prefill_tensor.metal
+
+
+def guarding_probe(combo: tuple[str, ...]) -> str:
+    """The probe that must run a combination the table lacks: bfloat operands take only the
+    attention off the tensor path, anything else every tensor kernel."""
+    return "tensor_ops_probe_bfloat" if "bfloat" in combo[0:4:2] else "tensor_ops_probe"
 
 
 def _tensor_names(texts: list[str]) -> dict[str, tuple[str, str]]:
@@ -346,19 +359,25 @@ def _operand(text: str, var: str, at: int, names: dict[str, tuple[str, str]], de
 
 def operand_combinations(files: list[Path]) -> list[tuple[tuple[str, ...], str]]:
     """((A, A space, B, B space, C, C space or 'cooperative'), where) of every matmul2d run()
-    call in files; `where` is file:line, with the kernel tensor_ops_probe marked."""
+    call in files; `where` is file:line, with a probe kernel (PROBES) marked: "(name)"."""
     texts = {f: strip_comments(f.read_text(encoding="utf-8")) for f in files}
     names = _tensor_names(list(texts.values()))
     out = []
     for f, t in texts.items():
-        probe = re.search(r"\bkernel\s+void\s+" + PROBE + r"\b", t)
+        probes = [(p, m.start(), _function_end(t, m.start())) for p in PROBES
+                  if (m := re.search(r"\bkernel\s+void\s+" + p + r"\b", t))]
         for m in re.finditer(r"\b\w+\s*\.\s*run\s*\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)", t):
             ops = [_operand(t, v, m.start(), names) for v in m.groups()]
             where = f"{f.name}:{t.count(chr(10), 0, m.start()) + 1}"
-            if probe and probe.start() < m.start() and _function_end(t, probe.start()) > m.start():
-                where += f" ({PROBE})"
+            where += "".join(f" ({p})" for p, a, b in probes if a < m.start() < b)
             out.append((tuple(x for op in ops for x in op), where))
     return out
+
+
+def probe_of(where: str) -> str | None:
+    """The probe kernel an operand_combinations `where` is in, if any."""
+    m = re.search(r"\((\w+)\)$", where)
+    return m.group(1) if m and m.group(1) in PROBES else None
 
 
 def _function_end(text: str, start: int) -> int:
@@ -437,27 +456,34 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
     floating = sorted((a, b, c) for a, b, c in table if a in ("half", "float", "bfloat") or b in ("half", "float", "bfloat"))
     print("  floating operand rows of the header comment's table (A x B -> C): "
           + (", ".join(f"{a} x {b} -> {c}" for a, b, c in floating) or "none"))
-    # the (A, B, C) combinations the shipped kernels run, against the table and the probe
+    # the (A, B, C) combinations the shipped kernels run, against the table and the probes
     combos = operand_combinations(shipped)
-    probe = {c for c, where in combos if PROBE in where}
+    probed = {p: {c for c, where in combos if probe_of(where) == p} for p in PROBES}
     by_combo: dict[tuple[str, ...], list[str]] = {}
     for c, where in combos:
-        if PROBE not in where:
+        if probe_of(where) is None:
             by_combo.setdefault(c, []).append(where)
     print("  operand combinations of the shipped tensor kernels (A x B -> C, address spaces):")
     for c, wheres in sorted(by_combo.items()):
         listed = (c[0], c[2], c[4]) in table
-        covered = c in probe
+        guard = guarding_probe(c)
+        covered = c in probed[guard]
         unresolved = "?" in c or not {c[0], c[2], c[4]} <= ELEMENT_TYPES
         status = ("UNRESOLVED (the check cannot read these operands' types)" if unresolved
-                  else "in the table" if listed
-                  else f"NOT in the table; {PROBE} runs it, so an OS without it falls back" if covered
-                  else f"NOT in the table and NOT run by {PROBE}")
+                  else f"in the table (guarded by {guard})" if listed
+                  else f"NOT in the table; {guard} runs it, so on an OS without it {PROBES[guard]} falls back"
+                  if covered else f"NOT in the table and NOT run by {guard}")
         ok &= not unresolved and (listed or covered)
         print(f"    {_combo_text(c)}: {status} [{', '.join(wheres)}]")
-    not_probed = sorted(set(by_combo) - probe)
-    if not_probed:  # harmless where the table lists them; tests/test_check_sdk26.py requires none
-        print(f"  note: {PROBE} does not run " + "; ".join(_combo_text(c) for c in not_probed))
+    for p in PROBES:
+        missing = sorted(c for c in by_combo if guarding_probe(c) == p and c not in probed[p])
+        if missing:  # harmless where the table lists them; tests/test_check_sdk26.py requires none
+            print(f"  note: {p} does not run " + "; ".join(_combo_text(c) for c in missing))
+    wrong = sorted((p, c) for p in PROBES for c in probed[p] if guarding_probe(c) != p)
+    for p, c in wrong:  # e.g. a bfloat operation in the GEMMs' probe: no bfloat would cost the GEMMs
+        ok = False
+        print(f"  {p} runs {_combo_text(c)}, which {guarding_probe(c)} guards: an OS without it would take "
+              f"{PROBES[p]} off the tensor path")
     if selftest:  # never shipped: its compile check is skipped, with a notice, if the SDK rejects it
         trip = {(c[0], c[2], c[4]) for c, _ in operand_combinations(selftest)}
         for f in selftest:

@@ -346,6 +346,15 @@ class Device {
   virtual bool supports_tensor_ops() const = 0;
   // Why supports_tensor_ops() is false, for messages and benchmarks ("" when it is true).
   virtual std::string tensor_ops_status() const = 0;
+  // Whether the tensor-op kernels with bfloat operands (the prefill attention's,
+  // metal/attention_prefill_tensor.metal) can be used too: supports_tensor_ops() and the
+  // system's tensor-op library takes bfloat operands (MacOSX 26.1's operand table lists
+  // them, 26.0's does not). When only this is false, prefill keeps the tensor-op GEMMs and
+  // runs the simdgroup_matrix attention.
+  virtual bool supports_bfloat_tensor_ops() const = 0;
+  // Why supports_bfloat_tensor_ops() is false ("" when it is true; tensor_ops_status() when
+  // supports_tensor_ops() is false).
+  virtual std::string bfloat_tensor_ops_status() const = 0;
   // Bytes of the buffers this device allocated with new_buffer that are still alive (no-copy
   // wrappers and file mappings are not counted); on Metal, MTLDevice.currentAllocatedSize.
   virtual uint64_t allocated_bytes() const = 0;

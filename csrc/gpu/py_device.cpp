@@ -281,6 +281,10 @@ void bind_device(nb::module_& m) {
                    "Whether the Metal 4 tensor-op kernels (metal/*_tensor.metal) can be used on this device.")
       .def_prop_ro("tensor_ops_status", &Device::tensor_ops_status,
                    "Why supports_tensor_ops is False ('' when it is True).")
+      .def_prop_ro("supports_bfloat_tensor_ops", &Device::supports_bfloat_tensor_ops,
+                   "Whether the tensor-op kernels with bfloat operands (the prefill attention's) can be used too.")
+      .def_prop_ro("bfloat_tensor_ops_status", &Device::bfloat_tensor_ops_status,
+                   "Why supports_bfloat_tensor_ops is False ('' when it is True).")
       .def("pipeline_info",
            [](Device& d, const std::string& name) {
              const Pipeline& p = d.pipeline(name);
@@ -325,8 +329,9 @@ void bind_device(nb::module_& m) {
   m.def("sim_device",
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
            bool verify_writes, bool verify_reads, const std::string& gpu_family, uint64_t working_set_bytes,
-           uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit) {
+           uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit, bool bfloat_tensor_ops) {
           sim::SimOptions o;
+          o.bfloat_tensor_ops = bfloat_tensor_ops;
           o.pipeline_thread_limit = pipeline_thread_limit;
           o.working_set_bytes = working_set_bytes;
           o.max_buffer_bytes = max_buffer_bytes;
@@ -348,11 +353,13 @@ void bind_device(nb::module_& m) {
         },
         "record_only"_a = false, "order"_a = "forward", "thread_order"_a = "forward", "seed"_a = 0, "poison"_a = true,
         "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9", "working_set_bytes"_a = 0,
-        "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0,
+        "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0, "bfloat_tensor_ops"_a = true,
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
         "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
-        "tensor-op kernels (metal/*_tensor.metal), as an M5 does. working_set_bytes / max_buffer_bytes:\n"
-        "the memory budget it reports (Device.memory_limits; 0 = none), as a Mac's GPU does.\n"
+        "tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out\n"
+        "those with bfloat operands (the prefill attention's), as a tensor library without them.\n"
+        "working_set_bytes / max_buffer_bytes: the memory budget it reports (Device.memory_limits;\n"
+        "0 = none), as a Mac's GPU does.\n"
         "pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as\n"
         "register pressure may on a Mac (0 = none).");
 #endif

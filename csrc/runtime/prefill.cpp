@@ -212,11 +212,13 @@ void Runtime::resolve_prefill_kernels() {
   k.gdn_norm_scale = &dev.pipeline("gdn_norm_scale_v" + std::to_string(d.linear_value_head_dim) + "_r" +
                                     std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
-  // the tensor-op attention reads q as bfloat * scale in its own layout (attn_prefill_prep_d<D>_qbf)
-  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_ops_ ? "_qbf" : ""));
-  k.attn = &dev.pipeline("attn_prefill" + attn_suffix + path);  // path: attention_prefill_tensor.metal
+  // the tensor-op attention (its own switch: bfloat operands) reads q as bfloat * scale in
+  // its own layout (attn_prefill_prep_d<D>_qbf)
+  const std::string attn_path = tensor_attention_ ? "_tensor" : "";
+  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_attention_ ? "_qbf" : ""));
+  k.attn = &dev.pipeline("attn_prefill" + attn_suffix + attn_path);  // attention_prefill_tensor.metal
   if (chunk_bufs_.attn_splits) {
-    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + path);
+    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + attn_path);
     k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
   }
   k.route_clear = &dev.pipeline("moe_route_clear");
@@ -354,7 +356,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const size_t q_bytes = size_t(M) * Hq * D * (tensor_ops_ ? 2 : f);  // bfloat q on the tensor path
+      const size_t q_bytes = size_t(M) * Hq * D * (tensor_attention_ ? 2 : f);  // bfloat q: the tensor attention
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))

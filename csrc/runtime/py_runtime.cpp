@@ -195,6 +195,7 @@ void bind_runtime(nb::module_& m) {
                    "Device seconds of the work whose results the host has taken since construction "
                    "(prefill chunks, forward passes, generation steps whose token next() returned): a "
                    "total, take differences.")
+      .def_prop_ro("uses_tensor_attention", &Runtime::uses_tensor_attention)
       .def_prop_ro("memory_use", [](const Runtime& r) {
         const MemoryUse& u = r.memory_use();
         nb::dict d;

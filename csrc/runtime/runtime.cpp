@@ -93,6 +93,9 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                 (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
   if (tensor_ops_ && !device_->supports_tensor_ops())
     throw std::invalid_argument("gemm_path 'tensor': " + device_->tensor_ops_status());
+  // The prefill attention follows them where the device also takes bfloat tensor operands;
+  // otherwise it runs simdgroup_matrix (Device::bfloat_tensor_ops_status says why).
+  tensor_attention_ = tensor_ops_ && device_->supports_bfloat_tensor_ops();
   reset();
   preflight();
 }

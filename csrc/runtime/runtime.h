@@ -258,7 +258,11 @@ class Runtime {
   // steps once next() returned their token (not the speculative step finish() drops). A
   // total: the engine takes differences at the first token and at the end of a generation.
   double gpu_seconds() const { return gpu_seconds_; }
+  // Whether prefill's GEMMs (dense and expert) run the Metal 4 tensor-op kernels.
   bool uses_tensor_ops() const { return tensor_ops_; }
+  // Whether prefill's attention runs them too (bfloat operands: only with uses_tensor_ops()
+  // and Device::supports_bfloat_tensor_ops()).
+  bool uses_tensor_attention() const { return tensor_attention_; }
   // Bytes of the prefill scratch buffers (sized for one chunk; independent of prompt length).
   uint64_t prefill_scratch_bytes() const { return chunk_bytes_; }
   // Assignments per expert of layer `layer` in the last completed prefill chunk [E].
@@ -360,7 +364,8 @@ class Runtime {
   // activations, routing, and per layer the expert histograms [2][E] of the last chunks
   uint32_t chunk_ = 0;
   uint64_t chunk_bytes_ = 0;
-  bool tensor_ops_ = false;
+  bool tensor_ops_ = false;         // the GEMMs' path (half tensor operands)
+  bool tensor_attention_ = false;  // the attention's path (bfloat tensor operands)
   struct ChunkBuffers {
     gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, qg, k, v, q, attn, router, ids, w,
         block_counts, perm, tiles, tile_count, hx, yx, hs, part_ml, part_o, logits;

@@ -130,6 +130,16 @@ class Device:
     def tensor_ops_status(self) -> str:
         """Why supports_tensor_ops is False ('' when it is True)."""
 
+    @property
+    def supports_bfloat_tensor_ops(self) -> bool:
+        """
+        Whether the tensor-op kernels with bfloat operands (the prefill attention's) can be used too.
+        """
+
+    @property
+    def bfloat_tensor_ops_status(self) -> str:
+        """Why supports_bfloat_tensor_ops is False ('' when it is True)."""
+
     def pipeline_info(self, name: str) -> dict:
         """
         Builds kernel `name`'s pipeline: its maxTotalThreadsPerThreadgroup (on the simulator the
@@ -151,12 +161,14 @@ class Device:
         CommandBuffer.dispatch_log reads (the scalar counters are always kept).
         """
 
-def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0) -> Device:
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True) -> Device:
     """
     The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
     gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
-    tensor-op kernels (metal/*_tensor.metal), as an M5 does. working_set_bytes / max_buffer_bytes:
-    the memory budget it reports (Device.memory_limits; 0 = none), as a Mac's GPU does.
+    tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out
+    those with bfloat operands (the prefill attention's), as a tensor library without them.
+    working_set_bytes / max_buffer_bytes: the memory budget it reports (Device.memory_limits;
+    0 = none), as a Mac's GPU does.
     pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as
     register pressure may on a Mac (0 = none).
     """
@@ -487,6 +499,9 @@ class Runtime:
         """
         Device seconds of the work whose results the host has taken since construction (prefill chunks, forward passes, generation steps whose token next() returned): a total, take differences.
         """
+
+    @property
+    def uses_tensor_attention(self) -> bool: ...
 
     @property
     def memory_use(self) -> dict:

@@ -368,8 +368,9 @@ def format_report(rep: dict) -> str:
 def machine_info(engine=None) -> dict:
     """What the run ran on, for the report: ``chip`` (macOS: machdep.cpu.brand_string, Linux:
     /proc/cpuinfo's model name), ``arch``, ``memory_bytes`` (total RAM), ``os`` (with version);
-    with a native ``engine`` also ``gpu_family`` and ``tensor_ops`` of its device and the
-    plan it runs: ``prefill_chunk`` (rows, as chosen at load) and ``gemm_path``.
+    with a native ``engine`` also ``gpu_family``, ``tensor_ops`` and ``bfloat_tensor_ops`` of
+    its device and the plan it runs: ``prefill_chunk`` (rows, as chosen at load),
+    ``gemm_path`` and ``attention_path`` (prefill's GEMMs and attention: "tensor" or "simdgroup").
     The facts come from :func:`lily.doctor.system_info` (one place)."""
     from lily.doctor import system_info
     sysi = system_info()
@@ -377,10 +378,12 @@ def machine_info(engine=None) -> dict:
     dev = getattr(getattr(engine, "backend", None), "device", None)
     if dev is not None and hasattr(dev, "gpu_family"):
         info.update(device=engine.device, device_name=dev.name, gpu_family=dev.gpu_family,
-                    tensor_ops=bool(dev.supports_tensor_ops), prefill_chunk=engine.prefill_chunk)
+                    tensor_ops=bool(dev.supports_tensor_ops), bfloat_tensor_ops=bool(dev.supports_bfloat_tensor_ops),
+                    prefill_chunk=engine.prefill_chunk)
         runtime = getattr(engine.backend, "runtime", None)
         if runtime is not None:
             info["gemm_path"] = "tensor" if runtime.uses_tensor_ops else "simdgroup"
+            info["attention_path"] = "tensor" if runtime.uses_tensor_attention else "simdgroup"
     elif engine is not None:
         info["device"] = engine.device
     return info

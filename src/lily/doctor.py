@@ -199,12 +199,19 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
                 say("  " + METAL_BUILD_FIX)
         report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
                                  "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
-                                 "tensor_ops_status": dev.tensor_ops_status})
+                                 "tensor_ops_status": dev.tensor_ops_status,
+                                 "bfloat_tensor_ops": dev.supports_bfloat_tensor_ops,
+                                 "bfloat_tensor_ops_status": dev.bfloat_tensor_ops_status})
         where = "lily.metallib loaded" if name == "metal" else "kernels compiled into the simulator"
         say(f"  {'device':<15} {_device_line(name, dev)}")
         say(f"  {'library':<15} {where}: {len(names)} kernels")
         loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
         say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
+        if dev.supports_tensor_ops:  # the prefill attention's (bfloat operands); the GEMMs' are the line above
+            say(f"  {'tensor bfloat':<15} " + ("yes (the prefill attention uses tensor ops too)"
+                                               if dev.supports_bfloat_tensor_ops else
+                                               f"no: {dev.bfloat_tensor_ops_status}; the prefill attention runs "
+                                               "simdgroup_matrix, the GEMMs keep tensor ops"))
         pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
         if name == "sim":  # the simulator does not measure threadgroup memory: unknown, not 0
             for p in pipes:
@@ -272,7 +279,9 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"device {name}: FAILED to open: {err}")
     else:
         say(f"device {_device_line(name, dev)} | tensor ops: "
-            f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}")
+            f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}"
+            + (f" | tensor bfloat: {dev.bfloat_tensor_ops_status}"
+               if dev.supports_tensor_ops and not dev.supports_bfloat_tensor_ops else ""))
     if "error" in mem:
         say(f"memory: FAILED: {_short(mem['error'])}")
     else:

@@ -247,7 +247,8 @@ class Engine:
             Native devices only: ``prefill_chunk`` (tokens per prefill chunk; scratch memory
             is sized for one chunk; default 0: automatic, the first of 4096, 2048, 1024, 512,
             capped at ``max_context``, whose memory fits the device), ``gemm_path`` (``"auto"``,
-            ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels), ``split_threshold``
+            ``"simdgroup"`` or ``"tensor"``: the prefill GEMM kernels; the attention follows
+            them onto tensor ops where the device takes bfloat tensor operands), ``split_threshold``
             (context above which decode attention splits the KV rows across threadgroups,
             default 256), ``split_block`` (rows per split block, default 0: chosen by
             context), ``weight_cache`` (``True``: map unaligned checkpoint files

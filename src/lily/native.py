@@ -86,7 +86,7 @@ def reject_unknown_options(options, known, what: str) -> None:
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
                "verify_reads", "gpu_family", "working_set_bytes",
-               "max_buffer_bytes", "pipeline_thread_limit")  # lily._core.sim_device's keywords
+               "max_buffer_bytes", "pipeline_thread_limit", "bfloat_tensor_ops")  # lily._core.sim_device's keywords
 
 
 def make_device(name: str, **options):
@@ -241,12 +241,12 @@ def memory_plan(ck: Checkpoint, max_context: int, working_set: int = 0) -> dict:
 
 
 def _record_only_runtime(config: ModelConfig, tensors, max_context: int, *, gpu_family: str | None = None,
-                         working_set_bytes: int = 0, **options):
+                         working_set_bytes: int = 0, bfloat_tensor_ops: bool = True, **options):
     """A runtime of ``config`` over ``tensors`` (virtual weights: nothing is read) on a
-    record-only simulator of ``gpu_family`` with a ``working_set_bytes`` budget; ``options``:
-    :func:`runtime_options`'."""
+    record-only simulator of ``gpu_family`` with a ``working_set_bytes`` budget (and
+    ``bfloat_tensor_ops``, see ``sim_device``); ``options``: :func:`runtime_options`'."""
     from lily import _core
-    dev = make_device("sim", record_only=True, working_set_bytes=working_set_bytes,
+    dev = make_device("sim", record_only=True, working_set_bytes=working_set_bytes, bfloat_tensor_ops=bfloat_tensor_ops,
                       **({"gpu_family": gpu_family} if gpu_family else {}))
     return _core.Runtime(dev, model_dims(config), tensors, runtime_options(max_context, virtual_weights=True, **options))
 
@@ -300,11 +300,14 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
 
 def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,
                         router_bits: int = 8, split_threshold: int | None = None,
-                        gemm_path: str = "simdgroup") -> dict:
+                        gemm_path: str = "simdgroup", tensor_attention: bool = True) -> dict:
     """Simulator counters of one prefill chunk of ``rows`` tokens starting at ``position``
     (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
-    counts on a simulator of an apple10 (M5) GPU, the family that has them."""
+    counts on a simulator of an apple10 (M5) GPU, the family that has them; there
+    ``tensor_attention=False`` counts a system whose tensor ops take no bfloat operands (the
+    attention on simdgroup_matrix)."""
     extra = {} if split_threshold is None else {"split_threshold": split_threshold}
     rt = _counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
-                           gpu_family="apple10" if gemm_path == "tensor" else None, **extra)
+                           gpu_family="apple10" if gemm_path == "tensor" else None,
+                           bfloat_tensor_ops=tensor_attention, **extra)
     return rt.count_chunk(position, rows)

@@ -104,7 +104,13 @@ class Machine:
 
     @property
     def tensor_ops(self) -> bool:
-        return "tensor_bf16" in self.rates
+        """The prefill GEMMs' tensor-op path (half operands)."""
+        return "tensor_f16" in self.rates
+
+    @property
+    def tensor_attention(self) -> bool:
+        """The prefill attention's tensor-op path (bfloat operands; needs the GEMMs' too)."""
+        return self.tensor_ops and "tensor_bf16" in self.rates
 
 
 def _alu(cores: int, ghz: float, lanes: int = 128) -> float:
@@ -275,6 +281,11 @@ def gemm_path(m: Machine) -> str:
     return "tensor" if m.tensor_ops else "simdgroup"
 
 
+def attention_path(m: Machine) -> str:
+    """Prefill attention's kernels on ``m``: the tensor-op twins where bfloat tensor ops exist."""
+    return "tensor" if m.tensor_attention else "simdgroup"
+
+
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     """Estimated time of one decode step at ``context`` tokens already in the cache."""
     from lily.native import count_decode_step
@@ -288,13 +299,15 @@ def _calibration_key(m: Machine) -> tuple:
     return (m.key, m.stage_gap, m.bandwidth_efficiency, tuple(sorted(m.path_efficiency.items())))
 
 
-def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict, path: str) -> Timing:
+def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict, path: str,
+           attention: str) -> Timing:
     # the records depend on the plan only, their timing on the machine and its calibration
-    rkey = (p0, rows, path)
+    rkey = (p0, rows, path, attention)
     records = cache.setdefault("records", {})
     if rkey not in records:
         from lily.native import count_prefill_chunk
-        records[rkey] = count_prefill_chunk(cfg, rows, p0, gemm_path=path)["records"]
+        records[rkey] = count_prefill_chunk(cfg, rows, p0, gemm_path=path,
+                                            tensor_attention=attention == "tensor")["records"]
     timings = cache.setdefault("timings", {})
     tkey = (_calibration_key(m), rkey, head)
     if tkey not in timings:
@@ -303,14 +316,16 @@ def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: 
 
 
 def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict | None = None,
-            path: str | None = None) -> Timing:
+            path: str | None = None, attention: str | None = None) -> Timing:
     """Estimated time to the first token of a ``prompt``-token prompt run as ``chunk``-row
-    chunks (the last with lm_head) on GEMM ``path`` (default :func:`gemm_path`). Full chunks
+    chunks (the last with lm_head) on GEMM ``path`` and ``attention`` path (defaults
+    :func:`gemm_path`, :func:`attention_path`). Full chunks
     are encoded at a geometric sample of start positions and interpolated linearly in
     between (their cost is linear in the start position within a code path;
     docs/performance.md). ``cache`` (a dict) keeps encoded chunks across calls."""
     cache = {} if cache is None else cache
     path = path or gemm_path(m)
+    attention = attention or attention_path(m)
     total = Timing()
     starts = list(range(0, prompt, chunk))
     full = starts[:-1]  # every chunk but the last is full and has no head
@@ -318,15 +333,15 @@ def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict |
     samples = sorted({p for p in full if p < 8 * chunk or p in sampled} | set(full[-1:]))
     for p in full:
         if p in samples:
-            total.add(_chunk(m, cfg, p, chunk, False, cache, path))
+            total.add(_chunk(m, cfg, p, chunk, False, cache, path, attention))
             continue
         i = bisect.bisect(samples, p)
         lo, hi = samples[i - 1], samples[i]
         a = (p - lo) / (hi - lo)
-        total.add(_chunk(m, cfg, lo, chunk, False, cache, path), 1 - a)
-        total.add(_chunk(m, cfg, hi, chunk, False, cache, path), a)
+        total.add(_chunk(m, cfg, lo, chunk, False, cache, path, attention), 1 - a)
+        total.add(_chunk(m, cfg, hi, chunk, False, cache, path, attention), a)
     last = starts[-1]
-    total.add(_chunk(m, cfg, last, prompt - last, True, cache, path))
+    total.add(_chunk(m, cfg, last, prompt - last, True, cache, path, attention))
     return total
 
 
@@ -408,7 +423,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                     "tflops": {k: v / 1e12 for k, v in m.rates.items()},
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
                     "gpu_family": m.gpu_family, "sources": m.sources},
-        "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m)},
+        "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
+                 "attention_path": attention_path(m)},
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
                         "saturation_threads": SATURATION_THREADS, "stage_gap_us": m.stage_gap * 1e6,
                         "fitted_from": m.fitted_from,
@@ -429,7 +445,7 @@ def format_report(rep: dict) -> str:
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
               f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
-              f"GEMM path {rep['plan']['gemm_path']}")]
+              f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}")]
     c = rep["calibration"]
     if c.get("fitted_from"):
         lines.append(f"calibration fitted to {c['fitted_from']}: bandwidth efficiency "
@@ -558,6 +574,10 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     path = info.get("gemm_path") or gemm_path(m0)
     if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
         raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
+    attention = info.get("attention_path") or (attention_path(m0) if path == "tensor" else "simdgroup")
+    if attention not in MATRIX_PATHS or (attention == "tensor" and (path != "tensor" or not m0.tensor_attention)):
+        raise InvalidParameterError(f"{source}: attention_path {attention!r} is not a path of {m0.name} with "
+                                    f"gemm_path {path!r}")
     decode, dev_decode = _bench_lengths(bench, "decode")
     pre, dev_prefill = _bench_lengths(bench, "prefill")
     decode = [r for r in decode if r[0] + steps < limit]
@@ -608,7 +628,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}})
 
     def prefill_err(m: Machine) -> list:
-        return [(L / prefill(m, cfg, L, chunk, cache, path).seconds - t) / t for L, t, _ in pre]
+        return [(L / prefill(m, cfg, L, chunk, cache, path, attention).seconds - t) / t for L, t, _ in pre]
 
     x = m1.path_efficiency[paths[0]]
     if pre:
@@ -624,7 +644,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
                  "fitted_model_tok_s": rate(fitted, L)} for L, t, w in pairs]
 
     dec_rows = rows_for(decode, lambda m, L: 1 / time_records(m, recs[ctx[L]]).seconds)
-    pre_rows = rows_for(pre, lambda m, L: L / prefill(m, cfg, L, chunk, cache, path).seconds)
+    pre_rows = rows_for(pre, lambda m, L: L / prefill(m, cfg, L, chunk, cache, path, attention).seconds)
     for r in dec_rows:
         r["context"] = ctx[r["prompt_tokens"]]
 
@@ -633,7 +653,8 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
 
     return fitted, {
         "estimate": True, "notice": NOTICE, "source": source, "machine": {"key": fitted.key, "name": fitted.name},
-        "chip": info.get("chip"), "plan": {"prefill_chunk": chunk, "gemm_path": path, "decode_steps": steps},
+        "chip": info.get("chip"), "plan": {"prefill_chunk": chunk, "gemm_path": path, "attention_path": attention,
+                                           "decode_steps": steps},
         "constants": {
             "bandwidth_efficiency": {"published": m0.bandwidth_efficiency, "fitted": eff},
             "stage_gap_us": {"published": m0.stage_gap * 1e6, "fitted": gap * 1e6},

@@ -269,19 +269,31 @@ def test_tensor_kernels_only_on_apple10(fwd):
         assert d9.has_kernel(name[:-len("_tensor")]) == ("_t128" not in name), name
 
 
-def test_probe_kernel(fwd):
-    """The start-up probe runs each kind of tensor operation of the kernels (the GEMMs' half
-    tiles, the attention's bfloat QK^T from device memory and PV from threadgroup tiles),
-    each exactly as the simulator's sequential fp32 model of its operands."""
+def test_probe_kernels(fwd):
+    """The start-up probes run each kind of tensor operation of the kernels, each exactly as
+    the simulator's sequential fp32 model of its operands: tensor_ops_probe the GEMMs' half
+    tiles, tensor_ops_probe_bfloat the attention's bfloat QK^T from device memory and PV from
+    threadgroup tiles."""
     x = fresh_rng(17).standard_normal((64, GEMM_BK), dtype=np.float32)
     bits = to_bf16_bits(x)
     xb = bf16_to_f32(bits)
     X, XB = upload(fwd, x), upload(fwd, bits)
     O, QK, PV = (fwd.buffer(32 * 64 * 4) for _ in range(3))
-    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O, XB, QK, PV], None, reads=[X, XB], writes=[O, QK, PV])
+    dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
     np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], w=half_operand(x)))
+    dispatch(fwd, "tensor_ops_probe_bfloat", 1, 128, [XB, QK, PV], None, reads=[XB], writes=[QK, PV])
     np.testing.assert_array_equal(download(QK, np.float32, (32, 64)), _seq(xb[:32], xb))
     np.testing.assert_array_equal(download(PV, np.float32, (32, 64)), _seq(xb[:32], xb.T))
+
+
+def test_half_only_device_keeps_the_gemm_probe(fwd):
+    """With bfloat tensor ops off (sim_device(bfloat_tensor_ops=False)) the GEMMs' probe and
+    tensor kernels remain; the attention's (bfloat operands) are refused, saying why."""
+    half = sim_device(gpu_family="apple10", bfloat_tensor_ops=False)
+    assert half.has_kernel("tensor_ops_probe") and half.has_kernel("gemm_q4_tensor")
+    assert not half.has_kernel("tensor_ops_probe_bfloat") and fwd.has_kernel("tensor_ops_probe_bfloat")
+    with pytest.raises(ValueError, match="tensor_ops_probe_bfloat.*bfloat operands.*bfloat_tensor_ops=False"):
+        half.pipeline_info("tensor_ops_probe_bfloat")
 
 
 def _seq(a, b):

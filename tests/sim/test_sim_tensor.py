@@ -115,8 +115,31 @@ def test_gpu_family_selects_the_tensor_kernels(monkeypatch):
         assert not sim_device(gpu_family=f).supports_tensor_ops
     with pytest.raises(ValueError, match="gpu_family"):
         sim_device(gpu_family="apple11")
+    assert d10.supports_bfloat_tensor_ops and d10.bfloat_tensor_ops_status == ""
+    assert not d9.supports_bfloat_tensor_ops and d9.bfloat_tensor_ops_status == d9.tensor_ops_status
     monkeypatch.setenv("LILY_DISABLE_TENSOR_OPS", "1")
     assert not d10.supports_tensor_ops and "LILY_DISABLE_TENSOR_OPS" in d10.tensor_ops_status
+    assert not d10.supports_bfloat_tensor_ops and "LILY_DISABLE_TENSOR_OPS" in d10.bfloat_tensor_ops_status
+
+
+def test_half_only_tensor_ops_leave_out_the_bfloat_kernels():
+    """sim_device(bfloat_tensor_ops=False): a system whose tensor ops take half but not bfloat
+    operands. The kernels of a tensor file that declares bfloat tensors (the prefill attention,
+    its probe, the self-tests) are left out and refused at lookup, saying why; the GEMMs' stay."""
+    d = sim_device(gpu_family="apple10", bfloat_tensor_ops=False)
+    full = sim_device(gpu_family="apple10")
+    assert d.supports_tensor_ops and d.tensor_ops_status == ""
+    assert not d.supports_bfloat_tensor_ops and "bfloat_tensor_ops=False" in d.bfloat_tensor_ops_status
+    gone = sorted(set(full.kernel_names()) - set(d.kernel_names()))
+    assert "attn_prefill_d256_g8_tensor" in gone and "tensor_ops_probe_bfloat" in gone
+    assert all(k.startswith(("attn_prefill", "st_tensor_")) or k == "tensor_ops_probe_bfloat" for k in gone), gone
+    assert d.has_kernel("gemm_q4_tensor") and d.has_kernel("moe_gemm_down_q4_t128_tensor")
+    assert d.has_kernel("tensor_ops_probe") and d.has_kernel("attn_prefill_d256_g8")
+    with pytest.raises(ValueError, match=r"attn_prefill_d256_g8_tensor.*attention_prefill_tensor\.metal.*bfloat "
+                                         r"operands.*bfloat_tensor_ops=False"):
+        d.command_buffer().compute_pass().dispatch("attn_prefill_d256_g8_tensor", 1, 256)
+    # without tensor ops at all the option changes nothing
+    assert sim_device(bfloat_tensor_ops=False).tensor_ops_status == sim_device().tensor_ops_status
 
 
 def test_transform_marks_tensor_files(tmp_path):
@@ -132,6 +155,13 @@ def test_transform_marks_tensor_files(tmp_path):
     head = text.split("namespace lily_msl_", 1)[0]
     assert "#include <metal_tensor>" in head and "MetalPerformancePrimitives.h>" in head
     assert re.search(r'Registrar<decltype\(f\)>.*"a_tensor\.metal:4", true\);', text)
+    # a tensor file that names a bfloat tensor type: its kernels register with bfloat operands
+    (tmp_path / "b_tensor.metal").write_text(src.replace("{}", "{ using T = tensor<device const bfloat, "
+                                                         "dextents<int32_t, 2>, tensor_inline>; }"))
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "b_tensor.metal")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r'"b_tensor\.metal:4", true, true\);', (tmp_path / "o" / "b_tensor.metal.cpp").read_text())
     (tmp_path / "plain.metal").write_text(src)
     r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "plain.metal")],
                        capture_output=True, text=True)

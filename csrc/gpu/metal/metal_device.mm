@@ -407,6 +407,10 @@ class MetalDevice : public gpu::Device {
   bool supports_tensor_ops() const override { return tensor_lib_ != nil; }
   uint64_t allocated_bytes() const override { return uint64_t(dev_.currentAllocatedSize); }
   std::string tensor_ops_status() const override { return tensor_status_; }
+  bool supports_bfloat_tensor_ops() const override { return tensor_lib_ != nil && bfloat_status_.empty(); }
+  std::string bfloat_tensor_ops_status() const override {
+    return tensor_lib_ == nil ? tensor_status_ : bfloat_status_;
+  }
 
   BufferPtr new_buffer(size_t bytes) override {
     id<MTLBuffer> b = [dev_ newBufferWithLength:(bytes ? bytes : 1) options:MTLResourceStorageModeShared];
@@ -520,6 +524,8 @@ class MetalDevice : public gpu::Device {
                                                                          error:&err];
     if (!pso) {
       *error = "cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]);
+      if (!bfloat_status_.empty() && [lib_ newFunctionWithName:@(name.c_str())] == nil)
+        *error += " (bfloat tensor operations are unavailable: " + bfloat_status_ + ")";
       return nullptr;
     }
     auto params = buffer_parameters(refl);
@@ -559,10 +565,29 @@ class MetalDevice : public gpu::Device {
     return -1;
   }
 
+  // "" when probe kernel `name` of the tensor library builds, both plain and in the form
+  // the tensor kernels are dispatched with (MetalPipeline::pso_for: the threadgroup shape
+  // required, as macOS 26 asks of cooperative-tensor pipelines; a probe is one threadgroup
+  // of 128 threads); otherwise why not.
+  std::string probe_error(id<MTLLibrary> lib, const char* name, const std::string& path) {
+    NSError* err = nil;
+    id<MTLFunction> probe = [lib newFunctionWithName:@(name)];
+    id<MTLComputePipelineState> pso = probe ? [dev_ newComputePipelineStateWithFunction:probe error:&err] : nil;
+    std::string why = std::string("the probe kernel ") + name + " of " + path + " does not build on this system";
+    if (!pso) return why + (probe ? ": " + to_string([err localizedDescription]) : std::string(" (it is missing)"));
+    std::string sized_error;
+    if (MetalPipeline(name, pso, {}, probe).pso_for(gpu::Size3{128, 1, 1}, &sized_error) == nil)
+      return why + ": " + sized_error;
+    return {};
+  }
+
   // lily_tensor.metallib (metal/*_tensor.metal, built with -std=metal4.0) is loaded only on
-  // apple10-family GPUs under macOS 26, and only if a probe pipeline using every tensor-op
-  // element-type combination of Lily's kernels builds; otherwise tensor_status_ says why and
-  // prefill uses the simdgroup_matrix GEMMs.
+  // apple10-family GPUs under macOS 26, and only if tensor_ops_probe (every tensor
+  // operation of the GEMMs: half operands) builds; otherwise tensor_status_ says why and
+  // prefill uses the simdgroup_matrix kernels. The attention's bfloat operations have their
+  // own probe (tensor_ops_probe_bfloat): a system whose tensor library lacks bfloat operands
+  // (MacOSX 26.0's operand table) keeps the tensor GEMMs, and bfloat_status_ says why the
+  // attention does not use tensor ops.
   void load_tensor_library() {
     const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
     if (family_ < gpu::kTensorOpsFamily) {
@@ -589,24 +614,11 @@ class MetalDevice : public gpu::Device {
         tensor_status_ = "cannot load " + path + ": " + to_string([err localizedDescription]);
         return;
       }
-      id<MTLFunction> probe = [lib newFunctionWithName:@"tensor_ops_probe"];
-      id<MTLComputePipelineState> pso =
-          probe ? [dev_ newComputePipelineStateWithFunction:probe error:&err] : nil;
-      if (!pso) {
-        tensor_status_ = "the tensor-op probe kernel of " + path + " does not build on this system" +
-                         (probe ? ": " + to_string([err localizedDescription]) : std::string(" (it is missing)"));
-        return;
-      }
-      // Also in the form the tensor kernels are dispatched with (MetalPipeline::pso_for: the
-      // threadgroup shape required, as macOS 26 asks of cooperative-tensor pipelines); the
-      // probe's shape is one threadgroup of 128 threads.
-      std::string sized_error;
-      if (MetalPipeline("tensor_ops_probe", pso, {}, probe).pso_for(gpu::Size3{128, 1, 1}, &sized_error) == nil) {
-        tensor_status_ = "the tensor-op probe kernel of " + path + " does not build on this system: " + sized_error;
-        return;
-      }
+      tensor_status_ = probe_error(lib, "tensor_ops_probe", path);
+      if (!tensor_status_.empty()) return;
       tensor_lib_ = lib;
       tensor_path_ = path;
+      bfloat_status_ = probe_error(lib, "tensor_ops_probe_bfloat", path);
     } else {
       tensor_status_ = "Metal 4 tensor operations need macOS 26";
     }
@@ -619,6 +631,7 @@ class MetalDevice : public gpu::Device {
   std::string path_;
   std::string tensor_path_;
   std::string tensor_status_;
+  std::string bfloat_status_;  // why the bfloat tensor kernels are off while tensor_lib_ is loaded
   int family_ = -1;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<MetalPipeline>> cache_;

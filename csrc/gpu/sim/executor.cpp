@@ -422,6 +422,11 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
 }  // namespace
 
 // ------------------------------------------------------------------ runtime API
+const KernelInfo& running_kernel() {
+  Worker& w = worker();
+  return *w.d->kernel;
+}
+
 const ThreadCoords& coords() {
   Worker& w = worker();
   if (!w.cur) throw std::logic_error("lily simulator: no current thread");

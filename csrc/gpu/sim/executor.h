@@ -67,6 +67,9 @@ struct ExecDispatch {
   uint64_t seed = 0;
 };
 
+// The kernel of the running dispatch (valid only while a kernel runs on the executor).
+const KernelInfo& running_kernel();
+
 // Runs every threadgroup of d. Throws lily::gpu::Error naming the kernel, the threadgroup
 // and the thread on a kernel fault, deadlock or divergent collective.
 void execute(const ExecDispatch& d);

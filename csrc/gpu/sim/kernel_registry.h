@@ -58,6 +58,10 @@ struct KernelInfo {
   // in lily_tensor.metallib, so the simulator offers it only when the device's GPU family
   // supports tensor operations (apple10).
   bool tensor_ops = false;
+  // A tensor-op kernel whose file declares bfloat tensors (msl2cpp.py): offered only where
+  // bfloat tensor operations are too (SimOptions::bfloat_tensor_ops). The executor fails any
+  // other kernel that runs a bfloat tensor operation, so the flag cannot silently be wrong.
+  bool tensor_bfloat = false;
   void (*invoke)(void (*fn)(), const KernelInfo& k) = nullptr;
   void (*fn)() = nullptr;
 };
@@ -148,11 +152,12 @@ template <class... Args> struct Registrar<void(Args...)> {
     call(reinterpret_cast<Fn>(fn), k, std::index_sequence_for<Args...>{});
   }
   Registrar(const char* name, Fn f, const ParamAttr* attrs, size_t n, uint32_t max_threads,
-            const char* where, bool tensor_ops = false) {
+            const char* where, bool tensor_ops = false, bool tensor_bfloat = false) {
     KernelInfo k;
     k.name = name;
     k.where = where;
     k.tensor_ops = tensor_ops;
+    k.tensor_bfloat = tensor_bfloat;
     k.max_threads = max_threads;
     k.invoke = &invoke;
     k.fn = reinterpret_cast<void (*)()>(f);

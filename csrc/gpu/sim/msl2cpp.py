@@ -12,7 +12,9 @@ What it rewrites (everything else passes through unchanged, so any MSL construct
   the file's namespace (their shims are csrc/gpu/sim/msl/metal_tensor and
   .../MetalPerformancePrimitives/MetalPerformancePrimitives.h). They are allowed only in
   ``metal/*_tensor.metal`` files (compiled with -std=metal4.0 into lily_tensor.metallib on
-  macOS), whose kernels are registered as tensor-op kernels;
+  macOS), whose kernels are registered as tensor-op kernels, with bfloat operands when the
+  file declares a ``tensor<... bfloat, ...>`` (the simulator checks at run time that no other
+  kernel runs a bfloat tensor operation);
 * address-space qualifiers ``device``/``constant``/``thread`` are dropped (``constant`` at
   the start of a declaration becomes ``const``); ``threadgroup`` is dropped in pointer and
   reference types, casts and template arguments, and a ``threadgroup T name[...];``
@@ -117,10 +119,22 @@ class Transformer:
         self.tensor_file = path.endswith(TENSOR_SUFFIX) or path.endswith(TENSOR_HEADER_SUFFIX)
         self.hoisted = []  # tensor headers to include before the file's namespace
         self.toks = lex(open(path, encoding="utf-8").read())
+        self.tensor_bfloat = self.tensor_file and not is_header and self.declares_bfloat_tensor()
         self.counter = 0
         self.kernels = {}  # name -> dict(template=bool, nparams=int)
         self.kernel_parens = set()  # index of the ')' closing each kernel's parameter list
         self.in_kernel = False  # inside a kernel's body (threadgroup storage is allowed there only)
+
+    def declares_bfloat_tensor(self):
+        """Whether the file names a tensor type of bfloat elements: `tensor` `<` [address
+        space] [const] `bfloat`."""
+        sig = [t.text for t in self.toks if significant(t)]
+        for i, t in enumerate(sig):
+            if t == "tensor" and i + 1 < len(sig) and sig[i + 1] == "<":
+                rest = [x for x in sig[i + 2:i + 5] if x not in ADDRESS_SPACES and x != "const"]
+                if rest and rest[0] == "bfloat":
+                    return True
+        return False
 
     def err(self, tok, msg):
         raise TransformError(f"{self.path}:{tok.line}: error: {msg}")
@@ -771,7 +785,7 @@ class Transformer:
             pass  # defined in an included header: its table is visible there
         n = self.counter
         self.counter += 1
-        tensor = ", true" if self.tensor_file else ""
+        tensor = (", true, true" if self.tensor_bfloat else ", true") if self.tensor_file else ""
         return (f"static const ::lily::sim::Registrar<decltype({fn_id})> __lily_reg_{n}("
                 f"\"{host_name}\", &{fn_id}, __lily_params_{base}, __lily_nparams_{base}, "
                 f"__lily_maxtg_{base}, \"{self.name}:{line}\"{tensor});")

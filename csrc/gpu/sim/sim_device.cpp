@@ -320,6 +320,9 @@ class SimDevice : public gpu::Device {
         if (k.tensor_ops && !supports_tensor_ops())
           throw UsageError(kernel_where(k) + " uses Metal 4 tensor operations, which this device does not offer: " +
                            tensor_ops_status());
+        if (k.tensor_bfloat && !supports_bfloat_tensor_ops())
+          throw UsageError(kernel_where(k) + " uses Metal 4 tensor operations on bfloat operands, which this device "
+                           "does not offer: " + bfloat_tensor_ops_status());
         auto p = std::make_unique<SimPipeline>(k, opt_.pipeline_thread_limit);
         const gpu::Pipeline& ref = *p;
         pipelines_.emplace(name, std::move(p));
@@ -331,7 +334,8 @@ class SimDevice : public gpu::Device {
   std::vector<std::string> kernel_names() const override {
     std::vector<std::string> v;
     for (const KernelInfo& k : registered_kernels())
-      if (!k.tensor_ops || supports_tensor_ops()) v.push_back(k.name);
+      if ((!k.tensor_ops || supports_tensor_ops()) && (!k.tensor_bfloat || supports_bfloat_tensor_ops()))
+        v.push_back(k.name);
     std::sort(v.begin(), v.end());
     return v;
   }
@@ -344,6 +348,14 @@ class SimDevice : public gpu::Device {
              "'; Metal 4 tensor operations need 'apple10' (sim_device(gpu_family='apple10'))";
     const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
     if (off && *off && std::string(off) != "0") return "disabled by LILY_DISABLE_TENSOR_OPS";
+    return {};
+  }
+  bool supports_bfloat_tensor_ops() const override { return bfloat_tensor_ops_status().empty(); }
+  std::string bfloat_tensor_ops_status() const override {
+    if (!supports_tensor_ops()) return tensor_ops_status();
+    if (!opt_.bfloat_tensor_ops)
+      return "the simulator was created with bfloat_tensor_ops=False (tensor operations on half operands only, "
+             "as MacOSX 26.0's operand table lists)";
     return {};
   }
   std::unique_ptr<gpu::CommandBuffer> new_command_buffer() override;

@@ -36,6 +36,10 @@ struct SimOptions {
   // enables the Metal 4 tensor-op kernels (metal/*_tensor.metal), as on a Mac; below it
   // looking them up is a UsageError.
   int gpu_family = 9;
+  // With gpu_family 10: false emulates a system whose tensor-op library takes half but not
+  // bfloat operands (the operand table of MacOSX 26.0's MPPTensorOpsMatMul2d.h): the GEMMs'
+  // tensor kernels stay, the bfloat ones (the prefill attention's) are a UsageError.
+  bool bfloat_tensor_ops = true;
   // The memory budget the device reports (gpu::Device::memory_limits; 0 = none), to test the
   // runtime's load-time memory check without a Mac. A new_buffer larger than max_buffer_bytes
   // fails, as on Metal.

@@ -9,6 +9,7 @@
 #include <tuple>
 #include <vector>
 
+#include "gpu/sim/executor.h"
 #include "gpu/sim/kernel_runtime.h"
 
 namespace lily::sim::tensor_ops {
@@ -310,6 +311,10 @@ int scope_index(Scope s) {
 }
 
 void run(const Matmul& op, Scope s, const View& left, const View& right, const View* dst, float* coop) {
+  // the device offers such a kernel only with bfloat tensor ops (SimDevice::pipeline)
+  if ((left.dtype == DType::bf16 || right.dtype == DType::bf16) && !running_kernel().tensor_bfloat)
+    fail("matmul2d::run with bfloat operands in a kernel not registered as using them: msl2cpp.py marks the "
+         "kernels of a *_tensor.metal file that names a tensor<... bfloat, ...> type");
   int t = scope_index(s);
   int T = scope_threads(s);
   Signature sig;
