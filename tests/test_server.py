@@ -514,7 +514,8 @@ def _collect_message(r):
 
 
 @pytest.mark.parametrize("max_tokens", [None, 40])
-def test_reasoning_and_tool_call_both_modes(forced, forced_engine, max_tokens):
+def test_reasoning_and_tool_call_both_modes(forced, forced_engine, max_tokens, caplog):
+    caplog.set_level(logging.INFO, logger="lily.server")
     forced_engine.set_script(SCRIPT)
     c = forced.client()
     kw = dict(model="forced", messages=[{"role": "user", "content": "Weather in Paris?"}],
@@ -528,6 +529,9 @@ def test_reasoning_and_tool_call_both_modes(forced, forced_engine, max_tokens):
     assert reasoning == "I should look up the weather." and content == "Let me check."
     if max_tokens is None:
         assert finish == "tool_calls"
+        # the log line says how the reply ended as the API does (not the engine's "stop")
+        logged = [rec.getMessage() for rec in caplog.records if rec.name == "lily.server"]
+        assert sum("finish=tool_calls (1)" in m for m in logged) == 2, logged  # both modes
         assert [n for n, _ in calls] == ["get_weather"]
         assert json.loads(calls[0][1]) == {"city": "Paris", "days": 3,
                                            "code": "x = \"<b>\" if a < b else '</parameter>'"}

@@ -370,7 +370,7 @@ async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, t
                                        "delta": {"stop_reason": reason, "stop_sequence": hit},
                                        "usage": _usage(state, run)})
         yield _event("message_stop", {"type": "message_stop"})
-        state.log_done("messages (stream)", job, run.last, t_start)
+        state.log_done("messages (stream)", job, run.last, t_start, run.parser.n_tool_calls)
     except Exception as exc:
         yield _event("error", error_shape(stream_failed("messages (stream)", job, exc)))
     finally:

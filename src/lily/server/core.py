@@ -282,9 +282,10 @@ class ServerState:
         return job
 
     @staticmethod
-    def log_done(kind: str, job: Job, last, started: float) -> None:
+    def log_done(kind: str, job: Job, last, started: float, tool_calls: int = 0) -> None:
         """The request's one log line: token counts (prompt tokens reused from the prompt cache
-        and computed), finish reason, queue wait and speeds."""
+        and computed), finish reason (a reply that ended in ``tool_calls`` calls says so, as
+        the API's own finish reason does), queue wait and speeds."""
         if last is None:
             return
         job.logged = True
@@ -294,7 +295,8 @@ class ServerState:
         log.info("%s: %d prompt (%d cached, %d computed) + %d completion tokens, finish=%s, queued %.2fs, "
                  "prefill %.1f tok/s, decode %.1f tok/s%s, total %.2fs", kind, last.prompt_tokens,
                  getattr(last, "cached_tokens", 0), t.prefill_tokens if t else 0, last.completion_tokens,
-                 last.finish_reason, wait, t.prefill_tokens_per_s if t else 0.0,
+                 f"tool_calls ({tool_calls})" if tool_calls and last.finish_reason == "stop" else last.finish_reason,
+                 wait, t.prefill_tokens_per_s if t else 0.0,
                  t.decode_tokens_per_s if t else 0.0,
                  f" (GPU busy {100 * busy:.0f}%)" if busy is not None else "", time.perf_counter() - started)
 
@@ -803,7 +805,7 @@ async def collect(state: ServerState, run: ChatRun, request: Request, kind: str,
     consume(run.finish(), None)
     if run.last is None:
         raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done(kind, job, run.last, t_start)
+    state.log_done(kind, job, run.last, t_start, run.parser.n_tool_calls)
     return None
 
 

@@ -260,7 +260,7 @@ def _chunk(base: dict, include_usage: bool, choice: dict) -> str:
 
 
 async def _openai_stream(what: str, state: ServerState, job, base: dict, include_usage: bool, t_start: float,
-                         body, last, final_choice, usage):
+                         body, last, final_choice, usage, tool_calls=lambda: 0):
     """The stream of both endpoints: ``body``'s chunks; then, unless it was cancelled before
     its first event (``last()`` is None), the chunk of ``final_choice(last)``, the usage chunk
     when asked for and ``[DONE]``. A failure after the start ends it with an error event."""
@@ -275,7 +275,7 @@ async def _openai_stream(what: str, state: ServerState, job, base: dict, include
         if include_usage:
             yield sse({**base, "choices": [], "usage": usage(end)})
         yield "data: [DONE]\n\n"
-        state.log_done(what, job, end, t_start)
+        state.log_done(what, job, end, t_start, tool_calls())
     except Exception as exc:
         yield sse(stream_failed(what, job, exc).body())
         yield "data: [DONE]\n\n"
@@ -305,7 +305,8 @@ def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bo
     return _openai_stream(
         "chat (stream)", state, run.job, base, include_usage, t_start, body(), lambda: run.last,
         lambda last: {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason(last.finish_reason)},
-        lambda last: openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens))
+        lambda last: openai_usage(last.prompt_tokens, last.completion_tokens, run.n_reasoning, last.cached_tokens),
+        lambda: run.parser.n_tool_calls)
 
 
 # ----------------------------------------------------------------------------------------

@@ -427,7 +427,7 @@ async def _stream(state: ServerState, run: ChatRun, base: dict, rid: str, finish
         resp = finished(seq)
         kind = "response.completed" if resp["status"] == "completed" else "response.incomplete"
         yield event(kind, response=resp)
-        state.log_done("responses (stream)", job, run.last, t_start)
+        state.log_done("responses (stream)", job, run.last, t_start, run.parser.n_tool_calls)
     except Exception as exc:
         err = stream_failed("responses (stream)", job, exc)
         yield event("error", code=err.code or err.type, message=err.message, param=err.param)
