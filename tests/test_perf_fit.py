@@ -187,3 +187,30 @@ def test_estimate_fit_command(measured, tmp_path):
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(sim)], capture_output=True,
                        text=True, timeout=60, check=False)
     assert r.returncode == 1 and "only a run on the Metal device" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_fitted_machine_keeps_the_run_s_plan():
+    """An M5 run on the simdgroup GEMMs (tensor ops disabled): the fit scales sgmm_*, and
+    the estimate of the fitted machine runs that plan with that constant, not the tensor
+    path the M5 would otherwise take."""
+    truth = _machine(bandwidth_efficiency=0.8, stage_gap=3e-6, matrix=0.45, path="simdgroup")
+    bench = _bench(truth, path="simdgroup", lengths=(256, 4096))
+    bench["machine"]["attention_path"] = "simdgroup"
+    m, rep = perf.fit(bench)
+    assert (m.gemm, m.attention) == ("simdgroup", "simdgroup")
+    assert rep["plan"]["gemm_path"] == rep["plan"]["attention_path"] == "simdgroup"
+    est = perf.estimate(m, contexts=(4096,), prompts=(4096,))
+    assert est["plan"]["gemm_path"] == est["plan"]["attention_path"] == "simdgroup"
+    fitted_4k = next(r for r in rep["prefill"] if r["prompt_tokens"] == 4096)["fitted_model_tok_s"]
+    assert est["prefill"][0]["tok_s"] == pytest.approx(fitted_4k, rel=1e-9)
+    assert est["prefill"][0]["tok_s"] < 0.8 * perf.estimate("m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]
+
+
+def test_the_run_s_model_must_be_the_estimated_one(measured, demo_path):
+    """A report measured on a checkpoint here whose dimensions differ from the estimated
+    model's is refused (fitting Qwen3.6's plan to another model's times means nothing); one
+    on a checkpoint not on this machine is taken as the estimated model, with a note."""
+    with pytest.raises(InvalidParameterError, match="pass it as --model"):
+        perf.fit({**measured, "model": str(demo_path)})
+    _, rep = perf.fit({**measured, "model": "/Users/someone/models/Qwen3.6-35B-A3B-4bit"})
+    assert any("not on this machine" in n for n in rep["notes"]), rep["notes"]

@@ -287,10 +287,16 @@ class CommandBuffer {
   // before commit. fn must not throw.
   virtual void on_completed(std::function<void(Status, const std::string&)> fn) = 0;
   virtual Status status() const = 0;
-  // Seconds the device spent executing this command buffer, once it completed (NaN before):
-  // on Metal GPUEndTime - GPUStartTime (the GPU's own clock, without the host's gaps between
-  // command buffers); on the simulator the wall time its worker took to run it.
-  virtual double gpu_seconds() const = 0;
+  // When the device started and finished executing this command buffer, in seconds of a
+  // host clock shared by the device's command buffers, once it completed ({NaN, NaN}
+  // before): on Metal GPUStartTime / GPUEndTime (host time, Apple's MTLCommandBuffer docs);
+  // on the simulator its worker's steady clock. Intervals of consecutive command buffers may
+  // overlap on a GPU; gpu_seconds() is one buffer's length.
+  virtual std::pair<double, double> gpu_interval() const = 0;
+  double gpu_seconds() const {
+    const auto [start, end] = gpu_interval();
+    return end - start;
+  }
   virtual const Counters& counters() const = 0;
   // Keep a DispatchRecord per dispatch in counters().log, for the passes begun after this
   // call. Off by default: building records costs strings and vectors on every dispatch, and
@@ -369,6 +375,11 @@ std::string gpu_family_name(int family);
 int parse_gpu_family(const std::string& name);
 // The Apple family from which Metal 4 tensor operations are used (M5: neural accelerators).
 constexpr int kTensorOpsFamily = 10;
+// Whether tensor-library kernel `name` runs tensor operations on bfloat operands: the kernels
+// of metal/attention_prefill_tensor.metal (attn_prefill_*_tensor) and their probe. A naming
+// rule, for the Metal device, whose library does not say; the simulator marks them from the
+// source, and tests/test_sim_tensor.py checks the two agree on every shipped kernel.
+bool is_bfloat_tensor_kernel(const std::string& name);
 
 size_t page_size();
 

@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/unique_ptr.h>
@@ -246,6 +247,9 @@ void bind_device(nb::module_& m) {
       .def_prop_ro("gpu_seconds", &CommandBuffer::gpu_seconds,
                    "Seconds the device spent executing it, once completed (NaN before): Metal's "
                    "GPUEndTime - GPUStartTime; the simulator's execution wall time.")
+      .def_prop_ro("gpu_interval", &CommandBuffer::gpu_interval,
+                   "(start, end) of its execution in seconds of a host clock shared by the device's "
+                   "command buffers, once completed ((nan, nan) before).")
       .def_prop_ro("counters", [](CommandBuffer& cb) { return counters_dict(cb.counters()); })
       .def_prop_ro("dispatch_log", [](CommandBuffer& cb) {
         nb::list out;
@@ -368,6 +372,9 @@ void bind_device(nb::module_& m) {
         [](const std::string& metallib) { return std::shared_ptr<Device>(metal::make_metal_device(metallib)); },
         "metallib"_a = "", "The system's Metal GPU with lily.metallib (from beside this module by default).");
 #endif
+  m.def("is_bfloat_tensor_kernel", &is_bfloat_tensor_kernel, "name"_a,
+        "Whether tensor-library kernel `name` runs tensor operations on bfloat operands (the naming rule "
+        "the Metal device uses to leave them out when the system lacks them).");
   m.def("gpu_family", [](const Device& d) { return gpu_family_name(d.gpu_family()); }, "device"_a,
         "The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).");
 }

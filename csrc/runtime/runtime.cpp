@@ -464,8 +464,13 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
 
 void Runtime::wait_timed(gpu::CommandBuffer& cmd) {
   cmd.wait();
-  const double s = cmd.gpu_seconds();
-  if (s == s) gpu_seconds_ += s;  // NaN: no device time
+  const auto [start, end] = cmd.gpu_interval();
+  if (!(start == start && end == end)) return;  // NaN: no device time
+  // Waited in commit order; a buffer may start before the previous one ends (the GPU
+  // overlaps them): count only the time not counted yet, so the total never exceeds the
+  // span the device was busy.
+  gpu_seconds_ += std::max(0.0, end - std::max(start, gpu_last_end_));
+  gpu_last_end_ = std::max(gpu_last_end_, end);
 }
 
 void Runtime::wait_pending() {

@@ -253,10 +253,11 @@ class Runtime {
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
 
   uint32_t prefill_chunk() const { return chunk_; }
-  // Device seconds (gpu::CommandBuffer::gpu_seconds) of the work whose results the host has
-  // taken since construction: prefill chunks and forward passes once waited for, generation
-  // steps once next() returned their token (not the speculative step finish() drops). A
-  // total: the engine takes differences at the first token and at the end of a generation.
+  // Device seconds (gpu::CommandBuffer::gpu_interval, overlaps counted once) of the work
+  // whose results the host has taken since construction: prefill chunks and forward passes
+  // once waited for, generation steps once next() returned their token (not the speculative
+  // step finish() drops). A total: the engine takes differences at the first token and at
+  // the end of a generation.
   double gpu_seconds() const { return gpu_seconds_; }
   // Whether prefill's GEMMs (dense and expert) run the Metal 4 tensor-op kernels.
   bool uses_tensor_ops() const { return tensor_ops_; }
@@ -379,7 +380,8 @@ class Runtime {
   } chunk_bufs_;
   uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)
   std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
-  double gpu_seconds_ = 0;  // gpu_seconds()
+  double gpu_seconds_ = 0;     // gpu_seconds()
+  double gpu_last_end_ = 0;    // the latest end of a counted command buffer (host-clock seconds)
   // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
   void wait_timed(gpu::CommandBuffer& cmd);
   // the generation in progress (start/next/finish)

@@ -88,6 +88,12 @@ class CommandBuffer:
         """
 
     @property
+    def gpu_interval(self) -> tuple[float, float]:
+        """
+        (start, end) of its execution in seconds of a host clock shared by the device's command buffers, once completed ((nan, nan) before).
+        """
+
+    @property
     def counters(self) -> dict: ...
 
     @property
@@ -171,6 +177,11 @@ def sim_device(record_only: bool = False, order: str = 'forward', thread_order: 
     0 = none), as a Mac's GPU does.
     pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as
     register pressure may on a Mac (0 = none).
+    """
+
+def is_bfloat_tensor_kernel(name: str) -> bool:
+    """
+    Whether tensor-library kernel `name` runs tensor operations on bfloat operands (the naming rule the Metal device uses to leave them out when the system lacks them).
     """
 
 def gpu_family(device: Device) -> str:

@@ -131,8 +131,12 @@ class Timings:
 
     @property
     def decode_gpu_busy(self) -> float | None:
-        """Share of the decode's wall time the device was executing (None when unmeasured)."""
-        return self.gpu_decode_s / self.decode_s if self.gpu_decode_s is not None and self.decode_s > 0 else None
+        """Share of the decode's wall time the device was executing, at most 1 (a step may
+        start on the device just before the first token reaches the host); None when not
+        measured or no decode step ran."""
+        if not self.gpu_decode_s or self.decode_s <= 0:
+            return None
+        return min(1.0, self.gpu_decode_s / self.decode_s)
 
 
 @dataclass
@@ -562,10 +566,10 @@ class Engine:
         gpu = getattr(backend, "gpu_seconds", None) is not None  # device time measured
         g0 = g1 = backend.gpu_seconds if gpu else 0.0
 
-        def gpu_split() -> None:
+        def gpu_split(prefill: bool | None = None) -> None:
             if gpu:
                 g = backend.gpu_seconds
-                if t1 is None:
+                if (t1 is None) if prefill is None else prefill:
                     timings.gpu_prefill_s = g - g0
                 else:
                     timings.gpu_decode_s = g - g1
@@ -637,7 +641,7 @@ class Engine:
             raise
         finally:
             now = time.perf_counter()
-            gpu_split()
+            no_token = t1 is None
             if t1 is None:
                 t1 = now
                 timings.prefill_s = now - t0
@@ -645,6 +649,7 @@ class Engine:
             try:
                 backend.finish()
             finally:
+                gpu_split(prefill=no_token)  # after finish(): prefill chunks it waited for count too
                 if failed:
                     self.reset()
                 else:

@@ -87,7 +87,9 @@ class Machine:
     threadgroup; ``stage_gap`` seconds per barrier stage; ``gpu_family`` (MTLGPUFamilyAppleN);
     ``sources``: where each figure comes from. The calibration (``stage_gap``,
     ``bandwidth_efficiency``, ``path_efficiency``) is the published one unless
-    ``fitted_from`` names the measured run it was fitted to (:func:`fit`)."""
+    ``fitted_from`` names the measured run it was fitted to (:func:`fit`), which also pins
+    the prefill paths that run used (``gemm``, ``attention``: ``"tensor"`` /
+    ``"simdgroup"``; None: the fastest the machine has)."""
 
     key: str
     name: str
@@ -101,6 +103,8 @@ class Machine:
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     path_efficiency: dict = field(default_factory=lambda: dict(PATH_EFFICIENCY))
     fitted_from: str | None = None
+    gemm: str | None = None
+    attention: str | None = None
 
     @property
     def tensor_ops(self) -> bool:
@@ -277,13 +281,15 @@ def model_config(config: ModelConfig | dict | None = None) -> ModelConfig:
 
 
 def gemm_path(m: Machine) -> str:
-    """Prefill's GEMM kernels on ``m``: the tensor-op twins where there are neural accelerators."""
-    return "tensor" if m.tensor_ops else "simdgroup"
+    """Prefill's GEMM kernels on ``m``: the tensor-op twins where there are neural accelerators
+    (or the path a fitted run used, :attr:`Machine.gemm`)."""
+    return m.gemm or ("tensor" if m.tensor_ops else "simdgroup")
 
 
 def attention_path(m: Machine) -> str:
-    """Prefill attention's kernels on ``m``: the tensor-op twins where bfloat tensor ops exist."""
-    return "tensor" if m.tensor_attention else "simdgroup"
+    """Prefill attention's kernels on ``m``: the tensor-op twins where bfloat tensor ops exist
+    (or the path a fitted run used, :attr:`Machine.attention`)."""
+    return m.attention or ("tensor" if m.tensor_attention and gemm_path(m) == "tensor" else "simdgroup")
 
 
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
@@ -295,21 +301,23 @@ def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
 _HEAD = ("lm head + sampling",)
 
 
-def _calibration_key(m: Machine) -> tuple:
-    return (m.key, m.stage_gap, m.bandwidth_efficiency, tuple(sorted(m.path_efficiency.items())))
+def _timing_key(m: Machine) -> tuple:
+    # everything a dispatch's time depends on
+    return (m.cores, m.bandwidth, tuple(sorted(m.rates.items())), m.stage_gap, m.bandwidth_efficiency,
+            tuple(sorted(m.path_efficiency.items())))
 
 
 def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict, path: str,
            attention: str) -> Timing:
     # the records depend on the plan only, their timing on the machine and its calibration
-    rkey = (p0, rows, path, attention)
+    rkey = (repr(cfg), p0, rows, path, attention)
     records = cache.setdefault("records", {})
     if rkey not in records:
         from lily.native import count_prefill_chunk
         records[rkey] = count_prefill_chunk(cfg, rows, p0, gemm_path=path,
                                             tensor_attention=attention == "tensor")["records"]
     timings = cache.setdefault("timings", {})
-    tkey = (_calibration_key(m), rkey, head)
+    tkey = (_timing_key(m), rkey, head)
     if tkey not in timings:
         timings[tkey] = time_records(m, records[rkey], () if head else _HEAD)
     return timings[tkey]
@@ -500,6 +508,14 @@ def _search(cost, lo: float, hi: float, step: float):
     return best
 
 
+def _plan_dims(cfg: ModelConfig) -> tuple:
+    """The dimensions the plan's dispatches depend on."""
+    return (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+            cfg.linear_value_head_dim, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size, cfg.layer_types)
+
+
 def _usable(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
@@ -550,7 +566,9 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     published-model and fitted-model tok/s), ``rms_relative_error`` of both models, and
     ``notes``. Raises
     :class:`InvalidParameterError` for a report that is not a Metal run of Lily, has no usable
-    length, names an unknown chip without ``machine_key``, or lengths beyond the model."""
+    length, names an unknown chip without ``machine_key``, was measured on a checkpoint here
+    whose dimensions are not ``config``'s, or has lengths beyond the model. The calibrated
+    machine keeps the run's prefill paths (:attr:`Machine.gemm`, :attr:`Machine.attention`)."""
     from lily import _core
     from lily.native import count_decode_step
     if not isinstance(bench, dict) or "lengths" not in bench:
@@ -586,6 +604,18 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         raise InvalidParameterError(f"{source} has no length with a measured throughput within the model's "
                                     f"limit of {limit} tokens")
     notes = []
+    model = bench.get("model")
+    if isinstance(model, str) and model:
+        from pathlib import Path
+
+        from lily.checkpoint import load_config
+        if (Path(model) / "config.json").is_file():
+            if _plan_dims(load_config(model)[0]) != _plan_dims(cfg):
+                raise InvalidParameterError(f"{source} measured {model}, whose dimensions are not those of the model "
+                                            f"estimated; pass it as --model (config=)")
+        else:
+            notes.append(f"the run's model {model} is not on this machine: its dimensions are taken to be the "
+                         "estimated model's (--model names another)")
 
     # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form
     ctx = {L: L + steps // 2 for L, _, _ in decode}
@@ -637,7 +667,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
             notes.append(f"the matrix efficiency hit the bound of its search ({x:.2f})")
     else:
         notes.append("no prefill figures: the matrix path's efficiency stays as published")
-    fitted = replace(with_matrix(x), fitted_from=source)
+    fitted = replace(with_matrix(x), fitted_from=source, gemm=path, attention=attention)
 
     def rows_for(pairs, rate):
         return [{"prompt_tokens": L, "measured_tok_s": t, "wall_tok_s": w, "published_model_tok_s": rate(m0, L),

@@ -140,6 +140,11 @@ def test_half_only_tensor_ops_leave_out_the_bfloat_kernels():
         d.command_buffer().compute_pass().dispatch("attn_prefill_d256_g8_tensor", 1, 256)
     # without tensor ops at all the option changes nothing
     assert sim_device(bfloat_tensor_ops=False).tensor_ops_status == sim_device().tensor_ops_status
+    # the Metal device, whose library does not say which kernels take bfloat operands, leaves
+    # them out by a naming rule: it must pick exactly the kernels the source marks
+    from lily import _core
+    shipped = [k for k in full.kernel_names() if not k.startswith("st_")]
+    assert [k for k in shipped if _core.is_bfloat_tensor_kernel(k)] == [k for k in shipped if k in gone]
 
 
 def test_transform_marks_tensor_files(tmp_path):

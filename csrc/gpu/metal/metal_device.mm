@@ -281,7 +281,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     [cb_ addCompletedHandler:^(id<MTLCommandBuffer> done) {
       // Never throw from here: store the error; wait() rethrows it on the caller's thread.
       Status s = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
-      const double gpu = [done GPUEndTime] - [done GPUStartTime];
+      const std::pair<double, double> gpu{[done GPUStartTime], [done GPUEndTime]};
       std::string msg;
       if (s == Status::error) msg = "Metal command buffer failed: " + to_string([[done error] localizedDescription]);
       for (auto& h : handlers) {
@@ -295,7 +295,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
         std::lock_guard<std::mutex> g(st->mu);
         st->status = s;
         st->message = msg;
-        st->gpu_seconds = gpu;
+        st->gpu_interval = gpu;
         st->done = true;
       }
       st->cv.notify_all();
@@ -331,9 +331,9 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     std::lock_guard<std::mutex> g(state_->mu);
     return state_->status;
   }
-  double gpu_seconds() const override {
+  std::pair<double, double> gpu_interval() const override {
     std::lock_guard<std::mutex> g(state_->mu);
-    return state_->gpu_seconds;
+    return state_->gpu_interval;
   }
   const Counters& counters() const override { return counters_; }
   // Ends the open blit encoder of a run of copies, if any.
@@ -365,7 +365,8 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     mutable std::mutex mu;
     std::condition_variable cv;
     Status status = Status::encoding;
-    double gpu_seconds = std::numeric_limits<double>::quiet_NaN();
+    std::pair<double, double> gpu_interval{std::numeric_limits<double>::quiet_NaN(),
+                                           std::numeric_limits<double>::quiet_NaN()};
     std::string message;
     bool done = false;
   };
@@ -434,6 +435,9 @@ class MetalDevice : public gpu::Device {
     std::lock_guard<std::mutex> g(mu_);
     auto it = cache_.find(name);
     if (it != cache_.end()) return *it->second;
+    if (tensor_lib_ && !bfloat_status_.empty() && gpu::is_bfloat_tensor_kernel(name))
+      throw UsageError("kernel '" + name + "' uses Metal 4 tensor operations on bfloat operands, which this "
+                       "device does not offer: " + bfloat_status_);
     std::string error;
     bool unknown = false;
     MetalPipeline* p = nullptr;
@@ -453,8 +457,9 @@ class MetalDevice : public gpu::Device {
     std::vector<std::string> v;
     @autoreleasepool {
       for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
-      if (tensor_lib_)
-        for (NSString* s in [tensor_lib_ functionNames]) v.push_back(to_string(s));
+      if (tensor_lib_)  // without bfloat tensor ops, the kernels that need them are not offered
+        for (NSString* s in [tensor_lib_ functionNames])
+          if (bfloat_status_.empty() || !gpu::is_bfloat_tensor_kernel(to_string(s))) v.push_back(to_string(s));
     }
     return v;
   }

@@ -416,7 +416,10 @@ class SimCommandBuffer : public gpu::CommandBuffer {
     handlers_.push_back(std::move(fn));
   }
   Status status() const override { return status_.load(); }
-  double gpu_seconds() const override { return gpu_seconds_.load(); }
+  std::pair<double, double> gpu_interval() const override {
+    std::lock_guard<std::mutex> g(dev_->mu_);
+    return gpu_interval_;
+  }
   const Counters& counters() const override { return counters_; }
 
  protected:
@@ -443,7 +446,8 @@ class SimCommandBuffer : public gpu::CommandBuffer {
   Counters counters_;
   std::vector<std::function<void(Status, const std::string&)>> handlers_;
   std::atomic<Status> status_{Status::encoding};
-  std::atomic<double> gpu_seconds_{std::numeric_limits<double>::quiet_NaN()};
+  std::pair<double, double> gpu_interval_{std::numeric_limits<double>::quiet_NaN(),
+                                          std::numeric_limits<double>::quiet_NaN()};  // under dev_->mu_
   std::exception_ptr error_;
   std::string error_message_;
   bool counted_ = true;
@@ -507,14 +511,16 @@ void SimDevice::run() {
       if (queue_.empty()) return;  // stop_ and drained
       cb = queue_.front();
     }
-    const auto t0 = std::chrono::steady_clock::now();
+    auto now = [] { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); };
+    const double start = now();
     execute(cb);
-    cb->gpu_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double end = now();
     Status st = cb->error_ ? Status::error : Status::completed;
     for (auto& h : cb->handlers_) h(st, cb->error_message_);
     {
       std::lock_guard<std::mutex> g(mu_);
       queue_.pop_front();
+      cb->gpu_interval_ = {start, end};
       cb->status_ = st;
       if (cb->counted_) {
         cb->counted_ = false;
