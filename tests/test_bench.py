@@ -116,11 +116,13 @@ def test_lily_bench_command_runs_both_engines(tmp_path):
             assert [s["tokens"] for s in row["samples"][who]] == [4, 4]  # EOS ignored: exactly n
         p = row["prefill_tps"]
         assert p["ratio"] == pytest.approx(p["lily"] / p["mlx_lm"])
-        # the simulator's execution time of Lily's command buffers: never more than the wall time
-        g = row["lily_gpu_tps"]
-        assert g["prefill"] >= p["lily"] > 0 and g["decode"] >= row["decode_tps"]["lily"] > 0, row
+        # the simulator's execution time of Lily's command buffers: never more than the wall time,
+        # but for decode by about one step (step 1 runs while the host still takes token 0)
+        assert row["lily_gpu_tps"]["prefill"] >= p["lily"] > 0 and row["lily_gpu_tps"]["decode"] > 0, row
         for s in row["samples"]["lily"]:
-            assert 0 < s["gpu_first_s"] <= s["first_s"] and 0 < s["gpu_decode_s"] <= s["decode_s"]
+            steps = s["tokens"] - s["first_tokens"]
+            assert 0 < s["gpu_first_s"] <= s["first_s"], s
+            assert 0 < s["gpu_decode_s"] <= s["decode_s"] + 1.5 * s["gpu_decode_s"] / steps, s
     assert "lily per second of device time" in r.stdout
     assert rep["consistency"]["positions"] == 48
     assert rep["consistency"]["top1_agreement"] >= 0.6  # a trained model, same bytes (bf16 peer)

@@ -159,13 +159,14 @@ def test_timings_carry_the_device_time_of_each_phase(sim_engine):
     before = e.backend.runtime.gpu_seconds
     r = e.generate(list(range(3, 15)), max_tokens=4, temperature=0.0, ignore_eos=True)  # 12 tokens, chunks of 5
     t = r.timings
-    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s, t
+    # decode by about one step more at most: step 1 runs while the host still takes token 0
+    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s + 1.5 * t.gpu_decode_s / 3, t
     assert e.backend.runtime.gpu_seconds - before == pytest.approx(t.gpu_prefill_s + t.gpu_decode_s, rel=1e-12)
     # host-sampled (constrained): every step is a forward pass, split the same way
     before = e.backend.runtime.gpu_seconds
     r = e.generate([5, 6], max_tokens=3, temperature=0.0, constraint=AllowedTokens(e.config.vocab_size, [7, 8], 3))
     t = r.timings
-    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s, t
+    assert 0 < t.gpu_prefill_s <= t.prefill_s and 0 < t.gpu_decode_s <= t.decode_s, t  # host-sampled: no overlap
     assert e.backend.runtime.gpu_seconds - before == pytest.approx(t.gpu_prefill_s + t.gpu_decode_s, rel=1e-12)
     ref = Engine.load(device="reference").generate("ROMEO.", max_tokens=2, temperature=0.0).timings
     assert ref.gpu_prefill_s is None and ref.gpu_decode_s is None

@@ -529,8 +529,14 @@ def test_reasoning_and_tool_call_both_modes(forced, forced_engine, max_tokens, c
     assert reasoning == "I should look up the weather." and content == "Let me check."
     if max_tokens is None:
         assert finish == "tool_calls"
-        # the log line says how the reply ended as the API does (not the engine's "stop")
-        logged = [rec.getMessage() for rec in caplog.records if rec.name == "lily.server"]
+        # the log line says how the reply ended as the API does (not the engine's "stop"); a
+        # stream logs after its last chunk, so its line may come a moment after the client is done
+        deadline = time.time() + 10
+        while True:
+            logged = [rec.getMessage() for rec in caplog.records if rec.name == "lily.server"]
+            if sum("finish=tool_calls (1)" in m for m in logged) == 2 or time.time() > deadline:
+                break
+            time.sleep(0.05)
         assert sum("finish=tool_calls (1)" in m for m in logged) == 2, logged  # both modes
         assert [n for n, _ in calls] == ["get_weather"]
         assert json.loads(calls[0][1]) == {"city": "Paris", "days": 3,

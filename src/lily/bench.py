@@ -354,8 +354,9 @@ def format_report(rep: dict) -> str:
         for r in gpu:
             g, p, d = r["lily_gpu_tps"], r["prefill_tps"]["lily"], r["decode_tps"]["lily"]
             gp = g["prefill"] or float("nan")
-            out.append(f"{r['prompt_tokens']:>8}  {gp:>14.1f} {100 * (1 - p / gp):>9.1f}%  {g['decode']:>13.1f} "
-                       f"{100 * (1 - d / g['decode']):>9.1f}%")
+            # at least 0: the first decode step may start on the device before token 0 reaches the host
+            out.append(f"{r['prompt_tokens']:>8}  {gp:>14.1f} {max(0.0, 100 * (1 - p / gp)):>9.1f}%  "
+                       f"{g['decode']:>13.1f} {max(0.0, 100 * (1 - d / g['decode'])):>9.1f}%")
     c = rep.get("consistency")
     if c:
         out.append("")

@@ -112,7 +112,9 @@ class Timings:
     device also the device's own execution time of each phase (``gpu_prefill_s``,
     ``gpu_decode_s``: Metal's GPU timestamps of the command buffers, the simulator's
     execution time; None on the reference device). Wall time minus device time is what the
-    host added (Python, encoding, waiting)."""
+    host added (Python, encoding, waiting). The first decode step runs on the device while
+    the host still takes the first token, so ``gpu_decode_s`` may exceed ``decode_s`` by up
+    to one step."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
