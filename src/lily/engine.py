@@ -568,13 +568,16 @@ class Engine:
         gpu = getattr(backend, "gpu_seconds", None) is not None  # device time measured
         g0 = g1 = backend.gpu_seconds if gpu else 0.0
 
-        def gpu_split(prefill: bool | None = None) -> None:
-            if gpu:
-                g = backend.gpu_seconds
-                if (t1 is None) if prefill is None else prefill:
-                    timings.gpu_prefill_s = g - g0
-                else:
-                    timings.gpu_decode_s = g - g1
+        def gpu_split(prefill: bool) -> float:
+            """The device time so far into the phase's timing; returns the runtime's total."""
+            if not gpu:
+                return 0.0
+            g = backend.gpu_seconds
+            if prefill:
+                timings.gpu_prefill_s = g - g0
+            else:
+                timings.gpu_decode_s = g - g1
+            return g
 
         def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
             nonlocal ended
@@ -585,7 +588,7 @@ class Engine:
                 timings.prefill_s = now - t0
             else:
                 timings.decode_s = now - t1
-            gpu_split()
+            gpu_split(t1 is None)
             return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
 
         t0 = time.perf_counter()
@@ -609,8 +612,7 @@ class Engine:
                     return
                 step = backend.next()
                 if t1 is None:  # the first token: the prompt is done
-                    gpu_split()  # before t1: the prefill's device time
-                    g1 = backend.gpu_seconds if gpu else 0.0
+                    g1 = gpu_split(True)  # the prefill's device time; decode's counts from here
                     t1 = time.perf_counter()
                     timings.prefill_s = t1 - t0
                 if step is None:  # max tokens or the context window reached

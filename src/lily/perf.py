@@ -532,7 +532,8 @@ def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
         except (KeyError, TypeError):
             raise InvalidParameterError(f"lengths[{i}] of the bench report has no prompt_tokens or "
                                         f"{phase}_tps.lily (not a `lily bench --json` file?)") from None
-        gpu = (row.get("lily_gpu_tps") or {}).get(phase) if isinstance(row.get("lily_gpu_tps"), dict) else None
+        g = row.get("lily_gpu_tps")
+        gpu = g.get(phase) if isinstance(g, dict) else None
         if isinstance(L, int) and not isinstance(L, bool) and L > 0 and _usable(wall):
             rows.append((L, gpu, float(wall)))
     device = bool(rows) and all(_usable(g) for _, g, _ in rows)
@@ -592,7 +593,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     path = info.get("gemm_path") or gemm_path(m0)
     if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
         raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
-    attention = info.get("attention_path") or (attention_path(m0) if path == "tensor" else "simdgroup")
+    attention = info.get("attention_path") or attention_path(replace(m0, gemm=path))
     if attention not in MATRIX_PATHS or (attention == "tensor" and (path != "tensor" or not m0.tensor_attention)):
         raise InvalidParameterError(f"{source}: attention_path {attention!r} is not a path of {m0.name} with "
                                     f"gemm_path {path!r}")

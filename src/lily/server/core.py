@@ -740,6 +740,13 @@ class BlockSequencer:
 # ----------------------------------------------------------------------------------------
 
 
+def effort_template_kwargs(effort) -> dict:
+    """The chat template's switches for an OpenAI reasoning effort (Chat Completions'
+    ``reasoning_effort``, the Responses API's ``reasoning.effort``): ``"none"`` turns the
+    reasoning block off; Qwen3.6 has no levels, so every other value leaves it on."""
+    return {"enable_thinking": False} if effort == "none" else {}
+
+
 def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:
     """:func:`lily.structured.check_tools` (tool names and parameters schemas, before anything
     is rendered or queued) as a 400 naming the tool; ``param(i, field)`` spells tool ``i``'s

@@ -15,7 +15,8 @@ from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_op
 from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_tools,
-                              check_unicode, collect, dumps, engine_error, finite, job_events, log_gone,
+                              check_unicode, collect, dumps, effort_template_kwargs, engine_error, finite,
+                              job_events, log_gone,
                               openai_usage, request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.structured import template_tools
@@ -167,15 +168,14 @@ def check_template_kwargs(kwargs: dict) -> dict:
 
 
 def reasoning_effort_kwargs(effort) -> dict:
-    """Chat Completions' ``reasoning_effort``: ``"none"`` turns the template's reasoning block
-    off (as the Responses API's ``reasoning.effort``); the other levels of OpenAI's reference
-    leave Qwen3.6's thinking on (it has no levels); anything else is a 400."""
+    """Chat Completions' ``reasoning_effort`` as template switches
+    (:func:`~lily.server.core.effort_template_kwargs`); a value outside OpenAI's reference is a 400."""
     if effort is None:
         return {}
     if effort not in REASONING_EFFORTS:
         raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {dumps(effort)}",
                        param="reasoning_effort", code="invalid_value")
-    return {"enable_thinking": False} if effort == "none" else {}
+    return effort_template_kwargs(effort)
 
 
 @router.post("/v1/chat/completions")

@@ -22,7 +22,7 @@ from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
-                              dumps, request_constraint, state_of, stream_failed)
+                              dumps, effort_template_kwargs, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
@@ -247,9 +247,7 @@ def response_format(req: ResponsesRequest) -> dict | None:
 
 
 def _enable_thinking(req: ResponsesRequest) -> dict:
-    # reasoning.effort "none" turns the template's reasoning block off
-    effort = (req.reasoning or {}).get("effort")
-    return {"enable_thinking": False} if effort == "none" else {}
+    return effort_template_kwargs((req.reasoning or {}).get("effort"))
 
 
 # ----------------------------------------------------------------------------------------
