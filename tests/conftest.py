@@ -26,6 +26,10 @@ from seeding import SESSION_SEED  # noqa: E402
 from simdev import ASAN_SKIP, native_device  # noqa: E402,F401
 
 
+# xdist workers inherit the environment: one session seed for all of them, so the seed the
+# header prints replays a failure on any worker
+os.environ["LILY_TEST_SEED"] = str(SESSION_SEED)
+
 # native engines write aligned weight caches (lily.weight_cache): keep this session's apart
 if not os.environ.get("LILY_CACHE_DIR"):
     os.environ["LILY_CACHE_DIR"] = tempfile.mkdtemp(prefix="lily-weight-cache-")
