@@ -72,13 +72,13 @@ struct SampleGreedyArgs {
 
 // argmax_partial (stage 1 of the multi-threadgroup greedy argmax): threadgroup j scans
 // logits [j*slice, min((j+1)*slice, vocab)); sample_greedy_combine (stage 2) reduces the
-// `count` partials.
+// `count` partials. argmax_partial_bias takes the same arguments.
 struct ArgmaxArgs {
   uint vocab;         // V (stage 1); number of partials (stage 2)
   uint slice;         // logits per threadgroup (stage 1; unused by stage 2)
 };
 
-// sample_token: penalties, temperature, top-k, top-p, min-p and a seeded draw.
+// sample_token: logit bias, penalties, temperature, top-k, top-p, min-p and a seeded draw.
 struct SampleArgs {
   uint vocab;               // V: number of logits
   float temperature;        // 0: greedy (argmax of the penalised logits); > 0 divides the logits
@@ -93,6 +93,7 @@ struct SampleArgs {
   uint logprobs;            // 1: write the chosen token's log-probability (raw logits) to logprob_out[0]
   uint top_logprobs;        // 0..20: also write the n most likely raw-logit alternatives (ids, logprobs)
   uint update_counts;       // 1: counts[token] += 1 after the draw (the per-session count buffer)
+  uint bias;                // 1: add the per-session logit bias buffer [V] to the logits first
 };
 
 #endif  // LILY_MIXER_ARGS_H

@@ -2,8 +2,11 @@
 // ends by writing the next token id into the next step's token slot.
 //
 //   sample_greedy   argmax of the fp32 logits (ties -> lowest index, NaN never wins).
-//   sample_token    penalties (repetition / presence / frequency from the per-session count
-//                   buffer), temperature, top-k, top-p, min-p (lily.sampling.Sampler's order),
+//   argmax_partial[_bias] + sample_greedy_combine: the same argmax over many threadgroups
+//                   (the decode step's); _bias adds the per-session logit bias [V] first.
+//   sample_token    logit bias (optional, per-session [V] buffer), penalties (repetition /
+//                   presence / frequency from the per-session count buffer), temperature,
+//                   top-k, top-p, min-p (lily.sampling.Sampler's order),
 //                   then a draw with a counter-based RNG: Philox4x32-10 keyed by the 64-bit
 //                   seed, counter = (position, 0, 0, 0), so a (seed, position) pair always
 //                   gives the same token. Optional log-probabilities of the raw logits.
@@ -38,8 +41,9 @@ static inline uint key_of(float x) {
   return (u & 0x80000000u) != 0 ? ~u : (u | 0x80000000u);
 }
 
-// Penalties (repetition, then presence/frequency) and temperature, as lily.sampling.Sampler.
-// cnt: bit 31 = token occurs in the prompt, bits 0..30 = times generated so far.
+// Penalties (repetition, then presence/frequency) and temperature, as lily.sampling.Sampler,
+// of a logit with its bias already added. cnt: bit 31 = token occurs in the prompt, bits
+// 0..30 = times generated so far.
 static inline float processed(float logit, uint cnt, constant SampleArgs& a) {
   float x = isnan(logit) ? -INFINITY : logit;
   if (a.repetition_penalty != 1.0f && cnt != 0) {
@@ -111,14 +115,17 @@ static inline void tg_argmax(float v, uint i, threadgroup float* sv, threadgroup
 }  // namespace sample_detail
 
 // ---- greedy argmax ----------------------------------------------------------------------------
-// Best (value, lowest index) of `x` over the elements [begin, end) this thread visits (stride
-// ntg); NaN counts as -inf; kNone if it visits none.
-static inline void scan_argmax(device const float* x, uint begin, uint end, uint tid, uint ntg,
-                               thread float& best, thread uint& bi) {
+// Best (value, lowest index) of `x` (+ `bias` with BIAS, added in float32 as the host sampler
+// does) over the elements [begin, end) this thread visits (stride ntg); NaN counts as -inf;
+// kNone if it visits none.
+template <bool BIAS>
+static inline void scan_argmax(device const float* x, device const float* bias, uint begin, uint end, uint tid,
+                               uint ntg, thread float& best, thread uint& bi) {
   best = -INFINITY;
   bi = sample_detail::kNone;
   for (uint i = begin + tid; i < end; i += ntg) {
-    const float v = isnan(x[i]) ? -INFINITY : x[i];
+    const float xi = BIAS ? x[i] + bias[i] : x[i];
+    const float v = isnan(xi) ? -INFINITY : xi;
     if (v > best || bi == sample_detail::kNone) {
       best = v;
       bi = i;
@@ -139,7 +146,7 @@ static inline void scan_argmax(device const float* x, uint begin, uint end, uint
   threadgroup uint si[32];
   float best;
   uint bi;
-  scan_argmax(logits, 0, args.vocab, tid, ntg, best, bi);
+  scan_argmax<false>(logits, logits, 0, args.vocab, tid, ntg, best, bi);
   float m;
   uint idx;
   sample_detail::tg_argmax(best, bi, sv, si, sg, lane, nsg, m, idx);
@@ -154,7 +161,25 @@ static inline void scan_argmax(device const float* x, uint begin, uint end, uint
 // sample_greedy_combine (1 threadgroup) reduces the partials in the same order (largest
 // value, then lowest index: the slices are in index order), so the token equals
 // sample_greedy's. A threadgroup whose slice is empty writes (-inf, kNone), which loses
-// every tie.
+// every tie. argmax_partial_bias: the same over logits + bias (a request's logit_bias, dense),
+// a separate kernel so the unbiased step binds and reads nothing more.
+template <bool BIAS>
+static inline void argmax_slice(device const float* logits, device const float* bias, device uint2* part,
+                                constant ArgmaxArgs& args, uint grp, uint tid, uint ntg, uint sg, uint lane,
+                                uint nsg, threadgroup float* sv, threadgroup uint* si) {
+  const uint begin = min(grp * args.slice, args.vocab);
+  const uint end = min(begin + args.slice, args.vocab);
+  float best;
+  uint bi;
+  scan_argmax<BIAS>(logits, bias, begin, end, tid, ntg, best, bi);
+  float m;
+  uint idx;
+  sample_detail::tg_argmax(best, bi, sv, si, sg, lane, nsg, m, idx);
+  if (tid == 0) {
+    part[grp] = uint2(as_type<uint>(m), idx);
+  }
+}
+
 [[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
                            device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
                            constant ArgmaxArgs& args [[buffer(2)]],
@@ -166,17 +191,22 @@ static inline void scan_argmax(device const float* x, uint begin, uint end, uint
                            uint nsg [[simdgroups_per_threadgroup]]) {
   threadgroup float sv[32];
   threadgroup uint si[32];
-  const uint begin = min(grp * args.slice, args.vocab);
-  const uint end = min(begin + args.slice, args.vocab);
-  float best;
-  uint bi;
-  scan_argmax(logits, begin, end, tid, ntg, best, bi);
-  float m;
-  uint idx;
-  sample_detail::tg_argmax(best, bi, sv, si, sg, lane, nsg, m, idx);
-  if (tid == 0) {
-    part[grp] = uint2(as_type<uint>(m), idx);
-  }
+  argmax_slice<false>(logits, logits, part, args, grp, tid, ntg, sg, lane, nsg, sv, si);
+}
+
+[[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial_bias(device const float* logits [[buffer(0)]],  // [V]
+                                device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
+                                constant ArgmaxArgs& args [[buffer(2)]],
+                                device const float* bias [[buffer(3)]],    // [V] added to the logits
+                                uint grp [[threadgroup_position_in_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint ntg [[threads_per_threadgroup]],
+                                uint sg [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]],
+                                uint nsg [[simdgroups_per_threadgroup]]) {
+  threadgroup float sv[32];
+  threadgroup uint si[32];
+  argmax_slice<true>(logits, bias, part, args, grp, tid, ntg, sg, lane, nsg, sv, si);
 }
 
 [[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
@@ -217,14 +247,20 @@ static inline float value_of(uint key) {
   return as_type<float>((key & 0x80000000u) != 0 ? (key ^ 0x80000000u) : ~key);
 }
 
-static inline float element(device const float* logits, device const uint* counts, uint i,
-                            constant SampleArgs& a, bool raw) {
-  return raw ? (isnan(logits[i]) ? -INFINITY : logits[i]) : processed(logits[i], counts[i], a);
+// The processed logit of token i: bias (if a.bias), penalties, temperature.
+static inline float processed_at(device const float* logits, device const float* bias, device const uint* counts,
+                                 uint i, constant SampleArgs& a) {
+  return processed(a.bias != 0 ? logits[i] + bias[i] : logits[i], counts[i], a);
+}
+
+static inline float element(device const float* logits, device const float* bias, device const uint* counts,
+                            uint i, constant SampleArgs& a, bool raw) {
+  return raw ? (isnan(logits[i]) ? -INFINITY : logits[i]) : processed_at(logits, bias, counts, i, a);
 }
 
 // Key of the k-th largest element (1 <= k <= V): radix select over 8-bit digits, most
 // significant first. hist: [256] threadgroup counters; sel: [2] threadgroup scratch.
-static inline uint radix_select(device const float* logits, device const uint* counts,
+static inline uint radix_select(device const float* logits, device const float* bias, device const uint* counts,
                                 constant SampleArgs& a, bool raw, uint k,
                                 threadgroup atomic_uint* hist, threadgroup uint* sel,
                                 uint tid, uint ntg) {
@@ -237,7 +273,7 @@ static inline uint radix_select(device const float* logits, device const uint* c
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint i = tid; i < a.vocab; i += ntg) {
-      const uint key = key_of(element(logits, counts, i, a, raw));
+      const uint key = key_of(element(logits, bias, counts, i, a, raw));
       if ((key & mask) == prefix) {
         atomic_fetch_add_explicit(&hist[(key >> uint(shift)) & 255u], 1u, memory_order_relaxed);
       }
@@ -328,6 +364,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
                          device float* logprob_out [[buffer(4)]],   // [1 + top_logprobs]: chosen, then alternatives (if logprobs)
                          device uint* top_ids [[buffer(5)]],        // [max(top_logprobs, 1)] alternative ids (if top_logprobs)
                          constant SampleArgs& args [[buffer(6)]],
+                         device const float* bias [[buffer(7)]],    // [V] logit bias (read if args.bias)
                          uint tid [[thread_index_in_threadgroup]],
                          uint ntg [[threads_per_threadgroup]],
                          uint sg [[simdgroup_index_in_threadgroup]],
@@ -350,7 +387,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
   float best = -INFINITY;
   uint bi = kNone;
   for (uint i = tid; i < V; i += ntg) {
-    const float x = processed(logits[i], counts[i], args);
+    const float x = processed_at(logits, bias, counts, i, args);
     if (x > best || bi == kNone) {
       best = x;
       bi = i;
@@ -364,8 +401,8 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
   if (args.temperature > 0.0f && args.top_k != 1) {
     const uint kk = args.top_k > 0 && args.top_k < V ? args.top_k : 0;  // effective top-k
     const uint c = kk > 0 ? min(kk, kCand) : min(V, kCand);            // candidates wanted
-    const uint tau_c = c < V ? radix_select(logits, counts, args, false, c, hist, sel, tid, ntg) : 0u;
-    const uint tau_k = kk == 0 ? 0u : (kk <= kCand ? tau_c : radix_select(logits, counts, args, false, kk, hist, sel, tid, ntg));
+    const uint tau_c = c < V ? radix_select(logits, bias, counts, args, false, c, hist, sel, tid, ntg) : 0u;
+    const uint tau_k = kk == 0 ? 0u : (kk <= kCand ? tau_c : radix_select(logits, bias, counts, args, false, kk, hist, sel, tid, ntg));
 
     // collect the candidates; mass of the top-k set
     if (tid == 0) {
@@ -374,7 +411,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
     threadgroup_barrier(mem_flags::mem_threadgroup);
     float zk = 0.0f;
     for (uint i = tid; i < V; i += ntg) {
-      const float x = processed(logits[i], counts[i], args);
+      const float x = processed_at(logits, bias, counts, i, args);
       const uint key = key_of(x);
       zk += key >= tau_k ? exp(x - M) : 0.0f;
       if (key >= tau_c) {
@@ -462,7 +499,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
           const uint thr = max(cand, floor_key);
           float mass = 0.0f;
           for (uint i = tid; i < V; i += ntg) {
-            const float x = processed(logits[i], counts[i], args);
+            const float x = processed_at(logits, bias, counts, i, args);
             mass += key_of(x) >= thr ? exp(x - M) : 0.0f;
           }
           if (tg_sum(mass, sv, sg, lane, nsg) >= p_target) {
@@ -473,7 +510,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
       }
       float mine = 0.0f;
       for (uint i = tid; i < V; i += ntg) {
-        const float x = processed(logits[i], counts[i], args);
+        const float x = processed_at(logits, bias, counts, i, args);
         const float e = exp(x - M);
         if (key_of(x) >= floor_key && e >= args.min_p) {
           mine += e;
@@ -500,7 +537,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
         float run = before;
         uint last = kNone;
         for (uint i = tid; i < V; i += ntg) {
-          const float x = processed(logits[i], counts[i], args);
+          const float x = processed_at(logits, bias, counts, i, args);
           const float e = exp(x - M);
           if (key_of(x) >= floor_key && e >= args.min_p) {
             last = i;
@@ -517,7 +554,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
     }
   }
 
-  // log-probabilities of the raw logits
+  // log-probabilities of the raw logits (no bias: lily.sampling.Sampler.logprob)
   if (args.logprobs != 0 || args.top_logprobs != 0) {
     float m = -INFINITY;
     float s = 0.0f;
@@ -539,7 +576,7 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
     }
     const uint n = min(min(args.top_logprobs, 20u), V);
     if (n > 0) {
-      const uint tau = radix_select(logits, counts, args, true, n, hist, sel, tid, ntg);
+      const uint tau = radix_select(logits, bias, counts, args, true, n, hist, sel, tid, ntg);
       if (tid == 0) {
         atomic_store_explicit(&cand_n, 0u, memory_order_relaxed);
       }

@@ -212,6 +212,13 @@ def test_prompt_longer_than_context(demo_path):
     ({"stop": 3}, "stop=3: must be a string or a list of strings"),
     ({"seed": "abc"}, "seed"),
     ({"bogus": 1}, "bogus"),
+    ({"logit_bias": {10**6: 1.0}}, r"logit_bias=\{1000000: 1.0\}: token id outside the vocabulary \[0, "),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"logit_bias": {"5": 1.0}}, r"logit_bias=\{'5': 1.0\}: token ids must be integers"),
+    ({"logit_bias": {5: 100.5}}, r"logit_bias=\{5: 100.5\}: the bias must be a number in \[-100, 100\]"),
+    ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {t: 1.0 for t in range(1025)}}, r"logit_bias=\[1025 entries\]: at most 1024"),
+    ({"logit_bias": [5]}, "logit_bias"),
 ])
 def test_invalid_sampling_parameters(demo_engine, kw, field):
     with pytest.raises(InvalidParameterError, match=field):
@@ -248,6 +255,24 @@ def test_default_device_is_metal_else_reference(demo_path, capfd):
     else:
         assert e.device == "reference"
         assert "using device='reference'" in capfd.readouterr().err
+
+
+def test_sampler_logit_bias():
+    """The bias is added to the raw logit before the penalties and the temperature; greedy
+    and sampled draws see it, log-probabilities do not (raw logits, as vLLM reports)."""
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], np.float32))
+    assert Sampler(SamplingParams(logit_bias={3: 5.0})).sample(logits) == 3
+    assert Sampler(SamplingParams(logit_bias={0: -100.0})).sample(logits) == 1
+    for _ in range(50):
+        assert Sampler(SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100})).sample(logits) in (2, 3)
+    # bias, then the repetition penalty (a biased negative logit is multiplied), then temperature
+    s = Sampler(SamplingParams(temperature=2.0, repetition_penalty=3.0, logit_bias={0: -2.0}), prompt_tokens=[0])
+    x = np.array([1.0, 0.5], np.float32)
+    assert s.process(x)[0] == pytest.approx(-3.0)
+    want = np.exp(np.array([-3.0, 0.5]) / 2.0)
+    np.testing.assert_allclose(s.probabilities(x), want / want.sum())
+    lp = Sampler(SamplingParams(logit_bias={3: 5.0}, logprobs=True, top_logprobs=2)).logprob(logits, 3)
+    assert lp.logprob == pytest.approx(float(np.log(0.05)), abs=1e-6) and [t for t, _ in lp.top] == [0, 1]
 
 
 def test_sampler_filters():

@@ -252,3 +252,28 @@ def test_constrained_generation_samples_on_the_host(sim_engine, demo_engine):
     prompt = sim_engine.tokenizer.encode("ROMEO.\n")
     assert sim_engine.tokens == prompt + got[0].token_ids[:-1]  # the session holds what was fed
     assert sim_engine.generate("ROMEO.\n", max_tokens=8, temperature=0.0).token_ids == before.token_ids
+
+
+def test_engine_logit_bias_on_device_matches_host_sampler(sim_engine, demo_engine):
+    """logit_bias on the device samplers (greedy: argmax_partial_bias; with penalties or a
+    temperature: sample_token) and on the host's (the reference): +100 on a token makes
+    greedy pick it every step, -100 bans the greedy leaders, the same settings give the
+    same tokens on both, and a seeded draw with bans repeats and never shows a banned one."""
+    prompt = "ROMEO.\n"
+    plain = demo_engine.generate(prompt, max_tokens=8, temperature=0.0).token_ids
+    lift = next(t for t in demo_engine.tokenizer.encode(" the and of") if t not in plain)
+    ban = {t: -100.0 for t in plain[:3]}
+    greedy = dict(max_tokens=4, temperature=0.0)
+    penalised = dict(greedy, repetition_penalty=1.3, presence_penalty=0.5)
+    got = {}
+    for name, engine in (("sim", sim_engine), ("ref", demo_engine)):
+        got[name] = [engine.generate(prompt, logit_bias={lift: 100.0}, **greedy).token_ids,
+                     engine.generate(prompt, logit_bias=ban, **greedy).token_ids,
+                     engine.generate(prompt, logit_bias=ban, **penalised).token_ids]
+    assert got["sim"] == got["ref"]
+    forced, banned, banned_pen = got["sim"]
+    assert forced == [lift] * 4
+    assert not set(banned) & set(ban) and not set(banned_pen) & set(ban)
+    sampled = dict(max_tokens=6, temperature=1.0, seed=5, logit_bias=ban)
+    a, b = (sim_engine.generate(prompt, **sampled).token_ids for _ in range(2))
+    assert a == b and not set(a) & set(ban)

@@ -529,6 +529,24 @@ def test_demo_model_through_both_new_apis(real):
     assert 0 < cached < events[-1].response.usage.input_tokens
 
 
+def test_logit_bias_steers_the_demo_model(real, engine):
+    """OpenAI's logit_bias reaches the sampler: +100 on a token makes greedy decoding emit it
+    at every step (both endpoints); -100 on the unbiased first token changes the text."""
+    tok = engine.tokenizer.encode(" the")[0]  # the demo's tokenizer (the scripted engine's too)
+    base = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0.0}
+    url = real.base + "/v1/completions"
+    forced = httpx.post(url, json={**base, "logit_bias": {str(tok): 100}}).json()["choices"][0]["text"]
+    assert forced == engine.tokenizer.decode([tok] * 4)
+    r = httpx.post(real.base + "/v1/chat/completions", json={
+        "messages": ASK, "max_tokens": 3, "temperature": 0.0, "logit_bias": {str(tok): 100},
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+    plain = httpx.post(url, json={**base, "logprobs": 1}).json()["choices"][0]
+    first = engine.tokenizer.encode(plain["logprobs"]["tokens"][0])[0]
+    banned = httpx.post(url, json={**base, "logit_bias": {str(first): -100}}).json()["choices"][0]["text"]
+    assert banned != plain["text"] and not banned.startswith(plain["logprobs"]["tokens"][0])
+
+
 # ----------------------------------------------------------------------------------------
 # bad input in every API: a 400 naming what is wrong (context room, thinking budget, a
 # conversation without a user turn), and valid tools without a description
@@ -739,8 +757,8 @@ def test_an_anthropic_user_turn_without_blocks_is_a_clear_400(srv, engine):
 
 def test_what_real_clients_send_is_honoured_or_refused(srv, engine):
     """Fields the official clients send, as the API references define them: temperature in
-    OpenAI's [0, 2] and Anthropic's [0, 1]; a non-empty logit_bias (which the samplers cannot
-    apply) refused rather than ignored; reasoning_effort "none" turning thinking off as the
+    OpenAI's [0, 2] and Anthropic's [0, 1]; logit_bias with token-id string keys and values in
+    [-100, 100], a bad entry a 400 naming it; reasoning_effort "none" turning thinking off as the
     Responses API's reasoning.effort does; count_tokens counting beyond the window (agents
     count to decide when to compact); the Responses usage's cache_write_tokens; a forced tool
     call's stream starting with content null, as its non-streaming message has it."""
@@ -758,11 +776,18 @@ def test_what_real_clients_send_is_honoured_or_refused(srv, engine):
     assert httpx.post(msgs, json={**base, "temperature": 1.0}).status_code == 200
     msg = _anthropic_error(httpx.post(msgs, json={**base, "temperature": 1.5}), 400, "invalid_request_error")
     assert "temperature" in msg and "[0, 1]" in msg, msg
-    # logit_bias
+    # logit_bias: applied (test_logit_bias_steers_the_demo_model); a bad entry is a 400 naming it
+    V = engine.config.vocab_size
+    bad_entries = [({"x": 1}, '"x"'), ({"-1": 1}, '"-1"'), ({"1.5": 1}, '"1.5"'), ({" 5": 1}, '" 5"'),
+                   ({str(V): 1}, "outside the vocabulary"), ({"5": 100.5}, "100.5"), ({"5": -101}, "-101"),
+                   ({"5": "1"}, '"5": "1"'), ({"5": None}, "null"), ({"5": True}, "true"), ({"5": 1, "05": 2}, "twice"),
+                   ([5], "object"), ({str(t): 1 for t in range(1025)}, "at most 1024")]
     for path, body in ((chat, {"messages": ASK}), (srv.base + "/v1/completions", {"prompt": "x"})):
-        assert httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": {}}).status_code == 200
-        err = _openai_error(httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": {"5": -100}}), 400)
-        assert err["param"] == "logit_bias" and "not supported" in err["message"], err
+        for ok in ({}, None, {"5": -100}, {"7": 2.5, str(V - 1): 100, "0": 0}):
+            assert httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": ok}).status_code == 200
+        for bias, needle in bad_entries:
+            err = _openai_error(httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": bias}), 400)
+            assert err["param"] == "logit_bias" and needle in err["message"], (bias, err)
     # reasoning_effort
     engine.reset()
     httpx.post(chat, json={"messages": ASK, "max_tokens": 2, "reasoning_effort": "none"}).raise_for_status()

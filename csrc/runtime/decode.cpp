@@ -58,6 +58,7 @@ void Runtime::resolve_decode_kernels() {
   k.moe_gate_up = &dev.pipeline("moe_route_gate_up_swiglu_q4");
   k.moe_down = &dev.pipeline("moe_down_q4");
   k.argmax_partial = &dev.pipeline("argmax_partial");
+  k.argmax_partial_bias = &dev.pipeline("argmax_partial_bias");
   k.sample_greedy_combine = &dev.pipeline("sample_greedy_combine");
   k.sample_token = &dev.pipeline("sample_token");
 }
@@ -273,14 +274,20 @@ void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
   auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
   const SamplingConfig& sc = sampling_;
+  const bool bias = !sc.logit_bias.empty();
+  const size_t vf = size_t(d.vocab_size) * f;
   if (sc.greedy_kernel()) {
     // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
     // slice, then one threadgroup reduces them and writes the token (no host round trip).
+    // A logit bias is one more [V] read in the first stage (a kernel of its own).
     const uint32_t parts = ceil_div(d.vocab_size, kArgmaxSlice);
     const size_t part_bytes = size_t(parts) * 2 * u32;
-    Op(*K.argmax_partial, "greedy argmax partials")
-        .groups(tg(parts), tg(256)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-        .out(1, *argmax_part_, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice}).run(pass);
+    Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
+               bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
+    partial.groups(tg(parts), tg(256)).in(0, *logits_, 0, vf)
+        .out(1, *argmax_part_, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice});
+    if (bias) partial.in(3, *bias_, 0, vf);
+    partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
         .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32))).in(0, *argmax_part_, 0, part_bytes)
         .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
@@ -289,13 +296,15 @@ void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
                            sc.repetition_penalty != 1.0f;
     args::SampleArgs sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
-                    sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u};
+                    sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = kMaxTopLogprobs * f, ti = kMaxTopLogprobs * u32;
     Op op(*K.sample_token, "sample token -> next slot");
     op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
         .inout(1, *counts_, 0, counts_->size()).in(2, *positions_, slot * u32, u32)
         .out(3, *tokens_, (slot ^ 1) * u32, u32)
-        .out(4, *logprob_out_, slot * lp, lp).out(5, *top_ids_, slot * ti, ti).args(6, sa).run(pass);
+        .out(4, *logprob_out_, slot * lp, lp).out(5, *top_ids_, slot * ti, ti).args(6, sa);
+    if (bias) op.in(7, *bias_, 0, vf); else op.bind(7, *bias_);  // bound (every argument must be), unread
+    op.run(pass);
   }
 }
 

@@ -19,4 +19,4 @@ static_assert(sizeof(lily::kernels::MoeArgs) == 20 && sizeof(lily::kernels::GdnD
 static_assert(sizeof(lily::kernels::MoeRouteArgs) == 24 && sizeof(lily::kernels::NormGemvArgs) == 32, "arg layout");
 static_assert(sizeof(lily::kernels::AttnFusedArgs) == 36 && sizeof(lily::kernels::AttnCombineArgs) == 16, "arg layout");
 static_assert(sizeof(lily::kernels::GatedNormArgs) == 12, "arg layout");
-static_assert(sizeof(lily::kernels::SampleArgs) == 52 && sizeof(lily::kernels::MoeTile) == 16, "arg layout");
+static_assert(sizeof(lily::kernels::SampleArgs) == 56 && sizeof(lily::kernels::MoeTile) == 16, "arg layout");

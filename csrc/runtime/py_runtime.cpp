@@ -120,6 +120,8 @@ void bind_runtime(nb::module_& m) {
     LILY_SAMPLING_CONFIG(LILY_BIND_FIELD)
   }
   sampling.attr("FIELDS") = nb::tuple(sampling_fields.names);
+  sampling.def_rw("logit_bias", &SamplingConfig::logit_bias,
+                  "lily.sampling.SamplingParams.logit_bias: (token id, bias) pairs, ids < vocab (not in FIELDS).");
   nb::class_<SessionSnapshot>(m, "SessionSnapshot",
                               "A Runtime's session state in a buffer of its device (Runtime.snapshot / restore).")
       .def("__init__",

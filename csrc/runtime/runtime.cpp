@@ -151,6 +151,7 @@ void Runtime::allocate_buffers() {
     }
   }
   counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
+  bias_ = scratch(size_t(d.vocab_size) * f, "logit bias");
   logprob_out_ = scratch(2 * kMaxTopLogprobs * f, "logprobs (per slot)");
   top_ids_ = scratch(2 * kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
   allocate_chunk_buffers();
@@ -235,6 +236,9 @@ void Runtime::preflight() {
       sampling_ = SamplingConfig{};
       sampling_.temperature = 1.0f;
       sampling_.logprobs = true;
+      encode_sample(pass, 0);
+      sampling_ = SamplingConfig{};  // greedy with a logit bias
+      sampling_.logit_bias = {{0, 0.0f}};
       encode_sample(pass, 0);
       pass.end();
       collect(*cmd);
@@ -531,6 +535,14 @@ void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg
   std::memset(counts, 0, counts_->size());
   for (uint32_t t : prompt)
     if (t < dims_.vocab_size) counts[t] = 0x80000000u;
+  if (!cfg.logit_bias.empty()) {  // uploaded once per generation; the kernels read it every step
+    auto* bias = static_cast<float*>(bias_->contents());
+    std::memset(bias, 0, bias_->size());
+    for (const auto& [t, b] : cfg.logit_bias) {
+      if (t >= dims_.vocab_size) throw std::invalid_argument("generate: logit_bias token id outside the vocabulary");
+      bias[t] = b;
+    }
+  }
   // The feed's last token is the input of "step 0", which samples the first output: a
   // decode step for a single token, else the last prefill chunk (ending with the sampler).
   const size_t n = feed.size();

@@ -88,10 +88,11 @@ struct Traffic {
   uint64_t other_bytes = 0;   // activations between kernels
 };
 
-// Token selection on the device (metal/sample.metal). Greedy without logprobs runs
-// sample_greedy; anything else runs sample_token (penalties from the per-session count
-// buffer, temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the
-// token's position as counter, optional log-probabilities of the raw logits).
+// Token selection on the device (metal/sample.metal). Greedy without logprobs or penalties
+// runs the two-stage argmax (argmax_partial, or argmax_partial_bias with a logit bias);
+// anything else runs sample_token (logit bias, penalties from the per-session count buffer,
+// temperature, top-k, top-p, min-p, a Philox draw keyed by `seed` with the token's position
+// as counter, optional log-probabilities of the raw logits).
 // lily.sampling.SamplingParams' device-side fields (same names), listed once for the
 // struct and its binding (lily._core.SamplingConfig). X(type, name, default).
 #define LILY_SAMPLING_CONFIG(X)                                                              \
@@ -102,6 +103,10 @@ struct Traffic {
 
 struct SamplingConfig {
   LILY_SAMPLING_CONFIG(LILY_DECLARE_FIELD)
+  // OpenAI's logit_bias as (token id < vocab, bias) pairs: Runtime::start writes them into a
+  // dense per-session [V] buffer the samplers add to the raw logits (empty: not read at all).
+  std::vector<std::pair<uint32_t, float>> logit_bias;
+  // The two-stage argmax serves it (with or without a bias).
   bool greedy_kernel() const {
     return temperature == 0.0f && !logprobs && presence_penalty == 0.0f && frequency_penalty == 0.0f &&
            repetition_penalty == 1.0f;
@@ -173,7 +178,8 @@ struct DecodeKernels {
   const gpu::Pipeline* gdn_step = nullptr;
   const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
-  const gpu::Pipeline *argmax_partial = nullptr, *sample_greedy_combine = nullptr, *sample_token = nullptr;
+  const gpu::Pipeline *argmax_partial = nullptr, *argmax_partial_bias = nullptr, *sample_greedy_combine = nullptr,
+                      *sample_token = nullptr;
 };
 
 // The pipelines of the prefill chunk (prefill.cpp), as DecodeKernels; the GEMMs on the
@@ -355,9 +361,9 @@ class Runtime {
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
   std::vector<gpu::BufferPtr> owned_;
 
-  // sampling: per-session token counts [V] (bit 31: seen in the prompt) and per-slot
-  // log-probability outputs
-  gpu::BufferPtr counts_, logprob_out_, top_ids_;
+  // sampling: per-session token counts [V] (bit 31: seen in the prompt), the logit bias [V]
+  // (written by start() when the request has one) and per-slot log-probability outputs
+  gpu::BufferPtr counts_, bias_, logprob_out_, top_ids_;
   // greedy argmax partials (argmax_partial -> sample_greedy_combine), one per slice of logits
   gpu::BufferPtr argmax_part_;
   SamplingConfig sampling_;

@@ -416,7 +416,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     return w;
   }
   // ---- token selection
-  if (k == "argmax_partial" || k == "sample_greedy_combine") {  // multi-threadgroup greedy argmax
+  if (k == "argmax_partial" || k == "argmax_partial_bias" || k == "sample_greedy_combine") {  // multi-threadgroup greedy argmax
     Work w = make("lm head + sampling");
     add(w, Path::alu_f32, 2.0 * r.bytes_read / sizeof(float));
     w.bytes = declared(r);

@@ -387,6 +387,15 @@ class SamplingConfig:
 
     FIELDS: tuple[str, ...]
 
+    @property
+    def logit_bias(self) -> list[tuple[int, float]]:
+        """
+        lily.sampling.SamplingParams.logit_bias: (token id, bias) pairs, ids < vocab (not in FIELDS).
+        """
+
+    @logit_bias.setter
+    def logit_bias(self, arg: Sequence[tuple[int, float]], /) -> None: ...
+
 class SessionSnapshot:
     """
     A Runtime's session state in a buffer of its device (Runtime.snapshot / restore).

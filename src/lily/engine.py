@@ -408,7 +408,9 @@ class Engine:
 
     def _params(self, params: SamplingParams | None, overrides: dict) -> SamplingParams:
         base = params if params is not None else self.generation_defaults
-        return base.replace(**overrides) if overrides else base
+        p = base.replace(**overrides) if overrides else base
+        p.check_vocab(self.config.vocab_size)  # logit_bias ids: the one check needing the vocabulary
+        return p
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a raw text prompt (no chat template), or the ids themselves.

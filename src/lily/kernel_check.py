@@ -1532,14 +1532,24 @@ def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=Fal
     return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
                       float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
                       seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
-                      int(update_counts))
+                      int(update_counts), int(bool(p.logit_bias)))
+
+
+def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
+    """``params.logit_bias`` as the runtime's per-session buffer: float32 ``[V]``, 0 elsewhere."""
+    b = np.zeros(V, np.float32)
+    ids, vals = params.bias_arrays()
+    b[ids] = vals
+    return b
 
 
 def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
-    """One sample_token dispatch per (seed, position), all in one command buffer."""
+    """One sample_token dispatch per (seed, position), all in one command buffer; with
+    ``params.logit_bias`` the dense bias buffer is bound and declared read (else bound only)."""
     V = logits.size
     n = len(seeds)
     L, C = upload(dev, f32(logits)), upload(dev, counts)
+    B = upload(dev, dense_bias(params, V)) if params.logit_bias else L
     POS = upload(dev, np.asarray(positions, np.uint32))
     TOK = dev.buffer(4 * n)
     k = max(params.top_logprobs, 1)
@@ -1550,9 +1560,9 @@ def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs
         lp_bytes = 4 * (1 + params.top_logprobs)
         p.dispatch("sample_token", 1, tg,
                    buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
-                            (5, IDS, 4 * k * j)],
+                            (5, IDS, 4 * k * j), (7, B)],
                    constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
-                   reads=[L, C, (POS, 4 * j, 4)],
+                   reads=[L, C, (POS, 4 * j, 4)] + ([B] if params.logit_bias else []),
                    writes=[(TOK, 4 * j, 4)]
                    + ([(LP, lp_bytes * j, 4)] if logprobs else [])
                    + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
@@ -1864,17 +1874,20 @@ def _sample_greedy(dev, rng, kernel):
     return 0.0
 
 
-def argmax_two_stage(dev, logits: np.ndarray, slice_: int) -> tuple[int, int]:
-    """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]``: argmax_partial
-    (256 threads per slice of ``slice_`` logits), then sample_greedy_combine in one
-    threadgroup. Returns (token, barrier stages of the command buffer)."""
+def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None) -> tuple[int, int]:
+    """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
+    ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
+    of ``slice_`` logits), then sample_greedy_combine in one threadgroup. Returns (token,
+    barrier stages of the command buffer)."""
     V = logits.size
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
+    B = [upload(dev, f32(bias))] if bias is not None else []
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    p.dispatch("argmax_partial", parts, 256, buffers=[(0, L), (1, PART)], constants=[(2, constant(V, slice_))],
-               reads=[L], writes=[PART], threadgroups=True)
+    p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
+               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, constant(V, slice_))],
+               reads=[L, *B], writes=[PART], threadgroups=True)
     p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
                constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
@@ -1882,13 +1895,20 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int) -> tuple[int, int]:
     return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
 
 
-@check("argmax_partial", "sample_greedy_combine")
+@check("argmax_partial", "argmax_partial_bias", "sample_greedy_combine")
 def _argmax_two_stage(dev, rng, kernel):
-    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine."""
+    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine
+    (argmax_partial_bias: over logits + a bias that lifts one token and bans the leaders)."""
     V, slice_ = 1000, 64
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
-    got, want = argmax_two_stage(dev, logits, slice_)[0], int(np.argmax(logits))
+    bias = None
+    if kernel == "argmax_partial_bias":
+        bias = np.zeros(V, np.float32)
+        bias[[V // 3, V // 2]] = -100.0
+        bias[int(rng.integers(V))] += 7.5
+    got = argmax_two_stage(dev, logits, slice_, bias)[0]
+    want = int(np.argmax(logits if bias is None else logits + bias))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
     return 0.0

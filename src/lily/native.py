@@ -30,7 +30,8 @@ def model_dims(c: ModelConfig):
 
 def sampling_config(params):
     """The device's ``lily._core.SamplingConfig`` from :class:`lily.sampling.SamplingParams`
-    (same field names); a seed of None becomes a fresh random one, any seed is taken mod 2**64."""
+    (same field names, and its ``logit_bias`` pairs); a seed of None becomes a fresh random
+    one, any seed is taken mod 2**64."""
     from lily import _core
     s = _core.SamplingConfig()
     for name in _core.SamplingConfig.FIELDS:
@@ -38,6 +39,7 @@ def sampling_config(params):
             setattr(s, name, getattr(params, name))
     seed = params.seed if params.seed is not None else int(np.random.SeedSequence().entropy)
     s.seed = int(seed) % (1 << 64)
+    s.logit_bias = list(params.logit_bias)  # uploaded once by Runtime.start (a dense [V] buffer)
     return s
 
 

@@ -2,9 +2,11 @@
 requests on every device: lily.backend.HostGeneration), and stop-string matching on
 streamed text.
 
-Order of logit processing (the usual one, as in Hugging Face / vLLM): repetition penalty,
-presence and frequency penalties, temperature, top-k, top-p, min-p, then a draw from a
-seeded ``numpy.random.Generator`` (PCG64). ``temperature == 0`` is greedy (argmax).
+Order of logit processing (the usual one, as in Hugging Face / vLLM): logit bias,
+repetition penalty, presence and frequency penalties, temperature, top-k, top-p, min-p, then
+a draw from a seeded ``numpy.random.Generator`` (PCG64). ``temperature == 0`` is greedy
+(argmax). Log-probabilities are those of the raw logits (before bias, penalties and
+temperature), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -12,11 +14,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from lily.errors import ConfigError, InvalidParameterError
+
+#: Most entries a ``logit_bias`` may have. OpenAI's reference names no limit; a bound keeps
+#: a request's validation and upload cheap (the device buffer is dense either way).
+LOGIT_BIAS_MAX_ENTRIES = 1024
+#: Largest magnitude of a bias (OpenAI's range: -100 bans a token, +100 all but forces it).
+LOGIT_BIAS_MAX = 100.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,13 @@ class SamplingParams:
         Also return this many most likely alternatives per position (0..20).
     ignore_eos : bool
         Keep generating past EOS tokens (benchmarks).
+    logit_bias : tuple[tuple[int, float], ...]
+        OpenAI's ``logit_bias``: token id -> bias in logit units, finite, in [-100, 100],
+        added to that token's raw logit before the penalties and temperature (as vLLM and
+        llama.cpp do); -100 effectively bans a token, +100 all but forces it. Given as a
+        mapping (or (id, bias) pairs); stored as pairs sorted by id, at most
+        ``LOGIT_BIAS_MAX_ENTRIES``. Ids must be >= 0 here; the engine checks them against
+        the vocabulary (:meth:`check_vocab`). Log-probabilities stay those of the raw logits.
     """
 
     max_tokens: int = 256
@@ -64,6 +79,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         stop = self.stop
@@ -75,6 +91,7 @@ class SamplingParams:
             raise InvalidParameterError(f"invalid sampling parameter stop={stop!r}: must be a string "
                                         "or a list of strings")
         object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -116,6 +133,40 @@ class SamplingParams:
         if len(self.stop) > 16:
             raise InvalidParameterError(f"invalid sampling parameter stop=[{len(self.stop)} strings]: "
                                         "at most 16 stop strings")
+        self._check_bias()
+
+    def _check_bias(self, vocab: int | None = None) -> None:
+        # the map is not echoed (up to LOGIT_BIAS_MAX_ENTRIES entries): the bad entry is
+        if len(self.logit_bias) > LOGIT_BIAS_MAX_ENTRIES:
+            raise InvalidParameterError(f"invalid sampling parameter logit_bias=[{len(self.logit_bias)} entries]: "
+                                        f"at most {LOGIT_BIAS_MAX_ENTRIES} entries")
+        hi = (1 << 31) - 1 if vocab is None else vocab - 1
+        seen = set()
+        for tok, b in self.logit_bias:
+            entry = f"invalid sampling parameter logit_bias={{{tok!r}: {b!r}}}"[:120]
+            if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+                raise InvalidParameterError(f"{entry}: token ids must be integers")
+            if not 0 <= tok <= hi:
+                where = "the vocabulary" if vocab is not None else "the token id range"
+                raise InvalidParameterError(f"{entry}: token id outside {where} [0, {hi + 1})")
+            if tok in seen:
+                raise InvalidParameterError(f"{entry}: token id given twice")
+            seen.add(tok)
+            if isinstance(b, bool) or not isinstance(b, (int, float, np.floating, np.integer)) \
+                    or not math.isfinite(b) or abs(b) > LOGIT_BIAS_MAX:
+                raise InvalidParameterError(f"{entry}: the bias must be a number in "
+                                            f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise :class:`InvalidParameterError` naming the first ``logit_bias`` entry whose
+        token id is outside ``[0, vocab)``."""
+        self._check_bias(vocab)
+
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """``logit_bias`` as (ids int64 ``[n]``, biases float32 ``[n]``), sorted by id."""
+        ids = np.fromiter((t for t, _ in self.logit_bias), np.int64, len(self.logit_bias))
+        vals = np.fromiter((b for _, b in self.logit_bias), np.float32, len(self.logit_bias))
+        return ids, vals
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with ``changes`` applied (validated). Unknown names raise
@@ -171,6 +222,39 @@ class SamplingParams:
             raise ConfigError(f"{where}: {e}") from None
 
 
+def _bias_pairs(bias) -> tuple:
+    """A ``logit_bias`` given as a mapping, (id, bias) pairs or None, as a tuple of pairs
+    sorted by id (integral ids as ``int``, biases as ``float``; other values are kept for
+    :meth:`SamplingParams.validate` to name)."""
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        items = list(bias.items())
+    elif isinstance(bias, (list, tuple)):
+        items = list(bias)
+        if not all(isinstance(e, (list, tuple)) and len(e) == 2 for e in items):
+            raise InvalidParameterError("invalid sampling parameter logit_bias: must be a mapping of token id "
+                                        "to bias (or (id, bias) pairs)")
+    else:
+        raise InvalidParameterError(f"invalid sampling parameter logit_bias={bias!r}"[:80] + ": must be a mapping "
+                                    "of token id to bias")
+
+    def norm(t, b):
+        if isinstance(t, np.integer):
+            t = int(t)
+        if isinstance(b, (np.floating, np.integer)) and not isinstance(b, bool):
+            b = float(b)
+        elif isinstance(b, int) and not isinstance(b, bool):
+            b = float(b)
+        return t, b
+
+    pairs = [norm(t, b) for t, b in items]
+    try:
+        return tuple(sorted(pairs, key=lambda e: e[0]))
+    except TypeError:  # ids of mixed types: validate() names the bad one
+        return tuple(pairs)
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     """Log-probability of one generated token under the model's distribution (raw logits,
@@ -199,11 +283,20 @@ class Sampler:
         self.rng = np.random.Generator(np.random.PCG64(int(seed) % (1 << 128)))
         self._seen = set(int(t) for t in prompt_tokens)
         self._counts: dict[int, int] = {}
+        self._bias = params.bias_arrays() if params.logit_bias else None
 
     def process(self, logits: np.ndarray) -> np.ndarray:
-        """Penalties and temperature applied to a float64 copy of ``logits``."""
+        """Logit bias and penalties applied to a float64 copy of ``logits`` (float32
+        ``[vocab]``); :meth:`probabilities` divides by the temperature."""
         p = self.params
-        x = np.array(logits, dtype=np.float64)
+        if self._bias is not None:
+            # added in float32, as the device sampler does (the same sums, bit for bit)
+            x = np.array(logits, dtype=np.float32)
+            ids, vals = self._bias
+            x[ids] += vals
+            x = x.astype(np.float64)
+        else:
+            x = np.array(logits, dtype=np.float64)
         if p.repetition_penalty != 1.0 and (self._seen or self._counts):
             ids = np.fromiter(self._seen | set(self._counts), dtype=np.int64)
             v = x[ids]
@@ -248,7 +341,7 @@ class Sampler:
     def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
         """The :class:`TokenLogprob` of ``token`` under ``logits`` (float32 ``[vocab]``,
         masked to ``-inf`` where a constraint forbids a token: the alternatives listed are
-        then only allowed ones)."""
+        then only allowed ones). Raw logits: no bias, penalty or temperature."""
         lp = log_softmax(logits)
         top = ()
         if self.params.top_logprobs:

@@ -222,3 +222,90 @@ def test_sample_token_real_vocab(fwd_dev):
     np.testing.assert_array_equal(ids[0], np.argsort(-logits, kind="stable")[:3])
     lsm = log_softmax(logits)
     np.testing.assert_allclose(lps[:, 0], lsm[toks], atol=1e-4)
+
+
+# ------------------------------------------------------------------------------ logit bias
+
+
+def _bias_params(V, rng, logits, n=40, **kw):
+    """A random logit_bias of ``n`` entries: random values, +100 on a random token and -100
+    on the unbiased leader (a ban)."""
+    ids = rng.choice(V, min(n, V), replace=False)
+    vals = rng.uniform(-5, 5, ids.size)
+    vals[0] = 100.0
+    bias = {int(t): float(v) for t, v in zip(ids, vals)}
+    bias[int(np.nanargmax(logits))] = -100.0
+    return SamplingParams(logit_bias=bias, **kw)
+
+
+@pytest.mark.parametrize("V,slice_", [(1000, 64), (5000, 96), (248320, 4096)])
+@pytest.mark.parametrize("lift", [True, False])
+def test_argmax_two_stage_bias(dev, V, slice_, lift):
+    """argmax_partial_bias + sample_greedy_combine: the argmax of logits + bias (float32 sums,
+    ties to the lowest index, NaN never wins), the host sampler's greedy token, still two
+    stages. lift: +100 on one token wins; else the -100 ban moves the argmax elsewhere."""
+    rng = fresh_rng(V, slice_, lift)
+    logits = f32(rng.standard_normal(V) * 3)
+    logits[V // 4] = np.nan
+    params = _bias_params(V, rng, logits)
+    if not lift:
+        params = params.replace(logit_bias={t: b for t, b in params.logit_bias if b < 100})
+    bias = kernel_check.dense_bias(params, V)
+    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_, bias)
+    assert stages == 2
+    want = int(np.nanargmax(logits + bias))
+    host = sampler_for(params).sample(np.where(np.isnan(logits), -np.inf, logits))  # host argmax: NaN would win
+    assert token == want == host
+    if lift:
+        assert bias[want] == 100.0
+    else:
+        assert bias[int(np.nanargmax(logits))] == -100.0 and want != int(np.nanargmax(logits))
+
+
+def test_sample_token_bias_temperature0(dev):
+    """Greedy with penalties and a bias (sample_token's pass 1): the host sampler's token."""
+    V = 3000
+    logits, prompt, generated = _penalty_case(V, 20)
+    params = _bias_params(V, fresh_rng(21), logits, temperature=0.0, **PENALTIES)
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, [1], [5])
+    assert toks[0] == sampler_for(params, prompt, generated).sample(logits)
+    assert dict(params.logit_bias)[int(toks[0])] == 100.0
+
+
+@pytest.mark.parametrize("V,tg,params", [
+    (50, 64, SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)),  # fast path
+    (3000, 64, SamplingParams(temperature=0.5)),                                              # slow path
+])
+def test_sample_token_bias_exact_draws(dev, V, tg, params):
+    """Draws with a logit bias (moderate values, so several tokens stay plausible) against the
+    numpy model of the kernel over lily.sampling's biased, filtered distribution; banned
+    tokens are never drawn."""
+    rng = fresh_rng(22, V)
+    logits, prompt, generated = _penalty_case(V, int(rng.integers(1 << 30)))
+    ids = rng.choice(V, 20, replace=False)
+    bias = {int(t): float(v) for t, v in zip(ids, rng.uniform(-3, 3, ids.size))}
+    banned = [int(t) for t in np.argsort(-logits)[:3]]
+    bias.update({t: -100.0 for t in banned})
+    params = params.replace(logit_bias=bias)
+    probs = filtered_probs(params, logits, prompt, generated)
+    seeds = [int(s) for s in rng.integers(0, 2**63, 40)]
+    positions = list(range(40))
+    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=tg)
+    assert (probs[toks] > 0).all() and not set(toks.tolist()) & set(banned)
+    order = sorted_order(probs) if V <= 1024 else thread_order(V, tg)
+    for tok, (want, near) in zip(toks, expected_draws(probs, order, seeds, positions)):
+        assert tok == want or near
+
+
+def test_sample_token_bias_logprobs_raw(dev):
+    """Log-probabilities stay those of the raw logits (no bias), as the host sampler's."""
+    V = 4000
+    logits = f32(fresh_rng(23).standard_normal(V) * 4)
+    params = _bias_params(V, fresh_rng(24), logits, temperature=0.9, top_k=50, top_logprobs=5, logprobs=True)
+    toks, lps, ids, *_ = sample_many(dev, logits, count_buffer(V), params, [11, 12], [1, 2], logprobs=True)
+    assert (np.asarray([dict(params.logit_bias).get(int(t)) for t in toks]) == 100.0).all()
+    for tok, lp, ii in zip(toks, lps, ids):
+        want = sampler_for(params).logprob(logits, int(tok))
+        assert abs(lp[0] - want.logprob) < 1e-4
+        np.testing.assert_array_equal(ii, [t for t, _ in want.top])
+        np.testing.assert_allclose(lp[1:], [v for _, v in want.top], atol=1e-4)

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
+from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
 from lily.structured import check_tools as check_tool_list
@@ -142,19 +143,47 @@ class ServerState:
             raise APIError(400, f"best_of={best_of} is not supported: only 1", param="best_of",
                            code="invalid_value")
 
-    @staticmethod
-    def check_logit_bias(bias) -> None:
-        """400 for a non-empty ``logit_bias``: the samplers (the GPU's and the host's) take no
-        per-token bias, and serving the request without it would quietly ignore a ban."""
-        if bias:
-            raise APIError(400, "logit_bias is not supported (an empty object or null is accepted)",
-                           param="logit_bias", code="invalid_value")
+    def logit_bias(self, bias) -> dict[int, float]:
+        """OpenAI's ``logit_bias`` (a JSON object: token id as a decimal string -> a number in
+        [-100, 100]) as :attr:`lily.sampling.SamplingParams.logit_bias`; null and ``{}`` are
+        no bias. 400 naming ``logit_bias`` and the bad entry for a key that is not a token id,
+        an id outside the vocabulary, a value that is not a number or is out of range, and
+        for more than :data:`~lily.sampling.LOGIT_BIAS_MAX_ENTRIES` entries."""
+        if bias is None:
+            return {}
+
+        def bad(msg: str) -> APIError:
+            return APIError(400, f"logit_bias: {msg}", param="logit_bias", code="invalid_value")
+
+        if not isinstance(bias, dict):
+            raise bad(f"must be an object mapping token ids to biases, got {type(bias).__name__}")
+        if len(bias) > LOGIT_BIAS_MAX_ENTRIES:
+            raise bad(f"{len(bias)} entries, at most {LOGIT_BIAS_MAX_ENTRIES}")
+        vocab = self.engine.config.vocab_size
+        out = {}
+        for key, value in bias.items():
+            entry = f"{dumps(key)[:40]}: {dumps(value)[:40]}"
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise bad(f"invalid entry {entry}: the key must be a token id (a non-negative integer as a string)")
+            tok = int(key)
+            if tok >= vocab:
+                raise bad(f"invalid entry {entry}: token id {tok} is outside the vocabulary [0, {vocab})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or abs(value) > LOGIT_BIAS_MAX:
+                raise bad(f"invalid entry {entry}: the bias must be a number in "
+                          f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+            if tok in out:  # "5" and "05"
+                raise bad(f"invalid entry {entry}: token id {tok} is given twice")
+            out[tok] = float(value)
+        return out
 
     def sampling_params(self, req, max_tokens: int | None, logprobs: bool = False, top_logprobs: int = 0,
-                        stop: tuple[str, ...] | None = None, max_temperature: float = 2.0):
+                        stop: tuple[str, ...] | None = None, max_temperature: float = 2.0,
+                        logit_bias: dict[int, float] | None = None):
         """The engine's :class:`~lily.sampling.SamplingParams` for a request: the checkpoint's
         defaults with the request's sampling fields (those of ``_SAMPLING_FIELDS`` that ``req``
-        has and sets), its ``stop`` strings (or ``stop``) and ``max_tokens``. 400 when a value
+        has and sets), its ``stop`` strings (or ``stop``), ``max_tokens`` and ``logit_bias`` (from
+        :meth:`logit_bias`). 400 when a value
         is out of range: the API's own range for ``temperature`` (``max_temperature``: 2 in
         OpenAI's reference, 1 in Anthropic's), the engine's for the rest."""
         kw: dict[str, Any] = {}
@@ -179,6 +208,8 @@ class ServerState:
             kw["max_tokens"] = max_tokens
         kw["logprobs"] = bool(logprobs)
         kw["top_logprobs"] = top_logprobs if logprobs else 0
+        if logit_bias:
+            kw["logit_bias"] = logit_bias
         try:
             return self.engine.generation_defaults.replace(**kw)
         except (LilyError, ValueError, TypeError) as exc:

@@ -184,7 +184,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n)
-    state.check_logit_bias(getattr(req, "logit_bias", None))
+    bias = state.logit_bias(getattr(req, "logit_bias", None))
     kwargs = {**reasoning_effort_kwargs(getattr(req, "reasoning_effort", None)),
               **check_template_kwargs(req.chat_template_kwargs)}  # explicit template switches win
     top_lp = req.top_logprobs
@@ -202,7 +202,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                     tool_param=tool_param)
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     max_tokens = state.max_tokens_for(len(ids), getattr(req, limit_field), field=limit_field, prompt="messages")
-    params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0)
+    params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0, logit_bias=bias)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
     job = state.submit(ids, params, constraint=constraint, prompt_cache_key=cache_key(req))
@@ -320,7 +320,7 @@ async def completions(req: CompletionRequest, request: Request):
     t_start = time.perf_counter()
     state.check_model(req.model)
     state.check_n(req.n, req.best_of)
-    state.check_logit_bias(getattr(req, "logit_bias", None))
+    bias = state.logit_bias(getattr(req, "logit_bias", None))
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix", code="invalid_value")
     prompt = req.prompt
@@ -341,7 +341,7 @@ async def completions(req: CompletionRequest, request: Request):
         raise APIError(400, f"logprobs must be in [0, 20], got {n_lp}", param="logprobs",
                        code="invalid_value")
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="prompt", default=16)
-    params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0)
+    params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0, logit_bias=bias)
     echo_text = tok.decode(ids) if req.echo else ""
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
     job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None,
