@@ -258,7 +258,8 @@ def test_engine_logit_bias_on_device_matches_host_sampler(sim_engine, demo_engin
     """logit_bias on the device samplers (greedy: argmax_partial_bias; with penalties or a
     temperature: sample_token) and on the host's (the reference): +100 on a token makes
     greedy pick it every step, -100 bans the greedy leaders, the same settings give the
-    same tokens on both, and a seeded draw with bans repeats and never shows a banned one."""
+    same tokens on both, a seeded draw with bans repeats and never shows a banned one, and
+    the biased greedy step keeps the unbiased one's stages."""
     prompt = "ROMEO.\n"
     plain = demo_engine.generate(prompt, max_tokens=8, temperature=0.0).token_ids
     lift = next(t for t in demo_engine.tokenizer.encode(" the and of") if t not in plain)
@@ -277,3 +278,15 @@ def test_engine_logit_bias_on_device_matches_host_sampler(sim_engine, demo_engin
     sampled = dict(max_tokens=6, temperature=1.0, seed=5, logit_bias=ban)
     a, b = (sim_engine.generate(prompt, **sampled).token_ids for _ in range(2))
     assert a == b and not set(a) & set(ban)
+    # the biased greedy step: argmax_partial_bias in argmax_partial's place, the same stages,
+    # one more [V] float32 read (counted steps run on the session's state: reset after)
+    rt = sim_engine.backend.runtime
+    counts = []
+    for bias in (None, {lift: 100.0}):
+        sim_engine.generate(prompt, max_tokens=1, temperature=0.0, logit_bias=bias)
+        counts.append(rt.count_step(sim_engine.position))
+    sim_engine.reset()
+    plain_c, biased_c = counts
+    assert [r["kernel"] for r in biased_c["records"]][-2:] == ["argmax_partial_bias", "sample_greedy_combine"]
+    assert biased_c["barrier_stages"] == plain_c["barrier_stages"]
+    assert biased_c["declared_bytes_read"] - plain_c["declared_bytes_read"] == 4 * sim_engine.config.vocab_size
