@@ -460,7 +460,7 @@ def format_report(rep: dict) -> str:
     lines = [f"*** {rep['notice']} ***",
              f"model: {rep['model']['name']}",
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
-              f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
+              f"stage gap {m['stage_gap_us']:.2f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
               f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}")]
     c = rep["calibration"]
