@@ -176,7 +176,7 @@ def test_estimate_fit_command(measured, tmp_path):
     r = subprocess.run(base, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("calibration fitted to") and "*** ESTIMATE" in r.stdout
-    assert "stage gap             3.67 us published -> 2.10 us fitted" in r.stdout
+    assert "stage gap             2.25 us published -> 2.10 us fitted" in r.stdout
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(bad)], capture_output=True,

@@ -52,10 +52,13 @@ DEFAULT_MODEL_NAME = "Qwen3.6-35B-A3B (built-in config of mlx-community/Qwen3.6-
 
 # ---- calibration (docs/performance.md, "Calibration") -----------------------------------
 
-#: Fraction of the advertised bandwidth a streaming kernel reaches: 122 of 153 GB/s (79%)
-#: measured with STREAM-style Metal kernels on an M5 (michaelstinkerings.org, "Apple M5 GPU
-#: Roofline Analysis"); applied to every machine.
-BANDWIDTH_EFFICIENCY = 0.79
+#: Fraction of the advertised bandwidth a streaming dispatch reaches. Fitted together with
+#: :data:`STAGE_GAP` (:func:`calibrate_reference`) to pplx-garden's published M5 Max decode at
+#: ten contexts, 256..128K: their step's bytes grow with the context (bf16 KV cache) while
+#: its 425 barrier stages do not, so the contexts tell the two apart. 0.805 agrees with the
+#: 0.79 (122 of 153 GB/s) STREAM-style Metal kernels reach on an M5 (michaelstinkerings.org,
+#: "Apple M5 GPU Roofline Analysis"). Applied to every machine.
+BANDWIDTH_EFFICIENCY = 0.805
 #: Fraction of the peak a path sustains on our kernels. simdgroup_matrix GEMMs: 80-92% of
 #: the ALU peak (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are
 #: taken to run on the same ALUs alike. Half/bfloat tensor ops: no public sustained figure for
@@ -69,15 +72,21 @@ PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16":
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
 SATURATION_THREADS = 256
-#: Seconds per barrier stage (dispatch boundary + pipeline drain), calibrated on
-#: pplx-garden's M5 Max decode at 4K (182.8 tok/s = 5.4705 ms per step) with their ~425
-#: barrier stages per step (issue 11's review count): the step's bytes (our plan's 1.896 GB
-#: at 4K, taken as theirs: same model and quantization) at 614 GB/s x 0.79 take 3.910 ms,
-#: leaving 1.561 ms over 425 stages = 3.67 us. Used on every machine (no per-machine figure).
-STAGE_GAP = 3.67e-6
-#: The published figures the calibration uses (pplx-garden lily/docs/2026-09-02-performance-mlx-0.32.2.md).
-CALIBRATION = {"decode_tok_s_4k": 182.8, "stages_per_step": 425, "bytes_per_step_4k": 1.896e9,
-               "machine": "m5max"}
+#: Seconds per barrier stage (dispatch boundary + pipeline drain), fitted with
+#: :data:`BANDWIDTH_EFFICIENCY` (:func:`calibrate_reference`): this model times pplx-garden's
+#: decode step (:func:`reference_decode_step`) dispatch by dispatch, occupancy included, and
+#: the gap is what their measured step time leaves over those times, per stage (relative
+#: least squares over the ten contexts: 0.9% rms). If their small grids (the DeltaNet step
+#: on 32 threadgroups of 128 threads, single-threadgroup norms) ran at full bandwidth instead
+#: of at their occupancy, the same fit would give 0.792 and 3.41 us (docs/performance.md).
+#: Used on every machine (no per-machine figure).
+STAGE_GAP = 2.25e-6
+#: What the calibration is fitted to: pplx-garden's published decode table
+#: (:data:`lily.bench.PPLX_PUBLISHED_M5MAX`), measured on this machine, and their decode step
+#: as read in their source (perplexityai/pplx-garden, lily/ at commit f263d07).
+CALIBRATION = {"source": "perplexityai/pplx-garden lily/docs/2026-09-02-performance-mlx-0.32.2.md",
+               "code": "perplexityai/pplx-garden lily/src at f263d07", "machine": "m5max",
+               "stages_per_step": 425, "decode_steps": 64}
 
 
 @dataclass(frozen=True)
@@ -451,7 +460,7 @@ def format_report(rep: dict) -> str:
     lines = [f"*** {rep['notice']} ***",
              f"model: {rep['model']['name']}",
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
-              f"stage gap {m['stage_gap_us']:.1f} us; prefill chunk {rep['plan']['prefill_chunk']} "
+              f"stage gap {m['stage_gap_us']:.2f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
               f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}")]
     c = rep["calibration"]
@@ -506,6 +515,16 @@ def _search(cost, lo: float, hi: float, step: float):
         best = min((lo + i * step for i in range(n + 1)), key=cost)
         lo, hi, step = max(lo, best - step), min(hi, best + step), step / 10
     return best
+
+
+def _gap_fit(rows: list, default: float) -> tuple[float, float]:
+    """(gap, rms relative error) for ``rows`` of (modelled seconds without stage gaps, stages,
+    measured seconds): the gap (at least 0) minimising the relative squared error of
+    ``seconds + stages x gap``, in closed form; ``default`` when no row has a stage."""
+    num = sum(n * (t - t0) / t ** 2 for t0, n, t in rows)
+    den = sum(n ** 2 / t ** 2 for t0, n, t in rows)
+    gap = max(0.0, num / den) if den else default
+    return gap, _rms((t0 + n * gap - t) / t for t0, n, t in rows)
 
 
 def _plan_dims(cfg: ModelConfig) -> tuple:
@@ -625,10 +644,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     def decode_fit(e: float):
         m = replace(m0, bandwidth_efficiency=e, stage_gap=0.0)
         rows = [(time_records(m, recs[ctx[L]]), 1 / t) for L, t, _ in decode]
-        num = sum(tm.stages * (t - tm.seconds) / t ** 2 for tm, t in rows)
-        den = sum(tm.stages ** 2 / t ** 2 for tm, t in rows)
-        gap = max(0.0, num / den) if den else m0.stage_gap
-        return gap, _rms((tm.seconds + tm.stages * gap - t) / t for tm, t in rows)
+        return _gap_fit([(tm.seconds, tm.stages, t) for tm, t in rows], m0.stage_gap)
 
     eff, gap = m0.bandwidth_efficiency, m0.stage_gap
     if len(set(ctx.values())) >= 2:
@@ -726,3 +742,113 @@ def format_fit(f: dict) -> str:
                          f"{r['published_model_tok_s']:>10.1f} {r['fitted_model_tok_s']:>10.1f}")
     lines += [f"note: {n}" for n in f["notes"]]
     return "\n".join(lines)
+
+
+# ---- the published calibration (docs/performance.md, "Calibration") ----------------------
+
+
+def reference_decode_step(length: int, config: ModelConfig | dict | None = None) -> list:
+    """pplx-garden's decode step (perplexityai/pplx-garden, lily/src at f263d07) as records
+    :func:`time_records` takes, for a step whose attention covers ``length`` positions: one
+    record per dispatch with its barrier stage, grid and the bytes it must move (unique bytes:
+    their attention re-reads each KV row from every query head's threadgroup below 8K and
+    from two below 32K, counted once, as caches are not modelled). Read from their
+    model.rs (``encode_decode_step`` and its branches), kernels/*.rs and metal.rs: one command
+    buffer per step with one concurrent-dispatch encoder, every dependency level closed by
+    ``memoryBarrierWithScope(Buffers)``; 10 stages per DeltaNet layer, 12 per attention layer
+    (split attention and its combine, from 257 positions), 5 around them: 425. Weights as
+    stored in the MLX checkpoint (4-bit, group 64, bf16 scales and biases; router and shared
+    gate 8-bit), fp32 DeltaNet state and logits, bf16 KV cache. Compute is left out: every
+    dispatch is bandwidth-bound at this model's rates."""
+    c = model_config(config)
+    h, vec = c.hidden_size, 2 * c.hidden_size
+    recs: list = []
+    stage = [0]
+
+    def q(bits: int, n: int, k: int) -> float:  # codes plus bf16 scale and bias per 64
+        return n * k * (bits / 8 + 4 / 64)
+
+    def add(name: str, groups: int, threads: int, nbytes: float, end: bool = False) -> None:
+        """One dispatch; ``end``: a memory barrier follows it (the next stage depends on it)."""
+        recs.append({"kernel": name, "label": name, "pass": 0, "stage": stage[0], "groups": [groups, 1, 1],
+                     "threads": [threads, 1, 1], "work": {"family": "reference", "bytes": nbytes, "flops": {}}})
+        stage[0] += end
+
+    hk, hv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+    conv, dv = (2 * hk + hv) * dk, hv * c.linear_value_head_dim
+    nq, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    e, k, mi, si = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size
+    add("embedding row", 8, 32, q(4, 1, h) + vec, end=True)
+    add("input norm", 1, 256, 3 * vec, end=True)
+    for kind in c.layer_types:
+        if kind == "linear_attention":
+            rows = conv + dv + 2 * hv  # qkv | z | a | b in one matvec, 2 rows per simdgroup
+            add("in_proj", rows // 2, 32, q(4, rows, h) + vec + 2 * rows, end=True)
+            kd = c.linear_conv_kernel_dim  # window read and written, taps, input and output
+            add("conv step", conv // 256, 256, 2 * conv * (2 * (kd - 1) + kd + 2), end=True)
+            add("deltanet step", hv, dk, 2 * hv * dk * dk * 4 + 2 * conv + 4 * dv, end=True)
+            add("out_proj", h // 2, 32, q(4, h, dv) + 2 * dv + vec)
+        else:
+            rows = 2 * nq * d + 2 * nkv * d  # q|gate, k, v in one matvec
+            add("qkv_proj", rows // 2, 32, q(4, rows, h) + vec + 2 * rows, end=True)
+            add("q norm + rope", nq, 256, 8 * nq * d)
+            add("k norm + rope + cache", nkv, 256, 4 * nkv * d)
+            add("v to cache", nkv * d // 256, 256, 4 * nkv * d, end=True)
+            kv = 4 * nkv * length * d
+            if length <= 256:  # one threadgroup per query head, no split
+                add("attention", nq, 256, kv + 4 * nq * d, end=True)
+            else:
+                if length >= 32768:  # 128 blocks, a KV head's 8 query heads in one threadgroup
+                    splits, groups, threads = 128, nkv * 128, 128
+                else:  # 256-position splits, one query head (four from 8K) per threadgroup
+                    splits = -(-length // 256)
+                    groups, threads = (nkv * 2 if length >= 8192 else nq) * splits, 256
+                part = nq * splits * (d + 2) * 4
+                add("attention splits", groups, threads, kv + part + 2 * nq * d, end=True)
+                add("attention combine", nq, 256, part + 2 * nq * d, end=True)
+            add("sigmoid gate", nq * d // 256, 256, 6 * nq * d, end=True)
+            add("o_proj", h // 2, 32, q(4, h, nq * d) + 2 * nq * d + vec)
+        stage[0] += 1  # after out_proj / o_proj
+        add("residual + norm", 1, 256, 5 * vec, end=True)
+        add("router", e, 32, q(8, e, h) + vec + 4 * e)
+        add("shared gate|up", si, 32, q(4, 2 * si, h) + vec + 4 * si)
+        add("shared gate", 1, 32, q(8, 1, h) + vec + 4, end=True)
+        add("top-k", 1, 256, 4 * e + 8 * k)
+        add("shared swiglu", -(-si // 256), 256, 6 * si, end=True)
+        add("experts gate|up", mi * k, 32, k * q(4, 2 * mi, h) + vec + 2 * k * mi)
+        add("shared down", h // 2, 32, q(4, h, si) + 2 * si + vec, end=True)
+        add("experts down + combine", h // 2, 32, k * q(4, h, mi) + 2 * k * mi + 2 * vec, end=True)
+        add("residual + next norm", 1, 256, 5 * vec, end=True)
+    add("lm_head", c.vocab_size, 32, q(4, c.vocab_size, h) + vec + 4 * c.vocab_size, end=True)
+    add("argmax partials", 64, 256, 4 * c.vocab_size + 512, end=True)
+    add("argmax", 1, 256, 516, end=True)
+    return recs
+
+
+def calibrate_reference(occupancy: bool = True) -> dict:
+    """The bandwidth efficiency and stage gap fitted to pplx-garden's published M5 Max decode
+    (:data:`CALIBRATION`) with this model timing their step (:func:`reference_decode_step`
+    at the mean position of each length's timed steps), as :func:`fit` fits a Lily run: the
+    gap in closed form per efficiency, the efficiency by the smallest rms relative error.
+    ``occupancy=False`` times every dispatch at full occupancy instead (their step's bytes
+    at the bandwidth floor), the bound the published figures allow for a larger gap.
+    Returns ``bandwidth_efficiency``, ``stage_gap`` (s), ``rms_relative_error`` and
+    per-length ``rows`` (measured and modelled tok/s, stages, bytes per step)."""
+    from lily.bench import PPLX_PUBLISHED_M5MAX
+    m0 = machine(CALIBRATION["machine"])
+    steps = CALIBRATION["decode_steps"]
+    measured = {L: row[0] for L, row in PPLX_PUBLISHED_M5MAX.items()}
+    base = replace(m0, bandwidth_efficiency=1.0, stage_gap=0.0)
+    # position L + steps / 2 attends over one more; no flops, so time scales as 1 / efficiency
+    steps_at = {L: reference_decode_step(L + steps // 2 + 1) for L in measured}
+    one = {L: (time_records(base, r).seconds if occupancy else sum(x["work"]["bytes"] for x in r) / m0.bandwidth,
+               len({x["stage"] for x in r}), sum(x["work"]["bytes"] for x in r)) for L, r in steps_at.items()}
+
+    def at(e: float):
+        return _gap_fit([(t / e, n, 1 / measured[L]) for L, (t, n, _) in one.items()], 0.0)
+
+    eff = _search(lambda e: at(e)[1], 0.30, 1.00, 0.01)
+    gap, err = at(eff)
+    rows = [{"context": L, "measured_tok_s": measured[L], "modelled_tok_s": 1 / (t / eff + n * gap), "stages": n,
+             "gb_per_step": b / 1e9} for L, (t, n, b) in one.items()]
+    return {"bandwidth_efficiency": eff, "stage_gap": gap, "rms_relative_error": err, "rows": rows}
