@@ -122,6 +122,21 @@ def test_generate_no_think_needs_chat():
     assert r.stdout == ""
 
 
+def test_generate_thinking_budget():
+    r = run("generate", "Speak.", "--chat", "--thinking-budget", "3", "-n", "9", "-t", "0", "-q",
+            "--device", "reference")
+    assert r.returncode == 0 and "[/thinking]" in r.stderr, r.stderr
+    thinking = r.stderr.split("[thinking]\n", 1)[1].split("[/thinking]", 1)[0]
+    assert thinking.strip() and r.stdout.strip()  # 3 tokens of thinking, closed; the answer on stdout
+    for args, needle in [(("x",), "--thinking-budget needs --chat"),
+                         (("x", "--chat", "--no-think"), "which --no-think switches off"),
+                         (("x", "--chat", "--thinking-budget", "0"), "--thinking-budget must be at least 1")]:
+        r = run("generate", "--thinking-budget", "3", *args)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+    r = run("chat", "--no-think", "--thinking-budget", "3", input="")
+    assert r.returncode == 2 and "which --no-think switches off" in r.stderr
+
+
 def test_generate_context_full_notice():
     r = run("generate", "ROMEO.", "--max-context", "12", "--max-tokens", "100", "--temperature", "0")
     assert r.returncode == 0, r.stderr

@@ -671,6 +671,54 @@ def test_thinking_budget_is_checked_as_anthropic_states(srv, engine):
         assert httpx.post(url, json={**base, "thinking": other}).status_code == 200, other
 
 
+def test_thinking_budget_ends_the_thinking_block(srv, engine, monkeypatch):
+    """``budget_tokens`` is enforced: a model that would think on gets its thinking cut
+    after exactly that many tokens, the thinking block ends and the text block follows
+    (the engine's close is fed to the model, which answers from there), streamed and not."""
+    tok = engine.tokenizer
+    endless = tok.encode("Hmm, what now?" * 400)  # more than the budget, never closed
+    answer = tok.encode("Hi there!")
+    close_id = tok.token_to_id("</think>")
+    on_prefill = engine.backend.on_prefill
+
+    def prefill(tokens, all_logits):  # the continuation after the close: the script answers
+        out = on_prefill(tokens, all_logits)
+        if close_id in [int(t) for t in tokens]:
+            engine.script_ids = answer
+            out = engine._forced()
+        return out
+
+    monkeypatch.setattr(engine.backend, "on_prefill", prefill)
+    budget = 1024
+    thinking = tok.decode(endless[:budget])
+    body = {"model": "m", "max_tokens": 1100, "messages": ASK,
+            "thinking": {"type": "enabled", "budget_tokens": budget}}
+    engine.set_ids(endless)
+    r = httpx.post(srv.base + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    m = r.json()
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in m["content"]] == [
+        ("thinking", thinking), ("text", "Hi there!")]
+    assert m["stop_reason"] == "end_turn" and m["usage"]["output_tokens"] == budget + 3 + len(answer)
+    engine.set_ids(endless)
+    r = httpx.post(srv.base + "/v1/messages", json={**body, "stream": True}, timeout=60)
+    events = _sse_events(r.text)
+    seq = [(n, d["index"], d["content_block"]["type"] if n == "content_block_start" else d.get("delta", {}).get("type"))
+           for n, d in events if n.startswith("content_block")]
+    text = {0: "", 1: ""}
+    for n, d in events:
+        if n == "content_block_delta":
+            text[d["index"]] += d["delta"].get("thinking", d["delta"].get("text", ""))
+    assert seq[0] == ("content_block_start", 0, "thinking")
+    stop0 = seq.index(("content_block_stop", 0, None))
+    assert {x for x in seq[1:stop0]} == {("content_block_delta", 0, "thinking_delta")}
+    assert seq[stop0 + 1] == ("content_block_start", 1, "text")
+    assert {x for x in seq[stop0 + 2:-1]} == {("content_block_delta", 1, "text_delta")}
+    assert seq[-1] == ("content_block_stop", 1, None) and text == {0: thinking, 1: "Hi there!"}
+    assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
+    assert events[-2][1]["usage"]["output_tokens"] == budget + 3 + len(answer)
+
+
 NO_DESC_PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                    "code": {"type": "string"}}}
 

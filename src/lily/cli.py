@@ -74,7 +74,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args) -> dict:
     keys = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-            "presence_penalty", "frequency_penalty", "seed", "stop")
+            "presence_penalty", "frequency_penalty", "seed", "stop", "thinking_budget")
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     top_k = out.get("top_k")
     if top_k is not None:
@@ -600,10 +600,29 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _check_thinking_budget(parser: argparse.ArgumentParser, args) -> None:
+    budget = args.thinking_budget
+    if budget is None:
+        return
+    if budget < 1:
+        parser.error(f"--thinking-budget must be at least 1 (tokens of thinking), got {budget}")
+    if args.no_think:
+        parser.error("--thinking-budget bounds the thinking block, which --no-think switches off: give one of them")
+    if not getattr(args, "chat", True):
+        parser.error("--thinking-budget needs --chat (it bounds the chat template's thinking block; "
+                     "a raw prompt has no template)")
+
+
+_THINKING_BUDGET_HELP = ("at most N tokens of thinking per reply; then Lily closes the thinking block and "
+                         "the model answers (the closing tokens count towards --max-tokens); needs the chat "
+                         "template's thinking (not with --no-think; lily generate: with --chat)")
+
+
 def _check_generate(parser: argparse.ArgumentParser, args) -> None:
     if args.no_think and not args.chat:
         parser.error("--no-think needs --chat (it switches off the chat template's thinking "
                      "block; a raw prompt has no template)")
+    _check_thinking_budget(parser, args)
     if args.echo and args.chat:
         parser.error("--echo prints a raw prompt before its continuation; with --chat the reply "
                      "answers the prompt instead of continuing it")
@@ -644,6 +663,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     g.add_argument("--no-think", action="store_true", help="with --chat: disable the thinking block "
                    "(an error without --chat: a raw prompt has no chat template)")
+    g.add_argument("--thinking-budget", type=int, default=None, metavar="N", help=_THINKING_BUDGET_HELP)
     g.add_argument("--echo", action="store_true", help="print the prompt before the continuation")
     g.add_argument("--quiet", "-q", action="store_true", help="no speed line on stderr after the text")
     _add_model_args(g)
@@ -654,11 +674,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Chat interactively; each turn is rendered with the model's chat template.")
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--no-think", action="store_true", help="disable the thinking block")
+    c.add_argument("--thinking-budget", type=int, default=None, metavar="N", help=_THINKING_BUDGET_HELP)
     c.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed after each reply")
     _add_model_args(c)
     _add_sampling_args(c)
     _add_cache_args(c)
-    c.set_defaults(func=cmd_chat, check=lambda a: _check_cache(c, a))
+    c.set_defaults(func=cmd_chat, check=lambda a: (_check_cache(c, a), _check_thinking_budget(c, a)))
 
     cp = sub.add_parser("cache-prompt", help="prefill a system prompt (and tools) once and save its state to a file",
                         description="Prefill a prompt and write its session snapshots to FILE, for "

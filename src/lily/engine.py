@@ -195,6 +195,43 @@ class ChatResult(GenerationResult):
         return ChatMessage(self.reasoning, self.content, list(self.tool_calls)).to_message()
 
 
+#: What the engine appends when a thinking budget is spent: the close the model itself
+#: writes (Qwen3.5/3.6 put a blank line between ``</think>`` and the answer).
+THINKING_CLOSE_TEXT = "\n</think>\n\n"
+
+
+class _ThinkingBudget:
+    """Counts the generated tokens inside the first thinking block (open from the prompt, or
+    from the model's own ``<think>`` token) and says when the budget is spent. The block is
+    known by the tokenizer's ``<think>``/``</think>`` tokens; a tokenizer without them has
+    no thinking for a budget to bound."""
+
+    def __init__(self, tokenizer: Tokenizer, budget: int, inside: bool):
+        self.open_id = tokenizer.token_to_id("<think>")
+        self.close_id = tokenizer.token_to_id("</think>")
+        self.close_ids = tokenizer.encode(THINKING_CLOSE_TEXT)
+        self.budget = budget
+        self.state = "before" if not inside else "inside" if self.close_id is not None else "after"
+        self.count = 0
+
+    def spent(self, tok: int) -> bool:
+        """Record generated token ``tok``; True when it is the budget's last thinking token."""
+        if self.state == "before":
+            if tok == self.open_id and self.close_id is not None:
+                self.state = "inside"
+            return False
+        if self.state == "after":
+            return False
+        if tok == self.close_id:
+            self.state = "after"
+            return False
+        self.count += 1
+        if self.count >= self.budget:
+            self.state = "after"
+            return True
+        return False
+
+
 class Engine:
     """One model, one session, one device.
 
@@ -426,6 +463,15 @@ class Engine:
             raise InvalidParameterError("the prompt is empty")
         return self.check_tokens(ids, "the prompt", 0).tolist()
 
+    def prompt_opens_thinking(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the last turn of ``prompt_ids`` leaves a ``<think>`` block open (the chat
+        template's generation prompt with thinking on): the text the model writes first is
+        then reasoning (:func:`lily.chat_output.prompt_opens_reasoning` on that turn's text)."""
+        ids = [int(t) for t in prompt_ids]
+        if self._im_start is not None and self._im_start in ids:  # only the last turn matters
+            ids = ids[len(ids) - 1 - ids[::-1].index(self._im_start):]
+        return prompt_opens_reasoning(self.tokenizer.decode(ids))
+
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute
         (at least one: the last prompt token's logits select the first output): the one
@@ -532,6 +578,21 @@ class Engine:
         prompt opens one, stays free). ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
         choose what to evict; reuse is decided by token equality alone.
 
+        ``thinking_budget`` (a :class:`~lily.sampling.SamplingParams` field, so also an
+        override) bounds the thinking block: once that many tokens were generated inside
+        the block the prompt left open (or the model opened with ``<think>``) without the
+        model closing it, the engine appends :data:`THINKING_CLOSE_TEXT`
+        (``"\\n</think>\\n\\n"``, ``</think>`` being the tokenizer's special token) to the
+        output as if generated, and the model goes on from its live session to write the
+        answer (no prompt is computed again). The forced tokens are output tokens: streamed,
+        matched against the stop strings, counted in ``completion_tokens`` and
+        ``max_tokens``, advanced through the ``constraint``; their logprobs (with
+        ``logprobs``) are 0.0 with no alternatives (the engine chose them, not the model).
+        The answer is exactly what a fresh generation with the same parameters from the
+        prompt, the thinking and the close would produce (the sampler starts again there:
+        the same seed, penalties counting from there). Without a thinking block the budget
+        has no effect.
+
         Raises
         ------
         ContextLengthError
@@ -555,7 +616,9 @@ class Engine:
         end or the length limit, discarding at most one speculative step).
         ``timings.prefill_s`` is the time to the first token. The prompt cache stores the
         session at the planned positions of the prefill (all inside the pieces run here) and
-        at the end of a generation that was not cancelled."""
+        at the end of a generation that was not cancelled. A spent ``thinking_budget``
+        finishes the backend, outputs the close and starts it again with the close as the
+        feed (the session kept)."""
         backend = self.backend
         timings = Timings()
         detok = self.tokenizer.detokenizer()
@@ -604,28 +667,38 @@ class Engine:
         feed = new[tail:]
         start_pos = backend.position
         steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included)
+        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included), or forced
         failed = False
+        think = (None if p.thinking_budget is None else
+                 _ThinkingBudget(self.tokenizer, p.thinking_budget, self.prompt_opens_thinking(prompt_ids)))
+        forced: list[int] = []  # the close of a spent thinking budget, still to output
         try:
             backend.start(np.asarray(feed, dtype=np.int64), steps, prompt_ids, p, constraint)
             while True:
                 if cancel is not None and cancel.is_set():
                     yield done("cancelled")
                     return
-                step = backend.next()
-                if t1 is None:  # the first token: the prompt is done
-                    g1 = gpu_split(True)  # the prefill's device time; decode's counts from here
-                    t1 = time.perf_counter()
-                    timings.prefill_s = t1 - t0
-                if step is None:  # max tokens or the context window reached
-                    tail_text, _ = stops.push(detok.flush())
-                    yield done("length", tail_text + stops.flush())
-                    return
-                tok, lp = step
-                if tok in self.eos_token_ids and not p.ignore_eos:
-                    outs.append(tok)  # a speculative step may have consumed it
-                    yield done("stop", stops.flush() + detok.flush())
-                    return
+                was_forced = bool(forced)
+                if was_forced:  # output as if generated, through every check below
+                    tok = forced.pop(0)
+                    lp = TokenLogprob(tok, 0.0)  # the engine's choice, not the model's
+                    if constraint is not None:
+                        constraint.advance(tok)
+                else:
+                    step = backend.next()
+                    if t1 is None:  # the first token: the prompt is done
+                        g1 = gpu_split(True)  # the prefill's device time; decode's counts from here
+                        t1 = time.perf_counter()
+                        timings.prefill_s = t1 - t0
+                    if step is None:  # max tokens or the context window reached
+                        tail_text, _ = stops.push(detok.flush())
+                        yield done("length", tail_text + stops.flush())
+                        return
+                    tok, lp = step
+                    if tok in self.eos_token_ids and not p.ignore_eos:
+                        outs.append(tok)  # a speculative step may have consumed it
+                        yield done("stop", stops.flush() + detok.flush())
+                        return
                 outs.append(tok)
                 n_out += 1
                 timings.decode_tokens = n_out
@@ -640,6 +713,21 @@ class Engine:
                     yield done("stop" if finished else "length", text + tail_text + stops.flush(), [tok], lps)
                     return
                 yield StreamEvent(text, [tok], lps)
+                if think is None:
+                    continue
+                if think.spent(tok):
+                    # The budget is spent: stop the device (a speculative step is discarded) and
+                    # keep what it computed; the close follows, then the model goes on from the
+                    # live session as in a next turn (nothing is computed again).
+                    backend.finish()
+                    consumed = backend.position - start_pos
+                    self._tokens.extend((feed + outs)[:consumed])
+                    feed, outs, start_pos = (feed + outs)[consumed:], [], backend.position
+                    forced = list(think.close_ids)
+                elif was_forced and not forced:  # the close is out: the answer, from the rest of the steps
+                    feed, outs = feed + outs, []
+                    backend.start(np.asarray(feed, dtype=np.int64), steps - n_out, self._tokens + feed, p,
+                                  constraint)
         except GeneratorExit:
             raise
         except BaseException:

@@ -64,6 +64,11 @@ class SamplingParams:
         mapping (or (id, bias) pairs); stored as pairs sorted by id, at most
         ``LOGIT_BIAS_MAX_ENTRIES``. Ids must be >= 0 here; the engine checks them against
         the vocabulary (:meth:`check_vocab`). Log-probabilities stay those of the raw logits.
+    thinking_budget : int | None
+        At most this many generated tokens inside the thinking block (``<think> ... </think>``,
+        open from the prompt or opened by the model); then the engine closes the block itself
+        and the answer follows (:meth:`lily.engine.Engine.stream`). None: no budget. A limit of
+        the generation loop like ``max_tokens`` and ``stop``, not of the samplers.
     """
 
     max_tokens: int = 256
@@ -80,6 +85,7 @@ class SamplingParams:
     top_logprobs: int = 0
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
+    thinking_budget: int | None = None
 
     def __post_init__(self):
         stop = self.stop
@@ -125,6 +131,8 @@ class SamplingParams:
         integer("top_logprobs", 0, 20)
         if self.seed is not None:
             integer("seed", -(1 << 63), (1 << 64) - 1)
+        if self.thinking_budget is not None:
+            integer("thinking_budget", 1, int32_max, "tokens of thinking; None for no budget")
         # the list is not echoed: a client may send many or long strings
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:

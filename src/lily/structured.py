@@ -396,12 +396,7 @@ class Grammar:
         """The constraint for a generation by ``engine`` after ``prompt_ids``: thinking
         first when the prompt's last turn leaves a ``<think>`` block open (what the engine
         does with a :class:`Grammar` passed as ``constraint=``)."""
-        from lily.chat_output import prompt_opens_reasoning
-        ids = [int(t) for t in prompt_ids]
-        start = engine.tokenizer.token_to_id("<|im_start|>")
-        if start is not None and start in ids:  # only the last turn matters
-            ids = ids[len(ids) - 1 - ids[::-1].index(start):]
-        thinking = prompt_opens_reasoning(engine.tokenizer.decode(ids))
+        thinking = engine.prompt_opens_thinking(prompt_ids)
         return self.constraint(engine.tokenizer, vocab_size=engine.config.vocab_size,
                                eos_token_ids=engine.eos_token_ids, thinking=thinking)
 

@@ -228,8 +228,8 @@ def template_kwargs(req: CountTokensRequest) -> dict:
     """The chat template's switches for ``thinking``: ``disabled`` turns the reasoning block
     off; ``enabled``, ``adaptive`` or none leave the template's default (Qwen3.6 thinks).
     ``enabled`` is checked as Anthropic's reference states (``budget_tokens`` given, at least
-    1024 and, when the request has ``max_tokens``, less than it); the budget is not a cap of
-    its own: thinking counts towards ``max_tokens``, which bounds it."""
+    1024 and, when the request has ``max_tokens``, less than it); :func:`thinking_budget`
+    is then the engine's cap on the thinking (thinking also counts towards ``max_tokens``)."""
     t = req.thinking
     if t is None or t.type != "enabled":
         return {"enable_thinking": False} if t is not None and t.type == "disabled" else {}
@@ -242,6 +242,15 @@ def template_kwargs(req: CountTokensRequest) -> dict:
     if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
         raise APIError(400, f"{param}: must be less than max_tokens ({req.max_tokens}), got {budget}", param=param)
     return {}
+
+
+def thinking_budget(req: CountTokensRequest) -> int | None:
+    """The engine's ``thinking_budget`` for a request (checked by :func:`template_kwargs`):
+    ``budget_tokens`` of ``thinking.type == "enabled"``, else None. The engine closes the
+    thinking block after that many thinking tokens, so the thinking content block ends
+    there and the text block follows."""
+    t = req.thinking
+    return t.budget_tokens if t is not None and t.type == "enabled" else None
 
 
 # ----------------------------------------------------------------------------------------
@@ -321,6 +330,8 @@ async def messages(req: MessagesRequest, request: Request):
     stops = tuple(req.stop_sequences or ())
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="messages")
     params = state.sampling_params(req, max_tokens, stop=stops, max_temperature=1.0)
+    if (budget := thinking_budget(req)) is not None:
+        params = params.replace(thinking_budget=budget)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
     job = state.submit(ids, params, constraint=constraint)
