@@ -219,6 +219,8 @@ def test_prompt_longer_than_context(demo_path):
     ({"logit_bias": {5: float("inf")}}, "logit_bias"),
     ({"logit_bias": {t: 1.0 for t in range(1025)}}, r"logit_bias=\[1025 entries\]: at most 1024"),
     ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": {5: 10**400}}, r"logit_bias=\{5: <an integer of 1329 bits>\}: the bias must be a number"),
+    ({"logit_bias": {10**5000: 1.0}}, r"logit_bias=\{<an integer of 16610 bits>: 1.0\}: token id outside"),
 ])
 def test_invalid_sampling_parameters(demo_engine, kw, field):
     with pytest.raises(InvalidParameterError, match=field):

@@ -829,7 +829,8 @@ def test_what_real_clients_send_is_honoured_or_refused(srv, engine):
     bad_entries = [({"x": 1}, '"x"'), ({"-1": 1}, '"-1"'), ({"1.5": 1}, '"1.5"'), ({" 5": 1}, '" 5"'),
                    ({str(V): 1}, "outside the vocabulary"), ({"5": 100.5}, "100.5"), ({"5": -101}, "-101"),
                    ({"5": "1"}, '"5": "1"'), ({"5": None}, "null"), ({"5": True}, "true"), ({"5": 1, "05": 2}, "twice"),
-                   ([5], "object"), ({str(t): 1 for t in range(1025)}, "at most 1024")]
+                   ([5], "object"), ({str(t): 1 for t in range(1025)}, "at most 1024"),
+                   ({"9" * 5000: 1}, "outside the vocabulary"), ({"5": 10 ** 400}, "must be a number")]
     for path, body in ((chat, {"messages": ASK}), (srv.base + "/v1/completions", {"prompt": "x"})):
         for ok in ({}, None, {"5": -100}, {"7": 2.5, str(V - 1): 100, "0": 0}):
             assert httpx.post(path, json={**body, "max_tokens": 2, "logit_bias": ok}).status_code == 200

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -2134,20 +2134,25 @@ def _gemm_swiglu(dev, rng, kernel):
 def _sample_token(dev, rng, kernel):
     """Draw by draw against the numpy model of the kernel (Philox u, crossing of u * Z in
     probability order) on penalised, filtered logits; a draw may differ only where u lies
-    within 1e-5 of a boundary of the cumulative mass (float32 vs float64)."""
+    within 1e-5 of a boundary of the cumulative mass (float32 vs float64). Twice: without and
+    with a logit bias (a few nudges and a ban on the most likely token, which is never drawn)."""
     V = 50
     logits = (rng.standard_normal(V) * 2).astype(np.float32)
     prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
-    params = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)
-    probs = filtered_probs(params, logits, prompt, generated)
+    base = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)
+    nudged = rng.choice(V, 4, replace=False)
+    bias = {int(t): float(b) for t, b in zip(nudged, rng.uniform(-3, 3, 4))} | {int(np.argmax(logits)): -100.0}
     seeds = [int(s) for s in rng.integers(0, 2**63, 24)]
     positions = list(range(100, 124))
-    toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
-    bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
-           if t != w and not near]
-    if bad:
-        raise Mismatch(f"{kernel}: {len(bad)} of {len(toks)} draws differ from the numpy model (got, want): {bad[:5]}",
-                       float(len(bad)))
+    for params in (base, replace(base, logit_bias=bias)):
+        probs = filtered_probs(params, logits, prompt, generated)
+        toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
+        bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
+               if t != w and not near]
+        what = " with a logit bias" if params.logit_bias else ""
+        if bad:
+            raise Mismatch(f"{kernel}{what}: {len(bad)} of {len(toks)} draws differ from the numpy model "
+                           f"(got, want): {bad[:5]}", float(len(bad)))
     return 0.0
 
 

@@ -55,9 +55,9 @@ DEFAULT_MODEL_NAME = "Qwen3.6-35B-A3B (built-in config of mlx-community/Qwen3.6-
 #: Fraction of the advertised bandwidth a streaming dispatch reaches. Fitted together with
 #: :data:`STAGE_GAP` (:func:`calibrate_reference`) to pplx-garden's published M5 Max decode at
 #: ten contexts, 256..128K: their step's bytes grow with the context (bf16 KV cache) while
-#: its 425 barrier stages do not, so the contexts tell the two apart. 0.805 agrees with the
-#: 0.79 (122 of 153 GB/s) STREAM-style Metal kernels reach on an M5 (michaelstinkerings.org,
-#: "Apple M5 GPU Roofline Analysis"). Applied to every machine.
+#: its 425 barrier stages do not, so the contexts tell the two apart (loosely: 0.78..0.83 fit
+#: within 1.12%). Near the 0.79 (122 of 153 GB/s) STREAM-style Metal kernels reach on an M5
+#: (michaelstinkerings.org, "Apple M5 GPU Roofline Analysis"). Applied to every machine.
 BANDWIDTH_EFFICIENCY = 0.805
 #: Fraction of the peak a path sustains on our kernels. simdgroup_matrix GEMMs: 80-92% of
 #: the ALU peak (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are

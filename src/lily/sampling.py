@@ -151,7 +151,7 @@ class SamplingParams:
         hi = (1 << 31) - 1 if vocab is None else vocab - 1
         seen = set()
         for tok, b in self.logit_bias:
-            entry = f"invalid sampling parameter logit_bias={{{tok!r}: {b!r}}}"[:120]
+            entry = f"invalid sampling parameter logit_bias={{{_short(tok)}: {_short(b)}}}"
             if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
                 raise InvalidParameterError(f"{entry}: token ids must be integers")
             if not 0 <= tok <= hi:
@@ -160,8 +160,8 @@ class SamplingParams:
             if tok in seen:
                 raise InvalidParameterError(f"{entry}: token id given twice")
             seen.add(tok)
-            if isinstance(b, bool) or not isinstance(b, (int, float, np.floating, np.integer)) \
-                    or not math.isfinite(b) or abs(b) > LOGIT_BIAS_MAX:
+            if isinstance(b, bool) or not isinstance(b, (float, np.floating)) or not math.isfinite(b) \
+                    or abs(b) > LOGIT_BIAS_MAX:  # ints were made floats; one that could not be is out of range
                 raise InvalidParameterError(f"{entry}: the bias must be a number in "
                                             f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
 
@@ -230,6 +230,15 @@ class SamplingParams:
             raise ConfigError(f"{where}: {e}") from None
 
 
+def _short(v) -> str:
+    """``repr(v)`` for an error message, at most 40 characters (an int of thousands of digits
+    cannot even be printed in full: Python limits int-to-str conversion)."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 128:
+        return f"<an integer of {v.bit_length()} bits>"
+    r = repr(v)
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _bias_pairs(bias) -> tuple:
     """A ``logit_bias`` given as a mapping, (id, bias) pairs or None, as a tuple of pairs
     sorted by id (integral ids as ``int``, biases as ``float``; other values are kept for
@@ -250,10 +259,11 @@ def _bias_pairs(bias) -> tuple:
     def norm(t, b):
         if isinstance(t, np.integer):
             t = int(t)
-        if isinstance(b, (np.floating, np.integer)) and not isinstance(b, bool):
-            b = float(b)
-        elif isinstance(b, int) and not isinstance(b, bool):
-            b = float(b)
+        if isinstance(b, (int, np.floating, np.integer)) and not isinstance(b, bool):
+            try:
+                b = float(b)
+            except OverflowError:  # an int beyond float range: kept for validate() to name
+                pass
         return t, b
 
     pairs = [norm(t, b) for t, b in items]

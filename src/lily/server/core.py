@@ -165,11 +165,11 @@ class ServerState:
             entry = f"{dumps(key)[:40]}: {dumps(value)[:40]}"
             if not (isinstance(key, str) and key.isascii() and key.isdigit()):
                 raise bad(f"invalid entry {entry}: the key must be a token id (a non-negative integer as a string)")
-            tok = int(key)
+            tok = int(key) if len(key) <= 12 else vocab  # longer: beyond any vocabulary (and int()'s digit limit)
             if tok >= vocab:
-                raise bad(f"invalid entry {entry}: token id {tok} is outside the vocabulary [0, {vocab})")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or abs(value) > LOGIT_BIAS_MAX:
+                raise bad(f"invalid entry {entry}: the token id is outside the vocabulary [0, {vocab})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > LOGIT_BIAS_MAX \
+                    or not math.isfinite(value):  # range first: isfinite() overflows on a huge int
                 raise bad(f"invalid entry {entry}: the bias must be a number in "
                           f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
             if tok in out:  # "5" and "05"
