@@ -146,6 +146,12 @@ def test_session_reuse_when_prompt_extends(demo_engine):
         assert r.cached_tokens == 20 and r.prompt_tokens == 30
         events = list(demo_engine.stream(ids[:5], max_tokens=1, temperature=0.0))  # not an extension
         assert events[-1].cached_tokens == 0 and events[-1].timings.prefill_tokens == 5
+        # on_start tells the reuse before the prefill (and before any event)
+        seen = []
+        stream = demo_engine.stream(ids[:6], max_tokens=1, temperature=0.0, on_start=seen.append)
+        first = next(stream)
+        assert seen == [5] and demo_engine.tokens[:5] == ids[:5]
+        assert [first, *stream][-1].cached_tokens == 5
     finally:
         demo_engine.prompt_cache = cache
     fresh = Engine.load(demo_engine.path, device="reference")

@@ -519,6 +519,14 @@ def test_demo_model_through_both_new_apis(real):
     total = m.usage.input_tokens + m.usage.cache_read_input_tokens
     assert final.usage.cache_read_input_tokens > 0
     assert final.usage.input_tokens + final.usage.cache_read_input_tokens == total
+    # a streamed reply's message_start already has the cache split its message_delta reports
+    body = {"model": "m", "max_tokens": 8, "temperature": 0.0, "stream": True,
+            "messages": [{"role": "user", "content": "ROMEO:"}]}
+    events = _sse_events(httpx.post(real.base + "/v1/messages", json=body, timeout=60).text)
+    start, delta = events[0][1]["message"]["usage"], events[-2][1]["usage"]
+    split = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    assert events[0][0] == "message_start" and start["cache_read_input_tokens"] > 0, events[0]
+    assert {k: start[k] for k in split} == {k: delta[k] for k in split}, (start, delta)
     o = oclient(real)
     r = o.responses.create(model="lily-demo-shakespeare", input="ROMEO:", max_output_tokens=8, temperature=0.0)
     events = list(o.responses.create(model="x", input="ROMEO:", max_output_tokens=8, temperature=0.0,

@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -564,7 +564,8 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                cancel: threading.Event | None = None, constraint: Constraint | None = None,
-               prompt_cache_key: str | None = None, **overrides) -> Iterator[StreamEvent]:
+               prompt_cache_key: str | None = None, on_start: Callable[[int], None] | None = None,
+               **overrides) -> Iterator[StreamEvent]:
         """Generate from ``prompt``, yielding :class:`StreamEvent` as text becomes safe to show.
 
         ``params`` defaults to the checkpoint's generation defaults; keyword ``overrides``
@@ -576,7 +577,10 @@ class Engine:
         native devices a constrained request samples on the host (docs/usage.md). A
         :class:`lily.structured.Grammar` is bound to this prompt (its thinking block, if the
         prompt opens one, stays free). ``prompt_cache_key`` (OpenAI's hint naming a conversation) helps the prompt cache
-        choose what to evict; reuse is decided by token equality alone.
+        choose what to evict; reuse is decided by token equality alone. ``on_start(cached)``
+        is called on the generating thread once the session is prepared, before any prefill,
+        with the number of prompt tokens reused (the final event's ``cached_tokens``): a
+        server can report the cache split before the first token.
 
         ``thinking_budget`` (a :class:`~lily.sampling.SamplingParams` field, so also an
         override) bounds the thinking block: once that many tokens were generated inside
@@ -604,10 +608,11 @@ class Engine:
         prompt_ids = self.encode_prompt(prompt)
         if isinstance(constraint, Grammar):
             constraint = constraint.for_prompt(self, prompt_ids)
-        return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key)
+        return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key, on_start)
 
     def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
-                  constraint: Constraint | None, cache_key: str | None = None) -> Iterator[StreamEvent]:
+                  constraint: Constraint | None, cache_key: str | None = None,
+                  on_start: Callable[[int], None] | None = None) -> Iterator[StreamEvent]:
         """The generation loop, the same for every device. All but the last prefill chunk
         of the new tokens run here, ``cancel`` checked between them; the rest is the feed of
         :meth:`Backend.start`, after which the backend returns one token per ``next``
@@ -625,6 +630,8 @@ class Engine:
         stops = StopMatcher(p.stop)
         new = self._start(prompt_ids, cache_key)
         cached = len(prompt_ids) - len(new)
+        if on_start is not None:
+            on_start(cached)
         timings.prefill_tokens = len(new)
         n_out = 0
         ended = False  # finished (not cancelled): the session is worth a snapshot

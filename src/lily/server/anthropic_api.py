@@ -367,15 +367,30 @@ async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, t
                                                   "delta": {"type": kind, field: text}})
         return _event("content_block_stop", {"type": "content_block_stop", "index": block.index})
 
+    def message_start() -> str:
+        # sent once the engine has looked the prompt up in its cache, so the split of
+        # input_tokens and cache_read_input_tokens is the one message_delta reports
+        cached = job.cached_tokens or 0
+        usage = {"input_tokens": n_prompt - cached, "cache_creation_input_tokens": 0,
+                 "cache_read_input_tokens": cached, "output_tokens": 0}
+        return _event("message_start", {"type": "message_start", "message": {
+            **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}})
+
+    started = False
     try:
-        start = {**head, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {"input_tokens": n_prompt, "output_tokens": 0}}
-        yield _event("message_start", {"type": "message_start", "message": start})
-        yield _event("ping", {"type": "ping"})
         async for step in seq.stream(run, core.KEEPALIVE_S):
+            if not started and (step is not None or job.cached_tokens is not None):
+                started = True
+                yield message_start()
+                yield _event("ping", {"type": "ping"})
+                if step is None:
+                    continue
+            # before message_start only while the job waits in the queue (clients skip pings)
             yield _event("ping", {"type": "ping"}) if step is None else step_event(*step)
         if run.last is None:  # cancelled before it started
             return
+        if not started:  # an empty reply: the job ended before any step
+            yield message_start()
         reason, hit = _stop_reason(run, run.parser, tok, stops)
         yield _event("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": reason, "stop_sequence": hit},

@@ -302,9 +302,12 @@ class ServerState:
             raise shutdown_error()
         engine = self.engine
         kw = dict(engine_kw) if constraint is None else {**engine_kw, "constraint": constraint}
+        def on_start(cached: int) -> None:
+            job.post("start", cached)
+
         if prompt_logprobs is None:
             def start(cancel):
-                return engine.stream(ids, params, cancel=cancel, **kw)
+                return engine.stream(ids, params, cancel=cancel, on_start=on_start, **kw)
         else:
             def start(cancel):
                 return scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
@@ -445,7 +448,8 @@ async def job_events(job: Job, request: Request | None, keepalive: float | None 
     With ``request`` given (non-streaming responses), the client connection is polled so a
     disconnect cancels the generation. With ``keepalive`` (streaming responses), ``None``
     is yielded after that many idle seconds (queue wait, long prefill) so the caller can
-    send an SSE comment.
+    send an SSE comment; also once when the engine has prepared the session
+    (``job.cached_tokens`` is then set).
     """
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + _DISCONNECT_POLL_S
@@ -469,7 +473,11 @@ async def job_events(job: Job, request: Request | None, keepalive: float | None 
                     continue
             kind, payload = getter.result()
             getter = None
-            if kind == "event":
+            if kind == "start":
+                job.cached_tokens = payload
+                if keepalive is not None:  # a stream may now say what it knows of the prompt
+                    yield None
+            elif kind == "event":
                 job.completion_tokens += len(payload.token_ids)
                 yield payload
                 if payload.finish_reason is not None:

@@ -161,8 +161,8 @@ def check_template_kwargs(kwargs: dict) -> dict:
         if kwargs[name] is None:  # null: the template's default
             del kwargs[name]
         elif not isinstance(kwargs[name], bool):
-            raise APIError(400, f"chat_template_kwargs.{name} must be true or false, got "
-                                f"{dumps(kwargs[name])}", param=f"chat_template_kwargs.{name}",
+            raise APIError(400, f"chat_template_kwargs.{name} must be true, false or null (the template's "
+                                f"default), got {dumps(kwargs[name])}", param=f"chat_template_kwargs.{name}",
                            code="invalid_value")
     return kwargs
 

@@ -24,9 +24,11 @@ log = logging.getLogger("lily.server")
 class Job:
     """A queued generation: ``start(cancel)`` returns the engine's event iterator.
 
-    Items handed to the event loop (``job.items``) are ``(kind, payload)`` pairs: ``"event"``
-    with a StreamEvent, ``"error"`` with an exception, ``"end"`` when the iterator is
-    exhausted, ``"cancelled"`` when the job was cancelled before it started.
+    Items handed to the event loop (``job.items``) are ``(kind, payload)`` pairs: ``"start"``
+    with the prompt tokens the engine reuses from its cache (before the prefill; the
+    request handler sets ``cached_tokens``), ``"event"`` with a StreamEvent, ``"error"`` with
+    an exception, ``"end"`` when the iterator is exhausted, ``"cancelled"`` when the job was
+    cancelled before it started.
     """
 
     def __init__(self, start: Callable[[threading.Event], Iterator], loop: asyncio.AbstractEventLoop):
@@ -39,6 +41,7 @@ class Job:
         self.completion_tokens = 0  # tokens the request handler has received so far
         self.logged = False  # the request's one log line has been written
         self.prompt_logprobs: list | None = None  # set on the worker thread when the prompt is scored
+        self.cached_tokens: int | None = None  # prompt tokens reused, once the engine has prepared the session
 
     def post(self, kind: str, payload=None) -> None:
         """Hand an item to the event loop (from any thread)."""
