@@ -1107,7 +1107,7 @@ def test_boolean_template_kwargs_are_checked(forced, forced_engine):
         r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": bad}})
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == "chat_template_kwargs.enable_thinking"
-        assert "true or false" in r.json()["error"]["message"]
+        assert "true, false or null" in r.json()["error"]["message"]
     r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": None}})
     assert r.status_code == 200 and "<think>" in forced_engine.last_prompt[-20:]  # the default: on
     r = httpx.post(url, json={"messages": HI, "chat_template_kwargs": {"enable_thinking": False}})
