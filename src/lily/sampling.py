@@ -160,8 +160,7 @@ class SamplingParams:
             if tok in seen:
                 raise InvalidParameterError(f"{entry}: token id given twice")
             seen.add(tok)
-            if isinstance(b, bool) or not isinstance(b, (float, np.floating)) or not math.isfinite(b) \
-                    or abs(b) > LOGIT_BIAS_MAX:  # ints were made floats; one that could not be is out of range
+            if not valid_bias(b):
                 raise InvalidParameterError(f"{entry}: the bias must be a number in "
                                             f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
 
@@ -228,6 +227,14 @@ class SamplingParams:
             return cls(**kw)
         except InvalidParameterError as e:
             raise ConfigError(f"{where}: {e}") from None
+
+
+def valid_bias(b) -> bool:
+    """Whether ``b`` is a ``logit_bias`` value: a number (not a bool), finite, with
+    ``|b| <= LOGIT_BIAS_MAX``. The range is tested first: ``math.isfinite`` overflows on an
+    int beyond float range (such an int is out of range anyway)."""
+    return (not isinstance(b, bool) and isinstance(b, (int, float, np.integer, np.floating))
+            and abs(b) <= LOGIT_BIAS_MAX and math.isfinite(b))
 
 
 def _short(v) -> str:

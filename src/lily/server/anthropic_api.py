@@ -334,7 +334,7 @@ async def messages(req: MessagesRequest, request: Request):
         params = params.replace(thinking_budget=budget)
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,
                               parse_tools=parse_tools)
-    job = state.submit(ids, params, constraint=constraint)
+    job = state.submit(ids, params, constraint=constraint, report_start=bool(req.stream))  # message_start's split
     run = ChatRun(job, parser)
     tok = state.engine.tokenizer
     mid = "msg_" + uuid.uuid4().hex[:24]

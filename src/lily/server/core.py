@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
-from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES
+from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES, valid_bias
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
 from lily.structured import check_tools as check_tool_list
@@ -168,8 +168,7 @@ class ServerState:
             tok = int(key) if len(key) <= 12 else vocab  # longer: beyond any vocabulary (and int()'s digit limit)
             if tok >= vocab:
                 raise bad(f"invalid entry {entry}: the token id is outside the vocabulary [0, {vocab})")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or abs(value) > LOGIT_BIAS_MAX \
-                    or not math.isfinite(value):  # range first: isfinite() overflows on a huge int
+            if not valid_bias(value):
                 raise bad(f"invalid entry {entry}: the bias must be a number in "
                           f"[{-LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
             if tok in out:  # "5" and "05"
@@ -292,22 +291,24 @@ class ServerState:
     # -- generation ------------------------------------------------------------------------
 
     def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, constraint=None,
-               **engine_kw) -> Job:
+               report_start: bool = False, **engine_kw) -> Job:
         """Queue the generation (429 when the line is full, 503 while shutting down). With
         ``prompt_logprobs`` (the number of alternatives), the job first scores the prompt
         (see :func:`scored_stream`) into ``job.prompt_logprobs``. ``constraint`` (from
         :func:`request_constraint`) goes to ``engine.stream`` when set, and ``engine_kw``
-        (e.g. ``prompt_cache_key``) as is."""
+        (e.g. ``prompt_cache_key``) as is. ``report_start``: the job posts a ``"start"`` item
+        once the engine has prepared the session (:func:`job_events` sets
+        ``job.cached_tokens`` and wakes a stream), for a stream that reports the cache split
+        up front."""
         if self.closing:
             raise shutdown_error()
         engine = self.engine
         kw = dict(engine_kw) if constraint is None else {**engine_kw, "constraint": constraint}
-        def on_start(cached: int) -> None:
-            job.post("start", cached)
-
+        if report_start:
+            kw["on_start"] = lambda cached: job.post("start", cached)
         if prompt_logprobs is None:
             def start(cancel):
-                return engine.stream(ids, params, cancel=cancel, on_start=on_start, **kw)
+                return engine.stream(ids, params, cancel=cancel, **kw)
         else:
             def start(cancel):
                 return scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
@@ -448,8 +449,8 @@ async def job_events(job: Job, request: Request | None, keepalive: float | None 
     With ``request`` given (non-streaming responses), the client connection is polled so a
     disconnect cancels the generation. With ``keepalive`` (streaming responses), ``None``
     is yielded after that many idle seconds (queue wait, long prefill) so the caller can
-    send an SSE comment; also once when the engine has prepared the session
-    (``job.cached_tokens`` is then set).
+    send an SSE comment; also once when the engine has prepared the session of a job
+    submitted with ``report_start`` (``job.cached_tokens`` is then set).
     """
     getter: asyncio.Task | None = None
     next_check = time.monotonic() + _DISCONNECT_POLL_S
@@ -475,7 +476,7 @@ async def job_events(job: Job, request: Request | None, keepalive: float | None 
             getter = None
             if kind == "start":
                 job.cached_tokens = payload
-                if keepalive is not None:  # a stream may now say what it knows of the prompt
+                if keepalive is not None:  # the stream that asked may now report the split
                     yield None
             elif kind == "event":
                 job.completion_tokens += len(payload.token_ids)

@@ -25,8 +25,8 @@ class Job:
     """A queued generation: ``start(cancel)`` returns the engine's event iterator.
 
     Items handed to the event loop (``job.items``) are ``(kind, payload)`` pairs: ``"start"``
-    with the prompt tokens the engine reuses from its cache (before the prefill; the
-    request handler sets ``cached_tokens``), ``"event"`` with a StreamEvent, ``"error"`` with
+    with the prompt tokens the engine reuses from its cache (before the prefill; only for a
+    job submitted with ``report_start``; the request handler sets ``cached_tokens``), ``"event"`` with a StreamEvent, ``"error"`` with
     an exception, ``"end"`` when the iterator is exhausted, ``"cancelled"`` when the job was
     cancelled before it started.
     """
