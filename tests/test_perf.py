@@ -418,15 +418,20 @@ def test_gdn_scan_work_is_the_lazy_decay():
     assert r["bytes_written"] == state + 2 * M * Hv * Dv + 4 * M * Hv * (Dv // RV)  # the state, u, the sums
 
 
-def test_estimate_kernels_tool_splits_the_estimate():
-    """tools/estimate_kernels.py (the per-kernel split docs/performance.md quotes) adds up to
-    the estimate's own time, stages and bytes of a prefill chunk and of a decode step."""
+def _estimate_kernels_tool():
     import importlib.util
     from pathlib import Path
     spec = importlib.util.spec_from_file_location(
         "estimate_kernels", Path(__file__).resolve().parents[1] / "tools" / "estimate_kernels.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_estimate_kernels_tool_splits_the_estimate():
+    """tools/estimate_kernels.py (the per-kernel split docs/performance.md quotes) adds up to
+    the estimate's own time, stages and bytes of a prefill chunk and of a decode step."""
+    tool = _estimate_kernels_tool()
     m = perf.machine("m5max")
     for records in (count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"],
                     count_decode_step(CFG, 4096)["records"]):
@@ -436,3 +441,25 @@ def test_estimate_kernels_tool_splits_the_estimate():
         assert sum(s for s, _, _ in per.values()) == pytest.approx(want.seconds, rel=1e-9)
         assert sum(n for _, n, _ in per.values()) == len(records)
         assert sum(b for _, _, b in per.values()) == pytest.approx(want.bytes, rel=1e-12)
+
+
+def test_decode_options_cost_what_they_change():
+    """tools/estimate_kernels.py decode-options (docs/performance.md, "Two ways to the 4K decode
+    target"): writing the DeltaNet state back every step is today's plan; every W steps saves
+    the state write but for 1/W of it, less the pending ring; moving the step into its in_proj's
+    stage removes exactly one stage per DeltaNet layer and no byte."""
+    tool = _estimate_kernels_tool()
+    base = count_decode_step(CFG, 4096)["records"]
+    assert tool.deferred_state(base, CFG, 1) == base
+    state = 4 * CFG.linear_num_value_heads * CFG.linear_value_head_dim * (CFG.linear_key_head_dim + 1)
+    pending = 4 * (CFG.linear_num_value_heads * (CFG.linear_value_head_dim + 1)
+                   + CFG.linear_num_key_heads * CFG.linear_key_head_dim)
+    gdn = CFG.num_hidden_layers - len(CFG.full_attention_layers)
+    m = perf.machine("m5max")
+    t0 = perf.time_records(m, base)
+    t8 = perf.time_records(m, tool.deferred_state(base, CFG, 8))
+    assert t0.bytes - t8.bytes == pytest.approx(gdn * (state * 7 / 8 - pending * 4.5), rel=1e-12)
+    moved = perf.time_records(m, tool.step_in_projection_stage(base))
+    assert moved.stages == t0.stages - gdn and moved.bytes == t0.bytes
+    rows = tool.decode_options(m, CFG, 4096)
+    assert rows[0][1] == pytest.approx(1 / t0.seconds) and all(r[1] > rows[0][1] for r in rows[1:])
