@@ -96,9 +96,9 @@ constant constexpr uint kAttnSimdgroups = 8;  // threadgroup = 256 threads
 // load per lane, 512 contiguous bytes per simdgroup; D = 64: one bfloat2).
 template <uint D>
 struct AttnLane {
-  static constexpr uint NE = D / 32;
-  static constexpr uint W = NE >= 4 ? 4 : NE;
-  static constexpr uint NC = NE / W;
+  static constant constexpr uint NE = D / 32;
+  static constant constexpr uint W = NE >= 4 ? 4 : NE;
+  static constant constexpr uint NC = NE / W;
 };
 
 // Attends query heads h0..h0+G-1 (sharing KV head kvh) over rows [r0, r1) (r0 < r1) and leaves

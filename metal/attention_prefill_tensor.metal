@@ -98,6 +98,12 @@ static inline void attend(device bfloat* qb, device const half* qg, device const
   float l = 0.0f;
   device const bfloat* khead = k_cache + ulong(kvh) * args.capacity * D;
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
+  // S starts at zero: Apple's header defines the product as C = A B + C with C assumed
+  // zeroed, also in mode::multiply; each thread re-zeroes the scores it reads below
+  for (uint i = tid; i < kRows * kTile; i += kThreads) {
+    ss[i] = 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 
   for (uint t0 = kbeg; t0 < kend; t0 += kTile) {
     // K rows [t0, min(t0 + kTile, kend)) from the cache (only read: no barrier orders it;
@@ -110,6 +116,7 @@ static inline void attend(device bfloat* qb, device const half* qg, device const
     for (uint j = 0; j < 8; ++j) {
       const uint key = t0 + 8 * su + j;
       const float x = ss[sr * kTile + 8 * su + j];
+      ss[sr * kTile + 8 * su + j] = 0.0f;  // only this thread reads it; the loop's last barrier orders the next run
       s[j] = (live && key <= spos && key < kend) ? x : -INFINITY;
     }
     const float corr = softmax_row<8, 4>(s, m, l, ps + sr * kTile + 8 * su);
@@ -260,6 +267,10 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
   Stage tS(smem, extents<int32_t, BN, BM>());
   constexpr auto qk_desc = matmul2d_descriptor(BM, BN, K, false, true, false, matmul2d_descriptor::mode::multiply);
   matmul2d<qk_desc, execution_simdgroups<4>> qk;
+  for (uint i = tid; i < BM * BN; i += 128) {  // a zeroed destination, as the kernels keep it
+    smem[i] = 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   qk.run(tQ, tK, tS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < BM * BN; i += 128) {

@@ -202,10 +202,25 @@ def test_mm_device(dev, ta, tb, M, N, K):
     rng = fresh_rng(1, M, N, K, len(ta), len(tb))
     a, a_up = draw(rng, (M, K), ta)
     b, b_up = draw(rng, (K, N), tb)
-    A, B, C = upload(dev, a_up), upload(dev, b_up), dev.buffer(M * N * 4)
+    # mode multiply: Apple's header assumes a zeroed destination (C = A B + C)
+    A, B, C = upload(dev, a_up), upload(dev, b_up), upload(dev, np.zeros((M, N), np.float32))
     run(dev, f"st_tensor_mm_device_{ta}_{tb}", (cdiv(N, 32), cdiv(M, 64)), 128,
         [(0, A), (1, B), (2, C)], [(3, args(M, N, K))], [A, B], [C])
     np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(a, b))
+
+
+def test_multiply_into_a_nonzero_destination_is_reported(dev):
+    """mode::multiply into a tensor that is not zero is refused by name: whether Metal then
+    overwrites or accumulates is not promised, so the simulator does not pick one."""
+    M, N, K = 64, 32, 16
+    rng = fresh_rng(6)
+    a, a_up = draw(rng, (M, K), "f32")
+    b, b_up = draw(rng, (K, N), "f32")
+    C = upload(dev, np.zeros((M, N), np.float32) + np.float32(1.0))
+    with pytest.raises(RuntimeError, match=r"mode::multiply|multiply\) into a tensor whose element \(row 0, column 0\) "
+                                           r"is not zero: zero the destination first"):
+        run(dev, "st_tensor_mm_device_f32_f32", (1, 1), 128, [(0, upload(dev, a_up)), (1, upload(dev, b_up)), (2, C)],
+            [(3, args(M, N, K))], [], [C])
 
 
 @pytest.mark.parametrize("variant", ["f32_f32_nt", "f32_f32_nn", "f32_f32_tn", "f32_f32_tt", "f16_f16_nt",
@@ -282,7 +297,7 @@ def dispatch_error(dev, kernel, groups, tg, buffers, cst=(), threadgroups=True):
 def test_missing_barrier_before_run_is_reported(order):
     dev = sim_device(gpu_family="apple10", thread_order=order, seed=5)
     x = fresh_rng(7).standard_normal(32 * 32).astype(np.float32)
-    X, C = upload(dev, x), dev.buffer(32 * 32 * 4)
+    X, C = upload(dev, x), upload(dev, np.zeros(32 * 32, np.float32))  # mode multiply: a zeroed C
     msg = dispatch_error(dev, "st_tensor_race", 1, 64, [(0, X), (1, C)], [(2, constant(0))])
     assert "operand changed" in msg and "missing threadgroup_barrier" in msg
     run(dev, "st_tensor_race", 1, 64, [(0, X), (1, C)], [(2, constant(1))], [X], [C])
@@ -294,7 +309,7 @@ def test_missing_barrier_before_run_is_reported(order):
 def test_divergent_tensor_operations_are_reported(order):
     dev = sim_device(gpu_family="apple10", thread_order=order)
     x = fresh_rng(8).standard_normal(64 * 32).astype(np.float32)
-    X, C = upload(dev, x), dev.buffer(32 * 32 * 4)
+    X, C = upload(dev, x), upload(dev, np.zeros(32 * 32, np.float32))  # mode multiply: a zeroed C
     msg = dispatch_error(dev, "st_tensor_divergent", 1, 64, [(0, X), (1, C)], [(2, constant(0))])
     assert re.search(r"returned while .* wait in matmul2d::run|matmul2d::run reached after .* returned", msg), msg
     msg = dispatch_error(dev, "st_tensor_divergent", 1, 64, [(0, X), (1, C)], [(2, constant(1))])

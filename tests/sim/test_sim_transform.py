@@ -316,6 +316,11 @@ K = "kernel void f({params}) {{\n{body}\n}}\n"
     (K.format(params="device float* x [[buffer(0)]]", body="  threadgroup atomic_float total;"),
      r"k.metal:4: error: atomic<float> in threadgroup memory"),
     (K.format(params="threadgroup atomic_float* t [[threadgroup(0)]]", body=""), r"atomic<float> in threadgroup memory"),
+    # program-scope variables live in the constant address space
+    ("template <uint D>\nstruct Lane {\n  static constexpr uint NE = D / 32;\n};\n",
+     r"k.metal:5: error: 'static constexpr uint NE' is a program-scope variable outside the constant address space"),
+    ("constexpr uint kRows = 64;\n", r"'constexpr uint kRows' is a program-scope variable outside the constant"),
+    ("namespace d {\nstatic const float kScale = 0.5f;\n}\n", r"'static const float kScale' is a program-scope"),
 ])
 def test_strict_rules_reject(tmp_path, source, message):
     r, _ = transform(tmp_path, source)

@@ -296,6 +296,12 @@ class Transformer:
             if t.kind == "ident":
                 if scopes[-1] == "code" and t.text in VALUE_TYPES:
                     self.check_local_pointer(i)
+                if t.text == "static" and scopes[-1] != "code":
+                    self.check_program_scope_variable(i)
+                elif t.text == "constexpr" and scopes[-1] == "ns":
+                    p = self.prev_sig(i)
+                    if p < 0 or toks[p].kind == "pp" or toks[p].text in (";", "{", "}"):
+                        self.check_program_scope_variable(i)
                 if t.text in ("device", "thread"):
                     t.text = ""
                 elif t.text == "constant":
@@ -569,6 +575,20 @@ class Transformer:
         if self.tok(k).kind == "ident" and self.tok(self.next_sig(k)).text in ("=", ";", ","):
             self.err(toks[i], f"pointer '{self.tok(k).text}' declared without an address space: in MSL it points to "
                               f"thread memory (write device, constant, threadgroup or thread)")
+
+    def check_program_scope_variable(self, i):
+        """A variable declared at namespace scope, or a static data member, from the
+        `static` / `constexpr` at i: MSL gives such variables program-scope storage, which
+        must be in the constant address space (Apple's compiler rejects `static constexpr
+        uint N = 4;` in a struct; C++ would not notice). Functions are left alone."""
+        words = []
+        k = i
+        while k >= 0 and k < len(self.toks) and self.tok(k).text not in ("=", ";", "(", "{"):
+            words.append(self.tok(k).text)
+            k = self.next_sig(k)
+        if k >= 0 and k < len(self.toks) and self.tok(k).text in ("=", ";") and "constant" not in words:
+            self.err(self.toks[i], f"'{' '.join(words)}' is a program-scope variable outside the constant address "
+                                   f"space: in MSL write `constant` (e.g. `static constant constexpr`)")
 
     def check_atomic_type(self, tg, a, b):
         """Float atomics exist in device memory only (MSL spec 6.15.1)."""

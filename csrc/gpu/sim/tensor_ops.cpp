@@ -340,6 +340,17 @@ void run(const Matmul& op, Scope s, const View& left, const View& right, const V
     if (dst) {
       // The destination tensor is written once, by the last thread to arrive.
       int rows = std::min(op.m, dst->ext1), cols = std::min(op.n, dst->ext0);
+      if (!op.accumulate) {
+        // Apple's header defines every product as C = A B + C with C assumed zeroed, mode
+        // multiply included, and does not promise that multiply ignores C: a kernel must
+        // zero the destination, and one that does not fails here rather than on a Mac.
+        for (int r = 0; r < rows; ++r)
+          for (int c = 0; c < cols; ++c)
+            if (load_elem(*dst, c, r) != 0.0f)
+              fail(("matmul2d::run with " + describe_op(op) + " into a tensor whose element (row " + std::to_string(r) +
+                    ", column " + std::to_string(c) + ") is not zero: zero the destination first (Apple's header "
+                    "assumes C is zero in mode::multiply)").c_str());
+      }
       for (int r = 0; r < rows; ++r)
         for (int c = 0; c < cols; ++c) {
           float v = poison();
