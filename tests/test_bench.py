@@ -231,3 +231,21 @@ def test_bench_refuses_bad_counts_before_loading(tmp_path, kw):
     from lily.bench import bench
     with pytest.raises(InvalidParameterError, match="rounds >= 1"):
         bench(tmp_path / "no-such-model", **kw)
+
+
+def test_lily_runner_times_a_whole_prefill_every_round():
+    """The warm-up and every round run the same prompt: Lily's runner keeps no prompt cache,
+    so each timed prefill computes every prompt token as MLX-LM's does (with a cache, the
+    second round's "prefill" was a one-token lookup, ~30x the real rate); it refuses a
+    sample whose prefill was served from a cache."""
+    from lily.bench import LilyRunner
+    from lily.prompt_cache import PromptCache
+    runner = LilyRunner(None, "reference", 256)
+    assert runner.engine.prompt_cache is None
+    prompt = list(range(3, 60))
+    for _ in range(2):
+        assert runner.run(prompt, 2).tokens == 2
+    runner.engine.prompt_cache = PromptCache(1 << 26)
+    runner.run(prompt, 2)
+    with pytest.raises(RuntimeError, match="computed 1 of the prompt's 57 tokens"):
+        runner.run(prompt, 2)

@@ -155,14 +155,17 @@ def _timed(prompt_tokens: int, arrivals: Callable[[], "Sequence[int] | None"]) -
 
 
 class LilyRunner:
-    """Lily through ``Engine.stream`` (greedy, EOS ignored)."""
+    """Lily through ``Engine.stream`` (greedy, EOS ignored), with no prompt cache: every
+    timed prefill computes the whole prompt, as the peer's does."""
 
     def __init__(self, path: str | Path | None, device: str, max_context: int,
                  device_options: dict | None = None):
         from lily import __version__
         from lily.engine import Engine
+        # the warm-up and earlier rounds run the same prompts: a cache would turn the timed
+        # prefill into a one-token lookup
         self.engine = Engine.load(path, device=device, max_context=max_context,
-                                  device_options=device_options)
+                                  device_options=device_options, prompt_cache_bytes=0)
         self.label = f"lily {__version__} (device={self.engine.device})"
 
     def run(self, prompt: Sequence[int], n: int) -> Sample:
@@ -178,6 +181,9 @@ class LilyRunner:
             return ev.token_ids
         s = _timed(len(prompt), arrivals)
         t = last[0].timings  # the final event's, refined when the stream closed
+        if t.prefill_tokens != len(prompt):
+            raise RuntimeError(f"the timed prefill computed {t.prefill_tokens} of the prompt's {len(prompt)} tokens "
+                               "(the rest came from a prompt cache): not a prefill measurement")
         s.gpu_first_s, s.gpu_decode_s = t.gpu_prefill_s, t.gpu_decode_s
         return s
 
