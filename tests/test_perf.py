@@ -463,3 +463,14 @@ def test_decode_options_cost_what_they_change():
     assert moved.stages == t0.stages - gdn and moved.bytes == t0.bytes
     rows = tool.decode_options(m, CFG, 4096)
     assert rows[0][1] == pytest.approx(1 / t0.seconds) and all(r[1] > rows[0][1] for r in rows[1:])
+
+
+def test_estimate_reports_the_scratch_a_real_load_allocates():
+    """The header's prefill scratch is the runtime's at any real context, also for chunks
+    smaller than the part of the scratch that grows with the context (512: 186 MiB, not the
+    129 a runtime of 512 positions allocates)."""
+    from lily.native import _counting_runtime
+    for chunk in (512, 4096):
+        rep = perf.estimate("m5max", contexts=[256], prompts=[256], chunk=chunk)
+        want = [_counting_runtime(CFG, 4, 8, ctx, prefill_chunk=chunk).prefill_scratch_bytes for ctx in (16384, 131072)]
+        assert rep["plan"]["prefill_scratch_bytes"] == want[0] == want[1]

@@ -412,7 +412,9 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     chunk = chunk or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
     check_length("chunk", chunk, limit, kind="chunk")
     from lily.native import _counting_runtime
-    scratch = _counting_runtime(cfg, 4, 8, chunk, prefill_chunk=chunk).prefill_scratch_bytes
+    # part of the scratch grows with the context up to a bound (docs/prefill.md): size it as a
+    # runtime serving the model's full context does, not one of `chunk` positions
+    scratch = _counting_runtime(cfg, 4, 8, limit, prefill_chunk=chunk).prefill_scratch_bytes
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:
         t = decode_step(m, cfg, c)
