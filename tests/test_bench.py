@@ -229,7 +229,7 @@ def test_machine_info_names_the_native_device(demo_path):
 def test_bench_refuses_bad_counts_before_loading(tmp_path, kw):
     """Bad counts are refused before any model loads (the path does not even exist)."""
     from lily.bench import bench
-    with pytest.raises(InvalidParameterError, match="rounds >= 1"):
+    with pytest.raises(InvalidParameterError, match=r"rounds must be >= 1 and decode_tokens >= 2, got rounds="):
         bench(tmp_path / "no-such-model", **kw)
 
 

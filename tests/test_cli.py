@@ -204,7 +204,7 @@ def test_native_device_flags(tmp_path, monkeypatch):
     assert "writing an aligned copy" in default.stderr and "aligned copy" not in chunked.stderr
     # a native device times itself: the speed line says how busy it kept the device
     assert re.search(r"generation: 6 tokens, [\d.]+ tok/s \(GPU busy \d+%\) \|", default.stderr), default.stderr
-    assert bad.returncode == 1 and "prefill_chunk must be a non-negative integer" in bad.stderr
+    assert bad.returncode == 2 and "--prefill-chunk: expected an integer >= 0, got -1" in bad.stderr
 
 
 def test_closed_pipe_ends_quietly():

@@ -433,7 +433,7 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     rounds = (2 if pplx else 3) if rounds is None else rounds
     positions = (0 if pplx else 192) if positions is None else positions
     if rounds < 1 or decode_tokens < 2:  # before anything loads (run_bench checks the same)
-        raise InvalidParameterError(f"rounds >= 1 and decode_tokens >= 2 are needed, got {rounds} and {decode_tokens}")
+        raise InvalidParameterError(f"rounds must be >= 1 and decode_tokens >= 2, got rounds={rounds}, decode_tokens={decode_tokens}")
     path = Path(path) if path is not None else default_model_path()
     log = log or (lambda s: print(s, file=sys.stderr))
     config = load_config(path)[0]

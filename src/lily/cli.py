@@ -41,7 +41,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-context", type=int, default=None, metavar="N",
                    help="context window in tokens (default: min(32768, the model's limit))")
     g = p.add_argument_group("native devices (sim, metal, auto)")
-    g.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    g.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prompt tokens per prefill chunk (default 0: automatic, 4096 or less when memory is "
                         "short; scratch memory is sized for one chunk)")
     g.add_argument("--no-weight-cache", action="store_true",
@@ -488,8 +488,9 @@ def cmd_doctor(args) -> int:
                       seed=args.seed, as_json=args.json)
 
 
-def _doctor_int(lowest: int):
-    """argparse type: an integer >= lowest (`lily doctor --seed`, `--max-context`)."""
+def _int_at_least(lowest: int):
+    """argparse type: an integer >= lowest (`lily doctor --seed`, `--max-context`,
+    `--prefill-chunk`)."""
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -503,11 +504,13 @@ def _doctor_int(lowest: int):
 
 def _int_list(text: str) -> list[int]:
     try:
-        out = [int(x) for x in text.split(",") if x.strip()]
+        out = [int(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not out or min(out) < 1:
+    if min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"a length is listed twice in {text!r}")
     return out
 
 
@@ -724,7 +727,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rounds per length; the engine order alternates (default 3; pplx 2)")
     b.add_argument("--positions", type=int, default=None, metavar="N",
                    help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
-    b.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    b.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="Lily's prefill chunk on the native devices (default 0: automatic, 4096 or less)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
@@ -751,10 +754,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
     d.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="checkpoint whose memory needs to show (default: demo model)")
-    d.add_argument("--max-context", type=_doctor_int(1), default=None, metavar="N",
+    d.add_argument("--max-context", type=_int_at_least(1), default=None, metavar="N",
                    help="context length for the KV-cache estimate, in [1, the model's maximum] (default: as "
                         "Engine.load, 32768 or the model's maximum)")
-    d.add_argument("--seed", type=_doctor_int(0), default=None, metavar="N",
+    d.add_argument("--seed", type=_int_at_least(0), default=None, metavar="N",
                    help="non-negative seed of the random inputs (default: a fresh one, printed in the report)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     d.set_defaults(func=cmd_doctor)
