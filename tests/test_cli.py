@@ -297,3 +297,17 @@ def test_chat_line_editing_and_history(tmp_path):
     assert seen.count(b"> Hail, good sir.") == 2, seen  # typed, then recalled by the arrow
     # (consecutive duplicates may be stored once, depending on the readline library)
     assert "Hail, good sir." in (tmp_path / "lily" / "chat_history").read_text().splitlines()
+
+
+def test_device_failure_is_reported_without_a_traceback(monkeypatch, capsys):
+    """A device's run-time failure (a Metal command buffer in error, a kernel fault: the
+    core's GpuError) ends the command with a one-line error, not a traceback."""
+    from lily import _core, cli
+
+    def fail(args):
+        raise _core.GpuError("Metal command buffer failed: Caused GPU Timeout Error")
+    monkeypatch.setattr(cli, "cmd_info", fail)
+    assert cli.main(["info"]) == 1
+    err = capsys.readouterr().err
+    assert err == "lily: error: the device failed: Metal command buffer failed: Caused GPU Timeout Error\n"
+    assert issubclass(_core.HazardError, _core.GpuError) and issubclass(_core.GpuError, RuntimeError)

@@ -171,7 +171,11 @@ nb::dict record_dict(const DispatchRecord& r) {
 }
 
 void bind_device(nb::module_& m) {
-  nb::exception<HazardError>(m, "HazardError", PyExc_RuntimeError);
+  // A device's failure at run time (a Metal command buffer in error, a simulator kernel fault):
+  // RuntimeError as before, with its own type so the CLI can report it without a traceback.
+  // HazardError derives from it, in C++ and in Python (later translators are tried first).
+  nb::exception<Error> gpu_error(m, "GpuError", PyExc_RuntimeError);
+  nb::exception<HazardError>(m, "HazardError", gpu_error);
 
   nb::class_<Buffer>(m, "Buffer", "Device memory (shared storage).")
       .def_prop_ro("size", &Buffer::size)

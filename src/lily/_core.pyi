@@ -17,7 +17,10 @@ def build_info() -> dict:
     Build facts: version, compiler, platform, debug flag and compiled devices.
     """
 
-class HazardError(RuntimeError):
+class GpuError(RuntimeError):
+    pass
+
+class HazardError(GpuError):
     pass
 
 class Buffer:

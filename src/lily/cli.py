@@ -13,6 +13,7 @@ import re
 import sys
 from pathlib import Path
 
+from lily import _core
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 
 _INT32_MAX = (1 << 31) - 1
@@ -832,6 +833,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except LilyError as e:
         print(f"lily: error: {e}", file=sys.stderr)
+        return 1
+    except _core.GpuError as e:  # a GPU fault or a library that does not load: not a Python bug
+        print(f"lily: error: the device failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -89,7 +89,9 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
         device = "metal" if "metal" in available else "reference"
         if device != "metal":
             ignored = f"; device options ignored: {', '.join(sorted(options))}" if options else ""
-            print(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}",
+            # on a Mac this is a build without the GPU device: say how to get one
+            fix = f". {METAL_BUILD_FIX}" if sys.platform == "darwin" else ""
+            print(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}{fix}",
                   file=sys.stderr)
     if device == "reference":
         if options and not auto:

@@ -38,6 +38,17 @@ std::atomic<uint64_t> g_next_id{1};
 
 std::string to_string(NSString* s) { return s ? std::string([s UTF8String]) : std::string(); }
 
+#ifndef LILY_METAL_TENSOR_MIN_OS
+#define LILY_METAL_TENSOR_MIN_OS "26.2"  // cmake/metal.cmake's default
+#endif
+
+// Whether this macOS is at least `version` ("major.minor").
+bool at_least_macos(const char* version) {
+  int major = 0, minor = 0;
+  std::sscanf(version, "%d.%d", &major, &minor);
+  return [[NSProcessInfo processInfo] isOperatingSystemAtLeastVersion:(NSOperatingSystemVersion){major, minor, 0}];
+}
+
 // gpu::Buffer has a member function id(), which hides Objective-C's `id` inside classes
 // derived from it: name the type outside.
 typedef id<MTLBuffer> MTLBufferRef;
@@ -45,11 +56,28 @@ typedef id<MTLBuffer> MTLBufferRef;
 class MetalBuffer : public gpu::Buffer, public std::enable_shared_from_this<MetalBuffer> {
  public:
   MetalBuffer(MTLBufferRef b, size_t size) : buf_(b), size_(size), id_(g_next_id++) {}
+  // Release inside a pool: what the buffer's dealloc autoreleases is freed now, not when the
+  // thread (Python's main thread, the server's generation thread) ends.
+  ~MetalBuffer() override {
+    @autoreleasepool {
+      buf_ = nil;
+    }
+  }
   size_t size() const override { return size_; }
   void* contents() override { return [buf_ contents]; }
   uint64_t id() const override { return id_; }
-  std::string label() const override { return to_string([buf_ label]); }
-  void set_label(const std::string& l) override { [buf_ setLabel:@(l.c_str())]; }
+  std::string label() const override {
+    std::string s;
+    @autoreleasepool {
+      s = to_string([buf_ label]);
+    }
+    return s;
+  }
+  void set_label(const std::string& l) override {
+    @autoreleasepool {
+      [buf_ setLabel:@(l.c_str())];
+    }
+  }
   MTLBufferRef mtl() const { return buf_; }
 
  private:
@@ -267,6 +295,10 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
       inflight_->outstanding -= 1;
       inflight_->cv.notify_all();
     }
+    @autoreleasepool {  // release the encoders and the command buffer now (see ~MetalBuffer)
+      encoders_.clear();
+      cb_ = nil;
+    }
   }
   gpu::ComputePass& compute_pass(gpu::BarrierMode mode) override;
   void commit() override {
@@ -278,19 +310,23 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     std::shared_ptr<InFlight> inf = inflight_;
     std::shared_ptr<Keepalive> keep = keep_;
     auto handlers = handlers_;
-    [cb_ addCompletedHandler:^(id<MTLCommandBuffer> done) {
+    auto handler = ^(id<MTLCommandBuffer> done) {
       // Never throw from here: store the error; wait() rethrows it on the caller's thread.
-      Status s = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
-      const std::pair<double, double> gpu{[done GPUStartTime], [done GPUEndTime]};
+      Status s;
+      std::pair<double, double> gpu;
       std::string msg;
-      if (s == Status::error) msg = "Metal command buffer failed: " + to_string([[done error] localizedDescription]);
-      for (auto& h : handlers) {
-        try {
-          h(s, msg);
-        } catch (...) {
+      @autoreleasepool {  // Metal's completion queue promises none; the buffers may be freed here
+        s = [done status] == MTLCommandBufferStatusError ? Status::error : Status::completed;
+        gpu = {[done GPUStartTime], [done GPUEndTime]};
+        if (s == Status::error) msg = "Metal command buffer failed: " + to_string([[done error] localizedDescription]);
+        for (auto& h : handlers) {
+          try {
+            h(s, msg);
+          } catch (...) {
+          }
         }
+        keep->buffers.clear();
       }
-      keep->buffers.clear();
       {
         std::lock_guard<std::mutex> g(st->mu);
         st->status = s;
@@ -305,7 +341,7 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
         inf->committed -= 1;
       }
       inf->cv.notify_all();
-    }];
+    };
     {
       std::lock_guard<std::mutex> g(inflight_->mu);
       inflight_->committed += 1;
@@ -314,7 +350,10 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
       std::lock_guard<std::mutex> g(state_->mu);
       state_->status = Status::committed;
     }
-    [cb_ commit];
+    @autoreleasepool {
+      [cb_ addCompletedHandler:handler];
+      [cb_ commit];
+    }
   }
   void wait() override {
     if (!committed_) throw UsageError("wait: the command buffer was not committed");
@@ -351,9 +390,12 @@ class MetalCommandBuffer : public gpu::CommandBuffer {
     if ([s->mtl() device] != [cb_ device] || [d->mtl() device] != [cb_ device])
       throw UsageError("copy: a buffer belongs to another MTLDevice");
     if (!encoders_.empty()) encoders_.back()->end();
-    if (!blit_) blit_ = [cb_ blitCommandEncoder];  // consecutive copies share one encoder
+    @autoreleasepool {  // the encoder is autoreleased: blit_ keeps it, the pool entry goes now
+      if (!blit_) blit_ = [cb_ blitCommandEncoder];  // consecutive copies share one encoder
+      if (blit_)
+        [blit_ copyFromBuffer:s->mtl() sourceOffset:src_offset toBuffer:d->mtl() destinationOffset:dst_offset size:size];
+    }
     if (!blit_) throw Error("cannot create a blit encoder");
-    [blit_ copyFromBuffer:s->mtl() sourceOffset:src_offset toBuffer:d->mtl() destinationOffset:dst_offset size:size];
     keep_->buffers.push_back(s->shared_from_this());
     keep_->buffers.push_back(d->shared_from_this());
     counters_.copies += 1;
@@ -474,7 +516,10 @@ class MetalDevice : public gpu::Device {
       }
       inflight_->outstanding += 1;
     }
-    id<MTLCommandBuffer> cb = [queue_ commandBufferWithUnretainedReferences];
+    id<MTLCommandBuffer> cb = nil;
+    @autoreleasepool {  // autoreleased by Metal: the strong reference keeps it, the pool entry goes now
+      cb = [queue_ commandBufferWithUnretainedReferences];
+    }
     if (!cb) {
       std::lock_guard<std::mutex> g(inflight_->mu);
       inflight_->outstanding -= 1;
@@ -488,6 +533,10 @@ class MetalDevice : public gpu::Device {
   // The constructor's work; returns an error message ("" on success).
   std::string open(const std::string& metallib_path) {
     dev_ = MTLCreateSystemDefaultDevice();
+    if (!dev_) {  // a command-line process may get none without CoreGraphics: take the first device
+      NSArray<id<MTLDevice>>* all = MTLCopyAllDevices();
+      if (all.count > 0) dev_ = all[0];
+    }
     if (!dev_) return "no Metal device is available on this machine";
     family_ = detect_family();
     if (family_ < 7)
@@ -604,6 +653,13 @@ class MetalDevice : public gpu::Device {
       tensor_status_ = "disabled by LILY_DISABLE_TENSOR_OPS";
       return;
     }
+    if (!at_least_macos(LILY_METAL_TENSOR_MIN_OS)) {
+      NSOperatingSystemVersion v = [[NSProcessInfo processInfo] operatingSystemVersion];
+      tensor_status_ = std::string("lily_tensor.metallib needs macOS ") + LILY_METAL_TENSOR_MIN_OS +
+                       " (its minimum, -mmacosx-version-min); this is macOS " + std::to_string(v.majorVersion) + "." +
+                       std::to_string(v.minorVersion);
+      return;
+    }
     if (@available(macOS 26.0, *)) {
       const char* env = std::getenv("LILY_TENSOR_METALLIB");
       std::string dir = path_.substr(0, path_.find_last_of('/') == std::string::npos ? 0 : path_.find_last_of('/') + 1);
@@ -647,7 +703,10 @@ gpu::ComputePass& MetalCommandBuffer::compute_pass(gpu::BarrierMode mode) {
   if (committed_) throw UsageError("compute_pass: the command buffer was already committed");
   if (!encoders_.empty()) encoders_.back()->end();
   end_blit();
-  id<MTLComputeCommandEncoder> enc = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+  id<MTLComputeCommandEncoder> enc = nil;
+  @autoreleasepool {
+    enc = [cb_ computeCommandEncoderWithDispatchType:MTLDispatchTypeConcurrent];
+  }
   if (!enc) throw Error("cannot create a concurrent compute encoder");
   encoders_.push_back(std::make_unique<MetalPass>(dev_, mode, &counters_, records_dispatches(), enc, keep_.get()));
   return *encoders_.back();
