@@ -189,7 +189,8 @@ def test_estimate_command_json_and_text():
     assert f"prefill chunk 4096 (scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB)" in r.stdout
     assert f"model: {perf.DEFAULT_MODEL_NAME}" in r.stdout and rep["model"]["name"] == perf.DEFAULT_MODEL_NAME
     # bad values are usage errors (exit 2) naming the flag, before anything is encoded
-    for bad, what in ((["--prefill-chunk", "-3"], "--prefill-chunk must be a positive"),
+    for bad, what in ((["--prefill-chunk", "-3"], "--prefill-chunk: expected an integer >= 0, got -3"),
+                      (["--prefill-chunk", "300000"], "--prefill-chunk 300000 is beyond the model's limit"),
                       (["--at", "0"], "--at must be a positive"),
                       (["--at", "999999"], "--at 999999 is beyond the model's limit"),
                       (["--contexts", "300000"], "--contexts 300000 is beyond the model's limit"),

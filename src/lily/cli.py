@@ -778,7 +778,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill prompt lengths (default 256, 512, ..., 131072, up to the model's limit)")
     e.add_argument("--at", type=int, default=4096, metavar="L",
                    help="context / prompt length of the per-family breakdown (default 4096)")
-    e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+    e.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
     e.add_argument("--fit", default=None, metavar="BENCH_JSON",
                    help="calibrate the model on a Mac run first: fit its bandwidth efficiency, stage gap and "

@@ -375,10 +375,11 @@ def check_length(name: str, n, limit: int, *, kind: str = "prompt") -> None:
     """Raises :class:`InvalidParameterError` naming ``name`` unless ``n`` is a usable length for
     a model of ``limit`` positions (max_position_embeddings): a ``"prompt"`` of ``n`` tokens
     needs ``1 <= n <= limit``; a decode step at ``"context"`` ``n`` writes position ``n``, so
-    ``1 <= n < limit``; a ``"chunk"`` needs ``n >= 1``."""
+    ``1 <= n < limit``; a ``"chunk"`` needs ``1 <= n <= limit`` (a runtime caps its chunk at
+    its context, which is at most the model's)."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidParameterError(f"{name} must be a positive integer, got {n!r}")
-    top = {"prompt": limit, "context": limit - 1}.get(kind)
+    top = {"prompt": limit, "context": limit - 1, "chunk": limit}.get(kind)
     if top is not None and n > top:
         raise InvalidParameterError(f"{name} {n} is beyond the model's limit: max_position_embeddings is "
                                     f"{limit}, so at most {top}" + (" (a decode step at context c writes "
