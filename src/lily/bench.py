@@ -477,8 +477,9 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
             "notice": notice, "machine": machine_info(lily.engine),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     if pplx:
+        # pplx-garden's published M5 Max table: their engine (also called lily) and MLX-LM
         meta.update(dropped_lengths=dropped,
-                    published_m5max={str(L): dict(zip(("lily_pplx_decode", "mlx_lm_decode", "lily_pplx_prefill",
+                    published_m5max={str(L): dict(zip(("pplx_garden_decode", "mlx_lm_decode", "pplx_garden_prefill",
                                                        "mlx_lm_prefill"), v))
                                      for L, v in PPLX_PUBLISHED_M5MAX.items() if L in lengths})
     return report(results, lily, peer, meta, check)
