@@ -583,10 +583,10 @@ class Transformer:
         uint N = 4;` in a struct; C++ would not notice). Functions are left alone."""
         words = []
         k = i
-        while k >= 0 and k < len(self.toks) and self.tok(k).text not in ("=", ";", "(", "{"):
-            words.append(self.tok(k).text)
+        while k < len(self.toks) and self.toks[k].text not in ("=", ";", "(", "{"):
+            words.append(self.toks[k].text)
             k = self.next_sig(k)
-        if k >= 0 and k < len(self.toks) and self.tok(k).text in ("=", ";") and "constant" not in words:
+        if self.tok(k).text in ("=", ";") and "constant" not in words:
             self.err(self.toks[i], f"'{' '.join(words)}' is a program-scope variable outside the constant address "
                                    f"space: in MSL write `constant` (e.g. `static constant constexpr`)")
 
