@@ -18,16 +18,66 @@
 //   3. delta rule, fp32 state in registers: lane l holds elements l, l+32, ... of a row
 //      (Dk/32 of them), so every load/store instruction of a simdgroup touches 128
 //      contiguous bytes. S = g*S; delta = (v - S k) * beta; S += delta k^T; y = S q, the dot
-//      products as simd_sum; the state is read once and written once. The state buffer
+//      products as simd_sum; the state is read once and written at most once. The state buffer
 //      holds S' and a pending decay c per row (S = c S', gdn_scan's lazy decay,
 //      metal/gdn_prefill.metal): the step decays by c*g instead of g and writes S back with
-//      c = 1, so it costs no extra pass (c = 0, a zeroed state, gives S = 0). A row's c is
+//      c = 1 (on a write-back step), so it costs no extra pass (c = 0, a zeroed state, gives S = 0). A row's c is
 //      read and written by the one threadgroup owning the row.
 //   4. out: y of the slice's rows; ssq[h*NS + j]: sum of y^2 over them.
+//
+// Write-back window (args.pending, args.write_back; docs/decode.md "The recurrent state's
+// write-back window"): the state is written back only on every W-th step. A step that does
+// not write it back appends its update instead, delta per row, the normalised k per key head
+// and g per value head, to the layer's ring (slot `pending`), and leaves S' and c untouched;
+// every step first replays the `pending` ring entries onto the S' it read, with the step's
+// own operations in the step's order (gdn_replay), so what it computes, and the state a
+// write-back leaves, are bit for bit those of writing the state back every step. The state
+// is read every step and written 1/W of them: the traffic the window saves. The runtime
+// writes back whatever is pending before anything else reads the state
+// (gdn_state_writeback, below).
 #include <metal_stdlib>
 #include "common.h"  // silu, softplus (shared with gdn_prefill.metal: same results bit for bit)
 #include "mixer_args.h"
 using namespace metal;
+
+// The two operations of one delta-rule update of a state row slice (this lane's E elements),
+// shared by the step and the replay so both compile to the same instructions.
+template <uint E>
+inline void gdn_decay(thread float* s, float decay) {
+  for (uint e = 0; e < E; ++e) {
+    s[e] = s[e] * decay;
+  }
+}
+
+template <uint E>
+inline void gdn_add_delta(thread float* s, float delta, thread const float* k) {
+  for (uint e = 0; e < E; ++e) {
+    s[e] += delta * k[e];
+  }
+}
+
+// Replays the ring's first `pending` updates onto row `row` (of head h, key head kh) of the
+// written state, held in s (S' as read) with its pending decay c: entry j's decay is c * g_j
+// for the first (the step that read c) and 1 * g_j after (it wrote c = 1), as the steps
+// computed it. Returns the decay factor the next update multiplies g by: c, or 1 after a
+// replay. Ring entry layout: GdnRing (mixer_args.h).
+template <uint DK, uint E>
+inline float gdn_replay(thread float* s, float c, device const float* ring, uint pending, GdnRing rg, uint h,
+                        uint kh, uint row, uint lane) {
+  for (uint j = 0; j < pending; ++j) {
+    device const float* entry = ring + j * rg.entry;
+    const float g = entry[rg.g_at + h];
+    const float delta = entry[rg.delta_at + row];
+    float k[E];
+    for (uint e = 0; e < E; ++e) {
+      k[e] = entry[rg.k_at + kh * DK + e * 32 + lane];
+    }
+    gdn_decay<E>(s, c * g);
+    gdn_add_delta<E>(s, delta, k);
+    c = 1.0f;
+  }
+  return c;
+}
 
 template <uint DK, uint DV>
 [[max_total_threads_per_threadgroup(1024)]] kernel void gdn_decode_step(device const float* qkv [[buffer(0)]],        // [conv_dim] in_proj_qkv output, q | k | v
@@ -42,6 +92,7 @@ template <uint DK, uint DV>
                             device float* out [[buffer(9)]],              // [Hv*Dv] y = S q (before the gated norm)
                             device float* ssq [[buffer(10)]],             // [Hv, NS] sum of y^2 over each split's rows
                             constant GdnDecodeArgs& args [[buffer(11)]],
+                            device float* ring [[buffer(12)]],            // [W-1, GdnRing entry] pending updates
                             uint2 tgp [[threadgroup_position_in_grid]],
                             uint2 ntg [[threadgroups_per_grid]],
                             uint tid [[thread_index_in_threadgroup]],
@@ -119,24 +170,36 @@ template <uint DK, uint DV>
   const float beta = 1.0f / (1.0f + exp(-b[h]));
 
   // ---- 3. delta rule on this simdgroup's rows ----------------------------------------------
+  const GdnRing rg = gdn_ring(Hk, Hv, DK, DV);
+  const uint P = args.pending;
+  device float* slot = ring + P * rg.entry;  // this step's entry when it does not write back
   device float* c_head = state + ulong(Hv) * DV * DK + h * DV;  // c of the head's rows
   for (uint r = 0; r < R; ++r) {
     const uint v = sg * R + r;               // row within the slice
     device float* row = state + (ulong(h) * DV + v0 + v) * DK;
-    const float decay = c_head[v0 + v] * g;
     float s[E];
+    for (uint e = 0; e < E; ++e) {
+      s[e] = row[e * 32 + lane];
+    }
+    const float c = gdn_replay<DK, E>(s, c_head[v0 + v], ring, P, rg, h, kh, h * DV + v0 + v, lane);
+    gdn_decay<E>(s, c * g);
     float sk_dot = 0.0f;
     for (uint e = 0; e < E; ++e) {
-      s[e] = row[e * 32 + lane] * decay;
       sk_dot += s[e] * kr[e];
     }
     sk_dot = simd_sum(sk_dot);
     const float delta = (act[2 * DK + v] - sk_dot) * beta;
+    gdn_add_delta<E>(s, delta, kr);
     float y = 0.0f;
     for (uint e = 0; e < E; ++e) {
-      s[e] += delta * kr[e];
-      row[e * 32 + lane] = s[e];
       y += s[e] * qr[e];
+    }
+    if (args.write_back) {
+      for (uint e = 0; e < E; ++e) {
+        row[e * 32 + lane] = s[e];
+      }
+    } else if (lane == 0) {
+      slot[rg.delta_at + h * DV + v0 + v] = delta;
     }
     y = simd_sum(y);
     if (lane == 0) {
@@ -144,10 +207,23 @@ template <uint DK, uint DV>
       out[h * DV + v0 + v] = y;
     }
   }
+  if (!args.write_back) {
+    // k once per key head (split 0 of its first value head), g once per value head
+    if (sg == 0 && split == 0 && h % rep == 0) {
+      for (uint e = 0; e < E; ++e) {
+        slot[rg.k_at + kh * DK + e * 32 + lane] = kr[e];
+      }
+    }
+    if (tid == 0 && split == 0) {
+      slot[rg.g_at + h] = g;
+    }
+  }
   // device too: it orders the c reads above before the c writes below
   threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
-  for (uint i = tid; i < RV; i += tcount) {  // after the barrier: every c of the slice has been read
-    c_head[v0 + i] = 1.0f;
+  if (args.write_back) {
+    for (uint i = tid; i < RV; i += tcount) {  // after the barrier: every c of the slice has been read
+      c_head[v0 + i] = 1.0f;
+    }
   }
 
   // ---- 4. the slice's sum of squares for the gated RMSNorm in out_proj -------------------
@@ -163,6 +239,50 @@ template <uint DK, uint DV>
   }
 }
 
+// Writes back what the ring holds: the state after the `pending` updates (gdn_replay), c = 1,
+// on the step's grid (Hv, NS) and threadgroups. The runtime runs it before a prefill, a
+// snapshot or anything else that reads the state while steps are pending.
+template <uint DK, uint DV>
+[[max_total_threads_per_threadgroup(1024)]] kernel void gdn_state_writeback(device float* state [[buffer(0)]],     // as gdn_decode_step's
+                                device const float* ring [[buffer(1)]],  // [W-1, GdnRing entry]
+                                constant GdnDecodeArgs& args [[buffer(2)]],
+                                uint2 tgp [[threadgroup_position_in_grid]],
+                                uint2 ntg [[threadgroups_per_grid]],
+                                uint tid [[thread_index_in_threadgroup]],
+                                uint2 tpt [[threads_per_threadgroup]],
+                                uint sg [[simdgroup_index_in_threadgroup]],
+                                uint nsg [[simdgroups_per_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
+  constexpr uint E = DK / 32;
+  const uint h = tgp.x;
+  const uint RV = DV / ntg.y;
+  const uint R = RV / nsg;
+  const uint v0 = tgp.y * RV;
+  const uint Hk = args.num_k_heads;
+  const uint Hv = args.num_v_heads;
+  const uint kh = h / (Hv / Hk);
+  const GdnRing rg = gdn_ring(Hk, Hv, DK, DV);
+  device float* c_head = state + ulong(Hv) * DV * DK + h * DV;
+  for (uint r = 0; r < R; ++r) {
+    const uint v = sg * R + r;
+    device float* row = state + (ulong(h) * DV + v0 + v) * DK;
+    float s[E];
+    for (uint e = 0; e < E; ++e) {
+      s[e] = row[e * 32 + lane];
+    }
+    gdn_replay<DK, E>(s, c_head[v0 + v], ring, args.pending, rg, h, kh, h * DV + v0 + v, lane);
+    for (uint e = 0; e < E; ++e) {
+      row[e * 32 + lane] = s[e];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_device);  // every c of the slice read before any is set
+  for (uint i = tid; i < RV; i += tpt.x) {
+    c_head[v0 + i] = 1.0f;
+  }
+}
+
 // The model (Hk=16, Hv=32) and the "dims" preset; the "tiny" preset.
 template [[host_name("gdn_decode_step_k128_v128")]] [[kernel]] decltype(gdn_decode_step<128, 128>) gdn_decode_step<128, 128>;
 template [[host_name("gdn_decode_step_k32_v32")]] [[kernel]] decltype(gdn_decode_step<32, 32>) gdn_decode_step<32, 32>;
+template [[host_name("gdn_state_writeback_k128_v128")]] [[kernel]] decltype(gdn_state_writeback<128, 128>) gdn_state_writeback<128, 128>;
+template [[host_name("gdn_state_writeback_k32_v32")]] [[kernel]] decltype(gdn_state_writeback<32, 32>) gdn_state_writeback<32, 32>;

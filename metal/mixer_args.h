@@ -14,7 +14,28 @@ struct GdnDecodeArgs {
   uint num_v_heads;   // Hv: value heads (32), a multiple of Hk; value head h uses key head h / (Hv / Hk)
   uint conv_kernel;   // K: causal conv taps (4), >= 2; conv state holds the last K-1 inputs
   float l2_eps;       // eps added to the sum of squares in the q/k L2 norm (1e-6)
+  uint pending;       // steps since the state was last written back: ring entries to replay (< W)
+  uint write_back;    // 1: write the state back (S', c = 1); 0: append this step to ring slot `pending`
 };
+
+// One ring entry of a Gated DeltaNet layer (floats): a decode step's update, delta per state
+// row [Hv*Dv], then the normalised k per key head [Hk*Dk], then g per value head [Hv]
+// (metal/gdn.metal, "Write-back window"). The one definition of the layout for host and kernels.
+struct GdnRing {
+  uint entry;     // floats per entry
+  uint delta_at;  // offsets within an entry
+  uint k_at;
+  uint g_at;
+};
+
+inline GdnRing gdn_ring(uint Hk, uint Hv, uint Dk, uint Dv) {
+  GdnRing r;
+  r.delta_at = 0;
+  r.k_at = Hv * Dv;
+  r.g_at = Hv * Dv + Hk * Dk;
+  r.entry = Hv * Dv + Hk * Dk + Hv;
+  return r;
+}
 
 // attn_qk_prep: q/k RMSNorm, partial RoPE, KV-cache append, q and gate out.
 struct AttnPrepArgs {

@@ -12,9 +12,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily import _core
+from lily import _core, kernel_check
 from lily.checkpoint import parse_config
 from lily.engine import Engine
+from lily.native import state_window
 from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
@@ -123,7 +124,10 @@ def _minimum_bytes(cfg, context):
     """docs/model.md's per-token minimum: the active weights (embedding row, all non-expert
     linears and norms, k routed + the shared expert, lm_head) at 4 bits + bf16 scale/bias
     per 64 (8 bits for the router and shared-expert gate), the KV rows read and the new one
-    written (bf16), and the GDN recurrent + conv state read and written (fp32)."""
+    written (bf16), and the GDN state (fp32): the conv state read and written, the recurrent
+    state read every step and written back once per window of W steps, whose other W - 1
+    steps each append a ring entry that the window's later steps read (on average (W - 1) / 2
+    entries per step; docs/decode.md "The recurrent state's write-back window")."""
     from lily.checkpoint import expected_tensors
     total = 0
     for kind, name, shape in expected_tensors(cfg):
@@ -141,7 +145,12 @@ def _minimum_bytes(cfg, context):
     kv = cfg.full_attention_layers.__len__() * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 * (context + 1 + 1)
     gdn = cfg.num_hidden_layers - len(cfg.full_attention_layers)
     # the recurrent state with gdn_scan's pending decay per row (S = c S'), and the conv state
-    state = gdn * 2 * 4 * (cfg.gdn_state_floats + (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim)
+    W = state_window()
+    S = cfg.gdn_state_floats * 4
+    entry = kernel_check.gdn_ring_entry(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                        cfg.linear_key_head_dim, cfg.linear_value_head_dim) * 4
+    conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * 4
+    state = gdn * (2 * conv + S + S / W + entry * (W - 1) / W + entry * (W - 1) / 2)
     return total, kv, state
 
 
@@ -152,12 +161,15 @@ def test_full_size_decode_step_counters(context):
     must be within 5% of the docs/model.md minimum; from 256 rows on the attention is split so
     that its grid has >= 2x the 40 cores of an M5 Max in threadgroups, each KV row read by
     one threadgroup (8 query heads each)."""
-    from lily.native import count_decode_step
+    from lily.native import count_decode_window
     cfg = parse_config(REAL)
-    c = count_decode_step(cfg, context)
-    weights, kv, state = _minimum_bytes(cfg, context)
-    moved = c["weight_bytes"] + c["kv_bytes"] + c["state_bytes"] + c["activation_bytes"]
+    window = count_decode_window(cfg, context)  # one write-back window: the mean step
+    c = window[0]
+    weights, kv, state = _minimum_bytes(cfg, context + (len(window) - 1) / 2)
+    moved = np.mean([s["weight_bytes"] + s["kv_bytes"] + s["state_bytes"] + s["activation_bytes"] for s in window])
     minimum = weights + kv + state
+    assert np.mean([s["state_bytes"] for s in window]) == pytest.approx(state, rel=1e-12)
+    assert len({(s["dispatches"], s["barrier_stages"]) for s in window}) == 1
     groups = [(r["label"], int(np.prod(r["groups"]))) for r in c["records"]]
     attn = [(label, n) for label, n in groups if "+ attention" in label]
     print(f"\ncontext {context}: {c['dispatches']} dispatches, {c['barrier_stages']} stages, "

@@ -65,9 +65,10 @@ def test_runtime_options_name_the_invalid_option(name, value, match):
 def test_runtime_options_defaults_and_names():
     from lily.native import runtime_options
     o = _core.RuntimeOptions()
-    assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "virtual_weights")
-    assert (o.split_threshold, o.split_block, o.prefill_chunk, o.gemm_path, o.virtual_weights) == (
-        256, 0, 0, "auto", False)
+    assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "state_window",
+                        "virtual_weights")
+    assert (o.split_threshold, o.split_block, o.prefill_chunk, o.state_window, o.gemm_path, o.virtual_weights) == (
+        256, 0, 0, 16, "auto", False)
     assert o.AUTO_PREFILL_CHUNKS == (4096, 2048, 1024, 512)
     o = runtime_options(64, prefill_chunk=8, gemm_path="simdgroup")
     assert (o.max_context, o.prefill_chunk, o.gemm_path) == (64, 8, "simdgroup")

@@ -170,3 +170,44 @@ def test_timings_carry_the_device_time_of_each_phase(sim_engine):
     assert e.backend.runtime.gpu_seconds - before == pytest.approx(t.gpu_prefill_s + t.gpu_decode_s, rel=1e-12)
     ref = Engine.load(device="reference").generate("ROMEO.", max_tokens=2, temperature=0.0).timings
     assert ref.gpu_prefill_s is None and ref.gpu_decode_s is None
+
+
+def test_state_write_back_window_changes_no_result(demo_path, native_device):
+    """The Gated DeltaNet state written back every 3 decode steps (state_window 3) against every
+    step (1), through what a session does between write-backs: decode steps, pipelined sampled
+    generation with logprobs, a snapshot, a prefill continuing the session (an agent's next
+    turn) and a restore. Logits, tokens, logprobs and the snapshot's bytes are equal bit for bit."""
+    every, windowed = (Engine.load(demo_path, device=native_device, max_context=64,
+                                   device_options={"prefill_chunk": 5, "state_window": w}) for w in (1, 3))
+    ids = every.tokenizer.encode("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and "
+                                 "Juliet is the sun. Arise, fair sun, and kill the envious moon.")[:20]
+    assert len(ids) == 20
+
+    def session(e):
+        out = [e.prefill(ids[:7])]
+        out += [e.decode(t) for t in ids[7:11]]  # positions 7..10: a write-back at 8; 9, 10 pending
+        out += [e.prefill(ids[11:13], all_logits=True)]  # the prefill first writes back what is pending
+        out += [e.decode(t) for t in ids[13:16]]  # 15 pending
+        # the session's tokens continued: ids[16:18] are prefilled behind the pending step
+        r = e.generate(ids[:18], max_tokens=5, temperature=0.8, seed=5, logprobs=True, top_logprobs=2)
+        assert r.timings.prefill_tokens == 2
+        snap = e.snapshot()
+        parts = snap[0].parts()
+        out += [e.prefill(ids[18:20], all_logits=True), e.decode(ids[0])]  # the next turn
+        e.restore(snap)
+        out += [e.decode(ids[0])]
+        return out, r, parts
+
+    (a, ra, pa), (b, rb, pb) = session(every), session(windowed)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+    assert ra.token_ids == rb.token_ids
+    assert [t.logprob for t in ra.logprobs] == [t.logprob for t in rb.logprobs]
+    assert len(pa) == len(pb)
+    for x, y in zip(pa, pb):
+        assert bytes(x) == bytes(y)
+
+
+def test_state_window_must_be_positive(demo_path, native_device):
+    with pytest.raises(InvalidParameterError, match="state_window must be a positive integer, got 0"):
+        Engine.load(demo_path, device=native_device, max_context=64, device_options={"state_window": 0})

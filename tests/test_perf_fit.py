@@ -14,7 +14,6 @@ import pytest
 
 from lily import perf
 from lily.errors import InvalidParameterError
-from lily.native import count_decode_step
 
 CFG = perf.model_config()
 STEPS = 64
@@ -37,7 +36,7 @@ def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGT
     rows, cache = [], {}
     for i, L in enumerate(lengths):
         k = 1 + (noise[i] if noise else 0.0)
-        decode = k / perf.time_records(m, count_decode_step(CFG, L + STEPS // 2)["records"]).seconds
+        decode = k / perf.decode_step(m, CFG, L + STEPS // 2).seconds  # the mean step of a window
         prefill = k * L / perf.prefill(m, CFG, L, 4096, cache, path).seconds
         wall = 1 - (host or 0.0)
         rows.append({"prompt_tokens": L, "decode_tps": {"lily": wall * decode, "mlx_lm": 1.0, "ratio": decode},

@@ -8,9 +8,10 @@ stage's time split over its dispatches in proportion to their own roofline times
     tools/estimate_kernels.py decode [CONTEXT] [--machine m5max]   (CONTEXT: 4096)
     tools/estimate_kernels.py decode-options [CONTEXT] [--machine m5max]
 
-decode-options times two changes to the decode step that were costed and not built
-(docs/performance.md, "Two ways to the 4K decode target"): the DeltaNet state written back
-every W steps instead of every step, and the DeltaNet step in its in_proj's barrier stage.
+A decode step is the mean of one write-back window of steps (the DeltaNet state is written
+back every state_window steps; docs/decode.md). decode-options compares the plan with its
+state written back every step (state_window 1) and with a change costed and not built, the
+DeltaNet step in its in_proj's barrier stage (docs/performance.md, "The 4K decode target").
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 from collections import defaultdict
 
 from lily import perf
-from lily.native import count_decode_step, count_prefill_chunk
+from lily.native import count_decode_step, count_decode_window, count_prefill_chunk
 
 
 def by_kernel(m: perf.Machine, records: list) -> tuple[float, int, dict]:
@@ -42,25 +43,6 @@ def by_kernel(m: perf.Machine, records: list) -> tuple[float, int, dict]:
     return total, len(stages), per
 
 
-def deferred_state(records: list, cfg, window: int) -> list:
-    """``records`` with each DeltaNet decode step's state traffic as if the state were written
-    back every ``window`` steps: the step reads the last written state and replays the pending
-    steps' rank-1 updates from a ring of (delta rows, k, g) it appends to; averaged over a window
-    (``window`` 1: today's plan)."""
-    hv, dv, dk, hk = cfg.linear_num_value_heads, cfg.linear_value_head_dim, cfg.linear_key_head_dim, \
-        cfg.linear_num_key_heads
-    state = (hv * dv * dk + hv * dv) * 4           # S' and the per-row decay c, fp32
-    pending = (hv * dv + hk * dk + hv) * 4          # one step's delta rows, normalised k, g
-    # written: 1/window of the state and one ring entry; read: on average (window - 1) / 2 entries
-    saved = state * (1 - 1 / window) - (pending * (window + 1) / 2 if window > 1 else 0)
-    out = []
-    for r in records:
-        if r["kernel"].startswith("gdn_decode_step"):
-            r = dict(r, work=dict(r["work"], bytes=r["work"]["bytes"] - saved))
-        out.append(r)
-    return out
-
-
 def step_in_projection_stage(records: list) -> list:
     """``records`` with each DeltaNet decode step moved into the barrier stage of the in_proj
     before it, as if a completion counter per head let the last in_proj threadgroup of a head
@@ -73,16 +55,24 @@ def step_in_projection_stage(records: list) -> list:
     return out
 
 
+def window_records(cfg, context: int) -> list[list]:
+    """The records of each step of one state write-back window at ``context`` (the plan's
+    mean step; lily.native.count_decode_window)."""
+    return [c["records"] for c in count_decode_window(cfg, context)]
+
+
 def decode_options(m: perf.Machine, cfg, context: int) -> list:
-    """[(label, tok/s, stages, GB)] of the decode step at ``context`` and its costed variants."""
-    base = count_decode_step(cfg, context)["records"]
-    variants = [("today", base)]
-    variants += [(f"state written every {w} steps", deferred_state(base, cfg, w)) for w in (2, 4, 8, 16)]
-    variants.append(("step in in_proj's stage", step_in_projection_stage(base)))
-    variants.append(("both (state every 16 steps)", step_in_projection_stage(deferred_state(base, cfg, 16))))
+    """[(label, tok/s, stages, GB)] of the decode step at ``context``: the plan, the plan with
+    the DeltaNet state written back every step (state_window 1, as before the window), and
+    the costed, unbuilt move of the DeltaNet step into its in_proj's stage."""
+    every = count_decode_step(cfg, context, state_window=1)
+    window = window_records(cfg, context)
+    variants = [(f"today (state written every {len(window)} steps)", window),
+                ("state written every step", [every["records"]]),
+                ("today + step in in_proj's stage", [step_in_projection_stage(r) for r in window])]
     rows = []
-    for label, recs in variants:
-        t = perf.time_records(m, recs)
+    for label, steps in variants:
+        t = perf.mean_timing([perf.time_records(m, r) for r in steps])
         rows.append((label, 1 / t.seconds, t.stages, t.bytes / 1e9))
     return rows
 
@@ -97,16 +87,23 @@ def main() -> None:
     if a.what == "decode-options":
         print(f"*** ESTIMATE *** {m.name}: decode at {a.size}")
         for label, tps, stages, gb in decode_options(m, cfg, a.size):
-            print(f"{label:32s} {tps:7.1f} tok/s  {stages:4d} stages  {gb:6.3f} GB/step")
+            print(f"{label:38s} {tps:7.1f} tok/s  {stages:4d} stages  {gb:6.3f} GB/step")
         return
     if a.what == "prefill":
-        records = count_prefill_chunk(cfg, a.size, 0, gemm_path=perf.gemm_path(m))["records"]
+        steps = [count_prefill_chunk(cfg, a.size, 0, gemm_path=perf.gemm_path(m))["records"]]
     else:
-        records = count_decode_step(cfg, a.size)["records"]
-    total, stages, per = by_kernel(m, records)
+        steps = window_records(cfg, a.size)  # the mean step of a write-back window
+    total, stages, per = 0.0, 0, defaultdict(lambda: [0.0, 0, 0.0])
+    for records in steps:
+        t, stages, p = by_kernel(m, records)
+        total += t / len(steps)
+        for k, (sec, n, b) in p.items():
+            per[k][0] += sec / len(steps)
+            per[k][1] += n / len(steps)
+            per[k][2] += b / len(steps)
     print(f"*** ESTIMATE *** {m.name}: {a.what} {a.size}: {total * 1e3:.2f} ms, {stages} barrier stages")
     for k, (s, n, b) in sorted(per.items(), key=lambda kv: -kv[1][0]):
-        print(f"{k:40s} {s * 1e3:9.3f} ms  {n:4d} dispatches  {b / 1e9:8.3f} GB")
+        print(f"{k:40s} {s * 1e3:9.3f} ms  {round(n):4d} dispatches  {b / 1e9:8.3f} GB")
 
 
 if __name__ == "__main__":

@@ -48,8 +48,10 @@ void Runtime::resolve_decode_kernels() {
   k.gemv_gated_add = ByBits(dev, "gemv_gated", "_add", {4});
   if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
     throw gpu::UsageError("gdn_decode_step: linear_value_head_dim must be a multiple of 32 and of 4 x the splits");
-  k.gdn_step = &dev.pipeline("gdn_decode_step_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                             std::to_string(d.linear_value_head_dim));
+  const std::string gdn_suffix = "_k" + std::to_string(d.linear_key_head_dim) + "_v" +
+                                 std::to_string(d.linear_value_head_dim);
+  k.gdn_step = &dev.pipeline("gdn_decode_step" + gdn_suffix);
+  k.gdn_writeback = &dev.pipeline("gdn_state_writeback" + gdn_suffix);
   k.attn = &dev.pipeline("attn_decode_fused" + attn_suffix);
   if (uses_split_attention(opt_.max_context - 1)) {
     k.attn_split = &dev.pipeline("attn_decode_split_fused" + attn_suffix);
@@ -63,8 +65,30 @@ void Runtime::resolve_decode_kernels() {
   k.sample_token = &dev.pipeline("sample_token");
 }
 
-void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, Traffic* tr) {
+void Runtime::encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending) {
   const ModelDims& d = dims_;
+  const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
+  const args::GdnRing rg = args::gdn_ring(d.linear_num_key_heads, Hv, d.linear_key_head_dim, Dv);
+  gpu::ComputePass& pass = cmd.compute_pass();
+  for (const Layer& layer : model_.layers) {
+    if (layer.full_attention) continue;
+    const uint32_t l = layer.index;
+    Op(*decode_kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
+        .groups(gpu::Size3{Hv, kGdnDecodeSplits, 1}, gpu::Size3{Dv / kGdnDecodeSplits * 8, 1, 1})
+        .inout(0, *state_[l], 0, d.gdn_state_floats() * sizeof(float))
+        .in(1, *ring_[l], 0, size_t(pending) * rg.entry * sizeof(float))
+        .args(2, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending, 1})
+        .run(pass);
+  }
+  pass.end();
+}
+
+void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* tr) {
+  const ModelDims& d = dims_;
+  if (pending > position % opt_.state_window)  // a window's last step always writes back
+    throw std::logic_error("encode_step: " + std::to_string(pending) + " pending steps at position " +
+                           std::to_string(position));
+  const bool write_back = (position + 1) % opt_.state_window == 0;
   const DecodeKernels& K = decode_kernels_;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
@@ -144,17 +168,25 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       // gdn_decode_step: NS threadgroups per head, each Dv / NS * 8 threads (4 state rows per
       // simdgroup); y and per-split sums of squares, the gated norm is out_proj's
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
-      Op(*K.gdn_step, labels_(l, "gdn step"))
-          .groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
+      // the state read, the ring's pending entries replayed; then either the state written
+      // back or this step's entry appended (metal/gdn.metal, "Write-back window")
+      const args::GdnRing rg = args::gdn_ring(d.linear_num_key_heads, Hv, d.linear_key_head_dim, Dv);
+      const size_t entry_bytes = size_t(rg.entry) * f;
+      Op op(*K.gdn_step, labels_(l, "gdn step"));
+      op.groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
           .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *b_, 0, Hv * f).in(2, *a_, 0, Hv * f)
           .in(3, *g.conv1d, &t.weight_bytes).in(4, *g.A_log, &t.weight_bytes)
           .in(5, *g.dt_bias, &t.weight_bytes)
           .in(6, conv_in, 0, conv_bytes).out(7, conv_out, 0, conv_bytes)
-          .inout(8, *state_[l], 0, state_bytes).out(9, *o_, 0, size_t(Hv) * Dv * f)
-          .out(10, *o_ssq_, 0, ssq_bytes)
-          .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f})
-          .run(pass);
-      t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
+          .out(9, *o_, 0, size_t(Hv) * Dv * f).out(10, *o_ssq_, 0, ssq_bytes)
+          .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending,
+                                        write_back ? 1u : 0u})
+          .bind(12, *ring_[l]);
+      if (write_back) op.inout(8, *state_[l], 0, state_bytes);
+      else op.in(8, *state_[l], 0, state_bytes).write(*ring_[l], pending * entry_bytes, entry_bytes);
+      if (pending) op.read(*ring_[l], 0, pending * entry_bytes);
+      op.run(pass);
+      t.state_bytes += 2 * conv_bytes + state_bytes + (write_back ? state_bytes : entry_bytes) + pending * entry_bytes;
       t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
       const size_t cols = size_t(Hv) * Dv;

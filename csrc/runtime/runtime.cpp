@@ -13,6 +13,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/kernel_args.h"
 
 namespace lily::runtime {
 
@@ -139,6 +140,10 @@ void Runtime::allocate_buffers() {
   conv_[0].resize(d.num_hidden_layers);
   conv_[1].resize(d.num_hidden_layers);
   state_.resize(d.num_hidden_layers);
+  ring_.resize(d.num_hidden_layers);
+  const kernels::GdnRing rg = kernels::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads,
+                                                d.linear_key_head_dim, d.linear_value_head_dim);
+  const size_t ring_bytes = size_t(std::max(1u, opt_.state_window - 1)) * rg.entry * f;  // W - 1 pending at most
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
       k_cache_[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
@@ -148,6 +153,7 @@ void Runtime::allocate_buffers() {
       conv_[0][l] = scratch(conv, "conv state A", Mem::state);
       conv_[1][l] = scratch(conv, "conv state B", Mem::state);
       state_[l] = scratch(d.gdn_state_floats() * f, "recurrent state", Mem::state);
+      ring_[l] = scratch(ring_bytes, "recurrent state ring", Mem::state);
     }
   }
   counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
@@ -227,7 +233,12 @@ void Runtime::preflight() {
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
       if (pos && !uses_split_attention(pos)) continue;
       auto cmd = logged_command_buffer();
-      encode_step(*cmd, 0, pos, nullptr);
+      encode_step(*cmd, 0, pos, pos % opt_.state_window, nullptr);
+      collect(*cmd);
+    }
+    if (opt_.state_window > 1) {
+      auto cmd = logged_command_buffer();
+      encode_state_writeback(*cmd, opt_.state_window - 1);
       collect(*cmd);
     }
     {
@@ -290,7 +301,7 @@ gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label, Mem kind) {
 
 void Runtime::reset() {
   finish();
-  position_ = 0;
+  position_ = written_ = 0;
   chunks_done_ = 0;
   if (record_only_) return;
   // The recurrent and conv state start at zero (a recurrent state's c = 0 means S = 0: the
@@ -374,6 +385,13 @@ static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t positio
 SessionSnapshot Runtime::snapshot() {
   finish();
   if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
+  {  // the snapshot holds the state itself, not the ring (device time not counted, as the copies')
+    auto cmd = device_->new_command_buffer();
+    if (write_back_state(*cmd)) {
+      cmd->commit();
+      cmd->wait();
+    }
+  }
   SessionSnapshot s;
   s.position = position_;
   for_each_state_run(dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_,
@@ -411,8 +429,15 @@ void Runtime::restore(const SessionSnapshot& s) {
                                   e.what() + ")");
     }
   }
-  position_ = s.position;
+  position_ = written_ = s.position;
   chunks_done_ = 0;
+}
+
+bool Runtime::write_back_state(gpu::CommandBuffer& cmd) {
+  if (written_ == position_) return false;
+  encode_state_writeback(cmd, position_ - written_);
+  written_ = position_;
+  return true;
 }
 
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
@@ -449,7 +474,9 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
     auto cmd = device_->new_command_buffer();
     std::memcpy(chunk_bufs_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
     if (last && sample) static_cast<uint32_t*>(positions_->contents())[(position_ + M - 1) % 2] = position_ + M - 1;
+    write_back_state(*cmd);  // decode steps before this prefill: the scan reads the state
     encode_chunk(*cmd, parity, position_, M, last ? last_logits : Logits::none, last && sample, nullptr);
+    written_ = position_ + M;  // the scan writes the state back
     ++chunks_done_;
     if (last && keep_last) {
       kept = std::move(cmd);
@@ -493,10 +520,10 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       const int slot = position_ % 2;
       write_token(slot, tokens[i], position_);
       auto cmd = device_->new_command_buffer();
-      encode_step(*cmd, slot, position_, nullptr);
+      encode_step(*cmd, slot, position_, position_ - written_, nullptr);
       cmd->commit();
       wait_timed(*cmd);
-      ++position_;
+      if ((++position_) % opt_.state_window == 0) written_ = position_;
       if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
         std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), logits_->contents(), V * sizeof(float));
     }
@@ -573,9 +600,10 @@ void Runtime::submit_next() {
   const int slot = pos % 2;
   static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
   inflight_[slot] = device_->new_command_buffer();
-  encode_step(*inflight_[slot], slot, pos, nullptr);
+  encode_step(*inflight_[slot], slot, pos, pos - written_, nullptr);
   inflight_[slot]->commit();
   ++gen_encoded_;
+  if ((pos + 1) % opt_.state_window == 0) written_ = pos + 1;  // the step writes the state back
 }
 
 bool Runtime::next(StepOutput* out) {
@@ -645,7 +673,8 @@ gpu::Counters Runtime::count_step(uint32_t position, Traffic* traffic) {
     throw std::invalid_argument("count_step: position " + std::to_string(position) +
                                 " is outside the context window of " + std::to_string(opt_.max_context));
   auto cmd = logged_command_buffer();
-  encode_step(*cmd, position % 2, position, traffic);
+  // steady decoding: the steps since the window began are pending
+  encode_step(*cmd, position % 2, position, position % opt_.state_window, traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
   cmd->wait();

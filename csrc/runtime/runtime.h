@@ -39,6 +39,7 @@ enum class Logits { none, last, all };
   X(uint32_t, split_threshold, 256)  /* context above which decode attention splits the KV */ \
   X(uint32_t, split_block, 0)        /* KV rows per split block; 0: by context (split_rows) */  \
   X(uint32_t, prefill_chunk, 0)      /* tokens per prefill chunk; 0: automatic (kAutoPrefillChunks) */ \
+  X(uint32_t, state_window, 16)      /* decode steps per Gated DeltaNet state write-back; 1: every step */ \
   X(bool, virtual_weights, false)    /* record-only counting: weights need not exist on disk */
 
 // The automatic prefill chunk (prefill_chunk 0): the first of these, capped at max_context,
@@ -65,7 +66,7 @@ struct RuntimeOptions {
   // The options that must be positive (the other integers: non-negative); one rule and one
   // message for 0 (validate) and for a negative value (the binding's setter).
   static bool positive(const std::string& name) {
-    return name == "max_context" || name == "split_threshold";
+    return name == "max_context" || name == "split_threshold" || name == "state_window";
   }
   static std::string rule(const std::string& name) {
     return positive(name) ? "a positive integer" : "a non-negative integer";
@@ -175,7 +176,7 @@ struct SessionSnapshot {
 struct DecodeKernels {
   const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
   ByBits norm_gemv, gemv_add, gemv_gated_add;  // the last: out_proj with the GDN gated norm on load
-  const gpu::Pipeline* gdn_step = nullptr;
+  const gpu::Pipeline *gdn_step = nullptr, *gdn_writeback = nullptr;
   const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
   const gpu::Pipeline *argmax_partial = nullptr, *argmax_partial_bias = nullptr, *sample_greedy_combine = nullptr,
@@ -288,7 +289,9 @@ class Runtime {
   // >= kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
   // 40-core GPU several times over at every context while the partials stay bounded.
   uint32_t split_rows(uint32_t rows) const;
-  static constexpr uint32_t kDecodeTargetGroups = 128;  // >= 3 per core of a 40-core GPU
+  // 2 per core of a 40-core GPU: fewer, longer blocks halve the partials each KV row costs
+  // against 3 per core, a trade the estimate favours at every split context (docs/decode.md)
+  static constexpr uint32_t kDecodeTargetGroups = 80;
   static constexpr uint32_t kDecodeMinBlock = 32;        // 4 rows per simdgroup
   // gdn_decode_step: threadgroups per value head (Hv * 4 = 128 for the model, >= 3 per core
   // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
@@ -301,7 +304,16 @@ class Runtime {
   // an unknown kernel); called by preflight().
   void resolve_decode_kernels();
   void resolve_prefill_kernels();
-  void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, Traffic* traffic);
+  // One decode step at `position` with `pending` steps in the Gated DeltaNet ring (the state
+  // holds the tokens before position - pending); the step writes the state back when
+  // (position + 1) % state_window == 0 (docs/decode.md "The recurrent state's write-back window").
+  void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* traffic);
+  // Encodes, in a pass of its own, the write-back of `pending` ring entries of every Gated
+  // DeltaNet layer (gdn_state_writeback).
+  void encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending);
+  // Makes the state buffers hold the whole session (written_ = position_): encodes the
+  // write-back into `cmd` when steps are pending. Returns whether it encoded anything.
+  bool write_back_state(gpu::CommandBuffer& cmd);
   // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
   // `sample`) the sampler writing the next token into token slot slot ^ 1.
   void encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
@@ -344,6 +356,10 @@ class Runtime {
   PrefillKernels prefill_kernels_;
   LayerLabels labels_;
   uint32_t position_ = 0;
+  // The recurrent state buffers hold the tokens before written_; the decode steps at
+  // written_ .. position_ - 1 are in the ring (written_ <= position_, and never below the
+  // last multiple of state_window: a step ending a window writes the state back).
+  uint32_t written_ = 0;
   bool record_only_ = false;
   uint32_t attn_heads_ = 0;        // query heads per decode attention threadgroup (G)
   uint32_t decode_max_blocks_ = 0; // partial slots per head of the split path
@@ -359,6 +375,8 @@ class Runtime {
       route_w_, hbuf_, logits_, part_ml_, part_acc_;
   // session state per layer
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
+  // per GDN layer: the updates of the steps since the last write-back (GdnRing entries)
+  std::vector<gpu::BufferPtr> ring_;
   std::vector<gpu::BufferPtr> owned_;
 
   // sampling: per-session token counts [V] (bit 31: seen in the prompt), the logit bias [V]

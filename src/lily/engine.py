@@ -296,7 +296,9 @@ class Engine:
             them onto tensor ops where the device takes bfloat tensor operands), ``split_threshold``
             (context above which decode attention splits the KV rows across threadgroups,
             default 256), ``split_block`` (rows per split block, default 0: chosen by
-            context), ``weight_cache`` (``True``: map unaligned checkpoint files
+            context), ``state_window`` (decode steps per write-back of the Gated DeltaNet
+            state, default 16; 1 writes it every step; results are the same bit for bit,
+            docs/decode.md), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).

@@ -298,17 +298,35 @@ def gdn_folded(Sp, c):
 GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (Runtime::kGdnDecodeSplits)
 
 
-def gdn_decode_dispatch(p, kernel, Hk, Hv, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq,
-                        splits=GDN_DECODE_SPLITS, label=""):
+def gdn_ring_entry(Hk, Hv, Dk, Dv) -> int:
+    """Floats of one ring entry of the state write-back window (metal/mixer_args.h GdnRing):
+    delta [Hv*Dv] | normalised k [Hk*Dk] | g [Hv]."""
+    return Hv * Dv + Hk * Dk + Hv
+
+
+def gdn_decode_dispatch(p, kernel, Hk, Hv, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq, ring,
+                        splits=GDN_DECODE_SPLITS, label="", pending=0, write_back=True):
     """Encodes gdn_decode_step on compute pass ``p`` as the runtime does (csrc/runtime/decode.cpp):
     grid (Hv, splits), Dv / splits * 8 threads (4 state rows per simdgroup). ``weights``: the
     conv_w, A_log and dt_bias buffers; ``out``: y = S q, fp32 [Hv*Dv]; ``ssq``: fp32 [Hv, splits],
-    each split's sum of y^2."""
+    each split's sum of y^2. ``ring``: the layer's ring of pending updates; the step replays
+    ``pending`` entries, then writes the state back (``write_back``) or appends its entry."""
+    entry = gdn_ring_entry(Hk, Hv, int(kernel.split("_k")[1].split("_")[0]), Dv) * 4
+    reads = [qkv, b, a, *weights, cin, state] + ([(ring, 0, pending * entry)] if pending else [])
+    writes = [cout, out, ssq] + ([state] if write_back else [(ring, pending * entry, entry)])
     p.dispatch(kernel, (Hv, splits, 1), (Dv // splits * 8, 1, 1),
-               buffers=list(enumerate([qkv, b, a, *weights, cin, cout, state, out, ssq])),
-               constants=[(11, args_bytes(Hk, Hv, K, 1e-6))],
-               reads=[qkv, b, a, *weights, cin, state], writes=[cout, state, out, ssq],
-               threadgroups=True, label=label or kernel)
+               buffers=list(enumerate([qkv, b, a, *weights, cin, cout, state, out, ssq])) + [(12, ring)],
+               constants=[(11, args_bytes(Hk, Hv, K, 1e-6, pending, int(write_back)))],
+               reads=reads, writes=writes, threadgroups=True, label=label or kernel)
+
+
+def gdn_writeback_dispatch(p, Hk, Hv, Dk, Dv, K, state, ring, pending, splits=GDN_DECODE_SPLITS):
+    """Encodes gdn_state_writeback as the runtime does: the state after ``pending`` ring entries."""
+    kernel = f"gdn_state_writeback_k{Dk}_v{Dv}"
+    p.dispatch(kernel, (Hv, splits, 1), (Dv // splits * 8, 1, 1), buffers=[(0, state), (1, ring)],
+               constants=[(2, args_bytes(Hk, Hv, K, 1e-6, pending, 1))],
+               reads=[state, (ring, 0, pending * gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)], writes=[state],
+               threadgroups=True, label=kernel)
 
 
 def gdn_gated_norm32(y, ssq, z, norm_w_bits, Dv, eps=1e-6):
@@ -333,8 +351,11 @@ def gdn_split_ssq(y, Dv, splits):
 class GdnLayer:
     """Device buffers of one GDN layer plus the oracle with the same weights."""
 
-    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0, rng=None):
+    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0, rng=None, window=1):
         self.dev, self.Hk, self.Hv, self.Dk, self.Dv, self.K = dev, Hk, Hv, Dk, Dv, K
+        # the state is written back every ``window`` steps (the runtime's state_window)
+        self.window, self.pending = window, 0
+        self.ring = dev.buffer(max(1, window - 1) * gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)
         rng = rng if rng is not None else np.random.default_rng(seed)
         self.rng = rng
         C = self.conv_dim = 2 * Hk * Dk + Hv * Dv
@@ -363,7 +384,8 @@ class GdnLayer:
 
     def set_state(self, conv, S, c=None):
         """Conv state and recurrent state S' = ``S`` with pending decay ``c`` (scalar, [Hv]
-        or [Hv, Dv]; default 1) on the device; the oracle starts from c * S'."""
+        or [Hv, Dv]; default 1) on the device; the oracle starts from c * S'. Drops pending steps."""
+        self.pending = 0
         self.conv[self.parity].write(f32(conv).view(np.uint8).reshape(-1))
         raw = gdn_state_bytes(S, c)
         self.state.write(raw)
@@ -377,10 +399,22 @@ class GdnLayer:
         Q, B, A = upload(dev, qkv), upload(dev, b), upload(dev, a)
         out, ssq = dev.buffer(self.Hv * self.Dv * 4), dev.buffer(self.Hv * splits * 4)
         cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
+        write_back = self.pending + 1 == self.window
         gdn_decode_dispatch(p, self.kernel, self.Hk, self.Hv, self.Dv, self.K, Q, B, A, self.w[:3],
-                            cin, cout, self.state, out, ssq, splits, label)
+                            cin, cout, self.state, out, ssq, self.ring, splits, label, self.pending, write_back)
+        self.pending = 0 if write_back else self.pending + 1
         self.parity ^= 1
         return out, ssq
+
+    def write_back(self, splits=GDN_DECODE_SPLITS):
+        """Runs gdn_state_writeback if steps are pending (the state then holds every step)."""
+        if self.pending:
+            cb = self.dev.command_buffer()
+            gdn_writeback_dispatch(cb.compute_pass(), self.Hk, self.Hv, self.Dk, self.Dv, self.K, self.state,
+                                   self.ring, self.pending, splits)
+            cb.commit()
+            cb.wait()
+            self.pending = 0
 
     def normed(self, out, ssq, z):
         """The gated-norm output (out_proj's input, gdn_gated_norm32) from a step's buffers;
@@ -405,7 +439,8 @@ class GdnLayer:
         return o.gated_deltanet(0, np.zeros((1, 1), np.float32), self.st)[0]
 
     def state_parts(self):
-        """S' [Hv, Dv, Dk] and c [Hv, Dv] as the device holds them."""
+        """S' [Hv, Dv, Dk] and c [Hv, Dv] as the device holds them, once written back."""
+        self.write_back()
         return gdn_state_parts(self.state, self.Hv, self.Dv, self.Dk)
 
     def device_state(self):
@@ -913,6 +948,7 @@ class GdnPrefillLayer:
         self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
         self.norm_kernel = f"gdn_norm_scale_v{Dv}_r{self.RV}"
         self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
+        self.ring = dev.buffer(gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)  # bound; every step writes back
 
     # ---- state and inputs
     def set_state(self, conv, S, parity=0, c=None):
@@ -1028,7 +1064,7 @@ class GdnPrefillLayer:
         cb = dev.command_buffer()
         p = cb.compute_pass()
         gdn_decode_dispatch(p, self.decode_kernel, self.Hk, self.Hv, self.Dv, GDN_K, Q, B, A, self.W[:3],
-                            cin, cout, self.S, out, ssq)
+                            cin, cout, self.S, out, ssq, self.ring)
         cb.commit()
         cb.wait()
         return gdn_gated_norm32(download(out, np.float32), download(ssq, np.float32), z, self.norm_w, self.Dv)
@@ -1962,6 +1998,32 @@ def _gdn_decode_step(dev, rng, kernel):
     ssq = gdn_split_ssq(L.last_y, L.Dv, GDN_DECODE_SPLITS)
     r = max(r, _close(L.last_ssq.reshape(ssq.shape), ssq, 1e-5, 1e-6, f"{kernel} ssq"))
     return max(r, _close(L.device_state()[1], L.st.recurrent[0], 1e-4, 1e-5, f"{kernel} state"))
+
+
+@check("gdn_state_writeback_k128_v128", "gdn_state_writeback_k32_v32")
+def _gdn_state_writeback(dev, rng, kernel):
+    """The write-back window (docs/decode.md): steps that replay the ring (window 4) and the
+    write-back of the steps left pending give, bit for bit, the outputs and the state of
+    writing the state back every step. On a GPU this also checks that the compiler treats the
+    replayed update as the step's own (same contraction into fused multiply-adds)."""
+    Dk = int(kernel.split("_k")[1].split("_")[0])
+    seed = int(rng.integers(1 << 62))
+    every, windowed = (GdnLayer(dev, 2, 4, Dk, Dk, rng=np.random.default_rng(seed), window=w) for w in (1, 4))
+    c = 2.0 ** -rng.uniform(0, 40, 4)
+    c[0] = 0.0
+    conv, Sp = rng.standard_normal((3, every.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)) / np.where(c > 0, c, 1)[:, None, None]
+    for L in (every, windowed):
+        L.set_state(conv, Sp, c)
+    r = 0.0
+    for t in range(6):  # the windowed layer writes back at step 3 and has 2 steps pending at the end
+        inp = every.random_inputs()
+        want, got = every.step_device(*inp), windowed.step_device(*inp)
+        r = max(r, ratio(got, want, 0.0, f"{kernel}: step {t} output"),
+                ratio(windowed.last_y, every.last_y, 0.0, f"{kernel}: step {t} y"))
+    assert windowed.pending == 2
+    for want, got, what in zip(every.state_parts(), windowed.state_parts(), ("S'", "c")):
+        r = max(r, ratio(got, want, 0.0, f"{kernel}: written-back {what}"))
+    return r
 
 
 # one attention shape per kernel variant: head dim D and query heads per threadgroup G

@@ -46,7 +46,8 @@ def sampling_config(params):
 def runtime_options(max_context: int, **options):
     """The runtime's ``lily._core.RuntimeOptions`` (csrc/runtime/runtime.h holds the fields,
     their defaults and their rules): ``max_context`` plus any of ``split_threshold``,
-    ``split_block``, ``prefill_chunk`` (ints; ``prefill_chunk`` 0 is the automatic choice), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
+    ``split_block``, ``prefill_chunk``, ``state_window`` (ints; ``prefill_chunk`` 0 is the automatic
+    choice; ``state_window`` >= 1, decode steps per Gated DeltaNet state write-back), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
     ``"tensor"``) and ``virtual_weights``. Raises :class:`InvalidParameterError` naming an
     unknown or invalid option."""
     from lily import _core
@@ -115,7 +116,7 @@ class NativeBackend:
     a constrained request samples on the host instead (:class:`lily.backend.HostGeneration`
     over :meth:`forward`)."""
 
-    OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "gemm_path", "weight_cache",
+    OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "state_window", "gemm_path", "weight_cache",
                "device_options")  # Engine.load's device_options
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
@@ -290,14 +291,37 @@ def _packed(entries) -> list[tuple[str, str, int, int]]:
 
 
 def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
-                      split_threshold: int | None = None) -> dict:
+                      split_threshold: int | None = None, state_window: int | None = None) -> dict:
     """Simulator counters of one decode step at ``context`` tokens for a model that need not
-    exist on disk (record-only device, virtual weights laid out as MLX writes them).
+    exist on disk (record-only device, virtual weights laid out as MLX writes them), with the
+    steps since its write-back window began pending (``context % state_window``; the runtime
+    option, default :func:`state_window`; 1: the state written back every step).
 
     Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
     (weights of the selected experts, KV rows, state)."""
     extra = {} if split_threshold is None else {"split_threshold": split_threshold}
+    if state_window is not None:
+        extra["state_window"] = state_window
     return _counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
+
+
+def state_window() -> int:
+    """Decode steps per write-back of the Gated DeltaNet state by default (the runtime option
+    ``state_window``; docs/decode.md "The recurrent state's write-back window")."""
+    from lily import _core
+    return _core.RuntimeOptions().state_window
+
+
+def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
+                        split_threshold: int | None = None) -> list[dict]:
+    """:func:`count_decode_step` for each step of one write-back window of steady decoding:
+    the :func:`state_window` steps at ``context``, ``context + 1``, ..., each with the steps
+    since its window began pending (one of them writes the state back). Their mean is a
+    step's average cost."""
+    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
+    w = state_window()
+    rt = _counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
+    return [rt.count_step(context + i) for i in range(w)]
 
 
 def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,

@@ -302,9 +302,24 @@ def attention_path(m: Machine) -> str:
 
 
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
-    """Estimated time of one decode step at ``context`` tokens already in the cache."""
-    from lily.native import count_decode_step
-    return time_records(m, count_decode_step(cfg, context)["records"])
+    """Estimated time of one decode step at ``context`` tokens already in the cache: the mean
+    over one write-back window of steps (:func:`lily.native.count_decode_window`), whose
+    Gated DeltaNet steps differ in the state traffic."""
+    from lily.native import count_decode_window
+    return mean_timing([time_records(m, c["records"]) for c in count_decode_window(cfg, context)])
+
+
+def mean_timing(timings: list[Timing]) -> Timing:
+    """The mean of ``timings`` (seconds, bytes, families); their stage counts must agree."""
+    if len({t.stages for t in timings}) != 1:
+        raise ValueError(f"mean_timing: the steps have different stage counts {sorted({t.stages for t in timings})}")
+    out = Timing(stages=timings[0].stages)
+    for t in timings:
+        out.seconds += t.seconds / len(timings)
+        out.bytes += t.bytes / len(timings)
+        for k, v in t.families.items():
+            out.families[k] += v / len(timings)
+    return out
 
 
 _HEAD = ("lm head + sampling",)
@@ -593,7 +608,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     whose dimensions are not ``config``'s, or has lengths beyond the model. The calibrated
     machine keeps the run's prefill paths (:attr:`Machine.gemm`, :attr:`Machine.attention`)."""
     from lily import _core
-    from lily.native import count_decode_step
+    from lily.native import count_decode_window
     if not isinstance(bench, dict) or "lengths" not in bench:
         raise InvalidParameterError(f"{source} is not a `lily bench --json` report (no 'lengths')")
     info = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
@@ -642,18 +657,21 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
 
     # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form
     ctx = {L: L + steps // 2 for L, _, _ in decode}
-    recs = {c: count_decode_step(cfg, c)["records"] for c in set(ctx.values())}
+    recs = {c: [s["records"] for s in count_decode_window(cfg, c)] for c in set(ctx.values())}
+
+    def step(m: Machine, c: int) -> Timing:  # the mean step of a write-back window at context c
+        return mean_timing([time_records(m, r) for r in recs[c]])
 
     def decode_fit(e: float):
         m = replace(m0, bandwidth_efficiency=e, stage_gap=0.0)
-        rows = [(time_records(m, recs[ctx[L]]), 1 / t) for L, t, _ in decode]
+        rows = [(step(m, ctx[L]), 1 / t) for L, t, _ in decode]
         return _gap_fit([(tm.seconds, tm.stages, t) for tm, t in rows], m0.stage_gap)
 
     eff, gap = m0.bandwidth_efficiency, m0.stage_gap
     if len(set(ctx.values())) >= 2:
         eff = _search(lambda e: decode_fit(e)[1], 0.30, 1.00, 0.01)
         gap = decode_fit(eff)[0]
-        step_bytes = [time_records(m0, r).bytes for r in recs.values()]
+        step_bytes = [step(m0, c).bytes for c in recs]
         if max(step_bytes) < 1.5 * min(step_bytes):
             notes.append(f"the decode lengths move {min(step_bytes) / 1e9:.2f} to {max(step_bytes) / 1e9:.2f} GB per "
                          "step: too narrow a spread to tell the bandwidth efficiency from the stage gap well "
@@ -693,7 +711,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         return [{"prompt_tokens": L, "measured_tok_s": t, "wall_tok_s": w, "published_model_tok_s": rate(m0, L),
                  "fitted_model_tok_s": rate(fitted, L)} for L, t, w in pairs]
 
-    dec_rows = rows_for(decode, lambda m, L: 1 / time_records(m, recs[ctx[L]]).seconds)
+    dec_rows = rows_for(decode, lambda m, L: 1 / step(m, ctx[L]).seconds)
     pre_rows = rows_for(pre, lambda m, L: L / prefill(m, cfg, L, chunk, cache, path, attention).seconds)
     for r in dec_rows:
         r["context"] = ctx[r["prompt_tokens"]]

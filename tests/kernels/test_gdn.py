@@ -54,8 +54,8 @@ GDN_DIMS = {
 class GdnLayer(kernel_check.GdnLayer):
     """kernel_check.GdnLayer on fresh random inputs (tests/seeding.py)."""
 
-    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0):
-        super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed))
+    def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0, window=1):
+        super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed), window=window)
 
 
 @pytest.mark.parametrize("dims,splits", [(d, kernel_check.GDN_DECODE_SPLITS) for d in GDN_DIMS] +
@@ -87,10 +87,59 @@ def test_gdn_decode_step_matches_reference(dev, dims, splits):
         np.testing.assert_array_equal(L.state_parts()[1], 1.0)  # the step leaves S itself
 
 
+@pytest.mark.parametrize("dims,window", [("real", 4), ("dims", 2), ("dims", 5), ("tiny", 3)])
+def test_gdn_write_back_window_is_bit_exact(dev, dims, window):
+    """The state written back every ``window`` steps (the ring replayed by each step, what is
+    pending written back by gdn_state_writeback) against every step: outputs, sums of squares
+    and the written-back state equal bit for bit, from a state with random pending decays
+    (one head S = 0), over two windows and a partial one."""
+    Hk, Hv, Dk, Dv = GDN_DIMS[dims]
+    seed = int(fresh_rng(3).integers(1 << 62))
+    every = kernel_check.GdnLayer(dev, Hk, Hv, Dk, Dv, rng=np.random.default_rng(seed))
+    windowed = kernel_check.GdnLayer(dev, Hk, Hv, Dk, Dv, rng=np.random.default_rng(seed), window=window)
+    r = every.rng
+    c = 2.0 ** -r.uniform(0, 40, Hv)
+    c[0] = 0.0
+    conv, Sp = r.standard_normal((3, every.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)) / np.where(c > 0, c, 1)[:, None, None]
+    for L in (every, windowed):
+        L.set_state(conv, Sp, c)
+    steps = 2 * window + window // 2 + 1
+    for t in range(steps):
+        inp = every.random_inputs()
+        np.testing.assert_array_equal(windowed.step_device(*inp), every.step_device(*inp), err_msg=f"step {t}")
+        np.testing.assert_array_equal(windowed.last_y, every.last_y)
+        np.testing.assert_array_equal(windowed.last_ssq, every.last_ssq)
+        # the windowed state is untouched between write-backs
+        assert windowed.pending == (t + 1) % window
+    Sp_w, c_w = windowed.state_parts()  # runs gdn_state_writeback for the pending steps
+    Sp_e, c_e = every.state_parts()
+    np.testing.assert_array_equal(Sp_w, Sp_e)
+    np.testing.assert_array_equal(c_w, c_e)
+    np.testing.assert_array_equal(c_w, 1.0)
+
+
+def test_gdn_write_back_leaves_the_state_until_the_window_ends(fwd_dev):
+    """A step inside a window leaves S' and c as they were (only its ring entry is written);
+    the window's last step writes the state back."""
+    Hk, Hv, Dk, Dv = GDN_DIMS["tiny"]
+    L = kernel_check.GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, rng=fresh_rng(4), window=3)
+    r = L.rng
+    L.set_state(r.standard_normal((3, L.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)), 0.5)
+    before = kernel_check.download(L.state, np.float32).copy()
+    for _ in range(2):
+        L.step_device(*L.random_inputs())
+        np.testing.assert_array_equal(kernel_check.download(L.state, np.float32), before)
+    L.step_device(*L.random_inputs())
+    after = kernel_check.download(L.state, np.float32)
+    assert L.pending == 0 and not np.array_equal(after, before)
+    np.testing.assert_array_equal(after[Hv * Dv * Dk:], 1.0)
+
+
 def test_gdn_decode_drift_512_steps(fwd_dev):
-    """512 decode steps from a zero state (dims preset: Dk = Dv = 128) vs the reference."""
+    """512 decode steps from a zero state (dims preset: Dk = Dv = 128) vs the reference, the
+    state written back every 16 steps (the runtime's default state_window)."""
     Hk, Hv, Dk, Dv = GDN_DIMS["dims"]
-    L = GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, seed=7)
+    L = GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, seed=7, window=16)
     worst_out = worst_state = 0.0
     for t in range(512):
         inp = L.random_inputs()
