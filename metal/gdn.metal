@@ -41,7 +41,9 @@
 using namespace metal;
 
 // The two operations of one delta-rule update of a state row slice (this lane's E elements),
-// shared by the step and the replay so both compile to the same instructions.
+// shared by the step and the replay. The add is an explicit fma and the decay a separate,
+// rounded product: how a compiler contracts `s * decay + delta * k` would otherwise depend on
+// how many uses the decayed value has (the step's S k reads it, the replay's nothing).
 template <uint E>
 inline void gdn_decay(thread float* s, float decay) {
   for (uint e = 0; e < E; ++e) {
@@ -52,7 +54,7 @@ inline void gdn_decay(thread float* s, float decay) {
 template <uint E>
 inline void gdn_add_delta(thread float* s, float delta, thread const float* k) {
   for (uint e = 0; e < E; ++e) {
-    s[e] += delta * k[e];
+    s[e] = fma(delta, k[e], s[e]);
   }
 }
 
@@ -65,7 +67,7 @@ template <uint DK, uint E>
 inline float gdn_replay(thread float* s, float c, device const float* ring, uint pending, GdnRing rg, uint h,
                         uint kh, uint row, uint lane) {
   for (uint j = 0; j < pending; ++j) {
-    device const float* entry = ring + j * rg.entry;
+    device const float* entry = ring + ulong(j) * rg.entry;
     const float g = entry[rg.g_at + h];
     const float delta = entry[rg.delta_at + row];
     float k[E];
@@ -172,7 +174,7 @@ template <uint DK, uint DV>
   // ---- 3. delta rule on this simdgroup's rows ----------------------------------------------
   const GdnRing rg = gdn_ring(Hk, Hv, DK, DV);
   const uint P = args.pending;
-  device float* slot = ring + P * rg.entry;  // this step's entry when it does not write back
+  device float* slot = ring + ulong(P) * rg.entry;  // this step's entry when it does not write back
   device float* c_head = state + ulong(Hv) * DV * DK + h * DV;  // c of the head's rows
   for (uint r = 0; r < R; ++r) {
     const uint v = sg * R + r;               // row within the slice
@@ -254,6 +256,9 @@ template <uint DK, uint DV>
                                 uint nsg [[simdgroups_per_threadgroup]],
                                 uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint E = DK / 32;
+  if (args.pending == 0) {  // nothing to fold in (c = 1 alone would drop a row's pending decay)
+    return;
+  }
   const uint h = tgp.x;
   const uint RV = DV / ntg.y;
   const uint R = RV / nsg;

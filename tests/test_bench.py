@@ -139,9 +139,9 @@ def test_lily_bench_agent_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(agent_bench, "run", lambda engine, cold, **kw: runs.append((engine, cold, kw)) or {"turns": []})
     monkeypatch.setattr(agent_bench, "format_report", lambda rep: "agent report")
     out = tmp_path / "agent.json"
-    assert cli.main(["bench", "--agent", "--device", "sim", "--prefill-chunk", "16", "--turns", "2",
-                     "--decode-tokens", "3", "--json", str(out)]) == 0
-    assert [kw["device_options"] for kw in loads] == [{"prefill_chunk": 16}] * 2
+    assert cli.main(["bench", "--agent", "--device", "sim", "--prefill-chunk", "16", "--state-window", "1",
+                     "--split-block", "64", "--turns", "2", "--decode-tokens", "3", "--json", str(out)]) == 0
+    assert [kw["device_options"] for kw in loads] == [{"prefill_chunk": 16, "state_window": 1, "split_block": 64}] * 2
     assert loads[1]["prompt_cache_bytes"] == 0  # the cold engine
     (engine, cold, kw), = runs
     assert (engine, cold) == (loads[0], loads[1]) and kw["turns"] == 2 and kw["max_tokens"] == 3
@@ -216,8 +216,9 @@ def test_machine_info_names_the_native_device(demo_path):
     path), so a Mac run's figures can be set against the estimate of the same plan."""
     from lily.bench import machine_info
     engine = Engine.load(demo_path, device="sim", max_context=1000,
-                         device_options={"device_options": {"gpu_family": "apple10"}})
+                         device_options={"device_options": {"gpu_family": "apple10"}, "state_window": 4})
     info = machine_info(engine)
+    assert info["state_window"] == 4 and info["split_block"] == 0  # the decode plan --fit counts
     assert info["gpu_family"] == "apple10" and info["tensor_ops"] is True and info["device"] == "sim"
     assert info["prefill_chunk"] == 1000 and info["gemm_path"] == "tensor"  # automatic, capped at the context
     assert info["bfloat_tensor_ops"] is True and info["attention_path"] == "tensor"

@@ -15,7 +15,7 @@ import pytest
 from lily import _core, kernel_check
 from lily.checkpoint import parse_config
 from lily.engine import Engine
-from lily.native import state_window
+from lily.native import default_state_window
 from lily.perf import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
@@ -145,7 +145,7 @@ def _minimum_bytes(cfg, context):
     kv = cfg.full_attention_layers.__len__() * cfg.num_key_value_heads * cfg.head_dim * 2 * 2 * (context + 1 + 1)
     gdn = cfg.num_hidden_layers - len(cfg.full_attention_layers)
     # the recurrent state with gdn_scan's pending decay per row (S = c S'), and the conv state
-    W = state_window()
+    W = default_state_window()
     S = cfg.gdn_state_floats * 4
     entry = kernel_check.gdn_ring_entry(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                         cfg.linear_key_head_dim, cfg.linear_value_head_dim) * 4

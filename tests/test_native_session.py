@@ -208,6 +208,19 @@ def test_state_write_back_window_changes_no_result(demo_path, native_device):
         assert bytes(x) == bytes(y)
 
 
-def test_state_window_must_be_positive(demo_path, native_device):
-    with pytest.raises(InvalidParameterError, match="state_window must be a positive integer, got 0"):
-        Engine.load(demo_path, device=native_device, max_context=64, device_options={"state_window": 0})
+def test_state_window_bounds_and_ring_memory(demo_path, native_device):
+    """1..64 steps per write-back; the ring holds W - 1 steps per DeltaNet layer, no more than the
+    context (a window longer than the context never ends in it)."""
+    for bad, msg in ((0, "state_window must be a positive integer, got 0"), (65, "state_window must be at most 64")):
+        with pytest.raises(InvalidParameterError, match=msg):
+            Engine.load(demo_path, device=native_device, max_context=64, device_options={"state_window": bad})
+
+    def state_bytes(w, ctx):
+        e = Engine.load(demo_path, device=native_device, max_context=ctx, device_options={"state_window": w})
+        return e.backend.runtime.memory_use["state"], e.config
+    (one, cfg), (sixteen, _), (short, _) = state_bytes(1, 64), state_bytes(16, 64), state_bytes(64, 8)
+    entry = 4 * _core.gdn_ring_entry_floats(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+                                            cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    gdn = cfg.num_hidden_layers - len(cfg.full_attention_layers)
+    assert sixteen - one == gdn * 14 * entry  # W = 1 still binds one entry
+    assert short - one == gdn * 7 * entry  # 8 positions: 8 entries at most

@@ -451,9 +451,9 @@ def test_decode_options_cost_what_they_change():
     for 1/W of it less the ring (an entry written by W - 1 of the W steps, (W - 1) / 2 read on
     average), and is faster; moving the DeltaNet step into its in_proj's stage removes exactly
     one stage per DeltaNet layer and no byte."""
-    from lily.native import state_window
+    from lily.native import default_state_window
     tool = _estimate_kernels_tool()
-    W = state_window()
+    W = default_state_window()
     state = 4 * CFG.linear_num_value_heads * CFG.linear_value_head_dim * (CFG.linear_key_head_dim + 1)
     entry = 4 * (CFG.linear_num_value_heads * (CFG.linear_value_head_dim + 1)
                  + CFG.linear_num_key_heads * CFG.linear_key_head_dim)

@@ -14,6 +14,7 @@ import pytest
 
 from lily import perf
 from lily.errors import InvalidParameterError
+from lily.native import count_decode_window
 
 CFG = perf.model_config()
 STEPS = 64
@@ -28,24 +29,28 @@ def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tens
     return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff)
 
 
-def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None):
+def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None,
+           state_window=None):
     """A `lily bench --json`-shaped report of what ``m`` would measure; ``noise[i]`` scales
     length i's two figures by (1 + noise). With ``host`` (a share of the wall time) the GPU
     is ``m`` and the wall-clock figures are slower by the host's share, as a Metal run with
-    device times reports them."""
+    device times reports them. ``state_window``: the run's (recorded in the report; None: the
+    default, not recorded)."""
     rows, cache = [], {}
     for i, L in enumerate(lengths):
         k = 1 + (noise[i] if noise else 0.0)
-        decode = k / perf.decode_step(m, CFG, L + STEPS // 2).seconds  # the mean step of a window
+        steps = count_decode_window(CFG, L + STEPS // 2, state_window=state_window)  # the mean step of a window
+        decode = k / perf.mean_timing([perf.time_records(m, s["records"]) for s in steps]).seconds
         prefill = k * L / perf.prefill(m, CFG, L, 4096, cache, path).seconds
         wall = 1 - (host or 0.0)
         rows.append({"prompt_tokens": L, "decode_tps": {"lily": wall * decode, "mlx_lm": 1.0, "ratio": decode},
                      "prefill_tps": {"lily": wall * prefill, "mlx_lm": 1.0, "ratio": prefill},
                      "lily_gpu_tps": {"decode": decode if host is not None else None,
                                       "prefill": prefill if host is not None else None}})
-    return {"protocol": "pplx", "decode_steps": STEPS, "lengths": rows,
-            "machine": {"chip": chip, "device": "metal", "gpu_family": 10, "prefill_chunk": 4096,
-                        "gemm_path": path}}
+    machine = {"chip": chip, "device": "metal", "gpu_family": 10, "prefill_chunk": 4096, "gemm_path": path}
+    if state_window is not None:
+        machine["state_window"] = state_window
+    return {"protocol": "pplx", "decode_steps": STEPS, "lengths": rows, "machine": machine}
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +155,8 @@ def test_fit_refuses_what_is_not_a_metal_run(measured):
     refused({**measured, "machine": {**measured["machine"], "chip": "Apple M2 Ultra"}}, "--machine")
     refused({**measured, "decode_steps": 0}, "decode_steps")
     refused({**measured, "machine": {**measured["machine"], "prefill_chunk": "big"}}, "machine.prefill_chunk")
+    refused({**measured, "machine": {**measured["machine"], "state_window": 0}}, r"machine.state_window must be an integer >= 1")
+    refused({**measured, "machine": {**measured["machine"], "split_block": "x"}}, r"machine.split_block must be")
     refused({**measured, "lengths": [{"prompt_tokens": 256}]}, r"lengths\[0\]")
     refused({**measured, "lengths": []}, "no length")
     refused({**measured, "machine": {**measured["machine"], "gemm_path": "tensor"}}, "not a path",
@@ -203,6 +210,22 @@ def test_the_fitted_machine_keeps_the_run_s_plan():
     fitted_4k = next(r for r in rep["prefill"] if r["prompt_tokens"] == 4096)["fitted_model_tok_s"]
     assert est["prefill"][0]["tok_s"] == pytest.approx(fitted_4k, rel=1e-9)
     assert est["prefill"][0]["tok_s"] < 0.8 * perf.estimate("m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]
+
+
+def test_fit_counts_the_decode_plan_of_the_run():
+    """A run made with the DeltaNet state written back every step (`lily bench --state-window 1`)
+    records it, and the fit counts that plan: the constants come back; counted with the default
+    window instead, the 53 MB per step the window saves (the same at every context) would be
+    taken for a stage gap 19% too long."""
+    bench = _bench(_machine(**TRUE), state_window=1)
+    _, rep = perf.fit(bench)
+    c = rep["constants"]
+    assert rep["plan"]["state_window"] == 1
+    assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
+    assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=2e-3)
+    del bench["machine"]["state_window"]
+    _, wrong = perf.fit(bench)
+    assert wrong["constants"]["stage_gap_us"]["fitted"] > 1.1 * TRUE["stage_gap"] * 1e6
 
 
 def test_the_run_s_model_must_be_the_estimated_one(measured, demo_path):

@@ -78,7 +78,7 @@ def decode_options(m: perf.Machine, cfg, context: int) -> list:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("prefill", "decode", "decode-options"))
     ap.add_argument("size", nargs="?", type=int, default=4096, help="chunk rows (prefill) or context (decode)")
     ap.add_argument("--machine", default="m5max")

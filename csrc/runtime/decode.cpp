@@ -67,6 +67,8 @@ void Runtime::resolve_decode_kernels() {
 
 void Runtime::encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending) {
   const ModelDims& d = dims_;
+  if (pending == 0 || pending > std::min(opt_.state_window - 1, opt_.max_context))
+    throw std::logic_error("encode_state_writeback: " + std::to_string(pending) + " pending steps");
   const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
   const args::GdnRing rg = args::gdn_ring(d.linear_num_key_heads, Hv, d.linear_key_head_dim, Dv);
   gpu::ComputePass& pass = cmd.compute_pass();

@@ -1,7 +1,7 @@
 // The kernels' argument structs as the host sees them: the headers under metal/ that hold
-// only 32-bit `uint`/`float` fields and include nothing are included here with `uint`
-// defined as uint32_t, so host and kernels share one definition (docs/conventions.md: one header of
-// argument structs included by both sides).
+// only 32-bit `uint`/`float` fields (and inline functions of them, like gdn_ring) and include
+// nothing are included here with `uint` defined as uint32_t, so host and kernels share one
+// definition (docs/conventions.md: one header of argument structs included by both sides).
 #pragma once
 
 #include <cstdint>

@@ -13,6 +13,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "gpu/py_device.h"
+#include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 #include "runtime/work.h"
 
@@ -96,6 +97,11 @@ nb::dict runtime_counters_dict(const gpu::Counters& c, const Traffic& t) {
 
 void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
+  m.def("gdn_ring_entry_floats", [](uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv) {
+    return lily::kernels::gdn_ring(hk, hv, dk, dv).entry;
+  }, "hk"_a, "hv"_a, "dk"_a, "dv"_a,
+        "Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates "
+        "(metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).");
   nb::class_<ModelDims> dims(m, "ModelDims",
                              "The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, "
                              "full_attention per layer); FIELDS lists the scalar ones.");

@@ -143,7 +143,10 @@ void Runtime::allocate_buffers() {
   ring_.resize(d.num_hidden_layers);
   const kernels::GdnRing rg = kernels::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads,
                                                 d.linear_key_head_dim, d.linear_value_head_dim);
-  const size_t ring_bytes = size_t(std::max(1u, opt_.state_window - 1)) * rg.entry * f;  // W - 1 pending at most
+  // at most W - 1 steps pending, and no more than the context holds (a window longer than the
+  // context never ends there); one entry at least, as the kernel's binding needs a buffer
+  const uint32_t ring_entries = std::max(1u, std::min(opt_.state_window - 1, opt_.max_context));
+  const size_t ring_bytes = size_t(ring_entries) * rg.entry * f;
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
       k_cache_[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
@@ -238,7 +241,7 @@ void Runtime::preflight() {
     }
     if (opt_.state_window > 1) {
       auto cmd = logged_command_buffer();
-      encode_state_writeback(*cmd, opt_.state_window - 1);
+      encode_state_writeback(*cmd, std::min(opt_.state_window - 1, opt_.max_context));
       collect(*cmd);
     }
     {
@@ -385,12 +388,12 @@ static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t positio
 SessionSnapshot Runtime::snapshot() {
   finish();
   if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
-  {  // the snapshot holds the state itself, not the ring (device time not counted, as the copies')
+  if (position_ > written_) {  // the snapshot holds the state itself, not the ring
     auto cmd = device_->new_command_buffer();
-    if (write_back_state(*cmd)) {
-      cmd->commit();
-      cmd->wait();
-    }
+    encode_state_writeback(*cmd, position_ - written_);
+    cmd->commit();
+    cmd->wait();  // device time not counted, as the copies' is not
+    written_ = position_;
   }
   SessionSnapshot s;
   s.position = position_;
@@ -433,13 +436,6 @@ void Runtime::restore(const SessionSnapshot& s) {
   chunks_done_ = 0;
 }
 
-bool Runtime::write_back_state(gpu::CommandBuffer& cmd) {
-  if (written_ == position_) return false;
-  encode_state_writeback(cmd, position_ - written_);
-  written_ = position_;
-  return true;
-}
-
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
   static_cast<uint32_t*>(tokens_->contents())[slot] = token;
   static_cast<uint32_t*>(positions_->contents())[slot] = position;
@@ -474,9 +470,10 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
     auto cmd = device_->new_command_buffer();
     std::memcpy(chunk_bufs_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
     if (last && sample) static_cast<uint32_t*>(positions_->contents())[(position_ + M - 1) % 2] = position_ + M - 1;
-    write_back_state(*cmd);  // decode steps before this prefill: the scan reads the state
+    // decode steps before this prefill: written back first, the scan reads the state
+    if (position_ > written_) encode_state_writeback(*cmd, position_ - written_);
     encode_chunk(*cmd, parity, position_, M, last ? last_logits : Logits::none, last && sample, nullptr);
-    written_ = position_ + M;  // the scan writes the state back
+    written_ = position_ + M;  // the scan writes the state back (set once both are encoded)
     ++chunks_done_;
     if (last && keep_last) {
       kept = std::move(cmd);

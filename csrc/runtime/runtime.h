@@ -77,7 +77,13 @@ struct RuntimeOptions {
     throw std::invalid_argument(std::string(#name) + " must be " + rule(#name) + ", got 0");
     LILY_RUNTIME_OPTIONS(LILY_CHECK_POSITIVE)
 #undef LILY_CHECK_POSITIVE
+    if (state_window > kMaxStateWindow)
+      throw std::invalid_argument("state_window must be at most " + std::to_string(kMaxStateWindow) +
+                                  " (decode steps per state write-back: a longer window's ring costs more "
+                                  "memory and replay than it saves), got " + std::to_string(state_window));
   }
+  // The ring holds state_window - 1 steps of every DeltaNet layer (24.7 KB each for the model).
+  static constexpr uint32_t kMaxStateWindow = 64;
 };
 
 // Bytes a step actually moves (the routed experts it selects, not the whole stacks that
@@ -254,7 +260,10 @@ class Runtime {
   void finish();
 
   // Encodes one step at `position` into a fresh command buffer and commits it; on a
-  // record-only device nothing executes. Returns the device counters and the traffic.
+  // record-only device nothing executes. The step is counted as in steady decoding, with the
+  // position % state_window steps since its window began pending; on a device that executes
+  // it runs on the session's state with that ring: reset the session after counting.
+  // Returns the device counters and the traffic.
   gpu::Counters count_step(uint32_t position, Traffic* traffic);
   // The same for one prefill chunk of `rows` tokens starting at `position` (last-row logits).
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
@@ -287,7 +296,7 @@ class Runtime {
   // Decode: KV rows per split block when `rows` cache rows are attended. Fixed when the
   // split_block option is set; otherwise the smallest multiple of 8 rows (one per simdgroup)
   // >= kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
-  // 40-core GPU several times over at every context while the partials stay bounded.
+  // 40-core GPU twice from ~1.3K rows on while the partials stay bounded.
   uint32_t split_rows(uint32_t rows) const;
   // 2 per core of a 40-core GPU: fewer, longer blocks halve the partials each KV row costs
   // against 3 per core, a trade the estimate favours at every split context (docs/decode.md)
@@ -308,12 +317,9 @@ class Runtime {
   // holds the tokens before position - pending); the step writes the state back when
   // (position + 1) % state_window == 0 (docs/decode.md "The recurrent state's write-back window").
   void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* traffic);
-  // Encodes, in a pass of its own, the write-back of `pending` ring entries of every Gated
-  // DeltaNet layer (gdn_state_writeback).
+  // Encodes, in a pass of its own, the write-back of `pending` (>= 1) ring entries of every
+  // Gated DeltaNet layer (gdn_state_writeback); the caller moves written_ once it is encoded.
   void encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending);
-  // Makes the state buffers hold the whole session (written_ = position_): encodes the
-  // write-back into `cmd` when steps are pending. Returns whether it encoded anything.
-  bool write_back_state(gpu::CommandBuffer& cmd);
   // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
   // `sample`) the sampler writing the next token into token slot slot ^ 1.
   void encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,

@@ -242,12 +242,22 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   // ---- Gated DeltaNet. Decode step: per token and value head ~9 Dk Dv (decay, k.S, rank-1
   // update, q.S: 7, plus two 32-lane simd_sums over every row) and 12 (Dk + Dv) for the
-  // conv, norms and gates; each of the NS threadgroups of a head (grid y) redoes the q/k part.
+  // conv, norms and gates; each of the NS threadgroups of a head (grid y) redoes the q/k part;
+  // 2 Dk Dv (decay, fma) per pending ring entry replayed. The write-back: the replay alone.
   if (starts(k, "gdn_decode_step_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
-    const uint32_t Hv = arg<args::GdnDecodeArgs>(r).num_v_heads;
+    const auto a = arg<args::GdnDecodeArgs>(r);
     Work w = make("gated deltanet");
-    add(w, Path::alu_f32, double(Hv) * (9.0 * Dk * Dv + 12.0 * (double(r.groups.y) * Dk + Dv)));
+    add(w, Path::alu_f32, double(a.num_v_heads) * ((9.0 + 2.0 * a.pending) * Dk * Dv +
+                                                   12.0 * (double(r.groups.y) * Dk + Dv)));
+    w.bytes = declared(r);
+    return w;
+  }
+  if (starts(k, "gdn_state_writeback_k")) {
+    const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
+    const auto a = arg<args::GdnDecodeArgs>(r);
+    Work w = make("gated deltanet");
+    add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
     return w;
   }

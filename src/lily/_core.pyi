@@ -192,6 +192,11 @@ def gpu_family(device: Device) -> str:
     The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).
     """
 
+def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
+    """
+    Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).
+    """
+
 class ModelDims:
     """
     The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, full_attention per layer); FIELDS lists the scalar ones.

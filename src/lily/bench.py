@@ -377,7 +377,9 @@ def machine_info(engine=None) -> dict:
     /proc/cpuinfo's model name), ``arch``, ``memory_bytes`` (total RAM), ``os`` (with version);
     with a native ``engine`` also ``gpu_family``, ``tensor_ops`` and ``bfloat_tensor_ops`` of
     its device and the plan it runs: ``prefill_chunk`` (rows, as chosen at load),
-    ``gemm_path`` and ``attention_path`` (prefill's GEMMs and attention: "tensor" or "simdgroup").
+    ``gemm_path`` and ``attention_path`` (prefill's GEMMs and attention: "tensor" or "simdgroup"),
+    ``state_window`` and ``split_block`` (the runtime options; ``lily estimate --fit`` counts
+    the decode step with them).
     The facts come from :func:`lily.doctor.system_info` (one place)."""
     from lily.doctor import system_info
     sysi = system_info()
@@ -391,6 +393,9 @@ def machine_info(engine=None) -> dict:
         if runtime is not None:
             info["gemm_path"] = "tensor" if runtime.uses_tensor_ops else "simdgroup"
             info["attention_path"] = "tensor" if runtime.uses_tensor_attention else "simdgroup"
+        opts = getattr(engine.backend, "options", None)
+        if opts is not None:
+            info.update(state_window=opts.state_window, split_block=opts.split_block)
     elif engine is not None:
         info["device"] = engine.device
     return info

@@ -518,7 +518,8 @@ def _int_list(text: str) -> list[int]:
 def cmd_bench(args) -> int:
     """``lily bench`` (against MLX-LM) and ``lily bench --agent`` (multi-turn, prompt cache):
     the same device options, report and --json file."""
-    options = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk is not None else None
+    options = {k: v for k, v in (("prefill_chunk", args.prefill_chunk), ("state_window", args.state_window),
+                                  ("split_block", args.split_block)) if v is not None} or None
     if args.agent:
         from lily import agent_bench
         from lily.engine import Engine
@@ -730,6 +731,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher-forced positions of the consistency check (default 192, pplx 0; 0 skips it)")
     b.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="Lily's prefill chunk on the native devices (default 0: automatic, 4096 or less)")
+    b.add_argument("--state-window", type=_int_at_least(1), default=None, metavar="N",
+                   help="native devices: decode steps per write-back of the DeltaNet state (default 16; 1: every "
+                        "step, the plan before the write-back window; same results)")
+    b.add_argument("--split-block", type=_int_at_least(0), default=None, metavar="N",
+                   help="native devices: KV rows per block of the split decode attention (default 0: chosen by "
+                        "context)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
     a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
     a.add_argument("--agent", action="store_true",

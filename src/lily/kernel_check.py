@@ -299,9 +299,10 @@ GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (Runtime
 
 
 def gdn_ring_entry(Hk, Hv, Dk, Dv) -> int:
-    """Floats of one ring entry of the state write-back window (metal/mixer_args.h GdnRing):
-    delta [Hv*Dv] | normalised k [Hk*Dk] | g [Hv]."""
-    return Hv * Dv + Hk * Dk + Hv
+    """Floats of one ring entry of the state write-back window (metal/mixer_args.h GdnRing,
+    through the core): delta [Hv*Dv] | normalised k [Hk*Dk] | g [Hv]."""
+    from lily import _core
+    return _core.gdn_ring_entry_floats(Hk, Hv, Dk, Dv)
 
 
 def gdn_decode_dispatch(p, kernel, Hk, Hv, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq, ring,

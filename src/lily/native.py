@@ -152,6 +152,7 @@ class NativeBackend:
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
         self.prefill_chunk: int = self.runtime.prefill_chunk
+        self.options = opts  # lily._core.RuntimeOptions (the bench report records the plan's)
         self._host: HostGeneration | None = None  # a constrained generation in progress
 
     @property
@@ -295,7 +296,7 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
     """Simulator counters of one decode step at ``context`` tokens for a model that need not
     exist on disk (record-only device, virtual weights laid out as MLX writes them), with the
     steps since its write-back window began pending (``context % state_window``; the runtime
-    option, default :func:`state_window`; 1: the state written back every step).
+    option, default :func:`default_state_window`; 1: the state written back every step).
 
     Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
     (weights of the selected experts, KV rows, state)."""
@@ -305,7 +306,7 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
     return _counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
 
 
-def state_window() -> int:
+def default_state_window() -> int:
     """Decode steps per write-back of the Gated DeltaNet state by default (the runtime option
     ``state_window``; docs/decode.md "The recurrent state's write-back window")."""
     from lily import _core
@@ -313,13 +314,16 @@ def state_window() -> int:
 
 
 def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, router_bits: int = 8,
-                        split_threshold: int | None = None) -> list[dict]:
+                        split_threshold: int | None = None, state_window: int | None = None,
+                        split_block: int | None = None) -> list[dict]:
     """:func:`count_decode_step` for each step of one write-back window of steady decoding:
-    the :func:`state_window` steps at ``context``, ``context + 1``, ..., each with the steps
-    since its window began pending (one of them writes the state back). Their mean is a
-    step's average cost."""
-    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
-    w = state_window()
+    the ``state_window`` steps (the runtime option; default :func:`default_state_window`)
+    at ``context``, ``context + 1``, ..., each with the steps since its window began pending
+    (one of them writes the state back). Their mean is a step's average cost. ``split_block``:
+    the runtime option (None: its default)."""
+    extra = {k: v for k, v in (("split_threshold", split_threshold), ("split_block", split_block),
+                               ("state_window", state_window)) if v is not None}
+    w = state_window or default_state_window()
     rt = _counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
     return [rt.count_step(context + i) for i in range(w)]
 

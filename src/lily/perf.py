@@ -427,7 +427,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     check_length("breakdown_at", breakdown_at, limit, kind="context")
     chunk = chunk or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
     check_length("chunk", chunk, limit, kind="chunk")
-    from lily.native import _counting_runtime
+    from lily.native import _counting_runtime, default_state_window
     # part of the scratch grows with the context up to a bound (docs/prefill.md): size it as a
     # runtime serving the model's full context does, not one of `chunk` positions
     scratch = _counting_runtime(cfg, 4, 8, limit, prefill_chunk=chunk).prefill_scratch_bytes
@@ -459,7 +459,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                     "threadgroup_memory": m.threadgroup_memory, "stage_gap_us": m.stage_gap * 1e6,
                     "gpu_family": m.gpu_family, "sources": m.sources},
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
-                 "attention_path": attention_path(m)},
+                 "attention_path": attention_path(m), "state_window": default_state_window()},
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
                         "saturation_threads": SATURATION_THREADS, "stage_gap_us": m.stage_gap * 1e6,
                         "fitted_from": m.fitted_from,
@@ -480,7 +480,8 @@ def format_report(rep: dict) -> str:
              (f"{m['name']}: {m['cores']} GPU cores, {m['bandwidth_gb_s']:.0f} GB/s, "
               f"stage gap {m['stage_gap_us']:.2f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
-              f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}")]
+              f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}; "
+              f"a decode step is the mean of a {rep['plan']['state_window']}-step state write-back window")]
     c = rep["calibration"]
     if c.get("fitted_from"):
         lines.append(f"calibration fitted to {c['fitted_from']}: bandwidth efficiency "
@@ -655,9 +656,18 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
             notes.append(f"the run's model {model} is not on this machine: its dimensions are taken to be the "
                          "estimated model's (--model names another)")
 
-    # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form
+    # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form, for the
+    # plan the run used (its state_window and split_block when the report has them)
+    plan = {}
+    for key, lowest in (("state_window", 1), ("split_block", 0)):
+        v = info.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
+            raise InvalidParameterError(f"{source}: machine.{key} must be an integer >= {lowest}, got {v!r}")
+        plan[key] = v
     ctx = {L: L + steps // 2 for L, _, _ in decode}
-    recs = {c: [s["records"] for s in count_decode_window(cfg, c)] for c in set(ctx.values())}
+    recs = {c: [s["records"] for s in count_decode_window(cfg, c, **plan)] for c in set(ctx.values())}
 
     def step(m: Machine, c: int) -> Timing:  # the mean step of a write-back window at context c
         return mean_timing([time_records(m, r) for r in recs[c]])
@@ -722,7 +732,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     return fitted, {
         "estimate": True, "notice": NOTICE, "source": source, "machine": {"key": fitted.key, "name": fitted.name},
         "chip": info.get("chip"), "plan": {"prefill_chunk": chunk, "gemm_path": path, "attention_path": attention,
-                                           "decode_steps": steps},
+                                           "decode_steps": steps, **plan},
         "constants": {
             "bandwidth_efficiency": {"published": m0.bandwidth_efficiency, "fitted": eff},
             "stage_gap_us": {"published": m0.stage_gap * 1e6, "fitted": gap * 1e6},

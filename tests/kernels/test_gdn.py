@@ -87,7 +87,7 @@ def test_gdn_decode_step_matches_reference(dev, dims, splits):
         np.testing.assert_array_equal(L.state_parts()[1], 1.0)  # the step leaves S itself
 
 
-@pytest.mark.parametrize("dims,window", [("real", 4), ("dims", 2), ("dims", 5), ("tiny", 3)])
+@pytest.mark.parametrize("dims,window", [("real", 4), ("dims", 2), ("dims", 5), ("tiny", 3), ("tiny", 16)])
 def test_gdn_write_back_window_is_bit_exact(dev, dims, window):
     """The state written back every ``window`` steps (the ring replayed by each step, what is
     pending written back by gdn_state_writeback) against every step: outputs, sums of squares
