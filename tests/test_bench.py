@@ -211,6 +211,16 @@ def test_lily_bench_pplx_protocol(tmp_path):
     assert r.returncode == 1 and "exactly 64 decode steps" in r.stderr
 
 
+def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, monkeypatch, capsys):
+    """The --json file is checked before the run (hours on a Mac), not when the run is over."""
+    from lily import bench as bench_mod
+    from lily import cli
+    monkeypatch.setattr(bench_mod, "bench", lambda *a, **kw: pytest.fail("the bench ran"))
+    for path, why in ((tmp_path / "missing" / "x.json", "no such directory"), (tmp_path, "a directory")):
+        assert cli.main(["bench", "--device", "reference", "--json", str(path)]) == 1
+        assert f"lily: error: --json {path}: cannot write there ({why})" in capsys.readouterr().err
+
+
 def test_machine_info_names_the_native_device(demo_path):
     """The report names the device and the plan it ran (the chunk chosen at load, the GEMM
     path), so a Mac run's figures can be set against the estimate of the same plan."""

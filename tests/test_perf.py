@@ -214,6 +214,29 @@ def test_estimate_of_another_checkpoint_config():
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]
 
 
+def test_estimate_defaults_fit_a_short_model(tmp_path):
+    """A checkpoint whose context is shorter than the defaults' 4096 (the automatic chunk and
+    the breakdown's length): both are capped at the model's context, as the runtime caps the
+    chunk, instead of being refused as options the user never gave."""
+    from lily.checkpoint import load_config
+    from lily.engine import default_model_path
+    src = default_model_path()
+    for f in src.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((src / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["max_position_embeddings"] = 100
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    rep = perf.estimate("m5max", config=load_config(tmp_path)[0], contexts=(64,), prompts=(100,), breakdown_at=64)
+    assert rep["plan"]["prefill_chunk"] == 100
+    r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--model", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["breakdown"]["at"] == 99 and out["plan"]["prefill_chunk"] == 100
+
+
 def test_prefill_attention_operands():
     """Prefill attention (issue 11, item 5): Q K^T and P V on half operands on the simdgroup
     path (sgmm_f16) and bf16 operands on the tensor path (tensor_bf16, the *_tensor variant);

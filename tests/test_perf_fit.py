@@ -155,8 +155,18 @@ def test_fit_refuses_what_is_not_a_metal_run(measured):
     refused({**measured, "machine": {**measured["machine"], "chip": "Apple M2 Ultra"}}, "--machine")
     refused({**measured, "decode_steps": 0}, "decode_steps")
     refused({**measured, "machine": {**measured["machine"], "prefill_chunk": "big"}}, "machine.prefill_chunk")
-    refused({**measured, "machine": {**measured["machine"], "state_window": 0}}, r"machine.state_window must be an integer >= 1")
+    refused({**measured, "machine": {**measured["machine"], "state_window": 0}},
+            r"machine.state_window must be an integer from 1 to 64, got 0")
     refused({**measured, "machine": {**measured["machine"], "split_block": "x"}}, r"machine.split_block must be")
+    refused({**measured, "machine": {**measured["machine"], "split_block": 10**9}}, r"machine.split_block must be")
+    refused({**measured, "decode_steps": 10**9}, "decode_steps must be a positive integer below the model's limit")
+    refused({**measured, "machine": {**measured["machine"], "gemm_path": ["tensor"]}}, "gemm_path")
+    refused({**measured, "machine": {**measured["machine"], "attention_path": ["tensor"]}}, "attention_path")
+    refused({**measured, "machine": {**measured["machine"], "chip": 5}}, "chip 5 is not in the machine table")
+    for tps in (1e300, 1e-200):
+        bad = json.loads(json.dumps(measured))
+        bad["lengths"][0]["decode_tps"]["lily"] = tps
+        refused(bad, r"lengths\[0\] of the bench report: decode lily .* is not a measurement")
     refused({**measured, "lengths": [{"prompt_tokens": 256}]}, r"lengths\[0\]")
     refused({**measured, "lengths": []}, "no length")
     refused({**measured, "machine": {**measured["machine"], "gemm_path": "tensor"}}, "not a path",
@@ -232,7 +242,7 @@ def test_the_run_s_model_must_be_the_estimated_one(measured, demo_path):
     """A report measured on a checkpoint here whose dimensions differ from the estimated
     model's is refused (fitting Qwen3.6's plan to another model's times means nothing); one
     on a checkpoint not on this machine is taken as the estimated model, with a note."""
-    with pytest.raises(InvalidParameterError, match="pass it as --model"):
+    with pytest.raises(InvalidParameterError, match="pass that checkpoint as --model"):
         perf.fit({**measured, "model": str(demo_path)})
     _, rep = perf.fit({**measured, "model": "/Users/someone/models/Qwen3.6-35B-A3B-4bit"})
     assert any("not on this machine" in n for n in rep["notes"]), rep["notes"]

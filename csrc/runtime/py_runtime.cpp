@@ -168,6 +168,7 @@ void bind_runtime(nb::module_& m) {
   }
 #undef LILY_BIND_FIELD
   options.attr("FIELDS") = nb::tuple(options_fields.names);
+  options.attr("MAX_STATE_WINDOW") = RuntimeOptions::kMaxStateWindow;
   options.attr("AUTO_PREFILL_CHUNKS") = nb::tuple(nb::cast(std::vector<uint32_t>(
       std::begin(kAutoPrefillChunks), std::end(kAutoPrefillChunks))));
   options.def_prop_rw(

@@ -476,6 +476,8 @@ class RuntimeOptions:
 
     FIELDS: tuple[str, ...]
 
+    MAX_STATE_WINDOW: int = 64
+
     AUTO_PREFILL_CHUNKS: tuple = (4096, 2048, 1024, 512)
 
     @property

@@ -339,7 +339,7 @@ def _geomean(values) -> float:
 def format_report(rep: dict) -> str:
     out = [f"lily bench: {rep['model']}" + (f" (protocol {rep['protocol']})" if rep.get("protocol") else ""),
            f"  {rep['lily']}  vs  {rep['mlx_lm']}",
-           (f"  {rep['rounds']} rounds (alternating order), median; {rep['generated_tokens']} generated "
+           (f"  {rep['rounds']} round{'s' if rep['rounds'] != 1 else ''} (alternating order), median; {rep['generated_tokens']} generated "
             f"tokens per request ({rep['decode_steps']} timed decode steps after the first); "
             "ratio = lily / mlx-lm")]
     if rep.get("notice"):

@@ -515,9 +515,23 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _check_writable(path: str, flag: str) -> None:
+    """Refuses, before a long run, an output file that cannot be written at its end."""
+    import os
+    from pathlib import Path
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise InvalidParameterError(f"{flag} {path}: cannot write there (" +
+                                    ("a directory" if p.is_dir() else "no such directory" if not parent.is_dir()
+                                     else "permission denied") + ")")
+
+
 def cmd_bench(args) -> int:
     """``lily bench`` (against MLX-LM) and ``lily bench --agent`` (multi-turn, prompt cache):
     the same device options, report and --json file."""
+    if args.json:
+        _check_writable(args.json, "--json")
     options = {k: v for k, v in (("prefill_chunk", args.prefill_chunk), ("state_window", args.state_window),
                                   ("split_block", args.split_block)) if v is not None} or None
     if args.agent:
@@ -537,8 +551,11 @@ def cmd_bench(args) -> int:
                     rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
         print(format_report(rep))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(rep, f, indent=2)
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(rep, f, indent=2)
+        except OSError as e:
+            raise InvalidParameterError(f"--json {args.json}: cannot write the report ({e}); it is printed above") from None
         print(f"\nwritten: {args.json}", file=sys.stderr)
     return 0
 
@@ -577,6 +594,8 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     args.prompts = args.prompts or [n for n in LENGTHS if n <= limit] or [limit]
     checks = [("--contexts", n, "context") for n in args.contexts]
     checks += [("--prompts", n, "prompt") for n in args.prompts]
+    if args.at is None:
+        args.at = min(4096, limit - 1)
     checks.append(("--at", args.at, "context"))
     if args.prefill_chunk:  # 0: automatic, as everywhere
         checks.append(("--prefill-chunk", args.prefill_chunk, "chunk"))
@@ -783,8 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode contexts (default 256, 512, ..., 131072, below the model's limit)")
     e.add_argument("--prompts", type=_int_list, default=None, metavar="L1,L2,...",
                    help="prefill prompt lengths (default 256, 512, ..., 131072, up to the model's limit)")
-    e.add_argument("--at", type=int, default=4096, metavar="L",
-                   help="context / prompt length of the per-family breakdown (default 4096)")
+    e.add_argument("--at", type=int, default=None, metavar="L",
+                   help="context / prompt length of the per-family breakdown (default 4096, or the model's "
+                        "longest context when it is shorter)")
     e.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
     e.add_argument("--fit", default=None, metavar="BENCH_JSON",

@@ -425,7 +425,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     for p in prompts:
         check_length("prompts", p, limit)
     check_length("breakdown_at", breakdown_at, limit, kind="context")
-    chunk = chunk or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
+    chunk = chunk or min(_core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0], limit)  # the runtime caps it so
     check_length("chunk", chunk, limit, kind="chunk")
     from lily.native import _counting_runtime, default_state_window
     # part of the scratch grows with the context up to a bound (docs/prefill.md): size it as a
@@ -515,7 +515,7 @@ def machine_for_chip(chip: str | None) -> str | None:
     """The :data:`MACHINES` key of a chip name such as ``"Apple M5 Max"`` (None if none is).
     The table has one GPU configuration per chip (the largest); a binned chip needs
     ``--machine`` naming a table entry and the fit absorbs the difference."""
-    hit = re.search(r"\bM(\d)\s+(Pro|Max)\b", chip or "")
+    hit = re.search(r"\bM(\d)\s+(Pro|Max)\b", chip) if isinstance(chip, str) else None
     key = f"m{hit.group(1)}{hit.group(2).lower()}" if hit else None
     return key if key in MACHINES else None
 
@@ -558,6 +558,11 @@ def _usable(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+#: The throughputs a report may hold (tok/s): far outside anything the model runs at, so a
+#: figure beyond them is a damaged report, not a fast or slow Mac.
+MIN_TPS, MAX_TPS = 1e-3, 1e7
+
+
 def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
     """(prompt tokens, Lily's tok/s, Lily's wall-clock tok/s) per length of a ``lily bench
     --json`` report for ``phase`` (``"decode"`` / ``"prefill"``), lengths without a positive
@@ -572,6 +577,10 @@ def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
                                         f"{phase}_tps.lily (not a `lily bench --json` file?)") from None
         g = row.get("lily_gpu_tps")
         gpu = g.get(phase) if isinstance(g, dict) else None
+        for what, x in (("lily", wall), ("lily_gpu_tps", gpu)):
+            if _usable(x) and not MIN_TPS <= x <= MAX_TPS:
+                raise InvalidParameterError(f"lengths[{i}] of the bench report: {phase} {what} {x!r} tok/s is not a "
+                                            f"measurement of this model (expected {MIN_TPS:g} to {MAX_TPS:g})")
         if isinstance(L, int) and not isinstance(L, bool) and L > 0 and _usable(wall):
             rows.append((L, gpu, float(wall)))
     device = bool(rows) and all(_usable(g) for _, g, _ in rows)
@@ -624,15 +633,17 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
     steps = bench.get("decode_steps")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise InvalidParameterError(f"{source}: decode_steps must be a positive integer, got {steps!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < limit:
+        raise InvalidParameterError(f"{source}: decode_steps must be a positive integer below the model's limit of "
+                                    f"{limit} tokens, got {steps!r}")
     chunk = info.get("prefill_chunk") or _core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0]
     check_length(f"{source}: machine.prefill_chunk", chunk, limit, kind="chunk")
     path = info.get("gemm_path") or gemm_path(m0)
-    if path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
+    if not isinstance(path, str) or path not in MATRIX_PATHS or (path == "tensor" and not m0.tensor_ops):
         raise InvalidParameterError(f"{source}: gemm_path {path!r} is not a path of {m0.name}")
     attention = info.get("attention_path") or attention_path(replace(m0, gemm=path))
-    if attention not in MATRIX_PATHS or (attention == "tensor" and (path != "tensor" or not m0.tensor_attention)):
+    if not isinstance(attention, str) or attention not in MATRIX_PATHS or (
+            attention == "tensor" and (path != "tensor" or not m0.tensor_attention)):
         raise InvalidParameterError(f"{source}: attention_path {attention!r} is not a path of {m0.name} with "
                                     f"gemm_path {path!r}")
     decode, dev_decode = _bench_lengths(bench, "decode")
@@ -651,7 +662,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         if (Path(model) / "config.json").is_file():
             if _plan_dims(load_config(model)[0]) != _plan_dims(cfg):
                 raise InvalidParameterError(f"{source} measured {model}, whose dimensions are not those of the model "
-                                            f"estimated; pass it as --model (config=)")
+                                            f"estimated; pass that checkpoint as --model (Python: fit(config=...))")
         else:
             notes.append(f"the run's model {model} is not on this machine: its dimensions are taken to be the "
                          "estimated model's (--model names another)")
@@ -659,12 +670,13 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     # decode: step time = T0(efficiency) + stages x gap, the gap solved in closed form, for the
     # plan the run used (its state_window and split_block when the report has them)
     plan = {}
-    for key, lowest in (("state_window", 1), ("split_block", 0)):
+    for key, lowest, top in (("state_window", 1, _core.RuntimeOptions.MAX_STATE_WINDOW), ("split_block", 0, limit)):
         v = info.get(key)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < lowest:
-            raise InvalidParameterError(f"{source}: machine.{key} must be an integer >= {lowest}, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lowest <= v <= top:
+            raise InvalidParameterError(f"{source}: machine.{key} must be an integer from {lowest} to {top}, "
+                                        f"got {v!r}")
         plan[key] = v
     ctx = {L: L + steps // 2 for L, _, _ in decode}
     recs = {c: [s["records"] for s in count_decode_window(cfg, c, **plan)] for c in set(ctx.values())}
