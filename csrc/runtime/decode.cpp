@@ -67,10 +67,9 @@ void Runtime::resolve_decode_kernels() {
 
 void Runtime::encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending) {
   const ModelDims& d = dims_;
-  if (pending == 0 || pending > std::min(opt_.state_window - 1, opt_.max_context))
+  if (pending == 0 || pending > ring_capacity())
     throw std::logic_error("encode_state_writeback: " + std::to_string(pending) + " pending steps");
   const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
-  const args::GdnRing rg = args::gdn_ring(d.linear_num_key_heads, Hv, d.linear_key_head_dim, Dv);
   gpu::ComputePass& pass = cmd.compute_pass();
   for (const Layer& layer : model_.layers) {
     if (layer.full_attention) continue;
@@ -78,7 +77,7 @@ void Runtime::encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending) 
     Op(*decode_kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
         .groups(gpu::Size3{Hv, kGdnDecodeSplits, 1}, gpu::Size3{Dv / kGdnDecodeSplits * 8, 1, 1})
         .inout(0, *state_[l], 0, d.gdn_state_floats() * sizeof(float))
-        .in(1, *ring_[l], 0, size_t(pending) * rg.entry * sizeof(float))
+        .in(1, *ring_[l], 0, pending * ring_entry_bytes_)
         .args(2, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending, 1})
         .run(pass);
   }
@@ -90,7 +89,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
   if (pending > position % opt_.state_window)  // a window's last step always writes back
     throw std::logic_error("encode_step: " + std::to_string(pending) + " pending steps at position " +
                            std::to_string(position));
-  const bool write_back = (position + 1) % opt_.state_window == 0;
+  const bool write_back = ends_window(position);
   const DecodeKernels& K = decode_kernels_;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
@@ -172,8 +171,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
       // the state read, the ring's pending entries replayed; then either the state written
       // back or this step's entry appended (metal/gdn.metal, "Write-back window")
-      const args::GdnRing rg = args::gdn_ring(d.linear_num_key_heads, Hv, d.linear_key_head_dim, Dv);
-      const size_t entry_bytes = size_t(rg.entry) * f;
+      const size_t entry_bytes = ring_entry_bytes_;
       Op op(*K.gdn_step, labels_(l, "gdn step"));
       op.groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
           .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *b_, 0, Hv * f).in(2, *a_, 0, Hv * f)

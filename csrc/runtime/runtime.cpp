@@ -141,12 +141,10 @@ void Runtime::allocate_buffers() {
   conv_[1].resize(d.num_hidden_layers);
   state_.resize(d.num_hidden_layers);
   ring_.resize(d.num_hidden_layers);
-  const kernels::GdnRing rg = kernels::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads,
-                                                d.linear_key_head_dim, d.linear_value_head_dim);
-  // at most W - 1 steps pending, and no more than the context holds (a window longer than the
-  // context never ends there); one entry at least, as the kernel's binding needs a buffer
-  const uint32_t ring_entries = std::max(1u, std::min(opt_.state_window - 1, opt_.max_context));
-  const size_t ring_bytes = size_t(ring_entries) * rg.entry * f;
+  ring_entry_bytes_ = size_t(kernels::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads,
+                                                d.linear_key_head_dim, d.linear_value_head_dim).entry) * f;
+  // one entry at least, as the kernel's binding needs a buffer
+  const size_t ring_bytes = std::max(1u, ring_capacity()) * ring_entry_bytes_;
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
       k_cache_[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
@@ -241,7 +239,7 @@ void Runtime::preflight() {
     }
     if (opt_.state_window > 1) {
       auto cmd = logged_command_buffer();
-      encode_state_writeback(*cmd, std::min(opt_.state_window - 1, opt_.max_context));
+      encode_state_writeback(*cmd, ring_capacity());
       collect(*cmd);
     }
     {
@@ -436,6 +434,11 @@ void Runtime::restore(const SessionSnapshot& s) {
   chunks_done_ = 0;
 }
 
+void Runtime::encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position) {
+  encode_step(cmd, slot, position, position - written_, nullptr);
+  if (ends_window(position)) written_ = position + 1;
+}
+
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
   static_cast<uint32_t*>(tokens_->contents())[slot] = token;
   static_cast<uint32_t*>(positions_->contents())[slot] = position;
@@ -517,10 +520,10 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       const int slot = position_ % 2;
       write_token(slot, tokens[i], position_);
       auto cmd = device_->new_command_buffer();
-      encode_step(*cmd, slot, position_, position_ - written_, nullptr);
+      encode_session_step(*cmd, slot, position_);
       cmd->commit();
       wait_timed(*cmd);
-      if ((++position_) % opt_.state_window == 0) written_ = position_;
+      ++position_;
       if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
         std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), logits_->contents(), V * sizeof(float));
     }
@@ -597,10 +600,9 @@ void Runtime::submit_next() {
   const int slot = pos % 2;
   static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
   inflight_[slot] = device_->new_command_buffer();
-  encode_step(*inflight_[slot], slot, pos, pos - written_, nullptr);
+  encode_session_step(*inflight_[slot], slot, pos);
   inflight_[slot]->commit();
   ++gen_encoded_;
-  if ((pos + 1) % opt_.state_window == 0) written_ = pos + 1;  // the step writes the state back
 }
 
 bool Runtime::next(StepOutput* out) {

@@ -11,6 +11,7 @@
 // generated token into the decode token slot (docs/prefill.md).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <set>
@@ -317,8 +318,15 @@ class Runtime {
   // holds the tokens before position - pending); the step writes the state back when
   // (position + 1) % state_window == 0 (docs/decode.md "The recurrent state's write-back window").
   void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* traffic);
-  // Encodes, in a pass of its own, the write-back of `pending` (>= 1) ring entries of every
-  // Gated DeltaNet layer (gdn_state_writeback); the caller moves written_ once it is encoded.
+  // The session's step at `position` (the ring's pending steps from written_), moving written_
+  // when the step ends a window.
+  void encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position);
+  bool ends_window(uint32_t position) const { return (position + 1) % opt_.state_window == 0; }
+  // The most steps the ring can hold pending: W - 1, and no more than the context.
+  uint32_t ring_capacity() const { return std::min(opt_.state_window - 1, opt_.max_context); }
+  // Encodes, in a pass of its own, the write-back of `pending` (1 .. ring_capacity()) ring
+  // entries of every Gated DeltaNet layer (gdn_state_writeback); the caller moves written_
+  // once everything is encoded.
   void encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending);
   // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
   // `sample`) the sampler writing the next token into token slot slot ^ 1.
@@ -383,6 +391,7 @@ class Runtime {
   std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
   // per GDN layer: the updates of the steps since the last write-back (GdnRing entries)
   std::vector<gpu::BufferPtr> ring_;
+  size_t ring_entry_bytes_ = 0;  // one GdnRing entry (metal/mixer_args.h)
   std::vector<gpu::BufferPtr> owned_;
 
   // sampling: per-session token counts [V] (bit 31: seen in the prompt), the logit bias [V]

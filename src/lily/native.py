@@ -300,10 +300,13 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
 
     Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
     (weights of the selected experts, KV rows, state)."""
-    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
-    if state_window is not None:
-        extra["state_window"] = state_window
+    extra = _given(split_threshold=split_threshold, state_window=state_window)
     return _counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
+
+
+def _given(**options) -> dict:
+    """The runtime ``options`` given (not None): the rest keep the runtime's defaults."""
+    return {k: v for k, v in options.items() if v is not None}
 
 
 def default_state_window() -> int:
@@ -321,8 +324,7 @@ def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, rou
     at ``context``, ``context + 1``, ..., each with the steps since its window began pending
     (one of them writes the state back). Their mean is a step's average cost. ``split_block``:
     the runtime option (None: its default)."""
-    extra = {k: v for k, v in (("split_threshold", split_threshold), ("split_block", split_block),
-                               ("state_window", state_window)) if v is not None}
+    extra = _given(split_threshold=split_threshold, split_block=split_block, state_window=state_window)
     w = state_window or default_state_window()
     rt = _counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
     return [rt.count_step(context + i) for i in range(w)]
@@ -336,7 +338,7 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
     counts on a simulator of an apple10 (M5) GPU, the family that has them; there
     ``tensor_attention=False`` counts a system whose tensor ops take no bfloat operands (the
     attention on simdgroup_matrix)."""
-    extra = {} if split_threshold is None else {"split_threshold": split_threshold}
+    extra = _given(split_threshold=split_threshold)
     rt = _counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
                            gpu_family="apple10" if gemm_path == "tensor" else None,
                            bfloat_tensor_ops=tensor_attention, **extra)
