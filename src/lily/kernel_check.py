@@ -349,6 +349,21 @@ def gdn_split_ssq(y, Dv, splits):
     return (np.asarray(y, np.float64).reshape(-1, splits, Dv // splits) ** 2).sum(-1)
 
 
+def gdn_window_pair(dev, Hk, Hv, Dk, Dv, window, rng):
+    """Two :class:`GdnLayer` with the same weights and the same random starting state (conv
+    history, S' with a random pending decay c per head, one head c = 0: S = 0), one writing
+    its state back every step, the other every ``window`` steps; draws from ``rng``."""
+    seed = int(rng.integers(1 << 62))
+    every, windowed = (GdnLayer(dev, Hk, Hv, Dk, Dv, rng=np.random.default_rng(seed), window=w) for w in (1, window))
+    c = 2.0 ** -rng.uniform(0, 40, Hv)
+    c[0] = 0.0
+    conv = rng.standard_normal((every.K - 1, every.conv_dim))
+    Sp = 0.3 * rng.standard_normal((Hv, Dv, Dk)) / np.where(c > 0, c, 1)[:, None, None]
+    for L in (every, windowed):
+        L.set_state(conv, Sp, c)
+    return every, windowed
+
+
 class GdnLayer:
     """Device buffers of one GDN layer plus the oracle with the same weights."""
 
@@ -2008,13 +2023,7 @@ def _gdn_state_writeback(dev, rng, kernel):
     writing the state back every step. On a GPU this also checks that the compiler treats the
     replayed update as the step's own (same contraction into fused multiply-adds)."""
     Dk = int(kernel.split("_k")[1].split("_")[0])
-    seed = int(rng.integers(1 << 62))
-    every, windowed = (GdnLayer(dev, 2, 4, Dk, Dk, rng=np.random.default_rng(seed), window=w) for w in (1, 4))
-    c = 2.0 ** -rng.uniform(0, 40, 4)
-    c[0] = 0.0
-    conv, Sp = rng.standard_normal((3, every.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)) / np.where(c > 0, c, 1)[:, None, None]
-    for L in (every, windowed):
-        L.set_state(conv, Sp, c)
+    every, windowed = gdn_window_pair(dev, 2, 4, Dk, Dk, 4, rng)
     r = 0.0
     for t in range(6):  # the windowed layer writes back at step 3 and has 2 steps pending at the end
         inp = every.random_inputs()

@@ -94,15 +94,7 @@ def test_gdn_write_back_window_is_bit_exact(dev, dims, window):
     and the written-back state equal bit for bit, from a state with random pending decays
     (one head S = 0), over two windows and a partial one."""
     Hk, Hv, Dk, Dv = GDN_DIMS[dims]
-    seed = int(fresh_rng(3).integers(1 << 62))
-    every = kernel_check.GdnLayer(dev, Hk, Hv, Dk, Dv, rng=np.random.default_rng(seed))
-    windowed = kernel_check.GdnLayer(dev, Hk, Hv, Dk, Dv, rng=np.random.default_rng(seed), window=window)
-    r = every.rng
-    c = 2.0 ** -r.uniform(0, 40, Hv)
-    c[0] = 0.0
-    conv, Sp = r.standard_normal((3, every.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)) / np.where(c > 0, c, 1)[:, None, None]
-    for L in (every, windowed):
-        L.set_state(conv, Sp, c)
+    every, windowed = kernel_check.gdn_window_pair(dev, Hk, Hv, Dk, Dv, window, fresh_rng(3))
     steps = 2 * window + window // 2 + 1
     for t in range(steps):
         inp = every.random_inputs()
