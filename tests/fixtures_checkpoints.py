@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from lily.checkpoint import open_checkpoint
-from lily.testing import cached_checkpoint, make_hf_checkpoint
+from lily.lab.testing import cached_checkpoint, make_hf_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 TOKENIZER_DIR = TESTS_DIR / "data" / "qwen3.5-moe-tokenizer"

@@ -3,13 +3,13 @@ self-test kernel tests (tests/sim/).
 
 * devices: the simulator modes and the Metal GPU (tests/simdev.py; the ``dev`` and
   ``fwd_dev`` fixtures are in tests/kernels/conftest.py);
-* one dispatch on a device, with lily.kernel_check's helpers (``lily doctor`` uses them):
+* one dispatch on a device, with lily.lab.kernels.harness's helpers (``lily doctor`` uses them):
   :func:`run` (explicit bindings) and :func:`run_bound` (buffers at 0.., the argument
   struct at the next index) add their wall time to :data:`TIMES` (printed at the end of a
   verbose run), as :func:`commit` does for a command buffer a test encoded itself;
-  :func:`run_encoder` runs an ``enc_*`` encoder of lily.kernel_check;
+  :func:`run_encoder` runs an ``enc_*`` encoder of a lily.lab.kernels family module;
 * the numpy twins' helpers (random MLX-quantized tensors, bf16 encoding, magnitude bounds,
-  references): their home is :mod:`lily.kernel_check`, which ``lily doctor`` runs on an
+  references): their home is :mod:`lily.lab.kernels`, which ``lily doctor`` runs on an
   installed package; they are re-exported here so a test imports one module;
 * :func:`assert_within`: the per-output first-order error bound check;
 * the prefill GEMMs' Metal 4 tensor-operation twins (tests/kernels/test_*_tensor.py):
@@ -26,11 +26,14 @@ import time
 import numpy as np
 from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 
-from lily import kernel_check
-from lily._device import constant, download, sim_device, upload  # noqa: F401
-from lily.kernel_check import (  # noqa: F401
-    GEMM_BM, GEMM_TG, MOE_TENSOR_TILES, MOE_TILES, U, args_bytes, bf16_bits, f32, from_bf16, gemm_geometry, gemm_ref,
-    half_operand, half_weights, half_stored, magnitude, rand_quant, run_encoder, swiglu_ref, to_bf16_bits, upload_q)
+from lily.lab.kernels import harness as lab_harness
+from lily.lab.device import constant, download, sim_device, upload  # noqa: F401
+from lily.lab.kernels.gemm import GEMM_BM, GEMM_TG, gemm_geometry, gemm_ref, swiglu_ref  # noqa: F401
+from lily.lab.kernels.harness import (  # noqa: F401
+    U, args_bytes, bf16_bits, f32, from_bf16, half_operand, half_stored, half_weights, magnitude, rand_quant,
+    run_encoder, to_bf16_bits, upload_q,
+)
+from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES  # noqa: F401
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -47,19 +50,19 @@ def commit(cb, label):
 
 def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,
         tgmem=(), label=""):
-    """:func:`lily.kernel_check.run` (one dispatch, committed and waited for), its wall time
+    """:func:`lily.lab.kernels.harness.run` (one dispatch, committed and waited for), its wall time
     added to ``TIMES``."""
     t0 = time.perf_counter()
-    cb = kernel_check.run(dev, kernel, grid, tg, buffers, constants, reads, writes, threadgroups, tgmem, label)
+    cb = lab_harness.run(dev, kernel, grid, tg, buffers, constants, reads, writes, threadgroups, tgmem, label)
     TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
     return cb
 
 
 def run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
-    """:func:`lily.kernel_check.run_bound` (buffers bound at 0, 1, ..., the argument struct
+    """:func:`lily.lab.kernels.harness.run_bound` (buffers bound at 0, 1, ..., the argument struct
     next), its wall time added to ``TIMES``."""
     t0 = time.perf_counter()
-    cb = kernel_check.run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups, label)
+    cb = lab_harness.run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups, label)
     TIMES[label or kernel] = TIMES.get(label or kernel, 0.0) + time.perf_counter() - t0
     return cb
 

@@ -14,7 +14,7 @@ mx = pytest.importorskip("mlx.core")
 mlx_lm = pytest.importorskip("mlx_lm")
 from mlx.utils import tree_map  # noqa: E402
 
-from lily.bench import teacher_forced  # noqa: E402,F401 (the statistic lives with the benchmark)
+from lily.lab.bench import teacher_forced  # noqa: E402,F401 (the statistic lives with the benchmark)
 
 _cache: dict = {}
 

@@ -31,7 +31,7 @@ ORDERS = ["reverse"] if os.environ.get("LILY_IN_ASAN") else list(THREAD_ORDERS)
 
 def _compiled() -> list[str]:
     try:
-        from lily._device import devices
+        from lily.lab.device import devices
         return devices()
     except ImportError:
         return []
@@ -48,7 +48,7 @@ def make_dev(param: str):
     if param == "metal":
         from lily import _core
         return _core.metal_device()
-    from lily._device import sim_device
+    from lily.lab.device import sim_device
     return sim_device(**THREAD_ORDERS[param])
 
 #: Tests skipped under AddressSanitizer (matched against the pytest node id): real-model

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from lily import Engine
-from lily.bench import LengthResult, Sample, _timed, format_report, report, run_bench, teacher_forced
+from lily.lab.bench import LengthResult, Sample, _timed, format_report, report, run_bench, teacher_forced
 from lily.errors import InvalidParameterError
 
 
@@ -132,7 +132,8 @@ def test_lily_bench_agent_command(tmp_path, monkeypatch, capsys):
     """`lily bench --agent` shares the plain bench's device options, report and --json file.
     The scenario itself (agent_bench.run, minutes on a CPU) is tested in test_prompt_cache;
     here it is replaced by one that records what the command hands it."""
-    from lily import agent_bench, cli
+    from lily import cli
+    from lily.lab import agent_bench
     from lily import engine as engine_mod
     loads, runs = [], []
     monkeypatch.setattr(engine_mod.Engine, "load", classmethod(lambda cls, model, **kw: loads.append(kw) or kw))
@@ -168,7 +169,7 @@ def test_mean_of_ratios_is_geometric():
 
 
 def test_pplx_prompt_is_their_synthetic_sequence():
-    from lily.bench import pplx_prompt
+    from lily.lab.bench import pplx_prompt
     ids = pplx_prompt(5, 248320)
     assert ids == [0, 2654435761 % 248320, (2 * 2654435761 % 2**32) % 248320,
                    (3 * 2654435761 % 2**32) % 248320, (4 * 2654435761 % 2**32) % 248320]
@@ -213,7 +214,7 @@ def test_lily_bench_pplx_protocol(tmp_path):
 
 def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, monkeypatch, capsys):
     """The --json file is checked before the run (hours on a Mac), not when the run is over."""
-    from lily import bench as bench_mod
+    from lily.lab import bench as bench_mod
     from lily import cli
     monkeypatch.setattr(bench_mod, "bench", lambda *a, **kw: pytest.fail("the bench ran"))
     for path, why in ((tmp_path / "missing" / "x.json", "no such directory"), (tmp_path, "a directory")):
@@ -224,7 +225,7 @@ def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, monkeypa
 def test_machine_info_names_the_native_device(demo_path):
     """The report names the device and the plan it ran (the chunk chosen at load, the GEMM
     path), so a Mac run's figures can be set against the estimate of the same plan."""
-    from lily.bench import machine_info
+    from lily.lab.bench import machine_info
     engine = Engine.load(demo_path, device="sim", max_context=1000,
                          device_options={"device_options": {"gpu_family": "apple10"}, "state_window": 4})
     info = machine_info(engine)
@@ -239,7 +240,7 @@ def test_machine_info_names_the_native_device(demo_path):
 @pytest.mark.parametrize("kw", [{"rounds": 0}, {"decode_tokens": 1}])
 def test_bench_refuses_bad_counts_before_loading(tmp_path, kw):
     """Bad counts are refused before any model loads (the path does not even exist)."""
-    from lily.bench import bench
+    from lily.lab.bench import bench
     with pytest.raises(InvalidParameterError, match=r"rounds must be >= 1 and decode_tokens >= 2, got rounds="):
         bench(tmp_path / "no-such-model", **kw)
 
@@ -249,7 +250,7 @@ def test_lily_runner_times_a_whole_prefill_every_round():
     so each timed prefill computes every prompt token as MLX-LM's does (with a cache, the
     second round's "prefill" was a one-token lookup, ~30x the real rate); it refuses a
     sample whose prefill was served from a cache."""
-    from lily.bench import LilyRunner
+    from lily.lab.bench import LilyRunner
     from lily.prompt_cache import PromptCache
     runner = LilyRunner(None, "reference", 256)
     assert runner.engine.prompt_cache is None

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lily._device import devices
+from lily.lab.device import devices
 
 
 def run(*args, input=None, timeout=300):

@@ -1,4 +1,4 @@
-"""lily doctor and lily.kernel_check on the simulator: every shipped kernel has a check (or
+"""lily doctor and lily.lab.kernels on the simulator: every shipped kernel has a check (or
 is listed as pending), the checks pass on the shipped kernels and fail on a wrong one, and
 the CLI reports text and JSON."""
 
@@ -12,8 +12,8 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily import kernel_check
-from lily._device import sim_device
+from lily.lab.kernels import registry
+from lily.lab.device import sim_device
 from lily.cli import main
 from lily.errors import InvalidParameterError
 
@@ -25,19 +25,19 @@ def dev():
 
 
 def test_every_shipped_kernel_has_a_check(dev):
-    shipped = set(kernel_check.shipped_kernels(dev))
-    unchecked = shipped - set(kernel_check.CHECKS)
-    assert unchecked == kernel_check.PENDING, (
-        f"kernels without a check: {sorted(unchecked - kernel_check.PENDING)} (add one to lily/kernel_check.py); "
-        f"checked now but still listed as pending: {sorted(kernel_check.PENDING - unchecked)}")
-    assert set(kernel_check.CHECKS) <= shipped, f"checks of kernels not in the library: {set(kernel_check.CHECKS) - shipped}"
+    shipped = set(registry.shipped_kernels(dev))
+    unchecked = shipped - set(registry.CHECKS)
+    assert unchecked == registry.PENDING, (
+        f"kernels without a check: {sorted(unchecked - registry.PENDING)} (add one to its family's module in lily/lab/kernels/); "
+        f"checked now but still listed as pending: {sorted(registry.PENDING - unchecked)}")
+    assert set(registry.CHECKS) <= shipped, f"checks of kernels not in the library: {set(registry.CHECKS) - shipped}"
 
 
 def test_checks_pass_on_the_shipped_kernels(dev):
-    results = kernel_check.run_checks(dev)
+    results = registry.run_checks(dev)
     bad = [(r.kernel, r.status, r.detail) for r in results if r.status not in ("PASS", "NO CHECK")]
     assert not bad, bad
-    assert sum(r.status == "PASS" for r in results) == len(kernel_check.CHECKS)
+    assert sum(r.status == "PASS" for r in results) == len(registry.CHECKS)
     assert all(0 <= r.error <= 1 for r in results if r.status == "PASS")
 
 
@@ -77,19 +77,19 @@ class SwappedKernel:
                                           ("gemm_q4", "gemm_q8")])
 def test_a_wrong_kernel_fails_its_check(dev, kernel, other):
     wrong = SwappedKernel(dev, {kernel: other})
-    [r] = kernel_check.run_checks(wrong, [kernel], seed=3)
+    [r] = registry.run_checks(wrong, [kernel], seed=3)
     assert r.status in ("FAIL", "ERROR"), r
 
 
 def test_kernel_without_a_check_is_reported(dev, monkeypatch):
-    monkeypatch.delitem(kernel_check.CHECKS, "rms_norm")
-    [r] = kernel_check.run_checks(dev, ["rms_norm"])
+    monkeypatch.delitem(registry.CHECKS, "rms_norm")
+    [r] = registry.run_checks(dev, ["rms_norm"])
     assert r.status == "NO CHECK" and r.error is None
 
 
 def test_unknown_kernel_is_refused(dev):
     with pytest.raises(InvalidParameterError, match="unknown kernel"):
-        kernel_check.run_checks(dev, ["no_such_kernel"])
+        registry.run_checks(dev, ["no_such_kernel"])
 
 
 def test_doctor_json(capsys):
@@ -126,7 +126,7 @@ def test_doctor_unknown_kernel_is_an_error(capsys):
 
 
 def test_pipeline_report_names_a_failing_pipeline():
-    from lily.doctor import _pipeline
+    from lily.lab.doctor import _pipeline
 
     class Fake:
         def pipeline_info(self, name):
@@ -142,10 +142,10 @@ def test_pipeline_report_names_a_failing_pipeline():
 
 
 def test_a_kernel_draws_the_same_inputs_alone_or_with_others(dev):
-    alone = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["rms_norm"], seed=11)}
-    together = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["gemv_q4", "embed_rows_q4", "rms_norm"],
+    alone = {r.kernel: r.error for r in registry.run_checks(dev, ["rms_norm"], seed=11)}
+    together = {r.kernel: r.error for r in registry.run_checks(dev, ["gemv_q4", "embed_rows_q4", "rms_norm"],
                                                                       seed=11)}
-    other_seed = {r.kernel: r.error for r in kernel_check.run_checks(dev, ["rms_norm"], seed=12)}
+    other_seed = {r.kernel: r.error for r in registry.run_checks(dev, ["rms_norm"], seed=12)}
     assert alone["rms_norm"] == together["rms_norm"] > 0
     assert other_seed["rms_norm"] != alone["rms_norm"]
 
@@ -180,8 +180,8 @@ def test_doctor_refuses_a_context_beyond_the_model(capsys):
 
 
 def test_doctor_fails_when_the_model_does_not_fit(capsys, monkeypatch):
-    from lily import doctor
-    monkeypatch.setattr(doctor, "_physical_memory", lambda: 2**20)  # 1 MiB: nothing fits
+    from lily.lab import system
+    monkeypatch.setattr(system, "_physical_memory", lambda: 2**20)  # 1 MiB: nothing fits
     assert main(["doctor", "--kernels", "rms_norm"]) == 1
     out = capsys.readouterr().out
     block = out.split("--- paste this into a bug report ---")[1]
@@ -235,7 +235,7 @@ def test_doctor_unknown_kernel_suggests_close_names(capsys):
 def test_doctor_on_a_mac_without_the_metal_device_says_how_to_build_it(capsys, monkeypatch):
     import sys
 
-    from lily import doctor
+    from lily.lab import doctor
     monkeypatch.setattr(doctor, "_core_devices", lambda: ["sim"])
     monkeypatch.setattr(sys, "platform", "darwin")
     assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0

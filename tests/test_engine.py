@@ -256,7 +256,7 @@ def test_bad_tokens_and_device(demo_engine, demo_path):
 def test_default_device_is_metal_else_reference(demo_path, capfd):
     """Engine.load's default (auto) is metal where this build has it, else reference with a
     notice; the simulator only when asked for."""
-    from lily._device import devices
+    from lily.lab.device import devices
     e = Engine.load(demo_path, max_context=64)
     if "metal" in devices():
         assert e.device == "metal"

@@ -1,13 +1,20 @@
-"""The import graph keeps its rooms (docs/architecture.md): the engine, CLI and server never
-import the test support shipped in the package (lily.testing, lily._device), and the host
+"""The import graph keeps its rooms (docs/architecture.md): the engine, the server and the native
+backend never import the lab (lily.lab: doctor, bench, estimate, the kernel twins and the test
+support); the CLI imports a lab module only inside the command that runs it; the lab's own
+modules stay flat (estimate and bench read the published figures, not each other); and the host
 contract (lily.backend) depends on no device."""
 
 from __future__ import annotations
 
 import ast
 import json
+import pathlib
 import subprocess
 import sys
+
+import lily
+
+SRC = pathlib.Path(lily.__file__).parent
 
 
 def _loaded(*modules: str) -> set[str]:
@@ -17,10 +24,53 @@ def _loaded(*modules: str) -> set[str]:
     return set(json.loads(out))
 
 
-def test_runtime_modules_do_not_import_test_support():
-    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native", "lily.bench", "lily.server")
-    assert "lily.engine" in loaded and "lily.server" in loaded
-    assert not loaded & {"lily.testing", "lily._device"}
+def _lab(modules: set[str]) -> set[str]:
+    return {m for m in modules if m == "lily.lab" or m.startswith("lily.lab.")}
+
+
+def test_engine_server_and_cli_do_not_load_the_lab():
+    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native", "lily.reference", "lily.server")
+    assert "lily.engine" in loaded and "lily.server" in loaded and "lily.native" in loaded
+    assert not _lab(loaded)
+
+
+def test_the_lab_commands_do_not_load_the_test_support():
+    loaded = _loaded("lily.lab.bench", "lily.lab.agent_bench", "lily.lab.estimate")
+    assert not loaded & {"lily.lab.testing", "lily.lab.device", "lily.lab.doctor", "lily.lab.kernels"}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, bool]]:
+    """(lily module, inside a function) for each import in ``path``'s source."""
+    out = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("lily"):
+                out.extend([(child.module, in_function)] + [(f"{child.module}.{a.name}", in_function) for a in child.names])
+            elif isinstance(child, ast.Import):
+                out.extend((a.name, in_function) for a in child.names if a.name.startswith("lily"))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+def test_only_the_cli_imports_the_lab_and_only_in_its_commands():
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("lab/"):
+            continue
+        lab = [(m, local) for m, local in _imports(path) if m == "lily.lab" or m.startswith("lily.lab.")]
+        if rel == "cli.py":
+            assert lab and all(local for _, local in lab), f"cli.py imports the lab at import time: {lab}"
+        else:
+            assert not lab, f"src/lily/{rel} imports the lab: {sorted({m for m, _ in lab})}"
+
+
+def test_the_lab_is_flat():
+    def imported(module):
+        return {m for m, _ in _imports(SRC / "lab" / f"{module}.py")}
+    assert not imported("estimate") & {"lily.lab.bench", "lily.lab.doctor"}
+    assert not imported("bench") & {"lily.lab.doctor", "lily.lab.estimate"}
 
 
 def _lily_imports(module: str) -> set[str]:

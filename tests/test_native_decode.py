@@ -12,11 +12,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lily import _core, kernel_check
+from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
 from lily.native import default_state_window
-from lily.perf import QWEN36_35B_A3B
+from lily.lab.estimate import QWEN36_35B_A3B
+from lily.lab.kernels.gdn import gdn_ring_entry
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -117,7 +118,7 @@ def test_context_full_and_bad_tokens(demo_path, native_device):
         native.prefill([1, 10**6])
 
 
-REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.lab.estimate)
 
 
 def _minimum_bytes(cfg, context):
@@ -147,7 +148,7 @@ def _minimum_bytes(cfg, context):
     # the recurrent state with gdn_scan's pending decay per row (S = c S'), and the conv state
     W = default_state_window()
     S = cfg.gdn_state_floats * 4
-    entry = kernel_check.gdn_ring_entry(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
+    entry = gdn_ring_entry(cfg.linear_num_key_heads, cfg.linear_num_value_heads,
                                         cfg.linear_key_head_dim, cfg.linear_value_head_dim) * 4
     conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim * 4
     state = gdn * (2 * conv + S + S / W + entry * (W - 1) / W + entry * (W - 1) / 2)

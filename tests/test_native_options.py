@@ -44,7 +44,7 @@ def test_runtime_options_name_the_invalid_option(name, value, match):
     """RuntimeOptions (csrc/runtime/runtime.h) is the one home of the options' rules: the
     binding, lily.native.runtime_options and the Runtime itself give the same message."""
     from lily.native import make_device, model_dims, runtime_options
-    from lily.testing import PRESETS
+    from lily.lab.testing import PRESETS
     with pytest.raises(InvalidParameterError, match=match):
         runtime_options(**{"max_context": 16, name: value})
     o = _core.RuntimeOptions()
@@ -214,9 +214,9 @@ def test_missing_tensor_fails_at_load_naming_it(missing):
     """The runtime resolves every layer's tensors when it is built (ModelWeights::bind), not at
     the first dispatch: a table without one tensor is refused naming it (Engine.load checks the
     checkpoint first, with the same words: test_checkpoint.test_missing_tensor)."""
-    from lily import perf
+    from lily.lab import estimate
     from lily.native import _virtual_tensors, make_device, model_dims, runtime_options
-    cfg = perf.model_config()
+    cfg = estimate.model_config()
     tensors = [t for t in _virtual_tensors(cfg, 4, 8) if t[0] != missing]
     assert len(tensors) == len(_virtual_tensors(cfg, 4, 8)) - 1
     with pytest.raises(ValueError, match=f"missing tensor {missing}$"):

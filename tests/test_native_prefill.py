@@ -46,7 +46,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import load_config, parse_config
 from lily.engine import Engine
-from lily.perf import QWEN36_35B_A3B
+from lily.lab.estimate import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -274,7 +274,7 @@ def test_scratch_memory_is_independent_of_prompt_length(demo_path, native_device
     assert big.backend.runtime.prefill_scratch_bytes > scratch
 
 
-REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.perf)
+REAL = QWEN36_35B_A3B  # the real model's dimensions (lily.lab.estimate)
 
 
 @pytest.mark.parametrize("rows,position", [(512, 0), (2048, 0), (512, 32768), (16, 65536)])
@@ -292,7 +292,7 @@ def test_full_size_prefill_chunk_counters(rows, position):
     gdn, attn = 30, 10
     per_gdn = 1 + 4 + 1 + 2 + 1        # norm, 4 projections, scan, norm scale + conv state, out_proj
     per_attn = 1 + 3 + 1 + 1 + 1 + split  # norm, 3 projections, prep, attention (+ combine), o_proj
-    from lily.kernel_check import tile_classes
+    from lily.lab.kernels.moe_prefill import tile_classes
     gate_up = [r for r in c["records"] if r["label"].startswith("L0 experts gate|up")]
     T = int(re.search(r"_t(\d+)", gate_up[0]["kernel"]).group(1))  # class 0: the full tiles
     classes = tile_classes(T)
@@ -318,7 +318,7 @@ def test_full_size_expert_tiles(rows, T):
     once per chunk; each expert's remainder runs in the smallest tile class holding it (T, T/2,
     T/4 down to 16), one dispatch per class, each grid the class's capacity."""
     from lily.native import count_prefill_chunk
-    from lily.kernel_check import MOE_BN, MOE_DOWN_BN, class_capacity, tile_classes
+    from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, class_capacity, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows)
     n = rows * 8
     recs = {r["label"].split(" ", 1)[1].rsplit(" (#", 1)[0]: r for r in c["records"] if r["label"].startswith("L0 ")}
@@ -343,7 +343,8 @@ def test_full_size_tensor_op_tiles(rows, T):
     threadgroups (128 x 32 blocks of gate and of up, down 128 x 64) whose grid is the class's
     capacity; below that the simdgroup path's tile heights."""
     from lily.native import count_prefill_chunk
-    from lily.kernel_check import GEMM_TENSOR_BM, GEMM_TENSOR_TG, MOE_BN, MOE_DOWN_BN, MOE_TG, class_capacity, tile_classes
+    from lily.lab.kernels.gemm import GEMM_TENSOR_BM, GEMM_TENSOR_TG
+    from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TG, class_capacity, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows, gemm_path="tensor")
     recs = {r["label"].split(" ", 1)[1].rsplit(" (#", 1)[0]: r for r in c["records"] if r["label"].startswith("L0 ")}
     qkv = recs["in_proj_qkv"]
@@ -368,13 +369,13 @@ def test_full_size_prefill_scratch_is_bounded():
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states
     the figures: 738 MiB at 4096, 400 MiB at 2048, with half yx, attn, the GDN z and the
     attention's q|gate, k, v, and no fp32 GDN output: the scan writes half u)."""
-    from lily.native import _counting_runtime
+    from lily.native import counting_runtime
     cfg = parse_config(REAL)
     assert _core.RuntimeOptions().prefill_chunk == 0  # automatic
     for chunk, bound in ((0, 742), (2048, 403)):
         sizes = []
         for context in (8192, 131072):
-            rt = _counting_runtime(cfg, 4, 8, context, prefill_chunk=chunk)
+            rt = counting_runtime(cfg, 4, 8, context, prefill_chunk=chunk)
             assert rt.prefill_chunk == (chunk or 4096) >= 2048
             sizes.append(rt.prefill_scratch_bytes)
         print(f"\nprefill scratch at chunk {chunk or 4096}: {sizes[0] / 2**20:.0f} MiB")

@@ -1,4 +1,4 @@
-"""lily.perf / `lily estimate`: the performance model's structure and sanity (never timings):
+"""lily.lab.estimate / `lily estimate`: the performance model's structure and sanity (never timings):
 every dispatched kernel is in the work table, the decode estimate stays under the bandwidth
 floor, speed falls with context within a code path, occupancy costs what it should, an
 unknown kernel fails loudly, the stage gap matches its stated calibration, JSON schema."""
@@ -13,11 +13,12 @@ import sys
 import jsonschema
 import pytest
 
-from lily import _core, perf
+from lily import _core
+from lily.lab import estimate
 from lily.errors import InvalidParameterError
 from lily.native import count_decode_step, count_prefill_chunk
 
-CFG = perf.model_config()
+CFG = estimate.model_config()
 
 
 def _plans():
@@ -37,14 +38,14 @@ def test_every_dispatched_kernel_is_in_the_work_table():
         assert len(c["records"]) == c["dispatches"]
         for r in c["records"]:
             w = r["work"]
-            assert set(w["flops"]) == set(perf.PATHS)
+            assert set(w["flops"]) == set(estimate.PATHS)
             assert w["bytes"] > 0 and all(f >= 0 for f in w["flops"].values()), r
 
 
 def test_unknown_kernel_fails_loudly():
     rec = dict(count_decode_step(CFG, 256)["records"][0], kernel="new_kernel", work=None)
-    with pytest.raises(perf.UnknownKernelError, match="new_kernel"):
-        perf.time_records(perf.machine("m5max"), [rec])
+    with pytest.raises(estimate.UnknownKernelError, match="new_kernel"):
+        estimate.time_records(estimate.machine("m5max"), [rec])
 
 
 def test_records_carry_geometry_and_work():
@@ -82,16 +83,16 @@ def test_decode_bytes_are_the_traffic_and_stay_under_the_raw_bandwidth_ceiling()
         c = count_decode_step(CFG, ctx)
         moved = c["weight_bytes"] + c["kv_bytes"] + c["state_bytes"] + c["activation_bytes"]
         assert sum(r["work"]["bytes"] for r in c["records"]) == pytest.approx(moved, rel=0.01)
-        for key in perf.MACHINES:
-            m = perf.machine(key)
-            t = perf.time_records(m, c["records"])
+        for key in estimate.MACHINES:
+            m = estimate.machine(key)
+            t = estimate.time_records(m, c["records"])
             assert t.bytes == pytest.approx(moved, rel=0.01)
             assert 1 / t.seconds < m.bandwidth / t.bytes  # never faster than bytes / bandwidth
             assert t.stages == c["barrier_stages"]
 
 
 def test_speed_falls_with_context_within_a_code_path():
-    rep = perf.estimate("m5max", contexts=(1024, 4096, 16384, 32768, 131072), prompts=(1024, 4096, 16384),
+    rep = estimate.estimate("m5max", contexts=(1024, 4096, 16384, 32768, 131072), prompts=(1024, 4096, 16384),
                         breakdown_at=1024)
     tps = {r["context"]: r["tok_s"] for r in rep["decode"]}
     assert tps[1024] > tps[4096] > tps[16384]  # one KV block per threadgroup
@@ -105,13 +106,13 @@ def test_speed_falls_with_context_within_a_code_path():
 
 
 def test_occupancy_a_small_grid_gets_its_share():
-    m = perf.machine("m5max")
-    assert perf.occupancy(m, 4, 256) == pytest.approx(4 / 40)
-    assert perf.occupancy(m, 400, 256) == 1
-    assert perf.occupancy(m, 40, 64) == pytest.approx(64 / perf.SATURATION_THREADS)
+    m = estimate.machine("m5max")
+    assert estimate.occupancy(m, 4, 256) == pytest.approx(4 / 40)
+    assert estimate.occupancy(m, 400, 256) == 1
+    assert estimate.occupancy(m, 40, 64) == pytest.approx(64 / estimate.SATURATION_THREADS)
     rec = next(r for r in count_decode_step(CFG, 4096)["records"] if r["kernel"].startswith("attn_decode"))
     rec, wide = dict(rec, groups=(4, 1, 1), threads=(256, 1, 1)), dict(rec, groups=(400, 1, 1), threads=(256, 1, 1))
-    assert perf.dispatch_seconds(m, rec) == pytest.approx(10 * perf.dispatch_seconds(m, wide))
+    assert estimate.dispatch_seconds(m, rec) == pytest.approx(10 * estimate.dispatch_seconds(m, wide))
 
 
 def test_calibration_is_what_the_reference_fit_gives():
@@ -119,38 +120,38 @@ def test_calibration_is_what_the_reference_fit_gives():
     published decode, whose step has the 425 barrier stages counted in their source and the
     bytes of ours within 1.5% at every context (same model, same checkpoint, bf16 KV cache)
     with our DeltaNet state written back every step, as theirs is."""
-    cal = perf.calibrate_reference()
-    assert cal["bandwidth_efficiency"] == pytest.approx(perf.BANDWIDTH_EFFICIENCY, abs=1e-3)
-    assert cal["stage_gap"] == pytest.approx(perf.STAGE_GAP, rel=0.01)
+    cal = estimate.calibrate_reference()
+    assert cal["bandwidth_efficiency"] == pytest.approx(estimate.BANDWIDTH_EFFICIENCY, abs=1e-3)
+    assert cal["stage_gap"] == pytest.approx(estimate.STAGE_GAP, rel=0.01)
     assert cal["rms_relative_error"] < 0.012
-    assert [r["stages"] for r in cal["rows"]] == [perf.CALIBRATION["stages_per_step"]] * 10
+    assert [r["stages"] for r in cal["rows"]] == [estimate.CALIBRATION["stages_per_step"]] * 10
     for r in cal["rows"]:
         ours = sum(x["work"]["bytes"] for x in count_decode_step(CFG, r["context"] + 32, state_window=1)["records"])
         assert r["gb_per_step"] * 1e9 == pytest.approx(ours, rel=0.015), r["context"]
     # every dispatch at full occupancy: the bound on the gap the published figures allow
-    bound = perf.calibrate_reference(occupancy=False)
-    assert perf.STAGE_GAP < bound["stage_gap"] < 3.5e-6 and bound["rms_relative_error"] < 0.012
+    bound = estimate.calibrate_reference(occupancy=False)
+    assert estimate.STAGE_GAP < bound["stage_gap"] < 3.5e-6 and bound["rms_relative_error"] < 0.012
     # below 257 positions their attention runs unsplit, one stage fewer per attention layer
-    assert len({x["stage"] for x in perf.reference_decode_step(256)}) == 415
+    assert len({x["stage"] for x in estimate.reference_decode_step(256)}) == 415
 
 
 def test_machine_table_has_sources():
-    for key, m in perf.MACHINES.items():
+    for key, m in estimate.MACHINES.items():
         for what in ("cores", "bandwidth", "clock", "f16", "tensor", "threadgroup_memory"):
             assert m.sources.get(what), f"{key}: no source for {what}"
         assert m.tensor_ops == m.tensor_attention == (m.gpu_family >= 10)
-        assert perf.gemm_path(m) == ("tensor" if m.tensor_ops else "simdgroup")
-    assert {"m1max", "m3max", "m4max", "m5pro", "m5max"} <= set(perf.MACHINES)
+        assert estimate.gemm_path(m) == ("tensor" if m.tensor_ops else "simdgroup")
+    assert {"m1max", "m3max", "m4max", "m5pro", "m5max"} <= set(estimate.MACHINES)
     with pytest.raises(InvalidParameterError, match="unknown machine"):
-        perf.machine("m9")
+        estimate.machine("m9")
     with pytest.raises(InvalidParameterError, match="contexts must be a positive"):
-        perf.estimate("m5max", contexts=(0,), prompts=(256,))
+        estimate.estimate("m5max", contexts=(0,), prompts=(256,))
     for kw, what in ((dict(chunk=-3), "chunk must be"),
                      (dict(prompts=(262145,)), "prompts 262145 is beyond the model's limit"),
                      (dict(contexts=(262144,)), "contexts 262144 is beyond"),
                      (dict(breakdown_at=999999), "breakdown_at 999999 is beyond")):
         with pytest.raises(InvalidParameterError, match=what):
-            perf.estimate("m5max", **(dict(contexts=(256,), prompts=(256,)) | kw))
+            estimate.estimate("m5max", **(dict(contexts=(256,), prompts=(256,)) | kw))
 
 
 SCHEMA = {
@@ -188,7 +189,7 @@ def test_estimate_command_json_and_text():
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("*** ESTIMATE") and "by kernel family" in r.stdout
     assert f"prefill chunk 4096 (scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB)" in r.stdout
-    assert f"model: {perf.DEFAULT_MODEL_NAME}" in r.stdout and rep["model"]["name"] == perf.DEFAULT_MODEL_NAME
+    assert f"model: {estimate.DEFAULT_MODEL_NAME}" in r.stdout and rep["model"]["name"] == estimate.DEFAULT_MODEL_NAME
     # bad values are usage errors (exit 2) naming the flag, before anything is encoded
     for bad, what in ((["--prefill-chunk", "-3"], "--prefill-chunk: expected an integer >= 0, got -3"),
                       (["--prefill-chunk", "300000"], "--prefill-chunk 300000 is beyond the model's limit"),
@@ -208,7 +209,7 @@ def test_estimate_of_another_checkpoint_config():
     """`--model`: the demo model's dimensions (other head sizes and kernel variants) are known too."""
     from lily.checkpoint import load_config
     from lily.engine import default_model_path
-    rep = perf.estimate("m3max", config=load_config(default_model_path())[0], contexts=(64,), prompts=(64, 300),
+    rep = estimate.estimate("m3max", config=load_config(default_model_path())[0], contexts=(64,), prompts=(64, 300),
                         breakdown_at=64)
     assert rep["decode"][0]["tok_s"] < rep["decode"][0]["raw_bandwidth_ceiling_tok_s"]
     assert rep["prefill"][1]["seconds"] > rep["prefill"][0]["seconds"]
@@ -228,7 +229,7 @@ def test_estimate_defaults_fit_a_short_model(tmp_path):
     text["max_position_embeddings"] = 100
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    rep = perf.estimate("m5max", config=load_config(tmp_path)[0], contexts=(64,), prompts=(100,), breakdown_at=64)
+    rep = estimate.estimate("m5max", config=load_config(tmp_path)[0], contexts=(64,), prompts=(100,), breakdown_at=64)
     assert rep["plan"]["prefill_chunk"] == 100
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--model", str(tmp_path), "--json"],
                        capture_output=True, text=True, timeout=300, check=False)
@@ -264,17 +265,17 @@ def test_prefill_paths_follow_their_own_tensor_rates():
     without bfloat tensor ops (an M5 under a tensor library without bfloat operands) is
     estimated with the tensor-op GEMMs and the simdgroup attention (its fp32 q)."""
     import dataclasses
-    m5 = perf.machine("m5max")
+    m5 = estimate.machine("m5max")
     half_only = dataclasses.replace(m5, rates={k: v for k, v in m5.rates.items() if k != "tensor_bf16"})
     assert (half_only.tensor_ops, half_only.tensor_attention) == (True, False)
-    assert perf.gemm_path(half_only) == "tensor"
+    assert estimate.gemm_path(half_only) == "tensor"
     kernels = {r["kernel"] for r in count_prefill_chunk(CFG, 512, 0, gemm_path="tensor",
                                                         tensor_attention=False)["records"]}
     assert "attn_prefill_d256_g8" in kernels and "attn_prefill_prep_d256" in kernels
     assert not {k for k in kernels if k.startswith("attn_prefill") and k.endswith(("_tensor", "_qbf"))}
     assert "gemm_q4_tensor" in kernels and "gemm_q4" not in kernels
-    t = perf.prefill(half_only, CFG, 512, 512)
-    assert 0 < perf.prefill(m5, CFG, 512, 512).seconds < t.seconds
+    t = estimate.prefill(half_only, CFG, 512, 512)
+    assert 0 < estimate.prefill(m5, CFG, 512, 512).seconds < t.seconds
 
 
 def test_prefill_attention_tensor_geometry():
@@ -300,7 +301,7 @@ def test_prefill_attention_tensor_geometry():
 def test_threadgroup_memory_within_the_limit():
     """No dispatch of any path asks for more threadgroup memory than Apple GPUs have (32 KiB,
     the machine table's figure)."""
-    limit = min(m.threadgroup_memory for m in perf.MACHINES.values())
+    limit = min(m.threadgroup_memory for m in estimate.MACHINES.values())
     for what, c in _plans():
         for r in c["records"]:
             assert r["threadgroup_memory"] <= limit, (what, r["kernel"], r["threadgroup_memory"])
@@ -315,7 +316,7 @@ def test_prefill_gemm_activations_are_half():
     projection (gemm_q4_add_h) read half rows and add into h, out_proj (gemm_q4_add_hs) half
     rows times their half norm factors (one half multiply per staged element). Weights
     are dequantized in half arithmetic (gemm_tiles.h gemm_load_w)."""
-    M, H, I, k, layers = 512, 2048, 512, 8, 40  # the real model (perf.model_config)
+    M, H, I, k, layers = 512, 2048, 512, 8, 40  # the real model (estimate.model_config)
     recs = count_prefill_chunk(CFG, M, 0)["records"]
     qkv = next(r for r in recs if r["kernel"] == "gemm_q4" and "in_proj_qkv" in r["label"])
     n, gy = 8192, qkv["groups"][1]
@@ -457,10 +458,10 @@ def test_estimate_kernels_tool_splits_the_estimate():
     """tools/estimate_kernels.py (the per-kernel split docs/performance.md quotes) adds up to
     the estimate's own time, stages and bytes of a prefill chunk and of a decode step."""
     tool = _estimate_kernels_tool()
-    m = perf.machine("m5max")
+    m = estimate.machine("m5max")
     for records in (count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"],
                     count_decode_step(CFG, 4096)["records"], count_decode_step(CFG, 4095)["records"]):
-        want = perf.time_records(m, records)
+        want = estimate.time_records(m, records)
         total, stages, per = tool.by_kernel(m, records)
         assert total == pytest.approx(want.seconds, rel=1e-12) and stages == want.stages
         assert sum(s for s, _, _ in per.values()) == pytest.approx(want.seconds, rel=1e-9)
@@ -481,7 +482,7 @@ def test_decode_options_cost_what_they_change():
     entry = 4 * (CFG.linear_num_value_heads * (CFG.linear_value_head_dim + 1)
                  + CFG.linear_num_key_heads * CFG.linear_key_head_dim)
     gdn = CFG.num_hidden_layers - len(CFG.full_attention_layers)
-    m = perf.machine("m5max")
+    m = estimate.machine("m5max")
     rows = tool.decode_options(m, CFG, 4096)
     (_, today, stages, gb), (_, every, stages1, gb1), (_, moved, stages2, gb2) = rows
     assert W > 1 and today > every and moved > today
@@ -496,8 +497,8 @@ def test_estimate_reports_the_scratch_a_real_load_allocates():
     """The header's prefill scratch is the runtime's at any real context, also for chunks
     smaller than the part of the scratch that grows with the context (512: 186 MiB, not the
     129 a runtime of 512 positions allocates)."""
-    from lily.native import _counting_runtime
+    from lily.native import counting_runtime
     for chunk in (512, 4096):
-        rep = perf.estimate("m5max", contexts=[256], prompts=[256], chunk=chunk)
-        want = [_counting_runtime(CFG, 4, 8, ctx, prefill_chunk=chunk).prefill_scratch_bytes for ctx in (16384, 131072)]
+        rep = estimate.estimate("m5max", contexts=[256], prompts=[256], chunk=chunk)
+        want = [counting_runtime(CFG, 4, 8, ctx, prefill_chunk=chunk).prefill_scratch_bytes for ctx in (16384, 131072)]
         assert rep["plan"]["prefill_scratch_bytes"] == want[0] == want[1]

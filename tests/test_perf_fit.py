@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import pytest
 
-from lily import perf
+from lily.lab import estimate
 from lily.errors import InvalidParameterError
 from lily.native import count_decode_window
 
-CFG = perf.model_config()
+CFG = estimate.model_config()
 STEPS = 64
 LENGTHS = (256, 4096, 65536)  # 1.8 to 3.2 GB per decode step: efficiency and gap apart
 # an M5 Max faster at streaming and at stage boundaries than published, slower on matrices
@@ -24,12 +24,12 @@ TRUE = {"bandwidth_efficiency": 0.86, "stage_gap": 2.1e-6, "matrix": 0.45}
 
 
 def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tensor"):
-    m = perf.machine(key)
-    eff = {**m.path_efficiency, **{p: matrix for p in perf.MATRIX_PATHS[path]}}
+    m = estimate.machine(key)
+    eff = {**m.path_efficiency, **{p: matrix for p in estimate.MATRIX_PATHS[path]}}
     return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff)
 
 
-def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None,
+def _bench(m: estimate.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None,
            state_window=None):
     """A `lily bench --json`-shaped report of what ``m`` would measure; ``noise[i]`` scales
     length i's two figures by (1 + noise). With ``host`` (a share of the wall time) the GPU
@@ -40,8 +40,8 @@ def _bench(m: perf.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGT
     for i, L in enumerate(lengths):
         k = 1 + (noise[i] if noise else 0.0)
         steps = count_decode_window(CFG, L + STEPS // 2, state_window=state_window)  # the mean step of a window
-        decode = k / perf.mean_timing([perf.time_records(m, s["records"]) for s in steps]).seconds
-        prefill = k * L / perf.prefill(m, CFG, L, 4096, cache, path).seconds
+        decode = k / estimate.mean_timing([estimate.time_records(m, s["records"]) for s in steps]).seconds
+        prefill = k * L / estimate.prefill(m, CFG, L, 4096, cache, path).seconds
         wall = 1 - (host or 0.0)
         rows.append({"prompt_tokens": L, "decode_tps": {"lily": wall * decode, "mlx_lm": 1.0, "ratio": decode},
                      "prefill_tps": {"lily": wall * prefill, "mlx_lm": 1.0, "ratio": prefill},
@@ -59,13 +59,13 @@ def measured():
 
 
 def test_fit_recovers_the_constants_of_the_run(measured):
-    m, rep = perf.fit(measured, source="run.json")
+    m, rep = estimate.fit(measured, source="run.json")
     c = rep["constants"]
     assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
     assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=2e-3)
     assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], abs=1e-3)
     assert c["matrix_efficiency"]["paths"] == ["tensor_f16", "tensor_bf16"]
-    assert c["bandwidth_efficiency"]["published"] == perf.BANDWIDTH_EFFICIENCY
+    assert c["bandwidth_efficiency"]["published"] == estimate.BANDWIDTH_EFFICIENCY
     assert m.key == "m5max" and m.fitted_from == "run.json" and m.stage_gap == pytest.approx(2.1e-6, rel=2e-3)
     err = rep["rms_relative_error"]
     for phase in ("decode", "prefill"):
@@ -80,7 +80,7 @@ def test_fit_recovers_the_constants_of_the_run(measured):
 def test_fit_prefers_the_device_time():
     """With the GPU's own time in the report (lily_gpu_tps), the host's share of the wall
     time (here 20%) does not leak into the GPU constants; the wall figures stay beside."""
-    m, rep = perf.fit(_bench(_machine(**TRUE), host=0.2))
+    m, rep = estimate.fit(_bench(_machine(**TRUE), host=0.2))
     assert rep["time_basis"] == {"decode": "device", "prefill": "device"}
     c = rep["constants"]
     assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
@@ -88,67 +88,67 @@ def test_fit_prefers_the_device_time():
     assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], abs=1e-3)
     for r in rep["decode"] + rep["prefill"]:
         assert r["wall_tok_s"] == pytest.approx(0.8 * r["measured_tok_s"])
-    assert "per second of GPU time" in perf.format_fit(rep)
+    assert "per second of GPU time" in estimate.format_fit(rep)
     # a length without device time: the whole phase falls back to wall time, and says so
     bench = _bench(_machine(**TRUE), host=0.2)
     bench["lengths"][0]["lily_gpu_tps"]["decode"] = None
-    _, rep = perf.fit(bench)
+    _, rep = estimate.fit(bench)
     assert rep["time_basis"] == {"decode": "wall", "prefill": "device"}
 
 
 def test_fit_tolerates_measurement_noise():
     """A few percent of noise moves the constants a little, not to a bound; with lengths
     whose bytes per step hardly differ the fit says it cannot separate two of them."""
-    m, rep = perf.fit(_bench(_machine(**TRUE), noise=(0.03, -0.02, 0.01)))
+    m, rep = estimate.fit(_bench(_machine(**TRUE), noise=(0.03, -0.02, 0.01)))
     c = rep["constants"]
     assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], rel=0.02)
     assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=0.15)
     assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], rel=0.02)
     assert rep["rms_relative_error"]["decode"]["fitted"] < 0.03 and not rep["notes"]
-    _, rep = perf.fit(_bench(_machine(**TRUE), lengths=(256, 4096)))
+    _, rep = estimate.fit(_bench(_machine(**TRUE), lengths=(256, 4096)))
     assert any("too narrow a spread" in n for n in rep["notes"]), rep["notes"]
 
 
 def test_fit_on_the_simdgroup_path_of_an_m1_max():
     truth = _machine("m1max", bandwidth_efficiency=0.7, stage_gap=5e-6, matrix=0.7, path="simdgroup")
-    m, rep = perf.fit(_bench(truth, path="simdgroup", chip="Apple M1 Max", lengths=(256, 8192)))
+    m, rep = estimate.fit(_bench(truth, path="simdgroup", chip="Apple M1 Max", lengths=(256, 8192)))
     assert m.key == "m1max" and rep["constants"]["matrix_efficiency"]["paths"] == ["sgmm_f32", "sgmm_f16", "sgmm_bf16"]
     assert rep["constants"]["matrix_efficiency"]["fitted"] == pytest.approx(0.7, abs=1e-3)
     assert rep["constants"]["bandwidth_efficiency"]["fitted"] == pytest.approx(0.7, abs=2e-4)
 
 
 def test_one_decode_length_fits_only_the_gap():
-    truth = _machine(bandwidth_efficiency=perf.BANDWIDTH_EFFICIENCY, stage_gap=3e-6, matrix=0.6)
-    m, rep = perf.fit(_bench(truth, lengths=(4096,)))
-    assert rep["constants"]["bandwidth_efficiency"]["fitted"] == perf.BANDWIDTH_EFFICIENCY
+    truth = _machine(bandwidth_efficiency=estimate.BANDWIDTH_EFFICIENCY, stage_gap=3e-6, matrix=0.6)
+    m, rep = estimate.fit(_bench(truth, lengths=(4096,)))
+    assert rep["constants"]["bandwidth_efficiency"]["fitted"] == estimate.BANDWIDTH_EFFICIENCY
     assert m.stage_gap == pytest.approx(3e-6, rel=1e-6)
     assert any("only the stage gap" in n for n in rep["notes"])
 
 
 def test_estimate_takes_the_fitted_machine(measured):
-    m, _ = perf.fit(measured, source="run.json")
-    fitted = perf.estimate(m, contexts=(4096,), prompts=(4096,))
-    published = perf.estimate("m5max", contexts=(4096,), prompts=(4096,))
+    m, _ = estimate.fit(measured, source="run.json")
+    fitted = estimate.estimate(m, contexts=(4096,), prompts=(4096,))
+    published = estimate.estimate("m5max", contexts=(4096,), prompts=(4096,))
     assert fitted["calibration"]["fitted_from"] == "run.json" and published["calibration"]["fitted_from"] is None
     assert fitted["calibration"]["stage_gap_us"] == pytest.approx(2.1, rel=2e-3)
     assert fitted["decode"][0]["tok_s"] > published["decode"][0]["tok_s"]  # faster streaming and stages
     assert fitted["prefill"][0]["tok_s"] < published["prefill"][0]["tok_s"]  # slower matrices
-    assert "calibration fitted to run.json" in perf.format_report(fitted)
+    assert "calibration fitted to run.json" in estimate.format_report(fitted)
     # a Machine of the published calibration estimates exactly as its key does
-    assert perf.estimate(perf.machine("m5max"), contexts=(4096,), prompts=(4096,))["decode"] == published["decode"]
+    assert estimate.estimate(estimate.machine("m5max"), contexts=(4096,), prompts=(4096,))["decode"] == published["decode"]
 
 
 def test_machine_for_chip():
-    assert perf.machine_for_chip("Apple M5 Max") == "m5max"
-    assert perf.machine_for_chip("Apple M1 Max") == "m1max"
-    assert perf.machine_for_chip("Apple M5 Pro") == "m5pro"
-    assert perf.machine_for_chip("Apple M2 Ultra") is None and perf.machine_for_chip(None) is None
+    assert estimate.machine_for_chip("Apple M5 Max") == "m5max"
+    assert estimate.machine_for_chip("Apple M1 Max") == "m1max"
+    assert estimate.machine_for_chip("Apple M5 Pro") == "m5pro"
+    assert estimate.machine_for_chip("Apple M2 Ultra") is None and estimate.machine_for_chip(None) is None
 
 
 def test_fit_refuses_what_is_not_a_metal_run(measured):
     def refused(report, match, **kw):
         with pytest.raises(InvalidParameterError, match=match):
-            perf.fit(report, **kw)
+            estimate.fit(report, **kw)
 
     refused([], "not a `lily bench --json` report")
     refused({**measured, "machine": {**measured["machine"], "device": "sim"}}, "device='sim'")
@@ -174,7 +174,7 @@ def test_fit_refuses_what_is_not_a_metal_run(measured):
     refused({**measured, "machine": {**measured["machine"], "gemm_path": "simdgroup", "attention_path": "tensor"}},
             "attention_path 'tensor' is not a path")
     # an unknown chip is fine once the machine is named
-    m, _ = perf.fit({**measured, "lengths": measured["lengths"][:1],
+    m, _ = estimate.fit({**measured, "lengths": measured["lengths"][:1],
                      "machine": {**measured["machine"], "chip": "Apple M5 Ultra"}}, machine_key="m5max")
     assert m.key == "m5max"
 
@@ -212,14 +212,14 @@ def test_the_fitted_machine_keeps_the_run_s_plan():
     truth = _machine(bandwidth_efficiency=0.8, stage_gap=3e-6, matrix=0.45, path="simdgroup")
     bench = _bench(truth, path="simdgroup", lengths=(256, 4096))
     bench["machine"]["attention_path"] = "simdgroup"
-    m, rep = perf.fit(bench)
+    m, rep = estimate.fit(bench)
     assert (m.gemm, m.attention) == ("simdgroup", "simdgroup")
     assert rep["plan"]["gemm_path"] == rep["plan"]["attention_path"] == "simdgroup"
-    est = perf.estimate(m, contexts=(4096,), prompts=(4096,))
+    est = estimate.estimate(m, contexts=(4096,), prompts=(4096,))
     assert est["plan"]["gemm_path"] == est["plan"]["attention_path"] == "simdgroup"
     fitted_4k = next(r for r in rep["prefill"] if r["prompt_tokens"] == 4096)["fitted_model_tok_s"]
     assert est["prefill"][0]["tok_s"] == pytest.approx(fitted_4k, rel=1e-9)
-    assert est["prefill"][0]["tok_s"] < 0.8 * perf.estimate("m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]
+    assert est["prefill"][0]["tok_s"] < 0.8 * estimate.estimate("m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]
 
 
 def test_fit_counts_the_decode_plan_of_the_run():
@@ -228,13 +228,13 @@ def test_fit_counts_the_decode_plan_of_the_run():
     window instead, the 53 MB per step the window saves (the same at every context) would be
     taken for a stage gap 19% too long."""
     bench = _bench(_machine(**TRUE), state_window=1)
-    _, rep = perf.fit(bench)
+    _, rep = estimate.fit(bench)
     c = rep["constants"]
     assert rep["plan"]["state_window"] == 1
     assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(TRUE["bandwidth_efficiency"], abs=2e-4)
     assert c["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=2e-3)
     del bench["machine"]["state_window"]
-    _, wrong = perf.fit(bench)
+    _, wrong = estimate.fit(bench)
     assert wrong["constants"]["stage_gap_us"]["fitted"] > 1.1 * TRUE["stage_gap"] * 1e6
 
 
@@ -243,6 +243,6 @@ def test_the_run_s_model_must_be_the_estimated_one(measured, demo_path):
     model's is refused (fitting Qwen3.6's plan to another model's times means nothing); one
     on a checkpoint not on this machine is taken as the estimated model, with a note."""
     with pytest.raises(InvalidParameterError, match="pass that checkpoint as --model"):
-        perf.fit({**measured, "model": str(demo_path)})
-    _, rep = perf.fit({**measured, "model": "/Users/someone/models/Qwen3.6-35B-A3B-4bit"})
+        estimate.fit({**measured, "model": str(demo_path)})
+    _, rep = estimate.fit({**measured, "model": "/Users/someone/models/Qwen3.6-35B-A3B-4bit"})
     assert any("not on this machine" in n for n in rep["notes"]), rep["notes"]

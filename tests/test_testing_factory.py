@@ -1,4 +1,4 @@
-"""Tests of lily.testing: HF-layout random checkpoints and their MLX-LM 4-bit conversion."""
+"""Tests of lily.lab.testing: HF-layout random checkpoints and their MLX-LM 4-bit conversion."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lily import testing as lt
-from lily.testing import (
+from lily.lab import testing as lt
+from lily.lab.testing import (
     PRESETS,
     Preset,
     cached_checkpoint,

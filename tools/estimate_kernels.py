@@ -2,7 +2,7 @@
 """Per-kernel split of `lily estimate` (an ESTIMATE, docs/performance.md): one prefill chunk
 or one decode step of the real model, each kernel's share of the estimated time (a barrier
 stage's time split over its dispatches in proportion to their own roofline times, as
-`lily.perf.time_records` splits it over families), its dispatch count and declared bytes.
+`lily.estimate.time_records` splits it over families), its dispatch count and declared bytes.
 
     tools/estimate_kernels.py prefill [ROWS] [--machine m5max]     (ROWS: 4096)
     tools/estimate_kernels.py decode [CONTEXT] [--machine m5max]   (CONTEXT: 4096)
@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from lily import perf
+from lily.lab import estimate
 from lily.native import count_decode_step, count_decode_window, count_prefill_chunk
 
 
-def by_kernel(m: perf.Machine, records: list) -> tuple[float, int, dict]:
+def by_kernel(m: estimate.Machine, records: list) -> tuple[float, int, dict]:
     """(seconds, stages, {kernel: [seconds, dispatches, bytes]}) of ``records`` on ``m``."""
     stages: dict = defaultdict(list)
     for r in records:
@@ -31,9 +31,9 @@ def by_kernel(m: perf.Machine, records: list) -> tuple[float, int, dict]:
     per: dict = defaultdict(lambda: [0.0, 0, 0.0])
     total = 0.0
     for recs in stages.values():
-        # one stage's time, as perf.time_records computes it
-        t = perf.time_records(m, recs).seconds
-        each = [perf.dispatch_seconds(m, r) for r in recs]
+        # one stage's time, as estimate.time_records computes it
+        t = estimate.time_records(m, recs).seconds
+        each = [estimate.dispatch_seconds(m, r) for r in recs]
         total += t
         for r, s in zip(recs, each):
             k = per[r["kernel"]]
@@ -61,7 +61,7 @@ def window_records(cfg, context: int) -> list[list]:
     return [c["records"] for c in count_decode_window(cfg, context)]
 
 
-def decode_options(m: perf.Machine, cfg, context: int) -> list:
+def decode_options(m: estimate.Machine, cfg, context: int) -> list:
     """[(label, tok/s, stages, GB)] of the decode step at ``context``: the plan, the plan with
     the DeltaNet state written back every step (state_window 1, as before the window), and
     the costed, unbuilt move of the DeltaNet step into its in_proj's stage."""
@@ -72,7 +72,7 @@ def decode_options(m: perf.Machine, cfg, context: int) -> list:
                 ("today + step in in_proj's stage", [step_in_projection_stage(r) for r in window])]
     rows = []
     for label, steps in variants:
-        t = perf.mean_timing([perf.time_records(m, r) for r in steps])
+        t = estimate.mean_timing([estimate.time_records(m, r) for r in steps])
         rows.append((label, 1 / t.seconds, t.stages, t.bytes / 1e9))
     return rows
 
@@ -83,14 +83,14 @@ def main() -> None:
     ap.add_argument("size", nargs="?", type=int, default=4096, help="chunk rows (prefill) or context (decode)")
     ap.add_argument("--machine", default="m5max")
     a = ap.parse_args()
-    m, cfg = perf.machine(a.machine), perf.model_config()
+    m, cfg = estimate.machine(a.machine), estimate.model_config()
     if a.what == "decode-options":
         print(f"*** ESTIMATE *** {m.name}: decode at {a.size}")
         for label, tps, stages, gb in decode_options(m, cfg, a.size):
             print(f"{label:38s} {tps:7.1f} tok/s  {stages:4d} stages  {gb:6.3f} GB/step")
         return
     if a.what == "prefill":
-        steps = [count_prefill_chunk(cfg, a.size, 0, gemm_path=perf.gemm_path(m))["records"]]
+        steps = [count_prefill_chunk(cfg, a.size, 0, gemm_path=estimate.gemm_path(m))["records"]]
     else:
         steps = window_records(cfg, a.size)  # the mean step of a write-back window
     total, stages, per = 0.0, 0, defaultdict(lambda: [0.0, 0, 0.0])

@@ -59,7 +59,7 @@ struct FieldBinder {
   }
 };
 
-// One dispatch for the performance model (lily.perf): the device's record plus the work
+// One dispatch for the performance model (lily.lab.estimate): the device's record plus the work
 // table's entry (None for a kernel the table does not know).
 nb::dict runtime_record_dict(const gpu::DispatchRecord& r) {
   nb::dict d = gpu::record_dict(r);

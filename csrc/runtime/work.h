@@ -1,4 +1,4 @@
-// What one recorded dispatch asks of the GPU, for the performance model (lily.perf,
+// What one recorded dispatch asks of the GPU, for the performance model (lily.lab.estimate,
 // docs/performance.md): arithmetic per execution path and the bytes it moves from memory.
 // The one place that knows each kernel's work: keyed by kernel name, computed from the
 // recorded geometry, the argument structs and the declared ranges (gpu::DispatchRecord).

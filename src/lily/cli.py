@@ -483,7 +483,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from lily import doctor
+    from lily.lab import doctor
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
     return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
                       seed=args.seed, as_json=args.json)
@@ -535,7 +535,7 @@ def cmd_bench(args) -> int:
     options = {k: v for k, v in (("prefill_chunk", args.prefill_chunk), ("state_window", args.state_window),
                                   ("split_block", args.split_block)) if v is not None} or None
     if args.agent:
-        from lily import agent_bench
+        from lily.lab import agent_bench
         from lily.engine import Engine
         load = dict(device=args.device, device_options=options, max_context=args.max_context)
         engine = Engine.load(args.model, **load)
@@ -546,7 +546,7 @@ def cmd_bench(args) -> int:
                               on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
         print(agent_bench.format_report(rep))
     else:
-        from lily.bench import bench, format_report
+        from lily.lab.bench import bench, format_report
         rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
                     rounds=args.rounds, positions=args.positions, protocol=args.protocol, device_options=options)
         print(format_report(rep))
@@ -561,7 +561,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from lily.perf import estimate, fit, format_fit, format_report
+    from lily.lab.estimate import estimate, fit, format_fit, format_report
     machine, fitted, chunk = args.machine or "m5max", None, args.prefill_chunk
     if args.fit:
         machine, fitted = fit(args.bench, machine_key=args.machine, config=args.config, source=args.fit)
@@ -576,9 +576,10 @@ def cmd_estimate(args) -> int:
 
 
 def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
-    """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.perf."""
+    """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
     from lily.checkpoint import load_config
-    from lily.perf import LENGTHS, check_length, model_config
+    from lily.lab.estimate import check_length, model_config
+    from lily.lab.published import LENGTHS
     try:
         args.config = load_config(args.model)[0] if args.model else model_config()
     except LilyError as e:
@@ -793,7 +794,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dispatches on a chosen Apple GPU: decode tok/s per context, prefill tok/s "
                                    "per prompt length, and where the time goes by kernel family. An estimate, "
                                    "not a measurement.")
-    from lily.perf import MACHINES
+    from lily.lab.estimate import MACHINES
     e.add_argument("--machine", default=None, choices=list(MACHINES),
                    help="the GPU modelled (default m5max; with --fit, the measured run's chip)")
     e.add_argument("--model", "-m", default=None, metavar="PATH",

@@ -255,7 +255,7 @@ def _record_only_runtime(config: ModelConfig, tensors, max_context: int, *, gpu_
     return _core.Runtime(dev, model_dims(config), tensors, runtime_options(max_context, virtual_weights=True, **options))
 
 
-def _counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
+def counting_runtime(config: ModelConfig, bits: int, router_bits: int, max_context: int, **options):
     """A record-only runtime over virtual weights (:func:`_virtual_tensors`); ``options``:
     :func:`runtime_options`', plus ``gpu_family`` for the device."""
     return _record_only_runtime(config, _virtual_tensors(config, bits, router_bits), max_context, **options)
@@ -301,7 +301,7 @@ def count_decode_step(config: ModelConfig, context: int, *, bits: int = 4, route
     Returns dispatches, barrier stages, declared bytes, and the bytes the step really moves
     (weights of the selected experts, KV rows, state)."""
     extra = _given(split_threshold=split_threshold, state_window=state_window)
-    return _counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
+    return counting_runtime(config, bits, router_bits, context + 1, prefill_chunk=1, **extra).count_step(context)
 
 
 def _given(**options) -> dict:
@@ -326,7 +326,7 @@ def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, rou
     the runtime option (None: its default)."""
     extra = _given(split_threshold=split_threshold, split_block=split_block, state_window=state_window)
     w = state_window or default_state_window()
-    rt = _counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
+    rt = counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
     return [rt.count_step(context + i) for i in range(w)]
 
 
@@ -339,7 +339,7 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
     ``tensor_attention=False`` counts a system whose tensor ops take no bfloat operands (the
     attention on simdgroup_matrix)."""
     extra = _given(split_threshold=split_threshold)
-    rt = _counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
+    rt = counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
                            gpu_family="apple10" if gemm_path == "tensor" else None,
                            bfloat_tensor_ops=tensor_attention, **extra)
     return rt.count_chunk(position, rows)

@@ -38,12 +38,12 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 from lily.reference import ReferenceState, round_bf16  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
-from lily import kernel_check  # noqa: E402
-from lily.kernel_check import (  # noqa: E402
-    THETA, StubOracle, attention_reference, attn_cfg, qk_prep_reference)
+from lily.lab.kernels import attention as twins  # noqa: E402
+from lily.lab.kernels.attention import THETA, attention_reference, attn_cfg, qk_prep_reference  # noqa: E402
+from lily.lab.kernels.harness import StubOracle  # noqa: E402
 
 
 from test_gdn import GDN_DIMS, GdnLayer  # noqa: E402 (the composition test)
@@ -59,8 +59,8 @@ ATTN_DIMS = {  # Hq, Hkv, D, rotary_dim
 
 
 
-class AttnLayer(kernel_check.AttnLayer):
-    """kernel_check.AttnLayer on fresh random inputs (tests/seeding.py)."""
+class AttnLayer(twins.AttnLayer):
+    """twins.AttnLayer on fresh random inputs (tests/seeding.py)."""
 
     def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0):
         super().__init__(dev, Hq, Hkv, D, rot, capacity, rng=fresh_rng(seed))

@@ -4,10 +4,10 @@ the Metal simulator.
 attn_prefill_prep_d<D> (q/k RMSNorm, partial RoPE, bf16 K/V rows of the chunk appended to the
 cache), attn_prefill_d<D>_g<G>[_tensor] (causal flash attention of the chunk over the cache,
 gated) and the KV-split path attn_prefill_split_d<D>_g<G>[_tensor] + attn_prefill_combine_d<D>,
-against their numpy twin (kernel_check.attention_twin), float64 numpy attention,
+against their numpy twin (twins.attention_twin), float64 numpy attention,
 lily.reference's rms_norm / rope / ReferenceModel.attention, and the decode kernels
 (attn_qk_prep, attn_decode). The projections qg, k, v are fresh random half values
-(kernel_check.chunk_inputs): the chunk kernels read them as half, as q_proj, k_proj and v_proj
+(twins.chunk_inputs): the chunk kernels read them as half, as q_proj, k_proj and v_proj
 store them (gemm_q4_half), the decode kernels and the references as the same fp32 numbers.
 Every output buffer starts poisoned (the simulator fills
 new buffers with NaN) and cache rows past the chunk are NaN, so an element a kernel forgets
@@ -26,7 +26,7 @@ Tolerances:
   positions <= 64 and 2e-3 up to a few thousand (values are O(1) after RMSNorm), rtol 1e-5.
   Cache rows: the bf16 rounding of the reference, with one bf16 ulp (rtol 2^-7) where a
   float32 difference can flip the rounding.
-* attention vs kernel_check.attention_twin (the numpy twin) over the cache as written: the
+* attention vs twins.attention_twin (the numpy twin) over the cache as written: the
   simdgroup kernels run Q K^T and P V on half operands with fp32 accumulation, the tensor-op
   kernels (M5) on bf16 operands (as MLX's NAX attention); the twin rounds q * scale and P to
   the operand type as the kernel does, takes K/V bf16 -> half (exact within the half range)
@@ -35,7 +35,7 @@ Tolerances:
   rescale threshold; the rest in float64: rtol/atol 2e-5 on the simulator (measured <= 3.3e-7
   with half operands, <= 2.7e-7 with bf16). On a GPU the score sums run in another order and
   a P value may round to the neighbouring operand value: HALF_ATOL, or ATTN_BF16_ATOL
-  (kernel_check: 8 x the half bound, bf16's ulp is 2^-7 relative against half's 2^-10).
+  (twins: 8 x the half bound, bf16's ulp is 2^-7 relative against half's 2^-10).
 * the twin vs float64 attention (and split vs plain, and prefill vs the fp32 decode kernel):
   the half rounding of q and P, measured <= 6.1e-4 on O(1) outputs with |v| < 5; HALF_ATOL
   4e-3. Split vs plain differ because each split keeps its own reference max, so P rounds
@@ -79,13 +79,16 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, sim_device, upload  # noqa: E402
+from lily.lab.device import download, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
-from lily import kernel_check  # noqa: E402
-from lily.kernel_check import (  # noqa: E402,F401
-    HALF_MAX, QROWS, THETA, TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference)
-from lily.kernel_check import PREFILL_EPS as EPS  # noqa: E402
+from lily.lab.kernels import attention_prefill as twins  # noqa: E402
+from lily.lab.kernels.attention import THETA  # noqa: E402,F401
+from lily.lab.kernels.attention_prefill import (  # noqa: E402,F401
+    QROWS, TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference,
+)
+from lily.lab.kernels.harness import HALF_MAX  # noqa: E402,F401
+from lily.lab.kernels.attention_prefill import PREFILL_EPS as EPS  # noqa: E402
 
 
 # Half operands vs float64 attention (module docstring): measured <= 6.1e-4 on these shapes
@@ -97,22 +100,22 @@ HALF_ATOL = 4e-3
 # on these shapes).
 BF16_ATOL = 8 * HALF_ATOL
 # the output stored as half (o_proj's input): one rounding, <= 2^-11 relative
-OUT_RTOL = kernel_check.ATTN_OUT_RTOL
+OUT_RTOL = twins.ATTN_OUT_RTOL
 
 
 def twin_tol(dev, bf16=False):
     """Kernel vs attention_twin: on the simulator the same fp32 operations in the same order
     (float32 accumulation vs the twin's float64: 2e-5); on a GPU the score sums run in
     another order, so a P value may round to the neighbouring operand value (up to 2^-10 of a
-    weight with half operands, 2^-7 with bf16): kernel_check's ATTN_HALF_ATOL / ATTN_BF16_ATOL.
+    weight with half operands, 2^-7 with bf16): twins' ATTN_HALF_ATOL / ATTN_BF16_ATOL.
     Both plus the half store of the output (OUT_RTOL, relative)."""
     if dev.name == "sim":
         return dict(rtol=2e-5 + OUT_RTOL, atol=2e-5)
-    return dict(rtol=OUT_RTOL, atol=kernel_check.ATTN_BF16_ATOL if bf16 else HALF_ATOL)
+    return dict(rtol=OUT_RTOL, atol=twins.ATTN_BF16_ATOL if bf16 else HALF_ATOL)
 
 
-class Layer(kernel_check.PrefillAttnLayer):
-    """kernel_check.PrefillAttnLayer on fresh random weights (tests/seeding.py)."""
+class Layer(twins.PrefillAttnLayer):
+    """twins.PrefillAttnLayer on fresh random weights (tests/seeding.py)."""
 
     def __init__(self, dev, dims, capacity, seed, *, G=None, history=None):
         super().__init__(dev, dims, capacity, G=G, history=history, rng=fresh_rng(seed))

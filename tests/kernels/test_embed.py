@@ -12,10 +12,9 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (  # noqa: E402
-    U, magnitude, rand_quant, upload_q)
+from lily.lab.kernels.harness import U, magnitude, rand_quant, upload_q  # noqa: E402
 from harness import assert_within, forward_sim, run_bound  # noqa: E402
 
 

@@ -7,7 +7,7 @@ element a kernel forgets to write fails the comparison.
 Tolerances (all float32 arithmetic on both sides unless noted):
 * GDN step: the kernel writes y = S q and each split's sum of y^2 (grid Hv x NS); the
   gated RMSNorm is applied in float32 on the host as out_proj's load does
-  (kernel_check.gdn_gated_norm32; gemv_gated_q*_add has its own test in test_gemv.py). The
+  (twins.gdn_gated_norm32; gemv_gated_q*_add has its own test in test_gemv.py). The
   per-split sums of squares: rtol 1e-5 (32 or fewer squares, a different order). The
   kernel sums in a different order (simd_sum trees vs numpy einsum) over
   Dk = 128 products of O(1) values: a few float32 ulps, so rtol 1e-4 / atol 1e-5 on one
@@ -37,7 +37,8 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
-from lily import kernel_check  # noqa: E402
+from lily.lab.device import download  # noqa: E402
+from lily.lab.kernels import gdn as twins  # noqa: E402
 
 
 
@@ -51,19 +52,19 @@ GDN_DIMS = {
 }
 
 
-class GdnLayer(kernel_check.GdnLayer):
-    """kernel_check.GdnLayer on fresh random inputs (tests/seeding.py)."""
+class GdnLayer(twins.GdnLayer):
+    """twins.GdnLayer on fresh random inputs (tests/seeding.py)."""
 
     def __init__(self, dev, Hk, Hv, Dk, Dv, K=4, seed=0, window=1):
         super().__init__(dev, Hk, Hv, Dk, Dv, K, rng=fresh_rng(seed), window=window)
 
 
-@pytest.mark.parametrize("dims,splits", [(d, kernel_check.GDN_DECODE_SPLITS) for d in GDN_DIMS] +
+@pytest.mark.parametrize("dims,splits", [(d, twins.GDN_DECODE_SPLITS) for d in GDN_DIMS] +
                          [("dims", 1), ("dims", 2), ("tiny", 8)])
 def test_gdn_decode_step_matches_reference(dev, dims, splits):
     """Each head's Dv state rows split over ``splits`` threadgroups (the runtime's 4, and
     others): the output is y plus each split's sum of y^2, normalised here as out_proj does
-    (kernel_check.gdn_gated_norm32) and compared with the reference's gated-norm output."""
+    (twins.gdn_gated_norm32) and compared with the reference's gated-norm output."""
     Hk, Hv, Dk, Dv = GDN_DIMS[dims]
     L = GdnLayer(dev, Hk, Hv, Dk, Dv, seed=1)
     r = L.rng
@@ -79,7 +80,7 @@ def test_gdn_decode_step_matches_reference(dev, dims, splits):
         got = L.step_device(*inp, splits=splits)
         want = L.step_reference(*inp)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-        np.testing.assert_allclose(L.last_ssq.reshape(Hv, splits), kernel_check.gdn_split_ssq(L.last_y, Dv, splits),
+        np.testing.assert_allclose(L.last_ssq.reshape(Hv, splits), twins.gdn_split_ssq(L.last_y, Dv, splits),
                                    rtol=1e-5)
         conv, S = L.device_state()
         np.testing.assert_array_equal(conv, L.st.conv[0])  # a copy: exact
@@ -94,7 +95,7 @@ def test_gdn_write_back_window_is_bit_exact(dev, dims, window):
     and the written-back state equal bit for bit, from a state with random pending decays
     (one head S = 0), over two windows and a partial one."""
     Hk, Hv, Dk, Dv = GDN_DIMS[dims]
-    every, windowed = kernel_check.gdn_window_pair(dev, Hk, Hv, Dk, Dv, window, fresh_rng(3))
+    every, windowed = twins.gdn_window_pair(dev, Hk, Hv, Dk, Dv, window, fresh_rng(3))
     steps = 2 * window + window // 2 + 1
     for t in range(steps):
         inp = every.random_inputs()
@@ -114,15 +115,15 @@ def test_gdn_write_back_leaves_the_state_until_the_window_ends(fwd_dev):
     """A step inside a window leaves S' and c as they were (only its ring entry is written);
     the window's last step writes the state back."""
     Hk, Hv, Dk, Dv = GDN_DIMS["tiny"]
-    L = kernel_check.GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, rng=fresh_rng(4), window=3)
+    L = twins.GdnLayer(fwd_dev, Hk, Hv, Dk, Dv, rng=fresh_rng(4), window=3)
     r = L.rng
     L.set_state(r.standard_normal((3, L.conv_dim)), 0.3 * r.standard_normal((Hv, Dv, Dk)), 0.5)
-    before = kernel_check.download(L.state, np.float32).copy()
+    before = download(L.state, np.float32).copy()
     for _ in range(2):
         L.step_device(*L.random_inputs())
-        np.testing.assert_array_equal(kernel_check.download(L.state, np.float32), before)
+        np.testing.assert_array_equal(download(L.state, np.float32), before)
     L.step_device(*L.random_inputs())
-    after = kernel_check.download(L.state, np.float32)
+    after = download(L.state, np.float32)
     assert L.pending == 0 and not np.array_equal(after, before)
     np.testing.assert_array_equal(after[Hv * Dv * Dk:], 1.0)
 

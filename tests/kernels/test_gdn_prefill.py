@@ -69,18 +69,21 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import download, upload  # noqa: E402
+from lily.lab.device import download, upload  # noqa: E402
 from lily.reference import ReferenceState, silu  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
-from lily import kernel_check  # noqa: E402
-from lily.kernel_check import SPARE_ROWS, U, rows_buffer  # noqa: E402,F401
-from lily.kernel_check import GDN_EPS as EPS, GDN_K as K, GDN_PREFILL_DIMS as GDN_DIMS  # noqa: E402,F401
-from lily.kernel_check import StubOracle, rows_out_buffer as out_buffer  # noqa: E402,F401
-from lily.kernel_check import HALF_MAX, gdn_stored  # noqa: E402
+from lily.lab.kernels import gdn_prefill as twins  # noqa: E402
+from lily.lab.kernels.gdn_prefill import SPARE_ROWS, rows_buffer  # noqa: E402,F401
+from lily.lab.kernels.harness import U  # noqa: E402,F401
+from lily.lab.kernels.gdn_prefill import GDN_EPS as EPS, GDN_K as K, GDN_PREFILL_DIMS as GDN_DIMS  # noqa: E402,F401
+from lily.lab.kernels.gdn_prefill import rows_out_buffer as out_buffer  # noqa: E402,F401
+from lily.lab.kernels.harness import StubOracle  # noqa: E402,F401
+from lily.lab.kernels.gdn_prefill import gdn_stored  # noqa: E402
+from lily.lab.kernels.harness import HALF_MAX  # noqa: E402
 
 
-class Layer(kernel_check.GdnPrefillLayer):
-    """kernel_check.GdnPrefillLayer on fresh random weights (tests/seeding.py)."""
+class Layer(twins.GdnPrefillLayer):
+    """twins.GdnPrefillLayer on fresh random weights (tests/seeding.py)."""
 
     def __init__(self, dev, dims, seed):
         super().__init__(dev, dims, rng=fresh_rng(seed))
@@ -288,7 +291,7 @@ def test_lazy_decay_folds(dev, dims, M):
     assert_outputs_close(got, want_o, scale)
     assert_state_close(L.state(), want_S)
     c = L.state_parts()[1]
-    assert (c >= kernel_check.GDN_SCAN_FOLD).all() and (c <= 1).all()
+    assert (c >= twins.GDN_SCAN_FOLD).all() and (c <= 1).all()
     assert (c[0] < 1).all() if M > 1 else (c[0] == 1).all()  # folded at token 0 (c = 0), then lazy
     if M == 1:
         assert (c[1] == 1).all() and (c[2] == 1).all()       # 2^-39 g and 0 g both fold
@@ -363,7 +366,7 @@ def test_scan_grid_fills_an_m5_max():
     threadgroups (each head split over Dv / RV threadgroups), the norm scale covers every
     (token, head) pair and out_proj reads u with its factors (gemm_q4_add_hs)."""
     from lily.native import count_prefill_chunk
-    from lily.perf import QWEN36_35B_A3B, machine
+    from lily.lab.estimate import QWEN36_35B_A3B, machine
     from lily.checkpoint import parse_config
     rows = 512
     recs = count_prefill_chunk(parse_config(QWEN36_35B_A3B), rows)["records"]
@@ -378,7 +381,7 @@ def test_scan_grid_fills_an_m5_max():
     for r in scans:
         assert int(np.prod(r["groups"])) >= 2 * machine("m5max").cores
         assert r["groups"] == (32, 4, 1) and r["threads"] == (128, 1, 1)
-        assert r["threads"][0] == 32 * kernel_check.GDN_SCAN_LANES  # the twin dispatches as the runtime
+        assert r["threads"][0] == 32 * twins.GDN_SCAN_LANES  # the twin dispatches as the runtime
         assert r["threadgroup_memory"] <= 16 * 1024
     for r in norms:
         assert int(np.prod(r["groups"])) * int(np.prod(r["threads"])) >= rows * 32

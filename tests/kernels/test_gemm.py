@@ -4,7 +4,7 @@ gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_add_hs, gemm_q4_half, gemm_swiglu_q4 (y
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
-lily.kernel_check: uniform codes, realistic bf16 scales and biases) and the reference
+lily.lab.kernels.harness: uniform codes, realistic bf16 scales and biases) and the reference
 dequantizes them with ``QuantizedTensor.dequantize``. Every correctness test runs in the
 three simulator modes of tests/simdev.py (forward; reverse thread/threadgroup order with
 undeclared-read detection; random order), always with out-of-range write detection, on
@@ -16,7 +16,7 @@ half in device memory (written by its producer clamped to +-65504 and rounded to
 staged times a half factor per group of a row's elements, a half product the reference forms
 the same way, numpy float16 x float16); the
 weight dequantized in half (``fma(q, half(s), half(b))``); products of halves are exact in fp32 and accumulate in fp32. The reference
-(``gemm_ref`` of lily.kernel_check) models those roundings exactly (numpy float16 of the
+(``gemm_ref`` of lily.lab.kernels.gemm) models those roundings exactly (numpy float16 of the
 same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
 * every output is a sum of K exact products ``wh xh`` in an order that differs from numpy's
   (8x8 products, sequential over k on the simulator, unspecified inside a product on a
@@ -29,7 +29,7 @@ same values) and multiplies in float64, so what is left to tolerate is an fp32 G
   the fp32 kernels' was;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
-  a few roundings of the activation (``swiglu_bound`` of lily.kernel_check), then the half
+  a few roundings of the activation (``swiglu_bound`` of lily.lab.kernels.gemm), then the half
   rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``);
 * gemm_q4_half: the plain bound, then the half rounding of the stored output (``half_stored``),
   sums beyond +-65504 stored as +-65504.
@@ -49,14 +49,15 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
-from lily.kernel_check import row_scale, row_scale_bindings, swiglu_ref  # noqa: E402
-from lily.kernel_check import to_bf16_bits  # noqa: E402
-from lily.kernel_check import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref, half_weights  # noqa: E402
-from lily.kernel_check import _codes, half_operand  # noqa: E402
-from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.gemm import row_scale, row_scale_bindings, swiglu_ref  # noqa: E402
+from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402
+from lily.lab.kernels.gemm import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref  # noqa: E402
+from lily.lab.kernels.harness import half_weights  # noqa: E402
+from lily.lab.kernels.harness import _codes, half_operand  # noqa: E402
+from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
 
 U = 2.0**-24
 

@@ -44,7 +44,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
@@ -95,11 +95,13 @@ def test_suite_reaches_the_twins(dev):
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG,  # noqa: E402,F401
-                               GEMM_TG, MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, gemm_geometry,
-                               gemm_ref, half_operand, half_weights, row_scale, row_scale_bindings, run,
-                               swiglu_ref)
-from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.gemm import (  # noqa: E402,F401
+    GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, gemm_geometry, gemm_ref,
+    row_scale, row_scale_bindings, swiglu_ref,
+)
+from lily.lab.kernels.harness import half_operand, half_weights, run  # noqa: E402,F401
+from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
+from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 

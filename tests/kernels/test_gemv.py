@@ -21,13 +21,15 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (  # noqa: E402
-    DEPTH, GEMV_ROWS_PER_SG, gemv_gated_ratio, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, U, _norm_gemv_ratio, enc_embed_norm_gemv,
-    enc_norm_gemv, gemv_grid, magnitude, norm_gemv_grid, rand_quant, rms_ref64, to_bf16_bits, upload_q)
+from lily.lab.kernels.gemv import (  # noqa: E402
+    GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, _norm_gemv_ratio, enc_embed_norm_gemv,
+    enc_norm_gemv, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
+)
+from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
 from harness import assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 from simdev import ORDERS, make_dev  # noqa: E402
 
@@ -83,7 +85,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 
 
 # gemv_gated_q*_add: out_proj of a GDN layer, the gated RMSNorm applied to x on load
-# (kernel_check.gemv_gated_ratio: bound and reference).
+# (lily.lab.kernels.gemv.gemv_gated_ratio: bound and reference).
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,Hv,Dv,splits,tg", [
     (2048, 32, 128, 4, 64),                                       # the model's out_proj
@@ -427,12 +429,12 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
 @pytest.fixture(scope="module")
 def step():
     from lily.native import count_decode_step
-    from lily.perf import model_config
+    from lily.lab.estimate import model_config
     return count_decode_step(model_config(), 4096)["records"]
 
 
 def occupancy_m5max(rec):
-    from lily.perf import machine, occupancy
+    from lily.lab.estimate import machine, occupancy
     return occupancy(machine("m5max"), math.prod(rec["groups"]), math.prod(rec["threads"]))
 
 
@@ -449,7 +451,7 @@ def test_router_dispatch_spans_the_gpu(step):
 
 def test_bandwidth_heavy_decode_dispatches_fill_an_m5max(step):
     """Every decode dispatch moving >= 1 MB keeps all 40 cores of an M5 Max at >= 256
-    threads (lily.perf.occupancy 1.0), the Gated DeltaNet recurrence included (4
+    threads (lily.lab.estimate.occupancy 1.0), the Gated DeltaNet recurrence included (4
     threadgroups per value head: 128)."""
     assert any(r["kernel"].startswith("gdn_decode_step") for r in step)
     for r in step:

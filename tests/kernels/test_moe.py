@@ -32,14 +32,14 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel, sigmoid  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (  # noqa: E402
-    DEPTH, NORM_EPS, TG, U, MoeWeights, enc_down, enc_gate_up, enc_route_gate_up,
-    swiglu_bound as _swiglu_bound, enc_norm_gemv, gemv_grid, magnitude, rand_quant, rms_ref64, route_ref,
-    to_bf16_bits, upload_q)
+from lily.lab.kernels.gemm import swiglu_bound as _swiglu_bound  # noqa: E402
+from lily.lab.kernels.gemv import NORM_EPS, TG, enc_norm_gemv, gemv_grid, rms_ref64  # noqa: E402
+from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
+from lily.lab.kernels.moe import MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, route_ref  # noqa: E402
 from harness import assert_within, commit, run_bound  # noqa: E402
 
 METAL_SRC = Path(__file__).resolve().parents[2] / "metal"

@@ -12,7 +12,7 @@ poisoned (NaN / 0xFFFFFFFF), and has a poisoned tail that must stay untouched.
 
 Tolerances and exactness:
 * expert ids, the histogram, ``perm``, the tile maps and ``tile_count`` of every tile class
-  (``lily.kernel_check.tiles_ref``: full T-row tiles in class 0, each expert's remainder in
+  (``lily.lab.kernels.moe_prefill.tiles_ref``: full T-row tiles in class 0, each expert's remainder in
   the smallest class T >> c holding it) are integers and are compared exactly (``perm`` is
   deterministic: within an expert, increasing assignment index, i.e. numpy
   ``argsort(ids.ravel(), kind="stable")``).
@@ -45,7 +45,7 @@ the gate/up -> down chain in one concurrent pass; and the tile classes end to en
 scatter's maps, then one gate/up and one down dispatch per class, the classes of a projection
 in one barrier stage (their writes share a disjoint-write tag), also with the dispatches of
 each stage run in reverse / random order. Random MLX-layout weights
-(``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.kernel_check, which model
+(``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.lab.kernels.gemm, which model
 the half operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
 docstring (the same tiles, metal/gemm_tiles.h). Both projections store half outputs (gate/up
 hx, down yx: fp32 sums clamped to +-65504 and rounded to nearest), so both bounds get the
@@ -72,15 +72,19 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 from lily.reference import sigmoid  # noqa: E402
-from lily.kernel_check import (  # noqa: E402,F401
-    block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine, enc_combine_norm, enc_scatter,
-    enc_topk, max_tiles, nblocks, norm_half_ref, route_args, route_tg, tile_classes, to_bf16_bits, tiles_ref)
-from lily.kernel_check import route_ref_rows as route_ref  # noqa: E402
-from lily.kernel_check import MOE_TILES, gemm_ref, make_routing, swiglu_ref, tile_buffers  # noqa: E402
-from lily.kernel_check import half_activations as hact, half_stored  # noqa: E402
-from lily.kernel_check import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
+from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402,F401
+from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
+    block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine,
+    enc_combine_norm, enc_scatter, enc_topk, max_tiles, nblocks, route_args, route_tg, tile_classes, tiles_ref,
+)
+from lily.lab.kernels.norm import norm_half_ref  # noqa: E402,F401
+from lily.lab.kernels.moe_prefill import route_ref_rows as route_ref  # noqa: E402
+from lily.lab.kernels.gemm import gemm_ref, swiglu_ref  # noqa: E402
+from lily.lab.kernels.moe_prefill import MOE_TILES, make_routing, tile_buffers  # noqa: E402
+from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.moe_prefill import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
 from harness import assert_within as check, commit, rand_quant, upload_q  # noqa: E402
 
 U = 2.0**-24

@@ -33,9 +33,9 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
-from lily.kernel_check import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
-from lily.kernel_check import half_activations as hact  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
+from lily.lab.kernels.harness import half_activations as hact  # noqa: E402
 from harness import rand_quant, run_bound as dispatch  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
 import test_moe_prefill as simd_suite  # noqa: E402

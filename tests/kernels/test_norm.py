@@ -12,11 +12,10 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
-from lily.kernel_check import (  # noqa: E402
-    DEPTH, U, half_stored, to_bf16_bits)
+from lily.lab.kernels.harness import DEPTH, U, half_stored, to_bf16_bits  # noqa: E402
 from harness import assert_within, forward_sim, run_bound  # noqa: E402
 
 

@@ -30,13 +30,14 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, upload  # noqa: E402
+from lily.lab.device import constant, download, upload  # noqa: E402
 from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
-from lily import kernel_check  # noqa: E402
-from lily.kernel_check import (  # noqa: E402
-    count_buffer, expected_draws, filtered_probs, run, sample_many, sampler_for, sorted_order,
-    thread_order)
+from lily.lab.kernels import sample as twins  # noqa: E402
+from lily.lab.kernels.harness import run  # noqa: E402
+from lily.lab.kernels.sample import (  # noqa: E402
+    count_buffer, expected_draws, filtered_probs, sample_many, sampler_for, sorted_order, thread_order,
+)
 
 
 
@@ -71,7 +72,7 @@ def test_argmax_two_stage(dev, V, slice_):
         logits[V // 4] = np.nan                 # NaN never wins
     if V > 2 * slice_:
         logits[slice_:2 * slice_] = np.nan      # a slice with no number at all
-    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_)
+    token, stages = twins.argmax_two_stage(dev, logits, slice_)
     assert stages == 2
     assert token == int(np.nanargmax(logits))
 
@@ -250,8 +251,8 @@ def test_argmax_two_stage_bias(dev, V, slice_, lift):
     params = _bias_params(V, rng, logits)
     if not lift:
         params = params.replace(logit_bias={t: b for t, b in params.logit_bias if b < 100})
-    bias = kernel_check.dense_bias(params, V)
-    token, stages = kernel_check.argmax_two_stage(dev, logits, slice_, bias)
+    bias = twins.dense_bias(params, V)
+    token, stages = twins.argmax_two_stage(dev, logits, slice_, bias)
     assert stages == 2
     want = int(np.nanargmax(logits + bias))
     host = sampler_for(params).sample(np.where(np.isnan(logits), -np.inf, logits))  # host argmax: NaN would win

@@ -14,7 +14,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 
 N = 100
 
@@ -683,7 +683,7 @@ def test_underaligned_threadgroup_vector_access_is_reported():
     float4 is misaligned in the simulator, as it may be on a GPU, and the sanitizer says so."""
     import subprocess
     import sys
-    code = ("from lily._device import sim_device; d = sim_device(); o = d.buffer(16); cb = d.command_buffer(); "
+    code = ("from lily.lab.device import sim_device; d = sim_device(); o = d.buffer(16); cb = d.command_buffer(); "
             "cb.compute_pass().dispatch('st_tg_underaligned', 8, 8, buffers=[(0, o)], writes=[o]); "
             "cb.commit(); cb.wait()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

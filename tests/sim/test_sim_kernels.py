@@ -17,7 +17,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["forward", "reverse", "random"])

@@ -35,7 +35,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily._device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 MSL2CPP = ROOT / "csrc" / "gpu" / "sim" / "msl2cpp.py"

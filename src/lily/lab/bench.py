@@ -44,24 +44,14 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
+from lily import __version__
+from lily.checkpoint import load_config
+from lily.engine import Engine, default_model_path
 from lily.errors import InvalidParameterError
+from lily.lab.published import LENGTHS, PPLX_DECODE_STEPS, PPLX_PUBLISHED_M5MAX
+from lily.lab.system import system_info
 
-#: docs/goals.md: the ten prompt / context lengths of the headline means.
-SPEC_LENGTHS = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 PROTOCOLS = ("spec", "pplx")
-
-#: pplx-garden's published M5 Max table (lily/docs/2026-09-02-performance-mlx-0.32.2.md in
-#: perplexityai/pplx-garden): length -> (their decode, MLX-LM decode, their prefill, MLX-LM
-#: prefill) in tokens/s, for comparison with a ``--protocol pplx`` run on an M5 Max.
-PPLX_PUBLISHED_M5MAX = {
-    256: (194.7, 148.5, 2866.6, 2536.4), 512: (193.8, 149.5, 3859.9, 3309.5),
-    1024: (193.3, 148.1, 4734.6, 4471.7), 2048: (190.4, 147.6, 5274.3, 5121.9),
-    4096: (182.8, 145.6, 5724.4, 5165.7), 8192: (180.5, 136.8, 5457.6, 5031.8),
-    16384: (167.0, 129.6, 4968.5, 4722.5), 32768: (151.1, 118.2, 3927.5, 3963.7),
-    65536: (125.4, 98.5, 2752.5, 3051.1), 131072: (92.7, 75.0, 1792.7, 2237.5),
-}
-#: pplx-garden's contract: exactly this many timed decode steps after the first token.
-PPLX_DECODE_STEPS = 64
 
 
 def pplx_prompt(length: int, vocab_size: int) -> list[int]:
@@ -160,8 +150,6 @@ class LilyRunner:
 
     def __init__(self, path: str | Path | None, device: str, max_context: int,
                  device_options: dict | None = None):
-        from lily import __version__
-        from lily.engine import Engine
         # the warm-up and earlier rounds run the same prompts: a cache would turn the timed
         # prefill into a one-token lookup
         self.engine = Engine.load(path, device=device, max_context=max_context,
@@ -380,8 +368,7 @@ def machine_info(engine=None) -> dict:
     ``gemm_path`` and ``attention_path`` (prefill's GEMMs and attention: "tensor" or "simdgroup"),
     ``state_window`` and ``split_block`` (the runtime options; ``lily estimate --fit`` counts
     the decode step with them).
-    The facts come from :func:`lily.doctor.system_info` (one place)."""
-    from lily.doctor import system_info
+    The facts come from :func:`lily.lab.system.system_info` (one place)."""
     sysi = system_info()
     info = {k: sysi.get(k) for k in ("chip", "arch", "memory_bytes", "os")}
     dev = getattr(getattr(engine, "backend", None), "device", None)
@@ -409,12 +396,12 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
 
     Parameters
     ----------
-    lengths : prompt lengths in tokens (default :data:`SPEC_LENGTHS` up to the model's limit;
+    lengths : prompt lengths in tokens (default :data:`lily.lab.published.LENGTHS` up to the model's limit;
         with ``protocol="pplx"`` lengths that do not fit the model's limit are dropped and
         listed in the report's ``dropped_lengths``)
     decode_tokens : tokens generated per request (>= 2; default 64). Not accepted with
         ``protocol="pplx"``, which generates the first token and exactly
-        :data:`PPLX_DECODE_STEPS` more
+        :data:`lily.lab.published.PPLX_DECODE_STEPS` more
     rounds : rounds per length, engine order alternating (default 3; pplx: 2, as published)
     positions : teacher-forced positions of the consistency check (0: skip it; default 192,
         pplx: 0)
@@ -426,8 +413,6 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     Returns the :func:`report` dict. Raises :class:`InvalidParameterError` for invalid
     arguments or when MLX-LM is not installed.
     """
-    from lily.checkpoint import load_config
-    from lily.engine import default_model_path
     if protocol not in PROTOCOLS:
         raise InvalidParameterError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
     pplx = protocol == "pplx"
@@ -444,7 +429,7 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     config = load_config(path)[0]
     limit = config.max_position_embeddings
     clip = pplx or lengths is None
-    lengths = list(SPEC_LENGTHS if lengths is None else lengths)
+    lengths = list(LENGTHS if lengths is None else lengths)
     if not lengths or any(isinstance(L, bool) or not isinstance(L, int) or L < 1 for L in lengths):
         raise InvalidParameterError(f"lengths must be positive integers, got {lengths!r}")
     dropped = [L for L in lengths if L + decode_tokens > limit] if clip else []

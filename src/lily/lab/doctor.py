@@ -1,5 +1,5 @@
 """``lily doctor``: what this machine has, whether Lily's GPU code loads, and whether every
-shipped kernel computes what its numpy reference computes (lily.kernel_check).
+shipped kernel computes what its numpy reference computes (lily.lab.kernels).
 
 On a Mac it checks the ``metal`` device (the real GPU); elsewhere the ``sim`` device (the
 Metal simulator). The report ends with a short block meant to be pasted into a bug report.
@@ -8,90 +8,30 @@ Metal simulator). The report ends with a short block meant to be pasted into a b
 from __future__ import annotations
 
 import difflib
-import os
-import platform
+import json
 import re
 import secrets
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from lily import __version__
+from lily import _core, native  # native by module: tests swap its make_device
+from lily.checkpoint import open_checkpoint
+from lily.engine import DEFAULT_MAX_CONTEXT, METAL_BUILD_FIX, default_model_path
 from lily.errors import DeviceError, InvalidParameterError
-
-
-def _first_line(cmd: list[str]) -> str | None:
-    """The first output line of a command, or None when it is missing or fails."""
-    if not shutil.which(cmd[0]):
-        return None
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = (r.stdout or r.stderr).strip().splitlines()
-    return out[0].strip() if r.returncode == 0 and out else None
-
-
-def _chip() -> str:
-    if sys.platform == "darwin":
-        return _first_line(["sysctl", "-n", "machdep.cpu.brand_string"]) or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _physical_memory() -> int | None:
-    if sys.platform == "darwin":
-        v = _first_line(["sysctl", "-n", "hw.memsize"])
-        return int(v) if v and v.isdigit() else None
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _build(info: dict) -> str:
-    std = {201703: "C++17", 202002: "C++20"}.get(info.get("cxx_standard"), f"C++ {info.get('cxx_standard')}")
-    return (f"{info.get('compiler')}, {std}, {info.get('platform')}{', debug' if info.get('debug') else ''}; "
-            f"devices: {', '.join(info.get('devices', [])) or 'none'}")
-
-
-def system_info() -> dict:
-    """Machine, OS and toolchain facts (strings; None where not found)."""
-    from lily import _core
-    info = {
-        "lily": __version__,
-        "native_build": _build(_core.build_info()),
-        "python": platform.python_version(),
-        "os": (f"macOS {platform.mac_ver()[0]}" if sys.platform == "darwin" else platform.platform()),
-        "arch": platform.machine(),
-        "chip": _chip(),
-        "memory_bytes": _physical_memory(),
-    }
-    if sys.platform == "darwin":
-        info["xcode"] = _first_line(["xcodebuild", "-version"])
-        info["metal_compiler"] = _first_line(["xcrun", "-sdk", "macosx", "metal", "--version"])
-        info["sdk"] = _first_line(["xcrun", "--show-sdk-version"])
-    return info
+from lily.lab.kernels.registry import run_checks, shipped_kernels
+from lily.lab.system import system_info
 
 
 def open_device(name: str):
     """(device, error): the native device ``name`` ('auto': metal when compiled in, else sim)."""
-    from lily import _core
-    from lily.native import make_device
     compiled = list(_core.compiled_devices())
     if name == "auto":
         name = "metal" if "metal" in compiled else "sim"
     # the simulator as an M5 (apple10), so the Metal 4 tensor-op kernels are checked too
     options = {"gpu_family": "apple10", "verify_writes": True} if name == "sim" else {}
     try:
-        return name, make_device(name, **options), None
+        return name, native.make_device(name, **options), None
     except DeviceError as e:
         return name, None, str(e)
     except RuntimeError as e:  # the metallib or the GPU could not be opened
@@ -109,10 +49,6 @@ def model_memory(model: str | None, max_context: int | None, budget: int | None 
     integer in [1, max_position_embeddings]), CheckpointError for a path that is not a
     checkpoint, DeviceError when this build has no simulator to size it with.
     """
-    from lily import _core
-    from lily.checkpoint import open_checkpoint
-    from lily.engine import DEFAULT_MAX_CONTEXT, default_model_path
-    from lily.native import memory_plan
     path = Path(model) if model else default_model_path()
     ck = open_checkpoint(path)
     limit = ck.config.max_position_embeddings
@@ -123,9 +59,9 @@ def model_memory(model: str | None, max_context: int | None, budget: int | None 
         raise DeviceError("sizing the session needs the simulator, which this build left out (LILY_SIM=OFF)")
     refusal = None
     try:
-        plan = memory_plan(ck, ctx, budget or 0)
+        plan = native.memory_plan(ck, ctx, budget or 0)
     except DeviceError as e:
-        refusal, plan = str(e), memory_plan(ck, ctx, 0)
+        refusal, plan = str(e), native.memory_plan(ck, ctx, 0)
     return {"path": str(path), "name": path.name, "weights": plan["weights"], "max_context": ctx,
             "kv_cache": plan["kv_cache"] + plan["state"], "scratch": plan["scratch"],
             "prefill_chunk": plan["prefill_chunk"], "total": plan["total"], "fits": refusal is None,
@@ -152,7 +88,6 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     Returns 0 when everything that ran passed and the model fits in memory, 1 otherwise.
     Without ``seed`` one is drawn and shown, so a failure can be rerun with ``--seed``.
     Raises InvalidParameterError for an unknown kernel name or a ``max_context`` out of range."""
-    from lily import kernel_check
     out = out or sys.stdout
     t0 = time.perf_counter()
     say = (lambda *a: None) if as_json else (lambda *a: print(*a, file=out, flush=True))
@@ -160,7 +95,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     sysi = report["system"]
     name, dev, err = open_device(device)
     if dev is not None and kernels:  # a typo in --kernels is an error before any output
-        shipped = kernel_check.shipped_kernels(dev)
+        shipped = shipped_kernels(dev)
         unknown = sorted(set(kernels) - set(shipped))
         if unknown:
             close = sorted({m for k in unknown for m in difflib.get_close_matches(k, shipped, n=3)})
@@ -190,12 +125,11 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
     if dev is None:
         say(f"  {name}: FAILED to open: {err}")
     else:
-        names = kernel_check.shipped_kernels(dev)
+        names = shipped_kernels(dev)
         if name == "sim" and "metal" not in _core_devices():
             say("  (no Metal GPU in this build: the kernels run on the Metal simulator, on the CPU; this checks\n"
                 "   the package, not a GPU)")
             if sys.platform == "darwin":
-                from lily.engine import METAL_BUILD_FIX
                 say("  " + METAL_BUILD_FIX)
         report["device"].update({"description": dev.name, "gpu_family": dev.gpu_family,
                                  "kernels": len(names), "tensor_ops": dev.supports_tensor_ops,
@@ -257,7 +191,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             err_s = "" if r.error is None else f"error {r.error:.3g}"
             say(f"  {r.status:<8} {r.kernel:<34} {err_s:<16} {r.seconds:6.2f} s"
                 + (f"\n           {r.detail}" if r.status in ("FAIL", "ERROR") else ""))
-        results = kernel_check.run_checks(dev, kernels, seed=seed, progress=show)
+        results = run_checks(dev, kernels, seed=seed, progress=show)
     report["kernels"] = [r.as_dict() for r in results]
     counts: dict = {}
     for r in results:
@@ -266,7 +200,6 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         not p["built"] for p in report.get("pipelines", []))
     report["summary"] = {"ok": not failed, "counts": counts, "seconds": round(time.perf_counter() - t0, 1)}
     if as_json:
-        import json
         print(json.dumps(report, indent=2, default=str), file=out)
         return 1 if failed else 0
 
@@ -304,7 +237,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
 
 
 def _core_devices() -> list[str]:
-    from lily import _core
+    """The native devices this build has (a function: tests stand in another build)."""
     return list(_core.compiled_devices())
 
 

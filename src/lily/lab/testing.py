@@ -521,7 +521,7 @@ def copy_tokenizer_files(tokenizer_dir: Union[str, os.PathLike, None], out_dir: 
     """
     if tokenizer_dir is None:
         raise ValueError(
-            "lily.testing needs tokenizer_dir=<folder with tokenizer.json[.xz], "
+            "lily.lab.testing needs tokenizer_dir=<folder with tokenizer.json[.xz], "
             "tokenizer_config.json, chat_template.jinja> (e.g. the repository's "
             "tests/data/qwen3.5-moe-tokenizer)"
         )

@@ -26,15 +26,17 @@ import math
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from lily.checkpoint import ModelConfig, parse_config
+from lily import _core
+from lily.checkpoint import ModelConfig, load_config, parse_config
 from lily.errors import InvalidParameterError, LilyError
+from lily.lab.published import (LENGTHS, PPLX_CODE_SOURCE, PPLX_DECODE_STEPS, PPLX_PUBLISHED_M5MAX,
+                                PPLX_STAGES_PER_STEP, PPLX_TABLE_SOURCE)
+from lily.native import count_decode_window, count_prefill_chunk, counting_runtime, default_state_window
 
-NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.perf, docs/performance.md), "
+NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.lab.estimate, docs/performance.md), "
           "not a measurement")
-
-#: Context / prompt lengths reported (pplx-garden's table, restated in docs/goals.md).
-LENGTHS = tuple(2 ** i for i in range(8, 18))  # 256 .. 131072
 
 PATHS = ("alu_f32", "alu_f16", "sgmm_f32", "sgmm_f16", "sgmm_bf16", "tensor_f32", "tensor_f16", "tensor_bf16")
 
@@ -82,11 +84,10 @@ SATURATION_THREADS = 256
 #: Used on every machine (no per-machine figure).
 STAGE_GAP = 2.25e-6
 #: What the calibration is fitted to: pplx-garden's published decode table
-#: (:data:`lily.bench.PPLX_PUBLISHED_M5MAX`), measured on this machine, and their decode step
-#: as read in their source (perplexityai/pplx-garden, lily/ at commit f263d07).
-CALIBRATION = {"source": "perplexityai/pplx-garden lily/docs/2026-09-02-performance-mlx-0.32.2.md",
-               "code": "perplexityai/pplx-garden lily/src at f263d07", "machine": "m5max",
-               "stages_per_step": 425, "decode_steps": 64}
+#: (:data:`lily.lab.published.PPLX_PUBLISHED_M5MAX`), measured on this machine, and their
+#: decode step as read in their source (:mod:`lily.lab.published` holds the figures).
+CALIBRATION = {"source": PPLX_TABLE_SOURCE, "code": PPLX_CODE_SOURCE, "machine": "m5max",
+               "stages_per_step": PPLX_STAGES_PER_STEP, "decode_steps": PPLX_DECODE_STEPS}
 
 
 @dataclass(frozen=True)
@@ -305,7 +306,6 @@ def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     """Estimated time of one decode step at ``context`` tokens already in the cache: the mean
     over one write-back window of steps (:func:`lily.native.count_decode_window`), whose
     Gated DeltaNet steps differ in the state traffic."""
-    from lily.native import count_decode_window
     return mean_timing([time_records(m, c["records"]) for c in count_decode_window(cfg, context)])
 
 
@@ -337,7 +337,6 @@ def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: 
     rkey = (repr(cfg), p0, rows, path, attention)
     records = cache.setdefault("records", {})
     if rkey not in records:
-        from lily.native import count_prefill_chunk
         records[rkey] = count_prefill_chunk(cfg, rows, p0, gemm_path=path,
                                             tensor_attention=attention == "tensor")["records"]
     timings = cache.setdefault("timings", {})
@@ -416,7 +415,6 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
     and :class:`UnknownKernelError` if the plan uses a kernel the work table lacks."""
-    from lily import _core
     m = machine_key if isinstance(machine_key, Machine) else machine(machine_key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
@@ -427,10 +425,9 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     check_length("breakdown_at", breakdown_at, limit, kind="context")
     chunk = chunk or min(_core.RuntimeOptions.AUTO_PREFILL_CHUNKS[0], limit)  # the runtime caps it so
     check_length("chunk", chunk, limit, kind="chunk")
-    from lily.native import _counting_runtime, default_state_window
     # part of the scratch grows with the context up to a bound (docs/prefill.md): size it as a
     # runtime serving the model's full context does, not one of `chunk` positions
-    scratch = _counting_runtime(cfg, 4, 8, limit, prefill_chunk=chunk).prefill_scratch_bytes
+    scratch = counting_runtime(cfg, 4, 8, limit, prefill_chunk=chunk).prefill_scratch_bytes
     decode_rows, prefill_rows, cache = [], [], {}
     for c in contexts:
         t = decode_step(m, cfg, c)
@@ -617,8 +614,6 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     length, names an unknown chip without ``machine_key``, was measured on a checkpoint here
     whose dimensions are not ``config``'s, or has lengths beyond the model. The calibrated
     machine keeps the run's prefill paths (:attr:`Machine.gemm`, :attr:`Machine.attention`)."""
-    from lily import _core
-    from lily.native import count_decode_window
     if not isinstance(bench, dict) or "lengths" not in bench:
         raise InvalidParameterError(f"{source} is not a `lily bench --json` report (no 'lengths')")
     info = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
@@ -656,9 +651,6 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     notes = []
     model = bench.get("model")
     if isinstance(model, str) and model:
-        from pathlib import Path
-
-        from lily.checkpoint import load_config
         if (Path(model) / "config.json").is_file():
             if _plan_dims(load_config(model)[0]) != _plan_dims(cfg):
                 raise InvalidParameterError(f"{source} measured {model}, whose dimensions are not those of the model "
@@ -877,7 +869,6 @@ def calibrate_reference(occupancy: bool = True) -> dict:
     at the bandwidth floor), the bound the published figures allow for a larger gap.
     Returns ``bandwidth_efficiency``, ``stage_gap`` (s), ``rms_relative_error`` and
     per-length ``rows`` (measured and modelled tok/s, stages, bytes per step)."""
-    from lily.bench import PPLX_PUBLISHED_M5MAX
     m0 = machine(CALIBRATION["machine"])
     steps = CALIBRATION["decode_steps"]
     measured = {L: row[0] for L, row in PPLX_PUBLISHED_M5MAX.items()}

@@ -1,0 +1,288 @@
+"""Decode attention twins (metal/attention.metal): q/k prep, attention over the KV cache
+(direct and split + combine) and the fused step, over :class:`AttnLayer`."""
+
+from __future__ import annotations
+
+import re
+import time
+import types
+
+import numpy as np
+
+from lily.lab.device import download, upload
+from lily.lab.kernels.harness import args_bytes, bf16_bits, check, close_ratio, f32, from_bf16, run
+from lily.reference import rms_norm, rope, round_bf16
+
+COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
+THETA = 1e7
+
+
+def attn_cfg(Hq, Hkv, D, rot):
+    return types.SimpleNamespace(num_attention_heads=Hq, num_key_value_heads=Hkv, head_dim=D,
+                                 rotary_dim=rot, rope_theta=THETA, rms_norm_eps=1e-6)
+
+
+def heads_per_group(Hq, Hkv):
+    """G: query heads per decode threadgroup, the runtime's rule (csrc/runtime/encoder.h):
+    the largest of 8, 4, 2 dividing the GQA group (the model's 8: each KV row read once)."""
+    return next(g for g in (8, 4, 2) if (Hq // Hkv) % g == 0)
+
+
+class AttnLayer:
+    """Device KV cache + weights of one attention layer, and host-side encoders that
+    mirror what the runtime does (docs/kernels.md)."""
+
+    def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0, rng=None):
+        self.dev, self.Hq, self.Hkv, self.D, self.rot, self.cap = dev, Hq, Hkv, D, rot, capacity
+        self.rng = rng = rng if rng is not None else np.random.default_rng(seed)
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        # cache: random bf16 history; rows are filled by tests as needed
+        self.k_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.v_hist = bf16_bits(rng.standard_normal((Hkv, capacity, D)))
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+        self.POS = upload(dev, np.zeros(1, np.uint32))
+        self.G = heads_per_group(Hq, Hkv)
+        self.seconds = {}
+
+    def _timed(self, name, fn):
+        t = time.perf_counter()
+        r = fn()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        return r
+
+    def set_position(self, pos):
+        self.POS.write(np.array([pos], np.uint32).view(np.uint8))
+
+    def cache_row_ranges(self, pos):
+        """The bytes attn_qk_prep writes: row pos of each KV head, in K and V."""
+        row = 2 * self.D
+        return [(C, (h * self.cap + pos) * row, row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def prep(self, qg, k, v, pos):
+        dev, D = self.dev, self.D
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        Q, GATE = dev.buffer(self.Hq * D * 4), dev.buffer(self.Hq * D * 4)
+        args = args_bytes(self.Hq, self.Hkv, D, self.rot, self.cap, 1e-6, float(np.log2(THETA)))
+        self._timed("attn_qk_prep", lambda: run(
+            dev, "attn_qk_prep", self.Hq + self.Hkv, D,
+            buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.POS),
+                     (6, self.KC), (7, self.VC), (8, Q), (9, GATE)],
+            constants=[(10, args)], reads=[QG, K, V, self.QN, self.KN, self.POS],
+            writes=[*self.cache_row_ranges(pos), Q, GATE]))
+        return Q, GATE
+
+    def decode(self, Q, GATE, n, *, split_threshold=32768, block_rows=1024, extra_blocks=0,
+               gate_stride=None):
+        """Attention over rows [0, n) (position n - 1 must be set); picks the split path
+        when n >= split_threshold. Returns the fp32 [Hq*D] output."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        gs = D if gate_stride is None else gate_stride
+        OUT = dev.buffer(Hq * D * 4)
+        scale = float(D) ** -0.5
+        if n < split_threshold:
+            args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, 0, 0)
+            self._timed("attn_decode", lambda: run(
+                dev, f"attn_decode_d{D}_g{G}", Hq // G, 256,
+                buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
+                constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
+            return download(OUT, np.float32)
+        used = -(-n // block_rows)                 # blocks holding rows
+        nblocks = used + extra_blocks              # dispatched (surplus ones must not write)
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        # exactly the partial slots of the used blocks: verify_writes proves surplus blocks
+        # write nothing (a runtime encoding ahead may declare all max_blocks slots instead)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
+        args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
+        cargs = args_bytes(Hq, gs, block_rows, max_blocks)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
+                   constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
+                   threadgroups=True)
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
+                   buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
+                   constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
+                   threadgroups=True)
+        cb.commit()
+        cb.wait()
+        self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
+                                                      + time.perf_counter() - t)
+        assert cb.counters["barrier_stages"] == 2  # combine waits for the partials
+        return download(OUT, np.float32)
+
+    # ---- fused prep + decode (attn_decode_fused / attn_decode_split_fused)
+
+    def fused_args(self, block_rows=0, max_blocks=0):
+        return args_bytes(self.Hq, self.Hkv, self.rot, self.cap, 1e-6, float(np.log2(THETA)),
+                          float(self.D) ** -0.5, block_rows, max_blocks)
+
+    def cache_prefix_ranges(self, pos):
+        """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
+        row = 2 * self.D
+        if pos == 0:
+            return []
+        return [(C, h * self.cap * row, pos * row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
+
+    def encode_fused(self, p, QG, K, V, POS, pos, *, block_rows=None, extra_blocks=0, label=""):
+        """Encodes the fused step at position pos (POS holds it) into pass p, with the
+        declared ranges of docs/kernels.md; returns the output buffer [Hq*D] fp32."""
+        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        OUT = dev.buffer(Hq * D * 4)
+        common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
+        reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
+        if block_rows is None:
+            p.dispatch(f"attn_decode_fused_d{D}_g{G}", Hq // G, 256,
+                       buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
+                       reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
+                       label=label)
+            return OUT
+        n = pos + 1
+        used = -(-n // block_rows)
+        nblocks = used + extra_blocks
+        max_blocks = nblocks
+        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
+        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
+                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
+        p.dispatch(f"attn_decode_split_fused_d{D}_g{G}", (Hq // G, nblocks), 256,
+                   buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
+                   reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
+                   label=label)
+        # gate straight from the q_proj output: byte offset 4*D, stride 2*D
+        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
+                   buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
+                   constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
+                   reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
+                   threadgroups=True, label=label)
+        return OUT
+
+    def fused(self, qg, k, v, pos, **kw):
+        """One fused step at position pos in its own command buffer; fp32 [Hq*D] out."""
+        dev = self.dev
+        QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
+        self.set_position(pos)
+        cb = dev.command_buffer()
+        p = cb.compute_pass()
+        t = time.perf_counter()
+        OUT = self.encode_fused(p, QG, K, V, self.POS, pos, **kw)
+        cb.commit()
+        cb.wait()
+        name = "attn_decode_fused" if kw.get("block_rows") is None else "attn_decode_split_fused+combine"
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        # prep and attention in one stage (the split path: + the combine)
+        assert cb.counters["barrier_stages"] == (1 if kw.get("block_rows") is None else 2)
+        return download(OUT, np.float32)
+
+
+def qk_prep_reference(A, qg, k, pos):
+    """q [Hq, D] and k [Hkv, D] after RMSNorm + RoPE at position pos (lily.reference's
+    helpers, in the order ReferenceModel.attention applies them) for layer A."""
+    D, P = A.D, np.array([pos])
+    q_ref = rope(rms_norm(qg[None, :, :D], from_bf16(A.qn), 1e-6), P, A.rot, THETA)[0]
+    k_ref = rope(rms_norm(k[None], from_bf16(A.kn), 1e-6), P, A.rot, THETA)[0]
+    return q_ref, k_ref
+
+
+def attention_reference(q, gate, K, V, n, D):
+    """float64 softmax attention of q [Hq, D] over K, V [Hkv, >=n, D]; output * sigmoid(gate)."""
+    Hq, Hkv = q.shape[0], K.shape[0]
+    group = Hq // Hkv
+    out = np.empty((Hq, D))
+    for h in range(Hq):
+        k = K[h // group, :n].astype(np.float64)
+        v = V[h // group, :n].astype(np.float64)
+        s = k @ q[h].astype(np.float64) * D ** -0.5
+        p = np.exp(s - s.max())
+        out[h] = (p / p.sum()) @ v
+    return (out * (1 / (1 + np.exp(-gate.astype(np.float64))))).reshape(-1)
+
+
+# one attention shape per kernel variant: head dim D and query heads per threadgroup G
+# (Hq, Hkv, D, rotary): the GQA group is one for which the runtime picks that G (heads_per_group)
+_ATTN = {(256, 8): (8, 1, 256, 64), (256, 4): (8, 2, 256, 64), (256, 2): (4, 2, 256, 64),
+         (64, 4): (8, 2, 64, 16), (64, 2): (4, 2, 64, 16)}
+
+
+def _attn_layer(dev, rng, D, G, n, capacity=128):
+    """An AttnLayer for variant (D, G) whose cache rows >= n are NaN (reading past the
+    context shows up), a random query and gate, and the float32 K/V history."""
+    Hq, Hkv, D, rot = _ATTN[(D, G)]
+    A = AttnLayer(dev, Hq, Hkv, D, rot, capacity, rng=rng)
+    nan = np.uint16(0x7FC0)
+    k, v = A.k_hist.copy(), A.v_hist.copy()
+    k[:, n:], v[:, n:] = nan, nan
+    A.KC.write(k.view(np.uint8).reshape(-1))
+    A.VC.write(v.view(np.uint8).reshape(-1))
+    q, gate = f32(rng.standard_normal((Hq, D))), f32(rng.standard_normal((Hq, D)))
+    return A, q, gate, from_bf16(k), from_bf16(v)
+
+
+def attention_variant(kernel):
+    """(head dim, query heads per threadgroup) of an attention kernel name (..._d256_g4)."""
+    m = re.search(r"_d(\d+)(?:_g(\d+))?$", kernel)
+    return int(m.group(1)), int(m.group(2) or 4)
+
+
+@check(*[f"attn_decode_d{D}_g{G}" for D, G in _ATTN])
+def _attn_decode(dev, rng, kernel):
+    D, G = attention_variant(kernel)
+    n = 45
+    A, q, gate, K, V = _attn_layer(dev, rng, D, G, n)
+    A.set_position(n - 1)
+    got = A.decode(upload(dev, q), upload(dev, gate), n)
+    return close_ratio(got, attention_reference(q, gate, K, V, n, D), 2e-5, 2e-5, kernel)
+
+
+@check(*[f"attn_decode_split_d{D}_g{G}" for D, G in _ATTN], "attn_combine_d256", "attn_combine_d64")
+def _attn_decode_split(dev, rng, kernel):
+    D, G = attention_variant(kernel)
+    n = 100
+    A, q, gate, K, V = _attn_layer(dev, rng, D, G, n)
+    A.set_position(n - 1)
+    got = A.decode(upload(dev, q), upload(dev, gate), n, split_threshold=1, block_rows=32, extra_blocks=1)
+    return close_ratio(got, attention_reference(q, gate, K, V, n, D), 2e-5, 2e-5, f"{kernel} (split + combine)")
+
+
+@check("attn_qk_prep")
+def _attn_qk_prep(dev, rng, kernel):
+    Hq, Hkv, D, rot = _ATTN[(256, 4)]
+    pos = 37
+    A = AttnLayer(dev, Hq, Hkv, D, rot, 64, rng=rng)
+    qg, k, v = (f32(rng.standard_normal((Hq, 2 * D))), f32(rng.standard_normal((Hkv, D))),
+                f32(rng.standard_normal((Hkv, D))))
+    A.set_position(pos)
+    Q, GATE = A.prep(qg, k, v, pos)
+    q_ref, k_ref = qk_prep_reference(A, qg, k, pos)
+    r = close_ratio(download(Q, np.float32, (Hq, D)), q_ref, 1e-5, 1e-5, f"{kernel} q")
+    r = max(r, close_ratio(download(GATE, np.float32, (Hq, D)), qg[:, D:], 0, 0, f"{kernel} gate"))
+    kc = download(A.KC, np.uint16, (Hkv, A.cap, D))
+    vc = download(A.VC, np.uint16, (Hkv, A.cap, D))
+    r = max(r, close_ratio(from_bf16(vc[:, pos]), from_bf16(bf16_bits(v)), 0, 0, f"{kernel} cached v"))
+    # one bf16 ulp where a float32 difference can flip the rounding
+    return max(r, close_ratio(from_bf16(kc[:, pos]), round_bf16(k_ref), 2**-7, 1e-5, f"{kernel} cached k"))
+
+
+@check(*[f"attn_decode_fused_d{D}_g{G}" for D, G in _ATTN], *[f"attn_decode_split_fused_d{D}_g{G}" for D, G in _ATTN])
+def _attn_decode_fused(dev, rng, kernel):
+    """The fused step vs float64 attention over the cache as the kernel left it, with the
+    query attn_qk_prep computes for the same token (checked on its own above)."""
+    D, G = attention_variant(kernel)
+    n = 70
+    seed = int(rng.integers(1 << 62))
+    A, _, _, _, _ = _attn_layer(dev, np.random.default_rng(seed), D, G, n - 1)
+    B, _, _, _, _ = _attn_layer(dev, np.random.default_rng(seed), D, G, n - 1)
+    Hq, Hkv = A.Hq, A.Hkv
+    qg, k, v = (f32(rng.standard_normal((Hq, 2 * D))), f32(rng.standard_normal((Hkv, D))),
+                f32(rng.standard_normal((Hkv, D))))
+    got = A.fused(qg, k, v, n - 1, **({"block_rows": 16, "extra_blocks": 1} if "split" in kernel else {}))
+    B.set_position(n - 1)
+    Q, _ = B.prep(qg, k, v, n - 1)
+    Kc = from_bf16(download(A.KC, np.uint16, (Hkv, A.cap, D)))
+    Vc = from_bf16(download(A.VC, np.uint16, (Hkv, A.cap, D)))
+    want = attention_reference(download(Q, np.float32, (Hq, D)), qg[:, D:], Kc, Vc, n, D)
+    return close_ratio(got, want, 2e-5, 2e-5, kernel)

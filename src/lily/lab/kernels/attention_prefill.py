@@ -1,0 +1,341 @@
+"""Prefill attention twins (metal/attention_prefill.metal, attention_prefill_tensor.metal):
+the chunk prep and causal attention (direct and split + combine), with :func:`attention_twin`,
+the kernels' arithmetic modelled in numpy."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from lily.lab.device import download, upload
+from lily.lab.kernels.attention import THETA, attention_variant
+from lily.lab.kernels.harness import (
+    args_bytes, bf16_bits, check, close_ratio, f32, from_bf16, half_activations, half_operand,
+)
+from lily.reference import rms_norm, rope, round_bf16
+
+# (Hq, Hkv, D, rotary_dim)
+PREFILL_ATTN_DIMS = {
+    "real": (16, 2, 256, 64),
+    "dims": (8, 1, 256, 64),
+    "tiny": (4, 2, 64, 16),
+    "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
+}
+PREFILL_EPS = 1e-6
+TILE = 32  # KV rows per tile (kTile)
+QROWS = 64  # (row, head) pairs per threadgroup (kRows)
+RESCALE = 8.0  # lazy rescale threshold (kRescale)
+
+
+def pack_bf16_q(q, G):
+    """The tensor-op attention's query operand (attn_prefill_prep_d<D>_qbf): q [M, Hq, D] fp32
+    times the softmax scale D^-0.5 in fp32, rounded to bf16 (nearest even), as bf16 bit
+    patterns (uint16) laid out [Hq / G, M, G, D] (a threadgroup's pairs are consecutive rows)."""
+    M, Hq, D = q.shape
+    qs = bf16_bits(f32(q) * np.float32(float(D) ** -0.5))
+    return np.ascontiguousarray(qs.reshape(M, Hq // G, G, D).transpose(1, 0, 2, 3))
+
+
+def unpack_bf16_q(qb, G):
+    """pack_bf16_q's inverse up to its rounding: [Hq / G, M, G, D] bf16 bits -> q [M, Hq, D]
+    fp32 (divided by the scale, a power of two for D = 64 and 256: exact), so that the twin's
+    bf16(q * scale) gives back the kernel's operand."""
+    Hg, M, _, D = qb.shape
+    return f32(from_bf16(qb) / np.float32(float(D) ** -0.5)).transpose(1, 0, 2, 3).reshape(M, Hg * G, D)
+
+
+def chunk_inputs(rng, M, Hq, Hkv, D):
+    """Projection outputs of a chunk: qg [M, Hq*2D], k, v [M, Hkv*D], float32 holding half
+    values (q_proj, k_proj, v_proj store half: gemm_q4_half), so the decode kernels' fp32
+    inputs and the chunk kernels' half inputs are the same numbers."""
+    return tuple(half_operand(rng.standard_normal((M, n))).astype(np.float32)
+                 for n in (Hq * 2 * D, Hkv * D, Hkv * D))
+
+
+class PrefillAttnLayer:
+    """Device KV cache and norm weights of one attention layer, and encoders for the prefill
+    kernels with the declared ranges of docs/prefill.md."""
+
+    def __init__(self, dev, dims, capacity, seed=0, *, G=None, history=None, rng=None, tensor=False):
+        self.dev = dev
+        self.tensor = tensor  # the attention kernels' tensor-op variants (*_tensor)
+        self.Hq, self.Hkv, self.D, self.rot = PREFILL_ATTN_DIMS[dims]
+        self.cap = capacity
+        self.G = G if G is not None else min(8, self.Hq // self.Hkv)
+        rng = rng if rng is not None else np.random.default_rng(seed)
+        D = self.D
+        self.qn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.kn = bf16_bits(1 + 0.1 * rng.standard_normal(D))
+        self.QN, self.KN = upload(dev, self.qn), upload(dev, self.kn)
+        if history is None:
+            history = (bf16_bits(rng.standard_normal((self.Hkv, capacity, D))),
+                       bf16_bits(rng.standard_normal((self.Hkv, capacity, D))))
+        self.k_hist, self.v_hist = (h.copy() for h in history)
+        self.KC, self.VC = upload(dev, self.k_hist), upload(dev, self.v_hist)
+
+    def poison_from(self, n):
+        """Cache rows >= n become NaN (reading past the causal range shows up)."""
+        nan = np.uint16(0x7FC0)
+        self.k_hist[:, n:], self.v_hist[:, n:] = nan, nan
+        self.KC.write(self.k_hist.view(np.uint8).reshape(-1))
+        self.VC.write(self.v_hist.view(np.uint8).reshape(-1))
+
+    def cache(self):
+        shape = (self.Hkv, self.cap, self.D)
+        return download(self.KC, np.uint16, shape), download(self.VC, np.uint16, shape)
+
+    def rows(self, r0, r1):
+        """Byte ranges of cache rows [r0, r1) of every KV head, in K and V."""
+        row = 2 * self.D
+        if r1 <= r0:
+            return []
+        return [(C, (h * self.cap + r0) * row, (r1 - r0) * row) for C in (self.KC, self.VC)
+                for h in range(self.Hkv)]
+
+    def input_buffers(self, qg, k, v):
+        """The projections as the chunk kernels read them: half buffers (saturated)."""
+        return tuple(upload(self.dev, half_activations(x)) for x in (qg, k, v))
+
+    # ---- encoders (into a compute pass p)
+
+    def encode_prep(self, p, QG, K, V, p0, M, label=""):
+        Hq, Hkv, D = self.Hq, self.Hkv, self.D
+        Q = self.dev.buffer(M * Hq * D * (2 if self.tensor else 4))
+        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)),
+                          float(D) ** -0.5, self.G)
+        sfx = "_qbf" if self.tensor else ""  # the tensor-op attention's bfloat q (pack_bf16_q)
+        p.dispatch(f"attn_prefill_prep_d{D}{sfx}", (-(-M // 8), Hq + Hkv), 256,
+                   buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
+                            (6, self.VC), (7, Q)],
+                   constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
+                   writes=[Q, *self.rows(p0, p0 + M)], threadgroups=True, label=label)
+        return Q
+
+    def attn_args(self, p0, M, split_rows=0, num_splits=0):
+        return args_bytes(self.Hq, self.Hkv, self.cap, p0, M, float(self.D) ** -0.5,
+                          split_rows, num_splits)
+
+    def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
+        """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
+        Hq, D, G = self.Hq, self.D, self.G
+        OUT = self.dev.buffer(M * Hq * D * 2)  # half (o_proj's input)
+        sfx = "_tensor" if self.tensor else ""
+        threads = 256  # both paths (kThreads)
+        blocks = -(-M // (QROWS // G))
+        reads = [Q, *self.rows(0, p0 + M)]
+        if split is None:
+            p.dispatch(f"attn_prefill_d{D}_g{G}{sfx}", (blocks, Hq // G), threads,
+                       buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
+                       constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
+                       threadgroups=True, label=label)
+            return OUT
+        S, ns = split
+        assert ns * S >= p0 + M
+        ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
+        args = self.attn_args(p0, M, S, ns)
+        p.dispatch(f"attn_prefill_split_d{D}_g{G}{sfx}", (blocks, Hq // G, ns), threads,
+                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
+                   constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
+                   label=label)
+        p.dispatch(f"attn_prefill_combine_d{D}", (Hq, M), D,
+                   buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
+                   reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
+        return OUT
+
+    # ---- one-shot helpers (own command buffer)
+
+    def run(self, fn):
+        cb = self.dev.command_buffer()
+        p = cb.compute_pass()
+        r = fn(p)
+        cb.commit()
+        cb.wait()
+        return cb, r
+
+    def prefill(self, qg, k, v, p0, split=None):
+        """prep + attention of one chunk in one pass; returns (out [M, Hq*D], q [M, Hq, D], cb)."""
+        M = qg.shape[0]
+        QG, K, V = self.input_buffers(qg, k, v)
+
+        def enc(p):
+            Q = self.encode_prep(p, QG, K, V, p0, M, label="prep")
+            return Q, self.encode_attn(p, Q, QG, p0, M, split=split, label="attn")
+
+        cb, (Q, OUT) = self.run(enc)
+        return self.download_out(OUT, M), self.download_q(Q, M), cb
+
+    def download_out(self, OUT, M):
+        """The attention output (stored half) as float32 [M, Hq*D]."""
+        return download(OUT, np.float16, (M, self.Hq * self.D)).astype(np.float32)
+
+    def download_q(self, Q, M):
+        """The prep's q as fp32 [M, Hq, D] (on the tensor path: unpack_bf16_q)."""
+        if not self.tensor:
+            return download(Q, np.float32, (M, self.Hq, self.D))
+        return unpack_bf16_q(download(Q, np.uint16, (self.Hq // self.G, M, self.G, self.D)), self.G)
+
+    def attention_only(self, q, qg, p0, split=None):
+        M = q.shape[0]
+        Q, QG = upload(self.dev, pack_bf16_q(q, self.G) if self.tensor else q), upload(self.dev, half_activations(qg))
+        _, OUT = self.run(lambda p: self.encode_attn(p, Q, QG, p0, M, split=split))
+        return self.download_out(OUT, M)
+
+
+def attention64(q, qg, K, V, p0):
+    """float64 causal attention: row i of q [M, Hq, D] over K, V [Hkv, >= p0+M, D] rows
+    [0, p0 + i]; output * sigmoid(gate) as [M, Hq*D]."""
+    M, Hq, D = q.shape
+    Hkv = K.shape[0]
+    group = Hq // Hkv
+    gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
+    out = np.empty((M, Hq, D))
+    for h in range(Hq):
+        k = K[h // group, : p0 + M].astype(np.float64)
+        v = V[h // group, : p0 + M].astype(np.float64)
+        s = q[:, h].astype(np.float64) @ k.T * D ** -0.5                       # [M, p0+M]
+        s = np.where(np.arange(p0 + M)[None, :] <= (p0 + np.arange(M))[:, None], s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        out[:, h] = (e / e.sum(axis=1, keepdims=True)) @ v
+    return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
+
+
+def attention_twin(q, qg, K, V, p0, split_rows=None, *, bf16=False):
+    """The prefill attention kernels' arithmetic (metal/attention_prefill.metal, bf16=False;
+    attention_prefill_tensor.metal, bf16=True): row i of q [M, Hq, D] over K, V [Hkv, >= p0+M,
+    D] (bf16 values; within the half range for bf16=False, else clipped to it first, as the
+    kernel's tiles are) rows [0, p0 + i], gated, as [M, Hq*D]. Modelled as the kernel
+    computes it: q * scale rounded to the operand type (half, or bf16 with bf16=True; K, V
+    bf16 -> half exact, or taken as they are), each score an fp32 sum of the exact products
+    (11 x 11 or 8 x 8 significant bits fit in fp32's 24) in order over D (the simulator's
+    product order), keys walked in tiles of TILE from the start of each split of
+    ``split_rows`` keys (None: one range), a row's reference max moved only when a tile's max
+    exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to the operand type, l
+    the sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the
+    gate) in float64, where the kernel's fp32 accumulation differs from it by float32
+    rounding. Not modelled: the kernels store the result as half (ATTN_OUT_RTOL)."""
+    M, Hq, D = q.shape
+    Hkv = K.shape[0]
+    group = Hq // Hkv
+    n = p0 + M
+    f16, f32_ = np.float16, np.float32
+
+    def operand(x):  # fp32 -> the matrix operand type, as fp32 values
+        return round_bf16(x) if bf16 else x.astype(f16).astype(f32_)
+
+    qh = operand(q.astype(f32_) * f32_(1.0 / np.sqrt(D)))
+    S = split_rows or n
+    segments = [(b, min(b + S, n)) for b in range(0, n, S)]
+    pos = p0 + np.arange(M)
+    gate = qg.reshape(M, Hq, 2 * D)[:, :, D:].astype(np.float64)
+    out = np.empty((M, Hq, D))
+    for h in range(Hq):
+        k = f32(K[h // group, :n]) if bf16 else K[h // group, :n].astype(f16).astype(f32_)
+        v = V[h // group, :n].astype(np.float64)
+        prod = qh[:, h, None, :] * k[None, :, :]  # exact in fp32
+        s = np.zeros((M, n), f32_)
+        for d in range(D):
+            s += prod[:, :, d]
+        s = np.where(np.arange(n)[None, :] <= pos[:, None], s, f32_(-np.inf))
+        parts = []
+        for b, e in segments:
+            m = np.full(M, -np.inf, f32_)
+            l, o = np.zeros(M), np.zeros((M, D))
+            for t0 in range(b, e, TILE):
+                st = s[:, t0:min(t0 + TILE, e)]
+                mx = st.max(axis=1)
+                jump = mx > m + f32_(RESCALE)
+                with np.errstate(invalid="ignore", over="ignore"):  # entries np.where drops
+                    corr = np.where(jump & (m != -np.inf), np.exp((m - mx).astype(np.float64)), 1.0)
+                m = np.where(jump, mx, m)
+                mref = np.where(m == -np.inf, f32_(0), m)
+                p = operand(np.exp((st - mref[:, None]).astype(np.float64)).astype(f32_)).astype(np.float64)
+                l = l * corr + p.sum(axis=1)
+                o = o * corr[:, None] + p @ v[t0:t0 + st.shape[1]]
+            parts.append((m.astype(np.float64), l, o))
+        ns = np.minimum(pos // S + 1, len(segments))  # splits holding keys <= pos (the combine's)
+        ms = np.stack([pm for pm, _, _ in parts])
+        ms = np.where(np.arange(len(parts))[:, None] < ns[None, :], ms, -np.inf)
+        mx = ms.max(axis=0)
+        w = np.exp(ms - mx[None, :])
+        L = sum(w[z] * parts[z][1] for z in range(len(parts)))
+        O = sum(w[z][:, None] * parts[z][2] for z in range(len(parts)))
+        out[:, h] = O / L[:, None]
+    return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
+
+
+def prep_reference(L, qg, k, p0):
+    """q [M, Hq, D] and k [M, Hkv, D] after RMSNorm + RoPE (lily.reference helpers)."""
+    M, Hq, Hkv, D = qg.shape[0], L.Hq, L.Hkv, L.D
+    P = p0 + np.arange(M)
+    q = rope(rms_norm(qg.reshape(M, Hq, 2 * D)[:, :, :D], from_bf16(L.qn), PREFILL_EPS), P, L.rot, THETA)
+    kk = rope(rms_norm(k.reshape(M, Hkv, D), from_bf16(L.kn), PREFILL_EPS), P, L.rot, THETA)
+    return q, kk
+
+
+# Prefill attention vs its twin on any device: a GPU sums the score products in another order
+# than the twin, so a P value may round to the neighbouring operand value: one ulp, <= 2^-10 of
+# a weight of a convex combination of V rows with half operands (the simdgroup kernels), 2^-7
+# with bf16 (the tensor-op kernels: 3 significant bits fewer, 8x); |v| < 5 here
+# (tests/kernels/test_attention_prefill.py).
+ATTN_HALF_ATOL = 4e-3
+ATTN_BF16_ATOL = 8 * ATTN_HALF_ATOL
+# The output is stored as half (gemm_half: o_proj's input), which the twin leaves in float64:
+# one rounding, at most 2^-11 of the value (relative; values stay far inside the half range).
+ATTN_OUT_RTOL = 2.0**-11
+# one shape per prefill attention variant (head dim D, query heads per threadgroup G)
+_PREFILL_DIMS = {256: "real", 64: "wide64"}
+
+
+def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 9, G=G, rng=rng, tensor=tensor)
+    L.poison_from(p0 + M)
+    q = f32(rng.standard_normal((M, L.Hq, L.D)))
+    qg = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)[0]
+    kc, vc = L.cache()
+    return L, q, qg, from_bf16(kc), from_bf16(vc)
+
+
+@check("attn_prefill_prep_d256", "attn_prefill_prep_d64", "attn_prefill_prep_d256_qbf", "attn_prefill_prep_d64_qbf")
+def _attn_prefill_prep(dev, rng, kernel):
+    bf16_q = kernel.endswith("_qbf")
+    D, _ = attention_variant(kernel.removesuffix("_qbf"))
+    p0, M = 11, 6
+    L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=bf16_q)
+    qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
+    QG, K, V = L.input_buffers(qg, k, v)
+    _, Q = L.run(lambda p: L.encode_prep(p, QG, K, V, p0, M))
+    q_ref, k_ref = prep_reference(L, qg, k, p0)
+    # _qbf: q rounded to bf16 (relative error <= 2^-8, bf16's unit roundoff; twice that as
+    # the bound)
+    r = close_ratio(L.download_q(Q, M), q_ref, 2**-7 if bf16_q else 1e-5, 1e-5, f"{kernel} q")
+    kc, vc = L.cache()
+    rows = slice(p0, p0 + M)
+    r = max(r, close_ratio(from_bf16(vc[:, rows]), from_bf16(bf16_bits(v.reshape(M, L.Hkv, L.D)).transpose(1, 0, 2)),
+                      0, 0, f"{kernel} cached v"))
+    return max(r, close_ratio(from_bf16(kc[:, rows]), round_bf16(k_ref).transpose(1, 0, 2), 2**-7, 1e-5,
+                         f"{kernel} cached k"))
+
+
+@check(*[f"attn_prefill_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")])
+def _attn_prefill(dev, rng, kernel):
+    D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)", kernel).groups())
+    p0, M = 13, 11
+    tensor = kernel.endswith("_tensor")
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
+    return close_ratio(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, bf16=tensor), ATTN_OUT_RTOL,
+                  ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, kernel)
+
+
+@check(*[f"attn_prefill_split_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
+       "attn_prefill_combine_d256", "attn_prefill_combine_d64")
+def _attn_prefill_split(dev, rng, kernel):
+    D = int(re.search(r"_d(\d+)", kernel).group(1))
+    g = re.search(r"_g(\d+)", kernel)
+    G = int(g.group(1)) if g else 8
+    p0, M, S, ns = 13, 11, 16, 3
+    tensor = kernel.endswith("_tensor")
+    L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
+    got = L.attention_only(q, qg, p0, split=(S, ns))
+    return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S, bf16=tensor), ATTN_OUT_RTOL,
+                  ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, f"{kernel} (split + combine)")

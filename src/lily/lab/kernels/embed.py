@@ -1,0 +1,35 @@
+"""Embedding twins (metal/embed.metal): one row (decode) and a chunk's rows (prefill)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.harness import U, check, magnitude, rand_quant, ratio, run_bound, upload_q
+
+
+@check("embed_q4")
+def _embed(dev, rng, kernel):
+    vocab, cols = 100, 128
+    qt = rand_quant(rng, (), vocab, cols, 4)
+    W, S, B = upload_q(dev, qt)
+    tok = int(rng.integers(vocab))
+    T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
+    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+         threadgroups=False)
+    return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
+                 f"{kernel} row {tok}")
+
+
+@check("embed_rows_q4")
+def _embed_rows(dev, rng, kernel):
+    vocab, cols, M = 60, 128, 5
+    qt = rand_quant(rng, (), vocab, cols, 4)
+    toks = rng.integers(0, vocab, M).astype(np.uint32)
+    W, S, B = upload_q(dev, qt)
+    T, O = upload(dev, toks), dev.buffer(4 * M * cols)
+    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
+         threadgroups=False)
+    want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
+    tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
+    return ratio(download(O, np.float32, (M, cols)), want, tol, f"{kernel} {M} rows")

@@ -1,0 +1,162 @@
+"""Dense GEMM twins (metal/gemm.metal, gemm_tensor.metal): the prefill GEMMs on half operands,
+the SwiGLU GEMM with its row scale, and the tensor-op probes."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.harness import (
+    U, check, half_activations, half_operand, half_stored, half_weights, rand_quant, ratio, run, run_bound,
+    upload_q,
+)
+from lily.reference import silu
+
+GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal)
+GEMM_TENSOR_BM, GEMM_TENSOR_TG = 128, 256  # rows and threads of their tensor-op twins (gemm_tensor.metal)
+GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
+GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
+
+
+def gemm_geometry(kernel: str) -> tuple[int, int]:
+    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: 64 and 128
+    (gemm.metal), 128 and 256 for the tensor-op twins (``*_tensor``, gemm_tensor.metal)."""
+    return (GEMM_TENSOR_BM, GEMM_TENSOR_TG) if kernel.endswith("_tensor") else (GEMM_BM, GEMM_TG)
+
+
+def gemm_bound(K):
+    """First-order relative error bound of a K-term fp32 dot product in the GEMM kernels' order."""
+    return (K + 8) * U
+
+
+def gemm_ref(x, qt: QuantizedTensor, index=None):
+    """(exact, tol) of y = x W^T as the prefill GEMMs compute it (metal/gemm_tiles.h): both
+    operands rounded to half (half_operand, half_weights), each product exact in fp32 (11 x
+    11 significant bits), summed in fp32 in some order. exact is the float64 product of the
+    rounded operands; tol = (K + 8) u M with M = |xh| |wh|^T (gemm_bound: the fp32 sum in any
+    order) plus |xh| dw^T (a contracted dequantization). The half rounding itself is modelled,
+    not tolerated, so the bound stays that of an fp32 GEMM."""
+    xh = half_operand(x)
+    wh, dw = half_weights(qt, index)
+    ax = np.abs(xh)
+    return xh @ wh.T, gemm_bound(x.shape[-1]) * (ax @ np.abs(wh).T) + ax @ dw.T
+
+
+def swiglu_bound(g, u, dg, du):
+    """h = silu(g) * u and a first-order bound of its error for |g err| <= dg, |u err| <= du:
+    |silu'| <= 1.1, plus a few roundings of the activation itself."""
+    h = silu(g) * u
+    return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
+
+
+def swiglu_ref(x, g_q, u_q, index=None, scale=None):
+    """silu(x Wg^T) * (x Wu^T) in float64 from the prefill GEMMs' half operands (gemm_ref)
+    and its first-order error bound; with ``scale`` (fp32 [m], gemm_swiglu_q4's row scale)
+    each row times its scale, one more fp32 rounding."""
+    g, dg = gemm_ref(x, g_q, index)
+    u, du = gemm_ref(x, u_q, index)
+    h, tol = swiglu_bound(g, u, dg, du)
+    if scale is None:
+        return h, tol
+    s = np.asarray(scale, np.float64)[:, None]
+    h = h * s
+    return h, tol * np.abs(s) + U * np.abs(h)
+
+
+ROW_SCALE_BINDING = 9  # gemm_swiglu_q4(_tensor): g at buffer(9), GemmRowScaleArgs at buffer(10)
+
+
+def row_scale(rng, m, ld=3, col=2):
+    """A row scale as gemm_swiglu_q4 reads it: column ``col`` of fp32 [m, ld] in [0, 1) (the
+    routing weights' shared-gate column). Returns (the [m, ld] array, the column index)."""
+    return rng.random((m, ld)).astype(np.float32), col
+
+
+def row_scale_bindings(dev, w, col):
+    """gemm_swiglu_q4's row-scale bindings for column ``col`` of ``w`` fp32 [m, ld]: the
+    buffer bound at the column (ROW_SCALE_BINDING), GemmRowScaleArgs {ld} after it, and the
+    range the kernel reads. Returns (buffers, constants, reads) for :func:`run` or a pass's
+    dispatch."""
+    m, ld = w.shape
+    G, off = upload(dev, w), 4 * col
+    return ([(ROW_SCALE_BINDING, G, off)], [(ROW_SCALE_BINDING + 1, constant(ld))],
+            [(G, off, 4 * ((m - 1) * ld + 1))])
+
+
+@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_h_tensor", "gemm_q4_half_tensor", "gemm_q4_add_hs_tensor")
+def _gemm(dev, rng, kernel):
+    """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v);
+    gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj)."""
+    bits, add, half_y, scaled = int(kernel[6]), "_add" in kernel, "_half" in kernel, "_add_hs" in kernel
+    m, n, k = 33, 70, 128
+    qt = rand_quant(rng, (), n, k, bits)
+    x = half_activations(rng.standard_normal((m, k)))  # half activations (their producers convert)
+    y0 = rng.standard_normal((m, n)).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X = upload(dev, x)
+    Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
+    bm, tg = gemm_geometry(kernel)
+    grid, bufs = (-(-n // GEMM_BN), -(-m // bm)), [W, S, B, X, Y]
+    if scaled:
+        shift = 5
+        f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
+        F = upload(dev, f)
+        run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, constant(m, n, k, k, n)), (7, constant(shift))],
+            reads=[W, S, B, X, Y, F], writes=[Y])
+        x = x * np.repeat(f, 1 << shift, axis=1)  # the staged half product (float16 x float16)
+    else:
+        run_bound(dev, kernel, grid, tg, bufs, constant(m, n, k, k, n),
+                  reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    exact, tol = gemm_ref(x, qt)
+    if add:
+        exact = exact + y0
+        tol = tol + 2 * U * np.abs(exact)
+    if half_y:
+        exact, tol = half_stored(exact, tol)
+    got = download(Y, np.float16 if half_y else np.float32, (m, n)).astype(np.float32)
+    return ratio(got, exact, tol, f"{kernel} {m}x{n}x{k}")
+
+
+@check("gemm_swiglu_q4", "gemm_swiglu_q4_tensor")
+def _gemm_swiglu(dev, rng, kernel):
+    m, n, k = 21, 70, 128
+    gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
+    x = half_activations(rng.standard_normal((m, k)))
+    w, col = row_scale(rng, m)
+    sb, sc, sr = row_scale_bindings(dev, w, col)
+    bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
+    X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
+    bm, tg = gemm_geometry(kernel)
+    run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), *sb],
+        [(8, constant(m, n, k, k, n)), *sc], reads=[*bufs, X, *sr], writes=[Y])
+    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
+    return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
+
+
+def _probe_ratio(out, a, b, what):
+    return ratio(download(out, np.float32, (32, 64)), a @ b, gemm_bound(GEMM_BK) * (np.abs(a) @ np.abs(b)), what)
+
+
+@check("tensor_ops_probe")
+def _tensor_ops_probe(dev, rng, kernel):
+    """For x float32 [64, 64] (metal/gemm_tensor.metal): out = h(x[:32]) h(x)^T (h =
+    half_operand) against an fp32 sum's bound."""
+    x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
+    X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
+    run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
+    xh = half_operand(x)
+    return _probe_ratio(O, xh[:32], xh.T, kernel)
+
+
+@check("tensor_ops_probe_bfloat")
+def _tensor_ops_probe_bfloat(dev, rng, kernel):
+    """For xb bfloat [64, 64] (metal/attention_prefill_tensor.metal): out_qk = xb[:32] xb^T,
+    out_pv = xb[:32] xb; the worse of the two against an fp32 sum's bound."""
+    bits = f32_to_bf16(rng.standard_normal((64, GEMM_BK)).astype(np.float32))
+    XB = upload(dev, bits)
+    QK, PV = (dev.buffer(32 * 64 * 4) for _ in range(2))
+    run(dev, kernel, 1, 128, [(0, XB), (1, QK), (2, PV)], reads=[XB], writes=[QK, PV])
+    xb = bf16_to_f32(bits).astype(np.float64)
+    return max(_probe_ratio(QK, xb[:32], xb.T, f"{kernel} out_qk"), _probe_ratio(PV, xb[:32], xb, f"{kernel} out_pv"))

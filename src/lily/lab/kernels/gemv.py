@@ -1,0 +1,196 @@
+"""GEMV twins (metal/gemv.metal): the quantized GEMVs, the gated GEMV of the Gated DeltaNet
+out_proj, and the fused RMSNorm + GEMV (norm_gemv, embed_norm_gemv) of the decode step."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lily.checkpoint import bf16_to_f32, f32_to_bf16
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.harness import (
+    DEPTH, U, args_bytes, check, f32, from_bf16, magnitude, rand_quant, ratio, run, run_bound, to_bf16_bits,
+    upload_q,
+)
+
+GEMV_ROWS_PER_SG = 4  # kGemvRowsPerSimdgroup (metal/common.h)
+NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
+TG = 64               # threads per threadgroup used for the GEMV-like kernels
+
+
+def gemv_grid(rows: int) -> int:
+    """Threadgroups of a GEMV-like dispatch of ``rows`` outputs with ``TG`` threads."""
+    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
+
+
+NORM_EPS = 1e-6
+
+
+def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG):
+    """Threadgroups of a norm_gemv dispatch with ``rps`` rows per simdgroup: each matrix
+    padded to whole threadgroups."""
+    per = rps * tg // 32
+    return sum(-(-r // per) for r in rows)
+
+
+def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG):
+    """NormGemvArgs {rows[4], cols, eps, write_xn, rows_per_simdgroup} (32 bytes)."""
+    rows = list(rows) + [0] * (4 - len(rows))
+    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn), rps)
+
+
+def _bind(i, spec):
+    return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
+
+
+def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None,
+                  rps=NORM_GEMV_ROWS_PER_SG):
+    """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
+    mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
+    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
+    rows = [m[0] for m in mats]
+    buffers = [(0, X), (1, NW), (2, XN)]
+    reads, writes = [X, NW], ([XN] if write_xn else [])
+    for i in range(4):
+        if i < len(mats):
+            r, wsb, Y = mats[i]
+            specs = [*wsb, Y]
+            if r:
+                reads += list(wsb)
+                y = Y if isinstance(Y, tuple) else (Y, 0)
+                writes.append((y[0], y[1], 4 * r))
+        else:
+            specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
+        buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg, rps) + extra, tg, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps))], reads=reads, writes=writes,
+               threadgroups=True, label=label or f"norm_gemv_q{bits}")
+
+
+def rms_ref64(x, nw_bits, eps=NORM_EPS):
+    x64 = np.asarray(x, np.float64)
+    return x64 / np.sqrt(np.mean(x64 * x64) + eps) * bf16_to_f32(nw_bits).astype(np.float64)
+
+
+def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn, eps=NORM_EPS):
+    """Encodes embed_norm_gemv_q4 (the decode step's first dispatch: the token's embedding
+    row into H, then norm_gemv_q4 on it). mats: up to four (rows, (W, S, B) or None, Y); the
+    slots past len(mats) are bound to NW (unused: rows 0)."""
+    mats = list(mats) + [(0, None, NW)] * (4 - len(mats))
+    rows = [r for r, _, _ in mats]
+    buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
+    reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
+    for i, (r, wsb, Y) in enumerate(mats):
+        specs = [*(wsb if wsb is not None else (NW, NW, NW)), Y]
+        buffers += [(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
+        if r:
+            reads += list(wsb)
+            writes.append(Y)
+    p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn)), (24, constant(cols, vocab))],
+               reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
+
+
+@check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
+def _gemv(dev, rng, kernel):
+    bits, add = int(kernel[6]), kernel.endswith("_add")
+    rows, cols = 100, 256
+    qt = rand_quant(rng, (), rows, cols, bits)
+    x = rng.standard_normal(cols).astype(np.float32)
+    r0 = rng.standard_normal(rows).astype(np.float32)
+    W, S, B = upload_q(dev, qt)
+    X = upload(dev, x)
+    Y = upload(dev, r0) if add else dev.buffer(4 * rows)
+    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+         reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
+    mag = magnitude(qt) @ np.abs(x.astype(np.float64))
+    if add:
+        exact, mag = exact + r0, mag + np.abs(r0)
+    return ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{cols}")
+
+
+def gated_x64(y, ssq, z, norm_w_bits, Dv, eps=1e-6):
+    """float64 gated RMSNorm of y (docs/model.md): y / sqrt(ss / Dv + eps) * norm_w * silu(z),
+    ss of a head = the sum of its partials ``ssq`` [Hv, NS]."""
+    y, z = np.asarray(y, np.float64).reshape(-1, Dv), np.asarray(z, np.float64).reshape(-1, Dv)
+    ss = np.asarray(ssq, np.float64).reshape(len(y), -1).sum(1)
+    w = from_bf16(norm_w_bits).astype(np.float64)
+    return (y / np.sqrt(ss / Dv + eps)[:, None] * w * z / (1 + np.exp(-z))).reshape(-1)
+
+
+def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
+    """gemv_gated_q*_add on random weights, y (with each split's float32 sum of y^2 as ssq), z,
+    norm weight and residual, against float64; returns the worst error ratio. Bound: the GEMV's
+    DEPTH u per |W| |x'| term plus 8 u for x' itself (a square root, a division, three products
+    and the SiLU, each within an ulp or two) and 2 u of the residual."""
+    bits, cols = int(kernel.split("_q")[1][0]), Hv * Dv
+    qt = rand_quant(rng, (), rows, cols, bits)
+    y, z = f32(rng.standard_normal(cols) * 0.3), f32(rng.standard_normal(cols) * 2)
+    ssq = f32((f32(y).reshape(Hv, splits, Dv // splits) ** 2).sum(-1))
+    nw = f32_to_bf16(f32(1 + 0.1 * rng.standard_normal(Dv)))
+    r0 = f32(rng.standard_normal(rows))
+    W, S, B = upload_q(dev, qt)
+    Y, SSQ, Z, NW, R = upload(dev, y), upload(dev, ssq), upload(dev, z), upload(dev, nw), upload(dev, r0)
+    run(dev, kernel, -(-rows // (GEMV_ROWS_PER_SG * tg // 32)), tg,
+        buffers=list(enumerate([W, S, B, Y, R])) + [(6, SSQ), (7, Z), (8, NW)],
+        constants=[(5, constant(rows, cols)), (9, args_bytes(Dv, splits, eps))],
+        reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
+    x = gated_x64(y, ssq, z, nw, Dv, eps)
+    exact = qt.dequantize().astype(np.float64) @ x + r0
+    mag = magnitude(qt) @ np.abs(x)
+    tol = (DEPTH + 8) * U * mag + 2 * U * np.abs(exact)
+    return ratio(download(R, np.float32), exact, tol, f"{kernel} {rows}x{cols} Dv={Dv} NS={splits}")
+
+
+@check("gemv_gated_q4_add", "gemv_gated_q8_add")
+def _gemv_gated(dev, rng, kernel):
+    return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+
+
+def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
+    """Worst error ratio of a norm_gemv's xn (vs float64 RMSNorm of x) and of its matrix
+    outputs (vs float64 products with the xn the kernel wrote)."""
+    want_xn = rms_ref64(x, nw)
+    xn = download(XN, np.float32)
+    r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
+    xin = xn.astype(np.float64)
+    for qt, (rows, _, Y) in zip(qts, mats):
+        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
+                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{xin.size}"))
+    return r
+
+
+@check("norm_gemv_q4", "norm_gemv_q8")
+def _norm_gemv(dev, rng, kernel):
+    bits, cols = int(kernel[-1]), 128
+    x = (rng.standard_normal(cols) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) for r in (40, 7)]
+    X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
+    mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
+    cb = dev.command_buffer()
+    # q8: the router's geometry (one row per simdgroup, csrc/runtime/decode.cpp kRouterRows)
+    enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True,
+                  rps=1 if bits == 8 else NORM_GEMV_ROWS_PER_SG)
+    cb.commit()
+    cb.wait()
+    return _norm_gemv_ratio(kernel, x, nw, XN, qts, mats)
+
+
+@check("embed_norm_gemv_q4")
+def _embed_norm_gemv(dev, rng, kernel):
+    vocab, cols = 50, 128
+    emb = rand_quant(rng, (), vocab, cols, 4, "embed")
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, 4) for r in (24, 9)]
+    tok = int(rng.integers(vocab))
+    EW, ES, EB = upload_q(dev, emb)
+    T, NW, H, XN = upload(dev, np.array([tok], np.uint32)), upload(dev, nw), dev.buffer(4 * cols), dev.buffer(4 * cols)
+    mats = [(q.weight.shape[0], upload_q(dev, q), dev.buffer(4 * q.weight.shape[0])) for q in qts]
+    cb = dev.command_buffer()
+    enc_embed_norm_gemv(cb.compute_pass(), EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn=True)
+    cb.commit()
+    cb.wait()
+    h = download(H, np.float32)
+    r = ratio(h, emb.dequantize(tok).astype(np.float64), 2 * U * magnitude(emb, tok), f"{kernel} embedding row {tok}")
+    return max(r, _norm_gemv_ratio(kernel, h, nw, XN, qts, mats))

@@ -1,0 +1,234 @@
+"""The kernel twins' harness: one dispatch on a device, random MLX-quantized tensors and the
+half/bf16 operand models, argument packing, and the error-ratio machinery every check reports.
+
+A check's result is the worst ratio of |got - exact| to the kernel's tolerance (PASS when <= 1;
+exact kernels: 0 or 1). :func:`check` registers a family module's checks for
+:mod:`lily.lab.kernels.registry`; tests/harness.py wraps :func:`run` and :func:`run_bound`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
+from lily.lab.device import upload
+from lily.reference import ReferenceModel
+
+U = 2.0**-24          # fp32 unit roundoff
+DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
+HALF_MAX = 65504.0   # the GEMMs clamp their half operands to +-HALF_MAX (kGemmHalfMax)
+to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
+
+
+def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
+    """Random MLX-layout tensor [*lead, rows, cols]: uniform codes, realistic bf16 scales
+    (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
+    shape = (*lead, rows)
+    words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
+    g = (*shape, cols // 64)
+    s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
+    b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
+    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
+
+
+def _codes(qt: QuantizedTensor, index=None):
+    """(q, s, b) as float64: codes [*, rows, groups, 64], scales and biases [*, rows, groups, 1]."""
+    w, s, b = qt.weight, qt.scales, qt.biases
+    if index is not None:
+        w, s, b = w[index], s[index], b[index]
+    per = 32 // qt.bits
+    q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
+    q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
+    qg = q.reshape(*q.shape[:-1], -1, 64)
+    return qg, bf16_to_f32(s).astype(np.float64)[..., None], bf16_to_f32(b).astype(np.float64)[..., None]
+
+
+def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """(|s| q + |b|) as float64 [*, rows, cols]: the per-term magnitudes the kernels sum."""
+    q, s, b = _codes(qt, index)
+    return (q * np.abs(s) + np.abs(b)).reshape(*q.shape[:-2], -1)
+
+
+def half_operand(x) -> np.ndarray:
+    """x as the prefill GEMMs stage it (gemm_half, metal/gemm_tiles.h): clamped to +-65504,
+    rounded to half (nearest even); float64."""
+    return half_activations(x).astype(np.float64)
+
+
+def half_activations(x) -> np.ndarray:
+    """x as the producers of the prefill GEMMs' inputs store it (rms_norm_half, the SwiGLU
+    GEMMs: gemm_half of metal/common.h): clamped to +-65504, rounded to half; float16."""
+    return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16)
+
+
+def half_stored(want, tol):
+    """(want, tol) of an fp32 result within tol of want, stored as half (nearest): the
+    rounding adds at most 2**-11 of the stored magnitude, or 2**-25 for subnormals."""
+    want = np.asarray(want, np.float64)
+    return want, tol + 2.0**-11 * (np.abs(want) + tol) + 2.0**-25
+
+
+def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
+    """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
+    them (gemm_load_w, metal/gemm_tiles.h), and dw = |wh - wf|, where wf is the weight a GPU
+    gives and wh may not: a group whose extremes b and s (2^bits - 1) + b stay within
+    +-65504 is dequantized as fma(q, half(s), half(b)) in half, which a GPU rounds once
+    (wf = half(q s_h + b_h)) and the simulator and numpy round through fp32 first (wh =
+    half(fp32(q s_h + b_h)); q s_h is exact in fp32); any other group in fp32 and clamped,
+    wh = half(clamp(fp32(fp32(s q) + b))) stepwise, wf with the fp32 fma a GPU compiler may
+    contract it to."""
+    q, s, b = _codes(qt, index)
+    top = float((1 << qt.bits) - 1)
+    s32, b32 = s.astype(np.float32), b.astype(np.float32)
+    sat = np.maximum(np.abs(b32), np.abs(s32 * np.float32(top) + b32)) > HALF_MAX
+    with np.errstate(over="ignore"):
+        sh, bh = s32.astype(np.float16).astype(np.float64), b32.astype(np.float16).astype(np.float64)
+    in_half = np.where(sat, 0.0, q * sh + bh)  # exact in float64
+    stepwise = np.where(sat, half_operand((q * s).astype(np.float32) + b32),
+                        in_half.astype(np.float32).astype(np.float16))
+    fused = np.where(sat, half_operand((q * s + b).astype(np.float32)), in_half.astype(np.float16))
+    wh, wf = stepwise.astype(np.float64), fused.astype(np.float64)
+    return wh.reshape(*q.shape[:-2], -1), np.abs(wh - wf).reshape(*q.shape[:-2], -1)
+
+
+def upload_q(dev, qt: QuantizedTensor):
+    """The weight, scales and biases of a quantized tensor as three device buffers."""
+    return upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)
+
+
+def from_bf16(bits) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exact."""
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def f32(x) -> np.ndarray:
+    return np.ascontiguousarray(x, np.float32)
+
+
+def args_bytes(*fields) -> bytes:
+    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
+    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
+                    for v in fields)
+
+
+def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,
+        tgmem=(), label=""):
+    """One dispatch of ``kernel`` in its own command buffer, committed and waited for.
+
+    ``buffers`` and ``constants`` are ``(index, buffer[, offset])`` / ``(index, bytes)``
+    bindings, ``tgmem`` ``(index, bytes)`` of threadgroup memory; ``grid`` counts
+    threadgroups when ``threadgroups`` else threads. Returns the command buffer."""
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch(kernel, grid, tg, buffers=list(buffers), constants=list(constants), threadgroup_memory=list(tgmem),
+               reads=list(reads), writes=list(writes), threadgroups=threadgroups, label=label)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+def run_bound(dev, kernel, grid, tg, buffers, args, reads, writes, threadgroups=True, label=""):
+    """:func:`run` with ``buffers`` bound at 0, 1, ... and the argument struct ``args`` (bytes,
+    or None for none) at the next index."""
+    return run(dev, kernel, grid, tg, list(enumerate(buffers)), [] if args is None else [(len(buffers), args)],
+               reads, writes, threadgroups, label=label)
+
+
+def run_encoder(dev, enc, *a, **kw):
+    """``enc(compute_pass, *a, **kw)`` (an ``enc_*`` encoder of a family module) on a fresh
+    command buffer, committed and waited for; returns the command buffer."""
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a, **kw)
+    cb.commit()
+    cb.wait()
+    return cb
+
+
+class StubOracle(ReferenceModel):
+    """ReferenceModel whose linear layers return given projection outputs.
+
+    ``linear(x, "<prefix>.<name>")`` returns ``proj[name]`` (``out_proj`` / ``o_proj``
+    return their input, so a mixer returns what its output projection would consume);
+    ``param("...linear_attn.<name>")`` returns ``params[<name>]``. The mixer math itself is the
+    reference's own code (:meth:`ReferenceModel.gated_deltanet`, :meth:`.attention`).
+    """
+
+    def __init__(self, cfg, params):  # no checkpoint
+        self.cfg = cfg
+        self._act = lambda a: a.astype(np.float32, copy=False)
+        self.params = params
+        self.proj = {}
+
+    def param(self, name):
+        return self.params[name.split("_attn.", 1)[1]]
+
+    def linear(self, x, module):
+        name = module.rsplit(".", 1)[-1]
+        if name in ("out_proj", "o_proj"):
+            return x.astype(np.float32)
+        return self.proj[name]
+
+
+class Mismatch(Exception):
+    """A kernel's output is outside its tolerance (the message says where and by how much)."""
+
+    def __init__(self, message: str, error: float):
+        super().__init__(message)
+        self.error = error
+
+
+@dataclass
+class Result:
+    """The outcome of one kernel's check.
+
+    ``status``: PASS, FAIL (outputs outside tolerance), ERROR (the dispatch raised) or
+    NO CHECK (the library has a kernel no family module checks). ``error``: worst
+    |got - exact| / tolerance (None when not measured). ``seconds``: wall time of the check.
+    """
+
+    kernel: str
+    status: str
+    error: float | None = None
+    detail: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"kernel": self.kernel, "status": self.status, "error": self.error, "detail": self.detail,
+                "seconds": round(self.seconds, 3)}
+
+
+def ratio(got, exact, tol, what: str) -> float:
+    """Worst |got - exact| / tol; raises Mismatch on a non-finite output or a ratio > 1."""
+    got = np.asarray(got, np.float64)
+    if not np.isfinite(got).all():
+        raise Mismatch(f"{what}: non-finite outputs at {np.argwhere(~np.isfinite(got))[:5].ravel().tolist()}",
+                       float("inf"))
+    err = np.abs(got - np.asarray(exact, np.float64))
+    tol = np.broadcast_to(np.asarray(tol, np.float64), err.shape)
+    r = np.divide(err, tol, out=np.where(err > 0, np.inf, 0.0), where=tol > 0)  # tol 0: exact
+    worst = float(r.max()) if r.size else 0.0
+    if worst > 1:
+        raise Mismatch(f"{what}: {int((r > 1).sum())} of {r.size} outputs out of tolerance; worst err/tol "
+                       f"{worst:.3g} at {np.unravel_index(int(np.argmax(r)), r.shape)}", worst)
+    return worst
+
+
+def close_ratio(got, want, rtol, atol, what):
+    """Worst error ratio against numpy's allclose tolerance atol + rtol * |want|."""
+    want = np.asarray(want, np.float64)
+    return ratio(got, want, atol + rtol * np.abs(want), what)
+
+
+CHECKS: dict[str, Callable] = {}
+
+
+def check(*kernels: str):
+    """Registers a check ``f(dev, rng, kernel) -> worst error ratio`` for ``kernels``."""
+    def register(fn):
+        for k in kernels:
+            CHECKS[k] = fn
+        return fn
+    return register

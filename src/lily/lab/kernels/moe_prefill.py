@@ -1,0 +1,382 @@
+"""Prefill MoE twins (metal/moe_prefill.metal, moe_prefill_tensor.metal): the chunk's routing
+(clear, top-k, scatter into tile maps by class), the grouped expert GEMMs and the combine."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
+from lily.lab.kernels.harness import (
+    U, Mismatch, check, half_activations, half_stored, rand_quant, ratio, run_encoder, to_bf16_bits, upload_q,
+)
+from lily.lab.kernels.norm import norm_half_ref
+from lily.reference import sigmoid, softmax
+
+# Grouped GEMM kernels per tile height T: threads of both kernels, output columns per
+# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry). T = 128: the
+# tensor-op path only (moe_gemm_*_q4_t128_tensor, no simdgroup_matrix twin).
+MOE_TG = {16: 64, 32: 128, 64: 128, 128: 256}
+MOE_BN = {16: 64, 32: 64, 64: 32, 128: 32}
+MOE_DOWN_BN = {16: 64, 32: 64, 64: 64, 128: 64}
+MOE_TILES = (16, 32, 64)
+MOE_TENSOR_TILES = MOE_TILES + (128,)
+
+
+def route_tg(E):
+    """Recommended threadgroup of moe_route_topk / moe_route_scatter: round_up(E, 32)."""
+    return min(1024, -(-E // 32) * 32)
+
+
+def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
+    return constant(M, E, k, int(norm), block_rows, tile_rows)
+
+
+def nblocks(M, R):
+    return -(-M // R)
+
+
+def tile_classes(T):
+    return 1 if T >= 128 else 3 if T >= 64 else 2 if T >= 32 else 1
+
+
+def tail_class(T, r):
+    """The class of an expert's last tile of r rows (1 <= r <= T): the smallest that holds it."""
+    heights = [T >> c for c in range(tile_classes(T))]
+    return max(c for c, h in enumerate(heights) if r <= h)
+
+
+def class_capacity(n, E, T, c):
+    """Most tiles class c can hold for n assignments over E experts."""
+    lo = (T >> (c + 1)) + 1 if c + 1 < tile_classes(T) else 1
+    tails = min(E, n // lo)
+    return tails if c > 0 else min(n // lo, n // T + tails)
+
+
+def class_base(n, E, T, c):
+    """First entry of class c's map in the tile-map buffer."""
+    return sum(class_capacity(n, E, T, i) for i in range(c))
+
+
+def max_tiles(M, k, E, T):
+    """Entries of all class maps of a height-T tiling of M rows."""
+    return class_base(M * k, E, T, tile_classes(T))
+
+
+def route_ref_rows(logits, k, norm=True):
+    """lily.reference.ReferenceModel.moe's routing of float32 logits [M, E(+1)]."""
+    E = logits.shape[1] - 1
+    p = softmax(logits[:, :E].astype(np.float32))
+    top = np.argsort(-p, axis=-1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, top, axis=-1)
+    if norm:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return top.astype(np.uint32), w
+
+
+def block_hist(ids, E, R):
+    """Histogram [blocks, E] of the assignments of each block of R rows."""
+    M = ids.shape[0]
+    out = np.zeros((nblocks(M, R), E), np.uint32)
+    for b in range(out.shape[0]):
+        out[b] = np.bincount(ids[b * R:(b + 1) * R].ravel(), minlength=E)
+    return out
+
+
+def tiles_ref(counts, T):
+    """The tile maps of the grouped order, one [n_c, 4] array per class c: each expert's
+    full T-row tiles in class 0, its remainder r (if any) as one tile of class tail_class(T, r);
+    experts in order within a class."""
+    start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    maps = [[] for _ in range(tile_classes(T))]
+    for e, c in enumerate(int(x) for x in counts):
+        for t in range(c // T):
+            maps[0].append((e, start[e] + t * T, T, 0))
+        if c % T:
+            maps[tail_class(T, c % T)].append((e, start[e] + c - c % T, c % T, 0))
+    return [np.array(m, np.uint32).reshape(-1, 4) for m in maps]
+
+
+def enc_clear(p, bc, M, E, k, R, T):
+    n = nblocks(M, R) * E
+    p.dispatch("moe_route_clear", n, 256, buffers=[(0, bc)], constants=[(1, route_args(M, E, k, True, R, T))],
+               writes=[(bc, 0, 4 * n)], label="moe_route_clear")
+
+
+def enc_topk(p, L, ids, w, bc, M, E, k, norm, R, T, tg=None):
+    p.dispatch("moe_route_topk", M, tg or route_tg(E),
+               buffers=[(0, L), (1, ids), (2, w), (3, bc)],
+               constants=[(4, route_args(M, E, k, norm, R, T))],
+               reads=[(L, 0, 4 * M * (E + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(ids, 0, 4 * M * k), (w, 0, 4 * M * (k + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
+               threadgroups=True, label="moe_route_topk")
+
+
+def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None):
+    p.dispatch("moe_route_scatter", nblocks(M, R), tg or route_tg(E),
+               buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
+               constants=[(6, route_args(M, E, k, True, R, T))],
+               reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
+               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4 * tile_classes(T)),
+                       (counts, 0, 4 * E)],
+               threadgroups=True, label="moe_route_scatter")
+
+
+def enc_combine(p, h, yx, w, M, H, k, tg=64):
+    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], w fp32 [M, k+1] (its last
+    column, the shared gate, is not read: the shared expert is already in h)."""
+    p.dispatch("moe_combine", (H // 4, M), (tg, 1),
+               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, constant(M, H, k))],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1))],
+               writes=[(h, 0, 4 * M * H)], label="moe_combine")
+
+
+def combine_inputs(rng, M, H, k):
+    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] (as the down
+    projections store it), w fp32 [M, k+1] in [0, 1)."""
+    return (rng.standard_normal((M, H)).astype(np.float32), half_activations(rng.standard_normal((M * k, H))),
+            rng.random((M, k + 1)).astype(np.float32))
+
+
+def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
+    """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
+    [H]); one threadgroup of tg threads per row."""
+    p.dispatch("moe_combine_norm", M, tg,
+               buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
+               constants=[(3, constant(M, H, k)), (6, constant(H) + np.float32(eps).tobytes())],
+               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1)), (nw, 0, 2 * H)],
+               writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
+
+
+def combine_ref(h, yx, w):
+    """(want, tol) of moe_combine on the values it reads (yx: the half outputs as stored);
+    float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
+    M, k = w.shape[0], w.shape[1] - 1
+    H = h.shape[1]
+    y3 = yx.astype(np.float64).reshape(M, k, H)
+    w64 = w.astype(np.float64)
+    terms = np.abs(h) + np.einsum("mj,mjh->mh", np.abs(w64[:, :k]), np.abs(y3))
+    want = h + np.einsum("mj,mjh->mh", w64[:, :k], y3)
+    return want, (k + 2) * U * terms
+
+
+def make_routing(rng, M, E, k, T, skew):
+    """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
+    increasing order, slots of one expert in *random* order) and the tile map.
+    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
+    if skew:
+        hot = int(rng.integers(E))
+        pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
+        ids = np.stack([rng.choice(pool, k, replace=False) for _ in range(M)])
+        rows = rng.random(M) < 0.9
+        ids[rows, rng.integers(k, size=rows.sum())] = hot
+    else:
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+    flat = ids.reshape(-1).astype(np.uint32)
+    perm = []
+    tiles = []
+    for e in range(E):
+        a = np.nonzero(flat == e)[0]
+        rng.shuffle(a)
+        for b in range(0, len(a), T):
+            tiles.append((e, len(perm) + b, min(T, len(a) - b), 0))
+        perm.extend(a.tolist())
+    return ids.astype(np.uint32), np.asarray(perm, np.uint32), np.asarray(tiles, np.uint32).reshape(-1, 4)
+
+
+def tile_buffers(dev, tiles, count, M, E, k, T):
+    """tiles [max_tiles] with the entries past `count` set to stale but plausible tiles
+    (slots 0..T of another expert than the first tile's): a kernel that ran them would
+    overwrite slots of the first tile with wrong values."""
+    max_tiles = -(-M * k // T) + min(E, M * k)
+    assert len(tiles) <= max_tiles
+    stale = (int(tiles[0, 0]) + 1) % E
+    tl = np.tile(np.array([stale, 0, T, 0], np.uint32), (max_tiles, 1))
+    tl[:count] = tiles[:count]
+    return upload(dev, tl), upload(dev, np.array([count], np.uint32)), max_tiles
+
+
+def moe_args(n, k, M, top_k, E, lda, ldy, tile_rows):
+    return constant(n, k, M, top_k, E, lda, ldy, tile_rows)
+
+
+def _map_ranges(TL, TC, max_tiles, cls):
+    """Bindings and read ranges of one class map: cls = None (the whole buffers, one map) or
+    (class c, first entry): the map at that entry, its count at TC[c]."""
+    if cls is None:
+        return [(2, TL), (3, TC)], [TL, TC]
+    c, base = cls
+    return [(2, TL, 16 * base), (3, TC, 4 * c)], [(TL, 16 * base, 16 * max_tiles), (TC, 4 * c, 4)]
+
+
+def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
+                         cls=None, tile_rows=None, tag=0):
+    """moe_gemm_gate_up_q4_t{T} over max_tiles tiles. cls: (class, first map entry) to read one
+    class map of moe_route_scatter's buffers (tile_rows: the tiling's T; tag: the disjoint
+    write tag shared by the classes of one projection)."""
+    lda, ldy = lda or H, ldy or I
+    kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
+    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
+    p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
+               buffers=[(0, X), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
+               constants=[(11, moe_args(I, H, M, k, E, lda, ldy, tile_rows or T))],
+               reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, *map_reads, *gb, *ub],
+               writes=[(HX, 0, 2 * ((M * k - 1) * ldy + I), tag)], threadgroups=True, label=kernel)
+
+
+def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
+                      cls=None, tile_rows=None, tag=0):
+    """moe_gemm_down_q4_t{T}: YX half [M*k, ldy]; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
+    lda, ldy = lda or I, ldy or H
+    kernel = kernel or f"moe_gemm_down_q4_t{T}"
+    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
+    p.dispatch(kernel, (max_tiles, -(-H // MOE_DOWN_BN[T])), MOE_TG[T],
+               buffers=[(0, HX), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
+               constants=[(8, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T))],
+               reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, *map_reads, *db],
+               writes=[(YX, 0, 2 * ((M * k - 1) * ldy + H), tag)], threadgroups=True, label=kernel)
+
+
+@check("moe_route_clear")
+def _moe_route_clear(dev, rng, kernel):
+    M, E, k, R, T = 40, 32, 4, 16, 16
+    n = nblocks(M, R) * E
+    bc = dev.buffer(4 * n)  # poisoned on the simulator; garbage on a GPU
+    bc.write(np.full(n, 0xFFFFFFFF, np.uint32).view(np.uint8))
+    run_encoder(dev, enc_clear, bc, M, E, k, R, T)
+    got = download(bc, np.uint32)
+    if got.any():
+        raise Mismatch(f"{kernel}: {int((got != 0).sum())} of {n} counters not cleared", 1.0)
+    return 0.0
+
+
+@check("moe_route_topk")
+def _moe_route_topk(dev, rng, kernel):
+    M, E, k, R, T = 21, 32, 4, 8, 16
+    logits = (np.round(rng.standard_normal((M, E + 1)) * 32) / 16).astype(np.float32)  # on a grid: no near-ties
+    L, ids, w = upload(dev, logits), dev.buffer(4 * M * k), dev.buffer(4 * M * (k + 1))
+    bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
+    run_encoder(dev, enc_topk, L, ids, w, bc, M, E, k, True, R, T)
+    top, wr = route_ref_rows(logits, k)
+    got_ids = download(ids, np.uint32, (M, k))
+    if not np.array_equal(got_ids, top):
+        raise Mismatch(f"{kernel}: top-k picks differ in rows {np.nonzero((got_ids != top).any(1))[0].tolist()}", 1.0)
+    got_w = download(w, np.float32, (M, k + 1))
+    r = ratio(got_w[:, :k], wr, (16 * U * np.log2(E) + 8 * U) * np.abs(wr), f"{kernel} weights")
+    r = max(r, ratio(got_w[:, k], sigmoid(logits[:, E].astype(np.float64)), 8 * U, f"{kernel} shared gate"))
+    if not np.array_equal(download(bc, np.uint32).reshape(-1, E), block_hist(top, E, R)):
+        raise Mismatch(f"{kernel}: block histogram differs", 1.0)
+    return r
+
+
+@check("moe_route_scatter")
+def _moe_route_scatter(dev, rng, kernel):
+    M, E, k, R, T = 37, 8, 4, 8, 32  # ~18 rows per expert: full tiles and both tail classes
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.uint32)
+    n = M * k
+    I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
+    perm, tiles, tcount, counts = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)),
+                                   dev.buffer(4 * tile_classes(T)), dev.buffer(4 * E))
+    run_encoder(dev, enc_scatter, I, bc, perm, tiles, tcount, counts, M, E, k, R, T)
+    want_counts = np.bincount(ids.ravel(), minlength=E).astype(np.uint32)
+    got_counts = download(counts, np.uint32)
+    p = download(perm, np.uint32)
+    flat = ids.ravel()
+    want_maps = tiles_ref(want_counts, T)
+    nts = download(tcount, np.uint32)
+    got_tiles = download(tiles, np.uint32).reshape(-1, 4)
+    problems = []
+    if not np.array_equal(got_counts, want_counts):
+        problems.append("expert counts")
+    if not np.array_equal(np.sort(p), np.arange(n, dtype=np.uint32)):
+        problems.append("perm is not a permutation of the assignments")
+    elif (np.diff(flat[p].astype(np.int64)) < 0).any():
+        problems.append("perm does not group the assignments by expert")
+    for c, want in enumerate(want_maps):
+        base, nt = class_base(n, E, T, c), int(nts[c])
+        if nt != len(want) or not np.array_equal(got_tiles[base:base + nt], want):
+            problems.append(f"tile map of class {c} ({nt} tiles, expected {len(want)})")
+    if problems:
+        raise Mismatch(f"{kernel}: " + "; ".join(problems), 1.0)
+    return 0.0
+
+
+@check("moe_combine", "moe_combine_norm")
+def _moe_combine(dev, rng, kernel):
+    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as half."""
+    norm = kernel.endswith("_norm")
+    M, H, k = 9, 256, 4
+    h, yx, w = combine_inputs(rng, M, H, k)
+    Hb, Y, Wt = (upload(dev, a) for a in (h, yx, w))
+    if norm:
+        nw, XN = to_bf16_bits(1 + 0.3 * rng.standard_normal(H)), dev.buffer(2 * M * H)
+        run_encoder(dev, enc_combine_norm, Hb, Y, Wt, upload(dev, nw), XN, M, H, k)
+    else:
+        run_encoder(dev, enc_combine, Hb, Y, Wt, M, H, k)
+    hout = download(Hb, np.float32, (M, H))
+    want, tol = combine_ref(h.astype(np.float64), yx, w)
+    r = ratio(hout, want, tol, kernel + " h")
+    if norm:
+        want, tol = norm_half_ref(hout, nw)
+        r = max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
+    return r
+
+
+def _grouped(kernel):
+    """(tile height T) of a grouped GEMM kernel name (..._t16, ..._t32_tensor)."""
+    return int(re.search(r"_t(\d+)", kernel).group(1))
+
+
+def _moe_rows(T):
+    """Rows of a grouped GEMM check: 23 (every tile partial below T = 32), 80 at T = 128 (~40
+    rows per expert: tiles of several 16-row bands, all partial)."""
+    return 80 if T == 128 else 23
+
+
+@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_gate_up_q4_t128_tensor")
+def _moe_gemm_gate_up(dev, rng, kernel):
+    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
+    M = _moe_rows(T)
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+    gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
+    x = half_activations(rng.standard_normal((M, H)))
+    X, P = upload(dev, x), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    HX = dev.buffer(2 * M * k * I)  # half
+    cb = dev.command_buffer()
+    enc_moe_gemm_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, list(upload_q(dev, gq)), list(upload_q(dev, uq)),
+                         HX, M, k, E, H, I, kernel=kernel)
+    cb.commit()
+    cb.wait()
+    hx = download(HX, np.float16, (M * k, I)).astype(np.float32)
+    r = 0.0
+    for e, begin, rows, _ in tiles:
+        want, tol = half_stored(*swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e)))
+        r = max(r, ratio(hx[begin:begin + rows], want, tol, f"{kernel} expert {e}"))
+    return r
+
+
+@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_down_q4_t128_tensor")
+def _moe_gemm_down(dev, rng, kernel):
+    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
+    M = _moe_rows(T)
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+    dq = rand_quant(rng, (E,), H, I, 4)
+    hx = half_activations(rng.standard_normal((M * k, I)) * 0.1)
+    HX, P = upload(dev, hx), upload(dev, perm)
+    TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+    YX = dev.buffer(2 * M * k * H)  # half
+    cb = dev.command_buffer()
+    enc_moe_gemm_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, list(upload_q(dev, dq)), YX, M, k, E, H, I,
+                      kernel=kernel)
+    cb.commit()
+    cb.wait()
+    yx = download(YX, np.float16, (M * k, H)).astype(np.float32)
+    r = 0.0
+    for e, begin, rows, _ in tiles:
+        a = perm[begin:begin + rows]
+        want, tol = half_stored(*gemm_ref(hx[begin:begin + rows], dq, int(e)))
+        r = max(r, ratio(yx[a], want, tol, f"{kernel} expert {e}"))
+    return r

@@ -1,0 +1,36 @@
+"""RMSNorm twins (metal/norm.metal): float32 and half-stored outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lily.checkpoint import bf16_to_f32
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.harness import DEPTH, HALF_MAX, U, check, half_stored, ratio, run_bound, to_bf16_bits
+
+
+def norm_half_ref(x, nw_bits, eps=1e-6):
+    """(want, tol) of rms_norm_half / moe_combine_norm's xn on the fp32 rows x it normalised:
+    float64 RMSNorm, the fp32 bound DEPTH u |want| plus the half rounding (half_stored);
+    values beyond +-65504 are stored as +-65504 (want clipped, no extra tolerance)."""
+    x64 = np.asarray(x, np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(nw_bits)
+    return half_stored(np.clip(want, -HALF_MAX, HALF_MAX), DEPTH * U * np.abs(want) + 1e-30)
+
+
+@check("rms_norm", "rms_norm_half")
+def _rms_norm(dev, rng, kernel):
+    """rms_norm_half: the same norm stored as half (prefill's xn)."""
+    rows, n, eps = 3, 256, 1e-6
+    half = kernel.endswith("_half")
+    x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
+    w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
+    X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer((2 if half else 4) * rows * n)
+    run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
+    tol = DEPTH * U * np.abs(want) + 1e-30
+    if half:
+        want, tol = half_stored(want, tol)
+    got = download(O, np.float16 if half else np.float32, (rows, n)).astype(np.float32)
+    return ratio(got, want, tol, kernel)

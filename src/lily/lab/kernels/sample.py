@@ -1,0 +1,203 @@
+"""Sampling twins (metal/sample.metal): greedy argmax (one and two stages) and the sampler's
+draws against a numpy model of the kernel (Philox, filtered probabilities)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from lily.lab.device import constant, download, upload
+from lily.lab.kernels.harness import Mismatch, args_bytes, check, f32, run_bound
+from lily.sampling import Sampler, SamplingParams
+
+
+def philox_u(seed: int, counter: int) -> float:
+    """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
+    counter = (position, 0, 0, 0); u = (first word >> 8) * 2^-24."""
+    M = 0xFFFFFFFF
+    c = [counter & M, 0, 0, 0]
+    k0, k1 = seed & M, (seed >> 32) & M
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [(p1 >> 32) ^ c[1] ^ k0, p1 & M, (p0 >> 32) ^ c[3] ^ k1, p0 & M]
+        k0, k1 = (k0 + 0x9E3779B9) & M, (k1 + 0xBB67AE85) & M
+    return (c[0] >> 8) * 2.0 ** -24
+
+
+def sampler_for(params: SamplingParams, prompt=(), generated=()):
+    s = Sampler(params, prompt)
+    for t in generated:
+        s._counts[int(t)] = s._counts.get(int(t), 0) + 1
+    return s
+
+
+def count_buffer(V, prompt=(), generated=()):
+    c = np.zeros(V, np.uint32)
+    for t in prompt:
+        c[t] |= 0x80000000
+    for t in generated:
+        c[t] += 1
+    return c
+
+
+def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
+    """The distribution lily.sampling.Sampler draws from (its own code path, minus the draw)."""
+    return sampler_for(params, prompt, generated).probabilities(logits)
+
+
+def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
+    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
+                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
+                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
+                      int(update_counts), int(bool(p.logit_bias)))
+
+
+def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
+    """``params.logit_bias`` as the runtime's per-session buffer: float32 ``[V]``, 0 elsewhere."""
+    b = np.zeros(V, np.float32)
+    ids, vals = params.bias_arrays()
+    b[ids] = vals
+    return b
+
+
+def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
+    """One sample_token dispatch per (seed, position), all in one command buffer; with
+    ``params.logit_bias`` the dense bias buffer is bound and declared read (else bound only)."""
+    V = logits.size
+    n = len(seeds)
+    L, C = upload(dev, f32(logits)), upload(dev, counts)
+    B = upload(dev, dense_bias(params, V)) if params.logit_bias else L
+    POS = upload(dev, np.asarray(positions, np.uint32))
+    TOK = dev.buffer(4 * n)
+    k = max(params.top_logprobs, 1)
+    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    for j, seed in enumerate(seeds):
+        lp_bytes = 4 * (1 + params.top_logprobs)
+        p.dispatch("sample_token", 1, tg,
+                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
+                            (5, IDS, 4 * k * j), (7, B)],
+                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
+                   reads=[L, C, (POS, 4 * j, 4)] + ([B] if params.logit_bias else []),
+                   writes=[(TOK, 4 * j, 4)]
+                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
+                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
+                      if params.top_logprobs else [])
+                   + ([C] if update_counts else []),
+                   threadgroups=True)
+    t = time.perf_counter()
+    cb.commit()
+    cb.wait()
+    dt = time.perf_counter() - t
+    toks = download(TOK, np.uint32)
+    lps = download(LP, np.float32, (n, 1 + params.top_logprobs))
+    ids = download(IDS, np.uint32, (n, k))
+    return toks, lps, ids, C, dt
+
+
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.3}
+
+
+def sorted_order(probs):
+    """The fast path's candidate order: probability descending, id ascending."""
+    return np.lexsort((np.arange(probs.size), -probs))
+
+
+def thread_order(V, tg):
+    """The slow path's order: thread t's elements t, t + tg, ... one thread after another."""
+    return np.concatenate([np.arange(t, V, tg) for t in range(tg)])
+
+
+def expected_draws(probs, order, seeds, positions):
+    """Tokens the numpy model of the kernel draws, and whether u is near a boundary."""
+    p = probs[order]
+    csum = np.cumsum(p)
+    last = int(np.nonzero(p)[0][-1])
+    out = []
+    for seed, pos in zip(seeds, positions):
+        u = philox_u(seed, pos)
+        j = min(int(np.searchsorted(csum, u, side="right")), last)
+        out.append((int(order[j]), np.min(np.abs(csum - u)) < 1e-5))
+    return out
+
+
+@check("sample_greedy")
+def _sample_greedy(dev, rng, kernel):
+    V = 1000
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
+    L, TOK = upload(dev, logits), dev.buffer(4)
+    run_bound(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
+    if got != want:
+        raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
+    return 0.0
+
+
+def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None) -> tuple[int, int]:
+    """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
+    ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
+    of ``slice_`` logits), then sample_greedy_combine in one threadgroup. Returns (token,
+    barrier stages of the command buffer)."""
+    V = logits.size
+    parts = -(-V // slice_)
+    L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
+    B = [upload(dev, f32(bias))] if bias is not None else []
+    cb = dev.command_buffer()
+    p = cb.compute_pass()
+    p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
+               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, constant(V, slice_))],
+               reads=[L, *B], writes=[PART], threadgroups=True)
+    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
+               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
+    cb.commit()
+    cb.wait()
+    return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
+
+
+@check("argmax_partial", "argmax_partial_bias", "sample_greedy_combine")
+def _argmax_two_stage(dev, rng, kernel):
+    """The runtime's greedy argmax: partials over slices of 64 logits, then the combine
+    (argmax_partial_bias: over logits + a bias that lifts one token and bans the leaders)."""
+    V, slice_ = 1000, 64
+    logits = (rng.standard_normal(V) * 3).astype(np.float32)
+    logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
+    bias = None
+    if kernel == "argmax_partial_bias":
+        bias = np.zeros(V, np.float32)
+        bias[[V // 3, V // 2]] = -100.0
+        bias[int(rng.integers(V))] += 7.5
+    got = argmax_two_stage(dev, logits, slice_, bias)[0]
+    want = int(np.argmax(logits if bias is None else logits + bias))
+    if got != want:
+        raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
+    return 0.0
+
+
+@check("sample_token")
+def _sample_token(dev, rng, kernel):
+    """Draw by draw against the numpy model of the kernel (Philox u, crossing of u * Z in
+    probability order) on penalised, filtered logits; a draw may differ only where u lies
+    within 1e-5 of a boundary of the cumulative mass (float32 vs float64). Twice: without and
+    with a logit bias (a few nudges and a ban on the most likely token, which is never drawn)."""
+    V = 50
+    logits = (rng.standard_normal(V) * 2).astype(np.float32)
+    prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
+    base = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)
+    nudged = rng.choice(V, 4, replace=False)
+    bias = {int(t): float(b) for t, b in zip(nudged, rng.uniform(-3, 3, 4))} | {int(np.argmax(logits)): -100.0}
+    seeds = [int(s) for s in rng.integers(0, 2**63, 24)]
+    positions = list(range(100, 124))
+    for params in (base, replace(base, logit_bias=bias)):
+        probs = filtered_probs(params, logits, prompt, generated)
+        toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
+        bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
+               if t != w and not near]
+        what = " with a logit bias" if params.logit_bias else ""
+        if bad:
+            raise Mismatch(f"{kernel}{what}: {len(bad)} of {len(toks)} draws differ from the numpy model "
+                           f"(got, want): {bad[:5]}", float(len(bad)))
+    return 0.0
