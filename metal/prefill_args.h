@@ -47,7 +47,7 @@ struct MoeGemmArgs {
   uint lda;      // row stride in floats of the A operand (gate/up: x; down: hx); multiple of 4, >= k
   uint ldy;      // row stride in floats of the output (gate/up: hx; down: yx); >= n
   uint tile_rows;  // T of the chunk's tiling (MoeRoutePrefillArgs::tile_rows): which tile class
-                   // this dispatch runs; read by the performance model (work.cpp), not the kernel
+                   // this dispatch runs; read by the performance model (cost.cpp), not the kernel
 };
 
 // ---- expert routing --------------------------------------------------------------------

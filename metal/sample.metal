@@ -28,7 +28,7 @@
 //     element) - any fixed order samples the same distribution. Ties at the exact top-p
 //     boundary value keep all tied tokens there.
 #include <metal_stdlib>
-#include "mixer_args.h"
+#include "sample_args.h"
 using namespace metal;
 
 namespace sample_detail {

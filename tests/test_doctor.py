@@ -209,9 +209,9 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
     """On a device whose tensor ops take no bfloat operands the doctor says the GEMMs keep
     them and why the prefill attention does not (text, bug-report line and JSON); the
     kernels it lists are the ones that device offers, so the report stays OK."""
-    import lily.native
-    make = lily.native.make_device
-    monkeypatch.setattr(lily.native, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
+    import lily.native_backend
+    make = lily.native_backend.make_device
+    monkeypatch.setattr(lily.native_backend, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
     assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
     out = capsys.readouterr().out
     assert "tensor ops      yes" in out

@@ -29,8 +29,8 @@ def _lab(modules: set[str]) -> set[str]:
 
 
 def test_engine_server_and_cli_do_not_load_the_lab():
-    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native", "lily.reference", "lily.server")
-    assert "lily.engine" in loaded and "lily.server" in loaded and "lily.native" in loaded
+    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native_backend", "lily.reference", "lily.server")
+    assert "lily.engine" in loaded and "lily.server" in loaded and "lily.native_backend" in loaded
     assert not _lab(loaded)
 
 
@@ -90,4 +90,4 @@ def _lily_imports(module: str) -> set[str]:
 def test_host_contract_depends_on_no_device():
     assert _lily_imports("lily.backend") <= {"lily.constraints", "lily.sampling", "lily.errors"}
     assert _lily_imports("lily.constraints") <= {"lily.errors"}
-    assert "lily.native" not in _lily_imports("lily.reference")
+    assert "lily.native_backend" not in _lily_imports("lily.reference")

@@ -15,7 +15,7 @@ import pytest
 from lily import _core
 from lily.checkpoint import parse_config
 from lily.engine import Engine
-from lily.native import default_state_window
+from lily.native_backend import default_state_window
 from lily.lab.estimate import QWEN36_35B_A3B
 from lily.lab.kernels.gdn import gdn_ring_entry
 
@@ -162,7 +162,7 @@ def test_full_size_decode_step_counters(context):
     must be within 5% of the docs/model.md minimum; from 256 rows on the attention is split so
     that its grid has >= 2x the 40 cores of an M5 Max in threadgroups, each KV row read by
     one threadgroup (8 query heads each)."""
-    from lily.native import count_decode_window
+    from lily.native_backend import count_decode_window
     cfg = parse_config(REAL)
     window = count_decode_window(cfg, context)  # one write-back window: the mean step
     c = window[0]

@@ -42,8 +42,8 @@ def test_invalid_native_options(demo_path, options, match):
 ])
 def test_runtime_options_name_the_invalid_option(name, value, match):
     """RuntimeOptions (csrc/runtime/runtime.h) is the one home of the options' rules: the
-    binding, lily.native.runtime_options and the Runtime itself give the same message."""
-    from lily.native import make_device, model_dims, runtime_options
+    binding, lily.native_backend.runtime_options and the Runtime itself give the same message."""
+    from lily.native_backend import make_device, model_dims, runtime_options
     from lily.lab.testing import PRESETS
     with pytest.raises(InvalidParameterError, match=match):
         runtime_options(**{"max_context": 16, name: value})
@@ -63,7 +63,7 @@ def test_runtime_options_name_the_invalid_option(name, value, match):
 
 
 def test_runtime_options_defaults_and_names():
-    from lily.native import runtime_options
+    from lily.native_backend import runtime_options
     o = _core.RuntimeOptions()
     assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "state_window",
                         "virtual_weights")
@@ -215,7 +215,7 @@ def test_missing_tensor_fails_at_load_naming_it(missing):
     the first dispatch: a table without one tensor is refused naming it (Engine.load checks the
     checkpoint first, with the same words: test_checkpoint.test_missing_tensor)."""
     from lily.lab import estimate
-    from lily.native import _virtual_tensors, make_device, model_dims, runtime_options
+    from lily.native_backend import _virtual_tensors, make_device, model_dims, runtime_options
     cfg = estimate.model_config()
     tensors = [t for t in _virtual_tensors(cfg, 4, 8) if t[0] != missing]
     assert len(tensors) == len(_virtual_tensors(cfg, 4, 8)) - 1

@@ -167,7 +167,7 @@ def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
     """One 240-row chunk of the tiny model (16 experts, top-4: 60 rows per expert) runs its
     experts in 64-row tiles with the remainders in the 64 / 32 / 16-row classes, one dispatch
     per class in one barrier stage; its last logits match the reference."""
-    from lily.native import count_prefill_chunk
+    from lily.native_backend import count_prefill_chunk
     rows = 240
     recs = count_prefill_chunk(load_config(tiny_checkpoint)[0], rows)["records"]
     gate_up = [r for r in recs if r["label"].startswith("L0 experts gate|up")]
@@ -283,7 +283,7 @@ def test_full_size_prefill_chunk_counters(rows, position):
     reports these numbers): barrier stages per chunk do not depend on the chunk's length,
     per layer they are fixed by the stage list; dispatches only by the expert tile classes
     (one gate/up and one down per class, all classes of a projection in one stage)."""
-    from lily.native import count_prefill_chunk
+    from lily.native_backend import count_prefill_chunk
     cfg = parse_config(REAL)
     c = count_prefill_chunk(cfg, rows, position)
     split = position + rows > 32768 and rows < 1024  # a grid of < 256 threadgroups (rows / 8 x 2)
@@ -317,7 +317,7 @@ def test_full_size_expert_tiles(rows, T):
     64 x 32 blocks of gate and of up, down 64 x 64), so each expert's weights are read about
     once per chunk; each expert's remainder runs in the smallest tile class holding it (T, T/2,
     T/4 down to 16), one dispatch per class, each grid the class's capacity."""
-    from lily.native import count_prefill_chunk
+    from lily.native_backend import count_prefill_chunk
     from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, class_capacity, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows)
     n = rows * 8
@@ -342,7 +342,7 @@ def test_full_size_tensor_op_tiles(rows, T):
     128-row expert tiles from 64 rows per expert on (a 2048-row chunk), one class of 256-thread
     threadgroups (128 x 32 blocks of gate and of up, down 128 x 64) whose grid is the class's
     capacity; below that the simdgroup path's tile heights."""
-    from lily.native import count_prefill_chunk
+    from lily.native_backend import count_prefill_chunk
     from lily.lab.kernels.gemm import GEMM_TENSOR_BM, GEMM_TENSOR_TG
     from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TG, class_capacity, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows, gemm_path="tensor")
@@ -369,7 +369,7 @@ def test_full_size_prefill_scratch_is_bounded():
     prompt; the automatic chunk with memory to spare is 4096 rows (docs/prefill.md states
     the figures: 738 MiB at 4096, 400 MiB at 2048, with half yx, attn, the GDN z and the
     attention's q|gate, k, v, and no fp32 GDN output: the scan writes half u)."""
-    from lily.native import counting_runtime
+    from lily.native_backend import counting_runtime
     cfg = parse_config(REAL)
     assert _core.RuntimeOptions().prefill_chunk == 0  # automatic
     for chunk, bound in ((0, 742), (2048, 403)):

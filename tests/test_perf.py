@@ -1,5 +1,5 @@
 """lily.lab.estimate / `lily estimate`: the performance model's structure and sanity (never timings):
-every dispatched kernel is in the work table, the decode estimate stays under the bandwidth
+every dispatched kernel is in the cost table, the decode estimate stays under the bandwidth
 floor, speed falls with context within a code path, occupancy costs what it should, an
 unknown kernel fails loudly, the stage gap matches its stated calibration, JSON schema."""
 
@@ -16,7 +16,7 @@ import pytest
 from lily import _core
 from lily.lab import estimate
 from lily.errors import InvalidParameterError
-from lily.native import count_decode_step, count_prefill_chunk
+from lily.native_backend import count_decode_step, count_prefill_chunk
 
 CFG = estimate.model_config()
 
@@ -34,7 +34,7 @@ def test_every_dispatched_kernel_is_in_the_work_table():
     """A new kernel cannot be free: the plan's every kernel has work (flops or bytes)."""
     for what, c in _plans():
         unknown = sorted({r["kernel"] for r in c["records"] if r["work"] is None})
-        assert not unknown, f"{what}: add {unknown} to csrc/runtime/work.cpp"
+        assert not unknown, f"{what}: add {unknown} to csrc/runtime/cost.cpp"
         assert len(c["records"]) == c["dispatches"]
         for r in c["records"]:
             w = r["work"]
@@ -421,7 +421,7 @@ def test_routed_expert_tiles_count_each_class(rows, T, pad):
 
 
 def test_gdn_scan_work_is_the_lazy_decay():
-    """gdn_scan's work table entry (csrc/runtime/work.cpp): per token, value head and state
+    """gdn_scan's cost table entry (csrc/runtime/cost.cpp): per token, value head and state
     element 6 flops (3 FMAs: the lazy decay moves the decay into a per-row scalar c) plus the
     fold allowance of 1/3 multiply; per row the two 4-lane dot products, delta and the lazy
     decay's 6 scalar operations per lane; per token and threadgroup the staging; per output
@@ -475,7 +475,7 @@ def test_decode_options_cost_what_they_change():
     for 1/W of it less the ring (an entry written by W - 1 of the W steps, (W - 1) / 2 read on
     average), and is faster; moving the DeltaNet step into its in_proj's stage removes exactly
     one stage per DeltaNet layer and no byte."""
-    from lily.native import default_state_window
+    from lily.native_backend import default_state_window
     tool = _estimate_kernels_tool()
     W = default_state_window()
     state = 4 * CFG.linear_num_value_heads * CFG.linear_value_head_dim * (CFG.linear_key_head_dim + 1)
@@ -497,7 +497,7 @@ def test_estimate_reports_the_scratch_a_real_load_allocates():
     """The header's prefill scratch is the runtime's at any real context, also for chunks
     smaller than the part of the scratch that grows with the context (512: 186 MiB, not the
     129 a runtime of 512 positions allocates)."""
-    from lily.native import counting_runtime
+    from lily.native_backend import counting_runtime
     for chunk in (512, 4096):
         rep = estimate.estimate("m5max", contexts=[256], prompts=[256], chunk=chunk)
         want = [counting_runtime(CFG, 4, 8, ctx, prefill_chunk=chunk).prefill_scratch_bytes for ctx in (16384, 131072)]

@@ -14,7 +14,7 @@ import pytest
 
 from lily.lab import estimate
 from lily.errors import InvalidParameterError
-from lily.native import count_decode_window
+from lily.native_backend import count_decode_window
 
 CFG = estimate.model_config()
 STEPS = 64

@@ -17,7 +17,7 @@ from fixtures_checkpoints import BF16_INF, BF16_NAN, DEMO_NORM, DEMO_SCALE, pois
 from lily import Engine, _core
 from lily.checkpoint import open_checkpoint
 from lily.errors import CheckpointError, InvalidParameterError
-from lily.native import tensor_table
+from lily.native_backend import tensor_table
 from lily.weight_cache import ALIGN, MAGIC, aligned_table
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")

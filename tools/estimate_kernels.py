@@ -20,7 +20,7 @@ import argparse
 from collections import defaultdict
 
 from lily.lab import estimate
-from lily.native import count_decode_step, count_decode_window, count_prefill_chunk
+from lily.native_backend import count_decode_step, count_decode_window, count_prefill_chunk
 
 
 def by_kernel(m: estimate.Machine, records: list) -> tuple[float, int, dict]:
@@ -57,7 +57,7 @@ def step_in_projection_stage(records: list) -> list:
 
 def window_records(cfg, context: int) -> list[list]:
     """The records of each step of one state write-back window at ``context`` (the plan's
-    mean step; lily.native.count_decode_window)."""
+    mean step; lily.native_backend.count_decode_window)."""
     return [c["records"] for c in count_decode_window(cfg, context)]
 
 

@@ -10,6 +10,7 @@ namespace lily::kernels {
 using uint = uint32_t;
 #include "decode_args.h"
 #include "mixer_args.h"
+#include "sample_args.h"
 #include "prefill_args.h"
 }  // namespace lily::kernels
 

@@ -14,7 +14,7 @@
 namespace lily::runtime {
 
 // Text-model hyperparameters (lily.checkpoint.ModelConfig, same names), listed once: the
-// struct, its binding (lily._core.ModelDims, whose FIELDS lily.native fills from the
+// struct, its binding (lily._core.ModelDims, whose FIELDS lily.native_backend fills from the
 // ModelConfig by name) expand this list. X(type, name, default).
 #define LILY_MODEL_DIMS(X)                                                                  \
   X(uint32_t, vocab_size, 0) X(uint32_t, hidden_size, 0) X(uint32_t, num_hidden_layers, 0) \

@@ -15,7 +15,7 @@
 #include "gpu/py_device.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
-#include "runtime/work.h"
+#include "runtime/cost.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -59,11 +59,11 @@ struct FieldBinder {
   }
 };
 
-// One dispatch for the performance model (lily.lab.estimate): the device's record plus the work
+// One dispatch for the performance model (lily.lab.estimate): the device's record plus the cost
 // table's entry (None for a kernel the table does not know).
 nb::dict runtime_record_dict(const gpu::DispatchRecord& r) {
   nb::dict d = gpu::record_dict(r);
-  const std::optional<Work> w = dispatch_work(r);
+  const std::optional<Cost> w = dispatch_cost(r);
   d["threadgroup_memory"] = r.threadgroup_memory + (w ? w->threadgroup_memory : 0);
   if (!w) {
     d["work"] = nb::none();

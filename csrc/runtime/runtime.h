@@ -34,7 +34,7 @@ enum class GemmPath { automatic, simdgroup, tensor };
 enum class Logits { none, last, all };
 
 // A session's options, listed once for the struct and its binding (lily._core.RuntimeOptions,
-// which lily.native builds from Engine.load's device options). X(type, name, default).
+// which lily.native_backend builds from Engine.load's device options). X(type, name, default).
 #define LILY_RUNTIME_OPTIONS(X)                                                                \
   X(uint32_t, max_context, 4096)     /* KV-cache rows per attention layer */                   \
   X(uint32_t, split_threshold, 256)  /* context above which decode attention splits the KV */ \

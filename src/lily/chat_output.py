@@ -101,7 +101,7 @@ def prompt_opens_reasoning(prompt_text: str) -> bool:
 # ----------------------------------------------------------------------------------------
 
 
-def _schema_types(schema: Any) -> list[str]:
+def schema_types(schema: Any) -> list[str]:
     """The JSON types a (sub)schema allows, in a stable order; [] when unknown."""
     if not isinstance(schema, dict):
         return []
@@ -115,7 +115,7 @@ def _schema_types(schema: Any) -> list[str]:
         alts = schema.get(key)
         if isinstance(alts, list):
             for alt in alts:
-                out.extend(x for x in _schema_types(alt) if x not in out)
+                out.extend(x for x in schema_types(alt) if x not in out)
     if not out:
         if "properties" in schema:
             out.append("object")
@@ -171,7 +171,7 @@ def convert_value(text: str, schema: Any) -> Any:
     only strings) the text is kept verbatim as a string. Without type information a value
     that is valid JSON of a non-string type (number, boolean, object, array) is parsed.
     """
-    kinds = _schema_types(schema)
+    kinds = schema_types(schema)
     if not kinds:
         try:
             v = json.loads(text.strip())

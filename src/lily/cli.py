@@ -11,10 +11,20 @@ import json
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
-from lily import _core
+from lily import __version__, _core
+from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
+from lily.checkpoint import load_config
+from lily.engine import Engine
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
+from lily.prompt_cache import DEFAULT_MAX_BYTES
+from lily.structured import check_tools, template_tools
+from lily.weight_cache import default_dir
+
+# The lab (lily.lab: doctor, bench, estimate) is imported inside the commands that run it, so
+# that the engine's commands never load it (tests/test_layering.py).
 
 _INT32_MAX = (1 << 31) - 1
 _SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
@@ -118,7 +128,6 @@ def _check_model_path(model: str | None) -> None:
             f"then: --model {local}")
     raise InvalidParameterError(f"--model {model}: the path does not exist")
 def _add_cache_args(p: argparse.ArgumentParser) -> None:
-    from lily.prompt_cache import DEFAULT_MAX_BYTES
     g = p.add_argument_group("prompt cache (reuse of earlier prompts' state)")
     g.add_argument("--prompt-cache-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="N",
                    help=f"memory for session snapshots (default {DEFAULT_MAX_BYTES >> 30} GiB; "
@@ -133,7 +142,6 @@ def _load(args, conversation_start=None):
     ``conversation_start(engine)``: the tokens every conversation of this run starts with
     (``lily chat``: its system message); a file none of whose snapshots they begin with is
     reported in one line on stderr, dropped, and the run goes on without it."""
-    from lily.engine import Engine
     _check_model_path(args.model)
     options, flags = {}, []
     if args.prefill_chunk is not None:
@@ -241,7 +249,6 @@ class _ChatPrinter:
     alone. The split is the server's (lily.chat_output); tool-call markup stays in the answer."""
 
     def __init__(self, engine, messages: list[dict], template_kwargs: dict):
-        from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
         prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         self.parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt), parse_tools=False)
         self.dim = sys.stderr.isatty()
@@ -429,9 +436,6 @@ def _system_prefix(engine, system: str | None, tools: list | None, template_kwar
 
 
 def cmd_cache_prompt(args) -> int:
-    from pathlib import Path
-
-    from lily.structured import check_tools, template_tools
     tools = None
     if args.tools:
         try:
@@ -464,9 +468,6 @@ def cmd_cache_prompt(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from lily import _core
-    from lily.engine import Engine
-    from lily.weight_cache import default_dir
     engine = Engine.load(args.model, device="reference", progress=sys.stderr.isatty())
     info = engine.info()
     info["native_build"] = _core.build_info()
@@ -517,8 +518,6 @@ def _int_list(text: str) -> list[int]:
 
 def _check_writable(path: str, flag: str) -> None:
     """Refuses, before a long run, an output file that cannot be written at its end."""
-    import os
-    from pathlib import Path
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
@@ -536,7 +535,6 @@ def cmd_bench(args) -> int:
                                   ("split_block", args.split_block)) if v is not None} or None
     if args.agent:
         from lily.lab import agent_bench
-        from lily.engine import Engine
         load = dict(device=args.device, device_options=options, max_context=args.max_context)
         engine = Engine.load(args.model, **load)
         cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
@@ -577,7 +575,6 @@ def cmd_estimate(args) -> int:
 
 def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
-    from lily.checkpoint import load_config
     from lily.lab.estimate import check_length, model_config
     from lily.lab.published import LENGTHS
     try:
@@ -609,7 +606,7 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
 
 def cmd_serve(args) -> int:
     try:
-        from lily.server import serve
+        from lily.server import serve  # an optional extra (fastapi, uvicorn)
     except ImportError as e:
         print(f"lily serve needs the server extra: {_SERVE_EXTRA} ({e})", file=sys.stderr)
         return 2
@@ -676,7 +673,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Lily runs Qwen3.6-35B-A3B (qwen3_5_moe, MLX 4-bit checkpoints) locally. "
                     "Without --model it uses a small embedded demo model that writes Shakespeare.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    from lily import __version__
     p.add_argument("--version", action="version", version=f"lily {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -794,7 +790,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dispatches on a chosen Apple GPU: decode tok/s per context, prefill tok/s "
                                    "per prompt length, and where the time goes by kernel family. An estimate, "
                                    "not a measurement.")
-    from lily.lab.estimate import MACHINES
+    from lily.lab.estimate import MACHINES  # the estimate command's choices (the lab: see the imports)
     e.add_argument("--machine", default=None, choices=list(MACHINES),
                    help="the GPU modelled (default m5max; with --fit, the measured run's chip)")
     e.add_argument("--model", "-m", default=None, metavar="PATH",
@@ -848,7 +844,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
     warnings.showwarning = _show_warning  # one line, not the source line that warned
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -869,7 +864,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # the reader went away (`lily generate ... | head`): stop quietly, as shell tools do
-        import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
 

@@ -2,7 +2,7 @@
 
 ``Engine`` owns one session (KV cache, conv and recurrent state) on one device. The
 reference device is the numpy oracle (:mod:`lily.reference`); native devices
-(:mod:`lily.native`) plug in behind the same host contract, :class:`lily.backend.Backend`.
+(:mod:`lily.native_backend`) plug in behind the same host contract, :class:`lily.backend.Backend`.
 The engine checks its input once, here; it has one generation loop for every device.
 """
 
@@ -24,6 +24,7 @@ from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_gener
 from lily.constraints import Constraint
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
+from lily.prompt_cache import load as load_cache_file, save as save_cache_file
 from lily.reference import ReferenceBackend
 from lily.sampling import SamplingParams, StopMatcher, TokenLogprob
 from lily.structured import Grammar
@@ -57,7 +58,7 @@ def model_display_name(path: str | Path | None) -> str:
 def available_devices() -> list[str]:
     """Devices that can run the model in this installation: ``reference`` always, plus the
     native devices compiled into ``lily._core`` (``sim`` everywhere, ``metal`` on macOS)."""
-    try:
+    try:  # the native core is optional here: the reference device runs without it
         from lily import _core
         native = [d for d in ("metal", "sim") if d in _core.compiled_devices()]
     except ImportError:
@@ -103,7 +104,7 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
         hint = f". {METAL_BUILD_FIX}" if device == "metal" and sys.platform == "darwin" else ""
         raise DeviceError(f"device {device!r} is not available in this build "
                           f"(available: {', '.join(available)}){hint}")
-    from lily.native import NativeBackend, reject_unknown_options
+    from lily.native_backend import NativeBackend, reject_unknown_options  # needs the native core: loaded on use
     reject_unknown_options(options, NativeBackend.OPTIONS, "device option")
     return NativeBackend(ck, max_context, device, **options)
 
@@ -318,7 +319,7 @@ class Engine:
         path = Path(path) if path is not None else default_model_path()
         bar = None
         if progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # only for an interactive load
             bar = tqdm(total=3, desc=f"loading {path.name}", unit="step", leave=False)
         ck = open_checkpoint(path)
         if bar:
@@ -816,10 +817,9 @@ class Engine:
         model's config, quantization, a weights fingerprint, the device kind and a checksum).
         Returns the number of entries. Raises :class:`InvalidParameterError` when the cache
         is disabled."""
-        from lily import prompt_cache
         if self.prompt_cache is None:
             raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
-        return prompt_cache.save(self.prompt_cache, self, path)
+        return save_cache_file(self.prompt_cache, self, path)
 
     def load_prompt_cache(self, path: str | Path) -> int:
         """Add the entries of a file written by :meth:`save_prompt_cache` to the prompt cache,
@@ -827,10 +827,9 @@ class Engine:
         :class:`lily.prompt_cache.PromptCacheError` naming what differs for a file of another
         model, quantization or device kind, a damaged file, or entries beyond the context
         window or the cache budget; nothing is loaded then."""
-        from lily import prompt_cache
         if self.prompt_cache is None:
             raise InvalidParameterError("the prompt cache is disabled (prompt_cache_bytes=0)")
-        return prompt_cache.load(self.prompt_cache, self, path)
+        return load_cache_file(self.prompt_cache, self, path)
 
     def cache_prompt(self, prompt: str | Sequence[int]) -> int:
         """Prefill ``prompt`` (text or ids) into the prompt cache, snapshotting at the same

@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from lily.chat_output import schema_types  # the parser's reading of a schema's types
 from lily.errors import InvalidParameterError, LilyError, ToolError
 
 #: llguidance's JSON layout options: one line, separated as ``json.dumps`` does. Free
@@ -570,9 +571,6 @@ def _with_defs(schema: Any, root: dict) -> Any:
 
 def _string_branch(schema: Any) -> dict | None:
     """The string-typed part of a (sub)schema, or None when it allows no string."""
-    from lily.chat_output import (
-        _schema_types,  # the parser's reading of a schema's types
-    )
     if not isinstance(schema, dict):
         return None
     t = schema.get("type")
@@ -580,9 +578,9 @@ def _string_branch(schema: Any) -> dict | None:
         return schema
     for key in ("anyOf", "oneOf"):
         for alt in schema.get(key) or []:
-            if "string" in _schema_types(alt):
+            if "string" in schema_types(alt):
                 return alt if isinstance(alt, dict) else {}
-    if "string" in _schema_types(schema):  # e.g. an enum of strings without "type"
+    if "string" in schema_types(schema):  # e.g. an enum of strings without "type"
         return schema
     return None
 
@@ -622,13 +620,12 @@ def _string_rules(rule: str, s: dict) -> list[str]:
 def _value_rules(rule: str, schema: Any, root: dict) -> list[str]:
     """Rules for one parameter value named ``rule`` (closing tag included): raw text where
     the schema allows strings, JSON text for the other types."""
-    from lily.chat_output import _schema_types
     s = _resolve(schema, root)
     if s is True or s is None:
         s = {}
     if not isinstance(s, dict):
         raise InvalidParameterError(f"a parameter schema must be an object, got {s!r}")
-    if not _schema_types(s) and not (set(s) - _ANNOTATIONS):
+    if not schema_types(s) and not (set(s) - _ANNOTATIONS):
         return _string_rules(rule, {})  # {}: any value; free text is one
     sbranch = _string_branch(s)
     if sbranch is None:

@@ -154,7 +154,7 @@ def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
     Parameters
     ----------
     entries : list of (name, file, byte offset, nbytes)
-        The runtime's tensor table (:func:`lily.native.tensor_table`).
+        The runtime's tensor table (:func:`lily.native_backend.tensor_table`).
     cache_dir : str | Path | None
         Where cache files live (default :func:`default_dir`); created if missing.
     notice : callable(str) | None

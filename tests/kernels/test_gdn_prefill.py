@@ -365,7 +365,7 @@ def test_scan_grid_fills_an_m5_max():
     out_proj apply it); the scan runs as at least 2x the M5 Max's 40 GPU cores of
     threadgroups (each head split over Dv / RV threadgroups), the norm scale covers every
     (token, head) pair and out_proj reads u with its factors (gemm_q4_add_hs)."""
-    from lily.native import count_prefill_chunk
+    from lily.native_backend import count_prefill_chunk
     from lily.lab.estimate import QWEN36_35B_A3B, machine
     from lily.checkpoint import parse_config
     rows = 512

@@ -318,7 +318,7 @@ def test_structure_half_operands_and_tiles():
     quantization group); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up), 128
     x 64 (128 x 32) on the tensor-op path in 16-row simdgroup bands; the 128-row expert tiles
     on that path only, also banded; the tensor-op results leave from registers (no staging),
-    so every configuration fits 32 KiB of threadgroup memory; the host, the work table and
+    so every configuration fits 32 KiB of threadgroup memory; the host, the cost table and
     the tests agree on the geometry."""
     tiles = (ROOT / "metal" / "gemm_tiles.h").read_text()
     tensor = (ROOT / "metal" / "gemm_tensor.h").read_text()
@@ -340,7 +340,7 @@ def test_structure_half_operands_and_tiles():
     assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads",
                       "kGemmTensorBM", "kGemmTensorThreads") == \
         [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, GEMM_TENSOR_BM, GEMM_TENSOR_TG]
-    assert _constants("csrc/runtime/work.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd", "kGemmTensorBM",
+    assert _constants("csrc/runtime/cost.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd", "kGemmTensorBM",
                       "kTensorBand") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8, GEMM_TENSOR_BM,
                                          GEMM_TENSOR_BM // (GEMM_TENSOR_TG // 32)]
 

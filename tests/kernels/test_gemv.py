@@ -422,13 +422,13 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
 
 # ----------------------------------------------------------------------------- decode dispatch geometry
 #
-# Structure pinned on the recorded decode plan of the real model (lily.native.count_decode_step):
+# Structure pinned on the recorded decode plan of the real model (lily.native_backend.count_decode_step):
 # the router's norm_gemv_q8 spans the GPU, every bandwidth-heavy dispatch fills an M5 Max.
 
 
 @pytest.fixture(scope="module")
 def step():
-    from lily.native import count_decode_step
+    from lily.native_backend import count_decode_step
     from lily.lab.estimate import model_config
     return count_decode_step(model_config(), 4096)["records"]
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from lily import _core, native  # native by module: tests swap its make_device
+from lily import _core, native_backend  # by module: tests swap its make_device
 from lily.checkpoint import open_checkpoint
 from lily.engine import DEFAULT_MAX_CONTEXT, METAL_BUILD_FIX, default_model_path
 from lily.errors import DeviceError, InvalidParameterError
@@ -31,7 +31,7 @@ def open_device(name: str):
     # the simulator as an M5 (apple10), so the Metal 4 tensor-op kernels are checked too
     options = {"gpu_family": "apple10", "verify_writes": True} if name == "sim" else {}
     try:
-        return name, native.make_device(name, **options), None
+        return name, native_backend.make_device(name, **options), None
     except DeviceError as e:
         return name, None, str(e)
     except RuntimeError as e:  # the metallib or the GPU could not be opened
@@ -41,7 +41,7 @@ def open_device(name: str):
 def model_memory(model: str | None, max_context: int | None, budget: int | None = None) -> dict:
     """The memory a native session of a checkpoint (the embedded demo model by default) needs
     at ``max_context`` (default: Engine.load's), in bytes, as the runtime sizes it at load
-    (:func:`lily.native.memory_plan`): ``weights``, ``kv_cache`` (KV rows and Gated DeltaNet
+    (:func:`lily.native_backend.memory_plan`): ``weights``, ``kv_cache`` (KV rows and Gated DeltaNet
     state), ``scratch`` (activations and one prefill chunk), ``total``, the ``prefill_chunk``
     the automatic choice takes under ``budget`` bytes (None: no limit), and ``fits`` (False
     when even the smallest chunk does not fit; ``refusal`` then holds the runtime's message).
@@ -59,9 +59,9 @@ def model_memory(model: str | None, max_context: int | None, budget: int | None 
         raise DeviceError("sizing the session needs the simulator, which this build left out (LILY_SIM=OFF)")
     refusal = None
     try:
-        plan = native.memory_plan(ck, ctx, budget or 0)
+        plan = native_backend.memory_plan(ck, ctx, budget or 0)
     except DeviceError as e:
-        refusal, plan = str(e), native.memory_plan(ck, ctx, 0)
+        refusal, plan = str(e), native_backend.memory_plan(ck, ctx, 0)
     return {"path": str(path), "name": path.name, "weights": plan["weights"], "max_context": ctx,
             "kv_cache": plan["kv_cache"] + plan["state"], "scratch": plan["scratch"],
             "prefill_chunk": plan["prefill_chunk"], "total": plan["total"], "fits": refusal is None,

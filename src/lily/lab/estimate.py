@@ -1,8 +1,8 @@
 """``lily estimate``: a performance model of a Lily run on an Apple GPU. An ESTIMATE.
 
 No Mac is needed: the real plan is encoded on a record-only simulator (nothing executes)
-and every dispatch comes back with its geometry, declared bytes and the work table's
-arithmetic per execution path (csrc/runtime/work.cpp, the one place that knows each
+and every dispatch comes back with its geometry, declared bytes and the cost table's
+arithmetic per execution path (csrc/runtime/cost.cpp, the one place that knows each
 kernel). Each dispatch is then timed against a machine from :data:`MACHINES`:
 
 * occupancy: a dispatch of ``g`` threadgroups of ``t`` threads uses
@@ -33,7 +33,7 @@ from lily.checkpoint import ModelConfig, load_config, parse_config
 from lily.errors import InvalidParameterError, LilyError
 from lily.lab.published import (LENGTHS, PPLX_CODE_SOURCE, PPLX_DECODE_STEPS, PPLX_PUBLISHED_M5MAX,
                                 PPLX_STAGES_PER_STEP, PPLX_TABLE_SOURCE)
-from lily.native import count_decode_window, count_prefill_chunk, counting_runtime, default_state_window
+from lily.native_backend import count_decode_window, count_prefill_chunk, counting_runtime, default_state_window
 
 NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.lab.estimate, docs/performance.md), "
           "not a measurement")
@@ -193,7 +193,7 @@ def machine(key: str) -> Machine:
 
 
 class UnknownKernelError(LilyError):
-    """The plan dispatches a kernel the work table (csrc/runtime/work.cpp) does not know."""
+    """The plan dispatches a kernel the cost table (csrc/runtime/cost.cpp) does not know."""
 
 
 # ---- timing -----------------------------------------------------------------------------
@@ -210,8 +210,8 @@ def occupancy(m: Machine, groups: int, threads: int) -> float:
 def _work(rec: dict) -> dict:
     w = rec["work"]
     if w is None:
-        raise UnknownKernelError(f"kernel {rec['kernel']!r} ({rec['label']}) has no entry in the work table "
-                                 "(csrc/runtime/work.cpp); every dispatched kernel needs one")
+        raise UnknownKernelError(f"kernel {rec['kernel']!r} ({rec['label']}) has no entry in the cost table "
+                                 "(csrc/runtime/cost.cpp); every dispatched kernel needs one")
     return w
 
 
@@ -304,7 +304,7 @@ def attention_path(m: Machine) -> str:
 
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     """Estimated time of one decode step at ``context`` tokens already in the cache: the mean
-    over one write-back window of steps (:func:`lily.native.count_decode_window`), whose
+    over one write-back window of steps (:func:`lily.native_backend.count_decode_window`), whose
     Gated DeltaNet steps differ in the state traffic."""
     return mean_timing([time_records(m, c["records"]) for c in count_decode_window(cfg, context)])
 
@@ -414,7 +414,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
 
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
-    and :class:`UnknownKernelError` if the plan uses a kernel the work table lacks."""
+    and :class:`UnknownKernelError` if the plan uses a kernel the cost table lacks."""
     m = machine_key if isinstance(machine_key, Machine) else machine(machine_key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings

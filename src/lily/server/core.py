@@ -27,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
-from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES, valid_bias
+from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES, Sampler, SamplingParams, valid_bias
 from lily.server.protocol import APIError
 from lily.server.worker import Job, Worker
 from lily.structured import check_tools as check_tool_list
@@ -526,7 +526,6 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     generation then extends that session, so only the last prompt token is prefilled again. A cancelled or failed
     pass leaves an empty session.
     """
-    from lily.sampling import Sampler, SamplingParams
 
     scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
     scored: list = [None]

@@ -10,6 +10,7 @@ import os
 
 import numpy as np
 
+from lily import _core
 from lily.backend import HostGeneration
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
 from lily.errors import CheckpointError, DeviceError, InvalidParameterError
@@ -17,10 +18,8 @@ from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
 
-
 def model_dims(c: ModelConfig):
     """The runtime's ``lily._core.ModelDims`` from a :class:`ModelConfig` (same field names)."""
-    from lily import _core
     d = _core.ModelDims()
     for name in _core.ModelDims.FIELDS:
         setattr(d, name, getattr(c, name))
@@ -32,7 +31,6 @@ def sampling_config(params):
     """The device's ``lily._core.SamplingConfig`` from :class:`lily.sampling.SamplingParams`
     (same field names, and its ``logit_bias`` pairs); a seed of None becomes a fresh random
     one, any seed is taken mod 2**64."""
-    from lily import _core
     s = _core.SamplingConfig()
     for name in _core.SamplingConfig.FIELDS:
         if name != "seed":
@@ -50,7 +48,6 @@ def runtime_options(max_context: int, **options):
     choice; ``state_window`` >= 1, decode steps per Gated DeltaNet state write-back), ``gemm_path`` (``"auto"``, ``"simdgroup"``,
     ``"tensor"``) and ``virtual_weights``. Raises :class:`InvalidParameterError` naming an
     unknown or invalid option."""
-    from lily import _core
     o = _core.RuntimeOptions()
     reject_unknown_options(options, [f for f in (*o.FIELDS, "gemm_path") if f != "max_context"], "runtime option")
     try:
@@ -96,7 +93,6 @@ def make_device(name: str, **options):
     """A native device by name. Raises :class:`DeviceError` if it is not in this build and
     :class:`InvalidParameterError` for an unknown or invalid option (``sim``: ``SIM_OPTIONS``;
     ``metal`` takes none)."""
-    from lily import _core
     if name not in _core.compiled_devices():
         raise DeviceError(f"device {name!r} is not compiled into this build of lily "
                           f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
@@ -127,7 +123,6 @@ class NativeBackend:
         the weight cache is written or, for tensors used from the checkpoint file itself
         (no cache, or an aligned file), by a scan here; a cache reused from an earlier load
         was checked when written and is not read again."""
-        from lily import _core
         reject_unknown_options(options, [o for o in self.OPTIONS if o not in ("weight_cache", "device_options")],
                                "device option")
         opts = runtime_options(max_context, **options)
@@ -135,7 +130,7 @@ class NativeBackend:
             raise InvalidParameterError(f"weight_cache must be True, False or a directory, got {weight_cache!r}")
         if (device_options or {}).get("record_only"):
             raise InvalidParameterError("a record-only simulator executes nothing, so an Engine cannot run on "
-                                        "it; lily.native.count_decode_step / count_prefill_chunk count with one")
+                                        "it; lily.native_backend.count_decode_step / count_prefill_chunk count with one")
         check_kernel_dtypes(ck)
         self.name = device
         self.config = ck.config
@@ -206,7 +201,6 @@ class NativeBackend:
     def restore(self, snap) -> None:
         """Makes ``snap`` (from :meth:`snapshot` of a backend of the same model) the session state.
         Raises :class:`InvalidParameterError` for anything else, the session unchanged."""
-        from lily import _core
         if not isinstance(snap, _core.SessionSnapshot):
             raise InvalidParameterError(f"not a snapshot of a {self.name!r} session: {type(snap).__name__}")
         try:
@@ -222,7 +216,6 @@ class NativeBackend:
 
     def snapshot_from_arrays(self, arrays: dict[str, np.ndarray], meta: dict):
         """The parts uploaded into a buffer of this backend's device."""
-        from lily import _core
         if meta["kind"] != "native":
             raise ValueError(f"a {meta['kind']!r} snapshot, not a native one")
         return _core.SessionSnapshot(int(meta["position"]),
@@ -249,7 +242,6 @@ def _record_only_runtime(config: ModelConfig, tensors, max_context: int, *, gpu_
     """A runtime of ``config`` over ``tensors`` (virtual weights: nothing is read) on a
     record-only simulator of ``gpu_family`` with a ``working_set_bytes`` budget (and
     ``bfloat_tensor_ops``, see ``sim_device``); ``options``: :func:`runtime_options`'."""
-    from lily import _core
     dev = make_device("sim", record_only=True, working_set_bytes=working_set_bytes, bfloat_tensor_ops=bfloat_tensor_ops,
                       **({"gpu_family": gpu_family} if gpu_family else {}))
     return _core.Runtime(dev, model_dims(config), tensors, runtime_options(max_context, virtual_weights=True, **options))
@@ -265,7 +257,6 @@ def _virtual_tensors(config: ModelConfig, bits: int, router_bits: int):
     """The tensor table of a checkpoint that need not exist on disk (record-only counting):
     every tensor of ``config`` in the order MLX writes them, each at a 16-byte aligned offset
     (as the weight cache places them; small models' tensors are not aligned otherwise)."""
-    from lily.checkpoint import expected_tensors
     tensors = []
     for kind, name, shape in expected_tensors(config):
         if kind == "linear":
@@ -312,7 +303,6 @@ def _given(**options) -> dict:
 def default_state_window() -> int:
     """Decode steps per write-back of the Gated DeltaNet state by default (the runtime option
     ``state_window``; docs/decode.md "The recurrent state's write-back window")."""
-    from lily import _core
     return _core.RuntimeOptions().state_window
 
 

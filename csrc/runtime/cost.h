@@ -1,7 +1,8 @@
-// What one recorded dispatch asks of the GPU, for the performance model (lily.lab.estimate,
-// docs/performance.md): arithmetic per execution path and the bytes it moves from memory.
-// The one place that knows each kernel's work: keyed by kernel name, computed from the
-// recorded geometry, the argument structs and the declared ranges (gpu::DispatchRecord).
+// The cost table: what one recorded dispatch asks of the GPU, for the performance model
+// (lily.lab.estimate, docs/performance.md): arithmetic per execution path and the bytes it
+// moves from memory. The one place that knows each kernel's cost: keyed by kernel name,
+// computed from the recorded geometry, the argument structs and the declared ranges
+// (gpu::DispatchRecord).
 #pragma once
 
 #include <array>
@@ -27,17 +28,17 @@ enum class Path : int {
 constexpr int kPaths = int(Path::count);
 const char* path_name(Path p);
 
-struct Work {
+struct Cost {
   std::string family;                // kernel family for breakdowns ("attention", "routed experts", ...)
   std::array<double, kPaths> flops{};  // floating-point operations per path (an FMA counts 2)
-  double bytes = 0;                  // bytes moved from/to memory (see dispatch_work)
+  double bytes = 0;                  // bytes moved from/to memory (see dispatch_cost)
   uint64_t threadgroup_memory = 0;   // static threadgroup arrays of the kernel (bytes), where known
 };
 
-// The work of `r`, or nullopt when the table has no entry for r.kernel. Bytes are the
+// The cost of `r`, or nullopt when the table has no entry for r.kernel. Bytes are the
 // declared ranges, except routed-expert weight stacks (declared whole): decode counts the
 // top-k experts, prefill the experts a chunk is expected to reach under uniform routing.
 // Throws std::invalid_argument if a known kernel's argument struct is missing.
-std::optional<Work> dispatch_work(const gpu::DispatchRecord& r);
+std::optional<Cost> dispatch_cost(const gpu::DispatchRecord& r);
 
 }  // namespace lily::runtime

@@ -1,9 +1,9 @@
-// The work table (work.h). Counts are per dispatch, from what the record holds; an FMA is
+// The cost table (cost.h). Counts are per dispatch, from what the record holds; an FMA is
 // 2 operations. Unpacking a 4/8-bit weight and applying its scale and bias counts 3 ALU
 // operations per weight each time a threadgroup dequantizes it. Tile shapes are those of
 // metal/gemm_tiles.h (gemm.metal, gemm_tensor.metal, moe_prefill*.metal) and
 // attention_prefill.metal.
-#include "runtime/work.h"
+#include "runtime/cost.h"
 
 #include <algorithm>
 #include <cctype>
@@ -108,21 +108,21 @@ double expected_experts(uint32_t rows, uint32_t k, uint32_t experts) {
   return experts * (1.0 - std::pow(1.0 - double(k) / experts, double(rows)));
 }
 
-Work make(const char* family) {
-  Work w;
+Cost make(const char* family) {
+  Cost w;
   w.family = family;
   return w;
 }
-void add(Work& w, Path p, double flops) { w.flops[int(p)] += flops; }
+void add(Cost& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
 // shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
 // scaled_a: A staged times a half scale (gemm_q4_add_hs).
-Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4,
+Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4,
                 bool scaled_a = false) {
   const auto a = arg<args::GemmArgs>(r);
-  Work w = make("dense projections");
+  Cost w = make("dense projections");
   add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
   // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
   // ALU), and every column block (grid x) stages the A rows (scaled_a: a half multiply per
@@ -145,13 +145,13 @@ Work dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y =
 // tail of r rows computes r rounded up to the band), dequantizes its expert's n x k weights
 // once, and reads them: the experts a class reaches are counted (class 0: at most every
 // reached one; class c > 0: one per tail).
-Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
+Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const auto a = arg<args::MoeGemmArgs>(r);
   const uint32_t h = param(r.kernel, "_t"), T = std::max(a.tile_rows, h);
   uint32_t c = 0;
   while ((T >> c) > h) ++c;
   const uint32_t lo = args::moe_class_min_rows(T, c);
-  Work w = make("routed experts");
+  Cost w = make("routed experts");
   const double reached = expected_experts(a.m, a.top_k, a.experts);
   const double assignments = double(a.m) * a.top_k;
   const double tails = reached * (h - lo + 1) / T;
@@ -180,7 +180,7 @@ Work expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   return w;
 }
 
-std::optional<Work> work_of(const gpu::DispatchRecord& r) {
+std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   const std::string& k = r.kernel;
   const double groups = double(r.groups.count());
   const bool tensor = ends(k, "_tensor");
@@ -188,7 +188,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   // ---- decode GEMVs (fp32 ALU, bandwidth-bound)
   if (k == "gemv_q4" || k == "gemv_q8" || k == "gemv_q4_add" || k == "gemv_q8_add") {
     const auto a = arg<args::GemvArgs>(r);
-    Work w = make("dense projections");
+    Cost w = make("dense projections");
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols);
     w.bytes = declared(r);
     return w;
@@ -199,7 +199,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (k == "gemv_gated_q4_add" || k == "gemv_gated_q8_add") {
     const auto a = arg<args::GemvArgs>(r);
     const auto gn = arg<args::GatedNormArgs>(r);
-    Work w = make("dense projections");
+    Cost w = make("dense projections");
     const double simdgroups = groups * (r.threads.count() / 32);
     const double per_chunk = 128.0 / (k == "gemv_gated_q4_add" ? 4 : 8);
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols +
@@ -210,7 +210,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (k == "norm_gemv_q4" || k == "norm_gemv_q8" || k == "embed_norm_gemv_q4") {
     const auto a = arg<args::NormGemvArgs>(r);
     const bool head = r.label.find("lm_head") != std::string::npos;
-    Work w = make(head ? "lm head + sampling" : "dense projections");
+    Cost w = make(head ? "lm head + sampling" : "dense projections");
     const double rows = double(a.rows[0]) + a.rows[1] + a.rows[2] + a.rows[3];
     // every threadgroup recomputes the norm of x
     add(w, Path::alu_f32, (2 + kDequantOps) * rows * a.cols + 4.0 * groups * a.cols);
@@ -224,7 +224,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   // ---- decode MoE (fp32 ALU): routed stacks declared whole, top-k experts read
   if (k == "moe_route_gate_up_swiglu_q4") {
     const auto a = arg<args::MoeRouteArgs>(r);
-    Work w = make("routed experts");
+    Cost w = make("routed experts");
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
     // router softmax + top-k rounds replayed by every simdgroup of a routed slot
     const double routing_simdgroups = double(r.groups.x) * a.top_k * (r.threads.count() / 32);
@@ -235,7 +235,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   if (k == "moe_down_q4") {
     const auto a = arg<args::MoeArgs>(r);
-    Work w = make("routed experts");
+    Cost w = make("routed experts");
     add(w, Path::alu_f32, (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     return w;
@@ -247,7 +247,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "gdn_decode_step_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
     const auto a = arg<args::GdnDecodeArgs>(r);
-    Work w = make("gated deltanet");
+    Cost w = make("gated deltanet");
     add(w, Path::alu_f32, double(a.num_v_heads) * ((9.0 + 2.0 * a.pending) * Dk * Dv +
                                                    12.0 * (double(r.groups.y) * Dk + Dv)));
     w.bytes = declared(r);
@@ -256,7 +256,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "gdn_state_writeback_k")) {
     const uint32_t Dk = param(k, "_k"), Dv = param(k, "_v");
     const auto a = arg<args::GdnDecodeArgs>(r);
-    Work w = make("gated deltanet");
+    Cost w = make("gated deltanet");
     add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
     return w;
@@ -276,7 +276,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::GdnScanArgs>(r);
     const double L = args::kGdnScanLanesPerRow;
     const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0 + 6.0 * L;
-    Work w = make("gated deltanet");
+    Cost w = make("gated deltanet");
     const double RV = param(k, "_r"), conv = (2.0 * Dk + RV) * (2.0 * args::kGdnConvTaps + 4.0);
     const double norm = 1.0 + std::log2(RV) + 1.0 + 4.0 + 3.0 + kHalfConvOps + 4.0;
     add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + (per_row + norm) * Dv +
@@ -288,14 +288,14 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (starts(k, "gdn_norm_scale_v")) {
     const auto a = arg<args::GdnScanArgs>(r);
     const double S = double(param(k, "_v")) / param(k, "_r");
-    Work w = make("gated deltanet");
+    Cost w = make("gated deltanet");
     // per (token, head): the sum of S partials and inv (~5), per split its factor (~5)
     add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * (S + 5.0 + 5.0 * S));
     w.bytes = declared(r);
     return w;
   }
   if (k == "gdn_conv_state") {  // a copy of K-1 rows
-    Work w = make("gated deltanet");
+    Cost w = make("gated deltanet");
     w.bytes = declared(r);
     return w;
   }
@@ -305,7 +305,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     const uint32_t D = param(k, "_d");
     const auto a = arg<args::AttnFusedArgs>(r);
     const double keys = reads_of(r, "k cache") / (double(a.num_kv_heads) * D * 2) + 1;  // cached rows + new
-    Work w = make("attention");
+    Cost w = make("attention");
     add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
     w.threadgroup_memory = 4 * (8 * (D + 2 * param(k, "_g")) + 2 * param(k, "_g") * D + 2 * D + 264 +
@@ -314,14 +314,14 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   if (starts(k, "attn_combine_d")) {
     const auto a = arg<args::AttnCombineArgs>(r);
-    Work w = make("attention");
+    Cost w = make("attention");
     add(w, Path::alu_f32, 4.0 * a.num_q_heads * a.max_blocks * param(k, "_d"));
     w.bytes = declared(r);
     return w;
   }
   if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)
     const auto a = arg<args::AttnPrefillPrepArgs>(r);
-    Work w = make("attention");
+    Cost w = make("attention");
     // _qbf: q * scale rounded to bfloat (2 operations per q element)
     add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d") +
                               (ends(k, "_qbf") ? 2.0 * a.rows * a.num_q_heads * param(k, "_d") : 0.0));
@@ -348,7 +348,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
     }
     tiles *= double(a.num_q_heads / G);  // threadgroup columns
     const double scores = tiles * rows * kAttnTile;
-    Work w = make("attention");
+    Cost w = make("attention");
     // Q K^T and P V: 2 D flops each per score, fp32 accumulation; bfloat operands on the
     // tensor path, half on the simdgroup path
     add(w, tensor ? Path::tensor_bf16 : Path::sgmm_f16, 4.0 * D * scores);
@@ -370,7 +370,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   if (starts(k, "attn_prefill_combine_d")) {
     const auto a = arg<args::AttnPrefillArgs>(r);
-    Work w = make("attention");
+    Cost w = make("attention");
     add(w, Path::alu_f32, (4.0 * a.num_splits + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d"));
     w.bytes = declared(r);
     return w;
@@ -381,12 +381,12 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q4_add_hs" || k == "gemm_q4_add_hs_tensor") return dense_gemm(r, 1, tensor, false, 4, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
-    Work w = dense_gemm(r, 1, tensor, false, 8);  // the 8-bit matrices are the router and shared-expert gate
+    Cost w = dense_gemm(r, 1, tensor, false, 8);  // the 8-bit matrices are the router and shared-expert gate
     w.family = "routing";
     return w;
   }
   if (k == "gemm_swiglu_q4" || k == "gemm_swiglu_q4_tensor") {
-    Work w = dense_gemm(r, 2, tensor);
+    Cost w = dense_gemm(r, 2, tensor);
     w.family = "shared expert";
     return w;
   }
@@ -395,7 +395,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   // ---- prefill routing, norms, embedding, combine
   if (k == "moe_route_clear" || k == "moe_route_topk" || k == "moe_route_scatter") {
     const auto a = arg<args::MoeRoutePrefillArgs>(r);
-    Work w = make("routing");
+    Cost w = make("routing");
     const double per_row = k == "moe_route_topk" ? double(a.experts) * (6.0 + a.top_k) : 8.0 * a.top_k;
     add(w, Path::alu_f32, k == "moe_route_clear" ? 0.0 : a.rows * per_row);
     w.bytes = declared(r);
@@ -403,14 +403,14 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   if (k == "rms_norm" || k == "rms_norm_half") {
     const auto a = arg<args::NormArgs>(r);
-    Work w = make("norms, embedding, combine");
+    Cost w = make("norms, embedding, combine");
     add(w, Path::alu_f32, (k == "rms_norm_half" ? 4.0 + kHalfConvOps : 4.0) * groups * a.n);
     w.bytes = declared(r);
     return w;
   }
   if (k == "embed_rows_q4") {
     const auto a = arg<args::EmbedArgs>(r);
-    Work w = make("norms, embedding, combine");
+    Cost w = make("norms, embedding, combine");
     const double rows = double(r.groups.y);  // one grid row per token
     add(w, Path::alu_f32, kDequantOps * rows * a.cols);
     w.bytes = declared(r) - (double(a.vocab) - rows) * a.cols * quant_bytes(4);  // table declared whole
@@ -418,7 +418,7 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   if (k == "moe_combine" || k == "moe_combine_norm") {
     const auto a = arg<args::MoeCombineArgs>(r);
-    Work w = make("norms, embedding, combine");
+    Cost w = make("norms, embedding, combine");
     // _norm: plus rms_norm_half's work on the updated rows
     add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 1) +
                               (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
@@ -427,14 +427,14 @@ std::optional<Work> work_of(const gpu::DispatchRecord& r) {
   }
   // ---- token selection
   if (k == "argmax_partial" || k == "argmax_partial_bias" || k == "sample_greedy_combine") {  // multi-threadgroup greedy argmax
-    Work w = make("lm head + sampling");
+    Cost w = make("lm head + sampling");
     add(w, Path::alu_f32, 2.0 * r.bytes_read / sizeof(float));
     w.bytes = declared(r);
     return w;
   }
   if (k == "sample_greedy" || k == "sample_token") {
     const uint32_t V = k == "sample_greedy" ? arg<args::SampleGreedyArgs>(r).vocab : arg<args::SampleArgs>(r).vocab;
-    Work w = make("lm head + sampling");
+    Cost w = make("lm head + sampling");
     add(w, Path::alu_f32, (k == "sample_greedy" ? 2.0 : 24.0) * V);
     w.bytes = declared(r);
     return w;
@@ -450,6 +450,6 @@ const char* path_name(Path p) {
   return names[int(p)];
 }
 
-std::optional<Work> dispatch_work(const gpu::DispatchRecord& r) { return work_of(r); }
+std::optional<Cost> dispatch_cost(const gpu::DispatchRecord& r) { return cost_of(r); }
 
 }  // namespace lily::runtime
