@@ -49,6 +49,7 @@ constexpr double kGdnScanFolds = 1.0 / 3.0;
 // Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
 // stride of 64 + 8 halves (kGemmLd). The tensor-op twins (gemm_tensor.metal): 128 rows.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
+constexpr uint32_t kGemmBK = 64;  // k per step of the k loop (gemm_tiles.h)
 constexpr uint32_t kGemmTensorBM = 128;
 // Rows of one tensor operation of the banded tensor-op GEMMs (the dense twins and the 128-row
 // expert tiles: a simdgroup's band, gemm_tensor.h), the granularity at which a partial
@@ -65,6 +66,8 @@ uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
 // (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
 constexpr uint32_t kAttnRows = 64;
+// Decode attention threadgroups (attention.metal kAttnSimdgroups * 32).
+constexpr uint32_t kAttnDecodeThreads = 256;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -115,6 +118,63 @@ Cost make(const char* family) {
 }
 void add(Cost& w, Path p, double flops) { w.flops[int(p)] += flops; }
 
+// ---- latency chains (cost.h Lat; docs/performance.md "Latency chains") -------------------
+// Counted on the longest threadgroup's critical path after its first device load, per the
+// kernel's code: loads the compiler cannot hoist (after a barrier, or behind an address that
+// an earlier load or reduction gives), barriers, simdgroup reductions and dependent ALU steps;
+// apart, the loads of run-time-count loops (Cost::loop; Apple GPUs issue in order, so without
+// unrolling each iteration waits for its own loads).
+void chain(Cost& w, Lat k, double n) { w.chain[int(k)] += n; }
+void loop(Cost& w, Lat k, double n) { w.loop[int(k)] += n; }
+// Iterations per lane of a decode GEMV's chunk loop (gemv.metal gemv_body, q_team): 16-byte
+// chunks of a row strided over a team of up to 32 lanes.
+double gemv_iterations(double chunks, double rows_per_simdgroup) {
+  double team = 32;
+  while (team > 32 / rows_per_simdgroup && team > chunks) team /= 2;
+  return std::ceil(chunks / team);
+}
+// A part of the chain before the threadgroup's bulk traffic (also in the chain).
+void lead(Cost& w, Lat k, double n) {
+  w.lead[int(k)] += n;
+  w.chain[int(k)] += n;
+}
+// The same latencies `times` over (a loop), into the chain or the lead.
+struct Steps {
+  double dram = 0, mem = 0, local = 0, barrier = 0, reduce = 0, alu = 0;
+};
+void chain(Cost& w, const Steps& s, double times, bool is_lead = false) {
+  auto put = is_lead ? lead : static_cast<void (*)(Cost&, Lat, double)>(chain);
+  put(w, Lat::dram, s.dram * times);
+  put(w, Lat::mem, s.mem * times);
+  put(w, Lat::local, s.local * times);
+  put(w, Lat::barrier, s.barrier * times);
+  put(w, Lat::reduce, s.reduce * times);
+  put(w, Lat::alu, s.alu * times);
+}
+// threadgroup_sum / threadgroup_max (common.h): a simdgroup reduction, two barriers around the
+// scratch, then the nsg partials added in order.
+Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
+// team_reduce_rows (common.h): log2(team) shuffle + add levels over float4s (the teams of the
+// decode GEMVs span a simdgroup at these sizes).
+constexpr double kTeamReduceAlu = 2 * 5;
+constexpr double kGemvRows = 4;  // kGemvRowsPerSimdgroup (common.h): gemv_q*, moe_down_q4, gate/up
+// route_topk_simd's registers per lane (route.h kRouteRowsPerLane = kRouteMaxExperts / 32,
+// common.h): every softmax and round pass walks all of them.
+constexpr double kRouteRowsPerLane = 1024 / 32;
+double simdgroups_of(const gpu::DispatchRecord& r) { return double(r.threads.count()) / 32; }
+
+// The k loop of a prefill GEMM threadgroup (gemm_tensor.h gemm_tensor_gemm, gemm_tiles.h
+// gemm_accumulate): per kGemmBK step the A and W tiles are loaded (device -> registers ->
+// dequantized -> threadgroup memory; single-buffered, so a step's loads wait for the barrier
+// that ends the step before) and the products run between two barriers. The first step's
+// load is the dispatch's own; the simdgroup_matrix path's staged epilogue adds two barriers.
+void gemm_chain(Cost& w, uint32_t k, bool tensor) {
+  const double steps = std::ceil(double(k) / kGemmBK);
+  chain(w, Steps{1, 0, 0, 2, 0, 0}, steps);
+  chain(w, Lat::dram, -1);
+  chain(w, Lat::barrier, tensor ? 0 : 2);
+}
+
 // Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
 // The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
 // shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
@@ -132,6 +192,11 @@ Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y =
   add(w, Path::alu_f32, (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
   w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
+  gemm_chain(w, a.k, tensor);
+  // the epilogue: y read (ADD: gemm_q4_add_h*, gemm_q4_add_hs*) or the row scale g (SwiGLU)
+  const bool add_y = ends(r.kernel, "_add_h") || ends(r.kernel, "_add_h_tensor") || ends(r.kernel, "_add_hs") ||
+                     ends(r.kernel, "_add_hs_tensor");
+  chain(w, Lat::mem, add_y || nb == 2 ? 1 : 0);
   return w;
 }
 
@@ -177,6 +242,11 @@ Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const double stacks = nb * double(a.experts) * double(a.n) * a.k * quant_bytes(4);
   const double share = assignments > 0 ? real / assignments : 0.0;
   w.bytes = stacks / a.experts * experts_read + share * std::max(0.0, declared(r) - stacks);
+  // the tile's rows: its map entry, then perm (gather), then the A rows: two dependent loads
+  // before the k loop; the down projection's sink reads perm again per output row
+  lead(w, Lat::mem, 2);
+  gemm_chain(w, a.k, tensor);
+  chain(w, Lat::mem, nb == 1 ? 1 : 0);
   return w;
 }
 
@@ -191,6 +261,11 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("dense projections");
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols);
     w.bytes = declared(r);
+    // the chunk loop, the team reduction, then (_add) y[row] read after it
+    const double bits = k.find("q8") != std::string::npos ? 8.0 : 4.0;
+    loop(w, Lat::dram, gemv_iterations(a.cols * bits / 128, kGemvRows) - 1);
+    chain(w, Lat::alu, kTeamReduceAlu);
+    chain(w, Lat::mem, ends(k, "_add") ? 1 : 0);
     return w;
   }
   // out_proj of a GDN layer: gemv_q*_add plus the gated norm on load, per x value and
@@ -205,6 +280,9 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols +
                               simdgroups * a.cols * (8.0 + (8.0 + gn.splits) / per_chunk));
     w.bytes = declared(r);
+    loop(w, Lat::dram, gemv_iterations(a.cols * (k == "gemv_gated_q4_add" ? 4.0 : 8.0) / 128, kGemvRows) - 1);
+    chain(w, Lat::alu, kTeamReduceAlu);  // as gemv_q*_add
+    chain(w, Lat::mem, 1);
     return w;
   }
   if (k == "norm_gemv_q4" || k == "norm_gemv_q8" || k == "embed_norm_gemv_q4") {
@@ -218,7 +296,20 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     if (k == "embed_norm_gemv_q4") {  // the table is declared whole; one row is read
       const auto e = arg<args::EmbedArgs>(r);
       w.bytes -= (double(e.vocab) - 1) * e.cols * quant_bytes(4);
+      // the row's address waits for the token id; its dequantization into threadgroup
+      // memory (8 codes a word, in order), then a barrier before the norm reads it
+      lead(w, Lat::dram, 1);
+      lead(w, Lat::alu, 32 / 4 * 2);
+      lead(w, Lat::barrier, 1);
     }
+    // every threadgroup: the norm's sum of squares (threadgroup_sum), rsqrt, and only then,
+    // after the barriers, its first weight load (gemv.metal norm_gemv_body)
+    chain(w, tg_reduce(simdgroups_of(r)), 1, true);
+    lead(w, Lat::alu, 2);
+    lead(w, Lat::dram, 1);
+    loop(w, Lat::mem, std::ceil(a.cols / 4.0 / r.threads.count()) - 1);  // the sum of squares' pass over x
+    loop(w, Lat::dram, gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup) - 1);
+    chain(w, Lat::alu, kTeamReduceAlu);
     return w;
   }
   // ---- decode MoE (fp32 ALU): routed stacks declared whole, top-k experts read
@@ -231,6 +322,19 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
                               routing_simdgroups * a.experts * (4.0 + a.top_k));
     w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
+    // route_topk_simd (route.h) before the first weight load, whose address is the pick: the
+    // softmax (a max over kRouteRowsPerLane registers, simd_max, the row sums added in order)
+    // and one round per pick (a compare-select pass over the registers, simd_max, simd_min).
+    // Slot j's simdgroups run j + 1 rounds, the leader's all k: the lead takes the mean over
+    // the slots, k / 2, the chain the longest, k.
+    const Steps softmax{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
+    const Steps round{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
+    chain(w, softmax, 1, true);
+    chain(w, round, a.top_k / 2.0, true);
+    lead(w, Lat::dram, 1);
+    chain(w, round, a.top_k / 2.0);
+    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGemvRows) - 1);  // gate_up_slot's chunks
+    chain(w, Lat::alu, 2 * kTeamReduceAlu);  // gate and up
     return w;
   }
   if (k == "moe_down_q4") {
@@ -238,6 +342,14 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("routed experts");
     add(w, Path::alu_f32, (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
+    // each chunk's weight address waits for ids[slot] (cached after the first)
+    const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows);
+    lead(w, Lat::mem, 1);
+    lead(w, Lat::dram, 1);
+    loop(w, Lat::dram, its - 1);
+    loop(w, Lat::local, its - 1);
+    chain(w, Lat::alu, kTeamReduceAlu);
+    chain(w, Lat::mem, 1);  // residual[row] read after the reduction
     return w;
   }
   // ---- Gated DeltaNet. Decode step: per token and value head ~9 Dk Dv (decay, k.S, rank-1
@@ -251,6 +363,17 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, double(a.num_v_heads) * ((9.0 + 2.0 * a.pending) * Dk * Dv +
                                                    12.0 * (double(r.groups.y) * Dk + Dv)));
     w.bytes = declared(r);
+    // gdn.metal: the conv and SiLU into threadgroup memory, a barrier, the q/k L2 norms
+    // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows one
+    // after another: the row's state load, the replay of the `pending` ring entries (each
+    // entry's loads wait for the previous entry's update: a DRAM round trip per entry and row,
+    // gdn_replay), the update (S k and S q, each a dependent dot and a simd_sum); then a
+    // barrier and the split's sum of squares.
+    const double R = double(Dv) / r.groups.y / simdgroups_of(r);
+    chain(w, Steps{0, 1, 1, 1, 1, 25}, 1, true);
+    chain(w, Steps{1, 0, 0, 0, 2, 13.0 + 2.0 * a.pending}, R);
+    loop(w, Lat::dram, R * a.pending);
+    chain(w, Steps{0, 0, 1, 1, 1, 4}, 1);
     return w;
   }
   if (starts(k, "gdn_state_writeback_k")) {
@@ -259,6 +382,13 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("gated deltanet");
     add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
+    if (a.pending > 0) {  // R rows, each its state load and the replay (gdn_replay), then a barrier
+      const double R = double(Dv) / r.groups.y / simdgroups_of(r);
+      chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, R);
+      chain(w, Lat::dram, -1);  // the first load is the dispatch's own
+      loop(w, Lat::dram, R * a.pending);
+      chain(w, Lat::barrier, 1);
+    }
     return w;
   }
   // Prefill scan (gdn_prefill.metal): per token and value head (6 + kGdnScanFolds) Dk Dv for
@@ -283,6 +413,15 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
                                                             r.groups.y * (conv + 6.0 * Dk + 40.0)));
     w.bytes = declared(r);
     w.threadgroup_memory = uint64_t(args::kGdnScanTokensPerBlock) * (2 * Dk + 2 * param(k, "_r") + 2) * 4;
+    // The recurrence: per token, its staged q, k, g from threadgroup memory, then the
+    // dependent steps of the update (the decay, S'k: Dk / (4 L) float4 FMAs into one
+    // accumulator, 2 adds and log2 L shuffle levels, delta, S'q likewise): ~36. Per block of
+    // kGdnScanTokensPerBlock tokens: the gated norm's loads of the block before and the
+    // staging's conv loads (two round trips after barriers), the q/k simd_sums, two barriers.
+    const double per_token = 2 * (double(Dk) / (4 * L) + 2 + 2 * std::log2(L)) + 6;
+    chain(w, Lat::alu, per_token * a.rows);
+    loop(w, Lat::local, a.rows);
+    chain(w, Steps{0, 2, 0, 2, 1, 40}, std::ceil(double(a.rows) / args::kGdnScanTokensPerBlock));
     return w;
   }
   if (starts(k, "gdn_norm_scale_v")) {
@@ -308,6 +447,24 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
+    // attention.metal. fused_prep: per pass of 256 / D vectors (G query heads and the new k of
+    // the block holding the new row: the longest) a load, its simd_sum, a barrier, the norm
+    // weight load after it, RoPE, two more barriers. attend_rows: each simdgroup's rows one
+    // after another, each a KV load and the online softmax that the next row's loads wait
+    // behind (in-order issue): a DRAM round trip, one simd_sum (G <= 8: two float4 sums in
+    // flight), ~15 dependent steps. Then the merge: a barrier per head, the final barrier.
+    const uint32_t G = param(k, "_g");
+    const double passes = std::ceil(double(G + 1) / std::max(1u, kAttnDecodeThreads / D));
+    chain(w, Steps{0, 2, 0, 3, 1, 20}, passes, true);
+    lead(w, Lat::mem, -1);  // the first pass's load is the dispatch's own
+    const bool split = starts(k, "attn_decode_split");
+    const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
+    chain(w, Lat::local, 1);  // the prepared queries
+    const double rows_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32));
+    chain(w, Steps{0, 0, 0, 0, 1, 15}, rows_sg);
+    loop(w, Lat::dram, rows_sg);
+    chain(w, Steps{0, 0, 1, 1, 0, 20}, G);
+    chain(w, Steps{0, split ? 0.0 : 1.0, 0, 1, 0, 8}, 1);  // the gate (unsplit) and the output
     w.threadgroup_memory = 4 * (8 * (D + 2 * param(k, "_g")) + 2 * param(k, "_g") * D + 2 * D + 264 +
                                 2 * param(k, "_g"));
     return w;
@@ -317,6 +474,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, 4.0 * a.num_q_heads * a.max_blocks * param(k, "_d"));
     w.bytes = declared(r);
+    // attn_combine (attention.metal): the max over the blocks' partials (a load and a max per
+    // block, in order), every 8th block's weighted sum per simdgroup, a barrier, the gate. The
+    // blocks are at most max_blocks (the runtime's split_rows gives about that many).
+    const double nb = a.max_blocks, per_sg = std::ceil(nb / 8);
+    chain(w, Steps{0, 1, 0, 1, 0, 2 * nb + 6 * per_sg + 10}, 1);
+    loop(w, Lat::mem, nb + per_sg);
     return w;
   }
   if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)
@@ -326,6 +489,8 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, 10.0 * a.rows * (a.num_q_heads + a.num_kv_heads) * param(k, "_d") +
                               (ends(k, "_qbf") ? 2.0 * a.rows * a.num_q_heads * param(k, "_d") : 0.0));
     w.bytes = declared(r);
+    // per simdgroup: the row's simd_sums, rsqrt, a simdgroup barrier, RoPE (no threadgroup barrier)
+    chain(w, Steps{0, 0, 1, 0, 1, 20}, 1);
     return w;
   }
   if (starts(k, "attn_prefill_d") || starts(k, "attn_prefill_split_d")) {
@@ -346,6 +511,9 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
       for (uint64_t kbeg = 0; kbeg < kend && kbeg < uint64_t(a.num_splits) * a.split_rows; kbeg += a.split_rows)
         tiles += double((std::min<uint64_t>(kend - kbeg, a.split_rows) + kAttnTile - 1) / kAttnTile);
     }
+    // the longest threadgroup's tiles: the last row block (unsplit) or a whole split
+    const double tg_tiles = a.num_splits == 0 ? std::ceil(double(uint64_t(a.p0) + M) / kAttnTile)
+                                              : std::ceil(double(a.split_rows) / kAttnTile);
     tiles *= double(a.num_q_heads / G);  // threadgroup columns
     const double scores = tiles * rows * kAttnTile;
     Cost w = make("attention");
@@ -366,6 +534,13 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     // a rescale flag per simdgroup (8); simdgroup: half K/V tile and per-simdgroup scratch
     w.threadgroup_memory = tensor ? 2 * kAttnTile * D + 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
                                   : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
+    // per KV tile: the tensor path reads K inside its product and loads V beside it, then
+    // three barriers around the softmax (attention_prefill_tensor.metal); the simdgroup path
+    // loads K, and V only after a barrier, four barriers (attention_prefill.metal). The
+    // softmax: a max and a sum over 8 columns and 2 shuffle levels each, the exps (~30 steps).
+    chain(w, Steps{tensor ? 1.0 : 2.0, 0, 0, tensor ? 3.0 : 4.0, 0, 30}, tg_tiles);
+    chain(w, Lat::dram, -1);
+    chain(w, Lat::barrier, 2);  // S zeroed before the loop; the output after it
     return w;
   }
   if (starts(k, "attn_prefill_combine_d")) {
@@ -373,6 +548,9 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, (4.0 * a.num_splits + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d"));
     w.bytes = declared(r);
+    // two passes over the splits' partials, a load per split each (the max, then the sums)
+    chain(w, Lat::alu, 2.0 * a.num_splits);
+    loop(w, Lat::mem, 2.0 * a.num_splits);
     return w;
   }
   // ---- prefill GEMMs
@@ -399,6 +577,33 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const double per_row = k == "moe_route_topk" ? double(a.experts) * (6.0 + a.top_k) : 8.0 * a.top_k;
     add(w, Path::alu_f32, k == "moe_route_clear" ? 0.0 : a.rows * per_row);
     w.bytes = declared(r);
+    const double nsg = simdgroups_of(r), T = r.threads.count();
+    if (k == "moe_route_topk") {
+      // route_topk (route.h) with threadgroup barriers: the max (threadgroup_max), the
+      // exps from loads after it, the row sums and the rescale behind two barriers; per
+      // round a scan of the thread's probabilities, simd_max and simd_min, a barrier, the
+      // simdgroups' winners in order, a barrier; then the histogram's atomic add
+      chain(w, tg_reduce(nsg), 1);
+      chain(w, Steps{0, 2, 0, 2, 1, 12}, 1);
+      chain(w, Steps{0, 0, 1, 2, 2, std::ceil(a.experts / T) * 2 + 2 * nsg}, a.top_k);
+    } else if (k == "moe_route_scatter") {
+      // moe_route_scatter: each expert's histogram column summed over the blocks in order (a
+      // load per block), the exclusive sums (one per tile class and the counts), the block's
+      // ids behind a barrier, the tile maps' binary searches, and the stable scatter, whose
+      // thread with the most assignments walks the block's earlier ones in threadgroup memory
+      const double blocks = std::ceil(double(a.rows) / a.block_rows);
+      const double na = std::min<double>(double(a.block_rows) * a.top_k, double(a.rows) * a.top_k);
+      double walk = 0;  // the last thread's assignments tid, tid + T, ... each scans those before it
+      for (double i = T - 1; i < na; i += T) walk += i;
+      const double classes = args::moe_tile_classes(a.tile_rows);
+      chain(w, Lat::alu, blocks * std::ceil(a.experts / T));
+      loop(w, Lat::mem, blocks * std::ceil(a.experts / T));
+      chain(w, Steps{0, 0, 0, 2, 1, nsg}, (1 + classes) * std::ceil(a.experts / T));
+      chain(w, Steps{0, 1, 0, 1, 0, 0}, 1);
+      chain(w, Steps{0, 0, 1, 0, 0, 2}, classes * std::ceil(std::log2(double(a.experts))));  // dependent
+      chain(w, Lat::alu, 2 * walk);
+      loop(w, Lat::local, walk);
+    }
     return w;
   }
   if (k == "rms_norm" || k == "rms_norm_half") {
@@ -406,6 +611,9 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("norms, embedding, combine");
     add(w, Path::alu_f32, (k == "rms_norm_half" ? 4.0 + kHalfConvOps : 4.0) * groups * a.n);
     w.bytes = declared(r);
+    // rms_row (common.h): threadgroup_sum, rsqrt, then x and the weights read again after it
+    chain(w, tg_reduce(simdgroups_of(r)), 1);
+    chain(w, Steps{0, 1, 0, 0, 0, 4}, 1);
     return w;
   }
   if (k == "embed_rows_q4") {
@@ -414,6 +622,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const double rows = double(r.groups.y);  // one grid row per token
     add(w, Path::alu_f32, kDequantOps * rows * a.cols);
     w.bytes = declared(r) - (double(a.vocab) - rows) * a.cols * quant_bytes(4);  // table declared whole
+    chain(w, Lat::dram, 1);  // the row's address waits for the token id
     return w;
   }
   if (k == "moe_combine" || k == "moe_combine_norm") {
@@ -423,6 +632,11 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 1) +
                               (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
     w.bytes = declared(r);
+    chain(w, Lat::alu, a.top_k);  // the k products summed in order
+    if (k == "moe_combine_norm") {  // the row read back after a device barrier, then rms_row
+      chain(w, Steps{0, 2, 0, 1, 0, 4}, 1);
+      chain(w, tg_reduce(simdgroups_of(r)), 1);
+    }
     return w;
   }
   // ---- token selection
@@ -430,6 +644,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("lm head + sampling");
     add(w, Path::alu_f32, 2.0 * r.bytes_read / sizeof(float));
     w.bytes = declared(r);
+    // scan_argmax's strided loop over the slice, then tg_argmax (sample.metal): simd_max,
+    // simd_min, two barriers, the simdgroups' bests in order
+    const double per_thread = std::ceil(double(r.bytes_read) / sizeof(float) / groups / r.threads.count());
+    chain(w, Lat::alu, 2 * per_thread);
+    loop(w, Lat::mem, per_thread);
+    chain(w, Steps{0, 0, 0, 2, 2, 2 * simdgroups_of(r)}, 1);
     return w;
   }
   if (k == "sample_greedy" || k == "sample_token") {
@@ -437,6 +657,16 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("lm head + sampling");
     add(w, Path::alu_f32, (k == "sample_greedy" ? 2.0 : 24.0) * V);
     w.bytes = declared(r);
+    chain(w, Steps{0, 0, 0, 2, 2, 2 * simdgroups_of(r)}, 1);  // tg_argmax
+    if (k == "sample_token") {
+      // sample_token's filtered path (sample.metal): four radix passes over the logits for the
+      // top-k threshold (three barriers each), a bitonic sort of kCand = 1024 candidates
+      // (55 barrier-separated stages), the top-p/min-p scans and the draw: counted for that
+      // path, the longest; greedy requests do not run it
+      chain(w, Steps{0, 4, 0, 3, 0, 8}, 4);
+      chain(w, Steps{0, 0, 1, 1, 0, 4}, 55);
+      chain(w, Steps{0, 2, 0, 8, 4, 40}, 1);
+    }
     return w;
   }
   return std::nullopt;
@@ -448,6 +678,11 @@ const char* path_name(Path p) {
   static const char* names[kPaths] = {"alu_f32",  "alu_f16",    "sgmm_f32",   "sgmm_f16",
                                       "sgmm_bf16", "tensor_f32", "tensor_f16", "tensor_bf16"};
   return names[int(p)];
+}
+
+const char* lat_name(Lat k) {
+  static const char* names[kLats] = {"dram", "mem", "local", "barrier", "reduce", "alu"};
+  return names[int(k)];
 }
 
 std::optional<Cost> dispatch_cost(const gpu::DispatchRecord& r) { return cost_of(r); }

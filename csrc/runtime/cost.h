@@ -28,11 +28,33 @@ enum class Path : int {
 constexpr int kPaths = int(Path::count);
 const char* path_name(Path p);
 
+// Kinds of dependent latency on a threadgroup's critical path, each priced by the
+// performance model at its own latency (lily.lab.estimate LATENCY_SECONDS / LATENCY_CYCLES,
+// docs/performance.md "Latency chains"): a load whose address, or whose issue, waits for an
+// earlier result (in-order issue: a load after a barrier, a load inside a loop whose
+// iteration waits on the previous one's result), from DRAM (`dram`: weights, the KV cache, the recurrent state and its ring)
+// or from data the stage before wrote (`mem`: small vectors likely still in a cache); a
+// threadgroup-memory load (`local`); a threadgroup barrier with the threadgroup-memory
+// exchange it orders (`barrier`); a simdgroup reduction instruction (`reduce`: simd_sum,
+// simd_max, simd_min); a dependent ALU or shuffle operation (`alu`).
+enum class Lat : int { dram, mem, local, barrier, reduce, alu, count };
+constexpr int kLats = int(Lat::count);
+const char* lat_name(Lat k);
+
 struct Cost {
   std::string family;                // kernel family for breakdowns ("attention", "routed experts", ...)
   std::array<double, kPaths> flops{};  // floating-point operations per path (an FMA counts 2)
   double bytes = 0;                  // bytes moved from/to memory (see dispatch_cost)
   uint64_t threadgroup_memory = 0;   // static threadgroup arrays of the kernel (bytes), where known
+  // Dependent latencies of the longest threadgroup, by kind, after its first device load
+  // (that round trip is part of every dispatch, so of the fitted stage gap): `chain` the
+  // critical path, `lead` the part of it before the threadgroup's bulk traffic starts (a
+  // prologue: the norm, the routing, the query preparation), which nothing of the same
+  // dispatch overlaps when all its threadgroups start together, and `loop` the loads of loops
+  // with a run-time trip count whose iterations do not depend on each other's loads (one per
+  // iteration; how many iterations' loads overlap is the model's loop_overlap, the compiler's
+  // unrolling). Loops of a compile-time trip count are taken as unrolled: no chain.
+  std::array<double, kLats> chain{}, lead{}, loop{};
 };
 
 // The cost of `r`, or nullopt when the table has no entry for r.kernel. Bytes are the

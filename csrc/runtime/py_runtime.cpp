@@ -71,9 +71,18 @@ nb::dict runtime_record_dict(const gpu::DispatchRecord& r) {
   }
   nb::dict work, flops;
   for (int p = 0; p < kPaths; ++p) flops[path_name(Path(p))] = w->flops[p];
+  nb::dict chain, lead, loop;
+  for (int k = 0; k < kLats; ++k) {
+    chain[lat_name(Lat(k))] = w->chain[k];
+    lead[lat_name(Lat(k))] = w->lead[k];
+    loop[lat_name(Lat(k))] = w->loop[k];
+  }
   work["family"] = w->family;
   work["flops"] = flops;
   work["bytes"] = w->bytes;
+  work["chain"] = chain;
+  work["lead"] = lead;
+  work["loop"] = loop;
   d["work"] = work;
   return d;
 }
