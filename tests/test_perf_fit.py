@@ -20,7 +20,7 @@ CFG = estimate.model_config()
 STEPS = 64
 LENGTHS = (256, 4096, 65536)  # 1.8 to 3.2 GB per decode step: efficiency and gap apart
 # an M5 Max faster at streaming and at stage boundaries than published, slower on matrices
-TRUE = {"bandwidth_efficiency": 0.86, "stage_gap": 2.1e-6, "matrix": 0.45}
+TRUE = {"bandwidth_efficiency": 0.93, "stage_gap": 1.8e-6, "matrix": 0.45}
 
 
 def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tensor"):
@@ -66,7 +66,7 @@ def test_fit_recovers_the_constants_of_the_run(measured):
     assert c["matrix_efficiency"]["fitted"] == pytest.approx(TRUE["matrix"], abs=1e-3)
     assert c["matrix_efficiency"]["paths"] == ["tensor_f16", "tensor_bf16"]
     assert c["bandwidth_efficiency"]["published"] == estimate.BANDWIDTH_EFFICIENCY
-    assert m.key == "m5max" and m.fitted_from == "run.json" and m.stage_gap == pytest.approx(2.1e-6, rel=2e-3)
+    assert m.key == "m5max" and m.fitted_from == "run.json" and m.stage_gap == pytest.approx(1.8e-6, rel=2e-3)
     err = rep["rms_relative_error"]
     for phase in ("decode", "prefill"):
         assert err[phase]["fitted"] < 2e-3 < 0.05 < err[phase]["published"], (phase, err)
@@ -130,9 +130,12 @@ def test_estimate_takes_the_fitted_machine(measured):
     fitted = estimate.estimate(m, contexts=(4096,), prompts=(4096,))
     published = estimate.estimate("m5max", contexts=(4096,), prompts=(4096,))
     assert fitted["calibration"]["fitted_from"] == "run.json" and published["calibration"]["fitted_from"] is None
-    assert fitted["calibration"]["stage_gap_us"] == pytest.approx(2.1, rel=2e-3)
-    assert fitted["decode"][0]["tok_s"] > published["decode"][0]["tok_s"]  # faster streaming and stages
-    assert fitted["prefill"][0]["tok_s"] < published["prefill"][0]["tok_s"]  # slower matrices
+    assert fitted["calibration"]["stage_gap_us"] == pytest.approx(1.8, rel=2e-3)
+    for end in ("low", "likely", "high"):  # the measured constants hold in every scenario
+        assert fitted["decode"][0]["tok_s"][end] > published["decode"][0]["tok_s"][end]  # faster streaming, stages
+    assert fitted["prefill"][0]["tok_s"]["likely"] < published["prefill"][0]["tok_s"]["likely"]  # slower matrices
+    gaps = [x["stage_gap_us"] for e in ("low", "high") for x in fitted["calibration"]["decompositions"][e]]
+    assert gaps == pytest.approx([1.8] * len(gaps), rel=2e-3)
     assert "calibration fitted to run.json" in estimate.format_report(fitted)
     # a Machine of the published calibration estimates exactly as its key does
     assert estimate.estimate(estimate.machine("m5max"), contexts=(4096,), prompts=(4096,))["decode"] == published["decode"]
@@ -186,13 +189,13 @@ def test_estimate_fit_command(measured, tmp_path):
     r = subprocess.run(base + ["--json"], capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["fit"]["constants"]["stage_gap_us"]["fitted"] == pytest.approx(2.1, rel=2e-3)
+    assert out["fit"]["constants"]["stage_gap_us"]["fitted"] == pytest.approx(1.8, rel=2e-3)
     assert out["estimate"]["calibration"]["fitted_from"] == str(run)
     assert out["estimate"]["plan"]["prefill_chunk"] == 4096
     r = subprocess.run(base, capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("calibration fitted to") and "*** ESTIMATE" in r.stdout
-    assert "stage gap             2.25 us published -> 2.10 us fitted" in r.stdout
+    assert "stage gap             2.15 us published -> 1.80 us fitted" in r.stdout
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(bad)], capture_output=True,
@@ -218,8 +221,9 @@ def test_the_fitted_machine_keeps_the_run_s_plan():
     est = estimate.estimate(m, contexts=(4096,), prompts=(4096,))
     assert est["plan"]["gemm_path"] == est["plan"]["attention_path"] == "simdgroup"
     fitted_4k = next(r for r in rep["prefill"] if r["prompt_tokens"] == 4096)["fitted_model_tok_s"]
-    assert est["prefill"][0]["tok_s"] == pytest.approx(fitted_4k, rel=1e-9)
-    assert est["prefill"][0]["tok_s"] < 0.8 * estimate.estimate("m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]
+    assert est["prefill"][0]["tok_s"]["likely"] == pytest.approx(fitted_4k, rel=1e-9)
+    assert est["prefill"][0]["tok_s"]["likely"] < 0.8 * estimate.estimate(
+        "m5max", contexts=(4096,), prompts=(4096,))["prefill"][0]["tok_s"]["likely"]
 
 
 def test_fit_counts_the_decode_plan_of_the_run():
@@ -246,3 +250,37 @@ def test_the_run_s_model_must_be_the_estimated_one(measured, demo_path):
         estimate.fit({**measured, "model": str(demo_path)})
     _, rep = estimate.fit({**measured, "model": "/Users/someone/models/Qwen3.6-35B-A3B-4bit"})
     assert any("not on this machine" in n for n in rep["notes"]), rep["notes"]
+
+
+# ---- the published calibration, out of sample (docs/performance.md, "Calibration") ----------
+
+
+def test_decode_calibration_out_of_sample():
+    """Fitted on half of pplx-garden's ten published lengths, the decode model predicts the
+    other half: alternate lengths within 2.5% rms (4% at most) either way, and the five longest
+    from the five shortest likewise. From the five shortest alone the efficiency and the gap are
+    not identified (their bytes per step differ by 5%): the fit runs to a zero gap and misses the
+    long contexts by more than 5% rms, as docs/performance.md says."""
+    from lily.lab import calibration
+    res = calibration.out_of_sample()
+    for split in ("even->odd", "odd->even", "long->short"):
+        assert res[split]["rms"] < 0.025 and res[split]["max_abs"] < 0.04, (split, res[split])
+        assert set(res[split]["errors"]).isdisjoint(res[split]["fitted_on"])
+    assert res["short->long"]["stage_gap_us"] == 0.0 and res["short->long"]["rms"] > 0.05
+
+
+def test_tensor_rate_from_engines_measured_on_m5():
+    """The tensor efficiency's likely value and range hold what the published prefill of
+    pplx-garden (the likely value: its best on a grid around it, over the ten lengths, at its
+    fitted attention efficiency) and of MLX-LM (inside the range, on the lengths up to 8K that
+    its structure describes) give through their kernels' structure (lily.lab.tensor_rate); coarse
+    grids here (the full fits: docs/performance.md)."""
+    from lily.lab import tensor_rate
+    c = estimate.CONSTANTS["tensor_efficiency"]
+    a = estimate.CONSTANTS["attention_efficiency"]
+    pplx = tensor_rate.fit_engine("pplx_garden", tensor_grid=(c.likely - 0.1, c.likely, c.likely + 0.1),
+                                   param_grid=(a.likely,))
+    assert pplx["tensor_efficiency"] == pytest.approx(c.likely) and pplx["rms_relative_error"] < 0.035
+    mlx = tensor_rate.fit_engine("mlx_lm", tensor_grid=(c.low, c.likely, 0.8, c.high), param_grid=(1.0,),
+                                  lengths=(256, 512, 1024, 2048, 4096, 8192))
+    assert c.likely < mlx["tensor_efficiency"] <= c.high and mlx["rms_relative_error"] < 0.07

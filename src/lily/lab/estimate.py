@@ -24,9 +24,11 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import numpy as np
 
 from lily import _core
 from lily.checkpoint import ModelConfig, load_config, parse_config
@@ -54,38 +56,80 @@ DEFAULT_MODEL_NAME = "Qwen3.6-35B-A3B (built-in config of mlx-community/Qwen3.6-
 
 # ---- calibration (docs/performance.md, "Calibration") -----------------------------------
 
-#: Fraction of the advertised bandwidth a streaming dispatch reaches. Fitted together with
-#: :data:`STAGE_GAP` (:func:`calibrate_reference`) to pplx-garden's published M5 Max decode at
-#: ten contexts, 256..128K: their step's bytes grow with the context (bf16 KV cache) while
-#: its 425 barrier stages do not, so the contexts tell the two apart (loosely: 0.78..0.83 fit
-#: within 1.12%). Near the 0.79 (122 of 153 GB/s) STREAM-style Metal kernels reach on an M5
-#: (michaelstinkerings.org, "Apple M5 GPU Roofline Analysis"). Applied to every machine.
-BANDWIDTH_EFFICIENCY = 0.805
-#: Fraction of the peak a path sustains on our kernels. simdgroup_matrix GEMMs: 80-92% of
-#: the ALU peak (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are
-#: taken to run on the same ALUs alike. Half/bfloat tensor ops: no public sustained figure for
-#: quantized-weight GEMMs on M5; 0.6 assumed (consistent with pplx-garden's 4K prefill: its
-#: 0.716 s hold the ~20.5 TFLOP of GEMMs, 2 x 2.5e9 active parameters x 4096 tokens, which
-#: take 0.48 s at 0.6 of the 71.7 TFLOPS bf16 peak; docs/performance.md). Scalar ALU code: our counts are
-#: arithmetic only (no address, compare or shuffle instructions), 0.5 assumed.
+#: Fraction of the advertised bandwidth a streaming dispatch reaches: the likely calibration,
+#: fitted together with :data:`STAGE_GAP` (lily.lab.calibration.calibrate_reference) to
+#: pplx-garden's published M5 Max decode at ten contexts, 256..128K, their step timed with the
+#: likely latency chains (1.5% rms): their step's bytes grow with the context (bf16 KV cache)
+#: while its 425 barrier stages do not, so the contexts tell the two apart, loosely (the other
+#: decompositions the data allow are refit for the low and high figures: :func:`scenarios`).
+#: Without latency chains the same fit gives 0.805 (0.79, 122 of 153 GB/s, is what
+#: STREAM-style Metal kernels reach on an M5: michaelstinkerings.org, "Apple M5 GPU Roofline
+#: Analysis"); the chains their kernels wait on take part of what was bandwidth. Applied to
+#: every machine.
+BANDWIDTH_EFFICIENCY = 0.857
+#: Fraction of the peak a path sustains on our kernels (the likely values; ranges in
+#: :data:`CONSTANTS`). simdgroup_matrix GEMMs: 80-92% of the ALU peak
+#: (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are taken to run on the
+#: same ALUs alike. Half tensor ops (the GEMMs) and bfloat tensor ops (the attention): fitted to
+#: designs measured on M5 (lily.lab.tensor_rate: pplx-garden's published prefill through its
+#: kernels' structure gives 0.65 for its GEMMs and 0.4 for its flash attention, MLX-LM's
+#: 0.80-0.85 for its GEMMs; docs/performance.md, "The tensor rate from designs measured on
+#: M5"). Scalar ALU code: our counts are arithmetic only (no address, compare or shuffle
+#: instructions), 0.5 assumed.
 PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16": 0.85, "sgmm_bf16": 0.85,
-                   "tensor_f32": 0.85, "tensor_f16": 0.6, "tensor_bf16": 0.6}
+                   "tensor_f32": 0.85, "tensor_f16": 0.65, "tensor_bf16": 0.4}
 #: Threads a core needs in flight to reach its peak: 8 simdgroups (8 independent
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
 SATURATION_THREADS = 256
 #: Seconds per barrier stage (dispatch boundary + pipeline drain), fitted with
-#: :data:`BANDWIDTH_EFFICIENCY` (:func:`calibrate_reference`): this model times pplx-garden's
-#: decode step (:func:`reference_decode_step`) dispatch by dispatch, occupancy included, and
-#: the gap is what their measured step time leaves over those times, per stage (relative
-#: least squares over the ten contexts: 0.9% rms). If their small grids (the DeltaNet step
-#: on 32 threadgroups of 128 threads, single-threadgroup norms) ran at full bandwidth instead
-#: of at their occupancy, the same fit would give 0.792 and 3.41 us (docs/performance.md).
-#: Used on every machine (no per-machine figure).
-STAGE_GAP = 2.25e-6
+#: :data:`BANDWIDTH_EFFICIENCY`: this model times pplx-garden's decode step
+#: (lily.lab.calibration.reference_decode_step) dispatch by dispatch, occupancy and latency
+#: chains included, and the gap is what their measured step time leaves over those times, per
+#: stage (relative least squares over the ten contexts). Without chains: 2.25 us; with every
+#: dispatch at full occupancy instead: 3.58 us (docs/performance.md). Used on every machine (no
+#: per-machine figure).
+STAGE_GAP = 2.154e-6
+#: The kinds of dependent latency the cost table counts per dispatch (csrc/runtime/cost.h
+#: ``Lat``), in its order: a load from DRAM, a load of data the stage before wrote, a
+#: threadgroup-memory load, a threadgroup barrier with its exchange, a simdgroup reduction, a
+#: dependent ALU step (docs/performance.md, "Latency chains").
+LATENCY_KINDS = ("dram", "mem", "local", "barrier", "reduce", "alu")
+#: Seconds per dependent event of the memory and barrier kinds (the likely values; the ranges
+#: are in :data:`CONSTANTS`). Loads: an M1 GPU's pointer chase (Chips and Cheese, "iGPU Cache
+#: Setups Compared, Including M1", 2022-05-21, as tabulated in azhirnov/cpu-gpu-arch
+#: gpu/Apple-M1.md): L1 43 ns, L2 76 ns, system level cache 266 ns, DRAM 311 ns; taken alike
+#: in ns on M5 (no M5 figure is public). ``mem`` (a small vector the previous stage wrote,
+#: evicted from the GPU's L2 by the weights streamed since) is taken at the SLC's 266 ns.
+#: Threadgroup memory at the L1's 43 ns; a barrier as one exchange through it (write, sync,
+#: read) at twice that (assumed).
+LATENCY_SECONDS = {"dram": 311e-9, "mem": 266e-9, "local": 43e-9, "barrier": 86e-9}
+#: Cycles per dependent event of the instruction kinds, at the machine's clock
+#: (philipturner/metal-benchmarks, A14/M1: simd_sum of fp32 27.55 cycles adjusted latency
+#: (25.95-29.25 raw), fp32 FADD/FMUL/FFMA and compare-select 4 cycles).
+LATENCY_CYCLES = {"reduce": 27.55, "alu": 4.0}
+#: Iterations of a run-time-count loop whose loads overlap (Work::loop): how far the compiler
+#: unrolls it and issues the next iterations' loads ahead. Apple GPUs issue in order, so 1 is
+#: a loop that waits for every iteration's loads; 4 assumed likely (the published decode fits
+#: best from 4 up and rules out 1: docs/performance.md, "Latency chains").
+LOOP_OVERLAP = 4.0
+#: Threads and threadgroup memory a core holds at once, which bound how many threadgroups can
+#: hide each other's latency (philipturner/metal-benchmarks, Apple 7/8: 384-3072 threads
+#: depending on registers, ~60 KB of threadgroup memory per core; M5 assumed alike).
+THREADS_PER_CORE = 2048
+TG_MEMORY_PER_CORE = 60 * 1024
+#: How a dispatch that cannot fill the GPU shares its bandwidth (docs/performance.md,
+#: "Small grids"): ``share``, the cores it reaches times how full it keeps them (the likely
+#: rule); ``core_bandwidth``, each core it reaches draws up to CORE_BYTES_PER_CYCLE per clock
+#: (the bandwidth saturates from ~11 cores on an M5 Max); ``full``, every dispatch at full
+#: occupancy (the bound the calibration data allow).
+OCCUPANCY_RULES = ("share", "core_bandwidth", "full")
+#: Bytes per clock one core's path to the GPU's memory system carries
+#: (philipturner/metal-benchmarks, "On-GPU Data BW/Cycle ~32 B", Apple 7/8).
+CORE_BYTES_PER_CYCLE = 32
 #: What the calibration is fitted to: pplx-garden's published decode table
-#: (:data:`lily.lab.published.PPLX_PUBLISHED_M5MAX`), measured on this machine, and their
-#: decode step as read in their source (:mod:`lily.lab.published` holds the figures).
+#: (:data:`lily.lab.published.PPLX_PUBLISHED_M5MAX`), measured on this machine, and their decode step
+#: as read in their source (perplexityai/pplx-garden, lily/ at commit f263d07).
 CALIBRATION = {"source": PPLX_TABLE_SOURCE, "code": PPLX_CODE_SOURCE, "machine": "m5max",
                "stages_per_step": PPLX_STAGES_PER_STEP, "decode_steps": PPLX_DECODE_STEPS}
 
@@ -95,11 +139,14 @@ class Machine:
     """An Apple GPU: ``cores``; ``bandwidth`` bytes/s; ``rates`` peak flop/s per execution
     path (absent: the path does not exist there); ``threadgroup_memory`` bytes per
     threadgroup; ``stage_gap`` seconds per barrier stage; ``gpu_family`` (MTLGPUFamilyAppleN);
-    ``sources``: where each figure comes from. The calibration (``stage_gap``,
+    ``sources``: where each figure comes from; ``clock`` Hz. The calibration (``stage_gap``,
     ``bandwidth_efficiency``, ``path_efficiency``) is the published one unless
     ``fitted_from`` names the measured run it was fitted to (:func:`fit`), which also pins
     the prefill paths that run used (``gemm``, ``attention``: ``"tensor"`` /
-    ``"simdgroup"``; None: the fastest the machine has)."""
+    ``"simdgroup"``; None: the fastest the machine has). The latency model: ``latency``
+    seconds per dependent event of each kind (:data:`LATENCY_KINDS`), ``loop_overlap``,
+    ``threads_per_core`` and ``tg_memory_per_core`` (residency), ``saturation_threads`` and
+    ``occupancy_rule`` (:data:`OCCUPANCY_RULES`); their defaults are the likely values."""
 
     key: str
     name: str
@@ -115,6 +162,13 @@ class Machine:
     fitted_from: str | None = None
     gemm: str | None = None
     attention: str | None = None
+    clock: float = 1.0e9
+    latency: dict = field(default_factory=dict)
+    loop_overlap: float = LOOP_OVERLAP
+    threads_per_core: int = THREADS_PER_CORE
+    tg_memory_per_core: int = TG_MEMORY_PER_CORE
+    saturation_threads: float = SATURATION_THREADS
+    occupancy_rule: str = "share"
 
     @property
     def tensor_ops(self) -> bool:
@@ -132,6 +186,15 @@ def _alu(cores: int, ghz: float, lanes: int = 128) -> float:
     return cores * lanes * 2 * ghz * 1e9
 
 
+def latency_at(clock: float, seconds: dict | None = None, cycles: dict | None = None) -> dict:
+    """Seconds per dependent event of each kind (:data:`LATENCY_KINDS`) on a GPU clocked at
+    ``clock`` Hz: ``seconds`` for the memory and barrier kinds, ``cycles`` for the
+    instruction kinds (defaults :data:`LATENCY_SECONDS`, :data:`LATENCY_CYCLES`)."""
+    out = dict(LATENCY_SECONDS if seconds is None else seconds)
+    out.update({k: c / clock for k, c in (LATENCY_CYCLES if cycles is None else cycles).items()})
+    return out
+
+
 def _machine(key, name, cores, gbs, ghz, family, sources, f16_factor=1.0, matrix_per_core_clk=None):
     f32 = _alu(cores, ghz)
     f16 = f32 * f16_factor
@@ -139,7 +202,8 @@ def _machine(key, name, cores, gbs, ghz, family, sources, f16_factor=1.0, matrix
     if matrix_per_core_clk:
         na = cores * matrix_per_core_clk * ghz * 1e9
         rates.update(tensor_f32=f32, tensor_f16=na, tensor_bf16=na)
-    return Machine(key, name, cores, gbs * 1e9, rates, 32768, family, sources)
+    return Machine(key, name, cores, gbs * 1e9, rates, 32768, family, sources, clock=ghz * 1e9,
+                   latency=latency_at(ghz * 1e9))
 
 
 _TG = "32 KiB per threadgroup: Apple Metal feature set tables (maxThreadgroupMemoryLength, Apple7+)"
@@ -200,11 +264,12 @@ class UnknownKernelError(LilyError):
 
 
 def occupancy(m: Machine, groups: int, threads: int) -> float:
-    """Share of ``m`` a dispatch of ``groups`` threadgroups of ``threads`` threads can use:
-    the cores it reaches times how full it keeps each of them (:data:`SATURATION_THREADS`)."""
+    """Share of ``m``'s compute a dispatch of ``groups`` threadgroups of ``threads`` threads
+    can use: the cores it reaches times how full it keeps each of them
+    (``m.saturation_threads``). Its share of the bandwidth follows ``m.occupancy_rule``."""
     busy = min(groups, m.cores)
     per_core = groups * threads / busy
-    return busy / m.cores * min(1.0, per_core / SATURATION_THREADS)
+    return busy / m.cores * min(1.0, per_core / m.saturation_threads)
 
 
 def _work(rec: dict) -> dict:
@@ -215,23 +280,146 @@ def _work(rec: dict) -> dict:
     return w
 
 
-def _compute_seconds(m: Machine, flops: dict) -> float:
-    s = 0.0
-    for path, f in flops.items():
-        if not f:
-            continue
-        rate = m.rates.get(path)
-        if rate is None:
-            raise InvalidParameterError(f"{m.name} has no {path} path (the plan for another GPU family?)")
-        s += f / (rate * m.path_efficiency[path])
-    return s
+@dataclass
+class _Plan:
+    """One command buffer's records as arrays (what :func:`time_records` needs of them)."""
+
+    stage: np.ndarray     # dense barrier-stage index per record
+    stages: int
+    bytes: np.ndarray
+    flops: np.ndarray     # [records, PATHS]
+    groups: np.ndarray
+    threads: np.ndarray
+    tg_memory: np.ndarray
+    chain: np.ndarray     # [records, LATENCY_KINDS]
+    lead: np.ndarray
+    loop: np.ndarray
+    family: np.ndarray    # index into families
+    families: list
+    starts: np.ndarray | None = None  # first record of each stage, when each stage's records are contiguous
+
+
+_PLANS: OrderedDict = OrderedDict()  # id(records) -> (records, skip, plan), the most recent kept
+
+
+def _plan(records: list, skip_families: tuple = ()) -> _Plan:
+    key = (id(records), skip_families)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0] is records:
+        _PLANS.move_to_end(key)
+        return hit[1]
+    rows = [(r, _work(r)) for r in records]
+    rows = [(r, w) for r, w in rows if w["family"] not in skip_families]
+    stage_ids: dict = {}
+    families: list = []
+
+    def kinds(w, which):
+        d = w.get(which) or {}
+        return [d.get(k, 0.0) for k in LATENCY_KINDS] if d else [0.0] * len(LATENCY_KINDS)
+
+    plan = _Plan(
+        stage=np.array([stage_ids.setdefault((r["pass"], r["stage"]), len(stage_ids)) for r, _ in rows], dtype=np.int64),
+        stages=0, bytes=np.array([w["bytes"] for _, w in rows], dtype=float),
+        flops=np.array([[w["flops"].get(p, 0.0) for p in PATHS] for _, w in rows], dtype=float).reshape(-1, len(PATHS)),
+        groups=np.array([math.prod(r["groups"]) for r, _ in rows], dtype=float),
+        threads=np.array([math.prod(r["threads"]) for r, _ in rows], dtype=float),
+        tg_memory=np.array([r.get("threadgroup_memory") or 0 for r, _ in rows], dtype=float),
+        chain=np.array([kinds(w, "chain") for _, w in rows], dtype=float).reshape(-1, len(LATENCY_KINDS)),
+        lead=np.array([kinds(w, "lead") for _, w in rows], dtype=float).reshape(-1, len(LATENCY_KINDS)),
+        loop=np.array([kinds(w, "loop") for _, w in rows], dtype=float).reshape(-1, len(LATENCY_KINDS)),
+        family=np.array([families.index(w["family"]) if w["family"] in families
+                         else families.append(w["family"]) or len(families) - 1 for _, w in rows], dtype=np.int64),
+        families=families)
+    plan.stages = len(stage_ids)
+    if plan.stages and np.all(np.diff(plan.stage) >= 0):
+        plan.starts = np.flatnonzero(np.r_[True, np.diff(plan.stage) > 0])
+    _PLANS[key] = (records, plan)
+    while len(_PLANS) > 512:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _compute(m: Machine, flops: np.ndarray) -> np.ndarray:
+    """Seconds of arithmetic per record at full occupancy (the paths add: a threadgroup runs
+    its dequantization, staging and products one after another)."""
+    used = flops.sum(axis=0) > 0
+    missing = [p for p, u in zip(PATHS, used) if u and p not in m.rates]
+    if missing:
+        raise InvalidParameterError(f"{m.name} has no {missing[0]} path (the plan for another GPU family?)")
+    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates else 0.0 for p in PATHS])
+    return flops @ per
+
+
+def _dispatch_times(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(time of each dispatch, its lead latency, its bytes time and its compute time at full
+    occupancy): the roofline at its occupancy, then the latency chains (docs/performance.md,
+    "Latency chains"): a dispatch takes at least its throughput time plus its prologue (all its
+    first threadgroups wait at once), and at least as many rounds of one threadgroup's chain
+    and own work as a core must run one after another (its threadgroups beyond what the core
+    holds at once). ``effs``: bandwidth efficiencies to evaluate at once (the arrays then have
+    a column per efficiency); default ``m``'s."""
+    e = np.atleast_1d(np.asarray(m.bandwidth_efficiency if effs is None else effs, dtype=float))
+    mem = plan.bytes[:, None] / (m.bandwidth * e[None, :])
+    comp = _compute(m, plan.flops)[:, None]
+    g = np.maximum(plan.groups, 1.0)
+    busy = np.minimum(g, m.cores)
+    fill = np.minimum(1.0, g * plan.threads / busy / m.saturation_threads)
+    occ = busy / m.cores * fill
+    if m.occupancy_rule == "full":
+        occ = occ_bw = np.ones_like(occ)
+    elif m.occupancy_rule == "core_bandwidth":
+        occ_bw = np.minimum(1.0, busy * CORE_BYTES_PER_CYCLE * m.clock / m.bandwidth) * fill
+    elif m.occupancy_rule == "share":
+        occ_bw = occ
+    else:
+        raise InvalidParameterError(f"unknown occupancy rule {m.occupancy_rule!r} (known: {', '.join(OCCUPANCY_RULES)})")
+    thr = np.maximum(mem / occ_bw[:, None], comp / occ[:, None])
+    lat = np.array([m.latency.get(k, 0.0) for k in LATENCY_KINDS])
+    loop_lat = lat / max(m.loop_overlap, 1.0)
+    lead = (plan.lead @ lat)[:, None]
+    chain = (plan.chain @ lat + plan.loop @ loop_lat)[:, None]
+    per_core = np.ceil(g / m.cores)[:, None]
+    by_threads = np.floor(m.threads_per_core / np.maximum(plan.threads, 1.0))
+    by_memory = np.where(plan.tg_memory > 0, np.floor(m.tg_memory_per_core / np.maximum(plan.tg_memory, 1.0)), np.inf)
+    slots = np.maximum(1.0, np.minimum(by_threads, by_memory))[:, None]
+    waves = np.ceil(per_core / slots)
+    t = np.maximum(thr + lead, waves * (chain + thr / per_core))
+    return t, lead, mem, comp
 
 
 def dispatch_seconds(m: Machine, rec: dict) -> float:
-    """Roofline time of one dispatch record at its occupancy (no stage gap)."""
-    w = _work(rec)
-    occ = occupancy(m, math.prod(rec["groups"]), math.prod(rec["threads"]))
-    return max(w["bytes"] / (m.bandwidth * m.bandwidth_efficiency), _compute_seconds(m, w["flops"])) / occ
+    """Time of one dispatch record on ``m`` (no stage gap): the roofline at its occupancy and
+    its latency chains (:func:`time_records`)."""
+    return float(_dispatch_times(m, _plan([rec]))[0][0, 0])
+
+
+def _stages(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(each stage's time without the gap [stages, effs], each dispatch's time [records,
+    effs], the sum of its stage's dispatch times [records, effs]) (:func:`time_records`)."""
+    each, lead, mem, comp = _dispatch_times(m, plan, effs)
+    comp, lead = np.broadcast_to(comp, each.shape), np.broadcast_to(lead, each.shape)
+    if plan.starts is not None:  # records grouped by stage (every plan the runtime records)
+        at = plan.starts
+        slowest, weight = np.maximum.reduceat(each, at), np.add.reduceat(each, at)
+        total_mem, total_comp = np.add.reduceat(mem, at), np.add.reduceat(comp, at)
+        first = np.minimum.reduceat(lead, at)
+    else:
+        shape = (plan.stages, each.shape[1])
+        slowest, total_mem, total_comp, weight = (np.zeros(shape) for _ in range(4))
+        np.maximum.at(slowest, plan.stage, each)
+        np.add.at(total_mem, plan.stage, mem)
+        np.add.at(total_comp, plan.stage, comp)
+        np.add.at(weight, plan.stage, each)
+        first = np.full(shape, np.inf)
+        np.minimum.at(first, plan.stage, lead)
+    return np.maximum(slowest, np.maximum(total_mem, total_comp) + first), each, weight[plan.stage]
+
+
+def step_seconds(m: Machine, records: list, effs) -> np.ndarray:
+    """Seconds of ``records`` without stage gaps at each bandwidth efficiency of ``effs`` (the
+    decode fits search the efficiency and solve the gap in closed form)."""
+    plan = _plan(records)
+    return _stages(m, plan, effs)[0].sum(axis=0) if plan.stages else np.zeros(len(np.atleast_1d(effs)))
 
 
 @dataclass
@@ -253,30 +441,23 @@ class Timing:
 
 def time_records(m: Machine, records: list, skip_families: tuple = ()) -> Timing:
     """Estimated time of ``records`` (one command buffer's, in order): per barrier stage the
-    slowest dispatch or the stage's total work at full occupancy, plus the stage gap. A
+    slowest dispatch (:func:`dispatch_seconds`) or the stage's total work at full occupancy
+    plus the shortest prologue of its dispatches, whichever is longer, plus the stage gap. A
     stage's time is split over families in proportion to their dispatches' times."""
-    t = Timing()
-    stages: dict = defaultdict(list)
-    for r in records:
-        w = _work(r)
-        if w["family"] in skip_families:
-            continue
-        stages[(r["pass"], r["stage"])].append(r)
-    for recs in stages.values():
-        each = [dispatch_seconds(m, r) for r in recs]
-        total_bytes = sum(_work(r)["bytes"] for r in recs)
-        flops: dict = defaultdict(float)
-        for r in recs:
-            for p, f in _work(r)["flops"].items():
-                flops[p] += f
-        full = max(total_bytes / (m.bandwidth * m.bandwidth_efficiency), _compute_seconds(m, flops))
-        stage = max(max(each), full) + m.stage_gap
-        t.seconds += stage
-        t.stages += 1
-        t.bytes += total_bytes
-        weight = sum(each)
-        for r, s in zip(recs, each):
-            t.families[_work(r)["family"]] += stage * s / weight
+    plan = _plan(records, skip_families)
+    t = Timing(stages=plan.stages)
+    if not plan.stages:
+        return t
+    stage, each, w = _stages(m, plan)
+    stage, each, w = stage[:, 0] + m.stage_gap, each[:, 0], w[:, 0]
+    t.seconds = float(stage.sum())
+    t.bytes = float(plan.bytes.sum())
+    count = np.bincount(plan.stage, minlength=plan.stages)
+    share = np.where(w > 0, stage[plan.stage] * each / np.where(w > 0, w, 1.0), stage[plan.stage] / count[plan.stage])
+    per_family = np.zeros(len(plan.families))
+    np.add.at(per_family, plan.family, share)
+    for name, v in zip(plan.families, per_family):
+        t.families[name] += float(v)
     return t
 
 
@@ -302,11 +483,26 @@ def attention_path(m: Machine) -> str:
     return m.attention or ("tensor" if m.tensor_attention and gemm_path(m) == "tensor" else "simdgroup")
 
 
+_WINDOWS: OrderedDict = OrderedDict()
+
+
+def decode_records(cfg: ModelConfig, context: int) -> list:
+    """The records of each step of one write-back window at ``context``
+    (:func:`lily.native_backend.count_decode_window`), kept for the next call (the estimate times the
+    same steps on many machines)."""
+    key = (repr(cfg), context, default_state_window())
+    if key not in _WINDOWS:
+        _WINDOWS[key] = [c["records"] for c in count_decode_window(cfg, context)]
+        while len(_WINDOWS) > 64:
+            _WINDOWS.popitem(last=False)
+    return _WINDOWS[key]
+
+
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     """Estimated time of one decode step at ``context`` tokens already in the cache: the mean
-    over one write-back window of steps (:func:`lily.native_backend.count_decode_window`), whose
-    Gated DeltaNet steps differ in the state traffic."""
-    return mean_timing([time_records(m, c["records"]) for c in count_decode_window(cfg, context)])
+    over one write-back window of steps (:func:`decode_records`), whose Gated DeltaNet steps
+    differ in the state traffic."""
+    return mean_timing([time_records(m, r) for r in decode_records(cfg, context)])
 
 
 def mean_timing(timings: list[Timing]) -> Timing:
@@ -328,7 +524,8 @@ _HEAD = ("lm head + sampling",)
 def _timing_key(m: Machine) -> tuple:
     # everything a dispatch's time depends on
     return (m.cores, m.bandwidth, tuple(sorted(m.rates.items())), m.stage_gap, m.bandwidth_efficiency,
-            tuple(sorted(m.path_efficiency.items())))
+            tuple(sorted(m.path_efficiency.items())), m.clock, tuple(sorted(m.latency.items())), m.loop_overlap,
+            m.threads_per_core, m.tg_memory_per_core, m.saturation_threads, m.occupancy_rule)
 
 
 def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: dict, path: str,
@@ -400,22 +597,179 @@ def check_length(name: str, n, limit: int, *, kind: str = "prompt") -> None:
                                                                     "position c)" if kind == "context" else ""))
 
 
+# ---- an honest estimate: low / likely / high (docs/performance.md, "Low, likely, high") ----
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A constant the data do not pin, with the range the estimate's figures take it over:
+    ``likely`` (the likely figure's value), ``low`` and ``high`` (the values the low, slow,
+    and the high, fast, figures take), ``unit`` and ``source`` of the range."""
+
+    name: str
+    likely: float
+    low: float
+    high: float
+    unit: str
+    source: str
+
+
+_LAT = "Chips and Cheese 2022-05-21 (M1 GPU pointer chase; azhirnov/cpu-gpu-arch gpu/Apple-M1.md)"
+#: The unfitted or weakly identified constants and their ranges. The decode calibration
+#: (bandwidth efficiency, stage gap) is not among them: it is refit for every combination
+#: (:func:`scenarios`). Half/bfloat tensor-op efficiency: see docs/performance.md, "The
+#: tensor rate from designs measured on M5".
+CONSTANTS = {c.name: c for c in (
+    Constant("tensor_efficiency", PATH_EFFICIENCY["tensor_f16"], 0.55, 0.85, "of the tensor-op peak",
+             "GEMMs: pplx-garden's published M5 Max prefill through its kernels' structure fits 0.65 (both runs; "
+             "0.05 lower raises the rms error from 3% to 5-10%), MLX-LM's 0.80-0.85 (lily.lab.tensor_rate)"),
+    Constant("attention_efficiency", PATH_EFFICIENCY["tensor_bf16"], 0.3, 0.85, "of the tensor-op peak",
+             "attention products: pplx-garden's flash attention (16 x 128 steps) fits 0.4 over the ten lengths; "
+             "MLX-LM's unfused bf16 GEMMs sit at the fit's bound (1.0), capped at the GEMMs' high end"),
+    Constant("simdgroup_efficiency", 0.85, 0.80, 0.92, "of the ALU peak",
+             "simdgroup_matrix GEMMs sustain 80-92% of the ALU peak (philipturner/metal-benchmarks)"),
+    Constant("alu_efficiency", 0.5, 0.35, 0.65, "of the ALU peak",
+             "assumed: our counts are arithmetic only (no address, compare or shuffle instructions); +-30%"),
+    Constant("saturation_threads", SATURATION_THREADS, 512, 128, "threads per core",
+             "8 simdgroups hide the 4-cycle FMA latency (michaelstinkerings.org, M5 roofline); 4 to 16 assumed"),
+    Constant("threads_per_core", THREADS_PER_CORE, 1024, 3072, "threads",
+             "384-3072 threads per core, by registers (philipturner/metal-benchmarks, Apple 7/8)"),
+    Constant("tg_memory_per_core", TG_MEMORY_PER_CORE, 32 * 1024, 64 * 1024, "bytes",
+             "~60 KB of threadgroup memory per core (philipturner/metal-benchmarks, Apple 7/8); one 32 KiB "
+             "threadgroup at least, 64 KiB at most (assumed for M5)"),
+    Constant("latency_dram", LATENCY_SECONDS["dram"], 400e-9, 266e-9, "s",
+             _LAT + ": DRAM 311 ns; 266 ns if the system level cache holds it; 400 ns assumed under load"),
+    Constant("latency_mem", LATENCY_SECONDS["mem"], 311e-9, 76e-9, "s",
+             _LAT + ": system level cache 266 ns; L2 76 ns; DRAM 311 ns"),
+    Constant("latency_local", LATENCY_SECONDS["local"], 60e-9, 20e-9, "s", _LAT + ": L1 43 ns; 20-60 ns assumed"),
+    Constant("latency_barrier", LATENCY_SECONDS["barrier"], 170e-9, 43e-9, "s",
+             "assumed: one threadgroup-memory exchange (2 x 43 ns); 1x to 4x"),
+    Constant("latency_reduce", LATENCY_CYCLES["reduce"], 29.25, 25.95, "cycles",
+             "philipturner/metal-benchmarks: simd_sum fp32 25.95-29.25 cycles (A14/M1)"),
+    Constant("latency_alu", LATENCY_CYCLES["alu"], 6.0, 3.0, "cycles",
+             "philipturner/metal-benchmarks: dependent FADD/FMUL 3-4, FFMA32 up to 6 cycles"),
+    Constant("loop_overlap", LOOP_OVERLAP, 2.0, 8.0, "iterations",
+             "assumed; the published decode rules out 1 (their combine's loops: rms error 1.8-3.3% against "
+             "0.9-1.5% from 2 up; docs/performance.md)"),
+)}
+#: The constants the decode calibration is refit with and whose effect on a figure may go
+#: either way through the refit: every combination of their low and high ends is a candidate.
+LATENCY_CONSTANTS = ("latency_dram", "latency_mem", "latency_local", "latency_barrier", "latency_reduce",
+                     "latency_alu", "loop_overlap")
+#: The published runs the decode calibration is fitted to (lily.lab.calibration.PUBLISHED_RUNS).
+RUNS = ("2026-09-02", "2026-09-01")
+
+
+def with_constants(m: Machine, values: dict) -> Machine:
+    """``m`` with the :data:`CONSTANTS` named in ``values`` set (the others as in ``m``)."""
+    eff = dict(m.path_efficiency)
+    kw: dict = {}
+    lat_s = {k: m.latency[k] for k in LATENCY_SECONDS}
+    cyc = {k: m.latency[k] * m.clock for k in LATENCY_CYCLES}
+    for name, v in values.items():
+        if name not in CONSTANTS:
+            raise InvalidParameterError(f"unknown constant {name!r} (known: {', '.join(CONSTANTS)})")
+        if name == "tensor_efficiency":
+            eff.update(tensor_f16=v)
+        elif name == "attention_efficiency":
+            eff.update(tensor_bf16=v)
+        elif name == "simdgroup_efficiency":
+            eff.update(sgmm_f32=v, sgmm_f16=v, sgmm_bf16=v, tensor_f32=v)
+        elif name == "alu_efficiency":
+            eff.update(alu_f32=v, alu_f16=v)
+        elif name.startswith("latency_"):
+            kind = name[len("latency_"):]
+            (cyc if kind in LATENCY_CYCLES else lat_s)[kind] = v
+        else:
+            kw[name] = v
+    return replace(m, path_efficiency=eff, latency=latency_at(m.clock, lat_s, cyc), **kw)
+
+
+_SCENARIOS: dict = {}
+_CALIBRATIONS: dict = {}  # (constants, rule, run) -> (bandwidth efficiency, stage gap)
+
+
+def scenarios(m: Machine) -> dict:
+    """The machines the estimate's figures are taken over (docs/performance.md, "Low, likely,
+    high"): ``"likely"``, one machine: every constant at its likely value, the decode
+    calibration fitted (:func:`lily.lab.calibration.calibrate_reference`) to the primary
+    published run under the ``share`` small-grid rule; ``"low"`` and ``"high"``: every
+    :data:`CONSTANTS` entry at its low (high) end, except the latency constants, which take
+    both ends, each with every small-grid rule (:data:`OCCUPANCY_RULES`) and each published
+    run (:data:`RUNS`), the decode calibration refit for each (on the M5 Max, where the runs were
+    measured, with the same constants; then applied to ``m``): 12 machines. A figure's low
+    (high) value is the smallest (largest) over its machines and the likely one. ``m``: the
+    base machine; one fitted to a Mac run (:func:`fit`) keeps its fitted decode constants and
+    matrix efficiency in every machine (they are measured, not ranged)."""
+    key = _timing_key(m) + (m.key, m.fitted_from, m.gemm, m.attention)
+    if key in _SCENARIOS:
+        return _SCENARIOS[key]
+    from lily.lab.calibration import calibrate_reference  # (it imports this module)
+    fitted = m.fitted_from is not None
+    keep = {"tensor_efficiency", "attention_efficiency"} if fitted and m.gemm == "tensor" else set()
+    if fitted and m.gemm == "simdgroup":
+        keep = {"simdgroup_efficiency"}
+
+    def calibrated(values: dict, rule: str, run: str) -> Machine:
+        c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in values.items() if k not in keep})
+        if fitted:
+            return c
+        # fitted on the machine the published run measured, with the same constants; applied to m
+        key = (tuple(sorted(values.items())), rule, run)
+        if key not in _CALIBRATIONS:
+            ref = with_constants(replace(machine(CALIBRATION["machine"]), occupancy_rule=rule), values)
+            cal = calibrate_reference(ref, run)
+            _CALIBRATIONS[key] = (cal["bandwidth_efficiency"], cal["stage_gap"])
+        eff, gap = _CALIBRATIONS[key]
+        return replace(c, bandwidth_efficiency=eff, stage_gap=gap)
+
+    out = {"likely": [calibrated({k: c.likely for k, c in CONSTANTS.items()}, "share", RUNS[0])]}
+    for end in ("low", "high"):
+        base = {k: getattr(c, end) for k, c in CONSTANTS.items() if k not in LATENCY_CONSTANTS}
+        out[end] = [calibrated({**base, **{k: getattr(CONSTANTS[k], lat) for k in LATENCY_CONSTANTS}}, rule, run)
+                    for lat in ("low", "high") for rule in OCCUPANCY_RULES for run in RUNS]
+    _SCENARIOS[key] = out
+    return out
+
+
+def spread(values: dict) -> dict:
+    """``{"low", "likely", "high"}`` of a figure from its value per scenario machine
+    (``{"likely": [v], "low": [...], "high": [...]}``): the likely one, and the smallest and the
+    largest of every machine's, the likely one included."""
+    likely = values["likely"][0]
+    every = [likely, *values["low"], *values["high"]]
+    return {"low": min(every), "likely": likely, "high": max(every)}
+
+
+def _published_ratios(m: Machine) -> dict:
+    """The published M5 Max figures a ratio is taken against, per length: ``mlx_lm`` and
+    ``pplx_garden``, each (decode, prefill) tok/s (pplx-garden's 2026-09-02 table; none for
+    another machine: those figures were measured on an M5 Max)."""
+    if m.key != "m5max":
+        return {}
+    return {L: {"mlx_lm": (v[1], v[3]), "pplx_garden": (v[0], v[2])} for L, v in PPLX_PUBLISHED_M5MAX.items()}
+
+
 def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict | None = None,
              contexts=LENGTHS, prompts=LENGTHS, breakdown_at: int = 4096, chunk: int | None = None,
              model_name: str | None = None) -> dict:
     """The estimate report (JSON-ready): decode tok/s at each of ``contexts``, prefill tok/s
-    (prompt tokens / time to first token) at each of ``prompts``, the per-family breakdown of
-    one decode step and one prefill at ``breakdown_at``, the model (``model_name``, default
-    :data:`DEFAULT_MODEL_NAME`), the machine with its sources, and the calibration.
-    ``machine_key``: a :data:`MACHINES` key, or a :class:`Machine` (e.g. :func:`fit`'s,
-    calibrated on a measured run). ``chunk``: prefill rows per chunk (None or 0: the runtime's automatic choice on a Mac with
-    the memory for it, ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has
-    it). The plan reports the prefill scratch that chunk needs (bytes, the runtime's sizing).
+    (prompt tokens / time to first token) at each of ``prompts``, each as ``{"low", "likely",
+    "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
+    high"), with the ratios to MLX-LM's and pplx-garden's published M5 Max figures at their
+    lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only); the per-family breakdown of
+    one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
+    default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
+    ranges of the constants (:data:`CONSTANTS`). ``machine_key``: a :data:`MACHINES` key, or a
+    :class:`Machine` (e.g. :func:`fit`'s, calibrated on a measured run). ``chunk``: prefill rows
+    per chunk (None or 0: the runtime's automatic choice on a Mac with the memory for it,
+    ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has it). The plan reports
+    the prefill scratch that chunk needs (bytes, the runtime's sizing).
 
     Raises :class:`InvalidParameterError` for an unknown machine, a non-positive length or
     chunk, or a length beyond the model's max_position_embeddings (:func:`check_length`),
     and :class:`UnknownKernelError` if the plan uses a kernel the cost table lacks."""
-    m = machine_key if isinstance(machine_key, Machine) else machine(machine_key)
+    base = machine_key if isinstance(machine_key, Machine) else machine(machine_key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
     for c in contexts:
@@ -428,16 +782,37 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     # part of the scratch grows with the context up to a bound (docs/prefill.md): size it as a
     # runtime serving the model's full context does, not one of `chunk` positions
     scratch = counting_runtime(cfg, 4, 8, limit, prefill_chunk=chunk).prefill_scratch_bytes
-    decode_rows, prefill_rows, cache = [], [], {}
+    sc = scenarios(base)
+    m = sc["likely"][0]
+    pub = _published_ratios(m)
+    cache: dict = {}
+
+    def over(f) -> dict:  # f(machine) per scenario machine
+        return {end: [f(x) for x in machines] for end, machines in sc.items()}
+
+    def ratios(row: dict, tps: dict, length: int, phase: int) -> None:
+        for who, figures in pub.get(length, {}).items():
+            row[f"vs_{who}"] = {k: v / figures[phase] for k, v in tps.items()}
+
+    decode_rows, prefill_rows = [], []
     for c in contexts:
         t = decode_step(m, cfg, c)
-        decode_rows.append({"context": c, "tok_s": 1 / t.seconds, "ms_per_token": t.seconds * 1e3,
-                            "stages": t.stages, "gb_per_step": t.bytes / 1e9,
-                            "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes})
+        secs = spread(over(lambda x, c=c: decode_step(x, cfg, c).seconds))
+        row = {"context": c, "tok_s": {k: 1 / secs[j] for k, j in (("low", "high"), ("likely", "likely"),
+                                                                   ("high", "low"))},
+               "ms_per_token": {k: v * 1e3 for k, v in secs.items()},
+               "stages": t.stages, "gb_per_step": t.bytes / 1e9,
+               "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes}
+        ratios(row, row["tok_s"], c, 0)
+        decode_rows.append(row)
     for p in prompts:
         t = prefill(m, cfg, p, chunk, cache)
-        prefill_rows.append({"prompt": p, "tok_s": p / t.seconds, "seconds": t.seconds, "stages": t.stages,
-                             "gb_moved": t.bytes / 1e9})
+        secs = spread(over(lambda x, p=p: prefill(x, cfg, p, chunk, cache).seconds))
+        row = {"prompt": p, "tok_s": {k: p / secs[j] for k, j in (("low", "high"), ("likely", "likely"),
+                                                                 ("high", "low"))},
+               "seconds": secs, "stages": t.stages, "gb_moved": t.bytes / 1e9}
+        ratios(row, row["tok_s"], p, 1)
+        prefill_rows.append(row)
 
     def split(t: Timing) -> list:
         return [{"family": k, "ms": v * 1e3, "share": v / t.seconds}
@@ -458,9 +833,15 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
                  "attention_path": attention_path(m), "state_window": default_state_window()},
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
-                        "saturation_threads": SATURATION_THREADS, "stage_gap_us": m.stage_gap * 1e6,
+                        "saturation_threads": m.saturation_threads, "stage_gap_us": m.stage_gap * 1e6,
+                        "latency_s": m.latency, "loop_overlap": m.loop_overlap, "occupancy_rule": m.occupancy_rule,
                         "fitted_from": m.fitted_from,
-                        "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from},
+                        "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from,
+                        "decompositions": {end: [{"bandwidth_efficiency": x.bandwidth_efficiency,
+                                                  "stage_gap_us": x.stage_gap * 1e6, "occupancy_rule": x.occupancy_rule}
+                                                 for x in machines] for end, machines in sc.items()}},
+        "ranges": {k: {"likely": c.likely, "low": c.low, "high": c.high, "unit": c.unit, "source": c.source}
+                   for k, c in CONSTANTS.items()},
         "decode": decode_rows,
         "prefill": prefill_rows,
         "breakdown": {"at": breakdown_at,
@@ -469,8 +850,13 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     }
 
 
+def _lmh(f: dict, fmt: str = ".1f") -> str:
+    return f"{f['low']:{fmt}} / {f['likely']:{fmt}} / {f['high']:{fmt}}"
+
+
 def format_report(rep: dict) -> str:
-    """The report as text tables, headed by the notice that it is an estimate."""
+    """The report as text tables, headed by the notice that it is an estimate; every
+    throughput and ratio as low / likely / high."""
     m = rep["machine"]
     lines = [f"*** {rep['notice']} ***",
              f"model: {rep['model']['name']}",
@@ -478,24 +864,29 @@ def format_report(rep: dict) -> str:
               f"stage gap {m['stage_gap_us']:.2f} us; prefill chunk {rep['plan']['prefill_chunk']} "
               f"(scratch {rep['plan']['prefill_scratch_bytes'] / 2**20:,.0f} MiB), "
               f"GEMM path {rep['plan']['gemm_path']}, attention path {rep['plan']['attention_path']}; "
-              f"a decode step is the mean of a {rep['plan']['state_window']}-step state write-back window")]
+              f"a decode step is the mean of a {rep['plan']['state_window']}-step state write-back window"),
+             "every figure low / likely / high: the likely constants, and the extremes over their stated "
+             "ranges and the decode calibrations the published data allow (docs/performance.md)"]
     c = rep["calibration"]
-    if c.get("fitted_from"):
-        lines.append(f"calibration fitted to {c['fitted_from']}: bandwidth efficiency "
-                     f"{c['bandwidth_efficiency']:.3f}, stage gap {c['stage_gap_us']:.2f} us")
-    lines += ["",
-             f"{'context':>8} {'decode tok/s':>13} {'ms/token':>9} {'stages':>7} {'GB/step':>8} {'raw-BW ceiling':>15}"]
+    lines.append(f"calibration{' fitted to ' + c['fitted_from'] if c.get('fitted_from') else ''} (likely): "
+                 f"bandwidth efficiency {c['bandwidth_efficiency']:.3f}, stage gap {c['stage_gap_us']:.2f} us")
+    vs = [w for w in ("mlx_lm", "pplx_garden") if any(f"vs_{w}" in r for r in rep["decode"] + rep["prefill"])]
+    head = "".join(f" {'vs ' + w.replace('_', '-'):>20}" for w in vs)
+    lines += ["", f"{'context':>8} {'decode tok/s':>23} {'ms/token':>9} {'stages':>7} {'GB/step':>8} "
+                  f"{'raw-BW ceiling':>15}{head}"]
     for r in rep["decode"]:
-        lines.append(f"{r['context']:>8} {r['tok_s']:>13.1f} {r['ms_per_token']:>9.3f} {r['stages']:>7} "
-                     f"{r['gb_per_step']:>8.3f} {r['raw_bandwidth_ceiling_tok_s']:>15.1f}")
-    lines += ["", f"{'prompt':>8} {'prefill tok/s':>14} {'seconds':>9} {'stages':>7} {'GB moved':>9}"]
+        ratio = "".join(f" {_lmh(r[f'vs_{w}'], '.2f') if f'vs_{w}' in r else '':>20}" for w in vs)
+        lines.append(f"{r['context']:>8} {_lmh(r['tok_s']):>23} {r['ms_per_token']['likely']:>9.3f} {r['stages']:>7} "
+                     f"{r['gb_per_step']:>8.3f} {r['raw_bandwidth_ceiling_tok_s']:>15.1f}{ratio}")
+    lines += ["", f"{'prompt':>8} {'prefill tok/s':>26} {'seconds':>9} {'stages':>7} {'GB moved':>9}{head}"]
     for r in rep["prefill"]:
-        lines.append(f"{r['prompt']:>8} {r['tok_s']:>14.1f} {r['seconds']:>9.3f} {r['stages']:>7} "
-                     f"{r['gb_moved']:>9.1f}")
+        ratio = "".join(f" {_lmh(r[f'vs_{w}'], '.2f') if f'vs_{w}' in r else '':>20}" for w in vs)
+        lines.append(f"{r['prompt']:>8} {_lmh(r['tok_s'], ',.0f'):>26} {r['seconds']['likely']:>9.3f} "
+                     f"{r['stages']:>7} {r['gb_moved']:>9.1f}{ratio}")
     b = rep["breakdown"]
     for phase in ("decode", "prefill"):
         what = "one decode step" if phase == "decode" else "prefill"
-        lines += ["", f"{what} at {b['at']}: {b[phase]['ms']:.2f} ms by kernel family"]
+        lines += ["", f"{what} at {b['at']}: {b[phase]['ms']:.2f} ms by kernel family (likely)"]
         for f in b[phase]["families"]:
             lines.append(f"  {f['family']:<28} {f['ms']:>10.3f} ms {100 * f['share']:>6.1f}%")
     lines += ["", f"*** {rep['notice']} ***"]
@@ -531,6 +922,36 @@ def _search(cost, lo: float, hi: float, step: float):
         best = min((lo + i * step for i in range(n + 1)), key=cost)
         lo, hi, step = max(lo, best - step), min(hi, best + step), step / 10
     return best
+
+
+def fit_decode(m: Machine, rows: list, lo: float = 0.30, hi: float = 1.00) -> tuple[float, float, float]:
+    """(bandwidth efficiency, stage gap in seconds, rms relative error) of the decode model of
+    ``m`` fitted to ``rows`` of (record lists of the steps whose mean is one measured step,
+    measured seconds per step): the gap in closed form (relative least squares) at each
+    efficiency of a grid from ``lo`` to ``hi`` by 0.01, refined twice by 10x around the best;
+    the efficiency by the smallest rms relative error. ``m``'s own efficiency and gap are not
+    used."""
+    stages = np.array([_plan(steps[0]).stages for steps, _ in rows], dtype=float)
+    measured = np.array([t for _, t in rows], dtype=float)
+
+    def errors(effs):
+        base = np.array([np.mean([step_seconds(m, r, effs) for r in steps], axis=0) for steps, _ in rows])
+        t = measured[:, None]
+        n = stages[:, None]
+        den = (n ** 2 / t ** 2).sum(axis=0)
+        gap = np.maximum(0.0, (n * (t - base) / t ** 2).sum(axis=0) / den) if den.all() else np.zeros(base.shape[1])
+        err = np.sqrt((((base + n * gap - t) / t) ** 2).mean(axis=0))
+        return gap, err
+
+    step = 0.01
+    for _ in range(3):
+        effs = np.arange(lo, hi + step / 2, step)
+        gap, err = errors(effs)
+        best = int(np.argmin(err))
+        eff = float(effs[best])
+        lo, hi, step = max(lo, eff - step), min(hi, eff + step), step / 10
+    gap, err = errors(np.array([eff]))
+    return eff, float(gap[0]), float(err[0])
 
 
 def _gap_fit(rows: list, default: float) -> tuple[float, float]:
@@ -683,8 +1104,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
 
     eff, gap = m0.bandwidth_efficiency, m0.stage_gap
     if len(set(ctx.values())) >= 2:
-        eff = _search(lambda e: decode_fit(e)[1], 0.30, 1.00, 0.01)
-        gap = decode_fit(eff)[0]
+        eff, gap, _ = fit_decode(m0, [(recs[ctx[L]], 1 / t) for L, t, _ in decode])
         step_bytes = [step(m0, c).bytes for c in recs]
         if max(step_bytes) < 1.5 * min(step_bytes):
             notes.append(f"the decode lengths move {min(step_bytes) / 1e9:.2f} to {max(step_bytes) / 1e9:.2f} GB per "
@@ -777,112 +1197,3 @@ def format_fit(f: dict) -> str:
                          f"{r['published_model_tok_s']:>10.1f} {r['fitted_model_tok_s']:>10.1f}")
     lines += [f"note: {n}" for n in f["notes"]]
     return "\n".join(lines)
-
-
-# ---- the published calibration (docs/performance.md, "Calibration") ----------------------
-
-
-def reference_decode_step(length: int, config: ModelConfig | dict | None = None) -> list:
-    """pplx-garden's decode step (perplexityai/pplx-garden, lily/src at f263d07) as records
-    :func:`time_records` takes, for a step whose attention covers ``length`` positions: one
-    record per dispatch with its barrier stage, grid and the bytes it must move (unique bytes:
-    their attention re-reads each KV row from every query head's threadgroup below 8K and
-    from two below 32K, counted once, as caches are not modelled). Read from their
-    model.rs (``encode_decode_step`` and its branches), kernels/*.rs and metal.rs: one command
-    buffer per step with one concurrent-dispatch encoder, every dependency level closed by
-    ``memoryBarrierWithScope(Buffers)``; 10 stages per DeltaNet layer, 12 per attention layer
-    (split attention and its combine, from 257 positions), 5 around them: 425. Weights as
-    stored in the MLX checkpoint (4-bit, group 64, bf16 scales and biases; router and shared
-    gate 8-bit), fp32 DeltaNet state and logits, bf16 KV cache. Compute is left out: every
-    dispatch is bandwidth-bound at this model's rates."""
-    c = model_config(config)
-    h, vec = c.hidden_size, 2 * c.hidden_size
-    recs: list = []
-    stage = [0]
-
-    def q(bits: int, n: int, k: int) -> float:  # codes plus bf16 scale and bias per 64
-        return n * k * (bits / 8 + 4 / 64)
-
-    def add(name: str, groups: int, threads: int, nbytes: float, end: bool = False) -> None:
-        """One dispatch; ``end``: a memory barrier follows it (the next stage depends on it)."""
-        recs.append({"kernel": name, "label": name, "pass": 0, "stage": stage[0], "groups": [groups, 1, 1],
-                     "threads": [threads, 1, 1], "work": {"family": "reference", "bytes": nbytes, "flops": {}}})
-        stage[0] += end
-
-    hk, hv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
-    conv, dv = (2 * hk + hv) * dk, hv * c.linear_value_head_dim
-    nq, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    e, k, mi, si = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size
-    add("embedding row", 8, 32, q(4, 1, h) + vec, end=True)
-    add("input norm", 1, 256, 3 * vec, end=True)
-    for kind in c.layer_types:
-        if kind == "linear_attention":
-            rows = conv + dv + 2 * hv  # qkv | z | a | b in one matvec, 2 rows per simdgroup
-            add("in_proj", rows // 2, 32, q(4, rows, h) + vec + 2 * rows, end=True)
-            kd = c.linear_conv_kernel_dim  # window read and written, taps, input and output
-            add("conv step", conv // 256, 256, 2 * conv * (2 * (kd - 1) + kd + 2), end=True)
-            add("deltanet step", hv, dk, 2 * hv * dk * dk * 4 + 2 * conv + 4 * dv, end=True)
-            add("out_proj", h // 2, 32, q(4, h, dv) + 2 * dv + vec)
-        else:
-            rows = 2 * nq * d + 2 * nkv * d  # q|gate, k, v in one matvec
-            add("qkv_proj", rows // 2, 32, q(4, rows, h) + vec + 2 * rows, end=True)
-            add("q norm + rope", nq, 256, 8 * nq * d)
-            add("k norm + rope + cache", nkv, 256, 4 * nkv * d)
-            add("v to cache", nkv * d // 256, 256, 4 * nkv * d, end=True)
-            kv = 4 * nkv * length * d
-            if length <= 256:  # one threadgroup per query head, no split
-                add("attention", nq, 256, kv + 4 * nq * d, end=True)
-            else:
-                if length >= 32768:  # 128 blocks, a KV head's 8 query heads in one threadgroup
-                    splits, groups, threads = 128, nkv * 128, 128
-                else:  # 256-position splits, one query head (four from 8K) per threadgroup
-                    splits = -(-length // 256)
-                    groups, threads = (nkv * 2 if length >= 8192 else nq) * splits, 256
-                part = nq * splits * (d + 2) * 4
-                add("attention splits", groups, threads, kv + part + 2 * nq * d, end=True)
-                add("attention combine", nq, 256, part + 2 * nq * d, end=True)
-            add("sigmoid gate", nq * d // 256, 256, 6 * nq * d, end=True)
-            add("o_proj", h // 2, 32, q(4, h, nq * d) + 2 * nq * d + vec)
-        stage[0] += 1  # after out_proj / o_proj
-        add("residual + norm", 1, 256, 5 * vec, end=True)
-        add("router", e, 32, q(8, e, h) + vec + 4 * e)
-        add("shared gate|up", si, 32, q(4, 2 * si, h) + vec + 4 * si)
-        add("shared gate", 1, 32, q(8, 1, h) + vec + 4, end=True)
-        add("top-k", 1, 256, 4 * e + 8 * k)
-        add("shared swiglu", -(-si // 256), 256, 6 * si, end=True)
-        add("experts gate|up", mi * k, 32, k * q(4, 2 * mi, h) + vec + 2 * k * mi)
-        add("shared down", h // 2, 32, q(4, h, si) + 2 * si + vec, end=True)
-        add("experts down + combine", h // 2, 32, k * q(4, h, mi) + 2 * k * mi + 2 * vec, end=True)
-        add("residual + next norm", 1, 256, 5 * vec, end=True)
-    add("lm_head", c.vocab_size, 32, q(4, c.vocab_size, h) + vec + 4 * c.vocab_size, end=True)
-    add("argmax partials", 64, 256, 4 * c.vocab_size + 512, end=True)
-    add("argmax", 1, 256, 516, end=True)
-    return recs
-
-
-def calibrate_reference(occupancy: bool = True) -> dict:
-    """The bandwidth efficiency and stage gap fitted to pplx-garden's published M5 Max decode
-    (:data:`CALIBRATION`) with this model timing their step (:func:`reference_decode_step`
-    at the mean position of each length's timed steps), as :func:`fit` fits a Lily run: the
-    gap in closed form per efficiency, the efficiency by the smallest rms relative error.
-    ``occupancy=False`` times every dispatch at full occupancy instead (their step's bytes
-    at the bandwidth floor), the bound the published figures allow for a larger gap.
-    Returns ``bandwidth_efficiency``, ``stage_gap`` (s), ``rms_relative_error`` and
-    per-length ``rows`` (measured and modelled tok/s, stages, bytes per step)."""
-    m0 = machine(CALIBRATION["machine"])
-    steps = CALIBRATION["decode_steps"]
-    measured = {L: row[0] for L, row in PPLX_PUBLISHED_M5MAX.items()}
-    base = replace(m0, bandwidth_efficiency=1.0, stage_gap=0.0)
-    # position L + steps / 2 attends over one more; no flops, so time scales as 1 / efficiency
-    steps_at = {L: reference_decode_step(L + steps // 2 + 1) for L in measured}
-    one = {L: (time_records(base, r).seconds if occupancy else sum(x["work"]["bytes"] for x in r) / m0.bandwidth,
-               len({x["stage"] for x in r}), sum(x["work"]["bytes"] for x in r)) for L, r in steps_at.items()}
-
-    def at(e: float):
-        return _gap_fit([(t / e, n, 1 / measured[L]) for L, (t, n, _) in one.items()], 0.0)
-
-    eff = _search(lambda e: at(e)[1], 0.30, 1.00, 0.01)
-    gap, err = at(eff)
-    rows = [{"context": L, "measured_tok_s": measured[L], "modelled_tok_s": 1 / (t / eff + n * gap), "stages": n,
-             "gb_per_step": b / 1e9} for L, (t, n, b) in one.items()]
-    return {"bandwidth_efficiency": eff, "stage_gap": gap, "rms_relative_error": err, "rows": rows}
