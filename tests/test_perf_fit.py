@@ -284,3 +284,85 @@ def test_tensor_rate_from_engines_measured_on_m5():
     mlx = tensor_rate.fit_engine("mlx_lm", tensor_grid=(c.low, c.likely, 0.8, c.high), param_grid=(1.0,),
                                   lengths=(256, 512, 1024, 2048, 4096, 8192))
     assert c.likely < mlx["tensor_efficiency"] <= c.high and mlx["rms_relative_error"] < 0.07
+
+
+# ---- per-kernel timings: `lily bench --kernels` files (docs/performance.md) -----------------
+
+
+def _hot_records():
+    """One record of each hot kernel the kernel bench times, as the counting runtime encodes the
+    real model: decode GEMVs, decode attention at 4K and 128K, the prefill GEMMs and expert
+    GEMMs, the prefill attention and the DeltaNet scan."""
+    from lily.native_backend import count_prefill_chunk
+    want = {"decode": ("gemv_q4_add", "norm_gemv_q4", "attn_decode_split_fused", "moe_down_q4"),
+            "prefill": ("gemm_q4_tensor", "moe_gemm_gate_up_q4_t128_tensor", "attn_prefill_d256_g8_tensor",
+                        "gdn_scan_k128")}
+    out = []
+    for ctx in (4096, 131072):
+        recs = estimate.decode_records(CFG, ctx)[0]
+        for k in want["decode"]:
+            if ctx == 4096 or k.startswith("attn"):
+                out.append((f"{k} @{ctx}", next(r for r in recs if r["kernel"].startswith(k))))
+    recs = count_prefill_chunk(CFG, 4096, 8192, gemm_path="tensor")["records"]
+    out += [(k, next(r for r in recs if r["kernel"].startswith(k))) for k in want["prefill"]]
+    return out
+
+
+def _kernels_report(m, overhead, device="metal", noise=()):
+    rows = []
+    for i, (case, rec) in enumerate(_hot_records()):
+        t = (estimate.dispatch_seconds(m, rec) + overhead) * (1 + (noise[i % len(noise)] if noise else 0.0))
+        rows.append({"case": case, "kernel": rec["kernel"], "record": rec, "median_s": t})
+    return {"kind": estimate.KERNELS_KIND, "machine": {"chip": "Apple M5 Max", "device": device}, "kernels": rows}
+
+
+def test_kernel_timings_fit_back_to_their_constants():
+    """A kernel-timing report made by the model from known constants (an M5 Max streaming,
+    multiplying and waiting unlike the likely one) is fitted back: each constant some kernel
+    identifies within a few percent, the overhead per command buffer too; simdgroup_matrix,
+    which no timed kernel of the tensor path uses, is reported as not identified. A few
+    percent of noise moves them little; a report that is not a Metal run is refused."""
+    true = estimate.with_constants(estimate.scenarios(estimate.machine("m5max"))["likely"][0],
+                               {"tensor_efficiency": 0.5, "attention_efficiency": 0.55, "alu_efficiency": 0.4,
+                                "latency_dram": 500e-9})
+    true = replace(true, bandwidth_efficiency=0.75)
+    m, rep = estimate.fit_kernels(_kernels_report(true, 4e-6), source="kernels.json")
+    c = rep["constants"]
+    assert c["bandwidth_efficiency"]["fitted"] == pytest.approx(0.75, rel=0.02)
+    assert c["tensor_efficiency"]["fitted"] == pytest.approx(0.5, rel=0.03)
+    assert c["attention_efficiency"]["fitted"] == pytest.approx(0.55, rel=0.05)
+    assert c["alu_efficiency"]["fitted"] == pytest.approx(0.4, rel=0.05)
+    assert c["latency_dram"]["fitted"] == pytest.approx(500e-9, rel=0.2)
+    assert c["simdgroup_efficiency"]["fitted"] is None and not c["simdgroup_efficiency"]["identified_by"]
+    assert rep["overhead_us"] == pytest.approx(4.0, rel=0.1) and rep["rms_relative_error"]["fitted"] < 0.01
+    assert rep["rms_relative_error"]["likely"] > 0.05
+    assert m.fitted_from == "kernels.json" and "tensor_efficiency" in m.measured
+    assert "simdgroup_efficiency" in estimate.format_fit_kernels(rep)
+    _, noisy = estimate.fit_kernels(_kernels_report(true, 4e-6, noise=(0.03, -0.02, 0.01)))
+    assert noisy["constants"]["tensor_efficiency"]["fitted"] == pytest.approx(0.5, rel=0.08)
+    with pytest.raises(InvalidParameterError, match="only a run on the Metal device"):
+        estimate.fit_kernels(_kernels_report(true, 4e-6, device="sim"))
+    with pytest.raises(InvalidParameterError, match="not a `lily bench --kernels"):
+        estimate.fit_kernels({"lengths": []})
+
+
+def test_kernel_timings_then_a_run(measured, tmp_path):
+    """`lily estimate --fit run.json kernels.json`: the kernel timings' constants are held and
+    the run fits the rest (the stage gap; the bandwidth efficiency and the matrix efficiency
+    only where the kernels did not identify them); both reports print, and two of a kind are
+    refused."""
+    kernels = tmp_path / "kernels.json"
+    kernels.write_text(json.dumps(_kernels_report(_machine(**TRUE), 2e-6)))
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps(measured))
+    base = [sys.executable, "-m", "lily", "estimate", "--contexts", "4096", "--prompts", "4096", "--fit"]
+    r = subprocess.run(base + [str(run), str(kernels), "--json"], capture_output=True, text=True, timeout=600,
+                       check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["kernels_fit"]["constants"]["bandwidth_efficiency"]["fitted"] == pytest.approx(
+        TRUE["bandwidth_efficiency"], rel=0.02)
+    assert out["fit"]["constants"]["stage_gap_us"]["fitted"] == pytest.approx(TRUE["stage_gap"] * 1e6, rel=0.05)
+    assert any("kernel timings'" in n for n in out["fit"]["notes"])
+    r = subprocess.run(base + [str(kernels), str(kernels)], capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2 and "both kernel timings" in r.stderr

@@ -111,6 +111,14 @@ void bind_runtime(nb::module_& m) {
   }, "hk"_a, "hv"_a, "dk"_a, "dv"_a,
         "Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates "
         "(metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).");
+  m.def("dispatch_costs", [](const gpu::CommandBuffer& cb) {
+    nb::list out;
+    for (const auto& r : cb.counters().log) out.append(runtime_record_dict(r));
+    return out;
+  }, "command_buffer"_a,
+        "The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry\n"
+        "of each (as the counting runtime's records: work = flops per path, bytes, latency chains; None\n"
+        "for a kernel the table does not know): how `lily bench --kernels` prices what it timed.");
   nb::class_<ModelDims> dims(m, "ModelDims",
                              "The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, "
                              "full_attention per layer); FIELDS lists the scalar ones.");

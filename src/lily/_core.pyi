@@ -197,6 +197,13 @@ def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
     Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).
     """
 
+def dispatch_costs(command_buffer: CommandBuffer) -> list:
+    """
+    The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry
+    of each (as the counting runtime's records: work = flops per path, bytes, latency chains; None
+    for a kernel the table does not know): how `lily bench --kernels` prices what it timed.
+    """
+
 class ModelDims:
     """
     The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, full_attention per layer); FIELDS lists the scalar ones.

@@ -559,33 +559,47 @@ def cmd_bench(args) -> int:
 
 
 def cmd_estimate(args) -> int:
-    from lily.lab.estimate import estimate, fit, format_fit, format_report
-    machine, fitted, chunk = args.machine or "m5max", None, args.prefill_chunk
-    if args.fit:
-        machine, fitted = fit(args.bench, machine_key=args.machine, config=args.config, source=args.fit)
+    from lily.lab.estimate import estimate, fit, fit_kernels, format_fit, format_fit_kernels, format_report
+    machine, fitted, kernels, chunk = args.machine or "m5max", None, None, args.prefill_chunk
+    if args.kernels_report is not None:  # the per-kernel constants first, then the run on top of them
+        path, report = args.kernels_report
+        machine, kernels = fit_kernels(report, machine_key=args.machine, source=path)
+    if args.bench is not None:
+        path, bench = args.bench
+        base = machine if kernels else None
+        machine, fitted = fit(bench, machine_key=args.machine, config=args.config, source=path, base=base,
+                              fixed=base.measured if base else ())
         chunk = chunk or fitted["plan"]["prefill_chunk"]  # the measured run's plan unless told otherwise
     rep = estimate(machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
                    breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None)
     if args.json:
-        print(json.dumps({"fit": fitted, "estimate": rep} if fitted else rep, indent=2))
+        out = rep if not (fitted or kernels) else {"fit": fitted, "kernels_fit": kernels, "estimate": rep}
+        print(json.dumps(out, indent=2))
     else:
-        print((format_fit(fitted) + "\n\n" if fitted else "") + format_report(rep))
+        print("".join(f + "\n\n" for f in (format_fit_kernels(kernels) if kernels else "",
+                                           format_fit(fitted) if fitted else "") if f) + format_report(rep))
     return 0
 
 
 def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
-    from lily.lab.estimate import check_length, model_config
+    from lily.lab.estimate import KERNELS_KIND, check_length, model_config
     from lily.lab.published import LENGTHS
     try:
         args.config = load_config(args.model)[0] if args.model else model_config()
     except LilyError as e:
         parser.error(f"--model: {e}")
-    if args.fit:
+    args.bench = args.kernels_report = None
+    for path in args.fit or ():  # a `lily bench --json` run and/or a `lily bench --kernels --json` report
         try:
-            args.bench = json.loads(Path(args.fit).read_text())
+            report = json.loads(Path(path).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            parser.error(f"--fit: cannot read {args.fit} as a `lily bench --json` report: {e}")
+            parser.error(f"--fit: cannot read {path} as a `lily bench --json` report: {e}")
+        which = "kernels_report" if isinstance(report, dict) and report.get("kind") == KERNELS_KIND else "bench"
+        if getattr(args, which) is not None:
+            parser.error(f"--fit: {path} and {getattr(args, which)[0]} are both "
+                         f"{'kernel timings' if which == 'kernels_report' else 'bench runs'}: give one of each at most")
+        setattr(args, which, (path, report))
     limit = args.config.max_position_embeddings
     # the default lengths stop at the model's limit (the demo model's is small)
     args.contexts = args.contexts or [n for n in LENGTHS if n < limit] or [limit - 1]
@@ -804,10 +818,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "longest context when it is shorter)")
     e.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
-    e.add_argument("--fit", default=None, metavar="BENCH_JSON",
-                   help="calibrate the model on a Mac run first: fit its bandwidth efficiency, stage gap and "
-                        "matrix efficiency to Lily's figures in this `lily bench --json` file (docs/performance.md)")
-    e.add_argument("--json", action="store_true", help="print the report as JSON (with --fit: {fit, estimate})")
+    e.add_argument("--fit", default=None, nargs="+", metavar="JSON",
+                   help="calibrate the model on a Mac run first: a `lily bench --json` file (its bandwidth efficiency, "
+                        "stage gap and matrix efficiency fitted to Lily's figures) and/or a `lily bench --kernels "
+                        "--json` file (each constant the kernel timings identify; the run then fits the rest); "
+                        "docs/performance.md")
+    e.add_argument("--json", action="store_true",
+                   help="print the report as JSON (with --fit: {fit, kernels_fit, estimate})")
     e.set_defaults(func=cmd_estimate, check=lambda a: _check_estimate(e, a))
 
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",

@@ -146,7 +146,9 @@ class Machine:
     ``"simdgroup"``; None: the fastest the machine has). The latency model: ``latency``
     seconds per dependent event of each kind (:data:`LATENCY_KINDS`), ``loop_overlap``,
     ``threads_per_core`` and ``tg_memory_per_core`` (residency), ``saturation_threads`` and
-    ``occupancy_rule`` (:data:`OCCUPANCY_RULES`); their defaults are the likely values."""
+    ``occupancy_rule`` (:data:`OCCUPANCY_RULES`); their defaults are the likely values.
+    ``measured``: the :data:`CONSTANTS` a Mac run fitted (held, not ranged, by
+    :func:`scenarios`)."""
 
     key: str
     name: str
@@ -169,6 +171,7 @@ class Machine:
     tg_memory_per_core: int = TG_MEMORY_PER_CORE
     saturation_threads: float = SATURATION_THREADS
     occupancy_rule: str = "share"
+    measured: tuple = ()
 
     @property
     def tensor_ops(self) -> bool:
@@ -700,15 +703,14 @@ def scenarios(m: Machine) -> dict:
     measured, with the same constants; then applied to ``m``): 12 machines. A figure's low
     (high) value is the smallest (largest) over its machines and the likely one. ``m``: the
     base machine; one fitted to a Mac run (:func:`fit`) keeps its fitted decode constants and
-    matrix efficiency in every machine (they are measured, not ranged)."""
+    matrix efficiency in every machine, and the constants a kernel-timing run measured (they are
+    measured, not ranged: :attr:`Machine.measured`)."""
     key = _timing_key(m) + (m.key, m.fitted_from, m.gemm, m.attention)
     if key in _SCENARIOS:
         return _SCENARIOS[key]
     from lily.lab.calibration import calibrate_reference  # (it imports this module)
     fitted = m.fitted_from is not None
-    keep = {"tensor_efficiency", "attention_efficiency"} if fitted and m.gemm == "tensor" else set()
-    if fitted and m.gemm == "simdgroup":
-        keep = {"simdgroup_efficiency"}
+    keep = set(m.measured)
 
     def calibrated(values: dict, rule: str, run: str) -> Machine:
         c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in values.items() if k not in keep})
@@ -1006,7 +1008,7 @@ def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
 
 
 def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | dict | None = None,
-        source: str = "the bench report") -> tuple[Machine, dict]:
+        source: str = "the bench report", base: Machine | None = None, fixed=()) -> tuple[Machine, dict]:
     """Fit the model's calibration to a measured ``lily bench --json`` report of Lily on a Mac's
     GPU (either protocol), so its ESTIMATES for other lengths, machines or plans start from
     that machine's numbers instead of the published calibration.
@@ -1030,7 +1032,9 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     ``constants`` (published and fitted), ``time_basis`` per phase (``"device"`` / ``"wall"``),
     per-length ``decode`` / ``prefill`` rows (measured on that basis, wall-clock,
     published-model and fitted-model tok/s), ``rms_relative_error`` of both models, and
-    ``notes``. Raises
+    ``notes``. ``base``: the machine to start from (default the table's for the chip), e.g.
+    :func:`fit_kernels`'s; ``fixed``: the constants it measured (:data:`KERNEL_CONSTANTS`
+    names), which this fit then leaves alone (the stage gap is always fitted). Raises
     :class:`InvalidParameterError` for a report that is not a Metal run of Lily, has no usable
     length, names an unknown chip without ``machine_key``, was measured on a checkpoint here
     whose dimensions are not ``config``'s, or has lengths beyond the model. The calibrated
@@ -1045,7 +1049,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     if key is None:
         raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
                                     f"closest with --machine ({', '.join(MACHINES)})")
-    m0 = machine(key)
+    m0 = base or machine(key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
     steps = bench.get("decode_steps")
@@ -1103,7 +1107,10 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         return _gap_fit([(tm.seconds, tm.stages, t) for tm, t in rows], m0.stage_gap)
 
     eff, gap = m0.bandwidth_efficiency, m0.stage_gap
-    if len(set(ctx.values())) >= 2:
+    if decode and "bandwidth_efficiency" in fixed:
+        gap = decode_fit(eff)[0]
+        notes.append("the bandwidth efficiency is the kernel timings': only the stage gap is fitted")
+    elif len(set(ctx.values())) >= 2:
         eff, gap, _ = fit_decode(m0, [(recs[ctx[L]], 1 / t) for L, t, _ in decode])
         step_bytes = [step(m0, c).bytes for c in recs]
         if max(step_bytes) < 1.5 * min(step_bytes):
@@ -1133,13 +1140,17 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
         return [(L / prefill(m, cfg, L, chunk, cache, path, attention).seconds - t) / t for L, t, _ in pre]
 
     x = m1.path_efficiency[paths[0]]
-    if pre:
+    if pre and ("tensor_efficiency" if path == "tensor" else "simdgroup_efficiency") in fixed:
+        notes.append("the matrix efficiency is the kernel timings': not fitted to the prefill")
+    elif pre:
         x = _search(lambda v: _rms(prefill_err(with_matrix(v))), 0.05, 1.00, 0.05)
         if x in (0.05, 1.00):
             notes.append(f"the matrix efficiency hit the bound of its search ({x:.2f})")
     else:
         notes.append("no prefill figures: the matrix path's efficiency stays as published")
-    fitted = replace(with_matrix(x), fitted_from=source, gemm=path, attention=attention)
+    matrix = {"tensor": ("tensor_efficiency", "attention_efficiency"), "simdgroup": ("simdgroup_efficiency",)}[path]
+    fitted = replace(with_matrix(x), fitted_from=source, gemm=path, attention=attention,
+                     measured=tuple(dict.fromkeys((*m0.measured, *(matrix if pre else ())))))
 
     def rows_for(pairs, rate):
         return [{"prompt_tokens": L, "measured_tok_s": t, "wall_tok_s": w, "published_model_tok_s": rate(m0, L),
@@ -1171,6 +1182,127 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
                                            "fitted": rms(pre_rows, "fitted_model_tok_s")}},
         "notes": notes,
     }
+
+
+# ---- calibration on per-kernel timings: `lily bench --kernels` ----------------------------
+
+#: What a `lily bench --kernels` report says it is (its ``kind``).
+KERNELS_KIND = "lily bench --kernels"
+#: The constants a kernel-timing report can identify, each with the range searched (a constant
+#: is fitted only where some timed kernel's modelled time depends on it). The latency on a
+#: log scale.
+KERNEL_CONSTANTS = {"bandwidth_efficiency": (0.30, 1.00), "tensor_efficiency": (0.05, 1.00),
+                    "attention_efficiency": (0.05, 1.00), "simdgroup_efficiency": (0.05, 1.00),
+                    "alu_efficiency": (0.05, 1.00), "latency_dram": (3e-8, 3e-6)}
+
+
+def _with(m: Machine, name: str, v: float) -> Machine:
+    return replace(m, bandwidth_efficiency=v) if name == "bandwidth_efficiency" else with_constants(m, {name: v})
+
+
+def _value(m: Machine, name: str) -> float:
+    if name == "bandwidth_efficiency":
+        return m.bandwidth_efficiency
+    if name.startswith("latency_"):
+        return m.latency[name[len("latency_"):]]
+    return {"tensor_efficiency": m.path_efficiency["tensor_f16"], "attention_efficiency": m.path_efficiency["tensor_bf16"],
+            "simdgroup_efficiency": m.path_efficiency["sgmm_f16"], "alu_efficiency": m.path_efficiency["alu_f32"]}[name]
+
+
+def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "the kernel report") -> tuple[
+        Machine, dict]:
+    """Fit the constants a ``lily bench --kernels`` report identifies (:data:`KERNEL_CONSTANTS`):
+    each hot kernel timed alone at the model's shapes on a Mac's GPU, one dispatch per command
+    buffer (its GPU time), against the model of that one dispatch (:func:`dispatch_seconds` of
+    the record the bench priced, the cost table's entry) plus a fitted overhead per command
+    buffer. A constant is identified when the modelled time of some timed kernel moves by more
+    than 2% with it (bandwidth: the decode GEMVs and attention; tensor rates: the prefill GEMMs
+    and attention; ALU: the scan; DRAM latency: decode attention's row loops); the identified
+    ones are fitted together (coordinate search, relative least squares), the others keep the
+    likely values. Returns the calibrated :class:`Machine` and a JSON-ready report:
+    ``constants`` (likely, fitted or None, the kernels identifying each), ``overhead_us``, per
+    kernel ``rows`` (measured, likely-model and fitted-model seconds), ``rms_relative_error``
+    and ``notes``. Raises :class:`InvalidParameterError` for a report that is not a Metal run
+    of `lily bench --kernels`, names an unknown chip without ``machine_key``, or has no
+    usable timing."""
+    if not isinstance(report, dict) or report.get("kind") != KERNELS_KIND:
+        raise InvalidParameterError(f"{source} is not a `{KERNELS_KIND} --json` report (no kind {KERNELS_KIND!r})")
+    info = report.get("machine") if isinstance(report.get("machine"), dict) else {}
+    if info.get("device") != "metal":
+        raise InvalidParameterError(f"{source} timed the kernels on device={info.get('device')!r}: only a run on "
+                                    "the Metal device (a Mac's GPU) measures what the model describes")
+    key = machine_key or machine_for_chip(info.get("chip"))
+    if key is None:
+        raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
+                                    f"closest with --machine ({', '.join(MACHINES)})")
+    rows = []
+    for i, k in enumerate(report.get("kernels") or []):
+        rec, t = (k.get("record"), k.get("median_s")) if isinstance(k, dict) else (None, None)
+        if not isinstance(rec, dict) or not isinstance(rec.get("work"), dict) or not _usable(t):
+            raise InvalidParameterError(f"{source}: kernels[{i}] has no priced record or no positive median_s")
+        rows.append((k.get("case") or rec.get("kernel"), rec, float(t)))
+    if not rows:
+        raise InvalidParameterError(f"{source} has no timed kernel")
+    m0 = scenarios(machine(key))["likely"][0]
+    measured = np.array([t for _, _, t in rows])
+
+    def times(m: Machine) -> np.ndarray:
+        return np.array([dispatch_seconds(m, rec) for _, rec, _ in rows])
+
+    def err(m: Machine) -> tuple[float, float]:  # (overhead, rms relative error), the overhead in closed form
+        t0 = times(m)
+        c = max(0.0, float(((measured - t0) / measured ** 2).sum() / (1 / measured ** 2).sum()))
+        return c, float(np.sqrt((((t0 + c - measured) / measured) ** 2).mean()))
+
+    base = times(m0)
+    identified = {}
+    for name in KERNEL_CONSTANTS:
+        v = _value(m0, name)
+        moved = np.abs(times(_with(m0, name, v * (1.5 if name.startswith("latency_") else 0.8))) / base - 1)
+        if moved.max() > 0.02:
+            identified[name] = [rows[i][0] for i in np.flatnonzero(moved > 0.02)]
+    m = m0
+    for _ in range(3):  # coordinate search: each identified constant on its grid, the others held
+        for name in identified:
+            lo, hi = KERNEL_CONSTANTS[name]
+            if name.startswith("latency_"):
+                x = _search(lambda u, n=name, mm=m: err(_with(mm, n, 10.0 ** u))[1], math.log10(lo), math.log10(hi), 0.1)
+                m = _with(m, name, 10.0 ** x)
+            else:
+                m = _with(m, name, _search(lambda u, n=name, mm=m: err(_with(mm, n, u))[1], lo, hi, 0.05))
+    overhead, rms = err(m)
+    notes = [f"{name} hit the bound of its search" for name in identified
+             if any(math.isclose(_value(m, name), b, rel_tol=1e-6) for b in KERNEL_CONSTANTS[name])]
+    notes += [f"no timed kernel depends on {name}: it stays likely" for name in KERNEL_CONSTANTS if name not in identified]
+    fitted = replace(m, fitted_from=source, measured=tuple(identified))
+    return fitted, {
+        "estimate": True, "notice": NOTICE, "source": source, "machine": {"key": key, "name": fitted.name},
+        "chip": info.get("chip"),
+        "constants": {name: {"likely": _value(m0, name), "fitted": _value(m, name) if name in identified else None,
+                             "identified_by": identified.get(name, [])} for name in KERNEL_CONSTANTS},
+        "overhead_us": overhead * 1e6,
+        "rows": [{"case": c, "kernel": rec.get("kernel"), "measured_s": t, "likely_model_s": float(b + err(m0)[0]),
+                  "fitted_model_s": float(f + overhead)}
+                 for (c, rec, t), b, f in zip(rows, base, times(m))],
+        "rms_relative_error": {"likely": err(m0)[1], "fitted": rms},
+        "notes": notes}
+
+
+def format_fit_kernels(f: dict) -> str:
+    """:func:`fit_kernels`'s result as text: the constants, then each kernel's time."""
+    lines = [f"kernel calibration fitted to {f['source']} ({f['chip'] or 'unknown chip'}, modelled as "
+             f"{f['machine']['name']}): overhead per command buffer {f['overhead_us']:.1f} us, rms relative error "
+             f"{100 * f['rms_relative_error']['likely']:.1f}% likely -> {100 * f['rms_relative_error']['fitted']:.1f}% "
+             "fitted"]
+    for name, c in f["constants"].items():
+        got = "not identified" if c["fitted"] is None else f"{c['fitted']:.4g} fitted ({', '.join(c['identified_by'])})"
+        lines.append(f"  {name:22s} {c['likely']:.4g} likely -> {got}")
+    lines += ["", f"{'kernel':44s} {'measured us':>12} {'likely':>10} {'fitted':>10}"]
+    for r in f["rows"]:
+        lines.append(f"{r['case']:44s} {1e6 * r['measured_s']:>12.1f} {1e6 * r['likely_model_s']:>10.1f} "
+                     f"{1e6 * r['fitted_model_s']:>10.1f}")
+    lines += [f"note: {n}" for n in f["notes"]]
+    return "\n".join(lines)
 
 
 def format_fit(f: dict) -> str:
