@@ -261,3 +261,39 @@ def test_lily_runner_times_a_whole_prefill_every_round():
     runner.run(prompt, 2)
     with pytest.raises(RuntimeError, match="computed 1 of the prompt's 57 tokens"):
         runner.run(prompt, 2)
+
+
+def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
+    """`lily bench --kernels --device sim` (the harness CI can run): every hot-kernel case at
+    small shapes on the simulator as an M5 (the tensor-op cases too), each case's dispatches
+    priced by the cost table, the notice that the timings test only the harness, no roofline
+    without a chip of the machine table; on an M5 Max the same records give each case's
+    roofline and what bounds it; `lily estimate --fit` refuses the file (not a Metal run)."""
+    from lily.lab import estimate, kernel_bench
+    out = tmp_path / "kernels.json"
+    r = subprocess.run([sys.executable, "-m", "lily", "bench", "--kernels", "--device", "sim", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert r.returncode == 0, r.stderr
+    assert "NOTE: device=sim at small shapes" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["kind"] == estimate.KERNELS_KIND and rep["machine"]["device"] == "sim" and rep["small_shapes"]
+    assert [c["kernel"] for c in rep["kernels"]] == [c.kernel for c in kernel_bench.cases()]
+    m = estimate.machine("m5max")
+    bounds: dict = {}
+    for c in rep["kernels"]:
+        assert c["median_s"] > 0 and c["roofline"] is None and c["fraction_of_peak"] is None
+        assert c["kernel"] in [x["kernel"] for x in c["records"]] and all(x["work"] for x in c["records"]), c["case"]
+        roof = kernel_bench._roofline(m, c["records"])
+        assert roof["seconds"] == max(roof["bandwidth_s"], *roof["compute_s"].values())
+        bounds[c["kernel"]] = roof
+    assert bounds["gemv_q4_add"]["bound"] == "bandwidth"  # small shapes: the matrices' rows are few
+    for kernel, path in (("gemm_q4_tensor", "tensor_f16"), ("gemm_q4", "sgmm_f16"),
+                         ("attn_prefill_d256_g8_tensor", "tensor_bf16"), ("gdn_scan_k128_v128_r32", "alu_f32")):
+        assert bounds[kernel]["compute_s"][path] > 0, (kernel, bounds[kernel])
+    r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(out)], capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert r.returncode == 1 and "only a run on the Metal device" in r.stderr and "Traceback" not in r.stderr
+    with pytest.raises(InvalidParameterError, match="no kernel case"):
+        kernel_bench.run("sim", only=["no_such_kernel"])
+    with pytest.raises(InvalidParameterError, match="native device"):
+        kernel_bench.run("reference")

@@ -312,7 +312,7 @@ def _kernels_report(m, overhead, device="metal", noise=()):
     rows = []
     for i, (case, rec) in enumerate(_hot_records()):
         t = (estimate.dispatch_seconds(m, rec) + overhead) * (1 + (noise[i % len(noise)] if noise else 0.0))
-        rows.append({"case": case, "kernel": rec["kernel"], "record": rec, "median_s": t})
+        rows.append({"case": case, "kernel": rec["kernel"], "records": [rec], "median_s": t})
     return {"kind": estimate.KERNELS_KIND, "machine": {"chip": "Apple M5 Max", "device": device}, "kernels": rows}
 
 

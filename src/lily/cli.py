@@ -533,7 +533,12 @@ def cmd_bench(args) -> int:
         _check_writable(args.json, "--json")
     options = {k: v for k, v in (("prefill_chunk", args.prefill_chunk), ("state_window", args.state_window),
                                   ("split_block", args.split_block)) if v is not None} or None
-    if args.agent:
+    if args.kernels:
+        from lily.lab import kernel_bench
+        rep = kernel_bench.run(args.device, reps=args.reps, only=args.kernel_names,
+                               log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(kernel_bench.format_report(rep))
+    elif args.agent:
         from lily.lab import agent_bench
         load = dict(device=args.device, device_options=options, max_context=args.max_context)
         engine = Engine.load(args.model, **load)
@@ -768,6 +773,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="native devices: KV rows per block of the split decode attention (default 0: chosen by "
                         "context)")
     b.add_argument("--json", default=None, metavar="FILE", help="also write the full results as JSON")
+    k = b.add_argument_group("--kernels: each hot kernel timed alone (Lily alone, no MLX-LM, no checkpoint)")
+    k.add_argument("--kernels", action="store_true",
+                   help="time each hot kernel alone at the model's shapes (decode GEMVs, decode attention at "
+                        "4K/32K/128K, prefill GEMMs per tile size, expert GEMMs, prefill attention, the DeltaNet "
+                        "scan) against its roofline; the --json file calibrates `lily estimate --fit`. On sim: small "
+                        "shapes, the harness only")
+    k.add_argument("--reps", type=_int_at_least(1), default=None, metavar="N",
+                   help="timed runs per kernel (default 20 on metal, 1 on sim)")
+    k.add_argument("--kernel", dest="kernel_names", type=lambda v: [x for x in v.split(",") if x], default=None,
+                   metavar="K1,K2,...", help="time only these kernels")
     a = b.add_argument_group("--agent: the multi-turn agent scenario of the prompt cache (Lily alone, no MLX-LM)")
     a.add_argument("--agent", action="store_true",
                    help="run the agent scenario instead: tokens computed and time per turn with and "

@@ -1007,6 +1007,21 @@ def _bench_lengths(bench: dict, phase: str) -> tuple[list, bool]:
     return [(L, float(g) if device else w, w) for L, g, w in rows], device
 
 
+def _metal_run(report: dict, source: str, verb: str, machine_key: str | None) -> tuple[dict, str]:
+    """(the report's ``machine`` info, the machine table's key) of a report measured on a Mac's
+    GPU; raises :class:`InvalidParameterError` for another device or a chip the table lacks
+    without ``machine_key``."""
+    info = report.get("machine") if isinstance(report.get("machine"), dict) else {}
+    if info.get("device") != "metal":
+        raise InvalidParameterError(f"{source} {verb} on device={info.get('device')!r}: only a run on "
+                                    "the Metal device (a Mac's GPU) measures what the model describes")
+    key = machine_key or machine_for_chip(info.get("chip"))
+    if key is None:
+        raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
+                                    f"closest with --machine ({', '.join(MACHINES)})")
+    return info, key
+
+
 def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | dict | None = None,
         source: str = "the bench report", base: Machine | None = None, fixed=()) -> tuple[Machine, dict]:
     """Fit the model's calibration to a measured ``lily bench --json`` report of Lily on a Mac's
@@ -1041,14 +1056,7 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     machine keeps the run's prefill paths (:attr:`Machine.gemm`, :attr:`Machine.attention`)."""
     if not isinstance(bench, dict) or "lengths" not in bench:
         raise InvalidParameterError(f"{source} is not a `lily bench --json` report (no 'lengths')")
-    info = bench.get("machine") if isinstance(bench.get("machine"), dict) else {}
-    if info.get("device") != "metal":
-        raise InvalidParameterError(f"{source} measured Lily on device={info.get('device')!r}: only a run on "
-                                    "the Metal device (a Mac's GPU) measures what the model describes")
-    key = machine_key or machine_for_chip(info.get("chip"))
-    if key is None:
-        raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
-                                    f"closest with --machine ({', '.join(MACHINES)})")
+    info, key = _metal_run(bench, source, "measured Lily", machine_key)
     m0 = base or machine(key)
     cfg = model_config(config)
     limit = cfg.max_position_embeddings
@@ -1212,14 +1220,14 @@ def _value(m: Machine, name: str) -> float:
 def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "the kernel report") -> tuple[
         Machine, dict]:
     """Fit the constants a ``lily bench --kernels`` report identifies (:data:`KERNEL_CONSTANTS`):
-    each hot kernel timed alone at the model's shapes on a Mac's GPU, one dispatch per command
-    buffer (its GPU time), against the model of that one dispatch (:func:`dispatch_seconds` of
-    the record the bench priced, the cost table's entry) plus a fitted overhead per command
-    buffer. A constant is identified when the modelled time of some timed kernel moves by more
-    than 2% with it (bandwidth: the decode GEMVs and attention; tensor rates: the prefill GEMMs
-    and attention; ALU: the scan; DRAM latency: decode attention's row loops); the identified
-    ones are fitted together (coordinate search, relative least squares), the others keep the
-    likely values. Returns the calibrated :class:`Machine` and a JSON-ready report:
+    each hot kernel timed alone at the model's shapes on a Mac's GPU, one case per command
+    buffer (its GPU time), against the model of the case's dispatches (the records the bench
+    priced with the cost table; a stage gap between stages when a case has two) plus a fitted
+    overhead per command buffer. A constant is identified when the modelled time of some timed
+    kernel moves by more than 2% with it (bandwidth: the decode GEMVs and attention; tensor
+    rates: the prefill GEMMs and attention; ALU: the scan; DRAM latency: decode attention's row
+    loops); the identified ones are fitted together (coordinate search, relative least
+    squares), the others keep the likely values. Returns the calibrated :class:`Machine` and a JSON-ready report:
     ``constants`` (likely, fitted or None, the kernels identifying each), ``overhead_us``, per
     kernel ``rows`` (measured, likely-model and fitted-model seconds), ``rms_relative_error``
     and ``notes``. Raises :class:`InvalidParameterError` for a report that is not a Metal run
@@ -1227,27 +1235,22 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
     usable timing."""
     if not isinstance(report, dict) or report.get("kind") != KERNELS_KIND:
         raise InvalidParameterError(f"{source} is not a `{KERNELS_KIND} --json` report (no kind {KERNELS_KIND!r})")
-    info = report.get("machine") if isinstance(report.get("machine"), dict) else {}
-    if info.get("device") != "metal":
-        raise InvalidParameterError(f"{source} timed the kernels on device={info.get('device')!r}: only a run on "
-                                    "the Metal device (a Mac's GPU) measures what the model describes")
-    key = machine_key or machine_for_chip(info.get("chip"))
-    if key is None:
-        raise InvalidParameterError(f"{source}: chip {info.get('chip')!r} is not in the machine table; name the "
-                                    f"closest with --machine ({', '.join(MACHINES)})")
+    info, key = _metal_run(report, source, "timed the kernels", machine_key)
     rows = []
     for i, k in enumerate(report.get("kernels") or []):
-        rec, t = (k.get("record"), k.get("median_s")) if isinstance(k, dict) else (None, None)
-        if not isinstance(rec, dict) or not isinstance(rec.get("work"), dict) or not _usable(t):
-            raise InvalidParameterError(f"{source}: kernels[{i}] has no priced record or no positive median_s")
-        rows.append((k.get("case") or rec.get("kernel"), rec, float(t)))
+        recs, t = (k.get("records"), k.get("median_s")) if isinstance(k, dict) else (None, None)
+        if (not isinstance(recs, list) or not recs or not all(isinstance(r, dict) and isinstance(r.get("work"), dict)
+                                                              for r in recs) or not _usable(t)):
+            raise InvalidParameterError(f"{source}: kernels[{i}] has no priced records or no positive median_s")
+        rows.append((k.get("case") or k.get("kernel"), recs, float(t)))
     if not rows:
         raise InvalidParameterError(f"{source} has no timed kernel")
     m0 = scenarios(machine(key))["likely"][0]
     measured = np.array([t for _, _, t in rows])
 
-    def times(m: Machine) -> np.ndarray:
-        return np.array([dispatch_seconds(m, rec) for _, rec, _ in rows])
+    def times(m: Machine) -> np.ndarray:  # one command buffer per case: its stages, a gap between them
+        t = [time_records(replace(m, stage_gap=0.0), recs) for _, recs, _ in rows]
+        return np.array([x.seconds + (x.stages - 1) * m.stage_gap for x in t])
 
     def err(m: Machine) -> tuple[float, float]:  # (overhead, rms relative error), the overhead in closed form
         t0 = times(m)
@@ -1281,9 +1284,9 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
         "constants": {name: {"likely": _value(m0, name), "fitted": _value(m, name) if name in identified else None,
                              "identified_by": identified.get(name, [])} for name in KERNEL_CONSTANTS},
         "overhead_us": overhead * 1e6,
-        "rows": [{"case": c, "kernel": rec.get("kernel"), "measured_s": t, "likely_model_s": float(b + err(m0)[0]),
-                  "fitted_model_s": float(f + overhead)}
-                 for (c, rec, t), b, f in zip(rows, base, times(m))],
+        "rows": [{"case": c, "kernels": [r.get("kernel") for r in recs], "measured_s": t,
+                  "likely_model_s": float(b + err(m0)[0]), "fitted_model_s": float(f + overhead)}
+                 for (c, recs, t), b, f in zip(rows, base, times(m))],
         "rms_relative_error": {"likely": err(m0)[1], "fitted": rms},
         "notes": notes}
 

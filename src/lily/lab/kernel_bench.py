@@ -1,0 +1,289 @@
+"""``lily bench --kernels``: each hot kernel timed alone at the model's shapes, against its own
+roofline from the cost table (docs/performance.md, "Calibrating on a Mac run").
+
+Every case builds its inputs and encodes its dispatches with the kernel checks' harness
+(lily.lab.kernels: the layer classes and ``enc_*`` encoders that mirror the runtime's
+bindings and declared ranges), at the real model's dimensions: decode GEMVs, decode attention
+at 4K / 32K / 128K context, the prefill GEMMs per tile size (64-row simdgroup_matrix, 128-row
+tensor-op), the grouped expert GEMMs, the prefill attention, the Gated DeltaNet scan. Each
+command buffer holds one case; its GPU time (Metal's GPU timestamps) is taken over ``reps``
+runs after a warm-up, and the cost table prices what it recorded (``_core.dispatch_costs``):
+the bytes and flops per path, so the report gives each kernel's roofline on the chip's
+machine (lily.estimate.MACHINES, 100% of bandwidth and of each path's peak) and the fraction of
+it the kernel reached. ``lily estimate --fit`` takes the JSON (lily.estimate.fit_kernels).
+
+On the simulator the shapes are small and the timings mean nothing about a GPU (the report
+says so): the run checks the harness.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from lily import _core
+from lily.errors import InvalidParameterError
+from lily.lab import estimate
+from lily.lab.device import constant, upload
+from lily.lab.kernels.attention import AttnLayer
+from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, pack_bf16_q
+from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
+from lily.lab.kernels.gemm import GEMM_BN, gemm_geometry
+from lily.lab.kernels.gemv import TG, enc_norm_gemv, gemv_grid
+from lily.lab.kernels.harness import bf16_bits, f32, half_activations, rand_quant, upload_q
+from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
+from lily.lab.system import system_info
+from lily.native_backend import make_device
+
+#: The report's ``kind`` (lily.estimate.fit_kernels reads it).
+KIND = estimate.KERNELS_KIND
+#: Timed runs per case after the warm-up: metal, sim.
+REPS = {"metal": 20, "sim": 1}
+#: Decode contexts of the attention cases (model scale; small: 256, 512, 1024).
+CONTEXTS = (4096, 32768, 131072)
+
+
+@dataclass
+class Case:
+    """One timed case: ``name``, the ``kernel`` it times (the record priced as the case's
+    kernel; a case may encode a helper dispatch too: the split attention's combine, the scan's
+    norm scale), and ``build(dev, rng, small) -> encode(pass)``."""
+
+    name: str
+    kernel: str
+    build: Callable
+
+
+def _dims(small: bool) -> dict:
+    """The shapes: the real model's (Qwen3.6-35B-A3B) or the small ones the simulator runs."""
+    c = estimate.model_config()
+    if small:
+        return dict(H=256, I=64, E=16, k=4, M=32, conv=1024, z=512, Hq=16, Hkv=2, D=256, contexts=(256, 512, 1024),
+                    p0=64, gdn="real")
+    return dict(H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, k=c.num_experts_per_tok, M=4096,
+                conv=2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads
+                * c.linear_value_head_dim, z=c.linear_num_value_heads * c.linear_value_head_dim,
+                Hq=c.num_attention_heads, Hkv=c.num_key_value_heads, D=c.head_dim, contexts=CONTEXTS, p0=28672,
+                gdn="real")
+
+
+def _gemv(kernel: str, rows_key: str, cols_key: str) -> Callable:
+    def build(dev, rng, small):
+        d = _dims(small)
+        rows = d[rows_key] if rows_key in d else d["H"]
+        cols = d["Hq"] * d["D"] if cols_key == "attn" else d[cols_key]
+        W, S, B = upload_q(dev, rand_quant(rng, (), rows, cols, 4))
+        X, Y = upload(dev, rng.standard_normal(cols).astype(np.float32)), upload(dev, np.zeros(rows, np.float32))
+
+        def enc(p):
+            p.dispatch(kernel, gemv_grid(rows), TG, buffers=list(enumerate([W, S, B, X, Y])),
+                       constants=[(5, constant(rows, cols))], reads=[W, S, B, X, Y], writes=[Y], threadgroups=True,
+                       label=kernel)
+        return enc
+    return build
+
+
+def _norm_gemv(dev, rng, small):
+    """The decode DeltaNet layer's input norm + in_proj (qkv | z | b | a), norm_gemv_q4."""
+    d = _dims(small)
+    H, rows = d["H"], (d["conv"], d["z"], 32, 32)
+    mats = []
+    for r in rows:
+        wsb = upload_q(dev, rand_quant(rng, (), r, H, 4))
+        mats.append((r, wsb, dev.buffer(4 * r)))
+    X = upload(dev, rng.standard_normal(H).astype(np.float32))
+    NW, XN = upload(dev, bf16_bits(1 + 0.1 * rng.standard_normal(H))), dev.buffer(4 * H)
+    return lambda p: enc_norm_gemv(p, 4, X, NW, XN, mats, H, write_xn=False)
+
+
+def _decode_attention(ctx_index: int) -> Callable:
+    def build(dev, rng, small):
+        d = _dims(small)
+        pos = d["contexts"][ctx_index]
+        L = AttnLayer(dev, d["Hq"], d["Hkv"], d["D"], 64, pos + 1, rng=rng)
+        L.set_position(pos)
+        QG = upload(dev, rng.standard_normal(d["Hq"] * 2 * d["D"]).astype(np.float32))
+        K = upload(dev, rng.standard_normal(d["Hkv"] * d["D"]).astype(np.float32))
+        V = upload(dev, rng.standard_normal(d["Hkv"] * d["D"]).astype(np.float32))
+        # the runtime's split: ~kDecodeTargetGroups (80) threadgroups, (Hq / G) x blocks
+        block = -(-(pos + 1) // (80 // (d["Hq"] // L.G)))
+        return lambda p: L.encode_fused(p, QG, K, V, L.POS, pos, block_rows=block)
+    return build
+
+
+def _gemm(kernel: str) -> Callable:
+    def build(dev, rng, small):
+        d = _dims(small)
+        m, n, k = d["M"], d["conv"], d["H"]
+        W, S, B = upload_q(dev, rand_quant(rng, (), n, k, 4))
+        X = upload(dev, half_activations(rng.standard_normal((m, k))))
+        Y = dev.buffer(4 * m * n)
+        bm, tg = gemm_geometry(kernel)
+
+        def enc(p):
+            p.dispatch(kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, buffers=list(enumerate([W, S, B, X, Y])),
+                       constants=[(5, constant(m, n, k, k, n))], reads=[W, S, B, X], writes=[Y], threadgroups=True,
+                       label=kernel)
+        return enc
+    return build
+
+
+def _experts(kernel: str, T: int, gate_up: bool) -> Callable:
+    def build(dev, rng, small):
+        d = _dims(small)
+        M, E, k, H, I = d["M"], d["E"], d["k"], d["H"], d["I"]
+        _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+        TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
+        P = upload(dev, perm)
+        if gate_up:
+            X = upload(dev, half_activations(rng.standard_normal((M, H))))
+            gb = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
+            ub = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
+            HX = dev.buffer(2 * M * k * I)
+            return lambda p: enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I,
+                                                     kernel=kernel)
+        HX = upload(dev, half_activations(rng.standard_normal((M * k, I)) * 0.1))
+        db = list(upload_q(dev, rand_quant(rng, (E,), H, I, 4)))
+        YX = dev.buffer(2 * M * k * H)
+        return lambda p: enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, kernel=kernel)
+    return build
+
+
+def _prefill_attention(tensor: bool) -> Callable:
+    def build(dev, rng, small):
+        d = _dims(small)
+        M, p0 = d["M"], d["p0"]
+        L = PrefillAttnLayer(dev, "real", p0 + M + 1, rng=rng, tensor=tensor)
+        q = f32(rng.standard_normal((M, L.Hq, L.D)))
+        qg = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)[0]
+        Q = upload(dev, pack_bf16_q(q, L.G) if tensor else q)
+        QG = upload(dev, half_activations(qg))
+        return lambda p: L.encode_attn(p, Q, QG, p0, M)
+    return build
+
+
+def _gdn_scan(dev, rng, small):
+    d = _dims(small)
+    L = GdnPrefillLayer(dev, d["gdn"], rng=rng)
+    M = d["M"]
+    bufs = L.input_buffers(*L.inputs(M))
+    outs = L.out_buffers(M)
+    cin = upload(dev, np.zeros((GDN_K - 1, L.C), np.float32))
+    return lambda p: L.encode_scan(p, bufs[0], cin, bufs[1], bufs[2], bufs[3], outs, M)
+
+
+def cases() -> list[Case]:
+    """The hot kernels, in the order of a decode step and a prefill chunk."""
+    out = [Case("decode GEMV o_proj", "gemv_q4_add", _gemv("gemv_q4_add", "H", "attn")),
+           Case("decode norm + in_proj (GDN layer)", "norm_gemv_q4", _norm_gemv)]
+    out += [Case(f"decode attention, context #{i + 1}", "attn_decode_split_fused_d256_g8", _decode_attention(i))
+            for i in range(len(CONTEXTS))]
+    out += [Case("prefill GEMM in_proj, 64-row simdgroup tiles", "gemm_q4", _gemm("gemm_q4")),
+            Case("prefill GEMM in_proj, 128-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
+            Case("experts gate/up, 64-row simdgroup tiles", "moe_gemm_gate_up_q4_t64",
+                 _experts("moe_gemm_gate_up_q4_t64", 64, True)),
+            Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",
+                 _experts("moe_gemm_gate_up_q4_t128_tensor", 128, True)),
+            Case("experts down, 128-row tensor tiles", "moe_gemm_down_q4_t128_tensor",
+                 _experts("moe_gemm_down_q4_t128_tensor", 128, False)),
+            Case("prefill attention (tensor ops)", "attn_prefill_d256_g8_tensor", _prefill_attention(True)),
+            Case("prefill attention (simdgroup_matrix)", "attn_prefill_d256_g8", _prefill_attention(False)),
+            Case("Gated DeltaNet scan", "gdn_scan_k128_v128_r32", _gdn_scan)]
+    return out
+
+
+def _roofline(m: estimate.Machine | None, records: list) -> dict | None:
+    """The records' time at 100% of ``m``'s bandwidth and of each path's peak, and what bounds
+    it (None without a machine)."""
+    if m is None:
+        return None
+    mem = sum(r["work"]["bytes"] for r in records) / m.bandwidth
+    flops: dict = {}
+    for r in records:
+        for p, f in r["work"]["flops"].items():
+            flops[p] = flops.get(p, 0.0) + f
+    comp = {p: f / m.rates[p] for p, f in flops.items() if f and p in m.rates}
+    bound, secs = max([("bandwidth", mem), *comp.items()], key=lambda kv: kv[1])
+    return {"seconds": secs, "bound": bound, "bandwidth_s": mem, "compute_s": comp}
+
+
+def run(device: str = "auto", *, reps: int | None = None, small: bool | None = None, only=None,
+        log: Callable[[str], None] = lambda s: None) -> dict:
+    """Time every case of :func:`cases` (or the kernels named in ``only``) on ``device``
+    ('auto': metal when compiled in, else sim). ``small``: the simulator's shapes (default on
+    sim); ``reps``: timed runs per case (default :data:`REPS`). Returns the report (JSON-ready):
+    ``kind``, ``machine`` (chip, device, GPU family, tensor-op support), ``notice`` (off a Mac
+    GPU: the timings mean nothing), and per case ``case``, ``kernel``, ``records`` (the
+    recorded dispatches with the cost table's entries), ``seconds`` (every timed run),
+    ``median_s``, ``roofline`` (on the chip's machine) and ``fraction_of_peak``. Raises
+    :class:`InvalidParameterError` for an unknown device or kernel, or reps below 1."""
+    name = ("metal" if "metal" in _core.compiled_devices() else "sim") if device == "auto" else device
+    if name not in ("metal", "sim"):
+        raise InvalidParameterError(f"--kernels times a native device (metal or sim), not {device!r}")
+    # the simulator as an M5 (apple10): the tensor-op cases run too
+    dev = make_device(name, **({"gpu_family": "apple10"} if name == "sim" else {}))
+    small = name == "sim" if small is None else small
+    reps = REPS[name] if reps is None else reps
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise InvalidParameterError(f"reps must be a positive integer, got {reps!r}")
+    todo = cases()
+    if only:
+        unknown = sorted(set(only) - {c.kernel for c in todo})
+        if unknown:
+            raise InvalidParameterError(f"no kernel case for {unknown} (known: {sorted({c.kernel for c in todo})})")
+        todo = [c for c in todo if c.kernel in only]
+    sysi = system_info()
+    info = {k: sysi.get(k) for k in ("chip", "arch", "memory_bytes", "os")}
+    info.update(device=name, device_name=dev.name, gpu_family=dev.gpu_family,
+                tensor_ops=bool(dev.supports_tensor_ops), bfloat_tensor_ops=bool(dev.supports_bfloat_tensor_ops))
+    key = estimate.machine_for_chip(info.get("chip")) if name == "metal" else None
+    m = estimate.machine(key) if key else None
+    notice = None if name == "metal" else (
+        "device=sim at small shapes: these timings test the harness; only device=metal on a Mac times the kernels")
+    rng = np.random.default_rng(0)
+    rows = []
+    for c in todo:
+        if c.kernel.endswith("_tensor") and not dev.supports_tensor_ops:
+            log(f"{c.name}: skipped (no tensor ops on this device)")
+            continue
+        enc = c.build(dev, rng, small)
+        times, records = [], None
+        for i in range(reps + (1 if name == "metal" else 0)):  # a warm-up run on the GPU
+            cb = dev.command_buffer()
+            enc(cb.compute_pass())
+            cb.commit()
+            cb.wait()
+            if records is None:
+                records = _core.dispatch_costs(cb)
+            if name != "metal" or i > 0:
+                times.append(float(cb.gpu_seconds))
+        median = statistics.median(times)
+        roof = _roofline(m, records)
+        rows.append({"case": c.name, "kernel": c.kernel, "records": records, "seconds": times, "median_s": median,
+                     "roofline": roof, "fraction_of_peak": roof["seconds"] / median if roof and median > 0 else None})
+        log(f"{c.name}: {1e6 * median:,.1f} us" + (f", {100 * rows[-1]['fraction_of_peak']:.0f}% of its roofline "
+                                                    f"({roof['bound']})" if roof else ""))
+    return {"kind": KIND, "notice": notice, "machine": info, "small_shapes": small, "reps": reps,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "kernels": rows}
+
+
+def format_report(rep: dict) -> str:
+    """The report as a table: each case's median time, its roofline and the fraction reached."""
+    m = rep["machine"]
+    out = [f"lily bench --kernels: {m.get('device')} ({m.get('chip') or 'unknown chip'}), {rep['reps']} timed "
+           f"run{'s' if rep['reps'] != 1 else ''} per case" + (", small shapes" if rep["small_shapes"] else
+                                                                 ", the model's shapes")]
+    if rep.get("notice"):
+        out.append(f"  NOTE: {rep['notice']}")
+    out += ["", f"{'case':48s} {'kernel':34s} {'median us':>11} {'roofline us':>12} {'of peak':>8}  bound"]
+    for r in rep["kernels"]:
+        roof = r["roofline"]
+        out.append(f"{r['case']:48s} {r['kernel']:34s} {1e6 * r['median_s']:>11,.1f} "
+                   + (f"{1e6 * roof['seconds']:>12,.1f} {100 * r['fraction_of_peak']:>7.0f}%  {roof['bound']}"
+                      if roof else f"{'':>12} {'':>8}"))
+    return "\n".join(out)
+
