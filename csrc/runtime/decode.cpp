@@ -1,8 +1,9 @@
-// The decode phase (docs/conventions.md "One plan, two phases"): its pipelines, resolved at
-// load, and the step as a list of named dispatches over the layers (model.h), then the final
-// norm + lm_head and the sampler. Kernel geometry and bindings follow docs/kernels.md; every
-// dispatch declares what it reads and writes, and the compute pass derives the barriers.
-#include "runtime/runtime.h"
+// The decode phase (docs/conventions.md "One plan, two phases"; decode.h): its pipelines,
+// resolved at load, its scratch, and the step as a list of named dispatches over the layers
+// (model.h), then the final norm + lm_head and the sampler. Kernel geometry and bindings
+// follow docs/kernels.md; every dispatch declares what it reads and writes, and the compute
+// pass derives the barriers.
+#include "runtime/decode.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,7 @@
 
 #include "runtime/encoder.h"
 #include "runtime/kernel_args.h"
+#include "runtime/runtime.h"
 
 namespace lily::runtime {
 
@@ -30,17 +32,77 @@ constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
 
 }  // namespace
 
-uint32_t Runtime::split_rows(uint32_t rows) const {
+DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
+    : d_(dims), opt_(options), labels_(dims.num_hidden_layers) {
+  const ModelDims& d = d_;
+  const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
+  if (group % 2)
+    throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
+  attn_heads_ = attn_heads_per_group(group);
+  if (d.head_dim != 64 && d.head_dim != 256)
+    throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
+                                std::to_string(d.head_dim));
+  if (d.linear_key_head_dim != d.linear_value_head_dim ||
+      (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
+    throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
+  const auto ring = args::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads, d.linear_key_head_dim,
+                                   d.linear_value_head_dim);
+  ring_entry_bytes_ = size_t(ring.entry) * sizeof(float);
+}
+
+bool DecodePlan::uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
+
+bool DecodePlan::ends_window(uint32_t position) const { return (position + 1) % opt_.state_window == 0; }
+
+uint32_t DecodePlan::ring_capacity() const { return std::min(opt_.state_window - 1, opt_.max_context); }
+
+uint32_t DecodePlan::split_rows(uint32_t rows) const {
   if (opt_.split_block) return opt_.split_block;
-  const uint64_t per_block = uint64_t(dims_.num_attention_heads / attn_heads_);  // threadgroups per block
+  const uint64_t per_block = uint64_t(d_.num_attention_heads / attn_heads_);  // threadgroups per block
   const uint32_t want = ceil_div(uint64_t(rows) * per_block, kDecodeTargetGroups);
   return std::max(kDecodeMinBlock, (want + 7) / 8 * 8);
 }
 
-void Runtime::resolve_decode_kernels() {
-  const ModelDims& d = dims_;
-  gpu::Device& dev = *device_;
-  DecodeKernels& k = decode_kernels_;
+DecodeScratch DecodePlan::allocate(const Alloc& scratch) const {
+  const ModelDims& d = d_;
+  const size_t f = sizeof(float);
+  DecodeScratch s;
+  s.h = scratch(d.hidden_size * f, "h (residual)");
+  s.xn = scratch(d.hidden_size * f, "xn (normed)");
+  s.qkv = scratch(d.conv_dim() * f, "gdn qkv");
+  s.z = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn z");
+  s.b = scratch(d.linear_num_value_heads * f, "gdn b");
+  s.a = scratch(d.linear_num_value_heads * f, "gdn a");
+  s.o = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
+  s.o_ssq = scratch(size_t(d.linear_num_value_heads) * kGdnDecodeSplits * f, "gdn out sums of squares");
+  s.qg = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
+  s.k = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
+  s.v = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
+  s.attn = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
+  s.router = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
+  s.ids = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
+  s.route_w = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
+  s.hidden =
+      scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
+            "expert hidden");
+  s.logits = scratch(size_t(d.vocab_size) * f, "logits");
+  s.argmax_part =
+      scratch(size_t(ceil_div(d.vocab_size, kArgmaxSlice)) * 2 * sizeof(uint32_t), "argmax partials");
+  // Blocks of the split path: ceil(rows / split_rows(rows)) <= ceil(target / (Hq / G)) when
+  // chosen by context (each block has >= rows * (Hq/G) / target rows).
+  s.max_blocks = opt_.split_block
+                     ? ceil_div(opt_.max_context, opt_.split_block)
+                     : std::min(ceil_div(opt_.max_context, kDecodeMinBlock),
+                                ceil_div(kDecodeTargetGroups, d.num_attention_heads / attn_heads_));
+  s.part_ml = scratch(size_t(d.num_attention_heads) * s.max_blocks * 2 * f, "attn partial m,l");
+  s.part_acc = scratch(size_t(d.num_attention_heads) * s.max_blocks * d.head_dim * f, "attn partial acc");
+  return s;
+}
+
+void DecodePlan::bind(gpu::Device& dev, const ModelWeights& weights) {
+  const ModelDims& d = d_;
+  w_ = &weights;
+  DecodeKernels& k = kernels_;
   const std::string attn_suffix = "_d" + std::to_string(d.head_dim) + "_g" + std::to_string(attn_heads_);
   k.embed_norm_gemv = &dev.pipeline("embed_norm_gemv_q4");
   k.norm_gemv = ByBits(dev, "norm_gemv", "", {4, 8});
@@ -65,32 +127,34 @@ void Runtime::resolve_decode_kernels() {
   k.sample_token = &dev.pipeline("sample_token");
 }
 
-void Runtime::encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending) {
-  const ModelDims& d = dims_;
+void DecodePlan::encode_state_writeback(gpu::CommandBuffer& cmd, SequenceState& seq, uint32_t pending) const {
+  const ModelDims& d = d_;
   if (pending == 0 || pending > ring_capacity())
     throw std::logic_error("encode_state_writeback: " + std::to_string(pending) + " pending steps");
   const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
   gpu::ComputePass& pass = cmd.compute_pass();
-  for (const Layer& layer : model_.layers) {
+  for (const Layer& layer : w_->layers) {
     if (layer.full_attention) continue;
     const uint32_t l = layer.index;
-    Op(*decode_kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
+    Op(*kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
         .groups(gpu::Size3{Hv, kGdnDecodeSplits, 1}, gpu::Size3{Dv / kGdnDecodeSplits * 8, 1, 1})
-        .inout(0, *state_[l], 0, d.gdn_state_floats() * sizeof(float))
-        .in(1, *ring_[l], 0, pending * ring_entry_bytes_)
+        .inout(0, *seq.state[l], 0, d.gdn_state_floats() * sizeof(float))
+        .in(1, *seq.ring[l], 0, pending * ring_entry_bytes_)
         .args(2, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending, 1})
         .run(pass);
   }
   pass.end();
 }
 
-void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* tr) {
-  const ModelDims& d = dims_;
+void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, SequenceState& seq, int slot,
+                             uint32_t position, uint32_t pending, Traffic* tr) const {
+  const ModelDims& d = d_;
+  const ModelWeights& model = *w_;
   if (pending > position % opt_.state_window)  // a window's last step always writes back
     throw std::logic_error("encode_step: " + std::to_string(pending) + " pending steps at position " +
                            std::to_string(position));
   const bool write_back = ends_window(position);
-  const DecodeKernels& K = decode_kernels_;
+  const DecodeKernels& K = kernels_;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
   Traffic& t = tr ? *tr : local;
@@ -123,14 +187,15 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
     uint32_t groups = 0;
     Op op(embed ? *K.embed_norm_gemv : K.norm_gemv[projs.begin()->w.bits], label);
     if (embed) {
-      op.in(20, *model_.embed.weight).in(21, *model_.embed.scales).in(22, *model_.embed.biases)
-          .in(23, *tokens_, slot * u32, u32).args(24, args::EmbedArgs{H, d.vocab_size}).out(0, *h_, 0, H * f);
+      op.in(20, *model.embed.weight).in(21, *model.embed.scales).in(22, *model.embed.biases)
+          .in(23, *seq.tokens, slot * u32, u32).args(24, args::EmbedArgs{H, d.vocab_size})
+          .out(0, *s.h, 0, H * f);
       t.weight_bytes += H / 2 + 2 * (H / 64) * 2;  // the row it really reads
     } else {
-      op.in(0, *h_, 0, H * f);
+      op.in(0, *s.h, 0, H * f);
     }
     op.in(1, norm_w, &t.weight_bytes);
-    if (xn_out) op.out(2, *xn_, 0, H * f); else op.bind(2, *xn_);
+    if (xn_out) op.out(2, *s.xn, 0, H * f); else op.bind(2, *s.xn);
     uint32_t m = 0;
     for (const Proj& pr : projs) {
       const uint32_t base = 3 + 4 * m;
@@ -141,7 +206,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
     }
     for (; m < 4; ++m) {  // unused slot: bound (every argument must be), nothing declared
       const uint32_t base = 3 + 4 * m;
-      op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
+      op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
     op.groups(tg(groups), tg(kGemvThreads)).args(19, na).run(pass);
     t.other_bytes += H * f * (xn_out ? 2 : 1);
@@ -149,21 +214,21 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
 
   // The embedding of the token in this step's slot (written by the previous step's sampler)
   // is looked up inside layer 0's first norm_gemv.
-  for (const Layer& layer : model_.layers) {
+  for (const Layer& layer : model.layers) {
     const uint32_t l = layer.index;
     const bool first = l == 0;
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
       const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
-      norm_gemv(*layer.input_norm, {{g.in_proj_qkv, qkv_.get(), 0, d.conv_dim()},
-                                    {g.in_proj_z, z_.get(), 0, Hv * Dv},
-                                    {g.in_proj_b, b_.get(), 0, Hv},
-                                    {g.in_proj_a, a_.get(), 0, Hv}},
+      norm_gemv(*layer.input_norm, {{g.in_proj_qkv, s.qkv.get(), 0, d.conv_dim()},
+                                    {g.in_proj_z, s.z.get(), 0, Hv * Dv},
+                                    {g.in_proj_b, s.b.get(), 0, Hv},
+                                    {g.in_proj_a, s.a.get(), 0, Hv}},
                 false, kNormGemvRows,
                 labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
-      gpu::Buffer& conv_in = *conv_[position % 2][l];
-      gpu::Buffer& conv_out = *conv_[(position + 1) % 2][l];
+      gpu::Buffer& conv_in = *seq.conv[position % 2][l];
+      gpu::Buffer& conv_out = *seq.conv[(position + 1) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
       // gdn_decode_step: NS threadgroups per head, each Dv / NS * 8 threads (4 state rows per
@@ -174,24 +239,24 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       const size_t entry_bytes = ring_entry_bytes_;
       Op op(*K.gdn_step, labels_(l, "gdn step"));
       op.groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
-          .in(0, *qkv_, 0, d.conv_dim() * f).in(1, *b_, 0, Hv * f).in(2, *a_, 0, Hv * f)
+          .in(0, *s.qkv, 0, d.conv_dim() * f).in(1, *s.b, 0, Hv * f).in(2, *s.a, 0, Hv * f)
           .in(3, *g.conv1d, &t.weight_bytes).in(4, *g.A_log, &t.weight_bytes)
           .in(5, *g.dt_bias, &t.weight_bytes)
           .in(6, conv_in, 0, conv_bytes).out(7, conv_out, 0, conv_bytes)
-          .out(9, *o_, 0, size_t(Hv) * Dv * f).out(10, *o_ssq_, 0, ssq_bytes)
+          .out(9, *s.o, 0, size_t(Hv) * Dv * f).out(10, *s.o_ssq, 0, ssq_bytes)
           .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending,
                                         write_back ? 1u : 0u})
-          .bind(12, *ring_[l]);
-      if (write_back) op.inout(8, *state_[l], 0, state_bytes);
-      else op.in(8, *state_[l], 0, state_bytes).write(*ring_[l], pending * entry_bytes, entry_bytes);
-      if (pending) op.read(*ring_[l], 0, pending * entry_bytes);
+          .bind(12, *seq.ring[l]);
+      if (write_back) op.inout(8, *seq.state[l], 0, state_bytes);
+      else op.in(8, *seq.state[l], 0, state_bytes).write(*seq.ring[l], pending * entry_bytes, entry_bytes);
+      if (pending) op.read(*seq.ring[l], 0, pending * entry_bytes);
       op.run(pass);
       t.state_bytes += 2 * conv_bytes + state_bytes + (write_back ? state_bytes : entry_bytes) + pending * entry_bytes;
       t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
       const size_t cols = size_t(Hv) * Dv;
-      gemv_add_op(K.gemv_gated_add, g.out_proj, *o_, cols, *h_, H, labels_(l, "gated norm + out_proj"))
-          .in(6, *o_ssq_, 0, ssq_bytes).in(7, *z_, 0, cols * f).in(8, *g.norm, &t.weight_bytes)
+      gemv_add_op(K.gemv_gated_add, g.out_proj, *s.o, cols, *s.h, H, labels_(l, "gated norm + out_proj"))
+          .in(6, *s.o_ssq, 0, ssq_bytes).in(7, *s.z, 0, cols * f).in(8, *g.norm, &t.weight_bytes)
           .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps})
           .run(pass);
       t.other_bytes += cols * f;  // z
@@ -199,9 +264,9 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       // ---- full attention
       const AttentionLayer& a = layer.attn;
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      norm_gemv(*layer.input_norm, {{a.q_proj, qg_.get(), 0, Hq * D * 2},
-                                    {a.k_proj, k_.get(), 0, Hkv * D},
-                                    {a.v_proj, v_.get(), 0, Hkv * D}},
+      norm_gemv(*layer.input_norm, {{a.q_proj, s.qg.get(), 0, Hq * D * 2},
+                                    {a.k_proj, s.k.get(), 0, Hkv * D},
+                                    {a.v_proj, s.v.get(), 0, Hkv * D}},
                 false, kNormGemvRows, labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"),
                 first);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
@@ -210,7 +275,7 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       // the rows are cut into blocks (split_rows) so ~kDecodeTargetGroups threadgroups share them.
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_;
-      const uint32_t max_blocks = decode_max_blocks_;
+      const uint32_t max_blocks = s.max_blocks;
       const bool split = uses_split_attention(position);
       const uint32_t block = split ? split_rows(position + 1) : 0;
       const uint32_t nblocks = split ? ceil_div(position + 1, block) : 1;
@@ -220,92 +285,92 @@ void Runtime::encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, 
       Op op(split ? *K.attn_split : *K.attn,
             split ? labels_(l, "qk prep + kv append + attention split") : labels_(l, "qk prep + kv append + attention"));
       op.groups(tg(Hq / G, nblocks), tg(256))
-          .in(0, *qg_, 0, size_t(Hq) * D * 2 * f).in(1, *k_, 0, size_t(Hkv) * D * f)
-          .in(2, *v_, 0, size_t(Hkv) * D * f)
+          .in(0, *s.qg, 0, size_t(Hq) * D * 2 * f).in(1, *s.k, 0, size_t(Hkv) * D * f)
+          .in(2, *s.v, 0, size_t(Hkv) * D * f)
           .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-          .in(5, *positions_, slot * u32, u32).bind(6, *k_cache_[l]).bind(7, *v_cache_[l]);
+          .in(5, *seq.positions, slot * u32, u32).bind(6, *seq.k_cache[l]).bind(7, *seq.v_cache[l]);
       for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
-        for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) {
+        for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()}) {
           if (position) op.read(*cache, kvh * head_rows, size_t(position) * row);
           op.write(*cache, kvh * head_rows + size_t(position) * row, row);
         }
       }
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(position) + 1) * row;
       if (!split) {
-        op.out(8, *attn_, 0, size_t(Hq) * D * f).args(9, af).run(pass);
+        op.out(8, *s.attn, 0, size_t(Hq) * D * f).args(9, af).run(pass);
       } else {
-        op.out(8, *part_ml_, 0, part_ml_->size()).out(9, *part_acc_, 0, part_acc_->size()).args(10, af).run(pass);
+        op.out(8, *s.part_ml, 0, s.part_ml->size()).out(9, *s.part_acc, 0, s.part_acc->size())
+            .args(10, af).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
-            .in(0, *part_ml_, 0, part_ml_->size()).in(1, *part_acc_, 0, part_acc_->size())
-            .in(2, *qg_, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *positions_, slot * u32, u32)
-            .out(4, *attn_, 0, size_t(Hq) * D * f)
+            .in(0, *s.part_ml, 0, s.part_ml->size()).in(1, *s.part_acc, 0, s.part_acc->size())
+            .in(2, *s.qg, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *seq.positions, slot * u32, u32)
+            .out(4, *s.attn, 0, size_t(Hq) * D * f)
             .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks}).run(pass);
         t.other_bytes += 2 * size_t(Hq) * nblocks * (D + 2) * f;  // partials written, then read
       }
-      gemv_add(a.o_proj, *attn_, size_t(Hq) * D, *h_, H, labels_(l, "o_proj"));
+      gemv_add(a.o_proj, *s.attn, size_t(Hq) * D, *s.h, H, labels_(l, "o_proj"));
     }
 
     // ---- MoE
     const MoeBlock& m = layer.moe;
     const uint32_t E = d.num_experts, k = d.num_experts_per_tok;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
-    norm_gemv(*layer.post_attention_norm, {{m.gate, router_.get(), 0, E}, {m.shared_expert_gate, router_.get(), E * f, 1}},
-              true, kRouterRows, labels_(l, "post-attention norm + router|shared gate"));
+    norm_gemv(*layer.post_attention_norm,
+              {{m.gate, s.router.get(), 0, E}, {m.shared_expert_gate, s.router.get(), E * f, 1}}, true,
+              kRouterRows, labels_(l, "post-attention norm + router|shared gate"));
     const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
     const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
     Op(*K.moe_gate_up, labels_(l, "route top-k + experts gate|up"))
         .groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
-        .in(0, *xn_, 0, H * f).in(1, *router_, 0, (E + 1) * f)
+        .in(0, *s.xn, 0, H * f).in(1, *s.router, 0, (E + 1) * f)
         .in(2, m.experts_gate_proj).in(5, m.experts_up_proj).in(8, m.shared_gate_proj).in(11, m.shared_up_proj)
-        .out(14, *hbuf_, 0, hbuf_->size()).out(15, *ids_, 0, k * u32).out(16, *route_w_, 0, (k + 1) * f)
+        .out(14, *s.hidden, 0, s.hidden->size()).out(15, *s.ids, 0, k * u32).out(16, *s.route_w, 0, (k + 1) * f)
         .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u}).run(pass);
     t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
     Op(*K.moe_down, labels_(l, "experts down + shared"))
         .groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
-        .in(0, *hbuf_, 0, hbuf_->size()).in(1, *ids_, 0, k * u32).in(2, *route_w_, 0, (k + 1) * f)
+        .in(0, *s.hidden, 0, s.hidden->size()).in(1, *s.ids, 0, k * u32).in(2, *s.route_w, 0, (k + 1) * f)
         .in(3, m.experts_down_proj).in(6, m.shared_down_proj)
-        .inout(9, *h_, 0, H * f).args(10, ma).run(pass);
+        .inout(9, *s.h, 0, H * f).args(10, ma).run(pass);
     t.weight_bytes += k * expert_q4 + shared_q4;
   }
 
-  encode_head(pass, *h_, 0, slot, true, t);
+  encode_head(pass, s, seq, *s.h, 0, slot, true, t);
   pass.end();
 }
 
-
-void Runtime::encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
-                          Traffic& t) {
-  const ModelDims& d = dims_;
+void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, gpu::Buffer& x,
+                             size_t offset, int slot, bool sample, Traffic& t) const {
+  const ModelDims& d = d_;
+  const ModelWeights& model = *w_;
   const size_t f = sizeof(float);
   const uint32_t H = d.hidden_size;
   // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
   {
     const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
-    Op op(decode_kernels_.norm_gemv[model_.lm_head.bits], "final norm + lm_head");
-    op.in(0, x, offset, H * f).in(1, *model_.final_norm, &t.weight_bytes).bind(2, *xn_)
-        .in(3, model_.lm_head, &t.weight_bytes).out(6, *logits_, 0, size_t(d.vocab_size) * f);
+    Op op(kernels_.norm_gemv[model.lm_head.bits], "final norm + lm_head");
+    op.in(0, x, offset, H * f).in(1, *model.final_norm, &t.weight_bytes).bind(2, *s.xn)
+        .in(3, model.lm_head, &t.weight_bytes).out(6, *s.logits, 0, size_t(d.vocab_size) * f);
     for (uint32_t m = 1; m < 4; ++m) {
       const uint32_t base = 3 + 4 * m;
-      op.bind(base, *h_).bind(base + 1, *h_).bind(base + 2, *h_).bind(base + 3, *xn_);
+      op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
     op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
         .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows}).run(pass);
     t.other_bytes += H * f + size_t(d.vocab_size) * f;
   }
-  if (sample) encode_sample(pass, slot);
+  if (sample) encode_sample(pass, s, seq, slot);
 }
 
-// Token selection: reads logits_, writes the next token id into token slot slot ^ 1 (and the
-// log-probabilities of slot `slot`); the position of slot `slot` keys the Philox draw.
-void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
-  const ModelDims& d = dims_;
-  const DecodeKernels& K = decode_kernels_;
+void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const {
+  const ModelDims& d = d_;
+  const DecodeKernels& K = kernels_;
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
   auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
-  const SamplingConfig& sc = sampling_;
+  const SamplingConfig& sc = seq.sampling;
   const bool bias = !sc.logit_bias.empty();
   const size_t vf = size_t(d.vocab_size) * f;
   if (sc.greedy_kernel()) {
@@ -316,26 +381,27 @@ void Runtime::encode_sample(gpu::ComputePass& pass, int slot) {
     const size_t part_bytes = size_t(parts) * 2 * u32;
     Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
                bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
-    partial.groups(tg(parts), tg(256)).in(0, *logits_, 0, vf)
-        .out(1, *argmax_part_, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice});
-    if (bias) partial.in(3, *bias_, 0, vf);
+    partial.groups(tg(parts), tg(256)).in(0, *s.logits, 0, vf)
+        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice});
+    if (bias) partial.in(3, *seq.bias, 0, vf);
     partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
-        .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32))).in(0, *argmax_part_, 0, part_bytes)
-        .out(1, *tokens_, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
+        .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32)))
+        .in(0, *s.argmax_part, 0, part_bytes)
+        .out(1, *seq.tokens, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
     args::SampleArgs sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
-    const size_t lp = kMaxTopLogprobs * f, ti = kMaxTopLogprobs * u32;
+    const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;
     Op op(*K.sample_token, "sample token -> next slot");
-    op.groups(tg(1), tg(1024)).in(0, *logits_, 0, size_t(d.vocab_size) * f)
-        .inout(1, *counts_, 0, counts_->size()).in(2, *positions_, slot * u32, u32)
-        .out(3, *tokens_, (slot ^ 1) * u32, u32)
-        .out(4, *logprob_out_, slot * lp, lp).out(5, *top_ids_, slot * ti, ti).args(6, sa);
-    if (bias) op.in(7, *bias_, 0, vf); else op.bind(7, *bias_);  // bound (every argument must be), unread
+    op.groups(tg(1), tg(1024)).in(0, *s.logits, 0, size_t(d.vocab_size) * f)
+        .inout(1, *seq.counts, 0, seq.counts->size()).in(2, *seq.positions, slot * u32, u32)
+        .out(3, *seq.tokens, (slot ^ 1) * u32, u32)
+        .out(4, *seq.logprob_out, slot * lp, lp).out(5, *seq.top_ids, slot * ti, ti).args(6, sa);
+    if (bias) op.in(7, *seq.bias, 0, vf); else op.bind(7, *seq.bias);  // bound (every argument must be), unread
     op.run(pass);
   }
 }

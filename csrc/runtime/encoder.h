@@ -1,11 +1,12 @@
 // Encoding helpers shared by the decode step (decode.cpp) and the prefill chunk
 // (prefill.cpp): a dispatch builder that binds buffers together with the byte ranges they
 // declare, so the compute pass can derive the barriers; pipelines per weight width; the
-// per-layer dispatch labels.
+// per-layer dispatch labels; the allocator the phases size their scratch with.
 #pragma once
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -17,6 +18,17 @@
 namespace lily::runtime {
 
 inline uint32_t ceil_div(uint64_t a, uint64_t b) { return uint32_t((a + b - 1) / b); }
+
+// Where a runtime buffer's bytes are counted (MemoryUse).
+enum class Mem { scratch, kv_cache, state };
+// Allocates a labelled device buffer for the runtime (Runtime::scratch), counted in its
+// MemoryUse; while the runtime sizes itself it only counts, and returns null.
+struct Alloc {
+  std::function<gpu::BufferPtr(size_t, const char*, Mem)> fn;
+  gpu::BufferPtr operator()(size_t bytes, const char* label, Mem kind = Mem::scratch) const {
+    return fn(bytes, label, kind);
+  }
+};
 
 // Query heads per attention threadgroup (decode and prefill): the largest of 8, 4, 2 dividing
 // the GQA group, so each KV row is read by as few threadgroups as possible (one for the

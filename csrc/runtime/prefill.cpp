@@ -303,8 +303,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
       // The chunk reads the conv state of its start parity and leaves the one of its end
       // parity (decode alternates the two buffers by position); they may be the same buffer.
-      gpu::Buffer& conv_in = *conv_[p0 % 2][l];
-      gpu::Buffer& conv_out = *conv_[(p0 + M) % 2][l];
+      gpu::Buffer& conv_in = *seq_.conv[p0 % 2][l];
+      gpu::Buffer& conv_out = *seq_.conv[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
       const size_t u_bytes = size_t(M) * Hv * Dv * hf;
@@ -318,7 +318,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
             .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
             .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
-            .inout(7, *state_[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
+            .inout(7, *seq_.state[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
             .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f})
             .in(10, *c.z, 0, size_t(M) * Hv * Dv * hf).in(11, *g.norm, &t.weight_bytes)
             .out(12, *c.gdn_ss, 0, ss_bytes).run(pass);
@@ -362,9 +362,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
             .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_proj_bytes).in(2, *c.v, 0, kv_proj_bytes)
             .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-            .bind(5, *k_cache_[l]).bind(6, *v_cache_[l]);
+            .bind(5, *seq_.k_cache[l]).bind(6, *seq_.v_cache[l]);
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()})
+          for (auto* cache : {seq_.k_cache[l].get(), seq_.v_cache[l].get()})
             op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
         op.out(7, *c.q, 0, q_bytes)
             .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M, d.rms_norm_eps,
@@ -381,14 +381,15 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
                          end >= 2 * prefill_split_rows();
       auto declare_kv = [&](Op& op) {
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {k_cache_[l].get(), v_cache_[l].get()}) op.read(*cache, kvh * head_rows, size_t(end) * row);
+          for (auto* cache : {seq_.k_cache[l].get(), seq_.v_cache[l].get()})
+            op.read(*cache, kvh * head_rows, size_t(end) * row);
       };
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
         Op op(*K.attn, labels_(l, "attention"));
         op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
             .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
-            .bind(2, *k_cache_[l]).bind(3, *v_cache_[l]);
+            .bind(2, *seq_.k_cache[l]).bind(3, *seq_.v_cache[l]);
         declare_kv(op);
         op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
             .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
@@ -403,7 +404,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
         Op op(*K.attn_split, labels_(l, "attention split"));
         op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).bind(1, *k_cache_[l]).bind(2, *v_cache_[l]);
+            .in(0, *c.q, 0, q_bytes).bind(1, *seq_.k_cache[l]).bind(2, *seq_.v_cache[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))
@@ -505,7 +506,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     rms_rows(*model_.final_norm, *c.h, *c.xn, "final norm");  // lm_head runs per block (encode_lm_head_rows)
   } else if (logits == Logits::last || sample) {
     const int slot = int((p0 + M - 1) % 2);
-    encode_head(pass, *c.h, size_t(M - 1) * H * f, slot, sample, t);
+    decode_.encode_head(pass, decode_scratch_, seq_, *c.h, size_t(M - 1) * H * f, slot, sample, t);
   }
   pass.end();
 }

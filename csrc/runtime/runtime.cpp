@@ -1,7 +1,7 @@
 // The session runtime: lifecycle (weights, buffers, load-time checks), session state and
 // snapshots, the decode pipeline (two command buffers and two token slots in flight) and
-// the chunked prefill driver. Every dispatch is encoded by the two phases, decode.cpp and
-// prefill.cpp.
+// the chunked prefill driver. Every dispatch is encoded by the two phases, the decode plan
+// (DecodePlan, decode.cpp, over the state this file owns) and prefill.cpp.
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -24,26 +24,21 @@ std::string gib(uint64_t bytes) {
   else std::snprintf(b, sizeof b, "%.1f MiB", double(bytes) / double(1ull << 20));
   return b;
 }
+// `x` after its validate() (which throws std::invalid_argument naming the field).
+template <class T>
+T validated(T x) {
+  x.validate();
+  return x;
+}
 }  // namespace
 
-Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
-                             const std::vector<TensorDesc>& tensors, RuntimeOptions options)
+// The decode plan checks, as it is built, that kernels exist for the dimensions.
+Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std::vector<TensorDesc>& tensors,
+                 RuntimeOptions options)
     : device_(std::move(device)),
-      dims_(std::move(dims)),
-      opt_(options) {
-  dims_.validate();
-  opt_.validate();
-  const auto& d = dims_;
-  const uint32_t group = d.num_attention_heads / d.num_key_value_heads;
-  if (group % 2) throw std::invalid_argument("decode attention needs an even number of query heads per KV head");
-  attn_heads_ = attn_heads_per_group(group);
-  if (d.head_dim != 64 && d.head_dim != 256)
-    throw std::invalid_argument("decode attention kernels exist for head_dim 64 and 256, got " +
-                                std::to_string(d.head_dim));
-  if (d.linear_key_head_dim != d.linear_value_head_dim ||
-      (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
-    throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
-
+      dims_(validated(std::move(dims))),
+      opt_(validated(options)),
+      decode_(dims_, opt_) {
   // Size everything first and refuse what does not fit the device before allocating; the
   // automatic prefill chunk is the largest candidate that fits (the last one is refused with
   // the numbers if none does); an explicit chunk that does not fit is refused naming the
@@ -86,9 +81,9 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
   check_memory(memory_, limits);
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
   model_ = ModelWeights::bind(weights_, dims_);
-  labels_ = LayerLabels(d.num_hidden_layers);
+  labels_ = LayerLabels(dims_.num_hidden_layers);
   allocate_buffers();
-  record_only_ = tokens_->contents() == nullptr;
+  record_only_ = seq_.tokens->contents() == nullptr;
   // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
   tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
                 (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
@@ -102,68 +97,42 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
 }
 
 void Runtime::allocate_buffers() {
-  const auto& d = dims_;
   owned_.clear();
-  const size_t f = sizeof(float);
-  tokens_ = scratch(2 * sizeof(uint32_t), "token slots");
-  positions_ = scratch(2 * sizeof(uint32_t), "positions");
-  h_ = scratch(d.hidden_size * f, "h (residual)");
-  xn_ = scratch(d.hidden_size * f, "xn (normed)");
-  qkv_ = scratch(d.conv_dim() * f, "gdn qkv");
-  z_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn z");
-  b_ = scratch(d.linear_num_value_heads * f, "gdn b");
-  a_ = scratch(d.linear_num_value_heads * f, "gdn a");
-  o_ = scratch(size_t(d.linear_num_value_heads) * d.linear_value_head_dim * f, "gdn out");
-  o_ssq_ = scratch(size_t(d.linear_num_value_heads) * kGdnDecodeSplits * f, "gdn out sums of squares");
-  qg_ = scratch(size_t(d.num_attention_heads) * d.head_dim * 2 * f, "attn q|gate");
-  k_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn k");
-  v_ = scratch(size_t(d.num_key_value_heads) * d.head_dim * f, "attn v");
-  attn_ = scratch(size_t(d.num_attention_heads) * d.head_dim * f, "attn out");
-  router_ = scratch((d.num_experts + 1) * f, "router logits | shared-expert gate logit");
-  ids_ = scratch(d.num_experts_per_tok * sizeof(uint32_t), "expert ids");
-  route_w_ = scratch((d.num_experts_per_tok + 1) * f, "routing weights");
-  hbuf_ = scratch((size_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) * f,
-                  "expert hidden");
-  logits_ = scratch(size_t(d.vocab_size) * f, "logits");
-  argmax_part_ = scratch(size_t(ceil_div(d.vocab_size, kArgmaxSlice)) * 2 * sizeof(uint32_t), "argmax partials");
-  // Blocks of the split path: ceil(rows / split_rows(rows)) <= ceil(target / (Hq / G)) when
-  // chosen by context (each block has >= rows * (Hq/G) / target rows).
-  decode_max_blocks_ = opt_.split_block ? ceil_div(opt_.max_context, opt_.split_block)
-                                        : std::min(ceil_div(opt_.max_context, kDecodeMinBlock),
-                                                   ceil_div(kDecodeTargetGroups, d.num_attention_heads / attn_heads_));
-  part_ml_ = scratch(size_t(d.num_attention_heads) * decode_max_blocks_ * 2 * f, "attn partial m,l");
-  part_acc_ = scratch(size_t(d.num_attention_heads) * decode_max_blocks_ * d.head_dim * f, "attn partial acc");
-
-  const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
-  k_cache_.resize(d.num_hidden_layers);
-  v_cache_.resize(d.num_hidden_layers);
-  conv_[0].resize(d.num_hidden_layers);
-  conv_[1].resize(d.num_hidden_layers);
-  state_.resize(d.num_hidden_layers);
-  ring_.resize(d.num_hidden_layers);
-  ring_entry_bytes_ = size_t(kernels::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads,
-                                                d.linear_key_head_dim, d.linear_value_head_dim).entry) * f;
-  // one entry at least, as the kernel's binding needs a buffer
-  const size_t ring_bytes = std::max(1u, ring_capacity()) * ring_entry_bytes_;
-  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
-    if (d.full_attention[l]) {
-      k_cache_[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
-      v_cache_[l] = scratch(kv_bytes, "v cache", Mem::kv_cache);
-    } else {
-      const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
-      conv_[0][l] = scratch(conv, "conv state A", Mem::state);
-      conv_[1][l] = scratch(conv, "conv state B", Mem::state);
-      state_[l] = scratch(d.gdn_state_floats() * f, "recurrent state", Mem::state);
-      ring_[l] = scratch(ring_bytes, "recurrent state ring", Mem::state);
-    }
-  }
-  counts_ = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
-  bias_ = scratch(size_t(d.vocab_size) * f, "logit bias");
-  logprob_out_ = scratch(2 * kMaxTopLogprobs * f, "logprobs (per slot)");
-  top_ids_ = scratch(2 * kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
+  const Alloc alloc{[this](size_t bytes, const char* label, Mem kind) { return scratch(bytes, label, kind); }};
+  decode_scratch_ = decode_.allocate(alloc);
+  seq_ = allocate_sequence();
   allocate_chunk_buffers();
 }
 
+SequenceState Runtime::allocate_sequence() {
+  const auto& d = dims_;
+  const size_t f = sizeof(float);
+  SequenceState s;
+  s.tokens = scratch(2 * sizeof(uint32_t), "token slots");
+  s.positions = scratch(2 * sizeof(uint32_t), "positions");
+  const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
+  for (auto* layers : {&s.k_cache, &s.v_cache, &s.conv[0], &s.conv[1], &s.state, &s.ring})
+    layers->resize(d.num_hidden_layers);
+  // one entry at least, as the kernel's binding needs a buffer
+  const size_t ring_bytes = std::max(1u, decode_.ring_capacity()) * decode_.ring_entry_bytes();
+  for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
+    if (d.full_attention[l]) {
+      s.k_cache[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
+      s.v_cache[l] = scratch(kv_bytes, "v cache", Mem::kv_cache);
+    } else {
+      const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
+      s.conv[0][l] = scratch(conv, "conv state A", Mem::state);
+      s.conv[1][l] = scratch(conv, "conv state B", Mem::state);
+      s.state[l] = scratch(d.gdn_state_floats() * f, "recurrent state", Mem::state);
+      s.ring[l] = scratch(ring_bytes, "recurrent state ring", Mem::state);
+    }
+  }
+  s.counts = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
+  s.bias = scratch(size_t(d.vocab_size) * f, "logit bias");
+  s.logprob_out = scratch(2 * SequenceState::kMaxTopLogprobs * f, "logprobs (per slot)");
+  s.top_ids = scratch(2 * SequenceState::kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
+  return s;
+}
 
 bool fits_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
   return (!limits.working_set || use.total() <= limits.working_set) &&
@@ -216,42 +185,39 @@ void Runtime::preflight() {
     for (const gpu::DispatchRecord& r : cmd.counters().log)
       threads[r.kernel] = std::max(threads[r.kernel], uint32_t(r.threads.count()));
   };
-  struct Restore {  // the sampling settings and tile choice preflight overrides
-    Runtime* r;
-    SamplingConfig sampling;
-    ~Restore() {
-      r->sampling_ = sampling;
-      r->force_tile_rows_ = 0;
-    }
-  } restore{this, sampling_};
   auto at_load = [](const std::exception& e) {
     return std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
   };
+  struct Restore {  // the tile choice preflight overrides
+    Runtime* r;
+    ~Restore() { r->force_tile_rows_ = 0; }
+  } restore{this};
   try {
-    resolve_decode_kernels();
+    decode_.bind(*device_, model_);
     resolve_prefill_kernels();
     // decode: plain and (when the context reaches it) split attention, each sampler
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
-      if (pos && !uses_split_attention(pos)) continue;
+      if (pos && !decode_.uses_split_attention(pos)) continue;
       auto cmd = logged_command_buffer();
-      encode_step(*cmd, 0, pos, pos % opt_.state_window, nullptr);
+      decode_.encode_step(*cmd, decode_scratch_, seq_, 0, pos, pos % opt_.state_window, nullptr);
       collect(*cmd);
     }
     if (opt_.state_window > 1) {
       auto cmd = logged_command_buffer();
-      encode_state_writeback(*cmd, ring_capacity());
+      decode_.encode_state_writeback(*cmd, seq_, decode_.ring_capacity());
       collect(*cmd);
     }
     {
       auto cmd = logged_command_buffer();
       gpu::ComputePass& pass = cmd->compute_pass();
-      sampling_ = SamplingConfig{};
-      sampling_.temperature = 1.0f;
-      sampling_.logprobs = true;
-      encode_sample(pass, 0);
-      sampling_ = SamplingConfig{};  // greedy with a logit bias
-      sampling_.logit_bias = {{0, 0.0f}};
-      encode_sample(pass, 0);
+      SequenceState probe = seq_;  // the session's buffers with other sampling settings
+      probe.sampling = SamplingConfig{};
+      probe.sampling.temperature = 1.0f;
+      probe.sampling.logprobs = true;
+      decode_.encode_sample(pass, decode_scratch_, probe, 0);
+      probe.sampling = SamplingConfig{};  // greedy with a logit bias
+      probe.sampling.logit_bias = {{0, 0.0f}};
+      decode_.encode_sample(pass, decode_scratch_, probe, 0);
       pass.end();
       collect(*cmd);
     }
@@ -302,7 +268,7 @@ gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label, Mem kind) {
 
 void Runtime::reset() {
   finish();
-  position_ = written_ = 0;
+  seq_.position = seq_.written = 0;
   chunks_done_ = 0;
   if (record_only_) return;
   // The recurrent and conv state start at zero (a recurrent state's c = 0 means S = 0: the
@@ -310,7 +276,7 @@ void Runtime::reset() {
   // are never read).
   for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
     if (dims_.full_attention[l]) continue;
-    for (auto* buf : {conv_[0][l].get(), conv_[1][l].get(), state_[l].get()})
+    for (auto* buf : {seq_.conv[0][l].get(), seq_.conv[1][l].get(), seq_.state[l].get()})
       std::memset(buf->contents(), 0, buf->size());
   }
 }
@@ -319,20 +285,18 @@ void Runtime::reset() {
 // per attention layer a K part and a V part (rows [0, position) of each KV head of the
 // [Hkv, capacity, D] bf16 cache), per GDN layer the current conv state and the recurrent state.
 template <typename F>
-static void for_each_state_run(const ModelDims& d, uint32_t position, uint32_t capacity,
-                               const std::vector<gpu::BufferPtr>& k, const std::vector<gpu::BufferPtr>& v,
-                               const std::vector<gpu::BufferPtr> (&conv)[2],
-                               const std::vector<gpu::BufferPtr>& state, F&& run) {
+static void for_each_state_run(const ModelDims& d, uint32_t position, uint32_t capacity, const SequenceState& s,
+                               F&& run) {
   const size_t row = size_t(d.head_dim) * 2;
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
-      for (gpu::Buffer* cache : {k[l].get(), v[l].get()})
+      for (gpu::Buffer* cache : {s.k_cache[l].get(), s.v_cache[l].get()})
         for (uint32_t h = 0; h < d.num_key_value_heads; ++h)
           run(*cache, size_t(h) * capacity * row, size_t(position) * row, h == 0);
     } else {
-      gpu::Buffer& c = *conv[position % 2][l];
+      gpu::Buffer& c = *s.conv[position % 2][l];
       run(c, 0, c.size(), true);
-      run(*state[l], 0, state[l]->size(), true);
+      run(*s.state[l], 0, s.state[l]->size(), true);
     }
   }
 }
@@ -369,12 +333,10 @@ SessionSnapshot SessionSnapshot::upload(gpu::Device& device, uint32_t position,
 // Encodes the copies between the session state (as for_each_state_run at `position`) and a
 // snapshot buffer holding it back to back, in either direction, and runs them.
 static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t position, uint32_t capacity,
-                       const std::vector<gpu::BufferPtr>& k, const std::vector<gpu::BufferPtr>& v,
-                       const std::vector<gpu::BufferPtr> (&conv)[2], const std::vector<gpu::BufferPtr>& state,
-                       gpu::Buffer& snapshot, bool to_snapshot) {
+                       const SequenceState& s, gpu::Buffer& snapshot, bool to_snapshot) {
   std::unique_ptr<gpu::CommandBuffer> cmd = device.new_command_buffer();
   size_t at = 0;
-  for_each_state_run(d, position, capacity, k, v, conv, state, [&](gpu::Buffer& b, size_t offset, size_t n, bool) {
+  for_each_state_run(d, position, capacity, s, [&](gpu::Buffer& b, size_t offset, size_t n, bool) {
     if (to_snapshot) cmd->copy(b, offset, snapshot, at, n);
     else cmd->copy(snapshot, at, b, offset, n);
     at += n;
@@ -386,16 +348,16 @@ static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t positio
 SessionSnapshot Runtime::snapshot() {
   finish();
   if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
-  if (position_ > written_) {  // the snapshot holds the state itself, not the ring
+  if (seq_.position > seq_.written) {  // the snapshot holds the state itself, not the ring
     auto cmd = device_->new_command_buffer();
-    encode_state_writeback(*cmd, position_ - written_);
+    decode_.encode_state_writeback(*cmd, seq_, seq_.position - seq_.written);
     cmd->commit();
     cmd->wait();  // device time not counted, as the copies' is not
-    written_ = position_;
+    seq_.written = seq_.position;
   }
   SessionSnapshot s;
-  s.position = position_;
-  for_each_state_run(dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_,
+  s.position = seq_.position;
+  for_each_state_run(dims_, seq_.position, opt_.max_context, seq_,
                      [&](gpu::Buffer&, size_t, size_t n, bool first) {
                        if (first) s.sizes.push_back(0);
                        s.sizes.back() += n;
@@ -403,7 +365,7 @@ SessionSnapshot Runtime::snapshot() {
   if (!s.nbytes()) return s;
   s.buffer = device_->new_buffer(s.nbytes());
   s.buffer->set_label("session snapshot");
-  copy_state(*device_, dims_, position_, opt_.max_context, k_cache_, v_cache_, conv_, state_, *s.buffer, true);
+  copy_state(*device_, dims_, seq_.position, opt_.max_context, seq_, *s.buffer, true);
   return s;
 }
 
@@ -415,7 +377,7 @@ void Runtime::restore(const SessionSnapshot& s) {
                                 " tokens, more than the context window of " +
                                 std::to_string(opt_.max_context));
   std::vector<uint64_t> sizes;  // checked before anything is written
-  for_each_state_run(dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_,
+  for_each_state_run(dims_, s.position, opt_.max_context, seq_,
                      [&](gpu::Buffer&, size_t, size_t n, bool first) {
                        if (first) sizes.push_back(0);
                        sizes.back() += n;
@@ -424,33 +386,33 @@ void Runtime::restore(const SessionSnapshot& s) {
     throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
   if (s.nbytes()) {
     try {  // a rejected copy is thrown while encoding, before anything runs
-      copy_state(*device_, dims_, s.position, opt_.max_context, k_cache_, v_cache_, conv_, state_, *s.buffer, false);
+      copy_state(*device_, dims_, s.position, opt_.max_context, seq_, *s.buffer, false);
     } catch (const gpu::UsageError& e) {
       throw std::invalid_argument(std::string("restore: the snapshot is not in this device's memory (") +
                                   e.what() + ")");
     }
   }
-  position_ = written_ = s.position;
+  seq_.position = seq_.written = s.position;
   chunks_done_ = 0;
 }
 
 void Runtime::encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position) {
-  encode_step(cmd, slot, position, position - written_, nullptr);
-  if (ends_window(position)) written_ = position + 1;
+  decode_.encode_step(cmd, decode_scratch_, seq_, slot, position, position - seq_.written, nullptr);
+  if (decode_.ends_window(position)) seq_.written = position + 1;
 }
 
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
-  static_cast<uint32_t*>(tokens_->contents())[slot] = token;
-  static_cast<uint32_t*>(positions_->contents())[slot] = position;
+  static_cast<uint32_t*>(seq_.tokens->contents())[slot] = token;
+  static_cast<uint32_t*>(seq_.positions->contents())[slot] = position;
 }
 
 void Runtime::check_feed(const std::vector<uint32_t>& tokens, const char* what) const {
   if (record_only_) throw std::invalid_argument(std::string(what) + ": the device is record-only");
   if (tokens.empty()) throw std::invalid_argument(std::string(what) + ": no tokens");
-  if (uint64_t(position_) + tokens.size() > opt_.max_context)
-    throw std::invalid_argument(std::string(what) + ": " + std::to_string(position_) + " tokens in context + " +
-                                std::to_string(tokens.size()) + " new exceed the context window of " +
-                                std::to_string(opt_.max_context));
+  if (uint64_t(seq_.position) + tokens.size() > opt_.max_context)
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(seq_.position) +
+                                " tokens in context + " + std::to_string(tokens.size()) +
+                                " new exceed the context window of " + std::to_string(opt_.max_context));
   for (uint32_t tok : tokens)
     if (tok >= dims_.vocab_size)
       throw std::invalid_argument(std::string(what) + ": token id " + std::to_string(tok) +
@@ -472,18 +434,19 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
     // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
     auto cmd = device_->new_command_buffer();
     std::memcpy(chunk_bufs_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
-    if (last && sample) static_cast<uint32_t*>(positions_->contents())[(position_ + M - 1) % 2] = position_ + M - 1;
+    if (last && sample)
+      static_cast<uint32_t*>(seq_.positions->contents())[(seq_.position + M - 1) % 2] = seq_.position + M - 1;
     // decode steps before this prefill: written back first, the scan reads the state
-    if (position_ > written_) encode_state_writeback(*cmd, position_ - written_);
-    encode_chunk(*cmd, parity, position_, M, last ? last_logits : Logits::none, last && sample, nullptr);
-    written_ = position_ + M;  // the scan writes the state back (set once both are encoded)
+    if (seq_.position > seq_.written) decode_.encode_state_writeback(*cmd, seq_, seq_.position - seq_.written);
+    encode_chunk(*cmd, parity, seq_.position, M, last ? last_logits : Logits::none, last && sample, nullptr);
+    seq_.written = seq_.position + M;  // the scan writes the state back (set once both are encoded)
     ++chunks_done_;
     if (last && keep_last) {
       kept = std::move(cmd);
       break;
     }
     cmd->commit();
-    position_ += M;
+    seq_.position += M;
     pending_.push_back(std::move(cmd));
     if (pending_.size() > 2) {  // completed (creating this one waited for it): surface a fault
       wait_timed(*pending_.front());
@@ -517,22 +480,23 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
   std::vector<float> out(logits == Logits::all ? n * V : logits == Logits::last ? V : 0);
   if (decode_steps || n == 1) {
     for (size_t i = 0; i < n; ++i) {
-      const int slot = position_ % 2;
-      write_token(slot, tokens[i], position_);
+      const int slot = seq_.position % 2;
+      write_token(slot, tokens[i], seq_.position);
       auto cmd = device_->new_command_buffer();
-      encode_session_step(*cmd, slot, position_);
+      encode_session_step(*cmd, slot, seq_.position);
       cmd->commit();
       wait_timed(*cmd);
-      ++position_;
+      ++seq_.position;
       if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
-        std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), logits_->contents(), V * sizeof(float));
+        std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), decode_scratch_.logits->contents(),
+                    V * sizeof(float));
     }
     return out;
   }
   if (logits != Logits::all) {
     run_chunks(tokens, 0, n, logits, false, false);
     wait_pending();
-    if (logits == Logits::last) std::memcpy(out.data(), logits_->contents(), V * sizeof(float));
+    if (logits == Logits::last) std::memcpy(out.data(), decode_scratch_.logits->contents(), V * sizeof(float));
     return out;
   }
   // Every position's logits: after each chunk, lm_head over its normed rows in blocks.
@@ -545,7 +509,8 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       encode_lm_head_rows(*cmd, r0, R);
       cmd->commit();
       wait_timed(*cmd);
-      std::memcpy(out.data() + (s + r0) * V, chunk_bufs_.logits->contents(), size_t(R) * V * sizeof(float));
+      std::memcpy(out.data() + (s + r0) * V, chunk_bufs_.logits->contents(),
+                  size_t(R) * V * sizeof(float));
     }
     wait_pending();
   }
@@ -556,15 +521,16 @@ void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg
                     const std::vector<uint32_t>& prompt) {
   if (generating_) throw std::logic_error("generate: a generation is already running");
   check_feed(feed, "generate");
-  if (cfg.top_logprobs + 1 > kMaxTopLogprobs) throw std::invalid_argument("generate: top_logprobs > 20");
-  sampling_ = cfg;
-  auto* counts = static_cast<uint32_t*>(counts_->contents());
-  std::memset(counts, 0, counts_->size());
+  if (cfg.top_logprobs + 1 > SequenceState::kMaxTopLogprobs)
+    throw std::invalid_argument("generate: top_logprobs > 20");
+  seq_.sampling = cfg;
+  auto* counts = static_cast<uint32_t*>(seq_.counts->contents());
+  std::memset(counts, 0, seq_.counts->size());
   for (uint32_t t : prompt)
     if (t < dims_.vocab_size) counts[t] = 0x80000000u;
   if (!cfg.logit_bias.empty()) {  // uploaded once per generation; the kernels read it every step
-    auto* bias = static_cast<float*>(bias_->contents());
-    std::memset(bias, 0, bias_->size());
+    auto* bias = static_cast<float*>(seq_.bias->contents());
+    std::memset(bias, 0, seq_.bias->size());
     for (const auto& [t, b] : cfg.logit_bias) {
       if (t >= dims_.vocab_size) throw std::invalid_argument("generate: logit_bias token id outside the vocabulary");
       bias[t] = b;
@@ -578,27 +544,27 @@ void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg
     const size_t tail = (n - 1) % chunk_ + 1;  // tokens of the last chunk
     run_chunks(feed, 0, n - tail, Logits::none, false, false);
     step0 = run_chunks(feed, n - tail, n, Logits::none, true, true);
-    position_ += uint32_t(tail) - 1;  // as if the last token were pending as a decode step
+    seq_.position += uint32_t(tail) - 1;  // as if the last token were pending as a decode step
   } else if (n > 1) {
     run_chunks(feed, 0, n - 1, Logits::none, false, false);
   }
-  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - position_));
+  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - seq_.position));
   gen_encoded_ = gen_done_ = 0;
   generating_ = true;
   if (step0) {
-    inflight_[position_ % 2] = std::move(step0);
-    inflight_[position_ % 2]->commit();
+    inflight_[seq_.position % 2] = std::move(step0);
+    inflight_[seq_.position % 2]->commit();
     gen_encoded_ = 1;
   } else {
-    write_token(position_ % 2, feed.back(), position_);
+    write_token(seq_.position % 2, feed.back(), seq_.position);
     if (gen_steps_) submit_next();
   }
 }
 
 void Runtime::submit_next() {
-  const uint32_t pos = position_ + gen_encoded_;
+  const uint32_t pos = seq_.position + gen_encoded_;
   const int slot = pos % 2;
-  static_cast<uint32_t*>(positions_->contents())[slot] = pos;  // the token itself comes from the GPU
+  static_cast<uint32_t*>(seq_.positions->contents())[slot] = pos;  // the token itself comes from the GPU
   inflight_[slot] = device_->new_command_buffer();
   encode_session_step(*inflight_[slot], slot, pos);
   inflight_[slot]->commit();
@@ -611,17 +577,19 @@ bool Runtime::next(StepOutput* out) {
   if (gen_done_ == 0) wait_pending();  // prefill chunks before step 0: surface their faults
   // Encode step n+1 before waiting on step n, so the device never idles on the host.
   if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
-  const int slot = (position_ + gen_done_) % 2;
+  const int slot = (seq_.position + gen_done_) % 2;
   wait_timed(*inflight_[slot]);
   inflight_[slot].reset();
   ++gen_done_;
-  out->token = static_cast<const uint32_t*>(tokens_->contents())[slot ^ 1];
+  out->token = static_cast<const uint32_t*>(seq_.tokens->contents())[slot ^ 1];
   out->top.clear();
-  if (sampling_.logprobs) {
-    const float* lp = static_cast<const float*>(logprob_out_->contents()) + slot * kMaxTopLogprobs;
-    const uint32_t* ids = static_cast<const uint32_t*>(top_ids_->contents()) + slot * kMaxTopLogprobs;
+  if (seq_.sampling.logprobs) {
+    const float* lp =
+        static_cast<const float*>(seq_.logprob_out->contents()) + slot * SequenceState::kMaxTopLogprobs;
+    const uint32_t* ids =
+        static_cast<const uint32_t*>(seq_.top_ids->contents()) + slot * SequenceState::kMaxTopLogprobs;
     out->logprob = lp[0];
-    for (uint32_t i = 0; i < sampling_.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
+    for (uint32_t i = 0; i < seq_.sampling.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
   }
   return true;
 }
@@ -636,7 +604,7 @@ void Runtime::finish() {
       ++gen_done_;
     }
   }
-  position_ += gen_done_;
+  seq_.position += gen_done_;
   generating_ = false;
 }
 
@@ -657,8 +625,9 @@ std::vector<uint32_t> Runtime::generate_greedy(uint32_t first, uint32_t max_toke
 gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* traffic) {
   if (rows == 0 || rows > chunk_ || uint64_t(position) + rows > opt_.max_context)
     throw std::invalid_argument("count_chunk: " + std::to_string(rows) + " rows at position " +
-                                std::to_string(position) + " do not fit the chunk of " + std::to_string(chunk_) +
-                                " rows or the context window of " + std::to_string(opt_.max_context));
+                                std::to_string(position) + " do not fit the chunk of " +
+                                std::to_string(chunk_) + " rows or the context window of " +
+                                std::to_string(opt_.max_context));
   auto cmd = logged_command_buffer();
   encode_chunk(*cmd, 0, position, rows, Logits::last, false, traffic);
   gpu::Counters c = cmd->counters();
@@ -673,7 +642,8 @@ gpu::Counters Runtime::count_step(uint32_t position, Traffic* traffic) {
                                 " is outside the context window of " + std::to_string(opt_.max_context));
   auto cmd = logged_command_buffer();
   // steady decoding: the steps since the window began are pending
-  encode_step(*cmd, position % 2, position, position % opt_.state_window, traffic);
+  decode_.encode_step(*cmd, decode_scratch_, seq_, position % 2, position, position % opt_.state_window,
+                      traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
   cmd->wait();

@@ -9,6 +9,10 @@
 // each, with GEMM kernels, GPU-resident expert routing and the chunk scan of the Gated
 // DeltaNet; the last chunk of a generation ends with the sampler writing the first
 // generated token into the decode token slot (docs/prefill.md).
+// Runtime owns the session's SequenceState (below) and the decode phase's scratch
+// (DecodeScratch), which the decode plan (DecodePlan in decode.h) encodes over. Runtime keeps
+// the lifecycle and the session: buffers, load-time checks, snapshots, the chunk driver and
+// the generation pipeline.
 #pragma once
 
 #include <algorithm>
@@ -21,6 +25,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "runtime/decode.h"
 #include "runtime/encoder.h"
 #include "runtime/model.h"
 
@@ -178,16 +183,28 @@ struct SessionSnapshot {
                                 const std::vector<std::pair<const void*, size_t>>& parts);
 };
 
-// The pipelines of the decode step (decode.cpp), looked up by kernel name once at load. The
-// split-attention pair is null when the context never reaches the split path.
-struct DecodeKernels {
-  const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
-  ByBits norm_gemv, gemv_add, gemv_gated_add;  // the last: out_proj with the GDN gated norm on load
-  const gpu::Pipeline *gdn_step = nullptr, *gdn_writeback = nullptr;
-  const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
-  const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
-  const gpu::Pipeline *argmax_partial = nullptr, *argmax_partial_bias = nullptr, *sample_greedy_combine = nullptr,
-                      *sample_token = nullptr;
+// One sequence's session state on the device: what it carries from one step or chunk to the
+// next (KV cache, conv and recurrent state, the ring of updates not yet written back), its
+// token slots and its sampler's buffers and settings. Both phases encode over it; the
+// phases' scratch (DecodeScratch, PrefillScratch) is shared (docs/decode.md "State by owner").
+struct SequenceState {
+  static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
+  uint32_t position = 0;
+  // The recurrent state buffers hold the tokens before `written`; the decode steps at
+  // written .. position - 1 are in the ring (written <= position, and never below the last
+  // multiple of state_window: a step ending a window writes the state back).
+  uint32_t written = 0;
+  // per attention layer: K and V caches, bf16 [Hkv, max_context, D]
+  std::vector<gpu::BufferPtr> k_cache, v_cache;
+  // per Gated DeltaNet layer: two conv states (a step reads the one of its position's parity
+  // and writes the other), the recurrent state (S' then c), the ring (GdnRing entries)
+  std::vector<gpu::BufferPtr> conv[2], state, ring;
+  // token slots [2] and their positions [2] (one per command buffer in flight)
+  gpu::BufferPtr tokens, positions;
+  // the sampler: token counts [V] (bit 31: seen in the prompt), the logit bias [V] (written
+  // by Runtime::start when the request has one), per-slot log-probability outputs
+  gpu::BufferPtr counts, bias, logprob_out, top_ids;
+  SamplingConfig sampling;
 };
 
 // The pipelines of the prefill chunk (prefill.cpp), as DecodeKernels; the GEMMs on the
@@ -208,11 +225,11 @@ struct PrefillKernels {
 
 class Runtime {
  public:
-  static constexpr uint32_t kMaxTopLogprobs = 21;  // chosen token + up to 20 alternatives
-  static constexpr uint32_t kArgmaxSlice = 4096;    // logits per argmax_partial threadgroup
-
   Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
                 const std::vector<TensorDesc>& tensors, RuntimeOptions options);
+  // The plans hold references to the runtime's dims and options.
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
 
   // Empties the session: position 0, zero recurrent/conv state.
   void reset();
@@ -224,7 +241,7 @@ class Runtime {
   // Throws std::invalid_argument, leaving the session as it was, when `s` does not come from
   // a runtime of the same model and device kind or does not fit the context.
   void restore(const SessionSnapshot& s);
-  uint32_t position() const { return position_; }
+  uint32_t position() const { return seq_.position; }
   const ModelDims& dims() const { return dims_; }
 
   // Runs `tokens` through the model at the current position: prefill chunks of at most
@@ -293,46 +310,14 @@ class Runtime {
   // preflight()), sorted by name.
   const std::vector<KernelUse>& kernel_table() const { return kernels_; }
   uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
-  bool uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
-  // Decode: KV rows per split block when `rows` cache rows are attended. Fixed when the
-  // split_block option is set; otherwise the smallest multiple of 8 rows (one per simdgroup)
-  // >= kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
-  // 40-core GPU twice from ~1.3K rows on while the partials stay bounded.
-  uint32_t split_rows(uint32_t rows) const;
-  // 2 per core of a 40-core GPU: fewer, longer blocks halve the partials each KV row costs
-  // against 3 per core, a trade the estimate favours at every split context (docs/decode.md)
-  static constexpr uint32_t kDecodeTargetGroups = 80;
-  static constexpr uint32_t kDecodeMinBlock = 32;        // 4 rows per simdgroup
-  // gdn_decode_step: threadgroups per value head (Hv * 4 = 128 for the model, >= 3 per core
-  // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
-  static constexpr uint32_t kGdnDecodeSplits = 4;
   // Prefill: minimum KV rows per split of a chunk's attention (split_block, or 1024).
   uint32_t prefill_split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
 
  private:
-  // Look up every pipeline the step / the chunk dispatches (throws gpu::UsageError naming
-  // an unknown kernel); called by preflight().
-  void resolve_decode_kernels();
-  void resolve_prefill_kernels();
-  // One decode step at `position` with `pending` steps in the Gated DeltaNet ring (the state
-  // holds the tokens before position - pending); the step writes the state back when
-  // (position + 1) % state_window == 0 (docs/decode.md "The recurrent state's write-back window").
-  void encode_step(gpu::CommandBuffer& cmd, int slot, uint32_t position, uint32_t pending, Traffic* traffic);
-  // The session's step at `position` (the ring's pending steps from written_), moving written_
-  // when the step ends a window.
+  // The session's step at `position` (the ring's pending steps from seq_.written), moving
+  // seq_.written when the step ends a window.
   void encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position);
-  bool ends_window(uint32_t position) const { return (position + 1) % opt_.state_window == 0; }
-  // The most steps the ring can hold pending: W - 1, and no more than the context.
-  uint32_t ring_capacity() const { return std::min(opt_.state_window - 1, opt_.max_context); }
-  // Encodes, in a pass of its own, the write-back of `pending` (1 .. ring_capacity()) ring
-  // entries of every Gated DeltaNet layer (gdn_state_writeback); the caller moves written_
-  // once everything is encoded.
-  void encode_state_writeback(gpu::CommandBuffer& cmd, uint32_t pending);
-  // Final norm + lm_head over one fp32 row [H] at (x, offset) into logits_, then (with
-  // `sample`) the sampler writing the next token into token slot slot ^ 1.
-  void encode_head(gpu::ComputePass& pass, gpu::Buffer& x, size_t offset, int slot, bool sample,
-                   Traffic& t);
-  void encode_sample(gpu::ComputePass& pass, int slot);
+  void resolve_prefill_kernels();
   // One prefill chunk: rows tok[0, rows) of chunk buffer `parity` at position p0.
   void encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t rows, Logits logits,
                     bool sample, Traffic* traffic);
@@ -342,6 +327,8 @@ class Runtime {
   void allocate_chunk_buffers();
   // Every buffer of the session; with sizing_ only counted into memory_.
   void allocate_buffers();
+  // One sequence's buffers (SequenceState), at position 0.
+  SequenceState allocate_sequence();
   // Resolves the pipelines, then encodes, without committing, every dispatch the runtime can
   // issue (decode step and its split path, both samplers, prefill chunks with each expert
   // tile height and the split path, the all-logits lm_head), so a kernel missing from the
@@ -358,48 +345,29 @@ class Runtime {
   bool expert_tile_available(uint32_t T) const { return T < 128 || tensor_ops_; }
   void submit_next();
   void write_token(int slot, uint32_t token, uint32_t position);
-  enum class Mem { scratch, kv_cache, state };
   gpu::BufferPtr scratch(size_t bytes, const char* label, Mem kind = Mem::scratch);
+  // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
+  void wait_timed(gpu::CommandBuffer& cmd);
 
   std::shared_ptr<gpu::Device> device_;
   ModelDims dims_;
   RuntimeOptions opt_;
+  // The decode phase: pipelines and geometry fixed at load, encoding over the weights and the state.
+  DecodePlan decode_;
   WeightTable weights_;
   ModelWeights model_;  // tensor references into weights_, per layer
-  DecodeKernels decode_kernels_;
   PrefillKernels prefill_kernels_;
   LayerLabels labels_;
-  uint32_t position_ = 0;
-  // The recurrent state buffers hold the tokens before written_; the decode steps at
-  // written_ .. position_ - 1 are in the ring (written_ <= position_, and never below the
-  // last multiple of state_window: a step ending a window writes the state back).
-  uint32_t written_ = 0;
-  bool record_only_ = false;
-  uint32_t attn_heads_ = 0;        // query heads per decode attention threadgroup (G)
-  uint32_t decode_max_blocks_ = 0; // partial slots per head of the split path
-  bool sizing_ = false;
   uint32_t force_tile_rows_ = 0;  // preflight: the expert tile height to encode (0: choose)
+  // The state: the session's sequence, the decode phase's scratch.
+  SequenceState seq_;
+  DecodeScratch decode_scratch_;
+  std::vector<gpu::BufferPtr> owned_;  // every buffer above
+  bool record_only_ = false;
+  bool sizing_ = false;
   MemoryUse memory_;
   std::vector<KernelUse> kernels_;
 
-  // token slots [2] and positions [2] (one per command buffer in flight)
-  gpu::BufferPtr tokens_, positions_;
-  // activations (fp32)
-  gpu::BufferPtr h_, xn_, qkv_, z_, b_, a_, o_, o_ssq_, qg_, k_, v_, attn_, router_, ids_,
-      route_w_, hbuf_, logits_, part_ml_, part_acc_;
-  // session state per layer
-  std::vector<gpu::BufferPtr> k_cache_, v_cache_, conv_[2], state_;
-  // per GDN layer: the updates of the steps since the last write-back (GdnRing entries)
-  std::vector<gpu::BufferPtr> ring_;
-  size_t ring_entry_bytes_ = 0;  // one GdnRing entry (metal/mixer_args.h)
-  std::vector<gpu::BufferPtr> owned_;
-
-  // sampling: per-session token counts [V] (bit 31: seen in the prompt), the logit bias [V]
-  // (written by start() when the request has one) and per-slot log-probability outputs
-  gpu::BufferPtr counts_, bias_, logprob_out_, top_ids_;
-  // greedy argmax partials (argmax_partial -> sample_greedy_combine), one per slice of logits
-  gpu::BufferPtr argmax_part_;
-  SamplingConfig sampling_;
   // prefill chunk buffers (sized for chunk_ rows): token ids [2] (one per chunk in flight),
   // activations, routing, and per layer the expert histograms [2][E] of the last chunks
   uint32_t chunk_ = 0;
@@ -417,12 +385,11 @@ class Runtime {
     uint32_t max_tiles = 0;     // entries of `tiles`: every tile class map of the largest tiling
     uint32_t attn_splits = 0;   // capacity of the split-attention partials
   } chunk_bufs_;
-  uint64_t chunks_done_ = 0;     // chunks committed in this session (parity of the buffers)
+  // the chunked prefill driver
+  uint64_t chunks_done_ = 0;  // chunks committed in this session (parity of the scratch buffers)
   std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
   double gpu_seconds_ = 0;     // gpu_seconds()
   double gpu_last_end_ = 0;    // the latest end of a counted command buffer (host-clock seconds)
-  // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
-  void wait_timed(gpu::CommandBuffer& cmd);
   // the generation in progress (start/next/finish)
   std::unique_ptr<gpu::CommandBuffer> inflight_[2];
   uint32_t gen_steps_ = 0, gen_encoded_ = 0, gen_done_ = 0;

@@ -1,0 +1,116 @@
+// The decode phase (docs/decode.md): its pipelines, the scratch of a step, and DecodePlan,
+// which encodes a step over (weights, kernels, state): the weights and pipelines it is bound
+// to at load, the scratch and the sequence state its caller passes. decode.cpp implements
+// it; the runtime (runtime.cpp) owns the state and decides what runs when.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gpu/device.h"
+#include "runtime/encoder.h"
+#include "runtime/model.h"
+
+namespace lily::runtime {
+
+// runtime.h
+struct RuntimeOptions;
+struct SequenceState;
+struct Traffic;
+
+// The pipelines of the decode step, looked up by kernel name once at load. The
+// split-attention pair is null when the context never reaches the split path.
+struct DecodeKernels {
+  const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
+  ByBits norm_gemv, gemv_add, gemv_gated_add;      // the last: out_proj with the GDN gated norm on load
+  const gpu::Pipeline *gdn_step = nullptr, *gdn_writeback = nullptr;
+  const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
+  const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
+  const gpu::Pipeline *argmax_partial = nullptr, *argmax_partial_bias = nullptr,
+                      *sample_greedy_combine = nullptr, *sample_token = nullptr;
+};
+
+// The buffers of one decode step, shared by whatever runs the phase: nothing in them is
+// carried from one step to the next (the host reads `logits` after a step it waited for).
+// A session's own buffers are its SequenceState's.
+struct DecodeScratch {
+  // fp32 activations: the residual h and its norm xn; the DeltaNet projections qkv, z, b, a,
+  // its output o and per-split sums of squares o_ssq; attention q|gate, k, v and output;
+  // router logits | shared-expert gate logit, expert ids and routing weights, the experts'
+  // hidden vectors; lm_head's logits [V]
+  gpu::BufferPtr h, xn, qkv, z, b, a, o, o_ssq, qg, k, v, attn, router, ids, route_w, hidden, logits;
+  // split attention partials (m, l and accumulators), max_blocks slots per query head
+  gpu::BufferPtr part_ml, part_acc;
+  uint32_t max_blocks = 0;
+  // greedy argmax partials (argmax_partial -> sample_greedy_combine), one per kArgmaxSlice logits
+  gpu::BufferPtr argmax_part;
+};
+
+class DecodePlan {
+ public:
+  static constexpr uint32_t kArgmaxSlice = 4096;  // logits per argmax_partial threadgroup
+  // 2 per core of a 40-core GPU: fewer, longer blocks halve the partials each KV row costs
+  // against 3 per core, a trade the estimate favours at every split context (docs/decode.md)
+  static constexpr uint32_t kDecodeTargetGroups = 80;
+  static constexpr uint32_t kDecodeMinBlock = 32;  // 4 rows per simdgroup
+  // gdn_decode_step: threadgroups per value head (Hv * 4 = 128 for the model, >= 3 per core
+  // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
+  static constexpr uint32_t kGdnDecodeSplits = 4;
+
+  // Throws std::invalid_argument when `dims` (validated) have no decode kernels. Both are
+  // the runtime's and must outlive the plan.
+  DecodePlan(const ModelDims& dims, const RuntimeOptions& options);
+
+  // Query heads per attention threadgroup (G).
+  uint32_t attn_heads() const { return attn_heads_; }
+  bool uses_split_attention(uint32_t position) const;
+  // KV rows per split block when `rows` cache rows are attended. Fixed when the split_block
+  // option is set; otherwise the smallest multiple of 8 rows (one per simdgroup) >=
+  // kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
+  // 40-core GPU twice from ~1.3K rows on while the partials stay bounded.
+  uint32_t split_rows(uint32_t rows) const;
+  // The write-back window (docs/decode.md): the step at `position` writes the Gated DeltaNet
+  // state back when (position + 1) % state_window == 0; the others append a ring entry.
+  bool ends_window(uint32_t position) const;
+  // The most steps a ring holds pending: W - 1, and no more than the context.
+  uint32_t ring_capacity() const;
+  // One GdnRing entry of a layer (metal/mixer_args.h).
+  size_t ring_entry_bytes() const { return ring_entry_bytes_; }
+
+  // The scratch of a step, sized for the model and the context.
+  DecodeScratch allocate(const Alloc& scratch) const;
+  // Looks up every pipeline the step dispatches (throws gpu::UsageError naming an unknown
+  // kernel); from then on the plan encodes over `weights`, which must outlive it.
+  void bind(gpu::Device& device, const ModelWeights& weights);
+
+  // One step of `seq` at `position` from its token slot `slot`, with `pending` steps in the
+  // Gated DeltaNet ring (the state holds the tokens before position - pending); the step
+  // writes the state back when it ends a window. Ends with the sampler writing the next
+  // token into slot slot ^ 1. The caller moves seq.written.
+  void encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, SequenceState& seq, int slot, uint32_t position,
+                   uint32_t pending, Traffic* traffic) const;
+  // Encodes, in a pass of its own, the write-back of `pending` (1 .. ring_capacity()) ring
+  // entries of every Gated DeltaNet layer of `seq` (gdn_state_writeback); the caller moves
+  // seq.written once everything is encoded.
+  void encode_state_writeback(gpu::CommandBuffer& cmd, SequenceState& seq, uint32_t pending) const;
+  // Final norm + lm_head over one fp32 row [H] at (x, offset) into s.logits, then (with
+  // `sample`) the sampler writing the next token into seq's token slot slot ^ 1. Also the
+  // head of a prefill chunk's last row.
+  void encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, gpu::Buffer& x, size_t offset,
+                   int slot, bool sample, Traffic& t) const;
+  // Token selection by seq.sampling: reads s.logits, writes the next token id into seq's
+  // token slot slot ^ 1 (and the log-probabilities of slot `slot`); the position of slot
+  // `slot` keys the Philox draw.
+  void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const;
+
+ private:
+  const ModelDims& d_;
+  const RuntimeOptions& opt_;
+  const ModelWeights* w_ = nullptr;  // bind()
+  DecodeKernels kernels_;
+  mutable LayerLabels labels_;  // built as stages are first encoded (preflight, at load)
+  uint32_t attn_heads_ = 0;
+  size_t ring_entry_bytes_ = 0;
+};
+
+}  // namespace lily::runtime
