@@ -1,7 +1,9 @@
-// The prefill phase: its pipelines (resolved at load) and chunk buffers, one chunk as a list
-// of named dispatches over the layers (docs/prefill.md, "One chunk"), and the every-position
-// lm_head. Kernel geometry and bindings follow docs/prefill.md; every dispatch declares what
-// it reads and writes, and the compute pass derives the barriers from that.
+// The prefill phase (prefill.h): its pipelines (resolved at load) and chunk scratch, one chunk
+// as a list of named dispatches over the layers (docs/prefill.md, "One chunk"), and the
+// every-position lm_head. Kernel geometry and bindings follow docs/prefill.md; every dispatch
+// declares what it reads and writes, and the compute pass derives the barriers from that.
+#include "runtime/prefill.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -85,17 +87,31 @@ static_assert(sizeof(kGateUpLabel) / sizeof(kGateUpLabel[0]) == args::kMoeTileCl
 
 }  // namespace
 
-void Runtime::allocate_chunk_buffers() {
-  const ModelDims& d = dims_;
-  // chunk_: chosen by the constructor (the option, or the automatic choice)
-  const size_t C = chunk_, f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
+PrefillPlan::PrefillPlan(const ModelDims& dims, const RuntimeOptions& options, const DecodePlan& head)
+    : d_(dims), opt_(options), head_(head), labels_(dims.num_hidden_layers) {}
+
+void PrefillPlan::select_paths(const gpu::Device& device) {
+  tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
+                (opt_.gemm_path == GemmPath::automatic && device.supports_tensor_ops());
+  if (tensor_ops_ && !device.supports_tensor_ops())
+    throw std::invalid_argument("gemm_path 'tensor': " + device.tensor_ops_status());
+  // The attention follows them where the device also takes bfloat tensor operands;
+  // otherwise it runs simdgroup_matrix (Device::bfloat_tensor_ops_status says why).
+  tensor_attention_ = tensor_ops_ && device.supports_bfloat_tensor_ops();
+}
+
+uint32_t PrefillPlan::split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
+
+bool PrefillPlan::splits_attention() const {
+  return opt_.max_context > opt_.split_threshold && opt_.max_context >= 2 * split_rows();
+}
+
+PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const {
+  const ModelDims& d = d_;
+  const size_t C = rows, f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
   const size_t H = d.hidden_size, k = d.num_experts_per_tok, E = d.num_experts;
-  const uint64_t before = [&] {
-    uint64_t s = 0;
-    for (auto& b : owned_) s += b->size();
-    return s;
-  }();
-  ChunkBuffers& c = chunk_bufs_;
+  PrefillScratch c;
+  c.rows = rows;
   c.tok[0] = scratch(C * u32, "chunk tokens A");
   c.tok[1] = scratch(C * u32, "chunk tokens B");
   c.h = scratch(C * H * f, "chunk h (residual)");
@@ -134,7 +150,7 @@ void Runtime::allocate_chunk_buffers() {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
   }
-  if (opt_.max_context > opt_.split_threshold && opt_.max_context >= 2 * prefill_split_rows()) {
+  if (splits_attention()) {
     const uint64_t per_split = uint64_t(C) * Hq * (D + 2) * f;
     c.attn_splits = uint32_t(std::max<uint64_t>(2, kAttnPartialBudget / per_split));
     c.part_ml = scratch(size_t(c.attn_splits) * C * Hq * 2 * f, "chunk attn partial m,l");
@@ -142,12 +158,10 @@ void Runtime::allocate_chunk_buffers() {
   }
   c.logits_rows = uint32_t(std::min<size_t>(C, kAllLogitsRows));
   c.logits = scratch(size_t(c.logits_rows) * d.vocab_size * f, "chunk logits (all-logits mode)");
-  uint64_t after = 0;
-  for (auto& b : owned_) after += b->size();
-  chunk_bytes_ = after - before;
+  return c;
 }
 
-// Tile height of the grouped expert GEMMs for `rows` tokens of layer `layer` (the one
+// Tile height of the grouped expert GEMMs for the chunk's rows in layer `layer` (the one
 // place the choice is made). From the rows per active expert, measured on the last
 // completed chunk of the same layer when there is one, else expected from rows * k / E:
 // 32-row tiles (2 x 2 simdgroups) read each expert's weights half as often as 16-row tiles
@@ -156,33 +170,20 @@ void Runtime::allocate_chunk_buffers() {
 // halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
 // On the tensor-op path 128-row tiles (which compute only the live 16-row bands of a partial
 // tile) halve the dequantization again from kTile128Rows rows per expert on (docs/prefill.md).
-uint32_t Runtime::moe_tile_rows(uint32_t layer, uint32_t rows) const {
-  if (force_tile_rows_) return force_tile_rows_;
-  const ModelDims& d = dims_;
-  const uint64_t assignments = uint64_t(rows) * d.num_experts_per_tok;
+uint32_t PrefillPlan::moe_tile_rows(const PrefillScratch& c, const Chunk& chunk, uint32_t layer) const {
+  if (chunk.tile_rows) return chunk.tile_rows;
+  const ModelDims& d = d_;
+  const uint64_t assignments = uint64_t(chunk.rows) * d.num_experts_per_tok;
   double active = std::min<double>(d.num_experts, double(assignments));
-  if (!record_only_) {
-    // The newest chunk known to be complete: the previous one when nothing is pending, else
-    // the one before (creating this chunk's command buffer waited for it).
-    for (uint64_t back = 1; back <= 2 && back <= chunks_done_; ++back) {
-      if (back == 1 && !pending_.empty()) continue;
-      const auto* h = static_cast<const uint32_t*>(chunk_bufs_.hist[(chunks_done_ - back) % 2][layer]->contents());
-      uint32_t n = 0;
-      for (uint32_t e = 0; e < d.num_experts; ++e) n += h[e] != 0;
-      if (n) active = std::min<double>(n, double(assignments));
-      break;
-    }
+  if (chunk.measured >= 0) {
+    const auto* h = static_cast<const uint32_t*>(c.hist[chunk.measured][layer]->contents());
+    uint32_t n = 0;
+    for (uint32_t e = 0; e < d.num_experts; ++e) n += h[e] != 0;
+    if (n) active = std::min<double>(n, double(assignments));
   }
   const double per_expert = assignments / std::max(1.0, active);
   if (expert_tile_available(128) && per_expert >= kTile128Rows) return 128;
   return per_expert >= 48.0 ? 64 : per_expert >= 24.0 ? 32 : 16;
-}
-
-std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
-  if (layer >= dims_.num_hidden_layers) throw std::invalid_argument("expert_histogram: no such layer");
-  if (record_only_ || chunks_done_ == 0) return std::vector<uint32_t>(dims_.num_experts, 0);
-  const auto* h = static_cast<const uint32_t*>(chunk_bufs_.hist[(chunks_done_ - 1) % 2][layer]->contents());
-  return std::vector<uint32_t>(h, h + dims_.num_experts);
 }
 
 // Index of tile height T in PrefillKernels' expert GEMMs (kExpertTileRows).
@@ -192,10 +193,10 @@ static uint32_t tile_index(uint32_t T) {
   return i;
 }
 
-void Runtime::resolve_prefill_kernels() {
-  const ModelDims& d = dims_;
-  gpu::Device& dev = *device_;
-  PrefillKernels& k = prefill_kernels_;
+void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
+  const ModelDims& d = d_;
+  w_ = &weights;
+  PrefillKernels& k = kernels_;
   const std::string path = tensor_ops_ ? "_tensor" : "";
   const std::string Ds = "_d" + std::to_string(d.head_dim);
   const std::string attn_suffix = Ds + "_g" + std::to_string(attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads));
@@ -217,7 +218,7 @@ void Runtime::resolve_prefill_kernels() {
   const std::string attn_path = tensor_attention_ ? "_tensor" : "";
   k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_attention_ ? "_qbf" : ""));
   k.attn = &dev.pipeline("attn_prefill" + attn_suffix + attn_path);  // attention_prefill_tensor.metal
-  if (chunk_bufs_.attn_splits) {
+  if (splits_attention()) {
     k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + attn_path);
     k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
   }
@@ -234,11 +235,13 @@ void Runtime::resolve_prefill_kernels() {
   k.moe_combine_norm = &dev.pipeline("moe_combine_norm");
 }
 
-void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t M, Logits logits,
-                           bool sample, Traffic* tr) {
-  const ModelDims& d = dims_;
-  const PrefillKernels& K = prefill_kernels_;
-  ChunkBuffers& c = chunk_bufs_;
+void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, SequenceState& seq,
+                               DecodeScratch& head, const Chunk& chunk, Traffic* tr) const {
+  const ModelDims& d = d_;
+  const ModelWeights& model = *w_;
+  const PrefillKernels& K = kernels_;
+  const int parity = chunk.parity;
+  const uint32_t p0 = chunk.p0, M = chunk.rows;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
   Traffic& t = tr ? *tr : local;
@@ -283,11 +286,11 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
   // embed: the chunk's token ids were written to tok[parity] by the host.
   Op(*K.embed_rows, "embed")
       .threads(tg(H / 8, M), tg(64))
-      .in(0, model_.embed).in(3, *c.tok[parity], 0, M * u32)
+      .in(0, model.embed).in(3, *c.tok[parity], 0, M * u32)
       .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
   t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
 
-  for (const Layer& layer : model_.layers) {
+  for (const Layer& layer : model.layers) {
     const uint32_t l = layer.index;
     // the other layers' input norm is fused into the previous layer's combine
     if (l == 0) rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
@@ -303,8 +306,8 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
       // The chunk reads the conv state of its start parity and leaves the one of its end
       // parity (decode alternates the two buffers by position); they may be the same buffer.
-      gpu::Buffer& conv_in = *seq_.conv[p0 % 2][l];
-      gpu::Buffer& conv_out = *seq_.conv[(p0 + M) % 2][l];
+      gpu::Buffer& conv_in = *seq.conv[p0 % 2][l];
+      gpu::Buffer& conv_out = *seq.conv[(p0 + M) % 2][l];
       const size_t conv_bytes = conv_in.size();
       const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
       const size_t u_bytes = size_t(M) * Hv * Dv * hf;
@@ -318,7 +321,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
             .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
             .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
             .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
-            .inout(7, *seq_.state[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
+            .inout(7, *seq.state[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
             .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f})
             .in(10, *c.z, 0, size_t(M) * Hv * Dv * hf).in(11, *g.norm, &t.weight_bytes)
             .out(12, *c.gdn_ss, 0, ss_bytes).run(pass);
@@ -362,9 +365,9 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
             .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_proj_bytes).in(2, *c.v, 0, kv_proj_bytes)
             .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-            .bind(5, *seq_.k_cache[l]).bind(6, *seq_.v_cache[l]);
+            .bind(5, *seq.k_cache[l]).bind(6, *seq.v_cache[l]);
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq_.k_cache[l].get(), seq_.v_cache[l].get()})
+          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
             op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
         op.out(7, *c.q, 0, q_bytes)
             .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M, d.rms_norm_eps,
@@ -378,10 +381,10 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
       // fewer than kAttnMinGroups threadgroups.
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
-                         end >= 2 * prefill_split_rows();
+                         end >= 2 * split_rows();
       auto declare_kv = [&](Op& op) {
         for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq_.k_cache[l].get(), seq_.v_cache[l].get()})
+          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
             op.read(*cache, kvh * head_rows, size_t(end) * row);
       };
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
@@ -389,7 +392,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         Op op(*K.attn, labels_(l, "attention"));
         op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
             .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
-            .bind(2, *seq_.k_cache[l]).bind(3, *seq_.v_cache[l]);
+            .bind(2, *seq.k_cache[l]).bind(3, *seq.v_cache[l]);
         declare_kv(op);
         op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
             .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
@@ -398,13 +401,13 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
-        const uint32_t S = std::max(prefill_split_rows(), ceil_div(end, std::max(2u, cap)));
+        const uint32_t S = std::max(split_rows(), ceil_div(end, std::max(2u, cap)));
         const uint32_t splits = ceil_div(end, S);
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
         const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
         Op op(*K.attn_split, labels_(l, "attention split"));
         op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).bind(1, *seq_.k_cache[l]).bind(2, *seq_.v_cache[l]);
+            .in(0, *c.q, 0, q_bytes).bind(1, *seq.k_cache[l]).bind(2, *seq.v_cache[l]);
         declare_kv(op);
         op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
         Op(*K.attn_combine, labels_(l, "attention combine"))
@@ -422,7 +425,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     gemm(m.gate, false, *c.xn, H, H, *c.router, E, E + 1, 0, labels_(l, "router"), false, kRouterWrites);
     gemm(m.shared_expert_gate, false, *c.xn, H, H, *c.router, 1, E + 1, E, labels_(l, "shared gate"), false,
          kRouterWrites);
-    const uint32_t T = moe_tile_rows(l, M);
+    const uint32_t T = moe_tile_rows(c, chunk, l);
     const uint32_t block_rows = route_block_rows(k);
     const uint32_t blocks = ceil_div(M, block_rows);
     const args::MoeRoutePrefillArgs ra{M, E, k, d.norm_topk_prob ? 1u : 0u, block_rows, T};
@@ -489,7 +492,7 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
     experts(false);
     experts(true);
     // combine; but for the last layer, fused with the next layer's input norm (h -> xn)
-    const bool last = l + 1 == model_.layers.size();
+    const bool last = l + 1 == model.layers.size();
     Op op(last ? *K.moe_combine : *K.moe_combine_norm, labels_(l, last ? "combine" : "combine + next input norm"));
     if (last) op.threads(tg(H / 4, M), tg(64));
     else op.groups(tg(M), tg(kNormThreads));
@@ -497,29 +500,30 @@ void Runtime::encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uin
         .in(1, *c.yx, 0, size_t(M) * k * H * hf)
         .in(2, *c.w, 0, size_t(M) * (k + 1) * f).args(3, args::MoeCombineArgs{M, H, k});
     if (!last)
-      op.in(4, *model_.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * hf)
+      op.in(4, *model.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * hf)
           .args(6, args::NormArgs{H, d.rms_norm_eps});
     op.run(pass);
   }
 
-  if (logits == Logits::all) {
-    rms_rows(*model_.final_norm, *c.h, *c.xn, "final norm");  // lm_head runs per block (encode_lm_head_rows)
-  } else if (logits == Logits::last || sample) {
+  if (chunk.logits == Logits::all) {
+    rms_rows(*model.final_norm, *c.h, *c.xn, "final norm");  // lm_head runs per block (encode_lm_head_rows)
+  } else if (chunk.logits == Logits::last || chunk.sample) {
     const int slot = int((p0 + M - 1) % 2);
-    decode_.encode_head(pass, decode_scratch_, seq_, *c.h, size_t(M - 1) * H * f, slot, sample, t);
+    head_.encode_head(pass, head, seq, *c.h, size_t(M - 1) * H * f, slot, chunk.sample, t);
   }
   pass.end();
 }
 
-void Runtime::encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t R) {
-  const ModelDims& d = dims_;
+void PrefillPlan::encode_lm_head_rows(gpu::CommandBuffer& cmd, PrefillScratch& c, uint32_t r0,
+                                      uint32_t R) const {
+  const ModelDims& d = d_;
   const size_t f = sizeof(float), hf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
   const GemmBlock gb = gemm_block(tensor_ops_);
-  Op(prefill_kernels_.gemm[model_.lm_head.bits], "lm_head (all positions)")
+  Op(kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)")
       .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
-      .in(0, model_.lm_head).in(3, *chunk_bufs_.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
-      .out(4, *chunk_bufs_.logits, 0, size_t(R) * V * f)
+      .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
+      .out(4, *c.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
   pass.end();
 }

@@ -1,7 +1,7 @@
 // The session runtime: lifecycle (weights, buffers, load-time checks), session state and
 // snapshots, the decode pipeline (two command buffers and two token slots in flight) and
-// the chunked prefill driver. Every dispatch is encoded by the two phases, the decode plan
-// (DecodePlan, decode.cpp, over the state this file owns) and prefill.cpp.
+// the chunked prefill driver. Every dispatch is encoded by the two phases' plans, DecodePlan
+// (decode.cpp) and PrefillPlan (prefill.cpp), over the state this file owns.
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -32,13 +32,14 @@ T validated(T x) {
 }
 }  // namespace
 
-// The decode plan checks, as it is built, that kernels exist for the dimensions.
+// The plans check, as they are built, that kernels exist for the dimensions.
 Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std::vector<TensorDesc>& tensors,
                  RuntimeOptions options)
     : device_(std::move(device)),
       dims_(validated(std::move(dims))),
       opt_(validated(options)),
-      decode_(dims_, opt_) {
+      decode_(dims_, opt_),
+      prefill_(dims_, opt_, decode_) {
   // Size everything first and refuse what does not fit the device before allocating; the
   // automatic prefill chunk is the largest candidate that fits (the last one is refused with
   // the numbers if none does); an explicit chunk that does not fit is refused naming the
@@ -50,11 +51,12 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std:
     if (bytes > weights.largest_buffer) weights.largest_buffer = bytes, weights.largest_label = "weights " + file;
   }
   const gpu::MemoryLimits limits = device_->memory_limits();
+  uint32_t chunk = 0;
   auto size_for = [&](uint32_t want) {
-    chunk_ = std::max<uint32_t>(1, std::min(want, opt_.max_context));
+    chunk = std::max<uint32_t>(1, std::min(want, opt_.max_context));
     memory_ = weights;
     sizing_ = true;
-    allocate_buffers();
+    allocate_buffers(chunk);
     sizing_ = false;
     return fits_memory(memory_, limits);
   };
@@ -62,7 +64,7 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std:
     for (uint32_t c : kAutoPrefillChunks)
       if (size_for(c)) break;
   } else if (!size_for(opt_.prefill_chunk)) {
-    const uint32_t asked = chunk_;
+    const uint32_t asked = chunk;
     std::string hint;
     for (uint32_t c : kAutoPrefillChunks) {
       if (c < asked && size_for(c)) {
@@ -81,27 +83,27 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std:
   check_memory(memory_, limits);
   weights_ = WeightTable(*device_, tensors, options.virtual_weights);
   model_ = ModelWeights::bind(weights_, dims_);
-  labels_ = LayerLabels(dims_.num_hidden_layers);
-  allocate_buffers();
+  allocate_buffers(chunk);
   record_only_ = seq_.tokens->contents() == nullptr;
   // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
-  tensor_ops_ = opt_.gemm_path == GemmPath::tensor ||
-                (opt_.gemm_path == GemmPath::automatic && device_->supports_tensor_ops());
-  if (tensor_ops_ && !device_->supports_tensor_ops())
-    throw std::invalid_argument("gemm_path 'tensor': " + device_->tensor_ops_status());
-  // The prefill attention follows them where the device also takes bfloat tensor operands;
-  // otherwise it runs simdgroup_matrix (Device::bfloat_tensor_ops_status says why).
-  tensor_attention_ = tensor_ops_ && device_->supports_bfloat_tensor_ops();
+  prefill_.select_paths(*device_);
   reset();
   preflight();
 }
 
-void Runtime::allocate_buffers() {
+void Runtime::allocate_buffers(uint32_t chunk) {
   owned_.clear();
   const Alloc alloc{[this](size_t bytes, const char* label, Mem kind) { return scratch(bytes, label, kind); }};
+  auto owned_bytes = [&] {
+    uint64_t n = 0;
+    for (auto& b : owned_) n += b->size();
+    return n;
+  };
   decode_scratch_ = decode_.allocate(alloc);
   seq_ = allocate_sequence();
-  allocate_chunk_buffers();
+  const uint64_t before = owned_bytes();
+  prefill_scratch_ = prefill_.allocate(chunk, alloc);
+  prefill_scratch_.bytes = owned_bytes() - before;
 }
 
 SequenceState Runtime::allocate_sequence() {
@@ -188,13 +190,9 @@ void Runtime::preflight() {
   auto at_load = [](const std::exception& e) {
     return std::invalid_argument(std::string("the kernels cannot run on this device (checked at load): ") + e.what());
   };
-  struct Restore {  // the tile choice preflight overrides
-    Runtime* r;
-    ~Restore() { r->force_tile_rows_ = 0; }
-  } restore{this};
   try {
     decode_.bind(*device_, model_);
-    resolve_prefill_kernels();
+    prefill_.bind(*device_, model_);
     // decode: plain and (when the context reaches it) split attention, each sampler
     for (uint32_t pos : {0u, opt_.max_context - 1}) {
       if (pos && !decode_.uses_split_attention(pos)) continue;
@@ -224,21 +222,22 @@ void Runtime::preflight() {
     // prefill: a full chunk with each expert tile height; a one-row chunk at the end of
     // the context (split attention when the context reaches it)
     for (uint32_t tile : kExpertTileRows) {
-      if (!expert_tile_available(tile)) continue;
-      force_tile_rows_ = tile;
+      if (!prefill_.expert_tile_available(tile)) continue;
+      Chunk chunk = chunk_at(0, 0, prefill_scratch_.rows, Logits::last, true);
+      chunk.tile_rows = tile;
       auto cmd = logged_command_buffer();
-      encode_chunk(*cmd, 0, 0, chunk_, Logits::last, true, nullptr);
+      prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_, chunk, nullptr);
       collect(*cmd);
     }
-    force_tile_rows_ = 0;
     if (opt_.max_context > 1) {
       auto cmd = logged_command_buffer();
-      encode_chunk(*cmd, 0, opt_.max_context - 1, 1, Logits::last, false, nullptr);
+      prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
+                            chunk_at(0, opt_.max_context - 1, 1, Logits::last, false), nullptr);
       collect(*cmd);
     }
     {  // every-position logits
       auto cmd = logged_command_buffer();
-      encode_lm_head_rows(*cmd, 0, chunk_bufs_.logits_rows);
+      prefill_.encode_lm_head_rows(*cmd, prefill_scratch_, 0, prefill_scratch_.logits_rows);
       collect(*cmd);
     }
   } catch (const gpu::UsageError& e) {  // an unknown kernel, a threadgroup over the pipeline's limit
@@ -396,9 +395,26 @@ void Runtime::restore(const SessionSnapshot& s) {
   chunks_done_ = 0;
 }
 
+std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
+  if (layer >= dims_.num_hidden_layers) throw std::invalid_argument("expert_histogram: no such layer");
+  if (record_only_ || chunks_done_ == 0) return std::vector<uint32_t>(dims_.num_experts, 0);
+  const auto* h =
+      static_cast<const uint32_t*>(prefill_scratch_.hist[(chunks_done_ - 1) % 2][layer]->contents());
+  return std::vector<uint32_t>(h, h + dims_.num_experts);
+}
+
 void Runtime::encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position) {
   decode_.encode_step(cmd, decode_scratch_, seq_, slot, position, position - seq_.written, nullptr);
   if (decode_.ends_window(position)) seq_.written = position + 1;
+}
+
+Chunk Runtime::chunk_at(int parity, uint32_t p0, uint32_t rows, Logits logits, bool sample) const {
+  Chunk c{parity, p0, rows, logits, sample};
+  // The newest chunk known to be complete: the previous one when nothing is pending, else
+  // the one before (creating this chunk's command buffer waited for it).
+  const uint64_t back = pending_.empty() ? 1 : 2;
+  if (!record_only_ && back <= chunks_done_) c.measured = int((chunks_done_ - back) % 2);
+  return c;
 }
 
 void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
@@ -427,18 +443,20 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32
                                                         size_t end, Logits last_logits, bool sample,
                                                         bool keep_last) {
   std::unique_ptr<gpu::CommandBuffer> kept;
-  for (size_t s = begin; s < end; s += chunk_) {
-    const uint32_t M = uint32_t(std::min<size_t>(chunk_, end - s));
+  for (size_t s = begin; s < end; s += prefill_scratch_.rows) {
+    const uint32_t M = uint32_t(std::min<size_t>(prefill_scratch_.rows, end - s));
     const bool last = s + M == end;
     const int parity = int(chunks_done_ % 2);
     // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
     auto cmd = device_->new_command_buffer();
-    std::memcpy(chunk_bufs_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
+    std::memcpy(prefill_scratch_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
     if (last && sample)
       static_cast<uint32_t*>(seq_.positions->contents())[(seq_.position + M - 1) % 2] = seq_.position + M - 1;
     // decode steps before this prefill: written back first, the scan reads the state
     if (seq_.position > seq_.written) decode_.encode_state_writeback(*cmd, seq_, seq_.position - seq_.written);
-    encode_chunk(*cmd, parity, seq_.position, M, last ? last_logits : Logits::none, last && sample, nullptr);
+    prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
+                          chunk_at(parity, seq_.position, M, last ? last_logits : Logits::none, last && sample),
+                          nullptr);
     seq_.written = seq_.position + M;  // the scan writes the state back (set once both are encoded)
     ++chunks_done_;
     if (last && keep_last) {
@@ -500,16 +518,16 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
     return out;
   }
   // Every position's logits: after each chunk, lm_head over its normed rows in blocks.
-  for (size_t s = 0; s < n; s += chunk_) {
-    const uint32_t M = uint32_t(std::min<size_t>(chunk_, n - s));
+  for (size_t s = 0; s < n; s += prefill_scratch_.rows) {
+    const uint32_t M = uint32_t(std::min<size_t>(prefill_scratch_.rows, n - s));
     run_chunks(tokens, s, s + M, Logits::all, false, false);
-    for (uint32_t r0 = 0; r0 < M; r0 += chunk_bufs_.logits_rows) {
-      const uint32_t R = std::min(chunk_bufs_.logits_rows, M - r0);
+    for (uint32_t r0 = 0; r0 < M; r0 += prefill_scratch_.logits_rows) {
+      const uint32_t R = std::min(prefill_scratch_.logits_rows, M - r0);
       auto cmd = device_->new_command_buffer();
-      encode_lm_head_rows(*cmd, r0, R);
+      prefill_.encode_lm_head_rows(*cmd, prefill_scratch_, r0, R);
       cmd->commit();
       wait_timed(*cmd);
-      std::memcpy(out.data() + (s + r0) * V, chunk_bufs_.logits->contents(),
+      std::memcpy(out.data() + (s + r0) * V, prefill_scratch_.logits->contents(),
                   size_t(R) * V * sizeof(float));
     }
     wait_pending();
@@ -541,7 +559,7 @@ void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg
   const size_t n = feed.size();
   std::unique_ptr<gpu::CommandBuffer> step0;
   if (n > 1 && max_steps > 0) {
-    const size_t tail = (n - 1) % chunk_ + 1;  // tokens of the last chunk
+    const size_t tail = (n - 1) % prefill_scratch_.rows + 1;  // tokens of the last chunk
     run_chunks(feed, 0, n - tail, Logits::none, false, false);
     step0 = run_chunks(feed, n - tail, n, Logits::none, true, true);
     seq_.position += uint32_t(tail) - 1;  // as if the last token were pending as a decode step
@@ -623,13 +641,14 @@ std::vector<uint32_t> Runtime::generate_greedy(uint32_t first, uint32_t max_toke
 }
 
 gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* traffic) {
-  if (rows == 0 || rows > chunk_ || uint64_t(position) + rows > opt_.max_context)
+  if (rows == 0 || rows > prefill_scratch_.rows || uint64_t(position) + rows > opt_.max_context)
     throw std::invalid_argument("count_chunk: " + std::to_string(rows) + " rows at position " +
                                 std::to_string(position) + " do not fit the chunk of " +
-                                std::to_string(chunk_) + " rows or the context window of " +
+                                std::to_string(prefill_scratch_.rows) + " rows or the context window of " +
                                 std::to_string(opt_.max_context));
   auto cmd = logged_command_buffer();
-  encode_chunk(*cmd, 0, position, rows, Logits::last, false, traffic);
+  prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
+                        chunk_at(0, position, rows, Logits::last, false), traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
   cmd->wait();

@@ -9,10 +9,10 @@
 // each, with GEMM kernels, GPU-resident expert routing and the chunk scan of the Gated
 // DeltaNet; the last chunk of a generation ends with the sampler writing the first
 // generated token into the decode token slot (docs/prefill.md).
-// Runtime owns the session's SequenceState (below) and the decode phase's scratch
-// (DecodeScratch), which the decode plan (DecodePlan in decode.h) encodes over. Runtime keeps
-// the lifecycle and the session: buffers, load-time checks, snapshots, the chunk driver and
-// the generation pipeline.
+// Runtime owns the state, by owner: the session's SequenceState (below) and each phase's
+// scratch (DecodeScratch, PrefillScratch); the phases' plans (DecodePlan in decode.h,
+// PrefillPlan in prefill.h) encode over it. Runtime keeps the lifecycle and the session:
+// buffers, load-time checks, snapshots, the chunk driver and the generation pipeline.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include "runtime/decode.h"
 #include "runtime/encoder.h"
 #include "runtime/model.h"
+#include "runtime/prefill.h"
 
 namespace lily::runtime {
 
@@ -207,22 +208,6 @@ struct SequenceState {
   SamplingConfig sampling;
 };
 
-// The pipelines of the prefill chunk (prefill.cpp), as DecodeKernels; the GEMMs on the
-// device's path (simdgroup matrices or tensor operations).
-struct PrefillKernels {
-  const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
-  // gemm_add_h: y += x W^T (o_proj, shared down); gemm_add_hs: y += (x * s) W^T (out_proj:
-  // u times the GDN norm scale); gemm_half: half y (z, q|gate, k, v)
-  ByBits gemm, gemm_add_h, gemm_add_hs, gemm_half;
-  const gpu::Pipeline *gdn_scan = nullptr, *gdn_norm_scale = nullptr, *gdn_conv_state = nullptr;
-  const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
-  const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
-  const gpu::Pipeline* shared_gate_up = nullptr;
-  // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
-  const gpu::Pipeline *experts_gate_up[4] = {}, *experts_down[4] = {};
-  const gpu::Pipeline *moe_combine = nullptr, *moe_combine_norm = nullptr;  // the latter: + next input norm
-};
-
 class Runtime {
  public:
   Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims,
@@ -286,7 +271,7 @@ class Runtime {
   // The same for one prefill chunk of `rows` tokens starting at `position` (last-row logits).
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
 
-  uint32_t prefill_chunk() const { return chunk_; }
+  uint32_t prefill_chunk() const { return prefill_scratch_.rows; }
   // Device seconds (gpu::CommandBuffer::gpu_interval, overlaps counted once) of the work
   // whose results the host has taken since construction: prefill chunks and forward passes
   // once waited for, generation steps once next() returned their token (not the speculative
@@ -294,12 +279,12 @@ class Runtime {
   // the end of a generation.
   double gpu_seconds() const { return gpu_seconds_; }
   // Whether prefill's GEMMs (dense and expert) run the Metal 4 tensor-op kernels.
-  bool uses_tensor_ops() const { return tensor_ops_; }
+  bool uses_tensor_ops() const { return prefill_.tensor_ops(); }
   // Whether prefill's attention runs them too (bfloat operands: only with uses_tensor_ops()
   // and Device::supports_bfloat_tensor_ops()).
-  bool uses_tensor_attention() const { return tensor_attention_; }
+  bool uses_tensor_attention() const { return prefill_.tensor_attention(); }
   // Bytes of the prefill scratch buffers (sized for one chunk; independent of prompt length).
-  uint64_t prefill_scratch_bytes() const { return chunk_bytes_; }
+  uint64_t prefill_scratch_bytes() const { return prefill_scratch_.bytes; }
   // Assignments per expert of layer `layer` in the last completed prefill chunk [E].
   std::vector<uint32_t> expert_histogram(uint32_t layer) const;
 
@@ -310,23 +295,17 @@ class Runtime {
   // preflight()), sorted by name.
   const std::vector<KernelUse>& kernel_table() const { return kernels_; }
   uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
-  // Prefill: minimum KV rows per split of a chunk's attention (split_block, or 1024).
-  uint32_t prefill_split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
 
  private:
   // The session's step at `position` (the ring's pending steps from seq_.written), moving
   // seq_.written when the step ends a window.
   void encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position);
-  void resolve_prefill_kernels();
-  // One prefill chunk: rows tok[0, rows) of chunk buffer `parity` at position p0.
-  void encode_chunk(gpu::CommandBuffer& cmd, int parity, uint32_t p0, uint32_t rows, Logits logits,
-                    bool sample, Traffic* traffic);
-  // Every-position logits: lm_head over rows [r0, r0 + rows) of the last chunk's normed
-  // rows into chunk_bufs_.logits (rows <= chunk_bufs_.logits_rows), in its own compute pass.
-  void encode_lm_head_rows(gpu::CommandBuffer& cmd, uint32_t r0, uint32_t rows);
-  void allocate_chunk_buffers();
-  // Every buffer of the session; with sizing_ only counted into memory_.
-  void allocate_buffers();
+  // A chunk of `rows` tokens at p0 in the prefill scratch's buffers `parity`, its expert
+  // tiles chosen from the newest completed chunk's histograms.
+  Chunk chunk_at(int parity, uint32_t p0, uint32_t rows, Logits logits, bool sample) const;
+  // Every buffer of the runtime for prefill chunks of `chunk` rows; with sizing_ only
+  // counted into memory_.
+  void allocate_buffers(uint32_t chunk);
   // One sequence's buffers (SequenceState), at position 0.
   SequenceState allocate_sequence();
   // Resolves the pipelines, then encodes, without committing, every dispatch the runtime can
@@ -340,9 +319,6 @@ class Runtime {
   std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
                                                  Logits last_logits, bool sample, bool keep_last);
   void wait_pending();
-  uint32_t moe_tile_rows(uint32_t layer, uint32_t rows) const;
-  // Whether this runtime's GEMM path has expert tiles of height T (128: tensor ops only).
-  bool expert_tile_available(uint32_t T) const { return T < 128 || tensor_ops_; }
   void submit_next();
   void write_token(int slot, uint32_t token, uint32_t position);
   gpu::BufferPtr scratch(size_t bytes, const char* label, Mem kind = Mem::scratch);
@@ -352,39 +328,21 @@ class Runtime {
   std::shared_ptr<gpu::Device> device_;
   ModelDims dims_;
   RuntimeOptions opt_;
-  // The decode phase: pipelines and geometry fixed at load, encoding over the weights and the state.
+  // The phases: pipelines and geometry fixed at load, encoding over the weights and the state.
   DecodePlan decode_;
+  PrefillPlan prefill_;
   WeightTable weights_;
   ModelWeights model_;  // tensor references into weights_, per layer
-  PrefillKernels prefill_kernels_;
-  LayerLabels labels_;
-  uint32_t force_tile_rows_ = 0;  // preflight: the expert tile height to encode (0: choose)
-  // The state: the session's sequence, the decode phase's scratch.
+  // The state: the session's sequence, the phases' scratch.
   SequenceState seq_;
   DecodeScratch decode_scratch_;
+  PrefillScratch prefill_scratch_;
   std::vector<gpu::BufferPtr> owned_;  // every buffer above
   bool record_only_ = false;
   bool sizing_ = false;
   MemoryUse memory_;
   std::vector<KernelUse> kernels_;
 
-  // prefill chunk buffers (sized for chunk_ rows): token ids [2] (one per chunk in flight),
-  // activations, routing, and per layer the expert histograms [2][E] of the last chunks
-  uint32_t chunk_ = 0;
-  uint64_t chunk_bytes_ = 0;
-  bool tensor_ops_ = false;         // the GEMMs' path (half tensor operands)
-  bool tensor_attention_ = false;  // the attention's path (bfloat tensor operands)
-  struct ChunkBuffers {
-    gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, qg, k, v, q, attn, router, ids, w,
-        block_counts, perm, tiles, tile_count, hx, yx, hs, part_ml, part_o, logits;
-    gpu::BufferPtr oh;          // the GDN scan's u (half, out_proj's input): attn's bytes when they fit
-    gpu::BufferPtr gdn_ss;      // the GDN scan's sums of y^2 per (token, head, split), fp32
-    gpu::BufferPtr gdn_f;       // gdn_norm_scale's factors per (token, head, split), half
-    std::vector<gpu::BufferPtr> hist[2];
-    uint32_t logits_rows = 0;   // rows of `logits` (all-logits mode runs lm_head in blocks)
-    uint32_t max_tiles = 0;     // entries of `tiles`: every tile class map of the largest tiling
-    uint32_t attn_splits = 0;   // capacity of the split-attention partials
-  } chunk_bufs_;
   // the chunked prefill driver
   uint64_t chunks_done_ = 0;  // chunks committed in this session (parity of the scratch buffers)
   std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
