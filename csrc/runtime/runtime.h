@@ -55,8 +55,8 @@ enum class Logits { none, last, all };
 // rows at Qwen3.6-35B-A3B's dimensions), so smaller Macs fall back rather than fail.
 inline constexpr uint32_t kAutoPrefillChunks[] = {4096, 2048, 1024, 512};
 
-// Heights of the grouped expert GEMMs' tiles (moe_gemm_*_t<T>; Runtime::moe_tile_rows picks one).
-// 128: the tensor-op path only (Runtime::expert_tile_available).
+// Heights of the grouped expert GEMMs' tiles (moe_gemm_*_t<T>; PrefillPlan::moe_tile_rows picks one).
+// 128: the tensor-op path only (PrefillPlan::expert_tile_available).
 inline constexpr uint32_t kExpertTileRows[] = {16, 32, 64, 128};
 
 struct RuntimeOptions {

@@ -49,7 +49,7 @@ def gdn_folded(Sp, c):
     return np.asarray(c, np.float64)[..., None] * Sp
 
 
-GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (Runtime::kGdnDecodeSplits)
+GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (DecodePlan::kGdnDecodeSplits)
 
 
 def gdn_ring_entry(Hk, Hv, Dk, Dv) -> int:
