@@ -1,5 +1,21 @@
-// Fiber stacks and context switches (see fibers.h). x86-64 Linux switches with a few lines
-// of assembly; elsewhere (macOS arm64) with ucontext, which also saves the signal mask.
+// Fiber stacks and context switches (see fibers.h). The switch is chosen at build time:
+//  * x86-64 Linux: a few lines of assembly (LILY_SWITCH_ASM);
+//  * elsewhere (macOS arm64): _setjmp/_longjmp (LILY_SWITCH_SJLJ), which save the registers
+//    but not the signal mask, so a switch makes no system call; ucontext only enters a stack
+//    the first time it is used, and the loop it starts there runs every later fiber given
+//    that stack;
+//  * -DLILY_SIM_UCONTEXT: swapcontext for every switch (LILY_SWITCH_UCONTEXT), which saves and
+//    restores the signal mask, one system call per switch; -DLILY_SIM_SJLJ picks the second
+//    on x86-64 Linux too (tests/sim/test_sim_fibers.py runs all three).
+#if defined(LILY_SIM_UCONTEXT)
+#define LILY_SWITCH_UCONTEXT 1
+#elif defined(__x86_64__) && defined(__linux__) && !defined(LILY_SIM_SJLJ)
+#define LILY_SWITCH_ASM 1
+#else
+#define LILY_SWITCH_SJLJ 1
+// glibc's fortified _longjmp refuses to jump to another stack
+#undef _FORTIFY_SOURCE
+#endif
 #if defined(__APPLE__) && !defined(_XOPEN_SOURCE)
 #define _XOPEN_SOURCE 600  // ucontext (deprecated on macOS, but available); before any header
 #define _DARWIN_C_SOURCE 1
@@ -8,6 +24,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -28,9 +45,8 @@
 #include <sanitizer/common_interface_defs.h>
 #endif
 
-#if defined(__x86_64__) && defined(__linux__) && !defined(LILY_SIM_UCONTEXT)
-#define LILY_ASM_SWITCH 1
-#else
+#ifndef LILY_SWITCH_ASM
+#include <setjmp.h>
 #include <ucontext.h>
 #if defined(__clang__)
 #pragma clang diagnostic ignored "-Wdeprecated-declarations"  // ucontext on macOS
@@ -39,7 +55,7 @@
 
 namespace lily::sim {
 
-#ifdef LILY_ASM_SWITCH
+#ifdef LILY_SWITCH_ASM
 // Saves the callee-saved registers, MXCSR and the x87 control word on the current stack,
 // stores the stack pointer in *save_sp and returns on new_sp's stack.
 extern "C" void lily_sim_switch(void** save_sp, void* new_sp);
@@ -85,9 +101,18 @@ constexpr size_t kStackSize = 1024 * 1024;
 constexpr size_t kStackSize = 256 * 1024;
 #endif
 
-#ifndef LILY_ASM_SWITCH
-// The ucontext_t sits at the top of the fiber's mapping, so Fiber stays platform-free.
-constexpr size_t kContextBytes = (sizeof(ucontext_t) + 63) & ~size_t(63);
+#ifndef LILY_SWITCH_ASM
+// What a stack needs besides the fiber's frames, at the top of its mapping (so Fiber stays
+// platform-free; Fiber::context points at it).
+struct StackTop {
+  ucontext_t boot;  // ucontext: the fiber's context; sjlj: enters the stack's loop once
+#ifdef LILY_SWITCH_SJLJ
+  jmp_buf resume;       // where the fiber on this stack continues (its suspend, or the loop)
+  bool booted = false;  // the loop runs on this stack
+  bool idle = true;     // the loop waits for a fiber: the stack may be reused
+#endif
+};
+constexpr size_t kContextBytes = (sizeof(StackTop) + 63) & ~size_t(63);
 #endif
 
 size_t page_size() { return static_cast<size_t>(sysconf(_SC_PAGESIZE)); }
@@ -102,8 +127,10 @@ struct Stack {
 struct FiberHost::Impl {
   std::vector<Stack> pool;
   Fiber* current = nullptr;
-#ifdef LILY_ASM_SWITCH
+#if defined(LILY_SWITCH_ASM)
   void* host_sp = nullptr;
+#elif defined(LILY_SWITCH_SJLJ)
+  jmp_buf host_jb;
 #else
   ucontext_t host_ctx;
 #endif
@@ -118,33 +145,93 @@ namespace {
 
 thread_local FiberHost::Impl* t_host = nullptr;  // the host resuming a fiber on this thread
 
-// Back to the host from fiber f; `exiting`: f's frames are gone for good (ASan frees them).
-void switch_out(FiberHost::Impl& h, Fiber& f, bool exiting) {
+#ifndef LILY_SWITCH_ASM
+StackTop& top(Fiber& f) { return *static_cast<StackTop*>(f.context); }
+#endif
+
+// AddressSanitizer's fiber annotations: the host's stack left for f's, and back in the host.
+void asan_enter(FiberHost::Impl& h, Fiber& f) {
+#ifdef LILY_ASAN
+  __sanitizer_start_switch_fiber(&h.host_fake, f.stack, f.stack_size);
+#else
+  (void)h, (void)f;
+#endif
+}
+void asan_entered_host(FiberHost::Impl& h) {
+#ifdef LILY_ASAN
+  __sanitizer_finish_switch_fiber(h.host_fake, nullptr, nullptr);
+#else
+  (void)h;
+#endif
+}
+// f's stack left for the host's; `exiting`: f's frames are gone for good (ASan frees them).
+void asan_leave(FiberHost::Impl& h, Fiber& f, bool exiting) {
 #ifdef LILY_ASAN
   __sanitizer_start_switch_fiber(exiting ? nullptr : &f.asan_fake_stack, h.host_bottom, h.host_size);
 #else
-  (void)exiting;
+  (void)h, (void)f, (void)exiting;
 #endif
-#ifdef LILY_ASM_SWITCH
-  lily_sim_switch(&f.context, h.host_sp);
-#else
-  swapcontext(static_cast<ucontext_t*>(f.context), &h.host_ctx);
-#endif
+}
+// On a fiber's stack, once switched to: `first`: the fiber's first frame.
+void asan_entered_fiber(FiberHost::Impl& h, Fiber& f, bool first) {
 #ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(f.asan_fake_stack, nullptr, nullptr);
+  if (first) __sanitizer_finish_switch_fiber(nullptr, &h.host_bottom, &h.host_size);
+  else __sanitizer_finish_switch_fiber(f.asan_fake_stack, nullptr, nullptr);
+#else
+  (void)h, (void)f, (void)first;
 #endif
 }
 
+// Back to the host from fiber f, until f is resumed (not when exiting).
+void switch_out(FiberHost::Impl& h, Fiber& f, bool exiting) {
+  asan_leave(h, f, exiting);
+#if defined(LILY_SWITCH_ASM)
+  lily_sim_switch(&f.context, h.host_sp);
+#elif defined(LILY_SWITCH_SJLJ)
+  if (_setjmp(top(f).resume) == 0) _longjmp(h.host_jb, 1);
+#else
+  swapcontext(&top(f).boot, &h.host_ctx);
+#endif
+  asan_entered_fiber(h, f, false);
+}
+
+#ifdef LILY_SWITCH_SJLJ
+// The loop a stack runs from its first use on: each fiber given the stack, one after another.
+// A finished fiber's last switch saves the loop's place for the next one.
+[[noreturn]] void stack_loop() {
+  StackTop& t = top(*t_host->current);
+  for (;;) {
+    FiberHost::Impl& h = *t_host;
+    Fiber& f = *h.current;
+    asan_entered_fiber(h, f, true);
+    t.idle = false;
+    f.entry(f.arg);
+    t.idle = true;
+    asan_leave(h, f, true);
+    if (_setjmp(t.resume) == 0) _longjmp(h.host_jb, 1);
+  }
+}
+#else
 // First frame of every fiber.
 [[noreturn]] void fiber_main() {
   FiberHost::Impl& h = *t_host;
   Fiber& f = *h.current;
-#ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(nullptr, &h.host_bottom, &h.host_size);
-#endif
+  asan_entered_fiber(h, f, true);
   f.entry(f.arg);
   switch_out(h, f, true);
   std::abort();  // unreachable: a finished fiber is never resumed
+}
+#endif
+
+void unmap(const Stack& s) {
+  const size_t ps = page_size();
+#ifdef LILY_ASAN
+  // The pages go back to the system with the redzones of the fibers' last frames still
+  // in ASan's shadow; whoever maps them next (the interpreter's allocator) would be
+  // reported for writing "stack redzones".
+  __asan_unpoison_memory_region(s.base, s.size);
+#endif
+  ::munmap(s.base - ps, s.size + ps);
 }
 
 }  // namespace
@@ -152,21 +239,13 @@ void switch_out(FiberHost::Impl& h, Fiber& f, bool exiting) {
 FiberHost::FiberHost() : impl_(std::make_unique<Impl>()) {}
 
 FiberHost::~FiberHost() {
-  const size_t ps = page_size();
-  for (Stack& s : impl_->pool) {
-#ifdef LILY_ASAN
-    // The pages go back to the system with the redzones of the fibers' last frames still
-    // in ASan's shadow; whoever maps them next (the interpreter's allocator) would be
-    // reported for writing "stack redzones".
-    __asan_unpoison_memory_region(s.base, s.size);
-#endif
-    ::munmap(s.base - ps, s.size + ps);
-  }
+  for (Stack& s : impl_->pool) unmap(s);
 }
 
 void FiberHost::start(Fiber& f, void (*entry)(void*), void* arg) {
   Stack s;
-  if (!impl_->pool.empty()) {
+  bool fresh = impl_->pool.empty();
+  if (!fresh) {
     s = impl_->pool.back();
     impl_->pool.pop_back();
   } else {
@@ -186,7 +265,8 @@ void FiberHost::start(Fiber& f, void (*entry)(void*), void* arg) {
   f.arg = arg;
   f.started = false;
   f.asan_fake_stack = nullptr;
-#ifdef LILY_ASM_SWITCH
+#ifdef LILY_SWITCH_ASM
+  (void)fresh;
   f.stack_size = s.size;
   uintptr_t top = reinterpret_cast<uintptr_t>(s.base + s.size) & ~uintptr_t(15);
   uint64_t* sp = reinterpret_cast<uint64_t*>(top);
@@ -197,13 +277,21 @@ void FiberHost::start(Fiber& f, void (*entry)(void*), void* arg) {
   f.context = sp;
 #else
   f.stack_size = s.size - kContextBytes;
-  auto* ctx = reinterpret_cast<ucontext_t*>(s.base + f.stack_size);
-  f.context = ctx;
+  f.context = s.base + f.stack_size;
+#ifdef LILY_SWITCH_SJLJ
+  if (!fresh) return;  // its loop waits for the fiber (release() keeps only idle stacks)
+  new (f.context) StackTop;
+#endif
+  ucontext_t* ctx = &top(f).boot;
   getcontext(ctx);
   ctx->uc_stack.ss_sp = f.stack;
   ctx->uc_stack.ss_size = f.stack_size;
   ctx->uc_link = nullptr;
+#ifdef LILY_SWITCH_SJLJ
+  makecontext(ctx, reinterpret_cast<void (*)()>(&stack_loop), 0);
+#else
   makecontext(ctx, reinterpret_cast<void (*)()>(&fiber_main), 0);
+#endif
 #endif
 }
 
@@ -213,17 +301,21 @@ void FiberHost::resume(Fiber& f) {
   t_host = &h;
   h.current = &f;
   f.started = true;
-#ifdef LILY_ASAN
-  __sanitizer_start_switch_fiber(&h.host_fake, f.stack, f.stack_size);
-#endif
-#ifdef LILY_ASM_SWITCH
+  asan_enter(h, f);
+#if defined(LILY_SWITCH_ASM)
   lily_sim_switch(&h.host_sp, f.context);
+#elif defined(LILY_SWITCH_SJLJ)
+  if (_setjmp(h.host_jb) == 0) {
+    StackTop& t = top(f);
+    if (t.booted) _longjmp(t.resume, 1);
+    t.booted = true;
+    ucontext_t from;  // never resumed: the stack's loop comes back with _longjmp
+    swapcontext(&from, &t.boot);
+  }
 #else
-  swapcontext(&h.host_ctx, static_cast<ucontext_t*>(f.context));
+  swapcontext(&h.host_ctx, &top(f).boot);
 #endif
-#ifdef LILY_ASAN
-  __sanitizer_finish_switch_fiber(h.host_fake, nullptr, nullptr);
-#endif
+  asan_entered_host(h);
   h.current = nullptr;
   t_host = prev;
 }
@@ -232,10 +324,19 @@ void FiberHost::suspend(Fiber& f) { switch_out(*impl_, f, false); }
 
 void FiberHost::release(Fiber& f) {
   if (!f.stack) return;
-#ifdef LILY_ASM_SWITCH
+#ifdef LILY_SWITCH_ASM
   impl_->pool.push_back(Stack{f.stack, f.stack_size});
 #else
-  impl_->pool.push_back(Stack{f.stack, f.stack_size + kContextBytes});
+  const Stack s{f.stack, f.stack_size + kContextBytes};
+#ifdef LILY_SWITCH_SJLJ
+  if (!top(f).idle) {
+    unmap(s);  // left in the middle of a fiber: its loop cannot take another one
+    f.stack = nullptr;
+    f.context = nullptr;
+    return;
+  }
+#endif
+  impl_->pool.push_back(s);
 #endif
   f.stack = nullptr;
   f.context = nullptr;
