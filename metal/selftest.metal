@@ -447,3 +447,70 @@ kernel void st_quad(device const float* x [[buffer(0)]],
   out[6 * n + gid] = simd_shuffle_and_fill_down(v, f, ushort(3));
   out[7 * n + gid] = simd_shuffle_and_fill_up(v, f, ushort(2), ushort(8));
 }
+
+// ---- threadgroups racing on device memory ------------------------------------------------
+// st_race_rmw: each threadgroup adds 1 to counter[0] `rounds` times without atomics: its
+// threads read the counter, meet at a barrier, and thread 0 stores what it read plus one, so
+// two threadgroups running at the same time lose updates (as on a GPU), while one after
+// another (the serial simulator, in any order) they count exactly. st_count_atomic: every
+// thread adds ones[r % 32] (= 1) `rounds` times in a row with an atomic: exact however
+// threadgroups interleave, while a plain add would lose updates whenever two OS threads run
+// it at once.
+kernel void st_race_rmw(device uint* counter [[buffer(0)]],
+                        constant uint& rounds [[buffer(1)]],
+                        uint tid [[thread_index_in_threadgroup]]) {
+  for (uint r = 0; r < rounds; ++r) {
+    const uint seen = counter[0];
+    threadgroup_barrier(mem_flags::mem_device);
+    if (tid == 0) {
+      counter[0] = seen + 1;
+    }
+    threadgroup_barrier(mem_flags::mem_device);
+  }
+}
+
+kernel void st_count_atomic(device atomic_uint* counter [[buffer(0)]],
+                            constant uint& rounds [[buffer(1)]],
+                            device const uint* ones [[buffer(2)]]) {
+  for (uint r = 0; r < rounds; ++r) {
+    atomic_fetch_add_explicit(counter, ones[r % 32], memory_order_relaxed);  // read each time
+  }
+}
+
+// ---- threadgroups running at the same time -------------------------------------------------
+// Threadgroup `id` (first_bound.x + its position) raises flags[id], polls flags[id ^ 1] up to
+// first_bound.y times and stores what it last saw in seen[id]. One after another (the serial
+// simulator) the first of a pair gives up before its partner starts; on OS threads of their
+// own the two meet. A test of the simulator only: Metal does not promise that threadgroups
+// run at the same time, so no shipped kernel may wait for another.
+kernel void st_meet(device atomic_uint* flags [[buffer(0)]],
+                    device uint* seen [[buffer(1)]],
+                    constant uint2& first_bound [[buffer(2)]],
+                    uint group [[threadgroup_position_in_grid]]) {
+  const uint id = first_bound.x + group;
+  atomic_store_explicit(&flags[id], 1u, memory_order_relaxed);
+  for (uint polls = 0; polls < first_bound.y; ++polls) {
+    if (atomic_load_explicit(&flags[id ^ 1u], memory_order_relaxed) != 0u) {
+      break;
+    }
+  }
+  seen[id] = atomic_load_explicit(&flags[id ^ 1u], memory_order_relaxed);
+}
+
+// ---- every threadgroup faults, the first one last ------------------------------------------
+// Thread 0 of threadgroup 0 first adds `spin` times to *sink; then, in every threadgroup, half
+// of the threads return before a threadgroup_barrier (a kernel fault). On several OS threads
+// the other threadgroups fault first; the simulator still reports the earliest in its start
+// order, threadgroup 0 in forward order.
+kernel void st_fault_late(device atomic_uint* sink [[buffer(0)]],
+                          constant uint& spin [[buffer(1)]],
+                          uint group [[threadgroup_position_in_grid]],
+                          uint tid [[thread_index_in_threadgroup]]) {
+  for (uint i = 0; group == 0 && tid == 0 && i < spin; ++i) {
+    atomic_fetch_add_explicit(sink, 1u, memory_order_relaxed);
+  }
+  if (tid >= 16) {
+    return;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}

@@ -23,12 +23,14 @@ from fixtures_checkpoints import (  # noqa: E402,F401
 
 from lily.engine import Engine, default_model_path  # noqa: E402
 from seeding import SESSION_SEED  # noqa: E402
-from simdev import ASAN_SKIP, native_device  # noqa: E402,F401
+from simdev import ASAN_SKIP, native_device, share_cpus  # noqa: E402,F401
 
 
 # xdist workers inherit the environment: one session seed for all of them, so the seed the
 # header prints replays a failure on any worker
 os.environ["LILY_TEST_SEED"] = str(SESSION_SEED)
+# the simulator's OS threads: each xdist worker takes its share of the CPUs (tests/simdev.py)
+share_cpus()
 
 # native engines write aligned weight caches (lily.weight_cache): keep this session's apart
 if not os.environ.get("LILY_CACHE_DIR"):

@@ -11,6 +11,13 @@ kernel tests' ``dev`` / ``fwd_dev`` fixtures: tests/kernels/conftest.py).
 Under AddressSanitizer (``LILY_IN_ASAN``, tools/run_sim_asan.sh) only ``reverse`` runs: the
 sanitizer looks for memory errors, which the order does not create, and ``reverse``
 exercises the most simulator code (re-runs, zeroing).
+
+Threads: a simulator device runs threadgroups on ``lily._core.sim_default_threads()`` OS
+threads unless told otherwise (``$LILY_SIM_THREADS``, else every CPU). Under pytest-xdist the
+CPUs are already shared by the workers, so :func:`share_cpus` (tests/conftest.py) gives each
+worker's simulators their share (CI: 2 workers on 2 cores, one thread each, today's serial
+simulator); a single-process run keeps every CPU. Tests about the parallel simulator name
+their thread counts (tests/sim/test_sim_parallel.py).
 """
 
 from __future__ import annotations
@@ -27,6 +34,15 @@ THREAD_ORDERS = {
 
 #: Fixture parameters: the modes to run kernel tests in.
 ORDERS = ["reverse"] if os.environ.get("LILY_IN_ASAN") else list(THREAD_ORDERS)
+
+
+def share_cpus() -> None:
+    """Under pytest-xdist, sets ``LILY_SIM_THREADS`` (unless set) to this worker's share of
+    the CPUs, at least 1, so the workers' simulators do not oversubscribe them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers and not os.environ.get("LILY_SIM_THREADS"):
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        os.environ["LILY_SIM_THREADS"] = str(max(1, cpus // workers))
 
 
 def _compiled() -> list[str]:
@@ -64,6 +80,10 @@ ASAN_SKIP = (
     "test_scan_matches_float64[reverse-dims-100]", "test_outside_the_subset_does_not_compile",
     "test_threadgroup_storage_with_any_constant_size", "test_threadgroup_size_expression_is_shared",
     "test_fiber_switch",  # builds and runs the fiber layer alone, not instrumented
+    # the parallel simulator: the whole runtime (2 min under ASan) and the attention families'
+    # bit identity (their kernels run in the kernel tests); the other families and the
+    # concurrency tests run
+    "test_generation_is_bit_identical_on_two_threads", "bit_identical_on_several_threads[attention",
 )
 
 

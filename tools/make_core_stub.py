@@ -25,6 +25,8 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "nanobind.stubgen", "-q", "-m", "lily._core", "-o", str(OUT)], check=True)
     text = OUT.read_text()
     text = text.replace("    FIELDS: tuple = ...", "    FIELDS: tuple[str, ...]")
+    # sim_device validates `threads` itself (an int, not a bool), so it is bound untyped
+    text = text.replace("threads: object | None = None", "threads: int | None = None")
     if "def metal_device(" not in text:
         text = text.rstrip("\n") + "\n" + METAL_DEVICE
     OUT.write_text(text)

@@ -337,8 +337,20 @@ void bind_device(nb::module_& m) {
   m.def("sim_device",
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
            bool verify_writes, bool verify_reads, const std::string& gpu_family, uint64_t working_set_bytes,
-           uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit, bool bfloat_tensor_ops) {
+           uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit, bool bfloat_tensor_ops,
+           nb::handle threads) {
           sim::SimOptions o;
+          if (!threads.is_none()) {  // an int (not a bool) in 1..kMaxSimThreads
+            const long most = sim::kMaxSimThreads;
+            long v = 0;
+            const bool is_int = nb::isinstance<nb::int_>(threads) && !nb::isinstance<nb::bool_>(threads);
+            if (is_int && !nb::try_cast(threads, v)) v = 0;  // beyond a long
+            if (v < 1 || v > most)
+              throw std::invalid_argument("threads must be a whole number of OS threads, 1.." +
+                                          std::to_string(most) + " (1: the serial simulator), not " +
+                                          nb::repr(threads).c_str());
+            o.threads = unsigned(v);
+          }
           o.bfloat_tensor_ops = bfloat_tensor_ops;
           o.pipeline_thread_limit = pipeline_thread_limit;
           o.working_set_bytes = working_set_bytes;
@@ -362,6 +374,7 @@ void bind_device(nb::module_& m) {
         "record_only"_a = false, "order"_a = "forward", "thread_order"_a = "forward", "seed"_a = 0, "poison"_a = true,
         "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9", "working_set_bytes"_a = 0,
         "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0, "bfloat_tensor_ops"_a = true,
+        "threads"_a.none() = nb::none(),
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
         "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
         "tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out\n"
@@ -369,7 +382,12 @@ void bind_device(nb::module_& m) {
         "working_set_bytes / max_buffer_bytes: the memory budget it reports (Device.memory_limits;\n"
         "0 = none), as a Mac's GPU does.\n"
         "pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as\n"
-        "register pressure may on a Mac (0 = none).");
+        "register pressure may on a Mac (0 = none).\n"
+        "threads: the OS threads running threadgroups (None: sim_default_threads(), i.e.\n"
+        "$LILY_SIM_THREADS or every CPU; 1: one after another, the serial simulator).");
+  m.def("sim_default_threads", &sim::default_sim_threads,
+        "The threads a sim_device() takes by default: $LILY_SIM_THREADS if set, else the CPUs this\n"
+        "process may run on. A bad $LILY_SIM_THREADS is a ValueError naming it.");
 #endif
 #ifdef LILY_HAVE_METAL
   m.def("metal_device",

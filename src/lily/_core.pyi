@@ -170,7 +170,7 @@ class Device:
         CommandBuffer.dispatch_log reads (the scalar counters are always kept).
         """
 
-def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True) -> Device:
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True, threads: int | None = None) -> Device:
     """
     The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
     gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
@@ -180,6 +180,14 @@ def sim_device(record_only: bool = False, order: str = 'forward', thread_order: 
     0 = none), as a Mac's GPU does.
     pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as
     register pressure may on a Mac (0 = none).
+    threads: the OS threads running threadgroups (None: sim_default_threads(), i.e.
+    $LILY_SIM_THREADS or every CPU; 1: one after another, the serial simulator).
+    """
+
+def sim_default_threads() -> int:
+    """
+    The threads a sim_device() takes by default: $LILY_SIM_THREADS if set, else the CPUs this
+    process may run on. A bad $LILY_SIM_THREADS is a ValueError naming it.
     """
 
 def is_bfloat_tensor_kernel(name: str) -> bool:

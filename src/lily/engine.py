@@ -302,7 +302,9 @@ class Engine:
             docs/decode.md), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
-            load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``).
+            load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``, or
+            ``{"threads": 4}``: the OS threads running its threadgroups, default
+            ``$LILY_SIM_THREADS`` or every CPU; docs/device-layer.md).
         prompt_cache_bytes : int
             Memory budget of the multi-turn prompt cache (:class:`lily.PromptCache`,
             default 4 GiB); 0 disables it.

@@ -86,7 +86,7 @@ def reject_unknown_options(options, known, what: str) -> None:
 
 SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
                "verify_reads", "gpu_family", "working_set_bytes",
-               "max_buffer_bytes", "pipeline_thread_limit", "bfloat_tensor_ops")  # lily._core.sim_device's keywords
+               "max_buffer_bytes", "pipeline_thread_limit", "bfloat_tensor_ops", "threads")  # lily._core.sim_device's keywords
 
 
 def make_device(name: str, **options):

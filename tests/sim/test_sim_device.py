@@ -241,9 +241,10 @@ def test_stage_order_does_not_change_a_correct_schedule(order):
 @pytest.mark.parametrize("order", ["forward", "reverse", "random"])
 def test_stage_order_modes(order):
     """Eight dispatches in one stage (the shared counter is deliberately left undeclared);
-    the tickets they draw show the order the simulator ran them in."""
+    the tickets they draw show the order the simulator ran them in. One thread: on several,
+    the dispatches of a stage in forward order run at the same time (test_sim_parallel.py)."""
     k = 8
-    dev = sim_device(order=order, seed=3)
+    dev = sim_device(order=order, seed=3, threads=1)
     counter = upload(dev, np.zeros(1, np.uint32))
     tickets = upload(dev, np.zeros(k, np.uint32))
     cb = dev.command_buffer()

@@ -204,6 +204,7 @@ int main() {
   if (!k || !k->error.empty()) { std::puts("no kernel"); return 2; }
   const uint32_t n = 32;
   std::vector<float> out(n, -1.0f);
+  Executor ex(1);
   for (int order = 0; order < 3; ++order) {
     ExecDispatch d;
     d.kernel = k; d.label = "tg_expr"; d.thread_order = order; d.seed = 7;
@@ -211,7 +212,7 @@ int main() {
     d.buffers[0].ptr = reinterpret_cast<unsigned char*>(out.data());
     d.buffers[0].available = out.size() * sizeof(float);
     d.buffers[0].bound = true;
-    execute(d);
+    ex.run(&d, 1);
     for (float v : out) std::printf("%g ", v);
     std::printf("\n");
   }

@@ -4,6 +4,7 @@
 #include "gpu/sim/executor.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -130,7 +131,7 @@ struct TgVar {
 };
 
 // One threadgroup being run: its threads, the run queue, and what they wait for. Threads
-// run one at a time until they block, so no locks are needed.
+// run one at a time on one OS thread until they block, so no locks are needed.
 struct Threadgroup {
   std::vector<Thread> threads;
   std::vector<SimdState> simds;
@@ -145,7 +146,7 @@ struct Threadgroup {
   bool failed = false;  // the first error stops the threadgroup; the rest unwind
   std::string error;
   int order_mode = 0;
-  std::mt19937_64* rng = nullptr;
+  std::mt19937_64* rng = nullptr;  // order_mode 2: this threadgroup's own
   // Pushes threads onto the run queue in the configured order.
   void schedule(std::vector<int>& ts) {
     if (order_mode == 1) std::reverse(ts.begin(), ts.end());
@@ -306,11 +307,13 @@ void unwind_all(Worker& w, Threadgroup& tg) {
 }
 
 // Runs threadgroup `tgpos` to the end; then checks for deadlock, guard zones and the
-// extensions' end-of-threadgroup rules. Throws gpu::Error naming the kernel.
-void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64& rng) {
+// extensions' end-of-threadgroup rules. Throws gpu::Error naming the kernel. `rng` orders
+// the threads when d.thread_order is 2 (random).
+void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64* rng) {
   Threadgroup tg;
   tg.order_mode = d.thread_order;
-  tg.rng = &rng;
+  tg.rng = rng;
+  w.d = &d;
   w.tg = &tg;
   U3 size = d.threadgroup_size;
   // dispatchThreads: the edge threadgroups are partial.
@@ -590,34 +593,152 @@ void misaligned_arg(const char* kind, uint32_t index, size_t align) {
 }
 
 // ------------------------------------------------------------------ dispatch
-// Threadgroups run one after another (Metal gives no order among them): a forward, reverse
-// or shuffled order shows kernels that depend on one.
-void execute(const ExecDispatch& d) {
-  Worker* prev = t_worker;
+// Threadgroups run in one sequence per run() (Metal gives no order among them): a forward,
+// reverse or shuffled order shows kernels that depend on one; several OS threads take them
+// from the sequence as they become free, so neighbouring threadgroups run at the same time.
+struct Executor::Job {
+  const ExecDispatch* ds = nullptr;
+  size_t n = 0;
+  std::vector<uint64_t> start;               // ds[i]'s threadgroups are [start[i], start[i + 1])
+  std::vector<std::vector<uint32_t>> order;  // thread_order 2: ds[i]'s threadgroups (linear) in run order
+  std::atomic<uint64_t> next{0};             // the next sequence number to start
+  std::atomic<uint64_t> limit{0};            // none from here on is started: the earliest failure
+  std::mutex mu;
+  uint64_t failed_at = UINT64_MAX;  // under mu: the earliest failure and its error
+  std::exception_ptr error;
+};
+
+namespace {
+
+// The seed of a threadgroup's thread order in random mode: a function of the dispatch's seed
+// and the threadgroup (splitmix64), never of the OS thread or of what ran before on it.
+uint64_t threadgroup_seed(uint64_t seed, uint64_t linear) {
+  uint64_t z = seed + (linear + 1) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// This OS thread's worker (its fibers' host), kept for the thread's lifetime.
+Worker& this_worker() {
   thread_local std::unique_ptr<Worker> own;
   if (!own) own = std::make_unique<Worker>();
-  Worker& w = *own;
+  return *own;
+}
+
+// Starts threadgroups of `job` on this OS thread until none is left to start.
+void work(Executor::Job& job) {
+  Worker& w = this_worker();
+  Worker* prev = t_worker;
   t_worker = &w;
-  w.d = &d;
   struct Restore {
+    Worker& w;
     Worker* prev;
-    ~Restore() { t_worker = prev; }
-  } restore{prev};
-  std::mt19937_64 rng(d.seed);
-  if (d.thread_order == 0) {
-    for (uint32_t z = 0; z < d.threadgroups.z; ++z)
-      for (uint32_t y = 0; y < d.threadgroups.y; ++y)
-        for (uint32_t x = 0; x < d.threadgroups.x; ++x) run_threadgroup(w, d, U3{x, y, z}, rng);
-    return;
+    ~Restore() {
+      w.d = nullptr;
+      t_worker = prev;
+    }
+  } restore{w, prev};
+  size_t i = 0;
+  for (;;) {
+    const uint64_t k = job.next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= job.limit.load(std::memory_order_relaxed)) return;  // every later one too
+    while (k >= job.start[i + 1]) ++i;  // sequence numbers only grow on one thread
+    const ExecDispatch& d = job.ds[i];
+    const uint64_t j = k - job.start[i], count = job.start[i + 1] - job.start[i];
+    const uint64_t linear = d.thread_order == 0 ? j : d.thread_order == 1 ? count - 1 - j : job.order[i][j];
+    const uint64_t gx = d.threadgroups.x, gxy = gx * d.threadgroups.y;
+    const U3 pos{uint32_t(linear % gx), uint32_t(linear % gxy / gx), uint32_t(linear / gxy)};
+    try {
+      if (d.thread_order == 2) {
+        std::mt19937_64 rng(threadgroup_seed(d.seed, linear));
+        run_threadgroup(w, d, pos, &rng);
+      } else {
+        run_threadgroup(w, d, pos, nullptr);
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> g(job.mu);
+      if (k < job.failed_at) {
+        job.failed_at = k;
+        job.error = std::current_exception();
+        job.limit.store(k, std::memory_order_relaxed);
+      }
+    }
   }
-  std::vector<U3> groups;
-  groups.reserve(size_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z);
-  for (uint32_t z = 0; z < d.threadgroups.z; ++z)
-    for (uint32_t y = 0; y < d.threadgroups.y; ++y)
-      for (uint32_t x = 0; x < d.threadgroups.x; ++x) groups.push_back(U3{x, y, z});
-  if (d.thread_order == 1) std::reverse(groups.begin(), groups.end());
-  else std::shuffle(groups.begin(), groups.end(), rng);
-  for (const U3& g : groups) run_threadgroup(w, d, g, rng);
+}
+
+}  // namespace
+
+Executor::Executor(unsigned threads) : threads_(std::max(1u, threads)) {}
+
+Executor::~Executor() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& t : helpers_) t.join();
+}
+
+void Executor::helper() {
+  std::unique_lock<std::mutex> g(mu_);
+  for (;;) {
+    wake_.wait(g, [&] { return stop_ || wanted_ > 0; });
+    if (stop_) return;
+    Job* job = job_;
+    wanted_ -= 1;
+    active_ += 1;
+    g.unlock();
+    work(*job);
+    g.lock();
+    if (--active_ == 0) idle_.notify_all();
+  }
+}
+
+void Executor::run(const ExecDispatch* ds, size_t n) {
+  Job job;
+  job.ds = ds;
+  job.n = n;
+  job.start.resize(n + 1);
+  job.order.resize(n);
+  uint64_t total = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const ExecDispatch& d = ds[i];
+    const uint64_t count = uint64_t(d.threadgroups.x) * d.threadgroups.y * d.threadgroups.z;
+    job.start[i] = total;
+    total += count;
+    if (d.thread_order == 2) {  // the threadgroup order of the serial simulator, from the same seed
+      std::vector<uint32_t>& o = job.order[i];
+      o.resize(count);
+      std::iota(o.begin(), o.end(), 0u);
+      std::mt19937_64 rng(d.seed);
+      std::shuffle(o.begin(), o.end(), rng);
+    }
+  }
+  job.start[n] = total;
+  job.limit.store(total, std::memory_order_relaxed);
+  // Helpers only for threadgroups the calling thread cannot start at once.
+  const unsigned helpers = unsigned(std::min<uint64_t>(threads_ - 1, total ? total - 1 : 0));
+  if (helpers) {
+    // started at the first run that needs them: a device that never runs a wide dispatch
+    // (most of the tests' devices) has no idle threads
+    if (helpers_.empty())
+      for (unsigned t = 1; t < threads_; ++t) helpers_.emplace_back([this] { helper(); });
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      job_ = &job;
+      wanted_ = helpers;
+    }
+    for (unsigned h = 0; h < helpers; ++h) wake_.notify_one();
+  }
+  work(job);
+  if (helpers) {
+    std::unique_lock<std::mutex> g(mu_);
+    wanted_ = 0;  // a helper not yet awake stays out: nothing is left to start
+    job_ = nullptr;
+    idle_.wait(g, [&] { return active_ == 0; });
+  }
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 }  // namespace lily::sim

@@ -1,9 +1,11 @@
 // The simulator device: buffers in host memory, pipelines from the kernel registry, a
-// serial queue executed by one worker thread, and the checks of docs/verification.md.
+// serial queue executed by one queue thread (its threadgroups on the executor's pool of OS
+// threads), and the checks of docs/verification.md.
 #include "gpu/sim/sim_device.h"
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -17,6 +19,10 @@
 #include <random>
 #include <sstream>
 #include <thread>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "gpu/sim/executor.h"
 
@@ -283,7 +289,14 @@ class SimDevice : public gpu::Device {
   explicit SimDevice(const SimOptions& o) : opt_(o), rng_(o.seed) {
     if (o.gpu_family < 7 || o.gpu_family > 10)
       throw UsageError("sim_device: gpu_family must be apple7..apple10, not " + std::to_string(o.gpu_family));
-    if (!opt_.record_only) worker_ = std::thread([this] { run(); });
+    if (o.threads > kMaxSimThreads)
+      throw UsageError("sim_device: threads must be 1.." + std::to_string(kMaxSimThreads) + ", not " +
+                       std::to_string(o.threads));
+    if (!opt_.threads) opt_.threads = default_sim_threads();
+    if (!opt_.record_only) {
+      exec_ = std::make_unique<Executor>(opt_.threads);
+      worker_ = std::thread([this] { run(); });
+    }
   }
   ~SimDevice() override {
     {
@@ -374,8 +387,10 @@ class SimDevice : public gpu::Device {
   // barrier stage: per buffer, the label of the dispatch that changed each (verify_writes).
   using TaggedWrites = std::map<const SimBuffer*, std::vector<const std::string*>>;
   void run_verified(const Recorded& r, const ExecDispatch& d, TaggedWrites& tagged);
+  ExecDispatch exec_dispatch(Recorded& r);
 
   SimOptions opt_;
+  std::unique_ptr<Executor> exec_;  // the threadgroups' OS threads (none when record-only)
   std::shared_ptr<std::atomic<uint64_t>> live_ = std::make_shared<std::atomic<uint64_t>>(0);
   std::mt19937_64 rng_;
   std::mutex mu_;
@@ -562,7 +577,7 @@ void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d, TaggedWri
   }
   std::vector<std::vector<unsigned char>> before;
   for (SimBuffer* b : bufs) before.emplace_back(b->data(), b->data() + b->size());
-  sim::execute(d);
+  exec_->run(&d, 1);
   if (opt_.verify_writes)
     for (size_t k = 0; k < bufs.size(); ++k) {
       const unsigned char* now = bufs[k]->data();
@@ -592,7 +607,7 @@ void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d, TaggedWri
   }
   std::string fault;
   try {
-    sim::execute(d);
+    exec_->run(&d, 1);
   } catch (const std::exception& e) {
     fault = e.what();
   }
@@ -614,47 +629,87 @@ void SimDevice::run_verified(const Recorded& r, const ExecDispatch& d, TaggedWri
   if (!msg.empty()) throw gpu::HazardError(msg);
 }
 
+ExecDispatch SimDevice::exec_dispatch(Recorded& r) {
+  ExecDispatch d;
+  d.kernel = r.kernel;
+  d.label = r.label;
+  d.threadgroups = r.groups;
+  d.threadgroup_size = r.tg_size;
+  d.threads_per_grid = r.threads;
+  d.poison = opt_.poison;
+  d.thread_order = static_cast<int>(opt_.thread_order);
+  d.seed = rng_();
+  for (uint32_t i = 0; i < kMaxBindings; ++i) {
+    auto& b = r.bufs[i];
+    d.threadgroup_memory[i] = r.tg_mem[i];
+    if (!b.bound) continue;
+    d.buffers[i].bound = true;
+    if (b.buffer) {
+      d.buffers[i].ptr = b.buffer->data() + b.offset;
+      d.buffers[i].available = b.buffer->size() - b.offset;
+    } else {
+      d.buffers[i].ptr = b.bytes.data();
+      d.buffers[i].available = b.bytes.size;
+    }
+  }
+  return d;
+}
+
+namespace {
+// The guard zones of the buffers the dispatches rs[0..n) bind, after they ran: a damaged one
+// is an error naming the dispatch that binds it, or every one that does when they ran at the
+// same time (one barrier stage).
+void check_guards(Recorded* const* rs, size_t n) {
+  std::vector<SimBuffer*> seen;
+  for (size_t k = 0; k < n; ++k)
+    for (uint32_t i = 0; i < kMaxBindings; ++i) {
+      SimBuffer* b = rs[k]->bufs[i].buffer.get();
+      if (!b || std::find(seen.begin(), seen.end(), b) != seen.end()) continue;
+      seen.push_back(b);
+      if (b->guard_intact()) continue;
+      std::string by;  // the dispatches binding b
+      int binders = 0;
+      for (size_t o = 0; o < n; ++o)
+        for (uint32_t j = 0; j < kMaxBindings; ++j)
+          if (rs[o]->bufs[j].buffer.get() == b)
+            by += std::string(binders++ ? ", '" : "'") + rs[o]->label + "' (buffer(" + std::to_string(j) + "))";
+      const std::string what =
+          buffer_name(b) + " (" + std::to_string(b->size()) + " bytes): an out-of-bounds index";
+      if (binders == 1)
+        throw gpu::Error("kernel '" + rs[k]->label + "' wrote past the end of buffer(" + std::to_string(i) +
+                         ") " + what);
+      throw gpu::Error("a kernel of one barrier stage wrote past the end of " + what +
+                       "; the dispatches that bind it ran at the same time: " + by);
+    }
+}
+}  // namespace
+
 void SimDevice::execute(SimCommandBuffer* cb) {
   try {
+    std::vector<Recorded*> order;
+    std::vector<ExecDispatch> ds;
     for (auto& pass : cb->passes_) {
       for (auto& stage : pass->stages) {
-        TaggedWrites tagged;
-        std::vector<Recorded*> order;
+        order.clear();
         for (Recorded& r : stage) order.push_back(&r);
         if (opt_.order == StageOrder::reverse) std::reverse(order.begin(), order.end());
         if (opt_.order == StageOrder::random) std::shuffle(order.begin(), order.end(), rng_);
-        for (Recorded* r : order) {
-          ExecDispatch d;
-          d.kernel = r->kernel;
-          d.label = r->label;
-          d.threadgroups = r->groups;
-          d.threadgroup_size = r->tg_size;
-          d.threads_per_grid = r->threads;
-          d.poison = opt_.poison;
-          d.thread_order = static_cast<int>(opt_.thread_order);
-          d.seed = rng_();
-          for (uint32_t i = 0; i < kMaxBindings; ++i) {
-            auto& b = r->bufs[i];
-            d.threadgroup_memory[i] = r->tg_mem[i];
-            if (!b.bound) continue;
-            d.buffers[i].bound = true;
-            if (b.buffer) {
-              d.buffers[i].ptr = b.buffer->data() + b.offset;
-              d.buffers[i].available = b.buffer->size() - b.offset;
-            } else {
-              d.buffers[i].ptr = b.bytes.data();
-              d.buffers[i].available = b.bytes.size;
-            }
+        ds.clear();
+        for (Recorded* r : order) ds.push_back(exec_dispatch(*r));
+        // The dispatches of a barrier stage run at the same time, as on a GPU, unless a check
+        // needs them one by one: the write and read verification attribute every changed byte
+        // to one dispatch, and the reverse and random stage orders are orders only if each
+        // dispatch completes before the next starts.
+        if (opt_.verify_writes || opt_.verify_reads || opt_.order != StageOrder::forward) {
+          TaggedWrites tagged;
+          for (size_t i = 0; i < ds.size(); ++i) {
+            if (opt_.verify_writes || opt_.verify_reads) run_verified(*order[i], ds[i], tagged);
+            else exec_->run(&ds[i], 1);
+            check_guards(&order[i], 1);
           }
-          if (opt_.verify_writes || opt_.verify_reads) run_verified(*r, d, tagged);
-          else sim::execute(d);
-          for (uint32_t i = 0; i < kMaxBindings; ++i) {
-            SimBuffer* b = r->bufs[i].buffer.get();
-            if (b && !b->guard_intact())
-              throw gpu::Error("kernel '" + r->label + "' wrote past the end of buffer(" + std::to_string(i) +
-                               ") " + buffer_name(b) + " (" + std::to_string(b->size()) +
-                               " bytes): an out-of-bounds index");
-          }
+        } else if (!ds.empty()) {
+          exec_->run(ds.data(), ds.size());
+          check_guards(order.data(), order.size());
         }
       }
       // Copies run in queue order, after the passes encoded before them (CommandBuffer::copy
@@ -671,6 +726,25 @@ void SimDevice::execute(SimCommandBuffer* cb) {
 }
 
 }  // namespace
+
+unsigned default_sim_threads() {
+  const char* env = std::getenv("LILY_SIM_THREADS");
+  if (env && *env) {  // set and not empty
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(env, &end, 10);
+    if (*end || errno || v < 1 || v > long(kMaxSimThreads))
+      throw UsageError(std::string("LILY_SIM_THREADS must be a whole number of threads, 1..") +
+                       std::to_string(kMaxSimThreads) + ", not '" + env + "'");
+    return unsigned(v);
+  }
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0)
+    return std::min(unsigned(CPU_COUNT(&set)), kMaxSimThreads);
+#endif
+  return std::clamp(std::thread::hardware_concurrency(), 1u, kMaxSimThreads);
+}
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options) {
   return std::make_unique<SimDevice>(options);

@@ -10,6 +10,9 @@ namespace lily::sim {
 
 enum class StageOrder { forward, reverse, random };
 
+// Most OS threads a simulator device takes (SimOptions::threads, $LILY_SIM_THREADS).
+constexpr unsigned kMaxSimThreads = 1024;
+
 struct SimOptions {
   // Encode and count (dispatches, barrier stages, declared bytes) without executing
   // kernels or allocating buffer storage.
@@ -49,7 +52,16 @@ struct SimOptions {
   // [[max_total_threads_per_threadgroup]] (0 = no cap), as a Mac's compiler may under
   // register pressure: tests the load-time refusal.
   uint32_t pipeline_thread_limit = 0;
+  // OS threads running threadgroups (the queue thread and threads - 1 helpers; at most
+  // kMaxSimThreads); 0: default_sim_threads(). With 1, threadgroups and dispatches run
+  // one after another on the queue thread. Results do not depend on it for a kernel whose
+  // threadgroups do not race (docs/device-layer.md, "Execution model and guarantees").
+  unsigned threads = 0;
 };
+
+// The default of SimOptions::threads: $LILY_SIM_THREADS if set and not empty (1..kMaxSimThreads,
+// else a UsageError naming it), otherwise the CPUs this process may run on.
+unsigned default_sim_threads();
 
 std::unique_ptr<gpu::Device> make_sim_device(const SimOptions& options = {});
 
