@@ -75,9 +75,25 @@ def test_dequantize_matches_definition(demo_path):
     code = (int(q8.weight[o, i // 4]) >> (8 * (i % 4))) & 255
     assert w8[o, i] == pytest.approx(float(bf16_to_f32(q8.scales[o, i // 64])) * code
                                      + float(bf16_to_f32(q8.biases[o, i // 64])), rel=1e-6)
-    # Expert slices dequantize only what is asked for.
+    # Expert slices and blocks of rows dequantize only what is asked for.
     qe = ck.quantized("model.layers.0.mlp.switch_mlp.down_proj")
     np.testing.assert_array_equal(qe.dequantize(5), qe.dequantize()[5])
+    np.testing.assert_array_equal(qe.dequantize(5, rows=slice(3, 40)), qe.dequantize()[5, 3:40])
+    np.testing.assert_array_equal(q.dequantize(rows=slice(7, 9)), w[7:9])
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_unpack_codes_table_equals_shifts(bits):
+    """The byte-table unpacking of 4- and 8-bit codes gives what shifting and masking gives
+    (lowest bits first), on every byte value."""
+    from lily.checkpoint import unpack_codes
+    words = np.random.default_rng(bits).integers(0, 2**32, size=(3, 64), dtype=np.uint32)
+    words[0, :64] = np.arange(256, dtype=np.uint8).view(np.uint32)  # every byte value
+    per = 32 // bits
+    want = (words[..., None] >> (np.arange(per, dtype=np.uint32) * bits)) & np.uint32((1 << bits) - 1)
+    got = unpack_codes(words, bits)
+    assert got.dtype == np.float32 and got.shape == (3, 64 * per)
+    np.testing.assert_array_equal(got, want.reshape(3, -1).astype(np.float32))
 
 
 def test_flat_config_and_interval(demo_path):

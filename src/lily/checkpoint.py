@@ -25,6 +25,7 @@ import json
 import math
 import os
 import struct
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -532,19 +533,48 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
-    def dequantize(self, index=None) -> np.ndarray:
-        """float32 weights ``[..., out, in]``; ``index`` selects along the leading
-        (expert) axis first, so only the selected experts are unpacked."""
+    def dequantize(self, index=None, rows: slice | None = None) -> np.ndarray:
+        """float32 weights ``[..., out, in]``: ``scale * code + bias`` per group (a product
+        then a sum, each rounded to float32). ``index`` selects along the leading (expert)
+        axis first and ``rows`` (a slice) along the output axis, so only the selected part
+        is read and unpacked: a consumer can go through a large weight block by block."""
         w, s, b = self.weight, self.scales, self.biases
         if index is not None:
             w, s, b = w[index], s[index], b[index]
-        per_word = 32 // self.bits
-        shifts = (np.arange(per_word, dtype=np.uint32) * self.bits)
-        q = (np.asarray(w)[..., None] >> shifts) & np.uint32((1 << self.bits) - 1)
-        q = q.reshape(*w.shape[:-1], w.shape[-1] * per_word).astype(np.float32)
+        if rows is not None:
+            w, s, b = w[..., rows, :], s[..., rows, :], b[..., rows, :]
+        q = unpack_codes(w, self.bits)
         groups = q.reshape(*q.shape[:-1], -1, self.group_size)
-        out = groups * bf16_to_f32(s)[..., None] + bf16_to_f32(b)[..., None]
-        return out.reshape(q.shape)
+        groups *= bf16_to_f32(s)[..., None]
+        groups += bf16_to_f32(b)[..., None]
+        return q
+
+
+def _code_table(bits: int) -> np.ndarray:
+    """The codes of every byte value as float32, lowest bits first: ``[256]`` float32 for
+    8 bits; for 4 bits the two codes of a byte as one uint64 (two float32 side by side)."""
+    if bits == 8:
+        return np.arange(256, dtype=np.float32)
+    v = np.arange(256)
+    pairs = np.stack([v & 15, v >> 4], axis=1).astype(np.float32)  # [256, 2]
+    return pairs.view(np.uint64).reshape(256)
+
+
+_CODE_TABLES = {bits: _code_table(bits) for bits in (4, 8)}
+
+
+def unpack_codes(words, bits: int) -> np.ndarray:
+    """MLX packed codes (uint32 words ``[..., n]``, lowest bits first) as float32
+    ``[..., n * 32 // bits]``. 4 and 8 bits look each byte up in a table (one pass, about
+    5x faster than shifting and masking, the same values); other widths shift and mask."""
+    w = np.ascontiguousarray(words, dtype=np.uint32)
+    n = w.shape[-1] * 32 // bits
+    if bits in _CODE_TABLES and sys.byteorder == "little":
+        q = np.take(_CODE_TABLES[bits], w.view(np.uint8).reshape(-1))
+        return q.view(np.float32).reshape(*w.shape[:-1], n)
+    shifts = np.arange(32 // bits, dtype=np.uint32) * bits
+    q = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
+    return q.reshape(*w.shape[:-1], n).astype(np.float32)
 
 
 class Checkpoint:
@@ -626,6 +656,16 @@ class Checkpoint:
     def nbytes(self) -> int:
         """Total bytes of the text model's tensors (the resident weight footprint)."""
         return sum(t.nbytes for t in self.tensors.values())
+
+    @property
+    def dequantized_nbytes(self) -> int:
+        """Bytes of every quantized linear as float32 (what a full dequantized copy takes:
+        0.6 GB for the ``dims`` test preset, 140 GB for the real model)."""
+        total = 0
+        for name, t in self.tensors.items():
+            if name.endswith(".weight") and t.dtype == "U32":
+                total += 4 * math.prod(t.shape) * 32 // self.quant_spec(name[:-len(".weight")]).bits
+        return total
 
     def files(self) -> list[Path]:
         return sorted({t.file for t in self.tensors.values()})
@@ -795,5 +835,5 @@ __all__ = [
     "Checkpoint", "ModelConfig", "QuantSpec", "QuantizedTensor", "TensorInfo",
     "bf16_to_f32", "check_finite", "discover_weight_files", "expected_tensors", "load_config",
     "open_checkpoint", "parse_config", "quantization_for", "read_generation_config",
-    "read_safetensors_header",
+    "read_safetensors_header", "unpack_codes",
 ]
