@@ -52,6 +52,35 @@ def test_gdn_state_drift_over_many_steps(demo_path):
         np.testing.assert_allclose(b.conv[i], a.conv[i], rtol=1e-5, atol=1e-6)
 
 
+def test_reference_streams_weights_it_cannot_keep(tiny_checkpoint):
+    """With no room to keep dequantized weights (the full-size case: 140 GB as float32) the
+    reference dequantizes each use and applies large weights block by block: the same
+    logits, with peak memory about one block rather than lm_head's whole float32 copy (127 MB
+    for this preset). The experts on several threads give the very same bits as on one."""
+    import tracemalloc
+
+    from lily.checkpoint import open_checkpoint
+    ck = open_checkpoint(tiny_checkpoint)
+    ids = [785, 3974, 13876, 38835]
+    kept = ReferenceModel(ck)
+    assert kept._cache_experts and ck.dequantized_nbytes <= 3 << 30  # small: everything kept
+    want = kept.forward(ids, kept.new_state(16), all_logits=True)
+    assert "lm_head" in kept._dense and kept._experts
+    streamed = ReferenceModel(ck, cache_bytes=0, block_bytes=4 << 20, threads=3)
+    assert not streamed._cache_experts
+    tracemalloc.start()
+    got = streamed.forward(ids, streamed.new_state(16), all_logits=True)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert streamed._cache_used == 0 and not streamed._dense and not streamed._experts
+    assert peak < 40 << 20, peak  # blocks of 4 MiB and their products; not 127 MB
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    one = ReferenceModel(ck, cache_bytes=0, block_bytes=4 << 20)
+    np.testing.assert_array_equal(one.forward(ids, one.new_state(16), all_logits=True), got)
+    with pytest.raises(InvalidParameterError, match="threads"):
+        ReferenceModel(ck, threads=0)
+
+
 def test_generate_demo_greedy_is_shakespeare(demo_engine):
     r = demo_engine.generate("ROMEO.\n", max_tokens=32, temperature=0.0)
     assert r.finish_reason == "length" and r.completion_tokens == 32 == len(r.token_ids)

@@ -131,21 +131,45 @@ class ReferenceModel:
     activation_dtype : {"float32", "bfloat16"}
         ``"bfloat16"`` rounds stored activations to bf16 where MLX-LM does (see module doc).
     cache_bytes : int
-        Dequantized float32 weights are cached up to this many bytes; beyond it they are
-        dequantized on each use (only the selected experts' slices), so the full-size model
-        runs without a 140 GB float copy.
+        Budget for dequantized float32 weights kept between uses (default 3 GiB). A model
+        whose dequantized weights all fit (every test preset: the ``dims`` preset needs
+        0.6 GB) keeps each weight once dequantized, experts included. A larger one (the
+        real model needs 140 GB) keeps the non-expert weights, which every token uses, until
+        the budget is spent, and dequantizes the selected experts at each use; a weight
+        that is not kept and is larger than ``block_bytes`` is applied in blocks of rows,
+        never whole. Peak memory is then about the budget plus one block per worker, plus
+        the checkpoint's pages the OS maps in.
+    block_bytes : int
+        float32 bytes of one block of rows of a large weight applied piecewise (default
+        64 MiB: lm_head's 248,320 x 2048 weights, 2 GB as float32, in 32 blocks).
+    threads : int
+        Threads computing the routed experts of a layer (default 1). Each expert's output
+        is computed alone and the outputs are summed in the same order as with one thread,
+        so the results do not depend on it; numpy releases the GIL in the dequantization
+        and the products, so a long prompt's hundreds of experts per layer spread over cores.
+
+    Raises :class:`InvalidParameterError` for an unknown ``activation_dtype``, a negative
+    ``cache_bytes`` or a non-positive ``block_bytes`` or ``threads``.
     """
 
     def __init__(self, checkpoint: Checkpoint, *, activation_dtype: str = "float32",
-                 cache_bytes: int = 3 << 30):
+                 cache_bytes: int = 3 << 30, block_bytes: int = 64 << 20, threads: int = 1):
         if activation_dtype not in ("float32", "bfloat16"):
             raise InvalidParameterError(f"activation_dtype must be 'float32' or 'bfloat16', got {activation_dtype!r}")
+        for name, v, low in (("cache_bytes", cache_bytes, 0), ("block_bytes", block_bytes, 1), ("threads", threads, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise InvalidParameterError(f"{name} must be an integer >= {low}, got {v!r}")
         self.ck = checkpoint
         self.cfg: ModelConfig = checkpoint.config
         self._act = round_bf16 if activation_dtype == "bfloat16" else (lambda a: a.astype(np.float32, copy=False))
         self.activation_dtype = activation_dtype
         self._cache_budget = cache_bytes
         self._cache_used = 0
+        self._block_bytes = block_bytes
+        self.threads = threads
+        self._pool = None
+        total = getattr(checkpoint, "dequantized_nbytes", None)  # None: a duck-typed test checkpoint
+        self._cache_experts = total is None or total <= cache_bytes
         self._dense: dict[str, np.ndarray] = {}
         self._experts: dict[tuple[str, int], np.ndarray] = {}
         self._qt: dict[str, QuantizedTensor] = {}
@@ -159,8 +183,11 @@ class ReferenceModel:
             qt = self._qt[module] = self.ck.quantized(module)
         return qt
 
+    def _fits(self, nbytes: int) -> bool:
+        return self._cache_used + nbytes <= self._cache_budget
+
     def _remember(self, store: dict, key, value: np.ndarray) -> np.ndarray:
-        if self._cache_used + value.nbytes <= self._cache_budget:
+        if self._fits(value.nbytes):
             store[key] = value
             self._cache_used += value.nbytes
         return value
@@ -176,8 +203,27 @@ class ReferenceModel:
         """Dequantized float32 ``[out, in]`` weight of one expert of a stacked module."""
         w = self._experts.get((module, expert))
         if w is None:
-            w = self._remember(self._experts, (module, expert), self._q(module).dequantize(expert))
+            w = self._q(module).dequantize(expert)
+            if self._cache_experts:
+                self._remember(self._experts, (module, expert), w)
         return w
+
+    def matmul_t(self, x: np.ndarray, module: str) -> np.ndarray:
+        """``x @ W.T`` (float32 ``[T, out]``) for ``x`` ``[T, in]`` and a (non-expert) linear
+        module: with the kept weight (:meth:`weight`) when it is or can be kept, otherwise
+        block by block of ``block_bytes`` of its rows when it is larger than that."""
+        w = self._dense.get(module)
+        if w is not None:
+            return x @ w.T
+        qt = self._q(module)
+        out_f, in_f = qt.shape
+        if self._fits(4 * out_f * in_f) or 4 * out_f * in_f <= self._block_bytes:
+            return x @ self.weight(module).T
+        step = max(1, self._block_bytes // (4 * in_f))
+        y = np.empty((x.shape[0], out_f), np.float32)
+        for r0 in range(0, out_f, step):
+            y[:, r0:r0 + step] = x @ qt.dequantize(rows=slice(r0, r0 + step)).T
+        return y
 
     def param(self, name: str) -> np.ndarray:
         """An unquantized tensor as float32 (norm weights, conv, A_log, dt_bias)."""
@@ -188,12 +234,21 @@ class ReferenceModel:
 
     def linear(self, x: np.ndarray, module: str) -> np.ndarray:
         """``x @ W.T`` for ``x`` ``[T, in]``; output rounded like a stored activation."""
-        return self._act(x @ self.weight(module).T)
+        return self._act(self.matmul_t(x, module))
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """Dequantize the embedding rows of ``tokens`` -> ``[T, hidden]``."""
         qt = self._q("model.embed_tokens")
         return self._act(qt.dequantize(np.asarray(tokens, dtype=np.int64)))
+
+    def _map(self, fn, items: list) -> list:
+        """``[fn(i) for i in items]``, on ``threads`` threads when there is more than one."""
+        if self.threads == 1 or len(items) < 2:
+            return [fn(i) for i in items]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="lily-reference")
+        return list(self._pool.map(fn, items))
 
     # ------------------------------------------------------------------ state
 
@@ -297,27 +352,38 @@ class ReferenceModel:
         out = self._act(self._act(out) * sigmoid(gate))
         return self.linear(out, f"{p}.o_proj")
 
+    def route(self, i: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The router of layer ``i`` on ``x`` ``[T, hidden]``: the softmax probabilities
+        ``[T, experts]`` (fp32), the top-k experts ``[T, k]`` (ties to the lower index) and
+        their weights ``[T, k]`` (renormalised when ``norm_topk_prob``)."""
+        c = self.cfg
+        probs = softmax(self.matmul_t(x, f"model.layers.{i}.mlp.gate"))
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, :c.num_experts_per_tok]
+        w = np.take_along_axis(probs, top, axis=-1)
+        if c.norm_topk_prob:
+            w = w / w.sum(axis=-1, keepdims=True)
+        return probs, top, w
+
     def moe(self, i: int, x: np.ndarray) -> np.ndarray:
         """Sparse MoE of layer ``i``: softmax router, top-k renormalised, SwiGLU experts,
         plus the sigmoid-gated shared expert. ``x`` is ``[T, hidden]``."""
         c, p = self.cfg, f"model.layers.{i}.mlp"
         T = x.shape[0]
-        probs = softmax(x @ self.weight(f"{p}.gate").T)                # fp32 router
-        k = c.num_experts_per_tok
-        top = np.argsort(-probs, axis=-1, kind="stable")[:, :k]        # [T, k]
-        w = np.take_along_axis(probs, top, axis=-1)
-        if c.norm_topk_prob:
-            w = w / w.sum(axis=-1, keepdims=True)
+        _, top, w = self.route(i, x)
 
-        y = np.zeros((T, c.hidden_size), np.float32)
-        for e in np.unique(top):
+        def expert(e: int) -> tuple[np.ndarray, np.ndarray]:
             rows, slot = np.nonzero(top == e)
             xe = x[rows]
-            g_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.gate_proj", int(e)).T)
-            u_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.up_proj", int(e)).T)
+            g_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.gate_proj", e).T)
+            u_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.up_proj", e).T)
             h = self._act(silu(g_) * u_)
-            d = self._act(h @ self.expert_weight(f"{p}.switch_mlp.down_proj", int(e)).T)
-            np.add.at(y, rows, d * w[rows, slot][:, None])
+            d = self._act(h @ self.expert_weight(f"{p}.switch_mlp.down_proj", e).T)
+            return rows, d * w[rows, slot][:, None]
+
+        y = np.zeros((T, c.hidden_size), np.float32)
+        experts = [int(e) for e in np.unique(top)]
+        for rows, contribution in self._map(expert, experts):  # summed in expert order
+            np.add.at(y, rows, contribution)
         y = self._act(y)
 
         sg = self.linear(x, f"{p}.shared_expert.gate_proj")
@@ -350,7 +416,7 @@ class ReferenceModel:
         if not all_logits:
             h = h[-1:]
         hn = self._act(rms_norm(h, self.param("model.norm.weight"), c.rms_norm_eps))
-        logits = (hn @ self.weight("lm_head").T).astype(np.float32)
+        logits = self.matmul_t(hn, "lm_head").astype(np.float32, copy=False)
         return logits if all_logits else logits[0]
 
 
