@@ -413,3 +413,100 @@ def test_make_mlx_checkpoint_argument_errors(tmp_path, tokenizer_dir, tiny_hf_ch
                             hf_dir=tiny_hf_checkpoint)
     with pytest.raises(ValueError, match="tokenizer_dir"):
         make_mlx_checkpoint("tiny", tmp_path / "o3")
+
+
+# ------------------------------------------------------------------------------ direct MLX writer
+
+
+def _table(d: Path) -> dict:
+    from lily.checkpoint import discover_weight_files, read_safetensors_header
+    out = {}
+    for f in discover_weight_files(d):
+        out.update({k: (t.dtype, t.shape) for k, t in read_safetensors_header(f).items()})
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny", "dims"])
+def test_direct_mlx_checkpoint_matches_the_converter(which, request, tokenizer_dir, tmp_path):
+    """write_mlx_checkpoint (no bf16 intermediate, no MLX-LM) gives what mlx_lm convert -q
+    gives for the same preset: config.json (quantization block and 8-bit overrides included),
+    the index (total_size, total_parameters, weight_map), the tensor table (names, dtypes,
+    shapes) and the tokenizer files; the unquantized tensors hold the converter's values (same
+    seed, norm offsets folded); the quantized ones dequantize to the HF init's std (uniform
+    codes, scales around std / code_std), centred on 0."""
+    from lily.checkpoint import open_checkpoint
+    conv = request.getfixturevalue(f"{which}_checkpoint")
+    d = lt.write_mlx_checkpoint(which, tmp_path / which, tokenizer_dir=tokenizer_dir, workers=2)
+    read = lambda p, f: json.loads((p / f).read_text())  # noqa: E731
+    assert read(d, "config.json") == read(conv, "config.json") == lt.mlx_config(which)
+    assert read(d, "model.safetensors.index.json") == read(conv, "model.safetensors.index.json")
+    assert _table(d) == _table(conv)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        assert (d / f).read_bytes() == (conv / f).read_bytes(), f
+    a, b = open_checkpoint(conv), open_checkpoint(d)
+    ratios = []
+    for name, t in a.tensors.items():
+        if t.dtype == "U32":
+            m = name[: -len(".weight")]
+            rows = slice(0, 8192)  # of the vocabulary's 248,320 (a sample: the std is all we compare)
+            x, y = a.quantized(m).dequantize(rows=rows), b.quantized(m).dequantize(rows=rows)
+            if m == "lm_head":  # the padding rows past the tokenizer's ids: 1/100 of the std
+                pad = b.quantized(m).dequantize(rows=slice(lt.TOKENIZER_VOCAB_SIZE, None))
+                assert 0 < pad.std() < 0.02 * y.std()
+            # the std of n samples has a relative standard error of about 1/sqrt(2n)
+            assert abs(y.std() / x.std() - 1) < 0.05 + 4 / np.sqrt(2 * y.size), (m, y.std() / x.std())
+            ratios.append(y.std() / x.std())
+            assert abs(y.mean()) < 4 * y.std() / np.sqrt(y.size), m  # 4 standard errors
+        elif not name.endswith((".scales", ".biases")):
+            x, y = a.float(name), b.float(name)
+            np.testing.assert_allclose(y, x, rtol=2 ** -7, atol=0, err_msg=name)  # one bf16 rounding apart
+    assert len(ratios) > 20 and 0.97 < np.median(ratios) < 1.03, ratios
+
+
+def test_direct_writer_bytes_depend_on_the_seed_only(tokenizer_dir, tmp_path):
+    """One process or several, the same bytes; another seed, other codes. Sizes multiple of
+    16 come first in a shard and the data starts at a multiple of 64, so such tensors are
+    16-byte aligned (all of the full-size model's are: the native devices map it in place)."""
+    from lily.checkpoint import open_checkpoint
+    one = lt.write_mlx_checkpoint("tiny", tmp_path / "a", tokenizer_dir=tokenizer_dir, workers=1, shard_bytes=8 << 20)
+    two = lt.write_mlx_checkpoint("tiny", tmp_path / "b", tokenizer_dir=tokenizer_dir, workers=3, shard_bytes=8 << 20)
+    other = lt.write_mlx_checkpoint("tiny", tmp_path / "c", tokenizer_dir=tokenizer_dir, seed=1, workers=2,
+                                    shard_bytes=8 << 20)
+    files = sorted(p.name for p in one.glob("*.safetensors"))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    for f in files:
+        assert (one / f).read_bytes() == (two / f).read_bytes(), f
+    ck = open_checkpoint(other)
+    assert not np.array_equal(ck.raw("lm_head.weight"), open_checkpoint(one).raw("lm_head.weight"))
+    for t in ck.tensors.values():
+        assert t.start % 16 == 0 or t.nbytes % 16, t.name
+
+
+def test_full_preset_layout_is_planned_aligned():
+    """The full-size preset is lily.lab.estimate's real config; its planned checkpoint (not written:
+    19.5 GB) has MLX-LM's four 5-GiB shards and every tensor 16-byte aligned."""
+    import dataclasses
+
+    from lily.checkpoint import parse_config
+    from lily.lab.estimate import QWEN36_35B_A3B
+    p = PRESETS["full"]
+    assert dataclasses.replace(parse_config(p.config()), eos_token_ids=()) == parse_config(QWEN36_35B_A3B)
+    _, tensors = lt._mlx_layout(p)
+    shards = lt._shard_plan(tensors, lt.MLX_SHARD_BYTES)
+    assert len(shards) == 4 and 19.4e9 < sum(t.nbytes for t in tensors) < 19.6e9
+    for group in shards:
+        _, offsets = lt._safetensors_header(group)
+        assert all(o % 16 == 0 for o in offsets.values())
+    assert sum(len(g) for g in shards) == len(tensors) == 1757
+
+
+def test_writer_command_line(tokenizer_dir, tmp_path, capsys):
+    assert lt.main(["write", "--preset", "tiny", "--out", str(tmp_path / "t"), "--tokenizer-dir",
+                    str(tokenizer_dir), "--workers", "1"]) == 0
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "t" / "config.json").is_file()
+    assert lt.main(["write", "--preset", "tiny", "--out", str(tmp_path / "t"), "--tokenizer-dir",
+                    str(tokenizer_dir)]) == 1  # not empty
+    assert "exists" in capsys.readouterr().err
+    assert lt.main(["write", "--preset", "tiny", "--out", str(tmp_path / "u"), "--tokenizer-dir",
+                    str(tokenizer_dir), "--workers", "0"]) == 1
+    assert "workers" in capsys.readouterr().err

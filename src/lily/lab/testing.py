@@ -56,6 +56,8 @@ __all__ = [
     "hf_tensor_specs",
     "make_hf_checkpoint",
     "make_mlx_checkpoint",
+    "write_mlx_checkpoint",
+    "mlx_config",
     "cached_checkpoint",
     "copy_tokenizer_files",
     "EOS_TOKEN_IDS",
@@ -289,6 +291,24 @@ PRESETS: Dict[str, Preset] = {
         shared_expert_intermediate_size=128,
     ),
 }
+
+
+def _full_preset() -> Preset:
+    """The real model's dimensions (:data:`lily.lab.estimate.QWEN36_35B_A3B`, the one copy of them)
+    as a preset: 40 layers, 256 experts, hidden 2048. Its MLX 4-bit checkpoint is about
+    19.5 GB; write it with :func:`write_mlx_checkpoint` (the HF route would first write a
+    70 GB bf16 checkpoint)."""
+    from lily.checkpoint import parse_config
+    from lily.lab.estimate import QWEN36_35B_A3B
+    c = parse_config(QWEN36_35B_A3B)
+    keep = {f.name for f in dataclasses.fields(Preset)} - {"name", "full_attention_interval", "mtp_num_hidden_layers"}
+    p = Preset(name="full", full_attention_interval=4, **{n: getattr(c, n) for n in keep})
+    if tuple(p.layer_types) != c.layer_types:
+        raise AssertionError("the full preset's layer pattern differs from lily.lab.estimate's config")
+    return p
+
+
+PRESETS["full"] = _full_preset()
 for _p in PRESETS.values():
     _p.validate()
 
@@ -329,6 +349,7 @@ def _normal(std: float) -> _Init:
     def f(rng: np.random.Generator, shape):
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
+    f.std = lambda shape: std  # what the direct MLX writer matches (write_mlx_checkpoint)
     return f
 
 
@@ -336,9 +357,9 @@ def _fan_in(gain: float = 1.0) -> _Init:
     """std = gain / sqrt(last dim): keeps activations O(1) through a matmul."""
 
     def f(rng: np.random.Generator, shape):
-        std = gain / math.sqrt(shape[-1])
-        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(f.std(shape))
 
+    f.std = lambda shape: gain / math.sqrt(shape[-1])
     return f
 
 
@@ -365,10 +386,15 @@ def _lm_head_init(gain: float) -> _Init:
     def f(rng, shape):
         w = base(rng, shape)
         if shape[0] > TOKENIZER_VOCAB_SIZE:
-            w[TOKENIZER_VOCAB_SIZE:] *= np.float32(0.01)
+            w[TOKENIZER_VOCAB_SIZE:] *= np.float32(_PAD_ROW_SCALE)
         return w
 
+    f.std = base.std
     return f
+
+
+#: Scale of lm_head's rows past the tokenizer's ids (:func:`_lm_head_init`).
+_PAD_ROW_SCALE = 0.01
 
 
 # Offsets (multiplier 1 + w) of the Gemma-style RMSNorms.
@@ -562,6 +588,33 @@ def _tokenizer_fingerprint(tokenizer_dir: Union[str, os.PathLike, None]) -> str:
 # --------------------------------------------------------------------------------------
 
 
+#: generation_config.json of the test checkpoints (the real model's sampling defaults).
+_GENERATION_CONFIG = {
+    "bos_token_id": EOS_TOKEN_IDS[1],
+    "do_sample": True,
+    "eos_token_id": list(EOS_TOKEN_IDS),
+    "pad_token_id": EOS_TOKEN_IDS[1],
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+def _split_shards(items: list, shard_bytes: int) -> List[list]:
+    """``items`` (each with ``nbytes``) in order, a new shard started whenever the next item
+    would take the current one past ``shard_bytes`` (an item larger than that alone), as
+    MLX-LM's ``make_shards`` does."""
+    shards: List[list] = [[]]
+    size = 0
+    for it in items:
+        if shards[-1] and size + it.nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(it)
+        size += it.nbytes
+    return shards
+
+
 def _prepare_empty_dir(out_dir: Path) -> None:
     if out_dir.exists():
         if not out_dir.is_dir() or any(out_dir.iterdir()):
@@ -596,14 +649,7 @@ def make_hf_checkpoint(
     _prepare_empty_dir(out)
     specs = hf_tensor_specs(p)
 
-    shards: List[List[TensorSpec]] = [[]]
-    size = 0
-    for sp in specs:
-        if shards[-1] and size + sp.nbytes > shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(sp)
-        size += sp.nbytes
+    shards = _split_shards(specs, shard_bytes)
     n = len(shards)
     weight_map = {}
     for k, group in enumerate(shards, start=1):
@@ -617,16 +663,7 @@ def make_hf_checkpoint(
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(p.config(), indent=2) + "\n")
-    gen = {
-        "bos_token_id": EOS_TOKEN_IDS[1],
-        "do_sample": True,
-        "eos_token_id": list(EOS_TOKEN_IDS),
-        "pad_token_id": EOS_TOKEN_IDS[1],
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-    }
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(_GENERATION_CONFIG, indent=2) + "\n")
     copy_tokenizer_files(tokenizer_dir, out)
     return out
 
@@ -780,3 +817,350 @@ def cached_checkpoint(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return final
+
+
+# --------------------------------------------------------------------------------------
+# MLX 4-bit checkpoints written directly (no bf16 intermediate, no MLX-LM)
+# --------------------------------------------------------------------------------------
+
+#: mlx_lm.utils.MAX_FILE_SIZE_GB: the converter starts a new shard past 5 GiB.
+MLX_SHARD_BYTES = 5 << 30
+#: Bytes of packed codes one writer job generates (a block of whole rows).
+_BLOCK_BYTES = 16 << 20
+#: Tensors MLX-LM's sanitize stores as 1 + the HF offset (mlx_lm/models/qwen3_5.py).
+_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                 ".q_norm.weight", ".k_norm.weight")
+#: Relative spread of the random scales around the one that gives the HF init's std.
+_SCALE_SPREAD = 0.2
+
+
+def mlx_config(preset: Union[str, Preset]) -> dict:
+    """The ``config.json`` that ``mlx_lm convert -q --q-bits 4 --q-group-size 64`` writes for
+    a checkpoint of ``preset`` made by :func:`make_hf_checkpoint`: :meth:`Preset.config`
+    without ``vision_config``, ``rope_type`` renamed ``type`` (MLX-LM's qwen3_5 args do it
+    in place), the generation config's ``eos_token_id`` at the top level, and
+    ``quantization`` (= ``quantization_config``): 4 bits, group 64, affine, with an 8-bit
+    override for every ``mlp.gate`` and ``mlp.shared_expert_gate``; keys sorted."""
+    p = _resolve_preset(preset)
+    cfg = p.config()
+    cfg.pop("vision_config")
+    rope = cfg["text_config"]["rope_parameters"]
+    rope["type"] = rope.pop("rope_type")
+    cfg["eos_token_id"] = list(EOS_TOKEN_IDS)
+    quant: Dict[str, object] = {"group_size": Q_GROUP_SIZE, "bits": Q_BITS, "mode": "affine"}
+    for i in range(p.num_hidden_layers):
+        for m in ("gate", "shared_expert_gate"):
+            quant[f"language_model.model.layers.{i}.mlp.{m}"] = {"group_size": Q_GROUP_SIZE, "bits": ROUTER_BITS}
+    cfg["quantization"] = quant
+    cfg["quantization_config"] = quant
+    return dict(sorted(cfg.items()))
+
+
+def _module_bits(module: str) -> int:
+    return ROUTER_BITS if module.endswith((".mlp.gate", ".shared_expert_gate")) else Q_BITS
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of the MLX checkpoint: stored ``name``, safetensors ``dtype``, ``shape``."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        size = {"U32": 4, "F32": 4, "BF16": 2}[self.dtype]
+        return int(np.prod(self.shape, dtype=np.int64)) * size
+
+
+def _mlx_layout(p: Preset) -> Tuple[List[Tuple[str, str, Tuple[int, ...]]], List[_Stored]]:
+    """``(modules, tensors)``: :func:`lily.checkpoint.expected_tensors` of the preset (kind,
+    canonical name, logical shape), and every stored tensor in that order (quantized linears
+    as ``.weight`` U32, ``.scales`` and ``.biases`` BF16, the ``language_model.`` prefix)."""
+    from lily.checkpoint import expected_tensors, parse_config
+    modules = list(expected_tensors(parse_config(p.config())))
+    tensors: List[_Stored] = []
+    for kind, name, shape in modules:
+        stored = "language_model." + name
+        if kind == "linear":
+            *lead, out_f, in_f = shape
+            bits = _module_bits(name)
+            tensors.append(_Stored(stored + ".weight", "U32", (*lead, out_f, in_f * bits // 32)))
+            for part in ("scales", "biases"):
+                tensors.append(_Stored(f"{stored}.{part}", "BF16", (*lead, out_f, in_f // Q_GROUP_SIZE)))
+        else:
+            tensors.append(_Stored(stored, "F32" if kind == "f32" else "BF16", tuple(shape)))
+    return modules, tensors
+
+
+def _hf_name(name: str) -> str:
+    """The HF-layout tensor (:func:`hf_tensor_specs`) a canonical MLX name comes from."""
+    if name == "lm_head":
+        return "lm_head.weight"
+    base = "model.language_model." + name[len("model."):]
+    if ".switch_mlp." in base:
+        return base.replace("switch_mlp.down_proj", "experts.down_proj").replace(
+            "switch_mlp.gate_proj", "experts.gate_up_proj").replace("switch_mlp.up_proj", "experts.gate_up_proj")
+    return base if base.endswith(("weight", "A_log", "dt_bias")) else base + ".weight"
+
+
+def _float_tensor(spec: TensorSpec, name: str, seed: int) -> np.ndarray:
+    """An unquantized tensor as MLX-LM's sanitize leaves it: the HF values with the norm
+    offsets folded (1 + w) and the conv weight's axes moved ([C, 1, K] -> [C, K, 1])."""
+    v = _tensor_values(spec, seed)
+    if name.endswith(_OFFSET_NORMS):
+        v = v + np.float32(1.0)
+    if name.endswith("conv1d.weight"):
+        v = np.ascontiguousarray(np.moveaxis(v, 2, 1))
+    return v
+
+
+def _shard_plan(tensors: List[_Stored], shard_bytes: int) -> List[List[_Stored]]:
+    """MLX-LM's sharding (:func:`_split_shards`), then within each shard the tensors whose
+    size is a multiple of 16 bytes first: with the header padded to 64 bytes, every tensor of
+    the full-size model then starts 16-byte aligned and the native devices map the files in
+    place (lily.weight_cache copies unaligned ones)."""
+    return [sorted(s, key=lambda t: t.nbytes % 16 != 0) for s in _split_shards(tensors, shard_bytes)]
+
+
+def _safetensors_header(tensors: List[_Stored]) -> Tuple[bytes, Dict[str, int]]:
+    """The header bytes (length prefix included, JSON padded with spaces so the data starts
+    at a multiple of 64) and each tensor's absolute file offset."""
+    header: Dict[str, object] = {"__metadata__": {"format": "mlx"}}
+    rel, at = {}, 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [at, at + t.nbytes]}
+        rel[t.name] = at
+        at += t.nbytes
+    hb = json.dumps(header, separators=(",", ":")).encode()
+    hb += b" " * (-(8 + len(hb)) % 64)
+    start = 8 + len(hb)
+    return struct.pack("<Q", len(hb)) + hb, {n: start + o for n, o in rel.items()}
+
+
+def _generator(seed: int, name: str, block: int) -> np.random.Generator:
+    # SFC64: ~10x PCG64's throughput for raw words (measured), and a block's stream is
+    # independent of how the blocks are spread over processes
+    return np.random.Generator(np.random.SFC64([int(seed) & 0xFFFFFFFF, zlib.crc32(name.encode()), block]))
+
+
+def _quantized_block(job: dict) -> List[Tuple[str, int, bytes]]:
+    """Rows ``[r0, r1)`` (over the flattened leading axes) of one quantized linear: uniform
+    random codes, and per group of 64 a scale drawn around ``std / code_std`` (+-20%) with
+    the bias ``-scale * (2**bits - 1) / 2``, so the dequantized weights have mean ~0 and the
+    HF init's std (uniform codes have std ``sqrt((4**bits - 1) / 12)``). Rows from
+    ``pad_from`` on get 1/100 of it, as lm_head's padding rows do in the HF init."""
+    r0, r1, bits = job["r0"], job["r1"], job["bits"]
+    rows = r1 - r0
+    words, groups = job["words"], job["groups"]
+    rng = _generator(job["seed"], job["module"], job["block"])
+    n = rows * words
+    codes = rng.bit_generator.random_raw((n + 1) // 2).view(np.uint32)[:n]
+    code_std = math.sqrt((4 ** bits - 1) / 12.0)
+    u = rng.random((rows, groups), dtype=np.float32)
+    scale = np.float32(job["std"] / code_std) * (np.float32(1 - _SCALE_SPREAD) + np.float32(2 * _SCALE_SPREAD) * u)
+    if job["pad_from"] < r1:
+        scale[max(job["pad_from"] - r0, 0):] *= np.float32(_PAD_ROW_SCALE)
+    sbits = f32_to_bf16(scale)
+    bias = (sbits.astype(np.uint32) << 16).view(np.float32) * np.float32(-((1 << bits) - 1) / 2)
+    return [(job["files"][0], job["offsets"][0] + r0 * words * 4, codes.astype("<u4", copy=False).tobytes()),
+            (job["files"][1], job["offsets"][1] + r0 * groups * 2, sbits.astype("<u2").tobytes()),
+            (job["files"][2], job["offsets"][2] + r0 * groups * 2, f32_to_bf16(bias).astype("<u2").tobytes())]
+
+
+_FDS: Dict[str, int] = {}  # a writer process's open shard files
+
+
+def _run_job(job: dict) -> int:
+    if job["kind"] == "quantized":
+        parts = _quantized_block(job)
+    else:
+        v = job["values"]
+        data = f32_to_bf16(v).astype("<u2").tobytes() if job["dtype"] == "BF16" else v.astype("<f4").tobytes()
+        parts = [(job["file"], job["offset"], data)]
+    written = 0
+    for path, offset, data in parts:
+        fd = _FDS.get(path)
+        if fd is None:
+            fd = _FDS[path] = os.open(path, os.O_WRONLY)
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset, written = view[n:], offset + n, written + n
+    return written
+
+
+def _writer_jobs(p: Preset, seed: int, modules, where: Dict[str, Tuple[str, int]]) -> List[dict]:
+    """One job per float tensor and per block of about :data:`_BLOCK_BYTES` of codes."""
+    specs = {s.name: s for s in hf_tensor_specs(p)}
+    jobs: List[dict] = []
+    for kind, name, shape in modules:
+        stored = "language_model." + name
+        spec = specs[_hf_name(name)]
+        if kind != "linear":
+            file, offset = where[stored]
+            jobs.append({"kind": "float", "dtype": "F32" if kind == "f32" else "BF16", "file": file,
+                         "offset": offset, "values": _float_tensor(spec, name, seed)})
+            continue
+        *lead, out_f, in_f = shape
+        bits = _module_bits(name)
+        words, groups = in_f * bits // 32, in_f // Q_GROUP_SIZE
+        rows = int(np.prod(lead, dtype=np.int64)) * out_f
+        per = max(1, _BLOCK_BYTES // (words * 4))
+        parts = [where[f"{stored}.{s}"] for s in ("weight", "scales", "biases")]
+        for block, r0 in enumerate(range(0, rows, per)):
+            jobs.append({"kind": "quantized", "module": stored, "seed": seed, "block": block, "bits": bits,
+                         "r0": r0, "r1": min(rows, r0 + per), "words": words, "groups": groups,
+                         "std": spec.init.std(spec.shape),
+                         "pad_from": TOKENIZER_VOCAB_SIZE if name == "lm_head" else rows,
+                         "files": [f for f, _ in parts], "offsets": [o for _, o in parts]})
+    return jobs
+
+
+def write_mlx_checkpoint(
+    preset: Union[str, Preset],
+    out_dir: Union[str, os.PathLike],
+    *,
+    seed: int = 0,
+    tokenizer_dir: Union[str, os.PathLike, None] = None,
+    workers: Optional[int] = None,
+    shard_bytes: int = MLX_SHARD_BYTES,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> Path:
+    """Write a random-weight MLX 4-bit checkpoint of ``preset`` into ``out_dir`` directly:
+    no Hugging Face bf16 intermediate and no MLX-LM, streaming block by block (the full-size
+    preset, 19.5 GB, takes minutes and about 100 MB of memory per worker).
+
+    The result has the tensor table (names, shapes, dtypes), ``config.json``
+    (:func:`mlx_config`), ``model.safetensors.index.json`` (``total_size``,
+    ``total_parameters``, sorted ``weight_map``), shard names and tokenizer files of what
+    :func:`make_mlx_checkpoint` gets from the converter for the same preset
+    (tests/test_testing_factory.py compares them), but other weights:
+
+    * quantized linears (4 bits, the router and shared-expert gate 8, groups of 64): uniform
+      random codes, scales drawn +-20% around the value that gives the dequantized weights
+      the HF init's std (:func:`hf_tensor_specs`: fan-in, so activations stay O(1) and
+      the logits are not degenerate), biases centring them on 0; lm_head's rows past the
+      tokenizer get 1/100 of it, as in the HF init;
+    * the unquantized tensors (norms, conv, ``A_log``, ``dt_bias``): the HF checkpoint's
+      values of the same seed as MLX-LM stores them (norm offsets folded, conv axes moved).
+
+    Within a shard the tensors whose byte size is a multiple of 16 come first and the data
+    starts at a multiple of 64, so the full-size model's tensors are all 16-byte aligned and
+    the native devices map the files without lily.weight_cache's aligned copy.
+
+    Parameters
+    ----------
+    workers : int | None
+        Processes generating and writing blocks (default: the CPU count). The bytes do not
+        depend on it: every block's random stream is seeded by (seed, tensor, block).
+    shard_bytes : int
+        Bytes per ``model-0000k-of-0000n.safetensors`` shard (MLX-LM's 5 GiB by default;
+        one shard is named ``model.safetensors``).
+    progress : callable(done_bytes, total_bytes) | None
+        Called after each block.
+
+    Returns ``Path(out_dir)``. Raises :class:`ValueError` (unknown preset, no
+    ``tokenizer_dir``, workers < 1), :class:`FileExistsError` (non-empty ``out_dir``),
+    :class:`FileNotFoundError` (tokenizer files missing) or :class:`OSError` (disk full: the
+    files are sized before any data is written, so a full disk fails early).
+    """
+    p = _resolve_preset(preset)
+    if tokenizer_dir is None:
+        copy_tokenizer_files(None, ".")
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive integer, got {workers!r}")
+    out = Path(out_dir)
+    _prepare_empty_dir(out)
+    modules, tensors = _mlx_layout(p)
+    shards = _shard_plan(tensors, shard_bytes)
+    n = len(shards)
+    where: Dict[str, Tuple[str, int]] = {}
+    weight_map: Dict[str, str] = {}
+    for k, group in enumerate(shards, start=1):
+        fname = "model.safetensors" if n == 1 else f"model-{k:05d}-of-{n:05d}.safetensors"
+        header, offsets = _safetensors_header(group)
+        path = out / fname
+        with open(path, "wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(t.nbytes for t in group))
+        for t in group:
+            where[t.name] = (str(path), offsets[t.name])
+            weight_map[t.name] = fname
+    total = sum(t.nbytes for t in tensors)
+    jobs = _writer_jobs(p, seed, modules, where)
+    done = 0
+    if workers == 1:
+        results = map(_run_job, jobs)
+        pool = None
+    else:
+        import multiprocessing
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        pool = ctx.Pool(workers)
+        results = pool.imap_unordered(_run_job, jobs, chunksize=1)
+    try:
+        for nbytes in results:
+            done += nbytes
+            if progress is not None:
+                progress(done, total)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        for fd in _FDS.values():
+            os.close(fd)
+        _FDS.clear()
+    # mlx_lm.utils.get_total_parameters counts leaf modules only: the GDN mixer's own A_log
+    # and dt_bias are not counted
+    params = sum(int(np.prod(s, dtype=np.int64)) for _, n, s in modules if not n.endswith((".A_log", ".dt_bias")))
+    index = {"metadata": {"total_size": total, "total_parameters": params},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4))
+    (out / "config.json").write_text(json.dumps(mlx_config(p), indent=4))
+    (out / "generation_config.json").write_text(json.dumps(_GENERATION_CONFIG, indent=2) + "\n")
+    copy_tokenizer_files(tokenizer_dir, out)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m lily.lab.testing write --preset full --out DIR --tokenizer-dir TOK``: write a
+    random-weight MLX 4-bit checkpoint directly (:func:`write_mlx_checkpoint`)."""
+    import argparse
+    import time
+    ap = argparse.ArgumentParser(prog="python -m lily.lab.testing",
+                                 description="Random-weight qwen3_5_moe test checkpoints.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("write", help="write an MLX 4-bit checkpoint directly (no bf16 intermediate, no MLX-LM)")
+    w.add_argument("--preset", default="full", choices=sorted(PRESETS),
+                   help="dimensions (default: full, the real model's: about 19.5 GB)")
+    w.add_argument("--out", required=True, help="directory to create (must not exist or be empty)")
+    w.add_argument("--tokenizer-dir", required=True,
+                   help="folder with tokenizer.json[.xz], tokenizer_config.json, chat_template.jinja "
+                        "(the repository's tests/data/qwen3.5-moe-tokenizer)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--workers", type=int, default=None, help="processes (default: the CPU count)")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    last = [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] > 5 or done == total:
+            last[0] = now
+            print(f"  {done / 2**30:6.2f} / {total / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+
+    try:
+        out = write_mlx_checkpoint(args.preset, args.out, seed=args.seed, tokenizer_dir=args.tokenizer_dir,
+                                   workers=args.workers, progress=show)
+    except (ValueError, OSError) as e:
+        print(f"python -m lily.lab.testing write: {e}", file=sys.stderr)
+        return 1
+    size = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    print(f"wrote {out} ({args.preset}, {size / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
