@@ -373,16 +373,18 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
   const SamplingConfig& sc = seq.sampling;
   const bool bias = !sc.logit_bias.empty();
   const size_t vf = size_t(d.vocab_size) * f;
+  // the samplers see only the first V logits: the rows past the tokenizer's ids (padding) never win
+  const uint32_t V = sc.vocab_limit != 0 ? std::min(sc.vocab_limit, d.vocab_size) : d.vocab_size;
   if (sc.greedy_kernel()) {
     // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
     // slice, then one threadgroup reduces them and writes the token (no host round trip).
     // A logit bias is one more [V] read in the first stage (a kernel of its own).
-    const uint32_t parts = ceil_div(d.vocab_size, kArgmaxSlice);
+    const uint32_t parts = ceil_div(V, kArgmaxSlice);
     const size_t part_bytes = size_t(parts) * 2 * u32;
     Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
                bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
     partial.groups(tg(parts), tg(256)).in(0, *s.logits, 0, vf)
-        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice});
+        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{V, kArgmaxSlice});
     if (bias) partial.in(3, *seq.bias, 0, vf);
     partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
@@ -392,7 +394,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
-    args::SampleArgs sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
+    args::SampleArgs sa{V, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;

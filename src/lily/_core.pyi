@@ -408,6 +408,12 @@ class SamplingConfig:
     @top_logprobs.setter
     def top_logprobs(self, arg: int, /) -> None: ...
 
+    @property
+    def vocab_limit(self) -> int: ...
+
+    @vocab_limit.setter
+    def vocab_limit(self, arg: int, /) -> None: ...
+
     FIELDS: tuple[str, ...]
 
     @property

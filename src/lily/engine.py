@@ -257,6 +257,10 @@ class Engine:
         self.generation_defaults, gen_eos = _generation_settings(generation_config, path, self.config)
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
+        #: Ids a sampler may choose: the embedding's rows past the tokenizer's ids (Qwen3.5/3.6
+        #: pad 248,077 ids to 248,320 rows) decode to nothing, so no generation picks them
+        #: (:attr:`lily.sampling.SamplingParams.vocab_limit`). Prompts may still hold them.
+        self.sample_vocab: int = min(self.config.vocab_size, tokenizer.vocab_size)
         self._tokens: list[int] = []  # tokens whose effect is in the session state
         self.prompt_cache: PromptCache | None = PromptCache(DEFAULT_MAX_BYTES)
         self._im_start = tokenizer.token_to_id("<|im_start|>")
@@ -454,6 +458,8 @@ class Engine:
         base = params if params is not None else self.generation_defaults
         p = base.replace(**overrides) if overrides else base
         p.check_vocab(self.config.vocab_size)  # logit_bias ids: the one check needing the vocabulary
+        if self.sample_vocab < self.config.vocab_size and not 0 < p.vocab_limit <= self.sample_vocab:
+            p = p.replace(vocab_limit=self.sample_vocab)  # never an id without a token
         return p
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -477,7 +483,7 @@ class Engine:
         ids = [int(t) for t in prompt_ids]
         if self._im_start is not None and self._im_start in ids:  # only the last turn matters
             ids = ids[len(ids) - 1 - ids[::-1].index(self._im_start):]
-        return prompt_opens_reasoning(self.tokenizer.decode(ids))
+        return prompt_opens_reasoning(self.tokenizer.decode_lenient(ids))
 
     def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
         """Prepare the session for ``prompt_ids`` and return the tokens still to compute

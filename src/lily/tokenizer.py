@@ -420,6 +420,33 @@ class Tokenizer:
         self._bytes_cache[token_id] = data
         return data
 
+    def piece_bytes(self, token_id: int) -> bytes:
+        """:meth:`token_bytes`, or ``b""`` for an id this tokenizer has no token for.
+
+        A model's embedding may have more rows than the tokenizer has ids (Qwen3.5/3.6:
+        248,320 rows, 248,077 ids; the rest is padding). Lily's samplers never choose such
+        an id (:attr:`lily.sampling.SamplingParams.vocab_limit`); should one reach the text
+        anyway it decodes to nothing, as llama.cpp's unused padding tokens and vLLM's
+        detokenizer do, instead of failing the generation. Raises :class:`TokenizerError`
+        only for a value that is not an integer."""
+        try:
+            index = operator.index(token_id)
+        except TypeError:
+            raise TokenizerError(f"token id must be an int, got {type(token_id).__name__}") from None
+        if not 0 <= index < self._vocab_size:
+            return b""
+        cached = self._bytes_cache[index]
+        if cached is not None:
+            return cached
+        try:
+            return self.token_bytes(index)
+        except TokenizerError:  # an id in a gap of the vocabulary
+            return b""
+
+    def decode_lenient(self, ids: Iterable[int]) -> str:
+        """:meth:`decode` where ids without a token (:meth:`piece_bytes`) give no text."""
+        return b"".join(self.piece_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
     def detokenizer(self, *, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """Return a new :class:`IncrementalDetokenizer` over this tokenizer."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)

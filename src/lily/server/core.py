@@ -527,7 +527,7 @@ def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) 
     pass leaves an empty session.
     """
 
-    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
+    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0, vocab_limit=engine.sample_vocab))
     scored: list = [None]
 
     def score(rows) -> None:  # row j of a piece predicts the token after it
@@ -687,7 +687,7 @@ class ChatRun:
         stops = [s for s in (stops or ()) if s]
         if not stops or last is None or last.finish_reason != "stop" or not last.token_ids:
             return None
-        full = tokenizer.decode(self.token_ids)
+        full = tokenizer.decode_lenient(self.token_ids)
         rest = full[len(self.text):] if full.startswith(self.text) else full
         hits = [(rest.find(s), s) for s in stops if s in rest]
         return min(hits)[1] if hits else stops[0]

@@ -115,7 +115,7 @@ def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
 
 def chat_logprobs(tok, lps) -> list[dict]:
     def entry(tid: int, lp: float) -> dict:
-        b = tok.token_bytes(tid)
+        b = tok.piece_bytes(tid)
         return {"token": b.decode("utf-8", "replace"), "logprob": finite(lp), "bytes": list(b)}
 
     out = []
@@ -342,7 +342,7 @@ async def completions(req: CompletionRequest, request: Request):
                        code="invalid_value")
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="prompt", default=16)
     params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0, logit_bias=bias)
-    echo_text = tok.decode(ids) if req.echo else ""
+    echo_text = tok.decode_lenient(ids) if req.echo else ""  # a prompt may hold ids without a token
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
     job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None,
                        **({} if score_prompt else {"prompt_cache_key": cache_key(req)}))
@@ -354,10 +354,10 @@ async def completions(req: CompletionRequest, request: Request):
     def legacy_logprobs(lps, offset: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
-            s = tok.token_bytes(lp.token_id).decode("utf-8", "replace")
+            s = tok.piece_bytes(lp.token_id).decode("utf-8", "replace")
             out["tokens"].append(s)
             out["token_logprobs"].append(finite(lp.logprob))
-            out["top_logprobs"].append({tok.token_bytes(t).decode("utf-8", "replace"): finite(l)
+            out["top_logprobs"].append({tok.piece_bytes(t).decode("utf-8", "replace"): finite(l)
                                         for t, l in lp.top} if n_lp else None)
             out["text_offset"].append(offset)
             offset += len(s)
@@ -366,7 +366,7 @@ async def completions(req: CompletionRequest, request: Request):
     def echo_logprobs() -> dict:
         """The echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
         plps = job.prompt_logprobs
-        first = tok.token_bytes(ids[0]).decode("utf-8", "replace")
+        first = tok.piece_bytes(ids[0]).decode("utf-8", "replace")
         out = legacy_logprobs(plps[1:], len(first))
         return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
                 "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
