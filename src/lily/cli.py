@@ -10,7 +10,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -232,6 +234,8 @@ def _print_stats(ev, file=None) -> None:
     with their rates (and, when the prompt cache reused some, the prompt tokens cached and
     computed), the peak memory, why it ended."""
     t = ev.timings
+    if t is None:  # not a final event: nothing measured
+        return
     cached = getattr(ev, "cached_tokens", 0)
     reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
     busy = t.decode_gpu_busy
@@ -354,8 +358,8 @@ def cmd_chat(args) -> int:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
     engine = _load(args, lambda e: _system_prefix(e, args.system, None, kwargs) if args.system else [])
-    print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, "
-          "/reset to start over, /help for the commands.", file=sys.stderr)
+    print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, Ctrl-C to stop a "
+          "reply, /reset to start over, /help for the commands.", file=sys.stderr)
     _line_editing()
     last_turn = None  # the final event of the last reply (/stats)
     while True:
@@ -373,7 +377,8 @@ def cmd_chat(args) -> int:
         if command in ("/exit", "/quit"):
             return 0
         if command == "/help":
-            print("[empty line, Ctrl-D, /exit or /quit: quit; /reset: start a new conversation"
+            print("[empty line, Ctrl-D, /exit or /quit: quit; Ctrl-C: stop the reply (the chat goes on); "
+                  "/reset: start a new conversation"
                   + (" (the system prompt is kept)" if args.system else "")
                   + "; /stats: tokens of the last turn and the prompt cache"
                   + "; /help: this; start a message with // to send a leading /]", file=sys.stderr)
@@ -399,27 +404,64 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": user})
         reply, last = [], None
         printer = _ChatPrinter(engine, messages, kwargs)
-        try:
-            for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **overrides):
-                printer.feed(ev.text)
-                reply.append(ev.text)
-                last = ev
-            printer.finish(last.finish_reason if last else None)
-        except KeyboardInterrupt:
-            printer.finish()
-            print("\n[interrupted]", file=sys.stderr)
-        except ContextLengthError as e:
-            messages.pop()
-            print(f"[{e}; /reset to start over]", file=sys.stderr)
-            continue
+        with _CancelOnInterrupt() as stop:
+            events = engine.stream_chat(messages, chat_template_kwargs=kwargs, cancel=stop.cancel, **overrides)
+            try:
+                for ev in events:
+                    printer.feed(ev.text)
+                    reply.append(ev.text)
+                    last = ev
+            except KeyboardInterrupt:  # a second Ctrl-C: the generation is dropped at once
+                events.close()
+                last = None
+            except ContextLengthError as e:
+                messages.pop()
+                print(f"[{e}; /reset to start over]", file=sys.stderr)
+                continue
+        interrupted = stop.cancel.is_set()
+        printer.finish(last.finish_reason if last else None)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        if interrupted:
+            print("[interrupted]", file=sys.stderr)
+        if interrupted and not "".join(reply):
+            messages.pop()  # nothing was said: the turn did not happen
+        else:
+            messages.append({"role": "assistant", "content": "".join(reply)})
         last_turn = last
         if args.verbose and last is not None:
             _print_stats(last)
         if _context_full(engine, last):
             _context_notice(engine, "; /reset to start over")
+
+
+class _CancelOnInterrupt:
+    """While a reply streams, Ctrl-C (SIGINT) cancels the generation instead of raising: the
+    engine stops at its next decode step or prefill chunk with ``finish_reason="cancelled"``
+    (its session left consistent, its timings complete), and the chat goes on. A second
+    Ctrl-C raises KeyboardInterrupt as usual. Off the main thread (no signal handler can be
+    installed there) Ctrl-C keeps Python's behaviour."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self._old = None
+
+    def _handle(self, signum, frame):
+        if self.cancel.is_set():
+            raise KeyboardInterrupt
+        self.cancel.set()
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
 
 
 def _system_prefix(engine, system: str | None, tools: list | None, template_kwargs: dict | None = None) -> list[int]:
