@@ -158,6 +158,17 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_missing_model_path_is_one_message_in_every_command():
+    """Issue 29: `lily doctor --model nope` said "not a directory" (in its memory section,
+    exit 1 after the kernel checks) where `lily generate` said "the path does not exist".
+    Every command taking --model now says the same line, before doing anything."""
+    want = "lily: error: --model ./nope: the path does not exist\n"
+    for args in (("generate", "x"), ("chat",), ("info",), ("doctor",), ("serve",), ("estimate",),
+                 ("cache-prompt", "x.lilycache", "--system", "s")):
+        r = run(*args, "--model", "./nope")
+        assert (r.returncode, r.stderr) == (1, want), (args, r.stderr)
+
+
 _TOOL = {"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object"}}}
 
 

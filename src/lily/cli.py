@@ -29,7 +29,7 @@ from lily.weight_cache import default_dir
 # that the engine's commands never load it (tests/test_layering.py).
 
 _INT32_MAX = (1 << 31) - 1
-_SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
+_SERVE_DEPS = "fastapi and uvicorn, dependencies of Lily: reinstall it (pip install .) or pip install fastapi uvicorn"
 
 _EPILOG = """examples:
   lily doctor                                 # first thing on a new machine: checks GPU and kernels
@@ -37,7 +37,7 @@ _EPILOG = """examples:
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
-  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server (pip install ".[serve]")
+  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server
   lily cache-prompt system.lilycache --system-file system.txt --tools tools.json
   lily serve --prompt-cache-file system.lilycache   # every chat starts from the cached system prompt
   lily bench --model ~/models/Qwen3.6-35B-A3B-4bit --device metal   # vs MLX-LM (".[bench]")
@@ -114,7 +114,8 @@ _HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _check_model_path(model: str | None) -> None:
-    """A clear error for a --model that is not there (a local path or a Hugging Face repo id)."""
+    """A clear error for a --model that is not there (a local path or a Hugging Face repo id),
+    the same in every command (:func:`main` checks it first)."""
     if model is None or Path(model).expanduser().exists():
         return
     if _HF_REPO_ID.fullmatch(model) and not model.startswith((".", "~")):
@@ -144,7 +145,6 @@ def _load(args, conversation_start=None):
     ``conversation_start(engine)``: the tokens every conversation of this run starts with
     (``lily chat``: its system message); a file none of whose snapshots they begin with is
     reported in one line on stderr, dropped, and the run goes on without it."""
-    _check_model_path(args.model)
     options, flags = {}, []
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
@@ -669,7 +669,7 @@ def cmd_serve(args) -> int:
     try:
         from lily.server import serve  # an optional extra (fastapi, uvicorn)
     except ImportError as e:
-        print(f"lily serve needs the server extra: {_SERVE_EXTRA} ({e})", file=sys.stderr)
+        print(f"lily serve needs {_SERVE_DEPS} ({e})", file=sys.stderr)
         return 2
     engine = _load(args)
     try:
@@ -888,8 +888,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "
                                    "Responses, Anthropic Messages, and models, streaming or not, on "
                                    "127.0.0.1 unless --host says otherwise. One generation runs at a time; "
-                                   "others wait in a queue. Needs the serve extra: " + _SERVE_EXTRA
-                                   + ". See docs/server.md.")
+                                   "others wait in a queue. See docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -924,9 +923,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if getattr(args, "check", None):
-        args.check(args)  # usage errors exit 2, like argparse's own
     try:
+        _check_model_path(getattr(args, "model", None))  # every command with --model: one message
+        if getattr(args, "check", None):
+            args.check(args)  # usage errors exit 2, like argparse's own
         return args.func(args) or 0
     except LilyError as e:
         print(f"lily: error: {e}", file=sys.stderr)

@@ -80,6 +80,13 @@ METAL_BUILD_FIX = ("To build the GPU device: install Xcode and its Metal Toolcha
                    "`pip install . -Ccmake.define.LILY_METAL=ON`")
 
 
+def notice(msg: str) -> None:
+    """A one-line notice on stderr, written above a progress bar that is showing (tqdm's
+    ``write``: the bar is cleared, the line printed, the bar drawn again below it)."""
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stderr)
+
+
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -92,8 +99,7 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
             ignored = f"; device options ignored: {', '.join(sorted(options))}" if options else ""
             # on a Mac this is a build without the GPU device: say how to get one
             fix = f". {METAL_BUILD_FIX}" if sys.platform == "darwin" else ""
-            print(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}{fix}",
-                  file=sys.stderr)
+            notice(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}{fix}")
     if device == "reference":
         if options and not auto:
             what = "applies" if len(options) == 1 else "apply"
@@ -326,14 +332,19 @@ class Engine:
         bar = None
         if progress:
             from tqdm import tqdm  # only for an interactive load
-            bar = tqdm(total=3, desc=f"loading {path.name}", unit="step", leave=False)
+            # drawn at every step (the steps are few and fast: the default 0.1 s refresh
+            # interval left "0/3" showing), the steps named; notices are written above it
+            bar = tqdm(total=3, desc=f"loading {model_display_name(path)}", unit="step", leave=False,
+                       file=sys.stderr, mininterval=0, miniters=1, postfix="checkpoint")
         ck = open_checkpoint(path)
         if bar:
+            bar.set_postfix_str("tokenizer", refresh=False)
             bar.update(1)
         tok = Tokenizer.from_dir(path)
         generation_config = read_generation_config(path)
         _generation_settings(generation_config, path, ck.config)  # its errors before the device is set up
         if bar:
+            bar.set_postfix_str(f"device {device}", refresh=False)
             bar.update(1)
         limit = ck.config.max_position_embeddings
         if max_context is None:
