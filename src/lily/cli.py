@@ -64,7 +64,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults come from the checkpoint's generation_config.json)")
-    g.add_argument("--max-tokens", "-n", type=int, default=None, help="maximum tokens to generate (default 256)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="maximum tokens to generate (default 256; a chat reply 4096; either the checkpoint's "
+                        "max_new_tokens when it sets one, 256 for the demo model)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens; 0 or -1 disable")
     g.add_argument("--top-p", type=float, default=None,
@@ -293,6 +295,7 @@ def cmd_generate(args) -> int:
     engine = _load(args)
     printer = None
     if args.chat:
+        overrides.setdefault("max_tokens", engine.chat_max_tokens)
         kwargs = {"enable_thinking": False} if args.no_think else {}
         messages = [{"role": "user", "content": args.prompt}]
         printer = _ChatPrinter(engine, messages, kwargs)
@@ -358,6 +361,7 @@ def cmd_chat(args) -> int:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
     engine = _load(args, lambda e: _system_prefix(e, args.system, None, kwargs) if args.system else [])
+    overrides.setdefault("max_tokens", engine.chat_max_tokens)
     print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, Ctrl-C to stop a "
           "reply, /reset to start over, /help for the commands.", file=sys.stderr)
     _line_editing()
@@ -676,7 +680,9 @@ def cmd_serve(args) -> int:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
               model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level,
-              clamp_max_tokens=args.clamp_max_tokens)
+              clamp_max_tokens=args.clamp_max_tokens,
+              default_reasoning={"on": True, "off": False, None: None}[args.reasoning],
+              strip_billing_header=not args.keep_billing_header)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -901,11 +907,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse requests naming another model (404 model_not_found)")
     s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                   help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
+                   help="max tokens for chat and Responses requests that set none (default 4096, or the "
+                        "checkpoint's max_new_tokens: 256 for the demo model; completions follow OpenAI: 16)")
+    s.add_argument("--reasoning", choices=["on", "off"], default=None,
+                   help="whether requests that do not say think (default: the chat template's, on); each API's "
+                        "own field overrides it (chat_template_kwargs.enable_thinking or reasoning_effort, "
+                        "reasoning.effort, thinking)")
     s.add_argument("--clamp-max-tokens", action="store_true",
                    help="serve a request whose prompt + max_tokens exceeds the context with max_tokens capped to "
                         "the room left (default: HTTP 400 context_length_exceeded, as OpenAI's and Anthropic's "
                         "APIs); for agent tools that send a fixed limit larger than a local window")
+    s.add_argument("--keep-billing-header", action="store_true",
+                   help="keep the 'x-anthropic-billing-header: ... cch=<nonce>' line Claude Code puts first in "
+                        "the system prompt (default: dropped, since its nonce changes with every request and "
+                        "would defeat the prompt cache)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_cache_args(s)
     s.set_defaults(func=cmd_serve, check=lambda a: _check_serve(s, a))

@@ -32,6 +32,11 @@ from lily.tokenizer import Tokenizer
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
+#: The limit of a chat reply that sets none (the server's chat and Responses APIs, ``lily
+#: chat``, ``lily generate --chat``) unless the checkpoint's generation_config.json sets
+#: ``max_new_tokens``: room for Qwen3.6's thinking and an answer, about 40 s at 100 tok/s,
+#: bounded so that a model that never ends a reply does not run until the context is full.
+CHAT_MAX_TOKENS = 4096
 DEMO_MODEL_NAME = "lily-demo-shakespeare"
 
 
@@ -272,6 +277,14 @@ class Engine:
         self._im_start = tokenizer.token_to_id("<|im_start|>")
         self._snap_points: list[int] = []  # positions of the running prefill to snapshot
         self._cache_key: str | None = None  # the running request's prompt_cache_key
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """The default limit of a chat reply: the checkpoint's ``max_new_tokens`` (its
+        generation_config.json) when it sets one, else :data:`CHAT_MAX_TOKENS`."""
+        if self.generation_config.get("max_new_tokens") is not None:
+            return self.generation_defaults.max_tokens
+        return CHAT_MAX_TOKENS
 
     @property
     def name(self) -> str:
@@ -795,10 +808,11 @@ class Engine:
                     cancel: threading.Event | None = None, constraint: Constraint | None = None,
                     **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
-        added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
-        template rejects the messages, otherwise like :meth:`stream`."""
+        added; the switches as :meth:`lily.tokenizer.Tokenizer.chat_kwargs` completes them) and
+        stream the reply. Raises :class:`~lily.errors.TokenizerError` when the template
+        rejects the messages, otherwise like :meth:`stream`."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **(chat_template_kwargs or {}))
+                                                    **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
         return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
                            **overrides)
 
@@ -809,7 +823,7 @@ class Engine:
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
         prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **(chat_template_kwargs or {}))
+                                                    **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
         r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
                                       constraint=constraint, **overrides))
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,

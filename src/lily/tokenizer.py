@@ -27,7 +27,7 @@ import jinja2
 import tokenizers
 import tokenizers.decoders
 
-from lily.chat_template import compile_template, plain, prepare_messages, tool_call_arguments
+from lily.chat_template import compile_template, plain, prepare_messages, template_variables, tool_call_arguments
 from lily.detokenizer import IncrementalDetokenizer
 from lily.errors import TokenizerError
 
@@ -492,6 +492,26 @@ class Tokenizer:
             f"{self._template_source}: several chat templates "
             f"({', '.join(sorted(self._templates))}) and none named 'default'"
         )
+
+    def chat_kwargs(self, template_kwargs: Mapping[str, Any] | None, tools: Any = None) -> dict:
+        """``template_kwargs`` as Lily renders a chat with them (the engine's and the
+        server's chats; :meth:`apply_chat_template` itself renders as transformers does).
+
+        With thinking off (``enable_thinking=False``), a template with Qwen3.6's
+        ``preserve_thinking`` switch that the caller left unset gets ``preserve_thinking=True``:
+        earlier assistant turns are then rendered as they were generated, after the empty
+        ``<think>\n\n</think>\n\n`` block that the generation prompt put before them, where the
+        template's default renders them without it. A conversation's next request then
+        extends the previous one token for token through the previous reply, so the prompt
+        cache reuses the reply instead of computing it again every turn (QwenLM/Qwen3 issue
+        1826; Qwen3.8's template keeps the blocks by default). With thinking on, the
+        template's default stands (earlier turns' reasoning is dropped, as Qwen trained it).
+        """
+        kwargs = dict(template_kwargs or {})
+        if kwargs.get("enable_thinking") is False and "preserve_thinking" not in kwargs and self._templates:
+            if "preserve_thinking" in template_variables(self._templates[self._select_template(tools)]):
+                kwargs["preserve_thinking"] = True
+        return kwargs
 
     def apply_chat_template(
         self,

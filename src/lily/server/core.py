@@ -99,7 +99,8 @@ class ServerState:
 
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
                  default_max_tokens: int | None, strict_model_name: bool = False,
-                 clamp_max_tokens: bool = False):
+                 clamp_max_tokens: bool = False, default_reasoning: bool | None = None,
+                 strip_billing_header: bool = True):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
@@ -107,8 +108,13 @@ class ServerState:
         self.api_key = api_key
         self.worker = Worker(max_queue)
         self.created = int(time.time())
-        self.default_max_tokens = default_max_tokens
+        # without a request limit: the server's, else the engine's chat default (a stand-in
+        # engine without one: until the context is full)
+        self.default_max_tokens = default_max_tokens if default_max_tokens is not None else \
+            getattr(engine, "chat_max_tokens", None)
         self.clamp_max_tokens = clamp_max_tokens
+        self.default_reasoning = default_reasoning
+        self.strip_billing_header = strip_billing_header
 
     def begin_shutdown(self) -> None:
         """Take no more generations and end the running and queued ones now: their requests
@@ -126,6 +132,25 @@ class ServerState:
             job.abort(shutdown_error())
 
     # -- request checks ------------------------------------------------------------------
+
+    def defaults_line(self) -> str:
+        """The request defaults in one line (``lily serve``'s start-up log)."""
+        cap = "until the context is full" if self.default_max_tokens is None else str(self.default_max_tokens)
+        thinking = {None: "on (the chat template's default)", True: "on", False: "off"}[self.default_reasoning]
+        return (f"requests without a limit: max_tokens {cap} (chat, Responses), 16 (completions); reasoning "
+                f"{thinking} unless a request says (--default-max-tokens N, --reasoning on|off change them)")
+
+    def thinking_kwargs(self, requested: bool | None, forced: bool) -> dict:
+        """The chat template's ``enable_thinking`` for a request (``{}``: the template's own
+        default, on for Qwen3.6). ``requested`` is what the request's own field asks
+        (Anthropic's ``thinking``, OpenAI's ``reasoning_effort`` / ``reasoning.effort``,
+        ``chat_template_kwargs.enable_thinking``; None: nothing) and wins. Otherwise a
+        request that forces the shape of its output (``forced``: a forced tool call or a
+        JSON response format) does not think, as Anthropic's API has it for forced tool
+        use: its answer is due at once rather than after thinking that may spend the whole
+        ``max_tokens``. Otherwise the server's default (``lily serve --reasoning``)."""
+        on = requested if requested is not None else False if forced else self.default_reasoning
+        return {} if on is None else {"enable_thinking": on}
 
     def check_model(self, name: str | None, lookup: bool = False) -> None:
         """404 ``model_not_found`` for a model name other than the one served, when the
@@ -252,7 +277,8 @@ class ServerState:
         tok = self.engine.tokenizer
 
         def render():
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                           **tok.chat_kwargs(kwargs, tools))
             check_unicode(text, param)
             return text, tok.encode(text)
 
@@ -779,11 +805,20 @@ class BlockSequencer:
 # ----------------------------------------------------------------------------------------
 
 
-def effort_template_kwargs(effort) -> dict:
-    """The chat template's switches for an OpenAI reasoning effort (Chat Completions'
-    ``reasoning_effort``, the Responses API's ``reasoning.effort``): ``"none"`` turns the
-    reasoning block off; Qwen3.6 has no levels, so every other value leaves it on."""
-    return {"enable_thinking": False} if effort == "none" else {}
+def effort_thinking(effort) -> bool | None:
+    """An OpenAI reasoning effort (Chat Completions' ``reasoning_effort``, the Responses
+    API's ``reasoning.effort``) as the request's thinking switch for
+    :meth:`ServerState.thinking_kwargs`: ``"none"`` asks for no reasoning (False); Qwen3.6 has
+    no levels, so every other value asks for it (True); absent (None) asks for nothing."""
+    if effort is None:
+        return None
+    return effort != "none"
+
+
+def forces_format(response_format) -> bool:
+    """Whether a ``response_format`` (chat) or ``text.format`` (Responses) fixes the answer's
+    shape (``json_object``, ``json_schema``; ``text`` does not)."""
+    return isinstance(response_format, dict) and response_format.get("type", "text") != "text"
 
 
 def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:
