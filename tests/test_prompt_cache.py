@@ -460,7 +460,7 @@ def test_cli_cache_prompt_tools_are_reused_by_a_chat_request(tmp_path):
 def test_agent_bench_scenario(cold):
     """`lily bench --agent` on a small conversation: every later turn computes only its new
     tokens plus the generation prompt's header, and the outputs equal the cold runs."""
-    from lily import agent_bench
+    from lily.lab import agent_bench
     rep = agent_bench.run(Engine.load(), cold, system_tokens=64, turns=2, turn_tokens=40, max_tokens=2, tools=1)
     later = rep["turns"][1:]
     assert all(r["computed"] <= r["new_tokens"] + 5 and r["reuse"] >= 0.95 for r in later)
