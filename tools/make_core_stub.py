@@ -27,6 +27,9 @@ def main() -> None:
     text = text.replace("    FIELDS: tuple = ...", "    FIELDS: tuple[str, ...]")
     # sim_device validates `threads` itself (an int, not a bool), so it is bound untyped
     text = text.replace("threads: object | None = None", "threads: int | None = None")
+    # struct -> (size, ((field, "uint" | "float", byte offset, count), ...)); name -> value
+    text = text.replace("KERNEL_ARGS: dict = ...", "KERNEL_ARGS: dict[str, tuple[int, tuple[tuple[str, str, int, int], ...]]]")
+    text = text.replace("CONSTANTS: dict = ...", "CONSTANTS: dict[str, int | float]")
     if "def metal_device(" not in text:
         text = text.rstrip("\n") + "\n" + METAL_DEVICE
     OUT.write_text(text)

@@ -6,12 +6,12 @@
 #include "runtime/cost.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 #include "runtime/kernel_args.h"
+#include "runtime/kernel_names.h"
 
 namespace lily::runtime {
 
@@ -74,15 +74,8 @@ bool ends(const std::string& s, const char* p) {
   const size_t n = std::strlen(p);
   return s.size() >= n && s.compare(s.size() - n, n, p) == 0;
 }
-// The number after `key` in a templated host name ("attn_prefill_d256_g4", "_d" -> 256).
-uint32_t param(const std::string& name, const char* key) {
-  const size_t n = std::strlen(key);
-  for (size_t at = name.find(key); at != std::string::npos; at = name.find(key, at + 1)) {
-    if (at + n < name.size() && std::isdigit(static_cast<unsigned char>(name[at + n])))
-      return uint32_t(std::stoul(name.substr(at + n)));
-  }
-  throw std::invalid_argument(name + ": no '" + key + "<number>' parameter in the kernel name");
-}
+// A templated kernel's parameter ("attn_prefill_d256_g4", "_d" -> 256; kernel_names.h).
+uint32_t param(const std::string& name, const char* key) { return kernel_param(name, key[1]); }
 
 // The argument struct T of the record (the inline bytes of T's size).
 template <class T>

@@ -20,15 +20,8 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kGemvThreads = 64;            // 2 simdgroups
-constexpr uint32_t kGemvRowsPerSimdgroup = 4;    // gemv_q*, moe_down_q4 (metal/common.h)
-constexpr uint32_t kGemvRowsPerGroup = kGemvRowsPerSimdgroup * kGemvThreads / 32;
-// norm_gemv_q* rows per simdgroup (NormGemvArgs): 8 for the wide projections and lm_head,
-// 1 for the 257-row router so that it spans ~130 threadgroups instead of 17.
-constexpr uint32_t kNormGemvRows = 8;
-constexpr uint32_t kRouterRows = 1;
-constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
-constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
+constexpr uint32_t kGemvRowsPerGroup = args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
+constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
 
 }  // namespace
 
@@ -103,21 +96,20 @@ void DecodePlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   const ModelDims& d = d_;
   w_ = &weights;
   DecodeKernels& k = kernels_;
-  const std::string attn_suffix = "_d" + std::to_string(d.head_dim) + "_g" + std::to_string(attn_heads_);
-  k.embed_norm_gemv = &dev.pipeline("embed_norm_gemv_q4");
+  k.embed_norm_gemv = &dev.pipeline(kernel_name("embed_norm_gemv", {{'q', 4}}));
   k.norm_gemv = ByBits(dev, "norm_gemv", "", {4, 8});
   k.gemv_add = ByBits(dev, "gemv", "_add", {4});
   k.gemv_gated_add = ByBits(dev, "gemv_gated", "_add", {4});
   if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
     throw gpu::UsageError("gdn_decode_step: linear_value_head_dim must be a multiple of 32 and of 4 x the splits");
-  const std::string gdn_suffix = "_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                                 std::to_string(d.linear_value_head_dim);
-  k.gdn_step = &dev.pipeline("gdn_decode_step" + gdn_suffix);
-  k.gdn_writeback = &dev.pipeline("gdn_state_writeback" + gdn_suffix);
-  k.attn = &dev.pipeline("attn_decode_fused" + attn_suffix);
+  const std::vector<KernelParam> gdn = {{'k', d.linear_key_head_dim}, {'v', d.linear_value_head_dim}};
+  k.gdn_step = &dev.pipeline(kernel_name("gdn_decode_step", gdn));
+  k.gdn_writeback = &dev.pipeline(kernel_name("gdn_state_writeback", gdn));
+  const std::vector<KernelParam> attn = {{'d', d.head_dim}, {'g', attn_heads_}};
+  k.attn = &dev.pipeline(kernel_name("attn_decode_fused", attn));
   if (uses_split_attention(opt_.max_context - 1)) {
-    k.attn_split = &dev.pipeline("attn_decode_split_fused" + attn_suffix);
-    k.attn_combine = &dev.pipeline("attn_combine_d" + std::to_string(d.head_dim));
+    k.attn_split = &dev.pipeline(kernel_name("attn_decode_split_fused", attn));
+    k.attn_combine = &dev.pipeline(kernel_name("attn_combine", {{'d', d.head_dim}}));
   }
   k.moe_gate_up = &dev.pipeline("moe_route_gate_up_swiglu_q4");
   k.moe_down = &dev.pipeline("moe_down_q4");
@@ -204,7 +196,8 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
       op.in(base, pr.w, &t.weight_bytes).out(base + 3, *pr.out, pr.offset, size_t(pr.rows) * f);
       t.other_bytes += size_t(pr.rows) * f;
     }
-    for (; m < 4; ++m) {  // unused slot: bound (every argument must be), nothing declared
+    // unused slot: bound (every argument must be), nothing declared
+    for (; m < args::kNormGemvMaxMatrices; ++m) {
       const uint32_t base = 3 + 4 * m;
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
@@ -354,7 +347,7 @@ void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceS
     Op op(kernels_.norm_gemv[model.lm_head.bits], "final norm + lm_head");
     op.in(0, x, offset, H * f).in(1, *model.final_norm, &t.weight_bytes).bind(2, *s.xn)
         .in(3, model.lm_head, &t.weight_bytes).out(6, *s.logits, 0, size_t(d.vocab_size) * f);
-    for (uint32_t m = 1; m < 4; ++m) {
+    for (uint32_t m = 1; m < args::kNormGemvMaxMatrices; ++m) {
       const uint32_t base = 3 + 4 * m;
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }

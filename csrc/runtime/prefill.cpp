@@ -198,38 +198,37 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   w_ = &weights;
   PrefillKernels& k = kernels_;
   const std::string path = tensor_ops_ ? "_tensor" : "";
-  const std::string Ds = "_d" + std::to_string(d.head_dim);
-  const std::string attn_suffix = Ds + "_g" + std::to_string(attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads));
-  k.embed_rows = &dev.pipeline("embed_rows_q4");
+  const uint32_t D = d.head_dim, G = attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads);
+  k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
   k.gemm_add_hs = ByBits(dev, "gemm", "_add_hs" + path, {4});
   k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
-  k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                             std::to_string(d.linear_value_head_dim) + "_r" +
-                             std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
-  k.gdn_norm_scale = &dev.pipeline("gdn_norm_scale_v" + std::to_string(d.linear_value_head_dim) + "_r" +
-                                    std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
+  const uint32_t Dv = d.linear_value_head_dim, RV = gdn_scan_rows(Dv);
+  k.gdn_scan = &dev.pipeline(kernel_name("gdn_scan", {{'k', d.linear_key_head_dim}, {'v', Dv}, {'r', RV}}));
+  k.gdn_norm_scale = &dev.pipeline(kernel_name("gdn_norm_scale", {{'v', Dv}, {'r', RV}}));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   // the tensor-op attention (its own switch: bfloat operands) reads q as bfloat * scale in
   // its own layout (attn_prefill_prep_d<D>_qbf)
   const std::string attn_path = tensor_attention_ ? "_tensor" : "";
-  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_attention_ ? "_qbf" : ""));
-  k.attn = &dev.pipeline("attn_prefill" + attn_suffix + attn_path);  // attention_prefill_tensor.metal
+  k.attn_prep = &dev.pipeline(kernel_name("attn_prefill_prep", {{'d', D}}, tensor_attention_ ? "_qbf" : ""));
+  // attention_prefill_tensor.metal on the tensor path
+  k.attn = &dev.pipeline(kernel_name("attn_prefill", {{'d', D}, {'g', G}}, attn_path));
   if (splits_attention()) {
-    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + attn_path);
-    k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
+    k.attn_split = &dev.pipeline(kernel_name("attn_prefill_split", {{'d', D}, {'g', G}}, attn_path));
+    k.attn_combine = &dev.pipeline(kernel_name("attn_prefill_combine", {{'d', D}}));
   }
   k.route_clear = &dev.pipeline("moe_route_clear");
   k.route_topk = &dev.pipeline("moe_route_topk");
   k.route_scatter = &dev.pipeline("moe_route_scatter");
-  k.shared_gate_up = &dev.pipeline("gemm_swiglu_q4" + path);
+  k.shared_gate_up = &dev.pipeline(kernel_name("gemm_swiglu", {{'q', 4}}, path));
   for (uint32_t T : kExpertTileRows) {
     if (!expert_tile_available(T)) continue;
-    k.experts_gate_up[tile_index(T)] = &dev.pipeline("moe_gemm_gate_up_q4_t" + std::to_string(T) + path);
-    k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
+    k.experts_gate_up[tile_index(T)] =
+        &dev.pipeline(kernel_name("moe_gemm_gate_up", {{'q', 4}, {'t', T}}, path));
+    k.experts_down[tile_index(T)] = &dev.pipeline(kernel_name("moe_gemm_down", {{'q', 4}, {'t', T}}, path));
   }
   k.moe_combine = &dev.pipeline("moe_combine");
   k.moe_combine_norm = &dev.pipeline("moe_combine_norm");

@@ -200,6 +200,22 @@ def gpu_family(device: Device) -> str:
     The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).
     """
 
+KERNEL_ARGS: dict[str, tuple[int, tuple[tuple[str, str, int, int], ...]]]
+
+CONSTANTS: dict[str, int | float]
+
+def kernel_name(base: str, suffix: str = '', **params) -> str:
+    """
+    A templated kernel's host name (csrc/runtime/kernel_names.h): base, '_<key><value>' per keyword in
+    order, then suffix: kernel_name('gdn_scan', k=128, v=128, r=32) == 'gdn_scan_k128_v128_r32'.
+    """
+
+def kernel_params(name: str) -> dict:
+    """
+    The template parameters in a kernel's host name, by key: kernel_params('attn_prefill_d256_g4_tensor')
+    == {'d': 256, 'g': 4} (csrc/runtime/kernel_names.h).
+    """
+
 def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
     """
     Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).

@@ -12,7 +12,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.harness import DEPTH, U, half_stored, to_bf16_bits  # noqa: E402
@@ -35,7 +35,7 @@ def test_rms_norm(dev, rows, n, tg):
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     eps = 1e-6
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
-    args = constant(n) + np.float32(eps).tobytes()
+    args = pack_args("NormArgs", n=n, eps=eps)
     run_bound(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
@@ -50,7 +50,7 @@ def test_rms_norm_in_place(dev):
     x = rng.standard_normal(n).astype(np.float32)
     w = to_bf16_bits(rng.standard_normal(n))
     X, Wt = upload(dev, x), upload(dev, w)
-    run_bound(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
+    run_bound(dev, "rms_norm", 1, 256, [X, Wt, X], pack_args("NormArgs", n=n, eps=1e-6), reads=[X, Wt], writes=[X])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
     assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
@@ -68,7 +68,7 @@ def test_rms_norm_half(dev, rows, n, tg):
     w = to_bf16_bits(wf)
     eps = 1e-6
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(2 * rows * n)
-    run_bound(dev, "rms_norm_half", rows, tg, [X, Wt, O], constant(n) + np.float32(eps).tobytes(),
+    run_bound(dev, "rms_norm_half", rows, tg, [X, Wt, O], pack_args("NormArgs", n=n, eps=eps),
               reads=[X, Wt], writes=[O], label="rms_norm_half")
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)

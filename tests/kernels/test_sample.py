@@ -23,14 +23,14 @@ import math
 
 import numpy as np
 from seeding import fresh_rng
-from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32  # noqa: F401
 import pytest
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import sample as twins  # noqa: E402
@@ -53,7 +53,7 @@ def test_sample_greedy(dev, V):
         logits[[V // 3, V // 2, V - 1]] = logits.max() + 1  # ties -> lowest index
         logits[V // 4] = np.nan                            # NaN never wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, constant(V))],
+    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=V))],
         reads=[L], writes=[TOK])
     want = int(np.nanargmax(logits))
     assert download(TOK, np.uint32)[0] == want

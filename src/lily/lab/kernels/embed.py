@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lily.lab.device import constant, download, upload
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import U, check, magnitude, rand_quant, ratio, run_bound, upload_q
 
 
@@ -15,8 +15,8 @@ def _embed(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     tok = int(rng.integers(vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
-    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
-         threadgroups=False)
+    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+              reads=[W, S, B, T], writes=[O], threadgroups=False)
     return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
                  f"{kernel} row {tok}")
 
@@ -28,8 +28,8 @@ def _embed_rows(dev, rng, kernel):
     toks = rng.integers(0, vocab, M).astype(np.uint32)
     W, S, B = upload_q(dev, qt)
     T, O = upload(dev, toks), dev.buffer(4 * M * cols)
-    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
-         threadgroups=False)
+    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+              reads=[W, S, B, T], writes=[O], threadgroups=False)
     want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
     tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
     return ratio(download(O, np.float32, (M, cols)), want, tol, f"{kernel} {M} rows")

@@ -7,14 +7,16 @@ import types
 
 import numpy as np
 
+from lily import _core
+from lily._core import kernel_name, kernel_params
 from lily.checkpoint import gdn_state_floats
-from lily.lab.device import download, upload
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gdn import (
     GDN_DECODE_SPLITS, gdn_decode_dispatch, gdn_folded, gdn_gated_norm32, gdn_ring_entry, gdn_rows,
     gdn_state_bytes, gdn_state_parts,
 )
 from lily.lab.kernels.harness import (
-    HALF_MAX, U, StubOracle, args_bytes, bf16_bits, check, f32, from_bf16, half_operand, ratio,
+    HALF_MAX, U, StubOracle, bf16_bits, check, f32, from_bf16, half_operand, ratio,
 )
 from lily.reference import l2_norm, sigmoid, silu
 
@@ -32,7 +34,7 @@ def gdn_stored(want, tol, f=None):
     return want, tol + 3.01 * 2.0**-11 * (np.abs(want) + tol) + 3 * 2.0**-25
 
 
-GDN_SCAN_FOLD = 2.0**-40  # gdn_scan folds its pending decay once c * g < this (kGdnScanFold)
+GDN_SCAN_FOLD = _core.CONSTANTS["kGdnScanFold"]  # gdn_scan folds its pending decay once c * g < this
 
 
 GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
@@ -40,9 +42,9 @@ GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
     "dims": (2, 4, 128, 128),
     "tiny": (2, 4, 32, 32),
 }
-GDN_K = 4          # conv taps (the model's and every preset's linear_conv_kernel_dim)
+GDN_K = _core.CONSTANTS["kGdnConvTaps"]  # conv taps (the model's and every preset's linear_conv_kernel_dim)
 GDN_EPS = 1e-6     # rms_norm_eps and the L2-norm eps
-GDN_SCAN_LANES = 4  # lanes per state row of gdn_scan (kGdnScanLanesPerRow, metal/prefill_args.h)
+GDN_SCAN_LANES = _core.CONSTANTS["kGdnScanLanesPerRow"]  # lanes per state row of gdn_scan
 SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
@@ -80,10 +82,10 @@ class GdnPrefillLayer:
         self.S = dev.buffer(gdn_state_floats(Hv, Dv, Dk) * 4)  # S' then c
         # the library's scan for these dims; its name gives RV, the state rows per threadgroup
         self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
-        self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
+        self.RV = kernel_params(self.scan_kernel)["r"]
         self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
-        self.norm_kernel = f"gdn_norm_scale_v{Dv}_r{self.RV}"
-        self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
+        self.norm_kernel = kernel_name("gdn_norm_scale", v=Dv, r=self.RV)
+        self.decode_kernel = kernel_name("gdn_decode_step", k=Dk, v=Dv)
         self.ring = dev.buffer(gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)  # bound; every step writes back
 
     # ---- state and inputs
@@ -132,6 +134,10 @@ class GdnPrefillLayer:
                 rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
     # ---- encoders (declared ranges as the runtime will declare them)
+    def scan_args(self, M):
+        return pack_args("GdnScanArgs", num_k_heads=self.Hk, num_v_heads=self.Hv, rows=M, norm_eps=GDN_EPS,
+                         l2_eps=GDN_EPS)
+
     def encode_scan(self, p, qkv, cin, z, b, a, outs, M):
         """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u (half) and the
         splits' sums of y^2 (fp32)) then gdn_norm_scale (the splits' half factors), as the
@@ -142,18 +148,18 @@ class GdnPrefillLayer:
         p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * GDN_SCAN_LANES, 1, 1),
                    buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O]))
                    + [(10, z[0]), (11, self.W[3]), (12, SS)],
-                   constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   constants=[(9, self.scan_args(M))],
                    reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S, z[1], self.W[3]],
                    writes=[self.S, o_rng, ss_rng], threadgroups=True, label=self.scan_kernel)
         p.dispatch(self.norm_kernel, -(-M * self.Hv // 256), 256, buffers=[(0, SS), (1, F)],
-                   constants=[(2, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
+                   constants=[(2, self.scan_args(M))],
                    reads=[ss_rng], writes=[f_rng], threadgroups=True, label=self.norm_kernel)
 
     def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
         """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
         tail = min(M, GDN_K - 1) * self.C * 4  # declared: only the last K-1 rows it copies
         p.dispatch("gdn_conv_state", -(-self.C // tg), tg,
-                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, args_bytes(self.C, M))],
+                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, pack_args("GdnConvStateArgs", conv_dim=self.C, rows=M))],
                    reads=[(qkv[0], M * self.C * 4 - tail, tail), cin], writes=[cout], threadgroups=True,
                    label="gdn_conv_state")
 

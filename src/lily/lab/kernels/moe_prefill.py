@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from lily.lab.device import constant, download, upload
+from lily._core import kernel_params
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
 from lily.lab.kernels.harness import (
     U, Mismatch, check, half_activations, half_stored, rand_quant, ratio, run_encoder, to_bf16_bits, upload_q,
@@ -31,7 +30,8 @@ def route_tg(E):
 
 
 def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
-    return constant(M, E, k, int(norm), block_rows, tile_rows)
+    return pack_args("MoeRoutePrefillArgs", rows=M, experts=E, top_k=k, norm_topk=norm, block_rows=block_rows,
+                     tile_rows=tile_rows)
 
 
 def nblocks(M, R):
@@ -124,11 +124,16 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
                threadgroups=True, label="moe_route_scatter")
 
 
+def combine_args(M, H, k) -> bytes:
+    """MoeCombineArgs of M rows of width H with k routed experts each."""
+    return pack_args("MoeCombineArgs", rows=M, hidden=H, top_k=k)
+
+
 def enc_combine(p, h, yx, w, M, H, k, tg=64):
     """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], w fp32 [M, k+1] (its last
     column, the shared gate, is not read: the shared expert is already in h)."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
-               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, constant(M, H, k))],
+               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, combine_args(M, H, k))],
                reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1))],
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
@@ -145,7 +150,7 @@ def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
     [H]); one threadgroup of tg threads per row."""
     p.dispatch("moe_combine_norm", M, tg,
                buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
-               constants=[(3, constant(M, H, k)), (6, constant(H) + np.float32(eps).tobytes())],
+               constants=[(3, combine_args(M, H, k)), (6, pack_args("NormArgs", n=H, eps=eps))],
                reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1)), (nw, 0, 2 * H)],
                writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
 
@@ -199,7 +204,7 @@ def tile_buffers(dev, tiles, count, M, E, k, T):
 
 
 def moe_args(n, k, M, top_k, E, lda, ldy, tile_rows):
-    return constant(n, k, M, top_k, E, lda, ldy, tile_rows)
+    return pack_args("MoeGemmArgs", n=n, k=k, m=M, top_k=top_k, experts=E, lda=lda, ldy=ldy, tile_rows=tile_rows)
 
 
 def _map_ranges(TL, TC, max_tiles, cls):
@@ -326,7 +331,7 @@ def _moe_combine(dev, rng, kernel):
 
 def _grouped(kernel):
     """(tile height T) of a grouped GEMM kernel name (..._t16, ..._t32_tensor)."""
-    return int(re.search(r"_t(\d+)", kernel).group(1))
+    return kernel_params(kernel)["t"]
 
 
 def _moe_rows(T):

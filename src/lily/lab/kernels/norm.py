@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from lily.checkpoint import bf16_to_f32
-from lily.lab.device import constant, download, upload
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import DEPTH, HALF_MAX, U, check, half_stored, ratio, run_bound, to_bf16_bits
 
 
@@ -26,7 +26,7 @@ def _rms_norm(dev, rng, kernel):
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer((2 if half else 4) * rows * n)
-    run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    run_bound(dev, kernel, rows, 64, [X, Wt, O], pack_args("NormArgs", n=n, eps=eps), reads=[X, Wt], writes=[O])
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     tol = DEPTH * U * np.abs(want) + 1e-30

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from lily.lab.device import constant, download, upload
-from lily.lab.kernels.harness import Mismatch, args_bytes, check, f32, run_bound
+from lily.lab.device import download, pack_args, upload
+from lily.lab.kernels.harness import Mismatch, check, f32, run_bound
 from lily.sampling import Sampler, SamplingParams
 
 
@@ -48,10 +48,11 @@ def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
 
 
 def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
-    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
-                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
-                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
-                      int(update_counts), int(bool(p.logit_bias)))
+    return pack_args("SampleArgs", vocab=V, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                     repetition_penalty=p.repetition_penalty, seed_lo=seed & 0xFFFFFFFF,
+                     seed_hi=(seed >> 32) & 0xFFFFFFFF, logprobs=logprobs, top_logprobs=p.top_logprobs,
+                     update_counts=update_counts, bias=bool(p.logit_bias))
 
 
 def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
@@ -134,7 +135,7 @@ def _sample_greedy(dev, rng, kernel):
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run_bound(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    run_bound(dev, kernel, 1, 1024, [L, TOK], pack_args("SampleGreedyArgs", vocab=V), reads=[L], writes=[TOK])
     got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
@@ -164,10 +165,10 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
     cb = dev.command_buffer()
     p = cb.compute_pass()
     p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
-               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, constant(V, slice_))],
+               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, pack_args("ArgmaxArgs", vocab=V, slice=slice_))],
                reads=[L, *B], writes=[PART], threadgroups=True)
     p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
-               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
+               constants=[(2, pack_args("ArgmaxArgs", vocab=parts, slice=0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
     return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
