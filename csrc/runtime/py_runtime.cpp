@@ -150,6 +150,12 @@ void bind_runtime(nb::module_& m) {
   }, "hk"_a, "hv"_a, "dk"_a, "dv"_a,
         "Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates "
         "(metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).");
+  // The cost table's execution paths and latency kinds, in its order (cost.h Path, Lat).
+  nb::list paths, latencies;
+  for (int p = 0; p < kPaths; ++p) paths.append(path_name(Path(p)));
+  for (int k = 0; k < kLats; ++k) latencies.append(lat_name(Lat(k)));
+  m.attr("COST_PATHS") = nb::tuple(paths);
+  m.attr("LATENCY_KINDS") = nb::tuple(latencies);
   m.def("dispatch_costs", [](const gpu::CommandBuffer& cb) {
     nb::list out;
     for (const auto& r : cb.counters().log) out.append(runtime_record_dict(r));

@@ -221,6 +221,10 @@ def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
     Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).
     """
 
+COST_PATHS: tuple = ...
+
+LATENCY_KINDS: tuple = ...
+
 def dispatch_costs(command_buffer: CommandBuffer) -> list:
     """
     The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry
