@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/gdn.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -38,9 +39,7 @@ DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
   if (d.linear_key_head_dim != d.linear_value_head_dim ||
       (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
     throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
-  const auto ring = args::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads, d.linear_key_head_dim,
-                                   d.linear_value_head_dim);
-  ring_entry_bytes_ = size_t(ring.entry) * sizeof(float);
+  ring_entry_bytes_ = GdnShape::of(d).ring_entry_bytes();
 }
 
 bool DecodePlan::uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
@@ -123,17 +122,12 @@ void DecodePlan::encode_state_writeback(gpu::CommandBuffer& cmd, SequenceState& 
   const ModelDims& d = d_;
   if (pending == 0 || pending > ring_capacity())
     throw std::logic_error("encode_state_writeback: " + std::to_string(pending) + " pending steps");
-  const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
   gpu::ComputePass& pass = cmd.compute_pass();
   for (const Layer& layer : w_->layers) {
     if (layer.full_attention) continue;
     const uint32_t l = layer.index;
-    Op(*kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
-        .groups(gpu::Size3{Hv, kGdnDecodeSplits, 1}, gpu::Size3{Dv / kGdnDecodeSplits * 8, 1, 1})
-        .inout(0, *seq.state[l], 0, d.gdn_state_floats() * sizeof(float))
-        .in(1, *seq.ring[l], 0, pending * ring_entry_bytes_)
-        .args(2, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending, 1})
-        .run(pass);
+    encode_gdn_state_writeback(pass, *kernels_.gdn_writeback, labels_(l, "gdn state write-back"),
+                               GdnShape::of(d), *seq.state[l], *seq.ring[l], kGdnDecodeSplits, pending);
   }
   pass.end();
 }
@@ -220,32 +214,13 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
                                     {g.in_proj_a, s.a.get(), 0, Hv}},
                 false, kNormGemvRows,
                 labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
-      gpu::Buffer& conv_in = *seq.conv[position % 2][l];
-      gpu::Buffer& conv_out = *seq.conv[(position + 1) % 2][l];
-      const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      // gdn_decode_step: NS threadgroups per head, each Dv / NS * 8 threads (4 state rows per
-      // simdgroup); y and per-split sums of squares, the gated norm is out_proj's
+      // gdn_decode_step: kGdnDecodeSplits threadgroups per head; y and per-split sums of
+      // squares, the gated norm is out_proj's
+      encode_gdn_decode_step(pass, *K.gdn_step, labels_(l, "gdn step"), GdnShape::of(d), g,
+                             {*s.qkv, *s.b, *s.a, *seq.conv[position % 2][l], *seq.conv[(position + 1) % 2][l],
+                              *seq.state[l], *seq.ring[l], *s.o, *s.o_ssq},
+                             kGdnDecodeSplits, pending, write_back, &t);
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
-      // the state read, the ring's pending entries replayed; then either the state written
-      // back or this step's entry appended (metal/gdn.metal, "Write-back window")
-      const size_t entry_bytes = ring_entry_bytes_;
-      Op op(*K.gdn_step, labels_(l, "gdn step"));
-      op.groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
-          .in(0, *s.qkv, 0, d.conv_dim() * f).in(1, *s.b, 0, Hv * f).in(2, *s.a, 0, Hv * f)
-          .in(3, *g.conv1d, &t.weight_bytes).in(4, *g.A_log, &t.weight_bytes)
-          .in(5, *g.dt_bias, &t.weight_bytes)
-          .in(6, conv_in, 0, conv_bytes).out(7, conv_out, 0, conv_bytes)
-          .out(9, *s.o, 0, size_t(Hv) * Dv * f).out(10, *s.o_ssq, 0, ssq_bytes)
-          .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending,
-                                        write_back ? 1u : 0u})
-          .bind(12, *seq.ring[l]);
-      if (write_back) op.inout(8, *seq.state[l], 0, state_bytes);
-      else op.in(8, *seq.state[l], 0, state_bytes).write(*seq.ring[l], pending * entry_bytes, entry_bytes);
-      if (pending) op.read(*seq.ring[l], 0, pending * entry_bytes);
-      op.run(pass);
-      t.state_bytes += 2 * conv_bytes + state_bytes + (write_back ? state_bytes : entry_bytes) + pending * entry_bytes;
-      t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
       const size_t cols = size_t(Hv) * Dv;
       gemv_add_op(K.gemv_gated_add, g.out_proj, *s.o, cols, *s.h, H, labels_(l, "gated norm + out_proj"))

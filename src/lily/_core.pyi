@@ -628,6 +628,18 @@ class Runtime:
         Encodes (and on a real device runs) one prefill chunk; counters and traffic.
         """
 
+def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
+    """
+    gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =
+    (conv1d, A_log, dt_bias); replays `pending` entries of `ring`, then writes `state` back or appends
+    its entry; y [hv*dv] and the per-split sums of y^2 ssq [hv, splits] out.
+    """
+
+def encode_gdn_state_writeback(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, state: Buffer, ring: Buffer, pending: int, splits: int = 4, label: str = '') -> None:
+    """
+    gdn_state_writeback_k<dk>_v<dv> as the decode plan encodes it: `state` after `pending` entries of `ring`.
+    """
+
 
 # Built on macOS only (LILY_HAVE_METAL).
 def metal_device(metallib: str = '') -> Device:

@@ -85,7 +85,6 @@ class GdnPrefillLayer:
         self.RV = kernel_params(self.scan_kernel)["r"]
         self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
         self.norm_kernel = kernel_name("gdn_norm_scale", v=Dv, r=self.RV)
-        self.decode_kernel = kernel_name("gdn_decode_step", k=Dk, v=Dv)
         self.ring = dev.buffer(gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)  # bound; every step writes back
 
     # ---- state and inputs
@@ -205,7 +204,7 @@ class GdnPrefillLayer:
         cin, cout = self.CS[pos % 2], self.CS[(pos + 1) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        gdn_decode_dispatch(p, self.decode_kernel, self.Hk, self.Hv, self.Dv, GDN_K, Q, B, A, self.W[:3],
+        gdn_decode_dispatch(p, self.Hk, self.Hv, self.Dk, self.Dv, GDN_K, Q, B, A, self.W[:3],
                             cin, cout, self.S, out, ssq, self.ring)
         cb.commit()
         cb.wait()

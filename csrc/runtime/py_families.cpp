@@ -1,0 +1,65 @@
+// lily._core.encode_*: the runtime's per-family dispatch builders (csrc/runtime/families/),
+// bound so that the kernel tests and lily doctor encode a kernel exactly as the plans do (as
+// ggml's test-backend-ops runs the backend's own ops). Each resolves its pipeline by the
+// kernel's name (kernel_names.h) on the pass's device; buffers are bound from offset 0 and a
+// weight is a whole Buffer (a quantized one: a (weight, scales, biases) tuple).
+#include "runtime/py_families.h"
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include "runtime/decode.h"
+#include "runtime/families/gdn.h"
+#include "runtime/kernel_names.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace lily::runtime {
+namespace {
+
+TensorRef whole(gpu::Buffer& b) { return TensorRef{&b, 0, b.size()}; }
+
+}  // namespace
+
+void bind_families(nb::module_& m) {
+  // ---- metal/gdn.metal
+  m.def(
+      "encode_gdn_decode_step",
+      [](gpu::ComputePass& pass, uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv, uint32_t k,
+         std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> weights, gpu::Buffer& qkv, gpu::Buffer& b,
+         gpu::Buffer& a, gpu::Buffer& conv_in, gpu::Buffer& conv_out, gpu::Buffer& state, gpu::Buffer& ring,
+         gpu::Buffer& y, gpu::Buffer& ssq, uint32_t splits, uint32_t pending, bool write_back,
+         const std::string& label) {
+        const std::string name = kernel_name("gdn_decode_step", {{'k', dk}, {'v', dv}});
+        const TensorRef conv1d = whole(std::get<0>(weights)), A_log = whole(std::get<1>(weights)),
+                        dt_bias = whole(std::get<2>(weights));
+        DeltaNetLayer w;
+        w.conv1d = &conv1d;
+        w.A_log = &A_log;
+        w.dt_bias = &dt_bias;
+        encode_gdn_decode_step(pass, pass.device().pipeline(name), label.empty() ? name : label,
+                               GdnShape{hk, hv, dk, dv, k}, w,
+                               {qkv, b, a, conv_in, conv_out, state, ring, y, ssq}, splits, pending, write_back);
+      },
+      "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "weights"_a, "qkv"_a, "b"_a, "a"_a, "conv_in"_a,
+      "conv_out"_a, "state"_a, "ring"_a, "y"_a, "ssq"_a, "splits"_a = DecodePlan::kGdnDecodeSplits,
+      "pending"_a = 0, "write_back"_a = true, "label"_a = "",
+      "gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =\n"
+      "(conv1d, A_log, dt_bias); replays `pending` entries of `ring`, then writes `state` back or appends\n"
+      "its entry; y [hv*dv] and the per-split sums of y^2 ssq [hv, splits] out.");
+  m.def(
+      "encode_gdn_state_writeback",
+      [](gpu::ComputePass& pass, uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv, uint32_t k,
+         gpu::Buffer& state, gpu::Buffer& ring, uint32_t pending, uint32_t splits, const std::string& label) {
+        const std::string name = kernel_name("gdn_state_writeback", {{'k', dk}, {'v', dv}});
+        encode_gdn_state_writeback(pass, pass.device().pipeline(name), label.empty() ? name : label,
+                                   GdnShape{hk, hv, dk, dv, k}, state, ring, splits, pending);
+      },
+      "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "state"_a, "ring"_a, "pending"_a,
+      "splits"_a = DecodePlan::kGdnDecodeSplits, "label"_a = "",
+      "gdn_state_writeback_k<dk>_v<dv> as the decode plan encodes it: `state` after `pending` entries of `ring`.");
+}
+
+}  // namespace lily::runtime
