@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/embed.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -283,11 +284,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
   };
 
   // embed: the chunk's token ids were written to tok[parity] by the host.
-  Op(*K.embed_rows, "embed")
-      .threads(tg(H / 8, M), tg(64))
-      .in(0, model.embed).in(3, *c.tok[parity], 0, M * u32)
-      .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
-  t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
+  encode_embed_rows(pass, *K.embed_rows, "embed", model.embed, *c.tok[parity], 0, *c.h, M, H, d.vocab_size, &t);
 
   for (const Layer& layer : model.layers) {
     const uint32_t l = layer.index;

@@ -10,6 +10,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include "runtime/decode.h"
+#include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/kernel_names.h"
 
@@ -24,6 +25,20 @@ TensorRef whole(gpu::Buffer& b) { return TensorRef{&b, 0, b.size()}; }
 }  // namespace
 
 void bind_families(nb::module_& m) {
+  // ---- metal/embed.metal
+  m.def(
+      "encode_embed_rows",
+      [](gpu::ComputePass& pass, std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> table, gpu::Buffer& tokens,
+         gpu::Buffer& out, uint32_t rows, uint32_t cols, uint32_t vocab, const std::string& label) {
+        const std::string name = kernel_name("embed_rows", {{'q', 4}});
+        const TensorRef w = whole(std::get<0>(table)), s = whole(std::get<1>(table)), b = whole(std::get<2>(table));
+        encode_embed_rows(pass, pass.device().pipeline(name), label.empty() ? name : label, QuantLinear{&w, &s, &b, 4},
+                          tokens, 0, out, rows, cols, vocab);
+      },
+      "compute_pass"_a, "table"_a, "tokens"_a, "out"_a, "rows"_a, "cols"_a, "vocab"_a, "label"_a = "",
+      "embed_rows_q4 as the prefill chunk encodes it (csrc/runtime/families/embed.h): out [rows, cols] fp32 =\n"
+      "the rows of the 4-bit table (weight, scales, biases) [vocab, cols] of token ids tokens [rows] uint32.");
+
   // ---- metal/gdn.metal
   m.def(
       "encode_gdn_decode_step",

@@ -628,6 +628,12 @@ class Runtime:
         Encodes (and on a real device runs) one prefill chunk; counters and traffic.
         """
 
+def encode_embed_rows(compute_pass: ComputePass, table: tuple[Buffer, Buffer, Buffer], tokens: Buffer, out: Buffer, rows: int, cols: int, vocab: int, label: str = '') -> None:
+    """
+    embed_rows_q4 as the prefill chunk encodes it (csrc/runtime/families/embed.h): out [rows, cols] fp32 =
+    the rows of the 4-bit table (weight, scales, biases) [vocab, cols] of token ids tokens [rows] uint32.
+    """
+
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
     """
     gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =
