@@ -11,6 +11,7 @@
 
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
+#include "runtime/families/gdn_prefill.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -51,13 +52,6 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// gdn_conv_state: threads per threadgroup (one channel each).
-constexpr uint32_t kConvThreads = 256;
-// gdn_scan: state rows per threadgroup (the instantiations of metal/gdn_prefill.metal): 32 for
-// Dv = 128, so the model's 32 heads run as 128 threadgroups (>= 2x a 40-core GPU).
-uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
-// gdn_norm_scale: threads per threadgroup (one (token, head) each).
-constexpr uint32_t kGdnNormScaleThreads = 256;
 // attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
 // (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
@@ -293,8 +287,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
-      const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
-      const uint32_t Dv = d.linear_value_head_dim, C = d.conv_dim();
+      const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
       // z only gates the norm: stored half (saturated), read by gdn_scan
       gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
@@ -304,39 +297,16 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       // parity (decode alternates the two buffers by position); they may be the same buffer.
       gpu::Buffer& conv_in = *seq.conv[p0 % 2][l];
       gpu::Buffer& conv_out = *seq.conv[(p0 + M) % 2][l];
-      const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      const size_t u_bytes = size_t(M) * Hv * Dv * hf;
-      const uint32_t RV = gdn_scan_rows(Dv), splits = Hv * (Dv / RV);
-      const size_t ss_bytes = size_t(M) * splits * f, f_bytes = size_t(M) * splits * hf;
-      {
-        // Conv inline; each head split into Dv / RV threadgroups of RV state rows; y leaves as
-        // u and the splits' sums of y^2 (docs/prefill.md).
-        Op op(*K.gdn_scan, labels_(l, "conv + scan"));
-        op.groups(tg(Hv, Dv / RV), tg(RV * args::kGdnScanLanesPerRow))
-            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
-            .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
-            .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
-            .inout(7, *seq.state[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
-            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f})
-            .in(10, *c.z, 0, size_t(M) * Hv * Dv * hf).in(11, *g.norm, &t.weight_bytes)
-            .out(12, *c.gdn_ss, 0, ss_bytes).run(pass);
-      }
+      const GdnShape shape = GdnShape::of(d);
+      const uint32_t RV = gdn_scan_rows(Dv);
+      encode_gdn_scan(pass, *K.gdn_scan, labels_(l, "conv + scan"), shape, g,
+                      {*c.qkv, *c.b, *c.a, *c.z, conv_in, *seq.state[l], *c.oh, *c.gdn_ss}, M, RV,
+                      d.rms_norm_eps, &t);
       // the per-(token, head, split) factors of the norm, applied by out_proj
-      Op(*K.gdn_norm_scale, labels_(l, "norm scale"))
-          .threads(tg(M * Hv), tg(kGdnNormScaleThreads))
-          .in(0, *c.gdn_ss, 0, ss_bytes).out(1, *c.gdn_f, 0, f_bytes)
-          .args(2, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
-      {
-        // After the scan, which reads the old state (the same bytes when M is even).
-        Op op(*K.gdn_conv_state, labels_(l, "conv state"));
-        const uint32_t tail = std::min(M, d.linear_conv_kernel_dim - 1);  // the qkv rows it copies
-        op.threads(tg(C), tg(kConvThreads)).bind(0, *c.qkv).read(*c.qkv, size_t(M - tail) * C * f, size_t(tail) * C * f);
-        if (&conv_in == &conv_out) op.inout(2, conv_out, 0, conv_bytes).bind(1, conv_in);
-        else op.in(1, conv_in, 0, conv_bytes).out(2, conv_out, 0, conv_bytes);
-        op.args(3, args::GdnConvStateArgs{C, M}).run(pass);
-      }
-      t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
+      encode_gdn_norm_scale(pass, *K.gdn_norm_scale, labels_(l, "norm scale"), shape, *c.gdn_ss, *c.gdn_f, M,
+                            RV, d.rms_norm_eps);
+      encode_gdn_conv_state(pass, *K.gdn_conv_state, labels_(l, "conv state"), shape, *c.qkv, conv_in, conv_out,
+                            M, kGdnConvStateThreads, &t);
       // u times the norm scale of its (token, head, split): one factor per RV elements of a row
       uint32_t shift = 0;
       while ((1u << shift) < RV) ++shift;

@@ -12,6 +12,7 @@
 #include "runtime/decode.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
+#include "runtime/families/gdn_prefill.h"
 #include "runtime/kernel_names.h"
 
 namespace nb = nanobind;
@@ -75,6 +76,58 @@ void bind_families(nb::module_& m) {
       "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "state"_a, "ring"_a, "pending"_a,
       "splits"_a = DecodePlan::kGdnDecodeSplits, "label"_a = "",
       "gdn_state_writeback_k<dk>_v<dv> as the decode plan encodes it: `state` after `pending` entries of `ring`.");
+
+  // ---- metal/gdn_prefill.metal
+  m.def("gdn_scan_rows", &gdn_scan_rows, "dv"_a,
+        "State rows per gdn_scan threadgroup for value head dim dv (the r of gdn_scan_k<dk>_v<dv>_r<r>; a\n"
+        "head's splits: dv / r), as the prefill plan picks them (csrc/runtime/families/gdn_prefill.h).");
+  m.def(
+      "encode_gdn_scan",
+      [](gpu::ComputePass& pass, uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv, uint32_t k,
+         std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> weights, gpu::Buffer& qkv, gpu::Buffer& b,
+         gpu::Buffer& a, gpu::Buffer& z, gpu::Buffer& conv_in, gpu::Buffer& state, gpu::Buffer& u, gpu::Buffer& ss,
+         uint32_t rows, float norm_eps, const std::string& label) {
+        const uint32_t rv = gdn_scan_rows(dv);
+        const std::string name = kernel_name("gdn_scan", {{'k', dk}, {'v', dv}, {'r', rv}});
+        const TensorRef conv1d = whole(std::get<0>(weights)), A_log = whole(std::get<1>(weights)),
+                        dt_bias = whole(std::get<2>(weights)), norm = whole(std::get<3>(weights));
+        DeltaNetLayer w;
+        w.conv1d = &conv1d;
+        w.A_log = &A_log;
+        w.dt_bias = &dt_bias;
+        w.norm = &norm;
+        encode_gdn_scan(pass, pass.device().pipeline(name), label.empty() ? name : label,
+                        GdnShape{hk, hv, dk, dv, k}, w, {qkv, b, a, z, conv_in, state, u, ss}, rows, rv, norm_eps);
+      },
+      "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "weights"_a, "qkv"_a, "b"_a, "a"_a, "z"_a,
+      "conv_in"_a, "state"_a, "u"_a, "ss"_a, "rows"_a, "norm_eps"_a, "label"_a = "",
+      "gdn_scan_k<dk>_v<dv>_r<gdn_scan_rows(dv)> over `rows` tokens as the prefill chunk encodes it\n"
+      "(csrc/runtime/families/gdn_prefill.h): weights = (conv1d, A_log, dt_bias, norm); u and the splits'\n"
+      "sums of y^2 ss out, state updated in place.");
+  m.def(
+      "encode_gdn_norm_scale",
+      [](gpu::ComputePass& pass, uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv, uint32_t k, gpu::Buffer& ss,
+         gpu::Buffer& f, uint32_t rows, float norm_eps, uint32_t threads, const std::string& label) {
+        const uint32_t rv = gdn_scan_rows(dv);
+        const std::string name = kernel_name("gdn_norm_scale", {{'v', dv}, {'r', rv}});
+        encode_gdn_norm_scale(pass, pass.device().pipeline(name), label.empty() ? name : label,
+                              GdnShape{hk, hv, dk, dv, k}, ss, f, rows, rv, norm_eps, threads);
+      },
+      "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "ss"_a, "f"_a, "rows"_a, "norm_eps"_a,
+      "threads"_a = kGdnNormScaleThreads, "label"_a = "",
+      "gdn_norm_scale_v<dv>_r<gdn_scan_rows(dv)> as the prefill chunk encodes it: the splits' factors f from\n"
+      "the scan's sums ss.");
+  m.def(
+      "encode_gdn_conv_state",
+      [](gpu::ComputePass& pass, uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv, uint32_t k, gpu::Buffer& qkv,
+         gpu::Buffer& conv_in, gpu::Buffer& conv_out, uint32_t rows, uint32_t threads, const std::string& label) {
+        encode_gdn_conv_state(pass, pass.device().pipeline("gdn_conv_state"), label.empty() ? "gdn_conv_state" : label,
+                              GdnShape{hk, hv, dk, dv, k}, qkv, conv_in, conv_out, rows, threads);
+      },
+      "compute_pass"_a, "hk"_a, "hv"_a, "dk"_a, "dv"_a, "k"_a, "qkv"_a, "conv_in"_a, "conv_out"_a, "rows"_a,
+      "threads"_a = kGdnConvStateThreads, "label"_a = "",
+      "gdn_conv_state as the prefill chunk encodes it: the conv state after `rows` rows of qkv (conv_out may\n"
+      "be conv_in).");
 }
 
 }  // namespace lily::runtime

@@ -646,6 +646,31 @@ def encode_gdn_state_writeback(compute_pass: ComputePass, hk: int, hv: int, dk: 
     gdn_state_writeback_k<dk>_v<dv> as the decode plan encodes it: `state` after `pending` entries of `ring`.
     """
 
+def gdn_scan_rows(dv: int) -> int:
+    """
+    State rows per gdn_scan threadgroup for value head dim dv (the r of gdn_scan_k<dk>_v<dv>_r<r>; a
+    head's splits: dv / r), as the prefill plan picks them (csrc/runtime/families/gdn_prefill.h).
+    """
+
+def encode_gdn_scan(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, z: Buffer, conv_in: Buffer, state: Buffer, u: Buffer, ss: Buffer, rows: int, norm_eps: float, label: str = '') -> None:
+    """
+    gdn_scan_k<dk>_v<dv>_r<gdn_scan_rows(dv)> over `rows` tokens as the prefill chunk encodes it
+    (csrc/runtime/families/gdn_prefill.h): weights = (conv1d, A_log, dt_bias, norm); u and the splits'
+    sums of y^2 ss out, state updated in place.
+    """
+
+def encode_gdn_norm_scale(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, ss: Buffer, f: Buffer, rows: int, norm_eps: float, threads: int = 256, label: str = '') -> None:
+    """
+    gdn_norm_scale_v<dv>_r<gdn_scan_rows(dv)> as the prefill chunk encodes it: the splits' factors f from
+    the scan's sums ss.
+    """
+
+def encode_gdn_conv_state(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, qkv: Buffer, conv_in: Buffer, conv_out: Buffer, rows: int, threads: int = 256, label: str = '') -> None:
+    """
+    gdn_conv_state as the prefill chunk encodes it: the conv state after `rows` rows of qkv (conv_out may
+    be conv_in).
+    """
+
 
 # Built on macOS only (LILY_HAVE_METAL).
 def metal_device(metallib: str = '') -> Device:

@@ -8,9 +8,8 @@ import types
 import numpy as np
 
 from lily import _core
-from lily._core import kernel_name, kernel_params
 from lily.checkpoint import gdn_state_floats
-from lily.lab.device import download, pack_args, upload
+from lily.lab.device import download, upload
 from lily.lab.kernels.gdn import (
     GDN_DECODE_SPLITS, gdn_decode_dispatch, gdn_folded, gdn_gated_norm32, gdn_ring_entry, gdn_rows,
     gdn_state_bytes, gdn_state_parts,
@@ -80,11 +79,8 @@ class GdnPrefillLayer:
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
         self.S = dev.buffer(gdn_state_floats(Hv, Dv, Dk) * 4)  # S' then c
-        # the library's scan for these dims; its name gives RV, the state rows per threadgroup
-        self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
-        self.RV = kernel_params(self.scan_kernel)["r"]
+        self.RV = _core.gdn_scan_rows(Dv)  # state rows per scan threadgroup, as the prefill plan picks them
         self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
-        self.norm_kernel = kernel_name("gdn_norm_scale", v=Dv, r=self.RV)
         self.ring = dev.buffer(gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)  # bound; every step writes back
 
     # ---- state and inputs
@@ -132,35 +128,22 @@ class GdnPrefillLayer:
         return (rows_buffer(self.dev, qkv), rows_buffer(self.dev, z, dtype=np.float16),
                 rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
-    # ---- encoders (declared ranges as the runtime will declare them)
-    def scan_args(self, M):
-        return pack_args("GdnScanArgs", num_k_heads=self.Hk, num_v_heads=self.Hv, rows=M, norm_eps=GDN_EPS,
-                         l2_eps=GDN_EPS)
-
+    # ---- encoders: the prefill plan's own builders (csrc/runtime/families/gdn_prefill.h)
     def encode_scan(self, p, qkv, cin, z, b, a, outs, M):
-        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u (half) and the
-        splits' sums of y^2 (fp32)) then gdn_norm_scale (the splits' half factors), as the
-        runtime does. ``qkv``, ``z``, ``b``, ``a``: (buffer, declared range) pairs from
-        rows_buffer; ``outs``: out_buffers(M)."""
-        (O, o_rng), (SS, ss_rng), (F, f_rng) = outs
-        # RV * kGdnScanLanesPerRow threads; one thread per (token, head) in the norm scale
-        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * GDN_SCAN_LANES, 1, 1),
-                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O]))
-                   + [(10, z[0]), (11, self.W[3]), (12, SS)],
-                   constants=[(9, self.scan_args(M))],
-                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S, z[1], self.W[3]],
-                   writes=[self.S, o_rng, ss_rng], threadgroups=True, label=self.scan_kernel)
-        p.dispatch(self.norm_kernel, -(-M * self.Hv // 256), 256, buffers=[(0, SS), (1, F)],
-                   constants=[(2, self.scan_args(M))],
-                   reads=[ss_rng], writes=[f_rng], threadgroups=True, label=self.norm_kernel)
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u and the splits' sums
+        of y^2) then gdn_norm_scale (the splits' factors), as the prefill chunk encodes them
+        (``lily._core.encode_gdn_scan`` / ``encode_gdn_norm_scale``). ``qkv``, ``z``, ``b``, ``a``:
+        (buffer, declared range) pairs from rows_buffer; ``outs``: out_buffers(M)."""
+        (O, _), (SS, _), (F, _) = outs
+        dims = (self.Hk, self.Hv, self.Dk, self.Dv, GDN_K)
+        _core.encode_gdn_scan(p, *dims, tuple(self.W), qkv[0], b[0], a[0], z[0], cin, self.S, O, SS, M, GDN_EPS)
+        _core.encode_gdn_norm_scale(p, *dims, SS, F, M, GDN_EPS)
 
     def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
-        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
-        tail = min(M, GDN_K - 1) * self.C * 4  # declared: only the last K-1 rows it copies
-        p.dispatch("gdn_conv_state", -(-self.C // tg), tg,
-                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, pack_args("GdnConvStateArgs", conv_dim=self.C, rows=M))],
-                   reads=[(qkv[0], M * self.C * 4 - tail, tail), cin], writes=[cout], threadgroups=True,
-                   label="gdn_conv_state")
+        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself), as the
+        prefill chunk encodes it (``lily._core.encode_gdn_conv_state``; ``tg`` threads per
+        threadgroup)."""
+        _core.encode_gdn_conv_state(p, self.Hk, self.Hv, self.Dk, self.Dv, GDN_K, qkv[0], cin, cout, M, threads=tg)
 
     def chunk(self, qkv, z, b, a, p0):
         """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the norm
