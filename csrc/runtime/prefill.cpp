@@ -12,6 +12,7 @@
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn_prefill.h"
+#include "runtime/families/norm.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -59,9 +60,6 @@ constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
-// Threads per row of the prefill RMSNorms (rms_norm_half, moe_combine_norm): one count for
-// both, so the fused norm gives the standalone kernel's bits (metal/moe_prefill.metal).
-constexpr uint32_t kNormThreads = 256;
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
@@ -272,9 +270,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
-    Op(*K.rms_norm, label)
-        .groups(tg(M), tg(kNormThreads)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
-        .out(2, out, 0, size_t(M) * H * hf).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
+    encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, hf, kNormThreads, &t);
   };
 
   // embed: the chunk's token ids were written to tok[parity] by the host.

@@ -634,6 +634,12 @@ def encode_embed_rows(compute_pass: ComputePass, table: tuple[Buffer, Buffer, Bu
     the rows of the 4-bit table (weight, scales, biases) [vocab, cols] of token ids tokens [rows] uint32.
     """
 
+def encode_rms_norm(compute_pass: ComputePass, kernel: str, x: Buffer, w: Buffer, out: Buffer, rows: int, n: int, eps: float, out_bytes: int, threads: int = 256, label: str = '') -> None:
+    """
+    `kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_half: out_bytes 2) over `rows` rows of x [rows, n]
+    fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).
+    """
+
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
     """
     gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =

@@ -282,8 +282,7 @@ def test_norm_gemv_xn_matches_rms_norm(dev):
     nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
     xn, _ = check_norm_gemv(dev, 8, x, nw, [rand_quant(rng, (), 16, cols, 8)], True)
     X, Wt, O = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
-    run_bound(dev, "rms_norm", 1, 256, [X, Wt, O], pack_args("NormArgs", n=cols, eps=NORM_EPS), reads=[X, Wt],
-        writes=[O], label="rms_norm")
+    run_encoder(dev, _core.encode_rms_norm, "rms_norm", X, Wt, O, 1, cols, NORM_EPS, 4)
     from lily.reference import rms_norm
     ref = rms_norm(x[None], bf16_to_f32(nw), NORM_EPS)[0].astype(np.float64)
     for other in (download(O, np.float32), ref):
