@@ -204,6 +204,26 @@ KERNEL_ARGS: dict[str, tuple[int, tuple[tuple[str, str, int, int], ...]]]
 
 CONSTANTS: dict[str, int | float]
 
+EXPERT_TILE_ROWS: tuple[int, ...]
+
+def moe_tile_classes(tile_rows: int) -> int:
+    """Tile classes of a height-T tiling (prefill_args.h moe_tile_classes)."""
+
+def moe_tail_class(tile_rows: int, rows: int) -> int:
+    """
+    The class of an expert's last tile of `rows` rows, 1 <= rows <= T (prefill_args.h).
+    """
+
+def moe_class_capacity(assignments: int, experts: int, tile_rows: int, cls: int) -> int:
+    """
+    Tiles class `cls` can hold at most for `assignments` over `experts` (prefill_args.h).
+    """
+
+def moe_class_base(assignments: int, experts: int, tile_rows: int, cls: int) -> int:
+    """
+    First entry of class `cls`'s map in the tile-map buffer (prefill_args.h).
+    """
+
 def kernel_name(base: str, suffix: str = '', **params) -> str:
     """
     A templated kernel's host name (csrc/runtime/kernel_names.h): base, '_<key><value>' per keyword in
@@ -221,9 +241,9 @@ def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
     Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).
     """
 
-COST_PATHS: tuple = ...
+COST_PATHS: tuple[str, ...]
 
-LATENCY_KINDS: tuple = ...
+LATENCY_KINDS: tuple[str, ...]
 
 def dispatch_costs(command_buffer: CommandBuffer) -> list:
     """

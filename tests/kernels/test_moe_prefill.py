@@ -90,7 +90,7 @@ from harness import assert_within as check, commit, rand_quant, upload_q  # noqa
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)
 PAD = 8  # poisoned elements after every output, which must stay untouched
-MAX_BLOCK_SLOTS = 1024  # kMoeRouteMaxBlockSlots (metal/prefill_args.h)
+MAX_BLOCK_SLOTS = _core.CONSTANTS["kMoeRouteMaxBlockSlots"]  # metal/prefill_args.h
 
 
 @pytest.fixture(scope="module", params=ORDERS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lily import _core
 from lily._core import kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
@@ -20,8 +21,8 @@ from lily.reference import sigmoid, softmax
 MOE_TG = {16: 64, 32: 128, 64: 128, 128: 256}
 MOE_BN = {16: 64, 32: 64, 64: 32, 128: 32}
 MOE_DOWN_BN = {16: 64, 32: 64, 64: 64, 128: 64}
-MOE_TILES = (16, 32, 64)
-MOE_TENSOR_TILES = MOE_TILES + (128,)
+MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (csrc/runtime/runtime.h kExpertTileRows)
+MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops only (PrefillPlan::expert_tile_available)
 
 
 def route_tg(E):
@@ -38,26 +39,11 @@ def nblocks(M, R):
     return -(-M // R)
 
 
-def tile_classes(T):
-    return 1 if T >= 128 else 3 if T >= 64 else 2 if T >= 32 else 1
-
-
-def tail_class(T, r):
-    """The class of an expert's last tile of r rows (1 <= r <= T): the smallest that holds it."""
-    heights = [T >> c for c in range(tile_classes(T))]
-    return max(c for c, h in enumerate(heights) if r <= h)
-
-
-def class_capacity(n, E, T, c):
-    """Most tiles class c can hold for n assignments over E experts."""
-    lo = (T >> (c + 1)) + 1 if c + 1 < tile_classes(T) else 1
-    tails = min(E, n // lo)
-    return tails if c > 0 else min(n // lo, n // T + tails)
-
-
-def class_base(n, E, T, c):
-    """First entry of class c's map in the tile-map buffer."""
-    return sum(class_capacity(n, E, T, i) for i in range(c))
+# The tile-class rules of metal/prefill_args.h, the kernels' and the host's (through the core).
+tile_classes = _core.moe_tile_classes
+tail_class = _core.moe_tail_class  # (T, r): the class of an expert's last tile of r rows
+class_capacity = _core.moe_class_capacity  # (n, E, T, c): most tiles class c holds for n assignments
+class_base = _core.moe_class_base  # (n, E, T, c): first entry of class c's map
 
 
 def max_tiles(M, k, E, T):
