@@ -358,9 +358,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r);
     // gdn.metal: the conv and SiLU into threadgroup memory, a barrier, the q/k L2 norms
     // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows one
-    // after another: the row's state load, the replay of the `pending` ring entries (each
-    // entry's loads wait for the previous entry's update: a DRAM round trip per entry and row,
-    // gdn_replay), the update (S k and S q, each a dependent dot and a simd_sum); then a
+    // after another: the row's state load, the replay of the `pending` ring entries
+    // (gdn_replay: a run-time loop; an entry's g, delta and k addresses do not depend on the
+    // previous entry's update, so its loads are the loop kind, overlapped as far as the
+    // compiler unrolls: counted a DRAM load per entry and row, which overstates the rows after
+    // the first, whose g and k (shared by the head's rows) and delta (the next float) are
+    // cache hits), the update (S k and S q, each a dependent dot and a simd_sum); then a
     // barrier and the split's sum of squares.
     const double R = double(Dv) / r.groups.y / simdgroups_of(r);
     chain(w, Steps{0, 1, 1, 1, 1, 25}, 1, true);
@@ -375,7 +378,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("gated deltanet");
     add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
-    if (a.pending > 0) {  // R rows, each its state load and the replay (gdn_replay), then a barrier
+    if (a.pending > 0) {  // R rows, each its state load and the replay (as the step's), then a barrier
       const double R = double(Dv) / r.groups.y / simdgroups_of(r);
       chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, R);
       chain(w, Lat::dram, -1);  // the first load is the dispatch's own
@@ -438,7 +441,11 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::AttnFusedArgs>(r);
     const double keys = reads_of(r, "k cache") / (double(a.num_kv_heads) * D * 2) + 1;  // cached rows + new
     Cost w = make("attention");
-    add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
+    // attend_rows, per head and key: the q.k dot (2 D) and the rescaled accumulation
+    // acc * corr + p * v (3 D); the online softmax's scalars (max, two differences, two exps,
+    // l's update: ~7) in each of the simdgroup's 32 lanes, not once per head
+    add(w, Path::alu_f32, double(a.num_q_heads) * keys * (5.0 * D + 7.0 * 32) +
+                              16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
     // attention.metal. fused_prep: per pass of 256 / D vectors (G query heads and the new k of
     // the block holding the new row: the longest) a load, its simd_sum, a barrier, the norm
