@@ -659,6 +659,22 @@ def test_the_likely_figure_is_the_likely_constants(ranged):
     assert ranged["decode"][0]["tok_s"]["high"] == pytest.approx(max(lows))
 
 
+def test_residency_is_reported_as_the_step_it_is(ranged):
+    """Whether a core holds one or two of our 27-29 KiB threadgroups is unknown on M5 and moves
+    prefill by a step: the likely figure takes one (TG_MEMORY_PER_CORE, the low end too), the
+    report gives the likely prefill with two beside it (the high end's threadgroup memory), and
+    the text says so; the high figure is at least that."""
+    lo, hi = estimate.CONSTANTS["tg_memory_per_core"].low, estimate.CONSTANTS["tg_memory_per_core"].high
+    assert lo == estimate.TG_MEMORY_PER_CORE < 2 * 27 * 1024 <= hi
+    for row in ranged["prefill"]:
+        two = row["likely_tok_s_two_per_core"]
+        assert row["tok_s"]["likely"] * 1.2 < two <= row["tok_s"]["high"] * 1.0001, row["prompt"]
+    for row in ranged["decode"]:  # decode attention's 28 KiB blocks likewise
+        assert row["tok_s"]["likely"] < row["likely_tok_s_two_per_core"] <= row["tok_s"]["high"] * 1.0001
+    text = estimate.format_report(ranged)
+    assert "residency, unknown on M5" in text and f"{ranged['prefill'][0]['likely_tok_s_two_per_core']:,.0f} at 4K" in text
+
+
 def test_every_scenario_machine_describes_the_data_it_was_fitted_to(ranged):
     """No end is counted twice: every scenario machine (likely, low, high) carries its own
     refits, and with its constants reproduces pplx-garden's published decode (its bandwidth

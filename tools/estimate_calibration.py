@@ -3,7 +3,7 @@
 foundations; docs/performance.md, "An honest estimate"): every table that page quotes.
 
     tools/estimate_calibration.py decode        the scenario machines: decode and prefill refits, exclusions
-    tools/estimate_calibration.py validate      the decode calibration out of sample
+    tools/estimate_calibration.py validate      the decode and prefill calibrations out of sample
     tools/estimate_calibration.py engines       the tensor rate from MLX-LM's and pplx-garden's prefill
     tools/estimate_calibration.py cross         one engine's fit predicting the other's prefill (design transfer)
     tools/estimate_calibration.py residency     MLX-LM's prefill fit against the threadgroup memory per core
@@ -52,6 +52,15 @@ def validate() -> None:
             errs = " ".join(f"{L}:{100 * e:+.1f}%" for L, e in r["errors"].items())
             print(f"{run} {split:12s} eff {r['bandwidth_efficiency']:.3f} gap {r['stage_gap_us']:5.2f} us "
                   f"rms {100 * r['rms']:4.1f}% max {100 * r['max_abs']:4.1f}%  {errs}")
+    print("*** ESTIMATE *** prefill fits out of sample (efficiencies and per-chunk cost fitted on one part, the "
+          "other predicted; likely machine)")
+    for engine in ("pplx_garden", "mlx_lm"):
+        for run in estimate.RUNS:
+            for split, r in tensor_rate.held_out(engine, run=run).items():
+                errs = " ".join(f"{L}:{100 * e:+.1f}%" for L, e in r["errors"].items())
+                print(f"{engine:11s} {run} {split:11s} GEMMs {r['tensor_efficiency']:.2f} attention "
+                      f"{r['attention_efficiency']:.2f} chunk {r['chunk_ms']:5.1f} ms (fit {100 * r['fit_rms']:.1f}%) "
+                      f"rms {100 * r['rms']:4.1f}% max {100 * r['max_abs']:4.1f}%  {errs}")
 
 
 def _fit_line(r: dict) -> str:

@@ -982,7 +982,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     (prompt tokens / time to first token) at each of ``prompts``, each as ``{"low", "likely",
     "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
     high"), with the ratios to MLX-LM's and pplx-garden's published M5 Max figures at their
-    lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only); the per-family breakdown of
+    lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only) and, unless the machine was
+    fitted to a Mac run, the likely figure with two of our largest threadgroups per core
+    (``likely_tok_s_two_per_core``: the other mode of the residency, docs/performance.md,
+    "Residency"); the per-family breakdown of
     one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
     ranges of the constants (:data:`CONSTANTS`). ``machine_key``: a :data:`MACHINES` key, or a
@@ -1019,6 +1022,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         for who, figures in pub.get(length, {}).items():
             row[f"vs_{who}"] = {k: v / figures[phase] for k, v in tps.items()}
 
+    # residency is a step, not a spread (docs/performance.md, "Residency"): the likely machine
+    # in the other mode, two of our largest threadgroups per core, is reported beside it
+    other = (None if m.fitted_from is not None or "tg_memory_per_core" in m.measured
+             else replace(m, tg_memory_per_core=CONSTANTS["tg_memory_per_core"].high))
     decode_rows, prefill_rows = [], []
     for c in contexts:
         t = decode_step(m, cfg, c)
@@ -1028,6 +1035,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                "ms_per_token": {k: v * 1e3 for k, v in secs.items()},
                "stages": t.stages, "gb_per_step": t.bytes / 1e9,
                "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes}
+        if other is not None:
+            row["likely_tok_s_two_per_core"] = 1 / decode_step(other, cfg, c).seconds
         ratios(row, row["tok_s"], c, 0)
         decode_rows.append(row)
     for p in prompts:
@@ -1036,6 +1045,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         row = {"prompt": p, "tok_s": {k: p / secs[j] for k, j in (("low", "high"), ("likely", "likely"),
                                                                  ("high", "low"))},
                "seconds": secs, "stages": t.stages, "gb_moved": t.bytes / 1e9}
+        if other is not None:
+            row["likely_tok_s_two_per_core"] = p / prefill(other, cfg, p, chunk, cache).seconds
         ratios(row, row["tok_s"], p, 1)
         prefill_rows.append(row)
 
@@ -1114,6 +1125,16 @@ def format_report(rep: dict) -> str:
     if dec.get("excluded"):
         lines.append(f"scenario machines: {len(dec['low'])} low, {len(dec['high'])} high; {len(dec['excluded'])} "
                      "excluded as implausible (--json: calibration.decompositions.excluded)")
+    def two(phase: str, key: str, fmt: str) -> str:
+        return ", ".join(f"{format(r['likely_tok_s_two_per_core'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
+                         if "likely_tok_s_two_per_core" in r and r[key] in (4096, 32768, 131072))
+
+    if any("likely_tok_s_two_per_core" in r for r in rep["decode"] + rep["prefill"]):
+        # the bimodal unknown (docs/performance.md, "Residency")
+        lines.append(f"residency, unknown on M5: the likely figure holds one of our 27-29 KiB GEMM/attention "
+                     f"threadgroups per core ({c['tg_memory_per_core'] // 1024} KiB); with two per core (in the high "
+                     f"figure) the likely estimate would be decode {two('decode', 'context', '.1f') or '-'}, prefill "
+                     f"{two('prefill', 'prompt', ',.0f') or '-'} tok/s")
     vs = [w for w in ("mlx_lm", "pplx_garden") if any(f"vs_{w}" in r for r in rep["decode"] + rep["prefill"])]
     head = "".join(f" {'vs ' + w.replace('_', '-'):>20}" for w in vs)
     lines += ["", f"{'context':>8} {'decode tok/s':>23} {'ms/token':>9} {'stages':>7} {'GB/step':>8} "

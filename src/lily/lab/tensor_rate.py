@@ -548,3 +548,40 @@ def cross_engine(m: estimate.Machine | None = None, run: str = "2026-09-02") -> 
     return {"fits": fits, "predictions": pred,
             "spread": {"tensor": abs(x["tensor_efficiency"] / p["tensor_efficiency"] - 1),
                        "attention": abs(x["attention_efficiency"] / p["attention_efficiency"] - 1)}}
+
+
+#: The hold-out splits of :func:`held_out`: (fitted on, predicted) as slices of the ten
+#: published lengths in order: the six up to 8K predicting the four from 16K (extrapolation
+#: into the attention-bound lengths), the four longest predicting the six shortest, and
+#: alternate lengths either way.
+HOLDOUT_SPLITS = {"short->long": (slice(0, 6), slice(6, None)), "long->short": (slice(6, None), slice(0, 6)),
+                  "even->odd": (slice(0, None, 2), slice(1, None, 2)),
+                  "odd->even": (slice(1, None, 2), slice(0, None, 2))}
+
+
+def held_out(engine: str = "pplx_garden", m: estimate.Machine | None = None, run: str = "2026-09-02") -> dict:
+    """``engine``'s prefill fit checked on published lengths it was not fitted to: per split of
+    :data:`HOLDOUT_SPLITS` the efficiencies and the per-chunk cost fitted (:func:`fit_engine`)
+    on one part of ``run``'s lengths, then, all three held, the other part predicted. ``m``:
+    default the likely scenario machine. Returns per split ``fitted_on``, the fitted
+    ``tensor_efficiency``, ``attention_efficiency`` and ``chunk_ms``, the predicted lengths'
+    ``errors`` (model - measured) / measured of the throughput, their ``rms`` and ``max_abs``."""
+    from lily.lab.calibration import published
+    _check(engine)
+    m = m or estimate.likely_machine(estimate.machine("m5max"))
+    lengths = sorted(published(run))
+    out = {}
+    for name, (fit_on, predict) in HOLDOUT_SPLITS.items():
+        f = fit_engine(engine, m, run, lengths=lengths[fit_on])
+        target = lengths[predict]
+        measured, tail = _published(engine, run, target)
+        fixed, gemm, attn, n = engine_seconds(engine, m, target, run, [f["tensor_efficiency"]],
+                                              [f["attention_efficiency"]])
+        t = fixed + tail + gemm[:, 0] + attn[:, 0] + n * f["chunk_ms"] * 1e-3
+        errors = {L: float(x / y - 1) for L, x, y in zip(target, measured, t)}
+        e = np.array(list(errors.values()))
+        out[name] = {"fitted_on": lengths[fit_on], "tensor_efficiency": f["tensor_efficiency"],
+                     "attention_efficiency": f["attention_efficiency"], "chunk_ms": f["chunk_ms"],
+                     "fit_rms": f["rms_relative_error"], "errors": errors, "rms": float(np.sqrt((e ** 2).mean())),
+                     "max_abs": float(np.abs(e).max())}
+    return out
