@@ -685,6 +685,8 @@ def test_every_scenario_machine_describes_the_data_it_was_fitted_to(ranged):
     from lily.lab import tensor_rate
     from lily.lab.calibration import published, reference_decode_step
     sc = estimate.scenarios(estimate.machine("m5max"))
+    # their step at the mean position of each length's 64 timed steps (the same lengths in both runs)
+    steps = {L: estimate._plan(reference_decode_step(L + 33)) for L in published(estimate.RUNS[0])}
     for end in ("likely", "low", "high"):
         for m in sc[end]:
             cal = m.calibration
@@ -693,17 +695,18 @@ def test_every_scenario_machine_describes_the_data_it_was_fitted_to(ranged):
             assert (m.bandwidth_efficiency, m.stage_gap * 1e6) == pytest.approx(
                 (dec["bandwidth_efficiency"], dec["stage_gap_us"]))
             table = published(run)
-            # relative errors of the step time at the mean position of each length's 64 timed steps
-            errs = [estimate.time_records(m, reference_decode_step(L + 33)).seconds * table[L][0] - 1 for L in table]
+            # time_records' stage times (with the gap) on the plans built once
+            errs = [float((estimate._stages(m, steps[L])[0][:, 0] + m.stage_gap).sum()) * table[L][0] - 1
+                    for L in table]
             rms = math.sqrt(sum(e * e for e in errs) / len(errs))
             assert rms == pytest.approx(dec["rms_relative_error"], abs=1e-6) and rms < 0.025, (end, cal["rule"], run)
+            assert m.path_efficiency["tensor_f16"] == pytest.approx(pre["tensor_efficiency"] * cal["transfer"]["gemm"])
+            assert m.path_efficiency["tensor_bf16"] == pytest.approx(
+                pre["attention_efficiency"] * cal["transfer"]["attention"])
             fit = tensor_rate.predict_engine("pplx_garden", m, run, tensor=pre["tensor_efficiency"],
                                              attention=pre["attention_efficiency"])
             assert fit["rms_time"] == pytest.approx(pre["rms_relative_error"], abs=1e-6) and fit["rms_time"] < 0.035
             assert fit["chunk_ms"] == pytest.approx(pre["chunk_ms"], abs=1e-6)
-            assert m.path_efficiency["tensor_f16"] == pytest.approx(pre["tensor_efficiency"] * cal["transfer"]["gemm"])
-            assert m.path_efficiency["tensor_bf16"] == pytest.approx(
-                pre["attention_efficiency"] * cal["transfer"]["attention"])
     for m in sc["excluded"]:
         assert m.calibration["excluded"]
     # the transfer margins are the only difference between the ends' tensor efficiencies and the fits
