@@ -33,18 +33,13 @@ class ScriptedBackend(HostBatch):
     def _new_state(self) -> _State:
         return _State()
 
-    def _forward(self, st: _State, tokens, all_logits: bool) -> np.ndarray:
-        out = self.on_prefill(tokens, all_logits)
-        st.feed = False
-        st.position += len(tokens)
-        return out
-
     def begin(self, seq: int, params, history) -> None:
         self._state(seq).feed = True
 
-    def _forward_rows(self, states, tokens) -> np.ndarray:
+    def _forward_rows(self, seqs, tokens) -> np.ndarray:
         rows = []
-        for st, tok in zip(states, tokens):
+        for seq, tok in zip(seqs, tokens):
+            st = self._state(seq)
             rows.append(self.on_prefill(np.asarray([tok]), False) if st.feed else self.on_decode())
             st.feed = False
             st.position += 1
@@ -60,6 +55,7 @@ class ScriptedBackend(HostBatch):
     def forward(self, tokens, *, all_logits: bool = False, seq: int = 0) -> np.ndarray:
         st = self._state(seq)
         out = self.on_prefill(tokens, all_logits)
+        st.feed = False
         st.position += len(tokens)
         return out
 

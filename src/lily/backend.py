@@ -164,11 +164,13 @@ class HostGeneration:
 
 class HostBatch:
     """The sequences and the batched calls of a backend whose tokens are picked on the host
-    (the reference device and test doubles), over its per-sequence ``forward``: work runs
-    when it is submitted, and :meth:`take` hands out the stored results. A subclass provides
-    ``_new_state()``, ``_forward(state, tokens, all_logits)`` and the states in
-    ``self.states`` (sequence id -> state, 0 the session's); ``_forward_rows(states,
-    tokens)`` runs one decode step of several rows (default: one row after another)."""
+    (the reference device and test doubles), over its own ``forward`` / ``prefill``: work
+    runs when it is submitted, and :meth:`take` hands out the stored results. A subclass
+    keeps its states in ``self.states`` (sequence id -> a state with a ``position``, 0 the
+    session's; :meth:`_init_sequences`), makes new ones with ``_new_state()``, and may run
+    one decode step of several rows at once in ``_forward_rows(seqs, tokens)`` (default:
+    one row after another). Calls on the session (sequence 0) name no sequence, so a
+    wrapped single-session ``forward`` / ``prefill`` sees them as the engine's own."""
 
     samples_on_device = False
     chunk_invariant = False
@@ -184,8 +186,13 @@ class HostBatch:
         except KeyError:
             raise ValueError(f"sequence {seq} is not open") from None
 
-    def _forward_rows(self, states: list, tokens: np.ndarray) -> np.ndarray:
-        return np.stack([self._forward(st, tokens[i:i + 1], False) for i, st in enumerate(states)])
+    @staticmethod
+    def _on(seq: int) -> dict:
+        return {} if seq == 0 else {"seq": seq}
+
+    def _forward_rows(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
+        return np.stack([self.forward(tokens[i:i + 1], all_logits=False, **self._on(seq))
+                         for i, seq in enumerate(seqs)])
 
     def open_sequence(self) -> int:
         seq = max(self.states) + 1
@@ -213,11 +220,12 @@ class HostBatch:
     def submit_chunk(self, seq: int, tokens: np.ndarray, *, sample: bool = False, logits: bool = False) -> int:
         if sample:
             raise ValueError(f"{self.name}: the host picks the tokens (sample=False)")
-        st = self._state(seq)
-        position = st.position
-        out = self._forward(st, np.asarray(tokens, dtype=np.int64), False)
+        position = self.sequence_position(seq)
+        tokens = np.asarray(tokens, dtype=np.int64)
         if not logits:
+            self.prefill(tokens, **self._on(seq))
             return 0
+        out = self.forward(tokens, all_logits=False, **self._on(seq))
         ticket = next(self._tickets)
         self._results[ticket] = [RowResult(seq, position + len(tokens) - 1, None, None, out)]
         return ticket
@@ -225,12 +233,12 @@ class HostBatch:
     def submit_step(self, rows: Sequence[tuple[int, int | None, bool]]) -> int:
         if any(tok is None or not want for _, tok, want in rows):
             raise ValueError(f"{self.name}: the host picks the tokens (every row has its token and logits)")
-        states = [self._state(seq) for seq, _, _ in rows]
-        positions = [st.position for st in states]
-        logits = self._forward_rows(states, np.asarray([tok for _, tok, _ in rows], dtype=np.int64))
+        seqs = [seq for seq, _, _ in rows]
+        positions = [self.sequence_position(seq) for seq in seqs]
+        logits = self._forward_rows(seqs, np.asarray([tok for _, tok, _ in rows], dtype=np.int64))
         ticket = next(self._tickets)
         self._results[ticket] = [RowResult(seq, pos, None, None, logits[i])
-                                 for i, ((seq, _, _), pos) in enumerate(zip(rows, positions))]
+                                 for i, (seq, pos) in enumerate(zip(seqs, positions))]
         return ticket
 
     def take(self, ticket: int) -> tuple[list[RowResult], float | None]:

@@ -8,6 +8,7 @@ The engine checks its input once, here; it has one generation loop for every dev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -135,9 +136,11 @@ class Engine:
         self.generation_defaults, gen_eos = _generation_settings(generation_config, path, self.config)
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
+        self._held = threading.Condition()  # who holds the session: _holder (None, a Scheduler, a thread id)
+        self._depth = 0
         self._im_start = tokenizer.token_to_id("<|im_start|>")
         self._session = Session(backend, 0, PromptCache(DEFAULT_MAX_BYTES), self._im_start)
-        self._holder = None  # the Scheduler holding the session, if any
+        self._holder = None
 
     @property
     def backend(self) -> Backend:
@@ -148,34 +151,56 @@ class Engine:
     def backend(self, backend: Backend) -> None:
         self._session = Session(backend, 0, self._session.cache, self._im_start)
 
-    def _lend_session(self, holder) -> Session:
-        """The session, for a :class:`lily.scheduler.Scheduler`'s rows; the engine's own
-        session methods refuse to run until :meth:`_return_session`."""
-        if self._holder is not None:
-            raise InvalidParameterError("the engine's session is held by another Scheduler: close it first")
-        self._holder = holder
-        return self._session
+    def _lend_session(self, holder) -> bool:
+        """Lends the session to a :class:`lily.scheduler.Scheduler`'s row if no one holds it
+        (never waits): True when lent, until :meth:`_return_session`."""
+        with self._held:
+            if self._holder is not None:
+                return False
+            self._holder = holder
+            return True
 
     def _return_session(self, holder) -> None:
-        if self._holder is holder:
-            self._holder = None
+        with self._held:
+            if self._holder is holder:
+                self._holder = None
+                self._held.notify_all()
 
-    def _check_session(self) -> None:
-        if self._holder is not None:
-            raise InvalidParameterError("the engine's session is in use by a Scheduler (its rows share the "
-                                        "device): generate through the scheduler, or close it first")
+    @contextlib.contextmanager
+    def _using_session(self):
+        """Holds the session for the engine's own call (re-entrant on its thread). While a
+        scheduler's row has it, waits for the row to end when the scheduler runs on a thread
+        of its own, else raises InvalidParameterError (nothing would end it)."""
+        me = threading.get_ident()
+        with self._held:
+            while self._holder is not None and self._holder != me:
+                holder = self._holder
+                if not getattr(holder, "running", False) or getattr(holder, "thread_ident", None) == me:
+                    raise InvalidParameterError("the engine's session is in use by a Scheduler's row: generate "
+                                                "through the scheduler, or drive it until that row ends")
+                self._held.wait(0.05)
+            self._holder = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._held:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._holder = None
+                    self._held.notify_all()
 
-    def scheduler(self, *, max_rows: int = 4, max_queue: int = 256, prefill_interleave: int = 1024):
+    def scheduler(self, *, max_batch: int = 4, max_queue: int = 256, prefill_interleave: int = 1024):
         """A :class:`lily.scheduler.Scheduler`: several generations decoding together on this
-        engine (continuous batching; docs/usage.md "Several generations at once"). It holds
-        the engine's session until closed (use it as a context manager)::
+        engine (continuous batching; docs/usage.md "Several generations at once"). It
+        borrows the engine's session while a row runs on it, opens more sequences as rows
+        need them and frees them when closed (use it as a context manager)::
 
-            with engine.scheduler(max_rows=4) as batch:
+            with engine.scheduler(max_batch=4) as batch:
                 results = batch.generate_many(["ROMEO.", "JULIET."], max_tokens=32)
 
-        Raises :class:`InvalidParameterError` for an option out of range or while another
-        scheduler holds the session."""
-        return Scheduler(self, max_rows=max_rows, max_queue=max_queue, prefill_interleave=prefill_interleave)
+        Raises :class:`InvalidParameterError` for an option out of range."""
+        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, prefill_interleave=prefill_interleave)
 
     @property
     def prompt_cache(self) -> PromptCache | None:
@@ -285,8 +310,8 @@ class Engine:
     def reset(self) -> None:
         """Empty the session (KV cache and recurrent state). The prompt cache keeps its
         entries (``engine.prompt_cache.clear()`` drops them)."""
-        self._check_session()
-        self._session.reset()
+        with self._using_session():
+            self._session.reset()
 
     @property
     def prefill_chunk(self) -> int:
@@ -339,11 +364,11 @@ class Engine:
         InvalidParameterError
             Empty input, non-integer or out-of-vocabulary ids.
         """
-        self._check_session()
-        arr = self.check_tokens(tokens, "the input", self.position)
-        out = self.backend.forward(arr, all_logits=all_logits)
-        self._session.tokens.extend(arr.tolist())
-        return out
+        with self._using_session():
+            arr = self.check_tokens(tokens, "the input", self.position)
+            out = self.backend.forward(arr, all_logits=all_logits)
+            self._session.tokens.extend(arr.tolist())
+            return out
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token (usually the previously sampled one); returns float32 logits
@@ -356,14 +381,13 @@ class Engine:
         """An opaque copy of the session state (tokens, KV cache rows in use, conv and
         recurrent state), for :meth:`restore`. Host memory on the reference device; on the
         native devices a buffer in device memory, copied on the device."""
-        self._check_session()
-        return (self.backend.snapshot(), list(self._session.tokens))
+        with self._using_session():
+            return (self.backend.snapshot(), list(self._session.tokens))
 
     def restore(self, snap) -> None:
         """Return the session to ``snap`` (from :meth:`snapshot` of an engine on the same
         model and device; any number of times). Raises :class:`InvalidParameterError` for
         anything else or a snapshot longer than this engine's context, the session unchanged."""
-        self._check_session()
         try:
             state, toks = snap
         except (TypeError, ValueError):
@@ -371,8 +395,9 @@ class Engine:
         if len(toks) > self.max_context:
             raise InvalidParameterError(f"the snapshot holds {len(toks)} tokens, more than the "
                                         f"context window of {self.max_context}")
-        self.backend.restore(state)
-        self._session.tokens = list(toks)
+        with self._using_session():
+            self.backend.restore(state)
+            self._session.tokens = list(toks)
 
     # ------------------------------------------------------------------ generation
 
@@ -412,11 +437,11 @@ class Engine:
         ``[piece, vocab_size]`` logits of every position of each piece (teacher-forced
         scoring); without it no logits are computed. Returns False when cancelled. A
         cancel or a failure leaves an empty session. Raises like :meth:`prefill`."""
-        self._check_session()
-        ids = self.check_tokens(tokens, "the input", self.position).tolist()
-        chunk = self.prefill_chunk
-        return self._session.run_pieces((ids[s:s + chunk] for s in range(0, len(ids), chunk)), cancel,
-                                        on_logits, snapshot=False)
+        with self._using_session():
+            ids = self.check_tokens(tokens, "the input", self.position).tolist()
+            chunk = self.prefill_chunk
+            return self._session.run_pieces((ids[s:s + chunk] for s in range(0, len(ids), chunk)), cancel,
+                                            on_logits, snapshot=False)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                cancel: threading.Event | None = None, constraint: Constraint | None = None,
@@ -460,7 +485,6 @@ class Engine:
         InvalidParameterError
             Invalid sampling parameters or prompt ids.
         """
-        self._check_session()
         p = self._params(params, overrides)
         prompt_ids = self.encode_prompt(prompt)
         if isinstance(constraint, Grammar):
@@ -489,6 +513,10 @@ class Engine:
         pieces run here) and at the end of a generation that was not cancelled. A spent
         ``thinking_budget`` finishes the backend, outputs the close and starts it again
         with the close as the feed (the session kept)."""
+        with self._using_session():
+            yield from self._generate_held(prompt_ids, p, cancel, constraint, cache_key, on_start)
+
+    def _generate_held(self, prompt_ids, p, cancel, constraint, cache_key, on_start) -> Iterator[StreamEvent]:
         backend, session = self.backend, self._session
         new = session.prepare(prompt_ids, cache_key)
         if on_start is not None:
@@ -563,8 +591,7 @@ class Engine:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
         added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
         template rejects the messages, otherwise like :meth:`stream`."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **(chat_template_kwargs or {}))
+        prompt = self.chat_prompt(messages, tools, chat_template_kwargs)
         return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
                            **overrides)
 
@@ -574,10 +601,23 @@ class Engine:
              **overrides) -> ChatResult:
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **(chat_template_kwargs or {}))
+        prompt = self.chat_prompt(messages, tools, chat_template_kwargs)
         r = collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
-                                      constraint=constraint, **overrides))
+                                constraint=constraint, **overrides))
+        return self.chat_result(r, prompt, tools)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """``messages`` (and ``tools``) rendered with the chat template, the generation
+        prompt added: the text :meth:`chat` generates from. Raises
+        :class:`~lily.errors.TokenizerError` when the template rejects them."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                  **(chat_template_kwargs or {}))
+
+    @staticmethod
+    def chat_result(r: GenerationResult, prompt: str, tools: list[dict] | None = None) -> ChatResult:
+        """A finished reply to ``prompt`` (:meth:`chat_prompt`'s text) split into reasoning,
+        content and tool calls (typed by ``tools``' schemas)."""
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
                                    parse_tools=bool(tools))
         return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
@@ -608,14 +648,14 @@ class Engine:
         """Prefill ``prompt`` (text or ids) into the prompt cache, snapshotting at the same
         positions a generation would (message boundaries, the last token); the session is
         left holding the prompt. Returns the number of tokens computed."""
-        self._check_session()
         ids = self.encode_prompt(prompt)
-        session = self._session
-        new = session.prepare(ids)
-        session.snap_points = [q for q in session.snap_points if q != len(ids) - 1]  # the end is stored
-        session.run_pieces(session.pieces(new, self.prefill_chunk), None)
-        session.store()
-        return len(new)
+        with self._using_session():
+            session = self._session
+            new = session.prepare(ids)
+            session.snap_points = [q for q in session.snap_points if q != len(ids) - 1]  # the end is stored
+            session.run_pieces(session.pieces(new, self.prefill_chunk), None)
+            session.store()
+            return len(new)
 
     def info(self) -> dict:
         """Facts for ``lily info``: config, tensor count, weight bytes, device, devices."""

@@ -474,11 +474,8 @@ class ReferenceBackend(HostBatch):
     def _new_state(self) -> ReferenceState:
         return self.model.new_state(self.max_context)
 
-    def _forward(self, state: ReferenceState, tokens: np.ndarray, all_logits: bool) -> np.ndarray:
-        return self.model.forward(tokens, state, all_logits=all_logits)
-
-    def _forward_rows(self, states: list, tokens: np.ndarray) -> np.ndarray:
-        return self.model.forward_rows(tokens, states)
+    def _forward_rows(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
+        return self.model.forward_rows(tokens, [self._state(seq) for seq in seqs])
 
     @property
     def state(self) -> ReferenceState:
@@ -494,10 +491,10 @@ class ReferenceBackend(HostBatch):
         self.states[seq] = self._new_state()
 
     def forward(self, tokens: np.ndarray, *, all_logits: bool = False, seq: int = 0) -> np.ndarray:
-        return self._forward(self._state(seq), tokens, all_logits)
+        return self.model.forward(tokens, self._state(seq), all_logits=all_logits)
 
     def prefill(self, tokens: np.ndarray, seq: int = 0) -> None:
-        self._forward(self._state(seq), tokens, False)
+        self.model.forward(tokens, self._state(seq))
 
     def start(self, feed, steps, history, params, constraint=None) -> None:
         self._gen = HostGeneration(self.forward, feed, steps, history, params, constraint)

@@ -6,7 +6,7 @@ request's :class:`lily.generation.Generation`. Rows join and leave between steps
 iteration of the loop (:meth:`Scheduler.run_until_idle`, or the thread of
 :meth:`Scheduler.start`) does, in this order:
 
-1. **admission**: queued requests get a row while there are fewer than ``max_rows`` and the
+1. **admission**: queued requests get a row while there are fewer than ``max_batch`` and the
    device has memory for another sequence (its KV cache at the context window and its
    state, reserved when the row starts; ``Backend.sequence_room``); a finished row's
    session is kept for the next request (its tokens: a request that extends them computes
@@ -23,18 +23,20 @@ iteration of the loop (:meth:`Scheduler.run_until_idle`, or the thread of
 So a long prompt delays the running rows by at most one chunk of ``prefill_interleave``
 tokens per step, and it reaches its first token after ``ceil(new tokens / interleave)``
 iterations, each one chunk and one step (:meth:`Scheduler.bounds`). The scheduler records
-what it ran in :attr:`Scheduler.trace` (``("chunk", seq, tokens)``, ``("step", seqs)``), which
-the tests count instead of timing.
+what it ran in :attr:`Scheduler.trace` (``("chunk", seq, tokens)``, ``("step", seqs)``, and
+``("start", seq)`` / ``("end", seq)`` when a row takes and frees a sequence), which the tests
+count instead of timing.
 
 Each row's tokens are those it gets alone: the device's batched step computes every row
 with its own arithmetic (docs/decode.md), prefill pieces end where the engine's would, and a
 piece is cut smaller only on a device whose prefill does not depend on the cuts
 (``Backend.chunk_invariant``).
 
-A scheduler takes the engine's own session for its first row: while it is open, the
-engine's session methods (``generate``, ``stream``, ``prefill``, ...) refuse to run; use the
-scheduler's :meth:`~Scheduler.stream` / :meth:`~Scheduler.generate` /
-:meth:`~Scheduler.generate_many`, and :meth:`~Scheduler.close` it to give the session back.
+A scheduler borrows the engine's own session for a row when no other holder has it
+(saving a sequence's memory): while a row runs on it, the engine's session methods
+(``generate``, ``stream``, ``prefill``, ...) refuse to run; between requests they work, and
+:attr:`lily.engine.Engine.tokens` shows what the last row left in it. The engine and its
+schedulers share one device: drive them from one thread at a time.
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ import numpy as np
 from lily.backend import host_pick
 from lily.constraints import Constraint
 from lily.errors import InvalidParameterError, LilyError, QueueFullError
-from lily.generation import Generation, GenerationResult, StreamEvent, collect
+from lily.generation import ChatResult, Generation, GenerationResult, StreamEvent, collect
 from lily.sampling import Sampler, SamplingParams
 from lily.session import Session
 
 #: Rows that decode together at most (the batched kernels' limit, metal/decode_args.h).
-MAX_ROWS = 8
-DEFAULT_ROWS = 4
+MAX_BATCH = 8
+DEFAULT_BATCH = 4
 #: Requests that may wait for a row by default: an agent's burst of subagents and
 #: background calls waits rather than fails.
 DEFAULT_QUEUE = 256
@@ -118,6 +120,11 @@ class Request:
             self._events.put(exc)
         self._done.set()
 
+    def result(self, drive: Callable[[], bool] | None = None) -> GenerationResult:
+        """Its events collected into a :class:`lily.generation.GenerationResult` (waits for
+        the end; ``drive`` as :meth:`events`)."""
+        return collect(self.events(drive))
+
     def events(self, drive: Callable[[], bool] | None = None) -> Iterator[StreamEvent]:
         """Its events as they come, the final one last; raises the generation's failure.
         ``drive`` (the scheduler's one iteration) runs the loop on this thread when no
@@ -172,38 +179,40 @@ class Scheduler:
     ----------
     engine : lily.engine.Engine
         The engine whose backend, prompt cache, tokenizer and sampling defaults serve every
-        row. Its session becomes the first row's until :meth:`close`.
-    max_rows : int
-        Rows that decode together, 1 to :data:`MAX_ROWS` (default 4); fewer when the
+        row; its session serves a row when free (module doc).
+    max_batch : int
+        Rows that decode together, 1 to :data:`MAX_BATCH` (default 4); fewer when the
         device's memory holds fewer sequences.
     max_queue : int
         Requests that may wait for a row (default 256); :meth:`submit` raises
         :class:`lily.errors.QueueFullError` beyond.
     prefill_interleave : int
         Tokens of a prefill chunk while other rows decode (default 1024, at least 16, at
-        most the device's chunk): the most a step waits for a new prompt.
+        most the device's chunk): the most a step waits for a new prompt. A device whose
+        prefill is not chunk-invariant (the reference) runs its own chunks whole.
 
     Raises
     ------
     InvalidParameterError
-        An option out of range, or an engine whose session another scheduler holds.
+        An option out of range.
     """
 
-    def __init__(self, engine, *, max_rows: int = DEFAULT_ROWS, max_queue: int = DEFAULT_QUEUE,
+    def __init__(self, engine, *, max_batch: int = DEFAULT_BATCH, max_queue: int = DEFAULT_QUEUE,
                  prefill_interleave: int = DEFAULT_INTERLEAVE):
-        for name, v, lo, hi in (("max_rows", max_rows, 1, MAX_ROWS), ("max_queue", max_queue, 0, None),
+        for name, v, lo, hi in (("max_batch", max_batch, 1, MAX_BATCH), ("max_queue", max_queue, 0, None),
                                 ("prefill_interleave", prefill_interleave, 16, None)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
                 bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
                 raise InvalidParameterError(f"{name} must be an integer {bound}, got {v!r}")
         self.engine = engine
         self.backend = engine.backend
-        self.max_rows = max_rows
+        self.max_batch = max_batch
         self.max_queue = max_queue
         self.chunk = self.backend.prefill_chunk
-        self.interleave = min(prefill_interleave, self.chunk)
+        # a device whose prefill depends on where chunks are cut runs the engine's pieces whole
+        self.interleave = min(prefill_interleave, self.chunk) if self.backend.chunk_invariant else self.chunk
         self.trace: collections.deque = collections.deque(maxlen=_TRACE)
-        self._sessions: list[Session] = [engine._lend_session(self)]
+        self._sessions: list[Session] = []  # sequences it opened (and the engine's while a row runs on it)
         self._busy: set[int] = set()  # sequences of the rows
         self._rows: list[_Row] = []
         self._queue: collections.deque[Request] = collections.deque()
@@ -251,7 +260,7 @@ class Scheduler:
             if self._closed:
                 raise InvalidParameterError("the scheduler is closed")
             waiting = sum(1 for r in self._queue if not r.cancel.is_set())
-            if waiting >= self.max_queue:
+            if len(self._rows) + waiting >= self.max_batch + self.max_queue:  # it would wait beyond the queue
                 retry = self.retry_after()
                 raise QueueFullError(f"too many requests: {len(self._rows)} generating and {waiting} waiting "
                                      f"(queue limit {self.max_queue}); retry in about {retry} s", retry)
@@ -271,9 +280,17 @@ class Scheduler:
         """Like :meth:`stream`, collected into a :class:`lily.generation.GenerationResult`."""
         return collect(self.stream(prompt, params, **kw))
 
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, **kw) -> ChatResult:
+        """:meth:`lily.engine.Engine.chat` through the scheduler (safe to call from several
+        threads at once while the scheduler runs on its own, :meth:`start`)."""
+        engine = self.engine
+        prompt = engine.chat_prompt(messages, tools, chat_template_kwargs)
+        return engine.chat_result(self.generate(engine.tokenizer.encode(prompt), params, **kw), prompt, tools)
+
     def generate_many(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None,
                       **kw) -> list[GenerationResult]:
-        """Every prompt at once (up to ``max_rows`` decoding together, the rest queued), each
+        """Every prompt at once (up to ``max_batch`` decoding together, the rest queued), each
         collected as :meth:`generate` would; in the order of ``prompts``. Raises the first
         failure."""
         reqs = [self.submit(p, params, **kw) for p in prompts]
@@ -285,6 +302,11 @@ class Scheduler:
     def running(self) -> bool:
         """A thread of its own runs the loop (:meth:`start`)."""
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def thread_ident(self) -> int | None:
+        """The ident of the loop's own thread (None without one)."""
+        return self._thread.ident if self._thread is not None else None
 
     def start(self) -> None:
         """Run the loop on a thread of its own until :meth:`close` (the server's way)."""
@@ -331,20 +353,20 @@ class Scheduler:
         rows (1 before any request finished); at most 600."""
         waiting = sum(1 for r in self._queue if not r.cancel.is_set())
         mean = self._mean_s if self._mean_s is not None else 1.0
-        return int(min(600, max(1, math.ceil(mean * (waiting + 1) / self.max_rows))))
+        return int(min(600, max(1, math.ceil(mean * (waiting + 1) / self.max_batch))))
 
     def info(self) -> dict:
-        """Its state for ``/health``: rows running and allowed, sequences open, requests
+        """Its state for ``/health``: rows running and allowed, sequences in use, requests
         queued and allowed, whether a new request would wait (``full``), the device memory
         a row reserves and how many more sequences fit (None: no limit known)."""
         running, queued = self.counts()
         room = self.backend.sequence_room()
-        idle = len(self._sessions) - running
-        can_open = len(self._sessions) < self.max_rows and room != 0
-        return {"running": running, "queued": queued, "max_rows": self.max_rows, "max_queue": self.max_queue,
+        idle = len(self._sessions) - running + (self.engine._holder is None)
+        can_open = sum(1 for s in self._sessions if s.seq != 0) < self.max_batch and room != 0
+        return {"running": running, "queued": queued, "max_batch": self.max_batch, "max_queue": self.max_queue,
                 "sequences": len(self._sessions), "row_bytes": self.backend.sequence_bytes(),
                 "sequence_room": room,
-                "full": queued > 0 or running >= self.max_rows or (idle <= 0 and not can_open),
+                "full": queued > 0 or running >= self.max_batch or (idle <= 0 and not can_open),
                 "prefill_interleave": self.interleave, "served": self._served}
 
     def bounds(self, prompt_tokens: int) -> dict:
@@ -381,8 +403,12 @@ class Scheduler:
         with self._loop_lock:
             try:
                 return self._iterate()
-            except Exception as exc:  # the device failed: every row in flight ends with it
-                self._fail_all(exc)
+            except BaseException as exc:  # the device (or a plug-in) failed: every row in flight ends with it
+                err = exc if isinstance(exc, Exception) else RuntimeError(
+                    f"generation aborted: {type(exc).__name__}: {exc}")
+                self._fail_all(err)
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)) and self._thread is None:
+                    raise  # the caller's own thread was interrupted
                 return True
 
     def _iterate(self) -> bool:
@@ -421,7 +447,7 @@ class Scheduler:
                     did = True
                     req._emit(StreamEvent("", [], None, "cancelled", len(req.prompt_ids), 0, None, 0))
                     continue
-                if len(self._rows) >= self.max_rows:
+                if len(self._rows) >= self.max_batch:
                     return did
                 session = self._free_session(req)
                 if session is None:
@@ -431,14 +457,27 @@ class Scheduler:
             did = True
 
     def _free_session(self, req: Request) -> Session | None:
+        """An idle session for ``req``: the one whose tokens the prompt extends furthest,
+        else the least recently used (the engine's own when no one holds it, then those
+        opened); a new sequence while fewer than ``max_batch`` are open and the device has
+        room; else None (the request waits)."""
         idle = [s for s in self._sessions if s.seq not in self._busy]
-        if idle:  # the one whose tokens the prompt extends furthest, else the least recently used
-            return max(idle, key=lambda s: s.reusable(req.prompt_ids))
+        engine = self.engine
+        if engine._holder is None and engine._session not in self._sessions:
+            idle.insert(0, engine._session)
+        while idle:
+            best = max(idle, key=lambda s: s.reusable(req.prompt_ids))
+            if best is engine._session and best not in self._sessions:
+                if not engine._lend_session(self):  # the engine took it meanwhile
+                    idle.remove(best)
+                    continue
+                self._sessions.append(best)
+            return best
+        opened = sum(1 for s in self._sessions if s.seq != 0)
         room = self.backend.sequence_room()
-        if len(self._sessions) >= self.max_rows or room == 0:
+        if opened >= self.max_batch or room == 0:
             return None
-        session = Session(self.backend, self.backend.open_sequence(), self.engine.prompt_cache,
-                          self.engine._im_start)
+        session = Session(self.backend, self.backend.open_sequence(), engine.prompt_cache, engine._im_start)
         self._sessions.append(session)
         return session
 
@@ -446,6 +485,7 @@ class Scheduler:
         self._sessions.remove(session)
         self._sessions.append(session)  # most recently used last
         self._busy.add(session.seq)
+        self.trace.append(("start", session.seq))
         row = _Row(req, session)
         self._rows.append(row)
         engine = self.engine
@@ -653,9 +693,18 @@ class Scheduler:
         row.state, row.run_steps, row.encoded, row.ready, row.token = "prefill", 0, 0, False, None
 
     def _finish(self, row: _Row) -> None:
+        try:
+            self._end(row)
+        finally:
+            self._rows.remove(row)
+            self._busy.discard(row.seq)
+            self.trace.append(("end", row.seq))
+            if row.session is self.engine._session:  # the engine's again between requests
+                self._sessions.remove(row.session)
+                self.engine._return_session(self)
+
+    def _end(self, row: _Row) -> None:
         gen, session = row.gen, row.session
-        self._rows.remove(row)
-        self._busy.discard(row.seq)
         if row.failed is not None or gen is None:
             try:
                 session.reset()
@@ -706,5 +755,5 @@ class Scheduler:
                     self.backend.close_sequence(s.seq)
                 except Exception:  # noqa: BLE001 - freeing is best effort at shutdown
                     pass
-        self._sessions = [s for s in self._sessions if s.seq == 0]
+        self._sessions = []
         self.engine._return_session(self)
