@@ -20,6 +20,7 @@ from lily.checkpoint import load_config
 from lily.engine import Engine
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 from lily.prompt_cache import DEFAULT_MAX_BYTES
+from lily.scheduler import DEFAULT_BATCH, DEFAULT_INTERLEAVE, DEFAULT_QUEUE, MAX_BATCH
 from lily.structured import check_tools, template_tools
 from lily.weight_cache import default_dir
 
@@ -542,12 +543,24 @@ def cmd_bench(args) -> int:
         from lily.lab import agent_bench
         load = dict(device=args.device, device_options=options, max_context=args.max_context)
         engine = Engine.load(args.model, **load)
-        cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
-        rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
-                              turn_tokens=args.turn_tokens,
-                              max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
-                              on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
-        print(agent_bench.format_report(rep))
+        kw = dict(system_tokens=args.system_tokens, turns=args.turns, turn_tokens=args.turn_tokens,
+                  max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                  on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
+        if args.parallel is not None:
+            rep = agent_bench.run_parallel(engine, args.parallel, alone=not args.no_cold, **kw)
+            print(agent_bench.format_parallel(rep))
+        else:
+            cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
+            rep = agent_bench.run(engine, cold, **kw)
+            print(agent_bench.format_report(rep))
+    elif args.concurrent is not None:
+        from lily.lab import concurrent_bench
+        engine = Engine.load(args.model, device=args.device, device_options=options, max_context=args.max_context,
+                             prompt_cache_bytes=0)
+        rep = concurrent_bench.run(engine, args.concurrent, prompt_tokens=(args.lengths or [256])[0],
+                                   decode_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                                   on_row=lambda row: print(f"N={row['n']}: {row}", file=sys.stderr, flush=True))
+        print(concurrent_bench.format_report(rep))
     else:
         from lily.lab.bench import bench, format_report
         rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
@@ -634,7 +647,8 @@ def cmd_serve(args) -> int:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
               model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level,
-              clamp_max_tokens=args.clamp_max_tokens)
+              clamp_max_tokens=args.clamp_max_tokens, max_batch=args.max_batch,
+              prefill_interleave=args.prefill_interleave)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -674,6 +688,10 @@ def _check_serve(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        parser.error(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")
+    if args.prefill_interleave < 16:
+        parser.error(f"--prefill-interleave must be >= 16, got {args.prefill_interleave}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     _check_cache(parser, args)
@@ -793,7 +811,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--turn-tokens", type=int, default=300, metavar="N",
                    help="tokens each turn adds: a tool result and a user message (default 300)")
     a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
-    a.add_argument("--no-cold", action="store_true", help="skip the runs without the cache")
+    a.add_argument("--no-cold", action="store_true",
+                   help="skip the runs without the cache (with --parallel: the conversations run one by one)")
+    a.add_argument("--parallel", type=_int_at_least(1), default=None, metavar="N",
+                   help="N conversations at once (continuous batching), then each alone for the comparison")
+    c = b.add_argument_group("--concurrent: several requests at once (continuous batching; Lily alone, no MLX-LM)")
+    c.add_argument("--concurrent", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="for each N, N requests of --lengths' first length (default 256) at once, "
+                        "--decode-tokens each: aggregate and per-request tok/s, time to first token, "
+                        "outputs compared with N = 1")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("doctor", help="check this machine: toolchain, GPU, memory, and every kernel against numpy",
@@ -845,8 +871,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "
                                    "Responses, Anthropic Messages, and models, streaming or not, on "
-                                   "127.0.0.1 unless --host says otherwise. One generation runs at a time; "
-                                   "others wait in a queue. Needs the serve extra: " + _SERVE_EXTRA
+                                   "127.0.0.1 unless --host says otherwise. Up to --max-batch generations "
+                                   "decode together (continuous batching); others wait in a queue. Needs the "
+                                   "serve extra: " + _SERVE_EXTRA
                                    + ". See docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -858,7 +885,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "unless --strict-model-name")
     s.add_argument("--strict-model-name", action="store_true",
                    help="refuse requests naming another model (404 model_not_found)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
+    s.add_argument("--max-batch", type=int, default=DEFAULT_BATCH, metavar="B",
+                   help=f"generations that decode together, 1..{MAX_BATCH} (default {DEFAULT_BATCH}; fewer when the "
+                        "GPU's memory holds fewer sequences: each reserves its KV cache at --max-context and its state)")
+    s.add_argument("--max-queue", type=int, default=DEFAULT_QUEUE,
+                   help=f"requests allowed to wait for a place in the batch (default {DEFAULT_QUEUE}); more get "
+                        "HTTP 429 with Retry-After")
+    s.add_argument("--prefill-interleave", type=int, default=DEFAULT_INTERLEAVE, metavar="N",
+                   help=f"tokens of a new prompt's prefill chunk while others decode (default {DEFAULT_INTERLEAVE}): "
+                        "the most one of their steps waits for it")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
     s.add_argument("--clamp-max-tokens", action="store_true",
