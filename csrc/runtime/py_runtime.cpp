@@ -382,6 +382,14 @@ void bind_runtime(nb::module_& m) {
              return runtime_counters_dict(c, t);
            },
            "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.")
+      .def("count_batch_step",
+           [](Runtime& rt, const std::vector<uint32_t>& positions) {
+             Traffic t;
+             gpu::Counters c = rt.count_batch_step(positions, &t);
+             return runtime_counters_dict(c, t);
+           },
+           "positions"_a, "Encodes (and on a real device runs) one batched step of rows at `positions`; counters and\n"
+           "traffic.")
       .def("count_chunk",
            [](Runtime& rt, uint32_t position, uint32_t rows) {
              Traffic t;

@@ -717,18 +717,30 @@ uint64_t Runtime::submit_step(const std::vector<StepRow>& rows) {
   }
   auto cmd = device_->new_command_buffer();
   std::vector<std::pair<StepRow, uint32_t>> done;
+  std::vector<BatchRow> batch;
   for (const StepRow& r : rows) {
     SequenceState& seq = sequence(r.seq);
     const uint32_t pos = seq.position;
     const int slot = pos % 2;
     if (r.token >= 0) write_token(seq, slot, uint32_t(r.token), pos);
     else static_cast<uint32_t*>(seq.positions->contents())[slot] = pos;  // the token itself comes from the GPU
-    encode_session_step(*cmd, seq, slot, pos);
-    if (r.logits) keep_logits(*cmd, seq);
-    ++seq.position;
+    batch.push_back(BatchRow{&seq, slot, pos, pos - seq.written, r.logits});
     done.emplace_back(r, pos);
   }
+  encode_batch(*cmd, batch, nullptr);
+  for (const BatchRow& b : batch) {
+    if (decode_.ends_window(b.position)) b.seq->written = b.position + 1;
+    ++b.seq->position;
+  }
   return commit(std::move(cmd), std::move(done), std::move(seqs), true, false);
+}
+
+void Runtime::encode_batch(gpu::CommandBuffer& cmd, const std::vector<BatchRow>& rows, Traffic* traffic) {
+  // each row's batch-1 step, one after another in the command buffer
+  for (const BatchRow& r : rows) {
+    decode_.encode_step(cmd, decode_scratch_, *r.seq, r.slot, r.position, r.pending, traffic);
+    if (r.logits) keep_logits(cmd, *r.seq);
+  }
 }
 
 std::vector<RowOutput> Runtime::take(uint64_t ticket, double* gpu_seconds, bool timed) {
@@ -854,6 +866,32 @@ gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* tr
   auto cmd = logged_command_buffer();
   prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
                         chunk_at(0, position, rows, Logits::last, false), traffic);
+  gpu::Counters c = cmd->counters();
+  cmd->commit();
+  cmd->wait();
+  return c;
+}
+
+gpu::Counters Runtime::count_batch_step(const std::vector<uint32_t>& positions, Traffic* traffic) {
+  if (positions.empty()) throw std::invalid_argument("count_batch_step: no rows");
+  std::vector<SequenceState> scratch_rows;  // the rows after the first: sequences of their own
+  const Alloc alloc{[this](size_t bytes, const char* label, Mem) {
+    gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+    b->set_label(label);
+    return b;
+  }};
+  for (size_t i = 1; i < positions.size(); ++i) scratch_rows.push_back(allocate_sequence(alloc));
+  std::vector<BatchRow> rows;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const uint32_t p = positions[i];
+    if (p >= opt_.max_context)
+      throw std::invalid_argument("count_batch_step: position " + std::to_string(p) +
+                                  " is outside the context window of " + std::to_string(opt_.max_context));
+    // steady decoding: the steps since the window began are pending
+    rows.push_back(BatchRow{i == 0 ? &seq_ : &scratch_rows[i - 1], int(p % 2), p, p % opt_.state_window, false});
+  }
+  auto cmd = logged_command_buffer();
+  encode_batch(*cmd, rows, traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
   cmd->wait();

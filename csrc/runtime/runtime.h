@@ -339,6 +339,10 @@ class Runtime {
   gpu::Counters count_step(uint32_t position, Traffic* traffic);
   // The same for one prefill chunk of `rows` tokens starting at `position` (last-row logits).
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
+  // The same for one batched step of rows at `positions` (one row each, the session's state
+  // for the first, scratch sequences for the others; each with the position % state_window
+  // steps of its window pending), as submit_step encodes it.
+  gpu::Counters count_batch_step(const std::vector<uint32_t>& positions, Traffic* traffic);
 
   uint32_t prefill_chunk() const { return prefill_scratch_.rows; }
   // Device seconds (gpu::CommandBuffer::gpu_interval, overlaps counted once) of the work
@@ -386,6 +390,18 @@ class Runtime {
   // `seq`'s step at `position` (the ring's pending steps from seq.written), moving seq.written
   // when the step ends a window.
   void encode_session_step(gpu::CommandBuffer& cmd, SequenceState& seq, int slot, uint32_t position);
+  // One row of a batched step: its sequence, token slot, position, the ring's pending steps,
+  // whether its logits are kept for the host.
+  struct BatchRow {
+    SequenceState* seq;
+    int slot;
+    uint32_t position;
+    uint32_t pending;
+    bool logits;
+  };
+  // One decode step of `rows` into `cmd` (submit_step, count_batch_step); the caller moves
+  // each row's position and written.
+  void encode_batch(gpu::CommandBuffer& cmd, const std::vector<BatchRow>& rows, Traffic* traffic);
   // A chunk of `rows` tokens at p0 in the prefill scratch's buffers `parity`, its expert
   // tiles chosen from the newest completed chunk's histograms.
   Chunk chunk_at(int parity, uint32_t p0, uint32_t rows, Logits logits, bool sample) const;

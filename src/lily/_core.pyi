@@ -658,6 +658,12 @@ class Runtime:
     def count_step(self, position: int) -> dict:
         """Encodes (and on a real device runs) one step; counters and traffic."""
 
+    def count_batch_step(self, positions: Sequence[int]) -> dict:
+        """
+        Encodes (and on a real device runs) one batched step of rows at `positions`; counters and
+        traffic.
+        """
+
     def count_chunk(self, position: int, rows: int) -> dict:
         """
         Encodes (and on a real device runs) one prefill chunk; counters and traffic.

@@ -366,6 +366,20 @@ def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, rou
     return [rt.count_step(context + i) for i in range(w)]
 
 
+def count_batch_window(config: ModelConfig, context: int, rows: int, *, bits: int = 4, router_bits: int = 8,
+                       state_window: int | None = None) -> list[dict]:
+    """:func:`count_decode_window` for a batched step of ``rows`` sequences (each at
+    ``context``, ``context + 1``, ... over the window, the steps of its window pending), as
+    the scheduler's steps encode them (``Runtime.count_batch_step``). The bytes "moved" count
+    each row's selected experts (the union of the rows' choices when rows share experts is
+    smaller: the expected union of uniformly random choices is
+    ``experts * (1 - (1 - k / experts) ** rows)``)."""
+    extra = _given(state_window=state_window)
+    w = state_window or default_state_window()
+    rt = counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
+    return [rt.count_batch_step([context + i] * rows) for i in range(w)]
+
+
 def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,
                         router_bits: int = 8, split_threshold: int | None = None,
                         gemm_path: str = "simdgroup", tensor_attention: bool = True) -> dict:
