@@ -240,3 +240,63 @@ def test_reference_rows_match_lone_forward(ref):
     rows = model.forward_rows(np.array([p[-1] for p in prompts]), states)
     for i, (lo, p) in enumerate(zip(lone, prompts)):
         np.testing.assert_array_equal(rows[i], model.forward([p[-1]], lo))
+
+
+def test_runtime_sequences_and_batched_calls(sim):
+    """lily._core.Runtime's sequences and batched calls: a sequence reserves what
+    sequence_bytes says and is refused past the working set; work is taken in commit order;
+    a row's slots are not reused before its output is taken; a batched step of one row is
+    the batch-1 step (same dispatches, stages and bytes)."""
+    rt = sim.backend.runtime
+    assert rt.sequence_room == 2**32 - 1  # no working set limit on this simulator
+    seq = rt.open_sequence()
+    try:
+        assert rt.sequences() == [0, seq] and rt.sequences_bytes == rt.sequence_bytes > 0
+        assert rt.sequence_position(seq) == 0
+        ids = sim.tokenizer.encode(PROMPTS[1])
+        rt.reset(seq)
+        t1 = rt.submit_chunk(seq, ids[:-1], False, True)  # logits kept for the host
+        t2 = rt.submit_step([(seq, ids[-1], True)])
+        with pytest.raises(RuntimeError, match="was not taken"):
+            rt.take(t2)  # t1 first
+        rows, _ = rt.take(t1)
+        assert rows[0][:2] == (seq, len(ids) - 2) and rows[0][5].shape == (sim.config.vocab_size,)
+        rt.take(t2)
+        with pytest.raises(ValueError, match="twice"):
+            rt.submit_step([(seq, 1, False), (seq, 2, False)])
+        a, b = rt.submit_step([(seq, 1, False)]), rt.submit_step([(seq, -1, False)])
+        with pytest.raises(RuntimeError, match="two steps not taken"):
+            rt.submit_step([(seq, -1, False)])
+        rt.take(a), rt.take(b)
+        assert rt.sequence_position(seq) == len(ids) + 2
+    finally:
+        rt.close_sequence(seq)
+    with pytest.raises(ValueError, match="not open"):
+        rt.reset(seq)
+    one, batch = rt.count_step(37), rt.count_batch_step([37])
+    for k in ("dispatches", "barrier_stages", "declared_bytes_read", "declared_bytes_written", "weight_bytes",
+              "kv_bytes", "state_bytes", "activation_bytes"):
+        assert one[k] == batch[k], k
+    assert [r["kernel"] for r in one["records"]] == [r["kernel"] for r in batch["records"]]
+    sim.reset()
+
+
+def test_sequences_are_admitted_by_memory(demo_path):
+    """A device whose working set holds the session and one more sequence: the scheduler
+    opens that one, a third request waits for a row although max_batch allows four, and
+    /health-style info says a new request would wait."""
+    if "sim" not in _core.compiled_devices():
+        pytest.skip("simulator not built")
+    probe = Engine.load(demo_path, device="sim", max_context=64, prompt_cache_bytes=0)
+    need = probe.backend.runtime.memory_use["total"] + probe.backend.sequence_bytes()
+    del probe
+    e = Engine.load(demo_path, device="sim", max_context=64, prompt_cache_bytes=0,
+                    device_options={"device_options": {"working_set_bytes": need + need // 100}})
+    assert e.backend.sequence_room() == 1
+    with e.scheduler(max_batch=4) as batch:
+        reqs = [batch.submit(p, max_tokens=2, temperature=0) for p in PROMPTS[:3]]
+        batch._drive()
+        info = batch.info()
+        assert (info["running"], info["queued"], info["full"], info["sequence_room"]) == (2, 1, True, 0)
+        batch.run_until_idle()
+        assert all(r.result().finish_reason == "length" for r in reqs)

@@ -589,7 +589,8 @@ def cmd_estimate(args) -> int:
                               fixed=base.measured if base else ())
         chunk = chunk or fitted["plan"]["prefill_chunk"]  # the measured run's plan unless told otherwise
     rep = estimate(machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
-                   breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None)
+                   breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None,
+                   batches=args.batches)
     if args.json:
         out = rep if not (fitted or kernels) else {"fit": fitted, "kernels_fit": kernels, "estimate": rep}
         print(json.dumps(out, indent=2))
@@ -603,6 +604,8 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
     from lily.lab.estimate import KERNELS_KIND, check_length, model_config
     from lily.lab.published import LENGTHS
+    if max(args.batches) > MAX_BATCH:
+        parser.error(f"--batches: at most {MAX_BATCH} rows decode together, got {max(args.batches)}")
     try:
         args.config = load_config(args.model)[0] if args.model else model_config()
     except LilyError as e:
@@ -859,6 +862,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "longest context when it is shorter)")
     e.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
+    e.add_argument("--batches", type=_int_list, default=[1, 2, 4, 8], metavar="B1,B2,...",
+                   help="rows of the batched decode steps estimated at --at (continuous batching; default 1,2,4,8, "
+                        f"at most {MAX_BATCH})")
     e.add_argument("--fit", default=None, nargs="+", metavar="JSON",
                    help="calibrate the model on a Mac run first: a `lily bench --json` file (its bandwidth efficiency, "
                         "stage gap and matrix efficiency fitted to Lily's figures) and/or a `lily bench --kernels "
