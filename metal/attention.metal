@@ -325,8 +325,11 @@ template <uint D, uint G>
 
 // ---- attn_combine ------------------------------------------------------------------------------
 // Grid (Hq, D / 32) threadgroups of up to 256 threads (8 simdgroups): threadgroup (h, c) merges
-// columns [32 c, 32 c + 32) of head h from the ceil((pos+1)/B) partials. Simdgroup s sums the
-// blocks b = s, s + 8, ... (lane = column), then simdgroup 0 adds the 8 sums in order: the
+// columns [32 c, 32 c + 32) of head h from the ceil((pos+1)/B) partials. Every simdgroup takes
+// the largest block max itself, its lanes loading the blocks' maxima side by side (lane l the
+// blocks l, l + 32, ...) and simd_max joining them, so the loads are in flight together
+// instead of one after another (a max is exact in any order). Simdgroup s then sums the
+// blocks b = s, s + 8, ... (lane = column), and simdgroup 0 adds the 8 sums in order: the
 // partials are read by 8x as many threads as with one thread per column, so the dispatch fills
 // the GPU (16 heads x 256 columns would be 4096 threads).
 constant constexpr uint kCombineSimdgroups = 8;
@@ -353,9 +356,10 @@ template <uint D>
   const uint nb = min((n + args.block_rows - 1) / args.block_rows, args.max_blocks);
   const ulong base = ulong(h) * args.max_blocks;
   float M = -INFINITY;
-  for (uint b = 0; b < nb; ++b) {
+  for (uint b = lane; b < nb; b += 32) {
     M = max(M, part_ml[2 * (base + b)]);
   }
+  M = simd_max(M);
   float L = 0.0f;
   float o = 0.0f;
   for (uint b = sg; b < nb; b += nsg) {
@@ -394,63 +398,91 @@ namespace attn_detail {
 constant constexpr uint kFusedThreads = kAttnSimdgroups * 32;  // 256
 
 // Prep of vectors j = 0..G (j < G: query head h0 + j; j == G: the new k of head kvh, only
-// with_k) with kFusedThreads threads: thread t handles element t % D of vector t / D of each
-// pass (256 / D vectors per pass). Leaves qs[j * D + i] (fp32, as attn_qk_prep's q_out) and,
-// with_k, kcur[i] = float(bfloat(k rotated)), vcur[i] = float(bfloat(v)).
+// with_k), one simdgroup per vector (simdgroup j % 8: the new k shares simdgroup 0 with query
+// head 0 when G = 8), without threadgroup barriers: lane l holds elements l, l + 32, ... of its
+// vector, so the simd_sum of register e is attn_qk_prep's partial sum of its simdgroup e (the
+// same 32 values in the same lanes) and the partials are added in the same order. Every load
+// (the vectors, their norm weights, the new v) is issued before any arithmetic: one round trip.
+// The RoPE partner i +- rotary/2 of element i lies in another lane or register: each vector's
+// normalised values go to its own slot of qs (or kcur) first and are read back after a
+// simdgroup barrier. Leaves qs[j * D + i] (fp32, as attn_qk_prep's q_out) and, with_k,
+// kcur[i] = float(bfloat(k rotated)), vcur[i] = float(bfloat(v)); ends with a threadgroup
+// barrier (every vector visible to every thread).
 template <uint D, uint G>
 static inline void fused_prep(device const float* qg, device const float* k, device const float* v,
                               device const bfloat* q_norm_w, device const bfloat* k_norm_w,
                               uint pos, uint h0, uint kvh, uint rot, float norm_eps,
                               float log2_theta, bool with_k,
-                              threadgroup float* xs,       // [kFusedThreads] scratch
-                              threadgroup float* partial,  // [kAttnSimdgroups]
                               threadgroup float* qs,       // [G * D]
                               threadgroup float* kcur,     // [D]
                               threadgroup float* vcur,     // [D]
-                              uint tid, uint sg, uint lane) {
-  constexpr uint NV = kFusedThreads / D;         // vectors per pass
-  constexpr uint SPV = D / 32;                   // simdgroups per vector
+                              uint sg, uint lane) {
+  constexpr uint E = D / 32;                                  // elements per lane
+  constexpr uint NV = (G + kAttnSimdgroups) / kAttnSimdgroups;  // vectors per simdgroup at most
   const uint nvec = with_k ? G + 1 : G;
-  const uint i = tid % D;
   const uint half_rot = rot / 2;
-  for (uint base = 0; base < nvec; base += NV) {
-    const uint j = base + tid / D;
-    const bool active = j < nvec;
+  float x[NV][E];
+  float w[NV][E];
+  float vv[E];
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;  // uniform over the simdgroup
     const bool is_q = j < G;
-    const float x = !active ? 0.0f : (is_q ? qg[(h0 + j) * 2 * D + i] : k[kvh * D + i]);
-    const float ss = simd_sum(x * x);
-    if (lane == 0) {
-      partial[sg] = ss;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const uint s0 = (tid / D) * SPV;  // first simdgroup of this vector
-    float total = 0.0f;
-    for (uint s = 0; s < SPV; ++s) {
-      total += partial[s0 + s];
-    }
-    const float w = active ? float(is_q ? q_norm_w[i] : k_norm_w[i]) : 0.0f;
-    const float xn = x / sqrt(total / float(D) + norm_eps) * w;
-    xs[tid] = xn;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    float y = xn;
-    if (i < rot) {
-      const uint jj = i < half_rot ? i : i - half_rot;
-      const float inv_freq = exp2(-(float(2 * jj) / float(rot)) * log2_theta);
-      const float ang = float(pos) * inv_freq;
-      const float c = cos(ang);
-      const float s = sin(ang);
-      y = i < half_rot ? xn * c - xs[tid + half_rot] * s : xn * c + xs[tid - half_rot] * s;
-    }
-    if (active) {
-      if (is_q) {
-        qs[j * D + i] = y;
-      } else {
-        kcur[i] = float(bfloat(y));
-        vcur[i] = float(bfloat(v[kvh * D + i]));
+    device const float* src = is_q ? qg + (h0 + j) * 2 * D : k + kvh * D;
+    device const bfloat* nw = is_q ? q_norm_w : k_norm_w;
+    for (uint e = 0; e < E; ++e) {
+      x[n][e] = j < nvec ? src[e * 32 + lane] : 0.0f;
+      w[n][e] = j < nvec ? float(nw[e * 32 + lane]) : 0.0f;
+      if (j == G && with_k) {
+        vv[e] = v[kvh * D + e * 32 + lane];
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // xs and partial are reused
   }
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    if (j < nvec) {
+      float total = 0.0f;
+      for (uint e = 0; e < E; ++e) {
+        total += simd_sum(x[n][e] * x[n][e]);
+      }
+      threadgroup float* dst = j < G ? qs + j * D : kcur;
+      for (uint e = 0; e < E; ++e) {
+        dst[e * 32 + lane] = x[n][e] / sqrt(total / float(D) + norm_eps) * w[n][e];
+      }
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float y[NV][E];
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    threadgroup const float* xs = j < G ? qs + j * D : kcur;
+    for (uint e = 0; e < E; ++e) {
+      const uint i = e * 32 + lane;
+      const float xn = j < nvec ? xs[i] : 0.0f;
+      y[n][e] = xn;
+      if (j < nvec && i < rot) {
+        const uint jj = i < half_rot ? i : i - half_rot;
+        const float inv_freq = exp2(-(float(2 * jj) / float(rot)) * log2_theta);
+        const float ang = float(pos) * inv_freq;
+        const float c = cos(ang);
+        const float s = sin(ang);
+        y[n][e] = i < half_rot ? xn * c - xs[i + half_rot] * s : xn * c + xs[i - half_rot] * s;
+      }
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // every partner read before it is overwritten
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    for (uint e = 0; e < E; ++e) {
+      const uint i = e * 32 + lane;
+      if (j < G) {
+        qs[j * D + i] = y[n][e];
+      } else if (j < nvec) {
+        kcur[i] = float(bfloat(y[n][e]));
+        vcur[i] = float(bfloat(vv[e]));
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // Row pos of KV head kvh into both caches (skipped when pos >= capacity, as attn_qk_prep).
@@ -492,7 +524,6 @@ template <uint D, uint G>
   constexpr uint NRED = kAttnSimdgroups * G;
   constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
-  constexpr uint NXS = attn_detail::kFusedThreads;
   threadgroup float red_m[NRED];
   threadgroup float red_l[NRED];
   threadgroup float red_acc[NACC];
@@ -501,15 +532,12 @@ template <uint D, uint G>
   threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xs[NXS];
-  threadgroup float partial[kAttnSimdgroups];
   const uint group = args.num_q_heads / args.num_kv_heads;
   const uint h0 = grp * G;
   const uint kvh = h0 / group;
   const uint pos = position[0];
   attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
-                                args.norm_eps, args.log2_theta, true, xs, partial, qs, kcur,
-                                vcur, tid, sg, lane);
+                                args.norm_eps, args.log2_theta, true, qs, kcur, vcur, sg, lane);
   if (h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }
@@ -551,7 +579,6 @@ template <uint D, uint G>
   constexpr uint NRED = kAttnSimdgroups * G;
   constexpr uint NACC = 2 * kAttnSimdgroups * D;
   constexpr uint NOUT = G * D;
-  constexpr uint NXS = attn_detail::kFusedThreads;
   threadgroup float red_m[NRED];
   threadgroup float red_l[NRED];
   threadgroup float red_acc[NACC];
@@ -560,8 +587,6 @@ template <uint D, uint G>
   threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xs[NXS];
-  threadgroup float partial[kAttnSimdgroups];
   const uint pos = position[0];
   const uint n = pos + 1;
   const uint blk = tg.y;
@@ -575,8 +600,8 @@ template <uint D, uint G>
   const uint h0 = tg.x * G;
   const uint kvh = h0 / group;
   attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
-                                args.norm_eps, args.log2_theta, has_new_row, xs, partial, qs,
-                                kcur, vcur, tid, sg, lane);
+                                args.norm_eps, args.log2_theta, has_new_row, qs, kcur, vcur, sg,
+                                lane);
   if (has_new_row && h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }

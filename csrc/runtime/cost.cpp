@@ -447,16 +447,15 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
-    // attention.metal. fused_prep: per pass of 256 / D vectors (G query heads and the new k of
-    // the block holding the new row: the longest) a load, its simd_sum, a barrier, the norm
-    // weight load after it, RoPE, two more barriers. attend_rows: each simdgroup's rows one
-    // after another, each a KV load and the online softmax that the next row's loads wait
-    // behind (in-order issue): a DRAM round trip, one simd_sum (G <= 8: two float4 sums in
-    // flight), ~15 dependent steps. Then the merge: a barrier per head, the final barrier.
+    // attention.metal. fused_prep: one simdgroup per vector (the G query heads, the new k),
+    // every load issued at once (the dispatch's first), the D/32 partial simd_sums side by side
+    // then added in order, the norm, the RoPE partner read back through threadgroup memory,
+    // then one barrier. attend_rows: each simdgroup's rows one after another, each a KV load
+    // and the online softmax that the next row's loads wait behind (in-order issue): a DRAM
+    // round trip, one simd_sum (G <= 8: two float4 sums in flight), ~15 dependent steps. Then
+    // the merge: a barrier per head, the final barrier.
     const uint32_t G = param(k, "_g");
-    const double passes = std::ceil(double(G + 1) / std::max(1u, kAttnDecodeThreads / D));
-    chain(w, Steps{0, 2, 0, 3, 1, 20}, passes, true);
-    lead(w, Lat::mem, -1);  // the first pass's load is the dispatch's own
+    chain(w, Steps{0, 0, 1, 1, 1, D / 32.0 + 8}, 1, true);
     const bool split = starts(k, "attn_decode_split");
     const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
     chain(w, Lat::local, 1);  // the prepared queries
@@ -465,8 +464,8 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     loop(w, Lat::dram, rows_sg);
     chain(w, Steps{0, 0, 1, 1, 0, 20}, G);
     chain(w, Steps{0, split ? 0.0 : 1.0, 0, 1, 0, 8}, 1);  // the gate (unsplit) and the output
-    w.threadgroup_memory = 4 * (8 * (D + 2 * param(k, "_g")) + 2 * param(k, "_g") * D + 2 * D + 264 +
-                                2 * param(k, "_g"));
+    // red_m, red_l [8 G], red_acc [2 * 8 D], m_out, l_out [G], qs [G D], kcur, vcur [D]
+    w.threadgroup_memory = 4 * (18 * G + 18 * D + G * D);
     return w;
   }
   if (starts(k, "attn_combine_d")) {
@@ -474,12 +473,13 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, 4.0 * a.num_q_heads * a.max_blocks * param(k, "_d"));
     w.bytes = declared(r);
-    // attn_combine (attention.metal): the max over the blocks' partials (a load and a max per
-    // block, in order), every 8th block's weighted sum per simdgroup, a barrier, the gate. The
-    // blocks are at most max_blocks (the runtime's split_rows gives about that many).
-    const double nb = a.max_blocks, per_sg = std::ceil(nb / 8);
-    chain(w, Steps{0, 1, 0, 1, 0, 2 * nb + 6 * per_sg + 10}, 1);
-    loop(w, Lat::mem, nb + per_sg);
+    // attn_combine (attention.metal): the max over the blocks' partials (each lane the blocks
+    // lane, lane + 32, ...: a load and a max each, then simd_max), every 8th block's weighted
+    // sum per simdgroup, a barrier, the gate. The blocks are at most max_blocks (the runtime's
+    // split_rows gives about that many).
+    const double nb = a.max_blocks, per_lane = std::ceil(nb / 32), per_sg = std::ceil(nb / 8);
+    chain(w, Steps{0, 1, 0, 1, 1, 2 * per_lane + 6 * per_sg + 10}, 1);
+    loop(w, Lat::mem, per_lane + per_sg);
     return w;
   }
   if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)
