@@ -574,7 +574,7 @@ def test_chains_follow_the_kernels():
     assert gemm["chain"]["barrier"] == 2 * CFG.hidden_size / 64 and gemm["chain"]["dram"] == CFG.hidden_size / 64 - 1
     at = {ctx: _first(estimate.decode_records(CFG, ctx)[0], "attn_decode")["work"]["loop"]["dram"]
           for ctx in (4096, 32768, 131072)}
-    assert at[4096] < at[32768] < at[131072]  # one KV row per iteration, longer blocks at longer contexts
+    assert at[4096] < at[32768] < at[131072]  # a block of 32 / G rows per iteration, longer blocks at longer contexts
 
 
 def _core_pending(rec):

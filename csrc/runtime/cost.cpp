@@ -441,31 +441,39 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
 
   // ---- attention
   if (starts(k, "attn_decode_fused_d") || starts(k, "attn_decode_split_fused_d")) {
-    const uint32_t D = param(k, "_d");
+    const uint32_t D = param(k, "_d"), G = param(k, "_g");
     const auto a = arg<args::AttnFusedArgs>(r);
     const double keys = reads_of(r, "k cache") / (double(a.num_kv_heads) * D * 2) + 1;  // cached rows + new
     Cost w = make("attention");
-    add(w, Path::alu_f32, double(a.num_q_heads) * keys * (4.0 * D + 6) + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
+    // attend_rows (attention.metal), per lane and block of RB = 32 / G rows (each lane ends
+    // up with one of the block's RB x G (row, head) pairs, so this is also the count per pair):
+    // the K and V elements converted (2 RB NE), the dots (2 D), the reduce-scatter (31 shuffles,
+    // 31 adds, 62 selects), the head's max over log2(RB) shuffles and the pair's softmax (the
+    // masking, a max, two exps, l: ~11), the accumulation (per head and element a multiply and
+    // RB FMAs: G NE (1 + 2 RB)); the prep ~16 per element of its G + 1 vectors.
+    const double RB = 32.0 / G, NE = D / 32.0;
+    const double per_pair = 2 * RB * NE + 2.0 * D + 124 + 2 * std::log2(RB) + 11 + G * NE * (1 + 2 * RB);
+    add(w, Path::alu_f32, double(a.num_q_heads) * keys * per_pair + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
-    // attention.metal. fused_prep: one simdgroup per vector (the G query heads, the new k),
-    // every load issued at once (the dispatch's first), the D/32 partial simd_sums side by side
-    // then added in order, the norm, the RoPE partner read back through threadgroup memory,
-    // then one barrier. attend_rows: each simdgroup's rows one after another, each a KV load
-    // and the online softmax that the next row's loads wait behind (in-order issue): a DRAM
-    // round trip, one simd_sum (G <= 8: two float4 sums in flight), ~15 dependent steps. Then
-    // the merge: a barrier per head, the final barrier.
-    const uint32_t G = param(k, "_g");
-    chain(w, Steps{0, 0, 1, 1, 1, D / 32.0 + 8}, 1, true);
+    // fused_prep: one simdgroup per vector (the G query heads, the new k), every load issued
+    // at once (the dispatch's first), the D/32 partial simd_sums side by side then added in
+    // order, the norm, the RoPE partner read back through threadgroup memory, then one
+    // barrier. attend_rows: each simdgroup's blocks one after another, a block's RB rows
+    // loaded together (one DRAM round trip) and then its dependent steps: the dots (NE), the
+    // reduce-scatter (5 levels of a select, a shuffle and an add), the max (log2 RB shuffles),
+    // the exps, the exchange through threadgroup memory, the accumulation (a multiply and RB
+    // FMAs). Then the merge: two barriers per head (one head's buffer), the output.
+    chain(w, Steps{0, 0, 1, 1, 1, NE + 8}, 1, true);
     const bool split = starts(k, "attn_decode_split");
     const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
     chain(w, Lat::local, 1);  // the prepared queries
-    const double rows_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32));
-    chain(w, Steps{0, 0, 0, 0, 1, 15}, rows_sg);
-    loop(w, Lat::dram, rows_sg);
-    chain(w, Steps{0, 0, 1, 1, 0, 20}, G);
+    const double blocks_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32 * RB));
+    chain(w, Steps{0, 0, 1, 0, 0, NE + 15 + 2 * std::log2(RB) + 7 + RB}, blocks_sg);
+    loop(w, Lat::dram, blocks_sg);
+    chain(w, Steps{0, 0, 1, 2, 0, 20}, G);
     chain(w, Steps{0, split ? 0.0 : 1.0, 0, 1, 0, 8}, 1);  // the gate (unsplit) and the output
-    // red_m, red_l [8 G], red_acc [2 * 8 D], m_out, l_out [G], qs [G D], kcur, vcur [D]
-    w.threadgroup_memory = 4 * (18 * G + 18 * D + G * D);
+    // red_m, red_l [8 G], qs / red [8 D], kcur, vcur [D], xch [8 (32 + G)]
+    w.threadgroup_memory = 4 * (16 * G + 8 * D + 2 * D + 8 * (32 + G));
     return w;
   }
   if (starts(k, "attn_combine_d")) {
