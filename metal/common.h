@@ -219,25 +219,54 @@ inline float q_dot_chunk(uint4 w, thread const float4* xs) {
   return d;
 }
 
-// One chunk c of x against up to 8 consecutive rows row0.. of a quantized matrix:
-// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows.
+// Chunk c of up to 8 consecutive rows of a quantized matrix as loaded: the codes, the scale
+// and the bias of each row (q_chunk_load), consumed by q_chunk_fma. Loading a chunk early (a
+// kernel's first chunk before its prologue) keeps its round trip off the prologue's path.
+struct QChunkRows {
+  uint4 q[8];
+  float s[8];
+  float b[8];
+};
+
 //   w       the matrix as uint4 chunks, row-major [rows, chunks]
 //   scales  bf16 [rows, groups], biases likewise
+template <int BITS>
+inline void q_chunk_load(device const uint4* w, device const bfloat* scales,
+                         device const bfloat* biases, uint chunks, uint groups, uint row0,
+                         uint nrows, uint c, thread QChunkRows& out) {
+  const uint g = c * QChunk<BITS>::values / kQuantGroup;
+  for (uint r = 0; r < 8; ++r) {
+    if (r < nrows) {
+      const uint row = row0 + r;
+      out.q[r] = w[row * chunks + c];
+      out.s[r] = float(scales[row * groups + g]);
+      out.b[r] = float(biases[row * groups + g]);
+    }
+  }
+}
+
+// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows, on a chunk of x prepared by
+// q_load_x (or q_load_x_norm) and the same chunk of the rows.
+template <int BITS>
+inline void q_chunk_fma(thread const QChunkRows& wr, uint nrows, thread const float4* xs, float xsum,
+                        thread float* acc) {
+  for (uint r = 0; r < 8; ++r) {
+    if (r < nrows) {
+      acc[r] += wr.s[r] * q_dot_chunk<BITS>(wr.q[r], xs) + wr.b[r] * xsum;
+    }
+  }
+}
+
+// One chunk c of x against up to 8 consecutive rows row0.. of a quantized matrix:
+// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows.
 template <int BITS>
 inline void q_chunk_rows(device const uint4* w, device const bfloat* scales,
                          device const bfloat* biases, uint chunks, uint groups, uint row0,
                          uint nrows, uint c, thread const float4* xs, float xsum,
                          thread float* acc) {
-  const uint g = c * QChunk<BITS>::values / kQuantGroup;
-  for (uint r = 0; r < 8; ++r) {
-    if (r < nrows) {
-      const uint row = row0 + r;
-      const uint4 q = w[row * chunks + c];
-      const float s = float(scales[row * groups + g]);
-      const float b = float(biases[row * groups + g]);
-      acc[r] += s * q_dot_chunk<BITS>(q, xs) + b * xsum;
-    }
-  }
+  QChunkRows wr;
+  q_chunk_load<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, wr);
+  q_chunk_fma<BITS>(wr, nrows, xs, xsum, acc);
 }
 
 // Team geometry: a simdgroup splits into teams of `size` lanes (a power of two, 4..32);

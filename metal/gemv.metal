@@ -135,21 +135,37 @@ template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>)
 // < m. Every threadgroup computes sum(x^2) itself (one pass over x, then a threadgroup
 // sum: the same order in every threadgroup, so all of them use the same rsqrt) and applies
 // (x * inv) * w while loading each x chunk; the GEMV itself is gemv_q's (teams of lanes,
-// R rows per simdgroup). With write_xn, threadgroup 0 also stores the whole normalised
-// vector to xn (the values the dots used, bit for bit) for later kernels. Bindings of an
-// unused slot (rows = 0) are never accessed (bind any buffer; the simulator requires every
-// argument to be bound). xn must not overlap x.
-// The body shared by norm_gemv_q and embed_norm_gemv_q; x is the raw residual in device
-// memory or the embedding row in threadgroup memory (XPtr: a pointer to const float4).
-template <int BITS, typename XPtr>
-inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
-                           device const uint4* w0, device const bfloat* s0, device const bfloat* b0,
-                           device float* y0, device const uint4* w1, device const bfloat* s1,
-                           device const bfloat* b1, device float* y1, device const uint4* w2,
-                           device const bfloat* s2, device const bfloat* b2, device float* y2,
-                           device const uint4* w3, device const bfloat* s3, device const bfloat* b3,
-                           device float* y3, constant NormGemvArgs& args, threadgroup float* scratch,
-                           uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
+// R rows per simdgroup). Each lane's first weight chunk is loaded before the norm
+// (norm_gemv_start), so the norm's reduction and barriers run while that round trip is in
+// flight instead of in front of it. With write_xn, threadgroup 0 also stores the whole
+// normalised vector to xn (the values the dots used, bit for bit) for later kernels.
+// Bindings of an unused slot (rows = 0) are never accessed (bind any buffer; the simulator
+// requires every argument to be bound). xn must not overlap x.
+
+// A threadgroup's share of norm_gemv: its matrix, its lanes' rows and their first chunk,
+// already requested (norm_gemv_start).
+struct NormGemvTile {
+  bool has_rows;  // false: past the last matrix (threadgroup 0 may still store xn)
+  device const uint4* w;
+  device const bfloat* scales;
+  device const bfloat* biases;
+  device float* y;
+  uint chunks;
+  uint groups;
+  QTeam t;
+  uint row0;
+  uint nrows;          // this lane's rows (0: none)
+  QChunkRows first;    // chunk t.lane of them (when nrows > 0 and t.lane < chunks)
+};
+
+template <int BITS>
+inline NormGemvTile norm_gemv_start(device const uint4* w0, device const bfloat* s0, device const bfloat* b0,
+                                    device float* y0, device const uint4* w1, device const bfloat* s1,
+                                    device const bfloat* b1, device float* y1, device const uint4* w2,
+                                    device const bfloat* s2, device const bfloat* b2, device float* y2,
+                                    device const uint4* w3, device const bfloat* s3, device const bfloat* b3,
+                                    device float* y3, constant NormGemvArgs& args, uint tg, uint sg, uint nsg,
+                                    uint lane) {
   // the matrix this threadgroup works on (uniform over the threadgroup)
   const uint rps = clamp(args.rows_per_simdgroup, 1u, 8u);  // 1, 2, 4 or 8 (checked by the host)
   const uint tg_rows = rps * nsg;
@@ -161,8 +177,32 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
     ++m;
     tiles = (args.rows[m] + tg_rows - 1) / tg_rows;
   }
-  const bool has_rows = tg < first + tiles;
-  if (!has_rows && !(tg == 0 && args.write_xn != 0)) {
+  NormGemvTile tl;
+  tl.has_rows = tg < first + tiles;
+  tl.w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
+  tl.scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
+  tl.biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
+  tl.y = m == 0 ? y0 : (m == 1 ? y1 : (m == 2 ? y2 : y3));
+  const uint rows = args.rows[m];
+  tl.chunks = args.cols * BITS / 128;
+  tl.groups = args.cols / kQuantGroup;
+  tl.t = q_team(tl.chunks, rps, lane);
+  tl.row0 = ((tg - first) * nsg + sg) * rps + tl.t.team * tl.t.rows;
+  tl.nrows = tl.has_rows && tl.row0 < rows ? min(tl.t.rows, rows - tl.row0) : 0u;
+  if (tl.nrows > 0 && tl.t.lane < tl.chunks) {
+    q_chunk_load<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, tl.t.lane,
+                       tl.first);
+  }
+  return tl;
+}
+
+// The norm and the rows of tile tl, on x: the raw residual in device memory or the embedding
+// row in threadgroup memory (XPtr: a pointer to const float4).
+template <int BITS, typename XPtr>
+inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn, thread const NormGemvTile& tl,
+                           constant NormGemvArgs& args, threadgroup float* scratch, uint tg, uint tid,
+                           uint tcount, uint sg, uint nsg, uint lane) {
+  if (!tl.has_rows && !(tg == 0 && args.write_xn != 0)) {
     return;  // the whole threadgroup: past the last matrix
   }
 
@@ -180,32 +220,25 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
       xn[i] = rms_apply4(x[i], inv, nw, i);
     }
   }
-  if (!has_rows) {
+  if (!tl.has_rows) {
     return;
   }
 
-  device const uint4* w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
-  device const bfloat* scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
-  device const bfloat* biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
-  device float* y = m == 0 ? y0 : (m == 1 ? y1 : (m == 2 ? y2 : y3));
-  const uint rows = args.rows[m];
-  const uint chunks = args.cols * BITS / 128;
-  const uint groups = args.cols / kQuantGroup;
-  const QTeam t = q_team(chunks, rps, lane);
-  const uint row0 = ((tg - first) * nsg + sg) * rps + t.team * t.rows;
-  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
-
+  const QTeam t = tl.t;
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
-      float4 xs[QChunk<BITS>::float4s];
-      const float xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
-      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
+  if (tl.nrows > 0 && t.lane < tl.chunks) {
+    float4 xs[QChunk<BITS>::float4s];
+    float xsum = q_load_x_norm<BITS>(x, nw, t.lane, inv, xs);
+    q_chunk_fma<BITS>(tl.first, tl.nrows, xs, xsum, acc);
+    for (uint c = t.lane + t.size; c < tl.chunks; c += t.size) {
+      xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
+      q_chunk_rows<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, c, xs, xsum,
+                         acc);
     }
   }
   const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
-    y[row0 + t.lane] = v;
+  if (t.lane < tl.nrows) {
+    tl.y[tl.row0 + t.lane] = v;
   }
 }
 
@@ -237,8 +270,9 @@ template <int BITS>
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float scratch[32];
-  norm_gemv_body<BITS>(x, nw, xn, w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
-                       args, scratch, tg, tid, tcount, sg, nsg, lane);
+  const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                                                args, tg, sg, nsg, lane);
+  norm_gemv_body<BITS>(x, nw, xn, tl, args, scratch, tg, tid, tcount, sg, nsg, lane);
 }
 template [[host_name("norm_gemv_q4")]] [[kernel]] decltype(norm_gemv_q<4>) norm_gemv_q<4>;
 template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_gemv_q<8>;
@@ -285,6 +319,9 @@ template <int BITS>
                               uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float scratch[32];
   threadgroup float4 row[kEmbedMaxCols / 4];
+  // the first weight chunk requested before the row's lookup, as norm_gemv_q does before its norm
+  const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                                                args, tg, sg, nsg, lane);
   constexpr uint per_word = 32 / BITS;
   constexpr uint mask = (1u << BITS) - 1u;
   const uint words = eargs.cols / per_word;
@@ -305,7 +342,7 @@ template <int BITS>
       h[i] = row[i];
     }
   }
-  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, w0, s0, b0, y0, w1, s1, b1,
-                       y1, w2, s2, b2, y2, w3, s3, b3, y3, args, scratch, tg, tid, tcount, sg, nsg, lane);
+  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, tl, args, scratch, tg, tid, tcount,
+                       sg, nsg, lane);
 }
 template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv_q<4>) embed_norm_gemv_q<4>;

@@ -565,8 +565,8 @@ def test_chains_follow_the_kernels():
     assert sorted(pend) == list(range(len(window)))
     for s, p in zip(steps, pend):
         assert s["work"]["loop"]["dram"] == rows * p
-    norm = _first(window[0], "norm_gemv_q4")["work"]["lead"]
-    assert norm["barrier"] == 2 and norm["reduce"] == 1 and norm["dram"] == 1
+    norm = _first(window[0], "norm_gemv_q4")["work"]["lead"]  # the first weight chunk is in flight meanwhile
+    assert norm["barrier"] == 2 and norm["reduce"] == 1 and norm["dram"] == 0
     route = _first(window[0], "moe_route_gate_up")["work"]
     k = CFG.num_experts_per_tok
     assert route["lead"]["reduce"] == 2 + 2 * k / 2 and route["chain"]["reduce"] == 2 + 2 * k

@@ -302,11 +302,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
       lead(w, Lat::alu, 32 / 4 * 2);
       lead(w, Lat::barrier, 1);
     }
-    // every threadgroup: the norm's sum of squares (threadgroup_sum), rsqrt, and only then,
-    // after the barriers, its first weight load (gemv.metal norm_gemv_body)
+    // every threadgroup: the norm's sum of squares (threadgroup_sum) and rsqrt before its
+    // first x chunk is scaled. Its lanes' first weight chunk is requested before the norm
+    // (gemv.metal norm_gemv_start), so that round trip runs beside it instead of after it:
+    // the lead is the norm alone (its pass over x is the loop below, as before)
     chain(w, tg_reduce(simdgroups_of(r)), 1, true);
     lead(w, Lat::alu, 2);
-    lead(w, Lat::dram, 1);
     loop(w, Lat::mem, std::ceil(a.cols / 4.0 / r.threads.count()) - 1);  // the sum of squares' pass over x
     loop(w, Lat::dram, gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
