@@ -148,8 +148,9 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // moe_route fused into moe_gate_up_swiglu_q4 (one dispatch and one barrier stage fewer).
 // Same grid and hbuf as moe_gate_up_swiglu_q4. Every simdgroup of routed slot j computes
 // the router softmax and the first j+1 top-k rounds from the logits itself
-// (route_topk_simd: registers and shuffles, no threadgroup memory, no barrier), so its
-// first weight load waits for no other simdgroup; the shared-slot threadgroups skip the
+// (route_topk_simd: registers and shuffles, no threadgroup memory, no barrier; 8 registers
+// per lane for up to 256 experts, each round a 3-level tree over them and two reductions), so
+// its first weight load waits for no other simdgroup; the shared-slot threadgroups skip the
 // routing. Simdgroup 0 of threadgroup (0, 0) runs all k rounds and stores ids [k] and
 // weights [k+1] for moe_down_q4, with weights[k] = sigmoid(logits[experts]): the
 // shared-expert gate logit is row E of the router output (norm_gemv_q8 with mlp.gate and
@@ -187,7 +188,9 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
   const uint rounds = shared ? 0u : (leader && sg == 0 ? k : slot + 1);
   uint e = 0;
   if (rounds > 0) {
-    const RoutePicks pk = route_topk_simd(logits, n, rounds, slot, lane);
+    const RoutePicks pk = n <= 32 * kRouteSimdRowsSmall
+                              ? route_topk_simd<kRouteSimdRowsSmall>(logits, n, rounds, slot, lane)
+                              : route_topk_simd<kRouteSimdRowsMax>(logits, n, rounds, slot, lane);
     if (leader && sg == 0) {
       if (lane < k) {
         ids[lane] = pk.my_id;

@@ -158,9 +158,10 @@ Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
 constexpr double kGemvRows = 4;  // kGemvRowsPerSimdgroup (common.h): gemv_q*, moe_down_q4, gate/up
-// route_topk_simd's registers per lane (route.h kRouteRowsPerLane = kRouteMaxExperts / 32,
-// common.h): every softmax and round pass walks all of them.
-constexpr double kRouteRowsPerLane = 1024 / 32;
+// route_topk_simd's registers per lane (route.h): 8 up to 256 experts
+// (kRouteSimdRowsSmall), else kRouteMaxExperts / 32 (common.h); the softmax walks them in
+// order, a round's search is a tree over them.
+double route_rows_per_lane(uint32_t experts) { return experts <= 256 ? 8 : 1024 / 32; }
 double simdgroups_of(const gpu::DispatchRecord& r) { return double(r.threads.count()) / 32; }
 
 // The k loop of a prefill GEMM threadgroup (gemm_tensor.h gemm_tensor_gemm, gemm_tiles.h
@@ -318,18 +319,24 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::MoeRouteArgs>(r);
     Cost w = make("routed experts");
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
-    // router softmax + top-k rounds replayed by every simdgroup of a routed slot
-    const double routing_simdgroups = double(r.groups.x) * a.top_k * (r.threads.count() / 32);
+    // route_topk_simd (route.h) in every simdgroup of a routed slot, per lane: the softmax over
+    // its RPL registers (a load and a max, an exp, a simd_sum as five shuffle-add levels, an add
+    // and a division: ~17 each), then slot j's j + 1 rounds (the leader's k), each a tree over
+    // the registers (RPL - 1 nodes of ~6), simd_max and simd_min (~20) and the removal (RPL).
+    const double rpl = route_rows_per_lane(a.experts);
+    const double routing_lanes = double(r.groups.x) * (r.threads.count() / 32) * 32;
+    const double rounds = a.top_k * (a.top_k + 1) / 2.0;  // over the k slots
     add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
-                              routing_simdgroups * a.experts * (4.0 + a.top_k));
+                              routing_lanes * (a.top_k * 17 * rpl + rounds * (7 * rpl + 14)));
     w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
-    // route_topk_simd (route.h) before the first weight load, whose address is the pick: the
-    // softmax (a max over kRouteRowsPerLane registers, simd_max, the row sums added in order)
-    // and one round per pick (a compare-select pass over the registers, simd_max, simd_min).
-    // Slot j's simdgroups run j + 1 rounds, the leader's all k: the lead takes the mean over
-    // the slots, k / 2, the chain the longest, k.
-    const Steps softmax{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
-    const Steps round{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
+    // route_topk_simd before the first weight load, whose address is the pick: the softmax
+    // (the max over the RPL registers in order, simd_max, the row sums' simd_sums side by side
+    // added in order, the division) and one round per pick (the tree's log2 RPL levels of a
+    // compare and two selects, simd_max, simd_min, the removal). Slot j's simdgroups run j + 1
+    // rounds, the leader's all k: the lead takes the mean over the slots, k / 2, the chain the
+    // longest, k.
+    const Steps softmax{0, 0, 0, 0, 2, 2.0 * rpl + 4};
+    const Steps round{0, 0, 0, 0, 2, 3.0 * std::log2(rpl) + 3};
     chain(w, softmax, 1, true);
     chain(w, round, a.top_k / 2.0, true);
     lead(w, Lat::dram, 1);
