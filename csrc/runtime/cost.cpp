@@ -158,6 +158,7 @@ Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
 constexpr double kGemvRows = 4;  // kGemvRowsPerSimdgroup (common.h): gemv_q*, moe_down_q4, gate/up
+constexpr double kGdnRowBatch = 4;  // gdn.metal: state rows a simdgroup updates side by side
 // route_topk_simd's registers per lane (route.h): 8 up to 256 experts
 // (kRouteSimdRowsSmall), else kRouteMaxExperts / 32 (common.h); the softmax walks them in
 // order, a round's search is a tree over them.
@@ -372,15 +373,16 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
                                                    12.0 * (double(r.groups.y) * Dk + Dv)));
     w.bytes = declared(r);
     // gdn.metal: the conv and SiLU into threadgroup memory, a barrier, the q/k L2 norms
-    // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows one
-    // after another: the row's state load, the replay of the `pending` ring entries (each
-    // entry's loads wait for the previous entry's update: a DRAM round trip per entry and row,
-    // gdn_replay), the update (S k and S q, each a dependent dot and a simd_sum); then a
-    // barrier and the split's sum of squares.
-    const double R = double(Dv) / r.groups.y / simdgroups_of(r);
+    // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows in
+    // batches of kGdnRowBatch (4: the runtime's R, one batch) side by side: the batch's state
+    // loads together, the replay of the `pending` ring entries (an entry's g, k and the batch's
+    // deltas loaded together, after the previous entry's update: one DRAM round trip per entry
+    // and batch, gdn_replay), the update (S k and S q, each a dependent dot and a simd_sum per
+    // row, the rows' in parallel); then a barrier and the split's sum of squares.
+    const double batches = std::ceil(double(Dv) / r.groups.y / simdgroups_of(r) / kGdnRowBatch);
     chain(w, Steps{0, 1, 1, 1, 1, 25}, 1, true);
-    chain(w, Steps{1, 0, 0, 0, 2, 13.0 + 2.0 * a.pending}, R);
-    loop(w, Lat::dram, R * a.pending);
+    chain(w, Steps{1, 0, 0, 0, 2, 13.0 + 2.0 * a.pending}, batches);
+    loop(w, Lat::dram, batches * a.pending);
     chain(w, Steps{0, 0, 1, 1, 1, 4}, 1);
     return w;
   }
@@ -390,11 +392,11 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("gated deltanet");
     add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
-    if (a.pending > 0) {  // R rows, each its state load and the replay (gdn_replay), then a barrier
-      const double R = double(Dv) / r.groups.y / simdgroups_of(r);
-      chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, R);
+    if (a.pending > 0) {  // the row batches, each its state loads and the replay (gdn_replay), then a barrier
+      const double batches = std::ceil(double(Dv) / r.groups.y / simdgroups_of(r) / kGdnRowBatch);
+      chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, batches);
       chain(w, Lat::dram, -1);  // the first load is the dispatch's own
-      loop(w, Lat::dram, R * a.pending);
+      loop(w, Lat::dram, batches * a.pending);
       chain(w, Lat::barrier, 1);
     }
     return w;
