@@ -351,9 +351,9 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("routed experts");
     add(w, Path::alu_f32, (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
-    // each chunk's weight address waits for ids[slot] (cached after the first)
+    // each chunk's weight address waits for ids[slot] (cached after the first): the ids, h and
+    // weights are the dispatch's first loads, the weight rows the first dependent one
     const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows);
-    lead(w, Lat::mem, 1);
     lead(w, Lat::dram, 1);
     loop(w, Lat::dram, its - 1);
     loop(w, Lat::local, its - 1);
