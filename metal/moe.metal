@@ -212,8 +212,10 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
-// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups)); each simdgroup owns
-// kGemvRowsPerSimdgroup (4) rows of the residual.
+// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64
+// threads; each group of kGemvRowsPerSimdgroup (4) rows of the residual is shared by
+// kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
+// split-K, joined by q_split_join).
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
                         device const uint* ids [[buffer(1)]],          // [top_k]
                         device const float* weights [[buffer(2)]],     // [top_k + 1]
@@ -229,6 +231,7 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[kSplitJoinMax];
   const uint k = args.top_k;
   const uint chunks = args.inter / 32;
   const uint groups = args.inter / kQuantGroup;
@@ -238,12 +241,14 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
   const uint total = routed + schunks;
 
   const QTeam t = q_team(total, kGemvRowsPerSimdgroup, lane);
-  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint ks = sg % kGemvSplitK;
+  const uint slot = sg / kGemvSplitK * kGemvRowsPerSimdgroup + t.team * t.rows;  // within the threadgroup
+  const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
   const uint nrows = row0 < args.hidden ? min(t.rows, args.hidden - row0) : 0u;
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (nrows > 0) {
-    for (uint f = t.lane; f < total; f += t.size) {
+    for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
       const bool shared = f >= routed;
       const uint slot = shared ? k : f / chunks;
       const uint c = shared ? f - routed : f - slot * chunks;
@@ -257,8 +262,8 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                       nrows, c, xs, xsum, acc);
     }
   }
-  const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
+  float v = team_reduce_rows(acc, t);
+  if (q_split_join(v, part, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
     residual[row0 + t.lane] += v;
   }
 }

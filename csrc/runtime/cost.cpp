@@ -127,11 +127,11 @@ void add(Cost& w, Path p, double flops) { w.flops[int(p)] += flops; }
 void chain(Cost& w, Lat k, double n) { w.chain[int(k)] += n; }
 void loop(Cost& w, Lat k, double n) { w.loop[int(k)] += n; }
 // Iterations per lane of a decode GEMV's chunk loop (gemv.metal gemv_body, q_team): 16-byte
-// chunks of a row strided over a team of up to 32 lanes.
-double gemv_iterations(double chunks, double rows_per_simdgroup) {
+// chunks of a row strided over a team of up to 32 lanes and `splits` simdgroups (split-K).
+double gemv_iterations(double chunks, double rows_per_simdgroup, double splits = 1) {
   double team = 32;
   while (team > 32 / rows_per_simdgroup && team > chunks) team /= 2;
-  return std::ceil(chunks / team);
+  return std::ceil(chunks / (team * splits));
 }
 // A part of the chain before the threadgroup's bulk traffic (also in the chain).
 void lead(Cost& w, Lat k, double n) {
@@ -154,6 +154,12 @@ void chain(Cost& w, const Steps& s, double times, bool is_lead = false) {
 // threadgroup_sum / threadgroup_max (common.h): a simdgroup reduction, two barriers around the
 // scratch, then the nsg partials added in order.
 Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
+// kGemvSplitK (common.h): simdgroups sharing a row group in gemv_q* and moe_down_q4.
+constexpr double kGemvSplitK = 2;
+// q_split_join (common.h): the other splits' sums through threadgroup memory behind a barrier.
+void split_join(Cost& w, double splits) {
+  if (splits > 1) chain(w, Steps{0, 0, 1, 1, 0, splits - 1}, 1);
+}
 // team_reduce_rows (common.h): log2(team) shuffle + add levels over float4s (the teams of the
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
@@ -263,16 +269,18 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("dense projections");
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols);
     w.bytes = declared(r);
-    // the chunk loop, the team reduction, then (_add) y[row] read after it
+    // the chunk loop, the team reduction, the splits' join, then (_add) y[row] read after it
     const double bits = k.find("q8") != std::string::npos ? 8.0 : 4.0;
-    loop(w, Lat::dram, gemv_iterations(a.cols * bits / 128, kGemvRows) - 1);
+    loop(w, Lat::dram, gemv_iterations(a.cols * bits / 128, kGemvRows, kGemvSplitK) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, ends(k, "_add") ? 1 : 0);
     return w;
   }
   // out_proj of a GDN layer: gemv_q*_add plus the gated norm on load, per x value and
-  // simdgroup that loads it (each loads all of x: cols >= 32 chunks): scale, weight, SiLU
-  // (~4) and the gate product; per chunk the head's NS partial sums and 1/sqrt (~8).
+  // simdgroup that loads it (each loads its split's 1 / kGemvSplitK of x: cols >= 64 chunks):
+  // scale, weight, SiLU (~4) and the gate product; per chunk the head's NS partial sums and
+  // 1/sqrt (~8).
   if (k == "gemv_gated_q4_add" || k == "gemv_gated_q8_add") {
     const auto a = arg<args::GemvArgs>(r);
     const auto gn = arg<args::GatedNormArgs>(r);
@@ -280,10 +288,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const double simdgroups = groups * (r.threads.count() / 32);
     const double per_chunk = 128.0 / (k == "gemv_gated_q4_add" ? 4 : 8);
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols +
-                              simdgroups * a.cols * (8.0 + (8.0 + gn.splits) / per_chunk));
+                              simdgroups * a.cols / kGemvSplitK * (8.0 + (8.0 + gn.splits) / per_chunk));
     w.bytes = declared(r);
-    loop(w, Lat::dram, gemv_iterations(a.cols * (k == "gemv_gated_q4_add" ? 4.0 : 8.0) / 128, kGemvRows) - 1);
+    loop(w, Lat::dram,
+         gemv_iterations(a.cols * (k == "gemv_gated_q4_add" ? 4.0 : 8.0) / 128, kGemvRows, kGemvSplitK) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);  // as gemv_q*_add
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);
     return w;
   }
@@ -311,8 +321,10 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     chain(w, tg_reduce(simdgroups_of(r)), 1, true);
     lead(w, Lat::alu, 2);
     loop(w, Lat::mem, std::ceil(a.cols / 4.0 / r.threads.count()) - 1);  // the sum of squares' pass over x
-    loop(w, Lat::dram, gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup) - 1);
+    loop(w, Lat::dram,
+         gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup, a.k_splits) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, a.k_splits);
     return w;
   }
   // ---- decode MoE (fp32 ALU): routed stacks declared whole, top-k experts read
@@ -353,11 +365,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     // each chunk's weight address waits for ids[slot] (cached after the first): the ids, h and
     // weights are the dispatch's first loads, the weight rows the first dependent one
-    const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows);
+    const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
     lead(w, Lat::dram, 1);
     loop(w, Lat::dram, its - 1);
     loop(w, Lat::local, its - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);  // residual[row] read after the reduction
     return w;
   }
