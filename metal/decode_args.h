@@ -54,13 +54,14 @@ struct MoeArgs {
 // norm_gemv_q4 / norm_gemv_q8: RMSNorm fused into up to kNormGemvMaxMatrices GEMVs that
 // share the normalised input: y_m[rows[m]] = W_m (x * rsqrt(mean(x^2) + eps) * w), m < 4.
 // Matrix m owns the threadgroups [sum_{i<m} t_i, sum_{i<=m} t_i) of the grid, with
-// t_i = ceil(rows[i] / (rows_per_simdgroup * simdgroups per threadgroup)).
+// t_i = ceil(rows[i] / (rows_per_simdgroup * simdgroups per threadgroup / k_splits)).
 struct NormGemvArgs {
   uint rows[4];   // output rows of matrices 0..3 (their out dimensions); 0 = slot unused
   uint cols;      // length of x, of the norm weight and of every matrix row (hidden, 2048); multiple of 64
   float eps;      // added to the mean of squares (rms_norm_eps, 1e-6)
   uint write_xn;  // 1: threadgroup 0 also stores the normalised vector to xn [cols]; 0: xn untouched
   uint rows_per_simdgroup;  // 1, 2, 4 or 8: rows each simdgroup computes (the grid follows)
+  uint k_splits;  // 1 or 2: simdgroups sharing a group of rows, each over every k_splits-th run of chunks
 };
 
 // moe_route_gate_up_swiglu_q4: moe_route fused into moe_gate_up_swiglu_q4.
