@@ -136,12 +136,13 @@ template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>)
 // y_m = W_m xn for m < 4, xn = x * rsqrt(mean(x^2) + eps) * w, from the raw residual x.
 // The rows of the matrices are laid out one after another in the grid, each matrix padded
 // to whole threadgroups (a threadgroup's rows belong to one matrix): matrix m owns
-// t_m = ceil(rows[m] / (R * simdgroups)) threadgroups, R = args.rows_per_simdgroup (1, 2, 4
-// or 8: 8 amortises each x chunk over more rows, 1 spreads a small matrix such as the
-// 257-row router over enough simdgroups to fill the GPU), starting after those of matrices
-// < m; with args.k_splits = 2 two simdgroups share each group of R rows (gemv_q's split-K:
-// the router's 257 rows on 258 threadgroups). Every threadgroup computes sum(x^2) itself (one pass over x, then a threadgroup
-// sum: the same order in every threadgroup, so all of them use the same rsqrt) and applies
+// t_m = ceil(rows[m] / (R * simdgroups / S)) threadgroups, R = args.rows_per_simdgroup (1, 2,
+// 4 or 8: 8 amortises each x chunk over more rows, 1 spreads a small matrix such as the
+// 257-row router over enough simdgroups to fill the GPU), S = args.k_splits simdgroups per
+// group of R rows (gemv_q's split-K; 2 for the router: 257 rows on 258 threadgroups),
+// starting after those of matrices < m. Every threadgroup computes sum(x^2) itself (one pass
+// over x, then a threadgroup sum: the same order in every threadgroup, so all of them use the
+// same rsqrt) and applies
 // (x * inv) * w while loading each x chunk; the GEMV itself is gemv_q's (teams of lanes,
 // R rows per simdgroup). Each lane's first weight chunk is loaded before the norm
 // (norm_gemv_start), so the norm's reduction and barriers run while that round trip is in

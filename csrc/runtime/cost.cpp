@@ -365,7 +365,8 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
     // each chunk's weight address waits for ids[slot] (cached after the first): the ids, h and
     // weights are the dispatch's first loads, the weight rows the first dependent one
-    const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
+    const double its =
+        gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
     lead(w, Lat::dram, 1);
     loop(w, Lat::dram, its - 1);
     loop(w, Lat::local, its - 1);
@@ -476,7 +477,8 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     // RB FMAs: G NE (1 + 2 RB)); the prep ~16 per element of its G + 1 vectors.
     const double RB = 32.0 / G, NE = D / 32.0;
     const double per_pair = 2 * RB * NE + 2.0 * D + 124 + 2 * std::log2(RB) + 11 + G * NE * (1 + 2 * RB);
-    add(w, Path::alu_f32, double(a.num_q_heads) * keys * per_pair + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
+    add(w, Path::alu_f32,
+        double(a.num_q_heads) * keys * per_pair + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
     // fused_prep: one simdgroup per vector (the G query heads, the new k), every load issued
     // at once (the dispatch's first), the D/32 partial simd_sums side by side then added in

@@ -362,7 +362,8 @@ void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceS
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
     op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u}).run(pass);
+        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u})
+        .run(pass);
     t.other_bytes += H * f + size_t(d.vocab_size) * f;
   }
   if (sample) encode_sample(pass, s, seq, slot);

@@ -17,7 +17,8 @@ using uint = uint32_t;
 // The layouts the kernels expect (all fields 4 bytes, no padding).
 static_assert(sizeof(lily::kernels::GemvArgs) == 8 && sizeof(lily::kernels::EmbedArgs) == 8, "arg layout");
 static_assert(sizeof(lily::kernels::MoeArgs) == 20 && sizeof(lily::kernels::GdnDecodeArgs) == 24, "arg layout");
-static_assert(sizeof(lily::kernels::MoeRouteArgs) == 24 && sizeof(lily::kernels::NormGemvArgs) == 36, "arg layout");
+static_assert(sizeof(lily::kernels::MoeRouteArgs) == 24 && sizeof(lily::kernels::NormGemvArgs) == 36,
+              "arg layout");
 static_assert(sizeof(lily::kernels::AttnFusedArgs) == 36 && sizeof(lily::kernels::AttnCombineArgs) == 16, "arg layout");
 static_assert(sizeof(lily::kernels::GatedNormArgs) == 12, "arg layout");
 static_assert(sizeof(lily::kernels::SampleArgs) == 56 && sizeof(lily::kernels::MoeTile) == 16, "arg layout");
