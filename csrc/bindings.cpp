@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gpu/py_device.h"
+#include "runtime/py_families.h"
 #include "runtime/py_runtime.h"
 
 namespace nb = nanobind;
@@ -62,4 +63,5 @@ NB_MODULE(_core, m) {
   }, "Build facts: version, compiler, platform, debug flag and compiled devices.");
   lily::gpu::bind_device(m);
   lily::runtime::bind_runtime(m);
+  lily::runtime::bind_families(m);
 }

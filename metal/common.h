@@ -21,20 +21,9 @@ using namespace metal;
 
 // MLX affine quantization: 64 consecutive weights of a row share one scale and one bias.
 constant constexpr uint kQuantGroup = 64;
-// Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size). 4, not
-// 8: a 2048-row GEMV then runs 512 simdgroups, enough threads to keep every core of a
-// 40-core GPU loading (docs/performance.md); norm_gemv_q* take theirs from NormGemvArgs.
-constant constexpr uint kGemvRowsPerSimdgroup = 4;
-// Rows handled by one simdgroup in moe_gate_up_swiglu_q4 (each row: a gate and an up dot).
-constant constexpr uint kGateUpRowsPerSimdgroup = 4;
-// Simdgroups sharing a group of rows in gemv_q* and moe_down_q4, each over every
-// kGemvSplitK-th run of a row's chunks (q_split_join): a 2048-row output then runs 1024
-// simdgroups (32K threads, 820 per core of a 40-core GPU) for the same weight and x bytes per
-// simdgroup as 4 rows each, so the cores keep enough loads in flight even if a core needs
-// 512 threads to hide the latency (docs/performance.md).
-constant constexpr uint kGemvSplitK = 2;
-// The largest rows x splits a threadgroup hands through q_split_join (256 threads).
-constant constexpr uint kSplitJoinMax = 64;
+// The decode kernels' argument structs and the constants the host shares with them (rows
+// per simdgroup of the GEMVs, split-K, the routing and norm_gemv limits): host-includable.
+#include "decode_args.h"
 
 // ---------------------------------------------------------------- half activations
 // The prefill GEMMs (gemm_tiles.h) take half activations, which their producers
@@ -69,12 +58,6 @@ inline void gemm_put(device float* dst, float v, bool add) {
 inline void gemm_put(device half* dst, float v, bool) {
   *dst = gemm_half(v);
 }
-
-// ---------------------------------------------------------------- argument structs
-// In decode_args.h (host-includable); limits of the kernels that take them:
-constant constexpr uint kRouteMaxExperts = 1024;     // moe_route*: router logits at most
-constant constexpr uint kNormGemvMaxMatrices = 4;    // norm_gemv_q*: matrices per dispatch
-#include "decode_args.h"
 
 // ---------------------------------------------------------------- small helpers
 

@@ -58,11 +58,6 @@ inline void gdn_add_delta(thread float* s, float delta, thread const float* k) {
   }
 }
 
-// State rows a simdgroup updates side by side: their loads are issued together and their
-// arithmetic interleaves, so a simdgroup waits for one round trip per ring entry and per step
-// rather than one per row. The runtime's 4 rows per simdgroup are one batch.
-constant constexpr uint kGdnRowBatch = 4;
-
 // Replays the ring's first `pending` updates onto the nb <= kGdnRowBatch rows row0.. (of head h,
 // key head kh) of the written state: row i held in s[i * E ..] (S' as read) with its pending
 // decay c[i]. Entry j's decay is c * g_j for the first (the step that read c) and 1 * g_j after

@@ -106,8 +106,7 @@ template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdn
 // stay below ~1.1e21, ~3e17 inside the float32 range; c g reaches 2^-40 only after the row
 // has decayed by e^-27.7, so heads that keep memory rarely fold. c is per row, not per head:
 // a head's rows are split over threadgroups, and one c per head would be written by one of
-// them while the others still read it.
-constant constexpr float kGdnScanFold = 1.0f / 1099511627776.0f;  // 2^-40 exactly (no hex float in C++14)
+// them while the others still read it. (kGdnScanFold is in prefill_args.h: the twins read it.)
 
 // DK, DV: head dims; RV: state rows (value dims) per threadgroup, so a head is DV / RV
 // threadgroups. kGdnScanLanesPerRow (L = 4) adjacent lanes share one state row; lane j of a

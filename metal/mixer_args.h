@@ -2,9 +2,15 @@
 // sampling kernels' are in sample_args.h. Each is bound as `constant T& args [[buffer(n)]]`
 // (setBytes); the host fills the same layout (all fields 4 bytes: uint / float, no padding).
 // Host-side facts (grids, threadgroups, buffer ranges) are in docs/kernels.md, "Attention,
-// Gated DeltaNet, sampling".
+// Gated DeltaNet, sampling". The LILY_ARGS_<T> field lists: decode_args.h.
 #ifndef LILY_MIXER_ARGS_H
 #define LILY_MIXER_ARGS_H
+
+// gdn_decode_step: state rows a simdgroup updates side by side (gdn.metal): their loads are
+// issued together and their arithmetic interleaves, so a simdgroup waits for one round trip per
+// ring entry and per step rather than one per row. The runtime's 4 rows per simdgroup are one
+// batch.
+constant constexpr uint kGdnRowBatch = 4;
 
 // gdn_decode_step_k<Dk>_v<Dv>: one Gated DeltaNet decode step (conv, norms, gates,
 // delta-rule update; y and its per-split sums of squares: the gated RMSNorm is out_proj's,
@@ -17,6 +23,8 @@ struct GdnDecodeArgs {
   uint pending;       // steps since the state was last written back: ring entries to replay (< W)
   uint write_back;    // 1: write the state back (S', c = 1); 0: append this step to ring slot `pending`
 };
+#define LILY_ARGS_GdnDecodeArgs(F) \
+  F(num_k_heads) F(num_v_heads) F(conv_kernel) F(l2_eps) F(pending) F(write_back)
 
 // One ring entry of a Gated DeltaNet layer (floats): a decode step's update, delta per state
 // row [Hv*Dv], then the normalised k per key head [Hk*Dk], then g per value head [Hv]
@@ -47,6 +55,8 @@ struct AttnPrepArgs {
   float norm_eps;     // q_norm / k_norm epsilon (1e-6)
   float log2_theta;   // log2(rope_theta) (log2(1e7)); frequency of pair i: theta^(-2i/rotary_dim)
 };
+#define LILY_ARGS_AttnPrepArgs(F) \
+  F(num_q_heads) F(num_kv_heads) F(head_dim) F(rotary_dim) F(capacity) F(norm_eps) F(log2_theta)
 
 // attn_decode_d<D>_g<G> and attn_decode_split_d<D>_g<G>: softmax attention of one new query
 // per head over cache rows [0, pos], G query heads per threadgroup sharing one KV head.
@@ -59,6 +69,8 @@ struct AttnDecodeArgs {
   uint block_rows;    // split path only: rows per KV block (B); block b covers [b*B, min((b+1)*B, pos+1))
   uint max_blocks;    // split path only: partial slots per head in the partials buffers (>= blocks dispatched)
 };
+#define LILY_ARGS_AttnDecodeArgs(F) \
+  F(num_q_heads) F(num_kv_heads) F(capacity) F(gate_stride) F(scale) F(block_rows) F(max_blocks)
 
 // attn_decode_fused_d<D>_g<G> and attn_decode_split_fused_d<D>_g<G>: attn_qk_prep and the
 // decode attention in one dispatch. Each threadgroup normalises and rotates its own G query
@@ -77,6 +89,9 @@ struct AttnFusedArgs {
   uint block_rows;    // split path only: rows per KV block (B); block b covers [b*B, min((b+1)*B, pos+1))
   uint max_blocks;    // split path only: partial slots per head in the partials buffers (>= blocks dispatched)
 };
+#define LILY_ARGS_AttnFusedArgs(F) \
+  F(num_q_heads) F(num_kv_heads) F(rotary_dim) F(capacity) F(norm_eps) F(log2_theta) F(scale) F(block_rows) \
+  F(max_blocks)
 
 // attn_combine_d<D>: merges the split path's per-block partials into the gated output.
 struct AttnCombineArgs {
@@ -85,5 +100,10 @@ struct AttnCombineArgs {
   uint block_rows;    // B, as given to attn_decode_split
   uint max_blocks;    // as given to attn_decode_split
 };
+#define LILY_ARGS_AttnCombineArgs(F) F(num_q_heads) F(gate_stride) F(block_rows) F(max_blocks)
+
+#define LILY_MIXER_ARG_STRUCTS(S) \
+  S(GdnDecodeArgs) S(AttnPrepArgs) S(AttnDecodeArgs) S(AttnFusedArgs) S(AttnCombineArgs)
+#define LILY_MIXER_CONSTANTS(C) C(kGdnRowBatch)
 
 #endif  // LILY_MIXER_ARGS_H

@@ -1,7 +1,8 @@
 // Argument structs of the prefill kernels (docs/prefill.md), shared by the kernels and the
 // host runtime: the host includes this file too, so every field is a 32-bit `uint` or
 // `float` (the host defines `uint` as uint32_t) and the file includes nothing. Each struct is
-// bound as `constant T& args [[buffer(n)]]` (setBytes).
+// bound as `constant T& args [[buffer(n)]]` (setBytes). The LILY_ARGS_<T> field lists and the
+// constants the host reflects: decode_args.h.
 #ifndef LILY_PREFILL_ARGS_H
 #define LILY_PREFILL_ARGS_H
 
@@ -18,12 +19,14 @@ struct GemmArgs {
   uint lda;  // row stride of x in floats; a multiple of 4, >= k
   uint ldy;  // row stride of y in floats; >= n (y[r, c] is at y[r * ldy + c])
 };
+#define LILY_ARGS_GemmArgs(F) F(m) F(n) F(k) F(lda) F(ldy)
 
 // gemm_swiglu_q4 (and its tensor twin): the row scale g's stride, row r at g[r * ldg]
 // (the routing weights [m, top_k + 1] bound at column top_k: ldg = top_k + 1).
 struct GemmRowScaleArgs {
   uint ldg;
 };
+#define LILY_ARGS_GemmRowScaleArgs(F) F(ldg)
 
 // gemm_q4_add_hs (and its tensor twin): y += (x * s) W^T, x half with a half scale per group
 // of 2^shift consecutive elements of a row: element i of x (counted from x's start, rows at
@@ -32,6 +35,7 @@ struct GemmRowScaleArgs {
 struct GemmAScaleArgs {
   uint shift;  // log2 of the elements per scale, >= 2 and <= 6 (a group inside one 64-wide k step)
 };
+#define LILY_ARGS_GemmAScaleArgs(F) F(shift)
 
 // moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t* (and their *_tensor twins): grouped expert
 // GEMMs over the tile map (MoeTile below; docs/prefill.md). Slot s of a tile holds the
@@ -49,6 +53,7 @@ struct MoeGemmArgs {
   uint tile_rows;  // T of the chunk's tiling (MoeRoutePrefillArgs::tile_rows): which tile class
                    // this dispatch runs; read by the performance model (cost.cpp), not the kernel
 };
+#define LILY_ARGS_MoeGemmArgs(F) F(n) F(k) F(m) F(top_k) F(experts) F(lda) F(ldy) F(tile_rows)
 
 // ---- expert routing --------------------------------------------------------------------
 
@@ -60,6 +65,7 @@ struct MoeTile {
   uint rows;
   uint pad;  // 0; keeps the struct 16 bytes
 };
+#define LILY_ARGS_MoeTile(F) F(expert) F(begin) F(rows) F(pad)
 
 // Tile classes (docs/prefill.md, "Tile classes"): an expert's assignments are cut into full
 // tiles of the chunk's height T (16, 32, 64 or 128) and one last tile of the remainder r
@@ -117,6 +123,7 @@ struct MoeRoutePrefillArgs {
   uint block_rows;  // rows per histogram block / moe_route_scatter threadgroup (64); >= 1
   uint tile_rows;   // T: height of the full tiles of the grouped GEMMs: 16, 32, 64 or 128 (tile classes above)
 };
+#define LILY_ARGS_MoeRoutePrefillArgs(F) F(rows) F(experts) F(top_k) F(norm_topk) F(block_rows) F(tile_rows)
 
 // moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] (yx half, h and w fp32; summed in
 // fp32; the shared expert is already in h).
@@ -125,6 +132,7 @@ struct MoeCombineArgs {
   uint hidden;  // H: row length (2048); a multiple of 4
   uint top_k;   // k: routed experts per row (8); >= 1
 };
+#define LILY_ARGS_MoeCombineArgs(F) F(rows) F(hidden) F(top_k)
 
 // ---- Gated DeltaNet --------------------------------------------------------------------
 
@@ -134,6 +142,7 @@ struct GdnConvStateArgs {
   uint conv_dim;  // C = 2*Hk*Dk + Hv*Dv channels per row (8192); row stride of qkv
   uint rows;      // M: tokens in the chunk, >= 1; M * C < 2^32
 };
+#define LILY_ARGS_GdnConvStateArgs(F) F(conv_dim) F(rows)
 // Causal conv taps of the prefill kernels (the model's linear_conv_kernel_dim).
 enum : uint { kGdnConvTaps = 4 };
 
@@ -150,6 +159,10 @@ struct GdnScanArgs {
   float norm_eps;    // eps of the gated RMSNorm over Dv (1e-6)
   float l2_eps;      // eps added to the sum of squares in the q/k L2 norm (1e-6)
 };
+#define LILY_ARGS_GdnScanArgs(F) F(num_k_heads) F(num_v_heads) F(rows) F(norm_eps) F(l2_eps)
+// gdn_scan folds a row's pending decay into S' once c * g < kGdnScanFold (metal/gdn_prefill.metal,
+// "Lazy decay", says why 2^-40).
+constant constexpr float kGdnScanFold = 1.0f / 1099511627776.0f;  // 2^-40 exactly (no hex float in C++14)
 // gdn_scan: lanes sharing one state row (a dot product is log2 4 = 2 shuffle-add levels) and
 // tokens per threadgroup-memory block (two staged tokens per simdgroup at RV = 32).
 enum : uint { kGdnScanLanesPerRow = 4, kGdnScanTokensPerBlock = 8 };
@@ -174,6 +187,9 @@ struct AttnPrefillPrepArgs {
   float q_scale;      // _qbf only: factor of q before its bfloat rounding (the softmax scale, head_dim^-0.5)
   uint q_group;       // _qbf only: G, the query heads of one tensor-op attention threadgroup (2, 4 or 8)
 };
+#define LILY_ARGS_AttnPrefillPrepArgs(F) \
+  F(num_q_heads) F(num_kv_heads) F(rotary_dim) F(capacity) F(p0) F(rows) F(norm_eps) F(log2_theta) F(q_scale) \
+  F(q_group)
 
 // attn_prefill_d<D>_g<G>, attn_prefill_split_d<D>_g<G>, attn_prefill_combine_d<D>: causal
 // attention of chunk row i over cache rows [0, p0 + i]. Split path: KV range cut into
@@ -188,5 +204,14 @@ struct AttnPrefillArgs {
   uint split_rows;    // split path and combine only: KV rows per split (S >= 1); 0 otherwise
   uint num_splits;    // split path and combine only: splits dispatched, num_splits * S >= p0 + M; 0 otherwise
 };
+#define LILY_ARGS_AttnPrefillArgs(F) \
+  F(num_q_heads) F(num_kv_heads) F(capacity) F(p0) F(rows) F(scale) F(split_rows) F(num_splits)
+
+#define LILY_PREFILL_ARG_STRUCTS(S) \
+  S(GemmArgs) S(GemmRowScaleArgs) S(GemmAScaleArgs) S(MoeGemmArgs) S(MoeTile) S(MoeRoutePrefillArgs) \
+  S(MoeCombineArgs) S(GdnConvStateArgs) S(GdnScanArgs) S(AttnPrefillPrepArgs) S(AttnPrefillArgs)
+#define LILY_PREFILL_CONSTANTS(C) \
+  C(kMoeTileClasses) C(kMoeRouteMaxBlockSlots) C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
+  C(kGdnScanTokensPerBlock) C(kGdnScanFold)
 
 #endif  // LILY_PREFILL_ARGS_H

@@ -1,7 +1,8 @@
 // Argument structs of the sampling kernels (metal/sample.metal). Each is bound as
 // `constant T& args [[buffer(n)]]` (setBytes); the host fills the same layout (all fields 4
 // bytes: uint / float, no padding). Host-side facts (grids, threadgroups, buffer ranges) are
-// in docs/kernels.md, "Attention, Gated DeltaNet, sampling".
+// in docs/kernels.md, "Attention, Gated DeltaNet, sampling". The LILY_ARGS_<T> field lists:
+// decode_args.h.
 #ifndef LILY_SAMPLE_ARGS_H
 #define LILY_SAMPLE_ARGS_H
 
@@ -9,6 +10,7 @@
 struct SampleGreedyArgs {
   uint vocab;         // V: number of logits
 };
+#define LILY_ARGS_SampleGreedyArgs(F) F(vocab)
 
 // argmax_partial (stage 1 of the multi-threadgroup greedy argmax): threadgroup j scans
 // logits [j*slice, min((j+1)*slice, vocab)); sample_greedy_combine (stage 2) reduces the
@@ -17,6 +19,7 @@ struct ArgmaxArgs {
   uint vocab;         // V (stage 1); number of partials (stage 2)
   uint slice;         // logits per threadgroup (stage 1; unused by stage 2)
 };
+#define LILY_ARGS_ArgmaxArgs(F) F(vocab) F(slice)
 
 // sample_token: logit bias, penalties, temperature, top-k, top-p, min-p and a seeded draw.
 struct SampleArgs {
@@ -35,5 +38,10 @@ struct SampleArgs {
   uint update_counts;       // 1: counts[token] += 1 after the draw (the per-session count buffer)
   uint bias;                // 1: add the per-session logit bias buffer [V] to the logits first
 };
+#define LILY_ARGS_SampleArgs(F) \
+  F(vocab) F(temperature) F(top_k) F(top_p) F(min_p) F(presence_penalty) F(frequency_penalty) \
+  F(repetition_penalty) F(seed_lo) F(seed_hi) F(logprobs) F(top_logprobs) F(update_counts) F(bias)
+
+#define LILY_SAMPLE_ARG_STRUCTS(S) S(SampleGreedyArgs) S(ArgmaxArgs) S(SampleArgs)
 
 #endif  // LILY_SAMPLE_ARGS_H

@@ -27,10 +27,10 @@ import numpy as np
 from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 
 from lily.lab.kernels import harness as lab_harness
-from lily.lab.device import constant, download, sim_device, upload  # noqa: F401
+from lily.lab.device import constant, download, pack_args, sim_device, upload  # noqa: F401
 from lily.lab.kernels.gemm import GEMM_BM, GEMM_TG, gemm_geometry, gemm_ref, swiglu_ref  # noqa: F401
 from lily.lab.kernels.harness import (  # noqa: F401
-    U, args_bytes, bf16_bits, f32, from_bf16, half_operand, half_stored, half_weights, magnitude, rand_quant,
+    U, bf16_bits, f32, from_bf16, half_operand, half_stored, half_weights, magnitude, rand_quant,
     run_encoder, to_bf16_bits, upload_q,
 )
 from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES  # noqa: F401

@@ -160,8 +160,11 @@ def test_cli_prints_config_warnings_on_one_line(tmp_path, demo_path):
 
 
 def test_missing_config_and_weights(tmp_path, demo_copy):
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(CheckpointError, match="nope: the path does not exist"):
         Engine.load(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="file: not a directory"):
+        Engine.load(tmp_path / "file")
     (demo_copy / "config.json").unlink()
     with pytest.raises(ConfigError, match="config.json: not found"):
         Engine.load(demo_copy)

@@ -158,6 +158,17 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert needle in r.stderr and "Traceback" not in r.stderr
 
 
+def test_a_missing_model_path_is_one_message_in_every_command():
+    """Issue 29: `lily doctor --model nope` said "not a directory" (in its memory section,
+    exit 1 after the kernel checks) where `lily generate` said "the path does not exist".
+    Every command taking --model now says the same line, before doing anything."""
+    want = "lily: error: --model ./nope: the path does not exist\n"
+    for args in (("generate", "x"), ("chat",), ("info",), ("doctor",), ("serve",), ("estimate",),
+                 ("cache-prompt", "x.lilycache", "--system", "s")):
+        r = run(*args, "--model", "./nope")
+        assert (r.returncode, r.stderr) == (1, want), (args, r.stderr)
+
+
 _TOOL = {"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object"}}}
 
 
@@ -311,3 +322,50 @@ def test_device_failure_is_reported_without_a_traceback(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == "lily: error: the device failed: Metal command buffer failed: Caused GPU Timeout Error\n"
     assert issubclass(_core.HazardError, _core.GpuError) and issubclass(_core.GpuError, RuntimeError)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no SIGINT to send")
+def test_chat_ctrl_c_ends_the_reply_not_the_session():
+    """Issue 29: Ctrl-C during a reply ended `lily chat` (-v at once: _print_stats on an event
+    without timings; /stats after it: AttributeError). Now it stops that reply (cancelled at
+    the next step, the partial reply kept), the chat goes on, and -v and /stats print the turn."""
+    import select
+    import signal
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "lily", "chat", "--no-think", "-n", "5000", "-t", "0.8", "-v"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    out = b""
+
+    def read_until(pred, timeout=120):
+        nonlocal out
+        end = time.monotonic() + timeout
+        while not pred() and time.monotonic() < end:
+            if select.select([p.stdout], [], [], 0.2)[0]:
+                chunk = os.read(p.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                out += chunk
+        return pred()
+
+    try:
+        for n, message in enumerate([b"Hail, good sir.\n", b"Speak again.\n"]):
+            assert read_until(lambda n=n: out.count(b"> ") > n), out
+            p.stdin.write(message)
+            p.stdin.flush()
+            start = len(out)
+            assert read_until(lambda start=start: len(out.rstrip()) > start + 10), out  # the reply is streaming
+            p.send_signal(signal.SIGINT)
+        assert read_until(lambda: out.count(b"> ") > 2), out  # back at the prompt after the second
+        p.stdin.write(b"/stats\n\n")
+        p.stdin.close()
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    err = p.stderr.read().decode()
+    assert p.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and err.count("[interrupted]") == 2, err[-3000:]
+    assert err.count("finish: cancelled") == 3, err[-3000:]  # -v after each reply, then /stats
+    assert "[prompt cache: " in err

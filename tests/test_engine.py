@@ -471,3 +471,15 @@ def test_prefill_chunked_scores_like_prefill_and_cancels(demo_path):
     assert not engine.prefill_chunked(ids, cancel=cancel) and engine.position == 0
     with pytest.raises(ContextLengthError):
         engine.prefill_chunked(ids + ids)
+
+
+def test_load_progress_bar_reaches_its_end_and_notices_keep_their_own_line(capfd):
+    """Issue 29: the load's progress bar showed "0/3" to the end (updates within tqdm's
+    0.1 s refresh interval were never drawn) and the device notice was printed onto the
+    bar's line. Now every step is drawn and notices are written above the bar."""
+    Engine.load(device="auto", progress=True)
+    err = capfd.readouterr().err
+    assert "3/3" in err, err
+    if "no Metal GPU" in err:  # a build without the GPU device: the notice has its own line
+        line = next(ln for ln in err.split("\n") if "no Metal GPU" in ln)
+        assert line.split("\r")[-1].startswith("lily: no Metal GPU"), repr(line)

@@ -49,8 +49,11 @@ def _common(a, b) -> int:
 @pytest.mark.parametrize("thinking", [True, False])
 def test_turn2_extends_turn1_qwen3_1826(warm, cold, thinking):
     """QwenLM/Qwen3#1826: with thinking off the empty think block of the generation prompt
-    vanishes from the re-rendered history; either way turn 2 reuses turn 1 up to the
-    divergence and answers as a cold engine does."""
+    vanished from the re-rendered history, so turn 2 recomputed turn 1's reply. Lily renders
+    a chat with thinking off with the template's preserve_thinking (Tokenizer.chat_kwargs):
+    the history is rendered as generated and turn 2 reuses turn 1's prompt and reply (issue
+    29). With thinking on, the template drops the reasoning: turn 2 reuses turn 1 up to the
+    divergence. Either way it answers as a cold engine does."""
     kw = {"chat_template_kwargs": {"enable_thinking": thinking}}
     m1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who comes here?"}]
     r1 = warm.chat(m1, **GREEDY, **kw)
@@ -58,12 +61,18 @@ def test_turn2_extends_turn1_qwen3_1826(warm, cold, thinking):
     r2 = warm.chat(m2, **GREEDY, **kw)
     c2 = _cold(cold, m2, **kw)
     assert r2.token_ids == c2.token_ids
-    p1 = warm.tokenizer.encode_chat(m1, add_generation_prompt=True, enable_thinking=thinking)
-    p2 = warm.tokenizer.encode_chat(m2, add_generation_prompt=True, enable_thinking=thinking)
+    render = warm.tokenizer.chat_kwargs({"enable_thinking": thinking})
+    assert render.get("preserve_thinking") is (None if thinking else True)
+    p1 = warm.tokenizer.encode_chat(m1, add_generation_prompt=True, **render)
+    p2 = warm.tokenizer.encode_chat(m2, add_generation_prompt=True, **render)
+    assert r2.timings.prefill_tokens == r2.prompt_tokens - r2.cached_tokens
+    if not thinking:  # the whole first request and (bar its last token or two) its reply
+        shared = _common(p1 + r1.token_ids, p2)
+        assert shared >= len(p1) + 2 and r2.cached_tokens >= shared - 2, (len(p1), shared, r2.cached_tokens)
+        return
     header = 5  # <|im_start|>assistant\n in the demo tokenizer: agrees in both renders
     assert _common(p1, p2) == _gen_start(warm, m1, enable_thinking=thinking) + header
     assert r2.cached_tokens == _gen_start(warm, m1, enable_thinking=thinking)
-    assert r2.timings.prefill_tokens == r2.prompt_tokens - r2.cached_tokens
     assert r2.timings.prefill_tokens <= len(p2) - _common(p1, p2) + header
 
 
@@ -451,7 +460,7 @@ def test_cli_cache_prompt_tools_are_reused_by_a_chat_request(tmp_path):
 def test_agent_bench_scenario(cold):
     """`lily bench --agent` on a small conversation: every later turn computes only its new
     tokens plus the generation prompt's header, and the outputs equal the cold runs."""
-    from lily import agent_bench
+    from lily.lab import agent_bench
     rep = agent_bench.run(Engine.load(), cold, system_tokens=64, turns=2, turn_tokens=40, max_tokens=2, tools=1)
     later = rep["turns"][1:]
     assert all(r["computed"] <= r["new_tokens"] + 5 and r["reuse"] >= 0.95 for r in later)

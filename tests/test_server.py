@@ -743,6 +743,7 @@ def qwen(tmp_path_factory):
     eng = ForcedEngine.load(max_context=4096, prompt_cache_bytes=0)  # a script: no state to cache
     eng.tokenizer = tok
     eng.config = dataclasses.replace(eng.config, vocab_size=tok.vocab_size)
+    eng.sample_vocab = tok.vocab_size
     eng.eos_token_ids = frozenset(tok.eos_token_ids)
     srv = Server(create_app(eng, model_name="qwen-forced"))
     yield eng, srv

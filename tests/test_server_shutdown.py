@@ -99,17 +99,21 @@ def test_port_taken_is_an_error_without_a_serving_line():
 
 def test_default_max_tokens_flag(tmp_path):
     """``--default-max-tokens`` caps chat requests that set no max_tokens; an explicit one
-    wins (completions keep OpenAI's own default of 16)."""
+    wins (completions keep OpenAI's own default of 16). ``--reasoning off``: a request that
+    does not say does not think (its text is content). The start-up line says both (issue 29:
+    a new user saw neither)."""
     port = free_port()
-    with running_server(lily_serve_argv(port, "--default-max-tokens", "3"), port, tmp_path / "server.log") as server:
+    argv = lily_serve_argv(port, "--default-max-tokens", "3", "--reasoning", "off")
+    with running_server(argv, port, tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
-        kw = dict(model="lily-demo-shakespeare", messages=HI, temperature=0,
-                  extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        kw = dict(model="lily-demo-shakespeare", messages=HI, temperature=0)
         capped = client.chat.completions.create(**kw)
-        assert capped.usage.completion_tokens <= 3
+        assert capped.usage.completion_tokens <= 3 and capped.choices[0].message.content
         assert capped.usage.completion_tokens == 3 or capped.choices[0].finish_reason == "stop"
         longer = client.chat.completions.create(**kw, max_tokens=6)
         assert longer.usage.completion_tokens > 3 or longer.choices[0].finish_reason == "stop"
+    log = (tmp_path / "server.log").read_text()
+    assert "requests without a limit: max_tokens 3 (chat, Responses), 16 (completions); reasoning off" in log
 
 
 @pytest.mark.parametrize("flags, match", [(["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),

@@ -325,14 +325,17 @@ def test_a_forced_tool_without_a_name_is_a_clear_400(client, no_generation):
     assert r.status_code == 400 and "tool_choice.name is missing" in r.json()["error"]["message"], r.text
 
 
-def test_anthropic_server_tools_are_a_clear_400(client, no_generation):
-    body = {"model": "demo", "max_tokens": 8, "messages": USER}
-    for tools, needle in [([{"type": "web_search_20250305", "name": "web_search"}], "tool type 'web_search_20250305' is "
-                                                                                    "not supported"),
-                          ([{"name": "f"}], "tools.0.input_schema: required")]:
-        for path in ("/v1/messages", "/v1/messages/count_tokens"):
-            r = client.post(path, json={**body, "tools": tools})
-            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+def test_anthropic_server_tools_are_left_out_and_a_tool_without_schema_is_a_400(client, no_generation):
+    """Server tools (web search, ...), which Lily does not run, are left out of the prompt
+    (issue 29: not refused); a custom tool without input_schema is a 400."""
+    body = {"model": "demo", "messages": USER}
+    plain = client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    r = client.post("/v1/messages/count_tokens", json={**body, "tools": [{"type": "web_search_20250305",
+                                                                          "name": "web_search"}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] == plain, r.text
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = client.post(path, json={**body, "max_tokens": 8, "tools": [{"name": "f"}]})
+        assert r.status_code == 400 and "tools.0.input_schema: required" in r.json()["error"]["message"], r.text
 
 
 # ----------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ Linux build does not have. Run it after changing a binding
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,12 @@ def main() -> None:
     text = text.replace("    FIELDS: tuple = ...", "    FIELDS: tuple[str, ...]")
     # sim_device validates `threads` itself (an int, not a bool), so it is bound untyped
     text = text.replace("threads: object | None = None", "threads: int | None = None")
+    # struct -> (size, ((field, "uint" | "float", byte offset, count), ...)); name -> value
+    text = text.replace("KERNEL_ARGS: dict = ...", "KERNEL_ARGS: dict[str, tuple[int, tuple[tuple[str, str, int, int], ...]]]")
+    text = text.replace("CONSTANTS: dict = ...", "CONSTANTS: dict[str, int | float]")
+    text = text.replace("COST_PATHS: tuple = ...", "COST_PATHS: tuple[str, ...]")
+    text = text.replace("LATENCY_KINDS: tuple = ...", "LATENCY_KINDS: tuple[str, ...]")
+    text = re.sub(r"EXPERT_TILE_ROWS: tuple = \(.*\)", "EXPERT_TILE_ROWS: tuple[int, ...]", text)
     if "def metal_device(" not in text:
         text = text.rstrip("\n") + "\n" + METAL_DEVICE
     OUT.write_text(text)

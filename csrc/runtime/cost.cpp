@@ -6,12 +6,12 @@
 #include "runtime/cost.h"
 
 #include <algorithm>
-#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
 
 #include "runtime/kernel_args.h"
+#include "runtime/kernel_names.h"
 
 namespace lily::runtime {
 
@@ -74,15 +74,8 @@ bool ends(const std::string& s, const char* p) {
   const size_t n = std::strlen(p);
   return s.size() >= n && s.compare(s.size() - n, n, p) == 0;
 }
-// The number after `key` in a templated host name ("attn_prefill_d256_g4", "_d" -> 256).
-uint32_t param(const std::string& name, const char* key) {
-  const size_t n = std::strlen(key);
-  for (size_t at = name.find(key); at != std::string::npos; at = name.find(key, at + 1)) {
-    if (at + n < name.size() && std::isdigit(static_cast<unsigned char>(name[at + n])))
-      return uint32_t(std::stoul(name.substr(at + n)));
-  }
-  throw std::invalid_argument(name + ": no '" + key + "<number>' parameter in the kernel name");
-}
+// A templated kernel's parameter ("attn_prefill_d256_g4", "_d" -> 256; kernel_names.h).
+uint32_t param(const std::string& name, const char* key) { return kernel_param(name, key[1]); }
 
 // The argument struct T of the record (the inline bytes of T's size).
 template <class T>
@@ -154,8 +147,8 @@ void chain(Cost& w, const Steps& s, double times, bool is_lead = false) {
 // threadgroup_sum / threadgroup_max (common.h): a simdgroup reduction, two barriers around the
 // scratch, then the nsg partials added in order.
 Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
-// kGemvSplitK (common.h): simdgroups sharing a row group in gemv_q* and moe_down_q4.
-constexpr double kGemvSplitK = 2;
+// Simdgroups sharing a row group in gemv_q* and moe_down_q4 (decode_args.h).
+constexpr double kGemvSplitK = args::kGemvSplitK;
 // q_split_join (common.h): the other splits' sums through threadgroup memory behind a barrier.
 void split_join(Cost& w, double splits) {
   if (splits > 1) chain(w, Steps{0, 0, 1, 1, 0, splits - 1}, 1);
@@ -163,8 +156,8 @@ void split_join(Cost& w, double splits) {
 // team_reduce_rows (common.h): log2(team) shuffle + add levels over float4s (the teams of the
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
-constexpr double kGemvRows = 4;  // kGemvRowsPerSimdgroup (common.h): gemv_q*, moe_down_q4, gate/up
-constexpr double kGdnRowBatch = 4;  // gdn.metal: state rows a simdgroup updates side by side
+constexpr double kGemvRows = args::kGemvRowsPerSimdgroup;  // gemv_q*, moe_down_q4, gate/up
+constexpr double kGdnRowBatch = args::kGdnRowBatch;  // gdn.metal: state rows a simdgroup updates side by side
 // route_topk_simd's registers per lane (route.h): 8 up to 256 experts
 // (kRouteSimdRowsSmall), else kRouteMaxExperts / 32 (common.h); the softmax walks them in
 // order, a round's search is a tree over them.

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/gdn.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -20,18 +21,9 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kGemvThreads = 64;            // 2 simdgroups
-constexpr uint32_t kGemvRowsPerSimdgroup = 4;    // gemv_q*, moe_down_q4 (metal/common.h)
-constexpr uint32_t kGemvSplitK = 2;              // simdgroups per row group (metal/common.h)
-constexpr uint32_t kGemvRowsPerGroup = kGemvRowsPerSimdgroup * kGemvThreads / 32 / kGemvSplitK;
-// norm_gemv_q* rows per simdgroup and split-K (NormGemvArgs): 8 rows, one split for the wide
-// projections and lm_head; 1 row shared by 2 simdgroups for the 257-row router, so that it
-// spans 258 threadgroups (16K threads) instead of 17.
-constexpr uint32_t kNormGemvRows = 8;
-constexpr uint32_t kRouterRows = 1;
-constexpr uint32_t kRouterSplits = 2;
-constexpr uint32_t kLmHeadThreads = 256;     // fewer threadgroups re-reading x for the norm
-constexpr uint32_t kGateUpRowsPerGroup = 8;  // 2 simdgroups x 4 rows
+constexpr uint32_t kGemvRowsPerGroup =
+    args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
+constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
 
 }  // namespace
 
@@ -48,9 +40,7 @@ DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
   if (d.linear_key_head_dim != d.linear_value_head_dim ||
       (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
     throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
-  const auto ring = args::gdn_ring(d.linear_num_key_heads, d.linear_num_value_heads, d.linear_key_head_dim,
-                                   d.linear_value_head_dim);
-  ring_entry_bytes_ = size_t(ring.entry) * sizeof(float);
+  ring_entry_bytes_ = GdnShape::of(d).ring_entry_bytes();
 }
 
 bool DecodePlan::uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
@@ -106,21 +96,20 @@ void DecodePlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   const ModelDims& d = d_;
   w_ = &weights;
   DecodeKernels& k = kernels_;
-  const std::string attn_suffix = "_d" + std::to_string(d.head_dim) + "_g" + std::to_string(attn_heads_);
-  k.embed_norm_gemv = &dev.pipeline("embed_norm_gemv_q4");
+  k.embed_norm_gemv = &dev.pipeline(kernel_name("embed_norm_gemv", {{'q', 4}}));
   k.norm_gemv = ByBits(dev, "norm_gemv", "", {4, 8});
   k.gemv_add = ByBits(dev, "gemv", "_add", {4});
   k.gemv_gated_add = ByBits(dev, "gemv_gated", "_add", {4});
   if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
     throw gpu::UsageError("gdn_decode_step: linear_value_head_dim must be a multiple of 32 and of 4 x the splits");
-  const std::string gdn_suffix = "_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                                 std::to_string(d.linear_value_head_dim);
-  k.gdn_step = &dev.pipeline("gdn_decode_step" + gdn_suffix);
-  k.gdn_writeback = &dev.pipeline("gdn_state_writeback" + gdn_suffix);
-  k.attn = &dev.pipeline("attn_decode_fused" + attn_suffix);
+  const std::vector<KernelParam> gdn = {{'k', d.linear_key_head_dim}, {'v', d.linear_value_head_dim}};
+  k.gdn_step = &dev.pipeline(kernel_name("gdn_decode_step", gdn));
+  k.gdn_writeback = &dev.pipeline(kernel_name("gdn_state_writeback", gdn));
+  const std::vector<KernelParam> attn = {{'d', d.head_dim}, {'g', attn_heads_}};
+  k.attn = &dev.pipeline(kernel_name("attn_decode_fused", attn));
   if (uses_split_attention(opt_.max_context - 1)) {
-    k.attn_split = &dev.pipeline("attn_decode_split_fused" + attn_suffix);
-    k.attn_combine = &dev.pipeline("attn_combine_d" + std::to_string(d.head_dim));
+    k.attn_split = &dev.pipeline(kernel_name("attn_decode_split_fused", attn));
+    k.attn_combine = &dev.pipeline(kernel_name("attn_combine", {{'d', d.head_dim}}));
   }
   k.moe_gate_up = &dev.pipeline("moe_route_gate_up_swiglu_q4");
   k.moe_down = &dev.pipeline("moe_down_q4");
@@ -134,17 +123,12 @@ void DecodePlan::encode_state_writeback(gpu::CommandBuffer& cmd, SequenceState& 
   const ModelDims& d = d_;
   if (pending == 0 || pending > ring_capacity())
     throw std::logic_error("encode_state_writeback: " + std::to_string(pending) + " pending steps");
-  const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
   gpu::ComputePass& pass = cmd.compute_pass();
   for (const Layer& layer : w_->layers) {
     if (layer.full_attention) continue;
     const uint32_t l = layer.index;
-    Op(*kernels_.gdn_writeback, labels_(l, "gdn state write-back"))
-        .groups(gpu::Size3{Hv, kGdnDecodeSplits, 1}, gpu::Size3{Dv / kGdnDecodeSplits * 8, 1, 1})
-        .inout(0, *seq.state[l], 0, d.gdn_state_floats() * sizeof(float))
-        .in(1, *seq.ring[l], 0, pending * ring_entry_bytes_)
-        .args(2, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending, 1})
-        .run(pass);
+    encode_gdn_state_writeback(pass, *kernels_.gdn_writeback, labels_(l, "gdn state write-back"),
+                               GdnShape::of(d), *seq.state[l], *seq.ring[l], kGdnDecodeSplits, pending);
   }
   pass.end();
 }
@@ -207,7 +191,8 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
       op.in(base, pr.w, &t.weight_bytes).out(base + 3, *pr.out, pr.offset, size_t(pr.rows) * f);
       t.other_bytes += size_t(pr.rows) * f;
     }
-    for (; m < 4; ++m) {  // unused slot: bound (every argument must be), nothing declared
+    // unused slot: bound (every argument must be), nothing declared
+    for (; m < args::kNormGemvMaxMatrices; ++m) {
       const uint32_t base = 3 + 4 * m;
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
@@ -230,32 +215,13 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
                                     {g.in_proj_a, s.a.get(), 0, Hv}},
                 false, kNormGemvRows, 1,
                 labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
-      gpu::Buffer& conv_in = *seq.conv[position % 2][l];
-      gpu::Buffer& conv_out = *seq.conv[(position + 1) % 2][l];
-      const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      // gdn_decode_step: NS threadgroups per head, each Dv / NS * 8 threads (4 state rows per
-      // simdgroup); y and per-split sums of squares, the gated norm is out_proj's
+      // gdn_decode_step: kGdnDecodeSplits threadgroups per head; y and per-split sums of
+      // squares, the gated norm is out_proj's
+      encode_gdn_decode_step(pass, *K.gdn_step, labels_(l, "gdn step"), GdnShape::of(d), g,
+                             {*s.qkv, *s.b, *s.a, *seq.conv[position % 2][l], *seq.conv[(position + 1) % 2][l],
+                              *seq.state[l], *seq.ring[l], *s.o, *s.o_ssq},
+                             kGdnDecodeSplits, pending, write_back, &t);
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
-      // the state read, the ring's pending entries replayed; then either the state written
-      // back or this step's entry appended (metal/gdn.metal, "Write-back window")
-      const size_t entry_bytes = ring_entry_bytes_;
-      Op op(*K.gdn_step, labels_(l, "gdn step"));
-      op.groups(tg(Hv, kGdnDecodeSplits), tg(Dv / kGdnDecodeSplits * 8))
-          .in(0, *s.qkv, 0, d.conv_dim() * f).in(1, *s.b, 0, Hv * f).in(2, *s.a, 0, Hv * f)
-          .in(3, *g.conv1d, &t.weight_bytes).in(4, *g.A_log, &t.weight_bytes)
-          .in(5, *g.dt_bias, &t.weight_bytes)
-          .in(6, conv_in, 0, conv_bytes).out(7, conv_out, 0, conv_bytes)
-          .out(9, *s.o, 0, size_t(Hv) * Dv * f).out(10, *s.o_ssq, 0, ssq_bytes)
-          .args(11, args::GdnDecodeArgs{d.linear_num_key_heads, Hv, d.linear_conv_kernel_dim, 1e-6f, pending,
-                                        write_back ? 1u : 0u})
-          .bind(12, *seq.ring[l]);
-      if (write_back) op.inout(8, *seq.state[l], 0, state_bytes);
-      else op.in(8, *seq.state[l], 0, state_bytes).write(*seq.ring[l], pending * entry_bytes, entry_bytes);
-      if (pending) op.read(*seq.ring[l], 0, pending * entry_bytes);
-      op.run(pass);
-      t.state_bytes += 2 * conv_bytes + state_bytes + (write_back ? state_bytes : entry_bytes) + pending * entry_bytes;
-      t.other_bytes += 2 * ssq_bytes;  // written, then read by out_proj
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
       const size_t cols = size_t(Hv) * Dv;
       gemv_add_op(K.gemv_gated_add, g.out_proj, *s.o, cols, *s.h, H, labels_(l, "gated norm + out_proj"))
@@ -357,7 +323,7 @@ void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceS
     Op op(kernels_.norm_gemv[model.lm_head.bits], "final norm + lm_head");
     op.in(0, x, offset, H * f).in(1, *model.final_norm, &t.weight_bytes).bind(2, *s.xn)
         .in(3, model.lm_head, &t.weight_bytes).out(6, *s.logits, 0, size_t(d.vocab_size) * f);
-    for (uint32_t m = 1; m < 4; ++m) {
+    for (uint32_t m = 1; m < args::kNormGemvMaxMatrices; ++m) {
       const uint32_t base = 3 + 4 * m;
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
@@ -377,16 +343,18 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
   const SamplingConfig& sc = seq.sampling;
   const bool bias = !sc.logit_bias.empty();
   const size_t vf = size_t(d.vocab_size) * f;
+  // the samplers see only the first V logits: the rows past the tokenizer's ids (padding) never win
+  const uint32_t V = sc.vocab_limit != 0 ? std::min(sc.vocab_limit, d.vocab_size) : d.vocab_size;
   if (sc.greedy_kernel()) {
     // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
     // slice, then one threadgroup reduces them and writes the token (no host round trip).
     // A logit bias is one more [V] read in the first stage (a kernel of its own).
-    const uint32_t parts = ceil_div(d.vocab_size, kArgmaxSlice);
+    const uint32_t parts = ceil_div(V, kArgmaxSlice);
     const size_t part_bytes = size_t(parts) * 2 * u32;
     Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
                bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
     partial.groups(tg(parts), tg(256)).in(0, *s.logits, 0, vf)
-        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{d.vocab_size, kArgmaxSlice});
+        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{V, kArgmaxSlice});
     if (bias) partial.in(3, *seq.bias, 0, vf);
     partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
@@ -396,7 +364,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
-    args::SampleArgs sa{d.vocab_size, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
+    args::SampleArgs sa{V, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;

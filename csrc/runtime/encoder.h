@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "runtime/kernel_names.h"
 #include "runtime/model.h"
 
 namespace lily::runtime {
@@ -48,7 +49,7 @@ class ByBits {
   // an unknown kernel.
   ByBits(gpu::Device& dev, const std::string& base, const std::string& suffix, std::vector<uint32_t> widths)
       : base_(base) {
-    for (uint32_t b : widths) slot(b) = &dev.pipeline(base + "_q" + std::to_string(b) + suffix);
+    for (uint32_t b : widths) slot(b) = &dev.pipeline(kernel_name(base, {{'q', b}}, suffix));
   }
   const gpu::Pipeline& operator[](uint32_t bits) const {
     const gpu::Pipeline* p = bits == 4 || bits == 8 ? by_bits_[bits == 8] : nullptr;

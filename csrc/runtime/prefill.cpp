@@ -10,6 +10,9 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/embed.h"
+#include "runtime/families/gdn_prefill.h"
+#include "runtime/families/norm.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -50,13 +53,6 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// gdn_conv_state: threads per threadgroup (one channel each).
-constexpr uint32_t kConvThreads = 256;
-// gdn_scan: state rows per threadgroup (the instantiations of metal/gdn_prefill.metal): 32 for
-// Dv = 128, so the model's 32 heads run as 128 threadgroups (>= 2x a 40-core GPU).
-uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
-// gdn_norm_scale: threads per threadgroup (one (token, head) each).
-constexpr uint32_t kGdnNormScaleThreads = 256;
 // attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
 // (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
 constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
@@ -64,9 +60,6 @@ constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
-// Threads per row of the prefill RMSNorms (rms_norm_half, moe_combine_norm): one count for
-// both, so the fused norm gives the standalone kernel's bits (metal/moe_prefill.metal).
-constexpr uint32_t kNormThreads = 256;
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
@@ -198,38 +191,37 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   w_ = &weights;
   PrefillKernels& k = kernels_;
   const std::string path = tensor_ops_ ? "_tensor" : "";
-  const std::string Ds = "_d" + std::to_string(d.head_dim);
-  const std::string attn_suffix = Ds + "_g" + std::to_string(attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads));
-  k.embed_rows = &dev.pipeline("embed_rows_q4");
+  const uint32_t D = d.head_dim, G = attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads);
+  k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
   k.gemm_add_hs = ByBits(dev, "gemm", "_add_hs" + path, {4});
   k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
-  k.gdn_scan = &dev.pipeline("gdn_scan_k" + std::to_string(d.linear_key_head_dim) + "_v" +
-                             std::to_string(d.linear_value_head_dim) + "_r" +
-                             std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
-  k.gdn_norm_scale = &dev.pipeline("gdn_norm_scale_v" + std::to_string(d.linear_value_head_dim) + "_r" +
-                                    std::to_string(gdn_scan_rows(d.linear_value_head_dim)));
+  const uint32_t Dv = d.linear_value_head_dim, RV = gdn_scan_rows(Dv);
+  k.gdn_scan = &dev.pipeline(kernel_name("gdn_scan", {{'k', d.linear_key_head_dim}, {'v', Dv}, {'r', RV}}));
+  k.gdn_norm_scale = &dev.pipeline(kernel_name("gdn_norm_scale", {{'v', Dv}, {'r', RV}}));
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   // the tensor-op attention (its own switch: bfloat operands) reads q as bfloat * scale in
   // its own layout (attn_prefill_prep_d<D>_qbf)
   const std::string attn_path = tensor_attention_ ? "_tensor" : "";
-  k.attn_prep = &dev.pipeline("attn_prefill_prep" + Ds + (tensor_attention_ ? "_qbf" : ""));
-  k.attn = &dev.pipeline("attn_prefill" + attn_suffix + attn_path);  // attention_prefill_tensor.metal
+  k.attn_prep = &dev.pipeline(kernel_name("attn_prefill_prep", {{'d', D}}, tensor_attention_ ? "_qbf" : ""));
+  // attention_prefill_tensor.metal on the tensor path
+  k.attn = &dev.pipeline(kernel_name("attn_prefill", {{'d', D}, {'g', G}}, attn_path));
   if (splits_attention()) {
-    k.attn_split = &dev.pipeline("attn_prefill_split" + attn_suffix + attn_path);
-    k.attn_combine = &dev.pipeline("attn_prefill_combine" + Ds);
+    k.attn_split = &dev.pipeline(kernel_name("attn_prefill_split", {{'d', D}, {'g', G}}, attn_path));
+    k.attn_combine = &dev.pipeline(kernel_name("attn_prefill_combine", {{'d', D}}));
   }
   k.route_clear = &dev.pipeline("moe_route_clear");
   k.route_topk = &dev.pipeline("moe_route_topk");
   k.route_scatter = &dev.pipeline("moe_route_scatter");
-  k.shared_gate_up = &dev.pipeline("gemm_swiglu_q4" + path);
+  k.shared_gate_up = &dev.pipeline(kernel_name("gemm_swiglu", {{'q', 4}}, path));
   for (uint32_t T : kExpertTileRows) {
     if (!expert_tile_available(T)) continue;
-    k.experts_gate_up[tile_index(T)] = &dev.pipeline("moe_gemm_gate_up_q4_t" + std::to_string(T) + path);
-    k.experts_down[tile_index(T)] = &dev.pipeline("moe_gemm_down_q4_t" + std::to_string(T) + path);
+    k.experts_gate_up[tile_index(T)] =
+        &dev.pipeline(kernel_name("moe_gemm_gate_up", {{'q', 4}, {'t', T}}, path));
+    k.experts_down[tile_index(T)] = &dev.pipeline(kernel_name("moe_gemm_down", {{'q', 4}, {'t', T}}, path));
   }
   k.moe_combine = &dev.pipeline("moe_combine");
   k.moe_combine_norm = &dev.pipeline("moe_combine_norm");
@@ -278,17 +270,11 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
-    Op(*K.rms_norm, label)
-        .groups(tg(M), tg(kNormThreads)).in(0, x, 0, size_t(M) * H * f).in(1, w, &t.weight_bytes)
-        .out(2, out, 0, size_t(M) * H * hf).args(3, args::NormArgs{H, d.rms_norm_eps}).run(pass);
+    encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, hf, kNormThreads, &t);
   };
 
   // embed: the chunk's token ids were written to tok[parity] by the host.
-  Op(*K.embed_rows, "embed")
-      .threads(tg(H / 8, M), tg(64))
-      .in(0, model.embed).in(3, *c.tok[parity], 0, M * u32)
-      .out(4, *c.h, 0, size_t(M) * H * f).args(5, args::EmbedArgs{H, d.vocab_size}).run(pass);
-  t.weight_bytes += uint64_t(M) * (H / 2 + 2 * (H / 64) * 2);
+  encode_embed_rows(pass, *K.embed_rows, "embed", model.embed, *c.tok[parity], 0, *c.h, M, H, d.vocab_size, &t);
 
   for (const Layer& layer : model.layers) {
     const uint32_t l = layer.index;
@@ -297,8 +283,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     if (!layer.full_attention) {
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
-      const uint32_t Hk = d.linear_num_key_heads, Hv = d.linear_num_value_heads;
-      const uint32_t Dv = d.linear_value_head_dim, C = d.conv_dim();
+      const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
       // z only gates the norm: stored half (saturated), read by gdn_scan
       gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
@@ -308,39 +293,16 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       // parity (decode alternates the two buffers by position); they may be the same buffer.
       gpu::Buffer& conv_in = *seq.conv[p0 % 2][l];
       gpu::Buffer& conv_out = *seq.conv[(p0 + M) % 2][l];
-      const size_t conv_bytes = conv_in.size();
-      const size_t state_bytes = d.gdn_state_floats() * f;  // S' and c
-      const size_t u_bytes = size_t(M) * Hv * Dv * hf;
-      const uint32_t RV = gdn_scan_rows(Dv), splits = Hv * (Dv / RV);
-      const size_t ss_bytes = size_t(M) * splits * f, f_bytes = size_t(M) * splits * hf;
-      {
-        // Conv inline; each head split into Dv / RV threadgroups of RV state rows; y leaves as
-        // u and the splits' sums of y^2 (docs/prefill.md).
-        Op op(*K.gdn_scan, labels_(l, "conv + scan"));
-        op.groups(tg(Hv, Dv / RV), tg(RV * args::kGdnScanLanesPerRow))
-            .in(0, *c.qkv, 0, size_t(M) * C * f).in(1, *g.conv1d, &t.weight_bytes)
-            .in(2, conv_in, 0, conv_bytes).in(3, *c.b, 0, size_t(M) * Hv * f).in(4, *c.a, 0, size_t(M) * Hv * f)
-            .in(5, *g.A_log, &t.weight_bytes).in(6, *g.dt_bias, &t.weight_bytes)
-            .inout(7, *seq.state[l], 0, state_bytes).out(8, *c.oh, 0, u_bytes)
-            .args(9, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f})
-            .in(10, *c.z, 0, size_t(M) * Hv * Dv * hf).in(11, *g.norm, &t.weight_bytes)
-            .out(12, *c.gdn_ss, 0, ss_bytes).run(pass);
-      }
+      const GdnShape shape = GdnShape::of(d);
+      const uint32_t RV = gdn_scan_rows(Dv);
+      encode_gdn_scan(pass, *K.gdn_scan, labels_(l, "conv + scan"), shape, g,
+                      {*c.qkv, *c.b, *c.a, *c.z, conv_in, *seq.state[l], *c.oh, *c.gdn_ss}, M, RV,
+                      d.rms_norm_eps, &t);
       // the per-(token, head, split) factors of the norm, applied by out_proj
-      Op(*K.gdn_norm_scale, labels_(l, "norm scale"))
-          .threads(tg(M * Hv), tg(kGdnNormScaleThreads))
-          .in(0, *c.gdn_ss, 0, ss_bytes).out(1, *c.gdn_f, 0, f_bytes)
-          .args(2, args::GdnScanArgs{Hk, Hv, M, d.rms_norm_eps, 1e-6f}).run(pass);
-      {
-        // After the scan, which reads the old state (the same bytes when M is even).
-        Op op(*K.gdn_conv_state, labels_(l, "conv state"));
-        const uint32_t tail = std::min(M, d.linear_conv_kernel_dim - 1);  // the qkv rows it copies
-        op.threads(tg(C), tg(kConvThreads)).bind(0, *c.qkv).read(*c.qkv, size_t(M - tail) * C * f, size_t(tail) * C * f);
-        if (&conv_in == &conv_out) op.inout(2, conv_out, 0, conv_bytes).bind(1, conv_in);
-        else op.in(1, conv_in, 0, conv_bytes).out(2, conv_out, 0, conv_bytes);
-        op.args(3, args::GdnConvStateArgs{C, M}).run(pass);
-      }
-      t.state_bytes += 2 * conv_bytes + 2 * state_bytes;
+      encode_gdn_norm_scale(pass, *K.gdn_norm_scale, labels_(l, "norm scale"), shape, *c.gdn_ss, *c.gdn_f, M,
+                            RV, d.rms_norm_eps);
+      encode_gdn_conv_state(pass, *K.gdn_conv_state, labels_(l, "conv state"), shape, *c.qkv, conv_in, conv_out,
+                            M, kGdnConvStateThreads, &t);
       // u times the norm scale of its (token, head, split): one factor per RV elements of a row
       uint32_t shift = 0;
       while ((1u << shift) < RV) ++shift;

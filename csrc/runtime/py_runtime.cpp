@@ -13,9 +13,10 @@
 #include <nanobind/stl/vector.h>
 
 #include "gpu/py_device.h"
-#include "runtime/kernel_args.h"
-#include "runtime/runtime.h"
 #include "runtime/cost.h"
+#include "runtime/kernel_args.h"
+#include "runtime/kernel_names.h"
+#include "runtime/runtime.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -106,11 +107,70 @@ nb::dict runtime_counters_dict(const gpu::Counters& c, const Traffic& t) {
 
 void bind_runtime(nb::module_& m) {
   using Tensor = std::tuple<std::string, std::string, uint64_t, uint64_t>;
+  // The metal/*_args.h structs and constants (kernel_args.h): what Python packs and reads.
+  nb::dict layouts;
+  for (const kernels::ArgLayout& a : kernels::arg_layouts()) {
+    nb::list fields;
+    for (const kernels::ArgField& f : a.fields)
+      fields.append(nb::make_tuple(f.name, f.type, f.offset, f.count));
+    layouts[a.name] = nb::make_tuple(a.size, nb::tuple(fields));
+  }
+  m.attr("KERNEL_ARGS") = layouts;
+  nb::dict constants;
+  for (const kernels::KernelConstant& c : kernels::kernel_constants())
+    constants[c.name] = c.is_float ? nb::cast(c.value) : nb::cast(uint32_t(c.value));
+#define LILY_PLAN_CONSTANT(c) constants[#c] = DecodePlan::c;
+  LILY_DECODE_PLAN_CONSTANTS(LILY_PLAN_CONSTANT)
+#undef LILY_PLAN_CONSTANT
+  m.attr("CONSTANTS") = constants;
+  m.attr("EXPERT_TILE_ROWS") =
+      nb::tuple(nb::cast(std::vector<uint32_t>(std::begin(kExpertTileRows), std::end(kExpertTileRows))));
+  // The grouped expert GEMMs' tile-class rules (metal/prefill_args.h), as kernels and host apply them.
+  m.def("moe_tile_classes", &kernels::moe_tile_classes, "tile_rows"_a,
+        "Tile classes of a height-T tiling (prefill_args.h moe_tile_classes).");
+  m.def("moe_tail_class", &kernels::moe_tail_class, "tile_rows"_a, "rows"_a,
+        "The class of an expert's last tile of `rows` rows, 1 <= rows <= T (prefill_args.h).");
+  m.def("moe_class_capacity", &kernels::moe_class_capacity, "assignments"_a, "experts"_a, "tile_rows"_a,
+        "cls"_a, "Tiles class `cls` can hold at most for `assignments` over `experts` (prefill_args.h).");
+  m.def("moe_class_base", &kernels::moe_class_base, "assignments"_a, "experts"_a, "tile_rows"_a, "cls"_a,
+        "First entry of class `cls`'s map in the tile-map buffer (prefill_args.h).");
+  m.def(
+      "kernel_name",
+      [](const std::string& base, const std::string& suffix, const nb::kwargs& kwargs) {
+        std::vector<KernelParam> params;
+        for (auto [key, value] : kwargs) {
+          const std::string k = nb::cast<std::string>(key);
+          if (k.size() != 1 || !std::islower(static_cast<unsigned char>(k[0])))
+            throw std::invalid_argument("kernel_name: a parameter key is one lowercase letter, got '" + k +
+                                        "'");
+          params.push_back({k[0], nb::cast<uint32_t>(value)});
+        }
+        return kernel_name(base, params, suffix);
+      },
+      "base"_a, "suffix"_a = "", "params"_a,
+      "A templated kernel's host name (csrc/runtime/kernel_names.h): base, '_<key><value>' per keyword in\n"
+      "order, then suffix: kernel_name('gdn_scan', k=128, v=128, r=32) == 'gdn_scan_k128_v128_r32'.");
+  m.def(
+      "kernel_params",
+      [](const std::string& name) {
+        nb::dict out;
+        for (const KernelParam& p : kernel_params(name)) out[std::string(1, p.key).c_str()] = p.value;
+        return out;
+      },
+      "name"_a,
+      "The template parameters in a kernel's host name, by key: kernel_params('attn_prefill_d256_g4_tensor')\n"
+      "== {'d': 256, 'g': 4} (csrc/runtime/kernel_names.h).");
   m.def("gdn_ring_entry_floats", [](uint32_t hk, uint32_t hv, uint32_t dk, uint32_t dv) {
     return lily::kernels::gdn_ring(hk, hv, dk, dv).entry;
   }, "hk"_a, "hv"_a, "dk"_a, "dv"_a,
         "Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates "
         "(metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).");
+  // The cost table's execution paths and latency kinds, in its order (cost.h Path, Lat).
+  nb::list paths, latencies;
+  for (int p = 0; p < kPaths; ++p) paths.append(path_name(Path(p)));
+  for (int k = 0; k < kLats; ++k) latencies.append(lat_name(Lat(k)));
+  m.attr("COST_PATHS") = nb::tuple(paths);
+  m.attr("LATENCY_KINDS") = nb::tuple(latencies);
   m.def("dispatch_costs", [](const gpu::CommandBuffer& cb) {
     nb::list out;
     for (const auto& r : cb.counters().log) out.append(runtime_record_dict(r));

@@ -114,7 +114,8 @@ struct Traffic {
   X(float, temperature, 0.0f) X(uint32_t, top_k, 0) X(float, top_p, 1.0f) X(float, min_p, 0.0f) \
   X(float, presence_penalty, 0.0f) X(float, frequency_penalty, 0.0f)                         \
   X(float, repetition_penalty, 1.0f) X(uint64_t, seed, 0) X(bool, logprobs, false)           \
-  X(uint32_t, top_logprobs, 0) /* 0..20 */
+  X(uint32_t, top_logprobs, 0) /* 0..20 */                                                 \
+  X(uint32_t, vocab_limit, 0) /* ids >= it are never chosen (0: all of vocab_size) */
 
 struct SamplingConfig {
   LILY_SAMPLING_CONFIG(LILY_DECLARE_FIELD)

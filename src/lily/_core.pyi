@@ -200,10 +200,50 @@ def gpu_family(device: Device) -> str:
     The device's GPU family, 'apple7' .. 'apple10' (same as Device.gpu_family).
     """
 
+KERNEL_ARGS: dict[str, tuple[int, tuple[tuple[str, str, int, int], ...]]]
+
+CONSTANTS: dict[str, int | float]
+
+EXPERT_TILE_ROWS: tuple[int, ...]
+
+def moe_tile_classes(tile_rows: int) -> int:
+    """Tile classes of a height-T tiling (prefill_args.h moe_tile_classes)."""
+
+def moe_tail_class(tile_rows: int, rows: int) -> int:
+    """
+    The class of an expert's last tile of `rows` rows, 1 <= rows <= T (prefill_args.h).
+    """
+
+def moe_class_capacity(assignments: int, experts: int, tile_rows: int, cls: int) -> int:
+    """
+    Tiles class `cls` can hold at most for `assignments` over `experts` (prefill_args.h).
+    """
+
+def moe_class_base(assignments: int, experts: int, tile_rows: int, cls: int) -> int:
+    """
+    First entry of class `cls`'s map in the tile-map buffer (prefill_args.h).
+    """
+
+def kernel_name(base: str, suffix: str = '', **params) -> str:
+    """
+    A templated kernel's host name (csrc/runtime/kernel_names.h): base, '_<key><value>' per keyword in
+    order, then suffix: kernel_name('gdn_scan', k=128, v=128, r=32) == 'gdn_scan_k128_v128_r32'.
+    """
+
+def kernel_params(name: str) -> dict:
+    """
+    The template parameters in a kernel's host name, by key: kernel_params('attn_prefill_d256_g4_tensor')
+    == {'d': 256, 'g': 4} (csrc/runtime/kernel_names.h).
+    """
+
 def gdn_ring_entry_floats(hk: int, hv: int, dk: int, dv: int) -> int:
     """
     Floats of one entry of a Gated DeltaNet layer's ring of pending decode-step updates (metal/mixer_args.h GdnRing: delta [hv*dv] | k [hk*dk] | g [hv]).
     """
+
+COST_PATHS: tuple[str, ...]
+
+LATENCY_KINDS: tuple[str, ...]
 
 def dispatch_costs(command_buffer: CommandBuffer) -> list:
     """
@@ -407,6 +447,12 @@ class SamplingConfig:
 
     @top_logprobs.setter
     def top_logprobs(self, arg: int, /) -> None: ...
+
+    @property
+    def vocab_limit(self) -> int: ...
+
+    @vocab_limit.setter
+    def vocab_limit(self, arg: int, /) -> None: ...
 
     FIELDS: tuple[str, ...]
 
@@ -668,6 +714,55 @@ class Runtime:
         """
         Encodes (and on a real device runs) one prefill chunk; counters and traffic.
         """
+
+def encode_embed_rows(compute_pass: ComputePass, table: tuple[Buffer, Buffer, Buffer], tokens: Buffer, out: Buffer, rows: int, cols: int, vocab: int, label: str = '') -> None:
+    """
+    embed_rows_q4 as the prefill chunk encodes it (csrc/runtime/families/embed.h): out [rows, cols] fp32 =
+    the rows of the 4-bit table (weight, scales, biases) [vocab, cols] of token ids tokens [rows] uint32.
+    """
+
+def encode_rms_norm(compute_pass: ComputePass, kernel: str, x: Buffer, w: Buffer, out: Buffer, rows: int, n: int, eps: float, out_bytes: int, threads: int = 256, label: str = '') -> None:
+    """
+    `kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_half: out_bytes 2) over `rows` rows of x [rows, n]
+    fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).
+    """
+
+def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
+    """
+    gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =
+    (conv1d, A_log, dt_bias); replays `pending` entries of `ring`, then writes `state` back or appends
+    its entry; y [hv*dv] and the per-split sums of y^2 ssq [hv, splits] out.
+    """
+
+def encode_gdn_state_writeback(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, state: Buffer, ring: Buffer, pending: int, splits: int = 4, label: str = '') -> None:
+    """
+    gdn_state_writeback_k<dk>_v<dv> as the decode plan encodes it: `state` after `pending` entries of `ring`.
+    """
+
+def gdn_scan_rows(dv: int) -> int:
+    """
+    State rows per gdn_scan threadgroup for value head dim dv (the r of gdn_scan_k<dk>_v<dv>_r<r>; a
+    head's splits: dv / r), as the prefill plan picks them (csrc/runtime/families/gdn_prefill.h).
+    """
+
+def encode_gdn_scan(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, z: Buffer, conv_in: Buffer, state: Buffer, u: Buffer, ss: Buffer, rows: int, norm_eps: float, label: str = '') -> None:
+    """
+    gdn_scan_k<dk>_v<dv>_r<gdn_scan_rows(dv)> over `rows` tokens as the prefill chunk encodes it
+    (csrc/runtime/families/gdn_prefill.h): weights = (conv1d, A_log, dt_bias, norm); u and the splits'
+    sums of y^2 ss out, state updated in place.
+    """
+
+def encode_gdn_norm_scale(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, ss: Buffer, f: Buffer, rows: int, norm_eps: float, threads: int = 256, label: str = '') -> None:
+    """
+    gdn_norm_scale_v<dv>_r<gdn_scan_rows(dv)> as the prefill chunk encodes it: the splits' factors f from
+    the scan's sums ss.
+    """
+
+def encode_gdn_conv_state(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, qkv: Buffer, conv_in: Buffer, conv_out: Buffer, rows: int, threads: int = 256, label: str = '') -> None:
+    """
+    gdn_conv_state as the prefill chunk encodes it: the conv state after `rows` rows of qkv (conv_out may
+    be conv_in).
+    """
 
 
 # Built on macOS only (LILY_HAVE_METAL).

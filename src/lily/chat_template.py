@@ -20,13 +20,14 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
 from lily.errors import TokenizerError
 
-__all__ = ["compile_template", "plain", "prepare_messages", "tool_call_arguments"]
+__all__ = ["compile_template", "plain", "prepare_messages", "template_variables", "tool_call_arguments"]
 
 # Names under which a message's reasoning may arrive; the first is the one templates read.
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
@@ -125,6 +126,13 @@ ENVIRONMENT = _make_environment()
 def compile_template(source: str) -> jinja2.Template:
     """Compile a chat template once per distinct source text (raises jinja2 errors)."""
     return ENVIRONMENT.from_string(source)
+
+
+@functools.lru_cache(maxsize=32)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads from its context (jinja2's undeclared variables:
+    ``messages``, ``enable_thinking``, ``preserve_thinking``, ...)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(ENVIRONMENT.parse(source)))
 
 
 def plain(value: Any) -> Any:

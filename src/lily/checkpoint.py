@@ -764,6 +764,8 @@ def open_checkpoint(model_dir: str | Path, *, strict_config: bool = False) -> Ch
         expected and actual shape in the message).
     """
     model_dir = Path(model_dir)
+    if not model_dir.exists():
+        raise CheckpointError(f"{model_dir}: the path does not exist")  # the CLI's words too
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: not a directory")
     cfg, raw = load_config(model_dir, strict=strict_config)

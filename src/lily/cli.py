@@ -10,7 +10,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from lily.weight_cache import default_dir
 # that the engine's commands never load it (tests/test_layering.py).
 
 _INT32_MAX = (1 << 31) - 1
-_SERVE_EXTRA = 'pip install ".[serve]" in the Lily source tree, or pip install fastapi uvicorn'
+_SERVE_DEPS = "fastapi and uvicorn, dependencies of Lily: reinstall it (pip install .) or pip install fastapi uvicorn"
 
 _EPILOG = """examples:
   lily doctor                                 # first thing on a new machine: checks GPU and kernels
@@ -36,7 +38,7 @@ _EPILOG = """examples:
   lily generate --model ~/models/Qwen3.6-35B-A3B-4bit --chat "Explain RoPE briefly."
   lily chat                                   # interactive chat, streaming
   lily info                                   # config, tensors, memory, devices
-  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server (pip install ".[serve]")
+  lily serve --port 8000                      # OpenAI- and Anthropic-compatible server
   lily cache-prompt system.lilycache --system-file system.txt --tools tools.json
   lily serve --prompt-cache-file system.lilycache   # every chat starts from the cached system prompt
   lily bench --model ~/models/Qwen3.6-35B-A3B-4bit --device metal   # vs MLX-LM (".[bench]")
@@ -63,7 +65,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults come from the checkpoint's generation_config.json)")
-    g.add_argument("--max-tokens", "-n", type=int, default=None, help="maximum tokens to generate (default 256)")
+    g.add_argument("--max-tokens", "-n", type=int, default=None,
+                   help="maximum tokens to generate (default 256; a chat reply 4096; either the checkpoint's "
+                        "max_new_tokens when it sets one, 256 for the demo model)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens; 0 or -1 disable")
     g.add_argument("--top-p", type=float, default=None,
@@ -113,7 +117,8 @@ _HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def _check_model_path(model: str | None) -> None:
-    """A clear error for a --model that is not there (a local path or a Hugging Face repo id)."""
+    """A clear error for a --model that is not there (a local path or a Hugging Face repo id),
+    the same in every command (:func:`main` checks it first)."""
     if model is None or Path(model).expanduser().exists():
         return
     if _HF_REPO_ID.fullmatch(model) and not model.startswith((".", "~")):
@@ -143,7 +148,6 @@ def _load(args, conversation_start=None):
     ``conversation_start(engine)``: the tokens every conversation of this run starts with
     (``lily chat``: its system message); a file none of whose snapshots they begin with is
     reported in one line on stderr, dropped, and the run goes on without it."""
-    _check_model_path(args.model)
     options, flags = {}, []
     if args.prefill_chunk is not None:
         options["prefill_chunk"] = args.prefill_chunk
@@ -233,6 +237,8 @@ def _print_stats(ev, file=None) -> None:
     with their rates (and, when the prompt cache reused some, the prompt tokens cached and
     computed), the peak memory, why it ended."""
     t = ev.timings
+    if t is None:  # not a final event: nothing measured
+        return
     cached = getattr(ev, "cached_tokens", 0)
     reuse = f" ({cached} cached, {t.prefill_tokens} computed)" if cached else ""
     busy = t.decode_gpu_busy
@@ -290,6 +296,7 @@ def cmd_generate(args) -> int:
     engine = _load(args)
     printer = None
     if args.chat:
+        overrides.setdefault("max_tokens", engine.chat_max_tokens)
         kwargs = {"enable_thinking": False} if args.no_think else {}
         messages = [{"role": "user", "content": args.prompt}]
         printer = _ChatPrinter(engine, messages, kwargs)
@@ -355,8 +362,9 @@ def cmd_chat(args) -> int:
         messages.append({"role": "system", "content": args.system})
     kwargs = {"enable_thinking": False} if args.no_think else {}
     engine = _load(args, lambda e: _system_prefix(e, args.system, None, kwargs) if args.system else [])
-    print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, "
-          "/reset to start over, /help for the commands.", file=sys.stderr)
+    overrides.setdefault("max_tokens", engine.chat_max_tokens)
+    print(f"lily chat - {engine.name} on {engine.device}. Empty line or Ctrl-D to quit, Ctrl-C to stop a "
+          "reply, /reset to start over, /help for the commands.", file=sys.stderr)
     _line_editing()
     last_turn = None  # the final event of the last reply (/stats)
     while True:
@@ -374,7 +382,8 @@ def cmd_chat(args) -> int:
         if command in ("/exit", "/quit"):
             return 0
         if command == "/help":
-            print("[empty line, Ctrl-D, /exit or /quit: quit; /reset: start a new conversation"
+            print("[empty line, Ctrl-D, /exit or /quit: quit; Ctrl-C: stop the reply (the chat goes on); "
+                  "/reset: start a new conversation"
                   + (" (the system prompt is kept)" if args.system else "")
                   + "; /stats: tokens of the last turn and the prompt cache"
                   + "; /help: this; start a message with // to send a leading /]", file=sys.stderr)
@@ -400,27 +409,64 @@ def cmd_chat(args) -> int:
         messages.append({"role": "user", "content": user})
         reply, last = [], None
         printer = _ChatPrinter(engine, messages, kwargs)
-        try:
-            for ev in engine.stream_chat(messages, chat_template_kwargs=kwargs, **overrides):
-                printer.feed(ev.text)
-                reply.append(ev.text)
-                last = ev
-            printer.finish(last.finish_reason if last else None)
-        except KeyboardInterrupt:
-            printer.finish()
-            print("\n[interrupted]", file=sys.stderr)
-        except ContextLengthError as e:
-            messages.pop()
-            print(f"[{e}; /reset to start over]", file=sys.stderr)
-            continue
+        with _CancelOnInterrupt() as stop:
+            events = engine.stream_chat(messages, chat_template_kwargs=kwargs, cancel=stop.cancel, **overrides)
+            try:
+                for ev in events:
+                    printer.feed(ev.text)
+                    reply.append(ev.text)
+                    last = ev
+            except KeyboardInterrupt:  # a second Ctrl-C: the generation is dropped at once
+                events.close()
+                last = None
+            except ContextLengthError as e:
+                messages.pop()
+                print(f"[{e}; /reset to start over]", file=sys.stderr)
+                continue
+        interrupted = stop.cancel.is_set()
+        printer.finish(last.finish_reason if last else None)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        if interrupted:
+            print("[interrupted]", file=sys.stderr)
+        if interrupted and not "".join(reply):
+            messages.pop()  # nothing was said: the turn did not happen
+        else:
+            messages.append({"role": "assistant", "content": "".join(reply)})
         last_turn = last
         if args.verbose and last is not None:
             _print_stats(last)
         if _context_full(engine, last):
             _context_notice(engine, "; /reset to start over")
+
+
+class _CancelOnInterrupt:
+    """While a reply streams, Ctrl-C (SIGINT) cancels the generation instead of raising: the
+    engine stops at its next decode step or prefill chunk with ``finish_reason="cancelled"``
+    (its session left consistent, its timings complete), and the chat goes on. A second
+    Ctrl-C raises KeyboardInterrupt as usual. Off the main thread (no signal handler can be
+    installed there) Ctrl-C keeps Python's behaviour."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self._old = None
+
+    def _handle(self, signum, frame):
+        if self.cancel.is_set():
+            raise KeyboardInterrupt
+        self.cancel.set()
+
+    def __enter__(self):
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
 
 
 def _system_prefix(engine, system: str | None, tools: list | None, template_kwargs: dict | None = None) -> list[int]:
@@ -643,7 +689,7 @@ def cmd_serve(args) -> int:
     try:
         from lily.server import serve  # an optional extra (fastapi, uvicorn)
     except ImportError as e:
-        print(f"lily serve needs the server extra: {_SERVE_EXTRA} ({e})", file=sys.stderr)
+        print(f"lily serve needs {_SERVE_DEPS} ({e})", file=sys.stderr)
         return 2
     engine = _load(args)
     try:
@@ -651,7 +697,9 @@ def cmd_serve(args) -> int:
               model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level,
               clamp_max_tokens=args.clamp_max_tokens, max_batch=args.max_batch,
-              prefill_interleave=args.prefill_interleave)
+              prefill_interleave=args.prefill_interleave,
+              default_reasoning={"on": True, "off": False, None: None}[args.reasoning],
+              strip_billing_header=not args.keep_billing_header)
     except OSError as e:  # the address cannot be bound
         print(f"lily: error: {e.strerror or e}", file=sys.stderr)
         return 1
@@ -818,8 +866,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the runs without the cache (with --parallel: the conversations run one by one)")
     a.add_argument("--parallel", type=_int_at_least(1), default=None, metavar="N",
                    help="N conversations at once (continuous batching), then each alone for the comparison")
-    c = b.add_argument_group("--concurrent: several requests at once (continuous batching; Lily alone, no MLX-LM)")
-    c.add_argument("--concurrent", type=_int_list, default=None, metavar="N1,N2,...",
+    # not `c`: lily chat's check closes over that name (the chat parser)
+    conc = b.add_argument_group("--concurrent: several requests at once (continuous batching; Lily alone, no MLX-LM)")
+    conc.add_argument("--concurrent", type=_int_list, default=None, metavar="N1,N2,...",
                    help="for each N, N requests of --lengths' first length (default 256) at once, "
                         "--decode-tokens each: aggregate and per-request tok/s, time to first token, "
                         "outputs compared with N = 1")
@@ -878,9 +927,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "
                                    "Responses, Anthropic Messages, and models, streaming or not, on "
                                    "127.0.0.1 unless --host says otherwise. Up to --max-batch generations "
-                                   "decode together (continuous batching); others wait in a queue. Needs the "
-                                   "serve extra: " + _SERVE_EXTRA
-                                   + ". See docs/server.md.")
+                                   "decode together (continuous batching); others wait in a queue. See "
+                                   "docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -901,11 +949,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"tokens of a new prompt's prefill chunk while others decode (default {DEFAULT_INTERLEAVE}): "
                         "the most one of their steps waits for it")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
-                   help="max tokens for chat requests that set none (default: until the context is full; completions follow OpenAI: 16)")
+                   help="max tokens for chat and Responses requests that set none (default 4096, or the "
+                        "checkpoint's max_new_tokens: 256 for the demo model; completions follow OpenAI: 16)")
+    s.add_argument("--reasoning", choices=["on", "off"], default=None,
+                   help="whether requests that do not say think (default: the chat template's, on); each API's "
+                        "own field overrides it (chat_template_kwargs.enable_thinking or reasoning_effort, "
+                        "reasoning.effort, thinking)")
     s.add_argument("--clamp-max-tokens", action="store_true",
                    help="serve a request whose prompt + max_tokens exceeds the context with max_tokens capped to "
                         "the room left (default: HTTP 400 context_length_exceeded, as OpenAI's and Anthropic's "
                         "APIs); for agent tools that send a fixed limit larger than a local window")
+    s.add_argument("--keep-billing-header", action="store_true",
+                   help="keep the 'x-anthropic-billing-header: ... cch=<nonce>' line Claude Code puts first in "
+                        "the system prompt (default: dropped, since its nonce changes with every request and "
+                        "would defeat the prompt cache)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     _add_cache_args(s)
     s.set_defaults(func=cmd_serve, check=lambda a: _check_serve(s, a))
@@ -923,9 +980,10 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if getattr(args, "check", None):
-        args.check(args)  # usage errors exit 2, like argparse's own
     try:
+        _check_model_path(getattr(args, "model", None))  # every command with --model: one message
+        if getattr(args, "check", None):
+            args.check(args)  # usage errors exit 2, like argparse's own
         return args.func(args) or 0
     except LilyError as e:
         print(f"lily: error: {e}", file=sys.stderr)

@@ -4,6 +4,7 @@ never splitting a UTF-8 character across pieces."""
 from __future__ import annotations
 
 import codecs
+import logging
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -11,15 +12,18 @@ if TYPE_CHECKING:
 
 __all__ = ["IncrementalDetokenizer"]
 
+log = logging.getLogger("lily")
+
 
 class IncrementalDetokenizer:
     """Turn generated ids into text one token at a time, without splitting characters.
 
-    Each :meth:`add` feeds the token's raw bytes (:meth:`Tokenizer.token_bytes`) to an
+    Each :meth:`add` feeds the token's raw bytes (:meth:`Tokenizer.piece_bytes`) to an
     incremental UTF-8 decoder, so the work per token is O(1) amortised and a character whose
     bytes span several tokens is emitted whole, once its last byte arrives. Bytes that can
     never form a character become U+FFFD exactly as in :meth:`Tokenizer.decode`, so the
-    concatenation of all returned pieces plus :meth:`flush` equals ``decode(ids)``.
+    concatenation of all returned pieces plus :meth:`flush` equals ``decode(ids)`` (for ids
+    the tokenizer has; others give no text, :meth:`Tokenizer.decode_lenient`).
 
     Parameters
     ----------
@@ -28,10 +32,11 @@ class IncrementalDetokenizer:
         Emit nothing for ids in ``tokenizer.special_token_ids``.
     """
 
-    __slots__ = ("_decoder", "_pieces", "_skip", "_text", "_token_bytes")
+    __slots__ = ("_decoder", "_pieces", "_skip", "_text", "_token_bytes", "_warn")
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
-        self._token_bytes = tokenizer.token_bytes
+        self._token_bytes = tokenizer.piece_bytes
+        self._warn = True  # once per detokenizer (one generation)
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pieces: list[str] = []
@@ -43,14 +48,21 @@ class IncrementalDetokenizer:
         The result never ends in part of a character: bytes of an unfinished character are
         held back until a later token completes it (or :meth:`flush`).
 
+        An id the tokenizer has no token for (:meth:`Tokenizer.piece_bytes`: the padding rows
+        of a model's embedding) gives no text and logs one warning.
+
         Raises
         ------
         TokenizerError
-            If ``token_id`` is not a valid id.
+            If ``token_id`` is not an integer.
         """
         if token_id in self._skip:
             return ""
-        piece = self._decoder.decode(self._token_bytes(token_id))
+        data = self._token_bytes(token_id)
+        if not data and self._warn:  # an id without a token (the model's padding): no text
+            self._warn = False
+            log.warning("token id %s has no token in the tokenizer: it gives no text", token_id)
+        piece = self._decoder.decode(data)
         if piece:
             self._pieces.append(piece)
         return piece

@@ -38,6 +38,11 @@ __all__ = ["DEVICES", "THINKING_CLOSE_TEXT", "ChatResult", "Engine", "Generation
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
+#: The limit of a chat reply that sets none (the server's chat and Responses APIs, ``lily
+#: chat``, ``lily generate --chat``) unless the checkpoint's generation_config.json sets
+#: ``max_new_tokens``: room for Qwen3.6's thinking and an answer, about 40 s at 100 tok/s,
+#: bounded so that a model that never ends a reply does not run until the context is full.
+CHAT_MAX_TOKENS = 4096
 DEMO_MODEL_NAME = "lily-demo-shakespeare"
 
 
@@ -86,6 +91,13 @@ METAL_BUILD_FIX = ("To build the GPU device: install Xcode and its Metal Toolcha
                    "`pip install . -Ccmake.define.LILY_METAL=ON`")
 
 
+def notice(msg: str) -> None:
+    """A one-line notice on stderr, written above a progress bar that is showing (tqdm's
+    ``write``: the bar is cleared, the line printed, the bar drawn again below it)."""
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stderr)
+
+
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
     if device not in DEVICES:
         raise DeviceError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -98,8 +110,7 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
             ignored = f"; device options ignored: {', '.join(sorted(options))}" if options else ""
             # on a Mac this is a build without the GPU device: say how to get one
             fix = f". {METAL_BUILD_FIX}" if sys.platform == "darwin" else ""
-            print(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}{fix}",
-                  file=sys.stderr)
+            notice(f"lily: no Metal GPU in this build; using device='reference' (numpy on the CPU){ignored}{fix}")
     if device == "reference":
         if options and not auto:
             what = "applies" if len(options) == 1 else "apply"
@@ -136,6 +147,10 @@ class Engine:
         self.generation_defaults, gen_eos = _generation_settings(generation_config, path, self.config)
         eos = set(tokenizer.eos_token_ids) | set(self.config.eos_token_ids) | set(gen_eos)
         self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos)
+        #: Ids a sampler may choose: the embedding's rows past the tokenizer's ids (Qwen3.5/3.6
+        #: pad 248,077 ids to 248,320 rows) decode to nothing, so no generation picks them
+        #: (:attr:`lily.sampling.SamplingParams.vocab_limit`). Prompts may still hold them.
+        self.sample_vocab: int = min(self.config.vocab_size, tokenizer.vocab_size)
         self._held = threading.Condition()  # who holds the session: _holder (None, a Scheduler, a thread id)
         self._depth = 0
         self._im_start = tokenizer.token_to_id("<|im_start|>")
@@ -212,6 +227,14 @@ class Engine:
         self._session.cache = cache
 
     @property
+    def chat_max_tokens(self) -> int:
+        """The default limit of a chat reply: the checkpoint's ``max_new_tokens`` (its
+        generation_config.json) when it sets one, else :data:`CHAT_MAX_TOKENS`."""
+        if self.generation_config.get("max_new_tokens") is not None:
+            return self.generation_defaults.max_tokens
+        return CHAT_MAX_TOKENS
+
+    @property
     def name(self) -> str:
         """The model's display name (:func:`model_display_name` of :attr:`path`)."""
         return model_display_name(self.path)
@@ -270,14 +293,19 @@ class Engine:
         bar = None
         if progress:
             from tqdm import tqdm  # only for an interactive load
-            bar = tqdm(total=3, desc=f"loading {path.name}", unit="step", leave=False)
+            # drawn at every step (the steps are few and fast: the default 0.1 s refresh
+            # interval left "0/3" showing), the steps named; notices are written above it
+            bar = tqdm(total=3, desc=f"loading {model_display_name(path)}", unit="step", leave=False,
+                       file=sys.stderr, mininterval=0, miniters=1, postfix="checkpoint")
         ck = open_checkpoint(path)
         if bar:
+            bar.set_postfix_str("tokenizer", refresh=False)
             bar.update(1)
         tok = Tokenizer.from_dir(path)
         generation_config = read_generation_config(path)
         _generation_settings(generation_config, path, ck.config)  # its errors before the device is set up
         if bar:
+            bar.set_postfix_str(f"device {device}", refresh=False)
             bar.update(1)
         limit = ck.config.max_position_embeddings
         if max_context is None:
@@ -405,6 +433,8 @@ class Engine:
         base = params if params is not None else self.generation_defaults
         p = base.replace(**overrides) if overrides else base
         p.check_vocab(self.config.vocab_size)  # logit_bias ids: the one check needing the vocabulary
+        if self.sample_vocab < self.config.vocab_size and not 0 < p.vocab_limit <= self.sample_vocab:
+            p = p.replace(vocab_limit=self.sample_vocab)  # never an id without a token
         return p
 
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -428,7 +458,7 @@ class Engine:
         ids = [int(t) for t in prompt_ids]
         if self._im_start is not None and self._im_start in ids:  # only the last turn matters
             ids = ids[len(ids) - 1 - ids[::-1].index(self._im_start):]
-        return prompt_opens_reasoning(self.tokenizer.decode(ids))
+        return prompt_opens_reasoning(self.tokenizer.decode_lenient(ids))
 
     def prefill_chunked(self, tokens: Sequence[int], *, cancel: threading.Event | None = None,
                         on_logits=None) -> bool:
@@ -589,8 +619,9 @@ class Engine:
                     cancel: threading.Event | None = None, constraint: Constraint | None = None,
                     **overrides) -> Iterator[StreamEvent]:
         """Render ``messages`` with the checkpoint's chat template (generation prompt
-        added) and stream the reply. Raises :class:`~lily.errors.TokenizerError` when the
-        template rejects the messages, otherwise like :meth:`stream`."""
+        added; the switches as :meth:`lily.tokenizer.Tokenizer.chat_kwargs` completes them) and
+        stream the reply. Raises :class:`~lily.errors.TokenizerError` when the template
+        rejects the messages, otherwise like :meth:`stream`."""
         prompt = self.chat_prompt(messages, tools, chat_template_kwargs)
         return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
                            **overrides)
@@ -609,10 +640,11 @@ class Engine:
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
                     chat_template_kwargs: dict | None = None) -> str:
         """``messages`` (and ``tools``) rendered with the chat template, the generation
-        prompt added: the text :meth:`chat` generates from. Raises
-        :class:`~lily.errors.TokenizerError` when the template rejects them."""
+        prompt added and the switches as :meth:`lily.tokenizer.Tokenizer.chat_kwargs` completes
+        them: the text :meth:`chat` generates from. Raises :class:`~lily.errors.TokenizerError`
+        when the template rejects them."""
         return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                  **(chat_template_kwargs or {}))
+                                                  **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
 
     @staticmethod
     def chat_result(r: GenerationResult, prompt: str, tools: list[dict] | None = None) -> ChatResult:

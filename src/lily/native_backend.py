@@ -7,6 +7,7 @@ tensors are not 16-byte aligned). See docs/prefill.md and docs/decode.md.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 
@@ -59,6 +60,11 @@ def runtime_options(max_context: int, **options):
     return o
 
 
+#: The runtime options an engine takes (``RuntimeOptions.FIELDS`` and gemm_path, but
+#: max_context, which Engine.load sets, and virtual_weights, record-only counting's).
+RUNTIME_OPTIONS = tuple(f for f in (*_core.RuntimeOptions.FIELDS, "gemm_path") if f not in ("max_context", "virtual_weights"))
+
+
 def tensor_table(ck: Checkpoint) -> list[tuple[str, str, int, int]]:
     """``(name, file, byte offset, nbytes)`` of every text-model tensor."""
     return [(name, str(t.file), t.start, t.nbytes) for name, t in ck.tensors.items()]
@@ -84,9 +90,15 @@ def reject_unknown_options(options, known, what: str) -> None:
                                     f"{', '.join(map(repr, unknown))} (known: {', '.join(known) or 'none'})")
 
 
-SIM_OPTIONS = ("record_only", "order", "thread_order", "seed", "poison", "verify_writes",
-               "verify_reads", "gpu_family", "working_set_bytes",
-               "max_buffer_bytes", "pipeline_thread_limit", "bfloat_tensor_ops", "threads")  # lily._core.sim_device's keywords
+def _keywords(fn) -> tuple[str, ...]:
+    """The parameter names of a bound native function, read from the signature nanobind gives
+    it (``__nb_signature__``, which the stubs are generated from): the one list is the binding's."""
+    text = fn.__nb_signature__[0][0]
+    return tuple(re.findall(r"[(,]\s*(\w+):", text[text.index("("):]))
+
+
+#: ``lily._core.sim_device``'s keywords (empty in a build without the simulator).
+SIM_OPTIONS = _keywords(_core.sim_device) if hasattr(_core, "sim_device") else ()
 
 
 def make_device(name: str, **options):
@@ -112,8 +124,8 @@ class NativeBackend:
     a constrained request samples on the host instead (:class:`lily.backend.HostGeneration`
     over :meth:`forward`)."""
 
-    OPTIONS = ("split_threshold", "split_block", "prefill_chunk", "state_window", "gemm_path", "weight_cache",
-               "device_options")  # Engine.load's device_options
+    #: Engine.load's device options: the runtime's (:data:`RUNTIME_OPTIONS`), weight_cache, device_options.
+    OPTIONS = (*RUNTIME_OPTIONS, "weight_cache", "device_options")
 
     def __init__(self, ck: Checkpoint, max_context: int, device: str = "sim", *,
                  weight_cache: bool | str = True, device_options: dict | None = None, **options):
@@ -123,8 +135,7 @@ class NativeBackend:
         the weight cache is written or, for tensors used from the checkpoint file itself
         (no cache, or an aligned file), by a scan here; a cache reused from an earlier load
         was checked when written and is not read again."""
-        reject_unknown_options(options, [o for o in self.OPTIONS if o not in ("weight_cache", "device_options")],
-                               "device option")
+        reject_unknown_options(options, RUNTIME_OPTIONS, "device option")
         opts = runtime_options(max_context, **options)
         if not isinstance(weight_cache, (bool, str, os.PathLike)):
             raise InvalidParameterError(f"weight_cache must be True, False or a directory, got {weight_cache!r}")

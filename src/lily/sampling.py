@@ -69,6 +69,12 @@ class SamplingParams:
         open from the prompt or opened by the model); then the engine closes the block itself
         and the answer follows (:meth:`lily.engine.Engine.stream`). None: no budget. A limit of
         the generation loop like ``max_tokens`` and ``stop``, not of the samplers.
+    vocab_limit : int
+        Token ids at or above it are never chosen, and log-probabilities are those of the
+        distribution over the ids below it (0: no limit). The engine sets it to the
+        tokenizer's size (:attr:`lily.engine.Engine.sample_vocab`) when the model's embedding
+        has more rows than the tokenizer has ids (Qwen3.5/3.6: 248,320 rows, 248,077 ids), so
+        no sampler, on the host or the device, picks an id that decodes to nothing.
     """
 
     max_tokens: int = 256
@@ -86,6 +92,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()
     thinking_budget: int | None = None
+    vocab_limit: int = 0
 
     def __post_init__(self):
         stop = self.stop
@@ -133,6 +140,7 @@ class SamplingParams:
             integer("seed", -(1 << 63), (1 << 64) - 1)
         if self.thinking_budget is not None:
             integer("thinking_budget", 1, int32_max, "tokens of thinking; None for no budget")
+        integer("vocab_limit", 0, int32_max, "0: no limit")
         # the list is not echoed: a client may send many or long strings
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
@@ -310,10 +318,22 @@ class Sampler:
         self._counts: dict[int, int] = {}
         self._bias = params.bias_arrays() if params.logit_bias else None
 
+    def _limited(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with the ids at or above ``vocab_limit`` set to ``-inf`` (a float32
+        copy), or ``logits`` itself when the limit does not cut it."""
+        n = self.params.vocab_limit
+        if not 0 < n < logits.size:
+            return logits
+        x = np.array(logits, dtype=np.float32)
+        x[n:] = -np.inf
+        return x
+
     def process(self, logits: np.ndarray) -> np.ndarray:
         """Logit bias and penalties applied to a float64 copy of ``logits`` (float32
-        ``[vocab]``); :meth:`probabilities` divides by the temperature."""
+        ``[vocab]``; ids at or above ``vocab_limit`` at ``-inf``); :meth:`probabilities`
+        divides by the temperature."""
         p = self.params
+        logits = self._limited(logits)
         if self._bias is not None:
             # added in float32, as the device sampler does (the same sums, bit for bit)
             x = np.array(logits, dtype=np.float32)
@@ -366,8 +386,9 @@ class Sampler:
     def logprob(self, logits: np.ndarray, token: int) -> TokenLogprob:
         """The :class:`TokenLogprob` of ``token`` under ``logits`` (float32 ``[vocab]``,
         masked to ``-inf`` where a constraint forbids a token: the alternatives listed are
-        then only allowed ones). Raw logits: no bias, penalty or temperature."""
-        lp = log_softmax(logits)
+        then only allowed ones). Raw logits: no bias, penalty or temperature; the ids at or
+        above ``vocab_limit`` are left out of the distribution (never listed)."""
+        lp = log_softmax(self._limited(logits))
         top = ()
         if self.params.top_logprobs:
             n = self.params.top_logprobs

@@ -376,9 +376,12 @@ class Grammar:
 
     # -- binding -----------------------------------------------------------------------
 
-    def lark(self, tokenizer, *, thinking: bool = False) -> str:
+    def lark(self, tokenizer, *, thinking: bool = False, leading_whitespace: bool = True) -> str:
         """The whole grammar for ``tokenizer``: the answer, after the thinking block when
-        ``thinking``. Special tokens are used where the tokenizer has them."""
+        ``thinking``, after up to four whitespace characters (:data:`LEADING_WHITESPACE`)
+        unless not ``leading_whitespace``. Special tokens are used where the tokenizer has
+        them."""
+        ws = f"{LEADING_WHITESPACE} " if leading_whitespace or thinking else ""
         specials = {t: _special(tokenizer, t) for t in ("</think>", "<tool_call>", "</tool_call>")}
         body = self.body
         for tag in ("<tool_call>", "</tool_call>"):
@@ -390,7 +393,7 @@ class Grammar:
             if not specials["</think>"]:
                 think = f"think[lazy]: /(?s:.*)<\\/think>/\nstart: think {LEADING_WHITESPACE} body\n"
         else:
-            think = f"start: {LEADING_WHITESPACE} body\n"
+            think = f"start: {ws}body\n"
         return think + body
 
     def for_prompt(self, engine, prompt_ids) -> GrammarConstraint:
@@ -398,11 +401,15 @@ class Grammar:
         first when the prompt's last turn leaves a ``<think>`` block open (what the engine
         does with a :class:`Grammar` passed as ``constraint=``)."""
         thinking = engine.prompt_opens_thinking(prompt_ids)
+        # a generation prompt with thinking off ends with the closed block and its blank line:
+        # the answer starts right there, as the template renders it in later turns
+        closed = not thinking and engine.tokenizer.decode_lenient(prompt_ids[-8:]).endswith("</think>\n\n")
         return self.constraint(engine.tokenizer, vocab_size=engine.config.vocab_size,
-                               eos_token_ids=engine.eos_token_ids, thinking=thinking)
+                               eos_token_ids=engine.eos_token_ids, thinking=thinking, leading_whitespace=not closed)
 
     def constraint(self, tokenizer, *, vocab_size: int | None = None,
-                   eos_token_ids: Iterable[int] | None = None, thinking: bool = False) -> GrammarConstraint:
+                   eos_token_ids: Iterable[int] | None = None, thinking: bool = False,
+                   leading_whitespace: bool = True) -> GrammarConstraint:
         """A fresh per-request constraint enforcing this grammar.
 
         Parameters
@@ -417,6 +424,10 @@ class Grammar:
             Default: the tokenizer's EOS.
         thinking : bool
             The prompt leaves a ``<think>`` block open: free text until ``</think>`` first.
+        leading_whitespace : bool
+            Allow up to four whitespace characters before the answer (always after a thinking
+            block, where the model writes them; :meth:`for_prompt` turns them off after a
+            closed thinking block, whose blank line the prompt already holds).
         """
         eos = tuple(sorted(int(e) for e in (tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids)))
         ll_tok = _ll_tokenizer(tokenizer, eos)
@@ -424,7 +435,8 @@ class Grammar:
         if n < tokenizer.vocab_size:
             raise InvalidParameterError(f"vocab_size {n} is smaller than the tokenizer's {tokenizer.vocab_size}")
         llg = _llg()
-        matcher = llg.LLMatcher(ll_tok, llg.LLMatcher.grammar_from_lark(self.lark(tokenizer, thinking=thinking)),
+        matcher = llg.LLMatcher(ll_tok, llg.LLMatcher.grammar_from_lark(
+            self.lark(tokenizer, thinking=thinking, leading_whitespace=leading_whitespace)),
                                 log_level=0)
         if matcher.is_error():
             raise InvalidParameterError(f"cannot build the {self.kind} constraint: {matcher.get_error()}")

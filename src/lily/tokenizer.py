@@ -27,7 +27,7 @@ import jinja2
 import tokenizers
 import tokenizers.decoders
 
-from lily.chat_template import compile_template, plain, prepare_messages, tool_call_arguments
+from lily.chat_template import compile_template, plain, prepare_messages, template_variables, tool_call_arguments
 from lily.detokenizer import IncrementalDetokenizer
 from lily.errors import TokenizerError
 
@@ -420,6 +420,33 @@ class Tokenizer:
         self._bytes_cache[token_id] = data
         return data
 
+    def piece_bytes(self, token_id: int) -> bytes:
+        """:meth:`token_bytes`, or ``b""`` for an id this tokenizer has no token for.
+
+        A model's embedding may have more rows than the tokenizer has ids (Qwen3.5/3.6:
+        248,320 rows, 248,077 ids; the rest is padding). Lily's samplers never choose such
+        an id (:attr:`lily.sampling.SamplingParams.vocab_limit`); should one reach the text
+        anyway it decodes to nothing, as llama.cpp's unused padding tokens and vLLM's
+        detokenizer do, instead of failing the generation. Raises :class:`TokenizerError`
+        only for a value that is not an integer."""
+        try:
+            index = operator.index(token_id)
+        except TypeError:
+            raise TokenizerError(f"token id must be an int, got {type(token_id).__name__}") from None
+        if not 0 <= index < self._vocab_size:
+            return b""
+        cached = self._bytes_cache[index]
+        if cached is not None:
+            return cached
+        try:
+            return self.token_bytes(index)
+        except TokenizerError:  # an id in a gap of the vocabulary
+            return b""
+
+    def decode_lenient(self, ids: Iterable[int]) -> str:
+        """:meth:`decode` where ids without a token (:meth:`piece_bytes`) give no text."""
+        return b"".join(self.piece_bytes(i) for i in ids).decode("utf-8", errors="replace")
+
     def detokenizer(self, *, skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """Return a new :class:`IncrementalDetokenizer` over this tokenizer."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
@@ -465,6 +492,26 @@ class Tokenizer:
             f"{self._template_source}: several chat templates "
             f"({', '.join(sorted(self._templates))}) and none named 'default'"
         )
+
+    def chat_kwargs(self, template_kwargs: Mapping[str, Any] | None, tools: Any = None) -> dict:
+        """``template_kwargs`` as Lily renders a chat with them (the engine's and the
+        server's chats; :meth:`apply_chat_template` itself renders as transformers does).
+
+        With thinking off (``enable_thinking=False``), a template with Qwen3.6's
+        ``preserve_thinking`` switch that the caller left unset gets ``preserve_thinking=True``:
+        earlier assistant turns are then rendered as they were generated, after the empty
+        ``<think>\n\n</think>\n\n`` block that the generation prompt put before them, where the
+        template's default renders them without it. A conversation's next request then
+        extends the previous one token for token through the previous reply, so the prompt
+        cache reuses the reply instead of computing it again every turn (QwenLM/Qwen3 issue
+        1826; Qwen3.8's template keeps the blocks by default). With thinking on, the
+        template's default stands (earlier turns' reasoning is dropped, as Qwen trained it).
+        """
+        kwargs = dict(template_kwargs or {})
+        if kwargs.get("enable_thinking") is False and "preserve_thinking" not in kwargs and self._templates:
+            if "preserve_thinking" in template_variables(self._templates[self._select_template(tools)]):
+                kwargs["preserve_thinking"] = True
+        return kwargs
 
     def apply_chat_template(
         self,

@@ -173,7 +173,11 @@ def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
     passed to ``check``. Never raises OSError; what ``check`` raises propagates (no cache
     file is left behind).
     """
-    notice = notice or (lambda msg: print(msg, file=sys.stderr))
+    if notice is None:
+        from tqdm import tqdm
+
+        def notice(msg: str) -> None:  # above a loading progress bar, not on its line
+            tqdm.write(msg, file=sys.stderr)
     by_file: dict[str, list[Entry]] = {}
     for e in entries:
         by_file.setdefault(e[1], []).append(e)

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 from seeding import fresh_rng
-from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32  # noqa: F401
 import pytest
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.reference import ReferenceState, round_bf16  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import attention as twins  # noqa: E402
@@ -309,15 +309,17 @@ def test_mixers_in_one_pass_with_derived_barriers(dev):
     p.dispatch("attn_qk_prep", Hq + Hkv, D,
                buffers=[(0, QG), (1, Kb), (2, Vb), (3, A.QN), (4, A.KN), (5, A.POS), (6, A.KC), (7, A.VC),
                         (8, Qo), (9, GATE)],
-               constants=[(10, args_bytes(Hq, Hkv, D, rot, A.cap, 1e-6, float(np.log2(THETA))))],
+               constants=[(10, pack_args("AttnPrepArgs", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, rotary_dim=rot,
+                                          capacity=A.cap, norm_eps=1e-6, log2_theta=float(np.log2(THETA))))],
                reads=[QG, Kb, Vb, A.QN, A.KN, A.POS], writes=[*A.cache_row_ranges(n - 1), Qo, GATE],
                threadgroups=True)
     rows = [(C, h * A.cap * 2 * D, n * 2 * D) for C in (A.KC, A.VC) for h in range(Hkv)]
     p.dispatch(f"attn_decode_d{D}_g{A.G}", Hq // A.G, 256,
                buffers=[(0, Qo), (1, GATE), (2, A.KC), (3, A.VC), (4, A.POS), (5, OUT)],
-               constants=[(6, args_bytes(Hq, Hkv, A.cap, D, float(D) ** -0.5, 0, 0))],
+               constants=[(6, pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=Hkv, capacity=A.cap, gate_stride=D,
+                                         scale=float(D) ** -0.5, block_rows=0, max_blocks=0))],
                reads=[Qo, GATE, A.POS, *rows], writes=[OUT], threadgroups=True)
-    p.dispatch("sample_greedy", 1, 1024, buffers=[(0, OUT), (1, TOK)], constants=[(2, constant(Hq * D))],
+    p.dispatch("sample_greedy", 1, 1024, buffers=[(0, OUT), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=Hq * D))],
                reads=[OUT], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()

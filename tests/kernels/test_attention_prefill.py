@@ -72,14 +72,14 @@ import types
 
 import numpy as np
 from seeding import fresh_rng
-from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32  # noqa: F401
 import pytest
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import download, sim_device, upload  # noqa: E402
+from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E402
 from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import attention_prefill as twins  # noqa: E402
@@ -151,7 +151,8 @@ def decode_prep(L, qg, k, v, pos):
     QG, K, V = upload(L.dev, qg.reshape(Hq, 2 * D)), upload(L.dev, k), upload(L.dev, v)
     POS = upload(L.dev, np.array([pos], np.uint32))
     Q, GATE = L.dev.buffer(Hq * D * 4), L.dev.buffer(Hq * D * 4)
-    args = args_bytes(Hq, Hkv, D, L.rot, L.cap, EPS, float(np.log2(THETA)))
+    args = pack_args("AttnPrepArgs", num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, rotary_dim=L.rot, capacity=L.cap,
+                     norm_eps=EPS, log2_theta=float(np.log2(THETA)))
     L.run(lambda p: p.dispatch(
         "attn_qk_prep", Hq + Hkv, D,
         buffers=[(0, QG), (1, K), (2, V), (3, L.QN), (4, L.KN), (5, POS), (6, L.KC), (7, L.VC),
@@ -354,7 +355,8 @@ def test_one_row_chunk_matches_decode(dev, dims):
     B.run(lambda p: p.dispatch(
         f"attn_decode_d{D}_g{G}", Hq // G, 256,
         buffers=[(0, Q), (1, QG, 4 * D), (2, B.KC), (3, B.VC), (4, POS), (5, OUT)],
-        constants=[(6, args_bytes(Hq, B.Hkv, B.cap, 2 * D, float(D) ** -0.5, 0, 0))],
+        constants=[(6, pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=B.Hkv, capacity=B.cap, gate_stride=2 * D,
+                                  scale=float(D) ** -0.5, block_rows=0, max_blocks=0))],
         reads=[Q, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), *B.rows(0, M + 1), POS], writes=[OUT],
         threadgroups=True))
     np.testing.assert_allclose(got[0], download(OUT, np.float32), rtol=OUT_RTOL, atol=HALF_ATOL)

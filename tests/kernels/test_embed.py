@@ -12,10 +12,10 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.harness import U, magnitude, rand_quant, upload_q  # noqa: E402
-from harness import assert_within, forward_sim, run_bound  # noqa: E402
+from harness import assert_within, forward_sim, run_bound, run_encoder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def test_embed(dev, vocab, cols):
     for tok, want_row in [(0, 0), (vocab - 1, vocab - 1), (vocab // 3, vocab // 3), (vocab + 5, vocab - 1)]:
         T = upload(dev, np.array([tok], np.uint32))
         O = dev.buffer(4 * cols)
-        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], constant(cols, vocab),
-            reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_q4")
+        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+                  reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_q4")
         want = qt.dequantize(want_row).astype(np.float64)
         mag = magnitude(qt, want_row)
         assert_within(download(O, np.float32), want, 2 * U * mag, f"embed row {tok}")
@@ -51,14 +51,13 @@ def test_embed_rows(dev, vocab, cols, rows):
     toks = rng.integers(0, vocab, rows).astype(np.uint32)
     toks[-1] = vocab + 5
     T, O = upload(dev, toks), dev.buffer(4 * rows * cols)
-    run_bound(dev, "embed_rows_q4", (cols // 8, rows), 64, [W, S, B, T, O], constant(cols, vocab),
-              reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_rows_q4")
+    run_encoder(dev, _core.encode_embed_rows, (W, S, B), T, O, rows, cols, vocab)  # as the prefill chunk does
     got = download(O, np.float32, (rows, cols))
     ids = np.minimum(toks, vocab - 1)
     want = np.stack([qt.dequantize(int(t)) for t in ids]).astype(np.float64)
     assert_within(got, want, 2 * U * np.stack([magnitude(qt, int(t)) for t in ids]), f"embed_rows {rows} rows")
     for r in {0, rows - 1}:
         T1, O1 = upload(dev, toks[r:r + 1]), dev.buffer(4 * cols)
-        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T1, O1], constant(cols, vocab),
+        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T1, O1], pack_args("EmbedArgs", cols=cols, vocab=vocab),
                   reads=[W, S, B, T1], writes=[O1], threadgroups=False, label="embed_q4")
         np.testing.assert_array_equal(got[r].view(np.uint32), download(O1, np.uint32))

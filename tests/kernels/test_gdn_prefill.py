@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import numpy as np
 from seeding import fresh_rng
-from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32  # noqa: F401
 import pytest
 
 from lily import _core

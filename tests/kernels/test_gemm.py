@@ -49,12 +49,12 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
 from lily.lab.kernels.gemm import row_scale, row_scale_bindings, swiglu_ref  # noqa: E402
 from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402
-from lily.lab.kernels.gemm import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_ref  # noqa: E402
+from lily.lab.kernels.gemm import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_args, gemm_ref  # noqa: E402
 from lily.lab.kernels.harness import half_weights  # noqa: E402
 from lily.lab.kernels.harness import _codes, half_operand  # noqa: E402
 from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
@@ -77,10 +77,6 @@ def row_ranges(buf, offset, rows, stride, width, size=4):
 
 def dense_grid(m, n, bn=GEMM_BN):
     return (-(-n // bn), -(-m // GEMM_BM))
-
-
-def gemm_args(m, n, k, lda, ldy):
-    return constant(m, n, k, lda, ldy)
 
 
 # ------------------------------------------------------------------------------ dense
@@ -193,7 +189,7 @@ def test_gemm_add(dev, kernel, m, n, k):
 def a_scale_bindings(dev, F, m, lda, k, shift):
     """gemm_q4_add_hs's A-scale bindings for enc_gemm's ``scale``: the factors F (half,
     [m, lda >> shift]) at 6, GemmAScaleArgs at 7, F's read range (the rows' groups)."""
-    return [(6, F)], [(7, constant(shift))], [(F, 0, 2 * (((m - 1) * lda + k) >> shift))]
+    return [(6, F)], [(7, pack_args("GemmAScaleArgs", shift=shift))], [(F, 0, 2 * (((m - 1) * lda + k) >> shift))]
 
 
 @pytest.mark.parametrize("m,n,k,shift,lda", [

@@ -44,7 +44,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E402
 from lily.reference import silu  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
@@ -85,7 +85,7 @@ def test_suite_reaches_the_twins(dev):
     bufs = [upload(dev, a) for a in (qt.weight, qt.scales, qt.biases, x)] + [dev.buffer(4)]
     cb = dev.command_buffer()
     cb.compute_pass().dispatch("gemm_q4", (1, 1), 128, buffers=list(enumerate(bufs)),
-                               constants=[(5, constant(1, 1, 64, 64, 1))], reads=bufs[:4], writes=bufs[4:],
+                               constants=[(5, gemm_args(1, 1, 64))], reads=bufs[:4], writes=bufs[4:],
                                threadgroups=True)
     cb.commit()
     cb.wait()
@@ -96,8 +96,8 @@ def test_suite_reaches_the_twins(dev):
 
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemm import (  # noqa: E402,F401
-    GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, gemm_geometry, gemm_ref,
-    row_scale, row_scale_bindings, swiglu_ref,
+    GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, gemm_args, gemm_geometry,
+    gemm_ref, row_scale, row_scale_bindings, swiglu_ref,
 )
 from lily.lab.kernels.harness import half_operand, half_weights, run  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
@@ -123,9 +123,9 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
     if scale is not None:
         sb, sc, sr = row_scale_bindings(dev, *scale)
         run(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, [*enumerate(bufs), *sb],
-            [(len(bufs), constant(m, n, k, lda, ldy)), *sc], reads=bufs[:-1] + sr, writes=[Y])
+            [(len(bufs), gemm_args(m, n, k, lda, ldy)), *sc], reads=bufs[:-1] + sr, writes=[Y])
     else:
-        dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, constant(m, n, k, lda, ldy),
+        dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, gemm_args(m, n, k, lda, ldy),
                  reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
     return download(Y, np.float16 if ysize == 2 else np.float32, (m, ldy)).astype(np.float32)
 
@@ -181,7 +181,7 @@ def test_gemm_q4_add_hs_exact(fwd):
         F = upload(fwd, f)
         bm, tg = gemm_geometry(kernel)
         run(fwd, kernel, (cdiv(n, GEMM_BN), cdiv(m, bm)), tg, [*enumerate(bufs), (6, F)],
-            [(5, constant(m, n, k, k, ldy)), (7, constant(shift))], reads=bufs + [F], writes=[bufs[4]])
+            [(5, gemm_args(m, n, k, k, ldy)), (7, pack_args("GemmAScaleArgs", shift=shift))], reads=bufs + [F], writes=[bufs[4]])
         return download(bufs[4], np.float32, (m, ldy))
 
     y = go("gemm_q4_add_hs_tensor")

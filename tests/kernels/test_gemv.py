@@ -21,13 +21,13 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemv import (  # noqa: E402
     GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, _norm_gemv_ratio, enc_embed_norm_gemv,
-    enc_norm_gemv, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
+    enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
 from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
 from harness import assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
@@ -59,7 +59,7 @@ def test_gemv(dev, bits, rows, cols):
     X = upload(dev, x)
     pad = 8
     Y = dev.buffer(4 * (rows + pad))  # poisoned (NaN); the pad must stay untouched
-    run_bound(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
         reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=f"gemv_q{bits}")
     out = download(Y, np.float32)
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
@@ -77,7 +77,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
     r0 = rng.standard_normal(rows).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, R = upload(dev, x), upload(dev, r0)
-    run_bound(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], constant(rows, cols),
+    run_bound(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], gemv_args(rows, cols),
         reads=[W, S, B, X, R], writes=[R], label=f"gemv_q{bits}_add")
     exact = r0.astype(np.float64) + qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64)) + np.abs(r0)
@@ -113,7 +113,7 @@ def test_gemv_threadgroup_sizes(dev, tg):
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
     assert gemv_grid(rows, tg) == -(-rows // (GEMV_ROWS_PER_SG * tg // 64))
-    run_bound(dev, "gemv_q4", gemv_grid(rows, tg), tg, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, "gemv_q4", gemv_grid(rows, tg), tg, [W, S, B, X, Y], gemv_args(rows, cols),
         reads=[W, S, B, X], writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt) @ np.abs(x)), "gemv_q4 tg")
@@ -132,7 +132,7 @@ def test_gemv_weight_offsets(dev):
     cb = dev.command_buffer()
     cb.compute_pass().dispatch(
         "gemv_q4", gemv_grid(rows), TG, buffers=[(0, W, e * wb), (1, S, e * sb), (2, B, e * sb), (3, X), (4, Y)],
-        constants=[(5, constant(rows, cols))], reads=[(W, e * wb, wb), (S, e * sb, sb), (B, e * sb, sb), X],
+        constants=[(5, gemv_args(rows, cols))], reads=[(W, e * wb, wb), (S, e * sb, sb), (B, e * sb, sb), X],
         writes=[Y], threadgroups=True)
     cb.commit()
     cb.wait()
@@ -284,8 +284,7 @@ def test_norm_gemv_xn_matches_rms_norm(dev):
     nw = to_bf16_bits(1 + 0.3 * rng.standard_normal(cols))
     xn, _ = check_norm_gemv(dev, 8, x, nw, [rand_quant(rng, (), 16, cols, 8)], True)
     X, Wt, O = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
-    run_bound(dev, "rms_norm", 1, 256, [X, Wt, O], constant(cols) + np.float32(NORM_EPS).tobytes(), reads=[X, Wt],
-        writes=[O], label="rms_norm")
+    run_encoder(dev, _core.encode_rms_norm, "rms_norm", X, Wt, O, 1, cols, NORM_EPS, 4)
     from lily.reference import rms_norm
     ref = rms_norm(x[None], bf16_to_f32(nw), NORM_EPS)[0].astype(np.float64)
     for other in (download(O, np.float32), ref):
@@ -421,7 +420,7 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
         p = cb.compute_pass()
         if not fused:
             p.dispatch("embed_q4", cols // 8, 64, buffers=[(0, EW), (1, ES), (2, EB), (3, T), (4, H)],
-                       constants=[(5, constant(cols, vocab))], reads=[EW, ES, EB, T], writes=[H],
+                       constants=[(5, pack_args("EmbedArgs", cols=cols, vocab=vocab))], reads=[EW, ES, EB, T], writes=[H],
                        threadgroups=False, label="embed_q4")
             mats = [(r, m if m is not None else (H, H, H), Y) for r, m, Y in zip(rows, mats_q, ys)]
             enc_norm_gemv(p, 4, H, NW, XN, mats, cols, write_xn=write_xn)

@@ -32,14 +32,16 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E402
 from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel, sigmoid  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemm import swiglu_bound as _swiglu_bound  # noqa: E402
 from lily.lab.kernels.gemv import NORM_EPS, TG, enc_norm_gemv, gemv_grid, rms_ref64  # noqa: E402
 from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
-from lily.lab.kernels.moe import MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, route_ref  # noqa: E402
+from lily.lab.kernels.moe import (  # noqa: E402
+    MoeWeights, enc_down, enc_gate_up, enc_route_gate_up, route_args, route_ref,
+)
 from harness import assert_within, commit, run_bound  # noqa: E402
 
 METAL_SRC = Path(__file__).resolve().parents[2] / "metal"
@@ -60,7 +62,7 @@ def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
     tg = tg or min(1024, -(-E // 32) * 32)
-    run_bound(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, int(norm)),
+    run_bound(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], route_args(E, k, hidden, norm),
         reads=[L, X, GW, GS, GB], writes=[ids, wts], label="moe_route")
     return download(ids, np.uint32), download(wts, np.float32)
 
@@ -177,12 +179,12 @@ def encode_moe_block(dev, W, bufs, x, r0, k, norm_topk=True):
     p = cb.compute_pass()
     p.dispatch("gemv_q8", gemv_grid(W.E), TG, buffers=[(0, b["router"][0]), (1, b["router"][1]), (2, b["router"][2]),
                                                        (3, X), (4, logits)],
-               constants=[(5, constant(W.E, W.hidden))], reads=[*b["router"], X], writes=[logits],
+               constants=[(5, pack_args("GemvArgs", rows=W.E, cols=W.hidden))], reads=[*b["router"], X], writes=[logits],
                threadgroups=True, label="router gemv_q8")
     tg = min(1024, -(-W.E // 32) * 32)
     p.dispatch("moe_route", 1, tg, buffers=[(0, logits), (1, X), *[(2 + i, t) for i, t in enumerate(b["shared_gate"])],
                                             (5, ids), (6, wts)],
-               constants=[(7, constant(W.E, k, W.hidden, int(norm_topk)))],
+               constants=[(7, route_args(W.E, k, W.hidden, norm_topk))],
                reads=[logits, X, *b["shared_gate"]], writes=[ids, wts], threadgroups=True, label="moe_route")
     enc_gate_up(p, W, b, X, ids, H, k)
     enc_down(p, W, b, H, ids, wts, R, k)

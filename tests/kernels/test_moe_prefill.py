@@ -72,7 +72,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
+from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E402
 from lily.reference import sigmoid  # noqa: E402
 from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
@@ -90,7 +90,7 @@ from harness import assert_within as check, commit, rand_quant, upload_q  # noqa
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)
 PAD = 8  # poisoned elements after every output, which must stay untouched
-MAX_BLOCK_SLOTS = 1024  # kMoeRouteMaxBlockSlots (metal/prefill_args.h)
+MAX_BLOCK_SLOTS = _core.CONSTANTS["kMoeRouteMaxBlockSlots"]  # metal/prefill_args.h
 
 
 @pytest.fixture(scope="module", params=ORDERS)
@@ -261,7 +261,7 @@ def test_topk_matches_decode(dev):
             cb.compute_pass().dispatch(
                 "moe_route", 1, route_tg(E),
                 buffers=[(0, L), (1, X), (2, gate_w), (3, gate_s), (4, gate_b), (5, di), (6, dw)],
-                constants=[(7, constant(E, k, hidden, int(norm)))],
+                constants=[(7, pack_args("RouteArgs", experts=E, top_k=k, hidden=hidden, norm_topk=norm))],
                 reads=[L, X, gate_w, gate_s, gate_b], writes=[di, dw], threadgroups=True)
             cb.commit()
             cb.wait()
@@ -469,7 +469,7 @@ def test_combine_norm_bit_identical(dev, M, H, k):
     enc_combine(p, Hb, upload(dev, yx), upload(dev, w), M, H, k)
     NW = upload(dev, nw)
     p.dispatch("rms_norm_half", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
-               constants=[(3, constant(H) + np.float32(1e-6).tobytes())],
+               constants=[(3, pack_args("NormArgs", n=H, eps=1e-6))],
                reads=[(Hb, 0, 4 * M * H), (NW, 0, 2 * H)], writes=[(XN, 0, 2 * M * H)], threadgroups=True)
     cb.commit()
     cb.wait()

@@ -33,8 +33,10 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, sim_device, upload  # noqa: E402
-from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
+from lily.lab.device import download, sim_device, upload  # noqa: E402
+from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
+    MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, moe_args,
+)
 from lily.lab.kernels.harness import half_activations as hact  # noqa: E402
 from harness import rand_quant, run_bound as dispatch  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
@@ -119,7 +121,7 @@ def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, 
     bufs = [X, P, Ti, C, *W, HX]
     threads, bn = MOE_TG[T], MOE_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[HX])
+             moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[HX])
     return download(HX, np.float16, (m * top_k, ldy)).astype(np.float32)
 
 
@@ -132,7 +134,7 @@ def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k,
     bufs = [H, P, Ti, C, *W, YX]
     threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             constant(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[YX])
+             moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[YX])
     return download(YX, np.float16, (m * top_k, ldy)).astype(np.float32)
 
 

@@ -1,5 +1,6 @@
 """metal/norm.metal (``rms_norm``, docs/kernels.md; ``rms_norm_half``, the half xn of
-prefill, docs/prefill.md) on the Metal simulator against a float64 RMSNorm.
+prefill, docs/prefill.md) on the Metal simulator against a float64 RMSNorm, encoded by the
+prefill plan's own builder (``lily._core.encode_rms_norm``).
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, upload  # noqa: E402
 from lily.checkpoint import bf16_to_f32  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.harness import DEPTH, U, half_stored, to_bf16_bits  # noqa: E402
-from harness import assert_within, forward_sim, run_bound  # noqa: E402
+from harness import assert_within, forward_sim, run_encoder  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +36,7 @@ def test_rms_norm(dev, rows, n, tg):
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     eps = 1e-6
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(4 * rows * n)
-    args = constant(n) + np.float32(eps).tobytes()
-    run_bound(dev, "rms_norm", rows, tg, [X, Wt, O], args, reads=[X, Wt], writes=[O], label="rms_norm")
+    run_encoder(dev, _core.encode_rms_norm, "rms_norm", X, Wt, O, rows, n, eps, 4, threads=tg)
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     # sum of n positive squares (depth <= n/tg + 5 + 32) feeds rsqrt (halves the relative
@@ -50,7 +50,7 @@ def test_rms_norm_in_place(dev):
     x = rng.standard_normal(n).astype(np.float32)
     w = to_bf16_bits(rng.standard_normal(n))
     X, Wt = upload(dev, x), upload(dev, w)
-    run_bound(dev, "rms_norm", 1, 256, [X, Wt, X], constant(n) + np.float32(1e-6).tobytes(), reads=[X, Wt], writes=[X])
+    run_encoder(dev, _core.encode_rms_norm, "rms_norm", X, Wt, X, 1, n, 1e-6, 4)  # out aliases x
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64) + 1e-6) * bf16_to_f32(w)
     assert_within(download(X, np.float32), want, DEPTH * U * np.abs(want) + 1e-30, "rms_norm in place")
@@ -68,8 +68,7 @@ def test_rms_norm_half(dev, rows, n, tg):
     w = to_bf16_bits(wf)
     eps = 1e-6
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer(2 * rows * n)
-    run_bound(dev, "rms_norm_half", rows, tg, [X, Wt, O], constant(n) + np.float32(eps).tobytes(),
-              reads=[X, Wt], writes=[O], label="rms_norm_half")
+    run_encoder(dev, _core.encode_rms_norm, "rms_norm_half", X, Wt, O, rows, n, eps, 2, threads=tg)
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     got = download(O, np.float16, (rows, n)).astype(np.float64)

@@ -23,14 +23,14 @@ import math
 
 import numpy as np
 from seeding import fresh_rng
-from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32, args_bytes  # noqa: F401
+from harness import ORDERS, THREAD_ORDERS, bf16_bits, from_bf16, f32  # noqa: F401
 import pytest
 
 from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-from lily.lab.device import constant, download, upload  # noqa: E402
+from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import sample as twins  # noqa: E402
@@ -53,7 +53,7 @@ def test_sample_greedy(dev, V):
         logits[[V // 3, V // 2, V - 1]] = logits.max() + 1  # ties -> lowest index
         logits[V // 4] = np.nan                            # NaN never wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, constant(V))],
+    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=V))],
         reads=[L], writes=[TOK])
     want = int(np.nanargmax(logits))
     assert download(TOK, np.uint32)[0] == want
@@ -310,3 +310,46 @@ def test_sample_token_bias_logprobs_raw(dev):
         assert abs(lp[0] - want.logprob) < 1e-4
         np.testing.assert_array_equal(ii, [t for t, _ in want.top])
         np.testing.assert_allclose(lp[1:], [v for _, v in want.top], atol=1e-4)
+
+
+@pytest.mark.parametrize("V,pad,slice_", [(1000, 24, 64), (5000, 77, 96), (248077, 243, 4096)])
+def test_argmax_two_stage_never_picks_past_vocab(dev, V, pad, slice_):
+    """Issue 29: the runtime passes the tokenizer's size as ``vocab`` (``vocab_limit``) while
+    the logits buffer holds the model's padded rows (248,077 of 248,320 for Qwen3.6): rows
+    past ``vocab``, the largest logits of all, are never chosen, with or without a bias (one
+    that lifts a padding row too); the token is the argmax of the first ``vocab``."""
+    rng = fresh_rng(V, pad)
+    logits = f32(rng.standard_normal(V) * 3)
+    padded = twins.padded_rows(logits, pad)
+    assert twins.argmax_two_stage(dev, padded, slice_, vocab=V)[0] == int(np.argmax(logits))
+    bias = np.zeros(V + pad, np.float32)
+    bias[int(rng.integers(V))] = 9.0
+    bias[V + pad // 2] = 100.0
+    got = twins.argmax_two_stage(dev, padded, slice_, bias, vocab=V)[0]
+    assert got == int(np.argmax(logits + bias[:V]))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_k=50, logprobs=True, top_logprobs=5),  # fast path
+    SamplingParams(temperature=1.0, top_p=0.999, logprobs=True, top_logprobs=3),  # slow path (> 1024 kept)
+])
+def test_sample_token_never_draws_or_lists_past_vocab(dev, params):
+    """sample_token told ``vocab`` = V over buffers of V + 24 rows whose extra rows dominate:
+    the draws are the numpy model's over the first V (fast and slow path), the logprobs and
+    alternatives those of the distribution over the first V (no padding row listed)."""
+    V, pad, tg = 3000, 24, 64
+    rng = fresh_rng(12, params.top_p)
+    logits = f32(rng.standard_normal(V) * 0.5)
+    probs = filtered_probs(params, logits)
+    seeds = [int(s) for s in rng.integers(0, 2**63, 40)]
+    positions = list(range(40))
+    toks, lps, ids, *_ = sample_many(dev, twins.padded_rows(logits, pad), count_buffer(V + pad), params,
+                                     seeds, positions, tg=tg, logprobs=True, vocab=V)
+    assert toks.max() < V and ids.max() < V
+    order = sorted_order(probs) if params.top_k else thread_order(V, tg)
+    for tok, (want, near) in zip(toks, expected_draws(probs, order, seeds, positions)):
+        assert tok == want or near
+    for tok, lp, ii in zip(toks[:4], lps, ids):
+        want = sampler_for(params).logprob(logits, int(tok))
+        assert abs(lp[0] - want.logprob) < 1e-4
+        np.testing.assert_array_equal(ii, [t for t, _ in want.top])

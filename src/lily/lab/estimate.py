@@ -41,7 +41,7 @@ from lily.native_backend import (count_batch_window, count_decode_window, count_
 NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.lab.estimate, docs/performance.md), "
           "not a measurement")
 
-PATHS = ("alu_f32", "alu_f16", "sgmm_f32", "sgmm_f16", "sgmm_bf16", "tensor_f32", "tensor_f16", "tensor_bf16")
+PATHS = _core.COST_PATHS  # the cost table's execution paths (csrc/runtime/cost.h Path)
 
 #: Qwen3.6-35B-A3B's text config (config.json of mlx-community/Qwen3.6-35B-A3B-4bit).
 QWEN36_35B_A3B = {"model_type": "qwen3_5_moe", "text_config": {
@@ -95,7 +95,7 @@ STAGE_GAP = 2.154e-6
 #: ``Lat``), in its order: a load from DRAM, a load of data the stage before wrote, a
 #: threadgroup-memory load, a threadgroup barrier with its exchange, a simdgroup reduction, a
 #: dependent ALU step (docs/performance.md, "Latency chains").
-LATENCY_KINDS = ("dram", "mem", "local", "barrier", "reduce", "alu")
+LATENCY_KINDS = _core.LATENCY_KINDS
 #: Seconds per dependent event of the memory and barrier kinds (the likely values; the ranges
 #: are in :data:`CONSTANTS`). Loads: an M1 GPU's pointer chase (Chips and Cheese, "iGPU Cache
 #: Setups Compared, Including M1", 2022-05-21, as tabulated in azhirnov/cpu-gpu-arch

@@ -28,12 +28,12 @@ import numpy as np
 from lily import _core
 from lily.errors import InvalidParameterError
 from lily.lab import estimate
-from lily.lab.device import constant, upload
+from lily.lab.device import upload
 from lily.lab.kernels.attention import AttnLayer
 from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, pack_bf16_q
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
-from lily.lab.kernels.gemm import GEMM_BN, gemm_geometry
-from lily.lab.kernels.gemv import TG, enc_norm_gemv, gemv_grid
+from lily.lab.kernels.gemm import GEMM_BN, gemm_args, gemm_geometry
+from lily.lab.kernels.gemv import TG, enc_norm_gemv, gemv_args, gemv_grid
 from lily.lab.kernels.harness import bf16_bits, f32, half_activations, rand_quant, upload_q
 from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
 from lily.lab.system import system_info
@@ -81,7 +81,7 @@ def _gemv(kernel: str, rows_key: str, cols_key: str) -> Callable:
 
         def enc(p):
             p.dispatch(kernel, gemv_grid(rows), TG, buffers=list(enumerate([W, S, B, X, Y])),
-                       constants=[(5, constant(rows, cols))], reads=[W, S, B, X, Y], writes=[Y], threadgroups=True,
+                       constants=[(5, gemv_args(rows, cols))], reads=[W, S, B, X, Y], writes=[Y], threadgroups=True,
                        label=kernel)
         return enc
     return build
@@ -126,7 +126,7 @@ def _gemm(kernel: str) -> Callable:
 
         def enc(p):
             p.dispatch(kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, buffers=list(enumerate([W, S, B, X, Y])),
-                       constants=[(5, constant(m, n, k, k, n))], reads=[W, S, B, X], writes=[Y], threadgroups=True,
+                       constants=[(5, gemm_args(m, n, k))], reads=[W, S, B, X], writes=[Y], threadgroups=True,
                        label=kernel)
         return enc
     return build

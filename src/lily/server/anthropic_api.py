@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps,
+from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps, log,
                               register_error_shape, request_constraint, state_of, stream_failed)
 from lily.server.protocol import APIError
 from lily.structured import template_tools
@@ -124,13 +124,34 @@ def _text_of(blocks, param: str) -> str:
     return "\n".join(texts)
 
 
-def template_messages(req: CountTokensRequest) -> list[dict]:
-    """The request as the chat template's messages: the system prompt, user turns (their
-    ``tool_result`` blocks become tool messages, before the turn's text), assistant turns
-    (``thinking`` blocks as reasoning, ``tool_use`` blocks as tool calls)."""
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system, strip_billing_header: bool = True) -> str:
+    """The ``system`` field's text (a string or text blocks, joined with newlines). With
+    ``strip_billing_header``, Claude Code's per-request attribution line is left out: the
+    first line of ``system[0]`` (or of the string) when it starts with
+    ``x-anthropic-billing-header:`` (``cc_version=...; cc_entrypoint=...; cch=<nonce>;``),
+    and the block with it when nothing else is in it. Its ``cch`` nonce changes with every
+    request, so left in it would make every prompt differ from the previous one in its
+    first tokens and defeat the prompt cache (claude-code issue 68900; llama.cpp PR 20623
+    drops it likewise); it means nothing to the model."""
+    _text_of(system, "system")  # only text blocks
+    texts = [system] if isinstance(system, str) else [b.text for b in system]
+    if strip_billing_header and texts and texts[0].lstrip().startswith(BILLING_HEADER):
+        rest = texts[0].lstrip().partition("\n")[2]
+        texts = ([rest] if rest else []) + texts[1:]
+    return "\n".join(texts)
+
+
+def template_messages(req: CountTokensRequest, strip_billing_header: bool = True) -> list[dict]:
+    """The request as the chat template's messages: the system prompt (:func:`system_text`),
+    user turns (their ``tool_result`` blocks become tool messages, before the turn's text),
+    assistant turns (``thinking`` blocks as reasoning, ``tool_use`` blocks as tool calls)."""
     out: list[dict] = []
-    if req.system:
-        out.append({"role": "system", "content": _text_of(req.system, "system")})
+    system = system_text(req.system, strip_billing_header) if req.system else ""
+    if system:
+        out.append({"role": "system", "content": system})
     for i, m in enumerate(req.messages):
         where = f"messages.{i}.content"
         if isinstance(m.content, str):
@@ -188,51 +209,70 @@ def tool_param(i: int, field: str) -> str:
     return f"tools.{i}.{'input_schema' if field == 'parameters' else field}"
 
 
-def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None]:
-    """``(tools in OpenAI's form, parse tool calls, forced tool)``: ``forced`` is
-    ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``."""
-    for i, t in enumerate(req.tools or ()):
-        if t.type not in (None, "custom"):
-            raise APIError(400, f"tools.{i}: tool type {t.type!r} is not supported: this server runs custom tools "
-                                "only (name, description, input_schema), no server tools", param=f"tools.{i}.type")
+def tool_setup(req: CountTokensRequest) -> tuple[list[dict] | None, bool, str | None, Callable[[int, str], str]]:
+    """``(tools in OpenAI's form, parse tool calls, forced tool, param)``: ``forced`` is
+    ``"required"`` for ``tool_choice: any``, the tool's name for ``tool``, else ``None``;
+    ``param(i, field)`` spells field ``field`` of served tool ``i`` as the request counts it.
+
+    Anthropic's server tools (``web_search_20250305``, ``code_execution_...``, ``bash_...``:
+    any ``type`` but ``custom``), which this server does not run, are left out with a warning
+    in the log, so that a client that sends them is served with its custom tools."""
+    served = [(i, t) for i, t in enumerate(req.tools or ()) if t.type in (None, "custom")]
+    skipped = sorted({t.type for t in req.tools or () if t.type not in (None, "custom")})
+    if skipped:
+        log.warning("messages: tools of type %s left out (this server runs custom tools only)", ", ".join(skipped))
+    for i, t in served:
         if t.input_schema is None:
             raise APIError(400, f"tools.{i}.input_schema: required (the JSON schema of tool {t.name!r}'s input)",
                            param=f"tools.{i}.input_schema")
+
+    def param(j: int, field: str) -> str:  # tool j of those served, as the request counts it
+        return tool_param(served[j][0] if j < len(served) else j, field)
+
     # template_tools: the one rendered layout (a tool without a description is shown without one)
     tools = template_tools([{"type": "function", "function": {"name": t.name, "description": t.description,
                                                               "parameters": t.input_schema}}
-                            for t in req.tools]) if req.tools else None
-    check_tools(tools, tool_param)
+                            for _, t in served]) or None
+    check_tools(tools, param)
     choice = req.tool_choice
     if choice is None or choice.type == "auto":
-        return tools, tools is not None, None
+        return tools, tools is not None, None, param
     if choice.type == "none":
-        return None, False, None
+        return None, False, None, param
     if not tools:
         raise APIError(400, f"tool_choice {choice.type!r} needs tools", param="tool_choice")
     if choice.type == "any":
-        return tools, True, "required"
+        return tools, True, "required", param
     if not choice.name:
         raise APIError(400, "tool_choice.name is missing: tool_choice 'tool' names the tool to call",
                        param="tool_choice.name")
-    if choice.name not in {t.name for t in req.tools}:
+    if choice.name not in {t["function"]["name"] for t in tools}:
         raise APIError(400, f"tool_choice names a tool that is not in tools: {choice.name!r}",
                        param="tool_choice.name")
-    return tools, True, choice.name
+    return tools, True, choice.name, param
 
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's reference: budget_tokens >= 1024 and < max_tokens
 
 
-def template_kwargs(req: CountTokensRequest) -> dict:
-    """The chat template's switches for ``thinking``: ``disabled`` turns the reasoning block
-    off; ``enabled``, ``adaptive`` or none leave the template's default (Qwen3.6 thinks).
-    ``enabled`` is checked as Anthropic's reference states (``budget_tokens`` given, at least
-    1024 and, when the request has ``max_tokens``, less than it); :func:`thinking_budget`
+def template_kwargs(state: ServerState, req: CountTokensRequest, forced: str | None) -> dict:
+    """The chat template's switches for ``thinking`` (:meth:`ServerState.thinking_kwargs`):
+    ``disabled`` turns the reasoning block off, ``enabled`` or ``adaptive`` on; without the
+    field a forcing ``tool_choice`` (``forced``) turns it off, else the server's default
+    applies (``lily serve --reasoning``; the template's: Qwen3.6 thinks). Thinking enabled
+    with a forcing ``tool_choice`` is a 400 naming both fields, as Anthropic's API refuses
+    it. ``enabled`` is checked as Anthropic's reference states (``budget_tokens`` given, at
+    least 1024 and, when the request has ``max_tokens``, less than it); :func:`thinking_budget`
     is then the engine's cap on the thinking (thinking also counts towards ``max_tokens``)."""
     t = req.thinking
+    requested = None if t is None else t.type != "disabled"
+    if requested and forced is not None:
+        raise APIError(400, f"thinking: may not be enabled when tool_choice forces tool use (tool_choice.type is "
+                            f"{req.tool_choice.type!r}): leave thinking out or set it to {{\"type\": \"disabled\"}}, "
+                            "or use tool_choice 'auto'", param="thinking")
+    kwargs = state.thinking_kwargs(requested, forced is not None)
     if t is None or t.type != "enabled":
-        return {"enable_thinking": False} if t is not None and t.type == "disabled" else {}
+        return kwargs
     budget, param = t.budget_tokens, "thinking.budget_tokens"
     if budget is None:
         raise APIError(400, f"{param}: required when thinking.type is 'enabled' (at least "
@@ -241,7 +281,7 @@ def template_kwargs(req: CountTokensRequest) -> dict:
         raise APIError(400, f"{param}: must be at least {MIN_THINKING_BUDGET}, got {budget}", param=param)
     if isinstance(req, MessagesRequest) and budget >= req.max_tokens:
         raise APIError(400, f"{param}: must be less than max_tokens ({req.max_tokens}), got {budget}", param=param)
-    return {}
+    return kwargs
 
 
 def thinking_budget(req: CountTokensRequest) -> int | None:
@@ -262,17 +302,19 @@ def thinking_budget(req: CountTokensRequest) -> int | None:
 async def count_tokens(req: CountTokensRequest, request: Request):
     state = state_of(request)
     state.check_model(req.model)
-    tools, _, forced = tool_setup(req)
-    forced_tools(state, req, tools, forced)  # what /v1/messages refuses, this refuses too
+    tools, _, forced, param = tool_setup(req)
+    forced_tools(state, req, tools, forced, param)  # what /v1/messages refuses, this refuses too
     # counted even beyond the window: agents count to decide when to compact
-    _, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req), fit=False)
+    _, ids = await state.render_chat(template_messages(req, state.strip_billing_header), tools,
+                                     template_kwargs(state, req, forced), fit=False)
     return {"input_tokens": len(ids)}
 
 
-def forced_tools(state: ServerState, req: CountTokensRequest, tools: list[dict] | None, forced: str | None):
+def forced_tools(state: ServerState, req: CountTokensRequest, tools: list[dict] | None, forced: str | None,
+                 param: Callable[[int, str], str]):
     """The constraint of a forcing ``tool_choice`` (400 naming the tool whose schema cannot
-    be enforced), or None."""
-    return request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=tool_param,
+    be enforced, as ``param`` spells it), or None."""
+    return request_constraint(state, tool_choice=forced, tools=tools, param="tool_choice", tool_param=param,
                               parallel=not (req.tool_choice and req.tool_choice.disable_parallel_tool_use))
 
 
@@ -324,9 +366,10 @@ async def messages(req: MessagesRequest, request: Request):
     state.check_model(req.model)
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens: must be at least 1, got {req.max_tokens}", param="max_tokens")
-    tools, parse_tools, forced = tool_setup(req)
-    constraint = forced_tools(state, req, tools, forced)
-    prompt_text, ids = await state.render_chat(template_messages(req), tools, template_kwargs(req))
+    tools, parse_tools, forced, param = tool_setup(req)
+    constraint = forced_tools(state, req, tools, forced, param)
+    prompt_text, ids = await state.render_chat(template_messages(req, state.strip_billing_header), tools,
+                                               template_kwargs(state, req, forced))
     stops = tuple(req.stop_sequences or ())
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="messages")
     params = state.sampling_params(req, max_tokens, stop=stops, max_temperature=1.0)

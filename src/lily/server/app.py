@@ -33,7 +33,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
                max_queue: int = DEFAULT_QUEUE, default_max_tokens: int | None = None,
                strict_model_name: bool = False, max_stored_responses: int = 256,
                clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
-               prefill_interleave: int = DEFAULT_INTERLEAVE) -> FastAPI:
+               prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
+               strip_billing_header: bool = True) -> FastAPI:
     """An ASGI app serving ``engine`` through the OpenAI chat completions, completions and
     Responses APIs and the Anthropic Messages API.
 
@@ -53,8 +54,10 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         Requests that may wait for a place in the batch (default 256); more get HTTP 429
         with ``Retry-After``.
     default_max_tokens : int | None
-        Chat completions without ``max_tokens`` stop after this many tokens (default: when
-        the context window is full, as OpenAI's API does). ``/v1/completions`` defaults to 16.
+        Chat completions and Responses without ``max_tokens`` / ``max_output_tokens`` stop
+        after this many tokens (default: :attr:`lily.engine.Engine.chat_max_tokens`, 4096
+        or the checkpoint's ``max_new_tokens``; always capped to the room left in the
+        context). ``/v1/completions`` defaults to 16, as OpenAI's API.
     strict_model_name : bool
         Refuse requests naming another model (404 ``model_not_found``); by default any name
         means the one model served.
@@ -71,6 +74,13 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
     prefill_interleave : int
         Tokens of a new prompt's prefill chunk while other requests decode (default 1024):
         the most one of their steps waits for it (docs/server.md "Several requests at once").
+    default_reasoning : bool | None
+        Whether a request that does not say thinks (None: the chat template's default, on
+        for Qwen3.6); each API's own field overrides it (docs/server.md, "Reasoning").
+    strip_billing_header : bool
+        Leave Claude Code's ``x-anthropic-billing-header: ... cch=<nonce>`` line out of a
+        Messages request's system prompt (:func:`lily.server.anthropic_api.system_text`):
+        its nonce changes with every request and would defeat the prompt cache.
 
     Raises
     ------
@@ -78,7 +88,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         ``max_batch``, ``max_queue`` or ``prefill_interleave`` out of range.
     """
     state = ServerState(engine, model_name or _default_model_name(engine), api_key, max_queue,
-                        default_max_tokens, strict_model_name, clamp_max_tokens, max_batch, prefill_interleave)
+                        default_max_tokens, strict_model_name, clamp_max_tokens, max_batch, prefill_interleave,
+                        default_reasoning, strip_billing_header)
     state.responses = responses_api.ResponseStore(max_stored_responses)
 
     @contextlib.asynccontextmanager
@@ -119,7 +130,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
           model_name: str | None = None, strict_model_name: bool = False, max_queue: int = DEFAULT_QUEUE,
           default_max_tokens: int | None = None, log_level: str = "info",
           clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
-          prefill_interleave: int = DEFAULT_INTERLEAVE) -> None:
+          prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
+          strip_billing_header: bool = True) -> None:
     """Serve ``engine`` over HTTP with uvicorn until interrupted (``lily serve``).
 
     Binds to loopback by default; binding another address without ``api_key`` logs a
@@ -144,7 +156,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
                     "the model (pass --api-key)", host)
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      default_max_tokens=default_max_tokens, strict_model_name=strict_model_name,
-                     clamp_max_tokens=clamp_max_tokens, max_batch=max_batch, prefill_interleave=prefill_interleave)
+                     clamp_max_tokens=clamp_max_tokens, max_batch=max_batch, prefill_interleave=prefill_interleave,
+                     default_reasoning=default_reasoning, strip_billing_header=strip_billing_header)
     state: ServerState = app.state.lily
 
     class Server(uvicorn.Server):
@@ -153,7 +166,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
             if self.started:
                 bound = self.servers[0].sockets[0].getsockname() if self.servers else (host, port)
                 shown = f"[{bound[0]}]" if ":" in str(bound[0]) else bound[0]
-                log.info("serving %s on http://%s:%d/v1", state.model_name, shown, bound[1])
+                log.info("serving %s on http://%s:%d/v1; %s", state.model_name, shown, bound[1],
+                         state.defaults_line())
 
         async def shutdown(self, sockets=None):
             state.begin_shutdown()  # before uvicorn waits for the open responses to finish

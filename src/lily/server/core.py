@@ -101,7 +101,8 @@ class ServerState:
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
                  default_max_tokens: int | None, strict_model_name: bool = False,
                  clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
-                 prefill_interleave: int = DEFAULT_INTERLEAVE):
+                 prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
+                 strip_billing_header: bool = True):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
@@ -109,8 +110,13 @@ class ServerState:
         self.api_key = api_key
         self.worker = Worker(engine, max_queue, max_batch, prefill_interleave)
         self.created = int(time.time())
-        self.default_max_tokens = default_max_tokens
+        # without a request limit: the server's, else the engine's chat default (a stand-in
+        # engine without one: until the context is full)
+        self.default_max_tokens = default_max_tokens if default_max_tokens is not None else \
+            getattr(engine, "chat_max_tokens", None)
         self.clamp_max_tokens = clamp_max_tokens
+        self.default_reasoning = default_reasoning
+        self.strip_billing_header = strip_billing_header
 
     def begin_shutdown(self) -> None:
         """Take no more generations and end the running and queued ones now: their requests
@@ -128,6 +134,25 @@ class ServerState:
             job.abort(shutdown_error())
 
     # -- request checks ------------------------------------------------------------------
+
+    def defaults_line(self) -> str:
+        """The request defaults in one line (``lily serve``'s start-up log)."""
+        cap = "until the context is full" if self.default_max_tokens is None else str(self.default_max_tokens)
+        thinking = {None: "on (the chat template's default)", True: "on", False: "off"}[self.default_reasoning]
+        return (f"requests without a limit: max_tokens {cap} (chat, Responses), 16 (completions); reasoning "
+                f"{thinking} unless a request says (--default-max-tokens N, --reasoning on|off change them)")
+
+    def thinking_kwargs(self, requested: bool | None, forced: bool) -> dict:
+        """The chat template's ``enable_thinking`` for a request (``{}``: the template's own
+        default, on for Qwen3.6). ``requested`` is what the request's own field asks
+        (Anthropic's ``thinking``, OpenAI's ``reasoning_effort`` / ``reasoning.effort``,
+        ``chat_template_kwargs.enable_thinking``; None: nothing) and wins. Otherwise a
+        request that forces the shape of its output (``forced``: a forced tool call or a
+        JSON response format) does not think, as Anthropic's API has it for forced tool
+        use: its answer is due at once rather than after thinking that may spend the whole
+        ``max_tokens``. Otherwise the server's default (``lily serve --reasoning``)."""
+        on = requested if requested is not None else False if forced else self.default_reasoning
+        return {} if on is None else {"enable_thinking": on}
 
     def check_model(self, name: str | None, lookup: bool = False) -> None:
         """404 ``model_not_found`` for a model name other than the one served, when the
@@ -254,7 +279,8 @@ class ServerState:
         tok = self.engine.tokenizer
 
         def render():
-            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, **kwargs)
+            text = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                           **tok.chat_kwargs(kwargs, tools))
             check_unicode(text, param)
             return text, tok.encode(text)
 
@@ -309,7 +335,7 @@ class ServerState:
         if constraint is not None:
             kw["constraint"] = constraint
         if prompt_logprobs is not None:
-            kw["score"] = prompt_scorer(job, ids, prompt_logprobs)
+            kw["score"] = prompt_scorer(job, ids, prompt_logprobs, self.engine.sample_vocab)
             kw.pop("prompt_cache_key", None)
         self.worker.submit(job, ids, params, report_start=report_start, **kw)
         return job
@@ -511,7 +537,7 @@ def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: i
     return out
 
 
-def prompt_scorer(job: Job, ids: list[int], n_top: int) -> Callable:
+def prompt_scorer(job: Job, ids: list[int], n_top: int, vocab_limit: int = 0) -> Callable:
     """The ``score`` hook of a ``/v1/completions`` request with ``echo`` and ``logprobs``
     (:meth:`lily.scheduler.Scheduler.submit`): the row runs the prompt but its last token from
     an empty session with every position's logits, then generates from there.
@@ -519,8 +545,9 @@ def prompt_scorer(job: Job, ids: list[int], n_top: int) -> Callable:
     ``job.prompt_logprobs`` gets one entry per prompt token, ``None`` for the first and
     otherwise the :class:`~lily.sampling.TokenLogprob` of ``ids[i]`` under the model's
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
-    generated tokens); it is complete before the generation's first event."""
-    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0))
+    generated tokens, over the ids below ``vocab_limit`` when it is not 0, as the generation's
+    sampler); it is complete before the generation's first event."""
+    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0, vocab_limit=vocab_limit))
     scored: list = [None]
     job.prompt_logprobs = scored
 
@@ -677,7 +704,7 @@ class ChatRun:
         stops = [s for s in (stops or ()) if s]
         if not stops or last is None or last.finish_reason != "stop" or not last.token_ids:
             return None
-        full = tokenizer.decode(self.token_ids)
+        full = tokenizer.decode_lenient(self.token_ids)
         rest = full[len(self.text):] if full.startswith(self.text) else full
         hits = [(rest.find(s), s) for s in stops if s in rest]
         return min(hits)[1] if hits else stops[0]
@@ -769,11 +796,20 @@ class BlockSequencer:
 # ----------------------------------------------------------------------------------------
 
 
-def effort_template_kwargs(effort) -> dict:
-    """The chat template's switches for an OpenAI reasoning effort (Chat Completions'
-    ``reasoning_effort``, the Responses API's ``reasoning.effort``): ``"none"`` turns the
-    reasoning block off; Qwen3.6 has no levels, so every other value leaves it on."""
-    return {"enable_thinking": False} if effort == "none" else {}
+def effort_thinking(effort) -> bool | None:
+    """An OpenAI reasoning effort (Chat Completions' ``reasoning_effort``, the Responses
+    API's ``reasoning.effort``) as the request's thinking switch for
+    :meth:`ServerState.thinking_kwargs`: ``"none"`` asks for no reasoning (False); Qwen3.6 has
+    no levels, so every other value asks for it (True); absent (None) asks for nothing."""
+    if effort is None:
+        return None
+    return effort != "none"
+
+
+def forces_format(response_format) -> bool:
+    """Whether a ``response_format`` (chat) or ``text.format`` (Responses) fixes the answer's
+    shape (``json_object``, ``json_schema``; ``text`` does not)."""
+    return isinstance(response_format, dict) and response_format.get("type", "text") != "text"
 
 
 def check_tools(tools: list[dict] | None, param: Callable[[int, str], str]) -> None:

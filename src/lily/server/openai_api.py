@@ -15,7 +15,7 @@ from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_op
 from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_tools,
-                              check_unicode, collect, dumps, effort_template_kwargs, engine_error, finite,
+                              check_unicode, collect, dumps, effort_thinking, engine_error, finite, forces_format,
                               job_events, log_gone,
                               openai_usage, request_constraint, sse, state_of, stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
@@ -115,7 +115,7 @@ def tool_setup(req: ChatCompletionRequest) -> tuple[list[dict] | None, bool]:
 
 def chat_logprobs(tok, lps) -> list[dict]:
     def entry(tid: int, lp: float) -> dict:
-        b = tok.token_bytes(tid)
+        b = tok.piece_bytes(tid)
         return {"token": b.decode("utf-8", "replace"), "logprob": finite(lp), "bytes": list(b)}
 
     out = []
@@ -167,15 +167,17 @@ def check_template_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
-def reasoning_effort_kwargs(effort) -> dict:
-    """Chat Completions' ``reasoning_effort`` as template switches
-    (:func:`~lily.server.core.effort_template_kwargs`); a value outside OpenAI's reference is a 400."""
-    if effort is None:
-        return {}
-    if effort not in REASONING_EFFORTS:
+def requested_thinking(effort, template_kwargs: dict) -> bool | None:
+    """What a chat request asks of thinking: ``chat_template_kwargs.enable_thinking`` (checked,
+    taken out of ``template_kwargs``), else ``reasoning_effort``
+    (:func:`~lily.server.core.effort_thinking`; a value outside OpenAI's reference is a 400),
+    else None."""
+    if effort is not None and effort not in REASONING_EFFORTS:
         raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {dumps(effort)}",
                        param="reasoning_effort", code="invalid_value")
-    return effort_template_kwargs(effort)
+    explicit = template_kwargs.pop("enable_thinking", None)  # the explicit template switch wins
+    return explicit if explicit is not None else effort_thinking(effort)
+
 
 
 @router.post("/v1/chat/completions")
@@ -185,8 +187,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     state.check_model(req.model)
     state.check_n(req.n)
     bias = state.logit_bias(getattr(req, "logit_bias", None))
-    kwargs = {**reasoning_effort_kwargs(getattr(req, "reasoning_effort", None)),
-              **check_template_kwargs(req.chat_template_kwargs)}  # explicit template switches win
+    kwargs = check_template_kwargs(req.chat_template_kwargs)
+    thinking = requested_thinking(getattr(req, "reasoning_effort", None), kwargs)
     top_lp = req.top_logprobs
     if top_lp is not None and top_lp > 0 and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs",
@@ -200,6 +202,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     constraint = request_constraint(state, format=req.response_format, tool_choice=forced, tools=tools,
                                     parallel=req.parallel_tool_calls is not False,
                                     tool_param=tool_param)
+    kwargs.update(state.thinking_kwargs(thinking, forced is not None or forces_format(req.response_format)))
     prompt_text, ids = await state.render_chat(messages, tools, kwargs)
     max_tokens = state.max_tokens_for(len(ids), getattr(req, limit_field), field=limit_field, prompt="messages")
     params = state.sampling_params(req, max_tokens, bool(req.logprobs), top_lp or 0, logit_bias=bias)
@@ -342,7 +345,7 @@ async def completions(req: CompletionRequest, request: Request):
                        code="invalid_value")
     max_tokens = state.max_tokens_for(len(ids), req.max_tokens, field="max_tokens", prompt="prompt", default=16)
     params = state.sampling_params(req, max_tokens, n_lp is not None, n_lp or 0, logit_bias=bias)
-    echo_text = tok.decode(ids) if req.echo else ""
+    echo_text = tok.decode_lenient(ids) if req.echo else ""  # a prompt may hold ids without a token
     score_prompt = bool(req.echo) and n_lp is not None  # OpenAI: echoed tokens get logprobs too
     job = state.submit(ids, params, prompt_logprobs=n_lp if score_prompt else None,
                        **({} if score_prompt else {"prompt_cache_key": cache_key(req)}))
@@ -354,10 +357,10 @@ async def completions(req: CompletionRequest, request: Request):
     def legacy_logprobs(lps, offset: int) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
-            s = tok.token_bytes(lp.token_id).decode("utf-8", "replace")
+            s = tok.piece_bytes(lp.token_id).decode("utf-8", "replace")
             out["tokens"].append(s)
             out["token_logprobs"].append(finite(lp.logprob))
-            out["top_logprobs"].append({tok.token_bytes(t).decode("utf-8", "replace"): finite(l)
+            out["top_logprobs"].append({tok.piece_bytes(t).decode("utf-8", "replace"): finite(l)
                                         for t, l in lp.top} if n_lp else None)
             out["text_offset"].append(offset)
             offset += len(s)
@@ -366,7 +369,7 @@ async def completions(req: CompletionRequest, request: Request):
     def echo_logprobs() -> dict:
         """The echoed prompt's tokens: the first has no logprob (nothing precedes it)."""
         plps = job.prompt_logprobs
-        first = tok.token_bytes(ids[0]).decode("utf-8", "replace")
+        first = tok.piece_bytes(ids[0]).decode("utf-8", "replace")
         out = legacy_logprobs(plps[1:], len(first))
         return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
                 "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}

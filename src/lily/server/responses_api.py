@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
@@ -22,7 +22,8 @@ from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
-                              dumps, effort_template_kwargs, request_constraint, state_of, stream_failed)
+                              dumps, effort_thinking, forces_format, log, request_constraint, state_of,
+                              stream_failed)
 from lily.server.protocol import APIError
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
@@ -182,32 +183,51 @@ def tool_param(i: int, field: str) -> str:
     return f"tools.{i}.{field}"
 
 
-def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | None]:
-    """``(tools in the chat form, parse tool calls, forced)`` with ``forced`` ``"required"``
-    or a function's name when ``tool_choice`` forces a call."""
-    tools = None
+def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | None, Callable[[int, str], str]]:
+    """``(tools in the chat form, parse tool calls, forced, param)`` with ``forced``
+    ``"required"`` or a function's name when ``tool_choice`` forces a call, and ``param(i,
+    field)`` the request's spelling of tool ``i``'s field (``i`` counts the tools served).
+
+    Only function tools run here. Tools of other types (OpenAI's hosted tools, which Codex
+    and other agents send by default: ``web_search``, ``image_generation``, ``file_search``,
+    ``local_shell``, ``custom`` freeform tools, ``namespace``, ...) are left out with a
+    warning in the log, so that such a request is served with its function tools rather
+    than refused; a function tool without a name is a 400."""
+    tools, where = None, []  # where[i]: the request's index of served tool i
+
+    def param(i: int, field: str) -> str:
+        return tool_param(where[i] if i < len(where) else i, field)
+
     if req.tools:
         tools = []
+        skipped = sorted({str(t.get("type")) if isinstance(t, dict) else type(t).__name__
+                          for t in req.tools if not (isinstance(t, dict) and t.get("type") == "function")})
+        if skipped:
+            log.warning("responses: tools of type %s left out (this server runs function tools only)",
+                        ", ".join(skipped))
         for i, t in enumerate(req.tools):
-            if t.get("type") != "function" or not isinstance(t.get("name"), str) or not t["name"]:
-                raise APIError(400, f"tools.{i}: only function tools with a name are supported, got type "
-                                    f"{t.get('type')!r}", param=f"tools.{i}", code="invalid_value")
+            if not (isinstance(t, dict) and t.get("type") == "function"):
+                continue
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise APIError(400, f"tools.{i}: a function tool needs a name", param=f"tools.{i}.name",
+                               code="invalid_value")
             params = t.get("parameters")
+            where.append(i)
             tools.append({"type": "function", "function": {
                 "name": t["name"], "description": t.get("description"),
                 "parameters": {"type": "object", "properties": {}} if params is None else params}})
-        check_tools(tools, tool_param)
-        tools = template_tools(tools)  # the one rendered layout (no description: none shown)
+        check_tools(tools, param)
+        tools = template_tools(tools) or None  # the one rendered layout (no description: none shown)
     choice = req.tool_choice
     if choice is None or choice == "auto":
-        return tools, tools is not None, None
+        return tools, tools is not None, None, param
     if choice == "none":
-        return None, False, None
+        return None, False, None, param
     if choice == "required" or isinstance(choice, dict):
         if not tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
         if choice == "required":
-            return tools, True, "required"
+            return tools, True, "required", param
         name = choice.get("name")
         if choice.get("type") != "function":
             raise APIError(400, f"tool_choice.type must be 'function' (Lily has function tools only), got "
@@ -218,7 +238,7 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
         if name not in {t["function"]["name"] for t in tools}:
             raise APIError(400, f"tool_choice names a function that is not in tools: {name!r}",
                            param="tool_choice", code="invalid_value")
-        return tools, True, name
+        return tools, True, name, param
     raise APIError(400, f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}",
                    param="tool_choice", code="invalid_value")
 
@@ -246,8 +266,9 @@ def response_format(req: ResponsesRequest) -> dict | None:
     return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
 
 
-def _enable_thinking(req: ResponsesRequest) -> dict:
-    return effort_template_kwargs((req.reasoning or {}).get("effort"))
+def requested_thinking(req: ResponsesRequest) -> bool | None:
+    """What ``reasoning.effort`` asks of thinking (:func:`~lily.server.core.effort_thinking`)."""
+    return effort_thinking((req.reasoning or {}).get("effort"))
 
 
 # ----------------------------------------------------------------------------------------
@@ -318,11 +339,13 @@ async def responses(req: ResponsesRequest, request: Request):
     messages = template_messages(req.instructions, items)
     if not messages:
         raise APIError(400, "input is empty", param="input", code="invalid_value")
-    tools, parse_tools, forced = tool_setup(req)
-    constraint = request_constraint(state, format=response_format(req), tool_choice=forced, tools=tools,
-                                    param="text.format", tool_param=tool_param,
+    tools, parse_tools, forced, param = tool_setup(req)
+    fmt = response_format(req)
+    constraint = request_constraint(state, format=fmt, tool_choice=forced, tools=tools,
+                                    param="text.format", tool_param=param,
                                     parallel=req.parallel_tool_calls is not False)
-    prompt_text, ids = await state.render_chat(messages, tools, _enable_thinking(req), param="input")
+    kwargs = state.thinking_kwargs(requested_thinking(req), forced is not None or forces_format(fmt))
+    prompt_text, ids = await state.render_chat(messages, tools, kwargs, param="input")
     max_tokens = state.max_tokens_for(len(ids), req.max_output_tokens, field="max_output_tokens", prompt="input")
     params = state.sampling_params(req, max_tokens, stop=())
     parser = ChatOutputParser(reasoning=prompt_opens_reasoning(prompt_text), tools=tools,

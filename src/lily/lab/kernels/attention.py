@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
-import re
 import time
 import types
 
 import numpy as np
 
-from lily.lab.device import download, upload
-from lily.lab.kernels.harness import args_bytes, bf16_bits, check, close_ratio, f32, from_bf16, run
+from lily._core import kernel_name, kernel_params
+from lily.lab.device import download, pack_args, upload
+from lily.lab.kernels.harness import bf16_bits, check, close_ratio, f32, from_bf16, run
 from lily.reference import rms_norm, rope, round_bf16
 
 COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
@@ -64,7 +64,8 @@ class AttnLayer:
         dev, D = self.dev, self.D
         QG, K, V = upload(dev, qg), upload(dev, k), upload(dev, v)
         Q, GATE = dev.buffer(self.Hq * D * 4), dev.buffer(self.Hq * D * 4)
-        args = args_bytes(self.Hq, self.Hkv, D, self.rot, self.cap, 1e-6, float(np.log2(THETA)))
+        args = pack_args("AttnPrepArgs", num_q_heads=self.Hq, num_kv_heads=self.Hkv, head_dim=D, rotary_dim=self.rot,
+                         capacity=self.cap, norm_eps=1e-6, log2_theta=float(np.log2(THETA)))
         self._timed("attn_qk_prep", lambda: run(
             dev, "attn_qk_prep", self.Hq + self.Hkv, D,
             buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.POS),
@@ -82,9 +83,10 @@ class AttnLayer:
         OUT = dev.buffer(Hq * D * 4)
         scale = float(D) ** -0.5
         if n < split_threshold:
-            args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, 0, 0)
+            args = pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=self.Hkv, capacity=self.cap, gate_stride=gs,
+                             scale=scale, block_rows=0, max_blocks=0)
             self._timed("attn_decode", lambda: run(
-                dev, f"attn_decode_d{D}_g{G}", Hq // G, 256,
+                dev, kernel_name("attn_decode", d=D, g=G), Hq // G, 256,
                 buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
                 constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
             return download(OUT, np.float32)
@@ -96,16 +98,17 @@ class AttnLayer:
         # write nothing (a runtime encoding ahead may declare all max_blocks slots instead)
         parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
                  + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        args = args_bytes(Hq, self.Hkv, self.cap, gs, scale, block_rows, max_blocks)
-        cargs = args_bytes(Hq, gs, block_rows, max_blocks)
+        args = pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=self.Hkv, capacity=self.cap, gate_stride=gs,
+                         scale=scale, block_rows=block_rows, max_blocks=max_blocks)
+        cargs = pack_args("AttnCombineArgs", num_q_heads=Hq, gate_stride=gs, block_rows=block_rows, max_blocks=max_blocks)
         cb = dev.command_buffer()
         p = cb.compute_pass()
         t = time.perf_counter()
-        p.dispatch(f"attn_decode_split_d{D}_g{G}", (Hq // G, nblocks), 256,
+        p.dispatch(kernel_name("attn_decode_split", d=D, g=G), (Hq // G, nblocks), 256,
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
                    constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
-        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
+        p.dispatch(kernel_name("attn_combine", d=D), (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
                    constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
                    threadgroups=True)
@@ -119,8 +122,9 @@ class AttnLayer:
     # ---- fused prep + decode (attn_decode_fused / attn_decode_split_fused)
 
     def fused_args(self, block_rows=0, max_blocks=0):
-        return args_bytes(self.Hq, self.Hkv, self.rot, self.cap, 1e-6, float(np.log2(THETA)),
-                          float(self.D) ** -0.5, block_rows, max_blocks)
+        return pack_args("AttnFusedArgs", num_q_heads=self.Hq, num_kv_heads=self.Hkv, rotary_dim=self.rot,
+                         capacity=self.cap, norm_eps=1e-6, log2_theta=float(np.log2(THETA)),
+                         scale=float(self.D) ** -0.5, block_rows=block_rows, max_blocks=max_blocks)
 
     def cache_prefix_ranges(self, pos):
         """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
@@ -137,7 +141,7 @@ class AttnLayer:
         common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
         reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
         if block_rows is None:
-            p.dispatch(f"attn_decode_fused_d{D}_g{G}", Hq // G, 256,
+            p.dispatch(kernel_name("attn_decode_fused", d=D, g=G), Hq // G, 256,
                        buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
                        reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
                        label=label)
@@ -149,14 +153,15 @@ class AttnLayer:
         ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
         parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
                  + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        p.dispatch(f"attn_decode_split_fused_d{D}_g{G}", (Hq // G, nblocks), 256,
+        p.dispatch(kernel_name("attn_decode_split_fused", d=D, g=G), (Hq // G, nblocks), 256,
                    buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
                    reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
                    label=label)
         # gate straight from the q_proj output: byte offset 4*D, stride 2*D
-        p.dispatch(f"attn_combine_d{D}", (Hq, D // 32), COMBINE_TG,
+        p.dispatch(kernel_name("attn_combine", d=D), (Hq, D // 32), COMBINE_TG,
                    buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
-                   constants=[(5, args_bytes(Hq, 2 * D, block_rows, max_blocks))],
+                   constants=[(5, pack_args("AttnCombineArgs", num_q_heads=Hq, gate_stride=2 * D, block_rows=block_rows,
+                                                  max_blocks=max_blocks))],
                    reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
                    threadgroups=True, label=label)
         return OUT
@@ -223,12 +228,13 @@ def _attn_layer(dev, rng, D, G, n, capacity=128):
 
 
 def attention_variant(kernel):
-    """(head dim, query heads per threadgroup) of an attention kernel name (..._d256_g4)."""
-    m = re.search(r"_d(\d+)(?:_g(\d+))?$", kernel)
-    return int(m.group(1)), int(m.group(2) or 4)
+    """(head dim, query heads per threadgroup; 4 for a kernel without one) of an attention
+    kernel name (..._d256_g4)."""
+    p = kernel_params(kernel)
+    return p["d"], p.get("g", 4)
 
 
-@check(*[f"attn_decode_d{D}_g{G}" for D, G in _ATTN])
+@check(*[kernel_name("attn_decode", d=D, g=G) for D, G in _ATTN])
 def _attn_decode(dev, rng, kernel):
     D, G = attention_variant(kernel)
     n = 45
@@ -238,7 +244,7 @@ def _attn_decode(dev, rng, kernel):
     return close_ratio(got, attention_reference(q, gate, K, V, n, D), 2e-5, 2e-5, kernel)
 
 
-@check(*[f"attn_decode_split_d{D}_g{G}" for D, G in _ATTN], "attn_combine_d256", "attn_combine_d64")
+@check(*[kernel_name("attn_decode_split", d=D, g=G) for D, G in _ATTN], "attn_combine_d256", "attn_combine_d64")
 def _attn_decode_split(dev, rng, kernel):
     D, G = attention_variant(kernel)
     n = 100
@@ -267,7 +273,7 @@ def _attn_qk_prep(dev, rng, kernel):
     return max(r, close_ratio(from_bf16(kc[:, pos]), round_bf16(k_ref), 2**-7, 1e-5, f"{kernel} cached k"))
 
 
-@check(*[f"attn_decode_fused_d{D}_g{G}" for D, G in _ATTN], *[f"attn_decode_split_fused_d{D}_g{G}" for D, G in _ATTN])
+@check(*[kernel_name(k, d=D, g=G) for k in ("attn_decode_fused", "attn_decode_split_fused") for D, G in _ATTN])
 def _attn_decode_fused(dev, rng, kernel):
     """The fused step vs float64 attention over the cache as the kernel left it, with the
     query attn_qk_prep computes for the same token (checked on its own above)."""

@@ -4,14 +4,13 @@ the kernels' arithmetic modelled in numpy."""
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from lily.lab.device import download, upload
+from lily._core import kernel_name, kernel_params
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.attention import THETA, attention_variant
 from lily.lab.kernels.harness import (
-    args_bytes, bf16_bits, check, close_ratio, f32, from_bf16, half_activations, half_operand,
+    bf16_bits, check, close_ratio, f32, from_bf16, half_activations, half_operand,
 )
 from lily.reference import rms_norm, rope, round_bf16
 
@@ -102,10 +101,11 @@ class PrefillAttnLayer:
     def encode_prep(self, p, QG, K, V, p0, M, label=""):
         Hq, Hkv, D = self.Hq, self.Hkv, self.D
         Q = self.dev.buffer(M * Hq * D * (2 if self.tensor else 4))
-        args = args_bytes(Hq, Hkv, self.rot, self.cap, p0, M, PREFILL_EPS, float(np.log2(THETA)),
-                          float(D) ** -0.5, self.G)
+        args = pack_args("AttnPrefillPrepArgs", num_q_heads=Hq, num_kv_heads=Hkv, rotary_dim=self.rot,
+                         capacity=self.cap, p0=p0, rows=M, norm_eps=PREFILL_EPS, log2_theta=float(np.log2(THETA)),
+                         q_scale=float(D) ** -0.5, q_group=self.G)
         sfx = "_qbf" if self.tensor else ""  # the tensor-op attention's bfloat q (pack_bf16_q)
-        p.dispatch(f"attn_prefill_prep_d{D}{sfx}", (-(-M // 8), Hq + Hkv), 256,
+        p.dispatch(kernel_name("attn_prefill_prep", sfx, d=D), (-(-M // 8), Hq + Hkv), 256,
                    buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
                             (6, self.VC), (7, Q)],
                    constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
@@ -113,8 +113,8 @@ class PrefillAttnLayer:
         return Q
 
     def attn_args(self, p0, M, split_rows=0, num_splits=0):
-        return args_bytes(self.Hq, self.Hkv, self.cap, p0, M, float(self.D) ** -0.5,
-                          split_rows, num_splits)
+        return pack_args("AttnPrefillArgs", num_q_heads=self.Hq, num_kv_heads=self.Hkv, capacity=self.cap, p0=p0,
+                         rows=M, scale=float(self.D) ** -0.5, split_rows=split_rows, num_splits=num_splits)
 
     def encode_attn(self, p, Q, QG, p0, M, *, split=None, label=""):
         """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
@@ -125,7 +125,7 @@ class PrefillAttnLayer:
         blocks = -(-M // (QROWS // G))
         reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
-            p.dispatch(f"attn_prefill_d{D}_g{G}{sfx}", (blocks, Hq // G), threads,
+            p.dispatch(kernel_name("attn_prefill", sfx, d=D, g=G), (blocks, Hq // G), threads,
                        buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
                        constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
                        threadgroups=True, label=label)
@@ -134,11 +134,11 @@ class PrefillAttnLayer:
         assert ns * S >= p0 + M
         ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
         args = self.attn_args(p0, M, S, ns)
-        p.dispatch(f"attn_prefill_split_d{D}_g{G}{sfx}", (blocks, Hq // G, ns), threads,
+        p.dispatch(kernel_name("attn_prefill_split", sfx, d=D, g=G), (blocks, Hq // G, ns), threads,
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
                    constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
                    label=label)
-        p.dispatch(f"attn_prefill_combine_d{D}", (Hq, M), D,
+        p.dispatch(kernel_name("attn_prefill_combine", d=D), (Hq, M), D,
                    buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
                    reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
         return OUT
@@ -299,7 +299,7 @@ def _prefill_case(dev, rng, D, G, p0, M, tensor=False):
 @check("attn_prefill_prep_d256", "attn_prefill_prep_d64", "attn_prefill_prep_d256_qbf", "attn_prefill_prep_d64_qbf")
 def _attn_prefill_prep(dev, rng, kernel):
     bf16_q = kernel.endswith("_qbf")
-    D, _ = attention_variant(kernel.removesuffix("_qbf"))
+    D, _ = attention_variant(kernel)
     p0, M = 11, 6
     L = PrefillAttnLayer(dev, _PREFILL_DIMS[D], p0 + M + 3, rng=rng, tensor=bf16_q)
     qg, k, v = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)
@@ -317,9 +317,9 @@ def _attn_prefill_prep(dev, rng, kernel):
                          f"{kernel} cached k"))
 
 
-@check(*[f"attn_prefill_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")])
+@check(*[kernel_name("attn_prefill", s, d=D, g=G) for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")])
 def _attn_prefill(dev, rng, kernel):
-    D, G = (int(x) for x in re.search(r"_d(\d+)_g(\d+)", kernel).groups())
+    D, G = attention_variant(kernel)
     p0, M = 13, 11
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
@@ -327,12 +327,11 @@ def _attn_prefill(dev, rng, kernel):
                   ATTN_BF16_ATOL if tensor else ATTN_HALF_ATOL, kernel)
 
 
-@check(*[f"attn_prefill_split_d{D}_g{G}{s}" for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
+@check(*[kernel_name("attn_prefill_split", s, d=D, g=G) for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
        "attn_prefill_combine_d256", "attn_prefill_combine_d64")
 def _attn_prefill_split(dev, rng, kernel):
-    D = int(re.search(r"_d(\d+)", kernel).group(1))
-    g = re.search(r"_g(\d+)", kernel)
-    G = int(g.group(1)) if g else 8
+    p = kernel_params(kernel)
+    D, G = p["d"], p.get("g", 8)
     p0, M, S, ns = 13, 11, 16, 3
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)

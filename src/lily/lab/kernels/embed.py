@@ -1,11 +1,14 @@
-"""Embedding twins (metal/embed.metal): one row (decode) and a chunk's rows (prefill)."""
+"""Embedding twins (metal/embed.metal): one row (embed_q4, which the runtime does not dispatch:
+decode fuses it into embed_norm_gemv_q4) and a chunk's rows (embed_rows_q4, encoded by the
+prefill plan's own builder, ``lily._core.encode_embed_rows``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from lily.lab.device import constant, download, upload
-from lily.lab.kernels.harness import U, check, magnitude, rand_quant, ratio, run_bound, upload_q
+from lily import _core
+from lily.lab.device import download, pack_args, upload
+from lily.lab.kernels.harness import U, check, magnitude, rand_quant, ratio, run_bound, run_encoder, upload_q
 
 
 @check("embed_q4")
@@ -15,8 +18,8 @@ def _embed(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     tok = int(rng.integers(vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
-    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
-         threadgroups=False)
+    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+              reads=[W, S, B, T], writes=[O], threadgroups=False)
     return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
                  f"{kernel} row {tok}")
 
@@ -28,8 +31,7 @@ def _embed_rows(dev, rng, kernel):
     toks = rng.integers(0, vocab, M).astype(np.uint32)
     W, S, B = upload_q(dev, qt)
     T, O = upload(dev, toks), dev.buffer(4 * M * cols)
-    run_bound(dev, kernel, (cols // 8, M), 64, [W, S, B, T, O], constant(cols, vocab), reads=[W, S, B, T], writes=[O],
-         threadgroups=False)
+    run_encoder(dev, _core.encode_embed_rows, (W, S, B), T, O, M, cols, vocab)
     want = np.stack([qt.dequantize(int(t)) for t in toks]).astype(np.float64)
     tol = 2 * U * np.stack([magnitude(qt, int(t)) for t in toks])
     return ratio(download(O, np.float32, (M, cols)), want, tol, f"{kernel} {M} rows")

@@ -10,9 +10,10 @@ import types
 import numpy as np
 
 from lily import _core
+from lily._core import kernel_params
 from lily.checkpoint import gdn_state_floats
 from lily.lab.device import download, upload
-from lily.lab.kernels.harness import StubOracle, args_bytes, bf16_bits, check, close_ratio, f32, from_bf16, ratio
+from lily.lab.kernels.harness import StubOracle, bf16_bits, check, close_ratio, f32, from_bf16, ratio
 from lily.reference import ReferenceState
 
 
@@ -49,7 +50,7 @@ def gdn_folded(Sp, c):
     return np.asarray(c, np.float64)[..., None] * Sp
 
 
-GDN_DECODE_SPLITS = 4  # threadgroups per value head of gdn_decode_step (DecodePlan::kGdnDecodeSplits)
+GDN_DECODE_SPLITS = _core.CONSTANTS["kGdnDecodeSplits"]  # threadgroups per value head of gdn_decode_step
 
 
 def gdn_ring_entry(Hk, Hv, Dk, Dv) -> int:
@@ -58,29 +59,22 @@ def gdn_ring_entry(Hk, Hv, Dk, Dv) -> int:
     return _core.gdn_ring_entry_floats(Hk, Hv, Dk, Dv)
 
 
-def gdn_decode_dispatch(p, kernel, Hk, Hv, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq, ring,
+def gdn_decode_dispatch(p, Hk, Hv, Dk, Dv, K, qkv, b, a, weights, cin, cout, state, out, ssq, ring,
                         splits=GDN_DECODE_SPLITS, label="", pending=0, write_back=True):
-    """Encodes gdn_decode_step on compute pass ``p`` as the runtime does (csrc/runtime/decode.cpp):
-    grid (Hv, splits), Dv / splits * 8 threads (4 state rows per simdgroup). ``weights``: the
-    conv_w, A_log and dt_bias buffers; ``out``: y = S q, fp32 [Hv*Dv]; ``ssq``: fp32 [Hv, splits],
-    each split's sum of y^2. ``ring``: the layer's ring of pending updates; the step replays
-    ``pending`` entries, then writes the state back (``write_back``) or appends its entry."""
-    entry = gdn_ring_entry(Hk, Hv, int(kernel.split("_k")[1].split("_")[0]), Dv) * 4
-    reads = [qkv, b, a, *weights, cin, state] + ([(ring, 0, pending * entry)] if pending else [])
-    writes = [cout, out, ssq] + ([state] if write_back else [(ring, pending * entry, entry)])
-    p.dispatch(kernel, (Hv, splits, 1), (Dv // splits * 8, 1, 1),
-               buffers=list(enumerate([qkv, b, a, *weights, cin, cout, state, out, ssq])) + [(12, ring)],
-               constants=[(11, args_bytes(Hk, Hv, K, 1e-6, pending, int(write_back)))],
-               reads=reads, writes=writes, threadgroups=True, label=label or kernel)
+    """Encodes gdn_decode_step_k{Dk}_v{Dv} on compute pass ``p`` with the decode plan's own
+    builder (``lily._core.encode_gdn_decode_step``, csrc/runtime/families/gdn.h): grid (Hv,
+    splits). ``weights``: the conv_w, A_log and dt_bias buffers; ``out``: y = S q, fp32
+    [Hv*Dv]; ``ssq``: fp32 [Hv, splits], each split's sum of y^2. ``ring``: the layer's ring of
+    pending updates; the step replays ``pending`` entries, then writes the state back
+    (``write_back``) or appends its entry."""
+    _core.encode_gdn_decode_step(p, Hk, Hv, Dk, Dv, K, tuple(weights), qkv, b, a, cin, cout, state, ring, out, ssq,
+                                 splits=splits, pending=pending, write_back=write_back, label=label)
 
 
 def gdn_writeback_dispatch(p, Hk, Hv, Dk, Dv, K, state, ring, pending, splits=GDN_DECODE_SPLITS):
-    """Encodes gdn_state_writeback as the runtime does: the state after ``pending`` ring entries."""
-    kernel = f"gdn_state_writeback_k{Dk}_v{Dv}"
-    p.dispatch(kernel, (Hv, splits, 1), (Dv // splits * 8, 1, 1), buffers=[(0, state), (1, ring)],
-               constants=[(2, args_bytes(Hk, Hv, K, 1e-6, pending, 1))],
-               reads=[state, (ring, 0, pending * gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)], writes=[state],
-               threadgroups=True, label=kernel)
+    """Encodes gdn_state_writeback with the decode plan's builder: the state after ``pending``
+    ring entries."""
+    _core.encode_gdn_state_writeback(p, Hk, Hv, Dk, Dv, K, state, ring, pending, splits=splits)
 
 
 def gdn_gated_norm32(y, ssq, z, norm_w_bits, Dv, eps=1e-6):
@@ -143,7 +137,6 @@ class GdnLayer:
         self.st.conv[0] = np.zeros((K - 1, C), np.float32)
         self.st.recurrent[0] = np.zeros((Hv, Dv, Dk), np.float32)
         self.parity = 0
-        self.kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
         self.seconds = 0.0
 
     def random_inputs(self, scale=1.0):
@@ -169,7 +162,7 @@ class GdnLayer:
         out, ssq = dev.buffer(self.Hv * self.Dv * 4), dev.buffer(self.Hv * splits * 4)
         cin, cout = self.conv[self.parity], self.conv[1 - self.parity]
         write_back = self.pending + 1 == self.window
-        gdn_decode_dispatch(p, self.kernel, self.Hk, self.Hv, self.Dv, self.K, Q, B, A, self.w[:3],
+        gdn_decode_dispatch(p, self.Hk, self.Hv, self.Dk, self.Dv, self.K, Q, B, A, self.w[:3],
                             cin, cout, self.state, out, ssq, self.ring, splits, label, self.pending, write_back)
         self.pending = 0 if write_back else self.pending + 1
         self.parity ^= 1
@@ -220,7 +213,7 @@ class GdnLayer:
 
 @check("gdn_decode_step_k128_v128", "gdn_decode_step_k32_v32")
 def _gdn_decode_step(dev, rng, kernel):
-    Dk = int(kernel.split("_k")[1].split("_")[0])
+    Dk = kernel_params(kernel)["k"]
     L = GdnLayer(dev, 2, 4, Dk, Dk, rng=rng)
     c = 2.0 ** -rng.uniform(0, 40, 4)  # pending decays (S = c S', S ~ 0.3): the step applies c
     L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)) / c[:, None, None], c)
@@ -239,7 +232,7 @@ def _gdn_state_writeback(dev, rng, kernel):
     write-back of the steps left pending give, bit for bit, the outputs and the state of
     writing the state back every step. On a GPU this also checks that the compiler treats the
     replayed update as the step's own (same contraction into fused multiply-adds)."""
-    Dk = int(kernel.split("_k")[1].split("_")[0])
+    Dk = kernel_params(kernel)["k"]
     every, windowed = gdn_window_pair(dev, 2, 4, Dk, Dk, 4, rng)
     r = 0.0
     for t in range(6):  # the windowed layer writes back at step 3 and has 2 steps pending at the end

@@ -7,6 +7,7 @@ import types
 
 import numpy as np
 
+from lily import _core
 from lily.checkpoint import gdn_state_floats
 from lily.lab.device import download, upload
 from lily.lab.kernels.gdn import (
@@ -14,7 +15,7 @@ from lily.lab.kernels.gdn import (
     gdn_state_bytes, gdn_state_parts,
 )
 from lily.lab.kernels.harness import (
-    HALF_MAX, U, StubOracle, args_bytes, bf16_bits, check, f32, from_bf16, half_operand, ratio,
+    HALF_MAX, U, StubOracle, bf16_bits, check, f32, from_bf16, half_operand, ratio,
 )
 from lily.reference import l2_norm, sigmoid, silu
 
@@ -32,7 +33,7 @@ def gdn_stored(want, tol, f=None):
     return want, tol + 3.01 * 2.0**-11 * (np.abs(want) + tol) + 3 * 2.0**-25
 
 
-GDN_SCAN_FOLD = 2.0**-40  # gdn_scan folds its pending decay once c * g < this (kGdnScanFold)
+GDN_SCAN_FOLD = _core.CONSTANTS["kGdnScanFold"]  # gdn_scan folds its pending decay once c * g < this
 
 
 GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
@@ -40,9 +41,9 @@ GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
     "dims": (2, 4, 128, 128),
     "tiny": (2, 4, 32, 32),
 }
-GDN_K = 4          # conv taps (the model's and every preset's linear_conv_kernel_dim)
+GDN_K = _core.CONSTANTS["kGdnConvTaps"]  # conv taps (the model's and every preset's linear_conv_kernel_dim)
 GDN_EPS = 1e-6     # rms_norm_eps and the L2-norm eps
-GDN_SCAN_LANES = 4  # lanes per state row of gdn_scan (kGdnScanLanesPerRow, metal/prefill_args.h)
+GDN_SCAN_LANES = _core.CONSTANTS["kGdnScanLanesPerRow"]  # lanes per state row of gdn_scan
 SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
@@ -78,12 +79,8 @@ class GdnPrefillLayer:
                   upload(dev, self.norm_w)]
         self.CS = [dev.buffer((GDN_K - 1) * C * 4), dev.buffer((GDN_K - 1) * C * 4)]  # conv state by parity
         self.S = dev.buffer(gdn_state_floats(Hv, Dv, Dk) * 4)  # S' then c
-        # the library's scan for these dims; its name gives RV, the state rows per threadgroup
-        self.scan_kernel = next(n for n in dev.kernel_names() if n.startswith(f"gdn_scan_k{Dk}_v{Dv}_r"))
-        self.RV = int(self.scan_kernel.rsplit("_r", 1)[1])
+        self.RV = _core.gdn_scan_rows(Dv)  # state rows per scan threadgroup, as the prefill plan picks them
         self.S_splits = Dv // self.RV  # splits of a head: the scan's sums of y^2 and norm factors per split
-        self.norm_kernel = f"gdn_norm_scale_v{Dv}_r{self.RV}"
-        self.decode_kernel = f"gdn_decode_step_k{Dk}_v{Dv}"
         self.ring = dev.buffer(gdn_ring_entry(Hk, Hv, Dk, Dv) * 4)  # bound; every step writes back
 
     # ---- state and inputs
@@ -131,31 +128,22 @@ class GdnPrefillLayer:
         return (rows_buffer(self.dev, qkv), rows_buffer(self.dev, z, dtype=np.float16),
                 rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
-    # ---- encoders (declared ranges as the runtime will declare them)
+    # ---- encoders: the prefill plan's own builders (csrc/runtime/families/gdn_prefill.h)
     def encode_scan(self, p, qkv, cin, z, b, a, outs, M):
-        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u (half) and the
-        splits' sums of y^2 (fp32)) then gdn_norm_scale (the splits' half factors), as the
-        runtime does. ``qkv``, ``z``, ``b``, ``a``: (buffer, declared range) pairs from
-        rows_buffer; ``outs``: out_buffers(M)."""
-        (O, o_rng), (SS, ss_rng), (F, f_rng) = outs
-        # RV * kGdnScanLanesPerRow threads; one thread per (token, head) in the norm scale
-        p.dispatch(self.scan_kernel, (self.Hv, self.Dv // self.RV, 1), (self.RV * GDN_SCAN_LANES, 1, 1),
-                   buffers=list(enumerate([qkv[0], self.W[0], cin, b[0], a[0], self.W[1], self.W[2], self.S, O]))
-                   + [(10, z[0]), (11, self.W[3]), (12, SS)],
-                   constants=[(9, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[qkv[1], self.W[0], cin, b[1], a[1], self.W[1], self.W[2], self.S, z[1], self.W[3]],
-                   writes=[self.S, o_rng, ss_rng], threadgroups=True, label=self.scan_kernel)
-        p.dispatch(self.norm_kernel, -(-M * self.Hv // 256), 256, buffers=[(0, SS), (1, F)],
-                   constants=[(2, args_bytes(self.Hk, self.Hv, M, GDN_EPS, GDN_EPS))],
-                   reads=[ss_rng], writes=[f_rng], threadgroups=True, label=self.norm_kernel)
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u and the splits' sums
+        of y^2) then gdn_norm_scale (the splits' factors), as the prefill chunk encodes them
+        (``lily._core.encode_gdn_scan`` / ``encode_gdn_norm_scale``). ``qkv``, ``z``, ``b``, ``a``:
+        (buffer, declared range) pairs from rows_buffer; ``outs``: out_buffers(M)."""
+        (O, _), (SS, _), (F, _) = outs
+        dims = (self.Hk, self.Hv, self.Dk, self.Dv, GDN_K)
+        _core.encode_gdn_scan(p, *dims, tuple(self.W), qkv[0], b[0], a[0], z[0], cin, self.S, O, SS, M, GDN_EPS)
+        _core.encode_gdn_norm_scale(p, *dims, SS, F, M, GDN_EPS)
 
     def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
-        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself)."""
-        tail = min(M, GDN_K - 1) * self.C * 4  # declared: only the last K-1 rows it copies
-        p.dispatch("gdn_conv_state", -(-self.C // tg), tg,
-                   buffers=[(0, qkv[0]), (1, cin), (2, cout)], constants=[(3, args_bytes(self.C, M))],
-                   reads=[(qkv[0], M * self.C * 4 - tail, tail), cin], writes=[cout], threadgroups=True,
-                   label="gdn_conv_state")
+        """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself), as the
+        prefill chunk encodes it (``lily._core.encode_gdn_conv_state``; ``tg`` threads per
+        threadgroup)."""
+        _core.encode_gdn_conv_state(p, self.Hk, self.Hv, self.Dk, self.Dv, GDN_K, qkv[0], cin, cout, M, threads=tg)
 
     def chunk(self, qkv, z, b, a, p0):
         """One chunk at positions p0 .. p0+M-1: the scan (conv state buffer p0 % 2), the norm
@@ -199,7 +187,7 @@ class GdnPrefillLayer:
         cin, cout = self.CS[pos % 2], self.CS[(pos + 1) % 2]
         cb = dev.command_buffer()
         p = cb.compute_pass()
-        gdn_decode_dispatch(p, self.decode_kernel, self.Hk, self.Hv, self.Dv, GDN_K, Q, B, A, self.W[:3],
+        gdn_decode_dispatch(p, self.Hk, self.Hv, self.Dk, self.Dv, GDN_K, Q, B, A, self.W[:3],
                             cin, cout, self.S, out, ssq, self.ring)
         cb.commit()
         cb.wait()

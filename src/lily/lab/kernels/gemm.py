@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from lily._core import kernel_params
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
-from lily.lab.device import constant, download, upload
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
     U, check, half_activations, half_operand, half_stored, half_weights, rand_quant, ratio, run, run_bound,
     upload_q,
@@ -17,6 +18,11 @@ GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/ge
 GEMM_TENSOR_BM, GEMM_TENSOR_TG = 128, 256  # rows and threads of their tensor-op twins (gemm_tensor.metal)
 GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
 GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
+
+
+def gemm_args(m: int, n: int, k: int, lda: int | None = None, ldy: int | None = None) -> bytes:
+    """GemmArgs of y[m, n] (=|+=) x[m, k] W^T; row strides lda (default k) and ldy (default n)."""
+    return pack_args("GemmArgs", m=m, n=n, k=k, lda=k if lda is None else lda, ldy=n if ldy is None else ldy)
 
 
 def gemm_geometry(kernel: str) -> tuple[int, int]:
@@ -80,7 +86,7 @@ def row_scale_bindings(dev, w, col):
     dispatch."""
     m, ld = w.shape
     G, off = upload(dev, w), 4 * col
-    return ([(ROW_SCALE_BINDING, G, off)], [(ROW_SCALE_BINDING + 1, constant(ld))],
+    return ([(ROW_SCALE_BINDING, G, off)], [(ROW_SCALE_BINDING + 1, pack_args("GemmRowScaleArgs", ldg=ld))],
             [(G, off, 4 * ((m - 1) * ld + 1))])
 
 
@@ -89,7 +95,7 @@ def row_scale_bindings(dev, w, col):
 def _gemm(dev, rng, kernel):
     """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v);
     gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj)."""
-    bits, add, half_y, scaled = int(kernel[6]), "_add" in kernel, "_half" in kernel, "_add_hs" in kernel
+    bits, add, half_y, scaled = kernel_params(kernel)["q"], "_add" in kernel, "_half" in kernel, "_add_hs" in kernel
     m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = half_activations(rng.standard_normal((m, k)))  # half activations (their producers convert)
@@ -103,11 +109,11 @@ def _gemm(dev, rng, kernel):
         shift = 5
         f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
         F = upload(dev, f)
-        run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, constant(m, n, k, k, n)), (7, constant(shift))],
+        run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, gemm_args(m, n, k)), (7, pack_args("GemmAScaleArgs", shift=shift))],
             reads=[W, S, B, X, Y, F], writes=[Y])
         x = x * np.repeat(f, 1 << shift, axis=1)  # the staged half product (float16 x float16)
     else:
-        run_bound(dev, kernel, grid, tg, bufs, constant(m, n, k, k, n),
+        run_bound(dev, kernel, grid, tg, bufs, gemm_args(m, n, k),
                   reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact, tol = gemm_ref(x, qt)
     if add:
@@ -130,7 +136,7 @@ def _gemm_swiglu(dev, rng, kernel):
     X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
     bm, tg = gemm_geometry(kernel)
     run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), *sb],
-        [(8, constant(m, n, k, k, n)), *sc], reads=[*bufs, X, *sr], writes=[Y])
+        [(8, gemm_args(m, n, k)), *sc], reads=[*bufs, X, *sr], writes=[Y])
     want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
     return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
 

@@ -6,17 +6,28 @@ from __future__ import annotations
 import numpy as np
 
 from lily.checkpoint import bf16_to_f32, f32_to_bf16
-from lily.lab.device import constant, download, upload
+from lily import _core
+from lily._core import kernel_name, kernel_params
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    DEPTH, U, args_bytes, check, f32, from_bf16, magnitude, rand_quant, ratio, run, run_bound, to_bf16_bits,
+    DEPTH, U, check, f32, from_bf16, magnitude, rand_quant, ratio, run, run_bound, to_bf16_bits,
     upload_q,
 )
 
-GEMV_ROWS_PER_SG = 4  # kGemvRowsPerSimdgroup (metal/common.h)
-GEMV_SPLIT_K = 2      # kGemvSplitK: simdgroups sharing a row group in gemv_q* and moe_down_q4 (metal/common.h)
-NORM_GEMV_ROWS_PER_SG = 8  # NormGemvArgs.rows_per_simdgroup of the wide projections (csrc/runtime/decode.cpp)
-ROUTER_SPLITS = 2     # NormGemvArgs.k_splits of the one-row-per-simdgroup router (csrc/runtime/decode.cpp)
-TG = 64               # threads per threadgroup used for the GEMV-like kernels
+GEMV_ROWS_PER_SG = _core.CONSTANTS["kGemvRowsPerSimdgroup"]  # metal/decode_args.h
+GEMV_SPLIT_K = _core.CONSTANTS["kGemvSplitK"]  # simdgroups sharing a row group in gemv_q*, moe_down_q4
+# NormGemvArgs.rows_per_simdgroup of the wide projections, k_splits of the one-row-per-simdgroup
+# router and threads per threadgroup of the GEMV-like kernels, as the decode step dispatches
+# them (DecodePlan, csrc/runtime/decode.h)
+NORM_GEMV_ROWS_PER_SG = _core.CONSTANTS["kNormGemvRows"]
+ROUTER_SPLITS = _core.CONSTANTS["kRouterSplits"]
+TG = _core.CONSTANTS["kGemvThreads"]
+MAX_MATRICES = _core.CONSTANTS["kNormGemvMaxMatrices"]  # of one norm_gemv dispatch
+
+
+def gemv_args(rows: int, cols: int) -> bytes:
+    """GemvArgs of a [rows, cols] GEMV."""
+    return pack_args("GemvArgs", rows=rows, cols=cols)
 
 
 def gemv_grid(rows: int, tg: int = TG) -> int:
@@ -36,9 +47,11 @@ def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
 
 
 def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
-    """NormGemvArgs {rows[4], cols, eps, write_xn, rows_per_simdgroup, k_splits} (36 bytes)."""
-    rows = list(rows) + [0] * (4 - len(rows))
-    return constant(*rows, cols) + np.float32(eps).tobytes() + constant(int(write_xn), rps, splits)
+    """NormGemvArgs of up to MAX_MATRICES matrices of ``rows`` rows (the other slots unused),
+    ``rps`` rows per simdgroup shared by ``splits`` simdgroups."""
+    rows = list(rows) + [0] * (MAX_MATRICES - len(rows))
+    return pack_args("NormGemvArgs", rows=rows, cols=cols, eps=eps, write_xn=write_xn, rows_per_simdgroup=rps,
+                     k_splits=splits)
 
 
 def _bind(i, spec):
@@ -53,7 +66,7 @@ def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, t
     rows = [m[0] for m in mats]
     buffers = [(0, X), (1, NW), (2, XN)]
     reads, writes = [X, NW], ([XN] if write_xn else [])
-    for i in range(4):
+    for i in range(MAX_MATRICES):
         if i < len(mats):
             r, wsb, Y = mats[i]
             specs = [*wsb, Y]
@@ -64,9 +77,9 @@ def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, t
         else:
             specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
         buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    p.dispatch(f"norm_gemv_q{bits}", norm_gemv_grid(rows, tg, rps, splits) + extra, tg, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))], reads=reads,
-               writes=writes, threadgroups=True, label=label or f"norm_gemv_q{bits}")
+    p.dispatch(kernel_name("norm_gemv", q=bits), norm_gemv_grid(rows, tg, rps, splits) + extra, tg,
+               buffers=buffers, constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))],
+               reads=reads, writes=writes, threadgroups=True, label=label or kernel_name("norm_gemv", q=bits))
 
 
 def rms_ref64(x, nw_bits, eps=NORM_EPS):
@@ -78,7 +91,7 @@ def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn
     """Encodes embed_norm_gemv_q4 (the decode step's first dispatch: the token's embedding
     row into H, then norm_gemv_q4 on it). mats: up to four (rows, (W, S, B) or None, Y); the
     slots past len(mats) are bound to NW (unused: rows 0)."""
-    mats = list(mats) + [(0, None, NW)] * (4 - len(mats))
+    mats = list(mats) + [(0, None, NW)] * (MAX_MATRICES - len(mats))
     rows = [r for r, _, _ in mats]
     buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
     reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
@@ -89,13 +102,14 @@ def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn
             reads += list(wsb)
             writes.append(Y)
     p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn)), (24, constant(cols, vocab))],
+               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn)),
+                          (24, pack_args("EmbedArgs", cols=cols, vocab=vocab))],
                reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
 
 
 @check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
 def _gemv(dev, rng, kernel):
-    bits, add = int(kernel[6]), kernel.endswith("_add")
+    bits, add = kernel_params(kernel)["q"], kernel.endswith("_add")
     rows, cols = 100, 256
     qt = rand_quant(rng, (), rows, cols, bits)
     x = rng.standard_normal(cols).astype(np.float32)
@@ -103,7 +117,7 @@ def _gemv(dev, rng, kernel):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
-    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], constant(rows, cols),
+    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64))
@@ -126,7 +140,7 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
     norm weight and residual, against float64; returns the worst error ratio. Bound: the GEMV's
     DEPTH u per |W| |x'| term plus 8 u for x' itself (a square root, a division, three products
     and the SiLU, each within an ulp or two) and 2 u of the residual."""
-    bits, cols = int(kernel.split("_q")[1][0]), Hv * Dv
+    bits, cols = kernel_params(kernel)["q"], Hv * Dv
     qt = rand_quant(rng, (), rows, cols, bits)
     y, z = f32(rng.standard_normal(cols) * 0.3), f32(rng.standard_normal(cols) * 2)
     ssq = f32((f32(y).reshape(Hv, splits, Dv // splits) ** 2).sum(-1))
@@ -136,7 +150,7 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
     Y, SSQ, Z, NW, R = upload(dev, y), upload(dev, ssq), upload(dev, z), upload(dev, nw), upload(dev, r0)
     run(dev, kernel, gemv_grid(rows, tg), tg,
         buffers=list(enumerate([W, S, B, Y, R])) + [(6, SSQ), (7, Z), (8, NW)],
-        constants=[(5, constant(rows, cols)), (9, args_bytes(Dv, splits, eps))],
+        constants=[(5, gemv_args(rows, cols)), (9, pack_args("GatedNormArgs", head_dim=Dv, splits=splits, eps=eps))],
         reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
     x = gated_x64(y, ssq, z, nw, Dv, eps)
     exact = qt.dequantize().astype(np.float64) @ x + r0
@@ -165,7 +179,7 @@ def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
 
 @check("norm_gemv_q4", "norm_gemv_q8")
 def _norm_gemv(dev, rng, kernel):
-    bits, cols = int(kernel[-1]), 128
+    bits, cols = kernel_params(kernel)["q"], 128
     x = (rng.standard_normal(cols) * 2).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
     qts = [rand_quant(rng, (), r, cols, bits) for r in (40, 7)]

@@ -1,5 +1,6 @@
 """The kernel twins' harness: one dispatch on a device, random MLX-quantized tensors and the
-half/bf16 operand models, argument packing, and the error-ratio machinery every check reports.
+half/bf16 operand models, and the error-ratio machinery every check reports (argument structs
+are packed by field name: lily.lab.device.pack_args).
 
 A check's result is the worst ratio of |got - exact| to the kernel's tolerance (PASS when <= 1;
 exact kernels: 0 or 1). :func:`check` registers a family module's checks for
@@ -106,12 +107,6 @@ def from_bf16(bits) -> np.ndarray:
 
 def f32(x) -> np.ndarray:
     return np.ascontiguousarray(x, np.float32)
-
-
-def args_bytes(*fields) -> bytes:
-    """A constant struct of 4-byte fields: Python ints -> uint32, floats -> float32."""
-    return b"".join(np.float32(v).tobytes() if isinstance(v, float) else np.uint32(v).tobytes()
-                    for v in fields)
 
 
 def run(dev, kernel, grid, tg, buffers=(), constants=(), reads=(), writes=(), threadgroups=True,

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from lily.lab.device import constant, download, upload
+from lily import _core
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import swiglu_bound
 from lily.lab.kernels.gemv import TG, gemv_grid
 from lily.lab.kernels.harness import DEPTH, U, Mismatch, check, magnitude, rand_quant, ratio, run_bound, upload_q
 from lily.reference import sigmoid, softmax
 
-GATE_UP_ROWS_PER_SG = 4  # kGateUpRowsPerSimdgroup (metal/common.h)
+GATE_UP_ROWS_PER_SG = _core.CONSTANTS["kGateUpRowsPerSimdgroup"]  # metal/decode_args.h
+
+
+def route_args(E, k, hidden, norm=True) -> bytes:
+    """RouteArgs of moe_route over E experts, top-k, a shared-expert gate row of ``hidden``."""
+    return pack_args("RouteArgs", experts=E, top_k=k, hidden=hidden, norm_topk=norm)
 
 
 def route_ref(logits, k, norm=True):
@@ -58,7 +64,8 @@ class MoeWeights:
         return self.bufs
 
     def args(self, k):
-        return constant(self.hidden, self.inter, self.inter_shared, self.E, k)
+        return pack_args("MoeArgs", hidden=self.hidden, inter=self.inter, inter_shared=self.inter_shared, experts=self.E,
+                         top_k=k)
 
     # float64 oracle pieces, with first-order error magnitudes
     def swiglu(self, x, ids):
@@ -133,7 +140,8 @@ def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=T
     experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
     p.dispatch("moe_route_gate_up_swiglu_q4", grid, tg,
                buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
-               constants=[(17, constant(W.hidden, W.inter, W.inter_shared, W.E, k, int(norm_topk)))],
+               constants=[(17, pack_args("MoeRouteArgs", hidden=W.hidden, inter=W.inter, inter_shared=W.inter_shared,
+                                          experts=W.E, top_k=k, norm_topk=norm_topk))],
                reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
                writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
                threadgroups=True, label="moe_route_gate_up_swiglu_q4")
@@ -148,7 +156,7 @@ def _moe_route(dev, rng, kernel):
     L, X = upload(dev, logits), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    run_bound(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], constant(E, k, hidden, 1),
+    run_bound(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], route_args(E, k, hidden),
          reads=[L, X, GW, GS, GB], writes=[ids, wts])
     top, w = route_ref(logits, k)
     got_ids, got_w = download(ids, np.uint32), download(wts, np.float32)

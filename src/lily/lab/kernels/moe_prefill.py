@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
-from lily.lab.device import constant, download, upload
+from lily import _core
+from lily._core import kernel_params
+from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
 from lily.lab.kernels.harness import (
     U, Mismatch, check, half_activations, half_stored, rand_quant, ratio, run_encoder, to_bf16_bits, upload_q,
@@ -21,8 +21,8 @@ from lily.reference import sigmoid, softmax
 MOE_TG = {16: 64, 32: 128, 64: 128, 128: 256}
 MOE_BN = {16: 64, 32: 64, 64: 32, 128: 32}
 MOE_DOWN_BN = {16: 64, 32: 64, 64: 64, 128: 64}
-MOE_TILES = (16, 32, 64)
-MOE_TENSOR_TILES = MOE_TILES + (128,)
+MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (csrc/runtime/runtime.h kExpertTileRows)
+MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops only (PrefillPlan::expert_tile_available)
 
 
 def route_tg(E):
@@ -31,33 +31,19 @@ def route_tg(E):
 
 
 def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
-    return constant(M, E, k, int(norm), block_rows, tile_rows)
+    return pack_args("MoeRoutePrefillArgs", rows=M, experts=E, top_k=k, norm_topk=norm, block_rows=block_rows,
+                     tile_rows=tile_rows)
 
 
 def nblocks(M, R):
     return -(-M // R)
 
 
-def tile_classes(T):
-    return 1 if T >= 128 else 3 if T >= 64 else 2 if T >= 32 else 1
-
-
-def tail_class(T, r):
-    """The class of an expert's last tile of r rows (1 <= r <= T): the smallest that holds it."""
-    heights = [T >> c for c in range(tile_classes(T))]
-    return max(c for c, h in enumerate(heights) if r <= h)
-
-
-def class_capacity(n, E, T, c):
-    """Most tiles class c can hold for n assignments over E experts."""
-    lo = (T >> (c + 1)) + 1 if c + 1 < tile_classes(T) else 1
-    tails = min(E, n // lo)
-    return tails if c > 0 else min(n // lo, n // T + tails)
-
-
-def class_base(n, E, T, c):
-    """First entry of class c's map in the tile-map buffer."""
-    return sum(class_capacity(n, E, T, i) for i in range(c))
+# The tile-class rules of metal/prefill_args.h, the kernels' and the host's (through the core).
+tile_classes = _core.moe_tile_classes
+tail_class = _core.moe_tail_class  # (T, r): the class of an expert's last tile of r rows
+class_capacity = _core.moe_class_capacity  # (n, E, T, c): most tiles class c holds for n assignments
+class_base = _core.moe_class_base  # (n, E, T, c): first entry of class c's map
 
 
 def max_tiles(M, k, E, T):
@@ -124,11 +110,16 @@ def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None)
                threadgroups=True, label="moe_route_scatter")
 
 
+def combine_args(M, H, k) -> bytes:
+    """MoeCombineArgs of M rows of width H with k routed experts each."""
+    return pack_args("MoeCombineArgs", rows=M, hidden=H, top_k=k)
+
+
 def enc_combine(p, h, yx, w, M, H, k, tg=64):
     """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], w fp32 [M, k+1] (its last
     column, the shared gate, is not read: the shared expert is already in h)."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
-               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, constant(M, H, k))],
+               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, combine_args(M, H, k))],
                reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1))],
                writes=[(h, 0, 4 * M * H)], label="moe_combine")
 
@@ -145,7 +136,7 @@ def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
     [H]); one threadgroup of tg threads per row."""
     p.dispatch("moe_combine_norm", M, tg,
                buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
-               constants=[(3, constant(M, H, k)), (6, constant(H) + np.float32(eps).tobytes())],
+               constants=[(3, combine_args(M, H, k)), (6, pack_args("NormArgs", n=H, eps=eps))],
                reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1)), (nw, 0, 2 * H)],
                writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
 
@@ -199,7 +190,7 @@ def tile_buffers(dev, tiles, count, M, E, k, T):
 
 
 def moe_args(n, k, M, top_k, E, lda, ldy, tile_rows):
-    return constant(n, k, M, top_k, E, lda, ldy, tile_rows)
+    return pack_args("MoeGemmArgs", n=n, k=k, m=M, top_k=top_k, experts=E, lda=lda, ldy=ldy, tile_rows=tile_rows)
 
 
 def _map_ranges(TL, TC, max_tiles, cls):
@@ -326,7 +317,7 @@ def _moe_combine(dev, rng, kernel):
 
 def _grouped(kernel):
     """(tile height T) of a grouped GEMM kernel name (..._t16, ..._t32_tensor)."""
-    return int(re.search(r"_t(\d+)", kernel).group(1))
+    return kernel_params(kernel)["t"]
 
 
 def _moe_rows(T):

@@ -1,12 +1,14 @@
-"""RMSNorm twins (metal/norm.metal): float32 and half-stored outputs."""
+"""RMSNorm twins (metal/norm.metal): float32 and half-stored outputs, encoded by the prefill
+plan's own builder (``lily._core.encode_rms_norm``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from lily import _core
 from lily.checkpoint import bf16_to_f32
-from lily.lab.device import constant, download, upload
-from lily.lab.kernels.harness import DEPTH, HALF_MAX, U, check, half_stored, ratio, run_bound, to_bf16_bits
+from lily.lab.device import download, upload
+from lily.lab.kernels.harness import DEPTH, HALF_MAX, U, check, half_stored, ratio, run_encoder, to_bf16_bits
 
 
 def norm_half_ref(x, nw_bits, eps=1e-6):
@@ -26,7 +28,7 @@ def _rms_norm(dev, rng, kernel):
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
     X, Wt, O = upload(dev, x), upload(dev, w), dev.buffer((2 if half else 4) * rows * n)
-    run_bound(dev, kernel, rows, 64, [X, Wt, O], constant(n) + np.float32(eps).tobytes(), reads=[X, Wt], writes=[O])
+    run_encoder(dev, _core.encode_rms_norm, kernel, X, Wt, O, rows, n, eps, 2 if half else 4)  # as prefill does
     x64 = x.astype(np.float64)
     want = x64 / np.sqrt(np.mean(x64 * x64, -1, keepdims=True) + eps) * bf16_to_f32(w)
     tol = DEPTH * U * np.abs(want) + 1e-30

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from lily.lab.device import constant, download, upload
-from lily.lab.kernels.harness import Mismatch, args_bytes, check, f32, run_bound
+from lily.lab.device import download, pack_args, upload
+from lily.lab.kernels.harness import Mismatch, check, f32, run_bound
 from lily.sampling import Sampler, SamplingParams
 
 
@@ -48,10 +48,11 @@ def filtered_probs(params: SamplingParams, logits, prompt=(), generated=()):
 
 
 def sample_args(V, p: SamplingParams, seed, *, logprobs=False, update_counts=False):
-    return args_bytes(V, float(p.temperature), p.top_k, float(p.top_p), float(p.min_p),
-                      float(p.presence_penalty), float(p.frequency_penalty), float(p.repetition_penalty),
-                      seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, int(logprobs), p.top_logprobs,
-                      int(update_counts), int(bool(p.logit_bias)))
+    return pack_args("SampleArgs", vocab=V, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p,
+                     presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                     repetition_penalty=p.repetition_penalty, seed_lo=seed & 0xFFFFFFFF,
+                     seed_hi=(seed >> 32) & 0xFFFFFFFF, logprobs=logprobs, top_logprobs=p.top_logprobs,
+                     update_counts=update_counts, bias=bool(p.logit_bias))
 
 
 def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
@@ -62,10 +63,14 @@ def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
     return b
 
 
-def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False):
+def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False,
+                vocab=None):
     """One sample_token dispatch per (seed, position), all in one command buffer; with
-    ``params.logit_bias`` the dense bias buffer is bound and declared read (else bound only)."""
+    ``params.logit_bias`` the dense bias buffer is bound and declared read (else bound only).
+    ``vocab``: the ``vocab`` argument when it is less than the buffers (the runtime's
+    ``vocab_limit``: the rows past it are never chosen)."""
     V = logits.size
+    n_args = V if vocab is None else vocab
     n = len(seeds)
     L, C = upload(dev, f32(logits)), upload(dev, counts)
     B = upload(dev, dense_bias(params, V)) if params.logit_bias else L
@@ -80,7 +85,7 @@ def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs
         p.dispatch("sample_token", 1, tg,
                    buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
                             (5, IDS, 4 * k * j), (7, B)],
-                   constants=[(6, sample_args(V, params, seed, logprobs=logprobs, update_counts=update_counts))],
+                   constants=[(6, sample_args(n_args, params, seed, logprobs=logprobs, update_counts=update_counts))],
                    reads=[L, C, (POS, 4 * j, 4)] + ([B] if params.logit_bias else []),
                    writes=[(TOK, 4 * j, 4)]
                    + ([(LP, lp_bytes * j, 4)] if logprobs else [])
@@ -130,29 +135,40 @@ def _sample_greedy(dev, rng, kernel):
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run_bound(dev, kernel, 1, 1024, [L, TOK], constant(V), reads=[L], writes=[TOK])
+    run_bound(dev, kernel, 1, 1024, [L, TOK], pack_args("SampleGreedyArgs", vocab=V), reads=[L], writes=[TOK])
     got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
     return 0.0
 
 
-def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None) -> tuple[int, int]:
+PADDING_ROWS = 24
+
+
+def padded_rows(logits: np.ndarray, n: int = PADDING_ROWS) -> np.ndarray:
+    """``logits`` followed by ``n`` rows that beat every one of them (+50): the padding
+    past a tokenizer's ids, which a sampler told ``vocab = logits.size`` must never choose."""
+    return np.concatenate([logits, np.full(n, np.nanmax(logits) + 50, np.float32)])
+
+
+def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None,
+                     vocab: int | None = None) -> tuple[int, int]:
     """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
     ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
-    of ``slice_`` logits), then sample_greedy_combine in one threadgroup. Returns (token,
+    of ``slice_`` logits), then sample_greedy_combine in one threadgroup; over the first
+    ``vocab`` logits only when given (the runtime's ``vocab_limit``). Returns (token,
     barrier stages of the command buffer)."""
-    V = logits.size
+    V = logits.size if vocab is None else vocab
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
     B = [upload(dev, f32(bias))] if bias is not None else []
     cb = dev.command_buffer()
     p = cb.compute_pass()
     p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
-               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, constant(V, slice_))],
+               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, pack_args("ArgmaxArgs", vocab=V, slice=slice_))],
                reads=[L, *B], writes=[PART], threadgroups=True)
     p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
-               constants=[(2, constant(parts, 0))], reads=[PART], writes=[TOK], threadgroups=True)
+               constants=[(2, pack_args("ArgmaxArgs", vocab=parts, slice=0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
     return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]
@@ -161,17 +177,19 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
 @check("argmax_partial", "argmax_partial_bias", "sample_greedy_combine")
 def _argmax_two_stage(dev, rng, kernel):
     """The runtime's greedy argmax: partials over slices of 64 logits, then the combine
-    (argmax_partial_bias: over logits + a bias that lifts one token and bans the leaders)."""
+    (argmax_partial_bias: over logits + a bias that lifts one token and bans the leaders).
+    The buffers hold 24 more rows than ``vocab`` says, the largest logits of all (the
+    padding past a tokenizer's ids, runtime ``vocab_limit``): never chosen."""
     V, slice_ = 1000, 64
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
     bias = None
     if kernel == "argmax_partial_bias":
-        bias = np.zeros(V, np.float32)
+        bias = np.zeros(V + PADDING_ROWS, np.float32)
         bias[[V // 3, V // 2]] = -100.0
         bias[int(rng.integers(V))] += 7.5
-    got = argmax_two_stage(dev, logits, slice_, bias)[0]
-    want = int(np.argmax(logits if bias is None else logits + bias))
+    got = argmax_two_stage(dev, padded_rows(logits), slice_, bias, vocab=V)[0]
+    want = int(np.argmax(logits if bias is None else logits + bias[:V]))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
     return 0.0
@@ -182,7 +200,8 @@ def _sample_token(dev, rng, kernel):
     """Draw by draw against the numpy model of the kernel (Philox u, crossing of u * Z in
     probability order) on penalised, filtered logits; a draw may differ only where u lies
     within 1e-5 of a boundary of the cumulative mass (float32 vs float64). Twice: without and
-    with a logit bias (a few nudges and a ban on the most likely token, which is never drawn)."""
+    with a logit bias (a few nudges and a ban on the most likely token, which is never drawn).
+    The buffers hold :data:`PADDING_ROWS` more rows than ``vocab`` says, never drawn."""
     V = 50
     logits = (rng.standard_normal(V) * 2).astype(np.float32)
     prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
@@ -193,7 +212,8 @@ def _sample_token(dev, rng, kernel):
     positions = list(range(100, 124))
     for params in (base, replace(base, logit_bias=bias)):
         probs = filtered_probs(params, logits, prompt, generated)
-        toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, seeds, positions, tg=64)
+        toks, *_ = sample_many(dev, padded_rows(logits), count_buffer(V + PADDING_ROWS, prompt, generated), params,
+                               seeds, positions, tg=64, vocab=V)
         bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
                if t != w and not near]
         what = " with a logit bias" if params.logit_bias else ""

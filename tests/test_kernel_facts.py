@@ -1,0 +1,102 @@
+"""The kernels' host-visible facts have one home (metal/*_args.h, the plans' headers) and
+Python reads them from the native module: argument struct layouts (lily._core.KERNEL_ARGS,
+packed by field name with lily.lab.device.pack_args) and constants (lily._core.CONSTANTS)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lily import _core
+from lily.lab.device import pack_args
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _header_structs() -> dict[str, list[str]]:
+    """Every `struct T { ... };` of metal/*_args.h with its field names, read from the source."""
+    out = {}
+    for path in sorted((ROOT / "metal").glob("*_args.h")):
+        for m in re.finditer(r"^struct (\w+) \{\n(.*?)^\};", path.read_text(), re.S | re.M):
+            out[m.group(1)] = re.findall(r"^\s*(?:uint|float) (\w+)", m.group(2), re.M)
+    return out
+
+
+def test_every_argument_struct_is_reflected_in_order():
+    """KERNEL_ARGS has every struct of the headers (but GdnRing, a host-side layout helper)
+    with its fields in declaration order, 4 bytes each, back to back."""
+    structs = _header_structs()
+    assert set(structs) - set(_core.KERNEL_ARGS) == {"GdnRing"}
+    for name, (size, fields) in _core.KERNEL_ARGS.items():
+        assert [f[0] for f in fields] == structs[name], name
+        at = 0
+        for field, kind, offset, count in fields:
+            assert kind in ("uint", "float") and offset == at, (name, field)
+            at += 4 * count
+        assert at == size, name
+
+
+def test_pack_args_by_name():
+    """Fields land at their offsets as uint32 / float32, whatever order they are given in;
+    an array field takes its values in order."""
+    b = pack_args("NormGemvArgs", eps=1e-6, k_splits=2, rows_per_simdgroup=8, write_xn=True, cols=2048,
+                  rows=[3, 2, 1, 0])
+    assert len(b) == _core.KERNEL_ARGS["NormGemvArgs"][0] == 36
+    assert np.frombuffer(b[:16], np.uint32).tolist() == [3, 2, 1, 0]
+    assert np.frombuffer(b, np.uint32)[4] == 2048 and np.frombuffer(b, np.float32)[5] == np.float32(1e-6)
+    assert np.frombuffer(b[24:], np.uint32).tolist() == [1, 8, 2]
+
+
+@pytest.mark.parametrize("struct,fields,message", [
+    ("NoSuchArgs", {}, "unknown argument struct 'NoSuchArgs'"),
+    ("GemvArgs", {"rows": 1}, "GemvArgs: missing cols"),
+    ("GemvArgs", {"rows": 1, "cols": 64, "depth": 2}, "GemvArgs: no field depth"),
+    ("GemvArgs", {"rows": -1, "cols": 64}, "GemvArgs.rows is a uint"),
+    ("GemvArgs", {"rows": 2**32, "cols": 64}, "GemvArgs.rows is a uint"),
+    ("GemvArgs", {"rows": 1.5, "cols": 64}, "GemvArgs.rows is a uint"),
+    ("NormArgs", {"n": 64, "eps": "small"}, "NormArgs.eps is a float"),
+    ("NormGemvArgs", {"rows": [1, 2], "cols": 64, "eps": 1e-6, "write_xn": 0, "rows_per_simdgroup": 4,
+                      "k_splits": 1},
+     "NormGemvArgs.rows: 4 values, got 2"),
+])
+def test_pack_args_refuses(struct, fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pack_args(struct, **fields)
+
+
+def test_constants_are_the_headers():
+    """CONSTANTS holds the values the headers define (read from the source here, so a constant
+    moved or changed on one side only fails)."""
+    text = "\n".join(p.read_text() for p in (ROOT / "metal").glob("*_args.h"))
+    text += (ROOT / "csrc/runtime/decode.h").read_text()
+    for name, value in _core.CONSTANTS.items():
+        m = re.search(rf"\b{name}\s*=\s*([^;,}}]+)", text)
+        assert m, name
+        expr = re.sub(r"(\d)[fu]\b", r"\1", m.group(1).split("//")[0])
+        assert eval(expr, {"__builtins__": {}}) == value, name  # noqa: S307 (our own header's literal)
+
+
+def test_kernel_names_follow_one_rule():
+    """Every templated kernel of the library is base, '_<key><value>' per parameter, suffix
+    (csrc/runtime/kernel_names.h), so the plans, the cost table and Python build and read its
+    name with lily._core.kernel_name / kernel_params."""
+    assert _core.kernel_name("gdn_scan", k=128, v=128, r=32) == "gdn_scan_k128_v128_r32"
+    assert _core.kernel_name("gemm", "_add_h_tensor", q=4) == "gemm_q4_add_h_tensor"
+    assert _core.kernel_params("moe_gemm_down_q4_t64_tensor") == {"q": 4, "t": 64}
+    assert _core.kernel_params("rms_norm_half") == {}
+    templated = 0
+    for name in _core.sim_device(record_only=True).kernel_names():
+        parts = name.split("_")
+        at = [i for i, p in enumerate(parts) if re.fullmatch(r"[a-z]\d+", p)]
+        if not at:
+            continue
+        templated += 1
+        assert at == list(range(at[0], at[-1] + 1)), f"{name}: parameters not in one run"
+        base, suffix = "_".join(parts[:at[0]]), "".join("_" + p for p in parts[at[-1] + 1:])
+        assert _core.kernel_name(base, suffix, **_core.kernel_params(name)) == name
+    assert templated > 40
+    with pytest.raises(ValueError, match="one lowercase letter"):
+        _core.kernel_name("gemm", qq=4)
