@@ -5,7 +5,8 @@
 //                             k/v appended to the bf16 KV cache, q and gate out (fp32).
 //   attn_decode_d<D>_g<G>     softmax attention of the new query over cache rows [0, pos]:
 //                             one threadgroup per G query heads sharing a KV head, each KV
-//                             row read once for all G; online softmax; output * sigmoid(gate).
+//                             row read once for all G; online softmax over blocks of 32 / G
+//                             rows per simdgroup; output * sigmoid(gate).
 //   attn_decode_split_d<D>_g<G> + attn_combine_d<D>
 //                             long-context path: the row range is cut into fixed blocks of B
 //                             rows, one threadgroup per (head group, block) writes a partial
@@ -101,32 +102,75 @@ struct AttnLane {
   static constant constexpr uint NC = NE / W;
 };
 
-// Attends query heads h0..h0+G-1 (sharing KV head kvh) over rows [r0, r1) (r0 < r1) and leaves
-// per head g: m_out[g] = max score, l_out[g] = sum of exp(score - m), and the unnormalised
-// accumulator sum exp(score - m) * v in acc_out[g * D + d] (threadgroup memory).
-// The query of head h0 + g is q[g * q_stride + d] (device or threadgroup memory: QPtr). Row
-// `pos_row` (if in range) is taken from kcur / vcur (threadgroup, fp32 of the bf16 values)
-// instead of the cache: the fused kernels attend the new token before it is in the cache.
-// Simdgroup s takes rows r0 + s, r0 + s + 8, ...; each keeps an online softmax per head; the
-// simdgroups are merged through red_acc, double-buffered so each head costs one barrier.
-// acc_out may alias the query (threadgroup) once every thread has loaded it: it is first
-// written after the barrier that follows the row loop.
-template <uint D, uint G, typename QPtr>
+// After a block's reduce-scatter lane l holds the score of pair attn_bitrev5(l) = t * G + g
+// (row t of the block, head g); the reversal of 5 bits is its own inverse.
+inline uint attn_bitrev5(uint x) {
+  return ((x & 1u) << 4) | ((x & 2u) << 2) | (x & 4u) | ((x & 8u) >> 2) | ((x & 16u) >> 4);
+}
+
+// Keeps H of this lane's 2H values, adding the partner's (lane ^ mask) copy of them: the lane
+// with the mask bit set keeps the upper half, its partner the lower one. H a multiple of 4.
+template <uint H>
+inline void attn_rs_half(thread float* v, ushort mask, bool up) {
+  for (uint i = 0; i < H; i += 4) {
+    const float4 lo = float4(v[i], v[i + 1], v[i + 2], v[i + 3]);
+    const float4 hi = float4(v[H + i], v[H + i + 1], v[H + i + 2], v[H + i + 3]);
+    const float4 r = (up ? hi : lo) + simd_shuffle_xor(up ? lo : hi, mask);
+    v[i] = r.x;
+    v[i + 1] = r.y;
+    v[i + 2] = r.z;
+    v[i + 3] = r.w;
+  }
+}
+
+// Sums each of v[0..32) over the simdgroup and returns, in each lane, the total of pair
+// attn_bitrev5(lane): five levels, at level b the lanes differing in bit b trade halves of
+// what they still hold (31 shuffled values per lane, where 32 whole-simdgroup sums take 160).
+// Each pair's additions follow a fixed tree over the lanes, the same in every simdgroup.
+inline float attn_reduce_scatter(thread float* v, uint lane) {
+  attn_rs_half<16>(v, 1, (lane & 1u) != 0);
+  attn_rs_half<8>(v, 2, (lane & 2u) != 0);
+  attn_rs_half<4>(v, 4, (lane & 4u) != 0);
+  const bool up3 = (lane & 8u) != 0;
+  const float2 lo = float2(v[0], v[1]);
+  const float2 hi = float2(v[2], v[3]);
+  const float2 r = (up3 ? hi : lo) + simd_shuffle_xor(up3 ? lo : hi, 8);
+  const bool up4 = (lane & 16u) != 0;
+  return (up4 ? r.y : r.x) + simd_shuffle_xor(up4 ? r.x : r.y, 16);
+}
+
+// Attends query heads h0..h0+G-1 (sharing KV head kvh) over rows [r0, r1) (r0 < r1) and hands
+// each head's result to out.put(g, d, acc, M, L) for d < D: acc the unnormalised accumulator
+// sum_t exp(s_t - M) v_t[d], M the largest score, L = sum_t exp(s_t - M) (head by head; for
+// each head every thread calls it for its elements d = tid, tid + 256, ...).
+// The query of head h0 + g is q[g * q_stride + d] (device or threadgroup memory: QPtr); red may
+// alias it (it is first written after the barrier that follows the row loop). Row `pos_row` (if
+// in range) is taken from kcur / vcur (threadgroup, fp32 of the bf16 values) instead of the
+// cache: the fused kernels attend the new token before it is in the cache.
+// Rows: simdgroup s takes blocks of RB = 32 / G consecutive rows (r0 + (8 i + s) RB, ...) and
+// issues the loads of a block's RB rows together. The RB x G scores of a block (32: one per
+// lane) are reduce-scattered, so lane l holds the score of one (row t, head g) pair; the head's
+// block max is taken over the RB lanes holding it (shuffles) and each lane computes one
+// probability and its head's correction (exp(m - m') and exp(s - m'): one pair of exps per
+// lane and block, where a lane took 2 G per row). The probabilities and corrections reach every
+// lane through the simdgroup's 32 + G floats of xch for the V accumulation. The simdgroups are
+// merged at the end through red, a head at a time (two barriers each: red holds one head, so
+// the threadgroup fits in a quarter of a core's threadgroup memory).
+template <uint D, uint G, typename QPtr, typename Out>
 static inline void attend_rows(QPtr q, uint q_stride, device const bfloat* k_cache,
                                device const bfloat* v_cache, threadgroup const float* kcur,
                                threadgroup const float* vcur, uint pos_row, uint kvh,
                                uint capacity, float scale, uint r0, uint r1,
-                               threadgroup float* red_m,    // [kAttnSimdgroups * G]
-                               threadgroup float* red_l,    // [kAttnSimdgroups * G]
-                               threadgroup float* red_acc,  // [2 * kAttnSimdgroups * D]
-                               threadgroup float* m_out,    // [G]
-                               threadgroup float* l_out,    // [G]
-                               threadgroup float* acc_out,  // [G * D]
-                               uint tid, uint sg, uint lane) {
+                               threadgroup float* red_m,  // [kAttnSimdgroups * G]
+                               threadgroup float* red_l,  // [kAttnSimdgroups * G]
+                               threadgroup float* red,    // [kAttnSimdgroups * D]
+                               threadgroup float* xch,    // [kAttnSimdgroups * (32 + G)]
+                               Out out, uint tid, uint sg, uint lane) {
   constexpr uint NE = AttnLane<D>::NE;
   constexpr uint W = AttnLane<D>::W;
   constexpr uint NC = AttnLane<D>::NC;
   constexpr uint NT = kAttnSimdgroups * 32;
+  constexpr uint RB = 32 / G;  // rows per block: RB x G scores, one per lane
   typedef vec<float, W> fvec;
   typedef vec<bfloat, W> bvec;
   const uint e0 = lane * NE;  // first element of this lane
@@ -138,105 +182,155 @@ static inline void attend_rows(QPtr q, uint q_stride, device const bfloat* k_cac
       }
     }
   }
-  float m[G];
-  float l[G];
   fvec acc[G][NC];
   for (uint g = 0; g < G; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
     for (uint c = 0; c < NC; ++c) {
       acc[g][c] = fvec(0.0f);
     }
   }
+  const uint pair = attn_bitrev5(lane);  // this lane's (row, head) of every block
+  const uint my_t = pair / G;
+  const uint my_g = pair % G;
+  float m = -INFINITY;  // head my_g's running max
+  float l = 0.0f;       // this lane's rows' share of head my_g's sum of exp (scaled to m)
+  threadgroup float* xs = xch + sg * (32 + G);
   device const bvec* kbase = (device const bvec*)(k_cache + ulong(kvh) * capacity * D);
   device const bvec* vbase = (device const bvec*)(v_cache + ulong(kvh) * capacity * D);
-  for (uint t = r0 + sg; t < r1; t += kAttnSimdgroups) {
-    fvec kk[NC];
-    fvec vv[NC];
-    if (t == pos_row) {  // uniform across the simdgroup
+  for (uint t0 = r0 + sg * RB; t0 < r1; t0 += kAttnSimdgroups * RB) {
+    bvec kk[RB][NC];  // the block's rows, as the cache holds them (past r1: zeros, not read)
+    bvec vv[RB][NC];
+    for (uint t = 0; t < RB; ++t) {
+      const uint row = t0 + t;  // uniform across the simdgroup
+      device const bvec* krow = kbase + ulong(row) * (D / W) + lane * NC;
+      device const bvec* vrow = vbase + ulong(row) * (D / W) + lane * NC;
       for (uint c = 0; c < NC; ++c) {
-        for (uint j = 0; j < W; ++j) {
-          kk[c][j] = kcur[e0 + c * W + j];
-          vv[c][j] = vcur[e0 + c * W + j];
+        if (row >= r1) {  // kcur / vcur hold nothing in a block without the new row
+          kk[t][c] = bvec(fvec(0.0f));
+          vv[t][c] = bvec(fvec(0.0f));
+        } else if (row == pos_row) {
+          fvec kf, vf;
+          for (uint j = 0; j < W; ++j) {
+            kf[j] = kcur[e0 + c * W + j];
+            vf[j] = vcur[e0 + c * W + j];
+          }
+          kk[t][c] = bvec(kf);  // exact: bf16 values
+          vv[t][c] = bvec(vf);
+        } else {
+          kk[t][c] = krow[c];
+          vv[t][c] = vrow[c];
         }
       }
-    } else {
-      device const bvec* krow = kbase + ulong(t) * (D / W) + lane * NC;
-      device const bvec* vrow = vbase + ulong(t) * (D / W) + lane * NC;
-      for (uint c = 0; c < NC; ++c) {
-        kk[c] = fvec(krow[c]);
-        vv[c] = fvec(vrow[c]);
+    }
+    float part[32];  // this lane's share of the score of pair t * G + g
+    for (uint t = 0; t < RB; ++t) {
+      for (uint g = 0; g < G; ++g) {
+        float acc_s = 0.0f;
+        for (uint c = 0; c < NC; ++c) {
+          acc_s += dot(qv[g][c], fvec(kk[t][c]));
+        }
+        part[t * G + g] = acc_s;
       }
     }
-    float s[G];
+    float s = attn_reduce_scatter(part, lane);
+    s = t0 + my_t < r1 ? s : -INFINITY;
+    float bm = s;  // the block's max of head my_g: over the RB lanes holding it (lane bits 0..)
+    for (ushort mk = 1; mk < RB; mk <<= 1) {
+      bm = max(bm, simd_shuffle_xor(bm, mk));
+    }
+    const float mn = max(m, bm);  // finite: row t0 is in range
+    const float corr = exp(m - mn);
+    const float p = exp(s - mn);
+    l = l * corr + p;
+    m = mn;
+    xs[pair] = p;
+    if (my_t == 0) {
+      xs[32 + my_g] = corr;
+    }
+    simdgroup_barrier(mem_flags::mem_threadgroup);
     for (uint g = 0; g < G; ++g) {
-      float acc_s = 0.0f;
+      const float cg = xs[32 + g];
       for (uint c = 0; c < NC; ++c) {
-        acc_s += dot(qv[g][c], kk[c]);
-      }
-      s[g] = acc_s;
-    }
-    for (uint g0 = 0; g0 < G; g0 += 4) {  // scores of 4 heads per simd_sum, in every lane
-      float4 s4 = float4(0.0f);
-      for (uint j = 0; j < 4 && g0 + j < G; ++j) {
-        s4[j] = s[g0 + j];
-      }
-      s4 = simd_sum(s4);
-      for (uint j = 0; j < 4 && g0 + j < G; ++j) {
-        s[g0 + j] = s4[j];
+        acc[g][c] *= cg;
       }
     }
-    for (uint g = 0; g < G; ++g) {
-      const float mn = max(m[g], s[g]);
-      const float corr = exp(m[g] - mn);
-      const float p = exp(s[g] - mn);
-      l[g] = l[g] * corr + p;
+    for (uint t = 0; t < RB; ++t) {
       for (uint c = 0; c < NC; ++c) {
-        acc[g][c] = acc[g][c] * corr + p * vv[c];
+        const fvec v4 = fvec(vv[t][c]);
+        for (uint g = 0; g < G; ++g) {
+          acc[g][c] += xs[t * G + g] * v4;
+        }
       }
-      m[g] = mn;
     }
+    simdgroup_barrier(mem_flags::mem_threadgroup);  // xs read by every lane before the next block
+  }
+  for (ushort mk = 1; mk < RB; mk <<= 1) {  // head my_g's sum over its RB lanes
+    l += simd_shuffle_xor(l, mk);
   }
 
-  // merge the simdgroups: global max, rescaled sums
-  if (lane == 0) {
-    for (uint g = 0; g < G; ++g) {
-      red_m[sg * G + g] = m[g];
-      red_l[sg * G + g] = l[g];
-    }
+  // merge the simdgroups: global max, rescaled sums, a head at a time
+  if (my_t == 0) {
+    red_m[sg * G + my_g] = m;
+    red_l[sg * G + my_g] = l;
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // also: every simdgroup holds its query
   for (uint g = 0; g < G; ++g) {
-    threadgroup float* buf = red_acc + (g % 2) * (kAttnSimdgroups * D);
     float M = -INFINITY;
     for (uint s = 0; s < kAttnSimdgroups; ++s) {
       M = max(M, red_m[s * G + g]);
     }
-    const float mine = exp(m[g] - M);  // 0 for a simdgroup that saw no rows
+    const float mine = exp(red_m[sg * G + g] - M);  // 0 for a simdgroup that saw no rows
     for (uint c = 0; c < NC; ++c) {
       for (uint j = 0; j < W; ++j) {
-        buf[sg * D + e0 + c * W + j] = acc[g][c][j] * mine;
+        red[sg * D + e0 + c * W + j] = acc[g][c][j] * mine;
       }
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
+    float L = 0.0f;
+    for (uint s = 0; s < kAttnSimdgroups; ++s) {
+      L += red_l[s * G + g] * exp(red_m[s * G + g] - M);
+    }
     for (uint d = tid; d < D; d += NT) {
       float sum = 0.0f;
       for (uint s = 0; s < kAttnSimdgroups; ++s) {
-        sum += buf[s * D + d];
+        sum += red[s * D + d];
       }
-      acc_out[g * D + d] = sum;
+      out.put(g, d, sum, M, L);
     }
-    if (tid == 0) {
-      float L = 0.0f;
-      for (uint s = 0; s < kAttnSimdgroups; ++s) {
-        L += red_l[s * G + g] * exp(red_m[s * G + g] - M);
-      }
-      m_out[g] = M;
-      l_out[g] = L;
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // red holds the next head
+  }
+}
+
+// attend_rows' results as the gated attention output of heads h0 ..: out = acc / L * sigmoid(gate).
+template <uint D>
+struct AttnGatedOut {
+  device float* out;          // [Hq, D]
+  device const float* gate;   // head h's gate at h * gate_stride
+  uint gate_stride;
+  uint h0;
+  void put(uint g, uint d, float acc, float, float L) const {
+    const float o = acc / L;
+    out[(h0 + g) * D + d] = o * sigmoid(gate[(h0 + g) * gate_stride + d]);
+  }
+};
+
+// attend_rows' results as block blk's partials (slot h * max_blocks + blk per head h): the max
+// and the sum of exp in part_ml, the unnormalised accumulator in part_acc.
+template <uint D>
+struct AttnPartialOut {
+  device float* part_ml;   // [Hq, max_blocks, 2]
+  device float* part_acc;  // [Hq, max_blocks, D]
+  uint max_blocks;
+  uint blk;
+  uint h0;
+  void put(uint g, uint d, float acc, float M, float L) const {
+    const ulong slot = ulong(h0 + g) * max_blocks + blk;
+    part_acc[slot * D + d] = acc;
+    if (d == 0) {
+      part_ml[2 * slot] = M;
+      part_ml[2 * slot + 1] = L;
     }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-}
+};
 
 // ---- attn_decode -------------------------------------------------------------------------------
 // Grid: Hq / G threadgroups of 256 threads; threadgroup j serves query heads j*G .. j*G+G-1.
@@ -252,26 +346,16 @@ template <uint D, uint G>
                         uint tid [[thread_index_in_threadgroup]],
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = 2 * kAttnSimdgroups * D;
-  constexpr uint NOUT = G * D;
-  threadgroup float red_m[NRED];
-  threadgroup float red_l[NRED];
-  threadgroup float red_acc[NACC];
-  threadgroup float m_out[G];
-  threadgroup float l_out[G];
-  threadgroup float acc_out[NOUT];
+  threadgroup float red_m[kAttnSimdgroups * G];
+  threadgroup float red_l[kAttnSimdgroups * G];
+  threadgroup float red[kAttnSimdgroups * D];
+  threadgroup float xch[kAttnSimdgroups * (32 + G)];
   const uint h0 = grp * G;
   const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
   const uint n = position[0] + 1;
   attend_rows<D, G>(q + h0 * D, D, k_cache, v_cache, red_m, red_m, 0xFFFFFFFFu, kvh, args.capacity,
-                    args.scale, 0, n, red_m, red_l, red_acc, m_out, l_out, acc_out, tid, sg, lane);
-  for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
-    const uint g = e / D;
-    const uint d = e % D;
-    const float o = acc_out[e] / l_out[g];
-    out[(h0 + g) * D + d] = o * sigmoid(gate[(h0 + g) * args.gate_stride + d]);
-  }
+                    args.scale, 0, n, red_m, red_l, red, xch,
+                    AttnGatedOut<D>{out, gate, args.gate_stride, h0}, tid, sg, lane);
 }
 
 // ---- attn_decode_split -------------------------------------------------------------------------
@@ -291,15 +375,10 @@ template <uint D, uint G>
                               uint tid [[thread_index_in_threadgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = 2 * kAttnSimdgroups * D;
-  constexpr uint NOUT = G * D;
-  threadgroup float red_m[NRED];
-  threadgroup float red_l[NRED];
-  threadgroup float red_acc[NACC];
-  threadgroup float m_out[G];
-  threadgroup float l_out[G];
-  threadgroup float acc_out[NOUT];
+  threadgroup float red_m[kAttnSimdgroups * G];
+  threadgroup float red_l[kAttnSimdgroups * G];
+  threadgroup float red[kAttnSimdgroups * D];
+  threadgroup float xch[kAttnSimdgroups * (32 + G)];
   const uint n = position[0] + 1;
   const uint blk = tg.y;
   const uint r0 = blk * args.block_rows;
@@ -310,23 +389,17 @@ template <uint D, uint G>
   const uint h0 = tg.x * G;
   const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
   attend_rows<D, G>(q + h0 * D, D, k_cache, v_cache, red_m, red_m, 0xFFFFFFFFu, kvh, args.capacity,
-                    args.scale, r0, r1, red_m, red_l, red_acc, m_out, l_out, acc_out, tid, sg, lane);
-  for (uint e = tid; e < G * D; e += kAttnSimdgroups * 32) {
-    const uint g = e / D;
-    const uint d = e % D;
-    const ulong slot = ulong(h0 + g) * args.max_blocks + blk;
-    part_acc[slot * D + d] = acc_out[e];
-    if (d == 0) {
-      part_ml[2 * slot] = m_out[g];
-      part_ml[2 * slot + 1] = l_out[g];
-    }
-  }
+                    args.scale, r0, r1, red_m, red_l, red, xch,
+                    AttnPartialOut<D>{part_ml, part_acc, args.max_blocks, blk, h0}, tid, sg, lane);
 }
 
 // ---- attn_combine ------------------------------------------------------------------------------
 // Grid (Hq, D / 32) threadgroups of up to 256 threads (8 simdgroups): threadgroup (h, c) merges
-// columns [32 c, 32 c + 32) of head h from the ceil((pos+1)/B) partials. Simdgroup s sums the
-// blocks b = s, s + 8, ... (lane = column), then simdgroup 0 adds the 8 sums in order: the
+// columns [32 c, 32 c + 32) of head h from the ceil((pos+1)/B) partials. Every simdgroup takes
+// the largest block max itself, its lanes loading the blocks' maxima side by side (lane l the
+// blocks l, l + 32, ...) and simd_max joining them, so the loads are in flight together
+// instead of one after another (a max is exact in any order). Simdgroup s then sums the
+// blocks b = s, s + 8, ... (lane = column), and simdgroup 0 adds the 8 sums in order: the
 // partials are read by 8x as many threads as with one thread per column, so the dispatch fills
 // the GPU (16 heads x 256 columns would be 4096 threads).
 constant constexpr uint kCombineSimdgroups = 8;
@@ -353,9 +426,10 @@ template <uint D>
   const uint nb = min((n + args.block_rows - 1) / args.block_rows, args.max_blocks);
   const ulong base = ulong(h) * args.max_blocks;
   float M = -INFINITY;
-  for (uint b = 0; b < nb; ++b) {
+  for (uint b = lane; b < nb; b += 32) {
     M = max(M, part_ml[2 * (base + b)]);
   }
+  M = simd_max(M);
   float L = 0.0f;
   float o = 0.0f;
   for (uint b = sg; b < nb; b += nsg) {
@@ -394,63 +468,91 @@ namespace attn_detail {
 constant constexpr uint kFusedThreads = kAttnSimdgroups * 32;  // 256
 
 // Prep of vectors j = 0..G (j < G: query head h0 + j; j == G: the new k of head kvh, only
-// with_k) with kFusedThreads threads: thread t handles element t % D of vector t / D of each
-// pass (256 / D vectors per pass). Leaves qs[j * D + i] (fp32, as attn_qk_prep's q_out) and,
-// with_k, kcur[i] = float(bfloat(k rotated)), vcur[i] = float(bfloat(v)).
+// with_k), one simdgroup per vector (simdgroup j % 8: the new k shares simdgroup 0 with query
+// head 0 when G = 8), without threadgroup barriers: lane l holds elements l, l + 32, ... of its
+// vector, so the simd_sum of register e is attn_qk_prep's partial sum of its simdgroup e (the
+// same 32 values in the same lanes) and the partials are added in the same order. Every load
+// (the vectors, their norm weights, the new v) is issued before any arithmetic: one round trip.
+// The RoPE partner i +- rotary/2 of element i lies in another lane or register: each vector's
+// normalised values go to its own slot of qs (or kcur) first and are read back after a
+// simdgroup barrier. Leaves qs[j * D + i] (fp32, as attn_qk_prep's q_out) and, with_k,
+// kcur[i] = float(bfloat(k rotated)), vcur[i] = float(bfloat(v)); ends with a threadgroup
+// barrier (every vector visible to every thread).
 template <uint D, uint G>
 static inline void fused_prep(device const float* qg, device const float* k, device const float* v,
                               device const bfloat* q_norm_w, device const bfloat* k_norm_w,
                               uint pos, uint h0, uint kvh, uint rot, float norm_eps,
                               float log2_theta, bool with_k,
-                              threadgroup float* xs,       // [kFusedThreads] scratch
-                              threadgroup float* partial,  // [kAttnSimdgroups]
                               threadgroup float* qs,       // [G * D]
                               threadgroup float* kcur,     // [D]
                               threadgroup float* vcur,     // [D]
-                              uint tid, uint sg, uint lane) {
-  constexpr uint NV = kFusedThreads / D;         // vectors per pass
-  constexpr uint SPV = D / 32;                   // simdgroups per vector
+                              uint sg, uint lane) {
+  constexpr uint E = D / 32;                                  // elements per lane
+  constexpr uint NV = (G + kAttnSimdgroups) / kAttnSimdgroups;  // vectors per simdgroup at most
   const uint nvec = with_k ? G + 1 : G;
-  const uint i = tid % D;
   const uint half_rot = rot / 2;
-  for (uint base = 0; base < nvec; base += NV) {
-    const uint j = base + tid / D;
-    const bool active = j < nvec;
+  float x[NV][E];
+  float w[NV][E];
+  float vv[E];
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;  // uniform over the simdgroup
     const bool is_q = j < G;
-    const float x = !active ? 0.0f : (is_q ? qg[(h0 + j) * 2 * D + i] : k[kvh * D + i]);
-    const float ss = simd_sum(x * x);
-    if (lane == 0) {
-      partial[sg] = ss;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    const uint s0 = (tid / D) * SPV;  // first simdgroup of this vector
-    float total = 0.0f;
-    for (uint s = 0; s < SPV; ++s) {
-      total += partial[s0 + s];
-    }
-    const float w = active ? float(is_q ? q_norm_w[i] : k_norm_w[i]) : 0.0f;
-    const float xn = x / sqrt(total / float(D) + norm_eps) * w;
-    xs[tid] = xn;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    float y = xn;
-    if (i < rot) {
-      const uint jj = i < half_rot ? i : i - half_rot;
-      const float inv_freq = exp2(-(float(2 * jj) / float(rot)) * log2_theta);
-      const float ang = float(pos) * inv_freq;
-      const float c = cos(ang);
-      const float s = sin(ang);
-      y = i < half_rot ? xn * c - xs[tid + half_rot] * s : xn * c + xs[tid - half_rot] * s;
-    }
-    if (active) {
-      if (is_q) {
-        qs[j * D + i] = y;
-      } else {
-        kcur[i] = float(bfloat(y));
-        vcur[i] = float(bfloat(v[kvh * D + i]));
+    device const float* src = is_q ? qg + (h0 + j) * 2 * D : k + kvh * D;
+    device const bfloat* nw = is_q ? q_norm_w : k_norm_w;
+    for (uint e = 0; e < E; ++e) {
+      x[n][e] = j < nvec ? src[e * 32 + lane] : 0.0f;
+      w[n][e] = j < nvec ? float(nw[e * 32 + lane]) : 0.0f;
+      if (j == G && with_k) {
+        vv[e] = v[kvh * D + e * 32 + lane];
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // xs and partial are reused
   }
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    if (j < nvec) {
+      float total = 0.0f;
+      for (uint e = 0; e < E; ++e) {
+        total += simd_sum(x[n][e] * x[n][e]);
+      }
+      threadgroup float* dst = j < G ? qs + j * D : kcur;
+      for (uint e = 0; e < E; ++e) {
+        dst[e * 32 + lane] = x[n][e] / sqrt(total / float(D) + norm_eps) * w[n][e];
+      }
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);
+  float y[NV][E];
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    threadgroup const float* xs = j < G ? qs + j * D : kcur;
+    for (uint e = 0; e < E; ++e) {
+      const uint i = e * 32 + lane;
+      const float xn = j < nvec ? xs[i] : 0.0f;
+      y[n][e] = xn;
+      if (j < nvec && i < rot) {
+        const uint jj = i < half_rot ? i : i - half_rot;
+        const float inv_freq = exp2(-(float(2 * jj) / float(rot)) * log2_theta);
+        const float ang = float(pos) * inv_freq;
+        const float c = cos(ang);
+        const float s = sin(ang);
+        y[n][e] = i < half_rot ? xn * c - xs[i + half_rot] * s : xn * c + xs[i - half_rot] * s;
+      }
+    }
+  }
+  simdgroup_barrier(mem_flags::mem_threadgroup);  // every partner read before it is overwritten
+  for (uint n = 0; n < NV; ++n) {
+    const uint j = sg + n * kAttnSimdgroups;
+    for (uint e = 0; e < E; ++e) {
+      const uint i = e * 32 + lane;
+      if (j < G) {
+        qs[j * D + i] = y[n][e];
+      } else if (j < nvec) {
+        kcur[i] = float(bfloat(y[n][e]));
+        vcur[i] = float(bfloat(vv[e]));
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
 // Row pos of KV head kvh into both caches (skipped when pos >= capacity, as attn_qk_prep).
@@ -489,40 +591,24 @@ template <uint D, uint G>
                               uint tid [[thread_index_in_threadgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = 2 * kAttnSimdgroups * D;
-  constexpr uint NOUT = G * D;
-  constexpr uint NXS = attn_detail::kFusedThreads;
-  threadgroup float red_m[NRED];
-  threadgroup float red_l[NRED];
-  threadgroup float red_acc[NACC];
-  threadgroup float m_out[G];
-  threadgroup float l_out[G];
-  threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
+  threadgroup float red_m[kAttnSimdgroups * G];
+  threadgroup float red_l[kAttnSimdgroups * G];
+  threadgroup float qs[kAttnSimdgroups * D];  // the prepared queries (G * D), then attend_rows' red
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xs[NXS];
-  threadgroup float partial[kAttnSimdgroups];
+  threadgroup float xch[kAttnSimdgroups * (32 + G)];
   const uint group = args.num_q_heads / args.num_kv_heads;
   const uint h0 = grp * G;
   const uint kvh = h0 / group;
   const uint pos = position[0];
   attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
-                                args.norm_eps, args.log2_theta, true, xs, partial, qs, kcur,
-                                vcur, tid, sg, lane);
+                                args.norm_eps, args.log2_theta, true, qs, kcur, vcur, sg, lane);
   if (h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }
   attend_rows<D, G>((threadgroup const float*)qs, D, k_cache, v_cache, kcur, vcur, pos, kvh,
-                    args.capacity, args.scale, 0, pos + 1, red_m, red_l, red_acc, m_out, l_out, qs,
-                    tid, sg, lane);
-  threadgroup const float* acc_out = qs;
-  for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
-    const uint g = e / D;
-    const uint d = e % D;
-    const float o = acc_out[e] / l_out[g];
-    out[(h0 + g) * D + d] = o * sigmoid(qg[(h0 + g) * 2 * D + D + d]);
-  }
+                    args.capacity, args.scale, 0, pos + 1, red_m, red_l, qs, xch,
+                    AttnGatedOut<D>{out, qg + D, 2 * D, h0}, tid, sg, lane);
 }
 
 // ---- attn_decode_split_fused -------------------------------------------------------------------
@@ -548,20 +634,12 @@ template <uint D, uint G>
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
-  constexpr uint NRED = kAttnSimdgroups * G;
-  constexpr uint NACC = 2 * kAttnSimdgroups * D;
-  constexpr uint NOUT = G * D;
-  constexpr uint NXS = attn_detail::kFusedThreads;
-  threadgroup float red_m[NRED];
-  threadgroup float red_l[NRED];
-  threadgroup float red_acc[NACC];
-  threadgroup float m_out[G];
-  threadgroup float l_out[G];
-  threadgroup float qs[NOUT];  // the prepared queries, then (aliased) the merged accumulators
+  threadgroup float red_m[kAttnSimdgroups * G];
+  threadgroup float red_l[kAttnSimdgroups * G];
+  threadgroup float qs[kAttnSimdgroups * D];  // the prepared queries (G * D), then attend_rows' red
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xs[NXS];
-  threadgroup float partial[kAttnSimdgroups];
+  threadgroup float xch[kAttnSimdgroups * (32 + G)];
   const uint pos = position[0];
   const uint n = pos + 1;
   const uint blk = tg.y;
@@ -575,25 +653,14 @@ template <uint D, uint G>
   const uint h0 = tg.x * G;
   const uint kvh = h0 / group;
   attn_detail::fused_prep<D, G>(qg, k, v, q_norm_w, k_norm_w, pos, h0, kvh, args.rotary_dim,
-                                args.norm_eps, args.log2_theta, has_new_row, xs, partial, qs,
-                                kcur, vcur, tid, sg, lane);
+                                args.norm_eps, args.log2_theta, has_new_row, qs, kcur, vcur, sg,
+                                lane);
   if (has_new_row && h0 % group == 0) {
     attn_detail::append_row<D>(k_cache, v_cache, kcur, vcur, kvh, pos, args.capacity, tid);
   }
   attend_rows<D, G>((threadgroup const float*)qs, D, k_cache, v_cache, kcur, vcur, pos, kvh,
-                    args.capacity, args.scale, r0, r1, red_m, red_l, red_acc, m_out, l_out, qs,
-                    tid, sg, lane);
-  threadgroup const float* acc_out = qs;
-  for (uint e = tid; e < G * D; e += attn_detail::kFusedThreads) {
-    const uint g = e / D;
-    const uint d = e % D;
-    const ulong slot = ulong(h0 + g) * args.max_blocks + blk;
-    part_acc[slot * D + d] = acc_out[e];
-    if (d == 0) {
-      part_ml[2 * slot] = m_out[g];
-      part_ml[2 * slot + 1] = l_out[g];
-    }
-  }
+                    args.capacity, args.scale, r0, r1, red_m, red_l, qs, xch,
+                    AttnPartialOut<D>{part_ml, part_acc, args.max_blocks, blk, h0}, tid, sg, lane);
 }
 
 // Instantiations: D = 256 with all 8 query heads of a KV head per threadgroup (the model and the

@@ -22,7 +22,7 @@ using namespace metal;
 // MLX affine quantization: 64 consecutive weights of a row share one scale and one bias.
 constant constexpr uint kQuantGroup = 64;
 // The decode kernels' argument structs and the constants the host shares with them (rows
-// per simdgroup of the GEMVs, the routing and norm_gemv limits): host-includable.
+// per simdgroup of the GEMVs, split-K, the routing and norm_gemv limits): host-includable.
 #include "decode_args.h"
 
 // ---------------------------------------------------------------- half activations
@@ -210,25 +210,54 @@ inline float q_dot_chunk(uint4 w, thread const float4* xs) {
   return d;
 }
 
-// One chunk c of x against up to 8 consecutive rows row0.. of a quantized matrix:
-// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows.
+// Chunk c of up to 8 consecutive rows of a quantized matrix as loaded: the codes, the scale
+// and the bias of each row (q_chunk_load), consumed by q_chunk_fma. Loading a chunk early (a
+// kernel's first chunk before its prologue) keeps its round trip off the prologue's path.
+struct QChunkRows {
+  uint4 q[8];
+  float s[8];
+  float b[8];
+};
+
 //   w       the matrix as uint4 chunks, row-major [rows, chunks]
 //   scales  bf16 [rows, groups], biases likewise
+template <int BITS>
+inline void q_chunk_load(device const uint4* w, device const bfloat* scales,
+                         device const bfloat* biases, uint chunks, uint groups, uint row0,
+                         uint nrows, uint c, thread QChunkRows& out) {
+  const uint g = c * QChunk<BITS>::values / kQuantGroup;
+  for (uint r = 0; r < 8; ++r) {
+    if (r < nrows) {
+      const uint row = row0 + r;
+      out.q[r] = w[row * chunks + c];
+      out.s[r] = float(scales[row * groups + g]);
+      out.b[r] = float(biases[row * groups + g]);
+    }
+  }
+}
+
+// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows, on a chunk of x prepared by
+// q_load_x (or q_load_x_norm) and the same chunk of the rows.
+template <int BITS>
+inline void q_chunk_fma(thread const QChunkRows& wr, uint nrows, thread const float4* xs, float xsum,
+                        thread float* acc) {
+  for (uint r = 0; r < 8; ++r) {
+    if (r < nrows) {
+      acc[r] += wr.s[r] * q_dot_chunk<BITS>(wr.q[r], xs) + wr.b[r] * xsum;
+    }
+  }
+}
+
+// One chunk c of x against up to 8 consecutive rows row0.. of a quantized matrix:
+// acc[r] += scale * (q . x) + bias * sum(x), for r < nrows.
 template <int BITS>
 inline void q_chunk_rows(device const uint4* w, device const bfloat* scales,
                          device const bfloat* biases, uint chunks, uint groups, uint row0,
                          uint nrows, uint c, thread const float4* xs, float xsum,
                          thread float* acc) {
-  const uint g = c * QChunk<BITS>::values / kQuantGroup;
-  for (uint r = 0; r < 8; ++r) {
-    if (r < nrows) {
-      const uint row = row0 + r;
-      const uint4 q = w[row * chunks + c];
-      const float s = float(scales[row * groups + g]);
-      const float b = float(biases[row * groups + g]);
-      acc[r] += s * q_dot_chunk<BITS>(q, xs) + b * xsum;
-    }
-  }
+  QChunkRows wr;
+  q_chunk_load<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, wr);
+  q_chunk_fma<BITS>(wr, nrows, xs, xsum, acc);
 }
 
 // Team geometry: a simdgroup splits into teams of `size` lanes (a power of two, 4..32);
@@ -262,6 +291,32 @@ inline float4 team_sum(float4 v, uint size) {
     v += simd_shuffle_xor(v, m);
   }
   return v;
+}
+
+// Split-K: `splits` simdgroups computed partial sums of the same rows, split ks over the chunk
+// runs ks, ks + splits, ... After team_reduce_rows, lane r < nrows of a team holds its split's
+// sum of the team's row r (slot + r within the threadgroup). Splits > 0 hand their sums to
+// split 0 through part [rows of the threadgroup x splits]; split 0 adds them in split order and
+// gets true (it stores the rows), the others false. A barrier: every thread of the threadgroup
+// calls it (splits uniform; nothing for splits = 1).
+inline bool q_split_join(thread float& v, threadgroup float* part, uint lane_in_team, uint nrows,
+                         uint slot, uint ks, uint splits) {
+  if (splits == 1) {
+    return true;
+  }
+  if (ks > 0 && lane_in_team < nrows) {
+    part[(slot + lane_in_team) * splits + ks] = v;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (ks > 0) {
+    return false;
+  }
+  if (lane_in_team < nrows) {
+    for (uint s = 1; s < splits; ++s) {
+      v += part[(slot + lane_in_team) * splits + s];
+    }
+  }
+  return true;
 }
 
 // Reduces acc[0..8) over the team and returns the value of row `team lane` (lane r of a

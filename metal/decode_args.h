@@ -16,6 +16,14 @@
 constant constexpr uint kGemvRowsPerSimdgroup = 4;
 // Rows handled by one simdgroup in moe_gate_up_swiglu_q4 (each row: a gate and an up dot).
 constant constexpr uint kGateUpRowsPerSimdgroup = 4;
+// Simdgroups sharing a group of rows in gemv_q* and moe_down_q4, each over every
+// kGemvSplitK-th run of a row's chunks (q_split_join): a 2048-row output then runs 1024
+// simdgroups (32K threads, 820 per core of a 40-core GPU) for the same weight and x bytes per
+// simdgroup as 4 rows each, so the cores keep enough loads in flight even if a core needs
+// 512 threads to hide the latency (docs/performance.md).
+constant constexpr uint kGemvSplitK = 2;
+// The largest rows x splits a threadgroup hands through q_split_join (256 threads).
+constant constexpr uint kSplitJoinMax = 64;
 // Limits of the kernels that take the structs below.
 constant constexpr uint kRouteMaxExperts = 1024;   // moe_route*: router logits at most
 constant constexpr uint kNormGemvMaxMatrices = 4;  // norm_gemv_q*: matrices per dispatch
@@ -75,15 +83,16 @@ struct MoeArgs {
 // norm_gemv_q4 / norm_gemv_q8: RMSNorm fused into up to kNormGemvMaxMatrices GEMVs that
 // share the normalised input: y_m[rows[m]] = W_m (x * rsqrt(mean(x^2) + eps) * w), m < 4.
 // Matrix m owns the threadgroups [sum_{i<m} t_i, sum_{i<=m} t_i) of the grid, with
-// t_i = ceil(rows[i] / (rows_per_simdgroup * simdgroups per threadgroup)).
+// t_i = ceil(rows[i] / (rows_per_simdgroup * simdgroups per threadgroup / k_splits)).
 struct NormGemvArgs {
   uint rows[kNormGemvMaxMatrices];  // output rows of matrices 0..3 (their out dimensions); 0 = slot unused
   uint cols;      // length of x, of the norm weight and of every matrix row (hidden, 2048); multiple of 64
   float eps;      // added to the mean of squares (rms_norm_eps, 1e-6)
   uint write_xn;  // 1: threadgroup 0 also stores the normalised vector to xn [cols]; 0: xn untouched
   uint rows_per_simdgroup;  // 1, 2, 4 or 8: rows each simdgroup computes (the grid follows)
+  uint k_splits;  // 1 or 2: simdgroups sharing a group of rows, each over every k_splits-th run of chunks
 };
-#define LILY_ARGS_NormGemvArgs(F) F(rows) F(cols) F(eps) F(write_xn) F(rows_per_simdgroup)
+#define LILY_ARGS_NormGemvArgs(F) F(rows) F(cols) F(eps) F(write_xn) F(rows_per_simdgroup) F(k_splits)
 
 // moe_route_gate_up_swiglu_q4: moe_route fused into moe_gate_up_swiglu_q4.
 struct MoeRouteArgs {
@@ -99,6 +108,7 @@ struct MoeRouteArgs {
 #define LILY_DECODE_ARG_STRUCTS(S) \
   S(GemvArgs) S(GatedNormArgs) S(EmbedArgs) S(NormArgs) S(RouteArgs) S(MoeArgs) S(NormGemvArgs) S(MoeRouteArgs)
 #define LILY_DECODE_CONSTANTS(C) \
-  C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kRouteMaxExperts) C(kNormGemvMaxMatrices)
+  C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kGemvSplitK) C(kSplitJoinMax) C(kRouteMaxExperts) \
+  C(kNormGemvMaxMatrices)
 
 #endif  // LILY_DECODE_ARGS_H

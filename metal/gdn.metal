@@ -58,27 +58,51 @@ inline void gdn_add_delta(thread float* s, float delta, thread const float* k) {
   }
 }
 
-// Replays the ring's first `pending` updates onto row `row` (of head h, key head kh) of the
-// written state, held in s (S' as read) with its pending decay c: entry j's decay is c * g_j
-// for the first (the step that read c) and 1 * g_j after (it wrote c = 1), as the steps
-// computed it. Returns the decay factor the next update multiplies g by: c, or 1 after a
-// replay. Ring entry layout: GdnRing (mixer_args.h).
+// Replays the ring's first `pending` updates onto the nb <= kGdnRowBatch rows row0.. (of head h,
+// key head kh) of the written state: row i held in s[i * E ..] (S' as read) with its pending
+// decay c[i]. Entry j's decay is c * g_j for the first (the step that read c) and 1 * g_j after
+// (it wrote c = 1), as the steps computed it; c[i] ends as the factor the next update multiplies
+// g by: c, or 1 after a replay. An entry's g and k are loaded once for the batch, its deltas
+// side by side; each row gets exactly the operations, in the order, of replaying it alone.
+// Ring entry layout: GdnRing (mixer_args.h).
 template <uint DK, uint E>
-inline float gdn_replay(thread float* s, float c, device const float* ring, uint pending, GdnRing rg, uint h,
-                        uint kh, uint row, uint lane) {
+inline void gdn_replay(thread float* s, thread float* c, uint nb, device const float* ring, uint pending,
+                       GdnRing rg, uint h, uint kh, uint row0, uint lane) {
   for (uint j = 0; j < pending; ++j) {
     device const float* entry = ring + ulong(j) * rg.entry;
     const float g = entry[rg.g_at + h];
-    const float delta = entry[rg.delta_at + row];
     float k[E];
     for (uint e = 0; e < E; ++e) {
       k[e] = entry[rg.k_at + kh * DK + e * 32 + lane];
     }
-    gdn_decay<E>(s, c * g);
-    gdn_add_delta<E>(s, delta, k);
-    c = 1.0f;
+    float delta[kGdnRowBatch];
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      delta[i] = i < nb ? entry[rg.delta_at + row0 + i] : 0.0f;
+    }
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      if (i < nb) {  // uniform over the simdgroup
+        gdn_decay<E>(s + i * E, c[i] * g);
+        gdn_add_delta<E>(s + i * E, delta[i], k);
+        c[i] = 1.0f;
+      }
+    }
   }
-  return c;
+}
+
+// Loads the nb rows v0 + v.. of head h (S' into s[i * E ..], their pending decay into c[i]).
+template <uint DK, uint DV, uint E>
+inline void gdn_load_rows(device const float* state, uint Hv, uint h, uint v0, uint v, uint nb, uint lane,
+                          thread float* s, thread float* c) {
+  device const float* c_head = state + ulong(Hv) * DV * DK + h * DV;
+  for (uint i = 0; i < kGdnRowBatch; ++i) {
+    if (i < nb) {
+      device const float* row = state + (ulong(h) * DV + v0 + v + i) * DK;
+      for (uint e = 0; e < E; ++e) {
+        s[i * E + e] = row[e * 32 + lane];
+      }
+      c[i] = c_head[v0 + v + i];
+    }
+  }
 }
 
 template <uint DK, uint DV>
@@ -171,42 +195,60 @@ template <uint DK, uint DV>
   const float g = exp(-exp(A_log[h]) * softplus(a[h] + float(dt_bias[h])));
   const float beta = 1.0f / (1.0f + exp(-b[h]));
 
-  // ---- 3. delta rule on this simdgroup's rows ----------------------------------------------
+  // ---- 3. delta rule on this simdgroup's rows, kGdnRowBatch at a time ----------------------
   const GdnRing rg = gdn_ring(Hk, Hv, DK, DV);
   const uint P = args.pending;
   device float* slot = ring + ulong(P) * rg.entry;  // this step's entry when it does not write back
   device float* c_head = state + ulong(Hv) * DV * DK + h * DV;  // c of the head's rows
-  for (uint r = 0; r < R; ++r) {
-    const uint v = sg * R + r;               // row within the slice
-    device float* row = state + (ulong(h) * DV + v0 + v) * DK;
-    float s[E];
-    for (uint e = 0; e < E; ++e) {
-      s[e] = row[e * 32 + lane];
-    }
-    const float c = gdn_replay<DK, E>(s, c_head[v0 + v], ring, P, rg, h, kh, h * DV + v0 + v, lane);
-    gdn_decay<E>(s, c * g);
-    float sk_dot = 0.0f;
-    for (uint e = 0; e < E; ++e) {
-      sk_dot += s[e] * kr[e];
-    }
-    sk_dot = simd_sum(sk_dot);
-    const float delta = (act[2 * DK + v] - sk_dot) * beta;
-    gdn_add_delta<E>(s, delta, kr);
-    float y = 0.0f;
-    for (uint e = 0; e < E; ++e) {
-      y += s[e] * qr[e];
-    }
-    if (args.write_back) {
-      for (uint e = 0; e < E; ++e) {
-        row[e * 32 + lane] = s[e];
+  for (uint b0 = 0; b0 < R; b0 += kGdnRowBatch) {
+    const uint v = sg * R + b0;                // first row of the batch within the slice
+    const uint nb = min(kGdnRowBatch, R - b0);  // uniform over the simdgroup
+    float s[kGdnRowBatch * E];
+    float c[kGdnRowBatch];
+    gdn_load_rows<DK, DV, E>(state, Hv, h, v0, v, nb, lane, s, c);
+    gdn_replay<DK, E>(s, c, nb, ring, P, rg, h, kh, h * DV + v0 + v, lane);
+    float sk_dot[kGdnRowBatch];
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      sk_dot[i] = 0.0f;
+      if (i < nb) {
+        gdn_decay<E>(s + i * E, c[i] * g);
+        for (uint e = 0; e < E; ++e) {
+          sk_dot[i] += s[i * E + e] * kr[e];
+        }
       }
-    } else if (lane == 0) {
-      slot[rg.delta_at + h * DV + v0 + v] = delta;
     }
-    y = simd_sum(y);
-    if (lane == 0) {
-      y_s[v] = y;
-      out[h * DV + v0 + v] = y;
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      if (i < nb) {
+        sk_dot[i] = simd_sum(sk_dot[i]);
+      }
+    }
+    float y[kGdnRowBatch];
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      y[i] = 0.0f;
+      if (i < nb) {
+        const float delta = (act[2 * DK + v + i] - sk_dot[i]) * beta;
+        gdn_add_delta<E>(s + i * E, delta, kr);
+        for (uint e = 0; e < E; ++e) {
+          y[i] += s[i * E + e] * qr[e];
+        }
+        if (args.write_back) {
+          device float* row = state + (ulong(h) * DV + v0 + v + i) * DK;
+          for (uint e = 0; e < E; ++e) {
+            row[e * 32 + lane] = s[i * E + e];
+          }
+        } else if (lane == 0) {
+          slot[rg.delta_at + h * DV + v0 + v + i] = delta;
+        }
+      }
+    }
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      if (i < nb) {
+        y[i] = simd_sum(y[i]);
+        if (lane == 0) {
+          y_s[v + i] = y[i];
+          out[h * DV + v0 + v + i] = y[i];
+        }
+      }
     }
   }
   if (!args.write_back) {
@@ -268,16 +310,20 @@ template <uint DK, uint DV>
   const uint kh = h / (Hv / Hk);
   const GdnRing rg = gdn_ring(Hk, Hv, DK, DV);
   device float* c_head = state + ulong(Hv) * DV * DK + h * DV;
-  for (uint r = 0; r < R; ++r) {
-    const uint v = sg * R + r;
-    device float* row = state + (ulong(h) * DV + v0 + v) * DK;
-    float s[E];
-    for (uint e = 0; e < E; ++e) {
-      s[e] = row[e * 32 + lane];
-    }
-    gdn_replay<DK, E>(s, c_head[v0 + v], ring, args.pending, rg, h, kh, h * DV + v0 + v, lane);
-    for (uint e = 0; e < E; ++e) {
-      row[e * 32 + lane] = s[e];
+  for (uint b0 = 0; b0 < R; b0 += kGdnRowBatch) {
+    const uint v = sg * R + b0;
+    const uint nb = min(kGdnRowBatch, R - b0);
+    float s[kGdnRowBatch * E];
+    float c[kGdnRowBatch];
+    gdn_load_rows<DK, DV, E>(state, Hv, h, v0, v, nb, lane, s, c);
+    gdn_replay<DK, E>(s, c, nb, ring, args.pending, rg, h, kh, h * DV + v0 + v, lane);
+    for (uint i = 0; i < kGdnRowBatch; ++i) {
+      if (i < nb) {
+        device float* row = state + (ulong(h) * DV + v0 + v + i) * DK;
+        for (uint e = 0; e < E; ++e) {
+          row[e * 32 + lane] = s[i * E + e];
+        }
+      }
     }
   }
   threadgroup_barrier(mem_flags::mem_device);  // every c of the slice read before any is set

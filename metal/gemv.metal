@@ -9,35 +9,40 @@ using namespace metal;
 #include "common.h"
 
 // ---- gemv_q<BITS>: row-parallel GEMV ------------------------------------------------
-// Each simdgroup owns R = kGemvRowsPerSimdgroup (4) consecutive rows. It splits into teams
-// of T lanes (T = the largest power of two <= the chunks per row, in [32 / R, 32]); a team
-// owns R T / 32 of the rows, its lanes read consecutive 16-byte chunks of those rows
-// (adjacent lanes, adjacent bytes) and load each x chunk once for all the team's rows. fp32
-// accumulation, dequantisation in registers, a butterfly (simd_shuffle_xor) sum over the
-// team; lane r of a team stores row r. ADD: y[row] += W x (residual update for o_proj).
-// Threadgroup: a multiple of 32 threads (64 recommended); any number of threadgroups
-// >= ceil(rows / (R * simdgroups)); rows past `rows` are skipped. XSrc: where a chunk of x
-// comes from (PlainX, GatedNormX), its load(c, xs) is q_load_x's contract.
+// Each group of R = kGemvRowsPerSimdgroup (4) consecutive rows is shared by kGemvSplitK (2)
+// simdgroups (simdgroup sg: row group sg / 2, split sg % 2), split ks over the chunk runs ks,
+// ks + 2, ... of the rows. A simdgroup splits into teams of T lanes (T = the largest power of
+// two <= the chunks per row, in [32 / R, 32]); a team owns R T / 32 of the rows, its lanes
+// read consecutive 16-byte chunks of those rows (adjacent lanes, adjacent bytes) and load each
+// x chunk once for all the team's rows. fp32 accumulation, dequantisation in registers, a
+// butterfly (simd_shuffle_xor) sum over the team, the splits' sums joined through threadgroup
+// memory (q_split_join); lane r of a split-0 team stores row r. ADD: y[row] += W x (residual
+// update for o_proj). Threadgroup: a multiple of 64 threads (64 recommended), at most 256;
+// any number of threadgroups >= ceil(rows / (R * simdgroups / 2)); rows past `rows` are
+// skipped. XSrc: where a chunk of x comes from (PlainX, GatedNormX), its load(c, xs) is
+// q_load_x's contract.
 template <int BITS, bool ADD, typename XSrc>
 inline void gemv_body(device const uint4* w, device const bfloat* scales, device const bfloat* biases,
-                      XSrc x, device float* y, constant GemvArgs& args, uint tg, uint sg, uint nsg,
-                      uint lane) {
+                      XSrc x, device float* y, constant GemvArgs& args, threadgroup float* part, uint tg,
+                      uint sg, uint nsg, uint lane) {
   const uint chunks = args.cols * BITS / 128;
   const uint groups = args.cols / kQuantGroup;
   const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
-  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint ks = sg % kGemvSplitK;
+  const uint slot = sg / kGemvSplitK * kGemvRowsPerSimdgroup + t.team * t.rows;  // within the threadgroup
+  const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
   const uint nrows = row0 < args.rows ? min(t.rows, args.rows - row0) : 0u;
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
+    for (uint c = t.lane + ks * t.size; c < chunks; c += kGemvSplitK * t.size) {
       float4 xs[QChunk<BITS>::float4s];
       const float xsum = x.load(c, xs);
       q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
     }
   }
-  const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
+  float v = team_reduce_rows(acc, t);
+  if (q_split_join(v, part, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
     const uint row = row0 + t.lane;
     y[row] = ADD ? y[row] + v : v;
   }
@@ -94,7 +99,8 @@ template <int BITS, bool ADD>
                    uint sg [[simdgroup_index_in_threadgroup]],
                    uint nsg [[simdgroups_per_threadgroup]],
                    uint lane [[thread_index_in_simdgroup]]) {
-  gemv_body<BITS, ADD>(w, scales, biases, PlainX<BITS>{x}, y, args, tg, sg, nsg, lane);
+  threadgroup float part[kSplitJoinMax];
+  gemv_body<BITS, ADD>(w, scales, biases, PlainX<BITS>{x}, y, args, part, tg, sg, nsg, lane);
 }
 template [[host_name("gemv_q4")]] [[kernel]] decltype(gemv_q<4, false>) gemv_q<4, false>;
 template [[host_name("gemv_q8")]] [[kernel]] decltype(gemv_q<8, false>) gemv_q<8, false>;
@@ -119,8 +125,9 @@ template <int BITS>
                          uint sg [[simdgroup_index_in_threadgroup]],
                          uint nsg [[simdgroups_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[kSplitJoinMax];
   const GatedNormX<BITS> src{x, ssq, z, nw, gargs.head_dim, gargs.splits, gargs.eps};
-  gemv_body<BITS, true>(w, scales, biases, src, y, args, tg, sg, nsg, lane);
+  gemv_body<BITS, true>(w, scales, biases, src, y, args, part, tg, sg, nsg, lane);
 }
 template [[host_name("gemv_gated_q4_add")]] [[kernel]] decltype(gemv_gated_q<4>) gemv_gated_q<4>;
 template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>) gemv_gated_q<8>;
@@ -129,30 +136,52 @@ template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>)
 // y_m = W_m xn for m < 4, xn = x * rsqrt(mean(x^2) + eps) * w, from the raw residual x.
 // The rows of the matrices are laid out one after another in the grid, each matrix padded
 // to whole threadgroups (a threadgroup's rows belong to one matrix): matrix m owns
-// t_m = ceil(rows[m] / (R * simdgroups)) threadgroups, R = args.rows_per_simdgroup (1, 2, 4
-// or 8: 8 amortises each x chunk over more rows, 1 spreads a small matrix such as the
-// 257-row router over enough simdgroups to fill the GPU), starting after those of matrices
-// < m. Every threadgroup computes sum(x^2) itself (one pass over x, then a threadgroup
-// sum: the same order in every threadgroup, so all of them use the same rsqrt) and applies
+// t_m = ceil(rows[m] / (R * simdgroups / S)) threadgroups, R = args.rows_per_simdgroup (1, 2,
+// 4 or 8: 8 amortises each x chunk over more rows, 1 spreads a small matrix such as the
+// 257-row router over enough simdgroups to fill the GPU), S = args.k_splits simdgroups per
+// group of R rows (gemv_q's split-K; 2 for the router: 257 rows on 258 threadgroups),
+// starting after those of matrices < m. Every threadgroup computes sum(x^2) itself (one pass
+// over x, then a threadgroup sum: the same order in every threadgroup, so all of them use the
+// same rsqrt) and applies
 // (x * inv) * w while loading each x chunk; the GEMV itself is gemv_q's (teams of lanes,
-// R rows per simdgroup). With write_xn, threadgroup 0 also stores the whole normalised
-// vector to xn (the values the dots used, bit for bit) for later kernels. Bindings of an
-// unused slot (rows = 0) are never accessed (bind any buffer; the simulator requires every
-// argument to be bound). xn must not overlap x.
-// The body shared by norm_gemv_q and embed_norm_gemv_q; x is the raw residual in device
-// memory or the embedding row in threadgroup memory (XPtr: a pointer to const float4).
-template <int BITS, typename XPtr>
-inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
-                           device const uint4* w0, device const bfloat* s0, device const bfloat* b0,
-                           device float* y0, device const uint4* w1, device const bfloat* s1,
-                           device const bfloat* b1, device float* y1, device const uint4* w2,
-                           device const bfloat* s2, device const bfloat* b2, device float* y2,
-                           device const uint4* w3, device const bfloat* s3, device const bfloat* b3,
-                           device float* y3, constant NormGemvArgs& args, threadgroup float* scratch,
-                           uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
+// R rows per simdgroup). Each lane's first weight chunk is loaded before the norm
+// (norm_gemv_start), so the norm's reduction and barriers run while that round trip is in
+// flight instead of in front of it. With write_xn, threadgroup 0 also stores the whole
+// normalised vector to xn (the values the dots used, bit for bit) for later kernels.
+// Bindings of an unused slot (rows = 0) are never accessed (bind any buffer; the simulator
+// requires every argument to be bound). xn must not overlap x.
+
+// A threadgroup's share of norm_gemv: its matrix, its lanes' rows and their first chunk,
+// already requested (norm_gemv_start).
+struct NormGemvTile {
+  bool has_rows;  // false: past the last matrix (threadgroup 0 may still store xn)
+  device const uint4* w;
+  device const bfloat* scales;
+  device const bfloat* biases;
+  device float* y;
+  uint chunks;
+  uint groups;
+  QTeam t;
+  uint splits;         // simdgroups sharing a row group (args.k_splits)
+  uint ks;             // this simdgroup's split: chunk runs ks, ks + splits, ...
+  uint slot;           // the team's first row within the threadgroup
+  uint row0;
+  uint nrows;          // this lane's rows (0: none)
+  QChunkRows first;    // chunk t.lane + ks t.size of them (when nrows > 0 and it exists)
+};
+
+template <int BITS>
+inline NormGemvTile norm_gemv_start(device const uint4* w0, device const bfloat* s0, device const bfloat* b0,
+                                    device float* y0, device const uint4* w1, device const bfloat* s1,
+                                    device const bfloat* b1, device float* y1, device const uint4* w2,
+                                    device const bfloat* s2, device const bfloat* b2, device float* y2,
+                                    device const uint4* w3, device const bfloat* s3, device const bfloat* b3,
+                                    device float* y3, constant NormGemvArgs& args, uint tg, uint sg, uint nsg,
+                                    uint lane) {
   // the matrix this threadgroup works on (uniform over the threadgroup)
   const uint rps = clamp(args.rows_per_simdgroup, 1u, 8u);  // 1, 2, 4 or 8 (checked by the host)
-  const uint tg_rows = rps * nsg;
+  const uint splits = clamp(args.k_splits, 1u, 2u);
+  const uint tg_rows = rps * nsg / splits;
   uint m = 0;
   uint first = 0;  // first threadgroup of matrix m
   uint tiles = (args.rows[0] + tg_rows - 1) / tg_rows;
@@ -161,8 +190,35 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
     ++m;
     tiles = (args.rows[m] + tg_rows - 1) / tg_rows;
   }
-  const bool has_rows = tg < first + tiles;
-  if (!has_rows && !(tg == 0 && args.write_xn != 0)) {
+  NormGemvTile tl;
+  tl.has_rows = tg < first + tiles;
+  tl.w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
+  tl.scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
+  tl.biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
+  tl.y = m == 0 ? y0 : (m == 1 ? y1 : (m == 2 ? y2 : y3));
+  const uint rows = args.rows[m];
+  tl.chunks = args.cols * BITS / 128;
+  tl.groups = args.cols / kQuantGroup;
+  tl.t = q_team(tl.chunks, rps, lane);
+  tl.splits = splits;
+  tl.ks = sg % splits;
+  tl.slot = sg / splits * rps + tl.t.team * tl.t.rows;
+  tl.row0 = (tg - first) * tg_rows + tl.slot;
+  tl.nrows = tl.has_rows && tl.row0 < rows ? min(tl.t.rows, rows - tl.row0) : 0u;
+  const uint c0 = tl.t.lane + tl.ks * tl.t.size;
+  if (tl.nrows > 0 && c0 < tl.chunks) {
+    q_chunk_load<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, c0, tl.first);
+  }
+  return tl;
+}
+
+// The norm and the rows of tile tl, on x: the raw residual in device memory or the embedding
+// row in threadgroup memory (XPtr: a pointer to const float4).
+template <int BITS, typename XPtr>
+inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn, thread const NormGemvTile& tl,
+                           constant NormGemvArgs& args, threadgroup float* scratch, threadgroup float* part,
+                           uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
+  if (!tl.has_rows && !(tg == 0 && args.write_xn != 0)) {
     return;  // the whole threadgroup: past the last matrix
   }
 
@@ -180,32 +236,27 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn,
       xn[i] = rms_apply4(x[i], inv, nw, i);
     }
   }
-  if (!has_rows) {
+  if (!tl.has_rows) {
     return;
   }
 
-  device const uint4* w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
-  device const bfloat* scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
-  device const bfloat* biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
-  device float* y = m == 0 ? y0 : (m == 1 ? y1 : (m == 2 ? y2 : y3));
-  const uint rows = args.rows[m];
-  const uint chunks = args.cols * BITS / 128;
-  const uint groups = args.cols / kQuantGroup;
-  const QTeam t = q_team(chunks, rps, lane);
-  const uint row0 = ((tg - first) * nsg + sg) * rps + t.team * t.rows;
-  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
-
+  const QTeam t = tl.t;
+  const uint c0 = t.lane + tl.ks * t.size;
+  const uint step = tl.splits * t.size;
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
-      float4 xs[QChunk<BITS>::float4s];
-      const float xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
-      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
+  if (tl.nrows > 0 && c0 < tl.chunks) {
+    float4 xs[QChunk<BITS>::float4s];
+    float xsum = q_load_x_norm<BITS>(x, nw, c0, inv, xs);
+    q_chunk_fma<BITS>(tl.first, tl.nrows, xs, xsum, acc);
+    for (uint c = c0 + step; c < tl.chunks; c += step) {
+      xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
+      q_chunk_rows<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, c, xs, xsum,
+                         acc);
     }
   }
-  const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
-    y[row0 + t.lane] = v;
+  float v = team_reduce_rows(acc, t);
+  if (q_split_join(v, part, t.lane, tl.nrows, tl.slot, tl.ks, tl.splits) && t.lane < tl.nrows) {
+    tl.y[tl.row0 + t.lane] = v;
   }
 }
 
@@ -237,8 +288,10 @@ template <int BITS>
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float scratch[32];
-  norm_gemv_body<BITS>(x, nw, xn, w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
-                       args, scratch, tg, tid, tcount, sg, nsg, lane);
+  threadgroup float part[kSplitJoinMax];
+  const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                                                args, tg, sg, nsg, lane);
+  norm_gemv_body<BITS>(x, nw, xn, tl, args, scratch, part, tg, tid, tcount, sg, nsg, lane);
 }
 template [[host_name("norm_gemv_q4")]] [[kernel]] decltype(norm_gemv_q<4>) norm_gemv_q<4>;
 template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_gemv_q<8>;
@@ -284,7 +337,11 @@ template <int BITS>
                               uint nsg [[simdgroups_per_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float scratch[32];
+  threadgroup float part[kSplitJoinMax];
   threadgroup float4 row[kEmbedMaxCols / 4];
+  // the first weight chunk requested before the row's lookup, as norm_gemv_q does before its norm
+  const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                                                args, tg, sg, nsg, lane);
   constexpr uint per_word = 32 / BITS;
   constexpr uint mask = (1u << BITS) - 1u;
   const uint words = eargs.cols / per_word;
@@ -305,7 +362,7 @@ template <int BITS>
       h[i] = row[i];
     }
   }
-  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, w0, s0, b0, y0, w1, s1, b1,
-                       y1, w2, s2, b2, y2, w3, s3, b3, y3, args, scratch, tg, tid, tcount, sg, nsg, lane);
+  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, tl, args, scratch, part, tg, tid,
+                       tcount, sg, nsg, lane);
 }
 template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv_q<4>) embed_norm_gemv_q<4>;

@@ -6,6 +6,12 @@
 #ifndef LILY_MIXER_ARGS_H
 #define LILY_MIXER_ARGS_H
 
+// gdn_decode_step: state rows a simdgroup updates side by side (gdn.metal): their loads are
+// issued together and their arithmetic interleaves, so a simdgroup waits for one round trip per
+// ring entry and per step rather than one per row. The runtime's 4 rows per simdgroup are one
+// batch.
+constant constexpr uint kGdnRowBatch = 4;
+
 // gdn_decode_step_k<Dk>_v<Dv>: one Gated DeltaNet decode step (conv, norms, gates,
 // delta-rule update; y and its per-split sums of squares: the gated RMSNorm is out_proj's,
 // gemv_gated_q*_add). Dk, Dv are template parameters of the kernel; the grid's y is NS.
@@ -98,5 +104,6 @@ struct AttnCombineArgs {
 
 #define LILY_MIXER_ARG_STRUCTS(S) \
   S(GdnDecodeArgs) S(AttnPrepArgs) S(AttnDecodeArgs) S(AttnFusedArgs) S(AttnCombineArgs)
+#define LILY_MIXER_CONSTANTS(C) C(kGdnRowBatch)
 
 #endif  // LILY_MIXER_ARGS_H

@@ -148,8 +148,9 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // moe_route fused into moe_gate_up_swiglu_q4 (one dispatch and one barrier stage fewer).
 // Same grid and hbuf as moe_gate_up_swiglu_q4. Every simdgroup of routed slot j computes
 // the router softmax and the first j+1 top-k rounds from the logits itself
-// (route_topk_simd: registers and shuffles, no threadgroup memory, no barrier), so its
-// first weight load waits for no other simdgroup; the shared-slot threadgroups skip the
+// (route_topk_simd: registers and shuffles, no threadgroup memory, no barrier; 8 registers
+// per lane for up to 256 experts, each round a 3-level tree over them and two reductions), so
+// its first weight load waits for no other simdgroup; the shared-slot threadgroups skip the
 // routing. Simdgroup 0 of threadgroup (0, 0) runs all k rounds and stores ids [k] and
 // weights [k+1] for moe_down_q4, with weights[k] = sigmoid(logits[experts]): the
 // shared-expert gate logit is row E of the router output (norm_gemv_q8 with mlp.gate and
@@ -187,7 +188,9 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
   const uint rounds = shared ? 0u : (leader && sg == 0 ? k : slot + 1);
   uint e = 0;
   if (rounds > 0) {
-    const RoutePicks pk = route_topk_simd(logits, n, rounds, slot, lane);
+    const RoutePicks pk = n <= 32 * kRouteSimdRowsSmall
+                              ? route_topk_simd<kRouteSimdRowsSmall>(logits, n, rounds, slot, lane)
+                              : route_topk_simd<kRouteSimdRowsMax>(logits, n, rounds, slot, lane);
     if (leader && sg == 0) {
       if (lane < k) {
         ids[lane] = pk.my_id;
@@ -209,8 +212,10 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
-// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups)); each simdgroup owns
-// kGemvRowsPerSimdgroup (4) rows of the residual.
+// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64
+// threads; each group of kGemvRowsPerSimdgroup (4) rows of the residual is shared by
+// kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
+// split-K, joined by q_split_join).
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
                         device const uint* ids [[buffer(1)]],          // [top_k]
                         device const float* weights [[buffer(2)]],     // [top_k + 1]
@@ -226,6 +231,7 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[kSplitJoinMax];
   const uint k = args.top_k;
   const uint chunks = args.inter / 32;
   const uint groups = args.inter / kQuantGroup;
@@ -235,12 +241,14 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
   const uint total = routed + schunks;
 
   const QTeam t = q_team(total, kGemvRowsPerSimdgroup, lane);
-  const uint row0 = (tg * nsg + sg) * kGemvRowsPerSimdgroup + t.team * t.rows;
+  const uint ks = sg % kGemvSplitK;
+  const uint slot = sg / kGemvSplitK * kGemvRowsPerSimdgroup + t.team * t.rows;  // within the threadgroup
+  const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
   const uint nrows = row0 < args.hidden ? min(t.rows, args.hidden - row0) : 0u;
 
   float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   if (nrows > 0) {
-    for (uint f = t.lane; f < total; f += t.size) {
+    for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
       const bool shared = f >= routed;
       const uint slot = shared ? k : f / chunks;
       const uint c = shared ? f - routed : f - slot * chunks;
@@ -254,8 +262,8 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                       nrows, c, xs, xsum, acc);
     }
   }
-  const float v = team_reduce_rows(acc, t);
-  if (t.lane < nrows) {
+  float v = team_reduce_rows(acc, t);
+  if (q_split_join(v, part, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
     residual[row0 + t.lane] += v;
   }
 }

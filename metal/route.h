@@ -107,29 +107,35 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
 
 // ---- router softmax + top-k in one simdgroup ------------------------------------------
 // route_topk's arithmetic without threadgroup memory or barriers: each simdgroup computes
-// the routing on its own, lane l holding the probabilities of experts r * 32 + l in
-// registers. The maximum is exact whatever the order, the row sums are the same simd_sums
-// added in the same row order, and a round's winner (largest p, ties to the lower index)
-// does not depend on how the search is split, so the picks and weights are bit-identical
-// to route_topk's. Used by the decode gate/up kernel, whose every simdgroup needs its
-// slot's expert before its first weight load: a few shuffles per round instead of
-// barrier-separated threadgroup rounds. n <= kRouteMaxExperts; `rounds` is uniform over
-// the simdgroup.
-constant constexpr uint kRouteRowsPerLane = kRouteMaxExperts / 32;
+// the routing on its own, lane l holding the probabilities of experts r * 32 + l in its RPL
+// registers (RPL >= ceil(n / 32); the caller instantiates the smallest of a few, so a round
+// walks only the registers the expert count needs). The maximum is exact whatever the order,
+// the row sums are the same simd_sums added in the same row order, and a round's winner
+// (largest p, ties to the lower index) does not depend on how the search is split, so the
+// picks and weights are bit-identical to route_topk's. A lane finds its own best by a tree
+// over its registers (log2 RPL levels), then simd_max / simd_min pick the simdgroup's. Used
+// by the decode gate/up kernel, whose every simdgroup needs its slot's expert before its
+// first weight load: a few shuffles per round instead of barrier-separated threadgroup
+// rounds. n <= 32 * RPL <= kRouteMaxExperts; `rounds` is uniform over the simdgroup.
+// The registers per lane of route_topk_simd's instantiations: up to 256 experts (the model's),
+// and up to kRouteMaxExperts.
+constant constexpr uint kRouteSimdRowsSmall = 8;
+constant constexpr uint kRouteSimdRowsMax = kRouteMaxExperts / 32;
 
+template <uint RPL>
 inline RoutePicks route_topk_simd(device const float* logits, uint n, uint rounds, uint want,
                                   uint lane) {
   const uint nrow = (n + 31) / 32;
-  float p[kRouteRowsPerLane];
+  float p[RPL];
   float m = -INFINITY;
-  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+  for (uint r = 0; r < RPL; ++r) {
     const uint i = r * 32 + lane;
     p[r] = (r < nrow && i < n) ? logits[i] : -INFINITY;
     m = max(m, p[r]);
   }
   m = simd_max(m);
   float s = 0.0f;
-  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+  for (uint r = 0; r < RPL; ++r) {
     if (r < nrow) {  // uniform over the simdgroup
       const uint i = r * 32 + lane;
       const float e = i < n ? exp(p[r] - m) : 0.0f;
@@ -137,25 +143,34 @@ inline RoutePicks route_topk_simd(device const float* logits, uint n, uint round
       s += simd_sum(e);
     }
   }
-  for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+  for (uint r = 0; r < RPL; ++r) {
     const uint i = r * 32 + lane;
-    p[r] = (r < nrow && i < n) ? p[r] / s : -1.0f;  // past n: never picked
+    const float q = (r < nrow && i < n) ? p[r] / s : -1.0f;  // past n: never picked
+    p[r] = q > -1.0f ? q : -1.0f;  // NaN, which no round picks, as -1 (the tree compares)
   }
 
   RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
   for (uint j = 0; j < rounds; ++j) {
-    float bp = -1.0f;
-    uint bi = 0xFFFFFFFFu;
-    for (uint r = 0; r < kRouteRowsPerLane; ++r) {  // increasing index: the lowest on ties
-      if (p[r] > bp) {
-        bp = p[r];
-        bi = r * 32 + lane;
+    // this lane's largest p, the lowest register (= expert index) on ties
+    float tp[RPL];
+    uint tr[RPL];
+    for (uint r = 0; r < RPL; ++r) {
+      tp[r] = p[r];
+      tr[r] = r;
+    }
+    for (uint w = RPL / 2; w >= 1; w /= 2) {
+      for (uint r = 0; r < w; ++r) {
+        const bool hi = tp[r + w] > tp[r] || (tp[r + w] == tp[r] && tr[r + w] < tr[r]);
+        tp[r] = hi ? tp[r + w] : tp[r];
+        tr[r] = hi ? tr[r + w] : tr[r];
       }
     }
+    const float bp = tp[0] > -1.0f ? tp[0] : -1.0f;
+    const uint bi = tp[0] > -1.0f ? tr[0] * 32 + lane : 0xFFFFFFFFu;
     const float wp = simd_max(bp);
     const uint wi = simd_min(bp == wp ? bi : 0xFFFFFFFFu);
     if (wi < n && wi % 32 == lane) {
-      for (uint r = 0; r < kRouteRowsPerLane; ++r) {
+      for (uint r = 0; r < RPL; ++r) {
         p[r] = r == wi / 32 ? -1.0f : p[r];
       }
     }

@@ -42,11 +42,12 @@ def test_every_argument_struct_is_reflected_in_order():
 def test_pack_args_by_name():
     """Fields land at their offsets as uint32 / float32, whatever order they are given in;
     an array field takes its values in order."""
-    b = pack_args("NormGemvArgs", eps=1e-6, rows_per_simdgroup=8, write_xn=True, cols=2048, rows=[3, 2, 1, 0])
-    assert len(b) == _core.KERNEL_ARGS["NormGemvArgs"][0] == 32
+    b = pack_args("NormGemvArgs", eps=1e-6, k_splits=2, rows_per_simdgroup=8, write_xn=True, cols=2048,
+                  rows=[3, 2, 1, 0])
+    assert len(b) == _core.KERNEL_ARGS["NormGemvArgs"][0] == 36
     assert np.frombuffer(b[:16], np.uint32).tolist() == [3, 2, 1, 0]
     assert np.frombuffer(b, np.uint32)[4] == 2048 and np.frombuffer(b, np.float32)[5] == np.float32(1e-6)
-    assert np.frombuffer(b[24:], np.uint32).tolist() == [1, 8]
+    assert np.frombuffer(b[24:], np.uint32).tolist() == [1, 8, 2]
 
 
 @pytest.mark.parametrize("struct,fields,message", [
@@ -57,7 +58,8 @@ def test_pack_args_by_name():
     ("GemvArgs", {"rows": 2**32, "cols": 64}, "GemvArgs.rows is a uint"),
     ("GemvArgs", {"rows": 1.5, "cols": 64}, "GemvArgs.rows is a uint"),
     ("NormArgs", {"n": 64, "eps": "small"}, "NormArgs.eps is a float"),
-    ("NormGemvArgs", {"rows": [1, 2], "cols": 64, "eps": 1e-6, "write_xn": 0, "rows_per_simdgroup": 4},
+    ("NormGemvArgs", {"rows": [1, 2], "cols": 64, "eps": 1e-6, "write_xn": 0, "rows_per_simdgroup": 4,
+                      "k_splits": 1},
      "NormGemvArgs.rows: 4 values, got 2"),
 ])
 def test_pack_args_refuses(struct, fields, message):

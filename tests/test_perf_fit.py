@@ -132,8 +132,11 @@ def test_estimate_takes_the_fitted_machine(measured):
     published = estimate.estimate("m5max", contexts=(4096,), prompts=(4096,))
     assert fitted["calibration"]["fitted_from"] == "run.json" and published["calibration"]["fitted_from"] is None
     assert fitted["calibration"]["stage_gap_us"] == pytest.approx(1.8, rel=2e-3)
-    for end in ("low", "likely", "high"):  # the measured constants hold in every scenario
-        assert fitted["decode"][0]["tok_s"][end] > published["decode"][0]["tok_s"][end]  # faster streaming, stages
+    # the measured constants hold in every scenario: faster streaming and stages than the
+    # published calibration's low and likely (its high comes from a refit to pplx-garden's step
+    # at the latency ends, which may exceed any fitted machine's)
+    for end in ("low", "likely"):
+        assert fitted["decode"][0]["tok_s"][end] > published["decode"][0]["tok_s"][end]
     assert fitted["prefill"][0]["tok_s"]["likely"] < published["prefill"][0]["tok_s"]["likely"]  # slower matrices
     gaps = [x["stage_gap_us"] for e in ("low", "high") for x in fitted["calibration"]["decompositions"][e]]
     assert gaps == pytest.approx([1.8] * len(gaps), rel=2e-3)

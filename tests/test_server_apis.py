@@ -249,7 +249,7 @@ def test_messages_errors_have_anthropic_shape(srv, engine):
 
 def test_messages_auth_queue_and_strict_model(engine):
     engine.set_script("word " * 100, delay=0.05)
-    s = Server(create_app(engine, model_name="forced", api_key="k", max_queue=0, strict_model_name=True))
+    s = Server(create_app(engine, model_name="forced", api_key="k", max_queue=0, max_batch=1, strict_model_name=True))
     try:
         url = s.base + "/v1/messages"
         body = {"model": "forced", "max_tokens": 50, "messages": ASK, "stream": True}
@@ -275,7 +275,7 @@ def test_messages_auth_queue_and_strict_model(engine):
             next(lines)
             r2 = httpx.post(url, json=body, headers={"x-api-key": "k"})
             _anthropic_error(r2, 429, "rate_limit_error")
-            assert r2.headers["retry-after"] == "1"
+            assert int(r2.headers["retry-after"]) >= 1  # the scheduler's estimate, whole seconds
         wait_idle(s)
     finally:
         s.stop()

@@ -34,7 +34,8 @@ def test_sigint_while_streaming_ends_everything_cleanly(tmp_path):
     promptly without a traceback (before the fix: a 5 s wait, then uvicorn cancelled the
     stream task with a CancelledError traceback and the stream was cut)."""
     port = free_port()
-    with running_server(lily_serve_argv(port), port, tmp_path / "server.log") as server:
+    # one generation at a time, so the second request waits in the queue
+    with running_server(lily_serve_argv(port, "--max-batch", "1"), port, tmp_path / "server.log") as server:
         base, proc = server.base, server.proc
         queued: dict = {}
 

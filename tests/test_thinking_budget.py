@@ -11,7 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from lily.engine import THINKING_CLOSE_TEXT, Engine, _ThinkingBudget
+from lily.engine import THINKING_CLOSE_TEXT, Engine
+from lily.generation import ThinkingBudget as _ThinkingBudget
 from lily.errors import InvalidParameterError
 from lily.sampling import SamplingParams
 from lily.structured import Grammar

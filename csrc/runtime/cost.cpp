@@ -120,11 +120,11 @@ void add(Cost& w, Path p, double flops) { w.flops[int(p)] += flops; }
 void chain(Cost& w, Lat k, double n) { w.chain[int(k)] += n; }
 void loop(Cost& w, Lat k, double n) { w.loop[int(k)] += n; }
 // Iterations per lane of a decode GEMV's chunk loop (gemv.metal gemv_body, q_team): 16-byte
-// chunks of a row strided over a team of up to 32 lanes.
-double gemv_iterations(double chunks, double rows_per_simdgroup) {
+// chunks of a row strided over a team of up to 32 lanes and `splits` simdgroups (split-K).
+double gemv_iterations(double chunks, double rows_per_simdgroup, double splits = 1) {
   double team = 32;
   while (team > 32 / rows_per_simdgroup && team > chunks) team /= 2;
-  return std::ceil(chunks / team);
+  return std::ceil(chunks / (team * splits));
 }
 // A part of the chain before the threadgroup's bulk traffic (also in the chain).
 void lead(Cost& w, Lat k, double n) {
@@ -147,13 +147,21 @@ void chain(Cost& w, const Steps& s, double times, bool is_lead = false) {
 // threadgroup_sum / threadgroup_max (common.h): a simdgroup reduction, two barriers around the
 // scratch, then the nsg partials added in order.
 Steps tg_reduce(double simdgroups) { return Steps{0, 0, 0, 2, 1, simdgroups}; }
+// Simdgroups sharing a row group in gemv_q* and moe_down_q4 (decode_args.h).
+constexpr double kGemvSplitK = args::kGemvSplitK;
+// q_split_join (common.h): the other splits' sums through threadgroup memory behind a barrier.
+void split_join(Cost& w, double splits) {
+  if (splits > 1) chain(w, Steps{0, 0, 1, 1, 0, splits - 1}, 1);
+}
 // team_reduce_rows (common.h): log2(team) shuffle + add levels over float4s (the teams of the
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
-constexpr double kGemvRows = 4;  // kGemvRowsPerSimdgroup (common.h): gemv_q*, moe_down_q4, gate/up
-// route_topk_simd's registers per lane (route.h kRouteRowsPerLane = kRouteMaxExperts / 32,
-// common.h): every softmax and round pass walks all of them.
-constexpr double kRouteRowsPerLane = 1024 / 32;
+constexpr double kGemvRows = args::kGemvRowsPerSimdgroup;  // gemv_q*, moe_down_q4, gate/up
+constexpr double kGdnRowBatch = args::kGdnRowBatch;  // gdn.metal: state rows a simdgroup updates side by side
+// route_topk_simd's registers per lane (route.h): 8 up to 256 experts
+// (kRouteSimdRowsSmall), else kRouteMaxExperts / 32 (common.h); the softmax walks them in
+// order, a round's search is a tree over them.
+double route_rows_per_lane(uint32_t experts) { return experts <= 256 ? 8 : 1024 / 32; }
 double simdgroups_of(const gpu::DispatchRecord& r) { return double(r.threads.count()) / 32; }
 
 // The k loop of a prefill GEMM threadgroup (gemm_tensor.h gemm_tensor_gemm, gemm_tiles.h
@@ -254,16 +262,18 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("dense projections");
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols);
     w.bytes = declared(r);
-    // the chunk loop, the team reduction, then (_add) y[row] read after it
+    // the chunk loop, the team reduction, the splits' join, then (_add) y[row] read after it
     const double bits = k.find("q8") != std::string::npos ? 8.0 : 4.0;
-    loop(w, Lat::dram, gemv_iterations(a.cols * bits / 128, kGemvRows) - 1);
+    loop(w, Lat::dram, gemv_iterations(a.cols * bits / 128, kGemvRows, kGemvSplitK) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, ends(k, "_add") ? 1 : 0);
     return w;
   }
   // out_proj of a GDN layer: gemv_q*_add plus the gated norm on load, per x value and
-  // simdgroup that loads it (each loads all of x: cols >= 32 chunks): scale, weight, SiLU
-  // (~4) and the gate product; per chunk the head's NS partial sums and 1/sqrt (~8).
+  // simdgroup that loads it (each loads its split's 1 / kGemvSplitK of x: cols >= 64 chunks):
+  // scale, weight, SiLU (~4) and the gate product; per chunk the head's NS partial sums and
+  // 1/sqrt (~8).
   if (k == "gemv_gated_q4_add" || k == "gemv_gated_q8_add") {
     const auto a = arg<args::GemvArgs>(r);
     const auto gn = arg<args::GatedNormArgs>(r);
@@ -271,10 +281,12 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const double simdgroups = groups * (r.threads.count() / 32);
     const double per_chunk = 128.0 / (k == "gemv_gated_q4_add" ? 4 : 8);
     add(w, Path::alu_f32, (2 + kDequantOps) * double(a.rows) * a.cols +
-                              simdgroups * a.cols * (8.0 + (8.0 + gn.splits) / per_chunk));
+                              simdgroups * a.cols / kGemvSplitK * (8.0 + (8.0 + gn.splits) / per_chunk));
     w.bytes = declared(r);
-    loop(w, Lat::dram, gemv_iterations(a.cols * (k == "gemv_gated_q4_add" ? 4.0 : 8.0) / 128, kGemvRows) - 1);
+    loop(w, Lat::dram,
+         gemv_iterations(a.cols * (k == "gemv_gated_q4_add" ? 4.0 : 8.0) / 128, kGemvRows, kGemvSplitK) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);  // as gemv_q*_add
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);
     return w;
   }
@@ -295,14 +307,17 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
       lead(w, Lat::alu, 32 / 4 * 2);
       lead(w, Lat::barrier, 1);
     }
-    // every threadgroup: the norm's sum of squares (threadgroup_sum), rsqrt, and only then,
-    // after the barriers, its first weight load (gemv.metal norm_gemv_body)
+    // every threadgroup: the norm's sum of squares (threadgroup_sum) and rsqrt before its
+    // first x chunk is scaled. Its lanes' first weight chunk is requested before the norm
+    // (gemv.metal norm_gemv_start), so that round trip runs beside it instead of after it:
+    // the lead is the norm alone (its pass over x is the loop below, as before)
     chain(w, tg_reduce(simdgroups_of(r)), 1, true);
     lead(w, Lat::alu, 2);
-    lead(w, Lat::dram, 1);
     loop(w, Lat::mem, std::ceil(a.cols / 4.0 / r.threads.count()) - 1);  // the sum of squares' pass over x
-    loop(w, Lat::dram, gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup) - 1);
+    loop(w, Lat::dram,
+         gemv_iterations(a.cols * (ends(k, "q8") ? 8.0 : 4.0) / 128, a.rows_per_simdgroup, a.k_splits) - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, a.k_splits);
     return w;
   }
   // ---- decode MoE (fp32 ALU): routed stacks declared whole, top-k experts read
@@ -310,18 +325,24 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const auto a = arg<args::MoeRouteArgs>(r);
     Cost w = make("routed experts");
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
-    // router softmax + top-k rounds replayed by every simdgroup of a routed slot
-    const double routing_simdgroups = double(r.groups.x) * a.top_k * (r.threads.count() / 32);
+    // route_topk_simd (route.h) in every simdgroup of a routed slot, per lane: the softmax over
+    // its RPL registers (a load and a max, an exp, a simd_sum as five shuffle-add levels, an add
+    // and a division: ~17 each), then slot j's j + 1 rounds (the leader's k), each a tree over
+    // the registers (RPL - 1 nodes of ~6), simd_max and simd_min (~20) and the removal (RPL).
+    const double rpl = route_rows_per_lane(a.experts);
+    const double routing_lanes = double(r.groups.x) * (r.threads.count() / 32) * 32;
+    const double rounds = a.top_k * (a.top_k + 1) / 2.0;  // over the k slots
     add(w, Path::alu_f32, 2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows +
-                              routing_simdgroups * a.experts * (4.0 + a.top_k));
+                              routing_lanes * (a.top_k * 17 * rpl + rounds * (7 * rpl + 14)));
     w.bytes = declared(r) - 2.0 * (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
-    // route_topk_simd (route.h) before the first weight load, whose address is the pick: the
-    // softmax (a max over kRouteRowsPerLane registers, simd_max, the row sums added in order)
-    // and one round per pick (a compare-select pass over the registers, simd_max, simd_min).
-    // Slot j's simdgroups run j + 1 rounds, the leader's all k: the lead takes the mean over
-    // the slots, k / 2, the chain the longest, k.
-    const Steps softmax{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
-    const Steps round{0, 0, 0, 0, 2, 2.0 * kRouteRowsPerLane + 6};
+    // route_topk_simd before the first weight load, whose address is the pick: the softmax
+    // (the max over the RPL registers in order, simd_max, the row sums' simd_sums side by side
+    // added in order, the division) and one round per pick (the tree's log2 RPL levels of a
+    // compare and two selects, simd_max, simd_min, the removal). Slot j's simdgroups run j + 1
+    // rounds, the leader's all k: the lead takes the mean over the slots, k / 2, the chain the
+    // longest, k.
+    const Steps softmax{0, 0, 0, 0, 2, 2.0 * rpl + 4};
+    const Steps round{0, 0, 0, 0, 2, 3.0 * std::log2(rpl) + 3};
     chain(w, softmax, 1, true);
     chain(w, round, a.top_k / 2.0, true);
     lead(w, Lat::dram, 1);
@@ -335,13 +356,15 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("routed experts");
     add(w, Path::alu_f32, (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
     w.bytes = declared(r) - (a.experts - a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
-    // each chunk's weight address waits for ids[slot] (cached after the first)
-    const double its = gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows);
-    lead(w, Lat::mem, 1);
+    // each chunk's weight address waits for ids[slot] (cached after the first): the ids, h and
+    // weights are the dispatch's first loads, the weight rows the first dependent one
+    const double its =
+        gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
     lead(w, Lat::dram, 1);
     loop(w, Lat::dram, its - 1);
     loop(w, Lat::local, its - 1);
     chain(w, Lat::alu, kTeamReduceAlu);
+    split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);  // residual[row] read after the reduction
     return w;
   }
@@ -357,18 +380,16 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
                                                    12.0 * (double(r.groups.y) * Dk + Dv)));
     w.bytes = declared(r);
     // gdn.metal: the conv and SiLU into threadgroup memory, a barrier, the q/k L2 norms
-    // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows one
-    // after another: the row's state load, the replay of the `pending` ring entries
-    // (gdn_replay: a run-time loop; an entry's g, delta and k addresses do not depend on the
-    // previous entry's update, so its loads are the loop kind, overlapped as far as the
-    // compiler unrolls: counted a DRAM load per entry and row, which overstates the rows after
-    // the first, whose g and k (shared by the head's rows) and delta (the next float) are
-    // cache hits), the update (S k and S q, each a dependent dot and a simd_sum); then a
-    // barrier and the split's sum of squares.
-    const double R = double(Dv) / r.groups.y / simdgroups_of(r);
+    // (simd_sum) and the gates from loads after the barrier; then each simdgroup's R rows in
+    // batches of kGdnRowBatch (4: the runtime's R, one batch) side by side: the batch's state
+    // loads together, the replay of the `pending` ring entries (an entry's g, k and the batch's
+    // deltas loaded together, after the previous entry's update: one DRAM round trip per entry
+    // and batch, gdn_replay), the update (S k and S q, each a dependent dot and a simd_sum per
+    // row, the rows' in parallel); then a barrier and the split's sum of squares.
+    const double batches = std::ceil(double(Dv) / r.groups.y / simdgroups_of(r) / kGdnRowBatch);
     chain(w, Steps{0, 1, 1, 1, 1, 25}, 1, true);
-    chain(w, Steps{1, 0, 0, 0, 2, 13.0 + 2.0 * a.pending}, R);
-    loop(w, Lat::dram, R * a.pending);
+    chain(w, Steps{1, 0, 0, 0, 2, 13.0 + 2.0 * a.pending}, batches);
+    loop(w, Lat::dram, batches * a.pending);
     chain(w, Steps{0, 0, 1, 1, 1, 4}, 1);
     return w;
   }
@@ -378,11 +399,11 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("gated deltanet");
     add(w, Path::alu_f32, 2.0 * a.num_v_heads * a.pending * Dk * Dv);
     w.bytes = declared(r);
-    if (a.pending > 0) {  // R rows, each its state load and the replay (as the step's), then a barrier
-      const double R = double(Dv) / r.groups.y / simdgroups_of(r);
-      chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, R);
+    if (a.pending > 0) {  // the row batches, each its state loads and the replay (gdn_replay), then a barrier
+      const double batches = std::ceil(double(Dv) / r.groups.y / simdgroups_of(r) / kGdnRowBatch);
+      chain(w, Steps{1, 0, 0, 0, 0, 2.0 * a.pending}, batches);
       chain(w, Lat::dram, -1);  // the first load is the dispatch's own
-      loop(w, Lat::dram, R * a.pending);
+      loop(w, Lat::dram, batches * a.pending);
       chain(w, Lat::barrier, 1);
     }
     return w;
@@ -437,36 +458,40 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
 
   // ---- attention
   if (starts(k, "attn_decode_fused_d") || starts(k, "attn_decode_split_fused_d")) {
-    const uint32_t D = param(k, "_d");
+    const uint32_t D = param(k, "_d"), G = param(k, "_g");
     const auto a = arg<args::AttnFusedArgs>(r);
     const double keys = reads_of(r, "k cache") / (double(a.num_kv_heads) * D * 2) + 1;  // cached rows + new
     Cost w = make("attention");
-    // attend_rows, per head and key: the q.k dot (2 D) and the rescaled accumulation
-    // acc * corr + p * v (3 D); the online softmax's scalars (max, two differences, two exps,
-    // l's update: ~7) in each of the simdgroup's 32 lanes, not once per head
-    add(w, Path::alu_f32, double(a.num_q_heads) * keys * (5.0 * D + 7.0 * 32) +
-                              16.0 * (a.num_q_heads + a.num_kv_heads) * D);
+    // attend_rows (attention.metal), per lane and block of RB = 32 / G rows (each lane ends
+    // up with one of the block's RB x G (row, head) pairs, so this is also the count per pair):
+    // the K and V elements converted (2 RB NE), the dots (2 D), the reduce-scatter (31 shuffles,
+    // 31 adds, 62 selects), the head's max over log2(RB) shuffles and the pair's softmax (the
+    // masking, a max, two exps, l: ~11), the accumulation (per head and element a multiply and
+    // RB FMAs: G NE (1 + 2 RB)); the prep ~16 per element of its G + 1 vectors.
+    const double RB = 32.0 / G, NE = D / 32.0;
+    const double per_pair = 2 * RB * NE + 2.0 * D + 124 + 2 * std::log2(RB) + 11 + G * NE * (1 + 2 * RB);
+    add(w, Path::alu_f32,
+        double(a.num_q_heads) * keys * per_pair + 16.0 * (a.num_q_heads + a.num_kv_heads) * D);
     w.bytes = declared(r);
-    // attention.metal. fused_prep: per pass of 256 / D vectors (G query heads and the new k of
-    // the block holding the new row: the longest) a load, its simd_sum, a barrier, the norm
-    // weight load after it, RoPE, two more barriers. attend_rows: each simdgroup's rows one
-    // after another, each a KV load and the online softmax that the next row's loads wait
-    // behind (in-order issue): a DRAM round trip, one simd_sum (G <= 8: two float4 sums in
-    // flight), ~15 dependent steps. Then the merge: a barrier per head, the final barrier.
-    const uint32_t G = param(k, "_g");
-    const double passes = std::ceil(double(G + 1) / std::max(1u, kAttnDecodeThreads / D));
-    chain(w, Steps{0, 2, 0, 3, 1, 20}, passes, true);
-    lead(w, Lat::mem, -1);  // the first pass's load is the dispatch's own
+    // fused_prep: one simdgroup per vector (the G query heads, the new k), every load issued
+    // at once (the dispatch's first), the D/32 partial simd_sums side by side then added in
+    // order, the norm, the RoPE partner read back through threadgroup memory, then one
+    // barrier. attend_rows: each simdgroup's blocks one after another, a block's RB rows
+    // loaded together (one DRAM round trip) and then its dependent steps: the dots (NE), the
+    // reduce-scatter (5 levels of a select, a shuffle and an add), the max (log2 RB shuffles),
+    // the exps, the exchange through threadgroup memory, the accumulation (a multiply and RB
+    // FMAs). Then the merge: two barriers per head (one head's buffer), the output.
+    chain(w, Steps{0, 0, 1, 1, 1, NE + 8}, 1, true);
     const bool split = starts(k, "attn_decode_split");
     const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
     chain(w, Lat::local, 1);  // the prepared queries
-    const double rows_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32));
-    chain(w, Steps{0, 0, 0, 0, 1, 15}, rows_sg);
-    loop(w, Lat::dram, rows_sg);
-    chain(w, Steps{0, 0, 1, 1, 0, 20}, G);
+    const double blocks_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32 * RB));
+    chain(w, Steps{0, 0, 1, 0, 0, NE + 15 + 2 * std::log2(RB) + 7 + RB}, blocks_sg);
+    loop(w, Lat::dram, blocks_sg);
+    chain(w, Steps{0, 0, 1, 2, 0, 20}, G);
     chain(w, Steps{0, split ? 0.0 : 1.0, 0, 1, 0, 8}, 1);  // the gate (unsplit) and the output
-    w.threadgroup_memory = 4 * (8 * (D + 2 * param(k, "_g")) + 2 * param(k, "_g") * D + 2 * D + 264 +
-                                2 * param(k, "_g"));
+    // red_m, red_l [8 G], qs / red [8 D], kcur, vcur [D], xch [8 (32 + G)]
+    w.threadgroup_memory = 4 * (16 * G + 8 * D + 2 * D + 8 * (32 + G));
     return w;
   }
   if (starts(k, "attn_combine_d")) {
@@ -474,12 +499,13 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     add(w, Path::alu_f32, 4.0 * a.num_q_heads * a.max_blocks * param(k, "_d"));
     w.bytes = declared(r);
-    // attn_combine (attention.metal): the max over the blocks' partials (a load and a max per
-    // block, in order), every 8th block's weighted sum per simdgroup, a barrier, the gate. The
-    // blocks are at most max_blocks (the runtime's split_rows gives about that many).
-    const double nb = a.max_blocks, per_sg = std::ceil(nb / 8);
-    chain(w, Steps{0, 1, 0, 1, 0, 2 * nb + 6 * per_sg + 10}, 1);
-    loop(w, Lat::mem, nb + per_sg);
+    // attn_combine (attention.metal): the max over the blocks' partials (each lane the blocks
+    // lane, lane + 32, ...: a load and a max each, then simd_max), every 8th block's weighted
+    // sum per simdgroup, a barrier, the gate. The blocks are at most max_blocks (the runtime's
+    // split_rows gives about that many).
+    const double nb = a.max_blocks, per_lane = std::ceil(nb / 32), per_sg = std::ceil(nb / 8);
+    chain(w, Steps{0, 1, 0, 1, 1, 2 * per_lane + 6 * per_sg + 10}, 1);
+    loop(w, Lat::mem, per_lane + per_sg);
     return w;
   }
   if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)

@@ -21,7 +21,8 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kGemvRowsPerGroup = args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
+constexpr uint32_t kGemvRowsPerGroup =
+    args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
 constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
 
 }  // namespace
@@ -167,9 +168,9 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
   // With `embed`, the step's embedding lookup is fused in (embed_norm_gemv_q4): the row of
   // the token in this step's slot becomes h (written) and the norm's input.
   auto norm_gemv = [&](const TensorRef& norm_w, std::initializer_list<Proj> projs, bool xn_out, uint32_t rps,
-                       const std::string& label, bool embed = false) {
-    const uint32_t per_group = rps * kGemvThreads / 32;
-    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps};
+                       uint32_t splits, const std::string& label, bool embed = false) {
+    const uint32_t per_group = rps * kGemvThreads / 32 / splits;
+    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps, splits};
     uint32_t groups = 0;
     Op op(embed ? *K.embed_norm_gemv : K.norm_gemv[projs.begin()->w.bits], label);
     if (embed) {
@@ -212,7 +213,7 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
                                     {g.in_proj_z, s.z.get(), 0, Hv * Dv},
                                     {g.in_proj_b, s.b.get(), 0, Hv},
                                     {g.in_proj_a, s.a.get(), 0, Hv}},
-                false, kNormGemvRows,
+                false, kNormGemvRows, 1,
                 labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
       // gdn_decode_step: kGdnDecodeSplits threadgroups per head; y and per-split sums of
       // squares, the gated norm is out_proj's
@@ -235,8 +236,8 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
       norm_gemv(*layer.input_norm, {{a.q_proj, s.qg.get(), 0, Hq * D * 2},
                                     {a.k_proj, s.k.get(), 0, Hkv * D},
                                     {a.v_proj, s.v.get(), 0, Hkv * D}},
-                false, kNormGemvRows, labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"),
-                first);
+                false, kNormGemvRows, 1,
+                labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"), first);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
       // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
@@ -286,7 +287,7 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
     norm_gemv(*layer.post_attention_norm,
               {{m.gate, s.router.get(), 0, E}, {m.shared_expert_gate, s.router.get(), E * f, 1}}, true,
-              kRouterRows, labels_(l, "post-attention norm + router|shared gate"));
+              kRouterRows, kRouterSplits, labels_(l, "post-attention norm + router|shared gate"));
     const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
@@ -327,7 +328,8 @@ void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceS
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
     op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows}).run(pass);
+        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u})
+        .run(pass);
     t.other_bytes += H * f + size_t(d.vocab_size) * f;
   }
   if (sample) encode_sample(pass, s, seq, slot);

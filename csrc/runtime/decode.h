@@ -50,10 +50,12 @@ class DecodePlan {
  public:
   // Dispatch geometry of the step (the lab's kernel checks read it: lily._core.CONSTANTS).
   static constexpr uint32_t kGemvThreads = 64;  // GEMV-like kernels: 2 simdgroups per threadgroup
-  // norm_gemv_q* rows per simdgroup (NormGemvArgs): 8 for the wide projections and lm_head,
-  // 1 for the 257-row router so that it spans ~130 threadgroups instead of 17.
+  // norm_gemv_q* rows per simdgroup and split-K (NormGemvArgs): 8 rows, one split for the wide
+  // projections and lm_head; 1 row shared by 2 simdgroups for the 257-row router, so that it
+  // spans 258 threadgroups (16K threads) instead of 17.
   static constexpr uint32_t kNormGemvRows = 8;
   static constexpr uint32_t kRouterRows = 1;
+  static constexpr uint32_t kRouterSplits = 2;
   static constexpr uint32_t kLmHeadThreads = 256;  // fewer threadgroups re-reading x for the norm
   static constexpr uint32_t kArgmaxSlice = 4096;   // logits per argmax_partial threadgroup
   // 2 per core of a 40-core GPU: fewer, longer blocks halve the partials each KV row costs
@@ -64,7 +66,7 @@ class DecodePlan {
   // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
   static constexpr uint32_t kGdnDecodeSplits = 4;
 #define LILY_DECODE_PLAN_CONSTANTS(C) \
-  C(kGemvThreads) C(kNormGemvRows) C(kRouterRows) C(kLmHeadThreads) C(kArgmaxSlice) C(kGdnDecodeSplits)
+  C(kGemvThreads) C(kNormGemvRows) C(kRouterRows) C(kRouterSplits) C(kLmHeadThreads) C(kArgmaxSlice) C(kGdnDecodeSplits)
 
   // Throws std::invalid_argument when `dims` (validated) have no decode kernels. Both are
   // the runtime's and must outlive the plan.

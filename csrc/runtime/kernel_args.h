@@ -24,7 +24,7 @@ using uint = uint32_t;
 
 #define LILY_ARG_STRUCTS(S) \
   LILY_DECODE_ARG_STRUCTS(S) LILY_MIXER_ARG_STRUCTS(S) LILY_SAMPLE_ARG_STRUCTS(S) LILY_PREFILL_ARG_STRUCTS(S)
-#define LILY_KERNEL_CONSTANTS(C) LILY_DECODE_CONSTANTS(C) LILY_PREFILL_CONSTANTS(C)
+#define LILY_KERNEL_CONSTANTS(C) LILY_DECODE_CONSTANTS(C) LILY_MIXER_CONSTANTS(C) LILY_PREFILL_CONSTANTS(C)
 
 // Every field is a 4-byte uint or float (or an array of them) and LILY_ARGS_<T> lists them all,
 // in order, with no padding between or after: the layout the kernels and Python assume.

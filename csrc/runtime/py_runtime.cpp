@@ -266,12 +266,76 @@ void bind_runtime(nb::module_& m) {
            "device"_a, "dims"_a, "tensors"_a, "options"_a,
            "tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims; options: a "
            "RuntimeOptions.")
-      .def("reset", &Runtime::reset)
-      .def("snapshot", &Runtime::snapshot, nb::call_guard<nb::gil_scoped_release>(),
-           "A copy of the session state (waits for work in flight).")
-      .def("restore", &Runtime::restore, "snapshot"_a, nb::call_guard<nb::gil_scoped_release>(),
-           "Makes `snapshot` the session state; ValueError if it is from another model or exceeds the context.")
-      .def_prop_ro("position", &Runtime::position)
+      .def("reset", &Runtime::reset, "seq"_a = 0, nb::call_guard<nb::gil_scoped_release>(),
+           "Empties sequence `seq` (0: the session).")
+      .def("snapshot", &Runtime::snapshot, "seq"_a = 0, nb::call_guard<nb::gil_scoped_release>(),
+           "A copy of sequence `seq`'s state (waits for its work in flight).")
+      .def("restore", &Runtime::restore, "snapshot"_a, "seq"_a = 0, nb::call_guard<nb::gil_scoped_release>(),
+           "Makes `snapshot` sequence `seq`'s state; ValueError if it is from another model or exceeds the context.")
+      .def_prop_ro("position", [](const Runtime& r) { return r.position(); }, "The session's position.")
+      .def("sequence_position", &Runtime::position, "seq"_a, "Tokens in sequence `seq`'s state.")
+      .def("open_sequence", &Runtime::open_sequence, nb::call_guard<nb::gil_scoped_release>(),
+           "A new sequence (its own KV cache at max_context and state), empty; its id. ValueError when it\n"
+           "would take the runtime past the device's working set.")
+      .def("close_sequence", &Runtime::close_sequence, "seq"_a, nb::call_guard<nb::gil_scoped_release>(),
+           "Frees an opened sequence (waits for its work in flight).")
+      .def_prop_ro("sequence_bytes", &Runtime::sequence_bytes, "Device bytes one more sequence allocates.")
+      .def_prop_ro("sequences_bytes", &Runtime::sequences_bytes,
+                   "Device bytes the opened sequences hold (the session's are in memory_use).")
+      .def_prop_ro("sequence_room", &Runtime::sequence_room,
+                   "How many more sequences fit the device's working set (2**32 - 1 without a limit).")
+      .def("sequences", &Runtime::sequences, "The open sequences' ids, the session (0) first.")
+      .def("begin",
+           [](Runtime& rt, uint32_t seq, const SamplingConfig& sampling, const std::vector<uint32_t>& prompt) {
+             nb::gil_scoped_release g;
+             rt.begin(seq, sampling, prompt);
+           },
+           "seq"_a, "sampling"_a, "prompt"_a,
+           "The device sampler's settings for sequence `seq`'s generation (token counts from `prompt`).")
+      .def("submit_chunk",
+           [](Runtime& rt, uint32_t seq, const std::vector<uint32_t>& tokens, bool sample, bool logits) {
+             nb::gil_scoped_release g;
+             return rt.submit_chunk(seq, tokens, sample, logits);
+           },
+           "seq"_a, "tokens"_a, "sample"_a = false, "logits"_a = false,
+           "Commits one prefill chunk of sequence `seq`; `sample`: its last row's sampler writes the first\n"
+           "generated token on the device; `logits`: its last row's logits are kept. The ticket (0: none).")
+      .def("submit_step",
+           [](Runtime& rt, const std::vector<std::tuple<uint32_t, int64_t, bool>>& rows) {
+             std::vector<StepRow> r;
+             for (const auto& [seq, token, logits] : rows) r.push_back(StepRow{seq, token, logits});
+             nb::gil_scoped_release g;
+             return rt.submit_step(r);
+           },
+           "rows"_a,
+           "Commits one decode step of rows (seq, token: -1 for the device's, logits: keep them for the host);\n"
+           "returns its ticket.")
+      .def("take",
+           [](Runtime& rt, uint64_t ticket, bool timed) {
+             std::vector<RowOutput> rows;
+             double gpu = 0;
+             {
+               nb::gil_scoped_release g;
+               rows = rt.take(ticket, &gpu, timed);
+             }
+             nb::list out;
+             for (RowOutput& o : rows) {
+               nb::object logits = nb::none();
+               if (!o.logits.empty()) {
+                 auto* v = new std::vector<float>(std::move(o.logits));
+                 nb::capsule owner(v, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+                 const size_t shape[1] = {v->size()};
+                 logits = nb::cast(nb::ndarray<nb::numpy, float>(v->data(), 1, shape, owner));
+               }
+               out.append(nb::make_tuple(o.seq, o.position, o.step.token, o.step.logprob, o.step.top, logits));
+             }
+             return nb::make_tuple(out, gpu);
+           },
+           "ticket"_a, "timed"_a = true,
+           "Waits for a ticket (taken in commit order): ([(seq, position, token, logprob, top, logits or None)],\n"
+           "its device seconds, NaN when unknown).")
+      .def("wait_all", &Runtime::wait_all, nb::call_guard<nb::gil_scoped_release>(),
+           "Waits for every committed command buffer (their outputs stay for take).")
       .def_prop_ro("weight_bytes", &Runtime::weight_bytes)
       .def_prop_ro("repacked_bytes", &Runtime::repacked_bytes)
       .def_prop_ro("prefill_chunk", &Runtime::prefill_chunk)
@@ -313,7 +377,7 @@ void bind_runtime(nb::module_& m) {
            "Assignments per expert of `layer` in the last completed prefill chunk.")
       .def("forward",
            [](Runtime& rt, nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tokens,
-              const std::string& logits, bool decode_steps) {
+              const std::string& logits, bool decode_steps, uint32_t seq) {
              Logits which = logits == "all" ? Logits::all : logits == "last" ? Logits::last : Logits::none;
              if (logits != "all" && logits != "last" && logits != "none")
                throw std::invalid_argument("logits must be 'all', 'last' or 'none'");
@@ -322,7 +386,7 @@ void bind_runtime(nb::module_& m) {
              nb::capsule owner(out, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
              {
                nb::gil_scoped_release g;
-               *out = rt.forward(ids, which, decode_steps);
+               *out = rt.forward(ids, which, decode_steps, seq);
              }
              // The logits are handed to numpy without a copy ([n, vocab], [vocab] or [0]).
              const size_t V = rt.dims().vocab_size;
@@ -333,8 +397,8 @@ void bind_runtime(nb::module_& m) {
              const size_t shape[1] = {out->size()};
              return nb::ndarray<nb::numpy, float>(out->data(), 1, shape, owner);
            },
-           "tokens"_a, "logits"_a = "last", "decode_steps"_a = false,
-           "Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or "
+           "tokens"_a, "logits"_a = "last", "decode_steps"_a = false, "seq"_a = 0,
+           "Runs tokens (uint32 numpy array) at sequence `seq`'s position (prefill chunks; one token or "
            "decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or "
            "[0] ('none').")
       .def("generate_greedy",
@@ -378,6 +442,14 @@ void bind_runtime(nb::module_& m) {
              return runtime_counters_dict(c, t);
            },
            "position"_a, "Encodes (and on a real device runs) one step; counters and traffic.")
+      .def("count_batch_step",
+           [](Runtime& rt, const std::vector<uint32_t>& positions) {
+             Traffic t;
+             gpu::Counters c = rt.count_batch_step(positions, &t);
+             return runtime_counters_dict(c, t);
+           },
+           "positions"_a, "Encodes (and on a real device runs) one batched step of rows at `positions`; counters and\n"
+           "traffic.")
       .def("count_chunk",
            [](Runtime& rt, uint32_t position, uint32_t rows) {
              Traffic t;

@@ -100,18 +100,24 @@ void Runtime::allocate_buffers(uint32_t chunk) {
     return n;
   };
   decode_scratch_ = decode_.allocate(alloc);
-  seq_ = allocate_sequence();
+  seq_ = allocate_sequence(alloc);
   const uint64_t before = owned_bytes();
   prefill_scratch_ = prefill_.allocate(chunk, alloc);
   prefill_scratch_.bytes = owned_bytes() - before;
+  // what another sequence adds (open_sequence), counted without allocating
+  sequence_bytes_ = 0;
+  allocate_sequence(Alloc{[this](size_t bytes, const char*, Mem) {
+    sequence_bytes_ += std::max<size_t>(bytes, 4);
+    return gpu::BufferPtr();
+  }});
 }
 
-SequenceState Runtime::allocate_sequence() {
+SequenceState Runtime::allocate_sequence(const Alloc& alloc) {
   const auto& d = dims_;
   const size_t f = sizeof(float);
   SequenceState s;
-  s.tokens = scratch(2 * sizeof(uint32_t), "token slots");
-  s.positions = scratch(2 * sizeof(uint32_t), "positions");
+  s.tokens = alloc(2 * sizeof(uint32_t), "token slots");
+  s.positions = alloc(2 * sizeof(uint32_t), "positions");
   const size_t kv_bytes = size_t(d.num_key_value_heads) * opt_.max_context * d.head_dim * 2;
   for (auto* layers : {&s.k_cache, &s.v_cache, &s.conv[0], &s.conv[1], &s.state, &s.ring})
     layers->resize(d.num_hidden_layers);
@@ -119,21 +125,86 @@ SequenceState Runtime::allocate_sequence() {
   const size_t ring_bytes = std::max(1u, decode_.ring_capacity()) * decode_.ring_entry_bytes();
   for (uint32_t l = 0; l < d.num_hidden_layers; ++l) {
     if (d.full_attention[l]) {
-      s.k_cache[l] = scratch(kv_bytes, "k cache", Mem::kv_cache);
-      s.v_cache[l] = scratch(kv_bytes, "v cache", Mem::kv_cache);
+      s.k_cache[l] = alloc(kv_bytes, "k cache", Mem::kv_cache);
+      s.v_cache[l] = alloc(kv_bytes, "v cache", Mem::kv_cache);
     } else {
       const size_t conv = size_t(d.linear_conv_kernel_dim - 1) * d.conv_dim() * f;
-      s.conv[0][l] = scratch(conv, "conv state A", Mem::state);
-      s.conv[1][l] = scratch(conv, "conv state B", Mem::state);
-      s.state[l] = scratch(d.gdn_state_floats() * f, "recurrent state", Mem::state);
-      s.ring[l] = scratch(ring_bytes, "recurrent state ring", Mem::state);
+      s.conv[0][l] = alloc(conv, "conv state A", Mem::state);
+      s.conv[1][l] = alloc(conv, "conv state B", Mem::state);
+      s.state[l] = alloc(d.gdn_state_floats() * f, "recurrent state", Mem::state);
+      s.ring[l] = alloc(ring_bytes, "recurrent state ring", Mem::state);
     }
   }
-  s.counts = scratch(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
-  s.bias = scratch(size_t(d.vocab_size) * f, "logit bias");
-  s.logprob_out = scratch(2 * SequenceState::kMaxTopLogprobs * f, "logprobs (per slot)");
-  s.top_ids = scratch(2 * SequenceState::kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
+  s.counts = alloc(size_t(d.vocab_size) * sizeof(uint32_t), "token counts");
+  s.bias = alloc(size_t(d.vocab_size) * f, "logit bias");
+  s.logprob_out = alloc(2 * SequenceState::kMaxTopLogprobs * f, "logprobs (per slot)");
+  s.top_ids = alloc(2 * SequenceState::kMaxTopLogprobs * sizeof(uint32_t), "top logprob ids (per slot)");
   return s;
+}
+
+SequenceState& Runtime::sequence(uint32_t seq) {
+  return const_cast<SequenceState&>(static_cast<const Runtime*>(this)->sequence(seq));
+}
+
+const SequenceState& Runtime::sequence(uint32_t seq) const {
+  if (seq == 0) return seq_;
+  if (seq > extra_.size() || !extra_[seq - 1])
+    throw std::invalid_argument("sequence " + std::to_string(seq) + " is not open");
+  return *extra_[seq - 1];
+}
+
+uint32_t Runtime::sequence_room() const {
+  const uint64_t budget = device_->memory_limits().working_set;
+  if (!budget) return UINT32_MAX;
+  const uint64_t used = memory_.total() + sequences_bytes();
+  return used >= budget ? 0 : uint32_t(std::min<uint64_t>(UINT32_MAX - 1, (budget - used) / sequence_bytes_));
+}
+
+uint32_t Runtime::open_sequence() {
+  if (record_only_) throw std::invalid_argument("open_sequence: the device is record-only");
+  const gpu::MemoryLimits limits = device_->memory_limits();
+  const uint64_t after = memory_.total() + sequences_bytes() + sequence_bytes_;
+  if (sequence_room() == 0)
+    throw std::length_error("open_sequence: another sequence needs " + gib(sequence_bytes_) +
+                            " (KV cache at max_context " + std::to_string(opt_.max_context) +
+                            ", state, ring, sampler buffers), which would take the runtime to " + gib(after) +
+                            ", past this GPU's working set of " + gib(limits.working_set));
+  size_t id = 0;
+  while (id < extra_.size() && extra_[id]) ++id;
+  auto s = std::make_unique<SequenceState>(allocate_sequence(
+      Alloc{[this](size_t bytes, const char* label, Mem) {
+        gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+        b->set_label(label);
+        return b;
+      }}));
+  if (id == extra_.size()) extra_.push_back(nullptr);
+  extra_[id] = std::move(s);
+  reset(uint32_t(id + 1));
+  return uint32_t(id + 1);
+}
+
+void Runtime::close_sequence(uint32_t seq) {
+  if (seq == 0) throw std::invalid_argument("close_sequence: sequence 0 is the session, not opened");
+  sequence(seq);  // throws for one not open
+  wait_sequence(seq);
+  for (const Inflight& e : inflight_)
+    for (const auto& [row, pos] : e.rows)
+      if (row.seq == seq) throw std::logic_error("close_sequence: a ticket of this sequence was not taken");
+  extra_[seq - 1].reset();
+}
+
+uint64_t Runtime::sequences_bytes() const {
+  uint64_t n = 0;
+  for (const auto& s : extra_)
+    if (s) n += sequence_bytes_ + (s->host_logits ? s->host_logits->size() : 0);
+  return n;
+}
+
+std::vector<uint32_t> Runtime::sequences() const {
+  std::vector<uint32_t> out{0};
+  for (size_t i = 0; i < extra_.size(); ++i)
+    if (extra_[i]) out.push_back(uint32_t(i + 1));
+  return out;
 }
 
 bool fits_memory(const MemoryUse& use, const gpu::MemoryLimits& limits) {
@@ -265,17 +336,19 @@ gpu::BufferPtr Runtime::scratch(size_t bytes, const char* label, Mem kind) {
   return b;
 }
 
-void Runtime::reset() {
-  finish();
-  seq_.position = seq_.written = 0;
-  chunks_done_ = 0;
+void Runtime::reset(uint32_t id) {
+  SequenceState& seq = sequence(id);
+  if (id == 0) finish();
+  wait_sequence(id);
+  seq.position = seq.written = 0;
+  if (id == 0 && inflight_.empty()) chunks_done_ = 0;
   if (record_only_) return;
   // The recurrent and conv state start at zero (a recurrent state's c = 0 means S = 0: the
   // kernels need no special case); the KV cache needs no clearing (rows past the position
   // are never read).
   for (uint32_t l = 0; l < dims_.num_hidden_layers; ++l) {
     if (dims_.full_attention[l]) continue;
-    for (auto* buf : {seq_.conv[0][l].get(), seq_.conv[1][l].get(), seq_.state[l].get()})
+    for (auto* buf : {seq.conv[0][l].get(), seq.conv[1][l].get(), seq.state[l].get()})
       std::memset(buf->contents(), 0, buf->size());
   }
 }
@@ -344,19 +417,21 @@ static void copy_state(gpu::Device& device, const ModelDims& d, uint32_t positio
   cmd->wait();
 }
 
-SessionSnapshot Runtime::snapshot() {
-  finish();
+SessionSnapshot Runtime::snapshot(uint32_t id) {
+  SequenceState& seq = sequence(id);
+  if (id == 0) finish();
+  wait_sequence(id);
   if (record_only_) throw std::invalid_argument("snapshot: the device is record-only");
-  if (seq_.position > seq_.written) {  // the snapshot holds the state itself, not the ring
+  if (seq.position > seq.written) {  // the snapshot holds the state itself, not the ring
     auto cmd = device_->new_command_buffer();
-    decode_.encode_state_writeback(*cmd, seq_, seq_.position - seq_.written);
+    decode_.encode_state_writeback(*cmd, seq, seq.position - seq.written);
     cmd->commit();
     cmd->wait();  // device time not counted, as the copies' is not
-    seq_.written = seq_.position;
+    seq.written = seq.position;
   }
   SessionSnapshot s;
-  s.position = seq_.position;
-  for_each_state_run(dims_, seq_.position, opt_.max_context, seq_,
+  s.position = seq.position;
+  for_each_state_run(dims_, seq.position, opt_.max_context, seq,
                      [&](gpu::Buffer&, size_t, size_t n, bool first) {
                        if (first) s.sizes.push_back(0);
                        s.sizes.back() += n;
@@ -364,19 +439,21 @@ SessionSnapshot Runtime::snapshot() {
   if (!s.nbytes()) return s;
   s.buffer = device_->new_buffer(s.nbytes());
   s.buffer->set_label("session snapshot");
-  copy_state(*device_, dims_, seq_.position, opt_.max_context, seq_, *s.buffer, true);
+  copy_state(*device_, dims_, seq.position, opt_.max_context, seq, *s.buffer, true);
   return s;
 }
 
-void Runtime::restore(const SessionSnapshot& s) {
-  finish();
+void Runtime::restore(const SessionSnapshot& s, uint32_t id) {
+  SequenceState& seq = sequence(id);
+  if (id == 0) finish();
+  wait_sequence(id);
   if (record_only_) throw std::invalid_argument("restore: the device is record-only");
   if (s.position > opt_.max_context)
     throw std::invalid_argument("restore: the snapshot holds " + std::to_string(s.position) +
                                 " tokens, more than the context window of " +
                                 std::to_string(opt_.max_context));
   std::vector<uint64_t> sizes;  // checked before anything is written
-  for_each_state_run(dims_, s.position, opt_.max_context, seq_,
+  for_each_state_run(dims_, s.position, opt_.max_context, seq,
                      [&](gpu::Buffer&, size_t, size_t n, bool first) {
                        if (first) sizes.push_back(0);
                        sizes.back() += n;
@@ -385,14 +462,14 @@ void Runtime::restore(const SessionSnapshot& s) {
     throw std::invalid_argument("restore: the snapshot comes from a runtime of another model");
   if (s.nbytes()) {
     try {  // a rejected copy is thrown while encoding, before anything runs
-      copy_state(*device_, dims_, s.position, opt_.max_context, seq_, *s.buffer, false);
+      copy_state(*device_, dims_, s.position, opt_.max_context, seq, *s.buffer, false);
     } catch (const gpu::UsageError& e) {
       throw std::invalid_argument(std::string("restore: the snapshot is not in this device's memory (") +
                                   e.what() + ")");
     }
   }
-  seq_.position = seq_.written = s.position;
-  chunks_done_ = 0;
+  seq.position = seq.written = s.position;
+  if (id == 0 && inflight_.empty()) chunks_done_ = 0;
 }
 
 std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
@@ -403,30 +480,34 @@ std::vector<uint32_t> Runtime::expert_histogram(uint32_t layer) const {
   return std::vector<uint32_t>(h, h + dims_.num_experts);
 }
 
-void Runtime::encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position) {
-  decode_.encode_step(cmd, decode_scratch_, seq_, slot, position, position - seq_.written, nullptr);
-  if (decode_.ends_window(position)) seq_.written = position + 1;
+void Runtime::encode_session_step(gpu::CommandBuffer& cmd, SequenceState& seq, int slot, uint32_t position) {
+  decode_.encode_step(cmd, decode_scratch_, seq, slot, position, position - seq.written, nullptr);
+  if (decode_.ends_window(position)) seq.written = position + 1;
 }
 
 Chunk Runtime::chunk_at(int parity, uint32_t p0, uint32_t rows, Logits logits, bool sample) const {
   Chunk c{parity, p0, rows, logits, sample};
-  // The newest chunk known to be complete: the previous one when nothing is pending, else
-  // the one before (creating this chunk's command buffer waited for it).
-  const uint64_t back = pending_.empty() ? 1 : 2;
+  // The newest chunk known to be complete: the previous one when it was waited for, else
+  // the one before (creating this chunk's command buffer waited for it: at most two are
+  // outstanding). A chunk of another sequence counts alike: the histograms only choose tile
+  // heights, which do not change the results (docs/prefill.md "Choosing T").
+  bool pending = false;
+  for (const Inflight& e : inflight_) pending = pending || (e.chunk && !e.waited);
+  const uint64_t back = pending ? 2 : 1;
   if (!record_only_ && back <= chunks_done_) c.measured = int((chunks_done_ - back) % 2);
   return c;
 }
 
-void Runtime::write_token(int slot, uint32_t token, uint32_t position) {
-  static_cast<uint32_t*>(seq_.tokens->contents())[slot] = token;
-  static_cast<uint32_t*>(seq_.positions->contents())[slot] = position;
+void Runtime::write_token(SequenceState& seq, int slot, uint32_t token, uint32_t position) {
+  static_cast<uint32_t*>(seq.tokens->contents())[slot] = token;
+  static_cast<uint32_t*>(seq.positions->contents())[slot] = position;
 }
 
-void Runtime::check_feed(const std::vector<uint32_t>& tokens, const char* what) const {
+void Runtime::check_feed(const SequenceState& seq, const std::vector<uint32_t>& tokens, const char* what) const {
   if (record_only_) throw std::invalid_argument(std::string(what) + ": the device is record-only");
   if (tokens.empty()) throw std::invalid_argument(std::string(what) + ": no tokens");
-  if (uint64_t(seq_.position) + tokens.size() > opt_.max_context)
-    throw std::invalid_argument(std::string(what) + ": " + std::to_string(seq_.position) +
+  if (uint64_t(seq.position) + tokens.size() > opt_.max_context)
+    throw std::invalid_argument(std::string(what) + ": " + std::to_string(seq.position) +
                                 " tokens in context + " + std::to_string(tokens.size()) +
                                 " new exceed the context window of " + std::to_string(opt_.max_context));
   for (uint32_t tok : tokens)
@@ -435,43 +516,73 @@ void Runtime::check_feed(const std::vector<uint32_t>& tokens, const char* what) 
                                   " is outside the vocabulary");
 }
 
-// Commits prefill chunks for tokens[begin, end) at the current position (the session
-// position advances as they are committed); the last chunk gets `last_logits` / `sample`.
-// Returns the last chunk's command buffer, not yet committed, when `keep_last` (the
-// generation pipeline owns it), else nullptr.
-std::unique_ptr<gpu::CommandBuffer> Runtime::run_chunks(const std::vector<uint32_t>& tokens, size_t begin,
-                                                        size_t end, Logits last_logits, bool sample,
-                                                        bool keep_last) {
-  std::unique_ptr<gpu::CommandBuffer> kept;
+std::unique_ptr<gpu::CommandBuffer> Runtime::encode_chunk(SequenceState& seq, const uint32_t* tokens, uint32_t M,
+                                                          Logits logits, bool sample) {
+  const int parity = int(chunks_done_ % 2);
+  // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
+  auto cmd = device_->new_command_buffer();
+  std::memcpy(prefill_scratch_.tok[parity]->contents(), tokens, M * sizeof(uint32_t));
+  if (sample) static_cast<uint32_t*>(seq.positions->contents())[(seq.position + M - 1) % 2] = seq.position + M - 1;
+  // decode steps before this prefill: written back first, the scan reads the state
+  if (seq.position > seq.written) decode_.encode_state_writeback(*cmd, seq, seq.position - seq.written);
+  prefill_.encode_chunk(*cmd, prefill_scratch_, seq, decode_scratch_,
+                        chunk_at(parity, seq.position, M, logits, sample), nullptr);
+  seq.position += M;
+  seq.written = seq.position;  // the scan writes the state back (set once both are encoded)
+  ++chunks_done_;
+  return cmd;
+}
+
+void Runtime::keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq) {
+  const size_t bytes = size_t(dims_.vocab_size) * sizeof(float);
+  if (!seq.host_logits) {
+    seq.host_logits = device_->new_buffer(bytes);
+    seq.host_logits->set_label("host-sampled logits");
+  }
+  cmd.copy(*decode_scratch_.logits, 0, *seq.host_logits, 0, bytes);
+}
+
+uint64_t Runtime::commit(std::unique_ptr<gpu::CommandBuffer> cmd, std::vector<std::pair<StepRow, uint32_t>> rows,
+                         std::vector<uint32_t> seqs, bool outputs, bool chunk) {
+  cmd->commit();
+  Inflight e;
+  e.cmd = std::move(cmd);
+  e.ticket = outputs ? next_ticket_++ : 0;
+  e.rows = std::move(rows);
+  e.seqs = std::move(seqs);
+  e.chunk = chunk;
+  inflight_.push_back(std::move(e));
+  // Entries without outputs are dropped once complete (creating a command buffer waited for
+  // all but one of those before it): their faults surface here, in commit order.
+  while (inflight_.size() > 2 && inflight_.front().ticket == 0) pop_front();
+  return inflight_.back().ticket;
+}
+
+void Runtime::pop_front() {
+  Inflight e = std::move(inflight_.front());
+  inflight_.pop_front();  // first: a fault is reported once
+  if (!e.waited) wait_timed(*e.cmd);
+}
+
+// Commits prefill chunks for tokens[begin, end) of sequence `id` at its position (which
+// advances as they are committed); the last chunk gets `last_logits` / `sample`.
+uint64_t Runtime::run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, size_t begin, size_t end,
+                             Logits last_logits, bool sample, bool ticket) {
+  SequenceState& seq = sequence(id);
+  uint64_t t = 0;
   for (size_t s = begin; s < end; s += prefill_scratch_.rows) {
     const uint32_t M = uint32_t(std::min<size_t>(prefill_scratch_.rows, end - s));
     const bool last = s + M == end;
-    const int parity = int(chunks_done_ % 2);
-    // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
-    auto cmd = device_->new_command_buffer();
-    std::memcpy(prefill_scratch_.tok[parity]->contents(), tokens.data() + s, M * sizeof(uint32_t));
-    if (last && sample)
-      static_cast<uint32_t*>(seq_.positions->contents())[(seq_.position + M - 1) % 2] = seq_.position + M - 1;
-    // decode steps before this prefill: written back first, the scan reads the state
-    if (seq_.position > seq_.written) decode_.encode_state_writeback(*cmd, seq_, seq_.position - seq_.written);
-    prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
-                          chunk_at(parity, seq_.position, M, last ? last_logits : Logits::none, last && sample),
-                          nullptr);
-    seq_.written = seq_.position + M;  // the scan writes the state back (set once both are encoded)
-    ++chunks_done_;
-    if (last && keep_last) {
-      kept = std::move(cmd);
-      break;
-    }
-    cmd->commit();
-    seq_.position += M;
-    pending_.push_back(std::move(cmd));
-    if (pending_.size() > 2) {  // completed (creating this one waited for it): surface a fault
-      wait_timed(*pending_.front());
-      pending_.erase(pending_.begin());
-    }
+    const uint32_t p = seq.position;
+    auto cmd = encode_chunk(seq, tokens.data() + s, M, last ? last_logits : Logits::none, last && sample);
+    const bool keep = last && ticket;
+    if (keep && last_logits == Logits::last) keep_logits(*cmd, seq);
+    StepRow row{id, -1, last_logits == Logits::last};
+    t = commit(std::move(cmd), keep ? std::vector<std::pair<StepRow, uint32_t>>{{row, p + M - 1}}
+                                    : std::vector<std::pair<StepRow, uint32_t>>{},
+               {id}, keep, true);
   }
-  return kept;
+  return t;
 }
 
 void Runtime::wait_timed(gpu::CommandBuffer& cmd) {
@@ -485,26 +596,47 @@ void Runtime::wait_timed(gpu::CommandBuffer& cmd) {
   gpu_last_end_ = std::max(gpu_last_end_, end);
 }
 
-void Runtime::wait_pending() {
-  auto pending = std::move(pending_);
-  pending_.clear();
-  for (auto& cmd : pending) wait_timed(*cmd);  // in commit order; rethrows a kernel fault
+void Runtime::wait_all() {
+  for (Inflight& e : inflight_) {
+    if (!e.waited) {
+      e.waited = true;  // first: a fault is reported once
+      wait_timed(*e.cmd);
+    }
+  }
+  while (!inflight_.empty() && inflight_.front().ticket == 0) inflight_.pop_front();
 }
 
-std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits logits, bool decode_steps) {
-  finish();  // a generation left open ends here (its steps are part of the session)
-  check_feed(tokens, "forward");
+void Runtime::wait_sequence(uint32_t id) {
+  size_t last = 0;
+  for (size_t i = 0; i < inflight_.size(); ++i)
+    for (uint32_t s : inflight_[i].seqs)
+      if (s == id) last = i + 1;
+  for (size_t i = 0; i < last; ++i) {
+    if (!inflight_[i].waited) {
+      inflight_[i].waited = true;  // first: a fault is reported once
+      wait_timed(*inflight_[i].cmd);
+    }
+  }
+  while (!inflight_.empty() && inflight_.front().ticket == 0 && inflight_.front().waited) inflight_.pop_front();
+}
+
+std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits logits, bool decode_steps,
+                                    uint32_t id) {
+  SequenceState& seq = sequence(id);
+  if (id == 0) finish();  // a generation left open ends here (its steps are part of the session)
+  wait_sequence(id);
+  check_feed(seq, tokens, "forward");
   const size_t V = dims_.vocab_size, n = tokens.size();
   std::vector<float> out(logits == Logits::all ? n * V : logits == Logits::last ? V : 0);
   if (decode_steps || n == 1) {
     for (size_t i = 0; i < n; ++i) {
-      const int slot = seq_.position % 2;
-      write_token(slot, tokens[i], seq_.position);
+      const int slot = seq.position % 2;
+      write_token(seq, slot, tokens[i], seq.position);
       auto cmd = device_->new_command_buffer();
-      encode_session_step(*cmd, slot, seq_.position);
+      encode_session_step(*cmd, seq, slot, seq.position);
       cmd->commit();
       wait_timed(*cmd);
-      ++seq_.position;
+      ++seq.position;
       if (logits == Logits::all || (logits == Logits::last && i + 1 == n))
         std::memcpy(out.data() + (logits == Logits::all ? i * V : 0), decode_scratch_.logits->contents(),
                     V * sizeof(float));
@@ -512,15 +644,15 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
     return out;
   }
   if (logits != Logits::all) {
-    run_chunks(tokens, 0, n, logits, false, false);
-    wait_pending();
+    run_chunks(id, tokens, 0, n, logits, false, false);
+    wait_all();
     if (logits == Logits::last) std::memcpy(out.data(), decode_scratch_.logits->contents(), V * sizeof(float));
     return out;
   }
   // Every position's logits: after each chunk, lm_head over its normed rows in blocks.
   for (size_t s = 0; s < n; s += prefill_scratch_.rows) {
     const uint32_t M = uint32_t(std::min<size_t>(prefill_scratch_.rows, n - s));
-    run_chunks(tokens, s, s + M, Logits::all, false, false);
+    run_chunks(id, tokens, s, s + M, Logits::all, false, false);
     for (uint32_t r0 = 0; r0 < M; r0 += prefill_scratch_.logits_rows) {
       const uint32_t R = std::min(prefill_scratch_.logits_rows, M - r0);
       auto cmd = device_->new_command_buffer();
@@ -530,7 +662,127 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
       std::memcpy(out.data() + (s + r0) * V, prefill_scratch_.logits->contents(),
                   size_t(R) * V * sizeof(float));
     }
-    wait_pending();
+    wait_all();
+  }
+  return out;
+}
+
+void Runtime::begin(uint32_t id, const SamplingConfig& cfg, const std::vector<uint32_t>& prompt) {
+  SequenceState& seq = sequence(id);
+  if (record_only_) throw std::invalid_argument("generate: the device is record-only");
+  if (cfg.top_logprobs + 1 > SequenceState::kMaxTopLogprobs)
+    throw std::invalid_argument("generate: top_logprobs > 20");
+  for (const auto& [t, b] : cfg.logit_bias)
+    if (t >= dims_.vocab_size) throw std::invalid_argument("generate: logit_bias token id outside the vocabulary");
+  wait_sequence(id);  // its counts and bias may still be read by work in flight
+  seq.sampling = cfg;
+  auto* counts = static_cast<uint32_t*>(seq.counts->contents());
+  std::memset(counts, 0, seq.counts->size());
+  for (uint32_t t : prompt)
+    if (t < dims_.vocab_size) counts[t] = 0x80000000u;
+  if (!cfg.logit_bias.empty()) {  // uploaded once per generation; the kernels read it every step
+    auto* bias = static_cast<float*>(seq.bias->contents());
+    std::memset(bias, 0, seq.bias->size());
+    for (const auto& [t, b] : cfg.logit_bias) bias[t] = b;
+  }
+}
+
+uint64_t Runtime::submit_chunk(uint32_t id, const std::vector<uint32_t>& tokens, bool sample, bool logits) {
+  SequenceState& seq = sequence(id);
+  check_feed(seq, tokens, "submit_chunk");
+  if (tokens.size() > prefill_scratch_.rows)
+    throw std::invalid_argument("submit_chunk: " + std::to_string(tokens.size()) + " tokens, more than the chunk of " +
+                                std::to_string(prefill_scratch_.rows));
+  return run_chunks(id, tokens, 0, tokens.size(), logits ? Logits::last : Logits::none, sample, sample || logits);
+}
+
+uint64_t Runtime::submit_step(const std::vector<StepRow>& rows) {
+  if (rows.empty()) throw std::invalid_argument("submit_step: no rows");
+  std::vector<uint32_t> seqs;
+  for (const StepRow& r : rows) {
+    const SequenceState& seq = sequence(r.seq);
+    if (std::find(seqs.begin(), seqs.end(), r.seq) != seqs.end())
+      throw std::invalid_argument("submit_step: sequence " + std::to_string(r.seq) + " twice");
+    if (seq.position >= opt_.max_context)
+      throw std::invalid_argument("submit_step: sequence " + std::to_string(r.seq) + " fills the context window");
+    if (r.token >= int64_t(dims_.vocab_size))
+      throw std::invalid_argument("submit_step: token id " + std::to_string(r.token) + " is outside the vocabulary");
+    // its output two steps back must have been taken: the slots are reused
+    int untaken = 0;
+    for (const Inflight& e : inflight_)
+      for (const auto& [row, pos] : e.rows) untaken += row.seq == r.seq;
+    if (untaken >= 2)
+      throw std::logic_error("submit_step: sequence " + std::to_string(r.seq) + " has two steps not taken");
+    seqs.push_back(r.seq);
+  }
+  auto cmd = device_->new_command_buffer();
+  std::vector<std::pair<StepRow, uint32_t>> done;
+  std::vector<BatchRow> batch;
+  for (const StepRow& r : rows) {
+    SequenceState& seq = sequence(r.seq);
+    const uint32_t pos = seq.position;
+    const int slot = pos % 2;
+    if (r.token >= 0) write_token(seq, slot, uint32_t(r.token), pos);
+    else static_cast<uint32_t*>(seq.positions->contents())[slot] = pos;  // the token itself comes from the GPU
+    batch.push_back(BatchRow{&seq, slot, pos, pos - seq.written, r.logits});
+    done.emplace_back(r, pos);
+  }
+  encode_batch(*cmd, batch, nullptr);
+  for (const BatchRow& b : batch) {
+    if (decode_.ends_window(b.position)) b.seq->written = b.position + 1;
+    ++b.seq->position;
+  }
+  return commit(std::move(cmd), std::move(done), std::move(seqs), true, false);
+}
+
+void Runtime::encode_batch(gpu::CommandBuffer& cmd, const std::vector<BatchRow>& rows, Traffic* traffic) {
+  // each row's batch-1 step, one after another in the command buffer
+  for (const BatchRow& r : rows) {
+    decode_.encode_step(cmd, decode_scratch_, *r.seq, r.slot, r.position, r.pending, traffic);
+    if (r.logits) keep_logits(cmd, *r.seq);
+  }
+}
+
+std::vector<RowOutput> Runtime::take(uint64_t ticket, double* gpu_seconds, bool timed) {
+  while (!inflight_.empty() && inflight_.front().ticket != ticket) {
+    if (inflight_.front().ticket != 0)
+      throw std::logic_error("take: ticket " + std::to_string(inflight_.front().ticket) + " was not taken before " +
+                             std::to_string(ticket));
+    pop_front();
+  }
+  if (inflight_.empty()) throw std::invalid_argument("take: no ticket " + std::to_string(ticket) + " in flight");
+  Inflight e = std::move(inflight_.front());
+  inflight_.pop_front();
+  if (!e.waited) {
+    if (timed) wait_timed(*e.cmd);
+    else e.cmd->wait();
+  }
+  if (gpu_seconds) {
+    const auto [start, end] = e.cmd->gpu_interval();
+    *gpu_seconds = end - start;
+  }
+  std::vector<RowOutput> out;
+  for (const auto& [row, pos] : e.rows) {
+    SequenceState& seq = sequence(row.seq);
+    RowOutput o;
+    o.seq = row.seq;
+    o.position = pos;
+    const int slot = pos % 2;
+    if (row.logits) {
+      const float* l = static_cast<const float*>(seq.host_logits->contents());
+      o.logits.assign(l, l + dims_.vocab_size);
+    } else {
+      o.step.token = static_cast<const uint32_t*>(seq.tokens->contents())[slot ^ 1];
+      if (seq.sampling.logprobs) {
+        const float* lp =
+            static_cast<const float*>(seq.logprob_out->contents()) + slot * SequenceState::kMaxTopLogprobs;
+        const uint32_t* ids =
+            static_cast<const uint32_t*>(seq.top_ids->contents()) + slot * SequenceState::kMaxTopLogprobs;
+        o.step.logprob = lp[0];
+        for (uint32_t i = 0; i < seq.sampling.top_logprobs; ++i) o.step.top.emplace_back(ids[i], lp[1 + i]);
+      }
+    }
+    out.push_back(std::move(o));
   }
   return out;
 }
@@ -538,96 +790,61 @@ std::vector<float> Runtime::forward(const std::vector<uint32_t>& tokens, Logits 
 void Runtime::start(const std::vector<uint32_t>& feed, const SamplingConfig& cfg, uint32_t max_steps,
                     const std::vector<uint32_t>& prompt) {
   if (generating_) throw std::logic_error("generate: a generation is already running");
-  check_feed(feed, "generate");
-  if (cfg.top_logprobs + 1 > SequenceState::kMaxTopLogprobs)
-    throw std::invalid_argument("generate: top_logprobs > 20");
-  seq_.sampling = cfg;
-  auto* counts = static_cast<uint32_t*>(seq_.counts->contents());
-  std::memset(counts, 0, seq_.counts->size());
-  for (uint32_t t : prompt)
-    if (t < dims_.vocab_size) counts[t] = 0x80000000u;
-  if (!cfg.logit_bias.empty()) {  // uploaded once per generation; the kernels read it every step
-    auto* bias = static_cast<float*>(seq_.bias->contents());
-    std::memset(bias, 0, seq_.bias->size());
-    for (const auto& [t, b] : cfg.logit_bias) {
-      if (t >= dims_.vocab_size) throw std::invalid_argument("generate: logit_bias token id outside the vocabulary");
-      bias[t] = b;
-    }
-  }
+  check_feed(seq_, feed, "generate");
+  begin(0, cfg, prompt);
   // The feed's last token is the input of "step 0", which samples the first output: a
   // decode step for a single token, else the last prefill chunk (ending with the sampler).
   const size_t n = feed.size();
-  std::unique_ptr<gpu::CommandBuffer> step0;
+  uint64_t step0 = 0;
   if (n > 1 && max_steps > 0) {
     const size_t tail = (n - 1) % prefill_scratch_.rows + 1;  // tokens of the last chunk
-    run_chunks(feed, 0, n - tail, Logits::none, false, false);
-    step0 = run_chunks(feed, n - tail, n, Logits::none, true, true);
-    seq_.position += uint32_t(tail) - 1;  // as if the last token were pending as a decode step
+    run_chunks(0, feed, 0, n - tail, Logits::none, false, false);
+    step0 = run_chunks(0, feed, n - tail, n, Logits::none, true, true);
   } else if (n > 1) {
-    run_chunks(feed, 0, n - 1, Logits::none, false, false);
+    run_chunks(0, feed, 0, n - 1, Logits::none, false, false);
   }
-  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - seq_.position));
-  gen_encoded_ = gen_done_ = 0;
+  // the steps' budget counts the feed's last token as step 0's input
+  gen_steps_ = uint32_t(std::min<uint64_t>(max_steps, uint64_t(opt_.max_context) - (seq_.position - (step0 ? 1 : 0))));
+  gen_encoded_ = 0;
+  gen_tickets_.clear();
   generating_ = true;
   if (step0) {
-    inflight_[seq_.position % 2] = std::move(step0);
-    inflight_[seq_.position % 2]->commit();
+    gen_tickets_.push_back(step0);
+    gen_encoded_ = 1;
+  } else if (gen_steps_) {
+    gen_tickets_.push_back(submit_step({StepRow{0, int64_t(feed.back()), false}}));
     gen_encoded_ = 1;
   } else {
-    write_token(seq_.position % 2, feed.back(), seq_.position);
-    if (gen_steps_) submit_next();
+    write_token(seq_, seq_.position % 2, feed.back(), seq_.position);
   }
-}
-
-void Runtime::submit_next() {
-  const uint32_t pos = seq_.position + gen_encoded_;
-  const int slot = pos % 2;
-  static_cast<uint32_t*>(seq_.positions->contents())[slot] = pos;  // the token itself comes from the GPU
-  inflight_[slot] = device_->new_command_buffer();
-  encode_session_step(*inflight_[slot], slot, pos);
-  inflight_[slot]->commit();
-  ++gen_encoded_;
 }
 
 bool Runtime::next(StepOutput* out) {
   if (!generating_) throw std::logic_error("generate: next() without start()");
-  if (gen_done_ == gen_encoded_) return false;
-  if (gen_done_ == 0) wait_pending();  // prefill chunks before step 0: surface their faults
+  if (gen_tickets_.empty()) return false;
   // Encode step n+1 before waiting on step n, so the device never idles on the host.
-  if (gen_encoded_ < gen_steps_ && gen_encoded_ - gen_done_ < 2) submit_next();
-  const int slot = (seq_.position + gen_done_) % 2;
-  wait_timed(*inflight_[slot]);
-  inflight_[slot].reset();
-  ++gen_done_;
-  out->token = static_cast<const uint32_t*>(seq_.tokens->contents())[slot ^ 1];
-  out->top.clear();
-  if (seq_.sampling.logprobs) {
-    const float* lp =
-        static_cast<const float*>(seq_.logprob_out->contents()) + slot * SequenceState::kMaxTopLogprobs;
-    const uint32_t* ids =
-        static_cast<const uint32_t*>(seq_.top_ids->contents()) + slot * SequenceState::kMaxTopLogprobs;
-    out->logprob = lp[0];
-    for (uint32_t i = 0; i < seq_.sampling.top_logprobs; ++i) out->top.emplace_back(ids[i], lp[1 + i]);
+  if (gen_encoded_ < gen_steps_ && gen_tickets_.size() < 2) {
+    gen_tickets_.push_back(submit_step({StepRow{0, -1, false}}));
+    ++gen_encoded_;
   }
+  const uint64_t t = gen_tickets_.front();
+  gen_tickets_.pop_front();
+  *out = take(t).front().step;
   return true;
 }
 
 void Runtime::finish() {
-  wait_pending();
-  if (!generating_) return;
-  for (auto& cmd : inflight_) {
-    if (cmd) {
-      cmd->wait();
-      cmd.reset();
-      ++gen_done_;
-    }
+  if (generating_) {
+    generating_ = false;  // before the waits: a fault leaves no generation open
+    auto tickets = std::move(gen_tickets_);
+    gen_tickets_.clear();
+    for (uint64_t t : tickets) take(t, nullptr, false);  // the speculative step: not counted
   }
-  seq_.position += gen_done_;
-  generating_ = false;
+  wait_all();
 }
 
 std::vector<uint32_t> Runtime::generate_greedy(uint32_t first, uint32_t max_tokens,
-                                                     const std::set<uint32_t>& stop_ids) {
+                                               const std::set<uint32_t>& stop_ids) {
   std::vector<uint32_t> out;
   if (max_tokens == 0) return out;
   start({first}, SamplingConfig{}, max_tokens, {});
@@ -649,6 +866,32 @@ gpu::Counters Runtime::count_chunk(uint32_t position, uint32_t rows, Traffic* tr
   auto cmd = logged_command_buffer();
   prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_,
                         chunk_at(0, position, rows, Logits::last, false), traffic);
+  gpu::Counters c = cmd->counters();
+  cmd->commit();
+  cmd->wait();
+  return c;
+}
+
+gpu::Counters Runtime::count_batch_step(const std::vector<uint32_t>& positions, Traffic* traffic) {
+  if (positions.empty()) throw std::invalid_argument("count_batch_step: no rows");
+  std::vector<SequenceState> scratch_rows;  // the rows after the first: sequences of their own
+  const Alloc alloc{[this](size_t bytes, const char* label, Mem) {
+    gpu::BufferPtr b = device_->new_buffer(std::max<size_t>(bytes, 4));
+    b->set_label(label);
+    return b;
+  }};
+  for (size_t i = 1; i < positions.size(); ++i) scratch_rows.push_back(allocate_sequence(alloc));
+  std::vector<BatchRow> rows;
+  for (size_t i = 0; i < positions.size(); ++i) {
+    const uint32_t p = positions[i];
+    if (p >= opt_.max_context)
+      throw std::invalid_argument("count_batch_step: position " + std::to_string(p) +
+                                  " is outside the context window of " + std::to_string(opt_.max_context));
+    // steady decoding: the steps since the window began are pending
+    rows.push_back(BatchRow{i == 0 ? &seq_ : &scratch_rows[i - 1], int(p % 2), p, p % opt_.state_window, false});
+  }
+  auto cmd = logged_command_buffer();
+  encode_batch(*cmd, rows, traffic);
   gpu::Counters c = cmd->counters();
   cmd->commit();
   cmd->wait();

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <set>
 #include <stdexcept>
@@ -207,6 +208,29 @@ struct SequenceState {
   // by Runtime::start when the request has one), per-slot log-probability outputs
   gpu::BufferPtr counts, bias, logprob_out, top_ids;
   SamplingConfig sampling;
+  // [V] logits of a row the host samples (a constrained request): the step or chunk that
+  // computes them copies them here, so later work cannot overwrite them before take()
+  // reads them. Allocated on first use.
+  gpu::BufferPtr host_logits;
+};
+
+// One row of a batched decode step (Runtime::submit_step).
+struct StepRow {
+  uint32_t seq = 0;
+  // The step's input: >= 0, a token the host writes into the sequence's token slot; < 0, the
+  // one the device left there (the previous step's sampler, or the last prefill chunk's).
+  int64_t token = -1;
+  // The host samples this row: its logits are kept for take(); the device sampler's choice
+  // is not used.
+  bool logits = false;
+};
+
+// One row's result of a submitted step or sampling chunk (Runtime::take).
+struct RowOutput {
+  uint32_t seq = 0;
+  uint32_t position = 0;      // the position of the step's input token
+  StepOutput step;            // the token the device chose (not read for logits rows)
+  std::vector<float> logits;  // logits rows: [V]
 };
 
 class Runtime {
@@ -217,26 +241,71 @@ class Runtime {
   Runtime(const Runtime&) = delete;
   Runtime& operator=(const Runtime&) = delete;
 
-  // Empties the session: position 0, zero recurrent/conv state.
-  void reset();
-  // The session state, copied on the device into a new device buffer (waits for work in
-  // flight first, as finish()). Memory: the KV rows in use plus the recurrent and conv
-  // state, not the whole cache. Throws std::invalid_argument on a record-only device.
-  SessionSnapshot snapshot();
-  // Makes `s` the session state (device copies; `s` is unchanged and can be restored again).
-  // Throws std::invalid_argument, leaving the session as it was, when `s` does not come from
-  // a runtime of the same model and device kind or does not fit the context.
-  void restore(const SessionSnapshot& s);
-  uint32_t position() const { return seq_.position; }
+  // The calls below without a sequence argument work on the session, sequence 0; the others
+  // name the sequence (open_sequence), and throw std::invalid_argument for one not open.
+
+  // Empties the sequence: position 0, zero recurrent/conv state.
+  void reset(uint32_t seq = 0);
+  // The sequence's state, copied on the device into a new device buffer (waits for its work
+  // in flight first; the session's generation is finished, as finish()). Memory: the KV rows
+  // in use plus the recurrent and conv state, not the whole cache. Throws
+  // std::invalid_argument on a record-only device.
+  SessionSnapshot snapshot(uint32_t seq = 0);
+  // Makes `s` the sequence's state (device copies; `s` is unchanged and can be restored
+  // again, into any sequence). Throws std::invalid_argument, leaving the sequence as it was,
+  // when `s` does not come from a runtime of the same model and device kind or does not fit
+  // the context.
+  void restore(const SessionSnapshot& s, uint32_t seq = 0);
+  uint32_t position(uint32_t seq = 0) const { return sequence(seq).position; }
   const ModelDims& dims() const { return dims_; }
 
-  // Runs `tokens` through the model at the current position: prefill chunks of at most
+  // Runs `tokens` through the model at the sequence's position: prefill chunks of at most
   // prefill_chunk tokens (a single token, or every token with `decode_steps`, runs as
   // decode steps instead). Returns float32 logits [n, vocab] (Logits::all), [1, vocab]
   // (last) or nothing. Throws std::invalid_argument (context full, bad token id) before
-  // touching the state.
-  std::vector<float> forward(const std::vector<uint32_t>& tokens, Logits logits,
-                             bool decode_steps = false);
+  // touching the state. Waits for the work in flight (the session's generation is finished).
+  std::vector<float> forward(const std::vector<uint32_t>& tokens, Logits logits, bool decode_steps = false,
+                             uint32_t seq = 0);
+
+  // ---- Sequences (issue 31; docs/decode.md "Batched decode"). Sequence 0, the session, is
+  // allocated at load; open_sequence() adds one (its own KV cache at max_context, conv and
+  // recurrent state, ring, token slots and sampler buffers: sequence_bytes()), at position 0.
+  // Throws std::length_error when it would take the runtime past the device's working set.
+  uint32_t open_sequence();
+  // Frees a sequence opened by open_sequence() (waits for its work in flight).
+  void close_sequence(uint32_t seq);
+  // Device bytes one more sequence allocates.
+  uint64_t sequence_bytes() const { return sequence_bytes_; }
+  // Device bytes the open sequences other than the session hold.
+  uint64_t sequences_bytes() const;
+  // How many more sequences fit the device's working set (UINT32_MAX without a limit).
+  uint32_t sequence_room() const;
+  // The open sequences, the session first.
+  std::vector<uint32_t> sequences() const;
+
+  // ---- Batched generation, driven by the host (lily.scheduler: which rows step together,
+  // when a prefill chunk runs). Work is committed at once and taken in commit order; the
+  // device token hand-off works across steps as in start()/next(): a row whose input is the
+  // device's reads the token its previous step's (or prefill chunk's) sampler wrote.
+  // The sampler's settings of `seq`'s generation: `cfg`, its token counts from `prompt`
+  // (the repetition penalty's prompt set) and its logit bias.
+  void begin(uint32_t seq, const SamplingConfig& cfg, const std::vector<uint32_t>& prompt);
+  // Commits one prefill chunk of `tokens` (1 .. prefill_chunk()) at the sequence's position,
+  // which advances by their number. With `sample` the last row's sampler writes the first
+  // generated token into the decode token slot; with `logits` its logits are kept for the
+  // host. Returns the ticket whose take() gives them, 0 when neither.
+  uint64_t submit_chunk(uint32_t seq, const std::vector<uint32_t>& tokens, bool sample, bool logits);
+  // Commits one decode step of `rows` (distinct sequences; each at its position, which
+  // advances by one) in one command buffer. A row's output must be taken before that
+  // sequence's next step but one is submitted (its token and log-probability slots are
+  // reused). Returns the ticket.
+  uint64_t submit_step(const std::vector<StepRow>& rows);
+  // Waits for the ticket's command buffer (and everything committed before it; tickets are
+  // taken in commit order) and returns its rows' outputs; `gpu_seconds` (if given) gets its
+  // device time (NaN when unknown). `timed`: add the device time to gpu_seconds().
+  std::vector<RowOutput> take(uint64_t ticket, double* gpu_seconds = nullptr, bool timed = true);
+  // Waits for every committed command buffer (their outputs stay for take()).
+  void wait_all();
 
   // Greedy generation with the GPU token hand-off: `first` is fed at the current position,
   // each step's argmax becomes the next step's input on the device, two command buffers
@@ -271,6 +340,10 @@ class Runtime {
   gpu::Counters count_step(uint32_t position, Traffic* traffic);
   // The same for one prefill chunk of `rows` tokens starting at `position` (last-row logits).
   gpu::Counters count_chunk(uint32_t position, uint32_t rows, Traffic* traffic);
+  // The same for one batched step of rows at `positions` (one row each, the session's state
+  // for the first, scratch sequences for the others; each with the position % state_window
+  // steps of its window pending), as submit_step encodes it.
+  gpu::Counters count_batch_step(const std::vector<uint32_t>& positions, Traffic* traffic);
 
   uint32_t prefill_chunk() const { return prefill_scratch_.rows; }
   // Device seconds (gpu::CommandBuffer::gpu_interval, overlaps counted once) of the work
@@ -298,17 +371,46 @@ class Runtime {
   uint64_t repacked_bytes() const { return weights_.repacked_bytes(); }
 
  private:
-  // The session's step at `position` (the ring's pending steps from seq_.written), moving
-  // seq_.written when the step ends a window.
-  void encode_session_step(gpu::CommandBuffer& cmd, int slot, uint32_t position);
+  // A committed command buffer and what take() reads after it: a step's rows, a sampling
+  // chunk's row (ticket 0: a chunk without outputs).
+  struct Inflight {
+    std::unique_ptr<gpu::CommandBuffer> cmd;
+    uint64_t ticket = 0;
+    std::vector<std::pair<StepRow, uint32_t>> rows;  // (row, position of its input)
+    std::vector<uint32_t> seqs;                       // every sequence it touches
+    bool waited = false;
+    bool chunk = false;
+  };
+  SequenceState& sequence(uint32_t seq);
+  const SequenceState& sequence(uint32_t seq) const;
+  // Waits for every command buffer touching `seq`, leaving their outputs for take().
+  void wait_sequence(uint32_t seq);
+  // Commits `cmd` as the next in-flight entry (tickets numbered from 1).
+  uint64_t commit(std::unique_ptr<gpu::CommandBuffer> cmd, std::vector<std::pair<StepRow, uint32_t>> rows,
+                  std::vector<uint32_t> seqs, bool outputs, bool chunk);
+  // `seq`'s step at `position` (the ring's pending steps from seq.written), moving seq.written
+  // when the step ends a window.
+  void encode_session_step(gpu::CommandBuffer& cmd, SequenceState& seq, int slot, uint32_t position);
+  // One row of a batched step: its sequence, token slot, position, the ring's pending steps,
+  // whether its logits are kept for the host.
+  struct BatchRow {
+    SequenceState* seq;
+    int slot;
+    uint32_t position;
+    uint32_t pending;
+    bool logits;
+  };
+  // One decode step of `rows` into `cmd` (submit_step, count_batch_step); the caller moves
+  // each row's position and written.
+  void encode_batch(gpu::CommandBuffer& cmd, const std::vector<BatchRow>& rows, Traffic* traffic);
   // A chunk of `rows` tokens at p0 in the prefill scratch's buffers `parity`, its expert
   // tiles chosen from the newest completed chunk's histograms.
   Chunk chunk_at(int parity, uint32_t p0, uint32_t rows, Logits logits, bool sample) const;
   // Every buffer of the runtime for prefill chunks of `chunk` rows; with sizing_ only
   // counted into memory_.
   void allocate_buffers(uint32_t chunk);
-  // One sequence's buffers (SequenceState), at position 0.
-  SequenceState allocate_sequence();
+  // One sequence's buffers (SequenceState), at position 0, from `alloc`.
+  SequenceState allocate_sequence(const Alloc& alloc);
   // Resolves the pipelines, then encodes, without committing, every dispatch the runtime can
   // issue (decode step and its split path, both samplers, prefill chunks with each expert
   // tile height and the split path, the all-logits lm_head), so a kernel missing from the
@@ -316,15 +418,23 @@ class Runtime {
   // fills kernels_.
   void preflight();
   std::unique_ptr<gpu::CommandBuffer> logged_command_buffer();
-  void check_feed(const std::vector<uint32_t>& tokens, const char* what) const;
-  std::unique_ptr<gpu::CommandBuffer> run_chunks(const std::vector<uint32_t>& tokens, size_t begin, size_t end,
-                                                 Logits last_logits, bool sample, bool keep_last);
-  void wait_pending();
-  void submit_next();
-  void write_token(int slot, uint32_t token, uint32_t position);
+  void check_feed(const SequenceState& seq, const std::vector<uint32_t>& tokens, const char* what) const;
+  // Encodes one prefill chunk of `seq` (the GDN ring written back first) into a new command
+  // buffer, not committed; advances seq.position and seq.written.
+  std::unique_ptr<gpu::CommandBuffer> encode_chunk(SequenceState& seq, const uint32_t* tokens, uint32_t rows,
+                                                   Logits logits, bool sample);
+  // Commits prefill chunks for tokens[begin, end) of sequence `id` at its position; the last
+  // chunk gets `last_logits` / `sample` and, when `ticket`, returns its ticket (else 0).
+  uint64_t run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, size_t begin, size_t end,
+                      Logits last_logits, bool sample, bool ticket);
+  // Copies the head's logits into seq.host_logits (allocated on first use) at the end of `cmd`.
+  void keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq);
+  void write_token(SequenceState& seq, int slot, uint32_t token, uint32_t position);
   gpu::BufferPtr scratch(size_t bytes, const char* label, Mem kind = Mem::scratch);
   // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
   void wait_timed(gpu::CommandBuffer& cmd);
+  // Waits for the front in-flight entry (timed) and drops it; it must have no outputs left.
+  void pop_front();
 
   std::shared_ptr<gpu::Device> device_;
   ModelDims dims_;
@@ -334,24 +444,28 @@ class Runtime {
   PrefillPlan prefill_;
   WeightTable weights_;
   ModelWeights model_;  // tensor references into weights_, per layer
-  // The state: the session's sequence, the phases' scratch.
+  // The state: the session's sequence, the sequences opened since (index - 1: id; null:
+  // closed), the phases' scratch.
   SequenceState seq_;
+  std::vector<std::unique_ptr<SequenceState>> extra_;
+  uint64_t sequence_bytes_ = 0;
   DecodeScratch decode_scratch_;
   PrefillScratch prefill_scratch_;
-  std::vector<gpu::BufferPtr> owned_;  // every buffer above
+  std::vector<gpu::BufferPtr> owned_;  // every buffer above but the extra sequences'
   bool record_only_ = false;
   bool sizing_ = false;
   MemoryUse memory_;
   std::vector<KernelUse> kernels_;
 
-  // the chunked prefill driver
-  uint64_t chunks_done_ = 0;  // chunks committed in this session (parity of the scratch buffers)
-  std::vector<std::unique_ptr<gpu::CommandBuffer>> pending_;  // chunks committed, not waited
+  // committed work, oldest first: prefill chunks, steps (start/next and submit_step)
+  std::deque<Inflight> inflight_;
+  uint64_t next_ticket_ = 1;
+  uint64_t chunks_done_ = 0;  // chunks committed since the last reset (parity of the scratch buffers)
   double gpu_seconds_ = 0;     // gpu_seconds()
   double gpu_last_end_ = 0;    // the latest end of a counted command buffer (host-clock seconds)
-  // the generation in progress (start/next/finish)
-  std::unique_ptr<gpu::CommandBuffer> inflight_[2];
-  uint32_t gen_steps_ = 0, gen_encoded_ = 0, gen_done_ = 0;
+  // the session's generation in progress (start/next/finish): its tickets not yet taken
+  std::deque<uint64_t> gen_tickets_;
+  uint32_t gen_steps_ = 0, gen_encoded_ = 0;
   bool generating_ = false;
 };
 

@@ -563,18 +563,79 @@ class Runtime:
         tensors: [(name, safetensors path, byte offset, nbytes)]; dims: a ModelDims; options: a RuntimeOptions.
         """
 
-    def reset(self) -> None: ...
+    def reset(self, seq: int = 0) -> None:
+        """Empties sequence `seq` (0: the session)."""
 
-    def snapshot(self) -> SessionSnapshot:
-        """A copy of the session state (waits for work in flight)."""
+    def snapshot(self, seq: int = 0) -> SessionSnapshot:
+        """A copy of sequence `seq`'s state (waits for its work in flight)."""
 
-    def restore(self, snapshot: SessionSnapshot) -> None:
+    def restore(self, snapshot: SessionSnapshot, seq: int = 0) -> None:
         """
-        Makes `snapshot` the session state; ValueError if it is from another model or exceeds the context.
+        Makes `snapshot` sequence `seq`'s state; ValueError if it is from another model or exceeds the context.
         """
 
     @property
-    def position(self) -> int: ...
+    def position(self) -> int:
+        """The session's position."""
+
+    def sequence_position(self, seq: int) -> int:
+        """Tokens in sequence `seq`'s state."""
+
+    def open_sequence(self) -> int:
+        """
+        A new sequence (its own KV cache at max_context and state), empty; its id. ValueError when it
+        would take the runtime past the device's working set.
+        """
+
+    def close_sequence(self, seq: int) -> None:
+        """Frees an opened sequence (waits for its work in flight)."""
+
+    @property
+    def sequence_bytes(self) -> int:
+        """Device bytes one more sequence allocates."""
+
+    @property
+    def sequences_bytes(self) -> int:
+        """
+        Device bytes the opened sequences hold (the session's are in memory_use).
+        """
+
+    @property
+    def sequence_room(self) -> int:
+        """
+        How many more sequences fit the device's working set (2**32 - 1 without a limit).
+        """
+
+    def sequences(self) -> list[int]:
+        """The open sequences' ids, the session (0) first."""
+
+    def begin(self, seq: int, sampling: SamplingConfig, prompt: Sequence[int]) -> None:
+        """
+        The device sampler's settings for sequence `seq`'s generation (token counts from `prompt`).
+        """
+
+    def submit_chunk(self, seq: int, tokens: Sequence[int], sample: bool = False, logits: bool = False) -> int:
+        """
+        Commits one prefill chunk of sequence `seq`; `sample`: its last row's sampler writes the first
+        generated token on the device; `logits`: its last row's logits are kept. The ticket (0: none).
+        """
+
+    def submit_step(self, rows: Sequence[tuple[int, int, bool]]) -> int:
+        """
+        Commits one decode step of rows (seq, token: -1 for the device's, logits: keep them for the host);
+        returns its ticket.
+        """
+
+    def take(self, ticket: int, timed: bool = True) -> tuple:
+        """
+        Waits for a ticket (taken in commit order): ([(seq, position, token, logprob, top, logits or None)],
+        its device seconds, NaN when unknown).
+        """
+
+    def wait_all(self) -> None:
+        """
+        Waits for every committed command buffer (their outputs stay for take).
+        """
 
     @property
     def weight_bytes(self) -> int: ...
@@ -617,9 +678,9 @@ class Runtime:
     def expert_histogram(self, layer: int) -> list[int]:
         """Assignments per expert of `layer` in the last completed prefill chunk."""
 
-    def forward(self, tokens: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], logits: str = 'last', decode_steps: bool = False) -> NDArray[numpy.float32]:
+    def forward(self, tokens: Annotated[NDArray[numpy.uint32], dict(shape=(None,), order='C', device='cpu', writable=False)], logits: str = 'last', decode_steps: bool = False, seq: int = 0) -> NDArray[numpy.float32]:
         """
-        Runs tokens (uint32 numpy array) at the current position (prefill chunks; one token or decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or [0] ('none').
+        Runs tokens (uint32 numpy array) at sequence `seq`'s position (prefill chunks; one token or decode_steps=True: decode steps). float32 logits [n, vocab] ('all'), [vocab] ('last') or [0] ('none').
         """
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids: Set[int]) -> list[int]:
@@ -642,6 +703,12 @@ class Runtime:
 
     def count_step(self, position: int) -> dict:
         """Encodes (and on a real device runs) one step; counters and traffic."""
+
+    def count_batch_step(self, positions: Sequence[int]) -> dict:
+        """
+        Encodes (and on a real device runs) one batched step of rows at `positions`; counters and
+        traffic.
+        """
 
     def count_chunk(self, position: int, rows: int) -> dict:
         """

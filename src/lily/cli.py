@@ -22,6 +22,7 @@ from lily.checkpoint import load_config
 from lily.engine import Engine
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError
 from lily.prompt_cache import DEFAULT_MAX_BYTES
+from lily.scheduler import DEFAULT_BATCH, DEFAULT_INTERLEAVE, DEFAULT_QUEUE, MAX_BATCH
 from lily.structured import check_tools, template_tools
 from lily.weight_cache import default_dir
 
@@ -588,12 +589,24 @@ def cmd_bench(args) -> int:
         from lily.lab import agent_bench
         load = dict(device=args.device, device_options=options, max_context=args.max_context)
         engine = Engine.load(args.model, **load)
-        cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
-        rep = agent_bench.run(engine, cold, system_tokens=args.system_tokens, turns=args.turns,
-                              turn_tokens=args.turn_tokens,
-                              max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
-                              on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
-        print(agent_bench.format_report(rep))
+        kw = dict(system_tokens=args.system_tokens, turns=args.turns, turn_tokens=args.turn_tokens,
+                  max_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                  on_turn=lambda row: print(f"turn {row['turn']}: {row}", file=sys.stderr, flush=True))
+        if args.parallel is not None:
+            rep = agent_bench.run_parallel(engine, args.parallel, alone=not args.no_cold, **kw)
+            print(agent_bench.format_parallel(rep))
+        else:
+            cold = None if args.no_cold else Engine.load(args.model, prompt_cache_bytes=0, **load)
+            rep = agent_bench.run(engine, cold, **kw)
+            print(agent_bench.format_report(rep))
+    elif args.concurrent is not None:
+        from lily.lab import concurrent_bench
+        engine = Engine.load(args.model, device=args.device, device_options=options, max_context=args.max_context,
+                             prompt_cache_bytes=0)
+        rep = concurrent_bench.run(engine, args.concurrent, prompt_tokens=(args.lengths or [256])[0],
+                                   decode_tokens=64 if args.decode_tokens is None else args.decode_tokens,
+                                   on_row=lambda row: print(f"N={row['n']}: {row}", file=sys.stderr, flush=True))
+        print(concurrent_bench.format_report(rep))
     else:
         from lily.lab.bench import bench, format_report
         rep = bench(args.model, device=args.device, lengths=args.lengths, decode_tokens=args.decode_tokens,
@@ -622,7 +635,8 @@ def cmd_estimate(args) -> int:
                               fixed=base.measured if base else ())
         chunk = chunk or fitted["plan"]["prefill_chunk"]  # the measured run's plan unless told otherwise
     rep = estimate(machine, config=args.config, contexts=args.contexts, prompts=args.prompts,
-                   breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None)
+                   breakdown_at=args.at, chunk=chunk, model_name=str(args.model) if args.model else None,
+                   batches=args.batches)
     if args.json:
         out = rep if not (fitted or kernels) else {"fit": fitted, "kernels_fit": kernels, "estimate": rep}
         print(json.dumps(out, indent=2))
@@ -636,6 +650,8 @@ def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
     from lily.lab.estimate import KERNELS_KIND, check_length, model_config
     from lily.lab.published import LENGTHS
+    if max(args.batches) > MAX_BATCH:
+        parser.error(f"--batches: at most {MAX_BATCH} rows decode together, got {max(args.batches)}")
     try:
         args.config = load_config(args.model)[0] if args.model else model_config()
     except LilyError as e:
@@ -680,7 +696,8 @@ def cmd_serve(args) -> int:
         serve(engine, host=args.host, port=args.port, api_key=args.api_key,
               model_name=args.model_name, strict_model_name=args.strict_model_name, max_queue=args.max_queue,
               default_max_tokens=args.default_max_tokens, log_level=args.log_level,
-              clamp_max_tokens=args.clamp_max_tokens,
+              clamp_max_tokens=args.clamp_max_tokens, max_batch=args.max_batch,
+              prefill_interleave=args.prefill_interleave,
               default_reasoning={"on": True, "off": False, None: None}[args.reasoning],
               strip_billing_header=not args.keep_billing_header)
     except OSError as e:  # the address cannot be bound
@@ -722,6 +739,10 @@ def _check_serve(parser: argparse.ArgumentParser, args) -> None:
         parser.error(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         parser.error(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 1 <= args.max_batch <= MAX_BATCH:
+        parser.error(f"--max-batch must be in 1..{MAX_BATCH}, got {args.max_batch}")
+    if args.prefill_interleave < 16:
+        parser.error(f"--prefill-interleave must be >= 16, got {args.prefill_interleave}")
     if args.default_max_tokens is not None and args.default_max_tokens < 1:
         parser.error(f"--default-max-tokens must be >= 1, got {args.default_max_tokens}")
     _check_cache(parser, args)
@@ -841,7 +862,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--turn-tokens", type=int, default=300, metavar="N",
                    help="tokens each turn adds: a tool result and a user message (default 300)")
     a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
-    a.add_argument("--no-cold", action="store_true", help="skip the runs without the cache")
+    a.add_argument("--no-cold", action="store_true",
+                   help="skip the runs without the cache (with --parallel: the conversations run one by one)")
+    a.add_argument("--parallel", type=_int_at_least(1), default=None, metavar="N",
+                   help="N conversations at once (continuous batching), then each alone for the comparison")
+    # not `c`: lily chat's check closes over that name (the chat parser)
+    conc = b.add_argument_group("--concurrent: several requests at once (continuous batching; Lily alone, no MLX-LM)")
+    conc.add_argument("--concurrent", type=_int_list, default=None, metavar="N1,N2,...",
+                   help="for each N, N requests of --lengths' first length (default 256) at once, "
+                        "--decode-tokens each: aggregate and per-request tok/s, time to first token, "
+                        "outputs compared with N = 1")
     b.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("doctor", help="check this machine: toolchain, GPU, memory, and every kernel against numpy",
@@ -881,6 +911,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "longest context when it is shorter)")
     e.add_argument("--prefill-chunk", type=_int_at_least(0), default=None, metavar="N",
                    help="prefill chunk rows (default 0: the runtime's automatic choice with memory to spare, 4096)")
+    e.add_argument("--batches", type=_int_list, default=[1, 2, 4, 8], metavar="B1,B2,...",
+                   help="rows of the batched decode steps estimated at --at (continuous batching; default 1,2,4,8, "
+                        f"at most {MAX_BATCH})")
     e.add_argument("--fit", default=None, nargs="+", metavar="JSON",
                    help="calibrate the model on a Mac run first: a `lily bench --json` file (its bandwidth efficiency, "
                         "stage gap and matrix efficiency fitted to Lily's figures) and/or a `lily bench --kernels "
@@ -893,8 +926,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="HTTP server: OpenAI chat completions and Responses, Anthropic Messages (streaming)",
                        description="Serve the model over HTTP: OpenAI chat completions, completions and "
                                    "Responses, Anthropic Messages, and models, streaming or not, on "
-                                   "127.0.0.1 unless --host says otherwise. One generation runs at a time; "
-                                   "others wait in a queue. See docs/server.md.")
+                                   "127.0.0.1 unless --host says otherwise. Up to --max-batch generations "
+                                   "decode together (continuous batching); others wait in a queue. See "
+                                   "docs/server.md.")
     _add_model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -905,7 +939,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "unless --strict-model-name")
     s.add_argument("--strict-model-name", action="store_true",
                    help="refuse requests naming another model (404 model_not_found)")
-    s.add_argument("--max-queue", type=int, default=8, help="requests allowed to wait (default 8); more get HTTP 429")
+    s.add_argument("--max-batch", type=int, default=DEFAULT_BATCH, metavar="B",
+                   help=f"generations that decode together, 1..{MAX_BATCH} (default {DEFAULT_BATCH}; fewer when the "
+                        "GPU's memory holds fewer sequences: each reserves its KV cache at --max-context and its state)")
+    s.add_argument("--max-queue", type=int, default=DEFAULT_QUEUE,
+                   help=f"requests allowed to wait for a place in the batch (default {DEFAULT_QUEUE}); more get "
+                        "HTTP 429 with Retry-After")
+    s.add_argument("--prefill-interleave", type=int, default=DEFAULT_INTERLEAVE, metavar="N",
+                   help=f"tokens of a new prompt's prefill chunk while others decode (default {DEFAULT_INTERLEAVE}): "
+                        "the most one of their steps waits for it")
     s.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
                    help="max tokens for chat and Responses requests that set none (default 4096, or the "
                         "checkpoint's max_new_tokens: 256 for the demo model; completions follow OpenAI: 16)")

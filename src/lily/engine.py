@@ -8,27 +8,33 @@ The engine checks its input once, here; it has one generation loop for every dev
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from lily.backend import Backend
-from lily.chat_output import ChatMessage, ToolCall, parse_chat_output, prompt_opens_reasoning
+from lily.chat_output import parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.constraints import Constraint
 from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
-from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache, snapshot_points
+from lily.generation import (THINKING_CLOSE_TEXT, ChatResult, Generation, GenerationResult, StreamEvent,
+                             Timings, collect)
+from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
 from lily.prompt_cache import load as load_cache_file, save as save_cache_file
 from lily.reference import ReferenceBackend
-from lily.sampling import SamplingParams, StopMatcher, TokenLogprob
+from lily.sampling import SamplingParams
+from lily.scheduler import Scheduler
+from lily.session import Session
 from lily.structured import Grammar
 from lily.tokenizer import Tokenizer
+
+__all__ = ["DEVICES", "THINKING_CLOSE_TEXT", "ChatResult", "Engine", "GenerationResult", "StreamEvent", "Timings",
+           "available_devices", "default_model_path", "model_display_name"]
 
 DEVICES = ("reference", "sim", "metal", "auto")
 DEFAULT_MAX_CONTEXT = 32768
@@ -120,132 +126,6 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     return NativeBackend(ck, max_context, device, **options)
 
 
-@dataclass
-class Timings:
-    """Wall-clock timings of one generation, in seconds and tokens per second; on a native
-    device also the device's own execution time of each phase (``gpu_prefill_s``,
-    ``gpu_decode_s``: Metal's GPU timestamps of the command buffers, the simulator's
-    execution time; None on the reference device). Wall time minus device time is what the
-    host added (Python, encoding, waiting). The first decode step runs on the device while
-    the host still takes the first token, so ``gpu_decode_s`` may exceed ``decode_s`` by up
-    to one step."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prefill_tokens: int = 0
-    decode_tokens: int = 0
-    gpu_prefill_s: float | None = None
-    gpu_decode_s: float | None = None
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def decode_gpu_busy(self) -> float | None:
-        """Share of the decode's wall time the device was executing, at most 1 (a step may
-        start on the device just before the first token reaches the host); None when not
-        measured or no decode step ran."""
-        if not self.gpu_decode_s or self.decode_s <= 0:
-            return None
-        return min(1.0, self.gpu_decode_s / self.decode_s)
-
-
-@dataclass
-class StreamEvent:
-    """One step of a streamed generation.
-
-    ``text`` is safe to display (complete UTF-8 characters, stop strings withheld);
-    ``token_ids`` are the tokens produced in this step (the EOS token is not included).
-    The last event has ``finish_reason`` set (``"stop"``, ``"length"`` or ``"cancelled"``)
-    and carries ``prompt_tokens``/``completion_tokens``, ``cached_tokens`` (prompt tokens
-    whose state was reused rather than computed) and ``timings``.
-    """
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    timings: Timings | None = None
-    cached_tokens: int = 0
-
-
-@dataclass
-class GenerationResult:
-    """A finished generation: ``text``, generated ``token_ids``, ``finish_reason``, usage
-    counts (``cached_tokens``: prompt tokens reused from the session or the prompt cache),
-    ``timings`` and optional per-token ``logprobs``."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    timings: Timings
-    logprobs: list[TokenLogprob] | None = None
-    cached_tokens: int = 0
-
-
-@dataclass
-class ChatResult(GenerationResult):
-    """A finished :meth:`Engine.chat`: a :class:`GenerationResult` (``text`` is the raw
-    reply, special tokens included) plus the reply split by :func:`lily.chat_output.parse_chat_output`:
-    ``reasoning`` (the thinking block), ``content`` (the answer) and ``tool_calls``
-    (:class:`lily.chat_output.ToolCall`, arguments typed by the tools' schemas)."""
-
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-
-    @property
-    def message(self) -> dict:
-        """The assistant message to append to the conversation for the next turn."""
-        return ChatMessage(self.reasoning, self.content, list(self.tool_calls)).to_message()
-
-
-#: What the engine appends when a thinking budget is spent: the close the model itself
-#: writes (Qwen3.5/3.6 put a blank line between ``</think>`` and the answer).
-THINKING_CLOSE_TEXT = "\n</think>\n\n"
-
-
-class _ThinkingBudget:
-    """Counts the generated tokens inside the first thinking block (open from the prompt, or
-    from the model's own ``<think>`` token) and says when the budget is spent. The block is
-    known by the tokenizer's ``<think>``/``</think>`` tokens; a tokenizer without them has
-    no thinking for a budget to bound."""
-
-    def __init__(self, tokenizer: Tokenizer, budget: int, inside: bool):
-        self.open_id = tokenizer.token_to_id("<think>")
-        self.close_id = tokenizer.token_to_id("</think>")
-        self.close_ids = tokenizer.encode(THINKING_CLOSE_TEXT)
-        self.budget = budget
-        self.state = "before" if not inside else "inside" if self.close_id is not None else "after"
-        self.count = 0
-
-    def spent(self, tok: int) -> bool:
-        """Record generated token ``tok``; True when it is the budget's last thinking token."""
-        if self.state == "before":
-            if tok == self.open_id and self.close_id is not None:
-                self.state = "inside"
-            return False
-        if self.state == "after":
-            return False
-        if tok == self.close_id:
-            self.state = "after"
-            return False
-        self.count += 1
-        if self.count >= self.budget:
-            self.state = "after"
-            return True
-        return False
-
-
 class Engine:
     """One model, one session, one device.
 
@@ -261,7 +141,6 @@ class Engine:
         self.checkpoint = checkpoint
         self.config: ModelConfig = checkpoint.config
         self.tokenizer = tokenizer
-        self.backend = backend
         self.device = backend.name
         self.max_context = max_context
         self.generation_config = generation_config
@@ -272,11 +151,80 @@ class Engine:
         #: pad 248,077 ids to 248,320 rows) decode to nothing, so no generation picks them
         #: (:attr:`lily.sampling.SamplingParams.vocab_limit`). Prompts may still hold them.
         self.sample_vocab: int = min(self.config.vocab_size, tokenizer.vocab_size)
-        self._tokens: list[int] = []  # tokens whose effect is in the session state
-        self.prompt_cache: PromptCache | None = PromptCache(DEFAULT_MAX_BYTES)
+        self._held = threading.Condition()  # who holds the session: _holder (None, a Scheduler, a thread id)
+        self._depth = 0
         self._im_start = tokenizer.token_to_id("<|im_start|>")
-        self._snap_points: list[int] = []  # positions of the running prefill to snapshot
-        self._cache_key: str | None = None  # the running request's prompt_cache_key
+        self._session = Session(backend, 0, PromptCache(DEFAULT_MAX_BYTES), self._im_start)
+        self._holder = None
+
+    @property
+    def backend(self) -> Backend:
+        """The device's :class:`lily.backend.Backend` (replacing it empties the session)."""
+        return self._session.backend
+
+    @backend.setter
+    def backend(self, backend: Backend) -> None:
+        self._session = Session(backend, 0, self._session.cache, self._im_start)
+
+    def _lend_session(self, holder) -> bool:
+        """Lends the session to a :class:`lily.scheduler.Scheduler`'s row if no one holds it
+        (never waits): True when lent, until :meth:`_return_session`."""
+        with self._held:
+            if self._holder is not None:
+                return False
+            self._holder = holder
+            return True
+
+    def _return_session(self, holder) -> None:
+        with self._held:
+            if self._holder is holder:
+                self._holder = None
+                self._held.notify_all()
+
+    @contextlib.contextmanager
+    def _using_session(self):
+        """Holds the session for the engine's own call (re-entrant on its thread). While a
+        scheduler's row has it, waits for the row to end when the scheduler runs on a thread
+        of its own, else raises InvalidParameterError (nothing would end it)."""
+        me = threading.get_ident()
+        with self._held:
+            while self._holder is not None and self._holder != me:
+                holder = self._holder
+                if not getattr(holder, "running", False) or getattr(holder, "thread_ident", None) == me:
+                    raise InvalidParameterError("the engine's session is in use by a Scheduler's row: generate "
+                                                "through the scheduler, or drive it until that row ends")
+                self._held.wait(0.05)
+            self._holder = me
+            self._depth += 1
+        try:
+            yield
+        finally:
+            with self._held:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._holder = None
+                    self._held.notify_all()
+
+    def scheduler(self, *, max_batch: int = 4, max_queue: int = 256, prefill_interleave: int = 1024):
+        """A :class:`lily.scheduler.Scheduler`: several generations decoding together on this
+        engine (continuous batching; docs/usage.md "Several generations at once"). It
+        borrows the engine's session while a row runs on it, opens more sequences as rows
+        need them and frees them when closed (use it as a context manager)::
+
+            with engine.scheduler(max_batch=4) as batch:
+                results = batch.generate_many(["ROMEO.", "JULIET."], max_tokens=32)
+
+        Raises :class:`InvalidParameterError` for an option out of range."""
+        return Scheduler(self, max_batch=max_batch, max_queue=max_queue, prefill_interleave=prefill_interleave)
+
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        """The multi-turn prompt cache (:class:`lily.PromptCache`; None: disabled)."""
+        return self._session.cache
+
+    @prompt_cache.setter
+    def prompt_cache(self, cache: PromptCache | None) -> None:
+        self._session.cache = cache
 
     @property
     def chat_max_tokens(self) -> int:
@@ -385,13 +333,13 @@ class Engine:
     @property
     def tokens(self) -> list[int]:
         """The token ids whose effect is in the session state (a copy)."""
-        return list(self._tokens)
+        return list(self._session.tokens)
 
     def reset(self) -> None:
         """Empty the session (KV cache and recurrent state). The prompt cache keeps its
         entries (``engine.prompt_cache.clear()`` drops them)."""
-        self.backend.reset()
-        self._tokens = []
+        with self._using_session():
+            self._session.reset()
 
     @property
     def prefill_chunk(self) -> int:
@@ -444,10 +392,11 @@ class Engine:
         InvalidParameterError
             Empty input, non-integer or out-of-vocabulary ids.
         """
-        arr = self.check_tokens(tokens, "the input", self.position)
-        out = self.backend.forward(arr, all_logits=all_logits)
-        self._tokens.extend(arr.tolist())
-        return out
+        with self._using_session():
+            arr = self.check_tokens(tokens, "the input", self.position)
+            out = self.backend.forward(arr, all_logits=all_logits)
+            self._session.tokens.extend(arr.tolist())
+            return out
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one token (usually the previously sampled one); returns float32 logits
@@ -460,7 +409,8 @@ class Engine:
         """An opaque copy of the session state (tokens, KV cache rows in use, conv and
         recurrent state), for :meth:`restore`. Host memory on the reference device; on the
         native devices a buffer in device memory, copied on the device."""
-        return (self.backend.snapshot(), list(self._tokens))
+        with self._using_session():
+            return (self.backend.snapshot(), list(self._session.tokens))
 
     def restore(self, snap) -> None:
         """Return the session to ``snap`` (from :meth:`snapshot` of an engine on the same
@@ -473,8 +423,9 @@ class Engine:
         if len(toks) > self.max_context:
             raise InvalidParameterError(f"the snapshot holds {len(toks)} tokens, more than the "
                                         f"context window of {self.max_context}")
-        self.backend.restore(state)
-        self._tokens = list(toks)
+        with self._using_session():
+            self.backend.restore(state)
+            self._session.tokens = list(toks)
 
     # ------------------------------------------------------------------ generation
 
@@ -509,75 +460,6 @@ class Engine:
             ids = ids[len(ids) - 1 - ids[::-1].index(self._im_start):]
         return prompt_opens_reasoning(self.tokenizer.decode_lenient(ids))
 
-    def _start(self, prompt_ids: list[int], cache_key: str | None = None) -> list[int]:
-        """Prepare the session for ``prompt_ids`` and return the tokens still to compute
-        (at least one: the last prompt token's logits select the first output): the one
-        place where state is reused. ``len(prompt_ids) - len(result)`` is the request's
-        ``cached_tokens``.
-
-        The session is kept when the prompt extends its tokens; otherwise the longest
-        prefix in the prompt cache is restored when it is longer (a restore that fails
-        drops that entry and starts from an empty session). Sets the snapshot positions
-        of the prefill that follows (:func:`lily.prompt_cache.snapshot_points`);
-        ``cache_key`` is the request's ``prompt_cache_key`` hint for the cache's eviction."""
-        n = len(self._tokens)
-        start = n if n < len(prompt_ids) and prompt_ids[:n] == self._tokens else 0
-        cache = self.prompt_cache
-        self._cache_key = cache_key
-        entry = cache.lookup(prompt_ids, len(prompt_ids) - 1, cache_key) if cache is not None else None
-        if entry is not None and entry.length > start:
-            try:
-                self.backend.restore(entry.state)
-                self._tokens = entry.tokens.tolist()
-                start = entry.length
-            except Exception:  # noqa: BLE001 - a bad entry must not take the engine down
-                cache.discard(entry)
-                start = 0
-        if start == 0:
-            self.reset()
-        self._snap_points = snapshot_points(prompt_ids, start, self._im_start) if cache is not None else []
-        if cache is not None:
-            cache.record(start, len(prompt_ids) - start)
-        return prompt_ids[start:]
-
-    def _pieces(self, new: list[int], chunk: int):
-        """``new`` (the tokens after the session's) in prefill pieces of at most ``chunk``
-        tokens that end at the snapshot positions."""
-        base, s = len(self._tokens), 0
-        for p in self._snap_points + [base + len(new)]:
-            while base + s < p:
-                e = min(p - base, s + chunk)
-                yield new[s:e]
-                s = e
-
-    def _run_pieces(self, pieces, cancel: threading.Event | None, on_logits=None,
-                    snapshot: bool = True) -> bool:
-        """The one chunked-prefill loop: run ``pieces`` (lists of checked ids) into the
-        session in order, ``cancel`` checked before each; with ``snapshot`` the prompt cache
-        stores the session at the planned positions. ``on_logits``: each piece then runs
-        with every position's logits, passed on as float32 ``[len(piece), vocab_size]``.
-        Returns False when cancelled; a cancel or a failure leaves an empty session (a
-        partial prefill is no usable state)."""
-        try:
-            for piece in pieces:
-                if cancel is not None and cancel.is_set():
-                    self.reset()
-                    return False
-                arr = np.asarray(piece, dtype=np.int64)
-                if on_logits is None:
-                    self.backend.prefill(arr)
-                else:
-                    logits = self.backend.forward(arr, all_logits=True)
-                self._tokens.extend(arr.tolist())
-                if on_logits is not None:
-                    on_logits(logits)
-                if snapshot:
-                    self._snapshot_if_planned()
-        except BaseException:
-            self.reset()
-            raise
-        return True
-
     def prefill_chunked(self, tokens: Sequence[int], *, cancel: threading.Event | None = None,
                         on_logits=None) -> bool:
         """:meth:`prefill` in pieces of :attr:`prefill_chunk` tokens with ``cancel`` checked
@@ -585,19 +467,11 @@ class Engine:
         ``[piece, vocab_size]`` logits of every position of each piece (teacher-forced
         scoring); without it no logits are computed. Returns False when cancelled. A
         cancel or a failure leaves an empty session. Raises like :meth:`prefill`."""
-        ids = self.check_tokens(tokens, "the input", self.position).tolist()
-        chunk = self.prefill_chunk
-        return self._run_pieces((ids[s:s + chunk] for s in range(0, len(ids), chunk)), cancel,
-                                on_logits, snapshot=False)
-
-    def _snapshot_if_planned(self) -> None:
-        """After a prefill piece: store the session in the prompt cache at a planned position."""
-        if self.prompt_cache is not None and self.position in self._snap_points:
-            self._cache_session()
-
-    def _cache_session(self) -> None:
-        if self.prompt_cache is not None and self._tokens and len(self._tokens) == self.position:
-            self.prompt_cache.insert(self._tokens, self.backend.snapshot(), key=self._cache_key)
+        with self._using_session():
+            ids = self.check_tokens(tokens, "the input", self.position).tolist()
+            chunk = self.prefill_chunk
+            return self._session.run_pieces((ids[s:s + chunk] for s in range(0, len(ids), chunk)), cancel,
+                                            on_logits, snapshot=False)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                cancel: threading.Event | None = None, constraint: Constraint | None = None,
@@ -647,160 +521,97 @@ class Engine:
             constraint = constraint.for_prompt(self, prompt_ids)
         return self._generate(prompt_ids, p, cancel, constraint, prompt_cache_key, on_start)
 
+    def generation(self, prompt_ids: list[int], params: SamplingParams, constraint: Constraint | None,
+                   cached: int) -> Generation:
+        """The output side of a generation of ``prompt_ids`` (:class:`lily.generation.Generation`):
+        EOS, stop strings, the constraint's end, at most ``params.max_tokens`` tokens and no
+        more than the context holds, the thinking budget; ``cached`` prompt tokens reused."""
+        inside = params.thinking_budget is not None and self.prompt_opens_thinking(prompt_ids)
+        return Generation(self.tokenizer, self.eos_token_ids, prompt_ids, params, constraint, cached=cached,
+                          steps=min(params.max_tokens, self.max_context - len(prompt_ids)), thinking_inside=inside)
+
     def _generate(self, prompt_ids: list[int], p: SamplingParams, cancel,
                   constraint: Constraint | None, cache_key: str | None = None,
                   on_start: Callable[[int], None] | None = None) -> Iterator[StreamEvent]:
-        """The generation loop, the same for every device. All but the last prefill chunk
-        of the new tokens run here, ``cancel`` checked between them; the rest is the feed of
-        :meth:`Backend.start`, after which the backend returns one token per ``next``
-        (native devices: chosen on the device, with the next step already encoded; the
-        host reads ids one step behind and stops on EOS, a stop string, the constraint's
-        end or the length limit, discarding at most one speculative step).
-        ``timings.prefill_s`` is the time to the first token. The prompt cache stores the
-        session at the planned positions of the prefill (all inside the pieces run here) and
-        at the end of a generation that was not cancelled. A spent ``thinking_budget``
-        finishes the backend, outputs the close and starts it again with the close as the
-        feed (the session kept)."""
-        backend = self.backend
-        timings = Timings()
-        detok = self.tokenizer.detokenizer()
-        stops = StopMatcher(p.stop)
-        new = self._start(prompt_ids, cache_key)
-        cached = len(prompt_ids) - len(new)
+        """The generation loop of the session, the same for every device. All but the last
+        prefill chunk of the new tokens run here, ``cancel`` checked between them; the rest
+        is the feed of :meth:`Backend.start`, after which the backend returns one token per
+        ``next`` (native devices: chosen on the device, with the next step already encoded;
+        the host reads ids one step behind, discarding at most one speculative step), which
+        :meth:`lily.generation.Generation.push` turns into events until it ends. The prompt
+        cache stores the session at the planned positions of the prefill (all inside the
+        pieces run here) and at the end of a generation that was not cancelled. A spent
+        ``thinking_budget`` finishes the backend, outputs the close and starts it again
+        with the close as the feed (the session kept)."""
+        with self._using_session():
+            yield from self._generate_held(prompt_ids, p, cancel, constraint, cache_key, on_start)
+
+    def _generate_held(self, prompt_ids, p, cancel, constraint, cache_key, on_start) -> Iterator[StreamEvent]:
+        backend, session = self.backend, self._session
+        new = session.prepare(prompt_ids, cache_key)
         if on_start is not None:
-            on_start(cached)
-        timings.prefill_tokens = len(new)
-        n_out = 0
-        ended = False  # finished (not cancelled): the session is worth a snapshot
-        t1 = None  # when the first token arrived (the end of the prompt)
+            on_start(len(prompt_ids) - len(new))
+        gen = self.generation(prompt_ids, p, constraint, len(prompt_ids) - len(new))
+        gpu0 = getattr(backend, "gpu_seconds", None)  # device time measured
 
-        gpu = getattr(backend, "gpu_seconds", None) is not None  # device time measured
-        g0 = g1 = backend.gpu_seconds if gpu else 0.0
+        def device_time() -> float | None:
+            return None if gpu0 is None else backend.gpu_seconds - gpu0
 
-        def gpu_split(prefill: bool) -> float:
-            """The device time so far into the phase's timing; returns the runtime's total."""
-            if not gpu:
-                return 0.0
-            g = backend.gpu_seconds
-            if prefill:
-                timings.gpu_prefill_s = g - g0
-            else:
-                timings.gpu_decode_s = g - g1
-            return g
-
-        def done(reason: str, text: str = "", ids=None, lps=None) -> StreamEvent:
-            nonlocal ended
-            ended = reason != "cancelled"
-            # the timings as of the final event (readers stop there; `finally` refines them)
-            now = time.perf_counter()
-            if t1 is None:
-                timings.prefill_s = now - t0
-            else:
-                timings.decode_s = now - t1
-            gpu_split(t1 is None)
-            return StreamEvent(text, ids or [], lps, reason, len(prompt_ids), n_out, timings, cached)
-
-        t0 = time.perf_counter()
         chunk = backend.prefill_chunk
-        tail = len(new) - ((len(new) - 1) % chunk + 1)  # the last chunk is the feed
-        if self._snap_points:  # every snapshot position inside the pieces run here
-            tail = max(tail, self._snap_points[-1] - len(self._tokens))
-        if not self._run_pieces(self._pieces(new[:tail], chunk), cancel):
-            yield done("cancelled")
+        tail = session.feed_start(new, chunk)  # the last chunk is the feed
+        if not session.run_pieces(session.pieces(new[:tail], chunk), cancel):
+            yield gen.cancelled()
             return
-        feed = new[tail:]
+        gen.feed = new[tail:]
         start_pos = backend.position
-        steps = min(p.max_tokens, self.max_context - len(prompt_ids))  # prompt + completion <= context
-        outs: list[int] = []  # the tokens the steps consumed after the feed (EOS included), or forced
         failed = False
-        think = (None if p.thinking_budget is None else
-                 _ThinkingBudget(self.tokenizer, p.thinking_budget, self.prompt_opens_thinking(prompt_ids)))
-        forced: list[int] = []  # the close of a spent thinking budget, still to output
         try:
-            backend.start(np.asarray(feed, dtype=np.int64), steps, prompt_ids, p, constraint)
+            backend.start(np.asarray(gen.feed, dtype=np.int64), gen.steps, prompt_ids, p, constraint)
             while True:
                 if cancel is not None and cancel.is_set():
-                    yield done("cancelled")
+                    yield gen.cancelled()
                     return
-                was_forced = bool(forced)
-                if was_forced:  # output as if generated, through every check below
-                    tok = forced.pop(0)
-                    lp = TokenLogprob(tok, 0.0)  # the engine's choice, not the model's
-                    if constraint is not None:
-                        constraint.advance(tok)
+                if gen.forced:  # the close of a spent budget: output as if generated
+                    yield gen.forced_token()
+                    if not gen.done and not gen.forced:  # the close is out: the answer, from the rest of the steps
+                        feed = gen.restart_feed()
+                        backend.start(np.asarray(feed, dtype=np.int64), gen.steps_left, session.tokens + feed, p,
+                                      constraint)
                 else:
                     step = backend.next()
-                    if t1 is None:  # the first token: the prompt is done
-                        g1 = gpu_split(True)  # the prefill's device time; decode's counts from here
-                        t1 = time.perf_counter()
-                        timings.prefill_s = t1 - t0
-                    if step is None:  # max tokens or the context window reached
-                        tail_text, _ = stops.push(detok.flush())
-                        yield done("length", tail_text + stops.flush())
-                        return
-                    tok, lp = step
-                    if tok in self.eos_token_ids and not p.ignore_eos:
-                        outs.append(tok)  # a speculative step may have consumed it
-                        yield done("stop", stops.flush() + detok.flush())
-                        return
-                outs.append(tok)
-                n_out += 1
-                timings.decode_tokens = n_out
-                lps = [lp] if p.logprobs else None
-                text, stopped = stops.push(detok.add(tok))
-                if stopped:
-                    yield done("stop", text, [tok], lps)
+                    gen.device_time(device_time())
+                    yield gen.push(step)
+                if gen.done:
                     return
-                finished = constraint is not None and constraint.is_finished()
-                if finished or n_out >= steps:
-                    tail_text, _ = stops.push(detok.flush())
-                    yield done("stop" if finished else "length", text + tail_text + stops.flush(), [tok], lps)
-                    return
-                yield StreamEvent(text, [tok], lps)
-                if think is None:
-                    continue
-                if think.spent(tok):
+                if gen.spent:
                     # The budget is spent: stop the device (a speculative step is discarded) and
                     # keep what it computed; the close follows, then the model goes on from the
                     # live session as in a next turn (nothing is computed again).
                     backend.finish()
-                    consumed = backend.position - start_pos
-                    self._tokens.extend((feed + outs)[:consumed])
-                    feed, outs, start_pos = (feed + outs)[consumed:], [], backend.position
-                    forced = list(think.close_ids)
-                elif was_forced and not forced:  # the close is out: the answer, from the rest of the steps
-                    feed, outs = feed + outs, []
-                    backend.start(np.asarray(feed, dtype=np.int64), steps - n_out, self._tokens + feed, p,
-                                  constraint)
+                    session.tokens.extend(gen.consumed(backend.position - start_pos))
+                    start_pos = backend.position
         except GeneratorExit:
             raise
         except BaseException:
             failed = True  # a step that failed part-way leaves no usable session
             raise
         finally:
-            now = time.perf_counter()
-            no_token = t1 is None
-            if t1 is None:
-                t1 = now
-                timings.prefill_s = now - t0
-            timings.decode_s = now - t1
             try:
                 backend.finish()
             finally:
-                gpu_split(prefill=no_token)  # after finish(): prefill chunks it waited for count too
+                gen.close(device_time())  # after finish(): prefill chunks it waited for count too
                 if failed:
                     self.reset()
                 else:
-                    consumed = backend.position - start_pos
-                    self._tokens.extend((feed + outs)[:consumed])
-                    if ended:
-                        self._cache_session()  # the end of the generated text: the next turn may extend it
+                    session.tokens.extend(gen.consumed(backend.position - start_pos))
+                    if gen.finish_reason not in (None, "cancelled"):
+                        session.store()  # the end of the generated text: the next turn may extend it
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                  cancel: threading.Event | None = None, constraint: Constraint | None = None,
                  prompt_cache_key: str | None = None, **overrides) -> GenerationResult:
         """Like :meth:`stream`, collected into a :class:`GenerationResult`."""
-        return self._collect(self.stream(prompt, params, cancel=cancel, constraint=constraint,
+        return collect(self.stream(prompt, params, cancel=cancel, constraint=constraint,
                                          prompt_cache_key=prompt_cache_key, **overrides))
 
     def stream_chat(self, messages: list[dict], params: SamplingParams | None = None, *,
@@ -811,8 +622,7 @@ class Engine:
         added; the switches as :meth:`lily.tokenizer.Tokenizer.chat_kwargs` completes them) and
         stream the reply. Raises :class:`~lily.errors.TokenizerError` when the template
         rejects the messages, otherwise like :meth:`stream`."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
+        prompt = self.chat_prompt(messages, tools, chat_template_kwargs)
         return self.stream(self.tokenizer.encode(prompt), params, cancel=cancel, constraint=constraint,
                            **overrides)
 
@@ -822,26 +632,28 @@ class Engine:
              **overrides) -> ChatResult:
         """Like :meth:`stream_chat`, collected into a :class:`ChatResult`: the raw ``text``
         and its ``reasoning``, ``content`` and ``tool_calls``."""
-        prompt = self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                    **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
-        r = self._collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
-                                      constraint=constraint, **overrides))
+        prompt = self.chat_prompt(messages, tools, chat_template_kwargs)
+        r = collect(self.stream(self.tokenizer.encode(prompt), params, cancel=cancel,
+                                constraint=constraint, **overrides))
+        return self.chat_result(r, prompt, tools)
+
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """``messages`` (and ``tools``) rendered with the chat template, the generation
+        prompt added and the switches as :meth:`lily.tokenizer.Tokenizer.chat_kwargs` completes
+        them: the text :meth:`chat` generates from. Raises :class:`~lily.errors.TokenizerError`
+        when the template rejects them."""
+        return self.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                  **self.tokenizer.chat_kwargs(chat_template_kwargs, tools))
+
+    @staticmethod
+    def chat_result(r: GenerationResult, prompt: str, tools: list[dict] | None = None) -> ChatResult:
+        """A finished reply to ``prompt`` (:meth:`chat_prompt`'s text) split into reasoning,
+        content and tool calls (typed by ``tools``' schemas)."""
         parsed = parse_chat_output(r.text, reasoning=prompt_opens_reasoning(prompt), tools=tools,
                                    parse_tools=bool(tools))
         return ChatResult(**vars(r), reasoning=parsed.reasoning, content=parsed.content,
                           tool_calls=parsed.tool_calls)
-
-    @staticmethod
-    def _collect(events: Iterator[StreamEvent]) -> GenerationResult:
-        texts, ids, lps, last = [], [], [], None
-        for ev in events:
-            texts.append(ev.text)
-            ids.extend(ev.token_ids)
-            if ev.logprobs:
-                lps.extend(ev.logprobs)
-            last = ev
-        return GenerationResult("".join(texts), ids, last.finish_reason, last.prompt_tokens,
-                                last.completion_tokens, last.timings, lps or None, last.cached_tokens)
 
     # ------------------------------------------------------------------ prompt cache
 
@@ -869,11 +681,13 @@ class Engine:
         positions a generation would (message boundaries, the last token); the session is
         left holding the prompt. Returns the number of tokens computed."""
         ids = self.encode_prompt(prompt)
-        new = self._start(ids)
-        self._snap_points = [q for q in self._snap_points if q != len(ids) - 1]  # the end is stored
-        self._run_pieces(self._pieces(new, self.prefill_chunk), None)
-        self._cache_session()
-        return len(new)
+        with self._using_session():
+            session = self._session
+            new = session.prepare(ids)
+            session.snap_points = [q for q in session.snap_points if q != len(ids) - 1]  # the end is stored
+            session.run_pieces(session.pieces(new, self.prefill_chunk), None)
+            session.store()
+            return len(new)
 
     def info(self) -> dict:
         """Facts for ``lily info``: config, tensor count, weight bytes, device, devices."""

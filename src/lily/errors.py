@@ -63,3 +63,13 @@ class ContextLengthError(LilyError, ValueError):
 
 class DeviceError(LilyError):
     """A requested device is unknown or not available on this machine or build."""
+
+
+class QueueFullError(LilyError):
+    """A :class:`lily.scheduler.Scheduler` already has as many requests waiting as it may
+    queue. ``retry_after`` is the number of seconds after which a retry is likely to be
+    taken (an estimate from the requests served so far)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -12,7 +12,7 @@ import re
 import numpy as np
 
 from lily import _core
-from lily.backend import HostGeneration
+from lily.backend import HostGeneration, RowResult
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
 from lily.errors import CheckpointError, DeviceError, InvalidParameterError
 from lily.sampling import TokenLogprob
@@ -161,6 +161,9 @@ class NativeBackend:
         self.options = opts  # lily._core.RuntimeOptions (the bench report records the plan's)
         self._host: HostGeneration | None = None  # a constrained generation in progress
 
+    samples_on_device = True
+    chunk_invariant = True
+
     @property
     def position(self) -> int:
         return self.runtime.position
@@ -170,14 +173,57 @@ class NativeBackend:
         """Device seconds of the work whose results were taken so far (a total; ``Runtime.gpu_seconds``)."""
         return self.runtime.gpu_seconds
 
-    def reset(self) -> None:
-        self.runtime.reset()
+    def reset(self, seq: int = 0) -> None:
+        self.runtime.reset(seq)
 
-    def forward(self, tokens: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
-        return self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "all" if all_logits else "last")
+    def forward(self, tokens: np.ndarray, *, all_logits: bool = False, seq: int = 0) -> np.ndarray:
+        return self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "all" if all_logits else "last", seq=seq)
 
-    def prefill(self, tokens: np.ndarray) -> None:
-        self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "none")
+    def prefill(self, tokens: np.ndarray, seq: int = 0) -> None:
+        self.runtime.forward(np.asarray(tokens, dtype=np.uint32), "none", seq=seq)
+
+    # -- sequences and batched calls (lily.backend.Backend; csrc/runtime/runtime.h) ---------
+
+    def open_sequence(self) -> int:
+        """A new sequence (its KV cache at ``max_context`` and its state, in device memory).
+        Raises :class:`DeviceError` when it does not fit the device's working set."""
+        try:
+            return self.runtime.open_sequence()
+        except ValueError as e:
+            raise DeviceError(f"{self.name}: {e}") from None
+
+    def close_sequence(self, seq: int) -> None:
+        self.runtime.close_sequence(seq)
+
+    def sequence_position(self, seq: int) -> int:
+        return self.runtime.sequence_position(seq)
+
+    def sequence_room(self) -> int | None:
+        room = self.runtime.sequence_room
+        return None if room == 2**32 - 1 else room
+
+    def sequence_bytes(self) -> int:
+        return self.runtime.sequence_bytes
+
+    def begin(self, seq: int, params, history) -> None:
+        self.runtime.begin(seq, sampling_config(params), [int(t) for t in history])
+
+    def submit_chunk(self, seq: int, tokens, *, sample: bool = False, logits: bool = False) -> int:
+        return self.runtime.submit_chunk(seq, [int(t) for t in tokens], sample, logits)
+
+    def submit_step(self, rows) -> int:
+        return self.runtime.submit_step([(seq, -1 if tok is None else int(tok), bool(want)) for seq, tok, want in rows])
+
+    def take(self, ticket: int) -> tuple[list[RowResult], float | None]:
+        rows, gpu = self.runtime.take(ticket)
+        out = []
+        for seq, position, tok, lp, top, logits in rows:
+            if logits is not None:
+                out.append(RowResult(seq, position, None, None, logits))
+            else:
+                out.append(RowResult(seq, position, int(tok), TokenLogprob(
+                    int(tok), float(lp), tuple((int(i), float(v)) for i, v in top)), None))
+        return out, (None if gpu != gpu else gpu)
 
     def generate_greedy(self, first: int, max_tokens: int, stop_ids) -> list[int]:
         """Pipelined greedy decode on the device (GPU token hand-off); see Runtime."""
@@ -205,17 +251,17 @@ class NativeBackend:
         self._host = None
         self.runtime.finish()
 
-    def snapshot(self):
-        """The session state in a buffer of the device (``lily._core.SessionSnapshot``)."""
-        return self.runtime.snapshot()
+    def snapshot(self, seq: int = 0):
+        """The sequence's state in a buffer of the device (``lily._core.SessionSnapshot``)."""
+        return self.runtime.snapshot(seq)
 
-    def restore(self, snap) -> None:
-        """Makes ``snap`` (from :meth:`snapshot` of a backend of the same model) the session state.
-        Raises :class:`InvalidParameterError` for anything else, the session unchanged."""
+    def restore(self, snap, seq: int = 0) -> None:
+        """Makes ``snap`` (from :meth:`snapshot` of a backend of the same model) the sequence's
+        state. Raises :class:`InvalidParameterError` for anything else, the state unchanged."""
         if not isinstance(snap, _core.SessionSnapshot):
             raise InvalidParameterError(f"not a snapshot of a {self.name!r} session: {type(snap).__name__}")
         try:
-            self.runtime.restore(snap)
+            self.runtime.restore(snap, seq)
         except ValueError as e:
             raise InvalidParameterError(str(e)) from None
 
@@ -329,6 +375,20 @@ def count_decode_window(config: ModelConfig, context: int, *, bits: int = 4, rou
     w = state_window or default_state_window()
     rt = counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
     return [rt.count_step(context + i) for i in range(w)]
+
+
+def count_batch_window(config: ModelConfig, context: int, rows: int, *, bits: int = 4, router_bits: int = 8,
+                       state_window: int | None = None) -> list[dict]:
+    """:func:`count_decode_window` for a batched step of ``rows`` sequences (each at
+    ``context``, ``context + 1``, ... over the window, the steps of its window pending), as
+    the scheduler's steps encode them (``Runtime.count_batch_step``). The bytes "moved" count
+    each row's selected experts (the union of the rows' choices when rows share experts is
+    smaller: the expected union of uniformly random choices is
+    ``experts * (1 - (1 - k / experts) ** rows)``)."""
+    extra = _given(state_window=state_window)
+    w = state_window or default_state_window()
+    rt = counting_runtime(config, bits, router_bits, context + w, prefill_chunk=1, **extra)
+    return [rt.count_batch_step([context + i] * rows) for i in range(w)]
 
 
 def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bits: int = 4,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from lily.checkpoint import Checkpoint, ModelConfig, QuantizedTensor
-from lily.backend import HostGeneration
+from lily.backend import HostBatch, HostGeneration
 from lily.errors import InvalidParameterError
 
 
@@ -367,30 +367,44 @@ class ReferenceModel:
     def moe(self, i: int, x: np.ndarray) -> np.ndarray:
         """Sparse MoE of layer ``i``: softmax router, top-k renormalised, SwiGLU experts,
         plus the sigmoid-gated shared expert. ``x`` is ``[T, hidden]``."""
+        return self.moe_rows(i, [x])[0]
+
+    def moe_rows(self, i: int, xs: list[np.ndarray]) -> list[np.ndarray]:
+        """:meth:`moe` of each ``[T_r, hidden]`` input of ``xs`` (the rows of a batched step),
+        each with the arithmetic it gets alone; every expert the inputs route to is fetched
+        once (the union of their choices) and applied to each input that chose it, experts
+        in ascending id order for every input as alone."""
         c, p = self.cfg, f"model.layers.{i}.mlp"
-        T = x.shape[0]
-        _, top, w = self.route(i, x)
+        routes = [self.route(i, x)[1:] for x in xs]
 
-        def expert(e: int) -> tuple[np.ndarray, np.ndarray]:
-            rows, slot = np.nonzero(top == e)
-            xe = x[rows]
-            g_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.gate_proj", e).T)
-            u_ = self._act(xe @ self.expert_weight(f"{p}.switch_mlp.up_proj", e).T)
-            h = self._act(silu(g_) * u_)
-            d = self._act(h @ self.expert_weight(f"{p}.switch_mlp.down_proj", e).T)
-            return rows, d * w[rows, slot][:, None]
+        def expert(e: int) -> list:
+            wg, wu, wd = (self.expert_weight(f"{p}.switch_mlp.{m}", e) for m in ("gate_proj", "up_proj", "down_proj"))
+            parts = []
+            for j, (x, (top, w)) in enumerate(zip(xs, routes)):
+                rows, slot = np.nonzero(top == e)
+                if rows.size:
+                    xe = x[rows]
+                    g_ = self._act(xe @ wg.T)
+                    u_ = self._act(xe @ wu.T)
+                    h = self._act(silu(g_) * u_)
+                    d = self._act(h @ wd.T)
+                    parts.append((j, rows, d * w[rows, slot][:, None]))
+            return parts
 
-        y = np.zeros((T, c.hidden_size), np.float32)
-        experts = [int(e) for e in np.unique(top)]
-        for rows, contribution in self._map(expert, experts):  # summed in expert order
-            np.add.at(y, rows, contribution)
-        y = self._act(y)
-
-        sg = self.linear(x, f"{p}.shared_expert.gate_proj")
-        su = self.linear(x, f"{p}.shared_expert.up_proj")
-        sh = self.linear(self._act(silu(sg) * su), f"{p}.shared_expert.down_proj")
-        gate = sigmoid(self.linear(x, f"{p}.shared_expert_gate"))
-        return self._act(y + self._act(gate * sh))
+        ys = [np.zeros((x.shape[0], c.hidden_size), np.float32) for x in xs]
+        experts = [int(e) for e in np.unique(np.concatenate([top.ravel() for top, _ in routes]))]
+        for parts in self._map(expert, experts):  # summed in expert order, for every input
+            for j, rows, contribution in parts:
+                np.add.at(ys[j], rows, contribution)
+        out = []
+        for x, y in zip(xs, ys):
+            y = self._act(y)
+            sg = self.linear(x, f"{p}.shared_expert.gate_proj")
+            su = self.linear(x, f"{p}.shared_expert.up_proj")
+            sh = self.linear(self._act(silu(sg) * su), f"{p}.shared_expert.down_proj")
+            gate = sigmoid(self.linear(x, f"{p}.shared_expert_gate"))
+            out.append(self._act(y + self._act(gate * sh)))
+        return out
 
     # ------------------------------------------------------------------ model
 
@@ -402,27 +416,47 @@ class ReferenceModel:
         ``[0, vocab_size)``, and ``st.position + T <= st.max_context`` (the engine checks
         its input once, :meth:`lily.engine.Engine.prefill`).
         """
-        c = self.cfg
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        T = tokens.shape[0]
-        h = self.embed(tokens)
-        for i in range(c.num_hidden_layers):
-            xn = self._act(rms_norm(h, self.param(f"model.layers.{i}.input_layernorm.weight"), c.rms_norm_eps))
-            mixer = self.attention if c.is_full_attention(i) else self.gated_deltanet
-            h = self._act(h + mixer(i, xn, st))
-            xn = self._act(rms_norm(h, self.param(f"model.layers.{i}.post_attention_layernorm.weight"), c.rms_norm_eps))
-            h = self._act(h + self.moe(i, xn))
-        st.position += T
-        if not all_logits:
-            h = h[-1:]
-        hn = self._act(rms_norm(h, self.param("model.norm.weight"), c.rms_norm_eps))
-        logits = self.matmul_t(hn, "lm_head").astype(np.float32, copy=False)
+        logits = self._layers([tokens], [st], all_logits)[0]
         return logits if all_logits else logits[0]
 
+    def forward_rows(self, tokens, states: list[ReferenceState]) -> np.ndarray:
+        """One decode step of several sequences: ``tokens[r]`` at ``states[r]`` for each row
+        ``r``, layer by layer over all rows (each expert fetched once for the rows that
+        chose it, :meth:`moe_rows`). Each row's arithmetic is the one :meth:`forward` gives
+        it alone, so its logits are bit-identical to a lone step's. Returns float32
+        ``[rows, vocab]``."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        return np.stack([lg[0] for lg in self._layers([tokens[r:r + 1] for r in range(len(states))], states, False)])
 
-class ReferenceBackend:
+    def _layers(self, tokens: list[np.ndarray], states: list[ReferenceState], all_logits: bool) -> list[np.ndarray]:
+        """The forward pass of each row (``tokens[r]`` at ``states[r]``), layer by layer;
+        float32 logits ``[T_r or 1, vocab]`` per row."""
+        c = self.cfg
+        hs = [self.embed(t) for t in tokens]
+        for i in range(c.num_hidden_layers):
+            mixer = self.attention if c.is_full_attention(i) else self.gated_deltanet
+            norm_in = self.param(f"model.layers.{i}.input_layernorm.weight")
+            norm_post = self.param(f"model.layers.{i}.post_attention_layernorm.weight")
+            for r, st in enumerate(states):
+                xn = self._act(rms_norm(hs[r], norm_in, c.rms_norm_eps))
+                hs[r] = self._act(hs[r] + mixer(i, xn, st))
+            xns = [self._act(rms_norm(h, norm_post, c.rms_norm_eps)) for h in hs]
+            hs = [self._act(h + m) for h, m in zip(hs, self.moe_rows(i, xns))]
+        out = []
+        for t, st, h in zip(tokens, states, hs):
+            st.position += t.shape[0]
+            if not all_logits:
+                h = h[-1:]
+            hn = self._act(rms_norm(h, self.param("model.norm.weight"), c.rms_norm_eps))
+            out.append(self.matmul_t(hn, "lm_head").astype(np.float32, copy=False))
+        return out
+
+
+class ReferenceBackend(HostBatch):
     """The numpy oracle as an engine backend (:class:`lily.backend.Backend`); it samples on
-    the host (:class:`lily.backend.HostGeneration`)."""
+    the host (:class:`lily.backend.HostGeneration`). Its sequences are
+    :class:`ReferenceState` objects; a batched step runs :meth:`ReferenceModel.forward_rows`."""
 
     name = "reference"
     prefill_chunk = 128  # no device limit: the engine's cancellation granularity here
@@ -434,21 +468,33 @@ class ReferenceBackend:
         ck.check_floats()
         self.model = ReferenceModel(ck, **kw)
         self.max_context = max_context
-        self.state: ReferenceState = self.model.new_state(max_context)
+        self._init_sequences(self._new_state())
         self._gen: HostGeneration | None = None
+
+    def _new_state(self) -> ReferenceState:
+        return self.model.new_state(self.max_context)
+
+    def _forward_rows(self, seqs: list[int], tokens: np.ndarray) -> np.ndarray:
+        return self.model.forward_rows(tokens, [self._state(seq) for seq in seqs])
+
+    @property
+    def state(self) -> ReferenceState:
+        """The session's state (sequence 0)."""
+        return self.states[0]
 
     @property
     def position(self) -> int:
-        return self.state.position
+        return self.states[0].position
 
-    def reset(self) -> None:
-        self.state = self.model.new_state(self.max_context)
+    def reset(self, seq: int = 0) -> None:
+        self._state(seq)
+        self.states[seq] = self._new_state()
 
-    def forward(self, tokens: np.ndarray, *, all_logits: bool = False) -> np.ndarray:
-        return self.model.forward(tokens, self.state, all_logits=all_logits)
+    def forward(self, tokens: np.ndarray, *, all_logits: bool = False, seq: int = 0) -> np.ndarray:
+        return self.model.forward(tokens, self._state(seq), all_logits=all_logits)
 
-    def prefill(self, tokens: np.ndarray) -> None:
-        self.model.forward(tokens, self.state)
+    def prefill(self, tokens: np.ndarray, seq: int = 0) -> None:
+        self.model.forward(tokens, self._state(seq))
 
     def start(self, feed, steps, history, params, constraint=None) -> None:
         self._gen = HostGeneration(self.forward, feed, steps, history, params, constraint)
@@ -459,13 +505,14 @@ class ReferenceBackend:
     def finish(self) -> None:
         self._gen = None
 
-    def snapshot(self) -> ReferenceState:
-        return self.state.copy()
+    def snapshot(self, seq: int = 0) -> ReferenceState:
+        return self._state(seq).copy()
 
-    def restore(self, snap: ReferenceState) -> None:
+    def restore(self, snap: ReferenceState, seq: int = 0) -> None:
         if not isinstance(snap, ReferenceState):
             raise InvalidParameterError(f"not a snapshot of a 'reference' session: {type(snap).__name__}")
-        self.state = snap.copy()
+        self._state(seq)
+        self.states[seq] = snap.copy()
 
     def snapshot_arrays(self, snap: ReferenceState) -> tuple[dict[str, np.ndarray], dict]:
         arrays = {f"{kind}.{layer}": np.ascontiguousarray(a)

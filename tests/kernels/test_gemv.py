@@ -89,7 +89,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows,Hv,Dv,splits,tg", [
     (2048, 32, 128, 4, 64),                                       # the model's out_proj
-    (2048, 32, 128, 1, 64), (256, 4, 128, 2, 128), (33, 4, 32, 4, 32), (100, 2, 64, 8, 256),
+    (2048, 32, 128, 1, 64), (256, 4, 128, 2, 128), (33, 4, 32, 4, 64), (100, 2, 64, 8, 256),
 ])
 def test_gemv_gated(dev, bits, rows, Hv, Dv, splits, tg):
     rng = fresh_rng(rows * 31 + Hv * Dv + splits + bits)
@@ -102,16 +102,18 @@ def test_gemv_gated_under_hazard_orders(order):
     assert gemv_gated_ratio(make_dev(order), fresh_rng(5), "gemv_gated_q4_add", 300, 4, 128, 4) <= 1.0
 
 
-@pytest.mark.parametrize("tg", [32, 128, 256])
+@pytest.mark.parametrize("tg", [64, 128, 256])
 def test_gemv_threadgroup_sizes(dev, tg):
-    """Any multiple of 32 threads works; the grid is ceil(rows / (R * tg / 32))."""
+    """Any multiple of 64 threads works (kGemvSplitK simdgroups share each group of rows); the
+    grid is ceil(rows / (R * tg / 64))."""
     rows, cols = 300, 1024
     rng = fresh_rng(tg)
     qt = rand_quant(rng, (), rows, cols, 4)
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
-    run_bound(dev, "gemv_q4", -(-rows // (GEMV_ROWS_PER_SG * tg // 32)), tg, [W, S, B, X, Y], gemv_args(rows, cols),
+    assert gemv_grid(rows, tg) == -(-rows // (GEMV_ROWS_PER_SG * tg // 64))
+    run_bound(dev, "gemv_q4", gemv_grid(rows, tg), tg, [W, S, B, X, Y], gemv_args(rows, cols),
         reads=[W, S, B, X], writes=[Y])
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     assert_within(download(Y, np.float32), exact, DEPTH * U * (magnitude(qt) @ np.abs(x)), "gemv_q4 tg")
@@ -327,11 +329,11 @@ def test_norm_gemv_demo_checkpoint(dev, demo_path):
 # projections and lm_head NORM_GEMV_ROWS_PER_SG): same bound at every setting.
 
 
-def run_norm_gemv(dev, bits, x, nw, qts, rps, tg=64):
+def run_norm_gemv(dev, bits, x, nw, qts, rps, tg=64, splits=1):
     cols = x.size
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
-    run_encoder(dev, enc_norm_gemv, bits, X, NW, XN, mats, cols, write_xn=True, tg=tg, rps=rps)
+    run_encoder(dev, enc_norm_gemv, bits, X, NW, XN, mats, cols, write_xn=True, tg=tg, rps=rps, splits=splits)
     return X, NW, XN, mats
 
 
@@ -350,18 +352,33 @@ def test_norm_gemv_rows_per_simdgroup(dev, bits, rps, tg):
     assert _norm_gemv_ratio(f"norm_gemv_q{bits} rps={rps} tg={tg}", x, nw, XN, qts, mats) <= 1.0
 
 
-def test_router_logits_independent_of_rows_per_simdgroup(dev):
-    """With >= 32 chunks per row every lane of a team strides the same chunks whatever the
-    rows per simdgroup, so the router's logits (and the experts they pick) are bit-identical
-    at 1 and at 8 rows per simdgroup."""
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rps", [1, 8])
+def test_norm_gemv_split_k(dev, bits, rps):
+    """Two simdgroups per group of rows (k_splits = 2, the router's geometry), ragged matrices,
+    a threadgroup of 128: within 64 u M of float64."""
+    rng = fresh_rng(bits * 10 + rps)
+    cols = 512
+    x = (rng.standard_normal(cols) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) for r in (96, 1, 37)]
+    _, _, XN, mats = run_norm_gemv(dev, bits, x, nw, qts, rps, tg=128, splits=2)
+    assert _norm_gemv_ratio(f"norm_gemv_q{bits} rps={rps} split-K", x, nw, XN, qts, mats) <= 1.0
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_router_logits_independent_of_rows_per_simdgroup(dev, splits):
+    """With >= 32 chunks per row and split every lane of a team strides the same chunks
+    whatever the rows per simdgroup, so the router's logits (and the experts they pick) are
+    bit-identical at 1 and at 8 rows per simdgroup, at either split-K."""
     rng = fresh_rng(257)
-    cols = 512  # q8: 32 chunks of 16 bytes per row
+    cols = 1024  # q8: 64 chunks of 16 bytes per row
     x = (rng.standard_normal(cols) * 2).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
     qts = [rand_quant(rng, (), 64, cols, 8), rand_quant(rng, (), 1, cols, 8)]
     outs = []
     for rps in (1, NORM_GEMV_ROWS_PER_SG):
-        _, _, XN, mats = run_norm_gemv(dev, 8, x, nw, qts, rps)
+        _, _, XN, mats = run_norm_gemv(dev, 8, x, nw, qts, rps, splits=splits)
         outs.append([download(XN, np.float32)] + [download(m[2], np.float32) for m in mats])
     for a, b in zip(*outs):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -369,6 +386,7 @@ def test_router_logits_independent_of_rows_per_simdgroup(dev):
 
 def test_norm_gemv_grid_follows_rows_per_simdgroup():
     assert norm_gemv_grid([256, 1], 64, 1) == 128 + 1
+    assert norm_gemv_grid([256, 1], 64, 1, 2) == 256 + 1
     assert norm_gemv_grid([256, 1], 64, 8) == 16 + 1
     assert norm_gemv_grid([300], 256, 4) == math.ceil(300 / 32)
 

@@ -371,21 +371,26 @@ def test_moe_route_gate_up_matches_route(dev, E, k, hidden, inter, inter_shared,
         assert_within(h, want, tol, "moe_route_gate_up_swiglu_q4")
 
 
-def test_moe_route_gate_up_ties(dev):
+@pytest.mark.parametrize("E,tied,want", [
+    (64, ([5, 9, 40, 41, 63], [2, 3, 50], [60, 7]), [5, 9, 40, 41, 63, 2, 3, 50]),
+    # lane 5's registers 1, 3, 4 and 6 (experts 37, 101, 133, 197) tie: the lane's tree must keep
+    # the lowest register whichever side of a comparison it sits on
+    (256, ([133, 37, 197, 101], [250, 6], [70, 71, 72]), [37, 101, 133, 197, 6, 250, 70, 71]),
+], ids=["E64", "E256-registers"])
+def test_moe_route_gate_up_ties(dev, E, tied, want):
     """Tied probabilities: lower expert index first, as moe_route and argsort(-p, stable)."""
-    E, k = 64, 8
+    k = 8
     rng = fresh_rng(0)
     W = MoeWeights(rng, E, 64, 64, 64)
     bufs = W.upload(dev)
     logits = np.zeros(E + 1, np.float32)
-    logits[[5, 9, 40, 41, 63]] = 3.0
-    logits[[2, 3, 50]] = 1.0
-    logits[[60, 7]] = 0.5
+    for group, value in zip(tied, (3.0, 1.0, 0.5)):
+        logits[group] = value
     logits[E] = -0.75
     x = rng.standard_normal(64).astype(np.float32)
     for norm in (True, False):
         h, ids, wts = run_route_gate_up(dev, W, bufs, x, logits, k, norm)
-        np.testing.assert_array_equal(ids, [5, 9, 40, 41, 63, 2, 3, 50])
+        np.testing.assert_array_equal(ids, want)
         rids, rwts = run_route(dev, logits[:E], k, x, W.shared_gate, norm=norm)
         np.testing.assert_array_equal(wts[:k].view(np.uint32), rwts[:k].view(np.uint32))
         np.testing.assert_array_equal(h.view(np.uint32), run_gate_up(dev, W, bufs, x, ids, k).view(np.uint32))
@@ -503,7 +508,7 @@ def test_fused_gate_up_routes_without_barriers():
     route = (METAL_SRC / "route.h").read_text()
     kernel = _body(moe, "kernel void moe_route_gate_up_swiglu_q4(")
     simd = _body(route, "inline RoutePicks route_topk_simd(")
-    assert "route_topk_simd(" in kernel and not re.search(r"\broute_topk\(", kernel)
+    assert re.search(r"\broute_topk_simd<\w+>\(", kernel) and not re.search(r"\broute_topk\(", kernel)
     for text in (kernel, simd, _body(moe, "inline void gate_up_slot(")):
         assert "threadgroup_barrier" not in text
         assert not re.search(r"\bthreadgroup\s+\w+\s*[\*\w]", text)

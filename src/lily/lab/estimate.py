@@ -39,7 +39,8 @@ from lily.checkpoint import ModelConfig, load_config, parse_config
 from lily.errors import InvalidParameterError, LilyError
 from lily.lab.published import (LENGTHS, PPLX_CODE_SOURCE, PPLX_DECODE_STEPS, PPLX_PUBLISHED_M5MAX,
                                 PPLX_STAGES_PER_STEP, PPLX_TABLE_SOURCE)
-from lily.native_backend import count_decode_window, count_prefill_chunk, counting_runtime, default_state_window
+from lily.native_backend import (count_batch_window, count_decode_window, count_prefill_chunk, counting_runtime,
+                                 default_state_window)
 
 NOTICE = ("ESTIMATE from a performance model of the recorded plan (lily.lab.estimate, docs/performance.md), "
           "not a measurement")
@@ -549,6 +550,26 @@ def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     return mean_timing([time_records(m, r) for r in decode_records(cfg, context)])
 
 
+def batch_records(cfg: ModelConfig, context: int, rows: int) -> list:
+    """The records of each step of one write-back window of a batched step of ``rows``
+    sequences at ``context`` (:func:`lily.native_backend.count_batch_window`), kept as
+    :func:`decode_records` keeps its own."""
+    if rows == 1:
+        return decode_records(cfg, context)
+    key = (repr(cfg), context, default_state_window(), rows)
+    if key not in _WINDOWS:
+        _WINDOWS[key] = [c["records"] for c in count_batch_window(cfg, context, rows)]
+        while len(_WINDOWS) > 64:
+            _WINDOWS.popitem(last=False)
+    return _WINDOWS[key]
+
+
+def batch_step(m: Machine, cfg: ModelConfig, context: int, rows: int) -> Timing:
+    """Estimated time of one batched decode step of ``rows`` sequences at ``context``
+    (continuous batching, docs/decode.md "Batched decode"): the mean over a write-back window."""
+    return mean_timing([time_records(m, r) for r in batch_records(cfg, context, rows)])
+
+
 def mean_timing(timings: list[Timing]) -> Timing:
     """The mean of ``timings`` (seconds, bytes, families); their stage counts must agree."""
     if len({t.stages for t in timings}) != 1:
@@ -977,7 +998,7 @@ def _published_ratios(m: Machine) -> dict:
 
 def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict | None = None,
              contexts=LENGTHS, prompts=LENGTHS, breakdown_at: int = 4096, chunk: int | None = None,
-             model_name: str | None = None) -> dict:
+             model_name: str | None = None, batches=(1, 2, 4, 8)) -> dict:
     """The estimate report (JSON-ready): decode tok/s at each of ``contexts``, prefill tok/s
     (prompt tokens / time to first token) at each of ``prompts``, each as ``{"low", "likely",
     "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
@@ -988,7 +1009,9 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     "Residency"); the per-family breakdown of
     one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
-    ranges of the constants (:data:`CONSTANTS`). ``machine_key``: a :data:`MACHINES` key, or a
+    ranges of the constants (:data:`CONSTANTS`); and for each row count of ``batches`` a
+    batched step at ``breakdown_at`` (``batched``: aggregate and per-request tok/s, low / likely
+    / high, the step's stages and GB, GB per generated token). ``machine_key``: a :data:`MACHINES` key, or a
     :class:`Machine` (e.g. :func:`fit`'s, calibrated on a measured run). ``chunk``: prefill rows
     per chunk (None or 0: the runtime's automatic choice on a Mac with the memory for it,
     ``RuntimeOptions.AUTO_PREFILL_CHUNKS[0]``; every machine modelled has it). The plan reports
@@ -1054,6 +1077,16 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         return [{"family": k, "ms": v * 1e3, "share": v / t.seconds}
                 for k, v in sorted(t.families.items(), key=lambda kv: -kv[1])]
 
+    batch_rows = []
+    for b in batches:
+        t = batch_step(m, cfg, breakdown_at, b)
+        secs = spread(over(lambda x, b=b: batch_step(x, cfg, breakdown_at, b).seconds))
+        batch_rows.append({
+            "rows": b, "context": breakdown_at,
+            "aggregate_tok_s": {k: b / secs[j] for k, j in (("low", "high"), ("likely", "likely"), ("high", "low"))},
+            "per_request_tok_s": {k: 1 / secs[j] for k, j in (("low", "high"), ("likely", "likely"), ("high", "low"))},
+            "ms_per_step": {k: v * 1e3 for k, v in secs.items()}, "stages": t.stages,
+            "gb_per_step": t.bytes / 1e9, "gb_per_token": t.bytes / b / 1e9})
     d = decode_step(m, cfg, breakdown_at)
     p = prefill(m, cfg, breakdown_at, chunk, cache)
     return {
@@ -1086,6 +1119,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                    for k, c in CONSTANTS.items()},
         "decode": decode_rows,
         "prefill": prefill_rows,
+        "batched": batch_rows,
         "breakdown": {"at": breakdown_at,
                       "decode": {"ms": d.seconds * 1e3, "families": split(d)},
                       "prefill": {"ms": p.seconds * 1e3, "families": split(p)}},
@@ -1148,6 +1182,14 @@ def format_report(rep: dict) -> str:
         ratio = "".join(f" {_lmh(r[f'vs_{w}'], '.2f') if f'vs_{w}' in r else '':>20}" for w in vs)
         lines.append(f"{r['prompt']:>8} {_lmh(r['tok_s'], ',.0f'):>26} {r['seconds']['likely']:>9.3f} "
                      f"{r['stages']:>7} {r['gb_moved']:>9.1f}{ratio}")
+    if rep.get("batched"):
+        at = rep["batched"][0]["context"]
+        lines += ["", f"{'rows':>8} {'aggregate tok/s':>23} {'per request tok/s':>23} {'ms/step':>8} {'stages':>7} "
+                      f"{'GB/step':>8} {'GB/token':>9}   (batched decode at {at}: several requests per step)"]
+        for r in rep["batched"]:
+            lines.append(f"{r['rows']:>8} {_lmh(r['aggregate_tok_s']):>23} {_lmh(r['per_request_tok_s']):>23} "
+                         f"{r['ms_per_step']['likely']:>8.3f} {r['stages']:>7} {r['gb_per_step']:>8.3f} "
+                         f"{r['gb_per_token']:>9.3f}")
     b = rep["breakdown"]
     for phase in ("decode", "prefill"):
         what = "one decode step" if phase == "decode" else "prefill"

@@ -15,6 +15,7 @@ import logging
 from fastapi import FastAPI
 
 from lily.engine import DEMO_MODEL_NAME, model_display_name
+from lily.scheduler import DEFAULT_BATCH, DEFAULT_INTERLEAVE, DEFAULT_QUEUE
 from lily.server import anthropic_api, models, openai_api, responses_api
 from lily.server.core import Gate, JSONOut, ServerState, install_error_handlers, log
 
@@ -29,9 +30,10 @@ def _default_model_name(engine) -> str:
 
 
 def create_app(engine, *, model_name: str | None = None, api_key: str | None = None,
-               max_queue: int = 8, default_max_tokens: int | None = None,
+               max_queue: int = DEFAULT_QUEUE, default_max_tokens: int | None = None,
                strict_model_name: bool = False, max_stored_responses: int = 256,
-               clamp_max_tokens: bool = False, default_reasoning: bool | None = None,
+               clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
+               prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
                strip_billing_header: bool = True) -> FastAPI:
     """An ASGI app serving ``engine`` through the OpenAI chat completions, completions and
     Responses APIs and the Anthropic Messages API.
@@ -49,7 +51,8 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         When set, ``/v1/*`` requests need ``Authorization: Bearer <api_key>`` (or
         ``x-api-key: <api_key>``, as Anthropic clients send it).
     max_queue : int
-        Requests that may wait while one generates; more get HTTP 429.
+        Requests that may wait for a place in the batch (default 256); more get HTTP 429
+        with ``Retry-After``.
     default_max_tokens : int | None
         Chat completions and Responses without ``max_tokens`` / ``max_output_tokens`` stop
         after this many tokens (default: :attr:`lily.engine.Engine.chat_max_tokens`, 4096
@@ -65,6 +68,12 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         context window is served with the limit capped to the room left instead of getting
         HTTP 400 ``context_length_exceeded`` (the default, as OpenAI's and Anthropic's APIs
         do). For agent tools that send a fixed limit larger than a local window.
+    max_batch : int
+        Generations that decode together (continuous batching, 1 to 8, default 4; fewer
+        when the device's memory holds fewer sequences): :class:`lily.scheduler.Scheduler`.
+    prefill_interleave : int
+        Tokens of a new prompt's prefill chunk while other requests decode (default 1024):
+        the most one of their steps waits for it (docs/server.md "Several requests at once").
     default_reasoning : bool | None
         Whether a request that does not say thinks (None: the chat template's default, on
         for Qwen3.6); each API's own field overrides it (docs/server.md, "Reasoning").
@@ -72,10 +81,15 @@ def create_app(engine, *, model_name: str | None = None, api_key: str | None = N
         Leave Claude Code's ``x-anthropic-billing-header: ... cch=<nonce>`` line out of a
         Messages request's system prompt (:func:`lily.server.anthropic_api.system_text`):
         its nonce changes with every request and would defeat the prompt cache.
+
+    Raises
+    ------
+    lily.errors.InvalidParameterError
+        ``max_batch``, ``max_queue`` or ``prefill_interleave`` out of range.
     """
     state = ServerState(engine, model_name or _default_model_name(engine), api_key, max_queue,
-                        default_max_tokens, strict_model_name, clamp_max_tokens, default_reasoning,
-                        strip_billing_header)
+                        default_max_tokens, strict_model_name, clamp_max_tokens, max_batch, prefill_interleave,
+                        default_reasoning, strip_billing_header)
     state.responses = responses_api.ResponseStore(max_stored_responses)
 
     @contextlib.asynccontextmanager
@@ -113,9 +127,10 @@ def _is_loopback(host: str) -> bool:
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None, *,
-          model_name: str | None = None, strict_model_name: bool = False, max_queue: int = 8,
+          model_name: str | None = None, strict_model_name: bool = False, max_queue: int = DEFAULT_QUEUE,
           default_max_tokens: int | None = None, log_level: str = "info",
-          clamp_max_tokens: bool = False, default_reasoning: bool | None = None,
+          clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
+          prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
           strip_billing_header: bool = True) -> None:
     """Serve ``engine`` over HTTP with uvicorn until interrupted (``lily serve``).
 
@@ -141,8 +156,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, api_key: str | None
                     "the model (pass --api-key)", host)
     app = create_app(engine, model_name=model_name, api_key=api_key, max_queue=max_queue,
                      default_max_tokens=default_max_tokens, strict_model_name=strict_model_name,
-                     clamp_max_tokens=clamp_max_tokens, default_reasoning=default_reasoning,
-                     strip_billing_header=strip_billing_header)
+                     clamp_max_tokens=clamp_max_tokens, max_batch=max_batch, prefill_interleave=prefill_interleave,
+                     default_reasoning=default_reasoning, strip_billing_header=strip_billing_header)
     state: ServerState = app.state.lily
 
     class Server(uvicorn.Server):

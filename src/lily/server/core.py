@@ -18,7 +18,7 @@ import math
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,6 +29,7 @@ from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
 from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES, Sampler, SamplingParams, valid_bias
 from lily.server.protocol import APIError
+from lily.scheduler import DEFAULT_INTERLEAVE, DEFAULT_BATCH
 from lily.server.worker import Job, Worker
 from lily.structured import check_tools as check_tool_list
 from lily.structured import grammar_for_request
@@ -99,14 +100,15 @@ class ServerState:
 
     def __init__(self, engine, model_name: str, api_key: str | None, max_queue: int,
                  default_max_tokens: int | None, strict_model_name: bool = False,
-                 clamp_max_tokens: bool = False, default_reasoning: bool | None = None,
+                 clamp_max_tokens: bool = False, max_batch: int = DEFAULT_BATCH,
+                 prefill_interleave: int = DEFAULT_INTERLEAVE, default_reasoning: bool | None = None,
                  strip_billing_header: bool = True):
         self.closing = False
         self.engine = engine
         self.model_name = model_name
         self.strict_model_name = strict_model_name
         self.api_key = api_key
-        self.worker = Worker(max_queue)
+        self.worker = Worker(engine, max_queue, max_batch, prefill_interleave)
         self.created = int(time.time())
         # without a request limit: the server's, else the engine's chat default (a stand-in
         # engine without one: until the context is full)
@@ -318,28 +320,24 @@ class ServerState:
 
     def submit(self, ids: list[int], params, prompt_logprobs: int | None = None, constraint=None,
                report_start: bool = False, **engine_kw) -> Job:
-        """Queue the generation (429 when the line is full, 503 while shutting down). With
-        ``prompt_logprobs`` (the number of alternatives), the job first scores the prompt
-        (see :func:`scored_stream`) into ``job.prompt_logprobs``. ``constraint`` (from
-        :func:`request_constraint`) goes to ``engine.stream`` when set, and ``engine_kw``
-        (e.g. ``prompt_cache_key``) as is. ``report_start``: the job posts a ``"start"`` item
-        once the engine has prepared the session (:func:`job_events` sets
+        """Queue the generation (429 with ``Retry-After`` when the line is full, 503 while
+        shutting down). With ``prompt_logprobs`` (the number of alternatives), the job first
+        scores the prompt into ``job.prompt_logprobs`` (:func:`prompt_scorer`).
+        ``constraint`` (from :func:`request_constraint`) and ``engine_kw`` (e.g.
+        ``prompt_cache_key``) go to the scheduler. ``report_start``: the job posts a
+        ``"start"`` item once the engine has prepared the session (:func:`job_events` sets
         ``job.cached_tokens`` and wakes a stream), for a stream that reports the cache split
         up front."""
         if self.closing:
             raise shutdown_error()
-        engine = self.engine
-        kw = dict(engine_kw) if constraint is None else {**engine_kw, "constraint": constraint}
-        if report_start:
-            kw["on_start"] = lambda cached: job.post("start", cached)
-        if prompt_logprobs is None:
-            def start(cancel):
-                return engine.stream(ids, params, cancel=cancel, **kw)
-        else:
-            def start(cancel):
-                return scored_stream(engine, job, ids, params, prompt_logprobs, cancel)
-        job = Job(start, asyncio.get_running_loop())
-        self.worker.submit(job)
+        job = Job(asyncio.get_running_loop())
+        kw = dict(engine_kw)
+        if constraint is not None:
+            kw["constraint"] = constraint
+        if prompt_logprobs is not None:
+            kw["score"] = prompt_scorer(job, ids, prompt_logprobs, self.engine.sample_vocab)
+            kw.pop("prompt_cache_key", None)
+        self.worker.submit(job, ids, params, report_start=report_start, **kw)
         return job
 
     @staticmethod
@@ -539,32 +537,25 @@ def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: i
     return out
 
 
-def scored_stream(engine, job: Job, ids: list[int], params, n_top: int, cancel) -> Iterator:
-    """Run on the worker thread for ``/v1/completions`` with ``echo`` and ``logprobs``: score
-    the prompt, then generate.
+def prompt_scorer(job: Job, ids: list[int], n_top: int, vocab_limit: int = 0) -> Callable:
+    """The ``score`` hook of a ``/v1/completions`` request with ``echo`` and ``logprobs``
+    (:meth:`lily.scheduler.Scheduler.submit`): the row runs the prompt but its last token from
+    an empty session with every position's logits, then generates from there.
 
     ``job.prompt_logprobs`` gets one entry per prompt token, ``None`` for the first and
     otherwise the :class:`~lily.sampling.TokenLogprob` of ``ids[i]`` under the model's
     distribution after ``ids[:i]`` (raw logits, with ``n_top`` alternatives, as for
-    generated tokens). The pass prefills ``ids[:-1]`` into a fresh session (the engine's
-    ``prefill`` appends to whatever the session holds) with
-    :meth:`~lily.engine.Engine.prefill_chunked`, checking ``cancel`` between chunks; the
-    generation then extends that session, so only the last prompt token is prefilled again. A cancelled or failed
-    pass leaves an empty session.
-    """
-
-    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0, vocab_limit=engine.sample_vocab))
+    generated tokens, over the ids below ``vocab_limit`` when it is not 0, as the generation's
+    sampler); it is complete before the generation's first event."""
+    scorer = Sampler(SamplingParams(top_logprobs=n_top, seed=0, vocab_limit=vocab_limit))
     scored: list = [None]
+    job.prompt_logprobs = scored
 
     def score(rows) -> None:  # row j of a piece predicts the token after it
         for row in rows:
             scored.append(scorer.logprob(row, ids[len(scored)]))
 
-    engine.reset()
-    if len(ids) > 1 and not engine.prefill_chunked(ids[:-1], cancel=cancel, on_logits=score):
-        return
-    job.prompt_logprobs = scored
-    yield from engine.stream(ids, params, cancel=cancel)
+    return score
 
 
 # ----------------------------------------------------------------------------------------
@@ -592,7 +583,7 @@ def error_payload(path: str, err: APIError) -> dict:
 
 def error_response(path: str, err: APIError) -> JSONOut:
     # a full queue or a shutdown is temporary: say when a retry makes sense (RFC 9110 10.2.3)
-    headers = {"Retry-After": "1"} if err.status in (429, 503) else None
+    headers = {"Retry-After": str(err.retry_after or 1)} if err.status in (429, 503) else None
     return JSONOut(error_payload(path, err), status_code=err.status, headers=headers)
 
 

@@ -12,10 +12,11 @@ router = APIRouter()
 @router.get("/health")
 async def health(request: Request) -> dict:
     state = state_of(request)
-    running, queued = state.worker.counts()
+    batch = state.worker.info()
+    running, queued = batch["running"], batch["queued"]
     cache = getattr(state.engine, "prompt_cache", None)
     return {"status": "ok", "model": state.model_name, "busy": running > 0, "running": running,
-            "queued": queued, "pending": running + queued,
+            "queued": queued, "pending": running + queued, "batch": batch,
             "prompt_cache": cache.info() if cache is not None else None}
 
 

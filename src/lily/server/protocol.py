@@ -13,16 +13,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 
 class APIError(Exception):
-    """An error answered with OpenAI's error object and an HTTP status."""
+    """An error answered with OpenAI's error object and an HTTP status; ``retry_after``:
+    seconds for the ``Retry-After`` header of a temporary refusal (429, 503)."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -1,47 +1,50 @@
-"""One generation at a time: a worker thread that runs engine streams for queued jobs.
-
-The engine is not thread-safe, so every generation runs on the single worker thread. HTTP
-handlers (on the asyncio event loop) submit a :class:`Job`; the worker runs it and hands
-each :class:`~lily.engine.StreamEvent` back to the loop through an ``asyncio.Queue``.
-Setting ``job.cancel`` stops the generation between prefill chunks or decode steps (or
-skips the job if it is still waiting), leaving the engine ready for the next job.
+"""The generation queue: HTTP handlers submit jobs to the engine's scheduler
+(:class:`lily.scheduler.Scheduler`), which runs up to ``max_batch`` of them at once on its own
+thread (continuous batching) and queues the rest; each :class:`~lily.engine.StreamEvent` comes
+back to the event loop through the job's ``asyncio.Queue``. Setting ``job.cancel`` stops the
+generation at the next decode step or prefill chunk, freeing its row (or drops the job if it
+is still waiting).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import threading
 import time
-from typing import Callable, Iterator
 
+from lily.errors import QueueFullError
+from lily.scheduler import DEFAULT_INTERLEAVE, DEFAULT_QUEUE, DEFAULT_BATCH, Request, Scheduler
 from lily.server.protocol import APIError
 
 log = logging.getLogger("lily.server")
 
 
 class Job:
-    """A queued generation: ``start(cancel)`` returns the engine's event iterator.
+    """A generation submitted through :meth:`Worker.submit`.
 
     Items handed to the event loop (``job.items``) are ``(kind, payload)`` pairs: ``"start"``
     with the prompt tokens the engine reuses from its cache (before the prefill; only for a
-    job submitted with ``report_start``; the request handler sets ``cached_tokens``), ``"event"`` with a StreamEvent, ``"error"`` with
-    an exception, ``"end"`` when the iterator is exhausted, ``"cancelled"`` when the job was
-    cancelled before it started.
+    job submitted with ``report_start``; the request handler sets ``cached_tokens``),
+    ``"event"`` with a StreamEvent, ``"error"`` with an exception, ``"cancelled"`` when the
+    job was cancelled before it started.
     """
 
-    def __init__(self, start: Callable[[threading.Event], Iterator], loop: asyncio.AbstractEventLoop):
-        self.start = start
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.cancel = threading.Event()
         self.items: asyncio.Queue = asyncio.Queue()
         self.submitted = time.perf_counter()
-        self.started: float | None = None
+        self.request: Request | None = None
         self.completion_tokens = 0  # tokens the request handler has received so far
         self.logged = False  # the request's one log line has been written
-        self.prompt_logprobs: list | None = None  # set on the worker thread when the prompt is scored
+        self.prompt_logprobs: list | None = None  # filled on the scheduler's thread when the prompt is scored
         self.cached_tokens: int | None = None  # prompt tokens reused, once the engine has prepared the session
+
+    @property
+    def started(self) -> float | None:
+        """When the job got a row (``time.perf_counter``), None while it waits."""
+        return self.request.started if self.request is not None else None
 
     def post(self, kind: str, payload=None) -> None:
         """Hand an item to the event loop (from any thread)."""
@@ -52,38 +55,72 @@ class Job:
 
     def abort(self, exc: BaseException) -> None:
         """End the job now with ``exc`` for its request handler and cancel the generation
-        (the worker stops it at the next prefill chunk or decode step, or skips it)."""
+        (the scheduler stops it at the next prefill chunk or decode step, or drops it)."""
         self.cancel.set()
         self.post("error", exc)
 
+    def _event(self, ev) -> None:
+        if ev.finish_reason == "cancelled" and (self.request is None or self.request.started is None):
+            self.post("cancelled")  # never started (a shutdown, or its client went away while queued)
+        else:
+            self.post("event", ev)
+
 
 class Worker:
-    """The generation thread with a bounded waiting line.
+    """The engine's scheduler for the server: ``max_batch`` generations decode together,
+    ``max_queue`` more may wait (default 256: an agent's burst waits rather than fails);
+    :meth:`submit` raises a 429 :class:`APIError` with ``retry_after`` beyond that. Jobs
+    cancelled while waiting no longer count. ``prefill_interleave``: the scheduler's."""
 
-    At most ``max_queue`` jobs wait while one runs; :meth:`submit` raises a 429
-    :class:`APIError` beyond that. Jobs cancelled while waiting (their client went away)
-    no longer count.
-    """
-
-    def __init__(self, max_queue: int = 8):
+    def __init__(self, engine, max_queue: int = DEFAULT_QUEUE, max_batch: int = DEFAULT_BATCH,
+                 prefill_interleave: int = DEFAULT_INTERLEAVE):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be a non-negative integer, got {max_queue!r}")
-        self.max_queue = max_queue
-        self._cond = threading.Condition()
-        self._waiting: collections.deque[Job] = collections.deque()
-        self._current: Job | None = None
-        self._thread: threading.Thread | None = None
-        self.start()
+        self.engine = engine
+        self.max_queue, self.max_batch, self.prefill_interleave = max_queue, max_batch, prefill_interleave
+        self._lock = threading.Lock()
+        self._jobs: list[Job] = []
+        self.scheduler: Scheduler | None = None
+        self._scheduler()  # its options are checked at once (a ValueError names the bad one)
 
-    def _counts(self) -> tuple[int, int]:
-        running = 1 if self._current is not None else 0
-        return running, sum(1 for j in self._waiting if not j.cancel.is_set())
+    def _scheduler(self) -> Scheduler:
+        if self.scheduler is None:
+            self.scheduler = Scheduler(self.engine, max_batch=self.max_batch, max_queue=self.max_queue,
+                                       prefill_interleave=self.prefill_interleave)
+        return self.scheduler
+
+    def start(self) -> None:
+        """Start the scheduler's thread unless it runs (a new scheduler after :meth:`close`)."""
+        self._scheduler().start()
+
+    def submit(self, job: Job, ids: list[int], params, *, report_start: bool = False, **kw) -> None:
+        """Queue ``job``: a generation of ``ids`` with ``params`` and the scheduler's keywords
+        (``constraint``, ``prompt_cache_key``, ``score``). Raises a 429 :class:`APIError`
+        (``retry_after`` set) when the queue is full."""
+        self.start()
+        on_start = (lambda cached: job.post("start", cached)) if report_start else None
+        def on_error(exc: BaseException) -> None:  # reported to the request; the scheduler lives on
+            if not isinstance(exc, (ValueError, LookupError)):
+                log.error("generation failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            job.post("error", exc)
+
+        try:
+            job.request = self.scheduler.submit(ids, params, cancel=job.cancel, on_start=on_start,
+                                                on_event=job._event, on_error=on_error, **kw)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full",
+                           retry_after=exc.retry_after) from None
+        with self._lock:
+            self._jobs = [j for j in self._jobs if not (j.request and j.request.done)] + [job]
 
     def counts(self) -> tuple[int, int]:
-        """``(running, queued)``: the generation in progress (0 or 1) and the jobs waiting
-        for it (not cancelled), read together."""
-        with self._cond:
-            return self._counts()
+        """``(running, queued)``: the generations with a row and the jobs waiting for one
+        (not cancelled), read together."""
+        return self.scheduler.counts() if self.scheduler is not None else (0, 0)
+
+    def info(self) -> dict:
+        """The scheduler's state (:meth:`lily.scheduler.Scheduler.info`)."""
+        return self._scheduler().info()
 
     @property
     def pending(self) -> int:
@@ -92,82 +129,16 @@ class Worker:
 
     @property
     def busy(self) -> bool:
-        return self.counts()[0] == 1
-
-    def start(self) -> None:
-        """Start the generation thread unless it is running (again after :meth:`close`).
-
-        After :meth:`close` the new thread gets a new, empty line; if the thread died any
-        other way, the new one serves the jobs already waiting (so none is left hanging).
-        """
-        with self._cond:
-            if self._thread is not None and self._thread.is_alive():
-                return
-            if self._thread is None:
-                self._waiting = collections.deque()
-            self._thread = threading.Thread(target=self._run, name="lily-generation", daemon=True)
-            self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        self.start()
-        with self._cond:
-            running, queued = self._counts()
-            if running + queued >= self.max_queue + 1:
-                raise APIError(429, f"too many requests: {running + queued} generations are running or "
-                                    f"queued (limit {self.max_queue + 1}); retry later",
-                               type="rate_limit_error", code="queue_full")
-            self._waiting.append(job)
-            self._cond.notify_all()
+        return self.counts()[0] > 0
 
     def jobs(self) -> list[Job]:
-        """The running job (if any) and the waiting ones."""
-        with self._cond:
-            return ([self._current] if self._current is not None else []) + list(self._waiting)
+        """The jobs running or waiting."""
+        with self._lock:
+            return [j for j in self._jobs if not (j.request and j.request.done)]
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel the running and waiting jobs and end the thread (waiting at most
-        ``timeout`` seconds for the running generation to stop)."""
-        with self._cond:
-            thread = self._thread
-            self._thread = None
-            if thread is None:
-                return
-            waiting, self._waiting = list(self._waiting), collections.deque()
-            cur = self._current
-            if cur is not None:
-                cur.cancel.set()
-            self._cond.notify_all()
-        for job in waiting:
-            job.cancel.set()
-            job.post("cancelled")
-        if thread is not threading.current_thread():
-            thread.join(timeout)
-
-    def _run(self) -> None:
-        me = threading.current_thread()
-        while True:
-            with self._cond:
-                while self._thread is me and not self._waiting:
-                    self._cond.wait()
-                if self._thread is not me:  # closed
-                    return
-                job = self._waiting.popleft()
-                if job.cancel.is_set():
-                    job.post("cancelled")
-                    continue
-                self._current = job  # dequeued and running in one step: counts() stays exact
-            job.started = time.perf_counter()
-            try:
-                for ev in job.start(job.cancel):
-                    job.post("event", ev)
-                job.post("end")
-            except BaseException as exc:  # reported to the request; the worker lives on
-                if not isinstance(exc, (ValueError, LookupError)):
-                    log.exception("generation failed")
-                if not isinstance(exc, Exception):  # e.g. SystemExit raised by a plug-in
-                    exc = RuntimeError(f"generation aborted: {type(exc).__name__}: {exc}")
-                job.post("error", exc)
-            finally:
-                with self._cond:
-                    if self._current is job:
-                        self._current = None
+        """Cancel the running and waiting jobs and stop the scheduler (waiting at most
+        ``timeout`` seconds); a later :meth:`start` makes a new one."""
+        scheduler, self.scheduler = self.scheduler, None
+        if scheduler is not None:
+            scheduler.close(timeout)

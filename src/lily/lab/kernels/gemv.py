@@ -15,9 +15,12 @@ from lily.lab.kernels.harness import (
 )
 
 GEMV_ROWS_PER_SG = _core.CONSTANTS["kGemvRowsPerSimdgroup"]  # metal/decode_args.h
-# NormGemvArgs.rows_per_simdgroup of the wide projections and threads per threadgroup of the
-# GEMV-like kernels, as the decode step dispatches them (DecodePlan, csrc/runtime/decode.h)
+GEMV_SPLIT_K = _core.CONSTANTS["kGemvSplitK"]  # simdgroups sharing a row group in gemv_q*, moe_down_q4
+# NormGemvArgs.rows_per_simdgroup of the wide projections, k_splits of the one-row-per-simdgroup
+# router and threads per threadgroup of the GEMV-like kernels, as the decode step dispatches
+# them (DecodePlan, csrc/runtime/decode.h)
 NORM_GEMV_ROWS_PER_SG = _core.CONSTANTS["kNormGemvRows"]
+ROUTER_SPLITS = _core.CONSTANTS["kRouterSplits"]
 TG = _core.CONSTANTS["kGemvThreads"]
 MAX_MATRICES = _core.CONSTANTS["kNormGemvMaxMatrices"]  # of one norm_gemv dispatch
 
@@ -27,25 +30,28 @@ def gemv_args(rows: int, cols: int) -> bytes:
     return pack_args("GemvArgs", rows=rows, cols=cols)
 
 
-def gemv_grid(rows: int) -> int:
-    """Threadgroups of a GEMV-like dispatch of ``rows`` outputs with ``TG`` threads."""
-    return -(-rows // (GEMV_ROWS_PER_SG * TG // 32))
+def gemv_grid(rows: int, tg: int = TG) -> int:
+    """Threadgroups of a gemv_q* or moe_down_q4 dispatch of ``rows`` outputs with ``tg``
+    threads (kGemvSplitK simdgroups per group of GEMV_ROWS_PER_SG rows)."""
+    return -(-rows // (GEMV_ROWS_PER_SG * tg // 32 // GEMV_SPLIT_K))
 
 
 NORM_EPS = 1e-6
 
 
-def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG):
-    """Threadgroups of a norm_gemv dispatch with ``rps`` rows per simdgroup: each matrix
-    padded to whole threadgroups."""
-    per = rps * tg // 32
+def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
+    """Threadgroups of a norm_gemv dispatch with ``rps`` rows per simdgroup and ``splits``
+    simdgroups per row group: each matrix padded to whole threadgroups."""
+    per = rps * tg // 32 // splits
     return sum(-(-r // per) for r in rows)
 
 
-def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG):
-    """NormGemvArgs of up to MAX_MATRICES matrices of ``rows`` rows (the other slots unused)."""
+def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
+    """NormGemvArgs of up to MAX_MATRICES matrices of ``rows`` rows (the other slots unused),
+    ``rps`` rows per simdgroup shared by ``splits`` simdgroups."""
     rows = list(rows) + [0] * (MAX_MATRICES - len(rows))
-    return pack_args("NormGemvArgs", rows=rows, cols=cols, eps=eps, write_xn=write_xn, rows_per_simdgroup=rps)
+    return pack_args("NormGemvArgs", rows=rows, cols=cols, eps=eps, write_xn=write_xn, rows_per_simdgroup=rps,
+                     k_splits=splits)
 
 
 def _bind(i, spec):
@@ -53,7 +59,7 @@ def _bind(i, spec):
 
 
 def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None,
-                  rps=NORM_GEMV_ROWS_PER_SG):
+                  rps=NORM_GEMV_ROWS_PER_SG, splits=1):
     """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
     mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
     Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
@@ -71,9 +77,9 @@ def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, t
         else:
             specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
         buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    p.dispatch(kernel_name("norm_gemv", q=bits), norm_gemv_grid(rows, tg, rps) + extra, tg, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps))], reads=reads, writes=writes,
-               threadgroups=True, label=label or kernel_name("norm_gemv", q=bits))
+    p.dispatch(kernel_name("norm_gemv", q=bits), norm_gemv_grid(rows, tg, rps, splits) + extra, tg,
+               buffers=buffers, constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))],
+               reads=reads, writes=writes, threadgroups=True, label=label or kernel_name("norm_gemv", q=bits))
 
 
 def rms_ref64(x, nw_bits, eps=NORM_EPS):
@@ -142,7 +148,7 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
     r0 = f32(rng.standard_normal(rows))
     W, S, B = upload_q(dev, qt)
     Y, SSQ, Z, NW, R = upload(dev, y), upload(dev, ssq), upload(dev, z), upload(dev, nw), upload(dev, r0)
-    run(dev, kernel, -(-rows // (GEMV_ROWS_PER_SG * tg // 32)), tg,
+    run(dev, kernel, gemv_grid(rows, tg), tg,
         buffers=list(enumerate([W, S, B, Y, R])) + [(6, SSQ), (7, Z), (8, NW)],
         constants=[(5, gemv_args(rows, cols)), (9, pack_args("GatedNormArgs", head_dim=Dv, splits=splits, eps=eps))],
         reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
@@ -180,9 +186,9 @@ def _norm_gemv(dev, rng, kernel):
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
     cb = dev.command_buffer()
-    # q8: the router's geometry (one row per simdgroup, csrc/runtime/decode.cpp kRouterRows)
+    # q8: the router's geometry (one row per two simdgroups, csrc/runtime/decode.cpp kRouterRows)
     enc_norm_gemv(cb.compute_pass(), bits, X, NW, XN, mats, cols, write_xn=True,
-                  rps=1 if bits == 8 else NORM_GEMV_ROWS_PER_SG)
+                  rps=1 if bits == 8 else NORM_GEMV_ROWS_PER_SG, splits=ROUTER_SPLITS if bits == 8 else 1)
     cb.commit()
     cb.wait()
     return _norm_gemv_ratio(kernel, x, nw, XN, qts, mats)
