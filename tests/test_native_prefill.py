@@ -94,20 +94,20 @@ def _check(got, want, what, tie=None):
 
 
 def _router_gaps(model):
-    """Wrap model.moe (a lily.reference.ReferenceModel) to record, per call and row, the
+    """Wrap model.moe_rows (a lily.reference.ReferenceModel) to record, per call and row, the
     smallest router logit difference between the k-th and (k+1)-th expert; returns the list
     of [rows] arrays (one per layer call) and the undo."""
-    gaps, moe = [], model.moe
+    gaps, moe_rows = [], model.moe_rows
 
-    def recording(i, x):
-        lg = x @ model.weight(f"model.layers.{i}.mlp.gate").T
+    def recording(i, xs):
         k = model.cfg.num_experts_per_tok
-        top = -np.sort(-lg, axis=-1)
-        gaps.append((i, top[:, k - 1] - top[:, k]))
-        return moe(i, x)
+        for x in xs:
+            top = -np.sort(-(x @ model.weight(f"model.layers.{i}.mlp.gate").T), axis=-1)
+            gaps.append((i, top[:, k - 1] - top[:, k]))
+        return moe_rows(i, xs)
 
-    model.moe = recording
-    return gaps, lambda: delattr(model, "moe")
+    model.moe_rows = recording
+    return gaps, lambda: delattr(model, "moe_rows")
 
 
 def _reference_with_gaps(ref, ids):
