@@ -36,6 +36,11 @@ share_cpus()
 if not os.environ.get("LILY_CACHE_DIR"):
     os.environ["LILY_CACHE_DIR"] = tempfile.mkdtemp(prefix="lily-weight-cache-")
     atexit.register(shutil.rmtree, os.environ["LILY_CACHE_DIR"], True)
+# lily estimate keeps its reference fits between runs (lily.lab.estimate.fits_cache_file): one
+# cache for the session's workers and the commands they start, none left behind
+if not os.environ.get("LILY_ESTIMATE_CACHE"):
+    os.environ["LILY_ESTIMATE_CACHE"] = tempfile.mkdtemp(prefix="lily-estimate-cache-")
+    atexit.register(shutil.rmtree, os.environ["LILY_ESTIMATE_CACHE"], True)
 
 
 def pytest_report_header(config):

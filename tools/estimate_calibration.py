@@ -2,29 +2,47 @@
 """How `lily estimate`'s constants are calibrated, and how far the data pin them (an ESTIMATE's
 foundations; docs/performance.md, "An honest estimate"): every table that page quotes.
 
-    tools/estimate_calibration.py decode        the decode calibrations behind low / likely / high
-    tools/estimate_calibration.py validate      the decode calibration out of sample
+    tools/estimate_calibration.py decode        the scenario machines: decode and prefill refits, exclusions
+    tools/estimate_calibration.py validate      the decode and prefill calibrations out of sample
     tools/estimate_calibration.py engines       the tensor rate from MLX-LM's and pplx-garden's prefill
+    tools/estimate_calibration.py cross         one engine's fit predicting the other's prefill (design transfer)
+    tools/estimate_calibration.py residency     MLX-LM's prefill fit against the threadgroup memory per core
+    tools/estimate_calibration.py corners       latency constants moved one at a time off the scenario corners
     tools/estimate_calibration.py sensitivity   each constant alone at its ends (4K decode, 4K prefill)
 """
 
 from __future__ import annotations
 
 import argparse
-
-import numpy as np
+from dataclasses import replace
 
 from lily.lab import calibration, estimate, tensor_rate
+
+CFG = estimate.model_config()
+
+
+def _figures(m: estimate.Machine, cache: dict) -> tuple:
+    """Decode tok/s at 4K and 128K, prefill tok/s at 4K and 32K on ``m``."""
+    return (1 / estimate.decode_step(m, CFG, 4096).seconds, 1 / estimate.decode_step(m, CFG, 131072).seconds,
+            4096 / estimate.prefill(m, CFG, 4096, 4096, cache).seconds,
+            32768 / estimate.prefill(m, CFG, 32768, 4096, cache).seconds)
 
 
 def decode() -> None:
     sc = estimate.scenarios(estimate.machine("m5max"))
-    print("*** ESTIMATE *** decode calibrations (bandwidth efficiency, stage gap) per scenario machine")
-    for end, machines in sc.items():
-        for m in machines:
-            print(f"{end:6s} {m.occupancy_rule:15s} latency dram {m.latency['dram'] * 1e9:4.0f} ns  "
-                  f"loop overlap {m.loop_overlap:3.0f}  efficiency {m.bandwidth_efficiency:.3f}  "
-                  f"gap {m.stage_gap * 1e6:5.2f} us")
+    print("*** ESTIMATE *** scenario machines: decode refit (efficiency, gap, rms / largest error) and prefill refit "
+          "to pplx-garden (GEMMs, attention, per chunk, rms / largest), the efficiencies our plan takes")
+    for end in ("likely", "low", "high", "excluded"):
+        for m in sc[end]:
+            c = m.calibration
+            d, p = c["decode"], c["prefill"]
+            print(f"{end:8s} {c['rule']:14s} {c['run']} dram {m.latency['dram'] * 1e9:3.0f} ns overlap "
+                  f"{m.loop_overlap:1.0f} | eff {d['bandwidth_efficiency']:.3f} gap {d['stage_gap_us']:4.2f} us "
+                  f"{100 * d['rms_relative_error']:.2f}/{100 * d['max_relative_error']:.1f}% | GEMMs "
+                  f"{p['tensor_efficiency']:.2f} attention {p['attention_efficiency']:.2f} {p['chunk_ms']:4.1f} ms "
+                  f"{100 * p['rms_relative_error']:.1f}/{100 * p['max_relative_error']:.1f}% | ours "
+                  f"{m.path_efficiency['tensor_f16']:.3f} / {m.path_efficiency['tensor_bf16']:.3f}"
+                  + (f"  EXCLUDED: {c['excluded']}" if c["excluded"] else ""))
 
 
 def validate() -> None:
@@ -34,42 +52,115 @@ def validate() -> None:
             errs = " ".join(f"{L}:{100 * e:+.1f}%" for L, e in r["errors"].items())
             print(f"{run} {split:12s} eff {r['bandwidth_efficiency']:.3f} gap {r['stage_gap_us']:5.2f} us "
                   f"rms {100 * r['rms']:4.1f}% max {100 * r['max_abs']:4.1f}%  {errs}")
+    print("*** ESTIMATE *** prefill fits out of sample (efficiencies and per-chunk cost fitted on one part, the "
+          "other predicted; likely machine)")
+    for engine in ("pplx_garden", "mlx_lm"):
+        for run in estimate.RUNS:
+            for split, r in tensor_rate.held_out(engine, run=run).items():
+                errs = " ".join(f"{L}:{100 * e:+.1f}%" for L, e in r["errors"].items())
+                print(f"{engine:11s} {run} {split:11s} GEMMs {r['tensor_efficiency']:.2f} attention "
+                      f"{r['attention_efficiency']:.2f} chunk {r['chunk_ms']:5.1f} ms (fit {100 * r['fit_rms']:.1f}%) "
+                      f"rms {100 * r['rms']:4.1f}% max {100 * r['max_abs']:4.1f}%  {errs}")
+
+
+def _fit_line(r: dict) -> str:
+    errs = " ".join(f"{x['prompt']}:{100 * (x['modelled_tok_s'] / x['measured_tok_s'] - 1):+.1f}%" for x in r["rows"])
+    bound = f" (at bound: {', '.join(r['at_bound'])})" if r["at_bound"] else ""
+    return (f"GEMMs {r['tensor_efficiency']:.2f} attention {r['attention_efficiency']:.2f} chunk {r['chunk_ms']:5.1f} ms "
+            f"rms {100 * r['rms_relative_error']:4.1f}% max {100 * r['max_relative_error']:4.1f}%{bound}  {errs}")
 
 
 def engines() -> None:
-    print("*** ESTIMATE *** tensor efficiency of engines measured on an M5 Max (lily.lab.tensor_rate)")
-    grid, att = np.arange(0.30, 1.001, 0.05), np.arange(0.20, 1.001, 0.10)
+    m = estimate.likely_machine(estimate.machine("m5max"))
+    print("*** ESTIMATE *** tensor efficiency of engines measured on an M5 Max (lily.lab.tensor_rate; likely machine)")
     short = (256, 512, 1024, 2048, 4096, 8192)
     for engine in ("pplx_garden", "mlx_lm"):
         for run in estimate.RUNS:
             for lengths in (None, short):
-                r = tensor_rate.fit_engine(engine, run=run, tensor_grid=grid, param_grid=att, lengths=lengths)
-                errs = " ".join(f"{x['prompt']}:{100 * (x['modelled_tok_s'] / x['measured_tok_s'] - 1):+.1f}%"
-                                for x in r["rows"])
-                print(f"{engine:11s} {run} {'<=8K' if lengths else 'all '} GEMMs {r['tensor_efficiency']:.2f} "
-                      f"attention {r['attention_efficiency']:.2f} chunk {r['chunk_ms']:5.1f} ms "
-                      f"rms {100 * r['rms_relative_error']:4.1f}%  {errs}")
+                r = tensor_rate.fit_engine(engine, m, run, lengths=lengths)
+                print(f"{engine:11s} {run} {'<=8K' if lengths else 'all '} {_fit_line(r)}")
+
+
+def cross() -> None:
+    print("*** ESTIMATE *** each engine's fitted efficiencies predicting the other's published prefill (only its "
+          "per-chunk cost fitted; likely machine)")
+    for run in estimate.RUNS:
+        r = tensor_rate.cross_engine(run=run)
+        for name, p in r["predictions"].items():
+            errs = " ".join(f"{L}:{100 * e:+.1f}%" for L, e in p["errors"].items())
+            print(f"{run} {name:22s} chunk {p['chunk_ms']:5.1f} ms rms {100 * p['rms']:4.1f}% max "
+                  f"{100 * p['max_abs']:4.1f}%  {errs}")
+        print(f"{run} spread of the fitted efficiencies: GEMMs {100 * r['spread']['tensor']:.1f}%, attention "
+              f"{100 * r['spread']['attention']:.1f}% (margins used: {100 * estimate.GEMM_SPREAD:.0f}%, "
+              f"{100 * estimate.ATTENTION_SPREAD:.0f}%)")
+
+
+def residency() -> None:
+    m = estimate.likely_machine(estimate.machine("m5max"))
+    print("*** ESTIMATE *** the engines' fits against the threadgroup memory a core holds (likely machine otherwise)")
+    for kib in (32, 36, 40, 44, 45, 48, 54, 56, 60, 64):
+        x = replace(m, tg_memory_per_core=kib * 1024)
+        for run in estimate.RUNS:
+            r = tensor_rate.fit_engine("mlx_lm", x, run)
+            p = tensor_rate.fit_engine("pplx_garden", x, run)
+            bound = f" (at bound: {', '.join(r['at_bound'])})" if r["at_bound"] else ""
+            print(f"{kib:3d} KiB {run} MLX-LM GEMMs {r['tensor_efficiency']:.2f} attention "
+                  f"{r['attention_efficiency']:.2f} rms {100 * r['rms_relative_error']:4.1f}%{bound} | pplx-garden "
+                  f"rms {100 * p['rms_relative_error']:.1f}%")
+
+
+def corners() -> None:
+    """Each latency constant moved alone off each latency point of the scenarios (to its other
+    levels), with the other constants at the end's values, the calibrations refit: does any
+    figure leave the range the scenarios give?"""
+    base = estimate.machine("m5max")
+    sc = estimate.scenarios(base)
+    cache: dict = {}
+    every = [_figures(m, cache) for m in sc["likely"] + sc["low"] + sc["high"]]
+    lo, hi = [min(f[i] for f in every) for i in range(4)], [max(f[i] for f in every) for i in range(4)]
+    names = ("decode 4K", "decode 128K", "prefill 4K", "prefill 32K")
+    print("*** ESTIMATE *** latency constants moved one at a time off the scenarios' latency points (refit; "
+          "core_bandwidth rule, 2026-09-02 run); range of the scenarios: "
+          + ", ".join(f"{n} {a:,.1f}-{b:,.1f}" for n, a, b in zip(names, lo, hi)))
+    outside = 0
+    for end in ("low", "high"):
+        vals = {k: getattr(c, end) for k, c in estimate.CONSTANTS.items() if k not in estimate.LATENCY_CONSTANTS}
+        for n, point in enumerate(estimate.LATENCY_POINTS):
+            lat = {k: getattr(estimate.CONSTANTS[k], e) for k, e in point.items()}
+            for k in estimate.LATENCY_CONSTANTS:
+                for to in sorted({"low", "likely", "high"} - {point[k]}):
+                    m = estimate._scenario(base, {**vals, **lat, k: getattr(estimate.CONSTANTS[k], to)},
+                                           estimate.LIKELY_RULE, estimate.RUNS[0])
+                    if m.calibration["excluded"]:
+                        continue
+                    f = _figures(m, cache)
+                    out = [f"{n} {x:,.1f}" for n, x, a, b in zip(names, f, lo, hi) if not a * 0.999 <= x <= b * 1.001]
+                    outside += bool(out)
+                    if out:
+                        print(f"{end} ends, latency point {n}, {k} -> {to}: outside: {', '.join(out)}")
+    print(f"{outside} of the moves leave the range")
 
 
 def sensitivity() -> None:
-    cfg = estimate.model_config()
-    m = estimate.scenarios(estimate.machine("m5max"))["likely"][0]
+    m = estimate.likely_machine(estimate.machine("m5max"))
 
     def figures(x):
-        return 1 / estimate.decode_step(x, cfg, 4096).seconds, 4096 / estimate.prefill(x, cfg, 4096, 4096, {}).seconds
+        return 1 / estimate.decode_step(x, CFG, 4096).seconds, 4096 / estimate.prefill(x, CFG, 4096, 4096, {}).seconds
 
     d, p = figures(m)
     print(f"*** ESTIMATE *** each constant alone at its low / high end (likely: decode {d:.1f}, prefill {p:,.0f} tok/s "
-          "at 4K; decode calibration not refit)")
+          "at 4K; calibrations not refit)")
     for name, c in estimate.CONSTANTS.items():
         (dl, pl), (dh, ph) = figures(estimate.with_constants(m, {name: c.low})), figures(estimate.with_constants(m, {name: c.high}))
         print(f"{name:22s} decode {dl:6.1f} / {dh:6.1f}   prefill {pl:7,.0f} / {ph:7,.0f}")
 
 
 def main() -> None:
+    commands = {"decode": decode, "validate": validate, "engines": engines, "cross": cross, "residency": residency,
+                "corners": corners, "sensitivity": sensitivity}
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("decode", "validate", "engines", "sensitivity"))
-    {"decode": decode, "validate": validate, "engines": engines, "sensitivity": sensitivity}[ap.parse_args().what]()
+    ap.add_argument("what", choices=tuple(commands))
+    commands[ap.parse_args().what]()
 
 
 if __name__ == "__main__":

@@ -22,8 +22,12 @@ trust the result. The model never measures anything; what a Mac measures wins.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
 import math
+import os
 import re
+import tempfile
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -60,25 +64,26 @@ DEFAULT_MODEL_NAME = "Qwen3.6-35B-A3B (built-in config of mlx-community/Qwen3.6-
 #: Fraction of the advertised bandwidth a streaming dispatch reaches: the likely calibration,
 #: fitted together with :data:`STAGE_GAP` (lily.lab.calibration.calibrate_reference) to
 #: pplx-garden's published M5 Max decode at ten contexts, 256..128K, their step timed with the
-#: likely latency chains (1.5% rms): their step's bytes grow with the context (bf16 KV cache)
-#: while its 425 barrier stages do not, so the contexts tell the two apart, loosely (the other
-#: decompositions the data allow are refit for the low and high figures: :func:`scenarios`).
-#: Without latency chains the same fit gives 0.805 (0.79, 122 of 153 GB/s, is what
-#: STREAM-style Metal kernels reach on an M5: michaelstinkerings.org, "Apple M5 GPU Roofline
-#: Analysis"); the chains their kernels wait on take part of what was bandwidth. Applied to
-#: every machine.
-BANDWIDTH_EFFICIENCY = 0.857
+#: likely latency chains under the likely small-grid rule (1.4% rms): their step's bytes grow
+#: with the context (bf16 KV cache) while its 425 barrier stages do not, so the contexts tell
+#: the two apart, loosely (the other decompositions the data allow are refit for the low and
+#: high figures: :func:`scenarios`). Without latency chains the same fit gives 0.792, what
+#: STREAM-style Metal kernels reach on an M5 (0.79, 122 of 153 GB/s: michaelstinkerings.org,
+#: "Apple M5 GPU Roofline Analysis"); the chains their kernels wait on take part of what was
+#: bandwidth. Applied to every machine.
+BANDWIDTH_EFFICIENCY = 0.8424
 #: Fraction of the peak a path sustains on our kernels (the likely values; ranges in
 #: :data:`CONSTANTS`). simdgroup_matrix GEMMs: 80-92% of the ALU peak
 #: (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are taken to run on the
-#: same ALUs alike. Half tensor ops (the GEMMs) and bfloat tensor ops (the attention): fitted to
-#: designs measured on M5 (lily.lab.tensor_rate: pplx-garden's published prefill through its
-#: kernels' structure gives 0.65 for its GEMMs and 0.4 for its flash attention, MLX-LM's
-#: 0.80-0.85 for its GEMMs; docs/performance.md, "The tensor rate from designs measured on
-#: M5"). Scalar ALU code: our counts are arithmetic only (no address, compare or shuffle
-#: instructions), 0.5 assumed.
+#: same ALUs alike. Half tensor ops (the GEMMs) and bfloat tensor ops (the attention): the likely
+#: scenario machine's fit to pplx-garden's published prefill through its kernels' structure
+#: (lily.lab.tensor_rate.fit_engine; every scenario machine refits them: :func:`scenarios`),
+#: relative to the 71.7 TFLOPS peak (an extrapolation: :data:`MACHINES`' sources), so an
+#: effective ~45 TFLOPS for the GEMMs; docs/performance.md, "The tensor rate from designs
+#: measured on M5". Scalar ALU code: our counts are arithmetic only (no address, compare or
+#: shuffle instructions), 0.5 assumed.
 PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16": 0.85, "sgmm_bf16": 0.85,
-                   "tensor_f32": 0.85, "tensor_f16": 0.65, "tensor_bf16": 0.4}
+                   "tensor_f32": 0.85, "tensor_f16": 0.64, "tensor_bf16": 0.4}
 #: Threads a core needs in flight to reach its peak: 8 simdgroups (8 independent
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
@@ -87,10 +92,10 @@ SATURATION_THREADS = 256
 #: :data:`BANDWIDTH_EFFICIENCY`: this model times pplx-garden's decode step
 #: (lily.lab.calibration.reference_decode_step) dispatch by dispatch, occupancy and latency
 #: chains included, and the gap is what their measured step time leaves over those times, per
-#: stage (relative least squares over the ten contexts). Without chains: 2.25 us; with every
-#: dispatch at full occupancy instead: 3.58 us (docs/performance.md). Used on every machine (no
-#: per-machine figure).
-STAGE_GAP = 2.154e-6
+#: stage (relative least squares over the ten contexts). Without chains: 2.72 us; under the
+#: ``share`` rule 2.15 us, under ``full`` 3.26 us (docs/performance.md). Used on every machine
+#: (no per-machine figure).
+STAGE_GAP = 2.609e-6
 #: The kinds of dependent latency the cost table counts per dispatch (csrc/runtime/cost.h
 #: ``Lat``), in its order: a load from DRAM, a load of data the stage before wrote, a
 #: threadgroup-memory load, a threadgroup barrier with its exchange, a simdgroup reduction, a
@@ -116,15 +121,31 @@ LATENCY_CYCLES = {"reduce": 27.55, "alu": 4.0}
 LOOP_OVERLAP = 4.0
 #: Threads and threadgroup memory a core holds at once, which bound how many threadgroups can
 #: hide each other's latency (philipturner/metal-benchmarks, Apple 7/8: 384-3072 threads
-#: depending on registers, ~60 KB of threadgroup memory per core; M5 assumed alike).
+#: depending on registers, ~60 KB of threadgroup memory per core). On M5 (Apple 10, dynamic
+#: caching) no figure is public; MLX-LM's published prefill bounds it from below: its
+#: restatement (lily.lab.tensor_rate) describes the measured curve within 3% only when a core
+#: holds five of its 9 KiB GEMM tiles (45 KiB; 5.5-18% rms below). Our 27-29 KiB GEMM,
+#: attention and decode-attention threadgroups need 54-59 KiB to run two per core: a bimodal
+#: unknown the data leave open. The likely figure takes its unfavourable mode, 45 KiB (one per
+#: core), until ``lily bench --kernels`` measures it; the high figure two (64 KiB;
+#: docs/performance.md, "Residency").
 THREADS_PER_CORE = 2048
-TG_MEMORY_PER_CORE = 60 * 1024
+TG_MEMORY_PER_CORE = 45 * 1024
 #: How a dispatch that cannot fill the GPU shares its bandwidth (docs/performance.md,
-#: "Small grids"): ``share``, the cores it reaches times how full it keeps them (the likely
-#: rule); ``core_bandwidth``, each core it reaches draws up to CORE_BYTES_PER_CYCLE per clock
-#: (the bandwidth saturates from ~11 cores on an M5 Max); ``full``, every dispatch at full
+#: "Small grids"): ``share``, the cores it reaches times how full it keeps them;
+#: ``core_bandwidth``, each core it reaches draws up to CORE_BYTES_PER_CYCLE per clock (the
+#: bandwidth saturates from ~11 cores on an M5 Max); ``full``, every dispatch at full
 #: occupancy (the bound the calibration data allow).
 OCCUPANCY_RULES = ("share", "core_bandwidth", "full")
+#: The likely figure's small-grid rule: ``core_bandwidth`` describes the published decode best
+#: (1.36% rms, tied with ``full``; ``share`` 1.46%) and gives the middle figure of the three,
+#: so the likely figure is neither the most nor the least favourable reading of the data.
+LIKELY_RULE = "core_bandwidth"
+#: Lily's host and command-buffer cost per prefill chunk beyond its stage gaps (seconds; the
+#: likely value, range in :data:`CONSTANTS`): the engine fits need ~9 ms a chunk for
+#: pplx-garden's prefill and 0-8 ms for MLX-LM's (lily.lab.tensor_rate); Lily's chunk driver
+#: keeps two chunks' command buffers in flight (runtime.cpp run_chunks), which may hide it all.
+CHUNK_OVERHEAD = 5e-3
 #: Bytes per clock one core's path to the GPU's memory system carries
 #: (philipturner/metal-benchmarks, "On-GPU Data BW/Cycle ~32 B", Apple 7/8).
 CORE_BYTES_PER_CYCLE = 32
@@ -147,9 +168,11 @@ class Machine:
     ``"simdgroup"``; None: the fastest the machine has). The latency model: ``latency``
     seconds per dependent event of each kind (:data:`LATENCY_KINDS`), ``loop_overlap``,
     ``threads_per_core`` and ``tg_memory_per_core`` (residency), ``saturation_threads`` and
-    ``occupancy_rule`` (:data:`OCCUPANCY_RULES`); their defaults are the likely values.
+    ``occupancy_rule`` (:data:`OCCUPANCY_RULES`); ``chunk_overhead`` seconds per prefill chunk
+    beyond its stages (host, command buffer); their defaults are the likely values.
     ``measured``: the :data:`CONSTANTS` a Mac run fitted (held, not ranged, by
-    :func:`scenarios`)."""
+    :func:`scenarios`). ``calibration``: what a scenario machine was fitted to and how well
+    (:func:`scenarios`; empty otherwise)."""
 
     key: str
     name: str
@@ -171,8 +194,10 @@ class Machine:
     threads_per_core: int = THREADS_PER_CORE
     tg_memory_per_core: int = TG_MEMORY_PER_CORE
     saturation_threads: float = SATURATION_THREADS
-    occupancy_rule: str = "share"
+    occupancy_rule: str = LIKELY_RULE
     measured: tuple = ()
+    chunk_overhead: float = CHUNK_OVERHEAD
+    calibration: dict = field(default_factory=dict, compare=False)
 
     @property
     def tensor_ops(self) -> bool:
@@ -343,28 +368,31 @@ def _plan(records: list, skip_families: tuple = ()) -> _Plan:
     return plan
 
 
-def _compute(m: Machine, flops: np.ndarray) -> np.ndarray:
+def _compute(m: Machine, flops: np.ndarray, without: str | None = None) -> np.ndarray:
     """Seconds of arithmetic per record at full occupancy (the paths add: a threadgroup runs
-    its dequantization, staging and products one after another)."""
+    its dequantization, staging and products one after another); ``without``: a path left out."""
     used = flops.sum(axis=0) > 0
     missing = [p for p, u in zip(PATHS, used) if u and p not in m.rates]
     if missing:
         raise InvalidParameterError(f"{m.name} has no {missing[0]} path (the plan for another GPU family?)")
-    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates else 0.0 for p in PATHS])
+    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates and p != without else 0.0
+                    for p in PATHS])
     return flops @ per
 
 
-def _dispatch_times(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                             np.ndarray]:
     """(time of each dispatch, its lead latency, its bytes time and its compute time at full
     occupancy): the roofline at its occupancy, then the latency chains (docs/performance.md,
     "Latency chains"): a dispatch takes at least its throughput time plus its prologue (all its
     first threadgroups wait at once), and at least as many rounds of one threadgroup's chain
     and own work as a core must run one after another (its threadgroups beyond what the core
     holds at once). ``effs``: bandwidth efficiencies to evaluate at once (the arrays then have
-    a column per efficiency); default ``m``'s."""
+    a column per efficiency); default ``m``'s. ``comp``: compute seconds per record at full
+    occupancy [records, columns] instead of ``m``'s (:func:`dispatch_times`)."""
     e = np.atleast_1d(np.asarray(m.bandwidth_efficiency if effs is None else effs, dtype=float))
     mem = plan.bytes[:, None] / (m.bandwidth * e[None, :])
-    comp = _compute(m, plan.flops)[:, None]
+    comp = _compute(m, plan.flops)[:, None] if comp is None else comp
     g = np.maximum(plan.groups, 1.0)
     busy = np.minimum(g, m.cores)
     fill = np.minimum(1.0, g * plan.threads / busy / m.saturation_threads)
@@ -389,6 +417,19 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.
     waves = np.ceil(per_core / slots)
     t = np.maximum(thr + lead, waves * (chain + thr / per_core))
     return t, lead, mem, comp
+
+
+def dispatch_times(m: Machine, plan: _Plan, path: str | None = None, values=None) -> np.ndarray:
+    """Seconds of each dispatch of ``plan`` (:func:`_plan`) on ``m`` [records, 1], or with the
+    efficiency of ``path`` at each of ``values`` [records, len(values)] (the engine fits of
+    lily.lab.tensor_rate search an efficiency over a grid at once)."""
+    if path is None:
+        return _dispatch_times(m, plan)[0]
+    values = np.atleast_1d(np.asarray(values, dtype=float))
+    i = PATHS.index(path)
+    comp = _compute(m, plan.flops, without=path)[:, None] + plan.flops[:, i, None] / (
+        m.rates.get(path, math.inf) * values[None, :])
+    return _dispatch_times(m, plan, comp=comp)[0]
 
 
 def dispatch_seconds(m: Machine, rec: dict) -> float:
@@ -567,11 +608,15 @@ def _chunk(m: Machine, cfg: ModelConfig, p0: int, rows: int, head: bool, cache: 
     return timings[tkey]
 
 
+#: The breakdown's name for the per-chunk host cost (:attr:`Machine.chunk_overhead`).
+CHUNK_FAMILY = "host, per chunk"
+
+
 def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict | None = None,
             path: str | None = None, attention: str | None = None) -> Timing:
     """Estimated time to the first token of a ``prompt``-token prompt run as ``chunk``-row
     chunks (the last with lm_head) on GEMM ``path`` and ``attention`` path (defaults
-    :func:`gemm_path`, :func:`attention_path`). Full chunks
+    :func:`gemm_path`, :func:`attention_path`), plus ``m.chunk_overhead`` per chunk. Full chunks
     are encoded at a geometric sample of start positions and interpolated linearly in
     between (their cost is linear in the start position within a code path;
     docs/performance.md). ``cache`` (a dict) keeps encoded chunks across calls."""
@@ -594,6 +639,8 @@ def prefill(m: Machine, cfg: ModelConfig, prompt: int, chunk: int, cache: dict |
         total.add(_chunk(m, cfg, hi, chunk, False, cache, path, attention), a)
     last = starts[-1]
     total.add(_chunk(m, cfg, last, prompt - last, True, cache, path, attention))
+    total.seconds += len(starts) * m.chunk_overhead
+    total.families[CHUNK_FAMILY] += len(starts) * m.chunk_overhead
     return total
 
 
@@ -639,17 +686,29 @@ class Constant:
 
 
 _LAT = "Chips and Cheese 2022-05-21 (M1 GPU pointer chase; azhirnov/cpu-gpu-arch gpu/Apple-M1.md)"
-#: The unfitted or weakly identified constants and their ranges. The decode calibration
-#: (bandwidth efficiency, stage gap) is not among them: it is refit for every combination
-#: (:func:`scenarios`). Half/bfloat tensor-op efficiency: see docs/performance.md, "The
-#: tensor rate from designs measured on M5".
+#: The design-transfer margins: how far a tensor efficiency fitted through pplx-garden's kernels
+#: may miss on ours, sized by how far it misses on MLX-LM's (lily.lab.tensor_rate.cross_engine on
+#: the likely scenario machine: |MLX-LM's fit / pplx-garden's - 1| for the GEMMs and for the
+#: attention's products; docs/performance.md, "Out of sample: across engines").
+GEMM_SPREAD = 0.05
+ATTENTION_SPREAD = 0.48
+#: The constants the data do not pin and their ranges. The decode calibration (bandwidth
+#: efficiency, stage gap) and the tensor efficiencies of the GEMMs and of the attention are not
+#: among them: every scenario machine refits them to pplx-garden's published decode and prefill
+#: (:func:`scenarios`), and the transfer margins carry the prefill fit to our kernels.
 CONSTANTS = {c.name: c for c in (
-    Constant("tensor_efficiency", PATH_EFFICIENCY["tensor_f16"], 0.55, 0.85, "of the tensor-op peak",
-             "GEMMs: pplx-garden's published M5 Max prefill through its kernels' structure fits 0.65 (both runs; "
-             "0.05 lower raises the rms error from 3% to 5-10%), MLX-LM's 0.80-0.85 (lily.lab.tensor_rate)"),
-    Constant("attention_efficiency", PATH_EFFICIENCY["tensor_bf16"], 0.3, 0.85, "of the tensor-op peak",
-             "attention products: pplx-garden's flash attention (16 x 128 steps) fits 0.4 over the ten lengths; "
-             "MLX-LM's unfused bf16 GEMMs sit at the fit's bound (1.0), capped at the GEMMs' high end"),
+    Constant("gemm_transfer", 1.0, 1 - GEMM_SPREAD, 1 + GEMM_SPREAD, "x the fitted GEMM tensor efficiency",
+             "design transfer: our GEMMs at the efficiency fitted to pplx-garden's (the design nearest ours), "
+             "give or take the spread between pplx-garden's and MLX-LM's fits (lily.lab.tensor_rate.cross_engine)"),
+    Constant("attention_transfer", 1.0, 1 - ATTENTION_SPREAD, 1 + ATTENTION_SPREAD,
+             "x the fitted attention tensor efficiency",
+             "design transfer: our prefill attention at the efficiency fitted to pplx-garden's flash attention "
+             "(threadgroup-memory scores, as ours), give or take the spread to MLX-LM's register-resident "
+             "attention_nax_dsplit (lily.lab.tensor_rate.cross_engine)"),
+    Constant("chunk_overhead", CHUNK_OVERHEAD, 10e-3, 0.0, "s per prefill chunk",
+             "host and command-buffer cost per chunk beyond the stage gaps: pplx-garden's prefill fit needs ~9 ms, "
+             "MLX-LM's 0-8 ms; Lily keeps two chunks in flight (runtime.cpp run_chunks), which may hide it: "
+             "0-10 ms, the middle likely"),
     Constant("simdgroup_efficiency", 0.85, 0.80, 0.92, "of the ALU peak",
              "simdgroup_matrix GEMMs sustain 80-92% of the ALU peak (philipturner/metal-benchmarks)"),
     Constant("alu_efficiency", 0.5, 0.35, 0.65, "of the ALU peak",
@@ -658,9 +717,11 @@ CONSTANTS = {c.name: c for c in (
              "8 simdgroups hide the 4-cycle FMA latency (michaelstinkerings.org, M5 roofline); 4 to 16 assumed"),
     Constant("threads_per_core", THREADS_PER_CORE, 1024, 3072, "threads",
              "384-3072 threads per core, by registers (philipturner/metal-benchmarks, Apple 7/8)"),
-    Constant("tg_memory_per_core", TG_MEMORY_PER_CORE, 32 * 1024, 64 * 1024, "bytes",
-             "~60 KB of threadgroup memory per core (philipturner/metal-benchmarks, Apple 7/8); one 32 KiB "
-             "threadgroup at least, 64 KiB at most (assumed for M5)"),
+    Constant("tg_memory_per_core", TG_MEMORY_PER_CORE, 45 * 1024, 64 * 1024, "bytes",
+             "bimodal and unknown on M5: MLX-LM's published prefill needs 45 KiB or more (five of its 9 KiB GEMM "
+             "tiles; lily.lab.tensor_rate), ~60 KB on Apple 7/8 (philipturner/metal-benchmarks) would hold two of "
+             "our 27-29 KiB threadgroups (54-59 KiB): the likely and low figures take one per core (45 KiB), the "
+             "high two (64 KiB), until lily bench --kernels measures it"),
     Constant("latency_dram", LATENCY_SECONDS["dram"], 400e-9, 266e-9, "s",
              _LAT + ": DRAM 311 ns; 266 ns if the system level cache holds it; 400 ns assumed under load"),
     Constant("latency_mem", LATENCY_SECONDS["mem"], 311e-9, 76e-9, "s",
@@ -676,27 +737,69 @@ CONSTANTS = {c.name: c for c in (
              "assumed; the published decode rules out 1 (their combine's loops: rms error 1.8-3.3% against "
              "0.9-1.5% from 2 up; docs/performance.md)"),
 )}
+#: The constants of our plan alone: pplx-garden's step and prefill, which the scenario machines
+#: are fitted to, do not depend on them.
+LILY_CONSTANTS = ("gemm_transfer", "attention_transfer", "chunk_overhead")
+#: Constants :func:`with_constants` sets that are fitted, not ranged (a Mac run's kernel timings
+#: measure them: :data:`KERNEL_CONSTANTS`).
+FITTED_CONSTANTS = ("tensor_efficiency", "attention_efficiency")
 #: The constants the decode calibration is refit with and whose effect on a figure may go
-#: either way through the refit: every combination of their low and high ends is a candidate.
+#: either way through the refit: the scenarios take them at the :data:`LATENCY_POINTS`, with
+#: each end of the others, not each at one end.
 LATENCY_CONSTANTS = ("latency_dram", "latency_mem", "latency_local", "latency_barrier", "latency_reduce",
                      "latency_alu", "loop_overlap")
-#: The published runs the decode calibration is fitted to (lily.lab.calibration.PUBLISHED_RUNS).
+#: The latency constants in three groups that move the figures differently through the decode
+#: refit: those our kernels wait on most (a prefill GEMM's k loop: DRAM loads and barriers),
+#: the load of the stage before's output (pplx-garden's decode step waits on it most: its
+#: refit turns implausible when it is slow), and the loop overlap (decode attention's rows).
+LATENCY_GROUPS = (("latency_dram", "latency_local", "latency_barrier", "latency_reduce", "latency_alu"),
+                  ("latency_mem",), ("loop_overlap",))
+#: The points the latency constants take in the low and high scenarios (which end of its range
+#: each group takes): all at their low ends, all likely, all at their high ends (where a
+#: corner's refit is implausible the figure's extreme may lie between), and the splits with the
+#: first group at one end and the others not all with it (where the extremes lie when the
+#: refit absorbs the reference step's latencies; tools/estimate_calibration.py corners moves
+#: each constant alone off every point).
+LATENCY_POINTS = tuple(
+    {k: end for group, end in zip(LATENCY_GROUPS, ends) for k in group}
+    for ends in (("low",) * 3, ("likely",) * 3, ("high",) * 3,
+                 ("low", "high", "high"), ("low", "high", "low"), ("low", "low", "high"),
+                 ("high", "low", "low"), ("high", "low", "high"), ("high", "high", "low")))
+#: The published runs the calibrations are fitted to (lily.lab.calibration.PUBLISHED_RUNS).
 RUNS = ("2026-09-02", "2026-09-01")
+#: The largest bandwidth efficiency a decode refit may take and still describe a plausible
+#: GPU: STREAM-style Metal kernels reach 0.79 on an M5 (michaelstinkerings.org) and the latency
+#: chains priced in the reference step lift the fitted figure by ~0.05 (0.792 -> 0.842 likely);
+#: a refit beyond 0.90 credits the memory system with more than any measured kernel shows, so
+#: its machine is excluded from the low and high figures (listed, with the reason).
+PLAUSIBLE_BANDWIDTH_EFFICIENCY = 0.90
+
+
+def _fitted(m: Machine, name: str) -> float:
+    """The tensor efficiency ``name`` a scenario machine was fitted to (before the design
+    transfer), else ``m``'s."""
+    fit = (m.calibration or {}).get("prefill") or {}
+    return fit.get(name, m.path_efficiency["tensor_f16" if name == "tensor_efficiency" else "tensor_bf16"])
 
 
 def with_constants(m: Machine, values: dict) -> Machine:
-    """``m`` with the :data:`CONSTANTS` named in ``values`` set (the others as in ``m``)."""
+    """``m`` with the :data:`CONSTANTS` (or :data:`FITTED_CONSTANTS`) named in ``values`` set
+    (the others as in ``m``); a transfer margin multiplies the efficiency ``m`` was fitted to."""
     eff = dict(m.path_efficiency)
     kw: dict = {}
     lat_s = {k: m.latency[k] for k in LATENCY_SECONDS}
     cyc = {k: m.latency[k] * m.clock for k in LATENCY_CYCLES}
     for name, v in values.items():
-        if name not in CONSTANTS:
-            raise InvalidParameterError(f"unknown constant {name!r} (known: {', '.join(CONSTANTS)})")
+        if name not in CONSTANTS and name not in FITTED_CONSTANTS:
+            raise InvalidParameterError(f"unknown constant {name!r} (known: {', '.join((*CONSTANTS, *FITTED_CONSTANTS))})")
         if name == "tensor_efficiency":
             eff.update(tensor_f16=v)
         elif name == "attention_efficiency":
             eff.update(tensor_bf16=v)
+        elif name == "gemm_transfer":
+            eff.update(tensor_f16=_fitted(m, "tensor_efficiency") * v)
+        elif name == "attention_transfer":
+            eff.update(tensor_bf16=_fitted(m, "attention_efficiency") * v)
         elif name == "simdgroup_efficiency":
             eff.update(sgmm_f32=v, sgmm_f16=v, sgmm_bf16=v, tensor_f32=v)
         elif name == "alu_efficiency":
@@ -710,47 +813,167 @@ def with_constants(m: Machine, values: dict) -> Machine:
 
 
 _SCENARIOS: dict = {}
-_CALIBRATIONS: dict = {}  # (constants, rule, run) -> (bandwidth efficiency, stage gap)
+_CALIBRATIONS: dict = {}  # json [constants, rule, run] -> the reference fits (_reference_fit)
+_FITS_STATE = {"loaded": False, "dirty": False}
+
+
+def fits_cache_file() -> Path:
+    """Where the reference fits (:func:`_reference_fit`) are kept between runs:
+    ``$LILY_ESTIMATE_CACHE``, else ``$XDG_CACHE_HOME/lily/estimate``, else
+    ``~/.cache/lily/estimate``; one file per version of everything they depend on (the sources
+    of the model, the restatements and the published tables, numpy's version), so an edit to
+    any of them starts afresh."""
+    from lily import checkpoint
+    from lily.lab import calibration, published, tensor_rate
+    root = os.environ.get("LILY_ESTIMATE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / (
+        "lily/estimate")
+    h = hashlib.sha256(np.__version__.encode())
+    for mod in (checkpoint, calibration, published, tensor_rate):
+        h.update(Path(mod.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return Path(root) / f"reference-fits-{h.hexdigest()[:20]}.json"
+
+
+def _load_fits() -> None:
+    if _FITS_STATE["loaded"]:
+        return
+    _FITS_STATE["loaded"] = True
+    try:
+        _CALIBRATIONS.update({k: v for k, v in json.loads(fits_cache_file().read_text()).items()
+                              if k not in _CALIBRATIONS})
+    except (OSError, ValueError):
+        pass  # no cache yet (or a damaged one): the fits are computed
+
+
+def _save_fits() -> None:
+    """Writes the reference fits when new ones were computed (atomically; an unwritable cache
+    directory only costs the next run the time)."""
+    if not _FITS_STATE["dirty"]:
+        return
+    _FITS_STATE["dirty"] = False
+    path = fits_cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(_CALIBRATIONS, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass
+
+
+def _reference_fit(values: dict, rule: str, run: str) -> dict:
+    """The calibrations of the machine the published runs measured (:data:`CALIBRATION`) with
+    the constants ``values`` and small-grid ``rule``, fitted to pplx-garden's published ``run``:
+    the bandwidth efficiency and stage gap to its decode (lily.lab.calibration.calibrate_reference),
+    then, with those, the tensor efficiencies of the GEMMs and the attention and a cost per chunk
+    to its prefill (lily.lab.tensor_rate.fit_engine), each with its rms and largest relative
+    error of the time over the ten lengths."""
+    _load_fits()
+    key = json.dumps([sorted(values.items()), rule, run])
+    if key not in _CALIBRATIONS:
+        _FITS_STATE["dirty"] = True
+        from lily.lab.calibration import calibrate_reference  # (they import this module)
+        from lily.lab.tensor_rate import fit_engine
+        ref = with_constants(replace(machine(CALIBRATION["machine"]), occupancy_rule=rule), values)
+        dec = calibrate_reference(ref, run)
+        ref = replace(ref, bandwidth_efficiency=dec["bandwidth_efficiency"], stage_gap=dec["stage_gap"])
+        pre = fit_engine("pplx_garden", ref, run)
+        _CALIBRATIONS[key] = {
+            "rule": rule, "run": run,
+            "decode": {"bandwidth_efficiency": dec["bandwidth_efficiency"], "stage_gap_us": dec["stage_gap"] * 1e6,
+                       "rms_relative_error": dec["rms_relative_error"],
+                       "max_relative_error": max(abs(r["measured_tok_s"] / r["modelled_tok_s"] - 1) for r in dec["rows"])},
+            "prefill": {"engine": "pplx_garden", "tensor_efficiency": pre["tensor_efficiency"],
+                        "attention_efficiency": pre["attention_efficiency"], "chunk_ms": pre["chunk_ms"],
+                        "rms_relative_error": pre["rms_relative_error"],
+                        "max_relative_error": pre["max_relative_error"], "at_bound": pre["at_bound"]}}
+    return _CALIBRATIONS[key]
+
+
+def _implausible(cal: dict) -> str | None:
+    """Why a scenario machine's refits describe no plausible GPU (None if they do)."""
+    why = []
+    dec, pre = cal.get("decode"), cal.get("prefill")
+    if dec and dec["bandwidth_efficiency"] > PLAUSIBLE_BANDWIDTH_EFFICIENCY:
+        why.append(f"decode refit at bandwidth efficiency {dec['bandwidth_efficiency']:.3f} > "
+                   f"{PLAUSIBLE_BANDWIDTH_EFFICIENCY}")
+    if pre and pre.get("at_bound"):
+        why.append(f"prefill refit at the bound of its search ({', '.join(pre['at_bound'])})")
+    return "; ".join(why) or None
+
+
+def _scenario(m: Machine, values: dict, rule: str, run: str) -> Machine:
+    """``m`` with the :data:`CONSTANTS` ``values`` (those ``m`` measured held), small-grid
+    ``rule``, and its calibrations refit to the published ``run`` (:func:`scenarios`)."""
+    keep = set(m.measured)
+    ref_values = {k: v for k, v in values.items() if k not in LILY_CONSTANTS}
+    lily = {k: values[k] for k in LILY_CONSTANTS}
+    c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in ref_values.items() if k not in keep})
+    if m.fitted_from is not None:  # the Mac run's own calibration, held
+        cal: dict = {"rule": rule, "fitted_from": m.fitted_from}
+        g, a = m.path_efficiency["tensor_f16"], m.path_efficiency["tensor_bf16"]
+    else:
+        cal = _reference_fit(ref_values, rule, run)
+        c = replace(c, bandwidth_efficiency=cal["decode"]["bandwidth_efficiency"],
+                    stage_gap=cal["decode"]["stage_gap_us"] * 1e-6)
+        g, a = cal["prefill"]["tensor_efficiency"], cal["prefill"]["attention_efficiency"]
+    eff = dict(c.path_efficiency)
+    if "tensor_efficiency" not in keep:
+        eff["tensor_f16"] = g * lily["gemm_transfer"]
+    if "attention_efficiency" not in keep:
+        eff["tensor_bf16"] = a * lily["attention_transfer"]
+    cal = {**cal, "transfer": {"gemm": lily["gemm_transfer"], "attention": lily["attention_transfer"]}}
+    cal["excluded"] = _implausible(cal)
+    return replace(c, path_efficiency=eff, chunk_overhead=lily["chunk_overhead"], calibration=cal)
+
+
+_LIKELY: dict = {}
+
+
+def _scenario_key(m: Machine) -> tuple:
+    return _timing_key(m) + (m.key, m.fitted_from, m.gemm, m.attention, m.chunk_overhead, tuple(m.measured))
+
+
+def likely_machine(m: Machine) -> Machine:
+    """The likely scenario machine of ``m`` (:func:`scenarios`' ``"likely"``) alone: every
+    constant likely, :data:`LIKELY_RULE`, the calibrations fitted to the primary published run."""
+    key = _scenario_key(m)
+    if key not in _LIKELY:
+        _LIKELY[key] = _scenario(m, {k: c.likely for k, c in CONSTANTS.items()}, LIKELY_RULE, RUNS[0])
+        _save_fits()
+    return _LIKELY[key]
 
 
 def scenarios(m: Machine) -> dict:
     """The machines the estimate's figures are taken over (docs/performance.md, "Low, likely,
-    high"): ``"likely"``, one machine: every constant at its likely value, the decode
-    calibration fitted (:func:`lily.lab.calibration.calibrate_reference`) to the primary
-    published run under the ``share`` small-grid rule; ``"low"`` and ``"high"``: every
-    :data:`CONSTANTS` entry at its low (high) end, except the latency constants, which take
-    both ends, each with every small-grid rule (:data:`OCCUPANCY_RULES`) and each published
-    run (:data:`RUNS`), the decode calibration refit for each (on the M5 Max, where the runs were
-    measured, with the same constants; then applied to ``m``): 12 machines. A figure's low
-    (high) value is the smallest (largest) over its machines and the likely one. ``m``: the
-    base machine; one fitted to a Mac run (:func:`fit`) keeps its fitted decode constants and
-    matrix efficiency in every machine, and the constants a kernel-timing run measured (they are
-    measured, not ranged: :attr:`Machine.measured`)."""
-    key = _timing_key(m) + (m.key, m.fitted_from, m.gemm, m.attention)
+    high"). ``"likely"``, one machine: every constant at its likely value, the small-grid rule
+    :data:`LIKELY_RULE` (:func:`likely_machine`). ``"low"`` and ``"high"``: every
+    :data:`CONSTANTS` entry at its low (high) end, except the latency constants, which take each
+    of the :data:`LATENCY_POINTS`, each with every small-grid rule (:data:`OCCUPANCY_RULES`)
+    and each published run (:data:`RUNS`): 54 machines. Each machine's calibrations are refit with its own constants to the published run
+    (:func:`_reference_fit`, on the M5 Max where the runs were measured; then applied to ``m``):
+    the decode's bandwidth efficiency and stage gap, and the prefill's tensor efficiencies, which
+    our plan takes times the design-transfer margins (``gemm_transfer``, ``attention_transfer``),
+    so no constant's end is counted twice and every machine describes the published data it was
+    fitted to (``Machine.calibration``). A machine whose refits are implausible
+    (:func:`_implausible`) is moved to ``"excluded"`` (kept when every machine of its end is).
+    A figure's low (high) value is the smallest (largest) over the low and high machines and
+    the likely one. ``m``: the base machine; one fitted to a Mac run (:func:`fit`) keeps its
+    fitted decode constants and matrix efficiency in every machine, and the constants a
+    kernel-timing run measured (they are measured, not ranged: :attr:`Machine.measured`)."""
+    key = _scenario_key(m)
     if key in _SCENARIOS:
         return _SCENARIOS[key]
-    from lily.lab.calibration import calibrate_reference  # (it imports this module)
-    fitted = m.fitted_from is not None
-    keep = set(m.measured)
-
-    def calibrated(values: dict, rule: str, run: str) -> Machine:
-        c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in values.items() if k not in keep})
-        if fitted:
-            return c
-        # fitted on the machine the published run measured, with the same constants; applied to m
-        key = (tuple(sorted(values.items())), rule, run)
-        if key not in _CALIBRATIONS:
-            ref = with_constants(replace(machine(CALIBRATION["machine"]), occupancy_rule=rule), values)
-            cal = calibrate_reference(ref, run)
-            _CALIBRATIONS[key] = (cal["bandwidth_efficiency"], cal["stage_gap"])
-        eff, gap = _CALIBRATIONS[key]
-        return replace(c, bandwidth_efficiency=eff, stage_gap=gap)
-
-    out = {"likely": [calibrated({k: c.likely for k, c in CONSTANTS.items()}, "share", RUNS[0])]}
+    out = {"likely": [likely_machine(m)], "excluded": []}
     for end in ("low", "high"):
         base = {k: getattr(c, end) for k, c in CONSTANTS.items() if k not in LATENCY_CONSTANTS}
-        out[end] = [calibrated({**base, **{k: getattr(CONSTANTS[k], lat) for k in LATENCY_CONSTANTS}}, rule, run)
-                    for lat in ("low", "high") for rule in OCCUPANCY_RULES for run in RUNS]
+        every = [_scenario(m, {**base, **{k: getattr(CONSTANTS[k], end) for k, end in point.items()}}, rule, run)
+                 for point in LATENCY_POINTS for rule in OCCUPANCY_RULES
+                 for run in (RUNS if m.fitted_from is None else RUNS[:1])]  # a fitted machine refits nothing
+        plausible = [x for x in every if not x.calibration["excluded"]]
+        out[end] = plausible or every
+        out["excluded"] += [x for x in every if all(x is not y for y in out[end])]
+    _save_fits()
     _SCENARIOS[key] = out
     return out
 
@@ -780,7 +1003,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     (prompt tokens / time to first token) at each of ``prompts``, each as ``{"low", "likely",
     "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
     high"), with the ratios to MLX-LM's and pplx-garden's published M5 Max figures at their
-    lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only); the per-family breakdown of
+    lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only) and, unless the machine was
+    fitted to a Mac run, the likely figure with two of our largest threadgroups per core
+    (``likely_tok_s_two_per_core``: the other mode of the residency, docs/performance.md,
+    "Residency"); the per-family breakdown of
     one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
     ranges of the constants (:data:`CONSTANTS`); and for each row count of ``batches`` a
@@ -813,12 +1039,16 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     cache: dict = {}
 
     def over(f) -> dict:  # f(machine) per scenario machine
-        return {end: [f(x) for x in machines] for end, machines in sc.items()}
+        return {end: [f(x) for x in sc[end]] for end in ("likely", "low", "high")}
 
     def ratios(row: dict, tps: dict, length: int, phase: int) -> None:
         for who, figures in pub.get(length, {}).items():
             row[f"vs_{who}"] = {k: v / figures[phase] for k, v in tps.items()}
 
+    # residency is a step, not a spread (docs/performance.md, "Residency"): the likely machine
+    # in the other mode, two of our largest threadgroups per core, is reported beside it
+    other = (None if m.fitted_from is not None or "tg_memory_per_core" in m.measured
+             else replace(m, tg_memory_per_core=CONSTANTS["tg_memory_per_core"].high))
     decode_rows, prefill_rows = [], []
     for c in contexts:
         t = decode_step(m, cfg, c)
@@ -828,6 +1058,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                "ms_per_token": {k: v * 1e3 for k, v in secs.items()},
                "stages": t.stages, "gb_per_step": t.bytes / 1e9,
                "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes}
+        if other is not None:
+            row["likely_tok_s_two_per_core"] = 1 / decode_step(other, cfg, c).seconds
         ratios(row, row["tok_s"], c, 0)
         decode_rows.append(row)
     for p in prompts:
@@ -836,6 +1068,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         row = {"prompt": p, "tok_s": {k: p / secs[j] for k, j in (("low", "high"), ("likely", "likely"),
                                                                  ("high", "low"))},
                "seconds": secs, "stages": t.stages, "gb_moved": t.bytes / 1e9}
+        if other is not None:
+            row["likely_tok_s_two_per_core"] = p / prefill(other, cfg, p, chunk, cache).seconds
         ratios(row, row["tok_s"], p, 1)
         prefill_rows.append(row)
 
@@ -868,12 +1102,18 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
                  "attention_path": attention_path(m), "state_window": default_state_window()},
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
+                        "effective_tflops": {p: m.rates[p] * m.path_efficiency[p] / 1e12
+                                             for p in ("tensor_f16", "tensor_bf16") if p in m.rates},
                         "saturation_threads": m.saturation_threads, "stage_gap_us": m.stage_gap * 1e6,
                         "latency_s": m.latency, "loop_overlap": m.loop_overlap, "occupancy_rule": m.occupancy_rule,
-                        "fitted_from": m.fitted_from,
+                        "chunk_overhead_s": m.chunk_overhead, "tg_memory_per_core": m.tg_memory_per_core,
+                        "fitted_from": m.fitted_from, "fit": m.calibration,
                         "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from,
                         "decompositions": {end: [{"bandwidth_efficiency": x.bandwidth_efficiency,
-                                                  "stage_gap_us": x.stage_gap * 1e6, "occupancy_rule": x.occupancy_rule}
+                                                  "stage_gap_us": x.stage_gap * 1e6, "occupancy_rule": x.occupancy_rule,
+                                                  "tensor_efficiency": x.path_efficiency["tensor_f16"],
+                                                  "attention_efficiency": x.path_efficiency["tensor_bf16"],
+                                                  "fit": x.calibration}
                                                  for x in machines] for end, machines in sc.items()}},
         "ranges": {k: {"likely": c.likely, "low": c.low, "high": c.high, "unit": c.unit, "source": c.source}
                    for k, c in CONSTANTS.items()},
@@ -905,7 +1145,30 @@ def format_report(rep: dict) -> str:
              "ranges and the decode calibrations the published data allow (docs/performance.md)"]
     c = rep["calibration"]
     lines.append(f"calibration{' fitted to ' + c['fitted_from'] if c.get('fitted_from') else ''} (likely): "
-                 f"bandwidth efficiency {c['bandwidth_efficiency']:.3f}, stage gap {c['stage_gap_us']:.2f} us")
+                 f"bandwidth efficiency {c['bandwidth_efficiency']:.3f}, stage gap {c['stage_gap_us']:.2f} us "
+                 f"({c['occupancy_rule']} small-grid rule)")
+    if c["effective_tflops"]:
+        eff = c["path_efficiency"]
+        fit = (c.get("fit") or {}).get("prefill")
+        lines.append(f"tensor efficiency {eff['tensor_f16']:.2f} (GEMMs) / {eff['tensor_bf16']:.2f} (attention) of "
+                     f"{m['tflops']['tensor_f16']:.1f} TFLOPS: {c['effective_tflops']['tensor_f16']:.1f} / "
+                     f"{c['effective_tflops']['tensor_bf16']:.1f} TFLOPS effective"
+                     + (f", fitted to pplx-garden's published prefill ({100 * fit['rms_relative_error']:.1f}% rms)"
+                        if fit else ""))
+    dec = c["decompositions"]
+    if dec.get("excluded"):
+        lines.append(f"scenario machines: {len(dec['low'])} low, {len(dec['high'])} high; {len(dec['excluded'])} "
+                     "excluded as implausible (--json: calibration.decompositions.excluded)")
+    def two(phase: str, key: str, fmt: str) -> str:
+        return ", ".join(f"{format(r['likely_tok_s_two_per_core'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
+                         if "likely_tok_s_two_per_core" in r and r[key] in (4096, 32768, 131072))
+
+    if any("likely_tok_s_two_per_core" in r for r in rep["decode"] + rep["prefill"]):
+        # the bimodal unknown (docs/performance.md, "Residency")
+        lines.append(f"residency, unknown on M5: the likely figure holds one of our 27-29 KiB GEMM/attention "
+                     f"threadgroups per core ({c['tg_memory_per_core'] // 1024} KiB); with two per core (in the high "
+                     f"figure) the likely estimate would be decode {two('decode', 'context', '.1f') or '-'}, prefill "
+                     f"{two('prefill', 'prompt', ',.0f') or '-'} tok/s")
     vs = [w for w in ("mlx_lm", "pplx_garden") if any(f"vs_{w}" in r for r in rep["decode"] + rep["prefill"])]
     head = "".join(f" {'vs ' + w.replace('_', '-'):>20}" for w in vs)
     lines += ["", f"{'context':>8} {'decode tok/s':>23} {'ms/token':>9} {'stages':>7} {'GB/step':>8} "
@@ -1268,7 +1531,7 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
     overhead per command buffer. A constant is identified when the modelled time of some timed
     kernel moves by more than 2% with it (bandwidth: the decode GEMVs and attention; tensor
     rates: the prefill GEMMs and attention; ALU: the scan; DRAM latency: decode attention's row
-    loops); the identified ones are fitted together (coordinate search, relative least
+    loops); the identified ones are fitted together (coordinate search with a line search along each round's step, relative least
     squares), the others keep the likely values. Returns the calibrated :class:`Machine` and a JSON-ready report:
     ``constants`` (likely, fitted or None, the kernels identifying each), ``overhead_us``, per
     kernel ``rows`` (measured, likely-model and fitted-model seconds), ``rms_relative_error``
@@ -1287,7 +1550,7 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
         rows.append((k.get("case") or k.get("kernel"), recs, float(t)))
     if not rows:
         raise InvalidParameterError(f"{source} has no timed kernel")
-    m0 = scenarios(machine(key))["likely"][0]
+    m0 = likely_machine(machine(key))
     measured = np.array([t for _, _, t in rows])
 
     def times(m: Machine) -> np.ndarray:  # one command buffer per case: its stages, a gap between them
@@ -1306,8 +1569,20 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
         moved = np.abs(times(_with(m0, name, v * (1.5 if name.startswith("latency_") else 0.8))) / base - 1)
         if moved.max() > 0.02:
             identified[name] = [rows[i][0] for i in np.flatnonzero(moved > 0.02)]
+
+    def coords(x: Machine) -> np.ndarray:  # the search's coordinates: latencies on a log scale
+        return np.array([math.log10(_value(x, n)) if n.startswith("latency_") else _value(x, n) for n in identified])
+
+    def at(u) -> Machine:
+        x = m0
+        for n, v in zip(identified, u):
+            lo, hi = KERNEL_CONSTANTS[n]
+            x = _with(x, n, min(max(10.0 ** v if n.startswith("latency_") else v, lo), hi))
+        return x
+
     m = m0
-    for _ in range(3):  # coordinate search: each identified constant on its grid, the others held
+    for _ in range(12):  # coordinate search, each round followed by a line search along its step
+        before, u0 = err(m)[1], coords(m)
         for name in identified:
             lo, hi = KERNEL_CONSTANTS[name]
             if name.startswith("latency_"):
@@ -1315,6 +1590,13 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
                 m = _with(m, name, 10.0 ** x)
             else:
                 m = _with(m, name, _search(lambda u, n=name, mm=m: err(_with(mm, n, u))[1], lo, hi, 0.05))
+        d = coords(m) - u0
+        if d.any():  # the valley's direction: constants that trade off move together
+            t = _search(lambda t, u0=u0, d=d: err(at(u0 + t * d))[1], 0.0, 8.0, 0.25)
+            if err(at(u0 + t * d))[1] < err(m)[1]:
+                m = at(u0 + t * d)
+        if err(m)[1] > 0.98 * before or err(m)[1] < 1e-4:
+            break
     overhead, rms = err(m)
     notes = [f"{name} hit the bound of its search" for name in identified
              if any(math.isclose(_value(m, name), b, rel_tol=1e-6) for b in KERNEL_CONSTANTS[name])]
