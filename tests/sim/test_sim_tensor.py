@@ -167,6 +167,13 @@ def test_transform_marks_tensor_files(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert re.search(r'"b_tensor\.metal:4", true, true\);', (tmp_path / "o" / "b_tensor.metal.cpp").read_text())
+    # ... or asks for a bfloat cooperative input (the prefill GEMMs' left operand)
+    (tmp_path / "c_tensor.metal").write_text(src.replace("{}", "{ auto a = op.template get_left_input_cooperative_tensor<"
+                                                         "bfloat, bfloat, float>(); }"))
+    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "c_tensor.metal")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r'"c_tensor\.metal:4", true, true\);', (tmp_path / "o" / "c_tensor.metal.cpp").read_text())
     (tmp_path / "plain.metal").write_text(src)
     r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "plain.metal")],
                        capture_output=True, text=True)
@@ -282,6 +289,57 @@ def test_coop_load(dev):
     np.testing.assert_array_equal(download(D, np.float32, (M, N)), mm_model(a, b, c0))
 
 
+def _as(x, kind):
+    """float32 x rounded to `kind` (f32, f16, bf16), as float32: what a cooperative input of
+    that element type holds after the conversion of the kernel's float value."""
+    return bf16(x) if kind == "bf16" else x.astype(np.float16).astype(np.float32) if kind == "f16" else x
+
+
+@pytest.mark.parametrize("variant", ["f32_f32_nn", "f32_f32_tt", "bf16_bf16_nt", "f16_f16_tn", "f32_bf16_nt"])
+def test_coop_inputs(dev, variant):
+    """Both operands in cooperative input tensors filled from device memory through
+    get_multidimensional_index (transposed or not), K in steps of k = 32 on
+    execution_simdgroup, zeros past the edges; the conversion to the element type happens
+    as each slot is written."""
+    tl, tr, _ = variant.split("_")
+    M, N, K, lda = 37, 45, 70, 73
+    rng = fresh_rng(8, len(variant), ord(variant[-2]), ord(variant[-1]))
+    a = rng.standard_normal((M, lda)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    A, B, C = upload(dev, a), upload(dev, b), dev.buffer(M * N * 4)
+    run(dev, f"st_tensor_coop_inputs_{variant}", (cdiv(N, 32), cdiv(M, 32)), 64,
+        [(0, A), (1, B), (2, C)], [(3, args(M, N, K, lda)), (4, constant(0))], [A, B], [C])
+    kp = cdiv(K, 32) * 32  # the K steps, zero-padded
+    ap, bp = np.zeros((M, kp), np.float32), np.zeros((kp, N), np.float32)
+    ap[:, :K], bp[:K] = _as(a[:, :K], tl), _as(b, tr)
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(ap, bp))
+
+
+def test_coop_input_slot_left_unfilled_is_poison(fwd):
+    """A slot of a cooperative input the kernel never writes holds poison (NaN), which
+    reaches the products that use it: a kernel must fill every valid slot."""
+    M, N, K = 16, 32, 32
+    A, B = upload(fwd, np.ones((M, K), np.float32)), upload(fwd, np.ones((K, N), np.float32))
+    C = fwd.buffer(M * N * 4)
+    run(fwd, "st_tensor_coop_inputs_f32_f32_nn", (1, 1), 64, [(0, A), (1, B), (2, C)],
+        [(3, args(M, N, K)), (4, constant(1))], [A, B], [C])
+    c = download(C, np.float32, (M, N))
+    assert np.isnan(c).any() and not np.isnan(c).all() and (c[~np.isnan(c)] == K).all()
+
+
+def test_coop_left_input_with_a_threadgroup_right_operand(dev):
+    """The prefill GEMMs' form: a bfloat left input filled from device memory times a
+    bfloat threadgroup tensor (transpose_right), execution_simdgroups<4>, two k = 32 steps."""
+    M, N, K, lda = 100, 27, 64, 70
+    rng = fresh_rng(9)
+    a = rng.standard_normal((M, lda)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    A, W, C = upload(dev, a), upload(dev, w), dev.buffer(M * N * 4)
+    run(dev, "st_tensor_coop_left_tg", (1, cdiv(M, 64)), 128, [(0, A), (1, W), (2, C)], [(3, args(M, N, K, lda))],
+        [A, W], [C])
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(bf16(a[:, :K]), bf16(w).T))
+
+
 # ------------------------------------------------------------------------------ misuse
 
 def dispatch_error(dev, kernel, groups, tg, buffers, cst=(), threadgroups=True):
@@ -360,7 +418,18 @@ OK_OP = "matmul2d<matmul2d_descriptor(32, 32), execution_simdgroups<1>> op;"
      "destination's element type must be float"),
     (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), half>();",
      "destination element type must be float"),
-    (OK_OP + " auto c = op.get_left_input_cooperative_tensor<half, half, float>();", "get_left_input_cooperative_tensor"),
+    (OK_OP + " auto c = op.get_left_input_cooperative_tensor<half, half, float>();", "need an explicit k"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "auto a = op.get_left_input_cooperative_tensor<half, half, float>(); a.load(H);",
+     "load / store of a cooperative input"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "auto a = op.get_left_input_cooperative_tensor<half, half, float>(); "
+     "auto b = op.get_right_input_cooperative_tensor<half, half, float>(); op.run(b, a, X);",
+     "cooperative left / right inputs"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "matmul2d<matmul2d_descriptor(32, 32, 64), execution_simdgroup> op2; "
+     "auto a = op2.get_left_input_cooperative_tensor<half, half, float>(); op.run(a, H, X);",
+     "cooperative left / right inputs"),
     (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); "
      "matmul2d<matmul2d_descriptor(32, 64), execution_simdgroups<1>> op2; op2.run(H, H, c);",
      "made by an operation with another descriptor"),

@@ -13,7 +13,8 @@ What it rewrites (everything else passes through unchanged, so any MSL construct
   .../MetalPerformancePrimitives/MetalPerformancePrimitives.h). They are allowed only in
   ``metal/*_tensor.metal`` files (compiled with -std=metal4.0 into lily_tensor.metallib on
   macOS), whose kernels are registered as tensor-op kernels, with bfloat operands when the
-  file declares a ``tensor<... bfloat, ...>`` (the simulator checks at run time that no other
+  file declares a ``tensor<... bfloat, ...>`` or a bfloat cooperative input (the simulator
+  checks at run time that no other
   kernel runs a bfloat tensor operation);
 * address-space qualifiers ``device``/``constant``/``thread`` are dropped (``constant`` at
   the start of a declaration becomes ``const``); ``threadgroup`` is dropped in pointer and
@@ -126,14 +127,19 @@ class Transformer:
         self.in_kernel = False  # inside a kernel's body (threadgroup storage is allowed there only)
 
     def declares_bfloat_tensor(self):
-        """Whether the file names a tensor type of bfloat elements: `tensor` `<` [address
-        space] [const] `bfloat`."""
+        """Whether the file names a tensor type of bfloat elements (`tensor` `<` [address
+        space] [const] `bfloat`) or asks for a cooperative input of bfloat operands
+        (`get_left_input_cooperative_tensor` / `get_right_input_cooperative_tensor` `<`
+        with a bfloat among its first two arguments)."""
         sig = [t.text for t in self.toks if significant(t)]
+        inputs = ("get_left_input_cooperative_tensor", "get_right_input_cooperative_tensor")
         for i, t in enumerate(sig):
             if t == "tensor" and i + 1 < len(sig) and sig[i + 1] == "<":
                 rest = [x for x in sig[i + 2:i + 5] if x not in ADDRESS_SPACES and x != "const"]
                 if rest and rest[0] == "bfloat":
                     return True
+            if t in inputs and i + 1 < len(sig) and sig[i + 1] == "<" and "bfloat" in sig[i + 2:i + 5]:
+                return True
         return False
 
     def err(self, tok, msg):
