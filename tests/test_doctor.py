@@ -209,9 +209,9 @@ def test_doctor_sim_report_details(capsys):
 
 
 def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
-    """On a device whose tensor ops take no bfloat operands the doctor says the GEMMs keep
-    them and why the prefill attention does not (text, bug-report line and JSON); the
-    kernels it lists are the ones that device offers, so the report stays OK."""
+    """On a device whose tensor ops take no bfloat operands the doctor says why prefill does
+    not use them (its tensor-op kernels take bfloat operands: text, bug-report line and JSON);
+    the kernels it lists are the ones that device offers, so the report stays OK."""
     import lily.native_backend
     make = lily.native_backend.make_device
     monkeypatch.setattr(lily.native_backend, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
@@ -219,7 +219,7 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "tensor ops      yes" in out
     assert "tensor bfloat   no: the simulator was created with bfloat_tensor_ops=False" in out
-    assert "the prefill attention runs simdgroup_matrix, the GEMMs keep tensor ops" in out
+    assert "the prefill GEMMs and attention run simdgroup_matrix" in out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "tensor ops: yes | tensor bfloat: the simulator was created with bfloat_tensor_ops=False" in block
     assert main(["doctor", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0

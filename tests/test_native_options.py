@@ -197,7 +197,7 @@ def test_pipeline_thread_limit_is_checked_at_load(demo_path):
 def test_kernel_table_lists_every_dispatched_kernel(demo_path):
     rt = Engine.load(demo_path, device="sim", max_context=64).backend.runtime
     table = {k["kernel"]: k for k in rt.kernel_table}
-    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm_half", "embed_rows_q4",
+    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm_bf16", "embed_rows_q4",
                  "moe_combine"):
         assert name in table
     assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)

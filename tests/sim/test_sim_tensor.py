@@ -124,17 +124,21 @@ def test_gpu_family_selects_the_tensor_kernels(monkeypatch):
 
 def test_half_only_tensor_ops_leave_out_the_bfloat_kernels():
     """sim_device(bfloat_tensor_ops=False): a system whose tensor ops take half but not bfloat
-    operands. The kernels of a tensor file that declares bfloat tensors (the prefill attention,
-    its probe, the self-tests) are left out and refused at lookup, saying why; the GEMMs' stay."""
+    operands (MacOSX 26.0's operand table). The kernels of a tensor file that declares bfloat
+    tensors or bfloat cooperative inputs (every prefill tensor kernel since nothing is clipped:
+    the dense and expert GEMMs, the attention, both probes; the self-tests of a file that has
+    bfloat ones) are left out and refused at lookup, saying why; the simdgroup kernels stay."""
     d = sim_device(gpu_family="apple10", bfloat_tensor_ops=False)
     full = sim_device(gpu_family="apple10")
     assert d.supports_tensor_ops and d.tensor_ops_status == ""
     assert not d.supports_bfloat_tensor_ops and "bfloat_tensor_ops=False" in d.bfloat_tensor_ops_status
     gone = sorted(set(full.kernel_names()) - set(d.kernel_names()))
-    assert "attn_prefill_d256_g8_tensor" in gone and "tensor_ops_probe_bfloat" in gone
-    assert all(k.startswith(("attn_prefill", "st_tensor_")) or k == "tensor_ops_probe_bfloat" for k in gone), gone
-    assert d.has_kernel("gemm_q4_tensor") and d.has_kernel("moe_gemm_down_q4_t128_tensor")
-    assert d.has_kernel("tensor_ops_probe") and d.has_kernel("attn_prefill_d256_g8")
+    assert {"attn_prefill_d256_g8_tensor", "gemm_q4_tensor", "gemm_swiglu_q4_tensor", "moe_gemm_down_q4_t128_tensor",
+            "tensor_ops_probe", "tensor_ops_probe_bfloat"} <= set(gone)
+    assert not [k for k in d.kernel_names() if k.endswith("_tensor") or k.startswith("tensor_ops_probe")]
+    assert d.has_kernel("gemm_q4") and d.has_kernel("attn_prefill_d256_g8")
+    with pytest.raises(ValueError, match=r"gemm_q4_tensor.*gemm_tensor\.metal.*bfloat operands.*bfloat_tensor_ops=False"):
+        d.command_buffer().compute_pass().dispatch("gemm_q4_tensor", 1, 256)
     with pytest.raises(ValueError, match=r"attn_prefill_d256_g8_tensor.*attention_prefill_tensor\.metal.*bfloat "
                                          r"operands.*bfloat_tensor_ops=False"):
         d.command_buffer().compute_pass().dispatch("attn_prefill_d256_g8_tensor", 1, 256)
@@ -152,31 +156,29 @@ def test_transform_marks_tensor_files(tmp_path):
     src = ("#include <metal_stdlib>\n#include <metal_tensor>\n"
            "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
            "kernel void f(device float* x [[buffer(0)]]) {}\n")
-    (tmp_path / "a_tensor.metal").write_text(src)
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "a_tensor.metal")],
-                       capture_output=True, text=True)
+
+    def transform(name, body="{}"):
+        """msl2cpp of src with kernel body `body` as file `name`: (process, the C++ text or None)."""
+        (tmp_path / name).write_text(src.replace("{}", body))
+        r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / name)],
+                           capture_output=True, text=True)
+        out = tmp_path / "o" / f"{name}.cpp"
+        return r, out.read_text() if r.returncode == 0 else None
+
+    r, text = transform("a_tensor.metal")
     assert r.returncode == 0, r.stderr
-    text = (tmp_path / "o" / "a_tensor.metal.cpp").read_text()
     head = text.split("namespace lily_msl_", 1)[0]
     assert "#include <metal_tensor>" in head and "MetalPerformancePrimitives.h>" in head
     assert re.search(r'Registrar<decltype\(f\)>.*"a_tensor\.metal:4", true\);', text)
     # a tensor file that names a bfloat tensor type: its kernels register with bfloat operands
-    (tmp_path / "b_tensor.metal").write_text(src.replace("{}", "{ using T = tensor<device const bfloat, "
-                                                         "dextents<int32_t, 2>, tensor_inline>; }"))
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "b_tensor.metal")],
-                       capture_output=True, text=True)
+    r, text = transform("b_tensor.metal", "{ using T = tensor<device const bfloat, dextents<int32_t, 2>, tensor_inline>; }")
     assert r.returncode == 0, r.stderr
-    assert re.search(r'"b_tensor\.metal:4", true, true\);', (tmp_path / "o" / "b_tensor.metal.cpp").read_text())
+    assert re.search(r'"b_tensor\.metal:4", true, true\);', text)
     # ... or asks for a bfloat cooperative input (the prefill GEMMs' left operand)
-    (tmp_path / "c_tensor.metal").write_text(src.replace("{}", "{ auto a = op.template get_left_input_cooperative_tensor<"
-                                                         "bfloat, bfloat, float>(); }"))
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "c_tensor.metal")],
-                       capture_output=True, text=True)
+    r, text = transform("c_tensor.metal", "{ auto a = op.template get_left_input_cooperative_tensor<bfloat, bfloat, float>(); }")
     assert r.returncode == 0, r.stderr
-    assert re.search(r'"c_tensor\.metal:4", true, true\);', (tmp_path / "o" / "c_tensor.metal.cpp").read_text())
-    (tmp_path / "plain.metal").write_text(src)
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "plain.metal")],
-                       capture_output=True, text=True)
+    assert re.search(r'"c_tensor\.metal:4", true, true\);', text)
+    r, _ = transform("plain.metal")
     assert r.returncode == 1 and "plain.metal:2: error: <metal_tensor>: Metal 4 tensor operations belong in" in r.stderr
 
 

@@ -636,12 +636,12 @@ class MetalDevice : public gpu::Device {
   }
 
   // lily_tensor.metallib (metal/*_tensor.metal, built with -std=metal4.0) is loaded only on
-  // apple10-family GPUs under macOS 26, and only if tensor_ops_probe (every tensor
-  // operation of the GEMMs: half operands) builds; otherwise tensor_status_ says why and
-  // prefill uses the simdgroup_matrix kernels. The attention's bfloat operations have their
-  // own probe (tensor_ops_probe_bfloat): a system whose tensor library lacks bfloat operands
-  // (MacOSX 26.0's operand table) keeps the tensor GEMMs, and bfloat_status_ says why the
-  // attention does not use tensor ops.
+  // apple10-family GPUs under macOS 26, and only if tensor_ops_probe (the GEMMs' tensor
+  // operation: bfloat operands, a cooperative left input) builds; otherwise tensor_status_
+  // says why and prefill uses the simdgroup_matrix kernels. The attention's operations have
+  // their own probe (tensor_ops_probe_bfloat); prefill takes the tensor path only where both
+  // build (every prefill tensor kernel takes bfloat operands: MacOSX 26.1's operand table on),
+  // and bfloat_status_ says why not.
   void load_tensor_library() {
     const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
     if (family_ < gpu::kTensorOpsFamily) {

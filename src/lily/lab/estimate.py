@@ -75,15 +75,26 @@ BANDWIDTH_EFFICIENCY = 0.8424
 #: Fraction of the peak a path sustains on our kernels (the likely values; ranges in
 #: :data:`CONSTANTS`). simdgroup_matrix GEMMs: 80-92% of the ALU peak
 #: (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are taken to run on the
-#: same ALUs alike. Half tensor ops (the GEMMs) and bfloat tensor ops (the attention): the likely
-#: scenario machine's fit to pplx-garden's published prefill through its kernels' structure
-#: (lily.lab.tensor_rate.fit_engine; every scenario machine refits them: :func:`scenarios`),
-#: relative to the 71.7 TFLOPS peak (an extrapolation: :data:`MACHINES`' sources), so an
-#: effective ~45 TFLOPS for the GEMMs; docs/performance.md, "The tensor rate from designs
-#: measured on M5". Scalar ALU code: our counts are arithmetic only (no address, compare or
-#: shuffle instructions), 0.5 assumed.
+#: same ALUs alike. Half and bfloat tensor ops (the GEMMs; our prefill GEMMs are bfloat, the
+#: engine restatements' half): the likely scenario machine's fit to pplx-garden's published
+#: prefill through its kernels' structure (lily.lab.tensor_rate.fit_engine; every scenario
+#: machine refits it: :func:`scenarios`), relative to the 71.7 TFLOPS peak (an extrapolation:
+#: :data:`MACHINES`' sources), so an effective ~45 TFLOPS; docs/performance.md, "The tensor
+#: rate from designs measured on M5". The attention's tensor ops take
+#: :data:`ATTENTION_EFFICIENCY`. Scalar ALU code: our counts are arithmetic only (no address,
+#: compare or shuffle instructions), 0.5 assumed.
 PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16": 0.85, "sgmm_bf16": 0.85,
-                   "tensor_f32": 0.85, "tensor_f16": 0.64, "tensor_bf16": 0.4}
+                   "tensor_f32": 0.85, "tensor_f16": 0.64, "tensor_bf16": 0.64}
+#: The tensor paths whose efficiency is fitted (the GEMMs' at :data:`PATH_EFFICIENCY`'s, the
+#: attention family's at :data:`ATTENTION_EFFICIENCY`).
+TENSOR_PATHS = ("tensor_f16", "tensor_bf16")
+#: Fraction of the tensor-op peak the attention's products sustain: the half/bfloat tensor ops
+#: of the records of the family "attention" take it instead of :data:`PATH_EFFICIENCY`'s. A
+#: tensor efficiency belongs to a kernel's structure (a flash attention's products between its
+#: softmax and barriers), not to the operand type, which is bfloat for our GEMMs and attention
+#: alike. The likely scenario machine's fit to pplx-garden's flash attention (every scenario
+#: machine refits it).
+ATTENTION_EFFICIENCY = 0.4
 #: Threads a core needs in flight to reach its peak: 8 simdgroups (8 independent
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
@@ -185,6 +196,7 @@ class Machine:
     stage_gap: float = STAGE_GAP
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     path_efficiency: dict = field(default_factory=lambda: dict(PATH_EFFICIENCY))
+    attention_efficiency: float = ATTENTION_EFFICIENCY
     fitted_from: str | None = None
     gemm: str | None = None
     attention: str | None = None
@@ -201,13 +213,13 @@ class Machine:
 
     @property
     def tensor_ops(self) -> bool:
-        """The prefill GEMMs' tensor-op path (half operands)."""
-        return "tensor_f16" in self.rates
+        """The prefill tensor-op path (bfloat operands: the GEMMs' and the attention's)."""
+        return "tensor_bf16" in self.rates
 
     @property
     def tensor_attention(self) -> bool:
-        """The prefill attention's tensor-op path (bfloat operands; needs the GEMMs' too)."""
-        return self.tensor_ops and "tensor_bf16" in self.rates
+        """The prefill attention's tensor-op path (it follows the GEMMs')."""
+        return self.tensor_ops
 
 
 def _alu(cores: int, ghz: float, lanes: int = 128) -> float:
@@ -325,6 +337,7 @@ class _Plan:
     loop: np.ndarray
     family: np.ndarray    # index into families
     families: list
+    attention: np.ndarray | None = None  # records of the attention family (their tensor paths' efficiency)
     starts: np.ndarray | None = None  # first record of each stage, when each stage's records are contiguous
 
 
@@ -360,6 +373,8 @@ def _plan(records: list, skip_families: tuple = ()) -> _Plan:
                          else families.append(w["family"]) or len(families) - 1 for _, w in rows], dtype=np.int64),
         families=families)
     plan.stages = len(stage_ids)
+    plan.attention = np.array([f == "attention" for f in families], dtype=bool)[plan.family] if rows else \
+        np.zeros(0, dtype=bool)
     if plan.stages and np.all(np.diff(plan.stage) >= 0):
         plan.starts = np.flatnonzero(np.r_[True, np.diff(plan.stage) > 0])
     _PLANS[key] = (records, plan)
@@ -368,16 +383,28 @@ def _plan(records: list, skip_families: tuple = ()) -> _Plan:
     return plan
 
 
-def _compute(m: Machine, flops: np.ndarray, without: str | None = None) -> np.ndarray:
+def _compute(m: Machine, flops: np.ndarray, attention: np.ndarray | None = None,
+             without: str | None = None) -> np.ndarray:
     """Seconds of arithmetic per record at full occupancy (the paths add: a threadgroup runs
-    its dequantization, staging and products one after another); ``without``: a path left out."""
+    its dequantization, staging and products one after another). ``attention``: the records
+    of the attention family, whose :data:`TENSOR_PATHS` run at
+    :attr:`Machine.attention_efficiency`; ``without``: ``"gemms"`` or ``"attention"``, that
+    part's :data:`TENSOR_PATHS` work left out (:func:`dispatch_times`)."""
     used = flops.sum(axis=0) > 0
     missing = [p for p, u in zip(PATHS, used) if u and p not in m.rates]
     if missing:
         raise InvalidParameterError(f"{m.name} has no {missing[0]} path (the plan for another GPU family?)")
-    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates and p != without else 0.0
-                    for p in PATHS])
-    return flops @ per
+    tensor = [PATHS.index(p) for p in TENSOR_PATHS]
+    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates else 0.0 for p in PATHS])
+    per_att = per.copy()
+    per_att[tensor] = [1.0 / (m.rates[p] * m.attention_efficiency) if p in m.rates else 0.0 for p in TENSOR_PATHS]
+    if without == "gemms":
+        per[tensor] = 0.0
+    elif without == "attention":
+        per_att[tensor] = 0.0
+    if attention is None or not attention.any():
+        return flops @ per
+    return np.where(attention, flops @ per_att, flops @ per)
 
 
 def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
@@ -392,7 +419,7 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.n
     occupancy [records, columns] instead of ``m``'s (:func:`dispatch_times`)."""
     e = np.atleast_1d(np.asarray(m.bandwidth_efficiency if effs is None else effs, dtype=float))
     mem = plan.bytes[:, None] / (m.bandwidth * e[None, :])
-    comp = _compute(m, plan.flops)[:, None] if comp is None else comp
+    comp = _compute(m, plan.flops, plan.attention)[:, None] if comp is None else comp
     g = np.maximum(plan.groups, 1.0)
     busy = np.minimum(g, m.cores)
     fill = np.minimum(1.0, g * plan.threads / busy / m.saturation_threads)
@@ -419,16 +446,21 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.n
     return t, lead, mem, comp
 
 
-def dispatch_times(m: Machine, plan: _Plan, path: str | None = None, values=None) -> np.ndarray:
+def dispatch_times(m: Machine, plan: _Plan, part: str | None = None, values=None) -> np.ndarray:
     """Seconds of each dispatch of ``plan`` (:func:`_plan`) on ``m`` [records, 1], or with the
-    efficiency of ``path`` at each of ``values`` [records, len(values)] (the engine fits of
-    lily.lab.tensor_rate search an efficiency over a grid at once)."""
-    if path is None:
+    tensor efficiency of ``part`` (``"gemms"``: the :data:`TENSOR_PATHS` work outside the
+    attention family; ``"attention"``: the attention family's) at each of ``values`` [records,
+    len(values)] (the engine fits of lily.lab.tensor_rate search an efficiency over a grid at
+    once)."""
+    if part is None:
         return _dispatch_times(m, plan)[0]
+    if part not in ("gemms", "attention"):
+        raise InvalidParameterError(f"unknown part {part!r} (known: gemms, attention)")
     values = np.atleast_1d(np.asarray(values, dtype=float))
-    i = PATHS.index(path)
-    comp = _compute(m, plan.flops, without=path)[:, None] + plan.flops[:, i, None] / (
-        m.rates.get(path, math.inf) * values[None, :])
+    att = plan.attention if plan.attention is not None else np.zeros(len(plan.bytes), dtype=bool)
+    at_peak = sum(plan.flops[:, PATHS.index(p)] / m.rates.get(p, math.inf) for p in TENSOR_PATHS)
+    mine = att if part == "attention" else ~att
+    comp = _compute(m, plan.flops, att, without=part)[:, None] + np.where(mine, at_peak, 0.0)[:, None] / values[None, :]
     return _dispatch_times(m, plan, comp=comp)[0]
 
 
@@ -589,7 +621,8 @@ _HEAD = ("lm head + sampling",)
 def _timing_key(m: Machine) -> tuple:
     # everything a dispatch's time depends on
     return (m.cores, m.bandwidth, tuple(sorted(m.rates.items())), m.stage_gap, m.bandwidth_efficiency,
-            tuple(sorted(m.path_efficiency.items())), m.clock, tuple(sorted(m.latency.items())), m.loop_overlap,
+            tuple(sorted(m.path_efficiency.items())), m.attention_efficiency, m.clock, tuple(sorted(m.latency.items())),
+            m.loop_overlap,
             m.threads_per_core, m.tg_memory_per_core, m.saturation_threads, m.occupancy_rule)
 
 
@@ -779,7 +812,7 @@ def _fitted(m: Machine, name: str) -> float:
     """The tensor efficiency ``name`` a scenario machine was fitted to (before the design
     transfer), else ``m``'s."""
     fit = (m.calibration or {}).get("prefill") or {}
-    return fit.get(name, m.path_efficiency["tensor_f16" if name == "tensor_efficiency" else "tensor_bf16"])
+    return fit.get(name, m.path_efficiency["tensor_bf16"] if name == "tensor_efficiency" else m.attention_efficiency)
 
 
 def with_constants(m: Machine, values: dict) -> Machine:
@@ -793,13 +826,14 @@ def with_constants(m: Machine, values: dict) -> Machine:
         if name not in CONSTANTS and name not in FITTED_CONSTANTS:
             raise InvalidParameterError(f"unknown constant {name!r} (known: {', '.join((*CONSTANTS, *FITTED_CONSTANTS))})")
         if name == "tensor_efficiency":
-            eff.update(tensor_f16=v)
+            eff.update(tensor_f16=v, tensor_bf16=v)
         elif name == "attention_efficiency":
-            eff.update(tensor_bf16=v)
+            kw["attention_efficiency"] = v
         elif name == "gemm_transfer":
-            eff.update(tensor_f16=_fitted(m, "tensor_efficiency") * v)
+            g = _fitted(m, "tensor_efficiency") * v
+            eff.update(tensor_f16=g, tensor_bf16=g)
         elif name == "attention_transfer":
-            eff.update(tensor_bf16=_fitted(m, "attention_efficiency") * v)
+            kw["attention_efficiency"] = _fitted(m, "attention_efficiency") * v
         elif name == "simdgroup_efficiency":
             eff.update(sgmm_f32=v, sgmm_f16=v, sgmm_bf16=v, tensor_f32=v)
         elif name == "alu_efficiency":
@@ -911,20 +945,21 @@ def _scenario(m: Machine, values: dict, rule: str, run: str) -> Machine:
     c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in ref_values.items() if k not in keep})
     if m.fitted_from is not None:  # the Mac run's own calibration, held
         cal: dict = {"rule": rule, "fitted_from": m.fitted_from}
-        g, a = m.path_efficiency["tensor_f16"], m.path_efficiency["tensor_bf16"]
+        g, a = m.path_efficiency["tensor_bf16"], m.attention_efficiency
     else:
         cal = _reference_fit(ref_values, rule, run)
         c = replace(c, bandwidth_efficiency=cal["decode"]["bandwidth_efficiency"],
                     stage_gap=cal["decode"]["stage_gap_us"] * 1e-6)
         g, a = cal["prefill"]["tensor_efficiency"], cal["prefill"]["attention_efficiency"]
-    eff = dict(c.path_efficiency)
+    eff, att = dict(c.path_efficiency), c.attention_efficiency
     if "tensor_efficiency" not in keep:
-        eff["tensor_f16"] = g * lily["gemm_transfer"]
+        eff.update(dict.fromkeys(TENSOR_PATHS, g * lily["gemm_transfer"]))
     if "attention_efficiency" not in keep:
-        eff["tensor_bf16"] = a * lily["attention_transfer"]
+        att = a * lily["attention_transfer"]
     cal = {**cal, "transfer": {"gemm": lily["gemm_transfer"], "attention": lily["attention_transfer"]}}
     cal["excluded"] = _implausible(cal)
-    return replace(c, path_efficiency=eff, chunk_overhead=lily["chunk_overhead"], calibration=cal)
+    return replace(c, path_efficiency=eff, attention_efficiency=att, chunk_overhead=lily["chunk_overhead"],
+                   calibration=cal)
 
 
 _LIKELY: dict = {}
@@ -1102,8 +1137,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
                  "attention_path": attention_path(m), "state_window": default_state_window()},
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
-                        "effective_tflops": {p: m.rates[p] * m.path_efficiency[p] / 1e12
-                                             for p in ("tensor_f16", "tensor_bf16") if p in m.rates},
+                        "attention_efficiency": m.attention_efficiency,
+                        "effective_tflops": ({"gemms": m.rates["tensor_bf16"] * m.path_efficiency["tensor_bf16"] / 1e12,
+                                              "attention": m.rates["tensor_bf16"] * m.attention_efficiency / 1e12}
+                                             if m.tensor_ops else {}),
                         "saturation_threads": m.saturation_threads, "stage_gap_us": m.stage_gap * 1e6,
                         "latency_s": m.latency, "loop_overlap": m.loop_overlap, "occupancy_rule": m.occupancy_rule,
                         "chunk_overhead_s": m.chunk_overhead, "tg_memory_per_core": m.tg_memory_per_core,
@@ -1111,8 +1148,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                         "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from,
                         "decompositions": {end: [{"bandwidth_efficiency": x.bandwidth_efficiency,
                                                   "stage_gap_us": x.stage_gap * 1e6, "occupancy_rule": x.occupancy_rule,
-                                                  "tensor_efficiency": x.path_efficiency["tensor_f16"],
-                                                  "attention_efficiency": x.path_efficiency["tensor_bf16"],
+                                                  "tensor_efficiency": x.path_efficiency["tensor_bf16"],
+                                                  "attention_efficiency": x.attention_efficiency,
                                                   "fit": x.calibration}
                                                  for x in machines] for end, machines in sc.items()}},
         "ranges": {k: {"likely": c.likely, "low": c.low, "high": c.high, "unit": c.unit, "source": c.source}
@@ -1150,9 +1187,9 @@ def format_report(rep: dict) -> str:
     if c["effective_tflops"]:
         eff = c["path_efficiency"]
         fit = (c.get("fit") or {}).get("prefill")
-        lines.append(f"tensor efficiency {eff['tensor_f16']:.2f} (GEMMs) / {eff['tensor_bf16']:.2f} (attention) of "
-                     f"{m['tflops']['tensor_f16']:.1f} TFLOPS: {c['effective_tflops']['tensor_f16']:.1f} / "
-                     f"{c['effective_tflops']['tensor_bf16']:.1f} TFLOPS effective"
+        lines.append(f"tensor efficiency {eff['tensor_bf16']:.2f} (GEMMs) / {c['attention_efficiency']:.2f} (attention) "
+                     f"of {m['tflops']['tensor_bf16']:.1f} TFLOPS: {c['effective_tflops']['gemms']:.1f} / "
+                     f"{c['effective_tflops']['attention']:.1f} TFLOPS effective"
                      + (f", fitted to pplx-garden's published prefill ({100 * fit['rms_relative_error']:.1f}% rms)"
                         if fit else ""))
     dec = c["decompositions"]
@@ -1446,8 +1483,9 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     # prefill: one efficiency for the run's matrix path, the decode constants fixed
     paths, cache = MATRIX_PATHS[path], {}
 
-    def with_matrix(x: float) -> Machine:
-        return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}})
+    def with_matrix(x: float) -> Machine:  # the attention's tensor ops scaled with the GEMMs'
+        att = x if path == "tensor" else m1.attention_efficiency
+        return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}}, attention_efficiency=att)
 
     def prefill_err(m: Machine) -> list:
         return [(L / prefill(m, cfg, L, chunk, cache, path, attention).seconds - t) / t for L, t, _ in pre]
@@ -1518,7 +1556,7 @@ def _value(m: Machine, name: str) -> float:
         return m.bandwidth_efficiency
     if name.startswith("latency_"):
         return m.latency[name[len("latency_"):]]
-    return {"tensor_efficiency": m.path_efficiency["tensor_f16"], "attention_efficiency": m.path_efficiency["tensor_bf16"],
+    return {"tensor_efficiency": m.path_efficiency["tensor_bf16"], "attention_efficiency": m.attention_efficiency,
             "simdgroup_efficiency": m.path_efficiency["sgmm_f16"], "alu_efficiency": m.path_efficiency["alu_f32"]}[name]
 
 
