@@ -181,6 +181,57 @@ def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
     assert (counts.sum(1) == rows * 4).all() and (counts % 64 != 0).any()  # tails were there to place
 
 
+HOT_PROMPT = 24  # tokens of the beyond-half-range test
+HOT_LOG2 = 8  # amplify_shared_expert's factor: 2^8 on gate/up, so the down inputs grow ~2^16-fold
+
+
+@pytest.fixture(scope="module")
+def hot_model(tiny_checkpoint, tmp_path_factory):
+    """The tiny model with its shared experts' down-projection inputs beyond the half range
+    (lily.lab.testing.amplify_shared_expert), the reference's logits of HOT_PROMPT tokens,
+    their near-ties, and per token the largest |down-projection input| over the layers."""
+    from lily.lab.testing import amplify_shared_expert
+    path = amplify_shared_expert(tiny_checkpoint, tmp_path_factory.mktemp("hot") / "tiny-hot", log2_factor=HOT_LOG2)
+    ref = Engine.load(path, max_context=64, device="reference")
+    ids = ref.tokenizer.encode(TEXT)[:HOT_PROMPT]
+    model, peaks = ref.backend.model, []
+    linear = model.linear
+
+    def recording(x, module):
+        if module.endswith("shared_expert.down_proj"):
+            peaks.append(np.abs(x).max(axis=-1))
+        return linear(x, module)
+
+    model.linear = recording
+    try:
+        with np.errstate(over="ignore"):  # silu of large negative gates: exp overflows, silu = -0
+            logits, gap = _reference_with_gaps(ref, ids)
+    finally:
+        del model.linear
+    return path, ids, logits, gap < NEAR_TIE, np.max(peaks, axis=0)
+
+
+@pytest.mark.parametrize("gemm_path", ["simdgroup", "tensor"])
+def test_prefill_beyond_half_range(hot_model, gemm_path):
+    """Nothing is clipped (docs/prefill.md, "Operand precision"): with the shared experts'
+    down-projection inputs peaking at 1.8e5-5.3e5 in every token (3x-8x the half range, the
+    overflow llama.cpp issue 26044 documents for Qwen checkpoints), prefill matches the
+    reference per position within the ordinary presets' bound (_check; median 7.1e-3, the
+    plain tiny model's 7.4e-3), on both GEMM paths (the tensor path on a simulated M5).
+    Clamping those activations to +-65504, as prefill's former half staging did, fails it
+    (relative errors 0.06 to 0.5 at the first ten positions, against the bound 2e-2: measured)."""
+    path, ids, want, tie, peak = hot_model
+    assert peak.max() > 2.5e5 and (peak > 65504).mean() > 0.5, peak  # the case is what it claims
+    options = {"prefill_chunk": 16, "gemm_path": gemm_path}
+    if gemm_path == "tensor":
+        options["device_options"] = {"gpu_family": "apple10"}
+    native = Engine.load(path, device="sim", max_context=64, device_options=options)
+    assert native.backend.runtime.uses_tensor_ops == (gemm_path == "tensor")
+    got = native.prefill(ids, all_logits=True)
+    print(f"\nbeyond half ({gemm_path}): peak down input {peak.max():.3g}, median relative error "
+          f"{_check(got, want, f'beyond half, {gemm_path}', tie):.2e}")
+
+
 def test_prefill_equals_decode_steps(demo_path, demo_engine, native_device):
     """The same tokens through prefill chunks and through decode steps: same session. Decode
     keeps its activations in fp32, prefill rounds its operands to bfloat, so the two differ as
