@@ -690,9 +690,12 @@ def test_moe_chain(dev, T):
 
 @pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain_real_shape(dev, T):
-    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
+    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles: the
+    routing chooses every expert (make_routing), so the map has ceil(count / T) tiles of each."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
-    assert len(tiles) >= 4
+    counts = np.bincount(tiles[:, 0], weights=tiles[:, 2], minlength=4).astype(int)
+    assert counts.sum() == 12 * 2 and np.all(counts > 0), counts
+    assert len(tiles) == sum(-(-int(c) // T) for c in counts) >= 4
 
 
 # ------------------------------------------------------------------------------ tile classes end to end

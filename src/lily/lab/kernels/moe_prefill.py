@@ -173,7 +173,9 @@ def combine_ref(h, yx, w):
 def make_routing(rng, M, E, k, T, skew):
     """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
     increasing order, slots of one expert in *random* order) and the tile map.
-    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
+    skew: one expert is chosen by ~90% of the rows and half of the experts never are; else
+    every expert is chosen at least once where M * k >= E (so the map holds at least one tile
+    per expert whatever the draw)."""
     if skew:
         hot = int(rng.integers(E))
         pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
@@ -182,6 +184,13 @@ def make_routing(rng, M, E, k, T, skew):
         ids[rows, rng.integers(k, size=rows.sum())] = hot
     else:
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+        if M * k >= E:  # the first ceil(E / k) rows deal out a permutation of the experts
+            deal = rng.permutation(E)
+            for r in range(-(-E // k)):
+                part = deal[r * k:(r + 1) * k]
+                rest = rng.choice(np.setdiff1d(np.arange(E), part), k - len(part), replace=False)
+                ids[r] = np.concatenate([part, rest])
+            ids = ids[rng.permutation(M)]
     flat = ids.reshape(-1).astype(np.uint32)
     perm = []
     tiles = []
