@@ -135,11 +135,12 @@ LOOP_OVERLAP = 4.0
 #: depending on registers, ~60 KB of threadgroup memory per core). On M5 (Apple 10, dynamic
 #: caching) no figure is public; MLX-LM's published prefill bounds it from below: its
 #: restatement (lily.lab.tensor_rate) describes the measured curve within 3% only when a core
-#: holds five of its 9 KiB GEMM tiles (45 KiB; 5.5-18% rms below). Our 27-29 KiB GEMM,
-#: attention and decode-attention threadgroups need 54-59 KiB to run two per core: a bimodal
-#: unknown the data leave open. The likely figure takes its unfavourable mode, 45 KiB (one per
-#: core), until ``lily bench --kernels`` measures it; the high figure two (64 KiB;
-#: docs/performance.md, "Residency").
+#: holds five of its 9 KiB GEMM tiles (45 KiB; 5.5-18% rms below). The likely and low
+#: figures take that bound, the high figure 64 KiB, until ``lily bench --kernels`` measures
+#: it. Issue 27's kernels need at most 13 KiB a threadgroup (the prefill GEMMs' 9 KiB weight
+#: tile, as MLX's; the tensor-op attention's 13 KiB; decode attention's 12 KiB), so each runs
+#: three to five per core at 45 KiB and the range moves no likely figure by a step
+#: (docs/performance.md, "Residency"; :func:`residency` lists them).
 THREADS_PER_CORE = 2048
 TG_MEMORY_PER_CORE = 45 * 1024
 #: How a dispatch that cannot fill the GPU shares its bandwidth (docs/performance.md,
@@ -458,9 +459,10 @@ def dispatch_times(m: Machine, plan: _Plan, part: str | None = None, values=None
         raise InvalidParameterError(f"unknown part {part!r} (known: gemms, attention)")
     values = np.atleast_1d(np.asarray(values, dtype=float))
     att = plan.attention if plan.attention is not None else np.zeros(len(plan.bytes), dtype=bool)
-    at_peak = sum(plan.flops[:, PATHS.index(p)] / m.rates.get(p, math.inf) for p in TENSOR_PATHS)
-    mine = att if part == "attention" else ~att
-    comp = _compute(m, plan.flops, att, without=part)[:, None] + np.where(mine, at_peak, 0.0)[:, None] / values[None, :]
+    mine = (att if part == "attention" else ~att)[:, None]
+    comp = _compute(m, plan.flops, att, without=part)[:, None] + sum(
+        np.where(mine, plan.flops[:, PATHS.index(p), None], 0.0) / (m.rates.get(p, math.inf) * values[None, :])
+        for p in TENSOR_PATHS)
     return _dispatch_times(m, plan, comp=comp)[0]
 
 
@@ -751,10 +753,10 @@ CONSTANTS = {c.name: c for c in (
     Constant("threads_per_core", THREADS_PER_CORE, 1024, 3072, "threads",
              "384-3072 threads per core, by registers (philipturner/metal-benchmarks, Apple 7/8)"),
     Constant("tg_memory_per_core", TG_MEMORY_PER_CORE, 45 * 1024, 64 * 1024, "bytes",
-             "bimodal and unknown on M5: MLX-LM's published prefill needs 45 KiB or more (five of its 9 KiB GEMM "
-             "tiles; lily.lab.tensor_rate), ~60 KB on Apple 7/8 (philipturner/metal-benchmarks) would hold two of "
-             "our 27-29 KiB threadgroups (54-59 KiB): the likely and low figures take one per core (45 KiB), the "
-             "high two (64 KiB), until lily bench --kernels measures it"),
+             "unknown on M5: MLX-LM's published prefill needs 45 KiB or more (five of its 9 KiB GEMM tiles; "
+             "lily.lab.tensor_rate), ~60 KB on Apple 7/8 (philipturner/metal-benchmarks): the likely and low figures "
+             "take 45 KiB, the high 64 KiB, until lily bench --kernels measures it; our 9-13 KiB threadgroups run "
+             "3-5 per core at 45 KiB, 5-7 at 64 KiB"),
     Constant("latency_dram", LATENCY_SECONDS["dram"], 400e-9, 266e-9, "s",
              _LAT + ": DRAM 311 ns; 266 ns if the system level cache holds it; 400 ns assumed under load"),
     Constant("latency_mem", LATENCY_SECONDS["mem"], 311e-9, 76e-9, "s",
@@ -1013,6 +1015,33 @@ def scenarios(m: Machine) -> dict:
     return out
 
 
+def per_core(m: Machine, rec: dict) -> int:
+    """How many threadgroups of the dispatch ``rec`` a core of ``m`` holds at once: by its
+    threads and by its threadgroup memory (the slots of :func:`_dispatch_times`)."""
+    threads = math.prod(rec["threads"])
+    n = m.threads_per_core // max(threads, 1)
+    if rec.get("threadgroup_memory", 0) > 0:
+        n = min(n, m.tg_memory_per_core // rec["threadgroup_memory"])
+    return max(1, n)
+
+
+def residency(m: Machine, prefill_records: list, decode_records_: list, other: Machine | None = None) -> list:
+    """Per kernel with threadgroup memory in a prefill chunk and a decode step: its
+    ``bytes`` per threadgroup and the threadgroups a core of ``m`` holds (``likely``) and of
+    ``other`` (``high``: the range's other end of :attr:`Machine.tg_memory_per_core`), largest
+    first (docs/performance.md, "Residency")."""
+    seen: dict = {}
+    for phase, recs in (("prefill", prefill_records), ("decode", decode_records_)):
+        for r in recs:
+            b = r.get("threadgroup_memory", 0)
+            if b > 0 and (phase, r["kernel"]) not in seen:
+                row = {"phase": phase, "kernel": r["kernel"], "bytes": b, "per_core": {"likely": per_core(m, r)}}
+                if other is not None:
+                    row["per_core"]["high"] = per_core(other, r)
+                seen[(phase, r["kernel"])] = row
+    return sorted(seen.values(), key=lambda r: (-r["bytes"], r["kernel"]))
+
+
 def spread(values: dict) -> dict:
     """``{"low", "likely", "high"}`` of a figure from its value per scenario machine
     (``{"likely": [v], "low": [...], "high": [...]}``): the likely one, and the smallest and the
@@ -1039,9 +1068,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
     high"), with the ratios to MLX-LM's and pplx-garden's published M5 Max figures at their
     lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only) and, unless the machine was
-    fitted to a Mac run, the likely figure with two of our largest threadgroups per core
-    (``likely_tok_s_two_per_core``: the other mode of the residency, docs/performance.md,
-    "Residency"); the per-family breakdown of
+    fitted to a Mac run, the likely figure with the high end's threadgroup memory per core
+    (``likely_tok_s_high_memory``, docs/performance.md, "Residency"); ``residency``, the
+    threadgroups per core of each kernel with threadgroup memory (:func:`residency`); the
+    per-family breakdown of
     one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
     ranges of the constants (:data:`CONSTANTS`); and for each row count of ``batches`` a
@@ -1080,8 +1110,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         for who, figures in pub.get(length, {}).items():
             row[f"vs_{who}"] = {k: v / figures[phase] for k, v in tps.items()}
 
-    # residency is a step, not a spread (docs/performance.md, "Residency"): the likely machine
-    # in the other mode, two of our largest threadgroups per core, is reported beside it
+    # the threadgroup memory a core holds is unknown on M5 (docs/performance.md, "Residency"):
+    # the likely machine at the range's other end is reported beside it
     other = (None if m.fitted_from is not None or "tg_memory_per_core" in m.measured
              else replace(m, tg_memory_per_core=CONSTANTS["tg_memory_per_core"].high))
     decode_rows, prefill_rows = [], []
@@ -1094,7 +1124,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                "stages": t.stages, "gb_per_step": t.bytes / 1e9,
                "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes}
         if other is not None:
-            row["likely_tok_s_two_per_core"] = 1 / decode_step(other, cfg, c).seconds
+            row["likely_tok_s_high_memory"] = 1 / decode_step(other, cfg, c).seconds
         ratios(row, row["tok_s"], c, 0)
         decode_rows.append(row)
     for p in prompts:
@@ -1104,7 +1134,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                                                                  ("high", "low"))},
                "seconds": secs, "stages": t.stages, "gb_moved": t.bytes / 1e9}
         if other is not None:
-            row["likely_tok_s_two_per_core"] = p / prefill(other, cfg, p, chunk, cache).seconds
+            row["likely_tok_s_high_memory"] = p / prefill(other, cfg, p, chunk, cache).seconds
         ratios(row, row["tok_s"], p, 1)
         prefill_rows.append(row)
 
@@ -1124,6 +1154,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
             "gb_per_step": t.bytes / 1e9, "gb_per_token": t.bytes / b / 1e9})
     d = decode_step(m, cfg, breakdown_at)
     p = prefill(m, cfg, breakdown_at, chunk, cache)
+    chunk_recs = count_prefill_chunk(cfg, min(chunk, breakdown_at), 0, gemm_path=gemm_path(m),
+                                     tensor_attention=attention_path(m) == "tensor")["records"]
     return {
         "estimate": True,
         "notice": NOTICE,
@@ -1136,6 +1168,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                     "gpu_family": m.gpu_family, "sources": m.sources},
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
                  "attention_path": attention_path(m), "state_window": default_state_window()},
+        "residency": residency(m, chunk_recs, decode_records(cfg, breakdown_at)[0], other),
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
                         "attention_efficiency": m.attention_efficiency,
                         "effective_tflops": ({"gemms": m.rates["tensor_bf16"] * m.path_efficiency["tensor_bf16"] / 1e12,
@@ -1196,16 +1229,26 @@ def format_report(rep: dict) -> str:
     if dec.get("excluded"):
         lines.append(f"scenario machines: {len(dec['low'])} low, {len(dec['high'])} high; {len(dec['excluded'])} "
                      "excluded as implausible (--json: calibration.decompositions.excluded)")
-    def two(phase: str, key: str, fmt: str) -> str:
-        return ", ".join(f"{format(r['likely_tok_s_two_per_core'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
-                         if "likely_tok_s_two_per_core" in r and r[key] in (4096, 32768, 131072))
+    def other_end(phase: str, key: str, fmt: str) -> str:
+        return ", ".join(f"{format(r['likely_tok_s_high_memory'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
+                         if "likely_tok_s_high_memory" in r and r[key] in (4096, 32768, 131072))
 
-    if any("likely_tok_s_two_per_core" in r for r in rep["decode"] + rep["prefill"]):
-        # the bimodal unknown (docs/performance.md, "Residency")
-        lines.append(f"residency, unknown on M5: the likely figure holds one of our 27-29 KiB GEMM/attention "
-                     f"threadgroups per core ({c['tg_memory_per_core'] // 1024} KiB); with two per core (in the high "
-                     f"figure) the likely estimate would be decode {two('decode', 'context', '.1f') or '-'}, prefill "
-                     f"{two('prefill', 'prompt', ',.0f') or '-'} tok/s")
+    if rep.get("residency"):
+        # threadgroups per core at the likely and the high end of the threadgroup memory
+        # (docs/performance.md, "Residency")
+        groups: dict = {}
+        for r in rep["residency"]:
+            groups.setdefault((r["phase"], r["bytes"], tuple(r["per_core"].values())), []).append(r["kernel"])
+        held = "; ".join(f"{ph} {ks[0] if len(ks) == 1 else f'{ks[0]} and {len(ks) - 1} more'} {b / 1024:.1f} KiB: "
+                         f"{' / '.join(map(str, n))}" for (ph, b, n), ks in groups.items())
+        hi = CONSTANTS["tg_memory_per_core"].high // 1024
+        lines.append(f"residency (threadgroups per core at {c['tg_memory_per_core'] // 1024}"
+                     + (f" / {hi} KiB of threadgroup memory, unknown on M5): " if any(
+                         "likely_tok_s_high_memory" in r for r in rep["decode"] + rep["prefill"]) else " KiB): ")
+                     + held)
+    if any("likely_tok_s_high_memory" in r for r in rep["decode"] + rep["prefill"]):
+        lines.append(f"  the likely estimate at {hi} KiB: decode {other_end('decode', 'context', '.1f') or '-'}, "
+                     f"prefill {other_end('prefill', 'prompt', ',.0f') or '-'} tok/s")
     vs = [w for w in ("mlx_lm", "pplx_garden") if any(f"vs_{w}" in r for r in rep["decode"] + rep["prefill"])]
     head = "".join(f" {'vs ' + w.replace('_', '-'):>20}" for w in vs)
     lines += ["", f"{'context':>8} {'decode tok/s':>23} {'ms/token':>9} {'stages':>7} {'GB/step':>8} "
