@@ -222,3 +222,30 @@ def test_missing_tensor_fails_at_load_naming_it(missing):
     with pytest.raises(ValueError, match=f"missing tensor {missing}$"):
         _core.Runtime(make_device("sim", record_only=True), model_dims(cfg), tensors,
                       runtime_options(64, virtual_weights=True))
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)], ids=["group-32", "8-bit-experts"])
+def test_other_quantization_is_refused_before_anything_is_mapped(bits, group, tokenizer_dir, checkpoint_cache_dir,
+                                                                 tmp_path, monkeypatch):
+    """A checkpoint converted by MLX-LM with --q-group-size 32, or --q-bits 8 (8-bit experts),
+    runs on the reference but not on the native devices, whose kernels read 4 bits in groups
+    of 64: Engine.load refuses it by name before any weight is cached or mapped, and the
+    runtime itself refuses its tensors when given them directly."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm converts the checkpoint")
+    from lily.checkpoint import open_checkpoint
+    from lily.errors import QuantizationError
+    from lily.native_backend import make_device, model_dims, runtime_options, tensor_table
+    from lily.lab.testing import cached_checkpoint
+    path = cached_checkpoint("tiny", tokenizer_dir=tokenizer_dir, cache_dir=checkpoint_cache_dir,
+                             q_bits=bits, q_group_size=group)
+    cache = tmp_path / "weights"
+    monkeypatch.setenv("LILY_CACHE_DIR", str(cache))
+    with pytest.raises(QuantizationError, match=rf"model.embed_tokens is quantized {bits}-bit in groups of {group} "
+                                                rf"\(and \d+ more modules\); the native kernels .* read 4-bit"):
+        Engine.load(path, device="sim")
+    assert not cache.exists()  # refused before the weight cache was written
+    ck = open_checkpoint(path)
+    with pytest.raises(ValueError, match="is not quantized as the native kernels read it"):
+        _core.Runtime(make_device("sim"), model_dims(ck.config), tensor_table(ck), runtime_options(64))
+    logits = Engine.load(path, device="reference", max_context=64).prefill([1, 2, 3])
+    assert np.isfinite(logits).all()

@@ -179,6 +179,12 @@ void bind_runtime(nb::module_& m) {
         "The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry\n"
         "of each (as the counting runtime's records: work = flops per path, bytes, latency chains; None\n"
         "for a kernel the table does not know): how `lily bench --kernels` prices what it timed.");
+  m.def("native_quant_format", [](const std::string& module) {
+    const QuantFormat f = native_quant_format(module);
+    return std::make_pair(f.bits, f.group_size);
+  }, "module"_a,
+        "(bits, group_size) the native kernels read the linear `module` in (e.g. "
+        "'model.layers.0.mlp.gate' -> (8, 64)); csrc/runtime/model.h.");
   nb::class_<ModelDims> dims(m, "ModelDims",
                              "The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, "
                              "full_attention per layer); FIELDS lists the scalar ones.");

@@ -252,6 +252,11 @@ def dispatch_costs(command_buffer: CommandBuffer) -> list:
     for a kernel the table does not know): how `lily bench --kernels` prices what it timed.
     """
 
+def native_quant_format(module: str) -> tuple[int, int]:
+    """
+    (bits, group_size) the native kernels read the linear `module` in (e.g. 'model.layers.0.mlp.gate' -> (8, 64)); csrc/runtime/model.h.
+    """
+
 class ModelDims:
     """
     The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, full_attention per layer); FIELDS lists the scalar ones.

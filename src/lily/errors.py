@@ -24,6 +24,14 @@ class ConfigError(CheckpointError):
     """``config.json`` is missing, unreadable, or describes a model Lily does not run."""
 
 
+class QuantizationError(ConfigError):
+    """The checkpoint is quantized in a format the native kernels (devices ``sim`` and
+    ``metal``) do not read: they need MLX affine 4-bit weights in groups of 64 with an 8-bit
+    router and shared-expert gate (``mlx_lm convert -q --q-bits 4 --q-group-size 64``). The
+    message names the first module that differs, its format and the expected one; the
+    reference device runs any MLX affine format."""
+
+
 class TokenizerError(LilyError):
     """Tokenizer files are missing or unreadable, or a chat template failed to render."""
 
