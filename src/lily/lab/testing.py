@@ -59,6 +59,7 @@ __all__ = [
     "write_mlx_checkpoint",
     "mlx_config",
     "cached_checkpoint",
+    "default_cache_dir",
     "copy_tokenizer_files",
     "EOS_TOKEN_IDS",
     "REAL_VOCAB_SIZE",
@@ -768,7 +769,9 @@ def make_mlx_checkpoint(
     return out
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """Where :func:`cached_checkpoint` keeps converted checkpoints: ``$LILY_TEST_CACHE``,
+    else ``~/.cache/lily/test-checkpoints`` (``lily cache list`` shows it)."""
     env = os.environ.get("LILY_TEST_CACHE")
     if env:
         return Path(env)
@@ -809,7 +812,7 @@ def cached_checkpoint(
     key = hashlib.sha256(
         f"{p.content_hash()}|{tok_fp}|{_mlx_lm_version()}".encode()
     ).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     quant = "" if (q_bits, q_group_size) == (Q_BITS, Q_GROUP_SIZE) else f"-q{q_bits}g{q_group_size}"
     final = root / f"{p.name}{quant}-s{seed}-{key}"
     if (final / "config.json").is_file():
