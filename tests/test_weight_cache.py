@@ -59,8 +59,7 @@ def test_cache_maps_without_copy_and_matches_the_in_memory_copy(tmp_path, demo_c
 
 
 def test_cache_holds_every_tensor_byte_for_byte(tmp_path, demo_copy):
-    engine = Engine.load(demo_copy)
-    table = tensor_table(engine.checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     out = aligned_table(table, tmp_path / "wc", notice=lambda m: None)
     assert [(n, nb) for n, _, _, nb in out] == [(n, nb) for n, _, _, nb in table]
     for (name, src, so, nb), (_, dst, do, _) in zip(table, out):
@@ -72,7 +71,7 @@ def test_cache_holds_every_tensor_byte_for_byte(tmp_path, demo_copy):
 
 
 def test_cache_is_written_once_and_reused(tmp_path, demo_copy):
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     said = []
     first = aligned_table(table, tmp_path, notice=said.append)
     # what is written, how large, where, and how to list, clear or avoid it
@@ -92,7 +91,7 @@ def _moved(table, src, dst):
 def test_a_moved_or_reinstalled_checkpoint_reuses_its_copy(tmp_path, demo_copy):
     """The cache is keyed by content: the demo model inside a reinstalled package (another
     path, newer file times) or a renamed model directory maps the copy written before."""
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     first = aligned_table(table, tmp_path / "wc", notice=lambda m: None)
     moved = tmp_path / "site-packages-2" / "demo_model"
     shutil.copytree(demo_copy, moved)  # new path, new modification times
@@ -104,7 +103,7 @@ def test_a_moved_or_reinstalled_checkpoint_reuses_its_copy(tmp_path, demo_copy):
 
 
 def test_changed_checkpoint_gets_a_new_cache_and_the_old_one_goes(tmp_path, demo_copy):
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     first = aligned_table(table, tmp_path, notice=lambda m: None)
     shard = table[0][1]
     st = os.stat(shard)
@@ -125,7 +124,7 @@ def test_changed_checkpoint_gets_a_new_cache_and_the_old_one_goes(tmp_path, demo
 def test_stale_copies_are_listed_and_pruned(tmp_path, demo_copy):
     """A copy whose checkpoint file is gone is stale; so is a file of the first format
     (keyed by path). prune (run whenever a copy is written) deletes them, not a live copy."""
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     live = aligned_table(table, tmp_path / "wc", notice=lambda m: None)[0][1]
     other = tmp_path / "other"
     shutil.copytree(demo_copy, other)
@@ -169,8 +168,7 @@ def test_lily_cache_list_and_clear(tmp_path, demo_copy, monkeypatch, capsys):
 
 @pytest.mark.parametrize("damage", ["truncate", "magic", "header", "empty"])
 def test_damaged_cache_is_rewritten(tmp_path, demo_copy, damage):
-    engine = Engine.load(demo_copy)
-    table = tensor_table(engine.checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     first = aligned_table(table, tmp_path, notice=lambda m: None)
     cache = first[0][1]
     size = os.path.getsize(cache)
@@ -195,7 +193,7 @@ def test_damaged_cache_is_rewritten(tmp_path, demo_copy, damage):
 def test_unusable_cache_dir_falls_back_to_copying(tmp_path, demo_copy):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cache directory should be")
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     said = []
     assert aligned_table(table, blocker / "wc", notice=said.append) == table
     assert len(said) == 1 and "copying its tensors into memory" in said[0]
@@ -228,7 +226,7 @@ def test_only_the_unaligned_file_is_cached(tmp_path):
 
 
 def test_concurrent_loads_agree(tmp_path, demo_copy):
-    table = tensor_table(Engine.load(demo_copy).checkpoint)
+    table = tensor_table(open_checkpoint(demo_copy))
     results = [None] * 4
 
     def run(i):
