@@ -592,7 +592,7 @@ def cmd_doctor(args) -> int:
     from lily.lab import doctor
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
     return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
-                      seed=args.seed, as_json=args.json)
+                      seed=args.seed, as_json=args.json, quick=args.quick, rows=args.rows)
 
 
 def _int_at_least(lowest: int):
@@ -950,8 +950,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
                                    "library and the tensor library load, the memory the model needs, then run "
                                    "every shipped kernel once on the GPU (the simulator off a Mac) against its "
-                                   "numpy reference on random inputs from a printed seed. Ends with a block to paste into a "
-                                   "bug report. Exit status 1 when anything failed.")
+                                   "numpy reference on random inputs from a printed seed, at small shapes and at "
+                                   "the model's own, and the embedded demo model end to end against the numpy "
+                                   "reference (teacher-forced logits, a prefill and 16 sampled decode steps). Ends "
+                                   "with a block to paste into a bug report. Exit status 1 when anything failed.")
     d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
                    help="device to check (default auto: metal on a Mac, else the simulator)")
     d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
@@ -963,6 +965,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=_int_at_least(0), default=None, metavar="N",
                    help="non-negative seed of the random inputs (default: a fresh one, printed in the report)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    d.add_argument("--quick", action="store_true",
+                   help="the kernels at small shapes only (seconds): no model-size run, no end-to-end check")
+    d.add_argument("--rows", type=_int_at_least(1), default=None, metavar="N",
+                   help="prefill chunk rows of the model-size kernel checks (default 4096, the model's chunk; on "
+                        "the simulator 256: 4096 takes hours there)")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("estimate", help="ESTIMATE decode and prefill speed on an Apple GPU without a Mac",
                        description="A performance model (docs/performance.md) of the real plan's recorded "

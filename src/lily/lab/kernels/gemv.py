@@ -10,8 +10,8 @@ from lily import _core
 from lily._core import kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    DEPTH, U, check, f32, from_bf16, magnitude, rand_quant, ratio, run, run_bound, to_bf16_bits,
-    upload_q,
+    DEPTH, TOY, U, check, f32, from_bf16, gemv_exact, magnitude, model, rand_quant, ratio, run, run_bound,
+    to_bf16_bits, upload_q,
 )
 
 GEMV_ROWS_PER_SG = _core.CONSTANTS["kGemvRowsPerSimdgroup"]  # metal/decode_args.h
@@ -108,9 +108,11 @@ def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn
 
 
 @check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
-def _gemv(dev, rng, kernel):
+def _gemv(dev, rng, kernel, size=TOY):
+    """Model size: the attention's o_proj (hidden x 16 heads of 256)."""
     bits, add = kernel_params(kernel)["q"], kernel.endswith("_add")
-    rows, cols = 100, 256
+    m = size.model and model()
+    rows, cols = size.pick((100, 256), (m and m.hidden_size, m and m.num_attention_heads * m.head_dim))
     qt = rand_quant(rng, (), rows, cols, bits)
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
@@ -119,8 +121,7 @@ def _gemv(dev, rng, kernel):
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
     run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
-    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
-    mag = magnitude(qt) @ np.abs(x.astype(np.float64))
+    exact, mag = gemv_exact(qt, x)
     if add:
         exact, mag = exact + r0, mag + np.abs(r0)
     return ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{cols}")
@@ -153,15 +154,22 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
         constants=[(5, gemv_args(rows, cols)), (9, pack_args("GatedNormArgs", head_dim=Dv, splits=splits, eps=eps))],
         reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
     x = gated_x64(y, ssq, z, nw, Dv, eps)
-    exact = qt.dequantize().astype(np.float64) @ x + r0
-    mag = magnitude(qt) @ np.abs(x)
+    exact, mag = gemv_exact(qt, x)
+    exact = exact + r0
     tol = (DEPTH + 8) * U * mag + 2 * U * np.abs(exact)
     return ratio(download(R, np.float32), exact, tol, f"{kernel} {rows}x{cols} Dv={Dv} NS={splits}")
 
 
 @check("gemv_gated_q4_add", "gemv_gated_q8_add")
-def _gemv_gated(dev, rng, kernel):
-    return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+def _gemv_gated(dev, rng, kernel, size=TOY):
+    """Model size: the DeltaNet out_proj (hidden x 32 value heads of 128, the decode step's
+    splits of each head's sum of squares)."""
+    if not size.model:
+        return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+    from lily.lab.kernels.gdn import GDN_DECODE_SPLITS
+    m = model()
+    return gemv_gated_ratio(dev, rng, kernel, m.hidden_size, m.linear_num_value_heads, m.linear_value_head_dim,
+                            GDN_DECODE_SPLITS)
 
 
 def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
@@ -170,19 +178,29 @@ def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
     want_xn = rms_ref64(x, nw)
     xn = download(XN, np.float32)
     r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
-    xin = xn.astype(np.float64)
     for qt, (rows, _, Y) in zip(qts, mats):
-        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
-                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{xin.size}"))
+        exact, mag = gemv_exact(qt, xn)
+        r = max(r, ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{xn.size}"))
     return r
 
 
+def _gdn_in_proj_rows(m) -> tuple[int, ...]:
+    """The DeltaNet's four input projections (qkv, z, b, a): a decode layer's first norm_gemv."""
+    Hv, Dv = m.linear_num_value_heads, m.linear_value_head_dim
+    return (2 * m.linear_num_key_heads * m.linear_key_head_dim + Hv * Dv, Hv * Dv, Hv, Hv)
+
+
 @check("norm_gemv_q4", "norm_gemv_q8")
-def _norm_gemv(dev, rng, kernel):
-    bits, cols = kernel_params(kernel)["q"], 128
+def _norm_gemv(dev, rng, kernel, size=TOY):
+    """Model size: q4 the final norm and the lm_head (the vocabulary's 248,320 rows), q8 the
+    router (256 experts) and the shared-expert gate."""
+    bits = kernel_params(kernel)["q"]
+    m = size.model and model()
+    cols = size.pick(128, m and m.hidden_size)
+    shapes = size.pick((40, 7), m and ((m.vocab_size,) if bits == 4 else (m.num_experts, 1)))
     x = (rng.standard_normal(cols) * 2).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
-    qts = [rand_quant(rng, (), r, cols, bits) for r in (40, 7)]
+    qts = [rand_quant(rng, (), r, cols, bits) for r in shapes]
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
     cb = dev.command_buffer()
@@ -195,11 +213,13 @@ def _norm_gemv(dev, rng, kernel):
 
 
 @check("embed_norm_gemv_q4")
-def _embed_norm_gemv(dev, rng, kernel):
-    vocab, cols = 50, 128
+def _embed_norm_gemv(dev, rng, kernel, size=TOY):
+    """Model size: the vocabulary's embedding and layer 0's DeltaNet input projections."""
+    m = size.model and model()
+    vocab, cols = size.pick((50, 128), (m and m.vocab_size, m and m.hidden_size))
     emb = rand_quant(rng, (), vocab, cols, 4, "embed")
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
-    qts = [rand_quant(rng, (), r, cols, 4) for r in (24, 9)]
+    qts = [rand_quant(rng, (), r, cols, 4) for r in size.pick((24, 9), m and _gdn_in_proj_rows(m))]
     tok = int(rng.integers(vocab))
     EW, ES, EB = upload_q(dev, emb)
     T, NW, H, XN = upload(dev, np.array([tok], np.uint32)), upload(dev, nw), dev.buffer(4 * cols), dev.buffer(4 * cols)
