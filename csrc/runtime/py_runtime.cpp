@@ -352,6 +352,14 @@ void bind_runtime(nb::module_& m) {
                    "(prefill chunks, forward passes, generation steps whose token next() returned): a "
                    "total, take differences.")
       .def_prop_ro("uses_tensor_attention", &Runtime::uses_tensor_attention)
+      .def_prop_ro("tensor_families", &Runtime::tensor_families,
+                   "The families of Metal 4 tensor-op kernels prefill runs (gemm, moe_prefill, attention_prefill), "
+                   "after the load-time check against their simdgroup_matrix twins.")
+      .def("prefill_command_buffers", &Runtime::prefill_command_buffers, "position"_a, "rows"_a,
+           "The layers of a prefill chunk of `rows` rows at `position` as [begin, end) pairs, one command "
+           "buffer each (the command_buffer_rows option bounds each one's work; docs/prefill.md).")
+      .def_prop_ro("notices", &Runtime::notices,
+                   "One line per tensor-op family the load-time check took off the tensor path, saying why.")
       .def_prop_ro("memory_use", [](const Runtime& r) {
         const MemoryUse& u = r.memory_use();
         nb::dict d;

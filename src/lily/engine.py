@@ -295,7 +295,9 @@ class Engine:
             default 256), ``split_block`` (rows per split block, default 0: chosen by
             context), ``state_window`` (decode steps per write-back of the Gated DeltaNet
             state, default 16; 1 writes it every step; results are the same bit for bit,
-            docs/decode.md), ``weight_cache`` (``True``: map unaligned checkpoint files
+            docs/decode.md), ``command_buffer_rows`` (work per prefill command buffer in
+            layer-rows, default 4096: a 4096-row chunk commits one layer at a time; 0: one
+            command buffer per chunk; docs/prefill.md "Command buffers"), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``, or

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import numpy as np
 
@@ -128,13 +129,16 @@ SIM_OPTIONS = _keywords(_core.sim_device) if hasattr(_core, "sim_device") else (
 def make_device(name: str, **options):
     """A native device by name. Raises :class:`DeviceError` if it is not in this build and
     :class:`InvalidParameterError` for an unknown or invalid option (``sim``: ``SIM_OPTIONS``;
-    ``metal`` takes none)."""
+    ``metal`` takes none). The simulator's ``faults`` ({kernel: "build" | "wrong" | a thread
+    limit}) inject a failure into named kernels (lily._core.sim_device)."""
     if name not in _core.compiled_devices():
         raise DeviceError(f"device {name!r} is not compiled into this build of lily "
                           f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
     reject_unknown_options(options, SIM_OPTIONS if name == "sim" else (), f"{name} device option")
     if name != "sim":
         return _core.metal_device()
+    if isinstance(options.get("faults"), dict):
+        options = {**options, "faults": {k: str(v) for k, v in options["faults"].items()}}
     try:
         return _core.sim_device(**options)
     except (TypeError, ValueError) as e:
@@ -184,6 +188,8 @@ class NativeBackend:
             self.runtime = _core.Runtime(self.device, model_dims(ck.config), tensors, opts)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
+        for line in self.runtime.notices:  # a family of tensor-op kernels that failed its load-time check
+            print(f"lily: {line}", file=sys.stderr)
         self.prefill_chunk: int = self.runtime.prefill_chunk
         self.options = opts  # lily._core.RuntimeOptions (the bench report records the plan's)
         self._host: HostGeneration | None = None  # a constrained generation in progress
