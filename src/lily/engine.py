@@ -21,7 +21,7 @@ from lily.backend import Backend
 from lily.chat_output import parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.constraints import Constraint
-from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.errors import ContextLengthError, DeviceError, InvalidParameterError, notice
 from lily.generation import (THINKING_CLOSE_TEXT, ChatResult, Generation, GenerationResult, StreamEvent,
                              Timings, collect)
 from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
@@ -113,13 +113,6 @@ def auto_device(available: Sequence[str] | None = None) -> str:
                               f"(available: {', '.join(available)})")
         return forced
     return "metal" if "metal" in available else "reference"
-
-
-def notice(msg: str) -> None:
-    """A one-line notice on stderr, written above a progress bar that is showing (tqdm's
-    ``write``: the bar is cleared, the line printed, the bar drawn again below it)."""
-    from tqdm import tqdm
-    tqdm.write(msg, file=sys.stderr)
 
 
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
 import numpy as np
 
 from lily import _core
 from lily.backend import HostGeneration, RowResult
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
-from lily.errors import CheckpointError, DeviceError, InvalidParameterError, QuantizationError
+from lily.errors import CheckpointError, DeviceError, InvalidParameterError, QuantizationError, notice
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
@@ -189,7 +188,7 @@ class NativeBackend:
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
         for line in self.runtime.notices:  # a family of tensor-op kernels that failed its load-time check
-            print(f"lily: {line}", file=sys.stderr)
+            notice(f"lily: {line}")
         self.prefill_chunk: int = self.runtime.prefill_chunk
         self.options = opts  # lily._core.RuntimeOptions (the bench report records the plan's)
         self._host: HostGeneration | None = None  # a constrained generation in progress

@@ -56,11 +56,12 @@ import json
 import os
 import shutil
 import struct
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+from lily import errors
 
 MAGIC = b"LILYWC02"
 OLD_MAGICS = (b"LILYWC01",)  # earlier formats: stale, removed when pruning
@@ -278,10 +279,7 @@ def aligned_table(entries: list[Entry], cache_dir: str | Path | None = None,
     is left behind).
     """
     if notice is None:
-        from tqdm import tqdm
-
-        def notice(msg: str) -> None:  # above a loading progress bar, not on its line
-            tqdm.write(msg, file=sys.stderr)
+        notice = errors.notice  # above a loading progress bar, not on its line
     by_file: dict[str, list[Entry]] = {}
     for e in entries:
         by_file.setdefault(e[1], []).append(e)

@@ -158,12 +158,14 @@ def padded_rows(logits: np.ndarray, n: int = PADDING_ROWS) -> np.ndarray:
 
 
 def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None,
-                     vocab: int | None = None) -> tuple[int, int]:
+                     vocab: int | None = None, combine_threads: int | None = None) -> tuple[int, int]:
     """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
     ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
-    of ``slice_`` logits), then sample_greedy_combine in one threadgroup; over the first
-    ``vocab`` logits only when given (the runtime's ``vocab_limit``). Returns (token,
-    barrier stages of the command buffer)."""
+    of ``slice_`` logits), then sample_greedy_combine in one threadgroup of
+    ``combine_threads`` (default: a thread per partial in whole simdgroups, at most 1024; the
+    runtime takes fewer where the pipeline allows fewer, csrc/runtime/decode.cpp
+    sampler_threads); over the first ``vocab`` logits only when given (the runtime's
+    ``vocab_limit``). Returns (token, barrier stages of the command buffer)."""
     V = logits.size if vocab is None else vocab
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
@@ -173,7 +175,7 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
     p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
                buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, pack_args("ArgmaxArgs", vocab=V, slice=slice_))],
                reads=[L, *B], writes=[PART], threadgroups=True)
-    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
+    p.dispatch("sample_greedy_combine", 1, combine_threads or min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
                constants=[(2, pack_args("ArgmaxArgs", vocab=parts, slice=0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
