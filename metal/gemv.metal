@@ -7,6 +7,7 @@
 using namespace metal;
 
 #include "common.h"
+#include "batch_args.h"
 
 // ---- gemv_q<BITS>: row-parallel GEMV ------------------------------------------------
 // Each group of R = kGemvRowsPerSimdgroup (4) consecutive rows is shared by kGemvSplitK (2)
@@ -21,10 +22,15 @@ using namespace metal;
 // any number of threadgroups >= ceil(rows / (R * simdgroups / 2)); rows past `rows` are
 // skipped. XSrc: where a chunk of x comes from (PlainX, GatedNormX), its load(c, xs) is
 // q_load_x's contract.
-template <int BITS, bool ADD, typename XSrc>
+//
+// NR > 1 (gemv_batch_q): the same rows of nb <= NR vectors (the rows of a batched decode
+// step): each weight chunk is loaded once and applied to every row's x chunk (x.load(b, ...)),
+// row b accumulating into acc[b] in the order of NR = 1, so each row's y (y + b * y_stride) is
+// bit for bit its batch-1 result. part holds NR * kSplitJoinMax floats.
+template <int BITS, bool ADD, uint NR, typename XSrc>
 inline void gemv_body(device const uint4* w, device const bfloat* scales, device const bfloat* biases,
-                      XSrc x, device float* y, constant GemvArgs& args, threadgroup float* part, uint tg,
-                      uint sg, uint nsg, uint lane) {
+                      XSrc x, device float* y, uint y_stride, uint nb, constant GemvArgs& args,
+                      threadgroup float* part, uint tg, uint sg, uint nsg, uint lane) {
   const uint chunks = args.cols * BITS / 128;
   const uint groups = args.cols / kQuantGroup;
   const QTeam t = q_team(chunks, kGemvRowsPerSimdgroup, lane);
@@ -33,31 +39,49 @@ inline void gemv_body(device const uint4* w, device const bfloat* scales, device
   const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
   const uint nrows = row0 < args.rows ? min(t.rows, args.rows - row0) : 0u;
 
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane + ks * t.size; c < chunks; c += kGemvSplitK * t.size) {
-      float4 xs[QChunk<BITS>::float4s];
-      const float xsum = x.load(c, xs);
-      q_chunk_rows<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, xs, xsum, acc);
+  float acc[NR][8];
+  for (uint b = 0; b < NR; ++b) {
+    for (uint r = 0; r < 8; ++r) {
+      acc[b][r] = 0.0f;
     }
   }
-  float v = team_reduce_rows(acc, t);
-  if (q_split_join(v, part, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
-    const uint row = row0 + t.lane;
-    y[row] = ADD ? y[row] + v : v;
+  if (nrows > 0) {
+    for (uint c = t.lane + ks * t.size; c < chunks; c += kGemvSplitK * t.size) {
+      QChunkRows wr;
+      q_chunk_load<BITS>(w, scales, biases, chunks, groups, row0, nrows, c, wr);
+      for (uint b = 0; b < NR; ++b) {
+        if (b < nb) {
+          float4 xs[QChunk<BITS>::float4s];
+          const float xsum = x.load(b, c, xs);
+          q_chunk_fma<BITS>(wr, nrows, xs, xsum, acc[b]);
+        }
+      }
+    }
+  }
+  for (uint b = 0; b < NR; ++b) {
+    if (b < nb) {  // uniform: every thread joins the same splits
+      float v = team_reduce_rows(acc[b], t);
+      if (q_split_join(v, part + b * kSplitJoinMax, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
+        device float* yb = y + b * y_stride;
+        const uint row = row0 + t.lane;
+        yb[row] = ADD ? yb[row] + v : v;
+      }
+    }
   }
 }
 
-// x as it is in device memory.
+// x as it is in device memory; row b's x at x + b * stride (float4s).
 template <int BITS>
 struct PlainX {
   device const float4* x;
-  float load(uint c, thread float4* xs) const { return q_load_x<BITS>(x, c, 1.0f, xs); }
+  uint stride;
+  float load(uint b, uint c, thread float4* xs) const { return q_load_x<BITS>(x + b * stride, c, 1.0f, xs); }
 };
 
 // The Gated DeltaNet's y with its gated RMSNorm (GatedNormArgs) applied on load: per chunk
 // (inside one head h) inv = 1 / sqrt(ss(h) / Dv + eps) from the head's NS partial sums of
-// squares, then ((y * inv) * norm_w) * silu(z) (docs/model.md, "Gated DeltaNet").
+// squares, then ((y * inv) * norm_w) * silu(z) (docs/model.md, "Gated DeltaNet"). Row b's
+// y and z at + b * stride (float4s), its partial sums at ssq + b * ssq_stride.
 template <int BITS>
 struct GatedNormX {
   device const float4* y;   // [Hv*Dv] gdn_decode_step's y
@@ -67,20 +91,22 @@ struct GatedNormX {
   uint dv;
   uint ns;
   float eps;
-  float load(uint c, thread float4* xs) const {
+  uint stride;
+  uint ssq_stride;
+  float load(uint b, uint c, thread float4* xs) const {
     constexpr uint nf4 = QChunk<BITS>::float4s;
-    const uint f0 = c * nf4;  // first float4 of the chunk
-    const uint h = f0 * 4 / dv;
+    const uint f0 = b * stride + c * nf4;  // first float4 of the chunk
+    const uint h = c * nf4 * 4 / dv;
     float ss = 0.0f;
     for (uint j = 0; j < ns; ++j) {
-      ss += ssq[h * ns + j];
+      ss += ssq[b * ssq_stride + h * ns + j];
     }
     const float inv = 1.0f / sqrt(ss / float(dv) + eps);
     float s = 0.0f;
     for (uint i = 0; i < nf4; ++i) {
       const float4 zz = z[f0 + i];
       const float4 gate = float4(silu(zz.x), silu(zz.y), silu(zz.z), silu(zz.w));
-      const float4 v = rms_apply4(y[f0 + i], inv, nw, (f0 + i) % (dv / 4)) * gate;
+      const float4 v = rms_apply4(y[f0 + i], inv, nw, (c * nf4 + i) % (dv / 4)) * gate;
       s += (v.x + v.y) + (v.z + v.w);
       xs[i] = q_position_scale<BITS>(v, i);
     }
@@ -100,7 +126,7 @@ template <int BITS, bool ADD>
                    uint nsg [[simdgroups_per_threadgroup]],
                    uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float part[kSplitJoinMax];
-  gemv_body<BITS, ADD>(w, scales, biases, PlainX<BITS>{x}, y, args, part, tg, sg, nsg, lane);
+  gemv_body<BITS, ADD, 1>(w, scales, biases, PlainX<BITS>{x, 0}, y, 0, 1, args, part, tg, sg, nsg, lane);
 }
 template [[host_name("gemv_q4")]] [[kernel]] decltype(gemv_q<4, false>) gemv_q<4, false>;
 template [[host_name("gemv_q8")]] [[kernel]] decltype(gemv_q<8, false>) gemv_q<8, false>;
@@ -126,8 +152,8 @@ template <int BITS>
                          uint nsg [[simdgroups_per_threadgroup]],
                          uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float part[kSplitJoinMax];
-  const GatedNormX<BITS> src{x, ssq, z, nw, gargs.head_dim, gargs.splits, gargs.eps};
-  gemv_body<BITS, true>(w, scales, biases, src, y, args, part, tg, sg, nsg, lane);
+  const GatedNormX<BITS> src{x, ssq, z, nw, gargs.head_dim, gargs.splits, gargs.eps, 0, 0};
+  gemv_body<BITS, true, 1>(w, scales, biases, src, y, 0, 1, args, part, tg, sg, nsg, lane);
 }
 template [[host_name("gemv_gated_q4_add")]] [[kernel]] decltype(gemv_gated_q<4>) gemv_gated_q<4>;
 template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>) gemv_gated_q<8>;
@@ -155,6 +181,7 @@ template [[host_name("gemv_gated_q8_add")]] [[kernel]] decltype(gemv_gated_q<8>)
 // already requested (norm_gemv_start).
 struct NormGemvTile {
   bool has_rows;  // false: past the last matrix (threadgroup 0 may still store xn)
+  uint m;         // the matrix
   device const uint4* w;
   device const bfloat* scales;
   device const bfloat* biases;
@@ -192,6 +219,7 @@ inline NormGemvTile norm_gemv_start(device const uint4* w0, device const bfloat*
   }
   NormGemvTile tl;
   tl.has_rows = tg < first + tiles;
+  tl.m = m;
   tl.w = m == 0 ? w0 : (m == 1 ? w1 : (m == 2 ? w2 : w3));
   tl.scales = m == 0 ? s0 : (m == 1 ? s1 : (m == 2 ? s2 : s3));
   tl.biases = m == 0 ? b0 : (m == 1 ? b1 : (m == 2 ? b2 : b3));
@@ -213,27 +241,38 @@ inline NormGemvTile norm_gemv_start(device const uint4* w0, device const bfloat*
 }
 
 // The norm and the rows of tile tl, on x: the raw residual in device memory or the embedding
-// row in threadgroup memory (XPtr: a pointer to const float4).
-template <int BITS, typename XPtr>
+// row in threadgroup memory (XPtr: a pointer to const float4). NR > 1 (norm_gemv_batch_q):
+// nb <= NR rows (vectors) of a batched decode step, row b's x and xn at + b * x_stride
+// (float4s), its outputs at y_m + b * y_stride[m]; each row's norm and dots run in the order of
+// NR = 1 (each weight chunk loaded once, applied to every row), so its outputs are bit for bit
+// its batch-1 ones. part holds NR * kSplitJoinMax floats.
+template <int BITS, uint NR, typename XPtr>
 inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn, thread const NormGemvTile& tl,
-                           constant NormGemvArgs& args, threadgroup float* scratch, threadgroup float* part,
-                           uint tg, uint tid, uint tcount, uint sg, uint nsg, uint lane) {
+                           constant NormGemvArgs& args, uint nb, uint x_stride, uint y_stride,
+                           threadgroup float* scratch, threadgroup float* part, uint tg, uint tid, uint tcount,
+                           uint sg, uint nsg, uint lane) {
   if (!tl.has_rows && !(tg == 0 && args.write_xn != 0)) {
     return;  // the whole threadgroup: past the last matrix
   }
 
-  // the norm: every threadgroup, same order
+  // the norms: every threadgroup, same order
   const uint n4 = args.cols / 4;
-  float4 sq = float4(0.0f);
-  for (uint i = tid; i < n4; i += tcount) {
-    const float4 v = x[i];
-    sq += v * v;
-  }
-  const float ss = threadgroup_sum((sq.x + sq.y) + (sq.z + sq.w), scratch, sg, lane, nsg);
-  const float inv = rsqrt(ss / float(args.cols) + args.eps);
-  if (tg == 0 && args.write_xn != 0) {
-    for (uint i = tid; i < n4; i += tcount) {
-      xn[i] = rms_apply4(x[i], inv, nw, i);
+  float inv[NR];
+  for (uint b = 0; b < NR; ++b) {
+    if (b < nb) {  // uniform
+      const XPtr xb = x + b * x_stride;
+      float4 sq = float4(0.0f);
+      for (uint i = tid; i < n4; i += tcount) {
+        const float4 v = xb[i];
+        sq += v * v;
+      }
+      const float ss = threadgroup_sum((sq.x + sq.y) + (sq.z + sq.w), scratch, sg, lane, nsg);
+      inv[b] = rsqrt(ss / float(args.cols) + args.eps);
+      if (tg == 0 && args.write_xn != 0) {
+        for (uint i = tid; i < n4; i += tcount) {
+          xn[b * x_stride + i] = rms_apply4(xb[i], inv[b], nw, i);
+        }
+      }
     }
   }
   if (!tl.has_rows) {
@@ -243,20 +282,39 @@ inline void norm_gemv_body(XPtr x, device const bfloat* nw, device float4* xn, t
   const QTeam t = tl.t;
   const uint c0 = t.lane + tl.ks * t.size;
   const uint step = tl.splits * t.size;
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (tl.nrows > 0 && c0 < tl.chunks) {
-    float4 xs[QChunk<BITS>::float4s];
-    float xsum = q_load_x_norm<BITS>(x, nw, c0, inv, xs);
-    q_chunk_fma<BITS>(tl.first, tl.nrows, xs, xsum, acc);
-    for (uint c = c0 + step; c < tl.chunks; c += step) {
-      xsum = q_load_x_norm<BITS>(x, nw, c, inv, xs);
-      q_chunk_rows<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, c, xs, xsum,
-                         acc);
+  float acc[NR][8];
+  for (uint b = 0; b < NR; ++b) {
+    for (uint r = 0; r < 8; ++r) {
+      acc[b][r] = 0.0f;
     }
   }
-  float v = team_reduce_rows(acc, t);
-  if (q_split_join(v, part, t.lane, tl.nrows, tl.slot, tl.ks, tl.splits) && t.lane < tl.nrows) {
-    tl.y[tl.row0 + t.lane] = v;
+  if (tl.nrows > 0 && c0 < tl.chunks) {
+    float4 xs[QChunk<BITS>::float4s];
+    for (uint b = 0; b < NR; ++b) {
+      if (b < nb) {
+        const float xsum = q_load_x_norm<BITS>(x + b * x_stride, nw, c0, inv[b], xs);
+        q_chunk_fma<BITS>(tl.first, tl.nrows, xs, xsum, acc[b]);
+      }
+    }
+    for (uint c = c0 + step; c < tl.chunks; c += step) {
+      QChunkRows wr;
+      q_chunk_load<BITS>(tl.w, tl.scales, tl.biases, tl.chunks, tl.groups, tl.row0, tl.nrows, c, wr);
+      for (uint b = 0; b < NR; ++b) {
+        if (b < nb) {
+          const float xsum = q_load_x_norm<BITS>(x + b * x_stride, nw, c, inv[b], xs);
+          q_chunk_fma<BITS>(wr, tl.nrows, xs, xsum, acc[b]);
+        }
+      }
+    }
+  }
+  for (uint b = 0; b < NR; ++b) {
+    if (b < nb) {  // uniform: every thread joins the same splits
+      float v = team_reduce_rows(acc[b], t);
+      if (q_split_join(v, part + b * kSplitJoinMax, t.lane, tl.nrows, tl.slot, tl.ks, tl.splits) &&
+          t.lane < tl.nrows) {
+        tl.y[b * y_stride + tl.row0 + t.lane] = v;
+      }
+    }
   }
 }
 
@@ -291,7 +349,7 @@ template <int BITS>
   threadgroup float part[kSplitJoinMax];
   const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
                                                 args, tg, sg, nsg, lane);
-  norm_gemv_body<BITS>(x, nw, xn, tl, args, scratch, part, tg, tid, tcount, sg, nsg, lane);
+  norm_gemv_body<BITS, 1>(x, nw, xn, tl, args, 1, 0, 0, scratch, part, tg, tid, tcount, sg, nsg, lane);
 }
 template [[host_name("norm_gemv_q4")]] [[kernel]] decltype(norm_gemv_q<4>) norm_gemv_q<4>;
 template [[host_name("norm_gemv_q8")]] [[kernel]] decltype(norm_gemv_q<8>) norm_gemv_q<8>;
@@ -362,7 +420,98 @@ template <int BITS>
       h[i] = row[i];
     }
   }
-  norm_gemv_body<BITS>(static_cast<threadgroup const float4*>(row), nw, xn, tl, args, scratch, part, tg, tid,
-                       tcount, sg, nsg, lane);
+  norm_gemv_body<BITS, 1>(static_cast<threadgroup const float4*>(row), nw, xn, tl, args, 1, 0, 0, scratch, part,
+                          tg, tid, tcount, sg, nsg, lane);
 }
 template [[host_name("embed_norm_gemv_q4")]] [[kernel]] decltype(embed_norm_gemv_q<4>) embed_norm_gemv_q<4>;
+
+// ---- batched decode (issue 31): the dense projections of several rows in one dispatch -----
+// A batched decode step's rows (sequences, each at its own position) share the weights of the
+// dense projections: these kernels load each weight chunk once for nb = args.rows <= NR rows
+// and apply it to every row's x, each row's arithmetic that of the batch-1 kernel (the same
+// dispatch geometry: same threadgroup size, rows per simdgroup and split), so each row's
+// outputs are bit for bit those of its batch-1 dispatch. Bindings: the batch-1 kernel's, its
+// buffers holding the rows one after another (strides in the NR-row argument struct,
+// batch_args.h), and that struct after the batch-1 one. Threadgroup memory: NR times the
+// batch-1 kernel's split-join scratch.
+
+template <int BITS, uint NR>
+[[max_total_threads_per_threadgroup(256)]] kernel void norm_gemv_batch_q(
+    device const float4* x [[buffer(0)]],   // [rows, x_stride] fp32 raw residuals
+    device const bfloat* nw [[buffer(1)]],  // [cols] bf16 norm weight
+    device float4* xn [[buffer(2)]],        // [rows, x_stride] fp32 normalised (write_xn)
+    device const uint4* w0 [[buffer(3)]], device const bfloat* s0 [[buffer(4)]], device const bfloat* b0 [[buffer(5)]],
+    device float* y0 [[buffer(6)]],  // [rows, y_stride[0]] fp32
+    device const uint4* w1 [[buffer(7)]], device const bfloat* s1 [[buffer(8)]], device const bfloat* b1 [[buffer(9)]],
+    device float* y1 [[buffer(10)]],
+    device const uint4* w2 [[buffer(11)]], device const bfloat* s2 [[buffer(12)]],
+    device const bfloat* b2 [[buffer(13)]], device float* y2 [[buffer(14)]],
+    device const uint4* w3 [[buffer(15)]], device const bfloat* s3 [[buffer(16)]],
+    device const bfloat* b3 [[buffer(17)]], device float* y3 [[buffer(18)]],
+    constant NormGemvArgs& args [[buffer(19)]], constant NormGemvBatchArgs& bargs [[buffer(20)]],
+    uint tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+    uint tcount [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float scratch[32];
+  threadgroup float part[NR * kSplitJoinMax];
+  const NormGemvTile tl = norm_gemv_start<BITS>(w0, s0, b0, y0, w1, s1, b1, y1, w2, s2, b2, y2, w3, s3, b3, y3,
+                                                args, tg, sg, nsg, lane);
+  norm_gemv_body<BITS, NR>(x, nw, xn, tl, args, min(bargs.rows, NR), bargs.x_stride / 4, bargs.y_stride[tl.m],
+                           scratch, part, tg, tid, tcount, sg, nsg, lane);
+}
+template [[host_name("norm_gemv_batch_q4_b2")]] [[kernel]] decltype(norm_gemv_batch_q<4, 2>) norm_gemv_batch_q<4, 2>;
+template [[host_name("norm_gemv_batch_q4_b4")]] [[kernel]] decltype(norm_gemv_batch_q<4, 4>) norm_gemv_batch_q<4, 4>;
+template [[host_name("norm_gemv_batch_q4_b8")]] [[kernel]] decltype(norm_gemv_batch_q<4, 8>) norm_gemv_batch_q<4, 8>;
+template [[host_name("norm_gemv_batch_q8_b2")]] [[kernel]] decltype(norm_gemv_batch_q<8, 2>) norm_gemv_batch_q<8, 2>;
+template [[host_name("norm_gemv_batch_q8_b4")]] [[kernel]] decltype(norm_gemv_batch_q<8, 4>) norm_gemv_batch_q<8, 4>;
+template [[host_name("norm_gemv_batch_q8_b8")]] [[kernel]] decltype(norm_gemv_batch_q<8, 8>) norm_gemv_batch_q<8, 8>;
+
+// gemv_q*_add of each row (o_proj).
+template <int BITS, uint NR>
+[[max_total_threads_per_threadgroup(256)]] kernel void gemv_batch_q(
+    device const uint4* w [[buffer(0)]],       // weight [rows, cols*BITS/32] uint32
+    device const bfloat* scales [[buffer(1)]], // [rows, cols/64]
+    device const bfloat* biases [[buffer(2)]], // [rows, cols/64]
+    device const float4* x [[buffer(3)]],      // [batch rows, x_stride] fp32
+    device float* y [[buffer(4)]],             // [batch rows, y_stride] fp32, y += W x
+    constant GemvArgs& args [[buffer(5)]], constant GemvBatchArgs& bargs [[buffer(6)]],
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[NR * kSplitJoinMax];
+  gemv_body<BITS, true, NR>(w, scales, biases, PlainX<BITS>{x, bargs.x_stride / 4}, y, bargs.y_stride,
+                            min(bargs.rows, NR), args, part, tg, sg, nsg, lane);
+}
+template [[host_name("gemv_batch_q4_b2_add")]] [[kernel]] decltype(gemv_batch_q<4, 2>) gemv_batch_q<4, 2>;
+template [[host_name("gemv_batch_q4_b4_add")]] [[kernel]] decltype(gemv_batch_q<4, 4>) gemv_batch_q<4, 4>;
+template [[host_name("gemv_batch_q4_b8_add")]] [[kernel]] decltype(gemv_batch_q<4, 8>) gemv_batch_q<4, 8>;
+template [[host_name("gemv_batch_q8_b2_add")]] [[kernel]] decltype(gemv_batch_q<8, 2>) gemv_batch_q<8, 2>;
+template [[host_name("gemv_batch_q8_b4_add")]] [[kernel]] decltype(gemv_batch_q<8, 4>) gemv_batch_q<8, 4>;
+template [[host_name("gemv_batch_q8_b8_add")]] [[kernel]] decltype(gemv_batch_q<8, 8>) gemv_batch_q<8, 8>;
+
+// gemv_gated_q*_add of each row (a Gated DeltaNet layer's out_proj).
+template <int BITS, uint NR>
+[[max_total_threads_per_threadgroup(256)]] kernel void gemv_gated_batch_q(
+    device const uint4* w [[buffer(0)]],        // weight [rows, cols*BITS/32] uint32
+    device const bfloat* scales [[buffer(1)]],  // [rows, cols/64]
+    device const bfloat* biases [[buffer(2)]],  // [rows, cols/64]
+    device const float4* x [[buffer(3)]],       // [batch rows, x_stride] fp32 y = S q
+    device float* y [[buffer(4)]],              // [batch rows, y_stride] fp32, y += W x'
+    constant GemvArgs& args [[buffer(5)]],
+    device const float* ssq [[buffer(6)]],      // [batch rows, ssq_stride] partial sums of x^2 per head
+    device const float4* z [[buffer(7)]],       // [batch rows, x_stride] fp32 in_proj_z output
+    device const bfloat* nw [[buffer(8)]],      // [Dv] norm.weight
+    constant GatedNormArgs& gargs [[buffer(9)]], constant GemvBatchArgs& bargs [[buffer(10)]],
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[NR * kSplitJoinMax];
+  const GatedNormX<BITS> src{x, ssq, z, nw, gargs.head_dim, gargs.splits, gargs.eps, bargs.x_stride / 4,
+                             bargs.ssq_stride};
+  gemv_body<BITS, true, NR>(w, scales, biases, src, y, bargs.y_stride, min(bargs.rows, NR), args, part, tg, sg, nsg,
+                            lane);
+}
+template [[host_name("gemv_gated_batch_q4_b2_add")]] [[kernel]] decltype(gemv_gated_batch_q<4, 2>) gemv_gated_batch_q<4, 2>;
+template [[host_name("gemv_gated_batch_q4_b4_add")]] [[kernel]] decltype(gemv_gated_batch_q<4, 4>) gemv_gated_batch_q<4, 4>;
+template [[host_name("gemv_gated_batch_q4_b8_add")]] [[kernel]] decltype(gemv_gated_batch_q<4, 8>) gemv_gated_batch_q<4, 8>;
+template [[host_name("gemv_gated_batch_q8_b2_add")]] [[kernel]] decltype(gemv_gated_batch_q<8, 2>) gemv_gated_batch_q<8, 2>;
+template [[host_name("gemv_gated_batch_q8_b4_add")]] [[kernel]] decltype(gemv_gated_batch_q<8, 4>) gemv_gated_batch_q<8, 4>;
+template [[host_name("gemv_gated_batch_q8_b8_add")]] [[kernel]] decltype(gemv_gated_batch_q<8, 8>) gemv_gated_batch_q<8, 8>;

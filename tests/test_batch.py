@@ -300,3 +300,90 @@ def test_sequences_are_admitted_by_memory(demo_path):
         assert (info["running"], info["queued"], info["full"], info["sequence_room"]) == (2, 1, True, 0)
         batch.run_until_idle()
         assert all(r.result().finish_reason == "length" for r in reqs)
+
+
+
+def _steps(rt, seqs, snaps, first, groups):
+    """Restores each of `seqs` from its snapshot, then runs two rounds of steps, each round one
+    submit_step per group of row indices, together. Round 1 feeds each row its `first` token
+    and keeps every row's logits for the host; round 2 feeds the token the device chose and
+    keeps the logits of even rows, the device's token of odd ones. Returns each row's outputs."""
+    for seq, snap in zip(seqs, snaps):
+        rt.restore(snap, seq)
+    out = {i: [] for i in range(len(seqs))}
+    for rnd in range(2):
+        for g in groups:
+            rows = [(seqs[i], first[i] if rnd == 0 else -1, rnd == 0 or i % 2 == 0) for i in g]
+            got, _ = rt.take(rt.submit_step(rows))
+            for i, (_, _, logits), r in zip(g, rows, got):
+                out[i].append(r[5].tobytes() if logits else r[2])
+    return out
+
+
+def test_batched_steps_equal_each_row_alone(demo_path):
+    """Batched steps of 2 and 4 rows (the dense projections, router and lm_head once over the
+    rows: norm_gemv_batch_q*, gemv_batch_q4_*_add, gemv_gated_batch_q4_*_add; each row's
+    embedding, attention, DeltaNet step, experts and sampler its own) give every row the
+    logits and tokens of its steps alone, bit for bit. The rows sit at different positions:
+    below and past the split-attention threshold (8), steps that write the Gated DeltaNet state
+    back and steps that append to the ring (window 4); host-sampled and device-sampled rows
+    mix, and round 2 reads the token the batched sampler handed over on the device. Under the
+    simulator's hazard checks: random stage order, every write checked against the declared
+    ranges."""
+    if "sim" not in _core.compiled_devices():
+        pytest.skip("simulator not built")
+    opts = {"split_threshold": 8, "state_window": 4,
+            "device_options": {"order": "random", "seed": 3, "verify_writes": True}}
+    e = Engine.load(demo_path, device="sim", max_context=32, prompt_cache_bytes=0, device_options=opts)
+    rt = e.backend.runtime
+    ids = e.tokenizer.encode("ROMEO.\nBut soft, what light through yonder window breaks? It is the east")
+    lengths = (3, 12, 15, 6)  # first steps at positions 2, 11, 14, 5
+    seqs = [rt.open_sequence() for _ in lengths]
+    try:
+        for seq, n in zip(seqs, lengths):
+            rt.reset(seq)
+            rt.submit_chunk(seq, ids[:n - 1], False, False)
+        snaps = [rt.snapshot(seq) for seq in seqs]
+        first = [ids[n - 1] for n in lengths]
+        alone = _steps(rt, seqs, snaps, first, [[0], [1], [2], [3]])
+        four = _steps(rt, seqs, snaps, first, [[2, 0, 3, 1]])
+        two = _steps(rt, seqs, snaps, first, [[0, 3], [1, 2]])
+    finally:
+        for seq in seqs:
+            rt.close_sequence(seq)
+    for i in range(len(lengths)):
+        assert four[i] == alone[i], f"row {i} of 4 differs from its steps alone"
+        assert two[i] == alone[i], f"row {i} of 2 differs from its steps alone"
+
+
+def test_batched_step_reads_each_dense_weight_once():
+    """Counters of a batched step (record-only, the full-size model at 64 tokens): the dense
+    projections' dispatches read their weights once for the rows (the batched kernels, b the
+    smallest of 2, 4, 8 holding the rows), each row adding only its own x and y; the routed
+    experts, the embedding row and the per-row kernels count once per row."""
+    from lily.checkpoint import parse_config
+    from lily.lab.estimate import QWEN36_35B_A3B
+    from lily.native_backend import count_batch_window
+
+    cfg = parse_config(QWEN36_35B_A3B)
+    H, V = cfg.hidden_size, cfg.vocab_size
+    step = {b: count_batch_window(cfg, 64, b, state_window=1)[0] for b in (1, 3, 4)}
+    by_label = {b: {r["label"].split(" (#")[0]: r for r in c["records"]} for b, c in step.items()}
+    for b in (3, 4):
+        kernels = [r["kernel"] for r in step[b]["records"]]
+        for k in ("norm_gemv_batch_q4_b4", "norm_gemv_batch_q8_b4", "gemv_batch_q4_b4_add",
+                  "gemv_gated_batch_q4_b4_add"):
+            assert k in kernels, k
+        assert kernels.count("embed_rows_q4") == b and "embed_norm_gemv_q4" not in kernels
+        assert kernels.count("moe_down_q4") == b * cfg.num_hidden_layers
+        for label, x_cols in (("final norm + lm_head", H), ("L1 input norm + in_proj qkv|z|b|a", H),
+                              ("L3 o_proj", cfg.num_attention_heads * cfg.head_dim)):
+            one, many = by_label[1][label], by_label[b][label]
+            assert many["bytes_read"] - one["bytes_read"] >= (b - 1) * x_cols * 4, label
+            assert many["bytes_read"] - one["bytes_read"] < one["bytes_read"] / 8, label  # weights not re-read
+        assert by_label[b]["final norm + lm_head"]["bytes_written"] == b * V * 4
+    # weight bytes grow by the same per-row part (experts, embedding row, per-row kernels'
+    # small tensors) for each row; the dense projections (over half of a step's) stay once
+    w1, w3, w4 = (step[b]["weight_bytes"] for b in (1, 3, 4))
+    per_row = w4 - w3
+    assert w4 - w1 == 3 * per_row and per_row < w1 / 2

@@ -277,6 +277,31 @@ def test_codex_tool_types_are_left_out_not_refused(engine, srv, caplog):
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("tools.1.input_schema"), r.text
 
 
+def test_several_system_and_developer_messages_become_one_system_message(engine, srv):
+    """Codex sends ``instructions`` and ``developer`` input items together; chat clients a
+    system and a developer message. Qwen's template takes one system message, first (it
+    raised 'System message must be at the beginning.', a 400): their text is joined, in
+    order, into one at the start. A forced hosted tool is refused naming its type."""
+    engine.set_script("ok")
+    engine.reset()
+    r = httpx.post(srv.base + "/v1/responses", timeout=60, json={
+        "model": "m", "instructions": "You are Codex.", "store": False, "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: on."}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "List the files."}]}]})
+    assert r.status_code == 200, r.text
+    assert engine.prompt.startswith("<|im_start|>system\nYou are Codex.\n\nSandbox: on.<|im_end|>\n"
+                                    "<|im_start|>user\nList the files.<|im_end|>"), engine.prompt
+    assert engine.prompt.count("<|im_start|>system") == 1
+    engine.reset()
+    r = httpx.post(srv.base + "/v1/chat/completions", timeout=60, json={"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "developer", "content": "D"}]})
+    assert r.status_code == 200, r.text
+    assert engine.prompt.startswith("<|im_start|>system\nS\n\nD<|im_end|>\n<|im_start|>user\nU<|im_end|>")
+    r = httpx.post(srv.base + "/v1/responses", json={"input": "hi", "tools": [{"type": "web_search"}],
+                                                     "tool_choice": {"type": "web_search"}})
+    assert r.status_code == 400 and "'web_search'" in r.json()["error"]["message"], r.text
+
+
 def test_codex_full_history_each_turn_and_models_shape(demo):
     """Codex re-sends the whole conversation every turn (``store: false``, reasoning,
     function_call and function_call_output items): the second request reuses what the first

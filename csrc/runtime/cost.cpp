@@ -251,8 +251,36 @@ Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   return w;
 }
 
+std::optional<Cost> cost_of(const gpu::DispatchRecord& r);
+
+// A batched decode GEMV (batch_args.h: norm_gemv_batch_q*_b*, gemv_batch_q*_b*_add,
+// gemv_gated_batch_q*_b*_add) is its batch-1 kernel's dispatch whose weight chunks serve n
+// rows: its bytes are the record's (the weights once, each row's x and y); per row its ALU
+// work, the team reduction and split join after the chunk loop and, for norm_gemv, the norm's
+// threadgroup sum and rsqrt (each row's in turn on the critical path).
+std::optional<Cost> batched_gemv_cost(const gpu::DispatchRecord& r) {
+  const std::string& k = r.kernel;
+  const bool norm = starts(k, "norm_gemv_batch_q");
+  if (!norm && !starts(k, "gemv_batch_q") && !starts(k, "gemv_gated_batch_q")) return std::nullopt;
+  const double n = norm ? arg<args::NormGemvBatchArgs>(r).rows : arg<args::GemvBatchArgs>(r).rows;
+  gpu::DispatchRecord one = r;
+  one.kernel =
+      kernel_name(k.substr(0, k.find("_batch")), {{'q', param(k, "_q")}}, ends(k, "_add") ? "_add" : "");
+  Cost w = *cost_of(one);
+  for (double& f : w.flops) f *= n;
+  chain(w, Lat::alu, (n - 1) * kTeamReduceAlu);
+  const double splits = norm ? arg<args::NormGemvArgs>(r).k_splits : kGemvSplitK;
+  for (int i = 1; i < n; ++i) split_join(w, splits);
+  if (norm) {
+    chain(w, tg_reduce(simdgroups_of(r)), n - 1);
+    chain(w, Lat::alu, 2 * (n - 1));
+  }
+  return w;
+}
+
 std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   const std::string& k = r.kernel;
+  if (auto w = batched_gemv_cost(r)) return w;
   const double groups = double(r.groups.count());
   const bool tensor = ends(k, "_tensor");
 

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
@@ -24,6 +25,10 @@ namespace {
 constexpr uint32_t kGemvRowsPerGroup =
     args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
 constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
+
+// The batched kernel for n (2 .. kBatchMaxRows) rows: index 0, 1, 2 of the kernels built for
+// 2, 4, 8 rows (the smallest holding n; it runs with `rows` = n).
+uint32_t batch_kernel(uint32_t n) { return n <= 2 ? 0 : n <= 4 ? 1 : 2; }
 
 }  // namespace
 
@@ -56,10 +61,13 @@ uint32_t DecodePlan::split_rows(uint32_t rows) const {
   return std::max(kDecodeMinBlock, (want + 7) / 8 * 8);
 }
 
-DecodeScratch DecodePlan::allocate(const Alloc& scratch) const {
+DecodeScratch DecodePlan::allocate(const Alloc& alloc, uint32_t rows) const {
   const ModelDims& d = d_;
   const size_t f = sizeof(float);
   DecodeScratch s;
+  s.rows = rows;
+  // each buffer holds `rows` rows (DecodeScratch::at)
+  auto scratch = [&](size_t bytes, const char* label) { return alloc(bytes * rows, label); };
   s.h = scratch(d.hidden_size * f, "h (residual)");
   s.xn = scratch(d.hidden_size * f, "xn (normed)");
   s.qkv = scratch(d.conv_dim() * f, "gdn qkv");
@@ -100,6 +108,13 @@ void DecodePlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   k.norm_gemv = ByBits(dev, "norm_gemv", "", {4, 8});
   k.gemv_add = ByBits(dev, "gemv", "_add", {4});
   k.gemv_gated_add = ByBits(dev, "gemv_gated", "_add", {4});
+  for (uint32_t i = 0; i < 3; ++i) {
+    const std::string b = "_b" + std::to_string(2u << i);
+    k.norm_gemv_batch[i] = ByBits(dev, "norm_gemv_batch", b, {4, 8});
+    k.gemv_add_batch[i] = ByBits(dev, "gemv_batch", b + "_add", {4});
+    k.gemv_gated_add_batch[i] = ByBits(dev, "gemv_gated_batch", b + "_add", {4});
+  }
+  k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
     throw gpu::UsageError("gdn_decode_step: linear_value_head_dim must be a multiple of 32 and of 4 x the splits");
   const std::vector<KernelParam> gdn = {{'k', d.linear_key_head_dim}, {'v', d.linear_value_head_dim}};
@@ -135,12 +150,23 @@ void DecodePlan::encode_state_writeback(gpu::CommandBuffer& cmd, SequenceState& 
 
 void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, SequenceState& seq, int slot,
                              uint32_t position, uint32_t pending, Traffic* tr) const {
+  encode_rows(cmd, s, {Row{&seq, slot, position, pending}}, tr);
+}
+
+void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const std::vector<Row>& rows,
+                             Traffic* tr) const {
   const ModelDims& d = d_;
   const ModelWeights& model = *w_;
-  if (pending > position % opt_.state_window)  // a window's last step always writes back
-    throw std::logic_error("encode_step: " + std::to_string(pending) + " pending steps at position " +
-                           std::to_string(position));
-  const bool write_back = ends_window(position);
+  const uint32_t n = uint32_t(rows.size());
+  if (n == 0 || n > s.rows || n > args::kBatchMaxRows)
+    throw std::logic_error("encode_rows: " + std::to_string(n) + " rows for a scratch of " +
+                           std::to_string(s.rows));
+  for (const Row& row : rows)
+    if (row.pending > row.position % opt_.state_window)  // a window's last step always writes back
+      throw std::logic_error("encode_step: " + std::to_string(row.pending) + " pending steps at position " +
+                             std::to_string(row.position));
+  const bool batched = n > 1;
+  const uint32_t nk = batched ? batch_kernel(n) : 0;
   const DecodeKernels& K = kernels_;
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
@@ -149,59 +175,84 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
   const uint32_t H = d.hidden_size;
   const size_t u32 = sizeof(uint32_t);
   auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
-  // y += W x with one row of W per simdgroup lane group, by a kernel of `kernels`
-  // (gemv_q*_add, or gemv_gated_q*_add, whose extra bindings the caller adds); not yet run.
-  auto gemv_add_op = [&](const ByBits& kernels, const QuantLinear& w, gpu::Buffer& x, size_t cols,
-                         gpu::Buffer& y, size_t rows, const std::string& label) {
-    Op op(kernels[w.bits], label);
-    op.groups(tg(ceil_div(rows, kGemvRowsPerGroup)), tg(kGemvThreads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, cols * f).inout(4, y, 0, rows * f);
-    op.args(5, args::GemvArgs{uint32_t(rows), uint32_t(cols)});
-    t.other_bytes += cols * f + rows * f * 2;
+  // the n rows' part of a scratch buffer whose rows hold `bytes` each
+  auto span = [&](const gpu::BufferPtr& b, size_t bytes) { return s.at(b, n - 1) + bytes; };
+  // floats between two rows of a scratch buffer
+  auto stride = [&](const gpu::BufferPtr& b) { return uint32_t(s.row_bytes(b) / f); };
+  // y += W x for each row, one row of W per simdgroup lane group, by a kernel of `kernels`
+  // (gemv_q*_add, or gemv_gated_q*_add, whose extra bindings the caller adds; with several
+  // rows their batched form, whose GemvBatchArgs the caller binds); not yet run.
+  auto gemv_add_op = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, size_t cols,
+                         const QuantLinear& w, const gpu::BufferPtr& y, size_t rows_w,
+                         const std::string& label) {
+    Op op(batched ? batch[nk][w.bits] : kernels[w.bits], label);
+    op.groups(tg(ceil_div(rows_w, kGemvRowsPerGroup)), tg(kGemvThreads));
+    op.in(0, w, &t.weight_bytes).in(3, *x, 0, span(x, cols * f)).bind(4, *y, 0);
+    for (uint32_t r = 0; r < n; ++r) op.write(*y, s.at(y, r), rows_w * f).read(*y, s.at(y, r), rows_w * f);
+    op.args(5, args::GemvArgs{uint32_t(rows_w), uint32_t(cols)});
+    t.other_bytes += n * (cols * f + rows_w * f * 2);
     return op;
   };
-  auto gemv_add = [&](const QuantLinear& w, gpu::Buffer& x, size_t cols, gpu::Buffer& y, size_t rows,
-                      const std::string& label) { gemv_add_op(K.gemv_add, w, x, cols, y, rows, label).run(pass); };
   // RMSNorm of the residual fused into up to four GEMVs of one weight width that read the
-  // normalised vector (norm_gemv_q*); `xn_out` also stores that vector for later kernels.
-  struct Proj { const QuantLinear& w; gpu::Buffer* out; size_t offset; uint32_t rows; };
-  // With `embed`, the step's embedding lookup is fused in (embed_norm_gemv_q4): the row of
-  // the token in this step's slot becomes h (written) and the norm's input.
+  // normalised vector (norm_gemv_q*), for each row; `xn_out` also stores that vector for
+  // later kernels.
+  struct Proj {
+    const QuantLinear& w;
+    const gpu::BufferPtr& out;
+    size_t offset;
+    uint32_t rows;
+  };
+  // With `embed`, the step's embedding lookup comes first: one row's is fused in
+  // (embed_norm_gemv_q4: the row of the token in its slot becomes h, written, and the norm's
+  // input); several rows' are looked up one by one into their h (embed_rows_q4).
   auto norm_gemv = [&](const TensorRef& norm_w, std::initializer_list<Proj> projs, bool xn_out, uint32_t rps,
                        uint32_t splits, const std::string& label, bool embed = false) {
     const uint32_t per_group = rps * kGemvThreads / 32 / splits;
     args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps, splits};
+    args::NormGemvBatchArgs nb{n, stride(s.h), {0, 0, 0, 0}};
+    const uint32_t bits = projs.begin()->w.bits;
+    if (embed && batched) {
+      for (uint32_t r = 0; r < n; ++r)
+        encode_embed_rows(pass, *K.embed_rows, labels_(0, "embed"), model.embed, *rows[r].seq->tokens,
+                          rows[r].slot * u32, *s.h, 1, H, d.vocab_size, &t, s.at(s.h, r));
+    }
     uint32_t groups = 0;
-    Op op(embed ? *K.embed_norm_gemv : K.norm_gemv[projs.begin()->w.bits], label);
-    if (embed) {
-      op.in(20, *model.embed.weight).in(21, *model.embed.scales).in(22, *model.embed.biases)
-          .in(23, *seq.tokens, slot * u32, u32).args(24, args::EmbedArgs{H, d.vocab_size})
+    Op op(batched ? K.norm_gemv_batch[nk][bits] : embed ? *K.embed_norm_gemv : K.norm_gemv[bits], label);
+    if (embed && !batched) {
+      op.in(20, *model.embed.weight)
+          .in(21, *model.embed.scales)
+          .in(22, *model.embed.biases)
+          .in(23, *rows[0].seq->tokens, rows[0].slot * u32, u32)
+          .args(24, args::EmbedArgs{H, d.vocab_size})
           .out(0, *s.h, 0, H * f);
       t.weight_bytes += H / 2 + 2 * (H / 64) * 2;  // the row it really reads
     } else {
-      op.in(0, *s.h, 0, H * f);
+      op.in(0, *s.h, 0, span(s.h, H * f));
     }
     op.in(1, norm_w, &t.weight_bytes);
-    if (xn_out) op.out(2, *s.xn, 0, H * f); else op.bind(2, *s.xn);
+    if (xn_out) op.out(2, *s.xn, 0, span(s.xn, H * f));
+    else op.bind(2, *s.xn);
     uint32_t m = 0;
     for (const Proj& pr : projs) {
       const uint32_t base = 3 + 4 * m;
+      nb.y_stride[m] = stride(pr.out);
       na.rows[m++] = pr.rows;
       groups += ceil_div(pr.rows, per_group);
-      op.in(base, pr.w, &t.weight_bytes).out(base + 3, *pr.out, pr.offset, size_t(pr.rows) * f);
-      t.other_bytes += size_t(pr.rows) * f;
+      op.in(base, pr.w, &t.weight_bytes).bind(base + 3, *pr.out, pr.offset);
+      for (uint32_t r = 0; r < n; ++r) op.write(*pr.out, s.at(pr.out, r) + pr.offset, size_t(pr.rows) * f);
+      t.other_bytes += n * size_t(pr.rows) * f;
     }
     // unused slot: bound (every argument must be), nothing declared
     for (; m < args::kNormGemvMaxMatrices; ++m) {
       const uint32_t base = 3 + 4 * m;
       op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
     }
-    op.groups(tg(groups), tg(kGemvThreads)).args(19, na).run(pass);
-    t.other_bytes += H * f * (xn_out ? 2 : 1);
+    op.groups(tg(groups), tg(kGemvThreads)).args(19, na);
+    if (batched) op.args(20, nb);
+    op.run(pass);
+    t.other_bytes += n * H * f * (xn_out ? 2 : 1);
   };
 
-  // The embedding of the token in this step's slot (written by the previous step's sampler)
-  // is looked up inside layer 0's first norm_gemv.
   for (const Layer& layer : model.layers) {
     const uint32_t l = layer.index;
     const bool first = l == 0;
@@ -209,76 +260,126 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
       // ---- Gated DeltaNet
       const DeltaNetLayer& g = layer.gdn;
       const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim;
-      norm_gemv(*layer.input_norm, {{g.in_proj_qkv, s.qkv.get(), 0, d.conv_dim()},
-                                    {g.in_proj_z, s.z.get(), 0, Hv * Dv},
-                                    {g.in_proj_b, s.b.get(), 0, Hv},
-                                    {g.in_proj_a, s.a.get(), 0, Hv}},
+      norm_gemv(*layer.input_norm,
+                {{g.in_proj_qkv, s.qkv, 0, d.conv_dim()},
+                 {g.in_proj_z, s.z, 0, Hv * Dv},
+                 {g.in_proj_b, s.b, 0, Hv},
+                 {g.in_proj_a, s.a, 0, Hv}},
                 false, kNormGemvRows, 1,
-                labels_(l, first ? "embed + input norm + in_proj qkv|z|b|a" : "input norm + in_proj qkv|z|b|a"), first);
+                labels_(l, first && !batched ? "embed + input norm + in_proj qkv|z|b|a"
+                                             : "input norm + in_proj qkv|z|b|a"),
+                first);
       // gdn_decode_step: kGdnDecodeSplits threadgroups per head; y and per-split sums of
       // squares, the gated norm is out_proj's
-      encode_gdn_decode_step(pass, *K.gdn_step, labels_(l, "gdn step"), GdnShape::of(d), g,
-                             {*s.qkv, *s.b, *s.a, *seq.conv[position % 2][l], *seq.conv[(position + 1) % 2][l],
-                              *seq.state[l], *seq.ring[l], *s.o, *s.o_ssq},
-                             kGdnDecodeSplits, pending, write_back, &t);
+      for (uint32_t r = 0; r < n; ++r) {
+        SequenceState& seq = *rows[r].seq;
+        const uint32_t position = rows[r].position;
+        GdnStepBuffers io{*s.qkv,
+                          *s.b,
+                          *s.a,
+                          *seq.conv[position % 2][l],
+                          *seq.conv[(position + 1) % 2][l],
+                          *seq.state[l],
+                          *seq.ring[l],
+                          *s.o,
+                          *s.o_ssq};
+        io.qkv_at = s.at(s.qkv, r), io.b_at = s.at(s.b, r), io.a_at = s.at(s.a, r);
+        io.y_at = s.at(s.o, r), io.ssq_at = s.at(s.o_ssq, r);
+        encode_gdn_decode_step(pass, *K.gdn_step, labels_(l, "gdn step"), GdnShape::of(d), g, io,
+                               kGdnDecodeSplits, rows[r].pending, ends_window(position), &t);
+      }
       const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
       const size_t cols = size_t(Hv) * Dv;
-      gemv_add_op(K.gemv_gated_add, g.out_proj, *s.o, cols, *s.h, H, labels_(l, "gated norm + out_proj"))
-          .in(6, *s.o_ssq, 0, ssq_bytes).in(7, *s.z, 0, cols * f).in(8, *g.norm, &t.weight_bytes)
-          .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps})
-          .run(pass);
-      t.other_bytes += cols * f;  // z
+      Op op = gemv_add_op(K.gemv_gated_add, K.gemv_gated_add_batch, s.o, cols, g.out_proj, s.h, H,
+                          labels_(l, "gated norm + out_proj"));
+      op.in(6, *s.o_ssq, 0, span(s.o_ssq, ssq_bytes))
+          .in(7, *s.z, 0, span(s.z, cols * f))
+          .in(8, *g.norm, &t.weight_bytes)
+          .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps});
+      if (batched) op.args(10, args::GemvBatchArgs{n, stride(s.o), stride(s.h), stride(s.o_ssq)});
+      op.run(pass);
+      t.other_bytes += n * cols * f;  // z
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      norm_gemv(*layer.input_norm, {{a.q_proj, s.qg.get(), 0, Hq * D * 2},
-                                    {a.k_proj, s.k.get(), 0, Hkv * D},
-                                    {a.v_proj, s.v.get(), 0, Hkv * D}},
+      norm_gemv(*layer.input_norm,
+                {{a.q_proj, s.qg, 0, Hq * D * 2}, {a.k_proj, s.k, 0, Hkv * D}, {a.v_proj, s.v, 0, Hkv * D}},
                 false, kNormGemvRows, 1,
-                labels_(l, first ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"), first);
+                labels_(l, first && !batched ? "embed + input norm + q|k|v_proj" : "input norm + q|k|v_proj"),
+                first);
       // q/k RMSNorm + partial RoPE + KV append + attention in one dispatch: the new row is
       // used from threadgroup memory and written to the cache once per KV head.
       // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
       // the rows are cut into blocks (split_rows) so ~kDecodeTargetGroups threadgroups share them.
+      // each row's attention, then (split rows) each row's combine: the rows share a stage
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
-      const uint32_t G = attn_heads_;
-      const uint32_t max_blocks = s.max_blocks;
-      const bool split = uses_split_attention(position);
-      const uint32_t block = split ? split_rows(position + 1) : 0;
-      const uint32_t nblocks = split ? ceil_div(position + 1, block) : 1;
-      const args::AttnFusedArgs af{Hq, Hkv, d.rotary_dim, opt_.max_context, d.rms_norm_eps,
-                               float(std::log2(double(d.rope_theta))), float(1.0 / std::sqrt(double(D))),
-                               block, max_blocks};
-      Op op(split ? *K.attn_split : *K.attn,
-            split ? labels_(l, "qk prep + kv append + attention split") : labels_(l, "qk prep + kv append + attention"));
-      op.groups(tg(Hq / G, nblocks), tg(256))
-          .in(0, *s.qg, 0, size_t(Hq) * D * 2 * f).in(1, *s.k, 0, size_t(Hkv) * D * f)
-          .in(2, *s.v, 0, size_t(Hkv) * D * f)
-          .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-          .in(5, *seq.positions, slot * u32, u32).bind(6, *seq.k_cache[l]).bind(7, *seq.v_cache[l]);
-      for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
-        for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()}) {
-          if (position) op.read(*cache, kvh * head_rows, size_t(position) * row);
-          op.write(*cache, kvh * head_rows + size_t(position) * row, row);
+      const uint32_t G = attn_heads_, max_blocks = s.max_blocks;
+      const size_t ml_bytes = s.row_bytes(s.part_ml), acc_bytes = s.row_bytes(s.part_acc);
+      auto block_of = [&](uint32_t position) {
+        return uses_split_attention(position) ? split_rows(position + 1) : 0;
+      };
+      for (uint32_t r = 0; r < n; ++r) {
+        SequenceState& seq = *rows[r].seq;
+        const uint32_t position = rows[r].position;
+        const bool split = uses_split_attention(position);
+        const uint32_t block = block_of(position);
+        const uint32_t nblocks = split ? ceil_div(position + 1, block) : 1;
+        const args::AttnFusedArgs af{Hq,
+                                     Hkv,
+                                     d.rotary_dim,
+                                     opt_.max_context,
+                                     d.rms_norm_eps,
+                                     float(std::log2(double(d.rope_theta))),
+                                     float(1.0 / std::sqrt(double(D))),
+                                     block,
+                                     max_blocks};
+        Op op(split ? *K.attn_split : *K.attn, split ? labels_(l, "qk prep + kv append + attention split")
+                                                     : labels_(l, "qk prep + kv append + attention"));
+        op.groups(tg(Hq / G, nblocks), tg(256))
+            .in(0, *s.qg, s.at(s.qg, r), size_t(Hq) * D * 2 * f)
+            .in(1, *s.k, s.at(s.k, r), size_t(Hkv) * D * f)
+            .in(2, *s.v, s.at(s.v, r), size_t(Hkv) * D * f)
+            .in(3, *a.q_norm, &t.weight_bytes)
+            .in(4, *a.k_norm, &t.weight_bytes)
+            .in(5, *seq.positions, rows[r].slot * u32, u32)
+            .bind(6, *seq.k_cache[l])
+            .bind(7, *seq.v_cache[l]);
+        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
+          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()}) {
+            if (position) op.read(*cache, kvh * head_rows, size_t(position) * row);
+            op.write(*cache, kvh * head_rows + size_t(position) * row, row);
+          }
+        }
+        t.kv_bytes += 2 * size_t(Hkv) * (size_t(position) + 1) * row;
+        if (!split) {
+          op.out(8, *s.attn, s.at(s.attn, r), size_t(Hq) * D * f).args(9, af).run(pass);
+        } else {
+          op.out(8, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
+              .out(9, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
+              .args(10, af)
+              .run(pass);
+          t.other_bytes += 2 * size_t(Hq) * nblocks * (D + 2) * f;  // partials written, then read
         }
       }
-      t.kv_bytes += 2 * size_t(Hkv) * (size_t(position) + 1) * row;
-      if (!split) {
-        op.out(8, *s.attn, 0, size_t(Hq) * D * f).args(9, af).run(pass);
-      } else {
-        op.out(8, *s.part_ml, 0, s.part_ml->size()).out(9, *s.part_acc, 0, s.part_acc->size())
-            .args(10, af).run(pass);
+      for (uint32_t r = 0; r < n; ++r) {
+        const uint32_t block = block_of(rows[r].position);
+        if (!block) continue;
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
-            .in(0, *s.part_ml, 0, s.part_ml->size()).in(1, *s.part_acc, 0, s.part_acc->size())
-            .in(2, *s.qg, D * f, (size_t(Hq) * D * 2 - D) * f).in(3, *seq.positions, slot * u32, u32)
-            .out(4, *s.attn, 0, size_t(Hq) * D * f)
-            .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks}).run(pass);
-        t.other_bytes += 2 * size_t(Hq) * nblocks * (D + 2) * f;  // partials written, then read
+            .in(0, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
+            .in(1, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
+            .in(2, *s.qg, s.at(s.qg, r) + D * f, (size_t(Hq) * D * 2 - D) * f)
+            .in(3, *rows[r].seq->positions, rows[r].slot * u32, u32)
+            .out(4, *s.attn, s.at(s.attn, r), size_t(Hq) * D * f)
+            .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks})
+            .run(pass);
       }
-      gemv_add(a.o_proj, *s.attn, size_t(Hq) * D, *s.h, H, labels_(l, "o_proj"));
+      Op op = gemv_add_op(K.gemv_add, K.gemv_add_batch, s.attn, size_t(Hq) * D, a.o_proj, s.h, H,
+                          labels_(l, "o_proj"));
+      if (batched) op.args(6, args::GemvBatchArgs{n, stride(s.attn), stride(s.h), 0});
+      op.run(pass);
     }
 
     // ---- MoE
@@ -286,53 +387,89 @@ void DecodePlan::encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, Sequence
     const uint32_t E = d.num_experts, k = d.num_experts_per_tok;
     const uint32_t I = d.moe_intermediate_size, Is = d.shared_expert_intermediate_size;
     norm_gemv(*layer.post_attention_norm,
-              {{m.gate, s.router.get(), 0, E}, {m.shared_expert_gate, s.router.get(), E * f, 1}}, true,
-              kRouterRows, kRouterSplits, labels_(l, "post-attention norm + router|shared gate"));
+              {{m.gate, s.router, 0, E}, {m.shared_expert_gate, s.router, E * f, 1}}, true, kRouterRows,
+              kRouterSplits, labels_(l, "post-attention norm + router|shared gate"));
     const args::MoeArgs ma{H, I, Is, E, k};
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
     const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
-    Op(*K.moe_gate_up, labels_(l, "route top-k + experts gate|up"))
-        .groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
-        .in(0, *s.xn, 0, H * f).in(1, *s.router, 0, (E + 1) * f)
-        .in(2, m.experts_gate_proj).in(5, m.experts_up_proj).in(8, m.shared_gate_proj).in(11, m.shared_up_proj)
-        .out(14, *s.hidden, 0, s.hidden->size()).out(15, *s.ids, 0, k * u32).out(16, *s.route_w, 0, (k + 1) * f)
-        .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u}).run(pass);
-    t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
-    Op(*K.moe_down, labels_(l, "experts down + shared"))
-        .groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
-        .in(0, *s.hidden, 0, s.hidden->size()).in(1, *s.ids, 0, k * u32).in(2, *s.route_w, 0, (k + 1) * f)
-        .in(3, m.experts_down_proj).in(6, m.shared_down_proj)
-        .inout(9, *s.h, 0, H * f).args(10, ma).run(pass);
-    t.weight_bytes += k * expert_q4 + shared_q4;
+    // each row's routing and gate|up, then each row's down (the rows share a stage)
+    const size_t hidden_bytes = s.row_bytes(s.hidden);
+    for (uint32_t r = 0; r < n; ++r) {
+      Op(*K.moe_gate_up, labels_(l, "route top-k + experts gate|up"))
+          .groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
+          .in(0, *s.xn, s.at(s.xn, r), H * f)
+          .in(1, *s.router, s.at(s.router, r), (E + 1) * f)
+          .in(2, m.experts_gate_proj)
+          .in(5, m.experts_up_proj)
+          .in(8, m.shared_gate_proj)
+          .in(11, m.shared_up_proj)
+          .out(14, *s.hidden, s.at(s.hidden, r), hidden_bytes)
+          .out(15, *s.ids, s.at(s.ids, r), k * u32)
+          .out(16, *s.route_w, s.at(s.route_w, r), (k + 1) * f)
+          .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u})
+          .run(pass);
+      t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
+    }
+    for (uint32_t r = 0; r < n; ++r) {
+      Op(*K.moe_down, labels_(l, "experts down + shared"))
+          .groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
+          .in(0, *s.hidden, s.at(s.hidden, r), hidden_bytes)
+          .in(1, *s.ids, s.at(s.ids, r), k * u32)
+          .in(2, *s.route_w, s.at(s.route_w, r), (k + 1) * f)
+          .in(3, m.experts_down_proj)
+          .in(6, m.shared_down_proj)
+          .inout(9, *s.h, s.at(s.h, r), H * f)
+          .args(10, ma)
+          .run(pass);
+      t.weight_bytes += k * expert_q4 + shared_q4;
+    }
   }
 
-  encode_head(pass, s, seq, *s.h, 0, slot, true, t);
+  if (!batched) {
+    encode_head(pass, s, *rows[0].seq, *s.h, 0, rows[0].slot, true, t);
+  } else {
+    encode_lm_head(pass, s, *s.h, 0, s.row_bytes(s.h), n, t);
+    for (uint32_t r = 0; r < n; ++r) encode_sample(pass, s, r, *rows[r].seq, rows[r].slot);
+  }
   pass.end();
 }
 
 void DecodePlan::encode_head(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, gpu::Buffer& x,
                              size_t offset, int slot, bool sample, Traffic& t) const {
+  encode_lm_head(pass, s, x, offset, 0, 1, t);
+  if (sample) encode_sample(pass, s, seq, slot);
+}
+
+void DecodePlan::encode_lm_head(gpu::ComputePass& pass, DecodeScratch& s, gpu::Buffer& x, size_t offset,
+                                size_t x_stride, uint32_t n, Traffic& t) const {
   const ModelDims& d = d_;
   const ModelWeights& model = *w_;
   const size_t f = sizeof(float);
   const uint32_t H = d.hidden_size;
+  const size_t vf = size_t(d.vocab_size) * f;
   // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
-  {
-    const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
-    Op op(kernels_.norm_gemv[model.lm_head.bits], "final norm + lm_head");
-    op.in(0, x, offset, H * f).in(1, *model.final_norm, &t.weight_bytes).bind(2, *s.xn)
-        .in(3, model.lm_head, &t.weight_bytes).out(6, *s.logits, 0, size_t(d.vocab_size) * f);
-    for (uint32_t m = 1; m < args::kNormGemvMaxMatrices; ++m) {
-      const uint32_t base = 3 + 4 * m;
-      op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
-    }
-    op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-        .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u})
-        .run(pass);
-    t.other_bytes += H * f + size_t(d.vocab_size) * f;
+  const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
+  const uint32_t bits = model.lm_head.bits;
+  Op op(n > 1 ? kernels_.norm_gemv_batch[batch_kernel(n)][bits] : kernels_.norm_gemv[bits],
+        "final norm + lm_head");
+  op.in(0, x, offset, (n - 1) * x_stride + H * f)
+      .in(1, *model.final_norm, &t.weight_bytes)
+      .bind(2, *s.xn)
+      .in(3, model.lm_head, &t.weight_bytes)
+      .bind(6, *s.logits, 0);
+  for (uint32_t r = 0; r < n; ++r) op.write(*s.logits, s.at(s.logits, r), vf);
+  for (uint32_t m = 1; m < args::kNormGemvMaxMatrices; ++m) {
+    const uint32_t base = 3 + 4 * m;
+    op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
   }
-  if (sample) encode_sample(pass, s, seq, slot);
+  op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
+      .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u});
+  if (n > 1)
+    op.args(20,
+            args::NormGemvBatchArgs{n, uint32_t(x_stride / f), {uint32_t(s.row_bytes(s.logits) / f), 0, 0, 0}});
+  op.run(pass);
+  t.other_bytes += n * (H * f + vf);
 }
 
 // Threads of a one-threadgroup sampler dispatch: `want`, at most 1024, as many as the
@@ -347,6 +484,11 @@ static uint32_t sampler_threads(const gpu::Pipeline& p, uint32_t want) {
 }
 
 void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const {
+  encode_sample(pass, s, 0, seq, slot);
+}
+
+void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_t r, SequenceState& seq,
+                               int slot) const {
   const ModelDims& d = d_;
   const DecodeKernels& K = kernels_;
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
@@ -364,14 +506,18 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
     const size_t part_bytes = size_t(parts) * 2 * u32;
     Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
                bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
-    partial.groups(tg(parts), tg(256)).in(0, *s.logits, 0, vf)
-        .out(1, *s.argmax_part, 0, part_bytes).args(2, args::ArgmaxArgs{V, kArgmaxSlice});
+    partial.groups(tg(parts), tg(256))
+        .in(0, *s.logits, s.at(s.logits, r), vf)
+        .out(1, *s.argmax_part, s.at(s.argmax_part, r), part_bytes)
+        .args(2, args::ArgmaxArgs{V, kArgmaxSlice});
     if (bias) partial.in(3, *seq.bias, 0, vf);
     partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
         .groups(tg(1), tg(sampler_threads(*K.sample_greedy_combine, ceil_div(parts, 32) * 32)))
-        .in(0, *s.argmax_part, 0, part_bytes)
-        .out(1, *seq.tokens, (slot ^ 1) * u32, u32).args(2, args::ArgmaxArgs{parts, 0}).run(pass);
+        .in(0, *s.argmax_part, s.at(s.argmax_part, r), part_bytes)
+        .out(1, *seq.tokens, (slot ^ 1) * u32, u32)
+        .args(2, args::ArgmaxArgs{parts, 0})
+        .run(pass);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
@@ -380,10 +526,14 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;
     Op op(*K.sample_token, "sample token -> next slot");
-    op.groups(tg(1), tg(sampler_threads(*K.sample_token, 1024))).in(0, *s.logits, 0, size_t(d.vocab_size) * f)
-        .inout(1, *seq.counts, 0, seq.counts->size()).in(2, *seq.positions, slot * u32, u32)
+    op.groups(tg(1), tg(sampler_threads(*K.sample_token, 1024)))
+        .in(0, *s.logits, s.at(s.logits, r), size_t(d.vocab_size) * f)
+        .inout(1, *seq.counts, 0, seq.counts->size())
+        .in(2, *seq.positions, slot * u32, u32)
         .out(3, *seq.tokens, (slot ^ 1) * u32, u32)
-        .out(4, *seq.logprob_out, slot * lp, lp).out(5, *seq.top_ids, slot * ti, ti).args(6, sa);
+        .out(4, *seq.logprob_out, slot * lp, lp)
+        .out(5, *seq.top_ids, slot * ti, ti)
+        .args(6, sa);
     if (bias) op.in(7, *seq.bias, 0, vf); else op.bind(7, *seq.bias);  // bound (every argument must be), unread
     op.run(pass);
   }

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "gpu/device.h"
 #include "runtime/encoder.h"
@@ -23,6 +24,10 @@ struct Traffic;
 struct DecodeKernels {
   const gpu::Pipeline* embed_norm_gemv = nullptr;  // layer 0: embedding fused into the first norm_gemv
   ByBits norm_gemv, gemv_add, gemv_gated_add;      // the last: out_proj with the GDN gated norm on load
+  // Their batched forms (metal/batch_args.h) by kernel rows: [0] 2, [1] 4, [2] 8 (batch_kernel);
+  // embed_rows looks up each row's token for them (the batch-1 step fuses it into the norm).
+  ByBits norm_gemv_batch[3], gemv_add_batch[3], gemv_gated_add_batch[3];
+  const gpu::Pipeline* embed_rows = nullptr;
   const gpu::Pipeline *gdn_step = nullptr, *gdn_writeback = nullptr;
   const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
@@ -32,8 +37,13 @@ struct DecodeKernels {
 
 // The buffers of one decode step, shared by whatever runs the phase: nothing in them is
 // carried from one step to the next (the host reads `logits` after a step it waited for).
-// A session's own buffers are its SequenceState's.
+// A session's own buffers are its SequenceState's. A batched step's scratch holds `rows` rows
+// of each buffer one after another (row r at at(buffer, r)); the batch-1 step's holds one.
 struct DecodeScratch {
+  uint32_t rows = 1;
+  // bytes of one row of `b`, and the offset of row r
+  size_t row_bytes(const gpu::BufferPtr& b) const { return b->size() / rows; }
+  size_t at(const gpu::BufferPtr& b, uint32_t r) const { return r ? r * row_bytes(b) : 0; }
   // fp32 activations: the residual h and its norm xn; the DeltaNet projections qkv, z, b, a,
   // its output o and per-split sums of squares o_ssq; attention q|gate, k, v and output;
   // router logits | shared-expert gate logit, expert ids and routing weights, the experts'
@@ -88,8 +98,8 @@ class DecodePlan {
   // One GdnRing entry of a layer (metal/mixer_args.h).
   size_t ring_entry_bytes() const { return ring_entry_bytes_; }
 
-  // The scratch of a step, sized for the model and the context.
-  DecodeScratch allocate(const Alloc& scratch) const;
+  // The scratch of a step of up to `rows` rows, sized for the model and the context.
+  DecodeScratch allocate(const Alloc& scratch, uint32_t rows = 1) const;
   // Looks up every pipeline the step dispatches (throws gpu::UsageError naming an unknown
   // kernel); from then on the plan encodes over `weights`, which must outlive it.
   void bind(gpu::Device& device, const ModelWeights& weights);
@@ -100,6 +110,21 @@ class DecodePlan {
   // token into slot slot ^ 1. The caller moves seq.written.
   void encode_step(gpu::CommandBuffer& cmd, DecodeScratch& s, SequenceState& seq, int slot, uint32_t position,
                    uint32_t pending, Traffic* traffic) const;
+  // One row of a batched step: encode_step's sequence, slot, position and pending steps.
+  struct Row {
+    SequenceState* seq;
+    int slot;
+    uint32_t position;
+    uint32_t pending;
+  };
+  // One step of 1 .. min(s.rows, kBatchMaxRows) rows, each as encode_step encodes it alone
+  // (one row: exactly encode_step). With several, the dense projections (the layers' norm +
+  // in_proj / q|k|v_proj, out_proj / o_proj, the router, the final norm + lm_head) run once
+  // over the rows (their batched kernels: each weight read once, each row's result bit for
+  // bit its batch-1 one); each row's embedding, attention, Gated DeltaNet step, experts and
+  // sampler run per row. Row r's logits are at s.at(s.logits, r).
+  void encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const std::vector<Row>& rows,
+                   Traffic* traffic) const;
   // Encodes, in a pass of its own, the write-back of `pending` (1 .. ring_capacity()) ring
   // entries of every Gated DeltaNet layer of `seq` (gdn_state_writeback); the caller moves
   // seq.written once everything is encoded.
@@ -113,8 +138,13 @@ class DecodePlan {
   // token slot slot ^ 1 (and the log-probabilities of slot `slot`); the position of slot
   // `slot` keys the Philox draw.
   void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const;
+  // The same for row r of a batched step's scratch (its logits and argmax partials).
+  void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_t r, SequenceState& seq, int slot) const;
 
  private:
+  // final norm + lm_head over n rows of x (row r at offset + r * x_stride bytes) into s.logits
+  void encode_lm_head(gpu::ComputePass& pass, DecodeScratch& s, gpu::Buffer& x, size_t offset, size_t x_stride,
+                      uint32_t n, Traffic& t) const;
   const ModelDims& d_;
   const RuntimeOptions& opt_;
   const ModelWeights* w_ = nullptr;  // bind()

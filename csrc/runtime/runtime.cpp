@@ -224,6 +224,7 @@ void Runtime::allocate_buffers(uint32_t chunk) {
     return n;
   };
   decode_scratch_ = decode_.allocate(alloc);
+  batch_scratch_ = decode_.allocate(alloc, kernels::kBatchMaxRows);
   seq_ = allocate_sequence(alloc);
   const uint64_t before = owned_bytes();
   prefill_scratch_ = prefill_.allocate(chunk, alloc);
@@ -666,13 +667,13 @@ std::unique_ptr<gpu::CommandBuffer> Runtime::encode_chunk(uint32_t id, SequenceS
   return cmd;
 }
 
-void Runtime::keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq) {
+void Runtime::keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq, const DecodeScratch& s, uint32_t row) {
   const size_t bytes = size_t(dims_.vocab_size) * sizeof(float);
   if (!seq.host_logits) {
     seq.host_logits = device_->new_buffer(bytes);
     seq.host_logits->set_label("host-sampled logits");
   }
-  cmd.copy(*decode_scratch_.logits, 0, *seq.host_logits, 0, bytes);
+  cmd.copy(*s.logits, s.at(s.logits, row), *seq.host_logits, 0, bytes);
 }
 
 uint64_t Runtime::commit(std::unique_ptr<gpu::CommandBuffer> cmd, std::vector<std::pair<StepRow, uint32_t>> rows,
@@ -709,7 +710,7 @@ uint64_t Runtime::run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, s
     const uint32_t p = seq.position;
     auto cmd = encode_chunk(id, seq, tokens.data() + s, M, last ? last_logits : Logits::none, last && sample);
     const bool keep = last && ticket;
-    if (keep && last_logits == Logits::last) keep_logits(*cmd, seq);
+    if (keep && last_logits == Logits::last) keep_logits(*cmd, seq, decode_scratch_, 0);
     StepRow row{id, -1, last_logits == Logits::last};
     t = commit(std::move(cmd), keep ? std::vector<std::pair<StepRow, uint32_t>>{{row, p + M - 1}}
                                     : std::vector<std::pair<StepRow, uint32_t>>{},
@@ -869,10 +870,21 @@ uint64_t Runtime::submit_step(const std::vector<StepRow>& rows) {
 }
 
 void Runtime::encode_batch(gpu::CommandBuffer& cmd, const std::vector<BatchRow>& rows, Traffic* traffic) {
-  // each row's batch-1 step, one after another in the command buffer
-  for (const BatchRow& r : rows) {
+  if (rows.size() == 1) {  // the batch-1 step, exactly
+    const BatchRow& r = rows[0];
     decode_.encode_step(cmd, decode_scratch_, *r.seq, r.slot, r.position, r.pending, traffic);
-    if (r.logits) keep_logits(cmd, *r.seq);
+    if (r.logits) keep_logits(cmd, *r.seq, decode_scratch_, 0);
+    return;
+  }
+  // up to kBatchMaxRows rows per step of the batched kernels
+  for (size_t i = 0; i < rows.size(); i += batch_scratch_.rows) {
+    const size_t end = std::min(rows.size(), i + batch_scratch_.rows);
+    std::vector<DecodePlan::Row> group;
+    for (size_t j = i; j < end; ++j)
+      group.push_back({rows[j].seq, rows[j].slot, rows[j].position, rows[j].pending});
+    decode_.encode_rows(cmd, batch_scratch_, group, traffic);
+    for (size_t j = i; j < end; ++j)
+      if (rows[j].logits) keep_logits(cmd, *rows[j].seq, batch_scratch_, uint32_t(j - i));
   }
 }
 

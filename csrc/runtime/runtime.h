@@ -449,8 +449,9 @@ class Runtime {
   // chunk gets `last_logits` / `sample` and, when `ticket`, returns its ticket (else 0).
   uint64_t run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, size_t begin, size_t end,
                       Logits last_logits, bool sample, bool ticket);
-  // Copies the head's logits into seq.host_logits (allocated on first use) at the end of `cmd`.
-  void keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq);
+  // Copies the head's logits (row `row` of scratch `s`) into seq.host_logits (allocated on
+  // first use) at the end of `cmd`.
+  void keep_logits(gpu::CommandBuffer& cmd, SequenceState& seq, const DecodeScratch& s, uint32_t row);
   void write_token(SequenceState& seq, int slot, uint32_t token, uint32_t position);
   gpu::BufferPtr scratch(size_t bytes, const char* label, Mem kind = Mem::scratch);
   // Waits for `cmd` (rethrowing its fault) and adds its device time to gpu_seconds_.
@@ -472,6 +473,7 @@ class Runtime {
   std::vector<std::unique_ptr<SequenceState>> extra_;
   uint64_t sequence_bytes_ = 0;
   DecodeScratch decode_scratch_;
+  DecodeScratch batch_scratch_;  // a batched step's rows (kBatchMaxRows of each buffer)
   PrefillScratch prefill_scratch_;
   std::vector<gpu::BufferPtr> owned_;  // every buffer above but the extra sequences'
   bool record_only_ = false;

@@ -66,8 +66,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (defaults come from the checkpoint's generation_config.json)")
     g.add_argument("--max-tokens", "-n", type=int, default=None,
-                   help="maximum tokens to generate (default 256; a chat reply 4096; either the checkpoint's "
-                        "max_new_tokens when it sets one, 256 for the demo model)")
+                   help="maximum tokens to generate (default: the checkpoint's max_new_tokens when its "
+                        "generation_config sets one, 256 for the demo model; else 256, a chat reply 4096)")
     g.add_argument("--temperature", "-t", type=float, default=None, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens; 0 or -1 disable")
     g.add_argument("--top-p", type=float, default=None,

@@ -30,16 +30,16 @@ void encode_gdn_decode_step(gpu::ComputePass& pass, const gpu::Pipeline& kernel,
   const size_t ssq_bytes = size_t(s.Hv) * splits * f, entry_bytes = s.ring_entry_bytes();
   Op op(kernel, label);
   op.groups(step_grid(s, splits), step_threads(s, splits))
-      .in(0, io.qkv, 0, C * f)
-      .in(1, io.b, 0, s.Hv * f)
-      .in(2, io.a, 0, s.Hv * f)
+      .in(0, io.qkv, io.qkv_at, C * f)
+      .in(1, io.b, io.b_at, s.Hv * f)
+      .in(2, io.a, io.a_at, s.Hv * f)
       .in(3, *w.conv1d, &t.weight_bytes)
       .in(4, *w.A_log, &t.weight_bytes)
       .in(5, *w.dt_bias, &t.weight_bytes)
       .in(6, io.conv_in, 0, conv_bytes)
       .out(7, io.conv_out, 0, conv_bytes)
-      .out(9, io.y, 0, size_t(s.Hv) * s.Dv * f)
-      .out(10, io.ssq, 0, ssq_bytes)
+      .out(9, io.y, io.y_at, size_t(s.Hv) * s.Dv * f)
+      .out(10, io.ssq, io.ssq_at, ssq_bytes)
       .args(11, args::GdnDecodeArgs{s.Hk, s.Hv, s.K, kL2Eps, pending, write_back ? 1u : 0u})
       .bind(12, io.ring);
   // the state read, the ring's pending entries replayed; then either the state written back

@@ -28,12 +28,14 @@ struct GdnShape {
   size_t ring_entry_bytes() const;  // one GdnRing entry (metal/mixer_args.h)
 };
 
-// The buffers of one decode step of a layer (all bound from offset 0): the projections qkv
-// [C], b and a [Hv] (fp32); the conv state in and out ([K-1, C] each, ping-pong); the
-// recurrent state; the layer's ring of pending updates; y [Hv*Dv] and the per-split sums of
-// y^2 [Hv, splits] out.
+// The buffers of one decode step of a layer: the projections qkv [C], b and a [Hv] (fp32);
+// the conv state in and out ([K-1, C] each, ping-pong); the recurrent state; the layer's ring
+// of pending updates; y [Hv*Dv] and the per-split sums of y^2 [Hv, splits] out. Bound from
+// offset 0 but the projections and outputs, from their `_at` byte offset (a batched step's
+// row in the decode scratch).
 struct GdnStepBuffers {
   gpu::Buffer &qkv, &b, &a, &conv_in, &conv_out, &state, &ring, &y, &ssq;
+  size_t qkv_at = 0, b_at = 0, a_at = 0, y_at = 0, ssq_at = 0;
 };
 
 // gdn_decode_step_k<Dk>_v<Dv> (`kernel`): grid (Hv, splits) of Dv / splits * 8 threads (4

@@ -275,6 +275,7 @@ class ServerState:
         (off the event loop): ``(prompt text, token ids)``, checked (400 naming ``param`` for
         a conversation without a user message, a template error, an unpaired surrogate, an
         empty prompt or, with ``fit``, one longer than the context window)."""
+        messages = merge_system_messages(messages)
         check_has_user_turn(messages, param)
         tok = self.engine.tokenizer
 
@@ -361,6 +362,33 @@ class ServerState:
 
 
 _ROLE_WORDS = {"system": "system", "assistant": "assistant", "tool": "tool result"}
+
+
+def merge_system_messages(messages: list[dict]) -> list[dict]:
+    """Template-form ``messages`` with every system message folded into one at the start.
+
+    Qwen's chat template takes one system message, first (``raise_exception('System message
+    must be at the beginning.')``), while agent clients send several: Codex puts
+    ``instructions`` and ``developer`` input items together, OpenAI's chat clients a system and
+    a developer message (both arrive here as role ``system``). Their text is joined in order
+    with a blank line, as LiteLLM does for such templates; a conversation with at most one
+    system message, first, is returned unchanged (same prompt, same prompt-cache reuse).
+    Non-text parts of a system message are refused with a 400 (param ``messages``)."""
+    at = [i for i, m in enumerate(messages) if m.get("role") == "system"]
+    if at in ([], [0]):
+        return messages
+    texts = []
+    for i in at:
+        content = messages[i].get("content")
+        if isinstance(content, list):
+            if any(not (isinstance(p, dict) and p.get("type") == "text") for p in content):
+                raise APIError(400, f"messages.{i}: a system message may hold text only", param="messages",
+                               code="invalid_value")
+            content = "".join(p.get("text") or "" for p in content)
+        if content:
+            texts.append(str(content))
+    merged = {"role": "system", "content": "\n\n".join(texts)}
+    return [merged] + [m for i, m in enumerate(messages) if i not in set(at)]
 
 
 def check_has_user_turn(messages: list[dict], param: str) -> None:

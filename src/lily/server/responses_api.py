@@ -224,14 +224,14 @@ def tool_setup(req: ResponsesRequest) -> tuple[list[dict] | None, bool, str | No
     if choice == "none":
         return None, False, None, param
     if choice == "required" or isinstance(choice, dict):
+        if isinstance(choice, dict) and choice.get("type") != "function":  # a hosted tool, left out above
+            raise APIError(400, f"tool_choice.type must be 'function' (Lily has function tools only), got "
+                                f"{choice.get('type')!r}", param="tool_choice.type", code="invalid_value")
         if not tools:
             raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
         if choice == "required":
             return tools, True, "required", param
         name = choice.get("name")
-        if choice.get("type") != "function":
-            raise APIError(400, f"tool_choice.type must be 'function' (Lily has function tools only), got "
-                                f"{choice.get('type')!r}", param="tool_choice.type", code="invalid_value")
         if name is None:
             raise APIError(400, 'tool_choice.name is missing: a forced function is named as {"type": "function", '
                                 '"name": ...}', param="tool_choice.name", code="invalid_value")

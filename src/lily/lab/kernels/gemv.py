@@ -1,5 +1,7 @@
 """GEMV twins (metal/gemv.metal): the quantized GEMVs, the gated GEMV of the Gated DeltaNet
-out_proj, and the fused RMSNorm + GEMV (norm_gemv, embed_norm_gemv) of the decode step."""
+out_proj, and the fused RMSNorm + GEMV (norm_gemv, embed_norm_gemv) of the decode step, and
+their batched forms over several rows of a batched decode step (issue 31), each row compared
+bit for bit with its batch-1 dispatch."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from lily import _core
 from lily._core import kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    DEPTH, TOY, U, check, f32, from_bf16, gemv_exact, magnitude, model, rand_quant, ratio, run, run_bound,
+    DEPTH, TOY, U, check, f32, from_bf16, gemv_exact, magnitude, model, rand_quant, ratio, run_bound, run_encoder,
     to_bf16_bits, upload_q,
 )
 
@@ -22,7 +24,18 @@ GEMV_SPLIT_K = _core.CONSTANTS["kGemvSplitK"]  # simdgroups sharing a row group 
 NORM_GEMV_ROWS_PER_SG = _core.CONSTANTS["kNormGemvRows"]
 ROUTER_SPLITS = _core.CONSTANTS["kRouterSplits"]
 TG = _core.CONSTANTS["kGemvThreads"]
+LM_HEAD_THREADS = _core.CONSTANTS["kLmHeadThreads"]  # norm_gemv's threadgroup for lm_head (decode.h)
 MAX_MATRICES = _core.CONSTANTS["kNormGemvMaxMatrices"]  # of one norm_gemv dispatch
+BATCH_MAX_ROWS = _core.CONSTANTS["kBatchMaxRows"]  # rows of a batched kernel at most (batch_args.h)
+BATCH_SIZES = (2, 4, 8)  # the batched kernels' b parameter (gemv.metal's instantiations)
+
+
+def batch_size(rows: int) -> int:
+    """The batched kernels' ``b`` for ``rows`` rows: the smallest built size that holds them.
+    Raises ValueError for rows outside 1..BATCH_MAX_ROWS."""
+    if not 1 <= rows <= BATCH_MAX_ROWS:
+        raise ValueError(f"batched kernels take 1 to {BATCH_MAX_ROWS} rows, got {rows}")
+    return next(b for b in BATCH_SIZES if b >= rows)
 
 
 def gemv_args(rows: int, cols: int) -> bytes:
@@ -59,13 +72,19 @@ def _bind(i, spec):
 
 
 def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None,
-                  rps=NORM_GEMV_ROWS_PER_SG, splits=1):
+                  rps=NORM_GEMV_ROWS_PER_SG, splits=1, batch=None):
     """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
     mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
-    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers."""
+    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers.
+
+    ``batch = (n, x_stride, y_strides)``: norm_gemv_batch_q{bits}_b{batch_size(n)} over ``n``
+    rows, row r's x / xn at float ``r * x_stride`` of X / XN and its output of matrix m at float
+    ``r * y_strides[m]`` of that matrix's Y (batch_args.h NormGemvBatchArgs)."""
     rows = [m[0] for m in mats]
+    n, x_stride, y_strides = batch if batch is not None else (1, 0, [0] * len(mats))
     buffers = [(0, X), (1, NW), (2, XN)]
-    reads, writes = [X, NW], ([XN] if write_xn else [])
+    reads = [(X, 0, 4 * ((n - 1) * x_stride + cols)), NW]
+    writes = [(XN, 0, 4 * ((n - 1) * x_stride + cols))] if write_xn else []
     for i in range(MAX_MATRICES):
         if i < len(mats):
             r, wsb, Y = mats[i]
@@ -73,13 +92,48 @@ def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, t
             if r:
                 reads += list(wsb)
                 y = Y if isinstance(Y, tuple) else (Y, 0)
-                writes.append((y[0], y[1], 4 * r))
+                writes += [(y[0], y[1] + 4 * b * y_strides[i], 4 * r) for b in range(n)]
         else:
             specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
         buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    p.dispatch(kernel_name("norm_gemv", q=bits), norm_gemv_grid(rows, tg, rps, splits) + extra, tg,
-               buffers=buffers, constants=[(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))],
-               reads=reads, writes=writes, threadgroups=True, label=label or kernel_name("norm_gemv", q=bits))
+    constants = [(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))]
+    if batch is None:
+        name = kernel_name("norm_gemv", q=bits)
+    else:
+        name = kernel_name("norm_gemv_batch", q=bits, b=batch_size(n))
+        y_strides = list(y_strides) + [0] * (MAX_MATRICES - len(y_strides))
+        constants.append((20, pack_args("NormGemvBatchArgs", rows=n, x_stride=x_stride, y_stride=y_strides)))
+    p.dispatch(name, norm_gemv_grid(rows, tg, rps, splits) + extra, tg, buffers=buffers, constants=constants,
+               reads=reads, writes=writes, threadgroups=True, label=label or name)
+
+
+def enc_gemv_add(p, bits, W, S, B, X, Y, rows, cols, tg=TG, batch=None, gated=None):
+    """Encodes gemv_q{bits}_add (y += W x) with its declared ranges, or with ``gated = (SSQ, Z,
+    NW, head_dim, splits, eps)`` gemv_gated_q{bits}_add (x normalised on load: GatedNormArgs).
+    ``batch = (n, x_stride, y_stride, ssq_stride)``: the batched kernel over ``n`` rows (row r's
+    x and z at float ``r * x_stride``, y at ``r * y_stride``, ssq at ``r * ssq_stride``:
+    batch_args.h GemvBatchArgs)."""
+    n, x_stride, y_stride, ssq_stride = batch if batch is not None else (1, 0, 0, 0)
+    span = 4 * ((n - 1) * x_stride + cols)
+    buffers = [(0, W), (1, S), (2, B), (3, X), (4, Y)]
+    reads = [W, S, B, (X, 0, span)] + [(Y, 4 * r * y_stride, 4 * rows) for r in range(n)]
+    writes = [(Y, 4 * r * y_stride, 4 * rows) for r in range(n)]
+    constants = [(5, gemv_args(rows, cols))]
+    base = "gemv"
+    if gated is not None:
+        SSQ, Z, NW, head_dim, splits, eps = gated
+        base = "gemv_gated"
+        buffers += [(6, SSQ), (7, Z), (8, NW)]
+        reads += [(SSQ, 0, 4 * ((n - 1) * ssq_stride + cols // head_dim * splits)), (Z, 0, span), NW]
+        constants.append((9, pack_args("GatedNormArgs", head_dim=head_dim, splits=splits, eps=eps)))
+    if batch is None:
+        name = kernel_name(base, "_add", q=bits)
+    else:
+        name = kernel_name(base + "_batch", "_add", q=bits, b=batch_size(n))
+        constants.append((6 if gated is None else 10, pack_args("GemvBatchArgs", rows=n, x_stride=x_stride,
+                                                                   y_stride=y_stride, ssq_stride=ssq_stride)))
+    p.dispatch(name, gemv_grid(rows, tg), tg, buffers=buffers, constants=constants, reads=reads, writes=writes,
+               threadgroups=True, label=name)
 
 
 def rms_ref64(x, nw_bits, eps=NORM_EPS):
@@ -149,15 +203,127 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
     r0 = f32(rng.standard_normal(rows))
     W, S, B = upload_q(dev, qt)
     Y, SSQ, Z, NW, R = upload(dev, y), upload(dev, ssq), upload(dev, z), upload(dev, nw), upload(dev, r0)
-    run(dev, kernel, gemv_grid(rows, tg), tg,
-        buffers=list(enumerate([W, S, B, Y, R])) + [(6, SSQ), (7, Z), (8, NW)],
-        constants=[(5, gemv_args(rows, cols)), (9, pack_args("GatedNormArgs", head_dim=Dv, splits=splits, eps=eps))],
-        reads=[W, S, B, Y, R, SSQ, Z, NW], writes=[R], label=kernel)
-    x = gated_x64(y, ssq, z, nw, Dv, eps)
-    exact, mag = gemv_exact(qt, x)
-    exact = exact + r0
-    tol = (DEPTH + 8) * U * mag + 2 * U * np.abs(exact)
+    run_encoder(dev, enc_gemv_add, bits, W, S, B, Y, R, rows, cols, tg, gated=(SSQ, Z, NW, Dv, splits, eps))
+    exact, tol = _gemv_add_bound(qt, r0, gated_x64(y, ssq, z, nw, Dv, eps), 8)
     return ratio(download(R, np.float32), exact, tol, f"{kernel} {rows}x{cols} Dv={Dv} NS={splits}")
+
+
+def _gemv_add_bound(qt, r0, x64, extra=0):
+    """The exact r0 + W x (float64) and its bound: DEPTH u per |W| |x| term (plus ``extra`` u for
+    an x computed on load, the gated norm's 8) and 2 u of the residual."""
+    exact, mag = gemv_exact(qt, x64)
+    exact = exact + r0
+    return exact, (DEPTH + extra) * U * mag + 2 * U * np.abs(exact)
+
+
+def _same_bits(got, want, what):
+    if not np.array_equal(np.asarray(got, np.float32).view(np.uint32), np.asarray(want, np.float32).view(np.uint32)):
+        raise AssertionError(f"{what}: differs from the row's batch-1 result")
+
+
+def norm_gemv_batch_ratio(dev, rng, bits, n, rows=(96, 1, 37), cols=256, tg=TG, rps=NORM_GEMV_ROWS_PER_SG,
+                          splits=1):
+    """norm_gemv_batch_q{bits} over ``n`` rows (strided x, xn and outputs, one matrix set)
+    against each row's batch-1 norm_gemv_q{bits} dispatch at the same geometry: raises
+    AssertionError unless every row's xn and outputs are bit-identical to it; returns the
+    worst error ratio of the batched rows against float64 (:func:`_norm_gemv_ratio`)."""
+    x_stride, y_strides = cols + 4, [r + 3 for r in rows]
+    xs = (rng.standard_normal((n, x_stride)) * 2).astype(np.float32)
+    nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
+    qts = [rand_quant(rng, (), r, cols, bits) for r in rows]
+    wsb = [upload_q(dev, qt) for qt in qts]
+    NW, X, XN = upload(dev, nw), upload(dev, xs.ravel()), dev.buffer(4 * n * x_stride)
+    Ys = [dev.buffer(4 * n * ys) for ys in y_strides]
+    geometry = dict(write_xn=True, tg=tg, rps=rps, splits=splits)
+    run_encoder(dev, enc_norm_gemv, bits, X, NW, XN, list(zip(rows, wsb, Ys)), cols,
+                batch=(n, x_stride, y_strides), **geometry)
+    xn_all = download(XN, np.float32).reshape(n, x_stride)
+    ys_all = [download(Y, np.float32).reshape(n, ys) for Y, ys in zip(Ys, y_strides)]
+    worst = 0.0
+    for b in range(n):
+        X1, XN1 = upload(dev, xs[b, :cols]), dev.buffer(4 * cols)
+        mats = [(r, w, dev.buffer(4 * r)) for r, w in zip(rows, wsb)]
+        run_encoder(dev, enc_norm_gemv, bits, X1, NW, XN1, mats, cols, **geometry)
+        what = f"norm_gemv_batch_q{bits} n={n} row {b}"
+        _same_bits(xn_all[b, :cols], download(XN1, np.float32), f"{what} xn")
+        for m, (r, _, Y1) in enumerate(mats):
+            _same_bits(ys_all[m][b, :r], download(Y1, np.float32), f"{what} matrix {m}")
+        worst = max(worst, _norm_gemv_ratio(what, xs[b, :cols], nw, XN1, qts, mats))
+    return worst
+
+
+def gemv_batch_ratio(dev, rng, bits, n, gated, rows=100, Hv=4, Dv=64, splits=4, tg=TG, eps=1e-6):
+    """gemv_batch_q{bits}_add (or with ``gated`` gemv_gated_batch_q{bits}_add, cols = Hv Dv,
+    ``splits`` partial sums of squares per head) over ``n`` rows (strided x, z, ssq and
+    residuals) against each row's batch-1 kernel: raises AssertionError unless every row is
+    bit-identical to it; returns the worst error ratio against float64."""
+    cols = Hv * Dv
+    x_stride, y_stride, ssq_stride = cols + 8, rows + 5, Hv * splits + 2
+    qt = rand_quant(rng, (), rows, cols, bits)
+    W, S, B = upload_q(dev, qt)
+    xs = f32(rng.standard_normal((n, x_stride)) * (0.3 if gated else 1.0))
+    zs = f32(rng.standard_normal((n, x_stride)) * 2)
+    r0 = f32(rng.standard_normal((n, y_stride)))
+    ssq = np.zeros((n, ssq_stride), np.float32)
+    for b in range(n):
+        ssq[b, :Hv * splits] = (xs[b, :cols].reshape(Hv, splits, Dv // splits) ** 2).sum(-1).ravel()
+    nw = f32_to_bf16(f32(1 + 0.1 * rng.standard_normal(Dv)))
+    NW = upload(dev, nw)
+
+    def gate(SSQ, Z):
+        return (SSQ, Z, NW, Dv, splits, eps) if gated else None
+
+    X, R, SSQ, Z = upload(dev, xs.ravel()), upload(dev, r0.ravel()), upload(dev, ssq.ravel()), upload(dev, zs.ravel())
+    run_encoder(dev, enc_gemv_add, bits, W, S, B, X, R, rows, cols, tg, batch=(n, x_stride, y_stride, ssq_stride),
+                gated=gate(SSQ, Z))
+    got = download(R, np.float32).reshape(n, y_stride)
+    worst = 0.0
+    for b in range(n):
+        X1, R1 = upload(dev, xs[b, :cols]), upload(dev, r0[b, :rows])
+        SSQ1, Z1 = upload(dev, ssq[b, :Hv * splits]), upload(dev, zs[b, :cols])
+        run_encoder(dev, enc_gemv_add, bits, W, S, B, X1, R1, rows, cols, tg, gated=gate(SSQ1, Z1))
+        what = f"{'gemv_gated' if gated else 'gemv'}_batch_q{bits}_add n={n} row {b}"
+        _same_bits(got[b, :rows], download(R1, np.float32), what)
+        x64 = (gated_x64(xs[b, :cols], ssq[b, :Hv * splits].reshape(Hv, splits), zs[b, :cols], nw, Dv, eps)
+               if gated else xs[b, :cols].astype(np.float64))
+        exact, tol = _gemv_add_bound(qt, r0[b, :rows], x64, 8 if gated else 0)
+        worst = max(worst, ratio(got[b, :rows], exact, tol, what))
+    return worst
+
+
+@check(*[kernel_name("norm_gemv_batch", q=q, b=b) for q in (4, 8) for b in BATCH_SIZES])
+def _norm_gemv_batch(dev, rng, kernel, size=TOY):
+    """Model size: q4 a DeltaNet layer's four input projections, then lm_head (the vocabulary's
+    rows, LM_HEAD_THREADS a threadgroup); q8 the router and the shared-expert gate at the
+    router's geometry."""
+    p = kernel_params(kernel)
+    n = max(2, p["b"] - 1)
+    if not size.model:
+        return norm_gemv_batch_ratio(dev, rng, p["q"], n, rows=(40, 7), cols=128)
+    m = model()
+    if p["q"] == 8:
+        return norm_gemv_batch_ratio(dev, rng, 8, n, rows=(m.num_experts, 1), cols=m.hidden_size, rps=1,
+                                     splits=ROUTER_SPLITS)
+    return max(norm_gemv_batch_ratio(dev, rng, 4, n, rows=_gdn_in_proj_rows(m), cols=m.hidden_size),
+               norm_gemv_batch_ratio(dev, rng, 4, n, rows=(m.vocab_size,), cols=m.hidden_size, tg=LM_HEAD_THREADS))
+
+
+@check(*[kernel_name(base, "_add", q=q, b=b) for base in ("gemv_batch", "gemv_gated_batch") for q in (4, 8)
+         for b in BATCH_SIZES])
+def _gemv_batch(dev, rng, kernel, size=TOY):
+    """Model size: the gated one the DeltaNet out_proj (as :func:`_gemv_gated`), the other the
+    attention's o_proj (hidden x 16 heads of 256)."""
+    p, gated = kernel_params(kernel), kernel.startswith("gemv_gated")
+    n = max(2, p["b"] - 1)
+    if not size.model:
+        return gemv_batch_ratio(dev, rng, p["q"], n, gated, rows=40, Hv=2, Dv=64)
+    from lily.lab.kernels.gdn import GDN_DECODE_SPLITS
+    m = model()
+    if gated:
+        return gemv_batch_ratio(dev, rng, p["q"], n, True, rows=m.hidden_size, Hv=m.linear_num_value_heads,
+                                Dv=m.linear_value_head_dim, splits=GDN_DECODE_SPLITS)
+    return gemv_batch_ratio(dev, rng, p["q"], n, False, rows=m.hidden_size, Hv=m.num_attention_heads,
+                            Dv=m.head_dim)
 
 
 @check("gemv_gated_q4_add", "gemv_gated_q8_add")
