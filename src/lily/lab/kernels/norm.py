@@ -8,7 +8,7 @@ import numpy as np
 from lily import _core
 from lily.checkpoint import bf16_to_f32
 from lily.lab.device import download, upload
-from lily.lab.kernels.harness import DEPTH, HALF_MAX, U, check, half_stored, ratio, run_encoder, to_bf16_bits
+from lily.lab.kernels.harness import DEPTH, HALF_MAX, TOY, U, check, half_stored, model, ratio, run_encoder, to_bf16_bits
 
 
 def norm_half_ref(x, nw_bits, eps=1e-6):
@@ -21,9 +21,11 @@ def norm_half_ref(x, nw_bits, eps=1e-6):
 
 
 @check("rms_norm", "rms_norm_half")
-def _rms_norm(dev, rng, kernel):
-    """rms_norm_half: the same norm stored as half (prefill's xn)."""
-    rows, n, eps = 3, 256, 1e-6
+def _rms_norm(dev, rng, kernel, size=TOY):
+    """rms_norm_half: the same norm stored as half (prefill's xn). Model size: size.rows rows
+    of the hidden 2048."""
+    rows, n = size.pick((3, 256), (size.rows, size.model and model().hidden_size))
+    eps = 1e-6
     half = kernel.endswith("_half")
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     w = to_bf16_bits(1 + 0.3 * rng.standard_normal(n))
