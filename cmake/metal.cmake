@@ -1,6 +1,6 @@
 # Compiles metal/*.metal into lily.metallib with Apple's Metal compiler, and the Metal 4
-# tensor-op kernels (metal/*_tensor.metal) into lily_tensor.metallib when the SDK supports
-# them. The simulator's self-test kernels (metal/selftest*.metal) are not shipped: they are
+# tensor-op kernels (metal/<family>_tensor.metal) into one lily_tensor_<family>.metallib each
+# when the SDK supports them. The simulator's self-test kernels (metal/selftest*.metal) are not shipped: they are
 # compiled into lily_selftest*.metallib in the build directory only, so Apple's compiler
 # still checks that they are valid MSL. Recent Xcode releases ship the Metal toolchain as a
 # separate download: `xcrun --find metal` may succeed while the compiler cannot run, so the probe compiles a one-line kernel.
@@ -39,7 +39,7 @@ if(NOT _metal_rc EQUAL 0)
 endif()
 
 set(LILY_METAL_TENSOR "AUTO" CACHE STRING
-  "Build lily_tensor.metallib (Metal 4 tensor ops for apple10 GPUs): AUTO (if the SDK supports it), ON (required), OFF")
+  "Build the lily_tensor_<family>.metallib files (Metal 4 tensor ops for apple10 GPUs): AUTO (those the SDK compiles), ON (all required), OFF")
 set_property(CACHE LILY_METAL_TENSOR PROPERTY STRINGS AUTO ON OFF)
 # The self-test kernels are the simulator's and never shipped: compiling them with Apple's
 # compiler is a developer's check, so a kernel it rejects cannot fail `pip install .`.
@@ -96,18 +96,21 @@ if(LILY_METAL_SELFTEST_SOURCES)  # a compile check, never installed
   add_custom_target(lily_selftest_metallib ${_selftest_all} DEPENDS "${LILY_SELFTEST_METALLIB}")
 endif()
 
-# lily_tensor.metallib: MSL 4.0, loaded by the Metal device only on apple10-family GPUs
-# (csrc/gpu/metal/metal_device.mm). The probe compiles the real metal/*_tensor.metal sources
-# (every operand combination they use). Apple's MetalPerformancePrimitives headers make some
-# operand types (bfloat) available only from a later macOS 26 release than 26.0: the
-# library's minimum macOS is LILY_METAL_TENSOR_MIN_OS; on an older macOS the library does
-# not load and prefill uses the simdgroup_matrix GEMMs.
+# The tensor libraries: MSL 4.0, loaded by the Metal device only on apple10-family GPUs
+# (csrc/gpu/metal/metal_device.mm). Each metal/<family>_tensor.metal becomes its own
+# lily_tensor_<family>.metallib (gemm, moe_prefill, attention_prefill), so a source this SDK's
+# compiler rejects drops only its family: prefill runs that family's simdgroup_matrix kernels
+# and the others keep their tensor ones. The probe compiles each real source (every operand
+# combination it uses). Apple's MetalPerformancePrimitives headers make some operand types
+# (bfloat) available only from a later macOS 26 release than 26.0: the libraries' minimum
+# macOS is LILY_METAL_TENSOR_MIN_OS; on an older macOS they do not load and prefill uses the
+# simdgroup_matrix kernels.
 set(LILY_METAL_TENSOR_MIN_OS "26.2" CACHE STRING
-  "Minimum macOS of lily_tensor.metallib (-mmacosx-version-min for the Metal 4 tensor kernels)")
-set(LILY_TENSOR_METALLIB "")
+  "Minimum macOS of the tensor libraries (-mmacosx-version-min for the Metal 4 tensor kernels)")
+set(LILY_TENSOR_METALLIBS "")
 if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
-  set(_tensor_rc 0)
   set(_tensor_err "")
+  set(_tensor_ok "")
   foreach(src ${LILY_METAL_TENSOR_SOURCES})
     get_filename_component(name "${src}" NAME_WE)
     execute_process(
@@ -120,32 +123,33 @@ if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
                      "skipping lily_selftest_tensor.metallib\n${_err}")
       list(REMOVE_ITEM LILY_METAL_SELFTEST_TENSOR_SOURCES "${src}")
     elseif(NOT _rc EQUAL 0)
-      set(_tensor_rc ${_rc})
       string(APPEND _tensor_err "${name}.metal:\n${_err}\n")
+    elseif(NOT src MATCHES "/selftest[^/]*\\.metal$")
+      list(APPEND _tensor_ok "${src}")
     endif()
   endforeach()
-  if(_tensor_rc EQUAL 0)
-    message(STATUS "Lily: the Metal compiler builds the Metal 4 tensor kernels (macOS ${LILY_METAL_TENSOR_MIN_OS}): "
-                   "building lily_tensor.metallib (the tensor-op GEMMs used on apple10-family GPUs such as M5)")
-    set(_tensor_shipped ${LILY_METAL_TENSOR_SOURCES})
-    list(FILTER _tensor_shipped EXCLUDE REGEX "/selftest[^/]*\\.metal$")
-    lily_metallib(lily_tensor.metallib LILY_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
-                  ${_tensor_shipped})
-    add_custom_target(lily_tensor_metallib ALL DEPENDS "${LILY_TENSOR_METALLIB}")
-    if(LILY_METAL_SELFTEST_TENSOR_SOURCES)  # built (a compile check), never installed
-      lily_metallib(lily_selftest_tensor.metallib LILY_SELFTEST_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
-                    ${LILY_METAL_SELFTEST_TENSOR_SOURCES})
-      add_custom_target(lily_selftest_tensor_metallib ${_selftest_all} DEPENDS "${LILY_SELFTEST_TENSOR_METALLIB}")
-    endif()
-  else()
-    string(CONCAT _why "Lily: this SDK's Metal compiler cannot build the Metal 4 tensor kernels "
-           "(metal/*_tensor.metal with -std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: "
-           "Xcode 26.1 or newer with the Metal toolchain; LILY_METAL_TENSOR_MIN_OS sets the minimum macOS).\n"
-           "Compiler output:\n${_tensor_err}")
+  if(_tensor_err)
+    string(CONCAT _why "Lily: this SDK's Metal compiler cannot build some Metal 4 tensor kernels "
+           "(-std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: Xcode 26.1 or newer with the Metal "
+           "toolchain; LILY_METAL_TENSOR_MIN_OS sets the minimum macOS); their families will use the "
+           "simdgroup_matrix kernels on apple10-family GPUs (M5).\nCompiler output:\n${_tensor_err}")
     if(LILY_METAL_TENSOR STREQUAL "ON")
-      message(FATAL_ERROR "${_why}\nLILY_METAL_TENSOR=ON requires it; use AUTO or OFF to build without it.")
+      message(FATAL_ERROR "${_why}\nLILY_METAL_TENSOR=ON requires them all; use AUTO or OFF to build without them.")
     endif()
-    message(WARNING "${_why}\nBuilding lily.metallib only: apple10-family GPUs (M5) will use the "
-                    "simdgroup_matrix GEMMs. Set LILY_METAL_TENSOR=OFF to silence this.")
+    message(WARNING "${_why}\nSet LILY_METAL_TENSOR=OFF to silence this.")
+  endif()
+  foreach(src ${_tensor_ok})
+    get_filename_component(name "${src}" NAME_WE)
+    string(REGEX REPLACE "_tensor$" "" family "${name}")
+    lily_metallib(lily_tensor_${family}.metallib _lib metal4.0 ${LILY_METAL_TENSOR_MIN_OS} "${src}")
+    add_custom_target(lily_tensor_${family}_metallib ALL DEPENDS "${_lib}")
+    list(APPEND LILY_TENSOR_METALLIBS "${_lib}")
+    message(STATUS "Lily: building lily_tensor_${family}.metallib (Metal 4 tensor kernels of ${name}.metal, "
+                   "macOS ${LILY_METAL_TENSOR_MIN_OS}, used on apple10-family GPUs such as M5)")
+  endforeach()
+  if(LILY_METAL_SELFTEST_TENSOR_SOURCES AND LILY_TENSOR_METALLIBS)  # built (a compile check), never installed
+    lily_metallib(lily_selftest_tensor.metallib LILY_SELFTEST_TENSOR_METALLIB metal4.0 ${LILY_METAL_TENSOR_MIN_OS}
+                  ${LILY_METAL_SELFTEST_TENSOR_SOURCES})
+    add_custom_target(lily_selftest_tensor_metallib ${_selftest_all} DEPENDS "${LILY_SELFTEST_TENSOR_METALLIB}")
   endif()
 endif()

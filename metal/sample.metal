@@ -11,7 +11,8 @@
 //                   seed, counter = (position, 0, 0, 0), so a (seed, position) pair always
 //                   gives the same token. Optional log-probabilities of the raw logits.
 //
-// Both run as one threadgroup of 1024 threads; thread t reads elements t, t + 1024, ...
+// Both run as one threadgroup of up to 1024 threads (as many as the pipeline allows, a power
+// of two from 32: sampler_threads, csrc/runtime/decode.cpp); thread t reads elements t, t + threads, ...
 // (coalesced). sample_token works on an order-preserving integer key of the processed
 // logits (larger logit, larger key; the key maps back to the float exactly):
 //   * fast path (the usual settings): a radix select (4 passes, 8-bit digits, threadgroup

@@ -21,9 +21,9 @@ from fixtures_checkpoints import (  # noqa: E402,F401
     tokenizer_dir,
 )
 
-from lily.engine import Engine, default_model_path  # noqa: E402
+from lily.engine import AUTO_DEVICE_ENV, Engine, auto_device, default_model_path  # noqa: E402
 from seeding import SESSION_SEED  # noqa: E402
-from simdev import ASAN_SKIP, native_device, share_cpus  # noqa: E402,F401
+from simdev import ASAN_SKIP, NATIVE_DEVICES, native_device, share_cpus  # noqa: E402,F401
 
 
 # xdist workers inherit the environment: one session seed for all of them, so the seed the
@@ -31,6 +31,13 @@ from simdev import ASAN_SKIP, native_device, share_cpus  # noqa: E402,F401
 os.environ["LILY_TEST_SEED"] = str(SESSION_SEED)
 # the simulator's OS threads: each xdist worker takes its share of the CPUs (tests/simdev.py)
 share_cpus()
+
+# device="auto" resolves to the simulator here, as it resolves to the GPU (metal) on a Mac: a
+# test that silently assumes the default device is the numpy reference fails on Linux first
+# (issue 28). Tests whose point is not the device name theirs. LILY_AUTO_DEVICE=reference
+# runs the suite as before.
+if "metal" not in NATIVE_DEVICES and "sim" in NATIVE_DEVICES:
+    os.environ.setdefault(AUTO_DEVICE_ENV, "sim")
 
 # native engines write aligned weight caches (lily.weight_cache): keep this session's apart
 if not os.environ.get("LILY_CACHE_DIR"):
@@ -44,7 +51,8 @@ if not os.environ.get("LILY_ESTIMATE_CACHE"):
 
 
 def pytest_report_header(config):
-    return f"random inputs: LILY_TEST_SEED={SESSION_SEED} (set it to replay this run)"
+    return [f"random inputs: LILY_TEST_SEED={SESSION_SEED} (set it to replay this run)",
+            f"device='auto' resolves to {auto_device()!r} ({AUTO_DEVICE_ENV}={os.environ.get(AUTO_DEVICE_ENV, '')!r})"]
 
 
 @pytest.fixture(scope="session")

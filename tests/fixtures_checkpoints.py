@@ -22,14 +22,13 @@ Usage in ``tests/conftest.py``::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from lily.checkpoint import open_checkpoint
-from lily.lab.testing import cached_checkpoint, make_hf_checkpoint
+from lily.lab.testing import cached_checkpoint, default_cache_dir, make_hf_checkpoint
 
 TESTS_DIR = Path(__file__).resolve().parent
 TOKENIZER_DIR = TESTS_DIR / "data" / "qwen3.5-moe-tokenizer"
@@ -44,8 +43,7 @@ def tokenizer_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def checkpoint_cache_dir() -> Path:
-    env = os.environ.get("LILY_TEST_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "lily" / "test-checkpoints"
+    return default_cache_dir()
 
 
 def _need_mlx_lm() -> None:

@@ -79,6 +79,45 @@ def assert_within(got, want, tol, what):
     return float((err / tol).max())
 
 
+#: Two *different* kernels that run the same float32 operations in the same order (a fused
+#: kernel and the pair it fuses, a prefill kernel and the decode kernel of the same step)
+#: agree bit for bit on the simulator, whose kernels are compiled with -ffp-contract=off. On
+#: a GPU, Apple's compiler may contract ``a * b + c`` into one fma in one kernel and not in
+#: the other, so there they agree within a few units in the last place: CROSS_KERNEL_ULPS of
+#: the largest magnitude of the output's row (one head, one token: a contraction's error is
+#: relative to its operands, not to a result that cancels), plus one ulp of the stored type
+#: for a rounding flipped by that difference. One kernel compared with itself (other chunk
+#: sizes, the write-back window) stays bit for bit everywhere: it is the same code.
+CROSS_KERNEL_ULPS = 4
+
+
+def assert_same_arithmetic(dev, got, want, what="", *, ulps=CROSS_KERNEL_ULPS, stored=None):
+    """``got`` (one kernel) equals ``want`` (another kernel doing the same operations): bit
+    for bit on the simulator, within ``ulps`` float32 ulps of each row's largest magnitude
+    (the last axis is the row) on a GPU (:data:`CROSS_KERNEL_ULPS`). ``stored``: ``"bf16"``
+    or ``"half"`` when both are such bit patterns (uint16: a K/V cache, a half activation),
+    compared as values with one ulp of that type more. NaN (a poisoned, unwritten element)
+    must be in the same places."""
+    if dev.name == "sim":
+        np.testing.assert_array_equal(got, want, err_msg=what)
+        return
+    decode = {None: np.asarray, "bf16": from_bf16, "half": lambda b: np.asarray(b, np.uint16).view(np.float16)}[stored]
+    a, b = decode(got).astype(np.float64), decode(want).astype(np.float64)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
+    nan = np.isnan(a)
+    assert (nan == np.isnan(b)).all(), f"{what}: unwritten (NaN) elements differ"
+    a, b = np.where(nan, 0.0, a), np.where(nan, 0.0, b)
+    big = np.maximum(np.abs(a), np.abs(b))
+    tol = ulps * 2.0**-23 * big.max(axis=-1, keepdims=True)
+    if stored:  # the float32 difference may flip one rounding to the stored type
+        mantissa = {"bf16": 7, "half": 10}[stored]
+        tol = tol + np.where(big > 0, 2.0 ** (np.floor(np.log2(np.where(big > 0, big, 1.0))) - mantissa), 0.0)
+    err = np.abs(a - b)
+    bad = err > tol
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements differ by more than {ulps} ulps of their row "
+                           f"(worst {(err / np.where(tol > 0, tol, 1)).max():.3g} x the bound)")
+
+
 def forward_sim():
     """The simulator in dispatch order with out-of-range write detection (``verify_writes``):
     the device of the decode GEMV / norm / embedding / MoE tests."""

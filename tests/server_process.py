@@ -30,12 +30,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_argv(port: int, **kwargs: object) -> list[str]:
-    """``lily.server.serve(Engine.load(), port=port, **kwargs)`` in a fresh interpreter, as the
-    CLI calls it (kwargs are written with ``repr``)."""
+def serve_argv(port: int, device: str = "auto", **kwargs: object) -> list[str]:
+    """``lily.server.serve(Engine.load(device=device), port=port, **kwargs)`` in a fresh
+    interpreter, as the CLI calls it (kwargs are written with ``repr``)."""
     args = "".join(f", {k}={v!r}" for k, v in kwargs.items())
     code = ("from lily.engine import Engine\nfrom lily.server import serve\n"
-            f"serve(Engine.load(), port={port}{args})\n")
+            f"serve(Engine.load(device={device!r}), port={port}{args})\n")
     return [sys.executable, "-c", code]
 
 

@@ -297,3 +297,15 @@ def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
         kernel_bench.run("sim", only=["no_such_kernel"])
     with pytest.raises(InvalidParameterError, match="native device"):
         kernel_bench.run("reference")
+
+
+def test_missing_bench_extra_fails_before_lily_loads(tmp_path, monkeypatch):
+    """Without MLX-LM, lily bench stops with the extra to install before Lily's native load
+    writes its aligned weight cache (20 GB for the real model)."""
+    from lily.lab.bench import bench
+    for name in ("mlx", "mlx.core", "mlx_lm", "mlx_lm.generate"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    monkeypatch.setenv("LILY_CACHE_DIR", str(tmp_path / "wc"))
+    with pytest.raises(InvalidParameterError, match=r'lily bench needs MLX-LM: pip install "\.\[bench\]"'):
+        bench(device="sim", lengths=[8], decode_tokens=2, rounds=1, positions=0)
+    assert not (tmp_path / "wc").exists()

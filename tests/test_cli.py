@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from lily.lab.device import devices
+from lily.engine import AUTO_DEVICE_ENV, auto_device
 
 
 def run(*args, input=None, timeout=300):
@@ -34,15 +35,18 @@ def test_generate_default_model_prints_shakespeare():
     assert r.returncode == 0, r.stderr
     text = r.stdout.strip()
     assert len(text.split()) >= 5
-    # the speed line, on stderr by default (as mlx_lm prints it)
+    # the speed line, on stderr by default (as mlx_lm prints it); a native device (the default
+    # on a Mac) times itself and says how busy it kept the device
     line = r.stderr.strip().splitlines()[-1]
+    busy = r" \(GPU busy \d+%\)" if auto_device() != "reference" else ""
     # (a fresh prompt: nothing from the prompt cache, so no "(N cached, M computed)")
     assert re.fullmatch(r"\[prompt: 5 tokens, [\d.]+ tok/s \| generation: 24 tokens, "
-                        r"[\d.]+ tok/s \| peak memory: [\d.]+ GB \| finish: length\]", line), line
+                        rf"[\d.]+ tok/s{busy} \| peak memory: [\d.]+ GB \| finish: length\]", line), line
     assert float(line.split("peak memory: ")[1].split()[0]) > 0.01  # the weights alone are 21 MB
     assert "context window" not in r.stderr  # max tokens, not the context, ended it
-    # --quiet drops the speed line; naming the device drops auto's one-line notice too
-    q = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0", "--quiet", "--device", "reference")
+    # --quiet drops the speed line; naming the device drops auto's one-line notice too (the
+    # same device as auto's: greedy tokens of two devices may part at a near-tie)
+    q = run("generate", "ROMEO.", "--max-tokens", "24", "--temperature", "0", "--quiet", "--device", auto_device())
     assert q.returncode == 0 and q.stdout == r.stdout and q.stderr == "", q.stderr
 
 
@@ -191,15 +195,19 @@ def test_cache_prompt_refuses_tools_the_server_refuses(tmp_path, tools, needle):
     assert not out.exists()
 
 
-def test_default_device_is_auto():
+def test_default_device_is_auto(monkeypatch):
     """No --device: metal where this build has it, else reference with a one-line notice
-    (never the slow simulator)."""
+    (never the slow simulator unless $LILY_AUTO_DEVICE asks for it)."""
+    monkeypatch.delenv(AUTO_DEVICE_ENV, raising=False)
     r = run("generate", "ROMEO.", "--max-tokens", "2", "--temperature", "0")
     assert r.returncode == 0, r.stderr
     if "metal" in devices():
         assert "using device=" not in r.stderr
     else:
         assert "using device='reference'" in r.stderr
+    monkeypatch.setenv(AUTO_DEVICE_ENV, "nope")
+    bad = run("generate", "ROMEO.", "--max-tokens", "2")
+    assert bad.returncode == 1 and f"{AUTO_DEVICE_ENV}='nope' names no device of this build" in bad.stderr
 
 
 def test_native_device_flags(tmp_path, monkeypatch):
@@ -307,7 +315,22 @@ def test_chat_line_editing_and_history(tmp_path):
     assert p.returncode == 0, p.stderr.read()
     assert seen.count(b"> Hail, good sir.") == 2, seen  # typed, then recalled by the arrow
     # (consecutive duplicates may be stored once, depending on the readline library)
-    assert "Hail, good sir." in (tmp_path / "lily" / "chat_history").read_text().splitlines()
+    assert "Hail, good sir." in _read_history(tmp_path / "lily" / "chat_history")
+
+
+def _read_history(path) -> list[str]:
+    """The lines of a history file as this Python's readline reads it: GNU readline writes
+    one line per entry, macOS's libedit a ``_HiStOrY_V2_`` header and spaces as ``\\040``."""
+    import readline
+    saved = [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)]
+    try:
+        readline.clear_history()
+        readline.read_history_file(str(path))
+        return [readline.get_history_item(i) for i in range(1, readline.get_current_history_length() + 1)]
+    finally:
+        readline.clear_history()
+        for line in saved:
+            readline.add_history(line)
 
 
 def test_device_failure_is_reported_without_a_traceback(monkeypatch, capsys):

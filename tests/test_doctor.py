@@ -12,6 +12,7 @@ from lily import _core
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
+from lily.lab import doctor
 from lily.lab.kernels import registry
 from lily.lab.device import sim_device
 from lily.cli import main
@@ -93,7 +94,7 @@ def test_unknown_kernel_is_refused(dev):
 
 
 def test_doctor_json(capsys):
-    assert main(["doctor", "--device", "sim", "--json", "--kernels", "gemv_q4,rms_norm,embed_rows_q4"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--json", "--kernels", "gemv_q4,rms_norm,embed_rows_q4"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {k["kernel"]: k["status"] for k in report["kernels"]} == {
         "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
@@ -114,14 +115,14 @@ def test_doctor_json(capsys):
 
 
 def test_doctor_text_report(capsys):
-    assert main(["doctor", "--kernels", "sample_greedy", "--max-context", "4096"]) == 0
+    assert main(["doctor", "--quick", "--kernels", "sample_greedy", "--max-context", "4096"]) == 0
     out = capsys.readouterr().out
     assert "PASS     sample_greedy" in out and "at max_context 4096" in out
     assert "--- paste this into a bug report ---" in out and "kernels: 1 PASS" in out
 
 
 def test_doctor_unknown_kernel_is_an_error(capsys):
-    assert main(["doctor", "--kernels", "nope"]) == 1
+    assert main(["doctor", "--quick", "--kernels", "nope"]) == 1
     assert "unknown kernel(s) nope" in capsys.readouterr().err
 
 
@@ -151,7 +152,7 @@ def test_a_kernel_draws_the_same_inputs_alone_or_with_others(dev):
 
 
 def test_doctor_draws_and_reports_a_seed(capsys):
-    args = ["doctor", "--device", "sim", "--json", "--kernels", "rms_norm"]
+    args = ["doctor", "--quick", "--device", "sim", "--json", "--kernels", "rms_norm"]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out)
     seed = first["seed"]
@@ -159,7 +160,7 @@ def test_doctor_draws_and_reports_a_seed(capsys):
     assert main([*args, "--seed", str(seed)]) == 0
     again = json.loads(capsys.readouterr().out)
     assert again["seed"] == seed and again["kernels"][0]["error"] == first["kernels"][0]["error"]
-    assert main(["doctor", "--kernels", "rms_norm", "--seed", "7"]) == 0
+    assert main(["doctor", "--quick", "--kernels", "rms_norm", "--seed", "7"]) == 0
     out = capsys.readouterr().out
     assert "--seed 7" in out and "seed: 7" in out.split("--- paste this into a bug report ---")[1]
 
@@ -167,7 +168,7 @@ def test_doctor_draws_and_reports_a_seed(capsys):
 @pytest.mark.parametrize("args", [["--seed", "-1"], ["--seed", "x"], ["--max-context", "0"], ["--max-context", "-1"]])
 def test_doctor_refuses_bad_numbers_in_argparse(args, capsys):
     with pytest.raises(SystemExit) as e:
-        main(["doctor", "--kernels", "rms_norm", *args])
+        main(["doctor", "--quick", "--kernels", "rms_norm", *args])
     assert e.value.code == 2 and "expected an integer" in capsys.readouterr().err
 
 
@@ -175,14 +176,14 @@ def test_doctor_refuses_a_context_beyond_the_model(capsys):
     from lily.checkpoint import open_checkpoint
     from lily.engine import default_model_path
     limit = open_checkpoint(default_model_path()).config.max_position_embeddings
-    assert main(["doctor", "--kernels", "rms_norm", "--max-context", str(limit + 1)]) == 1
+    assert main(["doctor", "--quick", "--kernels", "rms_norm", "--max-context", str(limit + 1)]) == 1
     assert f"max_context must be an integer in [1, {limit}]" in capsys.readouterr().err
 
 
 def test_doctor_fails_when_the_model_does_not_fit(capsys, monkeypatch):
     from lily.lab import system
     monkeypatch.setattr(system, "_physical_memory", lambda: 2**20)  # 1 MiB: nothing fits
-    assert main(["doctor", "--kernels", "rms_norm"]) == 1
+    assert main(["doctor", "--quick", "--kernels", "rms_norm"]) == 1
     out = capsys.readouterr().out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "TOO LARGE" in out and "memory:" in block and "TOO LARGE" in block and "weights" in block
@@ -192,13 +193,13 @@ def test_doctor_fails_on_a_missing_checkpoint(capsys, tmp_path):
     """A --model that does not exist is the one message every command gives (issue 29: the
     doctor said "not a directory" in its memory section where generate said this)."""
     nope = tmp_path / "nope"
-    assert main(["doctor", "--kernels", "rms_norm", "--model", str(nope)]) == 1
+    assert main(["doctor", "--quick", "--kernels", "rms_norm", "--model", str(nope)]) == 1
     out = capsys.readouterr()
     assert out.err == f"lily: error: --model {nope}: the path does not exist\n" and out.out == ""
 
 
 def test_doctor_sim_report_details(capsys):
-    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--kernels", "rms_norm"]) == 0
     out = capsys.readouterr().out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "device sim (apple10): simulator, no GPU tested" in block
@@ -215,14 +216,14 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
     import lily.native_backend
     make = lily.native_backend.make_device
     monkeypatch.setattr(lily.native_backend, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
-    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--kernels", "rms_norm"]) == 0
     out = capsys.readouterr().out
     assert "tensor ops      yes" in out
     assert "tensor bfloat   no: the simulator was created with bfloat_tensor_ops=False" in out
     assert "the prefill GEMMs and attention run simdgroup_matrix" in out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "tensor ops: yes | tensor bfloat: the simulator was created with bfloat_tensor_ops=False" in block
-    assert main(["doctor", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["device"]["tensor_ops"] is True and report["device"]["bfloat_tensor_ops"] is False
     assert "bfloat_tensor_ops=False" in report["device"]["bfloat_tensor_ops_status"]
@@ -230,7 +231,7 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
 
 
 def test_doctor_unknown_kernel_suggests_close_names(capsys):
-    assert main(["doctor", "--kernels", "rms_nrom"]) == 1
+    assert main(["doctor", "--quick", "--kernels", "rms_nrom"]) == 1
     err = capsys.readouterr().err
     assert "unknown kernel(s) rms_nrom; did you mean" in err and "rms_norm" in err
 
@@ -241,10 +242,77 @@ def test_doctor_on_a_mac_without_the_metal_device_says_how_to_build_it(capsys, m
     from lily.lab import doctor
     monkeypatch.setattr(doctor, "_core_devices", lambda: ["sim"])
     monkeypatch.setattr(sys, "platform", "darwin")
-    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--kernels", "rms_norm"]) == 0
     out = capsys.readouterr().out
     assert "no Metal GPU in this build" in out
     assert "xcodebuild -downloadComponent MetalToolchain" in out and "-Ccmake.define.LILY_METAL=ON" in out
     monkeypatch.setattr(doctor, "_core_devices", lambda: ["metal", "sim"])  # an explicit --device sim on a Mac
-    assert main(["doctor", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    assert main(["doctor", "--quick", "--device", "sim", "--kernels", "rms_norm"]) == 0
     assert "no Metal GPU in this build" not in capsys.readouterr().out
+
+
+def test_doctor_checks_the_model_shapes(capsys):
+    """Without --quick the kernels run a second time at the model's own shapes (a chunk of
+    --rows rows; the simulator's default is smaller than the model's 4096)."""
+    assert main(["doctor", "--device", "sim", "--json", "--seed", "3", "--rows", "64",
+                 "--kernels", "moe_route,argmax_partial,rms_norm_bf16"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    shapes = report["model_shapes"]
+    assert shapes["rows"] == 64 and [k["status"] for k in shapes["kernels"]] == ["PASS"] * 3
+    assert report["end_to_end"] == []  # not with --kernels
+    assert main(["doctor", "--device", "sim", "--kernels", "moe_route"]) == 0
+    out = capsys.readouterr().out
+    assert "kernels at the model's shapes (hidden 2048, 256 experts top-8, vocabulary 248,320" in out
+    assert f"prefill chunks of {doctor.SIM_MODEL_ROWS} rows" in out and "--rows 4096" in out
+
+
+def test_model_shapes_are_the_models(dev, monkeypatch):
+    """A model-size check draws the model's dimensions (lily.lab.estimate's config): the
+    arguments moe_route and argmax_partial are dispatched with."""
+    from lily.lab.device import pack_args
+    from lily.lab.kernels import harness, moe
+    seen = []
+    monkeypatch.setattr(moe, "run_bound", lambda *a, **k: seen.append(a[5]) or harness.run_bound(*a, **k))
+    registry.run_checks(dev, ["moe_route"], seed=1, size=harness.Size(model=True, rows=64))
+    assert seen == [pack_args("RouteArgs", experts=256, top_k=8, hidden=2048, norm_topk=1)]
+    assert harness.model().vocab_size == 248320
+
+
+def test_end_to_end_on_the_simulator():
+    """The demo model on sim against the reference: teacher-forced logits, then a prefill and
+    16 sampled decode steps on the device."""
+    results = doctor.end_to_end("sim", seed=5)
+    assert [(r.kernel, r.status) for r in results] == [("teacher-forced", "PASS"), ("prefill + sampled decode", "PASS")], \
+        [r.detail for r in results]
+    assert "64 positions in prefill chunks of 16" in results[0].detail and "16 of 16 steps" in results[1].detail
+
+
+class _Scaled:
+    """An engine whose logits (prefill) or reported log-probabilities (generate) are off."""
+
+    def __init__(self, engine, factor):
+        self.engine, self.factor = engine, factor
+
+    def reset(self):
+        self.engine.reset()
+
+    def prefill(self, ids, **kw):
+        return self.engine.prefill(ids, **kw) * self.factor
+
+    def generate(self, ids, **kw):
+        import dataclasses
+        r = self.engine.generate(ids, **kw)
+        return dataclasses.replace(r, logprobs=[dataclasses.replace(lp, logprob=lp.logprob * self.factor)
+                                               for lp in r.logprobs])
+
+
+def test_end_to_end_fails_on_wrong_logits(demo_engine):
+    """The comparisons pass a second reference engine and fail it with its logits scaled."""
+    from lily import Engine
+    other = Engine.load(device="reference")
+    ids = demo_engine.tokenizer.encode(doctor.E2E_TEXT)[:24]
+    assert doctor.compare_teacher_forced(_Scaled(other, 1.0), demo_engine, ids)["ok"]
+    bad = doctor.compare_teacher_forced(_Scaled(other, 1.1), demo_engine, ids)
+    assert not bad["ok"] and bad["rel_err"] > 0.05
+    assert doctor.check_sampled_steps(_Scaled(other, 1.0), demo_engine, ids[:8], seed=2)["ok"]
+    assert not doctor.check_sampled_steps(_Scaled(other, 1.5), demo_engine, ids[:8], seed=2)["ok"]

@@ -282,16 +282,32 @@ def test_bad_tokens_and_device(demo_engine, demo_path):
         Engine.load(demo_path, max_context=0)
 
 
-def test_default_device_is_metal_else_reference(demo_path, capfd):
+def test_default_device_is_metal_else_reference(demo_path, capfd, monkeypatch):
     """Engine.load's default (auto) is metal where this build has it, else reference with a
-    notice; the simulator only when asked for."""
+    notice (on a Mac, how to build the GPU device, Xcode selected first); the simulator only
+    when asked for, or named by $LILY_AUTO_DEVICE (the suite's stand-in for a Mac)."""
+    import sys
+
+    from lily.engine import AUTO_DEVICE_ENV, auto_device
     from lily.lab.device import devices
+    monkeypatch.delenv(AUTO_DEVICE_ENV, raising=False)
     e = Engine.load(demo_path, max_context=64)
     if "metal" in devices():
         assert e.device == "metal"
     else:
         assert e.device == "reference"
         assert "using device='reference'" in capfd.readouterr().err
+        monkeypatch.setattr(sys, "platform", "darwin")
+        Engine.load(demo_path, max_context=64)
+        err = capfd.readouterr().err
+        assert "sudo xcode-select -s /Applications/Xcode.app" in err and "downloadComponent MetalToolchain" in err
+    monkeypatch.setenv(AUTO_DEVICE_ENV, "sim")
+    assert auto_device() == "sim" and Engine.load(demo_path, max_context=64).device == "sim"
+    assert "using device=" not in capfd.readouterr().err
+    for bad in ("auto", "cuda"):
+        monkeypatch.setenv(AUTO_DEVICE_ENV, bad)
+        with pytest.raises(DeviceError, match=f"{AUTO_DEVICE_ENV}='{bad}' names no device"):
+            Engine.load(demo_path, max_context=64)
 
 
 def test_sampler_logit_bias():

@@ -14,7 +14,10 @@ import sys
 
 import lily
 
-SRC = pathlib.Path(lily.__file__).parent
+# The sources being tested: the checkout's when the tests run from one (an edit there counts
+# before it is installed), else the installed package's.
+_CHECKOUT = pathlib.Path(__file__).resolve().parents[1] / "src" / "lily"
+SRC = _CHECKOUT if (_CHECKOUT / "__init__.py").is_file() else pathlib.Path(lily.__file__).parent
 
 
 def _loaded(*modules: str) -> set[str]:
@@ -39,14 +42,25 @@ def test_the_lab_commands_do_not_load_the_test_support():
     assert not loaded & {"lily.lab.testing", "lily.lab.device", "lily.lab.doctor", "lily.lab.kernels"}
 
 
+def _absolute(path: pathlib.Path, node: ast.ImportFrom) -> str | None:
+    """The module an ``from ... import`` in ``path`` names, relative ones resolved against
+    ``path``'s package (``from .lab import x`` in lily/engine.py: lily.lab)."""
+    if not node.level:
+        return node.module
+    package = ["lily", *path.relative_to(SRC).parent.parts]
+    base = package[:len(package) - (node.level - 1)] if node.level > 1 else package
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imports(path: pathlib.Path) -> list[tuple[str, bool]]:
     """(lily module, inside a function) for each import in ``path``'s source."""
     out = []
 
     def visit(node, in_function):
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ImportFrom) and child.module and child.module.startswith("lily"):
-                out.extend([(child.module, in_function)] + [(f"{child.module}.{a.name}", in_function) for a in child.names])
+            module = _absolute(path, child) if isinstance(child, ast.ImportFrom) else None
+            if module and module.startswith("lily"):
+                out.extend([(module, in_function)] + [(f"{module}.{a.name}", in_function) for a in child.names])
             elif isinstance(child, ast.Import):
                 out.extend((a.name, in_function) for a in child.names if a.name.startswith("lily"))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
@@ -74,14 +88,12 @@ def test_the_lab_is_flat():
 
 
 def _lily_imports(module: str) -> set[str]:
-    """The lily modules ``module``'s source imports (at any level)."""
-    import importlib.util
-    spec = importlib.util.find_spec(module)
-    tree = ast.parse(open(spec.origin, encoding="utf-8").read())
+    """The lily modules ``module``'s source imports (at any level, relative ones resolved)."""
+    path = SRC.joinpath(*module.split(".")[1:]).with_suffix(".py")
     out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lily"):
-            out.add(node.module)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and (name := _absolute(path, node)) and name.startswith("lily"):
+            out.add(name)
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("lily")}
     return out

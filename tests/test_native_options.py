@@ -66,9 +66,9 @@ def test_runtime_options_defaults_and_names():
     from lily.native_backend import runtime_options
     o = _core.RuntimeOptions()
     assert o.FIELDS == ("max_context", "split_threshold", "split_block", "prefill_chunk", "state_window",
-                        "virtual_weights")
-    assert (o.split_threshold, o.split_block, o.prefill_chunk, o.state_window, o.gemm_path, o.virtual_weights) == (
-        256, 0, 0, 16, "auto", False)
+                        "command_buffer_rows", "virtual_weights")
+    assert (o.split_threshold, o.split_block, o.prefill_chunk, o.state_window, o.command_buffer_rows, o.gemm_path,
+            o.virtual_weights) == (256, 0, 0, 16, 4096, "auto", False)
     assert o.AUTO_PREFILL_CHUNKS == (4096, 2048, 1024, 512)
     o = runtime_options(64, prefill_chunk=8, gemm_path="simdgroup")
     assert (o.max_context, o.prefill_chunk, o.gemm_path) == (64, 8, "simdgroup")
@@ -187,11 +187,14 @@ def test_largest_buffer_is_checked_at_load(demo_path):
 
 def test_pipeline_thread_limit_is_checked_at_load(demo_path):
     """A pipeline allowing fewer threads than the runtime dispatches (register pressure on a
-    Mac) is refused when the model loads, naming the kernel and both numbers."""
+    Mac) is refused when the model loads, naming the kernel and both numbers; the samplers,
+    which take any power of two from 32 threads, are sized to it instead."""
     from lily.errors import DeviceError
-    with pytest.raises(DeviceError, match=r"checked at load.*kernel '\w+'.* 1024 threads exceeds the pipeline's "
-                                          r"maximum of 512 \(the kernel declares up to 1024\)"):
-        _load_sim(demo_path, 64, pipeline_thread_limit=512)
+    with pytest.raises(DeviceError, match=r"checked at load.*kernel '\w+'.* \d+ threads exceeds the pipeline's "
+                                          r"maximum of 128 \(the kernel declares up to \d+\)"):
+        _load_sim(demo_path, 64, pipeline_thread_limit=128)
+    table = {k["kernel"]: k for k in _load_sim(demo_path, 64, pipeline_thread_limit=512).backend.runtime.kernel_table}
+    assert table["sample_token"]["threads"] == 512
 
 
 def test_kernel_table_lists_every_dispatched_kernel(demo_path):
@@ -222,3 +225,131 @@ def test_missing_tensor_fails_at_load_naming_it(missing):
     with pytest.raises(ValueError, match=f"missing tensor {missing}$"):
         _core.Runtime(make_device("sim", record_only=True), model_dims(cfg), tensors,
                       runtime_options(64, virtual_weights=True))
+
+
+@pytest.mark.parametrize("bits, group", [(4, 32), (8, 64)], ids=["group-32", "8-bit-experts"])
+def test_other_quantization_is_refused_before_anything_is_mapped(bits, group, tokenizer_dir, checkpoint_cache_dir,
+                                                                 tmp_path, monkeypatch):
+    """A checkpoint converted by MLX-LM with --q-group-size 32, or --q-bits 8 (8-bit experts),
+    runs on the reference but not on the native devices, whose kernels read 4 bits in groups
+    of 64: Engine.load refuses it by name before any weight is cached or mapped, and the
+    runtime itself refuses its tensors when given them directly."""
+    pytest.importorskip("mlx_lm", reason="mlx-lm converts the checkpoint")
+    from lily.checkpoint import open_checkpoint
+    from lily.errors import QuantizationError
+    from lily.native_backend import make_device, model_dims, runtime_options, tensor_table
+    from lily.lab.testing import cached_checkpoint
+    path = cached_checkpoint("tiny", tokenizer_dir=tokenizer_dir, cache_dir=checkpoint_cache_dir,
+                             q_bits=bits, q_group_size=group)
+    cache = tmp_path / "weights"
+    monkeypatch.setenv("LILY_CACHE_DIR", str(cache))
+    with pytest.raises(QuantizationError, match=rf"model.embed_tokens is quantized {bits}-bit in groups of {group} "
+                                                rf"\(and \d+ more modules\); the native kernels .* read 4-bit"):
+        Engine.load(path, device="sim")
+    assert not cache.exists()  # refused before the weight cache was written
+    ck = open_checkpoint(path)
+    with pytest.raises(ValueError, match="is not quantized as the native kernels read it"):
+        _core.Runtime(make_device("sim"), model_dims(ck.config), tensor_table(ck), runtime_options(64))
+    logits = Engine.load(path, device="reference", max_context=64).prefill([1, 2, 3])
+    assert np.isfinite(logits).all()
+
+
+# ---- load-time fallbacks (issue 28): a family of tensor-op kernels that fails its check, a
+# pipeline whose thread limit is lower than the runtime asks, prefill command buffers
+
+M5 = {"gpu_family": "apple10"}
+TEXT = "ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun. " * 2
+
+
+@pytest.fixture(scope="module")
+def m5_engine(demo_path):
+    return Engine.load(demo_path, device="sim", max_context=64, device_options={"prefill_chunk": 16,
+                                                                                  "device_options": M5})
+
+
+@pytest.mark.parametrize("faults, family", [({"gemm_q4_bf16_tensor": "wrong"}, "gemm"),
+                                            ({"moe_gemm_down_q4_t16_tensor": "wrong"}, "moe_prefill"),
+                                            ({"moe_gemm_gate_up_q4_t128_tensor": "build"}, "moe_prefill"),
+                                            ({"attn_prefill_d256_g8_tensor": "wrong"}, "attention_prefill")],
+                         ids=["gemm-wrong", "moe-wrong", "moe-build", "attention-wrong"])
+def test_a_tensor_family_failing_its_check_falls_back_alone(demo_path, m5_engine, faults, family, capfd):
+    """At load every family of tensor-op kernels runs once against its simdgroup_matrix twins
+    (a short chunk through the first layers, every expert tile height); the simulator's faults
+    option makes one kernel give wrong results or not build, as an M5's compiler or a macOS
+    release might: that family alone goes back to its twins, with one line saying why, and the
+    engine computes what a healthy M5's does (on the simulator the GEMMs' twins agree bit for
+    bit; the attention's sum in another order, so without it the logits are the simdgroup
+    attention's: those of the engine without bfloat tensor operands, whose prefill runs
+    simdgroup_matrix throughout)."""
+    assert m5_engine.backend.runtime.tensor_families == ["gemm", "moe_prefill", "attention_prefill"]
+    capfd.readouterr()
+    bad = Engine.load(demo_path, device="sim", max_context=64,
+                      device_options={"prefill_chunk": 16, "device_options": {**M5, "faults": faults}})
+    rt = bad.backend.runtime
+    assert family not in rt.tensor_families and len(rt.tensor_families) == 2
+    err = capfd.readouterr().err
+    assert err.count("lily: the Metal 4 tensor-op kernels of ") == 1 and f"of {family} " in err, err
+    assert ("cannot build the pipeline" if "build" in faults.values() else "differ from the simdgroup_matrix") in err
+    ids = m5_engine.tokenizer.encode(TEXT)[:24]
+    got = bad.prefill(ids, all_logits=True)
+    bad.reset()
+    if family == "attention_prefill":
+        want = Engine.load(demo_path, device="sim", max_context=64, device_options={
+            "prefill_chunk": 16, "device_options": {**M5, "bfloat_tensor_ops": False}}).prefill(ids, all_logits=True)
+    else:
+        m5_engine.reset()
+        want = m5_engine.prefill(ids, all_logits=True)
+        m5_engine.reset()
+    np.testing.assert_array_equal(got, want)
+
+
+def test_a_tensor_kernel_the_preflight_refuses_drops_its_family(demo_path, capfd):
+    """A kernel the check does not run (the split attention, only at long contexts) that the
+    load-time preflight refuses at the shape the plan dispatches (here a thread limit below
+    its threadgroup, as register pressure may set it): its family falls back too."""
+    bad = Engine.load(demo_path, device="sim", max_context=2048, device_options={
+        "prefill_chunk": 16, "device_options": {**M5, "faults": {"attn_prefill_split_d256_g8_tensor": 32}}})
+    assert bad.backend.runtime.tensor_families == ["gemm", "moe_prefill"]
+    err = capfd.readouterr().err
+    assert "of attention_prefill cannot run here" in err and "attn_prefill_split_d256_g8_tensor" in err
+
+
+def test_sampler_threads_follow_the_pipeline_limit(demo_path):
+    """A Mac's compiler may give the samplers' pipelines fewer than 1024 threads (register
+    pressure): the runtime dispatches as many as each allows instead of refusing the load,
+    and draws the same tokens."""
+    low = Engine.load(demo_path, device="sim", max_context=64,
+                      device_options={"device_options": {"faults": {"sample_token": 256, "sample_greedy_combine": 32}}})
+    table = {k["kernel"]: k for k in low.backend.runtime.kernel_table}
+    assert (table["sample_token"]["threads"], table["sample_greedy_combine"]["threads"]) == (256, 32)
+    full = Engine.load(demo_path, device="sim", max_context=64)
+    for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=4, logprobs=True)):
+        a, b = low.generate("ROMEO.", max_tokens=4, **kw), full.generate("ROMEO.", max_tokens=4, **kw)
+        assert a.token_ids == b.token_ids
+
+
+def test_prefill_command_buffers_bound_the_work(demo_path):
+    """A prefill chunk's layers go in command buffers of at most command_buffer_rows
+    layer-rows (an attention layer weighted by its context), at least a layer each; the
+    results are those of one command buffer per chunk, the generation's hand-off included."""
+    from lily.lab.estimate import model_config
+    from lily.native_backend import counting_runtime
+    rt = counting_runtime(model_config(), 4, 8, 131072, prefill_chunk=4096)
+    assert rt.prefill_command_buffers(0, 4096) == [(i, i + 1) for i in range(40)]  # a 4096-row chunk: a layer each
+    assert rt.prefill_command_buffers(0, 100) == [(0, 40)]
+    assert rt.prefill_command_buffers(0, 512) == [(0, 7), (7, 14), (14, 21), (21, 28), (28, 35), (35, 40)]
+    long = rt.prefill_command_buffers(120000, 512)  # attention layers (3, 7, ...) cost 16x at 120K
+    assert (3, 4) in long and all(b - a <= 8 for a, b in long)
+    one = counting_runtime(model_config(), 4, 8, 8192, prefill_chunk=4096, command_buffer_rows=0)
+    assert one.prefill_command_buffers(0, 4096) == [(0, 40)]
+    kw = dict(max_context=64, device_options={"prefill_chunk": 16})
+    split = Engine.load(demo_path, device="sim", **{**kw, "device_options": {"prefill_chunk": 16,
+                                                                             "command_buffer_rows": 20}})
+    whole = Engine.load(demo_path, device="sim", **{**kw, "device_options": {"prefill_chunk": 16,
+                                                                             "command_buffer_rows": 0}})
+    assert split.backend.runtime.prefill_command_buffers(0, 16) == [(i, i + 1) for i in range(8)]
+    ids = whole.tokenizer.encode(TEXT)[:24]
+    np.testing.assert_array_equal(split.prefill(ids, all_logits=True), whole.prefill(ids, all_logits=True))
+    split.reset(), whole.reset()
+    g = dict(max_tokens=4, temperature=0.7, seed=2)
+    assert split.generate(ids, **g).token_ids == whole.generate(ids, **g).token_ids

@@ -1,5 +1,9 @@
 """The multi-turn prompt cache (lily.prompt_cache), each test named after the public bug it
-guards against. Outputs are compared token for token with a cold engine (greedy)."""
+guards against. Outputs are compared token for token with a cold engine (greedy).
+
+The cache's bookkeeping runs on the numpy reference, named everywhere (a file is tied to the
+device kind that wrote it); the native path (pipelined generation, device snapshots) has its
+own tests here on device="sim" (and test_native_session.py)."""
 
 from __future__ import annotations
 
@@ -20,12 +24,12 @@ GREEDY = {"temperature": 0, "max_tokens": 4}
 @pytest.fixture(scope="module")
 def cold():
     """A reference engine without a prompt cache: every request from an empty session."""
-    return Engine.load(prompt_cache_bytes=0)
+    return Engine.load(device="reference", prompt_cache_bytes=0)
 
 
 @pytest.fixture()
 def warm():
-    return Engine.load()
+    return Engine.load(device="reference")
 
 
 def _cold(cold, messages, **kw):
@@ -152,10 +156,10 @@ def test_interleaved_conversations_reuse_their_own_prefix(warm, cold):
 def test_eviction_under_small_budget_never_wrong(demo_path, cold):
     """A budget of about two snapshots: entries are evicted, the cache never exceeds its
     budget, and every answer is the cold one."""
-    probe = Engine.load()
+    probe = Engine.load(device="reference")
     probe.chat([{"role": "user", "content": "x"}], **GREEDY)
     one = max(e.nbytes for e in probe.prompt_cache.entries())
-    eng = Engine.load(prompt_cache_bytes=int(2.5 * one))
+    eng = Engine.load(device="reference", prompt_cache_bytes=int(2.5 * one))
     for i, k in enumerate("ABAB"):
         m = [{"role": "system", "content": f"Agent {k}."}, {"role": "user", "content": f"Step {i}."}]
         r = eng.chat(m, **GREEDY)
@@ -354,7 +358,7 @@ def test_reference_file_from_another_model(warm, tmp_path, monkeypatch):
     monkeypatch.setattr(prompt_cache, "model_identity", other)
     warm.save_prompt_cache(path)
     monkeypatch.undo()
-    fresh = Engine.load()
+    fresh = Engine.load(device="reference")
     with pytest.raises(PromptCacheError, match="model differs: hidden_size.*quantization differs: bits"):
         fresh.load_prompt_cache(path)
     assert len(fresh.prompt_cache) == 0
@@ -418,15 +422,15 @@ def test_cli_cache_prompt_then_chat_reuses_system(tmp_path, cold):
     """`lily cache-prompt` writes the system message as every conversation starts with it."""
     from lily.cli import main
     path = tmp_path / "sys.lilycache"
-    assert main(["cache-prompt", str(path), "--system", SYSTEM]) == 0
-    eng = Engine.load()
+    assert main(["cache-prompt", "--device", "reference", str(path), "--system", SYSTEM]) == 0
+    eng = Engine.load(device="reference")
     assert eng.load_prompt_cache(path) == 1
     m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hail."}]
     ids = eng.tokenizer.encode_chat(m, add_generation_prompt=True)
     r = eng.chat(m, **GREEDY)
     assert r.cached_tokens == [i for i, t in enumerate(ids) if t == eng._im_start][1]
     assert r.token_ids == _cold(cold, m).token_ids
-    assert main(["cache-prompt", str(path)]) == 1  # nothing to cache: a clear error, exit 1
+    assert main(["cache-prompt", "--device", "reference", str(path)]) == 1  # nothing to cache: a clear error, exit 1
 
 
 def test_cli_cache_prompt_tools_are_reused_by_a_chat_request(tmp_path):
@@ -444,8 +448,8 @@ def test_cli_cache_prompt_tools_are_reused_by_a_chat_request(tmp_path):
     spec.write_text(json.dumps([{"function": {"parameters": params, "strict": True, "description": None,
                                               "name": "ring_bell"}, "type": "function"}]))
     path = tmp_path / "tools.lilycache"
-    assert main(["cache-prompt", str(path), "--system", SYSTEM, "--tools", str(spec)]) == 0
-    eng = Engine.load()
+    assert main(["cache-prompt", "--device", "reference", str(path), "--system", SYSTEM, "--tools", str(spec)]) == 0
+    eng = Engine.load(device="reference")
     assert eng.load_prompt_cache(path) == 1
     held = len(next(iter(eng.prompt_cache.entries())).tokens)
     tools = [{"type": "function", "function": {"name": "ring_bell", "parameters": params, "strict": True}}]
@@ -461,7 +465,7 @@ def test_agent_bench_scenario(cold):
     """`lily bench --agent` on a small conversation: every later turn computes only its new
     tokens plus the generation prompt's header, and the outputs equal the cold runs."""
     from lily.lab import agent_bench
-    rep = agent_bench.run(Engine.load(), cold, system_tokens=64, turns=2, turn_tokens=40, max_tokens=2, tools=1)
+    rep = agent_bench.run(Engine.load(device="reference"), cold, system_tokens=64, turns=2, turn_tokens=40, max_tokens=2, tools=1)
     later = rep["turns"][1:]
     assert all(r["computed"] <= r["new_tokens"] + 5 and r["reuse"] >= 0.95 for r in later)
     assert all(r["cold_computed"] == r["prompt_tokens"] for r in rep["turns"])
@@ -475,7 +479,7 @@ def _chat(args, monkeypatch, capsys, lines="Hail.\n/stats\n\n"):
 
     from lily.cli import main
     monkeypatch.setattr("sys.stdin", io.StringIO(lines))
-    code = main(["chat", "-n", "2", "-t", "0", *args])
+    code = main(["chat", "-n", "2", "-t", "0", "--device", "reference", *args])
     return code, capsys.readouterr().err
 
 
@@ -487,9 +491,9 @@ def cache_files(tmp_path_factory):
     tools = d / "tools.json"
     tools.write_text('[{"type": "function", "function": {"name": "ring_bell", "parameters": {"type": "object"}}}]')
     files = {"system": d / "sys.lilycache", "tools": d / "tools.lilycache", "raw": d / "raw.lilycache"}
-    assert main(["cache-prompt", str(files["system"]), "--system", SYSTEM]) == 0
-    assert main(["cache-prompt", str(files["tools"]), "--system", SYSTEM, "--tools", str(tools)]) == 0
-    assert main(["cache-prompt", str(files["raw"]), "--prompt", "ROMEO. Good morrow"]) == 0
+    assert main(["cache-prompt", "--device", "reference", str(files["system"]), "--system", SYSTEM]) == 0
+    assert main(["cache-prompt", "--device", "reference", str(files["tools"]), "--system", SYSTEM, "--tools", str(tools)]) == 0
+    assert main(["cache-prompt", "--device", "reference", str(files["raw"]), "--prompt", "ROMEO. Good morrow"]) == 0
     return files
 
 
@@ -531,7 +535,7 @@ def test_cli_chat_refuses_another_models_cache_file(cache_files, monkeypatch, ca
     monkeypatch.setattr(prompt_cache, "model_identity",
                         lambda e: {**real(e), "model": {**real(e)["model"], "num_hidden_layers": 99}})
     path = tmp_path / "other.lilycache"
-    assert main(["cache-prompt", str(path), "--system", SYSTEM]) == 0
+    assert main(["cache-prompt", "--device", "reference", str(path), "--system", SYSTEM]) == 0
     monkeypatch.setattr(prompt_cache, "model_identity", real)
     capsys.readouterr()
     code, err = _chat(["--prompt-cache-file", str(path), "--system", SYSTEM], monkeypatch, capsys)

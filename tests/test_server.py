@@ -124,7 +124,9 @@ class Server:
 
 @pytest.fixture(scope="module")
 def real():
-    srv = Server(create_app(Engine.load()))
+    # the numpy engine, named: these tests are about the protocol, and some about its chunked
+    # prefill (cancelled between chunks); a native device's prefill is one 4096-row chunk
+    srv = Server(create_app(Engine.load(device="reference")))
     yield srv
     srv.stop()
 
@@ -1141,7 +1143,7 @@ def test_stream_client_disconnect_is_logged(forced, forced_engine, caplog, endpo
     assert len(hits) == 1 and "generation cancelled" in hits[0], logged
 
 
-def test_echo_logprobs_include_the_prompt(real, demo_engine):
+def test_echo_logprobs_include_the_prompt(real):
     """``echo`` + ``logprobs`` on /v1/completions: the prompt's tokens come first (the first
     with null logprobs), scored by the model teacher-forced; the generated part is what the
     request without echo gives, and the engine session is left usable."""
@@ -1150,7 +1152,8 @@ def test_echo_logprobs_include_the_prompt(real, demo_engine):
     kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=3)
     plain = c.completions.create(**kw).choices[0]
     echo = c.completions.create(echo=True, **kw).choices[0]
-    tok = demo_engine.tokenizer
+    engine = real.app.state.lily.engine  # its own device's logits, whatever the device
+    tok = engine.tokenizer
     ids = tok.encode(prompt)
     n = len(ids)
     assert echo.text == prompt + plain.text
@@ -1160,10 +1163,10 @@ def test_echo_logprobs_include_the_prompt(real, demo_engine):
     assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
     assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
     assert lp.text_offset[n:] == [len(prompt) + o for o in plain.logprobs.text_offset]
-    # reference: one teacher-forced prefill of the prompt on a fresh session
-    demo_engine.reset()
-    logits = demo_engine.prefill(ids, all_logits=True).astype(np.float64)
-    demo_engine.reset()
+    # reference: one teacher-forced prefill of the prompt on a fresh session of the same engine
+    engine.reset()
+    logits = engine.prefill(ids, all_logits=True).astype(np.float64)
+    engine.reset()
     ref = logits - logits.max(axis=1, keepdims=True)
     ref -= np.log(np.exp(ref).sum(axis=1, keepdims=True))
     want = [ref[i - 1, ids[i]] for i in range(1, n)]

@@ -500,7 +500,7 @@ def test_any_model_name_unless_strict(srv, engine):
 
 @pytest.fixture(scope="module")
 def real():
-    s = Server(create_app(Engine.load()))
+    s = Server(create_app(Engine.load(device="reference")))  # the APIs are the point, not the device
     yield s
     s.stop()
 

@@ -48,7 +48,8 @@ def _status(pid: int) -> dict[str, int]:
 def served(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("soak") / "server.log"
-    with running_server(serve_argv(port, log_level="warning"), port, log) as server:
+    # the numpy engine, named: hundreds of requests in the time limit, and its memory is the point
+    with running_server(serve_argv(port, device="reference", log_level="warning"), port, log) as server:
         yield server.proc, server.base
 
 

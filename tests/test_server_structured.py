@@ -36,7 +36,7 @@ USER = [{"role": "user", "content": "Speak, friend."}]
 
 @pytest.fixture(scope="module")
 def client():
-    engine = Engine.load(max_context=2048)
+    engine = Engine.load(device="reference", max_context=2048)  # the grammar is the point, not the device
     with TestClient(create_app(engine, model_name="demo")) as c:
         yield c
 

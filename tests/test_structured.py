@@ -78,7 +78,7 @@ USER = [{"role": "user", "content": "Who art thou, and whence?"}]
 
 @pytest.fixture(scope="module")
 def demo():
-    return Engine.load(max_context=1024)
+    return Engine.load(device="reference", max_context=1024)
 
 
 def _constraint(engine, grammar, thinking=False):

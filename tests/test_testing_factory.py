@@ -368,7 +368,7 @@ def test_cached_checkpoint_race(tmp_path, tokenizer_dir, monkeypatch):
     barrier = threading.Barrier(2)
     racing = [True]
 
-    def fake_make(preset, out_dir, *, seed, tokenizer_dir):
+    def fake_make(preset, out_dir, *, seed, tokenizer_dir, **quantization):
         out = Path(out_dir)
         out.mkdir(parents=True)
         if racing[0]:

@@ -11,7 +11,7 @@ Phases (``--phases``, comma-separated, in this order; default all):
 
 * ``checkpoint``  write the checkpoint to ``--checkpoint`` (default RUN/checkpoint) with
   lily.lab.testing.write_mlx_checkpoint (parallel, no bf16 intermediate), or reuse one there;
-* ``reference``   the prompt (``--prompt-tokens``, >= 256) in chunks of ``--chunk`` (64) rows,
+* ``reference``   the prompt (``--prompt-tokens``, 256 by default) in chunks of ``--chunk`` (64) rows,
   then ``--decode-steps`` (>= 16) single-token steps, on the reference device, every
   position's logits kept (``--reference-threads``, ``--reference-cache-gb``);
 * ``sim``         the same tokens on `sim` (simdgroup GEMM path, ``prefill_chunk=--chunk``,
@@ -51,6 +51,8 @@ from pathlib import Path
 import numpy as np
 
 PHASES = ("checkpoint", "reference", "sim", "sim-tensor", "snapshot", "report")
+# what a run directory is made with: resuming with other values is refused
+RUN_SETTINGS = ("checkpoint", "preset", "seed", "prompt_tokens", "chunk", "decode_steps", "snapshot_steps")
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "tests" / "data" / "qwen3.5-moe-tokenizer"
 #: tests/test_native_decode.py's rule: a top-1 is compared where the reference's top-1/top-2
@@ -637,6 +639,15 @@ def main(argv=None) -> int:
         return worker(args)
     run = Path(args.out)
     run.mkdir(parents=True, exist_ok=True)
+    # A run resumes only what the same settings made: saved units of other ones would be mixed in.
+    made = {k: getattr(args, k) for k in RUN_SETTINGS}
+    earlier = _load(run / "settings.json")
+    if earlier is not None and earlier != made:
+        diff = ", ".join(f"--{k.replace('_', '-')} {earlier.get(k)!r} (now {made[k]!r})"
+                         for k in RUN_SETTINGS if earlier.get(k) != made[k])
+        print(f"fullsize_run: error: {run} was made with {diff}: use another --out or delete it", file=sys.stderr)
+        return 2
+    (run / "settings.json").write_text(json.dumps(made))
     deadline = time.time() + args.time_limit if args.time_limit else None
     base = [a for a in (argv if argv is not None else sys.argv[1:])]
     status = 0

@@ -345,10 +345,11 @@ class Device {
   // The GPU's Apple family N (MTLGPUFamilyAppleN): 7 = M1, 8 = M2, 9 = M3/M4, 10 = M5
   // (per-core neural accelerators). The simulator reports the family it was created with.
   virtual int gpu_family() const = 0;
-  // Whether the Metal 4 tensor-operation kernels (metal/*_tensor.metal; on a Mac
-  // lily_tensor.metallib) can be used: an apple10-family GPU, macOS 26, the tensor library
-  // built and loaded, not disabled by LILY_DISABLE_TENSOR_OPS. Prefill picks its GEMM
-  // kernels (*_tensor twins or simdgroup_matrix) with this.
+  // Whether the Metal 4 tensor-operation kernels (metal/*_tensor.metal; on a Mac the
+  // lily_tensor_<family>.metallib files) can be used: an apple10-family GPU, macOS 26, at
+  // least one tensor library built and loaded, not disabled by LILY_DISABLE_TENSOR_OPS. A
+  // family whose library is missing offers no kernels. Prefill picks its GEMM kernels
+  // (*_tensor twins or simdgroup_matrix) with this.
   virtual bool supports_tensor_ops() const = 0;
   // Why supports_tensor_ops() is false, for messages and benchmarks ("" when it is true).
   virtual std::string tensor_ops_status() const = 0;

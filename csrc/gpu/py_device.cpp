@@ -5,6 +5,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/function.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
@@ -338,7 +339,7 @@ void bind_device(nb::module_& m) {
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
            bool verify_writes, bool verify_reads, const std::string& gpu_family, uint64_t working_set_bytes,
            uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit, bool bfloat_tensor_ops,
-           nb::handle threads) {
+           nb::handle threads, const std::map<std::string, std::string>& faults) {
           sim::SimOptions o;
           if (!threads.is_none()) {  // an int (not a bool) in 1..kMaxSimThreads
             const long most = sim::kMaxSimThreads;
@@ -351,6 +352,14 @@ void bind_device(nb::module_& m) {
                                           nb::repr(threads).c_str());
             o.threads = unsigned(v);
           }
+          for (const auto& [kernel, fault] : faults) {
+            const bool limit = !fault.empty() && fault.size() <= 4 &&
+                               fault.find_first_not_of("0123456789") == std::string::npos && std::stoul(fault) > 0;
+            if (fault != "build" && fault != "wrong" && !limit)
+              throw std::invalid_argument("faults['" + kernel + "'] must be 'build', 'wrong' or a thread limit 1..9999, "
+                                          "not '" + fault + "'");
+          }
+          o.faults = faults;
           o.bfloat_tensor_ops = bfloat_tensor_ops;
           o.pipeline_thread_limit = pipeline_thread_limit;
           o.working_set_bytes = working_set_bytes;
@@ -375,6 +384,7 @@ void bind_device(nb::module_& m) {
         "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9", "working_set_bytes"_a = 0,
         "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0, "bfloat_tensor_ops"_a = true,
         "threads"_a.none() = nb::none(),
+        "faults"_a = std::map<std::string, std::string>{},
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
         "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
         "tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out\n"
@@ -384,7 +394,9 @@ void bind_device(nb::module_& m) {
         "pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as\n"
         "register pressure may on a Mac (0 = none).\n"
         "threads: the OS threads running threadgroups (None: sim_default_threads(), i.e.\n"
-        "$LILY_SIM_THREADS or every CPU; 1: one after another, the serial simulator).");
+        "$LILY_SIM_THREADS or every CPU; 1: one after another, the serial simulator).\n"
+        "faults: {kernel: 'build' | 'wrong' | thread limit as a string} injects a pipeline that does not\n"
+        "build, wrong results, or a lower thread limit into named kernels (tests of the fallbacks).");
   m.def("sim_default_threads", &sim::default_sim_threads,
         "The threads a sim_device() takes by default: $LILY_SIM_THREADS if set, else the CPUs this\n"
         "process may run on. A bad $LILY_SIM_THREADS is a ValueError naming it.");

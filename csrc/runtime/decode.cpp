@@ -472,6 +472,17 @@ void DecodePlan::encode_lm_head(gpu::ComputePass& pass, DecodeScratch& s, gpu::B
   t.other_bytes += n * (H * f + vf);
 }
 
+// Threads of a one-threadgroup sampler dispatch: `want`, at most 1024, as many as the
+// pipeline allows (a Mac's compiler may lower a pipeline's limit under register pressure),
+// in a power of two (sample_token takes any multiple of 32 dividing 1024, the combine any
+// multiple of 32). Below 32 the load-time check refuses the pipeline by name.
+static uint32_t sampler_threads(const gpu::Pipeline& p, uint32_t want) {
+  const uint32_t cap = std::min<uint32_t>({want, 1024, p.max_threads_per_threadgroup()});
+  uint32_t n = 32;
+  while (2 * n <= cap) n *= 2;
+  return n;
+}
+
 void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const {
   encode_sample(pass, s, 0, seq, slot);
 }
@@ -502,7 +513,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
     if (bias) partial.in(3, *seq.bias, 0, vf);
     partial.run(pass);
     Op(*K.sample_greedy_combine, "greedy token -> next slot")
-        .groups(tg(1), tg(std::min<uint32_t>(1024, ceil_div(parts, 32) * 32)))
+        .groups(tg(1), tg(sampler_threads(*K.sample_greedy_combine, ceil_div(parts, 32) * 32)))
         .in(0, *s.argmax_part, s.at(s.argmax_part, r), part_bytes)
         .out(1, *seq.tokens, (slot ^ 1) * u32, u32)
         .args(2, args::ArgmaxArgs{parts, 0})
@@ -515,7 +526,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;
     Op op(*K.sample_token, "sample token -> next slot");
-    op.groups(tg(1), tg(1024))
+    op.groups(tg(1), tg(sampler_threads(*K.sample_token, 1024)))
         .in(0, *s.logits, s.at(s.logits, r), size_t(d.vocab_size) * f)
         .inout(1, *seq.counts, 0, seq.counts->size())
         .in(2, *seq.positions, slot * u32, u32)

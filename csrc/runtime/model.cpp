@@ -82,10 +82,31 @@ const TensorRef& WeightTable::at(const std::string& name) const {
   return it->second;
 }
 
+QuantFormat native_quant_format(const std::string& module) {
+  auto ends_with = [&](const char* s) {
+    const size_t n = std::strlen(s);
+    return module.size() >= n && module.compare(module.size() - n, n, s) == 0;
+  };
+  return QuantFormat{ends_with(".mlp.gate") || ends_with(".mlp.shared_expert_gate") ? 8u : 4u, kQuantGroup};
+}
+
 ModelWeights ModelWeights::bind(const WeightTable& table, const ModelDims& d) {
   auto tensor = [&](const std::string& name) { return &table.at(name); };
+  // The sizes must be those of native_quant_format: a packed weight of out * in * bits / 8
+  // bytes and bf16 scales and biases of out * in / group * 2 bytes each (lily.native_backend refuses
+  // another format by the config before anything is mapped; this catches a config that
+  // does not tell the truth).
   auto linear = [&](const std::string& module, uint32_t bits) {
-    return QuantLinear{tensor(module + ".weight"), tensor(module + ".scales"), tensor(module + ".biases"), bits};
+    QuantLinear q{tensor(module + ".weight"), tensor(module + ".scales"), tensor(module + ".biases"), bits};
+    const QuantFormat f = native_quant_format(module);
+    const uint64_t elements = q.weight->nbytes * 8 / f.bits;
+    if (f.bits != bits || q.scales->nbytes != q.biases->nbytes || q.scales->nbytes / 2 * f.group_size != elements)
+      throw std::invalid_argument("weights: " + module + " is not quantized as the native kernels read it (" +
+                                  std::to_string(f.bits) + "-bit in groups of " + std::to_string(f.group_size) +
+                                  "): packed weight " + std::to_string(q.weight->nbytes) + " bytes, scales " +
+                                  std::to_string(q.scales->nbytes) + " bytes, biases " +
+                                  std::to_string(q.biases->nbytes) + " bytes");
+    return q;
   };
   ModelWeights w;
   w.embed = linear("model.embed_tokens", 4);

@@ -85,6 +85,18 @@ class WeightTable {
   uint64_t repacked_bytes_ = 0;
 };
 
+// The quantization the kernels implement, as `mlx_lm convert -q --q-bits 4 --q-group-size 64`
+// writes it: MLX affine, 64-column groups (metal/common.h kQuantGroup), 4-bit weights and an
+// 8-bit router (`mlp.gate`) and shared-expert gate (`mlp.shared_expert_gate`).
+struct QuantFormat {
+  uint32_t bits = 4;
+  uint32_t group_size = 64;
+};
+constexpr uint32_t kQuantGroup = 64;
+// The format the kernels read a linear module in (its name without `.weight`, e.g.
+// `model.layers.0.mlp.gate`). lily.native_backend checks a checkpoint against it before loading.
+QuantFormat native_quant_format(const std::string& module);
+
 // A linear layer quantized as MLX writes it (affine, 64-column groups): packed weight
 // [.., out, in * bits / 32] uint32, bf16 scales and biases [.., out, in / 64].
 struct QuantLinear {

@@ -91,17 +91,52 @@ PrefillPlan::PrefillPlan(const ModelDims& dims, const RuntimeOptions& options, c
 void PrefillPlan::select_paths(const gpu::Device& device) {
   // Every prefill tensor operation takes bfloat operands (the GEMMs' and the attention's:
   // nothing is clipped, docs/prefill.md): the tensor path needs a tensor library whose
-  // operand table has bfloat (MacOSX 26.1 SDK on), else prefill runs simdgroup_matrix.
+  // operand table has bfloat (MacOSX 26.1 SDK on), else prefill runs simdgroup_matrix. Each
+  // family may still fall back alone at load (Runtime::check_tensor_families).
   const bool available = device.supports_tensor_ops() && device.supports_bfloat_tensor_ops();
-  tensor_ops_ = opt_.gemm_path == GemmPath::tensor || (opt_.gemm_path == GemmPath::automatic && available);
-  if (tensor_ops_ && !available)
+  const bool tensor = opt_.gemm_path == GemmPath::tensor || (opt_.gemm_path == GemmPath::automatic && available);
+  if (tensor && !available)
     throw std::invalid_argument("gemm_path 'tensor': " + (device.supports_tensor_ops()
                                                               ? device.bfloat_tensor_ops_status()
                                                               : device.tensor_ops_status()));
-  tensor_attention_ = tensor_ops_;
+  families_ = tensor ? kGemmFamily | kMoeFamily | kAttentionFamily : 0;
+}
+
+const char* PrefillPlan::family_name(Family f) {
+  return f == kGemmFamily ? "gemm" : f == kMoeFamily ? "moe_prefill" : "attention_prefill";
+}
+
+uint32_t PrefillPlan::family_of(const std::string& kernel) {
+  auto ends = [&](const char* s) {
+    const size_t n = std::strlen(s);
+    return kernel.size() >= n && kernel.compare(kernel.size() - n, n, s) == 0;
+  };
+  if (!ends("_tensor") && !ends("_qbf")) return 0;
+  if (kernel.rfind("attn_prefill", 0) == 0) return kAttentionFamily;
+  if (kernel.rfind("moe_gemm", 0) == 0) return kMoeFamily;
+  return kGemmFamily;
 }
 
 uint32_t PrefillPlan::split_rows() const { return opt_.split_block ? opt_.split_block : 1024; }
+
+std::vector<std::pair<uint32_t, uint32_t>> PrefillPlan::layer_groups(uint32_t p0, uint32_t rows) const {
+  const uint32_t L = d_.num_hidden_layers;
+  if (!opt_.command_buffer_rows) return {{0, L}};
+  const double context = double(p0) + rows / 2.0, budget = opt_.command_buffer_rows;
+  std::vector<std::pair<uint32_t, uint32_t>> out;
+  double work = 0;
+  for (uint32_t l = 0; l < L; ++l) {
+    const double w = rows * (d_.full_attention[l] ? 1.0 + context / kAttnLayerRows : 1.0);
+    if (!out.empty() && work + w <= budget) {
+      out.back().second = l + 1;
+      work += w;
+    } else {
+      out.emplace_back(l, l + 1);
+      work = w;
+    }
+  }
+  return out;
+}
 
 bool PrefillPlan::splits_attention() const {
   return opt_.max_context > opt_.split_threshold && opt_.max_context >= 2 * split_rows();
@@ -198,7 +233,9 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   const ModelDims& d = d_;
   w_ = &weights;
   PrefillKernels& k = kernels_;
-  const std::string path = tensor_ops_ ? "_tensor" : "";
+  const std::string path = families_ & kGemmFamily ? "_tensor" : "";
+  const std::string moe_path = families_ & kMoeFamily ? "_tensor" : "";
+  const bool tensor_attention = families_ & kAttentionFamily;
   const uint32_t D = d.head_dim, G = attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads);
   k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   k.rms_norm = &dev.pipeline("rms_norm_bf16");  // xn: the GEMMs' bfloat input
@@ -213,8 +250,8 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   k.gdn_conv_state = &dev.pipeline("gdn_conv_state");
   // the tensor-op attention (its own switch: bfloat operands) reads q as bfloat * scale in
   // its own layout (attn_prefill_prep_d<D>_qbf)
-  const std::string attn_path = tensor_attention_ ? "_tensor" : "";
-  k.attn_prep = &dev.pipeline(kernel_name("attn_prefill_prep", {{'d', D}}, tensor_attention_ ? "_qbf" : ""));
+  const std::string attn_path = tensor_attention ? "_tensor" : "";
+  k.attn_prep = &dev.pipeline(kernel_name("attn_prefill_prep", {{'d', D}}, tensor_attention ? "_qbf" : ""));
   // attention_prefill_tensor.metal on the tensor path
   k.attn = &dev.pipeline(kernel_name("attn_prefill", {{'d', D}, {'g', G}}, attn_path));
   if (splits_attention()) {
@@ -228,8 +265,8 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   for (uint32_t T : kExpertTileRows) {
     if (!expert_tile_available(T)) continue;
     k.experts_gate_up[tile_index(T)] =
-        &dev.pipeline(kernel_name("moe_gemm_gate_up", {{'q', 4}, {'t', T}}, path));
-    k.experts_down[tile_index(T)] = &dev.pipeline(kernel_name("moe_gemm_down", {{'q', 4}, {'t', T}}, path));
+        &dev.pipeline(kernel_name("moe_gemm_gate_up", {{'q', 4}, {'t', T}}, moe_path));
+    k.experts_down[tile_index(T)] = &dev.pipeline(kernel_name("moe_gemm_down", {{'q', 4}, {'t', T}}, moe_path));
   }
   k.moe_combine = &dev.pipeline("moe_combine");
   k.moe_combine_norm = &dev.pipeline("moe_combine_norm");
@@ -248,7 +285,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
   const size_t f = sizeof(float), bf = 2, u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
-  const GemmBlock gb = gemm_block(tensor_ops_);
+  const GemmBlock gb = gemm_block(families_ & kGemmFamily);
   // A routed-expert stack is declared whole (the experts are only known on the GPU); the
   // traffic counts the experts the chunk can reach, min(E, M*k) of them.
   auto expert_stack = [&](Op& op, uint32_t i, const QuantLinear& w) -> Op& {
@@ -285,10 +322,15 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, bf, kNormThreads, &t);
   };
 
+  const uint32_t L = uint32_t(model.layers.size());
+  const uint32_t first = chunk.layer_begin, end = chunk.layer_end ? chunk.layer_end : L;
   // embed: the chunk's token ids were written to tok[parity] by the host.
-  encode_embed_rows(pass, *K.embed_rows, "embed", model.embed, *c.tok[parity], 0, *c.h, M, H, d.vocab_size, &t);
+  if (first == 0) {
+    encode_embed_rows(pass, *K.embed_rows, "embed", model.embed, *c.tok[parity], 0, *c.h, M, H, d.vocab_size, &t);
+  }
 
-  for (const Layer& layer : model.layers) {
+  for (uint32_t li = first; li < end; ++li) {
+    const Layer& layer = model.layers[li];
     const uint32_t l = layer.index;
     // the other layers' input norm is fused into the previous layer's combine
     if (l == 0) rms_rows(*layer.input_norm, *c.h, *c.xn, labels_(l, "input norm"));
@@ -333,7 +375,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const size_t q_bytes = size_t(M) * Hq * D * (tensor_attention_ ? 2 : f);  // bfloat q: the tensor attention
+      const size_t q_bytes = size_t(M) * Hq * D * (tensor_attention() ? 2 : f);  // bfloat q: the tensor attention
       {
         Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
         op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
@@ -436,7 +478,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       for (uint32_t cl = 0; cl < classes; ++cl) {
         const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
         if (!tiles_c) continue;  // too few assignments for a tile of this class
-        const MoeGeometry mg = moe_geometry(Tc, tensor_ops_);
+        const MoeGeometry mg = moe_geometry(Tc, families_ & kMoeFamily);
         const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
         Op op(*(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
               labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]));
@@ -479,7 +521,9 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     op.run(pass);
   }
 
-  if (chunk.logits == Logits::all) {
+  if (end < L) {
+    // a later command buffer runs the next layers (layer_groups)
+  } else if (chunk.logits == Logits::all) {
     rms_rows(*model.final_norm, *c.h, *c.xn, "final norm");  // lm_head runs per block (encode_lm_head_rows)
   } else if (chunk.logits == Logits::last || chunk.sample) {
     const int slot = int((p0 + M - 1) % 2);
@@ -493,7 +537,7 @@ void PrefillPlan::encode_lm_head_rows(gpu::CommandBuffer& cmd, PrefillScratch& c
   const ModelDims& d = d_;
   const size_t f = sizeof(float), bf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
-  const GemmBlock gb = gemm_block(tensor_ops_);
+  const GemmBlock gb = gemm_block(families_ & kGemmFamily);
   Op(kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)")
       .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
       .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * bf, size_t(R) * H * bf)

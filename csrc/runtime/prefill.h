@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "gpu/device.h"
@@ -59,6 +60,9 @@ struct Chunk {
   bool sample = false;     // the last row's sampler writes the first generated token
   int measured = -1;       // the parity of the newest completed chunk's expert histograms (-1: none)
   uint32_t tile_rows = 0;  // the expert tile height to encode (preflight); 0: moe_tile_rows chooses
+  // The layers to encode, [layer_begin, layer_end) (layer_end 0: to the last): the embedding
+  // runs with layer 0, the head (logits, sampler) after the last layer (PrefillPlan::layer_groups).
+  uint32_t layer_begin = 0, layer_end = 0;
 };
 
 class PrefillPlan {
@@ -70,14 +74,35 @@ class PrefillPlan {
   // Picks the GEMM path (gemm_path: Metal 4 tensor operations where the device has them) and
   // the attention's; throws std::invalid_argument when 'tensor' is asked and unavailable.
   void select_paths(const gpu::Device& device);
-  // Whether the GEMMs (dense and expert) run the Metal 4 tensor-op kernels.
-  bool tensor_ops() const { return tensor_ops_; }
-  // Whether the attention runs them too (bfloat operands).
-  bool tensor_attention() const { return tensor_attention_; }
+  // The three families of tensor-op kernels, one metal/<family>_tensor.metal each: the dense
+  // GEMMs (gemm), the grouped expert GEMMs (moe_prefill) and the attention (attention_prefill,
+  // bfloat operands). select_paths turns all on or off; one that fails its load-time check
+  // (Runtime::check_tensor_families) is turned off alone, back to its simdgroup_matrix twins.
+  enum Family : uint32_t { kGemmFamily = 1, kMoeFamily = 2, kAttentionFamily = 4 };
+  static const char* family_name(Family f);
+  // The families on the tensor path (a mask of Family), and the families a kernel name
+  // belongs to (0: not a tensor-op kernel).
+  uint32_t tensor_families() const { return families_; }
+  void set_tensor_families(uint32_t mask) { families_ = mask; }
+  static uint32_t family_of(const std::string& kernel);
+  // Whether the GEMMs (dense or expert) run the Metal 4 tensor-op kernels.
+  bool tensor_ops() const { return families_ & (kGemmFamily | kMoeFamily); }
+  // Whether the attention runs them (bfloat operands).
+  bool tensor_attention() const { return families_ & kAttentionFamily; }
   // Whether this path has expert tiles of height T (128: tensor ops only).
-  bool expert_tile_available(uint32_t T) const { return T < 128 || tensor_ops_; }
+  bool expert_tile_available(uint32_t T) const { return T < 128 || (families_ & kMoeFamily); }
   // Minimum KV rows per split of a chunk's attention (split_block, or 1024).
   uint32_t split_rows() const;
+  // The command buffers of a chunk of `rows` rows at `p0`: its layers as [begin, end) groups,
+  // each holding at most the command_buffer_rows option's work (one group when it is 0) but
+  // at least one layer. A layer's work is its rows, an attention layer's rows (1 +
+  // c / kAttnLayerRows) for its mean context c (attention grows with the context, the rest
+  // of a layer does not): a 4096-row chunk is one layer per command buffer, a 100-row chunk
+  // one command buffer (docs/prefill.md "Command buffers").
+  std::vector<std::pair<uint32_t, uint32_t>> layer_groups(uint32_t p0, uint32_t rows) const;
+  // Context rows at which an attention layer costs twice the rest of a layer (lily estimate's
+  // model of Qwen3.6-35B-A3B on an M1: ~9,200; rounded down).
+  static constexpr uint32_t kAttnLayerRows = 8192;
   // Whether the context reaches the split attention (its partials and kernels exist).
   bool splits_attention() const;
 
@@ -103,8 +128,7 @@ class PrefillPlan {
   const ModelWeights* w_ = nullptr;  // bind()
   PrefillKernels kernels_;
   mutable LayerLabels labels_;
-  bool tensor_ops_ = false;        // the GEMMs' path (bfloat tensor operands)
-  bool tensor_attention_ = false;  // the attention's path (bfloat tensor operands)
+  uint32_t families_ = 0;  // Family mask on the tensor path (every family: bfloat operands)
 };
 
 }  // namespace lily::runtime

@@ -179,6 +179,12 @@ void bind_runtime(nb::module_& m) {
         "The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry\n"
         "of each (as the counting runtime's records: work = flops per path, bytes, latency chains; None\n"
         "for a kernel the table does not know): how `lily bench --kernels` prices what it timed.");
+  m.def("native_quant_format", [](const std::string& module) {
+    const QuantFormat f = native_quant_format(module);
+    return std::make_pair(f.bits, f.group_size);
+  }, "module"_a,
+        "(bits, group_size) the native kernels read the linear `module` in (e.g. "
+        "'model.layers.0.mlp.gate' -> (8, 64)); csrc/runtime/model.h.");
   nb::class_<ModelDims> dims(m, "ModelDims",
                              "The model's dimensions (lily.checkpoint.ModelConfig's fields of the same names, "
                              "full_attention per layer); FIELDS lists the scalar ones.");
@@ -346,6 +352,14 @@ void bind_runtime(nb::module_& m) {
                    "(prefill chunks, forward passes, generation steps whose token next() returned): a "
                    "total, take differences.")
       .def_prop_ro("uses_tensor_attention", &Runtime::uses_tensor_attention)
+      .def_prop_ro("tensor_families", &Runtime::tensor_families,
+                   "The families of Metal 4 tensor-op kernels prefill runs (gemm, moe_prefill, attention_prefill), "
+                   "after the load-time check against their simdgroup_matrix twins.")
+      .def("prefill_command_buffers", &Runtime::prefill_command_buffers, "position"_a, "rows"_a,
+           "The layers of a prefill chunk of `rows` rows at `position` as [begin, end) pairs, one command "
+           "buffer each (the command_buffer_rows option bounds each one's work; docs/prefill.md).")
+      .def_prop_ro("notices", &Runtime::notices,
+                   "One line per tensor-op family the load-time check took off the tensor path, saying why.")
       .def_prop_ro("memory_use", [](const Runtime& r) {
         const MemoryUse& u = r.memory_use();
         nb::dict d;

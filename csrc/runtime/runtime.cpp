@@ -11,6 +11,7 @@
 #include <cstring>
 #include <map>
 #include <stdexcept>
+#include <tuple>
 
 #include "runtime/encoder.h"
 #include "runtime/kernel_args.h"
@@ -85,10 +86,135 @@ Runtime::Runtime(std::shared_ptr<gpu::Device> device, ModelDims dims, const std:
   model_ = ModelWeights::bind(weights_, dims_);
   allocate_buffers(chunk);
   record_only_ = seq_.tokens->contents() == nullptr;
-  // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5).
+  // The prefill GEMMs: Metal 4 tensor operations where the device has them (Apple10 / M5),
+  // each family only once it computed what its twins compute.
   prefill_.select_paths(*device_);
+  if (!record_only_) check_tensor_families();
   reset();
-  preflight();
+  for (;;) {  // a tensor family whose pipeline does not build at a shape the plan dispatches goes back
+    try {
+      preflight();
+      break;
+    } catch (const std::invalid_argument& e) {
+      if (!drop_failed_family(e.what())) throw;
+    }
+  }
+}
+
+std::vector<std::string> Runtime::tensor_families() const {
+  std::vector<std::string> out;
+  for (auto f : {PrefillPlan::kGemmFamily, PrefillPlan::kMoeFamily, PrefillPlan::kAttentionFamily})
+    if (prefill_.tensor_families() & f) out.push_back(PrefillPlan::family_name(f));
+  return out;
+}
+
+bool Runtime::drop_failed_family(const std::string& error) {
+  // the kernel a load error names, as 'name'
+  for (size_t a = error.find('\''); a != std::string::npos; a = error.find('\'', a + 1)) {
+    const size_t b = error.find('\'', a + 1);
+    if (b == std::string::npos) break;
+    const uint32_t family = PrefillPlan::family_of(error.substr(a + 1, b - a - 1));
+    if (family & prefill_.tensor_families()) {
+      prefill_.set_tensor_families(prefill_.tensor_families() & ~family);
+      notices_.push_back(std::string("the Metal 4 tensor-op kernels of ") +
+                         PrefillPlan::family_name(PrefillPlan::Family(family)) + " cannot run here (" + error +
+                         "): prefill runs that family's simdgroup_matrix kernels");
+      return true;
+    }
+    a = b;
+  }
+  return false;
+}
+
+void Runtime::check_tensor_families() {
+  const uint32_t all = prefill_.tensor_families();
+  if (!all) return;
+  const ModelDims& d = dims_;
+  // A short chunk of fixed tokens at position 0 through the first layer (every dense GEMM
+  // kernel and the MoE: a DeltaNet layer has them all) and, for the attention, through the
+  // first attention layer.
+  uint32_t attn_layers = 1;
+  while (attn_layers < d.num_hidden_layers && !d.full_attention[attn_layers - 1]) ++attn_layers;
+  const uint32_t M = std::min<uint32_t>(16, prefill_scratch_.rows);
+  std::vector<uint32_t> ids(M);
+  for (uint32_t i = 0; i < M; ++i) ids[i] = uint32_t((uint64_t(i) * 2654435761u + 7) % d.vocab_size);
+  const size_t H = d.hidden_size;
+  // h after `layers` layers with the families in `mask` on the tensor path, expert tiles of
+  // height `tile`; throws what the device throws (a pipeline that does not build, a fault)
+  auto run = [&](uint32_t mask, uint32_t tile, uint32_t layers) {
+    prefill_.set_tensor_families(mask);
+    prefill_.bind(*device_, model_);
+    reset();
+    std::memcpy(prefill_scratch_.tok[0]->contents(), ids.data(), M * sizeof(uint32_t));
+    Chunk chunk{0, 0, M, Logits::none, false};
+    chunk.tile_rows = tile;
+    chunk.layer_end = layers;  // no head: the residual h is compared
+    auto cmd = device_->new_command_buffer();
+    prefill_.encode_chunk(*cmd, prefill_scratch_, seq_, decode_scratch_, chunk, nullptr);
+    cmd->commit();
+    cmd->wait();
+    const auto* h = static_cast<const float*>(prefill_scratch_.h->contents());
+    return std::vector<float>(h, h + M * H);
+  };
+  // Rows compared by relative L2 error: each family's twins compute the same fp32 sums on the
+  // same bfloat operands in another order (~1e-6), whose bfloat-stored outputs (z, q|gate, the
+  // expert hidden and outputs, P in the attention) may then round one bfloat ulp (2^-8) apart
+  // in a few elements: ~1e-4 for the GEMMs, more for the attention's softmax weights. A router
+  // near-tie may pick another expert for a row, so up to an eighth of the rows may differ
+  // more; a wrong kernel changes many.
+  auto agree = [&](const std::vector<float>& a, const std::vector<float>& b, uint32_t layers, double bound,
+                   std::string* why) {
+    uint32_t off = 0;
+    double worst = 0;
+    for (uint32_t r = 0; r < M; ++r) {
+      double e = 0, n = 0;
+      for (size_t i = 0; i < H; ++i) {
+        const double x = a[r * H + i], y = b[r * H + i];
+        e += (x - y) * (x - y);
+        n += y * y;
+      }
+      const double rel = std::sqrt(e / std::max(n, 1e-30));
+      if (!(rel <= bound)) ++off;  // NaN counts
+      if (!(rel <= worst)) worst = rel;
+    }
+    char b2[200];
+    std::snprintf(b2, sizeof b2, "%u of %u rows of the residual after layer %u differ from the simdgroup_matrix "
+                  "kernels' by more than %g relative (worst %.3g)", off, M, layers - 1, bound, worst);
+    *why = b2;
+    return off * 8 <= M;
+  };
+  uint32_t keep = 0;
+  try {
+    const std::vector<float> base = run(0, 64, 1);
+    for (auto f : {PrefillPlan::kGemmFamily, PrefillPlan::kMoeFamily, PrefillPlan::kAttentionFamily}) {
+      if (!(all & f)) continue;
+      std::string why;
+      bool ok = true;
+      try {
+        const uint32_t layers = f == PrefillPlan::kAttentionFamily ? attn_layers : 1;
+        for (uint32_t tile : kExpertTileRows) {  // every tile height on the moe family; once for the others
+          if (f != PrefillPlan::kMoeFamily && tile != 64) continue;
+          // 128: tensor-op tiles only, against the simdgroup path's 64
+          const std::vector<float> want = layers == 1 && tile >= 64 ? base : run(0, std::min<uint32_t>(tile, 64), layers);
+          if (!agree(run(f, tile, layers), want, layers, f == PrefillPlan::kAttentionFamily ? 2e-2 : 1e-3, &why)) {
+            ok = false;
+            if (f == PrefillPlan::kMoeFamily) why += " with expert tiles of " + std::to_string(tile) + " rows";
+            break;
+          }
+        }
+      } catch (const std::exception& e) {
+        ok = false;
+        why = e.what();
+      }
+      if (ok) keep |= f;
+      else notices_.push_back(std::string("the Metal 4 tensor-op kernels of ") + PrefillPlan::family_name(f) +
+                              " failed their check at load (" + why + "): prefill runs that family's "
+                              "simdgroup_matrix kernels");
+    }
+  } catch (const std::exception&) {  // the simdgroup path itself failed: the load's own checks say why
+    keep = all;
+  }
+  prefill_.set_tensor_families(keep);
 }
 
 void Runtime::allocate_buffers(uint32_t chunk) {
@@ -517,17 +643,26 @@ void Runtime::check_feed(const SequenceState& seq, const std::vector<uint32_t>& 
                                   " is outside the vocabulary");
 }
 
-std::unique_ptr<gpu::CommandBuffer> Runtime::encode_chunk(SequenceState& seq, const uint32_t* tokens, uint32_t M,
-                                                          Logits logits, bool sample) {
+std::unique_ptr<gpu::CommandBuffer> Runtime::encode_chunk(uint32_t id, SequenceState& seq, const uint32_t* tokens,
+                                                          uint32_t M, Logits logits, bool sample) {
   const int parity = int(chunks_done_ % 2);
-  // Creating the command buffer waits for the chunk two back, whose token buffer is reused.
+  // Creating a command buffer waits for the one two back (kMaxInFlight), so the chunk two
+  // back, whose token buffer is reused, has completed.
   auto cmd = device_->new_command_buffer();
   std::memcpy(prefill_scratch_.tok[parity]->contents(), tokens, M * sizeof(uint32_t));
   if (sample) static_cast<uint32_t*>(seq.positions->contents())[(seq.position + M - 1) % 2] = seq.position + M - 1;
   // decode steps before this prefill: written back first, the scan reads the state
   if (seq.position > seq.written) decode_.encode_state_writeback(*cmd, seq, seq.position - seq.written);
-  prefill_.encode_chunk(*cmd, prefill_scratch_, seq, decode_scratch_,
-                        chunk_at(parity, seq.position, M, logits, sample), nullptr);
+  Chunk chunk = chunk_at(parity, seq.position, M, logits, sample);
+  // The chunk's layers in command buffers of bounded work (layer_groups), each but the last
+  // committed as it is encoded: two in flight keep the GPU busy while the host encodes the next.
+  const auto groups = prefill_.layer_groups(seq.position, M);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (g) cmd = device_->new_command_buffer();
+    std::tie(chunk.layer_begin, chunk.layer_end) = groups[g];
+    prefill_.encode_chunk(*cmd, prefill_scratch_, seq, decode_scratch_, chunk, nullptr);
+    if (g + 1 < groups.size()) commit(std::move(cmd), {}, {id}, false, true);
+  }
   seq.position += M;
   seq.written = seq.position;  // the scan writes the state back (set once both are encoded)
   ++chunks_done_;
@@ -575,7 +710,7 @@ uint64_t Runtime::run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, s
     const uint32_t M = uint32_t(std::min<size_t>(prefill_scratch_.rows, end - s));
     const bool last = s + M == end;
     const uint32_t p = seq.position;
-    auto cmd = encode_chunk(seq, tokens.data() + s, M, last ? last_logits : Logits::none, last && sample);
+    auto cmd = encode_chunk(id, seq, tokens.data() + s, M, last ? last_logits : Logits::none, last && sample);
     const bool keep = last && ticket;
     if (keep && last_logits == Logits::last) keep_logits(*cmd, seq, decode_scratch_, 0);
     StepRow row{id, -1, last_logits == Logits::last};

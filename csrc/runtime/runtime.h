@@ -48,6 +48,7 @@ enum class Logits { none, last, all };
   X(uint32_t, split_block, 0)        /* KV rows per split block; 0: by context (split_rows) */  \
   X(uint32_t, prefill_chunk, 0)      /* tokens per prefill chunk; 0: automatic (kAutoPrefillChunks) */ \
   X(uint32_t, state_window, 16)      /* decode steps per Gated DeltaNet state write-back; 1: every step */ \
+  X(uint32_t, command_buffer_rows, 4096) /* work per prefill command buffer, in layer-rows (PrefillPlan::layer_groups); 0: one per chunk */ \
   X(bool, virtual_weights, false)    /* record-only counting: weights need not exist on disk */
 
 // The automatic prefill chunk (prefill_chunk 0): the first of these, capped at max_context,
@@ -354,9 +355,20 @@ class Runtime {
   double gpu_seconds() const { return gpu_seconds_; }
   // Whether prefill's GEMMs (dense and expert) run the Metal 4 tensor-op kernels.
   bool uses_tensor_ops() const { return prefill_.tensor_ops(); }
-  // Whether prefill's attention runs them too (bfloat operands: only with uses_tensor_ops()
-  // and Device::supports_bfloat_tensor_ops()).
+  // Whether prefill's attention runs them too (bfloat operands: only with
+  // Device::supports_bfloat_tensor_ops()).
   bool uses_tensor_attention() const { return prefill_.tensor_attention(); }
+  // The families of tensor-op kernels prefill runs (names: gemm, moe_prefill,
+  // attention_prefill), after the load-time check (check_tensor_families).
+  std::vector<std::string> tensor_families() const;
+  // The layers of a prefill chunk of `rows` rows at `position`, as [begin, end) groups, one
+  // command buffer each (PrefillPlan::layer_groups, the command_buffer_rows option).
+  std::vector<std::pair<uint32_t, uint32_t>> prefill_command_buffers(uint32_t position, uint32_t rows) const {
+    return prefill_.layer_groups(position, rows);
+  }
+  // One line per family of tensor-op kernels the load-time check took off the tensor path,
+  // saying why (the engine prints them); empty when none was.
+  const std::vector<std::string>& notices() const { return notices_; }
   // Bytes of the prefill scratch buffers (sized for one chunk; independent of prompt length).
   uint64_t prefill_scratch_bytes() const { return prefill_scratch_.bytes; }
   // Assignments per expert of layer `layer` in the last completed prefill chunk [E].
@@ -417,12 +429,22 @@ class Runtime {
   // library or a threadgroup above its pipeline's limit fails at load naming the kernel;
   // fills kernels_.
   void preflight();
+  // Each family of tensor-op kernels the plan uses runs once against its simdgroup_matrix
+  // twins before anything else (the first layers of a short chunk, every expert tile height,
+  // on the model's weights, compared row by row); a family whose kernels fail to build, fault
+  // or disagree goes back to its twins, with a notice (notices_). Also a tensor kernel that
+  // preflight cannot build at a shape the plan dispatches (drop_failed_family).
+  void check_tensor_families();
+  // The family of the tensor-op kernel `error` names, taken off the tensor path with a notice;
+  // false when it names none on the tensor path (the error is then the load's to raise).
+  bool drop_failed_family(const std::string& error);
   std::unique_ptr<gpu::CommandBuffer> logged_command_buffer();
   void check_feed(const SequenceState& seq, const std::vector<uint32_t>& tokens, const char* what) const;
-  // Encodes one prefill chunk of `seq` (the GDN ring written back first) into a new command
-  // buffer, not committed; advances seq.position and seq.written.
-  std::unique_ptr<gpu::CommandBuffer> encode_chunk(SequenceState& seq, const uint32_t* tokens, uint32_t rows,
-                                                   Logits logits, bool sample);
+  // Encodes one prefill chunk of sequence `id` (the GDN ring written back first): its layer
+  // groups but the last committed (no outputs), the last returned, not committed; advances
+  // seq.position and seq.written.
+  std::unique_ptr<gpu::CommandBuffer> encode_chunk(uint32_t id, SequenceState& seq, const uint32_t* tokens,
+                                                   uint32_t rows, Logits logits, bool sample);
   // Commits prefill chunks for tokens[begin, end) of sequence `id` at its position; the last
   // chunk gets `last_logits` / `sample` and, when `ticket`, returns its ticket (else 0).
   uint64_t run_chunks(uint32_t id, const std::vector<uint32_t>& tokens, size_t begin, size_t end,
@@ -458,6 +480,7 @@ class Runtime {
   bool sizing_ = false;
   MemoryUse memory_;
   std::vector<KernelUse> kernels_;
+  std::vector<std::string> notices_;
 
   // committed work, oldest first: prefill chunks, steps (start/next and submit_step)
   std::deque<Inflight> inflight_;

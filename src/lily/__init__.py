@@ -6,6 +6,7 @@ Public names only; see ``docs/`` for the guide.
 from lily.errors import (
     CheckpointError,
     ConfigError,
+    QuantizationError,
     ContextLengthError,
     DeviceError,
     InvalidParameterError,
@@ -25,6 +26,7 @@ __all__ = [
     "ChatResult",
     "CheckpointError",
     "ConfigError",
+    "QuantizationError",
     "ContextLengthError",
     "DeviceError",
     "Engine",

@@ -1,6 +1,6 @@
 """Lily's native core (C++17; Objective-C++ for the Metal backend)."""
 
-from collections.abc import Callable, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Annotated
 
 import numpy
@@ -170,7 +170,7 @@ class Device:
         CommandBuffer.dispatch_log reads (the scalar counters are always kept).
         """
 
-def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True, threads: int | None = None) -> Device:
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True, threads: int | None = None, faults: Mapping[str, str] = {}) -> Device:
     """
     The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
     gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
@@ -182,6 +182,8 @@ def sim_device(record_only: bool = False, order: str = 'forward', thread_order: 
     register pressure may on a Mac (0 = none).
     threads: the OS threads running threadgroups (None: sim_default_threads(), i.e.
     $LILY_SIM_THREADS or every CPU; 1: one after another, the serial simulator).
+    faults: {kernel: 'build' | 'wrong' | thread limit as a string} injects a pipeline that does not
+    build, wrong results, or a lower thread limit into named kernels (tests of the fallbacks).
     """
 
 def sim_default_threads() -> int:
@@ -250,6 +252,11 @@ def dispatch_costs(command_buffer: CommandBuffer) -> list:
     The dispatches a command buffer recorded (CommandBuffer.dispatch_log) with the cost table's entry
     of each (as the counting runtime's records: work = flops per path, bytes, latency chains; None
     for a kernel the table does not know): how `lily bench --kernels` prices what it timed.
+    """
+
+def native_quant_format(module: str) -> tuple[int, int]:
+    """
+    (bits, group_size) the native kernels read the linear `module` in (e.g. 'model.layers.0.mlp.gate' -> (8, 64)); csrc/runtime/model.h.
     """
 
 class ModelDims:
@@ -530,6 +537,12 @@ class RuntimeOptions:
     def state_window(self, arg: int, /) -> None: ...
 
     @property
+    def command_buffer_rows(self) -> int: ...
+
+    @command_buffer_rows.setter
+    def command_buffer_rows(self, arg: int, /) -> None: ...
+
+    @property
     def virtual_weights(self) -> bool: ...
 
     @virtual_weights.setter
@@ -660,6 +673,23 @@ class Runtime:
 
     @property
     def uses_tensor_attention(self) -> bool: ...
+
+    @property
+    def tensor_families(self) -> list[str]:
+        """
+        The families of Metal 4 tensor-op kernels prefill runs (gemm, moe_prefill, attention_prefill), after the load-time check against their simdgroup_matrix twins.
+        """
+
+    def prefill_command_buffers(self, position: int, rows: int) -> list[tuple[int, int]]:
+        """
+        The layers of a prefill chunk of `rows` rows at `position` as [begin, end) pairs, one command buffer each (the command_buffer_rows option bounds each one's work; docs/prefill.md).
+        """
+
+    @property
+    def notices(self) -> list[str]:
+        """
+        One line per tensor-op family the load-time check took off the tensor path, saying why.
+        """
 
     @property
     def memory_use(self) -> dict:

@@ -514,6 +514,64 @@ def cmd_cache_prompt(args) -> int:
     return 0
 
 
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def _test_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints lily.lab.testing converted into ``root`` (and interrupted conversions),
+    nothing else that may live there."""
+    if not root.is_dir():
+        return []
+    return sorted(d for d in root.iterdir() if d.is_dir() and ((d / "config.json").is_file() or d.name.startswith(".tmp-")))
+
+
+def cmd_cache(args) -> int:
+    """``lily cache list`` / ``lily cache clear [--stale]``: the aligned weight cache
+    (lily.weight_cache) and the test checkpoints (lily.lab.testing)."""
+    import shutil
+
+    from lily import weight_cache
+    from lily.lab.testing import default_cache_dir
+    wdir, tdir = weight_cache.default_dir(), default_cache_dir()
+    files = weight_cache.scan(wdir)
+    tests = _test_checkpoints(tdir)
+    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    if args.action == "clear":
+        if args.stale:
+            gone = weight_cache.prune(wdir)
+            print(f"removed {len(gone)} stale weight cache file{'s' if len(gone) != 1 else ''} "
+                  f"({mib(sum(c.size for c in gone))}) from {wdir}")
+            return 0
+        freed = weight_cache.clear(wdir)
+        print(f"removed the weight cache in {wdir} ({mib(freed)})")
+        tbytes = sum(_dir_bytes(d) for d in tests)
+        for d in tests:
+            shutil.rmtree(d, ignore_errors=True)
+        print(f"removed {len(tests)} test checkpoint{'s' if len(tests) != 1 else ''} in {tdir} ({mib(tbytes)})")
+        return 0
+    sizes = [(d, _dir_bytes(d)) for d in tests]
+    if args.json:
+        print(json.dumps({"weight_cache": {"dir": str(wdir), "files": [
+            {"path": str(c.path), "bytes": c.size, "sources": c.sources, "stale": c.stale} for c in files]},
+            "test_checkpoints": {"dir": str(tdir), "checkpoints": [{"path": str(d), "bytes": n} for d, n in sizes]}},
+            indent=2))
+        return 0
+    print(f"weight cache: {wdir} (aligned copies of checkpoint files the native devices map; $LILY_CACHE_DIR)")
+    for c in files:
+        print(f"  {mib(c.size):>12}  {c.path.name}  " + ("stale: its checkpoint file is gone or changed"
+                                                       if c.stale else "<- " + ", ".join(c.sources)))
+    stale = sum(c.size for c in files if c.stale)
+    print(f"  {mib(sum(c.size for c in files)):>12}  in {len(files)} file{'s' if len(files) != 1 else ''}"
+          + (f", {mib(stale)} stale (`lily cache clear --stale` removes it)" if stale else ""))
+    print(f"test checkpoints: {tdir} (converted by lily.lab.testing for the test suite; $LILY_TEST_CACHE)")
+    for d, n in sizes:
+        print(f"  {mib(n):>12}  {d.name}")
+    print(f"  {mib(sum(n for _, n in sizes)):>12}  in {len(sizes)} checkpoint{'s' if len(sizes) != 1 else ''}")
+    print("prompt cache files (lily cache-prompt) are where you saved them: not listed here")
+    return 0
+
+
 def cmd_info(args) -> int:
     engine = Engine.load(args.model, device="reference", progress=sys.stderr.isatty())
     info = engine.info()
@@ -534,7 +592,7 @@ def cmd_doctor(args) -> int:
     from lily.lab import doctor
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()] if args.kernels else None
     return doctor.run(device=args.device, kernels=kernels, model=args.model, max_context=args.max_context,
-                      seed=args.seed, as_json=args.json)
+                      seed=args.seed, as_json=args.json, quick=args.quick, rows=args.rows)
 
 
 def _int_at_least(lowest: int):
@@ -806,6 +864,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(cp)
     cp.set_defaults(func=cmd_cache_prompt, prompt_cache_bytes=None)
 
+    k = sub.add_parser("cache", help="list or clear Lily's caches on disk (aligned weight copies, test checkpoints)",
+                       description="`lily cache list` shows the aligned weight cache (a copy of each unaligned "
+                                   "checkpoint file, written at the first load on a native device so that loads "
+                                   "map it instead of copying the weights into memory) and the test checkpoints, "
+                                   "with sizes and, for each weight copy, the checkpoint files it serves. "
+                                   "`lily cache clear` deletes both; `--stale` only the weight copies whose "
+                                   "checkpoint file is gone or changed (Lily also removes those whenever it "
+                                   "writes a copy).")
+    k.add_argument("action", choices=["list", "clear"])
+    k.add_argument("--stale", action="store_true", help="clear: only the stale weight copies")
+    k.add_argument("--json", action="store_true", help="list: machine-readable output")
+    k.set_defaults(func=cmd_cache, check=lambda a: (a.stale and a.action != "clear" and k.error("--stale goes with clear"),
+                                                    a.json and a.action != "list" and k.error("--json goes with list")))
+
     i = sub.add_parser("info", help="show the model's config, tensor count, memory footprint and devices",
                        description="Print the checkpoint's configuration, tensor count, weight bytes, "
                                    "EOS ids, the devices in this build and the weight cache directory.")
@@ -878,8 +950,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print the chip, GPU family, OS and toolchain versions, whether the Metal "
                                    "library and the tensor library load, the memory the model needs, then run "
                                    "every shipped kernel once on the GPU (the simulator off a Mac) against its "
-                                   "numpy reference on random inputs from a printed seed. Ends with a block to paste into a "
-                                   "bug report. Exit status 1 when anything failed.")
+                                   "numpy reference on random inputs from a printed seed, at small shapes and at "
+                                   "the model's own, and the embedded demo model end to end against the numpy "
+                                   "reference (teacher-forced logits, a prefill and 16 sampled decode steps). Ends "
+                                   "with a block to paste into a bug report. Exit status 1 when anything failed.")
     d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
                    help="device to check (default auto: metal on a Mac, else the simulator)")
     d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
@@ -891,6 +965,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=_int_at_least(0), default=None, metavar="N",
                    help="non-negative seed of the random inputs (default: a fresh one, printed in the report)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    d.add_argument("--quick", action="store_true",
+                   help="the kernels at small shapes only (seconds): no model-size run, no end-to-end check")
+    d.add_argument("--rows", type=_int_at_least(1), default=None, metavar="N",
+                   help="prefill chunk rows of the model-size kernel checks (default 4096, the model's chunk; on "
+                        "the simulator 256: 4096 takes hours there)")
     d.set_defaults(func=cmd_doctor)
     e = sub.add_parser("estimate", help="ESTIMATE decode and prefill speed on an Apple GPU without a Mac",
                        description="A performance model (docs/performance.md) of the real plan's recorded "

@@ -21,7 +21,7 @@ from lily.backend import Backend
 from lily.chat_output import parse_chat_output, prompt_opens_reasoning
 from lily.checkpoint import Checkpoint, ModelConfig, open_checkpoint, read_generation_config, token_ids
 from lily.constraints import Constraint
-from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
+from lily.errors import ContextLengthError, DeviceError, InvalidParameterError, notice
 from lily.generation import (THINKING_CLOSE_TEXT, ChatResult, Generation, GenerationResult, StreamEvent,
                              Timings, collect)
 from lily.prompt_cache import DEFAULT_MAX_BYTES, PromptCache
@@ -85,17 +85,34 @@ def _generation_settings(generation_config: dict, path: Path, config: ModelConfi
 
 
 #: How a Mac build gets the GPU device it lacks (the README's "Running on a Mac").
-METAL_BUILD_FIX = ("To build the GPU device: install Xcode and its Metal Toolchain "
-                   "(`xcodebuild -downloadComponent MetalToolchain`), then reinstall with `pip install -v .` "
-                   "and read the CMake notice about Metal, or make the build fail loudly with the reason: "
-                   "`pip install . -Ccmake.define.LILY_METAL=ON`")
+METAL_BUILD_FIX = ("To build the GPU device: install Xcode, point the developer tools at it "
+                   "(`sudo xcode-select -s /Applications/Xcode.app`: the Command Line Tools have no Metal "
+                   "compiler) and install its Metal Toolchain (`xcodebuild -downloadComponent MetalToolchain`), "
+                   "then reinstall with `pip install -v .` and read the CMake notice about Metal, or make the "
+                   "build fail loudly with the reason: `pip install . -Ccmake.define.LILY_METAL=ON`")
 
 
-def notice(msg: str) -> None:
-    """A one-line notice on stderr, written above a progress bar that is showing (tqdm's
-    ``write``: the bar is cleared, the line printed, the bar drawn again below it)."""
-    from tqdm import tqdm
-    tqdm.write(msg, file=sys.stderr)
+#: The environment variable that overrides what ``device="auto"`` resolves to. For tests:
+#: ``LILY_AUTO_DEVICE=sim`` makes a Linux run take the native path a Mac takes (``metal``),
+#: so a test that silently assumes the default device is the numpy reference fails there.
+AUTO_DEVICE_ENV = "LILY_AUTO_DEVICE"
+
+
+def auto_device(available: Sequence[str] | None = None) -> str:
+    """What ``device="auto"`` resolves to: ``$LILY_AUTO_DEVICE`` if set (any device but
+    ``auto``), else ``metal`` where this build has it, else ``reference``. The simulator
+    verifies kernels and is far too slow to serve, so it is chosen only through the variable.
+
+    Raises :class:`DeviceError` if the variable names an unknown device or one not in this
+    build."""
+    available = available_devices() if available is None else available
+    forced = os.environ.get(AUTO_DEVICE_ENV)
+    if forced:
+        if forced not in available:
+            raise DeviceError(f"{AUTO_DEVICE_ENV}={forced!r} names no device of this build "
+                              f"(available: {', '.join(available)})")
+        return forced
+    return "metal" if "metal" in available else "reference"
 
 
 def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) -> Backend:
@@ -104,9 +121,9 @@ def _make_backend(device: str, ck: Checkpoint, max_context: int, options: dict) 
     available = available_devices()
     auto = device == "auto"
     if auto:
-        # The simulator verifies kernels; it is far too slow to serve: never chosen for you.
-        device = "metal" if "metal" in available else "reference"
-        if device != "metal":
+        forced = bool(os.environ.get(AUTO_DEVICE_ENV))
+        device = auto_device(available)
+        if device == "reference" and not forced:
             ignored = f"; device options ignored: {', '.join(sorted(options))}" if options else ""
             # on a Mac this is a build without the GPU device: say how to get one
             fix = f". {METAL_BUILD_FIX}" if sys.platform == "darwin" else ""
@@ -254,8 +271,9 @@ class Engine:
             An MLX 4-bit ``qwen3_5_moe`` checkpoint directory with tokenizer files.
         device : {"auto", "metal", "reference", "sim"}
             ``auto`` (default): ``metal`` where this build has it (macOS), else ``reference``
-            with a one-line notice on stderr. ``sim`` (the Metal kernels on the CPU
-            simulator, for verification) only when asked for.
+            with a one-line notice on stderr (``$LILY_AUTO_DEVICE`` overrides it: see
+            :func:`auto_device`). ``sim`` (the Metal kernels on the CPU simulator, for
+            verification) only when asked for.
         max_context : int | None
             Context window in tokens (default ``min(32768, max_position_embeddings)``).
         progress : bool
@@ -270,7 +288,9 @@ class Engine:
             default 256), ``split_block`` (rows per split block, default 0: chosen by
             context), ``state_window`` (decode steps per write-back of the Gated DeltaNet
             state, default 16; 1 writes it every step; results are the same bit for bit,
-            docs/decode.md), ``weight_cache`` (``True``: map unaligned checkpoint files
+            docs/decode.md), ``command_buffer_rows`` (work per prefill command buffer in
+            layer-rows, default 4096: a 4096-row chunk commits one layer at a time; 0: one
+            command buffer per chunk; docs/prefill.md "Command buffers"), ``weight_cache`` (``True``: map unaligned checkpoint files
             through an aligned copy written once under :func:`lily.weight_cache.default_dir`;
             a directory to use instead; ``False``: copy them into device memory at each
             load), and ``device_options`` for the simulator (e.g. ``{"order": "random"}``, or

@@ -1,10 +1,20 @@
-"""Lily's exception hierarchy.
+"""Lily's exception hierarchy, and :func:`notice` for what it tells the user without failing.
 
 Every error Lily raises on bad input is a :class:`LilyError`. Subclasses that describe a
 bad argument also derive from :class:`ValueError` so generic callers can catch them.
 """
 
 from __future__ import annotations
+
+import sys
+
+
+def notice(msg: str) -> None:
+    """A one-line notice on stderr, written above a progress bar that is showing (tqdm's
+    ``write``: the bar is cleared, the line printed, the bar drawn again below it). Used for
+    the no-Metal fallback, the weight cache and the runtime's load-time fallbacks."""
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stderr)
 
 
 class LilyError(Exception):
@@ -22,6 +32,14 @@ class CheckpointError(LilyError):
 
 class ConfigError(CheckpointError):
     """``config.json`` is missing, unreadable, or describes a model Lily does not run."""
+
+
+class QuantizationError(ConfigError):
+    """The checkpoint is quantized in a format the native kernels (devices ``sim`` and
+    ``metal``) do not read: they need MLX affine 4-bit weights in groups of 64 with an 8-bit
+    router and shared-expert gate (``mlx_lm convert -q --q-bits 4 --q-group-size 64``). The
+    message names the first module that differs, its format and the expected one; the
+    reference device runs any MLX affine format."""
 
 
 class TokenizerError(LilyError):

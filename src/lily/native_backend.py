@@ -14,7 +14,7 @@ import numpy as np
 from lily import _core
 from lily.backend import HostGeneration, RowResult
 from lily.checkpoint import Checkpoint, ModelConfig, expected_tensors
-from lily.errors import CheckpointError, DeviceError, InvalidParameterError
+from lily.errors import CheckpointError, DeviceError, InvalidParameterError, QuantizationError, notice
 from lily.sampling import TokenLogprob
 from lily.weight_cache import aligned_table
 
@@ -82,6 +82,30 @@ def check_kernel_dtypes(ck: Checkpoint) -> None:
                                   f"{want} (as mlx_lm convert writes it); use device='reference' or reconvert")
 
 
+def check_native_quantization(ck: Checkpoint) -> None:
+    """Every quantized linear of ``ck`` in the format the kernels read
+    (``lily._core.native_quant_format``: 4-bit in groups of 64, the router and the
+    shared-expert gate 8-bit). Raises :class:`QuantizationError` naming the first module
+    that differs and how many do, before anything is mapped or copied; the runtime checks
+    the tensors' sizes against the same format again when it binds them."""
+    from lily import _core
+    wrong = []
+    for kind, name, _ in expected_tensors(ck.config):
+        if kind == "linear":
+            spec = ck.quant_spec(name)
+            want = _core.native_quant_format(name)
+            if (spec.bits, spec.group_size) != want:
+                wrong.append((name, spec, want))
+    if wrong:
+        name, spec, (bits, group) = wrong[0]
+        more = f" (and {len(wrong) - 1} more modules)" if len(wrong) > 1 else ""
+        raise QuantizationError(
+            f"{ck.path / 'config.json'}: {name} is quantized {spec.bits}-bit in groups of {spec.group_size}{more}; "
+            f"the native kernels (devices sim, metal) read {bits}-bit weights in groups of {group} (the router and "
+            "shared-expert gate 8-bit), as `mlx_lm convert -q --q-bits 4 --q-group-size 64` writes them: "
+            "reconvert with those options, or use device='reference'")
+
+
 def reject_unknown_options(options, known, what: str) -> None:
     """Raises :class:`InvalidParameterError` listing the keys of ``options`` not in ``known``."""
     unknown = sorted(set(options) - set(known))
@@ -104,13 +128,16 @@ SIM_OPTIONS = _keywords(_core.sim_device) if hasattr(_core, "sim_device") else (
 def make_device(name: str, **options):
     """A native device by name. Raises :class:`DeviceError` if it is not in this build and
     :class:`InvalidParameterError` for an unknown or invalid option (``sim``: ``SIM_OPTIONS``;
-    ``metal`` takes none)."""
+    ``metal`` takes none). The simulator's ``faults`` ({kernel: "build" | "wrong" | a thread
+    limit}) inject a failure into named kernels (lily._core.sim_device)."""
     if name not in _core.compiled_devices():
         raise DeviceError(f"device {name!r} is not compiled into this build of lily "
                           f"(available: {', '.join(_core.compiled_devices()) or 'none'})")
     reject_unknown_options(options, SIM_OPTIONS if name == "sim" else (), f"{name} device option")
     if name != "sim":
         return _core.metal_device()
+    if isinstance(options.get("faults"), dict):
+        options = {**options, "faults": {k: str(v) for k, v in options["faults"].items()}}
     try:
         return _core.sim_device(**options)
     except (TypeError, ValueError) as e:
@@ -131,7 +158,9 @@ class NativeBackend:
                  weight_cache: bool | str = True, device_options: dict | None = None, **options):
         """``options``: the runtime's (:func:`runtime_options`) but ``virtual_weights``.
 
-        Raises :class:`CheckpointError` for a NaN or Inf in a floating tensor, found while
+        Raises :class:`QuantizationError` for a checkpoint quantized otherwise than the
+        kernels read (:func:`check_native_quantization`), before any file is mapped or
+        cached; :class:`CheckpointError` for a NaN or Inf in a floating tensor, found while
         the weight cache is written or, for tensors used from the checkpoint file itself
         (no cache, or an aligned file), by a scan here; a cache reused from an earlier load
         was checked when written and is not read again."""
@@ -143,6 +172,7 @@ class NativeBackend:
             raise InvalidParameterError("a record-only simulator executes nothing, so an Engine cannot run on "
                                         "it; lily.native_backend.count_decode_step / count_prefill_chunk count with one")
         check_kernel_dtypes(ck)
+        check_native_quantization(ck)
         self.name = device
         self.config = ck.config
         self.max_context = max_context
@@ -157,6 +187,8 @@ class NativeBackend:
             self.runtime = _core.Runtime(self.device, model_dims(ck.config), tensors, opts)
         except ValueError as e:
             raise DeviceError(f"{device}: {e}") from None
+        for line in self.runtime.notices:  # a family of tensor-op kernels that failed its load-time check
+            notice(f"lily: {line}")
         self.prefill_chunk: int = self.runtime.prefill_chunk
         self.options = opts  # lily._core.RuntimeOptions (the bench report records the plan's)
         self._host: HostGeneration | None = None  # a constrained generation in progress

@@ -30,7 +30,7 @@ from lily.lab.kernels.gemv import (  # noqa: E402
     enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
 from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
-from harness import assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
+from harness import assert_same_arithmetic, assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 from simdev import ORDERS, make_dev  # noqa: E402
 
 
@@ -395,7 +395,8 @@ def test_norm_gemv_grid_follows_rows_per_simdgroup():
 #
 # embed_norm_gemv_q4 (layer 0's first dispatch of the decode step): the embedding lookup
 # fused into norm_gemv_q4. It runs the same float32 operations in the same order as
-# embed_q4 followed by norm_gemv_q4, so h, xn and every output must be bit-identical.
+# embed_q4 followed by norm_gemv_q4, so h, xn and every output are bit-identical on the
+# simulator and within a few ulps on a GPU (harness.assert_same_arithmetic).
 
 
 @pytest.mark.parametrize("vocab,cols,rows,write_xn", [
@@ -433,8 +434,8 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
 
     want, got = outputs(False), outputs(True)
     np.testing.assert_allclose(got[0], emb.dequantize()[tok], rtol=1e-6, atol=1e-7)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+    for name, g, w in zip(("h", "xn", "y0", "y1", "y2", "y3"), got, want):
+        assert_same_arithmetic(dev, g, w, f"{name}: embed_norm_gemv_q4 vs embed_q4 + norm_gemv_q4")
 
 
 # ----------------------------------------------------------------------------- decode dispatch geometry

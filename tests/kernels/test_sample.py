@@ -59,11 +59,7 @@ def test_sample_greedy(dev, V):
     assert download(TOK, np.uint32)[0] == want
 
 
-@pytest.mark.parametrize("V,slice_", [(1, 64), (31, 64), (1000, 64), (1000, 4096), (248320, 4096), (5000, 96)])
-def test_argmax_two_stage(dev, V, slice_):
-    """argmax_partial (one threadgroup per slice) + sample_greedy_combine, as the runtime runs
-    the greedy argmax: the token of sample_greedy (largest logit, lowest index among ties,
-    NaN never) with ties across slices, a slice of NaN only, and a ragged last slice."""
+def _argmax_case(V, slice_):
     rng = fresh_rng(V, slice_)
     logits = f32(rng.standard_normal(V) * 3)
     if V > 10:
@@ -72,8 +68,27 @@ def test_argmax_two_stage(dev, V, slice_):
         logits[V // 4] = np.nan                 # NaN never wins
     if V > 2 * slice_:
         logits[slice_:2 * slice_] = np.nan      # a slice with no number at all
+    return logits
+
+
+@pytest.mark.parametrize("V,slice_", [(1, 64), (31, 64), (1000, 64), (1000, 4096), (248320, 4096), (5000, 96)])
+def test_argmax_two_stage(dev, V, slice_):
+    """argmax_partial (one threadgroup per slice) + sample_greedy_combine, as the runtime runs
+    the greedy argmax: the token of sample_greedy (largest logit, lowest index among ties,
+    NaN never) with ties across slices, a slice of NaN only, and a ragged last slice."""
+    logits = _argmax_case(V, slice_)
     token, stages = twins.argmax_two_stage(dev, logits, slice_)
     assert stages == 2
+    assert token == int(np.nanargmax(logits))
+
+
+@pytest.mark.parametrize("V,slice_", [(5000, 96), (20000, 64)])
+def test_argmax_two_stage_combine_with_fewer_threads(dev, V, slice_):
+    """The runtime gives sample_greedy_combine as many threads as its pipeline allows, down
+    to 32 (decode.cpp sampler_threads): 32 threads over 53 and 313 partials, several per
+    thread, give the same token."""
+    logits = _argmax_case(V, slice_)
+    token, _ = twins.argmax_two_stage(dev, logits, slice_, combine_threads=32)
     assert token == int(np.nanargmax(logits))
 
 
@@ -276,6 +291,7 @@ def test_sample_token_bias_temperature0(dev):
 @pytest.mark.parametrize("V,tg,params", [
     (50, 64, SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)),  # fast path
     (3000, 64, SamplingParams(temperature=0.5)),                                              # slow path
+    (3000, 32, SamplingParams(temperature=0.5)),  # the fewest threads the runtime gives it (sampler_threads)
 ])
 def test_sample_token_bias_exact_draws(dev, V, tg, params):
     """Draws with a logit bias (moderate values, so several tokens stay plausible) against the

@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdio>
@@ -447,12 +448,12 @@ class MetalDevice : public gpu::Device {
   }
   std::string name() const override { return "metal"; }
   int gpu_family() const override { return family_; }
-  bool supports_tensor_ops() const override { return tensor_lib_ != nil; }
+  bool supports_tensor_ops() const override { return !tensor_libs_.empty(); }
   uint64_t allocated_bytes() const override { return uint64_t(dev_.currentAllocatedSize); }
   std::string tensor_ops_status() const override { return tensor_status_; }
-  bool supports_bfloat_tensor_ops() const override { return tensor_lib_ != nil && bfloat_status_.empty(); }
+  bool supports_bfloat_tensor_ops() const override { return !tensor_libs_.empty() && bfloat_status_.empty(); }
   std::string bfloat_tensor_ops_status() const override {
-    return tensor_lib_ == nil ? tensor_status_ : bfloat_status_;
+    return tensor_libs_.empty() ? tensor_status_ : bfloat_status_;
   }
 
   BufferPtr new_buffer(size_t bytes) override {
@@ -477,7 +478,7 @@ class MetalDevice : public gpu::Device {
     std::lock_guard<std::mutex> g(mu_);
     auto it = cache_.find(name);
     if (it != cache_.end()) return *it->second;
-    if (tensor_lib_ && !bfloat_status_.empty() && gpu::is_bfloat_tensor_kernel(name))
+    if (!tensor_libs_.empty() && !bfloat_status_.empty() && gpu::is_bfloat_tensor_kernel(name))
       throw UsageError("kernel '" + name + "' uses Metal 4 tensor operations on bfloat operands, which this "
                        "device does not offer: " + bfloat_status_);
     std::string error;
@@ -499,8 +500,8 @@ class MetalDevice : public gpu::Device {
     std::vector<std::string> v;
     @autoreleasepool {
       for (NSString* s in [lib_ functionNames]) v.push_back(to_string(s));
-      if (tensor_lib_)  // without bfloat tensor ops, the kernels that need them are not offered
-        for (NSString* s in [tensor_lib_ functionNames])
+      for (const TensorLibrary& t : tensor_libs_)  // without bfloat tensor ops, the kernels that need them are not offered
+        for (NSString* s in [t.lib functionNames])
           if (bfloat_status_.empty() || !gpu::is_bfloat_tensor_kernel(to_string(s))) v.push_back(to_string(s));
     }
     return v;
@@ -559,13 +560,17 @@ class MetalDevice : public gpu::Device {
   // The pipeline of kernel `name` (cached), or nullptr with *error set.
   MetalPipeline* build_pipeline(const std::string& name, std::string* error, bool* unknown) {
     // Pipelines are looked up by name across the libraries: lily.metallib, then (on
-    // apple10 GPUs) lily_tensor.metallib with the Metal 4 tensor-op kernels.
+    // apple10 GPUs) the lily_tensor_<family>.metallib files with the Metal 4 tensor-op kernels.
     id<MTLFunction> fn = [lib_ newFunctionWithName:@(name.c_str())];
-    if (!fn && tensor_lib_) fn = [tensor_lib_ newFunctionWithName:@(name.c_str())];
+    const bool cooperative = fn == nil;
+    for (size_t i = 0; !fn && i < tensor_libs_.size(); ++i) fn = [tensor_libs_[i].lib newFunctionWithName:@(name.c_str())];
     if (!fn) {
       std::string where = "not in " + path_;
-      if (tensor_lib_) where += " or " + tensor_path_;
-      else where += " (the Metal 4 tensor-op kernels of lily_tensor.metallib are not loaded: " + tensor_status_ + ")";
+      for (const TensorLibrary& t : tensor_libs_) where += " or " + t.path;
+      if (tensor_libs_.empty())
+        where += " (the Metal 4 tensor-op kernels of lily_tensor_*.metallib are not loaded: " + tensor_status_ + ")";
+      else if (!tensor_notes_.empty())
+        where += " (" + tensor_notes_ + ")";
       *error = "unknown kernel '" + name + "': " + where;
       *unknown = true;
       return nullptr;
@@ -578,7 +583,7 @@ class MetalDevice : public gpu::Device {
                                                                          error:&err];
     if (!pso) {
       *error = "cannot build the pipeline for kernel '" + name + "': " + to_string([err localizedDescription]);
-      if (!bfloat_status_.empty() && [lib_ newFunctionWithName:@(name.c_str())] == nil)
+      if (!bfloat_status_.empty() && cooperative)
         *error += " (bfloat tensor operations are unavailable: " + bfloat_status_ + ")";
       return nullptr;
     }
@@ -594,7 +599,6 @@ class MetalDevice : public gpu::Device {
                      name.c_str());
       });
     }
-    const bool cooperative = tensor_lib_ != nil && [lib_ newFunctionWithName:@(name.c_str())] == nil;
     auto p = std::make_unique<MetalPipeline>(name, pso, std::move(params), cooperative ? fn : nil);
     MetalPipeline* raw = p.get();
     cache_.emplace(name, std::move(p));
@@ -635,13 +639,17 @@ class MetalDevice : public gpu::Device {
     return {};
   }
 
-  // lily_tensor.metallib (metal/*_tensor.metal, built with -std=metal4.0) is loaded only on
-  // apple10-family GPUs under macOS 26, and only if tensor_ops_probe (the GEMMs' tensor
-  // operation: bfloat operands, a cooperative left input) builds; otherwise tensor_status_
-  // says why and prefill uses the simdgroup_matrix kernels. The attention's operations have
-  // their own probe (tensor_ops_probe_bfloat); prefill takes the tensor path only where both
-  // build (every prefill tensor kernel takes bfloat operands: MacOSX 26.1's operand table on),
-  // and bfloat_status_ says why not.
+  // The tensor libraries (lily_tensor_<family>.metallib, one per metal/<family>_tensor.metal,
+  // built with -std=metal4.0) are loaded only on apple10-family GPUs under macOS 26; each
+  // that loads offers its family's kernels, one that does not is noted (tensor_notes_, one
+  // line on stderr) and its family runs the simdgroup_matrix kernels. tensor_ops_probe (the
+  // GEMMs' tensor operation: bfloat operands, a cooperative left input; in the gemm library)
+  // must build where present, or no tensor kernel is used (tensor_status_ says why). The
+  // attention's operations have their own probe (tensor_ops_probe_bfloat); prefill takes the
+  // tensor path only where both build (every prefill tensor kernel takes bfloat operands:
+  // MacOSX 26.1's operand table on), and bfloat_status_ says why not. Whether each family's
+  // kernels compute what they should is checked by running them once when a model loads
+  // (lily.native_backend), with the same fallback.
   void load_tensor_library() {
     const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
     if (family_ < gpu::kTensorOpsFamily) {
@@ -655,31 +663,68 @@ class MetalDevice : public gpu::Device {
     }
     if (!at_least_macos(LILY_METAL_TENSOR_MIN_OS)) {
       NSOperatingSystemVersion v = [[NSProcessInfo processInfo] operatingSystemVersion];
-      tensor_status_ = std::string("lily_tensor.metallib needs macOS ") + LILY_METAL_TENSOR_MIN_OS +
-                       " (its minimum, -mmacosx-version-min); this is macOS " + std::to_string(v.majorVersion) + "." +
+      tensor_status_ = std::string("the tensor libraries need macOS ") + LILY_METAL_TENSOR_MIN_OS +
+                       " (their minimum, -mmacosx-version-min); this is macOS " + std::to_string(v.majorVersion) + "." +
                        std::to_string(v.minorVersion);
       return;
     }
     if (@available(macOS 26.0, *)) {
+      // $LILY_TENSOR_METALLIB: a colon-separated list of libraries instead of those beside lily.metallib
+      std::vector<std::string> paths;
       const char* env = std::getenv("LILY_TENSOR_METALLIB");
-      std::string dir = path_.substr(0, path_.find_last_of('/') == std::string::npos ? 0 : path_.find_last_of('/') + 1);
-      std::string path = env && *env ? env : dir + "lily_tensor.metallib";
-      if (![[NSFileManager defaultManager] fileExistsAtPath:@(path.c_str())]) {
-        tensor_status_ = path + " does not exist: this build's Metal compiler had no -std=metal4.0 (Xcode 26.1 or "
-                         "newer with the Metal toolchain builds it)";
+      if (env && *env) {
+        std::string list = env;
+        for (size_t at = 0; at <= list.size();) {
+          size_t end = list.find(':', at);
+          if (end == std::string::npos) end = list.size();
+          if (end > at) paths.push_back(list.substr(at, end - at));
+          at = end + 1;
+        }
+      } else {
+        const size_t slash = path_.find_last_of('/');
+        const std::string dir = slash == std::string::npos ? "." : path_.substr(0, slash);
+        for (NSString* f in [[NSFileManager defaultManager] contentsOfDirectoryAtPath:@(dir.c_str()) error:nil]) {
+          const std::string name = to_string(f);
+          if (name.rfind("lily_tensor_", 0) == 0 && name.size() > 9 && name.substr(name.size() - 9) == ".metallib")
+            paths.push_back(dir + "/" + name);
+        }
+        std::sort(paths.begin(), paths.end());
+      }
+      if (paths.empty()) {
+        tensor_status_ = "no lily_tensor_*.metallib beside " + path_ + ": this build's Metal compiler had no "
+                         "-std=metal4.0 (Xcode 26.1 or newer with the Metal toolchain builds them)";
         return;
       }
-      NSError* err = nil;
-      id<MTLLibrary> lib = [dev_ newLibraryWithURL:[NSURL fileURLWithPath:@(path.c_str())] error:&err];
-      if (!lib) {
-        tensor_status_ = "cannot load " + path + ": " + to_string([err localizedDescription]);
+      std::vector<TensorLibrary> libs;
+      for (const std::string& path : paths) {
+        NSError* err = nil;
+        id<MTLLibrary> lib = [dev_ newLibraryWithURL:[NSURL fileURLWithPath:@(path.c_str())] error:&err];
+        if (lib) {
+          libs.push_back(TensorLibrary{lib, path});
+          continue;
+        }
+        const std::string note = "cannot load " + path + ": " + to_string([err localizedDescription]);
+        tensor_notes_ += (tensor_notes_.empty() ? "" : "; ") + note;
+        std::fprintf(stderr, "lily: %s; its kernels' family uses the simdgroup_matrix kernels\n", note.c_str());
+      }
+      if (libs.empty()) {
+        tensor_status_ = tensor_notes_;
         return;
       }
-      tensor_status_ = probe_error(lib, "tensor_ops_probe", path);
-      if (!tensor_status_.empty()) return;
-      tensor_lib_ = lib;
-      tensor_path_ = path;
-      bfloat_status_ = probe_error(lib, "tensor_ops_probe_bfloat", path);
+      auto with = [&](const char* probe) -> const TensorLibrary* {
+        for (const TensorLibrary& t : libs)
+          if ([t.lib newFunctionWithName:@(probe)] != nil) return &t;
+        return nullptr;
+      };
+      if (const TensorLibrary* t = with("tensor_ops_probe")) {
+        tensor_status_ = probe_error(t->lib, "tensor_ops_probe", t->path);
+        if (!tensor_status_.empty()) return;
+      }
+      tensor_libs_ = std::move(libs);
+      const TensorLibrary* t = with("tensor_ops_probe_bfloat");
+      bfloat_status_ = t ? probe_error(t->lib, "tensor_ops_probe_bfloat", t->path)
+                         : "the bfloat probe tensor_ops_probe_bfloat (lily_tensor_attention_prefill.metallib) is "
+                           "not loaded";
     } else {
       tensor_status_ = "Metal 4 tensor operations need macOS 26";
     }
@@ -688,11 +733,15 @@ class MetalDevice : public gpu::Device {
   id<MTLDevice> dev_;
   id<MTLCommandQueue> queue_;
   id<MTLLibrary> lib_;
-  id<MTLLibrary> tensor_lib_ = nil;
+  struct TensorLibrary {
+    id<MTLLibrary> lib;
+    std::string path;
+  };
+  std::vector<TensorLibrary> tensor_libs_;  // empty: no tensor kernels (tensor_status_ says why)
   std::string path_;
-  std::string tensor_path_;
   std::string tensor_status_;
-  std::string bfloat_status_;  // why the bfloat tensor kernels are off while tensor_lib_ is loaded
+  std::string tensor_notes_;   // the tensor libraries that did not load, while others did
+  std::string bfloat_status_;  // why the bfloat tensor kernels are off while tensor libraries are loaded
   int family_ = -1;
   std::mutex mu_;
   std::map<std::string, std::unique_ptr<MetalPipeline>> cache_;

@@ -336,7 +336,15 @@ class SimDevice : public gpu::Device {
         if (k.tensor_bfloat && !supports_bfloat_tensor_ops())
           throw UsageError(kernel_where(k) + " uses Metal 4 tensor operations on bfloat operands, which this device "
                            "does not offer: " + bfloat_tensor_ops_status());
-        auto p = std::make_unique<SimPipeline>(k, opt_.pipeline_thread_limit);
+        uint32_t cap = opt_.pipeline_thread_limit;
+        auto fault = opt_.faults.find(name);
+        if (fault != opt_.faults.end()) {
+          if (fault->second == "build")
+            throw Error("cannot build the pipeline for kernel '" + name + "': a fault injected by the simulator's "
+                        "faults option");
+          if (fault->second != "wrong") cap = uint32_t(std::stoul(fault->second));
+        }
+        auto p = std::make_unique<SimPipeline>(k, cap);
         const gpu::Pipeline& ref = *p;
         pipelines_.emplace(name, std::move(p));
         return ref;
@@ -684,6 +692,18 @@ void check_guards(Recorded* const* rs, size_t n) {
 }
 }  // namespace
 
+// The faults option's "wrong": a dispatch of the kernel flips bit 6 of byte 3 of every
+// 64-byte block of its declared write ranges once it has run.
+void inject_wrong_results(const std::map<std::string, std::string>& faults, Recorded* const* rs, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    auto fault = faults.find(rs[i]->kernel->name);
+    if (fault == faults.end() || fault->second != "wrong") continue;
+    for (const gpu::Range& w : rs[i]->writes)
+      for (size_t at = w.offset; at + 4 <= w.offset + w.size; at += 64)
+        static_cast<uint8_t*>(const_cast<gpu::Buffer*>(w.buffer)->contents())[at + 3] ^= 0x40;
+  }
+}
+
 void SimDevice::execute(SimCommandBuffer* cb) {
   try {
     std::vector<Recorded*> order;
@@ -706,10 +726,12 @@ void SimDevice::execute(SimCommandBuffer* cb) {
             if (opt_.verify_writes || opt_.verify_reads) run_verified(*order[i], ds[i], tagged);
             else exec_->run(&ds[i], 1);
             check_guards(&order[i], 1);
+            inject_wrong_results(opt_.faults, &order[i], 1);
           }
         } else if (!ds.empty()) {
           exec_->run(ds.data(), ds.size());
           check_guards(order.data(), order.size());
+          inject_wrong_results(opt_.faults, order.data(), order.size());
         }
       }
       // Copies run in queue order, after the passes encoded before them (CommandBuffer::copy

@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 
 #include "gpu/device.h"
 
@@ -57,6 +59,12 @@ struct SimOptions {
   // one after another on the queue thread. Results do not depend on it for a kernel whose
   // threadgroups do not race (docs/device-layer.md, "Execution model and guarantees").
   unsigned threads = 0;
+  // Faults injected into named kernels, to test the runtime's fallbacks without a Mac:
+  // "build" (the pipeline does not build: gpu::Error, as a Metal compiler may refuse it),
+  // "wrong" (every dispatch of it runs, then flips bit 6 of byte 3 of every 64-byte block of
+  // its declared write ranges: wrong results), or a decimal number (the pipeline's thread
+  // limit, as a Mac's compiler may set it under register pressure).
+  std::map<std::string, std::string> faults;
 };
 
 // The default of SimOptions::threads: $LILY_SIM_THREADS if set and not empty (1..kMaxSimThreads,

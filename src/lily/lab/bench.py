@@ -182,16 +182,24 @@ class LilyRunner:
         return out
 
 
+def mlx_lm_modules():
+    """``(mlx.core, mlx_lm, generate_step)``; raises :class:`InvalidParameterError` naming the
+    bench extra when MLX-LM is not installed (checked before Lily loads anything: a native
+    load may write the aligned weight cache)."""
+    try:
+        import mlx.core as mx
+        import mlx_lm
+        from mlx_lm.generate import generate_step
+    except ImportError as e:
+        raise InvalidParameterError(f"lily bench needs MLX-LM: pip install \".[bench]\" ({e})") from None
+    return mx, mlx_lm, generate_step
+
+
 class MlxLmRunner:
     """MLX-LM's ``generate_step`` (greedy: its default sampler; no EOS check)."""
 
     def __init__(self, path: str | Path):
-        try:
-            import mlx.core as mx
-            import mlx_lm
-            from mlx_lm.generate import generate_step
-        except ImportError as e:
-            raise InvalidParameterError(f"lily bench needs MLX-LM: pip install \".[bench]\" ({e})") from None
+        mx, mlx_lm, generate_step = mlx_lm_modules()
         self._mx, self._step = mx, generate_step
         self.model, _ = mlx_lm.load(str(path))
         dev = mx.default_device()
@@ -445,6 +453,7 @@ def bench(path: str | Path | None = None, *, device: str = "auto", lengths: Sequ
     if max_context > limit:
         raise InvalidParameterError(f"the longest request ({max_context} tokens) exceeds the model's "
                                     f"limit of {limit} tokens")
+    mlx_lm_modules()  # a missing extra fails here, before Lily's load writes anything
     lily = LilyRunner(path, device, max_context, device_options)
     peer = MlxLmRunner(path)
     if pplx:

@@ -1,5 +1,10 @@
-"""``lily doctor``: what this machine has, whether Lily's GPU code loads, and whether every
-shipped kernel computes what its numpy reference computes (lily.lab.kernels).
+"""``lily doctor``: what this machine has, whether Lily's GPU code loads, whether every
+shipped kernel computes what its numpy reference computes (lily.lab.kernels), first at small
+shapes, then at the model's own (hidden 2048, 256 experts top-8, vocabulary 248,320, head
+dims 256 and 128, a 4096-row prefill chunk, contexts past the attention split), and whether a
+whole generation does: the embedded demo model teacher-forced on the device against the
+numpy reference, then a prefill and 16 sampled decode steps (:func:`end_to_end`).
+``--quick`` runs the small shapes only.
 
 On a Mac it checks the ``metal`` device (the real GPU); elsewhere the ``sim`` device (the
 Metal simulator). The report ends with a short block meant to be pasted into a bug report.
@@ -19,8 +24,120 @@ from lily import _core, native_backend  # by module: tests swap its make_device
 from lily.checkpoint import open_checkpoint
 from lily.engine import DEFAULT_MAX_CONTEXT, METAL_BUILD_FIX, default_model_path
 from lily.errors import DeviceError, InvalidParameterError
+from lily.lab.kernels.harness import TOY, Result, Size
 from lily.lab.kernels.registry import run_checks, shipped_kernels
 from lily.lab.system import system_info
+
+#: Rows of the model-size prefill checks on the simulator by default: the model's 4096-row
+#: chunk takes hours there (its GEMMs run at ~0.1-1 GMAC/s on the CPU), and the rows only
+#: scale the grids; a GPU runs 4096 (``--rows`` sets it).
+SIM_MODEL_ROWS = 256
+
+#: Native vs reference logits on the demo model, relative L2 error per position: the bf16 KV
+#: cache and the prefill GEMMs' half operands give ~1e-4..1e-3, so E2E_INSIDE of the positions
+#: must be within E2E_REL_TOL; a router near-tie may pick another expert under that rounding
+#: (and move the later positions a little), so none may exceed 10 E2E_REL_TOL: the bounds of
+#: tests/test_native_prefill.py (its docstring derives them). A broken kernel is off by O(1).
+E2E_REL_TOL, E2E_INSIDE = 5e-3, 0.75
+#: A position's argmax must agree where the reference's top-2 margin exceeds E2E_MARGIN (at a
+#: position within E2E_REL_TOL), or 10 E2E_MARGIN (anywhere).
+E2E_MARGIN = 0.05
+#: Sampled decode steps of the end-to-end check, their settings, and the bounds: a sampled
+#: token's log-probability (raw logits, as reported) within E2E_LOGPROB_TOL nats of the
+#: reference's teacher-forced one (logits off by up to 5e-2 relative move it by ~0.1 on the demo
+#: model; a broken kernel by nats), and the token among the reference's top E2E_TOP_K + 5
+#: (top-k sampling; 5 of slack for the near-ties at the boundary).
+E2E_STEPS, E2E_TEMPERATURE, E2E_TOP_K, E2E_LOGPROB_TOL = 16, 0.8, 20, 0.25
+E2E_TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
+            "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief. ") * 2
+
+
+def compare_teacher_forced(native, ref, ids) -> dict:
+    """Both engines' logits at every position of ``ids`` (one prefill each, teacher forced) on
+    fresh sessions: ``rel_err`` (the worst position's relative L2 error), ``inside`` (the share
+    of positions within E2E_REL_TOL), ``clear`` (positions whose reference top-2 margin is clear,
+    E2E_MARGIN) and ``argmax_equal`` (how many of those have the same argmax), ``ok`` against
+    the bounds above. The comparison of tests/test_native_decode.py and test_native_prefill.py;
+    the engines' sessions are left after ``ids``."""
+    import numpy as np
+    native.reset()
+    ref.reset()
+    nl = np.asarray(native.prefill(ids, all_logits=True), np.float64)
+    rl = np.asarray(ref.prefill(ids, all_logits=True), np.float64)
+    err = np.linalg.norm(nl - rl, axis=-1) / np.linalg.norm(rl, axis=-1)
+    inside = err < E2E_REL_TOL
+    top2 = np.sort(rl, axis=-1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > np.where(inside, E2E_MARGIN, 10 * E2E_MARGIN)
+    same = int((nl.argmax(-1) == rl.argmax(-1))[clear].sum())
+    ok = (np.isfinite(nl).all() and inside.mean() >= E2E_INSIDE and err.max() < 10 * E2E_REL_TOL
+          and same == int(clear.sum()))
+    return {"positions": len(ids), "rel_err": float(err.max()), "inside": float(inside.mean()),
+            "clear": int(clear.sum()), "argmax_equal": same, "ok": bool(ok)}
+
+
+def check_sampled_steps(native, ref, prompt_ids, seed: int) -> dict:
+    """A prefill of ``prompt_ids`` and E2E_STEPS sampled decode steps on ``native`` (on the
+    device: its sampler, the token hand-off between steps), each sampled token then scored by
+    the reference teacher-forced: ``logprob_err`` (the worst |native - reference| log-probability
+    of a sampled token) and ``worst_rank`` (its worst rank in the reference's logits), ``ok``
+    within E2E_LOGPROB_TOL and E2E_TOP_K + 5."""
+    import numpy as np
+    native.reset()
+    r = native.generate(prompt_ids, max_tokens=E2E_STEPS, temperature=E2E_TEMPERATURE, top_k=E2E_TOP_K,
+                        seed=seed, logprobs=True, ignore_eos=True)
+    toks = list(r.token_ids)
+    ref.reset()
+    rl = np.asarray(ref.prefill(list(prompt_ids) + toks[:-1], all_logits=True), np.float64)[len(prompt_ids) - 1:]
+    lse = rl.max(-1) + np.log(np.exp(rl - rl.max(-1, keepdims=True)).sum(-1))
+    want = rl[np.arange(len(toks)), toks] - lse
+    got = np.array([lp.logprob for lp in r.logprobs], np.float64)
+    ranks = [int((row > row[t]).sum()) for row, t in zip(rl, toks)]
+    err = float(np.abs(got - want).max()) if toks else float("inf")
+    return {"steps": len(toks), "seed": seed, "logprob_err": err, "worst_rank": max(ranks, default=-1),
+            "ok": len(toks) == E2E_STEPS and err <= E2E_LOGPROB_TOL and max(ranks) < E2E_TOP_K + 5}
+
+
+def end_to_end(name: str, seed: int, positions: int = 64) -> list[Result]:
+    """The embedded demo model on native device ``name`` (the simulator as an M5, so prefill
+    takes the tensor-op path as its kernel checks do) against the numpy reference: the
+    teacher-forced comparison over ``positions`` tokens of E2E_TEXT in prefill chunks of 16
+    (several chunks, their boundaries inside the text), then a prefill and E2E_STEPS sampled
+    decode steps (:func:`check_sampled_steps`). One :class:`Result` each; ERROR when the engine
+    does not load or run."""
+    from lily.engine import Engine
+    options = {"prefill_chunk": 16}
+    if name == "sim":
+        options["device_options"] = {"gpu_family": "apple10"}
+    out = []
+    t0 = time.perf_counter()
+    try:
+        native = Engine.load(device=name, max_context=256, device_options=options)
+        ref = Engine.load(device="reference", max_context=256)
+        ids = ref.tokenizer.encode(E2E_TEXT)[:positions]
+        tf = compare_teacher_forced(native, ref, ids)
+        out.append(Result("teacher-forced", "PASS" if tf["ok"] else "FAIL", tf["rel_err"] / (10 * E2E_REL_TOL),
+                          f"{tf['positions']} positions in prefill chunks of 16: logits within "
+                          f"{tf['rel_err']:.2g} of the reference's (bound {10 * E2E_REL_TOL:g}), "
+                          f"{tf['inside']:.0%} within {E2E_REL_TOL:g} (bound {E2E_INSIDE:.0%}), argmax equal "
+                          f"at {tf['argmax_equal']} of {tf['clear']} positions with a clear margin"))
+    except Exception as e:  # noqa: BLE001 (an engine that does not load is a finding to report)
+        out.append(Result("teacher-forced", "ERROR", None, f"{type(e).__name__}: {e}"))
+        out[-1].seconds = time.perf_counter() - t0
+        return out
+    out[-1].seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        st = check_sampled_steps(native, ref, ids[:32], seed)
+        out.append(Result("prefill + sampled decode", "PASS" if st["ok"] else "FAIL",
+                          st["logprob_err"] / E2E_LOGPROB_TOL,
+                          f"{st['steps']} of {E2E_STEPS} steps sampled on the device (temperature "
+                          f"{E2E_TEMPERATURE}, top-k {E2E_TOP_K}, seed {seed}): log-probabilities within "
+                          f"{st['logprob_err']:.2g} of the reference's (bound {E2E_LOGPROB_TOL:g}), every token "
+                          f"at rank <= {st['worst_rank']} of the reference's logits (bound {E2E_TOP_K + 4})"))
+    except Exception as e:  # noqa: BLE001
+        out.append(Result("prefill + sampled decode", "ERROR", None, f"{type(e).__name__}: {e}"))
+    out[-1].seconds = time.perf_counter() - t0
+    return out
 
 
 def open_device(name: str):
@@ -83,8 +200,11 @@ def _gib(n: int | None) -> str:
 
 def run(device: str = "auto", kernels: list[str] | None = None, model: str | None = None,
         max_context: int | None = None, seed: int | None = None, as_json: bool = False,
-        out=None) -> int:
-    """Runs every check and prints the report (text, or one JSON object with ``as_json``).
+        out=None, quick: bool = False, rows: int | None = None) -> int:
+    """Runs every check and prints the report (text, or one JSON object with ``as_json``):
+    the kernels at small shapes, then (unless ``quick``) at the model's own with prefill chunks
+    of ``rows`` rows (default 4096, the model's chunk; :data:`SIM_MODEL_ROWS` on the simulator)
+    and the end-to-end check (:func:`end_to_end`; not with ``kernels``).
     Returns 0 when everything that ran passed and the model fits in memory, 1 otherwise.
     Without ``seed`` one is drawn and shown, so a failure can be rerun with ``--seed``.
     Raises InvalidParameterError for an unknown kernel name or a ``max_context`` out of range."""
@@ -183,21 +303,37 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             + ("" if mem["fits"] else f"  TOO LARGE: {mem['refusal']}"))
         say(f"  {'':<15} (as the runtime sizes it at load)")
 
-    results = []
+    def show(r):
+        err_s = "" if r.error is None else f"error {r.error:.3g}"
+        say(f"  {r.status:<8} {r.kernel:<34} {err_s:<16} {r.seconds:6.2f} s"
+            + (f"\n           {r.detail}" if r.status in ("FAIL", "ERROR") else ""))
+
+    results, model_results, e2e = [], [], []
+    size = Size(model=True, rows=rows or (SIM_MODEL_ROWS if name == "sim" else 4096))
     if dev is not None:
         say(f"\nkernels on {name} (random inputs from seed {seed}; error = worst |got - exact| / tolerance)")
-
-        def show(r):
-            err_s = "" if r.error is None else f"error {r.error:.3g}"
-            say(f"  {r.status:<8} {r.kernel:<34} {err_s:<16} {r.seconds:6.2f} s"
-                + (f"\n           {r.detail}" if r.status in ("FAIL", "ERROR") else ""))
-        results = run_checks(dev, kernels, seed=seed, progress=show)
+        results = run_checks(dev, kernels, seed=seed, progress=show, size=TOY)
+        if not quick:
+            say(f"\nkernels at the model's shapes (hidden 2048, 256 experts top-8, vocabulary 248,320, head dims 256 "
+                f"and 128, prefill chunks of {size.rows} rows, contexts to 8192)"
+                + ("; the model's chunk is 4096 rows: --rows 4096 on the simulator takes hours" if name == "sim"
+                   and size.rows < 4096 else ""))
+            model_results = run_checks(dev, kernels, seed=seed, progress=show, size=size)
+            if not kernels:
+                say(f"\nend to end (the embedded demo model on {name} against the numpy reference)")
+                e2e = end_to_end(name, seed)
+                for r in e2e:
+                    say(f"  {r.status:<8} {r.kernel:<26} {r.seconds:6.2f} s\n           {r.detail}")
     report["kernels"] = [r.as_dict() for r in results]
+    if not quick:
+        report["model_shapes"] = {"rows": size.rows, "kernels": [r.as_dict() for r in model_results]}
+        report["end_to_end"] = [r.as_dict() for r in e2e]
     counts: dict = {}
-    for r in results:
+    for r in results + model_results:
         counts[r.status] = counts.get(r.status, 0) + 1
+    e2e_bad = [r for r in e2e if r.status != "PASS"]
     failed = bool(err) or "error" in mem or not mem.get("fits", True) or bool(counts.get("FAIL") or counts.get("ERROR")) or any(
-        not p["built"] for p in report.get("pipelines", []))
+        not p["built"] for p in report.get("pipelines", [])) or bool(e2e_bad)
     report["summary"] = {"ok": not failed, "counts": counts, "seconds": round(time.perf_counter() - t0, 1)}
     if as_json:
         print(json.dumps(report, indent=2, default=str), file=out)
@@ -228,9 +364,15 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         failed_p = [p["kernel"] for p in pipes if not p["built"]]
         say(f"pipelines: {len(pipes) - len(failed_p)} of {len(pipes)} built"
             + (f"; FAILED: {', '.join(failed_p)}" if failed_p else ""))
-    say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)"))
-    for r in results:
-        if r.status in ("FAIL", "ERROR"):
+    say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)")
+        + ("" if quick else f" (small shapes and the model's, chunks of {size.rows} rows)"))
+    for label, rs in (("", results), ("model shapes: ", model_results)):
+        for r in rs:
+            if r.status in ("FAIL", "ERROR"):
+                say(f"  {r.status} {label}{r.kernel}: {_short(r.detail)}")
+    if e2e:
+        say("end to end: " + "; ".join(f"{r.kernel} {r.status}" for r in e2e))
+        for r in e2e_bad:
             say(f"  {r.status} {r.kernel}: {_short(r.detail)}")
     say("--- end ---")
     return 1 if failed else 0

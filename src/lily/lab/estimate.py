@@ -268,6 +268,13 @@ def _m5_sources(cores: int, gbs: int) -> dict:
 #: The machine table. Flop rates are derived: cores x 128 lanes x 2 x clock; the clocks are
 #: public estimates (Apple publishes none), named in ``sources``.
 MACHINES = {m.key: m for m in (
+    # the smallest Mac Lily supports (its worst case: docs/prefill.md "Command buffers"); the
+    # real model does not fit its 16 GB at most, but an M1's GPU time bounds every other Mac's
+    _machine("m1", "M1 (8-core GPU)", 8, 68.25, 1.278, 7, {
+        "cores": "Apple newsroom, 2020-11-10 'Apple unleashes M1': an 8-core GPU (a 7-core one in some models)",
+        "bandwidth": "68.25 GB/s: LPDDR4X-4266 on a 128-bit bus (AnandTech's M1 review, 2020-11-17)",
+        "clock": "1278 MHz: philipturner/metal-benchmarks GPU table (2.6 TFLOPS fp32, as Apple quotes)",
+        "f16": _F16_SAME, "tensor": _NO_NA, "threadgroup_memory": _TG}),
     _machine("m1max", "M1 Max (32-core GPU)", 32, 400, 1.296, 7, {
         "cores": "Apple newsroom, 2021-10-18 'Introducing M1 Pro and M1 Max': up to 32 GPU cores",
         "bandwidth": "Apple newsroom, 2021-10-18: 400GB/s",

@@ -60,6 +60,7 @@ __all__ = [
     "mlx_config",
     "cached_checkpoint",
     "amplify_shared_expert",
+    "default_cache_dir",
     "copy_tokenizer_files",
     "EOS_TOKEN_IDS",
     "REAL_VOCAB_SIZE",
@@ -669,10 +670,10 @@ def make_hf_checkpoint(
     return out
 
 
-def _check_mlx_quantization(out: Path, p: Preset) -> None:
+def _check_mlx_quantization(out: Path, p: Preset, bits: int = Q_BITS, group_size: int = Q_GROUP_SIZE) -> None:
     cfg = json.loads((out / "config.json").read_text())
     q = cfg.get("quantization")
-    if not q or q.get("bits") != Q_BITS or q.get("group_size") != Q_GROUP_SIZE:
+    if not q or q.get("bits") != bits or q.get("group_size") != group_size:
         raise RuntimeError(f"converted {out} has unexpected quantization {q!r}")
     for i in range(p.num_hidden_layers):
         for m in ("mlp.gate", "mlp.shared_expert_gate"):
@@ -693,6 +694,8 @@ def make_mlx_checkpoint(
     tokenizer_dir: Union[str, os.PathLike, None] = None,
     hf_dir: Union[str, os.PathLike, None] = None,
     python: Optional[str] = None,
+    q_bits: int = Q_BITS,
+    q_group_size: int = Q_GROUP_SIZE,
 ) -> Path:
     """Convert a random HF checkpoint of ``preset`` to MLX 4-bit in ``out_dir`` with MLX-LM.
 
@@ -711,6 +714,9 @@ def make_mlx_checkpoint(
     ``chat_template.jinja`` are copied over the converter's re-saved ones, and
     ``generation_config.json`` is kept (MLX-LM also copies its ``eos_token_id`` into
     ``config.json``).
+
+    ``q_bits`` / ``q_group_size`` replace ``--q-bits 4 --q-group-size 64`` (checkpoints the
+    native devices must refuse: 8-bit experts, groups of 32).
 
     Returns ``Path(out_dir)``. Raises :class:`ValueError`/:class:`FileExistsError` as
     :func:`make_hf_checkpoint`, and :class:`RuntimeError` if the converter fails (the
@@ -738,7 +744,7 @@ def make_mlx_checkpoint(
         cmd = [
             python or sys.executable, "-m", "mlx_lm", "convert",
             "--hf-path", str(hf), "--mlx-path", str(out),
-            "-q", "--q-bits", str(Q_BITS), "--q-group-size", str(Q_GROUP_SIZE),
+            "-q", "--q-bits", str(q_bits), "--q-group-size", str(q_group_size),
         ]
         env = dict(os.environ)
         env.setdefault("HF_HUB_OFFLINE", "1")
@@ -757,14 +763,16 @@ def make_mlx_checkpoint(
                 shutil.copyfile(hf / name, out / name)
         if not (out / "generation_config.json").is_file() and (hf / "generation_config.json").is_file():
             shutil.copyfile(hf / "generation_config.json", out / "generation_config.json")
-        _check_mlx_quantization(out, p)
+        _check_mlx_quantization(out, p, q_bits, q_group_size)
     finally:
         if tmp_hf is not None:
             shutil.rmtree(tmp_hf, ignore_errors=True)
     return out
 
 
-def _default_cache_dir() -> Path:
+def default_cache_dir() -> Path:
+    """Where :func:`cached_checkpoint` keeps converted checkpoints: ``$LILY_TEST_CACHE``,
+    else ``~/.cache/lily/test-checkpoints`` (``lily cache list`` shows it)."""
     env = os.environ.get("LILY_TEST_CACHE")
     if env:
         return Path(env)
@@ -786,8 +794,11 @@ def cached_checkpoint(
     tokenizer_dir: Union[str, os.PathLike, None] = None,
     cache_dir: Union[str, os.PathLike, None] = None,
     seed: int = 0,
+    q_bits: int = Q_BITS,
+    q_group_size: int = Q_GROUP_SIZE,
 ) -> Path:
-    """Return the directory of an MLX 4-bit checkpoint of ``preset``, converting it once.
+    """Return the directory of an MLX 4-bit checkpoint of ``preset``, converting it once
+    (``q_bits`` / ``q_group_size``: another quantization, as :func:`make_mlx_checkpoint`).
 
     The cache directory (``cache_dir``, else ``$LILY_TEST_CACHE``, else
     ``~/.cache/lily/test-checkpoints``) holds one subdirectory per
@@ -802,14 +813,16 @@ def cached_checkpoint(
     key = hashlib.sha256(
         f"{p.content_hash()}|{tok_fp}|{_mlx_lm_version()}".encode()
     ).hexdigest()[:16]
-    root = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
-    final = root / f"{p.name}-s{seed}-{key}"
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    quant = "" if (q_bits, q_group_size) == (Q_BITS, Q_GROUP_SIZE) else f"-q{q_bits}g{q_group_size}"
+    final = root / f"{p.name}{quant}-s{seed}-{key}"
     if (final / "config.json").is_file():
         return final
     root.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".tmp-{p.name}-", dir=root))
     try:
-        built = make_mlx_checkpoint(p, work / "mlx", seed=seed, tokenizer_dir=tokenizer_dir)
+        built = make_mlx_checkpoint(p, work / "mlx", seed=seed, tokenizer_dir=tokenizer_dir, q_bits=q_bits,
+                                    q_group_size=q_group_size)
         try:
             os.rename(built, final)
         except OSError:

@@ -8,15 +8,17 @@ import numpy as np
 
 from lily import _core
 from lily.lab.device import download, pack_args, upload
-from lily.lab.kernels.harness import U, check, magnitude, rand_quant, ratio, run_bound, run_encoder, upload_q
+from lily.lab.kernels.harness import TOY, U, check, magnitude, model, rand_quant, ratio, run_bound, run_encoder, upload_q
 
 
 @check("embed_q4")
-def _embed(dev, rng, kernel):
-    vocab, cols = 100, 128
+def _embed(dev, rng, kernel, size=TOY):
+    """Model size: the vocabulary's 248,320 rows of the hidden 2048, a token in the last 1024."""
+    c = size.model and model()
+    vocab, cols = size.pick((100, 128), (c and c.vocab_size, c and c.hidden_size))
     qt = rand_quant(rng, (), vocab, cols, 4)
     W, S, B = upload_q(dev, qt)
-    tok = int(rng.integers(vocab))
+    tok = int(rng.integers(vocab - size.pick(vocab, 1024), vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
     run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
               reads=[W, S, B, T], writes=[O], threadgroups=False)
@@ -25,8 +27,10 @@ def _embed(dev, rng, kernel):
 
 
 @check("embed_rows_q4")
-def _embed_rows(dev, rng, kernel):
-    vocab, cols, M = 60, 128, 5
+def _embed_rows(dev, rng, kernel, size=TOY):
+    """Model size: size.rows tokens of the whole vocabulary."""
+    c = size.model and model()
+    vocab, cols, M = size.pick((60, 128, 5), (c and c.vocab_size, c and c.hidden_size, size.rows))
     qt = rand_quant(rng, (), vocab, cols, 4)
     toks = rng.integers(0, vocab, M).astype(np.uint32)
     W, S, B = upload_q(dev, qt)

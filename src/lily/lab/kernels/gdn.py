@@ -13,7 +13,9 @@ from lily import _core
 from lily._core import kernel_params
 from lily.checkpoint import gdn_state_floats
 from lily.lab.device import download, upload
-from lily.lab.kernels.harness import StubOracle, bf16_bits, check, close_ratio, f32, from_bf16, ratio
+from lily.lab.kernels.harness import (
+    TOY, StubOracle, bf16_bits, check, close_ratio, f32, from_bf16, model, ratio,
+)
 from lily.reference import ReferenceState
 
 
@@ -211,12 +213,20 @@ class GdnLayer:
         return download(self.conv[self.parity], np.float32, (K - 1, C)), gdn_folded(*self.state_parts())
 
 
+def _gdn_heads(Dk, size):
+    """(Hk, Hv) of a check: 2 and 4, or at a model size with the model's Dk (128) its 16 and 32."""
+    c = size.model and model()
+    return (c.linear_num_key_heads, c.linear_num_value_heads) if c and Dk == c.linear_key_head_dim else (2, 4)
+
+
 @check("gdn_decode_step_k128_v128", "gdn_decode_step_k32_v32")
-def _gdn_decode_step(dev, rng, kernel):
+def _gdn_decode_step(dev, rng, kernel, size=TOY):
+    """Model size: the model's 16 key and 32 value heads of 128 (k32: the demo's dims, as small)."""
     Dk = kernel_params(kernel)["k"]
-    L = GdnLayer(dev, 2, 4, Dk, Dk, rng=rng)
-    c = 2.0 ** -rng.uniform(0, 40, 4)  # pending decays (S = c S', S ~ 0.3): the step applies c
-    L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((4, Dk, Dk)) / c[:, None, None], c)
+    Hk, Hv = _gdn_heads(Dk, size)
+    L = GdnLayer(dev, Hk, Hv, Dk, Dk, rng=rng)
+    c = 2.0 ** -rng.uniform(0, 40, Hv)  # pending decays (S = c S', S ~ 0.3): the step applies c
+    L.set_state(rng.standard_normal((3, L.conv_dim)), 0.3 * rng.standard_normal((Hv, Dk, Dk)) / c[:, None, None], c)
     inp = L.random_inputs()
     got = L.step_device(*inp)
     want = L.step_reference(*inp)
@@ -227,15 +237,22 @@ def _gdn_decode_step(dev, rng, kernel):
 
 
 @check("gdn_state_writeback_k128_v128", "gdn_state_writeback_k32_v32")
-def _gdn_state_writeback(dev, rng, kernel):
+def _gdn_state_writeback(dev, rng, kernel, size=TOY):
     """The write-back window (docs/decode.md): steps that replay the ring (window 4) and the
     write-back of the steps left pending give, bit for bit, the outputs and the state of
     writing the state back every step. On a GPU this also checks that the compiler treats the
-    replayed update as the step's own (same contraction into fused multiply-adds)."""
+    replayed update as the step's own (same contraction into fused multiply-adds). Model size:
+    the model's heads and the runtime's window of 16 (a full ring replayed)."""
     Dk = kernel_params(kernel)["k"]
-    every, windowed = gdn_window_pair(dev, 2, 4, Dk, Dk, 4, rng)
+    Hk, Hv = _gdn_heads(Dk, size)
+    if size.model:
+        from lily.native_backend import default_state_window
+        window = default_state_window()
+    else:
+        window = 4
+    every, windowed = gdn_window_pair(dev, Hk, Hv, Dk, Dk, window, rng)
     r = 0.0
-    for t in range(6):  # the windowed layer writes back at step 3 and has 2 steps pending at the end
+    for t in range(window + 2):  # the windowed layer writes back after `window` steps, 2 pending at the end
         inp = every.random_inputs()
         want, got = every.step_device(*inp), windowed.step_device(*inp)
         r = max(r, ratio(got, want, 0.0, f"{kernel}: step {t} output"),

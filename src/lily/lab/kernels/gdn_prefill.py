@@ -15,7 +15,7 @@ from lily.lab.kernels.gdn import (
     gdn_state_bytes, gdn_state_parts,
 )
 from lily.lab.kernels.harness import (
-    U, StubOracle, bf16_bits, bf16_operand, bf16_round, check, f32, from_bf16, ratio,
+    TOY, U, StubOracle, bf16_bits, bf16_operand, bf16_round, check, f32, from_bf16, ratio,
 )
 from lily.reference import l2_norm, sigmoid, silu
 
@@ -243,10 +243,11 @@ class GdnPrefillLayer:
 
 
 @check("gdn_conv_state")
-def _gdn_conv_state(dev, rng, kernel):
-    L = GdnPrefillLayer(dev, "tiny", rng=rng)
+def _gdn_conv_state(dev, rng, kernel, size=TOY):
+    """Model size: the model's conv channels (8192) after a chunk of size.rows rows."""
+    L = GdnPrefillLayer(dev, size.pick("tiny", "real"), rng=rng)
     worst = 0.0
-    for M, out in ((2, 0), (7, 1)):  # in place (M < K-1 keeps old rows) and into the other buffer
+    for M, out in ((2, 0), (size.pick(7, size.rows), 1)):  # in place (M < K-1 keeps old rows) and into the other buffer
         state_in = f32(rng.standard_normal((GDN_K - 1, L.C)))
         L.set_state(state_in, np.zeros((L.Hv, L.Dv, L.Dk)), parity=0)
         qkv = L.inputs(M)[0]
@@ -259,11 +260,12 @@ def _gdn_conv_state(dev, rng, kernel):
 
 
 @check("gdn_scan_k128_v128_r32", "gdn_scan_k32_v32_r16", "gdn_norm_scale_v128_r32", "gdn_norm_scale_v32_r16")
-def _gdn_scan(dev, rng, kernel):
+def _gdn_scan(dev, rng, kernel, size=TOY):
     """The scan (conv inline) and the norm scale run together (the scale's input is the scan's
-    sums of y^2); the output checked is the gated norm as out_proj stages it."""
-    L = GdnPrefillLayer(dev, "dims" if "128" in kernel else "tiny", rng=rng)
-    M = 9
+    sums of y^2); the output checked is the gated norm as out_proj stages it. Model size: the
+    model's 16 key and 32 value heads of 128 (k32: the demo's dims) over size.rows tokens."""
+    L = GdnPrefillLayer(dev, ("real" if size.model else "dims") if "128" in kernel else "tiny", rng=rng)
+    M = size.pick(9, size.rows)
     conv0, S0 = L.random_state(c=2.0 ** -rng.uniform(0, 40, L.Hv))  # pending decays: folds too
     qkv, z, b, a = L.inputs(M)
     Q, Z, B, A = L.input_buffers(qkv, z, b, a)

@@ -9,8 +9,8 @@ from lily._core import kernel_params
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    HALF_MAX, U, bf16_activations, bf16_round, bf16_operand, bf16_stored, bf16_weights, check, rand_quant, ratio, run, run_bound,
-    upload_bf16, upload_q,
+    HALF_MAX, TOY, U, bf16_activations, bf16_round, bf16_operand, bf16_stored, bf16_weights, check, model, rand_quant,
+    ratio, run, run_bound, upload_bf16, upload_q,
 )
 from lily.reference import silu
 
@@ -110,12 +110,23 @@ def row_scale_bindings(dev, w, col):
 
 @check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_bf16", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
        "gemm_q4_add_h_tensor", "gemm_q4_bf16_tensor", "gemm_q4_add_hs_tensor")
-def _gemm(dev, rng, kernel):
+def _gemm(dev, rng, kernel, size=TOY):
     """gemm_q4_bf16: y stored as bfloat (the GDN z, the attention's q|gate, k, v);
     gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj). Rows
-    reach 10x the half range (nothing is clipped)."""
+    reach 10x the half range (nothing is clipped). Model size, a chunk of size.rows rows
+    through: gemm_q4 and _bf16 the attention's q|gate projection (16 heads of 2 x 256 from the
+    hidden 2048), _add_h its o_proj, _add_hs the DeltaNet out_proj (32 value heads of 128 to
+    the hidden), gemm_q8 the router (256 experts)."""
     bits, add, bf_y, scaled = kernel_params(kernel)["q"], "_add" in kernel, "_bf16" in kernel, "_add_hs" in kernel
-    m, n, k = 33, 70, 128
+    if size.model:
+        c = model()
+        H = c.hidden_size
+        n, k = ((H, c.linear_num_value_heads * c.linear_value_head_dim) if scaled else
+                (H, c.num_attention_heads * c.head_dim) if add else
+                (c.num_experts, H) if bits == 8 else (2 * c.num_attention_heads * c.head_dim, H))
+        m = size.rows
+    else:
+        m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
     x = bf16_activations(beyond_half(rng, (m, k)))  # bf16 activations (their producers round)
     y0 = rng.standard_normal((m, n)).astype(np.float32)
@@ -145,8 +156,10 @@ def _gemm(dev, rng, kernel):
 
 
 @check("gemm_swiglu_q4", "gemm_swiglu_q4_tensor")
-def _gemm_swiglu(dev, rng, kernel):
-    m, n, k = 21, 70, 128
+def _gemm_swiglu(dev, rng, kernel, size=TOY):
+    """Model size: the shared expert's gate and up (512 from the hidden 2048) on size.rows rows."""
+    c = size.model and model()
+    m, n, k = size.pick((21, 70, 128), (size.rows, c and c.shared_expert_intermediate_size, c and c.hidden_size))
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = bf16_activations(beyond_half(rng, (m, k)))
     w, col = row_scale(rng, m)
@@ -165,7 +178,7 @@ def _probe_ratio(out, a, b, what):
 
 
 @check("tensor_ops_probe")
-def _tensor_ops_probe(dev, rng, kernel):
+def _tensor_ops_probe(dev, rng, kernel, size=TOY):
     """For x float32 [64, 64] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
     bf16_operand) against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
@@ -176,7 +189,7 @@ def _tensor_ops_probe(dev, rng, kernel):
 
 
 @check("tensor_ops_probe_bfloat")
-def _tensor_ops_probe_bfloat(dev, rng, kernel):
+def _tensor_ops_probe_bfloat(dev, rng, kernel, size=TOY):
     """For xb bfloat [64, 64] (metal/attention_prefill_tensor.metal): out_qk = xb[:32] xb^T,
     out_pv = xb[:32] xb; the worse of the two against an fp32 sum's bound."""
     bits = f32_to_bf16(rng.standard_normal((64, GEMM_BK)).astype(np.float32))

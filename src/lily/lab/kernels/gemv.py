@@ -12,8 +12,8 @@ from lily import _core
 from lily._core import kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    DEPTH, U, check, f32, from_bf16, magnitude, rand_quant, ratio, run_bound, run_encoder, to_bf16_bits,
-    upload_q,
+    DEPTH, TOY, U, check, f32, from_bf16, gemv_exact, magnitude, model, rand_quant, ratio, run_bound, run_encoder,
+    to_bf16_bits, upload_q,
 )
 
 GEMV_ROWS_PER_SG = _core.CONSTANTS["kGemvRowsPerSimdgroup"]  # metal/decode_args.h
@@ -24,6 +24,7 @@ GEMV_SPLIT_K = _core.CONSTANTS["kGemvSplitK"]  # simdgroups sharing a row group 
 NORM_GEMV_ROWS_PER_SG = _core.CONSTANTS["kNormGemvRows"]
 ROUTER_SPLITS = _core.CONSTANTS["kRouterSplits"]
 TG = _core.CONSTANTS["kGemvThreads"]
+LM_HEAD_THREADS = _core.CONSTANTS["kLmHeadThreads"]  # norm_gemv's threadgroup for lm_head (decode.h)
 MAX_MATRICES = _core.CONSTANTS["kNormGemvMaxMatrices"]  # of one norm_gemv dispatch
 BATCH_MAX_ROWS = _core.CONSTANTS["kBatchMaxRows"]  # rows of a batched kernel at most (batch_args.h)
 BATCH_SIZES = (2, 4, 8)  # the batched kernels' b parameter (gemv.metal's instantiations)
@@ -161,9 +162,11 @@ def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn
 
 
 @check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
-def _gemv(dev, rng, kernel):
+def _gemv(dev, rng, kernel, size=TOY):
+    """Model size: the attention's o_proj (hidden x 16 heads of 256)."""
     bits, add = kernel_params(kernel)["q"], kernel.endswith("_add")
-    rows, cols = 100, 256
+    m = size.model and model()
+    rows, cols = size.pick((100, 256), (m and m.hidden_size, m and m.num_attention_heads * m.head_dim))
     qt = rand_quant(rng, (), rows, cols, bits)
     x = rng.standard_normal(cols).astype(np.float32)
     r0 = rng.standard_normal(rows).astype(np.float32)
@@ -172,8 +175,7 @@ def _gemv(dev, rng, kernel):
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
     run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
          reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
-    exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
-    mag = magnitude(qt) @ np.abs(x.astype(np.float64))
+    exact, mag = gemv_exact(qt, x)
     if add:
         exact, mag = exact + r0, mag + np.abs(r0)
     return ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{cols}")
@@ -209,8 +211,9 @@ def gemv_gated_ratio(dev, rng, kernel, rows, Hv, Dv, splits, tg=TG, eps=1e-6):
 def _gemv_add_bound(qt, r0, x64, extra=0):
     """The exact r0 + W x (float64) and its bound: DEPTH u per |W| |x| term (plus ``extra`` u for
     an x computed on load, the gated norm's 8) and 2 u of the residual."""
-    exact = qt.dequantize().astype(np.float64) @ x64 + r0
-    return exact, (DEPTH + extra) * U * (magnitude(qt) @ np.abs(x64)) + 2 * U * np.abs(exact)
+    exact, mag = gemv_exact(qt, x64)
+    exact = exact + r0
+    return exact, (DEPTH + extra) * U * mag + 2 * U * np.abs(exact)
 
 
 def _same_bits(got, want, what):
@@ -289,22 +292,50 @@ def gemv_batch_ratio(dev, rng, bits, n, gated, rows=100, Hv=4, Dv=64, splits=4, 
 
 
 @check(*[kernel_name("norm_gemv_batch", q=q, b=b) for q in (4, 8) for b in BATCH_SIZES])
-def _norm_gemv_batch(dev, rng, kernel):
+def _norm_gemv_batch(dev, rng, kernel, size=TOY):
+    """Model size: q4 a DeltaNet layer's four input projections, then lm_head (the vocabulary's
+    rows, LM_HEAD_THREADS a threadgroup); q8 the router and the shared-expert gate at the
+    router's geometry."""
     p = kernel_params(kernel)
-    return norm_gemv_batch_ratio(dev, rng, p["q"], max(2, p["b"] - 1), rows=(40, 7), cols=128)
+    n = max(2, p["b"] - 1)
+    if not size.model:
+        return norm_gemv_batch_ratio(dev, rng, p["q"], n, rows=(40, 7), cols=128)
+    m = model()
+    if p["q"] == 8:
+        return norm_gemv_batch_ratio(dev, rng, 8, n, rows=(m.num_experts, 1), cols=m.hidden_size, rps=1,
+                                     splits=ROUTER_SPLITS)
+    return max(norm_gemv_batch_ratio(dev, rng, 4, n, rows=_gdn_in_proj_rows(m), cols=m.hidden_size),
+               norm_gemv_batch_ratio(dev, rng, 4, n, rows=(m.vocab_size,), cols=m.hidden_size, tg=LM_HEAD_THREADS))
 
 
 @check(*[kernel_name(base, "_add", q=q, b=b) for base in ("gemv_batch", "gemv_gated_batch") for q in (4, 8)
          for b in BATCH_SIZES])
-def _gemv_batch(dev, rng, kernel):
-    p = kernel_params(kernel)
-    return gemv_batch_ratio(dev, rng, p["q"], max(2, p["b"] - 1), kernel.startswith("gemv_gated"), rows=40, Hv=2,
-                            Dv=64)
+def _gemv_batch(dev, rng, kernel, size=TOY):
+    """Model size: the gated one the DeltaNet out_proj (as :func:`_gemv_gated`), the other the
+    attention's o_proj (hidden x 16 heads of 256)."""
+    p, gated = kernel_params(kernel), kernel.startswith("gemv_gated")
+    n = max(2, p["b"] - 1)
+    if not size.model:
+        return gemv_batch_ratio(dev, rng, p["q"], n, gated, rows=40, Hv=2, Dv=64)
+    from lily.lab.kernels.gdn import GDN_DECODE_SPLITS
+    m = model()
+    if gated:
+        return gemv_batch_ratio(dev, rng, p["q"], n, True, rows=m.hidden_size, Hv=m.linear_num_value_heads,
+                                Dv=m.linear_value_head_dim, splits=GDN_DECODE_SPLITS)
+    return gemv_batch_ratio(dev, rng, p["q"], n, False, rows=m.hidden_size, Hv=m.num_attention_heads,
+                            Dv=m.head_dim)
 
 
 @check("gemv_gated_q4_add", "gemv_gated_q8_add")
-def _gemv_gated(dev, rng, kernel):
-    return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+def _gemv_gated(dev, rng, kernel, size=TOY):
+    """Model size: the DeltaNet out_proj (hidden x 32 value heads of 128, the decode step's
+    splits of each head's sum of squares)."""
+    if not size.model:
+        return gemv_gated_ratio(dev, rng, kernel, 100, 4, 64, 4)
+    from lily.lab.kernels.gdn import GDN_DECODE_SPLITS
+    m = model()
+    return gemv_gated_ratio(dev, rng, kernel, m.hidden_size, m.linear_num_value_heads, m.linear_value_head_dim,
+                            GDN_DECODE_SPLITS)
 
 
 def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
@@ -313,19 +344,29 @@ def _norm_gemv_ratio(kernel, x, nw, XN, qts, mats):
     want_xn = rms_ref64(x, nw)
     xn = download(XN, np.float32)
     r = ratio(xn, want_xn, DEPTH * U * np.abs(want_xn) + 1e-30, f"{kernel} xn")
-    xin = xn.astype(np.float64)
     for qt, (rows, _, Y) in zip(qts, mats):
-        r = max(r, ratio(download(Y, np.float32), qt.dequantize().astype(np.float64) @ xin,
-                         DEPTH * U * (magnitude(qt) @ np.abs(xin)), f"{kernel} {rows}x{xin.size}"))
+        exact, mag = gemv_exact(qt, xn)
+        r = max(r, ratio(download(Y, np.float32), exact, DEPTH * U * mag, f"{kernel} {rows}x{xn.size}"))
     return r
 
 
+def _gdn_in_proj_rows(m) -> tuple[int, ...]:
+    """The DeltaNet's four input projections (qkv, z, b, a): a decode layer's first norm_gemv."""
+    Hv, Dv = m.linear_num_value_heads, m.linear_value_head_dim
+    return (2 * m.linear_num_key_heads * m.linear_key_head_dim + Hv * Dv, Hv * Dv, Hv, Hv)
+
+
 @check("norm_gemv_q4", "norm_gemv_q8")
-def _norm_gemv(dev, rng, kernel):
-    bits, cols = kernel_params(kernel)["q"], 128
+def _norm_gemv(dev, rng, kernel, size=TOY):
+    """Model size: q4 the final norm and the lm_head (the vocabulary's 248,320 rows), q8 the
+    router (256 experts) and the shared-expert gate."""
+    bits = kernel_params(kernel)["q"]
+    m = size.model and model()
+    cols = size.pick(128, m and m.hidden_size)
+    shapes = size.pick((40, 7), m and ((m.vocab_size,) if bits == 4 else (m.num_experts, 1)))
     x = (rng.standard_normal(cols) * 2).astype(np.float32)
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
-    qts = [rand_quant(rng, (), r, cols, bits) for r in (40, 7)]
+    qts = [rand_quant(rng, (), r, cols, bits) for r in shapes]
     X, NW, XN = upload(dev, x), upload(dev, nw), dev.buffer(4 * cols)
     mats = [(qt.weight.shape[0], upload_q(dev, qt), dev.buffer(4 * qt.weight.shape[0])) for qt in qts]
     cb = dev.command_buffer()
@@ -338,11 +379,13 @@ def _norm_gemv(dev, rng, kernel):
 
 
 @check("embed_norm_gemv_q4")
-def _embed_norm_gemv(dev, rng, kernel):
-    vocab, cols = 50, 128
+def _embed_norm_gemv(dev, rng, kernel, size=TOY):
+    """Model size: the vocabulary's embedding and layer 0's DeltaNet input projections."""
+    m = size.model and model()
+    vocab, cols = size.pick((50, 128), (m and m.vocab_size, m and m.hidden_size))
     emb = rand_quant(rng, (), vocab, cols, 4, "embed")
     nw = to_bf16_bits(1 + 0.2 * rng.standard_normal(cols))
-    qts = [rand_quant(rng, (), r, cols, 4) for r in (24, 9)]
+    qts = [rand_quant(rng, (), r, cols, 4) for r in size.pick((24, 9), m and _gdn_in_proj_rows(m))]
     tok = int(rng.integers(vocab))
     EW, ES, EB = upload_q(dev, emb)
     T, NW, H, XN = upload(dev, np.array([tok], np.uint32)), upload(dev, nw), dev.buffer(4 * cols), dev.buffer(4 * cols)

@@ -53,6 +53,19 @@ def magnitude(qt: QuantizedTensor, index=None) -> np.ndarray:
     return (q * np.abs(s) + np.abs(b)).reshape(*q.shape[:-2], -1)
 
 
+def gemv_exact(qt: QuantizedTensor, x, block: int = 8192) -> tuple[np.ndarray, np.ndarray]:
+    """(W x, |W| |x|) in float64 for a [rows, cols] quantized W, ``block`` rows at a time (the
+    vocabulary's 248,320 rows would take 4 GB of float64 at once)."""
+    x64 = np.asarray(x, np.float64)
+    rows = qt.shape[-2]
+    exact, mag = np.empty(rows), np.empty(rows)
+    for a in range(0, rows, block):
+        rs = slice(a, min(rows, a + block))
+        exact[rs] = qt.dequantize(rs).astype(np.float64) @ x64
+        mag[rs] = magnitude(qt, rs) @ np.abs(x64)
+    return exact, mag
+
+
 def bf16_round(x) -> np.ndarray:
     """float32 x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as float32:
     what a kernel's ``bfloat(v)`` stores. bf16 has fp32's range: nothing is clipped."""
@@ -215,11 +228,45 @@ def close_ratio(got, want, rtol, atol, what):
     return ratio(got, want, atol + rtol * np.abs(want), what)
 
 
+@dataclass(frozen=True)
+class Size:
+    """The shapes a check draws. :data:`TOY`: small ones (every kernel in a few seconds:
+    ``lily doctor --quick``, the test suite). A model size (:data:`MODEL`): the dimensions
+    Qwen3.6-35B-A3B runs the kernel at (:func:`model`: hidden 2048, 256 experts top-8,
+    vocabulary 248,320, attention head dim 256 with 16 query and 2 KV heads, DeltaNet head dims
+    128 with 16 key and 32 value heads), prefill chunks of ``rows`` rows (the model's automatic
+    chunk: 4096) and decode contexts past the split of the attention; kernels the model does
+    not run (head dim 64, DeltaNet dims 32: the demo model's) at their own dims with the same
+    rows and contexts."""
+
+    model: bool = False
+    rows: int = 4096
+
+    def pick(self, toy, model):
+        """``model`` at a model size, else ``toy`` (the check's small shape)."""
+        return model if self.model else toy
+
+
+TOY = Size()
+MODEL = Size(model=True)
+
+#: Decode context of the model-size attention checks: past the attention split (the runtime's
+#: default split_threshold is 256) and past a 4096-row chunk.
+MODEL_CONTEXT = 8192
+
+
+def model():
+    """Qwen3.6-35B-A3B's ModelConfig (lily.lab.estimate's built-in config: one home)."""
+    from lily.lab.estimate import model_config
+    return model_config()
+
+
 CHECKS: dict[str, Callable] = {}
 
 
 def check(*kernels: str):
-    """Registers a check ``f(dev, rng, kernel) -> worst error ratio`` for ``kernels``."""
+    """Registers a check ``f(dev, rng, kernel, size=TOY) -> worst error ratio`` for
+    ``kernels`` (``size``: :class:`Size`)."""
     def register(fn):
         for k in kernels:
             CHECKS[k] = fn

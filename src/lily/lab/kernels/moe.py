@@ -9,7 +9,9 @@ from lily import _core
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import swiglu_bound
 from lily.lab.kernels.gemv import TG, gemv_grid
-from lily.lab.kernels.harness import DEPTH, U, Mismatch, check, magnitude, rand_quant, ratio, run_bound, upload_q
+from lily.lab.kernels.harness import (
+    DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
+)
 from lily.reference import sigmoid, softmax
 
 GATE_UP_ROWS_PER_SG = _core.CONSTANTS["kGateUpRowsPerSimdgroup"]  # metal/decode_args.h
@@ -148,15 +150,18 @@ def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=T
 
 
 @check("moe_route")
-def _moe_route(dev, rng, kernel):
-    E, k, hidden = 32, 8, 128
+def _moe_route(dev, rng, kernel, size=TOY):
+    """Model size: 256 experts, top 8, the hidden 2048 (one threadgroup of round_up(E, 32))."""
+    c = size.model and model()
+    E, k, hidden = size.pick((32, 8, 128), (c and c.num_experts, c and c.num_experts_per_tok, c and c.hidden_size))
     logits = (rng.standard_normal(E) * 2).astype(np.float32)
     x = rng.standard_normal(hidden).astype(np.float32)
     gate = rand_quant(rng, (), 1, hidden, 8)
     L, X = upload(dev, logits), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    run_bound(dev, kernel, 1, 32, [L, X, GW, GS, GB, ids, wts], route_args(E, k, hidden),
+    run_bound(dev, kernel, 1, -(-E // 32) * 32 if size.model else 32, [L, X, GW, GS, GB, ids, wts],
+              route_args(E, k, hidden),
          reads=[L, X, GW, GS, GB], writes=[ids, wts])
     top, w = route_ref(logits, k)
     got_ids, got_w = download(ids, np.uint32), download(wts, np.float32)
@@ -168,15 +173,20 @@ def _moe_route(dev, rng, kernel):
     return max(r, ratio(got_w[k:], [sigmoid(g)], 0.25 * DEPTH * U * gmag + 4 * U, f"{kernel} shared gate"))
 
 
-def _moe_case(dev, rng):
-    E, hidden, inter, inter_shared, k = 16, 128, 64, 64, 4
+def _moe_case(dev, rng, size=TOY):
+    """Random layer weights: 16 experts of 64 from 128, top 4; model size: 256 experts of 512
+    from the hidden 2048 (and a shared expert of 512), top 8."""
+    c = size.model and model()
+    E, hidden, inter, inter_shared, k = size.pick(
+        (16, 128, 64, 64, 4), c and (c.num_experts, c.hidden_size, c.moe_intermediate_size,
+                                     c.shared_expert_intermediate_size, c.num_experts_per_tok))
     W = MoeWeights(rng, E, hidden, inter, inter_shared)
     return W, W.upload(dev), k
 
 
 @check("moe_gate_up_swiglu_q4")
-def _moe_gate_up(dev, rng, kernel):
-    W, bufs, k = _moe_case(dev, rng)
+def _moe_gate_up(dev, rng, kernel, size=TOY):
+    W, bufs, k = _moe_case(dev, rng, size)
     x = rng.standard_normal(W.hidden).astype(np.float32)
     ids = rng.choice(W.E, k, replace=False).astype(np.uint32)
     X, ID, H = upload(dev, x), upload(dev, ids), dev.buffer(4 * (k * W.inter + W.inter_shared))
@@ -189,8 +199,8 @@ def _moe_gate_up(dev, rng, kernel):
 
 
 @check("moe_down_q4")
-def _moe_down(dev, rng, kernel):
-    W, bufs, k = _moe_case(dev, rng)
+def _moe_down(dev, rng, kernel, size=TOY):
+    W, bufs, k = _moe_case(dev, rng, size)
     h = (rng.standard_normal(k * W.inter + W.inter_shared) * 0.1).astype(np.float32)
     ids = rng.choice(W.E, k, replace=False).astype(np.uint32)
     w = rng.random(k + 1).astype(np.float32)
@@ -205,8 +215,8 @@ def _moe_down(dev, rng, kernel):
 
 
 @check("moe_route_gate_up_swiglu_q4")
-def _moe_route_gate_up(dev, rng, kernel):
-    W, bufs, k = _moe_case(dev, rng)
+def _moe_route_gate_up(dev, rng, kernel, size=TOY):
+    W, bufs, k = _moe_case(dev, rng, size)
     x = rng.standard_normal(W.hidden).astype(np.float32)
     logits = (rng.standard_normal(W.E + 1) * 2).astype(np.float32)
     X, L = upload(dev, x), upload(dev, logits)

@@ -11,7 +11,8 @@ from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
 from lily.lab.kernels.gemm import beyond_half
 from lily.lab.kernels.harness import (
-    U, Mismatch, bf16_activations, bf16_stored, check, rand_quant, ratio, run_encoder, to_bf16_bits, upload_bf16,
+    TOY, U, Mismatch, bf16_activations, bf16_stored, check, model, rand_quant, ratio, run_encoder, to_bf16_bits,
+    upload_bf16,
     upload_q,
 )
 from lily.lab.kernels.norm import norm_bf16_ref
@@ -258,9 +259,16 @@ def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda
                writes=[(YX, 0, 2 * ((M * k - 1) * ldy + H), tag)], threadgroups=True, label=kernel)
 
 
+def _route_shape(size, toy, T=32):
+    """(M, E, k, R, T) of a routing check: ``toy``, or a chunk of size.rows rows over the
+    model's 256 experts, top 8, in the runtime's 64-row blocks."""
+    c = size.model and model()
+    return size.pick(toy, c and (size.rows, c.num_experts, c.num_experts_per_tok, 64, T))
+
+
 @check("moe_route_clear")
-def _moe_route_clear(dev, rng, kernel):
-    M, E, k, R, T = 40, 32, 4, 16, 16
+def _moe_route_clear(dev, rng, kernel, size=TOY):
+    M, E, k, R, T = _route_shape(size, (40, 32, 4, 16, 16))
     n = nblocks(M, R) * E
     bc = dev.buffer(4 * n)  # poisoned on the simulator; garbage on a GPU
     bc.write(np.full(n, 0xFFFFFFFF, np.uint32).view(np.uint8))
@@ -272,8 +280,8 @@ def _moe_route_clear(dev, rng, kernel):
 
 
 @check("moe_route_topk")
-def _moe_route_topk(dev, rng, kernel):
-    M, E, k, R, T = 21, 32, 4, 8, 16
+def _moe_route_topk(dev, rng, kernel, size=TOY):
+    M, E, k, R, T = _route_shape(size, (21, 32, 4, 8, 16))
     logits = (np.round(rng.standard_normal((M, E + 1)) * 32) / 16).astype(np.float32)  # on a grid: no near-ties
     L, ids, w = upload(dev, logits), dev.buffer(4 * M * k), dev.buffer(4 * M * (k + 1))
     bc = upload(dev, np.zeros(nblocks(M, R) * E, np.uint32))
@@ -291,8 +299,8 @@ def _moe_route_topk(dev, rng, kernel):
 
 
 @check("moe_route_scatter")
-def _moe_route_scatter(dev, rng, kernel):
-    M, E, k, R, T = 37, 8, 4, 8, 32  # ~18 rows per expert: full tiles and both tail classes
+def _moe_route_scatter(dev, rng, kernel, size=TOY):
+    M, E, k, R, T = _route_shape(size, (37, 8, 4, 8, 32))  # toy: ~18 rows per expert: full tiles and both tail classes
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)]).astype(np.uint32)
     n = M * k
     I, bc = upload(dev, ids), upload(dev, block_hist(ids, E, R))
@@ -323,10 +331,12 @@ def _moe_route_scatter(dev, rng, kernel):
 
 
 @check("moe_combine", "moe_combine_norm")
-def _moe_combine(dev, rng, kernel):
-    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as bfloat."""
+def _moe_combine(dev, rng, kernel, size=TOY):
+    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as bfloat.
+    Model size: size.rows rows of the hidden 2048, top 8."""
     norm = kernel.endswith("_norm")
-    M, H, k = 9, 256, 4
+    c = size.model and model()
+    M, H, k = size.pick((9, 256, 4), c and (size.rows, c.hidden_size, c.num_experts_per_tok))
     h, yx, w = combine_inputs(rng, M, H, k)
     Hb, Y, Wt = upload(dev, h), upload_bf16(dev, yx), upload(dev, w)
     if norm:
@@ -354,11 +364,21 @@ def _moe_rows(T):
     return 80 if T == 128 else 23
 
 
+def _expert_shape(kernel, size):
+    """(T, E, k, H, I, M, skew) of a grouped GEMM check: small, or a chunk of size.rows rows
+    over the model's 256 experts of 512 from the hidden 2048, top 8, routed with one expert
+    taking ~90% of the rows (full tiles of every height, and tails)."""
+    T = _grouped(kernel)
+    c = size.model and model()
+    return size.pick((T, 8, 4, 128, 64, _moe_rows(T), False),
+                     c and (T, c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+                            size.rows, True))
+
+
 @check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_gate_up_q4_t128_tensor")
-def _moe_gemm_gate_up(dev, rng, kernel):
-    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
-    M = _moe_rows(T)
-    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+def _moe_gemm_gate_up(dev, rng, kernel, size=TOY):
+    T, E, k, H, I, M, skew = _expert_shape(kernel, size)
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
     x = bf16_activations(beyond_half(rng, (M, H)))
     X, P = upload_bf16(dev, x), upload(dev, perm)
@@ -378,10 +398,9 @@ def _moe_gemm_gate_up(dev, rng, kernel):
 
 
 @check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_down_q4_t128_tensor")
-def _moe_gemm_down(dev, rng, kernel):
-    T, E, k, H, I = _grouped(kernel), 8, 4, 128, 64
-    M = _moe_rows(T)
-    _ids, perm, tiles = make_routing(rng, M, E, k, T, False)
+def _moe_gemm_down(dev, rng, kernel, size=TOY):
+    T, E, k, H, I, M, skew = _expert_shape(kernel, size)
+    _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     dq = rand_quant(rng, (E,), H, I, 4)
     hx = bf16_activations(beyond_half(rng, (M * k, I)))
     HX, P = upload_bf16(dev, hx), upload(dev, perm)

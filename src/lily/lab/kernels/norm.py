@@ -8,7 +8,7 @@ import numpy as np
 from lily import _core
 from lily.checkpoint import bf16_to_f32
 from lily.lab.device import download, upload
-from lily.lab.kernels.harness import DEPTH, U, bf16_stored, check, ratio, run_encoder, to_bf16_bits
+from lily.lab.kernels.harness import DEPTH, TOY, U, bf16_stored, check, model, ratio, run_encoder, to_bf16_bits
 
 
 def norm_bf16_ref(x, nw_bits, eps=1e-6):
@@ -21,10 +21,12 @@ def norm_bf16_ref(x, nw_bits, eps=1e-6):
 
 
 @check("rms_norm", "rms_norm_bf16")
-def _rms_norm(dev, rng, kernel):
+def _rms_norm(dev, rng, kernel, size=TOY):
     """rms_norm_bf16: the same norm stored as bfloat (prefill's xn), with norm weights that
-    drive some outputs past the half range (kept, not clipped)."""
-    rows, n, eps = 3, 256, 1e-6
+    drive some outputs past the half range (kept, not clipped). Model size: size.rows rows of
+    the hidden 2048."""
+    rows, n = size.pick((3, 256), (size.rows, size.model and model().hidden_size))
+    eps = 1e-6
     bf = kernel.endswith("_bf16")
     x = (rng.standard_normal((rows, n)) * 3).astype(np.float32)
     wf = 1 + 0.3 * rng.standard_normal(n)

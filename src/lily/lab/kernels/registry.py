@@ -22,7 +22,7 @@ from lily.errors import InvalidParameterError
 from lily.lab.kernels import (  # noqa: F401 (each family module registers its checks on import)
     attention, attention_prefill, embed, gdn, gdn_prefill, gemm, gemv, moe, moe_prefill, norm, sample,
 )
-from lily.lab.kernels.harness import CHECKS, Mismatch, Result
+from lily.lab.kernels.harness import CHECKS, TOY, Mismatch, Result, Size
 
 SELFTEST_PREFIX = "st_"
 
@@ -43,8 +43,9 @@ def kernel_seed(seed: int, kernel: str) -> np.random.SeedSequence:
 
 
 def run_checks(dev, kernels: list[str] | None = None, seed: int | None = None,
-               progress: Callable[[Result], None] | None = None) -> list[Result]:
-    """Checks ``kernels`` (default: every shipped kernel of ``dev``) once each.
+               progress: Callable[[Result], None] | None = None, size: Size = TOY) -> list[Result]:
+    """Checks ``kernels`` (default: every shipped kernel of ``dev``) once each, at ``size``
+    (:data:`~lily.lab.kernels.harness.TOY` or a model size).
 
     ``seed`` (a non-negative int) fixes the random inputs (default: fresh ones). Each
     kernel's generator comes from (seed, kernel name) alone, so checking a subset draws the
@@ -70,7 +71,7 @@ def run_checks(dev, kernels: list[str] | None = None, seed: int | None = None,
             res = Result(name, "NO CHECK", detail="no reference check for this kernel yet")
         else:
             try:
-                res = Result(name, "PASS", fn(dev, np.random.default_rng(child), name))
+                res = Result(name, "PASS", fn(dev, np.random.default_rng(child), name, size))
             except Mismatch as e:
                 res = Result(name, "FAIL", e.error, str(e))
             except Exception as e:  # noqa: BLE001 (a dispatch error is a finding to report, not a crash)

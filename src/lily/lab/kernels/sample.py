@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from lily import _core
 from lily.lab.device import download, pack_args, upload
-from lily.lab.kernels.harness import Mismatch, check, f32, run_bound
+from lily.lab.kernels.harness import TOY, Mismatch, check, f32, model, run_bound
 from lily.sampling import Sampler, SamplingParams
 
 
@@ -129,9 +130,14 @@ def expected_draws(probs, order, seeds, positions):
     return out
 
 
+#: Logits per argmax_partial threadgroup at a model size (DecodePlan::kArgmaxSlice).
+MODEL_ARGMAX_SLICE = _core.CONSTANTS["kArgmaxSlice"]
+
+
 @check("sample_greedy")
-def _sample_greedy(dev, rng, kernel):
-    V = 1000
+def _sample_greedy(dev, rng, kernel, size=TOY):
+    """Model size: the vocabulary's 248,320 logits."""
+    V = size.pick(1000, size.model and model().vocab_size)
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
@@ -152,12 +158,14 @@ def padded_rows(logits: np.ndarray, n: int = PADDING_ROWS) -> np.ndarray:
 
 
 def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None,
-                     vocab: int | None = None) -> tuple[int, int]:
+                     vocab: int | None = None, combine_threads: int | None = None) -> tuple[int, int]:
     """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
     ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
-    of ``slice_`` logits), then sample_greedy_combine in one threadgroup; over the first
-    ``vocab`` logits only when given (the runtime's ``vocab_limit``). Returns (token,
-    barrier stages of the command buffer)."""
+    of ``slice_`` logits), then sample_greedy_combine in one threadgroup of
+    ``combine_threads`` (default: a thread per partial in whole simdgroups, at most 1024; the
+    runtime takes fewer where the pipeline allows fewer, csrc/runtime/decode.cpp
+    sampler_threads); over the first ``vocab`` logits only when given (the runtime's
+    ``vocab_limit``). Returns (token, barrier stages of the command buffer)."""
     V = logits.size if vocab is None else vocab
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
@@ -167,7 +175,7 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
     p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
                buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, pack_args("ArgmaxArgs", vocab=V, slice=slice_))],
                reads=[L, *B], writes=[PART], threadgroups=True)
-    p.dispatch("sample_greedy_combine", 1, min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
+    p.dispatch("sample_greedy_combine", 1, combine_threads or min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
                constants=[(2, pack_args("ArgmaxArgs", vocab=parts, slice=0))], reads=[PART], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
@@ -175,12 +183,13 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
 
 
 @check("argmax_partial", "argmax_partial_bias", "sample_greedy_combine")
-def _argmax_two_stage(dev, rng, kernel):
+def _argmax_two_stage(dev, rng, kernel, size=TOY):
     """The runtime's greedy argmax: partials over slices of 64 logits, then the combine
     (argmax_partial_bias: over logits + a bias that lifts one token and bans the leaders).
     The buffers hold 24 more rows than ``vocab`` says, the largest logits of all (the
-    padding past a tokenizer's ids, runtime ``vocab_limit``): never chosen."""
-    V, slice_ = 1000, 64
+    padding past a tokenizer's ids, runtime ``vocab_limit``): never chosen. Model size: the
+    vocabulary's 248,320 logits in the runtime's slices of 4096."""
+    V, slice_ = size.pick((1000, 64), (size.model and model().vocab_size, MODEL_ARGMAX_SLICE))
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie across slices: the lower index wins
     bias = None
@@ -196,24 +205,26 @@ def _argmax_two_stage(dev, rng, kernel):
 
 
 @check("sample_token")
-def _sample_token(dev, rng, kernel):
+def _sample_token(dev, rng, kernel, size=TOY):
     """Draw by draw against the numpy model of the kernel (Philox u, crossing of u * Z in
     probability order) on penalised, filtered logits; a draw may differ only where u lies
     within 1e-5 of a boundary of the cumulative mass (float32 vs float64). Twice: without and
     with a logit bias (a few nudges and a ban on the most likely token, which is never drawn).
-    The buffers hold :data:`PADDING_ROWS` more rows than ``vocab`` says, never drawn."""
-    V = 50
+    The buffers hold :data:`PADDING_ROWS` more rows than ``vocab`` says, never drawn. Model
+    size: the vocabulary's 248,320 logits, 8 draws each, the runtime's 1024 threads."""
+    V = size.pick(50, size.model and model().vocab_size)
     logits = (rng.standard_normal(V) * 2).astype(np.float32)
     prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
     base = SamplingParams(temperature=0.7, top_k=12, top_p=0.9, min_p=0.02, **PENALTIES)
     nudged = rng.choice(V, 4, replace=False)
     bias = {int(t): float(b) for t, b in zip(nudged, rng.uniform(-3, 3, 4))} | {int(np.argmax(logits)): -100.0}
-    seeds = [int(s) for s in rng.integers(0, 2**63, 24)]
-    positions = list(range(100, 124))
+    draws = size.pick(24, 8)
+    seeds = [int(s) for s in rng.integers(0, 2**63, draws)]
+    positions = list(range(100, 100 + draws))
     for params in (base, replace(base, logit_bias=bias)):
         probs = filtered_probs(params, logits, prompt, generated)
         toks, *_ = sample_many(dev, padded_rows(logits), count_buffer(V + PADDING_ROWS, prompt, generated), params,
-                               seeds, positions, tg=64, vocab=V)
+                               seeds, positions, tg=size.pick(64, 1024), vocab=V)
         bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
                if t != w and not near]
         what = " with a logit bias" if params.logit_bias else ""
