@@ -956,7 +956,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with a block to paste into a bug report. Exit status 1 when anything failed.")
     d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
                    help="device to check (default auto: metal on a Mac, else the simulator)")
-    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels")
+    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels (at small and model shapes; no end-to-end check)")
     d.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="checkpoint whose memory needs to show (default: demo model)")
     d.add_argument("--max-context", type=_int_at_least(1), default=None, metavar="N",
@@ -966,7 +966,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="non-negative seed of the random inputs (default: a fresh one, printed in the report)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
     d.add_argument("--quick", action="store_true",
-                   help="the kernels at small shapes only (seconds): no model-size run, no end-to-end check")
+                   help="the kernels at small shapes only (seconds): no end-to-end check, no model-size run (which "
+                        "takes an hour or more on the simulator)")
     d.add_argument("--rows", type=_int_at_least(1), default=None, metavar="N",
                    help="prefill chunk rows of the model-size kernel checks (default 4096, the model's chunk; on "
                         "the simulator 256: 4096 takes hours there)")

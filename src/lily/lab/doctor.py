@@ -314,16 +314,16 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"\nkernels on {name} (random inputs from seed {seed}; error = worst |got - exact| / tolerance)")
         results = run_checks(dev, kernels, seed=seed, progress=show, size=TOY)
         if not quick:
-            say(f"\nkernels at the model's shapes (hidden 2048, 256 experts top-8, vocabulary 248,320, head dims 256 "
-                f"and 128, prefill chunks of {size.rows} rows, contexts to 8192)"
-                + ("; the model's chunk is 4096 rows: --rows 4096 on the simulator takes hours" if name == "sim"
-                   and size.rows < 4096 else ""))
-            model_results = run_checks(dev, kernels, seed=seed, progress=show, size=size)
-            if not kernels:
+            if not kernels:  # first: seconds, where the model's shapes take minutes (hours on the simulator)
                 say(f"\nend to end (the embedded demo model on {name} against the numpy reference)")
                 e2e = end_to_end(name, seed)
                 for r in e2e:
                     say(f"  {r.status:<8} {r.kernel:<26} {r.seconds:6.2f} s\n           {r.detail}")
+            say(f"\nkernels at the model's shapes (hidden 2048, 256 experts top-8, vocabulary 248,320, head dims 256 "
+                f"and 128, prefill chunks of {size.rows} rows, contexts to 8192)"
+                + ("; on the simulator this takes an hour or more (--quick skips it), and the model's chunk of "
+                   "4096 rows (--rows 4096) hours" if name == "sim" else ""))
+            model_results = run_checks(dev, kernels, seed=seed, progress=show, size=size)
     report["kernels"] = [r.as_dict() for r in results]
     if not quick:
         report["model_shapes"] = {"rows": size.rows, "kernels": [r.as_dict() for r in model_results]}
