@@ -956,7 +956,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "with a block to paste into a bug report. Exit status 1 when anything failed.")
     d.add_argument("--device", default="auto", choices=["auto", "metal", "sim"],
                    help="device to check (default auto: metal on a Mac, else the simulator)")
-    d.add_argument("--kernels", default=None, metavar="K1,K2,...", help="check only these kernels (at small and model shapes; no end-to-end check)")
+    d.add_argument("--kernels", default=None, metavar="K1,K2,...",
+                   help="check only these kernels (at small and model shapes; no end-to-end check)")
     d.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="checkpoint whose memory needs to show (default: demo model)")
     d.add_argument("--max-context", type=_int_at_least(1), default=None, metavar="N",
