@@ -2,57 +2,39 @@
 // (attention_prefill.metal) and the Metal 4 tensor-operation variants
 // (attention_prefill_tensor.metal): the KV tile, its loader, the lazy-rescale threshold and
 // the KV range of a query block. Both paths walk the same tiles with the same fp32 online
-// softmax per row; their matrix operands differ: half on the simdgroup path (q * scale and P
-// rounded to half, K/V converted with saturation), bfloat on the tensor path (q * scale and P
-// rounded to bf16, K/V as cached), as MLX's NAX attention.
+// softmax per row on bfloat matrix operands (q * scale and P rounded to bf16, K/V as cached:
+// no conversion, nothing clipped), as MLX's NAX attention.
 #pragma once
 
 #include <metal_stdlib>
 using namespace metal;
 
-#include "common.h"  // kGemmHalfMax
+#include "common.h"
 #include "prefill_args.h"
 
 namespace attn_prefill_shared {
 
 constant constexpr uint kTile = 32;  // KV rows per tile
 // Lazy rescaling (as FlashAttention-4): a row keeps its reference max m until a tile's max
-// exceeds it by more than kRescale, so P = exp(s - m) <= e^8 ~ 2981 (within half's range, at
-// its full 11-bit precision) and the O rescale runs only when a row's max jumps. The output
-// O / l is the same for any reference: both carry the same factor exp(-m).
+// exceeds it by more than kRescale, so P = exp(s - m) <= e^8 ~ 2981 and the O rescale runs
+// only when a row's max jumps. The output O / l is the same for any reference: both carry the
+// same factor exp(-m).
 constant constexpr float kRescale = 8.0f;
 
-// One K/V tile operand element group: the simdgroup kernels' half with saturation, the
-// tensor-op kernels' bfloat as cached. bf16 -> half: converted in fp32 (exact for |x| in
-// [2^-14, 65504]: 8 significant bits fit in 11; smaller values keep an absolute error
-// <= 2^-25), then clamped in half, so a bf16 value beyond the half range (inf after the
-// conversion) becomes +-65504 and one outlier cannot turn a score or an output row into
-// inf/NaN. The result equals gemm_half's (common.h: clamp in fp32, then convert) for every
-// bf16 input, at 1 fp32 and 2 fp16 operations instead of 3 fp32.
-inline half4 kv_operand(bfloat4 x, threadgroup half4*) {
-  return clamp(half4(float4(x)), half4(-kGemmHalfMax), half4(kGemmHalfMax));
-}
-inline bfloat4 kv_operand(bfloat4 x, threadgroup bfloat4*) {
-  return x;  // bf16 operands: a plain copy
-}
-
-// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D] (T: half or bfloat,
-// kv_operand); rows >= kend are zero (masked, and a zero row keeps 0 * v finite in P V: the
-// cache past the context may hold anything). NT threads; lane-adjacent threads read
-// adjacent 8-byte chunks of a row.
-template <uint D, uint NT, typename T>
-static inline void load_tile(device const bfloat* head, uint t0, uint kend, threadgroup T* kv, uint tid) {
-  using T4 = vec<T, 4>;
+// K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D], a plain bf16 copy; rows
+// >= kend are zero (masked, and a zero row keeps 0 * v finite in P V: the cache past the
+// context may hold anything). NT threads; lane-adjacent threads read adjacent 8-byte chunks
+// of a row.
+template <uint D, uint NT>
+static inline void load_tile(device const bfloat* head, uint t0, uint kend, threadgroup bfloat* kv, uint tid) {
   constexpr uint N4 = kTile * D / 4;
-  threadgroup T4* kv4 = (threadgroup T4*)kv;
+  threadgroup bfloat4* kv4 = (threadgroup bfloat4*)kv;
   for (uint e = tid; e < N4; e += NT) {
     const uint r = (4 * e) / D;
     const uint d = (4 * e) % D;
     const uint key = t0 + r;
-    T4 x = T4(T(0.0f));
-    if (key < kend) {
-      x = kv_operand(((device const bfloat4*)(head + ulong(key) * D))[d / 4], kv4);
-    }
+    bfloat4 x = bfloat4(0.0f);
+    if (key < kend) { x = ((device const bfloat4*)(head + ulong(key) * D))[d / 4]; }
     kv4[e] = x;
   }
 }
@@ -77,9 +59,9 @@ static inline bool kv_range(constant AttnPrefillArgs& args, uint last, uint spli
 
 // One row's online-softmax update over its scores s[0 .. N) of a tile (masked ones -inf),
 // the row spread over LANES consecutive lanes (xor-shuffle reductions): moves the reference
-// max m by the lazy rule, writes P = exp(s - m) rounded to PT (the P V operand type: half or
-// bfloat), updates l with the sum of the rounded P, returns the factor O must be multiplied
-// by (1: unchanged).
+// max m by the lazy rule, writes P = exp(s - m) rounded to PT (the P V operand type: bfloat),
+// updates l with the sum of the rounded P, returns the factor O must be multiplied by (1:
+// unchanged).
 template <uint N, uint LANES, typename PT>
 static inline float softmax_row(thread const float* s, thread float& m, thread float& l, threadgroup PT* p) {
   float mx = -INFINITY;

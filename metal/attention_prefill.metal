@@ -3,26 +3,26 @@
 //
 //   attn_prefill_prep_d<D>    per row: q/k RMSNorm, partial RoPE at the row's position, bf16
 //                             K and V rows p0 + i written to the KV cache, q out fp32 [M, Hq, D].
-//                             Reads the projections as half (q_proj, k_proj, v_proj store them
-//                             with gemm_half), then the float32 arithmetic of attn_qk_prep term
-//                             for term: on the same values the cache rows (and q) equal the ones
-//                             decode writes, bit for bit.
+//                             Reads the projections as bfloat (q_proj, k_proj, v_proj store them
+//                             so), then the float32 arithmetic of attn_qk_prep term for term: on
+//                             the same values the cache rows (and q) equal the ones decode
+//                             writes, bit for bit.
 //   attn_prefill_prep_d<D>_qbf the same with q out as the tensor-op attention's operand
 //                             (attention_prefill_tensor.metal): bfloat(q * q_scale), laid out
 //                             [Hq / G, M, G, D] (G = q_group).
 //   attn_prefill_d<D>_g<G>    causal flash attention: chunk row i attends cache rows [0, p0 + i]
 //                             (rows < p0 from earlier chunks, the rest from this chunk's prep),
-//                             online softmax in fp32, output * sigmoid(gate) -> half [M, Hq*D]
-//                             (gemm_half: o_proj's half input); the gate read as half (qg).
+//                             online softmax in fp32, output * sigmoid(gate) -> bfloat
+//                             [M, Hq*D] (o_proj's input); the gate read as bfloat (qg).
 //                             One threadgroup per (block of 64/G chunk rows, G query heads of one
-//                             KV head): every 32-row K/V tile is loaded once into threadgroup
-//                             memory as half for all 64 (row, head) pairs; Q K^T and P V on
-//                             half simdgroup_matrix operands (q * scale and P rounded to half,
-//                             K/V bf16 -> half, saturated) with fp32 accumulation.
+//                             KV head): every 32-row K/V tile is copied once into threadgroup
+//                             memory for all 64 (row, head) pairs; Q K^T and P V on bfloat
+//                             simdgroup_matrix operands (q * scale and P rounded to bf16, K/V
+//                             as cached) with fp32 accumulation.
 //   attn_prefill_split_d<D>_g<G> + attn_prefill_combine_d<D>
 //                             the same with the KV range cut into splits of S rows (a third grid
 //                             dimension) writing partials (max, sum, unnormalised output); the
-//                             combine merges them per (row, head) and applies the gate (half out). For
+//                             combine merges them per (row, head) and applies the gate (bfloat out). For
 //                             short chunks after a long prefix, where the plain grid has too few
 //                             threadgroups to fill the GPU.
 //
@@ -62,14 +62,14 @@ struct QRows {
 };
 
 // Per-simdgroup scratch (threadgroup memory, private to one simdgroup: only simdgroup
-// barriers order it): scores, P as half, diag(corr), staging of Q and O fragments.
+// barriers order it): scores, P as bfloat, diag(corr), staging of Q and O fragments.
 struct SgScratch {
   static constant constexpr uint s = 0;                 // float [8, kTile] scores
   static constant constexpr uint d = 8 * kTile;         // float [8, 8] diag(corr), off-diagonal 0
   static constant constexpr uint l = d + 64;            // float [8] row sums, then 1 / l
   static constant constexpr uint m = l + 8;             // float [8] row reference max
   static constant constexpr uint floats = m + 8;
-  static constant constexpr uint halves = 8 * kTile;    // half [8, kTile] P, also Q staging
+  static constant constexpr uint bfloats = 8 * kTile;   // bfloat [8, kTile] P, also Q staging
 };
 
 // The attention of one threadgroup over cache rows [kbeg, kend) (clipped per row to the causal
@@ -80,21 +80,21 @@ struct SgScratch {
 // (BQ = kRows / G >= 8): simdgroup sg owns pairs 8 sg .. 8 sg + 7 (one head, 8 consecutive
 // chunk rows) for the whole tile loop, so only the K/V tile is shared. Per tile:
 //   load K (all threads), barrier;
-//   S = Q K^T   each simdgroup its 8 x kTile block over all D (Q in half registers), into its
+//   S = Q K^T   each simdgroup its 8 x kTile block over all D (Q in bfloat registers), into its
 //               scratch; barrier (K no longer read), then V is loaded into the same buffer
 //               while each simdgroup runs its online softmax:
 //   softmax     lane owns row lane / 4, columns 8 (lane % 4) .. +7; row max and sum by xor
-//               shuffles over 4 lanes; m, l in those lanes' registers; P rounded to half;
+//               shuffles over 4 lanes; m, l in those lanes' registers; P rounded to bf16;
 //   barrier (V complete); O (8 x D, fp32, in registers) = diag(corr) O + P V; barrier.
 // Four threadgroup barriers per 32 KV rows (two per 16, half of the fp32 16-row design).
 template <uint D, uint G, bool SPLIT>
-static inline void attend(device const float* q, device const half* qg,
+static inline void attend(device const float* q, device const bfloat* qg,
                           device const bfloat* k_cache, device const bfloat* v_cache,
-                          device half* out, device float* part_ml, device float* part_o,
+                          device bfloat* out, device float* part_ml, device float* part_o,
                           constant AttnPrefillArgs& args, uint block, uint h0, uint split,
-                          threadgroup half* kv,        // [kTile * D] K or V tile
-                          threadgroup float* scratch,  // [8 * SgScratch::floats]
-                          threadgroup half* pscratch,  // [8 * SgScratch::halves]
+                          threadgroup bfloat* kv,        // [kTile * D] K or V tile
+                          threadgroup float* scratch,    // [8 * SgScratch::floats]
+                          threadgroup bfloat* pscratch,  // [8 * SgScratch::bfloats]
                           uint tid, uint sg, uint lane) {
   constexpr uint BQ = QRows<G>::BQ;
   constexpr uint NF = D / 8;  // Q and O fragments of a simdgroup
@@ -113,11 +113,11 @@ static inline void attend(device const float* q, device const half* qg,
   const uint h = h0 + (8 * sg) / BQ;        // the simdgroup's head
   const uint srow0 = row0 + (8 * sg) % BQ;  // its first chunk row
   threadgroup float* sc = scratch + sg * SgScratch::floats;
-  threadgroup half* ph = pscratch + sg * SgScratch::halves;
+  threadgroup bfloat* ph = pscratch + sg * SgScratch::bfloats;
 
-  // Q (times the scale, as attend_rows) into half registers, one 8x8 fragment at a time
+  // Q (times the scale, as attend_rows) into bfloat registers, one 8x8 fragment at a time
   // through the simdgroup's scratch; rows past the chunk are zero.
-  simdgroup_half8x8 qf[NF];
+  simdgroup_bfloat8x8 qf[NF];
   {
     const uint r = lane / 4;
     const uint c2 = 2 * (lane % 4);
@@ -127,8 +127,8 @@ static inline void attend(device const float* q, device const half* qg,
       if (row < M) {
         x = float2(*(device const float2*)(q + (ulong(row) * Hq + h) * D + c * 8 + c2)) * args.scale;
       }
-      ph[r * 8 + c2] = half(x.x);
-      ph[r * 8 + c2 + 1] = half(x.y);
+      ph[r * 8 + c2] = bfloat(x.x);
+      ph[r * 8 + c2 + 1] = bfloat(x.y);
       simdgroup_barrier(mem_flags::mem_threadgroup);
       simdgroup_load(qf[c], ph, 8);
       simdgroup_barrier(mem_flags::mem_threadgroup);
@@ -158,9 +158,9 @@ static inline void attend(device const float* q, device const half* qg,
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint kb = 0; kb < KB; ++kb) {  // S[:, 8 kb .. 8 kb + 7] = Q K_kb^T
       simdgroup_float8x8 acc = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
-      threadgroup const half* kt0 = kv + kb * 8 * D;
+      threadgroup const bfloat* kt0 = kv + kb * 8 * D;
       for (uint c = 0; c < NF; ++c) {
-        simdgroup_half8x8 kt;
+        simdgroup_bfloat8x8 kt;
         simdgroup_load(kt, kt0 + c * 8, D, ulong2(0, 0), true);  // kt[d][key] = K[key][c*8 + d]
         simdgroup_multiply_accumulate(acc, qf[c], kt, acc);
       }
@@ -191,14 +191,14 @@ static inline void attend(device const float* q, device const half* qg,
         simdgroup_multiply(of[i], dm, of[i]);
       }
     }
-    simdgroup_half8x8 pf[KB];
+    simdgroup_bfloat8x8 pf[KB];
     for (uint kb = 0; kb < KB; ++kb) {
       simdgroup_load(pf[kb], ph + kb * 8, kTile);
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);  // the V tile is complete
     for (uint i = 0; i < NF; ++i) {  // O[:, 8i .. 8i+7] += P V[:, 8i .. 8i+7]
       for (uint kb = 0; kb < KB; ++kb) {
-        simdgroup_half8x8 vf;
+        simdgroup_bfloat8x8 vf;
         simdgroup_load(vf, kv + kb * 8 * D + i * 8, D);
         simdgroup_multiply_accumulate(of[i], pf[kb], vf, of[i]);
       }
@@ -230,10 +230,10 @@ static inline void attend(device const float* q, device const half* qg,
         const ulong slot = (ulong(split) * M + row) * Hq + h;
         *(device float2*)(part_o + slot * D + d) = o;
       } else {
-        const float2 gate = float2(*(device const half2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d));
+        const float2 gate = float2(*(device const bfloat2*)(qg + (ulong(row) * Hq + h) * 2 * D + D + d));
         const float2 y = o * sc[SgScratch::l + r];
-        *(device half2*)(out + (ulong(row) * Hq + h) * D + d) =
-            gemm_half(float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y)));
+        *(device bfloat2*)(out + (ulong(row) * Hq + h) * D + d) =
+            bfloat2(float2(y.x * sigmoid(gate.x), y.y * sigmoid(gate.y)));
       }
     }
     simdgroup_barrier(mem_flags::mem_threadgroup);  // the fragment is read before the next store
@@ -249,9 +249,9 @@ static inline void attend(device const float* q, device const half* qg,
 // simd_sum covers the same 32 consecutive elements as attn_qk_prep's simdgroups and the
 // partial sums are added in the same order: the results are attn_qk_prep's bit for bit.
 template <uint D, typename QT>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const half* qg [[buffer(0)]],          // half [M, Hq*2*D] q_proj output: query | gate per head
-                              device const half* k [[buffer(1)]],           // half [M, Hkv*D] k_proj output
-                              device const half* v [[buffer(2)]],           // half [M, Hkv*D] v_proj output
+[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const bfloat* qg [[buffer(0)]],        // bfloat [M, Hq*2*D] q_proj output: query | gate per head
+                              device const bfloat* k [[buffer(1)]],         // bfloat [M, Hkv*D] k_proj output
+                              device const bfloat* v [[buffer(2)]],         // bfloat [M, Hkv*D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
                               device const bfloat* k_norm_w [[buffer(4)]],  // [D]
                               device bfloat* k_cache [[buffer(5)]],         // [Hkv, capacity, D], rows p0 .. p0+M-1 written
@@ -274,8 +274,8 @@ template <uint D, typename QT>
   const bool is_q = head < Hq;
   const uint kvh = head - Hq;
   const uint pos = args.p0 + row;
-  device const half* src = is_q ? qg + (ulong(row) * Hq + head) * 2 * D
-                                 : k + (ulong(row) * Hkv + kvh) * D;
+  device const bfloat* src = is_q ? qg + (ulong(row) * Hq + head) * 2 * D
+                                   : k + (ulong(row) * Hkv + kvh) * D;
   float x[NC];
   float total = 0.0f;
   for (uint c = 0; c < NC; ++c) {
@@ -322,10 +322,10 @@ template <uint D, typename QT>
 // are dispatched first).
 template <uint D, uint G>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
-                         device const half* qg [[buffer(1)]],          // half [M, Hq*2*D] q_proj output (gate: second D of each head)
+                         device const bfloat* qg [[buffer(1)]],        // bfloat [M, Hq*2*D] q_proj output (gate: second D of each head)
                          device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
-                         device half* out [[buffer(4)]],               // half [M, Hq*D] attention * sigmoid(gate) (saturated)
+                         device bfloat* out [[buffer(4)]],             // bfloat [M, Hq*D] attention * sigmoid(gate)
                          constant AttnPrefillArgs& args [[buffer(5)]],
                          uint2 tg [[threadgroup_position_in_grid]],
                          uint tid [[thread_index_in_threadgroup]],
@@ -334,15 +334,15 @@ template <uint D, uint G>
   using namespace attn_prefill_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
-  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
   threadgroup float scratch[8 * SgScratch::floats];
-  threadgroup half pscratch[8 * SgScratch::halves];
+  threadgroup bfloat pscratch[8 * SgScratch::bfloats];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks) {
     return;
   }
   attend<D, G, false>(q, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y * G,
-                      0, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
+                      0, (threadgroup bfloat*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
 // ---- attn_prefill_split ----------------------------------------------------------------------
@@ -365,15 +365,15 @@ template <uint D, uint G>
   using namespace attn_prefill_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
-  threadgroup half4 kv4[kTile * D / 4];  // half4: load_tile writes it as half4
+  threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
   threadgroup float scratch[8 * SgScratch::floats];
-  threadgroup half pscratch[8 * SgScratch::halves];
+  threadgroup bfloat pscratch[8 * SgScratch::bfloats];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
   attend<D, G, true>(q, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x,
-                     tg.y * G, tg.z, (threadgroup half*)kv4, scratch, pscratch, tid, sg, lane);
+                     tg.y * G, tg.z, (threadgroup bfloat*)kv4, scratch, pscratch, tid, sg, lane);
 }
 
 // ---- attn_prefill_combine --------------------------------------------------------------------
@@ -382,8 +382,8 @@ template <uint D, uint G>
 template <uint D>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_combine(device const float* part_ml [[buffer(0)]],  // [num_splits, M, Hq, 2]
                                  device const float* part_o [[buffer(1)]],   // [num_splits, M, Hq, D]
-                                 device const half* qg [[buffer(2)]],        // half [M, Hq*2*D] (gate)
-                                 device half* out [[buffer(3)]],             // half [M, Hq*D] (saturated)
+                                 device const bfloat* qg [[buffer(2)]],      // bfloat [M, Hq*2*D] (gate)
+                                 device bfloat* out [[buffer(3)]],           // bfloat [M, Hq*D]
                                  constant AttnPrefillArgs& args [[buffer(4)]],
                                  uint2 tg [[threadgroup_position_in_grid]],
                                  uint d [[thread_index_in_threadgroup]]) {
@@ -408,7 +408,7 @@ template <uint D>
     o += part_o[slot * D + d] * w;
   }
   const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
-  out[(ulong(row) * Hq + h) * D + d] = gemm_half(o / L * sigmoid(gate));
+  out[(ulong(row) * Hq + h) * D + d] = bfloat(o / L * sigmoid(gate));
 }
 
 // Instantiations: D = 256 (the model and the "dims" preset: G = 8, one threadgroup column per KV

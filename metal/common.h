@@ -25,39 +25,17 @@ constant constexpr uint kQuantGroup = 64;
 // per simdgroup of the GEMVs, split-K, the routing and norm_gemv limits): host-includable.
 #include "decode_args.h"
 
-// ---------------------------------------------------------------- half activations
-// The prefill GEMMs (gemm_tiles.h) take half activations, which their producers
-// (rms_norm_half, gemm_swiglu_q4, moe_gemm_gate_up_q4_*) write once with gemm_half: values
-// are clamped to +-kGemmHalfMax (the largest finite half) before the conversion, so an
-// activation beyond the half range (|x| > 65504, far outside what RMS-normalised inputs
-// reach) becomes the largest half instead of inf and cannot turn a whole output row into
-// inf/NaN. bf16 (MLX-LM's activations) has fp32's range with 8 mantissa bits; half has 11
-// bits and this range limit (docs/prefill.md, "Operand precision").
-constant constexpr float kGemmHalfMax = 65504.0f;
-
-inline half4 gemm_half(float4 v) {
-  return half4(clamp(v, float4(-kGemmHalfMax), float4(kGemmHalfMax)));
-}
-inline half2 gemm_half(float2 v) {
-  return half2(clamp(v, float2(-kGemmHalfMax), float2(kGemmHalfMax)));
-}
-inline half gemm_half(float v) {
-  return half(clamp(v, -kGemmHalfMax, kGemmHalfMax));
-}
-// Half activations were converted by their producer: staged as they are.
-inline half4 gemm_half(half4 v) {
-  return v;
-}
-
-// A GEMM output element: fp32 (ADD: y += v), or half with the saturating conversion (the
-// half activations of a following GEMM: hs, hx; the routed experts' outputs yx, which
-// moe_combine sums in fp32; the GDN z, the attention's q|gate, k, v; never ADD).
+// ---------------------------------------------------------------- bf16 activations
+// Prefill's intermediate activations (the GEMMs' inputs xn, hs, hx, u, attn, and the GEMM
+// outputs only a following kernel reads: yx, z, q|gate, k, v) are stored as bfloat, rounded
+// to nearest even from the fp32 value: bf16 has fp32's range, so nothing is clipped (a
+// value beyond the half range stays what it is, to 8 significant bits). MLX-LM and
+// pplx-garden keep these activations in bf16 too (docs/prefill.md, "Operand precision").
+// A GEMM output element: fp32 (ADD: y += v), or bfloat (never ADD).
 inline void gemm_put(device float* dst, float v, bool add) {
   *dst = add ? *dst + v : v;
 }
-inline void gemm_put(device half* dst, float v, bool) {
-  *dst = gemm_half(v);
-}
+inline void gemm_put(device bfloat* dst, float v, bool) { *dst = bfloat(v); }
 
 // ---------------------------------------------------------------- small helpers
 
@@ -92,7 +70,7 @@ inline float threadgroup_sum(float v, threadgroup float* scratch, uint sg, uint 
 }
 
 // RMSNorm of one row by a whole threadgroup: out[i] = x[i] * rsqrt(mean(x^2) + eps) * w[i]
-// (T: float, or half with gemm_half). Thread tid squares and adds x[tid], x[tid + tcount],
+// (T: float, or bfloat rounded from the fp32 value: gemm_put). Thread tid squares and adds x[tid], x[tid + tcount],
 // ... in that order, then threadgroup_sum: the same thread count gives the same bits
 // (rms_norm_t of norm.metal, and moe_combine_norm, which normalises the residual it just
 // updated). XPtr: a device pointer to x.

@@ -2,7 +2,7 @@
 // section 3, "Register-resident Gated DeltaNet scan"; docs/prefill.md).
 //
 // Three dispatches per layer and chunk, after the projections (qkv, b, a: fp32 [M, ...]; z:
-// half [M, Hv*Dv], stored saturated to +-65504 by gemm_q4_half):
+// bfloat [M, Hv*Dv], stored by gemm_q4_bf16):
 //
 //   gdn_scan         causal conv + SiLU of the channels it needs (inline, from qkv and the
 //                    conv state: the conv output never goes through device memory), L2 norms,
@@ -18,7 +18,7 @@
 //                      | y of block j-1 out  and  stage block j |
 //                      barrier | delta rule over the tokens of block j | barrier
 //                    y leaves through the per-element part of the gated RMSNorm (below): u
-//                    (half, out_proj's input) and the sum of y^2 over the threadgroup's RV rows.
+//                    (bfloat, out_proj's input) and the sum of y^2 over the threadgroup's RV rows.
 //   gdn_norm_scale   per (token, head, split): the factor f that turns the split's u into the
 //                    head's gated RMSNorm (the RMS needs the whole head, which no scan
 //                    threadgroup holds); out_proj (gemm_q4_add_hs) multiplies u by f while
@@ -28,14 +28,12 @@
 //
 // The gated RMSNorm, split: for token t, head h and split s (rows [s RV, s RV + RV)) with
 // p_s = sum of y^2 over the split's rows (fp32) and P = p_0 + ... + p_{S-1}:
-//   scan:        a_s = 1 / sqrt(p_s / Dv + eps),  u = gemm_half(y * a_s * w * silu(z))
+//   scan:        a_s = 1 / sqrt(p_s / Dv + eps),  u = bfloat(y * a_s * w * silu(z))
 //   norm scale:  f_s = half(sqrt(p_s / Dv + eps) * inv),  inv = 1 / sqrt(P / Dv + eps)  (f_s = inv / a_s <= 1)
-//   out_proj:    A = half(u * f_s)                                         (a half multiply)
-// i.e. y * inv * w * silu(z), the gated RMSNorm, as the fp32 math of one pass gives it but for three half roundings instead of one (u, f_s, the product: within ~1.5 half
-// ulps of the single-rounded half(y inv w silu z)). a_s keeps u in range: |y a_s| <= sqrt(Dv)
-// (as |y inv|), so u only saturates where |w silu(z)| is beyond ~65504 / sqrt(Dv). It
-// saturates first, on |y a_s w silu(z)| > 65504, a band the one-pass norm kept in range when
-// f_s < 1: such an element is staged as 65504 f_s, below its value (A never overflows).
+//   out_proj:    A = bfloat(u * f_s)                                       (an fp32 multiply)
+// i.e. y * inv * w * silu(z), the gated RMSNorm, as the fp32 math of one pass gives it but for
+// two bfloat roundings and a half one instead of one bfloat rounding (u, f_s, the product).
+// bfloat has fp32's range: u is never clipped, whatever w and z (the factor f_s is in [0, 1]).
 // The conv is gdn_decode_step's (metal/gdn.metal) operation for operation; the scan sums its
 // dot products in another order, so a chunk agrees with decode steps to float32 rounding, and
 // two chunks equal one chunk of the same tokens bit for bit (the arithmetic per token does
@@ -128,9 +126,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
     device const float* A_log [[buffer(5)]],      // [Hv]
     device const bfloat* dt_bias [[buffer(6)]],   // [Hv]
     device float* state [[buffer(7)]],            // [Hv, Dv, Dk] S' then [Hv, Dv] c (S = c S'), in place
-    device half* u [[buffer(8)]],                 // [M, Hv*Dv] gemm_half(y a_s w silu(z)) (header)
+    device bfloat* u [[buffer(8)]],               // [M, Hv*Dv] bfloat(y a_s w silu(z)) (header)
     constant GdnScanArgs& args [[buffer(9)]],
-    device const half* z [[buffer(10)]],          // [M, Hv*Dv] in_proj_z output (half)
+    device const bfloat* z [[buffer(10)]],        // [M, Hv*Dv] in_proj_z output (bfloat)
     device const bfloat* norm_w [[buffer(11)]],   // [Dv] norm.weight
     device float* ss [[buffer(12)]],              // [M, Hv, Dv/RV] sum of y^2 over each split's rows
     uint2 tgp [[threadgroup_position_in_grid]],
@@ -195,7 +193,7 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
         if (live) {
           const ulong o = ulong(t) * HVD + h * DV + v;
           const float a_s = 1.0f / sqrt(p / float(DV) + args.norm_eps);
-          u[o] = gemm_half(yv * a_s * float(norm_w[v]) * silu(float(z[o])));
+          u[o] = bfloat(yv * a_s * float(norm_w[v]) * silu(float(z[o])));
           if (i % RV == 0) {
             ss[(ulong(t) * Hv + h) * (DV / RV) + tgp.y] = p;
           }

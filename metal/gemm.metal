@@ -2,16 +2,17 @@
 // "GEMM: dense and grouped expert GEMM"):
 //   gemm_q4, gemm_q8, gemm_q4_add_h     y[m, n] (=|+=) x[m, k] W[n, k]^T
 //   gemm_q4_add_hs                      y += (x * s) W^T  (s: a half scale per group of a row: the GDN out_proj)
-//   gemm_q4_half                        y = half(x W^T)  (saturated: the GDN z, the attention's q|gate, k, v)
-//   gemm_swiglu_q4                      y = half(g[m] * silu(x Wg^T) * (x Wu^T))  (g: a row scale)
+//   gemm_q4_bf16                        y = bfloat(x W^T)  (the GDN z, the attention's q|gate, k, v)
+//   gemm_swiglu_q4                      y = bfloat(g[m] * silu(x Wg^T) * (x Wu^T))  (g: a row scale)
 // (the grouped expert GEMMs, moe_gemm_*, are in metal/moe_prefill.metal). A threadgroup
 // computes a BM x BN block of the output. Per step of kGemmBK = 64 columns of k it copies
-// BM half activation rows and dequantizes BN weight rows
-// (gate and up: two weight tiles) to half in threadgroup memory (gemm_tiles.h), then each
-// simdgroup multiplies its (8 FM) x (8 FN) block with 8x8 half simdgroup_matrix products
-// accumulated in fp32 registers. The dequantized weight never leaves threadgroup memory. At
-// the end the accumulators are staged through threadgroup memory and stored as scalars (any
-// row stride, edges, scatter; gemm_swiglu_q4 and gemm_q4_half store half with gemm_half).
+// BM bfloat activation rows and dequantizes BN weight rows (gate and up: two weight tiles)
+// to bfloat in threadgroup memory (gemm_tiles.h), then each simdgroup multiplies its
+// (8 FM) x (8 FN) block with 8x8 bfloat simdgroup_matrix products (MSL 3.1, every Apple GPU
+// family Lily runs on) accumulated in fp32 registers. The dequantized weight never leaves
+// threadgroup memory. At the end the accumulators are staged through threadgroup memory and
+// stored as scalars (any row stride, edges, scatter; gemm_swiglu_q4 and gemm_q4_bf16 store
+// bfloat).
 #include <metal_stdlib>
 using namespace metal;
 
@@ -22,7 +23,7 @@ using namespace metal;
 // ---- dense GEMMs -------------------------------------------------------------------------
 // Grid (ceil(n / BN), ceil(m / BM)) threadgroups of 32 * SM * SN threads: threadgroup
 // (i, j) computes y rows [j BM, j BM + BM) x columns [i BN, i BN + BN).
-// x: an A source (gemm_tiles.h: half or fp32 rows, or GemmAScaled).
+// x: an A source (gemm_tiles.h: bfloat rows, or GemmAScaled).
 // NB = 1: y = x W^T (ADD: y += x W^T); NB = 2: y = silu(x W0^T) * (x W1^T). With a row
 // scale g (not null), each result of row r is multiplied by g[r * ldg] before it is stored.
 template <int BITS, uint NB, bool ADD, uint BM, uint BN, uint SM, uint SN, typename XS, typename Y>
@@ -38,7 +39,7 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
     return;  // the whole threadgroup (a grid larger than needed)
   }
   const uint rows = min(BM, args.m - m0);
-  const GemmARows<BM, NT> a = gemm_a_rows_dense<BM, NT>(m0, args.m, args.lda, tid);
+  const GemmARows<BM, NT> a = gemm_a_rows<BM, NT>(GemmDenseRows{m0, args.m, args.lda}, tid);
   gemm_accumulate<BITS, NB, BM, BN, SM, SN>(smem4, x, a, w0, s0, b0, w1, s1, b1, n0, args.n,
                                             args.k, rows, tid, sg);
   const threadgroup float* smem = (const threadgroup float*)smem4;
@@ -59,16 +60,15 @@ constant constexpr uint kGemmBM = 64;
 constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
 
-// X4: half4 (gemm_q4, gemm_q8: the normed rows xn, the shared hidden hs; gemm_q4_add_h: the
-// attention output and the shared expert's hidden; gemm_tiles.h also takes float4, converted
-// while staged, which no kernel uses). Y: float, or half (gemm_q4_half: the sums stored with
-// gemm_half; never ADD).
-template <int BITS, bool ADD, typename X4, typename Y = float>
+// x: bfloat rows (gemm_q4, gemm_q8: the normed rows xn; gemm_q4_add_h: the attention output
+// and the shared expert's hidden). Y: float, or bfloat (gemm_q4_bf16: the sums rounded to
+// bfloat; never ADD).
+template <int BITS, bool ADD, typename Y = float>
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                    device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                   device const X4* x [[buffer(3)]],           // half [m, lda]
-                   device Y* y [[buffer(4)]],                  // fp32 or half [m, ldy] (read too when ADD)
+                   device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
+                   device Y* y [[buffer(4)]],                  // fp32 or bfloat [m, ldy] (read too when ADD)
                    constant GemmArgs& args [[buffer(5)]],
                    uint2 tgp [[threadgroup_position_in_grid]],
                    uint tid [[thread_index_in_threadgroup]],
@@ -78,18 +78,18 @@ template <int BITS, bool ADD, typename X4, typename Y = float>
   gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>(smem4, wu, scales, biases, wu, scales, biases,
                                                   x, y, args, tgp, tid, sg);
 }
-template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false, half4>) gemm_q<4, false, half4>;
-template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false, half4>) gemm_q<8, false, half4>;
-template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true, half4>) gemm_q<4, true, half4>;
-template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half4, half>) gemm_q<4, false, half4, half>;
+template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false>) gemm_q<4, false>;
+template [[host_name("gemm_q8")]] [[kernel]] decltype(gemm_q<8, false>) gemm_q<8, false>;
+template [[host_name("gemm_q4_add_h")]] [[kernel]] decltype(gemm_q<4, true>) gemm_q<4, true>;
+template [[host_name("gemm_q4_bf16")]] [[kernel]] decltype(gemm_q<4, false, bfloat>) gemm_q<4, false, bfloat>;
 
-// y += (x * s) W^T: x half [m, lda] whose element i is scaled by s[i >> shift] while staged
+// y += (x * s) W^T: x bfloat [m, lda] whose element i is scaled by s[i >> shift] while staged
 // (GemmAScaled; prefill_args.h GemmAScaleArgs). The GDN out_proj: u times gdn_norm_scale's
 // factors, one per (token, head, scan split) (metal/gdn_prefill.metal).
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_q4_add_hs(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
                            device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                            device const bfloat* biases [[buffer(2)]],  // [n, k/64]
-                           device const half4* x [[buffer(3)]],        // half [m, lda]
+                           device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
                            device float* y [[buffer(4)]],              // fp32 [m, ldy], read and written
                            constant GemmArgs& args [[buffer(5)]],
                            device const half* s [[buffer(6)]],         // half [m, lda >> shift]
@@ -104,7 +104,7 @@ template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half
 }
 
 // The shared expert's gate/up, scaled per row by the shared expert gate:
-// y = half(g[m * ldg] * silu(x Wg^T) * (x Wu^T)), Wg and Wu both [n, k]. g is the routing
+// y = bfloat(g[m * ldg] * silu(x Wg^T) * (x Wu^T)), Wg and Wu both [n, k]. g is the routing
 // weights' last column (sigmoid of the shared gate logit, written by moe_route_topk), so the
 // shared down projection can add its product straight into the residual (gemm_q4_add_h).
 [[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
@@ -113,8 +113,8 @@ template [[host_name("gemm_q4_half")]] [[kernel]] decltype(gemm_q<4, false, half
                            device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]
                            device const bfloat* us [[buffer(4)]],      // up_proj.scales
                            device const bfloat* ub [[buffer(5)]],      // up_proj.biases
-                           device const half4* x [[buffer(6)]],        // half [m, lda]
-                           device half* y [[buffer(7)]],               // half [m, ldy] (saturated)
+                           device const bfloat* x [[buffer(6)]],       // bfloat [m, lda]
+                           device bfloat* y [[buffer(7)]],             // bfloat [m, ldy]
                            constant GemmArgs& args [[buffer(8)]],
                            device const float* g [[buffer(9)]],        // row scale, row r at g[r * ldg]
                            constant GemmRowScaleArgs& gs_args [[buffer(10)]],

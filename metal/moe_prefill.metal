@@ -11,9 +11,9 @@
 //                      expert), the tile map and count of each class, the per-expert counts
 // then the grouped expert GEMMs over the tile maps, one dispatch per tile class in one barrier
 // stage (moe_gemm_gate_up_q4_t*, moe_gemm_down_q4_t*, below), and after them:
-//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j]  (yx half; the shared expert
+//   moe_combine        h[row] += sum_j w[row, j] yx[row*k + j]  (yx bfloat; the shared expert
 //                      was added into h by its down projection)
-//   moe_combine_norm   the same, then xn[row] = the next layer's input RMSNorm of h[row] (half)
+//   moe_combine_norm   the same, then xn[row] = the next layer's input RMSNorm of h[row] (bfloat)
 // Nothing is left on the device between chunks but outputs: the only counters (the block
 // histogram) are zeroed by moe_route_clear inside the same command buffer.
 #include <metal_stdlib>
@@ -250,16 +250,16 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 
 // ---- moe_combine, moe_combine_norm ---------------------------------------------------------
 //   h[row] += w_0 yx[row*k] + w_1 yx[row*k + 1] + ... + w_{k-1} yx[row*k + k-1]
-// with w_j = w[row, j], summed in that order (j increasing), in fp32; yx is half (the down
+// with w_j = w[row, j], summed in that order (j increasing), in fp32; yx is bfloat (the down
 // projections' stored outputs), h fp32. The shared expert is already in h: its down
 // projection adds into h (gemm_q4_add_h, its hidden scaled by the shared gate w[row, k]).
 // Float4 c of a row:
-inline void combine4(device float4* h, device const half4* yx, device const float* w,
+inline void combine4(device float4* h, device const bfloat4* yx, device const float* w,
                      constant MoeCombineArgs& args, uint row, uint c) {
   const uint c4 = args.hidden / 4;
   const uint k = args.top_k;
   device const float* wr = w + row * (k + 1);
-  device const half4* y = yx + row * k * c4 + c;
+  device const bfloat4* y = yx + row * k * c4 + c;
   float4 acc = wr[0] * float4(y[0]);
   for (uint j = 1; j < k; ++j) {
     acc += wr[j] * float4(y[j * c4]);
@@ -270,7 +270,7 @@ inline void combine4(device float4* h, device const half4* yx, device const floa
 // moe_combine (the last layer): dispatchThreads grid (hidden / 4, rows), thread (c, row)
 // owns float4 c of the row.
 [[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
-                        device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
+                        device const bfloat4* yx [[buffer(1)]],  // bfloat [rows * top_k, hidden] expert outputs, row*k + j
                         device const float* w [[buffer(2)]],     // [rows, top_k + 1] routing weights, shared gate
                         constant MoeCombineArgs& args [[buffer(3)]],
                         uint2 gid [[thread_position_in_grid]]) {
@@ -281,19 +281,19 @@ inline void combine4(device float4* h, device const half4* yx, device const floa
 }
 
 // moe_combine_norm (layers 0 .. L-2): the combine, then the next layer's input RMSNorm of the
-// updated row, xn[row] = half(h * rsqrt(mean(h^2) + eps) * norm_w) (rms_row of common.h), so
-// no separate rms_norm_half dispatch re-reads h. One threadgroup per row: its threads update
-// float4s tid, tid + tcount, ... of h, then (the device barrier makes the row's new values
-// visible to the whole threadgroup) normalise it exactly as rms_norm_half does with the same
-// thread count: with tcount = rms_norm_half's (256 in prefill.cpp), h and xn are
-// bit-identical to moe_combine followed by rms_norm_half. Any threadgroup size that is a
+// updated row, xn[row] = bfloat(h * rsqrt(mean(h^2) + eps) * norm_w) (rms_row of common.h),
+// so no separate rms_norm_bf16 dispatch re-reads h. One threadgroup per row: its threads
+// update float4s tid, tid + tcount, ... of h, then (the device barrier makes the row's new
+// values visible to the whole threadgroup) normalise it exactly as rms_norm_bf16 does with the
+// same thread count: with tcount = rms_norm_bf16's (256 in prefill.cpp), h and xn are
+// bit-identical to moe_combine followed by rms_norm_bf16. Any threadgroup size that is a
 // multiple of 32, up to 1024.
 [[max_total_threads_per_threadgroup(1024)]] kernel void moe_combine_norm(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
-                             device const half4* yx [[buffer(1)]],    // half [rows * top_k, hidden] expert outputs, row*k + j
+                             device const bfloat4* yx [[buffer(1)]],  // bfloat [rows * top_k, hidden] expert outputs, row*k + j
                              device const float* w [[buffer(2)]],     // [rows, top_k + 1] routing weights, shared gate
                              constant MoeCombineArgs& args [[buffer(3)]],
                              device const bfloat* norm_w [[buffer(4)]],  // [hidden] next layer's input_layernorm.weight
-                             device half* xn [[buffer(5)]],           // half [rows, hidden] normed (saturated)
+                             device bfloat* xn [[buffer(5)]],         // bfloat [rows, hidden] normed
                              constant NormArgs& norm [[buffer(6)]],   // n = hidden, eps
                              uint row [[threadgroup_position_in_grid]],
                              uint tid [[thread_position_in_threadgroup]],
@@ -315,8 +315,8 @@ inline void combine4(device float4* h, device const half4* yx, device const floa
 
 // ---- grouped expert GEMMs ------------------------------------------------------------------
 // moe_gemm_gate_up_q4_t{16,32,64}  hx[s] = silu(x[perm[s] / top_k] Wg_e^T) * (x[...] Wu_e^T)
-// moe_gemm_down_q4_t{16,32,64}     yx[perm[s]] = half(hx[s] Wd_e^T)  (saturated, read by moe_combine)
-// simdgroup_matrix path with half operands and fp32 accumulation (gemm_tiles.h; the dense
+// moe_gemm_down_q4_t{16,32,64}     yx[perm[s]] = bfloat(hx[s] Wd_e^T)  (read by moe_combine)
+// simdgroup_matrix path with bfloat operands and fp32 accumulation (gemm_tiles.h; the dense
 // GEMMs of metal/gemm.metal use the same k loop; the tensor-op twins are in
 // moe_prefill_tensor.metal).
 // One dispatch per tile class (prefill_args.h), bound to that class's map and count; the
@@ -325,7 +325,7 @@ inline void combine4(device float4* h, device const half4* yx, device const floa
 // threadgroup (t, j) computes output columns [j BN, j BN + BN) of the slots of tile t;
 // threadgroups with t >= tile_count return at once. BM = T, the class height.
 template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const half4* x [[buffer(0)]],         // half [m, lda] (xn)
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const bfloat* x [[buffer(0)]],        // bfloat [m, lda] (xn)
                                 device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                 device const MoeTile* tiles [[buffer(2)]],    // [max_tiles] the class's map
                                 device const uint* tile_count [[buffer(3)]],  // [1] the class's count
@@ -335,7 +335,7 @@ template <uint T, uint BN, uint SM, uint SN>
                                 device const uint4* wu [[buffer(7)]],         // up_proj.weight [E, n, k/8]
                                 device const bfloat* us [[buffer(8)]],        // up_proj.scales
                                 device const bfloat* ub [[buffer(9)]],        // up_proj.biases
-                                device half* hx [[buffer(10)]],               // half [m * top_k, ldy], slot order (saturated)
+                                device bfloat* hx [[buffer(10)]],             // bfloat [m * top_k, ldy], slot order
                                 constant MoeGemmArgs& args [[buffer(11)]],
                                 uint2 tgp [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]],
@@ -349,8 +349,8 @@ template <uint T, uint BN, uint SM, uint SN>
   const GemmTileInfo tile = gemm_tile_info(tiles, tgp.x, T, args);
   const uint wstride = args.n * (args.k / 8);  // uint32 per expert
   const uint gstride = args.n * (args.k / kQuantGroup);
-  const GemmARows<T, NT> a = gemm_a_rows_tile<T, NT, true>(perm, tile.begin, tile.rows, args.top_k,
-                                                           args.m, args.lda, tid);
+  const GemmARows<T, NT> a = gemm_a_rows<T, NT>(
+      GemmTileRows<true>{perm, tile.begin, tile.rows, args.top_k, args.m, args.lda}, tid);
   const uint e = tile.expert;
   gemm_accumulate<4, 2, T, BN, SM, SN>(smem4, x, a, (device const uint*)wg + e * wstride,
                                        gs + e * gstride, gb + e * gstride,
@@ -367,14 +367,14 @@ template <uint T, uint BN, uint SM, uint SN>
 }
 
 template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const half4* hx [[buffer(0)]],        // half [m * top_k, lda], slot order
+[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const bfloat* hx [[buffer(0)]],       // bfloat [m * top_k, lda], slot order
                              device const uint* perm [[buffer(1)]],       // [m * top_k]
                              device const MoeTile* tiles [[buffer(2)]],   // [max_tiles] the class's map
                              device const uint* tile_count [[buffer(3)]], // [1] the class's count
                              device const uint4* wd [[buffer(4)]],        // down_proj.weight [E, n, k/8]
                              device const bfloat* sd [[buffer(5)]],       // down_proj.scales [E, n, k/64]
                              device const bfloat* bd [[buffer(6)]],       // down_proj.biases [E, n, k/64]
-                             device half* yx [[buffer(7)]],               // half [m * top_k, ldy], by row * top_k + j (saturated)
+                             device bfloat* yx [[buffer(7)]],             // bfloat [m * top_k, ldy], by row * top_k + j
                              constant MoeGemmArgs& args [[buffer(8)]],
                              uint2 tgp [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
@@ -388,8 +388,8 @@ template <uint T, uint BN, uint SM, uint SN>
   const GemmTileInfo tile = gemm_tile_info(tiles, tgp.x, T, args);
   const uint wstride = args.n * (args.k / 8);
   const uint gstride = args.n * (args.k / kQuantGroup);
-  const GemmARows<T, NT> a = gemm_a_rows_tile<T, NT, false>(perm, tile.begin, tile.rows,
-                                                            args.top_k, args.m, args.lda, tid);
+  const GemmARows<T, NT> a = gemm_a_rows<T, NT>(
+      GemmTileRows<false>{perm, tile.begin, tile.rows, args.top_k, args.m, args.lda}, tid);
   const uint e = tile.expert;
   device const uint* w = (device const uint*)wd + e * wstride;
   gemm_accumulate<4, 1, T, BN, SM, SN>(smem4, hx, a, w, sd + e * gstride, bd + e * gstride, w,

@@ -1,7 +1,7 @@
-// RMSNorm: fp32 activations, bf16 weight; fp32 out (rms_norm: decode) or half out with the
-// saturating conversion gemm_half (rms_norm_half: prefill's xn, the half input of the
-// prefill GEMMs, for layer 0 and the final norm; the other layers' xn comes from
-// moe_combine_norm, metal/moe_prefill.metal, on the same row code: rms_row of common.h).
+// RMSNorm: fp32 activations, bf16 weight; fp32 out (rms_norm: decode) or bfloat out rounded
+// from fp32 (rms_norm_bf16: prefill's xn, the bf16 input of the prefill GEMMs, for layer 0
+// and the final norm; the other layers' xn comes from moe_combine_norm,
+// metal/moe_prefill.metal, on the same row code: rms_row of common.h).
 // Host-side facts: docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -15,7 +15,7 @@ using namespace metal;
 template <typename T>
 [[max_total_threads_per_threadgroup(1024)]] kernel void rms_norm_t(device const float* x [[buffer(0)]],    // [rows, n] fp32
                      device const bfloat* w [[buffer(1)]],   // [n] bf16, shared by all rows
-                     device T* out [[buffer(2)]],            // [rows, n] fp32 or half
+                     device T* out [[buffer(2)]],            // [rows, n] fp32 or bfloat
                      constant NormArgs& args [[buffer(3)]],
                      uint row [[threadgroup_position_in_grid]],
                      uint tid [[thread_position_in_threadgroup]],
@@ -27,4 +27,4 @@ template <typename T>
   rms_row(x + row * args.n, w, out + row * args.n, args.n, args.eps, scratch, tid, tcount, sg, lane, nsg);
 }
 template [[host_name("rms_norm")]] [[kernel]] decltype(rms_norm_t<float>) rms_norm_t<float>;
-template [[host_name("rms_norm_half")]] [[kernel]] decltype(rms_norm_t<half>) rms_norm_t<half>;
+template [[host_name("rms_norm_bf16")]] [[kernel]] decltype(rms_norm_t<bfloat>) rms_norm_t<bfloat>;

@@ -8,9 +8,9 @@
 
 // ---- GEMM (metal/gemm.metal, tensor-op path) ------------------------------------------
 
-// gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_half, gemm_swiglu_q4 (and their *_tensor twins): dense GEMMs over
+// gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_bf16, gemm_swiglu_q4 (and their *_tensor twins): dense GEMMs over
 // a quantized weight W [n, k] (MLX affine layout): y[m, n] (=|+=) x[m, k] W^T, or
-// y = silu(x Wg^T) * (x Wu^T). x (half) and y (fp32, or half) are row-major with their own row strides, so a
+// y = silu(x Wg^T) * (x Wu^T). x (bfloat) and y (fp32, or bfloat) are row-major with their own row strides, so a
 // dispatch may read a column block of a wider matrix and write a column block of another.
 struct GemmArgs {
   uint m;    // rows of x and y (tokens of the chunk); any >= 1
@@ -28,7 +28,7 @@ struct GemmRowScaleArgs {
 };
 #define LILY_ARGS_GemmRowScaleArgs(F) F(ldg)
 
-// gemm_q4_add_hs (and its tensor twin): y += (x * s) W^T, x half with a half scale per group
+// gemm_q4_add_hs (and its tensor twin): y += (x * s) W^T, x bfloat with a half scale per group
 // of 2^shift consecutive elements of a row: element i of x (counted from x's start, rows at
 // the stride lda, a multiple of 2^shift) is multiplied by s[i >> shift] (s: [m, lda >>
 // shift]). The GDN out_proj: u times gdn_norm_scale's per (token, head, scan split) factor.
@@ -41,7 +41,7 @@ struct GemmAScaleArgs {
 // GEMMs over the tile map (MoeTile below; docs/prefill.md). Slot s of a tile holds the
 // assignment perm[s] = row * top_k + j of expert tile.expert.
 //   gate/up: hx[s, :n] = silu(x[perm[s] / top_k] Wg_e^T) * (x[perm[s] / top_k] Wu_e^T)
-//   down:    yx[perm[s], :n] = hx[s] Wd_e^T  (fp32 sums, stored as half with gemm_half)
+//   down:    yx[perm[s], :n] = hx[s] Wd_e^T  (fp32 sums, stored as bfloat)
 struct MoeGemmArgs {
   uint n;        // output columns: inter (gate/up) or hidden (down); any >= 1
   uint k;        // inner dimension: hidden (gate/up) or inter (down); a multiple of 64
@@ -125,7 +125,7 @@ struct MoeRoutePrefillArgs {
 };
 #define LILY_ARGS_MoeRoutePrefillArgs(F) F(rows) F(experts) F(top_k) F(norm_topk) F(block_rows) F(tile_rows)
 
-// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] (yx half, h and w fp32; summed in
+// moe_combine: h[row] += sum_j w[row, j] yx[row*k + j] (yx bfloat, h and w fp32; summed in
 // fp32; the shared expert is already in h).
 struct MoeCombineArgs {
   uint rows;    // M: rows of the chunk
@@ -148,7 +148,7 @@ enum : uint { kGdnConvTaps = 4 };
 
 // gdn_scan_k<Dk>_v<Dv>_r<RV> (metal/gdn_prefill.metal): causal conv + SiLU, L2 norms, gates,
 // delta rule over the chunk with the recurrent state held in registers, then the per-element
-// part of the gated RMSNorm: writes u (half) and the sums of y^2 of each (token, head, split
+// part of the gated RMSNorm: writes u (bfloat) and the sums of y^2 of each (token, head, split
 // of RV rows). Grid: Hv x Dv/RV threadgroups of RV * kGdnScanLanesPerRow threads.
 // gdn_norm_scale_v<Dv>_r<RV>: from those sums, the half factor per (token, head, split) that
 // out_proj (gemm_q4_add_hs) applies to u; grid M*Hv threads.

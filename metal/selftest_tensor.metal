@@ -201,6 +201,126 @@ kernel void st_tensor_coop_load(device bfloat* a [[buffer(0)]],
   acc.store(mD);
 }
 
+// ---- cooperative input tensors filled from device memory ---------------------------------
+// C[M, N] = A[M, K] B[K, N], A and B float row-major in memory, converted to TL / TR as each
+// thread fills its slots of the left and right cooperative inputs (coordinates from
+// get_multidimensional_index: the operands seen as tensors with extents (K, m) or, with
+// TRANS_L, (m, K); (n, K) or, with TRANS_R, (K, n)), elements past M, N or K zero. Two
+// simdgroups per threadgroup, each its own 16 x 32 tile of C on execution_simdgroup in K
+// steps of 32; grid (ceil(N / 32), ceil(M / 32)). mode 1: lane 0 leaves its first valid
+// left slot unfilled (the simulator's poison must reach C).
+template <typename TL, typename TR, bool TRANS_L, bool TRANS_R>
+kernel void st_tensor_coop_inputs(device const float* a [[buffer(0)]],
+                                  device const float* b [[buffer(1)]],
+                                  device float* c [[buffer(2)]],
+                                  constant TensorTestArgs& p [[buffer(3)]],
+                                  constant uint& mode [[buffer(4)]],
+                                  uint2 tg [[threadgroup_position_in_grid]],
+                                  ushort sg [[simdgroup_index_in_threadgroup]],
+                                  ushort lane [[thread_index_in_simdgroup]]) {
+  const int m0 = int(tg.y * 2 + sg) * 16, n0 = int(tg.x) * 32;
+  if (m0 >= int(p.M)) {
+    return;  // the whole simdgroup
+  }
+  constexpr auto desc = matmul2d_descriptor(16, 32, 32, TRANS_L, TRANS_R, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, execution_simdgroup> op;
+  auto ca = op.template get_left_input_cooperative_tensor<TL, TR, float>();
+  auto cb = op.template get_right_input_cooperative_tensor<TL, TR, float>();
+  auto acc = op.template get_destination_cooperative_tensor<decltype(ca), decltype(cb), float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      acc[i] = 0.0f;
+    }
+  }
+  for (int k0 = 0; k0 < int(p.K); k0 += 32) {
+    bool skipped = mode != 1 || lane != 0;
+    for (uint16_t i = 0; i < ca.get_capacity(); ++i) {
+      if (!ca.is_valid_element(i)) {
+        continue;
+      }
+      if (!skipped) {
+        skipped = true;
+        continue;
+      }
+      const auto at = ca.get_multidimensional_index(i);
+      const int r = m0 + (TRANS_L ? at[0] : at[1]), k = k0 + (TRANS_L ? at[1] : at[0]);
+      ca[i] = TL(r < int(p.M) && k < int(p.K) ? a[r * int(p.lda) + k] : 0.0f);
+    }
+    for (uint16_t i = 0; i < cb.get_capacity(); ++i) {
+      if (cb.is_valid_element(i)) {
+        const auto at = cb.get_multidimensional_index(i);
+        const int n = n0 + (TRANS_R ? at[1] : at[0]), k = k0 + (TRANS_R ? at[0] : at[1]);
+        cb[i] = TR(n < int(p.N) && k < int(p.K) ? b[k * int(p.N) + n] : 0.0f);
+      }
+    }
+    op.run(ca, cb, acc);
+  }
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      const auto at = acc.get_multidimensional_index(i);  // {column, row}
+      if (m0 + at[1] < int(p.M) && n0 + at[0] < int(p.N)) {
+        c[(m0 + at[1]) * int(p.N) + n0 + at[0]] = acc[i];
+      }
+    }
+  }
+}
+template [[host_name("st_tensor_coop_inputs_f32_f32_nn")]] [[kernel]] decltype(st_tensor_coop_inputs<float, float, false, false>) st_tensor_coop_inputs<float, float, false, false>;
+template [[host_name("st_tensor_coop_inputs_f32_f32_tt")]] [[kernel]] decltype(st_tensor_coop_inputs<float, float, true, true>) st_tensor_coop_inputs<float, float, true, true>;
+template [[host_name("st_tensor_coop_inputs_bf16_bf16_nt")]] [[kernel]] decltype(st_tensor_coop_inputs<bfloat, bfloat, false, true>) st_tensor_coop_inputs<bfloat, bfloat, false, true>;
+template [[host_name("st_tensor_coop_inputs_f16_f16_tn")]] [[kernel]] decltype(st_tensor_coop_inputs<half, half, true, false>) st_tensor_coop_inputs<half, half, true, false>;
+template [[host_name("st_tensor_coop_inputs_f32_bf16_nt")]] [[kernel]] decltype(st_tensor_coop_inputs<float, bfloat, false, true>) st_tensor_coop_inputs<float, bfloat, false, true>;
+
+// A cooperative left input from device memory times a threadgroup tensor (the prefill GEMMs'
+// form): C[M, N] = A[M, K] W[N, K]^T, W staged as bfloat [N][K + 8] (all of it: N <= 32,
+// K <= 64), A converted to bfloat in the left input. 4 simdgroups (execution_simdgroups<4>),
+// one 64 x 32 tile of C per threadgroup, k = 32 per run; grid (1, ceil(M / 64)).
+kernel void st_tensor_coop_left_tg(device const float* a [[buffer(0)]],
+                                   device const float* w [[buffer(1)]],
+                                   device float* c [[buffer(2)]],
+                                   constant TensorTestArgs& p [[buffer(3)]],
+                                   uint2 tg [[threadgroup_position_in_grid]],
+                                   uint tid [[thread_index_in_threadgroup]]) {
+  constexpr int LD = 64 + 8;
+  threadgroup bfloat wt[32 * LD];
+  for (uint i = tid; i < 32 * LD; i += 128) {
+    const uint n = i / LD, k = i % LD;
+    wt[i] = bfloat(n < p.N && k < p.K ? w[n * p.K + k] : 0.0f);
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  constexpr auto desc = matmul2d_descriptor(64, 32, 32, false, true, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, execution_simdgroups<4>> op;
+  const int m0 = int(tg.y) * 64;
+  auto ca = op.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
+  using W = tensor<threadgroup bfloat, extents<int32_t, 32, 32>, tensor_inline>;
+  auto acc = op.get_destination_cooperative_tensor<decltype(ca), W, float>();
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      acc[i] = 0.0f;
+    }
+  }
+  for (int k0 = 0; k0 < 64; k0 += 32) {
+    for (uint16_t i = 0; i < ca.get_capacity(); ++i) {
+      if (ca.is_valid_element(i)) {
+        const auto at = ca.get_multidimensional_index(i);  // {k, row}
+        const int r = m0 + at[1], k = k0 + at[0];
+        ca[i] = bfloat(r < int(p.M) && k < int(p.K) ? a[r * int(p.lda) + k] : 0.0f);
+      }
+    }
+    W tw(wt + k0, extents<int32_t, 32, 32>(), array<int, 2>{1, LD});
+    op.run(ca, tw, acc);
+  }
+  for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
+    if (acc.is_valid_element(i)) {
+      const auto at = acc.get_multidimensional_index(i);
+      if (m0 + at[1] < int(p.M) && at[0] < int(p.N)) {
+        c[(m0 + at[1]) * int(p.N) + at[0]] = acc[i];
+      }
+    }
+  }
+}
+
 // ---- misuse the simulator must report (the tests expect each dispatch to fail) ---------
 // mode 0: the threads stage a 32 x 32 tile and call run() without a threadgroup_barrier
 // (a race: the operation may read the tile before other simdgroups wrote it); mode 1: with

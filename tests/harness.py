@@ -15,7 +15,7 @@ self-test kernel tests (tests/sim/).
 * the prefill GEMMs' Metal 4 tensor-operation twins (tests/kernels/test_*_tensor.py):
   :class:`TwinDevice` dispatches a GEMM kernel's ``_tensor`` twin under its name, so a
   family's simdgroup suite runs again on the twins; :func:`seq_model` is the simulator's
-  exact float32 result on the half operands; :func:`check_bound` / :func:`swiglu_check`
+  exact float32 result on the bfloat operands; :func:`check_bound` / :func:`swiglu_check`
   the GEMM bounds of ``gemm_ref`` / ``swiglu_ref``.
 """
 
@@ -30,10 +30,10 @@ from lily.lab.kernels import harness as lab_harness
 from lily.lab.device import constant, download, pack_args, sim_device, upload  # noqa: F401
 from lily.lab.kernels.gemm import GEMM_BM, GEMM_TG, gemm_geometry, gemm_ref, swiglu_ref  # noqa: F401
 from lily.lab.kernels.harness import (  # noqa: F401
-    U, bf16_bits, f32, from_bf16, half_operand, half_stored, half_weights, magnitude, rand_quant,
-    run_encoder, to_bf16_bits, upload_q,
+    U, bf16_bits, bf16_operand, bf16_stored, bf16_weights, f32, from_bf16, magnitude, rand_quant,
+    run_encoder, to_bf16_bits, upload_bf16, upload_q,
 )
-from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES  # noqa: F401
+from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES, moe_geometry  # noqa: F401
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -129,7 +129,7 @@ def forward_sim():
 # The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`,
 # and the names of the tensor-op path's own 128-row expert tiles without their suffix (so a
 # tile-class chain at T = 128 runs on this device).
-TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half", "gemm_swiglu_q4",
+TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16", "gemm_swiglu_q4",
          *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
 
 
@@ -144,7 +144,7 @@ class _Proxy:
 # The dense ones, whose twins take 128-row blocks of 256 threads (gemm_tensor.metal) where
 # they take 64 rows and 128 threads: the proxy regrids their dispatches (ceil(ceil(m / 64) /
 # 2) = ceil(m / 128) row blocks).
-DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half", "gemm_swiglu_q4"}
+DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16", "gemm_swiglu_q4"}
 
 
 class _TwinPass(_Proxy):
@@ -153,6 +153,14 @@ class _TwinPass(_Proxy):
             assert threads == GEMM_TG and kwargs.get("threadgroups"), "dense GEMMs: 128-thread threadgroups"
             bm, threads = gemm_geometry(kernel + "_tensor")
             grid = (grid[0], -(-grid[1] // (bm // GEMM_BM)))
+        elif kernel in TWINS:  # grouped: the twin's threads and column blocks (moe_geometry)
+            T = int(kernel.rsplit("_t", 1)[1])
+            down = "_down_" in kernel
+            simd = moe_geometry(T, False) if T in MOE_TILES else None
+            threads, *bns = moe_geometry(T, True)
+            if simd is not None:  # a T = 128 dispatch already has the twin's geometry
+                bn_simd, bn = (simd[2], bns[1]) if down else (simd[1], bns[0])
+                grid = (grid[0], grid[1] * bn_simd // bn)
         return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, grid, threads, *args, **kwargs)
 
 
@@ -169,23 +177,23 @@ class TwinDevice(_Proxy):
 
 
 def seq_model(x, qt=None, index=None, w=None):
-    """y = xh wh^T in float32 on the GEMMs' half operands (half_operand of x, half_weights of
-    qt[index], or the given half-valued w), products exact, added in increasing k (the
+    """y = xb wb^T in float32 on the GEMMs' bfloat operands (bf16_operand of x, bf16_weights of
+    qt[index], or the given bf16-valued w), products exact, added in increasing k (the
     simulator's order)."""
-    xh = half_operand(x).astype(np.float32)
-    wh = (half_weights(qt, index)[0] if w is None else w).astype(np.float32)
-    acc = np.zeros((xh.shape[0], wh.shape[0]), np.float32)
-    for k in range(xh.shape[1]):
-        acc = acc + xh[:, k:k + 1] * wh[None, :, k]
+    xb = bf16_operand(x).astype(np.float32)
+    wb = (bf16_weights(qt, index) if w is None else w).astype(np.float32)
+    acc = np.zeros((xb.shape[0], wb.shape[0]), np.float32)
+    for k in range(xb.shape[1]):
+        acc = acc + xb[:, k:k + 1] * wb[None, :, k]
     return acc
 
 
-def check_bound(got, x, qt, index=None, stored_half=False):
-    """|got - xh wh^T (float64)| within gemm_ref's bound (tests/kernels/test_gemm.py's docstring);
-    stored_half: got was stored as half (the routed experts' yx), the rounding added by half_stored."""
+def check_bound(got, x, qt, index=None, stored_bf16=False):
+    """|got - xb wb^T (float64)| within gemm_ref's bound (tests/kernels/test_gemm.py's docstring);
+    stored_bf16: got was stored as bfloat (the routed experts' yx), the rounding added by bf16_stored."""
     exact, tol = gemm_ref(x, qt, index)
-    if stored_half:
-        exact, tol = half_stored(exact, tol)
+    if stored_bf16:
+        exact, tol = bf16_stored(exact, tol)
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - exact)
@@ -204,8 +212,8 @@ def pitched(a, ld, fill=np.nan):
 
 def swiglu_check(got, x, g_qt, u_qt, index=None, scale=None):
     """Within swiglu_ref's bound of silu(xh Wg^T) * (xh Wu^T) (times the row scale, if any),
-    stored as half as the SwiGLU GEMMs store hs / hx (tests/kernels/test_gemm.py's docstring)."""
-    want, tol = half_stored(*swiglu_ref(x, g_qt, u_qt, index, scale))
+    stored as bfloat as the SwiGLU GEMMs store hs / hx (tests/kernels/test_gemm.py's docstring)."""
+    want, tol = bf16_stored(*swiglu_ref(x, g_qt, u_qt, index, scale))
     got = np.asarray(got, np.float64)
     assert np.isfinite(got).all()
     err = np.abs(got - want)

@@ -287,7 +287,7 @@ def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
         assert roof["seconds"] == max(roof["bandwidth_s"], *roof["compute_s"].values())
         bounds[c["kernel"]] = roof
     assert bounds["gemv_q4_add"]["bound"] == "bandwidth"  # small shapes: the matrices' rows are few
-    for kernel, path in (("gemm_q4_tensor", "tensor_f16"), ("gemm_q4", "sgmm_f16"),
+    for kernel, path in (("gemm_q4_tensor", "tensor_bf16"), ("gemm_q4", "sgmm_bf16"),
                          ("attn_prefill_d256_g8_tensor", "tensor_bf16"), ("gdn_scan_k128_v128_r32", "alu_f32")):
         assert bounds[kernel]["compute_s"][path] > 0, (kernel, bounds[kernel])
     r = subprocess.run([sys.executable, "-m", "lily", "estimate", "--fit", str(out)], capture_output=True, text=True,

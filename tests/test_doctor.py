@@ -210,9 +210,9 @@ def test_doctor_sim_report_details(capsys):
 
 
 def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
-    """On a device whose tensor ops take no bfloat operands the doctor says the GEMMs keep
-    them and why the prefill attention does not (text, bug-report line and JSON); the
-    kernels it lists are the ones that device offers, so the report stays OK."""
+    """On a device whose tensor ops take no bfloat operands the doctor says why prefill does
+    not use them (its tensor-op kernels take bfloat operands: text, bug-report line and JSON);
+    the kernels it lists are the ones that device offers, so the report stays OK."""
     import lily.native_backend
     make = lily.native_backend.make_device
     monkeypatch.setattr(lily.native_backend, "make_device", lambda name, **o: make(name, **{**o, "bfloat_tensor_ops": False}))
@@ -220,7 +220,7 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "tensor ops      yes" in out
     assert "tensor bfloat   no: the simulator was created with bfloat_tensor_ops=False" in out
-    assert "the prefill attention runs simdgroup_matrix, the GEMMs keep tensor ops" in out
+    assert "the prefill GEMMs and attention run simdgroup_matrix" in out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "tensor ops: yes | tensor bfloat: the simulator was created with bfloat_tensor_ops=False" in block
     assert main(["doctor", "--quick", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0
@@ -255,7 +255,7 @@ def test_doctor_checks_the_model_shapes(capsys):
     """Without --quick the kernels run a second time at the model's own shapes (a chunk of
     --rows rows; the simulator's default is smaller than the model's 4096)."""
     assert main(["doctor", "--device", "sim", "--json", "--seed", "3", "--rows", "64",
-                 "--kernels", "moe_route,argmax_partial,rms_norm_half"]) == 0
+                 "--kernels", "moe_route,argmax_partial,rms_norm_bf16"]) == 0
     report = json.loads(capsys.readouterr().out)
     shapes = report["model_shapes"]
     assert shapes["rows"] == 64 and [k["status"] for k in shapes["kernels"]] == ["PASS"] * 3

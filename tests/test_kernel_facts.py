@@ -86,7 +86,7 @@ def test_kernel_names_follow_one_rule():
     assert _core.kernel_name("gdn_scan", k=128, v=128, r=32) == "gdn_scan_k128_v128_r32"
     assert _core.kernel_name("gemm", "_add_h_tensor", q=4) == "gemm_q4_add_h_tensor"
     assert _core.kernel_params("moe_gemm_down_q4_t64_tensor") == {"q": 4, "t": 64}
-    assert _core.kernel_params("rms_norm_half") == {}
+    assert _core.kernel_params("rms_norm_bf16") == {}
     templated = 0
     for name in _core.sim_device(record_only=True).kernel_names():
         parts = name.split("_")

@@ -200,7 +200,7 @@ def test_pipeline_thread_limit_is_checked_at_load(demo_path):
 def test_kernel_table_lists_every_dispatched_kernel(demo_path):
     rt = Engine.load(demo_path, device="sim", max_context=64).backend.runtime
     table = {k["kernel"]: k for k in rt.kernel_table}
-    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm_half", "embed_rows_q4",
+    for name in ("argmax_partial", "sample_greedy_combine", "sample_token", "rms_norm_bf16", "embed_rows_q4",
                  "moe_combine"):
         assert name in table
     assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)
@@ -267,7 +267,7 @@ def m5_engine(demo_path):
                                                                                   "device_options": M5})
 
 
-@pytest.mark.parametrize("faults, family", [({"gemm_q4_half_tensor": "wrong"}, "gemm"),
+@pytest.mark.parametrize("faults, family", [({"gemm_q4_bf16_tensor": "wrong"}, "gemm"),
                                             ({"moe_gemm_down_q4_t16_tensor": "wrong"}, "moe_prefill"),
                                             ({"moe_gemm_gate_up_q4_t128_tensor": "build"}, "moe_prefill"),
                                             ({"attn_prefill_d256_g8_tensor": "wrong"}, "attention_prefill")],
@@ -278,8 +278,9 @@ def test_a_tensor_family_failing_its_check_falls_back_alone(demo_path, m5_engine
     option makes one kernel give wrong results or not build, as an M5's compiler or a macOS
     release might: that family alone goes back to its twins, with one line saying why, and the
     engine computes what a healthy M5's does (on the simulator the GEMMs' twins agree bit for
-    bit; the attention's take bf16 operands, so without it the logits are the simdgroup
-    attention's)."""
+    bit; the attention's sum in another order, so without it the logits are the simdgroup
+    attention's: those of the engine without bfloat tensor operands, whose prefill runs
+    simdgroup_matrix throughout)."""
     assert m5_engine.backend.runtime.tensor_families == ["gemm", "moe_prefill", "attention_prefill"]
     capfd.readouterr()
     bad = Engine.load(demo_path, device="sim", max_context=64,

@@ -6,22 +6,25 @@ the hand-off of the first generated token from the last chunk to the decode pipe
 GEMM paths, hazard checking with shuffled stages, bounded scratch memory, and the
 record-only counters of one chunk of the full-size model (docs/prefill.md).
 
-Tolerance: prefill keeps activations in fp32 between kernels except the half GEMM inputs and
-the routed experts' half outputs, multiplies half GEMM operands with fp32 accumulation
-(docs/prefill.md, "Operand precision", "Routed expert outputs in half") and stores the KV
-cache in bf16 (as MLX-LM does), so logits differ from the fp32 reference by ~1e-4 to 1e-3
-relative per position: 5e-3 is the bound. A position where the router's k-th and (k+1)-th
+Tolerance: prefill keeps activations in fp32 between kernels except its GEMM and attention
+operands and the routed experts' outputs, which are bfloat (nothing is clipped: bfloat has
+fp32's range; docs/prefill.md, "Operand precision"), multiplied with fp32 accumulation, and
+stores the KV cache in bf16 (as MLX-LM does, whose activations are bf16 throughout). bfloat
+keeps 8 significant bits where half kept 11, so the logits' relative error per position
+grows about eightfold over half operands' ~1e-3: measured medians 2.3e-3 (demo), 6.5e-3
+(dims), 7.4e-3 (tiny; 75th percentiles <= 9e-3) against the fp32 reference: REL_TOL = 2e-2
+is the bound. A position where the router's k-th and (k+1)-th
 experts are nearly tied may pick the other expert under that rounding (seen with fp32
 operands: demo, position 35, layer 6, gap 1.7e-6, 1.9e-2 relative error at that position,
 on the decode path exactly as on the prefill path; with half operands: demo, position 27 of
 the 12-row chunks, 2.6e-2, and the later positions that attend to it stay above 5e-3,
-decaying to ~4e-3), so up to 25% of positions may exceed 5e-3 but none 5e-2, and top-1 must
-agree wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). The 5e-2
-cap is waived at a position whose reference routing has a near-tie: at some layer the
+decaying to ~4e-3), so up to 25% of positions may exceed REL_TOL but none 10 REL_TOL, and top-1 must
+agree wherever the margin is clear (0.05 on in-bound positions, 0.5 anywhere). The cap
+is waived at a position whose reference routing has a near-tie: at some layer the
 router logits of the k-th and (k+1)-th expert differ by less than NEAR_TIE = REL_TOL (their
 probability ratio is exp of that difference). Derivation: the router logits of these models
 are O(1) (median |l_k| ~1.1, max ~6 on this prompt for tiny and dims) and computed from
-activations that carry the prefill's ~1e-3 relative error, so a logit difference below ~5e-3
+activations that carry the prefill's ~1e-2 relative error, so a logit difference below ~2e-2
 can change sign; a changed pick swaps a whole expert's output, whose effect on a
 random-weight model has no small bound (tiny, position 38 of the 12-row chunks: layer 2, gap
 1.3e-3, 0.12 relative; it appeared when the routed experts' outputs became half, which moves
@@ -30,9 +33,8 @@ the reference's logits by ~1e-4 on its own). A flipped pick also reaches every l
 chunks, position 31's pick flipped at layer 1 (gap 5e-4) once the shared expert's output
 stopped being rounded to half, and position 36 then had 0.06. So the cap is also waived at
 the AFTER_FLIP = 8 positions after a near-tie whose pick flipped (its own error above
-REL_TOL); they still count in the 75%. Prefill and decode
-steps of the same tokens sum in different orders (GEMM tiles vs GEMV teams) but read the
-same bf16 cache rows: 2e-3 at every position (measured < 1e-5).
+REL_TOL); they still count in the 75%. Decode steps keep fp32 activations, so prefill and
+decode steps of the same tokens differ as prefill and the reference do (the same bound).
 """
 
 from __future__ import annotations
@@ -50,11 +52,8 @@ from lily.lab.estimate import QWEN36_35B_A3B
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
-REL_TOL = 5e-3
+REL_TOL = 2e-2
 NEAR_TIE = REL_TOL  # router logit gap below which a pick may flip (module docstring)
-# ... between two native paths (prefill vs decode steps, tensor vs simdgroup GEMMs), whose
-# activations differ by ~1e-4 relative (logits <= 3.2e-4 on the demo prompt), not ~1e-3
-PATHS_NEAR_TIE = 1e-3
 INSIDE_MIN = 0.75  # share of positions within REL_TOL (module docstring: router near-ties)
 AFTER_FLIP = 8  # positions after a flipped near-tie whose cap is waived (module docstring)
 TEXT = ("ROMEO.\nBut soft, what light through yonder window breaks? It is the east, and Juliet "
@@ -113,7 +112,7 @@ def _router_gaps(model):
 def _reference_with_gaps(ref, ids):
     """The reference engine's logits of every position of ``ids`` (from its current state)
     and, per position, its smallest router gap over the layers (a near-tie where it is below
-    NEAR_TIE, or PATHS_NEAR_TIE between two native paths)."""
+    NEAR_TIE)."""
     gaps, undo = _router_gaps(ref.backend.model)
     logits = ref.prefill(ids, all_logits=True)
     undo()
@@ -182,20 +181,70 @@ def test_prefill_mixed_expert_tiles(tiny_checkpoint, native_device):
     assert (counts.sum(1) == rows * 4).all() and (counts % 64 != 0).any()  # tails were there to place
 
 
+HOT_PROMPT = 24  # tokens of the beyond-half-range test
+HOT_LOG2 = 8  # amplify_shared_expert's factor: 2^8 on gate/up, so the down inputs grow ~2^16-fold
+
+
+@pytest.fixture(scope="module")
+def hot_model(tiny_checkpoint, tmp_path_factory):
+    """The tiny model with its shared experts' down-projection inputs beyond the half range
+    (lily.lab.testing.amplify_shared_expert), the reference's logits of HOT_PROMPT tokens,
+    their near-ties, and per token the largest |down-projection input| over the layers."""
+    from lily.lab.testing import amplify_shared_expert
+    path = amplify_shared_expert(tiny_checkpoint, tmp_path_factory.mktemp("hot") / "tiny-hot", log2_factor=HOT_LOG2)
+    ref = Engine.load(path, max_context=64, device="reference")
+    ids = ref.tokenizer.encode(TEXT)[:HOT_PROMPT]
+    model, peaks = ref.backend.model, []
+    linear = model.linear
+
+    def recording(x, module):
+        if module.endswith("shared_expert.down_proj"):
+            peaks.append(np.abs(x).max(axis=-1))
+        return linear(x, module)
+
+    model.linear = recording
+    try:
+        with np.errstate(over="ignore"):  # silu of large negative gates: exp overflows, silu = -0
+            logits, gap = _reference_with_gaps(ref, ids)
+    finally:
+        del model.linear
+    return path, ids, logits, gap < NEAR_TIE, np.max(peaks, axis=0)
+
+
+@pytest.mark.parametrize("gemm_path", ["simdgroup", "tensor"])
+def test_prefill_beyond_half_range(hot_model, gemm_path):
+    """Nothing is clipped (docs/prefill.md, "Operand precision"): with the shared experts'
+    down-projection inputs peaking at 1.8e5-5.3e5 in every token (3x-8x the half range, the
+    overflow llama.cpp issue 26044 documents for Qwen checkpoints), prefill matches the
+    reference per position within the ordinary presets' bound (_check; median 7.1e-3, the
+    plain tiny model's 7.4e-3), on both GEMM paths (the tensor path on a simulated M5).
+    Clamping those activations to +-65504, as prefill's former half staging did, fails it
+    (relative errors 0.06 to 0.5 at the first ten positions, against the bound 2e-2: measured)."""
+    path, ids, want, tie, peak = hot_model
+    assert peak.max() > 2.5e5 and (peak > 65504).mean() > 0.5, peak  # the case is what it claims
+    options = {"prefill_chunk": 16, "gemm_path": gemm_path}
+    if gemm_path == "tensor":
+        options["device_options"] = {"gpu_family": "apple10"}
+    native = Engine.load(path, device="sim", max_context=64, device_options=options)
+    assert native.backend.runtime.uses_tensor_ops == (gemm_path == "tensor")
+    got = native.prefill(ids, all_logits=True)
+    print(f"\nbeyond half ({gemm_path}): peak down input {peak.max():.3g}, median relative error "
+          f"{_check(got, want, f'beyond half, {gemm_path}', tie):.2e}")
+
+
 def test_prefill_equals_decode_steps(demo_path, demo_engine, native_device):
-    """The same tokens through prefill chunks and through decode steps: same session, within
-    2e-3 per position but at router near-ties closer than the two paths' difference
-    (PATHS_NEAR_TIE: demo, position 5, layer 5, gap 3.5e-4, flips between the two orders of
-    summation: 4.7e-3)."""
+    """The same tokens through prefill chunks and through decode steps: same session. Decode
+    keeps its activations in fp32, prefill rounds its operands to bfloat, so the two differ as
+    prefill differs from the reference: the same bound (_check), near-ties waived alike."""
     a = Engine.load(demo_path, device=native_device, max_context=64, device_options={"prefill_chunk": 8})
     b = Engine.load(demo_path, device=native_device, max_context=64)
     ids = a.tokenizer.encode(TEXT)[:21]
     demo_engine.reset()
-    tie = _reference_with_gaps(demo_engine, ids)[1] < PATHS_NEAR_TIE
+    tie = _reference_with_gaps(demo_engine, ids)[1] < NEAR_TIE
     la = a.prefill(ids, all_logits=True)
     lb = b.backend.runtime.forward(np.asarray(ids, np.uint32), "all", decode_steps=True)
     assert lb.shape == la.shape
-    assert _rel(la, lb)[~tie].max() < 2e-3 and tie.mean() < 0.25
+    _check(la, lb, "prefill against decode steps", tie)
     assert a.position == b.backend.position == 21
     np.testing.assert_allclose(a.decode(5), b.decode(5), rtol=0, atol=0.05)
 
@@ -238,13 +287,12 @@ def test_seeded_sampling_after_chunked_prompt(demo_path, native_device):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 8
 
 
-@pytest.mark.parametrize("family", [{}, {"gpu_family": "apple10", "bfloat_tensor_ops": False}],
-                         ids=["simdgroup", "tensor-gemms-simdgroup-attention"])
+@pytest.mark.parametrize("family", [{}, {"gpu_family": "apple10"}], ids=["simdgroup", "tensor"])
 def test_prefill_hazards_with_shuffled_stages(demo_path, family):
     """Random order of the dispatches within each barrier stage and of threadgroups and
-    threads, every dispatch's writes checked against its declared ranges: same logits. Also
-    with the tensor-op GEMMs and the simdgroup attention (a device without bfloat tensor ops),
-    whose q scratch is the simdgroup attention's fp32."""
+    threads, every dispatch's writes checked against its declared ranges: same logits. On
+    both paths (the tensor-op GEMMs and attention on a simulated M5; a device without bfloat
+    tensor ops runs the simdgroup path: test_tensor_op_gemm_path)."""
     opts = {"prefill_chunk": 7,
             "device_options": {"order": "random", "thread_order": "random", "seed": 5, "verify_writes": True, **family}}
     shuffled = Engine.load(demo_path, device="sim", max_context=32, device_options=opts)
@@ -340,11 +388,12 @@ def test_full_size_tensor_op_tiles(rows, T):
     """The tensor-op path (M5): dense GEMMs on 128-row blocks of 256 threads (half as many row
     blocks as the simdgroup path, so each weight tile is dequantized once per 128 rows), and
     128-row expert tiles from 64 rows per expert on (a 2048-row chunk), one class of 256-thread
-    threadgroups (128 x 32 blocks of gate and of up, down 128 x 64) whose grid is the class's
-    capacity; below that the simdgroup path's tile heights."""
+    threadgroups whose grid is the class's capacity; below that the simdgroup path's tile
+    heights; at every height 32 columns of gate and of up, 64 of down (one 9 KiB weight tile:
+    moe_geometry)."""
     from lily.native_backend import count_prefill_chunk
     from lily.lab.kernels.gemm import GEMM_TENSOR_BM, GEMM_TENSOR_TG
-    from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TG, class_capacity, tile_classes
+    from lily.lab.kernels.moe_prefill import class_capacity, moe_geometry, tile_classes
     c = count_prefill_chunk(parse_config(REAL), rows, gemm_path="tensor")
     recs = {r["label"].split(" ", 1)[1].rsplit(" (#", 1)[0]: r for r in c["records"] if r["label"].startswith("L0 ")}
     qkv = recs["in_proj_qkv"]
@@ -358,8 +407,10 @@ def test_full_size_tensor_op_tiles(rows, T):
         gate_up, down = recs["experts gate|up" + suffix], recs["experts down" + suffix]
         assert gate_up["kernel"] == f"moe_gemm_gate_up_q4_t{h}_tensor" and down["kernel"] == f"moe_gemm_down_q4_t{h}_tensor"
         tiles = class_capacity(n, 256, T, cl)
-        assert gate_up["groups"] == (tiles, 512 // MOE_BN[h], 1) and down["groups"] == (tiles, 2048 // MOE_DOWN_BN[h], 1)
-        assert gate_up["threads"] == down["threads"] == (MOE_TG[h], 1, 1)
+        threads, bn, down_bn = moe_geometry(h, True)
+        assert (bn, down_bn, threads) == (32, 64, 256 if h == 128 else 64 if h == 16 else 128)
+        assert gate_up["groups"] == (tiles, 512 // bn, 1) and down["groups"] == (tiles, 2048 // down_bn, 1)
+        assert gate_up["threads"] == down["threads"] == (threads, 1, 1)
     assert f"experts gate|up (class {tile_classes(T)})" not in recs
     assert T != 128 or tile_classes(T) == 1
 
@@ -383,26 +434,22 @@ def test_full_size_prefill_scratch_is_bounded():
 
 
 def test_tensor_op_gemm_path(demo_path, demo_engine):
-    """On an Apple10-family GPU (M5; the simulator told so) prefill's GEMMs are the Metal 4
-    tensor-operation twins; on earlier families the simdgroup_matrix kernels. Both give the
-    reference's logits. On the simulator the GEMM twins are bit-identical to the simdgroup
-    path; the attention is not (bf16 operands on the tensor path, half on the simdgroup path:
-    tests/kernels/test_attention_prefill.py), so the two paths' logits agree within 2e-3
-    relative per position (measured <= 3.2e-4 on this prompt) but at router near-ties
-    (position 5: 4.7e-3).
+    """On an Apple10-family GPU (M5; the simulator told so) prefill's GEMMs and attention are
+    the Metal 4 tensor-operation twins; on earlier families the simdgroup_matrix kernels. Both
+    give the reference's logits; on the simulator they are bit-identical (the same bfloat
+    operands and fp32 sums in the same order: tests/kernels/test_gemm_tensor.py,
+    test_attention_prefill.py).
 
     On a device whose tensor ops take no bfloat operands (sim_device(bfloat_tensor_ops=False):
-    MacOSX 26.0's operand table) the GEMMs keep the tensor path and the attention runs the
-    simdgroup kernels: the same logits as the simdgroup path, bit for bit on the simulator
-    (the GEMM twins are), so within the same bound of the tensor path's; gemm_path 'tensor'
-    is accepted there, 'simdgroup' still turns both off."""
+    MacOSX 26.0's operand table) prefill runs the simdgroup kernels (its tensor-op twins take
+    bfloat operands: nothing is clipped), and gemm_path 'tensor' is refused with the reason."""
     from lily.errors import DeviceError
     m5 = {"gpu_family": "apple10"}
     m5_half = {"gpu_family": "apple10", "bfloat_tensor_ops": False}
     ids = demo_engine.tokenizer.encode(TEXT)[:20]
     demo_engine.reset()
     want, gap = _reference_with_gaps(demo_engine, ids)
-    tie, paths_tie = gap < NEAR_TIE, gap < PATHS_NEAR_TIE
+    tie = gap < NEAR_TIE
     demo_engine.reset()
     tensor = Engine.load(demo_path, device="sim", max_context=64,
                          device_options={"prefill_chunk": 8, "device_options": m5})
@@ -410,18 +457,14 @@ def test_tensor_op_gemm_path(demo_path, demo_engine):
     simd = Engine.load(demo_path, device="sim", max_context=64,
                        device_options={"prefill_chunk": 8, "gemm_path": "simdgroup", "device_options": m5})
     assert not simd.backend.runtime.uses_tensor_ops and not simd.backend.runtime.uses_tensor_attention
-    mixed = Engine.load(demo_path, device="sim", max_context=64,
-                        device_options={"prefill_chunk": 8, "gemm_path": "tensor", "device_options": m5_half})
-    assert mixed.backend.runtime.uses_tensor_ops and not mixed.backend.runtime.uses_tensor_attention
-    lt, ls, lm = (e.prefill(ids, all_logits=True) for e in (tensor, simd, mixed))
+    lt, ls = (e.prefill(ids, all_logits=True) for e in (tensor, simd))
     _check(lt, want, "tensor-op path", tie)
-    _check(lm, want, "tensor-op GEMMs, simdgroup attention", tie)
-    assert (_rel(lt, ls)[~paths_tie] < 2e-3).all() and paths_tie.mean() < 0.25
-    np.testing.assert_array_equal(lm, ls)
-    assert (_rel(lt, lm)[~paths_tie] < 2e-3).all()
-    half_simd = Engine.load(demo_path, device="sim", max_context=64,
-                            device_options={"gemm_path": "simdgroup", "device_options": m5_half})
-    assert not half_simd.backend.runtime.uses_tensor_ops and not half_simd.backend.runtime.uses_tensor_attention
+    np.testing.assert_array_equal(lt, ls)
+    half = Engine.load(demo_path, device="sim", max_context=64, device_options={"device_options": m5_half})
+    assert not half.backend.runtime.uses_tensor_ops and not half.backend.runtime.uses_tensor_attention
+    with pytest.raises(DeviceError, match="bfloat_tensor_ops=False"):
+        Engine.load(demo_path, device="sim", max_context=64,
+                    device_options={"gemm_path": "tensor", "device_options": m5_half})
     plain = Engine.load(demo_path, device="sim", max_context=64)  # apple9
     assert not plain.backend.runtime.uses_tensor_ops and not plain.backend.runtime.uses_tensor_attention
     with pytest.raises(DeviceError, match="tensor"):

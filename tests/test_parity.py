@@ -29,10 +29,11 @@ TOP1_MIN = {"demo": 0.85, "tiny": 0.74, "dims": 0.70}
 PPL_RATIO_TOL = 0.02
 LAST_LOGITS_REL_ERR = 0.10
 CLEAR_MARGIN = 0.75  # logits; bf16 noise moves single logits by up to ~0.4 here
-# The native prefill against the float32 reference: bf16 KV cache (as MLX-LM) and half GEMM
-# operands (docs/prefill.md, "Operand precision"); measured 6.0e-3 on dims (relative L2
-# error of all-position logits; 1.5e-4 with fp32 GEMM operands, whose bound was 5e-3).
-NATIVE_REL_ERR = 1e-2
+# The native prefill against the float32 reference: bf16 KV cache (as MLX-LM) and bfloat
+# GEMM and attention operands (nothing is clipped; docs/prefill.md, "Operand precision");
+# measured 1.54e-2 on tiny, 1.29e-2 on dims (relative L2 error of all-position logits; 6.0e-3
+# on dims with half operands, 1.5e-4 with fp32 ones).
+NATIVE_REL_ERR = 3e-2
 
 
 def _conversation(engine: Engine) -> list[int]:
@@ -129,7 +130,7 @@ def test_demo_greedy_vs_bf16_peer_where_margin_is_clear(demo_path):
 def test_native_sim_teacher_forced(case):
     """The native path on the simulator (chunked prefill: 201 tokens in chunks of 64, so
     three chunk boundaries inside the prompt), same protocol: it must track the reference
-    (bf16 KV cache and half GEMM operands: relative error < NATIVE_REL_ERR) and agree with
+    (bf16 KV cache and bfloat operands: relative error < NATIVE_REL_ERR) and agree with
     MLX-LM as well as the reference does."""
     name, path, engine, ids, ref = case
     native = Engine.load(path, device="sim", max_context=len(ids) + 1, device_options={"prefill_chunk": 64})

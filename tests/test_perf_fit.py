@@ -27,7 +27,9 @@ TRUE = {"bandwidth_efficiency": 0.93, "stage_gap": 1.8e-6, "matrix": 0.45}
 def _machine(key="m5max", *, bandwidth_efficiency, stage_gap, matrix, path="tensor"):
     m = estimate.machine(key)
     eff = {**m.path_efficiency, **{p: matrix for p in estimate.MATRIX_PATHS[path]}}
-    return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff)
+    att = matrix if path == "tensor" else m.attention_efficiency  # the fit scales the attention's tensor ops alike
+    return replace(m, bandwidth_efficiency=bandwidth_efficiency, stage_gap=stage_gap, path_efficiency=eff,
+                   attention_efficiency=att)
 
 
 def _bench(m: estimate.Machine, *, path="tensor", chip="Apple M5 Max", lengths=LENGTHS, noise=(), host=None,
@@ -289,7 +291,7 @@ def test_prefill_calibration_out_of_sample():
             r = res[split]
             assert r["rms"] < 0.04 and r["max_abs"] < 0.065, (run, split)
             assert r["tensor_efficiency"] == pytest.approx(estimate.PATH_EFFICIENCY["tensor_f16"], abs=0.02)
-            assert r["attention_efficiency"] == pytest.approx(estimate.PATH_EFFICIENCY["tensor_bf16"], abs=0.02)
+            assert r["attention_efficiency"] == pytest.approx(estimate.ATTENTION_EFFICIENCY, abs=0.02)
         assert res["short->long"]["attention_efficiency"] == tensor_rate.ATTENTION_GRID[-1]
         assert res["short->long"]["errors"][131072] > 0.5
         assert res["long->short"]["errors"][256] < -0.33
@@ -319,7 +321,7 @@ def test_restatements_follow_the_published_runs_builds():
     assert 2048 * 1024 < scores < 2048 * 1100
 
     def expert_rows(recs):
-        return next(r for r in recs if r["kernel"] == "experts up")["work"]["flops"]["tensor_f16"] / (
+        return next(r for r in recs if r["kernel"] == "experts up")["work"]["flops"]["tensor_bf16"] / (
             2 * CFG.moe_intermediate_size * CFG.hidden_size)
 
     rows, k = 2048, CFG.num_experts_per_tok
@@ -331,10 +333,10 @@ def test_restatements_follow_the_published_runs_builds():
     assert dense["threadgroup_memory"] == 0 and dense["work"]["chain"]["barrier"] == 0
     grouped = next(r for r in pplx if r["kernel"] == "experts gate|up")
     assert grouped["threadgroup_memory"] == 64 * 64 * 2
-    assert grouped["work"]["flops"]["tensor_f16"] / (2 * 2 * CFG.moe_intermediate_size * CFG.hidden_size) == (
+    assert grouped["work"]["flops"]["tensor_bf16"] / (2 * 2 * CFG.moe_intermediate_size * CFG.hidden_size) == (
         pytest.approx(4096 * k + 32 * tr._reached(4096, CFG)))  # 64-row tiles, half a tile padded per expert
     small = next(r for r in tr.pplx_prefill_chunk(CFG, 2048, 0) if r["kernel"] == "experts gate|up")
-    assert small["work"]["flops"]["tensor_f16"] / (2 * 2 * CFG.moe_intermediate_size * CFG.hidden_size) == (
+    assert small["work"]["flops"]["tensor_bf16"] / (2 * 2 * CFG.moe_intermediate_size * CFG.hidden_size) == (
         pytest.approx(2048 * k + 16 * tr._reached(2048, CFG)))
 
 
@@ -350,7 +352,7 @@ def test_tensor_rate_from_engines_measured_on_m5():
     m = estimate.likely_machine(estimate.machine("m5max"))
     pplx = tensor_rate.fit_engine("pplx_garden", m)
     assert pplx["tensor_efficiency"] == pytest.approx(estimate.PATH_EFFICIENCY["tensor_f16"])
-    assert pplx["attention_efficiency"] == pytest.approx(estimate.PATH_EFFICIENCY["tensor_bf16"])
+    assert pplx["attention_efficiency"] == pytest.approx(estimate.ATTENTION_EFFICIENCY)
     assert pplx["rms_relative_error"] < 0.035 and not pplx["at_bound"]
     mlx = tensor_rate.fit_engine("mlx_lm", m)
     assert mlx["rms_relative_error"] < 0.035 and not mlx["at_bound"]
@@ -410,8 +412,10 @@ def test_kernel_timings_fit_back_to_their_constants():
     """A kernel-timing report made by the model from known constants (an M5 Max streaming,
     multiplying and waiting unlike the likely one) is fitted back: each constant some kernel
     identifies within a few percent, the overhead per command buffer too; simdgroup_matrix,
-    which no timed kernel of the tensor path uses, is reported as not identified. A few
-    percent of noise moves them little; a report that is not a Metal run is refused."""
+    which no timed kernel of the tensor path uses, is reported as not identified, and so is
+    the DRAM latency, which every timed kernel hides at its shapes (the prefill GEMMs issue a
+    step's loads a step ahead and hold several threadgroups per core). A few percent of noise
+    moves them little; a report that is not a Metal run is refused."""
     true = estimate.with_constants(estimate.likely_machine(estimate.machine("m5max")),
                                {"tensor_efficiency": 0.5, "attention_efficiency": 0.55, "alu_efficiency": 0.4,
                                 "latency_dram": 500e-9})
@@ -422,8 +426,8 @@ def test_kernel_timings_fit_back_to_their_constants():
     assert c["tensor_efficiency"]["fitted"] == pytest.approx(0.5, rel=0.03)
     assert c["attention_efficiency"]["fitted"] == pytest.approx(0.55, rel=0.05)
     assert c["alu_efficiency"]["fitted"] == pytest.approx(0.4, rel=0.05)
-    assert c["latency_dram"]["fitted"] == pytest.approx(500e-9, rel=0.2)
-    assert c["simdgroup_efficiency"]["fitted"] is None and not c["simdgroup_efficiency"]["identified_by"]
+    for hidden in ("simdgroup_efficiency", "latency_dram"):
+        assert c[hidden]["fitted"] is None and not c[hidden]["identified_by"], hidden
     assert rep["overhead_us"] == pytest.approx(4.0, rel=0.1) and rep["rms_relative_error"]["fitted"] < 0.01
     assert rep["rms_relative_error"]["likely"] > 0.05
     assert m.fitted_from == "kernels.json" and "tensor_efficiency" in m.measured

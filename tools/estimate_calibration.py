@@ -41,7 +41,7 @@ def decode() -> None:
                   f"{100 * d['rms_relative_error']:.2f}/{100 * d['max_relative_error']:.1f}% | GEMMs "
                   f"{p['tensor_efficiency']:.2f} attention {p['attention_efficiency']:.2f} {p['chunk_ms']:4.1f} ms "
                   f"{100 * p['rms_relative_error']:.1f}/{100 * p['max_relative_error']:.1f}% | ours "
-                  f"{m.path_efficiency['tensor_f16']:.3f} / {m.path_efficiency['tensor_bf16']:.3f}"
+                  f"{m.path_efficiency['tensor_bf16']:.3f} / {m.attention_efficiency:.3f}"
                   + (f"  EXCLUDED: {c['excluded']}" if c["excluded"] else ""))
 
 

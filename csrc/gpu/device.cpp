@@ -260,10 +260,11 @@ BufferPtr Device::map_file(const std::string& path, size_t offset, size_t length
 std::string gpu_family_name(int family) { return "apple" + std::to_string(family); }
 
 bool is_bfloat_tensor_kernel(const std::string& name) {
-  const std::string head = "attn_prefill_", tail = "_tensor";
-  if (name == "tensor_ops_probe_bfloat") return true;
-  return name.size() > head.size() + tail.size() && name.compare(0, head.size(), head) == 0 &&
-         name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  // every prefill tensor kernel takes bfloat operands (the GEMMs since nothing is clipped),
+  // and so do both probes
+  const std::string tail = "_tensor", probe = "tensor_ops_probe";
+  return name.compare(0, probe.size(), probe) == 0 ||
+         (name.size() > tail.size() && name.compare(name.size() - tail.size(), tail.size(), tail) == 0);
 }
 
 int parse_gpu_family(const std::string& name) {

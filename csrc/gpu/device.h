@@ -376,8 +376,8 @@ std::string gpu_family_name(int family);
 int parse_gpu_family(const std::string& name);
 // The Apple family from which Metal 4 tensor operations are used (M5: neural accelerators).
 constexpr int kTensorOpsFamily = 10;
-// Whether tensor-library kernel `name` runs tensor operations on bfloat operands: the kernels
-// of metal/attention_prefill_tensor.metal (attn_prefill_*_tensor) and their probe. A naming
+// Whether tensor-library kernel `name` runs tensor operations on bfloat operands: every
+// prefill tensor kernel (*_tensor: the GEMMs and the attention) and both probes. A naming
 // rule, for the Metal device, whose library does not say; the simulator marks them from the
 // source, and tests/test_sim_tensor.py checks the two agree on every shipped kernel.
 bool is_bfloat_tensor_kernel(const std::string& name);

@@ -23,22 +23,19 @@ namespace args = lily::kernels;
 // bias per group of 64.
 double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
 constexpr double kDequantOps = 3;
-// The prefill GEMMs' weight tiles (gemm_tiles.h gemm_load_w): codes turned into half by the
-// magic-number OR, two per 32-bit operation, then a half FMA: per 8 4-bit codes one shift,
-// 4 masks, 4 ORs, 4 half2 subtractions and 4 half2 FMAs (17); per 4 8-bit codes 9.
-double prefill_dequant_ops(int bits) { return bits == 8 ? 9.0 / 4 : 17.0 / 8; }
-// The prefill GEMMs stage half operands (gemm_tiles.h). Their activations are half in device
-// memory (xn, hs, hx, the GDN scan's u), clamped to the half range and converted in
-// fp32 ALU (min, max, convert: 3 operations) once per element by the kernel that writes them
-// (rms_norm_half, moe_combine_norm, gemm_swiglu_q4, moe_gemm_gate_up_q4_*, gdn_scan_*,
-// attn_prefill*: every GEMM input; the routed experts' outputs yx, the GDN z and the
-// attention's q|gate, k and v, which moe_gemm_down_q4_* and gemm_q4_half store the same way
-// for moe_combine, gdn_scan_* and attn_prefill*, too). The GDN out_proj (gemm_q4_add_hs)
-// multiplies each staged half element by its half scale: one half operation per element and
-// column block. Weights are dequantized in half
-// ALU (code to half, then a half FMA: prefill_dequant_ops), so no conversion follows (groups beyond
-// the half range take fp32: malformed, not counted).
-constexpr double kHalfConvOps = 3;
+// The prefill GEMMs' weight tiles (gemm_tiles.h GemmWItems::put): codes turned into exact half
+// integers by the magic-number OR, two per 32-bit operation (per 8 4-bit codes one shift, 4
+// masks, 4 ORs, 4 half2 subtractions: 13; per 4 8-bit codes 5), in half ALU; then per weight
+// in fp32 a conversion from half, the FMA with the scale and bias, and the rounding to bfloat
+// (3).
+double prefill_dequant_f16_ops(int bits) { return bits == 8 ? 5.0 / 4 : 13.0 / 8; }
+constexpr double kPrefillDequantF32Ops = 3;
+// Prefill's activations are bfloat in device memory (xn, hs, hx, the GDN scan's u, attn; the
+// routed experts' outputs yx, the GDN z and the attention's q|gate, k and v): rounded from
+// fp32 once per element by the kernel that writes them, one conversion (no clamp: nothing
+// is clipped). The GDN out_proj (gemm_q4_add_hs) multiplies each A element by its half scale
+// in fp32 and rounds the product to bfloat: 3 operations per element and column block.
+constexpr double kBf16ConvOps = 1;
 // gdn_scan's lazy decay folds (one multiply per state element) on this share of a head's
 // tokens: a fold comes once the decays since the last one multiply to < 2^-40 (e^-27.7), so
 // a head with mean -ln g = x folds on x / 27.7 of its tokens. The demo checkpoint (the one
@@ -46,22 +43,23 @@ constexpr double kHalfConvOps = 3;
 // nothing); a long-context model's memory heads (g near 1) fold far less often, so 1/3 is
 // on the pessimistic side. Every token folding would be 7, the eager scan's count.
 constexpr double kGdnScanFolds = 1.0 / 3.0;
-// Dense GEMM blocks (gemm.metal): 64 rows x 64 columns, SwiGLU 64 x 32; half tiles with a row
-// stride of 64 + 8 halves (kGemmLd). The tensor-op twins (gemm_tensor.metal): 128 rows.
+// Dense GEMM blocks (gemm.metal, gemm_tensor.metal): 64 columns, SwiGLU 32; 64 rows on the
+// simdgroup_matrix path (128 on the tensor-op path: the grid gives it); bfloat tiles with a
+// row stride of 64 + 8 elements (kGemmLd).
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
 constexpr uint32_t kGemmBK = 64;  // k per step of the k loop (gemm_tiles.h)
-constexpr uint32_t kGemmTensorBM = 128;
-// Rows of one tensor operation of the banded tensor-op GEMMs (the dense twins and the 128-row
-// expert tiles: a simdgroup's band, gemm_tensor.h), the granularity at which a partial
-// tile's padding rows are skipped.
-constexpr uint32_t kTensorBand = 16;
-// Threadgroup memory of a GEMM block: half A and NB W tiles; on the simdgroup_matrix path
-// (GemmSmem of gemm_tiles.h) reused for NB staged fp32 BM x (BN + 4) result blocks, on the
-// tensor-op path (GemmTensorSmem of gemm_tensor.h) the tiles alone (results leave from
-// registers).
+// Rows of one simdgroup's block in the tensor-op expert tiles (moe_prefill_tensor.metal: 16
+// at T = 16 and 32, else 32), the granularity at which a partial tile's padding rows are
+// skipped (a simdgroup whose rows all lie past the tile's runs no tensor operation).
+uint32_t tensor_band(uint32_t h) { return h <= 32 ? 16 : 32; }
+// Threadgroup memory of a GEMM block: on the simdgroup_matrix path (GemmSmem of gemm_tiles.h)
+// the bfloat A and NB W tiles, reused for NB staged fp32 BM x (BN + 4) result blocks; on the
+// tensor-op path (GemmTensorSmem of gemm_tensor.h) the W tiles alone (A goes from device
+// memory into registers, the results leave from registers): 9 KiB at every tile height.
 uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
+  if (tensor) return uint64_t(nb) * bn * kGemmLd * 2;
   const uint64_t tiles = uint64_t(bm + nb * bn) * kGemmLd * 2;
-  return tensor ? tiles : std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
+  return std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
 }
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
 // (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
@@ -164,35 +162,42 @@ constexpr double kGdnRowBatch = args::kGdnRowBatch;  // gdn.metal: state rows a 
 double route_rows_per_lane(uint32_t experts) { return experts <= 256 ? 8 : 1024 / 32; }
 double simdgroups_of(const gpu::DispatchRecord& r) { return double(r.threads.count()) / 32; }
 
-// The k loop of a prefill GEMM threadgroup (gemm_tensor.h gemm_tensor_gemm, gemm_tiles.h
-// gemm_accumulate): per kGemmBK step the A and W tiles are loaded (device -> registers ->
-// dequantized -> threadgroup memory; single-buffered, so a step's loads wait for the barrier
-// that ends the step before) and the products run between two barriers. The first step's
-// load is the dispatch's own; the simdgroup_matrix path's staged epilogue adds two barriers.
+// The k loop of a prefill GEMM threadgroup (gemm_tiles.h gemm_accumulate, gemm_tensor.h
+// gemm_tensor_gemm): per kGemmBK step the tiles are filled from registers (the weight codes
+// dequantized), a barrier, the next step's loads issued (register-staged double buffering),
+// the products, a barrier. A step's chain is its loads' latency, issued after the first
+// barrier of the step before, then one barrier: max(load, products + barrier) + barrier, the
+// products being the threadgroup's own work (the estimate adds it). The simdgroup_matrix
+// path fetches its A pieces with the weights; the tensor path loads its A elements into
+// registers before the dequantization (their latency, a load of the stage before's output,
+// overlaps it and the barrier). The first load is the dispatch's own; the simdgroup_matrix
+// path's staged epilogue adds two barriers.
 void gemm_chain(Cost& w, uint32_t k, bool tensor) {
   const double steps = std::ceil(double(k) / kGemmBK);
-  chain(w, Steps{1, 0, 0, 2, 0, 0}, steps);
+  chain(w, Steps{1, 0, 0, 1, 0, 0}, steps);
   chain(w, Lat::dram, -1);
   chain(w, Lat::barrier, tensor ? 0 : 2);
 }
 
-// Dense quantized GEMM blocks (NB weight matrices sharing x); half operands, fp32 sums.
-// The activations are half (copied into the tiles); NB = 2 writes half (hs, scaled by the
-// shared gate), as does half_y (gemm_q4_half: z, q|gate, k, v).
-// scaled_a: A staged times a half scale (gemm_q4_add_hs).
-Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y = false, int bits = 4,
+// Dense quantized GEMM blocks (NB weight matrices sharing x); bfloat operands, fp32 sums.
+// The activations are bfloat (copied into the tiles, or loaded into registers); NB = 2 writes
+// bfloat (hs, scaled by the shared gate), as does bf16_y (gemm_q4_bf16: z, q|gate, k, v).
+// scaled_a: the A elements times a half scale (gemm_q4_add_hs).
+Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool bf16_y = false, int bits = 4,
                 bool scaled_a = false) {
   const auto a = arg<args::GemmArgs>(r);
   Cost w = make("dense projections");
-  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * a.m * a.n * a.k);
-  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies (half
-  // ALU), and every column block (grid x) stages the A rows (scaled_a: a half multiply per
-  // element); SwiGLU: silu(g) * u times the row scale; a half output: its conversion.
-  add(w, Path::alu_f16, prefill_dequant_ops(bits) * nb * r.groups.y * double(a.n) * a.k +
-                            (scaled_a ? double(r.groups.x) * a.m * a.k : 0.0));
-  add(w, Path::alu_f32, (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || half_y ? kHalfConvOps * a.m * a.n : 0.0));
+  add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 2.0 * nb * a.m * a.n * a.k);
+  // Every row block of the grid (grid y) dequantizes the weight rows it multiplies, and every
+  // column block (grid x) loads the A rows (scaled_a: a multiply and a rounding per element);
+  // SwiGLU: silu(g) * u times the row scale; a bfloat output: its conversion.
+  const double dequant = nb * r.groups.y * double(a.n) * a.k;
+  add(w, Path::alu_f16, prefill_dequant_f16_ops(bits) * dequant);
+  add(w, Path::alu_f32,
+      kPrefillDequantF32Ops * dequant + (scaled_a ? 3.0 * double(r.groups.x) * a.m * a.k : 0.0) +
+          (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || bf16_y ? kBf16ConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = gemm_smem(tensor ? kGemmTensorBM : kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
+  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
   gemm_chain(w, a.k, tensor);
   // the epilogue: y read (ADD: gemm_q4_add_h*, gemm_q4_add_hs*) or the row scale g (SwiGLU)
   const bool add_y = ends(r.kernel, "_add_h") || ends(r.kernel, "_add_h_tensor") || ends(r.kernel, "_add_hs") ||
@@ -202,13 +207,13 @@ Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool half_y =
 }
 
 // Grouped expert GEMMs: one dispatch per tile class (prefill_args.h, "Tile classes"), class c
-// of height h = T >> c; half operands, fp32 sums. Expected tiles of the class under one
+// of height h = T >> c; bfloat operands, fp32 sums. Expected tiles of the class under one
 // assumption, stated in docs/performance.md: the reached experts' remainders r (the rows of
 // their last tile, 1..T) are uniform, so a fraction (h - lo + 1) / T of them lands in class c
 // (lo: its fewest rows) with (lo + h) / 2 real rows on average; class 0 also runs the full
 // tiles, (m k - reached (T + 1) / 2) / T of them. Every tile computes h rows (its padding
-// included; the banded 128-row tensor-op tiles only their live kTensorBand-row bands: a
-// tail of r rows computes r rounded up to the band), dequantizes its expert's n x k weights
+// included; on the tensor-op path only the live blocks of its simdgroups, tensor_band rows
+// each: a tail of r rows computes r rounded up to the band), dequantizes its expert's n x k weights
 // once, and reads them: the experts a class reaches are counted (class 0: at most every
 // reached one; class c > 0: one per tail).
 Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
@@ -223,20 +228,22 @@ Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const double tails = reached * (h - lo + 1) / T;
   const double full = c == 0 ? std::max(0.0, (assignments - reached * (T + 1) / 2.0) / T) : 0.0;
   const double tiles = std::min(full + tails, double(r.groups.x));
-  const uint32_t band = tensor && h == 128 ? kTensorBand : h;
+  const uint32_t band = tensor ? tensor_band(h) : h;
   double tail_rows = 0;  // computed rows of a tail, on average over r = lo..h
   for (uint32_t rr = lo; rr <= h; ++rr) tail_rows += double((rr + band - 1) / band * band) / (h - lo + 1);
   // computed, padding included
   const double rows = full + tails > 0 ? tiles * (full * h + tails * tail_rows) / (full + tails) : 0.0;
   const double real = std::min(assignments, full * T + tails * (lo + h) / 2.0);
   const double experts_read = std::min(reached, full + tails);
-  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T >= 64)
+  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T >= 64;
+  // moe_prefill_tensor.metal: 32 for gate/up, 64 for down)
   const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
-  add(w, tensor ? Path::tensor_f16 : Path::sgmm_f16, 2.0 * nb * rows * a.n * a.k);
-  // weights dequantized in half ALU; half activations are copied; both outputs are stored
-  // as half (the conversion), gate/up after silu(g) * u
-  add(w, Path::alu_f16, prefill_dequant_ops(4) * nb * tiles * double(a.n) * a.k);
-  add(w, Path::alu_f32, ((nb == 2 ? 4.0 : 0.0) + kHalfConvOps) * rows * a.n);
+  add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 2.0 * nb * rows * a.n * a.k);
+  // weights dequantized to bfloat; bfloat activations are copied or loaded; both outputs are
+  // stored as bfloat (the conversion), gate/up after silu(g) * u
+  const double dequant = nb * tiles * double(a.n) * a.k;
+  add(w, Path::alu_f16, prefill_dequant_f16_ops(4) * dequant);
+  add(w, Path::alu_f32, kPrefillDequantF32Ops * dequant + ((nb == 2 ? 4.0 : 0.0) + kBf16ConvOps) * rows * a.n);
   w.threadgroup_memory = gemm_smem(h, bn, nb, tensor);
   // The weights of the experts read; of the rest (activations, perm, map, outputs, declared
   // whole by every class), the class's share of the real rows.
@@ -453,7 +460,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const double per_row = 2.0 * L * (3.0 + std::log2(L)) + 3.0 + 6.0 * L;
     Cost w = make("gated deltanet");
     const double RV = param(k, "_r"), conv = (2.0 * Dk + RV) * (2.0 * args::kGdnConvTaps + 4.0);
-    const double norm = 1.0 + std::log2(RV) + 1.0 + 4.0 + 3.0 + kHalfConvOps + 4.0;
+    const double norm = 1.0 + std::log2(RV) + 1.0 + 4.0 + 3.0 + kBf16ConvOps + 4.0;
     add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + (per_row + norm) * Dv +
                                                             r.groups.y * (conv + 6.0 * Dk + 40.0)));
     w.bytes = declared(r);
@@ -536,7 +543,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     loop(w, Lat::mem, per_lane + per_sg);
     return w;
   }
-  if (starts(k, "attn_prefill_prep_d")) {  // reads half q|gate, k, v (their GEMMs' half_y)
+  if (starts(k, "attn_prefill_prep_d")) {  // reads bfloat q|gate, k, v (their GEMMs' bf16_y)
     const auto a = arg<args::AttnPrefillPrepArgs>(r);
     Cost w = make("attention");
     // _qbf: q * scale rounded to bfloat (2 operations per q element)
@@ -571,27 +578,28 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     tiles *= double(a.num_q_heads / G);  // threadgroup columns
     const double scores = tiles * rows * kAttnTile;
     Cost w = make("attention");
-    // Q K^T and P V: 2 D flops each per score, fp32 accumulation; bfloat operands on the
-    // tensor path, half on the simdgroup path
-    add(w, tensor ? Path::tensor_bf16 : Path::sgmm_f16, 4.0 * D * scores);
-    // online softmax per score (mask, max, subtract, exp, operand rounding, sum). The tensor
-    // path takes K and V as cached (a plain copy of V) and the bfloat q its prep wrote; the
-    // simdgroup path converts each K and V tile element to half in fp32 (1) and clamps it in
-    // half (2: kv_operand), and scales and converts Q per threadgroup. The rare diag(corr) O
-    // rescale (a row's max grew by > 8) is not counted.
-    // plain kernel: the gated output stored as half (the conversion; the split partials stay fp32)
-    add(w, Path::alu_f32, 8.0 * scores + (tensor ? 0.0 : 2.0 * tiles * kAttnTile * D + groups * rows * D) +
-                              (a.num_splits == 0 ? kHalfConvOps * double(M) * a.num_q_heads * D : 0.0));
-    if (!tensor) add(w, Path::alu_f16, 2.0 * 2.0 * tiles * kAttnTile * D);
+    // Q K^T and P V: 2 D flops each per score, fp32 accumulation, bfloat operands on both paths
+    add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 4.0 * D * scores);
+    // online softmax per score (mask, max, subtract, exp, operand rounding, sum). K and V are
+    // taken as cached (the tensor path: V straight into registers, the simdgroup path a plain
+    // copy of each tile) and the tensor path's q as its prep wrote it; the simdgroup path
+    // scales and rounds Q per threadgroup. The rare diag(corr) O rescale (a row's max grew by
+    // > 8) is not counted. Plain kernel: the gated output stored as bfloat (the conversion;
+    // the split partials stay fp32).
+    add(w, Path::alu_f32,
+        8.0 * scores + (tensor ? 0.0 : groups * rows * D) +
+            (a.num_splits == 0 ? kBf16ConvOps * double(M) * a.num_q_heads * D : 0.0));
     w.bytes = declared(r);
-    // tensor: bfloat V tile, fp32 S and bfloat P [rows, kTile], fp32 corr, l, m per pair and
-    // a rescale flag per simdgroup (8); simdgroup: half K/V tile and per-simdgroup scratch
-    w.threadgroup_memory = tensor ? 2 * kAttnTile * D + 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
+    // tensor: fp32 S and bfloat P [rows, kTile], fp32 corr, l, m per pair and a rescale flag
+    // per simdgroup (8) (V is in registers); simdgroup: the bfloat K/V tile and the
+    // per-simdgroup scratch
+    w.threadgroup_memory = tensor ? 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
                                   : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
-    // per KV tile: the tensor path reads K inside its product and loads V beside it, then
-    // three barriers around the softmax (attention_prefill_tensor.metal); the simdgroup path
-    // loads K, and V only after a barrier, four barriers (attention_prefill.metal). The
-    // softmax: a max and a sum over 8 columns and 2 shuffle levels each, the exps (~30 steps).
+    // per KV tile: the tensor path loads V into registers (issued ahead of its product) and
+    // reads K inside its product, then three barriers around the softmax
+    // (attention_prefill_tensor.metal); the simdgroup path loads K, and V only after a
+    // barrier, four barriers (attention_prefill.metal). The softmax: a max and a sum over 8
+    // columns and 2 shuffle levels each, the exps (~30 steps).
     chain(w, Steps{tensor ? 1.0 : 2.0, 0, 0, tensor ? 3.0 : 4.0, 0, 30}, tg_tiles);
     chain(w, Lat::dram, -1);
     chain(w, Lat::barrier, 2);  // S zeroed before the loop; the output after it
@@ -600,7 +608,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   if (starts(k, "attn_prefill_combine_d")) {
     const auto a = arg<args::AttnPrefillArgs>(r);
     Cost w = make("attention");
-    add(w, Path::alu_f32, (4.0 * a.num_splits + kHalfConvOps) * a.rows * a.num_q_heads * param(k, "_d"));
+    add(w, Path::alu_f32, (4.0 * a.num_splits + kBf16ConvOps) * a.rows * a.num_q_heads * param(k, "_d"));
     w.bytes = declared(r);
     // two passes over the splits' partials, a load per split each (the max, then the sums)
     chain(w, Lat::alu, 2.0 * a.num_splits);
@@ -610,7 +618,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   // ---- prefill GEMMs
   if (k == "gemm_q4" || k == "gemm_q4_tensor" || k == "gemm_q4_add_h" || k == "gemm_q4_add_h_tensor")
     return dense_gemm(r, 1, tensor);
-  if (k == "gemm_q4_half" || k == "gemm_q4_half_tensor") return dense_gemm(r, 1, tensor, true);
+  if (k == "gemm_q4_bf16" || k == "gemm_q4_bf16_tensor") return dense_gemm(r, 1, tensor, true);
   if (k == "gemm_q4_add_hs" || k == "gemm_q4_add_hs_tensor") return dense_gemm(r, 1, tensor, false, 4, true);
   if (k == "gemm_q8" || k == "gemm_q8_tensor") {
     Cost w = dense_gemm(r, 1, tensor, false, 8);  // the 8-bit matrices are the router and shared-expert gate
@@ -660,10 +668,10 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     }
     return w;
   }
-  if (k == "rms_norm" || k == "rms_norm_half") {
+  if (k == "rms_norm" || k == "rms_norm_bf16") {
     const auto a = arg<args::NormArgs>(r);
     Cost w = make("norms, embedding, combine");
-    add(w, Path::alu_f32, (k == "rms_norm_half" ? 4.0 + kHalfConvOps : 4.0) * groups * a.n);
+    add(w, Path::alu_f32, (k == "rms_norm_bf16" ? 4.0 + kBf16ConvOps : 4.0) * groups * a.n);
     w.bytes = declared(r);
     // rms_row (common.h): threadgroup_sum, rsqrt, then x and the weights read again after it
     chain(w, tg_reduce(simdgroups_of(r)), 1);
@@ -682,9 +690,10 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   if (k == "moe_combine" || k == "moe_combine_norm") {
     const auto a = arg<args::MoeCombineArgs>(r);
     Cost w = make("norms, embedding, combine");
-    // _norm: plus rms_norm_half's work on the updated rows
-    add(w, Path::alu_f32, 2.0 * a.rows * a.hidden * (a.top_k + 1) +
-                              (k == "moe_combine_norm" ? (4.0 + kHalfConvOps) * a.rows * a.hidden : 0.0));
+    // _norm: plus rms_norm_bf16's work on the updated rows
+    add(w, Path::alu_f32,
+        2.0 * a.rows * a.hidden * (a.top_k + 1) +
+            (k == "moe_combine_norm" ? (4.0 + kBf16ConvOps) * a.rows * a.hidden : 0.0));
     w.bytes = declared(r);
     chain(w, Lat::alu, a.top_k);  // the k products summed in order
     if (k == "moe_combine_norm") {  // the row read back after a device barrier, then rms_row

@@ -22,9 +22,9 @@ namespace args = lily::kernels;
 
 namespace {
 
-// GEMM blocks (metal/gemm.metal, gemm_tiles.h): dense 64 x 64 output blocks of 128 threads,
-// the shared expert's SwiGLU 64 x 32 (gate and up: 64 weight rows per step as well). The
-// tensor-op twins (gemm_tensor.metal) take 128-row blocks of 256 threads, same columns.
+// GEMM blocks (metal/gemm.metal, gemm_tensor.metal): dense output blocks of 64 columns, the
+// shared expert's SwiGLU 32 of gate and of up (64 weight rows per step as well); 64 rows of
+// 128 threads on the simdgroup_matrix path, 128 rows of 256 threads on the tensor-op path.
 constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
 constexpr uint32_t kGemmTensorBM = 128, kGemmTensorThreads = 256;
 // Rows and threads per threadgroup of a dense prefill GEMM on the device's path.
@@ -34,15 +34,20 @@ struct GemmBlock {
 constexpr GemmBlock gemm_block(bool tensor_ops) {
   return tensor_ops ? GemmBlock{kGemmTensorBM, kGemmTensorThreads} : GemmBlock{kGemmBM, kGemmThreads};
 }
-// Grouped expert GEMMs (metal/moe_prefill.metal): threads and output columns per threadgroup
-// of gate/up and of down for tile height T (T = 64: gate/up 64 x 32 blocks, so that its two
-// staged fp32 result blocks fit 32 KiB of threadgroup memory; down 64 x 64; T = 128, tensor
-// ops only: 128 x 32 and 128 x 64 blocks of 256 threads, half tiles of 27 KiB).
+// Grouped expert GEMMs: threads and output columns per threadgroup of gate/up and of down for
+// tile height T. simdgroup_matrix path (moe_prefill.metal): T = 16 and 32 64 columns of 64 /
+// 128 threads; T = 64 gate/up 64 x 32 blocks, so that its two staged fp32 result blocks fit
+// 32 KiB of threadgroup memory, down 64 x 64. Tensor-op path (moe_prefill_tensor.metal): 32
+// columns of gate and of up, 64 of down, on 64 (T = 16), 128 or 256 (T = 128, this path
+// only) threads: one 9 KiB weight tile at every T.
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
-MoeGeometry moe_geometry(uint32_t T) {
-  if (T == 128) return {256, 32, 256, 64};
+MoeGeometry moe_geometry(uint32_t T, bool tensor) {
+  if (tensor) {
+    const uint32_t threads = T == 128 ? 256 : T == 16 ? 64 : 128;
+    return {threads, 32, threads, 64};
+  }
   if (T == 64) return {128, 32, 128, 64};
   const uint32_t threads = T == 32 ? 128 : 64;
   return {threads, 64, threads, 64};
@@ -84,13 +89,17 @@ PrefillPlan::PrefillPlan(const ModelDims& dims, const RuntimeOptions& options, c
     : d_(dims), opt_(options), head_(head), labels_(dims.num_hidden_layers) {}
 
 void PrefillPlan::select_paths(const gpu::Device& device) {
-  const bool tensor = opt_.gemm_path == GemmPath::tensor ||
-                      (opt_.gemm_path == GemmPath::automatic && device.supports_tensor_ops());
-  if (tensor && !device.supports_tensor_ops())
-    throw std::invalid_argument("gemm_path 'tensor': " + device.tensor_ops_status());
-  // The attention follows them where the device also takes bfloat tensor operands;
-  // otherwise it runs simdgroup_matrix (Device::bfloat_tensor_ops_status says why).
-  families_ = !tensor ? 0 : kGemmFamily | kMoeFamily | (device.supports_bfloat_tensor_ops() ? kAttentionFamily : 0);
+  // Every prefill tensor operation takes bfloat operands (the GEMMs' and the attention's:
+  // nothing is clipped, docs/prefill.md): the tensor path needs a tensor library whose
+  // operand table has bfloat (MacOSX 26.1 SDK on), else prefill runs simdgroup_matrix. Each
+  // family may still fall back alone at load (Runtime::check_tensor_families).
+  const bool available = device.supports_tensor_ops() && device.supports_bfloat_tensor_ops();
+  const bool tensor = opt_.gemm_path == GemmPath::tensor || (opt_.gemm_path == GemmPath::automatic && available);
+  if (tensor && !available)
+    throw std::invalid_argument("gemm_path 'tensor': " + (device.supports_tensor_ops()
+                                                              ? device.bfloat_tensor_ops_status()
+                                                              : device.tensor_ops_status()));
+  families_ = tensor ? kGemmFamily | kMoeFamily | kAttentionFamily : 0;
 }
 
 const char* PrefillPlan::family_name(Family f) {
@@ -135,31 +144,31 @@ bool PrefillPlan::splits_attention() const {
 
 PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const {
   const ModelDims& d = d_;
-  const size_t C = rows, f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
+  const size_t C = rows, f = sizeof(float), bf = 2, u32 = sizeof(uint32_t);
   const size_t H = d.hidden_size, k = d.num_experts_per_tok, E = d.num_experts;
   PrefillScratch c;
   c.rows = rows;
   c.tok[0] = scratch(C * u32, "chunk tokens A");
   c.tok[1] = scratch(C * u32, "chunk tokens B");
   c.h = scratch(C * H * f, "chunk h (residual)");
-  c.xn = scratch(C * H * hf, "chunk xn (normed, half)");
+  c.xn = scratch(C * H * bf, "chunk xn (normed, bf16)");
   const size_t vdim = size_t(d.linear_num_value_heads) * d.linear_value_head_dim;
   c.qkv = scratch(C * d.conv_dim() * f, "chunk gdn qkv");
-  c.z = scratch(C * vdim * hf, "chunk gdn z (half)");
+  c.z = scratch(C * vdim * bf, "chunk gdn z (bf16)");
   c.b = scratch(C * d.linear_num_value_heads * f, "chunk gdn b");
   c.a = scratch(C * d.linear_num_value_heads * f, "chunk gdn a");
   const size_t gdn_splits = size_t(d.linear_num_value_heads) * (d.linear_value_head_dim / gdn_scan_rows(d.linear_value_head_dim));
   c.gdn_ss = scratch(C * gdn_splits * f, "chunk gdn split sums of y^2");
-  c.gdn_f = scratch(C * gdn_splits * hf, "chunk gdn norm scale (half)");
+  c.gdn_f = scratch(C * gdn_splits * bf, "chunk gdn norm scale (half)");
   const size_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-  c.qg = scratch(C * Hq * 2 * D * hf, "chunk attn q|gate (half)");
-  c.k = scratch(C * Hkv * D * hf, "chunk attn k (half)");
-  c.v = scratch(C * Hkv * D * hf, "chunk attn v (half)");
+  c.qg = scratch(C * Hq * 2 * D * bf, "chunk attn q|gate (bf16)");
+  c.k = scratch(C * Hkv * D * bf, "chunk attn k (bf16)");
+  c.v = scratch(C * Hkv * D * bf, "chunk attn v (bf16)");
   c.q = scratch(C * Hq * D * f, "chunk attn q (prepared)");
-  c.attn = scratch(C * Hq * D * hf, "chunk attn out (half)");
-  // The GDN out_proj input u (half) is dead in attention layers and attn in GDN layers: one
+  c.attn = scratch(C * Hq * D * bf, "chunk attn out (bf16)");
+  // The GDN out_proj input u (bf16) is dead in attention layers and attn in GDN layers: one
   // set of bytes when the model's dims allow (the real model: the same size).
-  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * hf, "chunk gdn u (half)");
+  c.oh = Hq * D >= vdim ? c.attn : scratch(C * vdim * bf, "chunk gdn u (bf16)");
   c.router = scratch(C * (E + 1) * f, "chunk router logits | shared gate");
   c.ids = scratch(C * k * u32, "chunk expert ids");
   c.w = scratch(C * (k + 1) * f, "chunk routing weights");
@@ -170,9 +179,9 @@ PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const 
   for (uint32_t T : kExpertTileRows) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
   c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
-  c.hx = scratch(C * k * d.moe_intermediate_size * hf, "chunk expert hidden (half)");
-  c.yx = scratch(C * k * H * hf, "chunk expert outputs (half)");
-  c.hs = scratch(C * d.shared_expert_intermediate_size * hf, "chunk shared hidden (half)");
+  c.hx = scratch(C * k * d.moe_intermediate_size * bf, "chunk expert hidden (bf16)");
+  c.yx = scratch(C * k * H * bf, "chunk expert outputs (bf16)");
+  c.hs = scratch(C * d.shared_expert_intermediate_size * bf, "chunk shared hidden (bf16)");
   for (int p = 0; p < 2; ++p) {
     c.hist[p].resize(d.num_hidden_layers);
     for (auto& hb : c.hist[p]) hb = scratch(E * u32, "expert histogram");
@@ -229,11 +238,11 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   const bool tensor_attention = families_ & kAttentionFamily;
   const uint32_t D = d.head_dim, G = attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads);
   k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
-  k.rms_norm = &dev.pipeline("rms_norm_half");  // xn: the GEMMs' half input
+  k.rms_norm = &dev.pipeline("rms_norm_bf16");  // xn: the GEMMs' bfloat input
   k.gemm = ByBits(dev, "gemm", path, {4, 8});
   k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
   k.gemm_add_hs = ByBits(dev, "gemm", "_add_hs" + path, {4});
-  k.gemm_half = ByBits(dev, "gemm", "_half" + path, {4});
+  k.gemm_bf16 = ByBits(dev, "gemm", "_bf16" + path, {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   const uint32_t Dv = d.linear_value_head_dim, RV = gdn_scan_rows(Dv);
   k.gdn_scan = &dev.pipeline(kernel_name("gdn_scan", {{'k', d.linear_key_head_dim}, {'v', Dv}, {'r', RV}}));
@@ -273,7 +282,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
   gpu::ComputePass& pass = cmd.compute_pass();
   Traffic local;
   Traffic& t = tr ? *tr : local;
-  const size_t f = sizeof(float), hf = 2, u32 = sizeof(uint32_t);
+  const size_t f = sizeof(float), bf = 2, u32 = sizeof(uint32_t);
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
   const GemmBlock gb = gemm_block(families_ & kGemmFamily);
@@ -286,27 +295,31 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     return op;
   };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
-  // x is half (xn, hs, oh, attn); y fp32, or half (half_y: the GDN z, the attention's q|gate,
-  // k, v; not with add).
+  // x is bfloat (xn, hs, oh, attn); y fp32, or bfloat (bf16_y: the GDN z, the attention's
+  // q|gate, k, v; not with add).
   // tag: nonzero for GEMMs that write disjoint columns of one y in one stage (gpu::Range::disjoint).
   // x_scale (add only): x's element i times x_scale[i >> x_shift] (gemm_q4_add_hs: out_proj).
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
-                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool half_y = false,
+                  uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool bf16_y = false,
                   uint32_t tag = 0, gpu::Buffer* x_scale = nullptr, uint32_t x_shift = 0) {
-    Op op(half_y ? K.gemm_half[w.bits] : !add ? K.gemm[w.bits] : x_scale ? K.gemm_add_hs[w.bits] : K.gemm_add_h[w.bits],
+    Op op(bf16_y    ? K.gemm_bf16[w.bits]
+          : !add    ? K.gemm[w.bits]
+          : x_scale ? K.gemm_add_hs[w.bits]
+                    : K.gemm_add_h[w.bits],
           label);
     op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * hf);
+    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * bf);
     if (x_scale)
-      op.in(6, *x_scale, 0, ((size_t(M - 1) * lda + cols) >> x_shift) * hf).args(7, args::GemmAScaleArgs{x_shift});
-    const size_t yb = half_y ? hf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
+      op.in(6, *x_scale, 0, ((size_t(M - 1) * lda + cols) >> x_shift) * bf)
+          .args(7, args::GemmAScaleArgs{x_shift});
+    const size_t yb = bf16_y ? bf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
     if (add) op.inout(4, y, col0 * yb, y_bytes);
     else if (tag) op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
     else op.out(4, y, col0 * yb, y_bytes);
     op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
-    encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, hf, kNormThreads, &t);
+    encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, bf, kNormThreads, &t);
   };
 
   const uint32_t L = uint32_t(model.layers.size());
@@ -326,7 +339,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       const DeltaNetLayer& g = layer.gdn;
       const uint32_t Hv = d.linear_num_value_heads, Dv = d.linear_value_head_dim, C = d.conv_dim();
       gemm(g.in_proj_qkv, false, *c.xn, H, H, *c.qkv, C, C, 0, labels_(l, "in_proj_qkv"));
-      // z only gates the norm: stored half (saturated), read by gdn_scan
+      // z only gates the norm: stored bf16, read by gdn_scan
       gemm(g.in_proj_z, false, *c.xn, H, H, *c.z, Hv * Dv, Hv * Dv, 0, labels_(l, "in_proj_z"), true);
       gemm(g.in_proj_b, false, *c.xn, H, H, *c.b, Hv, Hv, 0, labels_(l, "in_proj_b"));
       gemm(g.in_proj_a, false, *c.xn, H, H, *c.a, Hv, Hv, 0, labels_(l, "in_proj_a"));
@@ -354,11 +367,11 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       // ---- full attention
       const AttentionLayer& a = layer.attn;
       const uint32_t Hq = d.num_attention_heads, Hkv = d.num_key_value_heads, D = d.head_dim;
-      // q|gate, k, v stored half (saturated): read by the prep (and the gate by the attention)
+      // q|gate, k, v stored bf16: read by the prep (and the gate by the attention)
       gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"), true);
       gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"), true);
       gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"), true);
-      const size_t qg_bytes = size_t(M) * Hq * 2 * D * hf, kv_proj_bytes = size_t(M) * Hkv * D * hf;
+      const size_t qg_bytes = size_t(M) * Hq * 2 * D * bf, kv_proj_bytes = size_t(M) * Hkv * D * bf;
       const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
@@ -397,7 +410,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
             .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
             .bind(2, *seq.k_cache[l]).bind(3, *seq.v_cache[l]);
         declare_kv(op);
-        op.out(4, *c.attn, 0, size_t(M) * Hq * D * hf)
+        op.out(4, *c.attn, 0, size_t(M) * Hq * D * bf)
             .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
       } else {
         // Few query rows after a long prefix: cut the KV range into splits so the grid fills
@@ -416,7 +429,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
         Op(*K.attn_combine, labels_(l, "attention combine"))
             .groups(tg(Hq, M), tg(D))
             .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, qg_bytes)
-            .out(3, *c.attn, 0, size_t(M) * Hq * D * hf).args(4, aa).run(pass);
+            .out(3, *c.attn, 0, size_t(M) * Hq * D * bf).args(4, aa).run(pass);
       }
       gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
@@ -453,7 +466,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
         .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gb.rows)), tg(gb.threads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
-        .in(6, *c.xn, 0, size_t(M) * H * hf).out(7, *c.hs, 0, size_t(M) * Is * hf)
+        .in(6, *c.xn, 0, size_t(M) * H * bf).out(7, *c.hs, 0, size_t(M) * Is * bf)
         .args(8, args::GemmArgs{M, Is, H, H, Is})
         .in(9, *c.w, k * f, (size_t(M - 1) * (k + 1) + 1) * f).args(10, args::GemmRowScaleArgs{k + 1}).run(pass);
     gemm(m.shared_down_proj, true, *c.hs, Is, Is, *c.h, H, H, 0, labels_(l, "shared expert down"));
@@ -465,13 +478,13 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       for (uint32_t cl = 0; cl < classes; ++cl) {
         const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
         if (!tiles_c) continue;  // too few assignments for a tile of this class
-        const MoeGeometry mg = moe_geometry(Tc);
+        const MoeGeometry mg = moe_geometry(Tc, families_ & kMoeFamily);
         const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
         Op op(*(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
               labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]));
         op.groups(tg(tiles_c, down ? ceil_div(H, mg.down_bn) : ceil_div(I, mg.gate_up_bn)),
                   tg(down ? mg.down_threads : mg.gate_up_threads))
-            .in(0, down ? *c.hx : *c.xn, 0, down ? size_t(M) * k * I * hf : size_t(M) * H * hf)
+            .in(0, down ? *c.hx : *c.xn, 0, down ? size_t(M) * k * I * bf : size_t(M) * H * bf)
             .in(1, *c.perm, 0, size_t(M) * k * u32)
             .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
         uint64_t uncounted = 0;
@@ -481,12 +494,12 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
         };
         if (down) {
           stack(4, m.experts_down_proj);
-          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * hf, kTileClassWrites)
+          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * bf, kTileClassWrites)
               .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T});
         } else {
           stack(4, m.experts_gate_proj);
           stack(7, m.experts_up_proj);
-          op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * hf, kTileClassWrites)
+          op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * bf, kTileClassWrites)
               .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I, T});
         }
         op.run(pass);
@@ -500,10 +513,10 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     if (last) op.threads(tg(H / 4, M), tg(64));
     else op.groups(tg(M), tg(kNormThreads));
     op.inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * hf)
+        .in(1, *c.yx, 0, size_t(M) * k * H * bf)
         .in(2, *c.w, 0, size_t(M) * (k + 1) * f).args(3, args::MoeCombineArgs{M, H, k});
     if (!last)
-      op.in(4, *model.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * hf)
+      op.in(4, *model.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * bf)
           .args(6, args::NormArgs{H, d.rms_norm_eps});
     op.run(pass);
   }
@@ -522,12 +535,12 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
 void PrefillPlan::encode_lm_head_rows(gpu::CommandBuffer& cmd, PrefillScratch& c, uint32_t r0,
                                       uint32_t R) const {
   const ModelDims& d = d_;
-  const size_t f = sizeof(float), hf = 2, H = d.hidden_size, V = d.vocab_size;
+  const size_t f = sizeof(float), bf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
   const GemmBlock gb = gemm_block(families_ & kGemmFamily);
   Op(kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)")
       .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
-      .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * hf, size_t(R) * H * hf)
+      .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * bf, size_t(R) * H * bf)
       .out(4, *c.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
   pass.end();

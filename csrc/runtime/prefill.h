@@ -22,8 +22,8 @@ enum class Logits;  // runtime.h
 struct PrefillKernels {
   const gpu::Pipeline *embed_rows = nullptr, *rms_norm = nullptr;
   // gemm_add_h: y += x W^T (o_proj, shared down); gemm_add_hs: y += (x * s) W^T (out_proj:
-  // u times the GDN norm scale); gemm_half: half y (z, q|gate, k, v)
-  ByBits gemm, gemm_add_h, gemm_add_hs, gemm_half;
+  // u times the GDN norm scale); gemm_bf16: bfloat y (z, q|gate, k, v)
+  ByBits gemm, gemm_add_h, gemm_add_hs, gemm_bf16;
   const gpu::Pipeline *gdn_scan = nullptr, *gdn_norm_scale = nullptr, *gdn_conv_state = nullptr;
   const gpu::Pipeline *attn_prep = nullptr, *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
@@ -42,7 +42,7 @@ struct PrefillScratch {
   uint64_t bytes = 0;  // of the buffers below (Runtime::prefill_scratch_bytes)
   gpu::BufferPtr tok[2], h, xn, qkv, z, b, a, qg, k, v, q, attn, router, ids, w, block_counts, perm, tiles,
       tile_count, hx, yx, hs, part_ml, part_o, logits;
-  gpu::BufferPtr oh;      // the GDN scan's u (half, out_proj's input): attn's bytes when they fit
+  gpu::BufferPtr oh;      // the GDN scan's u (bfloat, out_proj's input): attn's bytes when they fit
   gpu::BufferPtr gdn_ss;  // the GDN scan's sums of y^2 per (token, head, split), fp32
   gpu::BufferPtr gdn_f;   // gdn_norm_scale's factors per (token, head, split), half
   std::vector<gpu::BufferPtr> hist[2];
@@ -128,7 +128,7 @@ class PrefillPlan {
   const ModelWeights* w_ = nullptr;  // bind()
   PrefillKernels kernels_;
   mutable LayerLabels labels_;
-  uint32_t families_ = 0;  // Family mask on the tensor path (the GEMMs: half operands, the attention: bfloat)
+  uint32_t families_ = 0;  // Family mask on the tensor path (every family: bfloat operands)
 };
 
 }  // namespace lily::runtime

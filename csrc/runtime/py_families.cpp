@@ -55,7 +55,7 @@ void bind_families(nb::module_& m) {
       },
       "compute_pass"_a, "kernel"_a, "x"_a, "w"_a, "out"_a, "rows"_a, "n"_a, "eps"_a, "out_bytes"_a,
       "threads"_a = kNormThreads, "label"_a = "",
-      "`kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_half: out_bytes 2) over `rows` rows of x [rows, n]\n"
+      "`kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_bf16: out_bytes 2) over `rows` rows of x [rows, n]\n"
       "fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).");
 
   // ---- metal/gdn.metal

@@ -156,10 +156,12 @@ void Runtime::check_tensor_families() {
     const auto* h = static_cast<const float*>(prefill_scratch_.h->contents());
     return std::vector<float>(h, h + M * H);
   };
-  // Rows compared by relative L2 error: the GEMMs' twins compute the same sums on the same
-  // half operands (in another order on a GPU: ~1e-6), the attention's on bfloat operands
-  // against half ones (~1e-3), but a router near-tie may pick another expert for a row, so up
-  // to an eighth of the rows may differ more; a wrong kernel changes many.
+  // Rows compared by relative L2 error: each family's twins compute the same fp32 sums on the
+  // same bfloat operands in another order (~1e-6), whose bfloat-stored outputs (z, q|gate, the
+  // expert hidden and outputs, P in the attention) may then round one bfloat ulp (2^-8) apart
+  // in a few elements: ~1e-4 for the GEMMs, more for the attention's softmax weights. A router
+  // near-tie may pick another expert for a row, so up to an eighth of the rows may differ
+  // more; a wrong kernel changes many.
   auto agree = [&](const std::vector<float>& a, const std::vector<float>& b, uint32_t layers, double bound,
                    std::string* why) {
     uint32_t off = 0;

@@ -753,7 +753,7 @@ def encode_embed_rows(compute_pass: ComputePass, table: tuple[Buffer, Buffer, Bu
 
 def encode_rms_norm(compute_pass: ComputePass, kernel: str, x: Buffer, w: Buffer, out: Buffer, rows: int, n: int, eps: float, out_bytes: int, threads: int = 256, label: str = '') -> None:
     """
-    `kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_half: out_bytes 2) over `rows` rows of x [rows, n]
+    `kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_bf16: out_bytes 2) over `rows` rows of x [rows, n]
     fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).
     """
 

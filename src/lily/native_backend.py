@@ -430,7 +430,8 @@ def count_prefill_chunk(config: ModelConfig, rows: int, position: int = 0, *, bi
     (record-only device, virtual weights), as :func:`count_decode_step`. ``gemm_path="tensor"``
     counts on a simulator of an apple10 (M5) GPU, the family that has them; there
     ``tensor_attention=False`` counts a system whose tensor ops take no bfloat operands (the
-    attention on simdgroup_matrix)."""
+    prefill kernels' tensor-op twins need them: the GEMMs and the attention on
+    simdgroup_matrix)."""
     extra = _given(split_threshold=split_threshold)
     rt = counting_runtime(config, bits, router_bits, position + rows, prefill_chunk=rows, gemm_path=gemm_path,
                            gpu_family="apple10" if gemm_path == "tensor" else None,

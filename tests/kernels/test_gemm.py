@@ -1,38 +1,37 @@
 """Dense prefill GEMMs (metal/gemm.metal) on the Metal simulator against numpy.
 
-gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_add_hs, gemm_q4_half, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
+gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_add_hs, gemm_q4_bf16, gemm_swiglu_q4 (y[m, n] over x[m, k] and W[n, k], row
 strides lda / ldy, column blocks of wider matrices). The grouped expert GEMMs
 (moe_gemm_*, metal/moe_prefill.metal) are tested in tests/kernels/test_moe_prefill.py with
 the tolerances derived here. Weights are random MLX-layout tensors (``rand_quant`` of
-lily.lab.kernels.harness: uniform codes, realistic bf16 scales and biases) and the reference
-dequantizes them with ``QuantizedTensor.dequantize``. Every correctness test runs in the
-three simulator modes of tests/simdev.py (forward; reverse thread/threadgroup order with
-undeclared-read detection; random order), always with out-of-range write detection, on
-poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be NaN.
+lily.lab.kernels.harness: uniform codes, realistic bf16 scales and biases). Every correctness
+test runs in the three simulator modes of tests/simdev.py (forward; reverse thread/threadgroup
+order with undeclared-read detection; random order), always with out-of-range write
+detection, on poisoned (NaN) outputs: bytes a dispatch must not write are checked to still be
+NaN.
 
-Operands and tolerances. The kernels stage both operands as half (metal/gemm_tiles.h): x is
-half in device memory (written by its producer clamped to +-65504 and rounded to half:
-``half_activations``; gemm_q4_add_h: the attention's output; gemm_q4_add_hs: the GDN scan's u,
-staged times a half factor per group of a row's elements, a half product the reference forms
-the same way, numpy float16 x float16); the
-weight dequantized in half (``fma(q, half(s), half(b))``); products of halves are exact in fp32 and accumulate in fp32. The reference
-(``gemm_ref`` of lily.lab.kernels.gemm) models those roundings exactly (numpy float16 of the
-same values) and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
-* every output is a sum of K exact products ``wh xh`` in an order that differs from numpy's
+Operands and tolerances. Both operands are bfloat (metal/gemm_tiles.h): x is bfloat in device
+memory (written by its producer rounded from fp32: ``bf16_activations``; nothing is clipped,
+so every third row of the inputs holds an element at 10x the half range, ``beyond_half``;
+gemm_q4_add_h: the attention's output; gemm_q4_add_hs: the GDN scan's u, staged times a half
+factor per group of a row's elements, the fp32 product rounded to bfloat, formed the same way
+by ``scaled_operand``); the weight dequantized as ``bfloat(fma(q, s, b))`` (exact q s, one
+fp32 rounding, then bf16: ``bf16_weights``); products of bfloats are exact in fp32 and
+accumulate in fp32. The reference (``gemm_ref`` of lily.lab.kernels.gemm) models those
+roundings exactly and multiplies in float64, so what is left to tolerate is an fp32 GEMM's:
+* every output is a sum of K exact products ``wb xb`` in an order that differs from numpy's
   (8x8 products, sequential over k on the simulator, unspecified inside a product on a
   GPU). The first-order bound of a K-term fp32 sum in any order is ``(K - 1) u M`` with
-  ``u = 2**-24`` and ``M = sum_i |wh_i| |xh_i|``: we check ``|got - exact| <= (K + 8) u M``,
-  plus ``|xh| dw`` where a GPU compiler's fma in the dequantization can round a weight to the
-  neighbouring half (``dw``, zero on the simulator's and numpy's stepwise arithmetic).
+  ``u = 2**-24`` and ``M = sum_i |wb_i| |xb_i|``: we check ``|got - exact| <= (K + 8) u M``.
   Typical errors are ~sqrt(K) u M (worst err/tol is printed: ~0.01-0.1). Not modelling the
-  half rounding fails this bound (test_half_rounding_is_modelled), so it stays as tight as
-  the fp32 kernels' was;
+  bf16 rounding fails this bound (test_bf16_rounding_is_modelled, test_weights_rounded_once),
+  so it stays as tight as the fp32 kernels' was;
 * ``_add``: plus one rounding of the sum, ``u |y0 + v|``;
 * SwiGLU ``silu(g) u``: the bounds of g and u propagated to first order (|silu'| <= 1.1) plus
-  a few roundings of the activation (``swiglu_bound`` of lily.lab.kernels.gemm), then the half
-  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``half_stored``);
-* gemm_q4_half: the plain bound, then the half rounding of the stored output (``half_stored``),
-  sums beyond +-65504 stored as +-65504.
+  a few roundings of the activation (``swiglu_bound`` of lily.lab.kernels.gemm), then the bf16
+  rounding of the stored output (hs, and hx in test_moe_prefill.py: ``bf16_stored``);
+* gemm_q4_bf16: the plain bound, then the bf16 rounding of the stored output (``bf16_stored``),
+  sums beyond +-65504 kept (bf16 has fp32's range).
 """
 
 from __future__ import annotations
@@ -52,12 +51,12 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 from lily.lab.device import download, pack_args, upload  # noqa: E402
 from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
 
-from lily.lab.kernels.gemm import row_scale, row_scale_bindings, swiglu_ref  # noqa: E402
-from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402
+from lily.lab.kernels.gemm import beyond_half, row_scale, row_scale_bindings, scaled_operand, swiglu_ref  # noqa: E402
+from lily.lab.kernels.harness import HALF_MAX, to_bf16_bits, upload_bf16  # noqa: E402
 from lily.lab.kernels.gemm import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_args, gemm_ref  # noqa: E402
-from lily.lab.kernels.harness import half_weights  # noqa: E402
-from lily.lab.kernels.harness import _codes, half_operand  # noqa: E402
-from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.harness import bf16_weights  # noqa: E402
+from lily.lab.kernels.harness import _codes, bf16_operand  # noqa: E402
+from lily.lab.kernels.harness import bf16_activations as bact, bf16_stored  # noqa: E402
 
 U = 2.0**-24
 
@@ -88,10 +87,10 @@ DENSE_SHAPES = [  # m, n, k
 
 
 def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False, scale=((), (), ())):
-    """x is half; y is half for gemm_swiglu_q4 and gemm_q4_half. scale: gemm_swiglu_q4's row
+    """x is bfloat; y is bfloat for gemm_swiglu_q4 and gemm_q4_bf16. scale: gemm_swiglu_q4's row
     scale bindings (row_scale_bindings), or gemm_q4_add_hs's (a_scale_bindings)."""
     reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k)), *scale[2]]
-    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "half" in kernel else 4)
+    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "bf16" in kernel else 4)
     p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
                buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off), *scale[0]],
                constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy)), *scale[1]],
@@ -103,9 +102,9 @@ def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False
 def test_gemm(dev, bits, m, n, k):
     rng = fresh_rng(m, n, k, bits)
     qt = rand_quant(rng, (), n, k, bits)
-    x = hact(rng.standard_normal((m, k)))
+    x = bact(beyond_half(rng, (m, k)))
     wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), dev.buffer(4 * (m * n + 16))  # poisoned; 16 floats of pad
+    X, Y = upload_bf16(dev, x), dev.buffer(4 * (m * n + 16))  # poisoned; 16 floats of pad
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), f"gemm_q{bits}", wb, X, Y, m, n, k, k, n)
     commit(cb, f"gemm_q{bits}")
@@ -116,28 +115,26 @@ def test_gemm(dev, bits, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 1, 64), (33, 64, 256), (100, 300, 128), (13, 32, 2048)])
-def test_gemm_half_output(dev, m, n, k):
-    """gemm_q4_half (the shared expert's down projection): the fp32 sums stored as half with
-    the saturating conversion, ldy > n (only the block is written), and a row driven past the
-    half range stored as +-65504, not inf."""
+def test_gemm_bf16_output(dev, m, n, k):
+    """gemm_q4_bf16 (the GDN z, the attention's q|gate, k, v): the fp32 sums stored as bfloat,
+    ldy > n (only the block is written), and a row driven past the half range kept as it is
+    (rounded to bf16), not clipped."""
     rng = fresh_rng(m, n, k, 16)
     qt = rand_quant(rng, (), n, k, 4)
-    x = hact(rng.standard_normal((m, k)))
-    if k >= 256:  # the last row aligned with weight row 0: y[-1, 0] = 6e4 sum|w| ~ 6e4 k / 64
-        x[-1] = hact(6e4 * np.sign(half_weights(qt)[0][0]))
+    x = bact(rng.standard_normal((m, k)))
+    if k >= 256:  # the last row aligned with weight row 0: y[-1, 0] = 4e5 sum|w| (sum|w| > 1 at k 256)
+        x[-1] = bact(4e5 * np.sign(bf16_weights(qt)[0]))
     ldy = n + 3
-    X, Y = upload(dev, x), dev.buffer(2 * m * ldy)
+    X, Y = upload_bf16(dev, x), dev.buffer(2 * m * ldy)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_half", qbufs(dev, qt), X, Y, m, n, k, k, ldy)
-    commit(cb, "gemm_q4_half")
-    out = download(Y, np.float16).reshape(m, ldy).astype(np.float32)
+    enc_gemm(cb.compute_pass(), "gemm_q4_bf16", qbufs(dev, qt), X, Y, m, n, k, k, ldy)
+    commit(cb, "gemm_q4_bf16")
+    out = download(Y, "bf16").reshape(m, ldy)
     assert np.isnan(out[:, n:]).all(), "wrote outside the block"
     exact, tol = gemm_ref(x, qt)
-    big = np.abs(exact) > 65504 + tol
-    assert big[-1, 0] == (k >= 256)
-    assert np.array_equal(out[:, :n][big], np.sign(exact[big]) * 65504), "not saturated"
-    want, tol = half_stored(np.clip(exact, -65504, 65504), tol)
-    check(out[:, :n], want, tol, f"gemm_q4_half {m}x{n}x{k}")
+    assert (np.abs(exact[-1, 0]) > 2 * HALF_MAX) == (k >= 256)
+    want, tol = bf16_stored(exact, tol)
+    check(out[:, :n], want, tol, f"gemm_q4_bf16 {m}x{n}x{k}")
 
 
 @pytest.mark.parametrize("m,n,k", [(37, 100, 256), (64, 64, 64), (3, 200, 512)])
@@ -148,9 +145,9 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
     qt = rand_quant(rng, (), n, k, 4)
     lda, xc = k + 12, 8            # x: columns [8, 8 + k) of an [m, k + 12] matrix
     ldy, yc = n + 7, 3             # y: columns [3, 3 + n) of an [m, n + 7] matrix
-    xw = hact(rng.standard_normal((m, lda)))
+    xw = bact(beyond_half(rng, (m, lda)))
     wb = qbufs(dev, qt)
-    X, Y = upload(dev, xw), dev.buffer(4 * m * ldy)
+    X, Y = upload_bf16(dev, xw), dev.buffer(4 * m * ldy)
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, lda, ldy, x_off=2 * xc, y_off=4 * yc)
     commit(cb, "gemm_q4 strided")
@@ -166,15 +163,15 @@ def test_gemm_strides_and_column_block(dev, m, n, k):
     ("gemm_q4_add_h", 33, 100, 256), ("gemm_q4_add_h", 64, 2048, 128), ("gemm_q4_add_h", 1, 5, 64),
     ("gemm_q4_add_h", 100, 64, 512)])
 def test_gemm_add(dev, kernel, m, n, k):
-    """y += x W^T onto an existing residual, with ldy > n: o_proj's and out_proj's half x
-    (gemm_q4_add_h)."""
+    """y += x W^T onto an existing residual, with ldy > n: o_proj's and the shared down
+    projection's bfloat x (gemm_q4_add_h)."""
     rng = fresh_rng(m, n, k, 5)
     qt = rand_quant(rng, (), n, k, 4)
-    x = hact(rng.standard_normal((m, k)))
+    x = bact(beyond_half(rng, (m, k)))
     ldy = n + 4
     y0 = rng.standard_normal((m, ldy)).astype(np.float32)
     wb = qbufs(dev, qt)
-    X, Y = upload(dev, x), upload(dev, y0)
+    X, Y = upload_bf16(dev, x), upload(dev, y0)
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), kernel, wb, X, Y, m, n, k, k, ldy, add=True)
     commit(cb, kernel)
@@ -196,27 +193,26 @@ def a_scale_bindings(dev, F, m, lda, k, shift):
     (33, 100, 256, 5, 256), (1, 5, 64, 4, 64), (100, 64, 512, 5, 512), (64, 130, 128, 2, 128),
     (70, 2048, 128, 6, 192)])
 def test_gemm_add_scaled(dev, m, n, k, shift, lda):
-    """y += (x * f) W^T (gemm_q4_add_hs: the GDN out_proj on u and its norm factors): x half
+    """y += (x * f) W^T (gemm_q4_add_hs: the GDN out_proj on u and its norm factors): x bfloat
     with a half factor per group of 2^shift elements of a row (f <= 1, some subnormal or
-    zero), the product rounded to half while staged; lda > k once (the factors follow x's
-    stride). The reference stages the same half products (numpy float16 x float16)."""
+    zero), the fp32 product rounded to bfloat while staged; lda > k once (the factors follow
+    x's stride). The reference stages the same products (scaled_operand)."""
     rng = fresh_rng(m, n, k, shift, 21)
     qt = rand_quant(rng, (), n, k, 4)
-    x = hact(4 * rng.standard_normal((m, lda)))
+    x = bact(4 * beyond_half(rng, (m, lda)))
     f = rng.uniform(0.0, 1.0, (m, lda >> shift)).astype(np.float16)
     f.flat[::7] = np.float16(2.0**-20)  # subnormal factors
     f.flat[::11] = 0
     ldy = n + 4
     y0 = rng.standard_normal((m, ldy)).astype(np.float32)
     wb = qbufs(dev, qt)
-    X, Y, F = upload(dev, x), upload(dev, y0), upload(dev, f)
+    X, Y, F = upload_bf16(dev, x), upload(dev, y0), upload(dev, f)
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_q4_add_hs", wb, X, Y, m, n, k, lda, ldy, add=True,
              scale=a_scale_bindings(dev, F, m, lda, k, shift))
     commit(cb, "gemm_q4_add_hs")
     out = download(Y, np.float32).reshape(m, ldy)
-    xs = (x * np.repeat(f, 1 << shift, axis=1))[:, :k]  # float16: the staged products
-    assert xs.dtype == np.float16
+    xs = scaled_operand(x, f, shift)[:, :k]  # the staged products
     v, tol = gemm_ref(xs, qt)
     exact = y0[:, :n].astype(np.float64) + v
     tol = tol + 2 * U * np.abs(exact)
@@ -227,18 +223,18 @@ def test_gemm_add_scaled(dev, m, n, k, shift, lda):
 @pytest.mark.parametrize("m,n,k", [(37, 100, 256), (7, 64, 64), (64, 512, 256), (100, 33, 128)])
 def test_gemm_swiglu(dev, m, n, k):
     """silu(x Wg^T) * (x Wu^T) times a strided row scale (the shared gate column of the
-    routing weights), stored as half."""
+    routing weights), stored as bfloat."""
     rng = fresh_rng(m, n, k, 9)
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
-    x = hact(rng.standard_normal((m, k)))
+    x = bact(beyond_half(rng, (m, k)))
     w, col = row_scale(rng, m)
     wb = qbufs(dev, gq) + qbufs(dev, uq)
-    X, Y = upload(dev, x), dev.buffer(2 * (m * n + 16))  # half output
+    X, Y = upload_bf16(dev, x), dev.buffer(2 * (m * n + 16))  # bfloat output
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n, scale=row_scale_bindings(dev, w, col))
     commit(cb, "gemm_swiglu_q4")
-    out = download(Y, np.float16).astype(np.float32)
-    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
+    out = download(Y, "bf16")
+    want, tol = bf16_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
     check(out[:m * n].reshape(m, n), want, tol, f"gemm_swiglu_q4 {m}x{n}x{k}")
     assert np.isnan(out[m * n:]).all()
 
@@ -250,8 +246,8 @@ def test_router_and_shared_gate_one_buffer(dev):
     rng = fresh_rng(123)
     m, E, hidden = 45, 32, 256
     router, sgate = rand_quant(rng, (), E, hidden, 8), rand_quant(rng, (), 1, hidden, 8)
-    x = hact(rng.standard_normal((m, hidden)))
-    X, L = upload(dev, x), dev.buffer(4 * m * (E + 1))
+    x = bact(rng.standard_normal((m, hidden)))
+    X, L = upload_bf16(dev, x), dev.buffer(4 * m * (E + 1))
     cb = dev.command_buffer()
     p = cb.compute_pass()
     enc_gemm(p, "gemm_q8", qbufs(dev, router), X, L, m, E, hidden, hidden, E + 1)
@@ -264,75 +260,67 @@ def test_router_and_shared_gate_one_buffer(dev):
         check(out[:, cols], exact, tol, "router logits")
 
 
-def _gemm_q4_stored_half(dev, qt, x, n, label):
+def _gemm_q4_stored_bf16(dev, qt, x, n, label):
     """float32 [m, n]: x W^T through gemm_q4 on x [m, k] float32 stored as its producers
-    store it (half_activations: clamped, rounded)."""
+    store it (bf16_activations: rounded to nearest even)."""
     m, k = x.shape
-    X, Y = upload(dev, hact(x)), dev.buffer(4 * m * n)
+    X, Y = upload_bf16(dev, x), dev.buffer(4 * m * n)
     cb = dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_q4", qbufs(dev, qt), X, Y, m, n, k, k, n)
     commit(cb, label)
     return download(Y, np.float32).reshape(m, n)
 
 
-def test_half_rounding_is_modelled(dev):
-    """The reference's half rounding is what keeps the bound tight: x = 1 + 2**-12 (between
-    two halves: it rounds to 1) on a single k block, against the same reference without the
+def test_bf16_rounding_is_modelled(dev):
+    """The reference's bf16 rounding is what keeps the bound tight: x = 1 + 2**-9 (between two
+    bfloats: it rounds to 1) on a single k block, against the same reference without the
     rounding of x, fails the tolerance; with it, passes. x is stored rounded by its producer
-    (every GEMM input is half: test_norm.py, the SwiGLU tests, the attention and GDN
+    (every GEMM input is bfloat: test_norm.py, the SwiGLU tests, the attention and GDN
     outputs); gemm_ref rounds the float32 value the same way."""
     rng = fresh_rng(4242)
     m, n, k = 8, 64, GEMM_BK
     qt = rand_quant(rng, (), n, k, 4)
-    x = np.full((m, k), 1 + 2.0**-12, np.float32)
-    out = _gemm_q4_stored_half(dev, qt, x, n, "gemm_q4 rounding")
+    x = np.full((m, k), 1 + 2.0**-9, np.float32)
+    out = _gemm_q4_stored_bf16(dev, qt, x, n, "gemm_q4 rounding")
     exact, tol = gemm_ref(x, qt)
-    check(out, exact, tol, "half operands")
-    wh, _ = half_weights(qt)
-    wide = x.astype(np.float64) @ wh.T  # x not rounded (fp32 operand)
+    check(out, exact, tol, "bfloat operands")
+    wide = x.astype(np.float64) @ bf16_weights(qt).T  # x not rounded (fp32 operand)
     # most outputs, not all: an output whose random weights nearly cancel moves by less than
-    # its tolerance (0.875 to 1.0 of them over seeds)
+    # its tolerance
     assert (np.abs(wide - exact) > tol).mean() > 0.5, "the reference without x's rounding would pass too"
 
 
-def test_weights_dequantized_in_half(dev):
-    """Weight groups in the half range are dequantized in half arithmetic, fma(q, half(s),
-    half(b)) (gemm_load_w): with scales and biases below half's normal range (~1e-6: half
-    subnormals, so half(s) != s) the outputs match the reference that rounds s and b to half
-    first, and most miss the tolerance of one that dequantizes in fp32."""
+def test_weights_rounded_once(dev):
+    """Weights are bfloat(fma(q, s, b)) in fp32 (GemmWItems::put): one rounding of the
+    checkpoint's value to bf16. The outputs match that reference and most miss the tolerance
+    of one staging the weights unrounded (fp32 operands)."""
     rng = fresh_rng(16384)
     m, n, k = 8, 64, GEMM_BK
     qt = rand_quant(rng, (), n, k, 4)
-    s = rng.uniform(2e-7, 1e-6, qt.scales.shape).astype(np.float32)
-    qt.scales[...], qt.biases[...] = to_bf16_bits(s), to_bf16_bits(-7.5 * s)
-    x = hact(rng.standard_normal((m, k)))
-    X, Y = upload(dev, x), dev.buffer(4 * m * n)
-    cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4", qbufs(dev, qt), X, Y, m, n, k, k, n)
-    commit(cb, "gemm_q4 tiny scales")
-    out = download(Y, np.float32).reshape(m, n)
+    x = bact(rng.standard_normal((m, k)))
+    out = _gemm_q4_stored_bf16(dev, qt, x, n, "gemm_q4 weights")
     exact, tol = gemm_ref(x, qt)
-    check(out, exact, tol, "weights dequantized in half")
+    check(out, exact, tol, "weights dequantized to bfloat")
     q, s64, b64 = (np.asarray(v, np.float64) for v in _codes(qt))
-    w32 = half_operand((q * s64).astype(np.float32) + b64.astype(np.float32)).reshape(n, k)
-    assert (np.abs(x.astype(np.float64) @ w32.T - exact) > tol).mean() > 0.5, \
-        "an fp32 dequantization would pass too"
+    w32 = (q * s64 + b64).astype(np.float32).astype(np.float64).reshape(n, k)
+    assert (np.abs(bf16_operand(x) @ w32.T - exact) > tol).mean() > 0.5, "unrounded weights would pass too"
 
 
-def test_saturating_half_operands(dev):
-    """Operands beyond the half range are clamped to +-65504 (gemm_half), never inf: an
-    outlier activation (clamped by its producer), or a weight group beyond the half range
-    (dequantized in fp32 and clamped while staged), gives finite outputs equal to the
-    clamped product."""
+def test_nothing_is_clipped(dev):
+    """Operands beyond the half range stay what they are (bf16 has fp32's range): an outlier
+    activation of 1e6, a row of -7e4, and a weight group beyond the half range (scale 1e4,
+    weights up to 1.5e5) give finite outputs equal to the unclipped product, some of them
+    beyond 65504 (the former half operands clamped all three)."""
     rng = fresh_rng(65504)
     m, n, k = 5, 40, 128
     qt = rand_quant(rng, (), n, k, 4)
     x = rng.standard_normal((m, k)).astype(np.float32)
     x[1, 3], x[2, :] = 1e6, -7e4
-    qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]  # a malformed group: weights up to 1.5e5
-    out = _gemm_q4_stored_half(dev, qt, x, n, "gemm_q4 saturation")
+    qt.scales[7, 1] = to_bf16_bits(np.float32([1e4]))[0]
+    out = _gemm_q4_stored_bf16(dev, qt, x, n, "gemm_q4 beyond half")
     exact, tol = gemm_ref(x, qt)
-    check(out, exact, tol, "saturated operands")
+    check(out, exact, tol, "operands beyond the half range")
+    assert np.abs(out).max() > 10 * HALF_MAX
 
 
 # ------------------------------------------------------------------------------ timing
@@ -346,9 +334,9 @@ def test_time_lm_head_shape(fwd_dev):
     n = n_full if os.environ.get("LILY_GEMM_LM_HEAD") else n_full // 32
     rng = fresh_rng(7)
     qt = rand_quant(rng, (), n, k, 4)
-    x = hact(rng.standard_normal((m, k)))
+    x = bact(rng.standard_normal((m, k)))
     wb = qbufs(fwd_dev, qt)
-    X, Y = upload(fwd_dev, x), fwd_dev.buffer(4 * m * n)
+    X, Y = upload_bf16(fwd_dev, x), fwd_dev.buffer(4 * m * n)
     cb = fwd_dev.command_buffer()
     enc_gemm(cb.compute_pass(), "gemm_q4", wb, X, Y, m, n, k, k, n)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -4,26 +4,27 @@ twins (metal/moe_prefill_tensor.metal) are tested in tests/kernels/test_moe_pref
 with the same device, and the checks of part 3 cover both families.
 
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
-   (dense shapes, strides and column blocks, _add_h, _add_hs, _half, SwiGLU, the router/shared-gate layout)
-   is collected here again with its own parametrisation, inputs and tolerances, on a device
-   whose dispatches of a GEMM kernel name go to the name's ``_tensor`` twin
-   (``harness.TwinDevice``: same bindings, grids, outputs). Its references model the half
-   operands (``gemm_ref``) and its tolerances are the float32 bounds documented in that
-   module (``(K + 8) u M`` per output, first-order SwiGLU propagation), which hold for any
-   summation order, so they are also what a GPU must meet. Excluded: its
-   simulator-timing test (not a GEMM kernel).
+   (dense shapes, strides and column blocks, _add_h, _add_hs, _bf16, SwiGLU, the router/shared-gate layout,
+   operands beyond the half range) is collected here again with its own parametrisation,
+   inputs and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
+   ``_tensor`` twin (``harness.TwinDevice``: same bindings and grids, outputs). Its
+   references model the bfloat operands (``gemm_ref``) and its tolerances are the float32
+   bounds documented in that module (``(K + 8) u M`` per output, first-order SwiGLU
+   propagation), which hold for any summation order, so they are also what a GPU must meet.
+   Excluded: its simulator-timing test (not a GEMM kernel).
 2. Simulator exactness, in addition: the simulator's tensor operation rounds each fp32
    product and adds it in increasing k order (docs/device-layer.md), as does its
-   simdgroup_matrix multiply-accumulate; both paths stage the same half operands (x clamped
-   and rounded, the weight dequantized with the fp32 operations of
-   ``QuantizedTensor.dequantize``, ``q * s`` then ``+ b``, and rounded). So every output of
-   a twin equals its simdgroup kernel's bit for bit (SwiGLU included: the same ``silu`` on
-   the same values), and the plain products equal a numpy float32 model that accumulates
-   ``acc = acc + xh[:, k] * wh[:, k]`` in k order on the half operands (products of halves
+   simdgroup_matrix multiply-accumulate; both paths stage the same bfloat operands (x as
+   stored, the weight dequantized as ``bfloat(fma(q, s, b))``). So every output of a twin
+   equals its simdgroup kernel's bit for bit (SwiGLU included: the same ``silu`` on the same
+   values), and the plain products equal a numpy float32 model that accumulates
+   ``acc = acc + xb[:, k] * wb[:, k]`` in k order on the bfloat operands (products of bfloats
    are exact in fp32). (Not so on a GPU: other order, fma.)
-3. The twins' bindings match the simdgroup kernels', they exist only on apple10 devices, the
-   Metal backend's start-up probe kernel computes what it should, and the structure is
-   pinned: half x half -> float tensor operands, the tile geometry.
+3. The twins' bindings match the simdgroup kernels', they exist only on apple10 devices with
+   bfloat tensor operands, the Metal backend's start-up probe kernels compute what they
+   should, and the structure is pinned (MLX qmm_t_nax's: a bfloat cooperative left input
+   filled from device memory, the dequantized bfloat weight tile alone in threadgroup
+   memory, a float destination; the tile geometry).
 
 Correctness tests run in the three simulator modes of tests/simdev.py (forward;
 reverse with undeclared-read detection; random), all with out-of-range write detection, on
@@ -96,22 +97,24 @@ def test_suite_reaches_the_twins(dev):
 
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemm import (  # noqa: E402,F401
-    GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, gemm_args, gemm_geometry,
-    gemm_ref, row_scale, row_scale_bindings, swiglu_ref,
+    GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, beyond_half, gemm_args,
+    gemm_geometry, gemm_ref, row_scale, row_scale_bindings, scaled_operand, swiglu_ref,
 )
-from lily.lab.kernels.harness import half_operand, half_weights, run  # noqa: E402,F401
-from lily.lab.kernels.moe_prefill import MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES  # noqa: E402,F401
-from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.harness import bf16_operand, bf16_weights, run, upload_bf16  # noqa: E402,F401
+from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
+    MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, moe_geometry,
+)
+from lily.lab.kernels.harness import bf16_activations as bact  # noqa: E402
 from harness import rand_quant, run_bound as dispatch, to_bf16_bits  # noqa: E402,F401
 
 
 # ----------------------------------------------------------------------------- dense
 
 def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
-    """Runs a dense GEMM kernel on x (stored as half, as the producers do); returns y [m, ldy]
-    (half for SwiGLU, widened to float32). scale: SwiGLU's row scale as row_scale returns it."""
+    """Runs a dense GEMM kernel on x (stored as bfloat, as the producers do); returns y [m, ldy]
+    (bfloat for SwiGLU, widened to float32). scale: SwiGLU's row scale as row_scale returns it."""
     m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(hact(x), lda, 0.0))
+    X = upload_bf16(dev, pitched(bact(x), lda, 0.0))
     ysize = 2 if "swiglu" in kernel else 4
     Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * ysize)
     bufs = []
@@ -127,7 +130,7 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
     else:
         dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, gemm_args(m, n, k, lda, ldy),
                  reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
-    return download(Y, np.float16 if ysize == 2 else np.float32, (m, ldy)).astype(np.float32)
+    return download(Y, "bf16" if ysize == 2 else np.float32, (m, ldy))
 
 
 # ---- part 2: bit-exactness in the simulator (forward order)
@@ -138,7 +141,7 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
     dev = fwd
     rng = fresh_rng(11, bits, m, n, k)
     qt = rand_quant(rng, (), n, k, bits)
-    x = rng.standard_normal((m, k), dtype=np.float32)
+    x = beyond_half(rng, (m, k))
     ldy = n + 3
     kernel = f"gemm_q{bits}"
     y = run_dense(dev, kernel + "_tensor", [qt], x, n, k, ldy)
@@ -149,12 +152,12 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
 
 
 def test_gemm_q4_add_exact(fwd):
-    """y += x W^T on half x (gemm_q4_add_h: o_proj, the shared expert's down)."""
+    """y += x W^T on bfloat x (gemm_q4_add_h: o_proj, the shared expert's down)."""
     dev, kernel = fwd, "gemm_q4_add_h"
     m, n, k = 37, 90, 128
     rng = fresh_rng(12)
     qt = rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k), dtype=np.float32)
+    x = beyond_half(rng, (m, k))
     ldy = n + 1
     y0 = rng.standard_normal((m, ldy), dtype=np.float32)
     y = run_dense(dev, kernel + "_tensor", [qt], x, n, k, ldy, y0)
@@ -167,17 +170,17 @@ def test_gemm_q4_add_exact(fwd):
 def test_gemm_q4_add_hs_exact(fwd):
     """y += (x * f) W^T (gemm_q4_add_hs: the GDN out_proj, u times a half factor per 32
     elements of a row): the twin equals the simdgroup kernel bit for bit and the float32 model
-    on the staged half products."""
+    on the staged bfloat products."""
     m, n, k, shift = 37, 90, 128, 5
     rng = fresh_rng(15)
     qt = rand_quant(rng, (), n, k, 4)
-    x = hact(4 * rng.standard_normal((m, k)))
+    x = bact(4 * beyond_half(rng, (m, k)))
     f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
     ldy = n + 1
     y0 = rng.standard_normal((m, ldy), dtype=np.float32)
 
     def go(kernel):
-        bufs = [upload(fwd, a) for a in (qt.weight, qt.scales, qt.biases, x, y0)]
+        bufs = [upload(fwd, a) for a in (qt.weight, qt.scales, qt.biases)] + [upload_bf16(fwd, x), upload(fwd, y0)]
         F = upload(fwd, f)
         bm, tg = gemm_geometry(kernel)
         run(fwd, kernel, (cdiv(n, GEMM_BN), cdiv(m, bm)), tg, [*enumerate(bufs), (6, F)],
@@ -185,7 +188,7 @@ def test_gemm_q4_add_hs_exact(fwd):
         return download(bufs[4], np.float32, (m, ldy))
 
     y = go("gemm_q4_add_hs_tensor")
-    xs = x * np.repeat(f, 1 << shift, axis=1)  # float16 x float16: the staged half products
+    xs = scaled_operand(x, f, shift)  # the staged bfloat products
     np.testing.assert_array_equal(y[:, :n], y0[:, :n] + seq_model(xs, qt))
     np.testing.assert_array_equal(y[:, n:], y0[:, n:])
     np.testing.assert_array_equal(y, go("gemm_q4_add_hs"))
@@ -197,14 +200,15 @@ def test_gemm_swiglu_q4_exact(fwd, m, n, k):
     dev = fwd
     rng = fresh_rng(13, m, n, k)
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
-    x = rng.standard_normal((m, k), dtype=np.float32)
+    x = beyond_half(rng, (m, k))
     ldy = n + 2
     w, col = row_scale(rng, m)
     y = run_dense(dev, "gemm_swiglu_q4_tensor", [gq, uq], x, n, k, ldy, scale=(w, col))
     np.testing.assert_array_equal(y, run_dense(dev, "gemm_swiglu_q4", [gq, uq], x, n, k, ldy, scale=(w, col)))
     g, u = seq_model(x, gq), seq_model(x, uq)
-    # silu's and the row scale's float32 roundings, then the half store
-    np.testing.assert_allclose(y[:, :n], silu(g) * u * w[:, col, None], rtol=2.0**-11 + 2e-6, atol=2.0**-25)
+    # silu's and the row scale's float32 roundings, then the bfloat store
+    with np.errstate(over="ignore"):
+        np.testing.assert_allclose(y[:, :n], silu(g) * u * w[:, col, None], rtol=2.0**-8 + 2e-6, atol=2.0**-133)
     swiglu_check(y[:, :n], x, gq, uq, scale=w[:, col])
 
 
@@ -261,7 +265,7 @@ def test_tensor_twins_have_the_simdgroup_bindings():
 
 
 def test_tensor_kernels_only_on_apple10(fwd):
-    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_half",
+    names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16",
                                      "gemm_swiglu_q4",
                                      *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down")
                                        for T in MOE_TENSOR_TILES))]
@@ -273,29 +277,30 @@ def test_tensor_kernels_only_on_apple10(fwd):
 
 def test_probe_kernels(fwd):
     """The start-up probes run each kind of tensor operation of the kernels, each exactly as
-    the simulator's sequential fp32 model of its operands: tensor_ops_probe the GEMMs' half
-    tiles, tensor_ops_probe_bfloat the attention's bfloat QK^T from device memory and PV from
-    threadgroup tiles."""
+    the simulator's sequential fp32 model of its operands: tensor_ops_probe the GEMMs' (a
+    bfloat cooperative left input times a bfloat threadgroup tile), tensor_ops_probe_bfloat
+    the attention's bfloat QK^T from device memory and PV with V in a cooperative input."""
     x = fresh_rng(17).standard_normal((64, GEMM_BK), dtype=np.float32)
     bits = to_bf16_bits(x)
     xb = bf16_to_f32(bits)
     X, XB = upload(fwd, x), upload(fwd, bits)
     O, QK, PV = (fwd.buffer(32 * 64 * 4) for _ in range(3))
     dispatch(fwd, "tensor_ops_probe", 1, 128, [X, O], None, reads=[X], writes=[O])
-    np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], w=half_operand(x)))
+    np.testing.assert_array_equal(download(O, np.float32, (32, 64)), seq_model(x[:32], w=bf16_operand(x)))
     dispatch(fwd, "tensor_ops_probe_bfloat", 1, 128, [XB, QK, PV], None, reads=[XB], writes=[QK, PV])
     np.testing.assert_array_equal(download(QK, np.float32, (32, 64)), _seq(xb[:32], xb))
     np.testing.assert_array_equal(download(PV, np.float32, (32, 64)), _seq(xb[:32], xb.T))
 
 
-def test_half_only_device_keeps_the_gemm_probe(fwd):
-    """With bfloat tensor ops off (sim_device(bfloat_tensor_ops=False)) the GEMMs' probe and
-    tensor kernels remain; the attention's (bfloat operands) are refused, saying why."""
+def test_half_only_device_has_no_tensor_gemms(fwd):
+    """With bfloat tensor ops off (sim_device(bfloat_tensor_ops=False): a tensor library whose
+    operand table lacks bfloat, MacOSX 26.0's) no prefill tensor kernel remains (every one
+    takes bfloat operands), nor either probe; they are refused, saying why."""
     half = sim_device(gpu_family="apple10", bfloat_tensor_ops=False)
-    assert half.has_kernel("tensor_ops_probe") and half.has_kernel("gemm_q4_tensor")
-    assert not half.has_kernel("tensor_ops_probe_bfloat") and fwd.has_kernel("tensor_ops_probe_bfloat")
-    with pytest.raises(ValueError, match="tensor_ops_probe_bfloat.*bfloat operands.*bfloat_tensor_ops=False"):
-        half.pipeline_info("tensor_ops_probe_bfloat")
+    for name in ("tensor_ops_probe", "tensor_ops_probe_bfloat", "gemm_q4_tensor", "moe_gemm_down_q4_t128_tensor"):
+        assert not half.has_kernel(name) and fwd.has_kernel(name), name
+    with pytest.raises(ValueError, match="gemm_q4_tensor.*bfloat operands.*bfloat_tensor_ops=False"):
+        half.pipeline_info("gemm_q4_tensor")
 
 
 def _seq(a, b):
@@ -311,62 +316,72 @@ def _constants(path, *names):
     return [int(re.search(rf"\b{n}\s*=\s*(\d+)", src).group(1)) for n in names]
 
 
-def test_structure_half_operands_and_tiles():
-    """Pins the design (docs/prefill.md, "GEMM"): the tensor operations' operands are half
-    threadgroup tensors with a float destination (Apple's operand table: half x half ->
-    float), the simdgroup_matrix operands half with fp32 accumulators; k steps of 64 (one
-    quantization group); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up), 128
-    x 64 (128 x 32) on the tensor-op path in 16-row simdgroup bands; the 128-row expert tiles
-    on that path only, also banded; the tensor-op results leave from registers (no staging),
-    so every configuration fits 32 KiB of threadgroup memory; the host, the cost table and
-    the tests agree on the geometry."""
+def test_structure_mlx_tiles():
+    """Pins the design (docs/prefill.md, "GEMM"): on the tensor-op path MLX qmm_t_nax's
+    structure: the A operand a bfloat cooperative left input filled from device memory
+    (never staged in threadgroup memory), the dequantized weight a bfloat threadgroup tensor
+    on the right, a float destination left in registers (no staging), each simdgroup its own
+    operation (execution_simdgroup) of k = 32; on the simdgroup_matrix path bfloat operands
+    with fp32 accumulators; k steps of 64 (one quantization group), each step's loads issued
+    after the barrier that publishes the step before's tiles (register-staged double
+    buffering, both paths); dense 64 x 64 output blocks (SwiGLU 64 x 32 of gate and of up) of
+    2 x 2 simdgroups on the simdgroup_matrix path, 128 x 64 (128 x 32) of 4 x 2 on the
+    tensor-op path (32 x 32 per simdgroup, qmm_t_nax's); one 9 KiB weight tile per tensor-op
+    threadgroup at every tile height; the host, the cost table and the tests agree on the
+    geometry."""
     tiles = (ROOT / "metal" / "gemm_tiles.h").read_text()
     tensor = (ROOT / "metal" / "gemm_tensor.h").read_text()
-    assert re.search(r"using GemmTensorTile = tensor<threadgroup half,", tensor)
-    assert re.search(r"get_destination_cooperative_tensor<GemmTensorTile<R>, GemmTensorTile<BN>, float>", tensor)
-    assert not re.search(r"tensor<threadgroup (float|bfloat), extents<int32_t, kGemmBK", tensor)
     body = tensor[tensor.index("inline void gemm_tensor_gemm"):]
+    assert "get_left_input_cooperative_tensor<bfloat, bfloat, float>" in body
+    assert re.search(r"using GemmTensorW = tensor<threadgroup bfloat, extents<int32_t, kGemmTensorK, RN>", tensor)
+    assert "matmul2d<desc, execution_simdgroup>" in body and "GemmAStep" not in body  # A is never staged
     assert ".store(" not in body and "sink.put(" in body  # results written from the registers
-    assert re.search(r"simdgroup_half8x8 a\[FM\]", tiles) and re.search(r"simdgroup_half8x8 wt;", tiles)
+    prefetch = r"threadgroup_barrier\(mem_flags::mem_threadgroup\);\s*if \(k0 \+ kGemmBK < k\) \{\s*(an\.fetch\(.*\s*)?wn\.fetch"
+    assert re.search(prefetch, body)  # the next step's weight codes load during this step's products
+    acc = tiles[tiles.index("inline void gemm_accumulate"):]
+    assert re.search(prefetch, acc) and "an.fetch(x, a, k0 + kGemmBK" in acc  # and its A pieces (simdgroup path)
+    assert re.search(r"simdgroup_bfloat8x8 a\[FM\]", tiles) and re.search(r"simdgroup_bfloat8x8 wt;", tiles)
     assert re.search(r"simdgroup_float8x8 acc\[", tiles)
     (bk,) = _constants("metal/gemm_tiles.h", "kGemmBK")
-    assert bk == GEMM_BK == 64
+    (tk,) = _constants("metal/gemm_tensor.h", "kGemmTensorK")
+    assert bk == GEMM_BK == 64 and tk == 32
     assert _constants("metal/gemm.metal", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
     assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
-    dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
-                      "kGemmTensorSimdgroups") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_TG // 32]
-    assert re.search(r"gemm_tensor_gemm<BITS, NB, BM, BN, NSG, true>", dense)  # banded
+                      "kGemmTensorSM", "kGemmTensorSN") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, 4, 2]
+    assert 32 * 4 * 2 == GEMM_TENSOR_TG and GEMM_TENSOR_BM // 4 == GEMM_BN // 2 == 32  # 32 x 32 per simdgroup
+    dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
+    assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
+    assert dense.count("max_total_threads_per_threadgroup(256)") == 3
+    assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
     assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads",
                       "kGemmTensorBM", "kGemmTensorThreads") == \
         [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, GEMM_TENSOR_BM, GEMM_TENSOR_TG]
-    assert _constants("csrc/runtime/cost.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd", "kGemmTensorBM",
-                      "kTensorBand") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8, GEMM_TENSOR_BM,
-                                         GEMM_TENSOR_BM // (GEMM_TENSOR_TG // 32)]
+    assert _constants("csrc/runtime/cost.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8]
 
-    def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: half tiles, or the staged fp32 results
+    def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: bfloat tiles, or the staged fp32 results
         return max((bm + nb * bn) * (GEMM_BK + 8) * 2, nb * bm * (bn + 4) * 4)
 
-    def tensor_smem(bm, bn, nb):  # GemmTensorSmem of gemm_tensor.h: the half tiles only
-        return (bm + nb * bn) * (GEMM_BK + 8) * 2
+    def tensor_smem(bn, nb):  # GemmTensorSmem of gemm_tensor.h: the weight tiles only
+        return nb * bn * (GEMM_BK + 8) * 2
 
     assert smem(GEMM_BM, GEMM_BN, 1) <= 32768 and smem(GEMM_BM, GEMM_SWIGLU_BN, 2) <= 32768
-    assert tensor_smem(GEMM_TENSOR_BM, GEMM_BN, 1) <= 32768 and tensor_smem(GEMM_TENSOR_BM, GEMM_SWIGLU_BN, 2) <= 32768
-    assert smem(GEMM_TENSOR_BM, GEMM_BN, 1) > 32768  # why the tensor-op path does not stage its results
+    assert tensor_smem(GEMM_BN, 1) == tensor_smem(GEMM_SWIGLU_BN, 2) == 9216  # qmm_t_nax's tile
     for T in MOE_TILES:
         assert smem(T, MOE_BN[T], 2) <= 32768 and smem(T, MOE_DOWN_BN[T], 1) <= 32768
     for T in MOE_TENSOR_TILES:
-        assert tensor_smem(T, MOE_BN[T], 2) <= 32768 and tensor_smem(T, MOE_DOWN_BN[T], 1) <= 32768
-    # the grouped host names carry the same (T, BN) on both paths; 16-row bands at T = 128
-    for kind, bns in (("gate_up", MOE_BN), ("down", MOE_DOWN_BN)):
-        for f, suffix, heights in (("moe_prefill.metal", "", MOE_TILES),
-                                   ("moe_prefill_tensor.metal", "_tensor", MOE_TENSOR_TILES)):
+        threads, bn, down_bn = moe_geometry(T, True)
+        assert tensor_smem(bn, 2) == tensor_smem(down_bn, 1) == 9216
+    # the grouped host names carry the geometry moe_geometry says, on each path
+    for kind in ("gate_up", "down"):
+        for f, tensor_path, heights in (("moe_prefill.metal", False, MOE_TILES),
+                                        ("moe_prefill_tensor.metal", True, MOE_TENSOR_TILES)):
             src = (ROOT / "metal" / f).read_text()
             for T in heights:
-                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), (\d+)'
-                              r"(?:, (\d+), (true|false))?", src)
-                assert m and (int(m.group(1)), int(m.group(2))) == (T, bns[T]), (f, kind, T)
-                if suffix:
-                    nsg, banded = int(m.group(3)), m.group(4) == "true"
-                    assert 32 * nsg == MOE_TG[T] and banded == (T == 128), (kind, T)
-                    assert not banded or T // nsg == 16
+                suffix = "_tensor" if tensor_path else ""
+                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), '
+                              r"(\d+), (\d+), (\d+)>", src)
+                threads, bn, down_bn = moe_geometry(T, tensor_path)
+                assert m and (int(m.group(1)), int(m.group(2))) == (T, down_bn if kind == "down" else bn), (f, kind, T)
+                assert 32 * int(m.group(3)) * int(m.group(4)) == threads, (f, kind, T)

@@ -31,14 +31,14 @@ Tolerances and exactness:
   harness.assert_same_arithmetic).
 * Shared gate ``w[:, k] = sigmoid(logit)``: float32 exp and division, |error| <= 8 u.
 * ``moe_combine_norm``: h as ``moe_combine``; xn, the RMSNorm of the h it wrote, within
-  rms_norm_half's bound (``norm_half_ref``: DEPTH u |want| plus the half rounding); and bit
-  for bit moe_combine followed by rms_norm_half at the same thread count (the row code is
+  rms_norm_bf16's bound (``norm_bf16_ref``: DEPTH u |want| plus the bf16 rounding); and bit
+  for bit moe_combine followed by rms_norm_bf16 at the same thread count (the row code is
   shared: rms_row of metal/common.h) on the simulator, a few ulps on a GPU (other kernels).
-* ``moe_combine``: reads the routed expert outputs ``yx`` as half (as the down projections
+* ``moe_combine``: reads the routed expert outputs ``yx`` as bfloat (as the down projections
   store them; each value converts to float32 exactly) and h, w as float32 (the shared
   expert is already in h); k products and k+1 terms summed in float32 in a fixed order; the
   first-order bound of recursive summation is (k+1) u sum|terms|; we allow (k+2) u
-  sum|terms| per element against float64 on the half values it read.
+  sum|terms| per element against float64 on the bfloat values it read.
 
 Grouped expert GEMMs ``moe_gemm_gate_up_q4_t{T}``, ``moe_gemm_down_q4_t{T}`` over a tile map
 (skewed expert loads, empty experts, arbitrary slot order inside an expert, tile_count <
@@ -48,10 +48,11 @@ scatter's maps, then one gate/up and one down dispatch per class, the classes of
 in one barrier stage (their writes share a disjoint-write tag), also with the dispatches of
 each stage run in reverse / random order. Random MLX-layout weights
 (``rand_quant``); references ``gemm_ref`` / ``swiglu_ref`` of lily.lab.kernels.gemm, which model
-the half operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
-docstring (the same tiles, metal/gemm_tiles.h). Both projections store half outputs (gate/up
-hx, down yx: fp32 sums clamped to +-65504 and rounded to nearest), so both bounds get the
-rounding of the stored value added (``half_stored``: 2^-11 of its magnitude). In the chain,
+the bfloat operands; tolerances are the fp32 bounds derived in tests/kernels/test_gemm.py's
+docstring (the same tiles, metal/gemm_tiles.h). Inputs reach 10x the half range on every third
+row (``beyond_half``: nothing is clipped). Both projections store bfloat outputs (gate/up hx,
+down yx: fp32 sums rounded to nearest), so both bounds get the rounding of the stored value
+added (``bf16_stored``: 2^-8 of its magnitude). In the chain,
 hx is the kernel's own gate/up output, so the down kernel is checked with that bound on
 exactly the values it read. Slots of tiles past tile_count must stay poisoned (NaN).
 
@@ -81,11 +82,11 @@ from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
     block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine,
     enc_combine_norm, enc_scatter, enc_topk, max_tiles, nblocks, route_args, route_tg, tile_classes, tiles_ref,
 )
-from lily.lab.kernels.norm import norm_half_ref  # noqa: E402,F401
+from lily.lab.kernels.norm import norm_bf16_ref  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import route_ref_rows as route_ref  # noqa: E402
-from lily.lab.kernels.gemm import gemm_ref, swiglu_ref  # noqa: E402
+from lily.lab.kernels.gemm import beyond_half, gemm_ref, swiglu_ref  # noqa: E402
 from lily.lab.kernels.moe_prefill import MOE_TILES, make_routing, tile_buffers  # noqa: E402
-from lily.lab.kernels.harness import half_activations as hact, half_stored  # noqa: E402
+from lily.lab.kernels.harness import bf16_activations as bact, bf16_stored, upload_bf16  # noqa: E402
 from lily.lab.kernels.moe_prefill import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
 from harness import assert_same_arithmetic, assert_within as check, commit, rand_quant, upload_q  # noqa: E402
 
@@ -409,11 +410,11 @@ def test_scatter_real_size(dev, T, kind):
 def test_combine(dev, M, H, k, tg):
     rng = fresh_rng(M * 3 + H + k)
     h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = hact(rng.standard_normal((M * k, H)))  # half, as the down projections store it
+    yx = bact(beyond_half(rng, (M * k, H)))  # bfloat, as the down projections store it
     w = rng.random((M, k + 1)).astype(np.float32)
     Hb = dev.buffer(4 * (M * H + PAD))
     Hb.write(h.reshape(-1).view(np.uint8))
-    Y, Wt = upload(dev, yx), upload(dev, w)
+    Y, Wt = upload_bf16(dev, yx), upload(dev, w)
     run1(dev, enc_combine, Hb, Y, Wt, M, H, k, tg)
     got = download(Hb, np.float32)
     assert_untouched(got, M * H, "h")
@@ -425,8 +426,10 @@ def test_combine(dev, M, H, k, tg):
 def combine_norm_inputs(rng, M, H, k, big_weight=False):
     h, yx, w = combine_inputs(rng, M, H, k)
     nw = 1 + 0.3 * rng.standard_normal(H)
-    if big_weight:  # column 1 far beyond the half range after the norm: xn saturates
-        # (no expert output in column 1, so the combine cannot cancel h's 8 towards 0)
+    if big_weight:  # column 1 far beyond the half range after the norm: xn keeps it
+        # (ordinary expert outputs, none in column 1, so the combine cannot cancel h's 8
+        # towards 0 and the row's RMS stays ~1)
+        yx = bact(rng.standard_normal(yx.shape))
         h[:, 1], yx[:, 1], nw[1] = 8.0, 0, 3e7
     return h, yx, w, to_bf16_bits(nw)
 
@@ -435,11 +438,12 @@ def run_combine_norm(dev, h, yx, w, nw, tg):
     M, H, k = h.shape[0], h.shape[1], w.shape[1] - 1
     Hb, XN = dev.buffer(4 * (M * H + PAD)), out_buffer(dev, M * H, 2)
     Hb.write(h.reshape(-1).view(np.uint8))
-    run1(dev, enc_combine_norm, Hb, upload(dev, yx), upload(dev, w), upload(dev, nw), XN,
+    run1(dev, enc_combine_norm, Hb, upload_bf16(dev, yx), upload(dev, w), upload(dev, nw), XN,
          M, H, k, tg=tg)
-    hout, xn = download(Hb, np.float32), download(XN, np.float16)
+    hout, xn_bits = download(Hb, np.float32), download(XN, np.uint16)
     assert_untouched(hout, M * H, "h")
-    assert (xn.view(np.uint16)[M * H:] == 0xFFFF).all(), "xn: wrote past its rows"
+    assert (xn_bits[M * H:] == 0xFFFF).all(), "xn: wrote past its rows"
+    xn = download(XN, "bf16")
     return hout[:M * H].reshape(M, H), xn[:M * H].reshape(M, H)
 
 
@@ -447,21 +451,21 @@ def run_combine_norm(dev, h, yx, w, nw, tg):
                                       (9, 2048, 32, 128)])
 def test_combine_norm(dev, M, H, k, tg):
     """moe_combine_norm: h within moe_combine's bound; xn the RMSNorm of the h it wrote,
-    within rms_norm_half's bound (norm_half_ref), a row beyond +-65504 stored as +-65504."""
+    within rms_norm_bf16's bound (norm_bf16_ref), a column beyond +-65504 kept (bfloat)."""
     rng = fresh_rng(M * 5 + H + k + tg)
     h, yx, w, nw = combine_norm_inputs(rng, M, H, k, big_weight=True)
     hout, xn = run_combine_norm(dev, h, yx, w, nw, tg)
     want, tol = combine_ref(h.astype(np.float64), yx, w)
     check(hout, want, tol, "moe_combine_norm h")
-    want, tol = norm_half_ref(hout, nw)
-    assert (np.abs(want[:, 1]) == 65504).all()  # the test drives column 1 past the half range
+    want, tol = norm_bf16_ref(hout, nw)
+    assert (np.abs(want[:, 1]) > 65504).all()  # the test drives column 1 past the half range
     check(xn.astype(np.float64), want, tol, "moe_combine_norm xn")
 
 
 @pytest.mark.parametrize("M,H,k", [(6, 2048, 8), (3, 320, 4)])
 def test_combine_norm_bit_identical(dev, M, H, k):
-    """With rms_norm_half's thread count (256, prefill.cpp kNormThreads), moe_combine_norm
-    gives the bits of moe_combine followed by rms_norm_half on the simulator (a few ulps on a
+    """With rms_norm_bf16's thread count (256, prefill.cpp kNormThreads), moe_combine_norm
+    gives the bits of moe_combine followed by rms_norm_bf16 on the simulator (a few ulps on a
     GPU: harness.assert_same_arithmetic): the fused prefill path changes no value."""
     rng = fresh_rng(M, H, k, 99)
     h, yx, w, nw = combine_norm_inputs(rng, M, H, k)
@@ -469,16 +473,16 @@ def test_combine_norm_bit_identical(dev, M, H, k):
     Hb, XN = upload(dev, h), dev.buffer(2 * M * H)
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    enc_combine(p, Hb, upload(dev, yx), upload(dev, w), M, H, k)
+    enc_combine(p, Hb, upload_bf16(dev, yx), upload(dev, w), M, H, k)
     NW = upload(dev, nw)
-    p.dispatch("rms_norm_half", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
+    p.dispatch("rms_norm_bf16", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
                constants=[(3, pack_args("NormArgs", n=H, eps=1e-6))],
                reads=[(Hb, 0, 4 * M * H), (NW, 0, 2 * H)], writes=[(XN, 0, 2 * M * H)], threadgroups=True)
     cb.commit()
     cb.wait()
     assert_same_arithmetic(dev, hout, download(Hb, np.float32, (M, H)), "h: moe_combine_norm vs moe_combine")
-    assert_same_arithmetic(dev, xn.view(np.uint16), download(XN, np.uint16, (M, H)),
-                           "xn: moe_combine_norm vs rms_norm_half", stored="half")
+    assert_same_arithmetic(dev, to_bf16_bits(xn), download(XN, np.uint16, (M, H)),
+                           "xn: moe_combine_norm vs rms_norm_bf16", stored="bf16")
 
 
 # ------------------------------------------------------------------------------ the chain
@@ -519,8 +523,8 @@ def chunk_inputs(dev, rng, M, E, k, H, hot=None):
     if hot is not None:  # skew: every row prefers the `hot` experts
         logits[:, hot] += 16.0
     h = rng.standard_normal((M, H)).astype(np.float32)
-    yx = hact(rng.standard_normal((M * k, H)))  # half
-    return logits, h, yx, [upload(dev, a) for a in (logits, h, yx)]
+    yx = bact(rng.standard_normal((M * k, H)))  # bfloat
+    return logits, h, yx, [upload(dev, logits), upload(dev, h), upload_bf16(dev, yx)]
 
 
 def check_chunk(ch, M, logits, h, yx, hbuf, fresh):
@@ -604,20 +608,20 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew)
     ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
-    x = hact(rng.standard_normal((M, H)))
+    x = bact(beyond_half(rng, (M, H)))
     count = len(tiles) - 2  # the last two tiles are not in the map: their slots stay unwritten
-    X, P = upload(dev, x), upload(dev, perm)
+    X, P = upload_bf16(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
-    HX = dev.buffer(2 * M * k * I)  # half
+    HX = dev.buffer(2 * M * k * I)  # bfloat
     cb = dev.command_buffer()
     enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, upload_q(dev, gq), upload_q(dev, uq), HX, M, k, E, H, I)
     commit(cb, f"moe_gemm_gate_up_q4_t{T}")
-    hx = download(HX, np.float16).reshape(M * k, I).astype(np.float32)
+    hx = download(HX, "bf16").reshape(M * k, I)
     covered = np.zeros(M * k, bool)
     for e, begin, rows, _ in tiles[:count]:
         covered[begin:begin + rows] = True
         a = perm[begin:begin + rows]
-        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
+        want, tol = bf16_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
         assert (ids.reshape(-1)[a] == e).all()
         check(hx[begin:begin + rows], want, tol, f"gate/up T={T} expert {e}")
     assert np.isnan(hx[~covered]).all(), "wrote slots of tiles past tile_count"
@@ -629,20 +633,20 @@ def test_moe_down(dev, T, M, E, k, H, I, skew):
     rng = fresh_rng(M, E, k, H, I, T, skew, 2)
     ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     dq = rand_quant(rng, (E,), H, I, 4)
-    hx = hact(rng.standard_normal((M * k, I)) * 0.1)
+    hx = bact(beyond_half(rng, (M * k, I)))
     count = len(tiles) - 1
-    HX, P = upload(dev, hx), upload(dev, perm)
+    HX, P = upload_bf16(dev, hx), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, count, M, E, k, T)
-    YX = dev.buffer(2 * M * k * H)  # half
+    YX = dev.buffer(2 * M * k * H)  # bfloat
     cb = dev.command_buffer()
     enc_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, upload_q(dev, dq), YX, M, k, E, H, I)
     commit(cb, f"moe_gemm_down_q4_t{T}")
-    yx = download(YX, np.float16).reshape(M * k, H).astype(np.float32)
+    yx = download(YX, "bf16").reshape(M * k, H)
     written = np.zeros(M * k, bool)
     for e, begin, rows, _ in tiles[:count]:
         a = perm[begin:begin + rows]
         written[a] = True
-        want, tol = half_stored(*gemm_ref(hx[begin:begin + rows], dq, int(e)))
+        want, tol = bf16_stored(*gemm_ref(hx[begin:begin + rows], dq, int(e)))
         check(yx[a], want, tol, f"down T={T} expert {e}")
     assert np.isnan(yx[~written]).all(), "wrote rows of tiles past tile_count"
 
@@ -654,18 +658,18 @@ def run_chain(dev, T, M, E, k, H, I, skew, rng, lda_pad=0):
     gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4),
                   rand_quant(rng, (E,), H, I, 4))
     lda = H + lda_pad
-    x = hact(rng.standard_normal((M, lda)))
-    X, P = upload(dev, x), upload(dev, perm)
+    x = bact(beyond_half(rng, (M, lda)))
+    X, P = upload_bf16(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    HX, YX = dev.buffer(2 * M * k * I), dev.buffer(2 * M * k * H)  # both half
+    HX, YX = dev.buffer(2 * M * k * I), dev.buffer(2 * M * k * H)  # both bfloat
     cb = dev.command_buffer()
     p = cb.compute_pass()
     enc_gate_up(p, T, X, P, TL, TC, max_tiles, upload_q(dev, gq), upload_q(dev, uq), HX, M, k, E, H, I, lda=lda)
     enc_down(p, T, HX, P, TL, TC, max_tiles, upload_q(dev, dq), YX, M, k, E, H, I)
     commit(cb, f"moe chain T={T} {H}x{I}")
     assert cb.counters["barrier_stages"] == 2
-    hx = download(HX, np.float16).reshape(M * k, I)
-    yx = download(YX, np.float16).reshape(M * k, H)
+    hx = download(HX, "bf16").reshape(M * k, I)
+    yx = download(YX, "bf16").reshape(M * k, H)
     check_experts(ids, perm, x[:, :H], hx, yx, gq, uq, dq, f"chain T={T}")
     return tiles
 
@@ -677,9 +681,9 @@ def check_experts(ids, perm, x, hx, yx, gq, uq, dq, what):
     for e in np.unique(flat):
         slots = np.nonzero(flat[perm] == e)[0]
         a = perm[slots]
-        want, tol = half_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
+        want, tol = bf16_stored(*swiglu_ref(x[a // k], gq, uq, int(e)))
         check(hx[slots], want, tol, f"{what} gate/up expert {e}")
-        want, tol = half_stored(*gemm_ref(hx[slots], dq, int(e)))
+        want, tol = bf16_stored(*gemm_ref(hx[slots], dq, int(e)))
         check(yx[a], want, tol, f"{what} down expert {e}")
 
 
@@ -690,9 +694,12 @@ def test_moe_chain(dev, T):
 
 @pytest.mark.parametrize("T", MOE_TILES)
 def test_moe_chain_real_shape(dev, T):
-    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles."""
+    """Real expert dimensions (hidden 2048, inter 512) on a 4-expert stack, a few tiles: the
+    routing chooses every expert (make_routing), so the map has ceil(count / T) tiles of each."""
     tiles = run_chain(dev, T, 12, 4, 2, 2048, 512, False, fresh_rng(T, 2048))
-    assert len(tiles) >= 4
+    counts = np.bincount(tiles[:, 0], weights=tiles[:, 2], minlength=4).astype(int)
+    assert counts.sum() == 12 * 2 and np.all(counts > 0), counts
+    assert len(tiles) == sum(-(-int(c) // T) for c in counts) >= 4
 
 
 # ------------------------------------------------------------------------------ tile classes end to end
@@ -710,11 +717,11 @@ def run_class_chain(dev, T, counts, k, H, I, rng):
     ids = ids_with_counts(rng, counts, k)
     M, n, R, classes = ids.shape[0], int(sum(counts)), max(1, 64 // k), tile_classes(T)
     gq, uq, dq = (rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), H, I, 4))
-    x = hact(rng.standard_normal((M, H)))
-    Ib, bc, X = upload(dev, ids), upload(dev, block_hist(ids, E, R)), upload(dev, x)
+    x = bact(beyond_half(rng, (M, H)))
+    Ib, bc, X = upload(dev, ids), upload(dev, block_hist(ids, E, R)), upload_bf16(dev, x)
     perm, tiles, tcount, cnt = (dev.buffer(4 * n), dev.buffer(16 * max_tiles(M, k, E, T)),
                                 dev.buffer(4 * classes), dev.buffer(4 * E))
-    HX, YX = dev.buffer(2 * n * I), dev.buffer(2 * n * H)  # both half
+    HX, YX = dev.buffer(2 * n * I), dev.buffer(2 * n * H)  # both bfloat
     G, Up, D = upload_q(dev, gq), upload_q(dev, uq), upload_q(dev, dq)
     cb = dev.command_buffer()
     p = cb.compute_pass()
@@ -731,8 +738,8 @@ def run_class_chain(dev, T, counts, k, H, I, rng):
     pm = download(perm, np.uint32)
     maps = check_grouping(ids, pm, download(tiles, np.uint32), download(tcount, np.uint32),
                           download(cnt, np.uint32), E, T, tails=False)
-    hx = download(HX, np.float16).reshape(n, I)
-    yx = download(YX, np.float16).reshape(n, H)
+    hx = download(HX, "bf16").reshape(n, I)
+    yx = download(YX, "bf16").reshape(n, H)
     check_experts(ids, pm[:n], x, hx, yx, gq, uq, dq, f"class chain T={T}")
     return maps
 

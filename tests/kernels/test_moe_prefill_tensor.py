@@ -7,15 +7,16 @@ by both families are in tests/kernels/test_gemm_tensor.py, whose docstring this 
    skewed / empty / stale tile maps, the gate/up -> down chain, a real-model-shaped layer),
    and the tile classes end to end (scatter, then one dispatch per class in one stage),
    unchanged, on a device whose dispatches of a GEMM kernel name go to the name's
-   ``_tensor`` twin (``harness.TwinDevice``: same bindings, grids, outputs). Their
+   ``_tensor`` twin (``harness.TwinDevice``: same bindings and outputs, the twins' own
+   threads and column blocks). Their
    tolerances are the float32 bounds of tests/kernels/test_gemm.py's docstring, which hold
    for any summation order. The routing tests of that file dispatch no GEMM and are not
    repeated.
 2. Simulator exactness, in addition (forward order): every output of a twin equals its
    simdgroup kernel's bit for bit, and the down projection equals the float32 model
-   ``harness.seq_model`` (products of the half operands added in increasing k) stored as
-   half the way the kernels store it (clamped to +-65504, rounded to nearest:
-   ``half_activations``), for the reasons given in test_gemm_tensor.py.
+   ``harness.seq_model`` (products of the bfloat operands added in increasing k) stored as
+   bfloat the way the kernels store it (rounded to nearest: ``bf16_activations``), for the
+   reasons given in test_gemm_tensor.py.
 
 Correctness tests run in the three simulator modes of tests/simdev.py (forward; reverse
 with undeclared-read detection; random), all with out-of-range write detection, on
@@ -34,10 +35,9 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily.lab.device import download, sim_device, upload  # noqa: E402
-from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
-    MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, moe_args,
-)
-from lily.lab.kernels.harness import half_activations as hact  # noqa: E402
+from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES, moe_args, moe_geometry  # noqa: E402,F401
+from lily.lab.kernels.gemm import beyond_half  # noqa: E402
+from lily.lab.kernels.harness import bf16_activations as bact, upload_bf16  # noqa: E402
 from harness import rand_quant, run_bound as dispatch  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
 import test_moe_prefill as simd_suite  # noqa: E402
@@ -67,8 +67,8 @@ T128_COUNTS = [0, 6, 16, 17, 100, 128, 129, 200, 300, 20]  # an even sum: 2 expe
 
 def test_moe_class_chain_t128(dev):
     """T = 128 end to end as test_moe_prefill.py's class chain: moe_route_scatter's single
-    class map, then the banded 128-row gate/up and down kernels (a partial tile computes its
-    live 16-row bands only), every expert's outputs against numpy."""
+    class map, then the 128-row gate/up and down kernels (a partial tile runs the operations
+    of its live 32-row simdgroup blocks only), every expert's outputs against numpy."""
     maps = simd_suite.run_class_chain(dev, 128, T128_COUNTS, 2, 128, 64, fresh_rng(128, 64))
     assert len(maps) == 1 and len(maps[0]) == sum(-(-c // 128) for c in T128_COUNTS)
 
@@ -114,28 +114,28 @@ def twin_of(kernel, T):
 
 def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
     m, lda = x.shape[0], k + 4
-    X = upload(dev, pitched(hact(x), lda, 0.0))  # xn: half
+    X = upload_bf16(dev, pitched(bact(x), lda, 0.0))  # xn: bfloat
     P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
     W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
-    HX = dev.buffer(m * top_k * ldy * 2)  # half
+    HX = dev.buffer(m * top_k * ldy * 2)  # bfloat
     bufs = [X, P, Ti, C, *W, HX]
-    threads, bn = MOE_TG[T], MOE_BN[T]
+    threads, bn, _ = moe_geometry(T, kernel.endswith("_tensor"))
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[HX])
-    return download(HX, np.float16, (m * top_k, ldy)).astype(np.float32)
+    return download(HX, "bf16", (m * top_k, ldy))
 
 
 def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
     lda = hx.shape[1]
-    H = upload(dev, hx)
+    H = upload_bf16(dev, hx)
     P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
     W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
-    YX = dev.buffer(m * top_k * ldy * 2)  # half
+    YX = dev.buffer(m * top_k * ldy * 2)  # bfloat
     bufs = [H, P, Ti, C, *W, YX]
-    threads, bn = MOE_TG[T], MOE_DOWN_BN[T]
+    threads, _, bn = moe_geometry(T, kernel.endswith("_tensor"))
     dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
              moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[YX])
-    return download(YX, np.float16, (m * top_k, ldy)).astype(np.float32)
+    return download(YX, "bf16", (m * top_k, ldy))
 
 
 @pytest.mark.parametrize("T,m,experts,top_k,hidden,inter", EXACT_CASES)
@@ -145,7 +145,7 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
     ids = routed(rng, m, experts, top_k)
     perm, tiles, count, max_tiles = tile_map(ids, experts, T)
     gq, uq = rand_quant(rng, (experts,), inter, hidden, 4), rand_quant(rng, (experts,), inter, hidden, 4)
-    x = rng.standard_normal((m, hidden), dtype=np.float32)
+    x = beyond_half(rng, (m, hidden))
     ldy = inter + 4
     kern = f"moe_gemm_gate_up_q4_t{T}"
     hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
@@ -168,7 +168,7 @@ def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     perm, tiles, count, max_tiles = tile_map(ids, experts, T)
     dq = rand_quant(rng, (experts,), hidden, inter, 4)
     lda, ldy = inter + 4, hidden + 4
-    hx = pitched(hact(rng.standard_normal((m * top_k, inter))), lda, 0.0)
+    hx = pitched(bact(beyond_half(rng, (m * top_k, inter))), lda, 0.0)
     kern = f"moe_gemm_down_q4_t{T}"
     yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
                   ldy, m)
@@ -180,6 +180,6 @@ def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
     flat = ids.reshape(-1)
     for s, a in enumerate(perm):
         e = flat[a]
-        want = hact(seq_model(hx[s:s + 1, :inter], dq, int(e))).astype(np.float32)  # stored as half
+        want = bact(seq_model(hx[s:s + 1, :inter], dq, int(e)))  # stored as bfloat
         np.testing.assert_array_equal(yx[a:a + 1, :hidden], want)
-        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, int(e), stored_half=True)
+        check_bound(yx[a:a + 1, :hidden], hx[s:s + 1, :inter], dq, int(e), stored_bf16=True)

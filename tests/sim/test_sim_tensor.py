@@ -124,17 +124,21 @@ def test_gpu_family_selects_the_tensor_kernels(monkeypatch):
 
 def test_half_only_tensor_ops_leave_out_the_bfloat_kernels():
     """sim_device(bfloat_tensor_ops=False): a system whose tensor ops take half but not bfloat
-    operands. The kernels of a tensor file that declares bfloat tensors (the prefill attention,
-    its probe, the self-tests) are left out and refused at lookup, saying why; the GEMMs' stay."""
+    operands (MacOSX 26.0's operand table). The kernels of a tensor file that declares bfloat
+    tensors or bfloat cooperative inputs (every prefill tensor kernel since nothing is clipped:
+    the dense and expert GEMMs, the attention, both probes; the self-tests of a file that has
+    bfloat ones) are left out and refused at lookup, saying why; the simdgroup kernels stay."""
     d = sim_device(gpu_family="apple10", bfloat_tensor_ops=False)
     full = sim_device(gpu_family="apple10")
     assert d.supports_tensor_ops and d.tensor_ops_status == ""
     assert not d.supports_bfloat_tensor_ops and "bfloat_tensor_ops=False" in d.bfloat_tensor_ops_status
     gone = sorted(set(full.kernel_names()) - set(d.kernel_names()))
-    assert "attn_prefill_d256_g8_tensor" in gone and "tensor_ops_probe_bfloat" in gone
-    assert all(k.startswith(("attn_prefill", "st_tensor_")) or k == "tensor_ops_probe_bfloat" for k in gone), gone
-    assert d.has_kernel("gemm_q4_tensor") and d.has_kernel("moe_gemm_down_q4_t128_tensor")
-    assert d.has_kernel("tensor_ops_probe") and d.has_kernel("attn_prefill_d256_g8")
+    assert {"attn_prefill_d256_g8_tensor", "gemm_q4_tensor", "gemm_swiglu_q4_tensor", "moe_gemm_down_q4_t128_tensor",
+            "tensor_ops_probe", "tensor_ops_probe_bfloat"} <= set(gone)
+    assert not [k for k in d.kernel_names() if k.endswith("_tensor") or k.startswith("tensor_ops_probe")]
+    assert d.has_kernel("gemm_q4") and d.has_kernel("attn_prefill_d256_g8")
+    with pytest.raises(ValueError, match=r"gemm_q4_tensor.*gemm_tensor\.metal.*bfloat operands.*bfloat_tensor_ops=False"):
+        d.command_buffer().compute_pass().dispatch("gemm_q4_tensor", 1, 256)
     with pytest.raises(ValueError, match=r"attn_prefill_d256_g8_tensor.*attention_prefill_tensor\.metal.*bfloat "
                                          r"operands.*bfloat_tensor_ops=False"):
         d.command_buffer().compute_pass().dispatch("attn_prefill_d256_g8_tensor", 1, 256)
@@ -152,24 +156,29 @@ def test_transform_marks_tensor_files(tmp_path):
     src = ("#include <metal_stdlib>\n#include <metal_tensor>\n"
            "#include <MetalPerformancePrimitives/MetalPerformancePrimitives.h>\n"
            "kernel void f(device float* x [[buffer(0)]]) {}\n")
-    (tmp_path / "a_tensor.metal").write_text(src)
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "a_tensor.metal")],
-                       capture_output=True, text=True)
+
+    def transform(name, body="{}"):
+        """msl2cpp of src with kernel body `body` as file `name`: (process, the C++ text or None)."""
+        (tmp_path / name).write_text(src.replace("{}", body))
+        r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / name)],
+                           capture_output=True, text=True)
+        out = tmp_path / "o" / f"{name}.cpp"
+        return r, out.read_text() if r.returncode == 0 else None
+
+    r, text = transform("a_tensor.metal")
     assert r.returncode == 0, r.stderr
-    text = (tmp_path / "o" / "a_tensor.metal.cpp").read_text()
     head = text.split("namespace lily_msl_", 1)[0]
     assert "#include <metal_tensor>" in head and "MetalPerformancePrimitives.h>" in head
     assert re.search(r'Registrar<decltype\(f\)>.*"a_tensor\.metal:4", true\);', text)
     # a tensor file that names a bfloat tensor type: its kernels register with bfloat operands
-    (tmp_path / "b_tensor.metal").write_text(src.replace("{}", "{ using T = tensor<device const bfloat, "
-                                                         "dextents<int32_t, 2>, tensor_inline>; }"))
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "b_tensor.metal")],
-                       capture_output=True, text=True)
+    r, text = transform("b_tensor.metal", "{ using T = tensor<device const bfloat, dextents<int32_t, 2>, tensor_inline>; }")
     assert r.returncode == 0, r.stderr
-    assert re.search(r'"b_tensor\.metal:4", true, true\);', (tmp_path / "o" / "b_tensor.metal.cpp").read_text())
-    (tmp_path / "plain.metal").write_text(src)
-    r = subprocess.run([sys.executable, str(MSL2CPP), str(tmp_path / "o"), str(tmp_path / "plain.metal")],
-                       capture_output=True, text=True)
+    assert re.search(r'"b_tensor\.metal:4", true, true\);', text)
+    # ... or asks for a bfloat cooperative input (the prefill GEMMs' left operand)
+    r, text = transform("c_tensor.metal", "{ auto a = op.template get_left_input_cooperative_tensor<bfloat, bfloat, float>(); }")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r'"c_tensor\.metal:4", true, true\);', text)
+    r, _ = transform("plain.metal")
     assert r.returncode == 1 and "plain.metal:2: error: <metal_tensor>: Metal 4 tensor operations belong in" in r.stderr
 
 
@@ -282,6 +291,57 @@ def test_coop_load(dev):
     np.testing.assert_array_equal(download(D, np.float32, (M, N)), mm_model(a, b, c0))
 
 
+def _as(x, kind):
+    """float32 x rounded to `kind` (f32, f16, bf16), as float32: what a cooperative input of
+    that element type holds after the conversion of the kernel's float value."""
+    return bf16(x) if kind == "bf16" else x.astype(np.float16).astype(np.float32) if kind == "f16" else x
+
+
+@pytest.mark.parametrize("variant", ["f32_f32_nn", "f32_f32_tt", "bf16_bf16_nt", "f16_f16_tn", "f32_bf16_nt"])
+def test_coop_inputs(dev, variant):
+    """Both operands in cooperative input tensors filled from device memory through
+    get_multidimensional_index (transposed or not), K in steps of k = 32 on
+    execution_simdgroup, zeros past the edges; the conversion to the element type happens
+    as each slot is written."""
+    tl, tr, _ = variant.split("_")
+    M, N, K, lda = 37, 45, 70, 73
+    rng = fresh_rng(8, len(variant), ord(variant[-2]), ord(variant[-1]))
+    a = rng.standard_normal((M, lda)).astype(np.float32)
+    b = rng.standard_normal((K, N)).astype(np.float32)
+    A, B, C = upload(dev, a), upload(dev, b), dev.buffer(M * N * 4)
+    run(dev, f"st_tensor_coop_inputs_{variant}", (cdiv(N, 32), cdiv(M, 32)), 64,
+        [(0, A), (1, B), (2, C)], [(3, args(M, N, K, lda)), (4, constant(0))], [A, B], [C])
+    kp = cdiv(K, 32) * 32  # the K steps, zero-padded
+    ap, bp = np.zeros((M, kp), np.float32), np.zeros((kp, N), np.float32)
+    ap[:, :K], bp[:K] = _as(a[:, :K], tl), _as(b, tr)
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(ap, bp))
+
+
+def test_coop_input_slot_left_unfilled_is_poison(fwd):
+    """A slot of a cooperative input the kernel never writes holds poison (NaN), which
+    reaches the products that use it: a kernel must fill every valid slot."""
+    M, N, K = 16, 32, 32
+    A, B = upload(fwd, np.ones((M, K), np.float32)), upload(fwd, np.ones((K, N), np.float32))
+    C = fwd.buffer(M * N * 4)
+    run(fwd, "st_tensor_coop_inputs_f32_f32_nn", (1, 1), 64, [(0, A), (1, B), (2, C)],
+        [(3, args(M, N, K)), (4, constant(1))], [A, B], [C])
+    c = download(C, np.float32, (M, N))
+    assert np.isnan(c).any() and not np.isnan(c).all() and (c[~np.isnan(c)] == K).all()
+
+
+def test_coop_left_input_with_a_threadgroup_right_operand(dev):
+    """The prefill GEMMs' form: a bfloat left input filled from device memory times a
+    bfloat threadgroup tensor (transpose_right), execution_simdgroups<4>, two k = 32 steps."""
+    M, N, K, lda = 100, 27, 64, 70
+    rng = fresh_rng(9)
+    a = rng.standard_normal((M, lda)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    A, W, C = upload(dev, a), upload(dev, w), dev.buffer(M * N * 4)
+    run(dev, "st_tensor_coop_left_tg", (1, cdiv(M, 64)), 128, [(0, A), (1, W), (2, C)], [(3, args(M, N, K, lda))],
+        [A, W], [C])
+    np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(bf16(a[:, :K]), bf16(w).T))
+
+
 # ------------------------------------------------------------------------------ misuse
 
 def dispatch_error(dev, kernel, groups, tg, buffers, cst=(), threadgroups=True):
@@ -360,7 +420,18 @@ OK_OP = "matmul2d<matmul2d_descriptor(32, 32), execution_simdgroups<1>> op;"
      "destination's element type must be float"),
     (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), half>();",
      "destination element type must be float"),
-    (OK_OP + " auto c = op.get_left_input_cooperative_tensor<half, half, float>();", "get_left_input_cooperative_tensor"),
+    (OK_OP + " auto c = op.get_left_input_cooperative_tensor<half, half, float>();", "need an explicit k"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "auto a = op.get_left_input_cooperative_tensor<half, half, float>(); a.load(H);",
+     "load / store of a cooperative input"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "auto a = op.get_left_input_cooperative_tensor<half, half, float>(); "
+     "auto b = op.get_right_input_cooperative_tensor<half, half, float>(); op.run(b, a, X);",
+     "cooperative left / right inputs"),
+    ("matmul2d<matmul2d_descriptor(32, 32, 32), execution_simdgroup> op; "
+     "matmul2d<matmul2d_descriptor(32, 32, 64), execution_simdgroup> op2; "
+     "auto a = op2.get_left_input_cooperative_tensor<half, half, float>(); op.run(a, H, X);",
+     "cooperative left / right inputs"),
     (OK_OP + " auto c = op.get_destination_cooperative_tensor<decltype(H), decltype(H), float>(); "
      "matmul2d<matmul2d_descriptor(32, 64), execution_simdgroups<1>> op2; op2.run(H, H, c);",
      "made by an operation with another descriptor"),

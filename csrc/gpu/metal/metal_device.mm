@@ -643,12 +643,13 @@ class MetalDevice : public gpu::Device {
   // built with -std=metal4.0) are loaded only on apple10-family GPUs under macOS 26; each
   // that loads offers its family's kernels, one that does not is noted (tensor_notes_, one
   // line on stderr) and its family runs the simdgroup_matrix kernels. tensor_ops_probe (the
-  // GEMMs' half operands, in the gemm library) must build where present, or no tensor kernel
-  // is used (tensor_status_ says why). The attention's bfloat operations have their own probe
-  // (tensor_ops_probe_bfloat): a system whose tensor library lacks bfloat operands (MacOSX
-  // 26.0's operand table) keeps the tensor GEMMs, and bfloat_status_ says why the attention
-  // does not use tensor ops. Whether each family's kernels compute what they should is checked
-  // by running them once when a model loads (lily.native_backend), with the same fallback.
+  // GEMMs' tensor operation: bfloat operands, a cooperative left input; in the gemm library)
+  // must build where present, or no tensor kernel is used (tensor_status_ says why). The
+  // attention's operations have their own probe (tensor_ops_probe_bfloat); prefill takes the
+  // tensor path only where both build (every prefill tensor kernel takes bfloat operands:
+  // MacOSX 26.1's operand table on), and bfloat_status_ says why not. Whether each family's
+  // kernels compute what they should is checked by running them once when a model loads
+  // (lily.native_backend), with the same fallback.
   void load_tensor_library() {
     const char* off = std::getenv("LILY_DISABLE_TENSOR_OPS");
     if (family_ < gpu::kTensorOpsFamily) {

@@ -13,8 +13,9 @@ What it rewrites (everything else passes through unchanged, so any MSL construct
   .../MetalPerformancePrimitives/MetalPerformancePrimitives.h). They are allowed only in
   ``metal/*_tensor.metal`` files (compiled with -std=metal4.0 into lily_tensor.metallib on
   macOS), whose kernels are registered as tensor-op kernels, with bfloat operands when the
-  file declares a ``tensor<... bfloat, ...>`` (the simulator checks at run time that no other
-  kernel runs a bfloat tensor operation);
+  file (or a ``*_tensor.h`` header it includes) declares a ``tensor<... bfloat, ...>`` or a
+  bfloat cooperative input (the simulator checks at run time that no other kernel runs a
+  bfloat tensor operation);
 * address-space qualifiers ``device``/``constant``/``thread`` are dropped (``constant`` at
   the start of a declaration becomes ``const``); ``threadgroup`` is dropped in pointer and
   reference types, casts and template arguments, and a ``threadgroup T name[...];``
@@ -111,6 +112,23 @@ def significant(tok):
     return tok.kind not in ("ws", "comment")
 
 
+
+def declares_bfloat_tensor(toks):
+    """Whether tokens name a tensor type of bfloat elements (`tensor` `<` [address space]
+    [const] `bfloat`) or ask for a cooperative input of bfloat operands
+    (`get_left_input_cooperative_tensor` / `get_right_input_cooperative_tensor` `<` with a
+    bfloat among its first two arguments)."""
+    sig = [t.text for t in toks if significant(t)]
+    inputs = ("get_left_input_cooperative_tensor", "get_right_input_cooperative_tensor")
+    for i, t in enumerate(sig):
+        if t == "tensor" and i + 1 < len(sig) and sig[i + 1] == "<":
+            rest = [x for x in sig[i + 2:i + 5] if x not in ADDRESS_SPACES and x != "const"]
+            if rest and rest[0] == "bfloat":
+                return True
+        if t in inputs and i + 1 < len(sig) and sig[i + 1] == "<" and "bfloat" in sig[i + 2:i + 5]:
+            return True
+    return False
+
 class Transformer:
     def __init__(self, path, is_header):
         self.path = path
@@ -119,22 +137,22 @@ class Transformer:
         self.tensor_file = path.endswith(TENSOR_SUFFIX) or path.endswith(TENSOR_HEADER_SUFFIX)
         self.hoisted = []  # tensor headers to include before the file's namespace
         self.toks = lex(open(path, encoding="utf-8").read())
-        self.tensor_bfloat = self.tensor_file and not is_header and self.declares_bfloat_tensor()
+        self.tensor_bfloat = self.tensor_file and not is_header and (
+            declares_bfloat_tensor(self.toks) or any(declares_bfloat_tensor(lex(open(h, encoding="utf-8").read()))
+                                                     for h in self.tensor_headers()))
         self.counter = 0
         self.kernels = {}  # name -> dict(template=bool, nparams=int)
         self.kernel_parens = set()  # index of the ')' closing each kernel's parameter list
         self.in_kernel = False  # inside a kernel's body (threadgroup storage is allowed there only)
 
-    def declares_bfloat_tensor(self):
-        """Whether the file names a tensor type of bfloat elements: `tensor` `<` [address
-        space] [const] `bfloat`."""
-        sig = [t.text for t in self.toks if significant(t)]
-        for i, t in enumerate(sig):
-            if t == "tensor" and i + 1 < len(sig) and sig[i + 1] == "<":
-                rest = [x for x in sig[i + 2:i + 5] if x not in ADDRESS_SPACES and x != "const"]
-                if rest and rest[0] == "bfloat":
-                    return True
-        return False
+    def tensor_headers(self):
+        """The tensor headers (`#include "x_tensor.h"`, beside the file) the file includes."""
+        out = []
+        for t in self.toks:
+            m = re.match(r'^\s*#\s*include\s*"(\w+' + re.escape(TENSOR_HEADER_SUFFIX) + ')"', t.text)
+            if m and os.path.exists(os.path.join(os.path.dirname(self.path), m.group(1))):
+                out.append(os.path.join(os.path.dirname(self.path), m.group(1)))
+        return out
 
     def err(self, tok, msg):
         raise TransformError(f"{self.path}:{tok.line}: error: {msg}")

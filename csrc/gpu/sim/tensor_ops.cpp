@@ -95,6 +95,7 @@ struct Signature {
   Matmul op;
   Scope scope;
   View a, b;       // run: left, right; load/store: the tensor in a
+  bool a_coop = false, b_coop = false;  // run: a cooperative input (its element type in a.dtype / b.dtype)
   bool dst = false;  // run: a tensor destination (in view d) rather than a cooperative one
   View d;
 };
@@ -103,20 +104,32 @@ bool same_view(const View& x, const View& y) {
   return x.data == y.data && x.dtype == y.dtype && x.ext0 == y.ext0 && x.ext1 == y.ext1 && x.stride1 == y.stride1;
 }
 
+// Two operands of one instance: the same tensor, or cooperative inputs of one element type
+// (each thread holds its own part).
+bool same_operand(const View& x, bool x_coop, const View& y, bool y_coop) {
+  return x_coop == y_coop && (x_coop ? x.dtype == y.dtype : same_view(x, y));
+}
+
 bool operator==(const Signature& x, const Signature& y) {
   return x.kind == y.kind && x.op.m == y.op.m && x.op.n == y.op.n && x.op.k == y.op.k &&
          x.op.transpose_left == y.op.transpose_left && x.op.transpose_right == y.op.transpose_right &&
          x.op.accumulate == y.op.accumulate && x.scope.kind == y.scope.kind &&
-         x.scope.simdgroups == y.scope.simdgroups && same_view(x.a, y.a) &&
-         (x.kind != Signature::Kind::run || (same_view(x.b, y.b) && x.dst == y.dst && (!x.dst || same_view(x.d, y.d))));
+         x.scope.simdgroups == y.scope.simdgroups && same_operand(x.a, x.a_coop, y.a, y.a_coop) &&
+         (x.kind != Signature::Kind::run ||
+          (same_operand(x.b, x.b_coop, y.b, y.b_coop) && x.dst == y.dst && (!x.dst || same_view(x.d, y.d))));
+}
+
+std::string describe_operand(const View& v, bool coop) {
+  return coop ? std::string("cooperative ") + dtype_name(v.dtype) + " input" : describe_view(v);
 }
 
 std::string describe(const Signature& g) {
   std::string where = "(" + describe_op(g.op) + ", " + describe_scope(g.scope) + ")";
   switch (g.kind) {
     case Signature::Kind::run:
-      return "matmul2d::run " + where + " of the left " + describe_view(g.a) + " and the right " + describe_view(g.b) +
-             " into " + (g.dst ? "the " + describe_view(g.d) : std::string("a cooperative tensor"));
+      return "matmul2d::run " + where + " of the left " + describe_operand(g.a, g.a_coop) + " and the right " +
+             describe_operand(g.b, g.b_coop) + " into " +
+             (g.dst ? "the " + describe_view(g.d) : std::string("a cooperative tensor"));
     case Signature::Kind::load: return "cooperative_tensor::load " + where + " from the " + describe_view(g.a);
     case Signature::Kind::store: return "cooperative_tensor::store " + where + " to the " + describe_view(g.a);
   }
@@ -133,6 +146,7 @@ struct Instance {
   bool is_run = false;
   Matmul op;
   View left, right;
+  bool left_coop = false, right_coop = false;  // cooperative inputs: filled by each arrival
   int m_eff = 0, n_eff = 0, K = 0;
   std::vector<float> a, b;
 };
@@ -175,9 +189,9 @@ float right_elem(const Matmul& op, const View& v, int kk, int c) {
 
 void snapshot(Instance& in) {
   const Matmul& op = in.op;
-  int rows, ka, kb, cols;
-  left_geometry(op, in.left, &rows, &ka);
-  right_geometry(op, in.right, &kb, &cols);
+  int rows = op.m, ka = op.k, kb = op.k, cols = op.n;  // a cooperative input is the whole tile
+  if (!in.left_coop) left_geometry(op, in.left, &rows, &ka);
+  if (!in.right_coop) right_geometry(op, in.right, &kb, &cols);
   auto what = [&] { return "matmul2d::run with " + describe_op(op) + ": "; };
   if (op.k < 0) {
     if (ka != kb)
@@ -193,12 +207,36 @@ void snapshot(Instance& in) {
   }
   in.m_eff = std::min(op.m, rows);
   in.n_eff = std::min(op.n, cols);
-  in.a.resize(size_t(in.m_eff) * in.K);
-  in.b.resize(size_t(in.K) * in.n_eff);
-  for (int r = 0; r < in.m_eff; ++r)
-    for (int kk = 0; kk < in.K; ++kk) in.a[size_t(r) * in.K + kk] = left_elem(op, in.left, r, kk);
-  for (int c = 0; c < in.n_eff; ++c)
-    for (int kk = 0; kk < in.K; ++kk) in.b[size_t(c) * in.K + kk] = right_elem(op, in.right, kk, c);
+  // cooperative inputs start as poison: every element comes from some thread's valid slot
+  in.a.assign(size_t(in.m_eff) * in.K, poison());
+  in.b.assign(size_t(in.K) * in.n_eff, poison());
+  if (!in.left_coop)
+    for (int r = 0; r < in.m_eff; ++r)
+      for (int kk = 0; kk < in.K; ++kk) in.a[size_t(r) * in.K + kk] = left_elem(op, in.left, r, kk);
+  if (!in.right_coop)
+    for (int c = 0; c < in.n_eff; ++c)
+      for (int kk = 0; kk < in.K; ++kk) in.b[size_t(c) * in.K + kk] = right_elem(op, in.right, kk, c);
+}
+
+// An arriving thread's part of the cooperative inputs: its valid slots into the tiles.
+void contribute(Instance& in, const Operand& left, const Operand& right, int T, int t) {
+  const Matmul& op = in.op;
+  if (left.coop) {
+    for (int i = 0; i < input_capacity(op, Role::left, T); ++i) {
+      if (!input_valid(op, Role::left, T, t, i)) continue;
+      const int i0 = input_i0(op, Role::left, T, t, i), i1 = input_i1(op, Role::left, T, t, i);
+      const int r = op.transpose_left ? i0 : i1, kk = op.transpose_left ? i1 : i0;
+      in.a[size_t(r) * in.K + kk] = left.coop[i];
+    }
+  }
+  if (right.coop) {
+    for (int i = 0; i < input_capacity(op, Role::right, T); ++i) {
+      if (!input_valid(op, Role::right, T, t, i)) continue;
+      const int i0 = input_i0(op, Role::right, T, t, i), i1 = input_i1(op, Role::right, T, t, i);
+      const int c = op.transpose_right ? i1 : i0, kk = op.transpose_right ? i0 : i1;
+      in.b[size_t(c) * in.K + kk] = right.coop[i];
+    }
+  }
 }
 
 // At the last arrival: the operands must still hold what the first arrival read.
@@ -210,10 +248,10 @@ void verify(const Instance& in) {
           "operation: a thread of the scope wrote it after another had started run() (a missing "
           "threadgroup_barrier before run()?)").c_str());
   };
-  for (int r = 0; r < in.m_eff; ++r)
+  for (int r = 0; !in.left_coop && r < in.m_eff; ++r)
     for (int kk = 0; kk < in.K; ++kk)
       if (!same_bits(in.a[size_t(r) * in.K + kk], left_elem(op, in.left, r, kk))) changed("left", r, kk);
-  for (int c = 0; c < in.n_eff; ++c)
+  for (int c = 0; !in.right_coop && c < in.n_eff; ++c)
     for (int kk = 0; kk < in.K; ++kk)
       if (!same_bits(in.b[size_t(c) * in.K + kk], right_elem(op, in.right, kk, c))) changed("right", kk, c);
 }
@@ -310,7 +348,7 @@ int scope_index(Scope s) {
   return 0;
 }
 
-void run(const Matmul& op, Scope s, const View& left, const View& right, const View* dst, float* coop) {
+void run(const Matmul& op, Scope s, const Operand& left, const Operand& right, const View* dst, float* coop) {
   // the device offers such a kernel only with bfloat tensor ops (SimDevice::pipeline)
   if ((left.dtype == DType::bf16 || right.dtype == DType::bf16) && !running_kernel().tensor_bfloat)
     fail("matmul2d::run with bfloat operands in a kernel not registered as using them: msl2cpp.py marks the "
@@ -321,8 +359,12 @@ void run(const Matmul& op, Scope s, const View& left, const View& right, const V
   sig.kind = Signature::Kind::run;
   sig.op = op;
   sig.scope = s;
-  sig.a = left;
-  sig.b = right;
+  sig.a_coop = left.coop != nullptr;
+  sig.b_coop = right.coop != nullptr;
+  if (left.view) sig.a = *left.view;
+  if (right.view) sig.b = *right.view;
+  sig.a.dtype = left.dtype;
+  sig.b.dtype = right.dtype;
   sig.dst = dst != nullptr;
   if (dst) sig.d = *dst;
   bool first;
@@ -331,10 +373,13 @@ void run(const Matmul& op, Scope s, const View& left, const View& right, const V
   if (first) {
     in.is_run = true;
     in.op = op;
-    in.left = left;
-    in.right = right;
+    in.left = sig.a;
+    in.right = sig.b;
+    in.left_coop = sig.a_coop;
+    in.right_coop = sig.b_coop;
     snapshot(in);
   }
+  contribute(in, left, right, T, t);
   if (in.arrivals == in.expected) {
     if (in.expected > 1) verify(in);
     if (dst) {

@@ -12,7 +12,7 @@ namespace args = lily::kernels;
 
 namespace {
 constexpr float kL2Eps = 1e-6f;   // the q/k L2 norm's epsilon, as the decode step's
-constexpr size_t kHalfBytes = 2;  // u, z and the norm factors: one 2-byte value each
+constexpr size_t kValueBytes = 2;  // u and z (bfloat), the norm factors (half): 2 bytes each
 }  // namespace
 
 void encode_gdn_scan(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
@@ -34,9 +34,9 @@ void encode_gdn_scan(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::s
       .in(5, *w.A_log, &t.weight_bytes)
       .in(6, *w.dt_bias, &t.weight_bytes)
       .inout(7, io.state, 0, s.state_bytes())
-      .out(8, io.u, 0, values * kHalfBytes)
+      .out(8, io.u, 0, values * kValueBytes)
       .args(9, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, kL2Eps})
-      .in(10, io.z, 0, values * kHalfBytes)
+      .in(10, io.z, 0, values * kValueBytes)
       .in(11, *w.norm, &t.weight_bytes)
       .out(12, io.ss, 0, size_t(M) * s.Hv * (s.Dv / rv) * f)
       .run(pass);
@@ -50,7 +50,7 @@ void encode_gdn_norm_scale(gpu::ComputePass& pass, const gpu::Pipeline& kernel, 
   Op(kernel, label)
       .threads({M * s.Hv, 1, 1}, {threads, 1, 1})
       .in(0, ss, 0, factors * sizeof(float))
-      .out(1, f_out, 0, factors * kHalfBytes)
+      .out(1, f_out, 0, factors * kValueBytes)
       .args(2, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, kL2Eps})
       .run(pass);
 }

@@ -33,7 +33,10 @@ def upload(device, array) -> "_core.Buffer":
 
 
 def download(buf, dtype, shape=None, offset: int = 0) -> np.ndarray:
-    """A numpy copy of a buffer's contents (from byte ``offset``) as ``dtype``/``shape``."""
+    """A numpy copy of a buffer's contents (from byte ``offset``) as ``dtype``/``shape``;
+    ``dtype="bf16"``: bfloat16 elements, returned as float32 (exact)."""
+    if isinstance(dtype, str) and dtype == "bf16":
+        return (download(buf, np.uint16, shape, offset).astype(np.uint32) << 16).view(np.float32)
     dtype = np.dtype(dtype)
     count = -1 if shape is None else int(np.prod(shape)) * dtype.itemsize
     out = np.frombuffer(buf.read(offset, count), dtype=dtype).copy()

@@ -261,11 +261,11 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         say(f"  {'library':<15} {where}: {len(names)} kernels")
         loaded = "Metal 4 tensor library loaded" if name == "metal" else "the simulator as an M5"
         say(f"  {'tensor ops':<15} " + (f"yes ({loaded})" if dev.supports_tensor_ops else f"no: {dev.tensor_ops_status}"))
-        if dev.supports_tensor_ops:  # the prefill attention's (bfloat operands); the GEMMs' are the line above
-            say(f"  {'tensor bfloat':<15} " + ("yes (the prefill attention uses tensor ops too)"
+        if dev.supports_tensor_ops:  # prefill's tensor kernels take bfloat operands (nothing is clipped)
+            say(f"  {'tensor bfloat':<15} " + ("yes (the prefill GEMMs and attention use tensor ops)"
                                                if dev.supports_bfloat_tensor_ops else
-                                               f"no: {dev.bfloat_tensor_ops_status}; the prefill attention runs "
-                                               "simdgroup_matrix, the GEMMs keep tensor ops"))
+                                               f"no: {dev.bfloat_tensor_ops_status}; the prefill GEMMs and "
+                                               "attention run simdgroup_matrix"))
         pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
         if name == "sim":  # the simulator does not measure threadgroup memory: unknown, not 0
             for p in pipes:

@@ -75,15 +75,26 @@ BANDWIDTH_EFFICIENCY = 0.8424
 #: Fraction of the peak a path sustains on our kernels (the likely values; ranges in
 #: :data:`CONSTANTS`). simdgroup_matrix GEMMs: 80-92% of the ALU peak
 #: (philipturner/metal-benchmarks), 0.85 taken; fp32-operand tensor ops are taken to run on the
-#: same ALUs alike. Half tensor ops (the GEMMs) and bfloat tensor ops (the attention): the likely
-#: scenario machine's fit to pplx-garden's published prefill through its kernels' structure
-#: (lily.lab.tensor_rate.fit_engine; every scenario machine refits them: :func:`scenarios`),
-#: relative to the 71.7 TFLOPS peak (an extrapolation: :data:`MACHINES`' sources), so an
-#: effective ~45 TFLOPS for the GEMMs; docs/performance.md, "The tensor rate from designs
-#: measured on M5". Scalar ALU code: our counts are arithmetic only (no address, compare or
-#: shuffle instructions), 0.5 assumed.
+#: same ALUs alike. Half and bfloat tensor ops (the GEMMs; our prefill GEMMs are bfloat, the
+#: engine restatements' half): the likely scenario machine's fit to pplx-garden's published
+#: prefill through its kernels' structure (lily.lab.tensor_rate.fit_engine; every scenario
+#: machine refits it: :func:`scenarios`), relative to the 71.7 TFLOPS peak (an extrapolation:
+#: :data:`MACHINES`' sources), so an effective ~45 TFLOPS; docs/performance.md, "The tensor
+#: rate from designs measured on M5". The attention's tensor ops take
+#: :data:`ATTENTION_EFFICIENCY`. Scalar ALU code: our counts are arithmetic only (no address,
+#: compare or shuffle instructions), 0.5 assumed.
 PATH_EFFICIENCY = {"alu_f32": 0.5, "alu_f16": 0.5, "sgmm_f32": 0.85, "sgmm_f16": 0.85, "sgmm_bf16": 0.85,
-                   "tensor_f32": 0.85, "tensor_f16": 0.64, "tensor_bf16": 0.4}
+                   "tensor_f32": 0.85, "tensor_f16": 0.64, "tensor_bf16": 0.64}
+#: The tensor paths whose efficiency is fitted (the GEMMs' at :data:`PATH_EFFICIENCY`'s, the
+#: attention family's at :data:`ATTENTION_EFFICIENCY`).
+TENSOR_PATHS = ("tensor_f16", "tensor_bf16")
+#: Fraction of the tensor-op peak the attention's products sustain: the half/bfloat tensor ops
+#: of the records of the family "attention" take it instead of :data:`PATH_EFFICIENCY`'s. A
+#: tensor efficiency belongs to a kernel's structure (a flash attention's products between its
+#: softmax and barriers), not to the operand type, which is bfloat for our GEMMs and attention
+#: alike. The likely scenario machine's fit to pplx-garden's flash attention (every scenario
+#: machine refits it).
+ATTENTION_EFFICIENCY = 0.4
 #: Threads a core needs in flight to reach its peak: 8 simdgroups (8 independent
 #: instructions per thread hide the 4-cycle FMA latency, michaelstinkerings.org, M5
 #: roofline; 256 threads assumed to cover memory latency too).
@@ -124,11 +135,12 @@ LOOP_OVERLAP = 4.0
 #: depending on registers, ~60 KB of threadgroup memory per core). On M5 (Apple 10, dynamic
 #: caching) no figure is public; MLX-LM's published prefill bounds it from below: its
 #: restatement (lily.lab.tensor_rate) describes the measured curve within 3% only when a core
-#: holds five of its 9 KiB GEMM tiles (45 KiB; 5.5-18% rms below). Our 27-29 KiB GEMM,
-#: attention and decode-attention threadgroups need 54-59 KiB to run two per core: a bimodal
-#: unknown the data leave open. The likely figure takes its unfavourable mode, 45 KiB (one per
-#: core), until ``lily bench --kernels`` measures it; the high figure two (64 KiB;
-#: docs/performance.md, "Residency").
+#: holds five of its 9 KiB GEMM tiles (45 KiB; 5.5-18% rms below). The likely and low
+#: figures take that bound, the high figure 64 KiB, until ``lily bench --kernels`` measures
+#: it. Issue 27's kernels need at most 13 KiB a threadgroup (the prefill GEMMs' 9 KiB weight
+#: tile, as MLX's; the tensor-op attention's 13 KiB; decode attention's 12 KiB), so each runs
+#: three to five per core at 45 KiB and the range moves no likely figure by a step
+#: (docs/performance.md, "Residency"; :func:`residency` lists them).
 THREADS_PER_CORE = 2048
 TG_MEMORY_PER_CORE = 45 * 1024
 #: How a dispatch that cannot fill the GPU shares its bandwidth (docs/performance.md,
@@ -185,6 +197,7 @@ class Machine:
     stage_gap: float = STAGE_GAP
     bandwidth_efficiency: float = BANDWIDTH_EFFICIENCY
     path_efficiency: dict = field(default_factory=lambda: dict(PATH_EFFICIENCY))
+    attention_efficiency: float = ATTENTION_EFFICIENCY
     fitted_from: str | None = None
     gemm: str | None = None
     attention: str | None = None
@@ -201,13 +214,13 @@ class Machine:
 
     @property
     def tensor_ops(self) -> bool:
-        """The prefill GEMMs' tensor-op path (half operands)."""
-        return "tensor_f16" in self.rates
+        """The prefill tensor-op path (bfloat operands: the GEMMs' and the attention's)."""
+        return "tensor_bf16" in self.rates
 
     @property
     def tensor_attention(self) -> bool:
-        """The prefill attention's tensor-op path (bfloat operands; needs the GEMMs' too)."""
-        return self.tensor_ops and "tensor_bf16" in self.rates
+        """The prefill attention's tensor-op path (it follows the GEMMs')."""
+        return self.tensor_ops
 
 
 def _alu(cores: int, ghz: float, lanes: int = 128) -> float:
@@ -332,6 +345,7 @@ class _Plan:
     loop: np.ndarray
     family: np.ndarray    # index into families
     families: list
+    attention: np.ndarray | None = None  # records of the attention family (their tensor paths' efficiency)
     starts: np.ndarray | None = None  # first record of each stage, when each stage's records are contiguous
 
 
@@ -367,6 +381,8 @@ def _plan(records: list, skip_families: tuple = ()) -> _Plan:
                          else families.append(w["family"]) or len(families) - 1 for _, w in rows], dtype=np.int64),
         families=families)
     plan.stages = len(stage_ids)
+    plan.attention = np.array([f == "attention" for f in families], dtype=bool)[plan.family] if rows else \
+        np.zeros(0, dtype=bool)
     if plan.stages and np.all(np.diff(plan.stage) >= 0):
         plan.starts = np.flatnonzero(np.r_[True, np.diff(plan.stage) > 0])
     _PLANS[key] = (records, plan)
@@ -375,16 +391,28 @@ def _plan(records: list, skip_families: tuple = ()) -> _Plan:
     return plan
 
 
-def _compute(m: Machine, flops: np.ndarray, without: str | None = None) -> np.ndarray:
+def _compute(m: Machine, flops: np.ndarray, attention: np.ndarray | None = None,
+             without: str | None = None) -> np.ndarray:
     """Seconds of arithmetic per record at full occupancy (the paths add: a threadgroup runs
-    its dequantization, staging and products one after another); ``without``: a path left out."""
+    its dequantization, staging and products one after another). ``attention``: the records
+    of the attention family, whose :data:`TENSOR_PATHS` run at
+    :attr:`Machine.attention_efficiency`; ``without``: ``"gemms"`` or ``"attention"``, that
+    part's :data:`TENSOR_PATHS` work left out (:func:`dispatch_times`)."""
     used = flops.sum(axis=0) > 0
     missing = [p for p, u in zip(PATHS, used) if u and p not in m.rates]
     if missing:
         raise InvalidParameterError(f"{m.name} has no {missing[0]} path (the plan for another GPU family?)")
-    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates and p != without else 0.0
-                    for p in PATHS])
-    return flops @ per
+    tensor = [PATHS.index(p) for p in TENSOR_PATHS]
+    per = np.array([1.0 / (m.rates[p] * m.path_efficiency[p]) if p in m.rates else 0.0 for p in PATHS])
+    per_att = per.copy()
+    per_att[tensor] = [1.0 / (m.rates[p] * m.attention_efficiency) if p in m.rates else 0.0 for p in TENSOR_PATHS]
+    if without == "gemms":
+        per[tensor] = 0.0
+    elif without == "attention":
+        per_att[tensor] = 0.0
+    if attention is None or not attention.any():
+        return flops @ per
+    return np.where(attention, flops @ per_att, flops @ per)
 
 
 def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.ndarray, np.ndarray, np.ndarray,
@@ -399,7 +427,7 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.n
     occupancy [records, columns] instead of ``m``'s (:func:`dispatch_times`)."""
     e = np.atleast_1d(np.asarray(m.bandwidth_efficiency if effs is None else effs, dtype=float))
     mem = plan.bytes[:, None] / (m.bandwidth * e[None, :])
-    comp = _compute(m, plan.flops)[:, None] if comp is None else comp
+    comp = _compute(m, plan.flops, plan.attention)[:, None] if comp is None else comp
     g = np.maximum(plan.groups, 1.0)
     busy = np.minimum(g, m.cores)
     fill = np.minimum(1.0, g * plan.threads / busy / m.saturation_threads)
@@ -426,16 +454,22 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.n
     return t, lead, mem, comp
 
 
-def dispatch_times(m: Machine, plan: _Plan, path: str | None = None, values=None) -> np.ndarray:
+def dispatch_times(m: Machine, plan: _Plan, part: str | None = None, values=None) -> np.ndarray:
     """Seconds of each dispatch of ``plan`` (:func:`_plan`) on ``m`` [records, 1], or with the
-    efficiency of ``path`` at each of ``values`` [records, len(values)] (the engine fits of
-    lily.lab.tensor_rate search an efficiency over a grid at once)."""
-    if path is None:
+    tensor efficiency of ``part`` (``"gemms"``: the :data:`TENSOR_PATHS` work outside the
+    attention family; ``"attention"``: the attention family's) at each of ``values`` [records,
+    len(values)] (the engine fits of lily.lab.tensor_rate search an efficiency over a grid at
+    once)."""
+    if part is None:
         return _dispatch_times(m, plan)[0]
+    if part not in ("gemms", "attention"):
+        raise InvalidParameterError(f"unknown part {part!r} (known: gemms, attention)")
     values = np.atleast_1d(np.asarray(values, dtype=float))
-    i = PATHS.index(path)
-    comp = _compute(m, plan.flops, without=path)[:, None] + plan.flops[:, i, None] / (
-        m.rates.get(path, math.inf) * values[None, :])
+    att = plan.attention if plan.attention is not None else np.zeros(len(plan.bytes), dtype=bool)
+    mine = (att if part == "attention" else ~att)[:, None]
+    comp = _compute(m, plan.flops, att, without=part)[:, None] + sum(
+        np.where(mine, plan.flops[:, PATHS.index(p), None], 0.0) / (m.rates.get(p, math.inf) * values[None, :])
+        for p in TENSOR_PATHS)
     return _dispatch_times(m, plan, comp=comp)[0]
 
 
@@ -596,7 +630,8 @@ _HEAD = ("lm head + sampling",)
 def _timing_key(m: Machine) -> tuple:
     # everything a dispatch's time depends on
     return (m.cores, m.bandwidth, tuple(sorted(m.rates.items())), m.stage_gap, m.bandwidth_efficiency,
-            tuple(sorted(m.path_efficiency.items())), m.clock, tuple(sorted(m.latency.items())), m.loop_overlap,
+            tuple(sorted(m.path_efficiency.items())), m.attention_efficiency, m.clock, tuple(sorted(m.latency.items())),
+            m.loop_overlap,
             m.threads_per_core, m.tg_memory_per_core, m.saturation_threads, m.occupancy_rule)
 
 
@@ -725,10 +760,10 @@ CONSTANTS = {c.name: c for c in (
     Constant("threads_per_core", THREADS_PER_CORE, 1024, 3072, "threads",
              "384-3072 threads per core, by registers (philipturner/metal-benchmarks, Apple 7/8)"),
     Constant("tg_memory_per_core", TG_MEMORY_PER_CORE, 45 * 1024, 64 * 1024, "bytes",
-             "bimodal and unknown on M5: MLX-LM's published prefill needs 45 KiB or more (five of its 9 KiB GEMM "
-             "tiles; lily.lab.tensor_rate), ~60 KB on Apple 7/8 (philipturner/metal-benchmarks) would hold two of "
-             "our 27-29 KiB threadgroups (54-59 KiB): the likely and low figures take one per core (45 KiB), the "
-             "high two (64 KiB), until lily bench --kernels measures it"),
+             "unknown on M5: MLX-LM's published prefill needs 45 KiB or more (five of its 9 KiB GEMM tiles; "
+             "lily.lab.tensor_rate), ~60 KB on Apple 7/8 (philipturner/metal-benchmarks): the likely and low figures "
+             "take 45 KiB, the high 64 KiB, until lily bench --kernels measures it; our 9-13 KiB threadgroups run "
+             "3-5 per core at 45 KiB, 5-7 at 64 KiB"),
     Constant("latency_dram", LATENCY_SECONDS["dram"], 400e-9, 266e-9, "s",
              _LAT + ": DRAM 311 ns; 266 ns if the system level cache holds it; 400 ns assumed under load"),
     Constant("latency_mem", LATENCY_SECONDS["mem"], 311e-9, 76e-9, "s",
@@ -786,7 +821,7 @@ def _fitted(m: Machine, name: str) -> float:
     """The tensor efficiency ``name`` a scenario machine was fitted to (before the design
     transfer), else ``m``'s."""
     fit = (m.calibration or {}).get("prefill") or {}
-    return fit.get(name, m.path_efficiency["tensor_f16" if name == "tensor_efficiency" else "tensor_bf16"])
+    return fit.get(name, m.path_efficiency["tensor_bf16"] if name == "tensor_efficiency" else m.attention_efficiency)
 
 
 def with_constants(m: Machine, values: dict) -> Machine:
@@ -800,13 +835,14 @@ def with_constants(m: Machine, values: dict) -> Machine:
         if name not in CONSTANTS and name not in FITTED_CONSTANTS:
             raise InvalidParameterError(f"unknown constant {name!r} (known: {', '.join((*CONSTANTS, *FITTED_CONSTANTS))})")
         if name == "tensor_efficiency":
-            eff.update(tensor_f16=v)
+            eff.update(tensor_f16=v, tensor_bf16=v)
         elif name == "attention_efficiency":
-            eff.update(tensor_bf16=v)
+            kw["attention_efficiency"] = v
         elif name == "gemm_transfer":
-            eff.update(tensor_f16=_fitted(m, "tensor_efficiency") * v)
+            g = _fitted(m, "tensor_efficiency") * v
+            eff.update(tensor_f16=g, tensor_bf16=g)
         elif name == "attention_transfer":
-            eff.update(tensor_bf16=_fitted(m, "attention_efficiency") * v)
+            kw["attention_efficiency"] = _fitted(m, "attention_efficiency") * v
         elif name == "simdgroup_efficiency":
             eff.update(sgmm_f32=v, sgmm_f16=v, sgmm_bf16=v, tensor_f32=v)
         elif name == "alu_efficiency":
@@ -918,20 +954,21 @@ def _scenario(m: Machine, values: dict, rule: str, run: str) -> Machine:
     c = with_constants(replace(m, occupancy_rule=rule), {k: v for k, v in ref_values.items() if k not in keep})
     if m.fitted_from is not None:  # the Mac run's own calibration, held
         cal: dict = {"rule": rule, "fitted_from": m.fitted_from}
-        g, a = m.path_efficiency["tensor_f16"], m.path_efficiency["tensor_bf16"]
+        g, a = m.path_efficiency["tensor_bf16"], m.attention_efficiency
     else:
         cal = _reference_fit(ref_values, rule, run)
         c = replace(c, bandwidth_efficiency=cal["decode"]["bandwidth_efficiency"],
                     stage_gap=cal["decode"]["stage_gap_us"] * 1e-6)
         g, a = cal["prefill"]["tensor_efficiency"], cal["prefill"]["attention_efficiency"]
-    eff = dict(c.path_efficiency)
+    eff, att = dict(c.path_efficiency), c.attention_efficiency
     if "tensor_efficiency" not in keep:
-        eff["tensor_f16"] = g * lily["gemm_transfer"]
+        eff.update(dict.fromkeys(TENSOR_PATHS, g * lily["gemm_transfer"]))
     if "attention_efficiency" not in keep:
-        eff["tensor_bf16"] = a * lily["attention_transfer"]
+        att = a * lily["attention_transfer"]
     cal = {**cal, "transfer": {"gemm": lily["gemm_transfer"], "attention": lily["attention_transfer"]}}
     cal["excluded"] = _implausible(cal)
-    return replace(c, path_efficiency=eff, chunk_overhead=lily["chunk_overhead"], calibration=cal)
+    return replace(c, path_efficiency=eff, attention_efficiency=att, chunk_overhead=lily["chunk_overhead"],
+                   calibration=cal)
 
 
 _LIKELY: dict = {}
@@ -985,6 +1022,33 @@ def scenarios(m: Machine) -> dict:
     return out
 
 
+def per_core(m: Machine, rec: dict) -> int:
+    """How many threadgroups of the dispatch ``rec`` a core of ``m`` holds at once: by its
+    threads and by its threadgroup memory (the slots of :func:`_dispatch_times`)."""
+    threads = math.prod(rec["threads"])
+    n = m.threads_per_core // max(threads, 1)
+    if rec.get("threadgroup_memory", 0) > 0:
+        n = min(n, m.tg_memory_per_core // rec["threadgroup_memory"])
+    return max(1, n)
+
+
+def residency(m: Machine, prefill_records: list, decode_records_: list, other: Machine | None = None) -> list:
+    """Per kernel with threadgroup memory in a prefill chunk and a decode step: its
+    ``bytes`` per threadgroup and the threadgroups a core of ``m`` holds (``likely``) and of
+    ``other`` (``high``: the range's other end of :attr:`Machine.tg_memory_per_core`), largest
+    first (docs/performance.md, "Residency")."""
+    seen: dict = {}
+    for phase, recs in (("prefill", prefill_records), ("decode", decode_records_)):
+        for r in recs:
+            b = r.get("threadgroup_memory", 0)
+            if b > 0 and (phase, r["kernel"]) not in seen:
+                row = {"phase": phase, "kernel": r["kernel"], "bytes": b, "per_core": {"likely": per_core(m, r)}}
+                if other is not None:
+                    row["per_core"]["high"] = per_core(other, r)
+                seen[(phase, r["kernel"])] = row
+    return sorted(seen.values(), key=lambda r: (-r["bytes"], r["kernel"]))
+
+
 def spread(values: dict) -> dict:
     """``{"low", "likely", "high"}`` of a figure from its value per scenario machine
     (``{"likely": [v], "low": [...], "high": [...]}``): the likely one, and the smallest and the
@@ -1011,9 +1075,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     "high"}`` over the machines of :func:`scenarios` (docs/performance.md, "Low, likely,
     high"), with the ratios to MLX-LM's and pplx-garden's published M5 Max figures at their
     lengths (``vs_mlx_lm``, ``vs_pplx_garden``; the M5 Max only) and, unless the machine was
-    fitted to a Mac run, the likely figure with two of our largest threadgroups per core
-    (``likely_tok_s_two_per_core``: the other mode of the residency, docs/performance.md,
-    "Residency"); the per-family breakdown of
+    fitted to a Mac run, the likely figure with the high end's threadgroup memory per core
+    (``likely_tok_s_high_memory``, docs/performance.md, "Residency"); ``residency``, the
+    threadgroups per core of each kernel with threadgroup memory (:func:`residency`); the
+    per-family breakdown of
     one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
     ranges of the constants (:data:`CONSTANTS`); and for each row count of ``batches`` a
@@ -1052,8 +1117,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         for who, figures in pub.get(length, {}).items():
             row[f"vs_{who}"] = {k: v / figures[phase] for k, v in tps.items()}
 
-    # residency is a step, not a spread (docs/performance.md, "Residency"): the likely machine
-    # in the other mode, two of our largest threadgroups per core, is reported beside it
+    # the threadgroup memory a core holds is unknown on M5 (docs/performance.md, "Residency"):
+    # the likely machine at the range's other end is reported beside it
     other = (None if m.fitted_from is not None or "tg_memory_per_core" in m.measured
              else replace(m, tg_memory_per_core=CONSTANTS["tg_memory_per_core"].high))
     decode_rows, prefill_rows = [], []
@@ -1066,7 +1131,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                "stages": t.stages, "gb_per_step": t.bytes / 1e9,
                "raw_bandwidth_ceiling_tok_s": m.bandwidth / t.bytes}
         if other is not None:
-            row["likely_tok_s_two_per_core"] = 1 / decode_step(other, cfg, c).seconds
+            row["likely_tok_s_high_memory"] = 1 / decode_step(other, cfg, c).seconds
         ratios(row, row["tok_s"], c, 0)
         decode_rows.append(row)
     for p in prompts:
@@ -1076,7 +1141,7 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                                                                  ("high", "low"))},
                "seconds": secs, "stages": t.stages, "gb_moved": t.bytes / 1e9}
         if other is not None:
-            row["likely_tok_s_two_per_core"] = p / prefill(other, cfg, p, chunk, cache).seconds
+            row["likely_tok_s_high_memory"] = p / prefill(other, cfg, p, chunk, cache).seconds
         ratios(row, row["tok_s"], p, 1)
         prefill_rows.append(row)
 
@@ -1096,6 +1161,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
             "gb_per_step": t.bytes / 1e9, "gb_per_token": t.bytes / b / 1e9})
     d = decode_step(m, cfg, breakdown_at)
     p = prefill(m, cfg, breakdown_at, chunk, cache)
+    chunk_recs = count_prefill_chunk(cfg, min(chunk, breakdown_at), 0, gemm_path=gemm_path(m),
+                                     tensor_attention=attention_path(m) == "tensor")["records"]
     return {
         "estimate": True,
         "notice": NOTICE,
@@ -1108,9 +1175,12 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                     "gpu_family": m.gpu_family, "sources": m.sources},
         "plan": {"prefill_chunk": chunk, "prefill_scratch_bytes": scratch, "gemm_path": gemm_path(m),
                  "attention_path": attention_path(m), "state_window": default_state_window()},
+        "residency": residency(m, chunk_recs, decode_records(cfg, breakdown_at)[0], other),
         "calibration": {"bandwidth_efficiency": m.bandwidth_efficiency, "path_efficiency": m.path_efficiency,
-                        "effective_tflops": {p: m.rates[p] * m.path_efficiency[p] / 1e12
-                                             for p in ("tensor_f16", "tensor_bf16") if p in m.rates},
+                        "attention_efficiency": m.attention_efficiency,
+                        "effective_tflops": ({"gemms": m.rates["tensor_bf16"] * m.path_efficiency["tensor_bf16"] / 1e12,
+                                              "attention": m.rates["tensor_bf16"] * m.attention_efficiency / 1e12}
+                                             if m.tensor_ops else {}),
                         "saturation_threads": m.saturation_threads, "stage_gap_us": m.stage_gap * 1e6,
                         "latency_s": m.latency, "loop_overlap": m.loop_overlap, "occupancy_rule": m.occupancy_rule,
                         "chunk_overhead_s": m.chunk_overhead, "tg_memory_per_core": m.tg_memory_per_core,
@@ -1118,8 +1188,8 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
                         "stage_gap_from": CALIBRATION if m.fitted_from is None else m.fitted_from,
                         "decompositions": {end: [{"bandwidth_efficiency": x.bandwidth_efficiency,
                                                   "stage_gap_us": x.stage_gap * 1e6, "occupancy_rule": x.occupancy_rule,
-                                                  "tensor_efficiency": x.path_efficiency["tensor_f16"],
-                                                  "attention_efficiency": x.path_efficiency["tensor_bf16"],
+                                                  "tensor_efficiency": x.path_efficiency["tensor_bf16"],
+                                                  "attention_efficiency": x.attention_efficiency,
                                                   "fit": x.calibration}
                                                  for x in machines] for end, machines in sc.items()}},
         "ranges": {k: {"likely": c.likely, "low": c.low, "high": c.high, "unit": c.unit, "source": c.source}
@@ -1157,25 +1227,35 @@ def format_report(rep: dict) -> str:
     if c["effective_tflops"]:
         eff = c["path_efficiency"]
         fit = (c.get("fit") or {}).get("prefill")
-        lines.append(f"tensor efficiency {eff['tensor_f16']:.2f} (GEMMs) / {eff['tensor_bf16']:.2f} (attention) of "
-                     f"{m['tflops']['tensor_f16']:.1f} TFLOPS: {c['effective_tflops']['tensor_f16']:.1f} / "
-                     f"{c['effective_tflops']['tensor_bf16']:.1f} TFLOPS effective"
+        lines.append(f"tensor efficiency {eff['tensor_bf16']:.2f} (GEMMs) / {c['attention_efficiency']:.2f} (attention) "
+                     f"of {m['tflops']['tensor_bf16']:.1f} TFLOPS: {c['effective_tflops']['gemms']:.1f} / "
+                     f"{c['effective_tflops']['attention']:.1f} TFLOPS effective"
                      + (f", fitted to pplx-garden's published prefill ({100 * fit['rms_relative_error']:.1f}% rms)"
                         if fit else ""))
     dec = c["decompositions"]
     if dec.get("excluded"):
         lines.append(f"scenario machines: {len(dec['low'])} low, {len(dec['high'])} high; {len(dec['excluded'])} "
                      "excluded as implausible (--json: calibration.decompositions.excluded)")
-    def two(phase: str, key: str, fmt: str) -> str:
-        return ", ".join(f"{format(r['likely_tok_s_two_per_core'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
-                         if "likely_tok_s_two_per_core" in r and r[key] in (4096, 32768, 131072))
+    def other_end(phase: str, key: str, fmt: str) -> str:
+        return ", ".join(f"{format(r['likely_tok_s_high_memory'], fmt)} at {r[key] // 1024}K" for r in rep[phase]
+                         if "likely_tok_s_high_memory" in r and r[key] in (4096, 32768, 131072))
 
-    if any("likely_tok_s_two_per_core" in r for r in rep["decode"] + rep["prefill"]):
-        # the bimodal unknown (docs/performance.md, "Residency")
-        lines.append(f"residency, unknown on M5: the likely figure holds one of our 27-29 KiB GEMM/attention "
-                     f"threadgroups per core ({c['tg_memory_per_core'] // 1024} KiB); with two per core (in the high "
-                     f"figure) the likely estimate would be decode {two('decode', 'context', '.1f') or '-'}, prefill "
-                     f"{two('prefill', 'prompt', ',.0f') or '-'} tok/s")
+    if rep.get("residency"):
+        # threadgroups per core at the likely and the high end of the threadgroup memory
+        # (docs/performance.md, "Residency")
+        groups: dict = {}
+        for r in rep["residency"]:
+            groups.setdefault((r["phase"], r["bytes"], tuple(r["per_core"].values())), []).append(r["kernel"])
+        held = "; ".join(f"{ph} {ks[0] if len(ks) == 1 else f'{ks[0]} and {len(ks) - 1} more'} {b / 1024:.1f} KiB: "
+                         f"{' / '.join(map(str, n))}" for (ph, b, n), ks in groups.items())
+        hi = CONSTANTS["tg_memory_per_core"].high // 1024
+        lines.append(f"residency (threadgroups per core at {c['tg_memory_per_core'] // 1024}"
+                     + (f" / {hi} KiB of threadgroup memory, unknown on M5): " if any(
+                         "likely_tok_s_high_memory" in r for r in rep["decode"] + rep["prefill"]) else " KiB): ")
+                     + held)
+    if any("likely_tok_s_high_memory" in r for r in rep["decode"] + rep["prefill"]):
+        lines.append(f"  the likely estimate at {hi} KiB: decode {other_end('decode', 'context', '.1f') or '-'}, "
+                     f"prefill {other_end('prefill', 'prompt', ',.0f') or '-'} tok/s")
     vs = [w for w in ("mlx_lm", "pplx_garden") if any(f"vs_{w}" in r for r in rep["decode"] + rep["prefill"])]
     head = "".join(f" {'vs ' + w.replace('_', '-'):>20}" for w in vs)
     lines += ["", f"{'context':>8} {'decode tok/s':>23} {'ms/token':>9} {'stages':>7} {'GB/step':>8} "
@@ -1453,8 +1533,9 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
     # prefill: one efficiency for the run's matrix path, the decode constants fixed
     paths, cache = MATRIX_PATHS[path], {}
 
-    def with_matrix(x: float) -> Machine:
-        return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}})
+    def with_matrix(x: float) -> Machine:  # the attention's tensor ops scaled with the GEMMs'
+        att = x if path == "tensor" else m1.attention_efficiency
+        return replace(m1, path_efficiency={**m1.path_efficiency, **{p: x for p in paths}}, attention_efficiency=att)
 
     def prefill_err(m: Machine) -> list:
         return [(L / prefill(m, cfg, L, chunk, cache, path, attention).seconds - t) / t for L, t, _ in pre]
@@ -1525,7 +1606,7 @@ def _value(m: Machine, name: str) -> float:
         return m.bandwidth_efficiency
     if name.startswith("latency_"):
         return m.latency[name[len("latency_"):]]
-    return {"tensor_efficiency": m.path_efficiency["tensor_f16"], "attention_efficiency": m.path_efficiency["tensor_bf16"],
+    return {"tensor_efficiency": m.path_efficiency["tensor_bf16"], "attention_efficiency": m.attention_efficiency,
             "simdgroup_efficiency": m.path_efficiency["sgmm_f16"], "alu_efficiency": m.path_efficiency["alu_f32"]}[name]
 
 

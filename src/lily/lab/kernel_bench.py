@@ -4,8 +4,8 @@ roofline from the cost table (docs/performance.md, "Calibrating on a Mac run").
 Every case builds its inputs and encodes its dispatches with the kernel checks' harness
 (lily.lab.kernels: the layer classes and ``enc_*`` encoders that mirror the runtime's
 bindings and declared ranges), at the real model's dimensions: decode GEMVs, decode attention
-at 4K / 32K / 128K context, the prefill GEMMs per tile size (64-row simdgroup_matrix, 128-row
-tensor-op), the grouped expert GEMMs, the prefill attention, the Gated DeltaNet scan. Each
+at 4K / 32K / 128K context, the prefill GEMMs on each path (64-row simdgroup_matrix and
+tensor-op tiles), the grouped expert GEMMs, the prefill attention, the Gated DeltaNet scan. Each
 command buffer holds one case; its GPU time (Metal's GPU timestamps) is taken over ``reps``
 runs after a warm-up, and the cost table prices what it recorded (``_core.dispatch_costs``):
 the bytes and flops per path, so the report gives each kernel's roofline on the chip's
@@ -34,7 +34,7 @@ from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, p
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
 from lily.lab.kernels.gemm import GEMM_BN, gemm_args, gemm_geometry
 from lily.lab.kernels.gemv import TG, enc_norm_gemv, gemv_args, gemv_grid
-from lily.lab.kernels.harness import bf16_bits, f32, half_activations, rand_quant, upload_q
+from lily.lab.kernels.harness import bf16_bits, f32, rand_quant, upload_bf16, upload_q
 from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
 from lily.lab.system import system_info
 from lily.native_backend import make_device
@@ -120,7 +120,7 @@ def _gemm(kernel: str) -> Callable:
         d = _dims(small)
         m, n, k = d["M"], d["conv"], d["H"]
         W, S, B = upload_q(dev, rand_quant(rng, (), n, k, 4))
-        X = upload(dev, half_activations(rng.standard_normal((m, k))))
+        X = upload_bf16(dev, rng.standard_normal((m, k)))
         Y = dev.buffer(4 * m * n)
         bm, tg = gemm_geometry(kernel)
 
@@ -140,13 +140,13 @@ def _experts(kernel: str, T: int, gate_up: bool) -> Callable:
         TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
         P = upload(dev, perm)
         if gate_up:
-            X = upload(dev, half_activations(rng.standard_normal((M, H))))
+            X = upload_bf16(dev, rng.standard_normal((M, H)))
             gb = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
             ub = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
             HX = dev.buffer(2 * M * k * I)
             return lambda p: enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I,
                                                      kernel=kernel)
-        HX = upload(dev, half_activations(rng.standard_normal((M * k, I)) * 0.1))
+        HX = upload_bf16(dev, rng.standard_normal((M * k, I)) * 0.1)
         db = list(upload_q(dev, rand_quant(rng, (E,), H, I, 4)))
         YX = dev.buffer(2 * M * k * H)
         return lambda p: enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, kernel=kernel)
@@ -161,7 +161,7 @@ def _prefill_attention(tensor: bool) -> Callable:
         q = f32(rng.standard_normal((M, L.Hq, L.D)))
         qg = chunk_inputs(rng, M, L.Hq, L.Hkv, L.D)[0]
         Q = upload(dev, pack_bf16_q(q, L.G) if tensor else q)
-        QG = upload(dev, half_activations(qg))
+        QG = upload_bf16(dev, qg)
         return lambda p: L.encode_attn(p, Q, QG, p0, M)
     return build
 
@@ -183,7 +183,7 @@ def cases() -> list[Case]:
     out += [Case(f"decode attention, context #{i + 1}", "attn_decode_split_fused_d256_g8", _decode_attention(i))
             for i in range(len(CONTEXTS))]
     out += [Case("prefill GEMM in_proj, 64-row simdgroup tiles", "gemm_q4", _gemm("gemm_q4")),
-            Case("prefill GEMM in_proj, 128-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
+            Case("prefill GEMM in_proj, 64-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
             Case("experts gate/up, 64-row simdgroup tiles", "moe_gemm_gate_up_q4_t64",
                  _experts("moe_gemm_gate_up_q4_t64", 64, True)),
             Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",

@@ -69,7 +69,7 @@ class _Plan:
                  loop=_chain(mem=m))
 
     def add(self, name: str, family: str, groups: float, threads: int, nbytes: float, *, tensor=0.0, alu=0.0,
-            tg_memory=0, chain=None, loop=None, lead=None, path: str = "tensor_f16") -> None:
+            tg_memory=0, chain=None, loop=None, lead=None, path: str = "tensor_bf16") -> None:
         lead = lead or _chain()
         chain = {k: v + lead[k] for k, v in (chain or _chain()).items()}
         flops = dict.fromkeys(estimate.PATHS, 0.0)
@@ -409,21 +409,19 @@ def _chunk_records(engine: str, run: str, rows: int, p0: int) -> list:
 
 
 def _parts(engine: str, run: str, m: estimate.Machine, rows: int, p0: int, tensor, attention) -> tuple:
-    """A chunk's GPU seconds on ``m`` (no stage gap) in three parts: (the records that use no
-    tensor path, [the GEMMs' at each tensor efficiency of ``tensor``], [the attention's at each
-    of ``attention``]). Every record of the restatements is a stage of its own and uses one
-    tensor path at most, so the chunk's time is their sum at any pair of efficiencies."""
+    """A chunk's GPU seconds on ``m`` (no stage gap) in three parts: (the records without
+    tensor-op work, [the GEMMs' at each tensor efficiency of ``tensor``], [the attention
+    family's at each of ``attention``]). Every record of the restatements is a stage of its
+    own, so the chunk's time is their sum at any pair of efficiencies."""
     plan = estimate._plan(_chunk_records(engine, run, rows, p0))
     if plan.stages != len(plan.bytes):
         raise AssertionError("an engine restatement has one dispatch per stage")
-    i16, ib16 = estimate.PATHS.index("tensor_f16"), estimate.PATHS.index("tensor_bf16")
-    f16, bf16 = plan.flops[:, i16] > 0, plan.flops[:, ib16] > 0
-    if np.any(f16 & bf16):
-        raise AssertionError("a restated dispatch uses one tensor path at most")
+    tensor_work = plan.flops[:, [estimate.PATHS.index(p) for p in estimate.TENSOR_PATHS]].sum(axis=1) > 0
+    gemm, att = tensor_work & ~plan.attention, tensor_work & plan.attention
     base = estimate.dispatch_times(m, plan)[:, 0]
-    g = estimate.dispatch_times(m, plan, "tensor_f16", tensor)
-    a = estimate.dispatch_times(m, plan, "tensor_bf16", attention)
-    return float(base[~f16 & ~bf16].sum()), g[f16].sum(axis=0), a[bf16].sum(axis=0)
+    g = estimate.dispatch_times(m, plan, "gemms", tensor)
+    a = estimate.dispatch_times(m, plan, "attention", attention)
+    return float(base[~tensor_work].sum()), g[gemm].sum(axis=0), a[att].sum(axis=0)
 
 
 def engine_seconds(engine: str, m: estimate.Machine, lengths, run: str = "2026-09-02", tensor=None,
@@ -434,9 +432,8 @@ def engine_seconds(engine: str, m: estimate.Machine, lengths, run: str = "2026-0
     ``tensor`` and each attention efficiency of ``attention`` (default: ``m``'s), and the
     chunks of each length ([L]). ``run``: the published run (MLX-LM: which MLX build)."""
     _check(engine)
-    tensor = np.atleast_1d(np.asarray(m.path_efficiency["tensor_f16"] if tensor is None else tensor, dtype=float))
-    attention = np.atleast_1d(np.asarray(m.path_efficiency["tensor_bf16"] if attention is None else attention,
-                                         dtype=float))
+    tensor = np.atleast_1d(np.asarray(m.path_efficiency["tensor_bf16"] if tensor is None else tensor, dtype=float))
+    attention = np.atleast_1d(np.asarray(m.attention_efficiency if attention is None else attention, dtype=float))
     mm = replace(m, stage_gap=0.0)
     cache: dict = {}
     fixed, gemm, attn, n = [], [], [], []

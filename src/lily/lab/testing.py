@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from lily.checkpoint import ModelConfig, f32_to_bf16
+from lily.checkpoint import ModelConfig, bf16_to_f32, f32_to_bf16
 
 __all__ = [
     "PRESETS",
@@ -59,6 +59,7 @@ __all__ = [
     "write_mlx_checkpoint",
     "mlx_config",
     "cached_checkpoint",
+    "amplify_shared_expert",
     "default_cache_dir",
     "copy_tokenizer_files",
     "EOS_TOKEN_IDS",
@@ -1177,3 +1178,59 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def amplify_shared_expert(
+    model_dir: Union[str, os.PathLike],
+    out_dir: Union[str, os.PathLike],
+    *,
+    log2_factor: int,
+    group: int = 0,
+) -> Path:
+    """Copy the MLX checkpoint ``model_dir`` to ``out_dir`` with every layer's shared expert
+    made to feed its down projection values far beyond the half range (+-65504), the
+    documented overflow of Qwen-family FFN down-projection inputs (llama.cpp issue 26044).
+
+    With ``s = 2**log2_factor``, the ``gate_proj`` and ``up_proj`` rows of the channels
+    ``[64 group, 64 group + 64)`` are multiplied by ``s`` and ``down_proj``'s weights on
+    those input channels (one quantization group per row) by ``s**-2``: the down
+    projection's input ``silu(g) * u`` on those channels grows about ``s**2``-fold where
+    ``g > 0`` while the layer's output changes only through silu's curvature
+    (``silu(s g) s u / s**2 -> max(g, 0) u``). The factors act on the affine quantization's
+    bf16 scales and biases, which a power of two multiplies exactly (the codes are
+    unchanged), so reference and native engines read the same weights.
+
+    Returns ``Path(out_dir)``. Raises :class:`ValueError` if ``group`` is past the shared
+    expert's channels or a scaled value leaves the bf16 range, :class:`FileExistsError` for
+    an existing ``out_dir``.
+    """
+    from lily.checkpoint import open_checkpoint
+
+    out = Path(out_dir)
+    shutil.copytree(model_dir, out)  # raises FileExistsError
+    ckpt = open_checkpoint(out)
+    cfg = ckpt.config
+    channels = cfg.shared_expert_intermediate_size
+    if not 0 <= group < channels // Q_GROUP_SIZE:
+        raise ValueError(f"group {group}: the shared expert has {channels // Q_GROUP_SIZE} groups of {Q_GROUP_SIZE} channels")
+    rows = slice(group * Q_GROUP_SIZE, (group + 1) * Q_GROUP_SIZE)
+    for i in range(cfg.num_hidden_layers):
+        prefix = f"model.layers.{i}.mlp.shared_expert"
+        for proj, index, exponent in (("gate_proj", (rows, slice(None)), log2_factor),
+                                      ("up_proj", (rows, slice(None)), log2_factor),
+                                      ("down_proj", (slice(None), slice(group, group + 1)), -2 * log2_factor)):
+            for part in ("scales", "biases"):
+                t = ckpt.tensors[f"{prefix}.{proj}.{part}"]
+                if t.dtype != "BF16":
+                    raise ValueError(f"{prefix}.{proj}.{part}: {t.dtype}, expected BF16")
+                count = int(np.prod(t.shape))
+                with open(t.file, "r+b") as f:
+                    f.seek(t.start)
+                    v = bf16_to_f32(np.frombuffer(f.read(2 * count), np.uint16)).reshape(t.shape).copy()
+                    before = v[index].copy()
+                    v[index] = bf16_to_f32(f32_to_bf16(np.ldexp(before, exponent)))
+                    if not np.array_equal(np.ldexp(v[index], -exponent), before):  # inf, or below bf16's range
+                        raise ValueError(f"{prefix}.{proj}.{part}: 2**{exponent} leaves the bf16 range")
+                    f.seek(t.start)
+                    f.write(f32_to_bf16(v).tobytes())
+    return out

@@ -15,22 +15,19 @@ from lily.lab.kernels.gdn import (
     gdn_state_bytes, gdn_state_parts,
 )
 from lily.lab.kernels.harness import (
-    HALF_MAX, TOY, U, StubOracle, bf16_bits, check, f32, from_bf16, half_operand, ratio,
+    TOY, U, StubOracle, bf16_bits, bf16_operand, bf16_round, check, f32, from_bf16, ratio,
 )
 from lily.reference import l2_norm, sigmoid, silu
 
 
-def gdn_stored(want, tol, f=None):
+def gdn_stored(want, tol):
     """(want, tol) of a gated-norm output within tol of want (fp32 math) as out_proj stages it
-    (metal/gdn_prefill.metal): half(u * f_s) with u = gemm_half(want / f_s) and f_s rounded to
-    half, three half roundings (at most ~3 * 2**-11 of the magnitude, or 2**-25 each for
-    subnormals; a subnormal f_s, a split holding < 2**-28 of its head's y^2, is not met by
-    random inputs). ``f``: the splits' float64 factors per output (GdnPrefillLayer.scan_reference
-    with factors=True): u saturates at +-65504 before the factor (stored 65504 f_s); without
-    it the outputs are taken as not saturating."""
+    (metal/gdn_prefill.metal): bfloat(u * f_s) with u = bfloat(want / f_s) and f_s rounded to
+    half, two bfloat roundings and a half one (at most ~(2 * 2**-8 + 2**-11) of the magnitude,
+    or 2**-25 for a subnormal f_s, a split holding < 2**-28 of its head's y^2, which random
+    inputs do not meet). Nothing is clipped: bf16 has fp32's range."""
     want = np.asarray(want, np.float64)
-    want = np.clip(want, -HALF_MAX, HALF_MAX) if f is None else np.clip(want / f, -HALF_MAX, HALF_MAX) * f
-    return want, tol + 3.01 * 2.0**-11 * (np.abs(want) + tol) + 3 * 2.0**-25
+    return want, tol + 1.01 * (2 * 2.0**-8 + 2.0**-11) * (np.abs(want) + tol) + 3 * 2.0**-25
 
 
 GDN_SCAN_FOLD = _core.CONSTANTS["kGdnScanFold"]  # gdn_scan folds its pending decay once c * g < this
@@ -116,24 +113,24 @@ class GdnPrefillLayer:
         return gdn_folded(*self.state_parts())
 
     def inputs(self, M):
-        """Random projections qkv, z, b, a (float32); z holds half values (in_proj_z stores
-        half), so the decode step's fp32 z and the chunk's half z are the same numbers."""
+        """Random projections qkv, z, b, a (float32); z holds bfloat values (in_proj_z stores
+        bfloat), so the decode step's fp32 z and the chunk's bfloat z are the same numbers."""
         r = self.rng
-        return (f32(r.standard_normal((M, self.C))), half_operand(r.standard_normal((M, self.Hv * self.Dv))).astype(np.float32),
+        return (f32(r.standard_normal((M, self.C))), bf16_operand(r.standard_normal((M, self.Hv * self.Dv))).astype(np.float32),
                 f32(r.standard_normal((M, self.Hv))), f32(r.standard_normal((M, self.Hv))))
 
     def input_buffers(self, qkv, z, b, a):
-        """The projections as the chunk kernels read them (rows_buffer pairs): z half, the
+        """The projections as the chunk kernels read them (rows_buffer pairs): z bfloat, the
         others fp32."""
-        return (rows_buffer(self.dev, qkv), rows_buffer(self.dev, z, dtype=np.float16),
+        return (rows_buffer(self.dev, qkv), rows_buffer(self.dev, bf16_bits(z), dtype=np.uint16),
                 rows_buffer(self.dev, b), rows_buffer(self.dev, a))
 
     # ---- encoders: the prefill plan's own builders (csrc/runtime/families/gdn_prefill.h)
     def encode_scan(self, p, qkv, cin, z, b, a, outs, M):
-        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u and the splits' sums
-        of y^2) then gdn_norm_scale (the splits' factors), as the prefill chunk encodes them
-        (``lily._core.encode_gdn_scan`` / ``encode_gdn_norm_scale``). ``qkv``, ``z``, ``b``, ``a``:
-        (buffer, declared range) pairs from rows_buffer; ``outs``: out_buffers(M)."""
+        """gdn_scan (conv inline from ``qkv`` and the conv state ``cin``; u (bfloat) and the splits'
+        sums of y^2) then gdn_norm_scale (the splits' half factors), as the prefill chunk encodes
+        them (``lily._core.encode_gdn_scan`` / ``encode_gdn_norm_scale``). ``qkv``, ``z``, ``b``,
+        ``a``: (buffer, declared range) pairs from rows_buffer; ``outs``: out_buffers(M)."""
         (O, _), (SS, _), (F, _) = outs
         dims = (self.Hk, self.Hv, self.Dk, self.Dv, GDN_K)
         _core.encode_gdn_scan(p, *dims, tuple(self.W), qkv[0], b[0], a[0], z[0], cin, self.S, O, SS, M, GDN_EPS)
@@ -164,19 +161,19 @@ class GdnPrefillLayer:
         return self.normed(outs, M)[:M]
 
     def out_buffers(self, M):
-        """The scan's u (half) and sums of y^2 (fp32, per split) and the norm scale's factors
+        """The scan's u (bfloat) and sums of y^2 (fp32, per split) and the norm scale's factors
         (half, per split) for M rows, with spare rows (rows_out_buffer pairs)."""
         return (rows_out_buffer(self.dev, M, self.Hv * self.Dv, itemsize=2),
                 rows_out_buffer(self.dev, M, self.Hv * self.S_splits),
                 rows_out_buffer(self.dev, M, self.Hv * self.S_splits, itemsize=2))
 
     def normed(self, outs, M):
-        """The gated-norm output as out_proj (gemm_q4_add_hs) stages it, half(u * f) per element
-        (numpy's float16 product: the GEMM's half multiply), from ``outs`` (out_buffers) as
-        float32 [M + SPARE_ROWS, Hv*Dv]."""
-        u = download(outs[0][0], np.float16, (M + SPARE_ROWS, self.Hv * self.Dv))
-        f = download(outs[2][0], np.float16, (M + SPARE_ROWS, self.Hv * self.S_splits))
-        return (u * np.repeat(f, self.RV, axis=1)).astype(np.float32)
+        """The gated-norm output as out_proj (gemm_q4_add_hs) stages it, bfloat(u * f) per
+        element (the fp32 product rounded once: the GEMM's staging), from ``outs``
+        (out_buffers) as float32 [M + SPARE_ROWS, Hv*Dv]."""
+        u = download(outs[0][0], "bf16", (M + SPARE_ROWS, self.Hv * self.Dv))
+        f = download(outs[2][0], np.float16, (M + SPARE_ROWS, self.Hv * self.S_splits)).astype(np.float32)
+        return bf16_round(u * np.repeat(f, self.RV, axis=1))
 
     def decode_step(self, qkv, z, b, a, pos):
         """gdn_decode_step on one token at position pos (conv state pos % 2 -> (pos+1) % 2),
@@ -211,14 +208,13 @@ class GdnPrefillLayer:
         terms = [seq[j:j + M] * w[:, j] for j in range(GDN_K)]
         return silu(sum(terms)), f32(seq[-(GDN_K - 1):]), sum(np.abs(t) for t in terms)
 
-    def scan_reference(self, conv, z, b, a, S, factors=False):
+    def scan_reference(self, conv, z, b, a, S):
         """float64 scan of one chunk from the conv output (docs/model.md; the reference's loop).
 
         Returns the outputs o [M, Hv*Dv], the new state, and per output the error scale
         ``kappa * (|o| + |norm_w * silu(z)|)`` where ``kappa = rms_v(sum_k |S_vk q_k|) /
         rms_v(y_v)`` is the cancellation factor of the head's y = S q (the RMSNorm divides by
-        rms(y), so an error relative to the terms of y is amplified by kappa). ``factors``: also
-        the splits' norm factors sqrt(p_s / Dv + eps) / rms(y) per output (gdn_stored)."""
+        rms(y), so an error relative to the terms of y is amplified by kappa)."""
         Hk, Hv, Dk, Dv, M = self.Hk, self.Hv, self.Dk, self.Dv, len(conv)
         conv = conv.astype(np.float64)
         q = conv[:, :Hk * Dk].reshape(M, Hk, Dk)
@@ -243,12 +239,7 @@ class GdnPrefillLayer:
         o = y / rms * gate
         kappa = np.sqrt(np.mean(mag * mag, axis=-1, keepdims=True)) / rms
         scale = kappa * (np.abs(o) + np.abs(gate))
-        out = o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
-        if not factors:
-            return out
-        p = (y * y).reshape(M, Hv, self.S_splits, self.RV).sum(-1)
-        f = np.repeat(np.sqrt(p / Dv + GDN_EPS), self.RV, axis=-1).reshape(M, Hv, Dv) / rms
-        return (*out, f.reshape(M, Hv * Dv))
+        return o.reshape(M, Hv * Dv), S, scale.reshape(M, Hv * Dv)
 
 
 @check("gdn_conv_state")

@@ -1,4 +1,4 @@
-"""Dense GEMM twins (metal/gemm.metal, gemm_tensor.metal): the prefill GEMMs on half operands,
+"""Dense GEMM twins (metal/gemm.metal, gemm_tensor.metal): the prefill GEMMs on bfloat operands,
 the SwiGLU GEMM with its row scale, and the tensor-op probes."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from lily._core import kernel_params
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
-    TOY, U, check, half_activations, half_operand, half_stored, half_weights, model, rand_quant, ratio, run,
-    run_bound, upload_q,
+    HALF_MAX, TOY, U, bf16_activations, bf16_round, bf16_operand, bf16_stored, bf16_weights, check, model, rand_quant,
+    ratio, run, run_bound, upload_bf16, upload_q,
 )
 from lily.reference import silu
 
@@ -38,26 +38,27 @@ def gemm_bound(K):
 
 def gemm_ref(x, qt: QuantizedTensor, index=None):
     """(exact, tol) of y = x W^T as the prefill GEMMs compute it (metal/gemm_tiles.h): both
-    operands rounded to half (half_operand, half_weights), each product exact in fp32 (11 x
-    11 significant bits), summed in fp32 in some order. exact is the float64 product of the
-    rounded operands; tol = (K + 8) u M with M = |xh| |wh|^T (gemm_bound: the fp32 sum in any
-    order) plus |xh| dw^T (a contracted dequantization). The half rounding itself is modelled,
-    not tolerated, so the bound stays that of an fp32 GEMM."""
-    xh = half_operand(x)
-    wh, dw = half_weights(qt, index)
-    ax = np.abs(xh)
-    return xh @ wh.T, gemm_bound(x.shape[-1]) * (ax @ np.abs(wh).T) + ax @ dw.T
+    operands rounded to bfloat (bf16_operand, bf16_weights), each product exact in fp32 (8 x 8
+    significant bits), summed in fp32 in some order. exact is the float64 product of the
+    rounded operands; tol = (K + 8) u |xb| |wb|^T (gemm_bound: the fp32 sum in any order). The
+    bf16 rounding itself is modelled, not tolerated, so the bound stays that of an fp32 GEMM,
+    whatever the magnitudes (nothing is clipped)."""
+    xb = bf16_operand(x)
+    wb = bf16_weights(qt, index)
+    return xb @ wb.T, gemm_bound(x.shape[-1]) * (np.abs(xb) @ np.abs(wb).T)
 
 
 def swiglu_bound(g, u, dg, du):
     """h = silu(g) * u and a first-order bound of its error for |g err| <= dg, |u err| <= du:
     |silu'| <= 1.1, plus a few roundings of the activation itself."""
-    h = silu(g) * u
-    return h, 1.1 * np.abs(u) * dg + np.abs(silu(g)) * du + 8 * U * np.abs(h)
+    with np.errstate(over="ignore"):  # silu of a large negative gate: exp overflows, x / inf = -0
+        sg = silu(g)
+    h = sg * u
+    return h, 1.1 * np.abs(u) * dg + np.abs(sg) * du + 8 * U * np.abs(h)
 
 
 def swiglu_ref(x, g_q, u_q, index=None, scale=None):
-    """silu(x Wg^T) * (x Wu^T) in float64 from the prefill GEMMs' half operands (gemm_ref)
+    """silu(x Wg^T) * (x Wu^T) in float64 from the prefill GEMMs' bfloat operands (gemm_ref)
     and its first-order error bound; with ``scale`` (fp32 [m], gemm_swiglu_q4's row scale)
     each row times its scale, one more fp32 rounding."""
     g, dg = gemm_ref(x, g_q, index)
@@ -68,6 +69,23 @@ def swiglu_ref(x, g_q, u_q, index=None, scale=None):
     s = np.asarray(scale, np.float64)[:, None]
     h = h * s
     return h, tol * np.abs(s) + U * np.abs(h)
+
+
+def beyond_half(rng, shape, reach=10.0):
+    """Standard normal values, one element of every third row set to +-``reach`` times the
+    largest half (65504): inputs outside half's range, as activations of Qwen-family
+    checkpoints can be (llama.cpp #26223, vLLM #33972; docs/prefill.md, "Operand precision"),
+    which nothing may clip; the other rows keep the bound tight for ordinary values."""
+    rows = rng.standard_normal(shape).reshape(-1, shape[-1])
+    big = np.arange(0, rows.shape[0], 3)
+    rows[big, rng.integers(0, shape[-1], big.size)] = reach * HALF_MAX * rng.choice([-1.0, 1.0], big.size)
+    return rows.reshape(shape).astype(np.float32)
+
+
+def scaled_operand(x, s, shift):
+    """The A operand of gemm_q4_add_hs: bfloat x times its half scale s per 2^shift elements,
+    the fp32 product rounded to bfloat once (gemm_tiles.h GemmAScaled)."""
+    return bf16_round(np.asarray(x, np.float32) * np.repeat(np.asarray(s, np.float32), 1 << shift, axis=1))
 
 
 ROW_SCALE_BINDING = 9  # gemm_swiglu_q4(_tensor): g at buffer(9), GemmRowScaleArgs at buffer(10)
@@ -90,15 +108,16 @@ def row_scale_bindings(dev, w, col):
             [(G, off, 4 * ((m - 1) * ld + 1))])
 
 
-@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_half", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
-       "gemm_q4_add_h_tensor", "gemm_q4_half_tensor", "gemm_q4_add_hs_tensor")
+@check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_bf16", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
+       "gemm_q4_add_h_tensor", "gemm_q4_bf16_tensor", "gemm_q4_add_hs_tensor")
 def _gemm(dev, rng, kernel, size=TOY):
-    """gemm_q4_half: y stored as half (the GDN z, the attention's q|gate, k, v);
-    gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj). Model
-    size, a chunk of size.rows rows through: gemm_q4 and _half the attention's q|gate
-    projection (16 heads of 2 x 256 from the hidden 2048), _add_h its o_proj, _add_hs the
-    DeltaNet out_proj (32 value heads of 128 to the hidden), gemm_q8 the router (256 experts)."""
-    bits, add, half_y, scaled = kernel_params(kernel)["q"], "_add" in kernel, "_half" in kernel, "_add_hs" in kernel
+    """gemm_q4_bf16: y stored as bfloat (the GDN z, the attention's q|gate, k, v);
+    gemm_q4_add_hs: x times a half scale per 32 elements of a row (the GDN out_proj). Rows
+    reach 10x the half range (nothing is clipped). Model size, a chunk of size.rows rows
+    through: gemm_q4 and _bf16 the attention's q|gate projection (16 heads of 2 x 256 from the
+    hidden 2048), _add_h its o_proj, _add_hs the DeltaNet out_proj (32 value heads of 128 to
+    the hidden), gemm_q8 the router (256 experts)."""
+    bits, add, bf_y, scaled = kernel_params(kernel)["q"], "_add" in kernel, "_bf16" in kernel, "_add_hs" in kernel
     if size.model:
         c = model()
         H = c.hidden_size
@@ -109,11 +128,11 @@ def _gemm(dev, rng, kernel, size=TOY):
     else:
         m, n, k = 33, 70, 128
     qt = rand_quant(rng, (), n, k, bits)
-    x = half_activations(rng.standard_normal((m, k)))  # half activations (their producers convert)
+    x = bf16_activations(beyond_half(rng, (m, k)))  # bf16 activations (their producers round)
     y0 = rng.standard_normal((m, n)).astype(np.float32)
     W, S, B = upload_q(dev, qt)
-    X = upload(dev, x)
-    Y = upload(dev, y0) if add else dev.buffer((2 if half_y else 4) * m * n)
+    X = upload_bf16(dev, x)
+    Y = upload(dev, y0) if add else dev.buffer((2 if bf_y else 4) * m * n)
     bm, tg = gemm_geometry(kernel)
     grid, bufs = (-(-n // GEMM_BN), -(-m // bm)), [W, S, B, X, Y]
     if scaled:
@@ -122,7 +141,7 @@ def _gemm(dev, rng, kernel, size=TOY):
         F = upload(dev, f)
         run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, gemm_args(m, n, k)), (7, pack_args("GemmAScaleArgs", shift=shift))],
             reads=[W, S, B, X, Y, F], writes=[Y])
-        x = x * np.repeat(f, 1 << shift, axis=1)  # the staged half product (float16 x float16)
+        x = scaled_operand(x, f, shift)
     else:
         run_bound(dev, kernel, grid, tg, bufs, gemm_args(m, n, k),
                   reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
@@ -130,9 +149,9 @@ def _gemm(dev, rng, kernel, size=TOY):
     if add:
         exact = exact + y0
         tol = tol + 2 * U * np.abs(exact)
-    if half_y:
-        exact, tol = half_stored(exact, tol)
-    got = download(Y, np.float16 if half_y else np.float32, (m, n)).astype(np.float32)
+    if bf_y:
+        exact, tol = bf16_stored(exact, tol)
+    got = download(Y, "bf16" if bf_y else np.float32, (m, n))
     return ratio(got, exact, tol, f"{kernel} {m}x{n}x{k}")
 
 
@@ -142,16 +161,16 @@ def _gemm_swiglu(dev, rng, kernel, size=TOY):
     c = size.model and model()
     m, n, k = size.pick((21, 70, 128), (size.rows, c and c.shared_expert_intermediate_size, c and c.hidden_size))
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
-    x = half_activations(rng.standard_normal((m, k)))
+    x = bf16_activations(beyond_half(rng, (m, k)))
     w, col = row_scale(rng, m)
     sb, sc, sr = row_scale_bindings(dev, w, col)
     bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
-    X, Y = upload(dev, x), dev.buffer(2 * m * n)  # half in, half out
+    X, Y = upload_bf16(dev, x), dev.buffer(2 * m * n)  # bfloat in, bfloat out
     bm, tg = gemm_geometry(kernel)
     run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), *sb],
         [(8, gemm_args(m, n, k)), *sc], reads=[*bufs, X, *sr], writes=[Y])
-    want, tol = half_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
-    return ratio(download(Y, np.float16, (m, n)).astype(np.float32), want, tol, f"{kernel} {m}x{n}x{k}")
+    want, tol = bf16_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
+    return ratio(download(Y, "bf16", (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
 
 
 def _probe_ratio(out, a, b, what):
@@ -160,13 +179,13 @@ def _probe_ratio(out, a, b, what):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel, size=TOY):
-    """For x float32 [64, 64] (metal/gemm_tensor.metal): out = h(x[:32]) h(x)^T (h =
-    half_operand) against an fp32 sum's bound."""
+    """For x float32 [64, 64] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
+    bf16_operand) against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
     X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
     run(dev, kernel, 1, 128, [(0, X), (1, O)], reads=[X], writes=[O])
-    xh = half_operand(x)
-    return _probe_ratio(O, xh[:32], xh.T, kernel)
+    xb = bf16_operand(x)
+    return _probe_ratio(O, xb[:32], xb.T, kernel)
 
 
 @check("tensor_ops_probe_bfloat")

@@ -1,5 +1,5 @@
 """The kernel twins' harness: one dispatch on a device, random MLX-quantized tensors and the
-half/bf16 operand models, and the error-ratio machinery every check reports (argument structs
+bf16 operand models, and the error-ratio machinery every check reports (argument structs
 are packed by field name: lily.lab.device.pack_args).
 
 A check's result is the worst ratio of |got - exact| to the kernel's tolerance (PASS when <= 1;
@@ -20,7 +20,7 @@ from lily.reference import ReferenceModel
 
 U = 2.0**-24          # fp32 unit roundoff
 DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
-HALF_MAX = 65504.0   # the GEMMs clamp their half operands to +-HALF_MAX (kGemmHalfMax)
+HALF_MAX = 65504.0   # the largest finite half: the tests' inputs reach beyond it (nothing is clipped)
 to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
 
 
@@ -66,46 +66,44 @@ def gemv_exact(qt: QuantizedTensor, x, block: int = 8192) -> tuple[np.ndarray, n
     return exact, mag
 
 
-def half_operand(x) -> np.ndarray:
-    """x as the prefill GEMMs stage it (gemm_half, metal/gemm_tiles.h): clamped to +-65504,
-    rounded to half (nearest even); float64."""
-    return half_activations(x).astype(np.float64)
+def bf16_round(x) -> np.ndarray:
+    """float32 x rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as float32:
+    what a kernel's ``bfloat(v)`` stores. bf16 has fp32's range: nothing is clipped."""
+    return from_bf16(f32_to_bf16(np.asarray(x, np.float32)))
 
 
-def half_activations(x) -> np.ndarray:
-    """x as the producers of the prefill GEMMs' inputs store it (rms_norm_half, the SwiGLU
-    GEMMs: gemm_half of metal/common.h): clamped to +-65504, rounded to half; float16."""
-    return np.clip(np.asarray(x, np.float32), -HALF_MAX, HALF_MAX).astype(np.float16)
+def bf16_activations(x) -> np.ndarray:
+    """x as the producers of the prefill GEMMs' inputs store it (rms_norm_bf16, the SwiGLU
+    GEMMs, the scan, the attention: bfloat rounded from fp32, metal/common.h); float32 values
+    exactly representable in bf16 (upload them with :func:`upload_bf16`)."""
+    return bf16_round(x)
 
 
-def half_stored(want, tol):
-    """(want, tol) of an fp32 result within tol of want, stored as half (nearest): the
-    rounding adds at most 2**-11 of the stored magnitude, or 2**-25 for subnormals."""
+def bf16_operand(x) -> np.ndarray:
+    """x as a bfloat matrix operand (the prefill GEMMs' and attention's), float64."""
+    return bf16_round(x).astype(np.float64)
+
+
+def upload_bf16(dev, x):
+    """A buffer holding x (float) as bfloat16, rounded to nearest even."""
+    return upload(dev, f32_to_bf16(np.asarray(x, np.float32)))
+
+
+def bf16_stored(want, tol):
+    """(want, tol) of an fp32 result within tol of want, stored as bfloat (nearest): the
+    rounding adds at most 2**-8 of the stored magnitude, or 2**-134 for subnormals."""
     want = np.asarray(want, np.float64)
-    return want, tol + 2.0**-11 * (np.abs(want) + tol) + 2.0**-25
+    return want, tol + 2.0**-8 * (np.abs(want) + tol) + 2.0**-134
 
 
-def half_weights(qt: QuantizedTensor, index=None) -> tuple[np.ndarray, np.ndarray]:
-    """(wh, dw) float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage
-    them (gemm_load_w, metal/gemm_tiles.h), and dw = |wh - wf|, where wf is the weight a GPU
-    gives and wh may not: a group whose extremes b and s (2^bits - 1) + b stay within
-    +-65504 is dequantized as fma(q, half(s), half(b)) in half, which a GPU rounds once
-    (wf = half(q s_h + b_h)) and the simulator and numpy round through fp32 first (wh =
-    half(fp32(q s_h + b_h)); q s_h is exact in fp32); any other group in fp32 and clamped,
-    wh = half(clamp(fp32(fp32(s q) + b))) stepwise, wf with the fp32 fma a GPU compiler may
-    contract it to."""
+def bf16_weights(qt: QuantizedTensor, index=None) -> np.ndarray:
+    """float64 [*, rows, cols]: the dequantized weights as the prefill GEMMs stage them
+    (GemmWItems::put, metal/gemm_tiles.h): bfloat(fma(q, s, b)) in fp32. q s is exact in fp32
+    (8 x 8 significant bits at most), so the fma and the separate multiply-add round the same
+    way: the fp32 sum, then bf16, both to nearest even; a GPU gives exactly these values."""
     q, s, b = _codes(qt, index)
-    top = float((1 << qt.bits) - 1)
-    s32, b32 = s.astype(np.float32), b.astype(np.float32)
-    sat = np.maximum(np.abs(b32), np.abs(s32 * np.float32(top) + b32)) > HALF_MAX
-    with np.errstate(over="ignore"):
-        sh, bh = s32.astype(np.float16).astype(np.float64), b32.astype(np.float16).astype(np.float64)
-    in_half = np.where(sat, 0.0, q * sh + bh)  # exact in float64
-    stepwise = np.where(sat, half_operand((q * s).astype(np.float32) + b32),
-                        in_half.astype(np.float32).astype(np.float16))
-    fused = np.where(sat, half_operand((q * s + b).astype(np.float32)), in_half.astype(np.float16))
-    wh, wf = stepwise.astype(np.float64), fused.astype(np.float64)
-    return wh.reshape(*q.shape[:-2], -1), np.abs(wh - wf).reshape(*q.shape[:-2], -1)
+    w32 = (q * s + b).astype(np.float32)  # q s + b is exact in float64; one fp32 rounding
+    return bf16_round(w32).astype(np.float64).reshape(*q.shape[:-2], -1)
 
 
 def upload_q(dev, qt: QuantizedTensor):

@@ -9,21 +9,37 @@ from lily import _core
 from lily._core import kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref
+from lily.lab.kernels.gemm import beyond_half
 from lily.lab.kernels.harness import (
-    TOY, U, Mismatch, check, half_activations, half_stored, model, rand_quant, ratio, run_encoder, to_bf16_bits,
+    TOY, U, Mismatch, bf16_activations, bf16_stored, check, model, rand_quant, ratio, run_encoder, to_bf16_bits,
+    upload_bf16,
     upload_q,
 )
-from lily.lab.kernels.norm import norm_half_ref
+from lily.lab.kernels.norm import norm_bf16_ref
 from lily.reference import sigmoid, softmax
 
 # Grouped GEMM kernels per tile height T: threads of both kernels, output columns per
-# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry). T = 128: the
-# tensor-op path only (moe_gemm_*_q4_t128_tensor, no simdgroup_matrix twin).
-MOE_TG = {16: 64, 32: 128, 64: 128, 128: 256}
-MOE_BN = {16: 64, 32: 64, 64: 32, 128: 32}
-MOE_DOWN_BN = {16: 64, 32: 64, 64: 64, 128: 64}
+# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry), on the
+# simdgroup_matrix path (moe_prefill.metal) and on the tensor-op path (moe_prefill_tensor.metal:
+# 32 columns of gate and of up, 64 of down, at every T). T = 128: the tensor-op path only
+# (moe_gemm_*_q4_t128_tensor, no simdgroup_matrix twin).
+MOE_TG = {16: 64, 32: 128, 64: 128}
+MOE_BN = {16: 64, 32: 64, 64: 32}
+MOE_DOWN_BN = {16: 64, 32: 64, 64: 64}
+MOE_TENSOR_TG = {16: 64, 32: 128, 64: 128, 128: 256}
+MOE_TENSOR_BN = dict.fromkeys(MOE_TENSOR_TG, 32)
+MOE_TENSOR_DOWN_BN = dict.fromkeys(MOE_TENSOR_TG, 64)
 MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (csrc/runtime/runtime.h kExpertTileRows)
 MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops only (PrefillPlan::expert_tile_available)
+
+
+def moe_geometry(T: int, tensor: bool) -> tuple[int, int, int]:
+    """(threads, gate/up output columns, down output columns) per threadgroup of the grouped
+    GEMMs of tile height T on a path (``tensor``: the ``_tensor`` kernels; T = 128 exists on
+    that path only)."""
+    if tensor or T not in MOE_TG:
+        return MOE_TENSOR_TG[T], MOE_TENSOR_BN[T], MOE_TENSOR_DOWN_BN[T]
+    return MOE_TG[T], MOE_BN[T], MOE_DOWN_BN[T]
 
 
 def route_tg(E):
@@ -117,7 +133,7 @@ def combine_args(M, H, k) -> bytes:
 
 
 def enc_combine(p, h, yx, w, M, H, k, tg=64):
-    """moe_combine: h fp32 [M, H] (updated), yx half [M*k, H], w fp32 [M, k+1] (its last
+    """moe_combine: h fp32 [M, H] (updated), yx bfloat [M*k, H], w fp32 [M, k+1] (its last
     column, the shared gate, is not read: the shared expert is already in h)."""
     p.dispatch("moe_combine", (H // 4, M), (tg, 1),
                buffers=[(0, h), (1, yx), (2, w)], constants=[(3, combine_args(M, H, k))],
@@ -126,14 +142,15 @@ def enc_combine(p, h, yx, w, M, H, k, tg=64):
 
 
 def combine_inputs(rng, M, H, k):
-    """Random operands of moe_combine(_norm): h fp32 [M, H], yx half [M*k, H] (as the down
-    projections store it), w fp32 [M, k+1] in [0, 1)."""
-    return (rng.standard_normal((M, H)).astype(np.float32), half_activations(rng.standard_normal((M * k, H))),
+    """Random operands of moe_combine(_norm): h fp32 [M, H], yx bfloat-valued float32
+    [M*k, H] (as the down projections store it; some rows beyond the half range), w fp32
+    [M, k+1] in [0, 1)."""
+    return (rng.standard_normal((M, H)).astype(np.float32), bf16_activations(beyond_half(rng, (M * k, H))),
             rng.random((M, k + 1)).astype(np.float32))
 
 
 def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
-    """moe_combine_norm: enc_combine's operands, then xn half [M, H] = RMSNorm(h) * nw (bf16
+    """moe_combine_norm: enc_combine's operands, then xn bfloat [M, H] = RMSNorm(h) * nw (bf16
     [H]); one threadgroup of tg threads per row."""
     p.dispatch("moe_combine_norm", M, tg,
                buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
@@ -143,7 +160,7 @@ def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
 
 
 def combine_ref(h, yx, w):
-    """(want, tol) of moe_combine on the values it reads (yx: the half outputs as stored);
+    """(want, tol) of moe_combine on the values it reads (yx: the bfloat outputs as stored);
     float64, the bound of tests/kernels/test_moe_prefill.py's docstring."""
     M, k = w.shape[0], w.shape[1] - 1
     H = h.shape[1]
@@ -157,7 +174,9 @@ def combine_ref(h, yx, w):
 def make_routing(rng, M, E, k, T, skew):
     """Random top-k ids [M, k] (distinct per row), the grouped order perm (experts in
     increasing order, slots of one expert in *random* order) and the tile map.
-    skew: one expert is chosen by ~90% of the rows and half of the experts never are."""
+    skew: one expert is chosen by ~90% of the rows and half of the experts never are; else
+    every expert is chosen at least once where M * k >= E (so the map holds at least one tile
+    per expert whatever the draw)."""
     if skew:
         hot = int(rng.integers(E))
         pool = np.setdiff1d(rng.choice(E, max(k + 1, E // 2), replace=False), [hot])
@@ -166,6 +185,13 @@ def make_routing(rng, M, E, k, T, skew):
         ids[rows, rng.integers(k, size=rows.sum())] = hot
     else:
         ids = np.stack([rng.choice(E, k, replace=False) for _ in range(M)])
+        if M * k >= E:  # the first ceil(E / k) rows deal out a permutation of the experts
+            deal = rng.permutation(E)
+            for r in range(-(-E // k)):
+                part = deal[r * k:(r + 1) * k]
+                rest = rng.choice(np.setdiff1d(np.arange(E), part), k - len(part), replace=False)
+                ids[r] = np.concatenate([part, rest])
+            ids = ids[rng.permutation(M)]
     flat = ids.reshape(-1).astype(np.uint32)
     perm = []
     tiles = []
@@ -211,7 +237,8 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
     lda, ldy = lda or H, ldy or I
     kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
     maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
-    p.dispatch(kernel, (max_tiles, -(-I // MOE_BN[T])), MOE_TG[T],
+    tg, bn, _ = moe_geometry(T, kernel.endswith("_tensor"))
+    p.dispatch(kernel, (max_tiles, -(-I // bn)), tg,
                buffers=[(0, X), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
                constants=[(11, moe_args(I, H, M, k, E, lda, ldy, tile_rows or T))],
                reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, *map_reads, *gb, *ub],
@@ -220,11 +247,12 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
 
 def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
                       cls=None, tile_rows=None, tag=0):
-    """moe_gemm_down_q4_t{T}: YX half [M*k, ldy]; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
+    """moe_gemm_down_q4_t{T}: YX bfloat [M*k, ldy]; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
     lda, ldy = lda or I, ldy or H
     kernel = kernel or f"moe_gemm_down_q4_t{T}"
     maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
-    p.dispatch(kernel, (max_tiles, -(-H // MOE_DOWN_BN[T])), MOE_TG[T],
+    tg, _, bn = moe_geometry(T, kernel.endswith("_tensor"))
+    p.dispatch(kernel, (max_tiles, -(-H // bn)), tg,
                buffers=[(0, HX), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
                constants=[(8, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T))],
                reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, *map_reads, *db],
@@ -304,13 +332,13 @@ def _moe_route_scatter(dev, rng, kernel, size=TOY):
 
 @check("moe_combine", "moe_combine_norm")
 def _moe_combine(dev, rng, kernel, size=TOY):
-    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as half.
+    """moe_combine_norm: h as moe_combine, and xn, the RMSNorm of the h it wrote, as bfloat.
     Model size: size.rows rows of the hidden 2048, top 8."""
     norm = kernel.endswith("_norm")
     c = size.model and model()
     M, H, k = size.pick((9, 256, 4), c and (size.rows, c.hidden_size, c.num_experts_per_tok))
     h, yx, w = combine_inputs(rng, M, H, k)
-    Hb, Y, Wt = (upload(dev, a) for a in (h, yx, w))
+    Hb, Y, Wt = upload(dev, h), upload_bf16(dev, yx), upload(dev, w)
     if norm:
         nw, XN = to_bf16_bits(1 + 0.3 * rng.standard_normal(H)), dev.buffer(2 * M * H)
         run_encoder(dev, enc_combine_norm, Hb, Y, Wt, upload(dev, nw), XN, M, H, k)
@@ -320,8 +348,8 @@ def _moe_combine(dev, rng, kernel, size=TOY):
     want, tol = combine_ref(h.astype(np.float64), yx, w)
     r = ratio(hout, want, tol, kernel + " h")
     if norm:
-        want, tol = norm_half_ref(hout, nw)
-        r = max(r, ratio(download(XN, np.float16, (M, H)).astype(np.float32), want, tol, kernel + " xn"))
+        want, tol = norm_bf16_ref(hout, nw)
+        r = max(r, ratio(download(XN, "bf16", (M, H)), want, tol, kernel + " xn"))
     return r
 
 
@@ -352,19 +380,19 @@ def _moe_gemm_gate_up(dev, rng, kernel, size=TOY):
     T, E, k, H, I, M, skew = _expert_shape(kernel, size)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     gq, uq = rand_quant(rng, (E,), I, H, 4), rand_quant(rng, (E,), I, H, 4)
-    x = half_activations(rng.standard_normal((M, H)))
-    X, P = upload(dev, x), upload(dev, perm)
+    x = bf16_activations(beyond_half(rng, (M, H)))
+    X, P = upload_bf16(dev, x), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    HX = dev.buffer(2 * M * k * I)  # half
+    HX = dev.buffer(2 * M * k * I)  # bfloat
     cb = dev.command_buffer()
     enc_moe_gemm_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, list(upload_q(dev, gq)), list(upload_q(dev, uq)),
                          HX, M, k, E, H, I, kernel=kernel)
     cb.commit()
     cb.wait()
-    hx = download(HX, np.float16, (M * k, I)).astype(np.float32)
+    hx = download(HX, "bf16", (M * k, I))
     r = 0.0
     for e, begin, rows, _ in tiles:
-        want, tol = half_stored(*swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e)))
+        want, tol = bf16_stored(*swiglu_ref(x[perm[begin:begin + rows] // k], gq, uq, int(e)))
         r = max(r, ratio(hx[begin:begin + rows], want, tol, f"{kernel} expert {e}"))
     return r
 
@@ -374,19 +402,19 @@ def _moe_gemm_down(dev, rng, kernel, size=TOY):
     T, E, k, H, I, M, skew = _expert_shape(kernel, size)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
     dq = rand_quant(rng, (E,), H, I, 4)
-    hx = half_activations(rng.standard_normal((M * k, I)) * 0.1)
-    HX, P = upload(dev, hx), upload(dev, perm)
+    hx = bf16_activations(beyond_half(rng, (M * k, I)))
+    HX, P = upload_bf16(dev, hx), upload(dev, perm)
     TL, TC, max_tiles = tile_buffers(dev, tiles, len(tiles), M, E, k, T)
-    YX = dev.buffer(2 * M * k * H)  # half
+    YX = dev.buffer(2 * M * k * H)  # bfloat
     cb = dev.command_buffer()
     enc_moe_gemm_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, list(upload_q(dev, dq)), YX, M, k, E, H, I,
                       kernel=kernel)
     cb.commit()
     cb.wait()
-    yx = download(YX, np.float16, (M * k, H)).astype(np.float32)
+    yx = download(YX, "bf16", (M * k, H))
     r = 0.0
     for e, begin, rows, _ in tiles:
         a = perm[begin:begin + rows]
-        want, tol = half_stored(*gemm_ref(hx[begin:begin + rows], dq, int(e)))
+        want, tol = bf16_stored(*gemm_ref(hx[begin:begin + rows], dq, int(e)))
         r = max(r, ratio(yx[a], want, tol, f"{kernel} expert {e}"))
     return r
