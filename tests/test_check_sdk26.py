@@ -178,43 +178,42 @@ def test_operand_combinations_resolve_aliases_functions_slices_and_cooperative_t
 
 @pytest.mark.parametrize("probe_operand, probe, ok", [("bfloat", "tensor_ops_probe_bfloat", True),
                                                       ("half", "tensor_ops_probe_bfloat", False),
-                                                      ("bfloat", "tensor_ops_probe", False)])
-def test_tensor_check_passes_a_combination_missing_from_the_table_only_when_its_probe_runs_it(
+                                                      ("bfloat", "tensor_ops_probe", True),
+                                                      ("half", "tensor_ops_probe", False)])
+def test_tensor_check_passes_a_combination_missing_from_the_table_only_when_a_probe_runs_it(
         tool, tmp_path, capsys, probe_operand, probe, ok):
-    """A bfloat combination the table lacks must be run by tensor_ops_probe_bfloat (whose
-    failure takes only the attention off the tensor path), not by tensor_ops_probe (whose
-    failure would take the GEMMs off too)."""
+    """A combination the table lacks must be run by one of the probes: prefill takes its tensor
+    path only where both build (csrc/runtime/prefill.cpp), so either one failing on an OS without
+    it sends prefill to the simdgroup_matrix kernels before a shipped kernel could fail."""
     sdk = tmp_path / "sdk"
     _write(sdk, "MetalPerformancePrimitives", "MPPTensorOpsMatMul2d.h", MATMUL_H)
     _write(sdk, "MetalPerformancePrimitives", "__impl/MPPTensorOpsTypes.h", TYPES_H)
     assert tool.tensor_check(sdk, sources=_kernels(tmp_path, "bfloat", probe_operand, probe)) is ok
     out = capsys.readouterr().out
-    assert "half (threadgroup) x half (threadgroup) -> float (cooperative): in the table (guarded by " \
-           "tensor_ops_probe)" in out
+    assert "half (threadgroup) x half (threadgroup) -> float (cooperative): in the table" in out
     assert "bfloat (device) x bfloat (device) -> float (threadgroup): NOT in the table" in out
     if ok:
-        assert "tensor_ops_probe_bfloat runs it, so on an OS without it the prefill attention falls back" in out
-    if probe == "tensor_ops_probe":
-        assert "tensor_ops_probe runs bfloat (device) x bfloat (device) -> float (threadgroup), which " \
-               "tensor_ops_probe_bfloat guards" in out
+        assert f"{probe} runs it, so on an OS without it prefill's tensor path falls back" in out
+    else:
+        assert "NOT in the table and NOT run by any probe" in out
     assert "matmul2d_descriptor(...) parameters (type, default): same" in out
     assert "(bfloat only where the compiler defines __HAVE_BFLOAT__)" in out
 
 
-def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_its_probe(tool):
+def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_a_probe(tool):
     """The standing guarantee behind the check: whatever Apple's table says, an OS whose
     tensor library lacks a combination the shipped kernels use fails a probe at load (the
-    device then uses the simdgroup_matrix kernels), never a shipped kernel; and the GEMMs'
-    probe runs half operands only, so a library without bfloat ones (MacOSX 26.0's table)
-    fails only tensor_ops_probe_bfloat and keeps the tensor-op GEMMs."""
+    device then uses the simdgroup_matrix kernels), never a shipped kernel. Every tensor
+    kernel takes bfloat operands (nothing is clipped), so both probes run bfloat ones: a
+    library without them (MacOSX 26.0's table) takes prefill off the tensor path."""
     sources = [f for f in tool.tensor_sources() if not f.name.startswith("selftest")]
     combos = tool.operand_combinations(sources)
     shipped = {c for c, where in combos if tool.probe_of(where) is None}
     probes = {p: {c for c, where in combos if tool.probe_of(where) == p} for p in tool.PROBES}
     assert shipped and all(probes.values()), probes
     assert all(set(c[0:6:2]) <= tool.ELEMENT_TYPES for c in shipped | set().union(*probes.values()))
-    for c in shipped:
-        assert c in probes[tool.guarding_probe(c)], c
-    assert all(tool.guarding_probe(c) == p for p, cs in probes.items() for c in cs), probes
-    assert {c[0] for c in probes["tensor_ops_probe"]} == {"half"}
-    assert {c[0] for c in probes["tensor_ops_probe_bfloat"]} == {"bfloat"}
+    assert shipped <= set().union(*probes.values()), shipped - set().union(*probes.values())
+    # each probe runs its own family's operations: the GEMMs' (cooperative left input) and the attention's
+    assert {c[1] for c in probes["tensor_ops_probe"]} == {"cooperative"}
+    assert {c[1] for c in probes["tensor_ops_probe_bfloat"]} == {"device", "threadgroup"}
+    assert {c[0] for cs in probes.values() for c in cs} == {"bfloat"}

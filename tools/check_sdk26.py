@@ -306,16 +306,12 @@ def _member_template(text: str, member: str) -> list[str]:
 
 ELEMENT_TYPES = {"half", "float", "bfloat", "int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t"}
 _ELEM = r"(device|threadgroup|thread)\s+(?:const\s+)?(\w+)"
-# The load-time probe pipelines (csrc/gpu/metal/metal_device.mm) -> what falls back to
-# simdgroup_matrix when one does not build: each guards the combinations of its operand kind.
-PROBES = {"tensor_ops_probe": "every tensor kernel",            # gemm_tensor.metal: half operands
-          "tensor_ops_probe_bfloat": "the prefill attention"}   # attention_prefill_tensor.metal
-
-
-def guarding_probe(combo: tuple[str, ...]) -> str:
-    """The probe that must run a combination the table lacks: bfloat operands take only the
-    attention off the tensor path, anything else every tensor kernel."""
-    return "tensor_ops_probe_bfloat" if "bfloat" in combo[0:4:2] else "tensor_ops_probe"
+# The load-time probe pipelines (csrc/gpu/metal/metal_device.mm). Prefill takes its tensor path
+# only where both build (csrc/runtime/prefill.cpp: supports_tensor_ops() and
+# supports_bfloat_tensor_ops()), so a combination either one runs is guarded: an OS whose
+# library lacks it fails that probe and prefill runs the simdgroup_matrix kernels.
+PROBES = {"tensor_ops_probe": "the GEMMs' operation",                # gemm_tensor.metal
+          "tensor_ops_probe_bfloat": "the prefill attention's operations"}  # attention_prefill_tensor.metal
 
 
 def _tensor_names(texts: list[str]) -> dict[str, tuple[str, str]]:
@@ -347,9 +343,10 @@ def _operand(text: str, var: str, at: int, names: dict[str, tuple[str, str]], de
     e = " ".join(decl.group(1).split())
     if m := re.match(r"tensor<\s*" + _ELEM, e):
         return (m.group(2), m.group(1))
-    if m := re.search(r"get_destination_cooperative_tensor<(.*)>\s*\(\s*\)$", e):
-        args = [a.strip() for a in split_top(m.group(1).replace("<", "(").replace(">", ")"))]
-        return (args[2] if len(args) > 2 else "?", "cooperative")
+    if m := re.search(r"get_(destination|left_input|right_input)_cooperative_tensor<(.*)>\s*\(\s*\)$", e):
+        args = [a.strip() for a in split_top(m.group(2).replace("<", "(").replace(">", ")"))]
+        i = {"left_input": 0, "right_input": 1, "destination": 2}[m.group(1)]  # <left, right, destination> types
+        return (args[i] if len(args) > 2 else "?", "cooperative")
     if m := re.match(r"(\w+)\s*\.\s*(?:template\s+)?(?:slice|offset|static_slice)\b", e):
         return _operand(text, m.group(1), decl.start(), names, depth + 1)
     if m := re.match(r"(\w+)\s*[<(]", e):
@@ -466,24 +463,17 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
     print("  operand combinations of the shipped tensor kernels (A x B -> C, address spaces):")
     for c, wheres in sorted(by_combo.items()):
         listed = (c[0], c[2], c[4]) in table
-        guard = guarding_probe(c)
-        covered = c in probed[guard]
+        runs = [p for p in PROBES if c in probed[p]]
         unresolved = "?" in c or not {c[0], c[2], c[4]} <= ELEMENT_TYPES
         status = ("UNRESOLVED (the check cannot read these operands' types)" if unresolved
-                  else f"in the table (guarded by {guard})" if listed
-                  else f"NOT in the table; {guard} runs it, so on an OS without it {PROBES[guard]} falls back"
-                  if covered else f"NOT in the table and NOT run by {guard}")
-        ok &= not unresolved and (listed or covered)
+                  else "in the table" + (f" (also run by {', '.join(runs)})" if runs else "") if listed
+                  else f"NOT in the table; {runs[0]} runs it, so on an OS without it prefill's tensor path falls back"
+                  if runs else "NOT in the table and NOT run by any probe")
+        ok &= not unresolved and (listed or bool(runs))
         print(f"    {_combo_text(c)}: {status} [{', '.join(wheres)}]")
-    for p in PROBES:
-        missing = sorted(c for c in by_combo if guarding_probe(c) == p and c not in probed[p])
-        if missing:  # harmless where the table lists them; tests/test_check_sdk26.py requires none
-            print(f"  note: {p} does not run " + "; ".join(_combo_text(c) for c in missing))
-    wrong = sorted((p, c) for p in PROBES for c in probed[p] if guarding_probe(c) != p)
-    for p, c in wrong:  # e.g. a bfloat operation in the GEMMs' probe: no bfloat would cost the GEMMs
-        ok = False
-        print(f"  {p} runs {_combo_text(c)}, which {guarding_probe(c)} guards: an OS without it would take "
-              f"{PROBES[p]} off the tensor path")
+    missing = sorted(c for c in by_combo if not any(c in probed[p] for p in PROBES))
+    if missing:  # harmless where the table lists them; tests/test_check_sdk26.py requires none
+        print("  note: no probe runs " + "; ".join(_combo_text(c) for c in missing))
     if selftest:  # never shipped: its compile check is skipped, with a notice, if the SDK rejects it
         trip = {(c[0], c[2], c[4]) for c, _ in operand_combinations(selftest)}
         for f in selftest:
