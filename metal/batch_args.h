@@ -33,7 +33,22 @@ struct GemvBatchArgs {
 };
 #define LILY_ARGS_GemvBatchArgs(F) F(rows) F(x_stride) F(y_stride) F(ssq_stride)
 
-#define LILY_BATCH_ARG_STRUCTS(S) S(NormGemvBatchArgs) S(GemvBatchArgs)
+// moe_route_gate_up_batch_q4_b* / moe_down_batch_q4_b*: the batch-1 MoE kernels' work
+// (MoeRouteArgs / MoeArgs) for each row r < rows: its normalised x (x + r * x_stride; gate/up)
+// or residual (x + r * x_stride; down), router logits (logits + r * logits_stride), expert
+// hidden vector h + r * h_stride, expert ids ids + r * ids_stride and routing weights
+// weights + r * w_stride.
+struct MoeBatchArgs {
+  uint rows;           // 1 .. the kernel's b
+  uint x_stride;       // floats between two rows of x (xn, or the residual); a multiple of 4
+  uint h_stride;       // floats between two rows of h; a multiple of 4
+  uint ids_stride;     // uints between two rows of ids
+  uint w_stride;       // floats between two rows of the routing weights
+  uint logits_stride;  // floats between two rows of the router logits (gate/up)
+};
+#define LILY_ARGS_MoeBatchArgs(F) F(rows) F(x_stride) F(h_stride) F(ids_stride) F(w_stride) F(logits_stride)
+
+#define LILY_BATCH_ARG_STRUCTS(S) S(NormGemvBatchArgs) S(GemvBatchArgs) S(MoeBatchArgs)
 #define LILY_BATCH_CONSTANTS(C) C(kBatchMaxRows)
 
 #endif  // LILY_BATCH_ARGS_H

@@ -6,11 +6,17 @@
 // or in two after norm_gemv_q8 (router + shared gate rows, xn out):
 //   moe_route_gate_up_swiglu_q4  the routing recomputed per simdgroup (no barrier), then gate/up
 //   moe_down_q4
+// A batched decode step (issue 31) runs two, each over all its rows:
+//   moe_route_gate_up_batch_q4_b*  each row's routing (as the fused kernel's), then each expert
+//                                  of the union of the rows' picks and the shared expert read
+//                                  once, applied to every row that picked it
+//   moe_down_batch_q4_b*           the shared expert read once, each row's routed experts its own
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
 
 #include "common.h"
+#include "batch_args.h"
 #include "route.h"  // route_topk (shared with prefill), route_topk_simd: router softmax + top-k
 
 // ---- moe_route ------------------------------------------------------------------------
@@ -64,9 +70,61 @@ using namespace metal;
   }
 }
 
-// ---- gate/up rows of one slot (shared by the two gate/up kernels) ----------------------
-// Rows of slot `slot` (expert e, or the shared expert when shared) owned by this simdgroup
-// of threadgroup column tgx: h[slot * inter + row] = silu(Wg x)[row] * (Wu x)[row].
+// ---- gate/up rows of one slot (the gate/up kernels, batch 1 and batched) ----------------
+// Rows of one slot (gate/up matrices gw.., uw.. of `rows` rows: an expert's or the shared
+// expert's) owned by this simdgroup of threadgroup column tgx, for nb <= NR vectors x_i =
+// x + xo[i] (float4s): h[ho[i] + row] = silu(Wg x_i)[row] * (Wu x_i)[row]. Each weight chunk
+// is loaded once and applied to every vector, each in the order of NR = 1, so a batched row's
+// h is bit for bit its batch-1 one.
+template <uint NR>
+inline void gate_up_rows(device const float4* x, thread const uint* xo, device float* h,
+                         thread const uint* ho, uint nb, device const uint4* gw,
+                         device const bfloat* gs, device const bfloat* gb, device const uint4* uw,
+                         device const bfloat* us, device const bfloat* ub, uint hidden, uint rows,
+                         uint tgx, uint sg, uint nsg, uint lane) {
+  const uint chunks = hidden / 32;  // 4-bit: 32 codes per 16-byte chunk
+  const uint groups = hidden / kQuantGroup;
+  const QTeam t = q_team(chunks, kGateUpRowsPerSimdgroup, lane);
+  const uint row0 = (tgx * nsg + sg) * kGateUpRowsPerSimdgroup + t.team * t.rows;
+  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
+
+  float ag[NR][8];
+  float au[NR][8];
+  for (uint b = 0; b < NR; ++b) {
+    for (uint r = 0; r < 8; ++r) {
+      ag[b][r] = 0.0f;
+      au[b][r] = 0.0f;
+    }
+  }
+  if (nrows > 0) {
+    for (uint c = t.lane; c < chunks; c += t.size) {
+      QChunkRows wg;
+      QChunkRows wu;
+      q_chunk_load<4>(gw, gs, gb, chunks, groups, row0, nrows, c, wg);
+      q_chunk_load<4>(uw, us, ub, chunks, groups, row0, nrows, c, wu);
+      for (uint b = 0; b < NR; ++b) {
+        if (b < nb) {
+          float4 xs[QChunk<4>::float4s];
+          const float xsum = q_load_x<4>(x + xo[b], c, 1.0f, xs);
+          q_chunk_fma<4>(wg, nrows, xs, xsum, ag[b]);
+          q_chunk_fma<4>(wu, nrows, xs, xsum, au[b]);
+        }
+      }
+    }
+  }
+  for (uint b = 0; b < NR; ++b) {
+    if (b < nb) {  // uniform: every lane runs the same team reductions
+      const float g = team_reduce_rows(ag[b], t);
+      const float u = team_reduce_rows(au[b], t);
+      if (t.lane < nrows) {
+        h[ho[b] + row0 + t.lane] = silu(g) * u;
+      }
+    }
+  }
+}
+
+// Rows of slot `slot` (expert e, or the shared expert when shared) of one vector x, as the
+// batch-1 gate/up kernels compute them: h[slot * inter + row].
 inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                          device const uint4* gate_w, device const bfloat* gate_s,
                          device const bfloat* gate_b, device const uint4* up_w,
@@ -77,36 +135,14 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                          uint hidden, uint inter, uint inter_shared, uint tgx, uint sg, uint nsg,
                          uint lane) {
   const uint rows = shared ? inter_shared : inter;
-  const uint chunks = hidden / 32;  // 4-bit: 32 codes per 16-byte chunk
-  const uint groups = hidden / kQuantGroup;
-  const uint wo = e * rows * chunks;  // expert offset in chunks
-  const uint so = e * rows * groups;  // expert offset in groups
-  device const uint4* gw = shared ? sgate_w : gate_w + wo;
-  device const bfloat* gs = shared ? sgate_s : gate_s + so;
-  device const bfloat* gb = shared ? sgate_b : gate_b + so;
-  device const uint4* uw = shared ? sup_w : up_w + wo;
-  device const bfloat* us = shared ? sup_s : up_s + so;
-  device const bfloat* ub = shared ? sup_b : up_b + so;
-
-  const QTeam t = q_team(chunks, kGateUpRowsPerSimdgroup, lane);
-  const uint row0 = (tgx * nsg + sg) * kGateUpRowsPerSimdgroup + t.team * t.rows;
-  const uint nrows = row0 < rows ? min(t.rows, rows - row0) : 0u;
-
-  float ag[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  float au[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint c = t.lane; c < chunks; c += t.size) {
-      float4 xs[QChunk<4>::float4s];
-      const float xsum = q_load_x<4>(x, c, 1.0f, xs);
-      q_chunk_rows<4>(gw, gs, gb, chunks, groups, row0, nrows, c, xs, xsum, ag);
-      q_chunk_rows<4>(uw, us, ub, chunks, groups, row0, nrows, c, xs, xsum, au);
-    }
-  }
-  const float g = team_reduce_rows(ag, t);
-  const float u = team_reduce_rows(au, t);
-  if (t.lane < nrows) {
-    h[slot * inter + row0 + t.lane] = silu(g) * u;
-  }
+  const uint wo = e * rows * (hidden / 32);          // expert offset in chunks
+  const uint so = e * rows * (hidden / kQuantGroup);  // expert offset in groups
+  const uint xo[1] = {0u};
+  const uint ho[1] = {slot * inter};
+  gate_up_rows<1>(x, xo, h, ho, 1u, shared ? sgate_w : gate_w + wo, shared ? sgate_s : gate_s + so,
+                  shared ? sgate_b : gate_b + so, shared ? sup_w : up_w + wo,
+                  shared ? sup_s : up_s + so, shared ? sup_b : up_b + so, hidden, rows, tgx, sg,
+                  nsg, lane);
 }
 
 // ---- moe_gate_up_swiglu_q4 ------------------------------------------------------------
@@ -212,10 +248,78 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
-// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64
-// threads; each group of kGemvRowsPerSimdgroup (4) rows of the residual is shared by
-// kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
+// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64 threads; each group of kGemvRowsPerSimdgroup (4) rows of the residual is
+// shared by kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
 // split-K, joined by q_split_join).
+//
+// moe_down_body<NR>: that work for nb <= NR rows of a batched decode step, row b's h, ids,
+// weights and residual at + b * their stride; at each (slot, chunk) of the index space the
+// shared expert's weight chunk is loaded once for all rows, a routed slot's chunk per row (its
+// own expert), and each row accumulates in the order of NR = 1 (bit for bit its batch-1 sums).
+// part holds NR * kSplitJoinMax floats.
+template <uint NR>
+inline void moe_down_body(device const float4* h, uint h_stride, device const uint* ids,
+                          uint ids_stride, device const float* weights, uint w_stride,
+                          device const uint4* down_w, device const bfloat* down_s,
+                          device const bfloat* down_b, device const uint4* sdown_w,
+                          device const bfloat* sdown_s, device const bfloat* sdown_b,
+                          device float* residual, uint r_stride, uint nb, constant MoeArgs& args,
+                          threadgroup float* part, uint tg, uint sg, uint nsg, uint lane) {
+  const uint k = args.top_k;
+  const uint chunks = args.inter / 32;
+  const uint groups = args.inter / kQuantGroup;
+  const uint schunks = args.inter_shared / 32;
+  const uint sgroups = args.inter_shared / kQuantGroup;
+  const uint routed = k * chunks;
+  const uint total = routed + schunks;
+
+  const QTeam t = q_team(total, kGemvRowsPerSimdgroup, lane);
+  const uint ks = sg % kGemvSplitK;
+  const uint slot = sg / kGemvSplitK * kGemvRowsPerSimdgroup + t.team * t.rows;  // within the threadgroup
+  const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
+  const uint nrows = row0 < args.hidden ? min(t.rows, args.hidden - row0) : 0u;
+
+  float acc[NR][8];
+  for (uint b = 0; b < NR; ++b) {
+    for (uint r = 0; r < 8; ++r) {
+      acc[b][r] = 0.0f;
+    }
+  }
+  if (nrows > 0) {
+    for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
+      const bool shared = f >= routed;
+      const uint j = shared ? k : f / chunks;
+      const uint c = shared ? f - routed : f - j * chunks;
+      QChunkRows wr;
+      for (uint b = 0; b < NR; ++b) {
+        if (b < nb) {
+          if (!shared || b == 0) {
+            const uint e = shared ? 0u : min(ids[b * ids_stride + j], args.experts - 1u);
+            device const uint4* w = shared ? sdown_w : down_w + e * args.hidden * chunks;
+            device const bfloat* s = shared ? sdown_s : down_s + e * args.hidden * groups;
+            device const bfloat* bb = shared ? sdown_b : down_b + e * args.hidden * groups;
+            q_chunk_load<4>(w, s, bb, shared ? schunks : chunks, shared ? sgroups : groups, row0,
+                            nrows, c, wr);
+          }
+          float4 xs[QChunk<4>::float4s];
+          const float xsum =
+              q_load_x<4>(h + b * h_stride + j * args.inter / 4, c, weights[b * w_stride + j], xs);
+          q_chunk_fma<4>(wr, nrows, xs, xsum, acc[b]);
+        }
+      }
+    }
+  }
+  for (uint b = 0; b < NR; ++b) {
+    if (b < nb) {  // uniform: every thread joins the same splits
+      float v = team_reduce_rows(acc[b], t);
+      if (q_split_join(v, part + b * kSplitJoinMax, t.lane, nrows, slot, ks, kGemvSplitK) &&
+          t.lane < nrows) {
+        residual[b * r_stride + row0 + t.lane] += v;
+      }
+    }
+  }
+}
+
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_down_q4(device const float4* h [[buffer(0)]],         // [top_k * inter + inter_shared]
                         device const uint* ids [[buffer(1)]],          // [top_k]
                         device const float* weights [[buffer(2)]],     // [top_k + 1]
@@ -232,38 +336,140 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float part[kSplitJoinMax];
+  moe_down_body<1>(h, 0u, ids, 0u, weights, 0u, down_w, down_s, down_b, sdown_w, sdown_s, sdown_b,
+                   residual, 0u, 1u, args, part, tg, sg, nsg, lane);
+}
+
+// ---- batched decode (issue 31): the shared expert and the down projection of several rows ----
+// Bindings: the batch-1 kernel's, its buffers holding the rows one after another (strides in
+// MoeBatchArgs, batch_args.h), and that struct after the batch-1 one.
+
+// moe_route_gate_up_swiglu_q4 of nb = bargs.rows <= NR rows, each expert of the union of the
+// rows' picks read once: threadgroup grid (ceil(max(inter, inter_shared) / (kGateUpRowsPerSimdgroup
+// * simdgroups)), rows * top_k + 1). Column y = b * top_k + j < rows * top_k is row b's slot j:
+// every simdgroup routes row b as the batch-1 kernel does (route_topk_simd, j + 1 rounds; the
+// leader, threadgroup (0, b * top_k) simdgroup 0, all k, storing row b's ids and weights), so
+// it has expert e. Then, from each other row's router logits, the round at which that row
+// picks e (route_rank_simd: no row's picks need another's stores, so no barrier stage): a
+// column whose expert an earlier row also picked stops (that row's column serves it), the
+// others load e's gate/up chunks once for row b and every later row that picked e, each into
+// its own slot. The last column is the shared expert for every row (slot top_k). Each row's
+// ids, weights and h are bit for bit its batch-1 dispatch's (gate_up_rows, the same routing);
+// rows whose router probabilities hold fewer than top_k finite values (NaN logits) may differ.
+template <uint NR>
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_route_gate_up_batch_q4(
+    device const float4* x [[buffer(0)]],        // [rows, x_stride] normalised inputs (xn)
+    device const float* logits [[buffer(1)]],    // [rows, logits_stride] router logits | shared gate logit
+    device const uint4* gate_w [[buffer(2)]],    // switch_mlp.gate_proj.weight [E, inter, hidden/8]
+    device const bfloat* gate_s [[buffer(3)]],   // switch_mlp.gate_proj.scales [E, inter, hidden/64]
+    device const bfloat* gate_b [[buffer(4)]],   // switch_mlp.gate_proj.biases
+    device const uint4* up_w [[buffer(5)]],      // switch_mlp.up_proj.weight [E, inter, hidden/8]
+    device const bfloat* up_s [[buffer(6)]],     // switch_mlp.up_proj.scales
+    device const bfloat* up_b [[buffer(7)]],     // switch_mlp.up_proj.biases
+    device const uint4* sgate_w [[buffer(8)]],   // shared_expert.gate_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sgate_s [[buffer(9)]],  // shared_expert.gate_proj.scales
+    device const bfloat* sgate_b [[buffer(10)]], // shared_expert.gate_proj.biases
+    device const uint4* sup_w [[buffer(11)]],    // shared_expert.up_proj.weight [inter_shared, hidden/8]
+    device const bfloat* sup_s [[buffer(12)]],   // shared_expert.up_proj.scales
+    device const bfloat* sup_b [[buffer(13)]],   // shared_expert.up_proj.biases
+    device float* h [[buffer(14)]],              // [rows, h_stride] fp32 [top_k * inter + inter_shared] each
+    device uint* ids [[buffer(15)]],             // [rows, ids_stride] selected experts (leaders)
+    device float* weights [[buffer(16)]],        // [rows, w_stride] routing weights, shared gate (leaders)
+    constant MoeRouteArgs& args [[buffer(17)]], constant MoeBatchArgs& bargs [[buffer(18)]],
+    uint2 tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  const uint n = min(args.experts, kRouteMaxExperts);
   const uint k = args.top_k;
-  const uint chunks = args.inter / 32;
-  const uint groups = args.inter / kQuantGroup;
-  const uint schunks = args.inter_shared / 32;
-  const uint sgroups = args.inter_shared / kQuantGroup;
-  const uint routed = k * chunks;
-  const uint total = routed + schunks;
-
-  const QTeam t = q_team(total, kGemvRowsPerSimdgroup, lane);
-  const uint ks = sg % kGemvSplitK;
-  const uint slot = sg / kGemvSplitK * kGemvRowsPerSimdgroup + t.team * t.rows;  // within the threadgroup
-  const uint row0 = tg * (nsg / kGemvSplitK) * kGemvRowsPerSimdgroup + slot;
-  const uint nrows = row0 < args.hidden ? min(t.rows, args.hidden - row0) : 0u;
-
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  if (nrows > 0) {
-    for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
-      const bool shared = f >= routed;
-      const uint slot = shared ? k : f / chunks;
-      const uint c = shared ? f - routed : f - slot * chunks;
-      const uint e = shared ? 0u : min(ids[slot], args.experts - 1u);
-      device const uint4* w = shared ? sdown_w : down_w + e * args.hidden * chunks;
-      device const bfloat* s = shared ? sdown_s : down_s + e * args.hidden * groups;
-      device const bfloat* b = shared ? sdown_b : down_b + e * args.hidden * groups;
-      float4 xs[QChunk<4>::float4s];
-      const float xsum = q_load_x<4>(h + slot * args.inter / 4, c, weights[slot], xs);
-      q_chunk_rows<4>(w, s, b, shared ? schunks : chunks, shared ? sgroups : groups, row0,
-                      nrows, c, xs, xsum, acc);
+  const uint rows = min(bargs.rows, NR);
+  const bool shared = tg.y >= rows * k;
+  const uint row = shared ? 0u : tg.y / k;
+  const uint slot = shared ? k : tg.y % k;
+  uint xo[NR];
+  uint ho[NR];
+  uint nb = 0;
+  uint e = 0;
+  if (shared) {
+    for (uint b = 0; b < rows; ++b) {
+      xo[b] = b * (bargs.x_stride / 4);
+      ho[b] = b * bargs.h_stride + k * args.inter;
+    }
+    nb = rows;
+  } else {
+    const bool leader = tg.x == 0 && slot == 0 && sg == 0;
+    device const float* lg = logits + row * bargs.logits_stride;
+    const RoutePicks pk = n <= 32 * kRouteSimdRowsSmall
+                              ? route_topk_simd<kRouteSimdRowsSmall>(lg, n, leader ? k : slot + 1, slot, lane)
+                              : route_topk_simd<kRouteSimdRowsMax>(lg, n, leader ? k : slot + 1, slot, lane);
+    if (leader) {
+      if (lane < k) {
+        ids[row * bargs.ids_stride + lane] = pk.my_id;
+        weights[row * bargs.w_stride + lane] = args.norm_topk ? pk.my_p / pk.top_sum : pk.my_p;
+      }
+      if (lane == 0) {
+        weights[row * bargs.w_stride + k] = sigmoid(lg[args.experts]);
+      }
+    }
+    e = min(pk.want_id, args.experts - 1u);
+    xo[0] = row * (bargs.x_stride / 4);
+    ho[0] = row * bargs.h_stride + slot * args.inter;
+    nb = 1;
+    for (uint b = 0; b < rows; ++b) {  // uniform over the threadgroup
+      if (b == row) {
+        continue;
+      }
+      float p[kRouteSimdRowsMax];
+      uint at;
+      if (n <= 32 * kRouteSimdRowsSmall) {
+        route_probs_simd<kRouteSimdRowsSmall>(logits + b * bargs.logits_stride, n, lane, p);
+        at = route_rank_simd<kRouteSimdRowsSmall>(p, e, lane);
+      } else {
+        route_probs_simd<kRouteSimdRowsMax>(logits + b * bargs.logits_stride, n, lane, p);
+        at = route_rank_simd<kRouteSimdRowsMax>(p, e, lane);
+      }
+      if (at < k) {
+        if (b < row) {
+          return;  // row b's column serves e (uniform: no barriers follow)
+        }
+        xo[nb] = b * (bargs.x_stride / 4);
+        ho[nb] = b * bargs.h_stride + at * args.inter;
+        ++nb;
+      }
     }
   }
-  float v = team_reduce_rows(acc, t);
-  if (q_split_join(v, part, t.lane, nrows, slot, ks, kGemvSplitK) && t.lane < nrows) {
-    residual[row0 + t.lane] += v;
-  }
+  const uint rows_w = shared ? args.inter_shared : args.inter;
+  const uint wo = e * rows_w * (args.hidden / 32);
+  const uint so = e * rows_w * (args.hidden / kQuantGroup);
+  gate_up_rows<NR>(x, xo, h, ho, nb, shared ? sgate_w : gate_w + wo, shared ? sgate_s : gate_s + so,
+                   shared ? sgate_b : gate_b + so, shared ? sup_w : up_w + wo,
+                   shared ? sup_s : up_s + so, shared ? sup_b : up_b + so, args.hidden, rows_w, tg.x,
+                   sg, nsg, lane);
 }
+template [[host_name("moe_route_gate_up_batch_q4_b2")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<2>) moe_route_gate_up_batch_q4<2>;
+template [[host_name("moe_route_gate_up_batch_q4_b4")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<4>) moe_route_gate_up_batch_q4<4>;
+template [[host_name("moe_route_gate_up_batch_q4_b8")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<8>) moe_route_gate_up_batch_q4<8>;
+
+// moe_down_q4 of nb = bargs.rows <= NR rows (moe_down_body): the shared expert's down weights
+// read once for the rows, each row's routed experts its own; same grid as moe_down_q4.
+template <uint NR>
+[[max_total_threads_per_threadgroup(256)]] kernel void moe_down_batch_q4(
+    device const float4* h [[buffer(0)]],        // [rows, h_stride]
+    device const uint* ids [[buffer(1)]],        // [rows, ids_stride]
+    device const float* weights [[buffer(2)]],   // [rows, w_stride]
+    device const uint4* down_w [[buffer(3)]],    // switch_mlp.down_proj.weight [E, hidden, inter/8]
+    device const bfloat* down_s [[buffer(4)]],   // [E, hidden, inter/64]
+    device const bfloat* down_b [[buffer(5)]],
+    device const uint4* sdown_w [[buffer(6)]],   // shared_expert.down_proj.weight [hidden, inter_shared/8]
+    device const bfloat* sdown_s [[buffer(7)]],  // [hidden, inter_shared/64]
+    device const bfloat* sdown_b [[buffer(8)]],
+    device float* residual [[buffer(9)]],        // [rows, x_stride] fp32, updated in place
+    constant MoeArgs& args [[buffer(10)]], constant MoeBatchArgs& bargs [[buffer(11)]],
+    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
+  threadgroup float part[NR * kSplitJoinMax];
+  moe_down_body<NR>(h, bargs.h_stride / 4, ids, bargs.ids_stride, weights, bargs.w_stride, down_w,
+                    down_s, down_b, sdown_w, sdown_s, sdown_b, residual, bargs.x_stride,
+                    min(bargs.rows, NR), args, part, tg, sg, nsg, lane);
+}
+template [[host_name("moe_down_batch_q4_b2")]] [[kernel]] decltype(moe_down_batch_q4<2>) moe_down_batch_q4<2>;
+template [[host_name("moe_down_batch_q4_b4")]] [[kernel]] decltype(moe_down_batch_q4<4>) moe_down_batch_q4<4>;
+template [[host_name("moe_down_batch_q4_b8")]] [[kernel]] decltype(moe_down_batch_q4<8>) moe_down_batch_q4<8>;

@@ -122,11 +122,11 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
 constant constexpr uint kRouteSimdRowsSmall = 8;
 constant constexpr uint kRouteSimdRowsMax = kRouteMaxExperts / 32;
 
+// The probabilities of route_topk_simd: lane l's register r holds p of expert r * 32 + l
+// (softmax in fp32), -1 past n and for NaN.
 template <uint RPL>
-inline RoutePicks route_topk_simd(device const float* logits, uint n, uint rounds, uint want,
-                                  uint lane) {
+inline void route_probs_simd(device const float* logits, uint n, uint lane, thread float* p) {
   const uint nrow = (n + 31) / 32;
-  float p[RPL];
   float m = -INFINITY;
   for (uint r = 0; r < RPL; ++r) {
     const uint i = r * 32 + lane;
@@ -148,6 +148,31 @@ inline RoutePicks route_topk_simd(device const float* logits, uint n, uint round
     const float q = (r < nrow && i < n) ? p[r] / s : -1.0f;  // past n: never picked
     p[r] = q > -1.0f ? q : -1.0f;  // NaN, which no round picks, as -1 (the tree compares)
   }
+}
+
+// The round at which route_topk_simd would pick expert e (< n) from the probabilities p of
+// route_probs_simd: the experts ahead of it in the rounds' order (larger p, or equal p and a
+// lower index). e is among the top k iff the result is < k. Uniform e; every lane gets it.
+template <uint RPL>
+inline uint route_rank_simd(thread const float* p, uint e, uint lane) {
+  float pe = 0.0f;
+  for (uint r = 0; r < RPL; ++r) {
+    pe = r == e / 32 ? p[r] : pe;
+  }
+  pe = simd_shuffle(pe, ushort(e % 32));
+  uint ahead = 0;
+  for (uint r = 0; r < RPL; ++r) {
+    const uint i = r * 32 + lane;
+    ahead += (p[r] > pe || (p[r] == pe && i < e)) ? 1u : 0u;
+  }
+  return simd_sum(ahead);
+}
+
+template <uint RPL>
+inline RoutePicks route_topk_simd(device const float* logits, uint n, uint rounds, uint want,
+                                  uint lane) {
+  float p[RPL];
+  route_probs_simd<RPL>(logits, n, lane, p);
 
   RoutePicks out = {0u, 0.0f, 0.0f, 0xFFFFFFFFu};
   for (uint j = 0; j < rounds; ++j) {

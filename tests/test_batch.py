@@ -320,24 +320,55 @@ def _steps(rt, seqs, snaps, first, groups):
     return out
 
 
-def test_batched_steps_equal_each_row_alone(demo_path):
+def _picks(path, ids, lengths):
+    """Each layer's top-k experts at the last position of each row's prompt ids[:n], on the
+    reference (the routing the native rows' first batched step sees, up to near-ties)."""
+    ref = Engine.load(path, device="reference", max_context=32, prompt_cache_bytes=0)
+    model, picks = ref.backend.model, []
+    for n in lengths:
+        layers = {}
+        route = model.route
+
+        def recording(i, x, layers=layers, route=route):
+            out = route(i, x)
+            layers[i] = set(out[1][-1].tolist())
+            return out
+
+        model.route = recording
+        ref.reset()
+        ref.prefill(ids[:n])
+        del model.route
+        picks.append(layers)
+    return picks
+
+
+@pytest.mark.parametrize("checkpoint", ["demo", "tiny"])
+def test_batched_steps_equal_each_row_alone(checkpoint, request):
     """Batched steps of 2 and 4 rows (the dense projections, router and lm_head once over the
-    rows: norm_gemv_batch_q*, gemv_batch_q4_*_add, gemv_gated_batch_q4_*_add; each row's
-    embedding, attention, DeltaNet step, experts and sampler its own) give every row the
-    logits and tokens of its steps alone, bit for bit. The rows sit at different positions:
-    below and past the split-attention threshold (8), steps that write the Gated DeltaNet state
-    back and steps that append to the ring (window 4); host-sampled and device-sampled rows
-    mix, and round 2 reads the token the batched sampler handed over on the device. Under the
-    simulator's hazard checks: random stage order, every write checked against the declared
-    ranges."""
+    rows: norm_gemv_batch_q*, gemv_batch_q4_*_add, gemv_gated_batch_q4_*_add; the experts over
+    the union of the rows' picks and the shared expert once: moe_route_gate_up_batch_q4,
+    moe_down_batch_q4; each row's embedding, attention, DeltaNet step and sampler its own) give
+    every row the logits and tokens of its steps alone, bit for bit. The rows sit at different
+    positions: below and past the split-attention threshold (8), steps that write the Gated
+    DeltaNet state back and steps that append to the ring (window 4); host-sampled and
+    device-sampled rows mix, and round 2 reads the token the batched sampler handed over on the
+    device. The demo model (32 experts, top 8) and the tiny preset (16, top 4), whose rows'
+    picks overlap in some layers and are disjoint in others (checked on the reference). Under
+    the simulator's hazard checks: random stage order, every write checked against the
+    declared ranges."""
     if "sim" not in _core.compiled_devices():
         pytest.skip("simulator not built")
+    path = request.getfixturevalue("demo_path" if checkpoint == "demo" else "tiny_checkpoint")
     opts = {"split_threshold": 8, "state_window": 4,
             "device_options": {"order": "random", "seed": 3, "verify_writes": True}}
-    e = Engine.load(demo_path, device="sim", max_context=32, prompt_cache_bytes=0, device_options=opts)
+    e = Engine.load(path, device="sim", max_context=32, prompt_cache_bytes=0, device_options=opts)
     rt = e.backend.runtime
     ids = e.tokenizer.encode("ROMEO.\nBut soft, what light through yonder window breaks? It is the east")
     lengths = (3, 12, 15, 6)  # first steps at positions 2, 11, 14, 5
+    if checkpoint == "tiny":  # the rows' first steps share experts in some layers, none in others
+        picks = _picks(path, ids, lengths)
+        pairs = [(a[i], b[i]) for x, a in enumerate(picks) for b in picks[x + 1:] for i in a]
+        assert any(a & b for a, b in pairs) and any(not a & b for a, b in pairs)
     seqs = [rt.open_sequence() for _ in lengths]
     try:
         for seq, n in zip(seqs, lengths):
@@ -356,11 +387,21 @@ def test_batched_steps_equal_each_row_alone(demo_path):
         assert two[i] == alone[i], f"row {i} of 2 differs from its steps alone"
 
 
+# The batch-1 step of the full-size model at 64 tokens (record-only, state_window=1) as land27
+# counted it, before the batched MoE kernels: a one-row step must stay exactly this.
+BATCH_1_STEP = {"dispatches": 243, "barrier_stages": 243, "declared_bytes_read": 19582390228,
+                "declared_bytes_written": 71663404, "weight_bytes": 1669563648, "kv_bytes": 1331200,
+                "state_bytes": 132710400, "activation_bytes": 5709472}
+
+
 def test_batched_step_reads_each_dense_weight_once():
     """Counters of a batched step (record-only, the full-size model at 64 tokens): the dense
     projections' dispatches read their weights once for the rows (the batched kernels, b the
-    smallest of 2, 4, 8 holding the rows), each row adding only its own x and y; the routed
-    experts, the embedding row and the per-row kernels count once per row."""
+    smallest of 2, 4, 8 holding the rows), each row adding only its own x and y; the MoE block
+    runs moe_route_gate_up_batch_q4 (the routed experts' gate/up counted over the union of the
+    rows' picks expected with uniform routing, the shared expert once) and moe_down_batch_q4
+    (the shared expert once, each row's routed experts); the embedding row and the per-row
+    kernels count once per row. One row is the batch-1 step, unchanged (its land27 counters)."""
     from lily.checkpoint import parse_config
     from lily.lab.estimate import QWEN36_35B_A3B
     from lily.native_backend import count_batch_window
@@ -375,15 +416,31 @@ def test_batched_step_reads_each_dense_weight_once():
                   "gemv_gated_batch_q4_b4_add"):
             assert k in kernels, k
         assert kernels.count("embed_rows_q4") == b and "embed_norm_gemv_q4" not in kernels
-        assert kernels.count("moe_down_q4") == b * cfg.num_hidden_layers
+        L = cfg.num_hidden_layers
+        for k in ("moe_route_gate_up_batch_q4_b4", "moe_down_batch_q4_b4"):
+            assert kernels.count(k) == L, k
+        assert "moe_route_gate_up_swiglu_q4" not in kernels and "moe_down_q4" not in kernels
         for label, x_cols in (("final norm + lm_head", H), ("L1 input norm + in_proj qkv|z|b|a", H),
                               ("L3 o_proj", cfg.num_attention_heads * cfg.head_dim)):
             one, many = by_label[1][label], by_label[b][label]
             assert many["bytes_read"] - one["bytes_read"] >= (b - 1) * x_cols * 4, label
             assert many["bytes_read"] - one["bytes_read"] < one["bytes_read"] / 8, label  # weights not re-read
         assert by_label[b]["final norm + lm_head"]["bytes_written"] == b * V * 4
-    # weight bytes grow by the same per-row part (experts, embedding row, per-row kernels'
-    # small tensors) for each row; the dense projections (over half of a step's) stay once
+    # weight bytes: the routed experts' gate/up over the expected union (E (1 - (1 - k/E)^b)
+    # experts a layer), and per row the same part (its routed experts' down, embedding row,
+    # per-row kernels' small tensors); the dense projections and the shared expert stay once
+    L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+    I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    expert = I * (H // 2 + 2 * (H // 64) * 2)  # one expert matrix (codes, scales, biases)
+
+    def gate_up_beyond_k(b):  # the union's gate/up bytes past one row's k experts
+        return 2 * L * (round(E * (1 - (1 - k / E) ** b) * expert) - k * expert)
+
     w1, w3, w4 = (step[b]["weight_bytes"] for b in (1, 3, 4))
-    per_row = w4 - w3
-    assert w4 - w1 == 3 * per_row and per_row < w1 / 2
+    per_row = (w4 - w1 - gate_up_beyond_k(4)) // 3
+    assert w3 - w1 - gate_up_beyond_k(3) == 2 * per_row
+    assert k * expert * L < per_row < (k * expert + Is * expert // I) * L  # its experts' down, not the shared one
+    assert w4 - w1 < 3 * (w1 / 2)
+    one = step[1]
+    assert {key: one[key] for key in BATCH_1_STEP} == BATCH_1_STEP
+    assert not any("batch" in r["kernel"] or r["kernel"] == "embed_rows_q4" for r in one["records"])

@@ -75,11 +75,12 @@ bool ends(const std::string& s, const char* p) {
 // A templated kernel's parameter ("attn_prefill_d256_g4", "_d" -> 256; kernel_names.h).
 uint32_t param(const std::string& name, const char* key) { return kernel_param(name, key[1]); }
 
-// The argument struct T of the record (the inline bytes of T's size).
+// The argument struct T of the record (the inline bytes of T's size; those bound at `at` where
+// a kernel binds two structs of one size).
 template <class T>
-T arg(const gpu::DispatchRecord& r) {
+T arg(const gpu::DispatchRecord& r, int at = -1) {
   for (const auto& [index, bytes] : r.args) {
-    if (bytes.size() == sizeof(T)) {
+    if (bytes.size() == sizeof(T) && (at < 0 || int(index) == at)) {
       T a;
       std::memcpy(&a, bytes.data(), sizeof(T));
       return a;
@@ -96,11 +97,6 @@ double reads_of(const gpu::DispatchRecord& r, const char* buffer_label) {
 
 double declared(const gpu::DispatchRecord& r) { return double(r.bytes_read + r.bytes_written); }
 
-// Experts a chunk of `rows` tokens is expected to reach with `k` of `experts` per token,
-// routing taken as uniform: E (1 - (1 - k/E)^rows).
-double expected_experts(uint32_t rows, uint32_t k, uint32_t experts) {
-  return experts * (1.0 - std::pow(1.0 - double(k) / experts, double(rows)));
-}
 
 Cost make(const char* family) {
   Cost w;
@@ -401,6 +397,58 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     chain(w, Lat::alu, kTeamReduceAlu);
     split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);  // residual[row] read after the reduction
+    return w;
+  }
+  // ---- batched decode MoE (batch_args.h MoeBatchArgs): n rows per dispatch
+  if (starts(k, "moe_route_gate_up_batch_q4")) {
+    const auto a = arg<args::MoeRouteArgs>(r, 17);
+    const double n = arg<args::MoeBatchArgs>(r, 18).rows;
+    Cost w = make("routed experts");
+    const double rows = double(a.top_k) * a.inter + a.inter_shared;
+    // moe_route_gate_up_swiglu_q4's work for each row (the routing as there: the softmax and
+    // slot j's j + 1 rounds in every simdgroup of a routed column), plus in every simdgroup of
+    // a routed column the other rows' softmax and the rank of its expert (a compare per
+    // register and a simd_sum)
+    const double rpl = route_rows_per_lane(a.experts);
+    const double lanes_per_column = double(r.groups.x) * (r.threads.count() / 32) * 32;
+    const double rounds = a.top_k * (a.top_k + 1) / 2.0;
+    add(w, Path::alu_f32, n * (2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows) +
+                              n * lanes_per_column * (a.top_k * 17 * rpl + rounds * (7 * rpl + 14)) +
+                              n * a.top_k * lanes_per_column * (n - 1) * (17 * rpl + 3 * rpl + 10));
+    // the union of the rows' experts expected with uniform routing, each read once
+    const double reached = expected_experts(uint32_t(n), a.top_k, a.experts);
+    w.bytes = declared(r) - 2.0 * (a.experts - reached) * double(a.inter) * a.hidden * quant_bytes(4);
+    // before the first weight load: the row's routing (as the batch-1 kernel's), then each
+    // other row's softmax and rank (a simd_sum)
+    const Steps softmax{0, 0, 0, 0, 2, 2.0 * rpl + 4};
+    const Steps round{0, 0, 0, 0, 2, 3.0 * std::log2(rpl) + 3};
+    const Steps rank{0, 0, 0, 0, 2, 2.0 * rpl + 2};
+    chain(w, softmax, 1, true);
+    chain(w, round, a.top_k / 2.0, true);
+    chain(w, softmax, n - 1, true);
+    chain(w, rank, n - 1, true);
+    lead(w, Lat::dram, 1);
+    chain(w, round, a.top_k / 2.0);
+    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGemvRows) - 1);
+    chain(w, Lat::alu, 2 * n * kTeamReduceAlu);  // gate and up of each row picking the expert, at most n
+    return w;
+  }
+  if (starts(k, "moe_down_batch_q4")) {
+    const auto a = arg<args::MoeArgs>(r, 10);
+    const double n = arg<args::MoeBatchArgs>(r, 11).rows;
+    Cost w = make("routed experts");
+    add(w, Path::alu_f32, n * (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
+    // the routed stack is declared once: each row's top-k experts are read (per row), the
+    // shared expert once
+    w.bytes = declared(r) - (a.experts - n * a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
+    const double its =
+        gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
+    lead(w, Lat::dram, 1);
+    loop(w, Lat::dram, its - 1);
+    loop(w, Lat::local, its - 1);
+    chain(w, Lat::alu, n * kTeamReduceAlu);
+    for (int i = 0; i < n; ++i) split_join(w, kGemvSplitK);
+    chain(w, Lat::mem, 1);
     return w;
   }
   // ---- Gated DeltaNet. Decode step: per token and value head ~9 Dk Dv (decay, k.S, rank-1
@@ -749,5 +797,10 @@ const char* lat_name(Lat k) {
 }
 
 std::optional<Cost> dispatch_cost(const gpu::DispatchRecord& r) { return cost_of(r); }
+
+double expected_experts(uint32_t rows, uint32_t k, uint32_t experts) {
+  return experts * (1.0 - std::pow(1.0 - double(k) / experts, double(rows)));
+}
+
 
 }  // namespace lily::runtime

@@ -28,6 +28,11 @@ enum class Path : int {
 constexpr int kPaths = int(Path::count);
 const char* path_name(Path p);
 
+// Experts `rows` tokens are expected to reach with `k` of `experts` each, routing taken as
+// uniform: E (1 - (1 - k/E)^rows) (a prefill chunk's expert tiles, a batched decode step's
+// union of the rows' experts).
+double expected_experts(uint32_t rows, uint32_t k, uint32_t experts);
+
 // Kinds of dependent latency on a threadgroup's critical path, each priced by the
 // performance model at its own latency (lily.lab.estimate LATENCY_SECONDS / LATENCY_CYCLES,
 // docs/performance.md "Latency chains"): a load whose address, or whose issue, waits for an

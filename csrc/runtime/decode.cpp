@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "runtime/cost.h"
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
@@ -113,6 +114,8 @@ void DecodePlan::bind(gpu::Device& dev, const ModelWeights& weights) {
     k.norm_gemv_batch[i] = ByBits(dev, "norm_gemv_batch", b, {4, 8});
     k.gemv_add_batch[i] = ByBits(dev, "gemv_batch", b + "_add", {4});
     k.gemv_gated_add_batch[i] = ByBits(dev, "gemv_gated_batch", b + "_add", {4});
+    k.moe_gate_up_batch[i] = &dev.pipeline("moe_route_gate_up_batch_q4" + b);
+    k.moe_down_batch[i] = &dev.pipeline("moe_down_batch_q4" + b);
   }
   k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   if (d.linear_value_head_dim % 32 || d.linear_value_head_dim % (4 * kGdnDecodeSplits))
@@ -393,37 +396,42 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     // Bytes the selected experts really move (the declared ranges cover whole stacks).
     const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
     const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
-    // each row's routing and gate|up, then each row's down (the rows share a stage)
+    // routing + gate|up, the routing in every simdgroup: one row's, or (batched) the rows' with
+    // each expert of the union of their picks read once
     const size_t hidden_bytes = s.row_bytes(s.hidden);
-    for (uint32_t r = 0; r < n; ++r) {
-      Op(*K.moe_gate_up, labels_(l, "route top-k + experts gate|up"))
-          .groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), k + 1), tg(kGemvThreads))
-          .in(0, *s.xn, s.at(s.xn, r), H * f)
-          .in(1, *s.router, s.at(s.router, r), (E + 1) * f)
-          .in(2, m.experts_gate_proj)
-          .in(5, m.experts_up_proj)
-          .in(8, m.shared_gate_proj)
-          .in(11, m.shared_up_proj)
-          .out(14, *s.hidden, s.at(s.hidden, r), hidden_bytes)
-          .out(15, *s.ids, s.at(s.ids, r), k * u32)
-          .out(16, *s.route_w, s.at(s.route_w, r), (k + 1) * f)
-          .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u})
-          .run(pass);
-      t.weight_bytes += 2 * (k * expert_q4 + shared_q4);
-    }
-    for (uint32_t r = 0; r < n; ++r) {
-      Op(*K.moe_down, labels_(l, "experts down + shared"))
-          .groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
-          .in(0, *s.hidden, s.at(s.hidden, r), hidden_bytes)
-          .in(1, *s.ids, s.at(s.ids, r), k * u32)
-          .in(2, *s.route_w, s.at(s.route_w, r), (k + 1) * f)
-          .in(3, m.experts_down_proj)
-          .in(6, m.shared_down_proj)
-          .inout(9, *s.h, s.at(s.h, r), H * f)
-          .args(10, ma)
-          .run(pass);
-      t.weight_bytes += k * expert_q4 + shared_q4;
-    }
+    const args::MoeBatchArgs mb{n, stride(s.xn), stride(s.hidden), stride(s.ids), stride(s.route_w), stride(s.router)};
+    Op gate_up(batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
+               labels_(l, batched ? "route top-k + experts gate|up (union of the rows)" : "route top-k + experts gate|up"));
+    gate_up.groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), n * k + 1), tg(kGemvThreads))
+        .in(0, *s.xn, 0, span(s.xn, H * f))
+        .in(1, *s.router, 0, span(s.router, (E + 1) * f))
+        .in(2, m.experts_gate_proj)
+        .in(5, m.experts_up_proj)
+        .in(8, m.shared_gate_proj)
+        .in(11, m.shared_up_proj)
+        .out(14, *s.hidden, 0, span(s.hidden, hidden_bytes))
+        .out(15, *s.ids, 0, span(s.ids, k * u32))
+        .out(16, *s.route_w, 0, span(s.route_w, (k + 1) * f))
+        .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u});
+    if (batched) gate_up.args(18, mb);
+    gate_up.run(pass);
+    // the routed experts' bytes depend on the routing: for several rows the union expected with
+    // uniform routing (cost.h expected_experts), each expert read once
+    const uint64_t routed = batched ? uint64_t(std::llround(expected_experts(n, k, E) * double(expert_q4))) : k * expert_q4;
+    t.weight_bytes += 2 * (routed + shared_q4);
+    // the down projections: the row's, or (batched) the n rows' in one dispatch
+    Op down(batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"));
+    down.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
+        .in(0, *s.hidden, 0, span(s.hidden, hidden_bytes))
+        .in(1, *s.ids, 0, span(s.ids, k * u32))
+        .in(2, *s.route_w, 0, span(s.route_w, (k + 1) * f))
+        .in(3, m.experts_down_proj)
+        .in(6, m.shared_down_proj)
+        .inout(9, *s.h, 0, span(s.h, H * f))
+        .args(10, ma);
+    if (batched) down.args(11, mb);
+    down.run(pass);
+    t.weight_bytes += n * k * expert_q4 + shared_q4;
   }
 
   if (!batched) {

@@ -31,6 +31,9 @@ struct DecodeKernels {
   const gpu::Pipeline *gdn_step = nullptr, *gdn_writeback = nullptr;
   const gpu::Pipeline *attn = nullptr, *attn_split = nullptr, *attn_combine = nullptr;
   const gpu::Pipeline *moe_gate_up = nullptr, *moe_down = nullptr;
+  // batched (b 2, 4, 8): the rows' routing and gate/up over the union of their experts and the
+  // shared expert, the rows' down projections
+  const gpu::Pipeline *moe_gate_up_batch[3] = {}, *moe_down_batch[3] = {};
   const gpu::Pipeline *argmax_partial = nullptr, *argmax_partial_bias = nullptr,
                       *sample_greedy_combine = nullptr, *sample_token = nullptr;
 };
@@ -121,8 +124,12 @@ class DecodePlan {
   // (one row: exactly encode_step). With several, the dense projections (the layers' norm +
   // in_proj / q|k|v_proj, out_proj / o_proj, the router, the final norm + lm_head) run once
   // over the rows (their batched kernels: each weight read once, each row's result bit for
-  // bit its batch-1 one); each row's embedding, attention, Gated DeltaNet step, experts and
-  // sampler run per row. Row r's logits are at s.at(s.logits, r).
+  // bit its batch-1 one), and so do the experts: each row's routing, then the gate/up of each
+  // expert of the union of the rows' picks and of the shared expert for the rows that picked it
+  // (moe_route_gate_up_batch_q4: each read once), the rows' down projections
+  // (moe_down_batch_q4: the shared expert read once, each row's routed experts its own); each
+  // row's embedding, attention, Gated DeltaNet step and sampler run per row. Row r's logits are
+  // at s.at(s.logits, r).
   void encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const std::vector<Row>& rows,
                    Traffic* traffic) const;
   // Encodes, in a pass of its own, the write-back of `pending` (1 .. ring_capacity()) ring

@@ -1,5 +1,8 @@
 """Decode MoE twins (metal/moe.metal): routing, the fused gate/up SwiGLU and down projections
-over the selected experts and the shared expert, with random layer weights (:class:`MoeWeights`)."""
+over the selected experts and the shared expert, with random layer weights (:class:`MoeWeights`),
+and the batched step's forms (issue 31: the rows' routing with the gate/up of the union of their
+experts and of the shared expert, the down projections of several rows), each row compared bit
+for bit with its batch-1 dispatches."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ import numpy as np
 from lily import _core
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import swiglu_bound
-from lily.lab.kernels.gemv import TG, gemv_grid
+from lily._core import kernel_name, kernel_params
+from lily.lab.kernels.gemv import BATCH_SIZES, TG, _same_bits, batch_size, gemv_grid
 from lily.lab.kernels.harness import (
     DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
 )
@@ -147,6 +151,139 @@ def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=T
                reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
                writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
                threadgroups=True, label="moe_route_gate_up_swiglu_q4")
+
+
+def moe_batch_args(n, x_stride, h_stride, ids_stride, w_stride, logits_stride=0) -> bytes:
+    """MoeBatchArgs (metal/batch_args.h) of ``n`` rows with these strides (elements)."""
+    return pack_args("MoeBatchArgs", rows=n, x_stride=x_stride, h_stride=h_stride, ids_stride=ids_stride,
+                     w_stride=w_stride, logits_stride=logits_stride)
+
+
+def enc_route_gate_up_batch(p, W, bufs, X, L, H, ids_buf, wts, k, n, strides, norm_topk=True):
+    """Encodes moe_route_gate_up_batch_q4_b* over ``n`` rows: ``strides`` = (xn, logits, h, ids,
+    weights) elements between two rows of X, L (router logits | shared gate logit), H, ids_buf
+    and wts."""
+    b = bufs
+    xs, ls, hs, ids_s, ws = strides
+    rows = max(W.inter, W.inter_shared)
+    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * TG // 32)), n * k + 1)
+    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
+    route = pack_args("MoeRouteArgs", hidden=W.hidden, inter=W.inter, inter_shared=W.inter_shared, experts=W.E,
+                      top_k=k, norm_topk=norm_topk)
+    p.dispatch(kernel_name("moe_route_gate_up_batch", q=4, b=batch_size(n)), grid, TG,
+               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
+               constants=[(17, route), (18, moe_batch_args(n, xs, hs, ids_s, ws, ls))],
+               reads=[(X, 0, 4 * ((n - 1) * xs + W.hidden)), (L, 0, 4 * ((n - 1) * ls + W.E + 1)), *experts],
+               writes=[*[(H, 4 * r * hs, 4 * (k * W.inter + W.inter_shared)) for r in range(n)],
+                       *[(ids_buf, 4 * r * ids_s, 4 * k) for r in range(n)],
+                       *[(wts, 4 * r * ws, 4 * (k + 1)) for r in range(n)]],
+               threadgroups=True, label="moe_route_gate_up_batch")
+
+
+def enc_down_batch(p, W, bufs, H, ids_buf, wts, R, k, n, strides):
+    """Encodes moe_down_batch_q4_b* over ``n`` rows: ``strides`` = (residual, h, ids, weights)
+    elements between two rows of R, H, ids_buf and wts."""
+    b = bufs
+    rs, hs, ids_s, ws = strides
+    p.dispatch(kernel_name("moe_down_batch", q=4, b=batch_size(n)), gemv_grid(W.hidden), TG,
+               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
+                        (9, R)],
+               constants=[(10, W.args(k)), (11, moe_batch_args(n, rs, hs, ids_s, ws))],
+               reads=[(H, 0, 4 * ((n - 1) * hs + k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * ((n - 1) * ids_s + k)),
+                      (wts, 0, 4 * ((n - 1) * ws + k + 1)), *b["down"], *b["sdown"],
+                      *[(R, 4 * r * rs, 4 * W.hidden) for r in range(n)]],
+               writes=[(R, 4 * r * rs, 4 * W.hidden) for r in range(n)], threadgroups=True,
+               label="moe_down_batch")
+
+
+def batch_ids(rng, E, k, n, overlap):
+    """Expert ids of ``n`` rows, top-k each (distinct within a row): with ``overlap`` True the
+    rows share experts at other slots (row r's picks a rotation of row 0's, one replaced; needs
+    E > k), with "same" every row picks row 0's experts in its order, with False the rows are
+    disjoint (needs E >= n k)."""
+    if overlap == "same":
+        rows = [rng.choice(E, k, replace=False)] * n
+    elif overlap:
+        base = rng.choice(E, k + 1, replace=False)
+        rows = [np.roll(np.delete(base, r % (k + 1)), r) for r in range(n)]
+    else:
+        rows = rng.choice(E, n * k, replace=False).reshape(n, k)
+    return np.asarray(rows, np.uint32)
+
+
+def logits_for(rng, E, ids):
+    """Router logits [E + 1] (the last the shared-expert gate) whose top-k are ``ids`` in order."""
+    lg = rng.standard_normal(E + 1).astype(np.float32) * 0.5 - 4
+    lg[np.asarray(ids, int)] = 4 - 0.5 * np.arange(len(ids)) + 0.1 * rng.random(len(ids))
+    return lg.astype(np.float32)
+
+
+def _run(dev, enc, *a):
+    cb = dev.command_buffer()
+    enc(cb.compute_pass(), *a)
+    cb.commit()
+    cb.wait()
+
+
+def moe_batch_ratio(dev, rng, W, bufs, k, n, overlap=True):
+    """The batched MoE block after the router (moe_route_gate_up_batch_q4, moe_down_batch_q4,
+    in one pass) over ``n`` strided rows against each row's batch-1 kernels
+    (moe_route_gate_up_swiglu_q4, moe_down_q4) on that row alone: raises AssertionError unless
+    every row's ids, weights, h and residual are bit-identical to them; returns the worst error
+    ratio against float64. ``overlap``: the rows' experts overlap (at other slots) or are
+    disjoint (:func:`batch_ids`)."""
+    hid, slots = W.hidden, k * W.inter + W.inter_shared
+    xs_, ls_, hs_, ids_s, ws_ = hid + 4, W.E + 3, slots + 4, k + 1, k + 3  # strides: padding between rows
+    want_ids = batch_ids(rng, W.E, k, n, overlap)
+    xs = rng.standard_normal((n, xs_)).astype(np.float32)
+    lg = np.zeros((n, ls_), np.float32)
+    for b in range(n):
+        lg[b, :W.E + 1] = logits_for(rng, W.E, want_ids[b])
+    r0 = rng.standard_normal((n, xs_)).astype(np.float32)
+    X, L, R = upload(dev, xs.ravel()), upload(dev, lg.ravel()), upload(dev, r0.ravel())
+    ID, WT, Hb = dev.buffer(4 * n * ids_s), dev.buffer(4 * n * ws_), dev.buffer(4 * n * hs_)
+
+    def batched(p):
+        enc_route_gate_up_batch(p, W, bufs, X, L, Hb, ID, WT, k, n, (xs_, ls_, hs_, ids_s, ws_))
+        enc_down_batch(p, W, bufs, Hb, ID, WT, R, k, n, (xs_, hs_, ids_s, ws_))
+
+    _run(dev, batched)
+    got_ids = download(ID, np.uint32).reshape(n, ids_s)[:, :k]
+    got_w = download(WT, np.float32).reshape(n, ws_)[:, :k + 1]
+    got_h = download(Hb, np.float32).reshape(n, hs_)[:, :slots]
+    got_r = download(R, np.float32).reshape(n, xs_)
+    worst = 0.0
+    for b in range(n):
+        what = f"n={n} row {b}"
+        if not np.array_equal(got_ids[b], want_ids[b]):
+            raise AssertionError(f"moe_route_gate_up_batch {what}: picked {got_ids[b].tolist()}, expected {want_ids[b].tolist()}")
+        X1, L1, R1 = upload(dev, xs[b, :hid]), upload(dev, lg[b, :W.E + 1]), upload(dev, r0[b, :hid])
+        H1, ID1, WT1 = dev.buffer(4 * slots), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+        _run(dev, enc_route_gate_up, W, bufs, X1, L1, H1, ID1, WT1, k)
+        _run(dev, enc_down, W, bufs, H1, ID1, WT1, R1, k)
+        _same_bits(got_ids[b].view(np.float32), download(ID1, np.uint32).view(np.float32), f"moe_route_gate_up_batch {what} ids")
+        _same_bits(got_w[b], download(WT1, np.float32), f"moe_route_gate_up_batch {what} weights")
+        _same_bits(got_h[b], download(H1, np.float32), f"moe_route_gate_up_batch {what} h")
+        _same_bits(got_r[b, :hid], download(R1, np.float32), f"moe_down_batch {what}")
+        if not np.array_equal(got_r[b, hid:].view(np.uint32), r0[b, hid:].view(np.uint32)):
+            raise AssertionError(f"moe_down_batch {what}: wrote past the row")
+        top, w = route_ref(lg[b, :W.E], k)
+        worst = max(worst, ratio(got_w[b, :k], w, (16 * U * np.log2(W.E) + 8 * U) * np.abs(w), f"moe_route_gate_up_batch {what}"))
+        want, tol = W.swiglu(xs[b, :hid], top)
+        worst = max(worst, ratio(got_h[b], want, tol, f"moe_route_gate_up_batch {what} h"))
+        d, tol = W.down_sum(got_h[b].astype(np.float64), top, got_w[b].astype(np.float64))
+        worst = max(worst, ratio(got_r[b, :hid], r0[b, :hid] + d, tol + DEPTH * U * np.abs(r0[b, :hid]),
+                                 f"moe_down_batch {what}"))
+    return worst
+
+
+@check(*[kernel_name(base, q=4, b=b) for base in ("moe_route_gate_up_batch", "moe_down_batch") for b in BATCH_SIZES])
+def _moe_batch(dev, rng, kernel, size=TOY):
+    """The batched MoE kernels of one b at b - 1 rows (at least 2) with overlapping experts
+    (the pair is checked together: the down reads what the gate/up wrote). Model size: the
+    model's MoE."""
+    W, bufs, k = _moe_case(dev, rng, size)
+    return moe_batch_ratio(dev, rng, W, bufs, k, max(2, kernel_params(kernel)["b"] - 1))
 
 
 @check("moe_route")
