@@ -48,7 +48,12 @@ struct MoeBatchArgs {
 };
 #define LILY_ARGS_MoeBatchArgs(F) F(rows) F(x_stride) F(h_stride) F(ids_stride) F(w_stride) F(logits_stride)
 
+// moe_down_batch_q4_b*: (slot, chunk) pairs of a row's down index space at most,
+// (top_k * inter + inter_shared) / 32 (the model's 144), and a slot no row picked.
+constant constexpr uint kMoeBatchMaxChunks = 160;
+constant constexpr uint kMoeNoSlot = 0xFFFFFFFF;
+
 #define LILY_BATCH_ARG_STRUCTS(S) S(NormGemvBatchArgs) S(GemvBatchArgs) S(MoeBatchArgs)
-#define LILY_BATCH_CONSTANTS(C) C(kBatchMaxRows)
+#define LILY_BATCH_CONSTANTS(C) C(kBatchMaxRows) C(kMoeBatchMaxChunks) C(kMoeNoSlot)
 
 #endif  // LILY_BATCH_ARGS_H

@@ -10,7 +10,8 @@
 //   moe_route_gate_up_batch_q4_b*  each row's routing (as the fused kernel's), then each expert
 //                                  of the union of the rows' picks and the shared expert read
 //                                  once, applied to every row that picked it
-//   moe_down_batch_q4_b*           the shared expert read once, each row's routed experts its own
+//   moe_down_batch_q4_b*           the down projections of the same union and the shared
+//                                  expert, each read once
 // Host-side facts (grid, threadgroup, buffers and byte ranges): docs/kernels.md.
 #include <metal_stdlib>
 using namespace metal;
@@ -252,11 +253,15 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // shared by kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
 // split-K, joined by q_split_join).
 //
-// moe_down_body<NR>: that work for nb <= NR rows of a batched decode step, row b's h, ids,
-// weights and residual at + b * their stride; at each (slot, chunk) of the index space the
-// shared expert's weight chunk is loaded once for all rows, a routed slot's chunk per row (its
-// own expert), and each row accumulates in the order of NR = 1 (bit for bit its batch-1 sums).
-// part holds NR * kSplitJoinMax floats.
+// moe_down_body<NR>: that work for nb <= NR rows of a batched decode step (threadgroups of 64
+// threads: kGemvRowsPerSimdgroup rows each), row b's h, ids, weights and residual at + b * their
+// stride, each expert of the union of the rows' picks read once. A row's batch-1 sums
+// interleave its slots lane by lane, so the work goes in two phases: each (expert of the union,
+// chunk) and (shared expert, chunk) is loaded once, by one thread, and its term for each of the
+// threadgroup's rows and each row b that picked it (w_j folded into x as in the batch-1 loop)
+// is stored in terms [NR, total, kGemvRowsPerSimdgroup]; then every lane adds its rows' terms
+// in the batch-1 order (the same (slot, chunk) runs), so each row's sums are bit for bit its
+// batch-1 ones. picks / owner: NR * 32 uints each; part: NR * kSplitJoinMax floats.
 template <uint NR>
 inline void moe_down_body(device const float4* h, uint h_stride, device const uint* ids,
                           uint ids_stride, device const float* weights, uint w_stride,
@@ -264,7 +269,9 @@ inline void moe_down_body(device const float4* h, uint h_stride, device const ui
                           device const bfloat* down_b, device const uint4* sdown_w,
                           device const bfloat* sdown_s, device const bfloat* sdown_b,
                           device float* residual, uint r_stride, uint nb, constant MoeArgs& args,
-                          threadgroup float* part, uint tg, uint sg, uint nsg, uint lane) {
+                          threadgroup float* part, threadgroup float* terms,
+                          threadgroup uint* picks, threadgroup uint* owner, uint tg, uint tid,
+                          uint tcount, uint sg, uint nsg, uint lane) {
   const uint k = args.top_k;
   const uint chunks = args.inter / 32;
   const uint groups = args.inter / kQuantGroup;
@@ -285,26 +292,83 @@ inline void moe_down_body(device const float4* h, uint h_stride, device const ui
       acc[b][r] = 0.0f;
     }
   }
-  if (nrows > 0) {
-    for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
-      const bool shared = f >= routed;
-      const uint j = shared ? k : f / chunks;
-      const uint c = shared ? f - routed : f - j * chunks;
+  if (NR == 1) {
+    if (nrows > 0) {
+      for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
+        const bool shared = f >= routed;
+        const uint j = shared ? k : f / chunks;
+        const uint c = shared ? f - routed : f - j * chunks;
+        const uint e = shared ? 0u : min(ids[j], args.experts - 1u);
+        device const uint4* w = shared ? sdown_w : down_w + e * args.hidden * chunks;
+        device const bfloat* s = shared ? sdown_s : down_s + e * args.hidden * groups;
+        device const bfloat* bb = shared ? sdown_b : down_b + e * args.hidden * groups;
+        float4 xs[QChunk<4>::float4s];
+        const float xsum = q_load_x<4>(h + j * args.inter / 4, c, weights[j], xs);
+        q_chunk_rows<4>(w, s, bb, shared ? schunks : chunks, shared ? sgroups : groups, row0,
+                        nrows, c, xs, xsum, acc[0]);
+      }
+    }
+  } else {
+    // the rows' picks (clamped as above), and which entry is its expert's first pick
+    const uint entries = nb * k;
+    for (uint i = tid; i < entries; i += tcount) {
+      picks[i] = min(ids[(i / k) * ids_stride + i % k], args.experts - 1u);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint i = tid; i < entries; i += tcount) {
+      uint seen = 0;
+      for (uint s = 0; s < i; ++s) {
+        seen |= picks[s] == picks[i] ? 1u : 0u;
+      }
+      owner[i] = 1u - seen;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // phase 1: each (owned expert or the shared one, chunk) once, its terms for every row using it
+    const uint trow0 = tg * kGemvRowsPerSimdgroup;
+    const uint tn = trow0 < args.hidden ? min(kGemvRowsPerSimdgroup, args.hidden - trow0) : 0u;
+    const uint items = entries * chunks + schunks;
+    for (uint i = tid; i < items && tn > 0; i += tcount) {
+      const bool shared = i >= entries * chunks;
+      const uint u = shared ? 0u : i / chunks;
+      const uint c = shared ? i - entries * chunks : i % chunks;
+      if (!shared && owner[u] == 0) {
+        continue;
+      }
+      const uint e = shared ? 0u : picks[u];
       QChunkRows wr;
-      for (uint b = 0; b < NR; ++b) {
-        if (b < nb) {
-          if (!shared || b == 0) {
-            const uint e = shared ? 0u : min(ids[b * ids_stride + j], args.experts - 1u);
-            device const uint4* w = shared ? sdown_w : down_w + e * args.hidden * chunks;
-            device const bfloat* s = shared ? sdown_s : down_s + e * args.hidden * groups;
-            device const bfloat* bb = shared ? sdown_b : down_b + e * args.hidden * groups;
-            q_chunk_load<4>(w, s, bb, shared ? schunks : chunks, shared ? sgroups : groups, row0,
-                            nrows, c, wr);
+      q_chunk_load<4>(shared ? sdown_w : down_w + e * args.hidden * chunks,
+                      shared ? sdown_s : down_s + e * args.hidden * groups,
+                      shared ? sdown_b : down_b + e * args.hidden * groups,
+                      shared ? schunks : chunks, shared ? sgroups : groups, trow0, tn, c, wr);
+      for (uint b = 0; b < nb; ++b) {
+        uint j = shared ? k : kMoeNoSlot;
+        for (uint jj = 0; !shared && jj < k; ++jj) {
+          j = picks[b * k + jj] == e ? jj : j;
+        }
+        if (j == kMoeNoSlot) {
+          continue;
+        }
+        float4 xs[QChunk<4>::float4s];
+        const float xsum =
+            q_load_x<4>(h + b * h_stride + j * args.inter / 4, c, weights[b * w_stride + j], xs);
+        threadgroup float* out = terms + (b * total + (shared ? routed + c : j * chunks + c)) * kGemvRowsPerSimdgroup;
+        for (uint r = 0; r < kGemvRowsPerSimdgroup; ++r) {
+          if (r < tn) {
+            out[r] = wr.s[r] * q_dot_chunk<4>(wr.q[r], xs) + wr.b[r] * xsum;  // q_chunk_fma's term
           }
-          float4 xs[QChunk<4>::float4s];
-          const float xsum =
-              q_load_x<4>(h + b * h_stride + j * args.inter / 4, c, weights[b * w_stride + j], xs);
-          q_chunk_fma<4>(wr, nrows, xs, xsum, acc[b]);
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    // phase 2: each lane's (slot, chunk) runs in the batch-1 order
+    if (nrows > 0) {
+      for (uint f = t.lane + ks * t.size; f < total; f += kGemvSplitK * t.size) {
+        for (uint b = 0; b < NR; ++b) {
+          for (uint r = 0; r < 8; ++r) {
+            if (b < nb && r < nrows) {
+              acc[b][r] += terms[(b * total + f) * kGemvRowsPerSimdgroup + slot + r];
+            }
+          }
         }
       }
     }
@@ -336,8 +400,9 @@ inline void moe_down_body(device const float4* h, uint h_stride, device const ui
                         uint nsg [[simdgroups_per_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float part[kSplitJoinMax];
+  threadgroup uint none[1];  // the batched phases' arrays, unused by one row
   moe_down_body<1>(h, 0u, ids, 0u, weights, 0u, down_w, down_s, down_b, sdown_w, sdown_s, sdown_b,
-                   residual, 0u, 1u, args, part, tg, sg, nsg, lane);
+                   residual, 0u, 1u, args, part, part, none, none, tg, 0u, 1u, sg, nsg, lane);
 }
 
 // ---- batched decode (issue 31): the shared expert and the down projection of several rows ----
@@ -448,10 +513,12 @@ template [[host_name("moe_route_gate_up_batch_q4_b2")]] [[kernel]] decltype(moe_
 template [[host_name("moe_route_gate_up_batch_q4_b4")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<4>) moe_route_gate_up_batch_q4<4>;
 template [[host_name("moe_route_gate_up_batch_q4_b8")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<8>) moe_route_gate_up_batch_q4<8>;
 
-// moe_down_q4 of nb = bargs.rows <= NR rows (moe_down_body): the shared expert's down weights
-// read once for the rows, each row's routed experts its own; same grid as moe_down_q4.
+// moe_down_q4 of nb = bargs.rows <= NR rows (moe_down_body): each expert of the union of the
+// rows' picks and the shared expert read once; same grid as moe_down_q4, 64 threads a
+// threadgroup (the terms hold kGemvRowsPerSimdgroup rows); k * inter + inter_shared at most
+// 32 * kMoeBatchMaxChunks.
 template <uint NR>
-[[max_total_threads_per_threadgroup(256)]] kernel void moe_down_batch_q4(
+[[max_total_threads_per_threadgroup(64)]] kernel void moe_down_batch_q4(
     device const float4* h [[buffer(0)]],        // [rows, h_stride]
     device const uint* ids [[buffer(1)]],        // [rows, ids_stride]
     device const float* weights [[buffer(2)]],   // [rows, w_stride]
@@ -463,12 +530,17 @@ template <uint NR>
     device const bfloat* sdown_b [[buffer(8)]],
     device float* residual [[buffer(9)]],        // [rows, x_stride] fp32, updated in place
     constant MoeArgs& args [[buffer(10)]], constant MoeBatchArgs& bargs [[buffer(11)]],
-    uint tg [[threadgroup_position_in_grid]], uint sg [[simdgroup_index_in_threadgroup]],
+    uint tg [[threadgroup_position_in_grid]], uint tid [[thread_index_in_threadgroup]],
+    uint tcount [[threads_per_threadgroup]], uint sg [[simdgroup_index_in_threadgroup]],
     uint nsg [[simdgroups_per_threadgroup]], uint lane [[thread_index_in_simdgroup]]) {
   threadgroup float part[NR * kSplitJoinMax];
+  threadgroup float terms[NR * kMoeBatchMaxChunks * kGemvRowsPerSimdgroup];
+  threadgroup uint picks[NR * 32];  // top_k <= 32
+  threadgroup uint owner[NR * 32];
   moe_down_body<NR>(h, bargs.h_stride / 4, ids, bargs.ids_stride, weights, bargs.w_stride, down_w,
                     down_s, down_b, sdown_w, sdown_s, sdown_b, residual, bargs.x_stride,
-                    min(bargs.rows, NR), args, part, tg, sg, nsg, lane);
+                    min(bargs.rows, NR), args, part, terms, picks, owner, tg, tid, tcount, sg, nsg,
+                    lane);
 }
 template [[host_name("moe_down_batch_q4_b2")]] [[kernel]] decltype(moe_down_batch_q4<2>) moe_down_batch_q4<2>;
 template [[host_name("moe_down_batch_q4_b4")]] [[kernel]] decltype(moe_down_batch_q4<4>) moe_down_batch_q4<4>;

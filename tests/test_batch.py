@@ -398,10 +398,9 @@ def test_batched_step_reads_each_dense_weight_once():
     """Counters of a batched step (record-only, the full-size model at 64 tokens): the dense
     projections' dispatches read their weights once for the rows (the batched kernels, b the
     smallest of 2, 4, 8 holding the rows), each row adding only its own x and y; the MoE block
-    runs moe_route_gate_up_batch_q4 (the routed experts' gate/up counted over the union of the
-    rows' picks expected with uniform routing, the shared expert once) and moe_down_batch_q4
-    (the shared expert once, each row's routed experts); the embedding row and the per-row
-    kernels count once per row. One row is the batch-1 step, unchanged (its land27 counters)."""
+    runs moe_route_gate_up_batch_q4 and moe_down_batch_q4 (the routed experts counted over the
+    union of the rows' picks expected with uniform routing, the shared expert once); the
+    embedding row and the per-row kernels count once per row. One row is the batch-1 step, unchanged (its land27 counters)."""
     from lily.checkpoint import parse_config
     from lily.lab.estimate import QWEN36_35B_A3B
     from lily.native_backend import count_batch_window
@@ -426,20 +425,19 @@ def test_batched_step_reads_each_dense_weight_once():
             assert many["bytes_read"] - one["bytes_read"] >= (b - 1) * x_cols * 4, label
             assert many["bytes_read"] - one["bytes_read"] < one["bytes_read"] / 8, label  # weights not re-read
         assert by_label[b]["final norm + lm_head"]["bytes_written"] == b * V * 4
-    # weight bytes: the routed experts' gate/up over the expected union (E (1 - (1 - k/E)^b)
-    # experts a layer), and per row the same part (its routed experts' down, embedding row,
+    # weight bytes: the routed experts (gate, up and down) over the expected union
+    # (E (1 - (1 - k/E)^b) experts a layer), and per row the same small part (embedding row,
     # per-row kernels' small tensors); the dense projections and the shared expert stay once
     L, E, k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-    I, Is = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    expert = I * (H // 2 + 2 * (H // 64) * 2)  # one expert matrix (codes, scales, biases)
+    expert = cfg.moe_intermediate_size * (H // 2 + 2 * (H // 64) * 2)  # one expert matrix (codes, scales, biases)
 
-    def gate_up_beyond_k(b):  # the union's gate/up bytes past one row's k experts
-        return 2 * L * (round(E * (1 - (1 - k / E) ** b) * expert) - k * expert)
+    def routed_beyond_k(b):  # the union's expert bytes past one row's k experts
+        return 3 * L * (round(E * (1 - (1 - k / E) ** b) * expert) - k * expert)
 
     w1, w3, w4 = (step[b]["weight_bytes"] for b in (1, 3, 4))
-    per_row = (w4 - w1 - gate_up_beyond_k(4)) // 3
-    assert w3 - w1 - gate_up_beyond_k(3) == 2 * per_row
-    assert k * expert * L < per_row < (k * expert + Is * expert // I) * L  # its experts' down, not the shared one
+    per_row = (w4 - w1 - routed_beyond_k(4)) // 3
+    assert w3 - w1 - routed_beyond_k(3) == 2 * per_row
+    assert 0 < per_row < expert * L  # less than one expert matrix a layer: no expert per row
     assert w4 - w1 < 3 * (w1 / 2)
     one = step[1]
     assert {key: one[key] for key in BATCH_1_STEP} == BATCH_1_STEP

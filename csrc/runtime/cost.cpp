@@ -256,6 +256,17 @@ Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
 
 std::optional<Cost> cost_of(const gpu::DispatchRecord& r);
 
+// A batched decode MoE dispatch of n rows whose routed stacks are declared whole: `matrices`
+// expert matrices (inter x hidden, 4-bit) of the union of the rows' picks read once, the union
+// expected with uniform routing (expected_experts).
+Cost union_experts(const gpu::DispatchRecord& r, uint32_t experts, uint32_t top_k, uint32_t inter, uint32_t hidden,
+                   double n, double matrices) {
+  Cost w = make("routed experts");
+  const double reached = expected_experts(uint32_t(n), top_k, experts);
+  w.bytes = declared(r) - matrices * (experts - reached) * double(inter) * hidden * quant_bytes(4);
+  return w;
+}
+
 // A batched decode GEMV (batch_args.h: norm_gemv_batch_q*_b*, gemv_batch_q*_b*_add,
 // gemv_gated_batch_q*_b*_add) is its batch-1 kernel's dispatch whose weight chunks serve n
 // rows: its bytes are the record's (the weights once, each row's x and y); per row its ALU
@@ -403,7 +414,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   if (starts(k, "moe_route_gate_up_batch_q4")) {
     const auto a = arg<args::MoeRouteArgs>(r, 17);
     const double n = arg<args::MoeBatchArgs>(r, 18).rows;
-    Cost w = make("routed experts");
+    Cost w = union_experts(r, a.experts, a.top_k, a.inter, a.hidden, n, 2);
     const double rows = double(a.top_k) * a.inter + a.inter_shared;
     // moe_route_gate_up_swiglu_q4's work for each row (the routing as there: the softmax and
     // slot j's j + 1 rounds in every simdgroup of a routed column), plus in every simdgroup of
@@ -415,9 +426,6 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, n * (2 * (2 + kDequantOps) * rows * a.hidden + 4.0 * rows) +
                               n * lanes_per_column * (a.top_k * 17 * rpl + rounds * (7 * rpl + 14)) +
                               n * a.top_k * lanes_per_column * (n - 1) * (17 * rpl + 3 * rpl + 10));
-    // the union of the rows' experts expected with uniform routing, each read once
-    const double reached = expected_experts(uint32_t(n), a.top_k, a.experts);
-    w.bytes = declared(r) - 2.0 * (a.experts - reached) * double(a.inter) * a.hidden * quant_bytes(4);
     // before the first weight load: the row's routing (as the batch-1 kernel's), then each
     // other row's softmax and rank (a simd_sum)
     const Steps softmax{0, 0, 0, 0, 2, 2.0 * rpl + 4};
@@ -436,16 +444,19 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
   if (starts(k, "moe_down_batch_q4")) {
     const auto a = arg<args::MoeArgs>(r, 10);
     const double n = arg<args::MoeBatchArgs>(r, 11).rows;
-    Cost w = make("routed experts");
-    add(w, Path::alu_f32, n * (2 + kDequantOps) * (double(a.top_k) * a.inter + a.inter_shared) * a.hidden);
-    // the routed stack is declared once: each row's top-k experts are read (per row), the
-    // shared expert once
-    w.bytes = declared(r) - (a.experts - n * a.top_k) * double(a.inter) * a.hidden * quant_bytes(4);
-    const double its =
-        gemv_iterations((double(a.top_k) * a.inter + a.inter_shared) / 32, kGemvRows, kGemvSplitK);
+    Cost w = union_experts(r, a.experts, a.top_k, a.inter, a.hidden, n, 1);
+    const double slots = double(a.top_k) * a.inter + a.inter_shared;
+    add(w, Path::alu_f32, n * (2 + kDequantOps) * slots * a.hidden + n * slots * a.hidden / 32);  // + phase 2's adds
+    const double reached = expected_experts(uint32_t(n), a.top_k, a.experts);
+    // the picks and the owners (two barriers, each entry compared with those before it), phase
+    // 1's loads, a barrier, phase 2's threadgroup reads, then each row's reduction and join
+    const double entries = n * a.top_k;
+    const double items = (reached * a.inter + a.inter_shared) / 32;  // loaded (expert, chunk) pairs
     lead(w, Lat::dram, 1);
-    loop(w, Lat::dram, its - 1);
-    loop(w, Lat::local, its - 1);
+    chain(w, Lat::barrier, 3);
+    chain(w, Lat::local, entries / 2);
+    loop(w, Lat::dram, std::ceil(items / 64) - 1);
+    loop(w, Lat::local, n * gemv_iterations(slots / 32, kGemvRows, kGemvSplitK));
     chain(w, Lat::alu, n * kTeamReduceAlu);
     for (int i = 0; i < n; ++i) split_join(w, kGemvSplitK);
     chain(w, Lat::mem, 1);

@@ -47,6 +47,11 @@ DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
       (d.linear_key_head_dim != 128 && d.linear_key_head_dim != 32))
     throw std::invalid_argument("Gated DeltaNet kernels exist for Dk = Dv = 128 or 32");
   ring_entry_bytes_ = GdnShape::of(d).ring_entry_bytes();
+  if ((uint64_t(d.num_experts_per_tok) * d.moe_intermediate_size + d.shared_expert_intermediate_size) / 32 >
+      args::kMoeBatchMaxChunks)
+    throw std::invalid_argument("the batched decode MoE kernels take (top_k * moe_intermediate_size + "
+                                "shared_expert_intermediate_size) / 32 <= " +
+                                std::to_string(args::kMoeBatchMaxChunks));
 }
 
 bool DecodePlan::uses_split_attention(uint32_t position) const { return position + 1 > opt_.split_threshold; }
@@ -419,7 +424,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     // uniform routing (cost.h expected_experts), each expert read once
     const uint64_t routed = batched ? uint64_t(std::llround(expected_experts(n, k, E) * double(expert_q4))) : k * expert_q4;
     t.weight_bytes += 2 * (routed + shared_q4);
-    // the down projections: the row's, or (batched) the n rows' in one dispatch
+    // the down projections: the row's, or (batched) the n rows' over the same union
     Op down(batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"));
     down.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
         .in(0, *s.hidden, 0, span(s.hidden, hidden_bytes))
@@ -431,7 +436,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
         .args(10, ma);
     if (batched) down.args(11, mb);
     down.run(pass);
-    t.weight_bytes += n * k * expert_q4 + shared_q4;
+    t.weight_bytes += routed + shared_q4;
   }
 
   if (!batched) {

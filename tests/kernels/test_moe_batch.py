@@ -22,10 +22,11 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily.lab.kernels.moe import MoeWeights, batch_ids, moe_batch_ratio  # noqa: E402
 
-# (experts, hidden, inter, inter_shared, top_k): the toy layer of lily doctor, and one whose
+# (experts, hidden, inter, inter_shared, top_k): the toy layer of lily doctor; one whose
 # shared expert is wider than a routed one (its slot offset and row count differ) with 16
-# chunks per gate/up row and 22 (slot, chunk) pairs per down row
-SHAPES = {"toy": (16, 128, 64, 64, 4), "wide-shared": (16, 512, 128, 192, 4)}
+# chunks per gate/up row; and the model's expert sizes and top 8, whose 144 (slot, chunk)
+# pairs per down row give each lane several to add in order
+SHAPES = {"toy": (16, 128, 64, 64, 4), "wide-shared": (16, 512, 128, 192, 4), "model-slots": (32, 256, 512, 512, 8)}
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
