@@ -29,8 +29,12 @@ from lily.lab.kernels.moe import MoeWeights, batch_ids, moe_batch_ratio  # noqa:
 SHAPES = {"toy": (16, 128, 64, 64, 4), "wide-shared": (16, 512, 128, 192, 4), "model-slots": (32, 256, 512, 512, 8)}
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("n,overlap", [(1, True), (2, True), (2, False), (3, "same"), (4, False), (8, True)])
+# every row count and kind of overlap on the toy layer; the larger layers at the three kernels
+CASES = [("toy", n, o) for n, o in [(1, True), (2, True), (2, False), (3, "same"), (4, False), (8, True)]] + \
+        [(s, n, o) for s in ("wide-shared", "model-slots") for n, o in [(2, False), (3, "same"), (8, True)]]
+
+
+@pytest.mark.parametrize("shape,n,overlap", CASES)
 def test_moe_batch_rows_equal_batch_1(dev, shape, n, overlap):
     E, hidden, inter, inter_shared, k = SHAPES[shape]
     rng = fresh_rng(n * 10 + len(str(overlap)) + len(shape))
