@@ -43,11 +43,10 @@ constexpr double kBf16ConvOps = 1;
 // nothing); a long-context model's memory heads (g near 1) fold far less often, so 1/3 is
 // on the pessimistic side. Every token folding would be 7, the eager scan's count.
 constexpr double kGdnScanFolds = 1.0 / 3.0;
-// Dense GEMM blocks (gemm.metal, gemm_tensor.metal): 64 columns, SwiGLU 32; 64 rows on the
-// simdgroup_matrix path (128 on the tensor-op path: the grid gives it); bfloat tiles with a
-// row stride of 64 + 8 elements (kGemmLd).
-constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
-constexpr uint32_t kGemmBK = 64;  // k per step of the k loop (gemm_tiles.h)
+// Dense GEMM blocks and tiles: args::kGemmBM, kGemmBN, kGemmSwigluBN, kGemmLd, kGemmBK
+// (metal/gemm_args.h; the tensor-op path's rows come with its grid).
+using args::kGemmBK;
+using args::kGemmLd;
 // Rows of one simdgroup's block in the tensor-op expert tiles (moe_prefill_tensor.metal: 16
 // at T = 16 and 32, else 32), the granularity at which a partial tile's padding rows are
 // skipped (a simdgroup whose rows all lie past the tile's runs no tensor operation).
@@ -64,8 +63,6 @@ uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
 constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
 // (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
 constexpr uint32_t kAttnRows = 64;
-// Decode attention threadgroups (attention.metal kAttnSimdgroups * 32).
-constexpr uint32_t kAttnDecodeThreads = 256;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -197,7 +194,7 @@ Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool bf16_y =
       kPrefillDequantF32Ops * dequant + (scaled_a ? 3.0 * double(r.groups.x) * a.m * a.k : 0.0) +
           (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || bf16_y ? kBf16ConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
+  w.threadgroup_memory = gemm_smem(args::kGemmBM, nb == 2 ? args::kGemmSwigluBN : args::kGemmBN, nb, tensor);
   gemm_chain(w, a.k, tensor);
   // the epilogue: y read (ADD: gemm_q4_add_h*, gemm_q4_add_hs*) or the row scale g (SwiGLU)
   const bool add_y = ends(r.kernel, "_add_h") || ends(r.kernel, "_add_h_tensor") || ends(r.kernel, "_add_hs") ||
@@ -520,7 +517,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const bool split = starts(k, "attn_decode_split");
     const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
     chain(w, Lat::local, 1);  // the prepared queries
-    const double blocks_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32 * RB));
+    const double blocks_sg = std::ceil(rows_tg / (args::kAttnSimdgroups * RB));
     chain(w, Steps{0, 0, 1, 0, 0, NE + 15 + 2 * std::log2(RB) + 7 + RB}, blocks_sg);
     loop(w, Lat::dram, blocks_sg);
     chain(w, Steps{0, 0, 1, 2, 0, 20}, G);

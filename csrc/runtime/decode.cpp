@@ -337,7 +337,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
                                      max_blocks};
         Op op(split ? *K.attn_split : *K.attn, split ? labels_(l, "qk prep + kv append + attention split")
                                                      : labels_(l, "qk prep + kv append + attention"));
-        op.groups(tg(Hq / G, nblocks), tg(256))
+        op.groups(tg(Hq / G, nblocks), tg(args::kAttnDecodeThreads))
             .in(0, *s.qg, s.at(s.qg, r), size_t(Hq) * D * 2 * f)
             .in(1, *s.k, s.at(s.k, r), size_t(Hkv) * D * f)
             .in(2, *s.v, s.at(s.v, r), size_t(Hkv) * D * f)
@@ -367,7 +367,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
         const uint32_t block = block_of(rows[r].position);
         if (!block) continue;
         Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
+            .groups(tg(Hq, D / 32), tg(args::kAttnCombineThreads))  // simdgroups split the blocks of 32 columns
             .in(0, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
             .in(1, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
             .in(2, *s.qg, s.at(s.qg, r) + D * f, (size_t(Hq) * D * 2 - D) * f)

@@ -22,17 +22,15 @@ namespace args = lily::kernels;
 
 namespace {
 
-// GEMM blocks (metal/gemm.metal, gemm_tensor.metal): dense output blocks of 64 columns, the
-// shared expert's SwiGLU 32 of gate and of up (64 weight rows per step as well); 64 rows of
-// 128 threads on the simdgroup_matrix path, 128 rows of 256 threads on the tensor-op path.
-constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
-constexpr uint32_t kGemmTensorBM = 128, kGemmTensorThreads = 256;
-// Rows and threads per threadgroup of a dense prefill GEMM on the device's path.
+// A dense prefill GEMM's threadgroup on the device's path (metal/gemm_args.h): its output
+// rows and columns (SwiGLU: columns of gate and of up) and its threads.
 struct GemmBlock {
-  uint32_t rows, threads;
+  uint32_t rows, cols, swiglu_cols, threads;
 };
 constexpr GemmBlock gemm_block(bool tensor_ops) {
-  return tensor_ops ? GemmBlock{kGemmTensorBM, kGemmTensorThreads} : GemmBlock{kGemmBM, kGemmThreads};
+  return tensor_ops ? GemmBlock{args::kGemmTensorBM, args::kGemmTensorBN, args::kGemmTensorSwigluBN,
+                                args::kGemmTensorThreads}
+                    : GemmBlock{args::kGemmBM, args::kGemmBN, args::kGemmSwigluBN, args::kGemmThreads};
 }
 // Grouped expert GEMMs: threads and output columns per threadgroup of gate/up and of down for
 // tile height T. simdgroup_matrix path (moe_prefill.metal): T = 16 and 32 64 columns of 64 /
@@ -307,7 +305,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
           : x_scale ? K.gemm_add_hs[w.bits]
                     : K.gemm_add_h[w.bits],
           label);
-    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
+    op.groups(tg(ceil_div(n, gb.cols), ceil_div(M, gb.rows)), tg(gb.threads));
     op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * bf);
     if (x_scale)
       op.in(6, *x_scale, 0, ((size_t(M - 1) * lda + cols) >> x_shift) * bf)
@@ -464,7 +462,7 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     // hs = sigmoid(shared gate) * swiglu: the gate (w[:, k], from top-k) scales the hidden, so
     // the down projection adds the shared expert's output into h itself.
     Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gb.rows)), tg(gb.threads))
+        .groups(tg(ceil_div(Is, gb.swiglu_cols), ceil_div(M, gb.rows)), tg(gb.threads))
         .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
         .in(6, *c.xn, 0, size_t(M) * H * bf).out(7, *c.hs, 0, size_t(M) * Is * bf)
         .args(8, args::GemmArgs{M, Is, H, H, Is})
@@ -539,7 +537,7 @@ void PrefillPlan::encode_lm_head_rows(gpu::CommandBuffer& cmd, PrefillScratch& c
   gpu::ComputePass& pass = cmd.compute_pass();
   const GemmBlock gb = gemm_block(families_ & kGemmFamily);
   Op(kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)")
-      .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
+      .groups({ceil_div(V, gb.cols), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
       .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * bf, size_t(R) * H * bf)
       .out(4, *c.logits, 0, size_t(R) * V * f)
       .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);

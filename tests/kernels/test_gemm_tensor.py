@@ -342,23 +342,21 @@ def test_structure_mlx_tiles():
     assert re.search(prefetch, acc) and "an.fetch(x, a, k0 + kGemmBK" in acc  # and its A pieces (simdgroup path)
     assert re.search(r"simdgroup_bfloat8x8 a\[FM\]", tiles) and re.search(r"simdgroup_bfloat8x8 wt;", tiles)
     assert re.search(r"simdgroup_float8x8 acc\[", tiles)
-    (bk,) = _constants("metal/gemm_tiles.h", "kGemmBK")
+    (bk,) = _constants("metal/gemm_args.h", "kGemmBK")
     (tk,) = _constants("metal/gemm_tensor.h", "kGemmTensorK")
     assert bk == GEMM_BK == 64 and tk == 32
-    assert _constants("metal/gemm.metal", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
     assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
-    assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
+    assert _constants("metal/gemm_args.h", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
                       "kGemmTensorSM", "kGemmTensorSN") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, 4, 2]
     assert 32 * 4 * 2 == GEMM_TENSOR_TG and GEMM_TENSOR_BM // 4 == GEMM_BN // 2 == 32  # 32 x 32 per simdgroup
     dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
     assert dense.count("max_total_threads_per_threadgroup(256)") == 3
     assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
-    assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads",
-                      "kGemmTensorBM", "kGemmTensorThreads") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, GEMM_TENSOR_BM, GEMM_TENSOR_TG]
-    assert _constants("csrc/runtime/cost.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8]
+    # the host and the lab read these from metal/gemm_args.h (kernel_args.h, lily._core.CONSTANTS)
+    assert _core.CONSTANTS["kGemmLd"] == GEMM_BK + 8
 
     def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: bfloat tiles, or the staged fp32 results
         return max((bm + nb * bn) * (GEMM_BK + 8) * 2, nb * bm * (bn + 4) * 4)

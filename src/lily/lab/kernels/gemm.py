@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lily import _core
 from lily._core import kernel_params
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.lab.device import download, pack_args, upload
@@ -14,10 +15,14 @@ from lily.lab.kernels.harness import (
 )
 from lily.reference import silu
 
-GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal)
-GEMM_TENSOR_BM, GEMM_TENSOR_TG = 128, 256  # rows and threads of their tensor-op twins (gemm_tensor.metal)
-GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
-GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
+# The GEMM geometry of metal/gemm_args.h (lily._core.CONSTANTS): dense block rows, columns
+# and threads (gemm.metal), those of the tensor-op twins (gemm_tensor.metal), SwiGLU's columns
+# of gate and of up, the k step.
+_C = _core.CONSTANTS
+GEMM_BM, GEMM_BN, GEMM_TG = _C["kGemmBM"], _C["kGemmBN"], _C["kGemmThreads"]
+GEMM_TENSOR_BM, GEMM_TENSOR_TG = _C["kGemmTensorBM"], _C["kGemmTensorThreads"]
+GEMM_SWIGLU_BN = _C["kGemmSwigluBN"]
+GEMM_BK = _C["kGemmBK"]
 
 
 def gemm_args(m: int, n: int, k: int, lda: int | None = None, ldy: int | None = None) -> bytes:
@@ -26,8 +31,9 @@ def gemm_args(m: int, n: int, k: int, lda: int | None = None, ldy: int | None = 
 
 
 def gemm_geometry(kernel: str) -> tuple[int, int]:
-    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: 64 and 128
-    (gemm.metal), 128 and 256 for the tensor-op twins (``*_tensor``, gemm_tensor.metal)."""
+    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: kGemmBM and
+    kGemmThreads (gemm.metal), kGemmTensorBM and kGemmTensorThreads for the tensor-op twins
+    (``*_tensor``, gemm_tensor.metal; metal/gemm_args.h)."""
     return (GEMM_TENSOR_BM, GEMM_TENSOR_TG) if kernel.endswith("_tensor") else (GEMM_BM, GEMM_TG)
 
 
@@ -179,7 +185,7 @@ def _probe_ratio(out, a, b, what):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel, size=TOY):
-    """For x float32 [64, 64] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
+    """For x float32 [64, kGemmBK] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
     bf16_operand) against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
     X, O = upload(dev, x), dev.buffer(32 * 64 * 4)
