@@ -61,9 +61,10 @@ uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
   const uint64_t tiles = uint64_t(bm + nb * bn) * kGemmLd * 2;
   return std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
 }
-constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
-// (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
-constexpr uint32_t kAttnRows = 64;
+// The prefill attention's shape (metal/prefill_args.h): KV rows per tile, (row, head) pairs
+// per threadgroup.
+constexpr uint32_t kAttnTile = args::kAttnPrefillTile;
+constexpr uint32_t kAttnRows = args::kAttnPrefillPairs;
 // Decode attention threadgroups (attention.metal kAttnSimdgroups * 32).
 constexpr uint32_t kAttnDecodeThreads = 256;
 

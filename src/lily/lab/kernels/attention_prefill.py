@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lily._core import kernel_name, kernel_params
+from lily._core import CONSTANTS, kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.attention import THETA, attention_variant, rope_atol
 from lily.lab.kernels.harness import (
@@ -22,9 +22,10 @@ PREFILL_ATTN_DIMS = {
     "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
 }
 PREFILL_EPS = 1e-6
-TILE = 32  # KV rows per tile (kTile)
-QROWS = 64  # (row, head) pairs per threadgroup (kRows)
-RESCALE = 8.0  # lazy rescale threshold (kRescale)
+TILE = CONSTANTS["kAttnPrefillTile"]  # KV rows per tile (metal/prefill_args.h)
+QROWS = CONSTANTS["kAttnPrefillPairs"]  # (row, head) pairs per threadgroup
+RESCALE = CONSTANTS["kAttnPrefillRescale"]  # lazy rescale threshold
+THREADS = CONSTANTS["kAttnPrefillThreads"]  # threads per threadgroup (both paths)
 
 
 def pack_bf16_q(q, G):
@@ -121,7 +122,7 @@ class PrefillAttnLayer:
         Hq, D, G = self.Hq, self.D, self.G
         OUT = self.dev.buffer(M * Hq * D * 2)  # bfloat (o_proj's input)
         sfx = "_tensor" if self.tensor else ""
-        threads = 256  # both paths (kThreads)
+        threads = THREADS
         blocks = -(-M // (QROWS // G))
         reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
