@@ -201,13 +201,14 @@ def attention64(q, qg, K, V, p0):
     return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
 
 
-def attention_twin(q, qg, K, V, p0, split_rows=None):
+def attention_twin(q, qg, K, V, p0, split_rows=None, halves=False):
     """The prefill attention kernels' arithmetic (metal/attention_prefill.metal and
     attention_prefill_tensor.metal, both on bfloat operands): row i of q [M, Hq, D] over K, V
     [Hkv, >= p0+M, D] (bf16 values, taken as they are: nothing is clipped) rows [0, p0 + i],
     gated, as [M, Hq*D]. Modelled as the kernels compute it: q * scale rounded to bf16, each
     score an fp32 sum of the exact products (8 x 8 significant bits fit in fp32's 24) in order
-    over D (the simulator's product order), keys walked in tiles of TILE from the start of
+    over D (the simulator's product order; ``halves``: the tensor-op kernels', each half of D
+    summed so and the lower half's sum plus the upper's), keys walked in tiles of TILE from the start of
     each split of ``split_rows`` keys (None: one range), a row's reference max moved only when
     a tile's max exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to bf16, l the
     sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the gate)
@@ -228,9 +229,13 @@ def attention_twin(q, qg, K, V, p0, split_rows=None):
         k = f32(K[h // group, :n])
         v = V[h // group, :n].astype(np.float64)
         prod = qh[:, h, None, :] * k[None, :, :]  # exact in fp32
+        cuts = (0, D // 2, D) if halves else (0, D)
         s = np.zeros((M, n), f32_)
-        for d in range(D):
-            s += prod[:, :, d]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part = np.zeros((M, n), f32_)
+            for d in range(lo, hi):
+                part += prod[:, :, d]
+            s += part
         s = np.where(np.arange(n)[None, :] <= pos[:, None], s, f32_(-np.inf))
         parts = []
         for b, e in segments:
@@ -321,7 +326,8 @@ def _attn_prefill(dev, rng, kernel, size=TOY):
     p0, M = size.pick((13, 11), (size.rows, size.rows))
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
-    return close_ratio(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0), ATTN_OUT_RTOL, ATTN_ATOL, kernel)
+    return close_ratio(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, halves=tensor), ATTN_OUT_RTOL,
+                       ATTN_ATOL, kernel)
 
 
 @check(*[kernel_name("attn_prefill_split", s, d=D, g=G) for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
@@ -335,5 +341,5 @@ def _attn_prefill_split(dev, rng, kernel, size=TOY):
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
     got = L.attention_only(q, qg, p0, split=(S, ns))
-    return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S), ATTN_OUT_RTOL, ATTN_ATOL,
+    return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S, halves=tensor), ATTN_OUT_RTOL, ATTN_ATOL,
                        f"{kernel} (split + combine)")
