@@ -310,8 +310,10 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
 // lists. Prefill takes the tensor path only where both probes build
 // (Device::supports_bfloat_tensor_ops). As a kernel (one threadgroup of 128 threads; xb
 // bfloat [64, 64]):
-//   out_qk[32, 64] = xb[0:32] xb^T   S = Q K^T: a bfloat cooperative left input times a bfloat
-//                                    device tensor, multiply into an fp32 cooperative tensor
+//   out_qk[32, 64] = xb[0:32] xb^T   S = Q K^T, a 16 x 32 block per simdgroup
+//                                    (execution_simdgroup): a bfloat cooperative left input
+//                                    times a bfloat device tensor into an fp32 cooperative
+//                                    tensor
 //   out_pv[32, 64] = xb[0:32] xb     O += P V: a bfloat threadgroup tile times a cooperative
 //                                    right input filled from device memory,
 //                                    multiply_accumulate into an fp32 cooperative tensor
@@ -323,20 +325,23 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
   threadgroup float smem[BM * BN];
   threadgroup bfloat tiles[BM * K];  // P [BM][K]
 
-  // S = Q K^T as the attention runs it: Q a bfloat cooperative left input filled from device
-  // memory, K a bfloat device tensor (extents: k innermost), into an fp32 cooperative
-  // destination, stored to threadgroup memory
+  // S = Q K^T as the attention runs it: each simdgroup a 16 x 32 block (execution_simdgroup),
+  // Q a bfloat cooperative left input filled from device memory, K a bfloat device tensor
+  // (extents: k innermost), into an fp32 cooperative destination, stored to threadgroup memory
   using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
   using Stage = tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline>;
-  DevRows tK((device bfloat*)xb, dextents<int32_t, 2>(K, BN));
-  Stage tS(smem, extents<int32_t, BN, BM>());
-  constexpr auto qk_desc = matmul2d_descriptor(BM, BN, K, false, true, false, matmul2d_descriptor::mode::multiply);
-  matmul2d<qk_desc, execution_simdgroups<4>> qk;
+  using StageBlock = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
+  const uint r0 = 16 * (tid / 64), c0 = 32 * (tid / 32 % 2);  // the simdgroup's block
+  DevRows tK((device bfloat*)xb + c0 * K, dextents<int32_t, 2>(K, 32));
+  StageBlock tS(smem + r0 * BN + c0, dextents<int32_t, 2>(32, 16), array<int, 2>{1, int(BN)});
+  constexpr auto qk_desc =
+      matmul2d_descriptor(16, 32, K, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<qk_desc, execution_simdgroup> qk;
   auto q = qk.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
   for (uint16_t i = 0; i < q.get_capacity(); ++i) {
     if (q.is_valid_element(i)) {
       const auto at = q.get_multidimensional_index(i);  // {k, row}
-      q[i] = xb[uint(at[1]) * K + uint(at[0])];
+      q[i] = xb[(r0 + uint(at[1])) * K + uint(at[0])];
     }
   }
   auto s = qk.get_destination_cooperative_tensor<decltype(q), DevRows, float>();
