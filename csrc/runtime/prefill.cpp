@@ -47,9 +47,9 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
-// (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
+// attention: kAttnPrefillThreads threads and kAttnPrefillPairs (row, head) pairs per
+// threadgroup on both paths (metal/prefill_args.h); prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = args::kAttnPrefillThreads, kAttnPairs = args::kAttnPrefillPairs;
 constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
