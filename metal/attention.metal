@@ -90,7 +90,7 @@ using namespace metal;
 }
 
 // ---- decode attention core -------------------------------------------------------------------
-constant constexpr uint kAttnSimdgroups = 8;  // threadgroup = 256 threads
+// (kAttnSimdgroups per threadgroup of kAttnDecodeThreads threads: mixer_args.h)
 
 // Lane layout of a D-element row: lane l holds the NE = D/32 contiguous elements
 // [l*NE, (l+1)*NE), loaded as NC vectors of W elements (D = 256: two bfloat4, one 16-byte
@@ -402,7 +402,7 @@ template <uint D, uint G>
 // blocks b = s, s + 8, ... (lane = column), and simdgroup 0 adds the 8 sums in order: the
 // partials are read by 8x as many threads as with one thread per column, so the dispatch fills
 // the GPU (16 heads x 256 columns would be 4096 threads).
-constant constexpr uint kCombineSimdgroups = 8;
+// (kCombineSimdgroups: mixer_args.h)
 
 template <uint D>
 [[max_total_threads_per_threadgroup(256)]] kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
@@ -465,7 +465,7 @@ template <uint D>
 // those of attn_qk_prep + attn_decode.
 namespace attn_detail {
 
-constant constexpr uint kFusedThreads = kAttnSimdgroups * 32;  // 256
+constant constexpr uint kFusedThreads = kAttnDecodeThreads;
 
 // Prep of vectors j = 0..G (j < G: query head h0 + j; j == G: the new k of head kvh, only
 // with_k), one simdgroup per vector (simdgroup j % 8: the new k shares simdgroup 0 with query

@@ -14,12 +14,12 @@ using namespace metal;
 
 namespace attn_prefill_shared {
 
-constant constexpr uint kTile = 32;  // KV rows per tile
-// Lazy rescaling (as FlashAttention-4): a row keeps its reference max m until a tile's max
-// exceeds it by more than kRescale, so P = exp(s - m) <= e^8 ~ 2981 and the O rescale runs
-// only when a row's max jumps. The output O / l is the same for any reference: both carry the
-// same factor exp(-m).
-constant constexpr float kRescale = 8.0f;
+constant constexpr uint kTile = kAttnPrefillTile;  // KV rows per tile (prefill_args.h)
+// Lazy rescaling (as FlashAttention-4; prefill_args.h kAttnPrefillRescale): a row keeps its
+// reference max m until a tile's max exceeds it by more than kRescale, so P = exp(s - m) <= e^8
+// ~ 2981 and the O rescale runs only when a row's max jumps. The output O / l is the same for
+// any reference: both carry the same factor exp(-m).
+constant constexpr float kRescale = kAttnPrefillRescale;
 
 // K or V rows [t0, t0 + kTile) of one KV head into kv [kTile, D], a plain bf16 copy; rows
 // >= kend are zero (masked, and a zero row keeps 0 * v finite in P V: the cache past the

@@ -51,8 +51,8 @@ inline void prep_q_out(device bfloat* q, constant AttnPrefillPrepArgs& args, uin
 }
 
 // ---- attention ----
-constant constexpr uint kThreads = 256;  // 8 simdgroups
-constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: 8 per simdgroup
+constant constexpr uint kThreads = kAttnPrefillThreads;  // 8 simdgroups (prefill_args.h)
+constant constexpr uint kRows = kAttnPrefillPairs;       // (chunk row, head) pairs: 8 per simdgroup
 using namespace attn_prefill_shared;
 
 // Chunk rows per threadgroup: pair r is chunk row r % BQ of the block, head r / BQ.

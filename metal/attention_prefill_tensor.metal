@@ -1,31 +1,33 @@
 // Prefill attention, Metal 4 tensor-operation path for apple10-family GPUs (M5: per-core
 // neural accelerators) (docs/prefill.md, "Attention"). Twins of attn_prefill_d<D>_g<G> and
-// attn_prefill_split_d<D>_g<G> (attention_prefill.metal) with the same tiles, fp32 online
-// softmax, gate, output and argument bindings; the matrix operands are bfloat (as MLX's NAX
-// attention): q * scale rounded to bf16 by attn_prefill_prep_d<D>_qbf in the layout
-// [Hq / G, M, G, D], so the 64 (chunk row, head) pairs of a threadgroup are 64 consecutive
-// rows of D bfloats read by the matmul straight from device memory (64 x 256 operands alone
-// would fill the 32 KiB of threadgroup memory); K read straight from the bf16 cache as well
-// (no conversion, no staging); V straight from the cache into registers, as MLX's NAX
-// attention keeps its K and V fragments (steel_attention_nax.h): each thread fills its slots
-// of the P V operation's cooperative right input, rows past the range zero; P rounded to
-// bf16. The combine kernel is shared. Grid: (ceil(M / BQ), Hq / G[, splits]) threadgroups of
-// 256 threads, BQ = 64 / G chunk rows: pair r < 64 of a threadgroup is chunk row
-// block * BQ + r / G of query head y * G + r % G.
+// attn_prefill_split_d<D>_g<G> (attention_prefill.metal) with the same grid, KV tiles, fp32
+// online softmax, gate, output and argument bindings; bfloat matrix operands (q * scale
+// rounded to bf16 by attn_prefill_prep_d<D>_qbf in the layout [Hq / G, M, G, D], K and V as
+// cached, P rounded to bf16), fp32 accumulation. The combine kernel is shared. Grid:
+// (ceil(M / BQ), Hq / G[, splits]) threadgroups of kAttnPrefillThreads = 256 threads, BQ =
+// kAttnPrefillPairs / G chunk rows: pair r < 64 of a threadgroup is chunk row block * BQ + r / G
+// of query head y * G + r % G (prefill_args.h has every shape constant).
 //
-// Per 32-row KV tile (attention_prefill.h: the tiles and the online softmax shared with the
-// simdgroup kernels):
-//   every thread loads its V elements (the loads in flight across the product);
-//   S = Q K^T   one matmul2d (64 x 32, k = D, bfloat x bfloat -> fp32) over the 8 simdgroups,
-//               K the tile's cache rows (an extent of the rows before kend: S columns past it
-//               are unspecified and masked by the softmax);
-//   barrier; 4 threads per pair run the fp32 online softmax (P -> bfloat);
-//   barrier; O (64 x D fp32, a cooperative tensor: registers) *= corr per pair, when a pair's
-//               reference max moved (a flag per simdgroup);
-//   O += P V    one matmul2d (64 x D, k = 32, V the cooperative right input); barrier.
-// Three threadgroup barriers per tile. Threadgroup memory (D = 256): S 8 KiB + P 4 KiB +
-// 800 B of per-pair values, 13,088 bytes (the V tile's 16 KiB no longer staged): two
-// threadgroups per core even where a core holds only 32 KiB.
+// Structure after MLX's attention_nax_dsplit (steel_attention_nax.h, its head-dim-256 kernel,
+// measured on M5): the 64 pairs are 4 slabs of kAttnPrefillSlabRows = 16, each served by two
+// simdgroups that split the head dim (simdgroup 2 s + h: slab s, dims [h D/2, (h + 1) D/2)).
+// Every product is a simdgroup-scope matmul2d (no threadgroup-wide tensor operation): Q is
+// loaded once into the simdgroup's registers (a cooperative left input, 16 x D/2), K is read
+// by the product straight from the cache, O (16 x D/2 fp32, 64 floats per thread at D = 256)
+// stays in registers as D/64 cooperative destinations of 32 columns, and V comes from the
+// cache into registers 32 columns at a time (two slices double-buffered: the first one's loads
+// issued at the start of the tile, each next one's during the product before). Per 32-row
+// KV tile:
+//   S_h = Q_h K_h^T   each simdgroup its half of the dot products (16 x 32, k = D/2);
+//   the upper half stores its partial S in the slab's buffer; barrier;
+//   the lower half adds its own (S = S_0 + S_1, in that order: the twin's), then its 32
+//               lanes run the slab's fp32 online softmax (2 lanes per pair, 16 columns each),
+//               P -> bfloat into the slab's buffer, corr per pair, a rescale flag; barrier;
+//   both halves: O *= corr (only when the slab's flag is set: lazy rescaling), O += P V_h.
+// Two threadgroup barriers per 32 KV rows (three in the threadgroup-scope design before, as
+// pplx-garden's); everything else between the two simdgroups of a slab only.
+// Threadgroup memory (D = 256 and 64 alike): scores 8 KiB + P 4 KiB + per-pair values 784 B,
+// 13,072 bytes.
 // MSL 4.0: built into lily_tensor.metallib (bfloat x bfloat -> float: the operand table of
 // MacOSX 26.1 SDK's MPPTensorOpsMatMul2d.h; 26.0's header maps bfloat under __HAVE_BFLOAT__).
 #include <metal_stdlib>
@@ -41,19 +43,43 @@ using namespace mpp::tensor_ops;
 namespace attn_prefill_tensor_detail {
 using namespace attn_prefill_shared;
 
-constant constexpr uint kThreads = 256;  // 8 simdgroups: the scope of every tensor operation
-constant constexpr uint kRows = 64;      // (chunk row, head) pairs per threadgroup: the matmuls' m
+constant constexpr uint kThreads = kAttnPrefillThreads;  // 8 simdgroups
+constant constexpr uint kRows = kAttnPrefillPairs;       // (chunk row, head) pairs per threadgroup
+constant constexpr uint kSlab = kAttnPrefillSlabRows;    // pairs per slab: the products' m
+constant constexpr uint kSlabs = kRows / kSlab;
+constant constexpr uint kCols = 32;                      // output columns per P V product
+static_assert(2 * kSlabs == kThreads / 32, "two simdgroups (the head dim's halves) per slab");
+static_assert(kTile == 32, "the softmax's lanes: 2 per pair, 16 columns each");
+// Per-slab values (floats): corr [kSlab], then 1 / l (or l) [kSlab], m [kSlab], the rescale flag
+constant constexpr uint kSlabValues = 3 * kSlab + 1;
+
+// V rows [t0, t0 + kTile) of one KV head, columns [c0, c0 + kCols), into a P V product's
+// cooperative right input {d, key}; rows >= kend zero (0 * v stays finite whatever the cache
+// holds past the context).
+template <uint D, class VIn>
+static inline void load_v(thread VIn& v, device const bfloat* vhead, uint t0, uint kend, uint c0) {
+  for (uint16_t i = 0; i < v.get_capacity(); ++i) {
+    if (v.is_valid_element(i)) {
+      const auto at = v.get_multidimensional_index(i);
+      const uint key = t0 + uint(at[1]);
+      v[i] = key < kend ? vhead[ulong(key) * D + c0 + uint(at[0])] : bfloat(0.0f);
+    }
+  }
+}
 
 template <uint D, uint G, bool SPLIT>
 static inline void attend(device bfloat* qb, device const bfloat* qg, device const bfloat* k_cache,
                           device const bfloat* v_cache, device bfloat* out, device float* part_ml,
                           device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
                           uint split,
-                          threadgroup float* ss,   // [kRows, kTile] scores
-                          threadgroup bfloat* ps,  // [kRows, kTile] P
-                          threadgroup float* rowv, // [3 * kRows + 8] corr, then 1 / l (or l) and m; rescale flags
-                          uint tid) {
+                          threadgroup float* ss,    // [kSlabs][kSlab, kTile] scores
+                          threadgroup bfloat* ps,   // [kSlabs][kSlab, kTile] P
+                          threadgroup float* rowv,  // [kSlabs][kSlabValues]
+                          uint sg, uint lane) {
   constexpr uint BQ = kRows / G;
+  constexpr uint DH = D / 2;       // head dims per simdgroup
+  constexpr uint NJ = DH / kCols;  // P V products per simdgroup and tile
+  static_assert(DH % kCols == 0, "D: a multiple of 64");
   const uint Hq = args.num_q_heads;
   const uint M = args.rows;
   const uint h0 = y * G;
@@ -65,122 +91,149 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
   if (!kv_range<SPLIT>(args, row0 + pairs / G - 1, split, kbeg, kend)) {
     return;  // uniform: no row of this block reaches split `split`
   }
+  const uint slab = sg / 2;
+  const uint dhalf = sg % 2;  // the head dims' half (not `half`: an MSL type)
+  const uint first = slab * kSlab;  // the slab's first pair
+  threadgroup float* s_sl = ss + slab * kSlab * kTile;
+  threadgroup bfloat* p_sl = ps + slab * kSlab * kTile;
+  threadgroup float* v_sl = rowv + slab * kSlabValues;
 
-  // Q: rows [row0 * G, row0 * G + pairs) of head group y's [M * G, D] matrix. Its extent is
-  // the pairs of chunk rows: the matmul leaves S rows past it undefined, and the softmax
-  // masks those rows whole.
-  using QRowsT = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
-  using PTile = tensor<threadgroup bfloat, extents<int32_t, kTile, kRows>, tensor_inline>;
-  using STile = tensor<threadgroup float, extents<int32_t, kTile, kRows>, tensor_inline>;
-  QRowsT tQ(qb + (ulong(y) * M + row0) * G * D, dextents<int32_t, 2>(D, pairs));
-  PTile tP(ps, extents<int32_t, kTile, kRows>());
-  STile tS(ss, extents<int32_t, kTile, kRows>());
-  // S (kRows x kTile) = Q K^T: K's rows are the right operand's columns (transpose_right)
-  constexpr auto qk_desc = matmul2d_descriptor(kRows, kTile, D, false, true, false, matmul2d_descriptor::mode::multiply);
-  // O (kRows x D) += P V
-  constexpr auto pv_desc =
-      matmul2d_descriptor(kRows, D, kTile, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<qk_desc, execution_simdgroups<kThreads / 32>> qk;
-  matmul2d<pv_desc, execution_simdgroups<kThreads / 32>> pv;
-  // V (kTile x D): each thread's elements, {d, key} (the right operand's extents (D, kTile))
-  auto vr = pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>();
-  auto o = pv.template get_destination_cooperative_tensor<PTile, decltype(vr), float>();
-  for (uint16_t i = 0; i < o.get_capacity(); ++i) {
-    if (o.is_valid_element(i)) {
-      o[i] = 0.0f;
+  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  using PTile = tensor<threadgroup bfloat, extents<int32_t, kTile, kSlab>, tensor_inline>;
+  // S_h (kSlab x kTile) = Q_h K_h^T: K's rows are the right operand's columns (transpose_right)
+  constexpr auto qk_desc =
+      matmul2d_descriptor(kSlab, kTile, DH, false, true, false, matmul2d_descriptor::mode::multiply);
+  // O[:, 32 j ..] (kSlab x 32) += P V[:, 32 j ..]
+  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
+                                               matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  matmul2d<pv_desc, execution_simdgroup> pv;
+
+  // Q_h: the slab's 16 rows of head group y's [M * G, D] matrix, dims [half DH, half DH + DH),
+  // {d, pair}; pairs past the chunk zero (their S rows are masked whole)
+  auto q = qk.template get_left_input_cooperative_tensor<bfloat, bfloat, float>();
+  device const bfloat* qrows = qb + (ulong(y) * M + row0) * G * D + dhalf * DH;
+  for (uint16_t i = 0; i < q.get_capacity(); ++i) {
+    if (q.is_valid_element(i)) {
+      const auto at = q.get_multidimensional_index(i);
+      const uint r = first + uint(at[1]);
+      q[i] = r < pairs ? qrows[ulong(r) * D + uint(at[0])] : bfloat(0.0f);
     }
   }
+  using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
+  using ODest = decltype(pv.template get_destination_cooperative_tensor<PTile, VIn, float>());
+  ODest o[NJ];
+  VIn vb[2];  // V's slices, double-buffered: the next one's loads in flight during a product
+  for (uint j = 0; j < NJ; ++j) {
+    for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
+      if (o[j].is_valid_element(i)) {
+        o[j][i] = 0.0f;
+      }
+    }
+  }
+  PTile tP(p_sl, extents<int32_t, kTile, kSlab>());
 
-  // softmax role: pair sr, columns 8 su .. 8 su + 7, 4 threads per pair: the simdgroup
-  // kernel's layout, so l is summed in the same order
-  const uint sr = tid / 4;
-  const uint su = tid % 4;
-  const bool live = sr < pairs;                   // uniform per group of 4 lanes
-  const uint spos = args.p0 + row0 + sr / G;      // keys <= spos are attended
+  // softmax role (the lower half): pair sr of the slab, columns 16 su .. 16 su + 15
+  const uint sr = lane / 2;
+  const uint su = lane % 2;
+  const uint pr = first + sr;
+  const bool live = pr < pairs;               // uniform per group of 2 lanes
+  const uint spos = args.p0 + row0 + pr / G;  // keys <= spos are attended
   float m = -INFINITY;
   float l = 0.0f;
   device const bfloat* khead = k_cache + ulong(kvh) * args.capacity * D;
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
-  // S starts at zero: Apple's header defines the product as C = A B + C with C assumed
-  // zeroed, also in mode::multiply; each thread re-zeroes the scores it reads below
-  for (uint i = tid; i < kRows * kTile; i += kThreads) {
-    ss[i] = 0.0f;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const array<int, 2> kstride{1, int(D)};
 
   for (uint t0 = kbeg; t0 < kend; t0 += kTile) {
-    // V rows [t0, t0 + kTile) into registers (rows >= kend zero: 0 * v stays finite)
-    for (uint16_t i = 0; i < vr.get_capacity(); ++i) {
-      if (vr.is_valid_element(i)) {
-        const auto at = vr.get_multidimensional_index(i);  // {d, key}
-        const uint key = t0 + uint(at[1]);
-        vr[i] = key < kend ? vhead[ulong(key) * D + uint(at[0])] : bfloat(0.0f);
-      }
-    }
-    // K rows [t0, min(t0 + kTile, kend)) from the cache (only read: no barrier orders it;
-    // tensor elements are non-const, as Apple's examples)
-    QRowsT tK((device bfloat*)(khead + ulong(t0) * D), dextents<int32_t, 2>(D, min(kTile, kend - t0)));
-    qk.run(tQ, tK, tS);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // S complete
-    float s[8];
-    for (uint j = 0; j < 8; ++j) {
-      const uint key = t0 + 8 * su + j;
-      const float x = ss[sr * kTile + 8 * su + j];
-      ss[sr * kTile + 8 * su + j] = 0.0f;  // only this thread reads it; the loop's last barrier orders the next run
-      s[j] = (live && key <= spos && key < kend) ? x : -INFINITY;
-    }
-    const float corr = softmax_row<8, 4>(s, m, l, ps + sr * kTile + 8 * su);
-    const bool moved = simd_any(corr != 1.0f);  // any of the simdgroup's 8 pairs
-    if (su == 0) {
-      rowv[sr] = corr;
-    }
-    if (tid % 32 == 0) {
-      rowv[3 * kRows + tid / 32] = moved ? 1.0f : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr and the flags complete
-    bool rescale = false;  // uniform: every thread reads the same flags
-    for (uint g = 0; g < kThreads / 32; ++g) {
-      rescale = rescale || rowv[3 * kRows + g] != 0.0f;
-    }
-    if (rescale) {  // rare after the first tiles (lazy rescaling)
-      for (uint16_t i = 0; i < o.get_capacity(); ++i) {
-        if (o.is_valid_element(i)) {
-          o[i] *= rowv[o.get_multidimensional_index(i)[1]];
+    load_v<D>(vb[0], vhead, t0, kend, dhalf * DH);  // in flight across S, the softmax and the barriers
+    // K_h: rows [t0, min(t0 + kTile, kend)) of the cache, this half's dims (only read: no
+    // barrier orders it; S columns past the extent are unspecified and masked below)
+    DevRows tK((device bfloat*)(khead + ulong(t0) * D + dhalf * DH),
+               dextents<int32_t, 2>(DH, min(kTile, kend - t0)), kstride);
+    auto s = qk.template get_destination_cooperative_tensor<decltype(q), DevRows, float>();
+    qk.run(q, tK, s);
+    if (dhalf == 1) {  // the upper half's partial scores to the slab's buffer
+      for (uint16_t i = 0; i < s.get_capacity(); ++i) {
+        if (s.is_valid_element(i)) {
+          const auto at = s.get_multidimensional_index(i);  // {key, pair}
+          s_sl[uint(at[1]) * kTile + uint(at[0])] = s[i];
         }
       }
     }
-    pv.run(tP, vr, o);
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // S, P and corr free for the next tile
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the upper halves' partials complete
+    if (dhalf == 0) {
+      for (uint16_t i = 0; i < s.get_capacity(); ++i) {
+        if (s.is_valid_element(i)) {
+          const auto at = s.get_multidimensional_index(i);
+          const uint e = uint(at[1]) * kTile + uint(at[0]);
+          s_sl[e] = s[i] + s_sl[e];  // S_0 + S_1
+        }
+      }
+      simdgroup_barrier(mem_flags::mem_threadgroup);  // the slab's scores visible to its lanes
+      float sv[16];
+      for (uint j = 0; j < 16; ++j) {
+        const uint key = t0 + 16 * su + j;
+        const float x = s_sl[sr * kTile + 16 * su + j];
+        sv[j] = (live && key <= spos && key < kend) ? x : -INFINITY;  // a select: no NaN enters
+      }
+      const float corr = softmax_row<16, 2>(sv, m, l, p_sl + sr * kTile + 16 * su);
+      const bool moved = simd_any(corr != 1.0f);
+      if (su == 0) {
+        v_sl[sr] = corr;
+      }
+      if (lane == 0) {
+        v_sl[3 * kSlab] = moved ? 1.0f : 0.0f;
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr and the flag complete
+    if (v_sl[3 * kSlab] != 0.0f) {  // uniform per slab; rare after the first tiles (lazy rescaling)
+      for (uint j = 0; j < NJ; ++j) {
+        for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
+          if (o[j].is_valid_element(i)) {
+            o[j][i] *= v_sl[o[j].get_multidimensional_index(i)[1]];
+          }
+        }
+      }
+    }
+    for (uint j = 0; j < NJ; ++j) {  // O[:, 32 j ..] += P V[:, half DH + 32 j ..]
+      if (j + 1 < NJ) {
+        load_v<D>(vb[(j + 1) % 2], vhead, t0, kend, dhalf * DH + (j + 1) * kCols);
+      }
+      pv.run(tP, vb[j % 2], o[j]);
+    }
   }
 
-  if (su == 0) {
-    rowv[kRows + sr] = SPLIT ? l : 1.0f / l;
-    rowv[2 * kRows + sr] = m;
+  if (dhalf == 0 && su == 0) {
+    v_sl[kSlab + sr] = SPLIT ? l : 1.0f / l;
+    v_sl[2 * kSlab + sr] = m;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
   // each thread writes its own elements of O (no staging)
-  for (uint16_t i = 0; i < o.get_capacity(); ++i) {
-    if (!o.is_valid_element(i)) {
-      continue;
-    }
-    const auto at = o.get_multidimensional_index(i);  // {column, row}
-    const uint r = uint(at[1]);
-    const uint d = uint(at[0]);
-    if (r >= pairs) {
-      continue;  // past the chunk
-    }
-    const uint row = row0 + r / G;
-    const uint h = h0 + r % G;
-    if (SPLIT) {
-      const ulong slot = (ulong(split) * M + row) * Hq + h;
-      part_o[slot * D + d] = o[i];
-      if (d == 0) {
-        part_ml[2 * slot] = rowv[2 * kRows + r];
-        part_ml[2 * slot + 1] = rowv[kRows + r];
+  for (uint j = 0; j < NJ; ++j) {
+    for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
+      if (!o[j].is_valid_element(i)) {
+        continue;
       }
-    } else {
-      const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
-      out[(ulong(row) * Hq + h) * D + d] = bfloat(o[i] * rowv[kRows + r] * sigmoid(gate));
+      const auto at = o[j].get_multidimensional_index(i);  // {column, pair}
+      const uint r = first + uint(at[1]);
+      if (r >= pairs) {
+        continue;  // past the chunk
+      }
+      const uint row = row0 + r / G;
+      const uint h = h0 + r % G;
+      const uint d = dhalf * DH + j * kCols + uint(at[0]);
+      if (SPLIT) {
+        const ulong slot = (ulong(split) * M + row) * Hq + h;
+        part_o[slot * D + d] = o[j][i];
+        if (d == 0) {
+          part_ml[2 * slot] = v_sl[2 * kSlab + uint(at[1])];
+          part_ml[2 * slot + 1] = v_sl[kSlab + uint(at[1])];
+        }
+      } else {
+        const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
+        out[(ulong(row) * Hq + h) * D + d] = bfloat(o[j][i] * v_sl[kSlab + uint(at[1])] * sigmoid(gate));
+      }
     }
   }
 }
@@ -196,19 +249,20 @@ template <uint D, uint G>
                                 device bfloat* out [[buffer(4)]],            // bfloat [M, Hq*D] attention * sigmoid(gate)
                                 constant AttnPrefillArgs& args [[buffer(5)]],
                                 uint2 tg [[threadgroup_position_in_grid]],
-                                uint tid [[thread_index_in_threadgroup]]) {
+                                uint sg [[simdgroup_index_in_threadgroup]],
+                                uint lane [[thread_index_in_simdgroup]]) {
   using namespace attn_prefill_tensor_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
-  static_assert(D % 32 == 0 && D <= 256, "D: a multiple of 32, at most 256");
+  static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64, at most 256");
   threadgroup float ss[kRows * kTile];
   threadgroup bfloat ps[kRows * kTile];
-  threadgroup float rowv[3 * kRows + kThreads / 32];
+  threadgroup float rowv[kSlabs * kSlabValues];
   const uint nblocks = (args.rows + kRows / G - 1) / (kRows / G);
   if (tg.x >= nblocks) {
     return;
   }
   attend<D, G, false>(qb, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y, 0, ss, ps,
-                      rowv, tid);
+                      rowv, sg, lane);
 }
 
 // ---- attn_prefill_split_tensor: as attn_prefill_split (partials for attn_prefill_combine)
@@ -220,19 +274,20 @@ template <uint D, uint G>
                                       device float* part_o [[buffer(4)]],          // [num_splits, M, Hq, D]
                                       constant AttnPrefillArgs& args [[buffer(5)]],
                                       uint3 tg [[threadgroup_position_in_grid]],
-                                      uint tid [[thread_index_in_threadgroup]]) {
+                                      uint sg [[simdgroup_index_in_threadgroup]],
+                                      uint lane [[thread_index_in_simdgroup]]) {
   using namespace attn_prefill_tensor_detail;
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
-  static_assert(D % 32 == 0 && D <= 256, "D: a multiple of 32, at most 256");
+  static_assert(D % 64 == 0 && D <= 256, "D: a multiple of 64, at most 256");
   threadgroup float ss[kRows * kTile];
   threadgroup bfloat ps[kRows * kTile];
-  threadgroup float rowv[3 * kRows + kThreads / 32];
+  threadgroup float rowv[kSlabs * kSlabValues];
   const uint nblocks = (args.rows + kRows / G - 1) / (kRows / G);
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
   attend<D, G, true>(qb, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
-                     tg.z, ss, ps, rowv, tid);
+                     tg.z, ss, ps, rowv, sg, lane);
 }
 
 // Instantiations: as attention_prefill.metal.
@@ -255,8 +310,10 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
 // lists. Prefill takes the tensor path only where both probes build
 // (Device::supports_bfloat_tensor_ops). As a kernel (one threadgroup of 128 threads; xb
 // bfloat [64, 64]):
-//   out_qk[32, 64] = xb[0:32] xb^T   S = Q K^T: bfloat device tensors, multiply into a
-//                                    threadgroup fp32 tensor
+//   out_qk[32, 64] = xb[0:32] xb^T   S = Q K^T, a 16 x 32 block per simdgroup
+//                                    (execution_simdgroup): a bfloat cooperative left input
+//                                    times a bfloat device tensor into an fp32 cooperative
+//                                    tensor
 //   out_pv[32, 64] = xb[0:32] xb     O += P V: a bfloat threadgroup tile times a cooperative
 //                                    right input filled from device memory,
 //                                    multiply_accumulate into an fp32 cooperative tensor
@@ -268,19 +325,28 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
   threadgroup float smem[BM * BN];
   threadgroup bfloat tiles[BM * K];  // P [BM][K]
 
-  // S = Q K^T on bfloat device tensors (extents: k innermost), into threadgroup fp32
+  // S = Q K^T as the attention runs it: each simdgroup a 16 x 32 block (execution_simdgroup),
+  // Q a bfloat cooperative left input filled from device memory, K a bfloat device tensor
+  // (extents: k innermost), into an fp32 cooperative destination, stored to threadgroup memory
   using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
   using Stage = tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline>;
-  DevRows tQ((device bfloat*)xb, dextents<int32_t, 2>(K, BM));
-  DevRows tK((device bfloat*)xb, dextents<int32_t, 2>(K, BN));
-  Stage tS(smem, extents<int32_t, BN, BM>());
-  constexpr auto qk_desc = matmul2d_descriptor(BM, BN, K, false, true, false, matmul2d_descriptor::mode::multiply);
-  matmul2d<qk_desc, execution_simdgroups<4>> qk;
-  for (uint i = tid; i < BM * BN; i += 128) {  // a zeroed destination, as the kernels keep it
-    smem[i] = 0.0f;
+  using StageBlock = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
+  const uint r0 = 16 * (tid / 64), c0 = 32 * (tid / 32 % 2);  // the simdgroup's block
+  DevRows tK((device bfloat*)xb + c0 * K, dextents<int32_t, 2>(K, 32));
+  StageBlock tS(smem + r0 * BN + c0, dextents<int32_t, 2>(32, 16), array<int, 2>{1, int(BN)});
+  constexpr auto qk_desc =
+      matmul2d_descriptor(16, 32, K, false, true, false, matmul2d_descriptor::mode::multiply);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  auto q = qk.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
+  for (uint16_t i = 0; i < q.get_capacity(); ++i) {
+    if (q.is_valid_element(i)) {
+      const auto at = q.get_multidimensional_index(i);  // {k, row}
+      q[i] = xb[(r0 + uint(at[1])) * K + uint(at[0])];
+    }
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  qk.run(tQ, tK, tS);
+  auto s = qk.get_destination_cooperative_tensor<decltype(q), DevRows, float>();
+  qk.run(q, tK, s);
+  s.store(tS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint i = tid; i < BM * BN; i += 128) {
     out_qk[i] = smem[i];

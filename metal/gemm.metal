@@ -53,12 +53,9 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
   }
 }
 
-// Dense configuration: 64 x 64 output blocks, 2 x 2 simdgroups (128 threads) of 32 x 32
-// (4 x 4 fragments); SwiGLU: 64 x 32 blocks of gate and of up (64 weight rows per step as
-// well; two staged 64 x 64 fp32 blocks would exceed 32 KiB), 4 x 1 simdgroups of 16 x 32.
-constant constexpr uint kGemmBM = 64;
-constant constexpr uint kGemmBN = 64;
-constant constexpr uint kGemmSwigluBN = 32;
+// Dense configuration (kGemmBM, kGemmBN, kGemmSwigluBN, kGemmThreads: gemm_args.h): 2 x 2
+// simdgroups of 32 x 32 (4 x 4 fragments); SwiGLU 4 x 1 simdgroups of 16 x 32 (64 weight rows
+// per step as well).
 
 // x: bfloat rows (gemm_q4, gemm_q8: the normed rows xn; gemm_q4_add_h: the attention output
 // and the shared expert's hidden). Y: float, or bfloat (gemm_q4_bf16: the sums rounded to

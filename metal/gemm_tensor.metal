@@ -37,15 +37,10 @@ inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, 
                                              w0, s0, b0, w1, s1, b1, n0, args.n, args.k, rows, tid, sg, sink);
 }
 
-// Dense configuration: 128 x 64 blocks of 4 x 2 simdgroups (256 threads), 32 x 32 each as in
-// qmm_t_nax (whose 64 x 64 blocks have 2 x 2): twice the rows per dequantized weight tile
-// halves the dequantization per product; SwiGLU 128 x 32 of gate and of up (32 x 16 of each
-// per simdgroup: the same registers and the same 64 weight rows per step). One 9 KiB weight
+// Dense configuration (kGemmTensorBM x kGemmTensorBN blocks of kGemmTensorSM x kGemmTensorSN
+// simdgroups, SwiGLU kGemmTensorSwigluBN: gemm_args.h): SwiGLU's 32 x 16 of gate and of up per
+// simdgroup take the same registers and the same 64 weight rows per step. One 9 KiB weight
 // tile (GemmTensorSmem).
-constant constexpr uint kGemmTensorBM = 128;
-constant constexpr uint kGemmTensorSM = 4, kGemmTensorSN = 2;
-constant constexpr uint kGemmTensorBN = 64;
-constant constexpr uint kGemmTensorSwigluBN = 32;
 
 // x: bfloat rows (gemm_q4, gemm_q8: the normed rows xn; gemm_q4_add_h: the attention output
 // and the shared expert's hidden). Y: float, or bfloat (gemm_q4_bf16; never ADD).

@@ -25,12 +25,9 @@
 using namespace metal;
 
 #include "common.h"
+#include "gemm_args.h"  // kGemmBK, kGemmLd and the blocks (shared with the host)
 #include "prefill_args.h"
 
-// k elements per GEMM step (= kQuantGroup: one scale/bias per row and step).
-constant constexpr uint kGemmBK = 64;
-// Row stride of the A and W tiles, in elements.
-constant constexpr uint kGemmLd = kGemmBK + 8;
 // 4-element pieces per tile row.
 constant constexpr uint kGemmRow4 = kGemmBK / 4;
 // Codes dequantized by one loader work item (one row, 16 consecutive k: 8 bytes at 4 bits,

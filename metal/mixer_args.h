@@ -104,6 +104,14 @@ struct AttnCombineArgs {
 
 #define LILY_MIXER_ARG_STRUCTS(S) \
   S(GdnDecodeArgs) S(AttnPrepArgs) S(AttnDecodeArgs) S(AttnFusedArgs) S(AttnCombineArgs)
-#define LILY_MIXER_CONSTANTS(C) C(kGdnRowBatch)
+// Decode attention (attention.metal): simdgroups per threadgroup of attn_decode*,
+// attn_decode_fused* and attn_combine; the host's threadgroups are these times 32.
+constant constexpr uint kAttnSimdgroups = 8;
+constant constexpr uint kAttnDecodeThreads = kAttnSimdgroups * 32;
+constant constexpr uint kCombineSimdgroups = 8;
+constant constexpr uint kAttnCombineThreads = kCombineSimdgroups * 32;
+
+#define LILY_MIXER_CONSTANTS(C) \
+  C(kGdnRowBatch) C(kAttnSimdgroups) C(kAttnDecodeThreads) C(kCombineSimdgroups) C(kAttnCombineThreads)
 
 #endif  // LILY_MIXER_ARGS_H

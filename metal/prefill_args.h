@@ -172,6 +172,22 @@ enum : uint { kGdnScanLanesPerRow = 4, kGdnScanTokensPerBlock = 8 };
 // preparation and causal flash attention"). The chunk is M rows at absolute positions
 // p0 .. p0 + M - 1; D (head_dim) and G (query heads per threadgroup) are template parameters.
 
+// The attention kernels' shape, shared by both paths and read by the host, the cost table and
+// the lab twin (lily._core.CONSTANTS): a threadgroup of kAttnPrefillThreads threads serves
+// kAttnPrefillPairs (chunk row, query head) pairs, G heads of one KV head times
+// kAttnPrefillPairs / G chunk rows, and walks the cache in tiles of kAttnPrefillTile rows. A
+// row keeps its reference max until a tile's max exceeds it by more than kAttnPrefillRescale
+// (lazy rescaling, as FlashAttention-4: P = exp(s - m) <= e^8). The tensor-op kernel
+// (attention_prefill_tensor.metal) gives each pair of simdgroups a slab of
+// kAttnPrefillSlabRows pairs, one half of the head dim each (as MLX's attention_nax_dsplit).
+enum : uint {
+  kAttnPrefillThreads = 256,
+  kAttnPrefillPairs = 64,
+  kAttnPrefillTile = 32,
+  kAttnPrefillSlabRows = 16,
+};
+constant constexpr float kAttnPrefillRescale = 8.0f;
+
 // attn_prefill_prep_d<D>[_qbf]: q/k RMSNorm + partial RoPE per row, bf16 K/V rows p0 .. p0+M-1
 // written to the cache, q out fp32 [M, Hq, D] (_qbf: bfloat q * q_scale [Hq/G, M, G, D]). Same
 // float32 arithmetic as attn_qk_prep.
@@ -212,6 +228,7 @@ struct AttnPrefillArgs {
   S(MoeCombineArgs) S(GdnConvStateArgs) S(GdnScanArgs) S(AttnPrefillPrepArgs) S(AttnPrefillArgs)
 #define LILY_PREFILL_CONSTANTS(C) \
   C(kMoeTileClasses) C(kMoeRouteMaxBlockSlots) C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
-  C(kGdnScanTokensPerBlock) C(kGdnScanFold)
+  C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
+  C(kAttnPrefillSlabRows) C(kAttnPrefillRescale)
 
 #endif  // LILY_PREFILL_ARGS_H

@@ -164,6 +164,13 @@ class _TwinPass(_Proxy):
         return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, grid, threads, *args, **kwargs)
 
 
+def twin_target(p):
+    """(the real compute pass, whether GEMMs run as their tensor twins) of a pass of a
+    :class:`TwinDevice` or of a plain device: the kernels' own builders (lily._core.encode_*)
+    take the real pass and pick the twins themselves."""
+    return (p._obj, True) if isinstance(p, _TwinPass) else (p, False)
+
+
 class _TwinCommandBuffer(_Proxy):
     def compute_pass(self, *args, **kwargs):
         return _TwinPass(self._obj.compute_pass(*args, **kwargs))

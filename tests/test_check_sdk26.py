@@ -213,7 +213,10 @@ def test_every_shipped_tensor_operand_combination_is_resolved_and_run_by_a_probe
     assert shipped and all(probes.values()), probes
     assert all(set(c[0:6:2]) <= tool.ELEMENT_TYPES for c in shipped | set().union(*probes.values()))
     assert shipped <= set().union(*probes.values()), shipped - set().union(*probes.values())
-    # each probe runs its own family's operations: the GEMMs' (cooperative left input) and the attention's
+    # each probe runs its own family's operations: the GEMMs' (cooperative left input) and the
+    # attention's (S: Q a cooperative left input, K a device tensor; P V: P in threadgroup
+    # memory, V a cooperative right input)
     assert {c[1] for c in probes["tensor_ops_probe"]} == {"cooperative"}
-    assert {c[1] for c in probes["tensor_ops_probe_bfloat"]} == {"device", "threadgroup"}
+    assert {(c[1], c[3]) for c in probes["tensor_ops_probe_bfloat"]} == {("cooperative", "device"),
+                                                                       ("threadgroup", "cooperative")}
     assert {c[0] for cs in probes.values() for c in cs} == {"bfloat"}

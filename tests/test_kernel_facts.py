@@ -76,7 +76,32 @@ def test_constants_are_the_headers():
         m = re.search(rf"\b{name}\s*=\s*([^;,}}]+)", text)
         assert m, name
         expr = re.sub(r"(\d)[fu]\b", r"\1", m.group(1).split("//")[0])
-        assert eval(expr, {"__builtins__": {}}) == value, name  # noqa: S307 (our own header's literal)
+        # a literal, or an expression of the constants before it (kGemmLd = kGemmBK + 8)
+        assert eval(expr, {"__builtins__": {}}, dict(_core.CONSTANTS)) == value, name  # noqa: S307 (our header)
+
+
+def _sources(*patterns: str) -> dict[Path, str]:
+    return {p: p.read_text() for pattern in patterns for p in sorted(ROOT.glob(pattern))}
+
+
+def test_constants_have_one_home():
+    """Each reflected constant is defined in one header (metal/*_args.h, decode.h) and written
+    as a number nowhere else: no other header's, kernel's or C++ file's code restates it
+    (`name = 64`; they include the header), and no Python module pins a number beside its name (`X = 64  # name`;
+    they read lily._core.CONSTANTS)."""
+    native = _sources("metal/*.h", "metal/*.metal", "csrc/**/*.h", "csrc/**/*.cpp")
+    code = {p: re.sub(r"//[^\n]*", "", text) for p, text in native.items()}  # comments may derive a value
+    python = _sources("src/lily/**/*.py", "tests/**/*.py", "tools/**/*.py")
+    for name in _core.CONSTANTS:
+        # (a definition naming the header's, `= args::{name}`, is not a second home)
+        homes = [p for p, text in native.items()
+                 if re.search(rf"(?:constexpr|enum)\b[^;]*\b{name}\s*=\s*(?![\s=]|args::)", text)]
+        assert len(homes) == 1, f"{name} defined in {[str(p.relative_to(ROOT)) for p in homes]}"
+        copies = [p for p, text in code.items() if p != homes[0] and re.search(rf"\b{name}\s*=\s*\d", text)]
+        copies += [p for p, text in python.items()
+                   if re.search(rf"^\w+\s*=\s*[\d.]+\s*#.*\b{name}\b", text, re.M)]
+        assert not copies, f"{name} (home {homes[0].relative_to(ROOT)}) copied in " + \
+            ", ".join(str(p.relative_to(ROOT)) for p in copies)
 
 
 def test_kernel_names_follow_one_rule():

@@ -27,6 +27,9 @@ cmake --build "$BUILD" --parallel 2
 STAGE="$BUILD/stage"
 rm -rf "$STAGE" && mkdir -p "$STAGE"
 cp -r "$ROOT/src/lily" "$STAGE/lily"
+# An extension already in src/lily (a developer's build, or a link to an installed one) is
+# removed first: copying over a link would overwrite the installed extension it points to.
+rm -f "$STAGE"/lily/_core*.so
 cp "$BUILD"/_core*.so "$STAGE/lily/"
 
 # The interpreter is not instrumented: preload the ASan runtime. Leak checking is off

@@ -43,11 +43,10 @@ constexpr double kBf16ConvOps = 1;
 // nothing); a long-context model's memory heads (g near 1) fold far less often, so 1/3 is
 // on the pessimistic side. Every token folding would be 7, the eager scan's count.
 constexpr double kGdnScanFolds = 1.0 / 3.0;
-// Dense GEMM blocks (gemm.metal, gemm_tensor.metal): 64 columns, SwiGLU 32; 64 rows on the
-// simdgroup_matrix path (128 on the tensor-op path: the grid gives it); bfloat tiles with a
-// row stride of 64 + 8 elements (kGemmLd).
-constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmLd = 72;
-constexpr uint32_t kGemmBK = 64;  // k per step of the k loop (gemm_tiles.h)
+// Dense GEMM blocks and tiles: args::kGemmBM, kGemmBN, kGemmSwigluBN, kGemmLd, kGemmBK
+// (metal/gemm_args.h; the tensor-op path's rows come with its grid).
+using args::kGemmBK;
+using args::kGemmLd;
 // Rows of one simdgroup's block in the tensor-op expert tiles (moe_prefill_tensor.metal: 16
 // at T = 16 and 32, else 32), the granularity at which a partial tile's padding rows are
 // skipped (a simdgroup whose rows all lie past the tile's runs no tensor operation).
@@ -61,11 +60,11 @@ uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
   const uint64_t tiles = uint64_t(bm + nb * bn) * kGemmLd * 2;
   return std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
 }
-constexpr uint32_t kAttnTile = 32;  // attention_prefill.h kTile
-// (row, head) pairs per threadgroup: attention_prefill.metal and attention_prefill_tensor.metal kRows
-constexpr uint32_t kAttnRows = 64;
-// Decode attention threadgroups (attention.metal kAttnSimdgroups * 32).
-constexpr uint32_t kAttnDecodeThreads = 256;
+// The prefill attention's shape (metal/prefill_args.h): KV rows per tile, (row, head) pairs
+// per threadgroup, pairs per slab of the tensor-op kernel (two simdgroups, a half of D each).
+constexpr uint32_t kAttnTile = args::kAttnPrefillTile;
+constexpr uint32_t kAttnRows = args::kAttnPrefillPairs;
+constexpr uint32_t kAttnSlab = args::kAttnPrefillSlabRows;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -193,7 +192,7 @@ Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool bf16_y =
       kPrefillDequantF32Ops * dequant + (scaled_a ? 3.0 * double(r.groups.x) * a.m * a.k : 0.0) +
           (nb == 2 ? 5.0 * a.m * a.n : 0.0) + (nb == 2 || bf16_y ? kBf16ConvOps * a.m * a.n : 0.0));
   w.bytes = declared(r);
-  w.threadgroup_memory = gemm_smem(kGemmBM, nb == 2 ? kGemmSwigluBN : kGemmBN, nb, tensor);
+  w.threadgroup_memory = gemm_smem(args::kGemmBM, nb == 2 ? args::kGemmSwigluBN : args::kGemmBN, nb, tensor);
   gemm_chain(w, a.k, tensor);
   // the epilogue: y read (ADD: gemm_q4_add_h*, gemm_q4_add_hs*) or the row scale g (SwiGLU)
   const bool add_y = ends(r.kernel, "_add_h") || ends(r.kernel, "_add_h_tensor") || ends(r.kernel, "_add_hs") ||
@@ -579,7 +578,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     const bool split = starts(k, "attn_decode_split");
     const double rows_tg = split ? std::min<double>(a.block_rows, keys) : keys;
     chain(w, Lat::local, 1);  // the prepared queries
-    const double blocks_sg = std::ceil(rows_tg / (kAttnDecodeThreads / 32 * RB));
+    const double blocks_sg = std::ceil(rows_tg / (args::kAttnSimdgroups * RB));
     chain(w, Steps{0, 0, 1, 0, 0, NE + 15 + 2 * std::log2(RB) + 7 + RB}, blocks_sg);
     loop(w, Lat::dram, blocks_sg);
     chain(w, Steps{0, 0, 1, 2, 0, 20}, G);
@@ -639,29 +638,36 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     Cost w = make("attention");
     // Q K^T and P V: 2 D flops each per score, fp32 accumulation, bfloat operands on both paths
     add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 4.0 * D * scores);
-    // online softmax per score (mask, max, subtract, exp, operand rounding, sum). K and V are
-    // taken as cached (the tensor path: V straight into registers, the simdgroup path a plain
-    // copy of each tile) and the tensor path's q as its prep wrote it; the simdgroup path
-    // scales and rounds Q per threadgroup. The rare diag(corr) O rescale (a row's max grew by
-    // > 8) is not counted. Plain kernel: the gated output stored as bfloat (the conversion;
-    // the split partials stay fp32).
+    // online softmax per score (mask, max, subtract, exp, operand rounding, sum: 8); the
+    // tensor path adds the two halves' partial scores (1 more). K and V are taken as cached
+    // (the tensor path: V straight into registers, the simdgroup path a plain copy of each
+    // tile) and the tensor path's q as its prep wrote it; the simdgroup path scales and
+    // rounds Q per threadgroup. The rare diag(corr) O rescale (a row's max grew by > 8) is not
+    // counted. Plain kernel: the gated output stored as bfloat (the conversion; the split
+    // partials stay fp32).
     add(w, Path::alu_f32,
-        8.0 * scores + (tensor ? 0.0 : groups * rows * D) +
+        (tensor ? 9.0 : 8.0) * scores + (tensor ? 0.0 : groups * rows * D) +
             (a.num_splits == 0 ? kBf16ConvOps * double(M) * a.num_q_heads * D : 0.0));
     w.bytes = declared(r);
-    // tensor: fp32 S and bfloat P [rows, kTile], fp32 corr, l, m per pair and a rescale flag
-    // per simdgroup (8) (V is in registers); simdgroup: the bfloat K/V tile and the
-    // per-simdgroup scratch
-    w.threadgroup_memory = tensor ? 6 * kAttnRows * kAttnTile + 4 * (3 * kAttnRows + 8)
+    // tensor: per slab the fp32 scores and bfloat P [kSlab, kTile], fp32 corr, l, m per pair
+    // and the slab's rescale flag (Q, O and V are in registers); simdgroup: the bfloat K/V
+    // tile and the per-simdgroup scratch
+    const uint32_t slabs = kAttnRows / kAttnSlab;
+    w.threadgroup_memory = tensor ? 6 * kAttnRows * kAttnTile + 4 * slabs * (3 * kAttnSlab + 1)
                                   : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
-    // per KV tile: the tensor path loads V into registers (issued ahead of its product) and
-    // reads K inside its product, then three barriers around the softmax
-    // (attention_prefill_tensor.metal); the simdgroup path loads K, and V only after a
-    // barrier, four barriers (attention_prefill.metal). The softmax: a max and a sum over 8
-    // columns and 2 shuffle levels each, the exps (~30 steps).
-    chain(w, Steps{tensor ? 1.0 : 2.0, 0, 0, tensor ? 3.0 : 4.0, 0, 30}, tg_tiles);
-    chain(w, Lat::dram, -1);
-    chain(w, Lat::barrier, 2);  // S zeroed before the loop; the output after it
+    // per KV tile: the tensor path issues the first V slice's loads with the product reading
+    // K (the next slices' loads overlap the products before them), two barriers (the halves'
+    // partial scores, then P), the lower half's sum read back by its softmax lanes (a
+    // threadgroup-memory load behind a simdgroup barrier), a softmax of 16 columns per lane
+    // (the halves' add, max, subtract, exp, rounding per column and 2 shuffle levels: ~84
+    // steps) (attention_prefill_tensor.metal); the simdgroup path loads K, and V only after a
+    // barrier, four barriers, a softmax of 8 columns (~30 steps) (attention_prefill.metal).
+    const Steps tile = tensor ? Steps{1, 0, 1, 2, 0, 84} : Steps{2, 0, 0, 4, 0, 30};
+    chain(w, tile, tg_tiles);
+    chain(w, Lat::dram, -1);  // the first tile's loads are the dispatch's own
+    // tensor: the barrier before the output (Q goes into registers with the first tile's
+    // loads); simdgroup: its Q and O staging through the simdgroups' scratch, counted as 2
+    chain(w, Lat::barrier, tensor ? 1 : 2);
     return w;
   }
   if (starts(k, "attn_prefill_combine_d")) {

@@ -14,6 +14,8 @@
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
+#include "runtime/families/gemv.h"
+#include "runtime/families/sample.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
 
@@ -26,10 +28,6 @@ namespace {
 constexpr uint32_t kGemvRowsPerGroup =
     args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
 constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
-
-// The batched kernel for n (2 .. kBatchMaxRows) rows: index 0, 1, 2 of the kernels built for
-// 2, 4, 8 rows (the smallest holding n; it runs with `rows` = n).
-uint32_t batch_kernel(uint32_t n) { return n <= 2 ? 0 : n <= 4 ? 1 : 2; }
 
 }  // namespace
 
@@ -183,23 +181,16 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
   const uint32_t H = d.hidden_size;
   const size_t u32 = sizeof(uint32_t);
   auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
-  // the n rows' part of a scratch buffer whose rows hold `bytes` each
-  auto span = [&](const gpu::BufferPtr& b, size_t bytes) { return s.at(b, n - 1) + bytes; };
   // floats between two rows of a scratch buffer
   auto stride = [&](const gpu::BufferPtr& b) { return uint32_t(s.row_bytes(b) / f); };
-  // y += W x for each row, one row of W per simdgroup lane group, by a kernel of `kernels`
-  // (gemv_q*_add, or gemv_gated_q*_add, whose extra bindings the caller adds; with several
-  // rows their batched form, whose GemvBatchArgs the caller binds); not yet run.
-  auto gemv_add_op = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, size_t cols,
-                         const QuantLinear& w, const gpu::BufferPtr& y, size_t rows_w,
-                         const std::string& label) {
-    Op op(batched ? batch[nk][w.bits] : kernels[w.bits], label);
-    op.groups(tg(ceil_div(rows_w, kGemvRowsPerGroup)), tg(kGemvThreads));
-    op.in(0, w, &t.weight_bytes).in(3, *x, 0, span(x, cols * f)).bind(4, *y, 0);
-    for (uint32_t r = 0; r < n; ++r) op.write(*y, s.at(y, r), rows_w * f).read(*y, s.at(y, r), rows_w * f);
-    op.args(5, args::GemvArgs{uint32_t(rows_w), uint32_t(cols)});
-    t.other_bytes += n * (cols * f + rows_w * f * 2);
-    return op;
+  // h += W x for each row (gemv_q*_add, with `gated` gemv_gated_q*_add; with several rows
+  // their batched form, `ss` floats between two rows' sums of squares)
+  auto gemv_add = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, uint32_t cols,
+                      const QuantLinear& w, const std::string& label, const GatedNorm* gated = nullptr,
+                      uint32_t ss = 0) {
+    const GemvRows rows{n, batched, stride(x), stride(s.h), ss};
+    encode_gemv_add(pass, batched ? batch[nk][w.bits] : kernels[w.bits], label, w, *x, *s.h, H, cols, rows,
+                    gated, kGemvThreads, &t);
   };
   // RMSNorm of the residual fused into up to four GEMVs of one weight width that read the
   // normalised vector (norm_gemv_q*), for each row; `xn_out` also stores that vector for
@@ -215,50 +206,22 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
   // input); several rows' are looked up one by one into their h (embed_rows_q4).
   auto norm_gemv = [&](const TensorRef& norm_w, std::initializer_list<Proj> projs, bool xn_out, uint32_t rps,
                        uint32_t splits, const std::string& label, bool embed = false) {
-    const uint32_t per_group = rps * kGemvThreads / 32 / splits;
-    args::NormGemvArgs na{{0, 0, 0, 0}, H, d.rms_norm_eps, xn_out ? 1u : 0u, rps, splits};
-    args::NormGemvBatchArgs nb{n, stride(s.h), {0, 0, 0, 0}};
     const uint32_t bits = projs.begin()->w.bits;
     if (embed && batched) {
       for (uint32_t r = 0; r < n; ++r)
         encode_embed_rows(pass, *K.embed_rows, labels_(0, "embed"), model.embed, *rows[r].seq->tokens,
                           rows[r].slot * u32, *s.h, 1, H, d.vocab_size, &t, s.at(s.h, r));
     }
-    uint32_t groups = 0;
-    Op op(batched ? K.norm_gemv_batch[nk][bits] : embed ? *K.embed_norm_gemv : K.norm_gemv[bits], label);
-    if (embed && !batched) {
-      op.in(20, *model.embed.weight)
-          .in(21, *model.embed.scales)
-          .in(22, *model.embed.biases)
-          .in(23, *rows[0].seq->tokens, rows[0].slot * u32, u32)
-          .args(24, args::EmbedArgs{H, d.vocab_size})
-          .out(0, *s.h, 0, H * f);
-      t.weight_bytes += H / 2 + 2 * (H / 64) * 2;  // the row it really reads
-    } else {
-      op.in(0, *s.h, 0, span(s.h, H * f));
-    }
-    op.in(1, norm_w, &t.weight_bytes);
-    if (xn_out) op.out(2, *s.xn, 0, span(s.xn, H * f));
-    else op.bind(2, *s.xn);
-    uint32_t m = 0;
-    for (const Proj& pr : projs) {
-      const uint32_t base = 3 + 4 * m;
-      nb.y_stride[m] = stride(pr.out);
-      na.rows[m++] = pr.rows;
-      groups += ceil_div(pr.rows, per_group);
-      op.in(base, pr.w, &t.weight_bytes).bind(base + 3, *pr.out, pr.offset);
-      for (uint32_t r = 0; r < n; ++r) op.write(*pr.out, s.at(pr.out, r) + pr.offset, size_t(pr.rows) * f);
-      t.other_bytes += n * size_t(pr.rows) * f;
-    }
-    // unused slot: bound (every argument must be), nothing declared
-    for (; m < args::kNormGemvMaxMatrices; ++m) {
-      const uint32_t base = 3 + 4 * m;
-      op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
-    }
-    op.groups(tg(groups), tg(kGemvThreads)).args(19, na);
-    if (batched) op.args(20, nb);
-    op.run(pass);
-    t.other_bytes += n * H * f * (xn_out ? 2 : 1);
+    std::vector<NormGemvMatrix> mats;
+    for (const Proj& pr : projs) mats.push_back({pr.w, *pr.out, pr.offset, pr.rows, stride(pr.out)});
+    const EmbedLookup lookup{model.embed, *rows[0].seq->tokens, rows[0].slot * u32, d.vocab_size};
+    encode_norm_gemv(pass,
+                     batched ? K.norm_gemv_batch[nk][bits]
+                     : embed ? *K.embed_norm_gemv
+                             : K.norm_gemv[bits],
+                     label, *s.h, 0, norm_w, *s.xn, mats, H, d.rms_norm_eps, xn_out, rps, splits,
+                     GemvRows{n, batched, stride(s.h)}, kGemvThreads, embed && !batched ? &lookup : nullptr, 0,
+                     &t);
   };
 
   for (const Layer& layer : model.layers) {
@@ -296,18 +259,10 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
         encode_gdn_decode_step(pass, *K.gdn_step, labels_(l, "gdn step"), GdnShape::of(d), g, io,
                                kGdnDecodeSplits, rows[r].pending, ends_window(position), &t);
       }
-      const size_t ssq_bytes = size_t(Hv) * kGdnDecodeSplits * f;
       // out_proj: y += W gated_rmsnorm(o) (gemv_gated_q*_add), the norm applied on load
-      const size_t cols = size_t(Hv) * Dv;
-      Op op = gemv_add_op(K.gemv_gated_add, K.gemv_gated_add_batch, s.o, cols, g.out_proj, s.h, H,
-                          labels_(l, "gated norm + out_proj"));
-      op.in(6, *s.o_ssq, 0, span(s.o_ssq, ssq_bytes))
-          .in(7, *s.z, 0, span(s.z, cols * f))
-          .in(8, *g.norm, &t.weight_bytes)
-          .args(9, args::GatedNormArgs{Dv, kGdnDecodeSplits, d.rms_norm_eps});
-      if (batched) op.args(10, args::GemvBatchArgs{n, stride(s.o), stride(s.h), stride(s.o_ssq)});
-      op.run(pass);
-      t.other_bytes += n * cols * f;  // z
+      const GatedNorm gated{*s.o_ssq, *s.z, *g.norm, Dv, kGdnDecodeSplits, d.rms_norm_eps};
+      gemv_add(K.gemv_gated_add, K.gemv_gated_add_batch, s.o, Hv * Dv, g.out_proj,
+               labels_(l, "gated norm + out_proj"), &gated, stride(s.o_ssq));
     } else {
       // ---- full attention
       const AttentionLayer& a = layer.attn;
@@ -345,7 +300,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
                                      max_blocks};
         Op op(split ? *K.attn_split : *K.attn, split ? labels_(l, "qk prep + kv append + attention split")
                                                      : labels_(l, "qk prep + kv append + attention"));
-        op.groups(tg(Hq / G, nblocks), tg(256))
+        op.groups(tg(Hq / G, nblocks), tg(args::kAttnDecodeThreads))
             .in(0, *s.qg, s.at(s.qg, r), size_t(Hq) * D * 2 * f)
             .in(1, *s.k, s.at(s.k, r), size_t(Hkv) * D * f)
             .in(2, *s.v, s.at(s.v, r), size_t(Hkv) * D * f)
@@ -375,7 +330,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
         const uint32_t block = block_of(rows[r].position);
         if (!block) continue;
         Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq, D / 32), tg(256))  // 8 simdgroups split the blocks of 32 columns
+            .groups(tg(Hq, D / 32), tg(args::kAttnCombineThreads))  // simdgroups split the blocks of 32 columns
             .in(0, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
             .in(1, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
             .in(2, *s.qg, s.at(s.qg, r) + D * f, (size_t(Hq) * D * 2 - D) * f)
@@ -384,10 +339,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
             .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks})
             .run(pass);
       }
-      Op op = gemv_add_op(K.gemv_add, K.gemv_add_batch, s.attn, size_t(Hq) * D, a.o_proj, s.h, H,
-                          labels_(l, "o_proj"));
-      if (batched) op.args(6, args::GemvBatchArgs{n, stride(s.attn), stride(s.h), 0});
-      op.run(pass);
+      gemv_add(K.gemv_add, K.gemv_add_batch, s.attn, Hq * D, a.o_proj, labels_(l, "o_proj"));
     }
 
     // ---- MoE
@@ -460,40 +412,13 @@ void DecodePlan::encode_lm_head(gpu::ComputePass& pass, DecodeScratch& s, gpu::B
   const ModelWeights& model = *w_;
   const size_t f = sizeof(float);
   const uint32_t H = d.hidden_size;
-  const size_t vf = size_t(d.vocab_size) * f;
   // final norm + lm_head: norm_gemv_q4 with one matrix (slots 1..3 unused: bound, not declared)
-  const uint32_t per_group = kNormGemvRows * kLmHeadThreads / 32;
   const uint32_t bits = model.lm_head.bits;
-  Op op(n > 1 ? kernels_.norm_gemv_batch[batch_kernel(n)][bits] : kernels_.norm_gemv[bits],
-        "final norm + lm_head");
-  op.in(0, x, offset, (n - 1) * x_stride + H * f)
-      .in(1, *model.final_norm, &t.weight_bytes)
-      .bind(2, *s.xn)
-      .in(3, model.lm_head, &t.weight_bytes)
-      .bind(6, *s.logits, 0);
-  for (uint32_t r = 0; r < n; ++r) op.write(*s.logits, s.at(s.logits, r), vf);
-  for (uint32_t m = 1; m < args::kNormGemvMaxMatrices; ++m) {
-    const uint32_t base = 3 + 4 * m;
-    op.bind(base, *s.h).bind(base + 1, *s.h).bind(base + 2, *s.h).bind(base + 3, *s.xn);
-  }
-  op.groups({ceil_div(d.vocab_size, per_group), 1, 1}, {kLmHeadThreads, 1, 1})
-      .args(19, args::NormGemvArgs{{d.vocab_size, 0, 0, 0}, H, d.rms_norm_eps, 0u, kNormGemvRows, 1u});
-  if (n > 1)
-    op.args(20,
-            args::NormGemvBatchArgs{n, uint32_t(x_stride / f), {uint32_t(s.row_bytes(s.logits) / f), 0, 0, 0}});
-  op.run(pass);
-  t.other_bytes += n * (H * f + vf);
-}
-
-// Threads of a one-threadgroup sampler dispatch: `want`, at most 1024, as many as the
-// pipeline allows (a Mac's compiler may lower a pipeline's limit under register pressure),
-// in a power of two (sample_token takes any multiple of 32 dividing 1024, the combine any
-// multiple of 32). Below 32 the load-time check refuses the pipeline by name.
-static uint32_t sampler_threads(const gpu::Pipeline& p, uint32_t want) {
-  const uint32_t cap = std::min<uint32_t>({want, 1024, p.max_threads_per_threadgroup()});
-  uint32_t n = 32;
-  while (2 * n <= cap) n *= 2;
-  return n;
+  encode_norm_gemv(pass, n > 1 ? kernels_.norm_gemv_batch[batch_kernel(n)][bits] : kernels_.norm_gemv[bits],
+                   "final norm + lm_head", x, offset, *model.final_norm, *s.xn,
+                   {{model.lm_head, *s.logits, 0, d.vocab_size, uint32_t(s.row_bytes(s.logits) / f)}}, H,
+                   d.rms_norm_eps, false, kNormGemvRows, 1, GemvRows{n, n > 1, uint32_t(x_stride / f)},
+                   kLmHeadThreads, nullptr, 0, &t);
 }
 
 void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const {
@@ -505,32 +430,18 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
   const ModelDims& d = d_;
   const DecodeKernels& K = kernels_;
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
-  auto tg = [](uint32_t x) { return gpu::Size3{x, 1, 1}; };
   const SamplingConfig& sc = seq.sampling;
   const bool bias = !sc.logit_bias.empty();
-  const size_t vf = size_t(d.vocab_size) * f;
   // the samplers see only the first V logits: the rows past the tokenizer's ids (padding) never win
   const uint32_t V = sc.vocab_limit != 0 ? std::min(sc.vocab_limit, d.vocab_size) : d.vocab_size;
   if (sc.greedy_kernel()) {
     // Argmax in two stages so the ~1 MB of logits is read by many threadgroups: partials per
     // slice, then one threadgroup reduces them and writes the token (no host round trip).
     // A logit bias is one more [V] read in the first stage (a kernel of its own).
-    const uint32_t parts = ceil_div(V, kArgmaxSlice);
-    const size_t part_bytes = size_t(parts) * 2 * u32;
-    Op partial(bias ? *K.argmax_partial_bias : *K.argmax_partial,
-               bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
-    partial.groups(tg(parts), tg(256))
-        .in(0, *s.logits, s.at(s.logits, r), vf)
-        .out(1, *s.argmax_part, s.at(s.argmax_part, r), part_bytes)
-        .args(2, args::ArgmaxArgs{V, kArgmaxSlice});
-    if (bias) partial.in(3, *seq.bias, 0, vf);
-    partial.run(pass);
-    Op(*K.sample_greedy_combine, "greedy token -> next slot")
-        .groups(tg(1), tg(sampler_threads(*K.sample_greedy_combine, ceil_div(parts, 32) * 32)))
-        .in(0, *s.argmax_part, s.at(s.argmax_part, r), part_bytes)
-        .out(1, *seq.tokens, (slot ^ 1) * u32, u32)
-        .args(2, args::ArgmaxArgs{parts, 0})
-        .run(pass);
+    ArgmaxBuffers io{*s.logits, *s.argmax_part, *seq.tokens, bias ? seq.bias.get() : nullptr};
+    io.logits_at = s.at(s.logits, r), io.partials_at = s.at(s.argmax_part, r), io.token_at = (slot ^ 1) * u32;
+    encode_argmax(pass, bias ? *K.argmax_partial_bias : *K.argmax_partial, *K.sample_greedy_combine, io, V,
+                  d.vocab_size, kArgmaxSlice);
   } else {
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
@@ -538,17 +449,12 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
                     sc.frequency_penalty, sc.repetition_penalty, uint32_t(sc.seed), uint32_t(sc.seed >> 32),
                     sc.logprobs ? 1u : 0u, sc.top_logprobs, penalties ? 1u : 0u, bias ? 1u : 0u};
     const size_t lp = SequenceState::kMaxTopLogprobs * f, ti = SequenceState::kMaxTopLogprobs * u32;
-    Op op(*K.sample_token, "sample token -> next slot");
-    op.groups(tg(1), tg(sampler_threads(*K.sample_token, 1024)))
-        .in(0, *s.logits, s.at(s.logits, r), size_t(d.vocab_size) * f)
-        .inout(1, *seq.counts, 0, seq.counts->size())
-        .in(2, *seq.positions, slot * u32, u32)
-        .out(3, *seq.tokens, (slot ^ 1) * u32, u32)
-        .out(4, *seq.logprob_out, slot * lp, lp)
-        .out(5, *seq.top_ids, slot * ti, ti)
-        .args(6, sa);
-    if (bias) op.in(7, *seq.bias, 0, vf); else op.bind(7, *seq.bias);  // bound (every argument must be), unread
-    op.run(pass);
+    SampleTokenBuffers io{*s.logits,        *seq.counts,  *seq.positions, *seq.tokens,
+                          *seq.logprob_out, *seq.top_ids, *seq.bias};
+    io.logits_at = s.at(s.logits, r), io.position_at = slot * u32, io.token_at = (slot ^ 1) * u32;
+    io.logprobs_at = slot * lp, io.logprobs_bytes = lp, io.top_ids_at = slot * ti, io.top_ids_bytes = ti;
+    encode_sample_token(pass, *K.sample_token, "sample token -> next slot", sa, io, d.vocab_size,
+                        sampler_threads(*K.sample_token, 1024));
   }
 }
 

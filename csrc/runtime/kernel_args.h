@@ -20,6 +20,7 @@ using uint = uint32_t;
 #include "mixer_args.h"
 #include "sample_args.h"
 #include "prefill_args.h"
+#include "gemm_args.h"
 #include "batch_args.h"
 #undef constant
 
@@ -27,7 +28,7 @@ using uint = uint32_t;
   LILY_DECODE_ARG_STRUCTS(S) LILY_MIXER_ARG_STRUCTS(S) LILY_SAMPLE_ARG_STRUCTS(S) LILY_PREFILL_ARG_STRUCTS(S) \
   LILY_BATCH_ARG_STRUCTS(S)
 #define LILY_KERNEL_CONSTANTS(C) LILY_DECODE_CONSTANTS(C) LILY_MIXER_CONSTANTS(C) LILY_PREFILL_CONSTANTS(C) \
-  LILY_BATCH_CONSTANTS(C)
+  LILY_GEMM_CONSTANTS(C) LILY_BATCH_CONSTANTS(C)
 
 // Every field is a 4-byte uint or float (or an array of them) and LILY_ARGS_<T> lists them all,
 // in order, with no padding between or after: the layout the kernels and Python assume.

@@ -12,6 +12,7 @@
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn_prefill.h"
+#include "runtime/families/gemm.h"
 #include "runtime/families/norm.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
@@ -22,18 +23,6 @@ namespace args = lily::kernels;
 
 namespace {
 
-// GEMM blocks (metal/gemm.metal, gemm_tensor.metal): dense output blocks of 64 columns, the
-// shared expert's SwiGLU 32 of gate and of up (64 weight rows per step as well); 64 rows of
-// 128 threads on the simdgroup_matrix path, 128 rows of 256 threads on the tensor-op path.
-constexpr uint32_t kGemmBM = 64, kGemmBN = 64, kGemmSwigluBN = 32, kGemmThreads = 128;
-constexpr uint32_t kGemmTensorBM = 128, kGemmTensorThreads = 256;
-// Rows and threads per threadgroup of a dense prefill GEMM on the device's path.
-struct GemmBlock {
-  uint32_t rows, threads;
-};
-constexpr GemmBlock gemm_block(bool tensor_ops) {
-  return tensor_ops ? GemmBlock{kGemmTensorBM, kGemmTensorThreads} : GemmBlock{kGemmBM, kGemmThreads};
-}
 // Grouped expert GEMMs: threads and output columns per threadgroup of gate/up and of down for
 // tile height T. simdgroup_matrix path (moe_prefill.metal): T = 16 and 32 64 columns of 64 /
 // 128 threads; T = 64 gate/up 64 x 32 blocks, so that its two staged fp32 result blocks fit
@@ -58,9 +47,9 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// attention: 256 threads and 64 (row, head) pairs per threadgroup on both paths
-// (attention_prefill.metal, attention_prefill_tensor.metal); prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = 256, kAttnPairs = 64;
+// attention: kAttnPrefillThreads threads and kAttnPrefillPairs (row, head) pairs per
+// threadgroup on both paths (metal/prefill_args.h); prep: 8 rows per threadgroup.
+constexpr uint32_t kAttnThreads = args::kAttnPrefillThreads, kAttnPairs = args::kAttnPrefillPairs;
 constexpr uint32_t kPrepRows = 8;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
@@ -239,10 +228,11 @@ void PrefillPlan::bind(gpu::Device& dev, const ModelWeights& weights) {
   const uint32_t D = d.head_dim, G = attn_heads_per_group(d.num_attention_heads / d.num_key_value_heads);
   k.embed_rows = &dev.pipeline(kernel_name("embed_rows", {{'q', 4}}));
   k.rms_norm = &dev.pipeline("rms_norm_bf16");  // xn: the GEMMs' bfloat input
-  k.gemm = ByBits(dev, "gemm", path, {4, 8});
-  k.gemm_add_h = ByBits(dev, "gemm", "_add_h" + path, {4});
-  k.gemm_add_hs = ByBits(dev, "gemm", "_add_hs" + path, {4});
-  k.gemm_bf16 = ByBits(dev, "gemm", "_bf16" + path, {4});
+  const bool tensor_gemm = families_ & kGemmFamily;
+  k.gemm = ByBits(dev, "gemm", gemm_suffix(GemmOut::store, tensor_gemm), {4, 8});
+  k.gemm_add_h = ByBits(dev, "gemm", gemm_suffix(GemmOut::add, tensor_gemm), {4});
+  k.gemm_add_hs = ByBits(dev, "gemm", gemm_suffix(GemmOut::add_scaled, tensor_gemm), {4});
+  k.gemm_bf16 = ByBits(dev, "gemm", gemm_suffix(GemmOut::store_bf16, tensor_gemm), {4});
   // the scan with its head split into Dv / RV threadgroups of RV state rows (docs/prefill.md)
   const uint32_t Dv = d.linear_value_head_dim, RV = gdn_scan_rows(Dv);
   k.gdn_scan = &dev.pipeline(kernel_name("gdn_scan", {{'k', d.linear_key_head_dim}, {'v', Dv}, {'r', RV}}));
@@ -302,21 +292,13 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
   auto gemm = [&](const QuantLinear& w, bool add, gpu::Buffer& x, uint32_t cols, uint32_t lda, gpu::Buffer& y,
                   uint32_t n, uint32_t ldy, uint32_t col0, const std::string& label, bool bf16_y = false,
                   uint32_t tag = 0, gpu::Buffer* x_scale = nullptr, uint32_t x_shift = 0) {
-    Op op(bf16_y    ? K.gemm_bf16[w.bits]
-          : !add    ? K.gemm[w.bits]
-          : x_scale ? K.gemm_add_hs[w.bits]
-                    : K.gemm_add_h[w.bits],
-          label);
-    op.groups(tg(ceil_div(n, kGemmBN), ceil_div(M, gb.rows)), tg(gb.threads));
-    op.in(0, w, &t.weight_bytes).in(3, x, 0, (size_t(M - 1) * lda + cols) * bf);
-    if (x_scale)
-      op.in(6, *x_scale, 0, ((size_t(M - 1) * lda + cols) >> x_shift) * bf)
-          .args(7, args::GemmAScaleArgs{x_shift});
-    const size_t yb = bf16_y ? bf : f, y_bytes = (size_t(M - 1) * ldy + n) * yb;
-    if (add) op.inout(4, y, col0 * yb, y_bytes);
-    else if (tag) op.out_disjoint(4, y, col0 * yb, y_bytes, tag);
-    else op.out(4, y, col0 * yb, y_bytes);
-    op.args(5, args::GemmArgs{M, n, cols, lda, ldy}).run(pass);
+    const GemmOut out = gemm_out(add, bf16_y, x_scale != nullptr);
+    const ByBits& kernel = out == GemmOut::store_bf16   ? K.gemm_bf16
+                           : out == GemmOut::store      ? K.gemm
+                           : out == GemmOut::add_scaled ? K.gemm_add_hs
+                                                        : K.gemm_add_h;
+    GemmOperands io{x, y, 0, col0 * (bf16_y ? bf : f), x_scale, x_shift, tag};
+    encode_gemm(pass, kernel[w.bits], label, gb, w, out, io, args::GemmArgs{M, n, cols, lda, ldy}, &t);
   };
   auto rms_rows = [&](const TensorRef& w, gpu::Buffer& x, gpu::Buffer& out, const std::string& label) {
     encode_rms_norm(pass, *K.rms_norm, label, x, w, out, M, H, d.rms_norm_eps, bf, kNormThreads, &t);
@@ -463,12 +445,8 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     // shared expert (dense)
     // hs = sigmoid(shared gate) * swiglu: the gate (w[:, k], from top-k) scales the hidden, so
     // the down projection adds the shared expert's output into h itself.
-    Op(*K.shared_gate_up, labels_(l, "shared expert gate|up"))
-        .groups(tg(ceil_div(Is, kGemmSwigluBN), ceil_div(M, gb.rows)), tg(gb.threads))
-        .in(0, m.shared_gate_proj, &t.weight_bytes).in(3, m.shared_up_proj, &t.weight_bytes)
-        .in(6, *c.xn, 0, size_t(M) * H * bf).out(7, *c.hs, 0, size_t(M) * Is * bf)
-        .args(8, args::GemmArgs{M, Is, H, H, Is})
-        .in(9, *c.w, k * f, (size_t(M - 1) * (k + 1) + 1) * f).args(10, args::GemmRowScaleArgs{k + 1}).run(pass);
+    encode_gemm_swiglu(pass, *K.shared_gate_up, labels_(l, "shared expert gate|up"), gb, m.shared_gate_proj,
+                       m.shared_up_proj, *c.xn, *c.hs, args::GemmArgs{M, Is, H, H, Is}, *c.w, k * f, k + 1, &t);
     gemm(m.shared_down_proj, true, *c.hs, Is, Is, *c.h, H, H, 0, labels_(l, "shared expert down"));
     // routed experts: one dispatch per tile class over its own map and count, the classes of
     // a projection in one barrier stage (disjoint slots); grids sized for each class's
@@ -535,14 +513,12 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
 void PrefillPlan::encode_lm_head_rows(gpu::CommandBuffer& cmd, PrefillScratch& c, uint32_t r0,
                                       uint32_t R) const {
   const ModelDims& d = d_;
-  const size_t f = sizeof(float), bf = 2, H = d.hidden_size, V = d.vocab_size;
+  const size_t bf = 2, H = d.hidden_size, V = d.vocab_size;
   gpu::ComputePass& pass = cmd.compute_pass();
   const GemmBlock gb = gemm_block(families_ & kGemmFamily);
-  Op(kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)")
-      .groups({ceil_div(V, kGemmBN), ceil_div(R, gb.rows), 1}, {gb.threads, 1, 1})
-      .in(0, w_->lm_head).in(3, *c.xn, size_t(r0) * H * bf, size_t(R) * H * bf)
-      .out(4, *c.logits, 0, size_t(R) * V * f)
-      .args(5, args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)}).run(pass);
+  encode_gemm(pass, kernels_.gemm[w_->lm_head.bits], "lm_head (all positions)", gb, w_->lm_head, GemmOut::store,
+              GemmOperands{*c.xn, *c.logits, size_t(r0) * H * bf},
+              args::GemmArgs{R, uint32_t(V), uint32_t(H), uint32_t(H), uint32_t(V)});
   pass.end();
 }
 

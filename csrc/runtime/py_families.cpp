@@ -5,6 +5,12 @@
 // weight is a whole Buffer (a quantized one: a (weight, scales, biases) tuple).
 #include "runtime/py_families.h"
 
+#include <array>
+#include <cstring>
+#include <deque>
+
+#include <optional>
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -13,7 +19,10 @@
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gdn_prefill.h"
+#include "runtime/families/gemm.h"
+#include "runtime/families/gemv.h"
 #include "runtime/families/norm.h"
+#include "runtime/families/sample.h"
 #include "runtime/kernel_names.h"
 
 namespace nb = nanobind;
@@ -23,6 +32,56 @@ namespace lily::runtime {
 namespace {
 
 TensorRef whole(gpu::Buffer& b) { return TensorRef{&b, 0, b.size()}; }
+
+// An argument struct from its bytes (lily.lab.device.pack_args), their size checked.
+template <class T>
+T args_from(const nb::bytes& b, const char* name) {
+  if (b.size() != sizeof(T))
+    throw std::invalid_argument(std::string(name) + ": " + std::to_string(b.size()) +
+                                " bytes, the struct has " + std::to_string(sizeof(T)));
+  T a;
+  std::memcpy(&a, b.c_str(), sizeof(T));
+  return a;
+}
+// A quantized weight (weight, scales, biases) of `bits` as whole buffers (refs: their storage).
+QuantLinear quant(std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> w, uint32_t bits, TensorRef* refs) {
+  refs[0] = whole(std::get<0>(w)), refs[1] = whole(std::get<1>(w)), refs[2] = whole(std::get<2>(w));
+  return QuantLinear{&refs[0], &refs[1], &refs[2], bits};
+}
+// Element i of a Python tuple `t` as T (a Buffer&, an int, ...); `what` names it in the error.
+template <class T>
+T item(const nb::tuple& t, size_t i, const char* what) {
+  if (i >= t.size()) throw std::invalid_argument(std::string(what) + ": too few elements");
+  return nb::cast<T>(t[i]);
+}
+// A quantized weight given as a (weight, scales, biases) tuple, each a Buffer or a
+// (Buffer, offset, bytes) range of one.
+QuantLinear quant(nb::handle w, uint32_t bits, TensorRef* refs, const char* what) {
+  const auto t = nb::cast<nb::tuple>(w);
+  if (t.size() != 3) throw std::invalid_argument(std::string(what) + ": weights are (weight, scales, biases)");
+  for (size_t i = 0; i < 3; ++i) {
+    if (nb::isinstance<nb::tuple>(t[i])) {
+      const auto r = nb::cast<nb::tuple>(t[i]);
+      if (r.size() != 3)
+        throw std::invalid_argument(std::string(what) + ": a range is (buffer, offset, bytes)");
+      refs[i] = TensorRef{&item<gpu::Buffer&>(r, 0, what), item<size_t>(r, 1, what), item<size_t>(r, 2, what)};
+    } else {
+      refs[i] = whole(item<gpu::Buffer&>(t, i, what));
+    }
+  }
+  return QuantLinear{&refs[0], &refs[1], &refs[2], bits};
+}
+// The batched kernels' `_b<size>` for n rows (1 .. kBatchMaxRows).
+uint32_t batch_size(uint32_t n) {
+  if (n < 1 || n > lily::kernels::kBatchMaxRows)
+    throw std::invalid_argument("batched kernels take 1 to " + std::to_string(lily::kernels::kBatchMaxRows) +
+                                " rows, got " + std::to_string(n));
+  return 2u << batch_kernel(n);
+}
+// Rows of fp32 a buffer holds, or `rows` when given.
+uint32_t rows_of(const gpu::Buffer& b, uint32_t rows) {
+  return rows ? rows : uint32_t(b.size() / sizeof(float));
+}
 
 }  // namespace
 
@@ -57,6 +116,184 @@ void bind_families(nb::module_& m) {
       "threads"_a = kNormThreads, "label"_a = "",
       "`kernel` (rms_norm: fp32 out, out_bytes 4; rms_norm_bf16: out_bytes 2) over `rows` rows of x [rows, n]\n"
       "fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).");
+
+  // ---- metal/gemv.metal
+  m.def("batch_size", &batch_size, "rows"_a,
+        "The batched kernels' b (their _b<b> suffix) for `rows` rows: the smallest built size holding them\n"
+        "(csrc/runtime/families/gemv.h batch_kernel). Raises ValueError for rows outside 1..kBatchMaxRows.");
+  m.def(
+      "encode_gemv_add",
+      [](gpu::ComputePass& pass, std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> weights, gpu::Buffer& x,
+         gpu::Buffer& y, uint32_t rows, uint32_t cols, uint32_t bits, const nb::object& gated,
+         uint32_t batch_rows, uint32_t x_stride, uint32_t y_stride, uint32_t ssq_stride, uint32_t threads,
+         const std::string& label) {
+        const std::string base = gated.is_none() ? "gemv" : "gemv_gated";
+        const std::string name =
+            batch_rows ? kernel_name(base + "_batch", {{'q', bits}, {'b', batch_size(batch_rows)}}, "_add")
+                       : kernel_name(base, {{'q', bits}}, "_add");
+        TensorRef refs[3], norm;
+        std::optional<GatedNorm> g;
+        if (!gated.is_none()) {
+          const auto t = nb::cast<nb::tuple>(gated);
+          const char* what = "encode_gemv_add: gated = (ssq, z, norm, head_dim, splits, eps)";
+          if (t.size() != 6) throw std::invalid_argument(what);
+          norm = whole(item<gpu::Buffer&>(t, 2, what));
+          g.emplace(GatedNorm{item<gpu::Buffer&>(t, 0, what), item<gpu::Buffer&>(t, 1, what), norm,
+                              item<uint32_t>(t, 3, what), item<uint32_t>(t, 4, what), item<float>(t, 5, what)});
+        }
+        encode_gemv_add(pass, pass.device().pipeline(name), label.empty() ? name : label,
+                        quant(weights, bits, refs), x, y, rows, cols,
+                        GemvRows{batch_rows ? batch_rows : 1, batch_rows != 0, x_stride, y_stride, ssq_stride},
+                        g ? &*g : nullptr, threads);
+      },
+      "compute_pass"_a, "weights"_a, "x"_a, "y"_a, "rows"_a, "cols"_a, "bits"_a = 4,
+      "gated"_a.none() = nb::none(), "batch_rows"_a = 0, "x_stride"_a = 0, "y_stride"_a = 0, "ssq_stride"_a = 0,
+      "threads"_a = DecodePlan::kGemvThreads, "label"_a = "",
+      "gemv_q<bits>_add as the decode step encodes it (csrc/runtime/families/gemv.h): y[rows] += W x[cols],\n"
+      "W = weights (weight, scales, biases); with gated = (ssq, z, norm, head_dim, splits, eps)\n"
+      "gemv_gated_q<bits>_add (x normalised on load); with batch_rows the batched kernel over that many\n"
+      "rows, x and z rows x_stride floats apart, y rows y_stride, ssq rows ssq_stride.");
+  m.def(
+      "encode_norm_gemv",
+      [](gpu::ComputePass& pass, gpu::Buffer& x, gpu::Buffer& norm, gpu::Buffer& xn, const nb::list& matrices,
+         uint32_t cols, float eps, uint32_t bits, bool write_xn, uint32_t rows_per_simdgroup, uint32_t k_splits,
+         uint32_t threads, uint32_t batch_rows, uint32_t x_stride, size_t x_at, const nb::object& embed,
+         uint32_t extra_groups, const std::string& label) {
+        std::deque<std::array<TensorRef, 3>> refs;
+        std::deque<QuantLinear> weights;
+        std::vector<NormGemvMatrix> mats;
+        for (nb::handle m : matrices) {
+          const auto t = nb::cast<nb::tuple>(m);
+          const char* what = "encode_norm_gemv: a matrix is (weights, y, rows[, y_at[, y_stride]])";
+          if (t.size() < 3 || t.size() > 5) throw std::invalid_argument(what);
+          weights.push_back(quant(t[0], bits, refs.emplace_back().data(), what));
+          mats.push_back({weights.back(), item<gpu::Buffer&>(t, 1, what),
+                          t.size() > 3 ? item<size_t>(t, 3, what) : 0, item<uint32_t>(t, 2, what),
+                          t.size() > 4 ? item<uint32_t>(t, 4, what) : 0});
+        }
+        std::string name = batch_rows
+                               ? kernel_name("norm_gemv_batch", {{'q', bits}, {'b', batch_size(batch_rows)}})
+                               : kernel_name("norm_gemv", {{'q', bits}});
+        TensorRef table_refs[3];
+        std::optional<QuantLinear> table;
+        std::optional<EmbedLookup> lookup;
+        if (!embed.is_none()) {
+          const auto t = nb::cast<nb::tuple>(embed);
+          const char* what = "encode_norm_gemv: embed = (table, tokens, vocab, token_at), batch-1 and 4-bit";
+          if (batch_rows || bits != 4 || t.size() != 4) throw std::invalid_argument(what);
+          table.emplace(quant(t[0], 4, table_refs, what));
+          lookup.emplace(EmbedLookup{*table, item<gpu::Buffer&>(t, 1, what), item<size_t>(t, 3, what),
+                                     item<uint32_t>(t, 2, what)});
+          name = kernel_name("embed_norm_gemv", {{'q', 4}});
+        }
+        const TensorRef nw = whole(norm);
+        encode_norm_gemv(pass, pass.device().pipeline(name), label.empty() ? name : label, x, x_at, nw, xn,
+                         mats, cols, eps, write_xn, rows_per_simdgroup, k_splits,
+                         GemvRows{batch_rows ? batch_rows : 1, batch_rows != 0, x_stride}, threads,
+                         lookup ? &*lookup : nullptr, extra_groups);
+      },
+      "compute_pass"_a, "x"_a, "norm"_a, "xn"_a, "matrices"_a, "cols"_a, "eps"_a, "bits"_a = 4,
+      "write_xn"_a = true, "rows_per_simdgroup"_a = DecodePlan::kNormGemvRows, "k_splits"_a = 1,
+      "threads"_a = DecodePlan::kGemvThreads, "batch_rows"_a = 0, "x_stride"_a = 0, "x_at"_a = 0,
+      "embed"_a.none() = nb::none(), "extra_groups"_a = 0, "label"_a = "",
+      "norm_gemv_q<bits> as the decode step encodes it (csrc/runtime/families/gemv.h): the RMSNorm of x\n"
+      "(cols fp32 from byte x_at; norm bf16 [cols]) into xn (with write_xn) and the GEMVs of `matrices`\n"
+      "(1 to 4 of (weights, y, rows[, y_at[, y_stride]])); with batch_rows norm_gemv_batch over that many\n"
+      "rows (x and xn rows x_stride floats apart, each y's y_stride); with embed = (table, tokens, vocab,\n"
+      "token_at) embed_norm_gemv_q4, x the token's embedding row (written). extra_groups: surplus\n"
+      "threadgroups (they exit).");
+
+  // ---- metal/gemm.metal, gemm_tensor.metal
+  m.def(
+      "encode_gemm",
+      [](gpu::ComputePass& pass, std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> weights, gpu::Buffer& x,
+         gpu::Buffer& y, uint32_t m, uint32_t n, uint32_t k, uint32_t bits, bool add, bool bf16_y,
+         gpu::Buffer* x_scale, uint32_t x_shift, bool tensor, uint32_t lda, uint32_t ldy, size_t x_at,
+         size_t y_at, uint32_t disjoint, const std::string& label) {
+        if (bf16_y && add) throw std::invalid_argument("encode_gemm: a bfloat y is stored, not added to");
+        if (x_scale && !add)
+          throw std::invalid_argument("encode_gemm: an x scale comes with add (gemm_q4_add_hs)");
+        const GemmOut out = gemm_out(add, bf16_y, x_scale != nullptr);
+        const std::string name = kernel_name("gemm", {{'q', bits}}, gemm_suffix(out, tensor));
+        TensorRef refs[3];
+        const GemmOperands io{x, y, x_at, y_at, x_scale, x_shift, disjoint};
+        encode_gemm(pass, pass.device().pipeline(name), label.empty() ? name : label, gemm_block(tensor),
+                    quant(weights, bits, refs), out, io,
+                    lily::kernels::GemmArgs{m, n, k, lda ? lda : k, ldy ? ldy : n});
+      },
+      "compute_pass"_a, "weights"_a, "x"_a, "y"_a, "m"_a, "n"_a, "k"_a, "bits"_a = 4, "add"_a = false,
+      "bf16_y"_a = false, "x_scale"_a.none() = nb::none(), "x_shift"_a = 0, "tensor"_a = false, "lda"_a = 0,
+      "ldy"_a = 0, "x_at"_a = 0, "y_at"_a = 0, "disjoint"_a = 0, "label"_a = "",
+      "A dense prefill GEMM as the prefill chunk encodes it (csrc/runtime/families/gemm.h): y[m, n] (=|+=)\n"
+      "x[m, k] W^T with W = weights (weight, scales, biases) of `bits`, x bfloat rows of lda (default k)\n"
+      "elements from byte x_at, y rows of ldy (default n) from byte y_at: gemm_q<bits> (fp32 y), _bf16\n"
+      "(bf16_y), _add_h (add), _add_hs (add with x_scale: half, one per 2^x_shift elements of x), each\n"
+      "_tensor with `tensor`. disjoint: a nonzero tag for GEMMs writing disjoint columns of one y.");
+  m.def(
+      "encode_gemm_swiglu",
+      [](gpu::ComputePass& pass, std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> gate,
+         std::tuple<gpu::Buffer&, gpu::Buffer&, gpu::Buffer&> up, gpu::Buffer& x, gpu::Buffer& h, uint32_t m,
+         uint32_t n, uint32_t k, gpu::Buffer& scale, size_t scale_at, uint32_t ldg, bool tensor, uint32_t lda,
+         uint32_t ldy, const std::string& label) {
+        const std::string name = kernel_name("gemm_swiglu", {{'q', 4}}, tensor ? "_tensor" : "");
+        TensorRef g[3], u[3];
+        encode_gemm_swiglu(pass, pass.device().pipeline(name), label.empty() ? name : label, gemm_block(tensor),
+                           quant(gate, 4, g), quant(up, 4, u), x, h,
+                           lily::kernels::GemmArgs{m, n, k, lda ? lda : k, ldy ? ldy : n}, scale, scale_at,
+                           ldg);
+      },
+      "compute_pass"_a, "gate"_a, "up"_a, "x"_a, "h"_a, "m"_a, "n"_a, "k"_a, "scale"_a, "scale_at"_a, "ldg"_a,
+      "tensor"_a = false, "lda"_a = 0, "ldy"_a = 0, "label"_a = "",
+      "gemm_swiglu_q4 (_tensor with `tensor`) as the prefill chunk encodes it (csrc/runtime/families/gemm.h):\n"
+      "h[m, n] = bfloat(g * silu(x Wg^T) * (x Wu^T)), gate and up 4-bit (weight, scales, biases) [n, k], x "
+      "and\n"
+      "h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.");
+
+  // ---- metal/sample.metal
+  m.def(
+      "encode_argmax",
+      [](gpu::ComputePass& pass, gpu::Buffer& logits, gpu::Buffer& partials, gpu::Buffer& token, uint32_t vocab,
+         uint32_t slice, gpu::Buffer* bias, uint32_t rows, uint32_t combine_threads, size_t token_at) {
+        const bool biased = bias != nullptr;
+        gpu::Device& dev = pass.device();
+        ArgmaxBuffers io{logits, partials, token, bias};
+        io.token_at = token_at;
+        encode_argmax(pass, dev.pipeline(biased ? "argmax_partial_bias" : "argmax_partial"),
+                      dev.pipeline("sample_greedy_combine"), io, vocab, rows_of(logits, rows), slice,
+                      combine_threads);
+      },
+      "compute_pass"_a, "logits"_a, "partials"_a, "token"_a, "vocab"_a, "slice"_a = DecodePlan::kArgmaxSlice,
+      "bias"_a.none() = nb::none(), "rows"_a = 0, "combine_threads"_a = 0, "token_at"_a = 0,
+      "The decode step's greedy argmax (csrc/runtime/families/sample.h): argmax_partial (argmax_partial_bias\n"
+      "with `bias` fp32 [rows]) over slices of `slice` of the first `vocab` of the fp32 logits [rows] (rows:\n"
+      "the buffer's, unless given) into `partials` [ceil(vocab / slice), 2] uint32, then\n"
+      "sample_greedy_combine (combine_threads: 0 = as the runtime picks) writing the token (uint32) at\n"
+      "byte `token_at` of `token`.");
+  m.def(
+      "encode_sample_token",
+      [](gpu::ComputePass& pass, const nb::bytes& args, gpu::Buffer& logits, gpu::Buffer& counts,
+         gpu::Buffer& positions, gpu::Buffer& tokens, gpu::Buffer& logprobs, gpu::Buffer& top_ids,
+         gpu::Buffer* bias, uint32_t threads, size_t position_at, size_t token_at, size_t logprobs_at,
+         size_t logprobs_bytes, size_t top_ids_at, size_t top_ids_bytes, uint32_t rows) {
+        const auto a = args_from<lily::kernels::SampleArgs>(args, "SampleArgs");
+        if (a.bias && !bias)
+          throw std::invalid_argument("encode_sample_token: SampleArgs.bias set but no bias buffer");
+        SampleTokenBuffers io{logits, counts, positions, tokens, logprobs, top_ids, bias ? *bias : logits};
+        io.position_at = position_at, io.token_at = token_at, io.logprobs_at = logprobs_at;
+        io.logprobs_bytes = logprobs_bytes ? logprobs_bytes : logprobs.size() - logprobs_at;
+        io.top_ids_at = top_ids_at,
+        io.top_ids_bytes = top_ids_bytes ? top_ids_bytes : top_ids.size() - top_ids_at;
+        encode_sample_token(pass, pass.device().pipeline("sample_token"), "sample token -> next slot", a, io,
+                            rows_of(logits, rows), threads);
+      },
+      "compute_pass"_a, "args"_a, "logits"_a, "counts"_a, "positions"_a, "tokens"_a, "logprobs"_a, "top_ids"_a,
+      "bias"_a.none() = nb::none(), "threads"_a = 1024, "position_at"_a = 0, "token_at"_a = 0,
+      "logprobs_at"_a = 0, "logprobs_bytes"_a = 0, "top_ids_at"_a = 0, "top_ids_bytes"_a = 0, "rows"_a = 0,
+      "sample_token as the decode step encodes it (csrc/runtime/families/sample.h): `args` the bytes of\n"
+      "SampleArgs (lily.lab.device.pack_args); the fp32 logits [rows] (rows: the buffer's, unless given),\n"
+      "the counts uint32 [rows] (read and updated whole), the position (uint32 at position_at), the token\n"
+      "written at token_at, the log-probabilities and alternatives' ids (`_bytes` from their `_at`; 0: the\n"
+      "rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).");
 
   // ---- metal/gdn.metal
   m.def(

@@ -757,6 +757,64 @@ def encode_rms_norm(compute_pass: ComputePass, kernel: str, x: Buffer, w: Buffer
     fp32 with the bf16 weight w [n], as the prefill chunk encodes it (csrc/runtime/families/norm.h).
     """
 
+def batch_size(rows: int) -> int:
+    """
+    The batched kernels' b (their _b<b> suffix) for `rows` rows: the smallest built size holding them
+    (csrc/runtime/families/gemv.h batch_kernel). Raises ValueError for rows outside 1..kBatchMaxRows.
+    """
+
+def encode_gemv_add(compute_pass: ComputePass, weights: tuple[Buffer, Buffer, Buffer], x: Buffer, y: Buffer, rows: int, cols: int, bits: int = 4, gated: object | None = None, batch_rows: int = 0, x_stride: int = 0, y_stride: int = 0, ssq_stride: int = 0, threads: int = 64, label: str = '') -> None:
+    """
+    gemv_q<bits>_add as the decode step encodes it (csrc/runtime/families/gemv.h): y[rows] += W x[cols],
+    W = weights (weight, scales, biases); with gated = (ssq, z, norm, head_dim, splits, eps)
+    gemv_gated_q<bits>_add (x normalised on load); with batch_rows the batched kernel over that many
+    rows, x and z rows x_stride floats apart, y rows y_stride, ssq rows ssq_stride.
+    """
+
+def encode_norm_gemv(compute_pass: ComputePass, x: Buffer, norm: Buffer, xn: Buffer, matrices: list, cols: int, eps: float, bits: int = 4, write_xn: bool = True, rows_per_simdgroup: int = 8, k_splits: int = 1, threads: int = 64, batch_rows: int = 0, x_stride: int = 0, x_at: int = 0, embed: object | None = None, extra_groups: int = 0, label: str = '') -> None:
+    """
+    norm_gemv_q<bits> as the decode step encodes it (csrc/runtime/families/gemv.h): the RMSNorm of x
+    (cols fp32 from byte x_at; norm bf16 [cols]) into xn (with write_xn) and the GEMVs of `matrices`
+    (1 to 4 of (weights, y, rows[, y_at[, y_stride]])); with batch_rows norm_gemv_batch over that many
+    rows (x and xn rows x_stride floats apart, each y's y_stride); with embed = (table, tokens, vocab,
+    token_at) embed_norm_gemv_q4, x the token's embedding row (written). extra_groups: surplus
+    threadgroups (they exit).
+    """
+
+def encode_gemm(compute_pass: ComputePass, weights: tuple[Buffer, Buffer, Buffer], x: Buffer, y: Buffer, m: int, n: int, k: int, bits: int = 4, add: bool = False, bf16_y: bool = False, x_scale: Buffer | None = None, x_shift: int = 0, tensor: bool = False, lda: int = 0, ldy: int = 0, x_at: int = 0, y_at: int = 0, disjoint: int = 0, label: str = '') -> None:
+    """
+    A dense prefill GEMM as the prefill chunk encodes it (csrc/runtime/families/gemm.h): y[m, n] (=|+=)
+    x[m, k] W^T with W = weights (weight, scales, biases) of `bits`, x bfloat rows of lda (default k)
+    elements from byte x_at, y rows of ldy (default n) from byte y_at: gemm_q<bits> (fp32 y), _bf16
+    (bf16_y), _add_h (add), _add_hs (add with x_scale: half, one per 2^x_shift elements of x), each
+    _tensor with `tensor`. disjoint: a nonzero tag for GEMMs writing disjoint columns of one y.
+    """
+
+def encode_gemm_swiglu(compute_pass: ComputePass, gate: tuple[Buffer, Buffer, Buffer], up: tuple[Buffer, Buffer, Buffer], x: Buffer, h: Buffer, m: int, n: int, k: int, scale: Buffer, scale_at: int, ldg: int, tensor: bool = False, lda: int = 0, ldy: int = 0, label: str = '') -> None:
+    """
+    gemm_swiglu_q4 (_tensor with `tensor`) as the prefill chunk encodes it (csrc/runtime/families/gemm.h):
+    h[m, n] = bfloat(g * silu(x Wg^T) * (x Wu^T)), gate and up 4-bit (weight, scales, biases) [n, k], x and
+    h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.
+    """
+
+def encode_argmax(compute_pass: ComputePass, logits: Buffer, partials: Buffer, token: Buffer, vocab: int, slice: int = 4096, bias: Buffer | None = None, rows: int = 0, combine_threads: int = 0, token_at: int = 0) -> None:
+    """
+    The decode step's greedy argmax (csrc/runtime/families/sample.h): argmax_partial (argmax_partial_bias
+    with `bias` fp32 [rows]) over slices of `slice` of the first `vocab` of the fp32 logits [rows] (rows:
+    the buffer's, unless given) into `partials` [ceil(vocab / slice), 2] uint32, then
+    sample_greedy_combine (combine_threads: 0 = as the runtime picks) writing the token (uint32) at
+    byte `token_at` of `token`.
+    """
+
+def encode_sample_token(compute_pass: ComputePass, args: bytes, logits: Buffer, counts: Buffer, positions: Buffer, tokens: Buffer, logprobs: Buffer, top_ids: Buffer, bias: Buffer | None = None, threads: int = 1024, position_at: int = 0, token_at: int = 0, logprobs_at: int = 0, logprobs_bytes: int = 0, top_ids_at: int = 0, top_ids_bytes: int = 0, rows: int = 0) -> None:
+    """
+    sample_token as the decode step encodes it (csrc/runtime/families/sample.h): `args` the bytes of
+    SampleArgs (lily.lab.device.pack_args); the fp32 logits [rows] (rows: the buffer's, unless given),
+    the counts uint32 [rows] (read and updated whole), the position (uint32 at position_at), the token
+    written at token_at, the log-probabilities and alternatives' ids (`_bytes` from their `_at`; 0: the
+    rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).
+    """
+
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
     """
     gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =

@@ -45,7 +45,7 @@ from lily.lab.device import download, pack_args, upload  # noqa: E402
 from lily.reference import ReferenceState, round_bf16  # noqa: E402
 # the layer harnesses and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import attention as twins  # noqa: E402
-from lily.lab.kernels.attention import THETA, attention_reference, attn_cfg, qk_prep_reference  # noqa: E402
+from lily.lab.kernels.attention import ATTN_TG, THETA, attention_reference, attn_cfg, qk_prep_reference  # noqa: E402
 from lily.lab.kernels.harness import StubOracle  # noqa: E402
 
 
@@ -324,7 +324,7 @@ def test_mixers_in_one_pass_with_derived_barriers(dev):
                reads=[QG, Kb, Vb, A.QN, A.KN, A.POS], writes=[*A.cache_row_ranges(n - 1), Qo, GATE],
                threadgroups=True)
     rows = [(C, h * A.cap * 2 * D, n * 2 * D) for C in (A.KC, A.VC) for h in range(Hkv)]
-    p.dispatch(f"attn_decode_d{D}_g{A.G}", Hq // A.G, 256,
+    p.dispatch(f"attn_decode_d{D}_g{A.G}", Hq // A.G, ATTN_TG,
                buffers=[(0, Qo), (1, GATE), (2, A.KC), (3, A.VC), (4, A.POS), (5, OUT)],
                constants=[(6, pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=Hkv, capacity=A.cap, gate_stride=D,
                                          scale=float(D) ** -0.5, block_rows=0, max_blocks=0))],

@@ -49,9 +49,10 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily.lab.device import download, pack_args, upload  # noqa: E402
-from harness import TIMES, assert_within as check, commit, magnitude, rand_quant  # noqa: E402,F401
+from harness import TIMES, assert_within as check, commit, magnitude, rand_quant, twin_target  # noqa: E402,F401
 
-from lily.lab.kernels.gemm import beyond_half, row_scale, row_scale_bindings, scaled_operand, swiglu_ref  # noqa: E402
+from lily.lab.kernels.gemm import beyond_half, row_scale, row_scale_operand, scaled_operand, swiglu_ref  # noqa: E402
+from lily.lab.kernels.gemm import enc_gemm as lab_enc_gemm  # noqa: E402
 from lily.lab.kernels.harness import HALF_MAX, to_bf16_bits, upload_bf16  # noqa: E402
 from lily.lab.kernels.gemm import GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, gemm_args, gemm_ref  # noqa: E402
 from lily.lab.kernels.harness import bf16_weights  # noqa: E402
@@ -68,16 +69,6 @@ def qbufs(dev, qt):
     return [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
 
 
-def row_ranges(buf, offset, rows, stride, width, size=4):
-    """Byte ranges of a column block: `rows` rows of `width` elements of `size` bytes,
-    `stride` elements apart."""
-    return [(buf, offset + size * r * stride, size * width) for r in range(rows)]
-
-
-def dense_grid(m, n, bn=GEMM_BN):
-    return (-(-n // bn), -(-m // GEMM_BM))
-
-
 # ------------------------------------------------------------------------------ dense
 
 DENSE_SHAPES = [  # m, n, k
@@ -86,15 +77,13 @@ DENSE_SHAPES = [  # m, n, k
 ]
 
 
-def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, add=False, scale=((), (), ())):
-    """x is bfloat; y is bfloat for gemm_swiglu_q4 and gemm_q4_bf16. scale: gemm_swiglu_q4's row
-    scale bindings (row_scale_bindings), or gemm_q4_add_hs's (a_scale_bindings)."""
-    reads = [*wb, (X, x_off, 2 * ((m - 1) * lda + k)), *scale[2]]
-    ys = row_ranges(Y, y_off, m, ldy, n, 2 if "swiglu" in kernel or "bf16" in kernel else 4)
-    p.dispatch(kernel, dense_grid(m, n, GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN), GEMM_TG,
-               buffers=[*[(i, b) for i, b in enumerate(wb)], (len(wb), X, x_off), (len(wb) + 1, Y, y_off), *scale[0]],
-               constants=[(len(wb) + 2, gemm_args(m, n, k, lda, ldy)), *scale[1]],
-               reads=reads + (ys if add else []), writes=ys, threadgroups=True, label=kernel)
+def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda, ldy, x_off=0, y_off=0, **operands):
+    """x is bfloat; y is bfloat for gemm_swiglu_q4 and gemm_q4_bf16. Encoded by the prefill
+    plan's builder (lily.lab.kernels.gemm.enc_gemm; on a TwinDevice its tensor twin);
+    ``operands``: its row_scale (SwiGLU), x_scale and x_shift (gemm_q4_add_hs), disjoint."""
+    p, tensor = twin_target(p)
+    lab_enc_gemm(p, kernel + ("_tensor" if tensor else ""), wb, X, Y, m, n, k, lda, ldy, x_at=x_off, y_at=y_off,
+                 label=kernel, **operands)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -173,7 +162,7 @@ def test_gemm_add(dev, kernel, m, n, k):
     wb = qbufs(dev, qt)
     X, Y = upload_bf16(dev, x), upload(dev, y0)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), kernel, wb, X, Y, m, n, k, k, ldy, add=True)
+    enc_gemm(cb.compute_pass(), kernel, wb, X, Y, m, n, k, k, ldy)
     commit(cb, kernel)
     out = download(Y, np.float32).reshape(m, ldy)
     v, tol = gemm_ref(x, qt)
@@ -181,12 +170,6 @@ def test_gemm_add(dev, kernel, m, n, k):
     tol = tol + 2 * U * np.abs(exact)
     check(out[:, :n], exact, tol, f"{kernel} {m}x{n}x{k}")
     np.testing.assert_array_equal(out[:, n:], y0[:, n:])  # the padding columns untouched
-
-
-def a_scale_bindings(dev, F, m, lda, k, shift):
-    """gemm_q4_add_hs's A-scale bindings for enc_gemm's ``scale``: the factors F (half,
-    [m, lda >> shift]) at 6, GemmAScaleArgs at 7, F's read range (the rows' groups)."""
-    return [(6, F)], [(7, pack_args("GemmAScaleArgs", shift=shift))], [(F, 0, 2 * (((m - 1) * lda + k) >> shift))]
 
 
 @pytest.mark.parametrize("m,n,k,shift,lda", [
@@ -208,8 +191,7 @@ def test_gemm_add_scaled(dev, m, n, k, shift, lda):
     wb = qbufs(dev, qt)
     X, Y, F = upload_bf16(dev, x), upload(dev, y0), upload(dev, f)
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_q4_add_hs", wb, X, Y, m, n, k, lda, ldy, add=True,
-             scale=a_scale_bindings(dev, F, m, lda, k, shift))
+    enc_gemm(cb.compute_pass(), "gemm_q4_add_hs", wb, X, Y, m, n, k, lda, ldy, x_scale=F, x_shift=shift)
     commit(cb, "gemm_q4_add_hs")
     out = download(Y, np.float32).reshape(m, ldy)
     xs = scaled_operand(x, f, shift)[:, :k]  # the staged products
@@ -231,7 +213,7 @@ def test_gemm_swiglu(dev, m, n, k):
     wb = qbufs(dev, gq) + qbufs(dev, uq)
     X, Y = upload_bf16(dev, x), dev.buffer(2 * (m * n + 16))  # bfloat output
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n, scale=row_scale_bindings(dev, w, col))
+    enc_gemm(cb.compute_pass(), "gemm_swiglu_q4", wb, X, Y, m, n, k, k, n, row_scale=row_scale_operand(dev, w, col))
     commit(cb, "gemm_swiglu_q4")
     out = download(Y, "bf16")
     want, tol = bf16_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
@@ -250,8 +232,8 @@ def test_router_and_shared_gate_one_buffer(dev):
     X, L = upload_bf16(dev, x), dev.buffer(4 * m * (E + 1))
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    enc_gemm(p, "gemm_q8", qbufs(dev, router), X, L, m, E, hidden, hidden, E + 1)
-    enc_gemm(p, "gemm_q8", qbufs(dev, sgate), X, L, m, 1, hidden, hidden, E + 1, y_off=4 * E)
+    enc_gemm(p, "gemm_q8", qbufs(dev, router), X, L, m, E, hidden, hidden, E + 1, disjoint=1)
+    enc_gemm(p, "gemm_q8", qbufs(dev, sgate), X, L, m, 1, hidden, hidden, E + 1, y_off=4 * E, disjoint=1)
     commit(cb, "router gemm_q8")
     assert cb.counters["barrier_stages"] == 1
     out = download(L, np.float32).reshape(m, E + 1)

@@ -93,14 +93,28 @@ def test_suite_reaches_the_twins(dev):
     assert cb.dispatch_log[0]["label"].startswith("gemm_q4_tensor")
 
 
+def test_suite_encodes_the_twins(dev):
+    """h-gemm's suite encodes through the prefill plan's builder (its enc_gemm): on a
+    TwinDevice that builder dispatches the tensor twin on the twin's grid."""
+    qt = rand_quant(fresh_rng(11), (), 8, 64, 4)
+    Y = dev.buffer(4 * 2 * 8)
+    cb = dev.command_buffer()
+    simd_suite.enc_gemm(cb.compute_pass(), "gemm_q4", simd_suite.qbufs(dev, qt), upload(dev, np.zeros(128, np.uint16)),
+                        Y, 2, 8, 64, 64, 8)
+    cb.commit()
+    cb.wait()
+    (rec,) = cb.dispatch_log
+    assert rec["kernel"] == "gemm_q4_tensor" and rec["threads"] == (GEMM_TENSOR_TG, 1, 1)
+
+
 # ----------------------------------------------------------------------------- helpers
 
 # the reference helpers live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemm import (  # noqa: E402,F401
     GEMM_BK, GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG, GEMM_TG, beyond_half, gemm_args,
-    gemm_geometry, gemm_ref, row_scale, row_scale_bindings, scaled_operand, swiglu_ref,
+    enc_gemm, gemm_geometry, gemm_ref, row_scale, row_scale_operand, scaled_operand, swiglu_ref,
 )
-from lily.lab.kernels.harness import bf16_operand, bf16_weights, run, upload_bf16  # noqa: E402,F401
+from lily.lab.kernels.harness import bf16_operand, bf16_weights, run, run_encoder, upload_bf16  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
     MOE_BN, MOE_DOWN_BN, MOE_TENSOR_TILES, MOE_TG, MOE_TILES, moe_geometry,
 )
@@ -117,19 +131,11 @@ def run_dense(dev, kernel, qts, x, n, k, ldy, y0=None, scale=None):
     X = upload_bf16(dev, pitched(bact(x), lda, 0.0))
     ysize = 2 if "swiglu" in kernel else 4
     Y = upload(dev, y0) if y0 is not None else dev.buffer(m * ldy * ysize)
-    bufs = []
+    wb = []
     for qt in qts:
-        bufs += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
-    bufs += [X, Y]
-    bn = GEMM_SWIGLU_BN if "swiglu" in kernel else GEMM_BN
-    bm, tg = gemm_geometry(kernel)
-    if scale is not None:
-        sb, sc, sr = row_scale_bindings(dev, *scale)
-        run(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, [*enumerate(bufs), *sb],
-            [(len(bufs), gemm_args(m, n, k, lda, ldy)), *sc], reads=bufs[:-1] + sr, writes=[Y])
-    else:
-        dispatch(dev, kernel, (cdiv(n, bn), cdiv(m, bm)), tg, bufs, gemm_args(m, n, k, lda, ldy),
-                 reads=bufs[:-1] + ([Y] if y0 is not None else []), writes=[Y])
+        wb += [upload(dev, qt.weight), upload(dev, qt.scales), upload(dev, qt.biases)]
+    run_encoder(dev, enc_gemm, kernel, wb, X, Y, m, n, k, lda, ldy,
+                row_scale=None if scale is None else row_scale_operand(dev, *scale))
     return download(Y, "bf16" if ysize == 2 else np.float32, (m, ldy))
 
 
@@ -180,12 +186,11 @@ def test_gemm_q4_add_hs_exact(fwd):
     y0 = rng.standard_normal((m, ldy), dtype=np.float32)
 
     def go(kernel):
-        bufs = [upload(fwd, a) for a in (qt.weight, qt.scales, qt.biases)] + [upload_bf16(fwd, x), upload(fwd, y0)]
-        F = upload(fwd, f)
-        bm, tg = gemm_geometry(kernel)
-        run(fwd, kernel, (cdiv(n, GEMM_BN), cdiv(m, bm)), tg, [*enumerate(bufs), (6, F)],
-            [(5, gemm_args(m, n, k, k, ldy)), (7, pack_args("GemmAScaleArgs", shift=shift))], reads=bufs + [F], writes=[bufs[4]])
-        return download(bufs[4], np.float32, (m, ldy))
+        wb = [upload(fwd, a) for a in (qt.weight, qt.scales, qt.biases)]
+        Y = upload(fwd, y0)
+        run_encoder(fwd, enc_gemm, kernel, wb, upload_bf16(fwd, x), Y, m, n, k, k, ldy, x_scale=upload(fwd, f),
+                    x_shift=shift)
+        return download(Y, np.float32, (m, ldy))
 
     y = go("gemm_q4_add_hs_tensor")
     xs = scaled_operand(x, f, shift)  # the staged bfloat products
@@ -342,23 +347,21 @@ def test_structure_mlx_tiles():
     assert re.search(prefetch, acc) and "an.fetch(x, a, k0 + kGemmBK" in acc  # and its A pieces (simdgroup path)
     assert re.search(r"simdgroup_bfloat8x8 a\[FM\]", tiles) and re.search(r"simdgroup_bfloat8x8 wt;", tiles)
     assert re.search(r"simdgroup_float8x8 acc\[", tiles)
-    (bk,) = _constants("metal/gemm_tiles.h", "kGemmBK")
+    (bk,) = _constants("metal/gemm_args.h", "kGemmBK")
     (tk,) = _constants("metal/gemm_tensor.h", "kGemmTensorK")
     assert bk == GEMM_BK == 64 and tk == 32
-    assert _constants("metal/gemm.metal", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
+        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
     assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
-    assert _constants("metal/gemm_tensor.metal", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
+    assert _constants("metal/gemm_args.h", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
                       "kGemmTensorSM", "kGemmTensorSN") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, 4, 2]
     assert 32 * 4 * 2 == GEMM_TENSOR_TG and GEMM_TENSOR_BM // 4 == GEMM_BN // 2 == 32  # 32 x 32 per simdgroup
     dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
     assert dense.count("max_total_threads_per_threadgroup(256)") == 3
     assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
-    assert _constants("csrc/runtime/prefill.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads",
-                      "kGemmTensorBM", "kGemmTensorThreads") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG, GEMM_TENSOR_BM, GEMM_TENSOR_TG]
-    assert _constants("csrc/runtime/cost.cpp", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmLd") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_BK + 8]
+    # the host and the lab read these from metal/gemm_args.h (kernel_args.h, lily._core.CONSTANTS)
+    assert _core.CONSTANTS["kGemmLd"] == GEMM_BK + 8
 
     def smem(bm, bn, nb):  # GemmSmem of gemm_tiles.h: bfloat tiles, or the staged fp32 results
         return max((bm + nb * bn) * (GEMM_BK + 8) * 2, nb * bm * (bn + 4) * 4)

@@ -26,7 +26,7 @@ from lily.checkpoint import QuantizedTensor, bf16_to_f32  # noqa: E402
 from lily.reference import ReferenceModel  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
 from lily.lab.kernels.gemv import (  # noqa: E402
-    GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, _norm_gemv_ratio, enc_embed_norm_gemv,
+    GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, _norm_gemv_ratio, enc_embed_norm_gemv, enc_gemv_add,
     enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
 from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
@@ -77,8 +77,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
     r0 = rng.standard_normal(rows).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, R = upload(dev, x), upload(dev, r0)
-    run_bound(dev, f"gemv_q{bits}_add", gemv_grid(rows), TG, [W, S, B, X, R], gemv_args(rows, cols),
-        reads=[W, S, B, X, R], writes=[R], label=f"gemv_q{bits}_add")
+    run_encoder(dev, enc_gemv_add, bits, W, S, B, X, R, rows, cols)  # the decode step's encoder
     exact = r0.astype(np.float64) + qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64)) + np.abs(r0)
     assert_within(download(R, np.float32), exact, DEPTH * U * mag, f"gemv_q{bits}_add {rows}x{cols}")

@@ -85,7 +85,7 @@ def test_argmax_two_stage(dev, V, slice_):
 @pytest.mark.parametrize("V,slice_", [(5000, 96), (20000, 64)])
 def test_argmax_two_stage_combine_with_fewer_threads(dev, V, slice_):
     """The runtime gives sample_greedy_combine as many threads as its pipeline allows, down
-    to 32 (decode.cpp sampler_threads): 32 threads over 53 and 313 partials, several per
+    to 32 (csrc/runtime/families/sample.h sampler_threads): 32 threads over 53 and 313 partials, several per
     thread, give the same token."""
     logits = _argmax_case(V, slice_)
     token, _ = twins.argmax_two_stage(dev, logits, slice_, combine_threads=32)

@@ -32,8 +32,8 @@ from lily.lab.device import upload
 from lily.lab.kernels.attention import AttnLayer
 from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, pack_bf16_q
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
-from lily.lab.kernels.gemm import GEMM_BN, gemm_args, gemm_geometry
-from lily.lab.kernels.gemv import TG, enc_norm_gemv, gemv_args, gemv_grid
+from lily.lab.kernels.gemm import enc_gemm
+from lily.lab.kernels.gemv import enc_gemv_add, enc_norm_gemv
 from lily.lab.kernels.harness import bf16_bits, f32, rand_quant, upload_bf16, upload_q
 from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
 from lily.lab.system import system_info
@@ -79,11 +79,7 @@ def _gemv(kernel: str, rows_key: str, cols_key: str) -> Callable:
         W, S, B = upload_q(dev, rand_quant(rng, (), rows, cols, 4))
         X, Y = upload(dev, rng.standard_normal(cols).astype(np.float32)), upload(dev, np.zeros(rows, np.float32))
 
-        def enc(p):
-            p.dispatch(kernel, gemv_grid(rows), TG, buffers=list(enumerate([W, S, B, X, Y])),
-                       constants=[(5, gemv_args(rows, cols))], reads=[W, S, B, X, Y], writes=[Y], threadgroups=True,
-                       label=kernel)
-        return enc
+        return lambda p: enc_gemv_add(p, _core.kernel_params(kernel)["q"], W, S, B, X, Y, rows, cols)
     return build
 
 
@@ -122,13 +118,7 @@ def _gemm(kernel: str) -> Callable:
         W, S, B = upload_q(dev, rand_quant(rng, (), n, k, 4))
         X = upload_bf16(dev, rng.standard_normal((m, k)))
         Y = dev.buffer(4 * m * n)
-        bm, tg = gemm_geometry(kernel)
-
-        def enc(p):
-            p.dispatch(kernel, (-(-n // GEMM_BN), -(-m // bm)), tg, buffers=list(enumerate([W, S, B, X, Y])),
-                       constants=[(5, gemm_args(m, n, k))], reads=[W, S, B, X], writes=[Y], threadgroups=True,
-                       label=kernel)
-        return enc
+        return lambda p: enc_gemm(p, kernel, (W, S, B), X, Y, m, n, k, label=kernel)
     return build
 
 

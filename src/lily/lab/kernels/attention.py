@@ -8,12 +8,16 @@ import types
 
 import numpy as np
 
+from lily import _core
 from lily._core import kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import MODEL_CONTEXT, TOY, bf16_bits, check, close_ratio, f32, from_bf16, run
 from lily.reference import rms_norm, rope, round_bf16
 
-COMBINE_TG = 256  # attn_combine: 8 simdgroups per (head, 32 columns) (metal/attention.metal)
+# Threads of an attn_decode* / attn_decode_fused* threadgroup and of an attn_combine one (per
+# head and 32 columns) (metal/mixer_args.h).
+ATTN_TG = _core.CONSTANTS["kAttnDecodeThreads"]
+COMBINE_TG = _core.CONSTANTS["kAttnCombineThreads"]
 THETA = 1e7
 
 
@@ -86,7 +90,7 @@ class AttnLayer:
             args = pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=self.Hkv, capacity=self.cap, gate_stride=gs,
                              scale=scale, block_rows=0, max_blocks=0)
             self._timed("attn_decode", lambda: run(
-                dev, kernel_name("attn_decode", d=D, g=G), Hq // G, 256,
+                dev, kernel_name("attn_decode", d=D, g=G), Hq // G, ATTN_TG,
                 buffers=[(0, Q), (1, GATE), (2, self.KC), (3, self.VC), (4, self.POS), (5, OUT)],
                 constants=[(6, args)], reads=[Q, GATE, self.KC, self.VC, self.POS], writes=[OUT]))
             return download(OUT, np.float32)
@@ -104,7 +108,7 @@ class AttnLayer:
         cb = dev.command_buffer()
         p = cb.compute_pass()
         t = time.perf_counter()
-        p.dispatch(kernel_name("attn_decode_split", d=D, g=G), (Hq // G, nblocks), 256,
+        p.dispatch(kernel_name("attn_decode_split", d=D, g=G), (Hq // G, nblocks), ATTN_TG,
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
                    constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
@@ -141,7 +145,7 @@ class AttnLayer:
         common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
         reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
         if block_rows is None:
-            p.dispatch(kernel_name("attn_decode_fused", d=D, g=G), Hq // G, 256,
+            p.dispatch(kernel_name("attn_decode_fused", d=D, g=G), Hq // G, ATTN_TG,
                        buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
                        reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
                        label=label)
@@ -153,7 +157,7 @@ class AttnLayer:
         ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
         parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
                  + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        p.dispatch(kernel_name("attn_decode_split_fused", d=D, g=G), (Hq // G, nblocks), 256,
+        p.dispatch(kernel_name("attn_decode_split_fused", d=D, g=G), (Hq // G, nblocks), ATTN_TG,
                    buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
                    reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
                    label=label)

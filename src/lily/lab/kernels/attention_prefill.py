@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lily._core import kernel_name, kernel_params
+from lily._core import CONSTANTS, kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.attention import THETA, attention_variant, rope_atol
 from lily.lab.kernels.harness import (
@@ -22,9 +22,10 @@ PREFILL_ATTN_DIMS = {
     "wide64": (8, 1, 64, 16),  # D = 64 with 8 query heads per KV head: G = 8, 4, 2
 }
 PREFILL_EPS = 1e-6
-TILE = 32  # KV rows per tile (kTile)
-QROWS = 64  # (row, head) pairs per threadgroup (kRows)
-RESCALE = 8.0  # lazy rescale threshold (kRescale)
+TILE = CONSTANTS["kAttnPrefillTile"]  # KV rows per tile (metal/prefill_args.h)
+QROWS = CONSTANTS["kAttnPrefillPairs"]  # (row, head) pairs per threadgroup
+RESCALE = CONSTANTS["kAttnPrefillRescale"]  # lazy rescale threshold
+THREADS = CONSTANTS["kAttnPrefillThreads"]  # threads per threadgroup (both paths)
 
 
 def pack_bf16_q(q, G):
@@ -121,7 +122,7 @@ class PrefillAttnLayer:
         Hq, D, G = self.Hq, self.D, self.G
         OUT = self.dev.buffer(M * Hq * D * 2)  # bfloat (o_proj's input)
         sfx = "_tensor" if self.tensor else ""
-        threads = 256  # both paths (kThreads)
+        threads = THREADS
         blocks = -(-M // (QROWS // G))
         reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
@@ -200,13 +201,14 @@ def attention64(q, qg, K, V, p0):
     return (out / (1 + np.exp(-gate))).reshape(M, Hq * D)
 
 
-def attention_twin(q, qg, K, V, p0, split_rows=None):
+def attention_twin(q, qg, K, V, p0, split_rows=None, halves=False):
     """The prefill attention kernels' arithmetic (metal/attention_prefill.metal and
     attention_prefill_tensor.metal, both on bfloat operands): row i of q [M, Hq, D] over K, V
     [Hkv, >= p0+M, D] (bf16 values, taken as they are: nothing is clipped) rows [0, p0 + i],
     gated, as [M, Hq*D]. Modelled as the kernels compute it: q * scale rounded to bf16, each
     score an fp32 sum of the exact products (8 x 8 significant bits fit in fp32's 24) in order
-    over D (the simulator's product order), keys walked in tiles of TILE from the start of
+    over D (the simulator's product order; ``halves``: the tensor-op kernels', each half of D
+    summed so and the lower half's sum plus the upper's), keys walked in tiles of TILE from the start of
     each split of ``split_rows`` keys (None: one range), a row's reference max moved only when
     a tile's max exceeds it by more than RESCALE, P = exp(s - m) in fp32 rounded to bf16, l the
     sum of the rounded P; the rest (P V, l, the split merge of attn_prefill_combine, the gate)
@@ -227,9 +229,13 @@ def attention_twin(q, qg, K, V, p0, split_rows=None):
         k = f32(K[h // group, :n])
         v = V[h // group, :n].astype(np.float64)
         prod = qh[:, h, None, :] * k[None, :, :]  # exact in fp32
+        cuts = (0, D // 2, D) if halves else (0, D)
         s = np.zeros((M, n), f32_)
-        for d in range(D):
-            s += prod[:, :, d]
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            part = np.zeros((M, n), f32_)
+            for d in range(lo, hi):
+                part += prod[:, :, d]
+            s += part
         s = np.where(np.arange(n)[None, :] <= pos[:, None], s, f32_(-np.inf))
         parts = []
         for b, e in segments:
@@ -320,7 +326,8 @@ def _attn_prefill(dev, rng, kernel, size=TOY):
     p0, M = size.pick((13, 11), (size.rows, size.rows))
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
-    return close_ratio(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0), ATTN_OUT_RTOL, ATTN_ATOL, kernel)
+    return close_ratio(L.attention_only(q, qg, p0), attention_twin(q, qg, K, V, p0, halves=tensor), ATTN_OUT_RTOL,
+                       ATTN_ATOL, kernel)
 
 
 @check(*[kernel_name("attn_prefill_split", s, d=D, g=G) for D in (256, 64) for G in (8, 4, 2) for s in ("", "_tensor")],
@@ -334,5 +341,5 @@ def _attn_prefill_split(dev, rng, kernel, size=TOY):
     tensor = kernel.endswith("_tensor")
     L, q, qg, K, V = _prefill_case(dev, rng, D, G, p0, M, tensor=tensor)
     got = L.attention_only(q, qg, p0, split=(S, ns))
-    return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S), ATTN_OUT_RTOL, ATTN_ATOL,
+    return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S, halves=tensor), ATTN_OUT_RTOL, ATTN_ATOL,
                        f"{kernel} (split + combine)")

@@ -1,23 +1,29 @@
 """Dense GEMM twins (metal/gemm.metal, gemm_tensor.metal): the prefill GEMMs on bfloat operands,
-the SwiGLU GEMM with its row scale, and the tensor-op probes."""
+the SwiGLU GEMM with its row scale, and the tensor-op probes; the GEMMs encoded by the prefill
+plan's own builder (:func:`enc_gemm`)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from lily import _core
 from lily._core import kernel_params
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import (
     HALF_MAX, TOY, U, bf16_activations, bf16_round, bf16_operand, bf16_stored, bf16_weights, check, model, rand_quant,
-    ratio, run, run_bound, upload_bf16, upload_q,
+    ratio, run, run_encoder, upload_bf16, upload_q,
 )
 from lily.reference import silu
 
-GEMM_BM, GEMM_BN, GEMM_TG = 64, 64, 128  # dense GEMM tile and threads (metal/gemm.metal)
-GEMM_TENSOR_BM, GEMM_TENSOR_TG = 128, 256  # rows and threads of their tensor-op twins (gemm_tensor.metal)
-GEMM_SWIGLU_BN = 32  # output columns per threadgroup of gemm_swiglu_q4(_tensor)
-GEMM_BK = 64         # k per GEMM step (kGemmBK, metal/gemm_tiles.h)
+# The GEMM geometry of metal/gemm_args.h (lily._core.CONSTANTS): dense block rows, columns
+# and threads (gemm.metal), those of the tensor-op twins (gemm_tensor.metal), SwiGLU's columns
+# of gate and of up, the k step.
+_C = _core.CONSTANTS
+GEMM_BM, GEMM_BN, GEMM_TG = _C["kGemmBM"], _C["kGemmBN"], _C["kGemmThreads"]
+GEMM_TENSOR_BM, GEMM_TENSOR_TG = _C["kGemmTensorBM"], _C["kGemmTensorThreads"]
+GEMM_SWIGLU_BN = _C["kGemmSwigluBN"]
+GEMM_BK = _C["kGemmBK"]
 
 
 def gemm_args(m: int, n: int, k: int, lda: int | None = None, ldy: int | None = None) -> bytes:
@@ -26,8 +32,9 @@ def gemm_args(m: int, n: int, k: int, lda: int | None = None, ldy: int | None = 
 
 
 def gemm_geometry(kernel: str) -> tuple[int, int]:
-    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: 64 and 128
-    (gemm.metal), 128 and 256 for the tensor-op twins (``*_tensor``, gemm_tensor.metal)."""
+    """(rows per threadgroup, threads per threadgroup) of dense GEMM ``kernel``: kGemmBM and
+    kGemmThreads (gemm.metal), kGemmTensorBM and kGemmTensorThreads for the tensor-op twins
+    (``*_tensor``, gemm_tensor.metal; metal/gemm_args.h)."""
     return (GEMM_TENSOR_BM, GEMM_TENSOR_TG) if kernel.endswith("_tensor") else (GEMM_BM, GEMM_TG)
 
 
@@ -88,24 +95,38 @@ def scaled_operand(x, s, shift):
     return bf16_round(np.asarray(x, np.float32) * np.repeat(np.asarray(s, np.float32), 1 << shift, axis=1))
 
 
-ROW_SCALE_BINDING = 9  # gemm_swiglu_q4(_tensor): g at buffer(9), GemmRowScaleArgs at buffer(10)
-
-
 def row_scale(rng, m, ld=3, col=2):
     """A row scale as gemm_swiglu_q4 reads it: column ``col`` of fp32 [m, ld] in [0, 1) (the
     routing weights' shared-gate column). Returns (the [m, ld] array, the column index)."""
     return rng.random((m, ld)).astype(np.float32), col
 
 
-def row_scale_bindings(dev, w, col):
-    """gemm_swiglu_q4's row-scale bindings for column ``col`` of ``w`` fp32 [m, ld]: the
-    buffer bound at the column (ROW_SCALE_BINDING), GemmRowScaleArgs {ld} after it, and the
-    range the kernel reads. Returns (buffers, constants, reads) for :func:`run` or a pass's
-    dispatch."""
-    m, ld = w.shape
-    G, off = upload(dev, w), 4 * col
-    return ([(ROW_SCALE_BINDING, G, off)], [(ROW_SCALE_BINDING + 1, pack_args("GemmRowScaleArgs", ldg=ld))],
-            [(G, off, 4 * ((m - 1) * ld + 1))])
+def row_scale_operand(dev, w, col):
+    """gemm_swiglu_q4's row scale, column ``col`` of ``w`` fp32 [m, ld], as :func:`enc_gemm`
+    takes it: (the buffer, the column, ld)."""
+    return upload(dev, w), col, w.shape[1]
+
+
+def enc_gemm(p, kernel, wb, X, Y, m, n, k, lda=None, ldy=None, x_at=0, y_at=0, x_scale=None, x_shift=0,
+             row_scale=None, disjoint=0, label=""):
+    """Encodes dense GEMM ``kernel`` (gemm_q4, gemm_q8, gemm_q4_add_h, gemm_q4_add_hs,
+    gemm_q4_bf16, gemm_swiglu_q4, or a ``_tensor`` twin) on compute pass ``p`` with the prefill
+    plan's own builder (lily._core.encode_gemm / encode_gemm_swiglu, csrc/runtime/families/
+    gemm.h): its grid, bindings and declared ranges. ``wb``: the weight's (weight, scales,
+    biases) buffers, gate's then up's for SwiGLU; X bfloat rows of ``lda`` (default k)
+    elements from byte ``x_at``, Y rows of ``ldy`` (default n) from byte ``y_at``;
+    ``x_scale``/``x_shift``: gemm_q4_add_hs's half factors; ``row_scale``: SwiGLU's
+    (:func:`row_scale_operand`); ``disjoint``: a nonzero tag for GEMMs writing disjoint
+    columns of one Y in one stage."""
+    tensor, strides = kernel.endswith("_tensor"), dict(lda=lda or 0, ldy=ldy or 0)
+    if kernel.startswith("gemm_swiglu"):
+        G, col, ld = row_scale
+        _core.encode_gemm_swiglu(p, tuple(wb[:3]), tuple(wb[3:]), X, Y, m, n, k, G, 4 * col, ld, tensor=tensor,
+                                 label=label, **strides)
+    else:
+        _core.encode_gemm(p, tuple(wb), X, Y, m, n, k, bits=kernel_params(kernel)["q"], add="_add" in kernel,
+                          bf16_y="_bf16" in kernel, x_scale=x_scale, x_shift=x_shift, tensor=tensor, x_at=x_at,
+                          y_at=y_at, disjoint=disjoint, label=label, **strides)
 
 
 @check("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_bf16", "gemm_q4_add_hs", "gemm_q4_tensor", "gemm_q8_tensor",
@@ -133,18 +154,13 @@ def _gemm(dev, rng, kernel, size=TOY):
     W, S, B = upload_q(dev, qt)
     X = upload_bf16(dev, x)
     Y = upload(dev, y0) if add else dev.buffer((2 if bf_y else 4) * m * n)
-    bm, tg = gemm_geometry(kernel)
-    grid, bufs = (-(-n // GEMM_BN), -(-m // bm)), [W, S, B, X, Y]
     if scaled:
         shift = 5
         f = rng.uniform(0.0, 1.0, (m, k >> shift)).astype(np.float16)
-        F = upload(dev, f)
-        run(dev, kernel, grid, tg, [*enumerate(bufs), (6, F)], [(5, gemm_args(m, n, k)), (7, pack_args("GemmAScaleArgs", shift=shift))],
-            reads=[W, S, B, X, Y, F], writes=[Y])
+        run_encoder(dev, enc_gemm, kernel, (W, S, B), X, Y, m, n, k, x_scale=upload(dev, f), x_shift=shift)
         x = scaled_operand(x, f, shift)
     else:
-        run_bound(dev, kernel, grid, tg, bufs, gemm_args(m, n, k),
-                  reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+        run_encoder(dev, enc_gemm, kernel, (W, S, B), X, Y, m, n, k)
     exact, tol = gemm_ref(x, qt)
     if add:
         exact = exact + y0
@@ -163,12 +179,9 @@ def _gemm_swiglu(dev, rng, kernel, size=TOY):
     gq, uq = rand_quant(rng, (), n, k, 4), rand_quant(rng, (), n, k, 4)
     x = bf16_activations(beyond_half(rng, (m, k)))
     w, col = row_scale(rng, m)
-    sb, sc, sr = row_scale_bindings(dev, w, col)
-    bufs = [*upload_q(dev, gq), *upload_q(dev, uq)]
     X, Y = upload_bf16(dev, x), dev.buffer(2 * m * n)  # bfloat in, bfloat out
-    bm, tg = gemm_geometry(kernel)
-    run(dev, kernel, (-(-n // GEMM_SWIGLU_BN), -(-m // bm)), tg, [*enumerate([*bufs, X, Y]), *sb],
-        [(8, gemm_args(m, n, k)), *sc], reads=[*bufs, X, *sr], writes=[Y])
+    run_encoder(dev, enc_gemm, kernel, [*upload_q(dev, gq), *upload_q(dev, uq)], X, Y, m, n, k,
+                row_scale=row_scale_operand(dev, w, col))
     want, tol = bf16_stored(*swiglu_ref(x, gq, uq, scale=w[:, col]))
     return ratio(download(Y, "bf16", (m, n)), want, tol, f"{kernel} {m}x{n}x{k}")
 
@@ -179,7 +192,7 @@ def _probe_ratio(out, a, b, what):
 
 @check("tensor_ops_probe")
 def _tensor_ops_probe(dev, rng, kernel, size=TOY):
-    """For x float32 [64, 64] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
+    """For x float32 [64, kGemmBK] (metal/gemm_tensor.metal): out = b(x[:32]) b(x)^T (b =
     bf16_operand) against an fp32 sum's bound."""
     x = rng.standard_normal((64, GEMM_BK)).astype(np.float32)
     X, O = upload(dev, x), dev.buffer(32 * 64 * 4)

@@ -1,7 +1,8 @@
 """GEMV twins (metal/gemv.metal): the quantized GEMVs, the gated GEMV of the Gated DeltaNet
 out_proj, and the fused RMSNorm + GEMV (norm_gemv, embed_norm_gemv) of the decode step, and
 their batched forms over several rows of a batched decode step (issue 31), each row compared
-bit for bit with its batch-1 dispatch."""
+bit for bit with its batch-1 dispatch; encoded by the decode step's own builders
+(:func:`enc_gemv_add`, :func:`enc_norm_gemv`)."""
 
 from __future__ import annotations
 
@@ -27,15 +28,10 @@ TG = _core.CONSTANTS["kGemvThreads"]
 LM_HEAD_THREADS = _core.CONSTANTS["kLmHeadThreads"]  # norm_gemv's threadgroup for lm_head (decode.h)
 MAX_MATRICES = _core.CONSTANTS["kNormGemvMaxMatrices"]  # of one norm_gemv dispatch
 BATCH_MAX_ROWS = _core.CONSTANTS["kBatchMaxRows"]  # rows of a batched kernel at most (batch_args.h)
-BATCH_SIZES = (2, 4, 8)  # the batched kernels' b parameter (gemv.metal's instantiations)
-
-
-def batch_size(rows: int) -> int:
-    """The batched kernels' ``b`` for ``rows`` rows: the smallest built size that holds them.
-    Raises ValueError for rows outside 1..BATCH_MAX_ROWS."""
-    if not 1 <= rows <= BATCH_MAX_ROWS:
-        raise ValueError(f"batched kernels take 1 to {BATCH_MAX_ROWS} rows, got {rows}")
-    return next(b for b in BATCH_SIZES if b >= rows)
+#: The batched kernels' ``b`` for ``rows`` rows, the runtime's rule (lily._core.batch_size):
+#: the smallest built size that holds them; ValueError for rows outside 1..BATCH_MAX_ROWS.
+batch_size = _core.batch_size
+BATCH_SIZES = tuple(sorted({batch_size(n) for n in range(1, BATCH_MAX_ROWS + 1)}))  # gemv.metal's b values
 
 
 def gemv_args(rows: int, cols: int) -> bytes:
@@ -59,81 +55,42 @@ def norm_gemv_grid(rows, tg=TG, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
     return sum(-(-r // per) for r in rows)
 
 
-def norm_gemv_args(rows, cols, eps, write_xn, rps=NORM_GEMV_ROWS_PER_SG, splits=1):
-    """NormGemvArgs of up to MAX_MATRICES matrices of ``rows`` rows (the other slots unused),
-    ``rps`` rows per simdgroup shared by ``splits`` simdgroups."""
-    rows = list(rows) + [0] * (MAX_MATRICES - len(rows))
-    return pack_args("NormGemvArgs", rows=rows, cols=cols, eps=eps, write_xn=write_xn, rows_per_simdgroup=rps,
-                     k_splits=splits)
-
-
-def _bind(i, spec):
-    return (i, spec[0], spec[1]) if isinstance(spec, tuple) else (i, spec)
+def _matrices(mats, y_strides, unused):
+    """(rows, weights or None, Y or (Y, offset[, size])) -> the builder's (weights, Y, rows, y_at,
+    y_stride); ``unused`` stands in for the weights of a slot of 0 rows given as None."""
+    out = []
+    for i, (r, wsb, Y) in enumerate(mats):
+        Y, y_at = (Y[0], Y[1]) if isinstance(Y, tuple) else (Y, 0)
+        out.append((tuple(wsb) if wsb is not None else (unused,) * 3, Y, r, y_at, y_strides[i]))
+    return out
 
 
 def enc_norm_gemv(p, bits, X, NW, XN, mats, cols, eps=NORM_EPS, write_xn=True, tg=TG, extra=0, label=None,
                   rps=NORM_GEMV_ROWS_PER_SG, splits=1, batch=None):
-    """Encodes norm_gemv_q{bits} with its declared ranges (docs/kernels.md).
-    mats: up to four (rows, (W, S, B), Y), each binding a Buffer or (Buffer, offset, size).
-    Slots past len(mats) are unused (rows 0) and bound to arbitrary buffers.
+    """Encodes norm_gemv_q{bits} with the decode step's own builder (lily._core.encode_norm_gemv,
+    csrc/runtime/families/gemv.h; docs/kernels.md). mats: up to four (rows, (W, S, B), Y), each
+    of W, S, B a Buffer or (Buffer, offset, size), Y a Buffer or (Buffer, offset); a matrix of
+    0 rows is bound only. ``extra``: surplus threadgroups (they exit).
 
     ``batch = (n, x_stride, y_strides)``: norm_gemv_batch_q{bits}_b{batch_size(n)} over ``n``
     rows, row r's x / xn at float ``r * x_stride`` of X / XN and its output of matrix m at float
     ``r * y_strides[m]`` of that matrix's Y (batch_args.h NormGemvBatchArgs)."""
-    rows = [m[0] for m in mats]
-    n, x_stride, y_strides = batch if batch is not None else (1, 0, [0] * len(mats))
-    buffers = [(0, X), (1, NW), (2, XN)]
-    reads = [(X, 0, 4 * ((n - 1) * x_stride + cols)), NW]
-    writes = [(XN, 0, 4 * ((n - 1) * x_stride + cols))] if write_xn else []
-    for i in range(MAX_MATRICES):
-        if i < len(mats):
-            r, wsb, Y = mats[i]
-            specs = [*wsb, Y]
-            if r:
-                reads += list(wsb)
-                y = Y if isinstance(Y, tuple) else (Y, 0)
-                writes += [(y[0], y[1] + 4 * b * y_strides[i], 4 * r) for b in range(n)]
-        else:
-            specs = [X, X, X, X]  # unused slot: bound (the simulator requires it), never accessed
-        buffers += [_bind(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-    constants = [(19, norm_gemv_args(rows, cols, eps, write_xn, rps, splits))]
-    if batch is None:
-        name = kernel_name("norm_gemv", q=bits)
-    else:
-        name = kernel_name("norm_gemv_batch", q=bits, b=batch_size(n))
-        y_strides = list(y_strides) + [0] * (MAX_MATRICES - len(y_strides))
-        constants.append((20, pack_args("NormGemvBatchArgs", rows=n, x_stride=x_stride, y_stride=y_strides)))
-    p.dispatch(name, norm_gemv_grid(rows, tg, rps, splits) + extra, tg, buffers=buffers, constants=constants,
-               reads=reads, writes=writes, threadgroups=True, label=label or name)
+    n, x_stride, y_strides = batch if batch is not None else (0, 0, [0] * len(mats))
+    _core.encode_norm_gemv(p, X, NW, XN, _matrices(mats, y_strides, X), cols, eps, bits=bits, write_xn=write_xn,
+                           rows_per_simdgroup=rps, k_splits=splits, threads=tg, batch_rows=n, x_stride=x_stride,
+                           extra_groups=extra, label=label or "")
 
 
 def enc_gemv_add(p, bits, W, S, B, X, Y, rows, cols, tg=TG, batch=None, gated=None):
-    """Encodes gemv_q{bits}_add (y += W x) with its declared ranges, or with ``gated = (SSQ, Z,
+    """Encodes gemv_q{bits}_add (y += W x) with the decode step's own builder
+    (lily._core.encode_gemv_add, csrc/runtime/families/gemv.h), or with ``gated = (SSQ, Z,
     NW, head_dim, splits, eps)`` gemv_gated_q{bits}_add (x normalised on load: GatedNormArgs).
     ``batch = (n, x_stride, y_stride, ssq_stride)``: the batched kernel over ``n`` rows (row r's
     x and z at float ``r * x_stride``, y at ``r * y_stride``, ssq at ``r * ssq_stride``:
     batch_args.h GemvBatchArgs)."""
-    n, x_stride, y_stride, ssq_stride = batch if batch is not None else (1, 0, 0, 0)
-    span = 4 * ((n - 1) * x_stride + cols)
-    buffers = [(0, W), (1, S), (2, B), (3, X), (4, Y)]
-    reads = [W, S, B, (X, 0, span)] + [(Y, 4 * r * y_stride, 4 * rows) for r in range(n)]
-    writes = [(Y, 4 * r * y_stride, 4 * rows) for r in range(n)]
-    constants = [(5, gemv_args(rows, cols))]
-    base = "gemv"
-    if gated is not None:
-        SSQ, Z, NW, head_dim, splits, eps = gated
-        base = "gemv_gated"
-        buffers += [(6, SSQ), (7, Z), (8, NW)]
-        reads += [(SSQ, 0, 4 * ((n - 1) * ssq_stride + cols // head_dim * splits)), (Z, 0, span), NW]
-        constants.append((9, pack_args("GatedNormArgs", head_dim=head_dim, splits=splits, eps=eps)))
-    if batch is None:
-        name = kernel_name(base, "_add", q=bits)
-    else:
-        name = kernel_name(base + "_batch", "_add", q=bits, b=batch_size(n))
-        constants.append((6 if gated is None else 10, pack_args("GemvBatchArgs", rows=n, x_stride=x_stride,
-                                                                   y_stride=y_stride, ssq_stride=ssq_stride)))
-    p.dispatch(name, gemv_grid(rows, tg), tg, buffers=buffers, constants=constants, reads=reads, writes=writes,
-               threadgroups=True, label=name)
+    n, x_stride, y_stride, ssq_stride = batch if batch is not None else (0, 0, 0, 0)
+    _core.encode_gemv_add(p, (W, S, B), X, Y, rows, cols, bits=bits, gated=gated, batch_rows=n, x_stride=x_stride,
+                          y_stride=y_stride, ssq_stride=ssq_stride, threads=tg)
 
 
 def rms_ref64(x, nw_bits, eps=NORM_EPS):
@@ -143,22 +100,11 @@ def rms_ref64(x, nw_bits, eps=NORM_EPS):
 
 def enc_embed_norm_gemv(p, EW, ES, EB, T, H, NW, XN, mats, cols, vocab, write_xn, eps=NORM_EPS):
     """Encodes embed_norm_gemv_q4 (the decode step's first dispatch: the token's embedding
-    row into H, then norm_gemv_q4 on it). mats: up to four (rows, (W, S, B) or None, Y); the
-    slots past len(mats) are bound to NW (unused: rows 0)."""
-    mats = list(mats) + [(0, None, NW)] * (MAX_MATRICES - len(mats))
-    rows = [r for r, _, _ in mats]
-    buffers = [(0, H), (1, NW), (2, XN), (20, EW), (21, ES), (22, EB), (23, T)]
-    reads, writes = [NW, EW, ES, EB, T], [H] + ([XN] if write_xn else [])
-    for i, (r, wsb, Y) in enumerate(mats):
-        specs = [*(wsb if wsb is not None else (NW, NW, NW)), Y]
-        buffers += [(3 + 4 * i + j, sp) for j, sp in enumerate(specs)]
-        if r:
-            reads += list(wsb)
-            writes.append(Y)
-    p.dispatch("embed_norm_gemv_q4", norm_gemv_grid(rows), TG, buffers=buffers,
-               constants=[(19, norm_gemv_args(rows, cols, eps, write_xn)),
-                          (24, pack_args("EmbedArgs", cols=cols, vocab=vocab))],
-               reads=reads, writes=writes, threadgroups=True, label="embed_norm_gemv_q4")
+    row into H, then norm_gemv_q4 on it) with the decode step's own builder
+    (lily._core.encode_norm_gemv with ``embed``). mats: up to four (rows, (W, S, B) or None, Y);
+    a matrix of 0 rows is bound only."""
+    _core.encode_norm_gemv(p, H, NW, XN, _matrices(mats, [0] * len(mats), NW), cols, eps, write_xn=write_xn,
+                           embed=((EW, ES, EB), T, vocab, 0))
 
 
 @check("gemv_q4", "gemv_q8", "gemv_q4_add", "gemv_q8_add")
@@ -173,8 +119,11 @@ def _gemv(dev, rng, kernel, size=TOY):
     W, S, B = upload_q(dev, qt)
     X = upload(dev, x)
     Y = upload(dev, r0) if add else dev.buffer(4 * rows)
-    run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
-         reads=[W, S, B, X] + ([Y] if add else []), writes=[Y])
+    if add:  # the decode step's encoder (o_proj)
+        run_encoder(dev, enc_gemv_add, bits, W, S, B, X, Y, rows, cols)
+    else:  # gemv_q*: no runtime dispatch of its own
+        run_bound(dev, kernel, gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols), reads=[W, S, B, X],
+                  writes=[Y])
     exact, mag = gemv_exact(qt, x)
     if add:
         exact, mag = exact + r0, mag + np.abs(r0)

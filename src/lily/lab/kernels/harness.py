@@ -20,7 +20,7 @@ from lily.reference import ReferenceModel
 
 U = 2.0**-24          # fp32 unit roundoff
 DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
-HALF_MAX = 65504.0   # the largest finite half: the tests' inputs reach beyond it (nothing is clipped)
+HALF_MAX = float(np.finfo(np.float16).max)  # 65504: the tests' inputs reach beyond it (nothing is clipped)
 to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
 
 

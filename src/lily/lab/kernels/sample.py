@@ -66,34 +66,28 @@ def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
 
 def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False,
                 vocab=None):
-    """One sample_token dispatch per (seed, position), all in one command buffer; with
-    ``params.logit_bias`` the dense bias buffer is bound and declared read (else bound only).
+    """One sample_token dispatch per (seed, position), all in one command buffer, each encoded
+    as the decode step encodes it (lily._core.encode_sample_token); with ``params.logit_bias``
+    the dense bias buffer is bound and declared read (else the logits are bound, unread).
     ``vocab``: the ``vocab`` argument when it is less than the buffers (the runtime's
     ``vocab_limit``: the rows past it are never chosen)."""
     V = logits.size
     n_args = V if vocab is None else vocab
     n = len(seeds)
     L, C = upload(dev, f32(logits)), upload(dev, counts)
-    B = upload(dev, dense_bias(params, V)) if params.logit_bias else L
+    B = upload(dev, dense_bias(params, V)) if params.logit_bias else None
     POS = upload(dev, np.asarray(positions, np.uint32))
     TOK = dev.buffer(4 * n)
     k = max(params.top_logprobs, 1)
-    LP, IDS = dev.buffer(4 * (1 + params.top_logprobs) * n), dev.buffer(4 * k * n)
+    lp_bytes = 4 * (1 + params.top_logprobs)
+    LP, IDS = dev.buffer(lp_bytes * n), dev.buffer(4 * k * n)
     cb = dev.command_buffer()
     p = cb.compute_pass()
-    for j, seed in enumerate(seeds):
-        lp_bytes = 4 * (1 + params.top_logprobs)
-        p.dispatch("sample_token", 1, tg,
-                   buffers=[(0, L), (1, C), (2, POS, 4 * j), (3, TOK, 4 * j), (4, LP, lp_bytes * j),
-                            (5, IDS, 4 * k * j), (7, B)],
-                   constants=[(6, sample_args(n_args, params, seed, logprobs=logprobs, update_counts=update_counts))],
-                   reads=[L, C, (POS, 4 * j, 4)] + ([B] if params.logit_bias else []),
-                   writes=[(TOK, 4 * j, 4)]
-                   + ([(LP, lp_bytes * j, 4)] if logprobs else [])
-                   + ([(LP, lp_bytes * j + 4, lp_bytes - 4), (IDS, 4 * k * j, 4 * k)]
-                      if params.top_logprobs else [])
-                   + ([C] if update_counts else []),
-                   threadgroups=True)
+    for j, seed in enumerate(seeds):  # the decode step's encoder (csrc/runtime/families/sample.h)
+        _core.encode_sample_token(
+            p, sample_args(n_args, params, seed, logprobs=logprobs, update_counts=update_counts), L, C, POS, TOK,
+            LP, IDS, B, threads=tg, position_at=4 * j, token_at=4 * j,
+            logprobs_at=lp_bytes * j, logprobs_bytes=lp_bytes, top_ids_at=4 * k * j, top_ids_bytes=4 * k)
     t = time.perf_counter()
     cb.commit()
     cb.wait()
@@ -160,23 +154,18 @@ def padded_rows(logits: np.ndarray, n: int = PADDING_ROWS) -> np.ndarray:
 def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | None = None,
                      vocab: int | None = None, combine_threads: int | None = None) -> tuple[int, int]:
     """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
-    ``bias`` ``[V]`` when given: argmax_partial_bias): argmax_partial (256 threads per slice
-    of ``slice_`` logits), then sample_greedy_combine in one threadgroup of
-    ``combine_threads`` (default: a thread per partial in whole simdgroups, at most 1024; the
-    runtime takes fewer where the pipeline allows fewer, csrc/runtime/decode.cpp
-    sampler_threads); over the first ``vocab`` logits only when given (the runtime's
-    ``vocab_limit``). Returns (token, barrier stages of the command buffer)."""
+    ``bias`` ``[V]`` when given: argmax_partial_bias), encoded as the decode step encodes it
+    (lily._core.encode_argmax): argmax_partial (256 threads per slice of ``slice_`` logits),
+    then sample_greedy_combine in one threadgroup of ``combine_threads`` (default: as the
+    runtime picks them, csrc/runtime/families/sample.h sampler_threads); over the first
+    ``vocab`` logits only when given (the runtime's ``vocab_limit``). Returns (token, barrier
+    stages of the command buffer)."""
     V = logits.size if vocab is None else vocab
     parts = -(-V // slice_)
     L, TOK, PART = upload(dev, logits), dev.buffer(4), dev.buffer(8 * parts)
-    B = [upload(dev, f32(bias))] if bias is not None else []
     cb = dev.command_buffer()
-    p = cb.compute_pass()
-    p.dispatch("argmax_partial_bias" if B else "argmax_partial", parts, 256,
-               buffers=[(0, L), (1, PART)] + [(3, b) for b in B], constants=[(2, pack_args("ArgmaxArgs", vocab=V, slice=slice_))],
-               reads=[L, *B], writes=[PART], threadgroups=True)
-    p.dispatch("sample_greedy_combine", 1, combine_threads or min(1024, -(-parts // 32) * 32), buffers=[(0, PART), (1, TOK)],
-               constants=[(2, pack_args("ArgmaxArgs", vocab=parts, slice=0))], reads=[PART], writes=[TOK], threadgroups=True)
+    _core.encode_argmax(cb.compute_pass(), L, PART, TOK, V, slice_, None if bias is None else upload(dev, f32(bias)),
+                        combine_threads=combine_threads or 0)
     cb.commit()
     cb.wait()
     return int(download(TOK, np.uint32)[0]), cb.counters["barrier_stages"]

@@ -1,0 +1,38 @@
+// The prefill GEMMs' geometry that the host shares with the kernels (metal/gemm.metal,
+// gemm_tensor.metal, gemm_tiles.h; docs/prefill.md, "GEMM"): the k step, the tile row
+// stride and the output blocks and threads of both paths. The host (csrc/runtime/
+// kernel_args.h: the prefill plan's grids, the cost table's tiles) and Python
+// (lily._core.CONSTANTS) read them from here; like the *_args.h headers this file includes
+// nothing and holds only `constant constexpr uint` values.
+#ifndef LILY_GEMM_ARGS_H
+#define LILY_GEMM_ARGS_H
+
+// k elements per GEMM step (= kQuantGroup: one scale/bias per weight row and step).
+constant constexpr uint kGemmBK = 64;
+// Row stride of the bfloat A and W tiles, in elements: 16 padding bytes shift consecutive rows
+// across the memory banks and keep every row 16-byte aligned (gemm_tiles.h).
+constant constexpr uint kGemmLd = kGemmBK + 8;
+
+// simdgroup_matrix path (gemm.metal): 64 x 64 output blocks of 2 x 2 simdgroups; SwiGLU
+// 64 x 32 of gate and of up (4 x 1 simdgroups; two staged 64 x 64 fp32 blocks would exceed
+// 32 KiB). 4 simdgroups either way.
+constant constexpr uint kGemmBM = 64;
+constant constexpr uint kGemmBN = 64;
+constant constexpr uint kGemmSwigluBN = 32;
+constant constexpr uint kGemmThreads = 128;
+
+// Tensor-op path (gemm_tensor.metal): 128 x 64 blocks of 4 x 2 simdgroups, 32 x 32 each as in
+// MLX's qmm_t_nax (whose 64 x 64 blocks have 2 x 2): twice the rows per dequantized weight
+// tile halves the dequantization per product; SwiGLU 128 x 32 of gate and of up.
+constant constexpr uint kGemmTensorBM = 128;
+constant constexpr uint kGemmTensorSM = 4;
+constant constexpr uint kGemmTensorSN = 2;
+constant constexpr uint kGemmTensorBN = 64;
+constant constexpr uint kGemmTensorSwigluBN = 32;
+constant constexpr uint kGemmTensorThreads = 32 * kGemmTensorSM * kGemmTensorSN;
+
+#define LILY_GEMM_CONSTANTS(C)                                                                  \
+  C(kGemmBK) C(kGemmLd) C(kGemmBM) C(kGemmBN) C(kGemmSwigluBN) C(kGemmThreads) C(kGemmTensorBM) \
+  C(kGemmTensorSM) C(kGemmTensorSN) C(kGemmTensorBN) C(kGemmTensorSwigluBN) C(kGemmTensorThreads)
+
+#endif  // LILY_GEMM_ARGS_H
