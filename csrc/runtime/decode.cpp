@@ -183,6 +183,8 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
   auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
   // floats between two rows of a scratch buffer
   auto stride = [&](const gpu::BufferPtr& b) { return uint32_t(s.row_bytes(b) / f); };
+  // bytes from a scratch buffer's first row to the end of the last row's `bytes`
+  auto span = [&](const gpu::BufferPtr& b, size_t bytes) { return s.at(b, n - 1) + bytes; };
   // h += W x for each row (gemv_q*_add, with `gated` gemv_gated_q*_add; with several rows
   // their batched form, `ss` floats between two rows' sums of squares)
   auto gemv_add = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, uint32_t cols,
