@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from lily import Engine, _core
-from lily.errors import ContextLengthError, InvalidParameterError
+from lily.errors import ContextLengthError, DeviceError, InvalidParameterError
 
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
@@ -205,6 +205,10 @@ def test_kernel_table_lists_every_dispatched_kernel(demo_path):
         assert name in table
     assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)
     assert all(any(n.endswith(f"_t{T}") for n in table) for T in (16, 32, 64))
+    for b in (2, 4, 8):  # the batched step's kernels, at each width (the preflight encodes them)
+        for name in (f"norm_gemv_batch_q4_b{b}", f"norm_gemv_batch_q8_b{b}", f"gemv_batch_q4_b{b}_add",
+                     f"gemv_gated_batch_q4_b{b}_add", f"moe_route_gate_up_batch_q4_b{b}", f"moe_down_batch_q4_b{b}"):
+            assert name in table, name
     for k in table.values():
         assert 0 < k["threads"] <= k["max_threads_per_threadgroup"] <= 1024, k
     assert table["sample_token"]["threads"] == 1024
@@ -326,6 +330,17 @@ def test_sampler_threads_follow_the_pipeline_limit(demo_path):
     for kw in (dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=4, logprobs=True)):
         a, b = low.generate("ROMEO.", max_tokens=4, **kw), full.generate("ROMEO.", max_tokens=4, **kw)
         assert a.token_ids == b.token_ids
+
+
+def test_the_preflight_encodes_the_batched_steps(demo_path):
+    """The load-time preflight also encodes the batched decode step (several requests at once)
+    at each width of its kernels (their threads are in the kernel table: the test above), so a
+    batched kernel a Mac's compiler limits below its threadgroup (here the 4-row down
+    projections) fails the load, naming it, instead of the step that first batches 3 or 4 rows."""
+    with pytest.raises(DeviceError, match=r"cannot run on this device \(checked at load\): kernel "
+                                          r"'moe_down_batch_q4_b4'.*exceeds the pipeline's maximum of 32"):
+        Engine.load(demo_path, device="sim", max_context=64,
+                    device_options={"device_options": {"faults": {"moe_down_batch_q4_b4": "32"}}})
 
 
 def test_prefill_command_buffers_bound_the_work(demo_path):

@@ -403,6 +403,16 @@ void Runtime::preflight() {
       decode_.encode_state_writeback(*cmd, seq_, decode_.ring_capacity());
       collect(*cmd);
     }
+    // the batched step (several requests decoding together): each width of the batched
+    // kernels (batch_kernel) at the most rows it serves, up to the batch scratch's rows; the
+    // record-only rows may share the session's buffers
+    for (uint32_t width = 2; width / 2 < batch_scratch_.rows; width *= 2) {
+      const uint32_t n = std::min(width, batch_scratch_.rows);
+      const std::vector<DecodePlan::Row> rows(n, DecodePlan::Row{&seq_, 0, 0, 0});
+      auto cmd = logged_command_buffer();
+      decode_.encode_rows(*cmd, batch_scratch_, rows, nullptr);
+      collect(*cmd);
+    }
     {
       auto cmd = logged_command_buffer();
       gpu::ComputePass& pass = cmd->compute_pass();
