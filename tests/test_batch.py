@@ -403,7 +403,8 @@ def test_batched_step_reads_each_dense_weight_once():
     smallest of 2, 4, 8 holding the rows), each row adding only its own x and y; the MoE block
     runs moe_route_gate_up_batch_q4 and moe_down_batch_q4 (the routed experts counted over the
     union of the rows' picks expected with uniform routing, the shared expert once); the
-    embedding row and the per-row kernels count once per row. One row is the batch-1 step, unchanged (its land27 counters)."""
+    embedding row and the per-row kernels count once per row; the rows' samplers share two
+    barrier stages. One row is the batch-1 step, unchanged (its land27 counters)."""
     from lily.checkpoint import parse_config
     from lily.lab.estimate import QWEN36_35B_A3B
     from lily.native_backend import count_batch_window
@@ -428,6 +429,13 @@ def test_batched_step_reads_each_dense_weight_once():
             assert many["bytes_read"] - one["bytes_read"] >= (b - 1) * x_cols * 4, label
             assert many["bytes_read"] - one["bytes_read"] < one["bytes_read"] / 8, label  # weights not re-read
         assert by_label[b]["final norm + lm_head"]["bytes_written"] == b * V * 4
+        # the rows' samplers share two barrier stages (every row's argmax partials, then every
+        # row's combine); the step has one stage more than batch 1: the embedding's own
+        last = step[b]["records"][-2 * b:]
+        assert [r["label"].split(" (#")[0] for r in last] == ["greedy argmax partials"] * b + \
+            ["greedy token -> next slot"] * b
+        assert [r["stage"] - last[0]["stage"] for r in last] == [0] * b + [1] * b
+        assert step[b]["barrier_stages"] == step[1]["barrier_stages"] + 1
     # weight bytes: the routed experts (gate, up and down) over the expected union
     # (E (1 - (1 - k/E)^b) experts a layer), and per row the same small part (embedding row,
     # per-row kernels' small tensors); the dense projections and the shared expert stay once

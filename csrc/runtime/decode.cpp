@@ -397,7 +397,8 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     encode_head(pass, s, *rows[0].seq, *s.h, 0, rows[0].slot, true, t);
   } else {
     encode_lm_head(pass, s, *s.h, 0, s.row_bytes(s.h), n, t);
-    for (uint32_t r = 0; r < n; ++r) encode_sample(pass, s, r, *rows[r].seq, rows[r].slot);
+    for (uint32_t parts : {kSampleFirst, kSampleCombine})
+      for (uint32_t r = 0; r < n; ++r) encode_sample(pass, s, r, *rows[r].seq, rows[r].slot, parts);
   }
   pass.end();
 }
@@ -428,7 +429,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, Sequenc
 }
 
 void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_t r, SequenceState& seq,
-                               int slot) const {
+                               int slot, uint32_t parts) const {
   const ModelDims& d = d_;
   const DecodeKernels& K = kernels_;
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
@@ -442,9 +443,11 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
     // A logit bias is one more [V] read in the first stage (a kernel of its own).
     ArgmaxBuffers io{*s.logits, *s.argmax_part, *seq.tokens, bias ? seq.bias.get() : nullptr};
     io.logits_at = s.at(s.logits, r), io.partials_at = s.at(s.argmax_part, r), io.token_at = (slot ^ 1) * u32;
-    encode_argmax(pass, bias ? *K.argmax_partial_bias : *K.argmax_partial, *K.sample_greedy_combine, io, V,
-                  d.vocab_size, kArgmaxSlice);
-  } else {
+    if (parts & kSampleFirst)
+      encode_argmax_partials(pass, bias ? *K.argmax_partial_bias : *K.argmax_partial, io, V, d.vocab_size,
+                             kArgmaxSlice);
+    if (parts & kSampleCombine) encode_argmax_combine(pass, *K.sample_greedy_combine, io, V, kArgmaxSlice);
+  } else if (parts & kSampleFirst) {  // one dispatch
     const bool penalties = sc.presence_penalty != 0.0f || sc.frequency_penalty != 0.0f ||
                            sc.repetition_penalty != 1.0f;
     args::SampleArgs sa{V, sc.temperature, sc.top_k, sc.top_p, sc.min_p, sc.presence_penalty,

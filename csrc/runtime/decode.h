@@ -145,8 +145,12 @@ class DecodePlan {
   // token slot slot ^ 1 (and the log-probabilities of slot `slot`); the position of slot
   // `slot` keys the Philox draw.
   void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, SequenceState& seq, int slot) const;
-  // The same for row r of a batched step's scratch (its logits and argmax partials).
-  void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_t r, SequenceState& seq, int slot) const;
+  // The same for row r of a batched step's scratch (its logits and argmax partials); `parts`
+  // the stages to encode (a batched step encodes every row's first stage, then every greedy
+  // row's combine: two barrier stages for the rows, each row's dispatches unchanged).
+  enum SampleParts : uint32_t { kSampleFirst = 1, kSampleCombine = 2, kSampleAll = 3 };
+  void encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_t r, SequenceState& seq, int slot,
+                     uint32_t parts = kSampleAll) const;
 
  private:
   // final norm + lm_head over n rows of x (row r at offset + r * x_stride bytes) into s.logits

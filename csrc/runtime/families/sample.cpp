@@ -15,26 +15,37 @@ uint32_t sampler_threads(const gpu::Pipeline& p, uint32_t want) {
   return n;
 }
 
-void encode_argmax(gpu::ComputePass& pass, const gpu::Pipeline& partial, const gpu::Pipeline& combine,
-                   const ArgmaxBuffers& io, uint32_t vocab, uint32_t rows, uint32_t slice,
-                   uint32_t combine_threads) {
-  const size_t u32 = sizeof(uint32_t), row_bytes = size_t(rows) * sizeof(float);
+void encode_argmax_partials(gpu::ComputePass& pass, const gpu::Pipeline& partial, const ArgmaxBuffers& io,
+                            uint32_t vocab, uint32_t rows, uint32_t slice) {
   const uint32_t parts = ceil_div(vocab, slice);
-  const size_t part_bytes = size_t(parts) * 2 * u32;
+  const size_t row_bytes = size_t(rows) * sizeof(float);
   Op op(partial, io.bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
   op.groups({parts, 1, 1}, {256, 1, 1})
       .in(0, io.logits, io.logits_at, row_bytes)
-      .out(1, io.partials, io.partials_at, part_bytes)
+      .out(1, io.partials, io.partials_at, size_t(parts) * 2 * sizeof(uint32_t))
       .args(2, args::ArgmaxArgs{vocab, slice});
   if (io.bias) op.in(3, *io.bias, 0, row_bytes);
   op.run(pass);
+}
+
+void encode_argmax_combine(gpu::ComputePass& pass, const gpu::Pipeline& combine, const ArgmaxBuffers& io,
+                           uint32_t vocab, uint32_t slice, uint32_t combine_threads) {
+  const size_t u32 = sizeof(uint32_t);
+  const uint32_t parts = ceil_div(vocab, slice);
   if (!combine_threads) combine_threads = sampler_threads(combine, ceil_div(parts, 32) * 32);
   Op(combine, "greedy token -> next slot")
       .groups({1, 1, 1}, {combine_threads, 1, 1})
-      .in(0, io.partials, io.partials_at, part_bytes)
+      .in(0, io.partials, io.partials_at, size_t(parts) * 2 * u32)
       .out(1, io.token, io.token_at, u32)
       .args(2, args::ArgmaxArgs{parts, 0})
       .run(pass);
+}
+
+void encode_argmax(gpu::ComputePass& pass, const gpu::Pipeline& partial, const gpu::Pipeline& combine,
+                   const ArgmaxBuffers& io, uint32_t vocab, uint32_t rows, uint32_t slice,
+                   uint32_t combine_threads) {
+  encode_argmax_partials(pass, partial, io, vocab, rows, slice);
+  encode_argmax_combine(pass, combine, io, vocab, slice, combine_threads);
 }
 
 void encode_sample_token(gpu::ComputePass& pass, const gpu::Pipeline& kernel, const char* label,

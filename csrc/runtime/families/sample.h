@@ -36,6 +36,12 @@ struct ArgmaxBuffers {
 void encode_argmax(gpu::ComputePass& pass, const gpu::Pipeline& partial, const gpu::Pipeline& combine,
                    const ArgmaxBuffers& io, uint32_t vocab, uint32_t rows, uint32_t slice,
                    uint32_t combine_threads = 0);
+// Its two stages apart (a batched step encodes every row's partials, then every row's
+// combine, so the rows share two barrier stages): the partials, then the combine.
+void encode_argmax_partials(gpu::ComputePass& pass, const gpu::Pipeline& partial, const ArgmaxBuffers& io,
+                            uint32_t vocab, uint32_t rows, uint32_t slice);
+void encode_argmax_combine(gpu::ComputePass& pass, const gpu::Pipeline& combine, const ArgmaxBuffers& io,
+                           uint32_t vocab, uint32_t slice, uint32_t combine_threads = 0);
 
 // The buffers of a sampler draw: the logits (a row of `rows` floats from `logits_at`), the
 // token counts (uint32 [rows], read and updated whole), the position (uint32 at
