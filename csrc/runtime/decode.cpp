@@ -10,11 +10,11 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "runtime/cost.h"
 #include "runtime/encoder.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gemv.h"
+#include "runtime/families/moe.h"
 #include "runtime/families/sample.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
@@ -22,14 +22,6 @@
 namespace lily::runtime {
 
 namespace args = lily::kernels;
-
-namespace {
-
-constexpr uint32_t kGemvRowsPerGroup =
-    args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
-constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
-
-}  // namespace
 
 DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
     : d_(dims), opt_(options), labels_(dims.num_hidden_layers) {
@@ -183,8 +175,6 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
   auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
   // floats between two rows of a scratch buffer
   auto stride = [&](const gpu::BufferPtr& b) { return uint32_t(s.row_bytes(b) / f); };
-  // bytes from a scratch buffer's first row to the end of the last row's `bytes`
-  auto span = [&](const gpu::BufferPtr& b, size_t bytes) { return s.at(b, n - 1) + bytes; };
   // h += W x for each row (gemv_q*_add, with `gated` gemv_gated_q*_add; with several rows
   // their batched form, `ss` floats between two rows' sums of squares)
   auto gemv_add = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, uint32_t cols,
@@ -351,46 +341,18 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     norm_gemv(*layer.post_attention_norm,
               {{m.gate, s.router, 0, E}, {m.shared_expert_gate, s.router, E * f, 1}}, true, kRouterRows,
               kRouterSplits, labels_(l, "post-attention norm + router|shared gate"));
-    const args::MoeArgs ma{H, I, Is, E, k};
-    // Bytes the selected experts really move (the declared ranges cover whole stacks).
-    const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
-    const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
     // routing + gate|up, the routing in every simdgroup: one row's, or (batched) the rows' with
-    // each expert of the union of their picks read once
-    const size_t hidden_bytes = s.row_bytes(s.hidden);
-    const args::MoeBatchArgs mb{n, stride(s.xn), stride(s.hidden), stride(s.ids), stride(s.route_w), stride(s.router)};
-    Op gate_up(batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
-               labels_(l, batched ? "route top-k + experts gate|up (union of the rows)" : "route top-k + experts gate|up"));
-    gate_up.groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), n * k + 1), tg(kGemvThreads))
-        .in(0, *s.xn, 0, span(s.xn, H * f))
-        .in(1, *s.router, 0, span(s.router, (E + 1) * f))
-        .in(2, m.experts_gate_proj)
-        .in(5, m.experts_up_proj)
-        .in(8, m.shared_gate_proj)
-        .in(11, m.shared_up_proj)
-        .out(14, *s.hidden, 0, span(s.hidden, hidden_bytes))
-        .out(15, *s.ids, 0, span(s.ids, k * u32))
-        .out(16, *s.route_w, 0, span(s.route_w, (k + 1) * f))
-        .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u});
-    if (batched) gate_up.args(18, mb);
-    gate_up.run(pass);
-    // the routed experts' bytes depend on the routing: for several rows the union expected with
-    // uniform routing (cost.h expected_experts), each expert read once
-    const uint64_t routed = batched ? uint64_t(std::llround(expected_experts(n, k, E) * double(expert_q4))) : k * expert_q4;
-    t.weight_bytes += 2 * (routed + shared_q4);
-    // the down projections: the row's, or (batched) the n rows' over the same union
-    Op down(batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"));
-    down.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
-        .in(0, *s.hidden, 0, span(s.hidden, hidden_bytes))
-        .in(1, *s.ids, 0, span(s.ids, k * u32))
-        .in(2, *s.route_w, 0, span(s.route_w, (k + 1) * f))
-        .in(3, m.experts_down_proj)
-        .in(6, m.shared_down_proj)
-        .inout(9, *s.h, 0, span(s.h, H * f))
-        .args(10, ma);
-    if (batched) down.args(11, mb);
-    down.run(pass);
-    t.weight_bytes += routed + shared_q4;
+    // each expert of the union of their picks read once; then the down projections over it
+    const MoeShape shape{H, I, Is, E, k, d.norm_topk_prob};
+    const MoeBuffers io{*s.xn, *s.router, *s.hidden, *s.ids, *s.route_w, *s.h};
+    const args::MoeBatchArgs mb{n,           stride(s.xn),      stride(s.hidden),
+                                stride(s.ids), stride(s.route_w), stride(s.router)};
+    encode_moe_route_gate_up(pass, batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
+                             labels_(l, batched ? "route top-k + experts gate|up (union of the rows)"
+                                                : "route top-k + experts gate|up"),
+                             m, io, shape, mb, batched, kGemvThreads, &t);
+    encode_moe_down(pass, batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"), m,
+                    io, shape, mb, batched, kGemvThreads, &t);
   }
 
   if (!batched) {

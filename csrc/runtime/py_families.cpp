@@ -8,6 +8,7 @@
 #include <array>
 #include <cstring>
 #include <deque>
+#include <initializer_list>
 
 #include <optional>
 
@@ -21,6 +22,7 @@
 #include "runtime/families/gdn_prefill.h"
 #include "runtime/families/gemm.h"
 #include "runtime/families/gemv.h"
+#include "runtime/families/moe.h"
 #include "runtime/families/norm.h"
 #include "runtime/families/sample.h"
 #include "runtime/kernel_names.h"
@@ -202,6 +204,80 @@ void bind_families(nb::module_& m) {
       "rows (x and xn rows x_stride floats apart, each y's y_stride); with embed = (table, tokens, vocab,\n"
       "token_at) embed_norm_gemv_q4, x the token's embedding row (written). extra_groups: surplus\n"
       "threadgroups (they exit).");
+
+  // ---- metal/moe.metal (decode)
+  // The switch_mlp and shared-expert tensors of the MoE block: `names` of MoeBlock's members
+  // set from the tuple `w` of (weight, scales, biases) weights (refs: their storage).
+  auto moe_block = [](const nb::tuple& w, std::initializer_list<QuantLinear MoeBlock::*> names, TensorRef* refs,
+                      const char* what) {
+    if (w.size() != names.size())
+      throw std::invalid_argument(std::string(what) + ": " + std::to_string(names.size()) +
+                                  " weights expected");
+    MoeBlock m;
+    size_t i = 0;
+    for (QuantLinear MoeBlock::*name : names) m.*name = quant(w[i], 4, refs + 3 * i, what), ++i;
+    return m;
+  };
+  m.def(
+      "encode_moe_route_gate_up",
+      [moe_block](gpu::ComputePass& pass, const nb::tuple& weights, gpu::Buffer& xn, gpu::Buffer& logits,
+                  gpu::Buffer& h, gpu::Buffer& ids, gpu::Buffer& route_w, uint32_t hidden, uint32_t inter,
+                  uint32_t inter_shared, uint32_t experts, uint32_t top_k, bool norm_topk, uint32_t threads,
+                  uint32_t batch_rows, uint32_t x_stride, uint32_t logits_stride, uint32_t h_stride,
+                  uint32_t ids_stride, uint32_t w_stride, const std::string& label) {
+        TensorRef refs[12];
+        const MoeBlock w = moe_block(weights,
+                                     {&MoeBlock::experts_gate_proj, &MoeBlock::experts_up_proj,
+                                      &MoeBlock::shared_gate_proj, &MoeBlock::shared_up_proj},
+                                     refs,
+                                     "encode_moe_route_gate_up: weights = (gate, up, shared gate, shared up)");
+        const std::string name =
+            batch_rows ? kernel_name("moe_route_gate_up_batch", {{'q', 4}, {'b', batch_size(batch_rows)}})
+                       : "moe_route_gate_up_swiglu_q4";
+        encode_moe_route_gate_up(
+            pass, pass.device().pipeline(name), label.empty() ? name : label, w,
+            MoeBuffers{xn, logits, h, ids, route_w, xn},
+            MoeShape{hidden, inter, inter_shared, experts, top_k, norm_topk},
+            lily::kernels::MoeBatchArgs{batch_rows, x_stride, h_stride, ids_stride, w_stride, logits_stride},
+            batch_rows != 0, threads);
+      },
+      "compute_pass"_a, "weights"_a, "xn"_a, "logits"_a, "h"_a, "ids"_a, "route_w"_a, "hidden"_a, "inter"_a,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "norm_topk"_a = true, "threads"_a = DecodePlan::kGemvThreads,
+      "batch_rows"_a = 0, "x_stride"_a = 0, "logits_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0,
+      "w_stride"_a = 0, "label"_a = "",
+      "moe_route_gate_up_swiglu_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights =\n"
+      "(gate, up, shared gate, shared up), each 4-bit (weight, scales, biases), the routed ones stacked\n"
+      "[experts, inter, hidden]; the routing of xn [hidden] by logits [experts + 1] (the last the shared\n"
+      "gate's), then h [top_k * inter + inter_shared], ids uint32 [top_k] and route_w [top_k + 1] out.\n"
+      "With batch_rows moe_route_gate_up_batch_q4_b<batch_size(batch_rows)> over that many rows, row r of\n"
+      "each buffer r times its stride (floats, uints) further (MoeBatchArgs).");
+  m.def(
+      "encode_moe_down",
+      [moe_block](gpu::ComputePass& pass, const nb::tuple& weights, gpu::Buffer& h, gpu::Buffer& ids,
+                  gpu::Buffer& route_w, gpu::Buffer& residual, uint32_t hidden, uint32_t inter,
+                  uint32_t inter_shared, uint32_t experts, uint32_t top_k, uint32_t threads,
+                  uint32_t batch_rows, uint32_t x_stride, uint32_t h_stride, uint32_t ids_stride,
+                  uint32_t w_stride, const std::string& label) {
+        TensorRef refs[6];
+        const MoeBlock w = moe_block(weights, {&MoeBlock::experts_down_proj, &MoeBlock::shared_down_proj}, refs,
+                                     "encode_moe_down: weights = (down, shared down)");
+        const std::string name = batch_rows
+                                     ? kernel_name("moe_down_batch", {{'q', 4}, {'b', batch_size(batch_rows)}})
+                                     : "moe_down_q4";
+        encode_moe_down(pass, pass.device().pipeline(name), label.empty() ? name : label, w,
+                        MoeBuffers{residual, h, h, ids, route_w, residual},
+                        MoeShape{hidden, inter, inter_shared, experts, top_k},
+                        lily::kernels::MoeBatchArgs{batch_rows, x_stride, h_stride, ids_stride, w_stride, 0},
+                        batch_rows != 0, threads);
+      },
+      "compute_pass"_a, "weights"_a, "h"_a, "ids"_a, "route_w"_a, "residual"_a, "hidden"_a, "inter"_a,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "threads"_a = DecodePlan::kGemvThreads, "batch_rows"_a = 0,
+      "x_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0, "w_stride"_a = 0, "label"_a = "",
+      "moe_down_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights = (down, shared\n"
+      "down), 4-bit (weight, scales, biases), the routed ones stacked [experts, hidden, inter]; residual\n"
+      "[hidden] += the route_w-weighted down projections of h [top_k * inter + inter_shared] by the experts\n"
+      "ids uint32 [top_k] and the shared expert. With batch_rows moe_down_batch_q4_b<batch_size(batch_rows)>\n"
+      "over that many rows (x_stride: the residual's; MoeBatchArgs).");
 
   // ---- metal/gemm.metal, gemm_tensor.metal
   m.def(

@@ -781,6 +781,25 @@ def encode_norm_gemv(compute_pass: ComputePass, x: Buffer, norm: Buffer, xn: Buf
     threadgroups (they exit).
     """
 
+def encode_moe_route_gate_up(compute_pass: ComputePass, weights: tuple, xn: Buffer, logits: Buffer, h: Buffer, ids: Buffer, route_w: Buffer, hidden: int, inter: int, inter_shared: int, experts: int, top_k: int, norm_topk: bool = True, threads: int = 64, batch_rows: int = 0, x_stride: int = 0, logits_stride: int = 0, h_stride: int = 0, ids_stride: int = 0, w_stride: int = 0, label: str = '') -> None:
+    """
+    moe_route_gate_up_swiglu_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights =
+    (gate, up, shared gate, shared up), each 4-bit (weight, scales, biases), the routed ones stacked
+    [experts, inter, hidden]; the routing of xn [hidden] by logits [experts + 1] (the last the shared
+    gate's), then h [top_k * inter + inter_shared], ids uint32 [top_k] and route_w [top_k + 1] out.
+    With batch_rows moe_route_gate_up_batch_q4_b<batch_size(batch_rows)> over that many rows, row r of
+    each buffer r times its stride (floats, uints) further (MoeBatchArgs).
+    """
+
+def encode_moe_down(compute_pass: ComputePass, weights: tuple, h: Buffer, ids: Buffer, route_w: Buffer, residual: Buffer, hidden: int, inter: int, inter_shared: int, experts: int, top_k: int, threads: int = 64, batch_rows: int = 0, x_stride: int = 0, h_stride: int = 0, ids_stride: int = 0, w_stride: int = 0, label: str = '') -> None:
+    """
+    moe_down_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights = (down, shared
+    down), 4-bit (weight, scales, biases), the routed ones stacked [experts, hidden, inter]; residual
+    [hidden] += the route_w-weighted down projections of h [top_k * inter + inter_shared] by the experts
+    ids uint32 [top_k] and the shared expert. With batch_rows moe_down_batch_q4_b<batch_size(batch_rows)>
+    over that many rows (x_stride: the residual's; MoeBatchArgs).
+    """
+
 def encode_gemm(compute_pass: ComputePass, weights: tuple[Buffer, Buffer, Buffer], x: Buffer, y: Buffer, m: int, n: int, k: int, bits: int = 4, add: bool = False, bf16_y: bool = False, x_scale: Buffer | None = None, x_shift: int = 0, tensor: bool = False, lda: int = 0, ldy: int = 0, x_at: int = 0, y_at: int = 0, disjoint: int = 0, label: str = '') -> None:
     """
     A dense prefill GEMM as the prefill chunk encodes it (csrc/runtime/families/gemm.h): y[m, n] (=|+=)
