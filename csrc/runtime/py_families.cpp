@@ -17,6 +17,7 @@
 #include <nanobind/stl/tuple.h>
 
 #include "runtime/decode.h"
+#include "runtime/families/attention.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gdn_prefill.h"
@@ -370,6 +371,54 @@ void bind_families(nb::module_& m) {
       "the counts uint32 [rows] (read and updated whole), the position (uint32 at position_at), the token\n"
       "written at token_at, the log-probabilities and alternatives' ids (`_bytes` from their `_at`; 0: the\n"
       "rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).");
+
+  // ---- metal/attention.metal (decode)
+  m.def(
+      "encode_attn_decode_fused",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& qg, gpu::Buffer& k,
+         gpu::Buffer& v, gpu::Buffer& q_norm, gpu::Buffer& k_norm, gpu::Buffer& positions, gpu::Buffer& k_cache,
+         gpu::Buffer& v_cache, uint32_t position, gpu::Buffer* out, gpu::Buffer* ml, gpu::Buffer* acc,
+         uint32_t extra_blocks, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnFusedArgs>(args, "AttnFusedArgs");
+        const bool split = a.block_rows != 0;
+        if (split ? !(ml && acc) : !out)
+          throw std::invalid_argument(split ? "encode_attn_decode_fused: the split kernel writes ml and acc"
+                                            : "encode_attn_decode_fused: the direct kernel writes out");
+        const uint32_t g = a.num_kv_heads ? attn_heads_per_group(a.num_q_heads / a.num_kv_heads) : 0;
+        if (!g) throw std::invalid_argument("encode_attn_decode_fused: no kernel for these heads");
+        const std::string name =
+            kernel_name(split ? "attn_decode_split_fused" : "attn_decode_fused", {{'d', head_dim}, {'g', g}});
+        const TensorRef qn = whole(q_norm), kn = whole(k_norm);
+        AttnStepBuffers io{qg, k, v, qn, kn, positions, k_cache, v_cache};
+        io.out = out, io.ml = ml, io.acc = acc;
+        encode_attn_decode_fused(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a,
+                                 head_dim, g, position, extra_blocks);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "positions"_a,
+      "k_cache"_a, "v_cache"_a, "position"_a, "out"_a.none() = nb::none(), "ml"_a.none() = nb::none(),
+      "acc"_a.none() = nb::none(), "extra_blocks"_a = 0, "label"_a = "",
+      "The fused decode attention step as the decode step encodes it (csrc/runtime/families/attention.h):\n"
+      "`args` the bytes of AttnFusedArgs (lily.lab.device.pack_args); q|gate qg [Hq, 2 head_dim], k and v\n"
+      "[Hkv, head_dim] fp32, the bf16 q/k norms [head_dim], the position (uint32, the row appended) and the\n"
+      "bf16 caches [Hkv, capacity, head_dim]. block_rows 0: attn_decode_fused_d<D>_g<G> into out\n"
+      "[Hq, head_dim]; else attn_decode_split_fused over ceil((position + 1) / block_rows) blocks (plus\n"
+      "extra_blocks surplus ones) into the partials ml [Hq, max_blocks, 2] and acc [Hq, max_blocks, D].");
+  m.def(
+      "encode_attn_combine",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& ml, gpu::Buffer& acc,
+         gpu::Buffer& gate, gpu::Buffer& positions, gpu::Buffer& out, size_t gate_at,
+         const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnCombineArgs>(args, "AttnCombineArgs");
+        const std::string name = kernel_name("attn_combine", {{'d', head_dim}});
+        AttnCombineBuffers io{ml, acc, gate, positions, out};
+        io.gate_at = gate_at;
+        encode_attn_combine(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a, head_dim);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "ml"_a, "acc"_a, "gate"_a, "positions"_a, "out"_a,
+      "gate_at"_a = 0, "label"_a = "",
+      "attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`\n"
+      "the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at\n"
+      "float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.");
 
   // ---- metal/gdn.metal
   m.def(

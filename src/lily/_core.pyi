@@ -834,6 +834,23 @@ def encode_sample_token(compute_pass: ComputePass, args: bytes, logits: Buffer, 
     rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).
     """
 
+def encode_attn_decode_fused(compute_pass: ComputePass, args: bytes, head_dim: int, qg: Buffer, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, positions: Buffer, k_cache: Buffer, v_cache: Buffer, position: int, out: Buffer | None = None, ml: Buffer | None = None, acc: Buffer | None = None, extra_blocks: int = 0, label: str = '') -> None:
+    """
+    The fused decode attention step as the decode step encodes it (csrc/runtime/families/attention.h):
+    `args` the bytes of AttnFusedArgs (lily.lab.device.pack_args); q|gate qg [Hq, 2 head_dim], k and v
+    [Hkv, head_dim] fp32, the bf16 q/k norms [head_dim], the position (uint32, the row appended) and the
+    bf16 caches [Hkv, capacity, head_dim]. block_rows 0: attn_decode_fused_d<D>_g<G> into out
+    [Hq, head_dim]; else attn_decode_split_fused over ceil((position + 1) / block_rows) blocks (plus
+    extra_blocks surplus ones) into the partials ml [Hq, max_blocks, 2] and acc [Hq, max_blocks, D].
+    """
+
+def encode_attn_combine(compute_pass: ComputePass, args: bytes, head_dim: int, ml: Buffer, acc: Buffer, gate: Buffer, positions: Buffer, out: Buffer, gate_at: int = 0, label: str = '') -> None:
+    """
+    attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`
+    the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at
+    float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.
+    """
+
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
     """
     gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =
