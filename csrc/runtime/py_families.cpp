@@ -24,6 +24,7 @@
 #include "runtime/families/gemm.h"
 #include "runtime/families/gemv.h"
 #include "runtime/families/moe.h"
+#include "runtime/families/moe_prefill.h"
 #include "runtime/families/norm.h"
 #include "runtime/families/sample.h"
 #include "runtime/kernel_names.h"
@@ -325,6 +326,50 @@ void bind_families(nb::module_& m) {
       "h[m, n] = bfloat(g * silu(x Wg^T) * (x Wu^T)), gate and up 4-bit (weight, scales, biases) [n, k], x "
       "and\n"
       "h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.");
+
+  // ---- metal/moe_prefill.metal, moe_prefill_tensor.metal (the grouped expert GEMMs)
+  m.def(
+      "moe_geometry",
+      [](uint32_t T, bool tensor) {
+        const MoeGeometry g = moe_geometry(T, tensor);
+        return nb::make_tuple(g.gate_up_threads, g.gate_up_bn, g.down_threads, g.down_bn);
+      },
+      "tile_rows"_a, "tensor"_a,
+      "(gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the\n"
+      "grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill\n"
+      "plan picks them (csrc/runtime/families/moe_prefill.h).");
+  m.def(
+      "encode_moe_gemm",
+      [](gpu::ComputePass& pass, const std::string& kernel, const nb::tuple& weights, gpu::Buffer& x,
+         gpu::Buffer& perm, gpu::Buffer& tiles, gpu::Buffer& tile_count, gpu::Buffer& y, const nb::bytes& args,
+         uint32_t tile_entries, size_t tiles_at, size_t count_at, uint32_t disjoint, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeGemmArgs>(args, "MoeGemmArgs");
+        const bool gate_up = kernel.rfind("moe_gemm_gate_up", 0) == 0;
+        if (!gate_up && kernel.rfind("moe_gemm_down", 0) != 0)
+          throw std::invalid_argument("encode_moe_gemm: " + kernel + " is not a grouped expert GEMM");
+        const char* what = gate_up ? "encode_moe_gemm: gate/up weights = (gate, up)"
+                                   : "encode_moe_gemm: down weights = (down,)";
+        if (weights.size() != (gate_up ? 2u : 1u)) throw std::invalid_argument(what);
+        uint32_t T = 0;
+        for (const KernelParam& p : kernel_params(kernel))
+          if (p.key == 't') T = p.value;
+        const bool tensor = kernel.size() > 7 && kernel.compare(kernel.size() - 7, 7, "_tensor") == 0;
+        TensorRef refs[6];
+        const QuantLinear gate = quant(weights[0], 4, refs, what);
+        std::optional<QuantLinear> up;
+        if (gate_up) up.emplace(quant(weights[1], 4, refs + 3, what));
+        MoeGemmBuffers io{x, perm, tiles, tile_count, y};
+        io.tiles_at = tiles_at, io.count_at = count_at;
+        encode_moe_gemm(pass, pass.device().pipeline(kernel), label.empty() ? kernel : label,
+                        moe_geometry(T, tensor), gate, up ? &*up : nullptr, io, a, tile_entries, disjoint);
+      },
+      "compute_pass"_a, "kernel"_a, "weights"_a, "x"_a, "perm"_a, "tiles"_a, "tile_count"_a, "y"_a, "args"_a,
+      "tile_entries"_a, "tiles_at"_a = 0, "count_at"_a = 0, "disjoint"_a = 0, "label"_a = "",
+      "A grouped expert GEMM as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): `kernel`\n"
+      "moe_gemm_gate_up_q4_t<T>[_tensor] (weights = (gate, up)) or moe_gemm_down_q4_t<T>[_tensor] (weights =\n"
+      "(down,)), each stacked 4-bit (weight, scales, biases); `args` the bytes of MoeGemmArgs; x bfloat rows\n"
+      "of lda, perm uint32 [m * top_k], tile_entries MoeTile entries of `tiles` from byte tiles_at and their\n"
+      "count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).");
 
   // ---- metal/sample.metal
   m.def(

@@ -816,6 +816,22 @@ def encode_gemm_swiglu(compute_pass: ComputePass, gate: tuple[Buffer, Buffer, Bu
     h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.
     """
 
+def moe_geometry(tile_rows: int, tensor: bool) -> tuple:
+    """
+    (gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the
+    grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill
+    plan picks them (csrc/runtime/families/moe_prefill.h).
+    """
+
+def encode_moe_gemm(compute_pass: ComputePass, kernel: str, weights: tuple, x: Buffer, perm: Buffer, tiles: Buffer, tile_count: Buffer, y: Buffer, args: bytes, tile_entries: int, tiles_at: int = 0, count_at: int = 0, disjoint: int = 0, label: str = '') -> None:
+    """
+    A grouped expert GEMM as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): `kernel`
+    moe_gemm_gate_up_q4_t<T>[_tensor] (weights = (gate, up)) or moe_gemm_down_q4_t<T>[_tensor] (weights =
+    (down,)), each stacked 4-bit (weight, scales, biases); `args` the bytes of MoeGemmArgs; x bfloat rows
+    of lda, perm uint32 [m * top_k], tile_entries MoeTile entries of `tiles` from byte tiles_at and their
+    count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).
+    """
+
 def encode_argmax(compute_pass: ComputePass, logits: Buffer, partials: Buffer, token: Buffer, vocab: int, slice: int = 4096, bias: Buffer | None = None, rows: int = 0, combine_threads: int = 0, token_at: int = 0) -> None:
     """
     The decode step's greedy argmax (csrc/runtime/families/sample.h): argmax_partial (argmax_partial_bias
