@@ -10,11 +10,12 @@
 #include <cstring>
 #include <stdexcept>
 
-#include "runtime/cost.h"
 #include "runtime/encoder.h"
+#include "runtime/families/attention.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gemv.h"
+#include "runtime/families/moe.h"
 #include "runtime/families/sample.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
@@ -22,14 +23,6 @@
 namespace lily::runtime {
 
 namespace args = lily::kernels;
-
-namespace {
-
-constexpr uint32_t kGemvRowsPerGroup =
-    args::kGemvRowsPerSimdgroup * DecodePlan::kGemvThreads / 32 / args::kGemvSplitK;
-constexpr uint32_t kGateUpRowsPerGroup = args::kGateUpRowsPerSimdgroup * DecodePlan::kGemvThreads / 32;
-
-}  // namespace
 
 DecodePlan::DecodePlan(const ModelDims& dims, const RuntimeOptions& options)
     : d_(dims), opt_(options), labels_(dims.num_hidden_layers) {
@@ -180,11 +173,8 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
   const size_t f = sizeof(float);
   const uint32_t H = d.hidden_size;
   const size_t u32 = sizeof(uint32_t);
-  auto tg = [](uint32_t x, uint32_t y = 1) { return gpu::Size3{x, y, 1}; };
   // floats between two rows of a scratch buffer
   auto stride = [&](const gpu::BufferPtr& b) { return uint32_t(s.row_bytes(b) / f); };
-  // bytes from a scratch buffer's first row to the end of the last row's `bytes`
-  auto span = [&](const gpu::BufferPtr& b, size_t bytes) { return s.at(b, n - 1) + bytes; };
   // h += W x for each row (gemv_q*_add, with `gated` gemv_gated_q*_add; with several rows
   // their batched form, `ss` floats between two rows' sums of squares)
   auto gemv_add = [&](const ByBits& kernels, const ByBits* batch, const gpu::BufferPtr& x, uint32_t cols,
@@ -279,9 +269,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
       // One threadgroup per G = 8 query heads (each KV row read once); from split_threshold on
       // the rows are cut into blocks (split_rows) so ~kDecodeTargetGroups threadgroups share them.
       // each row's attention, then (split rows) each row's combine: the rows share a stage
-      const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
       const uint32_t G = attn_heads_, max_blocks = s.max_blocks;
-      const size_t ml_bytes = s.row_bytes(s.part_ml), acc_bytes = s.row_bytes(s.part_acc);
       auto block_of = [&](uint32_t position) {
         return uses_split_attention(position) ? split_rows(position + 1) : 0;
       };
@@ -290,7 +278,6 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
         const uint32_t position = rows[r].position;
         const bool split = uses_split_attention(position);
         const uint32_t block = block_of(position);
-        const uint32_t nblocks = split ? ceil_div(position + 1, block) : 1;
         const args::AttnFusedArgs af{Hq,
                                      Hkv,
                                      d.rotary_dim,
@@ -300,46 +287,28 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
                                      float(1.0 / std::sqrt(double(D))),
                                      block,
                                      max_blocks};
-        Op op(split ? *K.attn_split : *K.attn, split ? labels_(l, "qk prep + kv append + attention split")
-                                                     : labels_(l, "qk prep + kv append + attention"));
-        op.groups(tg(Hq / G, nblocks), tg(args::kAttnDecodeThreads))
-            .in(0, *s.qg, s.at(s.qg, r), size_t(Hq) * D * 2 * f)
-            .in(1, *s.k, s.at(s.k, r), size_t(Hkv) * D * f)
-            .in(2, *s.v, s.at(s.v, r), size_t(Hkv) * D * f)
-            .in(3, *a.q_norm, &t.weight_bytes)
-            .in(4, *a.k_norm, &t.weight_bytes)
-            .in(5, *seq.positions, rows[r].slot * u32, u32)
-            .bind(6, *seq.k_cache[l])
-            .bind(7, *seq.v_cache[l]);
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh) {
-          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()}) {
-            if (position) op.read(*cache, kvh * head_rows, size_t(position) * row);
-            op.write(*cache, kvh * head_rows + size_t(position) * row, row);
-          }
-        }
-        t.kv_bytes += 2 * size_t(Hkv) * (size_t(position) + 1) * row;
-        if (!split) {
-          op.out(8, *s.attn, s.at(s.attn, r), size_t(Hq) * D * f).args(9, af).run(pass);
-        } else {
-          op.out(8, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
-              .out(9, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
-              .args(10, af)
-              .run(pass);
-          t.other_bytes += 2 * size_t(Hq) * nblocks * (D + 2) * f;  // partials written, then read
-        }
+        AttnStepBuffers io{*s.qg,          *s.k,           *s.v,           *a.q_norm,
+                           *a.k_norm,      *seq.positions, *seq.k_cache[l], *seq.v_cache[l]};
+        io.qg_at = s.at(s.qg, r), io.k_at = s.at(s.k, r), io.v_at = s.at(s.v, r);
+        io.position_at = rows[r].slot * u32;
+        io.out = s.attn.get(), io.out_at = s.at(s.attn, r);
+        io.ml = s.part_ml.get(), io.ml_at = s.at(s.part_ml, r);
+        io.acc = s.part_acc.get(), io.acc_at = s.at(s.part_acc, r);
+        encode_attn_decode_fused(pass, split ? *K.attn_split : *K.attn,
+                                 split ? labels_(l, "qk prep + kv append + attention split")
+                                       : labels_(l, "qk prep + kv append + attention"),
+                                 io, af, D, G, position, 0, &t);
       }
       for (uint32_t r = 0; r < n; ++r) {
         const uint32_t block = block_of(rows[r].position);
         if (!block) continue;
-        Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq, D / 32), tg(args::kAttnCombineThreads))  // simdgroups split the blocks of 32 columns
-            .in(0, *s.part_ml, s.at(s.part_ml, r), ml_bytes)
-            .in(1, *s.part_acc, s.at(s.part_acc, r), acc_bytes)
-            .in(2, *s.qg, s.at(s.qg, r) + D * f, (size_t(Hq) * D * 2 - D) * f)
-            .in(3, *rows[r].seq->positions, rows[r].slot * u32, u32)
-            .out(4, *s.attn, s.at(s.attn, r), size_t(Hq) * D * f)
-            .args(5, args::AttnCombineArgs{Hq, 2 * D, block, max_blocks})
-            .run(pass);
+        // the gate straight from the q_proj output: D floats after each head's q
+        AttnCombineBuffers io{*s.part_ml, *s.part_acc, *s.qg, *rows[r].seq->positions, *s.attn};
+        io.ml_at = s.at(s.part_ml, r), io.acc_at = s.at(s.part_acc, r);
+        io.gate_at = s.at(s.qg, r) + D * f;
+        io.position_at = rows[r].slot * u32, io.out_at = s.at(s.attn, r);
+        encode_attn_combine(pass, *K.attn_combine, labels_(l, "attention combine"), io,
+                            args::AttnCombineArgs{Hq, 2 * D, block, max_blocks}, D);
       }
       gemv_add(K.gemv_add, K.gemv_add_batch, s.attn, Hq * D, a.o_proj, labels_(l, "o_proj"));
     }
@@ -351,46 +320,18 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     norm_gemv(*layer.post_attention_norm,
               {{m.gate, s.router, 0, E}, {m.shared_expert_gate, s.router, E * f, 1}}, true, kRouterRows,
               kRouterSplits, labels_(l, "post-attention norm + router|shared gate"));
-    const args::MoeArgs ma{H, I, Is, E, k};
-    // Bytes the selected experts really move (the declared ranges cover whole stacks).
-    const uint64_t expert_q4 = uint64_t(I) * H / 2 + 2 * uint64_t(I) * (H / 64) * 2;
-    const uint64_t shared_q4 = uint64_t(Is) * H / 2 + 2 * uint64_t(Is) * (H / 64) * 2;
     // routing + gate|up, the routing in every simdgroup: one row's, or (batched) the rows' with
-    // each expert of the union of their picks read once
-    const size_t hidden_bytes = s.row_bytes(s.hidden);
-    const args::MoeBatchArgs mb{n, stride(s.xn), stride(s.hidden), stride(s.ids), stride(s.route_w), stride(s.router)};
-    Op gate_up(batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
-               labels_(l, batched ? "route top-k + experts gate|up (union of the rows)" : "route top-k + experts gate|up"));
-    gate_up.groups(tg(ceil_div(std::max(I, Is), kGateUpRowsPerGroup), n * k + 1), tg(kGemvThreads))
-        .in(0, *s.xn, 0, span(s.xn, H * f))
-        .in(1, *s.router, 0, span(s.router, (E + 1) * f))
-        .in(2, m.experts_gate_proj)
-        .in(5, m.experts_up_proj)
-        .in(8, m.shared_gate_proj)
-        .in(11, m.shared_up_proj)
-        .out(14, *s.hidden, 0, span(s.hidden, hidden_bytes))
-        .out(15, *s.ids, 0, span(s.ids, k * u32))
-        .out(16, *s.route_w, 0, span(s.route_w, (k + 1) * f))
-        .args(17, args::MoeRouteArgs{H, I, Is, E, k, d.norm_topk_prob ? 1u : 0u});
-    if (batched) gate_up.args(18, mb);
-    gate_up.run(pass);
-    // the routed experts' bytes depend on the routing: for several rows the union expected with
-    // uniform routing (cost.h expected_experts), each expert read once
-    const uint64_t routed = batched ? uint64_t(std::llround(expected_experts(n, k, E) * double(expert_q4))) : k * expert_q4;
-    t.weight_bytes += 2 * (routed + shared_q4);
-    // the down projections: the row's, or (batched) the n rows' over the same union
-    Op down(batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"));
-    down.groups(tg(ceil_div(H, kGemvRowsPerGroup)), tg(kGemvThreads))
-        .in(0, *s.hidden, 0, span(s.hidden, hidden_bytes))
-        .in(1, *s.ids, 0, span(s.ids, k * u32))
-        .in(2, *s.route_w, 0, span(s.route_w, (k + 1) * f))
-        .in(3, m.experts_down_proj)
-        .in(6, m.shared_down_proj)
-        .inout(9, *s.h, 0, span(s.h, H * f))
-        .args(10, ma);
-    if (batched) down.args(11, mb);
-    down.run(pass);
-    t.weight_bytes += routed + shared_q4;
+    // each expert of the union of their picks read once; then the down projections over it
+    const MoeShape shape{H, I, Is, E, k, d.norm_topk_prob};
+    const MoeBuffers io{*s.xn, *s.router, *s.hidden, *s.ids, *s.route_w, *s.h};
+    const args::MoeBatchArgs mb{n,           stride(s.xn),      stride(s.hidden),
+                                stride(s.ids), stride(s.route_w), stride(s.router)};
+    encode_moe_route_gate_up(pass, batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
+                             labels_(l, batched ? "route top-k + experts gate|up (union of the rows)"
+                                                : "route top-k + experts gate|up"),
+                             m, io, shape, mb, batched, kGemvThreads, &t);
+    encode_moe_down(pass, batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"), m,
+                    io, shape, mb, batched, kGemvThreads, &t);
   }
 
   if (!batched) {

@@ -13,6 +13,7 @@
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn_prefill.h"
 #include "runtime/families/gemm.h"
+#include "runtime/families/moe_prefill.h"
 #include "runtime/families/norm.h"
 #include "runtime/kernel_args.h"
 #include "runtime/runtime.h"
@@ -23,24 +24,6 @@ namespace args = lily::kernels;
 
 namespace {
 
-// Grouped expert GEMMs: threads and output columns per threadgroup of gate/up and of down for
-// tile height T. simdgroup_matrix path (moe_prefill.metal): T = 16 and 32 64 columns of 64 /
-// 128 threads; T = 64 gate/up 64 x 32 blocks, so that its two staged fp32 result blocks fit
-// 32 KiB of threadgroup memory, down 64 x 64. Tensor-op path (moe_prefill_tensor.metal): 32
-// columns of gate and of up, 64 of down, on 64 (T = 16), 128 or 256 (T = 128, this path
-// only) threads: one 9 KiB weight tile at every T.
-struct MoeGeometry {
-  uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
-};
-MoeGeometry moe_geometry(uint32_t T, bool tensor) {
-  if (tensor) {
-    const uint32_t threads = T == 128 ? 256 : T == 16 ? 64 : 128;
-    return {threads, 32, threads, 64};
-  }
-  if (T == 64) return {128, 32, 128, 64};
-  const uint32_t threads = T == 32 ? 128 : 64;
-  return {threads, 64, threads, 64};
-}
 // Rows per active expert from which the tensor-op path takes 128-row expert tiles
 // (moe_tile_rows; chosen from lily estimate, docs/performance.md).
 constexpr double kTile128Rows = 64.0;
@@ -276,14 +259,6 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
   const uint32_t H = d.hidden_size, E = d.num_experts, k = d.num_experts_per_tok;
   auto tg = [](uint32_t x, uint32_t y = 1, uint32_t z = 1) { return gpu::Size3{x, y, z}; };
   const GemmBlock gb = gemm_block(families_ & kGemmFamily);
-  // A routed-expert stack is declared whole (the experts are only known on the GPU); the
-  // traffic counts the experts the chunk can reach, min(E, M*k) of them.
-  auto expert_stack = [&](Op& op, uint32_t i, const QuantLinear& w) -> Op& {
-    uint64_t stack = 0;
-    op.in(i, w, &stack);
-    t.weight_bytes += stack / E * std::min<uint64_t>(E, uint64_t(M) * k);
-    return op;
-  };
   // y[:, col0 : col0 + n] (=|+=) x[:, :cols] W^T with x, y row strides lda, ldy (elements);
   // x is bfloat (xn, hs, oh, attn); y fp32, or bfloat (bf16_y: the GDN z, the attention's
   // q|gate, k, v; not with add).
@@ -456,31 +431,17 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       for (uint32_t cl = 0; cl < classes; ++cl) {
         const uint32_t Tc = T >> cl, tiles_c = args::moe_class_capacity(M * k, E, T, cl);
         if (!tiles_c) continue;  // too few assignments for a tile of this class
-        const MoeGeometry mg = moe_geometry(Tc, families_ & kMoeFamily);
-        const size_t map_off = args::moe_class_base(M * k, E, T, cl) * tile_bytes;
-        Op op(*(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
-              labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]));
-        op.groups(tg(tiles_c, down ? ceil_div(H, mg.down_bn) : ceil_div(I, mg.gate_up_bn)),
-                  tg(down ? mg.down_threads : mg.gate_up_threads))
-            .in(0, down ? *c.hx : *c.xn, 0, down ? size_t(M) * k * I * bf : size_t(M) * H * bf)
-            .in(1, *c.perm, 0, size_t(M) * k * u32)
-            .in(2, *c.tiles, map_off, tiles_c * tile_bytes).in(3, *c.tile_count, cl * u32, u32);
-        uint64_t uncounted = 0;
-        auto stack = [&](uint32_t i, const QuantLinear& w) {
-          if (cl == 0) expert_stack(op, i, w);
-          else op.in(i, w, &uncounted);
-        };
-        if (down) {
-          stack(4, m.experts_down_proj);
-          op.out_disjoint(7, *c.yx, 0, size_t(M) * k * H * bf, kTileClassWrites)
-              .args(8, args::MoeGemmArgs{H, I, M, k, E, I, H, T});
-        } else {
-          stack(4, m.experts_gate_proj);
-          stack(7, m.experts_up_proj);
-          op.out_disjoint(10, *c.hx, 0, size_t(M) * k * I * bf, kTileClassWrites)
-              .args(11, args::MoeGemmArgs{I, H, M, k, E, H, I, T});
-        }
-        op.run(pass);
+        const MoeGemmBuffers io{down ? *c.hx : *c.xn, *c.perm, *c.tiles, *c.tile_count, down ? *c.yx : *c.hx,
+                                args::moe_class_base(M * k, E, T, cl) * tile_bytes, cl * u32};
+        const args::MoeGemmArgs ga = down ? args::MoeGemmArgs{H, I, M, k, E, I, H, T}
+                                          : args::MoeGemmArgs{I, H, M, k, E, H, I, T};
+        // a routed-expert stack is declared whole (the experts are only known on the GPU); the
+        // traffic counts the experts the chunk can reach, once per projection (class 0)
+        encode_moe_gemm(pass, *(down ? K.experts_down : K.experts_gate_up)[tile_index(Tc)],
+                        labels_(l, (down ? kDownLabel : kGateUpLabel)[cl]),
+                        moe_geometry(Tc, families_ & kMoeFamily),
+                        down ? m.experts_down_proj : m.experts_gate_proj, down ? nullptr : &m.experts_up_proj, io,
+                        ga, tiles_c, kTileClassWrites, cl == 0 ? &t.weight_bytes : nullptr);
       }
     };
     experts(false);

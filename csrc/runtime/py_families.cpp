@@ -8,6 +8,7 @@
 #include <array>
 #include <cstring>
 #include <deque>
+#include <initializer_list>
 
 #include <optional>
 
@@ -16,11 +17,14 @@
 #include <nanobind/stl/tuple.h>
 
 #include "runtime/decode.h"
+#include "runtime/families/attention.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gdn_prefill.h"
 #include "runtime/families/gemm.h"
 #include "runtime/families/gemv.h"
+#include "runtime/families/moe.h"
+#include "runtime/families/moe_prefill.h"
 #include "runtime/families/norm.h"
 #include "runtime/families/sample.h"
 #include "runtime/kernel_names.h"
@@ -203,6 +207,80 @@ void bind_families(nb::module_& m) {
       "token_at) embed_norm_gemv_q4, x the token's embedding row (written). extra_groups: surplus\n"
       "threadgroups (they exit).");
 
+  // ---- metal/moe.metal (decode)
+  // The switch_mlp and shared-expert tensors of the MoE block: `names` of MoeBlock's members
+  // set from the tuple `w` of (weight, scales, biases) weights (refs: their storage).
+  auto moe_block = [](const nb::tuple& w, std::initializer_list<QuantLinear MoeBlock::*> names, TensorRef* refs,
+                      const char* what) {
+    if (w.size() != names.size())
+      throw std::invalid_argument(std::string(what) + ": " + std::to_string(names.size()) +
+                                  " weights expected");
+    MoeBlock m;
+    size_t i = 0;
+    for (QuantLinear MoeBlock::*name : names) m.*name = quant(w[i], 4, refs + 3 * i, what), ++i;
+    return m;
+  };
+  m.def(
+      "encode_moe_route_gate_up",
+      [moe_block](gpu::ComputePass& pass, const nb::tuple& weights, gpu::Buffer& xn, gpu::Buffer& logits,
+                  gpu::Buffer& h, gpu::Buffer& ids, gpu::Buffer& route_w, uint32_t hidden, uint32_t inter,
+                  uint32_t inter_shared, uint32_t experts, uint32_t top_k, bool norm_topk, uint32_t threads,
+                  uint32_t batch_rows, uint32_t x_stride, uint32_t logits_stride, uint32_t h_stride,
+                  uint32_t ids_stride, uint32_t w_stride, const std::string& label) {
+        TensorRef refs[12];
+        const MoeBlock w = moe_block(weights,
+                                     {&MoeBlock::experts_gate_proj, &MoeBlock::experts_up_proj,
+                                      &MoeBlock::shared_gate_proj, &MoeBlock::shared_up_proj},
+                                     refs,
+                                     "encode_moe_route_gate_up: weights = (gate, up, shared gate, shared up)");
+        const std::string name =
+            batch_rows ? kernel_name("moe_route_gate_up_batch", {{'q', 4}, {'b', batch_size(batch_rows)}})
+                       : "moe_route_gate_up_swiglu_q4";
+        encode_moe_route_gate_up(
+            pass, pass.device().pipeline(name), label.empty() ? name : label, w,
+            MoeBuffers{xn, logits, h, ids, route_w, xn},
+            MoeShape{hidden, inter, inter_shared, experts, top_k, norm_topk},
+            lily::kernels::MoeBatchArgs{batch_rows, x_stride, h_stride, ids_stride, w_stride, logits_stride},
+            batch_rows != 0, threads);
+      },
+      "compute_pass"_a, "weights"_a, "xn"_a, "logits"_a, "h"_a, "ids"_a, "route_w"_a, "hidden"_a, "inter"_a,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "norm_topk"_a = true, "threads"_a = DecodePlan::kGemvThreads,
+      "batch_rows"_a = 0, "x_stride"_a = 0, "logits_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0,
+      "w_stride"_a = 0, "label"_a = "",
+      "moe_route_gate_up_swiglu_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights =\n"
+      "(gate, up, shared gate, shared up), each 4-bit (weight, scales, biases), the routed ones stacked\n"
+      "[experts, inter, hidden]; the routing of xn [hidden] by logits [experts + 1] (the last the shared\n"
+      "gate's), then h [top_k * inter + inter_shared], ids uint32 [top_k] and route_w [top_k + 1] out.\n"
+      "With batch_rows moe_route_gate_up_batch_q4_b<batch_size(batch_rows)> over that many rows, row r of\n"
+      "each buffer r times its stride (floats, uints) further (MoeBatchArgs).");
+  m.def(
+      "encode_moe_down",
+      [moe_block](gpu::ComputePass& pass, const nb::tuple& weights, gpu::Buffer& h, gpu::Buffer& ids,
+                  gpu::Buffer& route_w, gpu::Buffer& residual, uint32_t hidden, uint32_t inter,
+                  uint32_t inter_shared, uint32_t experts, uint32_t top_k, uint32_t threads,
+                  uint32_t batch_rows, uint32_t x_stride, uint32_t h_stride, uint32_t ids_stride,
+                  uint32_t w_stride, const std::string& label) {
+        TensorRef refs[6];
+        const MoeBlock w = moe_block(weights, {&MoeBlock::experts_down_proj, &MoeBlock::shared_down_proj}, refs,
+                                     "encode_moe_down: weights = (down, shared down)");
+        const std::string name = batch_rows
+                                     ? kernel_name("moe_down_batch", {{'q', 4}, {'b', batch_size(batch_rows)}})
+                                     : "moe_down_q4";
+        encode_moe_down(pass, pass.device().pipeline(name), label.empty() ? name : label, w,
+                        MoeBuffers{residual, h, h, ids, route_w, residual},
+                        MoeShape{hidden, inter, inter_shared, experts, top_k},
+                        lily::kernels::MoeBatchArgs{batch_rows, x_stride, h_stride, ids_stride, w_stride, 0},
+                        batch_rows != 0, threads);
+      },
+      "compute_pass"_a, "weights"_a, "h"_a, "ids"_a, "route_w"_a, "residual"_a, "hidden"_a, "inter"_a,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "threads"_a = DecodePlan::kGemvThreads, "batch_rows"_a = 0,
+      "x_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0, "w_stride"_a = 0, "label"_a = "",
+      "moe_down_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights = (down, shared\n"
+      "down), 4-bit (weight, scales, biases), the routed ones stacked [experts, hidden, inter]; residual\n"
+      "[hidden] += the route_w-weighted down projections of h [top_k * inter + inter_shared] by the experts\n"
+      "ids uint32 [top_k] and the shared expert. With batch_rows moe_down_batch_q4_b<batch_size(batch_rows)>\n"
+      "over that many rows (x_stride: the residual's; MoeBatchArgs).");
+
   // ---- metal/gemm.metal, gemm_tensor.metal
   m.def(
       "encode_gemm",
@@ -249,6 +327,50 @@ void bind_families(nb::module_& m) {
       "and\n"
       "h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.");
 
+  // ---- metal/moe_prefill.metal, moe_prefill_tensor.metal (the grouped expert GEMMs)
+  m.def(
+      "moe_geometry",
+      [](uint32_t T, bool tensor) {
+        const MoeGeometry g = moe_geometry(T, tensor);
+        return nb::make_tuple(g.gate_up_threads, g.gate_up_bn, g.down_threads, g.down_bn);
+      },
+      "tile_rows"_a, "tensor"_a,
+      "(gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the\n"
+      "grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill\n"
+      "plan picks them (csrc/runtime/families/moe_prefill.h).");
+  m.def(
+      "encode_moe_gemm",
+      [](gpu::ComputePass& pass, const std::string& kernel, const nb::tuple& weights, gpu::Buffer& x,
+         gpu::Buffer& perm, gpu::Buffer& tiles, gpu::Buffer& tile_count, gpu::Buffer& y, const nb::bytes& args,
+         uint32_t tile_entries, size_t tiles_at, size_t count_at, uint32_t disjoint, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeGemmArgs>(args, "MoeGemmArgs");
+        const bool gate_up = kernel.rfind("moe_gemm_gate_up", 0) == 0;
+        if (!gate_up && kernel.rfind("moe_gemm_down", 0) != 0)
+          throw std::invalid_argument("encode_moe_gemm: " + kernel + " is not a grouped expert GEMM");
+        const char* what = gate_up ? "encode_moe_gemm: gate/up weights = (gate, up)"
+                                   : "encode_moe_gemm: down weights = (down,)";
+        if (weights.size() != (gate_up ? 2u : 1u)) throw std::invalid_argument(what);
+        uint32_t T = 0;
+        for (const KernelParam& p : kernel_params(kernel))
+          if (p.key == 't') T = p.value;
+        const bool tensor = kernel.size() > 7 && kernel.compare(kernel.size() - 7, 7, "_tensor") == 0;
+        TensorRef refs[6];
+        const QuantLinear gate = quant(weights[0], 4, refs, what);
+        std::optional<QuantLinear> up;
+        if (gate_up) up.emplace(quant(weights[1], 4, refs + 3, what));
+        MoeGemmBuffers io{x, perm, tiles, tile_count, y};
+        io.tiles_at = tiles_at, io.count_at = count_at;
+        encode_moe_gemm(pass, pass.device().pipeline(kernel), label.empty() ? kernel : label,
+                        moe_geometry(T, tensor), gate, up ? &*up : nullptr, io, a, tile_entries, disjoint);
+      },
+      "compute_pass"_a, "kernel"_a, "weights"_a, "x"_a, "perm"_a, "tiles"_a, "tile_count"_a, "y"_a, "args"_a,
+      "tile_entries"_a, "tiles_at"_a = 0, "count_at"_a = 0, "disjoint"_a = 0, "label"_a = "",
+      "A grouped expert GEMM as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): `kernel`\n"
+      "moe_gemm_gate_up_q4_t<T>[_tensor] (weights = (gate, up)) or moe_gemm_down_q4_t<T>[_tensor] (weights =\n"
+      "(down,)), each stacked 4-bit (weight, scales, biases); `args` the bytes of MoeGemmArgs; x bfloat rows\n"
+      "of lda, perm uint32 [m * top_k], tile_entries MoeTile entries of `tiles` from byte tiles_at and their\n"
+      "count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).");
+
   // ---- metal/sample.metal
   m.def(
       "encode_argmax",
@@ -294,6 +416,54 @@ void bind_families(nb::module_& m) {
       "the counts uint32 [rows] (read and updated whole), the position (uint32 at position_at), the token\n"
       "written at token_at, the log-probabilities and alternatives' ids (`_bytes` from their `_at`; 0: the\n"
       "rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).");
+
+  // ---- metal/attention.metal (decode)
+  m.def(
+      "encode_attn_decode_fused",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& qg, gpu::Buffer& k,
+         gpu::Buffer& v, gpu::Buffer& q_norm, gpu::Buffer& k_norm, gpu::Buffer& positions, gpu::Buffer& k_cache,
+         gpu::Buffer& v_cache, uint32_t position, gpu::Buffer* out, gpu::Buffer* ml, gpu::Buffer* acc,
+         uint32_t extra_blocks, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnFusedArgs>(args, "AttnFusedArgs");
+        const bool split = a.block_rows != 0;
+        if (split ? !(ml && acc) : !out)
+          throw std::invalid_argument(split ? "encode_attn_decode_fused: the split kernel writes ml and acc"
+                                            : "encode_attn_decode_fused: the direct kernel writes out");
+        const uint32_t g = a.num_kv_heads ? attn_heads_per_group(a.num_q_heads / a.num_kv_heads) : 0;
+        if (!g) throw std::invalid_argument("encode_attn_decode_fused: no kernel for these heads");
+        const std::string name =
+            kernel_name(split ? "attn_decode_split_fused" : "attn_decode_fused", {{'d', head_dim}, {'g', g}});
+        const TensorRef qn = whole(q_norm), kn = whole(k_norm);
+        AttnStepBuffers io{qg, k, v, qn, kn, positions, k_cache, v_cache};
+        io.out = out, io.ml = ml, io.acc = acc;
+        encode_attn_decode_fused(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a,
+                                 head_dim, g, position, extra_blocks);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "positions"_a,
+      "k_cache"_a, "v_cache"_a, "position"_a, "out"_a.none() = nb::none(), "ml"_a.none() = nb::none(),
+      "acc"_a.none() = nb::none(), "extra_blocks"_a = 0, "label"_a = "",
+      "The fused decode attention step as the decode step encodes it (csrc/runtime/families/attention.h):\n"
+      "`args` the bytes of AttnFusedArgs (lily.lab.device.pack_args); q|gate qg [Hq, 2 head_dim], k and v\n"
+      "[Hkv, head_dim] fp32, the bf16 q/k norms [head_dim], the position (uint32, the row appended) and the\n"
+      "bf16 caches [Hkv, capacity, head_dim]. block_rows 0: attn_decode_fused_d<D>_g<G> into out\n"
+      "[Hq, head_dim]; else attn_decode_split_fused over ceil((position + 1) / block_rows) blocks (plus\n"
+      "extra_blocks surplus ones) into the partials ml [Hq, max_blocks, 2] and acc [Hq, max_blocks, D].");
+  m.def(
+      "encode_attn_combine",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& ml, gpu::Buffer& acc,
+         gpu::Buffer& gate, gpu::Buffer& positions, gpu::Buffer& out, size_t gate_at,
+         const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnCombineArgs>(args, "AttnCombineArgs");
+        const std::string name = kernel_name("attn_combine", {{'d', head_dim}});
+        AttnCombineBuffers io{ml, acc, gate, positions, out};
+        io.gate_at = gate_at;
+        encode_attn_combine(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a, head_dim);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "ml"_a, "acc"_a, "gate"_a, "positions"_a, "out"_a,
+      "gate_at"_a = 0, "label"_a = "",
+      "attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`\n"
+      "the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at\n"
+      "float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.");
 
   // ---- metal/gdn.metal
   m.def(

@@ -781,6 +781,25 @@ def encode_norm_gemv(compute_pass: ComputePass, x: Buffer, norm: Buffer, xn: Buf
     threadgroups (they exit).
     """
 
+def encode_moe_route_gate_up(compute_pass: ComputePass, weights: tuple, xn: Buffer, logits: Buffer, h: Buffer, ids: Buffer, route_w: Buffer, hidden: int, inter: int, inter_shared: int, experts: int, top_k: int, norm_topk: bool = True, threads: int = 64, batch_rows: int = 0, x_stride: int = 0, logits_stride: int = 0, h_stride: int = 0, ids_stride: int = 0, w_stride: int = 0, label: str = '') -> None:
+    """
+    moe_route_gate_up_swiglu_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights =
+    (gate, up, shared gate, shared up), each 4-bit (weight, scales, biases), the routed ones stacked
+    [experts, inter, hidden]; the routing of xn [hidden] by logits [experts + 1] (the last the shared
+    gate's), then h [top_k * inter + inter_shared], ids uint32 [top_k] and route_w [top_k + 1] out.
+    With batch_rows moe_route_gate_up_batch_q4_b<batch_size(batch_rows)> over that many rows, row r of
+    each buffer r times its stride (floats, uints) further (MoeBatchArgs).
+    """
+
+def encode_moe_down(compute_pass: ComputePass, weights: tuple, h: Buffer, ids: Buffer, route_w: Buffer, residual: Buffer, hidden: int, inter: int, inter_shared: int, experts: int, top_k: int, threads: int = 64, batch_rows: int = 0, x_stride: int = 0, h_stride: int = 0, ids_stride: int = 0, w_stride: int = 0, label: str = '') -> None:
+    """
+    moe_down_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights = (down, shared
+    down), 4-bit (weight, scales, biases), the routed ones stacked [experts, hidden, inter]; residual
+    [hidden] += the route_w-weighted down projections of h [top_k * inter + inter_shared] by the experts
+    ids uint32 [top_k] and the shared expert. With batch_rows moe_down_batch_q4_b<batch_size(batch_rows)>
+    over that many rows (x_stride: the residual's; MoeBatchArgs).
+    """
+
 def encode_gemm(compute_pass: ComputePass, weights: tuple[Buffer, Buffer, Buffer], x: Buffer, y: Buffer, m: int, n: int, k: int, bits: int = 4, add: bool = False, bf16_y: bool = False, x_scale: Buffer | None = None, x_shift: int = 0, tensor: bool = False, lda: int = 0, ldy: int = 0, x_at: int = 0, y_at: int = 0, disjoint: int = 0, label: str = '') -> None:
     """
     A dense prefill GEMM as the prefill chunk encodes it (csrc/runtime/families/gemm.h): y[m, n] (=|+=)
@@ -795,6 +814,22 @@ def encode_gemm_swiglu(compute_pass: ComputePass, gate: tuple[Buffer, Buffer, Bu
     gemm_swiglu_q4 (_tensor with `tensor`) as the prefill chunk encodes it (csrc/runtime/families/gemm.h):
     h[m, n] = bfloat(g * silu(x Wg^T) * (x Wu^T)), gate and up 4-bit (weight, scales, biases) [n, k], x and
     h bfloat rows of lda / ldy (defaults k, n), g fp32 at byte scale_at of `scale`, row stride ldg.
+    """
+
+def moe_geometry(tile_rows: int, tensor: bool) -> tuple:
+    """
+    (gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the
+    grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill
+    plan picks them (csrc/runtime/families/moe_prefill.h).
+    """
+
+def encode_moe_gemm(compute_pass: ComputePass, kernel: str, weights: tuple, x: Buffer, perm: Buffer, tiles: Buffer, tile_count: Buffer, y: Buffer, args: bytes, tile_entries: int, tiles_at: int = 0, count_at: int = 0, disjoint: int = 0, label: str = '') -> None:
+    """
+    A grouped expert GEMM as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): `kernel`
+    moe_gemm_gate_up_q4_t<T>[_tensor] (weights = (gate, up)) or moe_gemm_down_q4_t<T>[_tensor] (weights =
+    (down,)), each stacked 4-bit (weight, scales, biases); `args` the bytes of MoeGemmArgs; x bfloat rows
+    of lda, perm uint32 [m * top_k], tile_entries MoeTile entries of `tiles` from byte tiles_at and their
+    count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).
     """
 
 def encode_argmax(compute_pass: ComputePass, logits: Buffer, partials: Buffer, token: Buffer, vocab: int, slice: int = 4096, bias: Buffer | None = None, rows: int = 0, combine_threads: int = 0, token_at: int = 0) -> None:
@@ -813,6 +848,23 @@ def encode_sample_token(compute_pass: ComputePass, args: bytes, logits: Buffer, 
     the counts uint32 [rows] (read and updated whole), the position (uint32 at position_at), the token
     written at token_at, the log-probabilities and alternatives' ids (`_bytes` from their `_at`; 0: the
     rest of the buffer) and the bias fp32 [rows] (read when SampleArgs.bias, else the logits are bound).
+    """
+
+def encode_attn_decode_fused(compute_pass: ComputePass, args: bytes, head_dim: int, qg: Buffer, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, positions: Buffer, k_cache: Buffer, v_cache: Buffer, position: int, out: Buffer | None = None, ml: Buffer | None = None, acc: Buffer | None = None, extra_blocks: int = 0, label: str = '') -> None:
+    """
+    The fused decode attention step as the decode step encodes it (csrc/runtime/families/attention.h):
+    `args` the bytes of AttnFusedArgs (lily.lab.device.pack_args); q|gate qg [Hq, 2 head_dim], k and v
+    [Hkv, head_dim] fp32, the bf16 q/k norms [head_dim], the position (uint32, the row appended) and the
+    bf16 caches [Hkv, capacity, head_dim]. block_rows 0: attn_decode_fused_d<D>_g<G> into out
+    [Hq, head_dim]; else attn_decode_split_fused over ceil((position + 1) / block_rows) blocks (plus
+    extra_blocks surplus ones) into the partials ml [Hq, max_blocks, 2] and acc [Hq, max_blocks, D].
+    """
+
+def encode_attn_combine(compute_pass: ComputePass, args: bytes, head_dim: int, ml: Buffer, acc: Buffer, gate: Buffer, positions: Buffer, out: Buffer, gate_at: int = 0, label: str = '') -> None:
+    """
+    attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`
+    the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at
+    float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.
     """
 
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:

@@ -273,6 +273,7 @@ def test_attn_fused_steps_in_one_pass(dev, split):
                                          label=f"step {t}", **kw)))
     cb.commit()
     cb.wait()
+    A.check_surplus()
     stages = [rec["stage"] for rec in cb.dispatch_log]
     # split: a step's split kernel shares the previous combine's stage (the row it reads was
     # appended one stage earlier), its combine waits for it

@@ -87,8 +87,24 @@ from lily.lab.kernels.moe_prefill import route_ref_rows as route_ref  # noqa: E4
 from lily.lab.kernels.gemm import beyond_half, gemm_ref, swiglu_ref  # noqa: E402
 from lily.lab.kernels.moe_prefill import MOE_TILES, make_routing, tile_buffers  # noqa: E402
 from lily.lab.kernels.harness import bf16_activations as bact, bf16_stored, upload_bf16  # noqa: E402
-from lily.lab.kernels.moe_prefill import enc_moe_gemm_down as enc_down, enc_moe_gemm_gate_up as enc_gate_up  # noqa: E402
-from harness import assert_same_arithmetic, assert_within as check, commit, rand_quant, upload_q  # noqa: E402
+from lily.lab.kernels import moe_prefill  # noqa: E402
+from harness import assert_same_arithmetic, assert_within as check, commit, rand_quant, twin_target, upload_q  # noqa: E402
+
+
+def _on_target(enc, kind):
+    """``enc`` (the prefill chunk's builder of a grouped GEMM) on a pass of a plain device or
+    of a harness.TwinDevice (test_moe_prefill_tensor.py), whose twins the builder picks by name."""
+    def run(p, T, *args, kernel=None, **kw):
+        p, tensor = twin_target(p)
+        kernel = kernel or f"moe_gemm_{kind}_q4_t{T}"
+        if tensor and not kernel.endswith("_tensor"):
+            kernel += "_tensor"
+        return enc(p, T, *args, kernel=kernel, **kw)
+    return run
+
+
+enc_gate_up = _on_target(moe_prefill.enc_moe_gemm_gate_up, "gate_up")
+enc_down = _on_target(moe_prefill.enc_moe_gemm_down, "down")
 
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)

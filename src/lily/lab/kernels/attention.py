@@ -1,5 +1,7 @@
 """Decode attention twins (metal/attention.metal): q/k prep, attention over the KV cache
-(direct and split + combine) and the fused step, over :class:`AttnLayer`."""
+(direct and split + combine) and the fused step, over :class:`AttnLayer`; the fused step and
+the combine, which the runtime dispatches, are encoded by the decode step's own builders
+(:meth:`AttnLayer.encode_fused`)."""
 
 from __future__ import annotations
 
@@ -14,11 +16,10 @@ from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import MODEL_CONTEXT, TOY, bf16_bits, check, close_ratio, f32, from_bf16, run
 from lily.reference import rms_norm, rope, round_bf16
 
-# Threads of an attn_decode* / attn_decode_fused* threadgroup and of an attn_combine one (per
-# head and 32 columns) (metal/mixer_args.h).
+# Threads of an attn_decode* threadgroup (metal/mixer_args.h).
 ATTN_TG = _core.CONSTANTS["kAttnDecodeThreads"]
-COMBINE_TG = _core.CONSTANTS["kAttnCombineThreads"]
 THETA = 1e7
+SURPLUS_FILL = 0x7FC0DEAD  # a NaN pattern in the split partials' slots no block may write
 
 
 def attn_cfg(Hq, Hkv, D, rot):
@@ -33,8 +34,10 @@ def heads_per_group(Hq, Hkv):
 
 
 class AttnLayer:
-    """Device KV cache + weights of one attention layer, and host-side encoders that
-    mirror what the runtime does (docs/kernels.md)."""
+    """Device KV cache + weights of one attention layer, and the encoders of its kernels: the
+    runtime's (the fused step and the combine) and, for the unfused kernels the runtime does
+    not dispatch (attn_qk_prep, attn_decode, attn_decode_split), bound dispatches
+    (docs/kernels.md)."""
 
     def __init__(self, dev, Hq, Hkv, D, rot, capacity, seed=0, rng=None):
         self.dev, self.Hq, self.Hkv, self.D, self.rot, self.cap = dev, Hq, Hkv, D, rot, capacity
@@ -49,6 +52,7 @@ class AttnLayer:
         self.POS = upload(dev, np.zeros(1, np.uint32))
         self.G = heads_per_group(Hq, Hkv)
         self.seconds = {}
+        self.partials = []  # (ml, acc, used, max_blocks) of split steps encoded, for check_surplus
 
     def _timed(self, name, fn):
         t = time.perf_counter()
@@ -112,10 +116,7 @@ class AttnLayer:
                    buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, self.POS), (4, ML), (5, ACC)],
                    constants=[(6, args)], reads=[Q, self.KC, self.VC, self.POS], writes=parts,
                    threadgroups=True)
-        p.dispatch(kernel_name("attn_combine", d=D), (Hq, D // 32), COMBINE_TG,
-                   buffers=[(0, ML), (1, ACC), (2, GATE), (3, self.POS), (4, OUT)],
-                   constants=[(5, cargs)], reads=[*parts, GATE, self.POS], writes=[OUT],
-                   threadgroups=True)
+        _core.encode_attn_combine(p, cargs, D, ML, ACC, GATE, self.POS, OUT)
         cb.commit()
         cb.wait()
         self.seconds["attn_decode_split+combine"] = (self.seconds.get("attn_decode_split+combine", 0.0)
@@ -130,45 +131,41 @@ class AttnLayer:
                          capacity=self.cap, norm_eps=1e-6, log2_theta=float(np.log2(THETA)),
                          scale=float(self.D) ** -0.5, block_rows=block_rows, max_blocks=max_blocks)
 
-    def cache_prefix_ranges(self, pos):
-        """Rows [0, pos) of each KV head, in K and V: what the fused kernels read."""
-        row = 2 * self.D
-        if pos == 0:
-            return []
-        return [(C, h * self.cap * row, pos * row) for C in (self.KC, self.VC) for h in range(self.Hkv)]
-
     def encode_fused(self, p, QG, K, V, POS, pos, *, block_rows=None, extra_blocks=0, label=""):
-        """Encodes the fused step at position pos (POS holds it) into pass p, with the
-        declared ranges of docs/kernels.md; returns the output buffer [Hq*D] fp32."""
-        dev, D, G, Hq = self.dev, self.D, self.G, self.Hq
+        """Encodes the fused step at position pos (POS holds it) into pass p with the decode
+        step's own builders (lily._core.encode_attn_decode_fused, encode_attn_combine:
+        csrc/runtime/families/attention.h); returns the output buffer [Hq*D] fp32. Split
+        (``block_rows``): ``extra_blocks`` surplus blocks, whose partial slots are filled with
+        :data:`SURPLUS_FILL` first; :meth:`check_surplus` proves they wrote nothing there."""
+        dev, D, Hq = self.dev, self.D, self.Hq
         OUT = dev.buffer(Hq * D * 4)
-        common = [(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, POS), (6, self.KC), (7, self.VC)]
-        reads = [QG, K, V, self.QN, self.KN, POS, *self.cache_prefix_ranges(pos)]
+        common = (QG, K, V, self.QN, self.KN, POS, self.KC, self.VC, pos)
         if block_rows is None:
-            p.dispatch(kernel_name("attn_decode_fused", d=D, g=G), Hq // G, ATTN_TG,
-                       buffers=common + [(8, OUT)], constants=[(9, self.fused_args())],
-                       reads=reads, writes=[*self.cache_row_ranges(pos), OUT], threadgroups=True,
-                       label=label)
+            _core.encode_attn_decode_fused(p, self.fused_args(), D, *common, out=OUT, label=label)
             return OUT
-        n = pos + 1
-        used = -(-n // block_rows)
-        nblocks = used + extra_blocks
-        max_blocks = nblocks
-        ML, ACC = dev.buffer(Hq * max_blocks * 8), dev.buffer(Hq * max_blocks * D * 4)
-        parts = ([(ML, h * max_blocks * 8, used * 8) for h in range(Hq)]
-                 + [(ACC, h * max_blocks * D * 4, used * D * 4) for h in range(Hq)])
-        p.dispatch(kernel_name("attn_decode_split_fused", d=D, g=G), (Hq // G, nblocks), ATTN_TG,
-                   buffers=common + [(8, ML), (9, ACC)], constants=[(10, self.fused_args(block_rows, max_blocks))],
-                   reads=reads, writes=[*self.cache_row_ranges(pos), *parts], threadgroups=True,
-                   label=label)
+        used = -(-(pos + 1) // block_rows)
+        max_blocks = used + extra_blocks  # the surplus blocks' slots too: they must stay untouched
+        ML, ACC = (upload(dev, np.full(Hq * max_blocks * w, SURPLUS_FILL, np.uint32)) for w in (2, D))
+        if extra_blocks:
+            self.partials.append((ML, ACC, used, max_blocks))
+        _core.encode_attn_decode_fused(p, self.fused_args(block_rows, max_blocks), D, *common, ml=ML, acc=ACC,
+                                       extra_blocks=extra_blocks, label=label)
         # gate straight from the q_proj output: byte offset 4*D, stride 2*D
-        p.dispatch(kernel_name("attn_combine", d=D), (Hq, D // 32), COMBINE_TG,
-                   buffers=[(0, ML), (1, ACC), (2, QG, 4 * D), (3, POS), (4, OUT)],
-                   constants=[(5, pack_args("AttnCombineArgs", num_q_heads=Hq, gate_stride=2 * D, block_rows=block_rows,
-                                                  max_blocks=max_blocks))],
-                   reads=[*parts, (QG, 4 * D, Hq * 2 * D * 4 - 4 * D), POS], writes=[OUT],
-                   threadgroups=True, label=label)
+        _core.encode_attn_combine(p, pack_args("AttnCombineArgs", num_q_heads=Hq, gate_stride=2 * D,
+                                               block_rows=block_rows, max_blocks=max_blocks),
+                                  D, ML, ACC, QG, POS, OUT, gate_at=4 * D, label=label)
         return OUT
+
+    def check_surplus(self):
+        """Raises AssertionError if a surplus block of a split step encoded since the last call
+        wrote its partial slots (the runtime declares all max_blocks slots written, so the
+        hazard checker alone cannot tell)."""
+        for ML, ACC, used, max_blocks in self.partials:
+            for name, B, w in (("ml", ML, 2), ("acc", ACC, self.D)):
+                surplus = download(B, np.uint32).reshape(self.Hq, max_blocks, w)[:, used:]
+                if (surplus != SURPLUS_FILL).any():
+                    raise AssertionError(f"attn_decode_split_fused: a surplus block wrote its {name} slots")
+        self.partials.clear()
 
     def fused(self, qg, k, v, pos, **kw):
         """One fused step at position pos in its own command buffer; fp32 [Hq*D] out."""
@@ -181,6 +178,7 @@ class AttnLayer:
         OUT = self.encode_fused(p, QG, K, V, self.POS, pos, **kw)
         cb.commit()
         cb.wait()
+        self.check_surplus()
         name = "attn_decode_fused" if kw.get("block_rows") is None else "attn_decode_split_fused+combine"
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
         # prep and attention in one stage (the split path: + the combine)

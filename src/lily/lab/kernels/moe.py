@@ -12,7 +12,7 @@ from lily import _core
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import swiglu_bound
 from lily._core import kernel_name, kernel_params
-from lily.lab.kernels.gemv import BATCH_SIZES, TG, _same_bits, batch_size, gemv_grid
+from lily.lab.kernels.gemv import BATCH_SIZES, TG, _same_bits
 from lily.lab.kernels.harness import (
     DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
 )
@@ -127,73 +127,42 @@ def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
                label="moe_gate_up_swiglu_q4")
 
 
+def _dims(W, k):
+    """The builders' MoE sizes of layer ``W`` with top-``k`` routing."""
+    return dict(hidden=W.hidden, inter=W.inter, inter_shared=W.inter_shared, experts=W.E, top_k=k)
+
+
 def enc_down(p, W, bufs, H, ids_buf, wts, R, k):
-    b = bufs
-    p.dispatch("moe_down_q4", gemv_grid(W.hidden), TG,
-               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
-                        (9, R)],
-               constants=[(10, W.args(k))],
-               reads=[(H, 0, 4 * (k * W.inter + W.inter_shared)), ids_buf, (wts, 0, 4 * (k + 1)),
-                      *b["down"], *b["sdown"], R],
-               writes=[R], threadgroups=True, label="moe_down_q4")
+    """Encodes moe_down_q4 (R += the weighted down projections of H) with the decode step's own
+    builder (lily._core.encode_moe_down, csrc/runtime/families/moe.h)."""
+    _core.encode_moe_down(p, (bufs["down"], bufs["sdown"]), H, ids_buf, wts, R, **_dims(W, k))
 
 
 def enc_route_gate_up(p, W, bufs, X, L, H, ids_buf, wts, k, norm_topk=True, tg=TG):
-    """Encodes moe_route_gate_up_swiglu_q4 with its declared ranges (docs/kernels.md)."""
+    """Encodes moe_route_gate_up_swiglu_q4 with the decode step's own builder
+    (lily._core.encode_moe_route_gate_up, csrc/runtime/families/moe.h; docs/kernels.md)."""
     b = bufs
-    rows = max(W.inter, W.inter_shared)
-    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * tg // 32)), k + 1)
-    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
-    p.dispatch("moe_route_gate_up_swiglu_q4", grid, tg,
-               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
-               constants=[(17, pack_args("MoeRouteArgs", hidden=W.hidden, inter=W.inter, inter_shared=W.inter_shared,
-                                          experts=W.E, top_k=k, norm_topk=norm_topk))],
-               reads=[X, (L, 0, 4 * (W.E + 1)), *experts],
-               writes=[(H, 0, 4 * (k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * k), (wts, 0, 4 * (k + 1))],
-               threadgroups=True, label="moe_route_gate_up_swiglu_q4")
-
-
-def moe_batch_args(n, x_stride, h_stride, ids_stride, w_stride, logits_stride=0) -> bytes:
-    """MoeBatchArgs (metal/batch_args.h) of ``n`` rows with these strides (elements)."""
-    return pack_args("MoeBatchArgs", rows=n, x_stride=x_stride, h_stride=h_stride, ids_stride=ids_stride,
-                     w_stride=w_stride, logits_stride=logits_stride)
+    _core.encode_moe_route_gate_up(p, (b["gate"], b["up"], b["sgate"], b["sup"]), X, L, H, ids_buf, wts,
+                                   norm_topk=norm_topk, threads=tg, **_dims(W, k))
 
 
 def enc_route_gate_up_batch(p, W, bufs, X, L, H, ids_buf, wts, k, n, strides, norm_topk=True):
-    """Encodes moe_route_gate_up_batch_q4_b* over ``n`` rows: ``strides`` = (xn, logits, h, ids,
-    weights) elements between two rows of X, L (router logits | shared gate logit), H, ids_buf
-    and wts."""
+    """Encodes moe_route_gate_up_batch_q4_b* over ``n`` rows with the decode step's own builder:
+    ``strides`` = (xn, logits, h, ids, weights) elements between two rows of X, L (router logits
+    | shared gate logit), H, ids_buf and wts (batch_args.h MoeBatchArgs)."""
     b = bufs
     xs, ls, hs, ids_s, ws = strides
-    rows = max(W.inter, W.inter_shared)
-    grid = (-(-rows // (GATE_UP_ROWS_PER_SG * TG // 32)), n * k + 1)
-    experts = [*b["gate"], *b["up"], *b["sgate"], *b["sup"]]
-    route = pack_args("MoeRouteArgs", hidden=W.hidden, inter=W.inter, inter_shared=W.inter_shared, experts=W.E,
-                      top_k=k, norm_topk=norm_topk)
-    p.dispatch(kernel_name("moe_route_gate_up_batch", q=4, b=batch_size(n)), grid, TG,
-               buffers=[(0, X), (1, L), *[(2 + i, t) for i, t in enumerate(experts)], (14, H), (15, ids_buf), (16, wts)],
-               constants=[(17, route), (18, moe_batch_args(n, xs, hs, ids_s, ws, ls))],
-               reads=[(X, 0, 4 * ((n - 1) * xs + W.hidden)), (L, 0, 4 * ((n - 1) * ls + W.E + 1)), *experts],
-               writes=[*[(H, 4 * r * hs, 4 * (k * W.inter + W.inter_shared)) for r in range(n)],
-                       *[(ids_buf, 4 * r * ids_s, 4 * k) for r in range(n)],
-                       *[(wts, 4 * r * ws, 4 * (k + 1)) for r in range(n)]],
-               threadgroups=True, label="moe_route_gate_up_batch")
+    _core.encode_moe_route_gate_up(p, (b["gate"], b["up"], b["sgate"], b["sup"]), X, L, H, ids_buf, wts,
+                                   norm_topk=norm_topk, batch_rows=n, x_stride=xs, logits_stride=ls, h_stride=hs,
+                                   ids_stride=ids_s, w_stride=ws, **_dims(W, k))
 
 
 def enc_down_batch(p, W, bufs, H, ids_buf, wts, R, k, n, strides):
-    """Encodes moe_down_batch_q4_b* over ``n`` rows: ``strides`` = (residual, h, ids, weights)
-    elements between two rows of R, H, ids_buf and wts."""
-    b = bufs
+    """Encodes moe_down_batch_q4_b* over ``n`` rows with the decode step's own builder:
+    ``strides`` = (residual, h, ids, weights) elements between two rows of R, H, ids_buf and wts."""
     rs, hs, ids_s, ws = strides
-    p.dispatch(kernel_name("moe_down_batch", q=4, b=batch_size(n)), gemv_grid(W.hidden), TG,
-               buffers=[(0, H), (1, ids_buf), (2, wts), *[(3 + i, t) for i, t in enumerate([*b["down"], *b["sdown"]])],
-                        (9, R)],
-               constants=[(10, W.args(k)), (11, moe_batch_args(n, rs, hs, ids_s, ws))],
-               reads=[(H, 0, 4 * ((n - 1) * hs + k * W.inter + W.inter_shared)), (ids_buf, 0, 4 * ((n - 1) * ids_s + k)),
-                      (wts, 0, 4 * ((n - 1) * ws + k + 1)), *b["down"], *b["sdown"],
-                      *[(R, 4 * r * rs, 4 * W.hidden) for r in range(n)]],
-               writes=[(R, 4 * r * rs, 4 * W.hidden) for r in range(n)], threadgroups=True,
-               label="moe_down_batch")
+    _core.encode_moe_down(p, (bufs["down"], bufs["sdown"]), H, ids_buf, wts, R, batch_rows=n, x_stride=rs,
+                          h_stride=hs, ids_stride=ids_s, w_stride=ws, **_dims(W, k))
 
 
 def batch_ids(rng, E, k, n, overlap):

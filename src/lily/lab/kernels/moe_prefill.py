@@ -18,17 +18,6 @@ from lily.lab.kernels.harness import (
 from lily.lab.kernels.norm import norm_bf16_ref
 from lily.reference import sigmoid, softmax
 
-# Grouped GEMM kernels per tile height T: threads of both kernels, output columns per
-# threadgroup of gate/up and of down (csrc/runtime/prefill.cpp moe_geometry), on the
-# simdgroup_matrix path (moe_prefill.metal) and on the tensor-op path (moe_prefill_tensor.metal:
-# 32 columns of gate and of up, 64 of down, at every T). T = 128: the tensor-op path only
-# (moe_gemm_*_q4_t128_tensor, no simdgroup_matrix twin).
-MOE_TG = {16: 64, 32: 128, 64: 128}
-MOE_BN = {16: 64, 32: 64, 64: 32}
-MOE_DOWN_BN = {16: 64, 32: 64, 64: 64}
-MOE_TENSOR_TG = {16: 64, 32: 128, 64: 128, 128: 256}
-MOE_TENSOR_BN = dict.fromkeys(MOE_TENSOR_TG, 32)
-MOE_TENSOR_DOWN_BN = dict.fromkeys(MOE_TENSOR_TG, 64)
 MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (csrc/runtime/runtime.h kExpertTileRows)
 MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops only (PrefillPlan::expert_tile_available)
 
@@ -36,10 +25,15 @@ MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops onl
 def moe_geometry(T: int, tensor: bool) -> tuple[int, int, int]:
     """(threads, gate/up output columns, down output columns) per threadgroup of the grouped
     GEMMs of tile height T on a path (``tensor``: the ``_tensor`` kernels; T = 128 exists on
-    that path only)."""
-    if tensor or T not in MOE_TG:
-        return MOE_TENSOR_TG[T], MOE_TENSOR_BN[T], MOE_TENSOR_DOWN_BN[T]
-    return MOE_TG[T], MOE_BN[T], MOE_DOWN_BN[T]
+    that path only), the prefill plan's (lily._core.moe_geometry,
+    csrc/runtime/families/moe_prefill.h; both kernels run on the same threads)."""
+    threads, bn, down_threads, down_bn = _core.moe_geometry(T, tensor or T not in MOE_TILES)
+    assert threads == down_threads, "the lab's twins take one thread count for both kernels"
+    return threads, bn, down_bn
+
+
+# The simdgroup_matrix path's geometry per tile height: threads, gate/up and down columns.
+MOE_TG, MOE_BN, MOE_DOWN_BN = ({T: moe_geometry(T, False)[i] for T in MOE_TILES} for i in range(3))
 
 
 def route_tg(E):
@@ -220,29 +214,24 @@ def moe_args(n, k, M, top_k, E, lda, ldy, tile_rows):
     return pack_args("MoeGemmArgs", n=n, k=k, m=M, top_k=top_k, experts=E, lda=lda, ldy=ldy, tile_rows=tile_rows)
 
 
-def _map_ranges(TL, TC, max_tiles, cls):
-    """Bindings and read ranges of one class map: cls = None (the whole buffers, one map) or
-    (class c, first entry): the map at that entry, its count at TC[c]."""
-    if cls is None:
-        return [(2, TL), (3, TC)], [TL, TC]
-    c, base = cls
-    return [(2, TL, 16 * base), (3, TC, 4 * c)], [(TL, 16 * base, 16 * max_tiles), (TC, 4 * c, 4)]
+def _map(cls):
+    """The builder's (tiles_at, count_at) of one class map: cls = None (the map and its count
+    from offset 0) or (class c, first entry): the map at that entry, its count at TC[c]."""
+    return (0, 0) if cls is None else (16 * cls[1], 4 * cls[0])
 
 
 def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
                          cls=None, tile_rows=None, tag=0):
-    """moe_gemm_gate_up_q4_t{T} over max_tiles tiles. cls: (class, first map entry) to read one
-    class map of moe_route_scatter's buffers (tile_rows: the tiling's T; tag: the disjoint
-    write tag shared by the classes of one projection)."""
+    """moe_gemm_gate_up_q4_t{T} over max_tiles tiles with the prefill chunk's own builder
+    (lily._core.encode_moe_gemm, csrc/runtime/families/moe_prefill.h). cls: (class, first map
+    entry) to read one class map of moe_route_scatter's buffers (tile_rows: the tiling's T;
+    tag: the disjoint write tag shared by the classes of one projection)."""
     lda, ldy = lda or H, ldy or I
     kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
-    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
-    tg, bn, _ = moe_geometry(T, kernel.endswith("_tensor"))
-    p.dispatch(kernel, (max_tiles, -(-I // bn)), tg,
-               buffers=[(0, X), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(gb + ub)], (10, HX)],
-               constants=[(11, moe_args(I, H, M, k, E, lda, ldy, tile_rows or T))],
-               reads=[(X, 0, 2 * ((M - 1) * lda + H)), P, *map_reads, *gb, *ub],
-               writes=[(HX, 0, 2 * ((M * k - 1) * ldy + I), tag)], threadgroups=True, label=kernel)
+    tiles_at, count_at = _map(cls)
+    _core.encode_moe_gemm(p, kernel, (tuple(gb), tuple(ub)), X, P, TL, TC, HX,
+                          moe_args(I, H, M, k, E, lda, ldy, tile_rows or T), max_tiles, tiles_at=tiles_at,
+                          count_at=count_at, disjoint=tag)
 
 
 def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda=None, ldy=None, kernel=None,
@@ -250,13 +239,9 @@ def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda
     """moe_gemm_down_q4_t{T}: YX bfloat [M*k, ldy]; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
     lda, ldy = lda or I, ldy or H
     kernel = kernel or f"moe_gemm_down_q4_t{T}"
-    maps, map_reads = _map_ranges(TL, TC, max_tiles, cls)
-    tg, _, bn = moe_geometry(T, kernel.endswith("_tensor"))
-    p.dispatch(kernel, (max_tiles, -(-H // bn)), tg,
-               buffers=[(0, HX), (1, P), *maps, *[(4 + i, b) for i, b in enumerate(db)], (7, YX)],
-               constants=[(8, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T))],
-               reads=[(HX, 0, 2 * ((M * k - 1) * lda + I)), P, *map_reads, *db],
-               writes=[(YX, 0, 2 * ((M * k - 1) * ldy + H), tag)], threadgroups=True, label=kernel)
+    tiles_at, count_at = _map(cls)
+    _core.encode_moe_gemm(p, kernel, (tuple(db),), HX, P, TL, TC, YX, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T),
+                          max_tiles, tiles_at=tiles_at, count_at=count_at, disjoint=tag)
 
 
 def _route_shape(size, toy, T=32):
