@@ -115,6 +115,28 @@ def test_long_prompt_delays_decoding_rows_by_one_bounded_chunk(sim):
         assert late.result().token_ids == solo.token_ids
 
 
+def test_prompts_prefilling_together_take_turns(sim):
+    """A long prompt and a short one start together: the rows prefilling take turns, one
+    chunk each, so the short one reaches its first token within the stated bound with one
+    other row prefilling, not after the whole long prompt; both equal their solo runs."""
+    long_prompt = sim.tokenizer.encode("Now is the winter of our discontent made glorious summer " * 8)
+    short = sim.tokenizer.encode(PROMPTS[0])
+    solos = [sim.generate(p, max_tokens=2, temperature=0).token_ids for p in (long_prompt, short)]
+    with sim.scheduler(max_batch=4, prefill_interleave=16) as batch:
+        mark = len(batch.trace)
+        reqs = [batch.submit(p, max_tokens=2, temperature=0) for p in (long_prompt, short)]
+        while reqs[1]._events.qsize() == 0:
+            batch._drive()
+        trace = list(batch.trace)[mark:]
+        seq = late_seq(batch, reqs[1])
+        first = next(i for i, e in enumerate(trace) if e[0] == "step" and seq in e[1])
+        chunks = [e for e in trace[:first] if e[0] == "chunk"]
+        assert all(e[2] <= 16 for e in chunks), trace
+        assert len(chunks) + 1 <= batch.bounds(len(short), prefilling=1)["iterations"] < len(long_prompt) // 16, trace
+        batch.run_until_idle()
+        assert [r.result().token_ids for r in reqs] == solos
+
+
 def late_seq(batch, req) -> int:
     return next(row.seq for row in batch._rows if row.request is req)
 

@@ -935,7 +935,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens each turn adds: a tool result and a user message (default 300)")
     a.add_argument("--max-context", type=int, default=None, metavar="N", help="context window (default: the model's)")
     a.add_argument("--no-cold", action="store_true",
-                   help="skip the runs without the cache (with --parallel: the conversations run one by one)")
+                   help="skip the runs without the cache (with --parallel: skip the conversations' solo reruns and the "
+                        "check that each equals its solo run)")
     a.add_argument("--parallel", type=_int_at_least(1), default=None, metavar="N",
                    help="N conversations at once (continuous batching), then each alone for the comparison")
     # not `c`: lily chat's check closes over that name (the chat parser)

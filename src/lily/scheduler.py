@@ -11,9 +11,10 @@ iteration of the loop (:meth:`Scheduler.run_until_idle`, or the thread of
    state, reserved when the row starts; ``Backend.sequence_room``); a finished row's
    session is kept for the next request (its tokens: a request that extends them computes
    only the rest, as the engine's session does), and the prompt cache serves every row;
-2. **one prefill chunk** of the oldest row still prefilling: at most ``prefill_interleave``
-   tokens while other rows decode (the whole device chunk otherwise), cut only where it
-   does not change the result (docs/decode.md "Batched decode");
+2. **one prefill chunk** of a row still prefilling, the rows prefilling taking turns (so a
+   short prompt arriving behind a long one is not held for the whole long prompt): at most
+   ``prefill_interleave`` tokens while other rows run (the whole device chunk for a row
+   alone), cut only where it does not change the result (docs/decode.md "Batched decode");
 3. **one decode step** of every decoding row whose input is ready (the device's own token,
    or a host-sampled row's token once the host has it), in one command buffer;
 4. **take**: the results of everything committed before that step, which stays queued on
@@ -22,7 +23,9 @@ iteration of the loop (:meth:`Scheduler.run_until_idle`, or the thread of
 
 So a long prompt delays the running rows by at most one chunk of ``prefill_interleave``
 tokens per step, and it reaches its first token after ``ceil(new tokens / interleave)``
-iterations, each one chunk and one step (:meth:`Scheduler.bounds`). The scheduler records
+of its own chunks, each behind at most one chunk of every other row prefilling then
+(:meth:`Scheduler.bounds`); a request that arrives while a row prefills alone also waits
+for the chunk already on the device (up to the device chunk). The scheduler records
 what it ran in :attr:`Scheduler.trace` (``("chunk", seq, tokens)``, ``("step", seqs)``, and
 ``("start", seq)`` / ``("end", seq)`` when a row takes and frees a sequence), which the tests
 count instead of timing.
@@ -156,6 +159,7 @@ class _Row:
         self.seq = session.seq
         self.gen: Generation | None = None
         self.state = "prefill"
+        self.served = 0  # the scheduler's prefill turn that last ran a chunk of this row (0: none yet)
         self.pieces: collections.deque[list[int]] = collections.deque()
         self.piece: list[int] | None = None  # the piece being run, cut smaller on chunk-invariant devices
         self.offset = 0
@@ -212,6 +216,7 @@ class Scheduler:
         # a device whose prefill depends on where chunks are cut runs the engine's pieces whole
         self.interleave = min(prefill_interleave, self.chunk) if self.backend.chunk_invariant else self.chunk
         self.trace: collections.deque = collections.deque(maxlen=_TRACE)
+        self._turn = 0  # prefill chunks run so far: the rows prefilling take turns (_iterate)
         self._sessions: list[Session] = []  # sequences it opened (and the engine's while a row runs on it)
         self._busy: set[int] = set()  # sequences of the rows
         self._rows: list[_Row] = []
@@ -262,8 +267,9 @@ class Scheduler:
             waiting = sum(1 for r in self._queue if not r.cancel.is_set())
             if len(self._rows) + waiting >= self.max_batch + self.max_queue:  # it would wait beyond the queue
                 retry = self.retry_after()
-                raise QueueFullError(f"too many requests: {len(self._rows)} generating and {waiting} waiting "
-                                     f"(queue limit {self.max_queue}); retry in about {retry} s", retry)
+                raise QueueFullError(f"too many requests: {len(self._rows)} generating and {waiting} not yet started, "
+                                     f"which fills the batch ({self.max_batch}) and the queue limit "
+                                     f"{self.max_queue}; retry in about {retry} s", retry)
             self._queue.append(req)
             self._cond.notify_all()
         return req
@@ -349,8 +355,9 @@ class Scheduler:
 
     def retry_after(self) -> int:
         """Seconds after which a request refused for a full queue is likely to be taken:
-        the mean time a request held a row so far times the queue ahead of it, over the
-        rows (1 before any request finished); at most 600."""
+        the mean time a request held a row so far times the requests that must start before
+        it (those queued, and itself), over the rows (1 s per request before any finished);
+        at least 1, at most 600."""
         waiting = sum(1 for r in self._queue if not r.cancel.is_set())
         mean = self._mean_s if self._mean_s is not None else 1.0
         return int(min(600, max(1, math.ceil(mean * (waiting + 1) / self.max_batch))))
@@ -369,14 +376,18 @@ class Scheduler:
                 "full": queued > 0 or running >= self.max_batch or (idle <= 0 and not can_open),
                 "prefill_interleave": self.interleave, "served": self._served}
 
-    def bounds(self, prompt_tokens: int) -> dict:
+    def bounds(self, prompt_tokens: int, prefilling: int = 0) -> dict:
         """The scheduler's bounds, in units of work rather than seconds: a prompt of
-        ``prompt_tokens`` new tokens reaches its first token after at most ``iterations``
-        loop iterations (each one prefill chunk of at most ``interleave`` tokens and one
-        decode step of the rows decoding then, plus its own first step), and a decode step
-        waits for at most ``stall_chunk_tokens`` tokens of other prompts. Multiply by a
-        chunk's and a step's time (``lily estimate``) for seconds."""
-        return {"iterations": math.ceil(prompt_tokens / self.interleave) + 1, "interleave": self.interleave,
+        ``prompt_tokens`` new tokens, with ``prefilling`` other rows prefilling beside it,
+        reaches its first token after at most ``iterations`` loop iterations (each one
+        prefill chunk of at most ``interleave`` tokens and one decode step of the rows
+        decoding then; the rows prefilling take turns, plus its own first step), and a decode
+        step waits for at most ``stall_chunk_tokens`` tokens of other prompts. Not counted: a
+        chunk already on the device when the request arrives (up to the device chunk, when
+        a row was prefilling alone). Multiply by a chunk's and a step's time
+        (``lily estimate``) for seconds."""
+        turns = math.ceil(prompt_tokens / self.interleave)
+        return {"iterations": turns * (1 + prefilling) + 1, "interleave": self.interleave,
                 "stall_chunk_tokens": self.interleave}
 
     # ------------------------------------------------------------------ the loop
@@ -414,10 +425,13 @@ class Scheduler:
     def _iterate(self) -> bool:
         did = self._reap()
         did = self._admit() or did
-        prefilling = next((r for r in self._rows if r.state == "prefill" and not r.failed), None)
+        prefilling = [r for r in self._rows if r.state == "prefill" and not r.failed]
         committed = False
-        if prefilling is not None:
-            self._prefill(prefilling)
+        if prefilling:  # the rows prefilling take turns: the one served longest ago (the oldest first)
+            row = min(prefilling, key=lambda r: r.served)
+            self._turn += 1
+            row.served = self._turn
+            self._prefill(row)
             committed = did = True
         ready = [r for r in self._rows
                  if r.state == "decode" and r.ready and r.encoded < r.run_steps and r.untaken < 2]
@@ -517,11 +531,11 @@ class Scheduler:
 
     def _cut(self, n: int) -> int:
         """Tokens of the next chunk of a piece with ``n`` tokens left: the interleave while
-        other rows decode, else the device chunk; never leaving a one-token rest (a single
-        token runs as a decode step, other kernels)."""
+        other rows run or wait, else the device chunk; never leaving a one-token rest (a
+        single token runs as a decode step, other kernels)."""
         if not self.backend.chunk_invariant:
             return n
-        limit = self.interleave if any(r.state == "decode" for r in self._rows) else self.chunk
+        limit = self.interleave if len(self._rows) > 1 or self._pending() else self.chunk
         m = min(limit, n)
         return m - 1 if n - m == 1 else m
 

@@ -139,8 +139,12 @@ class ServerState:
         """The request defaults in one line (``lily serve``'s start-up log)."""
         cap = "until the context is full" if self.default_max_tokens is None else str(self.default_max_tokens)
         thinking = {None: "on (the chat template's default)", True: "on", False: "off"}[self.default_reasoning]
+        sched = self.worker.ensure_scheduler()
         return (f"requests without a limit: max_tokens {cap} (chat, Responses), 16 (completions); reasoning "
-                f"{thinking} unless a request says (--default-max-tokens N, --reasoning on|off change them)")
+                f"{thinking} unless a request says (--default-max-tokens N, --reasoning on|off change them); "
+                f"up to {sched.max_batch} requests decode together and {sched.max_queue} more wait, new prompts "
+                f"prefilled in chunks of {sched.interleave} tokens beside them "
+                f"(--max-batch, --max-queue, --prefill-interleave)")
 
     def thinking_kwargs(self, requested: bool | None, forced: bool) -> dict:
         """The chat template's ``enable_thinking`` for a request (``{}``: the template's own

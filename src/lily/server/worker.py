@@ -81,9 +81,10 @@ class Worker:
         self._lock = threading.Lock()
         self._jobs: list[Job] = []
         self.scheduler: Scheduler | None = None
-        self._scheduler()  # its options are checked at once (a ValueError names the bad one)
+        self.ensure_scheduler()  # its options are checked at once (a ValueError names the bad one)
 
-    def _scheduler(self) -> Scheduler:
+    def ensure_scheduler(self) -> Scheduler:
+        """The scheduler the jobs run on, made (with this worker's options) if there is none."""
         if self.scheduler is None:
             self.scheduler = Scheduler(self.engine, max_batch=self.max_batch, max_queue=self.max_queue,
                                        prefill_interleave=self.prefill_interleave)
@@ -91,7 +92,7 @@ class Worker:
 
     def start(self) -> None:
         """Start the scheduler's thread unless it runs (a new scheduler after :meth:`close`)."""
-        self._scheduler().start()
+        self.ensure_scheduler().start()
 
     def submit(self, job: Job, ids: list[int], params, *, report_start: bool = False, **kw) -> None:
         """Queue ``job``: a generation of ``ids`` with ``params`` and the scheduler's keywords
@@ -120,7 +121,7 @@ class Worker:
 
     def info(self) -> dict:
         """The scheduler's state (:meth:`lily.scheduler.Scheduler.info`)."""
-        return self._scheduler().info()
+        return self.ensure_scheduler().info()
 
     @property
     def pending(self) -> int:
