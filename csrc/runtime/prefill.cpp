@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/attention_prefill.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn_prefill.h"
 #include "runtime/families/gemm.h"
@@ -30,10 +31,9 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// attention: kAttnPrefillThreads threads and kAttnPrefillPairs (row, head) pairs per
-// threadgroup on both paths (metal/prefill_args.h); prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = args::kAttnPrefillThreads, kAttnPairs = args::kAttnPrefillPairs;
-constexpr uint32_t kPrepRows = 8;
+// attention: kAttnPrefillPairs (row, head) pairs per threadgroup on both paths
+// (metal/prefill_args.h; the dispatches: families/attention_prefill.h).
+constexpr uint32_t kAttnPairs = args::kAttnPrefillPairs;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
@@ -328,25 +328,17 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"), true);
       gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"), true);
       gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"), true);
-      const size_t qg_bytes = size_t(M) * Hq * 2 * D * bf, kv_proj_bytes = size_t(M) * Hkv * D * bf;
-      const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
+      const size_t row = size_t(D) * 2;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const size_t q_bytes = size_t(M) * Hq * D * (tensor_attention() ? 2 : f);  // bfloat q: the tensor attention
-      {
-        Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
-        op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
-            .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_proj_bytes).in(2, *c.v, 0, kv_proj_bytes)
-            .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-            .bind(5, *seq.k_cache[l]).bind(6, *seq.v_cache[l]);
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
-            op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
-        op.out(7, *c.q, 0, q_bytes)
-            .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M, d.rms_norm_eps,
-                                               float(std::log2(double(d.rope_theta))), scale, G})
-            .run(pass);
-      }
+      const bool bf16_q = tensor_attention();  // the tensor attention's bfloat q
+      AttnPrefillBuffers io{*c.qg, *c.q, *seq.k_cache[l], *seq.v_cache[l]};
+      io.k = c.k.get(), io.v = c.v.get(), io.out = c.attn.get(), io.ml = c.part_ml.get(), io.po = c.part_o.get();
+      encode_attn_prefill_prep(pass, *K.attn_prep, labels_(l, "qk prep + kv append"), io, *a.q_norm, *a.k_norm,
+                               args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M,
+                                                         d.rms_norm_eps, float(std::log2(double(d.rope_theta))),
+                                                         scale, G},
+                               D, bf16_q, &t.weight_bytes);
       const uint32_t BQ = kAttnPairs / G;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
       // Split the KV range only when the plain grid is too small to fill the GPU (few query
@@ -355,38 +347,20 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
                          end >= 2 * split_rows();
-      auto declare_kv = [&](Op& op) {
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
-            op.read(*cache, kvh * head_rows, size_t(end) * row);
-      };
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
-        Op op(*K.attn, labels_(l, "attention"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
-            .bind(2, *seq.k_cache[l]).bind(3, *seq.v_cache[l]);
-        declare_kv(op);
-        op.out(4, *c.attn, 0, size_t(M) * Hq * D * bf)
-            .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
+        encode_attn_prefill(pass, *K.attn, labels_(l, "attention"), io,
+                            args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}, D, G, bf16_q);
       } else {
         // Few query rows after a long prefix: cut the KV range into splits so the grid fills
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
         const uint32_t S = std::max(split_rows(), ceil_div(end, std::max(2u, cap)));
-        const uint32_t splits = ceil_div(end, S);
-        const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
-        const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
-        Op op(*K.attn_split, labels_(l, "attention split"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).bind(1, *seq.k_cache[l]).bind(2, *seq.v_cache[l]);
-        declare_kv(op);
-        op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
-        Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq, M), tg(D))
-            .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, qg_bytes)
-            .out(3, *c.attn, 0, size_t(M) * Hq * D * bf).args(4, aa).run(pass);
+        const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, ceil_div(end, S)};
+        encode_attn_prefill(pass, *K.attn_split, labels_(l, "attention split"), io, aa, D, G, bf16_q);
+        encode_attn_prefill_combine(pass, *K.attn_combine, labels_(l, "attention combine"), *c.part_ml, *c.part_o,
+                                    *c.qg, *c.attn, aa, D);
       }
       gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }

@@ -18,6 +18,7 @@
 
 #include "runtime/decode.h"
 #include "runtime/families/attention.h"
+#include "runtime/families/attention_prefill.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gdn_prefill.h"
@@ -464,6 +465,66 @@ void bind_families(nb::module_& m) {
       "attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`\n"
       "the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at\n"
       "float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.");
+
+  // ---- metal/attention_prefill.metal, attention_prefill_tensor.metal (the prefill chunk's)
+  m.def(
+      "encode_attn_prefill_prep",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& qg, gpu::Buffer& k,
+         gpu::Buffer& v, gpu::Buffer& q_norm, gpu::Buffer& k_norm, gpu::Buffer& k_cache, gpu::Buffer& v_cache,
+         gpu::Buffer& q, bool bf16_q, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillPrepArgs>(args, "AttnPrefillPrepArgs");
+        const std::string name = kernel_name("attn_prefill_prep", {{'d', head_dim}}, bf16_q ? "_qbf" : "");
+        AttnPrefillBuffers io{qg, q, k_cache, v_cache};
+        io.k = &k, io.v = &v;
+        encode_attn_prefill_prep(pass, pass.device().pipeline(name), label.empty() ? name : label, io,
+                                 whole(q_norm), whole(k_norm), a, head_dim, bf16_q);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a,
+      "v_cache"_a, "q"_a, "bf16_q"_a = false, "label"_a = "",
+      "attn_prefill_prep_d<head_dim>[_qbf] as the prefill chunk encodes it\n"
+      "(csrc/runtime/families/attention_prefill.h): `args` the bytes of AttnPrefillPrepArgs; the bf16\n"
+      "projections qg [M, Hq, 2 head_dim], k and v [M, Hkv, head_dim], the bf16 q/k norms [head_dim] and\n"
+      "caches [Hkv, capacity, head_dim] (rows [p0, p0 + M) written); q fp32 [M, Hq, head_dim], or with\n"
+      "bf16_q the tensor-op attention's bf16 [Hq / G, M, G, head_dim].");
+  m.def(
+      "encode_attn_prefill",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, uint32_t q_group, gpu::Buffer& q,
+         gpu::Buffer& qg, gpu::Buffer& k_cache, gpu::Buffer& v_cache, gpu::Buffer* out, gpu::Buffer* ml,
+         gpu::Buffer* po, bool tensor, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillArgs>(args, "AttnPrefillArgs");
+        const bool split = a.num_splits != 0;
+        if (split ? !(ml && po) : !out)
+          throw std::invalid_argument(split ? "encode_attn_prefill: the split kernel writes ml and po"
+                                            : "encode_attn_prefill: the direct kernel writes out");
+        const std::string name = kernel_name(split ? "attn_prefill_split" : "attn_prefill",
+                                             {{'d', head_dim}, {'g', q_group}}, tensor ? "_tensor" : "");
+        AttnPrefillBuffers io{qg, q, k_cache, v_cache};
+        io.out = out, io.ml = ml, io.po = po;
+        encode_attn_prefill(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a, head_dim,
+                            q_group, tensor);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "q_group"_a, "q"_a, "qg"_a, "k_cache"_a, "v_cache"_a,
+      "out"_a.none() = nb::none(), "ml"_a.none() = nb::none(), "po"_a.none() = nb::none(), "tensor"_a = false,
+      "label"_a = "",
+      "The prefill chunk's causal attention as it encodes it (csrc/runtime/families/attention_prefill.h):\n"
+      "`args` the bytes of AttnPrefillArgs; q as encode_attn_prefill_prep wrote it (bf16 with `tensor`, the\n"
+      "*_tensor kernels'), qg the bf16 q|gate projection, the bf16 caches. num_splits 0:\n"
+      "attn_prefill_d<D>_g<q_group>[_tensor] into out bf16 [M, Hq * head_dim]; else\n"
+      "attn_prefill_split_d<D>_g<q_group>[_tensor] into the partials ml [splits, M, Hq, 2] and po\n"
+      "[splits, M, Hq, head_dim] fp32.");
+  m.def(
+      "encode_attn_prefill_combine",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& ml, gpu::Buffer& po,
+         gpu::Buffer& qg, gpu::Buffer& out, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillArgs>(args, "AttnPrefillArgs");
+        const std::string name = kernel_name("attn_prefill_combine", {{'d', head_dim}});
+        encode_attn_prefill_combine(pass, pass.device().pipeline(name), label.empty() ? name : label, ml, po, qg,
+                                    out, a, head_dim);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "ml"_a, "po"_a, "qg"_a, "out"_a, "label"_a = "",
+      "attn_prefill_combine_d<head_dim> as the prefill chunk encodes it\n"
+      "(csrc/runtime/families/attention_prefill.h): merges the split partials ml and po of args.num_splits\n"
+      "splits, gated by the bf16 q|gate qg, into out bf16 [M, Hq * head_dim].");
 
   // ---- metal/gdn.metal
   m.def(

@@ -867,6 +867,32 @@ def encode_attn_combine(compute_pass: ComputePass, args: bytes, head_dim: int, m
     float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.
     """
 
+def encode_attn_prefill_prep(compute_pass: ComputePass, args: bytes, head_dim: int, qg: Buffer, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, k_cache: Buffer, v_cache: Buffer, q: Buffer, bf16_q: bool = False, label: str = '') -> None:
+    """
+    attn_prefill_prep_d<head_dim>[_qbf] as the prefill chunk encodes it
+    (csrc/runtime/families/attention_prefill.h): `args` the bytes of AttnPrefillPrepArgs; the bf16
+    projections qg [M, Hq, 2 head_dim], k and v [M, Hkv, head_dim], the bf16 q/k norms [head_dim] and
+    caches [Hkv, capacity, head_dim] (rows [p0, p0 + M) written); q fp32 [M, Hq, head_dim], or with
+    bf16_q the tensor-op attention's bf16 [Hq / G, M, G, head_dim].
+    """
+
+def encode_attn_prefill(compute_pass: ComputePass, args: bytes, head_dim: int, q_group: int, q: Buffer, qg: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer | None = None, ml: Buffer | None = None, po: Buffer | None = None, tensor: bool = False, label: str = '') -> None:
+    """
+    The prefill chunk's causal attention as it encodes it (csrc/runtime/families/attention_prefill.h):
+    `args` the bytes of AttnPrefillArgs; q as encode_attn_prefill_prep wrote it (bf16 with `tensor`, the
+    *_tensor kernels'), qg the bf16 q|gate projection, the bf16 caches. num_splits 0:
+    attn_prefill_d<D>_g<q_group>[_tensor] into out bf16 [M, Hq * head_dim]; else
+    attn_prefill_split_d<D>_g<q_group>[_tensor] into the partials ml [splits, M, Hq, 2] and po
+    [splits, M, Hq, head_dim] fp32.
+    """
+
+def encode_attn_prefill_combine(compute_pass: ComputePass, args: bytes, head_dim: int, ml: Buffer, po: Buffer, qg: Buffer, out: Buffer, label: str = '') -> None:
+    """
+    attn_prefill_combine_d<head_dim> as the prefill chunk encodes it
+    (csrc/runtime/families/attention_prefill.h): merges the split partials ml and po of args.num_splits
+    splits, gated by the bf16 q|gate qg, into out bf16 [M, Hq * head_dim].
+    """
+
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:
     """
     gdn_decode_step_k<dk>_v<dv> as the decode step encodes it (csrc/runtime/families/gdn.h): weights =
