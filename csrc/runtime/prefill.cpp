@@ -40,10 +40,6 @@ constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
-// Entries of the tile maps of all tile classes of height-T tiling (prefill_args.h).
-uint32_t map_entries(uint32_t assignments, uint32_t experts, uint32_t T) {
-  return args::moe_class_base(assignments, experts, T, args::moe_tile_classes(T));
-}
 // The expert GEMM dispatches of the tile classes write disjoint slots of one output (hx, yx)
 // in one barrier stage: their write ranges carry this tag (gpu::Range::disjoint).
 constexpr uint32_t kTileClassWrites = 1;
@@ -148,7 +144,8 @@ PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const 
   c.perm = scratch(C * k * u32, "chunk grouped order");
   // the class maps of the tile height with the most entries (a few KB; bounded by the chunk)
   c.max_tiles = 0;
-  for (uint32_t T : kExpertTileRows) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
+  for (uint32_t T : kExpertTileRows)
+    c.max_tiles = std::max(c.max_tiles, moe_map_entries(uint32_t(C * k), uint32_t(E), T));
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
   c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
   c.hx = scratch(C * k * d.moe_intermediate_size * bf, "chunk expert hidden (bf16)");
@@ -333,7 +330,8 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       const float scale = float(1.0 / std::sqrt(double(D)));
       const bool bf16_q = tensor_attention();  // the tensor attention's bfloat q
       AttnPrefillBuffers io{*c.qg, *c.q, *seq.k_cache[l], *seq.v_cache[l]};
-      io.k = c.k.get(), io.v = c.v.get(), io.out = c.attn.get(), io.ml = c.part_ml.get(), io.po = c.part_o.get();
+      io.k = c.k.get(), io.v = c.v.get(), io.out = c.attn.get();
+      io.ml = c.part_ml.get(), io.po = c.part_o.get();
       encode_attn_prefill_prep(pass, *K.attn_prep, labels_(l, "qk prep + kv append"), io, *a.q_norm, *a.k_norm,
                                args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M,
                                                          d.rms_norm_eps, float(std::log2(double(d.rope_theta))),
@@ -359,8 +357,8 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
         const uint32_t S = std::max(split_rows(), ceil_div(end, std::max(2u, cap)));
         const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, ceil_div(end, S)};
         encode_attn_prefill(pass, *K.attn_split, labels_(l, "attention split"), io, aa, D, G, bf16_q);
-        encode_attn_prefill_combine(pass, *K.attn_combine, labels_(l, "attention combine"), *c.part_ml, *c.part_o,
-                                    *c.qg, *c.attn, aa, D);
+        encode_attn_prefill_combine(pass, *K.attn_combine, labels_(l, "attention combine"), *c.part_ml,
+                                    *c.part_o, *c.qg, *c.attn, aa, D);
       }
       gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
@@ -374,23 +372,14 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
          kRouterWrites);
     const uint32_t T = moe_tile_rows(c, chunk, l);
     const uint32_t block_rows = route_block_rows(k);
-    const uint32_t blocks = ceil_div(M, block_rows);
     const args::MoeRoutePrefillArgs ra{M, E, k, d.norm_topk_prob ? 1u : 0u, block_rows, T};
-    const size_t bc_bytes = size_t(blocks) * E * u32;
-    Op(*K.route_clear, labels_(l, "route clear"))
-        .threads(tg(blocks * E), tg(256)).out(0, *c.block_counts, 0, bc_bytes).args(1, ra).run(pass);
-    Op(*K.route_topk, labels_(l, "route top-k + histogram"))
-        .groups(tg(M), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
-        .in(0, *c.router, 0, size_t(M) * (E + 1) * f).out(1, *c.ids, 0, size_t(M) * k * u32)
-        .out(2, *c.w, 0, size_t(M) * (k + 1) * f).inout(3, *c.block_counts, 0, bc_bytes).args(4, ra).run(pass);
+    encode_moe_route_clear(pass, *K.route_clear, labels_(l, "route clear"), *c.block_counts, ra);
+    encode_moe_route_topk(pass, *K.route_topk, labels_(l, "route top-k + histogram"), *c.router, *c.ids, *c.w,
+                          *c.block_counts, ra);
     const uint32_t classes = args::moe_tile_classes(T);
     const size_t tile_bytes = sizeof(args::MoeTile);
-    gpu::Buffer& hist = *c.hist[parity][l];
-    Op(*K.route_scatter, labels_(l, "route scan + scatter + tile maps"))
-        .groups(tg(blocks), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
-        .in(0, *c.ids, 0, size_t(M) * k * u32).in(1, *c.block_counts, 0, bc_bytes)
-        .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, map_entries(M * k, E, T) * tile_bytes)
-        .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
+    encode_moe_route_scatter(pass, *K.route_scatter, labels_(l, "route scan + scatter + tile maps"), *c.ids,
+                             *c.block_counts, *c.perm, *c.tiles, *c.tile_count, *c.hist[parity][l], ra);
     // shared expert (dense)
     // hs = sigmoid(shared gate) * swiglu: the gate (w[:, k], from top-k) scales the hidden, so
     // the down projection adds the shared expert's output into h itself.
@@ -422,16 +411,10 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     experts(true);
     // combine; but for the last layer, fused with the next layer's input norm (h -> xn)
     const bool last = l + 1 == model.layers.size();
-    Op op(last ? *K.moe_combine : *K.moe_combine_norm, labels_(l, last ? "combine" : "combine + next input norm"));
-    if (last) op.threads(tg(H / 4, M), tg(64));
-    else op.groups(tg(M), tg(kNormThreads));
-    op.inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * bf)
-        .in(2, *c.w, 0, size_t(M) * (k + 1) * f).args(3, args::MoeCombineArgs{M, H, k});
-    if (!last)
-      op.in(4, *model.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * bf)
-          .args(6, args::NormArgs{H, d.rms_norm_eps});
-    op.run(pass);
+    encode_moe_combine(pass, last ? *K.moe_combine : *K.moe_combine_norm,
+                       labels_(l, last ? "combine" : "combine + next input norm"), *c.h, *c.yx, *c.w,
+                       args::MoeCombineArgs{M, H, k}, last ? nullptr : model.layers[l + 1].input_norm,
+                       last ? nullptr : c.xn.get(), d.rms_norm_eps, 0, &t.weight_bytes);
   }
 
   if (end < L) {

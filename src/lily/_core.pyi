@@ -832,6 +832,48 @@ def encode_moe_gemm(compute_pass: ComputePass, kernel: str, weights: tuple, x: B
     count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).
     """
 
+def moe_route_threads(experts: int) -> int:
+    """
+    Threads per threadgroup of moe_route_topk / moe_route_scatter for `experts` experts, as the prefill
+    plan dispatches them: one per expert, rounded up to whole simdgroups, at most 1024.
+    """
+
+def moe_map_entries(assignments: int, experts: int, tile_rows: int) -> int:
+    """
+    MoeTile entries of the tile maps of all tile classes of a height-tile_rows tiling of `assignments`
+    (rows * top_k) over `experts` (what moe_route_scatter writes; metal/prefill_args.h).
+    """
+
+def encode_moe_route_clear(compute_pass: ComputePass, block_counts: Buffer, args: bytes, label: str = '') -> None:
+    """
+    moe_route_clear as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): zeroes
+    block_counts (uint32 [ceil(rows / block_rows), experts]); `args` the bytes of MoeRoutePrefillArgs.
+    """
+
+def encode_moe_route_topk(compute_pass: ComputePass, logits: Buffer, ids: Buffer, w: Buffer, block_counts: Buffer, args: bytes, threads: int = 0, label: str = '') -> None:
+    """
+    moe_route_topk as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): logits fp32
+    [rows, experts + 1] -> ids uint32 [rows, top_k], w fp32 [rows, top_k + 1], block_counts added to;
+    one threadgroup per row of `threads` (0: moe_route_threads(experts)).
+    """
+
+def encode_moe_route_scatter(compute_pass: ComputePass, ids: Buffer, block_counts: Buffer, perm: Buffer, tiles: Buffer, tile_count: Buffer, hist: Buffer, args: bytes, threads: int = 0, label: str = '') -> None:
+    """
+    moe_route_scatter as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): ids and
+    block_counts -> perm uint32 [rows * top_k], the tile maps (moe_map_entries MoeTile entries), their
+    counts (uint32 per tile class) and hist uint32 [experts]; one threadgroup per histogram block of
+    `threads` (0: moe_route_threads(experts)).
+    """
+
+def encode_moe_combine(compute_pass: ComputePass, h: Buffer, yx: Buffer, w: Buffer, args: bytes, norm: Buffer | None = None, xn: Buffer | None = None, eps: float = 9.999999974752427e-07, threads: int = 0, label: str = '') -> None:
+    """
+    moe_combine as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): h fp32 [rows,
+    hidden] += yx (bfloat [rows * top_k, hidden]) weighted by w fp32 [rows, top_k + 1] (`args` the
+    bytes of MoeCombineArgs), threads (0: 64) a threadgroup; with norm (bf16 [hidden]) and xn,
+    moe_combine_norm, which also writes xn bfloat = RMSNorm(h, eps) * norm, one threadgroup of
+    `threads` (0: 256) per row.
+    """
+
 def encode_argmax(compute_pass: ComputePass, logits: Buffer, partials: Buffer, token: Buffer, vocab: int, slice: int = 4096, bias: Buffer | None = None, rows: int = 0, combine_threads: int = 0, token_at: int = 0) -> None:
     """
     The decode step's greedy argmax (csrc/runtime/families/sample.h): argmax_partial (argmax_partial_bias

@@ -28,7 +28,8 @@ void cache_rows(Op& op, const AttnPrefillBuffers& io, uint32_t Hkv, uint32_t cap
 
 void encode_attn_prefill_prep(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
                               const AttnPrefillBuffers& io, const TensorRef& q_norm, const TensorRef& k_norm,
-                              const args::AttnPrefillPrepArgs& a, uint32_t D, bool bf16_q, uint64_t* weight_bytes) {
+                              const args::AttnPrefillPrepArgs& a, uint32_t D, bool bf16_q,
+                              uint64_t* weight_bytes) {
   const size_t M = a.rows, Hq = a.num_q_heads, Hkv = a.num_kv_heads;
   const size_t kv_bytes = M * Hkv * D * kBf;
   Op op(kernel, label);
@@ -60,7 +61,10 @@ void encode_attn_prefill(gpu::ComputePass& pass, const gpu::Pipeline& kernel, st
   }
   op.bind(1, io.k_cache).bind(2, io.v_cache);
   cache_rows(op, io, a.num_kv_heads, a.capacity, D, 0, a.p0 + a.rows, false);
-  op.out(3, *io.ml, 0, splits * M * Hq * 2 * kF).out(4, *io.po, 0, splits * M * Hq * D * kF).args(5, a).run(pass);
+  op.out(3, *io.ml, 0, splits * M * Hq * 2 * kF)
+      .out(4, *io.po, 0, splits * M * Hq * D * kF)
+      .args(5, a)
+      .run(pass);
 }
 
 void encode_attn_prefill_combine(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,

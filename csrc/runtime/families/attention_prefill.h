@@ -41,8 +41,8 @@ void encode_attn_prefill_prep(gpu::ComputePass& pass, const gpu::Pipeline& kerne
 // (ceil(M / (kAttnPrefillPairs / G)), Hq / G[, splits]) of kAttnPrefillThreads; declares cache
 // rows [0, p0 + M) of every KV head read.
 void encode_attn_prefill(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
-                         const AttnPrefillBuffers& io, const lily::kernels::AttnPrefillArgs& args, uint32_t head_dim,
-                         uint32_t heads_per_group, bool bf16_q);
+                         const AttnPrefillBuffers& io, const lily::kernels::AttnPrefillArgs& args,
+                         uint32_t head_dim, uint32_t heads_per_group, bool bf16_q);
 
 // `kernel` (attn_prefill_combine_d<D>): merges the split partials ml and po (as
 // AttnPrefillBuffers') of args.num_splits splits, gated by qg, into out; grid (Hq, M) of D threads.
