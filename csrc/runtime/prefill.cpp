@@ -10,6 +10,7 @@
 #include <stdexcept>
 
 #include "runtime/encoder.h"
+#include "runtime/families/attention_prefill.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn_prefill.h"
 #include "runtime/families/gemm.h"
@@ -30,20 +31,15 @@ constexpr double kTile128Rows = 64.0;
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
-// attention: kAttnPrefillThreads threads and kAttnPrefillPairs (row, head) pairs per
-// threadgroup on both paths (metal/prefill_args.h); prep: 8 rows per threadgroup.
-constexpr uint32_t kAttnThreads = args::kAttnPrefillThreads, kAttnPairs = args::kAttnPrefillPairs;
-constexpr uint32_t kPrepRows = 8;
+// attention: kAttnPrefillPairs (row, head) pairs per threadgroup on both paths
+// (metal/prefill_args.h; the dispatches: families/attention_prefill.h).
+constexpr uint32_t kAttnPairs = args::kAttnPrefillPairs;
 // Split attention partials, at most this many bytes (the split count adapts).
 constexpr uint64_t kAttnPartialBudget = 64ull << 20;
 constexpr uint32_t kAttnMinGroups = 256;  // ~8 threadgroups per core of a 32-40-core GPU
 // Rows of lm_head per command buffer when every position's logits are wanted.
 constexpr uint32_t kAllLogitsRows = 64;
 
-// Entries of the tile maps of all tile classes of height-T tiling (prefill_args.h).
-uint32_t map_entries(uint32_t assignments, uint32_t experts, uint32_t T) {
-  return args::moe_class_base(assignments, experts, T, args::moe_tile_classes(T));
-}
 // The expert GEMM dispatches of the tile classes write disjoint slots of one output (hx, yx)
 // in one barrier stage: their write ranges carry this tag (gpu::Range::disjoint).
 constexpr uint32_t kTileClassWrites = 1;
@@ -148,7 +144,8 @@ PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const 
   c.perm = scratch(C * k * u32, "chunk grouped order");
   // the class maps of the tile height with the most entries (a few KB; bounded by the chunk)
   c.max_tiles = 0;
-  for (uint32_t T : kExpertTileRows) c.max_tiles = std::max(c.max_tiles, map_entries(uint32_t(C * k), uint32_t(E), T));
+  for (uint32_t T : kExpertTileRows)
+    c.max_tiles = std::max(c.max_tiles, moe_map_entries(uint32_t(C * k), uint32_t(E), T));
   c.tiles = scratch(size_t(c.max_tiles) * sizeof(args::MoeTile), "chunk tile maps");
   c.tile_count = scratch(args::kMoeTileClasses * u32, "chunk tile counts");
   c.hx = scratch(C * k * d.moe_intermediate_size * bf, "chunk expert hidden (bf16)");
@@ -328,25 +325,18 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       gemm(a.q_proj, false, *c.xn, H, H, *c.qg, Hq * D * 2, Hq * D * 2, 0, labels_(l, "q_proj"), true);
       gemm(a.k_proj, false, *c.xn, H, H, *c.k, Hkv * D, Hkv * D, 0, labels_(l, "k_proj"), true);
       gemm(a.v_proj, false, *c.xn, H, H, *c.v, Hkv * D, Hkv * D, 0, labels_(l, "v_proj"), true);
-      const size_t qg_bytes = size_t(M) * Hq * 2 * D * bf, kv_proj_bytes = size_t(M) * Hkv * D * bf;
-      const size_t row = size_t(D) * 2, head_rows = size_t(opt_.max_context) * row;
+      const size_t row = size_t(D) * 2;
       const uint32_t G = attn_heads_per_group(Hq / Hkv);
       const float scale = float(1.0 / std::sqrt(double(D)));
-      const size_t q_bytes = size_t(M) * Hq * D * (tensor_attention() ? 2 : f);  // bfloat q: the tensor attention
-      {
-        Op op(*K.attn_prep, labels_(l, "qk prep + kv append"));
-        op.groups(tg(ceil_div(M, kPrepRows), Hq + Hkv), tg(256))
-            .in(0, *c.qg, 0, qg_bytes).in(1, *c.k, 0, kv_proj_bytes).in(2, *c.v, 0, kv_proj_bytes)
-            .in(3, *a.q_norm, &t.weight_bytes).in(4, *a.k_norm, &t.weight_bytes)
-            .bind(5, *seq.k_cache[l]).bind(6, *seq.v_cache[l]);
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
-            op.write(*cache, kvh * head_rows + size_t(p0) * row, size_t(M) * row);
-        op.out(7, *c.q, 0, q_bytes)
-            .args(8, args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M, d.rms_norm_eps,
-                                               float(std::log2(double(d.rope_theta))), scale, G})
-            .run(pass);
-      }
+      const bool bf16_q = tensor_attention();  // the tensor attention's bfloat q
+      AttnPrefillBuffers io{*c.qg, *c.q, *seq.k_cache[l], *seq.v_cache[l]};
+      io.k = c.k.get(), io.v = c.v.get(), io.out = c.attn.get();
+      io.ml = c.part_ml.get(), io.po = c.part_o.get();
+      encode_attn_prefill_prep(pass, *K.attn_prep, labels_(l, "qk prep + kv append"), io, *a.q_norm, *a.k_norm,
+                               args::AttnPrefillPrepArgs{Hq, Hkv, d.rotary_dim, opt_.max_context, p0, M,
+                                                         d.rms_norm_eps, float(std::log2(double(d.rope_theta))),
+                                                         scale, G},
+                               D, bf16_q, &t.weight_bytes);
       const uint32_t BQ = kAttnPairs / G;
       const uint32_t end = p0 + M;  // cache rows [0, end) are read
       // Split the KV range only when the plain grid is too small to fill the GPU (few query
@@ -355,38 +345,20 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
       const uint32_t plain_groups = ceil_div(M, BQ) * (Hq / G);
       const bool split = c.attn_splits > 0 && end > opt_.split_threshold && plain_groups < kAttnMinGroups &&
                          end >= 2 * split_rows();
-      auto declare_kv = [&](Op& op) {
-        for (uint32_t kvh = 0; kvh < Hkv; ++kvh)
-          for (auto* cache : {seq.k_cache[l].get(), seq.v_cache[l].get()})
-            op.read(*cache, kvh * head_rows, size_t(end) * row);
-      };
       t.kv_bytes += 2 * size_t(Hkv) * (size_t(end) + M) * row;
       if (!split) {
-        Op op(*K.attn, labels_(l, "attention"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).in(1, *c.qg, 0, qg_bytes)
-            .bind(2, *seq.k_cache[l]).bind(3, *seq.v_cache[l]);
-        declare_kv(op);
-        op.out(4, *c.attn, 0, size_t(M) * Hq * D * bf)
-            .args(5, args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}).run(pass);
+        encode_attn_prefill(pass, *K.attn, labels_(l, "attention"), io,
+                            args::AttnPrefillArgs{Hq, Hkv, opt_.max_context, p0, M, scale, 0, 0}, D, G, bf16_q);
       } else {
         // Few query rows after a long prefix: cut the KV range into splits so the grid fills
         // the GPU, then merge the partials (the split count is bounded by the partials buffer).
         const uint32_t cap = uint32_t(std::min<uint64_t>(c.attn_splits, uint64_t(kAttnPartialBudget) /
                                                                             (uint64_t(M) * Hq * (D + 2) * f)));
         const uint32_t S = std::max(split_rows(), ceil_div(end, std::max(2u, cap)));
-        const uint32_t splits = ceil_div(end, S);
-        const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, splits};
-        const size_t ml = size_t(splits) * M * Hq * 2 * f, po = size_t(splits) * M * Hq * D * f;
-        Op op(*K.attn_split, labels_(l, "attention split"));
-        op.groups(tg(ceil_div(M, BQ), Hq / G, splits), tg(kAttnThreads))
-            .in(0, *c.q, 0, q_bytes).bind(1, *seq.k_cache[l]).bind(2, *seq.v_cache[l]);
-        declare_kv(op);
-        op.out(3, *c.part_ml, 0, ml).out(4, *c.part_o, 0, po).args(5, aa).run(pass);
-        Op(*K.attn_combine, labels_(l, "attention combine"))
-            .groups(tg(Hq, M), tg(D))
-            .in(0, *c.part_ml, 0, ml).in(1, *c.part_o, 0, po).in(2, *c.qg, 0, qg_bytes)
-            .out(3, *c.attn, 0, size_t(M) * Hq * D * bf).args(4, aa).run(pass);
+        const args::AttnPrefillArgs aa{Hq, Hkv, opt_.max_context, p0, M, scale, S, ceil_div(end, S)};
+        encode_attn_prefill(pass, *K.attn_split, labels_(l, "attention split"), io, aa, D, G, bf16_q);
+        encode_attn_prefill_combine(pass, *K.attn_combine, labels_(l, "attention combine"), *c.part_ml,
+                                    *c.part_o, *c.qg, *c.attn, aa, D);
       }
       gemm(a.o_proj, true, *c.attn, Hq * D, Hq * D, *c.h, H, H, 0, labels_(l, "o_proj"));
     }
@@ -400,23 +372,14 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
          kRouterWrites);
     const uint32_t T = moe_tile_rows(c, chunk, l);
     const uint32_t block_rows = route_block_rows(k);
-    const uint32_t blocks = ceil_div(M, block_rows);
     const args::MoeRoutePrefillArgs ra{M, E, k, d.norm_topk_prob ? 1u : 0u, block_rows, T};
-    const size_t bc_bytes = size_t(blocks) * E * u32;
-    Op(*K.route_clear, labels_(l, "route clear"))
-        .threads(tg(blocks * E), tg(256)).out(0, *c.block_counts, 0, bc_bytes).args(1, ra).run(pass);
-    Op(*K.route_topk, labels_(l, "route top-k + histogram"))
-        .groups(tg(M), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
-        .in(0, *c.router, 0, size_t(M) * (E + 1) * f).out(1, *c.ids, 0, size_t(M) * k * u32)
-        .out(2, *c.w, 0, size_t(M) * (k + 1) * f).inout(3, *c.block_counts, 0, bc_bytes).args(4, ra).run(pass);
+    encode_moe_route_clear(pass, *K.route_clear, labels_(l, "route clear"), *c.block_counts, ra);
+    encode_moe_route_topk(pass, *K.route_topk, labels_(l, "route top-k + histogram"), *c.router, *c.ids, *c.w,
+                          *c.block_counts, ra);
     const uint32_t classes = args::moe_tile_classes(T);
     const size_t tile_bytes = sizeof(args::MoeTile);
-    gpu::Buffer& hist = *c.hist[parity][l];
-    Op(*K.route_scatter, labels_(l, "route scan + scatter + tile maps"))
-        .groups(tg(blocks), tg(std::min<uint32_t>(1024, ceil_div(E, 32) * 32)))
-        .in(0, *c.ids, 0, size_t(M) * k * u32).in(1, *c.block_counts, 0, bc_bytes)
-        .out(2, *c.perm, 0, size_t(M) * k * u32).out(3, *c.tiles, 0, map_entries(M * k, E, T) * tile_bytes)
-        .out(4, *c.tile_count, 0, classes * u32).out(5, hist, 0, E * u32).args(6, ra).run(pass);
+    encode_moe_route_scatter(pass, *K.route_scatter, labels_(l, "route scan + scatter + tile maps"), *c.ids,
+                             *c.block_counts, *c.perm, *c.tiles, *c.tile_count, *c.hist[parity][l], ra);
     // shared expert (dense)
     // hs = sigmoid(shared gate) * swiglu: the gate (w[:, k], from top-k) scales the hidden, so
     // the down projection adds the shared expert's output into h itself.
@@ -448,16 +411,10 @@ void PrefillPlan::encode_chunk(gpu::CommandBuffer& cmd, PrefillScratch& c, Seque
     experts(true);
     // combine; but for the last layer, fused with the next layer's input norm (h -> xn)
     const bool last = l + 1 == model.layers.size();
-    Op op(last ? *K.moe_combine : *K.moe_combine_norm, labels_(l, last ? "combine" : "combine + next input norm"));
-    if (last) op.threads(tg(H / 4, M), tg(64));
-    else op.groups(tg(M), tg(kNormThreads));
-    op.inout(0, *c.h, 0, size_t(M) * H * f)
-        .in(1, *c.yx, 0, size_t(M) * k * H * bf)
-        .in(2, *c.w, 0, size_t(M) * (k + 1) * f).args(3, args::MoeCombineArgs{M, H, k});
-    if (!last)
-      op.in(4, *model.layers[l + 1].input_norm, &t.weight_bytes).out(5, *c.xn, 0, size_t(M) * H * bf)
-          .args(6, args::NormArgs{H, d.rms_norm_eps});
-    op.run(pass);
+    encode_moe_combine(pass, last ? *K.moe_combine : *K.moe_combine_norm,
+                       labels_(l, last ? "combine" : "combine + next input norm"), *c.h, *c.yx, *c.w,
+                       args::MoeCombineArgs{M, H, k}, last ? nullptr : model.layers[l + 1].input_norm,
+                       last ? nullptr : c.xn.get(), d.rms_norm_eps, 0, &t.weight_bytes);
   }
 
   if (end < L) {

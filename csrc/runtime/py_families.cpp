@@ -18,6 +18,7 @@
 
 #include "runtime/decode.h"
 #include "runtime/families/attention.h"
+#include "runtime/families/attention_prefill.h"
 #include "runtime/families/embed.h"
 #include "runtime/families/gdn.h"
 #include "runtime/families/gdn_prefill.h"
@@ -371,6 +372,73 @@ void bind_families(nb::module_& m) {
       "of lda, perm uint32 [m * top_k], tile_entries MoeTile entries of `tiles` from byte tiles_at and their\n"
       "count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).");
 
+  // ---- metal/moe_prefill.metal (the chunk's routing and combine)
+  m.def("moe_route_threads", &moe_route_threads, "experts"_a,
+        "Threads per threadgroup of moe_route_topk / moe_route_scatter for `experts` experts, as the prefill\n"
+        "plan dispatches them: one per expert, rounded up to whole simdgroups, at most 1024.");
+  m.def("moe_map_entries", &moe_map_entries, "assignments"_a, "experts"_a, "tile_rows"_a,
+        "MoeTile entries of the tile maps of all tile classes of a height-tile_rows tiling of `assignments`\n"
+        "(rows * top_k) over `experts` (what moe_route_scatter writes; metal/prefill_args.h).");
+  m.def(
+      "encode_moe_route_clear",
+      [](gpu::ComputePass& pass, gpu::Buffer& block_counts, const nb::bytes& args, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeRoutePrefillArgs>(args, "MoeRoutePrefillArgs");
+        encode_moe_route_clear(pass, pass.device().pipeline("moe_route_clear"),
+                               label.empty() ? "moe_route_clear" : label, block_counts, a);
+      },
+      "compute_pass"_a, "block_counts"_a, "args"_a, "label"_a = "",
+      "moe_route_clear as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): zeroes\n"
+      "block_counts (uint32 [ceil(rows / block_rows), experts]); `args` the bytes of MoeRoutePrefillArgs.");
+  m.def(
+      "encode_moe_route_topk",
+      [](gpu::ComputePass& pass, gpu::Buffer& logits, gpu::Buffer& ids, gpu::Buffer& w,
+         gpu::Buffer& block_counts, const nb::bytes& args, uint32_t threads, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeRoutePrefillArgs>(args, "MoeRoutePrefillArgs");
+        encode_moe_route_topk(pass, pass.device().pipeline("moe_route_topk"),
+                              label.empty() ? "moe_route_topk" : label, logits, ids, w, block_counts, a,
+                              threads);
+      },
+      "compute_pass"_a, "logits"_a, "ids"_a, "w"_a, "block_counts"_a, "args"_a, "threads"_a = 0, "label"_a = "",
+      "moe_route_topk as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): logits fp32\n"
+      "[rows, experts + 1] -> ids uint32 [rows, top_k], w fp32 [rows, top_k + 1], block_counts added to;\n"
+      "one threadgroup per row of `threads` (0: moe_route_threads(experts)).");
+  m.def(
+      "encode_moe_route_scatter",
+      [](gpu::ComputePass& pass, gpu::Buffer& ids, gpu::Buffer& block_counts, gpu::Buffer& perm,
+         gpu::Buffer& tiles, gpu::Buffer& tile_count, gpu::Buffer& hist, const nb::bytes& args,
+         uint32_t threads, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeRoutePrefillArgs>(args, "MoeRoutePrefillArgs");
+        encode_moe_route_scatter(pass, pass.device().pipeline("moe_route_scatter"),
+                                 label.empty() ? "moe_route_scatter" : label, ids, block_counts, perm, tiles,
+                                 tile_count, hist, a, threads);
+      },
+      "compute_pass"_a, "ids"_a, "block_counts"_a, "perm"_a, "tiles"_a, "tile_count"_a, "hist"_a, "args"_a,
+      "threads"_a = 0, "label"_a = "",
+      "moe_route_scatter as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): ids and\n"
+      "block_counts -> perm uint32 [rows * top_k], the tile maps (moe_map_entries MoeTile entries), their\n"
+      "counts (uint32 per tile class) and hist uint32 [experts]; one threadgroup per histogram block of\n"
+      "`threads` (0: moe_route_threads(experts)).");
+  m.def(
+      "encode_moe_combine",
+      [](gpu::ComputePass& pass, gpu::Buffer& h, gpu::Buffer& yx, gpu::Buffer& w, const nb::bytes& args,
+         gpu::Buffer* norm, gpu::Buffer* xn, float eps, uint32_t threads, const std::string& label) {
+        const auto a = args_from<lily::kernels::MoeCombineArgs>(args, "MoeCombineArgs");
+        if (!norm != !xn)
+          throw std::invalid_argument("encode_moe_combine: moe_combine_norm takes both norm and xn");
+        const char* name = norm ? "moe_combine_norm" : "moe_combine";
+        std::optional<TensorRef> nw;
+        if (norm) nw = whole(*norm);
+        encode_moe_combine(pass, pass.device().pipeline(name), label.empty() ? name : label, h, yx, w, a,
+                           nw ? &*nw : nullptr, xn, eps, threads);
+      },
+      "compute_pass"_a, "h"_a, "yx"_a, "w"_a, "args"_a, "norm"_a.none() = nb::none(),
+      "xn"_a.none() = nb::none(), "eps"_a = 1e-6f, "threads"_a = 0, "label"_a = "",
+      "moe_combine as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): h fp32 [rows,\n"
+      "hidden] += yx (bfloat [rows * top_k, hidden]) weighted by w fp32 [rows, top_k + 1] (`args` the\n"
+      "bytes of MoeCombineArgs), threads (0: 64) a threadgroup; with norm (bf16 [hidden]) and xn,\n"
+      "moe_combine_norm, which also writes xn bfloat = RMSNorm(h, eps) * norm, one threadgroup of\n"
+      "`threads` (0: 256) per row.");
+
   // ---- metal/sample.metal
   m.def(
       "encode_argmax",
@@ -464,6 +532,66 @@ void bind_families(nb::module_& m) {
       "attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`\n"
       "the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at\n"
       "float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.");
+
+  // ---- metal/attention_prefill.metal, attention_prefill_tensor.metal (the prefill chunk's)
+  m.def(
+      "encode_attn_prefill_prep",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& qg, gpu::Buffer& k,
+         gpu::Buffer& v, gpu::Buffer& q_norm, gpu::Buffer& k_norm, gpu::Buffer& k_cache, gpu::Buffer& v_cache,
+         gpu::Buffer& q, bool bf16_q, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillPrepArgs>(args, "AttnPrefillPrepArgs");
+        const std::string name = kernel_name("attn_prefill_prep", {{'d', head_dim}}, bf16_q ? "_qbf" : "");
+        AttnPrefillBuffers io{qg, q, k_cache, v_cache};
+        io.k = &k, io.v = &v;
+        encode_attn_prefill_prep(pass, pass.device().pipeline(name), label.empty() ? name : label, io,
+                                 whole(q_norm), whole(k_norm), a, head_dim, bf16_q);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "qg"_a, "k"_a, "v"_a, "q_norm"_a, "k_norm"_a, "k_cache"_a,
+      "v_cache"_a, "q"_a, "bf16_q"_a = false, "label"_a = "",
+      "attn_prefill_prep_d<head_dim>[_qbf] as the prefill chunk encodes it\n"
+      "(csrc/runtime/families/attention_prefill.h): `args` the bytes of AttnPrefillPrepArgs; the bf16\n"
+      "projections qg [M, Hq, 2 head_dim], k and v [M, Hkv, head_dim], the bf16 q/k norms [head_dim] and\n"
+      "caches [Hkv, capacity, head_dim] (rows [p0, p0 + M) written); q fp32 [M, Hq, head_dim], or with\n"
+      "bf16_q the tensor-op attention's bf16 [Hq / G, M, G, head_dim].");
+  m.def(
+      "encode_attn_prefill",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, uint32_t q_group, gpu::Buffer& q,
+         gpu::Buffer& qg, gpu::Buffer& k_cache, gpu::Buffer& v_cache, gpu::Buffer* out, gpu::Buffer* ml,
+         gpu::Buffer* po, bool tensor, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillArgs>(args, "AttnPrefillArgs");
+        const bool split = a.num_splits != 0;
+        if (split ? !(ml && po) : !out)
+          throw std::invalid_argument(split ? "encode_attn_prefill: the split kernel writes ml and po"
+                                            : "encode_attn_prefill: the direct kernel writes out");
+        const std::string name = kernel_name(split ? "attn_prefill_split" : "attn_prefill",
+                                             {{'d', head_dim}, {'g', q_group}}, tensor ? "_tensor" : "");
+        AttnPrefillBuffers io{qg, q, k_cache, v_cache};
+        io.out = out, io.ml = ml, io.po = po;
+        encode_attn_prefill(pass, pass.device().pipeline(name), label.empty() ? name : label, io, a, head_dim,
+                            q_group, tensor);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "q_group"_a, "q"_a, "qg"_a, "k_cache"_a, "v_cache"_a,
+      "out"_a.none() = nb::none(), "ml"_a.none() = nb::none(), "po"_a.none() = nb::none(), "tensor"_a = false,
+      "label"_a = "",
+      "The prefill chunk's causal attention as it encodes it (csrc/runtime/families/attention_prefill.h):\n"
+      "`args` the bytes of AttnPrefillArgs; q as encode_attn_prefill_prep wrote it (bf16 with `tensor`, the\n"
+      "*_tensor kernels'), qg the bf16 q|gate projection, the bf16 caches. num_splits 0:\n"
+      "attn_prefill_d<D>_g<q_group>[_tensor] into out bf16 [M, Hq * head_dim]; else\n"
+      "attn_prefill_split_d<D>_g<q_group>[_tensor] into the partials ml [splits, M, Hq, 2] and po\n"
+      "[splits, M, Hq, head_dim] fp32.");
+  m.def(
+      "encode_attn_prefill_combine",
+      [](gpu::ComputePass& pass, const nb::bytes& args, uint32_t head_dim, gpu::Buffer& ml, gpu::Buffer& po,
+         gpu::Buffer& qg, gpu::Buffer& out, const std::string& label) {
+        const auto a = args_from<lily::kernels::AttnPrefillArgs>(args, "AttnPrefillArgs");
+        const std::string name = kernel_name("attn_prefill_combine", {{'d', head_dim}});
+        encode_attn_prefill_combine(pass, pass.device().pipeline(name), label.empty() ? name : label, ml, po,
+                                    qg, out, a, head_dim);
+      },
+      "compute_pass"_a, "args"_a, "head_dim"_a, "ml"_a, "po"_a, "qg"_a, "out"_a, "label"_a = "",
+      "attn_prefill_combine_d<head_dim> as the prefill chunk encodes it\n"
+      "(csrc/runtime/families/attention_prefill.h): merges the split partials ml and po of args.num_splits\n"
+      "splits, gated by the bf16 q|gate qg, into out bf16 [M, Hq * head_dim].");
 
   // ---- metal/gdn.metal
   m.def(

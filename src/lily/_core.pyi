@@ -832,6 +832,48 @@ def encode_moe_gemm(compute_pass: ComputePass, kernel: str, weights: tuple, x: B
     count (uint32 at count_at of tile_count), y bfloat rows of ldy written (disjoint: the write tag).
     """
 
+def moe_route_threads(experts: int) -> int:
+    """
+    Threads per threadgroup of moe_route_topk / moe_route_scatter for `experts` experts, as the prefill
+    plan dispatches them: one per expert, rounded up to whole simdgroups, at most 1024.
+    """
+
+def moe_map_entries(assignments: int, experts: int, tile_rows: int) -> int:
+    """
+    MoeTile entries of the tile maps of all tile classes of a height-tile_rows tiling of `assignments`
+    (rows * top_k) over `experts` (what moe_route_scatter writes; metal/prefill_args.h).
+    """
+
+def encode_moe_route_clear(compute_pass: ComputePass, block_counts: Buffer, args: bytes, label: str = '') -> None:
+    """
+    moe_route_clear as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): zeroes
+    block_counts (uint32 [ceil(rows / block_rows), experts]); `args` the bytes of MoeRoutePrefillArgs.
+    """
+
+def encode_moe_route_topk(compute_pass: ComputePass, logits: Buffer, ids: Buffer, w: Buffer, block_counts: Buffer, args: bytes, threads: int = 0, label: str = '') -> None:
+    """
+    moe_route_topk as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): logits fp32
+    [rows, experts + 1] -> ids uint32 [rows, top_k], w fp32 [rows, top_k + 1], block_counts added to;
+    one threadgroup per row of `threads` (0: moe_route_threads(experts)).
+    """
+
+def encode_moe_route_scatter(compute_pass: ComputePass, ids: Buffer, block_counts: Buffer, perm: Buffer, tiles: Buffer, tile_count: Buffer, hist: Buffer, args: bytes, threads: int = 0, label: str = '') -> None:
+    """
+    moe_route_scatter as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): ids and
+    block_counts -> perm uint32 [rows * top_k], the tile maps (moe_map_entries MoeTile entries), their
+    counts (uint32 per tile class) and hist uint32 [experts]; one threadgroup per histogram block of
+    `threads` (0: moe_route_threads(experts)).
+    """
+
+def encode_moe_combine(compute_pass: ComputePass, h: Buffer, yx: Buffer, w: Buffer, args: bytes, norm: Buffer | None = None, xn: Buffer | None = None, eps: float = 9.999999974752427e-07, threads: int = 0, label: str = '') -> None:
+    """
+    moe_combine as the prefill chunk encodes it (csrc/runtime/families/moe_prefill.h): h fp32 [rows,
+    hidden] += yx (bfloat [rows * top_k, hidden]) weighted by w fp32 [rows, top_k + 1] (`args` the
+    bytes of MoeCombineArgs), threads (0: 64) a threadgroup; with norm (bf16 [hidden]) and xn,
+    moe_combine_norm, which also writes xn bfloat = RMSNorm(h, eps) * norm, one threadgroup of
+    `threads` (0: 256) per row.
+    """
+
 def encode_argmax(compute_pass: ComputePass, logits: Buffer, partials: Buffer, token: Buffer, vocab: int, slice: int = 4096, bias: Buffer | None = None, rows: int = 0, combine_threads: int = 0, token_at: int = 0) -> None:
     """
     The decode step's greedy argmax (csrc/runtime/families/sample.h): argmax_partial (argmax_partial_bias
@@ -865,6 +907,32 @@ def encode_attn_combine(compute_pass: ComputePass, args: bytes, head_dim: int, m
     attn_combine_d<head_dim> as the decode step encodes it (csrc/runtime/families/attention.h): `args`
     the bytes of AttnCombineArgs; the split kernel's partials ml and acc, the gate (head h's values at
     float h * gate_stride from byte gate_at), the position (uint32) and out [Hq, head_dim] fp32.
+    """
+
+def encode_attn_prefill_prep(compute_pass: ComputePass, args: bytes, head_dim: int, qg: Buffer, k: Buffer, v: Buffer, q_norm: Buffer, k_norm: Buffer, k_cache: Buffer, v_cache: Buffer, q: Buffer, bf16_q: bool = False, label: str = '') -> None:
+    """
+    attn_prefill_prep_d<head_dim>[_qbf] as the prefill chunk encodes it
+    (csrc/runtime/families/attention_prefill.h): `args` the bytes of AttnPrefillPrepArgs; the bf16
+    projections qg [M, Hq, 2 head_dim], k and v [M, Hkv, head_dim], the bf16 q/k norms [head_dim] and
+    caches [Hkv, capacity, head_dim] (rows [p0, p0 + M) written); q fp32 [M, Hq, head_dim], or with
+    bf16_q the tensor-op attention's bf16 [Hq / G, M, G, head_dim].
+    """
+
+def encode_attn_prefill(compute_pass: ComputePass, args: bytes, head_dim: int, q_group: int, q: Buffer, qg: Buffer, k_cache: Buffer, v_cache: Buffer, out: Buffer | None = None, ml: Buffer | None = None, po: Buffer | None = None, tensor: bool = False, label: str = '') -> None:
+    """
+    The prefill chunk's causal attention as it encodes it (csrc/runtime/families/attention_prefill.h):
+    `args` the bytes of AttnPrefillArgs; q as encode_attn_prefill_prep wrote it (bf16 with `tensor`, the
+    *_tensor kernels'), qg the bf16 q|gate projection, the bf16 caches. num_splits 0:
+    attn_prefill_d<D>_g<q_group>[_tensor] into out bf16 [M, Hq * head_dim]; else
+    attn_prefill_split_d<D>_g<q_group>[_tensor] into the partials ml [splits, M, Hq, 2] and po
+    [splits, M, Hq, head_dim] fp32.
+    """
+
+def encode_attn_prefill_combine(compute_pass: ComputePass, args: bytes, head_dim: int, ml: Buffer, po: Buffer, qg: Buffer, out: Buffer, label: str = '') -> None:
+    """
+    attn_prefill_combine_d<head_dim> as the prefill chunk encodes it
+    (csrc/runtime/families/attention_prefill.h): merges the split partials ml and po of args.num_splits
+    splits, gated by the bf16 q|gate qg, into out bf16 [M, Hq * head_dim].
     """
 
 def encode_gdn_decode_step(compute_pass: ComputePass, hk: int, hv: int, dk: int, dv: int, k: int, weights: tuple[Buffer, Buffer, Buffer], qkv: Buffer, b: Buffer, a: Buffer, conv_in: Buffer, conv_out: Buffer, state: Buffer, ring: Buffer, y: Buffer, ssq: Buffer, splits: int = 4, pending: int = 0, write_back: bool = True, label: str = '') -> None:

@@ -86,7 +86,7 @@ from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E
 from lily.lab.kernels import attention_prefill as twins  # noqa: E402
 from lily.lab.kernels.attention import THETA  # noqa: E402,F401
 from lily.lab.kernels.attention_prefill import (  # noqa: E402,F401
-    QROWS, TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference,
+    TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference,
 )
 from lily.lab.kernels.harness import HALF_MAX  # noqa: E402,F401
 from lily.lab.kernels.attention_prefill import PREFILL_EPS as EPS  # noqa: E402

@@ -79,8 +79,8 @@ from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E40
 from lily.reference import sigmoid  # noqa: E402
 from lily.lab.kernels.harness import to_bf16_bits  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import (  # noqa: E402,F401
-    block_hist, class_base, class_capacity, combine_inputs, combine_ref, enc_clear, enc_combine,
-    enc_combine_norm, enc_scatter, enc_topk, max_tiles, nblocks, route_args, route_tg, tile_classes, tiles_ref,
+    block_hist, class_base, class_capacity, combine_inputs, combine_ref, max_tiles, nblocks, route_args, route_tg,
+    tile_classes, tiles_ref,
 )
 from lily.lab.kernels.norm import norm_bf16_ref  # noqa: E402,F401
 from lily.lab.kernels.moe_prefill import route_ref_rows as route_ref  # noqa: E402
@@ -105,6 +105,16 @@ def _on_target(enc, kind):
 
 enc_gate_up = _on_target(moe_prefill.enc_moe_gemm_gate_up, "gate_up")
 enc_down = _on_target(moe_prefill.enc_moe_gemm_down, "down")
+
+
+def _real_pass(enc):
+    """``enc`` (the chunk's routing or combine builder, no tensor twin) on the real pass under a
+    harness.TwinDevice's."""
+    return lambda p, *args, **kw: enc(twin_target(p)[0], *args, **kw)
+
+
+enc_clear, enc_topk, enc_scatter, enc_combine, enc_combine_norm = (
+    _real_pass(getattr(moe_prefill, f"enc_{n}")) for n in ("clear", "topk", "scatter", "combine", "combine_norm"))
 
 U = 2.0**-24
 POISON = np.uint32(0xFFFFFFFF)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lily import _core
 from lily._core import CONSTANTS, kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.attention import THETA, attention_variant, rope_atol
@@ -23,9 +24,7 @@ PREFILL_ATTN_DIMS = {
 }
 PREFILL_EPS = 1e-6
 TILE = CONSTANTS["kAttnPrefillTile"]  # KV rows per tile (metal/prefill_args.h)
-QROWS = CONSTANTS["kAttnPrefillPairs"]  # (row, head) pairs per threadgroup
 RESCALE = CONSTANTS["kAttnPrefillRescale"]  # lazy rescale threshold
-THREADS = CONSTANTS["kAttnPrefillThreads"]  # threads per threadgroup (both paths)
 
 
 def pack_bf16_q(q, G):
@@ -54,8 +53,8 @@ def chunk_inputs(rng, M, Hq, Hkv, D):
 
 
 class PrefillAttnLayer:
-    """Device KV cache and norm weights of one attention layer, and encoders for the prefill
-    kernels with the declared ranges of docs/prefill.md."""
+    """Device KV cache and norm weights of one attention layer, and the prefill kernels
+    encoded by the prefill chunk's own builders (lily._core.encode_attn_prefill*)."""
 
     def __init__(self, dev, dims, capacity, seed=0, *, G=None, history=None, rng=None, tensor=False):
         self.dev = dev
@@ -97,7 +96,8 @@ class PrefillAttnLayer:
         """The projections as the chunk kernels read them: bfloat buffers."""
         return tuple(upload_bf16(self.dev, x) for x in (qg, k, v))
 
-    # ---- encoders (into a compute pass p)
+    # ---- encoders (into a compute pass p): the prefill chunk's own builders
+    # (lily._core.encode_attn_prefill*, csrc/runtime/families/attention_prefill.h)
 
     def encode_prep(self, p, QG, K, V, p0, M, label=""):
         Hq, Hkv, D = self.Hq, self.Hkv, self.D
@@ -105,12 +105,9 @@ class PrefillAttnLayer:
         args = pack_args("AttnPrefillPrepArgs", num_q_heads=Hq, num_kv_heads=Hkv, rotary_dim=self.rot,
                          capacity=self.cap, p0=p0, rows=M, norm_eps=PREFILL_EPS, log2_theta=float(np.log2(THETA)),
                          q_scale=float(D) ** -0.5, q_group=self.G)
-        sfx = "_qbf" if self.tensor else ""  # the tensor-op attention's bfloat q (pack_bf16_q)
-        p.dispatch(kernel_name("attn_prefill_prep", sfx, d=D), (-(-M // 8), Hq + Hkv), 256,
-                   buffers=[(0, QG), (1, K), (2, V), (3, self.QN), (4, self.KN), (5, self.KC),
-                            (6, self.VC), (7, Q)],
-                   constants=[(8, args)], reads=[QG, K, V, self.QN, self.KN],
-                   writes=[Q, *self.rows(p0, p0 + M)], threadgroups=True, label=label)
+        # tensor: the tensor-op attention's bfloat q (pack_bf16_q)
+        _core.encode_attn_prefill_prep(p, args, D, QG, K, V, self.QN, self.KN, self.KC, self.VC, Q,
+                                       bf16_q=self.tensor, label=label)
         return Q
 
     def attn_args(self, p0, M, split_rows=0, num_splits=0):
@@ -121,27 +118,17 @@ class PrefillAttnLayer:
         """split=None: attn_prefill; split=(S, num_splits): split kernel + combine."""
         Hq, D, G = self.Hq, self.D, self.G
         OUT = self.dev.buffer(M * Hq * D * 2)  # bfloat (o_proj's input)
-        sfx = "_tensor" if self.tensor else ""
-        threads = THREADS
-        blocks = -(-M // (QROWS // G))
-        reads = [Q, *self.rows(0, p0 + M)]
         if split is None:
-            p.dispatch(kernel_name("attn_prefill", sfx, d=D, g=G), (blocks, Hq // G), threads,
-                       buffers=[(0, Q), (1, QG), (2, self.KC), (3, self.VC), (4, OUT)],
-                       constants=[(5, self.attn_args(p0, M))], reads=[*reads, QG], writes=[OUT],
-                       threadgroups=True, label=label)
+            _core.encode_attn_prefill(p, self.attn_args(p0, M), D, G, Q, QG, self.KC, self.VC, out=OUT,
+                                      tensor=self.tensor, label=label)
             return OUT
         S, ns = split
         assert ns * S >= p0 + M
         ML, PO = self.dev.buffer(ns * M * Hq * 8), self.dev.buffer(ns * M * Hq * D * 4)
         args = self.attn_args(p0, M, S, ns)
-        p.dispatch(kernel_name("attn_prefill_split", sfx, d=D, g=G), (blocks, Hq // G, ns), threads,
-                   buffers=[(0, Q), (1, self.KC), (2, self.VC), (3, ML), (4, PO)],
-                   constants=[(5, args)], reads=reads, writes=[ML, PO], threadgroups=True,
-                   label=label)
-        p.dispatch(kernel_name("attn_prefill_combine", d=D), (Hq, M), D,
-                   buffers=[(0, ML), (1, PO), (2, QG), (3, OUT)], constants=[(4, args)],
-                   reads=[ML, PO, QG], writes=[OUT], threadgroups=True, label=label)
+        _core.encode_attn_prefill(p, args, D, G, Q, QG, self.KC, self.VC, ml=ML, po=PO, tensor=self.tensor,
+                                  label=label)
+        _core.encode_attn_prefill_combine(p, args, D, ML, PO, QG, OUT, label=label)
         return OUT
 
     # ---- one-shot helpers (own command buffer)

@@ -37,8 +37,9 @@ MOE_TG, MOE_BN, MOE_DOWN_BN = ({T: moe_geometry(T, False)[i] for T in MOE_TILES}
 
 
 def route_tg(E):
-    """Recommended threadgroup of moe_route_topk / moe_route_scatter: round_up(E, 32)."""
-    return min(1024, -(-E // 32) * 32)
+    """Threadgroup of moe_route_topk / moe_route_scatter as the prefill plan dispatches them
+    (lily._core.moe_route_threads: round_up(E, 32), at most 1024)."""
+    return _core.moe_route_threads(E)
 
 
 def route_args(M, E, k, norm=True, block_rows=64, tile_rows=32):
@@ -58,8 +59,8 @@ class_base = _core.moe_class_base  # (n, E, T, c): first entry of class c's map
 
 
 def max_tiles(M, k, E, T):
-    """Entries of all class maps of a height-T tiling of M rows."""
-    return class_base(M * k, E, T, tile_classes(T))
+    """Entries of all class maps of a height-T tiling of M rows (lily._core.moe_map_entries)."""
+    return _core.moe_map_entries(M * k, E, T)
 
 
 def route_ref_rows(logits, k, norm=True):
@@ -97,28 +98,21 @@ def tiles_ref(counts, T):
 
 
 def enc_clear(p, bc, M, E, k, R, T):
-    n = nblocks(M, R) * E
-    p.dispatch("moe_route_clear", n, 256, buffers=[(0, bc)], constants=[(1, route_args(M, E, k, True, R, T))],
-               writes=[(bc, 0, 4 * n)], label="moe_route_clear")
+    """moe_route_clear with the prefill chunk's own builder (lily._core.encode_moe_route_clear,
+    csrc/runtime/families/moe_prefill.h)."""
+    _core.encode_moe_route_clear(p, bc, route_args(M, E, k, True, R, T), label="moe_route_clear")
 
 
 def enc_topk(p, L, ids, w, bc, M, E, k, norm, R, T, tg=None):
-    p.dispatch("moe_route_topk", M, tg or route_tg(E),
-               buffers=[(0, L), (1, ids), (2, w), (3, bc)],
-               constants=[(4, route_args(M, E, k, norm, R, T))],
-               reads=[(L, 0, 4 * M * (E + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
-               writes=[(ids, 0, 4 * M * k), (w, 0, 4 * M * (k + 1)), (bc, 0, 4 * nblocks(M, R) * E)],
-               threadgroups=True, label="moe_route_topk")
+    """moe_route_topk with the chunk's builder; tg: threads (None: route_tg(E))."""
+    _core.encode_moe_route_topk(p, L, ids, w, bc, route_args(M, E, k, norm, R, T), threads=tg or 0,
+                                label="moe_route_topk")
 
 
 def enc_scatter(p, ids, bc, perm, tiles, tcount, counts, M, E, k, R, T, tg=None):
-    p.dispatch("moe_route_scatter", nblocks(M, R), tg or route_tg(E),
-               buffers=[(0, ids), (1, bc), (2, perm), (3, tiles), (4, tcount), (5, counts)],
-               constants=[(6, route_args(M, E, k, True, R, T))],
-               reads=[(ids, 0, 4 * M * k), (bc, 0, 4 * nblocks(M, R) * E)],
-               writes=[(perm, 0, 4 * M * k), (tiles, 0, 16 * max_tiles(M, k, E, T)), (tcount, 0, 4 * tile_classes(T)),
-                       (counts, 0, 4 * E)],
-               threadgroups=True, label="moe_route_scatter")
+    """moe_route_scatter with the chunk's builder; tg: threads (None: route_tg(E))."""
+    _core.encode_moe_route_scatter(p, ids, bc, perm, tiles, tcount, counts, route_args(M, E, k, True, R, T),
+                                   threads=tg or 0, label="moe_route_scatter")
 
 
 def combine_args(M, H, k) -> bytes:
@@ -127,12 +121,10 @@ def combine_args(M, H, k) -> bytes:
 
 
 def enc_combine(p, h, yx, w, M, H, k, tg=64):
-    """moe_combine: h fp32 [M, H] (updated), yx bfloat [M*k, H], w fp32 [M, k+1] (its last
-    column, the shared gate, is not read: the shared expert is already in h)."""
-    p.dispatch("moe_combine", (H // 4, M), (tg, 1),
-               buffers=[(0, h), (1, yx), (2, w)], constants=[(3, combine_args(M, H, k))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1))],
-               writes=[(h, 0, 4 * M * H)], label="moe_combine")
+    """moe_combine with the chunk's builder (lily._core.encode_moe_combine): h fp32 [M, H]
+    (updated), yx bfloat [M*k, H], w fp32 [M, k+1] (its last column, the shared gate, is not
+    read: the shared expert is already in h); tg threads a threadgroup."""
+    _core.encode_moe_combine(p, h, yx, w, combine_args(M, H, k), threads=tg, label="moe_combine")
 
 
 def combine_inputs(rng, M, H, k):
@@ -144,13 +136,10 @@ def combine_inputs(rng, M, H, k):
 
 
 def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
-    """moe_combine_norm: enc_combine's operands, then xn bfloat [M, H] = RMSNorm(h) * nw (bf16
-    [H]); one threadgroup of tg threads per row."""
-    p.dispatch("moe_combine_norm", M, tg,
-               buffers=[(0, h), (1, yx), (2, w), (4, nw), (5, xn)],
-               constants=[(3, combine_args(M, H, k)), (6, pack_args("NormArgs", n=H, eps=eps))],
-               reads=[(h, 0, 4 * M * H), (yx, 0, 2 * M * k * H), (w, 0, 4 * M * (k + 1)), (nw, 0, 2 * H)],
-               writes=[(h, 0, 4 * M * H), (xn, 0, 2 * M * H)], threadgroups=True, label="moe_combine_norm")
+    """moe_combine_norm with the chunk's builder: enc_combine's operands, then xn bfloat [M, H]
+    = RMSNorm(h) * nw (bf16 [H]); one threadgroup of tg threads per row."""
+    _core.encode_moe_combine(p, h, yx, w, combine_args(M, H, k), norm=nw, xn=xn, eps=eps, threads=tg,
+                             label="moe_combine_norm")
 
 
 def combine_ref(h, yx, w):
