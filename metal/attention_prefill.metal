@@ -37,7 +37,6 @@ namespace attn_prefill_detail {
 
 
 // ---- prep ----
-constant constexpr uint kPrepRows = 8;  // rows per prep threadgroup: one simdgroup per row
 
 // Element i of query head h of chunk row `row` out: fp32 [M, Hq, D] as computed, or bfloat
 // q * q_scale (round to nearest even; bf16 has fp32's range: no clamp) in the tensor-op
@@ -262,9 +261,9 @@ template <uint D, typename QT>
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
   constexpr uint NC = D / 32;
-  constexpr uint NXS = attn_prefill_detail::kPrepRows * D;
+  constexpr uint NXS = kAttnPrefillPrepRows * D;
   threadgroup float xs[NXS];
-  const uint row = tg.x * attn_prefill_detail::kPrepRows + sg;
+  const uint row = tg.x * kAttnPrefillPrepRows + sg;
   if (row >= args.rows) {
     return;  // the whole simdgroup; the kernel has no threadgroup barrier
   }

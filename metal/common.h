@@ -19,8 +19,6 @@ using namespace metal;
 
 // ---------------------------------------------------------------- constants
 
-// MLX affine quantization: 64 consecutive weights of a row share one scale and one bias.
-constant constexpr uint kQuantGroup = 64;
 // The decode kernels' argument structs and the constants the host shares with them (rows
 // per simdgroup of the GEMVs, split-K, the routing and norm_gemv limits): host-includable.
 #include "decode_args.h"

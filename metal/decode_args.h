@@ -10,6 +10,9 @@
 #ifndef LILY_DECODE_ARGS_H
 #define LILY_DECODE_ARGS_H
 
+// MLX affine quantization: 64 consecutive weights of a row share one scale and one bias
+// (the host checks a checkpoint against it: csrc/runtime/model.h QuantFormat).
+constant constexpr uint kQuantGroup = 64;
 // Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size). 4, not
 // 8: a 2048-row GEMV then runs 512 simdgroups, enough threads to keep every core of a
 // 40-core GPU loading (docs/performance.md); norm_gemv_q* take theirs from NormGemvArgs.
@@ -108,7 +111,7 @@ struct MoeRouteArgs {
 #define LILY_DECODE_ARG_STRUCTS(S) \
   S(GemvArgs) S(GatedNormArgs) S(EmbedArgs) S(NormArgs) S(RouteArgs) S(MoeArgs) S(NormGemvArgs) S(MoeRouteArgs)
 #define LILY_DECODE_CONSTANTS(C) \
-  C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kGemvSplitK) C(kSplitJoinMax) C(kRouteMaxExperts) \
+  C(kQuantGroup) C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kGemvSplitK) C(kSplitJoinMax) C(kRouteMaxExperts) \
   C(kNormGemvMaxMatrices)
 
 #endif  // LILY_DECODE_ARGS_H

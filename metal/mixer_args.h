@@ -111,7 +111,11 @@ constant constexpr uint kAttnDecodeThreads = kAttnSimdgroups * 32;
 constant constexpr uint kCombineSimdgroups = 8;
 constant constexpr uint kAttnCombineThreads = kCombineSimdgroups * 32;
 
+// The q/k L2 norm's epsilon of the Gated DeltaNet (decode step and prefill scan), added to
+// the sum of squares (as mlx-lm's qwen3_next, whose l2 norm uses 1e-6).
+constant constexpr float kGdnL2Eps = 1e-6f;
+
 #define LILY_MIXER_CONSTANTS(C) \
-  C(kGdnRowBatch) C(kAttnSimdgroups) C(kAttnDecodeThreads) C(kCombineSimdgroups) C(kAttnCombineThreads)
+  C(kGdnL2Eps) C(kGdnRowBatch) C(kAttnSimdgroups) C(kAttnDecodeThreads) C(kCombineSimdgroups) C(kAttnCombineThreads)
 
 #endif  // LILY_MIXER_ARGS_H

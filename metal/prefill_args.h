@@ -185,6 +185,9 @@ enum : uint {
   kAttnPrefillPairs = 64,
   kAttnPrefillTile = 32,
   kAttnPrefillSlabRows = 16,
+  // attn_prefill_prep: chunk rows per threadgroup, one simdgroup each
+  kAttnPrefillPrepRows = 8,
+  kAttnPrefillPrepThreads = kAttnPrefillPrepRows * 32,
 };
 constant constexpr float kAttnPrefillRescale = 8.0f;
 
@@ -229,6 +232,7 @@ struct AttnPrefillArgs {
 #define LILY_PREFILL_CONSTANTS(C) \
   C(kMoeTileClasses) C(kMoeRouteMaxBlockSlots) C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
   C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
+  C(kAttnPrefillPrepRows) C(kAttnPrefillPrepThreads) \
   C(kAttnPrefillSlabRows) C(kAttnPrefillRescale)
 
 #endif  // LILY_PREFILL_ARGS_H

@@ -181,7 +181,7 @@ static inline void argmax_slice(device const float* logits, device const float* 
   }
 }
 
-[[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
+[[max_total_threads_per_threadgroup(kArgmaxPartialThreads)]] kernel void argmax_partial(device const float* logits [[buffer(0)]],  // [V]
                            device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
                            constant ArgmaxArgs& args [[buffer(2)]],
                            uint grp [[threadgroup_position_in_grid]],
@@ -195,7 +195,7 @@ static inline void argmax_slice(device const float* logits, device const float* 
   argmax_slice<false>(logits, logits, part, args, grp, tid, ntg, sg, lane, nsg, sv, si);
 }
 
-[[max_total_threads_per_threadgroup(256)]] kernel void argmax_partial_bias(device const float* logits [[buffer(0)]],  // [V]
+[[max_total_threads_per_threadgroup(kArgmaxPartialThreads)]] kernel void argmax_partial_bias(device const float* logits [[buffer(0)]],  // [V]
                                 device uint2* part [[buffer(1)]],          // [ceil(V / slice)]
                                 constant ArgmaxArgs& args [[buffer(2)]],
                                 device const float* bias [[buffer(3)]],    // [V] added to the logits

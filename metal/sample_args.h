@@ -14,7 +14,9 @@ struct SampleGreedyArgs {
 
 // argmax_partial (stage 1 of the multi-threadgroup greedy argmax): threadgroup j scans
 // logits [j*slice, min((j+1)*slice, vocab)); sample_greedy_combine (stage 2) reduces the
-// `count` partials. argmax_partial_bias takes the same arguments.
+// `count` partials. argmax_partial_bias takes the same arguments, and both run
+// kArgmaxPartialThreads threads a threadgroup.
+constant constexpr uint kArgmaxPartialThreads = 256;
 struct ArgmaxArgs {
   uint vocab;         // V (stage 1); number of partials (stage 2)
   uint slice;         // logits per threadgroup (stage 1; unused by stage 2)
@@ -43,5 +45,6 @@ struct SampleArgs {
   F(repetition_penalty) F(seed_lo) F(seed_hi) F(logprobs) F(top_logprobs) F(update_counts) F(bias)
 
 #define LILY_SAMPLE_ARG_STRUCTS(S) S(SampleGreedyArgs) S(ArgmaxArgs) S(SampleArgs)
+#define LILY_SAMPLE_CONSTANTS(C) C(kArgmaxPartialThreads)
 
 #endif  // LILY_SAMPLE_ARGS_H

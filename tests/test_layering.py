@@ -20,8 +20,8 @@ _CHECKOUT = pathlib.Path(__file__).resolve().parents[1] / "src" / "lily"
 SRC = _CHECKOUT if (_CHECKOUT / "__init__.py").is_file() else pathlib.Path(lily.__file__).parent
 
 
-def _loaded(*modules: str) -> set[str]:
-    code = (f"import sys\nfor m in {list(modules)!r}: __import__(m)\n"
+def _loaded(*modules: str, then: str = "") -> set[str]:
+    code = (f"import sys\nfor m in {list(modules)!r}: __import__(m)\n{then}\n"
             "import json; print(json.dumps(sorted(m for m in sys.modules if m.startswith('lily'))))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     return set(json.loads(out))
@@ -32,7 +32,9 @@ def _lab(modules: set[str]) -> set[str]:
 
 
 def test_engine_server_and_cli_do_not_load_the_lab():
-    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native_backend", "lily.reference", "lily.server")
+    # build_parser() runs for every command (lily generate, lily serve): it must not load the lab either
+    loaded = _loaded("lily", "lily.engine", "lily.cli", "lily.native_backend", "lily.reference", "lily.server",
+                     then="import lily.cli; lily.cli.build_parser()")
     assert "lily.engine" in loaded and "lily.server" in loaded and "lily.native_backend" in loaded
     assert not _lab(loaded)
 
@@ -63,6 +65,11 @@ def _imports(path: pathlib.Path) -> list[tuple[str, bool]]:
                 out.extend([(module, in_function)] + [(f"{module}.{a.name}", in_function) for a in child.names])
             elif isinstance(child, ast.Import):
                 out.extend((a.name, in_function) for a in child.names if a.name.startswith("lily"))
+            elif (isinstance(child, ast.Call) and isinstance(child.func, (ast.Attribute, ast.Name))
+                  and (child.func.attr if isinstance(child.func, ast.Attribute) else child.func.id)
+                  in ("import_module", "__import__") and child.args and isinstance(child.args[0], ast.Constant)
+                  and str(child.args[0].value).startswith("lily")):  # importlib.import_module("lily.lab...")
+                out.append((str(child.args[0].value), in_function))
             visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
     visit(ast.parse(path.read_text(encoding="utf-8")), False)
     return out

@@ -87,7 +87,7 @@ QuantFormat native_quant_format(const std::string& module) {
     const size_t n = std::strlen(s);
     return module.size() >= n && module.compare(module.size() - n, n, s) == 0;
   };
-  return QuantFormat{ends_with(".mlp.gate") || ends_with(".mlp.shared_expert_gate") ? 8u : 4u, kQuantGroup};
+  return QuantFormat{ends_with(".mlp.gate") || ends_with(".mlp.shared_expert_gate") ? 8u : 4u, kernels::kQuantGroup};
 }
 
 ModelWeights ModelWeights::bind(const WeightTable& table, const ModelDims& d) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gpu/device.h"
+#include "kernel_args.h"
 
 namespace lily::runtime {
 
@@ -86,13 +87,12 @@ class WeightTable {
 };
 
 // The quantization the kernels implement, as `mlx_lm convert -q --q-bits 4 --q-group-size 64`
-// writes it: MLX affine, 64-column groups (metal/common.h kQuantGroup), 4-bit weights and an
+// writes it: MLX affine, kQuantGroup-column groups (metal/decode_args.h), 4-bit weights and an
 // 8-bit router (`mlp.gate`) and shared-expert gate (`mlp.shared_expert_gate`).
 struct QuantFormat {
   uint32_t bits = 4;
-  uint32_t group_size = 64;
+  uint32_t group_size = kernels::kQuantGroup;
 };
-constexpr uint32_t kQuantGroup = 64;
 // The format the kernels read a linear module in (its name without `.weight`, e.g.
 // `model.layers.0.mlp.gate`). lily.native_backend checks a checkpoint against it before loading.
 QuantFormat native_quant_format(const std::string& module);

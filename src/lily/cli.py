@@ -706,8 +706,10 @@ def cmd_estimate(args) -> int:
 
 def _check_estimate(parser: argparse.ArgumentParser, args) -> None:
     """Usage errors (exit 2) for lengths the model cannot take; the bounds live in lily.lab.estimate."""
-    from lily.lab.estimate import KERNELS_KIND, check_length, model_config
+    from lily.lab.estimate import KERNELS_KIND, MACHINES, check_length, model_config
     from lily.lab.published import LENGTHS
+    if args.machine is not None and args.machine not in MACHINES:
+        parser.error(f"argument --machine: invalid choice: {args.machine!r} (choose from {', '.join(MACHINES)})")
     if max(args.batches) > MAX_BATCH:
         parser.error(f"--batches: at most {MAX_BATCH} rows decode together, got {max(args.batches)}")
     try:
@@ -979,9 +981,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dispatches on a chosen Apple GPU: decode tok/s per context, prefill tok/s "
                                    "per prompt length, and where the time goes by kernel family. An estimate, "
                                    "not a measurement.")
-    from lily.lab.estimate import MACHINES  # the estimate command's choices (the lab: see the imports)
-    e.add_argument("--machine", default=None, choices=list(MACHINES),
-                   help="the GPU modelled (default m5max; with --fit, the measured run's chip)")
+    e.add_argument("--machine", default=None, metavar="KEY",  # checked in _check_estimate: the lab loads only there
+                   help="the GPU modelled, a key of lily.lab.estimate.MACHINES (default m5max; with --fit, the "
+                        "measured run's chip)")
     e.add_argument("--model", "-m", default=None, metavar="PATH",
                    help="take the dimensions from this checkpoint's config.json (default: Qwen3.6-35B-A3B)")
     e.add_argument("--contexts", type=_int_list, default=None, metavar="L1,L2,...",

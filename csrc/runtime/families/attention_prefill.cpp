@@ -8,7 +8,6 @@ namespace args = lily::kernels;
 
 namespace {
 
-constexpr uint32_t kPrepRows = 8, kPrepThreads = 256;  // the prep's rows and threads per threadgroup
 constexpr size_t kBf = 2, kF = sizeof(float);
 
 size_t q_bytes(size_t M, size_t Hq, size_t D, bool bf16_q) { return M * Hq * D * (bf16_q ? kBf : kF); }
@@ -33,7 +32,7 @@ void encode_attn_prefill_prep(gpu::ComputePass& pass, const gpu::Pipeline& kerne
   const size_t M = a.rows, Hq = a.num_q_heads, Hkv = a.num_kv_heads;
   const size_t kv_bytes = M * Hkv * D * kBf;
   Op op(kernel, label);
-  op.groups({ceil_div(a.rows, kPrepRows), uint32_t(Hq + Hkv), 1}, {kPrepThreads, 1, 1})
+  op.groups({ceil_div(a.rows, args::kAttnPrefillPrepRows), uint32_t(Hq + Hkv), 1}, {args::kAttnPrefillPrepThreads, 1, 1})
       .in(0, io.qg, 0, M * Hq * 2 * D * kBf)
       .in(1, *io.k, 0, kv_bytes)
       .in(2, *io.v, 0, kv_bytes)

@@ -10,7 +10,6 @@ namespace args = lily::kernels;
 
 namespace {
 // The q/k L2 norm's epsilon (the model's; docs/model.md "Gated DeltaNet").
-constexpr float kL2Eps = 1e-6f;
 // The step's grid: `splits` threadgroups per value head of 4 state rows per simdgroup.
 gpu::Size3 step_grid(const GdnShape& s, uint32_t splits) { return {s.Hv, splits, 1}; }
 gpu::Size3 step_threads(const GdnShape& s, uint32_t splits) { return {s.Dv / splits * 8, 1, 1}; }
@@ -40,7 +39,7 @@ void encode_gdn_decode_step(gpu::ComputePass& pass, const gpu::Pipeline& kernel,
       .out(7, io.conv_out, 0, conv_bytes)
       .out(9, io.y, io.y_at, size_t(s.Hv) * s.Dv * f)
       .out(10, io.ssq, io.ssq_at, ssq_bytes)
-      .args(11, args::GdnDecodeArgs{s.Hk, s.Hv, s.K, kL2Eps, pending, write_back ? 1u : 0u})
+      .args(11, args::GdnDecodeArgs{s.Hk, s.Hv, s.K, args::kGdnL2Eps, pending, write_back ? 1u : 0u})
       .bind(12, io.ring);
   // the state read, the ring's pending entries replayed; then either the state written back
   // or this step's entry appended (metal/gdn.metal, "Write-back window")
@@ -60,7 +59,7 @@ void encode_gdn_state_writeback(gpu::ComputePass& pass, const gpu::Pipeline& ker
       .groups(step_grid(s, splits), step_threads(s, splits))
       .inout(0, state, 0, s.state_bytes())
       .in(1, ring, 0, pending * s.ring_entry_bytes())
-      .args(2, args::GdnDecodeArgs{s.Hk, s.Hv, s.K, kL2Eps, pending, 1})
+      .args(2, args::GdnDecodeArgs{s.Hk, s.Hv, s.K, args::kGdnL2Eps, pending, 1})
       .run(pass);
 }
 

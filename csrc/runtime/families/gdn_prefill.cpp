@@ -11,7 +11,6 @@ namespace lily::runtime {
 namespace args = lily::kernels;
 
 namespace {
-constexpr float kL2Eps = 1e-6f;   // the q/k L2 norm's epsilon, as the decode step's
 constexpr size_t kValueBytes = 2;  // u and z (bfloat), the norm factors (half): 2 bytes each
 }  // namespace
 
@@ -35,7 +34,7 @@ void encode_gdn_scan(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::s
       .in(6, *w.dt_bias, &t.weight_bytes)
       .inout(7, io.state, 0, s.state_bytes())
       .out(8, io.u, 0, values * kValueBytes)
-      .args(9, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, kL2Eps})
+      .args(9, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, args::kGdnL2Eps})
       .in(10, io.z, 0, values * kValueBytes)
       .in(11, *w.norm, &t.weight_bytes)
       .out(12, io.ss, 0, size_t(M) * s.Hv * (s.Dv / rv) * f)
@@ -51,7 +50,7 @@ void encode_gdn_norm_scale(gpu::ComputePass& pass, const gpu::Pipeline& kernel, 
       .threads({M * s.Hv, 1, 1}, {threads, 1, 1})
       .in(0, ss, 0, factors * sizeof(float))
       .out(1, f_out, 0, factors * kValueBytes)
-      .args(2, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, kL2Eps})
+      .args(2, args::GdnScanArgs{s.Hk, s.Hv, M, norm_eps, args::kGdnL2Eps})
       .run(pass);
 }
 

@@ -20,7 +20,7 @@ void encode_argmax_partials(gpu::ComputePass& pass, const gpu::Pipeline& partial
   const uint32_t parts = ceil_div(vocab, slice);
   const size_t row_bytes = size_t(rows) * sizeof(float);
   Op op(partial, io.bias ? "greedy argmax partials (+ logit bias)" : "greedy argmax partials");
-  op.groups({parts, 1, 1}, {256, 1, 1})
+  op.groups({parts, 1, 1}, {args::kArgmaxPartialThreads, 1, 1})
       .in(0, io.logits, io.logits_at, row_bytes)
       .out(1, io.partials, io.partials_at, size_t(parts) * 2 * sizeof(uint32_t))
       .args(2, args::ArgmaxArgs{vocab, slice});

@@ -120,10 +120,10 @@ def combine_args(M, H, k) -> bytes:
     return pack_args("MoeCombineArgs", rows=M, hidden=H, top_k=k)
 
 
-def enc_combine(p, h, yx, w, M, H, k, tg=64):
+def enc_combine(p, h, yx, w, M, H, k, tg=0):
     """moe_combine with the chunk's builder (lily._core.encode_moe_combine): h fp32 [M, H]
     (updated), yx bfloat [M*k, H], w fp32 [M, k+1] (its last column, the shared gate, is not
-    read: the shared expert is already in h); tg threads a threadgroup."""
+    read: the shared expert is already in h); tg threads a threadgroup (0: the runtime's)."""
     _core.encode_moe_combine(p, h, yx, w, combine_args(M, H, k), threads=tg, label="moe_combine")
 
 
@@ -135,9 +135,9 @@ def combine_inputs(rng, M, H, k):
             rng.random((M, k + 1)).astype(np.float32))
 
 
-def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=256):
+def enc_combine_norm(p, h, yx, w, nw, xn, M, H, k, eps=1e-6, tg=0):
     """moe_combine_norm with the chunk's builder: enc_combine's operands, then xn bfloat [M, H]
-    = RMSNorm(h) * nw (bf16 [H]); one threadgroup of tg threads per row."""
+    = RMSNorm(h) * nw (bf16 [H]); one threadgroup of tg threads per row (0: the runtime's)."""
     _core.encode_moe_combine(p, h, yx, w, combine_args(M, H, k), norm=nw, xn=xn, eps=eps, threads=tg,
                              label="moe_combine_norm")
 

@@ -155,7 +155,7 @@ def argmax_two_stage(dev, logits: np.ndarray, slice_: int, bias: np.ndarray | No
                      vocab: int | None = None, combine_threads: int | None = None) -> tuple[int, int]:
     """The runtime's greedy argmax on ``dev`` over float32 ``logits`` ``[V]`` (plus float32
     ``bias`` ``[V]`` when given: argmax_partial_bias), encoded as the decode step encodes it
-    (lily._core.encode_argmax): argmax_partial (256 threads per slice of ``slice_`` logits),
+    (lily._core.encode_argmax): argmax_partial (kArgmaxPartialThreads threads per slice of ``slice_`` logits),
     then sample_greedy_combine in one threadgroup of ``combine_threads`` (default: as the
     runtime picks them, csrc/runtime/families/sample.h sampler_threads); over the first
     ``vocab`` logits only when given (the runtime's ``vocab_limit``). Returns (token, barrier
