@@ -12,9 +12,10 @@ self-test kernel tests (tests/sim/).
   references): their home is :mod:`lily.lab.kernels`, which ``lily doctor`` runs on an
   installed package; they are re-exported here so a test imports one module;
 * :func:`assert_within`: the per-output first-order error bound check;
-* the prefill GEMMs' Metal 4 tensor-operation twins (tests/kernels/test_*_tensor.py):
-  :class:`TwinDevice` dispatches a GEMM kernel's ``_tensor`` twin under its name, so a
-  family's simdgroup suite runs again on the twins; :func:`seq_model` is the simulator's
+* the prefill GEMMs' Metal 4 tensor-operation twins (tests/kernels/test_*_tensor.py): on a
+  :class:`TwinDevice` the GEMM builders (``lily._core.encode_gemm`` / ``encode_moe_gemm``,
+  given :func:`twin_target`'s pass) encode a GEMM's ``_tensor`` twin, so a family's
+  simdgroup suite runs again on the twins; :func:`seq_model` is the simulator's
   exact float32 result on the bfloat operands; :func:`check_bound` / :func:`swiglu_check`
   the GEMM bounds of ``gemm_ref`` / ``swiglu_ref``.
 """
@@ -28,12 +29,12 @@ from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 
 from lily.lab.kernels import harness as lab_harness
 from lily.lab.device import constant, download, pack_args, sim_device, upload  # noqa: F401
-from lily.lab.kernels.gemm import GEMM_BM, GEMM_TG, gemm_geometry, gemm_ref, swiglu_ref  # noqa: F401
+from lily.lab.kernels.gemm import gemm_ref, swiglu_ref  # noqa: F401
 from lily.lab.kernels.harness import (  # noqa: F401
     U, bf16_bits, bf16_operand, bf16_stored, bf16_weights, f32, from_bf16, magnitude, rand_quant,
     run_encoder, to_bf16_bits, upload_bf16, upload_q,
 )
-from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES, moe_geometry  # noqa: F401
+from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES  # noqa: F401
 
 #: Simulator wall time per dispatch label (seconds), summed over the session.
 TIMES: dict[str, float] = {}
@@ -127,8 +128,7 @@ def forward_sim():
 # ----------------------------------------------------------------------------- tensor-operation twins
 
 # The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`,
-# and the names of the tensor-op path's own 128-row expert tiles without their suffix (so a
-# tile-class chain at T = 128 runs on this device).
+# and the names of the tensor-op path's own 128-row expert tiles without their suffix.
 TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16", "gemm_swiglu_q4",
          *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
 
@@ -141,27 +141,15 @@ class _Proxy:
         return getattr(self._obj, name)
 
 
-# The dense ones, whose twins take 128-row blocks of 256 threads (gemm_tensor.metal) where
-# they take 64 rows and 128 threads: the proxy regrids their dispatches (ceil(ceil(m / 64) /
-# 2) = ceil(m / 128) row blocks).
-DENSE_TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16", "gemm_swiglu_q4"}
-
-
 class _TwinPass(_Proxy):
-    def dispatch(self, kernel, grid, threads, *args, **kwargs):
-        if kernel in DENSE_TWINS:
-            assert threads == GEMM_TG and kwargs.get("threadgroups"), "dense GEMMs: 128-thread threadgroups"
-            bm, threads = gemm_geometry(kernel + "_tensor")
-            grid = (grid[0], -(-grid[1] // (bm // GEMM_BM)))
-        elif kernel in TWINS:  # grouped: the twin's threads and column blocks (moe_geometry)
-            T = int(kernel.rsplit("_t", 1)[1])
-            down = "_down_" in kernel
-            simd = moe_geometry(T, False) if T in MOE_TILES else None
-            threads, *bns = moe_geometry(T, True)
-            if simd is not None:  # a T = 128 dispatch already has the twin's geometry
-                bn_simd, bn = (simd[2], bns[1]) if down else (simd[1], bns[0])
-                grid = (grid[0], grid[1] * bn_simd // bn)
-        return self._obj.dispatch(kernel + "_tensor" if kernel in TWINS else kernel, grid, threads, *args, **kwargs)
+    def dispatch(self, kernel, *args, **kwargs):
+        # a twin's grid and threads are its builder's (they differ from the simdgroup kernel's):
+        # a GEMM dispatched by hand here would run the simdgroup kernel, or the twin regridded by
+        # a second copy of the geometry
+        assert kernel not in TWINS, (f"{kernel} dispatched by hand on a TwinDevice: GEMMs go through the "
+                                     "prefill plan's builders (lily._core.encode_gemm / encode_moe_gemm on "
+                                     "twin_target(pass)), which pick the twin and its grid")
+        return self._obj.dispatch(kernel, *args, **kwargs)
 
 
 def twin_target(p):
@@ -177,7 +165,8 @@ class _TwinCommandBuffer(_Proxy):
 
 
 class TwinDevice(_Proxy):
-    """A simulator device on which dispatching a GEMM kernel runs its *_tensor twin."""
+    """A simulator device on which the GEMM builders, given :func:`twin_target`'s pass, encode
+    each GEMM's *_tensor twin; a GEMM kernel dispatched by hand on its passes is refused."""
 
     def command_buffer(self):
         return _TwinCommandBuffer(self._obj.command_buffer())

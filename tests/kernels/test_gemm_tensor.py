@@ -6,8 +6,9 @@ with the same device, and the checks of part 3 cover both families.
 1. h-gemm's suite, unchanged, on the twins: every test of tests/kernels/test_gemm.py
    (dense shapes, strides and column blocks, _add_h, _add_hs, _bf16, SwiGLU, the router/shared-gate layout,
    operands beyond the half range) is collected here again with its own parametrisation,
-   inputs and tolerances, on a device whose dispatches of a GEMM kernel name go to the name's
-   ``_tensor`` twin (``harness.TwinDevice``: same bindings and grids, outputs). Its
+   inputs and tolerances, on a device on which the GEMM builder (``lily._core.encode_gemm``)
+   encodes a kernel's ``_tensor`` twin (``harness.TwinDevice``: same bindings and outputs,
+   the twin's grid as the builder picks it). Its
    references model the bfloat operands (``gemm_ref``) and its tolerances are the float32
    bounds documented in that module (``(K + 8) u M`` per output, first-order SwiGLU
    propagation), which hold for any summation order, so they are also what a GPU must meet.
@@ -79,18 +80,23 @@ del _name, _fn
 
 
 def test_suite_reaches_the_twins(dev):
-    """The proxy really dispatches the twins (a twin's name is in the dispatch log only if
-    the label is left to default)."""
-    x = np.zeros((1, 64), np.float32)
-    qt = rand_quant(fresh_rng(10), (), 1, 64, 4)
-    bufs = [upload(dev, a) for a in (qt.weight, qt.scales, qt.biases, x)] + [dev.buffer(4)]
+    """A GEMM kernel dispatched by hand on a TwinDevice is refused (it would bypass the
+    builder that picks the twin and its grid), and test_moe_prefill.py's grouped GEMM
+    encoder on a TwinDevice dispatches the twin (the dense one's: the next test)."""
     cb = dev.command_buffer()
-    cb.compute_pass().dispatch("gemm_q4", (1, 1), 128, buffers=list(enumerate(bufs)),
-                               constants=[(5, gemm_args(1, 1, 64))], reads=bufs[:4], writes=bufs[4:],
-                               threadgroups=True)
+    with pytest.raises(AssertionError, match="gemm_q4 dispatched by hand on a TwinDevice"):
+        cb.compute_pass().dispatch("gemm_q4", (1, 1), 128)
+    import test_moe_prefill as moe_suite
+    M, k, E, H, I, T = 1, 1, 1, 64, 64, 32
+    tiles = upload(dev, np.array([0, 0, 1, 0], np.uint32))
+    G, Up = (moe_suite.upload_q(dev, rand_quant(fresh_rng(10, j), (E,), I, H, 4)) for j in range(2))
+    X, P, HX = upload(dev, np.zeros(H, np.uint16)), upload(dev, np.zeros(1, np.uint32)), dev.buffer(2 * I)
+    cb = dev.command_buffer()
+    moe_suite.enc_gate_up(cb.compute_pass(), T, X, P, tiles, upload(dev, np.ones(1, np.uint32)), 1, G, Up, HX, M, k,
+                          E, H, I)
     cb.commit()
     cb.wait()
-    assert cb.dispatch_log[0]["label"].startswith("gemm_q4_tensor")
+    assert cb.dispatch_log[0]["kernel"] == f"moe_gemm_gate_up_q4_t{T}_tensor"
 
 
 def test_suite_encodes_the_twins(dev):

@@ -490,20 +490,19 @@ def test_combine_norm(dev, M, H, k, tg):
 
 @pytest.mark.parametrize("M,H,k", [(6, 2048, 8), (3, 320, 4)])
 def test_combine_norm_bit_identical(dev, M, H, k):
-    """With rms_norm_bf16's thread count (256, prefill.cpp kNormThreads), moe_combine_norm
-    gives the bits of moe_combine followed by rms_norm_bf16 on the simulator (a few ulps on a
-    GPU: harness.assert_same_arithmetic): the fused prefill path changes no value."""
+    """With the runtime's thread counts (both kNormThreads, csrc/runtime/families/norm.h),
+    moe_combine_norm gives the bits of moe_combine followed by rms_norm_bf16 on the simulator
+    (a few ulps on a GPU: harness.assert_same_arithmetic): the fused prefill path changes no
+    value. Both as the prefill chunk encodes them (lily._core.encode_moe_combine,
+    encode_rms_norm)."""
     rng = fresh_rng(M, H, k, 99)
     h, yx, w, nw = combine_norm_inputs(rng, M, H, k)
-    hout, xn = run_combine_norm(dev, h, yx, w, nw, 256)
+    hout, xn = run_combine_norm(dev, h, yx, w, nw, 0)
     Hb, XN = upload(dev, h), dev.buffer(2 * M * H)
     cb = dev.command_buffer()
     p = cb.compute_pass()
     enc_combine(p, Hb, upload_bf16(dev, yx), upload(dev, w), M, H, k)
-    NW = upload(dev, nw)
-    p.dispatch("rms_norm_bf16", M, 256, buffers=[(0, Hb), (1, NW), (2, XN)],
-               constants=[(3, pack_args("NormArgs", n=H, eps=1e-6))],
-               reads=[(Hb, 0, 4 * M * H), (NW, 0, 2 * H)], writes=[(XN, 0, 2 * M * H)], threadgroups=True)
+    _core.encode_rms_norm(p, "rms_norm_bf16", Hb, upload(dev, nw), XN, M, H, 1e-6, 2)
     cb.commit()
     cb.wait()
     assert_same_arithmetic(dev, hout, download(Hb, np.float32, (M, H)), "h: moe_combine_norm vs moe_combine")

@@ -6,9 +6,9 @@ by both families are in tests/kernels/test_gemm_tensor.py, whose docstring this 
 1. The grouped GEMM tests of tests/kernels/test_moe_prefill.py (gate/up and down over
    skewed / empty / stale tile maps, the gate/up -> down chain, a real-model-shaped layer),
    and the tile classes end to end (scatter, then one dispatch per class in one stage),
-   unchanged, on a device whose dispatches of a GEMM kernel name go to the name's
-   ``_tensor`` twin (``harness.TwinDevice``: same bindings and outputs, the twins' own
-   threads and column blocks). Their
+   unchanged, on a device on which the grouped GEMM builder (``lily._core.encode_moe_gemm``)
+   encodes a kernel's ``_tensor`` twin (``harness.TwinDevice``: same bindings and outputs,
+   the twins' own threads and column blocks, as the builder picks them). Their
    tolerances are the float32 bounds of tests/kernels/test_gemm.py's docstring, which hold
    for any summation order. The routing tests of that file dispatch no GEMM and are not
    repeated.
@@ -35,10 +35,10 @@ from lily import _core
 pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="simulator not built")
 
 from lily.lab.device import download, sim_device, upload  # noqa: E402
-from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES, moe_args, moe_geometry  # noqa: E402,F401
+from lily.lab.kernels.moe_prefill import MOE_TENSOR_TILES, MOE_TILES, enc_moe_gemm_down, enc_moe_gemm_gate_up  # noqa: E402
 from lily.lab.kernels.gemm import beyond_half  # noqa: E402
 from lily.lab.kernels.harness import bf16_activations as bact, upload_bf16  # noqa: E402
-from harness import rand_quant, run_bound as dispatch  # noqa: E402
+from harness import rand_quant, run_encoder, upload_q  # noqa: E402
 from harness import TwinDevice, cdiv, check_bound, pitched, seq_model, swiglu_check  # noqa: E402
 import test_moe_prefill as simd_suite  # noqa: E402
 
@@ -112,49 +112,47 @@ def twin_of(kernel, T):
     return (kernel, T) if T in MOE_TILES else (kernel.replace(f"_t{T}", "_t64"), 64)
 
 
-def run_gate_up(dev, kernel, T, x, perm, tiles, count, max_tiles, gq, uq, n, k, top_k, experts, ldy):
-    m, lda = x.shape[0], k + 4
-    X = upload_bf16(dev, pitched(bact(x), lda, 0.0))  # xn: bfloat
+def run_grouped(dev, kernel, T, ids, experts, a, qts, n, k, ldy):
+    """``kernel`` (a grouped GEMM of height T: gate/up with qts = (gate, up), down with qts =
+    (down,)) as the prefill chunk encodes it (moe_prefill.enc_moe_gemm_gate_up / _down:
+    lily._core.encode_moe_gemm's grid, threads and declared ranges) over tile_map's map of ids
+    at height T. a: its operand (gate/up: the chunk's rows, down: the slots' rows), pitched,
+    stored as bfloat. Returns y bfloat [m * top_k, ldy]."""
+    (m, top_k), lda = ids.shape, a.shape[1]
+    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
+    A = upload_bf16(dev, a)
     P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
-    W = [upload(dev, a) for q in (gq, uq) for a in (q.weight, q.scales, q.biases)]
-    HX = dev.buffer(m * top_k * ldy * 2)  # bfloat
-    bufs = [X, P, Ti, C, *W, HX]
-    threads, bn, _ = moe_geometry(T, kernel.endswith("_tensor"))
-    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[HX])
-    return download(HX, "bf16", (m * top_k, ldy))
+    Y = dev.buffer(m * top_k * ldy * 2)  # bfloat
+    W = [upload_q(dev, q) for q in qts]
+    if "_gate_up_" in kernel:
+        run_encoder(dev, enc_moe_gemm_gate_up, T, A, P, Ti, C, max_tiles, *W, Y, m, top_k, experts, k, n, lda=lda,
+                    ldy=ldy, kernel=kernel)
+    else:
+        run_encoder(dev, enc_moe_gemm_down, T, A, P, Ti, C, max_tiles, *W, Y, m, top_k, experts, n, k, lda=lda,
+                    ldy=ldy, kernel=kernel)
+    return download(Y, "bf16", (m * top_k, ldy))
 
 
-def run_down(dev, kernel, T, hx, perm, tiles, count, max_tiles, dq, n, k, top_k, experts, ldy, m):
-    lda = hx.shape[1]
-    H = upload_bf16(dev, hx)
-    P, Ti, C = upload(dev, perm), upload(dev, tiles), upload(dev, np.array([count], np.uint32))
-    W = [upload(dev, a) for a in (dq.weight, dq.scales, dq.biases)]
-    YX = dev.buffer(m * top_k * ldy * 2)  # bfloat
-    bufs = [H, P, Ti, C, *W, YX]
-    threads, _, bn = moe_geometry(T, kernel.endswith("_tensor"))
-    dispatch(dev, kernel, (max_tiles, cdiv(n, bn)), threads, bufs,
-             moe_args(n, k, m, top_k, experts, lda, ldy, T), reads=bufs[:-1], writes=[YX])
-    return download(YX, "bf16", (m * top_k, ldy))
+def run_exact(dev, kind, T, ids, experts, a, qts, n, k, ldy):
+    """moe_gemm_{kind}_q4_t{T}_tensor's y (run_grouped), equal bit for bit to its simdgroup
+    twin's (twin_of, on the twin's own tiling), nothing written past column n."""
+    kern = f"moe_gemm_{kind}_q4_t{T}"
+    y = run_grouped(dev, kern + "_tensor", T, ids, experts, a, qts, n, k, ldy)
+    twin, Tt = twin_of(kern, T)
+    np.testing.assert_array_equal(y, run_grouped(dev, twin, Tt, ids, experts, a, qts, n, k, ldy))
+    assert np.isnan(y[:, n:]).all()
+    return y
 
 
 @pytest.mark.parametrize("T,m,experts,top_k,hidden,inter", EXACT_CASES)
 def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
-    dev = fwd
     rng = fresh_rng(15, T, m, experts)
     ids = routed(rng, m, experts, top_k)
-    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
     gq, uq = rand_quant(rng, (experts,), inter, hidden, 4), rand_quant(rng, (experts,), inter, hidden, 4)
     x = beyond_half(rng, (m, hidden))
-    ldy = inter + 4
-    kern = f"moe_gemm_gate_up_q4_t{T}"
-    hx = run_gate_up(dev, kern + "_tensor", T, x, perm, tiles, count, max_tiles, gq, uq, inter, hidden, top_k,
-                     experts, ldy)
-    twin, Tt = twin_of(kern, T)
-    _, tiles_t, count_t, max_t = tile_map(ids, experts, Tt)
-    np.testing.assert_array_equal(hx, run_gate_up(dev, twin, Tt, x, perm, tiles_t, count_t, max_t, gq, uq, inter,
-                                                  hidden, top_k, experts, ldy))
-    assert np.isnan(hx[:, inter:]).all()
+    hx = run_exact(fwd, "gate_up", T, ids, experts, pitched(bact(x), hidden + 4, 0.0), (gq, uq), inter, hidden,
+                   inter + 4)
+    perm = tile_map(ids, experts, T)[0]
     for s, a in enumerate(perm):
         row, e = a // top_k, ids.reshape(-1)[a]
         swiglu_check(hx[s:s + 1, :inter], x[row:row + 1], gq, uq, int(e))
@@ -162,21 +160,12 @@ def test_moe_gemm_gate_up_exact(fwd, T, m, experts, top_k, hidden, inter):
 
 @pytest.mark.parametrize("T,m,experts,top_k,hidden,inter", EXACT_CASES)
 def test_moe_gemm_down_exact(fwd, T, m, experts, top_k, hidden, inter):
-    dev = fwd
     rng = fresh_rng(16, T, m, experts)
     ids = routed(rng, m, experts, top_k)
-    perm, tiles, count, max_tiles = tile_map(ids, experts, T)
     dq = rand_quant(rng, (experts,), hidden, inter, 4)
-    lda, ldy = inter + 4, hidden + 4
-    hx = pitched(bact(beyond_half(rng, (m * top_k, inter))), lda, 0.0)
-    kern = f"moe_gemm_down_q4_t{T}"
-    yx = run_down(dev, kern + "_tensor", T, hx, perm, tiles, count, max_tiles, dq, hidden, inter, top_k, experts,
-                  ldy, m)
-    twin, Tt = twin_of(kern, T)
-    _, tiles_t, count_t, max_t = tile_map(ids, experts, Tt)
-    np.testing.assert_array_equal(yx, run_down(dev, twin, Tt, hx, perm, tiles_t, count_t, max_t, dq, hidden, inter,
-                                               top_k, experts, ldy, m))
-    assert np.isnan(yx[:, hidden:]).all()
+    hx = pitched(bact(beyond_half(rng, (m * top_k, inter))), inter + 4, 0.0)
+    yx = run_exact(fwd, "down", T, ids, experts, hx, (dq,), hidden, inter, hidden + 4)
+    perm = tile_map(ids, experts, T)[0]
     flat = ids.reshape(-1)
     for s, a in enumerate(perm):
         e = flat[a]
