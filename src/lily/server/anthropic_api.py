@@ -15,14 +15,14 @@ import uuid
 from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
 from lily.server import core
 from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps, log,
                               register_error_shape, request_constraint, state_of, stream_failed)
-from lily.server.protocol import APIError
+from lily.server.protocol import APIError, SamplingFields
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
@@ -97,13 +97,9 @@ class CountTokensRequest(_Open):
     thinking: Optional[Thinking] = None
 
 
-class MessagesRequest(CountTokensRequest):
+class MessagesRequest(CountTokensRequest, SamplingFields):
     max_tokens: StrictInt
     stop_sequences: Optional[list[str]] = None
-    stream: Optional[StrictBool] = False
-    temperature: Optional[StrictFloat] = None
-    top_p: Optional[StrictFloat] = None
-    top_k: Optional[StrictInt] = None
 
 
 # ----------------------------------------------------------------------------------------

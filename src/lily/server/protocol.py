@@ -80,12 +80,19 @@ class Tool(_Open):
     function: FunctionDef
 
 
-class _Sampling(_Open):
-    model: Optional[str] = None
-    max_tokens: Optional[StrictInt] = None
+class SamplingFields(_Open):
+    """The sampling and streaming fields every request model takes with the same types and
+    defaults (OpenAI chat/completions, the Responses API, Anthropic Messages): their one home."""
+
     temperature: Optional[StrictFloat] = None
     top_p: Optional[StrictFloat] = None
     top_k: Optional[StrictInt] = None
+    stream: Optional[StrictBool] = False
+
+
+class _Sampling(SamplingFields):
+    model: Optional[str] = None
+    max_tokens: Optional[StrictInt] = None
     min_p: Optional[StrictFloat] = None
     presence_penalty: Optional[StrictFloat] = None
     frequency_penalty: Optional[StrictFloat] = None
@@ -93,7 +100,6 @@ class _Sampling(_Open):
     seed: Optional[StrictInt] = None
     stop: Union[str, list[str], None] = None
     n: Optional[StrictInt] = 1
-    stream: Optional[StrictBool] = False
     stream_options: Optional[StreamOptions] = None
 
 

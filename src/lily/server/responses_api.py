@@ -16,7 +16,7 @@ import uuid
 from typing import Any, Callable, Optional, Union
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import StrictBool, StrictInt
 
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
@@ -24,7 +24,7 @@ from lily.server import core
 from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
                               dumps, effort_thinking, forces_format, log, request_constraint, state_of,
                               stream_failed)
-from lily.server.protocol import APIError
+from lily.server.protocol import APIError, SamplingFields
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
 
@@ -68,19 +68,13 @@ class ResponseStore:
 # ----------------------------------------------------------------------------------------
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ResponsesRequest(SamplingFields):
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
     instructions: Optional[str] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     max_output_tokens: Optional[StrictInt] = None
-    temperature: Optional[StrictFloat] = None
-    top_p: Optional[StrictFloat] = None
-    top_k: Optional[StrictInt] = None
-    stream: Optional[StrictBool] = False
     store: Optional[StrictBool] = True
     previous_response_id: Optional[str] = None
     reasoning: Optional[dict[str, Any]] = None
