@@ -218,25 +218,23 @@ void snapshot(Instance& in) {
       for (int kk = 0; kk < in.K; ++kk) in.b[size_t(c) * in.K + kk] = right_elem(op, in.right, kk, c);
 }
 
+// One cooperative input's valid slots of thread t into its tile (a [m][K] or b [n][K]):
+// element (i0, i1) is (outer, kk) when `outer_first`, else (kk, outer).
+void scatter(const Matmul& op, Role role, int T, int t, const float* coop, bool outer_first, int K,
+             std::vector<float>& tile) {
+  for (int i = 0; i < input_capacity(op, role, T); ++i) {
+    if (!input_valid(op, role, T, t, i)) continue;
+    const int i0 = input_i0(op, role, T, t, i), i1 = input_i1(op, role, T, t, i);
+    const int outer = outer_first ? i0 : i1, kk = outer_first ? i1 : i0;
+    tile[size_t(outer) * K + kk] = coop[i];
+  }
+}
+
 // An arriving thread's part of the cooperative inputs: its valid slots into the tiles.
 void contribute(Instance& in, const Operand& left, const Operand& right, int T, int t) {
   const Matmul& op = in.op;
-  if (left.coop) {
-    for (int i = 0; i < input_capacity(op, Role::left, T); ++i) {
-      if (!input_valid(op, Role::left, T, t, i)) continue;
-      const int i0 = input_i0(op, Role::left, T, t, i), i1 = input_i1(op, Role::left, T, t, i);
-      const int r = op.transpose_left ? i0 : i1, kk = op.transpose_left ? i1 : i0;
-      in.a[size_t(r) * in.K + kk] = left.coop[i];
-    }
-  }
-  if (right.coop) {
-    for (int i = 0; i < input_capacity(op, Role::right, T); ++i) {
-      if (!input_valid(op, Role::right, T, t, i)) continue;
-      const int i0 = input_i0(op, Role::right, T, t, i), i1 = input_i1(op, Role::right, T, t, i);
-      const int c = op.transpose_right ? i1 : i0, kk = op.transpose_right ? i0 : i1;
-      in.b[size_t(c) * in.K + kk] = right.coop[i];
-    }
-  }
+  if (left.coop) scatter(op, Role::left, T, t, left.coop, op.transpose_left, in.K, in.a);
+  if (right.coop) scatter(op, Role::right, T, t, right.coop, !op.transpose_right, in.K, in.b);
 }
 
 // At the last arrival: the operands must still hold what the first arrival read.
