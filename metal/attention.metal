@@ -335,7 +335,7 @@ struct AttnPartialOut {
 // ---- attn_decode -------------------------------------------------------------------------------
 // Grid: Hq / G threadgroups of 256 threads; threadgroup j serves query heads j*G .. j*G+G-1.
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D] from attn_qk_prep
+[[max_total_threads_per_threadgroup(kAttnDecodeThreads)]] kernel void attn_decode(device const float* q [[buffer(0)]],          // [Hq, D] from attn_qk_prep
                         device const float* gate [[buffer(1)]],       // gate of head h at h * gate_stride
                         device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D]
                         device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D]
@@ -346,10 +346,10 @@ template <uint D, uint G>
                         uint tid [[thread_index_in_threadgroup]],
                         uint sg [[simdgroup_index_in_threadgroup]],
                         uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float red_m[kAttnSimdgroups * G];
-  threadgroup float red_l[kAttnSimdgroups * G];
-  threadgroup float red[kAttnSimdgroups * D];
-  threadgroup float xch[kAttnSimdgroups * (32 + G)];
+  threadgroup float red_m[attn_red_floats(G)];
+  threadgroup float red_l[attn_red_floats(G)];
+  threadgroup float red[attn_rows_floats(D)];
+  threadgroup float xch[attn_xch_floats(G)];
   const uint h0 = grp * G;
   const uint kvh = h0 / (args.num_q_heads / args.num_kv_heads);
   const uint n = position[0] + 1;
@@ -364,7 +364,7 @@ template <uint D, uint G>
 // (slot h * max_blocks + b): part_ml[2*slot] = max score, part_ml[2*slot+1] = sum of exp,
 // part_acc[slot * D + d] = unnormalised accumulator.
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [Hq, D]
+[[max_total_threads_per_threadgroup(kAttnDecodeThreads)]] kernel void attn_decode_split(device const float* q [[buffer(0)]],         // [Hq, D]
                               device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                               device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                               device const uint* position [[buffer(3)]],   // [1]
@@ -375,10 +375,10 @@ template <uint D, uint G>
                               uint tid [[thread_index_in_threadgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float red_m[kAttnSimdgroups * G];
-  threadgroup float red_l[kAttnSimdgroups * G];
-  threadgroup float red[kAttnSimdgroups * D];
-  threadgroup float xch[kAttnSimdgroups * (32 + G)];
+  threadgroup float red_m[attn_red_floats(G)];
+  threadgroup float red_l[attn_red_floats(G)];
+  threadgroup float red[attn_rows_floats(D)];
+  threadgroup float xch[attn_xch_floats(G)];
   const uint n = position[0] + 1;
   const uint blk = tg.y;
   const uint r0 = blk * args.block_rows;
@@ -405,7 +405,7 @@ template <uint D, uint G>
 // (kCombineSimdgroups: mixer_args.h)
 
 template <uint D>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
+[[max_total_threads_per_threadgroup(kAttnCombineThreads)]] kernel void attn_combine(device const float* part_ml [[buffer(0)]],   // [Hq, max_blocks, 2]
                          device const float* part_acc [[buffer(1)]],  // [Hq, max_blocks, D]
                          device const float* gate [[buffer(2)]],      // gate of head h at h * gate_stride
                          device const uint* position [[buffer(3)]],   // [1]
@@ -577,7 +577,7 @@ static inline void append_row(device bfloat* k_cache, device bfloat* v_cache,
 // (KV head kvh = j*G / (Hq/Hkv)); the first threadgroup of each KV head (j*G a multiple of
 // Hq/Hkv) appends row pos of that KV head to both caches.
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
+[[max_total_threads_per_threadgroup(kAttnDecodeThreads)]] kernel void attn_decode_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D] q_proj output: query | gate per head
                               device const float* k [[buffer(1)]],          // [Hkv, D] k_proj output
                               device const float* v [[buffer(2)]],          // [Hkv, D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -591,12 +591,12 @@ template <uint D, uint G>
                               uint tid [[thread_index_in_threadgroup]],
                               uint sg [[simdgroup_index_in_threadgroup]],
                               uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float red_m[kAttnSimdgroups * G];
-  threadgroup float red_l[kAttnSimdgroups * G];
-  threadgroup float qs[kAttnSimdgroups * D];  // the prepared queries (G * D), then attend_rows' red
+  threadgroup float red_m[attn_red_floats(G)];
+  threadgroup float red_l[attn_red_floats(G)];
+  threadgroup float qs[attn_rows_floats(D)];  // the prepared queries (G * D), then attend_rows' red
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xch[kAttnSimdgroups * (32 + G)];
+  threadgroup float xch[attn_xch_floats(G)];
   const uint group = args.num_q_heads / args.num_kv_heads;
   const uint h0 = grp * G;
   const uint kvh = h0 / group;
@@ -619,7 +619,7 @@ template <uint D, uint G>
 // Partials as attn_decode_split; merge with attn_combine (gate: the q_proj output at element
 // offset D, gate_stride 2*D).
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_decode_split_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D]
+[[max_total_threads_per_threadgroup(kAttnDecodeThreads)]] kernel void attn_decode_split_fused(device const float* qg [[buffer(0)]],         // [Hq, 2*D]
                                     device const float* k [[buffer(1)]],          // [Hkv, D]
                                     device const float* v [[buffer(2)]],          // [Hkv, D]
                                     device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -634,12 +634,12 @@ template <uint D, uint G>
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]],
                                     uint lane [[thread_index_in_simdgroup]]) {
-  threadgroup float red_m[kAttnSimdgroups * G];
-  threadgroup float red_l[kAttnSimdgroups * G];
-  threadgroup float qs[kAttnSimdgroups * D];  // the prepared queries (G * D), then attend_rows' red
+  threadgroup float red_m[attn_red_floats(G)];
+  threadgroup float red_l[attn_red_floats(G)];
+  threadgroup float qs[attn_rows_floats(D)];  // the prepared queries (G * D), then attend_rows' red
   threadgroup float kcur[D];
   threadgroup float vcur[D];
-  threadgroup float xch[kAttnSimdgroups * (32 + G)];
+  threadgroup float xch[attn_xch_floats(G)];
   const uint pos = position[0];
   const uint n = pos + 1;
   const uint blk = tg.y;

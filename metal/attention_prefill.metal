@@ -62,13 +62,14 @@ struct QRows {
 
 // Per-simdgroup scratch (threadgroup memory, private to one simdgroup: only simdgroup
 // barriers order it): scores, P as bfloat, diag(corr), staging of Q and O fragments.
+// Its layout: prefill_args.h (kAttnPrefillSg*, read by the cost table).
 struct SgScratch {
-  static constant constexpr uint s = 0;                 // float [8, kTile] scores
-  static constant constexpr uint d = 8 * kTile;         // float [8, 8] diag(corr), off-diagonal 0
-  static constant constexpr uint l = d + 64;            // float [8] row sums, then 1 / l
-  static constant constexpr uint m = l + 8;             // float [8] row reference max
-  static constant constexpr uint floats = m + 8;
-  static constant constexpr uint bfloats = 8 * kTile;   // bfloat [8, kTile] P, also Q staging
+  static constant constexpr uint s = 0;                     // float [8, kTile] scores
+  static constant constexpr uint d = kAttnPrefillSgCorr;    // float [8, 8] diag(corr), off-diagonal 0
+  static constant constexpr uint l = kAttnPrefillSgSums;    // float [8] row sums, then 1 / l
+  static constant constexpr uint m = kAttnPrefillSgMax;     // float [8] row reference max
+  static constant constexpr uint floats = kAttnPrefillSgFloats;
+  static constant constexpr uint bfloats = kAttnPrefillSgBfloats;  // bfloat [8, kTile] P, also Q staging
 };
 
 // The attention of one threadgroup over cache rows [kbeg, kend) (clipped per row to the causal
@@ -248,7 +249,7 @@ static inline void attend(device const float* q, device const bfloat* qg,
 // simd_sum covers the same 32 consecutive elements as attn_qk_prep's simdgroups and the
 // partial sums are added in the same order: the results are attn_qk_prep's bit for bit.
 template <uint D, typename QT>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_prep(device const bfloat* qg [[buffer(0)]],        // bfloat [M, Hq*2*D] q_proj output: query | gate per head
+[[max_total_threads_per_threadgroup(kAttnPrefillPrepThreads)]] kernel void attn_prefill_prep(device const bfloat* qg [[buffer(0)]],        // bfloat [M, Hq*2*D] q_proj output: query | gate per head
                               device const bfloat* k [[buffer(1)]],         // bfloat [M, Hkv*D] k_proj output
                               device const bfloat* v [[buffer(2)]],         // bfloat [M, Hkv*D] v_proj output
                               device const bfloat* q_norm_w [[buffer(3)]],  // [D]
@@ -320,7 +321,7 @@ template <uint D, typename QT>
 // rows block*BQ .. block*BQ+BQ-1 with block = ceil(M/BQ) - 1 - x (the longest causal ranges
 // are dispatched first).
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
+[[max_total_threads_per_threadgroup(kAttnPrefillThreads)]] kernel void attn_prefill(device const float* q [[buffer(0)]],          // [M, Hq, D] from attn_prefill_prep
                          device const bfloat* qg [[buffer(1)]],        // bfloat [M, Hq*2*D] q_proj output (gate: second D of each head)
                          device const bfloat* k_cache [[buffer(2)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
                          device const bfloat* v_cache [[buffer(3)]],   // [Hkv, capacity, D], rows [0, p0 + M) read
@@ -334,8 +335,8 @@ template <uint D, uint G>
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
   threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
-  threadgroup float scratch[8 * SgScratch::floats];
-  threadgroup bfloat pscratch[8 * SgScratch::bfloats];
+  threadgroup float scratch[kThreads / 32 * SgScratch::floats];
+  threadgroup bfloat pscratch[kThreads / 32 * SgScratch::bfloats];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks) {
     return;
@@ -351,7 +352,7 @@ template <uint D, uint G>
 // (z*M + i)*Hq + h): part_ml[2*slot] = max score, part_ml[2*slot+1] = sum of exp,
 // part_o[slot*D + d] = unnormalised output. Merge with attn_prefill_combine_d<D>.
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [M, Hq, D]
+[[max_total_threads_per_threadgroup(kAttnPrefillThreads)]] kernel void attn_prefill_split(device const float* q [[buffer(0)]],         // [M, Hq, D]
                                device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                                device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                                device float* part_ml [[buffer(3)]],         // [num_splits, M, Hq, 2]
@@ -365,8 +366,8 @@ template <uint D, uint G>
   static_assert(G == 2 || G == 4 || G == 8, "G: 2, 4 or 8 query heads per threadgroup");
   static_assert(D % 16 == 0 && D <= 256, "D: a multiple of 16, at most 256");
   threadgroup bfloat4 kv4[kTile * D / 4];  // bfloat4: load_tile writes it as bfloat4
-  threadgroup float scratch[8 * SgScratch::floats];
-  threadgroup bfloat pscratch[8 * SgScratch::bfloats];
+  threadgroup float scratch[kThreads / 32 * SgScratch::floats];
+  threadgroup bfloat pscratch[kThreads / 32 * SgScratch::bfloats];
   const uint nblocks = (args.rows + QRows<G>::BQ - 1) / QRows<G>::BQ;
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;

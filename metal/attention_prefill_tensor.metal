@@ -51,7 +51,7 @@ constant constexpr uint kCols = 32;                      // output columns per P
 static_assert(2 * kSlabs == kThreads / 32, "two simdgroups (the head dim's halves) per slab");
 static_assert(kTile == 32, "the softmax's lanes: 2 per pair, 16 columns each");
 // Per-slab values (floats): corr [kSlab], then 1 / l (or l) [kSlab], m [kSlab], the rescale flag
-constant constexpr uint kSlabValues = 3 * kSlab + 1;
+constant constexpr uint kSlabValues = kAttnPrefillSlabValues;
 
 // V rows [t0, t0 + kTile) of one KV head, columns [c0, c0 + kCols), into a P V product's
 // cooperative right input {d, key}; rows >= kend zero (0 * v stays finite whatever the cache
@@ -242,7 +242,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
 
 // ---- attn_prefill_tensor: as attn_prefill (attention_prefill.metal)
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale (attn_prefill_prep_d<D>_qbf); read only
+[[max_total_threads_per_threadgroup(kAttnPrefillThreads)]] kernel void attn_prefill_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale (attn_prefill_prep_d<D>_qbf); read only
                                 device const bfloat* qg [[buffer(1)]],       // bfloat [M, Hq*2*D] (gate: second D of each head)
                                 device const bfloat* k_cache [[buffer(2)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
                                 device const bfloat* v_cache [[buffer(3)]],  // [Hkv, capacity, D], rows [0, p0 + M) read
@@ -267,7 +267,7 @@ template <uint D, uint G>
 
 // ---- attn_prefill_split_tensor: as attn_prefill_split (partials for attn_prefill_combine)
 template <uint D, uint G>
-[[max_total_threads_per_threadgroup(256)]] kernel void attn_prefill_split_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale; read only
+[[max_total_threads_per_threadgroup(kAttnPrefillThreads)]] kernel void attn_prefill_split_tensor(device bfloat* qb [[buffer(0)]],             // [Hq/G, M, G, D] q * scale; read only
                                       device const bfloat* k_cache [[buffer(1)]],  // [Hkv, capacity, D]
                                       device const bfloat* v_cache [[buffer(2)]],  // [Hkv, capacity, D]
                                       device float* part_ml [[buffer(3)]],         // [num_splits, M, Hq, 2]

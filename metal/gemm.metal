@@ -61,7 +61,7 @@ inline void gemm_dense(threadgroup float4* smem4, device const uint* w0, device 
 // and the shared expert's hidden). Y: float, or bfloat (gemm_q4_bf16: the sums rounded to
 // bfloat; never ADD).
 template <int BITS, bool ADD, typename Y = float>
-[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
+[[max_total_threads_per_threadgroup(kGemmThreads)]] kernel void gemm_q(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                    device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                    device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                    device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
@@ -83,7 +83,7 @@ template [[host_name("gemm_q4_bf16")]] [[kernel]] decltype(gemm_q<4, false, bflo
 // y += (x * s) W^T: x bfloat [m, lda] whose element i is scaled by s[i >> shift] while staged
 // (GemmAScaled; prefill_args.h GemmAScaleArgs). The GDN out_proj: u times gdn_norm_scale's
 // factors, one per (token, head, scan split) (metal/gdn_prefill.metal).
-[[max_total_threads_per_threadgroup(128)]] kernel void gemm_q4_add_hs(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
+[[max_total_threads_per_threadgroup(kGemmThreads)]] kernel void gemm_q4_add_hs(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
                            device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                            device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                            device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
@@ -104,7 +104,7 @@ template [[host_name("gemm_q4_bf16")]] [[kernel]] decltype(gemm_q<4, false, bflo
 // y = bfloat(g[m * ldg] * silu(x Wg^T) * (x Wu^T)), Wg and Wu both [n, k]. g is the routing
 // weights' last column (sigmoid of the shared gate logit, written by moe_route_topk), so the
 // shared down projection can add its product straight into the residual (gemm_q4_add_h).
-[[max_total_threads_per_threadgroup(128)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
+[[max_total_threads_per_threadgroup(kGemmThreads)]] kernel void gemm_swiglu_q4(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                            device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                            device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
                            device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]

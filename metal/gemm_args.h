@@ -3,7 +3,7 @@
 // stride and the output blocks and threads of both paths. The host (csrc/runtime/
 // kernel_args.h: the prefill plan's grids, the cost table's tiles) and Python
 // (lily._core.CONSTANTS) read them from here; like the *_args.h headers this file includes
-// nothing and holds only `constant constexpr uint` values.
+// nothing and holds only `constant constexpr uint` values and constexpr functions of them.
 #ifndef LILY_GEMM_ARGS_H
 #define LILY_GEMM_ARGS_H
 
@@ -30,6 +30,21 @@ constant constexpr uint kGemmTensorSN = 2;
 constant constexpr uint kGemmTensorBN = 64;
 constant constexpr uint kGemmTensorSwigluBN = 32;
 constant constexpr uint kGemmTensorThreads = 32 * kGemmTensorSM * kGemmTensorSN;
+
+// Threadgroup memory of one GEMM threadgroup with NB weight tiles, in bytes: the kernels
+// declare it (GemmSmem of gemm_tiles.h, GemmTensorSmem of gemm_tensor.h), the cost table
+// reads it. simdgroup_matrix path: the bfloat A (BM rows) and NB W tiles (BN rows each) of a
+// step, reused at the end for the NB staged fp32 BM x gemm_staged_ld(BN) output blocks;
+// tensor-op path: the W tiles alone (A goes from device memory into registers and the results
+// leave from them).
+constexpr uint gemm_staged_ld(uint bn) { return bn + 4; }
+constexpr uint gemm_tile_bytes(uint bm, uint bn, uint nb) { return (bm + nb * bn) * kGemmLd * 2; }
+constexpr uint gemm_staged_bytes(uint bm, uint bn, uint nb) { return nb * bm * gemm_staged_ld(bn) * 4; }
+constexpr uint gemm_smem_bytes(uint bm, uint bn, uint nb) {
+  return gemm_tile_bytes(bm, bn, nb) > gemm_staged_bytes(bm, bn, nb) ? gemm_tile_bytes(bm, bn, nb)
+                                                                      : gemm_staged_bytes(bm, bn, nb);
+}
+constexpr uint gemm_tensor_smem_bytes(uint bn, uint nb) { return nb * bn * kGemmLd * 2; }
 
 #define LILY_GEMM_CONSTANTS(C)                                                                  \
   C(kGemmBK) C(kGemmLd) C(kGemmBM) C(kGemmBN) C(kGemmSwigluBN) C(kGemmThreads) C(kGemmTensorBM) \

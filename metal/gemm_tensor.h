@@ -41,11 +41,11 @@ using namespace mpp::tensor_ops;
 // k of one tensor operation: half a GEMM step (an explicit k must be a multiple of 32).
 constant constexpr uint kGemmTensorK = 32;
 
-// Threadgroup memory of a tensor-op GEMM with NB weight tiles of BN rows: the bfloat weight
-// tiles only (A is in registers, the results leave from them). Declared as float4.
+// Threadgroup memory of a tensor-op GEMM with NB weight tiles of BN rows (gemm_tensor_smem_bytes,
+// gemm_args.h: the bfloat weight tiles only). Declared as float4.
 template <uint BN, uint NB>
 struct GemmTensorSmem {
-  static constant constexpr uint bytes = NB * BN * kGemmLd * 2;
+  static constant constexpr uint bytes = gemm_tensor_smem_bytes(BN, NB);
   static constant constexpr uint float4s = (bytes + 15) / 16;
   static_assert(bytes <= 32768, "a GEMM's threadgroup memory must fit 32 KiB");
 };

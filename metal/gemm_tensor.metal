@@ -45,7 +45,7 @@ inline void gemm_dense_tensor(threadgroup float4* smem4, device const uint* w0, 
 // x: bfloat rows (gemm_q4, gemm_q8: the normed rows xn; gemm_q4_add_h: the attention output
 // and the shared expert's hidden). Y: float, or bfloat (gemm_q4_bf16; never ADD).
 template <int BITS, bool ADD, typename Y = float>
-[[max_total_threads_per_threadgroup(256)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
+[[max_total_threads_per_threadgroup(kGemmTensorThreads)]] kernel void gemm_q_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k*BITS/32]
                           device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                           device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                           device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
@@ -65,7 +65,7 @@ template [[host_name("gemm_q4_add_h_tensor")]] [[kernel]] decltype(gemm_q_tensor
 template [[host_name("gemm_q4_bf16_tensor")]] [[kernel]] decltype(gemm_q_tensor<4, false, bfloat>) gemm_q_tensor<4, false, bfloat>;
 
 // y += (x * s) W^T, as gemm_q4_add_hs (gemm.metal): the GDN out_proj.
-[[max_total_threads_per_threadgroup(256)]] kernel void gemm_q4_add_hs_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
+[[max_total_threads_per_threadgroup(kGemmTensorThreads)]] kernel void gemm_q4_add_hs_tensor(device const uint4* w [[buffer(0)]],        // W.weight uint32 [n, k/8]
                                   device const bfloat* scales [[buffer(1)]],  // [n, k/64]
                                   device const bfloat* biases [[buffer(2)]],  // [n, k/64]
                                   device const bfloat* x [[buffer(3)]],       // bfloat [m, lda]
@@ -83,7 +83,7 @@ template [[host_name("gemm_q4_bf16_tensor")]] [[kernel]] decltype(gemm_q_tensor<
 }
 
 // The shared expert's gate/up times the shared expert gate, as gemm_swiglu_q4 (gemm.metal).
-[[max_total_threads_per_threadgroup(256)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
+[[max_total_threads_per_threadgroup(kGemmTensorThreads)]] kernel void gemm_swiglu_q4_tensor(device const uint4* wg [[buffer(0)]],       // gate_proj.weight [n, k/8]
                                   device const bfloat* gs [[buffer(1)]],      // gate_proj.scales [n, k/64]
                                   device const bfloat* gb [[buffer(2)]],      // gate_proj.biases [n, k/64]
                                   device const uint4* wu [[buffer(3)]],       // up_proj.weight [n, k/8]

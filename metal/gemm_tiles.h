@@ -260,14 +260,13 @@ struct GemmRowSink {
 };
 
 // ---- threadgroup memory of the simdgroup_matrix path ---------------------------------------
-// Bytes of a GEMM with NB weight tiles: the bfloat A and W tiles of a step, reused at the end
-// for the NB staged fp32 BM x (BN + 4) output blocks. Declared as float4 (16-byte aligned).
+// Bytes of a GEMM with NB weight tiles (gemm_smem_bytes, gemm_args.h: the bfloat A and W
+// tiles of a step, reused at the end for the NB staged fp32 BM x ldc output blocks). Declared
+// as float4 (16-byte aligned).
 template <uint BM, uint BN, uint NB>
 struct GemmSmem {
-  static constant constexpr uint ldc = BN + 4;
-  static constant constexpr uint tiles = (BM + NB * BN) * kGemmLd * 2;
-  static constant constexpr uint staged = NB * BM * ldc * 4;
-  static constant constexpr uint bytes = tiles > staged ? tiles : staged;
+  static constant constexpr uint ldc = gemm_staged_ld(BN);
+  static constant constexpr uint bytes = gemm_smem_bytes(BM, BN, NB);
   static constant constexpr uint float4s = (bytes + 15) / 16;
   static_assert(bytes <= 32768, "a GEMM's threadgroup memory must fit 32 KiB");
 };

@@ -110,6 +110,17 @@ constant constexpr uint kAttnSimdgroups = 8;
 constant constexpr uint kAttnDecodeThreads = kAttnSimdgroups * 32;
 constant constexpr uint kCombineSimdgroups = 8;
 constant constexpr uint kAttnCombineThreads = kCombineSimdgroups * 32;
+// Threadgroup arrays of attn_decode* (floats), declared by the kernels and summed for the
+// cost table: red_m and red_l (attn_red_floats: a max and a sum per simdgroup and head), red
+// (attn_rows_floats: a D row per simdgroup; the fused kernels' qs, the prepared queries first),
+// xch (attn_xch_floats: a simdgroup's 32 scores and G weights); the fused kernels add kcur and
+// vcur (the new row's k and v, D each).
+constexpr uint attn_red_floats(uint G) { return kAttnSimdgroups * G; }
+constexpr uint attn_rows_floats(uint D) { return kAttnSimdgroups * D; }
+constexpr uint attn_xch_floats(uint G) { return kAttnSimdgroups * (32 + G); }
+constexpr uint attn_decode_fused_smem_bytes(uint D, uint G) {
+  return 4 * (2 * attn_red_floats(G) + attn_rows_floats(D) + 2 * D + attn_xch_floats(G));
+}
 
 // The q/k L2 norm's epsilon of the Gated DeltaNet (decode step and prefill scan), added to
 // the sum of squares (as mlx-lm's qwen3_next, whose l2 norm uses 1e-6).

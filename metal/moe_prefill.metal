@@ -54,7 +54,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 
 // ---- moe_route_clear -------------------------------------------------------------------
 // block_counts[0 .. blocks * experts) = 0. dispatchThreads, one thread per counter.
-[[max_total_threads_per_threadgroup(256)]] kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks, experts]
+[[max_total_threads_per_threadgroup(kMoeRouteClearThreads)]] kernel void moe_route_clear(device uint* block_counts [[buffer(0)]],  // [blocks, experts]
                             constant MoeRoutePrefillArgs& args [[buffer(1)]],
                             uint gid [[thread_position_in_grid]]) {
   if (gid < route_blocks(args) * args.experts) {
@@ -69,7 +69,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 //   w[row, k] = sigmoid(logits_r[row, E]); block_counts[row / block_rows, ids[row, j]] += 1.
 // The same route_topk as decode's moe_route / moe_route_gate_up_swiglu_q4, so the picks and
 // weights are bit-identical to decode on the same logits row.
-[[max_total_threads_per_threadgroup(1024)]] kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // [rows, experts + 1] router logits, shared gate logit last
+[[max_total_threads_per_threadgroup(kMoeRouteMaxThreads)]] kernel void moe_route_topk(device const float* logits [[buffer(0)]],         // [rows, experts + 1] router logits, shared gate logit last
                            device uint* ids [[buffer(1)]],                   // [rows, top_k] picked experts
                            device float* w [[buffer(2)]],                    // [rows, top_k + 1] routing weights, shared gate
                            device atomic_uint* block_counts [[buffer(3)]],   // [blocks, experts], zeroed by moe_route_clear
@@ -124,7 +124,7 @@ inline uint route_blocks(constant MoeRoutePrefillArgs& args) {
 //     (if any) into one tile {e, start[e] + count[e] - r, r, 0} of class
 //     moe_tail_class(T, r). Class c's map is at entries [moe_class_base(c), ...) of `tiles`,
 //     in expert order; tile_count[c] = its tiles and counts[e] = count[e] (threadgroup 0).
-[[max_total_threads_per_threadgroup(1024)]] kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
+[[max_total_threads_per_threadgroup(kMoeRouteMaxThreads)]] kernel void moe_route_scatter(device const uint* ids [[buffer(0)]],           // [rows, top_k] from moe_route_topk
                               device const uint* block_counts [[buffer(1)]],  // [blocks, experts] from moe_route_topk
                               device uint* perm [[buffer(2)]],                // [rows * top_k] grouped order: slot -> assignment
                               device MoeTile* tiles [[buffer(3)]],            // the class maps, moe_class_base / _capacity
@@ -269,7 +269,7 @@ inline void combine4(device float4* h, device const bfloat4* yx, device const fl
 
 // moe_combine (the last layer): dispatchThreads grid (hidden / 4, rows), thread (c, row)
 // owns float4 c of the row.
-[[max_total_threads_per_threadgroup(64)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
+[[max_total_threads_per_threadgroup(kMoeCombineThreads)]] kernel void moe_combine(device float4* h [[buffer(0)]],          // [rows, hidden] residual, updated in place
                         device const bfloat4* yx [[buffer(1)]],  // bfloat [rows * top_k, hidden] expert outputs, row*k + j
                         device const float* w [[buffer(2)]],     // [rows, top_k + 1] routing weights, shared gate
                         constant MoeCombineArgs& args [[buffer(3)]],
@@ -324,8 +324,8 @@ inline void combine4(device float4* h, device const bfloat4* yx, device const fl
 // ceil(n / BN)) threadgroups of 32 * SM * SN threads, max_tiles the class capacity:
 // threadgroup (t, j) computes output columns [j BN, j BN + BN) of the slots of tile t;
 // threadgroups with t >= tile_count return at once. BM = T, the class height.
-template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_gate_up_q4(device const bfloat* x [[buffer(0)]],        // bfloat [m, lda] (xn)
+template <uint T>
+[[max_total_threads_per_threadgroup(kMoeGemmMaxThreads)]] kernel void moe_gemm_gate_up_q4(device const bfloat* x [[buffer(0)]],        // bfloat [m, lda] (xn)
                                 device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                 device const MoeTile* tiles [[buffer(2)]],    // [max_tiles] the class's map
                                 device const uint* tile_count [[buffer(3)]],  // [1] the class's count
@@ -340,7 +340,9 @@ template <uint T, uint BN, uint SM, uint SN>
                                 uint2 tgp [[threadgroup_position_in_grid]],
                                 uint tid [[thread_index_in_threadgroup]],
                                 uint sg [[simdgroup_index_in_threadgroup]]) {
-  constexpr uint NT = 32 * SM * SN;
+  constexpr uint BN = moe_gemm_bn(T, false, 2), SM = moe_gemm_sm(T, false, 2), SN = moe_gemm_sn(T, false, 2);
+  constexpr uint NT = moe_gemm_threads(T, false, 2);
+  static_assert(NT <= kMoeGemmMaxThreads, "the kernel's declared maximum");
   threadgroup float4 smem4[GemmSmem<T, BN, 2>::float4s];
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
@@ -366,8 +368,8 @@ template <uint T, uint BN, uint SM, uint SN>
   }
 }
 
-template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(128)]] kernel void moe_gemm_down_q4(device const bfloat* hx [[buffer(0)]],       // bfloat [m * top_k, lda], slot order
+template <uint T>
+[[max_total_threads_per_threadgroup(kMoeGemmMaxThreads)]] kernel void moe_gemm_down_q4(device const bfloat* hx [[buffer(0)]],       // bfloat [m * top_k, lda], slot order
                              device const uint* perm [[buffer(1)]],       // [m * top_k]
                              device const MoeTile* tiles [[buffer(2)]],   // [max_tiles] the class's map
                              device const uint* tile_count [[buffer(3)]], // [1] the class's count
@@ -379,7 +381,9 @@ template <uint T, uint BN, uint SM, uint SN>
                              uint2 tgp [[threadgroup_position_in_grid]],
                              uint tid [[thread_index_in_threadgroup]],
                              uint sg [[simdgroup_index_in_threadgroup]]) {
-  constexpr uint NT = 32 * SM * SN;
+  constexpr uint BN = moe_gemm_bn(T, false, 1), SM = moe_gemm_sm(T, false, 1), SN = moe_gemm_sn(T, false, 1);
+  constexpr uint NT = moe_gemm_threads(T, false, 1);
+  static_assert(NT <= kMoeGemmMaxThreads, "the kernel's declared maximum");
   threadgroup float4 smem4[GemmSmem<T, BN, 1>::float4s];
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
@@ -408,15 +412,13 @@ template <uint T, uint BN, uint SM, uint SN>
   }
 }
 
-// T = 16: 16 x 64 blocks, 1 x 2 simdgroups (64 threads); T = 32: 32 x 64 blocks, 2 x 2
-// simdgroups (128 threads); T = 64: gate/up 64 x 32 blocks of gate and of up, 4 x 1
-// simdgroups (two staged 64 x 64 fp32 blocks would exceed 32 KiB), down 64 x 64 blocks,
-// 2 x 2 simdgroups (128 threads, the kernels' declared maximum). Every simdgroup owns a
-// 16 x 32 block (2 x 4 fragments) of each product, the down projection at T = 64 a 32 x 32
-// block (4 x 4).
-template [[host_name("moe_gemm_gate_up_q4_t16")]] [[kernel]] decltype(moe_gemm_gate_up_q4<16, 64, 1, 2>) moe_gemm_gate_up_q4<16, 64, 1, 2>;
-template [[host_name("moe_gemm_gate_up_q4_t32")]] [[kernel]] decltype(moe_gemm_gate_up_q4<32, 64, 2, 2>) moe_gemm_gate_up_q4<32, 64, 2, 2>;
-template [[host_name("moe_gemm_gate_up_q4_t64")]] [[kernel]] decltype(moe_gemm_gate_up_q4<64, 32, 4, 1>) moe_gemm_gate_up_q4<64, 32, 4, 1>;
-template [[host_name("moe_gemm_down_q4_t16")]] [[kernel]] decltype(moe_gemm_down_q4<16, 64, 1, 2>) moe_gemm_down_q4<16, 64, 1, 2>;
-template [[host_name("moe_gemm_down_q4_t32")]] [[kernel]] decltype(moe_gemm_down_q4<32, 64, 2, 2>) moe_gemm_down_q4<32, 64, 2, 2>;
-template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64, 64, 2, 2>) moe_gemm_down_q4<64, 64, 2, 2>;
+// The tile heights of this path and, per height, the simdgroups SM x SN and output columns
+// BN: moe_gemm_sm / _sn / _bn (prefill_args.h, shared with the host's moe_geometry). Every
+// simdgroup owns a 16 x 32 block (2 x 4 fragments) of each product, the down projection at
+// T = 64 a 32 x 32 block (4 x 4).
+template [[host_name("moe_gemm_gate_up_q4_t16")]] [[kernel]] decltype(moe_gemm_gate_up_q4<16>) moe_gemm_gate_up_q4<16>;
+template [[host_name("moe_gemm_gate_up_q4_t32")]] [[kernel]] decltype(moe_gemm_gate_up_q4<32>) moe_gemm_gate_up_q4<32>;
+template [[host_name("moe_gemm_gate_up_q4_t64")]] [[kernel]] decltype(moe_gemm_gate_up_q4<64>) moe_gemm_gate_up_q4<64>;
+template [[host_name("moe_gemm_down_q4_t16")]] [[kernel]] decltype(moe_gemm_down_q4<16>) moe_gemm_down_q4<16>;
+template [[host_name("moe_gemm_down_q4_t32")]] [[kernel]] decltype(moe_gemm_down_q4<32>) moe_gemm_down_q4<32>;
+template [[host_name("moe_gemm_down_q4_t64")]] [[kernel]] decltype(moe_gemm_down_q4<64>) moe_gemm_down_q4<64>;

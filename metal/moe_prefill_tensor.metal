@@ -19,8 +19,8 @@ using namespace metal;
 // BN)) threadgroups of 32 SM SN threads, max_tiles the class capacity; threadgroup (t, j)
 // computes output columns [j BN, j BN + BN) of the slots of tile t; threadgroups with
 // t >= tile_count return at once. BM = T, the class height.
-template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(256)]] kernel void moe_gemm_gate_up_q4_tensor(device const bfloat* x [[buffer(0)]],        // bfloat [m, lda] (xn)
+template <uint T>
+[[max_total_threads_per_threadgroup(kMoeGemmTensorMaxThreads)]] kernel void moe_gemm_gate_up_q4_tensor(device const bfloat* x [[buffer(0)]],        // bfloat [m, lda] (xn)
                                        device const uint* perm [[buffer(1)]],        // [m * top_k] slot -> row * top_k + j
                                        device const MoeTile* tiles [[buffer(2)]],    // [max_tiles] the class's map
                                        device const uint* tile_count [[buffer(3)]],  // [1] the class's count
@@ -35,6 +35,8 @@ template <uint T, uint BN, uint SM, uint SN>
                                        uint2 tgp [[threadgroup_position_in_grid]],
                                        uint tid [[thread_index_in_threadgroup]],
                                        uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint BN = moe_gemm_bn(T, true, 2), SM = moe_gemm_sm(T, true, 2), SN = moe_gemm_sn(T, true, 2);
+  static_assert(moe_gemm_threads(T, true, 2) <= kMoeGemmTensorMaxThreads, "the kernel's declared maximum");
   threadgroup float4 smem4[GemmTensorSmem<BN, 2>::float4s];
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
@@ -66,8 +68,8 @@ struct MoeDownSink {
   }
 };
 
-template <uint T, uint BN, uint SM, uint SN>
-[[max_total_threads_per_threadgroup(256)]] kernel void moe_gemm_down_q4_tensor(device const bfloat* hx [[buffer(0)]],       // bfloat [m * top_k, lda], slot order
+template <uint T>
+[[max_total_threads_per_threadgroup(kMoeGemmTensorMaxThreads)]] kernel void moe_gemm_down_q4_tensor(device const bfloat* hx [[buffer(0)]],       // bfloat [m * top_k, lda], slot order
                                     device const uint* perm [[buffer(1)]],       // [m * top_k]
                                     device const MoeTile* tiles [[buffer(2)]],   // [max_tiles] the class's map
                                     device const uint* tile_count [[buffer(3)]], // [1] the class's count
@@ -79,6 +81,8 @@ template <uint T, uint BN, uint SM, uint SN>
                                     uint2 tgp [[threadgroup_position_in_grid]],
                                     uint tid [[thread_index_in_threadgroup]],
                                     uint sg [[simdgroup_index_in_threadgroup]]) {
+  constexpr uint BN = moe_gemm_bn(T, true, 1), SM = moe_gemm_sm(T, true, 1), SN = moe_gemm_sn(T, true, 1);
+  static_assert(moe_gemm_threads(T, true, 1) <= kMoeGemmTensorMaxThreads, "the kernel's declared maximum");
   threadgroup float4 smem4[GemmTensorSmem<BN, 1>::float4s];
   const uint n0 = tgp.y * BN;
   if (tgp.x >= tile_count[0] || n0 >= args.n) {
@@ -95,22 +99,18 @@ template <uint T, uint BN, uint SM, uint SN>
       w, sd + e * gstride, bd + e * gstride, w, sd, bd, n0, args.n, args.k, tile.rows, tid, sg, sink);
 }
 
-// Blocks of 16 or 32 rows per simdgroup (a simdgroup whose rows lie past the tile's runs no
-// tensor operation), and one weight tile of 64 rows (gate/up: 32 of gate and 32 of up) in
-// threadgroup memory, 9 KiB, at every T:
-//   T = 16:  gate/up 16 x 32 of each, down 16 x 64; 1 x 2 simdgroups (64 threads)
-//   T = 32:  gate/up 32 x 32 of each, down 32 x 64; 2 x 2 simdgroups (128 threads)
-//   T = 64:  gate/up 64 x 32 of each, 2 x 2 simdgroups of 32 x 16 each; down 64 x 64, 2 x 2 of
-//            32 x 32 (qmm_t_nax's); 128 threads
-//   T = 128 (this path only, no simdgroup_matrix twin; the tile classes of T = 128:
-//            prefill_args.h): gate/up 128 x 32 of each, down 128 x 64, 4 x 2 simdgroups of
-//            32 x 16 / 32 x 32 (256 threads): each expert's weight tile serves 128 rows.
-// Host geometry: moe_geometry (csrc/runtime/prefill.cpp).
-template [[host_name("moe_gemm_gate_up_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<16, 32, 1, 2>) moe_gemm_gate_up_q4_tensor<16, 32, 1, 2>;
-template [[host_name("moe_gemm_gate_up_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<32, 32, 2, 2>) moe_gemm_gate_up_q4_tensor<32, 32, 2, 2>;
-template [[host_name("moe_gemm_gate_up_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<64, 32, 2, 2>) moe_gemm_gate_up_q4_tensor<64, 32, 2, 2>;
-template [[host_name("moe_gemm_gate_up_q4_t128_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<128, 32, 4, 2>) moe_gemm_gate_up_q4_tensor<128, 32, 4, 2>;
-template [[host_name("moe_gemm_down_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<16, 64, 1, 2>) moe_gemm_down_q4_tensor<16, 64, 1, 2>;
-template [[host_name("moe_gemm_down_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<32, 64, 2, 2>) moe_gemm_down_q4_tensor<32, 64, 2, 2>;
-template [[host_name("moe_gemm_down_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<64, 64, 2, 2>) moe_gemm_down_q4_tensor<64, 64, 2, 2>;
-template [[host_name("moe_gemm_down_q4_t128_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<128, 64, 4, 2>) moe_gemm_down_q4_tensor<128, 64, 4, 2>;
+// Per tile height the simdgroups SM x SN and output columns BN of moe_gemm_sm / _sn / _bn
+// (prefill_args.h, shared with the host's moe_geometry): blocks of moe_gemm_band rows per
+// simdgroup (a simdgroup whose rows lie past the tile's runs no tensor operation), 32 x 16
+// (gate/up) or 32 x 32 (down, qmm_t_nax's) per simdgroup from T = 64 on, and one weight tile
+// of 64 rows (gate/up: 32 of gate and 32 of up) in threadgroup memory, 9 KiB, at every T.
+// T = 128 runs on this path only (no simdgroup_matrix twin; its tile classes: prefill_args.h):
+// each expert's weight tile serves 128 rows.
+template [[host_name("moe_gemm_gate_up_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<16>) moe_gemm_gate_up_q4_tensor<16>;
+template [[host_name("moe_gemm_gate_up_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<32>) moe_gemm_gate_up_q4_tensor<32>;
+template [[host_name("moe_gemm_gate_up_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<64>) moe_gemm_gate_up_q4_tensor<64>;
+template [[host_name("moe_gemm_gate_up_q4_t128_tensor")]] [[kernel]] decltype(moe_gemm_gate_up_q4_tensor<128>) moe_gemm_gate_up_q4_tensor<128>;
+template [[host_name("moe_gemm_down_q4_t16_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<16>) moe_gemm_down_q4_tensor<16>;
+template [[host_name("moe_gemm_down_q4_t32_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<32>) moe_gemm_down_q4_tensor<32>;
+template [[host_name("moe_gemm_down_q4_t64_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<64>) moe_gemm_down_q4_tensor<64>;
+template [[host_name("moe_gemm_down_q4_t128_tensor")]] [[kernel]] decltype(moe_gemm_down_q4_tensor<128>) moe_gemm_down_q4_tensor<128>;

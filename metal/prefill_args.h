@@ -75,8 +75,8 @@ struct MoeTile {
 // dispatch of the moe_gemm_*_t<T >> c> kernels. With r uniform in 1..64 (routing skewed
 // enough that counts spread over many tile heights), the last tile holds 11.5 padded rows
 // on average instead of 31.5 with 64-row tiles only. T = 128 (tensor-op path only) has one
-// class: its kernels compute a partial tile's live 16-row bands only (moe_prefill_tensor.metal),
-// so a last tile pads 7.5 rows on average without smaller classes. Shared by
+// class: its kernels compute a partial tile's live blocks of moe_gemm_band rows only (below),
+// so a last tile pads 15.5 rows on average without smaller classes. Shared by
 // moe_route_scatter and the host (prefill.cpp), the one home of the rule.
 enum : uint { kMoeTileClasses = 3 };  // at most
 inline uint moe_tile_classes(uint T) { return T >= 128 ? 1u : T >= 64 ? 3u : T >= 32 ? 2u : 1u; }
@@ -109,9 +109,46 @@ inline uint moe_class_base(uint n, uint E, uint T, uint c) {
   return base;
 }
 
+// The grouped expert GEMMs' geometry, the one home of the numbers the kernels are
+// instantiated with (moe_gemm_*_q4_t<T>, moe_prefill.metal; moe_gemm_*_q4_t<T>_tensor,
+// moe_prefill_tensor.metal), the host dispatches (moe_geometry, csrc/runtime/families/
+// moe_prefill.cpp) and the cost table models (cost.cpp). The tile heights T, in the order the
+// host keeps their pipelines (PrefillPlan; lily._core.EXPERT_TILE_ROWS); those above
+// kMoeSimdgroupTileRowsMax exist on the tensor-op path only.
+constant constexpr uint kExpertTileRows[] = {16, 32, 64, 128};
+enum : uint {
+  kMoeSimdgroupTileRowsMax = 64,
+  // [[max_total_threads_per_threadgroup]] of moe_gemm_*_q4_t<T> (the most of any T: 4
+  // simdgroups at T = 32 and 64) and of the _tensor twins (8 at T = 128)
+  kMoeGemmMaxThreads = 128,
+  kMoeGemmTensorMaxThreads = 256,
+};
+// A threadgroup of a tile of height T on a path (tensor: the _tensor kernels) for nb weight
+// matrices (2: gate/up, 1: down) is SM x SN simdgroups (32 SM SN threads) computing BN output
+// columns of the T rows:
+//   simdgroup_matrix  T = 16: 1 x 2, BN 64; T = 32: 2 x 2, BN 64; T = 64: gate/up 4 x 1, BN 32
+//                     (two staged 64 x 64 fp32 blocks would exceed 32 KiB), down 2 x 2, BN 64
+//   tensor-op         SM = 1, 2, 2, 4 at T = 16, 32, 64, 128, SN = 2; BN gate/up 32, down 64
+constexpr uint moe_gemm_sm(uint T, bool tensor, uint nb) {
+  return T <= 16 ? 1u : T >= 128 ? 4u : T >= 64 && !tensor && nb == 2 ? 4u : 2u;
+}
+constexpr uint moe_gemm_sn(uint T, bool tensor, uint nb) { return T >= 64 && !tensor && nb == 2 ? 1u : 2u; }
+constexpr uint moe_gemm_bn(uint T, bool tensor, uint nb) { return nb == 2 && (tensor || T >= 64) ? 32u : 64u; }
+constexpr uint moe_gemm_threads(uint T, bool tensor, uint nb) {
+  return 32u * moe_gemm_sm(T, tensor, nb) * moe_gemm_sn(T, tensor, nb);
+}
+// Rows of one simdgroup's block, T / SM: on the tensor-op path the granularity at which a
+// partial tile's padding rows are skipped (a simdgroup whose rows all lie past the tile's
+// runs no tensor operation; gemm_tensor.h).
+constexpr uint moe_gemm_band(uint T, bool tensor, uint nb) { return T / moe_gemm_sm(T, tensor, nb); }
+
 // Assignments of one block of the routing histogram, at most (threadgroup memory of
 // moe_route_scatter): block_rows * top_k <= kMoeRouteMaxBlockSlots.
 enum : uint { kMoeRouteMaxBlockSlots = 1024 };
+// Threads per threadgroup: moe_route_topk and moe_route_scatter at most (the host gives one
+// per expert, rounded up to whole simdgroups), moe_route_clear and moe_combine as the host
+// dispatches them (their declared maxima).
+enum : uint { kMoeRouteMaxThreads = 1024, kMoeRouteClearThreads = 256, kMoeCombineThreads = 64 };
 
 // moe_route_clear, moe_route_topk, moe_route_scatter (metal/moe_prefill.metal): the expert
 // routing of one chunk. blocks = ceil(rows / block_rows) rows of the histogram.
@@ -190,6 +227,30 @@ enum : uint {
   kAttnPrefillPrepThreads = kAttnPrefillPrepRows * 32,
 };
 constant constexpr float kAttnPrefillRescale = 8.0f;
+// Threadgroup memory of the attention kernels, declared by them and read by the cost table.
+// attention_prefill.metal: the bfloat K/V tile [kAttnPrefillTile, D] of the threadgroup and
+// per simdgroup (its 8 pairs) a private scratch of floats (the scores [8, kTile] at 0,
+// diag(corr) [8, 8] at kAttnPrefillSgCorr, the row sums [8] at kAttnPrefillSgSums, the
+// reference maxima [8] at kAttnPrefillSgMax) and bfloats (P [8, kTile], also Q staging).
+// attention_prefill_tensor.metal: the fp32 scores and bfloat P [kAttnPrefillPairs,
+// kAttnPrefillTile] and per slab kAttnPrefillSlabValues floats: corr, 1 / l (or l) and m
+// [kAttnPrefillSlabRows] each, then the slab's rescale flag (Q, O and V are in registers).
+enum : uint {
+  kAttnPrefillSgCorr = 8 * kAttnPrefillTile,
+  kAttnPrefillSgSums = kAttnPrefillSgCorr + 64,
+  kAttnPrefillSgMax = kAttnPrefillSgSums + 8,
+  kAttnPrefillSgFloats = kAttnPrefillSgMax + 8,
+  kAttnPrefillSgBfloats = 8 * kAttnPrefillTile,
+  kAttnPrefillSlabValues = 3 * kAttnPrefillSlabRows + 1,
+};
+constexpr uint attn_prefill_smem_bytes(uint D) {
+  return 2 * kAttnPrefillTile * D +
+         kAttnPrefillThreads / 32 * (4 * kAttnPrefillSgFloats + 2 * kAttnPrefillSgBfloats);
+}
+constexpr uint attn_prefill_tensor_smem_bytes() {
+  return (4 + 2) * kAttnPrefillPairs * kAttnPrefillTile +
+         4 * (kAttnPrefillPairs / kAttnPrefillSlabRows) * kAttnPrefillSlabValues;
+}
 
 // attn_prefill_prep_d<D>[_qbf]: q/k RMSNorm + partial RoPE per row, bf16 K/V rows p0 .. p0+M-1
 // written to the cache, q out fp32 [M, Hq, D] (_qbf: bfloat q * q_scale [Hq/G, M, G, D]). Same
@@ -230,7 +291,9 @@ struct AttnPrefillArgs {
   S(GemmArgs) S(GemmRowScaleArgs) S(GemmAScaleArgs) S(MoeGemmArgs) S(MoeTile) S(MoeRoutePrefillArgs) \
   S(MoeCombineArgs) S(GdnConvStateArgs) S(GdnScanArgs) S(AttnPrefillPrepArgs) S(AttnPrefillArgs)
 #define LILY_PREFILL_CONSTANTS(C) \
-  C(kMoeTileClasses) C(kMoeRouteMaxBlockSlots) C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
+  C(kMoeTileClasses) C(kMoeSimdgroupTileRowsMax) C(kMoeGemmMaxThreads) C(kMoeGemmTensorMaxThreads) \
+  C(kMoeRouteMaxBlockSlots) C(kMoeRouteMaxThreads) C(kMoeRouteClearThreads) C(kMoeCombineThreads) \
+  C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
   C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
   C(kAttnPrefillPrepRows) C(kAttnPrefillPrepThreads) \
   C(kAttnPrefillSlabRows) C(kAttnPrefillRescale)

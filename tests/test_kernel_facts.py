@@ -104,6 +104,49 @@ def test_constants_have_one_home():
                    if re.search(rf"^\w+\s*=\s*[\d.]+\s*#.*\b{name}\b", text, re.M)]
         assert not copies, f"{name} (home {homes[0].relative_to(ROOT)}) copied in " + \
             ", ".join(str(p.relative_to(ROOT)) for p in copies)
+    # The grouped expert GEMMs' geometry (prefill_args.h: kExpertTileRows, moe_gemm_sm/_sn/_bn/
+    # _threads/_band): no second list of the tile heights anywhere, and no choice between
+    # geometry numbers (`h <= 32 ? 16 : 32`, `T == 128 ? 256 : ...`) where the host dispatches
+    # and models them; their threadgroup memory is the kernels' (gemm_args.h, prefill_args.h,
+    # mixer_args.h *_smem_bytes), not a formula of the cost table's (gdn_scan's still is).
+    heights = [p for p, text in code.items() if re.search(r"\{\s*16u?,\s*32u?,\s*64u?,\s*128u?\s*\}", text)]
+    assert heights == [ROOT / "metal/prefill_args.h"], heights
+    for rel in ("csrc/runtime/cost.cpp", "csrc/runtime/families/moe_prefill.cpp"):
+        pick = re.search(r"\?\s*(?:16|32|64|128|256)u?\s*:\s*(?:16|32|64|128|256)u?\b", code[ROOT / rel])
+        assert not pick, f"{rel}: {pick.group(0)} restates the geometry of metal/prefill_args.h"
+    cost = code[ROOT / "csrc/runtime/cost.cpp"]
+    for rhs in re.findall(r"threadgroup_memory = ([^;]*);", cost):
+        assert "_smem" in rhs or "kGdnScanTokensPerBlock" in rhs, rhs
+    assert "kGemmLd" not in cost and "kAttnPrefillSlabRows" not in cost  # the ingredients of those sizes
+
+
+def test_thread_limits_are_named():
+    """The kernels whose threads per threadgroup have a name in metal/*_args.h declare that
+    name as their [[max_total_threads_per_threadgroup]] (the simulator evaluates it as Apple's
+    compiler does and reports the constant's value for every instantiation); in the GEMM,
+    attention and prefill MoE kernels a number is left only where no constant names the
+    threads (probes, threads = head_dim, any size up to 1024)."""
+    dev = _core.sim_device(record_only=True, gpu_family="apple10")
+    declared = re.compile(r"\[\[max_total_threads_per_threadgroup\((\w+)\)\]\] kernel void (\w+)\(")
+    instances = re.compile(r'host_name\("(\w+)"\)\]\] \[\[kernel\]\] decltype\((\w+)<')
+    literal, named = set(), 0
+    for path in sorted((ROOT / "metal").glob("*.metal")):
+        text = path.read_text()
+        hosts: dict[str, list[str]] = {}
+        for host, fn in instances.findall(text):
+            hosts.setdefault(fn, []).append(host)
+        for limit, fn in declared.findall(text):
+            if limit.isdigit():
+                if re.match(r"(gemm|attention|moe_prefill)", path.name):
+                    literal.add(fn)
+                continue
+            for host in hosts.get(fn, [fn]):
+                info = dev.pipeline_info(host)
+                assert info["max_threads_per_threadgroup"] == _core.CONSTANTS[limit], (host, limit)
+                named += 1
+    assert literal == {"tensor_ops_probe", "tensor_ops_probe_bfloat", "attn_qk_prep", "attn_prefill_combine",
+                       "moe_combine_norm"}, literal
+    assert named > 40
 
 
 def test_kernel_names_follow_one_rule():

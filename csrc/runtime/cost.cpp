@@ -43,28 +43,18 @@ constexpr double kBf16ConvOps = 1;
 // nothing); a long-context model's memory heads (g near 1) fold far less often, so 1/3 is
 // on the pessimistic side. Every token folding would be 7, the eager scan's count.
 constexpr double kGdnScanFolds = 1.0 / 3.0;
-// Dense GEMM blocks and tiles: args::kGemmBM, kGemmBN, kGemmSwigluBN, kGemmLd, kGemmBK
-// (metal/gemm_args.h; the tensor-op path's rows come with its grid).
+// Dense GEMM blocks and tiles: args::kGemmBM, kGemmBN, kGemmSwigluBN, kGemmBK and the
+// threadgroup memory (metal/gemm_args.h; the tensor-op path's rows come with its grid).
 using args::kGemmBK;
-using args::kGemmLd;
-// Rows of one simdgroup's block in the tensor-op expert tiles (moe_prefill_tensor.metal: 16
-// at T = 16 and 32, else 32), the granularity at which a partial tile's padding rows are
-// skipped (a simdgroup whose rows all lie past the tile's runs no tensor operation).
-uint32_t tensor_band(uint32_t h) { return h <= 32 ? 16 : 32; }
-// Threadgroup memory of a GEMM block: on the simdgroup_matrix path (GemmSmem of gemm_tiles.h)
-// the bfloat A and NB W tiles, reused for NB staged fp32 BM x (BN + 4) result blocks; on the
-// tensor-op path (GemmTensorSmem of gemm_tensor.h) the W tiles alone (A goes from device
-// memory into registers, the results leave from registers): 9 KiB at every tile height.
+// Threadgroup memory of a GEMM block as the kernels declare it (gemm_args.h: GemmSmem's on the
+// simdgroup_matrix path, GemmTensorSmem's on the tensor-op path).
 uint64_t gemm_smem(uint32_t bm, uint32_t bn, int nb, bool tensor) {
-  if (tensor) return uint64_t(nb) * bn * kGemmLd * 2;
-  const uint64_t tiles = uint64_t(bm + nb * bn) * kGemmLd * 2;
-  return std::max<uint64_t>(tiles, uint64_t(nb) * bm * (bn + 4) * 4);
+  return tensor ? args::gemm_tensor_smem_bytes(bn, nb) : args::gemm_smem_bytes(bm, bn, nb);
 }
 // The prefill attention's shape (metal/prefill_args.h): KV rows per tile, (row, head) pairs
-// per threadgroup, pairs per slab of the tensor-op kernel (two simdgroups, a half of D each).
+// per threadgroup.
 constexpr uint32_t kAttnTile = args::kAttnPrefillTile;
 constexpr uint32_t kAttnRows = args::kAttnPrefillPairs;
-constexpr uint32_t kAttnSlab = args::kAttnPrefillSlabRows;
 
 bool starts(const std::string& s, const char* p) { return s.rfind(p, 0) == 0; }
 bool ends(const std::string& s, const char* p) {
@@ -207,7 +197,7 @@ Cost dense_gemm(const gpu::DispatchRecord& r, int nb, bool tensor, bool bf16_y =
 // their last tile, 1..T) are uniform, so a fraction (h - lo + 1) / T of them lands in class c
 // (lo: its fewest rows) with (lo + h) / 2 real rows on average; class 0 also runs the full
 // tiles, (m k - reached (T + 1) / 2) / T of them. Every tile computes h rows (its padding
-// included; on the tensor-op path only the live blocks of its simdgroups, tensor_band rows
+// included; on the tensor-op path only the live blocks of its simdgroups, moe_gemm_band rows
 // each: a tail of r rows computes r rounded up to the band), dequantizes its expert's n x k weights
 // once, and reads them: the experts a class reaches are counted (class 0: at most every
 // reached one; class c > 0: one per tail).
@@ -223,16 +213,15 @@ Cost expert_gemm(const gpu::DispatchRecord& r, int nb, bool tensor) {
   const double tails = reached * (h - lo + 1) / T;
   const double full = c == 0 ? std::max(0.0, (assignments - reached * (T + 1) / 2.0) / T) : 0.0;
   const double tiles = std::min(full + tails, double(r.groups.x));
-  const uint32_t band = tensor ? tensor_band(h) : h;
+  // rows per simdgroup block (prefill_args.h moe_gemm_band): the tensor-op path skips padding in these
+  const uint32_t band = tensor ? args::moe_gemm_band(h, tensor, nb) : h;
   double tail_rows = 0;  // computed rows of a tail, on average over r = lo..h
   for (uint32_t rr = lo; rr <= h; ++rr) tail_rows += double((rr + band - 1) / band * band) / (h - lo + 1);
   // computed, padding included
   const double rows = full + tails > 0 ? tiles * (full * h + tails * tail_rows) / (full + tails) : 0.0;
   const double real = std::min(assignments, full * T + tails * (lo + h) / 2.0);
   const double experts_read = std::min(reached, full + tails);
-  // output columns per threadgroup (moe_prefill.metal: 64, or 32 for gate/up at T >= 64;
-  // moe_prefill_tensor.metal: 32 for gate/up, 64 for down)
-  const uint32_t bn = (a.n + 63) / 64 == r.groups.y ? 64 : 32;
+  const uint32_t bn = args::moe_gemm_bn(h, tensor, nb);  // output columns per threadgroup
   add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 2.0 * nb * rows * a.n * a.k);
   // weights dequantized to bfloat; bfloat activations are copied or loaded; both outputs are
   // stored as bfloat (the conversion), gate/up after silu(g) * u
@@ -583,8 +572,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     loop(w, Lat::dram, blocks_sg);
     chain(w, Steps{0, 0, 1, 2, 0, 20}, G);
     chain(w, Steps{0, split ? 0.0 : 1.0, 0, 1, 0, 8}, 1);  // the gate (unsplit) and the output
-    // red_m, red_l [8 G], qs / red [8 D], kcur, vcur [D], xch [8 (32 + G)]
-    w.threadgroup_memory = 4 * (16 * G + 8 * D + 2 * D + 8 * (32 + G));
+    w.threadgroup_memory = args::attn_decode_fused_smem_bytes(D, G);  // mixer_args.h
     return w;
   }
   if (starts(k, "attn_combine_d")) {
@@ -649,12 +637,8 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
         (tensor ? 9.0 : 8.0) * scores + (tensor ? 0.0 : groups * rows * D) +
             (a.num_splits == 0 ? kBf16ConvOps * double(M) * a.num_q_heads * D : 0.0));
     w.bytes = declared(r);
-    // tensor: per slab the fp32 scores and bfloat P [kSlab, kTile], fp32 corr, l, m per pair
-    // and the slab's rescale flag (Q, O and V are in registers); simdgroup: the bfloat K/V
-    // tile and the per-simdgroup scratch
-    const uint32_t slabs = kAttnRows / kAttnSlab;
-    w.threadgroup_memory = tensor ? 6 * kAttnRows * kAttnTile + 4 * slabs * (3 * kAttnSlab + 1)
-                                  : 2 * kAttnTile * D + 4 * 8 * (8 * kAttnTile + 80) + 2 * 8 * 8 * kAttnTile;
+    // as the kernels declare it (prefill_args.h)
+    w.threadgroup_memory = tensor ? args::attn_prefill_tensor_smem_bytes() : args::attn_prefill_smem_bytes(D);
     // per KV tile: the tensor path issues the first V slice's loads with the product reading
     // K (the next slices' loads overlap the products before them), two barriers (the halves'
     // partial scores, then P), the lower half's sum read back by its softmax lanes (a

@@ -1,11 +1,12 @@
 // The kernels' argument structs and shared constants as the host sees them: the headers
 // under metal/ that hold only 32-bit `uint`/`float` fields, `constant constexpr` constants (and
-// inline functions of them, like gdn_ring) and include nothing are included here with `uint`
-// defined as uint32_t and `constant` (MSL's address space of program-scope constants) as
-// nothing, so host and kernels share one definition (docs/conventions.md: one header of
-// argument structs included by both sides). Each struct's field list (LILY_ARGS_<T>, beside
-// it) is checked here against its offsets and size, and with the constants reflected for
-// Python (arg_layouts, kernel_constants: lily._core.KERNEL_ARGS / CONSTANTS).
+// inline or constexpr functions of them, like gdn_ring, moe_gemm_bn) and include nothing are
+// included here with `uint` defined as uint32_t and `constant` (MSL's address space of
+// program-scope constants) as nothing, so host and kernels share one definition
+// (docs/conventions.md: one header of argument structs included by both sides). Each struct's
+// field list (LILY_ARGS_<T>, beside it) is checked here against its offsets and size, and
+// with the constants reflected for Python (arg_layouts, kernel_constants: lily._core.KERNEL_ARGS
+// / CONSTANTS).
 #pragma once
 
 #include <cstddef>

@@ -173,7 +173,7 @@ PrefillScratch PrefillPlan::allocate(uint32_t rows, const Alloc& scratch) const 
 // and win once experts carry >= 24 rows on average (docs/goals.md: +13.2% at 2K tokens, 64 rows
 // per expert); below that the padding of half-empty 32-row tiles costs more. 64-row tiles
 // halve the weight reads again from 48 rows per expert on (a 2048-row chunk: 64 on average).
-// On the tensor-op path 128-row tiles (which compute only the live 16-row bands of a partial
+// On the tensor-op path 128-row tiles (which compute only the live moe_gemm_band rows of a partial
 // tile) halve the dequantization again from kTile128Rows rows per expert on (docs/prefill.md).
 uint32_t PrefillPlan::moe_tile_rows(const PrefillScratch& c, const Chunk& chunk, uint32_t layer) const {
   if (chunk.tile_rows) return chunk.tile_rows;

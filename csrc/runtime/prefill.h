@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <iterator>
 #include <utility>
 #include <vector>
 
@@ -29,7 +30,8 @@ struct PrefillKernels {
   const gpu::Pipeline *route_clear = nullptr, *route_topk = nullptr, *route_scatter = nullptr;
   const gpu::Pipeline* shared_gate_up = nullptr;
   // grouped expert GEMMs by tile height, in the order of kExpertTileRows (moe_tile_rows)
-  const gpu::Pipeline *experts_gate_up[4] = {}, *experts_down[4] = {};
+  const gpu::Pipeline *experts_gate_up[std::size(kernels::kExpertTileRows)] = {},
+                     *experts_down[std::size(kernels::kExpertTileRows)] = {};
   const gpu::Pipeline *moe_combine = nullptr, *moe_combine_norm = nullptr;  // the latter: + next input norm
 };
 
@@ -89,8 +91,10 @@ class PrefillPlan {
   bool tensor_ops() const { return families_ & (kGemmFamily | kMoeFamily); }
   // Whether the attention runs them (bfloat operands).
   bool tensor_attention() const { return families_ & kAttentionFamily; }
-  // Whether this path has expert tiles of height T (128: tensor ops only).
-  bool expert_tile_available(uint32_t T) const { return T < 128 || (families_ & kMoeFamily); }
+  // Whether this path has expert tiles of height T (above kMoeSimdgroupTileRowsMax: tensor ops only).
+  bool expert_tile_available(uint32_t T) const {
+    return T <= kernels::kMoeSimdgroupTileRowsMax || (families_ & kMoeFamily);
+  }
   // Minimum KV rows per split of a chunk's attention (split_block, or 1024).
   uint32_t split_rows() const;
   // The command buffers of a chunk of `rows` rows at `p0`: its layers as [begin, end) groups,

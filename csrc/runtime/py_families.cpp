@@ -338,7 +338,7 @@ void bind_families(nb::module_& m) {
       "tile_rows"_a, "tensor"_a,
       "(gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the\n"
       "grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill\n"
-      "plan picks them (csrc/runtime/families/moe_prefill.h).");
+      "plan picks them (the kernels' moe_gemm_threads / moe_gemm_bn of metal/prefill_args.h).");
   m.def(
       "encode_moe_gemm",
       [](gpu::ComputePass& pass, const std::string& kernel, const nb::tuple& weights, gpu::Buffer& x,

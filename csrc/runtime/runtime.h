@@ -57,9 +57,9 @@ enum class Logits { none, last, all };
 // rows at Qwen3.6-35B-A3B's dimensions), so smaller Macs fall back rather than fail.
 inline constexpr uint32_t kAutoPrefillChunks[] = {4096, 2048, 1024, 512};
 
-// Heights of the grouped expert GEMMs' tiles (moe_gemm_*_t<T>; PrefillPlan::moe_tile_rows picks one).
-// 128: the tensor-op path only (PrefillPlan::expert_tile_available).
-inline constexpr uint32_t kExpertTileRows[] = {16, 32, 64, 128};
+// Heights of the grouped expert GEMMs' tiles (metal/prefill_args.h; moe_gemm_*_t<T>;
+// PrefillPlan::moe_tile_rows picks one, expert_tile_available says which a path has).
+using kernels::kExpertTileRows;
 
 struct RuntimeOptions {
   LILY_RUNTIME_OPTIONS(LILY_DECLARE_FIELD)

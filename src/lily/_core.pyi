@@ -820,7 +820,7 @@ def moe_geometry(tile_rows: int, tensor: bool) -> tuple:
     """
     (gate/up threads, gate/up output columns, down threads, down output columns) per threadgroup of the
     grouped expert GEMMs of tile height tile_rows, on the tensor-op path with `tensor`, as the prefill
-    plan picks them (csrc/runtime/families/moe_prefill.h).
+    plan picks them (the kernels' moe_gemm_threads / moe_gemm_bn of metal/prefill_args.h).
     """
 
 def encode_moe_gemm(compute_pass: ComputePass, kernel: str, weights: tuple, x: Buffer, perm: Buffer, tiles: Buffer, tile_count: Buffer, y: Buffer, args: bytes, tile_entries: int, tiles_at: int = 0, count_at: int = 0, disjoint: int = 0, label: str = '') -> None:

@@ -364,7 +364,7 @@ def test_structure_mlx_tiles():
     assert 32 * 4 * 2 == GEMM_TENSOR_TG and GEMM_TENSOR_BM // 4 == GEMM_BN // 2 == 32  # 32 x 32 per simdgroup
     dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
-    assert dense.count("max_total_threads_per_threadgroup(256)") == 3
+    assert dense.count("max_total_threads_per_threadgroup(kGemmTensorThreads)") == 3  # test_kernel_facts: its value
     assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
     # the host and the lab read these from metal/gemm_args.h (kernel_args.h, lily._core.CONSTANTS)
     assert _core.CONSTANTS["kGemmLd"] == GEMM_BK + 8
@@ -382,15 +382,19 @@ def test_structure_mlx_tiles():
     for T in MOE_TENSOR_TILES:
         threads, bn, down_bn = moe_geometry(T, True)
         assert tensor_smem(bn, 2) == tensor_smem(down_bn, 1) == 9216
-    # the grouped host names carry the geometry moe_geometry says, on each path
-    for kind in ("gate_up", "down"):
-        for f, tensor_path, heights in (("moe_prefill.metal", False, MOE_TILES),
-                                        ("moe_prefill_tensor.metal", True, MOE_TENSOR_TILES)):
+    # the grouped kernels are instantiated by tile height alone and take the rest of their
+    # geometry from metal/prefill_args.h's moe_gemm_* (what moe_geometry gives the host),
+    # within their declared maximum threads
+    for kind, nb in (("gate_up", 2), ("down", 1)):
+        for f, tensor_path, heights, limit in (
+                ("moe_prefill.metal", False, MOE_TILES, "kMoeGemmMaxThreads"),
+                ("moe_prefill_tensor.metal", True, MOE_TENSOR_TILES, "kMoeGemmTensorMaxThreads")):
             src = (ROOT / "metal" / f).read_text()
+            path = "true" if tensor_path else "false"
+            assert all(f"moe_gemm_{g}(T, {path}, {nb})" in src for g in ("bn", "sm", "sn")), (f, kind)
             for T in heights:
                 suffix = "_tensor" if tensor_path else ""
-                m = re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] decltype\(\w+<(\d+), '
-                              r"(\d+), (\d+), (\d+)>", src)
-                threads, bn, down_bn = moe_geometry(T, tensor_path)
-                assert m and (int(m.group(1)), int(m.group(2))) == (T, down_bn if kind == "down" else bn), (f, kind, T)
-                assert 32 * int(m.group(3)) * int(m.group(4)) == threads, (f, kind, T)
+                assert re.search(rf'host_name\("moe_gemm_{kind}_q4_t{T}{suffix}"\)\]\] \[\[kernel\]\] '
+                                 rf"decltype\(\w+<{T}>\)", src), (f, kind, T)
+                threads = moe_geometry(T, tensor_path)[0]
+                assert threads <= _core.CONSTANTS[limit] and threads % 32 == 0, (f, kind, T)

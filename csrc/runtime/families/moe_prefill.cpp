@@ -10,13 +10,8 @@ namespace lily::runtime {
 namespace args = lily::kernels;
 
 MoeGeometry moe_geometry(uint32_t T, bool tensor) {
-  if (tensor) {
-    const uint32_t threads = T == 128 ? 256 : T == 16 ? 64 : 128;
-    return {threads, 32, threads, 64};
-  }
-  if (T == 64) return {128, 32, 128, 64};
-  const uint32_t threads = T == 32 ? 128 : 64;
-  return {threads, 64, threads, 64};
+  return {args::moe_gemm_threads(T, tensor, 2), args::moe_gemm_bn(T, tensor, 2),  // gate/up
+          args::moe_gemm_threads(T, tensor, 1), args::moe_gemm_bn(T, tensor, 1)};  // down
 }
 
 void encode_moe_gemm(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
@@ -45,7 +40,9 @@ void encode_moe_gemm(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::s
   op.out_disjoint(y, io.y, 0, ((slots - 1) * a.ldy + a.n) * bf, disjoint).args(y + 1, a).run(pass);
 }
 
-uint32_t moe_route_threads(uint32_t experts) { return std::min<uint32_t>(1024, ceil_div(experts, 32) * 32); }
+uint32_t moe_route_threads(uint32_t experts) {
+  return std::min<uint32_t>(args::kMoeRouteMaxThreads, ceil_div(experts, 32) * 32);
+}
 
 uint32_t moe_map_entries(uint32_t assignments, uint32_t experts, uint32_t T) {
   return args::moe_class_base(assignments, experts, T, args::moe_tile_classes(T));
@@ -60,7 +57,7 @@ size_t block_count_bytes(const args::MoeRoutePrefillArgs& a) {
 void encode_moe_route_clear(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
                             gpu::Buffer& block_counts, const args::MoeRoutePrefillArgs& a) {
   Op(kernel, label)
-      .threads({ceil_div(a.rows, a.block_rows) * a.experts, 1, 1}, {256, 1, 1})
+      .threads({ceil_div(a.rows, a.block_rows) * a.experts, 1, 1}, {args::kMoeRouteClearThreads, 1, 1})
       .out(0, block_counts, 0, block_count_bytes(a))
       .args(1, a)
       .run(pass);
@@ -105,7 +102,7 @@ void encode_moe_combine(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std
                         uint64_t* weight_bytes) {
   const size_t M = a.rows, H = a.hidden, f = sizeof(float), bf = 2;
   Op op(kernel, label);
-  if (!norm) op.threads({a.hidden / 4, a.rows, 1}, {threads ? threads : 64u, 1, 1});
+  if (!norm) op.threads({a.hidden / 4, a.rows, 1}, {threads ? threads : args::kMoeCombineThreads, 1, 1});
   else op.groups({a.rows, 1, 1}, {threads ? threads : kNormThreads, 1, 1});
   op.inout(0, h, 0, M * H * f).in(1, yx, 0, M * a.top_k * H * bf).in(2, w, 0, M * (a.top_k + 1) * f).args(3, a);
   if (norm) op.in(4, *norm, weight_bytes).out(5, *xn, 0, M * H * bf).args(6, args::NormArgs{a.hidden, eps});

@@ -17,19 +17,16 @@
 
 namespace lily::runtime {
 
-// Threads and output columns per threadgroup of gate/up and of down for tile height T.
-// simdgroup_matrix path (moe_prefill.metal): T = 16 and 32 64 columns of 64 / 128 threads;
-// T = 64 gate/up 64 x 32 blocks, so that its two staged fp32 result blocks fit 32 KiB of
-// threadgroup memory, down 64 x 64. Tensor-op path (moe_prefill_tensor.metal): 32 columns of
-// gate and of up, 64 of down, on 64 (T = 16), 128 or 256 (T = 128, this path only) threads:
-// one 9 KiB weight tile at every T.
+// Threads and output columns per threadgroup of gate/up and of down for tile height T on a
+// path (tensor: moe_prefill_tensor.metal, else moe_prefill.metal): the kernels' own geometry,
+// moe_gemm_threads / moe_gemm_bn of metal/prefill_args.h.
 struct MoeGeometry {
   uint32_t gate_up_threads, gate_up_bn, down_threads, down_bn;
 };
 MoeGeometry moe_geometry(uint32_t T, bool tensor);
 
 // Threads per threadgroup of moe_route_topk and moe_route_scatter for E experts: one per
-// expert, rounded up to whole simdgroups (at most 1024).
+// expert, rounded up to whole simdgroups (at most kMoeRouteMaxThreads).
 uint32_t moe_route_threads(uint32_t experts);
 
 // Entries of the tile maps of all tile classes of a height-T tiling of `assignments` (rows *
@@ -37,7 +34,7 @@ uint32_t moe_route_threads(uint32_t experts);
 uint32_t moe_map_entries(uint32_t assignments, uint32_t experts, uint32_t T);
 
 // moe_route_clear: zeroes the per-block expert histogram block_counts (uint32 [ceil(rows /
-// block_rows), experts]), one thread each, threadgroups of 256.
+// block_rows), experts]), one thread each, threadgroups of kMoeRouteClearThreads.
 void encode_moe_route_clear(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
                             gpu::Buffer& block_counts, const lily::kernels::MoeRoutePrefillArgs& args);
 // moe_route_topk: one threadgroup of `threads` (0: moe_route_threads) per row reads the router
@@ -76,9 +73,10 @@ void encode_moe_gemm(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::s
 
 // moe_combine (without `norm`): h (fp32 [rows, hidden]) += the routed outputs yx (bfloat
 // [rows * top_k, hidden]) weighted by w (fp32 [rows, top_k + 1]); grid (hidden / 4, rows) of
-// `threads` (0: 64) threads. moe_combine_norm (with `norm`: the next layer's input norm weight,
-// bf16 [hidden]) also writes xn = RMSNorm(h) * norm (bfloat [rows, hidden]); one threadgroup of
-// `threads` (0: kNormThreads) per row. The norm's bytes are added to `weight_bytes` when given.
+// `threads` (0: kMoeCombineThreads) threads. moe_combine_norm (with `norm`: the next layer's
+// input norm weight, bf16 [hidden]) also writes xn = RMSNorm(h) * norm (bfloat [rows, hidden]);
+// one threadgroup of `threads` (0: kNormThreads) per row. The norm's bytes are added to
+// `weight_bytes` when given.
 void encode_moe_combine(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
                         gpu::Buffer& h, gpu::Buffer& yx, gpu::Buffer& w,
                         const lily::kernels::MoeCombineArgs& args, const TensorRef* norm = nullptr,

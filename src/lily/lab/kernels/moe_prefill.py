@@ -18,15 +18,16 @@ from lily.lab.kernels.harness import (
 from lily.lab.kernels.norm import norm_bf16_ref
 from lily.reference import sigmoid, softmax
 
-MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (csrc/runtime/runtime.h kExpertTileRows)
-MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T < 128)  # 128: tensor ops only (PrefillPlan::expert_tile_available)
+MOE_TENSOR_TILES = _core.EXPERT_TILE_ROWS  # the tile heights (metal/prefill_args.h kExpertTileRows)
+# the simdgroup_matrix path's (the taller ones: tensor ops only; PrefillPlan::expert_tile_available)
+MOE_TILES = tuple(T for T in MOE_TENSOR_TILES if T <= _core.CONSTANTS["kMoeSimdgroupTileRowsMax"])
 
 
 def moe_geometry(T: int, tensor: bool) -> tuple[int, int, int]:
     """(threads, gate/up output columns, down output columns) per threadgroup of the grouped
     GEMMs of tile height T on a path (``tensor``: the ``_tensor`` kernels; T = 128 exists on
-    that path only), the prefill plan's (lily._core.moe_geometry,
-    csrc/runtime/families/moe_prefill.h; both kernels run on the same threads)."""
+    that path only), the prefill plan's (lily._core.moe_geometry: the kernels' moe_gemm_threads /
+    moe_gemm_bn of metal/prefill_args.h; both kernels run on the same threads)."""
     threads, bn, down_threads, down_bn = _core.moe_geometry(T, tensor or T not in MOE_TILES)
     assert threads == down_threads, "the lab's twins take one thread count for both kernels"
     return threads, bn, down_bn
@@ -38,7 +39,7 @@ MOE_TG, MOE_BN, MOE_DOWN_BN = ({T: moe_geometry(T, False)[i] for T in MOE_TILES}
 
 def route_tg(E):
     """Threadgroup of moe_route_topk / moe_route_scatter as the prefill plan dispatches them
-    (lily._core.moe_route_threads: round_up(E, 32), at most 1024)."""
+    (lily._core.moe_route_threads: round_up(E, 32), at most kMoeRouteMaxThreads)."""
     return _core.moe_route_threads(E)
 
 
