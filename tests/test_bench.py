@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from lily import Engine
+from lily import Engine, _core
 from lily.lab.bench import LengthResult, Sample, _timed, format_report, report, run_bench, teacher_forced
 from lily.errors import InvalidParameterError
 
@@ -287,6 +287,16 @@ def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
         assert roof["seconds"] == max(roof["bandwidth_s"], *roof["compute_s"].values())
         bounds[c["kernel"]] = roof
     assert bounds["gemv_q4_add"]["bound"] == "bandwidth"  # small shapes: the matrices' rows are few
+    # the decode attention's blocks are the runtime's (DecodePlan::split_rows): at 4K of the
+    # model 104 rows; at the small contexts kDecodeMinBlock (32), where the old formula gave 7
+    d = kernel_bench._dims(True)
+    attn = [c for c in rep["kernels"] if c["kernel"].startswith("attn_decode_split")]
+    for ctx, c in zip(d["contexts"], attn, strict=True):
+        rec = next(x for x in c["records"] if x["kernel"] == c["kernel"])
+        assert rec["groups"][1] == -(-(ctx + 1) // _core.decode_split_rows(ctx + 1, d["Hq"], d["Hkv"])), c["case"]
+    assert _core.decode_split_rows(4097, 16, 2) == 104  # 80 threadgroups of 2 heads' blocks, rounded up to 8 rows
+    with pytest.raises(ValueError, match="decode_split_rows"):
+        _core.decode_split_rows(0, 16, 2)
     for kernel, path in (("gemm_q4_tensor", "tensor_bf16"), ("gemm_q4", "sgmm_bf16"),
                          ("attn_prefill_d256_g8_tensor", "tensor_bf16"), ("gdn_scan_k128_v128_r32", "alu_f32")):
         assert bounds[kernel]["compute_s"][path] > 0, (kernel, bounds[kernel])

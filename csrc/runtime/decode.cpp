@@ -52,8 +52,11 @@ bool DecodePlan::ends_window(uint32_t position) const { return (position + 1) % 
 uint32_t DecodePlan::ring_capacity() const { return std::min(opt_.state_window - 1, opt_.max_context); }
 
 uint32_t DecodePlan::split_rows(uint32_t rows) const {
-  if (opt_.split_block) return opt_.split_block;
-  const uint64_t per_block = uint64_t(d_.num_attention_heads / attn_heads_);  // threadgroups per block
+  return opt_.split_block ? opt_.split_block : split_rows_for(rows, d_.num_attention_heads, attn_heads_);
+}
+
+uint32_t DecodePlan::split_rows_for(uint32_t rows, uint32_t num_q_heads, uint32_t heads_per_threadgroup) {
+  const uint64_t per_block = uint64_t(num_q_heads / heads_per_threadgroup);  // threadgroups per block
   const uint32_t want = ceil_div(uint64_t(rows) * per_block, kDecodeTargetGroups);
   return std::max(kDecodeMinBlock, (want + 7) / 8 * 8);
 }

@@ -93,6 +93,10 @@ class DecodePlan {
   // kDecodeMinBlock giving at most kDecodeTargetGroups threadgroups, so the grid fills a
   // 40-core GPU twice from ~1.3K rows on while the partials stay bounded.
   uint32_t split_rows(uint32_t rows) const;
+  // That rule without the option, for `num_q_heads` query heads at `heads_per_threadgroup`
+  // (attn_heads_per_group); the lab's kernel bench times the block it gives
+  // (lily._core.decode_split_rows).
+  static uint32_t split_rows_for(uint32_t rows, uint32_t num_q_heads, uint32_t heads_per_threadgroup);
   // The write-back window (docs/decode.md): the step at `position` writes the Gated DeltaNet
   // state back when (position + 1) % state_window == 0; the others append a ring entry.
   bool ends_window(uint32_t position) const;

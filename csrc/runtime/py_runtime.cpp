@@ -125,6 +125,21 @@ void bind_runtime(nb::module_& m) {
   m.attr("CONSTANTS") = constants;
   m.attr("EXPERT_TILE_ROWS") =
       nb::tuple(nb::cast(std::vector<uint32_t>(std::begin(kExpertTileRows), std::end(kExpertTileRows))));
+  m.def(
+      "decode_split_rows",
+      [](uint32_t rows, uint32_t num_q_heads, uint32_t num_kv_heads) {
+        const uint32_t g = num_kv_heads && num_q_heads % num_kv_heads == 0
+                               ? attn_heads_per_group(num_q_heads / num_kv_heads)
+                               : 0;
+        if (!rows || !g)
+          throw std::invalid_argument(
+              "decode_split_rows needs rows >= 1 and query heads a multiple of the KV heads by 2, 4 or 8");
+        return DecodePlan::split_rows_for(rows, num_q_heads, g);
+      },
+      "rows"_a, "num_q_heads"_a, "num_kv_heads"_a,
+      "KV rows per block of the split decode attention over `rows` cache rows, as the runtime picks them\n"
+      "without the split_block option (DecodePlan::split_rows, csrc/runtime/decode.cpp). Raises ValueError\n"
+      "for rows 0 or heads with no attention kernel grouping.");
   // The grouped expert GEMMs' tile-class rules (metal/prefill_args.h), as kernels and host apply them.
   m.def("moe_tile_classes", &kernels::moe_tile_classes, "tile_rows"_a,
         "Tile classes of a height-T tiling (prefill_args.h moe_tile_classes).");

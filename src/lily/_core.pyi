@@ -208,6 +208,13 @@ CONSTANTS: dict[str, int | float]
 
 EXPERT_TILE_ROWS: tuple[int, ...]
 
+def decode_split_rows(rows: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """
+    KV rows per block of the split decode attention over `rows` cache rows, as the runtime picks them
+    without the split_block option (DecodePlan::split_rows, csrc/runtime/decode.cpp). Raises ValueError
+    for rows 0 or heads with no attention kernel grouping.
+    """
+
 def moe_tile_classes(tile_rows: int) -> int:
     """Tile classes of a height-T tiling (prefill_args.h moe_tile_classes)."""
 

@@ -105,8 +105,7 @@ def _decode_attention(ctx_index: int) -> Callable:
         QG = upload(dev, rng.standard_normal(d["Hq"] * 2 * d["D"]).astype(np.float32))
         K = upload(dev, rng.standard_normal(d["Hkv"] * d["D"]).astype(np.float32))
         V = upload(dev, rng.standard_normal(d["Hkv"] * d["D"]).astype(np.float32))
-        # the runtime's split: ~kDecodeTargetGroups (80) threadgroups, (Hq / G) x blocks
-        block = -(-(pos + 1) // (80 // (d["Hq"] // L.G)))
+        block = _core.decode_split_rows(pos + 1, d["Hq"], d["Hkv"])  # the runtime's (DecodePlan::split_rows)
         return lambda p: L.encode_fused(p, QG, K, V, L.POS, pos, block_rows=block)
     return build
 
