@@ -295,6 +295,11 @@ def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
         rec = next(x for x in c["records"] if x["kernel"] == c["kernel"])
         assert rec["groups"][1] == -(-(ctx + 1) // _core.decode_split_rows(ctx + 1, d["Hq"], d["Hkv"])), c["case"]
     assert _core.decode_split_rows(4097, 16, 2) == 104  # 80 threadgroups of 2 heads' blocks, rounded up to 8 rows
+    # the DeltaNet step replays its pending ring entries: more bytes the more are pending
+    gdn = [sum(x["work"]["bytes"] for x in c["records"]) for c in rep["kernels"] if c["kernel"].startswith("gdn_decode")]
+    assert len(gdn) == 3 and gdn == sorted(gdn) and gdn[0] < gdn[-1], gdn
+    assert {"moe_route_gate_up_swiglu_q4", "moe_down_q4"} <= set(bounds) and any(
+        "lm_head" in c["case"] for c in rep["kernels"])
     with pytest.raises(ValueError, match="decode_split_rows"):
         _core.decode_split_rows(0, 16, 2)
     for kernel, path in (("gemm_q4_tensor", "tensor_bf16"), ("gemm_q4", "sgmm_bf16"),

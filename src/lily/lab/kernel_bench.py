@@ -2,9 +2,11 @@
 roofline from the cost table (docs/performance.md, "Calibrating on a Mac run").
 
 Every case builds its inputs and encodes its dispatches with the kernel checks' harness
-(lily.lab.kernels: the layer classes and ``enc_*`` encoders that mirror the runtime's
-bindings and declared ranges), at the real model's dimensions: decode GEMVs, decode attention
-at 4K / 32K / 128K context, the prefill GEMMs on each path (64-row simdgroup_matrix and
+(lily.lab.kernels: the layer classes and ``enc_*`` encoders over the runtime's own
+``_core.encode_*`` builders), at the real model's dimensions: decode GEMVs, decode attention
+at 4K / 32K / 128K context (the runtime's split blocks, _core.decode_split_rows), the Gated
+DeltaNet decode step at a few pending write-back counts, the decode MoE (routing + gate/up,
+down), the final norm + lm_head, the prefill GEMMs on each path (64-row simdgroup_matrix and
 tensor-op tiles), the grouped expert GEMMs, the prefill attention, the Gated DeltaNet scan. Each
 command buffer holds one case; its GPU time (Metal's GPU timestamps) is taken over ``reps``
 runs after a warm-up, and the cost table prices what it recorded (``_core.dispatch_costs``):
@@ -33,11 +35,13 @@ from lily.lab.kernels.attention import AttnLayer
 from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, pack_bf16_q
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
 from lily.lab.kernels.gemm import enc_gemm
-from lily.lab.kernels.gemv import enc_gemv_add, enc_norm_gemv
+from lily.lab.kernels.gdn import GDN_DECODE_SPLITS, GdnLayer, gdn_decode_dispatch, gdn_ring_entry
+from lily.lab.kernels.gemv import LM_HEAD_THREADS, enc_gemv_add, enc_norm_gemv
 from lily.lab.kernels.harness import bf16_bits, f32, rand_quant, upload_bf16, upload_q
+from lily.lab.kernels.moe import MoeWeights, enc_down, enc_route_gate_up, logits_for
 from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
 from lily.lab.system import system_info
-from lily.native_backend import make_device
+from lily.native_backend import default_state_window, make_device
 
 #: The report's ``kind`` (lily.estimate.fit_kernels reads it).
 KIND = estimate.KERNELS_KIND
@@ -61,14 +65,17 @@ class Case:
 def _dims(small: bool) -> dict:
     """The shapes: the real model's (Qwen3.6-35B-A3B) or the small ones the simulator runs."""
     c = estimate.model_config()
+    window = default_state_window()
     if small:
-        return dict(H=256, I=64, E=16, k=4, M=32, conv=1024, z=512, Hq=16, Hkv=2, D=256, contexts=(256, 512, 1024),
-                    p0=64, gdn="real")
-    return dict(H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, k=c.num_experts_per_tok, M=4096,
+        return dict(H=256, I=64, Is=64, E=16, k=4, M=32, conv=1024, z=512, Hq=16, Hkv=2, D=256,
+                    contexts=(256, 512, 1024), p0=64, gdn="real", vocab=4096, gdn_heads=(2, 4, 128), window=window)
+    return dict(H=c.hidden_size, I=c.moe_intermediate_size, Is=c.shared_expert_intermediate_size, E=c.num_experts,
+                k=c.num_experts_per_tok, M=4096,
                 conv=2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads
                 * c.linear_value_head_dim, z=c.linear_num_value_heads * c.linear_value_head_dim,
                 Hq=c.num_attention_heads, Hkv=c.num_key_value_heads, D=c.head_dim, contexts=CONTEXTS, p0=28672,
-                gdn="real")
+                gdn="real", vocab=c.vocab_size,
+                gdn_heads=(c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim), window=window)
 
 
 def _gemv(kernel: str, rows_key: str, cols_key: str) -> Callable:
@@ -94,6 +101,55 @@ def _norm_gemv(dev, rng, small):
     X = upload(dev, rng.standard_normal(H).astype(np.float32))
     NW, XN = upload(dev, bf16_bits(1 + 0.1 * rng.standard_normal(H))), dev.buffer(4 * H)
     return lambda p: enc_norm_gemv(p, 4, X, NW, XN, mats, H, write_xn=False)
+
+
+def _lm_head(dev, rng, small):
+    """The final norm + lm_head over the vocabulary (norm_gemv_q4 at kLmHeadThreads)."""
+    d = _dims(small)
+    H, V = d["H"], d["vocab"]
+    X = upload(dev, rng.standard_normal(H).astype(np.float32))
+    NW, XN = upload(dev, bf16_bits(1 + 0.1 * rng.standard_normal(H))), dev.buffer(4 * H)
+    mats = [(V, upload_q(dev, rand_quant(rng, (), V, H, 4)), dev.buffer(4 * V))]
+    return lambda p: enc_norm_gemv(p, 4, X, NW, XN, mats, H, write_xn=False, tg=LM_HEAD_THREADS)
+
+
+def _decode_moe(down: bool) -> Callable:
+    """The decode step's MoE after the router: the routing fused with the selected and shared
+    experts' gate/up SwiGLU (moe_route_gate_up_swiglu_q4), or their weighted down projections
+    (moe_down_q4), through the step's own encoders."""
+    def build(dev, rng, small):
+        d = _dims(small)
+        k = d["k"]
+        W = MoeWeights(rng, d["E"], d["H"], d["I"], d["Is"])
+        bufs = W.upload(dev)
+        ids = rng.choice(W.E, k, replace=False).astype(np.uint32)
+        h_rows = k * W.inter + W.inter_shared
+        if down:
+            Hb = upload(dev, (rng.standard_normal(h_rows) * 0.1).astype(np.float32))
+            ID, WT = upload(dev, ids), upload(dev, rng.random(k + 1).astype(np.float32))
+            R = upload(dev, rng.standard_normal(W.hidden).astype(np.float32))
+            return lambda p: enc_down(p, W, bufs, Hb, ID, WT, R, k)
+        X, L = upload(dev, rng.standard_normal(W.hidden).astype(np.float32)), upload(dev, logits_for(rng, W.E, ids))
+        Hb, ID, WT = dev.buffer(4 * h_rows), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
+        return lambda p: enc_route_gate_up(p, W, bufs, X, L, Hb, ID, WT, k)
+    return build
+
+
+def _gdn_decode(pending: int) -> Callable:
+    """gdn_decode_step replaying ``pending`` ring entries (the write-back window,
+    docs/decode.md); at the window's last step (pending = state_window - 1) it writes the state
+    back, else it appends its entry."""
+    def build(dev, rng, small):
+        d = _dims(small)
+        Hk, Hv, Dk = d["gdn_heads"]
+        L = GdnLayer(dev, Hk, Hv, Dk, Dk, rng=rng, window=d["window"])
+        L.ring.write(np.zeros((d["window"] - 1) * gdn_ring_entry(Hk, Hv, Dk, Dk), np.float32).view(np.uint8))
+        Q, Z, B, A = (upload(dev, x) for x in L.random_inputs())
+        out, ssq = dev.buffer(4 * Hv * Dk), dev.buffer(4 * Hv * GDN_DECODE_SPLITS)
+        return lambda p: gdn_decode_dispatch(p, Hk, Hv, Dk, Dk, L.K, Q, B, A, L.w[:3], L.conv[0], L.conv[1], L.state,
+                                             out, ssq, L.ring, pending=pending,
+                                             write_back=pending == d["window"] - 1)
+    return build
 
 
 def _decode_attention(ctx_index: int) -> Callable:
@@ -165,16 +221,33 @@ def _gdn_scan(dev, rng, small):
     return lambda p: L.encode_scan(p, bufs[0], cin, bufs[1], bufs[2], bufs[3], outs, M)
 
 
+def gdn_pending_counts() -> list[int]:
+    """The pending ring entries of the DeltaNet decode cases: none, half the write-back window,
+    and the window's last step (which writes the state back)."""
+    window = default_state_window()
+    return sorted({0, window // 2, window - 1})
+
+
 def cases() -> list[Case]:
     """The hot kernels, in the order of a decode step and a prefill chunk."""
     out = [Case("decode GEMV o_proj", "gemv_q4_add", _gemv("gemv_q4_add", "H", "attn")),
            Case("decode norm + in_proj (GDN layer)", "norm_gemv_q4", _norm_gemv)]
     out += [Case(f"decode attention, context #{i + 1}", "attn_decode_split_fused_d256_g8", _decode_attention(i))
             for i in range(len(CONTEXTS))]
+    window = default_state_window()
+    out += [Case(f"decode Gated DeltaNet step, {n} pending" + (" + write-back" if n == window - 1 else ""),
+                 "gdn_decode_step_k128_v128", _gdn_decode(n)) for n in gdn_pending_counts()]
+    out += [Case("decode MoE routing + gate/up SwiGLU", "moe_route_gate_up_swiglu_q4", _decode_moe(False)),
+            Case("decode MoE down + shared expert", "moe_down_q4", _decode_moe(True)),
+            Case("decode final norm + lm_head", "norm_gemv_q4", _lm_head)]
     out += [Case("prefill GEMM in_proj, 64-row simdgroup tiles", "gemm_q4", _gemm("gemm_q4")),
             Case("prefill GEMM in_proj, 64-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
             Case("experts gate/up, 64-row simdgroup tiles", "moe_gemm_gate_up_q4_t64",
                  _experts("moe_gemm_gate_up_q4_t64", 64, True)),
+            # the simdgroup path's tail classes (the runtime's at a 4K chunk: _core.EXPERT_TILE_ROWS)
+            *[Case(f"experts {part.replace('_', '/')}, {T}-row simdgroup tail tiles", f"moe_gemm_{part}_q4_t{T}",
+                   _experts(f"moe_gemm_{part}_q4_t{T}", T, part == "gate_up"))
+              for part, T in (("gate_up", 16), ("gate_up", 32), ("down", 16), ("down", 32), ("down", 64))],
             Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",
                  _experts("moe_gemm_gate_up_q4_t128_tensor", 128, True)),
             Case("experts down, 128-row tensor tiles", "moe_gemm_down_q4_t128_tensor",
