@@ -382,21 +382,30 @@ def test_design_transfer_margins_are_the_cross_engine_spread():
 
 
 def _hot_records():
-    """One record of each hot kernel the kernel bench times, as the counting runtime encodes the
-    real model: decode GEMVs, decode attention at 4K and 128K, the prefill GEMMs and expert
-    GEMMs, the prefill attention and the DeltaNet scan."""
-    from lily.native_backend import count_prefill_chunk
-    want = {"decode": ("gemv_q4_add", "norm_gemv_q4", "attn_decode_split_fused", "moe_down_q4"),
-            "prefill": ("gemm_q4_tensor", "moe_gemm_gate_up_q4_t128_tensor", "attn_prefill_d256_g8_tensor",
-                        "gdn_scan_k128")}
+    """One record per case of `lily bench --kernels` (kernel_bench.cases(), the same list), as
+    the counting runtime encodes that case's kernel for the real model: the decode cases at a
+    4K step (attention at each of the bench's contexts, the DeltaNet step at each of its
+    pending counts: the step at position P replays P % state_window entries), the prefill
+    cases in a 4096-row chunk at 8K on the path of their kernel (tensor or simdgroup_matrix)."""
+    from lily.lab import kernel_bench
+    from lily.native_backend import count_prefill_chunk, default_state_window
+    prefill = {path: count_prefill_chunk(CFG, 4096, 8192, gemm_path=path, tensor_attention=path == "tensor")["records"]
+               for path in ("tensor", "simdgroup")}
+    contexts, pending = iter(kernel_bench.CONTEXTS), iter(kernel_bench.gdn_pending_counts())
+    assert 4096 % default_state_window() == 0
     out = []
-    for ctx in (4096, 131072):
-        recs = estimate.decode_records(CFG, ctx)[0]
-        for k in want["decode"]:
-            if ctx == 4096 or k.startswith("attn"):
-                out.append((f"{k} @{ctx}", next(r for r in recs if r["kernel"].startswith(k))))
-    recs = count_prefill_chunk(CFG, 4096, 8192, gemm_path="tensor")["records"]
-    out += [(k, next(r for r in recs if r["kernel"].startswith(k))) for k in want["prefill"]]
+    for c in kernel_bench.cases():
+        if c.kernel.startswith("attn_decode"):
+            recs = estimate.decode_records(CFG, next(contexts))[0]
+        elif c.kernel.startswith("gdn_decode"):
+            recs = estimate.decode_records(CFG, 4096 + next(pending))[0]
+        elif c.name.startswith("decode"):
+            recs = estimate.decode_records(CFG, 4096)[0]
+        else:
+            recs = prefill["tensor" if c.kernel.endswith("_tensor") else "simdgroup"]
+        # norm_gemv_q4 is both the in_proj and the lm_head case
+        out.append((c.name, next(r for r in recs if r["kernel"] == c.kernel
+                                 and ("lm_head" in r["label"]) == ("lm_head" in c.name))))
     return out
 
 
@@ -410,15 +419,14 @@ def _kernels_report(m, overhead, device="metal", noise=()):
 
 def test_kernel_timings_fit_back_to_their_constants():
     """A kernel-timing report made by the model from known constants (an M5 Max streaming,
-    multiplying and waiting unlike the likely one) is fitted back: each constant some kernel
-    identifies within a few percent, the overhead per command buffer too; simdgroup_matrix,
-    which no timed kernel of the tensor path uses, is reported as not identified, and so is
-    the DRAM latency, which every timed kernel hides at its shapes (the prefill GEMMs issue a
-    step's loads a step ahead and hold several threadgroups per core). A few percent of noise
-    moves them little; a report that is not a Metal run is refused."""
+    multiplying and waiting unlike the likely one) over the bench's cases is fitted back: every
+    constant of KERNEL_CONSTANTS is identified, each within a few percent (the DRAM latency,
+    which the simdgroup path's tail tiles and attention expose, within 5%), the overhead per
+    command buffer too. A few percent of noise moves them little; a report that is not a Metal
+    run is refused."""
     true = estimate.with_constants(estimate.likely_machine(estimate.machine("m5max")),
                                {"tensor_efficiency": 0.5, "attention_efficiency": 0.55, "alu_efficiency": 0.4,
-                                "latency_dram": 500e-9})
+                                "simdgroup_efficiency": 0.7, "latency_dram": 500e-9})
     true = replace(true, bandwidth_efficiency=0.75)
     m, rep = estimate.fit_kernels(_kernels_report(true, 4e-6), source="kernels.json")
     c = rep["constants"]
@@ -426,12 +434,14 @@ def test_kernel_timings_fit_back_to_their_constants():
     assert c["tensor_efficiency"]["fitted"] == pytest.approx(0.5, rel=0.03)
     assert c["attention_efficiency"]["fitted"] == pytest.approx(0.55, rel=0.05)
     assert c["alu_efficiency"]["fitted"] == pytest.approx(0.4, rel=0.05)
-    for hidden in ("simdgroup_efficiency", "latency_dram"):
-        assert c[hidden]["fitted"] is None and not c[hidden]["identified_by"], hidden
+    assert c["simdgroup_efficiency"]["fitted"] == pytest.approx(0.7, rel=0.03)
+    assert c["latency_dram"]["fitted"] == pytest.approx(500e-9, rel=0.05)
+    assert all(any("tail tiles" in case for case in c[n]["identified_by"]) for n in ("latency_dram",
+                                                                                   "simdgroup_efficiency"))
     assert rep["overhead_us"] == pytest.approx(4.0, rel=0.1) and rep["rms_relative_error"]["fitted"] < 0.01
     assert rep["rms_relative_error"]["likely"] > 0.05
-    assert m.fitted_from == "kernels.json" and "tensor_efficiency" in m.measured
-    assert "simdgroup_efficiency" in estimate.format_fit_kernels(rep)
+    assert m.fitted_from == "kernels.json" and {"tensor_efficiency", "latency_dram"} <= set(m.measured)
+    assert "latency_dram" in estimate.format_fit_kernels(rep)
     _, noisy = estimate.fit_kernels(_kernels_report(true, 4e-6, noise=(0.03, -0.02, 0.01)))
     assert noisy["constants"]["tensor_efficiency"]["fitted"] == pytest.approx(0.5, rel=0.08)
     with pytest.raises(InvalidParameterError, match="only a run on the Metal device"):

@@ -244,8 +244,9 @@ def cases() -> list[Case]:
             Case("prefill GEMM in_proj, 64-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
             Case("experts gate/up, 64-row simdgroup tiles", "moe_gemm_gate_up_q4_t64",
                  _experts("moe_gemm_gate_up_q4_t64", 64, True)),
-            # the simdgroup path's tail classes (the runtime's at a 4K chunk: _core.EXPERT_TILE_ROWS)
-            *[Case(f"experts {part.replace('_', '/')}, {T}-row simdgroup tail tiles", f"moe_gemm_{part}_q4_t{T}",
+            # the simdgroup path's tail classes and its 64-row down (the runtime's at a 4K chunk: _core.EXPERT_TILE_ROWS)
+            *[Case(f"experts {part.replace('_', '/')}, {T}-row simdgroup {'tail ' if T < 64 else ''}tiles",
+                   f"moe_gemm_{part}_q4_t{T}",
                    _experts(f"moe_gemm_{part}_q4_t{T}", T, part == "gate_up"))
               for part, T in (("gate_up", 16), ("gate_up", 32), ("down", 16), ("down", 32), ("down", 64))],
             Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",
