@@ -39,7 +39,9 @@ from lily.lab.kernels.gdn import GDN_DECODE_SPLITS, GdnLayer, gdn_decode_dispatc
 from lily.lab.kernels.gemv import LM_HEAD_THREADS, enc_gemv_add, enc_norm_gemv
 from lily.lab.kernels.harness import bf16_bits, f32, rand_quant, upload_bf16, upload_q
 from lily.lab.kernels.moe import MoeWeights, enc_down, enc_route_gate_up, logits_for
-from lily.lab.kernels.moe_prefill import enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, tile_buffers
+from lily.lab.kernels.moe_prefill import (
+    class_base, class_capacity, enc_moe_gemm_down, enc_moe_gemm_gate_up, make_routing, max_tiles, tile_buffers, tiles_ref,
+)
 from lily.lab.system import system_info
 from lily.native_backend import default_state_window, make_device
 
@@ -198,6 +200,38 @@ def _experts(kernel: str, T: int, gate_up: bool) -> Callable:
     return build
 
 
+def _expert_tails(gate_up: bool, cls: int, T: int = 64) -> Callable:
+    """The simdgroup path's tail class ``cls`` of a height-``T`` tiling, as the prefill chunk
+    dispatches it (csrc/runtime/prefill.cpp): the t(T >> cls) kernel over that class's map
+    (the experts' remainders of its heights) at its base in the tile-map buffer, its grid
+    sized for the class's capacity (surplus threadgroups exit)."""
+    def build(dev, rng, small):
+        d = _dims(small)
+        M, E, k, H, I = d["M"], d["E"], d["k"], d["H"], d["I"]
+        ids, perm, _tiles = make_routing(rng, M, E, k, T, False)
+        maps = tiles_ref(np.bincount(ids.reshape(-1), minlength=E), T)
+        n = M * k
+        tl = np.zeros((max_tiles(M, k, E, T), 4), np.uint32)
+        for c, mp in enumerate(maps):
+            tl[class_base(n, E, T, c):class_base(n, E, T, c) + len(mp)] = mp
+        TL, TC, P = upload(dev, tl), upload(dev, np.array([len(mp) for mp in maps], np.uint32)), upload(dev, perm)
+        Tc, cap, where = T >> cls, class_capacity(n, E, T, cls), (cls, class_base(n, E, T, cls))
+        kernel = f"moe_gemm_{'gate_up' if gate_up else 'down'}_q4_t{Tc}"
+        if gate_up:
+            X = upload_bf16(dev, rng.standard_normal((M, H)))
+            gb = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
+            ub = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
+            HX = dev.buffer(2 * M * k * I)
+            return lambda p: enc_moe_gemm_gate_up(p, Tc, X, P, TL, TC, cap, gb, ub, HX, M, k, E, H, I, kernel=kernel,
+                                                     cls=where, tile_rows=T)
+        HX = upload_bf16(dev, rng.standard_normal((M * k, I)) * 0.1)
+        db = list(upload_q(dev, rand_quant(rng, (E,), H, I, 4)))
+        YX = dev.buffer(2 * M * k * H)
+        return lambda p: enc_moe_gemm_down(p, Tc, HX, P, TL, TC, cap, db, YX, M, k, E, H, I, kernel=kernel, cls=where,
+                                           tile_rows=T)
+    return build
+
+
 def _prefill_attention(tensor: bool) -> Callable:
     def build(dev, rng, small):
         d = _dims(small)
@@ -244,11 +278,11 @@ def cases() -> list[Case]:
             Case("prefill GEMM in_proj, 64-row tensor tiles", "gemm_q4_tensor", _gemm("gemm_q4_tensor")),
             Case("experts gate/up, 64-row simdgroup tiles", "moe_gemm_gate_up_q4_t64",
                  _experts("moe_gemm_gate_up_q4_t64", 64, True)),
-            # the simdgroup path's tail classes and its 64-row down (the runtime's at a 4K chunk: _core.EXPERT_TILE_ROWS)
-            *[Case(f"experts {part.replace('_', '/')}, {T}-row simdgroup {'tail ' if T < 64 else ''}tiles",
-                   f"moe_gemm_{part}_q4_t{T}",
-                   _experts(f"moe_gemm_{part}_q4_t{T}", T, part == "gate_up"))
-              for part, T in (("gate_up", 16), ("gate_up", 32), ("down", 16), ("down", 32), ("down", 64))],
+            Case("experts down, 64-row simdgroup tiles", "moe_gemm_down_q4_t64", _experts("moe_gemm_down_q4_t64", 64, False)),
+            # the simdgroup path's tail classes as the chunk dispatches them (classes 1, 2 of a 64-row tiling)
+            *[Case(f"experts {'gate/up' if up else 'down'}, {64 >> c}-row simdgroup tail tiles (class {c})",
+                   f"moe_gemm_{'gate_up' if up else 'down'}_q4_t{64 >> c}", _expert_tails(up, c))
+              for up in (True, False) for c in (1, 2)],
             Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",
                  _experts("moe_gemm_gate_up_q4_t128_tensor", 128, True)),
             Case("experts down, 128-row tensor tiles", "moe_gemm_down_q4_t128_tensor",
