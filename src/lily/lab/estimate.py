@@ -1604,11 +1604,17 @@ def fit(bench: dict, *, machine_key: str | None = None, config: ModelConfig | di
 #: What a `lily bench --kernels` report says it is (its ``kind``).
 KERNELS_KIND = "lily bench --kernels"
 #: The constants a kernel-timing report can identify, each with the range searched (a constant
-#: is fitted only where some timed kernel's modelled time depends on it). The latency on a
-#: log scale.
+#: is fitted only where some timed kernel's modelled time depends on it; which cases do:
+#: docs/performance.md, "Calibrating on a Mac run"). The latencies on a log scale
+#: (:data:`KERNEL_LOG_SCALE`). Not here: the threadgroup memory per core (the cases' times
+#: step with it, which this search does not fit; a Mac run bounds it through the fractions of
+#: peak of the simdgroup GEMMs) and the latencies no case exposes (local, reduce, ALU).
 KERNEL_CONSTANTS = {"bandwidth_efficiency": (0.30, 1.00), "tensor_efficiency": (0.05, 1.00),
                     "attention_efficiency": (0.05, 1.00), "simdgroup_efficiency": (0.05, 1.00),
-                    "alu_efficiency": (0.05, 1.00), "latency_dram": (3e-8, 3e-6)}
+                    "alu_efficiency": (0.05, 1.00), "latency_dram": (3e-8, 3e-6), "latency_mem": (1e-8, 3e-6),
+                    "latency_barrier": (5e-9, 1e-6)}
+#: The constants of :data:`KERNEL_CONSTANTS` searched on a log scale.
+KERNEL_LOG_SCALE = ("latency_dram", "latency_mem", "latency_barrier")
 
 
 def _with(m: Machine, name: str, v: float) -> Machine:
@@ -1631,10 +1637,13 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
     buffer (its GPU time), against the model of the case's dispatches (the records the bench
     priced with the cost table; a stage gap between stages when a case has two) plus a fitted
     overhead per command buffer. A constant is identified when the modelled time of some timed
-    kernel moves by more than 2% with it (bandwidth: the decode GEMVs and attention; tensor
-    rates: the prefill GEMMs and attention; ALU: the scan; DRAM latency: decode attention's row
-    loops); the identified ones are fitted together (coordinate search with a line search along each round's step, relative least
-    squares), the others keep the likely values. Returns the calibrated :class:`Machine` and a JSON-ready report:
+    kernel moves by more than 2% with it (on the bench's cases: bandwidth, the decode cases;
+    tensor rates, the tensor path's GEMMs and attention; simdgroup_matrix, that path's GEMMs,
+    tail tiles and attention; ALU, the scan and the GEMMs' dequantisation; the DRAM, device
+    memory and barrier latencies, the simdgroup path's 16/32-row tail tiles, which hold few
+    threadgroups per core); the identified ones are fitted together (coordinate search with a
+    line search along each round's step, relative least squares), the others keep the likely
+    values. Returns the calibrated :class:`Machine` and a JSON-ready report:
     ``constants`` (likely, fitted or None, the kernels identifying each), ``overhead_us``, per
     kernel ``rows`` (measured, likely-model and fitted-model seconds), ``rms_relative_error``
     and ``notes``. Raises :class:`InvalidParameterError` for a report that is not a Metal run
@@ -1668,18 +1677,18 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
     identified = {}
     for name in KERNEL_CONSTANTS:
         v = _value(m0, name)
-        moved = np.abs(times(_with(m0, name, v * (1.5 if name.startswith("latency_") else 0.8))) / base - 1)
+        moved = np.abs(times(_with(m0, name, v * (1.5 if name in KERNEL_LOG_SCALE else 0.8))) / base - 1)
         if moved.max() > 0.02:
             identified[name] = [rows[i][0] for i in np.flatnonzero(moved > 0.02)]
 
     def coords(x: Machine) -> np.ndarray:  # the search's coordinates: latencies on a log scale
-        return np.array([math.log10(_value(x, n)) if n.startswith("latency_") else _value(x, n) for n in identified])
+        return np.array([math.log10(_value(x, n)) if n in KERNEL_LOG_SCALE else _value(x, n) for n in identified])
 
     def at(u) -> Machine:
         x = m0
         for n, v in zip(identified, u):
             lo, hi = KERNEL_CONSTANTS[n]
-            x = _with(x, n, min(max(10.0 ** v if n.startswith("latency_") else v, lo), hi))
+            x = _with(x, n, min(max(10.0 ** v if n in KERNEL_LOG_SCALE else v, lo), hi))
         return x
 
     m = m0
@@ -1687,7 +1696,7 @@ def fit_kernels(report: dict, *, machine_key: str | None = None, source: str = "
         before, u0 = err(m)[1], coords(m)
         for name in identified:
             lo, hi = KERNEL_CONSTANTS[name]
-            if name.startswith("latency_"):
+            if name in KERNEL_LOG_SCALE:
                 x = _search(lambda u, n=name, mm=m: err(_with(mm, n, 10.0 ** u))[1], math.log10(lo), math.log10(hi), 0.1)
                 m = _with(m, name, 10.0 ** x)
             else:
