@@ -108,6 +108,16 @@ def test_speed_falls_with_context_within_a_code_path():
     assert sum(f["share"] for f in rep["breakdown"]["decode"]["families"]) == pytest.approx(1)
     assert sum(f["ms"] for f in rep["breakdown"]["prefill"]["families"]) == pytest.approx(
         rep["breakdown"]["prefill"]["ms"])
+    # each family's own low / high over the scenario machines brackets its likely time, and the
+    # host's per-chunk cost spans its stated range (CONSTANTS chunk_overhead: 0-10 ms a chunk)
+    for phase in ("decode", "prefill"):
+        for f in rep["breakdown"][phase]["families"]:
+            r = f["ms_range"]
+            assert r["low"] <= r["likely"] == f["ms"] <= r["high"] and r["low"] < r["high"], f
+    host = next(f for f in rep["breakdown"]["prefill"]["families"] if f["family"] == estimate.CHUNK_FAMILY)
+    c = estimate.CONSTANTS["chunk_overhead"]
+    assert host["ms_range"]["low"] == 1e3 * min(c.low, c.high) and host["ms_range"]["high"] == pytest.approx(
+        1e3 * max(c.low, c.high))
 
 
 def _no_latency(m):

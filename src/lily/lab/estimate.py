@@ -1092,7 +1092,9 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
     (``likely_tok_s_high_memory``, docs/performance.md, "Residency"); ``residency``, the
     threadgroups per core of each kernel with threadgroup memory (:func:`residency`); the
     per-family breakdown of
-    one decode step and one prefill at ``breakdown_at`` (likely); the model (``model_name``,
+    one decode step and one prefill at ``breakdown_at`` (each family's likely ``ms`` and
+    ``share`` of the likely total, and ``ms_range``: its low / likely / high over the scenario
+    machines, each family's extremes on their own); the model (``model_name``,
     default :data:`DEFAULT_MODEL_NAME`), the machine with its sources, the calibration and the
     ranges of the constants (:data:`CONSTANTS`); and for each row count of ``batches`` a
     batched step at ``breakdown_at`` (``batched``: aggregate and per-request tok/s, low / likely
@@ -1158,8 +1160,12 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         ratios(row, row["tok_s"], p, 1)
         prefill_rows.append(row)
 
-    def split(t: Timing) -> list:
-        return [{"family": k, "ms": v * 1e3, "share": v / t.seconds}
+    def split(t: Timing, each: dict) -> list:
+        # each: the family times of every scenario machine; a family's low and high are its own
+        # extremes over them (one family's may come from another machine than the next one's)
+        return [{"family": k, "ms": v * 1e3, "share": v / t.seconds,
+                 "ms_range": {e: x * 1e3 for e, x in spread({end: [f.get(k, 0.0) for f in fs]
+                                                             for end, fs in each.items()}).items()}}
                 for k, v in sorted(t.families.items(), key=lambda kv: -kv[1])]
 
     batch_rows = []
@@ -1211,8 +1217,10 @@ def estimate(machine_key: str | Machine = "m5max", *, config: ModelConfig | dict
         "prefill": prefill_rows,
         "batched": batch_rows,
         "breakdown": {"at": breakdown_at,
-                      "decode": {"ms": d.seconds * 1e3, "families": split(d)},
-                      "prefill": {"ms": p.seconds * 1e3, "families": split(p)}},
+                      "decode": {"ms": d.seconds * 1e3,
+                                 "families": split(d, over(lambda x: dict(decode_step(x, cfg, breakdown_at).families)))},
+                      "prefill": {"ms": p.seconds * 1e3, "families": split(p, over(
+                          lambda x: dict(prefill(x, cfg, breakdown_at, chunk, cache).families)))}},
     }
 
 
@@ -1294,9 +1302,11 @@ def format_report(rep: dict) -> str:
     b = rep["breakdown"]
     for phase in ("decode", "prefill"):
         what = "one decode step" if phase == "decode" else "prefill"
-        lines += ["", f"{what} at {b['at']}: {b[phase]['ms']:.2f} ms by kernel family (likely)"]
+        lines += ["", f"{what} at {b['at']}: {b[phase]['ms']:.2f} ms by kernel family (likely; the share of the "
+                      f"likely total; low / high ms: each family's own extremes over the scenario machines)"]
         for f in b[phase]["families"]:
-            lines.append(f"  {f['family']:<28} {f['ms']:>10.3f} ms {100 * f['share']:>6.1f}%")
+            lines.append(f"  {f['family']:<28} {f['ms']:>10.3f} ms {100 * f['share']:>6.1f}%   "
+                         f"{f['ms_range']['low']:.3f} / {f['ms_range']['high']:.3f}")
     lines += ["", f"*** {rep['notice']} ***"]
     return "\n".join(lines)
 
