@@ -29,7 +29,15 @@ constant constexpr uint kGemvSplitK = 2;
 constant constexpr uint kSplitJoinMax = 64;
 // Limits of the kernels that take the structs below.
 constant constexpr uint kRouteMaxExperts = 1024;   // moe_route*: router logits at most
+// The registers per lane of route_topk_simd's instantiations (metal/route.h): up to 256 experts
+// (the model's), and up to kRouteMaxExperts.
+constant constexpr uint kRouteSimdRowsSmall = 8;
+constant constexpr uint kRouteSimdRowsMax = kRouteMaxExperts / 32;
 constant constexpr uint kNormGemvMaxMatrices = 4;  // norm_gemv_q*: matrices per dispatch
+// embed_q4 / embed_rows_q4: threads per threadgroup, and embedding values per thread (one
+// 32-bit word of 4-bit codes: the kernels' per_word = 32 / BITS).
+constant constexpr uint kEmbedThreads = 64;
+constant constexpr uint kEmbedValuesPerThread = 32 / 4;
 
 // gemv_q4, gemv_q8, gemv_q4_add, gemv_q8_add: y[rows] (=|+=) W[rows, cols] x[cols].
 struct GemvArgs {
@@ -112,6 +120,7 @@ struct MoeRouteArgs {
   S(GemvArgs) S(GatedNormArgs) S(EmbedArgs) S(NormArgs) S(RouteArgs) S(MoeArgs) S(NormGemvArgs) S(MoeRouteArgs)
 #define LILY_DECODE_CONSTANTS(C) \
   C(kQuantGroup) C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kGemvSplitK) C(kSplitJoinMax) C(kRouteMaxExperts) \
-  C(kNormGemvMaxMatrices)
+  C(kRouteSimdRowsSmall) C(kRouteSimdRowsMax) \
+  C(kNormGemvMaxMatrices) C(kEmbedThreads) C(kEmbedValuesPerThread)
 
 #endif  // LILY_DECODE_ARGS_H

@@ -12,7 +12,7 @@ using namespace metal;
 // wrote), so the step needs no CPU round trip. One thread per packed uint32 word:
 // grid = cols * BITS / 32 threads.
 template <int BITS>
-[[max_total_threads_per_threadgroup(64)]] kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
+[[max_total_threads_per_threadgroup(kEmbedThreads)]] kernel void embed_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
                     device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
                     device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
                     device const uint* token [[buffer(3)]],     // token[0]: the id
@@ -20,6 +20,7 @@ template <int BITS>
                     constant EmbedArgs& args [[buffer(5)]],
                     uint gid [[thread_position_in_grid]]) {
   constexpr uint per_word = 32 / BITS;
+  static_assert(BITS != 4 || per_word == kEmbedValuesPerThread, "decode_args.h's embed geometry");
   constexpr uint mask = (1u << BITS) - 1u;
   const uint words = args.cols / per_word;
   if (gid >= words) {
@@ -41,7 +42,7 @@ template [[host_name("embed_q4")]] [[kernel]] decltype(embed_q<4>) embed_q<4>;
 // encoded; they sit in a device buffer the host filled). Same arithmetic as embed_q.
 // dispatchThreads grid (cols * BITS / 32, rows): one packed word per thread.
 template <int BITS>
-[[max_total_threads_per_threadgroup(64)]] kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
+[[max_total_threads_per_threadgroup(kEmbedThreads)]] kernel void embed_rows_q(device const uint* w [[buffer(0)]],         // table [vocab, cols*BITS/32] uint32
                          device const bfloat* scales [[buffer(1)]],  // [vocab, cols/64]
                          device const bfloat* biases [[buffer(2)]],  // [vocab, cols/64]
                          device const uint* tokens [[buffer(3)]],    // [rows] token ids
@@ -49,6 +50,7 @@ template <int BITS>
                          constant EmbedArgs& args [[buffer(5)]],
                          uint2 gid [[thread_position_in_grid]]) {
   constexpr uint per_word = 32 / BITS;
+  static_assert(BITS != 4 || per_word == kEmbedValuesPerThread, "decode_args.h's embed geometry");
   constexpr uint mask = (1u << BITS) - 1u;
   const uint words = args.cols / per_word;
   if (gid.x >= words) {

@@ -65,7 +65,7 @@ inline float conv_silu(device const float* qkv, device const float* conv_in, dev
 // conv_out = the last K-1 rows of [conv_in | qkv] (for M < K-1 it keeps old rows). One thread
 // per channel reads its whole new column before writing it, so conv_out may be conv_in.
 template <uint K>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_conv_state(
+[[max_total_threads_per_threadgroup(kGdnConvStateThreads)]] kernel void gdn_conv_state(
     device const float* qkv [[buffer(0)]],      // [M, C] in_proj_qkv output
     device const float* conv_in [[buffer(1)]],  // [K-1, C] conv state (oldest first)
     device float* conv_out [[buffer(2)]],       // [K-1, C] next conv state; may be conv_in
@@ -295,7 +295,7 @@ template [[host_name("gdn_scan_k32_v32_r16")]] [[kernel]] decltype(gdn_scan<32, 
 // (P: their sum in split order): the factor out_proj applies to split s of u (header). One
 // thread per (token, head).
 template <uint DV, uint RV>
-[[max_total_threads_per_threadgroup(256)]] kernel void gdn_norm_scale(
+[[max_total_threads_per_threadgroup(kGdnNormScaleThreads)]] kernel void gdn_norm_scale(
     device const float* ss [[buffer(0)]],         // [M, Hv, DV/RV] gdn_scan's split sums of y^2
     device half* f [[buffer(1)]],                 // [M, Hv, DV/RV] out_proj's A scale
     constant GdnScanArgs& args [[buffer(2)]],

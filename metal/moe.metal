@@ -149,7 +149,7 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // ---- moe_gate_up_swiglu_q4 ------------------------------------------------------------
 // Threadgroup grid (ceil(max(inter, inter_shared) / (4 * simdgroups)), top_k + 1): y = slot
 // j (expert ids[j] for j < top_k, the shared expert for j = top_k). Each simdgroup owns
-// kGateUpRowsPerSimdgroup (4) rows of the slot; its teams compute the gate and the up dot
+// kGateUpRowsPerSimdgroup rows of the slot; its teams compute the gate and the up dot
 // of a row together from one load of x, and store h = silu(gate) * up. Nothing but h
 // leaves registers.
 [[max_total_threads_per_threadgroup(256)]] kernel void moe_gate_up_swiglu_q4(
@@ -249,7 +249,7 @@ inline void gate_up_slot(device const float4* x, uint slot, bool shared, uint e,
 // from moe_route (w_k = the shared-expert gate). The (slot, chunk) pairs of all k+1 slots
 // form one index space that the lanes of a team stride over, so small intermediate sizes
 // still keep every lane busy; w_j is folded into the x chunk. Threadgroup grid
-// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64 threads; each group of kGemvRowsPerSimdgroup (4) rows of the residual is
+// ceil(hidden / (kGemvRowsPerSimdgroup * simdgroups / kGemvSplitK)) of a multiple of 64 threads; each group of kGemvRowsPerSimdgroup rows of the residual is
 // shared by kGemvSplitK simdgroups (split ks: the runs ks, ks + 2, ... of the index space; gemv_q's
 // split-K, joined by q_split_join).
 //

@@ -180,6 +180,10 @@ struct GdnConvStateArgs {
   uint rows;      // M: tokens in the chunk, >= 1; M * C < 2^32
 };
 #define LILY_ARGS_GdnConvStateArgs(F) F(conv_dim) F(rows)
+// Threads per threadgroup of gdn_conv_state (one channel each) and gdn_norm_scale (one
+// (token, head) each), as the prefill plan dispatches them: the kernels' limits.
+constant constexpr uint kGdnConvStateThreads = 256;
+constant constexpr uint kGdnNormScaleThreads = 256;
 // Causal conv taps of the prefill kernels (the model's linear_conv_kernel_dim).
 enum : uint { kGdnConvTaps = 4 };
 
@@ -293,7 +297,7 @@ struct AttnPrefillArgs {
 #define LILY_PREFILL_CONSTANTS(C) \
   C(kMoeTileClasses) C(kMoeSimdgroupTileRowsMax) C(kMoeGemmMaxThreads) C(kMoeGemmTensorMaxThreads) \
   C(kMoeRouteMaxBlockSlots) C(kMoeRouteMaxThreads) C(kMoeRouteClearThreads) C(kMoeCombineThreads) \
-  C(kGdnConvTaps) C(kGdnScanLanesPerRow) \
+  C(kGdnConvTaps) C(kGdnScanLanesPerRow) C(kGdnConvStateThreads) C(kGdnNormScaleThreads) \
   C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
   C(kAttnPrefillPrepRows) C(kAttnPrefillPrepThreads) \
   C(kAttnPrefillSlabRows) C(kAttnPrefillRescale)

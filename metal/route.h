@@ -117,10 +117,8 @@ inline RoutePicks route_topk(device const float* logits, uint n, uint rounds, ui
 // by the decode gate/up kernel, whose every simdgroup needs its slot's expert before its
 // first weight load: a few shuffles per round instead of barrier-separated threadgroup
 // rounds. n <= 32 * RPL <= kRouteMaxExperts; `rounds` is uniform over the simdgroup.
-// The registers per lane of route_topk_simd's instantiations: up to 256 experts (the model's),
-// and up to kRouteMaxExperts.
-constant constexpr uint kRouteSimdRowsSmall = 8;
-constant constexpr uint kRouteSimdRowsMax = kRouteMaxExperts / 32;
+// The registers per lane of its instantiations (kRouteSimdRowsSmall, kRouteSimdRowsMax) are in
+// decode_args.h (the cost table reads them).
 
 // The probabilities of route_topk_simd: lane l's register r holds p of expert r * 32 + l
 // (softmax in fp32), -1 past n and for NaN.

@@ -11,8 +11,8 @@
 //                   seed, counter = (position, 0, 0, 0), so a (seed, position) pair always
 //                   gives the same token. Optional log-probabilities of the raw logits.
 //
-// Both run as one threadgroup of up to 1024 threads (as many as the pipeline allows, a power
-// of two from 32: sampler_threads, csrc/runtime/decode.cpp); thread t reads elements t, t + threads, ...
+// Both run as one threadgroup of up to kSamplerThreads (sample_args.h) threads (as many as the
+// pipeline allows, a power of two from 32: sampler_threads, csrc/runtime/families/sample.h); thread t reads elements t, t + threads, ...
 // (coalesced). sample_token works on an order-preserving integer key of the processed
 // logits (larger logit, larger key; the key maps back to the float exactly):
 //   * fast path (the usual settings): a radix select (4 passes, 8-bit digits, threadgroup
@@ -134,8 +134,8 @@ static inline void scan_argmax(device const float* x, device const float* bias, 
   }
 }
 
-// sample_greedy: the whole argmax in one threadgroup (1 x 1024 threads).
-[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
+// sample_greedy: the whole argmax in one threadgroup (1 x kSamplerThreads threads).
+[[max_total_threads_per_threadgroup(kSamplerThreads)]] kernel void sample_greedy(device const float* logits [[buffer(0)]],     // [V]
                           device uint* token_out [[buffer(1)]],         // [1] next step's token slot
                           constant SampleGreedyArgs& args [[buffer(2)]],
                           uint tid [[thread_index_in_threadgroup]],
@@ -210,7 +210,7 @@ static inline void argmax_slice(device const float* logits, device const float* 
   argmax_slice<true>(logits, bias, part, args, grp, tid, ntg, sg, lane, nsg, sv, si);
 }
 
-[[max_total_threads_per_threadgroup(1024)]] kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
+[[max_total_threads_per_threadgroup(kSamplerThreads)]] kernel void sample_greedy_combine(device const uint2* part [[buffer(0)]],  // [count] from argmax_partial
                                   device uint* token_out [[buffer(1)]],    // [1] next step's token slot
                                   constant ArgmaxArgs& args [[buffer(2)]], // vocab = count
                                   uint tid [[thread_index_in_threadgroup]],
@@ -357,8 +357,8 @@ static inline float prefix_sum(threadgroup const float* v, threadgroup float* cs
 
 }  // namespace sample_detail
 
-// Grid: 1 threadgroup of 1024 threads (or any multiple of 32 dividing 1024).
-[[max_total_threads_per_threadgroup(1024)]] kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
+// Grid: 1 threadgroup of kSamplerThreads threads (or any multiple of 32 dividing it).
+[[max_total_threads_per_threadgroup(kSamplerThreads)]] kernel void sample_token(device const float* logits [[buffer(0)]],  // [V] raw logits
                          device uint* counts [[buffer(1)]],         // [V] per-session counts (bit 31: in prompt); +1 at the token if update_counts
                          device const uint* position [[buffer(2)]], // [1] RNG counter (the token's position)
                          device uint* token_out [[buffer(3)]],      // [1] next step's token slot

@@ -11,6 +11,10 @@ struct SampleGreedyArgs {
   uint vocab;         // V: number of logits
 };
 #define LILY_ARGS_SampleGreedyArgs(F) F(vocab)
+// Threads of the one-threadgroup samplers (sample_greedy, sample_greedy_combine,
+// sample_token) at most: their limit, and the runtime's choice when the pipeline allows it
+// (sampler_threads, csrc/runtime/families/sample.h).
+constant constexpr uint kSamplerThreads = 1024;
 
 // argmax_partial (stage 1 of the multi-threadgroup greedy argmax): threadgroup j scans
 // logits [j*slice, min((j+1)*slice, vocab)); sample_greedy_combine (stage 2) reduces the
@@ -45,6 +49,6 @@ struct SampleArgs {
   F(repetition_penalty) F(seed_lo) F(seed_hi) F(logprobs) F(top_logprobs) F(update_counts) F(bias)
 
 #define LILY_SAMPLE_ARG_STRUCTS(S) S(SampleGreedyArgs) S(ArgmaxArgs) S(SampleArgs)
-#define LILY_SAMPLE_CONSTANTS(C) C(kArgmaxPartialThreads)
+#define LILY_SAMPLE_CONSTANTS(C) C(kArgmaxPartialThreads) C(kSamplerThreads)
 
 #endif  // LILY_SAMPLE_ARGS_H

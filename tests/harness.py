@@ -27,6 +27,7 @@ import time
 import numpy as np
 from simdev import METAL, ORDERS, THREAD_ORDERS, make_dev  # noqa: F401
 
+from lily import _core
 from lily.lab.kernels import harness as lab_harness
 from lily.lab.device import constant, download, pack_args, sim_device, upload  # noqa: F401
 from lily.lab.kernels.gemm import gemm_ref, swiglu_ref  # noqa: F401
@@ -130,7 +131,7 @@ def forward_sim():
 # The GEMM kernels of metal/gemm.metal and moe_prefill.metal, whose twins are `<name>_tensor`,
 # and the names of the tensor-op path's own 128-row expert tiles without their suffix.
 TWINS = {"gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16", "gemm_swiglu_q4",
-         *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
+         *(_core.kernel_name(f"moe_gemm_{kind}", q=4, t=T) for kind in ("gate_up", "down") for T in MOE_TENSOR_TILES)}
 
 
 class _Proxy:

@@ -4,6 +4,7 @@ packed by field name with lily.lab.device.pack_args) and constants (lily._core.C
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -86,14 +87,42 @@ def _sources(*patterns: str) -> dict[Path, str]:
     return {p: p.read_text() for pattern in patterns for p in sorted(ROOT.glob(pattern))}
 
 
+def _words(name: str) -> set[str]:
+    """The lowercase words of a constant's or a Python name (kAttnDecodeThreads, ATTN_TG:
+    attn, decode, threads; attn, threads), singular, with the lab's abbreviations spelled out."""
+    name = re.sub(r"^k(?=[A-Z])", "", name)
+    parts = name.split("_") if "_" in name or name.isupper() else re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+", name)
+    aliases = {"tg": "thread", "sg": "simdgroup", "per": "", "max": ""}
+    words = {aliases.get(w.lower().rstrip("s"), w.lower().rstrip("s")) for w in parts}
+    return words - {""}
+
+
+def _python_numbers(python: dict[Path, str]) -> list[tuple[str, float, str]]:
+    """(name, value, where) of each module-level assignment of a number to a name of two words
+    or more (`ATTN_THREADS = 256`)."""
+    out = []
+    for path, text in python.items():
+        for node in ast.parse(text).body:
+            if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)):
+                continue
+            v = node.value.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            out += [(t.id, v, f"{path.relative_to(ROOT)}:{node.lineno} {t.id}") for t in node.targets
+                    if isinstance(t, ast.Name) and len(_words(t.id)) >= 2]
+    return out
+
+
 def test_constants_have_one_home():
     """Each reflected constant is defined in one header (metal/*_args.h, decode.h) and written
     as a number nowhere else: no other header's, kernel's or C++ file's code restates it
-    (`name = 64`; they include the header), and no Python module pins a number beside its name (`X = 64  # name`;
-    they read lily._core.CONSTANTS)."""
+    (`name = 64`; they include the header), and no Python module pins a number beside its name
+    (`X = 64  # name`) or under a name of the constant's words (`ATTN_THREADS = 256` for
+    kAttnDecodeThreads; they read lily._core.CONSTANTS)."""
     native = _sources("metal/*.h", "metal/*.metal", "csrc/**/*.h", "csrc/**/*.cpp")
     code = {p: re.sub(r"//[^\n]*", "", text) for p, text in native.items()}  # comments may derive a value
     python = _sources("src/lily/**/*.py", "tests/**/*.py", "tools/**/*.py")
+    numbers = _python_numbers(python)
     for name in _core.CONSTANTS:
         # (a definition naming the header's, `= args::{name}`, is not a second home)
         homes = [p for p, text in native.items()
@@ -104,6 +133,9 @@ def test_constants_have_one_home():
                    if re.search(rf"^\w+\s*=\s*[\d.]+\s*#.*\b{name}\b", text, re.M)]
         assert not copies, f"{name} (home {homes[0].relative_to(ROOT)}) copied in " + \
             ", ".join(str(p.relative_to(ROOT)) for p in copies)
+        # a number equal to the constant's under a name of its words (all of them the constant's)
+        named = [where for n, v, where in numbers if v == _core.CONSTANTS[name] and _words(n) <= _words(name)]
+        assert not named, f"{name} (home {homes[0].relative_to(ROOT)}) copied in " + ", ".join(named)
     # The grouped expert GEMMs' geometry (prefill_args.h: kExpertTileRows, moe_gemm_sm/_sn/_bn/
     # _threads/_band): no second list of the tile heights anywhere, and no choice between
     # geometry numbers (`h <= 32 ? 16 : 32`, `T == 128 ? 256 : ...`) where the host dispatches
@@ -120,12 +152,39 @@ def test_constants_have_one_home():
     assert "kGemmLd" not in cost and "kAttnPrefillSlabRows" not in cost  # the ingredients of those sizes
 
 
+# The kernels whose [[max_total_threads_per_threadgroup]] is a number, and why no constant
+# names their threads: a cap on a size the caller picks, or a size the kernel derives.
+UNNAMED_THREAD_LIMITS = {
+    "tensor_ops_probe": "doctor's probe of the tensor-op path, a fixed 128-thread test",
+    "tensor_ops_probe_bfloat": "doctor's probe of the tensor-op path, a fixed 128-thread test",
+    "attn_qk_prep": "threads = head_dim (a multiple of 32), capped",
+    "attn_prefill_combine": "threads = head_dim (a multiple of 32), capped",
+    "gdn_decode_step": "Dv / kGdnDecodeSplits * 8 threads: a function of the head size, capped",
+    "gdn_state_writeback": "gdn_decode_step's grid and threadgroups",
+    "gdn_scan": "RV * kGdnScanLanesPerRow, per instantiation, at most 128",
+    "rms_norm_t": "any size up to 1024 (the caller's)",
+    "moe_combine_norm": "any multiple of 32 up to 1024 (the caller's; rms_norm's for identical bits)",
+    "moe_route": "round_up(experts, 32), 32..1024",
+    "gemv_q": "any multiple of 32 * k_splits up to 256 (DecodePlan::kGemvThreads, decode.h, picks)",
+    "gemv_gated_q": "as gemv_q",
+    "gemv_batch_q": "as gemv_q",
+    "gemv_gated_batch_q": "as gemv_q",
+    "norm_gemv_q": "as gemv_q (kGemvThreads or kLmHeadThreads, decode.h)",
+    "norm_gemv_batch_q": "as norm_gemv_q",
+    "embed_norm_gemv_q": "as norm_gemv_q",
+    "moe_gate_up_swiglu_q4": "any multiple of 64 up to 256 (DecodePlan::kGemvThreads picks)",
+    "moe_route_gate_up_swiglu_q4": "as moe_gate_up_swiglu_q4",
+    "moe_route_gate_up_batch_q4": "as moe_gate_up_swiglu_q4",
+    "moe_down_q4": "as moe_gate_up_swiglu_q4",
+    "moe_down_batch_q4": "DecodePlan::kGemvThreads (decode.h, not a header the kernels include)",
+}
+
+
 def test_thread_limits_are_named():
     """The kernels whose threads per threadgroup have a name in metal/*_args.h declare that
     name as their [[max_total_threads_per_threadgroup]] (the simulator evaluates it as Apple's
-    compiler does and reports the constant's value for every instantiation); in the GEMM,
-    attention and prefill MoE kernels a number is left only where no constant names the
-    threads (probes, threads = head_dim, any size up to 1024)."""
+    compiler does and reports the constant's value for every instantiation); in every
+    metal/*.metal file a number is left only for the kernels of UNNAMED_THREAD_LIMITS."""
     dev = _core.sim_device(record_only=True, gpu_family="apple10")
     declared = re.compile(r"\[\[max_total_threads_per_threadgroup\((\w+)\)\]\] kernel void (\w+)\(")
     instances = re.compile(r'host_name\("(\w+)"\)\]\] \[\[kernel\]\] decltype\((\w+)<')
@@ -135,17 +194,17 @@ def test_thread_limits_are_named():
         hosts: dict[str, list[str]] = {}
         for host, fn in instances.findall(text):
             hosts.setdefault(fn, []).append(host)
+        # every limit is one the pattern reads (none hides on a line of another shape)
+        assert len(declared.findall(text)) == text.count("max_total_threads_per_threadgroup("), path.name
         for limit, fn in declared.findall(text):
             if limit.isdigit():
-                if re.match(r"(gemm|attention|moe_prefill)", path.name):
-                    literal.add(fn)
+                literal.add(fn)
                 continue
             for host in hosts.get(fn, [fn]):
                 info = dev.pipeline_info(host)
                 assert info["max_threads_per_threadgroup"] == _core.CONSTANTS[limit], (host, limit)
                 named += 1
-    assert literal == {"tensor_ops_probe", "tensor_ops_probe_bfloat", "attn_qk_prep", "attn_prefill_combine",
-                       "moe_combine_norm"}, literal
+    assert literal == set(UNNAMED_THREAD_LIMITS), literal ^ set(UNNAMED_THREAD_LIMITS)
     assert named > 40
 
 

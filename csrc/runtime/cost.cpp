@@ -139,12 +139,15 @@ void split_join(Cost& w, double splits) {
 // team_reduce_rows (common.h): log2(team) shuffle + add levels over float4s (the teams of the
 // decode GEMVs span a simdgroup at these sizes).
 constexpr double kTeamReduceAlu = 2 * 5;
-constexpr double kGemvRows = args::kGemvRowsPerSimdgroup;  // gemv_q*, moe_down_q4, gate/up
+constexpr double kGemvRows = args::kGemvRowsPerSimdgroup;       // gemv_q*, moe_down_*
+constexpr double kGateUpRows = args::kGateUpRowsPerSimdgroup;  // moe_route_gate_up_*
 constexpr double kGdnRowBatch = args::kGdnRowBatch;  // gdn.metal: state rows a simdgroup updates side by side
-// route_topk_simd's registers per lane (route.h): 8 up to 256 experts
-// (kRouteSimdRowsSmall), else kRouteMaxExperts / 32 (common.h); the softmax walks them in
-// order, a round's search is a tree over them.
-double route_rows_per_lane(uint32_t experts) { return experts <= 256 ? 8 : 1024 / 32; }
+// route_topk_simd's registers per lane (route.h; decode_args.h): kRouteSimdRowsSmall up to 32
+// times that many experts, else kRouteSimdRowsMax; the softmax walks them in order, a round's
+// search is a tree over them.
+double route_rows_per_lane(uint32_t experts) {
+  return experts <= 32 * args::kRouteSimdRowsSmall ? args::kRouteSimdRowsSmall : args::kRouteSimdRowsMax;
+}
 double simdgroups_of(const gpu::DispatchRecord& r) { return double(r.threads.count()) / 32; }
 
 // The k loop of a prefill GEMM threadgroup (gemm_tiles.h gemm_accumulate, gemm_tensor.h
@@ -377,7 +380,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     chain(w, round, a.top_k / 2.0, true);
     lead(w, Lat::dram, 1);
     chain(w, round, a.top_k / 2.0);
-    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGemvRows) - 1);  // gate_up_slot's chunks
+    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGateUpRows) - 1);  // gate_up_slot's chunks
     chain(w, Lat::alu, 2 * kTeamReduceAlu);  // gate and up
     return w;
   }
@@ -425,7 +428,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     chain(w, rank, n - 1, true);
     lead(w, Lat::dram, 1);
     chain(w, round, a.top_k / 2.0);
-    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGemvRows) - 1);
+    loop(w, Lat::dram, gemv_iterations(a.hidden / 32.0, kGateUpRows) - 1);
     chain(w, Lat::alu, 2 * n * kTeamReduceAlu);  // gate and up of each row picking the expert, at most n
     return w;
   }

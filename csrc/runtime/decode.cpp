@@ -403,7 +403,7 @@ void DecodePlan::encode_sample(gpu::ComputePass& pass, DecodeScratch& s, uint32_
     io.logits_at = s.at(s.logits, r), io.position_at = slot * u32, io.token_at = (slot ^ 1) * u32;
     io.logprobs_at = slot * lp, io.logprobs_bytes = lp, io.top_ids_at = slot * ti, io.top_ids_bytes = ti;
     encode_sample_token(pass, *K.sample_token, "sample token -> next slot", sa, io, d.vocab_size,
-                        sampler_threads(*K.sample_token, 1024));
+                        sampler_threads(*K.sample_token, args::kSamplerThreads));
   }
 }
 

@@ -477,7 +477,7 @@ void bind_families(nb::module_& m) {
                             rows_of(logits, rows), threads);
       },
       "compute_pass"_a, "args"_a, "logits"_a, "counts"_a, "positions"_a, "tokens"_a, "logprobs"_a, "top_ids"_a,
-      "bias"_a.none() = nb::none(), "threads"_a = 1024, "position_at"_a = 0, "token_at"_a = 0,
+      "bias"_a.none() = nb::none(), "threads"_a = lily::kernels::kSamplerThreads, "position_at"_a = 0, "token_at"_a = 0,
       "logprobs_at"_a = 0, "logprobs_bytes"_a = 0, "top_ids_at"_a = 0, "top_ids_bytes"_a = 0, "rows"_a = 0,
       "sample_token as the decode step encodes it (csrc/runtime/families/sample.h): `args` the bytes of\n"
       "SampleArgs (lily.lab.device.pack_args); the fp32 logits [rows] (rows: the buffer's, unless given),\n"

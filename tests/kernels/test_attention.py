@@ -47,6 +47,7 @@ from lily.reference import ReferenceState, round_bf16  # noqa: E402
 from lily.lab.kernels import attention as twins  # noqa: E402
 from lily.lab.kernels.attention import ATTN_TG, THETA, attention_reference, attn_cfg, qk_prep_reference  # noqa: E402
 from lily.lab.kernels.harness import StubOracle  # noqa: E402
+from lily.lab.kernels.sample import SAMPLER_THREADS  # noqa: E402
 
 
 from test_gdn import GDN_DIMS, GdnLayer  # noqa: E402 (the composition test)
@@ -325,13 +326,13 @@ def test_mixers_in_one_pass_with_derived_barriers(dev):
                reads=[QG, Kb, Vb, A.QN, A.KN, A.POS], writes=[*A.cache_row_ranges(n - 1), Qo, GATE],
                threadgroups=True)
     rows = [(C, h * A.cap * 2 * D, n * 2 * D) for C in (A.KC, A.VC) for h in range(Hkv)]
-    p.dispatch(f"attn_decode_d{D}_g{A.G}", Hq // A.G, ATTN_TG,
+    p.dispatch(_core.kernel_name("attn_decode", d=D, g=A.G), Hq // A.G, ATTN_TG,
                buffers=[(0, Qo), (1, GATE), (2, A.KC), (3, A.VC), (4, A.POS), (5, OUT)],
                constants=[(6, pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=Hkv, capacity=A.cap, gate_stride=D,
                                          scale=float(D) ** -0.5, block_rows=0, max_blocks=0))],
                reads=[Qo, GATE, A.POS, *rows], writes=[OUT], threadgroups=True)
-    p.dispatch("sample_greedy", 1, 1024, buffers=[(0, OUT), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=Hq * D))],
-               reads=[OUT], writes=[TOK], threadgroups=True)
+    p.dispatch("sample_greedy", 1, SAMPLER_THREADS, buffers=[(0, OUT), (1, TOK)],
+               constants=[(2, pack_args("SampleGreedyArgs", vocab=Hq * D))], reads=[OUT], writes=[TOK], threadgroups=True)
     cb.commit()
     cb.wait()
     # stages are derived in encoding order: gdn 0 | gdn 1 (state, conv) with prep beside it

@@ -84,7 +84,7 @@ from lily.lab.device import download, pack_args, sim_device, upload  # noqa: E40
 from lily.reference import ReferenceModel, ReferenceState, round_bf16  # noqa: E402
 # the layer harness and float64 references live with lily doctor's kernel checks (one home)
 from lily.lab.kernels import attention_prefill as twins  # noqa: E402
-from lily.lab.kernels.attention import THETA  # noqa: E402,F401
+from lily.lab.kernels.attention import ATTN_TG, THETA  # noqa: E402,F401
 from lily.lab.kernels.attention_prefill import (  # noqa: E402,F401
     TILE, attention64, attention_twin, chunk_inputs, pack_bf16_q, prep_reference,
 )
@@ -353,7 +353,7 @@ def test_one_row_chunk_matches_decode(dev, dims):
     POS = upload(B.dev, np.array([M], np.uint32))
     OUT = B.dev.buffer(Hq * D * 4)
     B.run(lambda p: p.dispatch(
-        f"attn_decode_d{D}_g{G}", Hq // G, 256,
+        _core.kernel_name("attn_decode", d=D, g=G), Hq // G, ATTN_TG,
         buffers=[(0, Q), (1, QG, 4 * D), (2, B.KC), (3, B.VC), (4, POS), (5, OUT)],
         constants=[(6, pack_args("AttnDecodeArgs", num_q_heads=Hq, num_kv_heads=B.Hkv, capacity=B.cap, gate_stride=2 * D,
                                   scale=float(D) ** -0.5, block_rows=0, max_blocks=0))],

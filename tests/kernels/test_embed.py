@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif("sim" not in _core.compiled_devices(), reason="s
 
 from lily.lab.device import download, pack_args, upload  # noqa: E402
 # the reference helpers and bounds live with lily doctor's kernel checks (one home)
+from lily.lab.kernels.embed import EMBED_PER_THREAD, EMBED_THREADS  # noqa: E402
 from lily.lab.kernels.harness import U, magnitude, rand_quant, upload_q  # noqa: E402
 from harness import assert_same_arithmetic, assert_within, forward_sim, run_bound, run_encoder  # noqa: E402
 
@@ -34,7 +35,7 @@ def test_embed(dev, vocab, cols):
     for tok, want_row in [(0, 0), (vocab - 1, vocab - 1), (vocab // 3, vocab // 3), (vocab + 5, vocab - 1)]:
         T = upload(dev, np.array([tok], np.uint32))
         O = dev.buffer(4 * cols)
-        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+        run_bound(dev, "embed_q4", cols // EMBED_PER_THREAD, EMBED_THREADS, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
                   reads=[W, S, B, T], writes=[O], threadgroups=False, label="embed_q4")
         want = qt.dequantize(want_row).astype(np.float64)
         mag = magnitude(qt, want_row)
@@ -59,6 +60,6 @@ def test_embed_rows(dev, vocab, cols, rows):
     assert_within(got, want, 2 * U * np.stack([magnitude(qt, int(t)) for t in ids]), f"embed_rows {rows} rows")
     for r in {0, rows - 1}:
         T1, O1 = upload(dev, toks[r:r + 1]), dev.buffer(4 * cols)
-        run_bound(dev, "embed_q4", cols // 8, 64, [W, S, B, T1, O1], pack_args("EmbedArgs", cols=cols, vocab=vocab),
-                  reads=[W, S, B, T1], writes=[O1], threadgroups=False, label="embed_q4")
+        run_bound(dev, "embed_q4", cols // EMBED_PER_THREAD, EMBED_THREADS, [W, S, B, T1, O1],
+                  pack_args("EmbedArgs", cols=cols, vocab=vocab), reads=[W, S, B, T1], writes=[O1], threadgroups=False, label="embed_q4")
         assert_same_arithmetic(dev, got[r], download(O1, np.float32), f"row {r}: embed_rows_q4 vs embed_q4")

@@ -29,6 +29,7 @@ from lily.lab.kernels.gemv import (  # noqa: E402
     GEMV_ROWS_PER_SG, NORM_EPS, NORM_GEMV_ROWS_PER_SG, TG, _norm_gemv_ratio, enc_embed_norm_gemv, enc_gemv_add,
     enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
+from lily.lab.kernels.embed import EMBED_PER_THREAD, EMBED_THREADS  # noqa: E402
 from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
 from harness import assert_same_arithmetic, assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 from simdev import ORDERS, make_dev  # noqa: E402
@@ -419,7 +420,7 @@ def test_embed_norm_gemv_equals_embed_then_norm_gemv(dev, vocab, cols, rows, wri
         cb = dev.command_buffer()
         p = cb.compute_pass()
         if not fused:
-            p.dispatch("embed_q4", cols // 8, 64, buffers=[(0, EW), (1, ES), (2, EB), (3, T), (4, H)],
+            p.dispatch("embed_q4", cols // EMBED_PER_THREAD, EMBED_THREADS, buffers=[(0, EW), (1, ES), (2, EB), (3, T), (4, H)],
                        constants=[(5, pack_args("EmbedArgs", cols=cols, vocab=vocab))], reads=[EW, ES, EB, T], writes=[H],
                        threadgroups=False, label="embed_q4")
             mats = [(r, m if m is not None else (H, H, H), Y) for r, m, Y in zip(rows, mats_q, ys)]

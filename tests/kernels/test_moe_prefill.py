@@ -96,7 +96,7 @@ def _on_target(enc, kind):
     of a harness.TwinDevice (test_moe_prefill_tensor.py), whose twins the builder picks by name."""
     def run(p, T, *args, kernel=None, **kw):
         p, tensor = twin_target(p)
-        kernel = kernel or f"moe_gemm_{kind}_q4_t{T}"
+        kernel = kernel or _core.kernel_name(f"moe_gemm_{kind}", q=4, t=T)
         if tensor and not kernel.endswith("_tensor"):
             kernel += "_tensor"
         return enc(p, T, *args, kernel=kernel, **kw)

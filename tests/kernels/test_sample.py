@@ -36,7 +36,7 @@ from lily.sampling import SamplingParams, log_softmax  # noqa: E402
 from lily.lab.kernels import sample as twins  # noqa: E402
 from lily.lab.kernels.harness import run  # noqa: E402
 from lily.lab.kernels.sample import (  # noqa: E402
-    count_buffer, expected_draws, filtered_probs, sample_many, sampler_for, sorted_order, thread_order,
+    SAMPLER_THREADS, count_buffer, expected_draws, filtered_probs, sample_many, sampler_for, sorted_order, thread_order,
 )
 
 
@@ -53,7 +53,7 @@ def test_sample_greedy(dev, V):
         logits[[V // 3, V // 2, V - 1]] = logits.max() + 1  # ties -> lowest index
         logits[V // 4] = np.nan                            # NaN never wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run(dev, "sample_greedy", 1, 1024, buffers=[(0, L), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=V))],
+    run(dev, "sample_greedy", 1, SAMPLER_THREADS, buffers=[(0, L), (1, TOK)], constants=[(2, pack_args("SampleGreedyArgs", vocab=V))],
         reads=[L], writes=[TOK])
     want = int(np.nanargmax(logits))
     assert download(TOK, np.uint32)[0] == want
@@ -167,9 +167,9 @@ def _chi2_critical(df, z=3.09):  # alpha = 0.001, Wilson-Hilferty
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
-@pytest.mark.parametrize("tg,N", [(1024, 400), (128, 3000)])
+@pytest.mark.parametrize("tg,N", [(SAMPLER_THREADS, 400), (128, 3000)])
 def test_sample_token_distribution_chi_square(fwd_dev, tg, N):
-    """N seeds (1024 threads as in production; 128 threads for a larger sample at the
+    """N seeds (kSamplerThreads threads as in production; 128 threads for a larger sample at the
     simulator's cost), several elements per thread (V = 3000): the empirical distribution matches
     the filtered softmax of lily.sampling (chi-square, alpha 0.001); tokens outside the
     filtered support never appear."""

@@ -8,17 +8,12 @@ namespace lily::runtime {
 
 namespace args = lily::kernels;
 
-namespace {
-constexpr uint32_t kEmbedThreads = 64;    // per threadgroup
-constexpr uint32_t kValuesPerThread = 8;  // one 32-bit word of 4-bit codes
-}  // namespace
-
 void encode_embed_rows(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::string_view label,
                        const QuantLinear& table, gpu::Buffer& tokens, size_t tokens_offset, gpu::Buffer& out,
                        uint32_t rows, uint32_t cols, uint32_t vocab, Traffic* traffic, size_t out_offset) {
   const size_t f = sizeof(float), u32 = sizeof(uint32_t);
   Op(kernel, label)
-      .threads({cols / kValuesPerThread, rows, 1}, {kEmbedThreads, 1, 1})
+      .threads({cols / args::kEmbedValuesPerThread, rows, 1}, {args::kEmbedThreads, 1, 1})
       .in(0, table)
       .in(3, tokens, tokens_offset, rows * u32)
       .out(4, out, out_offset, size_t(rows) * cols * f)

@@ -10,6 +10,7 @@
 
 #include "gpu/device.h"
 #include "runtime/families/gdn.h"
+#include "runtime/kernel_args.h"
 #include "runtime/model.h"
 
 namespace lily::runtime {
@@ -20,10 +21,9 @@ struct Traffic;  // runtime.h
 // gdn_scan_k<Dk>_v<Dv>_r<RV>): 32 for Dv = 128, so the model's 32 heads run as 128
 // threadgroups (>= 2x a 40-core GPU); 16 below. A head's splits: Dv / RV.
 inline uint32_t gdn_scan_rows(uint32_t Dv) { return Dv >= 128 ? 32 : 16; }
-// Threads per threadgroup of gdn_norm_scale (one (token, head) each) and gdn_conv_state (one
-// channel each), as the prefill plan dispatches them.
-constexpr uint32_t kGdnNormScaleThreads = 256;
-constexpr uint32_t kGdnConvStateThreads = 256;
+// Threads per threadgroup of gdn_norm_scale and gdn_conv_state: metal/prefill_args.h.
+using kernels::kGdnConvStateThreads;
+using kernels::kGdnNormScaleThreads;
 
 // The buffers of one chunk's scan (all bound from offset 0; M rows each): the projections qkv
 // [M, C], b and a [M, Hv] (fp32) and z [M, Hv*Dv] (2 bytes a value); the conv state before the

@@ -9,7 +9,7 @@ namespace lily::runtime {
 namespace args = lily::kernels;
 
 uint32_t sampler_threads(const gpu::Pipeline& p, uint32_t want) {
-  const uint32_t cap = std::min<uint32_t>({want, 1024, p.max_threads_per_threadgroup()});
+  const uint32_t cap = std::min<uint32_t>({want, args::kSamplerThreads, p.max_threads_per_threadgroup()});
   uint32_t n = 32;
   while (2 * n <= cap) n *= 2;
   return n;

@@ -13,7 +13,7 @@
 
 namespace lily::runtime {
 
-// Threads of a one-threadgroup sampler dispatch: `want`, at most 1024, as many as the
+// Threads of a one-threadgroup sampler dispatch: `want`, at most kSamplerThreads, as many as the
 // pipeline allows (a Mac's compiler may lower a pipeline's limit under register pressure),
 // in a power of two (sample_token takes any multiple of 32 dividing 1024, the combine any
 // multiple of 32). Below 32 the load-time check refuses the pipeline by name.

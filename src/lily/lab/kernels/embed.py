@@ -10,6 +10,10 @@ from lily import _core
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import TOY, U, check, magnitude, model, rand_quant, ratio, run_bound, run_encoder, upload_q
 
+# embed_q4's threadgroup and values per thread (metal/decode_args.h)
+EMBED_THREADS = _core.CONSTANTS["kEmbedThreads"]
+EMBED_PER_THREAD = _core.CONSTANTS["kEmbedValuesPerThread"]
+
 
 @check("embed_q4")
 def _embed(dev, rng, kernel, size=TOY):
@@ -20,7 +24,7 @@ def _embed(dev, rng, kernel, size=TOY):
     W, S, B = upload_q(dev, qt)
     tok = int(rng.integers(vocab - size.pick(vocab, 1024), vocab))
     T, O = upload(dev, np.array([tok], np.uint32)), dev.buffer(4 * cols)
-    run_bound(dev, kernel, cols // 8, 64, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
+    run_bound(dev, kernel, cols // EMBED_PER_THREAD, EMBED_THREADS, [W, S, B, T, O], pack_args("EmbedArgs", cols=cols, vocab=vocab),
               reads=[W, S, B, T], writes=[O], threadgroups=False)
     return ratio(download(O, np.float32), qt.dequantize(tok).astype(np.float64), 2 * U * magnitude(qt, tok),
                  f"{kernel} row {tok}")

@@ -41,6 +41,7 @@ GDN_PREFILL_DIMS = {  # Hk, Hv, Dk, Dv
 GDN_K = _core.CONSTANTS["kGdnConvTaps"]  # conv taps (the model's and every preset's linear_conv_kernel_dim)
 GDN_EPS = 1e-6     # rms_norm_eps and the L2-norm eps
 GDN_SCAN_LANES = _core.CONSTANTS["kGdnScanLanesPerRow"]  # lanes per state row of gdn_scan
+GDN_CONV_STATE_THREADS = _core.CONSTANTS["kGdnConvStateThreads"]  # gdn_conv_state's threadgroup (prefill_args.h)
 SPARE_ROWS = 3     # chunk buffers hold M + SPARE_ROWS rows; only M are declared
 
 
@@ -136,7 +137,7 @@ class GdnPrefillLayer:
         _core.encode_gdn_scan(p, *dims, tuple(self.W), qkv[0], b[0], a[0], z[0], cin, self.S, O, SS, M, GDN_EPS)
         _core.encode_gdn_norm_scale(p, *dims, SS, F, M, GDN_EPS)
 
-    def encode_conv_state(self, p, qkv, M, cin, cout, tg=256):
+    def encode_conv_state(self, p, qkv, M, cin, cout, tg=GDN_CONV_STATE_THREADS):
         """gdn_conv_state: the conv state after M rows of ``qkv`` (may be ``cin`` itself), as the
         prefill chunk encodes it (``lily._core.encode_gdn_conv_state``; ``tg`` threads per
         threadgroup)."""

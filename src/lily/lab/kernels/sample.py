@@ -13,6 +13,8 @@ from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.harness import TOY, Mismatch, check, f32, model, run_bound
 from lily.sampling import Sampler, SamplingParams
 
+SAMPLER_THREADS = _core.CONSTANTS["kSamplerThreads"]  # the one-threadgroup samplers' threads (sample_args.h)
+
 
 def philox_u(seed: int, counter: int) -> float:
     """numpy model of the kernel's draw: Philox4x32-10, key = seed (lo, hi words),
@@ -64,7 +66,7 @@ def dense_bias(params: SamplingParams, V: int) -> np.ndarray:
     return b
 
 
-def sample_many(dev, logits, counts, params, seeds, positions, tg=1024, logprobs=False, update_counts=False,
+def sample_many(dev, logits, counts, params, seeds, positions, tg=SAMPLER_THREADS, logprobs=False, update_counts=False,
                 vocab=None):
     """One sample_token dispatch per (seed, position), all in one command buffer, each encoded
     as the decode step encodes it (lily._core.encode_sample_token); with ``params.logit_bias``
@@ -135,7 +137,7 @@ def _sample_greedy(dev, rng, kernel, size=TOY):
     logits = (rng.standard_normal(V) * 3).astype(np.float32)
     logits[[V // 3, V // 2]] = logits.max() + 1  # a tie: the lower index wins
     L, TOK = upload(dev, logits), dev.buffer(4)
-    run_bound(dev, kernel, 1, 1024, [L, TOK], pack_args("SampleGreedyArgs", vocab=V), reads=[L], writes=[TOK])
+    run_bound(dev, kernel, 1, SAMPLER_THREADS, [L, TOK], pack_args("SampleGreedyArgs", vocab=V), reads=[L], writes=[TOK])
     got, want = int(download(TOK, np.uint32)[0]), int(np.argmax(logits))
     if got != want:
         raise Mismatch(f"{kernel}: token {got}, expected {want} (argmax, lowest index on ties)", 1.0)
@@ -200,7 +202,7 @@ def _sample_token(dev, rng, kernel, size=TOY):
     within 1e-5 of a boundary of the cumulative mass (float32 vs float64). Twice: without and
     with a logit bias (a few nudges and a ban on the most likely token, which is never drawn).
     The buffers hold :data:`PADDING_ROWS` more rows than ``vocab`` says, never drawn. Model
-    size: the vocabulary's 248,320 logits, 8 draws each, the runtime's 1024 threads."""
+    size: the vocabulary's 248,320 logits, 8 draws each, the runtime's kSamplerThreads threads."""
     V = size.pick(50, size.model and model().vocab_size)
     logits = (rng.standard_normal(V) * 2).astype(np.float32)
     prompt, generated = rng.choice(V, 5, replace=False), rng.choice(V, 8)
@@ -213,7 +215,7 @@ def _sample_token(dev, rng, kernel, size=TOY):
     for params in (base, replace(base, logit_bias=bias)):
         probs = filtered_probs(params, logits, prompt, generated)
         toks, *_ = sample_many(dev, padded_rows(logits), count_buffer(V + PADDING_ROWS, prompt, generated), params,
-                               seeds, positions, tg=size.pick(64, 1024), vocab=V)
+                               seeds, positions, tg=size.pick(64, SAMPLER_THREADS), vocab=V)
         bad = [(int(t), w) for t, (w, near) in zip(toks, expected_draws(probs, sorted_order(probs), seeds, positions))
                if t != w and not near]
         what = " with a logit bias" if params.logit_bias else ""
