@@ -676,8 +676,8 @@ def test_context_length_and_echo(forced, forced_engine):
 
 
 def test_keepalive_comments_while_waiting(forced, forced_engine, monkeypatch):
-    import lily.server.core as server_core
-    monkeypatch.setattr(server_core, "KEEPALIVE_S", 0.1)
+    import lily.server.streaming as server_streaming
+    monkeypatch.setattr(server_streaming, "KEEPALIVE_S", 0.1)
     forced_engine.set_script("</think>late", prefill_delay=0.5)
     body = {"model": "forced", "messages": HI, "stream": True}
     with httpx.stream("POST", forced.base + "/v1/chat/completions", json=body, timeout=30) as r:

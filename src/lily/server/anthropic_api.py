@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
-from lily.server import core
-from lily.server.core import (BlockSequencer, ChatRun, JobStream, ServerState, check_tools, collect, dumps, log,
-                              register_error_shape, request_constraint, state_of, stream_failed)
+from lily.server import streaming
+from lily.server.core import ServerState, check_tools, log, request_constraint, state_of
+from lily.server.errors import dumps, register_error_shape
+from lily.server.streaming import BlockSequencer, ChatRun, JobStream, collect, stream_failed
 from lily.server.protocol import APIError, SamplingFields
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
@@ -417,7 +418,7 @@ async def _stream(state: ServerState, run: ChatRun, head: dict, n_prompt: int, t
 
     started = False
     try:
-        async for step in seq.stream(run, core.KEEPALIVE_S):
+        async for step in seq.stream(run, streaming.KEEPALIVE_S):
             if not started and (step is not None or job.cached_tokens is not None):
                 started = True
                 yield message_start()

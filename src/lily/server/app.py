@@ -1,5 +1,6 @@
 """The Lily HTTP server: :func:`create_app` assembles the APIs (one module each, over the
-shared core in :mod:`lily.server.core`) into a FastAPI app; :func:`serve` runs it with uvicorn
+shared core in :mod:`lily.server.core`, :mod:`lily.server.errors` and
+:mod:`lily.server.streaming`) into a FastAPI app; :func:`serve` runs it with uvicorn
 (what ``lily serve`` does).
 
 The APIs: OpenAI chat completions and completions (:mod:`lily.server.openai_api`), the
@@ -17,7 +18,8 @@ from fastapi import FastAPI
 from lily.engine import DEMO_MODEL_NAME, model_display_name
 from lily.scheduler import DEFAULT_BATCH, DEFAULT_INTERLEAVE, DEFAULT_QUEUE
 from lily.server import anthropic_api, models, openai_api, responses_api
-from lily.server.core import Gate, JSONOut, ServerState, install_error_handlers, log
+from lily.server.core import ServerState, log
+from lily.server.errors import Gate, JSONOut, install_error_handlers
 
 __all__ = ["DEMO_MODEL_NAME", "create_app", "serve"]
 

@@ -1,33 +1,29 @@
-"""The shared core of Lily's HTTP APIs: server state, request checks, the generation queue
-and its streaming plumbing, error handling, and the app's middleware.
+"""The shared state of Lily's HTTP APIs and their request checks: :class:`ServerState`
+(the engine, the generation worker, the server-wide options, sampling parameters, the
+chat template, token limits, queueing a generation) and the checks and conversions every
+API applies to a request (system messages, tools, the structured-output constraint).
 
 Each API lives in its own module (:mod:`lily.server.openai_api`, :mod:`lily.server.models`)
 as a FastAPI router; the handlers reach the :class:`ServerState` through
 ``request.app.state.lily`` (:func:`state_of`). Errors are raised as
 :class:`~lily.server.protocol.APIError` and answered in the shape of the API the request
-was sent to (:func:`error_response`).
+was sent to (:mod:`lily.server.errors`); a generation reaches the client through
+:mod:`lily.server.streaming`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import logging
 import math
-import re
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import Request
 
-from lily.chat_output import Delta
 from lily.errors import ContextLengthError, InvalidParameterError, LilyError, ToolError
 from lily.sampling import LOGIT_BIAS_MAX, LOGIT_BIAS_MAX_ENTRIES, Sampler, SamplingParams, valid_bias
+from lily.server.errors import dumps, param_of, shutdown_error
 from lily.server.protocol import APIError
 from lily.scheduler import DEFAULT_INTERLEAVE, DEFAULT_BATCH
 from lily.server.worker import Job, Worker
@@ -40,34 +36,11 @@ INT32_MAX = (1 << 31) - 1
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                     "frequency_penalty", "repetition_penalty", "seed")
 _MIN_LOGPROB = -9999.0
-_DISCONNECT_POLL_S = 0.25
-_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
-KEEPALIVE_S = 10.0  # SSE comment while a stream waits (queue, long prefill)
 
 
 # ----------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------
-
-
-def dumps(obj: Any) -> str:
-    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # an unpaired surrogate echoed from the request: escape it
-        text = json.dumps(obj, ensure_ascii=True, separators=(",", ":"))
-    return text
-
-
-class JSONOut(JSONResponse):
-    """JSON responses that never fail to encode (see :func:`_dumps`)."""
-
-    def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
 
 
 def finite(x: float) -> float:
@@ -83,15 +56,6 @@ def check_unicode(text: str, param: str) -> None:
         raise APIError(400, f"{param} contains an unpaired surrogate (U+{ord(text[exc.start]):04X} at "
                             f"character {exc.start}): not valid Unicode text", param=param,
                        code="invalid_value") from None
-
-
-def param_of(message: str) -> str | None:
-    m = re.search(r"parameter (\w+)=", message)
-    return m.group(1) if m else None
-
-
-def shutdown_error() -> APIError:
-    return APIError(503, "the server is shutting down", type="server_error", code="server_shutting_down")
 
 
 class ServerState:
@@ -418,145 +382,6 @@ def state_of(request: Request) -> ServerState:
     """The app's :class:`ServerState` (a FastAPI dependency)."""
     return request.app.state.lily
 
-def log_gone(kind: str, job: Job) -> None:
-    if job.started is None:
-        log.info("%s: client disconnected while queued, request dropped", kind)
-    else:
-        log.info("%s: client disconnected after %d completion tokens, generation cancelled",
-                 kind, job.completion_tokens)
-
-
-class JobStream(StreamingResponse):
-    """An SSE response that cancels its generation however the response ends
-    (finished, client disconnected, or task cancelled), and logs the request's line if the
-    stream itself did not (the client went away)."""
-
-    def __init__(self, content, job: Job, kind: str):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
-        self.kind = kind
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            job = self.job
-            job.cancel.set()
-            if not job.logged:
-                job.logged = True
-                log_gone(self.kind, job)
-
-
-class ClientGone(Exception):
-    pass
-
-
-def _auth_hint(path: str) -> str:
-    """The 401 message: both headers work on every path (see :class:`Gate`); Anthropic's
-    clients send ``x-api-key``, so its API names that one first."""
-    bearer, x_key = "'Authorization: Bearer <key>'", "'x-api-key: <key>'"
-    first, second = (x_key, bearer) if path.startswith("/v1/messages") else (bearer, x_key)
-    return f"invalid or missing API key: send it as {first} or {second}"
-
-
-class Gate:
-    """ASGI middleware in front of ``/v1/``: checks the API key (``Authorization: Bearer``
-    or ``x-api-key``) before anything else is looked at, and reads POST bodies as JSON
-    whatever their declared type (``curl -d`` sends ``application/x-www-form-urlencoded``
-    unless told otherwise)."""
-
-    _LAX = (b"", b"application/x-www-form-urlencoded", b"text/plain")
-
-    def __init__(self, app, api_key: str | None = None):
-        self.app = app
-        self.api_key = api_key.encode() if api_key is not None else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope.get("path", "").startswith("/v1/"):
-            headers = list(scope.get("headers") or [])
-            if self.api_key is not None:
-                auth = next((v for k, v in headers if k == b"authorization"), b"")
-                scheme, _, token = auth.partition(b" ")
-                if scheme.lower() != b"bearer":  # Anthropic's clients send the key as x-api-key
-                    token = next((v for k, v in headers if k == b"x-api-key"), b"")
-                if not token.strip() or not hmac.compare_digest(token.strip(), self.api_key):
-                    log.info("%s %s -> 401 bad or missing API key", scope.get("method"), scope.get("path"))
-                    err = APIError(401, _auth_hint(scope.get("path", "")), code="invalid_api_key")
-                    body = dumps(error_payload(scope.get("path", ""), err)).encode()
-                    await send({"type": "http.response.start", "status": 401,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode()),
-                                            (b"www-authenticate", b"Bearer")]})
-                    await send({"type": "http.response.body", "body": body})
-                    return
-            if scope.get("method") == "POST":
-                ctype = next((v for k, v in headers if k == b"content-type"), b"")
-                if ctype.split(b";")[0].strip().lower() in self._LAX:
-                    headers = [(k, v) for k, v in headers if k != b"content-type"]
-                    headers.append((b"content-type", b"application/json"))
-                    scope = dict(scope, headers=headers)
-        await self.app(scope, receive, send)
-
-
-async def job_events(job: Job, request: Request | None, keepalive: float | None = None) -> AsyncIterator:
-    """Yield the job's StreamEvents; raise the engine's exception if it failed.
-
-    With ``request`` given (non-streaming responses), the client connection is polled so a
-    disconnect cancels the generation. With ``keepalive`` (streaming responses), ``None``
-    is yielded after that many idle seconds (queue wait, long prefill) so the caller can
-    send an SSE comment; also once when the engine has prepared the session of a job
-    submitted with ``report_start`` (``job.cached_tokens`` is then set).
-    """
-    getter: asyncio.Task | None = None
-    next_check = time.monotonic() + _DISCONNECT_POLL_S
-    try:
-        while True:
-            if getter is None:
-                getter = asyncio.ensure_future(job.items.get())
-            if request is None:
-                done, _ = await asyncio.wait({getter}, timeout=keepalive)
-                if not done:
-                    yield None
-                    continue
-            else:
-                done, _ = await asyncio.wait({getter}, timeout=_DISCONNECT_POLL_S)
-                if time.monotonic() >= next_check:
-                    next_check = time.monotonic() + _DISCONNECT_POLL_S
-                    if await request.is_disconnected():
-                        job.cancel.set()
-                        raise ClientGone()
-                if not done:
-                    continue
-            kind, payload = getter.result()
-            getter = None
-            if kind == "start":
-                job.cached_tokens = payload
-                if keepalive is not None:  # the stream that asked may now report the split
-                    yield None
-            elif kind == "event":
-                job.completion_tokens += len(payload.token_ids)
-                yield payload
-                if payload.finish_reason is not None:
-                    return
-            elif kind == "error":
-                raise payload
-            else:  # "end" without a final event, or "cancelled" while waiting
-                return
-    finally:
-        if getter is not None:
-            getter.cancel()
-
-
-def engine_error(exc: Exception) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ContextLengthError):
-        return APIError(400, str(exc), param="messages", code="context_length_exceeded")
-    if isinstance(exc, (LilyError, ValueError)):
-        return APIError(400, str(exc), param=param_of(str(exc)))
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error")
-
 
 def openai_usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None,
                  cached_tokens: int = 0) -> dict:
@@ -588,239 +413,6 @@ def prompt_scorer(job: Job, ids: list[int], n_top: int, vocab_limit: int = 0) ->
             scored.append(scorer.logprob(row, ids[len(scored)]))
 
     return score
-
-
-# ----------------------------------------------------------------------------------------
-# errors: one handler set, each API's own error shape
-# ----------------------------------------------------------------------------------------
-
-# (path prefix, body of an APIError): the first matching prefix wins; OpenAI's shape otherwise
-_ERROR_SHAPES: list[tuple[str, Callable[[APIError], dict]]] = []
-
-
-def register_error_shape(prefix: str, shape: Callable[[APIError], dict]) -> None:
-    """Answer errors of requests whose path starts with ``prefix`` with ``shape(err)``
-    (an API module calls this for its paths)."""
-    _ERROR_SHAPES[:] = [(p, s) for p, s in _ERROR_SHAPES if p != prefix] + [(prefix, shape)]
-    _ERROR_SHAPES.sort(key=lambda ps: -len(ps[0]))
-
-
-def error_payload(path: str, err: APIError) -> dict:
-    """The JSON body of ``err`` in the shape of the API that ``path`` belongs to."""
-    for prefix, shape in _ERROR_SHAPES:
-        if path.startswith(prefix):
-            return shape(err)
-    return err.body()
-
-
-def error_response(path: str, err: APIError) -> JSONOut:
-    # a full queue or a shutdown is temporary: say when a retry makes sense (RFC 9110 10.2.3)
-    headers = {"Retry-After": str(err.retry_after or 1)} if err.status in (429, 503) else None
-    return JSONOut(error_payload(path, err), status_code=err.status, headers=headers)
-
-
-def validation_error(exc: RequestValidationError) -> APIError:
-    """A 400 naming the first field pydantic rejected (and how many more there are)."""
-    errors = exc.errors()
-    first = errors[0] if errors else {}
-    # drop "body" and pydantic's union-member tags ("str", "list[str]", ...) from the path
-    loc = [str(p) for p in first.get("loc", ())
-           if p != "body" and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
-    param = ".".join(loc) or None
-    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
-        return APIError(400, "the request body must be a JSON object", code="invalid_value")
-    if first.get("type") == "json_invalid":
-        msg = "the request body is not valid JSON"
-        detail = (first.get("ctx") or {}).get("error")
-        if detail:
-            msg += f": {detail}"
-        param = None
-    else:
-        msg = first.get("msg", "invalid request")
-        if param:
-            msg = f"{param}: {msg}"
-        if len(errors) > 1:
-            msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return APIError(400, msg, param=param, code="invalid_value" if param else None)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Every error a request can meet becomes a JSON answer in its API's shape: APIError,
-    body validation, unknown routes and methods, LilyError, and (500) anything else."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        log.info("%s %s -> %d %s", request.method, request.url.path, exc.status, exc.message)
-        return error_response(request.url.path, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        err = validation_error(exc)
-        log.info("%s %s -> 400 %s", request.method, request.url.path, err.message)
-        return error_response(request.url.path, err)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        err = APIError(exc.status_code, str(exc.detail), code=code)
-        return JSONOut(error_payload(request.url.path, err), status_code=exc.status_code,
-                       headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(LilyError)
-    async def _lily_error(request: Request, exc: LilyError):
-        return error_response(request.url.path, engine_error(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        err = APIError(500, f"internal error: {type(exc).__name__}", type="server_error")
-        return JSONOut(error_payload(request.url.path, err), status_code=500)
-
-
-# ----------------------------------------------------------------------------------------
-# chat generations: engine events -> parser deltas, for every chat-shaped API
-# ----------------------------------------------------------------------------------------
-
-
-class ChatRun:
-    """One chat generation read as parser output: the single place where the engine's
-    StreamEvents become reasoning / content / tool-call :class:`~lily.chat_output.Delta`
-    batches, which each API then encodes in its own wire format.
-
-    Iterate :meth:`steps`; afterwards ``last`` is the final StreamEvent (``None`` when the
-    job was cancelled before it started) and ``n_reasoning`` the generated tokens that went
-    to the reasoning (the closing tag included).
-    """
-
-    def __init__(self, job: Job, parser):
-        self.job = job
-        self.parser = parser
-        self.last = None
-        self.n_reasoning = 0
-        self.finished = False
-        self.token_ids: list[int] = []  # every generated token (for stop_string_hit)
-        self.text = ""  # the engine's visible text, before parsing
-
-    def finish(self) -> list:
-        """The parser's last deltas if the generation ended without a final event."""
-        if self.finished:
-            return []
-        self.finished = True
-        return self.parser.finish()
-
-    async def steps(self, request: Request | None = None, keepalive: float | None = None):
-        """Yield ``(deltas, event)`` per engine event (the parser flushed on the final one),
-        or ``(None, None)`` after ``keepalive`` idle seconds; arguments as :func:`job_events`.
-        Raises the engine's exception, or :class:`ClientGone`."""
-        parser = self.parser
-        async for ev in job_events(self.job, request, keepalive):
-            if ev is None:
-                yield None, None
-                continue
-            if parser.mode == "reasoning":
-                self.n_reasoning += len(ev.token_ids)
-            self.token_ids.extend(ev.token_ids)
-            self.text += ev.text
-            deltas = parser.feed(ev.text)
-            if ev.finish_reason is not None:
-                deltas = deltas + self.finish()
-            self.last = ev
-            yield deltas, ev
-
-    def stop_string_hit(self, tokenizer, stops) -> str | None:
-        """The stop string that ended the generation, or ``None`` (it ended on EOS, length,
-        or there were no stop strings). The engine drops the stop string from the text and
-        ends a stop-string hit on an event that carries the token (EOS: none); the string is
-        found in what the generated tokens decode to beyond the visible text."""
-        last = self.last
-        stops = [s for s in (stops or ()) if s]
-        if not stops or last is None or last.finish_reason != "stop" or not last.token_ids:
-            return None
-        full = tokenizer.decode_lenient(self.token_ids)
-        rest = full[len(self.text):] if full.startswith(self.text) else full
-        hits = [(rest.find(s), s) for s in stops if s in rest]
-        return min(hits)[1] if hits else stops[0]
-
-    @property
-    def cached_tokens(self) -> int:
-        """Prompt tokens served from the prompt cache (0 when the engine does not say)."""
-        return int(getattr(self.last, "cached_tokens", 0) or 0)
-
-
-@dataclass
-class Block:
-    """One output block of a chat reply: ``kind`` is ``"reasoning"``, ``"content"`` or
-    ``"tool"``; ``text`` the block's text (for a tool call: its JSON arguments), ``index``
-    its position in the reply; tool calls also have ``name`` and ``call_id``."""
-
-    kind: str
-    index: int
-    text: str = ""
-    name: str = ""
-    call_id: str = ""
-
-
-class BlockSequencer:
-    """Parser deltas as a sequence of blocks, each started, extended and stopped before the
-    next starts: the output structure of the Anthropic Messages and OpenAI Responses APIs
-    (content blocks, output items). :meth:`feed` and :meth:`close` return ``(what, block,
-    text)`` steps, ``what`` being ``"start"``, ``"delta"`` (with the new ``text``) or
-    ``"stop"``; ``blocks`` holds every block so far."""
-
-    def __init__(self):
-        self.blocks: list[Block] = []
-        self.open: Block | None = None
-        self._calls: dict[int, Block] = {}  # parser call index -> its block
-
-    def _start(self, out: list, kind: str, **kw) -> Block:
-        out.extend(self.close())
-        block = Block(kind, len(self.blocks), **kw)
-        self.blocks.append(block)
-        self.open = block
-        out.append(("start", block, ""))
-        return block
-
-    def feed(self, deltas: list[Delta]) -> list[tuple[str, Block, str]]:
-        out: list[tuple[str, Block, str]] = []
-        for d in deltas:
-            if d.kind in ("reasoning", "content"):
-                if not d.text:
-                    continue
-                block = self.open
-                if block is None or block.kind != d.kind:
-                    block = self._start(out, d.kind)
-            elif d.kind == "tool_start":
-                self._calls[d.index] = self._start(out, "tool", name=d.name, call_id=d.call_id)
-                continue
-            elif d.kind == "tool_args":
-                block = self._calls.get(d.index)
-                if block is None or not d.text:
-                    continue
-            else:
-                continue
-            block.text += d.text
-            out.append(("delta", block, d.text))
-        return out
-
-    def close(self) -> list[tuple[str, Block, str]]:
-        """Stop the open block (at the end of the reply)."""
-        if self.open is None:
-            return []
-        block, self.open = self.open, None
-        return [("stop", block, "")]
-
-    async def stream(self, run: ChatRun, keepalive: float | None):
-        """Yield the steps of a streamed generation as they come, the last block's stop
-        included, and ``None`` after ``keepalive`` idle seconds (for a keep-alive)."""
-        async for deltas, ev in run.steps(None, keepalive):
-            if ev is None:
-                yield None
-                continue
-            for step in self.feed(deltas):
-                yield step
-        if run.last is not None:
-            for step in self.feed(run.finish()) + self.close():
-                yield step
 
 
 # ----------------------------------------------------------------------------------------
@@ -879,43 +471,3 @@ def request_constraint(state: ServerState, *, format: dict | None = None, tool_c
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except InvalidParameterError as exc:
         raise APIError(400, str(exc), param=param, code="invalid_value") from None
-
-
-# ----------------------------------------------------------------------------------------
-# the ends of a request: non-streaming collection, a stream's failure
-# ----------------------------------------------------------------------------------------
-
-
-async def collect(state: ServerState, run: ChatRun, request: Request, kind: str, consume,
-                  t_start: float) -> JSONOut | None:
-    """Run a non-streaming chat generation to its end, handing every ``(deltas, event)``
-    step to ``consume`` (the parser's last deltas with event ``None``), and log it.
-
-    Returns ``None`` when done, or the 499 answer when the client went away (the generation
-    is cancelled). Raises the engine's failure as an :class:`APIError`, and a 503 when the
-    job was cancelled before it started (shutdown).
-    """
-    job = run.job
-    try:
-        async for deltas, ev in run.steps(request):
-            consume(deltas, ev)
-    except ClientGone:
-        log_gone(kind, job)
-        return JSONOut(error_payload(request.url.path, APIError(499, "client disconnected")), status_code=499)
-    except Exception as exc:
-        raise engine_error(exc) from None
-    finally:
-        job.cancel.set()
-    consume(run.finish(), None)
-    if run.last is None:
-        raise APIError(503, "the generation was cancelled", type="server_error")
-    state.log_done(kind, job, run.last, t_start, run.parser.n_tool_calls)
-    return None
-
-
-def stream_failed(kind: str, job: Job, exc: Exception) -> APIError:
-    """A stream's failure after it started, as the APIError to send (and logged once)."""
-    err = engine_error(exc)
-    job.logged = True
-    log.info("%s failed after %d completion tokens: %s", kind, job.completion_tokens, err.message)
-    return err

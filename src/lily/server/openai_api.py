@@ -1,5 +1,6 @@
 """OpenAI's chat completions (``POST /v1/chat/completions``) and legacy completions
-(``POST /v1/completions``) over the shared core (:mod:`lily.server.core`)."""
+(``POST /v1/completions``) over the shared core (:mod:`lily.server.core`,
+:mod:`lily.server.errors`, :mod:`lily.server.streaming`)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from fastapi import APIRouter, Request
 
 from lily.chat_output import ChatAccumulator, ChatOutputParser, Delta, prompt_opens_reasoning
 from lily.errors import TokenizerError
-from lily.server import core
-from lily.server.core import (ChatRun, ClientGone, JobStream, JSONOut, ServerState, cache_key, check_tools,
-                              check_unicode, collect, dumps, effort_thinking, engine_error, finite, forces_format,
-                              job_events, log_gone,
-                              openai_usage, request_constraint, sse, state_of, stream_failed)
+from lily.server import streaming
+from lily.server.core import (ServerState, cache_key, check_tools, check_unicode, effort_thinking, finite,
+                              forces_format, openai_usage, request_constraint, state_of)
+from lily.server.errors import JSONOut, dumps, engine_error
+from lily.server.streaming import (ChatRun, ClientGone, JobStream, collect, job_events, log_gone, sse,
+                                   stream_failed)
 from lily.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
@@ -296,7 +298,7 @@ def _stream_chat(state: ServerState, run: ChatRun, base: dict, include_usage: bo
     async def body():
         # a forced tool call has no content: null, as the non-streaming message says
         yield chunk({"role": "assistant", "content": None if tool_call_only else ""})
-        async for deltas, ev in run.steps(None, core.KEEPALIVE_S):
+        async for deltas, ev in run.steps(None, streaming.KEEPALIVE_S):
             if ev is None:
                 yield ": keep-alive\n\n"
                 continue
@@ -389,7 +391,7 @@ async def completions(req: CompletionRequest, request: Request):
             offset = len(echo_text)
             if echo_text and not score_prompt:
                 yield chunk(echo_text)
-            async for ev in job_events(job, None, core.KEEPALIVE_S):
+            async for ev in job_events(job, None, streaming.KEEPALIVE_S):
                 if ev is None:
                     yield ": keep-alive\n\n"
                     continue

@@ -20,10 +20,11 @@ from pydantic import StrictBool, StrictInt
 
 from lily.chat_output import ChatOutputParser, prompt_opens_reasoning
 from lily.errors import TokenizerError
-from lily.server import core
-from lily.server.core import (INT32_MAX, BlockSequencer, ChatRun, JobStream, ServerState, cache_key, check_tools, collect,
-                              dumps, effort_thinking, forces_format, log, request_constraint, state_of,
-                              stream_failed)
+from lily.server import streaming
+from lily.server.core import (INT32_MAX, ServerState, cache_key, check_tools, effort_thinking, forces_format, log,
+                              request_constraint, state_of)
+from lily.server.errors import dumps
+from lily.server.streaming import BlockSequencer, ChatRun, JobStream, collect, stream_failed
 from lily.server.protocol import APIError, SamplingFields
 from lily.structured import template_tools
 from lily.tokenizer import tool_call_arguments
@@ -431,7 +432,7 @@ async def _stream(state: ServerState, run: ChatRun, base: dict, rid: str, finish
     try:
         yield event("response.created", response=base)
         yield event("response.in_progress", response=base)
-        async for step in seq.stream(run, core.KEEPALIVE_S):
+        async for step in seq.stream(run, streaming.KEEPALIVE_S):
             if step is None:
                 yield ": keep-alive\n\n"
                 continue
