@@ -40,7 +40,7 @@ def _cold(cold, messages, **kw):
 def _gen_start(engine, messages, **kw) -> int:
     """Position of the generation prompt (the last <|im_start|>) in the rendered prompt."""
     ids = engine.tokenizer.encode_chat(messages, add_generation_prompt=True, **kw)
-    return max(i for i, t in enumerate(ids) if t == engine._im_start)
+    return max(i for i, t in enumerate(ids) if t == engine.im_start)
 
 
 def _common(a, b) -> int:
@@ -98,7 +98,7 @@ def test_new_chat_same_system_prompt_mlx_lm_975(warm, cold):
     m = [sysmsg, {"role": "user", "content": "A different question."}]
     r = warm.chat(m, **GREEDY)
     ids = warm.tokenizer.encode_chat(m, add_generation_prompt=True)
-    system_end = [i for i, t in enumerate(ids) if t == warm._im_start][1]
+    system_end = [i for i, t in enumerate(ids) if t == warm.im_start][1]
     assert r.cached_tokens == system_end
     reused = [e for e in warm.prompt_cache.entries() if e.length == system_end]
     assert len(reused) == 1 and reused[0].tokens.tolist() == ids[:system_end]
@@ -293,7 +293,7 @@ def test_save_load_round_trip_and_refusals(sim_engines, tmp_path, warm, cold):
     sim, sim_cold = sim_engines
     m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who?"}]
     ids = sim.tokenizer.encode_chat(m, add_generation_prompt=True)
-    system_end = [i for i, t in enumerate(ids) if t == sim._im_start][1]
+    system_end = [i for i, t in enumerate(ids) if t == sim.im_start][1]
     fresh = Engine.load(device="sim", max_context=256)
     fresh.cache_prompt(ids[:system_end])
     path = tmp_path / "system.lilycache"
@@ -428,7 +428,7 @@ def test_cli_cache_prompt_then_chat_reuses_system(tmp_path, cold):
     m = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hail."}]
     ids = eng.tokenizer.encode_chat(m, add_generation_prompt=True)
     r = eng.chat(m, **GREEDY)
-    assert r.cached_tokens == [i for i, t in enumerate(ids) if t == eng._im_start][1]
+    assert r.cached_tokens == [i for i, t in enumerate(ids) if t == eng.im_start][1]
     assert r.token_ids == _cold(cold, m).token_ids
     assert main(["cache-prompt", "--device", "reference", str(path)]) == 1  # nothing to cache: a clear error, exit 1
 

@@ -203,7 +203,7 @@ def _cache_mismatch(engine, start: list[int]) -> str | None:
     for e in pinned:
         cache.discard(e)
     held = max(pinned, key=lambda e: e.length).tokens.tolist()
-    if held[0] != engine._im_start:
+    if held[0] != engine.im_start:
         return (f"written for a raw prompt (lily cache-prompt --prompt) of {len(held)} tokens, which a chat "
                 f"never starts with: the file has {_excerpts(engine.tokenizer.decode(held), '')[0]!r}")
     if not start:
@@ -475,7 +475,7 @@ def _system_prefix(engine, system: str | None, tools: list | None, template_kwar
     with a placeholder user message and cut before it."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "."}]
     ids = engine.tokenizer.encode_chat(messages, tools=tools, add_generation_prompt=False, **(template_kwargs or {}))
-    starts = [i for i, t in enumerate(ids) if t == engine._im_start]
+    starts = [i for i, t in enumerate(ids) if t == engine.im_start]
     if len(starts) < 2:
         raise InvalidParameterError("the chat template rendered no system message to cache "
                                     "(give --system or --tools)")

@@ -170,8 +170,11 @@ class Engine:
         self.sample_vocab: int = min(self.config.vocab_size, tokenizer.vocab_size)
         self._held = threading.Condition()  # who holds the session: _holder (None, a Scheduler, a thread id)
         self._depth = 0
-        self._im_start = tokenizer.token_to_id("<|im_start|>")
-        self._session = Session(backend, 0, PromptCache(DEFAULT_MAX_BYTES), self._im_start)
+        #: The id of ``<|im_start|>``, the token that opens each chat turn (None: the tokenizer
+        #: has none): where a conversation's turns begin, for the prompt cache's snapshots
+        #: and the CLI's turn handling.
+        self.im_start: int | None = tokenizer.token_to_id("<|im_start|>")
+        self._session = Session(backend, 0, PromptCache(DEFAULT_MAX_BYTES), self.im_start)
         self._holder = None
 
     @property
@@ -181,18 +184,38 @@ class Engine:
 
     @backend.setter
     def backend(self, backend: Backend) -> None:
-        self._session = Session(backend, 0, self._session.cache, self._im_start)
+        self._session = Session(backend, 0, self._session.cache, self.im_start)
 
-    def _lend_session(self, holder) -> bool:
-        """Lends the session to a :class:`lily.scheduler.Scheduler`'s row if no one holds it
-        (never waits): True when lent, until :meth:`_return_session`."""
+    @property
+    def session(self) -> Session:
+        """The engine's own :class:`lily.session.Session` (sequence 0), which a
+        :class:`lily.scheduler.Scheduler` borrows for a row (:meth:`lend_session`)."""
+        return self._session
+
+    @property
+    def session_free(self) -> bool:
+        """Whether no one holds :attr:`session` now (no engine call runs on it, no
+        scheduler has borrowed it); a snapshot, not a reservation."""
+        return self._holder is None
+
+    def lend_session(self, holder) -> bool:
+        """Lend :attr:`session` to ``holder`` (a :class:`lily.scheduler.Scheduler`) if no one
+        holds it; never waits.
+
+        Returns
+        -------
+        bool
+            True when lent (until :meth:`return_session`), False when someone holds it.
+        """
         with self._held:
             if self._holder is not None:
                 return False
             self._holder = holder
             return True
 
-    def _return_session(self, holder) -> None:
+    def return_session(self, holder) -> None:
+        """Give back :attr:`session` lent to ``holder`` by :meth:`lend_session` and wake an
+        engine call waiting for it; a no-op when ``holder`` does not hold it."""
         with self._held:
             if self._holder is holder:
                 self._holder = None
@@ -449,7 +472,18 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
 
-    def _params(self, params: SamplingParams | None, overrides: dict) -> SamplingParams:
+    def resolve_params(self, params: SamplingParams | None, overrides: dict) -> SamplingParams:
+        """The :class:`~lily.sampling.SamplingParams` a generation runs with: ``params`` (None:
+        :attr:`generation_defaults`) with ``overrides`` (field name -> value) applied, checked
+        against the vocabulary (``logit_bias`` ids), and ``vocab_limit`` capped to
+        :attr:`sample_vocab` so that no id without a token is sampled.
+
+        Raises
+        ------
+        InvalidParameterError
+            For an override that is not a field or is out of range, or a ``logit_bias`` id
+            outside the vocabulary.
+        """
         base = params if params is not None else self.generation_defaults
         p = base.replace(**overrides) if overrides else base
         p.check_vocab(self.config.vocab_size)  # logit_bias ids: the one check needing the vocabulary
@@ -476,8 +510,8 @@ class Engine:
         template's generation prompt with thinking on): the text the model writes first is
         then reasoning (:func:`lily.chat_output.prompt_opens_reasoning` on that turn's text)."""
         ids = [int(t) for t in prompt_ids]
-        if self._im_start is not None and self._im_start in ids:  # only the last turn matters
-            ids = ids[len(ids) - 1 - ids[::-1].index(self._im_start):]
+        if self.im_start is not None and self.im_start in ids:  # only the last turn matters
+            ids = ids[len(ids) - 1 - ids[::-1].index(self.im_start):]
         return prompt_opens_reasoning(self.tokenizer.decode_lenient(ids))
 
     def prefill_chunked(self, tokens: Sequence[int], *, cancel: threading.Event | None = None,
@@ -535,7 +569,7 @@ class Engine:
         InvalidParameterError
             Invalid sampling parameters or prompt ids.
         """
-        p = self._params(params, overrides)
+        p = self.resolve_params(params, overrides)
         prompt_ids = self.encode_prompt(prompt)
         if isinstance(constraint, Grammar):
             constraint = constraint.for_prompt(self, prompt_ids)

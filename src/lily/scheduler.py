@@ -256,7 +256,7 @@ class Scheduler:
         bad input (checked here, as the engine checks it) and
         :class:`lily.errors.QueueFullError` when ``max_queue`` requests wait already."""
         engine = self.engine
-        p = engine._params(params, overrides)
+        p = engine.resolve_params(params, overrides)
         ids = engine.encode_prompt(prompt)
         if constraint is not None and hasattr(constraint, "for_prompt"):
             constraint = constraint.for_prompt(engine, ids)
@@ -368,7 +368,7 @@ class Scheduler:
         a row reserves and how many more sequences fit (None: no limit known)."""
         running, queued = self.counts()
         room = self.backend.sequence_room()
-        idle = len(self._sessions) - running + (self.engine._holder is None)
+        idle = len(self._sessions) - running + self.engine.session_free
         can_open = sum(1 for s in self._sessions if s.seq != 0) < self.max_batch and room != 0
         return {"running": running, "queued": queued, "max_batch": self.max_batch, "max_queue": self.max_queue,
                 "sequences": len(self._sessions), "row_bytes": self.backend.sequence_bytes(),
@@ -477,12 +477,12 @@ class Scheduler:
         room; else None (the request waits)."""
         idle = [s for s in self._sessions if s.seq not in self._busy]
         engine = self.engine
-        if engine._holder is None and engine._session not in self._sessions:
-            idle.insert(0, engine._session)
+        if engine.session_free and engine.session not in self._sessions:
+            idle.insert(0, engine.session)
         while idle:
             best = max(idle, key=lambda s: s.reusable(req.prompt_ids))
-            if best is engine._session and best not in self._sessions:
-                if not engine._lend_session(self):  # the engine took it meanwhile
+            if best is engine.session and best not in self._sessions:
+                if not engine.lend_session(self):  # the engine took it meanwhile
                     idle.remove(best)
                     continue
                 self._sessions.append(best)
@@ -491,7 +491,7 @@ class Scheduler:
         room = self.backend.sequence_room()
         if opened >= self.max_batch or room == 0:
             return None
-        session = Session(self.backend, self.backend.open_sequence(), engine.prompt_cache, engine._im_start)
+        session = Session(self.backend, self.backend.open_sequence(), engine.prompt_cache, engine.im_start)
         self._sessions.append(session)
         return session
 
@@ -713,9 +713,9 @@ class Scheduler:
             self._rows.remove(row)
             self._busy.discard(row.seq)
             self.trace.append(("end", row.seq))
-            if row.session is self.engine._session:  # the engine's again between requests
+            if row.session is self.engine.session:  # the engine's again between requests
                 self._sessions.remove(row.session)
-                self.engine._return_session(self)
+                self.engine.return_session(self)
 
     def _end(self, row: _Row) -> None:
         gen, session = row.gen, row.session
@@ -770,4 +770,4 @@ class Scheduler:
                 except Exception:  # noqa: BLE001 - freeing is best effort at shutdown
                     pass
         self._sessions = []
-        self.engine._return_session(self)
+        self.engine.return_session(self)
