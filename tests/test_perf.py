@@ -720,7 +720,7 @@ def test_every_scenario_machine_describes_the_data_it_was_fitted_to(ranged):
     from lily.lab.calibration import published, reference_decode_step
     sc = estimate.scenarios(estimate.machine("m5max"))
     # their step at the mean position of each length's 64 timed steps (the same lengths in both runs)
-    steps = {L: estimate._plan(reference_decode_step(L + 33)) for L in published(estimate.RUNS[0])}
+    steps = {L: estimate.make_plan(reference_decode_step(L + 33)) for L in published(estimate.RUNS[0])}
     for end in ("likely", "low", "high"):
         for m in sc[end]:
             cal = m.calibration

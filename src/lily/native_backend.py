@@ -88,7 +88,6 @@ def check_native_quantization(ck: Checkpoint) -> None:
     shared-expert gate 8-bit). Raises :class:`QuantizationError` naming the first module
     that differs and how many do, before anything is mapped or copied; the runtime checks
     the tensors' sizes against the same format again when it binds them."""
-    from lily import _core
     wrong = []
     for kind, name, _ in expected_tensors(ck.config):
         if kind == "linear":

@@ -352,7 +352,18 @@ class _Plan:
 _PLANS: OrderedDict = OrderedDict()  # id(records) -> (records, skip, plan), the most recent kept
 
 
-def _plan(records: list, skip_families: tuple = ()) -> _Plan:
+def make_plan(records: list, skip_families: tuple = ()) -> _Plan:
+    """One command buffer's dispatch records (the runtime's record dicts: kernel, label, pass,
+    stage, groups, threads, work) as the arrays the timing model reads (:func:`dispatch_times`,
+    :func:`time_records`), leaving out the records whose work family is in
+    ``skip_families``. The plan of the most recently planned ``records`` object is kept and
+    returned again for the same object.
+
+    Raises
+    ------
+    UnknownKernelError
+        For a record whose kernel has no entry in the cost table (csrc/runtime/cost.cpp).
+    """
     key = (id(records), skip_families)
     hit = _PLANS.get(key)
     if hit is not None and hit[0] is records:
@@ -455,7 +466,7 @@ def _dispatch_times(m: Machine, plan: _Plan, effs=None, comp=None) -> tuple[np.n
 
 
 def dispatch_times(m: Machine, plan: _Plan, part: str | None = None, values=None) -> np.ndarray:
-    """Seconds of each dispatch of ``plan`` (:func:`_plan`) on ``m`` [records, 1], or with the
+    """Seconds of each dispatch of ``plan`` (:func:`make_plan`) on ``m`` [records, 1], or with the
     tensor efficiency of ``part`` (``"gemms"``: the :data:`TENSOR_PATHS` work outside the
     attention family; ``"attention"``: the attention family's) at each of ``values`` [records,
     len(values)] (the engine fits of lily.lab.tensor_rate search an efficiency over a grid at
@@ -476,7 +487,7 @@ def dispatch_times(m: Machine, plan: _Plan, part: str | None = None, values=None
 def dispatch_seconds(m: Machine, rec: dict) -> float:
     """Time of one dispatch record on ``m`` (no stage gap): the roofline at its occupancy and
     its latency chains (:func:`time_records`)."""
-    return float(_dispatch_times(m, _plan([rec]))[0][0, 0])
+    return float(_dispatch_times(m, make_plan([rec]))[0][0, 0])
 
 
 def _stages(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -504,7 +515,7 @@ def _stages(m: Machine, plan: _Plan, effs=None) -> tuple[np.ndarray, np.ndarray,
 def step_seconds(m: Machine, records: list, effs) -> np.ndarray:
     """Seconds of ``records`` without stage gaps at each bandwidth efficiency of ``effs`` (the
     decode fits search the efficiency and solve the gap in closed form)."""
-    plan = _plan(records)
+    plan = make_plan(records)
     return _stages(m, plan, effs)[0].sum(axis=0) if plan.stages else np.zeros(len(np.atleast_1d(effs)))
 
 
@@ -530,7 +541,7 @@ def time_records(m: Machine, records: list, skip_families: tuple = ()) -> Timing
     slowest dispatch (:func:`dispatch_seconds`) or the stage's total work at full occupancy
     plus the shortest prologue of its dispatches, whichever is longer, plus the stage gap. A
     stage's time is split over families in proportion to their dispatches' times."""
-    plan = _plan(records, skip_families)
+    plan = make_plan(records, skip_families)
     t = Timing(stages=plan.stages)
     if not plan.stages:
         return t
@@ -1349,7 +1360,7 @@ def fit_decode(m: Machine, rows: list, lo: float = 0.30, hi: float = 1.00) -> tu
     efficiency of a grid from ``lo`` to ``hi`` by 0.01, refined twice by 10x around the best;
     the efficiency by the smallest rms relative error. ``m``'s own efficiency and gap are not
     used."""
-    stages = np.array([_plan(steps[0]).stages for steps, _ in rows], dtype=float)
+    stages = np.array([make_plan(steps[0]).stages for steps, _ in rows], dtype=float)
     measured = np.array([t for _, t in rows], dtype=float)
 
     def errors(effs):

@@ -413,7 +413,7 @@ def _parts(engine: str, run: str, m: estimate.Machine, rows: int, p0: int, tenso
     tensor-op work, [the GEMMs' at each tensor efficiency of ``tensor``], [the attention
     family's at each of ``attention``]). Every record of the restatements is a stage of its
     own, so the chunk's time is their sum at any pair of efficiencies."""
-    plan = estimate._plan(_chunk_records(engine, run, rows, p0))
+    plan = estimate.make_plan(_chunk_records(engine, run, rows, p0))
     if plan.stages != len(plan.bytes):
         raise AssertionError("an engine restatement has one dispatch per stage")
     tensor_work = plan.flops[:, [estimate.PATHS.index(p) for p in estimate.TENSOR_PATHS]].sum(axis=1) > 0

@@ -165,7 +165,22 @@ def _gemv_add_bound(qt, r0, x64, extra=0):
     return exact, (DEPTH + extra) * U * mag + 2 * U * np.abs(exact)
 
 
-def _same_bits(got, want, what):
+def same_bits(got, want, what: str) -> None:
+    """Check that a batched row is bit-identical to its batch-1 dispatch.
+
+    Parameters
+    ----------
+    got, want : array_like
+        The row's batched result and its batch-1 result, compared as float32 bit patterns
+        (so ``-0.0`` differs from ``0.0`` and equal NaNs match).
+    what : str
+        Names the row in the error.
+
+    Raises
+    ------
+    AssertionError
+        When any element's bits differ.
+    """
     if not np.array_equal(np.asarray(got, np.float32).view(np.uint32), np.asarray(want, np.float32).view(np.uint32)):
         raise AssertionError(f"{what}: differs from the row's batch-1 result")
 
@@ -194,9 +209,9 @@ def norm_gemv_batch_ratio(dev, rng, bits, n, rows=(96, 1, 37), cols=256, tg=TG, 
         mats = [(r, w, dev.buffer(4 * r)) for r, w in zip(rows, wsb)]
         run_encoder(dev, enc_norm_gemv, bits, X1, NW, XN1, mats, cols, **geometry)
         what = f"norm_gemv_batch_q{bits} n={n} row {b}"
-        _same_bits(xn_all[b, :cols], download(XN1, np.float32), f"{what} xn")
+        same_bits(xn_all[b, :cols], download(XN1, np.float32), f"{what} xn")
         for m, (r, _, Y1) in enumerate(mats):
-            _same_bits(ys_all[m][b, :r], download(Y1, np.float32), f"{what} matrix {m}")
+            same_bits(ys_all[m][b, :r], download(Y1, np.float32), f"{what} matrix {m}")
         worst = max(worst, _norm_gemv_ratio(what, xs[b, :cols], nw, XN1, qts, mats))
     return worst
 
@@ -232,7 +247,7 @@ def gemv_batch_ratio(dev, rng, bits, n, gated, rows=100, Hv=4, Dv=64, splits=4, 
         SSQ1, Z1 = upload(dev, ssq[b, :Hv * splits]), upload(dev, zs[b, :cols])
         run_encoder(dev, enc_gemv_add, bits, W, S, B, X1, R1, rows, cols, tg, gated=gate(SSQ1, Z1))
         what = f"{'gemv_gated' if gated else 'gemv'}_batch_q{bits}_add n={n} row {b}"
-        _same_bits(got[b, :rows], download(R1, np.float32), what)
+        same_bits(got[b, :rows], download(R1, np.float32), what)
         x64 = (gated_x64(xs[b, :cols], ssq[b, :Hv * splits].reshape(Hv, splits), zs[b, :cols], nw, Dv, eps)
                if gated else xs[b, :cols].astype(np.float64))
         exact, tol = _gemv_add_bound(qt, r0[b, :rows], x64, 8 if gated else 0)

@@ -12,7 +12,7 @@ from lily import _core
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.gemm import swiglu_bound
 from lily._core import kernel_name, kernel_params
-from lily.lab.kernels.gemv import BATCH_SIZES, TG, _same_bits
+from lily.lab.kernels.gemv import BATCH_SIZES, TG, same_bits
 from lily.lab.kernels.harness import (
     DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
 )
@@ -230,10 +230,10 @@ def moe_batch_ratio(dev, rng, W, bufs, k, n, overlap=True):
         H1, ID1, WT1 = dev.buffer(4 * slots), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
         _run(dev, enc_route_gate_up, W, bufs, X1, L1, H1, ID1, WT1, k)
         _run(dev, enc_down, W, bufs, H1, ID1, WT1, R1, k)
-        _same_bits(got_ids[b].view(np.float32), download(ID1, np.uint32).view(np.float32), f"moe_route_gate_up_batch {what} ids")
-        _same_bits(got_w[b], download(WT1, np.float32), f"moe_route_gate_up_batch {what} weights")
-        _same_bits(got_h[b], download(H1, np.float32), f"moe_route_gate_up_batch {what} h")
-        _same_bits(got_r[b, :hid], download(R1, np.float32), f"moe_down_batch {what}")
+        same_bits(got_ids[b].view(np.float32), download(ID1, np.uint32).view(np.float32), f"moe_route_gate_up_batch {what} ids")
+        same_bits(got_w[b], download(WT1, np.float32), f"moe_route_gate_up_batch {what} weights")
+        same_bits(got_h[b], download(H1, np.float32), f"moe_route_gate_up_batch {what} h")
+        same_bits(got_r[b, :hid], download(R1, np.float32), f"moe_down_batch {what}")
         if not np.array_equal(got_r[b, hid:].view(np.uint32), r0[b, hid:].view(np.uint32)):
             raise AssertionError(f"moe_down_batch {what}: wrote past the row")
         top, w = route_ref(lg[b, :W.E], k)
