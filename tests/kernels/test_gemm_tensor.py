@@ -356,8 +356,9 @@ def test_structure_mlx_tiles():
     (bk,) = _constants("metal/gemm_args.h", "kGemmBK")
     (tk,) = _constants("metal/gemm_tensor.h", "kGemmTensorK")
     assert bk == GEMM_BK == 64 and tk == 32
-    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
+    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert _constants("metal/gemm_args.h", "kGemmSM", "kGemmSN", "kGemmSwigluSM", "kGemmSwigluSN") == [2, 2, 4, 1]
+    assert 32 * 2 * 2 == 32 * 4 * 1 == GEMM_TG  # both simdgroup layouts fill kGemmThreads
     assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
     assert _constants("metal/gemm_args.h", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
                       "kGemmTensorSM", "kGemmTensorSN") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, 4, 2]
@@ -365,7 +366,9 @@ def test_structure_mlx_tiles():
     dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
     assert dense.count("max_total_threads_per_threadgroup(kGemmTensorThreads)") == 3  # test_kernel_facts: its value
-    assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
+    simd = (ROOT / "metal" / "gemm.metal").read_text()
+    assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, kGemmSM, kGemmSN>", simd)
+    assert len(re.findall(r"kGemmBM, kGemm(Swiglu)?BN, kGemm(Swiglu)?SM, kGemm(Swiglu)?SN>", simd)) == 3
     # the host and the lab read these from metal/gemm_args.h (kernel_args.h, lily._core.CONSTANTS)
     assert _core.CONSTANTS["kGemmLd"] == GEMM_BK + 8
 

@@ -30,7 +30,7 @@ from lily.lab.kernels.gemv import (  # noqa: E402
     enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
 from lily.lab.kernels.embed import EMBED_PER_THREAD, EMBED_THREADS  # noqa: E402
-from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
+from lily.lab.kernels.harness import DEPTH, QUANT_GROUP, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
 from harness import assert_same_arithmetic, assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 from simdev import ORDERS, make_dev  # noqa: E402
 
@@ -128,7 +128,7 @@ def test_gemv_weight_offsets(dev):
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
-    wb, sb = rows * cols // 2, rows * cols // 64 * 2
+    wb, sb = rows * cols // 2, rows * cols // QUANT_GROUP * 2
     cb = dev.command_buffer()
     cb.compute_pass().dispatch(
         "gemv_q4", gemv_grid(rows), TG, buffers=[(0, W, e * wb), (1, S, e * sb), (2, B, e * sb), (3, X), (4, Y)],

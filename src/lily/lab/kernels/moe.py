@@ -14,7 +14,7 @@ from lily.lab.kernels.gemm import swiglu_bound
 from lily._core import kernel_name, kernel_params
 from lily.lab.kernels.gemv import BATCH_SIZES, TG, _same_bits
 from lily.lab.kernels.harness import (
-    DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
+    DEPTH, QUANT_GROUP, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
 )
 from lily.reference import sigmoid, softmax
 
@@ -115,7 +115,7 @@ def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
     if ids is None:
         reads += [*b["gate"], *b["up"]]
     else:
-        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // 64 * 2
+        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // QUANT_GROUP * 2
         for e in ids:
             for (w, s, bb) in (b["gate"], b["up"]):
                 reads += [(w, int(e) * wb, wb), (s, int(e) * sb, sb), (bb, int(e) * sb, sb)]
