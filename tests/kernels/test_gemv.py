@@ -60,8 +60,8 @@ def test_gemv(dev, bits, rows, cols):
     X = upload(dev, x)
     pad = 8
     Y = dev.buffer(4 * (rows + pad))  # poisoned (NaN); the pad must stay untouched
-    run_bound(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
-        reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=f"gemv_q{bits}")
+    run_bound(dev, _core.kernel_name("gemv", q=bits), gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
+        reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=_core.kernel_name("gemv", q=bits))
     out = download(Y, np.float32)
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64))
@@ -93,7 +93,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 ])
 def test_gemv_gated(dev, bits, rows, Hv, Dv, splits, tg):
     rng = fresh_rng(rows * 31 + Hv * Dv + splits + bits)
-    assert gemv_gated_ratio(dev, rng, f"gemv_gated_q{bits}_add", rows, Hv, Dv, splits, tg) <= 1.0
+    assert gemv_gated_ratio(dev, rng, _core.kernel_name("gemv_gated", "_add", q=bits), rows, Hv, Dv, splits, tg) <= 1.0
 
 
 @pytest.mark.parametrize("order", ORDERS)
