@@ -169,8 +169,12 @@ def test_moe_down(dev, moe_cache, E, hidden, inter, inter_shared, k):
 
 
 def encode_moe_block(dev, W, bufs, x, r0, k, norm_topk=True):
-    """The decode-step MoE block as a runtime encodes it: one concurrent pass, barriers
-    derived from the declared ranges. residual += moe(x). Returns (cb, R, ids, wts)."""
+    """The decode-step MoE block in its unfused reference form, which the runtime never runs
+    (it encodes the fused moe_route_gate_up_swiglu_q4 after norm_gemv_q8's router: docs/kernels.md
+    "Unfused reference kernels"): the router gemv_q8, moe_route, moe_gate_up_swiglu_q4 and
+    moe_down_q4 (the one the step runs, through its builder) in one concurrent pass, barriers
+    derived from the declared ranges.
+    residual += moe(x). Returns (cb, R, ids, wts)."""
     b = bufs
     X, R = upload(dev, x), upload(dev, r0)
     logits, ids, wts = dev.buffer(4 * W.E), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
