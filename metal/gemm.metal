@@ -72,7 +72,7 @@ template <int BITS, bool ADD, typename Y = float>
                    uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmBN, 1>::float4s];
   device const uint* wu = (device const uint*)w;
-  gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>(smem4, wu, scales, biases, wu, scales, biases,
+  gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, kGemmSM, kGemmSN>(smem4, wu, scales, biases, wu, scales, biases,
                                                   x, y, args, tgp, tid, sg);
 }
 template [[host_name("gemm_q4")]] [[kernel]] decltype(gemm_q<4, false>) gemm_q<4, false>;
@@ -96,7 +96,7 @@ template [[host_name("gemm_q4_bf16")]] [[kernel]] decltype(gemm_q<4, false, bflo
                            uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmBN, 1>::float4s];
   device const uint* wu = (device const uint*)w;
-  gemm_dense<4, 1, true, kGemmBM, kGemmBN, 2, 2>(smem4, wu, scales, biases, wu, scales, biases,
+  gemm_dense<4, 1, true, kGemmBM, kGemmBN, kGemmSM, kGemmSN>(smem4, wu, scales, biases, wu, scales, biases,
                                                 GemmAScaled{x, s, sa.shift}, y, args, tgp, tid, sg);
 }
 
@@ -119,7 +119,7 @@ template [[host_name("gemm_q4_bf16")]] [[kernel]] decltype(gemm_q<4, false, bflo
                            uint tid [[thread_index_in_threadgroup]],
                            uint sg [[simdgroup_index_in_threadgroup]]) {
   threadgroup float4 smem4[GemmSmem<kGemmBM, kGemmSwigluBN, 2>::float4s];
-  gemm_dense<4, 2, false, kGemmBM, kGemmSwigluBN, 4, 1>(smem4, (device const uint*)wg, gs, gb,
+  gemm_dense<4, 2, false, kGemmBM, kGemmSwigluBN, kGemmSwigluSM, kGemmSwigluSN>(smem4, (device const uint*)wg, gs, gb,
                                                  (device const uint*)wu, us, ub, x, y, args, tgp,
                                                  tid, sg, g, gs_args.ldg);
 }

@@ -13,13 +13,19 @@ constant constexpr uint kGemmBK = 64;
 // across the memory banks and keep every row 16-byte aligned (gemm_tiles.h).
 constant constexpr uint kGemmLd = kGemmBK + 8;
 
-// simdgroup_matrix path (gemm.metal): 64 x 64 output blocks of 2 x 2 simdgroups; SwiGLU
-// 64 x 32 of gate and of up (4 x 1 simdgroups; two staged 64 x 64 fp32 blocks would exceed
-// 32 KiB). 4 simdgroups either way.
+// simdgroup_matrix path (gemm.metal): 64 x 64 output blocks of 2 x 2 simdgroups (kGemmSM,
+// kGemmSN); SwiGLU 64 x 32 of gate and of up (4 x 1: kGemmSwigluSM, kGemmSwigluSN; two staged
+// 64 x 64 fp32 blocks would exceed 32 KiB). 4 simdgroups either way: both give kGemmThreads.
 constant constexpr uint kGemmBM = 64;
 constant constexpr uint kGemmBN = 64;
 constant constexpr uint kGemmSwigluBN = 32;
-constant constexpr uint kGemmThreads = 128;
+constant constexpr uint kGemmSM = 2;
+constant constexpr uint kGemmSN = 2;
+constant constexpr uint kGemmSwigluSM = 4;
+constant constexpr uint kGemmSwigluSN = 1;
+constant constexpr uint kGemmThreads = 32 * kGemmSM * kGemmSN;
+static_assert(32 * kGemmSwigluSM * kGemmSwigluSN == kGemmThreads,
+              "the SwiGLU GEMM's simdgroups fill kGemmThreads");
 
 // Tensor-op path (gemm_tensor.metal): 128 x 64 blocks of 4 x 2 simdgroups, 32 x 32 each as in
 // MLX's qmm_t_nax (whose 64 x 64 blocks have 2 x 2): twice the rows per dequantized weight
@@ -47,7 +53,8 @@ constexpr uint gemm_smem_bytes(uint bm, uint bn, uint nb) {
 constexpr uint gemm_tensor_smem_bytes(uint bn, uint nb) { return nb * bn * kGemmLd * 2; }
 
 #define LILY_GEMM_CONSTANTS(C)                                                                  \
-  C(kGemmBK) C(kGemmLd) C(kGemmBM) C(kGemmBN) C(kGemmSwigluBN) C(kGemmThreads) C(kGemmTensorBM) \
-  C(kGemmTensorSM) C(kGemmTensorSN) C(kGemmTensorBN) C(kGemmTensorSwigluBN) C(kGemmTensorThreads)
+  C(kGemmBK) C(kGemmLd) C(kGemmBM) C(kGemmBN) C(kGemmSwigluBN) C(kGemmSM) C(kGemmSN) C(kGemmSwigluSM)   \
+  C(kGemmSwigluSN) C(kGemmThreads) C(kGemmTensorBM) C(kGemmTensorSM) C(kGemmTensorSN) C(kGemmTensorBN)   \
+  C(kGemmTensorSwigluBN) C(kGemmTensorThreads)
 
 #endif  // LILY_GEMM_ARGS_H

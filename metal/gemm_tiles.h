@@ -28,6 +28,9 @@ using namespace metal;
 #include "gemm_args.h"  // kGemmBK, kGemmLd and the blocks (shared with the host)
 #include "prefill_args.h"
 
+// A k step holds one quantization group: one scale and bias per weight row and step (GemmWItems).
+static_assert(kGemmBK == kQuantGroup, "a GEMM k step is one quantization group");
+
 // 4-element pieces per tile row.
 constant constexpr uint kGemmRow4 = kGemmBK / 4;
 // Codes dequantized by one loader work item (one row, 16 consecutive k: 8 bytes at 4 bits,

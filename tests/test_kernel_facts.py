@@ -138,13 +138,15 @@ def test_constants_have_one_home():
         assert not named, f"{name} (home {homes[0].relative_to(ROOT)}) copied in " + ", ".join(named)
     # The grouped expert GEMMs' geometry (prefill_args.h: kExpertTileRows, moe_gemm_sm/_sn/_bn/
     # _threads/_band): no second list of the tile heights anywhere, and no choice between
-    # geometry numbers (`h <= 32 ? 16 : 32`, `T == 128 ? 256 : ...`) where the host dispatches
-    # and models them; their threadgroup memory is the kernels' (gemm_args.h, prefill_args.h,
-    # mixer_args.h *_smem_bytes), not a formula of the cost table's (gdn_scan's still is).
+    # geometry numbers (`h <= 32 ? 16 : 32`, `T == 128 ? 256 : ...`, `return 128;`) where the
+    # host picks (prefill.cpp's moe_tile_rows), dispatches and models them; their threadgroup
+    # memory is the kernels' (gemm_args.h, prefill_args.h, mixer_args.h *_smem_bytes), not a
+    # formula of the cost table's (gdn_scan's still is).
     heights = [p for p, text in code.items() if re.search(r"\{\s*16u?,\s*32u?,\s*64u?,\s*128u?\s*\}", text)]
     assert heights == [ROOT / "metal/prefill_args.h"], heights
-    for rel in ("csrc/runtime/cost.cpp", "csrc/runtime/families/moe_prefill.cpp"):
-        pick = re.search(r"\?\s*(?:16|32|64|128|256)u?\s*:\s*(?:16|32|64|128|256)u?\b", code[ROOT / rel])
+    for rel in ("csrc/runtime/cost.cpp", "csrc/runtime/families/moe_prefill.cpp", "csrc/runtime/prefill.cpp"):
+        pick = re.search(r"\?\s*(?:16|32|64|128|256)u?\s*:\s*(?:16|32|64|128|256)u?\b"
+                         r"|\breturn\s+(?:16|32|64|128)u?\s*;", code[ROOT / rel])
         assert not pick, f"{rel}: {pick.group(0)} restates the geometry of metal/prefill_args.h"
     cost = code[ROOT / "csrc/runtime/cost.cpp"]
     for rhs in re.findall(r"threadgroup_memory = ([^;]*);", cost):

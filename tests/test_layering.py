@@ -1,14 +1,16 @@
 """The import graph keeps its rooms (docs/architecture.md): the engine, the server and the native
 backend never import the lab (lily.lab: doctor, bench, estimate, the kernel twins and the test
-support); the CLI imports a lab module only inside the command that runs it; the lab's own
-modules stay flat (estimate and bench read the published figures, not each other); and the host
-contract (lily.backend) depends on no device."""
+support), nor name a lab module in a string (which importlib, runpy, pkgutil or exec could
+load); the CLI imports a lab module only inside the command that runs it, and only
+lily/__main__.py imports the CLI; the lab's own modules stay flat (estimate and bench read the
+published figures, not each other); and the host contract (lily.backend) depends on no device."""
 
 from __future__ import annotations
 
 import ast
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -137,6 +139,49 @@ def test_only_the_cli_imports_the_lab_and_only_in_its_commands():
             assert lab and all(local for _, local in lab), f"cli.py imports the lab at import time: {lab}"
         else:
             assert not lab, f"src/lily/{rel} imports the lab: {sorted({m for m, _ in lab})}"
+
+
+# A string naming a lab or CLI module: absolute (lily.lab, lily.lab.doctor:x), relative (.lab,
+# ..cli) or the tail a computed name ends with ("lily." + "lab.doctor"; __import__'s level).
+NAMES_LAB = re.compile(r"\blily\.lab\b|(?<![\w.])\.+lab\b|^lab(\.|$)")
+NAMES_CLI = re.compile(r"\blily\.cli\b|(?<![\w.])\.+cli\b|^cli(\.|$)")
+
+
+def _strings(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, text) of each string constant in ``path``'s source that is not a docstring
+    (f-strings' literal parts included)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docs = {id(node.body[0].value) for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_engine_code_names_no_lab_module_in_a_string():
+    """``im = importlib.import_module; im("lily.lab.doctor")``, ``getattr(importlib,
+    "import_module")(...)``, ``pkgutil.resolve_name("lily.lab.doctor:x")``,
+    ``runpy.run_module(...)`` and ``exec("from lily.lab import doctor")`` load the lab without an
+    import statement: outside the lab and the CLI no string names it."""
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith("lab/") or rel == "cli.py":
+            continue
+        named = [f"{line}: {text!r}" for line, text in _strings(path) if NAMES_LAB.search(text)]
+        assert not named, f"src/lily/{rel} names a lab module in a string: {named}"
+
+
+def test_only_main_imports_the_cli():
+    """lily.cli imports the lab inside its commands, so a module importing it (by a statement,
+    importlib or a string) would reach the lab: only lily/__main__.py may."""
+    for path in SRC.rglob("*.py"):
+        rel = path.relative_to(SRC).as_posix()
+        if rel in ("__main__.py", "cli.py"):
+            continue
+        cli = sorted({m for m, _ in _imports(path) if m == "lily.cli" or m.startswith("lily.cli.")})
+        assert not cli, f"src/lily/{rel} imports the CLI: {cli}"
+        named = [f"{line}: {text!r}" for line, text in _strings(path) if NAMES_CLI.search(text)]
+        assert not named, f"src/lily/{rel} names the CLI module in a string: {named}"
 
 
 def test_the_lab_is_flat():

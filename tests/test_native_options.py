@@ -206,8 +206,10 @@ def test_kernel_table_lists_every_dispatched_kernel(demo_path):
     assert any(n.startswith("gdn_scan_") for n in table) and any(n.startswith("gdn_decode_step_") for n in table)
     assert all(any(n.endswith(f"_t{T}") for n in table) for T in (16, 32, 64))
     for b in (2, 4, 8):  # the batched step's kernels, at each width (the preflight encodes them)
-        for name in (f"norm_gemv_batch_q4_b{b}", f"norm_gemv_batch_q8_b{b}", f"gemv_batch_q4_b{b}_add",
-                     f"gemv_gated_batch_q4_b{b}_add", f"moe_route_gate_up_batch_q4_b{b}", f"moe_down_batch_q4_b{b}"):
+        kn = _core.kernel_name
+        for name in (kn("norm_gemv_batch", q=4, b=b), kn("norm_gemv_batch", q=8, b=b), kn("gemv_batch", "_add", q=4, b=b),
+                     kn("gemv_gated_batch", "_add", q=4, b=b), kn("moe_route_gate_up_batch", q=4, b=b),
+                     kn("moe_down_batch", q=4, b=b)):
             assert name in table, name
     for k in table.values():
         assert 0 < k["threads"] <= k["max_threads_per_threadgroup"] <= 1024, k

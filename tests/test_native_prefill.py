@@ -374,7 +374,8 @@ def test_full_size_expert_tiles(rows, T):
     for cl in range(tile_classes(T)):
         h, suffix = T >> cl, f" (class {cl})" if cl else ""
         gate_up, down = recs["experts gate|up" + suffix], recs["experts down" + suffix]
-        assert gate_up["kernel"].startswith(f"moe_gemm_gate_up_q4_t{h}") and down["kernel"].startswith(f"moe_gemm_down_q4_t{h}")
+        assert gate_up["kernel"].startswith(_core.kernel_name("moe_gemm_gate_up", q=4, t=h))
+        assert down["kernel"].startswith(_core.kernel_name("moe_gemm_down", q=4, t=h))
         tiles = class_capacity(n, 256, T, cl)
         assert tiles <= (n // T + 256 if cl == 0 else 256)
         assert int(np.prod(gate_up["groups"])) == tiles * (512 // MOE_BN[h])
@@ -405,7 +406,8 @@ def test_full_size_tensor_op_tiles(rows, T):
     for cl in range(tile_classes(T)):
         h, suffix = T >> cl, f" (class {cl})" if cl else ""
         gate_up, down = recs["experts gate|up" + suffix], recs["experts down" + suffix]
-        assert gate_up["kernel"] == f"moe_gemm_gate_up_q4_t{h}_tensor" and down["kernel"] == f"moe_gemm_down_q4_t{h}_tensor"
+        assert gate_up["kernel"] == _core.kernel_name("moe_gemm_gate_up", "_tensor", q=4, t=h)
+        assert down["kernel"] == _core.kernel_name("moe_gemm_down", "_tensor", q=4, t=h)
         tiles = class_capacity(n, 256, T, cl)
         threads, bn, down_bn = moe_geometry(h, True)
         assert (bn, down_bn, threads) == (32, 64, 256 if h == 128 else 64 if h == 16 else 128)

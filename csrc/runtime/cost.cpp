@@ -20,8 +20,8 @@ namespace {
 namespace args = lily::kernels;
 
 // Bytes per weight of an MLX affine-quantized matrix: the packed value plus a bf16 scale and
-// bias per group of 64.
-double quant_bytes(int bits) { return bits / 8.0 + 4.0 / 64; }
+// bias per group of kQuantGroup.
+double quant_bytes(int bits) { return bits / 8.0 + 4.0 / args::kQuantGroup; }
 constexpr double kDequantOps = 3;
 // The prefill GEMMs' weight tiles (gemm_tiles.h GemmWItems::put): codes turned into exact half
 // integers by the magic-number OR, two per 32-bit operation (per 8 4-bit codes one shift, 4

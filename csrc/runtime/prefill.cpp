@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 
 #include "runtime/encoder.h"
@@ -28,6 +29,10 @@ namespace {
 // Rows per active expert from which the tensor-op path takes 128-row expert tiles
 // (moe_tile_rows; chosen from lily estimate, docs/performance.md).
 constexpr double kTile128Rows = 64.0;
+// Rows per active expert from which each height of kExpertTileRows, in its order, is taken
+// (moe_tile_rows): the shortest always, then 24, 48 and kTile128Rows.
+constexpr double kExpertTileMinRows[] = {0.0, 24.0, 48.0, kTile128Rows};
+static_assert(std::size(kExpertTileMinRows) == std::size(args::kExpertTileRows), "one per tile height");
 // Expert routing (metal/moe_prefill.metal): rows per histogram block, block_rows * top_k
 // assignments <= kMoeRouteMaxBlockSlots (64 rows for top-8).
 uint32_t route_block_rows(uint32_t top_k) { return std::max(1u, 512u / top_k); }
@@ -187,8 +192,11 @@ uint32_t PrefillPlan::moe_tile_rows(const PrefillScratch& c, const Chunk& chunk,
     if (n) active = std::min<double>(n, double(assignments));
   }
   const double per_expert = assignments / std::max(1.0, active);
-  if (expert_tile_available(128) && per_expert >= kTile128Rows) return 128;
-  return per_expert >= 48.0 ? 64 : per_expert >= 24.0 ? 32 : 16;
+  for (size_t i = std::size(args::kExpertTileRows) - 1; i > 0; --i) {
+    const uint32_t T = args::kExpertTileRows[i];
+    if (expert_tile_available(T) && per_expert >= kExpertTileMinRows[i]) return T;
+  }
+  return args::kExpertTileRows[0];
 }
 
 // Index of tile height T in PrefillKernels' expert GEMMs (kExpertTileRows).

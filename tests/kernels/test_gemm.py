@@ -95,8 +95,8 @@ def test_gemm(dev, bits, m, n, k):
     wb = qbufs(dev, qt)
     X, Y = upload_bf16(dev, x), dev.buffer(4 * (m * n + 16))  # poisoned; 16 floats of pad
     cb = dev.command_buffer()
-    enc_gemm(cb.compute_pass(), f"gemm_q{bits}", wb, X, Y, m, n, k, k, n)
-    commit(cb, f"gemm_q{bits}")
+    enc_gemm(cb.compute_pass(), _core.kernel_name("gemm", q=bits), wb, X, Y, m, n, k, k, n)
+    commit(cb, _core.kernel_name("gemm", q=bits))
     out = download(Y, np.float32)
     exact, tol = gemm_ref(x, qt)
     check(out[:m * n].reshape(m, n), exact, tol, f"gemm_q{bits} {m}x{n}x{k}")

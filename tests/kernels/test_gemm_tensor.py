@@ -96,7 +96,7 @@ def test_suite_reaches_the_twins(dev):
                           E, H, I)
     cb.commit()
     cb.wait()
-    assert cb.dispatch_log[0]["kernel"] == f"moe_gemm_gate_up_q4_t{T}_tensor"
+    assert cb.dispatch_log[0]["kernel"] == _core.kernel_name("moe_gemm_gate_up", "_tensor", q=4, t=T)
 
 
 def test_suite_encodes_the_twins(dev):
@@ -155,7 +155,7 @@ def test_gemm_q_exact(fwd, bits, m, n, k):
     qt = rand_quant(rng, (), n, k, bits)
     x = beyond_half(rng, (m, k))
     ldy = n + 3
-    kernel = f"gemm_q{bits}"
+    kernel = _core.kernel_name("gemm", q=bits)
     y = run_dense(dev, kernel + "_tensor", [qt], x, n, k, ldy)
     np.testing.assert_array_equal(y[:, :n], seq_model(x, qt))
     assert np.isnan(y[:, n:]).all()  # nothing written past n
@@ -269,7 +269,7 @@ def test_tensor_twins_have_the_simdgroup_bindings():
     host += ["gemm_swiglu_q4", "gemm_q4_add_hs"]  # non-template kernels: registered under their own names
     host_t = [h for f in TENSOR_FILES for h in re.findall(r'host_name\("(\w+)"\)', (ROOT / "metal" / f).read_text())]
     # the 128-row expert tiles exist on the tensor-op path only
-    own = [f"moe_gemm_{kind}_q4_t128_tensor" for kind in ("gate_up", "down")]
+    own = [_core.kernel_name(f"moe_gemm_{kind}", "_tensor", q=4, t=128) for kind in ("gate_up", "down")]
     assert sorted([h + "_tensor" for h in host] + own) == sorted(host_t + ["gemm_swiglu_q4_tensor", "gemm_q4_add_hs_tensor"])
     assert not re.search(r"moe_gemm", (ROOT / "metal" / "gemm.metal").read_text().split("#include")[-1]), \
         "the grouped expert GEMMs live in the MoE prefill family (moe_prefill*.metal)"
@@ -278,7 +278,7 @@ def test_tensor_twins_have_the_simdgroup_bindings():
 def test_tensor_kernels_only_on_apple10(fwd):
     names = [h + "_tensor" for h in ("gemm_q4", "gemm_q8", "gemm_q4_add_h", "gemm_q4_add_hs", "gemm_q4_bf16",
                                      "gemm_swiglu_q4",
-                                     *(f"moe_gemm_{kind}_q4_t{T}" for kind in ("gate_up", "down")
+                                     *(_core.kernel_name(f"moe_gemm_{kind}", q=4, t=T) for kind in ("gate_up", "down")
                                        for T in MOE_TENSOR_TILES))]
     d9 = sim_device(gpu_family="apple9")
     for name in names:
@@ -356,8 +356,9 @@ def test_structure_mlx_tiles():
     (bk,) = _constants("metal/gemm_args.h", "kGemmBK")
     (tk,) = _constants("metal/gemm_tensor.h", "kGemmTensorK")
     assert bk == GEMM_BK == 64 and tk == 32
-    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN", "kGemmThreads") == \
-        [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TG]
+    assert _constants("metal/gemm_args.h", "kGemmBM", "kGemmBN", "kGemmSwigluBN") == [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN]
+    assert _constants("metal/gemm_args.h", "kGemmSM", "kGemmSN", "kGemmSwigluSM", "kGemmSwigluSN") == [2, 2, 4, 1]
+    assert 32 * 2 * 2 == 32 * 4 * 1 == GEMM_TG  # both simdgroup layouts fill kGemmThreads
     assert [GEMM_BM, GEMM_BN, GEMM_SWIGLU_BN, GEMM_TENSOR_BM, GEMM_TENSOR_TG] == [64, 64, 32, 128, 256]
     assert _constants("metal/gemm_args.h", "kGemmTensorBM", "kGemmTensorBN", "kGemmTensorSwigluBN",
                       "kGemmTensorSM", "kGemmTensorSN") == [GEMM_TENSOR_BM, GEMM_BN, GEMM_SWIGLU_BN, 4, 2]
@@ -365,7 +366,9 @@ def test_structure_mlx_tiles():
     dense = (ROOT / "metal" / "gemm_tensor.metal").read_text()
     assert len(re.findall(r"kGemmTensorBM, kGemmTensor(Swiglu)?BN, kGemmTensorSM, kGemmTensorSN>", dense)) == 3
     assert dense.count("max_total_threads_per_threadgroup(kGemmTensorThreads)") == 3  # test_kernel_facts: its value
-    assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, 2, 2>", (ROOT / "metal" / "gemm.metal").read_text())
+    simd = (ROOT / "metal" / "gemm.metal").read_text()
+    assert re.search(r"gemm_dense<BITS, 1, ADD, kGemmBM, kGemmBN, kGemmSM, kGemmSN>", simd)
+    assert len(re.findall(r"kGemmBM, kGemm(Swiglu)?BN, kGemm(Swiglu)?SM, kGemm(Swiglu)?SN>", simd)) == 3
     # the host and the lab read these from metal/gemm_args.h (kernel_args.h, lily._core.CONSTANTS)
     assert _core.CONSTANTS["kGemmLd"] == GEMM_BK + 8
 

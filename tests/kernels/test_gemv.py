@@ -30,7 +30,7 @@ from lily.lab.kernels.gemv import (  # noqa: E402
     enc_norm_gemv, gemv_args, gemv_gated_ratio, gemv_grid, norm_gemv_grid, rms_ref64,
 )
 from lily.lab.kernels.embed import EMBED_PER_THREAD, EMBED_THREADS  # noqa: E402
-from lily.lab.kernels.harness import DEPTH, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
+from lily.lab.kernels.harness import DEPTH, QUANT_GROUP, U, magnitude, rand_quant, to_bf16_bits, upload_q  # noqa: E402
 from harness import assert_same_arithmetic, assert_within, commit, forward_sim, run_bound, run_encoder  # noqa: E402
 from simdev import ORDERS, make_dev  # noqa: E402
 
@@ -60,8 +60,8 @@ def test_gemv(dev, bits, rows, cols):
     X = upload(dev, x)
     pad = 8
     Y = dev.buffer(4 * (rows + pad))  # poisoned (NaN); the pad must stay untouched
-    run_bound(dev, f"gemv_q{bits}", gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
-        reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=f"gemv_q{bits}")
+    run_bound(dev, _core.kernel_name("gemv", q=bits), gemv_grid(rows), TG, [W, S, B, X, Y], gemv_args(rows, cols),
+        reads=[W, S, B, X], writes=[(Y, 0, 4 * rows)], label=_core.kernel_name("gemv", q=bits))
     out = download(Y, np.float32)
     exact = qt.dequantize().astype(np.float64) @ x.astype(np.float64)
     mag = magnitude(qt) @ np.abs(x.astype(np.float64))
@@ -93,7 +93,7 @@ def test_gemv_add_residual(dev, bits, rows, cols):
 ])
 def test_gemv_gated(dev, bits, rows, Hv, Dv, splits, tg):
     rng = fresh_rng(rows * 31 + Hv * Dv + splits + bits)
-    assert gemv_gated_ratio(dev, rng, f"gemv_gated_q{bits}_add", rows, Hv, Dv, splits, tg) <= 1.0
+    assert gemv_gated_ratio(dev, rng, _core.kernel_name("gemv_gated", "_add", q=bits), rows, Hv, Dv, splits, tg) <= 1.0
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -128,7 +128,7 @@ def test_gemv_weight_offsets(dev):
     x = rng.standard_normal(cols).astype(np.float32)
     W, S, B = upload_q(dev, qt)
     X, Y = upload(dev, x), dev.buffer(4 * rows)
-    wb, sb = rows * cols // 2, rows * cols // 64 * 2
+    wb, sb = rows * cols // 2, rows * cols // QUANT_GROUP * 2
     cb = dev.command_buffer()
     cb.compute_pass().dispatch(
         "gemv_q4", gemv_grid(rows), TG, buffers=[(0, W, e * wb), (1, S, e * sb), (2, B, e * sb), (3, X), (4, Y)],

@@ -61,7 +61,7 @@ def run_route(dev, logits, k, x, gate: QuantizedTensor, norm=True, tg=None):
     L, X = upload(dev, logits.astype(np.float32)), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    tg = tg or min(1024, -(-E // 32) * 32)
+    tg = tg or _core.moe_route_threads(E)
     run_bound(dev, "moe_route", 1, tg, [L, X, GW, GS, GB, ids, wts], route_args(E, k, hidden, norm),
         reads=[L, X, GW, GS, GB], writes=[ids, wts], label="moe_route")
     return download(ids, np.uint32), download(wts, np.float32)
@@ -169,8 +169,12 @@ def test_moe_down(dev, moe_cache, E, hidden, inter, inter_shared, k):
 
 
 def encode_moe_block(dev, W, bufs, x, r0, k, norm_topk=True):
-    """The decode-step MoE block as a runtime encodes it: one concurrent pass, barriers
-    derived from the declared ranges. residual += moe(x). Returns (cb, R, ids, wts)."""
+    """The decode-step MoE block in its unfused reference form, which the runtime never runs
+    (it encodes the fused moe_route_gate_up_swiglu_q4 after norm_gemv_q8's router: docs/kernels.md
+    "Unfused reference kernels"): the router gemv_q8, moe_route, moe_gate_up_swiglu_q4 and
+    moe_down_q4 (the one the step runs, through its builder) in one concurrent pass, barriers
+    derived from the declared ranges.
+    residual += moe(x). Returns (cb, R, ids, wts)."""
     b = bufs
     X, R = upload(dev, x), upload(dev, r0)
     logits, ids, wts = dev.buffer(4 * W.E), dev.buffer(4 * k), dev.buffer(4 * (k + 1))
@@ -181,7 +185,7 @@ def encode_moe_block(dev, W, bufs, x, r0, k, norm_topk=True):
                                                        (3, X), (4, logits)],
                constants=[(5, pack_args("GemvArgs", rows=W.E, cols=W.hidden))], reads=[*b["router"], X], writes=[logits],
                threadgroups=True, label="router gemv_q8")
-    tg = min(1024, -(-W.E // 32) * 32)
+    tg = _core.moe_route_threads(W.E)
     p.dispatch("moe_route", 1, tg, buffers=[(0, logits), (1, X), *[(2 + i, t) for i, t in enumerate(b["shared_gate"])],
                                             (5, ids), (6, wts)],
                constants=[(7, route_args(W.E, k, W.hidden, norm_topk))],

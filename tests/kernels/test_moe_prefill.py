@@ -640,7 +640,7 @@ def test_moe_gate_up(dev, T, M, E, k, H, I, skew):
     HX = dev.buffer(2 * M * k * I)  # bfloat
     cb = dev.command_buffer()
     enc_gate_up(cb.compute_pass(), T, X, P, TL, TC, max_tiles, upload_q(dev, gq), upload_q(dev, uq), HX, M, k, E, H, I)
-    commit(cb, f"moe_gemm_gate_up_q4_t{T}")
+    commit(cb, _core.kernel_name("moe_gemm_gate_up", q=4, t=T))
     hx = download(HX, "bf16").reshape(M * k, I)
     covered = np.zeros(M * k, bool)
     for e, begin, rows, _ in tiles[:count]:
@@ -665,7 +665,7 @@ def test_moe_down(dev, T, M, E, k, H, I, skew):
     YX = dev.buffer(2 * M * k * H)  # bfloat
     cb = dev.command_buffer()
     enc_down(cb.compute_pass(), T, HX, P, TL, TC, max_tiles, upload_q(dev, dq), YX, M, k, E, H, I)
-    commit(cb, f"moe_gemm_down_q4_t{T}")
+    commit(cb, _core.kernel_name("moe_gemm_down", q=4, t=T))
     yx = download(YX, "bf16").reshape(M * k, H)
     written = np.zeros(M * k, bool)
     for e, begin, rows, _ in tiles[:count]:

@@ -136,7 +136,7 @@ def run_grouped(dev, kernel, T, ids, experts, a, qts, n, k, ldy):
 def run_exact(dev, kind, T, ids, experts, a, qts, n, k, ldy):
     """moe_gemm_{kind}_q4_t{T}_tensor's y (run_grouped), equal bit for bit to its simdgroup
     twin's (twin_of, on the twin's own tiling), nothing written past column n."""
-    kern = f"moe_gemm_{kind}_q4_t{T}"
+    kern = _core.kernel_name(f"moe_gemm_{kind}", q=4, t=T)
     y = run_grouped(dev, kern + "_tensor", T, ids, experts, a, qts, n, k, ldy)
     twin, Tt = twin_of(kern, T)
     np.testing.assert_array_equal(y, run_grouped(dev, twin, Tt, ids, experts, a, qts, n, k, ldy))

@@ -19,8 +19,8 @@ void encode_embed_rows(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std:
       .out(4, out, out_offset, size_t(rows) * cols * f)
       .args(5, args::EmbedArgs{cols, vocab})
       .run(pass);
-  // the rows it really reads: codes, and a bf16 scale and bias per 64 values
-  if (traffic) traffic->weight_bytes += uint64_t(rows) * (cols / 2 + 2 * (cols / 64) * 2);
+  // the rows it really reads: codes, and a bf16 scale and bias per kQuantGroup values
+  if (traffic) traffic->weight_bytes += uint64_t(rows) * (cols / 2 + 2 * (cols / args::kQuantGroup) * 2);
 }
 
 }  // namespace lily::runtime

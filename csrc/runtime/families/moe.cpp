@@ -13,8 +13,11 @@ namespace args = lily::kernels;
 
 namespace {
 
-// Bytes of a 4-bit [rows, cols] matrix: weights, then bf16 scales and biases per 64 columns.
-uint64_t q4_bytes(uint64_t rows, uint64_t cols) { return rows * cols / 2 + 2 * rows * (cols / 64) * 2; }
+// Bytes of a 4-bit [rows, cols] matrix: weights, then bf16 scales and biases per kQuantGroup
+// columns.
+uint64_t q4_bytes(uint64_t rows, uint64_t cols) {
+  return rows * cols / 2 + 2 * rows * (cols / args::kQuantGroup) * 2;
+}
 
 // Bytes one GEMV pass over the picked experts of `n` rows and the shared expert reads (the
 // declared ranges cover whole stacks): one row's k experts, or the union expected for several.

@@ -216,7 +216,7 @@ def _expert_tails(gate_up: bool, cls: int, T: int = 64) -> Callable:
             tl[class_base(n, E, T, c):class_base(n, E, T, c) + len(mp)] = mp
         TL, TC, P = upload(dev, tl), upload(dev, np.array([len(mp) for mp in maps], np.uint32)), upload(dev, perm)
         Tc, cap, where = T >> cls, class_capacity(n, E, T, cls), (cls, class_base(n, E, T, cls))
-        kernel = f"moe_gemm_{'gate_up' if gate_up else 'down'}_q4_t{Tc}"
+        kernel = _core.kernel_name(f"moe_gemm_{'gate_up' if gate_up else 'down'}", q=4, t=Tc)
         if gate_up:
             X = upload_bf16(dev, rng.standard_normal((M, H)))
             gb = list(upload_q(dev, rand_quant(rng, (E,), I, H, 4)))
@@ -281,7 +281,7 @@ def cases() -> list[Case]:
             Case("experts down, 64-row simdgroup tiles", "moe_gemm_down_q4_t64", _experts("moe_gemm_down_q4_t64", 64, False)),
             # the simdgroup path's tail classes as the chunk dispatches them (classes 1, 2 of a 64-row tiling)
             *[Case(f"experts {'gate/up' if up else 'down'}, {64 >> c}-row simdgroup tail tiles (class {c})",
-                   f"moe_gemm_{'gate_up' if up else 'down'}_q4_t{64 >> c}", _expert_tails(up, c))
+                   _core.kernel_name(f"moe_gemm_{'gate_up' if up else 'down'}", q=4, t=64 >> c), _expert_tails(up, c))
               for up in (True, False) for c in (1, 2)],
             Case("experts gate/up, 128-row tensor tiles", "moe_gemm_gate_up_q4_t128_tensor",
                  _experts("moe_gemm_gate_up_q4_t128_tensor", 128, True)),

@@ -2,7 +2,8 @@
 of its dispatch, by kernel family as ``metal/`` and ``tests/kernels/`` are split.
 
 * :mod:`~lily.lab.kernels.harness`: one dispatch, random quantized tensors, operand rounding
-  models, argument packing, error ratios and :func:`~lily.lab.kernels.harness.check`;
+  models, error ratios and :func:`~lily.lab.kernels.harness.check` (argument structs are
+  packed by :func:`lily.lab.device.pack_args`);
 * one module per family: :mod:`~lily.lab.kernels.gemv`, :mod:`~lily.lab.kernels.gemm`,
   :mod:`~lily.lab.kernels.embed`, :mod:`~lily.lab.kernels.norm`, :mod:`~lily.lab.kernels.moe`,
   :mod:`~lily.lab.kernels.moe_prefill`, :mod:`~lily.lab.kernels.gdn`,

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from lily import _core
 from lily.checkpoint import QuantizedTensor, bf16_to_f32, f32_to_bf16
 from lily.lab.device import upload
 from lily.reference import ReferenceModel
 
 U = 2.0**-24          # fp32 unit roundoff
+QUANT_GROUP = _core.CONSTANTS["kQuantGroup"]  # values per scale and bias (metal/decode_args.h)
 DEPTH = 64            # accumulation depth bound of the GEMV-like kernels (tests/kernels/test_moe.py)
 HALF_MAX = float(np.finfo(np.float16).max)  # 65504: the tests' inputs reach beyond it (nothing is clipped)
 to_bf16_bits = bf16_bits = f32_to_bf16  # float32 -> bf16 bit patterns (lily.checkpoint); the tests' names
@@ -29,21 +31,21 @@ def rand_quant(rng, lead, rows, cols, bits, name="w") -> QuantizedTensor:
     (weights ~ +-0.03) and biases (about -scale * 2**(bits-1), so w is centred)."""
     shape = (*lead, rows)
     words = rng.integers(0, 2**32, size=(*shape, cols * bits // 32), dtype=np.uint64).astype(np.uint32)
-    g = (*shape, cols // 64)
+    g = (*shape, cols // QUANT_GROUP)
     s = (rng.random(g, dtype=np.float32) * 0.004 + 0.0005)
     b = -s * (2 ** (bits - 1) - 0.5) + rng.standard_normal(g, dtype=np.float32) * 0.002
-    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, 64)
+    return QuantizedTensor(name, words, to_bf16_bits(s), to_bf16_bits(b), bits, QUANT_GROUP)
 
 
 def _codes(qt: QuantizedTensor, index=None):
-    """(q, s, b) as float64: codes [*, rows, groups, 64], scales and biases [*, rows, groups, 1]."""
+    """(q, s, b) as float64: codes [*, rows, groups, group_size], scales and biases [*, rows, groups, 1]."""
     w, s, b = qt.weight, qt.scales, qt.biases
     if index is not None:
         w, s, b = w[index], s[index], b[index]
     per = 32 // qt.bits
     q = (w[..., None] >> (np.arange(per, dtype=np.uint32) * qt.bits)) & np.uint32((1 << qt.bits) - 1)
     q = q.reshape(*w.shape[:-1], -1).astype(np.float64)
-    qg = q.reshape(*q.shape[:-1], -1, 64)
+    qg = q.reshape(*q.shape[:-1], -1, qt.group_size)
     return qg, bf16_to_f32(s).astype(np.float64)[..., None], bf16_to_f32(b).astype(np.float64)[..., None]
 
 

@@ -14,7 +14,7 @@ from lily.lab.kernels.gemm import swiglu_bound
 from lily._core import kernel_name, kernel_params
 from lily.lab.kernels.gemv import BATCH_SIZES, TG, same_bits
 from lily.lab.kernels.harness import (
-    DEPTH, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
+    DEPTH, QUANT_GROUP, TOY, U, Mismatch, check, magnitude, model, rand_quant, ratio, run_bound, upload_q,
 )
 from lily.reference import sigmoid, softmax
 
@@ -115,7 +115,7 @@ def enc_gate_up(p, W, bufs, X, ids_buf, H, k, ids=None):
     if ids is None:
         reads += [*b["gate"], *b["up"]]
     else:
-        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // 64 * 2
+        wb, sb = W.inter * W.hidden // 2, W.inter * W.hidden // QUANT_GROUP * 2
         for e in ids:
             for (w, s, bb) in (b["gate"], b["up"]):
                 reads += [(w, int(e) * wb, wb), (s, int(e) * sb, sb), (bb, int(e) * sb, sb)]
@@ -257,7 +257,7 @@ def _moe_batch(dev, rng, kernel, size=TOY):
 
 @check("moe_route")
 def _moe_route(dev, rng, kernel, size=TOY):
-    """Model size: 256 experts, top 8, the hidden 2048 (one threadgroup of round_up(E, 32))."""
+    """Model size: 256 experts, top 8, the hidden 2048 (one threadgroup of _core.moe_route_threads(E))."""
     c = size.model and model()
     E, k, hidden = size.pick((32, 8, 128), (c and c.num_experts, c and c.num_experts_per_tok, c and c.hidden_size))
     logits = (rng.standard_normal(E) * 2).astype(np.float32)
@@ -266,7 +266,7 @@ def _moe_route(dev, rng, kernel, size=TOY):
     L, X = upload(dev, logits), upload(dev, x)
     GW, GS, GB = upload_q(dev, gate)
     ids, wts = dev.buffer(4 * k), dev.buffer(4 * (k + 1))
-    run_bound(dev, kernel, 1, -(-E // 32) * 32 if size.model else 32, [L, X, GW, GS, GB, ids, wts],
+    run_bound(dev, kernel, 1, _core.moe_route_threads(E), [L, X, GW, GS, GB, ids, wts],
               route_args(E, k, hidden),
          reads=[L, X, GW, GS, GB], writes=[ids, wts])
     top, w = route_ref(logits, k)

@@ -217,7 +217,7 @@ def enc_moe_gemm_gate_up(p, T, X, P, TL, TC, max_tiles, gb, ub, HX, M, k, E, H, 
     entry) to read one class map of moe_route_scatter's buffers (tile_rows: the tiling's T;
     tag: the disjoint write tag shared by the classes of one projection)."""
     lda, ldy = lda or H, ldy or I
-    kernel = kernel or f"moe_gemm_gate_up_q4_t{T}"
+    kernel = kernel or _core.kernel_name("moe_gemm_gate_up", q=4, t=T)
     tiles_at, count_at = _map(cls)
     _core.encode_moe_gemm(p, kernel, (tuple(gb), tuple(ub)), X, P, TL, TC, HX,
                           moe_args(I, H, M, k, E, lda, ldy, tile_rows or T), max_tiles, tiles_at=tiles_at,
@@ -228,7 +228,7 @@ def enc_moe_gemm_down(p, T, HX, P, TL, TC, max_tiles, db, YX, M, k, E, H, I, lda
                       cls=None, tile_rows=None, tag=0):
     """moe_gemm_down_q4_t{T}: YX bfloat [M*k, ldy]; cls, tile_rows, tag as enc_moe_gemm_gate_up."""
     lda, ldy = lda or I, ldy or H
-    kernel = kernel or f"moe_gemm_down_q4_t{T}"
+    kernel = kernel or _core.kernel_name("moe_gemm_down", q=4, t=T)
     tiles_at, count_at = _map(cls)
     _core.encode_moe_gemm(p, kernel, (tuple(db),), HX, P, TL, TC, YX, moe_args(H, I, M, k, E, lda, ldy, tile_rows or T),
                           max_tiles, tiles_at=tiles_at, count_at=count_at, disjoint=tag)
@@ -350,7 +350,8 @@ def _expert_shape(kernel, size):
                             size.rows, True))
 
 
-@check(*[f"moe_gemm_gate_up_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_gate_up_q4_t128_tensor")
+@check(*[_core.kernel_name("moe_gemm_gate_up", s, q=4, t=T) for T in MOE_TENSOR_TILES for s in ("", "_tensor")
+         if s or T in MOE_TILES])
 def _moe_gemm_gate_up(dev, rng, kernel, size=TOY):
     T, E, k, H, I, M, skew = _expert_shape(kernel, size)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)
@@ -372,7 +373,8 @@ def _moe_gemm_gate_up(dev, rng, kernel, size=TOY):
     return r
 
 
-@check(*[f"moe_gemm_down_q4_t{T}{s}" for T in MOE_TILES for s in ("", "_tensor")], "moe_gemm_down_q4_t128_tensor")
+@check(*[_core.kernel_name("moe_gemm_down", s, q=4, t=T) for T in MOE_TENSOR_TILES for s in ("", "_tensor")
+         if s or T in MOE_TILES])
 def _moe_gemm_down(dev, rng, kernel, size=TOY):
     T, E, k, H, I, M, skew = _expert_shape(kernel, size)
     _ids, perm, tiles = make_routing(rng, M, E, k, T, skew)

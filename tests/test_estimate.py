@@ -449,7 +449,7 @@ def test_routed_expert_tiles_count_each_class(rows, T, pad):
     recs = [r for r in count_prefill_chunk(CFG, rows, 0, gemm_path="tensor")["records"]
             if r["label"].startswith("L0 experts gate|up")]
     heights = [T >> c for c in range(len(recs))]
-    assert [r["kernel"] for r in recs] == [f"moe_gemm_gate_up_q4_t{h}_tensor" for h in heights]
+    assert [r["kernel"] for r in recs] == [_core.kernel_name("moe_gemm_gate_up", "_tensor", q=4, t=h) for h in heights]
     assert heights[-1] == (128 if T == 128 else 16) and len({r["stage"] for r in recs}) == 1
     assert all(r["threads"] == ((256 if T == 128 else 64 if h == 16 else 128), 1, 1) for r, h in zip(recs, heights))
     computed = sum(r["work"]["flops"]["tensor_bf16"] for r in recs) / (2 * 2 * I * H)
