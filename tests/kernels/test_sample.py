@@ -108,6 +108,9 @@ def test_sample_token_temperature0_is_penalised_argmax(dev):
     V = 3000
     logits, prompt, generated = _penalty_case(V, 0)
     top = np.argsort(-logits)[:6]
+    # leaders within 0.3 of the 4th (positive) logit, so the penalties must change the argmax
+    # whatever the fresh draw (an outlier leader could otherwise stay ahead penalised)
+    logits[top[:3]] = logits[top[3]] + f32([0.3, 0.2, 0.1])
     generated = np.concatenate([generated, top[:3], top[:3]])   # penalise the leaders
     params = SamplingParams(temperature=0.0, **PENALTIES)
     toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, [1], [5])
