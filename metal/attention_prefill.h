@@ -58,18 +58,22 @@ static inline bool kv_range(constant AttnPrefillArgs& args, uint last, uint spli
 }
 
 // One row's online-softmax update over its scores s[0 .. N) of a tile (masked ones -inf),
-// the row spread over LANES consecutive lanes (xor-shuffle reductions): moves the reference
-// max m by the lazy rule, writes P = exp(s - m) rounded to PT (the P V operand type: bfloat),
-// updates l with the sum of the rounded P, returns the factor O must be multiplied by (1:
-// unchanged).
-template <uint N, uint LANES, typename PT>
-static inline float softmax_row(thread const float* s, thread float& m, thread float& l, threadgroup PT* p) {
+// the row spread over the lanes that differ from this one in the bits of LANE_BITS only
+// (xor-shuffle reductions, lowest bit first: 1 for two adjacent lanes, 3 for four, 9 for the
+// tensor ops' 16 x 16 fragments: attention_prefill_tensor.metal): moves the reference max m by
+// the lazy rule, writes P = exp(s - m) rounded to PT (the P V operand type: bfloat) to p
+// (threadgroup or thread memory), updates l with the sum of the rounded P, returns the factor
+// O must be multiplied by (1: unchanged).
+template <uint N, ushort LANE_BITS, typename PT, typename PPtr>
+static inline float softmax_row(thread const float* s, thread float& m, thread float& l, PPtr p) {
   float mx = -INFINITY;
   for (uint j = 0; j < N; ++j) {
     mx = max(mx, s[j]);
   }
-  for (ushort x = 1; x < LANES; x *= 2) {
-    mx = max(mx, simd_shuffle_xor(mx, x));
+  for (ushort x = 1; x < 32; x *= 2) {
+    if (LANE_BITS & x) {
+      mx = max(mx, simd_shuffle_xor(mx, x));
+    }
   }
   float corr = 1.0f;
   if (mx > m + kRescale) {  // also the first tile with an attended key (m = -inf)
@@ -83,8 +87,10 @@ static inline float softmax_row(thread const float* s, thread float& m, thread f
     p[j] = pj;
     ps += float(pj);
   }
-  for (ushort x = 1; x < LANES; x *= 2) {
-    ps += simd_shuffle_xor(ps, x);
+  for (ushort x = 1; x < 32; x *= 2) {
+    if (LANE_BITS & x) {
+      ps += simd_shuffle_xor(ps, x);
+    }
   }
   l = l * corr + ps;
   return corr;

@@ -177,7 +177,7 @@ static inline void attend(device const float* q, device const bfloat* qg,
         const float x = sc[SgScratch::s + sr * kTile + 8 * su + j];
         s[j] = (key <= spos && key < kend) ? x : -INFINITY;
       }
-      corr = softmax_row<8, 4>(s, m, l, ph + sr * kTile + 8 * su);
+      corr = softmax_row<8, 3, bfloat>(s, m, l, ph + sr * kTile + 8 * su);
       if (su == 0) {
         sc[SgScratch::d + sr * 9] = corr;
       }

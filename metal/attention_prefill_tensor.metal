@@ -52,6 +52,7 @@ static_assert(2 * kSlabs == kThreads / 32, "two simdgroups (the head dim's halve
 static_assert(kTile == 32, "the softmax's lanes: 2 per pair, 16 columns each");
 // Per-slab values (floats): corr [kSlab], then 1 / l (or l) [kSlab], m [kSlab], the rescale flag
 constant constexpr uint kSlabValues = kAttnPrefillSlabValues;
+static_assert(kThreads / 32 <= kSlabs * kSlabValues, "attend_tensor: a verdict per simdgroup in rowv");
 
 // V rows [t0, t0 + kTile) of one KV head, columns [c0, c0 + kCols), into a P V product's
 // cooperative right input {d, key}; rows >= kend zero (0 * v stays finite whatever the cache
@@ -67,7 +68,44 @@ static inline void load_v(thread VIn& v, device const bfloat* vhead, uint t0, ui
   }
 }
 
-template <uint D, uint G, bool SPLIT>
+// The fragment layout of Apple's execution_simdgroup tensor operations, which MLX's NAX
+// kernels rely on (steel/attn/nax.h, measured on M5): a 16 x 32 tile (the scores, P as the
+// P V product's left input, each O block) is two 16 x 16 fragments, slots 8 f .. 8 f + 7 of a
+// lane fragment f's; element i of a fragment at row fm + 8 (i / 4), column 16 f + fn + i % 4.
+// The rows a lane holds (fm, fm + 8) are shared by the lanes differing in bits 0 and 3 only.
+constant constexpr ushort kNaxSlots = kSlab * kTile / 32;  // 16 per lane
+constant constexpr ushort kNaxRowLanes = 9;                // softmax_row's LANE_BITS
+static inline ushort nax_row(ushort lane, ushort slot) {
+  return (((lane >> 2) & 4) | ((lane >> 1) & 3)) + 8 * ((slot % 8) / 4);
+}
+static inline ushort nax_col(ushort lane, ushort slot) {
+  return 16 * (slot / 8) + (((lane >> 2) & 2) | (lane & 1)) * 4 + slot % 4;
+}
+// True when cooperative tensor t (a 16 x 32 tile, {column, row} indices) holds exactly the
+// fragment layout above in this lane.
+template <class T>
+static inline bool nax_layout(thread const T& t, ushort lane) {
+  bool ok = t.get_capacity() >= kNaxSlots;
+  for (uint16_t i = 0; i < t.get_capacity(); ++i) {
+    if (i >= kNaxSlots) {
+      ok = ok && !t.is_valid_element(i);
+    } else if (!t.is_valid_element(i)) {
+      ok = false;
+    } else {
+      const auto at = t.get_multidimensional_index(i);
+      ok = ok && uint(at[0]) == nax_col(lane, i) && uint(at[1]) == nax_row(lane, i);
+    }
+  }
+  return ok;
+}
+
+// pick<C, A, B>::type: A if C, else B
+template <bool C, class A, class B> struct pick { using type = B; };
+template <class A, class B> struct pick<true, A, B> { using type = A; };
+
+// One threadgroup's attention. NAX: the scores and P stay in registers (the fragment layout
+// holds: attend_tensor checks it), else they pass through the slab's threadgroup buffers.
+template <uint D, uint G, bool SPLIT, bool NAX>
 static inline void attend(device bfloat* qb, device const bfloat* qg, device const bfloat* k_cache,
                           device const bfloat* v_cache, device bfloat* out, device float* part_ml,
                           device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
@@ -121,7 +159,8 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     }
   }
   using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
-  using ODest = decltype(pv.template get_destination_cooperative_tensor<PTile, VIn, float>());
+  using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
+  using ODest = decltype(pv.template get_destination_cooperative_tensor<typename pick<NAX, PIn, PTile>::type, VIn, float>());
   ODest o[NJ];
   VIn vb[2];  // V's slices, double-buffered: the next one's loads in flight during a product
   for (uint j = 0; j < NJ; ++j) {
@@ -132,15 +171,22 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     }
   }
   PTile tP(p_sl, extents<int32_t, kTile, kSlab>());
+  PIn pin;
 
-  // softmax role (the lower half): pair sr of the slab, columns 16 su .. 16 su + 15
+  // softmax role of the threadgroup-memory path (the lower half): pair sr of the slab,
+  // columns 16 su .. 16 su + 15; of the register path (both halves): rows nax_row(lane, 0)
+  // and nax_row(lane, 4) of the slab, 8 columns each
   const uint sr = lane / 2;
   const uint su = lane % 2;
-  const uint pr = first + sr;
-  const bool live = pr < pairs;               // uniform per group of 2 lanes
-  const uint spos = args.p0 + row0 + pr / G;  // keys <= spos are attended
-  float m = -INFINITY;
-  float l = 0.0f;
+  uint spos[2];  // keys <= spos are attended
+  bool live[2];
+  float m[2] = {-INFINITY, -INFINITY};
+  float l[2] = {0.0f, 0.0f};
+  for (uint r = 0; r < 2; ++r) {
+    const uint pr = first + (NAX ? nax_row(lane, 4 * r) : sr);
+    live[r] = pr < pairs;
+    spos[r] = args.p0 + row0 + pr / G;
+  }
   device const bfloat* khead = k_cache + ulong(kvh) * args.capacity * D;
   device const bfloat* vhead = v_cache + ulong(kvh) * args.capacity * D;
   const array<int, 2> kstride{1, int(D)};
@@ -153,45 +199,84 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
                dextents<int32_t, 2>(DH, min(kTile, kend - t0)), kstride);
     auto s = qk.template get_destination_cooperative_tensor<decltype(q), DevRows, float>();
     qk.run(q, tK, s);
-    if (dhalf == 1) {  // the upper half's partial scores to the slab's buffer
-      for (uint16_t i = 0; i < s.get_capacity(); ++i) {
-        if (s.is_valid_element(i)) {
-          const auto at = s.get_multidimensional_index(i);  // {key, pair}
-          s_sl[uint(at[1]) * kTile + uint(at[0])] = s[i];
+    bool moved;
+    float corr[2] = {1.0f, 1.0f};
+    if (NAX) {
+      // S = S_0 + S_1 through the slab's buffer, slot-major (both halves hold the same
+      // elements in the same slots): the upper half's partial in, the lower half adds its own
+      // and writes the sum back, the upper half reads it; then both run the same softmax on
+      // the same scores, so P and the correction agree bit for bit without an exchange
+      threadgroup float* sx = s_sl + lane;
+      if (dhalf == 1) {
+        for (ushort i = 0; i < kNaxSlots; ++i) {
+          sx[32 * i] = s[i];
         }
       }
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the upper halves' partials complete
-    if (dhalf == 0) {
-      for (uint16_t i = 0; i < s.get_capacity(); ++i) {
-        if (s.is_valid_element(i)) {
-          const auto at = s.get_multidimensional_index(i);
-          const uint e = uint(at[1]) * kTile + uint(at[0]);
-          s_sl[e] = s[i] + s_sl[e];  // S_0 + S_1
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the upper halves' partials complete
+      if (dhalf == 0) {
+        for (ushort i = 0; i < kNaxSlots; ++i) {
+          s[i] = s[i] + sx[32 * i];  // S_0 + S_1
+          sx[32 * i] = s[i];
         }
       }
-      simdgroup_barrier(mem_flags::mem_threadgroup);  // the slab's scores visible to its lanes
-      float sv[16];
-      for (uint j = 0; j < 16; ++j) {
-        const uint key = t0 + 16 * su + j;
-        const float x = s_sl[sr * kTile + 16 * su + j];
-        sv[j] = (live && key <= spos && key < kend) ? x : -INFINITY;  // a select: no NaN enters
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the sums complete
+      float sv[2][8];
+      for (ushort i = 0; i < kNaxSlots; ++i) {
+        const uint r = (i % 8) / 4;
+        const uint key = t0 + nax_col(lane, i);
+        const float x = dhalf == 1 ? sx[32 * i] : s[i];
+        sv[r][4 * (i / 8) + i % 4] = (live[r] && key <= spos[r] && key < kend) ? x : -INFINITY;
       }
-      const float corr = softmax_row<16, 2>(sv, m, l, p_sl + sr * kTile + 16 * su);
-      const bool moved = simd_any(corr != 1.0f);
-      if (su == 0) {
-        v_sl[sr] = corr;
+      bfloat pv_[2][8];
+      for (uint r = 0; r < 2; ++r) {
+        corr[r] = softmax_row<8, kNaxRowLanes, bfloat>(sv[r], m[r], l[r], (thread bfloat*)pv_[r]);
       }
-      if (lane == 0) {
-        v_sl[3 * kSlab] = moved ? 1.0f : 0.0f;
+      for (ushort i = 0; i < kNaxSlots; ++i) {
+        pin[i] = pv_[(i % 8) / 4][4 * (i / 8) + i % 4];
       }
+      moved = simd_any(corr[0] != 1.0f || corr[1] != 1.0f);
+    } else {
+      if (dhalf == 1) {  // the upper half's partial scores to the slab's buffer
+        for (uint16_t i = 0; i < s.get_capacity(); ++i) {
+          if (s.is_valid_element(i)) {
+            const auto at = s.get_multidimensional_index(i);  // {key, pair}
+            s_sl[uint(at[1]) * kTile + uint(at[0])] = s[i];
+          }
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // the upper halves' partials complete
+      if (dhalf == 0) {
+        for (uint16_t i = 0; i < s.get_capacity(); ++i) {
+          if (s.is_valid_element(i)) {
+            const auto at = s.get_multidimensional_index(i);
+            const uint e = uint(at[1]) * kTile + uint(at[0]);
+            s_sl[e] = s[i] + s_sl[e];  // S_0 + S_1
+          }
+        }
+        simdgroup_barrier(mem_flags::mem_threadgroup);  // the slab's scores visible to its lanes
+        float sv[16];
+        for (uint j = 0; j < 16; ++j) {
+          const uint key = t0 + 16 * su + j;
+          const float x = s_sl[sr * kTile + 16 * su + j];
+          sv[j] = (live[0] && key <= spos[0] && key < kend) ? x : -INFINITY;  // a select: no NaN enters
+        }
+        const float c = softmax_row<16, 1, bfloat>(sv, m[0], l[0], p_sl + sr * kTile + 16 * su);
+        const bool any = simd_any(c != 1.0f);
+        if (su == 0) {
+          v_sl[sr] = c;
+        }
+        if (lane == 0) {
+          v_sl[3 * kSlab] = any ? 1.0f : 0.0f;
+        }
+      }
+      threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr and the flag complete
+      moved = v_sl[3 * kSlab] != 0.0f;
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // P, corr and the flag complete
-    if (v_sl[3 * kSlab] != 0.0f) {  // uniform per slab; rare after the first tiles (lazy rescaling)
+    if (moved) {  // uniform per slab; rare after the first tiles (lazy rescaling)
       for (uint j = 0; j < NJ; ++j) {
         for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
           if (o[j].is_valid_element(i)) {
-            o[j][i] *= v_sl[o[j].get_multidimensional_index(i)[1]];
+            o[j][i] *= NAX ? corr[(i % 8) / 4] : v_sl[o[j].get_multidimensional_index(i)[1]];
           }
         }
       }
@@ -200,15 +285,26 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       if (j + 1 < NJ) {
         load_v<D>(vb[(j + 1) % 2], vhead, t0, kend, dhalf * DH + (j + 1) * kCols);
       }
-      pv.run(tP, vb[j % 2], o[j]);
+      if constexpr (NAX) {
+        pv.run(pin, vb[j % 2], o[j]);
+      } else {
+        pv.run(tP, vb[j % 2], o[j]);
+      }
     }
   }
 
-  if (dhalf == 0 && su == 0) {
-    v_sl[kSlab + sr] = SPLIT ? l : 1.0f / l;
-    v_sl[2 * kSlab + sr] = m;
+  // per row: 1 / l (or l on the split path) and m; registers on the register path
+  float rl[2];
+  for (uint r = 0; r < 2; ++r) {
+    rl[r] = SPLIT ? l[r] : 1.0f / l[r];
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (!NAX) {
+    if (dhalf == 0 && su == 0) {
+      v_sl[kSlab + sr] = rl[0];
+      v_sl[2 * kSlab + sr] = m[0];
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
   // each thread writes its own elements of O (no staging)
   for (uint j = 0; j < NJ; ++j) {
     for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
@@ -223,21 +319,63 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       const uint row = row0 + r / G;
       const uint h = h0 + r % G;
       const uint d = dhalf * DH + j * kCols + uint(at[0]);
+      const float lr = NAX ? rl[(i % 8) / 4] : v_sl[kSlab + uint(at[1])];
       if (SPLIT) {
         const ulong slot = (ulong(split) * M + row) * Hq + h;
         part_o[slot * D + d] = o[j][i];
         if (d == 0) {
-          part_ml[2 * slot] = v_sl[2 * kSlab + uint(at[1])];
-          part_ml[2 * slot + 1] = v_sl[kSlab + uint(at[1])];
+          part_ml[2 * slot] = NAX ? m[(i % 8) / 4] : v_sl[2 * kSlab + uint(at[1])];
+          part_ml[2 * slot + 1] = lr;
         }
       } else {
         const float gate = float(qg[(ulong(row) * Hq + h) * 2 * D + D + d]);
-        out[(ulong(row) * Hq + h) * D + d] = bfloat(o[j][i] * v_sl[kSlab + uint(at[1])] * sigmoid(gate));
+        out[(ulong(row) * Hq + h) * D + d] = bfloat(o[j][i] * lr * sigmoid(gate));
       }
     }
   }
 }
 
+// attend on the register path where every simdgroup of the threadgroup finds the fragment
+// layout in its scores, P and O tensors (one barrier to agree), else on the threadgroup-memory
+// path: the same results within the row sums' rounding (docs/prefill.md, "Attention").
+template <uint D, uint G, bool SPLIT>
+static inline void attend_tensor(device bfloat* qb, device const bfloat* qg, device const bfloat* k_cache,
+                                 device const bfloat* v_cache, device bfloat* out, device float* part_ml,
+                                 device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
+                                 uint split, threadgroup float* ss, threadgroup bfloat* ps, threadgroup float* rowv,
+                                 uint sg, uint lane) {
+  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  constexpr auto qk_desc =
+      matmul2d_descriptor(kSlab, kTile, D / 2, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
+                                               matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  matmul2d<pv_desc, execution_simdgroup> pv;
+  using QIn = decltype(qk.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
+  using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
+  using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
+  auto s = qk.template get_destination_cooperative_tensor<QIn, DevRows, float>();
+  PIn p;
+  auto o = pv.template get_destination_cooperative_tensor<PIn, VIn, float>();
+  const bool ok = simd_all(nax_layout(s, lane) && nax_layout(p, lane) && nax_layout(o, lane));
+  // the simdgroups' verdicts in rowv's first floats: attend writes rowv only after a
+  // barrier all of these reads precede
+  if (lane == 0) {
+    rowv[sg] = ok ? 1.0f : 0.0f;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  bool nax = true;
+  for (uint i = 0; i < kThreads / 32; ++i) {
+    nax = nax && rowv[i] != 0.0f;
+  }
+  if (nax) {
+    attend<D, G, SPLIT, true>(qb, qg, k_cache, v_cache, out, part_ml, part_o, args, block, y, split, ss, ps, rowv,
+                              sg, lane);
+  } else {
+    attend<D, G, SPLIT, false>(qb, qg, k_cache, v_cache, out, part_ml, part_o, args, block, y, split, ss, ps, rowv,
+                               sg, lane);
+  }
+}
 }  // namespace attn_prefill_tensor_detail
 
 // ---- attn_prefill_tensor: as attn_prefill (attention_prefill.metal)
@@ -261,7 +399,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks) {
     return;
   }
-  attend<D, G, false>(qb, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y, 0, ss, ps,
+  attend_tensor<D, G, false>(qb, qg, k_cache, v_cache, out, nullptr, nullptr, args, nblocks - 1 - tg.x, tg.y, 0, ss, ps,
                       rowv, sg, lane);
 }
 
@@ -286,7 +424,7 @@ template <uint D, uint G>
   if (tg.x >= nblocks || tg.z >= args.num_splits) {
     return;
   }
-  attend<D, G, true>(qb, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
+  attend_tensor<D, G, true>(qb, nullptr, k_cache, v_cache, nullptr, part_ml, part_o, args, nblocks - 1 - tg.x, tg.y,
                      tg.z, ss, ps, rowv, sg, lane);
 }
 
