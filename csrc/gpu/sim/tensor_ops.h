@@ -120,7 +120,8 @@ constexpr int input_i1(const Matmul& op, Role r, int threads, int t, int slot) {
 // f = fk * R/16 + fn), as MLX numbers them. Slot s of lane t holds element s % 8 of fragment
 // s / 8, at row 16 fr + fm + (s % 8) / 4 * 8 and column 16 fc + fn + s % 4, with
 // fm = bits {4, 2, 1} of t and fn = 4 * bits {3, 0} of t. Slots from R * C / 32 on are
-// invalid. Returns false when the nax layout does not apply (another scope or shape).
+// invalid. Returns false when the nax layout does not apply: another scope, or a shape the
+// subset never forms (MetalPerformancePrimitives.h requires m, n multiples of 16, k of 32).
 struct SlotIndex {
   bool valid = false;
   int i0 = 0, i1 = 0;  // along extent 0 (column) and extent 1 (row)
