@@ -321,6 +321,47 @@ kernel void st_tensor_coop_left_tg(device const float* a [[buffer(0)]],
   }
 }
 
+// ---- where the elements of cooperative tensors lie --------------------------------------
+// The threads of one scope (Scope: execution_simdgroup, 32 threads, or
+// execution_simdgroups<2>, 64) dump, for every thread t and slot of the destination
+// (16 x 32), left input (16 x 32, k = 32) and right input (32 x 32) of a
+// matmul2d_descriptor(16, 32, 32, TRANS_L, TRANS_R), {valid, index along extent 0, along
+// extent 1}, or {-1, -1, -1} past get_capacity(): out[((role * T + t) * 64 + slot) * 3],
+// role 0 destination, 1 left, 2 right. tests/sim/test_sim_tensor.py compares them with
+// the layouts of tensor_ops.h (the simulator's and the M5's fragment layout).
+template <typename CT>
+inline void st_dump_slots(thread const CT& ct, device int* out) {
+  for (uint16_t i = 0; i < 64; ++i) {
+    if (i >= ct.get_capacity()) {
+      out[i * 3] = out[i * 3 + 1] = out[i * 3 + 2] = -1;
+      continue;
+    }
+    const auto at = ct.get_multidimensional_index(i);
+    out[i * 3] = int(ct.is_valid_element(i));
+    out[i * 3 + 1] = int(at[0]);
+    out[i * 3 + 2] = int(at[1]);
+  }
+}
+
+template <typename Scope, int T, bool TRANS_L, bool TRANS_R>
+kernel void st_tensor_layout(device int* out [[buffer(0)]],
+                             uint tid [[thread_index_in_threadgroup]]) {
+  constexpr auto desc = matmul2d_descriptor(16, 32, 32, TRANS_L, TRANS_R, false,
+                                            matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<desc, Scope> op;
+  auto ca = op.template get_left_input_cooperative_tensor<float, float, float>();
+  auto cb = op.template get_right_input_cooperative_tensor<float, float, float>();
+  auto cd = op.template get_destination_cooperative_tensor<decltype(ca), decltype(cb), float>();
+  st_dump_slots(cd, out + (0 * T + tid) * 64 * 3);
+  st_dump_slots(ca, out + (1 * T + tid) * 64 * 3);
+  st_dump_slots(cb, out + (2 * T + tid) * 64 * 3);
+}
+template [[host_name("st_tensor_layout_sg_nn")]] [[kernel]] decltype(st_tensor_layout<execution_simdgroup, 32, false, false>) st_tensor_layout<execution_simdgroup, 32, false, false>;
+template [[host_name("st_tensor_layout_sg_nt")]] [[kernel]] decltype(st_tensor_layout<execution_simdgroup, 32, false, true>) st_tensor_layout<execution_simdgroup, 32, false, true>;
+template [[host_name("st_tensor_layout_sg_tn")]] [[kernel]] decltype(st_tensor_layout<execution_simdgroup, 32, true, false>) st_tensor_layout<execution_simdgroup, 32, true, false>;
+template [[host_name("st_tensor_layout_sg_tt")]] [[kernel]] decltype(st_tensor_layout<execution_simdgroup, 32, true, true>) st_tensor_layout<execution_simdgroup, 32, true, true>;
+template [[host_name("st_tensor_layout_sg2_nn")]] [[kernel]] decltype(st_tensor_layout<execution_simdgroups<2>, 64, false, false>) st_tensor_layout<execution_simdgroups<2>, 64, false, false>;
+
 // ---- misuse the simulator must report (the tests expect each dispatch to fail) ---------
 // mode 0: the threads stage a 32 x 32 tile and call run() without a threadgroup_barrier
 // (a race: the operation may read the tile before other simdgroups wrote it); mode 1: with

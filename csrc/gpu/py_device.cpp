@@ -339,7 +339,7 @@ void bind_device(nb::module_& m) {
         [](bool record_only, const std::string& order, const std::string& thread_order, uint64_t seed, bool poison,
            bool verify_writes, bool verify_reads, const std::string& gpu_family, uint64_t working_set_bytes,
            uint64_t max_buffer_bytes, uint32_t pipeline_thread_limit, bool bfloat_tensor_ops,
-           nb::handle threads, const std::map<std::string, std::string>& faults) {
+           nb::handle threads, const std::map<std::string, std::string>& faults, const std::string& tensor_layout) {
           sim::SimOptions o;
           if (!threads.is_none()) {  // an int (not a bool) in 1..kMaxSimThreads
             const long most = sim::kMaxSimThreads;
@@ -361,6 +361,7 @@ void bind_device(nb::module_& m) {
           }
           o.faults = faults;
           o.bfloat_tensor_ops = bfloat_tensor_ops;
+          o.tensor_layout = tensor_layout;
           o.pipeline_thread_limit = pipeline_thread_limit;
           o.working_set_bytes = working_set_bytes;
           o.max_buffer_bytes = max_buffer_bytes;
@@ -384,11 +385,16 @@ void bind_device(nb::module_& m) {
         "verify_writes"_a = false, "verify_reads"_a = false, "gpu_family"_a = "apple9", "working_set_bytes"_a = 0,
         "max_buffer_bytes"_a = 0, "pipeline_thread_limit"_a = 0, "bfloat_tensor_ops"_a = true,
         "threads"_a.none() = nb::none(),
-        "faults"_a = std::map<std::string, std::string>{},
+        "faults"_a = std::map<std::string, std::string>{}, "tensor_layout"_a = "sim",
         "The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.\n"
         "gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4\n"
         "tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out\n"
         "those with bfloat operands (the prefill attention's), as a tensor library without them.\n"
+        "tensor_layout: where cooperative-tensor elements lie: 'sim' (default), an adversarial layout\n"
+        "that catches kernels assuming one; 'nax', the M5's 16 x 16 fragment layout of\n"
+        "execution_simdgroup tiles with extents multiples of 16, which MLX's NAX kernels assume\n"
+        "(other scopes and shapes keep 'sim'); accepted with every gpu_family, used by apple10's\n"
+        "tensor-op kernels only. Another value is a ValueError.\n"
         "working_set_bytes / max_buffer_bytes: the memory budget it reports (Device.memory_limits;\n"
         "0 = none), as a Mac's GPU does.\n"
         "pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as\n"

@@ -53,6 +53,15 @@ def fwd():
     return sim_device(gpu_family="apple10")
 
 
+@pytest.fixture(scope="module", params=[*ORDERS, "nax"])
+def any_layout(request):
+    """As ``dev``, plus a forward device with the M5's fragment layout (tensor_layout="nax"):
+    for the kernels whose cooperative tensors are on execution_simdgroup, where it applies."""
+    if request.param == "nax":
+        return sim_device(gpu_family="apple10", tensor_layout="nax", **THREAD_ORDERS["forward"])
+    return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])
+
+
 # ------------------------------------------------------------------------------ helpers
 
 def bf16(x):
@@ -251,9 +260,10 @@ def test_mm_staged(dev, variant):
     np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(a, w.T) + bias)
 
 
-def test_mm_simdgroup(dev):
+def test_mm_simdgroup(any_layout):
     """execution_simdgroup: one 16 x 32 tile per simdgroup on strided device operands, the
     product scaled in registers and stored with cooperative_tensor::store (edges skipped)."""
+    dev = any_layout
     M, N, K, lda = 50, 40, 37, 41
     rng = fresh_rng(3)
     a = rng.standard_normal((M, lda)).astype(np.float32)
@@ -298,11 +308,12 @@ def _as(x, kind):
 
 
 @pytest.mark.parametrize("variant", ["f32_f32_nn", "f32_f32_tt", "bf16_bf16_nt", "f16_f16_tn", "f32_bf16_nt"])
-def test_coop_inputs(dev, variant):
+def test_coop_inputs(any_layout, variant):
     """Both operands in cooperative input tensors filled from device memory through
     get_multidimensional_index (transposed or not), K in steps of k = 32 on
     execution_simdgroup, zeros past the edges; the conversion to the element type happens
     as each slot is written."""
+    dev = any_layout
     tl, tr, _ = variant.split("_")
     M, N, K, lda = 37, 45, 70, 73
     rng = fresh_rng(8, len(variant), ord(variant[-2]), ord(variant[-1]))
@@ -340,6 +351,87 @@ def test_coop_left_input_with_a_threadgroup_right_operand(dev):
     run(dev, "st_tensor_coop_left_tg", (1, cdiv(M, 64)), 128, [(0, A), (1, W), (2, C)], [(3, args(M, N, K, lda))],
         [A, W], [C])
     np.testing.assert_array_equal(download(C, np.float32, (M, N)), mm_model(bf16(a[:, :K]), bf16(w).T))
+
+
+# ------------------------------------------------------------------------------ layouts
+
+def sim_layout(role, ext0, ext1, T, t, slot):
+    """tensor_ops.h's adversarial layout: (i0, i1) of a valid slot, else None."""
+    e = slot * T + (t if role == 0 else T - 1 - t)  # inputs: the threads in reverse
+    if e >= ext0 * ext1:
+        return None
+    return e // ext1, e % ext1
+
+
+def nax_layout(rows, cols, t, slot, k_major):
+    """The M5's fragment layout (the spec in tensor_ops.h, written out independently):
+    (column, row) of a valid slot, else None."""
+    if slot >= rows * cols // 32:
+        return None
+    frag, e = divmod(slot, 8)
+    if k_major:  # a transposed right input: fragments numbered along k (its columns) first
+        fc, fr = divmod(frag, rows // 16)
+    else:
+        fr, fc = divmod(frag, cols // 16)
+    fm = (4 if t & 16 else 0) + (2 if t & 4 else 0) + (1 if t & 2 else 0)
+    fn = 4 * ((2 if t & 8 else 0) + (1 if t & 1 else 0))
+    return 16 * fc + fn + e % 4, 16 * fr + fm + (e // 4) * 8
+
+
+def dump_layout(dev, kernel, T):
+    out = dev.buffer(3 * T * 64 * 3 * 4)
+    run(dev, kernel, (1, 1), T, [(0, out)], [], [], [out])
+    return download(out, np.int32, (3, T, 64, 3))
+
+
+@pytest.mark.parametrize("tensor_layout", ["sim", "nax"])
+@pytest.mark.parametrize("trans", ["nn", "nt", "tn", "tt"])
+def test_cooperative_tensor_layouts(tensor_layout, trans):
+    """Every slot of every lane of an execution_simdgroup destination (16 x 32), left input
+    (16 x 32, k = 32) and right input (32 x 32), transposed or not, reports exactly the
+    coordinates of the device's layout, and get_capacity() does not depend on it (one
+    invalid slot beyond R * C / 32 in both). nax: rows = extent 1, columns = extent 0; the
+    right input's fragments k-major also when transposed (MLX's numbering)."""
+    dev = sim_device(gpu_family="apple10", tensor_layout=tensor_layout)
+    got = dump_layout(dev, f"st_tensor_layout_sg_{trans}", 32)
+    tl, tr = trans[0] == "t", trans[1] == "t"
+    m, n, k = 16, 32, 32
+    exts = [(n, m), (m, k) if tl else (k, m), (k, n) if tr else (n, k)]  # (extent 0, extent 1) per role
+    for role, (e0, e1) in enumerate(exts):
+        cap = e0 * e1 // 32 + 1
+        for t in range(32):
+            for slot in range(64):
+                want = (sim_layout(role, e0, e1, 32, t, slot) if tensor_layout == "sim"
+                        else nax_layout(e1, e0, t, slot, role == 2 and tr))
+                row = got[role, t, slot].tolist()
+                if slot >= cap:
+                    assert row == [-1, -1, -1], (role, t, slot)
+                else:
+                    assert row == ([1, *want] if want else [0, 0, 0]), (role, t, slot, row, want)
+    if tensor_layout == "nax":
+        # spot values straight from the hardware's description: lane 0 holds (0, 0) and
+        # (0, 8); lane 1 column 4; lane 2 row 1; lane 8 column 8; lane 16 row 4
+        d = got[0]
+        assert d[0, 0].tolist() == [1, 0, 0] and d[0, 4].tolist() == [1, 0, 8]
+        assert d[1, 0, 1:].tolist() == [4, 0] and d[2, 0, 1:].tolist() == [0, 1]
+        assert d[8, 0, 1:].tolist() == [8, 0] and d[16, 0, 1:].tolist() == [0, 4]
+        assert d[0, 8, 1:].tolist() == [16, 0]  # fragment 1: the next 16 columns
+
+
+def test_nax_layout_only_on_execution_simdgroup():
+    """tensor_layout="nax" leaves execution_simdgroups<N> on the simulator's layout."""
+    T = 64
+    got = [dump_layout(sim_device(gpu_family="apple10", tensor_layout=lay), "st_tensor_layout_sg2_nn", T)
+           for lay in ("sim", "nax")]
+    np.testing.assert_array_equal(got[0], got[1])
+    assert got[0][0, 5, 0].tolist() == [1, *sim_layout(0, 32, 16, T, 5, 0)]
+
+
+def test_tensor_layout_is_validated():
+    assert sim_device().gpu_family == "apple9"  # the default layout: "sim" (the tests above)
+    with pytest.raises(ValueError, match=r"tensor_layout must be 'sim' or 'nax', not 'mlx'"):
+        sim_device(gpu_family="apple10", tensor_layout="mlx")
+    sim_device(tensor_layout="nax")  # accepted on any family; only apple10 runs tensor ops
 
 
 # ------------------------------------------------------------------------------ misuse

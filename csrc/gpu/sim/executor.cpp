@@ -425,10 +425,9 @@ void run_threadgroup(Worker& w, const ExecDispatch& d, U3 tgpos, std::mt19937_64
 }  // namespace
 
 // ------------------------------------------------------------------ runtime API
-const KernelInfo& running_kernel() {
-  Worker& w = worker();
-  return *w.d->kernel;
-}
+const KernelInfo& running_kernel() { return *running_dispatch().kernel; }
+
+const ExecDispatch& running_dispatch() { return *worker().d; }
 
 const ThreadCoords& coords() {
   Worker& w = worker();

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpu/sim/kernel_registry.h"
+#include "gpu/sim/tensor_ops.h"
 
 namespace lily::sim {
 
@@ -71,10 +72,14 @@ struct ExecDispatch {
   // orders.
   int thread_order = 0;
   uint64_t seed = 0;
+  // Where the elements of cooperative tensors lie (SimOptions::tensor_layout).
+  tensor_ops::Layout tensor_layout = tensor_ops::Layout::sim;
 };
 
 // The kernel of the running dispatch (valid only while a kernel runs on the executor).
 const KernelInfo& running_kernel();
+// The running dispatch (same validity).
+const ExecDispatch& running_dispatch();
 
 // Runs dispatches on a pool of OS threads: the calling thread and threads - 1 helpers
 // (started by the first run() with more than one threadgroup), each running whole

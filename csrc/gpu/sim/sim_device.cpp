@@ -289,6 +289,8 @@ class SimDevice : public gpu::Device {
   explicit SimDevice(const SimOptions& o) : opt_(o), rng_(o.seed) {
     if (o.gpu_family < 7 || o.gpu_family > 10)
       throw UsageError("sim_device: gpu_family must be apple7..apple10, not " + std::to_string(o.gpu_family));
+    if (o.tensor_layout != "sim" && o.tensor_layout != "nax")
+      throw UsageError("sim_device: tensor_layout must be 'sim' or 'nax', not '" + o.tensor_layout + "'");
     if (o.threads > kMaxSimThreads)
       throw UsageError("sim_device: threads must be 1.." + std::to_string(kMaxSimThreads) + ", not " +
                        std::to_string(o.threads));
@@ -647,6 +649,7 @@ ExecDispatch SimDevice::exec_dispatch(Recorded& r) {
   d.poison = opt_.poison;
   d.thread_order = static_cast<int>(opt_.thread_order);
   d.seed = rng_();
+  d.tensor_layout = opt_.tensor_layout == "nax" ? tensor_ops::Layout::nax : tensor_ops::Layout::sim;
   for (uint32_t i = 0; i < kMaxBindings; ++i) {
     auto& b = r.bufs[i];
     d.threadgroup_memory[i] = r.tg_mem[i];

@@ -45,6 +45,12 @@ struct SimOptions {
   // bfloat operands (the operand table of MacOSX 26.0's MPPTensorOpsMatMul2d.h): the GEMMs'
   // tensor kernels stay, the bfloat ones (the prefill attention's) are a UsageError.
   bool bfloat_tensor_ops = true;
+  // Where the elements of Metal 4 cooperative tensors lie (tensor_ops.h): "sim", an
+  // adversarial layout that catches kernels assuming one, or "nax", the M5's fragment layout
+  // for execution_simdgroup tiles with extents multiples of 16 (the one MLX's NAX kernels
+  // assume; other scopes and shapes keep "sim"). Anything else is a UsageError. Accepted with
+  // every gpu_family; only apple10 runs tensor-op kernels.
+  std::string tensor_layout = "sim";
   // The memory budget the device reports (gpu::Device::memory_limits; 0 = none), to test the
   // runtime's load-time memory check without a Mac. A new_buffer larger than max_buffer_bytes
   // fails, as on Metal.

@@ -220,21 +220,22 @@ void snapshot(Instance& in) {
 
 // One cooperative input's valid slots of thread t into its tile (a [m][K] or b [n][K]):
 // element (i0, i1) is (outer, kk) when `outer_first`, else (kk, outer).
-void scatter(const Matmul& op, Role role, int T, int t, const float* coop, bool outer_first, int K,
+void scatter(const Matmul& op, Role role, Scope s, int t, const float* coop, bool outer_first, int K,
              std::vector<float>& tile) {
-  for (int i = 0; i < input_capacity(op, role, T); ++i) {
-    if (!input_valid(op, role, T, t, i)) continue;
-    const int i0 = input_i0(op, role, T, t, i), i1 = input_i1(op, role, T, t, i);
-    const int outer = outer_first ? i0 : i1, kk = outer_first ? i1 : i0;
+  const Layout l = current_layout();
+  for (int i = 0; i < input_capacity(op, role, scope_threads(s)); ++i) {
+    const SlotIndex x = slot_index(l, op, role, s, t, i);
+    if (!x.valid) continue;
+    const int outer = outer_first ? x.i0 : x.i1, kk = outer_first ? x.i1 : x.i0;
     tile[size_t(outer) * K + kk] = coop[i];
   }
 }
 
 // An arriving thread's part of the cooperative inputs: its valid slots into the tiles.
-void contribute(Instance& in, const Operand& left, const Operand& right, int T, int t) {
+void contribute(Instance& in, const Operand& left, const Operand& right, Scope s, int t) {
   const Matmul& op = in.op;
-  if (left.coop) scatter(op, Role::left, T, t, left.coop, op.transpose_left, in.K, in.a);
-  if (right.coop) scatter(op, Role::right, T, t, right.coop, !op.transpose_right, in.K, in.b);
+  if (left.coop) scatter(op, Role::left, s, t, left.coop, op.transpose_left, in.K, in.a);
+  if (right.coop) scatter(op, Role::right, s, t, right.coop, !op.transpose_right, in.K, in.b);
 }
 
 // At the last arrival: the operands must still hold what the first arrival read.
@@ -321,6 +322,8 @@ void release(const InstKey& key) {
 
 void fail(const char* message) { kernel_fail(message); }
 
+Layout current_layout() { return running_dispatch().tensor_layout; }
+
 int scope_index(Scope s) {
   const ThreadCoords& c = coords();
   uint32_t n = c.threads_per_threadgroup.x * c.threads_per_threadgroup.y * c.threads_per_threadgroup.z;
@@ -377,7 +380,7 @@ void run(const Matmul& op, Scope s, const Operand& left, const Operand& right, c
     in.right_coop = sig.b_coop;
     snapshot(in);
   }
-  contribute(in, left, right, T, t);
+  contribute(in, left, right, s, t);
   if (in.arrivals == in.expected) {
     if (in.expected > 1) verify(in);
     if (dst) {
@@ -406,10 +409,11 @@ void run(const Matmul& op, Scope s, const Operand& left, const Operand& right, c
   Instance& done = state().inst.at(key);
   check_complete(done);
   if (coop) {
-    int cap = coop_capacity(op.m, op.n, T);
-    for (int i = 0; i < cap; ++i) {
-      if (!coop_valid(op.m, op.n, T, t, i)) continue;
-      int r = coop_row(op.m, T, t, i), c = coop_col(op.m, T, t, i);
+    const Layout l = current_layout();
+    for (int i = 0; i < coop_capacity(op.m, op.n, T); ++i) {
+      const SlotIndex x = slot_index(l, op, Role::destination, s, t, i);
+      if (!x.valid) continue;
+      const int r = x.i1, c = x.i0;
       coop[i] = r < done.m_eff && c < done.n_eff ? dot(done, r, c, op.accumulate ? coop[i] : 0.0f) : poison();
     }
   }
@@ -433,10 +437,10 @@ void coop_transfer(const Matmul& op, Scope s, Signature::Kind kind, const View& 
   arrive(s, sig, &first, &key);
   rendezvous(s, what);
   check_complete(state().inst.at(key));
-  int cap = coop_capacity(op.m, op.n, T);
-  for (int i = 0; i < cap; ++i) {
-    if (!coop_valid(op.m, op.n, T, t, i)) continue;
-    move(i, coop_row(op.m, T, t, i), coop_col(op.m, T, t, i));
+  const Layout l = current_layout();
+  for (int i = 0; i < coop_capacity(op.m, op.n, T); ++i) {
+    const SlotIndex x = slot_index(l, op, Role::destination, s, t, i);
+    if (x.valid) move(i, x.i1, x.i0);
   }
   release(key);
 }

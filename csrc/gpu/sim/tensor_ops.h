@@ -54,11 +54,23 @@ struct Matmul {
   bool transpose_left = false, transpose_right = false, accumulate = false;
 };
 
-// Layout of a destination cooperative tensor in the simulator (implementation-defined in
-// Metal: kernels must use get_capacity / is_valid_element / get_multidimensional_index).
-// Slot i of the thread with index t in the scope holds element e = i * T + t of the
-// m x n tile, row e % m and column e / m; it is valid when e < m * n. There is always at
-// least one invalid slot per thread, so a kernel that ignores is_valid_element is caught.
+// The element-to-thread layouts of cooperative tensors (implementation-defined in Metal:
+// kernels must use get_capacity / is_valid_element / get_multidimensional_index). A
+// simulator device uses one of two (SimOptions::tensor_layout), chosen per dispatch:
+//   * sim (the default): an adversarial layout, below, that no kernel assuming a layout
+//     can meet by chance;
+//   * nax: the fragment layout of Apple's M5 hardware for execution_simdgroup operations
+//     (the one MLX's NAX kernels assume), for tiles whose two extents are multiples of 16;
+//     every other scope or shape keeps the sim layout (nax_slot).
+// The capacity of a cooperative tensor is a compile-time constant, the same in both.
+enum class Layout : uint8_t { sim, nax };
+// The layout of the device running the calling kernel (valid only inside a dispatch).
+Layout current_layout();
+
+// The sim layout of a destination: slot i of the thread with index t in the scope holds
+// element e = i * T + t of the m x n tile, row e % m and column e / m; it is valid when
+// e < m * n. There is always at least one invalid slot per thread, so a kernel that ignores
+// is_valid_element is caught.
 constexpr int coop_capacity(int m, int n, int threads) { return (m * n + threads - 1) / threads + 1; }
 constexpr bool coop_valid(int m, int n, int threads, int t, int slot) {
   return slot >= 0 && int64_t(slot) * threads + t < int64_t(m) * n;
@@ -66,21 +78,25 @@ constexpr bool coop_valid(int m, int n, int threads, int t, int slot) {
 constexpr int coop_row(int m, int threads, int t, int slot) { return int((int64_t(slot) * threads + t) % m); }
 constexpr int coop_col(int m, int threads, int t, int slot) { return int((int64_t(slot) * threads + t) / m); }
 
-// Layout of a cooperative *input* tensor (get_left_input_cooperative_tensor /
-// get_right_input_cooperative_tensor; implementation-defined in Metal like the destination's,
-// and not the destination's). The operand is seen as the tile its tensor_inline form would
-// have: the left one (K, m) extents, with transpose_left (m, K); the right one (n, K), with
-// transpose_right (K, n); get_multidimensional_index gives {index along extent 0, along
+// The sim layout of a cooperative *input* tensor (get_left_input_cooperative_tensor /
+// get_right_input_cooperative_tensor; not the destination's). The operand is seen as the
+// tile its tensor_inline form would have: the left one (K, m) extents, with transpose_left
+// (m, K); the right one (n, K), with transpose_right (K, n) (input_ext0 / input_ext1; of a
+// destination, (n, m)); get_multidimensional_index gives {index along extent 0, along
 // extent 1}. Slot i of the thread with index t in a T-thread scope holds element
 // e = i * T + (T - 1 - t) (the threads in reverse, so that a kernel assuming the slots of an
 // input and of a destination hold the same elements is caught), at
 // (e / ext1, e % ext1); valid when e < ext0 * ext1, with one invalid slot more, as above.
 enum class Role : uint8_t { destination, left, right };
 constexpr int input_ext0(const Matmul& op, Role r) {
-  return r == Role::left ? (op.transpose_left ? op.m : op.k) : (op.transpose_right ? op.k : op.n);
+  return r == Role::destination ? op.n
+         : r == Role::left      ? (op.transpose_left ? op.m : op.k)
+                                : (op.transpose_right ? op.k : op.n);
 }
 constexpr int input_ext1(const Matmul& op, Role r) {
-  return r == Role::left ? (op.transpose_left ? op.k : op.m) : (op.transpose_right ? op.n : op.k);
+  return r == Role::destination ? op.m
+         : r == Role::left      ? (op.transpose_left ? op.k : op.m)
+                                : (op.transpose_right ? op.n : op.k);
 }
 constexpr int input_capacity(const Matmul& op, Role r, int threads) {
   return (input_ext0(op, r) * input_ext1(op, r) + threads - 1) / threads + 1;
@@ -96,6 +112,43 @@ constexpr int input_i0(const Matmul& op, Role r, int threads, int t, int slot) {
 }
 constexpr int input_i1(const Matmul& op, Role r, int threads, int t, int slot) {
   return int(input_element(threads, t, slot) % input_ext1(op, r));
+}
+
+// The nax layout: the tile (R = ext1 rows, C = ext0 columns) is cut into 16 x 16
+// fragments, numbered row-major (f = fr * C/16 + fc), except for the right input, whose
+// fragments are numbered k-major in both orientations (transposed, rows = n:
+// f = fk * R/16 + fn), as MLX numbers them. Slot s of lane t holds element s % 8 of fragment
+// s / 8, at row 16 fr + fm + (s % 8) / 4 * 8 and column 16 fc + fn + s % 4, with
+// fm = bits {4, 2, 1} of t and fn = 4 * bits {3, 0} of t. Slots from R * C / 32 on are
+// invalid. Returns false when the nax layout does not apply: another scope, or a shape the
+// subset never forms (MetalPerformancePrimitives.h requires m, n multiples of 16, k of 32).
+struct SlotIndex {
+  bool valid = false;
+  int i0 = 0, i1 = 0;  // along extent 0 (column) and extent 1 (row)
+};
+constexpr bool nax_slot(const Matmul& op, Role r, Scope s, int t, int slot, SlotIndex* out) {
+  const int C = input_ext0(op, r), R = input_ext1(op, r);
+  if (s.kind != ScopeKind::simdgroup || C <= 0 || R <= 0 || C % 16 != 0 || R % 16 != 0) return false;
+  *out = SlotIndex{};
+  if (slot < 0 || int64_t(slot) >= int64_t(R) * C / 32) return true;
+  const int f = slot / 8, e = slot % 8;
+  const bool k_major = r == Role::right && op.transpose_right;
+  const int fr = k_major ? f % (R / 16) : f / (C / 16), fc = k_major ? f / (R / 16) : f % (C / 16);
+  const int fm = ((t >> 2) & 4) | ((t >> 1) & 3), fn = (((t >> 2) & 2) | (t & 1)) * 4;
+  *out = SlotIndex{true, 16 * fc + fn + e % 4, 16 * fr + fm + (e / 4) * 8};
+  return true;
+}
+
+// Slot `slot` of the thread with index t in scope s, in layout l, for the tensor of role r.
+constexpr SlotIndex slot_index(Layout l, const Matmul& op, Role r, Scope s, int t, int slot) {
+  SlotIndex x;
+  if (l == Layout::nax && nax_slot(op, r, s, t, slot, &x)) return x;
+  const int T = scope_threads(s);
+  if (r == Role::destination)
+    return coop_valid(op.m, op.n, T, t, slot) ? SlotIndex{true, coop_col(op.m, T, t, slot), coop_row(op.m, T, t, slot)}
+                                              : SlotIndex{};
+  return input_valid(op, r, T, t, slot) ? SlotIndex{true, input_i0(op, r, T, t, slot), input_i1(op, r, T, t, slot)}
+                                        : SlotIndex{};
 }
 
 // An operand of matmul2d::run: a tensor (view) or the calling thread's slots of a
