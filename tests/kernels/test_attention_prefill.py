@@ -408,10 +408,19 @@ def test_real_size_chunk(fwd_dev):
 
 # ------------------------------------------------------------------------------ tensor-op path
 
-@pytest.fixture(scope="module", params=ORDERS)
+#: Cooperative-tensor layouts of the simulator: "sim", an adversarial one (the tensor kernels
+#: keep scores and P in threadgroup memory), and "nax", the fragment layout of M5's tensor ops
+#: (scores and P in registers: attend_tensor's check holds; docs/prefill.md, "Attention").
+LAYOUTS = ("sim", "nax")
+
+
+@pytest.fixture(scope="module", params=[(o, lay) for lay in LAYOUTS for o in ORDERS],
+                ids=lambda p: "-".join(p))
 def tdev(request):
-    """The simulator as an apple10 GPU (M5: the *_tensor kernels exist) in each mode of ORDERS."""
-    return sim_device(gpu_family="apple10", **THREAD_ORDERS[request.param])
+    """The simulator as an apple10 GPU (M5: the *_tensor kernels exist) in each mode of ORDERS
+    (the hazard checker on), with each cooperative-tensor layout of LAYOUTS."""
+    order, layout = request.param
+    return sim_device(gpu_family="apple10", tensor_layout=layout, **THREAD_ORDERS[order])
 
 
 @pytest.mark.parametrize("dims,G,p0,M,split", [
