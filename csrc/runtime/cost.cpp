@@ -630,24 +630,27 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     // Q K^T and P V: 2 D flops each per score, fp32 accumulation, bfloat operands on both paths
     add(w, tensor ? Path::tensor_bf16 : Path::sgmm_bf16, 4.0 * D * scores);
     // online softmax per score (mask, max, subtract, exp, operand rounding, sum: 8); the
-    // tensor path adds the two halves' partial scores (1 more). K and V are taken as cached
+    // tensor path adds the two halves' partial scores (1 more) and, on its register path
+    // (the GPU's fragment layout: attend_tensor), runs the softmax in both halves (8 more;
+    // counted whichever path runs, the fallback's 9 being fewer). K and V are taken as cached
     // (the tensor path: V straight into registers, the simdgroup path a plain copy of each
     // tile) and the tensor path's q as its prep wrote it; the simdgroup path scales and
     // rounds Q per threadgroup. The rare diag(corr) O rescale (a row's max grew by > 8) is not
     // counted. Plain kernel: the gated output stored as bfloat (the conversion; the split
     // partials stay fp32).
     add(w, Path::alu_f32,
-        (tensor ? 9.0 : 8.0) * scores + (tensor ? 0.0 : groups * rows * D) +
+        (tensor ? 17.0 : 8.0) * scores + (tensor ? 0.0 : groups * rows * D) +
             (a.num_splits == 0 ? kBf16ConvOps * double(M) * a.num_q_heads * D : 0.0));
     w.bytes = declared(r);
     // as the kernels declare it (prefill_args.h)
     w.threadgroup_memory = tensor ? args::attn_prefill_tensor_smem_bytes() : args::attn_prefill_smem_bytes(D);
     // per KV tile: the tensor path issues the first V slice's loads with the product reading
     // K (the next slices' loads overlap the products before them), two barriers (the halves'
-    // partial scores, then P), the lower half's sum read back by its softmax lanes (a
-    // threadgroup-memory load behind a simdgroup barrier), a softmax of 16 columns per lane
-    // (the halves' add, max, subtract, exp, rounding per column and 2 shuffle levels: ~84
-    // steps) (attention_prefill_tensor.metal); the simdgroup path loads K, and V only after a
+    // partial scores, then P or the sums), the sum read back by the softmax lanes (a
+    // threadgroup-memory load), a softmax of 16 columns per lane (the fallback: the halves'
+    // add, max, subtract, exp, rounding per column and 2 shuffle levels: ~84 steps; the
+    // register path's two rows of 8 columns with 2 shuffle levels each take about as many)
+    // (attention_prefill_tensor.metal); the simdgroup path loads K, and V only after a
     // barrier, four barriers, a softmax of 8 columns (~30 steps) (attention_prefill.metal).
     const Steps tile = tensor ? Steps{1, 0, 1, 2, 0, 84} : Steps{2, 0, 0, 4, 0, 30};
     chain(w, tile, tg_tiles);

@@ -745,17 +745,19 @@ _LAT = "Chips and Cheese 2022-05-21 (M1 GPU pointer chase; azhirnov/cpu-gpu-arch
 #: attention's products; docs/performance.md, "Out of sample: across engines").
 GEMM_SPREAD = 0.05
 ATTENTION_SPREAD = 0.48
-#: Where our tensor-op prefill attention lies between the two measured designs, as a multiple of
-#: pplx-garden's fitted attention efficiency (the likely ``attention_transfer``). The kernel
-#: (metal/attention_prefill_tensor.metal) has the structure of MLX's attention_nax_dsplit
-#: (simdgroup-scope 16-row products, the head dim split over a pair of simdgroups whose partial
-#: scores meet in threadgroup memory, Q and O in registers, K and V from device memory, two
-#: threadgroup barriers per 32 keys; fitted 0.59 on MLX-LM's run) but passes its scores and P
-#: through threadgroup memory, private to the slab's two simdgroups, as pplx-garden's flash
-#: attention does threadgroup-wide (fitted 0.40): midway, 1 + ATTENTION_SPREAD / 2. The high end
-#: is MLX's (1 + ATTENTION_SPREAD), the low end as far below pplx-garden's as before
-#: (1 - ATTENTION_SPREAD). A Mac run's `lily bench --kernels` measures it.
-ATTENTION_TRANSFER = 1 + ATTENTION_SPREAD / 2
+#: Where our tensor-op prefill attention lies among the measured designs, as a multiple of
+#: pplx-garden's fitted attention efficiency (the likely ``attention_transfer``). Where the
+#: GPU's tensor ops hold the fragment layout MLX's NAX kernels rely on (checked in-kernel;
+#: the simulator's "nax" layout), the kernel (metal/attention_prefill_tensor.metal) has the
+#: structure of MLX's attention_nax_dsplit (simdgroup-scope 16-row products, the head dim split
+#: over a pair of simdgroups whose partial scores meet in threadgroup memory, two threadgroup
+#: barriers per 32 keys, Q, O, the scores and P in registers, both simdgroups running the
+#: softmax; fitted 0.59 on MLX-LM's run): likely MLX's, 1 + ATTENTION_SPREAD. The high end
+#: is that give or take the spread of two engines' GEMMs of like structure (GEMM_SPREAD); the
+#: low end stays as far below pplx-garden's as before (1 - ATTENTION_SPREAD), which also
+#: covers the fallback where the layout differs (scores and P through threadgroup memory, as
+#: pplx-garden's flash attention, fitted 0.40). A Mac run's `lily bench --kernels` measures it.
+ATTENTION_TRANSFER = 1 + ATTENTION_SPREAD
 #: The constants the data do not pin and their ranges. The decode calibration (bandwidth
 #: efficiency, stage gap) and the tensor efficiencies of the GEMMs and of the attention are not
 #: among them: every scenario machine refits them to pplx-garden's published decode and prefill
@@ -764,13 +766,14 @@ CONSTANTS = {c.name: c for c in (
     Constant("gemm_transfer", 1.0, 1 - GEMM_SPREAD, 1 + GEMM_SPREAD, "x the fitted GEMM tensor efficiency",
              "design transfer: our GEMMs at the efficiency fitted to pplx-garden's (the design nearest ours), "
              "give or take the spread between pplx-garden's and MLX-LM's fits (lily.lab.tensor_rate.cross_engine)"),
-    Constant("attention_transfer", ATTENTION_TRANSFER, 1 - ATTENTION_SPREAD, 1 + ATTENTION_SPREAD,
+    Constant("attention_transfer", ATTENTION_TRANSFER, 1 - ATTENTION_SPREAD, ATTENTION_TRANSFER * (1 + GEMM_SPREAD),
              "x the fitted attention tensor efficiency",
              "design transfer: our prefill attention has MLX's attention_nax_dsplit structure (simdgroup-scope "
-             "products, the head dim split over simdgroup pairs, two barriers per 32 keys) with its scores and P "
-             "through threadgroup memory as pplx-garden's flash attention: midway between the efficiencies fitted "
-             "to the two (lily.lab.tensor_rate.cross_engine), MLX's the high end, the low end the spread below "
-             "pplx-garden's"),
+             "products, the head dim split over simdgroup pairs, two barriers per 32 keys, scores and P in registers "
+             "where the GPU's tensor ops hold the fragment layout MLX's kernels rely on): MLX's fitted efficiency "
+             "(lily.lab.tensor_rate.cross_engine), the high end that plus the GEMMs' cross-engine spread, the low "
+             "end the attention spread below pplx-garden's (also the fallback through threadgroup memory where "
+             "the layout differs)"),
     Constant("chunk_overhead", CHUNK_OVERHEAD, 10e-3, 0.0, "s per prefill chunk",
              "host and command-buffer cost per chunk beyond the stage gaps: pplx-garden's prefill fit needs ~9 ms, "
              "MLX-LM's 0-8 ms; Lily keeps two chunks in flight (runtime.cpp run_chunks), which may hide it: "
