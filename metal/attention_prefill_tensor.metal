@@ -81,22 +81,74 @@ static inline ushort nax_row(ushort lane, ushort slot) {
 static inline ushort nax_col(ushort lane, ushort slot) {
   return 16 * (slot / 8) + (((lane >> 2) & 2) | (lane & 1)) * 4 + slot % 4;
 }
-// True when cooperative tensor t (a 16 x 32 tile, {column, row} indices) holds exactly the
-// fragment layout above in this lane.
-template <class T>
-static inline bool nax_layout(thread const T& t, ushort lane) {
-  bool ok = t.get_capacity() >= kNaxSlots;
-  for (uint16_t i = 0; i < t.get_capacity(); ++i) {
-    if (i >= kNaxSlots) {
-      ok = ok && !t.is_valid_element(i);
-    } else if (!t.is_valid_element(i)) {
-      ok = false;
-    } else {
-      const auto at = t.get_multidimensional_index(i);
-      ok = ok && uint(at[0]) == nax_col(lane, i) && uint(at[1]) == nax_row(lane, i);
+// What nax_layout saw, slot by slot: nothing in the attention; attn_layout_probe_d<D>_tensor's
+// device records (prefill_args.h, kAttnLayoutProbeFields ints per slot).
+struct no_layout_record {
+  void slot(ushort, int, int, int, int, int) const {}
+  void verdict(bool, int) const {}
+};
+struct device_layout_record {
+  device int* slots;  // this tensor's and lane's [kAttnLayoutProbeSlots][kAttnLayoutProbeFields]
+  device int* lane;   // {verdict, capacity}
+  void slot(ushort i, int valid, int row, int col, int want_row, int want_col) const {
+    if (i < kAttnLayoutProbeSlots) {
+      device int* f = slots + i * kAttnLayoutProbeFields;
+      f[0] = valid;
+      f[1] = row;
+      f[2] = col;
+      f[3] = want_row;
+      f[4] = want_col;
     }
   }
+  void verdict(bool ok, int capacity) const {
+    lane[0] = ok ? 1 : 0;
+    lane[1] = capacity;
+  }
+};
+// True when cooperative tensor t (a 16 x 32 tile, {column, row} indices) holds exactly the
+// fragment layout above in this lane: slots below kNaxSlots valid at nax_row/nax_col, the
+// rest invalid (-1: no coordinates). rec sees every slot and the verdict.
+template <class T, class Rec>
+static inline bool nax_layout(thread const T& t, ushort lane, Rec rec) {
+  bool ok = t.get_capacity() >= kNaxSlots;
+  for (uint16_t i = 0; i < t.get_capacity(); ++i) {
+    const bool valid = t.is_valid_element(i), fragment = i < kNaxSlots;
+    int row = -1, col = -1;
+    if (valid) {
+      const auto at = t.get_multidimensional_index(i);
+      col = int(at[0]);
+      row = int(at[1]);
+    }
+    const int want_row = fragment ? int(nax_row(lane, i)) : -1, want_col = fragment ? int(nax_col(lane, i)) : -1;
+    ok = ok && valid == fragment && row == want_row && col == want_col;
+    rec.slot(i, valid ? 1 : 0, row, col, want_row, want_col);
+  }
+  rec.verdict(ok, int(t.get_capacity()));
   return ok;
+}
+
+// The register path's condition in this lane, its one home (attend_tensor, the probe): the
+// scores (Q K^T's destination at head dim D), P (P V's left input) and O (P V's destination)
+// as attend builds them each hold the fragment layout. All three are checked (and recorded).
+template <uint D, class Rec>
+static inline bool attn_register_layout(ushort lane, Rec s_rec, Rec p_rec, Rec o_rec) {
+  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  constexpr auto qk_desc =
+      matmul2d_descriptor(kSlab, kTile, D / 2, false, true, false, matmul2d_descriptor::mode::multiply);
+  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
+                                               matmul2d_descriptor::mode::multiply_accumulate);
+  matmul2d<qk_desc, execution_simdgroup> qk;
+  matmul2d<pv_desc, execution_simdgroup> pv;
+  using QIn = decltype(qk.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
+  using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
+  using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
+  auto s = qk.template get_destination_cooperative_tensor<QIn, DevRows, float>();
+  PIn p;
+  auto o = pv.template get_destination_cooperative_tensor<PIn, VIn, float>();
+  const bool s_ok = nax_layout(s, lane, s_rec);
+  const bool p_ok = nax_layout(p, lane, p_rec);
+  const bool o_ok = nax_layout(o, lane, o_rec);
+  return s_ok && p_ok && o_ok;
 }
 
 // pick<C, A, B>::type: A if C, else B
@@ -344,20 +396,7 @@ static inline void attend_tensor(device bfloat* qb, device const bfloat* qg, dev
                                  device float* part_o, constant AttnPrefillArgs& args, uint block, uint y,
                                  uint split, threadgroup float* ss, threadgroup bfloat* ps, threadgroup float* rowv,
                                  uint sg, uint lane) {
-  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
-  constexpr auto qk_desc =
-      matmul2d_descriptor(kSlab, kTile, D / 2, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
-                                               matmul2d_descriptor::mode::multiply_accumulate);
-  matmul2d<qk_desc, execution_simdgroup> qk;
-  matmul2d<pv_desc, execution_simdgroup> pv;
-  using QIn = decltype(qk.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
-  using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
-  using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
-  auto s = qk.template get_destination_cooperative_tensor<QIn, DevRows, float>();
-  PIn p;
-  auto o = pv.template get_destination_cooperative_tensor<PIn, VIn, float>();
-  const bool ok = simd_all(nax_layout(s, lane) && nax_layout(p, lane) && nax_layout(o, lane));
+  const bool ok = simd_all(attn_register_layout<D>(lane, no_layout_record{}, no_layout_record{}, no_layout_record{}));
   // the simdgroups' verdicts in rowv's first floats: attend writes rowv only after a
   // barrier all of these reads precede
   if (lane == 0) {
@@ -441,6 +480,32 @@ template [[host_name("attn_prefill_split_d256_g2_tensor")]] [[kernel]] decltype(
 template [[host_name("attn_prefill_split_d64_g8_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 8>) attn_prefill_split_tensor<64, 8>;
 template [[host_name("attn_prefill_split_d64_g4_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 4>) attn_prefill_split_tensor<64, 4>;
 template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(attn_prefill_split_tensor<64, 2>) attn_prefill_split_tensor<64, 2>;
+
+// ---- attn_layout_probe_d<D>_tensor: which path the attention takes on this GPU, and why ---
+// One simdgroup (kAttnLayoutProbeThreads) runs attn_register_layout<D> as attend_tensor does
+// and records each tensor's slots (prefill_args.h): lily.lab's attention_path reports the
+// path and the first slot that differs from the fragment layout. Slots never reached keep
+// valid = -1.
+template <uint D>
+[[max_total_threads_per_threadgroup(kAttnLayoutProbeThreads)]] kernel void attn_layout_probe(device int* slots [[buffer(0)]],  // int [kAttnLayoutProbeTensors, 32, kAttnLayoutProbeSlots, kAttnLayoutProbeFields]
+                                device int* lanes [[buffer(1)]],  // int [kAttnLayoutProbeTensors, 32, 2]: {verdict, capacity}
+                                uint lane [[thread_index_in_simdgroup]]) {
+  using namespace attn_prefill_tensor_detail;
+  static_assert(kAttnLayoutProbeTensors == 3, "scores, P, O");
+  constexpr uint per_lane = kAttnLayoutProbeSlots * kAttnLayoutProbeFields;
+  for (uint t = 0; t < kAttnLayoutProbeTensors; ++t) {
+    for (uint j = 0; j < per_lane; ++j) {
+      slots[(t * 32 + lane) * per_lane + j] = -1;
+    }
+  }
+  device int* at = slots + lane * per_lane;  // tensor t's: at + t * 32 * per_lane
+  device int* verdicts = lanes + lane * 2;
+  const device_layout_record s_rec{at, verdicts}, p_rec{at + 32 * per_lane, verdicts + 64},
+      o_rec{at + 64 * per_lane, verdicts + 128};
+  attn_register_layout<D>(lane, s_rec, p_rec, o_rec);
+}
+template [[host_name("attn_layout_probe_d256_tensor")]] [[kernel]] decltype(attn_layout_probe<256>) attn_layout_probe<256>;
+template [[host_name("attn_layout_probe_d64_tensor")]] [[kernel]] decltype(attn_layout_probe<64>) attn_layout_probe<64>;
 
 // ---- start-up probe of the Metal backend: the attention's tensor operations -------------
 // The Metal device builds this pipeline after tensor_ops_probe (gemm_tensor.metal): the

@@ -229,6 +229,14 @@ enum : uint {
   // attn_prefill_prep: chunk rows per threadgroup, one simdgroup each
   kAttnPrefillPrepRows = 8,
   kAttnPrefillPrepThreads = kAttnPrefillPrepRows * 32,
+  // attn_layout_probe_d<D> (attention_prefill_tensor.metal): one simdgroup records, for each
+  // of the register path's kAttnLayoutProbeTensors cooperative tensors (scores, P, O), lane and
+  // slot below kAttnLayoutProbeSlots, kAttnLayoutProbeFields ints: {valid, row, column, the
+  // fragment layout's row, its column}
+  kAttnLayoutProbeThreads = 32,
+  kAttnLayoutProbeTensors = 3,
+  kAttnLayoutProbeSlots = 32,
+  kAttnLayoutProbeFields = 5,
 };
 constant constexpr float kAttnPrefillRescale = 8.0f;
 // Threadgroup memory of the attention kernels, declared by them and read by the cost table.
@@ -300,6 +308,7 @@ struct AttnPrefillArgs {
   C(kGdnConvTaps) C(kGdnScanLanesPerRow) C(kGdnConvStateThreads) C(kGdnNormScaleThreads) \
   C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
   C(kAttnPrefillPrepRows) C(kAttnPrefillPrepThreads) \
-  C(kAttnPrefillSlabRows) C(kAttnPrefillRescale)
+  C(kAttnPrefillSlabRows) C(kAttnPrefillRescale) C(kAttnLayoutProbeThreads) C(kAttnLayoutProbeTensors) \
+  C(kAttnLayoutProbeSlots) C(kAttnLayoutProbeFields)
 
 #endif  // LILY_PREFILL_ARGS_H

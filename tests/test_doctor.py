@@ -100,6 +100,8 @@ def test_doctor_json(capsys):
         "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
     assert report["device"]["name"] == "sim" and report["device"]["tensor_ops"] is True
     assert report["device"]["bfloat_tensor_ops"] is True and report["device"]["bfloat_tensor_ops_status"] == ""
+    attn = report["device"]["attention_path"]  # the simulator's own cooperative-tensor layout
+    assert attn["path"] == "threadgroup memory" and attn["mismatch"]["tensor"] == "scores", attn
     pipes = report["pipelines"]
     assert len(pipes) == report["device"]["kernels"]
     assert all(p["built"] and 32 <= p["max_threads_per_threadgroup"] <= 1024 for p in pipes), pipes[:3]
@@ -207,6 +209,19 @@ def test_doctor_sim_report_details(capsys):
     row = next(line for line in out.splitlines() if line.split()[:1] == ["rms_norm"])
     assert row.split()[-1] == "-"  # threadgroup memory unknown on the simulator, not 0
     assert ("no Metal GPU in this build" in out) == ("metal" not in _core.compiled_devices())
+    assert "prefill attn    scores and P through threadgroup memory: the scores tensor's slot " in out
+    assert "| prefill attention: scores and P through threadgroup memory: the scores tensor's" in block
+
+
+def test_doctor_reports_the_register_attention(capsys, monkeypatch):
+    """On a device with the M5's fragment layout the doctor says the attention keeps the
+    scores and P in registers."""
+    import lily.native_backend
+    make = lily.native_backend.make_device
+    monkeypatch.setattr(lily.native_backend, "make_device", lambda name, **o: make(name, **{**o, "tensor_layout": "nax"}))
+    assert main(["doctor", "--quick", "--device", "sim", "--kernels", "rms_norm"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill attn    scores and P in registers (the fragment layout holds)" in out
 
 
 def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
@@ -221,6 +236,7 @@ def test_doctor_reports_tensor_ops_without_bfloat(capsys, monkeypatch):
     assert "tensor ops      yes" in out
     assert "tensor bfloat   no: the simulator was created with bfloat_tensor_ops=False" in out
     assert "the prefill GEMMs and attention run simdgroup_matrix" in out
+    assert "prefill attn    simdgroup_matrix (no bfloat tensor ops: the simulator was created with" in out
     block = out.split("--- paste this into a bug report ---")[1]
     assert "tensor ops: yes | tensor bfloat: the simulator was created with bfloat_tensor_ops=False" in block
     assert main(["doctor", "--quick", "--device", "sim", "--json", "--kernels", "rms_norm"]) == 0

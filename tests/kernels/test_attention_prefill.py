@@ -544,3 +544,42 @@ def test_prefill_reads_large_projections(dev):
 
 def test_prefill_tensor_reads_large_projections(tdev):
     _check_large_projections(tdev, True)
+
+
+# ---- which path the tensor-op attention takes (attn_layout_probe_d<D>_tensor, attention_path) --
+
+@pytest.mark.parametrize("D", [256, 64])
+def test_attention_path_tensor_registers_on_the_fragment_layout(D):
+    """On the simulator with the M5's fragment layout (tensor_layout="nax") every lane's
+    scores, P and O tensors hold it: the register path, and the probe's records are consistent
+    (its doctor check)."""
+    dev = sim_device(gpu_family="apple10", tensor_layout="nax")
+    got = twins.attention_path(dev, D)
+    assert got["path"] == "registers" and got["mismatch"] is None, got
+    assert "in registers" in got["detail"]
+    assert twins._attn_layout_probe(dev, None, f"attn_layout_probe_d{D}_tensor") == 0.0
+
+
+def test_attention_path_tensor_threadgroup_memory_names_the_mismatch():
+    """With the simulator's own (adversarial) layout the threadgroup-memory path, naming the
+    first slot that differs: tensor, lane, slot, what it holds and what the layout puts there,
+    as the probe recorded them."""
+    dev = sim_device(gpu_family="apple10")
+    got = twins.attention_path(dev)
+    assert got["path"] == "threadgroup memory", got
+    mm = got["mismatch"]
+    assert mm["tensor"] in twins.LAYOUT_TENSORS and 0 <= mm["lane"] < 32 and mm["slot"] is not None
+    assert mm["holds"] != mm["layout"]
+    slots, _ = twins.layout_probe(dev)
+    rec = slots[twins.LAYOUT_TENSORS.index(mm["tensor"]), mm["lane"], mm["slot"]]
+    assert (tuple(rec[1:3]) if rec[0] == 1 else None) == mm["holds"]
+    assert (tuple(rec[3:5]) if rec[3] >= 0 else None) == mm["layout"]
+    where = f"the {mm['tensor']} tensor's slot {mm['slot']} of lane {mm['lane']} holds"
+    assert where in got["detail"] and "the fragment layout puts" in got["detail"]
+    assert twins._attn_layout_probe(dev, None, "attn_layout_probe_d256_tensor") == 0.0
+
+
+def test_attention_path_tensor_simdgroup_without_tensor_ops():
+    """apple9 (no tensor ops): the simdgroup path, saying why, without dispatching the probe."""
+    got = twins.attention_path(sim_device(gpu_family="apple9"))
+    assert got["path"] == "simdgroup" and "no bfloat tensor ops" in got["detail"], got

@@ -11,7 +11,7 @@ from lily._core import CONSTANTS, kernel_name, kernel_params
 from lily.lab.device import download, pack_args, upload
 from lily.lab.kernels.attention import THETA, attention_variant, rope_atol
 from lily.lab.kernels.harness import (
-    MODEL_CONTEXT, TOY, bf16_bits, bf16_operand, check, close_ratio, f32, from_bf16, upload_bf16,
+    MODEL_CONTEXT, TOY, Mismatch, bf16_bits, bf16_operand, check, close_ratio, f32, from_bf16, run, upload_bf16,
 )
 from lily.reference import rms_norm, rope, round_bf16
 
@@ -330,3 +330,112 @@ def _attn_prefill_split(dev, rng, kernel, size=TOY):
     got = L.attention_only(q, qg, p0, split=(S, ns))
     return close_ratio(got, attention_twin(q, qg, K, V, p0, split_rows=S, halves=tensor), ATTN_OUT_RTOL, ATTN_ATOL,
                        f"{kernel} (split + combine)")
+
+
+# ---- which path the tensor-op attention takes (attn_layout_probe_d<D>_tensor)---------------
+# the probe's tensors, in its order (metal/attention_prefill_tensor.metal, attn_register_layout)
+LAYOUT_TENSORS = ("scores", "P", "O")
+
+
+def layout_probe(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]):
+    """Runs attn_layout_probe_d<head_dim>_tensor (one simdgroup) on ``dev``, an apple10 device with
+    bfloat tensor ops.
+
+    Returns
+    -------
+    slots : int32 [3, 32, kAttnLayoutProbeSlots, kAttnLayoutProbeFields]
+        Per tensor (:data:`LAYOUT_TENSORS`), lane and slot: valid (1, 0; -1 past the tensor's
+        capacity), row, column (-1 where not valid), and the row and column the fragment
+        layout puts there (-1: it leaves the slot empty), as the kernel computes them.
+    lanes : int32 [3, 32, 2]
+        Per tensor and lane: the kernel's verdict (1: the fragment layout holds) and the
+        tensor's capacity (slots per lane).
+
+    Raises
+    ------
+    lily._core.UsageError (from the device)
+        Where the device offers no bfloat tensor operations, or no such head dim is built (64, 256).
+    """
+    c = CONSTANTS
+    shape = (c["kAttnLayoutProbeTensors"], c["kAttnLayoutProbeThreads"], c["kAttnLayoutProbeSlots"],
+             c["kAttnLayoutProbeFields"])
+    lanes_shape = (c["kAttnLayoutProbeTensors"], c["kAttnLayoutProbeThreads"], 2)
+    S, L = dev.buffer(4 * int(np.prod(shape))), dev.buffer(4 * int(np.prod(lanes_shape)))
+    run(dev, kernel_name("attn_layout_probe", "_tensor", d=head_dim), 1, c["kAttnLayoutProbeThreads"], [(0, S), (1, L)],
+        writes=[S, L])
+    return download(S, np.int32, shape), download(L, np.int32, lanes_shape)
+
+
+def _first_mismatch(slots, lanes):
+    """(tensor, lane, slot, (row, col) or None, (row, col) or None) of the first slot whose
+    contents differ from what the kernel says the fragment layout puts there, in a tensor and
+    lane whose verdict failed; slot None where no recorded slot differs (the capacity does)."""
+    for t, lane in zip(*np.nonzero(lanes[:, :, 0] != 1)):
+        for i, (valid, row, col, want_row, want_col) in enumerate(slots[t, lane]):
+            if valid == -1 and want_row == -1:
+                continue  # past the capacity, and the layout needs nothing there
+            if valid != 1 or (row, col) != (want_row, want_col):
+                return (int(t), int(lane), i, (int(row), int(col)) if valid == 1 else None,
+                        (int(want_row), int(want_col)) if want_row >= 0 else None)
+        return int(t), int(lane), None, None, None
+    return None
+
+
+def attention_path(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]) -> dict:
+    """The path the prefill attention takes on ``dev`` at ``head_dim``, from the device's
+    tensor-op support and, on an apple10 device, attn_layout_probe_d<head_dim>_tensor: the same
+    check attn_prefill_*_tensor runs (docs/prefill.md, "Attention").
+
+    Returns
+    -------
+    dict
+        ``path``: "registers" (tensor ops, the scores and P in registers: the cooperative
+        tensors hold the fragment layout), "threadgroup memory" (tensor ops, the scores and P
+        through threadgroup memory) or "simdgroup" (no bfloat tensor ops: simdgroup_matrix);
+        ``detail``: one sentence, naming the first mismatch on the threadgroup-memory path;
+        ``mismatch``: None, or {tensor, lane, slot, holds, layout} ((row, column) pairs,
+        None for an empty slot; slot None where the tensor's capacity differs).
+        The runtime's options (gemm_path) may still choose simdgroup.
+    """
+    if not (dev.supports_tensor_ops and dev.supports_bfloat_tensor_ops):
+        why = dev.bfloat_tensor_ops_status if dev.supports_tensor_ops else dev.tensor_ops_status
+        return {"path": "simdgroup", "detail": f"simdgroup_matrix (no bfloat tensor ops: {why})", "mismatch": None}
+    slots, lanes = layout_probe(dev, head_dim)
+    first = _first_mismatch(slots, lanes)
+    if first is None:
+        return {"path": "registers", "detail": "scores and P in registers (the fragment layout holds)",
+                "mismatch": None}
+    t, lane, i, holds, want = first
+    name = LAYOUT_TENSORS[t]
+
+    def at(rc):
+        return "nothing" if rc is None else f"(row {rc[0]}, column {rc[1]})"
+    if i is None:
+        why = f"the {name} tensor has {lanes[t, lane, 1]} slots per lane in lane {lane}, not the fragment layout's"
+    else:
+        why = (f"the {name} tensor's slot {i} of lane {lane} holds {at(holds)}; the fragment layout puts "
+               f"{at(want)} there")
+    return {"path": "threadgroup memory", "detail": f"scores and P through threadgroup memory: {why}",
+            "mismatch": {"tensor": name, "lane": lane, "slot": i, "holds": holds, "layout": want}}
+
+
+@check("attn_layout_probe_d256_tensor", "attn_layout_probe_d64_tensor")
+def _attn_layout_probe(dev, rng, kernel, size=TOY):
+    """The probe's records describe a layout: each tensor's valid slots over the 32 lanes hold
+    every (row, column) of its 16 x 32 tile once, and a lane's verdict is 1 exactly where its
+    slots hold the coordinates the kernel wrote as the fragment layout's (0: consistent)."""
+    slots, lanes = layout_probe(dev, kernel_params(kernel)["d"])
+    for t, name in enumerate(LAYOUT_TENSORS):
+        valid = slots[t][slots[t, :, :, 0] == 1]
+        cells = sorted(map(tuple, valid[:, 1:3].tolist()))
+        want = [(r, c) for r in range(CONSTANTS["kAttnPrefillSlabRows"]) for c in range(TILE)]
+        if cells != want:
+            raise Mismatch(f"{kernel}: the {name} tensor's valid slots do not cover its tile once", float("inf"))
+        for lane in range(lanes.shape[1]):
+            rec = slots[t, lane]
+            seen = rec[rec[:, 0] != -1]
+            holds = bool((seen[:, 0] == (seen[:, 3] >= 0)).all() and (seen[:, 1:3] == seen[:, 3:5]).all())
+            if holds != (lanes[t, lane, 0] == 1) and lanes[t, lane, 1] <= rec.shape[0]:
+                raise Mismatch(f"{kernel}: the {name} tensor's verdict in lane {lane} disagrees with its slots",
+                               float("inf"))
+    return 0.0
