@@ -109,7 +109,7 @@ struct device_layout_record {
 // fragment layout above in this lane: slots below kNaxSlots valid at nax_row/nax_col, the
 // rest invalid (-1: no coordinates). rec sees every slot and the verdict.
 template <class T, class Rec>
-static inline bool nax_layout(thread const T& t, ushort lane, Rec rec) {
+static inline bool nax_layout(thread T& t, ushort lane, Rec rec) {
   bool ok = t.get_capacity() >= kNaxSlots;
   for (uint16_t i = 0; i < t.get_capacity(); ++i) {
     const bool valid = t.is_valid_element(i), fragment = i < kNaxSlots;
@@ -143,7 +143,7 @@ static inline bool attn_register_layout(ushort lane, Rec s_rec, Rec p_rec, Rec o
   using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
   using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
   auto s = qk.template get_destination_cooperative_tensor<QIn, DevRows, float>();
-  PIn p;
+  auto p = pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>();
   auto o = pv.template get_destination_cooperative_tensor<PIn, VIn, float>();
   const bool s_ok = nax_layout(s, lane, s_rec);
   const bool p_ok = nax_layout(p, lane, p_rec);
@@ -223,7 +223,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     }
   }
   PTile tP(p_sl, extents<int32_t, kTile, kSlab>());
-  PIn pin;
+  auto pin = pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>();  // P from registers
 
   // softmax role of the threadgroup-memory path (the lower half): pair sr of the slab,
   // columns 16 su .. 16 su + 15; of the register path (both halves): rows nax_row(lane, 0)

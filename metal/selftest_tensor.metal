@@ -330,7 +330,7 @@ kernel void st_tensor_coop_left_tg(device const float* a [[buffer(0)]],
 // role 0 destination, 1 left, 2 right. tests/sim/test_sim_tensor.py compares them with
 // the layouts of tensor_ops.h (the simulator's and the M5's fragment layout).
 template <typename CT>
-inline void st_dump_slots(thread const CT& ct, device int* out) {
+inline void st_dump_slots(thread CT& ct, device int* out) {
   for (uint16_t i = 0; i < 64; ++i) {
     if (i >= ct.get_capacity()) {
       out[i * 3] = out[i * 3 + 1] = out[i * 3 + 2] = -1;
