@@ -273,6 +273,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       }
       threadgroup_barrier(mem_flags::mem_threadgroup);  // the sums complete
       float sv[2][8];
+      #pragma clang loop unroll(full)  // (as MLX's NAX loops) arrays indexed by the slot stay in registers
       for (ushort i = 0; i < kNaxSlots; ++i) {
         const uint r = (i % 8) / 4;
         const uint key = t0 + nax_col(lane, i);
@@ -280,9 +281,11 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
         sv[r][4 * (i / 8) + i % 4] = (live[r] && key <= spos[r] && key < kend) ? x : -INFINITY;
       }
       bfloat pv_[2][8];
+      #pragma clang loop unroll(full)
       for (uint r = 0; r < 2; ++r) {
         corr[r] = softmax_row<8, kNaxRowLanes, bfloat>(sv[r], m[r], l[r], (thread bfloat*)pv_[r]);
       }
+      #pragma clang loop unroll(full)
       for (ushort i = 0; i < kNaxSlots; ++i) {
         pin[i] = pv_[(i % 8) / 4][4 * (i / 8) + i % 4];
       }
@@ -326,6 +329,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     }
     if (moved) {  // uniform per slab; rare after the first tiles (lazy rescaling)
       for (uint j = 0; j < NJ; ++j) {
+        #pragma clang loop unroll(full)
         for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
           if (o[j].is_valid_element(i)) {
             o[j][i] *= NAX ? corr[(i % 8) / 4] : v_sl[o[j].get_multidimensional_index(i)[1]];
@@ -359,6 +363,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
   }
   // each thread writes its own elements of O (no staging)
   for (uint j = 0; j < NJ; ++j) {
+    #pragma clang loop unroll(full)
     for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
       if (!o[j].is_valid_element(i)) {
         continue;
