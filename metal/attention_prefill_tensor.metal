@@ -17,17 +17,23 @@
 // stays in registers as D/64 cooperative destinations of 32 columns, and V comes from the
 // cache into registers 32 columns at a time (two slices double-buffered: the first one's loads
 // issued at the start of the tile, each next one's during the product before). Per 32-row
-// KV tile:
-//   S_h = Q_h K_h^T   each simdgroup its half of the dot products (16 x 32, k = D/2);
-//   the upper half stores its partial S in the slab's buffer; barrier;
-//   the lower half adds its own (S = S_0 + S_1, in that order: the twin's), then its 32
-//               lanes run the slab's fp32 online softmax (2 lanes per pair, 16 columns each),
-//               P -> bfloat into the slab's buffer, corr per pair, a rescale flag; barrier;
-//   both halves: O *= corr (only when the slab's flag is set: lazy rescaling), O += P V_h.
-// Two threadgroup barriers per 32 KV rows (three in the threadgroup-scope design before, as
-// pplx-garden's); everything else between the two simdgroups of a slab only.
+// KV tile, S_h = Q_h K_h^T (each simdgroup its half of the dot products: 16 x 32, k = D/2),
+// then one of two paths (attend_tensor picks it once per threadgroup):
+//   registers, where the cooperative tensors hold the fragment layout of M5's tensor ops
+//     (attn_register_layout, as MLX's NAX kernels assume it): the upper half stores its
+//     partial S, barrier, the lower half adds its own (S = S_0 + S_1) and stores the sum,
+//     barrier, both halves run the same fp32 online softmax on it (the lanes of a row:
+//     xor 1 and 8), P from registers into the P V product, O *= their rows' corr;
+//   threadgroup memory, any layout: the upper half stores its partial S, barrier, the lower
+//     half adds its own, its 32 lanes run the softmax (2 lanes per pair, 16 columns each),
+//     P -> bfloat into the slab's buffer, corr per pair, a rescale flag; barrier; both
+//     halves: O *= corr (only when the slab's flag is set: lazy rescaling);
+// then O += P V_h. Two threadgroup barriers per 32 KV rows either way (three in the
+// threadgroup-scope design before, as pplx-garden's); everything else between the two
+// simdgroups of a slab only. Unlike MLX's: relaxed_precision off (the simulator cannot model
+// it), the score exchange one-way (the lower half sums: 8 KiB, not MLX's 16), exp not exp2.
 // Threadgroup memory (D = 256 and 64 alike): scores 8 KiB + P 4 KiB + per-pair values 784 B,
-// 13,072 bytes.
+// 13,072 bytes (the register path uses the scores' and 32 bytes of the values').
 // MSL 4.0: built into lily_tensor.metallib (bfloat x bfloat -> float: the operand table of
 // MacOSX 26.1 SDK's MPPTensorOpsMatMul2d.h; 26.0's header maps bfloat under __HAVE_BFLOAT__).
 #include <metal_stdlib>

@@ -1268,6 +1268,10 @@ def format_report(rep: dict) -> str:
                      + (f", from the fit to pplx-garden's published prefill ({100 * fit['rms_relative_error']:.1f}% rms) "
                         "times the design transfers"
                         if fit else ""))
+        if fit and rep["plan"]["attention_path"] == "tensor":
+            lines.append("  the attention's assumes its scores and P in registers (the GPU's tensor ops holding the "
+                         "fragment layout MLX's kernels rely on: `lily doctor` reports it); the threadgroup-memory "
+                         "fallback lies within the low end")
     dec = c["decompositions"]
     if dec.get("excluded"):
         lines.append(f"scenario machines: {len(dec['low'])} low, {len(dec['high'])} high; {len(dec['excluded'])} "
