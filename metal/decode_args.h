@@ -13,6 +13,12 @@
 // MLX affine quantization: 64 consecutive weights of a row share one scale and one bias
 // (the host checks a checkpoint against it: csrc/runtime/model.h QuantFormat).
 constant constexpr uint kQuantGroup = 64;
+// Bytes of one 4-bit row of `cols` weights in that layout: the codes and a bf16 scale and
+// bias per group (the decode families' weight traffic: gemv.cpp, embed.cpp, moe.cpp).
+constexpr uint q4_row_bytes(uint cols) { return cols / 2 + 2 * 2 * (cols / kQuantGroup); }
+// Threads of the GEMV-like decode kernels' threadgroups in the decode step (two simdgroups;
+// the host's choice) and moe_down_batch_q4's limit.
+constant constexpr uint kGemvThreads = 64;
 // Rows of W handled by one simdgroup in gemv_q* and moe_down_q4 (host: grid size). 4, not
 // 8: a 2048-row GEMV then runs 512 simdgroups, enough threads to keep every core of a
 // 40-core GPU loading (docs/performance.md); norm_gemv_q* take theirs from NormGemvArgs.
@@ -121,6 +127,6 @@ struct MoeRouteArgs {
 #define LILY_DECODE_CONSTANTS(C) \
   C(kQuantGroup) C(kGemvRowsPerSimdgroup) C(kGateUpRowsPerSimdgroup) C(kGemvSplitK) C(kSplitJoinMax) C(kRouteMaxExperts) \
   C(kRouteSimdRowsSmall) C(kRouteSimdRowsMax) \
-  C(kNormGemvMaxMatrices) C(kEmbedThreads) C(kEmbedValuesPerThread)
+  C(kNormGemvMaxMatrices) C(kEmbedThreads) C(kEmbedValuesPerThread) C(kGemvThreads)
 
 #endif  // LILY_DECODE_ARGS_H

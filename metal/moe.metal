@@ -514,11 +514,11 @@ template [[host_name("moe_route_gate_up_batch_q4_b4")]] [[kernel]] decltype(moe_
 template [[host_name("moe_route_gate_up_batch_q4_b8")]] [[kernel]] decltype(moe_route_gate_up_batch_q4<8>) moe_route_gate_up_batch_q4<8>;
 
 // moe_down_q4 of nb = bargs.rows <= NR rows (moe_down_body): each expert of the union of the
-// rows' picks and the shared expert read once; same grid as moe_down_q4, 64 threads a
+// rows' picks and the shared expert read once; same grid as moe_down_q4, kGemvThreads threads a
 // threadgroup (the terms hold kGemvRowsPerSimdgroup rows); k * inter + inter_shared at most
 // 32 * kMoeBatchMaxChunks.
 template <uint NR>
-[[max_total_threads_per_threadgroup(64)]] kernel void moe_down_batch_q4(
+[[max_total_threads_per_threadgroup(kGemvThreads)]] kernel void moe_down_batch_q4(
     device const float4* h [[buffer(0)]],        // [rows, h_stride]
     device const uint* ids [[buffer(1)]],        // [rows, ids_stride]
     device const float* weights [[buffer(2)]],   // [rows, w_stride]

@@ -167,18 +167,17 @@ UNNAMED_THREAD_LIMITS = {
     "rms_norm_t": "any size up to 1024 (the caller's)",
     "moe_combine_norm": "any multiple of 32 up to 1024 (the caller's; rms_norm's for identical bits)",
     "moe_route": "round_up(experts, 32), 32..1024",
-    "gemv_q": "any multiple of 32 * k_splits up to 256 (DecodePlan::kGemvThreads, decode.h, picks)",
+    "gemv_q": "any multiple of 32 * k_splits up to 256 (kGemvThreads, decode_args.h, is the default)",
     "gemv_gated_q": "as gemv_q",
     "gemv_batch_q": "as gemv_q",
     "gemv_gated_batch_q": "as gemv_q",
-    "norm_gemv_q": "as gemv_q (kGemvThreads or kLmHeadThreads, decode.h)",
+    "norm_gemv_q": "as gemv_q (kGemvThreads, decode_args.h, or kLmHeadThreads, decode.h)",
     "norm_gemv_batch_q": "as norm_gemv_q",
     "embed_norm_gemv_q": "as norm_gemv_q",
-    "moe_gate_up_swiglu_q4": "any multiple of 64 up to 256 (DecodePlan::kGemvThreads picks)",
+    "moe_gate_up_swiglu_q4": "any multiple of 64 up to 256 (kGemvThreads, decode_args.h, is the default)",
     "moe_route_gate_up_swiglu_q4": "as moe_gate_up_swiglu_q4",
     "moe_route_gate_up_batch_q4": "as moe_gate_up_swiglu_q4",
     "moe_down_q4": "as moe_gate_up_swiglu_q4",
-    "moe_down_batch_q4": "DecodePlan::kGemvThreads (decode.h, not a header the kernels include)",
 }
 
 

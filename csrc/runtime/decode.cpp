@@ -185,7 +185,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
                       uint32_t ss = 0) {
     const GemvRows rows{n, batched, stride(x), stride(s.h), ss};
     encode_gemv_add(pass, batched ? batch[nk][w.bits] : kernels[w.bits], label, w, *x, *s.h, H, cols, rows,
-                    gated, kGemvThreads, &t);
+                    gated, args::kGemvThreads, &t);
   };
   // RMSNorm of the residual fused into up to four GEMVs of one weight width that read the
   // normalised vector (norm_gemv_q*), for each row; `xn_out` also stores that vector for
@@ -215,7 +215,7 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
                      : embed ? *K.embed_norm_gemv
                              : K.norm_gemv[bits],
                      label, *s.h, 0, norm_w, *s.xn, mats, H, d.rms_norm_eps, xn_out, rps, splits,
-                     GemvRows{n, batched, stride(s.h)}, kGemvThreads, embed && !batched ? &lookup : nullptr, 0,
+                     GemvRows{n, batched, stride(s.h)}, args::kGemvThreads, embed && !batched ? &lookup : nullptr, 0,
                      &t);
   };
 
@@ -332,9 +332,9 @@ void DecodePlan::encode_rows(gpu::CommandBuffer& cmd, DecodeScratch& s, const st
     encode_moe_route_gate_up(pass, batched ? *K.moe_gate_up_batch[nk] : *K.moe_gate_up,
                              labels_(l, batched ? "route top-k + experts gate|up (union of the rows)"
                                                 : "route top-k + experts gate|up"),
-                             m, io, shape, mb, batched, kGemvThreads, &t);
+                             m, io, shape, mb, batched, args::kGemvThreads, &t);
     encode_moe_down(pass, batched ? *K.moe_down_batch[nk] : *K.moe_down, labels_(l, "experts down + shared"), m,
-                    io, shape, mb, batched, kGemvThreads, &t);
+                    io, shape, mb, batched, args::kGemvThreads, &t);
   }
 
   if (!batched) {

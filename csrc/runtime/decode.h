@@ -62,7 +62,6 @@ struct DecodeScratch {
 class DecodePlan {
  public:
   // Dispatch geometry of the step (the lab's kernel checks read it: lily._core.CONSTANTS).
-  static constexpr uint32_t kGemvThreads = 64;  // GEMV-like kernels: 2 simdgroups per threadgroup
   // norm_gemv_q* rows per simdgroup and split-K (NormGemvArgs): 8 rows, one split for the wide
   // projections and lm_head; 1 row shared by 2 simdgroups for the 257-row router, so that it
   // spans 258 threadgroups (16K threads) instead of 17.
@@ -79,7 +78,7 @@ class DecodePlan {
   // of a 40-core GPU), each owning Dv / 4 state rows at 4 per simdgroup.
   static constexpr uint32_t kGdnDecodeSplits = 4;
 #define LILY_DECODE_PLAN_CONSTANTS(C) \
-  C(kGemvThreads) C(kNormGemvRows) C(kRouterRows) C(kRouterSplits) C(kLmHeadThreads) C(kArgmaxSlice) C(kGdnDecodeSplits)
+  C(kNormGemvRows) C(kRouterRows) C(kRouterSplits) C(kLmHeadThreads) C(kArgmaxSlice) C(kGdnDecodeSplits)
 
   // Throws std::invalid_argument when `dims` (validated) have no decode kernels. Both are
   // the runtime's and must outlive the plan.

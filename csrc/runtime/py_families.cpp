@@ -153,7 +153,7 @@ void bind_families(nb::module_& m) {
       },
       "compute_pass"_a, "weights"_a, "x"_a, "y"_a, "rows"_a, "cols"_a, "bits"_a = 4,
       "gated"_a.none() = nb::none(), "batch_rows"_a = 0, "x_stride"_a = 0, "y_stride"_a = 0, "ssq_stride"_a = 0,
-      "threads"_a = DecodePlan::kGemvThreads, "label"_a = "",
+      "threads"_a = kernels::kGemvThreads, "label"_a = "",
       "gemv_q<bits>_add as the decode step encodes it (csrc/runtime/families/gemv.h): y[rows] += W x[cols],\n"
       "W = weights (weight, scales, biases); with gated = (ssq, z, norm, head_dim, splits, eps)\n"
       "gemv_gated_q<bits>_add (x normalised on load); with batch_rows the batched kernel over that many\n"
@@ -199,7 +199,7 @@ void bind_families(nb::module_& m) {
       },
       "compute_pass"_a, "x"_a, "norm"_a, "xn"_a, "matrices"_a, "cols"_a, "eps"_a, "bits"_a = 4,
       "write_xn"_a = true, "rows_per_simdgroup"_a = DecodePlan::kNormGemvRows, "k_splits"_a = 1,
-      "threads"_a = DecodePlan::kGemvThreads, "batch_rows"_a = 0, "x_stride"_a = 0, "x_at"_a = 0,
+      "threads"_a = kernels::kGemvThreads, "batch_rows"_a = 0, "x_stride"_a = 0, "x_at"_a = 0,
       "embed"_a.none() = nb::none(), "extra_groups"_a = 0, "label"_a = "",
       "norm_gemv_q<bits> as the decode step encodes it (csrc/runtime/families/gemv.h): the RMSNorm of x\n"
       "(cols fp32 from byte x_at; norm bf16 [cols]) into xn (with write_xn) and the GEMVs of `matrices`\n"
@@ -245,7 +245,7 @@ void bind_families(nb::module_& m) {
             batch_rows != 0, threads);
       },
       "compute_pass"_a, "weights"_a, "xn"_a, "logits"_a, "h"_a, "ids"_a, "route_w"_a, "hidden"_a, "inter"_a,
-      "inter_shared"_a, "experts"_a, "top_k"_a, "norm_topk"_a = true, "threads"_a = DecodePlan::kGemvThreads,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "norm_topk"_a = true, "threads"_a = kernels::kGemvThreads,
       "batch_rows"_a = 0, "x_stride"_a = 0, "logits_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0,
       "w_stride"_a = 0, "label"_a = "",
       "moe_route_gate_up_swiglu_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights =\n"
@@ -274,7 +274,7 @@ void bind_families(nb::module_& m) {
                         batch_rows != 0, threads);
       },
       "compute_pass"_a, "weights"_a, "h"_a, "ids"_a, "route_w"_a, "residual"_a, "hidden"_a, "inter"_a,
-      "inter_shared"_a, "experts"_a, "top_k"_a, "threads"_a = DecodePlan::kGemvThreads, "batch_rows"_a = 0,
+      "inter_shared"_a, "experts"_a, "top_k"_a, "threads"_a = kernels::kGemvThreads, "batch_rows"_a = 0,
       "x_stride"_a = 0, "h_stride"_a = 0, "ids_stride"_a = 0, "w_stride"_a = 0, "label"_a = "",
       "moe_down_q4 as the decode step encodes it (csrc/runtime/families/moe.h): weights = (down, shared\n"
       "down), 4-bit (weight, scales, biases), the routed ones stacked [experts, hidden, inter]; residual\n"

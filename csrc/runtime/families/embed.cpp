@@ -20,7 +20,7 @@ void encode_embed_rows(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std:
       .args(5, args::EmbedArgs{cols, vocab})
       .run(pass);
   // the rows it really reads: codes, and a bf16 scale and bias per kQuantGroup values
-  if (traffic) traffic->weight_bytes += uint64_t(rows) * (cols / 2 + 2 * (cols / args::kQuantGroup) * 2);
+  if (traffic) traffic->weight_bytes += uint64_t(rows) * args::q4_row_bytes(cols);
 }
 
 }  // namespace lily::runtime

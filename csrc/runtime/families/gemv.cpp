@@ -60,7 +60,7 @@ void encode_norm_gemv(gpu::ComputePass& pass, const gpu::Pipeline& kernel, std::
     op.in(23, embed->tokens, embed->token_at, sizeof(uint32_t))
         .args(24, args::EmbedArgs{cols, embed->vocab})
         .out(0, x, x_at, x_span);
-    t.weight_bytes += cols / 2 + 2 * (cols / args::kQuantGroup) * 2;  // the row it really reads
+    t.weight_bytes += args::q4_row_bytes(cols);  // the row it really reads
   } else {
     op.in(0, x, x_at, x_span);
   }

@@ -16,7 +16,7 @@ namespace {
 // Bytes of a 4-bit [rows, cols] matrix: weights, then bf16 scales and biases per kQuantGroup
 // columns.
 uint64_t q4_bytes(uint64_t rows, uint64_t cols) {
-  return rows * cols / 2 + 2 * rows * (cols / args::kQuantGroup) * 2;
+  return rows * args::q4_row_bytes(uint32_t(cols));
 }
 
 // Bytes one GEMV pass over the picked experts of `n` rows and the shared expert reads (the
