@@ -279,7 +279,7 @@ def test_kernel_bench_runs_every_case_on_the_simulator(tmp_path):
     assert rep["kind"] == estimate.KERNELS_KIND and rep["machine"]["device"] == "sim" and rep["small_shapes"]
     assert [c["kernel"] for c in rep["kernels"]] == [c.kernel for c in kernel_bench.cases()]
     # the design the tensor-op attention cases timed (the simulator's own layout: threadgroup memory)
-    assert rep["machine"]["attention_path"]["path"] == "threadgroup memory"
+    assert rep["machine"]["tensor_attention_path"]["path"] == "threadgroup memory"
     assert "prefill attention (the attn_prefill cases): scores and P through threadgroup memory: the " in r.stdout
     m = estimate.machine("m5max")
     bounds: dict = {}

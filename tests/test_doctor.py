@@ -100,7 +100,7 @@ def test_doctor_json(capsys):
         "gemv_q4": "PASS", "rms_norm": "PASS", "embed_rows_q4": "PASS"}
     assert report["device"]["name"] == "sim" and report["device"]["tensor_ops"] is True
     assert report["device"]["bfloat_tensor_ops"] is True and report["device"]["bfloat_tensor_ops_status"] == ""
-    attn = report["device"]["attention_path"]  # the simulator's own cooperative-tensor layout
+    attn = report["device"]["tensor_attention_path"]  # the simulator's own cooperative-tensor layout
     assert attn["path"] == "threadgroup memory" and attn["mismatch"]["tensor"] == "scores", attn
     pipes = report["pipelines"]
     assert len(pipes) == report["device"]["kernels"]

@@ -170,12 +170,17 @@ class Device:
         CommandBuffer.dispatch_log reads (the scalar counters are always kept).
         """
 
-def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True, threads: int | None = None, faults: Mapping[str, str] = {}) -> Device:
+def sim_device(record_only: bool = False, order: str = 'forward', thread_order: str = 'forward', seed: int = 0, poison: bool = True, verify_writes: bool = False, verify_reads: bool = False, gpu_family: str = 'apple9', working_set_bytes: int = 0, max_buffer_bytes: int = 0, pipeline_thread_limit: int = 0, bfloat_tensor_ops: bool = True, threads: int | None = None, faults: Mapping[str, str] = {}, tensor_layout: str = 'sim') -> Device:
     """
     The Metal simulator: runs metal/*.metal on the CPU with Metal's execution model.
     gpu_family ('apple7'..'apple10') is the family it reports; 'apple10' offers the Metal 4
     tensor-op kernels (metal/*_tensor.metal), as an M5 does; bfloat_tensor_ops=False leaves out
     those with bfloat operands (the prefill attention's), as a tensor library without them.
+    tensor_layout: where cooperative-tensor elements lie: 'sim' (default), an adversarial layout
+    that catches kernels assuming one; 'nax', the M5's 16 x 16 fragment layout of
+    execution_simdgroup tiles with extents multiples of 16, which MLX's NAX kernels assume
+    (other scopes and shapes keep 'sim'); accepted with every gpu_family, used by apple10's
+    tensor-op kernels only. Another value is a ValueError.
     working_set_bytes / max_buffer_bytes: the memory budget it reports (Device.memory_limits;
     0 = none), as a Mac's GPU does.
     pipeline_thread_limit caps every pipeline's thread limit below the kernel's declared one, as

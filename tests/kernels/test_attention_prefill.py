@@ -546,7 +546,7 @@ def test_prefill_tensor_reads_large_projections(tdev):
     _check_large_projections(tdev, True)
 
 
-# ---- which path the tensor-op attention takes (attn_layout_probe_d<D>_tensor, attention_path) --
+# ---- which path the tensor-op attention takes (attn_layout_probe_d<D>_tensor, tensor_attention_path) --
 
 @pytest.mark.parametrize("D", [256, 64])
 def test_attention_path_tensor_registers_on_the_fragment_layout(D):
@@ -554,7 +554,7 @@ def test_attention_path_tensor_registers_on_the_fragment_layout(D):
     scores, P and O tensors hold it: the register path, and the probe's records are consistent
     (its doctor check)."""
     dev = sim_device(gpu_family="apple10", tensor_layout="nax")
-    got = twins.attention_path(dev, D)
+    got = twins.tensor_attention_path(dev, D)
     assert got["path"] == "registers" and got["mismatch"] is None, got
     assert "in registers" in got["detail"]
     assert twins._attn_layout_probe(dev, None, f"attn_layout_probe_d{D}_tensor") == 0.0
@@ -565,7 +565,7 @@ def test_attention_path_tensor_threadgroup_memory_names_the_mismatch():
     first slot that differs: tensor, lane, slot, what it holds and what the layout puts there,
     as the probe recorded them."""
     dev = sim_device(gpu_family="apple10")
-    got = twins.attention_path(dev)
+    got = twins.tensor_attention_path(dev)
     assert got["path"] == "threadgroup memory", got
     mm = got["mismatch"]
     assert mm["tensor"] in twins.LAYOUT_TENSORS and 0 <= mm["lane"] < 32 and mm["slot"] is not None
@@ -581,5 +581,5 @@ def test_attention_path_tensor_threadgroup_memory_names_the_mismatch():
 
 def test_attention_path_tensor_simdgroup_without_tensor_ops():
     """apple9 (no tensor ops): the simdgroup path, saying why, without dispatching the probe."""
-    got = twins.attention_path(sim_device(gpu_family="apple9"))
+    got = twins.tensor_attention_path(sim_device(gpu_family="apple9"))
     assert got["path"] == "simdgroup" and "no bfloat tensor ops" in got["detail"], got

@@ -24,7 +24,7 @@ from lily import _core, native_backend  # by module: tests swap its make_device
 from lily.checkpoint import open_checkpoint
 from lily.engine import DEFAULT_MAX_CONTEXT, METAL_BUILD_FIX, default_model_path
 from lily.errors import DeviceError, InvalidParameterError
-from lily.lab.kernels.attention_prefill import attention_path
+from lily.lab.kernels.attention_prefill import tensor_attention_path
 from lily.lab.kernels.harness import TOY, Result, Size
 from lily.lab.kernels.registry import run_checks, shipped_kernels
 from lily.lab.system import system_info
@@ -268,10 +268,10 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
                                                f"no: {dev.bfloat_tensor_ops_status}; the prefill GEMMs and "
                                                "attention run simdgroup_matrix"))
         try:  # the design the tensor-op attention takes on this GPU (attn_layout_probe_d256_tensor)
-            attn = attention_path(dev)
+            attn = tensor_attention_path(dev)
         except Exception as e:  # noqa: BLE001 (a probe that fails is a line in the report)
             attn = {"path": "unknown", "detail": f"the layout probe failed: {type(e).__name__}: {e}", "mismatch": None}
-        report["device"]["attention_path"] = attn
+        report["device"]["tensor_attention_path"] = attn
         say(f"  {'prefill attn':<15} {attn['detail']}")
         pipes = [_pipeline(dev, k) for k in names]  # building each one shows what the GPU compiler rejects
         if name == "sim":  # the simulator does not measure threadgroup memory: unknown, not 0
@@ -358,7 +358,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
             f"{'yes' if dev.supports_tensor_ops else dev.tensor_ops_status}"
             + (f" | tensor bfloat: {dev.bfloat_tensor_ops_status}"
                if dev.supports_tensor_ops and not dev.supports_bfloat_tensor_ops else "")
-            + f" | prefill attention: {report['device']['attention_path']['detail']}")
+            + f" | prefill attention: {report['device']['tensor_attention_path']['detail']}")
     if "error" in mem:
         say(f"memory: FAILED: {_short(mem['error'])}")
     else:

@@ -32,7 +32,7 @@ from lily.errors import InvalidParameterError
 from lily.lab import estimate
 from lily.lab.device import upload
 from lily.lab.kernels.attention import AttnLayer
-from lily.lab.kernels.attention_prefill import PrefillAttnLayer, attention_path, chunk_inputs, pack_bf16_q
+from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, tensor_attention_path, pack_bf16_q
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
 from lily.lab.kernels.gemm import enc_gemm
 from lily.lab.kernels.gdn import GDN_DECODE_SPLITS, GdnLayer, gdn_decode_dispatch, gdn_ring_entry
@@ -337,8 +337,8 @@ def run(device: str = "auto", *, reps: int | None = None, small: bool | None = N
     info = {k: sysi.get(k) for k in ("chip", "arch", "memory_bytes", "os")}
     info.update(device=name, device_name=dev.name, gpu_family=dev.gpu_family,
                 tensor_ops=bool(dev.supports_tensor_ops), bfloat_tensor_ops=bool(dev.supports_bfloat_tensor_ops))
-    # the design the tensor-op attention cases (the model's head dim, attention_path's default) time here
-    info["attention_path"] = attention_path(dev)
+    # the design the tensor-op attention cases (the model's head dim, tensor_attention_path's default) time here
+    info["tensor_attention_path"] = tensor_attention_path(dev)
     key = estimate.machine_for_chip(info.get("chip")) if name == "metal" else None
     m = estimate.machine(key) if key else None
     notice = None if name == "metal" else (
@@ -378,8 +378,8 @@ def format_report(rep: dict) -> str:
                                                                  ", the model's shapes")]
     if rep.get("notice"):
         out.append(f"  NOTE: {rep['notice']}")
-    if m.get("attention_path"):
-        out.append(f"  prefill attention (the attn_prefill cases): {m['attention_path']['detail']}")
+    if m.get("tensor_attention_path"):
+        out.append(f"  prefill attention (the attn_prefill cases): {m['tensor_attention_path']['detail']}")
     out += ["", f"{'case':48s} {'kernel':34s} {'median us':>11} {'roofline us':>12} {'of peak':>8}  bound"]
     for r in rep["kernels"]:
         roof = r["roofline"]

@@ -381,7 +381,7 @@ def _first_mismatch(slots, lanes):
     return None
 
 
-def attention_path(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]) -> dict:
+def tensor_attention_path(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]) -> dict:
     """The path the prefill attention takes on ``dev`` at ``head_dim``, from the device's
     tensor-op support and, on an apple10 device, attn_layout_probe_d<head_dim>_tensor: the same
     check attn_prefill_*_tensor runs (docs/prefill.md, "Attention").
