@@ -81,12 +81,29 @@ static inline void load_v(thread VIn& v, device const bfloat* vhead, uint t0, ui
 // The rows a lane holds (fm, fm + 8) are shared by the lanes differing in bits 0 and 3 only.
 constant constexpr ushort kNaxSlots = kSlab * kTile / 32;  // 16 per lane
 constant constexpr ushort kNaxRowLanes = 9;                // softmax_row's LANE_BITS
+// Which of its two rows a lane's slot holds (0: fm, 1: fm + 8), and the slot's place among
+// the lane's 8 columns of that row.
+static inline ushort nax_lane_row(ushort slot) { return (slot % 8) / 4; }
+static inline ushort nax_lane_col(ushort slot) { return 4 * (slot / 8) + slot % 4; }
 static inline ushort nax_row(ushort lane, ushort slot) {
-  return (((lane >> 2) & 4) | ((lane >> 1) & 3)) + 8 * ((slot % 8) / 4);
+  return (((lane >> 2) & 4) | ((lane >> 1) & 3)) + 8 * nax_lane_row(slot);
 }
 static inline ushort nax_col(ushort lane, ushort slot) {
   return 16 * (slot / 8) + (((lane >> 2) & 2) | (lane & 1)) * 4 + slot % 4;
 }
+
+// The attention's two simdgroup-scope products, one home for attend and the layout check:
+// S_h (kSlab x kTile) = Q_h K_h^T (K's rows are the right operand's columns:
+// transpose_right) and O[:, 32 j ..] (kSlab x 32) += P V[:, 32 j ..].
+template <uint D>
+constexpr matmul2d_descriptor attn_qk_desc() {
+  return matmul2d_descriptor(kSlab, kTile, D / 2, false, true, false, matmul2d_descriptor::mode::multiply);
+}
+constexpr matmul2d_descriptor attn_pv_desc() {
+  return matmul2d_descriptor(kSlab, kCols, kTile, false, false, false, matmul2d_descriptor::mode::multiply_accumulate);
+}
+// K rows read by the Q K^T product straight from the cache
+using AttnDevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
 // What nax_layout saw, slot by slot: nothing in the attention; attn_layout_probe_d<D>_tensor's
 // device records (prefill_args.h, kAttnLayoutProbeFields ints per slot).
 struct no_layout_record {
@@ -138,17 +155,14 @@ static inline bool nax_layout(thread T& t, ushort lane, Rec rec) {
 // as attend builds them each hold the fragment layout. All three are checked (and recorded).
 template <uint D, class Rec>
 static inline bool attn_register_layout(ushort lane, Rec s_rec, Rec p_rec, Rec o_rec) {
-  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
-  constexpr auto qk_desc =
-      matmul2d_descriptor(kSlab, kTile, D / 2, false, true, false, matmul2d_descriptor::mode::multiply);
-  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
-                                               matmul2d_descriptor::mode::multiply_accumulate);
+  constexpr auto qk_desc = attn_qk_desc<D>();
+  constexpr auto pv_desc = attn_pv_desc();
   matmul2d<qk_desc, execution_simdgroup> qk;
   matmul2d<pv_desc, execution_simdgroup> pv;
   using QIn = decltype(qk.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
   using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
   using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
-  auto s = qk.template get_destination_cooperative_tensor<QIn, DevRows, float>();
+  auto s = qk.template get_destination_cooperative_tensor<QIn, AttnDevRows, float>();
   auto p = pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>();
   auto o = pv.template get_destination_cooperative_tensor<PIn, VIn, float>();
   const bool s_ok = nax_layout(s, lane, s_rec);
@@ -156,10 +170,6 @@ static inline bool attn_register_layout(ushort lane, Rec s_rec, Rec p_rec, Rec o
   const bool o_ok = nax_layout(o, lane, o_rec);
   return s_ok && p_ok && o_ok;
 }
-
-// pick<C, A, B>::type: A if C, else B
-template <bool C, class A, class B> struct pick { using type = B; };
-template <class A, class B> struct pick<true, A, B> { using type = A; };
 
 // One threadgroup's attention. NAX: the scores and P stay in registers (the fragment layout
 // holds: attend_tensor checks it), else they pass through the slab's threadgroup buffers.
@@ -194,14 +204,9 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
   threadgroup bfloat* p_sl = ps + slab * kSlab * kTile;
   threadgroup float* v_sl = rowv + slab * kSlabValues;
 
-  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
   using PTile = tensor<threadgroup bfloat, extents<int32_t, kTile, kSlab>, tensor_inline>;
-  // S_h (kSlab x kTile) = Q_h K_h^T: K's rows are the right operand's columns (transpose_right)
-  constexpr auto qk_desc =
-      matmul2d_descriptor(kSlab, kTile, DH, false, true, false, matmul2d_descriptor::mode::multiply);
-  // O[:, 32 j ..] (kSlab x 32) += P V[:, 32 j ..]
-  constexpr auto pv_desc = matmul2d_descriptor(kSlab, kCols, kTile, false, false, false,
-                                               matmul2d_descriptor::mode::multiply_accumulate);
+  constexpr auto qk_desc = attn_qk_desc<D>();
+  constexpr auto pv_desc = attn_pv_desc();
   matmul2d<qk_desc, execution_simdgroup> qk;
   matmul2d<pv_desc, execution_simdgroup> pv;
 
@@ -218,7 +223,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
   }
   using VIn = decltype(pv.template get_right_input_cooperative_tensor<bfloat, bfloat, float>());
   using PIn = decltype(pv.template get_left_input_cooperative_tensor<bfloat, bfloat, float>());
-  using ODest = decltype(pv.template get_destination_cooperative_tensor<typename pick<NAX, PIn, PTile>::type, VIn, float>());
+  using ODest = decltype(pv.template get_destination_cooperative_tensor<conditional_t<NAX, PIn, PTile>, VIn, float>());
   ODest o[NJ];
   VIn vb[2];  // V's slices, double-buffered: the next one's loads in flight during a product
   for (uint j = 0; j < NJ; ++j) {
@@ -253,9 +258,9 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     load_v<D>(vb[0], vhead, t0, kend, dhalf * DH);  // in flight across S, the softmax and the barriers
     // K_h: rows [t0, min(t0 + kTile, kend)) of the cache, this half's dims (only read: no
     // barrier orders it; S columns past the extent are unspecified and masked below)
-    DevRows tK((device bfloat*)(khead + ulong(t0) * D + dhalf * DH),
+    AttnDevRows tK((device bfloat*)(khead + ulong(t0) * D + dhalf * DH),
                dextents<int32_t, 2>(DH, min(kTile, kend - t0)), kstride);
-    auto s = qk.template get_destination_cooperative_tensor<decltype(q), DevRows, float>();
+    auto s = qk.template get_destination_cooperative_tensor<decltype(q), AttnDevRows, float>();
     qk.run(q, tK, s);
     bool moved;
     float corr[2] = {1.0f, 1.0f};
@@ -281,10 +286,10 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       float sv[2][8];
       #pragma clang loop unroll(full)  // (as MLX's NAX loops) arrays indexed by the slot stay in registers
       for (ushort i = 0; i < kNaxSlots; ++i) {
-        const uint r = (i % 8) / 4;
+        const uint r = nax_lane_row(i);
         const uint key = t0 + nax_col(lane, i);
         const float x = dhalf == 1 ? sx[32 * i] : s[i];
-        sv[r][4 * (i / 8) + i % 4] = (live[r] && key <= spos[r] && key < kend) ? x : -INFINITY;
+        sv[r][nax_lane_col(i)] = (live[r] && key <= spos[r] && key < kend) ? x : -INFINITY;
       }
       bfloat pv_[2][8];
       #pragma clang loop unroll(full)
@@ -293,7 +298,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       }
       #pragma clang loop unroll(full)
       for (ushort i = 0; i < kNaxSlots; ++i) {
-        pin[i] = pv_[(i % 8) / 4][4 * (i / 8) + i % 4];
+        pin[i] = pv_[nax_lane_row(i)][nax_lane_col(i)];
       }
       moved = simd_any(corr[0] != 1.0f || corr[1] != 1.0f);
     } else {
@@ -338,7 +343,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
         #pragma clang loop unroll(full)
         for (uint16_t i = 0; i < o[j].get_capacity(); ++i) {
           if (o[j].is_valid_element(i)) {
-            o[j][i] *= NAX ? corr[(i % 8) / 4] : v_sl[o[j].get_multidimensional_index(i)[1]];
+            o[j][i] *= NAX ? corr[nax_lane_row(i)] : v_sl[o[j].get_multidimensional_index(i)[1]];
           }
         }
       }
@@ -382,12 +387,12 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
       const uint row = row0 + r / G;
       const uint h = h0 + r % G;
       const uint d = dhalf * DH + j * kCols + uint(at[0]);
-      const float lr = NAX ? rl[(i % 8) / 4] : v_sl[kSlab + uint(at[1])];
+      const float lr = NAX ? rl[nax_lane_row(i)] : v_sl[kSlab + uint(at[1])];
       if (SPLIT) {
         const ulong slot = (ulong(split) * M + row) * Hq + h;
         part_o[slot * D + d] = o[j][i];
         if (d == 0) {
-          part_ml[2 * slot] = NAX ? m[(i % 8) / 4] : v_sl[2 * kSlab + uint(at[1])];
+          part_ml[2 * slot] = NAX ? m[nax_lane_row(i)] : v_sl[2 * kSlab + uint(at[1])];
           part_ml[2 * slot + 1] = lr;
         }
       } else {
