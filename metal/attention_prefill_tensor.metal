@@ -504,20 +504,23 @@ template [[host_name("attn_prefill_split_d64_g2_tensor")]] [[kernel]] decltype(a
 // valid = -1.
 template <uint D>
 [[max_total_threads_per_threadgroup(kAttnLayoutProbeThreads)]] kernel void attn_layout_probe(device int* slots [[buffer(0)]],  // int [kAttnLayoutProbeTensors, 32, kAttnLayoutProbeSlots, kAttnLayoutProbeFields]
-                                device int* lanes [[buffer(1)]],  // int [kAttnLayoutProbeTensors, 32, 2]: {verdict, capacity}
+                                device int* lanes [[buffer(1)]],  // int [kAttnLayoutProbeTensors, 32, kAttnLayoutProbeLaneFields]
                                 uint lane [[thread_index_in_simdgroup]]) {
   using namespace attn_prefill_tensor_detail;
   static_assert(kAttnLayoutProbeTensors == 3, "scores, P, O");
+  static_assert(kAttnLayoutProbeThreads == 32, "one simdgroup");
   constexpr uint per_lane = kAttnLayoutProbeSlots * kAttnLayoutProbeFields;
+  constexpr uint slots_per_tensor = kAttnLayoutProbeThreads * per_lane;
+  constexpr uint lanes_per_tensor = kAttnLayoutProbeThreads * kAttnLayoutProbeLaneFields;
   for (uint t = 0; t < kAttnLayoutProbeTensors; ++t) {
     for (uint j = 0; j < per_lane; ++j) {
-      slots[(t * 32 + lane) * per_lane + j] = -1;
+      slots[t * slots_per_tensor + lane * per_lane + j] = -1;
     }
   }
-  device int* at = slots + lane * per_lane;  // tensor t's: at + t * 32 * per_lane
-  device int* verdicts = lanes + lane * 2;
-  const device_layout_record s_rec{at, verdicts}, p_rec{at + 32 * per_lane, verdicts + 64},
-      o_rec{at + 64 * per_lane, verdicts + 128};
+  device int* at = slots + lane * per_lane;
+  device int* verdicts = lanes + lane * kAttnLayoutProbeLaneFields;
+  const device_layout_record s_rec{at, verdicts}, p_rec{at + slots_per_tensor, verdicts + lanes_per_tensor},
+      o_rec{at + 2 * slots_per_tensor, verdicts + 2 * lanes_per_tensor};
   attn_register_layout<D>(lane, s_rec, p_rec, o_rec);
 }
 template [[host_name("attn_layout_probe_d256_tensor")]] [[kernel]] decltype(attn_layout_probe<256>) attn_layout_probe<256>;

@@ -232,11 +232,13 @@ enum : uint {
   // attn_layout_probe_d<D> (attention_prefill_tensor.metal): one simdgroup records, for each
   // of the register path's kAttnLayoutProbeTensors cooperative tensors (scores, P, O), lane and
   // slot below kAttnLayoutProbeSlots, kAttnLayoutProbeFields ints: {valid, row, column, the
-  // fragment layout's row, its column}
+  // fragment layout's row, its column}, and per tensor and lane kAttnLayoutProbeLaneFields
+  // ints: {the lane's verdict, the tensor's capacity}
   kAttnLayoutProbeThreads = 32,
   kAttnLayoutProbeTensors = 3,
   kAttnLayoutProbeSlots = 32,
   kAttnLayoutProbeFields = 5,
+  kAttnLayoutProbeLaneFields = 2,
 };
 constant constexpr float kAttnPrefillRescale = 8.0f;
 // Threadgroup memory of the attention kernels, declared by them and read by the cost table.
@@ -309,6 +311,6 @@ struct AttnPrefillArgs {
   C(kGdnScanTokensPerBlock) C(kGdnScanFold) C(kAttnPrefillThreads) C(kAttnPrefillPairs) C(kAttnPrefillTile) \
   C(kAttnPrefillPrepRows) C(kAttnPrefillPrepThreads) \
   C(kAttnPrefillSlabRows) C(kAttnPrefillRescale) C(kAttnLayoutProbeThreads) C(kAttnLayoutProbeTensors) \
-  C(kAttnLayoutProbeSlots) C(kAttnLayoutProbeFields)
+  C(kAttnLayoutProbeSlots) C(kAttnLayoutProbeFields) C(kAttnLayoutProbeLaneFields)
 
 #endif  // LILY_PREFILL_ARGS_H

@@ -761,3 +761,44 @@ def test_implausible_refits_are_excluded():
     slow = [m for m in sc["excluded"] if m.latency["mem"] == estimate.CONSTANTS["latency_mem"].low
             and m.loop_overlap == estimate.CONSTANTS["loop_overlap"].low]
     assert slow and all("decode refit" in m.calibration["excluded"] for m in slow)
+
+
+def _calibration_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "estimate_calibration.py"
+    spec = importlib.util.spec_from_file_location("estimate_calibration", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_what_the_prefill_targets_need_of_the_attention():
+    """tools/estimate_calibration.py targets (docs/performance.md, "What the prefill targets
+    need"): its likely figures are `lily estimate`'s, and the attention efficiency it names
+    for a length is the smallest that reaches 1.25x MLX-LM in the estimate itself."""
+    tool = _calibration_tool()
+    assert tool._needed(lambda e: 1.0 / e, 0.2, 1.0, 2.0) == pytest.approx(0.5, abs=1e-3)
+    assert tool._needed(lambda e: 1.0 / e, 0.2, 1.0, 0.5) is None  # beyond the peak
+    rows = tool.target_rows(1.25)
+    rep = estimate.estimate("m5max", prompts=[r["prompt"] for r in rows], contexts=[4096], batches=[1])
+    likely = {p["prompt"]: p["tok_s"]["likely"] for p in rep["prefill"]}
+    m = estimate.likely_machine(estimate.machine("m5max"))
+    cfg = estimate.model_config()
+    checked = 0
+    for r in rows:
+        L = r["prompt"]
+        assert r["likely"] == pytest.approx(likely[L], rel=1e-9)
+        goal = 1.25 * r["mlx_lm"]
+        if r["likely"] >= goal:
+            assert r["need"] <= r["efficiency"] + 1e-3 and r["rest"] == 1.0
+            continue
+        if r["need"] is None:
+            continue
+        checked += 1
+        at = estimate.prefill(replace(m, attention_efficiency=r["need"]), cfg, L, 4096).seconds
+        below = estimate.prefill(replace(m, attention_efficiency=r["need"] - 2e-3), cfg, L, 4096).seconds
+        assert L / at >= goal > L / below
+        assert r["rest"] > 1.0
+    assert checked >= 3

@@ -8,7 +8,8 @@ foundations; docs/performance.md, "An honest estimate"): every table that page q
     tools/estimate_calibration.py cross         one engine's fit predicting the other's prefill (design transfer)
     tools/estimate_calibration.py residency     MLX-LM's prefill fit against the threadgroup memory per core
     tools/estimate_calibration.py corners       latency constants moved one at a time off the scenario corners
-    tools/estimate_calibration.py sensitivity   each constant alone at its ends (4K decode, 4K prefill)
+    tools/estimate_calibration.py sensitivity   each constant alone at its ends (4K decode; 4K, 32K, 128K prefill)
+    tools/estimate_calibration.py targets       what issue 27's prefill targets need of the attention, per length
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 from dataclasses import replace
 
 from lily.lab import calibration, estimate, tensor_rate
+from lily.lab.published import PPLX_PUBLISHED_M5MAX
 
 CFG = estimate.model_config()
 
@@ -143,21 +145,93 @@ def corners() -> None:
 
 def sensitivity() -> None:
     m = estimate.likely_machine(estimate.machine("m5max"))
+    cache: dict = {}
 
     def figures(x):
-        return 1 / estimate.decode_step(x, CFG, 4096).seconds, 4096 / estimate.prefill(x, CFG, 4096, 4096, {}).seconds
+        return (1 / estimate.decode_step(x, CFG, 4096).seconds,
+                *(L / estimate.prefill(x, CFG, L, 4096, cache).seconds for L in (4096, 32768, 131072)))
 
-    d, p = figures(m)
-    print(f"*** ESTIMATE *** each constant alone at its low / high end (likely: decode {d:.1f}, prefill {p:,.0f} tok/s "
-          "at 4K; calibrations not refit)")
+    d, *p = figures(m)
+    print(f"*** ESTIMATE *** each constant alone at its low / high end (likely: decode {d:.1f} at 4K, prefill "
+          f"{' / '.join(f'{v:,.0f}' for v in p)} tok/s at 4K / 32K / 128K; calibrations not refit)")
     for name, c in estimate.CONSTANTS.items():
-        (dl, pl), (dh, ph) = figures(estimate.with_constants(m, {name: c.low})), figures(estimate.with_constants(m, {name: c.high}))
-        print(f"{name:22s} decode {dl:6.1f} / {dh:6.1f}   prefill {pl:7,.0f} / {ph:7,.0f}")
+        lo, hi = figures(estimate.with_constants(m, {name: c.low})), figures(estimate.with_constants(m, {name: c.high}))
+        pre = "   ".join(f"{L} {a:7,.0f} / {b:7,.0f}" for L, a, b in zip(("4K", "32K", "128K"), lo[1:], hi[1:]))
+        print(f"{name:22s} decode {lo[0]:6.1f} / {hi[0]:6.1f}   prefill {pre}")
+
+
+def _needed(seconds, lo: float, hi: float, goal: float) -> float | None:
+    """The smallest efficiency in [lo, hi] (to 0.001) whose prefill takes at most ``goal``
+    seconds (``seconds(efficiency)`` falls as the efficiency rises); None if even ``hi`` is
+    too slow."""
+    if seconds(hi) > goal:
+        return None
+    while hi - lo > 1e-3:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if seconds(mid) <= goal else (mid, hi)
+    return hi
+
+
+def target_rows(ratio: float = 1.25) -> list[dict]:
+    """Issue 27's prefill targets (the likely figure >= ``ratio`` x MLX-LM's published M5 Max
+    rate, the low figure above it) against the attention, per published length: MLX-LM's rate,
+    the likely and low tok/s, the attention's share of the likely time, the tensor efficiency
+    the attention would need (everything else as estimated) for the likely figure to reach
+    ``ratio`` x MLX-LM (``need``) and for the low figure's machine to reach 1.0x
+    (``need_low``), each None where no attention could (or equal to the efficiency it has
+    where the target is met); and, the attention kept as estimated, the factor by which
+    everything else would have to run faster for the likely target (``rest``: 1.0 where met,
+    None where no such factor exists)."""
+    base = estimate.machine("m5max")
+    m = estimate.likely_machine(base)
+    lows = estimate.scenarios(base)["low"]
+    cache: dict = {}
+
+    def secs(x: estimate.Machine, L: int, eff: float | None = None) -> float:
+        x = x if eff is None else replace(x, attention_efficiency=eff)
+        return estimate.prefill(x, CFG, L, 4096, cache).seconds
+
+    rows = []
+    for L, published in PPLX_PUBLISHED_M5MAX.items():
+        mlx = published[3]
+        t = estimate.prefill(m, CFG, L, 4096, cache)
+        att = t.families["attention"]
+        goal = L / (ratio * mlx)
+        low_m = min(lows, key=lambda x: L / secs(x, L))
+        rows.append({
+            "prompt": L, "mlx_lm": mlx, "likely": L / t.seconds, "attention_share": att / t.seconds,
+            "efficiency": m.attention_efficiency,
+            "need": _needed(lambda e, n=L: secs(m, n, e), m.attention_efficiency, 1.0, goal),
+            "rest": 1.0 if t.seconds <= goal else ((t.seconds - att) / (goal - att) if goal > att else None),
+            "low": L / secs(low_m, L), "low_efficiency": low_m.attention_efficiency,
+            "need_low": _needed(lambda e, x=low_m, n=L: secs(x, n, e), low_m.attention_efficiency, 1.0, L / mlx),
+        })
+    return rows
+
+
+def targets(ratio: float = 1.25) -> None:
+    rows = target_rows(ratio)
+    m = estimate.likely_machine(estimate.machine("m5max"))
+    print(f"*** ESTIMATE *** the attention efficiency (of the {m.rates['tensor_bf16'] / 1e12:.1f} TFLOPS tensor peak) "
+          f"issue 27's prefill targets need, the rest as estimated; likely machine's attention {rows[0]['efficiency']:.2f} "
+          "(MLX's fitted efficiency x the register path's transfer); '--' met, '> 1' out of reach")
+    print(f"  prompt  MLX-LM tok/s   likely (x)   attention share   needs for x{ratio:.2f}   or the rest   low (x)   "
+          "its attention   needs for 1.0x")
+
+    def shown(v, have):
+        return "> 1" if v is None else ("--" if v <= have + 1e-3 else f"{v:.2f}")
+
+    for r in rows:
+        rest = "--" if r["rest"] == 1.0 else ("none" if r["rest"] is None else f"x{r['rest']:.3f}")
+        print(f"{r['prompt']:8d} {r['mlx_lm']:12,.0f} {r['likely']:8,.0f} ({r['likely'] / r['mlx_lm']:4.2f}) "
+              f"{100 * r['attention_share']:12.0f}% {shown(r['need'], r['efficiency']):>17s} {rest:>13s} "
+              f"{r['low']:8,.0f} ({r['low'] / r['mlx_lm']:4.2f}) {r['low_efficiency']:10.2f} "
+              f"{shown(r['need_low'], r['low_efficiency']):>17s}")
 
 
 def main() -> None:
     commands = {"decode": decode, "validate": validate, "engines": engines, "cross": cross, "residency": residency,
-                "corners": corners, "sensitivity": sensitivity}
+                "corners": corners, "sensitivity": sensitivity, "targets": targets}
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=tuple(commands))
     commands[ap.parse_args().what]()

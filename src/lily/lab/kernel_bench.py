@@ -32,10 +32,10 @@ from lily.errors import InvalidParameterError
 from lily.lab import estimate
 from lily.lab.device import upload
 from lily.lab.kernels.attention import AttnLayer
-from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, tensor_attention_path, pack_bf16_q
+from lily.lab.kernels.attention_prefill import PrefillAttnLayer, chunk_inputs, pack_bf16_q, tensor_attention_path
+from lily.lab.kernels.gdn import GDN_DECODE_SPLITS, GdnLayer, gdn_decode_dispatch, gdn_ring_entry
 from lily.lab.kernels.gdn_prefill import GDN_K, GdnPrefillLayer
 from lily.lab.kernels.gemm import enc_gemm
-from lily.lab.kernels.gdn import GDN_DECODE_SPLITS, GdnLayer, gdn_decode_dispatch, gdn_ring_entry
 from lily.lab.kernels.gemv import LM_HEAD_THREADS, enc_gemv_add, enc_norm_gemv
 from lily.lab.kernels.harness import bf16_bits, f32, rand_quant, upload_bf16, upload_q
 from lily.lab.kernels.moe import MoeWeights, enc_down, enc_route_gate_up, logits_for

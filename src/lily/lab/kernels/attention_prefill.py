@@ -347,7 +347,7 @@ def layout_probe(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]):
         Per tensor (:data:`LAYOUT_TENSORS`), lane and slot: valid (1, 0; -1 past the tensor's
         capacity), row, column (-1 where not valid), and the row and column the fragment
         layout puts there (-1: it leaves the slot empty), as the kernel computes them.
-    lanes : int32 [3, 32, 2]
+    lanes : int32 [3, 32, kAttnLayoutProbeLaneFields]
         Per tensor and lane: the kernel's verdict (1: the fragment layout holds) and the
         tensor's capacity (slots per lane).
 
@@ -359,7 +359,7 @@ def layout_probe(dev, head_dim: int = PREFILL_ATTN_DIMS["real"][2]):
     c = CONSTANTS
     shape = (c["kAttnLayoutProbeTensors"], c["kAttnLayoutProbeThreads"], c["kAttnLayoutProbeSlots"],
              c["kAttnLayoutProbeFields"])
-    lanes_shape = (c["kAttnLayoutProbeTensors"], c["kAttnLayoutProbeThreads"], 2)
+    lanes_shape = (c["kAttnLayoutProbeTensors"], c["kAttnLayoutProbeThreads"], c["kAttnLayoutProbeLaneFields"])
     S, L = dev.buffer(4 * int(np.prod(shape))), dev.buffer(4 * int(np.prod(lanes_shape)))
     run(dev, kernel_name("attn_layout_probe", "_tensor", d=head_dim), 1, c["kAttnLayoutProbeThreads"], [(0, S), (1, L)],
         writes=[S, L])
