@@ -115,7 +115,7 @@ template [[host_name("gdn_conv_state")]] [[kernel]] decltype(gdn_conv_state<kGdn
 // Threadgroup memory reads stay conflict-free: at step e the L lanes of a row read the L
 // consecutive float4s j + e*L of k (or q), i.e. 4L = 16 consecutive words, and the 32 / L = 8
 // rows of a simdgroup read those same words (one broadcast). Threadgroup memory:
-// TB * (2*DK + 2*RV + 2) * 4 bytes (10.1 KiB at DK = 128, RV = 32, TB = 8).
+// gdn_scan_smem_bytes(DK, RV) (prefill_args.h): 10.1 KiB at DK = 128, RV = 32.
 template <uint DK, uint DV, uint RV, uint TB, uint K>
 [[max_total_threads_per_threadgroup(128)]] kernel void gdn_scan(  // RV * L <= 128
     device const float* qkv [[buffer(0)]],        // [M, C] in_proj_qkv output, q | k | v (before the conv)

@@ -207,6 +207,9 @@ constant constexpr float kGdnScanFold = 1.0f / 1099511627776.0f;  // 2^-40 exact
 // gdn_scan: lanes sharing one state row (a dot product is log2 4 = 2 shuffle-add levels) and
 // tokens per threadgroup-memory block (two staged tokens per simdgroup at RV = 32).
 enum : uint { kGdnScanLanesPerRow = 4, kGdnScanTokensPerBlock = 8 };
+// gdn_scan_k<dk>_v<dv>_r<rv>'s threadgroup memory, as the kernel declares it: per staged token
+// q and k (dk floats each), v and y of its rv rows, g and beta.
+constexpr uint gdn_scan_smem_bytes(uint dk, uint rv) { return kGdnScanTokensPerBlock * (2 * dk + 2 * rv + 2) * 4; }
 
 // ---- attention -------------------------------------------------------------------------
 // metal/attention_prefill.metal; host facts in docs/prefill.md ("Attention: chunk q/k

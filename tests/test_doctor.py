@@ -102,6 +102,7 @@ def test_doctor_json(capsys):
     assert report["device"]["bfloat_tensor_ops"] is True and report["device"]["bfloat_tensor_ops_status"] == ""
     attn = report["device"]["tensor_attention_path"]  # the simulator's own cooperative-tensor layout
     assert attn["path"] == "threadgroup memory" and attn["mismatch"]["tensor"] == "scores", attn
+    assert report["device"]["threadgroup_memory"]["status"] == "not measured"  # no compiler allocation on sim
     pipes = report["pipelines"]
     assert len(pipes) == report["device"]["kernels"]
     assert all(p["built"] and 32 <= p["max_threads_per_threadgroup"] <= 1024 for p in pipes), pipes[:3]
@@ -332,3 +333,59 @@ def test_end_to_end_fails_on_wrong_logits(demo_engine):
     assert not bad["ok"] and bad["rel_err"] > 0.05
     assert doctor.check_sampled_steps(_Scaled(other, 1.0), demo_engine, ids[:8], seed=2)["ok"]
     assert not doctor.check_sampled_steps(_Scaled(other, 1.5), demo_engine, ids[:8], seed=2)["ok"]
+
+
+def test_threadgroup_memory_against_the_estimate():
+    """lily doctor's tg memory line: a GPU compiler's static allocation per kernel against the
+    figure the estimate's residency takes (estimate.declared_threadgroup_memory)."""
+    from lily.lab import estimate
+    from lily.lab.doctor import TG_MEMORY_SLACK, threadgroup_memory_check
+
+    declared = estimate.declared_threadgroup_memory()
+    # the figures the kernels' headers give (prefill_args.h, gemm_args.h)
+    assert declared["attn_prefill_d256_g8_tensor"] == 13072
+    assert declared["gdn_scan_k128_v128_r32"] == 8 * (2 * 128 + 2 * 32 + 2) * 4
+    assert declared["gemm_q4_tensor"] == 9216 and declared["moe_route_topk"] == 0
+
+    def pipe(kernel, got, built=True):
+        return {"kernel": kernel, "built": built, "static_threadgroup_memory": got}
+
+    same = [pipe(k, v) for k, v in declared.items()]
+    assert threadgroup_memory_check(same, declared) == {
+        "status": "match", "kernels": sum(v > 0 for v in declared.values()), "differs": [], "undeclared": {}}
+    padded = [pipe("gemm_q4_tensor", 9216 + TG_MEMORY_SLACK), pipe("moe_route_topk", 128),
+              pipe("not_in_the_plan", 1 << 20), pipe("gdn_scan_k128_v128_r32", None),
+              pipe("attn_prefill_d256_g8_tensor", 0, built=False)]
+    got = threadgroup_memory_check(padded, declared)
+    assert got == {"status": "match", "kernels": 1, "differs": [], "undeclared": {"moe_route_topk": 128}}
+    more = [pipe("gemm_q4_tensor", 9216 + TG_MEMORY_SLACK + 16), pipe("attn_prefill_d256_g8_tensor", 13072 - 16)]
+    got = threadgroup_memory_check(more, declared)
+    assert got["status"] == "differs" and got["kernels"] == 2
+    assert got["differs"] == [{"kernel": "gemm_q4_tensor", "declared": 9216, "compiled": 9216 + TG_MEMORY_SLACK + 16},
+                              {"kernel": "attn_prefill_d256_g8_tensor", "declared": 13072, "compiled": 13072 - 16}]
+    # the simulator reports no allocation (None): nothing to compare
+    assert threadgroup_memory_check([pipe(k, None) for k in declared], declared)["status"] == "not measured"
+
+
+
+def test_doctor_compares_a_gpu_s_threadgroup_memory(monkeypatch, capsys):
+    """Where pipelines report the compiler's allocation (a GPU's; the simulator stands in,
+    named "metal"), doctor prints the comparison and names a kernel that differs, in the
+    report and the bug-report block."""
+    from lily.lab import doctor, estimate
+
+    declared = estimate.declared_threadgroup_memory()
+    real_pipeline, real_open = doctor._pipeline, doctor.open_device
+
+    def measured(dev, kernel):
+        p = real_pipeline(dev, kernel)
+        p["static_threadgroup_memory"] = declared.get(kernel, 0) + (4096 if kernel == "gemm_q4_tensor" else 0)
+        return p
+
+    monkeypatch.setattr(doctor, "_pipeline", measured)
+    monkeypatch.setattr(doctor, "open_device", lambda name: ("metal", *real_open("sim")[1:]))
+    doctor.run("sim", kernels=["rms_norm"], quick=True, seed=1)
+    out = capsys.readouterr().out
+    assert ("tg memory       differs from the estimate's residency for 1 of "
+            f"{sum(v > 0 for v in declared.values())} kernels: gemm_q4_tensor 9216 B declared, 13312 B compiled") in out
+    assert "tg memory differs: gemm_q4_tensor 9216/13312" in out.split("--- paste this into a bug report ---")[1]

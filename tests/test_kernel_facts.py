@@ -141,7 +141,7 @@ def test_constants_have_one_home():
     # geometry numbers (`h <= 32 ? 16 : 32`, `T == 128 ? 256 : ...`, `return 128;`) where the
     # host picks (prefill.cpp's moe_tile_rows), dispatches and models them; their threadgroup
     # memory is the kernels' (gemm_args.h, prefill_args.h, mixer_args.h *_smem_bytes), not a
-    # formula of the cost table's (gdn_scan's still is).
+    # formula of the cost table's.
     heights = [p for p, text in code.items() if re.search(r"\{\s*16u?,\s*32u?,\s*64u?,\s*128u?\s*\}", text)]
     assert heights == [ROOT / "metal/prefill_args.h"], heights
     for rel in ("csrc/runtime/cost.cpp", "csrc/runtime/families/moe_prefill.cpp", "csrc/runtime/prefill.cpp"):
@@ -150,7 +150,7 @@ def test_constants_have_one_home():
         assert not pick, f"{rel}: {pick.group(0)} restates the geometry of metal/prefill_args.h"
     cost = code[ROOT / "csrc/runtime/cost.cpp"]
     for rhs in re.findall(r"threadgroup_memory = ([^;]*);", cost):
-        assert "_smem" in rhs or "kGdnScanTokensPerBlock" in rhs, rhs
+        assert "_smem" in rhs, rhs
     assert "kGemmLd" not in cost and "kAttnPrefillSlabRows" not in cost  # the ingredients of those sizes
 
 

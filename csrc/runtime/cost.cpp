@@ -514,7 +514,7 @@ std::optional<Cost> cost_of(const gpu::DispatchRecord& r) {
     add(w, Path::alu_f32, double(a.rows) * a.num_v_heads * ((6.0 + kGdnScanFolds) * Dk * Dv + (per_row + norm) * Dv +
                                                             r.groups.y * (conv + 6.0 * Dk + 40.0)));
     w.bytes = declared(r);
-    w.threadgroup_memory = uint64_t(args::kGdnScanTokensPerBlock) * (2 * Dk + 2 * param(k, "_r") + 2) * 4;
+    w.threadgroup_memory = args::gdn_scan_smem_bytes(Dk, param(k, "_r"));  // prefill_args.h
     // The recurrence: per token, its staged q, k, g from threadgroup memory, then the
     // dependent steps of the update (the decay, S'k: Dk / (4 L) float4 FMAs into one
     // accumulator, 2 adds and log2 L shuffle levels, delta, S'q likewise): ~36. Per block of

@@ -24,6 +24,7 @@ from lily import _core, native_backend  # by module: tests swap its make_device
 from lily.checkpoint import open_checkpoint
 from lily.engine import DEFAULT_MAX_CONTEXT, METAL_BUILD_FIX, default_model_path
 from lily.errors import DeviceError, InvalidParameterError
+from lily.lab import estimate
 from lily.lab.kernels.attention_prefill import tensor_attention_path
 from lily.lab.kernels.harness import TOY, Result, Size
 from lily.lab.kernels.registry import run_checks, shipped_kernels
@@ -195,6 +196,37 @@ def _pipeline(dev, kernel: str) -> dict:
         return {"kernel": kernel, "built": False, "error": f"{type(e).__name__}: {e}"}
 
 
+#: Bytes by which a compiler's static threadgroup allocation may exceed the sum a kernel
+#: declares and still count as that sum (alignment of its arrays).
+TG_MEMORY_SLACK = 64
+
+
+def threadgroup_memory_check(pipes: list[dict], declared: dict[str, int]) -> dict:
+    """The GPU compiler's static threadgroup memory (``pipes``: :func:`_pipeline` rows; None on
+    the simulator) against what the estimate's residency takes for each kernel of the model's
+    plan (``declared``: :func:`lily.lab.estimate.declared_threadgroup_memory`), in bytes.
+    ``status``: "match" (every declared kernel within :data:`TG_MEMORY_SLACK` above its
+    figure), "differs" (``differs`` lists {kernel, declared, compiled}) or "not measured"
+    (nothing to compare); ``kernels``: how many were compared; ``undeclared``: {kernel:
+    compiled bytes} of plan kernels whose cost entry declares none but whose pipeline
+    allocates some. (:func:`run` adds "unknown", with ``error``, when counting the plan fails.)"""
+    compared, differs, undeclared = 0, [], {}
+    for p in pipes:
+        got = p.get("static_threadgroup_memory")
+        if not p.get("built") or got is None or p["kernel"] not in declared:
+            continue
+        want = declared[p["kernel"]]
+        if want == 0:
+            if got:
+                undeclared[p["kernel"]] = got
+            continue
+        compared += 1
+        if not want <= got <= want + TG_MEMORY_SLACK:
+            differs.append({"kernel": p["kernel"], "declared": want, "compiled": got})
+    status = "not measured" if not compared and not undeclared else ("differs" if differs else "match")
+    return {"status": status, "kernels": compared, "differs": differs, "undeclared": undeclared}
+
+
 def _gib(n: int | None) -> str:
     return "unknown" if n is None else f"{n / 2**30:.2f} GiB"
 
@@ -279,6 +311,25 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
                 if p["built"]:
                     p["static_threadgroup_memory"] = None
         report["pipelines"] = pipes
+        if all(p.get("static_threadgroup_memory") is None for p in pipes):  # the simulator's
+            tg = threadgroup_memory_check([], {})
+        else:
+            try:
+                tg = threadgroup_memory_check(pipes, estimate.declared_threadgroup_memory())
+            except Exception as e:  # noqa: BLE001 (the comparison is information, not a check that fails)
+                tg = {"status": "unknown", "error": f"{type(e).__name__}: {e}"}
+        report["device"]["threadgroup_memory"] = tg
+        if tg["status"] == "not measured":
+            say(f"  {'tg memory':<15} not measured on the simulator (the compiler's allocation is a GPU's)")
+        elif tg["status"] == "unknown":
+            say(f"  {'tg memory':<15} not compared: counting the model's plan failed: {_short(tg['error'])}")
+        elif tg["status"] == "match":
+            say(f"  {'tg memory':<15} as the estimate takes it, for the {tg['kernels']} kernels of the model's plan "
+                "that declare some")
+        else:
+            say(f"  {'tg memory':<15} differs from the estimate's residency for {len(tg['differs'])} of "
+                f"{tg['kernels']} kernels: " + "; ".join(f"{d['kernel']} {d['declared']} B declared, "
+                                                           f"{d['compiled']} B compiled" for d in tg["differs"]))
         bad = [p["kernel"] for p in pipes if not p["built"]]
         say(f"  {'pipelines':<15} {len(names) - len(bad)} of {len(names)} built")
         for p in pipes:
@@ -372,6 +423,10 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
         failed_p = [p["kernel"] for p in pipes if not p["built"]]
         say(f"pipelines: {len(pipes) - len(failed_p)} of {len(pipes)} built"
             + (f"; FAILED: {', '.join(failed_p)}" if failed_p else ""))
+        tg = report["device"].get("threadgroup_memory", {})
+        if tg.get("status") == "differs":
+            say("tg memory differs: " + ", ".join(f"{d['kernel']} {d['declared']}/{d['compiled']}"
+                                                  for d in tg["differs"]))
     say("kernels: " + (", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "not run (no device)")
         + ("" if quick else f" (small shapes and the model's, chunks of {size.rows} rows)"))
     for label, rs in (("", results), ("model shapes: ", model_results)):

@@ -595,6 +595,25 @@ def decode_records(cfg: ModelConfig, context: int) -> list:
     return _WINDOWS[key]
 
 
+def declared_threadgroup_memory(cfg: ModelConfig | dict | None = None, context: int = 4096,
+                                rows: int = 4096) -> dict[str, int]:
+    """Threadgroup memory per kernel of the model's plan as the kernels declare it and the
+    estimate's residency (threadgroups per core) takes it, in bytes: the largest over the
+    kernel's dispatches in a decode write-back window at ``context`` and a ``rows``-row prefill
+    chunk at position ``context`` on both GEMM / attention paths (the runtime binds no dynamic
+    threadgroup memory, so this is what a GPU compiler's static allocation should be; ``lily
+    doctor`` compares the two). ``cfg``: as :func:`model_config`."""
+    cfg = model_config(cfg)
+    records = [r for step in decode_records(cfg, context) for r in step]
+    for path in ("tensor", "simdgroup"):
+        records += count_prefill_chunk(cfg, rows, context, gemm_path=path,
+                                       tensor_attention=path == "tensor")["records"]
+    out: dict[str, int] = {}
+    for r in records:
+        out[r["kernel"]] = max(out.get(r["kernel"], 0), int(r.get("threadgroup_memory") or 0))
+    return out
+
+
 def decode_step(m: Machine, cfg: ModelConfig, context: int) -> Timing:
     """Estimated time of one decode step at ``context`` tokens already in the cache: the mean
     over one write-back window of steps (:func:`decode_records`), whose Gated DeltaNet steps
