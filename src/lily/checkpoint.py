@@ -311,6 +311,12 @@ def load_config(model_dir: str | Path, *, strict: bool = False) -> tuple[ModelCo
 # --------------------------------------------------------------------------- quantization
 
 
+#: MLX's default affine quantization (``mlx.nn.quantize``): what a config's ``quantization``
+#: block means when it leaves ``bits`` or ``group_size`` out.
+MLX_DEFAULT_BITS = 4
+MLX_DEFAULT_GROUP_SIZE = 64
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """Affine quantization of one linear module: ``w = scale * q + bias`` per group."""
@@ -336,8 +342,8 @@ def quantization_for(raw_config: Mapping, module_path: str, *, where: str = "con
     if mode != "affine":
         raise ConfigError(f"{where}: quantization mode {mode!r} for {module_path} is not "
                           "supported (only MLX 'affine')")
-    bits = int(src.get("bits", q.get("bits", 4)))
-    group = int(src.get("group_size", q.get("group_size", 64)))
+    bits = int(src.get("bits", q.get("bits", MLX_DEFAULT_BITS)))
+    group = int(src.get("group_size", q.get("group_size", MLX_DEFAULT_GROUP_SIZE)))
     if bits not in (4, 8):
         raise ConfigError(f"{where}: {bits}-bit quantization of {module_path} is not "
                           "supported (4 and 8 bits are)")

@@ -47,7 +47,7 @@ from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from lily.checkpoint import ModelConfig, bf16_to_f32, f32_to_bf16
+from lily.checkpoint import MLX_DEFAULT_BITS, MLX_DEFAULT_GROUP_SIZE, ModelConfig, bf16_to_f32, f32_to_bf16
 
 __all__ = [
     "PRESETS",
@@ -77,9 +77,8 @@ TOKENIZER_VOCAB_SIZE = 248077
 #: ``<|im_end|>`` and ``<|endoftext|>``.
 EOS_TOKEN_IDS = (248046, 248044)
 
-#: Default MLX quantization of the converted checkpoints.
-Q_BITS = 4
-Q_GROUP_SIZE = 64
+#: Default MLX quantization of the converted checkpoints (MLX's own default).
+Q_BITS, Q_GROUP_SIZE = MLX_DEFAULT_BITS, MLX_DEFAULT_GROUP_SIZE
 #: Bits of the router (``mlp.gate``) and ``mlp.shared_expert_gate`` in MLX checkpoints.
 ROUTER_BITS = 8
 
