@@ -14,10 +14,18 @@ a Mac). Never commit SDK files.
    csrc/gpu/metal/metal_device.mm uses, looked up in the overlay's Metal headers (else the
    macOS 12 SDK's, with --sdk12): where it is declared, since which macOS, and whether it
    is deprecated there. A used API that the newest headers deprecate fails the check.
-2. Tensor API: the matmul2d_descriptor constructor, the matmul2d template and its run /
-   get_destination_cooperative_tensor members as Apple declares them, against the
-   simulator's stand-in (csrc/gpu/sim/msl/MetalPerformancePrimitives/), and the operand
-   element types metal/*_tensor.metal and *_tensor.h use against the types Apple's header maps (bfloat
+2. Tensor API: the matmul2d_descriptor constructor, fields and modes, the matmul2d template
+   and each member the shipped kernels call (run, get_destination_cooperative_tensor,
+   get_left_input_cooperative_tensor, get_right_input_cooperative_tensor) as Apple declares
+   it (template parameters, parameter types, return type, const `this`), against the
+   simulator's stand-in (csrc/gpu/sim/msl/MetalPerformancePrimitives/); then every getter
+   and run() call of the kernels against Apple's declaration: the member declared, an element
+   type or a tensor type where the parameter takes one, and a cooperative tensor as an operand
+   only where Apple's SFINAE condition admits one (MacOSX 26.1's does not: it has no
+   cooperative inputs; 26.2's does); the execution scopes against those the header names.
+   cooperative_tensor's members and the tensor types are declared by the Metal compiler's own
+   <metal_tensor>, which no SDK holds: not checked. Then the operand element types
+   metal/*_tensor.metal and *_tensor.h use against the types Apple's header maps (bfloat
    only under __HAVE_BFLOAT__). Each matmul2d run() of the shipped kernels is read as an
    (A, B, C) combination (element types, address spaces) and checked against the operand
    table in Apple's header comment; one the table lacks passes only if the load-time probe
@@ -263,6 +271,9 @@ def api_audit(newest: Path, older: Path | None, source: str | None = None) -> bo
         label = name if key == name else f"{name} (property {key})"
         rows.append((label, f"{header} ({'macOS 26 overlay' if where == '26' else 'macOS 12 SDK'})",
                      since or "-", dep or "ok"))
+    if not rows:
+        print("Metal API audit: SKIPPED (no Metal.framework headers in the overlay, and no --sdk12)")
+        return ok
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)
     print(f"{'API used by metal_device.mm':<{w0}}  {'declared in':<{w1}}  since  status")
@@ -293,17 +304,17 @@ def _template_head(text: str, cls: str) -> str:
     return " ".join(re.sub(r"\b(typename|class)\b", "T", m.group(1)).split()) if m else ""
 
 
-def _member_template(text: str, member: str) -> list[str]:
-    """The leading type parameters of a member template (before defaulted SFINAE ones)."""
-    t = strip_comments(text)
-    i = t.find(member + "(")
-    j = t.rfind("template", 0, i)
-    head = t[j:i]
-    params = re.findall(r"(?:typename|class)\s+(\w+)\s*(=\s*[\w:]+)?", head)
-    return [n + (d.replace(" ", "") if d else "") for n, d in params if not n.startswith(("V", "U")) and n != "RunArgs"
-            and n != "CoopArgs"]
+def _descriptor_fields(text: str) -> list[tuple[str, str]]:
+    """(type, name) of matmul2d_descriptor's data members, in order."""
+    m = re.search(r"struct\s+matmul2d_descriptor\s*\{(.*?)constexpr\s+matmul2d_descriptor", strip_comments(text), re.DOTALL)
+    body = re.sub(r"enum class mode\s*\{[^}]*\};?", " ", m.group(1)) if m else ""
+    out = []
+    for typ, rest in re.findall(r"\b(int|bool|mode)\s+([\w\s,]+);", body):
+        out += [(typ, n.strip()) for n in rest.split(",")]
+    return out
 
 
+COOPERATIVE_MEMBERS = ("get_capacity", "is_valid_element", "get_multidimensional_index", "get_mask", "load", "store")
 ELEMENT_TYPES = {"half", "float", "bfloat", "int8_t", "uint8_t", "int16_t", "uint16_t", "int32_t", "uint32_t"}
 _ELEM = r"(device|threadgroup|thread)\s+(?:const\s+)?(\w+)"
 # The load-time probe pipelines (csrc/gpu/metal/metal_device.mm). Prefill takes its tensor path
@@ -320,6 +331,9 @@ def _tensor_names(texts: list[str]) -> dict[str, tuple[str, str]]:
     for t in texts:
         for m in re.finditer(r"\busing\s+(\w+)\s*=\s*tensor<\s*" + _ELEM, t):
             out[m.group(1)] = (m.group(3), m.group(2))
+        for m in re.finditer(r"\busing\s+(\w+)\s*=\s*decltype\s*\(([^;]*)\)\s*;", t):  # a cooperative tensor's type
+            if (coop := _cooperative_getter(" ".join(m.group(2).split()))) != ("?", "?"):
+                out[m.group(1)] = coop
     for t in texts:  # functions returning such a type (after the aliases are known)
         for m in re.finditer(r"\btensor<\s*" + _ELEM + r"[^;{}()]*>\s+(\w+)\s*\(", t):
             out[m.group(3)] = (m.group(2), m.group(1))
@@ -329,13 +343,28 @@ def _tensor_names(texts: list[str]) -> dict[str, tuple[str, str]]:
     return out
 
 
+_KEYWORDS = {"return", "else", "case", "delete", "new", "throw", "goto", "do"}
+
+
+def _cooperative_getter(expr: str) -> tuple[str, str]:
+    """(element type, 'cooperative') when expr is a matmul2d getter call
+    `op[.template] get_X_cooperative_tensor<...>()`, else ('?', '?')."""
+    m = re.search(r"get_(destination|left_input|right_input)_cooperative_tensor<(.*)>\s*\(\s*\)$", expr)
+    if not m:
+        return ("?", "?")
+    args = [a.strip() for a in split_top(m.group(2).replace("<", "(").replace(">", ")"))]
+    i = {"left_input": 0, "right_input": 1, "destination": 2}[m.group(1)]  # <left, right, destination> types
+    return (args[i] if len(args) > 2 else "?", "cooperative")
+
+
 def _operand(text: str, var: str, at: int, names: dict[str, tuple[str, str]], depth: int = 0) -> tuple[str, str]:
     """(element type, address space or 'cooperative') of variable `var` as declared last
     before offset `at` in text; the type parameter's name when a template leaves it open,
     '?' when unknown."""
     decl = None
-    for m in re.finditer(r"\bauto\s+" + var + r"\s*=\s*([^;]*);|\b(\w+)\s+" + var + r"\s*[({]", text[:at]):
-        decl = m
+    for m in re.finditer(r"\bauto\s+" + var + r"\s*=\s*([^;]*);|\b(\w+)\s+" + var + r"\s*[({\[]", text[:at]):
+        if m.group(2) not in _KEYWORDS:
+            decl = m
     if decl is None or depth > 4:
         return ("?", "?")
     if decl.group(2):  # `Alias var(...)`
@@ -343,10 +372,8 @@ def _operand(text: str, var: str, at: int, names: dict[str, tuple[str, str]], de
     e = " ".join(decl.group(1).split())
     if m := re.match(r"tensor<\s*" + _ELEM, e):
         return (m.group(2), m.group(1))
-    if m := re.search(r"get_(destination|left_input|right_input)_cooperative_tensor<(.*)>\s*\(\s*\)$", e):
-        args = [a.strip() for a in split_top(m.group(2).replace("<", "(").replace(">", ")"))]
-        i = {"left_input": 0, "right_input": 1, "destination": 2}[m.group(1)]  # <left, right, destination> types
-        return (args[i] if len(args) > 2 else "?", "cooperative")
+    if (coop := _cooperative_getter(e)) != ("?", "?"):
+        return coop
     if m := re.match(r"(\w+)\s*\.\s*(?:template\s+)?(?:slice|offset|static_slice)\b", e):
         return _operand(text, m.group(1), decl.start(), names, depth + 1)
     if m := re.match(r"(\w+)\s*[<(]", e):
@@ -363,8 +390,12 @@ def operand_combinations(files: list[Path]) -> list[tuple[tuple[str, ...], str]]
     for f, t in texts.items():
         probes = [(p, m.start(), _function_end(t, m.start())) for p in PROBES
                   if (m := re.search(r"\bkernel\s+void\s+" + p + r"\b", t))]
-        for m in re.finditer(r"\b\w+\s*\.\s*run\s*\(\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)", t):
-            ops = [_operand(t, v, m.start(), names) for v in m.groups()]
+        for m in re.finditer(r"\b\w+\s*\.\s*run\s*\(", t):
+            args = [" ".join(a.split()) for a in split_top(t[m.end():_close(t, m.end() - 1)])]
+            # an operand is a variable or an array element (`o[j]`): anything else is unread ('?')
+            ops = [_operand(t, v.group(1), m.start(), names) if (v := re.fullmatch(r"(\w+)(?:\s*\[[^\]]*\])?", a))
+                   else ("?", "?") for a in args]
+            ops = (ops + [("?", "?")] * 3)[:3] if len(ops) != 3 else ops
             where = f"{f.name}:{t.count(chr(10), 0, m.start()) + 1}"
             where += "".join(f" ({p})" for p, a, b in probes if a < m.start() < b)
             out.append((tuple(x for op in ops for x in op), where))
@@ -375,6 +406,16 @@ def probe_of(where: str) -> str | None:
     """The probe kernel an operand_combinations `where` is in, if any."""
     m = re.search(r"\((\w+)\)$", where)
     return m.group(1) if m and m.group(1) in PROBES else None
+
+
+def _close(text: str, i: int) -> int:
+    """Offset of the parenthesis closing the one at text[i]."""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[j], 0)
+        if depth == 0:
+            return j
+    return len(text)
 
 
 def _function_end(text: str, start: int) -> int:
@@ -390,6 +431,166 @@ def _function_end(text: str, start: int) -> int:
 
 def _combo_text(c: tuple[str, ...]) -> str:
     return f"{c[0]} ({c[1]}) x {c[2]} ({c[3]}) -> {c[4]} ({c[5]})"
+
+
+# matmul2d's members that Lily's kernels call, with the number of call arguments they pass
+# (the getters without a source tensor: Apple's 26.2 header adds overloads that take one)
+MEMBERS = {"run": 3, "get_destination_cooperative_tensor": 0, "get_left_input_cooperative_tensor": 0,
+           "get_right_input_cooperative_tensor": 0}
+_ADDRESS = r"\b(?:thread|device|threadgroup|constant)\b"
+
+
+def _angle_close(text: str, i: int) -> int:
+    """Offset of the '>' closing the '<' at text[i] (parentheses and nested <> balanced)."""
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"<": 1, ">": -1, "(": 1, ")": -1}.get(text[j], 0)
+        if depth == 0:
+            return j
+    return len(text)
+
+
+def member_declarations(text: str, member: str) -> list[dict]:
+    """Every declaration of member function `member` in a header: its template parameters
+    (name, default) before the SFINAE one (a default naming enable_if) and the packs, the
+    condition that SFINAE parameter states, its function parameters' types (address spaces and
+    names dropped), its return type and whether `this` is const."""
+    t = strip_comments(text)
+    out = []
+    for m in re.finditer(r"(?<![\w.:>])" + member + r"\s*\(", t):
+        close = _close(t, m.end() - 1)
+        tail = re.match(r"\s*((?:thread|const|\s)*)\s*(\{|;)", t[close + 1:])
+        head_at = t.rfind("template", 0, m.start())
+        if not tail or head_at < 0 or re.search(r"[;}]", t[_angle_close(t, t.index("<", head_at)) + 1:m.start()]):
+            continue  # a call, not a declaration, or not a member template
+        lt = t.index("<", head_at)
+        gt = _angle_close(t, lt)
+        params, cond = [], ""
+        for p in split_top(t[lt + 1:gt].replace("<", "(").replace(">", ")")):
+            p = " ".join(p.split())
+            pm = re.match(r"(?:typename|class)\s*(\.\.\.)?\s*(\w+)\s*(?:=\s*(.*))?$", p)
+            if not pm or pm.group(1):
+                continue  # a pack (RunArgs..., CoopArgs...)
+            if pm.group(3) and "enable_if" in pm.group(3):
+                cond = pm.group(3)
+                continue
+            params.append((pm.group(2), (pm.group(3) or "").replace(" ", "")))
+        args = []
+        for a in split_top(t[m.end():close]):
+            a = re.sub(_ADDRESS, " ", " ".join(a.split())).strip()
+            if a:
+                a = re.sub(r"\w+$", "", a) if re.search(r"(?:[&*]|[\w>]\s)\s*\w+$", a) else a  # the parameter's name
+                args.append(" ".join(a.replace("&", " &").split()).replace(" &", "&"))
+        ret = " ".join(re.sub(r"\b(?:INLINE|inline|static|constexpr)\b", " ", t[gt + 1:m.start()]).split())
+        out.append({"params": params, "cond": cond, "args": args, "ret": ret,
+                    "const": "const" in tail.group(1)})
+    return out
+
+
+def _signature(member: str, d: dict) -> str:
+    tparams = ", ".join(n + (f" = {v}" if v else "") for n, v in d["params"])
+    return f"{member}<{tparams}>({', '.join(d['args'])}){' const' if d['const'] else ''} -> {d['ret']}"
+
+
+def accepts_cooperative(decl: dict, param: str) -> bool:
+    """Whether a declaration's SFINAE condition lets template parameter `param` be a
+    cooperative tensor (Apple's: `__is_cooperative_tensor_type_v<param>` among the
+    alternatives); a declaration without such a condition accepts it."""
+    return not decl["cond"] or bool(re.search(r"cooperative_tensor_type_v\s*\(\s*" + param + r"\s*\)", decl["cond"]))
+
+
+def _member_calls(files: list[Path]) -> list[tuple[str, list[str], int, str, int]]:
+    """(member, template arguments, call argument count, file:line, offset) of every call of a
+    MEMBERS getter in files."""
+    out = []
+    for f in files:
+        t = strip_comments(f.read_text(encoding="utf-8"))
+        for m in re.finditer(r"\.\s*(?:template\s+)?(" + "|".join(MEMBERS) + r")\s*<", t):
+            gt = _angle_close(t, m.end() - 1)
+            targs = [" ".join(a.split()) for a in split_top(t[m.end():gt].replace("<", "(").replace(">", ")"))]
+            call = re.match(r"\s*\(", t[gt + 1:])
+            n = len([a for a in split_top(t[gt + 1 + call.end():_close(t, gt + call.end())]) if a.strip()]) if call else 0
+            out.append((m.group(1), targs, n, f"{f.name}:{t.count(chr(10), 0, m.start()) + 1}", m.start()))
+    return out
+
+
+def _is_cooperative_arg(arg: str, text: str, at: int, names: dict[str, tuple[str, str]]) -> bool:
+    """Whether a getter's template argument names a cooperative tensor type (an alias of one,
+    decltype of a variable holding one, or a conditional_t with one among its branches)."""
+    for word in re.findall(r"\b\w+\b", arg):
+        if names.get(word, ("", ""))[1] == "cooperative":
+            return True
+    return any(_operand(text, v, at, names)[1] == "cooperative" for v in re.findall(r"decltype\s*\(\s*(\w+)\s*\)", arg))
+
+
+def member_check(apple: str, ours: str, sources: list[Path]) -> bool:
+    """Apple's declaration of each matmul2d member the kernels call against the stand-in's
+    (template parameters, `this` const, parameter types, return type), then each call of the
+    kernels against Apple's: the member declared, a template argument of the kind each
+    parameter takes (an element type for `...ElementType`, a tensor type for
+    `...OperandType`), and a cooperative tensor only where Apple's SFINAE condition allows one."""
+    ok = True
+    texts = {f: strip_comments(f.read_text(encoding="utf-8")) for f in sources}
+    names = _tensor_names(list(texts.values()))
+    used = {m for m, *_ in _member_calls(sources)} | ({"run"} if operand_combinations(sources) else set())
+    decls = {}
+    print("  matmul2d members the kernels call (Apple's declaration vs the stand-in's):")
+    for member in MEMBERS:
+        if member not in used:
+            continue
+        a = [d for d in member_declarations(apple, member) if len(d["args"]) == MEMBERS[member]]
+        s = [d for d in member_declarations(ours, member) if len(d["args"]) == MEMBERS[member]]
+        if not a:
+            ok = False
+            print(f"    {member}: NOT DECLARED by this header (the kernels call it)")
+            continue
+        decls[member] = a[0]
+        if not s:
+            ok = False
+            print(f"    {member}: not declared by the stand-in")
+            continue
+        a0, s0 = a[0], s[0]
+        diffs = [what for what, x, y in (("template parameters", a0["params"], s0["params"]),
+                                          ("parameter types", a0["args"], s0["args"]),
+                                          ("const this", a0["const"], s0["const"])) if x != y]
+        if s0["ret"] not in ("auto", a0["ret"]):
+            diffs.append("return type")
+        ok &= not diffs
+        print(f"    {_signature(member, a0)}: " + (f"DIFFERENT ({', '.join(diffs)}); stand-in: {_signature(member, s0)}"
+                                                   if diffs else "same"))
+    # the kernels' getter calls against Apple's declarations
+    bad = []
+    for member, targs, _n, where, at in _member_calls(sources):
+        d = decls.get(member)
+        if d is None:
+            continue
+        text = texts[next(f for f in sources if f.name == where.split(":")[0])]
+        required = [n for n, default in d["params"] if not default]
+        if not len(required) <= len(targs) <= len(d["params"]):
+            bad.append(f"{where}: {member} takes {len(required)}-{len(d['params'])} template arguments, given {len(targs)}")
+            continue
+        for (pname, _), arg in zip(d["params"], targs):
+            element = arg in ELEMENT_TYPES
+            if pname.endswith("ElementType") and not element:
+                bad.append(f"{where}: {member}'s {pname} must be an element type, given {arg}")
+            elif pname.endswith("OperandType") and element:
+                bad.append(f"{where}: {member}'s {pname} must be a tensor type, given {arg}")
+            elif pname.endswith("OperandType") and _is_cooperative_arg(arg, text, at, names) \
+                    and not accepts_cooperative(d, pname):
+                bad.append(f"{where}: {member}'s {pname} is a cooperative tensor ({arg}), which this header's "
+                           "declaration does not accept")
+    if "run" in decls:
+        for c, where in operand_combinations(sources):
+            for i, pname in ((1, "LeftOperandType"), (3, "RightOperandType")):
+                if c[i] == "cooperative" and not accepts_cooperative(decls["run"], pname):
+                    bad.append(f"{where}: run's {pname} is a cooperative tensor, which this header's run() "
+                               "does not accept")
+    ok &= not bad
+    for b in bad:
+        print(f"    CALL DOES NOT FIT: {b}")
+    print(f"    the kernels' {len(_member_calls(sources))} getter calls and {len(operand_combinations(sources))} run() "
+          "calls: " + ("all fit these declarations" if not bad else f"{len(bad)} misfits"))
+    return ok
 
 
 def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
@@ -417,11 +618,32 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
         print(f"  note: k's default is spelled {ka} by Apple, {ks} by the stand-in: Lily's kernels pass k "
               "explicitly or as static_cast<int>(dynamic_extent) (selftest_tensor.metal only)")
     same("matmul2d template parameters", _template_head(apple, "matmul2d"), _template_head(ours, "matmul2d"))
-    same("get_destination_cooperative_tensor<...> parameters", _member_template(apple, "get_destination_cooperative_tensor"),
-         _member_template(ours, "get_destination_cooperative_tensor"))
     enum = re.search(r"enum class mode\s*\{([^}]*)\}", strip_comments(apple))
     same("descriptor modes", " ".join(enum.group(1).split()) if enum else "",
          " ".join(re.search(r"enum class mode\s*\{([^}]*)\}", ours).group(1).split()), lambda s: s.rstrip(","))
+    same("descriptor fields", _descriptor_fields(apple), _descriptor_fields(ours))
+    sources = tensor_sources() if sources is None else sources
+    shipped_files = [f for f in sources if not f.name.startswith("selftest")]
+    ok &= member_check(apple, ours, shipped_files)
+    scopes = set(re.findall(r"metal::(execution_\w+)", apple))  # the scopes the header's comment names
+    used_scopes = {m for f in shipped_files for m in re.findall(r"\bmatmul2d<[^;]*?,\s*(?:metal::)?(execution_\w+)",
+                                                                 strip_comments(f.read_text(encoding="utf-8")))}
+    if scopes:
+        ok &= used_scopes <= scopes
+        print(f"  execution scopes the kernels use: {', '.join(sorted(used_scopes))}: "
+              + ("all named by the header" if used_scopes <= scopes
+                 else f"NOT named by the header: {', '.join(sorted(used_scopes - scopes))}"))
+    else:
+        print("  execution scopes: the header names none (not checked)")
+    # cooperative_tensor's members and the tensor types come from the Metal compiler's own
+    # <metal_tensor>, which no SDK holds: only whether the header's comment mentions them
+    kernel_text = "".join(strip_comments(f.read_text(encoding="utf-8")) for f in shipped_files)
+    members = sorted({m for m in COOPERATIVE_MEMBERS if re.search(r"\.\s*" + m + r"\s*\(", kernel_text)})
+    unmentioned = [m for m in members if not re.search(r"\b" + m + r"\b", apple)]
+    print("  not declared in the SDK (the Metal compiler's <metal_tensor>), so not checked: "
+          + (f"cooperative_tensor's {', '.join(members)} and operator[], " if members else "")
+          + "the tensor, extents, dextents and tensor_inline types"
+          + (f"; the header's comment does not mention {', '.join(unmentioned)}" if unmentioned else ""))
 
     types_h = mpp.get("MPPTensorOpsTypes.h")
     mapped = set()
@@ -432,7 +654,6 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
         bf_gated = bool(re.search(r"#if __HAVE_BFLOAT__\s*else if constexpr \(__is_same_v<ElementType, bfloat>", tt))
     table = {r for r in re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE)
              if set(r) <= ELEMENT_TYPES}
-    sources = tensor_sources() if sources is None else sources
     selftest = [f for f in sources if f.name.startswith("selftest")]
     shipped = [f for f in sources if f not in selftest]
     used = set()
