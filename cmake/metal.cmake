@@ -130,7 +130,7 @@ if(LILY_METAL_TENSOR_SOURCES AND NOT LILY_METAL_TENSOR STREQUAL "OFF")
   endforeach()
   if(_tensor_err)
     string(CONCAT _why "Lily: this SDK's Metal compiler cannot build some Metal 4 tensor kernels "
-           "(-std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: Xcode 26.1 or newer with the Metal "
+           "(-std=metal4.0 -mmacosx-version-min=${LILY_METAL_TENSOR_MIN_OS}: Xcode 26.2 or newer with the Metal "
            "toolchain; LILY_METAL_TENSOR_MIN_OS sets the minimum macOS); their families will use the "
            "simdgroup_matrix kernels on apple10-family GPUs (M5).\nCompiler output:\n${_tensor_err}")
     if(LILY_METAL_TENSOR STREQUAL "ON")

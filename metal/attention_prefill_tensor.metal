@@ -260,7 +260,7 @@ static inline void attend(device bfloat* qb, device const bfloat* qg, device con
     // barrier orders it; S columns past the extent are unspecified and masked below)
     AttnDevRows tK((device bfloat*)(khead + ulong(t0) * D + dhalf * DH),
                dextents<int32_t, 2>(DH, min(kTile, kend - t0)), kstride);
-    auto s = qk.template get_destination_cooperative_tensor<decltype(q), AttnDevRows, float>();
+    auto s = qk.template get_destination_cooperative_tensor<remove_addrspace_t<decltype(q)>, AttnDevRows, float>();
     qk.run(q, tK, s);
     bool moved;
     float corr[2] = {1.0f, 1.0f};
@@ -566,7 +566,7 @@ template [[host_name("attn_layout_probe_d64_tensor")]] [[kernel]] decltype(attn_
       q[i] = xb[(r0 + uint(at[1])) * K + uint(at[0])];
     }
   }
-  auto s = qk.get_destination_cooperative_tensor<decltype(q), DevRows, float>();
+  auto s = qk.get_destination_cooperative_tensor<remove_addrspace_t<decltype(q)>, DevRows, float>();
   qk.run(q, tK, s);
   s.store(tS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -593,7 +593,7 @@ template [[host_name("attn_layout_probe_d64_tensor")]] [[kernel]] decltype(attn_
       vr[i] = xb[uint(at[1]) * BN + uint(at[0])];
     }
   }
-  auto o = pv.get_destination_cooperative_tensor<PTile, decltype(vr), float>();
+  auto o = pv.get_destination_cooperative_tensor<PTile, remove_addrspace_t<decltype(vr)>, float>();
   for (uint16_t i = 0; i < o.get_capacity(); ++i) {
     if (o.is_valid_element(i)) {
       o[i] = 0.0f;

@@ -81,8 +81,8 @@ inline void gemm_tensor_gemm(threadgroup bfloat* Ws, XS x, Rows rows, device con
                                             matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc, execution_simdgroup> op;
   auto a = op.template get_left_input_cooperative_tensor<bfloat, bfloat, float>();
-  auto acc0 = op.template get_destination_cooperative_tensor<decltype(a), GemmTensorW<RN>, float>();
-  auto acc1 = op.template get_destination_cooperative_tensor<decltype(a), GemmTensorW<RN>, float>();
+  auto acc0 = op.template get_destination_cooperative_tensor<remove_addrspace_t<decltype(a)>, GemmTensorW<RN>, float>();
+  auto acc1 = op.template get_destination_cooperative_tensor<remove_addrspace_t<decltype(a)>, GemmTensorW<RN>, float>();
   const uint row0 = (sg / SN) * RM, col0 = (sg % SN) * RN;
   const bool live = row0 < valid && col0 < n - n0;  // uniform over the simdgroup
   // Where each slot of the left input comes from: its row's offset plus its k (kGemmNoRow:

@@ -128,7 +128,7 @@ template [[host_name("gemm_q4_bf16_tensor")]] [[kernel]] decltype(gemm_q_tensor<
                                             matmul2d_descriptor::mode::multiply_accumulate);
   matmul2d<desc, execution_simdgroup> op;
   auto a = op.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
-  auto acc = op.get_destination_cooperative_tensor<decltype(a), GemmTensorW<32>, float>();
+  auto acc = op.get_destination_cooperative_tensor<remove_addrspace_t<decltype(a)>, GemmTensorW<32>, float>();
   const uint row0 = (sg / 2) * 16, col0 = (sg % 2) * 32;
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
     if (acc.is_valid_element(i)) {

@@ -227,7 +227,7 @@ kernel void st_tensor_coop_inputs(device const float* a [[buffer(0)]],
   matmul2d<desc, execution_simdgroup> op;
   auto ca = op.template get_left_input_cooperative_tensor<TL, TR, float>();
   auto cb = op.template get_right_input_cooperative_tensor<TL, TR, float>();
-  auto acc = op.template get_destination_cooperative_tensor<decltype(ca), decltype(cb), float>();
+  auto acc = op.template get_destination_cooperative_tensor<remove_addrspace_t<decltype(ca)>, remove_addrspace_t<decltype(cb)>, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
     if (acc.is_valid_element(i)) {
       acc[i] = 0.0f;
@@ -294,7 +294,7 @@ kernel void st_tensor_coop_left_tg(device const float* a [[buffer(0)]],
   const int m0 = int(tg.y) * 64;
   auto ca = op.get_left_input_cooperative_tensor<bfloat, bfloat, float>();
   using W = tensor<threadgroup bfloat, extents<int32_t, 32, 32>, tensor_inline>;
-  auto acc = op.get_destination_cooperative_tensor<decltype(ca), W, float>();
+  auto acc = op.get_destination_cooperative_tensor<remove_addrspace_t<decltype(ca)>, W, float>();
   for (uint16_t i = 0; i < acc.get_capacity(); ++i) {
     if (acc.is_valid_element(i)) {
       acc[i] = 0.0f;
@@ -351,7 +351,7 @@ kernel void st_tensor_layout(device int* out [[buffer(0)]],
   matmul2d<desc, Scope> op;
   auto ca = op.template get_left_input_cooperative_tensor<float, float, float>();
   auto cb = op.template get_right_input_cooperative_tensor<float, float, float>();
-  auto cd = op.template get_destination_cooperative_tensor<decltype(ca), decltype(cb), float>();
+  auto cd = op.template get_destination_cooperative_tensor<remove_addrspace_t<decltype(ca)>, remove_addrspace_t<decltype(cb)>, float>();
   st_dump_slots(cd, out + (0 * T + tid) * 64 * 3);
   st_dump_slots(ca, out + (1 * T + tid) * 64 * 3);
   st_dump_slots(cb, out + (2 * T + tid) * 64 * 3);
