@@ -16,7 +16,12 @@ Phases (``--phases``, comma-separated, in this order; default all):
   position's logits kept (``--reference-threads``, ``--reference-cache-gb``);
 * ``sim``         the same tokens on `sim` (simdgroup GEMM path, ``prefill_chunk=--chunk``,
   the simulator's ``threads`` option where the build has it: ``--threads``, default all cores);
-* ``sim-tensor``  the same on `sim` as an M5 (apple10) with ``gemm_path="tensor"``;
+* ``sim-tensor``  the same on `sim` as an M5 (apple10) with ``gemm_path="tensor"``: the
+  simulator's own cooperative-tensor layout, so the prefill attention takes its
+  threadgroup-memory path;
+* ``sim-nax``     the same with the simulator's cooperative tensors in the fragment layout of
+  M5's tensor ops (``tensor_layout="nax"``): the attention's register path (the phase
+  records the path the probe reports);
 * ``snapshot``    the `sim` phase's prompt-cache snapshot after the prompt (written by Lily's
   prompt cache file format in another process) restored in a fresh engine: the next
   ``--snapshot-steps`` steps must be bit-identical to the `sim` phase's; then a snapshot
@@ -50,7 +55,9 @@ from pathlib import Path
 
 import numpy as np
 
-PHASES = ("checkpoint", "reference", "sim", "sim-tensor", "snapshot", "report")
+PHASES = ("checkpoint", "reference", "sim", "sim-tensor", "sim-nax", "snapshot", "report")
+#: the simulator phases: their GEMM path and cooperative-tensor layout (None: the default)
+SIM_PHASES = {"sim": ("simdgroup", None), "sim-tensor": ("tensor", None), "sim-nax": ("tensor", "nax")}
 # what a run directory is made with: resuming with other values is refused
 RUN_SETTINGS = ("checkpoint", "preset", "seed", "prompt_tokens", "chunk", "decode_steps", "snapshot_steps")
 REPO = Path(__file__).resolve().parent.parent
@@ -261,10 +268,12 @@ def phase_reference(args, ph: Phase) -> bool:
     return True
 
 
-def _sim_engine(args, gemm_path: str):
+def _sim_engine(args, gemm_path: str, layout: str | None = None):
     from lily import native_backend
     from lily.engine import Engine
     dev = {"gpu_family": "apple10"} if gemm_path == "tensor" else {}
+    if layout:
+        dev["tensor_layout"] = layout
     if "threads" in native_backend.SIM_OPTIONS:  # the parallel simulator (issue 30)
         dev["threads"] = args.threads
     opts = {"prefill_chunk": args.chunk, "gemm_path": gemm_path, "device_options": dev}
@@ -311,13 +320,17 @@ def _tile_rows(config, rows: int, position: int, gemm_path: str) -> int:
     return int(re.search(r"_t(\d+)", name).group(1))
 
 
-def phase_sim(args, ph: Phase, gemm_path: str = "simdgroup") -> bool:
+def phase_sim(args, ph: Phase, gemm_path: str = "simdgroup", layout: str | None = None) -> bool:
+    from lily import native_backend
+    from lily.lab.kernels.attention_prefill import tensor_attention_path
     t0 = time.time()
-    engine, dev = _sim_engine(args, gemm_path)
+    engine, dev = _sim_engine(args, gemm_path, layout)
     rt = engine.backend.runtime
     ph.data["load_seconds"] = time.time() - t0
+    probe = native_backend.make_device("sim", **{k: v for k, v in dev.items() if k != "threads"})
     ph.data["options"] = {"gemm_path": gemm_path, "prefill_chunk": rt.prefill_chunk, "device_options": dev,
-                          "uses_tensor_ops": rt.uses_tensor_ops, "state_window": engine.backend.options.state_window}
+                          "uses_tensor_ops": rt.uses_tensor_ops, "state_window": engine.backend.options.state_window,
+                          "attention_path": tensor_attention_path(probe)["path"] if rt.uses_tensor_ops else "simdgroup"}
     ph.data["memory_model"] = dict(rt.memory_use)  # the runtime's sizing at load (lily doctor's formula)
     ph.data["weights_mapped"] = rt.repacked_bytes == 0
     seq = _sequence(engine.tokenizer, args.prompt_tokens + args.decode_steps)
@@ -445,7 +458,7 @@ def _counted(args, config, plan, phase: str) -> list[dict]:
     out = []
     for kind, pos, rows in plan:
         if kind == "chunk":
-            c = count_prefill_chunk(config, rows, pos, gemm_path="tensor" if phase == "sim-tensor" else "simdgroup")
+            c = count_prefill_chunk(config, rows, pos, gemm_path=SIM_PHASES[phase][0])
         else:
             c = count_decode_step(config, pos)
         t = time_records(m, c["records"])
@@ -475,7 +488,7 @@ def phase_report(args, ph: Phase) -> bool:
     pre, dec = est["prefill"][0], est["decode"][0]  # times: {"low", "likely", "high"}
     rep["estimate"] = {"prefill_seconds": pre["seconds"], "prefill_stages": pre["stages"], "prefill_gb": pre["gb_moved"],
                        "decode_ms": dec["ms_per_token"], "decode_stages": dec["stages"], "decode_gb": dec["gb_per_step"]}
-    for name in PHASES[1:5]:
+    for name in (p for p in PHASES if p not in ("checkpoint", "report")):
         prog = _load(run / name / "progress.json")
         if prog is None:
             continue
@@ -485,13 +498,19 @@ def phase_report(args, ph: Phase) -> bool:
         entry["units_done"] = len(units)
         entry["peak"] = {k: max(s.get(k, 0) for s in prog["sessions"])
                          for k in ("peak_VmHWM", "peak_RssAnon", "peak_RssFile")}
-        if name in ("sim", "sim-tensor"):
+        if name in SIM_PHASES:
             counted = _counted(args, ck.config, plan[:len(units)], name)
             for u, c in zip(units, counted):
                 u["counted"] = c
             entry["agreement"] = _compare(run, name, plan)
         entry["units"] = units
         rep["phases"][name] = entry
+    a, b = (rep["phases"].get(n) for n in ("sim-tensor", "sim-nax"))
+    if a and b:  # the attention's two tensor-op paths: the same logits, bit for bit, on the simulator
+        units = plan[:min(a["units_done"], b["units_done"])]
+        same = [bool(np.array_equal(np.load(run / "sim-tensor" / f"logits-{pos:06d}.npy"),
+                                    np.load(run / "sim-nax" / f"logits-{pos:06d}.npy"))) for _, pos, _ in units]
+        rep["attention_paths_bit_identical"] = {"units": len(same), "identical": sum(same)}
     _dump(run / "report.json", rep)
     (run / "report.md").write_text(_markdown(rep))
     return True
@@ -542,6 +561,14 @@ def _markdown(rep: dict) -> str:
                 lines.append(f"| {name} {part} | {x['positions']} | {x['rel_err_max']:.2e} / "
                              f"{x['rel_err_median']:.2e} / {x['rel_err_p90']:.2e} | {x['top1_agreement']:.3f} "
                              f"({'-' if clear is None else f'{clear:.3f}'} of {x['clear_positions']}) |")
+    paths = [f"{name}: GEMM path {o['gemm_path']}, prefill attention {o.get('attention_path', 'not recorded')}"
+             for name, e in rep["phases"].items() if (o := e.get("options") or {}).get("gemm_path")]
+    if paths:
+        lines += ["", "Paths: " + "; ".join(paths) + "."]
+    same = rep.get("attention_paths_bit_identical")
+    if same:
+        lines += ["", f"sim-tensor and sim-nax (the attention's threadgroup-memory and register paths): "
+                  f"{same['identical']} of {same['units']} chunks' and steps' logits bit-identical."]
     for name, e in rep["phases"].items():
         routing = (e.get("agreement") or {}).get("routing")
         if routing:
@@ -580,8 +607,9 @@ def _markdown(rep: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-RUNNERS = {"checkpoint": phase_checkpoint, "reference": phase_reference, "sim": phase_sim,
-           "sim-tensor": lambda a, p: phase_sim(a, p, "tensor"), "snapshot": phase_snapshot, "report": phase_report}
+RUNNERS = {"checkpoint": phase_checkpoint, "reference": phase_reference, "snapshot": phase_snapshot,
+           "report": phase_report, **{name: (lambda a, p, g=g, lay=lay: phase_sim(a, p, g, lay))
+                                      for name, (g, lay) in SIM_PHASES.items()}}
 
 
 # ---------------------------------------------------------------------------- driver
