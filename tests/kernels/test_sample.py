@@ -246,14 +246,19 @@ def test_sample_token_real_vocab(fwd_dev):
 # ------------------------------------------------------------------------------ logit bias
 
 
-def _bias_params(V, rng, logits, n=40, **kw):
+def _bias_params(rng, logits, n=40, **kw):
     """A random logit_bias of ``n`` entries: random values, +100 on a random token and -100
-    on the unbiased leader (a ban)."""
-    ids = rng.choice(V, min(n, V), replace=False)
+    on the unbiased leader (a ban). The +100 token is drawn from the finite logits other than
+    the leader's: the leader's ban would overwrite it, and NaN + 100 never wins (either made
+    the tests' "+100 wins" fail for 1 in V draws)."""
+    leader = int(np.nanargmax(logits))
+    pool = np.flatnonzero(np.isfinite(logits))
+    pool = pool[pool != leader]
+    ids = rng.choice(pool, min(n, pool.size), replace=False)
     vals = rng.uniform(-5, 5, ids.size)
     vals[0] = 100.0
     bias = {int(t): float(v) for t, v in zip(ids, vals)}
-    bias[int(np.nanargmax(logits))] = -100.0
+    bias[leader] = -100.0
     return SamplingParams(logit_bias=bias, **kw)
 
 
@@ -266,7 +271,7 @@ def test_argmax_two_stage_bias(dev, V, slice_, lift):
     rng = fresh_rng(V, slice_, lift)
     logits = f32(rng.standard_normal(V) * 3)
     logits[V // 4] = np.nan
-    params = _bias_params(V, rng, logits)
+    params = _bias_params(rng, logits)
     if not lift:
         params = params.replace(logit_bias={t: b for t, b in params.logit_bias if b < 100})
     bias = twins.dense_bias(params, V)
@@ -285,7 +290,7 @@ def test_sample_token_bias_temperature0(dev):
     """Greedy with penalties and a bias (sample_token's pass 1): the host sampler's token."""
     V = 3000
     logits, prompt, generated = _penalty_case(V, 20)
-    params = _bias_params(V, fresh_rng(21), logits, temperature=0.0, **PENALTIES)
+    params = _bias_params(fresh_rng(21), logits, temperature=0.0, **PENALTIES)
     toks, *_ = sample_many(dev, logits, count_buffer(V, prompt, generated), params, [1], [5])
     assert toks[0] == sampler_for(params, prompt, generated).sample(logits)
     assert dict(params.logit_bias)[int(toks[0])] == 100.0
@@ -321,7 +326,7 @@ def test_sample_token_bias_logprobs_raw(dev):
     """Log-probabilities stay those of the raw logits (no bias), as the host sampler's."""
     V = 4000
     logits = f32(fresh_rng(23).standard_normal(V) * 4)
-    params = _bias_params(V, fresh_rng(24), logits, temperature=0.9, top_k=50, top_logprobs=5, logprobs=True)
+    params = _bias_params(fresh_rng(24), logits, temperature=0.9, top_k=50, top_logprobs=5, logprobs=True)
     toks, lps, ids, *_ = sample_many(dev, logits, count_buffer(V), params, [11, 12], [1, 2], logprobs=True)
     assert (np.asarray([dict(params.logit_bias).get(int(t)) for t in toks]) == 100.0).all()
     for tok, lp, ii in zip(toks, lps, ids):
