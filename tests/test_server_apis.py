@@ -871,3 +871,24 @@ def test_what_real_clients_send_is_honoured_or_refused(srv, engine):
                                "chat_template_kwargs": {"enable_thinking": False}}, timeout=60)
     first = json.loads(r.text.split("\n\n")[0][len("data: "):])
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": None}, first
+
+
+def test_seed_reproduces_a_sampled_reply_in_both_new_apis(real):
+    """`seed`, an extra field in the Messages and Responses APIs (docs/server.md), makes a
+    sampled reply reproducible; other seeds draw other replies."""
+    def messages(seed):
+        body = {"model": "m", "max_tokens": 12, "temperature": 1.0, "seed": seed,
+                "messages": [{"role": "user", "content": "ROMEO:"}]}
+        r = httpx.post(real.base + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return json.dumps(r.json()["content"])
+
+    def responses(seed):
+        body = {"input": "ROMEO:", "max_output_tokens": 12, "temperature": 1.0, "seed": seed}
+        r = httpx.post(real.base + "/v1/responses", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return json.dumps(r.json()["output"][-1]["content"])
+
+    for reply in (messages, responses):
+        assert reply(7) == reply(7)
+        assert len({reply(s) for s in range(1, 5)}) > 1
