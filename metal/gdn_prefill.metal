@@ -150,6 +150,9 @@ template <uint DK, uint DV, uint RV, uint TB, uint K>
   threadgroup float y_s[TB * RV];               // S q of this threadgroup's rows
   threadgroup float g_s[TB];                    // decay g
   threadgroup float beta_s[TB];                 // beta
+  static_assert(TB == kGdnScanTokensPerBlock && sizeof(q_s) + sizeof(k_s) + sizeof(v_s) + sizeof(y_s) +
+                    sizeof(g_s) + sizeof(beta_s) == gdn_scan_smem_bytes(DK, RV),
+                "gdn_scan_smem_bytes (prefill_args.h, read by the cost table) is these arrays' size");
 
   const uint h = tgp.x;
   const uint v0 = tgp.y * RV;                   // first value dim (state row) of the threadgroup

@@ -31,10 +31,9 @@ a Mac). Never commit SDK files.
    table in Apple's header comment; one the table lacks passes only if the load-time probe
    pipeline that guards it runs the same combination, so that an OS without it falls back
    to the simdgroup_matrix kernels instead of failing: tensor_ops_probe (gemm_tensor.metal)
-   guards the GEMMs and must run every combination without bfloat and none with it,
-   tensor_ops_probe_bfloat (attention_prefill_tensor.metal) guards the attention and runs
-   the bfloat ones (MacOSX 26.0's table lists half x half only, 26.1's bfloat x bfloat too:
-   run the check against each to see which combinations each lists).
+   runs the GEMMs' form, tensor_ops_probe_bfloat (attention_prefill_tensor.metal) the
+   attention's (MacOSX 26.0's table lists half x half only, 26.1's bfloat x bfloat too: run
+   the check against each to see which combinations each lists).
 3. --compile (needs --sdk12 and a complete Metal.framework in the overlay): assembles the
    overlay on top of the macOS 12 SDK and runs tools/check_objc.sh on the result with
    deprecations as errors.

@@ -177,8 +177,8 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
     rate, the low figure above it) against the attention, per published length: MLX-LM's rate,
     the likely and low tok/s, the attention's share of the likely time, the tensor efficiency
     the attention would need (everything else as estimated) for the likely figure to reach
-    ``ratio`` x MLX-LM (``need``) and for the low figure's machine to reach 1.0x
-    (``need_low``), each None where no attention could (or equal to the efficiency it has
+    ``ratio`` x MLX-LM (``need``) and for the low figure's machine (``low_machine``) to reach
+    1.0x (``need_low``), each None where no attention could (or equal to the efficiency it has
     where the target is met); and, the attention kept as estimated, the factor by which
     everything else would have to run faster for the likely target (``rest``: 1.0 where met,
     None where no such factor exists)."""
@@ -203,7 +203,7 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
             "efficiency": m.attention_efficiency,
             "need": _needed(lambda e, n=L: secs(m, n, e), m.attention_efficiency, 1.0, goal),
             "rest": 1.0 if t.seconds <= goal else ((t.seconds - att) / (goal - att) if goal > att else None),
-            "low": L / secs(low_m, L), "low_efficiency": low_m.attention_efficiency,
+            "low": L / secs(low_m, L), "low_efficiency": low_m.attention_efficiency, "low_machine": low_m,
             "need_low": _needed(lambda e, x=low_m, n=L: secs(x, n, e), low_m.attention_efficiency, 1.0, L / mlx),
         })
     return rows

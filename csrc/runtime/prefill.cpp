@@ -64,7 +64,8 @@ PrefillPlan::PrefillPlan(const ModelDims& dims, const RuntimeOptions& options, c
 void PrefillPlan::select_paths(const gpu::Device& device) {
   // Every prefill tensor operation takes bfloat operands (the GEMMs' and the attention's:
   // nothing is clipped, docs/prefill.md): the tensor path needs a tensor library whose
-  // operand table has bfloat (MacOSX 26.1 SDK on), else prefill runs simdgroup_matrix. Each
+  // operand table has bfloat (built with the MacOSX 26.2 SDK or later: 26.1 added bfloat to the
+  // table, 26.2 the cooperative inputs), else prefill runs simdgroup_matrix. Each
   // family may still fall back alone at load (Runtime::check_tensor_families).
   const bool available = device.supports_tensor_ops() && device.supports_bfloat_tensor_ops();
   const bool tensor = opt_.gemm_path == GemmPath::tensor || (opt_.gemm_path == GemmPath::automatic && available);

@@ -692,7 +692,7 @@ class MetalDevice : public gpu::Device {
       }
       if (paths.empty()) {
         tensor_status_ = "no lily_tensor_*.metallib beside " + path_ + ": this build's Metal compiler had no "
-                         "-std=metal4.0 (Xcode 26.1 or newer with the Metal toolchain builds them)";
+                         "-std=metal4.0 (Xcode 26.2 or newer with the Metal toolchain builds them)";
         return;
       }
       std::vector<TensorLibrary> libs;
