@@ -307,8 +307,9 @@ def _routing(hist: np.ndarray, config, rows: int, tile: int) -> dict:
     hit = [int((h > 0).sum()) for h in hist]
     tiles = [int(np.ceil(h / tile).sum()) for h in hist]
     assigned = rows * config.num_experts_per_tok
+    filled = float(np.mean(tiles)) * tile  # 0 where the chunk recorded no expert tiles
     return {"tile_rows": tile, "experts_hit_mean": float(np.mean(hit)), "tiles_mean": float(np.mean(tiles)),
-            "row_occupancy": assigned / (float(np.mean(tiles)) * tile)}
+            "row_occupancy": assigned / filled if filled else None}
 
 
 def _tile_rows(config, rows: int, position: int, gemm_path: str) -> int:
@@ -593,7 +594,8 @@ def _markdown(rep: dict) -> str:
             if not c:
                 continue
             r = u.get("routing")
-            rr = f"{r['experts_hit_mean']:.0f} / {r['tiles_mean']:.0f} / {r['row_occupancy']:.0%}" if r else ""
+            occ = "-" if not r or r["row_occupancy"] is None else f"{r['row_occupancy']:.0%}"
+            rr = f"{r['experts_hit_mean']:.0f} / {r['tiles_mean']:.0f} / {occ}" if r else ""
             lines.append(f"| {name} | {u['kind']} | {u['position']} | {u['rows']} | {u['seconds']:.2f} "
                          f"[{u.get('cpu_seconds', 0):.2f}] | {c['dispatches']} | {c['barrier_stages']} | "
                          f"{c['bytes_moved'] / 1e9:.3f} | {c['m5max_estimate_ms']:.2f} | {rr} |")
