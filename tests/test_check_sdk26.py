@@ -101,6 +101,10 @@ def test_api_audit_without_metal_headers_says_skipped(tool, tmp_path, capsys):
     traceback."""
     assert tool.api_audit(tmp_path, None, source="void f(id<MTLThing> t) { [t runOldWay]; }")
     assert "Metal API audit: SKIPPED" in capsys.readouterr().out
+    # headers given that declare none of the APIs used: a wrong path, not a pass
+    _write(tmp_path, "Metal", "MTLOther.h", "@protocol MTLOther <NSObject>\n- (void)unrelated;\n@end\n")
+    assert not tool.api_audit(tmp_path, None, source="void f(id<MTLThing> t) { [t runOldWay]; }")
+    assert "Metal API audit: FAILED" in capsys.readouterr().out
 
 
 MATMUL_H = """

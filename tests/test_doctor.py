@@ -346,6 +346,9 @@ def test_threadgroup_memory_against_the_estimate():
     assert declared["attn_prefill_d256_g8_tensor"] == 13072
     assert declared["gdn_scan_k128_v128_r32"] == 8 * (2 * 128 + 2 * 32 + 2) * 4
     assert declared["gemm_q4_tensor"] == 9216 and declared["moe_route_topk"] == 0
+    # both paths, the decode attention unsplit and split, a small chunk's expert tiles
+    assert declared["attn_prefill_d256_g8"] == 31232 and declared["attn_decode_fused_d256_g8"] == 12032
+    assert declared["attn_decode_split_fused_d256_g8"] == 12032 and declared["moe_gemm_gate_up_q4_t16_tensor"] == 9216
 
     def pipe(kernel, got, built=True):
         return {"kernel": kernel, "built": built, "static_threadgroup_memory": got}

@@ -122,10 +122,11 @@ def test_anthropic_forced_tool_use_validates(client):
     ac = anthropic.Anthropic(base_url="http://testserver", api_key="x", http_client=client)
     tool = {"name": "get_weather", "description": "Weather for a city",
             "input_schema": TOOLS[0]["function"]["parameters"]}
-    # Sampled unseeded, so max_tokens must hold any call: 56 tokens besides the city (days
-    # included), the city's 10 characters at most 40 byte tokens, up to 4 of leading whitespace
-    # and the end of turn make at most 101 (58..63 seen in 400 draws); 80 left a 10-character
-    # non-ASCII city short of its end (a 'max_tokens' stop).
+    # Sampled unseeded, so max_tokens must hold the calls a draw can make: 56 tokens besides the
+    # city (days included), the city's 10 characters as literal UTF-8 at most 40 byte tokens, up
+    # to 4 of leading whitespace and the end of turn make at most 101 (58..63 seen in 400 draws;
+    # \u escapes, if the grammar admits them, could be longer: not seen); 80 left a
+    # 10-character non-ASCII city short of its end (a 'max_tokens' stop).
     for choice in ({"type": "any", "disable_parallel_tool_use": True},):  # "tool": the OpenAI test's named case
         m = ac.messages.create(model="demo", max_tokens=128, messages=USER, tools=[tool], tool_choice=choice,
                                thinking={"type": "disabled"}, extra_body={"temperature": 0.7})

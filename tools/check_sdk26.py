@@ -271,6 +271,10 @@ def api_audit(newest: Path, older: Path | None, source: str | None = None) -> bo
         rows.append((label, f"{header} ({'macOS 26 overlay' if where == '26' else 'macOS 12 SDK'})",
                      since or "-", dep or "ok"))
     if not rows:
+        if new or old:  # headers were given, yet none declares what metal_device.mm uses
+            print("Metal API audit: FAILED (none of metal_device.mm's APIs is declared in the headers given: "
+                  "a wrong --sdk12 or overlay path?)")
+            return False
         print("Metal API audit: SKIPPED (no Metal.framework headers in the overlay, and no --sdk12)")
         return ok
     w0 = max(len(r[0]) for r in rows)

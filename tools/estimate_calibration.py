@@ -175,13 +175,14 @@ def _needed(seconds, lo: float, hi: float, goal: float) -> float | None:
 def target_rows(ratio: float = 1.25) -> list[dict]:
     """Issue 27's prefill targets (the likely figure >= ``ratio`` x MLX-LM's published M5 Max
     rate, the low figure above it) against the attention, per published length: MLX-LM's rate,
-    the likely and low tok/s, the attention's share of the likely time, the tensor efficiency
-    the attention would need (everything else as estimated) for the likely figure to reach
-    ``ratio`` x MLX-LM (``need``) and for the low figure's machine (``low_machine``) to reach
-    1.0x (``need_low``), each None where no attention could (or equal to the efficiency it has
-    where the target is met); and, the attention kept as estimated, the factor by which
-    everything else would have to run faster for the likely target (``rest``: 1.0 where met,
-    None where no such factor exists)."""
+    the likely and low tok/s (the low: the slowest scenario machine, as `lily estimate`), the
+    attention's share of the likely time, the tensor efficiency the attention would need
+    (everything else as estimated) for the likely figure to reach ``ratio`` x MLX-LM
+    (``need``) and, on every low scenario machine at once, for the low figure to reach 1.0x
+    (``need_low``; ``low_efficiency``: the attention's on the slowest machine today), each None
+    where no attention could (or equal to the efficiency it has where the target is met); and,
+    the attention kept as estimated, the factor by which everything else would have to run
+    faster for the likely target (``rest``: 1.0 where met, None where no such factor exists)."""
     base = estimate.machine("m5max")
     m = estimate.likely_machine(base)
     lows = estimate.scenarios(base)["low"]
@@ -191,20 +192,25 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
         x = x if eff is None else replace(x, attention_efficiency=eff)
         return estimate.prefill(x, CFG, L, 4096, cache).seconds
 
+    def low_secs(L: int, eff: float | None = None) -> float:  # the low figure's time
+        return max(secs(x, L, eff) for x in lows)
+
     rows = []
     for L, published in PPLX_PUBLISHED_M5MAX.items():
         mlx = published[3]
         t = estimate.prefill(m, CFG, L, 4096, cache)
         att = t.families["attention"]
         goal = L / (ratio * mlx)
-        low_m = min(lows, key=lambda x: L / secs(x, L))
+        slowest = max(lows, key=lambda x, n=L: secs(x, n))
+        low = L / low_secs(L)
         rows.append({
             "prompt": L, "mlx_lm": mlx, "likely": L / t.seconds, "attention_share": att / t.seconds,
             "efficiency": m.attention_efficiency,
             "need": _needed(lambda e, n=L: secs(m, n, e), m.attention_efficiency, 1.0, goal),
             "rest": 1.0 if t.seconds <= goal else ((t.seconds - att) / (goal - att) if goal > att else None),
-            "low": L / secs(low_m, L), "low_efficiency": low_m.attention_efficiency, "low_machine": low_m,
-            "need_low": _needed(lambda e, x=low_m, n=L: secs(x, n, e), low_m.attention_efficiency, 1.0, L / mlx),
+            "low": low, "low_efficiency": slowest.attention_efficiency,
+            "need_low": slowest.attention_efficiency if low >= mlx else
+            _needed(lambda e, n=L: low_secs(n, e), slowest.attention_efficiency, 1.0, L / mlx),
         })
     return rows
 
@@ -212,14 +218,16 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
 def targets(ratio: float = 1.25) -> None:
     rows = target_rows(ratio)
     m = estimate.likely_machine(estimate.machine("m5max"))
+    transfer = estimate.CONSTANTS["attention_transfer"].likely
     print(f"*** ESTIMATE *** the attention efficiency (of the {m.rates['tensor_bf16'] / 1e12:.1f} TFLOPS tensor peak) "
-          f"issue 27's prefill targets need, the rest as estimated; likely machine's attention {rows[0]['efficiency']:.2f} "
-          "(MLX's fitted efficiency x the register path's transfer); '--' met, '> 1' out of reach")
+          f"issue 27's prefill targets need, the rest as estimated; the likely machine's attention "
+          f"{rows[0]['efficiency']:.2f} (pplx-garden's fitted {rows[0]['efficiency'] / transfer:.2f} x the design "
+          f"transfer {transfer:.2f}: MLX's fitted efficiency); '--' met, '> 1' out of reach")
     print(f"  prompt  MLX-LM tok/s   likely (x)   attention share   needs for x{ratio:.2f}   or the rest   low (x)   "
           "its attention   needs for 1.0x")
 
     def shown(v, have):
-        return "> 1" if v is None else ("--" if v <= have + 1e-3 else f"{v:.2f}")
+        return "> 1" if v is None else ("--" if v <= have + 1e-3 else f"{v:.3f}")
 
     for r in rows:
         rest = "--" if r["rest"] == 1.0 else ("none" if r["rest"] is None else f"x{r['rest']:.3f}")

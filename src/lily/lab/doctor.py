@@ -313,7 +313,7 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
                 if p["built"]:
                     p["static_threadgroup_memory"] = None
         report["pipelines"] = pipes
-        if all(p.get("static_threadgroup_memory") is None for p in pipes):  # the simulator's
+        if name == "sim":  # the simulator measures no allocation
             tg = threadgroup_memory_check([], {})
         else:
             try:
@@ -322,7 +322,8 @@ def run(device: str = "auto", kernels: list[str] | None = None, model: str | Non
                 tg = {"status": "unknown", "error": f"{type(e).__name__}: {e}"}
         report["device"]["threadgroup_memory"] = tg
         if tg["status"] == "not measured":
-            say(f"  {'tg memory':<15} not measured on the simulator (the compiler's allocation is a GPU's)")
+            say(f"  {'tg memory':<15} " + ("not measured on the simulator (the compiler's allocation is a GPU's)"
+                                           if name == "sim" else "not compared: no pipeline of the model's plan built"))
         elif tg["status"] == "unknown":
             say(f"  {'tg memory':<15} not compared: counting the model's plan failed: {_short(tg['error'])}")
         elif tg["status"] == "match":

@@ -595,19 +595,26 @@ def decode_records(cfg: ModelConfig, context: int) -> list:
     return _WINDOWS[key]
 
 
-def declared_threadgroup_memory(cfg: ModelConfig | dict | None = None, context: int = 4096,
-                                rows: int = 4096) -> dict[str, int]:
+#: Where :func:`declared_threadgroup_memory` looks: decode windows at these contexts (the
+#: direct and the split attention) and prefill chunks of these (rows, start position) (the
+#: expert tile heights each chunk size picks, the attention unsplit and split).
+TG_MEMORY_DECODE_CONTEXTS = (0, 4096, 131072)
+TG_MEMORY_PREFILL_CHUNKS = ((64, 0), (256, 0), (1024, 0), (4096, 0), (4096, 4096), (4096, 126976))
+
+
+def declared_threadgroup_memory(cfg: ModelConfig | dict | None = None) -> dict[str, int]:
     """Threadgroup memory per kernel of the model's plan as the kernels declare it and the
     estimate's residency (threadgroups per core) takes it, in bytes: the largest over the
-    kernel's dispatches in a decode write-back window at ``context`` and a ``rows``-row prefill
-    chunk at position ``context`` on both GEMM / attention paths (the runtime binds no dynamic
-    threadgroup memory, so this is what a GPU compiler's static allocation should be; ``lily
-    doctor`` compares the two). ``cfg``: as :func:`model_config`."""
+    kernel's dispatches in the decode windows and prefill chunks of
+    :data:`TG_MEMORY_DECODE_CONTEXTS` / :data:`TG_MEMORY_PREFILL_CHUNKS`, the chunks on both
+    GEMM / attention paths (the runtime binds no dynamic threadgroup memory, so this is what a
+    GPU compiler's static allocation should be; ``lily doctor`` compares the two). Kernels the
+    plan dispatches only elsewhere are not listed. ``cfg``: as :func:`model_config`."""
     cfg = model_config(cfg)
-    records = [r for step in decode_records(cfg, context) for r in step]
-    for path in ("tensor", "simdgroup"):
-        records += count_prefill_chunk(cfg, rows, context, gemm_path=path,
-                                       tensor_attention=path == "tensor")["records"]
+    records = [r for c in TG_MEMORY_DECODE_CONTEXTS for step in decode_records(cfg, c) for r in step]
+    for rows, p0 in TG_MEMORY_PREFILL_CHUNKS:
+        for path in ("tensor", "simdgroup"):
+            records += count_prefill_chunk(cfg, rows, p0, gemm_path=path, tensor_attention=path == "tensor")["records"]
     out: dict[str, int] = {}
     for r in records:
         out[r["kernel"]] = max(out.get(r["kernel"], 0), int(r.get("threadgroup_memory") or 0))
