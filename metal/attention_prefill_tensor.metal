@@ -550,11 +550,11 @@ template [[host_name("attn_layout_probe_d64_tensor")]] [[kernel]] decltype(attn_
   // S = Q K^T as the attention runs it: each simdgroup a 16 x 32 block (execution_simdgroup),
   // Q a bfloat cooperative left input filled from device memory, K a bfloat device tensor
   // (extents: k innermost), into an fp32 cooperative destination, stored to threadgroup memory
-  using DevRows = tensor<device bfloat, dextents<int32_t, 2>, tensor_inline>;
+  using attn_prefill_tensor_detail::AttnDevRows;  // K as the attention's product reads it
   using Stage = tensor<threadgroup float, extents<int32_t, BN, BM>, tensor_inline>;
   using StageBlock = tensor<threadgroup float, dextents<int32_t, 2>, tensor_inline>;
   const uint r0 = 16 * (tid / 64), c0 = 32 * (tid / 32 % 2);  // the simdgroup's block
-  DevRows tK((device bfloat*)xb + c0 * K, dextents<int32_t, 2>(K, 32));
+  AttnDevRows tK((device bfloat*)xb + c0 * K, dextents<int32_t, 2>(K, 32));
   StageBlock tS(smem + r0 * BN + c0, dextents<int32_t, 2>(32, 16), array<int, 2>{1, int(BN)});
   constexpr auto qk_desc =
       matmul2d_descriptor(16, 32, K, false, true, false, matmul2d_descriptor::mode::multiply);
@@ -566,7 +566,7 @@ template [[host_name("attn_layout_probe_d64_tensor")]] [[kernel]] decltype(attn_
       q[i] = xb[(r0 + uint(at[1])) * K + uint(at[0])];
     }
   }
-  auto s = qk.get_destination_cooperative_tensor<remove_addrspace_t<decltype(q)>, DevRows, float>();
+  auto s = qk.get_destination_cooperative_tensor<remove_addrspace_t<decltype(q)>, AttnDevRows, float>();
   qk.run(q, tK, s);
   s.store(tS);
   threadgroup_barrier(mem_flags::mem_threadgroup);
