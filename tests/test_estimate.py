@@ -491,11 +491,11 @@ def test_gdn_scan_work_is_the_lazy_decay():
     assert r["bytes_written"] == state + 2 * M * Hv * Dv + 4 * M * Hv * (Dv // RV)  # the state, u, the sums
 
 
-def _estimate_kernels_tool():
+def _tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "estimate_kernels", Path(__file__).resolve().parents[1] / "tools" / "estimate_kernels.py")
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     return tool
@@ -504,7 +504,7 @@ def _estimate_kernels_tool():
 def test_estimate_kernels_tool_splits_the_estimate():
     """tools/estimate_kernels.py (the per-kernel split docs/performance.md quotes) adds up to
     the estimate's own time, stages and bytes of a prefill chunk and of a decode step."""
-    tool = _estimate_kernels_tool()
+    tool = _tool("estimate_kernels")
     m = estimate.machine("m5max")
     for records in (count_prefill_chunk(CFG, 512, 0, gemm_path="tensor")["records"],
                     count_decode_step(CFG, 4096)["records"], count_decode_step(CFG, 4095)["records"]):
@@ -523,7 +523,7 @@ def test_decode_options_cost_what_they_change():
     average), and is faster; moving the DeltaNet step into its in_proj's stage removes exactly
     one stage per DeltaNet layer and no byte."""
     from lily.native_backend import default_state_window
-    tool = _estimate_kernels_tool()
+    tool = _tool("estimate_kernels")
     W = default_state_window()
     state = 4 * CFG.linear_num_value_heads * CFG.linear_value_head_dim * (CFG.linear_key_head_dim + 1)
     entry = 4 * (CFG.linear_num_value_heads * (CFG.linear_value_head_dim + 1)
@@ -763,24 +763,13 @@ def test_implausible_refits_are_excluded():
     assert slow and all("decode refit" in m.calibration["excluded"] for m in slow)
 
 
-def _calibration_tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "estimate_calibration.py"
-    spec = importlib.util.spec_from_file_location("estimate_calibration", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_what_the_prefill_targets_need_of_the_attention():
     """tools/estimate_calibration.py targets (docs/performance.md, "What the prefill targets
     need"): its likely and low figures are `lily estimate`'s; each attention efficiency it
     names (for the likely 1.25x; on every low scenario machine, for the low figure's 1.0x) is
     the smallest that meets its target in the estimate itself; the rest's factor meets the
     likely target exactly."""
-    tool = _calibration_tool()
+    tool = _tool("estimate_calibration")
     assert tool._needed(lambda e: 1.0 / e, 0.2, 1.0, 2.0) == pytest.approx(0.5, abs=1e-3)
     assert tool._needed(lambda e: 1.0 / e, 0.2, 1.0, 0.5) is None  # beyond the peak
     rows = tool.target_rows(1.25)

@@ -192,7 +192,7 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
         x = x if eff is None else replace(x, attention_efficiency=eff)
         return estimate.prefill(x, CFG, L, 4096, cache).seconds
 
-    def low_secs(L: int, eff: float | None = None) -> float:  # the low figure's time
+    def low_secs(L: int, eff: float) -> float:  # the low figure's time, every low machine's attention at eff
         return max(secs(x, L, eff) for x in lows)
 
     rows = []
@@ -201,8 +201,8 @@ def target_rows(ratio: float = 1.25) -> list[dict]:
         t = estimate.prefill(m, CFG, L, 4096, cache)
         att = t.families["attention"]
         goal = L / (ratio * mlx)
-        slowest = max(lows, key=lambda x, n=L: secs(x, n))
-        low = L / low_secs(L)
+        slowest = max(lows, key=lambda x, n=L: secs(x, n))  # the low figure's machine
+        low = L / secs(slowest, L)
         rows.append({
             "prompt": L, "mlx_lm": mlx, "likely": L / t.seconds, "attention_share": att / t.seconds,
             "efficiency": m.attention_efficiency,
