@@ -370,7 +370,6 @@ def test_threadgroup_memory_against_the_estimate():
     assert threadgroup_memory_check([pipe(k, None) for k in declared], declared)["status"] == "not measured"
 
 
-
 def test_doctor_compares_a_gpu_s_threadgroup_memory(monkeypatch, capsys):
     """Where pipelines report the compiler's allocation (a GPU's; the simulator stands in,
     named "metal"), doctor prints the comparison and names a kernel that differs, in the

@@ -328,10 +328,13 @@ def phase_sim(args, ph: Phase, gemm_path: str = "simdgroup", layout: str | None 
     engine, dev = _sim_engine(args, gemm_path, layout)
     rt = engine.backend.runtime
     ph.data["load_seconds"] = time.time() - t0
-    probe = native_backend.make_device("sim", **{k: v for k, v in dev.items() if k != "threads"})
+    attention = "simdgroup"
+    if rt.uses_tensor_ops:  # the probe on a device like the phase's (its layout), single-threaded
+        probe = native_backend.make_device("sim", **{k: v for k, v in dev.items() if k != "threads"})
+        attention = tensor_attention_path(probe)["path"]
     ph.data["options"] = {"gemm_path": gemm_path, "prefill_chunk": rt.prefill_chunk, "device_options": dev,
                           "uses_tensor_ops": rt.uses_tensor_ops, "state_window": engine.backend.options.state_window,
-                          "attention_path": tensor_attention_path(probe)["path"] if rt.uses_tensor_ops else "simdgroup"}
+                          "attention_path": attention}
     ph.data["memory_model"] = dict(rt.memory_use)  # the runtime's sizing at load (lily doctor's formula)
     ph.data["weights_mapped"] = rt.repacked_bytes == 0
     seq = _sequence(engine.tokenizer, args.prompt_tokens + args.decode_steps)
