@@ -411,11 +411,13 @@ def probe_of(where: str) -> str | None:
     return m.group(1) if m and m.group(1) in PROBES else None
 
 
-def _close(text: str, i: int) -> int:
-    """Offset of the parenthesis closing the one at text[i]."""
+def _close(text: str, i: int, brackets: str = "()") -> int:
+    """Offset of the bracket closing the one at text[i], every pair in `brackets` (openers at
+    even places, closers after them) balanced on the way."""
+    step = {c: 1 - 2 * (k % 2) for k, c in enumerate(brackets)}
     depth = 0
     for j in range(i, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[j], 0)
+        depth += step.get(text[j], 0)
         if depth == 0:
             return j
     return len(text)
@@ -443,16 +445,6 @@ MEMBERS = {"run": 3, "get_destination_cooperative_tensor": 0, "get_left_input_co
 _ADDRESS = r"\b(?:thread|device|threadgroup|constant)\b"
 
 
-def _angle_close(text: str, i: int) -> int:
-    """Offset of the '>' closing the '<' at text[i] (parentheses and nested <> balanced)."""
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"<": 1, ">": -1, "(": 1, ")": -1}.get(text[j], 0)
-        if depth == 0:
-            return j
-    return len(text)
-
-
 def member_declarations(text: str, member: str) -> list[dict]:
     """Every declaration of member function `member` in a header: its template parameters
     (name, default) before the SFINAE one (a default naming enable_if) and the packs, the
@@ -464,10 +456,10 @@ def member_declarations(text: str, member: str) -> list[dict]:
         close = _close(t, m.end() - 1)
         tail = re.match(r"\s*((?:thread|const|\s)*)\s*(\{|;)", t[close + 1:])
         head_at = t.rfind("template", 0, m.start())
-        if not tail or head_at < 0 or re.search(r"[;}]", t[_angle_close(t, t.index("<", head_at)) + 1:m.start()]):
+        if not tail or head_at < 0 or re.search(r"[;}]", t[_close(t, t.index("<", head_at), "<>()") + 1:m.start()]):
             continue  # a call, not a declaration, or not a member template
         lt = t.index("<", head_at)
-        gt = _angle_close(t, lt)
+        gt = _close(t, lt, "<>()")
         params, cond = [], ""
         for p in split_top(t[lt + 1:gt].replace("<", "(").replace(">", ")")):
             p = " ".join(p.split())
@@ -509,7 +501,7 @@ def _member_calls(files: list[Path]) -> list[tuple[str, list[str], int, str, int
     for f in files:
         t = strip_comments(f.read_text(encoding="utf-8"))
         for m in re.finditer(r"\.\s*(?:template\s+)?(" + "|".join(MEMBERS) + r")\s*<", t):
-            gt = _angle_close(t, m.end() - 1)
+            gt = _close(t, m.end() - 1, "<>()")
             targs = [" ".join(a.split()) for a in split_top(t[m.end():gt].replace("<", "(").replace(">", ")"))]
             call = re.match(r"\s*\(", t[gt + 1:])
             n = len([a for a in split_top(t[gt + 1 + call.end():_close(t, gt + call.end())]) if a.strip()]) if call else 0
@@ -535,7 +527,8 @@ def member_check(apple: str, ours: str, sources: list[Path]) -> bool:
     ok = True
     texts = {f: strip_comments(f.read_text(encoding="utf-8")) for f in sources}
     names = _tensor_names(list(texts.values()))
-    used = {m for m, *_ in _member_calls(sources)} | ({"run"} if operand_combinations(sources) else set())
+    calls, combos = _member_calls(sources), operand_combinations(sources)
+    used = {m for m, *_ in calls} | ({"run"} if combos else set())
     decls = {}
     print("  matmul2d members the kernels call (Apple's declaration vs the stand-in's):")
     for member in MEMBERS:
@@ -563,7 +556,7 @@ def member_check(apple: str, ours: str, sources: list[Path]) -> bool:
                                                    if diffs else "same"))
     # the kernels' getter calls against Apple's declarations
     bad = []
-    for member, targs, _n, where, at in _member_calls(sources):
+    for member, targs, _n, where, at in calls:
         d = decls.get(member)
         if d is None:
             continue
@@ -583,7 +576,7 @@ def member_check(apple: str, ours: str, sources: list[Path]) -> bool:
                 bad.append(f"{where}: {member}'s {pname} is a cooperative tensor ({arg}), which this header's "
                            "declaration does not accept")
     if "run" in decls:
-        for c, where in operand_combinations(sources):
+        for c, where in combos:
             for i, pname in ((1, "LeftOperandType"), (3, "RightOperandType")):
                 if c[i] == "cooperative" and not accepts_cooperative(decls["run"], pname):
                     bad.append(f"{where}: run's {pname} is a cooperative tensor, which this header's run() "
@@ -591,7 +584,7 @@ def member_check(apple: str, ours: str, sources: list[Path]) -> bool:
     ok &= not bad
     for b in bad:
         print(f"    CALL DOES NOT FIT: {b}")
-    print(f"    the kernels' {len(_member_calls(sources))} getter calls and {len(operand_combinations(sources))} run() "
+    print(f"    the kernels' {len(calls)} getter calls and {len(combos)} run() "
           "calls: " + ("all fit these declarations" if not bad else f"{len(bad)} misfits"))
     return ok
 
@@ -626,10 +619,11 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
          " ".join(re.search(r"enum class mode\s*\{([^}]*)\}", ours).group(1).split()), lambda s: s.rstrip(","))
     same("descriptor fields", _descriptor_fields(apple), _descriptor_fields(ours))
     sources = tensor_sources() if sources is None else sources
-    shipped_files = [f for f in sources if not f.name.startswith("selftest")]
-    ok &= member_check(apple, ours, shipped_files)
+    selftest = [f for f in sources if f.name.startswith("selftest")]
+    shipped = [f for f in sources if f not in selftest]
+    ok &= member_check(apple, ours, shipped)
     scopes = set(re.findall(r"metal::(execution_\w+)", apple))  # the scopes the header's comment names
-    used_scopes = {m for f in shipped_files for m in re.findall(r"\bmatmul2d<[^;]*?,\s*(?:metal::)?(execution_\w+)",
+    used_scopes = {m for f in shipped for m in re.findall(r"\bmatmul2d<[^;]*?,\s*(?:metal::)?(execution_\w+)",
                                                                  strip_comments(f.read_text(encoding="utf-8")))}
     if scopes:
         ok &= used_scopes <= scopes
@@ -640,7 +634,7 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
         print("  execution scopes: the header names none (not checked)")
     # cooperative_tensor's members and the tensor types come from the Metal compiler's own
     # <metal_tensor>, which no SDK holds: only whether the header's comment mentions them
-    kernel_text = "".join(strip_comments(f.read_text(encoding="utf-8")) for f in shipped_files)
+    kernel_text = "".join(strip_comments(f.read_text(encoding="utf-8")) for f in shipped)
     members = sorted({m for m in COOPERATIVE_MEMBERS if re.search(r"\.\s*" + m + r"\s*\(", kernel_text)})
     unmentioned = [m for m in members if not re.search(r"\b" + m + r"\b", apple)]
     print("  not declared in the SDK (the Metal compiler's <metal_tensor>), so not checked: "
@@ -657,8 +651,6 @@ def tensor_check(newest: Path, sources: list[Path] | None = None) -> bool:
         bf_gated = bool(re.search(r"#if __HAVE_BFLOAT__\s*else if constexpr \(__is_same_v<ElementType, bfloat>", tt))
     table = {r for r in re.findall(r"^//\s+(\w+)\s+(\w+)\s+(\w+)\s*$", apple, re.MULTILINE)
              if set(r) <= ELEMENT_TYPES}
-    selftest = [f for f in sources if f.name.startswith("selftest")]
-    shipped = [f for f in sources if f not in selftest]
     used = set()
     for f in sources:
         src = f.read_text(encoding="utf-8")
