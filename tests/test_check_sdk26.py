@@ -92,10 +92,6 @@ def test_api_audit_flags_a_deprecated_use_and_maps_setters_to_properties(tool, t
     assert "DEPRECATED in macOS 13.0" in capsys.readouterr().out
 
 
-# A made-up tensor-op header in the shape check_sdk26.py reads (no Apple text): an operand
-# table in the leading comment, the scopes the comment names, the descriptor, and matmul2d's
-# members. MATMUL_H's operands are tensors only and its one getter is the destination's;
-# MATMUL_INPUTS_H adds cooperative inputs (getters, and operands of run and the destination).
 def test_api_audit_without_metal_headers_says_skipped(tool, tmp_path, capsys):
     """An overlay of MetalPerformancePrimitives headers only, without --sdk12: a notice, not a
     traceback."""
@@ -107,6 +103,10 @@ def test_api_audit_without_metal_headers_says_skipped(tool, tmp_path, capsys):
     assert "Metal API audit: FAILED" in capsys.readouterr().out
 
 
+# A made-up tensor-op header in the shape check_sdk26.py reads (no Apple text): an operand
+# table in the leading comment, the scopes the comment names, the descriptor, and matmul2d's
+# members. MATMUL_H's operands are tensors only and its one getter is the destination's;
+# MATMUL_INPUTS_H adds cooperative inputs (getters, and operands of run and the destination).
 MATMUL_H = """
     // Element types this operation accepts (A, B, C):
     //   half     half     float
